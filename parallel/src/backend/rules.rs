@@ -1,0 +1,1103 @@
+//! Propagation rules: from the input layouts, pick the output layout and the redistributions the
+//! inputs need, then run the op on the local pieces (PyTorch DTensor's sharding propagation).
+//!
+//! Conventions used throughout (one decision per mesh axis):
+//! - `Local` (data axes) absorbs `Replicate`; a sharded or partial operand meeting `Local` data is
+//!   gathered or reduced first (that gather is FSDP's parameter all-gather).
+//! - `Replicate -> Shard` is a local slice and costs nothing.
+//! - `Partial(Sum | Avg)` passes through linear ops only; everything else reduces it first.
+//! - Data-parallel weight gradients are reduced where they are born (`linear_weight_backward`,
+//!   `linear_bias_backward`, `embedding_backward`): each rank's gradient is a summand of the global
+//!   gradient, averaged over the data axes (each rank's loss is a mean over its slice of the batch).
+
+use super::prelude::*;
+use crate::comm::ReduceOp;
+use crate::device::{DistDevice, current_device};
+use crate::error::{DistError, raise};
+use crate::mesh::{AxisKind, DeviceMesh};
+use crate::placement::{Layout, Placement};
+use crate::tensor::DTensor;
+use burn_backend::TensorMetadata;
+use burn_backend::ops::{
+    DeformConv2dBackward, MaxPool1dBackward, MaxPool1dWithIndices, MaxPool2dBackward,
+    MaxPool2dWithIndices, TransactionPrimitiveData,
+};
+
+use Placement::{Local, Partial, Replicate, Shard};
+
+/// Whether a unary op commutes with sums (so `Partial(Sum | Avg)` may pass).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Linearity {
+    /// `f(a + b) = f(a) + f(b)`.
+    Linear,
+    /// Anything else.
+    NonLinear,
+}
+
+/// How a binary elementwise op treats `Partial` operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BinaryKind {
+    /// `Partial ± Partial` stays partial.
+    Add,
+    /// `Partial * Replicate` (either side) stays partial.
+    Mul,
+    /// `Partial / Replicate` stays partial.
+    Div,
+    /// Every partial operand is reduced first.
+    NonLinear,
+}
+
+/// Redistribute as a rule asks, counting the call when it communicates.
+fn to_layout<B: Backend>(op: &'static str, t: DTensor<B>, target: &Layout) -> DTensor<B> {
+    if &t.layout == target {
+        return t;
+    }
+    let communicates = t
+        .layout
+        .placements()
+        .iter()
+        .zip(target.placements())
+        .any(|(from, to)| from.is_distributed() && from != to);
+    if communicates {
+        t.device.ctx.count_redistribution(op);
+    }
+    t.redistribute(target).unwrap_or_else(|e| raise(e))
+}
+
+/// The layout with every `Partial` that `keep` rejects turned into `Replicate`.
+fn without_partials(layout: &Layout, keep: impl Fn(Placement) -> bool) -> Layout {
+    let mut out = layout.clone();
+    for (a, p) in layout.placements().iter().enumerate() {
+        if matches!(p, Partial(_)) && !keep(*p) {
+            out.set(a, Replicate);
+        }
+    }
+    out
+}
+
+fn wrap<B: Backend>(
+    local: B::FloatTensorPrimitive,
+    layout: Layout,
+    device: DistDevice<B>,
+) -> DTensor<B> {
+    DTensor::new_unchecked(local, layout, device)
+}
+
+fn dims<B: Backend>(t: &DTensor<B>) -> Vec<usize> {
+    t.shape.to_vec().clone()
+}
+
+fn is_data(mesh: &DeviceMesh, axis: usize) -> bool {
+    mesh.axis(axis).kind == AxisKind::Data
+}
+
+/// A parameter operand must have a placement on every data axis with more than one member.
+fn check_param<B: Backend>(op: &'static str, w: &DTensor<B>) {
+    let mesh = w.device.mesh();
+    for (a, p) in w.layout.placements().iter().enumerate() {
+        if *p == Local && mesh.axis_size(a) > 1 {
+            raise(DistError::UnplacedParameter {
+                op,
+                shape: dims(w),
+                axis: mesh.axis(a).name.clone(),
+                size: mesh.axis_size(a),
+            });
+        }
+    }
+}
+
+/// A forward op that uses parameters: the previous backward's gradients must have been synced.
+fn check_synced<B: Backend>(op: &'static str, device: &DistDevice<B>) {
+    if device.ctx.gradients_pending() {
+        raise(DistError::GradientsNotSynced { op });
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Elementwise
+
+pub(crate) fn unary<B: Backend>(
+    op: &'static str,
+    t: DTensor<B>,
+    linearity: Linearity,
+    f: impl FnOnce(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+) -> DTensor<B> {
+    let target = without_partials(&t.layout, |p| {
+        linearity == Linearity::Linear && p.is_linear_partial()
+    });
+    let t = to_layout(op, t, &target);
+    wrap(f(t.local), t.layout, t.device)
+}
+
+/// Decide one mesh axis of a broadcasting elementwise op: (lhs target, rhs target, output).
+fn decide_elementwise(
+    mut pl: Placement,
+    mut pr: Placement,
+    kind: BinaryKind,
+    gl: &[usize],
+    gr: &[usize],
+) -> (Placement, Placement, Placement) {
+    // Partial operands first.
+    match (pl, pr) {
+        (Partial(p), Partial(q)) if kind == BinaryKind::Add && p == q && pl.is_linear_partial() => {
+            return (pl, pr, pl);
+        }
+        (Partial(_), Replicate)
+            if matches!(kind, BinaryKind::Mul | BinaryKind::Div) && pl.is_linear_partial() =>
+        {
+            return (pl, pr, pl);
+        }
+        (Replicate, Partial(_)) if kind == BinaryKind::Mul && pr.is_linear_partial() => {
+            return (pl, pr, pr);
+        }
+        _ => {}
+    }
+    if matches!(pl, Partial(_)) {
+        pl = Replicate;
+    }
+    if matches!(pr, Partial(_)) {
+        pr = Replicate;
+    }
+    let shard_for = |d: usize, g: &[usize]| if g[d] == 1 { Replicate } else { Shard(d) };
+    match (pl, pr) {
+        (Local, Local) | (Local, Replicate) | (Replicate, Local) => (pl, pr, Local),
+        (Local, _) => (Local, Replicate, Local),
+        (_, Local) => (Replicate, Local, Local),
+        (Replicate, Replicate) => (Replicate, Replicate, Replicate),
+        (Shard(d), Shard(e)) if d == e => (pl, pr, pl),
+        (Shard(d), _) => (pl, shard_for(d, gr), pl),
+        (_, Shard(d)) => (shard_for(d, gl), pr, pr),
+        (Partial(_), _) | (_, Partial(_)) => unreachable!("partials were reduced above"),
+    }
+}
+
+/// Align the two operands of an elementwise op; returns them and the output layout.
+fn align2<B: Backend>(
+    op: &'static str,
+    lhs: DTensor<B>,
+    rhs: DTensor<B>,
+    kind: BinaryKind,
+) -> (DTensor<B>, DTensor<B>, Layout) {
+    let (gl, gr) = (dims(&lhs), dims(&rhs));
+    let mut tl = lhs.layout.clone();
+    let mut tr = rhs.layout.clone();
+    let mut out = lhs.layout.clone();
+    for a in 0..tl.len() {
+        let (l, r, o) = decide_elementwise(lhs.layout.get(a), rhs.layout.get(a), kind, &gl, &gr);
+        tl.set(a, l);
+        tr.set(a, r);
+        out.set(a, o);
+    }
+    (to_layout(op, lhs, &tl), to_layout(op, rhs, &tr), out)
+}
+
+pub(crate) fn binary<B: Backend>(
+    op: &'static str,
+    lhs: DTensor<B>,
+    rhs: DTensor<B>,
+    kind: BinaryKind,
+    f: impl FnOnce(B::FloatTensorPrimitive, B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+) -> DTensor<B> {
+    let (lhs, rhs, out) = align2(op, lhs, rhs, kind);
+    wrap(f(lhs.local, rhs.local), out, lhs.device)
+}
+
+/// An op that works along `dim` (softmax, cumsum, sort): that dim must be whole and no operand
+/// partial; every other placement passes.
+pub(crate) fn dim_local<B: Backend>(
+    op: &'static str,
+    t: DTensor<B>,
+    dim: usize,
+    f: impl FnOnce(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+) -> DTensor<B> {
+    let target = whole_dim(&t.layout, dim);
+    let t = to_layout(op, t, &target);
+    wrap(f(t.local), t.layout, t.device)
+}
+
+/// `layout` with `dim` unsharded and no partials.
+fn whole_dim(layout: &Layout, dim: usize) -> Layout {
+    let mut target = without_partials(layout, |_| false);
+    for a in 0..target.len() {
+        if target.get(a) == Shard(dim) {
+            target.set(a, Replicate);
+        }
+    }
+    target
+}
+
+/// The range of global indices along `dim` this rank holds under `layout` (nested shards in axis
+/// order), as a slice.
+fn local_range<B: Backend>(
+    layout: &Layout,
+    dim: usize,
+    global: usize,
+    device: &DistDevice<B>,
+) -> Slice {
+    let mesh = device.mesh();
+    let (mut index, mut parts) = (0, 1);
+    for a in 0..layout.len() {
+        if layout.get(a) == Shard(dim) {
+            index = index * mesh.axis_size(a) + mesh.group_index(device.rank(), a);
+            parts *= mesh.axis_size(a);
+        }
+    }
+    let len = global / parts;
+    Slice::new(
+        (index * len) as isize,
+        Some(((index + 1) * len) as isize),
+        1,
+    )
+}
+
+/// Slice a per-rank (full) bool mask to the local piece of a tensor laid out as `layout`.
+fn slice_mask<B: Backend>(
+    mask: B::BoolTensorPrimitive,
+    layout: &Layout,
+    global: &[usize],
+    device: &DistDevice<B>,
+) -> B::BoolTensorPrimitive {
+    let mask_dims = mask.shape().to_vec();
+    let offset = global.len() - mask_dims.len();
+    let mut slices: Vec<Slice> = mask_dims
+        .iter()
+        .map(|&s| Slice::new(0, Some(s as isize), 1))
+        .collect();
+    let mut any = false;
+    for d in offset..global.len() {
+        if layout.shards_of(d, device.mesh()) > 1 && mask_dims[d - offset] == global[d] {
+            slices[d - offset] = local_range(layout, d, global[d], device);
+            any = true;
+        }
+    }
+    if any {
+        B::bool_slice(mask, &slices)
+    } else {
+        mask
+    }
+}
+
+pub(crate) fn float_mask_fill<B: Backend>(
+    tensor: DTensor<B>,
+    mask: B::BoolTensorPrimitive,
+    value: Scalar,
+) -> DTensor<B> {
+    let target = without_partials(&tensor.layout, |_| false);
+    let t = to_layout("float_mask_fill", tensor, &target);
+    let mask = slice_mask(mask, &t.layout, &t.shape.to_vec(), &t.device);
+    wrap(B::float_mask_fill(t.local, mask, value), t.layout, t.device)
+}
+
+pub(crate) fn float_mask_where<B: Backend>(
+    tensor: DTensor<B>,
+    mask: B::BoolTensorPrimitive,
+    value: DTensor<B>,
+) -> DTensor<B> {
+    let (t, v, out) = align2("float_mask_where", tensor, value, BinaryKind::NonLinear);
+    let global = out.global_shape(&t.local.shape().to_vec(), t.device.mesh());
+    let mask = slice_mask(mask, &out, &global, &t.device);
+    wrap(B::float_mask_where(t.local, mask, v.local), out, t.device)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions
+
+/// Reduce over `dims` (`None`: all) with `kind`; sharded reduced dims become `Partial(kind)`.
+fn reduction<B: Backend>(
+    op: &'static str,
+    t: DTensor<B>,
+    dim: Option<usize>,
+    kind: ReduceOp,
+    f: impl FnOnce(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+) -> DTensor<B> {
+    let target = without_partials(&t.layout, |p| match kind {
+        ReduceOp::Sum | ReduceOp::Avg => p.is_linear_partial(),
+        ReduceOp::Max => p == Partial(ReduceOp::Max),
+    });
+    let t = to_layout(op, t, &target);
+    let mut out = t.layout.clone();
+    for a in 0..out.len() {
+        if let Shard(d) = out.get(a) {
+            match dim {
+                None => out.set(a, Partial(kind)),
+                Some(dim) if dim == d => out.set(a, Partial(kind)),
+                Some(_) => {}
+            }
+        }
+    }
+    if dim.is_none() {
+        // The output is a one-element tensor; nothing stays sharded.
+        for a in 0..out.len() {
+            if matches!(out.get(a), Shard(_)) {
+                out.set(a, Replicate);
+            }
+        }
+    }
+    wrap(f(t.local), out, t.device)
+}
+
+pub(crate) fn float_sum<B: Backend>(tensor: DTensor<B>) -> DTensor<B> {
+    reduction("float_sum", tensor, None, ReduceOp::Sum, B::float_sum)
+}
+
+pub(crate) fn float_sum_dim<B: Backend>(tensor: DTensor<B>, dim: usize) -> DTensor<B> {
+    reduction("float_sum_dim", tensor, Some(dim), ReduceOp::Sum, |t| {
+        B::float_sum_dim(t, dim)
+    })
+}
+
+pub(crate) fn float_mean<B: Backend>(tensor: DTensor<B>) -> DTensor<B> {
+    reduction("float_mean", tensor, None, ReduceOp::Avg, B::float_mean)
+}
+
+pub(crate) fn float_mean_dim<B: Backend>(tensor: DTensor<B>, dim: usize) -> DTensor<B> {
+    reduction("float_mean_dim", tensor, Some(dim), ReduceOp::Avg, |t| {
+        B::float_mean_dim(t, dim)
+    })
+}
+
+pub(crate) fn float_max<B: Backend>(tensor: DTensor<B>) -> DTensor<B> {
+    reduction("float_max", tensor, None, ReduceOp::Max, B::float_max)
+}
+
+pub(crate) fn float_max_dim<B: Backend>(tensor: DTensor<B>, dim: usize) -> DTensor<B> {
+    reduction("float_max_dim", tensor, Some(dim), ReduceOp::Max, |t| {
+        B::float_max_dim(t, dim)
+    })
+}
+
+pub(crate) fn float_min<B: Backend>(tensor: DTensor<B>) -> DTensor<B> {
+    let target = tensor.layout.unsharded();
+    let t = to_layout("float_min", tensor, &target);
+    wrap(B::float_min(t.local), t.layout, t.device)
+}
+
+pub(crate) fn float_min_dim<B: Backend>(tensor: DTensor<B>, dim: usize) -> DTensor<B> {
+    dim_local("float_min_dim", tensor, dim, |t| B::float_min_dim(t, dim))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shapes
+
+pub(crate) fn float_reshape<B: Backend>(tensor: DTensor<B>, shape: Shape) -> DTensor<B> {
+    let input = dims(&tensor);
+    let mesh = tensor.device.mesh().clone();
+    let mut target = tensor.layout.clone();
+    let mut out = tensor.layout.clone();
+    for a in 0..target.len() {
+        if let Shard(d) = target.get(a) {
+            let parts = tensor.layout.shards_of(d, &mesh);
+            let prefix: usize = input[..d].iter().product();
+            // An output dim with the same prefix whose size splits evenly keeps each rank's
+            // contiguous block.
+            let mapped = (0..shape.num_dims()).find(|&e| {
+                shape[..e].iter().product::<usize>() == prefix
+                    && shape[e].is_multiple_of(parts)
+                    && shape[e] > 1
+            });
+            match mapped {
+                Some(e) => out.set(a, Shard(e)),
+                None => {
+                    target.set(a, Replicate);
+                    out.set(a, Replicate);
+                }
+            }
+        }
+    }
+    let t = to_layout("float_reshape", tensor, &target);
+    let mut local = shape.to_vec().clone();
+    for (e, size) in local.iter_mut().enumerate() {
+        *size /= out.shards_of(e, &mesh);
+    }
+    wrap(B::float_reshape(t.local, Shape::from(local)), out, t.device)
+}
+
+fn map_shards(layout: &Layout, f: impl Fn(usize) -> usize) -> Layout {
+    let mut out = layout.clone();
+    for a in 0..out.len() {
+        if let Shard(d) = out.get(a) {
+            out.set(a, Shard(f(d)));
+        }
+    }
+    out
+}
+
+pub(crate) fn float_swap_dims<B: Backend>(
+    tensor: DTensor<B>,
+    dim1: usize,
+    dim2: usize,
+) -> DTensor<B> {
+    let out = map_shards(&tensor.layout, |d| {
+        if d == dim1 {
+            dim2
+        } else if d == dim2 {
+            dim1
+        } else {
+            d
+        }
+    });
+    wrap(
+        B::float_swap_dims(tensor.local, dim1, dim2),
+        out,
+        tensor.device,
+    )
+}
+
+pub(crate) fn float_permute<B: Backend>(tensor: DTensor<B>, axes: &[usize]) -> DTensor<B> {
+    let out = map_shards(&tensor.layout, |d| {
+        axes.iter().position(|&x| x == d).unwrap()
+    });
+    wrap(B::float_permute(tensor.local, axes), out, tensor.device)
+}
+
+fn is_full(slice: &Slice, size: usize) -> bool {
+    slice.start == 0 && slice.step == 1 && slice.end.is_none_or(|e| e == size as isize)
+}
+
+pub(crate) fn float_slice<B: Backend>(tensor: DTensor<B>, slices: &[Slice]) -> DTensor<B> {
+    let global = dims(&tensor);
+    let mut target = tensor.layout.clone();
+    for a in 0..target.len() {
+        if let Shard(d) = target.get(a)
+            && d < slices.len()
+            && !is_full(&slices[d], global[d])
+        {
+            target.set(a, Replicate);
+        }
+    }
+    let t = to_layout("float_slice", tensor, &target);
+    let mut local: Vec<Slice> = slices.to_vec();
+    for (d, s) in local.iter_mut().enumerate() {
+        if target.shards_of(d, t.device.mesh()) > 1 {
+            *s = Slice::full();
+        }
+    }
+    wrap(B::float_slice(t.local, &local), t.layout, t.device)
+}
+
+pub(crate) fn float_cat<B: Backend>(tensors: Vec<DTensor<B>>, dim: usize) -> DTensor<B> {
+    let first = tensors[0].layout.clone();
+    let mut target = first.clone();
+    for a in 0..target.len() {
+        let same = tensors.iter().all(|t| t.layout.get(a) == first.get(a));
+        if !same || first.get(a) == Shard(dim) {
+            let any_local = tensors.iter().any(|t| t.layout.get(a) == Local);
+            target.set(a, if any_local { Local } else { Replicate });
+        }
+    }
+    let device = tensors[0].device.clone();
+    let locals: Vec<_> = tensors
+        .into_iter()
+        .map(|t| {
+            // `Local` data absorbs replicated and gathered operands.
+            let mut own = target.clone();
+            for a in 0..own.len() {
+                if own.get(a) == Local && t.layout.get(a) != Local {
+                    own.set(a, Replicate);
+                }
+            }
+            let t = to_layout("float_cat", t, &own);
+            t.local
+        })
+        .collect();
+    wrap(B::float_cat(locals, dim), target, device)
+}
+
+pub(crate) fn float_expand<B: Backend>(tensor: DTensor<B>, shape: Shape) -> DTensor<B> {
+    let offset = shape.num_dims() - tensor.shape.num_dims();
+    let out = map_shards(&tensor.layout, |d| d + offset);
+    let mut local = shape.to_vec().clone();
+    for (e, size) in local.iter_mut().enumerate() {
+        *size /= out.shards_of(e, tensor.device.mesh());
+    }
+    wrap(
+        B::float_expand(tensor.local, Shape::from(local)),
+        out,
+        tensor.device,
+    )
+}
+
+pub(crate) fn float_select<B: Backend>(
+    tensor: DTensor<B>,
+    dim: usize,
+    indices: B::IntTensorPrimitive,
+) -> DTensor<B> {
+    let mut target = tensor.layout.clone();
+    for a in 0..target.len() {
+        if target.get(a) == Shard(dim) {
+            target.set(a, Replicate);
+        }
+    }
+    let t = to_layout("float_select", tensor, &target);
+    wrap(B::float_select(t.local, dim, indices), t.layout, t.device)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Matmul and linear layers
+
+/// `lhs [.., m, k] @ rhs [.., k, n]`, one mesh axis: (lhs target, rhs target, output).
+fn decide_matmul(
+    pl: Placement,
+    pr: Placement,
+    rank: usize,
+    gl: &[usize],
+    gr: &[usize],
+) -> (Placement, Placement, Placement) {
+    let (m, k_l, k_r, n) = (rank - 2, rank - 1, rank - 2, rank - 1);
+    if pl == Local || pr == Local {
+        let whole = |p: Placement| if p == Local { Local } else { Replicate };
+        return (whole(pl), whole(pr), Local);
+    }
+    let batch_for = |b: usize, g: &[usize]| if g[b] == 1 { Replicate } else { Shard(b) };
+    match (pl, pr) {
+        (Replicate, Replicate) => (pl, pr, Replicate),
+        (Shard(b), Replicate) if b < m => (pl, batch_for(b, gr), Shard(b)),
+        (Replicate, Shard(b)) if b < k_r => (batch_for(b, gl), pr, Shard(b)),
+        (Shard(b), Shard(c)) if b == c && b < m => (pl, pr, Shard(b)),
+        (Shard(d), Replicate) if d == m => (pl, pr, Shard(m)),
+        (Replicate, Shard(d)) if d == n => (pl, pr, Shard(n)),
+        (Shard(d), Shard(e)) if d == k_l && e == k_r => (pl, pr, Partial(ReduceOp::Sum)),
+        (Shard(d), Replicate) if d == k_l => (pl, Shard(k_r), Partial(ReduceOp::Sum)),
+        (Replicate, Shard(e)) if e == k_r => (Shard(k_l), pr, Partial(ReduceOp::Sum)),
+        (Partial(_), Replicate) if pl.is_linear_partial() => (pl, pr, pl),
+        (Replicate, Partial(_)) if pr.is_linear_partial() => (pl, pr, pr),
+        _ => {
+            let reduce = |p: Placement| {
+                if matches!(p, Partial(_)) {
+                    Replicate
+                } else {
+                    p
+                }
+            };
+            if matches!(pl, Partial(_)) || matches!(pr, Partial(_)) {
+                decide_matmul(reduce(pl), reduce(pr), rank, gl, gr)
+            } else {
+                (Replicate, Replicate, Replicate)
+            }
+        }
+    }
+}
+
+pub(crate) fn float_matmul<B: Backend>(lhs: DTensor<B>, rhs: DTensor<B>) -> DTensor<B> {
+    let (gl, gr) = (dims(&lhs), dims(&rhs));
+    let rank = gl.len();
+    let mut tl = lhs.layout.clone();
+    let mut tr = rhs.layout.clone();
+    let mut out = lhs.layout.clone();
+    for a in 0..tl.len() {
+        let (l, r, o) = decide_matmul(lhs.layout.get(a), rhs.layout.get(a), rank, &gl, &gr);
+        tl.set(a, l);
+        tr.set(a, r);
+        out.set(a, o);
+    }
+    let lhs = to_layout("float_matmul", lhs, &tl);
+    let rhs = to_layout("float_matmul", rhs, &tr);
+    wrap(B::float_matmul(lhs.local, rhs.local), out, lhs.device)
+}
+
+/// `x [.., k] @ w [k, n]` (Burn's `linear` layout), one mesh axis.
+fn decide_linear(px: Placement, pw: Placement, rank: usize) -> (Placement, Placement, Placement) {
+    let last = rank - 1;
+    if px == Local || pw == Local {
+        let whole = |p: Placement| if p == Local { Local } else { Replicate };
+        return (whole(px), whole(pw), Local);
+    }
+    match (px, pw) {
+        (Replicate, Replicate) => (px, pw, Replicate),
+        (Shard(i), Replicate) if i < last => (px, pw, Shard(i)),
+        (Replicate, Shard(1)) => (px, pw, Shard(last)),
+        (Shard(i), Shard(0)) if i == last => (px, pw, Partial(ReduceOp::Sum)),
+        (Shard(i), Replicate) if i == last => (px, Shard(0), Partial(ReduceOp::Sum)),
+        (Replicate, Shard(0)) => (Shard(last), pw, Partial(ReduceOp::Sum)),
+        (Partial(_), Replicate) if px.is_linear_partial() => (px, pw, px),
+        _ => {
+            if matches!(px, Partial(_)) || matches!(pw, Partial(_)) {
+                let reduce = |p: Placement| {
+                    if matches!(p, Partial(_)) {
+                        Replicate
+                    } else {
+                        p
+                    }
+                };
+                decide_linear(reduce(px), reduce(pw), rank)
+            } else {
+                (Replicate, Replicate, Replicate)
+            }
+        }
+    }
+}
+
+pub(crate) fn linear<B: Backend>(
+    x: DTensor<B>,
+    weight: DTensor<B>,
+    bias: Option<DTensor<B>>,
+) -> DTensor<B> {
+    const OP: &str = "linear";
+    check_param(OP, &weight);
+    if let Some(b) = &bias {
+        check_param(OP, b);
+    }
+    check_synced(OP, &x.device);
+    let rank = x.shape.num_dims();
+    let mesh = x.device.mesh().clone();
+    let mut tx = x.layout.clone();
+    let mut tw = weight.layout.clone();
+    let mut out = x.layout.clone();
+    for a in 0..tx.len() {
+        let (px, pw, o) = decide_linear(x.layout.get(a), weight.layout.get(a), rank);
+        tx.set(a, px);
+        tw.set(a, pw);
+        out.set(a, o);
+    }
+    let x = to_layout(OP, x, &tx);
+    let weight = to_layout(OP, weight, &tw);
+    let Some(bias) = bias else {
+        return wrap(B::linear(x.local, weight.local, None), out, x.device);
+    };
+    // The bias follows the output's last dim; with a partial sum only member 0 adds it.
+    let mut tb = Layout::replicated(&mesh);
+    let mut add_bias = true;
+    for a in 0..tb.len() {
+        match out.get(a) {
+            Shard(d) if d == rank - 1 => tb.set(a, Shard(0)),
+            Partial(ReduceOp::Sum) => add_bias &= mesh.group_index(x.device.rank(), a) == 0,
+            _ => {}
+        }
+    }
+    let bias = to_layout(OP, bias, &tb);
+    let bias = add_bias.then_some(bias.local);
+    wrap(B::linear(x.local, weight.local, bias), out, x.device)
+}
+
+/// `grad_x = grad_out [.., n] @ w^T`, one mesh axis: (w target, grad target, output).
+fn decide_linear_x_backward(
+    pw: Placement,
+    pg: Placement,
+    rank: usize,
+) -> (Placement, Placement, Placement) {
+    let last = rank - 1;
+    if pw == Local || pg == Local {
+        let whole = |p: Placement| if p == Local { Local } else { Replicate };
+        return (whole(pw), whole(pg), Local);
+    }
+    match (pw, pg) {
+        (Replicate, Replicate) => (pw, pg, Replicate),
+        // Column-parallel backward: the conjugate of the forward identity is an all-reduce.
+        (Shard(1), Shard(i)) if i == last => (pw, pg, Partial(ReduceOp::Sum)),
+        (Shard(1), Replicate) => (pw, Shard(last), Partial(ReduceOp::Sum)),
+        (Replicate, Shard(i)) if i == last => (Shard(1), pg, Partial(ReduceOp::Sum)),
+        // Row-parallel backward: the input gradient comes out sharded like the input.
+        (Shard(0), Replicate) => (pw, pg, Shard(last)),
+        (Replicate, Shard(i)) if i < last => (pw, pg, Shard(i)),
+        (Replicate, Partial(_)) if pg.is_linear_partial() => (pw, pg, pg),
+        _ => {
+            if matches!(pw, Partial(_)) || matches!(pg, Partial(_)) {
+                let reduce = |p: Placement| {
+                    if matches!(p, Partial(_)) {
+                        Replicate
+                    } else {
+                        p
+                    }
+                };
+                decide_linear_x_backward(reduce(pw), reduce(pg), rank)
+            } else {
+                (Replicate, Replicate, Replicate)
+            }
+        }
+    }
+}
+
+pub(crate) fn linear_x_backward<B: Backend>(
+    weight: DTensor<B>,
+    output_grad: DTensor<B>,
+) -> DTensor<B> {
+    const OP: &str = "linear_x_backward";
+    check_param(OP, &weight);
+    let rank = output_grad.shape.num_dims();
+    let mut tw = weight.layout.clone();
+    let mut tg = output_grad.layout.clone();
+    let mut out = output_grad.layout.clone();
+    for a in 0..tw.len() {
+        let (pw, pg, o) =
+            decide_linear_x_backward(weight.layout.get(a), output_grad.layout.get(a), rank);
+        tw.set(a, pw);
+        tg.set(a, pg);
+        out.set(a, o);
+    }
+    let weight = to_layout(OP, weight, &tw);
+    let g = to_layout(OP, output_grad, &tg);
+    wrap(B::linear_x_backward(weight.local, g.local), out, g.device)
+}
+
+/// After computing a weight gradient from per-rank data: average the summands over every data
+/// axis where an operand was `Local`, into `target` (the parameter's placement there).
+fn reduce_data_parallel<B: Backend>(
+    grad: B::FloatTensorPrimitive,
+    mut layout: Layout,
+    summand_axes: &[usize],
+    targets: &Layout,
+    device: DistDevice<B>,
+) -> DTensor<B> {
+    device.ctx.mark_gradients_pending();
+    let mut target = layout.clone();
+    for &a in summand_axes {
+        layout.set(a, Partial(ReduceOp::Avg));
+        target.set(a, targets.get(a));
+    }
+    let grad = DTensor::new_unchecked(grad, layout, device);
+    grad.redistribute(&target).unwrap_or_else(|e| raise(e))
+}
+
+/// `grad_w [k, n] = x^T [k, ..] @ grad_out [.., n]`, one model axis.
+fn decide_linear_weight_backward(
+    px: Placement,
+    pg: Placement,
+    rank: usize,
+) -> (Placement, Placement, Placement) {
+    let last = rank - 1;
+    match (px, pg) {
+        (Replicate, Replicate) => (px, pg, Replicate),
+        (Replicate, Shard(i)) if i == last => (px, pg, Shard(1)),
+        (Shard(i), Replicate) if i == last => (px, pg, Shard(0)),
+        (Shard(i), Shard(j)) if i == j && i < last => (px, pg, Partial(ReduceOp::Sum)),
+        (Shard(i), Replicate) if i < last => (px, Shard(i), Partial(ReduceOp::Sum)),
+        (Replicate, Shard(i)) if i < last => (Shard(i), pg, Partial(ReduceOp::Sum)),
+        (Replicate, Partial(_)) if pg.is_linear_partial() => (px, pg, pg),
+        (Partial(_), Replicate) if px.is_linear_partial() => (px, pg, px),
+        _ => {
+            if matches!(px, Partial(_)) || matches!(pg, Partial(_)) {
+                let reduce = |p: Placement| {
+                    if matches!(p, Partial(_)) {
+                        Replicate
+                    } else {
+                        p
+                    }
+                };
+                decide_linear_weight_backward(reduce(px), reduce(pg), rank)
+            } else {
+                (Replicate, Replicate, Replicate)
+            }
+        }
+    }
+}
+
+/// Split the mesh axes of a weight-gradient op: data axes where an operand is `Local` produce
+/// summands (both operands brought to `Local`/`Replicate`); the rest go through `decide`.
+fn weight_grad_layouts(
+    mesh: &DeviceMesh,
+    a_layout: &Layout,
+    b_layout: &Layout,
+    decide: impl Fn(Placement, Placement) -> (Placement, Placement, Placement),
+) -> (Layout, Layout, Layout, Vec<usize>) {
+    let (mut ta, mut tb, mut out) = (a_layout.clone(), b_layout.clone(), a_layout.clone());
+    let mut summands = Vec::new();
+    for a in 0..ta.len() {
+        let (pa, pb) = (a_layout.get(a), b_layout.get(a));
+        if is_data(mesh, a) && (pa == Local || pb == Local) {
+            let whole = |p: Placement| if p == Local { Local } else { Replicate };
+            ta.set(a, whole(pa));
+            tb.set(a, whole(pb));
+            out.set(a, Replicate);
+            if mesh.axis_size(a) > 1 {
+                summands.push(a);
+            }
+        } else {
+            let (x, y, o) = decide(pa, pb);
+            ta.set(a, x);
+            tb.set(a, y);
+            out.set(a, o);
+        }
+    }
+    (ta, tb, out, summands)
+}
+
+pub(crate) fn linear_weight_backward<B: Backend>(
+    x: DTensor<B>,
+    output_grad: DTensor<B>,
+) -> DTensor<B> {
+    const OP: &str = "linear_weight_backward";
+    let rank = x.shape.num_dims();
+    let mesh = x.device.mesh().clone();
+    let (tx, tg, out, summands) =
+        weight_grad_layouts(&mesh, &x.layout, &output_grad.layout, |px, pg| {
+            decide_linear_weight_backward(px, pg, rank)
+        });
+    let x = to_layout(OP, x, &tx);
+    let g = to_layout(OP, output_grad, &tg);
+    let grad = B::linear_weight_backward(x.local, g.local);
+    // The weight's placement on the data axes is not visible here: DDP's `Replicate`.
+    reduce_data_parallel(grad, out, &summands, &Layout::replicated(&mesh), g.device)
+}
+
+pub(crate) fn linear_bias_backward<B: Backend>(output_grad: DTensor<B>) -> DTensor<B> {
+    const OP: &str = "linear_bias_backward";
+    let rank = output_grad.shape.num_dims();
+    let mesh = output_grad.device.mesh().clone();
+    let layout = output_grad.layout.clone();
+    let (_, tg, out, summands) = weight_grad_layouts(&mesh, &layout, &layout, |_, pg| match pg {
+        Shard(i) if i == rank - 1 => (pg, pg, Shard(0)),
+        Shard(_) => (pg, pg, Partial(ReduceOp::Sum)),
+        Partial(_) if pg.is_linear_partial() => (pg, pg, pg),
+        _ => (Replicate, Replicate, Replicate),
+    });
+    let g = to_layout(OP, output_grad, &tg);
+    let grad = B::linear_bias_backward(g.local);
+    reduce_data_parallel(grad, out, &summands, &Layout::replicated(&mesh), g.device)
+}
+
+pub(crate) fn embedding<B: Backend>(
+    weights: DTensor<B>,
+    indices: B::IntTensorPrimitive,
+) -> DTensor<B> {
+    const OP: &str = "embedding";
+    check_param(OP, &weights);
+    check_synced(OP, &weights.device);
+    let mesh = weights.device.mesh().clone();
+    let out_rank = indices.shape().num_dims() + 1;
+    let mut tw = weights.layout.clone();
+    let mut out = Layout::fresh(&mesh);
+    for a in 0..tw.len() {
+        match weights.layout.get(a) {
+            Shard(1) if !is_data(&mesh, a) => out.set(a, Shard(out_rank - 1)),
+            Replicate => {}
+            _ => tw.set(a, Replicate),
+        }
+    }
+    let w = to_layout(OP, weights, &tw);
+    wrap(B::embedding(w.local, indices), out, w.device)
+}
+
+pub(crate) fn embedding_backward<B: Backend>(
+    weights: DTensor<B>,
+    output_grad: DTensor<B>,
+    indices: B::IntTensorPrimitive,
+) -> DTensor<B> {
+    const OP: &str = "embedding_backward";
+    check_param(OP, &weights);
+    let mesh = weights.device.mesh().clone();
+    let last = output_grad.shape.num_dims() - 1;
+    let (_, tg, out, summands) = weight_grad_layouts(
+        &mesh,
+        &weights.layout,
+        &output_grad.layout,
+        |pw, pg| match (pw, pg) {
+            (Shard(1), Shard(i)) if i == last => (pw, pg, Shard(1)),
+            (Shard(1), Replicate) => (pw, Shard(last), Shard(1)),
+            (Replicate, Partial(_)) if pg.is_linear_partial() => (pw, pg, pg),
+            _ => (Replicate, Replicate, Replicate),
+        },
+    );
+    let g = to_layout(OP, output_grad, &tg);
+    // The inner op reads only the weight's shape: hand it zeros of the local gradient's shape.
+    let mut local = dims(&weights);
+    for (d, size) in local.iter_mut().enumerate() {
+        *size /= out.shards_of(d, &mesh);
+    }
+    let dtype = g.local.dtype().into();
+    let zeros = B::float_zeros(Shape::from(local), &g.device.inner, dtype);
+    let grad = B::embedding_backward(zeros, g.local, indices);
+    reduce_data_parallel(grad, out, &summands, &weights.layout, g.device)
+}
+
+pub(crate) fn layer_norm<B: Backend>(
+    tensor: DTensor<B>,
+    gamma: DTensor<B>,
+    beta: Option<DTensor<B>>,
+    epsilon: f64,
+) -> DTensor<B> {
+    const OP: &str = "layer_norm";
+    check_param(OP, &gamma);
+    let last = tensor.shape.num_dims() - 1;
+    let target = whole_dim(&tensor.layout, last);
+    let x = to_layout(OP, tensor, &target);
+    let whole = Layout::replicated(x.device.mesh());
+    let gamma = to_layout(OP, gamma, &whole).local;
+    let beta = beta.map(|b| {
+        check_param(OP, &b);
+        to_layout(OP, b, &whole).local
+    });
+    wrap(
+        B::layer_norm(x.local, gamma, beta, epsilon),
+        x.layout,
+        x.device,
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Creation, devices, transactions, and ops returning backend structs
+
+pub(crate) fn float_from_data<B: Backend>(data: TensorData, device: &DistDevice<B>) -> DTensor<B> {
+    let local = B::float_from_data(data, &device.inner);
+    wrap(local, Layout::fresh(device.mesh()), device.clone())
+}
+
+pub(crate) fn float_device<B: Backend>(tensor: &DTensor<B>) -> DistDevice<B> {
+    tensor.device.clone()
+}
+
+pub(crate) fn float_to_device<B: Backend>(
+    tensor: DTensor<B>,
+    device: &DistDevice<B>,
+) -> DTensor<B> {
+    if tensor.device.mesh() == device.mesh() && tensor.device.rank() == device.rank() {
+        let local = B::float_to_device(tensor.local, &device.inner);
+        return wrap(local, tensor.layout, device.clone());
+    }
+    let fb = Fallback::<B>::new("float_to_device");
+    let local = fb.float(tensor);
+    wrap(
+        B::float_to_device(local, &device.inner),
+        Layout::fresh(device.mesh()),
+        device.clone(),
+    )
+}
+
+pub(crate) fn int_device<B: Backend>(_tensor: &B::IntTensorPrimitive) -> DistDevice<B> {
+    current_device::<B>()
+}
+
+pub(crate) fn bool_device<B: Backend>(_tensor: &B::BoolTensorPrimitive) -> DistDevice<B> {
+    current_device::<B>()
+}
+
+pub(crate) fn q_device<B: Backend>(_tensor: &B::QuantizedTensorPrimitive) -> DistDevice<B> {
+    current_device::<B>()
+}
+
+pub(crate) fn tr_execute<B: Backend>(
+    transaction: TransactionPrimitive<Distributed<B>>,
+) -> impl Future<Output = Result<TransactionPrimitiveData, ExecutionError>> + Send {
+    let fb = Fallback::<B>::new("tr_execute");
+    let floats = transaction
+        .read_floats
+        .into_iter()
+        .map(|t| fb.float(t))
+        .collect();
+    B::tr_execute(TransactionPrimitive::new(
+        floats,
+        transaction.read_qfloats,
+        transaction.read_ints,
+        transaction.read_bools,
+    ))
+}
+
+pub(crate) fn quantize<B: Backend>(
+    tensor: DTensor<B>,
+    scheme: &QuantScheme,
+    qparams: QuantizationParametersPrimitive<Distributed<B>>,
+) -> B::QuantizedTensorPrimitive {
+    let fb = Fallback::<B>::new("quantize");
+    let tensor = fb.float(tensor);
+    let scales = fb.float(qparams.scales);
+    B::quantize(tensor, scheme, QuantizationParametersPrimitive { scales })
+}
+
+pub(crate) fn max_pool1d_with_indices<B: Backend>(
+    x: DTensor<B>,
+    kernel_size: usize,
+    stride: usize,
+    padding: usize,
+    dilation: usize,
+    ceil_mode: bool,
+) -> MaxPool1dWithIndices<Distributed<B>> {
+    let fb = Fallback::<B>::new("max_pool1d_with_indices");
+    let x = fb.float(x);
+    let out = B::max_pool1d_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode);
+    MaxPool1dWithIndices::new(fb.wrap(out.output), out.indices)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn max_pool1d_with_indices_backward<B: Backend>(
+    x: DTensor<B>,
+    kernel_size: usize,
+    stride: usize,
+    padding: usize,
+    dilation: usize,
+    ceil_mode: bool,
+    output_grad: DTensor<B>,
+    indices: B::IntTensorPrimitive,
+) -> MaxPool1dBackward<Distributed<B>> {
+    let fb = Fallback::<B>::new("max_pool1d_with_indices_backward");
+    let (x, g) = (fb.float(x), fb.float(output_grad));
+    let out = B::max_pool1d_with_indices_backward(
+        x,
+        kernel_size,
+        stride,
+        padding,
+        dilation,
+        ceil_mode,
+        g,
+        indices,
+    );
+    MaxPool1dBackward::new(fb.wrap(out.x_grad))
+}
+
+pub(crate) fn max_pool2d_with_indices<B: Backend>(
+    x: DTensor<B>,
+    kernel_size: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+    ceil_mode: bool,
+) -> MaxPool2dWithIndices<Distributed<B>> {
+    let fb = Fallback::<B>::new("max_pool2d_with_indices");
+    let x = fb.float(x);
+    let out = B::max_pool2d_with_indices(x, kernel_size, stride, padding, dilation, ceil_mode);
+    MaxPool2dWithIndices::new(fb.wrap(out.output), out.indices)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn max_pool2d_with_indices_backward<B: Backend>(
+    x: DTensor<B>,
+    kernel_size: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    dilation: [usize; 2],
+    ceil_mode: bool,
+    output_grad: DTensor<B>,
+    indices: B::IntTensorPrimitive,
+) -> MaxPool2dBackward<Distributed<B>> {
+    let fb = Fallback::<B>::new("max_pool2d_with_indices_backward");
+    let (x, g) = (fb.float(x), fb.float(output_grad));
+    let out = B::max_pool2d_with_indices_backward(
+        x,
+        kernel_size,
+        stride,
+        padding,
+        dilation,
+        ceil_mode,
+        g,
+        indices,
+    );
+    MaxPool2dBackward::new(fb.wrap(out.x_grad))
+}
+
+pub(crate) fn deform_conv2d_backward<B: Backend>(
+    x: DTensor<B>,
+    offset: DTensor<B>,
+    weight: DTensor<B>,
+    mask: Option<DTensor<B>>,
+    bias: Option<DTensor<B>>,
+    output_grad: DTensor<B>,
+    options: DeformConvOptions<2>,
+) -> DeformConv2dBackward<Distributed<B>> {
+    let fb = Fallback::<B>::new("deform_conv2d_backward");
+    let (x, offset, weight) = (fb.float(x), fb.float(offset), fb.float(weight));
+    let (mask, bias) = (mask.map(|t| fb.float(t)), bias.map(|t| fb.float(t)));
+    let out = B::deform_conv2d_backward(
+        x,
+        offset,
+        weight,
+        mask,
+        bias,
+        fb.float(output_grad),
+        options,
+    );
+    DeformConv2dBackward::new(
+        fb.wrap(out.x_grad),
+        fb.wrap(out.offset_grad),
+        fb.wrap(out.weight_grad),
+        out.mask_grad.map(|t| fb.wrap(t)),
+        out.bias_grad.map(|t| fb.wrap(t)),
+    )
+}

@@ -1,0 +1,655 @@
+//! The in-process communicator: every rank is a thread of one process.
+//!
+//! Each group (identified by its member ranks) owns a rendezvous. A collective is one round of
+//! it: every member deposits its buffer together with the call it made; once all have arrived,
+//! every member receives shared access to all deposits and computes its own result locally, in
+//! group order, so results are deterministic and bitwise identical across members. Each member
+//! counts its own rounds, so a fast member may already deposit into the next round while slow
+//! ones still collect the previous one; rounds never mix.
+//!
+//! Waiting uses a condition variable with a deadline (a missing peer gives
+//! [`CommError::Timeout`], never a hang) and watches the world's abort flag (a failed peer gives
+//! [`CommError::PeerFailed`] at once).
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use burn::tensor::TensorData;
+
+use super::buffer::{check_reducible, chunk_bytes, concat, element_size, reduce};
+use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp, check_rank};
+use crate::mesh::DeviceMesh;
+
+/// How long a rank waits for its peers (or a message) before giving up with
+/// [`CommError::Timeout`].
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The state shared by the ranks of one in-process world.
+pub struct InProcessWorld {
+    mesh: DeviceMesh,
+    timeout: Duration,
+    /// Set once, by the first [`InProcessWorld::abort`]; `abort_reason` holds who and why.
+    aborted: AtomicBool,
+    abort_reason: Mutex<Option<(usize, String)>>,
+    /// One rendezvous per group, keyed by its member ranks in group order.
+    rendezvous: Mutex<HashMap<Vec<usize>, Arc<Rendezvous>>>,
+    /// One FIFO per (from, to) pair.
+    channels: Mutex<HashMap<(usize, usize), Arc<Channel>>>,
+}
+
+impl fmt::Debug for InProcessWorld {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InProcessWorld")
+            .field("mesh", &self.mesh.to_string())
+            .field("timeout", &self.timeout)
+            .field("aborted", &self.abort_reason())
+            .finish_non_exhaustive()
+    }
+}
+
+impl InProcessWorld {
+    /// A world of `mesh.world_size()` ranks whose waits give up after `timeout`.
+    pub fn new(mesh: DeviceMesh, timeout: Duration) -> Arc<Self> {
+        Arc::new(InProcessWorld {
+            mesh,
+            timeout,
+            aborted: AtomicBool::new(false),
+            abort_reason: Mutex::new(None),
+            rendezvous: Mutex::new(HashMap::new()),
+            channels: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The communicator of `rank`; create one per rank and hand it to that rank's thread.
+    ///
+    /// # Panics
+    /// If `rank` is not below the world size.
+    pub fn communicator(self: &Arc<Self>, rank: usize) -> InProcessCommunicator {
+        assert!(
+            rank < self.mesh.world_size(),
+            "rank {rank} is out of range for mesh {} of {} ranks",
+            self.mesh,
+            self.mesh.world_size()
+        );
+        InProcessCommunicator {
+            world: Arc::clone(self),
+            rank,
+            stats: Mutex::new(CommStats::default()),
+        }
+    }
+
+    /// The mesh the ranks are arranged in.
+    pub fn mesh(&self) -> &DeviceMesh {
+        &self.mesh
+    }
+
+    /// How long a rank waits before giving up.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Makes every pending and future call of every rank fail with
+    /// [`CommError::PeerFailed`] naming `rank` and `reason`. Only the first abort is kept.
+    pub fn abort(&self, rank: usize, reason: String) {
+        {
+            let mut slot = lock(&self.abort_reason);
+            if slot.is_none() {
+                *slot = Some((rank, reason));
+            }
+        }
+        self.aborted.store(true, Ordering::SeqCst);
+        // Wake every waiter. Taking each lock before notifying means a waiter is either still
+        // before its flag check (and will see the flag) or already waiting (and gets woken).
+        let rendezvous: Vec<_> = lock(&self.rendezvous).values().cloned().collect();
+        for point in rendezvous {
+            let _state = lock(&point.state);
+            point.arrived.notify_all();
+        }
+        let channels: Vec<_> = lock(&self.channels).values().cloned().collect();
+        for channel in channels {
+            let _queue = lock(&channel.queue);
+            channel.ready.notify_all();
+        }
+    }
+
+    /// The rank and reason of the first abort, if the world was aborted.
+    pub fn abort_reason(&self) -> Option<(usize, String)> {
+        lock(&self.abort_reason).clone()
+    }
+
+    fn check_abort(&self) -> Result<(), CommError> {
+        if !self.aborted.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let (rank, reason) = self
+            .abort_reason()
+            .expect("the abort reason is set before the flag");
+        Err(CommError::PeerFailed { rank, reason })
+    }
+
+    fn rendezvous(&self, members: &[usize]) -> Arc<Rendezvous> {
+        let mut map = lock(&self.rendezvous);
+        if let Some(point) = map.get(members) {
+            return Arc::clone(point);
+        }
+        let point = Arc::new(Rendezvous {
+            state: Mutex::new(RendezvousState {
+                next_round: vec![0; members.len()],
+                rounds: HashMap::new(),
+            }),
+            arrived: Condvar::new(),
+        });
+        map.insert(members.to_vec(), Arc::clone(&point));
+        point
+    }
+
+    fn channel(&self, from: usize, to: usize) -> Arc<Channel> {
+        Arc::clone(lock(&self.channels).entry((from, to)).or_default())
+    }
+
+    /// Deposits `mine` into this member's next round of the group `members` and waits for
+    /// everyone's deposits.
+    fn exchange(
+        &self,
+        who: &Who<'_>,
+        mine: Contribution,
+    ) -> Result<Arc<[Contribution]>, CommError> {
+        let point = self.rendezvous(who.members);
+        let size = who.members.len();
+        let start = Instant::now();
+        let deadline = start + self.timeout;
+        let mut state = lock(&point.state);
+        self.check_abort()?;
+        let round_id = state.next_round[who.index];
+        state.next_round[who.index] += 1;
+        let round = state
+            .rounds
+            .entry(round_id)
+            .or_insert_with(|| Round::new(size));
+        round.slots[who.index] = Some(mine);
+        round.arrived += 1;
+        if round.arrived == size {
+            let all: Vec<Contribution> = round
+                .slots
+                .iter_mut()
+                .map(|slot| slot.take().expect("every member deposited"))
+                .collect();
+            round.complete = Some(all.into());
+            point.arrived.notify_all();
+        }
+        loop {
+            self.check_abort()?;
+            let round = state
+                .rounds
+                .get_mut(&round_id)
+                .expect("a round lives until every member took its result");
+            if let Some(all) = &round.complete {
+                let all = Arc::clone(all);
+                round.taken += 1;
+                if round.taken == size {
+                    state.rounds.remove(&round_id);
+                }
+                return Ok(all);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let missing = round
+                    .slots
+                    .iter()
+                    .zip(who.members)
+                    .filter(|(slot, _)| slot.is_none())
+                    .map(|(_, &rank)| rank)
+                    .collect();
+                return Err(CommError::Timeout {
+                    op: who.kind,
+                    group: who.label.to_owned(),
+                    rank: who.rank,
+                    waited: now - start,
+                    missing,
+                });
+            }
+            state = point
+                .arrived
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+}
+
+/// Locks `mutex`, ignoring poisoning: the guarded state is only bookkeeping that stays
+/// consistent, and failures are reported through the abort flag instead.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The meeting point of one group.
+struct Rendezvous {
+    state: Mutex<RendezvousState>,
+    arrived: Condvar,
+}
+
+struct RendezvousState {
+    /// The next round of each member (by group index).
+    next_round: Vec<u64>,
+    /// Rounds that some member has entered and not every member has left.
+    rounds: HashMap<u64, Round>,
+}
+
+struct Round {
+    slots: Vec<Option<Contribution>>,
+    arrived: usize,
+    complete: Option<Arc<[Contribution]>>,
+    taken: usize,
+}
+
+impl Round {
+    fn new(size: usize) -> Self {
+        Round {
+            slots: (0..size).map(|_| None).collect(),
+            arrived: 0,
+            complete: None,
+            taken: 0,
+        }
+    }
+}
+
+/// The point-to-point queue of one (from, to) pair.
+#[derive(Default)]
+struct Channel {
+    queue: Mutex<std::collections::VecDeque<TensorData>>,
+    ready: Condvar,
+}
+
+/// The call a member made, with the arguments every member must agree on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Call {
+    AllReduce { op: ReduceOp },
+    AllGather { dim: usize },
+    ReduceScatter { dim: usize, op: ReduceOp },
+    Broadcast { root: usize },
+    Barrier,
+}
+
+impl Call {
+    fn kind(self) -> CollectiveKind {
+        match self {
+            Call::AllReduce { .. } => CollectiveKind::AllReduce,
+            Call::AllGather { .. } => CollectiveKind::AllGather,
+            Call::ReduceScatter { .. } => CollectiveKind::ReduceScatter,
+            Call::Broadcast { .. } => CollectiveKind::Broadcast,
+            Call::Barrier => CollectiveKind::Barrier,
+        }
+    }
+}
+
+impl fmt::Display for Call {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = self.kind();
+        match self {
+            Call::AllReduce { op } => write!(f, "{kind}({op})"),
+            Call::AllGather { dim } => write!(f, "{kind}(dim {dim})"),
+            Call::ReduceScatter { dim, op } => write!(f, "{kind}(dim {dim}, {op})"),
+            Call::Broadcast { root } => write!(f, "{kind}(root {root})"),
+            Call::Barrier => write!(f, "{kind}"),
+        }
+    }
+}
+
+/// One member's deposit in a round.
+#[derive(Debug)]
+struct Contribution {
+    call: Call,
+    data: Option<TensorData>,
+}
+
+/// Everyone's deposits, as this member sees them.
+enum Deposits {
+    /// A group of one: the member's own deposit, still owned.
+    Alone(Contribution),
+    /// A group of several: shared access to every deposit, in group order.
+    Shared(Arc<[Contribution]>),
+}
+
+impl Deposits {
+    fn all(&self) -> &[Contribution] {
+        match self {
+            Deposits::Alone(mine) => std::slice::from_ref(mine),
+            Deposits::Shared(all) => all,
+        }
+    }
+
+    /// The buffers of every member, in group order.
+    fn buffers(&self) -> Vec<&TensorData> {
+        self.all()
+            .iter()
+            .map(|deposit| deposit.data.as_ref().expect("this call carries a buffer"))
+            .collect()
+    }
+}
+
+/// Who takes part in a call, from the calling member's point of view.
+struct Who<'a> {
+    kind: CollectiveKind,
+    label: &'a str,
+    members: &'a [usize],
+    index: usize,
+    rank: usize,
+}
+
+impl Who<'_> {
+    fn mismatch(&self, detail: String) -> CommError {
+        CommError::Mismatch {
+            op: self.kind,
+            group: self.label.to_owned(),
+            detail,
+        }
+    }
+
+    /// Fails unless every member made the same call.
+    fn same_call(&self, deposits: &[Contribution]) -> Result<(), CommError> {
+        let first = deposits[0].call;
+        if deposits.iter().all(|deposit| deposit.call == first) {
+            return Ok(());
+        }
+        let calls = deposits
+            .iter()
+            .zip(self.members)
+            .map(|(deposit, rank)| format!("rank {rank} called {}", deposit.call))
+            .collect::<Vec<_>>()
+            .join(", ");
+        Err(self.mismatch(format!("members made different calls: {calls}")))
+    }
+
+    /// Fails unless every buffer has the same dtype and, when `except` is `None`, the same
+    /// shape; with `Some(dim)`, the same rank and the same sizes on every dim but `dim`.
+    fn same_layout(&self, buffers: &[&TensorData], except: Option<usize>) -> Result<(), CommError> {
+        let first = buffers[0];
+        let agrees = |data: &&TensorData| {
+            data.dtype == first.dtype
+                && data.shape.num_dims() == first.shape.num_dims()
+                && data
+                    .shape
+                    .iter()
+                    .zip(first.shape.iter())
+                    .enumerate()
+                    .all(|(dim, (a, b))| a == b || Some(dim) == except)
+        };
+        if buffers.iter().all(agrees) {
+            return Ok(());
+        }
+        let layouts = buffers
+            .iter()
+            .zip(self.members)
+            .map(|(data, rank)| format!("rank {rank} passed {} {}", data.dtype.name(), data.shape))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let rule = match except {
+            None => "the same dtype and shape".to_owned(),
+            Some(dim) => format!("the same dtype and the same sizes except on dim {dim}"),
+        };
+        Err(self.mismatch(format!("members must pass {rule}: {layouts}")))
+    }
+
+    fn check_dim(&self, data: &TensorData, dim: usize) -> Result<(), CommError> {
+        let ndims = data.shape.num_dims();
+        if dim < ndims {
+            Ok(())
+        } else {
+            Err(CommError::InvalidDim {
+                op: self.kind,
+                dim,
+                ndims,
+            })
+        }
+    }
+}
+
+/// One rank's endpoint of an [`InProcessWorld`].
+pub struct InProcessCommunicator {
+    world: Arc<InProcessWorld>,
+    rank: usize,
+    stats: Mutex<CommStats>,
+}
+
+impl fmt::Debug for InProcessCommunicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("InProcessCommunicator")
+            .field("rank", &self.rank)
+            .field("mesh", &self.world.mesh.to_string())
+            .finish_non_exhaustive()
+    }
+}
+
+impl InProcessCommunicator {
+    /// The world this communicator belongs to.
+    pub fn world(&self) -> &Arc<InProcessWorld> {
+        &self.world
+    }
+
+    /// Runs one collective round of `call` on `group`: deposits `data`, checks that every
+    /// member made the same call, lets `finish` compute this member's result and byte count
+    /// from everyone's deposits, and records the call.
+    fn collective<R>(
+        &self,
+        group: Group,
+        call: Call,
+        data: Option<TensorData>,
+        finish: impl FnOnce(&Who<'_>, Deposits) -> Result<(R, usize), CommError>,
+    ) -> Result<R, CommError> {
+        self.world.check_abort()?;
+        let mesh = &self.world.mesh;
+        let label = group.label(mesh)?;
+        let members = group.ranks(mesh, self.rank)?;
+        let who = Who {
+            kind: call.kind(),
+            label,
+            members: &members,
+            index: group.index(mesh, self.rank)?,
+            rank: self.rank,
+        };
+        let mine = Contribution { call, data };
+        let deposits = if members.len() == 1 {
+            Deposits::Alone(mine)
+        } else {
+            Deposits::Shared(self.world.exchange(&who, mine)?)
+        };
+        who.same_call(deposits.all())?;
+        let (result, bytes) = finish(&who, deposits)?;
+        self.record(who.kind, label, bytes);
+        Ok(result)
+    }
+
+    fn record(&self, kind: CollectiveKind, label: &str, bytes: usize) {
+        lock(&self.stats).record(kind, label, bytes as u64);
+    }
+}
+
+impl Communicator for InProcessCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn mesh(&self) -> &DeviceMesh {
+        &self.world.mesh
+    }
+
+    fn all_reduce(
+        &self,
+        group: Group,
+        data: TensorData,
+        op: ReduceOp,
+    ) -> Result<TensorData, CommError> {
+        let bytes = data.bytes.len();
+        self.collective(
+            group,
+            Call::AllReduce { op },
+            Some(data),
+            |who, deposits| {
+                let buffers = deposits.buffers();
+                who.same_layout(&buffers, None)?;
+                check_reducible(buffers[0].dtype)?;
+                element_size(buffers[0])?;
+                let result = match deposits {
+                    // Unchanged, bit for bit (no widening, no division).
+                    Deposits::Alone(mine) => mine.data.expect("all_reduce carries a buffer"),
+                    Deposits::Shared(_) => {
+                        let raw: Vec<&[u8]> = buffers.iter().map(|data| data.as_bytes()).collect();
+                        reduce(&raw, buffers[0].dtype, buffers[0].shape.clone(), op)
+                    }
+                };
+                Ok((result, bytes))
+            },
+        )
+    }
+
+    fn all_gather(
+        &self,
+        group: Group,
+        data: TensorData,
+        dim: usize,
+    ) -> Result<TensorData, CommError> {
+        let bytes = data.bytes.len();
+        self.collective(
+            group,
+            Call::AllGather { dim },
+            Some(data),
+            |who, deposits| {
+                let buffers = deposits.buffers();
+                who.same_layout(&buffers, Some(dim))?;
+                who.check_dim(buffers[0], dim)?;
+                element_size(buffers[0])?;
+                let result = match deposits {
+                    Deposits::Alone(mine) => mine.data.expect("all_gather carries a buffer"),
+                    Deposits::Shared(_) => concat(&buffers, dim)?,
+                };
+                Ok((result, bytes))
+            },
+        )
+    }
+
+    fn reduce_scatter(
+        &self,
+        group: Group,
+        data: TensorData,
+        dim: usize,
+        op: ReduceOp,
+    ) -> Result<TensorData, CommError> {
+        let bytes = data.bytes.len();
+        let call = Call::ReduceScatter { dim, op };
+        self.collective(group, call, Some(data), |who, deposits| {
+            let buffers = deposits.buffers();
+            who.same_layout(&buffers, None)?;
+            who.check_dim(buffers[0], dim)?;
+            check_reducible(buffers[0].dtype)?;
+            element_size(buffers[0])?;
+            let parts = buffers.len();
+            let size = buffers[0].shape[dim];
+            if size % parts != 0 {
+                return Err(CommError::Indivisible { dim, size, parts });
+            }
+            let result = match deposits {
+                Deposits::Alone(mine) => mine.data.expect("reduce_scatter carries a buffer"),
+                Deposits::Shared(_) => {
+                    let mut shape = None;
+                    let mut chunks = Vec::with_capacity(parts);
+                    for data in &buffers {
+                        let (chunk, chunk_shape) = chunk_bytes(data, dim, parts, who.index)?;
+                        chunks.push(chunk);
+                        shape = Some(chunk_shape);
+                    }
+                    let raw: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
+                    let shape = shape.expect("a group has members");
+                    reduce(&raw, buffers[0].dtype, shape, op)
+                }
+            };
+            Ok((result, bytes))
+        })
+    }
+
+    fn broadcast(
+        &self,
+        group: Group,
+        data: Option<TensorData>,
+        root: usize,
+    ) -> Result<TensorData, CommError> {
+        // Only the root's buffer travels; whatever the others pass is ignored.
+        let mine_is_root = group.index(&self.world.mesh, self.rank)? == root;
+        let data = if mine_is_root { data } else { None };
+        self.collective(group, Call::Broadcast { root }, data, |who, deposits| {
+            let all = deposits.all();
+            check_rank(root, all.len(), &format!("group {}", who.label))?;
+            let Some(source) = &all[root].data else {
+                return Err(who.mismatch(format!(
+                    "the root, rank {}, passed no buffer",
+                    who.members[root]
+                )));
+            };
+            let bytes = source.bytes.len();
+            let result = match deposits {
+                Deposits::Alone(mine) => mine.data.expect("the root's buffer is present"),
+                Deposits::Shared(all) => all[root].data.clone().expect("checked above"),
+            };
+            Ok((result, bytes))
+        })
+    }
+
+    fn barrier(&self, group: Group) -> Result<(), CommError> {
+        self.collective(group, Call::Barrier, None, |_, _| Ok(((), 0)))
+    }
+
+    fn send(&self, to: usize, data: TensorData) -> Result<(), CommError> {
+        self.world.check_abort()?;
+        check_rank(to, self.world.mesh.world_size(), "the world")?;
+        let bytes = data.bytes.len();
+        let channel = self.world.channel(self.rank, to);
+        lock(&channel.queue).push_back(data);
+        channel.ready.notify_all();
+        self.record(CollectiveKind::Send, "p2p", bytes);
+        Ok(())
+    }
+
+    fn recv(&self, from: usize) -> Result<TensorData, CommError> {
+        self.world.check_abort()?;
+        check_rank(from, self.world.mesh.world_size(), "the world")?;
+        let channel = self.world.channel(from, self.rank);
+        let start = Instant::now();
+        let deadline = start + self.world.timeout;
+        let mut queue = lock(&channel.queue);
+        let data = loop {
+            self.world.check_abort()?;
+            if let Some(data) = queue.pop_front() {
+                break data;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CommError::Timeout {
+                    op: CollectiveKind::Recv,
+                    group: "p2p".to_owned(),
+                    rank: self.rank,
+                    waited: now - start,
+                    missing: vec![from],
+                });
+            }
+            queue = channel
+                .ready
+                .wait_timeout(queue, deadline - now)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        };
+        drop(queue);
+        self.record(CollectiveKind::Recv, "p2p", data.bytes.len());
+        Ok(data)
+    }
+
+    fn stats(&self) -> CommStats {
+        lock(&self.stats).clone()
+    }
+
+    fn reset_stats(&self) {
+        *lock(&self.stats) = CommStats::default();
+    }
+}

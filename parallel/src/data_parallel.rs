@@ -1,0 +1,285 @@
+//! Data parallelism (DDP): give parameters a placement, and reduce the gradients that were not
+//! reduced where they were born.
+
+use crate::backend::Distributed;
+use crate::comm::{Group, ReduceOp};
+use crate::error::DistError;
+use crate::mesh::{AxisKind, DeviceMesh};
+use crate::placement::{Layout, Placement};
+use crate::tensor::{DTensor, read};
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorPrimitive};
+use burn_backend::Backend;
+use burn_backend::tensor::FloatTensor;
+
+/// Backends whose float tensors are distributed tensors: `Distributed<B>` and
+/// `Autodiff<Distributed<B>>`.
+pub trait DistributedBackend: burn::tensor::backend::Backend {
+    /// The backend under the decorator.
+    type Inner: Backend;
+
+    /// The distributed tensor behind a float tensor (a cheap clone).
+    fn dtensor(tensor: &FloatTensor<Self>) -> DTensor<Self::Inner>;
+
+    /// A float tensor from a distributed tensor (a new leaf under autodiff).
+    fn from_dtensor(tensor: DTensor<Self::Inner>) -> FloatTensor<Self>;
+}
+
+impl<B: Backend> DistributedBackend for Distributed<B> {
+    type Inner = B;
+
+    fn dtensor(tensor: &FloatTensor<Self>) -> DTensor<B> {
+        tensor.clone()
+    }
+
+    fn from_dtensor(tensor: DTensor<B>) -> FloatTensor<Self> {
+        tensor
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> DistributedBackend for Autodiff<Distributed<B>, C> {
+    type Inner = B;
+
+    fn dtensor(tensor: &FloatTensor<Self>) -> DTensor<B> {
+        <Self as AutodiffBackend>::inner(tensor.clone())
+    }
+
+    fn from_dtensor(tensor: DTensor<B>) -> FloatTensor<Self> {
+        <Self as AutodiffBackend>::from_inner(tensor)
+    }
+}
+
+/// The distributed tensor behind a Burn tensor.
+pub fn dtensor<B: DistributedBackend, const D: usize>(tensor: &Tensor<B, D>) -> DTensor<B::Inner> {
+    B::dtensor(&tensor.clone().into_primitive().tensor())
+}
+
+/// A Burn tensor from a distributed tensor (under autodiff: a new leaf, `require_grad` unset).
+pub fn from_dtensor<B: DistributedBackend, const D: usize>(
+    tensor: DTensor<B::Inner>,
+) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::from_dtensor(tensor)))
+}
+
+/// Give `tensor` a new layout (with the collectives that takes). Under autodiff the result is a
+/// new leaf with the same `require_grad`, for parameters and inputs, not for activations.
+pub fn redistribute<B: DistributedBackend, const D: usize>(
+    tensor: Tensor<B, D>,
+    layout: &Layout,
+) -> Result<Tensor<B, D>, DistError> {
+    let require_grad = tensor.is_require_grad();
+    let t = dtensor(&tensor).redistribute(layout)?;
+    let out = from_dtensor::<B, D>(t);
+    Ok(if require_grad {
+        out.require_grad()
+    } else {
+        out
+    })
+}
+
+impl<B: Backend> DTensor<B> {
+    /// Turn per-rank `Local` data on `axis` into `Replicate` by adopting group member 0's value
+    /// (a broadcast): how a model initialised on every rank becomes one replicated model.
+    pub fn adopt_from_first(self, axis: usize) -> Result<Self, DistError> {
+        if self.layout.get(axis) != Placement::Local {
+            return Ok(self);
+        }
+        let comm = self.device.ctx.comm();
+        let data = comm.broadcast(Group::Axis(axis), Some(read::<B>(self.local)), 0)?;
+        let local = B::float_from_data(data, &self.device.inner);
+        Ok(DTensor::new_unchecked(
+            local,
+            self.layout.with(axis, Placement::Replicate),
+            self.device,
+        ))
+    }
+}
+
+struct Replicator<'a> {
+    mesh: &'a DeviceMesh,
+    error: Option<DistError>,
+}
+
+impl<B: DistributedBackend> ModuleMapper<B> for Replicator<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        if self.error.is_some() {
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        let mut t = dtensor(&tensor);
+        if t.device().mesh() != self.mesh {
+            self.error = Some(DistError::InvalidLayout {
+                shape: t.global_shape().to_vec().clone(),
+                mesh: self.mesh.to_string(),
+                reason: format!("the parameter lives on mesh {}", t.device().mesh()),
+            });
+            return Param::from_mapped_value(id, tensor, mapper);
+        }
+        for (a, axis) in self.mesh.axes().iter().enumerate() {
+            if axis.kind == AxisKind::Data {
+                t = match t.adopt_from_first(a) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        self.error = Some(e);
+                        return Param::from_mapped_value(id, tensor, mapper);
+                    }
+                };
+            }
+        }
+        let require_grad = tensor.is_require_grad();
+        let out = from_dtensor::<B, D>(t);
+        let out = if require_grad {
+            out.require_grad()
+        } else {
+            out
+        };
+        Param::from_mapped_value(id, out, mapper)
+    }
+}
+
+/// Data parallelism (DDP): every parameter becomes `Replicate` on the data axes, with rank 0's
+/// values broadcast to the others (so a model initialised independently on each rank starts
+/// identical). Model-axis placements are kept. Call once, after the model is built.
+pub fn replicate<B: DistributedBackend, M: Module<B>>(
+    module: M,
+    mesh: &DeviceMesh,
+) -> Result<M, DistError> {
+    let mut mapper = Replicator { mesh, error: None };
+    let module = module.map(&mut mapper);
+    match mapper.error {
+        Some(e) => Err(e),
+        None => Ok(module),
+    }
+}
+
+/// What [`sync_gradients`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    /// Parameters with a gradient.
+    pub gradients: usize,
+    /// Gradients that had to be reduced here (not where they were born).
+    pub reduced: usize,
+}
+
+struct Syncer<'a> {
+    grads: &'a mut GradientsParams,
+    report: SyncReport,
+    error: Option<DistError>,
+    device_seen: Option<std::sync::Arc<crate::device::RankContext>>,
+}
+
+impl<B, X> ModuleVisitor<B> for SyncerFor<'_, '_, X>
+where
+    B: AutodiffBackend<InnerBackend = Distributed<X>>,
+    X: Backend,
+{
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if self.0.error.is_some() {
+            return;
+        }
+        if let Err(e) = sync_one::<B, X, D>(self.0, param.id, &param.val()) {
+            self.0.error = Some(e);
+        }
+    }
+}
+
+struct SyncerFor<'s, 'g, X>(&'s mut Syncer<'g>, std::marker::PhantomData<X>);
+
+fn sync_one<B, X, const D: usize>(
+    syncer: &mut Syncer<'_>,
+    id: ParamId,
+    value: &Tensor<B, D>,
+) -> Result<(), DistError>
+where
+    B: AutodiffBackend<InnerBackend = Distributed<X>>,
+    X: Backend,
+{
+    let param = B::inner(value.clone().into_primitive().tensor());
+    let Some(grad) = syncer.grads.remove::<Distributed<X>, D>(id) else {
+        return Ok(());
+    };
+    syncer.report.gradients += 1;
+    if syncer.device_seen.is_none() {
+        syncer.device_seen = Some(param.device().context().clone());
+    }
+    let grad = grad.into_primitive().tensor();
+    let mesh = param.device().mesh().clone();
+    let unreduced = |reason: String| DistError::UnreducedGradient {
+        param: id.to_string(),
+        shape: param.global_shape().to_vec().clone(),
+        reason,
+    };
+    // The gradient's placements, read as the values they stand for: per-rank `Local` gradients on
+    // a data axis are summands of the global gradient (averaged, like DDP).
+    let mut source = grad.layout().clone();
+    for (a, axis) in mesh.axes().iter().enumerate() {
+        let target = param.layout().get(a);
+        if source.get(a) != Placement::Local {
+            continue;
+        }
+        if axis.kind == AxisKind::Data && axis.size > 1 {
+            if target == Placement::Local {
+                return Err(unreduced(format!(
+                    "the parameter is per-rank (`Local`) on data axis '{}' of size {}: give the \
+                     model a placement with `replicate` or `fully_shard` before training",
+                    axis.name, axis.size
+                )));
+            }
+            source.set(a, Placement::Partial(ReduceOp::Avg));
+        } else {
+            // A group of one: its only member's value is the value.
+            source.set(a, target);
+        }
+    }
+    let before = grad.layout().clone();
+    let grad = DTensor::new_unchecked(grad.into_local(), source.clone(), param.device().clone());
+    let target = param.layout().clone();
+    if before != target {
+        syncer.report.reduced += usize::from(source.is_distributed());
+    }
+    let grad = grad.redistribute(&target)?;
+    syncer
+        .grads
+        .register::<Distributed<X>, D>(id, from_dtensor::<Distributed<X>, D>(grad));
+    Ok(())
+}
+
+/// Reduce every gradient to its parameter's placement, for those not reduced during backward
+/// (biases and norm scales in a stock model; weight gradients are reduced where they are born).
+///
+/// Call it between `GradientsParams::from_grads` and the optimizer step. It refuses, with a typed
+/// error, a gradient whose parameter has no placement on a data axis of size > 1; and the next
+/// forward pass refuses to start if a backward pass on a data-parallel mesh was not followed by
+/// this call.
+pub fn sync_gradients<B, X, M>(
+    model: &M,
+    grads: &mut GradientsParams,
+) -> Result<SyncReport, DistError>
+where
+    B: AutodiffBackend<InnerBackend = Distributed<X>>,
+    X: Backend,
+    M: AutodiffModule<B>,
+{
+    let mut syncer = Syncer {
+        grads,
+        report: SyncReport::default(),
+        error: None,
+        device_seen: None,
+    };
+    model.visit(&mut SyncerFor::<X>(&mut syncer, std::marker::PhantomData));
+    if let Some(e) = syncer.error {
+        return Err(e);
+    }
+    if let Some(ctx) = &syncer.device_seen {
+        ctx.clear_gradients_pending();
+    } else {
+        crate::device::current_device::<X>()
+            .context()
+            .clear_gradients_pending();
+    }
+    Ok(syncer.report)
+}

@@ -1,0 +1,269 @@
+//! The decorator's device: (inner device, rank, mesh, communicator), and per-rank op counters.
+
+use crate::comm::{Communicator, InProcessWorld};
+use crate::mesh::{AxisKind, DeviceMesh};
+use burn::tensor::backend::{Backend, DeviceId, DeviceOps};
+use std::any::{Any, TypeId};
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
+
+/// Device type id reported to Burn for `Distributed` devices ("WF").
+const TYPE_ID: u16 = 0x5746;
+
+/// Counters of the redistributions the decorator inserted, by op name (the analogue of
+/// PyTorch's `CommDebugMode` for implicit communication).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OpCounters {
+    /// Ops without a propagation rule that had to gather or reduce an input (the fallback).
+    pub fallbacks: BTreeMap<&'static str, u64>,
+    /// Redistributions a propagation rule asked for (e.g. reducing a `Partial` before a
+    /// non-linear op, or gathering a sharded weight for an FSDP matmul).
+    pub redistributions: BTreeMap<&'static str, u64>,
+}
+
+impl OpCounters {
+    /// Total number of fallback redistributions.
+    pub fn fallback_total(&self) -> u64 {
+        self.fallbacks.values().sum()
+    }
+}
+
+/// Everything a rank needs to run distributed ops: its rank, the mesh and a communicator.
+pub struct RankContext {
+    comm: Arc<dyn Communicator>,
+    counters: Mutex<OpCounters>,
+    /// A backward pass produced data-parallel gradients that `sync_gradients` has not seen yet.
+    pending_sync: AtomicBool,
+    /// Gradient accumulation: forward after an unsynchronised backward is allowed.
+    no_sync: AtomicBool,
+}
+
+impl std::fmt::Debug for RankContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "rank {}/{} on {}",
+            self.rank(),
+            self.world_size(),
+            self.mesh()
+        )
+    }
+}
+
+impl RankContext {
+    /// A context over a communicator (which knows the rank and the mesh).
+    pub fn new(comm: Arc<dyn Communicator>) -> Arc<Self> {
+        Arc::new(Self {
+            comm,
+            counters: Mutex::new(OpCounters::default()),
+            pending_sync: AtomicBool::new(false),
+            no_sync: AtomicBool::new(false),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// The mesh.
+    pub fn mesh(&self) -> &DeviceMesh {
+        self.comm.mesh()
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.mesh().world_size()
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &dyn Communicator {
+        &*self.comm
+    }
+
+    /// A snapshot of the op counters.
+    pub fn counters(&self) -> OpCounters {
+        self.counters.lock().unwrap().clone()
+    }
+
+    /// Reset the op counters (and the communicator's statistics).
+    pub fn reset_counters(&self) {
+        *self.counters.lock().unwrap() = OpCounters::default();
+        self.comm.reset_stats();
+    }
+
+    pub(crate) fn count_fallback(&self, op: &'static str) {
+        tracing::trace!(op, "fallback redistribution");
+        *self
+            .counters
+            .lock()
+            .unwrap()
+            .fallbacks
+            .entry(op)
+            .or_default() += 1;
+    }
+
+    pub(crate) fn count_redistribution(&self, op: &'static str) {
+        *self
+            .counters
+            .lock()
+            .unwrap()
+            .redistributions
+            .entry(op)
+            .or_default() += 1;
+    }
+
+    /// Whether some data axis has more than one member (gradients must be reduced).
+    pub fn is_data_parallel(&self) -> bool {
+        self.mesh()
+            .axes()
+            .iter()
+            .any(|a| a.kind == AxisKind::Data && a.size > 1)
+    }
+
+    pub(crate) fn mark_gradients_pending(&self) {
+        if self.is_data_parallel() {
+            self.pending_sync.store(true, Ordering::Relaxed);
+        }
+    }
+
+    pub(crate) fn gradients_pending(&self) -> bool {
+        self.pending_sync.load(Ordering::Relaxed) && !self.no_sync.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn clear_gradients_pending(&self) {
+        self.pending_sync.store(false, Ordering::Relaxed);
+    }
+
+    /// Gradient accumulation: while set, a forward pass may follow a backward pass whose
+    /// gradients are not synchronised yet (PyTorch's `no_sync`).
+    pub fn set_no_sync(&self, no_sync: bool) {
+        self.no_sync.store(no_sync, Ordering::Relaxed);
+    }
+}
+
+/// The device of `Distributed<B>`: an inner device plus this rank's [`RankContext`].
+///
+/// Burn requires devices to round-trip through a small [`DeviceId`], so every device is
+/// registered in a process-wide table; `Default` is a world-size-1 device over the inner
+/// backend's default device.
+pub struct DistDevice<B: Backend> {
+    pub(crate) inner: B::Device,
+    pub(crate) ctx: Arc<RankContext>,
+    id: u16,
+}
+
+impl<B: Backend> Clone for DistDevice<B> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            ctx: self.ctx.clone(),
+            id: self.id,
+        }
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for DistDevice<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Distributed({:?}, {:?})", self.inner, self.ctx)
+    }
+}
+
+impl<B: Backend> PartialEq for DistDevice<B> {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+    }
+}
+
+type Registry = Mutex<(Vec<Box<dyn Any + Send + Sync>>, HashMap<TypeId, u16>)>;
+static REGISTRY: LazyLock<Registry> = LazyLock::new(|| Mutex::new((Vec::new(), HashMap::new())));
+
+impl<B: Backend> DistDevice<B> {
+    /// A device for this rank: `inner` runs the local ops, `comm` talks to the other ranks.
+    pub fn new(inner: B::Device, comm: Arc<dyn Communicator>) -> Self {
+        Self::register(inner, RankContext::new(comm))
+    }
+
+    fn register(inner: B::Device, ctx: Arc<RankContext>) -> Self {
+        let mut registry = REGISTRY.lock().unwrap();
+        let id = u16::try_from(registry.0.len()).expect("more than 65536 distributed devices");
+        let device = Self { inner, ctx, id };
+        registry.0.push(Box::new(device.clone()));
+        device
+    }
+
+    /// The inner backend's device.
+    pub fn inner(&self) -> &B::Device {
+        &self.inner
+    }
+
+    /// This rank's context (rank, mesh, communicator, counters).
+    pub fn context(&self) -> &Arc<RankContext> {
+        &self.ctx
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.ctx.rank()
+    }
+
+    /// The mesh.
+    pub fn mesh(&self) -> &DeviceMesh {
+        self.ctx.mesh()
+    }
+}
+
+impl<B: Backend> Default for DistDevice<B> {
+    fn default() -> Self {
+        let key = TypeId::of::<B>();
+        let existing = REGISTRY.lock().unwrap().1.get(&key).copied();
+        if let Some(id) = existing {
+            return <Self as burn::tensor::backend::Device>::from_id(DeviceId::new(TYPE_ID, id));
+        }
+        let world = InProcessWorld::new(DeviceMesh::single(), crate::comm::DEFAULT_TIMEOUT);
+        let device = Self::new(B::Device::default(), Arc::new(world.communicator(0)));
+        REGISTRY.lock().unwrap().1.insert(key, device.id);
+        device
+    }
+}
+
+impl<B: Backend> burn::tensor::backend::Device for DistDevice<B> {
+    fn from_id(device_id: DeviceId) -> Self {
+        let registry = REGISTRY.lock().unwrap();
+        registry
+            .0
+            .get(device_id.index_id as usize)
+            .and_then(|d| d.downcast_ref::<Self>())
+            .cloned()
+            .unwrap_or_else(|| panic!("unknown distributed device {device_id}"))
+    }
+
+    fn to_id(&self) -> DeviceId {
+        DeviceId::new(TYPE_ID, self.id)
+    }
+}
+
+impl<B: Backend> DeviceOps for DistDevice<B> {}
+
+thread_local! {
+    static CURRENT: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+}
+
+/// Make `device` this thread's current device: the device reported for int and bool tensors
+/// (which stay plain per-rank tensors of the inner backend). The launcher does this per rank.
+pub fn set_current_device<B: Backend>(device: &DistDevice<B>) {
+    CURRENT.with(|c| *c.borrow_mut() = Some(Box::new(device.clone())));
+}
+
+/// This thread's current device, or the world-size-1 default.
+pub fn current_device<B: Backend>() -> DistDevice<B> {
+    CURRENT
+        .with(|c| {
+            c.borrow()
+                .as_ref()
+                .and_then(|d| d.downcast_ref::<DistDevice<B>>().cloned())
+        })
+        .unwrap_or_default()
+}

@@ -1,0 +1,250 @@
+//! Launch an SPMD function on every rank of a mesh, each rank a thread of this process.
+//!
+//! ```
+//! use wildfire_parallel::comm::{Group, ReduceOp};
+//! use wildfire_parallel::launch::{LaunchOptions, launch};
+//! use wildfire_parallel::mesh::DeviceMesh;
+//! use burn::tensor::TensorData;
+//!
+//! let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+//! let sums = launch(&mesh, &LaunchOptions::default(), |comm| {
+//!     let mine = TensorData::new(vec![comm.rank() as f32 + 1.0], [1]);
+//!     comm.all_reduce(Group::World, mine, ReduceOp::Sum).unwrap().to_vec::<f32>().unwrap()
+//! })
+//! .unwrap();
+//! assert_eq!(sums, vec![vec![3.0], vec![3.0]]);
+//! ```
+
+use std::any::Any;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use crate::comm::{Communicator, DEFAULT_TIMEOUT, InProcessWorld};
+use crate::mesh::DeviceMesh;
+
+/// How to run the ranks.
+#[derive(Clone, Debug)]
+pub struct LaunchOptions {
+    /// How long a rank waits for its peers in a collective (or for a message) before failing
+    /// with [`CommError::Timeout`](crate::comm::CommError::Timeout).
+    pub timeout: Duration,
+}
+
+impl Default for LaunchOptions {
+    fn default() -> Self {
+        LaunchOptions {
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+/// A launch that did not produce a result on every rank.
+#[derive(thiserror::Error, Debug)]
+pub enum LaunchError {
+    /// A rank panicked. When several did, this is the root cause: the first rank that failed,
+    /// not the ones that failed because it aborted the world.
+    #[error("rank {rank} failed: {message}")]
+    RankFailed {
+        /// The failing rank.
+        rank: usize,
+        /// Its panic message.
+        message: String,
+    },
+    /// A rank's thread could not be started.
+    #[error("could not start the rank threads: {0}")]
+    Spawn(String),
+    /// A rank raised a typed error inside a distributed op (see [`crate::launch_ranks`]).
+    #[error("rank {rank}: {error}")]
+    Dist {
+        /// The failing rank.
+        rank: usize,
+        /// What went wrong.
+        error: crate::DistError,
+    },
+}
+
+/// Runs `f` once per rank of `mesh`, each on its own thread named `rank-{r}`, with that rank's
+/// in-process communicator, and returns the results in rank order.
+///
+/// A panic on any rank aborts the world ([`InProcessWorld::abort`]), so the other ranks'
+/// pending and later calls fail at once with
+/// [`CommError::PeerFailed`](crate::comm::CommError::PeerFailed) instead of waiting for the
+/// timeout; the launch then returns [`LaunchError::RankFailed`] for the rank that failed first.
+pub fn launch<T, F>(mesh: &DeviceMesh, options: &LaunchOptions, f: F) -> Result<Vec<T>, LaunchError>
+where
+    T: Send,
+    F: Fn(Arc<dyn Communicator>) -> T + Sync,
+{
+    let world = InProcessWorld::new(mesh.clone(), options.timeout);
+    launch_with_world(&world, f)
+}
+
+/// Like [`launch`], on an existing world (for example to inspect or abort it from outside).
+pub fn launch_with_world<T, F>(world: &Arc<InProcessWorld>, f: F) -> Result<Vec<T>, LaunchError>
+where
+    T: Send,
+    F: Fn(Arc<dyn Communicator>) -> T + Sync,
+{
+    let size = world.mesh().world_size();
+    let f = &f;
+    let (outcomes, spawn_error) = thread::scope(|scope| {
+        let mut handles = Vec::with_capacity(size);
+        let mut spawn_error = None;
+        for rank in 0..size {
+            let comm: Arc<dyn Communicator> = Arc::new(world.communicator(rank));
+            let spawned = thread::Builder::new()
+                .name(format!("rank-{rank}"))
+                .spawn_scoped(scope, move || {
+                    panic::catch_unwind(AssertUnwindSafe(|| f(comm))).map_err(|payload| {
+                        let message = panic_message(payload.as_ref());
+                        world.abort(rank, format!("panicked: {message}"));
+                        message
+                    })
+                });
+            match spawned {
+                Ok(handle) => handles.push(handle),
+                Err(error) => {
+                    let message = format!("rank {rank}: {error}");
+                    // Release the ranks already started from waiting for this one.
+                    world.abort(rank, format!("could not start: {error}"));
+                    spawn_error = Some(message);
+                    break;
+                }
+            }
+        }
+        let outcomes: Vec<Result<T, String>> = handles
+            .into_iter()
+            .map(|handle| {
+                handle
+                    .join()
+                    .unwrap_or_else(|payload| Err(panic_message(payload.as_ref())))
+            })
+            .collect();
+        (outcomes, spawn_error)
+    });
+    if let Some(message) = spawn_error {
+        return Err(LaunchError::Spawn(message));
+    }
+    let failed = |rank: usize| outcomes.get(rank).is_some_and(Result::is_err);
+    let root_cause = world
+        .abort_reason()
+        .map(|(rank, _)| rank)
+        .filter(|&rank| failed(rank))
+        .or_else(|| (0..size).find(|&rank| failed(rank)));
+    if let Some(rank) = root_cause {
+        let message = match &outcomes[rank] {
+            Err(message) => message.clone(),
+            Ok(_) => unreachable!("the root cause is a failed rank"),
+        };
+        return Err(LaunchError::RankFailed { rank, message });
+    }
+    Ok(outcomes
+        .into_iter()
+        .map(|outcome| outcome.unwrap_or_else(|_| unreachable!("no rank failed")))
+        .collect())
+}
+
+/// The message of a panic payload: the `&str` or `String` passed to `panic!`, or a generic
+/// message for any other payload.
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(message) = payload.downcast_ref::<&str>() {
+        (*message).to_owned()
+    } else if let Some(message) = payload.downcast_ref::<String>() {
+        message.clone()
+    } else {
+        "panicked with a payload that is not a string".to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use burn::tensor::TensorData;
+
+    use super::*;
+    use crate::comm::{CommError, Group, ReduceOp};
+
+    #[test]
+    fn results_come_back_in_rank_order_on_named_threads() {
+        let mesh = DeviceMesh::new([("dp", 2), ("tp", 2)]).unwrap();
+        let names = launch(&mesh, &LaunchOptions::default(), |comm| {
+            (comm.rank(), thread::current().name().map(str::to_owned))
+        })
+        .unwrap();
+        let expected: Vec<_> = (0..4)
+            .map(|rank| (rank, Some(format!("rank-{rank}"))))
+            .collect();
+        assert_eq!(names, expected);
+    }
+
+    #[test]
+    fn a_panicking_rank_aborts_the_others_and_is_reported() {
+        // The default timeout of 60 s: only the abort can release the waiting ranks quickly.
+        let mesh = DeviceMesh::new([("dp", 3)]).unwrap();
+        let start = Instant::now();
+        let seen = std::sync::Mutex::new(Vec::new());
+        let result = launch(&mesh, &LaunchOptions::default(), |comm| {
+            if comm.rank() == 1 {
+                panic!("rank one gives up");
+            }
+            let outcome = comm.barrier(Group::World);
+            seen.lock().unwrap().push(outcome.clone());
+            // A rank that unwraps the PeerFailed error panics too; it is not the root cause.
+            outcome.unwrap();
+        });
+        match result {
+            Err(LaunchError::RankFailed { rank, message }) => {
+                assert_eq!(rank, 1);
+                assert_eq!(message, "rank one gives up");
+            }
+            other => panic!("expected RankFailed, got {other:?}"),
+        }
+        let seen = seen.into_inner().unwrap();
+        assert_eq!(seen.len(), 2);
+        for outcome in seen {
+            assert_eq!(
+                outcome,
+                Err(CommError::PeerFailed {
+                    rank: 1,
+                    reason: "panicked: rank one gives up".into()
+                })
+            );
+        }
+        assert!(start.elapsed() < DEFAULT_TIMEOUT / 2);
+    }
+
+    #[test]
+    fn panic_messages_of_any_payload() {
+        let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+        let result = launch(&mesh, &LaunchOptions::default(), |comm| {
+            if comm.rank() == 0 {
+                std::panic::panic_any(42u32);
+            }
+            comm.all_reduce(
+                Group::World,
+                TensorData::new(vec![1.0f32], [1]),
+                ReduceOp::Sum,
+            )
+        });
+        match result {
+            Err(LaunchError::RankFailed { rank, message }) => {
+                assert_eq!(rank, 0);
+                assert!(message.contains("not a string"), "{message}");
+            }
+            other => panic!("expected RankFailed, got {other:?}"),
+        }
+        let formatted = format!("rank {}", 7);
+        let result = launch(&mesh, &LaunchOptions::default(), |comm| {
+            if comm.rank() == 1 {
+                panic!("{formatted} failed");
+            }
+        });
+        assert_eq!(
+            result.unwrap_err().to_string(),
+            "rank 1 failed: rank 7 failed"
+        );
+    }
+}

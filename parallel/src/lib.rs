@@ -1,0 +1,44 @@
+//! Wildfire's parallel layer: device meshes, communicators, and the `Distributed<B>` backend
+//! decorator that shards Burn tensors transparently.
+//!
+//! ```text
+//! type B = Autodiff<Flex>;                   // before
+//! type B = Autodiff<Distributed<Flex>>;      // after: the same model, data parallel
+//! let model = replicate(model, &mesh)?;      // once, after building it
+//! // ... loss.backward(); let mut grads = GradientsParams::from_grads(g, &model);
+//! sync_gradients(&model, &mut grads)?;       // before the optimizer step
+//! ```
+//!
+//! Placement model (PyTorch FSDP2 + DTensor): every float tensor is a [`DTensor`] — this rank's
+//! local piece plus one [`Placement`] per mesh axis (`Replicate`, `Shard(dim)`, `Partial(op)`,
+//! and, on data axes, `Local`: per-rank batch data). Every op applies a propagation rule
+//! (`backend/rules.rs`) or the counted fallback; see `../shared/ARCHITECTURE.md` §3.
+
+mod backend;
+pub mod comm;
+mod data_parallel;
+mod device;
+mod error;
+pub mod launch;
+pub mod mesh;
+mod placement;
+mod ranks;
+mod tensor;
+
+pub use backend::Distributed;
+pub use comm::{
+    CollectiveKind, CommError, CommStats, Communicator, Group, InProcessWorld, ReduceOp,
+};
+pub use data_parallel::{
+    DistributedBackend, SyncReport, dtensor, from_dtensor, redistribute, replicate, sync_gradients,
+};
+pub use device::{DistDevice, OpCounters, RankContext, current_device, set_current_device};
+pub use error::DistError;
+pub use launch::{LaunchError, LaunchOptions, launch};
+pub use mesh::{AxisKind, DeviceMesh, MeshAxis, MeshError};
+pub use placement::{Layout, Placement};
+pub use ranks::launch_ranks;
+pub use tensor::DTensor;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,138 @@
+//! Placements and layouts: how a logical (global) tensor is laid out over the mesh.
+
+use crate::comm::ReduceOp;
+use crate::mesh::{AxisKind, DeviceMesh};
+use serde::{Deserialize, Serialize};
+
+/// How a tensor is laid out along one mesh axis (PyTorch DTensor's placements, plus `Local`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Placement {
+    /// Every member of the axis group holds the whole tensor.
+    Replicate,
+    /// Member `i` holds chunk `i` of tensor dimension `dim` (equal chunks).
+    Shard(usize),
+    /// Every member holds a summand (or a candidate for max); the value is the reduction. Only
+    /// linear ops let it pass; anything else reduces it first.
+    Partial(ReduceOp),
+    /// Data axes only: per-rank batch data, no global tensor implied (activations under DDP/FSDP).
+    Local,
+}
+
+impl Placement {
+    /// Whether this placement spreads a global tensor over the group (`Shard` or `Partial`).
+    pub fn is_distributed(self) -> bool {
+        matches!(self, Placement::Shard(_) | Placement::Partial(_))
+    }
+
+    /// A `Partial` that linear ops may carry along (sums and averages, not max).
+    pub(crate) fn is_linear_partial(self) -> bool {
+        matches!(self, Placement::Partial(ReduceOp::Sum | ReduceOp::Avg))
+    }
+}
+
+/// One [`Placement`] per mesh axis, in the mesh's axis order.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Layout(Vec<Placement>);
+
+impl Layout {
+    /// A layout from explicit placements (one per mesh axis).
+    pub fn new(placements: impl Into<Vec<Placement>>) -> Self {
+        Layout(placements.into())
+    }
+
+    /// `Replicate` on every axis: every rank holds the whole tensor.
+    pub fn replicated(mesh: &DeviceMesh) -> Self {
+        Layout(vec![Placement::Replicate; mesh.axes().len()])
+    }
+
+    /// The layout of a freshly created tensor (a batch, a mask, a newly initialised parameter):
+    /// `Local` on data axes, `Replicate` on model axes.
+    pub fn fresh(mesh: &DeviceMesh) -> Self {
+        Layout(
+            mesh.axes()
+                .iter()
+                .map(|axis| match axis.kind {
+                    AxisKind::Data => Placement::Local,
+                    AxisKind::Model => Placement::Replicate,
+                })
+                .collect(),
+        )
+    }
+
+    /// This layout with `placement` on mesh axis `axis`.
+    pub fn with(mut self, axis: usize, placement: Placement) -> Self {
+        self.0[axis] = placement;
+        self
+    }
+
+    /// The placements, one per mesh axis.
+    pub fn placements(&self) -> &[Placement] {
+        &self.0
+    }
+
+    /// Number of mesh axes.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether the layout has no axes (never true for a layout built from a mesh).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Placement on one axis.
+    pub fn get(&self, axis: usize) -> Placement {
+        self.0[axis]
+    }
+
+    pub(crate) fn set(&mut self, axis: usize, placement: Placement) {
+        self.0[axis] = placement;
+    }
+
+    /// The layout the fallback uses: every `Shard` and `Partial` becomes `Replicate`; `Local`
+    /// stays (per-rank data has no global value to gather).
+    pub fn unsharded(&self) -> Self {
+        Layout(
+            self.0
+                .iter()
+                .map(|p| match p {
+                    Placement::Local => Placement::Local,
+                    _ => Placement::Replicate,
+                })
+                .collect(),
+        )
+    }
+
+    /// Whether any axis shards or holds partial values.
+    pub fn is_distributed(&self) -> bool {
+        self.0.iter().any(|p| p.is_distributed())
+    }
+
+    /// The number of chunks tensor dimension `dim` is split into (product over the axes that shard it).
+    pub fn shards_of(&self, dim: usize, mesh: &DeviceMesh) -> usize {
+        self.0
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| **p == Placement::Shard(dim))
+            .map(|(axis, _)| mesh.axis_size(axis))
+            .product()
+    }
+
+    /// The global shape of a tensor whose local piece has `local` shape under this layout.
+    pub fn global_shape(&self, local: &[usize], mesh: &DeviceMesh) -> Vec<usize> {
+        let mut shape = local.to_vec();
+        for (axis, p) in self.0.iter().enumerate() {
+            if let Placement::Shard(dim) = p {
+                shape[*dim] *= mesh.axis_size(axis);
+            }
+        }
+        shape
+    }
+}
+
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = self.0.iter().map(|p| format!("{p:?}")).collect();
+        write!(f, "[{}]", parts.join(", "))
+    }
+}

@@ -1,0 +1,49 @@
+//! Run one closure per rank, each with its `Distributed` device.
+
+use crate::device::{DistDevice, set_current_device};
+use crate::error::{DistError, take_raised};
+use crate::launch::{LaunchError, LaunchOptions, launch};
+use crate::mesh::DeviceMesh;
+use burn_backend::Backend;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::sync::Mutex;
+
+/// Run `f` on one thread per rank of `mesh`, each with a [`DistDevice`] over `inner` (ranks as
+/// threads share the inner device: right for CPU backends and tests). Returns the results in rank
+/// order. A panic on any rank ends every rank (their collectives fail at once instead of
+/// hanging); a typed [`DistError`] raised inside a backend op comes back as
+/// [`LaunchError::Dist`], any other panic as [`LaunchError::RankFailed`].
+pub fn launch_ranks<B, T, F>(
+    mesh: &DeviceMesh,
+    inner: &B::Device,
+    options: &LaunchOptions,
+    f: F,
+) -> Result<Vec<T>, LaunchError>
+where
+    B: Backend,
+    T: Send,
+    F: Fn(DistDevice<B>) -> T + Sync,
+{
+    let raised: Mutex<Vec<Option<DistError>>> = Mutex::new(vec![None; mesh.world_size()]);
+    let result = launch(mesh, options, |comm| {
+        let rank = comm.rank();
+        let device = DistDevice::<B>::new(inner.clone(), comm);
+        set_current_device(&device);
+        match catch_unwind(AssertUnwindSafe(|| f(device))) {
+            Ok(out) => out,
+            Err(payload) => {
+                raised.lock().unwrap()[rank] = take_raised();
+                resume_unwind(payload)
+            }
+        }
+    });
+    match result {
+        Err(LaunchError::RankFailed { rank, message }) => {
+            match raised.lock().unwrap()[rank].take() {
+                Some(error) => Err(LaunchError::Dist { rank, error }),
+                None => Err(LaunchError::RankFailed { rank, message }),
+            }
+        }
+        other => other,
+    }
+}
