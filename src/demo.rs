@@ -4,7 +4,9 @@
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::transformer::{TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput};
+use burn::nn::transformer::{
+    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
+};
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
@@ -47,10 +49,15 @@ impl EncoderClassifierConfig {
     pub fn init<B: Backend>(&self, device: &B::Device) -> EncoderClassifier<B> {
         EncoderClassifier {
             input: LinearConfig::new(self.d_input, self.d_model).init(device),
-            encoder: TransformerEncoderConfig::new(self.d_model, self.d_ff, self.n_heads, self.n_layers)
-                .with_dropout(0.0)
-                .with_norm_first(true)
-                .init(device),
+            encoder: TransformerEncoderConfig::new(
+                self.d_model,
+                self.d_ff,
+                self.n_heads,
+                self.n_layers,
+            )
+            .with_dropout(0.0)
+            .with_norm_first(true)
+            .init(device),
             head: LinearConfig::new(self.d_model, self.n_classes).init(device),
         }
     }
@@ -65,7 +72,9 @@ pub trait Classifier<B: Backend>: Module<B> {
 impl<B: Backend> Classifier<B> for EncoderClassifier<B> {
     fn logits(&self, x: Tensor<B, 3>) -> Tensor<B, 2> {
         let [batch, _, _] = x.dims();
-        let h = self.encoder.forward(TransformerEncoderInput::new(self.input.forward(x)));
+        let h = self
+            .encoder
+            .forward(TransformerEncoderInput::new(self.input.forward(x)));
         let d_model = h.dims()[2];
         self.head.forward(h.mean_dim(1).reshape([batch, d_model]))
     }
@@ -119,9 +128,15 @@ impl<B: Backend> ModuleMapper<B> for DeterministicInit {
         let scale = 1.0 / (fan_in as f32).sqrt();
         self.seed += 1;
         let mut state = self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let values: Vec<f32> = (0..shape.num_elements()).map(|_| xorshift(&mut state) * scale).collect();
+        let values: Vec<f32> = (0..shape.num_elements())
+            .map(|_| xorshift(&mut state) * scale)
+            .collect();
         let fresh = Tensor::<B, D>::from_data(TensorData::new(values, shape), &tensor.device());
-        let fresh = if tensor.is_require_grad() { fresh.require_grad() } else { fresh };
+        let fresh = if tensor.is_require_grad() {
+            fresh.require_grad()
+        } else {
+            fresh
+        };
         Param::from_mapped_value(id, fresh, mapper)
     }
 }
@@ -151,7 +166,9 @@ impl SyntheticTask {
         let mut x = Vec::with_capacity(rows.len() * self.seq * self.d_input);
         let mut y = Vec::with_capacity(rows.len());
         for row in rows.clone() {
-            let mut state = (self.seed ^ ((step as u64) << 32) ^ row as u64).wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
+            let mut state = (self.seed ^ ((step as u64) << 32) ^ row as u64)
+                .wrapping_mul(0x2545_F491_4F6C_DD1D)
+                | 1;
             let mut mean = vec![0.0f32; self.d_input];
             for _ in 0..self.seq {
                 for m in mean.iter_mut() {
@@ -217,7 +234,8 @@ pub fn parameters<B: Backend, M: Module<B>>(model: &M) -> Vec<Vec<f32>> {
     struct Collect(Vec<Vec<f32>>);
     impl<B: Backend> burn::module::ModuleVisitor<B> for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push(param.val().into_data().convert::<f32>().to_vec().unwrap());
+            self.0
+                .push(param.val().into_data().convert::<f32>().to_vec().unwrap());
         }
     }
     let mut c = Collect(Vec::new());

@@ -274,12 +274,17 @@ where
     if let Some(e) = syncer.error {
         return Err(e);
     }
-    if let Some(ctx) = &syncer.device_seen {
-        ctx.clear_gradients_pending();
-    } else {
-        crate::device::current_device::<X>()
-            .context()
-            .clear_gradients_pending();
+    let ctx = match syncer.device_seen {
+        Some(ctx) => ctx,
+        None => crate::device::current_device::<X>().context().clone(),
+    };
+    // Burn 0.21's autodiff ends every backward pass by locking the graphs of every thread
+    // (`GraphCleaner::cleanup_orphaned_entries`). A rank that raced ahead into its next backward
+    // would hold its graph's lock while waiting in a collective for a rank still in that cleanup:
+    // a deadlock. One barrier per step, after backward, keeps the ranks' backward passes apart.
+    if ctx.world_size() > 1 {
+        ctx.comm().barrier(Group::World)?;
     }
+    ctx.clear_gradients_pending();
     Ok(syncer.report)
 }

@@ -212,7 +212,8 @@ impl<B: Backend> DTensor<B> {
             match from {
                 Placement::Replicate => {}
                 Placement::Local => {
-                    if to != Placement::Local {
+                    // On a group of one, per-rank data is the global value.
+                    if to != Placement::Local && mesh.axis_size(a) > 1 {
                         return Err(invalid(
                             "per-rank data has no global value; create the tensor with the layout \
                              it needs (e.g. DTensor::from_full)",

@@ -1,0 +1,2 @@
+//! Cross-crate tests, one binary: sharded runs against single-device references.
+mod suite;

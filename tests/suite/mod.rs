@@ -1,0 +1,1 @@
+mod data_parallel;
