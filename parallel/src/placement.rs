@@ -3,6 +3,7 @@
 use crate::comm::ReduceOp;
 use crate::mesh::{AxisKind, DeviceMesh};
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 
 /// How a tensor is laid out along one mesh axis (PyTorch DTensor's placements, plus `Local`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -32,17 +33,17 @@ impl Placement {
 
 /// One [`Placement`] per mesh axis, in the mesh's axis order.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct Layout(Vec<Placement>);
+pub struct Layout(SmallVec<[Placement; 4]>);
 
 impl Layout {
     /// A layout from explicit placements (one per mesh axis).
-    pub fn new(placements: impl Into<Vec<Placement>>) -> Self {
-        Layout(placements.into())
+    pub fn new(placements: impl IntoIterator<Item = Placement>) -> Self {
+        Layout(placements.into_iter().collect())
     }
 
     /// `Replicate` on every axis: every rank holds the whole tensor.
     pub fn replicated(mesh: &DeviceMesh) -> Self {
-        Layout(vec![Placement::Replicate; mesh.axes().len()])
+        Layout(SmallVec::from_elem(Placement::Replicate, mesh.axes().len()))
     }
 
     /// The layout of a freshly created tensor (a batch, a mask, a newly initialised parameter):

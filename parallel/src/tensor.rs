@@ -19,7 +19,8 @@ pub struct DTensor<B: Backend> {
     memo: Memo<B>,
 }
 
-type Memo<B> = Arc<
+type Memo<B> = Option<MemoCell<B>>;
+type MemoCell<B> = Arc<
     Mutex<
         Vec<(
             Layout,
@@ -83,7 +84,7 @@ impl<B: Backend> DTensor<B> {
             layout,
             shape,
             device: device.clone(),
-            memo: Memo::<B>::default(),
+            memo: None,
         })
     }
 
@@ -104,12 +105,14 @@ impl<B: Backend> DTensor<B> {
         device: DistDevice<B>,
     ) -> Self {
         let shape = Shape::from(layout.global_shape(&local.shape().to_vec(), device.mesh()));
+        // Only values spread over the mesh can be redistributed with communication.
+        let memo = layout.is_distributed().then(MemoCell::<B>::default);
         Self {
             local,
             layout,
             shape,
             device,
-            memo: Memo::<B>::default(),
+            memo,
         }
     }
 
@@ -163,13 +166,12 @@ impl<B: Backend> DTensor<B> {
             Some(&self.shape.to_vec()),
             &mesh,
         )?;
-        let cached = self
-            .memo
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|(l, _)| l == target)
-            .map(|(_, t)| t.clone());
+        let cached = self.memo.as_ref().and_then(|memo| {
+            let memo = memo.lock().unwrap();
+            memo.iter()
+                .find(|(l, _)| l == target)
+                .map(|(_, t)| t.clone())
+        });
         if let Some(local) = cached {
             return Ok(Self::new_unchecked(local, target.clone(), self.device));
         }
@@ -281,7 +283,7 @@ impl<B: Backend> DTensor<B> {
             }
             layout.set(a, to);
         }
-        if communicates {
+        if communicates && let Some(memo) = memo {
             memo.lock().unwrap().push((layout.clone(), local.clone()));
         }
         Ok(Self {
@@ -289,7 +291,7 @@ impl<B: Backend> DTensor<B> {
             layout,
             shape: self.shape,
             device: self.device,
-            memo: Memo::<B>::default(),
+            memo: None,
         })
     }
 }

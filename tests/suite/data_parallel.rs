@@ -91,7 +91,7 @@ where
     (log, parameters(&model))
 }
 
-fn run_built<B: AutodiffBackend>(
+fn run_built<B>(
     built: Built<B>,
     rows: std::ops::Range<usize>,
     device: &B::Device,

@@ -1,0 +1,118 @@
+//! Decorator overhead at world size 1: one training step of a small stock transformer on
+//! `Autodiff<Flex>` and on `Autodiff<Distributed<Flex>>`, measured alternately in one process
+//! (the machines are shared and noisy: only the ratio of interleaved runs means anything).
+//!
+//! ```text
+//! cargo bench --bench overhead [-- --rounds 15 --steps 5]
+//! ```
+
+use burn::backend::{Autodiff, Flex};
+use burn::optim::SgdConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::tensor::backend::AutodiffBackend;
+use std::time::{Duration, Instant};
+use wildfire::demo::{
+    EncoderClassifier, EncoderClassifierConfig, SyntheticTask, deterministic_init, train,
+};
+use wildfire::parallel::Distributed;
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+struct Runner<B: AutodiffBackend> {
+    model: Option<EncoderClassifier<B>>,
+    device: B::Device,
+}
+
+impl<B: AutodiffBackend> Runner<B> {
+    fn new(config: &EncoderClassifierConfig) -> Self {
+        let device = Default::default();
+        Self {
+            model: Some(deterministic_init(config.init::<B>(&device), 1)),
+            device,
+        }
+    }
+
+    /// Time `steps` training steps (the optimizer is rebuilt per call; its state is small).
+    fn time(&mut self, task: &SyntheticTask, steps: usize, batch: usize) -> Duration {
+        let mut optim = SgdConfig::new()
+            .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
+            .init();
+        let start = Instant::now();
+        let (model, log) = train(
+            self.model.take().unwrap(),
+            &mut optim,
+            task,
+            steps,
+            0.01,
+            0..batch,
+            &self.device,
+            |_, _| {},
+        );
+        let elapsed = start.elapsed();
+        assert!(log.losses.iter().all(|l| l.is_finite()));
+        self.model = Some(model);
+        elapsed / steps as u32
+    }
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn main() {
+    let rounds = arg("--rounds", 15);
+    let steps = arg("--steps", 5);
+    let batch = arg("--batch", 16);
+    let config = EncoderClassifierConfig::new()
+        .with_d_input(16)
+        .with_d_model(64)
+        .with_n_heads(4)
+        .with_n_layers(2)
+        .with_d_ff(256)
+        .with_n_classes(8);
+    let task = SyntheticTask {
+        seq: 32,
+        d_input: 16,
+        classes: 8,
+        seed: 3,
+    };
+    let mut plain = Runner::<Autodiff<Flex>>::new(&config);
+    let mut dist = Runner::<Autodiff<Distributed<Flex>>>::new(&config);
+    // Warm up both.
+    plain.time(&task, 2, batch);
+    dist.time(&task, 2, batch);
+    let (mut tp, mut td, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        // Alternate which goes first, so drift in machine load hits both alike.
+        let (a, b) = if round % 2 == 0 {
+            let a = plain.time(&task, steps, batch);
+            (a, dist.time(&task, steps, batch))
+        } else {
+            let b = dist.time(&task, steps, batch);
+            (plain.time(&task, steps, batch), b)
+        };
+        ratios.push(b.as_secs_f64() / a.as_secs_f64());
+        tp.push(a);
+        td.push(b);
+    }
+    ratios.sort_by(f64::total_cmp);
+    println!(
+        "training step, transformer d_model=64 layers=2 seq=32 batch={batch}, {rounds} rounds × {steps} steps, alternating"
+    );
+    println!("Autodiff<Flex>               median {:?}", median(tp));
+    println!("Autodiff<Distributed<Flex>>  median {:?}", median(td));
+    println!(
+        "ratio distributed / plain: median {:.3} (min {:.3}, max {:.3}); target <= 1.03",
+        ratios[ratios.len() / 2],
+        ratios[0],
+        ratios[ratios.len() - 1]
+    );
+}
