@@ -68,8 +68,10 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 fn main() {
-    let rounds = arg("--rounds", 15);
-    let steps = arg("--steps", 5);
+    // `cargo test --all-targets` runs this too (without `--bench`): a quick smoke run then.
+    let smoke = !std::env::args().any(|a| a == "--bench");
+    let rounds = if smoke { 1 } else { arg("--rounds", 15) };
+    let steps = if smoke { 1 } else { arg("--steps", 5) };
     let batch = arg("--batch", 16);
     let config = EncoderClassifierConfig::new()
         .with_d_input(16)

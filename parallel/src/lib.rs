@@ -37,7 +37,7 @@ pub use error::DistError;
 pub use launch::{LaunchError, LaunchOptions, launch};
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis, MeshError};
 pub use placement::{Layout, Placement};
-pub use ranks::launch_ranks;
+pub use ranks::{launch_ranks, launch_ranks_on};
 pub use tensor::DTensor;
 
 #[cfg(test)]

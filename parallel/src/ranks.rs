@@ -24,10 +24,26 @@ where
     T: Send,
     F: Fn(DistDevice<B>) -> T + Sync,
 {
+    launch_ranks_on(mesh, |_| inner.clone(), options, f)
+}
+
+/// [`launch_ranks`] with one inner device per rank (e.g. one GPU each): `inner(rank)`.
+pub fn launch_ranks_on<B, T, F, I>(
+    mesh: &DeviceMesh,
+    inner: I,
+    options: &LaunchOptions,
+    f: F,
+) -> Result<Vec<T>, LaunchError>
+where
+    B: Backend,
+    T: Send,
+    F: Fn(DistDevice<B>) -> T + Sync,
+    I: Fn(usize) -> B::Device + Sync,
+{
     let raised: Mutex<Vec<Option<DistError>>> = Mutex::new(vec![None; mesh.world_size()]);
     let result = launch(mesh, options, |comm| {
         let rank = comm.rank();
-        let device = DistDevice::<B>::new(inner.clone(), comm);
+        let device = DistDevice::<B>::new(inner(rank), comm);
         set_current_device(&device);
         match catch_unwind(AssertUnwindSafe(|| f(device))) {
             Ok(out) => out,

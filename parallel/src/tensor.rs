@@ -9,13 +9,17 @@ use std::sync::{Arc, Mutex};
 
 /// A distributed tensor: this rank's local piece, its [`Layout`] over the mesh, and the global
 /// (logical) shape, which is what Burn, autodiff and the optimizers see.
+///
+/// Shards are equal: a dimension sharded `n` ways must divide by `n`, otherwise creating or
+/// redistributing to that layout fails with [`DistError::Indivisible`] naming the shape and the
+/// sizes. (FSDP pads its flat parameter buffers instead of relying on uneven shards.)
 pub struct DTensor<B: Backend> {
     pub(crate) local: B::FloatTensorPrimitive,
     pub(crate) layout: Layout,
     pub(crate) shape: Shape,
     pub(crate) device: DistDevice<B>,
-    /// Redistributions already done for this value, shared by its clones: a partial sum used by
-    /// two ops is reduced once (every rank runs the same program, so all hit the cache alike).
+    /// Reductions already done for this partial value, shared by its clones: a partial sum used
+    /// by two ops is reduced once (every rank runs the same program, so all hit the cache alike).
     memo: Memo<B>,
 }
 
@@ -77,15 +81,9 @@ impl<B: Backend> DTensor<B> {
         let mesh = device.mesh();
         let rank = local.shape().num_dims();
         check_layout(&layout, rank, None, mesh)?;
-        let shape = Shape::from(layout.global_shape(&local.shape().to_vec(), mesh));
-        check_layout(&layout, rank, Some(&shape.to_vec()), mesh)?;
-        Ok(Self {
-            local,
-            layout,
-            shape,
-            device: device.clone(),
-            memo: None,
-        })
+        let global = layout.global_shape(&local.shape(), mesh);
+        check_layout(&layout, rank, Some(&global), mesh)?;
+        Ok(Self::new_unchecked(local, layout, device.clone()))
     }
 
     /// Distribute a full tensor that every rank holds identically (no communication: each rank
@@ -105,8 +103,13 @@ impl<B: Backend> DTensor<B> {
         device: DistDevice<B>,
     ) -> Self {
         let shape = Shape::from(layout.global_shape(&local.shape().to_vec(), device.mesh()));
-        // Only values spread over the mesh can be redistributed with communication.
-        let memo = layout.is_distributed().then(MemoCell::<B>::default);
+        // Only partial values are memoised: reducing them twice would double the traffic, while
+        // a gathered shard must not outlive its use (FSDP frees it and gathers again).
+        let partial = layout
+            .placements()
+            .iter()
+            .any(|p| matches!(p, Placement::Partial(_)));
+        let memo = partial.then(MemoCell::<B>::default);
         Self {
             local,
             layout,

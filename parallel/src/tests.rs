@@ -136,9 +136,19 @@ macro_rules! op2 {
 
 /// Run `op` on every layout of an input of `shape`; returns the number of layouts checked.
 fn check1<const N: usize>(name: &str, shape: [usize; N], op: impl Op1<N>) -> usize {
+    check1_where(name, shape, |_| true, op)
+}
+
+/// [`check1`] over the layouts `keep` accepts.
+fn check1_where<const N: usize>(
+    name: &str,
+    shape: [usize; N],
+    keep: impl Fn(&Layout) -> bool,
+    op: impl Op1<N>,
+) -> usize {
     let mesh = mesh22();
     let base = values(&shape, 7);
-    let all = layouts(&mesh, N);
+    let all: Vec<Layout> = layouts(&mesh, N).into_iter().filter(|l| keep(l)).collect();
     let results =
         launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
             let (mut checked, mut fails) = (0, Vec::new());
@@ -348,8 +358,7 @@ fn matmul_and_linear_rules_match_full_tensors() {
         1,
         op2!(3, 3, |a, b| a.matmul(b)),
     );
-    // A weight is a parameter: per-rank (`Local`) weights are refused (tested below).
-    let placed = |l: &Layout| !l.placements().contains(&Placement::Local);
+    // A weight is a parameter: per-rank (`Local`) weights are refused (see the DDP tests).
     check2_where(
         "linear",
         ([4, 4, 8], [8, 4]),
@@ -524,5 +533,93 @@ fn tensor_parallel_mlp_gradients_match_and_count_collectives() {
         assert_eq!(total.count(CollectiveKind::AllReduce), 2, "{total}");
         assert_eq!(total.count(CollectiveKind::AllGather), 0, "{total}");
         assert_eq!(counters.fallback_total(), 0, "{counters:?}");
+    }
+}
+
+fn placed(layout: &Layout) -> bool {
+    !layout.placements().contains(&Placement::Local)
+}
+
+#[test]
+fn embedding_and_layer_norm_rules_match_full_tensors() {
+    assert!(
+        check1_where(
+            "embedding",
+            [8, 4],
+            placed,
+            op1!(2, |w| {
+                let idx = Tensor::<B, 2, Int>::from_data([[1, 7, 0], [3, 3, 5]], &w.device());
+                module::embedding(w, idx)
+            }),
+        ) > 10
+    );
+    check2_where(
+        "layer_norm",
+        ([4, 4, 8], [8]),
+        1,
+        placed,
+        op2!(3, 1, |x, gamma| {
+            let beta = gamma.clone().mul_scalar(0.5);
+            let out = B::layer_norm(
+                x.into_primitive().tensor(),
+                gamma.into_primitive().tensor(),
+                Some(beta.into_primitive().tensor()),
+                1e-5,
+            );
+            Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(out))
+        }),
+    );
+}
+
+/// Embedding gradients on a dp = 2 mesh are averaged where they are born (the weight's
+/// placement is visible to `embedding_backward`), matching the mean of the per-rank gradients.
+#[test]
+fn data_parallel_embedding_gradient_is_reduced_at_birth() {
+    type A = Autodiff<D>;
+    let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+    let w0 = values(&[8, 4], 9);
+    let indices = |rank: usize| TensorData::new(vec![rank as i64, 7, 2 + rank as i64, 3], [2, 2]);
+    let reference: Vec<f32> = {
+        let dev = Default::default();
+        let grads: Vec<Vec<f32>> = (0..2)
+            .map(|rank| {
+                let w = Tensor::<Autodiff<F>, 2>::from_data(w0.clone(), &dev).require_grad();
+                let idx = Tensor::<Autodiff<F>, 2, Int>::from_data(indices(rank), &dev);
+                let y = module::embedding(w.clone(), idx);
+                let g = (y.clone() * y).sum().backward();
+                w.grad(&g).unwrap().into_data().to_vec().unwrap()
+            })
+            .collect();
+        grads[0]
+            .iter()
+            .zip(&grads[1])
+            .map(|(a, b)| (a + b) / 2.0)
+            .collect()
+    };
+    let results =
+        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+            let t = Tensor::<F, 2>::from_data(w0.clone(), &Default::default());
+            let dt = DTensor::from_full(
+                t.into_primitive().tensor(),
+                &Layout::replicated(&mesh),
+                &device,
+            )
+            .unwrap();
+            let w = from_dtensor::<A, 2>(dt).require_grad();
+            let idx = Tensor::<A, 2, Int>::from_data(indices(device.rank()), &device);
+            let y = module::embedding(w.clone(), idx);
+            let g = (y.clone() * y).sum().backward();
+            let grad = dtensor(&w.grad(&g).unwrap());
+            assert_eq!(grad.layout(), &Layout::replicated(&mesh));
+            let stats = device.context().comm().stats();
+            let full = grad.full().unwrap();
+            let data = Tensor::<F, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(full))
+                .into_data();
+            (data, stats)
+        })
+        .unwrap();
+    for (grad, stats) in results {
+        close(&grad, &TensorData::new(reference.clone(), [8, 4])).unwrap();
+        assert_eq!(stats.count(CollectiveKind::AllReduce), 1, "{stats}");
     }
 }
