@@ -302,6 +302,15 @@ fn shape_rules_match_full_tensors() {
         }),
     );
     check1(
+        "gather",
+        s,
+        op1!(3, |x| {
+            let idx: Vec<i64> = (0..128).map(|i| (i * 7 % 4) as i64).collect();
+            let idx = Tensor::<B, 3, Int>::from_data(TensorData::new(idx, [4, 4, 8]), &x.device());
+            x.gather(1, idx)
+        }),
+    );
+    check1(
         "mask_fill",
         s,
         op1!(3, |x| {

@@ -207,9 +207,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
         tensor: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
-        let fb = Fallback::<B>::new("float_gather");
-        let tensor = fb.float(tensor);
-        fb.wrap(B::float_gather(dim, tensor, indices))
+        rules::float_gather::<B>(dim, tensor, indices)
     }
 
     fn float_scatter_add(

@@ -532,6 +532,43 @@ pub(crate) fn float_select<B: Backend>(
     wrap(B::float_select(t.local, dim, indices), t.layout, t.device)
 }
 
+/// `gather(dim)`: `dim` must be whole; other sharded dims keep their shards, and the per-rank
+/// (full) index tensor is sliced to match. Gathering is linear, so partial values pass.
+pub(crate) fn float_gather<B: Backend>(
+    dim: usize,
+    tensor: DTensor<B>,
+    indices: B::IntTensorPrimitive,
+) -> DTensor<B> {
+    let global = dims(&tensor);
+    let index_dims = indices.shape().to_vec();
+    let mut target = tensor.layout.clone();
+    for a in 0..target.len() {
+        if let Shard(d) = target.get(a)
+            && (d == dim || index_dims[d] != global[d])
+        {
+            target.set(a, Replicate);
+        }
+    }
+    let t = to_layout("float_gather", tensor, &target);
+    let mut slices: Vec<Slice> = index_dims
+        .iter()
+        .map(|&s| Slice::new(0, Some(s as isize), 1))
+        .collect();
+    let mut sliced = false;
+    for (d, slice) in slices.iter_mut().enumerate() {
+        if target.shards_of(d, t.device.mesh()) > 1 {
+            *slice = local_range(&target, d, global[d], &t.device);
+            sliced = true;
+        }
+    }
+    let indices = if sliced {
+        B::int_slice(indices, &slices)
+    } else {
+        indices
+    };
+    wrap(B::float_gather(dim, t.local, indices), t.layout, t.device)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Matmul and linear layers
 
