@@ -13,3 +13,4 @@ pub use wildfire_models as models;
 pub use wildfire_parallel as parallel;
 
 pub mod demo;
+pub mod pretrain;

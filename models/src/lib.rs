@@ -1,2 +1,5 @@
-//! Wildfire's model family (GPT-2 and its tensor-parallel plan) and token datasets. Not written
-//! yet: see the GPT pretraining issue.
+//! Wildfire's model family (GPT-2, its parallelisation) and token datasets.
+
+pub mod data;
+pub mod gpt;
+pub mod parallelize;

@@ -36,7 +36,7 @@ pub use device::{DistDevice, OpCounters, RankContext, current_device, set_curren
 pub use error::DistError;
 pub use launch::{LaunchError, LaunchOptions, launch};
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis, MeshError};
-pub use placement::{Layout, Placement};
+pub use placement::{Layout, Placement, create_replicated};
 pub use ranks::{launch_ranks, launch_ranks_on};
 pub use tensor::DTensor;
 

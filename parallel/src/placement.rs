@@ -47,13 +47,19 @@ impl Layout {
     }
 
     /// The layout of a freshly created tensor (a batch, a mask, a newly initialised parameter):
-    /// `Local` on data axes, `Replicate` on model axes.
+    /// `Local` on data axes, `Replicate` on model axes — or `Replicate` everywhere inside
+    /// [`create_replicated`].
     pub fn fresh(mesh: &DeviceMesh) -> Self {
+        let data = if FRESH_REPLICATED.with(|f| f.get()) {
+            Placement::Replicate
+        } else {
+            Placement::Local
+        };
         Layout(
             mesh.axes()
                 .iter()
                 .map(|axis| match axis.kind {
-                    AxisKind::Data => Placement::Local,
+                    AxisKind::Data => data,
                     AxisKind::Model => Placement::Replicate,
                 })
                 .collect(),
@@ -136,4 +142,23 @@ impl std::fmt::Display for Layout {
         let parts: Vec<String> = self.0.iter().map(|p| format!("{p:?}")).collect();
         write!(f, "[{}]", parts.join(", "))
     }
+}
+
+thread_local! {
+    static FRESH_REPLICATED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Run `f` with tensors created from host data counted as `Replicate` on the data axes instead
+/// of per-rank `Local`: for values every rank creates identically, such as a checkpoint loaded on
+/// every rank (model weights, optimizer state). The caller vouches that the values are identical;
+/// nothing is communicated to check it.
+pub fn create_replicated<R>(f: impl FnOnce() -> R) -> R {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            FRESH_REPLICATED.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(FRESH_REPLICATED.with(|c| c.replace(true)));
+    f()
 }

@@ -1,0 +1,304 @@
+//! Tokenizers: raw bytes, or GPT-2's BPE (`r50k_base` from `tiktoken-rs`, bundled: no download).
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tiktoken_rs::CoreBPE;
+
+use super::DataError;
+
+/// Which tokenizer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizerKind {
+    /// One token per UTF-8 byte: vocab 256, no merges. Good for tiny models and tests.
+    Bytes,
+    /// GPT-2's byte-level BPE (`r50k_base`): vocab 50257, `<|endoftext|>` = 50256.
+    Gpt2,
+}
+
+impl TokenizerKind {
+    /// The name used on the command line, in configs and in cache file names.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bytes => "bytes",
+            Self::Gpt2 => "gpt2",
+        }
+    }
+
+    /// The vocabulary size of this tokenizer.
+    pub fn vocab_size(self) -> usize {
+        match self {
+            Self::Bytes => 256,
+            Self::Gpt2 => GPT2_VOCAB_SIZE,
+        }
+    }
+}
+
+impl FromStr for TokenizerKind {
+    type Err = DataError;
+
+    /// `"bytes"` or `"gpt2"` (case-insensitive).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "bytes" => Ok(Self::Bytes),
+            "gpt2" => Ok(Self::Gpt2),
+            _ => Err(DataError::UnknownTokenizer(s.to_owned())),
+        }
+    }
+}
+
+impl fmt::Display for TokenizerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// GPT-2's vocabulary: 50000 merges + 256 bytes + `<|endoftext|>`.
+const GPT2_VOCAB_SIZE: usize = 50257;
+
+/// GPT-2's `<|endoftext|>` token id.
+pub const GPT2_END_OF_TEXT: u32 = 50256;
+
+/// The UTF-8 encoding of U+FFFD, written for token ids a tokenizer cannot decode.
+const REPLACEMENT: &[u8] = "\u{FFFD}".as_bytes();
+
+/// A text ↔ token-id codec. Cheap to clone (the GPT-2 tables are built once per process).
+#[derive(Clone)]
+pub struct Tokenizer {
+    kind: TokenizerKind,
+    /// GPT-2's BPE, `Some` iff `kind == Gpt2`.
+    bpe: Option<&'static CoreBPE>,
+}
+
+impl fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+/// GPT-2's BPE, built on first use from the tables bundled in `tiktoken-rs`.
+fn gpt2_bpe() -> Result<&'static CoreBPE, DataError> {
+    static BPE: OnceLock<CoreBPE> = OnceLock::new();
+    if let Some(bpe) = BPE.get() {
+        return Ok(bpe);
+    }
+    let bpe = tiktoken_rs::r50k_base().map_err(|e| DataError::Tokenizer(e.to_string()))?;
+    // Two threads may race to build it; either result is the same.
+    Ok(BPE.get_or_init(|| bpe))
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer (for GPT-2, from the bundled BPE tables: no network).
+    pub fn new(kind: TokenizerKind) -> Result<Self, DataError> {
+        let bpe = match kind {
+            TokenizerKind::Bytes => None,
+            TokenizerKind::Gpt2 => Some(gpt2_bpe()?),
+        };
+        Ok(Self { kind, bpe })
+    }
+
+    /// Which tokenizer this is.
+    pub fn kind(&self) -> TokenizerKind {
+        self.kind
+    }
+
+    /// Token ids are `0..vocab_size()`: 256 for bytes, 50257 for GPT-2.
+    pub fn vocab_size(&self) -> usize {
+        self.kind.vocab_size()
+    }
+
+    /// Encodes `text`. GPT-2 reads `<|endoftext|>` as its special token 50256 (as nanoGPT's and
+    /// llm.c's data scripts insert between documents); bytes sees it as 13 bytes.
+    pub fn encode(&self, text: &str) -> Vec<u32> {
+        match self.bpe {
+            None => text.bytes().map(u32::from).collect(),
+            Some(bpe) => bpe.encode_with_special_tokens(text),
+        }
+    }
+
+    /// Decodes `tokens`. Byte sequences that are not UTF-8 (e.g. a multi-byte character cut in two)
+    /// and ids outside the vocabulary decode as U+FFFD.
+    pub fn decode(&self, tokens: &[u32]) -> String {
+        let mut bytes = Vec::with_capacity(tokens.len() * 2);
+        match self.bpe {
+            None => {
+                for &t in tokens {
+                    match u8::try_from(t) {
+                        Ok(b) => bytes.push(b),
+                        Err(_) => bytes.extend_from_slice(REPLACEMENT),
+                    }
+                }
+            }
+            Some(bpe) => {
+                for &t in tokens {
+                    match bpe.decode_bytes(&[t]) {
+                        Ok(b) => bytes.extend_from_slice(&b),
+                        Err(_) => bytes.extend_from_slice(REPLACEMENT),
+                    }
+                }
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Encodes a large `text` in chunks on all cores, calling `progress(bytes)` as chunks finish.
+    /// The result equals [`Tokenizer::encode`] of the whole text: chunks end only where GPT-2's
+    /// pre-tokeniser splits anyway (see [`chunk_ends`]).
+    pub(crate) fn encode_chunked(
+        &self,
+        text: &str,
+        chunk_bytes: usize,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Vec<u32> {
+        if self.bpe.is_none() {
+            progress(text.len() as u64);
+            return self.encode(text);
+        }
+        let ends = chunk_ends(text, chunk_bytes);
+        let chunks: Vec<&str> = ends
+            .iter()
+            .scan(0, |start, &end| {
+                let chunk = &text[*start..end];
+                *start = end;
+                Some(chunk)
+            })
+            .collect();
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(chunks.len());
+        if threads <= 1 {
+            let mut tokens = Vec::new();
+            for chunk in chunks {
+                tokens.extend(self.encode(chunk));
+                progress(chunk.len() as u64);
+            }
+            return tokens;
+        }
+        // Workers take chunks in order from a shared counter; results go back in chunk order.
+        let next = AtomicUsize::new(0);
+        let mut parts: Vec<(usize, Vec<u32>)> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut done = Vec::new();
+                        loop {
+                            let i = next.fetch_add(1, Ordering::Relaxed);
+                            let Some(chunk) = chunks.get(i) else { break };
+                            done.push((i, self.encode(chunk)));
+                            progress(chunk.len() as u64);
+                        }
+                        done
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .flat_map(|w| w.join().expect("tokenizer worker panicked"))
+                .collect()
+        });
+        parts.sort_unstable_by_key(|(i, _)| *i);
+        let mut tokens = Vec::with_capacity(parts.iter().map(|(_, t)| t.len()).sum());
+        for (_, part) in parts {
+            tokens.extend(part);
+        }
+        tokens
+    }
+}
+
+/// End offsets of chunks of about `chunk_bytes` each (the last is `text.len()`), cut only right
+/// after a `'\n'` that has a non-whitespace character on both sides.
+///
+/// Why that is safe for GPT-2's pre-tokeniser
+/// (`'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+$|\s+(?!\S)|\s`): no piece holds
+/// both whitespace and non-whitespace except through a leading *space*, so the whole text has a
+/// piece boundary on each side of such a `'\n'`, and the `'\n'` alone is a piece: `\s` in the whole
+/// text, `\s+$` at the end of the chunk. `<|endoftext|>` holds no `'\n'`, so it is never cut.
+pub(crate) fn chunk_ends(text: &str, chunk_bytes: usize) -> Vec<usize> {
+    let bytes = text.as_bytes();
+    let is_ws = |b: u8| b.is_ascii_whitespace() || b >= 0x80; // non-ASCII may be Unicode space
+    let mut ends = Vec::new();
+    let mut start = 0;
+    while start < bytes.len() {
+        let mut cut = bytes.len();
+        let mut i = start + chunk_bytes.max(1);
+        while i + 1 < bytes.len() {
+            if bytes[i] == b'\n' && !is_ws(bytes[i - 1]) && !is_ws(bytes[i + 1]) {
+                cut = i + 1;
+                break;
+            }
+            i += 1;
+        }
+        ends.push(cut);
+        start = cut;
+    }
+    ends
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kind_parses_displays_and_serialises() {
+        for kind in [TokenizerKind::Bytes, TokenizerKind::Gpt2] {
+            assert_eq!(kind.to_string().parse::<TokenizerKind>().unwrap(), kind);
+        }
+        assert_eq!(
+            "GPT2".parse::<TokenizerKind>().unwrap(),
+            TokenizerKind::Gpt2
+        );
+        let err = "bpe".parse::<TokenizerKind>().unwrap_err();
+        assert!(err.to_string().contains("\"bytes\" or \"gpt2\""), "{err}");
+    }
+
+    #[test]
+    fn bytes_round_trip() {
+        let tok = Tokenizer::new(TokenizerKind::Bytes).unwrap();
+        assert_eq!(tok.vocab_size(), 256);
+        let text = "Hello, wörld! ✓\n<|endoftext|>";
+        let ids = tok.encode(text);
+        assert_eq!(ids.len(), text.len());
+        assert_eq!(&ids[..5], &[72, 101, 108, 108, 111]);
+        assert_eq!(tok.decode(&ids), text);
+        // A character cut in two, and an id outside the vocab, decode lossily.
+        assert_eq!(tok.decode(&[0xC3, 104, 300]), "\u{FFFD}h\u{FFFD}");
+    }
+
+    #[test]
+    fn gpt2_matches_reference_ids_and_round_trips() {
+        let tok = Tokenizer::new(TokenizerKind::Gpt2).unwrap();
+        assert_eq!(tok.vocab_size(), 50257);
+        // Reference ids from OpenAI's GPT-2 encoder (tiktoken "gpt2" / HF GPT2TokenizerFast).
+        assert_eq!(tok.encode("Hello world"), [15496, 995]);
+        assert_eq!(tok.encode("<|endoftext|>"), [GPT2_END_OF_TEXT]);
+        let text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n<|endoftext|>Ünïcödé ✓";
+        assert_eq!(tok.decode(&tok.encode(text)), text);
+        assert_eq!(tok.decode(&[15496, 60000]), "Hello\u{FFFD}");
+    }
+
+    #[test]
+    fn chunked_gpt2_equals_whole_text() {
+        let tok = Tokenizer::new(TokenizerKind::Gpt2).unwrap();
+        let text =
+            "It was a dark night.\nThe  wind\n\n  howled.\nNo\t\nrest \nfor 12 cats'\nsake!\n\
+                    <|endoftext|>\nA new story:\nÜber  \u{3000}\ncafé.\n"
+                .repeat(20);
+        let whole = tok.encode(&text);
+        for chunk in [1, 7, 40, 333] {
+            let ends = chunk_ends(&text, chunk);
+            assert!(ends.len() > 1 || chunk == 333);
+            assert_eq!(*ends.last().unwrap(), text.len());
+            let seen = AtomicUsize::new(0);
+            let got = tok.encode_chunked(&text, chunk, &|n| {
+                seen.fetch_add(n as usize, Ordering::Relaxed);
+            });
+            assert_eq!(got, whole, "chunk size {chunk}");
+            assert_eq!(seen.into_inner(), text.len());
+        }
+    }
+}

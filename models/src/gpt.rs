@@ -1,0 +1,495 @@
+//! The GPT-2 family: pre-LayerNorm blocks, causal self-attention, GELU MLP, learned positions,
+//! input and output embeddings tied, GPT-2 initialisation (nanoGPT / llm.c conventions).
+
+use burn::module::Param;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{LayerNorm, LayerNormConfig, Linear};
+use burn::prelude::*;
+use burn::tensor::activation;
+use serde::{Deserialize, Serialize};
+use std::str::FromStr;
+
+/// Model shape errors, reported before anything is built.
+#[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
+pub enum ModelError {
+    /// The width does not split into heads.
+    #[error(
+        "n_embd {n_embd} does not divide into n_head {n_head} heads; choose n_embd a multiple of n_head"
+    )]
+    Heads {
+        /// Model width.
+        n_embd: usize,
+        /// Heads.
+        n_head: usize,
+    },
+    /// A size of zero.
+    #[error("{what} must be at least 1")]
+    Zero {
+        /// Which size.
+        what: &'static str,
+    },
+    /// An unknown preset name.
+    #[error(
+        "unknown preset '{0}'; choose one of tiny, small, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b"
+    )]
+    UnknownPreset(String),
+}
+
+/// Model presets: two small ones for CPUs and tests, and GPT-2's four sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Preset {
+    /// 4 layers, 4 heads, width 128, context 128: trains in minutes on a CPU.
+    Tiny,
+    /// 4 layers, 4 heads, width 256, context 256 (the CPU benchmark shape).
+    Small,
+    /// GPT-2 small: 12 layers, 12 heads, width 768, context 1024.
+    Gpt2_124m,
+    /// GPT-2 medium: 24 layers, 16 heads, width 1024.
+    Gpt2_350m,
+    /// GPT-2 large: 36 layers, 20 heads, width 1280.
+    Gpt2_774m,
+    /// GPT-2 XL: 48 layers, 25 heads, width 1600.
+    Gpt2_1_5b,
+}
+
+impl FromStr for Preset {
+    type Err = ModelError;
+    fn from_str(s: &str) -> Result<Self, ModelError> {
+        Ok(match s {
+            "tiny" => Preset::Tiny,
+            "small" => Preset::Small,
+            "gpt2-124m" | "gpt2" => Preset::Gpt2_124m,
+            "gpt2-350m" | "gpt2-medium" => Preset::Gpt2_350m,
+            "gpt2-774m" | "gpt2-large" => Preset::Gpt2_774m,
+            "gpt2-1.5b" | "gpt2-xl" => Preset::Gpt2_1_5b,
+            other => return Err(ModelError::UnknownPreset(other.to_string())),
+        })
+    }
+}
+
+impl std::fmt::Display for Preset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Preset::Tiny => "tiny",
+            Preset::Small => "small",
+            Preset::Gpt2_124m => "gpt2-124m",
+            Preset::Gpt2_350m => "gpt2-350m",
+            Preset::Gpt2_774m => "gpt2-774m",
+            Preset::Gpt2_1_5b => "gpt2-1.5b",
+        })
+    }
+}
+
+impl Preset {
+    /// The preset's shape for a vocabulary of `vocab_size` tokens.
+    pub fn config(self, vocab_size: usize) -> GptConfig {
+        let (n_layer, n_head, n_embd, block_size) = match self {
+            Preset::Tiny => (4, 4, 128, 128),
+            Preset::Small => (4, 4, 256, 256),
+            Preset::Gpt2_124m => (12, 12, 768, 1024),
+            Preset::Gpt2_350m => (24, 16, 1024, 1024),
+            Preset::Gpt2_774m => (36, 20, 1280, 1024),
+            Preset::Gpt2_1_5b => (48, 25, 1600, 1024),
+        };
+        GptConfig {
+            vocab_size,
+            block_size,
+            n_layer,
+            n_head,
+            n_embd,
+            init_seed: 1337,
+        }
+    }
+}
+
+/// The shape of a GPT model.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GptConfig {
+    /// Vocabulary size (GPT-2 BPE: 50257, often padded to 50304; bytes: 256).
+    pub vocab_size: usize,
+    /// Context length (learned positions).
+    pub block_size: usize,
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Attention heads.
+    pub n_head: usize,
+    /// Model width.
+    pub n_embd: usize,
+    /// Seed of the initial weights (drawn on the host, so every backend and rank agrees).
+    pub init_seed: u64,
+}
+
+impl GptConfig {
+    /// Check the shape.
+    pub fn validate(&self) -> Result<(), ModelError> {
+        for (what, v) in [
+            ("vocab_size", self.vocab_size),
+            ("block_size", self.block_size),
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("n_embd", self.n_embd),
+        ] {
+            if v == 0 {
+                return Err(ModelError::Zero { what });
+            }
+        }
+        if !self.n_embd.is_multiple_of(self.n_head) {
+            return Err(ModelError::Heads {
+                n_embd: self.n_embd,
+                n_head: self.n_head,
+            });
+        }
+        Ok(())
+    }
+
+    /// Number of parameters (the tied embedding counted once).
+    pub fn num_params(&self) -> usize {
+        let (v, t, d, l) = (self.vocab_size, self.block_size, self.n_embd, self.n_layer);
+        let block =
+            2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d);
+        v * d + t * d + l * block + 2 * d
+    }
+
+    /// Training FLOPs per token for a sequence of `seq` tokens: 6N + 12·L·d·T (PaLM appendix B;
+    /// N without the position embedding).
+    pub fn flops_per_token(&self, seq: usize) -> f64 {
+        let n = (self.num_params() - self.block_size * self.n_embd) as f64;
+        6.0 * n + 12.0 * (self.n_layer * self.n_embd * seq) as f64
+    }
+
+    /// Build the model on `device`, with GPT-2's initialisation: weights N(0, 0.02), residual
+    /// output projections N(0, 0.02/√(2L)), biases 0, LayerNorm 1 and 0.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Result<Gpt<B>, ModelError> {
+        self.validate()?;
+        let mut init = Init {
+            seed: self.init_seed,
+            count: 0,
+        };
+        let d = self.n_embd;
+        let proj_std = 0.02 / ((2 * self.n_layer) as f32).sqrt();
+        let blocks = (0..self.n_layer)
+            .map(|_| Block {
+                ln_1: LayerNormConfig::new(d).init(device),
+                attn: CausalSelfAttention {
+                    c_attn: init.linear(d, 3 * d, 0.02, device),
+                    c_proj: init.linear(d, d, proj_std, device),
+                    n_head: self.n_head,
+                },
+                ln_2: LayerNormConfig::new(d).init(device),
+                mlp: MlpBlock {
+                    c_fc: init.linear(d, 4 * d, 0.02, device),
+                    c_proj: init.linear(4 * d, d, proj_std, device),
+                },
+            })
+            .collect();
+        Ok(Gpt {
+            wte: Param::from_tensor(init.normal([self.vocab_size, d], 0.02, device)),
+            wpe: Param::from_tensor(init.normal([self.block_size, d], 0.02, device)),
+            blocks,
+            ln_f: LayerNormConfig::new(d).init(device),
+        })
+    }
+}
+
+/// Host-side seeded initialisation (splitmix64 + Box-Muller), one stream per tensor.
+struct Init {
+    seed: u64,
+    count: u64,
+}
+
+impl Init {
+    fn normal<B: Backend, const D: usize>(
+        &mut self,
+        shape: [usize; D],
+        std: f32,
+        device: &B::Device,
+    ) -> Tensor<B, D> {
+        self.count += 1;
+        let mut state = self.seed ^ self.count.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut next = || {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let n: usize = shape.iter().product();
+        let mut values = Vec::with_capacity(n);
+        while values.len() < n {
+            let (u1, u2) = (next().max(1e-300), next());
+            let r = (-2.0 * u1.ln()).sqrt();
+            let theta = 2.0 * std::f64::consts::PI * u2;
+            values.push((r * theta.cos()) as f32 * std);
+            values.push((r * theta.sin()) as f32 * std);
+        }
+        values.truncate(n);
+        Tensor::from_data(TensorData::new(values, shape), device)
+    }
+
+    fn linear<B: Backend>(
+        &mut self,
+        d_in: usize,
+        d_out: usize,
+        std: f32,
+        device: &B::Device,
+    ) -> Linear<B> {
+        Linear {
+            weight: Param::from_tensor(self.normal([d_in, d_out], std, device)),
+            bias: Some(Param::from_tensor(Tensor::zeros([d_out], device))),
+        }
+    }
+}
+
+/// A GPT language model.
+#[derive(Module, Debug)]
+pub struct Gpt<B: Backend> {
+    /// Token embedding `[vocab, d]`, also the output projection (tied).
+    pub wte: Param<Tensor<B, 2>>,
+    /// Position embedding `[block, d]`.
+    pub wpe: Param<Tensor<B, 2>>,
+    /// The blocks.
+    pub blocks: Vec<Block<B>>,
+    /// Final LayerNorm.
+    pub ln_f: LayerNorm<B>,
+}
+
+/// A pre-LayerNorm transformer block.
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    /// Norm before attention.
+    pub ln_1: LayerNorm<B>,
+    /// Causal self-attention.
+    pub attn: CausalSelfAttention<B>,
+    /// Norm before the MLP.
+    pub ln_2: LayerNorm<B>,
+    /// The MLP.
+    pub mlp: MlpBlock<B>,
+}
+
+/// Multi-head causal self-attention with a fused q/k/v projection.
+#[derive(Module, Debug)]
+pub struct CausalSelfAttention<B: Backend> {
+    /// q, k, v projection `[d, 3d]`.
+    pub c_attn: Linear<B>,
+    /// Output projection `[d, d]`.
+    pub c_proj: Linear<B>,
+    /// Heads.
+    pub n_head: usize,
+}
+
+/// The GELU MLP `d -> 4d -> d`.
+#[derive(Module, Debug)]
+pub struct MlpBlock<B: Backend> {
+    /// Up projection.
+    pub c_fc: Linear<B>,
+    /// Down projection.
+    pub c_proj: Linear<B>,
+}
+
+impl<B: Backend> CausalSelfAttention<B> {
+    /// `[b, t, d] -> [b, t, d]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let [b, t, d] = x.dims();
+        let (h, hd) = (self.n_head, d / self.n_head);
+        let qkv = self.c_attn.forward(x);
+        let split = |i: usize| {
+            qkv.clone()
+                .narrow(2, i * d, d)
+                .reshape([b, t, h, hd])
+                .swap_dims(1, 2)
+        };
+        let (q, k, v) = (split(0), split(1), split(2));
+        let att = q
+            .matmul(k.swap_dims(2, 3))
+            .mul_scalar(1.0 / (hd as f64).sqrt());
+        // `true` strictly above the diagonal: position i does not see j > i.
+        let mask = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &att.device())
+            .reshape([1, 1, t, t])
+            .expand([b, h, t, t]);
+        // A large finite value: some backends implement mask_fill arithmetically, where -inf gives NaN.
+        let att = activation::softmax(att.mask_fill(mask, -1.0e9), 3);
+        let y = att.matmul(v).swap_dims(1, 2).reshape([b, t, d]);
+        self.c_proj.forward(y)
+    }
+}
+
+impl<B: Backend> MlpBlock<B> {
+    /// `[b, t, d] -> [b, t, d]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.c_proj.forward(activation::gelu(self.c_fc.forward(x)))
+    }
+}
+
+impl<B: Backend> Block<B> {
+    /// `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let x = x.clone() + self.attn.forward(self.ln_1.forward(x));
+        x.clone() + self.mlp.forward(self.ln_2.forward(x))
+    }
+}
+
+impl<B: Backend> Gpt<B> {
+    /// Logits `[b, t, vocab]` for token ids `[b, t]` (t <= block size).
+    pub fn forward(&self, idx: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [_, t] = idx.dims();
+        let device = idx.device();
+        let pos = Tensor::<B, 1, Int>::arange(0..t as i64, &device).reshape([1, t]);
+        let tok = burn::tensor::module::embedding(self.wte.val(), idx);
+        let pos = burn::tensor::module::embedding(self.wpe.val(), pos);
+        let mut x = tok + pos;
+        for block in &self.blocks {
+            x = block.forward(x);
+        }
+        // Tied output projection: logits = x · wteᵀ.
+        burn::tensor::module::linear(self.ln_f.forward(x), self.wte.val().transpose(), None)
+    }
+
+    /// Mean cross-entropy of next-token prediction: `inputs` and `targets` are `[b, t]`.
+    pub fn loss(&self, inputs: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        let [b, t] = inputs.dims();
+        let logits = self.forward(inputs);
+        let vocab = logits.dims()[2];
+        CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits.reshape([b * t, vocab]), targets.reshape([b * t]))
+    }
+
+    /// The context length.
+    pub fn block_size(&self) -> usize {
+        self.wpe.dims()[0]
+    }
+
+    /// Continue `prompt` by `new_tokens` tokens, sampling with `temperature` among the `top_k`
+    /// most likely (seeded, so a sample is reproducible).
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        new_tokens: usize,
+        temperature: f32,
+        top_k: usize,
+        seed: u64,
+        device: &B::Device,
+    ) -> Vec<u32> {
+        let mut tokens: Vec<u32> = if prompt.is_empty() {
+            vec![0]
+        } else {
+            prompt.to_vec()
+        };
+        let mut state = seed | 1;
+        for _ in 0..new_tokens {
+            let start = tokens.len().saturating_sub(self.block_size());
+            let context: Vec<i64> = tokens[start..].iter().map(|&t| t as i64).collect();
+            let t = context.len();
+            let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(context, [1, t]), device);
+            let logits = self.forward(idx).narrow(1, t - 1, 1);
+            let logits: Vec<f32> = logits.into_data().convert::<f32>().to_vec().unwrap();
+            let mut order: Vec<usize> = (0..logits.len()).collect();
+            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+            order.truncate(top_k.max(1));
+            let max = logits[order[0]];
+            let weights: Vec<f64> = order
+                .iter()
+                .map(|&i| (((logits[i] - max) / temperature.max(1e-6)) as f64).exp())
+                .collect();
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let mut pick = (state >> 11) as f64 / (1u64 << 53) as f64 * weights.iter().sum::<f64>();
+            let mut choice = order[order.len() - 1];
+            for (&i, w) in order.iter().zip(&weights) {
+                if pick < *w {
+                    choice = i;
+                    break;
+                }
+                pick -= w;
+            }
+            tokens.push(choice as u32);
+        }
+        tokens
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, Flex};
+
+    fn tiny() -> GptConfig {
+        GptConfig {
+            vocab_size: 64,
+            block_size: 16,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 32,
+            init_seed: 7,
+        }
+    }
+
+    fn tokens(b: usize, t: usize, shift: usize) -> Tensor<Autodiff<Flex>, 2, Int> {
+        let v: Vec<i64> = (0..b * t).map(|i| ((i * 7 + shift) % 64) as i64).collect();
+        Tensor::from_data(TensorData::new(v, [b, t]), &Default::default())
+    }
+
+    #[test]
+    fn initial_loss_is_near_uniform_and_gradients_are_finite() {
+        let model = tiny().init::<Autodiff<Flex>>(&Default::default()).unwrap();
+        let loss = model.loss(tokens(2, 16, 0), tokens(2, 16, 1));
+        let value = loss.clone().into_scalar().elem::<f32>();
+        assert!(
+            (value - (64f32).ln()).abs() < 0.3,
+            "initial loss {value}, ln(64) = {}",
+            (64f32).ln()
+        );
+        let grads = loss.backward();
+        let g = model.wte.val().grad(&grads).unwrap();
+        assert!(
+            g.into_data()
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .all(|x| x.is_finite())
+        );
+    }
+
+    #[test]
+    fn parameter_count_matches_the_formula() {
+        let config = tiny();
+        let model = config.init::<Flex>(&Default::default()).unwrap();
+        assert_eq!(model.num_params(), config.num_params());
+        // GPT-2 small: 124,439,808 parameters with the 50257 vocabulary (tied embedding).
+        assert_eq!(Preset::Gpt2_124m.config(50257).num_params(), 124_439_808);
+    }
+
+    #[test]
+    fn attention_is_causal() {
+        let model = tiny().init::<Flex>(&Default::default()).unwrap();
+        let a: Vec<i64> = (0..16).map(|i| i % 64).collect();
+        let mut b = a.clone();
+        b[10] = 63;
+        let run = |v: Vec<i64>| {
+            let x =
+                Tensor::<Flex, 2, Int>::from_data(TensorData::new(v, [1, 16]), &Default::default());
+            model
+                .forward(x)
+                .narrow(1, 0, 10)
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap()
+        };
+        assert_eq!(run(a), run(b), "positions before 10 must not see token 10");
+    }
+
+    #[test]
+    fn bad_shapes_are_refused() {
+        let mut c = tiny();
+        c.n_head = 3;
+        assert_eq!(
+            c.init::<Flex>(&Default::default()).unwrap_err(),
+            ModelError::Heads {
+                n_embd: 32,
+                n_head: 3
+            }
+        );
+        assert!("gpt9".parse::<Preset>().is_err());
+    }
+}

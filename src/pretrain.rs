@@ -1,0 +1,896 @@
+//! GPT pretraining, the library behind `examples/gpt_pretrain`: data, model, the training loop on
+//! every rank, evaluation, metrics, checkpoints and resume. One function, [`run`], that the binary
+//! and the tests call alike.
+
+use burn::backend::Autodiff;
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::prelude::*;
+use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use serde::{Deserialize, Serialize};
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use wildfire_models::data::{
+    BatchSampler, DataError, DataSource, TokenDataset, TokenSlice, Tokenizer, TokenizerKind,
+};
+use wildfire_models::gpt::{Gpt, GptConfig, ModelError, Preset};
+use wildfire_models::parallelize::{ParallelConfig, ParallelizeError, parallelize_gpt};
+use wildfire_parallel::{
+    DistDevice, DistError, Distributed, Group, LaunchError, LaunchOptions, ReduceOp,
+    create_replicated, launch_ranks, sync_gradients,
+};
+
+/// Numeric precision of the compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Precision {
+    /// f32 everywhere.
+    F32,
+    /// bf16 compute, f32 master weights.
+    Bf16,
+    /// f16 compute with dynamic loss scaling, f32 master weights.
+    F16,
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "f32" => Precision::F32,
+            "bf16" => Precision::Bf16,
+            "f16" => Precision::F16,
+            other => {
+                return Err(format!(
+                    "unknown --precision '{other}': choose f32, bf16 or f16"
+                ));
+            }
+        })
+    }
+}
+
+/// Everything a pretraining run needs (the binary's flags; stored in every checkpoint).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PretrainConfig {
+    /// Model preset.
+    pub preset: Preset,
+    /// Overrides of the preset's shape.
+    pub n_layer: Option<usize>,
+    /// Heads override.
+    pub n_head: Option<usize>,
+    /// Width override.
+    pub n_embd: Option<usize>,
+    /// Context length override.
+    pub block_size: Option<usize>,
+    /// Data: the embedded corpus or a file.
+    pub data: Option<PathBuf>,
+    /// Tokenizer for text data.
+    pub tokenizer: TokenizerKind,
+    /// Fraction of the tokens held out for validation.
+    pub val_fraction: f64,
+    /// Total steps (a resumed run continues up to this step).
+    pub steps: usize,
+    /// Global batch: sequences per step over all data-parallel ranks.
+    pub batch_size: usize,
+    /// Gradient accumulation micro-batches per step.
+    pub accum: usize,
+    /// Peak learning rate (AdamW).
+    pub lr: f64,
+    /// Linear warmup steps, then cosine decay to `lr / 10` at the last step.
+    pub warmup: usize,
+    /// AdamW weight decay.
+    pub weight_decay: f64,
+    /// Global gradient-norm clip (0: off).
+    pub clip: f64,
+    /// Seed of the data sampling.
+    pub seed: u64,
+    /// Parallelism.
+    pub parallel: ParallelConfig,
+    /// Compute precision.
+    pub precision: Precision,
+    /// Evaluate every this many steps (0: only at the end).
+    pub eval_every: usize,
+    /// Validation batches per evaluation.
+    pub eval_iters: usize,
+    /// Checkpoint directory.
+    pub save: Option<PathBuf>,
+    /// Checkpoint every this many steps (0: only at the end).
+    pub save_every: usize,
+    /// Resume from this checkpoint directory.
+    pub resume: Option<PathBuf>,
+    /// One JSON object per step (and per evaluation) to this file.
+    pub metrics: Option<PathBuf>,
+    /// A human log line every this many steps.
+    pub log_every: usize,
+    /// Peak FLOP/s of one rank's device, for MFU.
+    pub peak_flops: f64,
+    /// Tokens of generated text at the end (0: none).
+    pub sample_tokens: usize,
+    /// Loss-curve PNG at the end.
+    pub plot: Option<PathBuf>,
+    /// Show a progress bar (rank 0, terminals only).
+    pub progress: bool,
+}
+
+impl Default for PretrainConfig {
+    fn default() -> Self {
+        Self {
+            preset: Preset::Tiny,
+            n_layer: None,
+            n_head: None,
+            n_embd: None,
+            block_size: None,
+            data: None,
+            tokenizer: TokenizerKind::Bytes,
+            val_fraction: 0.1,
+            steps: 200,
+            batch_size: 8,
+            accum: 1,
+            lr: 1e-3,
+            warmup: 20,
+            weight_decay: 0.1,
+            clip: 1.0,
+            seed: 1337,
+            parallel: ParallelConfig::default(),
+            precision: Precision::F32,
+            eval_every: 50,
+            eval_iters: 4,
+            save: None,
+            save_every: 0,
+            resume: None,
+            metrics: None,
+            log_every: 10,
+            peak_flops: 1e12,
+            sample_tokens: 200,
+            plot: None,
+            progress: true,
+        }
+    }
+}
+
+/// A run that cannot start or cannot go on; each message says what to do.
+#[derive(thiserror::Error, Debug)]
+pub enum PretrainError {
+    /// Data problem.
+    #[error(transparent)]
+    Data(#[from] DataError),
+    /// Model shape problem.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// Parallelisation problem.
+    #[error(transparent)]
+    Parallelize(#[from] ParallelizeError),
+    /// Distributed problem.
+    #[error(transparent)]
+    Dist(#[from] DistError),
+    /// A rank failed.
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+    /// An option that is not implemented yet.
+    #[error("{what} is not available yet (it lands with the {issue} issue); run without it")]
+    NotAvailable {
+        /// The option.
+        what: String,
+        /// The issue that brings it.
+        issue: &'static str,
+    },
+    /// A bad option value.
+    #[error("{0}")]
+    Config(String),
+    /// A checkpoint that cannot be used.
+    #[error("checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// Where.
+        path: PathBuf,
+        /// What is wrong, and what to do.
+        reason: String,
+    },
+    /// File output failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> PretrainError + '_ {
+    move |source| PretrainError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+impl PretrainConfig {
+    /// The model shape for a vocabulary of `vocab` tokens (GPT-2's padded to 50304, as nanoGPT).
+    pub fn model(&self, vocab: usize) -> Result<GptConfig, ModelError> {
+        let vocab = if vocab > 256 {
+            vocab.div_ceil(64) * 64
+        } else {
+            vocab
+        };
+        let mut c = self.preset.config(vocab);
+        c.n_layer = self.n_layer.unwrap_or(c.n_layer);
+        c.n_head = self.n_head.unwrap_or(c.n_head);
+        c.n_embd = self.n_embd.unwrap_or(c.n_embd);
+        c.block_size = self.block_size.unwrap_or(c.block_size);
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Refuse options that are not implemented yet, and impossible values.
+    pub fn check(&self) -> Result<(), PretrainError> {
+        self.parallel.check_available()?;
+        if self.precision != Precision::F32 {
+            return Err(PretrainError::NotAvailable {
+                what: format!("--precision {:?}", self.precision).to_lowercase(),
+                issue: "mixed-precision",
+            });
+        }
+        if self.accum != 1 {
+            return Err(PretrainError::NotAvailable {
+                what: format!("--accum {}", self.accum),
+                issue: "mixed-precision / training-step",
+            });
+        }
+        if self.steps == 0 || self.batch_size == 0 {
+            return Err(PretrainError::Config(
+                "--steps and --batch-size must be at least 1".into(),
+            ));
+        }
+        if !self.batch_size.is_multiple_of(self.parallel.dp) {
+            return Err(PretrainError::Config(format!(
+                "--batch-size {} does not split over --dp {}: choose a multiple of {}",
+                self.batch_size, self.parallel.dp, self.parallel.dp
+            )));
+        }
+        if !(0.0..1.0).contains(&self.val_fraction) {
+            return Err(PretrainError::Config(
+                "--val-fraction must be in [0, 1)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Learning rate at `step`: linear warmup, then cosine decay to a tenth (nanoGPT).
+    pub fn lr_at(&self, step: usize) -> f64 {
+        let min = self.lr / 10.0;
+        if step < self.warmup {
+            return self.lr * (step + 1) as f64 / self.warmup as f64;
+        }
+        let span = self.steps.saturating_sub(self.warmup).max(1) as f64;
+        let progress = ((step - self.warmup) as f64 / span).min(1.0);
+        min + 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()) * (self.lr - min)
+    }
+}
+
+/// Per-rank memory estimate in bytes (f32 params and grads, AdamW; activations after Korthikanti
+/// et al. 2022, s·b·h·(34 + 5·a·s/h) bytes per layer at 16-bit, doubled for f32).
+#[derive(Clone, Debug, Serialize)]
+pub struct MemoryEstimate {
+    /// Parameters Ψ.
+    pub params: usize,
+    /// 4Ψ.
+    pub param_bytes: usize,
+    /// 4Ψ.
+    pub grad_bytes: usize,
+    /// 8Ψ (AdamW's two moments).
+    pub optim_bytes: usize,
+    /// Activations kept for backward, per rank (its share of the batch).
+    pub activation_bytes: usize,
+    /// The sum.
+    pub total_bytes: usize,
+}
+
+/// The estimate for `config` on one data-parallel rank (DDP: everything replicated).
+pub fn estimate(config: &PretrainConfig, model: &GptConfig) -> MemoryEstimate {
+    let psi = model.num_params();
+    let (s, h, a, l) = (model.block_size, model.n_embd, model.n_head, model.n_layer);
+    let b = config.batch_size / config.parallel.dp;
+    let per_layer_16 = s * b * h * 34 + 5 * a * s * s * b;
+    let logits = s * b * model.vocab_size * 4 * 2;
+    let activation_bytes = l * per_layer_16 * 2 + logits;
+    let (pb, gb, ob) = (4 * psi, 4 * psi, 8 * psi);
+    MemoryEstimate {
+        params: psi,
+        param_bytes: pb,
+        grad_bytes: gb,
+        optim_bytes: ob,
+        activation_bytes,
+        total_bytes: pb + gb + ob + activation_bytes,
+    }
+}
+
+/// One step's record (rank 0's view; `loss` is the mean over the data-parallel ranks).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct StepMetrics {
+    /// Step number (0-based).
+    pub step: usize,
+    /// Training loss.
+    pub loss: f32,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    /// Loss scale (1 without loss scaling).
+    pub loss_scale: f32,
+    /// Whether the optimizer step was skipped.
+    pub skipped: bool,
+    /// Training tokens per second over all ranks.
+    pub tokens_per_s: f64,
+    /// Parameter bytes on this rank.
+    pub param_bytes: u64,
+    /// Gradient bytes on this rank.
+    pub grad_bytes: u64,
+    /// Optimizer-state bytes on this rank.
+    pub optim_bytes: u64,
+    /// Peak resident memory of the process so far (VmHWM; all ranks share the process).
+    pub peak_bytes: u64,
+    /// Bytes this rank passed to collectives during the step.
+    pub comm_bytes: u64,
+    /// Validation loss, on evaluation steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f32>,
+}
+
+/// What a run produced.
+#[derive(Clone, Debug, Default)]
+pub struct RunSummary {
+    /// Metrics of each step run (from the first step after a resume).
+    pub steps: Vec<StepMetrics>,
+    /// Generated text, if asked for.
+    pub sample: String,
+    /// Every parameter at the end, in visiting order (rank 0).
+    pub parameters: Vec<Vec<f32>>,
+    /// The model shape.
+    pub model: Option<GptConfig>,
+}
+
+/// The state stored next to the weights in a checkpoint.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct CheckpointState {
+    /// Steps completed.
+    step: usize,
+    /// The run's configuration.
+    config: PretrainConfig,
+    /// The model shape.
+    model: GptConfig,
+}
+
+/// Run pretraining with `config` on the Flex CPU backend (ranks as threads).
+pub fn run(config: &PretrainConfig) -> Result<RunSummary, PretrainError> {
+    run_on::<burn::backend::Flex>(config, &Default::default())
+}
+
+/// Run pretraining on the inner backend `B` (all ranks share `device`).
+pub fn run_on<B: Backend>(
+    config: &PretrainConfig,
+    device: &B::Device,
+) -> Result<RunSummary, PretrainError> {
+    config.check()?;
+    let tokenizer = Tokenizer::new(config.tokenizer)?;
+    let source = match &config.data {
+        Some(path) => DataSource::File(path.clone()),
+        None => DataSource::Embedded,
+    };
+    let dataset = TokenDataset::load(&source, &tokenizer)?;
+    let model_config =
+        config.model(tokenizer.vocab_size().max(dataset.max_token() as usize + 1))?;
+    dataset.check_vocab(model_config.vocab_size)?;
+    let (train, val) = dataset.split(config.val_fraction);
+    let sampler = BatchSampler {
+        seed: config.seed,
+        block_size: model_config.block_size,
+        global_batch: config.batch_size,
+    };
+    sampler.check(train)?;
+    let val_sampler = BatchSampler {
+        seed: config.seed ^ 0x0056_414C,
+        ..sampler.clone()
+    };
+    if config.eval_iters > 0 && config.val_fraction > 0.0 {
+        val_sampler.check(val)?;
+    }
+    let start = match &config.resume {
+        Some(dir) => Some(read_state(dir, &model_config)?),
+        None => None,
+    };
+    let first_step = start.as_ref().map_or(0, |(s, _)| s.step);
+    tracing::info!(
+        model = ?model_config, params = model_config.num_params(), tokens = dataset.len(), data = %source,
+        "pretraining {} steps from step {first_step}", config.steps
+    );
+    let mesh = config.parallel.mesh()?;
+    let dp = config.parallel.dp;
+    let metrics_file = match &config.metrics {
+        Some(path) => Some(std::sync::Mutex::new(
+            fs::File::create(path).map_err(io_err(path))?,
+        )),
+        None => None,
+    };
+    let results = launch_ranks::<B, _, _>(&mesh, device, &LaunchOptions::default(), |device| {
+        let rank = device.rank();
+        let rows = sampler.rows_for(rank, dp).expect("checked above");
+        let ctx = RankRun {
+            config,
+            model_config: &model_config,
+            sampler: &sampler,
+            val_sampler: &val_sampler,
+            train,
+            val,
+            rows,
+            metrics: metrics_file.as_ref(),
+            tokenizer: &tokenizer,
+        };
+        ctx.train::<B>(
+            &device,
+            start.as_ref().map(|(_, dir)| dir.as_path()),
+            first_step,
+        )
+    })?;
+    let mut summary = results.into_iter().next().expect("rank 0")?;
+    summary.model = Some(model_config);
+    if let Some(path) = &config.plot {
+        plot_losses(path, &summary.steps)?;
+    }
+    Ok(summary)
+}
+
+fn read_state(dir: &Path, model: &GptConfig) -> Result<(CheckpointState, PathBuf), PretrainError> {
+    let latest = dir.join("latest");
+    let name = fs::read_to_string(&latest).map_err(|e| PretrainError::Checkpoint {
+        path: dir.to_path_buf(),
+        reason: format!("no checkpoint here ({e}); pass the directory given to --save"),
+    })?;
+    let step_dir = dir.join(name.trim());
+    let state: CheckpointState = serde_json::from_str(
+        &fs::read_to_string(step_dir.join("state.json")).map_err(io_err(&step_dir))?,
+    )
+    .map_err(|e| PretrainError::Checkpoint {
+        path: step_dir.clone(),
+        reason: format!("state.json is corrupt: {e}"),
+    })?;
+    if &state.model != model {
+        return Err(PretrainError::Checkpoint {
+            path: step_dir,
+            reason: format!(
+                "it holds a model of shape {:?}, this run builds {:?}; resume with the same model flags",
+                state.model, model
+            ),
+        });
+    }
+    Ok((state, step_dir))
+}
+
+/// Write `bytes` to `path` atomically (temp file + rename).
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), PretrainError> {
+    let tmp = path.with_extension("tmp");
+    let mut f = fs::File::create(&tmp).map_err(io_err(&tmp))?;
+    f.write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .map_err(io_err(&tmp))?;
+    fs::rename(&tmp, path).map_err(io_err(path))
+}
+
+struct RankRun<'a> {
+    config: &'a PretrainConfig,
+    model_config: &'a GptConfig,
+    sampler: &'a BatchSampler,
+    val_sampler: &'a BatchSampler,
+    train: TokenSlice<'a>,
+    val: TokenSlice<'a>,
+    rows: std::ops::Range<usize>,
+    metrics: Option<&'a std::sync::Mutex<fs::File>>,
+    tokenizer: &'a Tokenizer,
+}
+
+type Recs = BinFileRecorder<FullPrecisionSettings>;
+
+fn batch_tensors<B: Backend>(
+    sampler: &BatchSampler,
+    data: TokenSlice<'_>,
+    step: u64,
+    rows: std::ops::Range<usize>,
+    device: &B::Device,
+) -> (Tensor<B, 2, Int>, Tensor<B, 2, Int>) {
+    let n = rows.len();
+    let (x, y) = sampler.batch(data, step, rows).expect("sampler checked");
+    let t = sampler.block_size;
+    let to = |v: Vec<u32>| {
+        Tensor::<B, 2, Int>::from_data(
+            TensorData::new(v.into_iter().map(i64::from).collect::<Vec<_>>(), [n, t]),
+            device,
+        )
+    };
+    (to(x), to(y))
+}
+
+/// Mean of a per-rank scalar over the world.
+fn mean_over_ranks<B: Backend>(device: &DistDevice<B>, value: f32) -> f32 {
+    let comm = device.context().comm();
+    if comm.mesh().world_size() == 1 {
+        return value;
+    }
+    let data = comm
+        .all_reduce(
+            Group::World,
+            TensorData::new(vec![value], [1]),
+            ReduceOp::Avg,
+        )
+        .expect("all-reduce of a metric");
+    data.to_vec::<f32>().expect("f32")[0]
+}
+
+fn peak_rss() -> u64 {
+    fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+impl RankRun<'_> {
+    fn train<B: Backend>(
+        &self,
+        device: &DistDevice<B>,
+        resume: Option<&Path>,
+        first_step: usize,
+    ) -> Result<RunSummary, PretrainError> {
+        type A<B> = Autodiff<Distributed<B>>;
+        let config = self.config;
+        let rank = device.rank();
+        let mesh = device.mesh().clone();
+        let mut model: Gpt<A<B>> = self.model_config.init(device)?;
+        let mut optim = AdamWConfig::new()
+            .with_beta_2(0.95)
+            .with_weight_decay(config.weight_decay as f32)
+            .init::<A<B>, Gpt<A<B>>>();
+        if let Some(dir) = resume {
+            // Every rank loads the same files: the values are replicated by construction.
+            let (m, o) = create_replicated(|| -> Result<_, PretrainError> {
+                let bad = |what: &str, e: burn::record::RecorderError| PretrainError::Checkpoint {
+                    path: dir.to_path_buf(),
+                    reason: format!("{what}: {e}"),
+                };
+                let m = Recs::new()
+                    .load(dir.join("model"), device)
+                    .map_err(|e| bad("model weights", e))?;
+                let o = Recs::new()
+                    .load(dir.join("optimizer"), device)
+                    .map_err(|e| bad("optimizer state", e))?;
+                Ok((m, o))
+            })?;
+            model = create_replicated(|| model.load_record(m));
+            optim = create_replicated(|| optim.load_record(o));
+        }
+        let mut model = parallelize_gpt(model, &mesh, &config.parallel)?;
+        let param_bytes = (model.num_params() * 4) as u64;
+        let tokens_per_step = (config.batch_size * self.model_config.block_size) as f64;
+        let progress = (rank == 0 && config.progress).then(|| {
+            let bar = indicatif::ProgressBar::new(config.steps as u64);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{bar:40} {pos}/{len} steps {msg} [{elapsed_precise}<{eta_precise}]",
+                )
+                .expect("template"),
+            );
+            bar.set_position(first_step as u64);
+            bar
+        });
+        let mut summary = RunSummary::default();
+        for step in first_step..config.steps {
+            let started = Instant::now();
+            let stats_before = device.context().comm().stats();
+            let lr = config.lr_at(step);
+            let (x, y) = batch_tensors::<A<B>>(
+                self.sampler,
+                self.train,
+                step as u64,
+                self.rows.clone(),
+                device,
+            );
+            let loss = model.loss(x, y);
+            let local_loss = loss.clone().into_scalar().elem::<f32>();
+            let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+            sync_gradients(&model, &mut grads)?;
+            let grad_norm = clip_global_norm(&model, &mut grads, config.clip);
+            model = optim.step(lr, model, grads);
+            let loss = mean_over_ranks(device, local_loss);
+            let elapsed = started.elapsed().as_secs_f64();
+            let mut m = StepMetrics {
+                step,
+                loss,
+                lr,
+                grad_norm,
+                loss_scale: 1.0,
+                skipped: false,
+                tokens_per_s: tokens_per_step / elapsed,
+                param_bytes,
+                grad_bytes: param_bytes,
+                optim_bytes: 2 * param_bytes,
+                peak_bytes: peak_rss(),
+                comm_bytes: device
+                    .context()
+                    .comm()
+                    .stats()
+                    .since(&stats_before)
+                    .total_bytes(),
+                val_loss: None,
+            };
+            let last = step + 1 == config.steps;
+            if (config.eval_every > 0 && (step + 1) % config.eval_every == 0) || last {
+                m.val_loss = self.evaluate(&model, device);
+            }
+            if rank == 0 {
+                self.report(&m, progress.as_ref(), elapsed)?;
+            }
+            summary.steps.push(m);
+            if config.save.is_some()
+                && ((config.save_every > 0 && (step + 1) % config.save_every == 0) || last)
+            {
+                self.save(&model, &optim, step + 1, rank)?;
+            }
+        }
+        if let Some(bar) = &progress {
+            bar.finish_and_clear();
+        }
+        if rank == 0 {
+            summary.parameters = crate::demo::parameters(&model);
+            if config.sample_tokens > 0 {
+                let prompt = self.tokenizer.encode("\n");
+                let tokens = model.valid().generate(
+                    &prompt,
+                    config.sample_tokens,
+                    0.8,
+                    40,
+                    config.seed,
+                    device,
+                );
+                summary.sample = self.tokenizer.decode(&tokens);
+            }
+        }
+        Ok(summary)
+    }
+
+    fn evaluate<B: Backend>(
+        &self,
+        model: &Gpt<Autodiff<Distributed<B>>>,
+        device: &DistDevice<B>,
+    ) -> Option<f32> {
+        if self.config.eval_iters == 0 || self.val.len() <= self.model_config.block_size {
+            return None;
+        }
+        let model = model.valid();
+        let mut total = 0.0;
+        for i in 0..self.config.eval_iters {
+            let (x, y) = batch_tensors::<Distributed<B>>(
+                self.val_sampler,
+                self.val,
+                i as u64,
+                self.rows.clone(),
+                device,
+            );
+            total += model.loss(x, y).into_scalar().elem::<f32>();
+        }
+        Some(mean_over_ranks(
+            device,
+            total / self.config.eval_iters as f32,
+        ))
+    }
+
+    fn report(
+        &self,
+        m: &StepMetrics,
+        bar: Option<&indicatif::ProgressBar>,
+        elapsed: f64,
+    ) -> Result<(), PretrainError> {
+        if let Some(file) = self.metrics {
+            let line = serde_json::to_string(m).expect("metrics serialise");
+            let mut f = file.lock().unwrap();
+            writeln!(f, "{line}").map_err(|source| PretrainError::Io {
+                path: self.config.metrics.clone().unwrap_or_default(),
+                source,
+            })?;
+        }
+        let mfu = self
+            .model_config
+            .flops_per_token(self.model_config.block_size)
+            * m.tokens_per_s
+            / (self.config.peak_flops * self.config.parallel.dp as f64);
+        let line = format!(
+            "step {} | loss {:.4} | lr {:.2e} | grad_norm {:.3} | tok/s {:.0} | mfu {:.2}% | scale {}{}",
+            m.step,
+            m.loss,
+            m.lr,
+            m.grad_norm,
+            m.tokens_per_s,
+            100.0 * mfu,
+            m.loss_scale,
+            m.val_loss
+                .map(|v| format!(" | val_loss {v:.4}"))
+                .unwrap_or_default()
+        );
+        if let Some(bar) = bar {
+            bar.set_position(m.step as u64 + 1);
+            bar.set_message(format!("loss {:.4} ({:.0} ms/step)", m.loss, elapsed * 1e3));
+        }
+        if m.step.is_multiple_of(self.config.log_every.max(1))
+            || m.val_loss.is_some()
+            || m.step + 1 == self.config.steps
+        {
+            match bar {
+                Some(bar) => bar.suspend(|| tracing::info!("{line}")),
+                None => tracing::info!("{line}"),
+            }
+        }
+        Ok(())
+    }
+
+    /// Save weights, optimizer state and the run state to `save/step-N`, then point `latest` at
+    /// it. Each file is written to a temporary name first; `latest` moves last.
+    fn save<B: Backend, O: Optimizer<Gpt<Autodiff<Distributed<B>>>, Autodiff<Distributed<B>>>>(
+        &self,
+        model: &Gpt<Autodiff<Distributed<B>>>,
+        optim: &O,
+        step: usize,
+        rank: usize,
+    ) -> Result<(), PretrainError> {
+        if rank != 0 {
+            return Ok(());
+        }
+        let root = self.config.save.as_ref().expect("save dir");
+        let name = format!("step-{step:08}");
+        let tmp = root.join(format!(".{name}.tmp"));
+        let dir = root.join(&name);
+        fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+        let bad = |e: burn::record::RecorderError| PretrainError::Checkpoint {
+            path: tmp.clone(),
+            reason: e.to_string(),
+        };
+        Recs::new()
+            .record(model.clone().into_record(), tmp.join("model"))
+            .map_err(bad)?;
+        Recs::new()
+            .record(optim.to_record(), tmp.join("optimizer"))
+            .map_err(bad)?;
+        let state = CheckpointState {
+            step,
+            config: self.config.clone(),
+            model: self.model_config.clone(),
+        };
+        write_atomic(
+            &tmp.join("state.json"),
+            serde_json::to_string_pretty(&state)
+                .expect("state")
+                .as_bytes(),
+        )?;
+        if dir.exists() {
+            fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
+        }
+        fs::rename(&tmp, &dir).map_err(io_err(&dir))?;
+        write_atomic(&root.join("latest"), name.as_bytes())?;
+        tracing::info!("saved checkpoint {}", dir.display());
+        Ok(())
+    }
+}
+
+/// Global L2 norm of all gradients; scale them down to `max_norm` when above (0: never).
+/// Under DDP every gradient is replicated after `sync_gradients`, so the local sum is global.
+fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: &mut GradientsParams,
+    max_norm: f64,
+) -> f32 {
+    struct Norm<'a>(&'a GradientsParams, f64);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Norm<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.0.get::<B::InnerBackend, D>(param.id) {
+                self.1 += f64::from(g.powi_scalar(2).sum().into_scalar().elem::<f32>());
+            }
+        }
+    }
+    struct Scale<'a>(&'a mut GradientsParams, f64);
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.0.remove::<B::InnerBackend, D>(param.id) {
+                self.0
+                    .register::<B::InnerBackend, D>(param.id, g.mul_scalar(self.1));
+            }
+        }
+    }
+    let mut norm = Norm(grads, 0.0);
+    model.visit(&mut norm);
+    let total = norm.1.sqrt();
+    if max_norm > 0.0 && total > max_norm {
+        model.visit(&mut Scale(grads, max_norm / (total + 1e-6)));
+    }
+    total as f32
+}
+
+/// Draw the training (and validation) loss curves into a PNG.
+fn plot_losses(path: &Path, steps: &[StepMetrics]) -> Result<(), PretrainError> {
+    const W: usize = 640;
+    const H: usize = 400;
+    const M: usize = 40;
+    let mut img = vec![255u8; W * H * 3];
+    if steps.is_empty() {
+        return Ok(());
+    }
+    let losses: Vec<f32> = steps
+        .iter()
+        .map(|s| s.loss)
+        .chain(steps.iter().filter_map(|s| s.val_loss))
+        .collect();
+    let (lo, hi) = losses
+        .iter()
+        .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
+            (a.min(v), b.max(v))
+        });
+    let (lo, hi) = if hi > lo {
+        (lo, hi)
+    } else {
+        (lo - 1.0, hi + 1.0)
+    };
+    let (s0, s1) = (
+        steps[0].step as f32,
+        steps[steps.len() - 1].step.max(steps[0].step + 1) as f32,
+    );
+    let xy = |step: usize, loss: f32| {
+        let x = M as f32 + (step as f32 - s0) / (s1 - s0) * (W - 2 * M) as f32;
+        let y = (H - M) as f32 - (loss - lo) / (hi - lo) * (H - 2 * M) as f32;
+        (x, y)
+    };
+    let mut put = |x: f32, y: f32, rgb: [u8; 3]| {
+        let (x, y) = (x.round() as isize, y.round() as isize);
+        for (dx, dy) in [(0, 0), (1, 0), (0, 1), (1, 1)] {
+            let (px, py) = (x + dx, y + dy);
+            if px >= 0 && py >= 0 && (px as usize) < W && (py as usize) < H {
+                let i = (py as usize * W + px as usize) * 3;
+                img[i..i + 3].copy_from_slice(&rgb);
+            }
+        }
+    };
+    for i in M..=W - M {
+        put(i as f32, (H - M) as f32, [0, 0, 0]);
+    }
+    for j in M..=H - M {
+        put(M as f32, j as f32, [0, 0, 0]);
+    }
+    let mut line = |points: &[(f32, f32)], rgb: [u8; 3]| {
+        for w in points.windows(2) {
+            let ((x0, y0), (x1, y1)) = (w[0], w[1]);
+            let n = ((x1 - x0).abs().max((y1 - y0).abs()) as usize).max(1);
+            for k in 0..=n {
+                let t = k as f32 / n as f32;
+                put(x0 + t * (x1 - x0), y0 + t * (y1 - y0), rgb);
+            }
+        }
+    };
+    let train: Vec<(f32, f32)> = steps.iter().map(|s| xy(s.step, s.loss)).collect();
+    let val: Vec<(f32, f32)> = steps
+        .iter()
+        .filter_map(|s| s.val_loss.map(|v| xy(s.step, v)))
+        .collect();
+    line(&train, [31, 119, 180]);
+    line(&val, [214, 39, 40]);
+    let file = fs::File::create(path).map_err(io_err(path))?;
+    let mut encoder = png::Encoder::new(std::io::BufWriter::new(file), W as u32, H as u32);
+    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_depth(png::BitDepth::Eight);
+    let mut writer = encoder.write_header().map_err(|e| PretrainError::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e),
+    })?;
+    writer
+        .write_image_data(&img)
+        .map_err(|e| PretrainError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(e),
+        })?;
+    Ok(())
+}
