@@ -70,6 +70,9 @@ struct Args {
     /// Warmup steps (then cosine decay to lr/10).
     #[arg(long, default_value_t = 20, help_heading = "Training")]
     warmup: usize,
+    /// Step where the cosine decay ends (default: --steps).
+    #[arg(long, help_heading = "Training")]
+    decay_steps: Option<usize>,
     /// AdamW weight decay.
     #[arg(long, default_value_t = 0.1, help_heading = "Training")]
     weight_decay: f64,
@@ -197,6 +200,7 @@ fn main() -> Result<()> {
         accum: args.accum,
         lr: args.lr,
         warmup: args.warmup,
+        decay_steps: args.decay_steps,
         weight_decay: args.weight_decay,
         clip: args.clip,
         seed: args.seed,

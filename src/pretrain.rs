@@ -77,8 +77,11 @@ pub struct PretrainConfig {
     pub accum: usize,
     /// Peak learning rate (AdamW).
     pub lr: f64,
-    /// Linear warmup steps, then cosine decay to `lr / 10` at the last step.
+    /// Linear warmup steps, then cosine decay to `lr / 10` at step `decay_steps`.
     pub warmup: usize,
+    /// Where the cosine decay ends (default: `steps`); set it to keep a schedule fixed when a run
+    /// is stopped early and resumed with more steps.
+    pub decay_steps: Option<usize>,
     /// AdamW weight decay.
     pub weight_decay: f64,
     /// Global gradient-norm clip (0: off).
@@ -129,6 +132,7 @@ impl Default for PretrainConfig {
             accum: 1,
             lr: 1e-3,
             warmup: 20,
+            decay_steps: None,
             weight_decay: 0.1,
             clip: 1.0,
             seed: 1337,
@@ -260,7 +264,11 @@ impl PretrainConfig {
         if step < self.warmup {
             return self.lr * (step + 1) as f64 / self.warmup as f64;
         }
-        let span = self.steps.saturating_sub(self.warmup).max(1) as f64;
+        let span = self
+            .decay_steps
+            .unwrap_or(self.steps)
+            .saturating_sub(self.warmup)
+            .max(1) as f64;
         let progress = ((step - self.warmup) as f64 / span).min(1.0);
         min + 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()) * (self.lr - min)
     }

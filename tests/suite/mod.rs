@@ -1,1 +1,2 @@
 mod data_parallel;
+mod pretrain;
