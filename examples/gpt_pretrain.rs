@@ -224,12 +224,6 @@ fn main() -> Result<()> {
         progress: true,
     };
     tracing::info!("config: {}", serde_json::to_string(&config)?);
-    if args.backend != "flex" {
-        bail!(
-            "--backend {} is not available yet: the CubeCL backends land with the kernels issue; use --backend flex",
-            args.backend
-        );
-    }
     if args.estimate {
         let vocab = match args.tokenizer {
             TokenizerKind::Bytes => 256,
@@ -240,7 +234,16 @@ fn main() -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&e)?);
         return Ok(());
     }
-    let summary = run(&config)?;
+    let summary = match args.backend.as_str() {
+        "flex" => run(&config)?,
+        #[cfg(feature = "wgpu")]
+        "wgpu" => wildfire::pretrain::run_on::<burn::backend::Wgpu>(&config, &Default::default())?,
+        #[cfg(feature = "cuda")]
+        "cuda" => wildfire::pretrain::run_on::<burn::backend::Cuda>(&config, &Default::default())?,
+        other => bail!(
+            "--backend {other} is not compiled in: cargo run --release --features {other} --example gpt_pretrain -- --backend {other}"
+        ),
+    };
     if let Some(last) = summary.steps.last() {
         println!(
             "final: step {} loss {:.4} val_loss {}",

@@ -560,20 +560,16 @@ impl RankRun<'_> {
             .init::<A<B>, Gpt<A<B>>>();
         if let Some(dir) = resume {
             // Every rank loads the same files: the values are replicated by construction.
-            let (m, o) = create_replicated(|| -> Result<_, PretrainError> {
-                let bad = |what: &str, e: burn::record::RecorderError| PretrainError::Checkpoint {
-                    path: dir.to_path_buf(),
-                    reason: format!("{what}: {e}"),
-                };
-                let m = Recs::new()
-                    .load(dir.join("model"), device)
-                    .map_err(|e| bad("model weights", e))?;
-                let o = Recs::new()
-                    .load(dir.join("optimizer"), device)
-                    .map_err(|e| bad("optimizer state", e))?;
-                Ok((m, o))
-            })?;
-            model = create_replicated(|| model.load_record(m));
+            let bad = |what: &str, reason: String| PretrainError::Checkpoint {
+                path: dir.to_path_buf(),
+                reason: format!("{what}: {reason}"),
+            };
+            model = create_replicated(|| {
+                wildfire_models::safetensors::load(model, &dir.join("model.safetensors"))
+            })
+            .map_err(|e| bad("model weights", e.to_string()))?;
+            let o = create_replicated(|| Recs::new().load(dir.join("optimizer"), device))
+                .map_err(|e| bad("optimizer state", e.to_string()))?;
             optim = create_replicated(|| optim.load_record(o));
         }
         let mut model = parallelize_gpt(model, &mesh, &config.parallel)?;
@@ -739,8 +735,10 @@ impl RankRun<'_> {
         Ok(())
     }
 
-    /// Save weights, optimizer state and the run state to `save/step-N`, then point `latest` at
-    /// it. Each file is written to a temporary name first; `latest` moves last.
+    /// Save weights (`model.safetensors`, named by module path), optimizer state (Burn record,
+    /// keyed by the deterministic parameter ids) and the run state (`state.json`: step, config,
+    /// model shape; the sampler needs nothing else) to `save/step-N`, then point `latest` at it.
+    /// The step directory is built under a temporary name and renamed; `latest` moves last.
     fn save<B: Backend, O: Optimizer<Gpt<Autodiff<Distributed<B>>>, Autodiff<Distributed<B>>>>(
         &self,
         model: &Gpt<Autodiff<Distributed<B>>>,
@@ -760,9 +758,12 @@ impl RankRun<'_> {
             path: tmp.clone(),
             reason: e.to_string(),
         };
-        Recs::new()
-            .record(model.clone().into_record(), tmp.join("model"))
-            .map_err(bad)?;
+        wildfire_models::safetensors::save(model, &tmp.join("model.safetensors")).map_err(|e| {
+            PretrainError::Checkpoint {
+                path: tmp.clone(),
+                reason: e.to_string(),
+            }
+        })?;
         Recs::new()
             .record(optim.to_record(), tmp.join("optimizer"))
             .map_err(bad)?;

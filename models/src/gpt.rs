@@ -182,12 +182,13 @@ impl GptConfig {
                 },
             })
             .collect();
-        Ok(Gpt {
+        let model = Gpt {
             wte: Param::from_tensor(init.normal([self.vocab_size, d], 0.02, device)),
             wpe: Param::from_tensor(init.normal([self.block_size, d], 0.02, device)),
             blocks,
             ln_f: LayerNormConfig::new(d).init(device),
-        })
+        };
+        Ok(crate::safetensors::deterministic_ids(model))
     }
 }
 
@@ -477,6 +478,44 @@ mod tests {
                 .unwrap()
         };
         assert_eq!(run(a), run(b), "positions before 10 must not see token 10");
+    }
+
+    #[test]
+    fn safetensors_round_trip_by_name() {
+        let config = tiny();
+        let model = config.init::<Flex>(&Default::default()).unwrap();
+        let names: Vec<String> = crate::safetensors::named_parameters(&model)
+            .into_iter()
+            .map(|(n, _, _)| n)
+            .collect();
+        assert_eq!(names[0], "wte");
+        assert!(
+            names.contains(&"blocks.1.attn.c_attn.weight".to_string()),
+            "{names:?}"
+        );
+        let path =
+            std::env::temp_dir().join(format!("wildfire-gpt-{}.safetensors", std::process::id()));
+        crate::safetensors::save(&model, &path).unwrap();
+        let other = GptConfig {
+            init_seed: 99,
+            ..config.clone()
+        }
+        .init::<Flex>(&Default::default())
+        .unwrap();
+        let loaded = crate::safetensors::load(other, &path).unwrap();
+        assert_eq!(
+            crate::safetensors::named_parameters(&loaded),
+            crate::safetensors::named_parameters(&model)
+        );
+        let wider = GptConfig {
+            n_embd: 64,
+            ..config
+        }
+        .init::<Flex>(&Default::default())
+        .unwrap();
+        let err = crate::safetensors::load(wider, &path).unwrap_err();
+        assert!(err.to_string().contains("same shape"), "{err}");
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

@@ -3,3 +3,4 @@
 pub mod data;
 pub mod gpt;
 pub mod parallelize;
+pub mod safetensors;

@@ -187,6 +187,25 @@ fn bad_input_is_refused() {
     assert!(err.to_string().contains("same model flags"), "{err}");
     assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap(), before);
 
+    // The weights are plain safetensors: a plain `Gpt<Flex>` loads them.
+    let step_dir = dir.join(&before);
+    let shape = small(2).model(256).unwrap();
+    let plain = shape
+        .init::<burn::backend::Flex>(&Default::default())
+        .unwrap();
+    wildfire::models::safetensors::load(plain, &step_dir.join("model.safetensors")).unwrap();
+    // A truncated weights file is refused with the path, not a panic.
+    let weights = step_dir.join("model.safetensors");
+    let bytes = std::fs::read(&weights).unwrap();
+    std::fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
+    let err = run(&PretrainConfig {
+        resume: Some(dir.clone()),
+        ..small(4)
+    })
+    .unwrap_err();
+    assert!(matches!(err, PretrainError::Checkpoint { .. }), "{err}");
+    assert!(err.to_string().contains("truncated"), "{err}");
+
     let nothing = PretrainConfig {
         resume: Some(scratch("empty")),
         ..small(2)

@@ -1,0 +1,50 @@
+//! GPT training throughput on CPU, one JSON line, for comparison with other frameworks running the
+//! same configuration: 4 layers, d = 256, 4 heads, sequence 256, vocabulary 50304, batch 4, f32.
+//!
+//! ```text
+//! cargo bench --bench gpt_throughput [-- --steps 8]
+//! ```
+
+use wildfire::models::data::TokenizerKind;
+use wildfire::models::gpt::Preset;
+use wildfire::pretrain::{PretrainConfig, run};
+
+fn main() {
+    // `cargo test --all-targets` runs this too (without `--bench`): one step then.
+    let smoke = !std::env::args().any(|a| a == "--bench");
+    let args: Vec<String> = std::env::args().collect();
+    let steps = args
+        .iter()
+        .position(|a| a == "--steps")
+        .and_then(|i| args.get(i + 1)?.parse().ok())
+        .unwrap_or(if smoke { 1 } else { 8 });
+    let config = PretrainConfig {
+        preset: Preset::Small,
+        tokenizer: TokenizerKind::Gpt2,
+        steps: steps + 1,
+        batch_size: 4,
+        warmup: 1,
+        eval_every: 0,
+        eval_iters: 0,
+        sample_tokens: 0,
+        progress: false,
+        ..PretrainConfig::default()
+    };
+    let summary = run(&config).expect("run");
+    let model = summary.model.expect("model");
+    // The first step includes one-time work; report the rest.
+    let timed = &summary.steps[1.min(summary.steps.len() - 1)..];
+    let tokens_per_s = timed.len() as f64 / timed.iter().map(|s| 1.0 / s.tokens_per_s).sum::<f64>();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "{{\"bench\":\"gpt_throughput\",\"framework\":\"wildfire\",\"backend\":\"flex\",\"n_layer\":{},\"n_embd\":{},\"n_head\":{},\"seq\":{},\"vocab\":{},\"batch\":4,\"dtype\":\"f32\",\"threads\":{threads},\"params\":{},\"steps\":{},\"tokens_per_s\":{tokens_per_s:.1},\"peak_rss_bytes\":{}}}",
+        model.n_layer,
+        model.n_embd,
+        model.n_head,
+        model.block_size,
+        model.vocab_size,
+        model.num_params(),
+        timed.len(),
+        summary.steps.last().map_or(0, |s| s.peak_bytes)
+    );
+}

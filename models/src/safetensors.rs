@@ -1,0 +1,277 @@
+//! Model weights as a safetensors file (the format every framework reads), named by module path
+//! (`blocks.0.attn.c_attn.weight`), written atomically; and loading them back by name.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::prelude::*;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+/// A safetensors file that cannot be written or used.
+#[derive(thiserror::Error, Debug)]
+pub enum SafetensorsError {
+    /// I/O on the file.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The file is not what this model needs.
+    #[error("{path}: {reason}")]
+    Mismatch {
+        /// The file.
+        path: String,
+        /// What does not match, and what to do.
+        reason: String,
+    },
+}
+
+/// Tracks the module path while visiting or mapping (`enter_module` / `exit_module`).
+#[derive(Default)]
+struct PathStack(Vec<String>);
+
+impl PathStack {
+    fn enter(&mut self, name: &str) {
+        self.0.push(name.to_string());
+    }
+    fn exit(&mut self) {
+        self.0.pop();
+    }
+    fn name(&self) -> String {
+        self.0.join(".")
+    }
+}
+
+struct Collect {
+    path: PathStack,
+    tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for Collect {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.exit();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let value = param.val();
+        let shape = value.dims().to_vec();
+        let data = value
+            .into_data()
+            .convert::<f32>()
+            .to_vec::<f32>()
+            .expect("f32 data");
+        self.tensors.push((self.path.name(), shape, data));
+    }
+}
+
+/// The parameters of `module` by path, in visiting order.
+pub fn named_parameters<B: Backend, M: Module<B>>(
+    module: &M,
+) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    let mut c = Collect {
+        path: PathStack::default(),
+        tensors: Vec::new(),
+    };
+    module.visit(&mut c);
+    c.tensors
+}
+
+/// Write every parameter of `module` (f32) to `path` as safetensors, via a temporary file and a
+/// rename, so a crash never leaves a half-written file under the final name.
+pub fn save<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), SafetensorsError> {
+    let io = |source| SafetensorsError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let tensors = named_parameters(module);
+    let mut header = String::from("{\"__metadata__\":{\"format\":\"pt\"}");
+    let mut offset = 0usize;
+    for (name, shape, data) in &tensors {
+        let end = offset + data.len() * 4;
+        let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
+        header.push_str(&format!(
+            ",\"{name}\":{{\"dtype\":\"F32\",\"shape\":[{}],\"data_offsets\":[{offset},{end}]}}",
+            dims.join(",")
+        ));
+        offset = end;
+    }
+    header.push('}');
+    // The header is padded with spaces to a multiple of 8 bytes (as the reference writer does).
+    while !header.len().is_multiple_of(8) {
+        header.push(' ');
+    }
+    let tmp = path.with_extension("safetensors.tmp");
+    let mut file = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(io)?);
+    file.write_all(&(header.len() as u64).to_le_bytes())
+        .map_err(io)?;
+    file.write_all(header.as_bytes()).map_err(io)?;
+    for (_, _, data) in &tensors {
+        for v in data {
+            file.write_all(&v.to_le_bytes()).map_err(io)?;
+        }
+    }
+    file.into_inner()
+        .map_err(|e| io(e.into_error()))?
+        .sync_all()
+        .map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+/// Read a safetensors file of f32 tensors: name → (shape, values).
+pub fn read(path: &Path) -> Result<BTreeMap<String, (Vec<usize>, Vec<f32>)>, SafetensorsError> {
+    let name = path.display().to_string();
+    let bad = |reason: String| SafetensorsError::Mismatch {
+        path: name.clone(),
+        reason,
+    };
+    let bytes = std::fs::read(path).map_err(|source| SafetensorsError::Io {
+        path: name.clone(),
+        source,
+    })?;
+    let n = u64::from_le_bytes(
+        bytes
+            .get(..8)
+            .ok_or_else(|| bad("shorter than a safetensors header".into()))?
+            .try_into()
+            .expect("8 bytes"),
+    ) as usize;
+    let header = bytes
+        .get(8..8 + n)
+        .ok_or_else(|| bad("truncated header".into()))?;
+    let header: serde_json::Value =
+        serde_json::from_slice(header).map_err(|e| bad(format!("corrupt header: {e}")))?;
+    let body = &bytes[8 + n..];
+    let mut out = BTreeMap::new();
+    for (key, entry) in header
+        .as_object()
+        .ok_or_else(|| bad("header is not an object".into()))?
+    {
+        if key == "__metadata__" {
+            continue;
+        }
+        let dtype = entry["dtype"].as_str().unwrap_or("");
+        if dtype != "F32" {
+            return Err(bad(format!("tensor {key} is {dtype}; only F32 is read")));
+        }
+        let shape: Vec<usize> = entry["shape"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_u64().map(|v| v as usize))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let offsets: Vec<usize> = entry["data_offsets"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_u64().map(|v| v as usize))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let [start, end] = offsets[..] else {
+            return Err(bad(format!("tensor {key} has no data_offsets")));
+        };
+        let raw = body.get(start..end).ok_or_else(|| {
+            bad(format!(
+                "tensor {key} runs past the end of the file (truncated?)"
+            ))
+        })?;
+        if raw.len() != shape.iter().product::<usize>() * 4 {
+            return Err(bad(format!(
+                "tensor {key}: {} bytes for shape {shape:?}",
+                raw.len()
+            )));
+        }
+        let values = raw
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+            .collect();
+        out.insert(key.clone(), (shape, values));
+    }
+    Ok(out)
+}
+
+struct Load {
+    path: PathStack,
+    tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    error: Option<String>,
+}
+
+impl<B: Backend> ModuleMapper<B> for Load {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.exit();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let name = self.path.name();
+        let shape = tensor.dims().to_vec();
+        let tensor = match self.tensors.remove(&name) {
+            Some((s, values)) if s == shape => {
+                let fresh = Tensor::<B, D>::from_data(TensorData::new(values, s), &tensor.device());
+                if tensor.is_require_grad() {
+                    fresh.require_grad()
+                } else {
+                    fresh
+                }
+            }
+            Some((s, _)) => {
+                self.error.get_or_insert(format!("{name} has shape {s:?} in the file, {shape:?} in the model; load it into a model of the same shape"));
+                tensor
+            }
+            None => {
+                self.error
+                    .get_or_insert(format!("{name} is missing from the file"));
+                tensor
+            }
+        };
+        Param::from_mapped_value(id, tensor, mapper)
+    }
+}
+
+/// Load the parameters of `module` from `path` by name (ids, devices and `require_grad` kept).
+pub fn load<B: Backend, M: Module<B>>(module: M, path: &Path) -> Result<M, SafetensorsError> {
+    let tensors = read(path)?;
+    let mut loader = Load {
+        path: PathStack::default(),
+        tensors,
+        error: None,
+    };
+    let module = module.map(&mut loader);
+    let mismatch = |reason| SafetensorsError::Mismatch {
+        path: path.display().to_string(),
+        reason,
+    };
+    if let Some(e) = loader.error {
+        return Err(mismatch(e));
+    }
+    if let Some(extra) = loader.tensors.keys().next() {
+        return Err(mismatch(format!(
+            "the file has {extra}, which this model does not"
+        )));
+    }
+    Ok(module)
+}
+
+struct Renumber(u64);
+
+impl<B: Backend> ModuleMapper<B> for Renumber {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (_, tensor, mapper) = param.consume();
+        self.0 += 1;
+        Param::from_mapped_value(ParamId::from(self.0), tensor, mapper)
+    }
+}
+
+/// Give the parameters ids 1, 2, 3, … in visiting order, so the same model built twice (or on
+/// every rank) has the same ids — optimizer state saved by id then matches on resume.
+pub fn deterministic_ids<B: Backend, M: Module<B>>(module: M) -> M {
+    module.map(&mut Renumber(0))
+}
