@@ -121,8 +121,11 @@ pub fn save<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), Saf
     std::fs::rename(&tmp, path).map_err(io)
 }
 
-/// Read a safetensors file of f32 tensors: name → (shape, values).
-pub fn read(path: &Path) -> Result<BTreeMap<String, (Vec<usize>, Vec<f32>)>, SafetensorsError> {
+/// Tensors by name: (shape, values).
+pub type NamedTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
+/// Read a safetensors file of f32 tensors.
+pub fn read(path: &Path) -> Result<NamedTensors, SafetensorsError> {
     let name = path.display().to_string();
     let bad = |reason: String| SafetensorsError::Mismatch {
         path: name.clone(),
@@ -198,7 +201,7 @@ pub fn read(path: &Path) -> Result<BTreeMap<String, (Vec<usize>, Vec<f32>)>, Saf
 
 struct Load {
     path: PathStack,
-    tensors: BTreeMap<String, (Vec<usize>, Vec<f32>)>,
+    tensors: NamedTensors,
     error: Option<String>,
 }
 
