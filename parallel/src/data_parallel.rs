@@ -237,7 +237,15 @@ where
     }
     let before = grad.layout().clone();
     let grad = DTensor::new_unchecked(grad.into_local(), source.clone(), param.device().clone());
-    let target = param.layout().clone();
+    // Model axes: the parameter's placement. Data axes: the rank's plan (the parameter's own
+    // placement under DDP and FSDP; sharded gradients of replicated parameters under ZeRO-2).
+    let plan = param.device().context().grad_layout(param.global_shape());
+    let mut target = param.layout().clone();
+    for (a, axis) in mesh.axes().iter().enumerate() {
+        if axis.kind == AxisKind::Data && target.get(a) != Placement::Local {
+            target.set(a, plan.get(a));
+        }
+    }
     if before != target {
         syncer.report.reduced += usize::from(source.is_distributed());
     }

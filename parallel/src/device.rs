@@ -6,7 +6,7 @@ use burn::tensor::backend::{Backend, DeviceId, DeviceOps};
 use std::any::{Any, TypeId};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex};
 
 /// Device type id reported to Burn for `Distributed` devices ("WF").
@@ -38,6 +38,21 @@ pub struct RankContext {
     pending_sync: AtomicBool,
     /// Gradient accumulation: forward after an unsynchronised backward is allowed.
     no_sync: AtomicBool,
+    /// Bytes of the local pieces of all live distributed tensors of this rank, and the peak.
+    live_bytes: AtomicI64,
+    peak_bytes: AtomicI64,
+    /// How data-parallel gradients are reduced and parameters rest (set by `fully_shard`).
+    plan: Mutex<DataPlan>,
+}
+
+/// The data-parallel plan of a rank: where gradients are reduce-scattered, and the strategy.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct DataPlan {
+    /// Data axes on which a gradient whose first dimension divides is reduce-scattered into
+    /// `Shard(0)` (ZeRO-2/3, HSDP's shard axis); on the others it is all-reduced.
+    pub(crate) grad_shard_axes: Vec<usize>,
+    /// The strategy `fully_shard` applied, if any.
+    pub(crate) strategy: Option<crate::fsdp::FsdpStrategy>,
 }
 
 impl std::fmt::Debug for RankContext {
@@ -60,6 +75,9 @@ impl RankContext {
             counters: Mutex::new(OpCounters::default()),
             pending_sync: AtomicBool::new(false),
             no_sync: AtomicBool::new(false),
+            live_bytes: AtomicI64::new(0),
+            peak_bytes: AtomicI64::new(0),
+            plan: Mutex::new(DataPlan::default()),
         })
     }
 
@@ -135,6 +153,55 @@ impl RankContext {
 
     pub(crate) fn clear_gradients_pending(&self) {
         self.pending_sync.store(false, Ordering::Relaxed);
+    }
+
+    pub(crate) fn add_live_bytes(&self, bytes: i64) {
+        let now = self.live_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak_bytes.fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// Bytes held by the local pieces of this rank's live distributed tensors (a clone counts
+    /// again, as if it owned its buffer: an upper bound while autodiff holds clones).
+    pub fn live_bytes(&self) -> u64 {
+        self.live_bytes.load(Ordering::Relaxed).max(0) as u64
+    }
+
+    /// The highest [`Self::live_bytes`] since the last [`Self::reset_peak_bytes`].
+    pub fn peak_bytes(&self) -> u64 {
+        self.peak_bytes.load(Ordering::Relaxed).max(0) as u64
+    }
+
+    /// Start a new peak measurement from the current live bytes.
+    pub fn reset_peak_bytes(&self) {
+        self.peak_bytes
+            .store(self.live_bytes.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
+    pub(crate) fn plan(&self) -> DataPlan {
+        self.plan.lock().unwrap().clone()
+    }
+
+    pub(crate) fn set_plan(&self, plan: DataPlan) {
+        *self.plan.lock().unwrap() = plan;
+    }
+
+    /// Where a data-parallel gradient of global shape `shape` goes on each data axis (`Shard(0)`
+    /// on the plan's shard axes when the first dimension divides, else `Replicate`); model axes
+    /// are left `Replicate`.
+    pub(crate) fn grad_layout(&self, shape: &[usize]) -> crate::placement::Layout {
+        let plan = self.plan.lock().unwrap();
+        let mesh = self.mesh();
+        let mut layout = crate::placement::Layout::replicated(mesh);
+        let mut parts = 1;
+        for &a in &plan.grad_shard_axes {
+            parts *= mesh.axis_size(a);
+            if !shape.is_empty() && shape[0].is_multiple_of(parts) {
+                layout.set(a, crate::placement::Placement::Shard(0));
+            } else {
+                parts /= mesh.axis_size(a);
+            }
+        }
+        layout
     }
 
     /// Gradient accumulation: while set, a forward pass may follow a backward pass whose

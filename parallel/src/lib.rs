@@ -19,6 +19,7 @@ pub mod comm;
 mod data_parallel;
 mod device;
 mod error;
+mod fsdp;
 pub mod launch;
 pub mod mesh;
 mod placement;
@@ -34,6 +35,7 @@ pub use data_parallel::{
 };
 pub use device::{DistDevice, OpCounters, RankContext, current_device, set_current_device};
 pub use error::DistError;
+pub use fsdp::{FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, parameter_bytes};
 pub use launch::{LaunchError, LaunchOptions, launch};
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis, MeshError};
 pub use placement::{Layout, Placement, create_replicated};

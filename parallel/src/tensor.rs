@@ -21,6 +21,45 @@ pub struct DTensor<B: Backend> {
     /// Reductions already done for this partial value, shared by its clones: a partial sum used
     /// by two ops is reduced once (every rank runs the same program, so all hit the cache alike).
     memo: Memo<B>,
+    /// Counts the local piece in the rank's live-bytes accounting while this value exists.
+    track: Tracker,
+}
+
+/// Adds a local piece's bytes to its rank's live count on creation, removes them on drop.
+pub(crate) struct Tracker {
+    bytes: i64,
+    ctx: Arc<crate::device::RankContext>,
+}
+
+impl Tracker {
+    fn new(bytes: usize, ctx: &Arc<crate::device::RankContext>) -> Self {
+        let bytes = bytes as i64;
+        ctx.add_live_bytes(bytes);
+        Self {
+            bytes,
+            ctx: ctx.clone(),
+        }
+    }
+}
+
+impl Clone for Tracker {
+    fn clone(&self) -> Self {
+        self.ctx.add_live_bytes(self.bytes);
+        Self {
+            bytes: self.bytes,
+            ctx: self.ctx.clone(),
+        }
+    }
+}
+
+impl Drop for Tracker {
+    fn drop(&mut self) {
+        self.ctx.add_live_bytes(-self.bytes);
+    }
+}
+
+fn local_bytes<P: TensorMetadata>(local: &P) -> usize {
+    local.shape().num_elements() * local.dtype().size()
 }
 
 type Memo<B> = Option<MemoCell<B>>;
@@ -41,6 +80,7 @@ impl<B: Backend> Clone for DTensor<B> {
             shape: self.shape.clone(),
             device: self.device.clone(),
             memo: self.memo.clone(),
+            track: self.track.clone(),
         }
     }
 }
@@ -110,12 +150,14 @@ impl<B: Backend> DTensor<B> {
             .iter()
             .any(|p| matches!(p, Placement::Partial(_)));
         let memo = partial.then(MemoCell::<B>::default);
+        let track = Tracker::new(local_bytes(&local), device.context());
         Self {
             local,
             layout,
             shape,
             device,
             memo,
+            track,
         }
     }
 
@@ -289,12 +331,14 @@ impl<B: Backend> DTensor<B> {
         if communicates && let Some(memo) = memo {
             memo.lock().unwrap().push((layout.clone(), local.clone()));
         }
+        let track = Tracker::new(local_bytes(&local), self.device.context());
         Ok(Self {
             local,
             layout,
             shape: self.shape,
             device: self.device,
             memo: None,
+            track,
         })
     }
 }

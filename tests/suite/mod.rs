@@ -1,2 +1,3 @@
 mod data_parallel;
+mod fsdp;
 mod pretrain;

@@ -767,19 +767,21 @@ pub(crate) fn linear_x_backward<B: Backend>(
 }
 
 /// After computing a weight gradient from per-rank data: average the summands over every data
-/// axis where an operand was `Local`, into `target` (the parameter's placement there).
+/// axis where an operand was `Local`, into the rank's data plan (`Replicate` for DDP and ZeRO-1,
+/// `Shard(0)` on the shard axes of ZeRO-2/3 and HSDP): reduced where it is born.
 fn reduce_data_parallel<B: Backend>(
     grad: B::FloatTensorPrimitive,
     mut layout: Layout,
     summand_axes: &[usize],
-    targets: &Layout,
     device: DistDevice<B>,
 ) -> DTensor<B> {
     device.ctx.mark_gradients_pending();
     let mut target = layout.clone();
+    let global = layout.global_shape(&grad.shape(), device.mesh());
+    let plan = device.ctx.grad_layout(&global);
     for &a in summand_axes {
         layout.set(a, Partial(ReduceOp::Avg));
-        target.set(a, targets.get(a));
+        target.set(a, plan.get(a));
     }
     let grad = DTensor::new_unchecked(grad, layout, device);
     grad.redistribute(&target).unwrap_or_else(|e| raise(e))
@@ -862,8 +864,7 @@ pub(crate) fn linear_weight_backward<B: Backend>(
     let x = to_layout(OP, x, &tx);
     let g = to_layout(OP, output_grad, &tg);
     let grad = B::linear_weight_backward(x.local, g.local);
-    // The weight's placement on the data axes is not visible here: DDP's `Replicate`.
-    reduce_data_parallel(grad, out, &summands, &Layout::replicated(&mesh), g.device)
+    reduce_data_parallel(grad, out, &summands, g.device)
 }
 
 pub(crate) fn linear_bias_backward<B: Backend>(output_grad: DTensor<B>) -> DTensor<B> {
@@ -879,7 +880,7 @@ pub(crate) fn linear_bias_backward<B: Backend>(output_grad: DTensor<B>) -> DTens
     });
     let g = to_layout(OP, output_grad, &tg);
     let grad = B::linear_bias_backward(g.local);
-    reduce_data_parallel(grad, out, &summands, &Layout::replicated(&mesh), g.device)
+    reduce_data_parallel(grad, out, &summands, g.device)
 }
 
 pub(crate) fn embedding<B: Backend>(
@@ -933,7 +934,7 @@ pub(crate) fn embedding_backward<B: Backend>(
     let dtype = g.local.dtype().into();
     let zeros = B::float_zeros(Shape::from(local), &g.device.inner, dtype);
     let grad = B::embedding_backward(zeros, g.local, indices);
-    reduce_data_parallel(grad, out, &summands, &weights.layout, g.device)
+    reduce_data_parallel(grad, out, &summands, g.device)
 }
 
 pub(crate) fn layer_norm<B: Backend>(

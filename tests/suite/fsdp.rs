@@ -1,0 +1,292 @@
+//! FSDP and the ZeRO family on a stock burn-nn transformer: every strategy on 2 and 4 ranks (HSDP
+//! on 2 × 2) against one device, with SGD+momentum and AdamW; per-rank memory against the ZeRO
+//! formulas.
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::Module;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer, SgdConfig};
+use burn::prelude::*;
+use wildfire::demo::{
+    Classifier, EncoderClassifier, EncoderClassifierConfig, SyntheticTask, deterministic_init,
+    parameters, train,
+};
+use wildfire::parallel::{
+    CollectiveKind, DeviceMesh, Distributed, FsdpOptimizer, FsdpStrategy, LaunchOptions,
+    fully_shard, gradient_bytes, launch_ranks, parameter_bytes, sync_gradients,
+};
+
+type Plain = Autodiff<Flex>;
+type Dist = Autodiff<Distributed<Flex>>;
+
+const STEPS: usize = 20;
+const GLOBAL_BATCH: usize = 8;
+
+fn task() -> SyntheticTask {
+    SyntheticTask {
+        seq: 4,
+        d_input: 4,
+        classes: 3,
+        seed: 23,
+    }
+}
+
+fn model<B: burn::tensor::backend::AutodiffBackend>(device: &B::Device) -> EncoderClassifier<B> {
+    deterministic_init(
+        EncoderClassifierConfig::new().with_n_layers(1).init(device),
+        5,
+    )
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Opt {
+    Sgd,
+    AdamW,
+}
+
+type Model<B> = EncoderClassifier<B>;
+
+fn run<B, O>(
+    mut optim: O,
+    model: Model<B>,
+    rows: std::ops::Range<usize>,
+    device: &B::Device,
+    mut sync: impl FnMut(&Model<B>, &mut GradientsParams),
+) -> (Vec<f32>, Vec<Vec<f32>>)
+where
+    B: burn::tensor::backend::AutodiffBackend,
+    O: Optimizer<Model<B>, B>,
+{
+    let (model, log) = train(
+        model,
+        &mut optim,
+        &task(),
+        STEPS,
+        0.02,
+        rows,
+        device,
+        |m, g| sync(m, g),
+    );
+    (log.losses, parameters(&model))
+}
+
+fn sgd() -> SgdConfig {
+    SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
+}
+
+/// One device, plain Burn.
+fn reference(opt: Opt) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let device = Default::default();
+    let m = model::<Plain>(&device);
+    match opt {
+        Opt::Sgd => run(sgd().init(), m, 0..GLOBAL_BATCH, &device, |_, _| {}),
+        Opt::AdamW => run(
+            AdamWConfig::new().init(),
+            m,
+            0..GLOBAL_BATCH,
+            &device,
+            |_, _| {},
+        ),
+    }
+}
+
+/// One rank of a sharded run: the optimizer wrapped in `FsdpOptimizer`, `sync_gradients` added.
+fn distributed(
+    opt: Opt,
+    m: Model<Dist>,
+    rows: std::ops::Range<usize>,
+    device: &wildfire::parallel::DistDevice<Flex>,
+) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let sync = |m: &Model<Dist>, g: &mut GradientsParams| {
+        sync_gradients(m, g).unwrap();
+    };
+    match opt {
+        Opt::Sgd => run(FsdpOptimizer::new(sgd().init()), m, rows, device, sync),
+        Opt::AdamW => run(
+            FsdpOptimizer::new(AdamWConfig::new().init()),
+            m,
+            rows,
+            device,
+            sync,
+        ),
+    }
+}
+
+/// Relative to the tensor's scale: max |a − b| ≤ 1e-5 · max |b| (element-wise relative error is
+/// ill-posed for near-zero entries, which AdamW's normalised step amplifies).
+fn close(what: &str, got: &[f32], expected: &[f32]) {
+    assert_eq!(got.len(), expected.len(), "{what}");
+    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    for (i, (a, b)) in got.iter().zip(expected).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * scale,
+            "{what}[{i}]: {a} vs {b} (scale {scale})"
+        );
+    }
+}
+
+fn check(strategy: FsdpStrategy, mesh: DeviceMesh) {
+    for opt in [Opt::Sgd, Opt::AdamW] {
+        let (ref_losses, ref_params) = reference(opt);
+        let world = mesh.world_size();
+        let per_rank = GLOBAL_BATCH / world;
+        let results = launch_ranks::<Flex, _, _>(
+            &mesh,
+            &Default::default(),
+            &LaunchOptions::default(),
+            |device| {
+                let m = fully_shard(model::<Dist>(&device), &mesh, strategy).unwrap();
+                let rows = device.rank() * per_rank..(device.rank() + 1) * per_rank;
+                distributed(opt, m, rows, &device)
+            },
+        )
+        .unwrap();
+        for (rank, (losses, params)) in results.iter().enumerate() {
+            assert_eq!(losses.len(), STEPS);
+            for (i, (p, q)) in params.iter().zip(&ref_params).enumerate() {
+                close(
+                    &format!("{strategy:?} {opt:?} {mesh} rank {rank} param {i}"),
+                    p,
+                    q,
+                );
+            }
+        }
+        let mean: Vec<f32> = (0..STEPS)
+            .map(|s| results.iter().map(|r| r.0[s]).sum::<f32>() / world as f32)
+            .collect();
+        close(
+            &format!("{strategy:?} {opt:?} {mesh} loss"),
+            &mean,
+            &ref_losses,
+        );
+    }
+}
+
+#[test]
+fn every_strategy_matches_one_device() {
+    for strategy in [
+        FsdpStrategy::NoShard,
+        FsdpStrategy::ShardOptimizer,
+        FsdpStrategy::ShardGradOp,
+        FsdpStrategy::FullShard,
+    ] {
+        for dp in [2, 4] {
+            check(strategy, DeviceMesh::new([("dp", dp)]).unwrap());
+        }
+    }
+    check(
+        FsdpStrategy::Hybrid,
+        DeviceMesh::new([("dp_replicate", 2), ("dp_shard", 2)]).unwrap(),
+    );
+}
+
+/// After one AdamW step: parameter, gradient and optimizer-state bytes on each rank equal the
+/// ZeRO formulas (16Ψ for DDP … 16Ψ/N for FSDP), where the only excess is the parameters whose
+/// first dimension does not divide by N (kept whole).
+#[test]
+fn memory_matches_the_zero_formulas() {
+    let n = 4;
+    let mesh = DeviceMesh::new([("dp", n)]).unwrap();
+    let reference = model::<Plain>(&Default::default());
+    // Ψ, and the elements a rank holds when every shardable parameter is sharded.
+    let dims = param_dims(&reference);
+    let psi: u64 = dims
+        .iter()
+        .map(|d| d.iter().product::<usize>() as u64)
+        .sum();
+    let sharded: u64 = dims
+        .iter()
+        .map(|d| {
+            let size = d.iter().product::<usize>() as u64;
+            if d[0] % n == 0 { size / n as u64 } else { size }
+        })
+        .sum();
+    for strategy in [
+        FsdpStrategy::NoShard,
+        FsdpStrategy::ShardOptimizer,
+        FsdpStrategy::ShardGradOp,
+        FsdpStrategy::FullShard,
+    ] {
+        let results = launch_ranks::<Flex, _, _>(
+            &mesh,
+            &Default::default(),
+            &LaunchOptions::default(),
+            |device| {
+                let m = fully_shard(model::<Dist>(&device), &mesh, strategy).unwrap();
+                let mut optim = FsdpOptimizer::new(AdamWConfig::new().init());
+                let rows = device.rank() * 2..device.rank() * 2 + 2;
+                let (x, y) = task().batch(0, rows.clone());
+                let x = Tensor::<Dist, 3>::from_data(x, &device);
+                let y = Tensor::<Dist, 1, Int>::from_data(TensorData::new(y, [2]), &device);
+                let loss = burn::nn::loss::CrossEntropyLossConfig::new()
+                    .init(&device)
+                    .forward(m.logits(x), y);
+                let grads = loss.backward();
+                drop(loss);
+                let mut grads = GradientsParams::from_grads(grads, &m);
+                sync_gradients(&m, &mut grads).unwrap();
+                let grad_bytes = gradient_bytes(&m, &grads);
+                let stats_before = device.context().comm().stats();
+                let m = optim.step(1e-3, m, grads);
+                let step_stats = device.context().comm().stats().since(&stats_before);
+                let param_bytes = parameter_bytes(&m);
+                // Everything still alive is the parameters and the optimizer state.
+                let optim_bytes = device.context().live_bytes() - param_bytes;
+                drop((m, optim));
+                (
+                    param_bytes,
+                    grad_bytes,
+                    optim_bytes,
+                    step_stats.count(CollectiveKind::AllGather),
+                )
+            },
+        )
+        .unwrap();
+        let full = 4 * psi;
+        let shard = 4 * sharded;
+        let (p, g, o) = match strategy {
+            FsdpStrategy::NoShard => (full, full, 2 * full),
+            FsdpStrategy::ShardOptimizer => (full, full, 2 * shard),
+            FsdpStrategy::ShardGradOp => (full, shard, 2 * shard),
+            _ => (shard, shard, 2 * shard),
+        };
+        for (rank, &(param_bytes, grad_bytes, optim_bytes, gathers)) in results.iter().enumerate() {
+            assert_eq!(
+                (param_bytes, grad_bytes, optim_bytes),
+                (p, g, o),
+                "{strategy:?} rank {rank} (Ψ = {psi})"
+            );
+            let regathers = matches!(
+                strategy,
+                FsdpStrategy::ShardOptimizer | FsdpStrategy::ShardGradOp
+            );
+            assert_eq!(
+                gathers > 0,
+                regathers,
+                "{strategy:?}: parameters re-gathered after the step"
+            );
+        }
+        eprintln!(
+            "{strategy:?} N={n} Ψ={psi}: params {p} grads {g} optim {o} bytes = {:.3}Ψ (formula {})",
+            (p + g + o) as f64 / psi as f64,
+            match strategy {
+                FsdpStrategy::NoShard => "16Ψ",
+                FsdpStrategy::ShardOptimizer => "8Ψ + 8Ψ/N = 10Ψ",
+                FsdpStrategy::ShardGradOp => "4Ψ + 12Ψ/N = 7Ψ",
+                _ => "16Ψ/N = 4Ψ",
+            }
+        );
+    }
+}
+
+fn param_dims<B: Backend, M: Module<B>>(m: &M) -> Vec<Vec<usize>> {
+    struct Dims(Vec<Vec<usize>>);
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Dims {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<B, D>>) {
+            self.0.push(param.val().dims().to_vec());
+        }
+    }
+    let mut d = Dims(Vec::new());
+    m.visit(&mut d);
+    d.0
+}
