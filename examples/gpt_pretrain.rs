@@ -11,7 +11,7 @@ use clap::{CommandFactory, FromArgMatches, Parser};
 use std::path::PathBuf;
 use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;
-use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, Recompute};
+use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, Recompute, parse_fsdp};
 use wildfire::pretrain::{Precision, PretrainConfig, estimate, run};
 
 /// Pretrain a GPT language model with Wildfire.
@@ -94,9 +94,12 @@ struct Args {
     /// Tensor-parallel ranks.
     #[arg(long, default_value_t = 1, help_heading = "Parallelism")]
     tp: usize,
-    /// Data-parallel strategy: none (DDP), zero1, grad-op, full, hybrid.
-    #[arg(long, default_value = "none", help_heading = "Parallelism")]
+    /// Data-parallel strategy: none (DDP), zero1, grad-op, full (FSDP / ZeRO-3), hybrid (HSDP).
+    #[arg(long, default_value = "none", value_parser = parse_fsdp, help_heading = "Parallelism")]
     fsdp: FsdpStrategy,
+    /// HSDP: ranks per shard group (the dp / dp-shard groups replicate).
+    #[arg(long, help_heading = "Parallelism")]
+    dp_shard: Option<usize>,
     /// Compute precision: f32, bf16, f16.
     #[arg(long, default_value = "f32", help_heading = "Parallelism")]
     precision: Precision,
@@ -208,6 +211,7 @@ fn main() -> Result<()> {
             dp: args.dp,
             tp: args.tp,
             fsdp: args.fsdp,
+            dp_shard: args.dp_shard,
             recompute: args.recompute,
         },
         precision: args.precision,

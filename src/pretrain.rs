@@ -3,10 +3,10 @@
 //! and the tests call alike.
 
 use burn::backend::Autodiff;
-use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::prelude::*;
-use burn::record::{BinFileRecorder, FullPrecisionSettings, Recorder};
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 use std::fs;
@@ -19,8 +19,8 @@ use wildfire_models::data::{
 use wildfire_models::gpt::{Gpt, GptConfig, ModelError, Preset};
 use wildfire_models::parallelize::{ParallelConfig, ParallelizeError, parallelize_gpt};
 use wildfire_parallel::{
-    DistDevice, DistError, Distributed, Group, LaunchError, LaunchOptions, ReduceOp,
-    create_replicated, launch_ranks, sync_gradients,
+    DistDevice, DistError, Distributed, FsdpOptimizer, Group, LaunchError, LaunchOptions, ReduceOp,
+    create_replicated, gradient_bytes, launch_ranks, parameter_bytes, sync_gradients,
 };
 
 /// Numeric precision of the compute.
@@ -334,8 +334,11 @@ pub struct StepMetrics {
     pub grad_bytes: u64,
     /// Optimizer-state bytes on this rank.
     pub optim_bytes: u64,
-    /// Peak resident memory of the process so far (VmHWM; all ranks share the process).
+    /// Peak bytes of this rank's live distributed tensors during the step (the decorator's
+    /// accounting; a clone held by autodiff counts again, so this is an upper bound).
     pub peak_bytes: u64,
+    /// Peak resident memory of the whole process so far (VmHWM; all thread-ranks share it).
+    pub process_peak_rss: u64,
     /// Bytes this rank passed to collectives during the step.
     pub comm_bytes: u64,
     /// Validation loss, on evaluation steps.
@@ -494,7 +497,7 @@ struct RankRun<'a> {
     tokenizer: &'a Tokenizer,
 }
 
-type Recs = BinFileRecorder<FullPrecisionSettings>;
+type Recs = BinBytesRecorder<FullPrecisionSettings>;
 
 fn batch_tensors<B: Backend>(
     sampler: &BatchSampler,
@@ -554,10 +557,12 @@ impl RankRun<'_> {
         let rank = device.rank();
         let mesh = device.mesh().clone();
         let mut model: Gpt<A<B>> = self.model_config.init(device)?;
-        let mut optim = AdamWConfig::new()
-            .with_beta_2(0.95)
-            .with_weight_decay(config.weight_decay as f32)
-            .init::<A<B>, Gpt<A<B>>>();
+        let mut optim = FsdpOptimizer::new(
+            AdamWConfig::new()
+                .with_beta_2(0.95)
+                .with_weight_decay(config.weight_decay as f32)
+                .init::<A<B>, Gpt<A<B>>>(),
+        );
         if let Some(dir) = resume {
             // Every rank loads the same files: the values are replicated by construction.
             let bad = |what: &str, reason: String| PretrainError::Checkpoint {
@@ -568,12 +573,14 @@ impl RankRun<'_> {
                 wildfire_models::safetensors::load(model, &dir.join("model.safetensors"))
             })
             .map_err(|e| bad("model weights", e.to_string()))?;
-            let o = create_replicated(|| Recs::new().load(dir.join("optimizer"), device))
+            let bytes = fs::read(dir.join("optimizer.bin"))
+                .map_err(|e| bad("optimizer state", e.to_string()))?;
+            let o = create_replicated(|| Recs::new().load(bytes, device))
                 .map_err(|e| bad("optimizer state", e.to_string()))?;
             optim = create_replicated(|| optim.load_record(o));
         }
         let mut model = parallelize_gpt(model, &mesh, &config.parallel)?;
-        let param_bytes = (model.num_params() * 4) as u64;
+        let ctx = device.context().clone();
         let tokens_per_step = (config.batch_size * self.model_config.block_size) as f64;
         let progress = (rank == 0 && config.progress).then(|| {
             let bar = indicatif::ProgressBar::new(config.steps as u64);
@@ -590,6 +597,7 @@ impl RankRun<'_> {
         for step in first_step..config.steps {
             let started = Instant::now();
             let stats_before = device.context().comm().stats();
+            ctx.reset_peak_bytes();
             let lr = config.lr_at(step);
             let (x, y) = batch_tensors::<A<B>>(
                 self.sampler,
@@ -600,10 +608,20 @@ impl RankRun<'_> {
             );
             let loss = model.loss(x, y);
             let local_loss = loss.clone().into_scalar().elem::<f32>();
-            let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+            let grads = loss.backward();
+            drop(loss);
+            let mut grads = GradientsParams::from_grads(grads, &model);
             sync_gradients(&model, &mut grads)?;
             let grad_norm = clip_global_norm(&model, &mut grads, config.clip);
+            // The decorator's accounting of this rank's local pieces: live before the step =
+            // parameters + gradients + optimizer state; after it, the gradients are gone.
+            let grad_bytes = gradient_bytes(&model, &grads);
+            let other = ctx
+                .live_bytes()
+                .saturating_sub(parameter_bytes(&model) + grad_bytes);
             model = optim.step(lr, model, grads);
+            let param_bytes = parameter_bytes(&model);
+            let optim_bytes = ctx.live_bytes().saturating_sub(param_bytes + other);
             let loss = mean_over_ranks(device, local_loss);
             let elapsed = started.elapsed().as_secs_f64();
             let mut m = StepMetrics {
@@ -615,9 +633,10 @@ impl RankRun<'_> {
                 skipped: false,
                 tokens_per_s: tokens_per_step / elapsed,
                 param_bytes,
-                grad_bytes: param_bytes,
-                optim_bytes: 2 * param_bytes,
-                peak_bytes: peak_rss(),
+                grad_bytes,
+                optim_bytes,
+                peak_bytes: ctx.peak_bytes(),
+                process_peak_rss: peak_rss(),
                 comm_bytes: device
                     .context()
                     .comm()
@@ -643,20 +662,15 @@ impl RankRun<'_> {
         if let Some(bar) = &progress {
             bar.finish_and_clear();
         }
-        if rank == 0 {
-            summary.parameters = crate::demo::parameters(&model);
-            if config.sample_tokens > 0 {
-                let prompt = self.tokenizer.encode("\n");
-                let tokens = model.valid().generate(
-                    &prompt,
-                    config.sample_tokens,
-                    0.8,
-                    40,
-                    config.seed,
-                    device,
-                );
-                summary.sample = self.tokenizer.decode(&tokens);
-            }
+        // Gathering sharded parameters and sampling take collectives: every rank does them.
+        summary.parameters = crate::demo::parameters(&model);
+        if config.sample_tokens > 0 {
+            let prompt = self.tokenizer.encode("\n");
+            let tokens =
+                model
+                    .valid()
+                    .generate(&prompt, config.sample_tokens, 0.8, 40, config.seed, device);
+            summary.sample = self.tokenizer.decode(&tokens);
         }
         Ok(summary)
     }
@@ -746,6 +760,15 @@ impl RankRun<'_> {
         step: usize,
         rank: usize,
     ) -> Result<(), PretrainError> {
+        // Sharded values are gathered for the files: every rank takes part; rank 0 writes.
+        let weights = wildfire_models::safetensors::to_bytes(model);
+        let optimizer =
+            Recs::new()
+                .record(optim.to_record(), ())
+                .map_err(|e| PretrainError::Checkpoint {
+                    path: self.config.save.clone().unwrap_or_default(),
+                    reason: format!("optimizer state: {e}"),
+                })?;
         if rank != 0 {
             return Ok(());
         }
@@ -754,19 +777,8 @@ impl RankRun<'_> {
         let tmp = root.join(format!(".{name}.tmp"));
         let dir = root.join(&name);
         fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
-        let bad = |e: burn::record::RecorderError| PretrainError::Checkpoint {
-            path: tmp.clone(),
-            reason: e.to_string(),
-        };
-        wildfire_models::safetensors::save(model, &tmp.join("model.safetensors")).map_err(|e| {
-            PretrainError::Checkpoint {
-                path: tmp.clone(),
-                reason: e.to_string(),
-            }
-        })?;
-        Recs::new()
-            .record(optim.to_record(), tmp.join("optimizer"))
-            .map_err(bad)?;
+        write_atomic(&tmp.join("model.safetensors"), &weights)?;
+        write_atomic(&tmp.join("optimizer.bin"), &optimizer)?;
         let state = CheckpointState {
             step,
             config: self.config.clone(),

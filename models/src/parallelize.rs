@@ -4,39 +4,26 @@
 use crate::gpt::Gpt;
 use serde::{Deserialize, Serialize};
 use std::str::FromStr;
-use wildfire_parallel::{DeviceMesh, DistError, DistributedBackend, replicate};
+use wildfire_parallel::{DeviceMesh, DistError, DistributedBackend, fully_shard};
 
-/// The data-parallel strategy (names follow what users know from DeepSpeed / PyTorch FSDP).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum FsdpStrategy {
-    /// Replicated parameters (DDP).
-    None,
-    /// ZeRO-1: optimizer state sharded.
-    Zero1,
-    /// ZeRO-2: gradients and optimizer state sharded.
-    GradOp,
-    /// ZeRO-3 / FSDP: everything sharded.
-    Full,
-    /// HSDP: shard within a group, replicate across groups.
-    Hybrid,
-}
+/// The data-parallel strategy: `wildfire_parallel::FsdpStrategy`, parsed from the names users
+/// know (`none`/`ddp`, `zero1`, `grad-op`/`zero2`, `full`/`zero3`, `hybrid`/`hsdp`).
+pub use wildfire_parallel::FsdpStrategy;
 
-impl FromStr for FsdpStrategy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s {
-            "none" | "ddp" => FsdpStrategy::None,
-            "zero1" => FsdpStrategy::Zero1,
-            "grad-op" | "zero2" => FsdpStrategy::GradOp,
-            "full" | "zero3" => FsdpStrategy::Full,
-            "hybrid" | "hsdp" => FsdpStrategy::Hybrid,
-            other => {
-                return Err(format!(
-                    "unknown --fsdp '{other}': choose none, zero1, grad-op, full or hybrid"
-                ));
-            }
-        })
-    }
+/// Parse `--fsdp`.
+pub fn parse_fsdp(s: &str) -> Result<FsdpStrategy, String> {
+    Ok(match s {
+        "none" | "ddp" => FsdpStrategy::NoShard,
+        "zero1" => FsdpStrategy::ShardOptimizer,
+        "grad-op" | "zero2" => FsdpStrategy::ShardGradOp,
+        "full" | "zero3" => FsdpStrategy::FullShard,
+        "hybrid" | "hsdp" => FsdpStrategy::Hybrid,
+        other => {
+            return Err(format!(
+                "unknown --fsdp '{other}': choose none, zero1, grad-op, full or hybrid"
+            ));
+        }
+    })
 }
 
 /// Activation recomputation policy.
@@ -80,6 +67,8 @@ pub struct ParallelConfig {
     pub tp: usize,
     /// Data-parallel strategy.
     pub fsdp: FsdpStrategy,
+    /// HSDP: ranks per shard group (`dp_shard`); the `dp / dp_shard` groups replicate.
+    pub dp_shard: Option<usize>,
     /// Activation recomputation.
     pub recompute: Recompute,
 }
@@ -89,7 +78,8 @@ impl Default for ParallelConfig {
         Self {
             dp: 1,
             tp: 1,
-            fsdp: FsdpStrategy::None,
+            fsdp: FsdpStrategy::NoShard,
+            dp_shard: None,
             recompute: Recompute::None,
         }
     }
@@ -109,11 +99,23 @@ pub enum ParallelizeError {
     /// The decorator refused.
     #[error(transparent)]
     Dist(#[from] DistError),
+    /// Inconsistent flags.
+    #[error("{0}")]
+    Config(String),
 }
 
 impl ParallelConfig {
-    /// The device mesh: `dp × tp` (axes of size 1 kept, so layouts have a fixed shape).
+    /// The device mesh: `dp × tp`, or `dp_replicate × dp_shard × tp` for HSDP (axes of size 1
+    /// kept, so layouts have a fixed shape).
     pub fn mesh(&self) -> Result<DeviceMesh, DistError> {
+        if self.fsdp == FsdpStrategy::Hybrid {
+            let shard = self.dp_shard.unwrap_or(self.dp);
+            return Ok(DeviceMesh::new([
+                ("dp_replicate", self.dp / shard.max(1)),
+                ("dp_shard", shard),
+                ("tp", self.tp),
+            ])?);
+        }
         Ok(DeviceMesh::new([("dp", self.dp), ("tp", self.tp)])?)
     }
 
@@ -125,11 +127,14 @@ impl ParallelConfig {
                 issue: "tensor-parallelism",
             });
         }
-        if self.fsdp != FsdpStrategy::None {
-            return Err(ParallelizeError::NotAvailable {
-                what: format!("--fsdp {:?}", self.fsdp).to_lowercase(),
-                issue: "FSDP",
-            });
+        if self.fsdp == FsdpStrategy::Hybrid {
+            let shard = self.dp_shard.unwrap_or(0);
+            if shard < 2 || shard >= self.dp || !self.dp.is_multiple_of(shard) {
+                return Err(ParallelizeError::Config(format!(
+                    "--fsdp hybrid needs --dp-shard K with 1 < K < --dp {} and K dividing it (got {shard})",
+                    self.dp
+                )));
+            }
         }
         if self.recompute != Recompute::None {
             return Err(ParallelizeError::NotAvailable {
@@ -141,12 +146,14 @@ impl ParallelConfig {
     }
 }
 
-/// Lay `model` out over `mesh` (tensor parallel → recompute → FSDP / DDP). Today: DDP.
+/// Lay `model` out over `mesh` (tensor parallel → recompute → FSDP / DDP). Today: the
+/// data-parallel strategies (`fully_shard`); TP and recomputation are refused by
+/// [`ParallelConfig::check_available`].
 pub fn parallelize_gpt<B: DistributedBackend>(
     model: Gpt<B>,
     mesh: &DeviceMesh,
     config: &ParallelConfig,
 ) -> Result<Gpt<B>, ParallelizeError> {
     config.check_available()?;
-    Ok(replicate(model, mesh)?)
+    Ok(fully_shard(model, mesh, config.fsdp)?)
 }

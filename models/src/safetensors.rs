@@ -80,13 +80,9 @@ pub fn named_parameters<B: Backend, M: Module<B>>(
     c.tensors
 }
 
-/// Write every parameter of `module` (f32) to `path` as safetensors, via a temporary file and a
-/// rename, so a crash never leaves a half-written file under the final name.
-pub fn save<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), SafetensorsError> {
-    let io = |source| SafetensorsError::Io {
-        path: path.display().to_string(),
-        source,
-    };
+/// Every parameter of `module` (f32) as the bytes of a safetensors file. Distributed parameters
+/// are gathered to full values, so every rank must call it (the collectives are matched).
+pub fn to_bytes<B: Backend, M: Module<B>>(module: &M) -> Vec<u8> {
     let tensors = named_parameters(module);
     let mut header = String::from("{\"__metadata__\":{\"format\":\"pt\"}");
     let mut offset = 0usize;
@@ -104,21 +100,36 @@ pub fn save<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), Saf
     while !header.len().is_multiple_of(8) {
         header.push(' ');
     }
-    let tmp = path.with_extension("safetensors.tmp");
-    let mut file = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(io)?);
-    file.write_all(&(header.len() as u64).to_le_bytes())
-        .map_err(io)?;
-    file.write_all(header.as_bytes()).map_err(io)?;
+    let mut bytes = Vec::with_capacity(8 + header.len() + offset);
+    bytes.extend_from_slice(&(header.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(header.as_bytes());
     for (_, _, data) in &tensors {
         for v in data {
-            file.write_all(&v.to_le_bytes()).map_err(io)?;
+            bytes.extend_from_slice(&v.to_le_bytes());
         }
     }
-    file.into_inner()
-        .map_err(|e| io(e.into_error()))?
-        .sync_all()
-        .map_err(io)?;
+    bytes
+}
+
+/// Write `bytes` to `path` via a temporary file and a rename, so a crash never leaves a
+/// half-written file under the final name.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SafetensorsError> {
+    let io = |source| SafetensorsError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let mut name = path.as_os_str().to_owned();
+    name.push(".tmp");
+    let tmp = std::path::PathBuf::from(name);
+    let mut file = std::fs::File::create(&tmp).map_err(io)?;
+    file.write_all(bytes).map_err(io)?;
+    file.sync_all().map_err(io)?;
     std::fs::rename(&tmp, path).map_err(io)
+}
+
+/// Write every parameter of `module` (f32) to `path` as safetensors, atomically.
+pub fn save<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), SafetensorsError> {
+    write_atomic(path, &to_bytes(module))
 }
 
 /// Tensors by name: (shape, values).

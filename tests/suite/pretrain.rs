@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;
-use wildfire::models::parallelize::ParallelConfig;
+use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
 use wildfire::pretrain::{PretrainConfig, PretrainError, run};
 
 /// A CI-sized model on the embedded corpus.
@@ -109,6 +109,62 @@ fn data_parallel_matches_one_rank() {
                 );
             }
         }
+    }
+}
+
+/// `--fsdp zero1 | grad-op | full` on 2 ranks and `--fsdp hybrid` on 4 (2 × 2) follow the
+/// `--dp 1` run step by step; FSDP holds a quarter… a half of the parameter bytes per rank.
+#[test]
+fn sharded_runs_match_one_rank() {
+    let one = run(&small(10)).unwrap();
+    let full_bytes = one.steps[0].param_bytes;
+    for (fsdp, dp, dp_shard) in [
+        (FsdpStrategy::ShardOptimizer, 2, None),
+        (FsdpStrategy::ShardGradOp, 2, None),
+        (FsdpStrategy::FullShard, 2, None),
+        (FsdpStrategy::Hybrid, 4, Some(2)),
+    ] {
+        let parallel = ParallelConfig {
+            dp,
+            fsdp,
+            dp_shard,
+            ..ParallelConfig::default()
+        };
+        let many = run(&PretrainConfig {
+            parallel,
+            ..small(10)
+        })
+        .unwrap();
+        for (a, b) in many.steps.iter().zip(&one.steps) {
+            assert!(
+                (a.loss - b.loss).abs() <= 1e-4 * b.loss.abs(),
+                "{fsdp:?} step {}: {} vs {}",
+                a.step,
+                a.loss,
+                b.loss
+            );
+        }
+        for (p, q) in many.parameters.iter().zip(&one.parameters) {
+            let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (x, y) in p.iter().zip(q) {
+                assert!(
+                    (x - y).abs() <= 1e-4 * scale,
+                    "{fsdp:?} parameter {x} vs {y}"
+                );
+            }
+        }
+        let bytes = many.steps[0].param_bytes;
+        match fsdp {
+            FsdpStrategy::FullShard | FsdpStrategy::Hybrid => assert!(
+                bytes < full_bytes * 6 / 10,
+                "{fsdp:?}: {bytes} of {full_bytes}"
+            ),
+            _ => assert_eq!(bytes, full_bytes, "{fsdp:?}"),
+        }
+        assert!(
+            many.steps[0].optim_bytes < one.steps[0].optim_bytes * 6 / 10,
+            "{fsdp:?}: optimizer state not sharded"
+        );
     }
 }
 
