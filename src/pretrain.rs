@@ -613,15 +613,13 @@ impl RankRun<'_> {
             let mut grads = GradientsParams::from_grads(grads, &model);
             sync_gradients(&model, &mut grads)?;
             let grad_norm = clip_global_norm(&model, &mut grads, config.clip);
-            // The decorator's accounting of this rank's local pieces: live before the step =
-            // parameters + gradients + optimizer state; after it, the gradients are gone.
+            // The decorator's accounting of this rank's local pieces. After the step only the
+            // parameters and the optimizer state are alive (the loss and its graph are dropped,
+            // the gradients consumed), so the optimizer state is the rest.
             let grad_bytes = gradient_bytes(&model, &grads);
-            let other = ctx
-                .live_bytes()
-                .saturating_sub(parameter_bytes(&model) + grad_bytes);
             model = optim.step(lr, model, grads);
             let param_bytes = parameter_bytes(&model);
-            let optim_bytes = ctx.live_bytes().saturating_sub(param_bytes + other);
+            let optim_bytes = ctx.live_bytes().saturating_sub(param_bytes);
             let loss = mean_over_ranks(device, local_loss);
             let elapsed = started.elapsed().as_secs_f64();
             let mut m = StepMetrics {
