@@ -290,3 +290,60 @@ fn param_dims<B: Backend, M: Module<B>>(m: &M) -> Vec<Vec<usize>> {
     m.visit(&mut d);
     d.0
 }
+
+/// FullShard on a two-layer MLP: the collectives of one step are exactly what the plan predicts —
+/// parameters gathered per use (three uses forward, fc2's weight again for the input gradient),
+/// gradients reduce-scattered where they are born, the one unshardable bias all-reduced.
+#[test]
+fn full_shard_collectives_per_step_match_the_plan() {
+    use wildfire::demo::Mlp;
+    for n in [2usize, 4] {
+        let mesh = DeviceMesh::new([("dp", n)]).unwrap();
+        let stats = launch_ranks::<Flex, _, _>(
+            &mesh,
+            &Default::default(),
+            &LaunchOptions::default(),
+            |device| {
+                let m = fully_shard(
+                    deterministic_init(Mlp::<Dist>::new(4, 16, 3, &device), 2),
+                    &mesh,
+                    FsdpStrategy::FullShard,
+                )
+                .unwrap();
+                device.context().reset_counters();
+                let mut optim = FsdpOptimizer::new(SgdConfig::new().init());
+                let rows = device.rank() * 2..device.rank() * 2 + 2;
+                let (m, _) = train(m, &mut optim, &task(), 1, 0.1, rows, &device, |m, g| {
+                    sync_gradients(m, g).unwrap();
+                });
+                drop(m);
+                (device.context().comm().stats(), device.context().counters())
+            },
+        )
+        .unwrap();
+        let f = 4u64; // bytes per f32
+        let n64 = n as u64;
+        // fc1: w [4, 16], b [16]; fc2: w [16, 3], b [3] (3 does not divide: replicated).
+        let gathers = [4 * 16 / n64, 16 / n64, 16 * 3 / n64, 16 * 3 / n64];
+        let scatters = [4 * 16, 16, 16 * 3];
+        for (rank, (s, counters)) in stats.iter().enumerate() {
+            let what = format!("N={n} rank {rank}\n{s}");
+            assert_eq!(s.count(CollectiveKind::AllGather), 4, "{what}");
+            assert_eq!(
+                s.bytes(CollectiveKind::AllGather),
+                f * gathers.iter().sum::<u64>(),
+                "{what}"
+            );
+            assert_eq!(s.count(CollectiveKind::ReduceScatter), 3, "{what}");
+            assert_eq!(
+                s.bytes(CollectiveKind::ReduceScatter),
+                f * scatters.iter().sum::<u64>(),
+                "{what}"
+            );
+            assert_eq!(s.count(CollectiveKind::AllReduce), 1, "{what}");
+            assert_eq!(s.bytes(CollectiveKind::AllReduce), f * 3, "{what}");
+            assert_eq!(s.count(CollectiveKind::Barrier), 1, "{what}");
+            assert_eq!(counters.fallback_total(), 0, "{:?}", counters.fallbacks);
+        }
+    }
+}
