@@ -239,7 +239,10 @@ where
     let grad = DTensor::new_unchecked(grad.into_local(), source.clone(), param.device().clone());
     // Model axes: the parameter's placement. Data axes: the rank's plan (the parameter's own
     // placement under DDP and FSDP; sharded gradients of replicated parameters under ZeRO-2).
-    let plan = param.device().context().grad_layout(param.global_shape());
+    let plan = param
+        .device()
+        .context()
+        .grad_layout(param.global_shape(), param.layout());
     let mut target = param.layout().clone();
     for (a, axis) in mesh.axes().iter().enumerate() {
         if axis.kind == AxisKind::Data && target.get(a) != Placement::Local {

@@ -185,14 +185,25 @@ impl RankContext {
         *self.plan.lock().unwrap() = plan;
     }
 
-    /// Where a data-parallel gradient of global shape `shape` goes on each data axis (`Shard(0)`
-    /// on the plan's shard axes when the first dimension divides, else `Replicate`); model axes
-    /// are left `Replicate`.
-    pub(crate) fn grad_layout(&self, shape: &[usize]) -> crate::placement::Layout {
+    /// Where a data-parallel gradient of global shape `shape` (model-axis placements `base`)
+    /// goes on each data axis (`Shard(0)` on the plan's shard axes when the first dimension
+    /// divides, else `Replicate`); model axes are left `Replicate`.
+    pub(crate) fn grad_layout(
+        &self,
+        shape: &[usize],
+        base: &crate::placement::Layout,
+    ) -> crate::placement::Layout {
         let plan = self.plan.lock().unwrap();
         let mesh = self.mesh();
         let mut layout = crate::placement::Layout::replicated(mesh);
-        let mut parts = 1;
+        // Model-axis shards of dim 0 (a row-parallel weight) nest inside the data-axis shards.
+        let mut parts: usize = (0..base.len())
+            .filter(|&a| {
+                mesh.axis(a).kind == AxisKind::Model
+                    && base.get(a) == crate::placement::Placement::Shard(0)
+            })
+            .map(|a| mesh.axis_size(a))
+            .product();
         for &a in &plan.grad_shard_axes {
             parts *= mesh.axis_size(a);
             if !shape.is_empty() && shape[0].is_multiple_of(parts) {

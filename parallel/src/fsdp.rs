@@ -57,7 +57,8 @@ fn shard_axes(mesh: &DeviceMesh, strategy: FsdpStrategy) -> Result<Vec<usize>, D
 
 /// The data axes where a parameter of `shape` rests sharded (`Shard(0)`), given the shard axes.
 fn shard_layout(mut layout: Layout, shape: &[usize], axes: &[usize], mesh: &DeviceMesh) -> Layout {
-    let mut parts = 1;
+    // Shards already on dim 0 (a row-parallel weight) nest: the data axes split what is left.
+    let mut parts = layout.shards_of(0, mesh);
     for &a in axes {
         if !shape.is_empty() && shape[0].is_multiple_of(parts * mesh.axis_size(a)) {
             parts *= mesh.axis_size(a);

@@ -25,6 +25,7 @@ pub mod mesh;
 mod placement;
 mod ranks;
 mod tensor;
+mod tensor_parallel;
 
 pub use backend::Distributed;
 pub use comm::{
@@ -41,6 +42,7 @@ pub use mesh::{AxisKind, DeviceMesh, MeshAxis, MeshError};
 pub use placement::{Layout, Placement, create_replicated};
 pub use ranks::{launch_ranks, launch_ranks_on};
 pub use tensor::DTensor;
+pub use tensor_parallel::{TpError, TpPlan, TpStyle, tensor_parallel};
 
 #[cfg(test)]
 mod tests;

@@ -1,3 +1,4 @@
 mod data_parallel;
 mod fsdp;
 mod pretrain;
+mod tensor_parallel;

@@ -778,7 +778,7 @@ fn reduce_data_parallel<B: Backend>(
     device.ctx.mark_gradients_pending();
     let mut target = layout.clone();
     let global = layout.global_shape(&grad.shape(), device.mesh());
-    let plan = device.ctx.grad_layout(&global);
+    let plan = device.ctx.grad_layout(&global, &layout);
     for &a in summand_axes {
         layout.set(a, Partial(ReduceOp::Avg));
         target.set(a, plan.get(a));

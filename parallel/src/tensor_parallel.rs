@@ -1,0 +1,237 @@
+//! Megatron-style tensor parallelism over the `tp` mesh axis, applied after the model is built:
+//! a plan maps module paths (as Burn's module visitor reports them, `*` for one path segment,
+//! `a|b` for alternatives in a segment) to a style for the `Linear` layers there.
+//!
+//! - `Colwise`: weight `[d_in, d_out]` split on `d_out` (`Shard(1)`), bias `Shard(0)`: the input
+//!   stays replicated, the output comes out sharded on its last dim (the identity forward whose
+//!   conjugate backward is an all-reduce — Megatron's `f`).
+//! - `Rowwise`: weight split on `d_in` (`Shard(0)`), bias replicated (added once): the input is
+//!   sharded on its last dim, the output is a partial sum reduced by the next op that needs the
+//!   full value (Megatron's `g`: all-reduce forward, identity backward).
+//!
+//! The propagation rules do the rest, also for stock burn-nn `MultiHeadAttention` (heads split
+//! when the head count divides) and `PositionWiseFeedForward`.
+
+use crate::data_parallel::{DistributedBackend, dtensor, redistribute};
+use crate::error::DistError;
+use crate::mesh::DeviceMesh;
+use crate::placement::Placement;
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::tensor::Tensor;
+use serde::{Deserialize, Serialize};
+
+/// How one `Linear` is split over the tensor-parallel axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum TpStyle {
+    /// Split the output features.
+    Colwise,
+    /// Split the input features.
+    Rowwise,
+}
+
+/// A tensor-parallel plan: `(module path pattern, style)` pairs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TpPlan {
+    /// The rules, in order.
+    pub rules: Vec<(String, TpStyle)>,
+}
+
+impl TpPlan {
+    /// An empty plan.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Add a rule.
+    pub fn with(mut self, pattern: impl Into<String>, style: TpStyle) -> Self {
+        self.rules.push((pattern.into(), style));
+        self
+    }
+}
+
+/// A plan that does not fit the model, found before anything is changed.
+#[derive(thiserror::Error, Debug, Clone, PartialEq)]
+pub enum TpError {
+    /// The mesh has no `tp` axis.
+    #[error("the mesh {0} has no 'tp' axis; build it with a (\"tp\", N) axis")]
+    NoAxis(String),
+    /// A pattern matched no `Linear`.
+    #[error(
+        "tensor-parallel plan: pattern '{0}' matches no Linear layer of the model; check the module path (e.g. encoder.layers.*.mha.query)"
+    )]
+    NoMatch(String),
+    /// Two rules for one layer.
+    #[error(
+        "tensor-parallel plan: {module} is matched by '{first}' and '{second}'; give each layer one style"
+    )]
+    Conflict {
+        /// The module path.
+        module: String,
+        /// The first pattern.
+        first: String,
+        /// The second pattern.
+        second: String,
+    },
+    /// A split that does not divide.
+    #[error(
+        "tensor-parallel plan: {param} has shape {shape:?}; dimension {dim} ({size}) does not divide by tp = {tp}"
+    )]
+    Indivisible {
+        /// The parameter path.
+        param: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// The split dimension.
+        dim: usize,
+        /// Its size.
+        size: usize,
+        /// The tensor-parallel degree.
+        tp: usize,
+    },
+    /// The decorator refused.
+    #[error(transparent)]
+    Dist(#[from] DistError),
+}
+
+fn matches(pattern: &str, path: &str) -> bool {
+    let (p, q): (Vec<&str>, Vec<&str>) = (pattern.split('.').collect(), path.split('.').collect());
+    p.len() == q.len()
+        && p.iter()
+            .zip(&q)
+            .all(|(a, b)| *a == "*" || a.split('|').any(|alt| alt == *b))
+}
+
+#[derive(Default)]
+struct Path(Vec<String>);
+
+/// Parameters of the model by (module path, field name) with shapes.
+struct Scan {
+    path: Path,
+    params: Vec<(String, String, Vec<usize>)>,
+}
+
+impl<B: DistributedBackend> ModuleVisitor<B> for Scan {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.0.push(name.to_string());
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.0.pop();
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let (module, field) = match self.path.0.split_last() {
+            Some((field, module)) => (module.join("."), field.clone()),
+            None => (String::new(), String::new()),
+        };
+        self.params
+            .push((module, field, param.val().dims().to_vec()));
+    }
+}
+
+/// What each parameter becomes: (index in visiting order) → tensor dim split on the tp axis.
+fn assign(
+    plan: &TpPlan,
+    params: &[(String, String, Vec<usize>)],
+    tp: usize,
+) -> Result<Vec<Option<usize>>, TpError> {
+    let mut out = vec![None; params.len()];
+    let mut used = vec![false; plan.rules.len()];
+    for (i, (module, field, shape)) in params.iter().enumerate() {
+        let mut chosen: Option<(usize, TpStyle)> = None;
+        for (r, (pattern, style)) in plan.rules.iter().enumerate() {
+            if matches(pattern, module) {
+                if let Some((first, _)) = chosen {
+                    return Err(TpError::Conflict {
+                        module: module.clone(),
+                        first: plan.rules[first].0.clone(),
+                        second: pattern.clone(),
+                    });
+                }
+                chosen = Some((r, *style));
+            }
+        }
+        let Some((r, style)) = chosen else { continue };
+        used[r] = true;
+        let dim = match (style, field.as_str(), shape.len()) {
+            (TpStyle::Colwise, "weight", 2) => Some(1),
+            (TpStyle::Colwise, "bias", 1) => Some(0),
+            (TpStyle::Rowwise, "weight", 2) => Some(0),
+            _ => None,
+        };
+        if let Some(d) = dim
+            && !shape[d].is_multiple_of(tp)
+        {
+            return Err(TpError::Indivisible {
+                param: format!("{module}.{field}"),
+                shape: shape.clone(),
+                dim: d,
+                size: shape[d],
+                tp,
+            });
+        }
+        out[i] = dim;
+    }
+    if let Some(r) = used.iter().position(|u| !u) {
+        return Err(TpError::NoMatch(plan.rules[r].0.clone()));
+    }
+    Ok(out)
+}
+
+struct Apply {
+    axis: usize,
+    splits: Vec<Option<usize>>,
+    next: usize,
+    error: Option<DistError>,
+}
+
+impl<B: DistributedBackend> ModuleMapper<B> for Apply {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let split = self.splits.get(self.next).copied().flatten();
+        self.next += 1;
+        let Some(dim) = split else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        // Replicate -> Shard is a local slice: every rank keeps its columns / rows.
+        let target = dtensor(&tensor)
+            .layout()
+            .clone()
+            .with(self.axis, Placement::Shard(dim));
+        match redistribute(tensor.clone(), &target) {
+            Ok(out) => Param::from_mapped_value(id, out, mapper),
+            Err(e) => {
+                self.error.get_or_insert(e);
+                Param::from_mapped_value(id, tensor, mapper)
+            }
+        }
+    }
+}
+
+/// Split the `Linear` layers that `plan` names over the `tp` axis of `mesh`. The plan is checked
+/// whole (patterns that match nothing, two styles on one layer, sizes that do not divide) before
+/// any parameter changes. Apply before `replicate` / `fully_shard`.
+pub fn tensor_parallel<B: DistributedBackend, M: Module<B>>(
+    module: M,
+    mesh: &DeviceMesh,
+    plan: &TpPlan,
+) -> Result<M, TpError> {
+    let axis = mesh
+        .axis_index("tp")
+        .map_err(|_| TpError::NoAxis(mesh.to_string()))?;
+    let mut scan = Scan {
+        path: Path::default(),
+        params: Vec::new(),
+    };
+    module.visit(&mut scan);
+    let splits = assign(plan, &scan.params, mesh.axis_size(axis))?;
+    let mut apply = Apply {
+        axis,
+        splits,
+        next: 0,
+        error: None,
+    };
+    let module = module.map(&mut apply);
+    match apply.error {
+        Some(e) => Err(e.into()),
+        None => Ok(module),
+    }
+}

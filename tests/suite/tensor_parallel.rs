@@ -1,0 +1,264 @@
+//! Tensor parallelism on a stock burn-nn `TransformerEncoder` classifier: a plan on the module
+//! paths, parity with one device (tp = 2 and 4, and tp × FSDP on a 2 × 2 mesh), Megatron's
+//! collective count per block, and plan errors found before anything changes.
+
+use burn::backend::{Autodiff, Flex};
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{GradientsParams, SgdConfig};
+use wildfire::demo::{
+    EncoderClassifier, EncoderClassifierConfig, SyntheticTask, deterministic_init, parameters,
+    train,
+};
+use wildfire::parallel::{
+    CollectiveKind, DeviceMesh, Distributed, FsdpOptimizer, FsdpStrategy, LaunchOptions, TpError,
+    TpPlan, TpStyle, fully_shard, launch_ranks, replicate, sync_gradients, tensor_parallel,
+};
+
+type Plain = Autodiff<Flex>;
+type Dist = Autodiff<Distributed<Flex>>;
+
+const STEPS: usize = 10;
+const BATCH: usize = 8;
+const LAYERS: usize = 2;
+
+fn config() -> EncoderClassifierConfig {
+    EncoderClassifierConfig::new()
+        .with_n_layers(LAYERS)
+        .with_n_heads(4)
+}
+
+fn task() -> SyntheticTask {
+    SyntheticTask {
+        seq: 4,
+        d_input: 4,
+        classes: 3,
+        seed: 31,
+    }
+}
+
+/// Megatron's plan for burn-nn's encoder layer: q/k/v and the MLP's first layer column-wise, the
+/// attention output and the MLP's second layer row-wise.
+fn plan() -> TpPlan {
+    TpPlan::new()
+        .with("encoder.layers.*.mha.query|key|value", TpStyle::Colwise)
+        .with("encoder.layers.*.mha.output", TpStyle::Rowwise)
+        .with("encoder.layers.*.pwff.linear_inner", TpStyle::Colwise)
+        .with("encoder.layers.*.pwff.linear_outer", TpStyle::Rowwise)
+}
+
+fn sgd() -> SgdConfig {
+    SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
+}
+
+fn reference() -> (Vec<f32>, Vec<Vec<f32>>) {
+    let device = Default::default();
+    let m: EncoderClassifier<Plain> = deterministic_init(config().init(&device), 3);
+    let (m, log) = train(
+        m,
+        &mut sgd().init(),
+        &task(),
+        STEPS,
+        0.05,
+        0..BATCH,
+        &device,
+        |_, _| {},
+    );
+    (log.losses, parameters(&m))
+}
+
+fn close(what: &str, got: &[f32], expected: &[f32]) {
+    assert_eq!(got.len(), expected.len(), "{what}");
+    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    for (i, (a, b)) in got.iter().zip(expected).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * scale, "{what}[{i}]: {a} vs {b}");
+    }
+}
+
+/// Run on `mesh` (a `tp` axis, optionally a `dp` axis with `fsdp`); returns per rank the losses,
+/// parameters, and the collectives of the last step.
+fn sharded(
+    mesh: &DeviceMesh,
+    fsdp: Option<FsdpStrategy>,
+) -> Vec<(Vec<f32>, Vec<Vec<f32>>, wildfire::parallel::CommStats, u64)> {
+    let dp = mesh
+        .axis_index("dp")
+        .map(|a| mesh.axis_size(a))
+        .unwrap_or(1);
+    launch_ranks::<Flex, _, _>(
+        mesh,
+        &Default::default(),
+        &LaunchOptions::default(),
+        |device| {
+            let m: EncoderClassifier<Dist> = deterministic_init(config().init(&device), 3);
+            let m = tensor_parallel(m, mesh, &plan()).unwrap();
+            let m = match fsdp {
+                Some(s) => fully_shard(m, mesh, s).unwrap(),
+                None => replicate(m, mesh).unwrap(),
+            };
+            let coords = mesh.coords(device.rank());
+            let dp_index = mesh.axis_index("dp").map(|a| coords[a]).unwrap_or(0);
+            let rows = dp_index * BATCH / dp..(dp_index + 1) * BATCH / dp;
+            let ctx = device.context().clone();
+            let (m, log) = train(
+                m,
+                &mut FsdpOptimizer::new(sgd().init()),
+                &task(),
+                STEPS,
+                0.05,
+                rows,
+                &device,
+                |m, g: &mut GradientsParams| {
+                    sync_gradients(m, g).unwrap();
+                },
+            );
+            // One more forward + backward to count one step's collectives in isolation.
+            ctx.reset_counters();
+            let (m, _) = train(
+                m,
+                &mut FsdpOptimizer::new(sgd().init()),
+                &task(),
+                1,
+                0.0,
+                0..BATCH / dp,
+                &device,
+                |m, g| {
+                    sync_gradients(m, g).unwrap();
+                },
+            );
+            let last = ctx.comm().stats();
+            let counters = ctx.counters();
+            let fallbacks = counters.fallback_total();
+            (log.losses, parameters(&m), last, fallbacks)
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn tensor_parallel_matches_one_device_and_counts_collectives() {
+    let (ref_losses, ref_params) = reference();
+    for tp in [2, 4] {
+        let mesh = DeviceMesh::new([("tp", tp)]).unwrap();
+        for (rank, (losses, params, stats, fallbacks)) in sharded(&mesh, None).iter().enumerate() {
+            close(&format!("tp={tp} rank {rank} loss"), losses, &ref_losses);
+            for (i, (p, q)) in params.iter().zip(&ref_params).enumerate() {
+                close(&format!("tp={tp} rank {rank} param {i}"), p, q);
+            }
+            // Per block and step, measured: forward 2 (after attention and after the MLP: Megatron's
+            // `g`, asserted alone below); backward 4 (the partial input gradients of the
+            // column-parallel layers are reduced lazily, where LayerNorm's backward meets them:
+            // twice per sub-layer) + 4 small ones in `sync_gradients` (LayerNorm scale and shift
+            // gradients born partial). Megatron needs 2 backward: see the issue note.
+            assert_eq!(
+                stats.count_on(CollectiveKind::AllReduce, "tp"),
+                10 * LAYERS as u64,
+                "tp={tp}\n{stats}"
+            );
+            assert_eq!(*fallbacks, 0, "tp={tp}: fallbacks");
+        }
+    }
+}
+
+#[test]
+fn tensor_parallel_composes_with_fsdp_on_a_2x2_mesh() {
+    let (ref_losses, ref_params) = reference();
+    let mesh = DeviceMesh::new([("dp", 2), ("tp", 2)]).unwrap();
+    let results = sharded(&mesh, Some(FsdpStrategy::FullShard));
+    let mean: Vec<f32> = (0..STEPS)
+        .map(|s| (results[0].0[s] + results[2].0[s]) / 2.0)
+        .collect();
+    close("dp×tp loss", &mean, &ref_losses);
+    for (rank, (_, params, _, fallbacks)) in results.iter().enumerate() {
+        for (i, (p, q)) in params.iter().zip(&ref_params).enumerate() {
+            close(&format!("dp×tp rank {rank} param {i}"), p, q);
+        }
+        assert_eq!(*fallbacks, 0);
+    }
+}
+
+#[test]
+fn bad_plans_are_refused_before_anything_changes() {
+    let mesh = DeviceMesh::new([("tp", 2)]).unwrap();
+    let errors = launch_ranks::<Flex, _, _>(
+        &mesh,
+        &Default::default(),
+        &LaunchOptions::default(),
+        |device| {
+            let m = || -> EncoderClassifier<Dist> { config().init(&device) };
+            let none = tensor_parallel(
+                m(),
+                &mesh,
+                &TpPlan::new().with("encoder.layers.*.attention", TpStyle::Colwise),
+            )
+            .unwrap_err();
+            let twice = tensor_parallel(
+                m(),
+                &mesh,
+                &TpPlan::new()
+                    .with("encoder.layers.*.mha.query", TpStyle::Colwise)
+                    .with("encoder.layers.0.mha.*", TpStyle::Rowwise),
+            )
+            .unwrap_err();
+            let odd = tensor_parallel(m(), &mesh, &TpPlan::new().with("head", TpStyle::Colwise))
+                .unwrap_err();
+            let no_axis =
+                tensor_parallel(m(), &DeviceMesh::new([("dp", 2)]).unwrap(), &plan()).unwrap_err();
+            (none, twice, odd, no_axis)
+        },
+    )
+    .unwrap();
+    let (none, twice, odd, no_axis) = &errors[0];
+    assert!(
+        matches!(none, TpError::NoMatch(p) if p == "encoder.layers.*.attention"),
+        "{none}"
+    );
+    assert!(matches!(twice, TpError::Conflict { .. }), "{twice}");
+    assert!(
+        matches!(
+            odd,
+            TpError::Indivisible {
+                dim: 1,
+                size: 3,
+                tp: 2,
+                ..
+            }
+        ),
+        "{odd}"
+    );
+    assert!(matches!(no_axis, TpError::NoAxis(_)), "{no_axis}");
+}
+
+/// Forward only: exactly two all-reduces per block (Megatron's `g` after the row-parallel
+/// attention output and MLP output), nothing else, no fallback.
+#[test]
+fn tensor_parallel_forward_has_two_all_reduces_per_block() {
+    use burn::prelude::*;
+    use wildfire::demo::Classifier;
+    let mesh = DeviceMesh::new([("tp", 2)]).unwrap();
+    let counts = launch_ranks::<Flex, _, _>(
+        &mesh,
+        &Default::default(),
+        &LaunchOptions::default(),
+        |device| {
+            let m: EncoderClassifier<Dist> = deterministic_init(config().init(&device), 3);
+            let m = tensor_parallel(m, &mesh, &plan()).unwrap();
+            device.context().reset_counters();
+            let (x, _) = task().batch(0, 0..BATCH);
+            let logits = m.logits(Tensor::<Dist, 3>::from_data(x, &device));
+            let stats = device.context().comm().stats();
+            drop(logits);
+            (
+                stats.count(CollectiveKind::AllReduce),
+                stats.total_count(),
+                device.context().counters().fallback_total(),
+            )
+        },
+    )
+    .unwrap();
+    for (all_reduce, total, fallbacks) in counts {
+        assert_eq!(
+            (all_reduce, total, fallbacks),
+            (2 * LAYERS as u64, 2 * LAYERS as u64, 0)
+        );
+    }
+}
