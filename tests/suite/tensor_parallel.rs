@@ -74,12 +74,12 @@ fn close(what: &str, got: &[f32], expected: &[f32]) {
     }
 }
 
+/// Losses, parameters, one step's collectives, fallback count.
+type RankResult = (Vec<f32>, Vec<Vec<f32>>, wildfire::parallel::CommStats, u64);
+
 /// Run on `mesh` (a `tp` axis, optionally a `dp` axis with `fsdp`); returns per rank the losses,
 /// parameters, and the collectives of the last step.
-fn sharded(
-    mesh: &DeviceMesh,
-    fsdp: Option<FsdpStrategy>,
-) -> Vec<(Vec<f32>, Vec<Vec<f32>>, wildfire::parallel::CommStats, u64)> {
+fn sharded(mesh: &DeviceMesh, fsdp: Option<FsdpStrategy>) -> Vec<RankResult> {
     let dp = mesh
         .axis_index("dp")
         .map(|a| mesh.axis_size(a))
