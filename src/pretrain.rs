@@ -423,7 +423,16 @@ pub fn run_on<B: Backend>(
     };
     let results = launch_ranks::<B, _, _>(&mesh, device, &LaunchOptions::default(), |device| {
         let rank = device.rank();
-        let rows = sampler.rows_for(rank, dp).expect("checked above");
+        // The data-parallel index: row-major over the data axes (tensor-parallel peers share rows).
+        let mesh = device.mesh();
+        let coords = mesh.coords(rank);
+        let dp_index = mesh
+            .axes()
+            .iter()
+            .enumerate()
+            .filter(|(_, axis)| axis.kind == wildfire_parallel::AxisKind::Data)
+            .fold(0, |index, (a, axis)| index * axis.size + coords[a]);
+        let rows = sampler.rows_for(dp_index, dp).expect("checked above");
         let ctx = RankRun {
             config,
             model_config: &model_config,

@@ -270,7 +270,7 @@ pub struct Block<B: Backend> {
 /// Multi-head causal self-attention with a fused q/k/v projection.
 #[derive(Module, Debug)]
 pub struct CausalSelfAttention<B: Backend> {
-    /// q, k, v projection `[d, 3d]`.
+    /// q, k, v projection `[d, 3d]`, columns grouped by head: `[q₀ k₀ v₀ q₁ k₁ v₁ …]`.
     pub c_attn: Linear<B>,
     /// Output projection `[d, d]`.
     pub c_proj: Linear<B>,
@@ -292,13 +292,10 @@ impl<B: Backend> CausalSelfAttention<B> {
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let (h, hd) = (self.n_head, d / self.n_head);
-        let qkv = self.c_attn.forward(x);
-        let split = |i: usize| {
-            qkv.clone()
-                .narrow(2, i * d, d)
-                .reshape([b, t, h, hd])
-                .swap_dims(1, 2)
-        };
+        // `c_attn`'s columns are grouped by head (q, k, v of head 0, then of head 1, …), so a
+        // column-parallel split gives each rank whole heads and the split below stays local.
+        let qkv = self.c_attn.forward(x).reshape([b, t, h, 3 * hd]);
+        let split = |i: usize| qkv.clone().narrow(3, i * hd, hd).swap_dims(1, 2);
         let (q, k, v) = (split(0), split(1), split(2));
         let att = q
             .matmul(k.swap_dims(2, 3))

@@ -4,7 +4,10 @@
 use crate::gpt::Gpt;
 use serde::{Deserialize, Serialize};
 use std::str::FromStr;
-use wildfire_parallel::{DeviceMesh, DistError, DistributedBackend, fully_shard};
+use wildfire_parallel::{
+    DeviceMesh, DistError, DistributedBackend, TpError, TpPlan, TpStyle, fully_shard,
+    tensor_parallel,
+};
 
 /// The data-parallel strategy: `wildfire_parallel::FsdpStrategy`, parsed from the names users
 /// know (`none`/`ddp`, `zero1`, `grad-op`/`zero2`, `full`/`zero3`, `hybrid`/`hsdp`).
@@ -102,6 +105,9 @@ pub enum ParallelizeError {
     /// Inconsistent flags.
     #[error("{0}")]
     Config(String),
+    /// The tensor-parallel plan does not fit the model.
+    #[error(transparent)]
+    Tp(#[from] TpError),
 }
 
 impl ParallelConfig {
@@ -146,14 +152,31 @@ impl ParallelConfig {
     }
 }
 
-/// Lay `model` out over `mesh` (tensor parallel → recompute → FSDP / DDP). Today: the
-/// data-parallel strategies (`fully_shard`); TP and recomputation are refused by
-/// [`ParallelConfig::check_available`].
+/// The GPT's tensor-parallel plan (Megatron): attention's fused q/k/v projection and the MLP's
+/// first layer column-wise (whole heads per rank: `c_attn` groups its columns by head), the
+/// attention output and the MLP's second layer row-wise. The embedding and the tied output
+/// projection stay replicated (vocabulary-parallel embedding and loss-parallel cross-entropy
+/// are not done yet).
+pub fn gpt_tp_plan() -> TpPlan {
+    TpPlan::new()
+        .with("blocks.*.attn.c_attn", TpStyle::Colwise)
+        .with("blocks.*.attn.c_proj", TpStyle::Rowwise)
+        .with("blocks.*.mlp.c_fc", TpStyle::Colwise)
+        .with("blocks.*.mlp.c_proj", TpStyle::Rowwise)
+}
+
+/// Lay `model` out over `mesh` (tensor parallel → recompute → FSDP / DDP). Recomputation is
+/// refused by [`ParallelConfig::check_available`] until it lands.
 pub fn parallelize_gpt<B: DistributedBackend>(
     model: Gpt<B>,
     mesh: &DeviceMesh,
     config: &ParallelConfig,
 ) -> Result<Gpt<B>, ParallelizeError> {
     config.check_available()?;
+    let model = if config.tp > 1 {
+        tensor_parallel(model, mesh, &gpt_tp_plan())?
+    } else {
+        model
+    };
     Ok(fully_shard(model, mesh, config.fsdp)?)
 }

@@ -112,8 +112,9 @@ fn data_parallel_matches_one_rank() {
     }
 }
 
-/// `--fsdp zero1 | grad-op | full` on 2 ranks and `--fsdp hybrid` on 4 (2 × 2) follow the
-/// `--dp 1` run step by step; FSDP holds a quarter… a half of the parameter bytes per rank.
+/// `--fsdp zero1 | grad-op | full` on 2 ranks, `--fsdp hybrid` on 4 (2 × 2), `--tp 2` and
+/// `--dp 2 --tp 2 --fsdp full` follow the `--dp 1` run step by step, with less parameter and
+/// optimizer memory per rank.
 #[test]
 fn sharded_runs_match_one_rank() {
     let one = run(&small(10)).unwrap();
