@@ -127,12 +127,6 @@ impl ParallelConfig {
 
     /// Refuse, before any work, what is not implemented yet.
     pub fn check_available(&self) -> Result<(), ParallelizeError> {
-        if self.tp > 1 {
-            return Err(ParallelizeError::NotAvailable {
-                what: format!("--tp {}", self.tp),
-                issue: "tensor-parallelism",
-            });
-        }
         if self.fsdp == FsdpStrategy::Hybrid {
             let shard = self.dp_shard.unwrap_or(0);
             if shard < 2 || shard >= self.dp || !self.dp.is_multiple_of(shard) {

@@ -341,6 +341,12 @@ fn binary_rules_match_full_tensors() {
         op2!(3, 3, |a, b| a * b),
     );
     check2(
+        "slice_assign",
+        ([4, 4, 8], [4, 2, 8]),
+        3,
+        op2!(3, 3, |a, b| a.slice_assign([0..4, 1..3, 0..8], b)),
+    );
+    check2(
         "mask_where",
         s,
         9,

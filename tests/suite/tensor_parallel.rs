@@ -262,3 +262,56 @@ fn tensor_parallel_forward_has_two_all_reduces_per_block() {
         );
     }
 }
+
+/// Our GPT under its plan (tp = 2): forward has exactly two all-reduces per block, and a whole
+/// forward + backward uses no fallback (the q/k/v split of the head-grouped `c_attn` stays local,
+/// and so does its backward's slice-assign).
+#[test]
+fn gpt_tensor_parallel_plan_has_no_fallback() {
+    use burn::prelude::*;
+    use wildfire::models::gpt::GptConfig;
+    use wildfire::models::parallelize::{ParallelConfig, parallelize_gpt};
+    let mesh = DeviceMesh::new([("dp", 1), ("tp", 2)]).unwrap();
+    let out = launch_ranks::<Flex, _, _>(
+        &mesh,
+        &Default::default(),
+        &LaunchOptions::default(),
+        |device| {
+            let c = GptConfig {
+                vocab_size: 64,
+                block_size: 16,
+                n_layer: LAYERS,
+                n_head: 2,
+                n_embd: 32,
+                init_seed: 7,
+            };
+            let m = parallelize_gpt(
+                c.init::<Dist>(&device).unwrap(),
+                &mesh,
+                &ParallelConfig {
+                    tp: 2,
+                    ..ParallelConfig::default()
+                },
+            )
+            .unwrap();
+            let ctx = device.context().clone();
+            ctx.reset_counters();
+            let x = Tensor::<Dist, 2, Int>::from_data(
+                TensorData::new((0..32).map(|i| i % 64).collect::<Vec<i64>>(), [2, 16]),
+                &device,
+            );
+            let loss = m.loss(x.clone(), x);
+            let forward = ctx.comm().stats().count(CollectiveKind::AllReduce);
+            let _grads = loss.backward();
+            (
+                forward,
+                ctx.counters().fallback_total(),
+                ctx.comm().stats().count(CollectiveKind::AllGather),
+            )
+        },
+    )
+    .unwrap();
+    for (forward, fallbacks, gathers) in out {
+        assert_eq!((forward, fallbacks, gathers), (2 * LAYERS as u64, 0, 0));
+    }
+}

@@ -269,10 +269,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
         slices: &[Slice],
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let fb = Fallback::<B>::new("float_slice_assign");
-        let tensor = fb.float(tensor);
-        let value = fb.float(value);
-        fb.wrap(B::float_slice_assign(tensor, slices, value))
+        rules::float_slice_assign::<B>(tensor, slices, value)
     }
 
     fn float_mask_where(

@@ -475,6 +475,54 @@ pub(crate) fn float_slice<B: Backend>(tensor: DTensor<B>, slices: &[Slice]) -> D
     wrap(B::float_slice(t.local, &local), t.layout, t.device)
 }
 
+/// `slice_assign`: the assigned region must be whole on every sharded dim; both operands are
+/// brought to one layout per axis (a replicated operand is sliced to the other's shard for free),
+/// partial sums pass when both are partial alike.
+pub(crate) fn float_slice_assign<B: Backend>(
+    tensor: DTensor<B>,
+    slices: &[Slice],
+    value: DTensor<B>,
+) -> DTensor<B> {
+    const OP: &str = "float_slice_assign";
+    let global = dims(&tensor);
+    let whole = |d: usize| d >= slices.len() || is_full(&slices[d], global[d]);
+    let mut target = tensor.layout.clone();
+    for a in 0..target.len() {
+        let (pt, pv) = (tensor.layout.get(a), value.layout.get(a));
+        let p = match (pt, pv) {
+            (Local, _) | (_, Local) => Local,
+            (Shard(d), Shard(e)) if d == e && whole(d) => Shard(d),
+            (Replicate, Shard(d)) | (Shard(d), Replicate) if whole(d) => Shard(d),
+            (Partial(p), Partial(q)) if p == q && pt.is_linear_partial() => pt,
+            _ => Replicate,
+        };
+        target.set(a, p);
+    }
+    let own = |t: &DTensor<B>| {
+        let mut l = target.clone();
+        for a in 0..l.len() {
+            if l.get(a) == Local && t.layout.get(a) != Local {
+                l.set(a, Replicate);
+            }
+        }
+        l
+    };
+    let (lt, lv) = (own(&tensor), own(&value));
+    let tensor = to_layout(OP, tensor, &lt);
+    let value = to_layout(OP, value, &lv);
+    let mut local: Vec<Slice> = slices.to_vec();
+    for (d, s) in local.iter_mut().enumerate() {
+        if target.shards_of(d, tensor.device.mesh()) > 1 {
+            *s = Slice::full();
+        }
+    }
+    wrap(
+        B::float_slice_assign(tensor.local, &local, value.local),
+        target,
+        tensor.device,
+    )
+}
+
 pub(crate) fn float_cat<B: Backend>(tensors: Vec<DTensor<B>>, dim: usize) -> DTensor<B> {
     let first = tensors[0].layout.clone();
     let mut target = first.clone();
