@@ -274,40 +274,67 @@ impl PretrainConfig {
     }
 }
 
-/// Per-rank memory estimate in bytes (f32 params and grads, AdamW; activations after Korthikanti
-/// et al. 2022, s·b·h·(34 + 5·a·s/h) bytes per layer at 16-bit, doubled for f32).
+/// Per-rank memory estimate in bytes: f32 parameters, gradients and AdamW state after the ZeRO
+/// formulas for the strategy (Rajbhandari et al. 2020), the blocks' weights split `tp` ways; and
+/// activations after Korthikanti et al. 2022, s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer at
+/// 16-bit (doubled for f32), plus the f32 logits and their gradient.
 #[derive(Clone, Debug, Serialize)]
 pub struct MemoryEstimate {
-    /// Parameters Ψ.
+    /// Parameters Ψ of the whole model.
     pub params: usize,
-    /// 4Ψ.
+    /// Parameters a rank holds before data-parallel sharding (blocks split by tp).
+    pub params_per_tp_rank: usize,
+    /// Data-parallel ranks that shard (N of the formulas).
+    pub shard_ranks: usize,
+    /// Parameter bytes.
     pub param_bytes: usize,
-    /// 4Ψ.
+    /// Gradient bytes.
     pub grad_bytes: usize,
-    /// 8Ψ (AdamW's two moments).
+    /// Optimizer-state bytes (AdamW's two moments).
     pub optim_bytes: usize,
-    /// Activations kept for backward, per rank (its share of the batch).
+    /// Activations kept for backward (this rank's share of the batch).
     pub activation_bytes: usize,
     /// The sum.
     pub total_bytes: usize,
 }
 
-/// The estimate for `config` on one data-parallel rank (DDP: everything replicated).
+/// The estimate for `config` on one rank.
 pub fn estimate(config: &PretrainConfig, model: &GptConfig) -> MemoryEstimate {
+    use wildfire_models::parallelize::FsdpStrategy as S;
     let psi = model.num_params();
-    let (s, h, a, l) = (model.block_size, model.n_embd, model.n_head, model.n_layer);
-    let b = config.batch_size / config.parallel.dp;
-    let per_layer_16 = s * b * h * 34 + 5 * a * s * s * b;
+    let (s, h, a, l, t) = (
+        model.block_size,
+        model.n_embd,
+        model.n_head,
+        model.n_layer,
+        config.parallel.tp.max(1),
+    );
+    let blocks = l * (12 * h * h + 13 * h);
+    let local = psi - blocks + blocks / t;
+    let n = match config.parallel.fsdp {
+        S::Hybrid => config.parallel.dp_shard.unwrap_or(config.parallel.dp),
+        _ => config.parallel.dp,
+    }
+    .max(1);
+    let (p, g, o) = match config.parallel.fsdp {
+        S::NoShard => (4 * local, 4 * local, 8 * local),
+        S::ShardOptimizer => (4 * local, 4 * local, 8 * local / n),
+        S::ShardGradOp => (4 * local, 4 * local / n, 8 * local / n),
+        S::FullShard | S::Hybrid => (4 * local / n, 4 * local / n, 8 * local / n),
+    };
+    let b = config.batch_size / config.parallel.dp.max(1);
+    let per_layer_16 = s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t;
     let logits = s * b * model.vocab_size * 4 * 2;
     let activation_bytes = l * per_layer_16 * 2 + logits;
-    let (pb, gb, ob) = (4 * psi, 4 * psi, 8 * psi);
     MemoryEstimate {
         params: psi,
-        param_bytes: pb,
-        grad_bytes: gb,
-        optim_bytes: ob,
+        params_per_tp_rank: local,
+        shard_ranks: n,
+        param_bytes: p,
+        grad_bytes: g,
+        optim_bytes: o,
         activation_bytes,
-        total_bytes: pb + gb + ob + activation_bytes,
+        total_bytes: p + g + o + activation_bytes,
     }
 }
 

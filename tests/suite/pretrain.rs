@@ -313,3 +313,36 @@ fn bad_input_is_refused() {
     let err = run(&recompute).unwrap_err();
     assert!(err.to_string().contains("not available yet"), "{err}");
 }
+
+/// `--estimate`'s parameter, gradient and optimizer bytes equal what the decorator measures
+/// after a step, for DDP, ZeRO-2 and FSDP on 2 ranks (the test model's dims all divide).
+#[test]
+fn estimate_matches_measured_bytes() {
+    use wildfire::pretrain::estimate;
+    for fsdp in [
+        FsdpStrategy::NoShard,
+        FsdpStrategy::ShardGradOp,
+        FsdpStrategy::FullShard,
+    ] {
+        let config = PretrainConfig {
+            parallel: ParallelConfig {
+                dp: 2,
+                fsdp,
+                ..ParallelConfig::default()
+            },
+            ..small(1)
+        };
+        let summary = run(&config).unwrap();
+        let e = estimate(&config, summary.model.as_ref().unwrap());
+        let m = &summary.steps[0];
+        assert_eq!(
+            (m.param_bytes, m.grad_bytes, m.optim_bytes),
+            (
+                e.param_bytes as u64,
+                e.grad_bytes as u64,
+                e.optim_bytes as u64
+            ),
+            "{fsdp:?}"
+        );
+    }
+}
