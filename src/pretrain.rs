@@ -4,7 +4,7 @@
 
 use burn::backend::Autodiff;
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
-use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use burn::tensor::backend::AutodiffBackend;
@@ -233,11 +233,18 @@ impl PretrainConfig {
                 issue: "mixed-precision",
             });
         }
-        if self.accum != 1 {
-            return Err(PretrainError::NotAvailable {
-                what: format!("--accum {}", self.accum),
-                issue: "mixed-precision / training-step",
-            });
+        if self.accum == 0
+            || !self
+                .batch_size
+                .is_multiple_of(self.parallel.dp * self.accum)
+        {
+            return Err(PretrainError::Config(format!(
+                "--batch-size {} does not split into --dp {} × --accum {} micro-batches: choose a multiple of {}",
+                self.batch_size,
+                self.parallel.dp,
+                self.accum,
+                self.parallel.dp * self.accum
+            )));
         }
         if self.steps == 0 || self.batch_size == 0 {
             return Err(PretrainError::Config(
@@ -635,18 +642,34 @@ impl RankRun<'_> {
             let stats_before = device.context().comm().stats();
             ctx.reset_peak_bytes();
             let lr = config.lr_at(step);
-            let (x, y) = batch_tensors::<A<B>>(
-                self.sampler,
-                self.train,
-                step as u64,
-                self.rows.clone(),
-                device,
-            );
-            let loss = model.loss(x, y);
-            let local_loss = loss.clone().into_scalar().elem::<f32>();
-            let grads = loss.backward();
-            drop(loss);
-            let mut grads = GradientsParams::from_grads(grads, &model);
+            // Gradient accumulation: `accum` micro-batches of this rank's rows; their gradients
+            // stay unreduced summands (no communication) until `sync_gradients` after the last.
+            let accum = config.accum;
+            let micro = self.rows.len() / accum;
+            ctx.set_no_sync(accum > 1);
+            let mut accumulator = GradientsAccumulator::new();
+            let mut local_loss = 0.0;
+            for i in 0..accum {
+                let start = self.rows.start + i * micro;
+                let (x, y) = batch_tensors::<A<B>>(
+                    self.sampler,
+                    self.train,
+                    step as u64,
+                    start..start + micro,
+                    device,
+                );
+                let loss = model.loss(x, y).div_scalar(accum as f64);
+                local_loss += loss.clone().into_scalar().elem::<f32>();
+                let grads = loss.backward();
+                drop(loss);
+                if accum > 1 && ctx.world_size() > 1 {
+                    // Keep the ranks' backward passes apart (see `sync_gradients`).
+                    ctx.comm().barrier(Group::World).map_err(DistError::from)?;
+                }
+                accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+            }
+            ctx.set_no_sync(false);
+            let mut grads = accumulator.grads();
             sync_gradients(&model, &mut grads)?;
             let grad_norm = clip_global_norm(&model, &mut grads, config.clip);
             // The decorator's accounting of this rank's local pieces. After the step only the

@@ -215,8 +215,15 @@ impl RankContext {
         layout
     }
 
-    /// Gradient accumulation: while set, a forward pass may follow a backward pass whose
-    /// gradients are not synchronised yet (PyTorch's `no_sync`).
+    /// Whether gradient reduction is deferred (see [`Self::set_no_sync`]).
+    pub fn no_sync(&self) -> bool {
+        self.no_sync.load(Ordering::Relaxed)
+    }
+
+    /// Gradient accumulation (PyTorch's `no_sync`): while set, gradients are not reduced where
+    /// they are born — they stay per-rank summands (`Partial(Avg)`) and add up over micro-batches
+    /// with no communication — and a forward pass may follow an unsynchronised backward.
+    /// `sync_gradients` after the last micro-batch reduces the sums once.
     pub fn set_no_sync(&self, no_sync: bool) {
         self.no_sync.store(no_sync, Ordering::Relaxed);
     }

@@ -831,7 +831,12 @@ fn reduce_data_parallel<B: Backend>(
         layout.set(a, Partial(ReduceOp::Avg));
         target.set(a, plan.get(a));
     }
+    let no_sync = device.ctx.no_sync();
     let grad = DTensor::new_unchecked(grad, layout, device);
+    if no_sync {
+        // Accumulating: keep the summands; `sync_gradients` reduces the sum once.
+        return grad;
+    }
     grad.redistribute(&target).unwrap_or_else(|e| raise(e))
 }
 
