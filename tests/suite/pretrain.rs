@@ -392,7 +392,7 @@ fn accumulation_equals_one_big_batch() {
                 );
             }
         }
-        if fsdp == FsdpStrategy::NoShard {
+        if fsdp == FsdpStrategy::NoShard && dp > 1 {
             // Reduced once per step, not once per micro-batch (FSDP re-gathers per micro-batch).
             // Fewer bytes, even: the tied embedding's two gradient contributions are summed
             // before the one reduction, where reduction at birth reduces each (measured: one
