@@ -3,11 +3,10 @@
 //! and the tests call alike.
 
 use burn::backend::Autodiff;
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
-use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 use std::fs;
 use std::io::Write;
@@ -671,7 +670,14 @@ impl RankRun<'_> {
             ctx.set_no_sync(false);
             let mut grads = accumulator.grads();
             sync_gradients(&model, &mut grads)?;
-            let grad_norm = clip_global_norm(&model, &mut grads, config.clip);
+            // One all-reduce of [overflow, Σ‖g‖²] over the mesh, then clip (f32: no loss scale).
+            let check = wildfire_engine::unscale_check_clip(
+                &model,
+                &mut grads,
+                1.0,
+                (config.clip > 0.0).then_some(config.clip as f32),
+            )?;
+            let grad_norm = check.norm;
             // The decorator's accounting of this rank's local pieces. After the step only the
             // parameters and the optimizer state are alive (the loss and its graph are dropped,
             // the gradients consumed), so the optimizer state is the rest.
@@ -855,39 +861,6 @@ impl RankRun<'_> {
         tracing::info!("saved checkpoint {}", dir.display());
         Ok(())
     }
-}
-
-/// Global L2 norm of all gradients; scale them down to `max_norm` when above (0: never).
-/// Under DDP every gradient is replicated after `sync_gradients`, so the local sum is global.
-fn clip_global_norm<B: AutodiffBackend, M: AutodiffModule<B>>(
-    model: &M,
-    grads: &mut GradientsParams,
-    max_norm: f64,
-) -> f32 {
-    struct Norm<'a>(&'a GradientsParams, f64);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Norm<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if let Some(g) = self.0.get::<B::InnerBackend, D>(param.id) {
-                self.1 += f64::from(g.powi_scalar(2).sum().into_scalar().elem::<f32>());
-            }
-        }
-    }
-    struct Scale<'a>(&'a mut GradientsParams, f64);
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if let Some(g) = self.0.remove::<B::InnerBackend, D>(param.id) {
-                self.0
-                    .register::<B::InnerBackend, D>(param.id, g.mul_scalar(self.1));
-            }
-        }
-    }
-    let mut norm = Norm(grads, 0.0);
-    model.visit(&mut norm);
-    let total = norm.1.sqrt();
-    if max_norm > 0.0 && total > max_norm {
-        model.visit(&mut Scale(grads, max_norm / (total + 1e-6)));
-    }
-    total as f32
 }
 
 /// Draw the training (and validation) loss curves into a PNG.

@@ -1,4 +1,5 @@
 mod data_parallel;
+mod engine;
 mod fsdp;
 mod pretrain;
 mod tensor_parallel;

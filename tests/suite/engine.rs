@@ -1,0 +1,217 @@
+//! The training-step pieces of `wildfire-engine` on distributed layouts: one-collective overflow
+//! agreement and a global gradient norm that equals the single-device norm.
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use wildfire::demo::{
+    Classifier, EncoderClassifier, EncoderClassifierConfig, Mlp, SyntheticTask, deterministic_init,
+};
+use wildfire::engine::{DynamicLossScaler, LossScalerConfig, StepDecision, unscale_check_clip};
+use wildfire::parallel::{
+    CollectiveKind, DTensor, DeviceMesh, Distributed, FsdpStrategy, LaunchOptions, TpPlan, TpStyle,
+    dtensor, from_dtensor, fully_shard, launch_ranks, sync_gradients, tensor_parallel,
+};
+
+type Plain = Autodiff<Flex>;
+type Dist = Autodiff<Distributed<Flex>>;
+
+fn task() -> SyntheticTask {
+    SyntheticTask {
+        seq: 4,
+        d_input: 4,
+        classes: 3,
+        seed: 41,
+    }
+}
+
+fn loss_of<B: burn::tensor::backend::AutodiffBackend, M: Classifier<B>>(
+    m: &M,
+    rows: std::ops::Range<usize>,
+    device: &B::Device,
+) -> Tensor<B, 1> {
+    let n = rows.len();
+    let (x, y) = task().batch(0, rows);
+    let x = Tensor::<B, 3>::from_data(x, device);
+    let y = Tensor::<B, 1, Int>::from_data(TensorData::new(y, [n]), device);
+    burn::nn::loss::CrossEntropyLossConfig::new()
+        .init(device)
+        .forward(m.logits(x), y)
+}
+
+fn model<B: Backend>(device: &B::Device) -> EncoderClassifier<B> {
+    deterministic_init(
+        EncoderClassifierConfig::new()
+            .with_n_layers(1)
+            .with_n_heads(2)
+            .init(device),
+        7,
+    )
+}
+
+/// ‖g‖ of a plain model's gradients.
+fn plain_norm() -> f32 {
+    struct Sum<'a>(&'a GradientsParams, f64);
+    impl ModuleVisitor<Plain> for Sum<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Plain, D>>) {
+            if let Some(g) = self.0.get::<Flex, D>(param.id) {
+                self.1 += f64::from(g.powi_scalar(2).sum().into_scalar());
+            }
+        }
+    }
+    let device = Default::default();
+    let m = model::<Plain>(&device);
+    let grads = GradientsParams::from_grads(loss_of(&m, 0..8, &device).backward(), &m);
+    let mut s = Sum(&grads, 0.0);
+    m.visit(&mut s);
+    s.1.sqrt() as f32
+}
+
+/// The global norm from `unscale_check_clip` equals the single-device norm under DDP, FullShard
+/// and tensor parallelism, with one all-reduce; clipping brings it to the bound.
+#[test]
+fn global_norm_matches_one_device_on_every_layout() {
+    let reference = plain_norm();
+    let plan = TpPlan::new()
+        .with("encoder.layers.*.mha.query|key|value", TpStyle::Colwise)
+        .with("encoder.layers.*.mha.output", TpStyle::Rowwise)
+        .with("encoder.layers.*.pwff.linear_inner", TpStyle::Colwise)
+        .with("encoder.layers.*.pwff.linear_outer", TpStyle::Rowwise);
+    for (name, mesh, fsdp, tp) in [
+        (
+            "ddp",
+            DeviceMesh::new([("dp", 2)]).unwrap(),
+            FsdpStrategy::NoShard,
+            false,
+        ),
+        (
+            "fsdp",
+            DeviceMesh::new([("dp", 2)]).unwrap(),
+            FsdpStrategy::FullShard,
+            false,
+        ),
+        (
+            "tp",
+            DeviceMesh::new([("dp", 1), ("tp", 2)]).unwrap(),
+            FsdpStrategy::NoShard,
+            true,
+        ),
+        (
+            "dp×tp fsdp",
+            DeviceMesh::new([("dp", 2), ("tp", 2)]).unwrap(),
+            FsdpStrategy::FullShard,
+            true,
+        ),
+    ] {
+        let out = launch_ranks::<Flex, _, _>(
+            &mesh,
+            &Default::default(),
+            &LaunchOptions::default(),
+            |device| {
+                let m = model::<Dist>(&device);
+                let m = if tp {
+                    tensor_parallel(m, &mesh, &plan).unwrap()
+                } else {
+                    m
+                };
+                let m = fully_shard(m, &mesh, fsdp).unwrap();
+                let dp = mesh
+                    .axis_index("dp")
+                    .map(|a| mesh.axis_size(a))
+                    .unwrap_or(1);
+                let dp_index = mesh.coords(device.rank())[0];
+                let rows = dp_index * 8 / dp..(dp_index + 1) * 8 / dp;
+                let mut grads =
+                    GradientsParams::from_grads(loss_of(&m, rows, &device).backward(), &m);
+                sync_gradients(&m, &mut grads).unwrap();
+                let before = device.context().comm().stats();
+                let check = unscale_check_clip(&m, &mut grads, 1.0, Some(reference / 2.0)).unwrap();
+                let reductions = device
+                    .context()
+                    .comm()
+                    .stats()
+                    .since(&before)
+                    .count(CollectiveKind::AllReduce);
+                let after = unscale_check_clip(&m, &mut grads, 1.0, None).unwrap();
+                (check, reductions, after.norm)
+            },
+        )
+        .unwrap();
+        for (rank, (check, reductions, clipped)) in out.iter().enumerate() {
+            assert!(!check.found_inf);
+            assert!(
+                (check.norm - reference).abs() <= 1e-5 * reference,
+                "{name} rank {rank}: {} vs {reference}",
+                check.norm
+            );
+            assert_eq!(
+                *reductions, 1,
+                "{name}: one all-reduce for overflow and norm"
+            );
+            assert!(
+                (clipped - reference / 2.0).abs() <= 1e-4 * reference,
+                "{name}: clipped to {clipped}"
+            );
+        }
+    }
+}
+
+/// An overflow on rank 1 only: every rank sees it in the same collective and every rank's scaler
+/// skips the step and halves the scale.
+#[test]
+fn overflow_on_one_rank_makes_every_rank_skip() {
+    let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+    let out = launch_ranks::<Flex, _, _>(
+        &mesh,
+        &Default::default(),
+        &LaunchOptions::default(),
+        |device| {
+            let m = fully_shard(
+                deterministic_init(Mlp::<Dist>::new(4, 8, 3, &device), 1),
+                &mesh,
+                FsdpStrategy::NoShard,
+            )
+            .unwrap();
+            let scaler_config = LossScalerConfig::default();
+            let mut scaler = DynamicLossScaler::new(scaler_config);
+            let loss = loss_of(&m, device.rank() * 4..device.rank() * 4 + 4, &device)
+                .mul_scalar(scaler.scale());
+            let mut grads = GradientsParams::from_grads(loss.backward(), &m);
+            sync_gradients(&m, &mut grads).unwrap();
+            if device.rank() == 1 {
+                // Inject an infinity into this rank's copy of the first parameter's gradient.
+                struct Poison<'a>(&'a mut GradientsParams, bool);
+                impl ModuleVisitor<Dist> for Poison<'_> {
+                    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Dist, D>>) {
+                        if self.1 {
+                            return;
+                        }
+                        let g = self.0.remove::<Distributed<Flex>, D>(param.id).unwrap();
+                        let t = dtensor(&g);
+                        let local = Tensor::<Flex, D>::from_primitive(
+                            burn::tensor::TensorPrimitive::Float(t.local().clone()),
+                        );
+                        let poisoned = local.add_scalar(f32::INFINITY).into_primitive().tensor();
+                        let g = from_dtensor::<Distributed<Flex>, D>(
+                            DTensor::from_local(poisoned, t.layout().clone(), t.device()).unwrap(),
+                        );
+                        self.0.register::<Distributed<Flex>, D>(param.id, g);
+                        self.1 = true;
+                    }
+                }
+                m.visit(&mut Poison(&mut grads, false));
+            }
+            let check =
+                unscale_check_clip(&m, &mut grads, 1.0 / scaler.scale(), Some(1.0)).unwrap();
+            let decision = scaler.update(check.found_inf);
+            (check.found_inf, decision, scaler.scale())
+        },
+    )
+    .unwrap();
+    for (found_inf, decision, scale) in out {
+        assert!(found_inf);
+        assert_eq!(decision, StepDecision::Skip);
+        assert_eq!(scale, 32768.0);
+    }
+}
