@@ -193,26 +193,15 @@ impl RankContext {
         shape: &[usize],
         base: &crate::placement::Layout,
     ) -> crate::placement::Layout {
-        let plan = self.plan.lock().unwrap();
+        let axes = self.plan.lock().unwrap().grad_shard_axes.clone();
         let mesh = self.mesh();
-        let mut layout = crate::placement::Layout::replicated(mesh);
-        // Model-axis shards of dim 0 (a row-parallel weight) nest inside the data-axis shards.
-        let mut parts: usize = (0..base.len())
-            .filter(|&a| {
-                mesh.axis(a).kind == AxisKind::Model
-                    && base.get(a) == crate::placement::Placement::Shard(0)
-            })
-            .map(|a| mesh.axis_size(a))
-            .product();
-        for &a in &plan.grad_shard_axes {
-            parts *= mesh.axis_size(a);
-            if !shape.is_empty() && shape[0].is_multiple_of(parts) {
-                layout.set(a, crate::placement::Placement::Shard(0));
-            } else {
-                parts /= mesh.axis_size(a);
+        let mut start = base.clone();
+        for (a, axis) in mesh.axes().iter().enumerate() {
+            if axis.kind == AxisKind::Data {
+                start.set(a, crate::placement::Placement::Replicate);
             }
         }
-        layout
+        crate::placement::shard_dim0(start, shape, &axes, mesh)
     }
 
     /// Whether gradient reduction is deferred (see [`Self::set_no_sync`]).

@@ -16,7 +16,7 @@ use crate::data_parallel::{DistributedBackend, dtensor, from_dtensor, redistribu
 use crate::device::{DataPlan, RankContext};
 use crate::error::DistError;
 use crate::mesh::{AxisKind, DeviceMesh};
-use crate::placement::{Layout, Placement};
+use crate::placement::Placement;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
 use burn::tensor::Tensor;
@@ -55,19 +55,6 @@ fn shard_axes(mesh: &DeviceMesh, strategy: FsdpStrategy) -> Result<Vec<usize>, D
     })
 }
 
-/// The data axes where a parameter of `shape` rests sharded (`Shard(0)`), given the shard axes.
-fn shard_layout(mut layout: Layout, shape: &[usize], axes: &[usize], mesh: &DeviceMesh) -> Layout {
-    // Shards already on dim 0 (a row-parallel weight) nest: the data axes split what is left.
-    let mut parts = layout.shards_of(0, mesh);
-    for &a in axes {
-        if !shape.is_empty() && shape[0].is_multiple_of(parts * mesh.axis_size(a)) {
-            parts *= mesh.axis_size(a);
-            layout.set(a, Placement::Shard(0));
-        }
-    }
-    layout
-}
-
 struct Sharder<'a> {
     mesh: &'a DeviceMesh,
     axes: Vec<usize>,
@@ -83,7 +70,7 @@ impl<B: DistributedBackend> ModuleMapper<B> for Sharder<'_> {
         }
         let t = dtensor(&tensor);
         self.ctx.get_or_insert_with(|| t.device().context().clone());
-        let target = shard_layout(
+        let target = crate::placement::shard_dim0(
             t.layout().clone(),
             &t.global_shape().to_vec(),
             &self.axes,
@@ -176,7 +163,12 @@ where
             .clone();
         let mesh = ctx.mesh().clone();
         let axes = shard_axes(&mesh, FsdpStrategy::ShardOptimizer).unwrap_or_default();
-        let target = shard_layout(t.layout().clone(), &t.global_shape().to_vec(), &axes, &mesh);
+        let target = crate::placement::shard_dim0(
+            t.layout().clone(),
+            &t.global_shape().to_vec(),
+            &axes,
+            &mesh,
+        );
         // Replicate -> Shard is a local slice: no communication.
         let sliced = t
             .redistribute(&target)

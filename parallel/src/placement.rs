@@ -144,6 +144,30 @@ impl std::fmt::Display for Layout {
     }
 }
 
+/// The one rule for where data-parallel shards go, used both to place parameters (`fully_shard`)
+/// and to reduce gradients (the rank's gradient plan), so the two always agree: dim 0 is split
+/// over `axes` in order while it divides, nested inside the `Shard(0)`s `layout` already has on
+/// model axes (a row-parallel weight); an axis where it does not divide is left as it is.
+pub(crate) fn shard_dim0(
+    mut layout: Layout,
+    shape: &[usize],
+    axes: &[usize],
+    mesh: &DeviceMesh,
+) -> Layout {
+    let mut parts: usize = (0..layout.len())
+        .filter(|&a| mesh.axis(a).kind == AxisKind::Model && layout.get(a) == Placement::Shard(0))
+        .map(|a| mesh.axis_size(a))
+        .product();
+    for &a in axes {
+        let size = mesh.axis_size(a);
+        if !shape.is_empty() && shape[0].is_multiple_of(parts * size) {
+            parts *= size;
+            layout.set(a, Placement::Shard(0));
+        }
+    }
+    layout
+}
+
 thread_local! {
     static FRESH_REPLICATED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
