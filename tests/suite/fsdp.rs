@@ -2,6 +2,7 @@
 //! on 2 × 2) against one device, with SGD+momentum and AdamW; per-rank memory against the ZeRO
 //! formulas.
 
+use super::close;
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::optim::momentum::MomentumConfig;
@@ -109,19 +110,6 @@ fn distributed(
             device,
             sync,
         ),
-    }
-}
-
-/// Relative to the tensor's scale: max |a − b| ≤ 1e-5 · max |b| (element-wise relative error is
-/// ill-posed for near-zero entries, which AdamW's normalised step amplifies).
-fn close(what: &str, got: &[f32], expected: &[f32]) {
-    assert_eq!(got.len(), expected.len(), "{what}");
-    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    for (i, (a, b)) in got.iter().zip(expected).enumerate() {
-        assert!(
-            (a - b).abs() <= 1e-5 * scale,
-            "{what}[{i}]: {a} vs {b} (scale {scale})"
-        );
     }
 }
 

@@ -1,3 +1,19 @@
+//! Shared by the test modules.
+
+/// `got` equals `expected` to `1e-5` of the tensor's scale: max |a − b| ≤ 1e-5 · max |b|
+/// (element-wise relative error is ill-posed for near-zero entries, which AdamW's normalised step
+/// amplifies).
+pub(crate) fn close(what: &str, got: &[f32], expected: &[f32]) {
+    assert_eq!(got.len(), expected.len(), "{what}");
+    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    for (i, (a, b)) in got.iter().zip(expected).enumerate() {
+        assert!(
+            (a - b).abs() <= 1e-5 * scale,
+            "{what}[{i}]: {a} vs {b} (scale {scale})"
+        );
+    }
+}
+
 mod data_parallel;
 mod engine;
 mod fsdp;

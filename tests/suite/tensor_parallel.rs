@@ -2,6 +2,7 @@
 //! paths, parity with one device (tp = 2 and 4, and tp × FSDP on a 2 × 2 mesh), Megatron's
 //! collective count per block, and plan errors found before anything changes.
 
+use super::close;
 use burn::backend::{Autodiff, Flex};
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{GradientsParams, SgdConfig};
@@ -64,14 +65,6 @@ fn reference() -> (Vec<f32>, Vec<Vec<f32>>) {
         |_, _| {},
     );
     (log.losses, parameters(&m))
-}
-
-fn close(what: &str, got: &[f32], expected: &[f32]) {
-    assert_eq!(got.len(), expected.len(), "{what}");
-    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    for (i, (a, b)) in got.iter().zip(expected).enumerate() {
-        assert!((a - b).abs() <= 1e-5 * scale, "{what}[{i}]: {a} vs {b}");
-    }
 }
 
 /// Losses, parameters, one step's collectives, fallback count.
