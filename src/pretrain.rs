@@ -12,6 +12,7 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+use wildfire_engine::{DynamicLossScaler, LossScalerConfig, StepDecision};
 use wildfire_models::data::{
     BatchSampler, DataError, DataSource, TokenDataset, TokenSlice, Tokenizer, TokenizerKind,
 };
@@ -226,12 +227,6 @@ impl PretrainConfig {
     /// Refuse options that are not implemented yet, and impossible values.
     pub fn check(&self) -> Result<(), PretrainError> {
         self.parallel.check_available()?;
-        if self.precision != Precision::F32 {
-            return Err(PretrainError::NotAvailable {
-                what: format!("--precision {:?}", self.precision).to_lowercase(),
-                issue: "mixed-precision",
-            });
-        }
         if self.accum == 0
             || !self
                 .batch_size
@@ -401,6 +396,9 @@ struct CheckpointState {
     config: PretrainConfig,
     /// The model shape.
     model: GptConfig,
+    /// The loss scaler (f16 runs).
+    #[serde(default)]
+    scaler: Option<DynamicLossScaler>,
 }
 
 /// Run pretraining with `config` on the Flex CPU backend (ranks as threads).
@@ -414,6 +412,20 @@ pub fn run_on<B: Backend>(
     device: &B::Device,
 ) -> Result<RunSummary, PretrainError> {
     config.check()?;
+    let wanted = match config.precision {
+        Precision::F32 => None,
+        Precision::Bf16 => Some(burn::tensor::DType::BF16),
+        Precision::F16 => Some(burn::tensor::DType::F16),
+    };
+    if let Some(dtype) = wanted
+        && !B::supports_dtype(device, dtype)
+    {
+        return Err(PretrainError::Config(format!(
+            "--precision {:?}: the {} backend cannot compute in {dtype:?}; use --precision f32",
+            config.precision,
+            B::name(device)
+        )));
+    }
     let tokenizer = Tokenizer::new(config.tokenizer)?;
     let source = match &config.data {
         Some(path) => DataSource::File(path.clone()),
@@ -480,6 +492,7 @@ pub fn run_on<B: Backend>(
         ctx.train::<B>(
             &device,
             start.as_ref().map(|(_, dir)| dir.as_path()),
+            start.as_ref().and_then(|(state, _)| state.scaler.clone()),
             first_step,
         )
     })?;
@@ -592,11 +605,22 @@ impl RankRun<'_> {
         &self,
         device: &DistDevice<B>,
         resume: Option<&Path>,
+        resume_scaler: Option<DynamicLossScaler>,
         first_step: usize,
     ) -> Result<RunSummary, PretrainError> {
         type A<B> = Autodiff<Distributed<B>>;
         let config = self.config;
         let rank = device.rank();
+        // Precision policy: f32 master weights, matmuls in the compute dtype; f16 adds a
+        // dynamic loss scale.
+        device.context().set_compute_dtype(match config.precision {
+            Precision::F32 => None,
+            Precision::Bf16 => Some(burn::tensor::FloatDType::BF16),
+            Precision::F16 => Some(burn::tensor::FloatDType::F16),
+        });
+        let mut scaler = (config.precision == Precision::F16).then(|| {
+            resume_scaler.unwrap_or_else(|| DynamicLossScaler::new(LossScalerConfig::default()))
+        });
         let mesh = device.mesh().clone();
         let mut model: Gpt<A<B>> = self.model_config.init(device)?;
         let mut optim = FsdpOptimizer::new(
@@ -659,6 +683,12 @@ impl RankRun<'_> {
                 );
                 let loss = model.loss(x, y).div_scalar(accum as f64);
                 local_loss += loss.clone().into_scalar().elem::<f32>();
+                let scale = scaler.as_ref().map_or(1.0, DynamicLossScaler::scale);
+                let loss = if scale != 1.0 {
+                    loss.mul_scalar(scale)
+                } else {
+                    loss
+                };
                 let grads = loss.backward();
                 drop(loss);
                 if accum > 1 && ctx.world_size() > 1 {
@@ -670,19 +700,30 @@ impl RankRun<'_> {
             ctx.set_no_sync(false);
             let mut grads = accumulator.grads();
             sync_gradients(&model, &mut grads)?;
-            // One all-reduce of [overflow, Σ‖g‖²] over the mesh, then clip (f32: no loss scale).
+            // Unscale, then one all-reduce of [overflow, Σ‖g‖²] over the mesh, then clip; an
+            // overflow on any rank skips the step on every rank.
+            let scale = scaler.as_ref().map_or(1.0, DynamicLossScaler::scale);
             let check = wildfire_engine::unscale_check_clip(
                 &model,
                 &mut grads,
-                1.0,
+                1.0 / scale,
                 (config.clip > 0.0).then_some(config.clip as f32),
             )?;
             let grad_norm = check.norm;
+            let skipped = match scaler.as_mut() {
+                Some(s) => s.update(check.found_inf) == StepDecision::Skip,
+                None => check.found_inf,
+            };
             // The decorator's accounting of this rank's local pieces. After the step only the
             // parameters and the optimizer state are alive (the loss and its graph are dropped,
             // the gradients consumed), so the optimizer state is the rest.
             let grad_bytes = gradient_bytes(&model, &grads);
-            model = optim.step(lr, model, grads);
+            if skipped {
+                tracing::warn!(step, scale, "non-finite gradients: step skipped");
+                drop(grads);
+            } else {
+                model = optim.step(lr, model, grads);
+            }
             let param_bytes = parameter_bytes(&model);
             let optim_bytes = ctx.live_bytes().saturating_sub(param_bytes);
             let loss = mean_over_ranks(device, local_loss);
@@ -692,8 +733,8 @@ impl RankRun<'_> {
                 loss,
                 lr,
                 grad_norm,
-                loss_scale: 1.0,
-                skipped: false,
+                loss_scale: scale,
+                skipped,
                 tokens_per_s: tokens_per_step / elapsed,
                 param_bytes,
                 grad_bytes,
@@ -719,7 +760,7 @@ impl RankRun<'_> {
             if config.save.is_some()
                 && ((config.save_every > 0 && (step + 1) % config.save_every == 0) || last)
             {
-                self.save(&model, &optim, step + 1, rank)?;
+                self.save(&model, &optim, scaler.as_ref(), step + 1, rank)?;
             }
         }
         if let Some(bar) = &progress {
@@ -820,6 +861,7 @@ impl RankRun<'_> {
         &self,
         model: &Gpt<Autodiff<Distributed<B>>>,
         optim: &O,
+        scaler: Option<&DynamicLossScaler>,
         step: usize,
         rank: usize,
     ) -> Result<(), PretrainError> {
@@ -846,6 +888,7 @@ impl RankRun<'_> {
             step,
             config: self.config.clone(),
             model: self.model_config.clone(),
+            scaler: scaler.cloned(),
         };
         write_atomic(
             &tmp.join("state.json"),

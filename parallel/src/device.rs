@@ -43,6 +43,8 @@ pub struct RankContext {
     peak_bytes: AtomicI64,
     /// How data-parallel gradients are reduced and parameters rest (set by `fully_shard`).
     plan: Mutex<DataPlan>,
+    /// The dtype matmuls and linear layers compute in (None: the operands' own).
+    compute_dtype: Mutex<Option<burn_backend::FloatDType>>,
 }
 
 /// The data-parallel plan of a rank: where gradients are reduce-scattered, and the strategy.
@@ -78,6 +80,7 @@ impl RankContext {
             live_bytes: AtomicI64::new(0),
             peak_bytes: AtomicI64::new(0),
             plan: Mutex::new(DataPlan::default()),
+            compute_dtype: Mutex::new(None),
         })
     }
 
@@ -202,6 +205,18 @@ impl RankContext {
             }
         }
         crate::placement::shard_dim0(start, shape, &axes, mesh)
+    }
+
+    /// The precision policy: matmuls and linear layers (forward and backward) compute in `dtype`
+    /// on operands cast from their own dtype, and their results are cast back — parameters,
+    /// gradients and optimizer state stay f32 (master weights). `None`: no casting.
+    pub fn set_compute_dtype(&self, dtype: Option<burn_backend::FloatDType>) {
+        *self.compute_dtype.lock().unwrap() = dtype;
+    }
+
+    /// The compute dtype of the precision policy.
+    pub fn compute_dtype(&self) -> Option<burn_backend::FloatDType> {
+        *self.compute_dtype.lock().unwrap()
     }
 
     /// Whether gradient reduction is deferred (see [`Self::set_no_sync`]).

@@ -638,3 +638,37 @@ fn data_parallel_embedding_gradient_is_reduced_at_birth() {
         assert_eq!(stats.count(CollectiveKind::AllReduce), 1, "{stats}");
     }
 }
+
+/// The precision policy: with a bf16 compute dtype, a matmul and a linear run in bf16 (their
+/// results equal the same ops on bf16-cast operands, cast back) and hand back f32.
+#[test]
+fn compute_dtype_casts_matmuls_and_keeps_f32_outside() {
+    let mesh = DeviceMesh::new([("dp", 1)]).unwrap();
+    let out = launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+        let (a, b) = (values(&[4, 8], 1), values(&[8, 4], 2));
+        let x = Tensor::<D, 2>::from_data(a.clone(), &device);
+        let w = Tensor::<D, 2>::from_data(b.clone(), &device);
+        let exact = x.clone().matmul(w.clone()).into_data();
+        device
+            .context()
+            .set_compute_dtype(Some(burn::tensor::FloatDType::BF16));
+        let mixed = x.clone().matmul(w.clone());
+        let dtype = mixed.dtype();
+        let mixed = mixed.into_data();
+        let linear = module::linear(x, w, None).into_data();
+        device.context().set_compute_dtype(None);
+        let dev = Default::default();
+        let reference = Tensor::<F, 2>::from_data(a, &dev)
+            .cast(burn::tensor::DType::BF16)
+            .matmul(Tensor::<F, 2>::from_data(b, &dev).cast(burn::tensor::DType::BF16))
+            .cast(burn::tensor::DType::F32)
+            .into_data();
+        (exact, mixed, linear, reference, dtype)
+    })
+    .unwrap();
+    let (exact, mixed, linear, reference, dtype) = &out[0];
+    assert_eq!(*dtype, burn::tensor::DType::F32);
+    assert_eq!(mixed, reference);
+    assert_eq!(linear, reference);
+    assert_ne!(mixed, exact, "bf16 compute must differ from f32 somewhere");
+}

@@ -620,6 +620,25 @@ pub(crate) fn float_gather<B: Backend>(
 // ---------------------------------------------------------------------------------------------
 // Matmul and linear layers
 
+/// The precision policy: run `f` on the local operands cast to the rank's compute dtype (if one
+/// is set and differs), and cast the result back to the operands' dtype — f32 master weights and
+/// activations, bf16/f16 matmuls.
+fn in_compute_dtype<B: Backend, const N: usize>(
+    device: &DistDevice<B>,
+    inputs: [B::FloatTensorPrimitive; N],
+    f: impl FnOnce([B::FloatTensorPrimitive; N]) -> B::FloatTensorPrimitive,
+) -> B::FloatTensorPrimitive {
+    let Some(compute) = device.ctx.compute_dtype() else {
+        return f(inputs);
+    };
+    let original: FloatDType = inputs[0].dtype().into();
+    if original == compute {
+        return f(inputs);
+    }
+    let cast = inputs.map(|t| B::float_cast(t, compute));
+    B::float_cast(f(cast), original)
+}
+
 /// `lhs [.., m, k] @ rhs [.., k, n]`, one mesh axis: (lhs target, rhs target, output).
 fn decide_matmul(
     pl: Placement,
@@ -677,7 +696,10 @@ pub(crate) fn float_matmul<B: Backend>(lhs: DTensor<B>, rhs: DTensor<B>) -> DTen
     }
     let lhs = to_layout("float_matmul", lhs, &tl);
     let rhs = to_layout("float_matmul", rhs, &tr);
-    wrap(B::float_matmul(lhs.local, rhs.local), out, lhs.device)
+    let local = in_compute_dtype(&lhs.device, [lhs.local, rhs.local], |[l, r]| {
+        B::float_matmul(l, r)
+    });
+    wrap(local, out, lhs.device)
 }
 
 /// `x [.., k] @ w [k, n]` (Burn's `linear` layout), one mesh axis.
@@ -737,7 +759,10 @@ pub(crate) fn linear<B: Backend>(
     let x = to_layout(OP, x, &tx);
     let weight = to_layout(OP, weight, &tw);
     let Some(bias) = bias else {
-        return wrap(B::linear(x.local, weight.local, None), out, x.device);
+        let local = in_compute_dtype(&x.device, [x.local, weight.local], |[x, w]| {
+            B::linear(x, w, None)
+        });
+        return wrap(local, out, x.device);
     };
     // The bias follows the output's last dim; with a partial sum only member 0 adds it.
     let mut tb = Layout::replicated(&mesh);
@@ -751,7 +776,15 @@ pub(crate) fn linear<B: Backend>(
     }
     let bias = to_layout(OP, bias, &tb);
     let bias = add_bias.then_some(bias.local);
-    wrap(B::linear(x.local, weight.local, bias), out, x.device)
+    let local = match bias {
+        Some(b) => in_compute_dtype(&x.device, [x.local, weight.local, b], |[x, w, b]| {
+            B::linear(x, w, Some(b))
+        }),
+        None => in_compute_dtype(&x.device, [x.local, weight.local], |[x, w]| {
+            B::linear(x, w, None)
+        }),
+    };
+    wrap(local, out, x.device)
 }
 
 /// `grad_x = grad_out [.., n] @ w^T`, one mesh axis: (w target, grad target, output).
@@ -811,7 +844,10 @@ pub(crate) fn linear_x_backward<B: Backend>(
     }
     let weight = to_layout(OP, weight, &tw);
     let g = to_layout(OP, output_grad, &tg);
-    wrap(B::linear_x_backward(weight.local, g.local), out, g.device)
+    let local = in_compute_dtype(&g.device, [weight.local, g.local], |[w, g]| {
+        B::linear_x_backward(w, g)
+    });
+    wrap(local, out, g.device)
 }
 
 /// After computing a weight gradient from per-rank data: average the summands over every data
@@ -916,7 +952,9 @@ pub(crate) fn linear_weight_backward<B: Backend>(
         });
     let x = to_layout(OP, x, &tx);
     let g = to_layout(OP, output_grad, &tg);
-    let grad = B::linear_weight_backward(x.local, g.local);
+    let grad = in_compute_dtype(&g.device, [x.local, g.local], |[x, g]| {
+        B::linear_weight_backward(x, g)
+    });
     reduce_data_parallel(grad, out, &summands, g.device)
 }
 
