@@ -193,6 +193,28 @@ impl<B: Backend> DTensor<B> {
         Ok(self.redistribute(&target)?.local)
     }
 
+    /// If this partial value has already been reduced (another use asked for it), that reduced
+    /// value: as good as a replicated operand, for free. Otherwise `self`.
+    pub(crate) fn settled(self) -> Self {
+        let Some(memo) = &self.memo else { return self };
+        let mut reduced = self.layout.clone();
+        for a in 0..reduced.len() {
+            if matches!(reduced.get(a), Placement::Partial(_)) {
+                reduced.set(a, Placement::Replicate);
+            }
+        }
+        let cached = memo
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(l, _)| l == &reduced)
+            .map(|(_, t)| t.clone());
+        match cached {
+            Some(local) => Self::new_unchecked(local, reduced, self.device),
+            None => self,
+        }
+    }
+
     /// Change the layout, with the collectives that takes (none when only slicing).
     ///
     /// Axes are first brought to `Replicate` from the last to the first (gather `Shard`, reduce

@@ -122,6 +122,7 @@ pub(crate) fn unary<B: Backend>(
     linearity: Linearity,
     f: impl FnOnce(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
 ) -> DTensor<B> {
+    let t = t.settled();
     let target = without_partials(&t.layout, |p| {
         linearity == Linearity::Linear && p.is_linear_partial()
     });
@@ -178,6 +179,7 @@ fn align2<B: Backend>(
     rhs: DTensor<B>,
     kind: BinaryKind,
 ) -> (DTensor<B>, DTensor<B>, Layout) {
+    let (lhs, rhs) = (lhs.settled(), rhs.settled());
     let (gl, gr) = (dims(&lhs), dims(&rhs));
     let mut tl = lhs.layout.clone();
     let mut tr = rhs.layout.clone();
@@ -683,6 +685,7 @@ fn decide_matmul(
 }
 
 pub(crate) fn float_matmul<B: Backend>(lhs: DTensor<B>, rhs: DTensor<B>) -> DTensor<B> {
+    let (lhs, rhs) = (lhs.settled(), rhs.settled());
     let (gl, gr) = (dims(&lhs), dims(&rhs));
     let rank = gl.len();
     let mut tl = lhs.layout.clone();
@@ -831,6 +834,7 @@ pub(crate) fn linear_x_backward<B: Backend>(
 ) -> DTensor<B> {
     const OP: &str = "linear_x_backward";
     check_param(OP, &weight);
+    let output_grad = output_grad.settled();
     let rank = output_grad.shape.num_dims();
     let mut tw = weight.layout.clone();
     let mut tg = output_grad.layout.clone();
@@ -847,7 +851,18 @@ pub(crate) fn linear_x_backward<B: Backend>(
     let local = in_compute_dtype(&g.device, [weight.local, g.local], |[w, g]| {
         B::linear_x_backward(w, g)
     });
-    wrap(local, out, g.device)
+    // A column-parallel layer's input gradient is a partial sum over the model axis: reduce it
+    // here, as Megatron's `f` does in backward. Left partial, it would be reduced wherever the
+    // next non-linear backward op meets it — inside LayerNorm's backward, more than once, and
+    // with the LayerNorm parameters' gradients born partial too.
+    let grad = wrap(local, out.clone(), g.device);
+    let mut reduced = out;
+    for a in 0..reduced.len() {
+        if matches!(reduced.get(a), Partial(_)) && !is_data(grad.device.mesh(), a) {
+            reduced.set(a, Replicate);
+        }
+    }
+    to_layout(OP, grad, &reduced)
 }
 
 /// After computing a weight gradient from per-rank data: average the summands over every data
@@ -944,6 +959,7 @@ pub(crate) fn linear_weight_backward<B: Backend>(
     output_grad: DTensor<B>,
 ) -> DTensor<B> {
     const OP: &str = "linear_weight_backward";
+    let (x, output_grad) = (x.settled(), output_grad.settled());
     let rank = x.shape.num_dims();
     let mesh = x.device.mesh().clone();
     let (tx, tg, out, summands) =
