@@ -148,11 +148,12 @@ impl ParallelConfig {
 
 /// The GPT's tensor-parallel plan (Megatron): attention's fused q/k/v projection and the MLP's
 /// first layer column-wise (whole heads per rank: `c_attn` groups its columns by head), the
-/// attention output and the MLP's second layer row-wise. The embedding and the tied output
-/// projection stay replicated (vocabulary-parallel embedding and loss-parallel cross-entropy
-/// are not done yet).
+/// attention output and the MLP's second layer row-wise; the token embedding vocabulary-parallel,
+/// so the tied output projection yields vocabulary-split logits and the cross-entropy is
+/// loss-parallel (no rank holds the full logits).
 pub fn gpt_tp_plan() -> TpPlan {
     TpPlan::new()
+        .with("wte", TpStyle::VocabParallel)
         .with("blocks.*.attn.c_attn", TpStyle::Colwise)
         .with("blocks.*.attn.c_proj", TpStyle::Rowwise)
         .with("blocks.*.mlp.c_fc", TpStyle::Colwise)

@@ -27,6 +27,10 @@ pub enum TpStyle {
     Colwise,
     /// Split the input features.
     Rowwise,
+    /// An embedding table `[vocab, d]` split on the vocabulary (`Shard(0)`): each rank looks up
+    /// its range (a partial sum, zeros elsewhere); used transposed as a tied output projection,
+    /// the logits come out split on the vocabulary and the cross-entropy stays loss-parallel.
+    VocabParallel,
 }
 
 /// A tensor-parallel plan: `(module path pattern, style)` pairs.
@@ -137,8 +141,15 @@ fn assign(
     let mut used = vec![false; plan.rules.len()];
     for (i, (module, field, shape)) in params.iter().enumerate() {
         let mut chosen: Option<(usize, TpStyle)> = None;
+        let full = if module.is_empty() {
+            field.clone()
+        } else {
+            format!("{module}.{field}")
+        };
         for (r, (pattern, style)) in plan.rules.iter().enumerate() {
-            if matches(pattern, module) {
+            if matches(pattern, module)
+                || (*style == TpStyle::VocabParallel && matches(pattern, &full))
+            {
                 if let Some((first, _)) = chosen {
                     return Err(TpError::Conflict {
                         module: module.clone(),
@@ -155,6 +166,7 @@ fn assign(
             (TpStyle::Colwise, "weight", 2) => Some(1),
             (TpStyle::Colwise, "bias", 1) => Some(0),
             (TpStyle::Rowwise, "weight", 2) => Some(0),
+            (TpStyle::VocabParallel, _, 2) => Some(0),
             _ => None,
         };
         if let Some(d) = dim

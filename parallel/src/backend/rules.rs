@@ -582,6 +582,54 @@ pub(crate) fn float_select<B: Backend>(
     wrap(B::float_select(t.local, dim, indices), t.layout, t.device)
 }
 
+/// Indices into a dimension split over a model axis: shifted to this rank's range `[lo, lo+len)`,
+/// clamped to 0 where they fall outside, and the mask of those outside.
+fn localize_indices<B: Backend>(
+    indices: B::IntTensorPrimitive,
+    lo: usize,
+    len: usize,
+    device: &DistDevice<B>,
+) -> (B::IntTensorPrimitive, B::BoolTensorPrimitive) {
+    let bool_dtype = burn_backend::get_device_settings::<B>(&device.inner).bool_dtype;
+    let shifted = B::int_sub_scalar(indices, Scalar::from(lo as i64));
+    let below = B::int_lower_elem(shifted.clone(), Scalar::from(0i64), bool_dtype);
+    let above = B::int_greater_equal_elem(shifted.clone(), Scalar::from(len as i64), bool_dtype);
+    let outside = B::bool_or(below, above);
+    (
+        B::int_mask_fill(shifted, outside.clone(), Scalar::from(0i64)),
+        outside,
+    )
+}
+
+/// The model axis of a vocabulary-parallel embedding table (`Shard(0)` on exactly one model
+/// axis, nothing else split).
+fn vocab_parallel_axis(layout: &Layout, mesh: &DeviceMesh) -> Option<usize> {
+    let others = layout
+        .placements()
+        .iter()
+        .any(|p| matches!(p, Shard(d) if *d != 0));
+    single_model_split(layout, 0, mesh).filter(|_| !others)
+}
+
+/// A `[.., 1]`-shaped row mask broadcast to `shape` (one flag per looked-up row).
+fn rows_mask<B: Backend>(mask: B::BoolTensorPrimitive, shape: &[usize]) -> B::BoolTensorPrimitive {
+    let mut with_one = mask.shape().to_vec();
+    with_one.push(1);
+    let mask = B::bool_reshape(mask, Shape::from(with_one));
+    B::bool_expand(mask, Shape::from(shape.to_vec()))
+}
+
+/// The one model axis that splits `dim` of `layout`, if exactly one does (and no data axis).
+fn single_model_split(layout: &Layout, dim: usize, mesh: &DeviceMesh) -> Option<usize> {
+    let axes: Vec<usize> = (0..layout.len())
+        .filter(|&a| layout.get(a) == Shard(dim))
+        .collect();
+    match axes[..] {
+        [a] if !is_data(mesh, a) => Some(a),
+        _ => None,
+    }
+}
+
 /// `gather(dim)`: `dim` must be whole; other sharded dims keep their shards, and the per-rank
 /// (full) index tensor is sliced to match. Gathering is linear, so partial values pass.
 pub(crate) fn float_gather<B: Backend>(
@@ -591,15 +639,34 @@ pub(crate) fn float_gather<B: Backend>(
 ) -> DTensor<B> {
     let global = dims(&tensor);
     let index_dims = indices.shape().to_vec();
+    // Loss-parallel: gathering along a dim split over one model axis (log-probabilities sharded on
+    // the vocabulary) looks up this rank's range and yields a partial sum, zero elsewhere.
+    // (Only when no other dim is split: the index tensor is not sliced on this path.)
+    let others_split = tensor
+        .layout
+        .placements()
+        .iter()
+        .any(|p| matches!(p, Shard(d) if *d != dim));
+    let vocab_axis =
+        single_model_split(&tensor.layout, dim, tensor.device.mesh()).filter(|_| !others_split);
     let mut target = tensor.layout.clone();
     for a in 0..target.len() {
         if let Shard(d) = target.get(a)
-            && (d == dim || index_dims[d] != global[d])
+            && ((d == dim && Some(a) != vocab_axis) || (d != dim && index_dims[d] != global[d]))
         {
             target.set(a, Replicate);
         }
     }
     let t = to_layout("float_gather", tensor, &target);
+    if let Some(a) = vocab_axis {
+        let len = t.local.shape()[dim];
+        let lo = t.device.mesh().group_index(t.device.rank(), a) * len;
+        let (local_indices, outside) = localize_indices::<B>(indices, lo, len, &t.device);
+        let picked = B::float_gather(dim, t.local, local_indices);
+        let picked = B::float_mask_fill(picked, outside, Scalar::from(0.0f64));
+        let out = t.layout.clone().with(a, Partial(ReduceOp::Sum));
+        return wrap(picked, out, t.device);
+    }
     let mut slices: Vec<Slice> = index_dims
         .iter()
         .map(|&s| Slice::new(0, Some(s as isize), 1))
@@ -999,16 +1066,31 @@ pub(crate) fn embedding<B: Backend>(
     check_synced(OP, &weights.device);
     let mesh = weights.device.mesh().clone();
     let out_rank = indices.shape().num_dims() + 1;
+    let vocab_axis = vocab_parallel_axis(&weights.layout, &mesh);
     let mut tw = weights.layout.clone();
     let mut out = Layout::fresh(&mesh);
     for a in 0..tw.len() {
         match weights.layout.get(a) {
+            // Vocabulary-parallel: look up the own range, zeros elsewhere: a partial sum.
+            Shard(0) if Some(a) == vocab_axis => out.set(a, Partial(ReduceOp::Sum)),
             Shard(1) if !is_data(&mesh, a) => out.set(a, Shard(out_rank - 1)),
             Replicate => {}
             _ => tw.set(a, Replicate),
         }
     }
     let w = to_layout(OP, weights, &tw);
+    if let Some(a) = vocab_axis {
+        let len = w.local.shape()[0];
+        let lo = mesh.group_index(w.device.rank(), a) * len;
+        let (local_indices, outside) = localize_indices::<B>(indices, lo, len, &w.device);
+        let rows = B::embedding(w.local, local_indices);
+        let mask = rows_mask::<B>(outside, &rows.shape());
+        return wrap(
+            B::float_mask_fill(rows, mask, Scalar::from(0.0f64)),
+            out,
+            w.device,
+        );
+    }
     wrap(B::embedding(w.local, indices), out, w.device)
 }
 
@@ -1021,11 +1103,15 @@ pub(crate) fn embedding_backward<B: Backend>(
     check_param(OP, &weights);
     let mesh = weights.device.mesh().clone();
     let last = output_grad.shape.num_dims() - 1;
+    let vocab_axis = vocab_parallel_axis(&weights.layout, &mesh);
     let (_, tg, out, summands) = weight_grad_layouts(
         &mesh,
         &weights.layout,
         &output_grad.layout,
         |pw, pg| match (pw, pg) {
+            // Vocabulary-parallel: every rank sees the whole (replicated) output gradient and
+            // adds the rows of its own vocabulary range.
+            (Shard(0), _) if vocab_axis.is_some() => (pw, Replicate, Shard(0)),
             (Shard(1), Shard(i)) if i == last => (pw, pg, Shard(1)),
             (Shard(1), Replicate) => (pw, Shard(last), Shard(1)),
             (Replicate, Partial(_)) if pg.is_linear_partial() => (pw, pg, pg),
@@ -1039,8 +1125,22 @@ pub(crate) fn embedding_backward<B: Backend>(
         *size /= out.shards_of(d, &mesh);
     }
     let dtype = g.local.dtype().into();
+    let (indices, g_local) = match vocab_axis {
+        Some(a) => {
+            let len = local[0];
+            let lo = mesh.group_index(g.device.rank(), a) * len;
+            let (local_indices, outside) = localize_indices::<B>(indices, lo, len, &g.device);
+            // Tokens of other ranks' ranges add nothing (their rows are zeroed).
+            let mask = rows_mask::<B>(outside, &g.local.shape());
+            (
+                local_indices,
+                B::float_mask_fill(g.local, mask, Scalar::from(0.0f64)),
+            )
+        }
+        None => (indices, g.local),
+    };
     let zeros = B::float_zeros(Shape::from(local), &g.device.inner, dtype);
-    let grad = B::embedding_backward(zeros, g.local, indices);
+    let grad = B::embedding_backward(zeros, g_local, indices);
     reduce_data_parallel(grad, out, &summands, g.device)
 }
 
