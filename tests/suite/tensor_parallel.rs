@@ -315,3 +315,46 @@ fn gpt_tensor_parallel_has_megatron_collectives_and_no_fallback() {
         );
     }
 }
+
+/// Per-rank parameter bytes: every parameter the plan splits holds exactly 1/tp of its bytes,
+/// the others stay whole.
+#[test]
+fn split_layers_hold_one_tp_th_of_their_bytes() {
+    use burn::module::{ModuleVisitor, Param};
+    use burn::prelude::*;
+    struct Bytes(Vec<(usize, usize)>);
+    impl ModuleVisitor<Dist> for Bytes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Dist, D>>) {
+            let t = wildfire::parallel::dtensor(&param.val());
+            let local: usize = burn::tensor::TensorMetadata::shape(t.local()).num_elements();
+            self.0.push((local, t.global_shape().num_elements()));
+        }
+    }
+    for tp in [2usize, 4] {
+        let mesh = DeviceMesh::new([("tp", tp)]).unwrap();
+        let out = launch_ranks::<Flex, _, _>(
+            &mesh,
+            &Default::default(),
+            &LaunchOptions::default(),
+            |device| {
+                let m = tensor_parallel(config().init::<Dist>(&device), &mesh, &plan()).unwrap();
+                let mut b = Bytes(Vec::new());
+                burn::module::Module::visit(&m, &mut b);
+                b.0
+            },
+        )
+        .unwrap();
+        let split = out[0]
+            .iter()
+            .filter(|(local, global)| local != global)
+            .count();
+        // Per layer: q, k, v, MLP-inner weights and biases (8), output and MLP-outer weights (2).
+        assert_eq!(split, 10 * LAYERS, "tp={tp}");
+        for (local, global) in &out[0] {
+            assert!(
+                *local == *global || *local * tp == *global,
+                "tp={tp}: {local} of {global}"
+            );
+        }
+    }
+}
