@@ -6,6 +6,7 @@ use burn::prelude::*;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
+use wildfire_parallel::ModulePath;
 
 /// A safetensors file that cannot be written or used.
 #[derive(thiserror::Error, Debug)]
@@ -28,24 +29,8 @@ pub enum SafetensorsError {
     },
 }
 
-/// Tracks the module path while visiting or mapping (`enter_module` / `exit_module`).
-#[derive(Default)]
-struct PathStack(Vec<String>);
-
-impl PathStack {
-    fn enter(&mut self, name: &str) {
-        self.0.push(name.to_string());
-    }
-    fn exit(&mut self) {
-        self.0.pop();
-    }
-    fn name(&self) -> String {
-        self.0.join(".")
-    }
-}
-
 struct Collect {
-    path: PathStack,
+    path: ModulePath,
     tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
 }
 
@@ -73,7 +58,7 @@ pub fn named_parameters<B: Backend, M: Module<B>>(
     module: &M,
 ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut c = Collect {
-        path: PathStack::default(),
+        path: ModulePath::default(),
         tensors: Vec::new(),
     };
     module.visit(&mut c);
@@ -186,7 +171,7 @@ pub fn read(path: &Path) -> Result<NamedTensors, SafetensorsError> {
 }
 
 struct Load {
-    path: PathStack,
+    path: ModulePath,
     tensors: NamedTensors,
     error: Option<String>,
 }
@@ -229,7 +214,7 @@ impl<B: Backend> ModuleMapper<B> for Load {
 pub fn load<B: Backend, M: Module<B>>(module: M, path: &Path) -> Result<M, SafetensorsError> {
     let tensors = read(path)?;
     let mut loader = Load {
-        path: PathStack::default(),
+        path: ModulePath::default(),
         tensors,
         error: None,
     };
@@ -284,7 +269,7 @@ pub struct ShardEntry {
 }
 
 struct CollectLocal {
-    path: PathStack,
+    path: ModulePath,
     tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
     entries: BTreeMap<String, ShardEntry>,
     mesh: Option<wildfire_parallel::DeviceMesh>,
@@ -358,7 +343,7 @@ pub fn save_sharded<B: wildfire_parallel::DistributedBackend, M: Module<B>>(
     dir: &Path,
 ) -> Result<(), SafetensorsError> {
     let mut c = CollectLocal {
-        path: PathStack::default(),
+        path: ModulePath::default(),
         tensors: Vec::new(),
         entries: BTreeMap::new(),
         mesh: None,
@@ -389,7 +374,7 @@ pub fn save_sharded<B: wildfire_parallel::DistributedBackend, M: Module<B>>(
 }
 
 struct LoadLocal {
-    path: PathStack,
+    path: ModulePath,
     manifest: ShardManifest,
     tensors: NamedTensors,
     error: Option<String>,
@@ -474,7 +459,7 @@ pub fn load_sharded<B: wildfire_parallel::DistributedBackend, M: Module<B>>(
     }
     let tensors = read(&dir.join(format!("rank-{rank:05}.safetensors")))?;
     let mut loader = LoadLocal {
-        path: PathStack::default(),
+        path: ModulePath::default(),
         manifest,
         tensors,
         error: None,

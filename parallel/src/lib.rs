@@ -42,7 +42,7 @@ pub use mesh::{AxisKind, DeviceMesh, MeshAxis, MeshError};
 pub use placement::{Layout, Placement, create_replicated};
 pub use ranks::{launch_ranks, launch_ranks_on};
 pub use tensor::DTensor;
-pub use tensor_parallel::{TpError, TpPlan, TpStyle, tensor_parallel};
+pub use tensor_parallel::{ModulePath, TpError, TpPlan, TpStyle, tensor_parallel};
 
 #[cfg(test)]
 mod tests;

@@ -105,27 +105,51 @@ fn matches(pattern: &str, path: &str) -> bool {
             .all(|(a, b)| *a == "*" || a.split('|').any(|alt| alt == *b))
 }
 
-#[derive(Default)]
-struct Path(Vec<String>);
+/// The module path while a visitor or mapper walks a module (`enter_module` / `exit_module`):
+/// the names Burn reports, joined with dots (`blocks.0.attn.c_attn.weight`).
+#[derive(Clone, Debug, Default)]
+pub struct ModulePath(Vec<String>);
+
+impl ModulePath {
+    /// Entering a submodule or parameter field.
+    pub fn enter(&mut self, name: &str) {
+        self.0.push(name.to_string());
+    }
+
+    /// Leaving it.
+    pub fn exit(&mut self) {
+        self.0.pop();
+    }
+
+    /// The current path, dot-joined.
+    pub fn name(&self) -> String {
+        self.0.join(".")
+    }
+
+    /// The path split into (enclosing module, last segment).
+    pub fn split_last(&self) -> (String, String) {
+        match self.0.split_last() {
+            Some((last, module)) => (module.join("."), last.clone()),
+            None => (String::new(), String::new()),
+        }
+    }
+}
 
 /// Parameters of the model by (module path, field name) with shapes.
 struct Scan {
-    path: Path,
+    path: ModulePath,
     params: Vec<(String, String, Vec<usize>)>,
 }
 
 impl<B: DistributedBackend> ModuleVisitor<B> for Scan {
     fn enter_module(&mut self, name: &str, _container: &str) {
-        self.path.0.push(name.to_string());
+        self.path.enter(name);
     }
     fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.path.0.pop();
+        self.path.exit();
     }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let (module, field) = match self.path.0.split_last() {
-            Some((field, module)) => (module.join("."), field.clone()),
-            None => (String::new(), String::new()),
-        };
+        let (module, field) = self.path.split_last();
         self.params
             .push((module, field, param.val().dims().to_vec()));
     }
@@ -230,7 +254,7 @@ pub fn tensor_parallel<B: DistributedBackend, M: Module<B>>(
         .axis_index("tp")
         .map_err(|_| TpError::NoAxis(mesh.to_string()))?;
     let mut scan = Scan {
-        path: Path::default(),
+        path: ModulePath::default(),
         params: Vec::new(),
     };
     module.visit(&mut scan);
