@@ -44,6 +44,9 @@ struct Args {
     /// Context length (overrides the preset).
     #[arg(long, help_heading = "Model")]
     block_size: Option<usize>,
+    /// Dropout probability while training (embeddings, attention, residual branches).
+    #[arg(long, default_value_t = 0.0, help_heading = "Model")]
+    dropout: f64,
 
     /// Training data: a text file, or a nanoGPT / llm.c `.bin` token file (default: the embedded corpus).
     #[arg(long, help_heading = "Data")]
@@ -196,6 +199,7 @@ fn main() -> Result<()> {
         n_head: args.n_head,
         n_embd: args.n_embd,
         block_size: args.block_size,
+        dropout: args.dropout,
         data: args.data.clone(),
         tokenizer: args.tokenizer,
         val_fraction: args.val_fraction,

@@ -12,12 +12,12 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use wildfire_engine::{DynamicLossScaler, LossScalerConfig, StepDecision};
+use wildfire_engine::{Checkpointer, DynamicLossScaler, LossScalerConfig, StepDecision};
 use wildfire_models::data::{
     BatchSampler, DataError, DataSource, TokenDataset, TokenSlice, Tokenizer, TokenizerKind,
 };
 use wildfire_models::gpt::{Gpt, GptConfig, ModelError, Preset};
-use wildfire_models::parallelize::{ParallelConfig, ParallelizeError, parallelize_gpt};
+use wildfire_models::parallelize::{ParallelConfig, ParallelizeError, Recompute, parallelize_gpt};
 use wildfire_parallel::{
     DistDevice, DistError, Distributed, FsdpOptimizer, Group, LaunchError, LaunchOptions, ReduceOp,
     create_replicated, gradient_bytes, launch_ranks, parameter_bytes, sync_gradients,
@@ -63,6 +63,9 @@ pub struct PretrainConfig {
     pub n_embd: Option<usize>,
     /// Context length override.
     pub block_size: Option<usize>,
+    /// Dropout probability while training (0 for pretraining).
+    #[serde(default)]
+    pub dropout: f64,
     /// Data: the embedded corpus or a file.
     pub data: Option<PathBuf>,
     /// Tokenizer for text data.
@@ -124,6 +127,7 @@ impl Default for PretrainConfig {
             n_head: None,
             n_embd: None,
             block_size: None,
+            dropout: 0.0,
             data: None,
             tokenizer: TokenizerKind::Bytes,
             val_fraction: 0.1,
@@ -220,6 +224,7 @@ impl PretrainConfig {
         c.n_head = self.n_head.unwrap_or(c.n_head);
         c.n_embd = self.n_embd.unwrap_or(c.n_embd);
         c.block_size = self.block_size.unwrap_or(c.block_size);
+        c.dropout = self.dropout;
         c.validate()?;
         Ok(c)
     }
@@ -324,9 +329,26 @@ pub fn estimate(config: &PretrainConfig, model: &GptConfig) -> MemoryEstimate {
         S::FullShard | S::Hybrid => (4 * local / n, 4 * local / n, 8 * local / n),
     };
     let b = config.batch_size / config.parallel.dp.max(1);
-    let per_layer_16 = s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t;
+    // Korthikanti et al. (2022), bytes per layer at 16 bits with tensor parallelism t: all kept
+    // sbh(10 + 24/t) + 5as²b/t; selective recomputation drops the 5as²b/t attention core;
+    // full keeps the block input 2sbh (and one block's activations while it is recomputed).
+    let keep_all = s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t;
+    let keep_selective = s * b * h * (10 + 24 / t);
+    let keep_input = 2 * s * b * h;
+    let per_layer_16: usize = (0..l)
+        .map(|i| match config.parallel.recompute {
+            Recompute::None => keep_all,
+            Recompute::Selective => keep_selective,
+            r if r.recomputes_block(i) => keep_input,
+            _ => keep_all,
+        })
+        .sum();
+    let transient = match config.parallel.recompute {
+        Recompute::Full | Recompute::EveryNth(_) => keep_all,
+        _ => 0,
+    };
     let logits = s * b * model.vocab_size * 4 * 2;
-    let activation_bytes = l * per_layer_16 * 2 + logits;
+    let activation_bytes = (per_layer_16 + transient) * 2 + logits;
     MemoryEstimate {
         params: psi,
         params_per_tp_rank: local,
@@ -681,7 +703,20 @@ impl RankRun<'_> {
                     start..start + micro,
                     device,
                 );
-                let loss = model.loss(x, y).div_scalar(accum as f64);
+                // Recomputation and dropout streams: seeded by (run seed, step, first global row),
+                // so tensor-parallel peers (same rows) draw the same masks.
+                let ckpt = Checkpointer::<A<B>>::new(
+                    config.parallel.recompute,
+                    wildfire_engine::recompute::mix_seed(config.seed, step as u64, start as u64),
+                )
+                .with_fence(|| {
+                    // Keep the ranks' backward passes apart (see `sync_gradients`).
+                    if ctx.world_size() > 1 {
+                        ctx.comm().barrier(Group::World).map_err(DistError::from)?;
+                    }
+                    Ok(())
+                });
+                let loss = model.loss_with(x, y, &ckpt).div_scalar(accum as f64);
                 local_loss += loss.clone().into_scalar().elem::<f32>();
                 let scale = scaler.as_ref().map_or(1.0, DynamicLossScaler::scale);
                 let loss = if scale != 1.0 {
@@ -689,12 +724,8 @@ impl RankRun<'_> {
                 } else {
                     loss
                 };
-                let grads = loss.backward();
-                drop(loss);
-                if accum > 1 && ctx.world_size() > 1 {
-                    // Keep the ranks' backward passes apart (see `sync_gradients`).
-                    ctx.comm().barrier(Group::World).map_err(DistError::from)?;
-                }
+                let grads = ckpt.backward(loss, &model)?;
+                drop(ckpt);
                 accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
             }
             ctx.set_no_sync(false);

@@ -1,9 +1,11 @@
 //! Wildfire's training engine: the pieces of a training step that are not the model — dynamic
-//! loss scaling, the one-collective overflow check and global-norm clipping. (Precision policy,
-//! a `TrainStep`, recomputation and checkpoints: see the open issues.)
+//! loss scaling, the one-collective overflow check and global-norm clipping, and activation
+//! recomputation ([`recompute`]).
 
 pub mod grad_check;
+pub mod recompute;
 pub mod scaler;
 
 pub use grad_check::{GradCheck, unscale_check_clip};
+pub use recompute::{AttentionSpec, Checkpointer, Recompute, attention_reference, dropout_mask};
 pub use scaler::{DynamicLossScaler, LossScalerConfig, StepDecision};

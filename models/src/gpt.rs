@@ -8,9 +8,10 @@ use burn::prelude::*;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
 use std::str::FromStr;
+use wildfire_engine::Checkpointer;
 
 /// Model shape errors, reported before anything is built.
-#[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
+#[derive(thiserror::Error, Debug, Clone, PartialEq)]
 pub enum ModelError {
     /// The width does not split into heads.
     #[error(
@@ -28,6 +29,9 @@ pub enum ModelError {
         /// Which size.
         what: &'static str,
     },
+    /// A dropout probability outside [0, 1).
+    #[error("dropout {0} must be in [0, 1)")]
+    Dropout(f64),
     /// An unknown preset name.
     #[error(
         "unknown preset '{0}'; choose one of tiny, small, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b"
@@ -98,12 +102,13 @@ impl Preset {
             n_head,
             n_embd,
             init_seed: 1337,
+            dropout: 0.0,
         }
     }
 }
 
 /// The shape of a GPT model.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GptConfig {
     /// Vocabulary size (GPT-2 BPE: 50257, often padded to 50304; bytes: 256).
     pub vocab_size: usize,
@@ -117,6 +122,10 @@ pub struct GptConfig {
     pub n_embd: usize,
     /// Seed of the initial weights (drawn on the host, so every backend and rank agrees).
     pub init_seed: u64,
+    /// Dropout probability (embeddings, attention probabilities, residual branches) while
+    /// training; 0 for pretraining, as GPT-2 reproductions use.
+    #[serde(default)]
+    pub dropout: f64,
 }
 
 impl GptConfig {
@@ -132,6 +141,9 @@ impl GptConfig {
             if v == 0 {
                 return Err(ModelError::Zero { what });
             }
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(ModelError::Dropout(self.dropout));
         }
         if !self.n_embd.is_multiple_of(self.n_head) {
             return Err(ModelError::Heads {
@@ -180,6 +192,7 @@ impl GptConfig {
                     c_fc: init.linear(d, 4 * d, 0.02, device),
                     c_proj: init.linear(4 * d, d, proj_std, device),
                 },
+                dropout: self.dropout,
             })
             .collect();
         let model = Gpt {
@@ -187,6 +200,7 @@ impl GptConfig {
             wpe: Param::from_tensor(init.normal([self.block_size, d], 0.02, device)),
             blocks,
             ln_f: LayerNormConfig::new(d).init(device),
+            dropout: self.dropout,
         };
         Ok(crate::safetensors::deterministic_ids(model))
     }
@@ -252,6 +266,8 @@ pub struct Gpt<B: Backend> {
     pub blocks: Vec<Block<B>>,
     /// Final LayerNorm.
     pub ln_f: LayerNorm<B>,
+    /// Dropout probability while training (after the embeddings).
+    pub dropout: f64,
 }
 
 /// A pre-LayerNorm transformer block.
@@ -265,6 +281,8 @@ pub struct Block<B: Backend> {
     pub ln_2: LayerNorm<B>,
     /// The MLP.
     pub mlp: MlpBlock<B>,
+    /// Dropout probability while training (attention probabilities, both residual branches).
+    pub dropout: f64,
 }
 
 /// Multi-head causal self-attention with a fused q/k/v projection.
@@ -288,8 +306,20 @@ pub struct MlpBlock<B: Backend> {
 }
 
 impl<B: Backend> CausalSelfAttention<B> {
-    /// `[b, t, d] -> [b, t, d]`.
+    /// `[b, t, d] -> [b, t, d]` (no dropout).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.forward_with(0, x, 0.0, &Checkpointer::inference())
+    }
+
+    /// Layer `layer`'s attention, its core through the checkpointer (recomputed under the
+    /// selective policy), dropout `p` on the probabilities while training.
+    pub fn forward_with(
+        &self,
+        layer: usize,
+        x: Tensor<B, 3>,
+        p: f64,
+        ckpt: &Checkpointer<'_, B>,
+    ) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let (h, hd) = (self.n_head, d / self.n_head);
         // `c_attn`'s columns are grouped by head (q, k, v of head 0, then of head 1, …), so a
@@ -297,17 +327,9 @@ impl<B: Backend> CausalSelfAttention<B> {
         let qkv = self.c_attn.forward(x).reshape([b, t, h, 3 * hd]);
         let split = |i: usize| qkv.clone().narrow(3, i * hd, hd).swap_dims(1, 2);
         let (q, k, v) = (split(0), split(1), split(2));
-        let att = q
-            .matmul(k.swap_dims(2, 3))
-            .mul_scalar(1.0 / (hd as f64).sqrt());
-        // `true` strictly above the diagonal: position i does not see j > i.
-        let mask = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, &att.device())
-            .reshape([1, 1, t, t])
-            .expand([b, h, t, t]);
-        // A large finite value: some backends implement mask_fill arithmetically, where -inf gives NaN.
-        let att = activation::softmax(att.mask_fill(mask, -1.0e9), 3);
-        let y = att.matmul(v).swap_dims(1, 2).reshape([b, t, d]);
-        self.c_proj.forward(y)
+        let scale = 1.0 / (hd as f64).sqrt();
+        let y = ckpt.attention(layer, q, k, v, scale, true, p);
+        self.c_proj.forward(y.swap_dims(1, 2).reshape([b, t, d]))
     }
 }
 
@@ -319,24 +341,51 @@ impl<B: Backend> MlpBlock<B> {
 }
 
 impl<B: Backend> Block<B> {
-    /// `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
+    /// `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))` (no dropout).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = x.clone() + self.attn.forward(self.ln_1.forward(x));
-        x.clone() + self.mlp.forward(self.ln_2.forward(x))
+        self.forward_with(0, x, &Checkpointer::inference())
+    }
+
+    /// Block `layer` with dropout on the residual branches while training.
+    pub fn forward_with(
+        &self,
+        layer: usize,
+        x: Tensor<B, 3>,
+        ckpt: &Checkpointer<'_, B>,
+    ) -> Tensor<B, 3> {
+        let p = self.dropout;
+        let h = self
+            .attn
+            .forward_with(layer, self.ln_1.forward(x.clone()), p, ckpt);
+        let x = x + ckpt.dropout(layer, 1, h, p);
+        let h = self.mlp.forward(self.ln_2.forward(x.clone()));
+        x + ckpt.dropout(layer, 2, h, p)
     }
 }
 
 impl<B: Backend> Gpt<B> {
-    /// Logits `[b, t, vocab]` for token ids `[b, t]` (t <= block size).
+    /// Logits `[b, t, vocab]` for token ids `[b, t]` (t <= block size), no dropout.
     pub fn forward(&self, idx: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.forward_with(idx, &Checkpointer::inference())
+    }
+
+    /// Logits with the training step's checkpointer: blocks recomputed per its policy, dropout
+    /// while training.
+    pub fn forward_with<'a>(
+        &'a self,
+        idx: Tensor<B, 2, Int>,
+        ckpt: &Checkpointer<'a, B>,
+    ) -> Tensor<B, 3> {
         let [_, t] = idx.dims();
         let device = idx.device();
         let pos = Tensor::<B, 1, Int>::arange(0..t as i64, &device).reshape([1, t]);
         let tok = burn::tensor::module::embedding(self.wte.val(), idx);
         let pos = burn::tensor::module::embedding(self.wpe.val(), pos);
-        let mut x = tok + pos;
-        for block in &self.blocks {
-            x = block.forward(x);
+        let mut x = ckpt.dropout(self.blocks.len(), 0, tok + pos, self.dropout);
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = ckpt.block(i, block, x, move |block, x, ckpt| {
+                block.forward_with(i, x, ckpt)
+            });
         }
         // Tied output projection: logits = x · wteᵀ.
         burn::tensor::module::linear(self.ln_f.forward(x), self.wte.val().transpose(), None)
@@ -344,8 +393,18 @@ impl<B: Backend> Gpt<B> {
 
     /// Mean cross-entropy of next-token prediction: `inputs` and `targets` are `[b, t]`.
     pub fn loss(&self, inputs: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        self.loss_with(inputs, targets, &Checkpointer::inference())
+    }
+
+    /// [`loss`](Self::loss) with the training step's checkpointer.
+    pub fn loss_with<'a>(
+        &'a self,
+        inputs: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        ckpt: &Checkpointer<'a, B>,
+    ) -> Tensor<B, 1> {
         let [b, t] = inputs.dims();
-        let logits = self.forward(inputs);
+        let logits = self.forward_with(inputs, ckpt);
         let vocab = logits.dims()[2];
         CrossEntropyLossConfig::new()
             .init(&logits.device())
@@ -420,6 +479,7 @@ mod tests {
             n_head: 2,
             n_embd: 32,
             init_seed: 7,
+            dropout: 0.0,
         }
     }
 

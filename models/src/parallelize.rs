@@ -3,7 +3,6 @@
 
 use crate::gpt::Gpt;
 use serde::{Deserialize, Serialize};
-use std::str::FromStr;
 use wildfire_parallel::{
     DeviceMesh, DistError, DistributedBackend, TpError, TpPlan, TpStyle, fully_shard,
     tensor_parallel,
@@ -29,37 +28,7 @@ pub fn parse_fsdp(s: &str) -> Result<FsdpStrategy, String> {
     })
 }
 
-/// Activation recomputation policy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Recompute {
-    /// Keep every activation.
-    None,
-    /// Recompute the attention core.
-    Selective,
-    /// Recompute every block.
-    Full,
-    /// Recompute every n-th block.
-    EveryNth(usize),
-}
-
-impl FromStr for Recompute {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s {
-            "none" => Recompute::None,
-            "selective" => Recompute::Selective,
-            "full" => Recompute::Full,
-            other => match other.strip_prefix("every-").and_then(|n| n.parse().ok()) {
-                Some(n) if n > 0 => Recompute::EveryNth(n),
-                _ => {
-                    return Err(format!(
-                        "unknown --recompute '{other}': choose none, selective, full or every-N"
-                    ));
-                }
-            },
-        })
-    }
-}
+pub use wildfire_engine::Recompute;
 
 /// How to parallelise: sizes of the mesh axes and the strategies.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -136,12 +105,6 @@ impl ParallelConfig {
                 )));
             }
         }
-        if self.recompute != Recompute::None {
-            return Err(ParallelizeError::NotAvailable {
-                what: format!("--recompute {:?}", self.recompute).to_lowercase(),
-                issue: "activation-recomputation",
-            });
-        }
         Ok(())
     }
 }
@@ -160,8 +123,8 @@ pub fn gpt_tp_plan() -> TpPlan {
         .with("blocks.*.mlp.c_proj", TpStyle::Rowwise)
 }
 
-/// Lay `model` out over `mesh` (tensor parallel → recompute → FSDP / DDP). Recomputation is
-/// refused by [`ParallelConfig::check_available`] until it lands.
+/// Lay `model` out over `mesh` (tensor parallel → FSDP / DDP). Recomputation needs no change to
+/// the layout: the training step's `Checkpointer` applies `config.recompute` at run time.
 pub fn parallelize_gpt<B: DistributedBackend>(
     model: Gpt<B>,
     mesh: &DeviceMesh,

@@ -356,3 +356,31 @@ pub fn current_device<B: Backend>() -> DistDevice<B> {
         })
         .unwrap_or_default()
 }
+
+thread_local! {
+    static RECOMPUTING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// While alive, this thread is re-running a forward region for activation recomputation
+/// (between the backward passes of one step): forward ops may follow a backward pass whose
+/// gradients are not yet synchronised, since they belong to the same step.
+#[must_use = "the scope ends when the guard is dropped"]
+pub struct RecomputeScope(());
+
+impl RecomputeScope {
+    /// Enter the scope on this thread.
+    pub fn enter() -> Self {
+        RECOMPUTING.with(|c| c.set(c.get() + 1));
+        RecomputeScope(())
+    }
+}
+
+impl Drop for RecomputeScope {
+    fn drop(&mut self) {
+        RECOMPUTING.with(|c| c.set(c.get() - 1));
+    }
+}
+
+pub(crate) fn is_recomputing() -> bool {
+    RECOMPUTING.with(|c| c.get() > 0)
+}

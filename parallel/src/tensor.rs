@@ -25,8 +25,15 @@ pub struct DTensor<B: Backend> {
     track: Tracker,
 }
 
-/// Adds a local piece's bytes to its rank's live count on creation, removes them on drop.
+/// Adds a local piece's bytes to its rank's live count on creation, removes them when the last
+/// clone is dropped: clones share the local buffer (Burn's primitives are reference-counted), so
+/// a value saved by several autodiff nodes is counted once.
+#[derive(Clone)]
 pub(crate) struct Tracker {
+    _shared: Arc<TrackerInner>,
+}
+
+struct TrackerInner {
     bytes: i64,
     ctx: Arc<crate::device::RankContext>,
 }
@@ -36,23 +43,15 @@ impl Tracker {
         let bytes = bytes as i64;
         ctx.add_live_bytes(bytes);
         Self {
-            bytes,
-            ctx: ctx.clone(),
+            _shared: Arc::new(TrackerInner {
+                bytes,
+                ctx: ctx.clone(),
+            }),
         }
     }
 }
 
-impl Clone for Tracker {
-    fn clone(&self) -> Self {
-        self.ctx.add_live_bytes(self.bytes);
-        Self {
-            bytes: self.bytes,
-            ctx: self.ctx.clone(),
-        }
-    }
-}
-
-impl Drop for Tracker {
+impl Drop for TrackerInner {
     fn drop(&mut self) {
         self.ctx.add_live_bytes(-self.bytes);
     }

@@ -303,15 +303,12 @@ fn bad_input_is_refused() {
         err.to_string().contains("does not divide by tp = 3"),
         "{err}"
     );
-    let recompute = PretrainConfig {
-        parallel: ParallelConfig {
-            recompute: wildfire::models::parallelize::Recompute::Full,
-            ..ParallelConfig::default()
-        },
+    let dropout = PretrainConfig {
+        dropout: 1.5,
         ..small(2)
     };
-    let err = run(&recompute).unwrap_err();
-    assert!(err.to_string().contains("not available yet"), "{err}");
+    let err = run(&dropout).unwrap_err();
+    assert!(err.to_string().contains("dropout 1.5"), "{err}");
 }
 
 /// `--estimate`'s parameter, gradient and optimizer bytes equal what the decorator measures

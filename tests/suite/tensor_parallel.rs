@@ -275,6 +275,7 @@ fn gpt_tensor_parallel_has_megatron_collectives_and_no_fallback() {
                 n_head: 2,
                 n_embd: 32,
                 init_seed: 7,
+                dropout: 0.0,
             };
             let m = parallelize_gpt(
                 c.init::<Dist>(&device).unwrap(),

@@ -1,0 +1,555 @@
+//! Activation recomputation (checkpointing) for any Burn model, through Burn 0.21's public API.
+//!
+//! Two mechanisms, one [`Checkpointer`] per training step:
+//!
+//! * **Regions** ([`Checkpointer::block`], policies `Full` and `EveryNth`): the region (a
+//!   transformer block) runs once with gradients off — nothing inside it is recorded — and its
+//!   output enters the graph as a fresh leaf; only the region's input is kept. In
+//!   [`Checkpointer::backward`] the loss is back-propagated down to the region outputs, then each
+//!   region, last first, is re-run with gradients on and back-propagated with the gradient that
+//!   reached its output (`Σ y·ḡ`, whose gradient is `ḡ` exactly), down to the previous region's
+//!   output. Every backward pass is a top-level one: Burn 0.21 deadlocks on a `backward()` nested
+//!   inside a custom op's backward (the nested pass's graph cleaner locks every graph, including
+//!   the one being traversed — verified), and even *recording* an op inside a backward step
+//!   blocks, since the graph registry stays locked for the whole traversal. The gradients of the
+//!   passes are merged per parameter, so the caller gets one `Gradients` as from `loss.backward()`.
+//!   Requirement: regions are cut points — the model reaches a region's input only through the
+//!   previous region's output (true of a stack of blocks; each block's input is its own region's
+//!   input). Any `Module` works: the region is a closure over the module, written once.
+//! * **Selective** ([`Checkpointer::attention`]): the attention core
+//!   `softmax(mask(q·kᵀ·scale))·v` (with dropout on the probabilities) is one custom autodiff op
+//!   whose backward is written out on the inner backend. With `Selective` it keeps only q, k, v and
+//!   recomputes the score and probability tiles in backward (FlashAttention-style); otherwise it
+//!   keeps the probabilities and the dropout mask. The same backward formulas serve both, so the
+//!   policies agree bitwise.
+//!
+//! Random numbers are replayed by construction: every region and dropout site draws from a
+//! stream seeded by `(step seed, layer, site)` — the GPT's dropout masks are drawn on the host from
+//! that seed (identical on every backend and thread), and each region also re-seeds the backend
+//! (`Backend::seed`) before it runs and before its recomputation, for modules that draw from the
+//! backend (burn-nn's `Dropout`).
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer as AdCheckpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::prelude::*;
+use burn::tensor::TensorPrimitive;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use serde::{Deserialize, Serialize};
+use std::cell::RefCell;
+use std::str::FromStr;
+use wildfire_parallel::{DistError, RecomputeScope};
+
+/// Which activations are recomputed in backward instead of kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Recompute {
+    /// Keep every activation.
+    None,
+    /// Keep the matmul outputs, recompute the attention core (scores, probabilities, dropout).
+    Selective,
+    /// Keep only each block's input; recompute every block.
+    Full,
+    /// Recompute blocks 0, n, 2n, …; keep the others' activations.
+    EveryNth(usize),
+}
+
+impl Recompute {
+    /// Whether block `index` is a recomputed region.
+    pub fn recomputes_block(self, index: usize) -> bool {
+        match self {
+            Recompute::Full => true,
+            Recompute::EveryNth(n) => n > 0 && index.is_multiple_of(n),
+            Recompute::None | Recompute::Selective => false,
+        }
+    }
+}
+
+impl FromStr for Recompute {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "none" => Recompute::None,
+            "selective" => Recompute::Selective,
+            "full" => Recompute::Full,
+            other => match other.strip_prefix("every-").and_then(|n| n.parse().ok()) {
+                Some(n) if n > 0 => Recompute::EveryNth(n),
+                _ => {
+                    return Err(format!(
+                        "unknown --recompute '{other}': choose none, selective, full or every-N"
+                    ));
+                }
+            },
+        })
+    }
+}
+
+impl std::fmt::Display for Recompute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Recompute::None => f.write_str("none"),
+            Recompute::Selective => f.write_str("selective"),
+            Recompute::Full => f.write_str("full"),
+            Recompute::EveryNth(n) => write!(f, "every-{n}"),
+        }
+    }
+}
+
+/// splitmix64: the seed of one random stream.
+pub fn mix_seed(seed: u64, a: u64, b: u64) -> u64 {
+    let mut z = seed
+        ^ a.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ b.wrapping_mul(0xD1B5_4A32_D192_ED03).rotate_left(17);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// An inverted-dropout mask drawn on the host from `seed`: each element is `1/(1-p)` with
+/// probability `1-p`, else 0. The same seed gives the same mask on every backend and thread.
+pub fn dropout_mask<B: Backend, const D: usize>(
+    seed: u64,
+    shape: [usize; D],
+    p: f64,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    let n: usize = shape.iter().product();
+    let keep = 1.0 - p;
+    let scale = (1.0 / keep) as f32;
+    let mut state = seed;
+    let values: Vec<f32> = (0..n)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            let u = ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64;
+            if u < keep { scale } else { 0.0 }
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// The attention core's parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionSpec {
+    /// Multiplies the scores (usually `1/√head_dim`).
+    pub scale: f64,
+    /// Query `i` sees keys `j <= i + (s - t)` only.
+    pub causal: bool,
+    /// Dropout probability on the attention probabilities.
+    pub dropout: f64,
+    /// Seed of the dropout mask.
+    pub seed: u64,
+}
+
+fn causal_mask<B: Backend>(dims: [usize; 4], device: &B::Device) -> Tensor<B, 4, Bool> {
+    let [b, h, t, s] = dims;
+    // `true` strictly above the (shifted) diagonal: masked.
+    Tensor::<B, 2, Bool>::tril_mask([t, s], s as i64 - t as i64, device)
+        .reshape([1, 1, t, s])
+        .expand([b, h, t, s])
+}
+
+/// Probabilities `softmax(mask(q·kᵀ·scale))` and the dropout mask (scaled), if any.
+fn probabilities<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    spec: &AttentionSpec,
+) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
+    let scores = q
+        .clone()
+        .matmul(k.clone().swap_dims(2, 3))
+        .mul_scalar(spec.scale);
+    let dims = scores.dims();
+    let scores = if spec.causal {
+        // A large finite value: some backends implement mask_fill arithmetically (-inf → NaN).
+        scores.mask_fill(causal_mask::<B>(dims, &q.device()), -1.0e9)
+    } else {
+        scores
+    };
+    let att = burn::tensor::activation::softmax(scores, 3);
+    let keep =
+        (spec.dropout > 0.0).then(|| dropout_mask(spec.seed, dims, spec.dropout, &q.device()));
+    (att, keep)
+}
+
+/// The attention core from Burn ops (differentiated by Burn's autodiff where `B` has it): the
+/// reference for [`Checkpointer::attention`]'s custom op, and its implementation on backends
+/// without autodiff.
+pub fn attention_reference<B: Backend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    spec: &AttentionSpec,
+) -> Tensor<B, 4> {
+    let (att, keep) = probabilities(&q, &k, spec);
+    let att = match keep {
+        Some(keep) => att * keep,
+        None => att,
+    };
+    att.matmul(v)
+}
+
+/// The written-out backward of the attention core: `(dq, dk, dv)`.
+fn attention_backward<B: Backend>(
+    [q, k, v]: [Tensor<B, 4>; 3],
+    att: Tensor<B, 4>,
+    keep: Option<Tensor<B, 4>>,
+    dy: Tensor<B, 4>,
+    spec: &AttentionSpec,
+) -> [Tensor<B, 4>; 3] {
+    let att_d = match &keep {
+        Some(keep) => att.clone() * keep.clone(),
+        None => att.clone(),
+    };
+    let dv = att_d.swap_dims(2, 3).matmul(dy.clone());
+    let datt = dy.matmul(v.swap_dims(2, 3));
+    let datt = match keep {
+        Some(keep) => datt * keep,
+        None => datt,
+    };
+    // Softmax backward: p ⊙ (ḡ − Σ_j ḡ_j p_j).
+    let row = (datt.clone() * att.clone()).sum_dim(3);
+    let dscores = (datt - row) * att;
+    let dscores = if spec.causal {
+        let dims = dscores.dims();
+        dscores.mask_fill(causal_mask::<B>(dims, &q.device()), 0.0)
+    } else {
+        dscores
+    };
+    let dscores = dscores.mul_scalar(spec.scale);
+    let dq = dscores.clone().matmul(k);
+    let dk = dscores.swap_dims(2, 3).matmul(q);
+    [dq, dk, dv]
+}
+
+fn float<B: Backend, const D: usize>(p: FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(p))
+}
+
+fn prim<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+#[derive(Debug)]
+struct AttentionOp;
+
+#[derive(Clone, Debug)]
+struct AttentionState<X: Backend> {
+    q: FloatTensor<X>,
+    k: FloatTensor<X>,
+    v: FloatTensor<X>,
+    /// Probabilities and dropout mask; `None`: recompute them in backward (selective).
+    saved: Option<(FloatTensor<X>, Option<FloatTensor<X>>)>,
+    spec: AttentionSpec,
+}
+
+impl<X: Backend> Backward<X, 3> for AttentionOp {
+    type State = AttentionState<X>;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut AdCheckpointer) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let dy = float::<X, 4>(grads.consume::<X>(&ops.node));
+        let s = ops.state;
+        let (q, k, v) = (float::<X, 4>(s.q), float(s.k), float(s.v));
+        let (att, keep) = match s.saved {
+            Some((att, keep)) => (float(att), keep.map(float)),
+            None => probabilities(&q, &k, &s.spec),
+        };
+        let [dq, dk, dv] = attention_backward([q, k, v], att, keep, dy, &s.spec);
+        for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
+            if let Some(node) = node {
+                grads.register::<X>(node.id, prim(grad));
+            }
+        }
+    }
+}
+
+type AttentionFn<B> =
+    fn(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, &AttentionSpec, bool) -> Tensor<B, 4>;
+
+fn attention_autodiff<X: Backend, C: CheckpointStrategy>(
+    q: Tensor<Autodiff<X, C>, 4>,
+    k: Tensor<Autodiff<X, C>, 4>,
+    v: Tensor<Autodiff<X, C>, 4>,
+    spec: &AttentionSpec,
+    recompute: bool,
+) -> Tensor<Autodiff<X, C>, 4> {
+    let (q, k, v) = (prim(q), prim(k), prim(v));
+    let (qi, ki, vi) = (
+        float::<X, 4>(q.primitive.clone()),
+        float::<X, 4>(k.primitive.clone()),
+        float::<X, 4>(v.primitive.clone()),
+    );
+    let (att, keep) = probabilities(&qi, &ki, spec);
+    let att_d = match &keep {
+        Some(keep) => att.clone() * keep.clone(),
+        None => att.clone(),
+    };
+    let y = prim(att_d.matmul(vi));
+    let out = match AttentionOp
+        .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let saved = (!recompute).then(|| (prim(att), keep.map(prim)));
+            prep.finish(
+                AttentionState {
+                    q: q.primitive,
+                    k: k.primitive,
+                    v: v.primitive,
+                    saved,
+                    spec: *spec,
+                },
+                y,
+            )
+        }
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    };
+    float(out)
+}
+
+/// One recorded region: its input (kept, with its graph), its output leaf, and how to re-run it.
+struct Region<'a, B: Backend> {
+    input: FloatTensor<B>,
+    output: FloatTensor<B>,
+    seed: u64,
+    recompute: Box<dyn Fn(&Checkpointer<'a, B>, FloatTensor<B>) -> FloatTensor<B> + 'a>,
+}
+
+type Fence<'a> = Box<dyn Fn() -> Result<(), DistError> + 'a>;
+
+const SITE_BLOCK: u64 = 1;
+const SITE_ATTENTION: u64 = 2;
+
+/// Recomputation and random streams for one forward/backward of a model (see the module docs).
+///
+/// Build one per micro-batch with [`Checkpointer::new`] (training, autodiff backends) or
+/// [`Checkpointer::inference`]; the model's forward calls [`block`](Self::block),
+/// [`attention`](Self::attention) and [`dropout`](Self::dropout); then
+/// [`backward`](Self::backward) replaces `loss.backward()`.
+pub struct Checkpointer<'a, B: Backend> {
+    policy: Recompute,
+    seed: u64,
+    training: bool,
+    attention: Option<AttentionFn<B>>,
+    regions: RefCell<Vec<Region<'a, B>>>,
+    fence: Option<Fence<'a>>,
+}
+
+impl<'a, X: Backend, C: CheckpointStrategy> Checkpointer<'a, Autodiff<X, C>> {
+    /// A training step's checkpointer: `policy` decides what is recomputed; `seed` (vary it per
+    /// step and micro-batch, and per data-parallel rank) seeds every dropout mask and region.
+    pub fn new(policy: Recompute, seed: u64) -> Self {
+        Self {
+            policy,
+            seed,
+            training: true,
+            attention: Some(attention_autodiff::<X, C>),
+            regions: RefCell::new(Vec::new()),
+            fence: None,
+        }
+    }
+}
+
+impl<'a, B: Backend> Checkpointer<'a, B> {
+    /// No recomputation and no dropout (evaluation, generation; any backend).
+    pub fn inference() -> Self {
+        Self {
+            policy: Recompute::None,
+            seed: 0,
+            training: false,
+            attention: None,
+            regions: RefCell::new(Vec::new()),
+            fence: None,
+        }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> Recompute {
+        self.policy
+    }
+
+    /// Whether dropout is applied.
+    pub fn training(&self) -> bool {
+        self.training
+    }
+
+    /// Regions recorded so far (recomputed by [`backward`](Self::backward)).
+    pub fn regions(&self) -> usize {
+        self.regions.borrow().len()
+    }
+
+    /// Run after every backward pass of [`backward`](Self::backward): with ranks as threads, a
+    /// world barrier that keeps the ranks' passes apart (Burn 0.21 locks every graph at the end
+    /// of a backward pass).
+    pub fn with_fence(mut self, fence: impl Fn() -> Result<(), DistError> + 'a) -> Self {
+        self.fence = Some(Box::new(fence));
+        self
+    }
+
+    /// The seed of the random stream of `(layer, site)` in this step.
+    pub fn seed_of(&self, layer: usize, site: u64) -> u64 {
+        mix_seed(self.seed, layer as u64, site)
+    }
+
+    /// Block `index` of the model: `f(module, x, self)`, recomputed in backward if the policy says so.
+    /// The backend is seeded with the block's stream first (also when not recomputed, so every
+    /// policy draws the same numbers).
+    pub fn block<M, F, const D: usize>(
+        &self,
+        index: usize,
+        module: &'a M,
+        x: Tensor<B, D>,
+        f: F,
+    ) -> Tensor<B, D>
+    where
+        M: Module<B> + 'a,
+        F: Fn(&M, Tensor<B, D>, &Checkpointer<'a, B>) -> Tensor<B, D> + 'a,
+    {
+        let device = x.device();
+        let seed = self.seed_of(index, SITE_BLOCK);
+        B::seed(&device, seed);
+        if !(self.training && self.policy.recomputes_block(index) && B::ad_enabled(&device)) {
+            return f(module, x, self);
+        }
+        // Gradients off: the parameters' copies are untracked, so nothing inside is recorded.
+        let frozen = module.clone().no_grad();
+        let y = f(&frozen, x.clone().detach(), self).detach().require_grad();
+        self.regions.borrow_mut().push(Region {
+            input: prim(x),
+            output: prim(y.clone()),
+            seed,
+            recompute: Box::new(move |ckpt, input| prim(f(module, float(input), ckpt))),
+        });
+        y
+    }
+
+    /// The attention core `softmax(mask(q·kᵀ·scale))·v` of layer `layer`, `[b, h, t, hd]` each,
+    /// with dropout on the probabilities while training.
+    pub fn attention(
+        &self,
+        layer: usize,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        scale: f64,
+        causal: bool,
+        dropout: f64,
+    ) -> Tensor<B, 4> {
+        let spec = AttentionSpec {
+            scale,
+            causal,
+            dropout: if self.training { dropout } else { 0.0 },
+            seed: self.seed_of(layer, SITE_ATTENTION),
+        };
+        match self.attention {
+            Some(op) => op(q, k, v, &spec, self.policy == Recompute::Selective),
+            None => attention_reference(q, k, v, &spec),
+        }
+    }
+
+    /// Inverted dropout with probability `p` at `(layer, site)` while training; identity otherwise.
+    pub fn dropout<const D: usize>(
+        &self,
+        layer: usize,
+        site: u64,
+        x: Tensor<B, D>,
+        p: f64,
+    ) -> Tensor<B, D> {
+        if !self.training || p <= 0.0 {
+            return x;
+        }
+        let mask = dropout_mask(self.seed_of(layer, 16 + site), x.dims(), p, &x.device());
+        x * mask
+    }
+}
+
+impl<'a, B: AutodiffBackend> Checkpointer<'a, B> {
+    /// `loss.backward()` with the recorded regions recomputed: one backward pass for the loss,
+    /// then one per region (last first); the parameter gradients of all passes merged, as if
+    /// from one pass.
+    pub fn backward<M: AutodiffModule<B>>(
+        &self,
+        loss: Tensor<B, 1>,
+        model: &M,
+    ) -> Result<B::Gradients, DistError> {
+        let device = loss.device();
+        let mut main = loss.backward();
+        self.fenced()?;
+        let mut regions = std::mem::take(&mut *self.regions.borrow_mut());
+        if regions.is_empty() {
+            return Ok(main);
+        }
+        let mut pending: Vec<Option<FloatTensor<B::InnerBackend>>> =
+            (0..regions.len()).map(|_| None).collect();
+        harvest::<B>(&regions, &mut main, &mut pending);
+        let _scope = RecomputeScope::enter();
+        while let Some(region) = regions.pop() {
+            let Some(grad) = pending[regions.len()].take() else {
+                // The output did not reach the loss: nothing to propagate.
+                continue;
+            };
+            B::seed(&device, region.seed);
+            let y = (region.recompute)(self, region.input);
+            let weighted = B::float_sum(B::float_mul(y, B::from_inner(grad)));
+            let mut pass = B::backward(weighted);
+            self.fenced()?;
+            harvest::<B>(&regions, &mut pass, &mut pending);
+            model.visit(&mut MergeGrads::<B> {
+                from: &mut pass,
+                into: &mut main,
+            });
+        }
+        Ok(main)
+    }
+
+    fn fenced(&self) -> Result<(), DistError> {
+        match &self.fence {
+            Some(fence) => fence(),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Move the gradients that reached the regions' outputs into their accumulators.
+fn harvest<B: AutodiffBackend>(
+    regions: &[Region<'_, B>],
+    grads: &mut B::Gradients,
+    pending: &mut [Option<FloatTensor<B::InnerBackend>>],
+) {
+    for (region, slot) in regions.iter().zip(pending.iter_mut()) {
+        if let Some(g) = B::grad_remove(&region.output, grads) {
+            *slot = Some(match slot.take() {
+                Some(old) => {
+                    <B::InnerBackend as FloatTensorOps<B::InnerBackend>>::float_add(g, old)
+                }
+                None => g,
+            });
+        }
+    }
+}
+
+struct MergeGrads<'g, B: AutodiffBackend> {
+    from: &'g mut B::Gradients,
+    into: &'g mut B::Gradients,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for MergeGrads<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let t = param.val();
+        if let Some(g) = t.grad_remove(self.from) {
+            // As Burn's own accumulation: new + old.
+            let g = match t.grad_remove(self.into) {
+                Some(old) => g + old,
+                None => g,
+            };
+            t.grad_replace(self.into, g);
+        }
+    }
+}
