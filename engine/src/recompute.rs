@@ -420,7 +420,11 @@ impl<'a, B: Backend> Checkpointer<'a, B> {
         }
         // Gradients off: the parameters' copies are untracked, so nothing inside is recorded.
         let frozen = module.clone().no_grad();
-        let y = f(&frozen, x.clone().detach(), self).detach().require_grad();
+        // (`detach` keeps `require_grad` in Burn; `set_require_grad(false)` makes an untracked
+        // value.)
+        let y = f(&frozen, x.clone().set_require_grad(false), self)
+            .set_require_grad(false)
+            .require_grad();
         self.regions.borrow_mut().push(Region {
             input: prim(x),
             output: prim(y.clone()),

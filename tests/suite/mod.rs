@@ -18,4 +18,5 @@ mod data_parallel;
 mod engine;
 mod fsdp;
 mod pretrain;
+mod recompute;
 mod tensor_parallel;
