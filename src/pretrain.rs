@@ -339,7 +339,7 @@ pub fn estimate(config: &PretrainConfig, model: &GptConfig) -> MemoryEstimate {
         .map(|i| match config.parallel.recompute {
             Recompute::None => keep_all,
             Recompute::Selective => keep_selective,
-            r if r.recomputes_block(i) => keep_input,
+            r if r.recomputes_block(i, l) => keep_input,
             _ => keep_all,
         })
         .sum();

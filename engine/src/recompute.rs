@@ -51,20 +51,25 @@ pub enum Recompute {
     None,
     /// Keep the matmul outputs, recompute the attention core (scores, probabilities, dropout).
     Selective,
-    /// Keep only each block's input; recompute every block.
+    /// Keep only each block's input; recompute every block (but the last, see
+    /// [`Recompute::recomputes_block`]).
     Full,
-    /// Recompute blocks 0, n, 2n, …; keep the others' activations.
+    /// Recompute blocks 0, n, 2n, … (not the last); keep the others' activations.
     EveryNth(usize),
 }
 
 impl Recompute {
-    /// Whether block `index` is a recomputed region.
-    pub fn recomputes_block(self, index: usize) -> bool {
-        match self {
-            Recompute::Full => true,
-            Recompute::EveryNth(n) => n > 0 && index.is_multiple_of(n),
-            Recompute::None | Recompute::Selective => false,
-        }
+    /// Whether block `index` of `count` is a recomputed region. The last block never is: its
+    /// backward runs first, right after the forward, so keeping its activations adds nothing to
+    /// the peak (a recomputed block's activations are alive at that point anyway) and saves
+    /// recomputing it.
+    pub fn recomputes_block(self, index: usize, count: usize) -> bool {
+        index + 1 < count
+            && match self {
+                Recompute::Full => true,
+                Recompute::EveryNth(n) => n > 0 && index.is_multiple_of(n),
+                Recompute::None | Recompute::Selective => false,
+            }
     }
 }
 
@@ -269,6 +274,17 @@ impl<X: Backend> Backward<X, 3> for AttentionOp {
     }
 }
 
+/// A stand-in for a region's output that keeps its autodiff node (to look its gradient up) but
+/// not its values: the output itself may be needed by no one else once the next block ran.
+fn grad_handle<X: Backend, C: CheckpointStrategy>(
+    t: &FloatTensor<Autodiff<X, C>>,
+) -> FloatTensor<Autodiff<X, C>> {
+    let device = X::float_device(&t.primitive);
+    let mut handle = t.clone();
+    handle.primitive = X::float_zeros([1].into(), &device, burn::tensor::FloatDType::F32);
+    handle
+}
+
 type AttentionFn<B> =
     fn(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, &AttentionSpec, bool) -> Tensor<B, 4>;
 
@@ -338,6 +354,7 @@ pub struct Checkpointer<'a, B: Backend> {
     seed: u64,
     training: bool,
     attention: Option<AttentionFn<B>>,
+    handle: Option<fn(&FloatTensor<B>) -> FloatTensor<B>>,
     regions: RefCell<Vec<Region<'a, B>>>,
     fence: Option<Fence<'a>>,
 }
@@ -351,6 +368,7 @@ impl<'a, X: Backend, C: CheckpointStrategy> Checkpointer<'a, Autodiff<X, C>> {
             seed,
             training: true,
             attention: Some(attention_autodiff::<X, C>),
+            handle: Some(grad_handle::<X, C>),
             regions: RefCell::new(Vec::new()),
             fence: None,
         }
@@ -365,6 +383,7 @@ impl<'a, B: Backend> Checkpointer<'a, B> {
             seed: 0,
             training: false,
             attention: None,
+            handle: None,
             regions: RefCell::new(Vec::new()),
             fence: None,
         }
@@ -398,12 +417,14 @@ impl<'a, B: Backend> Checkpointer<'a, B> {
         mix_seed(self.seed, layer as u64, site)
     }
 
-    /// Block `index` of the model: `f(module, x, self)`, recomputed in backward if the policy says so.
+    /// Block `index` of `count` in the model: `f(module, x, self)`, recomputed in backward if the
+    /// policy says so.
     /// The backend is seeded with the block's stream first (also when not recomputed, so every
     /// policy draws the same numbers).
     pub fn block<M, F, const D: usize>(
         &self,
         index: usize,
+        count: usize,
         module: &'a M,
         x: Tensor<B, D>,
         f: F,
@@ -415,7 +436,8 @@ impl<'a, B: Backend> Checkpointer<'a, B> {
         let device = x.device();
         let seed = self.seed_of(index, SITE_BLOCK);
         B::seed(&device, seed);
-        if !(self.training && self.policy.recomputes_block(index) && B::ad_enabled(&device)) {
+        if !(self.training && self.policy.recomputes_block(index, count) && B::ad_enabled(&device))
+        {
             return f(module, x, self);
         }
         // Gradients off: the parameters' copies are untracked, so nothing inside is recorded.
@@ -427,7 +449,10 @@ impl<'a, B: Backend> Checkpointer<'a, B> {
             .require_grad();
         self.regions.borrow_mut().push(Region {
             input: prim(x),
-            output: prim(y.clone()),
+            output: match self.handle {
+                Some(handle) => handle(&prim(y.clone())),
+                None => prim(y.clone()),
+            },
             seed,
             recompute: Box::new(move |ckpt, input| prim(f(module, float(input), ckpt))),
         });

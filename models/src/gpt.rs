@@ -383,7 +383,7 @@ impl<B: Backend> Gpt<B> {
         let pos = burn::tensor::module::embedding(self.wpe.val(), pos);
         let mut x = ckpt.dropout(self.blocks.len(), 0, tok + pos, self.dropout);
         for (i, block) in self.blocks.iter().enumerate() {
-            x = ckpt.block(i, block, x, move |block, x, ckpt| {
+            x = ckpt.block(i, self.blocks.len(), block, x, move |block, x, ckpt| {
                 block.forward_with(i, x, ckpt)
             });
         }
