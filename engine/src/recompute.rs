@@ -335,9 +335,11 @@ struct Region<'a, B: Backend> {
     input: FloatTensor<B>,
     output: FloatTensor<B>,
     seed: u64,
-    recompute: Box<dyn Fn(&Checkpointer<'a, B>, FloatTensor<B>) -> FloatTensor<B> + 'a>,
+    recompute: RecomputeFn<'a, B>,
 }
 
+type RecomputeFn<'a, B> = Box<dyn Fn(&Checkpointer<'a, B>, FloatTensor<B>) -> FloatTensor<B> + 'a>;
+type HandleFn<B> = fn(&FloatTensor<B>) -> FloatTensor<B>;
 type Fence<'a> = Box<dyn Fn() -> Result<(), DistError> + 'a>;
 
 const SITE_BLOCK: u64 = 1;
@@ -354,7 +356,7 @@ pub struct Checkpointer<'a, B: Backend> {
     seed: u64,
     training: bool,
     attention: Option<AttentionFn<B>>,
-    handle: Option<fn(&FloatTensor<B>) -> FloatTensor<B>>,
+    handle: Option<HandleFn<B>>,
     regions: RefCell<Vec<Region<'a, B>>>,
     fence: Option<Fence<'a>>,
 }
@@ -459,14 +461,12 @@ impl<'a, B: Backend> Checkpointer<'a, B> {
         y
     }
 
-    /// The attention core `softmax(mask(q·kᵀ·scale))·v` of layer `layer`, `[b, h, t, hd]` each,
-    /// with dropout on the probabilities while training.
+    /// The attention core `softmax(mask(q·kᵀ·scale))·v` of layer `layer` on `[q, k, v]`,
+    /// `[b, h, t, hd]` each, with dropout on the probabilities while training.
     pub fn attention(
         &self,
         layer: usize,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
+        [q, k, v]: [Tensor<B, 4>; 3],
         scale: f64,
         causal: bool,
         dropout: f64,

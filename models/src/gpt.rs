@@ -328,7 +328,7 @@ impl<B: Backend> CausalSelfAttention<B> {
         let split = |i: usize| qkv.clone().narrow(3, i * hd, hd).swap_dims(1, 2);
         let (q, k, v) = (split(0), split(1), split(2));
         let scale = 1.0 / (hd as f64).sqrt();
-        let y = ckpt.attention(layer, q, k, v, scale, true, p);
+        let y = ckpt.attention(layer, [q, k, v], scale, true, p);
         self.c_proj.forward(y.swap_dims(1, 2).reshape([b, t, d]))
     }
 }

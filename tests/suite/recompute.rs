@@ -154,7 +154,7 @@ fn attention_backward_matches_burn_autodiff() {
             };
             attention_reference(q.clone(), k.clone(), v.clone(), &spec)
         } else {
-            ckpt.attention(0, q.clone(), k.clone(), v.clone(), 0.5, true, 0.25)
+            ckpt.attention(0, [q.clone(), k.clone(), v.clone()], 0.5, true, 0.25)
         };
         let grads = (y.clone() * weights.clone()).sum().backward();
         let f = |t: Tensor<Flex, 4>| t.into_data().to_vec::<f32>().unwrap();
