@@ -13,8 +13,8 @@ use wildfire::engine::{AttentionSpec, Checkpointer, Recompute, attention_referen
 use wildfire::models::gpt::{Gpt, GptConfig};
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, parallelize_gpt};
 use wildfire::parallel::{
-    CommError, DeviceMesh, DistError, Distributed, Group, LaunchOptions, dtensor, launch_ranks,
-    sync_gradients,
+    CollectiveKind, CommError, DeviceMesh, DistError, Distributed, Group, LaunchOptions, dtensor,
+    launch_ranks, sync_gradients,
 };
 
 type Plain = Autodiff<Flex>;
@@ -211,24 +211,32 @@ fn policies_are_bitwise_identical_under_full_shard() {
                         &ckpt,
                     );
                     let value = loss.clone().into_scalar().to_bits();
+                    let gathers = ctx.comm().stats().count(CollectiveKind::AllGather);
                     let grads = ckpt.backward(loss, &model).unwrap();
                     drop(ckpt);
+                    let gathers = ctx.comm().stats().count(CollectiveKind::AllGather) - gathers;
                     let mut grads = GradientsParams::from_grads(grads, &model);
                     sync_gradients(&model, &mut grads).unwrap();
                     let mut shards = Shards(&grads, Vec::new());
                     model.visit(&mut shards);
-                    (value, shards.1)
+                    (value, shards.1, gathers)
                 })
                 .collect::<Vec<_>>()
         },
     )
     .unwrap();
     for per_rank in out {
-        let (loss, grads) = &per_rank[0];
-        for (policy, (l, g)) in POLICIES.iter().zip(&per_rank).skip(1) {
+        let (loss, grads, gathers) = &per_rank[0];
+        for (policy, (l, g, _)) in POLICIES.iter().zip(&per_rank).skip(1) {
             assert_eq!(l, loss, "{policy}: loss");
             assert!(g == grads, "{policy}: gradient shards differ");
         }
+        // FSDP re-gathers a recomputed block's parameters inside its recomputation: the same
+        // extra all-gathers per region (3 regions under full, 2 under every-2), none otherwise.
+        let extra: Vec<u64> = per_rank.iter().map(|(_, _, n)| n - gathers).collect();
+        assert_eq!(extra[1], 0, "selective recomputes no parameter use");
+        assert!(extra[2] > 0 && extra[2] % 3 == 0, "{extra:?}");
+        assert_eq!(extra[2] / 3, extra[3] / 2, "{extra:?}");
     }
 }
 
