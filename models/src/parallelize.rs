@@ -60,14 +60,6 @@ impl Default for ParallelConfig {
 /// A parallelisation that is not available yet, with the issue that brings it.
 #[derive(thiserror::Error, Debug, Clone, PartialEq)]
 pub enum ParallelizeError {
-    /// Not implemented yet.
-    #[error("{what} is not available yet (it lands with the {issue} issue); run without it")]
-    NotAvailable {
-        /// The option.
-        what: String,
-        /// Which issue.
-        issue: &'static str,
-    },
     /// The decorator refused.
     #[error(transparent)]
     Dist(#[from] DistError),
@@ -132,6 +124,16 @@ pub fn parallelize_gpt<B: DistributedBackend>(
 ) -> Result<Gpt<B>, ParallelizeError> {
     config.check_available()?;
     let model = if config.tp > 1 {
+        // The column split of `c_attn` must fall on head boundaries (its columns are grouped by
+        // head), so each rank computes whole heads.
+        if let Some(block) = model.blocks.first()
+            && !block.attn.n_head.is_multiple_of(config.tp)
+        {
+            return Err(ParallelizeError::Config(format!(
+                "--tp {} does not divide the {} attention heads; choose a tp that divides n_head",
+                config.tp, block.attn.n_head
+            )));
+        }
         tensor_parallel(model, mesh, &gpt_tp_plan())?
     } else {
         model
