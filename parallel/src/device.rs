@@ -45,6 +45,10 @@ pub struct RankContext {
     plan: Mutex<DataPlan>,
     /// The dtype matmuls and linear layers compute in (None: the operands' own).
     compute_dtype: Mutex<Option<burn_backend::FloatDType>>,
+    /// This rank's random stream, once seeded (`Backend::seed`): ranks as threads then draw
+    /// deterministically, whatever the other threads do (the inner backend's stream is often one
+    /// per process).
+    rng: Mutex<Option<rand::rngs::StdRng>>,
 }
 
 /// The data-parallel plan of a rank: where gradients are reduce-scattered, and the strategy.
@@ -81,6 +85,7 @@ impl RankContext {
             peak_bytes: AtomicI64::new(0),
             plan: Mutex::new(DataPlan::default()),
             compute_dtype: Mutex::new(None),
+            rng: Mutex::new(None),
         })
     }
 
@@ -142,6 +147,17 @@ impl RankContext {
             .axes()
             .iter()
             .any(|a| a.kind == AxisKind::Data && a.size > 1)
+    }
+
+    /// Seed this rank's random stream.
+    pub(crate) fn seed(&self, seed: u64) {
+        use rand::SeedableRng;
+        *self.rng.lock().unwrap() = Some(rand::rngs::StdRng::seed_from_u64(seed));
+    }
+
+    /// Draw from this rank's stream, if seeded.
+    pub(crate) fn with_rng<R>(&self, f: impl FnOnce(&mut rand::rngs::StdRng) -> R) -> Option<R> {
+        self.rng.lock().unwrap().as_mut().map(f)
     }
 
     pub(crate) fn mark_gradients_pending(&self) {

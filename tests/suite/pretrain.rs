@@ -300,7 +300,8 @@ fn bad_input_is_refused() {
     };
     let err = run(&tp).unwrap_err();
     assert!(
-        err.to_string().contains("--tp 3 does not divide the 2 attention heads"),
+        err.to_string()
+            .contains("--tp 3 does not divide the 2 attention heads"),
         "{err}"
     );
     let dropout = PretrainConfig {

@@ -372,3 +372,96 @@ fn stock_burn_nn_layers_recompute_bitwise() {
         );
     }
 }
+
+/// Stock burn-nn layers with their own `Dropout` (drawing from the backend) under FullShard on 2
+/// ranks as threads: the checkpointer re-seeds the backend per region and `Distributed<B>` keeps a
+/// stream per rank, so the recomputation replays the same masks — bitwise the gradients of no
+/// recomputation, whatever the other rank's thread draws meanwhile.
+#[test]
+fn stock_dropout_replays_under_thread_ranks() {
+    use burn::nn::transformer::{TransformerEncoder, TransformerEncoderConfig};
+    use wildfire::parallel::fully_shard;
+    let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+    let out = launch_ranks::<Flex, _, _>(
+        &mesh,
+        &Default::default(),
+        &LaunchOptions::default(),
+        |device| {
+            let ctx = device.context().clone();
+            let rank = device.rank();
+            [Recompute::None, Recompute::Full, Recompute::None]
+                .iter()
+                .enumerate()
+                .map(|(run, &policy)| {
+                    let encoder: TransformerEncoder<Dist> = fully_shard(
+                        wildfire::demo::deterministic_init(
+                            TransformerEncoderConfig::new(16, 32, 2, 3)
+                                .with_dropout(0.2)
+                                .init(&device),
+                            11,
+                        ),
+                        &mesh,
+                        FsdpStrategy::FullShard,
+                    )
+                    .unwrap();
+                    let v: Vec<f32> = (0..2 * 5 * 16)
+                        .map(|i| ((i * 37 % 23 + rank) as f32 - 11.0) / 7.0)
+                        .collect();
+                    let mut x =
+                        Tensor::<Dist, 3>::from_data(TensorData::new(v, [2, 5, 16]), &device);
+                    // The last run uses another step seed: other masks, another loss.
+                    let ckpt = Checkpointer::<Dist>::new(policy, if run == 2 { 9 } else { 3 })
+                        .with_fence(|| Ok(ctx.comm().barrier(Group::World)?));
+                    let n = encoder.layers.len();
+                    for (i, layer) in encoder.layers.iter().enumerate() {
+                        x = ckpt.block(i, n, layer, x, |l, x, _| l.forward(x, None, None));
+                    }
+                    let loss = x.powf_scalar(2.0).mean();
+                    let value = loss.clone().into_scalar().to_bits();
+                    let grads = ckpt.backward(loss, &encoder).unwrap();
+                    drop(ckpt);
+                    let mut grads = GradientsParams::from_grads(grads, &encoder);
+                    sync_gradients(&encoder, &mut grads).unwrap();
+                    let mut shards = Shards(&grads, Vec::new());
+                    encoder.visit(&mut shards);
+                    (value, shards.1)
+                })
+                .collect::<Vec<_>>()
+        },
+    )
+    .unwrap();
+    for runs in out {
+        assert_eq!(runs[1].0, runs[0].0, "loss");
+        assert!(runs[1].1 == runs[0].1, "gradient shards differ");
+        assert_ne!(runs[2].0, runs[0].0, "dropout must depend on the seed");
+    }
+}
+
+/// `Backend::seed` on `Distributed<B>` starts a stream per rank: ranks as threads draw the same
+/// numbers as a lone rank, however their draws interleave.
+#[test]
+fn seeded_random_is_per_rank_and_deterministic() {
+    use burn::tensor::Distribution;
+    let draw = |device: &wildfire::parallel::DistDevice<Flex>| {
+        <Distributed<Flex> as Backend>::seed(device, 42);
+        (0..20)
+            .map(|_| {
+                bits(Tensor::<Distributed<Flex>, 2>::random(
+                    [3, 7],
+                    Distribution::Uniform(0.0, 1.0),
+                    device,
+                ))
+            })
+            .collect::<Vec<_>>()
+    };
+    let alone = draw(&Default::default());
+    let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+    let out =
+        launch_ranks::<Flex, _, _>(&mesh, &Default::default(), &LaunchOptions::default(), |d| {
+            draw(&d)
+        })
+        .unwrap();
+    for per_rank in out {
+        assert!(per_rank == alone);
+    }
+}

@@ -15,9 +15,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
-        let fb = Fallback::<B>::new("float_random");
-        let device = fb.device(device);
-        fb.wrap(B::float_random(shape, distribution, device, dtype))
+        rules::float_random::<B>(shape, distribution, device, dtype)
     }
 
     fn float_zeros(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {

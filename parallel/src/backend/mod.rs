@@ -76,6 +76,8 @@ impl<B: Backend> Backend for Distributed<B> {
     }
 
     fn seed(device: &Self::Device, seed: u64) {
+        // The rank's own stream (see `rules::float_random`), and the inner backend's.
+        device.ctx.seed(seed);
         B::seed(&device.inner, seed)
     }
 

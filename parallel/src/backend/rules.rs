@@ -1176,6 +1176,26 @@ pub(crate) fn float_from_data<B: Backend>(data: TensorData, device: &DistDevice<
     wrap(local, Layout::fresh(device.mesh()), device.clone())
 }
 
+/// Random values from this rank's stream once `Backend::seed` was called on the device (ranks as
+/// threads draw deterministically, whatever the other threads do), else from the inner backend.
+/// Replicated: ranks seeded alike draw alike.
+pub(crate) fn float_random<B: Backend>(
+    shape: Shape,
+    distribution: Distribution,
+    device: &DistDevice<B>,
+    dtype: FloatDType,
+) -> DTensor<B> {
+    let drawn = device.ctx.with_rng(|rng| {
+        TensorData::random::<f32, _, _>(shape.clone(), distribution, rng)
+            .convert_dtype(burn_backend::DType::from(dtype))
+    });
+    let local = match drawn {
+        Some(data) => B::float_from_data(data, &device.inner),
+        None => B::float_random(shape, distribution, &device.inner, dtype),
+    };
+    wrap(local, Layout::replicated(device.mesh()), device.clone())
+}
+
 pub(crate) fn float_device<B: Backend>(tensor: &DTensor<B>) -> DistDevice<B> {
     tensor.device.clone()
 }
