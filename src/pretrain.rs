@@ -4,7 +4,7 @@
 
 use burn::backend::Autodiff;
 use burn::module::AutodiffModule;
-use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
+use burn::optim::{AdamWConfig, Optimizer};
 use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Recorder};
 use serde::{Deserialize, Serialize};
@@ -12,7 +12,7 @@ use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use wildfire_engine::{Checkpointer, DynamicLossScaler, LossScalerConfig, StepDecision};
+use wildfire_engine::{DynamicLossScaler, LossScalerConfig, TrainStep, TrainStepConfig};
 use wildfire_models::data::{
     BatchSampler, DataError, DataSource, TokenDataset, TokenSlice, Tokenizer, TokenizerKind,
 };
@@ -20,7 +20,7 @@ use wildfire_models::gpt::{Gpt, GptConfig, ModelError, Preset};
 use wildfire_models::parallelize::{ParallelConfig, ParallelizeError, Recompute, parallelize_gpt};
 use wildfire_parallel::{
     DistDevice, DistError, Distributed, FsdpOptimizer, Group, LaunchError, LaunchOptions, ReduceOp,
-    create_replicated, gradient_bytes, launch_ranks, parameter_bytes, sync_gradients,
+    create_replicated, launch_ranks, parameter_bytes,
 };
 
 /// Numeric precision of the compute.
@@ -640,9 +640,16 @@ impl RankRun<'_> {
             Precision::Bf16 => Some(burn::tensor::FloatDType::BF16),
             Precision::F16 => Some(burn::tensor::FloatDType::F16),
         });
-        let mut scaler = (config.precision == Precision::F16).then(|| {
+        let scaler = (config.precision == Precision::F16).then(|| {
             resume_scaler.unwrap_or_else(|| DynamicLossScaler::new(LossScalerConfig::default()))
         });
+        let mut train_step = TrainStep::new(
+            TrainStepConfig {
+                clip: (config.clip > 0.0).then_some(config.clip as f32),
+                recompute: config.parallel.recompute,
+            },
+            scaler,
+        );
         let mesh = device.mesh().clone();
         let mut model: Gpt<A<B>> = self.model_config.init(device)?;
         let mut optim = FsdpOptimizer::new(
@@ -687,74 +694,47 @@ impl RankRun<'_> {
             let stats_before = device.context().comm().stats();
             ctx.reset_peak_bytes();
             let lr = config.lr_at(step);
-            // Gradient accumulation: `accum` micro-batches of this rank's rows; their gradients
-            // stay unreduced summands (no communication) until `sync_gradients` after the last.
-            let accum = config.accum;
-            let micro = self.rows.len() / accum;
-            ctx.set_no_sync(accum > 1);
-            let mut accumulator = GradientsAccumulator::new();
-            let mut local_loss = 0.0;
-            for i in 0..accum {
-                let start = self.rows.start + i * micro;
-                let (x, y) = batch_tensors::<A<B>>(
-                    self.sampler,
-                    self.train,
-                    step as u64,
-                    start..start + micro,
-                    device,
-                );
-                // Recomputation and dropout streams: seeded by (run seed, step, first global row),
-                // so tensor-parallel peers (same rows) draw the same masks.
-                let ckpt = Checkpointer::<A<B>>::new(
-                    config.parallel.recompute,
-                    wildfire_engine::recompute::mix_seed(config.seed, step as u64, start as u64),
-                )
-                .with_fence(|| {
-                    // Keep the ranks' backward passes apart (see `sync_gradients`).
-                    if ctx.world_size() > 1 {
-                        ctx.comm().barrier(Group::World).map_err(DistError::from)?;
-                    }
-                    Ok(())
-                });
-                let loss = model.loss_with(x, y, &ckpt).div_scalar(accum as f64);
-                local_loss += loss.clone().into_scalar().elem::<f32>();
-                let scale = scaler.as_ref().map_or(1.0, DynamicLossScaler::scale);
-                let loss = if scale != 1.0 {
-                    loss.mul_scalar(scale)
-                } else {
-                    loss
-                };
-                let grads = ckpt.backward(loss, &model)?;
-                drop(ckpt);
-                accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
-            }
-            ctx.set_no_sync(false);
-            let mut grads = accumulator.grads();
-            sync_gradients(&model, &mut grads)?;
-            // Unscale, then one all-reduce of [overflow, Σ‖g‖²] over the mesh, then clip; an
-            // overflow on any rank skips the step on every rank.
-            let scale = scaler.as_ref().map_or(1.0, DynamicLossScaler::scale);
-            let check = wildfire_engine::unscale_check_clip(
-                &model,
-                &mut grads,
-                1.0 / scale,
-                (config.clip > 0.0).then_some(config.clip as f32),
+            // `accum` micro-batches of this rank's rows. Recomputation and dropout streams are
+            // seeded by (run seed, step, first global row), so tensor-parallel peers (same rows)
+            // draw the same masks.
+            let micro = self.rows.len() / config.accum;
+            let starts: Vec<usize> = (0..config.accum)
+                .map(|i| self.rows.start + i * micro)
+                .collect();
+            let seeds: Vec<u64> = starts
+                .iter()
+                .map(|&start| {
+                    wildfire_engine::recompute::mix_seed(config.seed, step as u64, start as u64)
+                })
+                .collect();
+            let (next, record) = train_step.run(
+                device,
+                model,
+                &mut optim,
+                lr,
+                &seeds,
+                |model: &Gpt<A<B>>, i, ckpt| {
+                    let (x, y) = batch_tensors::<A<B>>(
+                        self.sampler,
+                        self.train,
+                        step as u64,
+                        starts[i]..starts[i] + micro,
+                        device,
+                    );
+                    model.loss_with(x, y, ckpt)
+                },
             )?;
-            let grad_norm = check.norm;
-            let skipped = match scaler.as_mut() {
-                Some(s) => s.update(check.found_inf) == StepDecision::Skip,
-                None => check.found_inf,
-            };
+            model = next;
+            let (local_loss, grad_norm, scale, skipped, grad_bytes) = (
+                record.loss,
+                record.grad_norm,
+                record.loss_scale,
+                record.skipped,
+                record.grad_bytes,
+            );
             // The decorator's accounting of this rank's local pieces. After the step only the
             // parameters and the optimizer state are alive (the loss and its graph are dropped,
             // the gradients consumed), so the optimizer state is the rest.
-            let grad_bytes = gradient_bytes(&model, &grads);
-            if skipped {
-                tracing::warn!(step, scale, "non-finite gradients: step skipped");
-                drop(grads);
-            } else {
-                model = optim.step(lr, model, grads);
-            }
             let param_bytes = parameter_bytes(&model);
             let optim_bytes = ctx.live_bytes().saturating_sub(param_bytes);
             let loss = mean_over_ranks(device, local_loss);
@@ -791,7 +771,7 @@ impl RankRun<'_> {
             if config.save.is_some()
                 && ((config.save_every > 0 && (step + 1) % config.save_every == 0) || last)
             {
-                self.save(&model, &optim, scaler.as_ref(), step + 1, rank)?;
+                self.save(&model, &optim, train_step.scaler(), step + 1, rank)?;
             }
         }
         if let Some(bar) = &progress {

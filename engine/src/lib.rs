@@ -1,11 +1,13 @@
 //! Wildfire's training engine: the pieces of a training step that are not the model — dynamic
-//! loss scaling, the one-collective overflow check and global-norm clipping, and activation
-//! recomputation ([`recompute`]).
+//! loss scaling, the one-collective overflow check and global-norm clipping, activation
+//! recomputation ([`recompute`]), and the training step that puts them together ([`TrainStep`]).
 
 pub mod grad_check;
 pub mod recompute;
 pub mod scaler;
+pub mod step;
 
 pub use grad_check::{GradCheck, unscale_check_clip};
 pub use recompute::{AttentionSpec, Checkpointer, Recompute, attention_reference, dropout_mask};
 pub use scaler::{DynamicLossScaler, LossScalerConfig, StepDecision};
+pub use step::{StepRecord, TrainStep, TrainStepConfig};

@@ -284,3 +284,64 @@ fn pure_f16_without_scaling_fails() {
         "{f16_losses:?}"
     );
 }
+
+/// `TrainStep` end to end on 2 ranks (FullShard, 2 micro-batches, f16-style loss scale): a finite
+/// step updates the model and counts towards growth; a micro-batch whose loss overflows on rank 1
+/// only makes both ranks skip (parameters untouched) and halves the scale.
+#[test]
+fn train_step_steps_and_skips_together() {
+    use burn::optim::AdamWConfig;
+    use wildfire::engine::{TrainStep, TrainStepConfig};
+    use wildfire::parallel::FsdpOptimizer;
+    let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+    let out = launch_ranks::<Flex, _, _>(
+        &mesh,
+        &Default::default(),
+        &LaunchOptions::default(),
+        |device| {
+            let rank = device.rank();
+            let mut m = fully_shard(
+                deterministic_init(Mlp::<Dist>::new(4, 8, 3, &device), 1),
+                &mesh,
+                FsdpStrategy::FullShard,
+            )
+            .unwrap();
+            let mut optim = FsdpOptimizer::new(AdamWConfig::new().init::<Dist, Mlp<Dist>>());
+            let mut step = TrainStep::new(
+                TrainStepConfig::default(),
+                Some(DynamicLossScaler::new(LossScalerConfig::default())),
+            );
+            let mut records = Vec::new();
+            for poison in [false, true] {
+                let before = wildfire::demo::parameters(&m);
+                let (next, record) = step
+                    .run(&device, m, &mut optim, 1e-2, &[1, 2], |m, i, _ckpt| {
+                        let rows = rank * 4 + i * 2..rank * 4 + i * 2 + 2;
+                        let loss = loss_of(m, rows, &device);
+                        if poison && rank == 1 && i == 1 {
+                            loss.mul_scalar(f32::INFINITY)
+                        } else {
+                            loss
+                        }
+                    })
+                    .unwrap();
+                m = next;
+                let changed = wildfire::demo::parameters(&m) != before;
+                records.push((record.skipped, record.loss_scale, changed));
+            }
+            records.push((false, step.scaler().unwrap().scale(), false));
+            records
+        },
+    )
+    .unwrap();
+    for records in out {
+        assert_eq!(
+            records,
+            vec![
+                (false, 65536.0, true),
+                (true, 65536.0, false),
+                (false, 32768.0, false)
+            ]
+        );
+    }
+}

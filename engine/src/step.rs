@@ -1,0 +1,147 @@
+//! One training step on `Autodiff<Distributed<X>>`, top to bottom: accumulate the micro-batches
+//! (recomputation per the policy, gradients kept as unreduced summands until the last), scale,
+//! backward, synchronise, unscale + overflow check + global norm in one all-reduce, clip, step
+//! (or skip on every rank), update the loss scale.
+
+use crate::grad_check::unscale_check_clip;
+use crate::recompute::{Checkpointer, Recompute};
+use crate::scaler::{DynamicLossScaler, StepDecision};
+use burn::backend::Autodiff;
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
+use burn::prelude::*;
+use serde::{Deserialize, Serialize};
+use wildfire_parallel::{
+    DistDevice, DistError, Distributed, Group, gradient_bytes, sync_gradients,
+};
+
+/// What a step does besides the optimizer update.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainStepConfig {
+    /// Clip the global gradient norm to this value (`None`: no clipping).
+    pub clip: Option<f32>,
+    /// Activation recomputation.
+    pub recompute: Recompute,
+}
+
+impl Default for TrainStepConfig {
+    fn default() -> Self {
+        Self {
+            clip: Some(1.0),
+            recompute: Recompute::None,
+        }
+    }
+}
+
+/// What one step did (this rank's view; the norm and the decision agree on every rank).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepRecord {
+    /// This rank's loss, the mean over its micro-batches.
+    pub loss: f32,
+    /// Global gradient norm before clipping (unscaled; not finite on overflow).
+    pub grad_norm: f32,
+    /// The loss scale the step used (1 without a scaler).
+    pub loss_scale: f32,
+    /// The step was skipped (non-finite gradients on some rank).
+    pub skipped: bool,
+    /// This rank's gradient bytes after synchronisation (its shards).
+    pub grad_bytes: u64,
+}
+
+/// The training step (see the module docs). Holds the loss scaler, whose state belongs in
+/// checkpoints ([`TrainStep::scaler`]).
+#[derive(Clone, Debug)]
+pub struct TrainStep {
+    config: TrainStepConfig,
+    scaler: Option<DynamicLossScaler>,
+}
+
+type Ad<X> = Autodiff<Distributed<X>>;
+
+impl TrainStep {
+    /// A step with `config`, and a dynamic loss scaler for f16 compute (`None` for f32/bf16).
+    pub fn new(config: TrainStepConfig, scaler: Option<DynamicLossScaler>) -> Self {
+        Self { config, scaler }
+    }
+
+    /// The loss scaler, if any (save it with the checkpoint).
+    pub fn scaler(&self) -> Option<&DynamicLossScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// One step on `device` over `seeds.len()` micro-batches: `loss(model, i, ckpt)` is micro-batch `i`'s
+    /// mean loss, computed through `ckpt` (seeded with `seeds[i]`: vary it per step, micro-batch
+    /// and data-parallel rank). Returns the updated model and the record.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run<X, M, O, L>(
+        &mut self,
+        device: &DistDevice<X>,
+        mut model: M,
+        optim: &mut O,
+        lr: f64,
+        seeds: &[u64],
+        loss: L,
+    ) -> Result<(M, StepRecord), DistError>
+    where
+        X: Backend,
+        M: AutodiffModule<Ad<X>>,
+        O: Optimizer<M, Ad<X>>,
+        L: for<'a> Fn(&'a M, usize, &Checkpointer<'a, Ad<X>>) -> Tensor<Ad<X>, 1>,
+    {
+        let accum = seeds.len().max(1);
+        let ctx = device.context().clone();
+        // Accumulate: the micro-batches' gradients stay unreduced summands (no communication)
+        // until `sync_gradients` after the last.
+        ctx.set_no_sync(accum > 1);
+        let scale = self.scaler.as_ref().map_or(1.0, DynamicLossScaler::scale);
+        let mut accumulator = GradientsAccumulator::new();
+        let mut local_loss = 0.0;
+        for (i, &seed) in seeds.iter().enumerate() {
+            let ckpt = Checkpointer::<Ad<X>>::new(self.config.recompute, seed).with_fence(|| {
+                // Keep the ranks' backward passes apart (see `sync_gradients`).
+                if ctx.world_size() > 1 {
+                    ctx.comm().barrier(Group::World)?;
+                }
+                Ok(())
+            });
+            // Scale, backward (with the recomputed regions).
+            let micro = loss(&model, i, &ckpt).div_scalar(accum as f64);
+            local_loss += micro.clone().into_scalar().elem::<f32>();
+            let micro = if scale != 1.0 {
+                micro.mul_scalar(scale)
+            } else {
+                micro
+            };
+            let grads = ckpt.backward(micro, &model);
+            drop(ckpt);
+            let grads = grads.inspect_err(|_| ctx.set_no_sync(false))?;
+            accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+        }
+        ctx.set_no_sync(false);
+        // Synchronise the rest, then unscale + check + norm (one all-reduce) and clip.
+        let mut grads = accumulator.grads();
+        sync_gradients(&model, &mut grads)?;
+        let check = unscale_check_clip(&model, &mut grads, 1.0 / scale, self.config.clip)?;
+        // Step, or skip on every rank; update the scale.
+        let skipped = match self.scaler.as_mut() {
+            Some(s) => s.update(check.found_inf) == StepDecision::Skip,
+            None => check.found_inf,
+        };
+        let grad_bytes = gradient_bytes(&model, &grads);
+        if skipped {
+            tracing::warn!(scale, "non-finite gradients: step skipped");
+        } else {
+            model = optim.step(lr, model, grads);
+        }
+        Ok((
+            model,
+            StepRecord {
+                loss: local_loss,
+                grad_norm: check.norm,
+                loss_scale: scale,
+                skipped,
+                grad_bytes,
+            },
+        ))
+    }
+}
