@@ -97,6 +97,9 @@ struct Args {
     /// Tensor-parallel ranks.
     #[arg(long, default_value_t = 1, help_heading = "Parallelism")]
     tp: usize,
+    /// Megatron sequence parallelism over the tensor-parallel ranks (needs --tp 2 or more).
+    #[arg(long, help_heading = "Parallelism")]
+    sp: bool,
     /// Data-parallel strategy: none (DDP), zero1, grad-op, full (FSDP / ZeRO-3), hybrid (HSDP).
     #[arg(long, default_value = "none", value_parser = parse_fsdp, help_heading = "Parallelism")]
     fsdp: FsdpStrategy,
@@ -215,6 +218,7 @@ fn main() -> Result<()> {
         parallel: ParallelConfig {
             dp: args.dp,
             tp: args.tp,
+            sp: args.sp,
             fsdp: args.fsdp,
             dp_shard: args.dp_shard,
             recompute: args.recompute,

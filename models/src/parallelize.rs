@@ -4,7 +4,7 @@
 use crate::gpt::Gpt;
 use serde::{Deserialize, Serialize};
 use wildfire_parallel::{
-    DeviceMesh, DistError, DistributedBackend, TpError, TpPlan, TpStyle, fully_shard,
+    DeviceMesh, DistError, DistributedBackend, TpError, TpPlan, TpStyle, dtensor, fully_shard,
     tensor_parallel,
 };
 
@@ -37,6 +37,10 @@ pub struct ParallelConfig {
     pub dp: usize,
     /// Tensor-parallel ranks.
     pub tp: usize,
+    /// Megatron sequence parallelism over the tensor-parallel axis (needs `tp > 1`): LayerNorm,
+    /// dropout and the residual stream hold `1/tp` of the sequence.
+    #[serde(default)]
+    pub sp: bool,
     /// Data-parallel strategy.
     pub fsdp: FsdpStrategy,
     /// HSDP: ranks per shard group (`dp_shard`); the `dp / dp_shard` groups replicate.
@@ -50,6 +54,7 @@ impl Default for ParallelConfig {
         Self {
             dp: 1,
             tp: 1,
+            sp: false,
             fsdp: FsdpStrategy::NoShard,
             dp_shard: None,
             recompute: Recompute::None,
@@ -97,6 +102,11 @@ impl ParallelConfig {
                 )));
             }
         }
+        if self.sp && self.tp < 2 {
+            return Err(ParallelizeError::Config(
+                "--sp (sequence parallelism) shards over the tensor-parallel axis: it needs --tp 2 or more".into(),
+            ));
+        }
         Ok(())
     }
 }
@@ -134,7 +144,13 @@ pub fn parallelize_gpt<B: DistributedBackend>(
                 config.tp, block.attn.n_head
             )));
         }
-        tensor_parallel(model, mesh, &gpt_tp_plan())?
+        let tp_axis = mesh.axis_index("tp").map_err(DistError::from)?;
+        let model = tensor_parallel(model, mesh, &gpt_tp_plan())?;
+        dtensor(&model.wte.val())
+            .device()
+            .context()
+            .set_sequence_parallel(config.sp.then_some(tp_axis));
+        model
     } else {
         model
     };

@@ -49,6 +49,9 @@ pub struct RankContext {
     /// deterministically, whatever the other threads do (the inner backend's stream is often one
     /// per process).
     rng: Mutex<Option<rand::rngs::StdRng>>,
+    /// Megatron sequence parallelism: the model axis whose partial sums of `[b, t, …]`
+    /// activations are reduce-scattered over the sequence (dim 1) instead of all-reduced.
+    sequence_parallel: Mutex<Option<usize>>,
 }
 
 /// The data-parallel plan of a rank: where gradients are reduce-scattered, and the strategy.
@@ -86,6 +89,7 @@ impl RankContext {
             plan: Mutex::new(DataPlan::default()),
             compute_dtype: Mutex::new(None),
             rng: Mutex::new(None),
+            sequence_parallel: Mutex::new(None),
         })
     }
 
@@ -221,6 +225,20 @@ impl RankContext {
             }
         }
         crate::placement::shard_dim0(start, shape, &axes, mesh)
+    }
+
+    /// Megatron sequence parallelism over model axis `axis` (`None`: off): where a partial sum of
+    /// a `[b, t, …]` activation meets a residual add, or a column-parallel layer's input gradient
+    /// is reduced, it is reduce-scattered over the sequence (dim 1) instead of all-reduced, so
+    /// LayerNorm, dropout and the residual stream hold `1/size` of the sequence; column-parallel
+    /// layers all-gather their input.
+    pub fn set_sequence_parallel(&self, axis: Option<usize>) {
+        *self.sequence_parallel.lock().unwrap() = axis;
+    }
+
+    /// The sequence-parallel axis, if any.
+    pub fn sequence_parallel(&self) -> Option<usize> {
+        *self.sequence_parallel.lock().unwrap()
     }
 
     /// The precision policy: matmuls and linear layers (forward and backward) compute in `dtype`

@@ -359,3 +359,111 @@ fn split_layers_hold_one_tp_th_of_their_bytes() {
         }
     }
 }
+
+/// Megatron sequence parallelism on our GPT (tp = 2): the same loss and gradients as tensor
+/// parallelism alone; the residual stream, LayerNorms and dropout hold half the sequence, so
+/// fewer bytes are kept for backward; the activation all-reduces become reduce-scatters +
+/// all-gathers (counted); no fallback.
+#[test]
+fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
+    use burn::module::{ModuleVisitor, Param};
+    use burn::prelude::*;
+    use wildfire::models::gpt::GptConfig;
+    use wildfire::models::parallelize::{ParallelConfig, parallelize_gpt};
+    struct Grads<'g>(&'g GradientsParams, Vec<Vec<f32>>);
+    impl ModuleVisitor<Dist> for Grads<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Dist, D>>) {
+            let g = self.0.get::<Distributed<Flex>, D>(param.id).unwrap();
+            self.1.push(g.into_data().to_vec::<f32>().unwrap());
+        }
+    }
+    let mesh = DeviceMesh::new([("dp", 1), ("tp", 2)]).unwrap();
+    let run = |sp: bool| {
+        launch_ranks::<Flex, _, _>(
+            &mesh,
+            &Default::default(),
+            &LaunchOptions::default(),
+            |device| {
+                let c = GptConfig {
+                    vocab_size: 64,
+                    block_size: 16,
+                    n_layer: LAYERS,
+                    n_head: 2,
+                    n_embd: 32,
+                    init_seed: 7,
+                    dropout: 0.0,
+                };
+                let m = parallelize_gpt(
+                    c.init::<Dist>(&device).unwrap(),
+                    &mesh,
+                    &ParallelConfig {
+                        tp: 2,
+                        sp,
+                        ..ParallelConfig::default()
+                    },
+                )
+                .unwrap();
+                let ctx = device.context().clone();
+                ctx.reset_counters();
+                let x = Tensor::<Dist, 2, Int>::from_data(
+                    TensorData::new((0..32).map(|i| (i * 5) % 64).collect::<Vec<i64>>(), [2, 16]),
+                    &device,
+                );
+                let y = Tensor::<Dist, 2, Int>::from_data(
+                    TensorData::new(
+                        (0..32).map(|i| (i * 5 + 1) % 64).collect::<Vec<i64>>(),
+                        [2, 16],
+                    ),
+                    &device,
+                );
+                let before = ctx.live_bytes();
+                let loss = m.loss(x, y);
+                let kept = ctx.live_bytes() - before;
+                let stats = ctx.comm().stats();
+                let count = |s: &wildfire::parallel::CommStats| {
+                    [
+                        s.count(CollectiveKind::AllReduce),
+                        s.count(CollectiveKind::AllGather),
+                        s.count(CollectiveKind::ReduceScatter),
+                    ]
+                };
+                let forward = count(&stats);
+                let grads = loss.clone().backward();
+                let total = count(&ctx.comm().stats());
+                let fallbacks = ctx.counters().fallback_total();
+                let value = loss.into_scalar();
+                let mut grads = GradientsParams::from_grads(grads, &m);
+                sync_gradients(&m, &mut grads).unwrap();
+                let mut g = Grads(&grads, Vec::new());
+                m.visit(&mut g);
+                (value, g.1, kept, forward, total, fallbacks)
+            },
+        )
+        .unwrap()
+    };
+    let tp = run(false);
+    let sp = run(true);
+    for (t, s) in tp.iter().zip(&sp) {
+        assert!(
+            (t.0 - s.0).abs() <= 1e-5 * t.0.abs(),
+            "loss {} vs {}",
+            s.0,
+            t.0
+        );
+        for (i, (a, b)) in s.1.iter().zip(&t.1).enumerate() {
+            close(&format!("gradient {i}"), a, b);
+        }
+        assert!(s.2 < t.2, "kept for backward: sp {} vs tp {}", s.2, t.2);
+        assert_eq!(s.5, 0, "fallbacks");
+        // Forward. tp: per block 2 all-reduces, + embedding, + loss-parallel max and sum.
+        assert_eq!(t.3, [2 * LAYERS as u64 + 3, 0, 0]);
+        // sp: per block the 2 all-reduces become 2 reduce-scatters (after the row-parallel
+        // layers) + 2 all-gathers (before the column-parallel ones); the embedding's reduction a
+        // reduce-scatter; the head's input an all-gather; loss-parallel max and sum unchanged.
+        assert_eq!(s.3, [2, 2 * LAYERS as u64 + 1, 2 * LAYERS as u64 + 1]);
+        eprintln!(
+            "collectives [all-reduce, all-gather, reduce-scatter] fwd+bwd: tp {:?}, sp {:?}; kept bytes tp {} sp {}",
+            t.4, s.4, t.2, s.2
+        );
+    }
+}

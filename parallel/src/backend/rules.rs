@@ -137,6 +137,7 @@ fn decide_elementwise(
     kind: BinaryKind,
     gl: &[usize],
     gr: &[usize],
+    sequence: Option<usize>,
 ) -> (Placement, Placement, Placement) {
     // Partial operands first.
     match (pl, pr) {
@@ -153,11 +154,17 @@ fn decide_elementwise(
         }
         _ => {}
     }
+    // Sequence parallelism: a partial sum meeting a residual add is reduce-scattered over the
+    // sequence instead of all-reduced.
+    let reduced = match sequence {
+        Some(d) if kind == BinaryKind::Add => Shard(d),
+        _ => Replicate,
+    };
     if matches!(pl, Partial(_)) {
-        pl = Replicate;
+        pl = reduced;
     }
     if matches!(pr, Partial(_)) {
-        pr = Replicate;
+        pr = reduced;
     }
     let shard_for = |d: usize, g: &[usize]| if g[d] == 1 { Replicate } else { Shard(d) };
     match (pl, pr) {
@@ -172,6 +179,22 @@ fn decide_elementwise(
     }
 }
 
+/// Sequence parallelism: `(axis, 1)` when it is on and both operands are `[b, t, …]` activations
+/// (broadcasting on the other dims: a `[1, t, d]` position embedding) whose sequence divides by
+/// the axis size.
+fn sequence_dim<B: Backend>(
+    device: &DistDevice<B>,
+    gl: &[usize],
+    gr: &[usize],
+) -> Option<(usize, usize)> {
+    let axis = device.ctx.sequence_parallel()?;
+    (gl.len() >= 3
+        && gl.len() == gr.len()
+        && gl[1] == gr[1]
+        && gl[1].is_multiple_of(device.mesh().axis_size(axis)))
+    .then_some((axis, 1))
+}
+
 /// Align the two operands of an elementwise op; returns them and the output layout.
 fn align2<B: Backend>(
     op: &'static str,
@@ -184,8 +207,17 @@ fn align2<B: Backend>(
     let mut tl = lhs.layout.clone();
     let mut tr = rhs.layout.clone();
     let mut out = lhs.layout.clone();
+    let sp = sequence_dim(&lhs.device, &gl, &gr);
     for a in 0..tl.len() {
-        let (l, r, o) = decide_elementwise(lhs.layout.get(a), rhs.layout.get(a), kind, &gl, &gr);
+        let sequence = sp.filter(|&(axis, _)| axis == a).map(|(_, d)| d);
+        let (l, r, o) = decide_elementwise(
+            lhs.layout.get(a),
+            rhs.layout.get(a),
+            kind,
+            &gl,
+            &gr,
+            sequence,
+        );
         tl.set(a, l);
         tr.set(a, r);
         out.set(a, o);
@@ -783,6 +815,8 @@ fn decide_linear(px: Placement, pw: Placement, rank: usize) -> (Placement, Place
         (Replicate, Replicate) => (px, pw, Replicate),
         (Shard(i), Replicate) if i < last => (px, pw, Shard(i)),
         (Replicate, Shard(1)) => (px, pw, Shard(last)),
+        // Sequence-parallel input to a column-parallel layer: all-gather the input only.
+        (Shard(i), Shard(1)) if i < last => (Replicate, pw, Shard(last)),
         (Shard(i), Shard(0)) if i == last => (px, pw, Partial(ReduceOp::Sum)),
         (Shard(i), Replicate) if i == last => (px, Shard(0), Partial(ReduceOp::Sum)),
         (Replicate, Shard(0)) => (Shard(last), pw, Partial(ReduceOp::Sum)),
@@ -876,6 +910,9 @@ fn decide_linear_x_backward(
         (Replicate, Shard(i)) if i == last => (Shard(1), pg, Partial(ReduceOp::Sum)),
         // Row-parallel backward: the input gradient comes out sharded like the input.
         (Shard(0), Replicate) => (pw, pg, Shard(last)),
+        // Sequence parallelism: the row-parallel layer's output gradient arrives sharded over the
+        // sequence; all-gather it (the conjugate of the forward reduce-scatter).
+        (Shard(0), Shard(i)) if i < last => (pw, Replicate, Shard(last)),
         (Replicate, Shard(i)) if i < last => (pw, pg, Shard(i)),
         (Replicate, Partial(_)) if pg.is_linear_partial() => (pw, pg, pg),
         _ => {
@@ -924,9 +961,14 @@ pub(crate) fn linear_x_backward<B: Backend>(
     // with the LayerNorm parameters' gradients born partial too.
     let grad = wrap(local, out.clone(), g.device);
     let mut reduced = out;
+    let sp = sequence_dim(&grad.device, &dims(&grad), &dims(&grad));
     for a in 0..reduced.len() {
         if matches!(reduced.get(a), Partial(_)) && !is_data(grad.device.mesh(), a) {
-            reduced.set(a, Replicate);
+            // Sequence parallelism: reduce-scatter over the sequence instead.
+            match sp {
+                Some((axis, d)) if axis == a => reduced.set(a, Shard(d)),
+                _ => reduced.set(a, Replicate),
+            }
         }
     }
     to_layout(OP, grad, &reduced)
@@ -970,6 +1012,10 @@ fn decide_linear_weight_backward(
         (Replicate, Shard(i)) if i == last => (px, pg, Shard(1)),
         (Shard(i), Replicate) if i == last => (px, pg, Shard(0)),
         (Shard(i), Shard(j)) if i == j && i < last => (px, pg, Partial(ReduceOp::Sum)),
+        // Sequence parallelism: a column-parallel layer's saved input is sequence-sharded (gather
+        // it); a row-parallel layer's output gradient is (gather that).
+        (Shard(i), Shard(j)) if i < last && j == last => (Replicate, pg, Shard(1)),
+        (Shard(i), Shard(j)) if i == last && j < last => (px, Replicate, Shard(0)),
         (Shard(i), Replicate) if i < last => (px, Shard(i), Partial(ReduceOp::Sum)),
         (Replicate, Shard(i)) if i < last => (Shard(i), pg, Partial(ReduceOp::Sum)),
         (Replicate, Partial(_)) if pg.is_linear_partial() => (px, pg, pg),
