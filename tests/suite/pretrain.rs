@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;
-use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
+use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, Recompute};
 use wildfire::pretrain::{PretrainConfig, PretrainError, run};
 
 /// A CI-sized model on the embedded corpus.
@@ -112,27 +112,51 @@ fn data_parallel_matches_one_rank() {
     }
 }
 
-/// `--fsdp zero1 | grad-op | full` on 2 ranks, `--fsdp hybrid` on 4 (2 × 2), `--tp 2` and
-/// `--dp 2 --tp 2 --fsdp full` follow the `--dp 1` run step by step, with less parameter and
-/// optimizer memory per rank.
+/// `--fsdp zero1 | grad-op | full` on 2 ranks (full also with `--recompute full`), `--fsdp hybrid`
+/// on 4 (2 × 2), `--tp 2`, `--dp 2 --tp 2 --fsdp full` and the same with `--sp --recompute
+/// selective` follow the `--dp 1` run step by step, with less parameter and optimizer memory per
+/// rank.
 #[test]
 fn sharded_runs_match_one_rank() {
     let one = run(&small(10)).unwrap();
     let full_bytes = one.steps[0].param_bytes;
-    for (fsdp, dp, dp_shard, tp) in [
-        (FsdpStrategy::ShardOptimizer, 2, None, 1),
-        (FsdpStrategy::ShardGradOp, 2, None, 1),
-        (FsdpStrategy::FullShard, 2, None, 1),
-        (FsdpStrategy::Hybrid, 4, Some(2), 1),
-        (FsdpStrategy::NoShard, 1, None, 2),
-        (FsdpStrategy::FullShard, 2, None, 2),
+    for (fsdp, dp, dp_shard, tp, sp, recompute) in [
+        (
+            FsdpStrategy::ShardOptimizer,
+            2,
+            None,
+            1,
+            false,
+            Recompute::None,
+        ),
+        (
+            FsdpStrategy::ShardGradOp,
+            2,
+            None,
+            1,
+            false,
+            Recompute::None,
+        ),
+        (FsdpStrategy::FullShard, 2, None, 1, false, Recompute::Full),
+        (FsdpStrategy::Hybrid, 4, Some(2), 1, false, Recompute::None),
+        (FsdpStrategy::NoShard, 1, None, 2, false, Recompute::None),
+        (FsdpStrategy::FullShard, 2, None, 2, false, Recompute::None),
+        (
+            FsdpStrategy::FullShard,
+            2,
+            None,
+            2,
+            true,
+            Recompute::Selective,
+        ),
     ] {
         let parallel = ParallelConfig {
             dp,
             fsdp,
             dp_shard,
             tp,
-            ..ParallelConfig::default()
+            sp,
+            recompute,
         };
         let many = run(&PretrainConfig {
             parallel,
@@ -304,6 +328,15 @@ fn bad_input_is_refused() {
             .contains("--tp 3 does not divide the 2 attention heads"),
         "{err}"
     );
+    let sp = PretrainConfig {
+        parallel: ParallelConfig {
+            sp: true,
+            ..ParallelConfig::default()
+        },
+        ..small(2)
+    };
+    let err = run(&sp).unwrap_err();
+    assert!(err.to_string().contains("needs --tp 2 or more"), "{err}");
     let dropout = PretrainConfig {
         dropout: 1.5,
         ..small(2)
