@@ -26,7 +26,7 @@ float_sort""".split()
 # Hand-written in rules.rs, same name and arguments.
 RULES = """float_from_data float_random float_device float_to_device float_sum float_sum_dim float_mean float_mean_dim
 float_max_dim float_min_dim float_max float_min float_reshape float_swap_dims float_permute float_slice float_slice_assign
-float_cat float_expand float_select float_gather float_matmul float_mask_fill float_mask_where linear linear_x_backward
+float_cat float_expand float_select float_gather float_scatter_add float_matmul float_mask_fill float_mask_where linear linear_x_backward
 linear_weight_backward linear_bias_backward embedding embedding_backward layer_norm int_device bool_device
 q_device tr_execute quantize max_pool1d_with_indices max_pool2d_with_indices
 max_pool1d_with_indices_backward max_pool2d_with_indices_backward deform_conv2d_backward""".split()

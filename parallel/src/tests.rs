@@ -672,3 +672,34 @@ fn compute_dtype_casts_matmuls_and_keeps_f32_outside() {
     assert_eq!(linear, reference);
     assert_ne!(mixed, exact, "bf16 compute must differ from f32 somewhere");
 }
+
+/// `scatter_add` (gather's backward) on every layout pair of target and values: equal to the full
+/// op; on the tensor-parallel axis the result stays split over the scattered dim (loss-parallel
+/// backward never holds the `[N, vocab]` gradient whole).
+#[test]
+fn scatter_add_rule_matches_full_tensors_and_stays_split() {
+    use burn::tensor::IndexingUpdateOp;
+    assert!(
+        check2(
+            "scatter_add",
+            ([4, 8], [4, 1]),
+            3,
+            op2!(2, 2, |t, v| {
+                let idx = Tensor::<B, 2, Int>::from_data([[1], [7], [0], [4]], &t.device());
+                t.scatter(1, idx, v, IndexingUpdateOp::Add)
+            }),
+        ) > 10
+    );
+    let mesh = DeviceMesh::new([("dp", 1), ("tp", 2)]).unwrap();
+    let out = launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+        let t = Tensor::<D, 2>::zeros([4, 8], &device);
+        let v = Tensor::<D, 2>::from_data(values(&[4, 1], 1), &device);
+        let idx = Tensor::<D, 2, Int>::from_data([[1], [7], [0], [4]], &device);
+        let out = t.scatter(1, idx, v, IndexingUpdateOp::Add);
+        dtensor(&out).layout().clone()
+    })
+    .unwrap();
+    for layout in out {
+        assert_eq!(layout.get(1), Placement::Shard(1), "{layout}");
+    }
+}

@@ -214,10 +214,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
         indices: IntTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let fb = Fallback::<B>::new("float_scatter_add");
-        let tensor = fb.float(tensor);
-        let value = fb.float(value);
-        fb.wrap(B::float_scatter_add(dim, tensor, indices, value))
+        rules::float_scatter_add::<B>(dim, tensor, indices, value)
     }
 
     fn float_scatter_nd(

@@ -633,6 +633,61 @@ fn localize_indices<B: Backend>(
     )
 }
 
+/// `scatter_add(dim)`, the backward of `gather`. Loss-parallel: when the target is whole and its
+/// `dim` divides over the one model axis of size > 1 (the vocabulary of log-probabilities under
+/// tensor parallelism), each rank adds only the values whose indices fall in its range into its
+/// slice, and the result stays split — the `[N, vocab]` gradient is never held whole. (The
+/// target, zeros from autodiff, is still created whole for a moment: Burn creates it before the
+/// scatter.) Otherwise the counted fallback.
+pub(crate) fn float_scatter_add<B: Backend>(
+    dim: usize,
+    tensor: DTensor<B>,
+    indices: B::IntTensorPrimitive,
+    value: DTensor<B>,
+) -> DTensor<B> {
+    let mesh = tensor.device.mesh().clone();
+    let global = dims(&tensor);
+    let model_axes: Vec<usize> = (0..mesh.axes().len())
+        .filter(|&a| !is_data(&mesh, a) && mesh.axis_size(a) > 1)
+        .collect();
+    let whole = |l: &Layout| !l.placements().iter().any(|p| matches!(p, Shard(_)));
+    let split = match model_axes[..] {
+        [a] if whole(&tensor.layout)
+            && whole(&value.layout)
+            && global[dim].is_multiple_of(mesh.axis_size(a)) =>
+        {
+            Some(a)
+        }
+        _ => None,
+    };
+    let Some(a) = split else {
+        let fb = super::fallback::Fallback::<B>::new("float_scatter_add");
+        let tensor = fb.float(tensor);
+        let value = fb.float(value);
+        return fb.wrap(B::float_scatter_add(dim, tensor, indices, value));
+    };
+    // Values: reduce partial sums; per-rank (`Local`) data stays per rank, and so does the sum.
+    let whole_value = value.layout.unsharded();
+    let value = to_layout("float_scatter_add", value, &whole_value);
+    let mut out = tensor.layout.unsharded();
+    for b in 0..out.len() {
+        if value.layout.get(b) == Local {
+            out.set(b, Local);
+        }
+    }
+    let t = to_layout(
+        "float_scatter_add",
+        tensor,
+        &out.clone().with(a, Shard(dim)),
+    );
+    let len = t.local.shape()[dim];
+    let lo = mesh.group_index(t.device.rank(), a) * len;
+    let (local_indices, outside) = localize_indices::<B>(indices, lo, len, &t.device);
+    let values = B::float_mask_fill(value.local, outside, Scalar::from(0.0f64));
+    let local = B::float_scatter_add(dim, t.local, local_indices, values);
+    wrap(local, t.layout, t.device)
+}
+
 /// The model axis of a vocabulary-parallel embedding table (`Shard(0)` on exactly one model
 /// axis, nothing else split).
 fn vocab_parallel_axis(layout: &Layout, mesh: &DeviceMesh) -> Option<usize> {
