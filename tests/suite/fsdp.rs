@@ -385,3 +385,63 @@ fn sharded_state_dict_round_trips() {
     assert!(errs[0].contains("this run has mesh dp=4"), "{}", errs[0]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// FullShard's peak during a step (the decorator's live-bytes peak on each of 4 ranks, second step
+/// so the optimizer state exists): at most the persistent shards + the activations kept by the
+/// forward + 2 × the largest layer's gathered parameters (one gathered for use, one gradient
+/// born full before its reduce-scatter).
+#[test]
+fn full_shard_peak_stays_within_two_gathered_layers() {
+    let n = 4;
+    let mesh = DeviceMesh::new([("dp", n)]).unwrap();
+    // The largest layer: a parameterised module's weight and bias, gathered.
+    let reference = model::<Plain>(&Default::default());
+    let largest_layer = {
+        let dims = param_dims(&reference);
+        let sizes: Vec<u64> = dims
+            .iter()
+            .map(|d| 4 * d.iter().product::<usize>() as u64)
+            .collect();
+        // Weights are followed by their biases in module order.
+        sizes.windows(2).map(|w| w[0] + w[1]).max().unwrap_or(0)
+    };
+    let results = launch_ranks::<Flex, _, _>(
+        &mesh,
+        &Default::default(),
+        &LaunchOptions::default(),
+        |device| {
+            let ctx = device.context().clone();
+            let mut m =
+                fully_shard(model::<Dist>(&device), &mesh, FsdpStrategy::FullShard).unwrap();
+            let mut optim = FsdpOptimizer::new(AdamWConfig::new().init());
+            let mut out = (0, 0, 0);
+            for step in 0..2 {
+                let persistent = ctx.live_bytes();
+                ctx.reset_peak_bytes();
+                let rows = device.rank() * 2..device.rank() * 2 + 2;
+                let (x, y) = task().batch(step, rows);
+                let x = Tensor::<Dist, 3>::from_data(x, &device);
+                let y = Tensor::<Dist, 1, Int>::from_data(TensorData::new(y, [2]), &device);
+                let loss = burn::nn::loss::CrossEntropyLossConfig::new()
+                    .init(&device)
+                    .forward(m.logits(x), y);
+                let activations = ctx.live_bytes() - persistent;
+                let grads = loss.backward();
+                let mut grads = GradientsParams::from_grads(grads, &m);
+                sync_gradients(&m, &mut grads).unwrap();
+                m = optim.step(1e-3, m, grads);
+                out = (persistent, activations, ctx.peak_bytes());
+            }
+            out
+        },
+    )
+    .unwrap();
+    for (rank, (persistent, activations, peak)) in results.into_iter().enumerate() {
+        let bound = persistent + activations + 2 * largest_layer;
+        eprintln!(
+            "rank {rank}: peak {peak} = persistent {persistent} + activations {activations} + {} (largest layer gathered {largest_layer}, bound {bound})",
+            peak as i64 - persistent as i64 - activations as i64
+        );
+        assert!(peak <= bound, "rank {rank}: peak {peak} > bound {bound}");
+    }
+}
