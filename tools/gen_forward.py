@@ -30,6 +30,8 @@ float_cat float_expand float_select float_gather float_scatter_add float_matmul 
 linear_weight_backward linear_bias_backward embedding embedding_backward layer_norm int_device bool_device
 q_device tr_execute quantize max_pool1d_with_indices max_pool2d_with_indices
 max_pool1d_with_indices_backward max_pool2d_with_indices_backward deform_conv2d_backward""".split()
+# Rules that take padded shards as they are.
+KEEP_PADDED = """float_to_device""".split()
 # Default methods left to the trait: their defaults are compositions of ops that have rules.
 KEEP_DEFAULT = """float_transpose""".split()
 
@@ -48,7 +50,19 @@ def emit(name, sig):
     names = [a for a, _ in args]
     rest = lambda k: "".join(f", {a}" for a in names[k:])
     if n in RULES:
-        body = f"rules::{n}::<B>({', '.join(names)})"
+        # Padded shards (data-axis splits that do not divide) are gathered before any rule but
+        # the elementwise ones; moving a tensor to a device keeps it as it is.
+        def unpad(a, t):
+            if n in KEEP_PADDED:
+                return a
+            if t == FLOAT:
+                return f"rules::unpadded::<B>({a})"
+            if t == f"Option<{FLOAT}>":
+                return f"{a}.map(rules::unpadded::<B>)"
+            if t == f"Vec<{FLOAT}>":
+                return f"{a}.into_iter().map(rules::unpadded::<B>).collect()"
+            return a
+        body = f"rules::{n}::<B>({', '.join(unpad(a, t) for a, t in args)})"
     elif n in UNARY_LINEAR or n in UNARY_NONLINEAR:
         lin = "Linear" if n in UNARY_LINEAR else "NonLinear"
         body = f'rules::unary::<B>("{n}", {names[0]}, Linearity::{lin}, |t| B::{n}(t{rest(1)}))'

@@ -408,9 +408,10 @@ impl<B: wildfire_parallel::DistributedBackend> ModuleMapper<B> for LoadLocal {
         let device = wildfire_parallel::dtensor(&tensor).device().clone();
         let local =
             Tensor::<B::Inner, D>::from_data(TensorData::new(values, local_shape), device.inner());
-        match wildfire_parallel::DTensor::from_local(
+        match wildfire_parallel::DTensor::from_local_padded(
             local.into_primitive().tensor(),
             entry.layout.clone(),
+            &entry.shape,
             &device,
         ) {
             Ok(t) => {

@@ -91,9 +91,10 @@ impl<B: Backend> DTensor<B> {
         let comm = self.device.ctx.comm();
         let data = comm.broadcast(Group::Axis(axis), Some(read::<B>(self.local)), 0)?;
         let local = B::float_from_data(data, &self.device.inner);
-        Ok(DTensor::new_unchecked(
+        Ok(DTensor::new_shaped(
             local,
             self.layout.with(axis, Placement::Replicate),
+            self.shape,
             self.device,
         ))
     }
@@ -236,7 +237,13 @@ where
         }
     }
     let before = grad.layout().clone();
-    let grad = DTensor::new_unchecked(grad.into_local(), source.clone(), param.device().clone());
+    let shape = grad.global_shape().clone();
+    let grad = DTensor::new_shaped(
+        grad.into_local(),
+        source.clone(),
+        shape,
+        param.device().clone(),
+    );
     // Model axes: the parameter's placement. Data axes: the rank's plan (the parameter's own
     // placement under DDP and FSDP; sharded gradients of replicated parameters under ZeRO-2).
     let plan = param

@@ -146,21 +146,32 @@ impl std::fmt::Display for Layout {
 
 /// The one rule for where data-parallel shards go, used both to place parameters (`fully_shard`)
 /// and to reduce gradients (the rank's gradient plan), so the two always agree: dim 0 is split
-/// over `axes` in order while it divides, nested inside the `Shard(0)`s `layout` already has on
-/// model axes (a row-parallel weight); an axis where it does not divide is left as it is.
+/// over `axes`. When no model axis splits dim 0, it is split over the axes in order while it has
+/// at least one row per shard, padded where it does not divide (see [`crate::DTensor`]); nested inside the `Shard(0)`s `layout` already has on model
+/// axes (a row-parallel weight), dim 0 is split over the axes in order while it divides, an axis
+/// where it does not being left as it is.
 pub(crate) fn shard_dim0(
     mut layout: Layout,
     shape: &[usize],
     axes: &[usize],
     mesh: &DeviceMesh,
 ) -> Layout {
+    if shape.is_empty() {
+        return layout;
+    }
     let mut parts: usize = (0..layout.len())
         .filter(|&a| mesh.axis(a).kind == AxisKind::Model && layout.get(a) == Placement::Shard(0))
         .map(|a| mesh.axis_size(a))
         .product();
+    let pad = parts == 1;
     for &a in axes {
         let size = mesh.axis_size(a);
-        if !shape.is_empty() && shape[0].is_multiple_of(parts * size) {
+        let fits = if pad {
+            shape[0] >= parts * size
+        } else {
+            shape[0].is_multiple_of(parts * size)
+        };
+        if fits {
             parts *= size;
             layout.set(a, Placement::Shard(0));
         }

@@ -10,9 +10,12 @@ use std::sync::{Arc, Mutex};
 /// A distributed tensor: this rank's local piece, its [`Layout`] over the mesh, and the global
 /// (logical) shape, which is what Burn, autodiff and the optimizers see.
 ///
-/// Shards are equal: a dimension sharded `n` ways must divide by `n`, otherwise creating or
-/// redistributing to that layout fails with [`DistError::Indivisible`] naming the shape and the
-/// sizes. (FSDP pads its flat parameter buffers instead of relying on uneven shards.)
+/// Shards are equal. A dimension split only over data axes (FSDP's parameter, gradient and
+/// optimizer-state shards) that does not divide by the shard count `P` is padded with zeros to
+/// `⌈size/P⌉·P` while split: every rank holds `⌈size/P⌉` rows, the last ones padding, and
+/// gathering trims it again — so any shape shards. A dimension split over a model axis must
+/// divide, otherwise creating or redistributing to that layout fails with
+/// [`DistError::Indivisible`] naming the shape and the sizes.
 pub struct DTensor<B: Backend> {
     pub(crate) local: B::FloatTensorPrimitive,
     pub(crate) layout: Layout,
@@ -136,12 +139,57 @@ impl<B: Backend> DTensor<B> {
         start.redistribute(layout)
     }
 
+    /// Wrap this rank's `local` piece of a tensor of global shape `global` laid out as `layout`,
+    /// where dimensions split only over data axes may be padded (see the type's docs): the
+    /// local piece must have the padded chunk's shape.
+    pub fn from_local_padded(
+        local: B::FloatTensorPrimitive,
+        layout: Layout,
+        global: &[usize],
+        device: &DistDevice<B>,
+    ) -> Result<Self, DistError> {
+        let mesh = device.mesh();
+        check_layout(&layout, global.len(), Some(global), mesh)?;
+        let expected: Vec<usize> = (0..global.len())
+            .map(|d| {
+                let parts = layout.shards_of(d, mesh);
+                global[d].div_ceil(parts)
+            })
+            .collect();
+        if local.shape().to_vec() != expected {
+            return Err(DistError::InvalidLayout {
+                shape: global.to_vec(),
+                mesh: mesh.to_string(),
+                reason: format!(
+                    "a local piece of shape {:?} is not this layout's chunk {expected:?} ({layout})",
+                    local.shape().to_vec()
+                ),
+            });
+        }
+        Ok(Self::new_shaped(
+            local,
+            layout,
+            Shape::from(global.to_vec()),
+            device.clone(),
+        ))
+    }
+
     pub(crate) fn new_unchecked(
         local: B::FloatTensorPrimitive,
         layout: Layout,
         device: DistDevice<B>,
     ) -> Self {
         let shape = Shape::from(layout.global_shape(&local.shape().to_vec(), device.mesh()));
+        Self::new_shaped(local, layout, shape, device)
+    }
+
+    /// Like `new_unchecked`, with the global shape given (a padded piece's cannot be inferred).
+    pub(crate) fn new_shaped(
+        local: B::FloatTensorPrimitive,
+        layout: Layout,
+        shape: Shape,
+        device: DistDevice<B>,
+    ) -> Self {
         // Only partial values are memoised: reducing them twice would double the traffic, while
         // a gathered shard must not outlive its use (FSDP frees it and gathers again).
         let partial = layout
@@ -173,6 +221,36 @@ impl<B: Backend> DTensor<B> {
     /// Take the local piece.
     pub fn into_local(self) -> B::FloatTensorPrimitive {
         self.local
+    }
+
+    /// Whether the local piece carries padding rows (a dimension split over data axes that does
+    /// not divide).
+    pub fn is_padded(&self) -> bool {
+        let mesh = self.device.mesh();
+        let local = self.local.shape().to_vec();
+        (0..local.len()).any(|d| local[d] * self.layout.shards_of(d, mesh) != self.shape[d])
+    }
+
+    /// The same value with every padded split gathered (a no-op without padding): for ops that
+    /// need exact local shapes.
+    pub(crate) fn unpadded(self) -> Self {
+        if !self.is_padded() {
+            return self;
+        }
+        let mesh = self.device.mesh().clone();
+        let local = self.local.shape().to_vec();
+        let mut target = self.layout.clone();
+        for (d, &rows) in local.iter().enumerate() {
+            if rows * self.layout.shards_of(d, &mesh) != self.shape[d] {
+                for a in 0..target.len() {
+                    if target.get(a) == Placement::Shard(d) {
+                        target.set(a, Placement::Replicate);
+                    }
+                }
+            }
+        }
+        self.redistribute(&target)
+            .unwrap_or_else(|e| crate::error::raise(e))
     }
 
     /// The global shape.
@@ -209,7 +287,7 @@ impl<B: Backend> DTensor<B> {
             .find(|(l, _)| l == &reduced)
             .map(|(_, t)| t.clone());
         match cached {
-            Some(local) => Self::new_unchecked(local, reduced, self.device),
+            Some(local) => Self::new_shaped(local, reduced, self.shape, self.device),
             None => self,
         }
     }
@@ -239,7 +317,12 @@ impl<B: Backend> DTensor<B> {
                 .map(|(_, t)| t.clone())
         });
         if let Some(local) = cached {
-            return Ok(Self::new_unchecked(local, target.clone(), self.device));
+            return Ok(Self::new_shaped(
+                local,
+                target.clone(),
+                self.shape,
+                self.device,
+            ));
         }
         let memo = self.memo.clone();
         let communicates = self.layout.is_distributed();
@@ -292,6 +375,11 @@ impl<B: Backend> DTensor<B> {
                     let data = comm.all_gather(Group::Axis(a), read::<B>(local), d)?;
                     local = B::float_from_data(data, &self.device.inner);
                     layout.set(a, Placement::Replicate);
+                    // The last split of a padded dim gathered: drop the padding.
+                    let size = self.shape[d];
+                    if layout.shards_of(d, &mesh) == 1 && local.shape()[d] != size {
+                        local = narrow::<B>(local, d, size);
+                    }
                 }
                 Placement::Partial(op) => {
                     // Reduce-scatter straight into the shard only if no other axis splits the
@@ -304,6 +392,8 @@ impl<B: Backend> DTensor<B> {
                     };
                     match to {
                         Placement::Shard(d) if op != ReduceOp::Max && !later_shards(d) => {
+                            let size = mesh.axis_size(a);
+                            local = pad::<B>(local, d, size, &self.device.inner);
                             let data =
                                 comm.reduce_scatter(Group::Axis(a), read::<B>(local), d, op)?;
                             local = B::float_from_data(data, &self.device.inner);
@@ -327,6 +417,11 @@ impl<B: Backend> DTensor<B> {
             let size = mesh.axis_size(a);
             match to {
                 Placement::Shard(d) => {
+                    // The first split of a dim: pad it to a multiple of all its splits.
+                    if local.shape()[d] == self.shape[d] {
+                        let parts = target.shards_of(d, &mesh);
+                        local = pad::<B>(local, d, parts, &self.device.inner);
+                    }
                     let len = local.shape().to_vec()[d] / size;
                     let mut slices: Vec<Slice> = local
                         .shape()
@@ -362,6 +457,41 @@ impl<B: Backend> DTensor<B> {
             track,
         })
     }
+}
+
+/// The first `size` entries of `local` along `dim`.
+fn narrow<B: Backend>(
+    local: B::FloatTensorPrimitive,
+    dim: usize,
+    size: usize,
+) -> B::FloatTensorPrimitive {
+    let mut slices: Vec<Slice> = local
+        .shape()
+        .to_vec()
+        .iter()
+        .map(|&s| Slice::new(0, Some(s as isize), 1))
+        .collect();
+    slices[dim] = Slice::new(0, Some(size as isize), 1);
+    B::float_slice(local, &slices)
+}
+
+/// `local` with zero rows appended along `dim` up to a multiple of `parts`.
+fn pad<B: Backend>(
+    local: B::FloatTensorPrimitive,
+    dim: usize,
+    parts: usize,
+    device: &B::Device,
+) -> B::FloatTensorPrimitive {
+    let mut shape = local.shape().to_vec();
+    let size = shape[dim];
+    let padded = size.div_ceil(parts) * parts;
+    if padded == size {
+        return local;
+    }
+    shape[dim] = padded - size;
+    let dtype = local.dtype().into();
+    let zeros = B::float_zeros(Shape::from(shape), device, dtype);
+    B::float_cat(vec![local, zeros], dim)
 }
 
 /// Check that `layout` fits a tensor of rank `rank` on `mesh`, and, given its global shape
@@ -404,7 +534,13 @@ pub(crate) fn check_layout(
     let Some(dims) = dims else { return Ok(()) };
     for d in 0..rank {
         let shards = layout.shards_of(d, mesh);
-        if shards > 1 && dims[d] % shards != 0 {
+        // Splits over data axes only may pad; a model-axis split must divide.
+        let data_only = (0..layout.len()).all(|a| {
+            layout.get(a) != Placement::Shard(d) || mesh.axis(a).kind == crate::mesh::AxisKind::Data
+        });
+        // (Not below one row per shard: a size-1 dim is a broadcast dim.)
+        let pads = data_only && dims[d] >= shards;
+        if shards > 1 && dims[d] % shards != 0 && !pads {
             return Err(DistError::Indivisible {
                 what: format!("a tensor of shape {dims:?} as {layout}"),
                 dim: d,

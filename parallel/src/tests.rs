@@ -703,3 +703,49 @@ fn scatter_add_rule_matches_full_tensors_and_stays_split() {
         assert_eq!(layout.get(1), Placement::Shard(1), "{layout}");
     }
 }
+
+/// Dimensions that do not divide by a data axis are padded while split (FSDP's shards of any
+/// shape): every rule on every layout of a `[3, 5, 4]` tensor on the 2 × 2 mesh (3 and 5 padded
+/// on `dp`; model-axis splits of them are refused and skipped) equals the op on the full tensor.
+#[test]
+fn padded_data_shards_match_full_tensors() {
+    let s = [3, 5, 4];
+    let padded = |l: &Layout| {
+        (0..2).any(|d| l.get(0) == Placement::Shard(d)) && l.get(0) != Placement::Shard(2)
+    };
+    assert!(check1_where("exp", s, padded, op1!(3, |x| x.exp())) > 5);
+    check1_where("mul_scalar", s, padded, op1!(3, |x| x.mul_scalar(3.0)));
+    check1_where("sum", s, padded, op1!(3, |x| x.sum()));
+    check1_where("sum_dim0", s, padded, op1!(3, |x| x.sum_dim(0)));
+    check1_where("sum_dim1", s, padded, op1!(3, |x| x.sum_dim(1)));
+    check1_where("mean", s, padded, op1!(3, |x| x.mean()));
+    check1_where("max_dim1", s, padded, op1!(3, |x| x.max_dim(1)));
+    check1_where("reshape", s, padded, op1!(3, |x| x.reshape([15, 4])));
+    check1_where("swap_dims", s, padded, op1!(3, |x| x.swap_dims(0, 1)));
+    check1_where("slice", s, padded, op1!(3, |x| x.slice([1..3, 0..5, 0..2])));
+    check1_where(
+        "softmax0",
+        s,
+        padded,
+        op1!(3, |x| activation::softmax(x, 0)),
+    );
+    check1_where(
+        "sqrt_add",
+        s,
+        padded,
+        op1!(3, |x| x.clone().abs().sqrt() + x),
+    );
+    check2("add", (s, s), 2, op2!(3, 3, |a, b| a + b));
+    check2(
+        "div_broadcast",
+        (s, [1, 5, 4]),
+        2,
+        op2!(3, 3, |a, b| a / (b.abs() + 1.0)),
+    );
+    check2(
+        "matmul",
+        (s, [4, 3]),
+        3,
+        op2!(3, 2, |a, b| a.matmul(b.unsqueeze())),
+    );
+}

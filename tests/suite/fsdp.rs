@@ -169,8 +169,8 @@ fn every_strategy_matches_one_device() {
 }
 
 /// After one AdamW step: parameter, gradient and optimizer-state bytes on each rank equal the
-/// ZeRO formulas (16Ψ for DDP … 16Ψ/N for FSDP), where the only excess is the parameters whose
-/// first dimension does not divide by N (kept whole).
+/// ZeRO formulas (16Ψ for DDP … 16Ψ/N for FSDP), where the only excess is the padding of first
+/// dimensions that do not divide by N (and parameters with fewer rows than ranks, kept whole).
 #[test]
 fn memory_matches_the_zero_formulas() {
     let n = 4;
@@ -186,7 +186,12 @@ fn memory_matches_the_zero_formulas() {
         .iter()
         .map(|d| {
             let size = d.iter().product::<usize>() as u64;
-            if d[0] % n == 0 { size / n as u64 } else { size }
+            // Dim 0 split n ways, padded to a multiple of n (kept whole below one row per rank).
+            if d[0] >= n {
+                d[0].div_ceil(n) as u64 * (size / d[0] as u64)
+            } else {
+                size
+            }
         })
         .sum();
     for strategy in [
@@ -281,7 +286,9 @@ fn param_dims<B: Backend, M: Module<B>>(m: &M) -> Vec<Vec<usize>> {
 
 /// FullShard on a two-layer MLP: the collectives of one step are exactly what the plan predicts —
 /// parameters gathered per use (three uses forward, fc2's weight again for the input gradient),
-/// gradients reduce-scattered where they are born, the one unshardable bias all-reduced.
+/// gradients reduce-scattered where they are born; fc2's bias of 3 is padded to 4 on 2 ranks
+/// (gathered and reduce-scattered like the rest) and kept whole on 4 (fewer rows than ranks:
+/// all-reduced).
 #[test]
 fn full_shard_collectives_per_step_match_the_plan() {
     use wildfire::demo::Mlp;
@@ -311,25 +318,43 @@ fn full_shard_collectives_per_step_match_the_plan() {
         .unwrap();
         let f = 4u64; // bytes per f32
         let n64 = n as u64;
-        // fc1: w [4, 16], b [16]; fc2: w [16, 3], b [3] (3 does not divide: replicated).
-        let gathers = [4 * 16 / n64, 16 / n64, 16 * 3 / n64, 16 * 3 / n64];
-        let scatters = [4 * 16, 16, 16 * 3];
+        // fc1: w [4, 16], b [16]; fc2: w [16, 3], b [3] (padded to 4 on 2 ranks, whole on 4).
+        let mut gathers = vec![4 * 16 / n64, 16 / n64, 16 * 3 / n64, 16 * 3 / n64];
+        let mut scatters = vec![4 * 16, 16, 16 * 3];
+        let bias_sharded = n <= 3;
+        if bias_sharded {
+            gathers.push(3u64.div_ceil(n64));
+            scatters.push(3u64.div_ceil(n64) * n64);
+        }
         for (rank, (s, counters)) in stats.iter().enumerate() {
             let what = format!("N={n} rank {rank}\n{s}");
-            assert_eq!(s.count(CollectiveKind::AllGather), 4, "{what}");
+            assert_eq!(
+                s.count(CollectiveKind::AllGather),
+                gathers.len() as u64,
+                "{what}"
+            );
             assert_eq!(
                 s.bytes(CollectiveKind::AllGather),
                 f * gathers.iter().sum::<u64>(),
                 "{what}"
             );
-            assert_eq!(s.count(CollectiveKind::ReduceScatter), 3, "{what}");
+            assert_eq!(
+                s.count(CollectiveKind::ReduceScatter),
+                scatters.len() as u64,
+                "{what}"
+            );
             assert_eq!(
                 s.bytes(CollectiveKind::ReduceScatter),
                 f * scatters.iter().sum::<u64>(),
                 "{what}"
             );
-            assert_eq!(s.count(CollectiveKind::AllReduce), 1, "{what}");
-            assert_eq!(s.bytes(CollectiveKind::AllReduce), f * 3, "{what}");
+            let all_reduces = u64::from(!bias_sharded);
+            assert_eq!(s.count(CollectiveKind::AllReduce), all_reduces, "{what}");
+            assert_eq!(
+                s.bytes(CollectiveKind::AllReduce),
+                f * 3 * all_reduces,
+                "{what}"
+            );
             assert_eq!(s.count(CollectiveKind::Barrier), 1, "{what}");
             assert_eq!(counters.fallback_total(), 0, "{:?}", counters.fallbacks);
         }
@@ -444,4 +469,105 @@ fn full_shard_peak_stays_within_two_gathered_layers() {
         );
         assert!(peak <= bound, "rank {rank}: peak {peak} > bound {bound}");
     }
+}
+
+/// Padded shards: an MLP whose every dimension is odd (5 → 7 → 3; nothing divides by 2 or 4)
+/// trains under every sharding strategy on 2 and 4 ranks like one device (AdamW, 1e-5), with
+/// every parameter of at least N rows sharded — each rank holds ⌈rows/N⌉ rows.
+#[test]
+fn odd_shapes_shard_with_padding_and_match_one_device() {
+    use wildfire::demo::Mlp;
+    let steps = 8;
+    let batch = 8;
+    let odd_task = SyntheticTask {
+        d_input: 5,
+        ..task()
+    };
+    let reference = {
+        let device = Default::default();
+        let m = deterministic_init(Mlp::<Plain>::new(5, 7, 3, &device), 9);
+        let mut optim = AdamWConfig::new().init();
+        let (m, log) = train(
+            m,
+            &mut optim,
+            &odd_task,
+            steps,
+            0.02,
+            0..batch,
+            &device,
+            |_, _| {},
+        );
+        (log.losses, parameters(&m))
+    };
+    for n in [2usize, 4] {
+        let mesh = DeviceMesh::new([("dp", n)]).unwrap();
+        for strategy in [
+            FsdpStrategy::ShardOptimizer,
+            FsdpStrategy::ShardGradOp,
+            FsdpStrategy::FullShard,
+        ] {
+            let results = launch_ranks::<Flex, _, _>(
+                &mesh,
+                &Default::default(),
+                &LaunchOptions::default(),
+                |device| {
+                    let m = fully_shard(
+                        deterministic_init(Mlp::<Dist>::new(5, 7, 3, &device), 9),
+                        &mesh,
+                        strategy,
+                    )
+                    .unwrap();
+                    let rows = device.rank() * batch / n..(device.rank() + 1) * batch / n;
+                    let mut optim = FsdpOptimizer::new(AdamWConfig::new().init());
+                    let (m, log) = train(
+                        m,
+                        &mut optim,
+                        &odd_task,
+                        steps,
+                        0.02,
+                        rows,
+                        &device,
+                        |m, g| {
+                            sync_gradients(m, g).unwrap();
+                        },
+                    );
+                    let local_rows = param_local_rows(&m);
+                    (log.losses, parameters(&m), local_rows)
+                },
+            )
+            .unwrap();
+            for (rank, (_, params, local_rows)) in results.iter().enumerate() {
+                for (i, (p, q)) in params.iter().zip(&reference.1).enumerate() {
+                    close(&format!("{strategy:?} N={n} rank {rank} param {i}"), p, q);
+                }
+                if strategy == FsdpStrategy::FullShard {
+                    // w1 [5, 7], b1 [7], w2 [7, 3], b2 [3]: sharded when rows >= N.
+                    let expected: Vec<usize> = [5usize, 7, 7, 3]
+                        .iter()
+                        .map(|&r| if r >= n { r.div_ceil(n) } else { r })
+                        .collect();
+                    assert_eq!(local_rows, &expected, "N={n} rank {rank}");
+                }
+            }
+            let mean: Vec<f32> = (0..steps)
+                .map(|s| results.iter().map(|r| r.0[s]).sum::<f32>() / n as f32)
+                .collect();
+            close(&format!("{strategy:?} N={n} loss"), &mean, &reference.0);
+        }
+    }
+}
+
+/// Rows of each parameter's local piece.
+fn param_local_rows(m: &wildfire::demo::Mlp<Dist>) -> Vec<usize> {
+    struct Rows(Vec<usize>);
+    impl burn::module::ModuleVisitor<Dist> for Rows {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<Dist, D>>) {
+            let t = wildfire::parallel::dtensor(&param.val());
+            self.0
+                .push(burn::tensor::TensorMetadata::shape(t.local())[0]);
+        }
+    }
+    let mut r = Rows(Vec::new());
+    m.visit(&mut r);
+    r.0
 }

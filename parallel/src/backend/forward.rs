@@ -158,7 +158,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     }
 
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        rules::float_matmul::<B>(lhs, rhs)
+        rules::float_matmul::<B>(rules::unpadded::<B>(lhs), rules::unpadded::<B>(rhs))
     }
 
     fn float_cross(
@@ -183,11 +183,11 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     }
 
     fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> {
-        rules::float_swap_dims::<B>(tensor, dim1, dim2)
+        rules::float_swap_dims::<B>(rules::unpadded::<B>(tensor), dim1, dim2)
     }
 
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
-        rules::float_permute::<B>(tensor, axes)
+        rules::float_permute::<B>(rules::unpadded::<B>(tensor), axes)
     }
 
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
@@ -197,7 +197,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     }
 
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
-        rules::float_reshape::<B>(tensor, shape)
+        rules::float_reshape::<B>(rules::unpadded::<B>(tensor), shape)
     }
 
     fn float_gather(
@@ -205,7 +205,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
         tensor: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
-        rules::float_gather::<B>(dim, tensor, indices)
+        rules::float_gather::<B>(dim, rules::unpadded::<B>(tensor), indices)
     }
 
     fn float_scatter_add(
@@ -214,7 +214,12 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
         indices: IntTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        rules::float_scatter_add::<B>(dim, tensor, indices, value)
+        rules::float_scatter_add::<B>(
+            dim,
+            rules::unpadded::<B>(tensor),
+            indices,
+            rules::unpadded::<B>(value),
+        )
     }
 
     fn float_scatter_nd(
@@ -240,7 +245,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
         dim: usize,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
-        rules::float_select::<B>(tensor, dim, indices)
+        rules::float_select::<B>(rules::unpadded::<B>(tensor), dim, indices)
     }
 
     fn float_select_add(
@@ -256,7 +261,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     }
 
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
-        rules::float_slice::<B>(tensor, slices)
+        rules::float_slice::<B>(rules::unpadded::<B>(tensor), slices)
     }
 
     fn float_slice_assign(
@@ -264,7 +269,11 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
         slices: &[Slice],
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        rules::float_slice_assign::<B>(tensor, slices, value)
+        rules::float_slice_assign::<B>(
+            rules::unpadded::<B>(tensor),
+            slices,
+            rules::unpadded::<B>(value),
+        )
     }
 
     fn float_mask_where(
@@ -272,7 +281,11 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
         mask: BoolTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        rules::float_mask_where::<B>(tensor, mask, value)
+        rules::float_mask_where::<B>(
+            rules::unpadded::<B>(tensor),
+            mask,
+            rules::unpadded::<B>(value),
+        )
     }
 
     fn float_mask_fill(
@@ -280,7 +293,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
         mask: BoolTensor<Self>,
         value: Scalar,
     ) -> FloatTensor<Self> {
-        rules::float_mask_fill::<B>(tensor, mask, value)
+        rules::float_mask_fill::<B>(rules::unpadded::<B>(tensor), mask, value)
     }
 
     fn float_equal(
@@ -428,11 +441,11 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     }
 
     fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        rules::float_sum::<B>(tensor)
+        rules::float_sum::<B>(rules::unpadded::<B>(tensor))
     }
 
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        rules::float_sum_dim::<B>(tensor, dim)
+        rules::float_sum_dim::<B>(rules::unpadded::<B>(tensor), dim)
     }
 
     fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -448,11 +461,11 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     }
 
     fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        rules::float_mean::<B>(tensor)
+        rules::float_mean::<B>(rules::unpadded::<B>(tensor))
     }
 
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        rules::float_mean_dim::<B>(tensor, dim)
+        rules::float_mean_dim::<B>(rules::unpadded::<B>(tensor), dim)
     }
 
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
@@ -655,7 +668,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     }
 
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
-        rules::float_cat::<B>(tensors, dim)
+        rules::float_cat::<B>(tensors.into_iter().map(rules::unpadded::<B>).collect(), dim)
     }
 
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
@@ -688,11 +701,11 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     }
 
     fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        rules::float_max::<B>(tensor)
+        rules::float_max::<B>(rules::unpadded::<B>(tensor))
     }
 
     fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        rules::float_max_dim::<B>(tensor, dim)
+        rules::float_max_dim::<B>(rules::unpadded::<B>(tensor), dim)
     }
 
     fn float_max_dim_with_indices(
@@ -707,11 +720,11 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     }
 
     fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        rules::float_min::<B>(tensor)
+        rules::float_min::<B>(rules::unpadded::<B>(tensor))
     }
 
     fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        rules::float_min_dim::<B>(tensor, dim)
+        rules::float_min_dim::<B>(rules::unpadded::<B>(tensor), dim)
     }
 
     fn float_min_dim_with_indices(
@@ -776,7 +789,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     }
 
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
-        rules::float_expand::<B>(tensor, shape)
+        rules::float_expand::<B>(rules::unpadded::<B>(tensor), shape)
     }
 
     fn float_sort(tensor: FloatTensor<Self>, dim: usize, descending: bool) -> FloatTensor<Self> {
@@ -1598,7 +1611,7 @@ impl<B: Backend> BoolTensorOps<Self> for Distributed<B> {
 
 impl<B: Backend> ModuleOps<Self> for Distributed<B> {
     fn embedding(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
-        rules::embedding::<B>(weights, indices)
+        rules::embedding::<B>(rules::unpadded::<B>(weights), indices)
     }
 
     fn embedding_backward(
@@ -1606,7 +1619,11 @@ impl<B: Backend> ModuleOps<Self> for Distributed<B> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
-        rules::embedding_backward::<B>(weights, output_grad, indices)
+        rules::embedding_backward::<B>(
+            rules::unpadded::<B>(weights),
+            rules::unpadded::<B>(output_grad),
+            indices,
+        )
     }
 
     fn linear(
@@ -1614,25 +1631,35 @@ impl<B: Backend> ModuleOps<Self> for Distributed<B> {
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        rules::linear::<B>(x, weight, bias)
+        rules::linear::<B>(
+            rules::unpadded::<B>(x),
+            rules::unpadded::<B>(weight),
+            bias.map(rules::unpadded::<B>),
+        )
     }
 
     fn linear_x_backward(
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        rules::linear_x_backward::<B>(weight, output_grad)
+        rules::linear_x_backward::<B>(
+            rules::unpadded::<B>(weight),
+            rules::unpadded::<B>(output_grad),
+        )
     }
 
     fn linear_weight_backward(
         x: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        rules::linear_weight_backward::<B>(x, output_grad)
+        rules::linear_weight_backward::<B>(
+            rules::unpadded::<B>(x),
+            rules::unpadded::<B>(output_grad),
+        )
     }
 
     fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        rules::linear_bias_backward::<B>(output_grad)
+        rules::linear_bias_backward::<B>(rules::unpadded::<B>(output_grad))
     }
 
     fn conv1d(
@@ -1763,7 +1790,15 @@ impl<B: Backend> ModuleOps<Self> for Distributed<B> {
         output_grad: FloatTensor<Self>,
         options: DeformConvOptions<2>,
     ) -> DeformConv2dBackward<Self> {
-        rules::deform_conv2d_backward::<B>(x, offset, weight, mask, bias, output_grad, options)
+        rules::deform_conv2d_backward::<B>(
+            rules::unpadded::<B>(x),
+            rules::unpadded::<B>(offset),
+            rules::unpadded::<B>(weight),
+            mask.map(rules::unpadded::<B>),
+            bias.map(rules::unpadded::<B>),
+            rules::unpadded::<B>(output_grad),
+            options,
+        )
     }
 
     fn conv3d(
@@ -2135,7 +2170,14 @@ impl<B: Backend> ModuleOps<Self> for Distributed<B> {
         dilation: usize,
         ceil_mode: bool,
     ) -> MaxPool1dWithIndices<Self> {
-        rules::max_pool1d_with_indices::<B>(x, kernel_size, stride, padding, dilation, ceil_mode)
+        rules::max_pool1d_with_indices::<B>(
+            rules::unpadded::<B>(x),
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            ceil_mode,
+        )
     }
 
     fn max_pool1d_with_indices_backward(
@@ -2149,13 +2191,13 @@ impl<B: Backend> ModuleOps<Self> for Distributed<B> {
         indices: IntTensor<Self>,
     ) -> MaxPool1dBackward<Self> {
         rules::max_pool1d_with_indices_backward::<B>(
-            x,
+            rules::unpadded::<B>(x),
             kernel_size,
             stride,
             padding,
             dilation,
             ceil_mode,
-            output_grad,
+            rules::unpadded::<B>(output_grad),
             indices,
         )
     }
@@ -2188,7 +2230,14 @@ impl<B: Backend> ModuleOps<Self> for Distributed<B> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> MaxPool2dWithIndices<Self> {
-        rules::max_pool2d_with_indices::<B>(x, kernel_size, stride, padding, dilation, ceil_mode)
+        rules::max_pool2d_with_indices::<B>(
+            rules::unpadded::<B>(x),
+            kernel_size,
+            stride,
+            padding,
+            dilation,
+            ceil_mode,
+        )
     }
 
     fn max_pool2d_with_indices_backward(
@@ -2202,13 +2251,13 @@ impl<B: Backend> ModuleOps<Self> for Distributed<B> {
         indices: IntTensor<Self>,
     ) -> MaxPool2dBackward<Self> {
         rules::max_pool2d_with_indices_backward::<B>(
-            x,
+            rules::unpadded::<B>(x),
             kernel_size,
             stride,
             padding,
             dilation,
             ceil_mode,
-            output_grad,
+            rules::unpadded::<B>(output_grad),
             indices,
         )
     }
@@ -2257,7 +2306,12 @@ impl<B: Backend> ModuleOps<Self> for Distributed<B> {
         beta: Option<FloatTensor<Self>>,
         epsilon: f64,
     ) -> FloatTensor<Self> {
-        rules::layer_norm::<B>(tensor, gamma, beta, epsilon)
+        rules::layer_norm::<B>(
+            rules::unpadded::<B>(tensor),
+            rules::unpadded::<B>(gamma),
+            beta.map(rules::unpadded::<B>),
+            epsilon,
+        )
     }
 
     fn ctc_loss(
@@ -2426,7 +2480,7 @@ impl<B: Backend> QTensorOps<Self> for Distributed<B> {
         scheme: &QuantScheme,
         qparams: QuantizationParametersPrimitive<Self>,
     ) -> QuantizedTensor<Self> {
-        rules::quantize::<B>(tensor, scheme, qparams)
+        rules::quantize::<B>(rules::unpadded::<B>(tensor), scheme, qparams)
     }
 
     fn quantize_dynamic(tensor: FloatTensor<Self>, scheme: &QuantScheme) -> QuantizedTensor<Self> {

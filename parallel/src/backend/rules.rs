@@ -127,7 +127,8 @@ pub(crate) fn unary<B: Backend>(
         linearity == Linearity::Linear && p.is_linear_partial()
     });
     let t = to_layout(op, t, &target);
-    wrap(f(t.local), t.layout, t.device)
+    // Elementwise: the shape is the input's (a padded shard's cannot be read off its piece).
+    DTensor::new_shaped(f(t.local), t.layout, t.shape, t.device)
 }
 
 /// Decide one mesh axis of a broadcasting elementwise op: (lhs target, rhs target, output).
@@ -233,7 +234,13 @@ pub(crate) fn binary<B: Backend>(
     f: impl FnOnce(B::FloatTensorPrimitive, B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
 ) -> DTensor<B> {
     let (lhs, rhs, out) = align2(op, lhs, rhs, kind);
-    wrap(f(lhs.local, rhs.local), out, lhs.device)
+    // Broadcasting: the output's shape from the operands' (padded shards cannot tell it).
+    let shape: Vec<usize> = dims(&lhs)
+        .iter()
+        .zip(dims(&rhs))
+        .map(|(&l, r)| if l == 1 { r } else { l })
+        .collect();
+    DTensor::new_shaped(f(lhs.local, rhs.local), out, Shape::from(shape), lhs.device)
 }
 
 /// An op that works along `dim` (softmax, cumsum, sort): that dim must be whole and no operand
@@ -246,7 +253,13 @@ pub(crate) fn dim_local<B: Backend>(
 ) -> DTensor<B> {
     let target = whole_dim(&t.layout, dim);
     let t = to_layout(op, t, &target);
-    wrap(f(t.local), t.layout, t.device)
+    DTensor::new_shaped(f(t.local), t.layout, t.shape, t.device)
+}
+
+/// The value with its padded splits gathered (see [`DTensor`]): every rule but the elementwise
+/// ones, which keep padded shards, takes its float inputs through this.
+pub(crate) fn unpadded<B: Backend>(t: DTensor<B>) -> DTensor<B> {
+    t.unpadded()
 }
 
 /// `layout` with `dim` unsharded and no partials.
@@ -1307,7 +1320,7 @@ pub(crate) fn float_to_device<B: Backend>(
 ) -> DTensor<B> {
     if tensor.device.mesh() == device.mesh() && tensor.device.rank() == device.rank() {
         let local = B::float_to_device(tensor.local, &device.inner);
-        return wrap(local, tensor.layout, device.clone());
+        return DTensor::new_shaped(local, tensor.layout, tensor.shape, device.clone());
     }
     let fb = Fallback::<B>::new("float_to_device");
     let local = fb.float(tensor);
