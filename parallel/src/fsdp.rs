@@ -9,8 +9,10 @@
 //! | `FullShard` (ZeRO-3) | sharded, gathered per use (forward and again in backward) | reduce-scattered | sharded | 16Ψ/N |
 //! | `Hybrid` (HSDP) | `FullShard` over `dp_shard`, replicated over `dp_replicate` | reduce-scattered / all-reduced | sharded over `dp_shard` | 16Ψ/N_shard |
 //!
-//! Shards are `Shard(0)`: a parameter whose first dimension does not divide by the shard count
-//! stays replicated (counted in the report; FSDP2 pads instead — not done here).
+//! Shards are `Shard(0)`, padded with zero rows where the first dimension does not divide by the
+//! shard count N (each rank holds ⌈rows/N⌉ rows; gathering trims the padding), as FSDP2 does, so
+//! any shape shards. A parameter with fewer rows than N stays replicated, and so does one whose
+//! first dimension a tensor-parallel split already divides unevenly for N.
 
 use crate::data_parallel::{DistributedBackend, dtensor, from_dtensor, redistribute, replicate};
 use crate::device::{DataPlan, RankContext};
