@@ -109,6 +109,9 @@ struct Args {
     /// Compute precision: f32, bf16, f16.
     #[arg(long, default_value = "f32", help_heading = "Parallelism")]
     precision: Precision,
+    /// The dtype data-parallel gradient reductions communicate in: f32, bf16 (half the bytes), f16.
+    #[arg(long, default_value = "f32", help_heading = "Parallelism")]
+    grad_reduce: Precision,
     /// Activation recomputation: none, selective, full, every-N.
     #[arg(long, default_value = "none", help_heading = "Parallelism")]
     recompute: Recompute,
@@ -224,6 +227,7 @@ fn main() -> Result<()> {
             recompute: args.recompute,
         },
         precision: args.precision,
+        grad_reduce: args.grad_reduce,
         eval_every: args.eval_every,
         eval_iters: args.eval_iters,
         save: args.save.clone(),

@@ -95,6 +95,9 @@ pub struct PretrainConfig {
     pub parallel: ParallelConfig,
     /// Compute precision.
     pub precision: Precision,
+    /// The dtype data-parallel gradient reductions communicate in (f32: the master gradients').
+    #[serde(default = "f32_precision")]
+    pub grad_reduce: Precision,
     /// Evaluate every this many steps (0: only at the end).
     pub eval_every: usize,
     /// Validation batches per evaluation.
@@ -142,6 +145,7 @@ impl Default for PretrainConfig {
             seed: 1337,
             parallel: ParallelConfig::default(),
             precision: Precision::F32,
+            grad_reduce: Precision::F32,
             eval_every: 50,
             eval_iters: 4,
             save: None,
@@ -209,6 +213,10 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> PretrainError + '_ {
         path: path.to_path_buf(),
         source,
     }
+}
+
+fn f32_precision() -> Precision {
+    Precision::F32
 }
 
 impl PretrainConfig {
@@ -640,6 +648,13 @@ impl RankRun<'_> {
             Precision::Bf16 => Some(burn::tensor::FloatDType::BF16),
             Precision::F16 => Some(burn::tensor::FloatDType::F16),
         });
+        device
+            .context()
+            .set_gradient_reduce_dtype(match config.grad_reduce {
+                Precision::F32 => None,
+                Precision::Bf16 => Some(burn::tensor::FloatDType::BF16),
+                Precision::F16 => Some(burn::tensor::FloatDType::F16),
+            });
         let scaler = (config.precision == Precision::F16).then(|| {
             resume_scaler.unwrap_or_else(|| DynamicLossScaler::new(LossScalerConfig::default()))
         });

@@ -259,7 +259,7 @@ where
     if before != target {
         syncer.report.reduced += usize::from(source.is_distributed());
     }
-    let grad = grad.redistribute(&target)?;
+    let grad = grad.reduce_gradient(&target)?;
     syncer
         .grads
         .register::<Distributed<X>, D>(id, from_dtensor::<Distributed<X>, D>(grad));

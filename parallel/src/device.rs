@@ -52,6 +52,8 @@ pub struct RankContext {
     /// Megatron sequence parallelism: the model axis whose partial sums of `[b, t, …]`
     /// activations are reduce-scattered over the sequence (dim 1) instead of all-reduced.
     sequence_parallel: Mutex<Option<usize>>,
+    /// The dtype data-parallel gradient reductions communicate in (None: the gradients' own).
+    grad_reduce_dtype: Mutex<Option<burn_backend::FloatDType>>,
 }
 
 /// The data-parallel plan of a rank: where gradients are reduce-scattered, and the strategy.
@@ -90,6 +92,7 @@ impl RankContext {
             compute_dtype: Mutex::new(None),
             rng: Mutex::new(None),
             sequence_parallel: Mutex::new(None),
+            grad_reduce_dtype: Mutex::new(None),
         })
     }
 
@@ -234,6 +237,19 @@ impl RankContext {
     /// layers all-gather their input.
     pub fn set_sequence_parallel(&self, axis: Option<usize>) {
         *self.sequence_parallel.lock().unwrap() = axis;
+    }
+
+    /// Reduce data-parallel gradients in `dtype` (e.g. bf16: half the bytes on the wire; the
+    /// in-process communicator accumulates in f32 and rounds once), casting back to the
+    /// gradients' own dtype after the collective. `None`: reduce in the gradients' dtype (f32
+    /// master gradients).
+    pub fn set_gradient_reduce_dtype(&self, dtype: Option<burn_backend::FloatDType>) {
+        *self.grad_reduce_dtype.lock().unwrap() = dtype;
+    }
+
+    /// The gradient-reduction dtype, if set.
+    pub fn gradient_reduce_dtype(&self) -> Option<burn_backend::FloatDType> {
+        *self.grad_reduce_dtype.lock().unwrap()
     }
 
     /// The sequence-parallel axis, if any.

@@ -253,6 +253,23 @@ impl<B: Backend> DTensor<B> {
             .unwrap_or_else(|e| crate::error::raise(e))
     }
 
+    /// A gradient reduction: [`redistribute`](Self::redistribute) with the collectives in the
+    /// rank's gradient-reduction dtype when one is set and differs (cast before, back after).
+    pub(crate) fn reduce_gradient(self, target: &Layout) -> Result<Self, DistError> {
+        let own = self.local.dtype();
+        let Some(dtype) = self.device.ctx.gradient_reduce_dtype() else {
+            return self.redistribute(target);
+        };
+        if DType::from(dtype) == own || !self.layout.is_distributed() {
+            return self.redistribute(target);
+        }
+        let cast = B::float_cast(self.local, dtype);
+        let low = Self::new_shaped(cast, self.layout, self.shape, self.device);
+        let out = low.redistribute(target)?;
+        let back = B::float_cast(out.local, own.into());
+        Ok(Self::new_shaped(back, out.layout, out.shape, out.device))
+    }
+
     /// The global shape.
     pub fn global_shape(&self) -> &Shape {
         &self.shape

@@ -476,3 +476,39 @@ fn mixed_precision_tracks_f32() {
         assert!(r.steps.iter().all(|s| s.loss.is_finite()));
     }
 }
+
+/// `--grad-reduce bf16` on 2 data-parallel ranks: the gradient collectives carry half the bytes
+/// (the few non-gradient ones — the loss metric, the overflow/norm check — stay f32) and the run
+/// follows the f32-reduced one closely.
+#[test]
+fn bf16_gradient_reduction_halves_the_bytes() {
+    use wildfire::pretrain::Precision;
+    let base = PretrainConfig {
+        parallel: ParallelConfig {
+            dp: 2,
+            ..ParallelConfig::default()
+        },
+        ..small(4)
+    };
+    let f32_run = run(&base).unwrap();
+    let bf16_run = run(&PretrainConfig {
+        grad_reduce: Precision::Bf16,
+        ..base
+    })
+    .unwrap();
+    for (a, b) in bf16_run.steps.iter().zip(&f32_run.steps) {
+        let (half, full) = (a.comm_bytes, b.comm_bytes);
+        assert!(
+            2 * half > full && 2 * half - full < 64,
+            "step {}: {half} bytes with bf16 reduction vs {full}",
+            a.step
+        );
+        assert!(
+            (a.loss - b.loss).abs() <= 1e-3 * b.loss,
+            "step {}: {} vs {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+}

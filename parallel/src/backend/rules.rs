@@ -1065,7 +1065,7 @@ fn reduce_data_parallel<B: Backend>(
         // Accumulating: keep the summands; `sync_gradients` reduces the sum once.
         return grad;
     }
-    grad.redistribute(&target).unwrap_or_else(|e| raise(e))
+    grad.reduce_gradient(&target).unwrap_or_else(|e| raise(e))
 }
 
 /// `grad_w [k, n] = x^T [k, ..] @ grad_out [.., n]`, one model axis.
