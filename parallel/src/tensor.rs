@@ -270,6 +270,11 @@ impl<B: Backend> DTensor<B> {
         Ok(Self::new_shaped(back, out.layout, out.shape, out.device))
     }
 
+    /// Whether `other` is a clone of this value (they share the local piece).
+    pub(crate) fn same_value(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.track._shared, &other.track._shared)
+    }
+
     /// The global shape.
     pub fn global_shape(&self) -> &Shape {
         &self.shape

@@ -307,12 +307,14 @@ fn gpt_tensor_parallel_has_megatron_collectives_and_no_fallback() {
     .unwrap();
     // Megatron's count: per block 2 all-reduces forward and 2 backward (the fused q/k/v projection
     // and the MLP's first layer); around the blocks, the vocabulary-parallel embedding's partial
-    // lookup (1), the loss-parallel cross-entropy's row max and row sum ([N, 1] each, 2) and the
-    // tied output projection's input gradient (1). No all-gather: no rank holds the full logits.
+    // lookup (1), the loss-parallel cross-entropy's row max and row sum ([N, 1] each, 2), and in
+    // backward the log-softmax's row sums ([N, 1], 1: its gradient stays split over the
+    // vocabulary) and the tied output projection's input gradient (1). No all-gather, no
+    // reduce-scatter: no rank holds the full logits or their gradient.
     for (forward, total, fallbacks, gathers) in out {
         assert_eq!(
             (forward, total, fallbacks, gathers),
-            (2 * LAYERS as u64 + 3, 4 * LAYERS as u64 + 4, 0, 0)
+            (2 * LAYERS as u64 + 3, 4 * LAYERS as u64 + 5, 0, 0)
         );
     }
 }
@@ -461,6 +463,23 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
         // layers) + 2 all-gathers (before the column-parallel ones); the embedding's reduction a
         // reduce-scatter; the head's input an all-gather; loss-parallel max and sum unchanged.
         assert_eq!(s.3, [2, 2 * LAYERS as u64 + 1, 2 * LAYERS as u64 + 1]);
+        // Backward, tp: per block 2 all-reduces (the column-parallel input gradients), + the head's
+        // input gradient, + the log-softmax backward's row sums ([N, 1]: the log-probability
+        // gradient stays split over the vocabulary).
+        let backward = |x: &(f32, Vec<Vec<f32>>, u64, [u64; 3], [u64; 3], u64)| {
+            [x.4[0] - x.3[0], x.4[1] - x.3[1], x.4[2] - x.3[2]]
+        };
+        assert_eq!(backward(t), [2 * LAYERS as u64 + 2, 0, 0]);
+        // sp: per block 2 reduce-scatters (the column-parallel input gradients) and 4 all-gathers:
+        // the row-parallel layers' output gradients (one gather shared by their input- and
+        // weight-gradient ops) and, as Megatron-LM does, the column-parallel layers' inputs again
+        // for their weight gradients (keeping them gathered would undo the memory saving); + the
+        // head's (1 all-gather, 1 reduce-scatter), + the two embedding gradients' all-gathers, +
+        // the row-sum all-reduce.
+        assert_eq!(
+            backward(s),
+            [1, 4 * LAYERS as u64 + 3, 2 * LAYERS as u64 + 1]
+        );
         eprintln!(
             "collectives [all-reduce, all-gather, reduce-scatter] fwd+bwd: tp {:?}, sp {:?}; kept bytes tp {} sp {}",
             t.4, s.4, t.2, s.2

@@ -205,6 +205,24 @@ fn align2<B: Backend>(
 ) -> (DTensor<B>, DTensor<B>, Layout) {
     let (lhs, rhs) = (lhs.settled(), rhs.settled());
     let (gl, gr) = (dims(&lhs), dims(&rhs));
+    // A partial sum about to be broadcast is reduced first, while it is small (the row sums of a
+    // softmax over a split vocabulary: `N` values, not `N × vocab`).
+    let numel = |g: &[usize]| g.iter().product::<usize>();
+    let reduce_small = |t: DTensor<B>, mine: &[usize], other: &[usize]| {
+        if numel(mine) < numel(other)
+            && t.layout
+                .placements()
+                .iter()
+                .any(|p| matches!(p, Partial(_)))
+        {
+            let target = without_partials(&t.layout, |_| false);
+            to_layout(op, t, &target)
+        } else {
+            t
+        }
+    };
+    let lhs = reduce_small(lhs, &gl, &gr);
+    let rhs = reduce_small(rhs, &gr, &gl);
     let mut tl = lhs.layout.clone();
     let mut tr = rhs.layout.clone();
     let mut out = lhs.layout.clone();
@@ -599,6 +617,14 @@ pub(crate) fn float_cat<B: Backend>(tensors: Vec<DTensor<B>>, dim: usize) -> DTe
 }
 
 pub(crate) fn float_expand<B: Backend>(tensor: DTensor<B>, shape: Shape) -> DTensor<B> {
+    // A partial sum is reduced before it is broadcast, while it is small (a softmax's row sums
+    // over a vocabulary split across ranks: `N` values, not `N × vocab`).
+    let tensor = if shape.num_elements() > tensor.shape.num_elements() {
+        let target = without_partials(&tensor.layout, |_| false);
+        to_layout("float_expand", tensor.settled(), &target)
+    } else {
+        tensor
+    };
     let offset = shape.num_dims() - tensor.shape.num_dims();
     let out = map_shards(&tensor.layout, |d| d + offset);
     let mut local = shape.to_vec().clone();
@@ -1000,6 +1026,42 @@ fn decide_linear_x_backward(
     }
 }
 
+thread_local! {
+    /// A linear layer's gathered output gradient, for the next backward op of the same layer:
+    /// Burn calls `linear_x_backward`, then `linear_weight_backward`, with clones of one gradient,
+    /// and under sequence parallelism both need it gathered — once is enough. Holds the gradient
+    /// it was gathered from (so the key stays unique) and the result; used once.
+    static GATHERED_GRAD: std::cell::RefCell<Option<(Box<dyn std::any::Any>, Box<dyn std::any::Any>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// `to_layout` for a linear layer's output gradient, sharing one gather between the layer's
+/// input- and weight-gradient ops.
+fn gradient_to_layout<B: Backend>(op: &'static str, g: DTensor<B>, target: &Layout) -> DTensor<B> {
+    let gathers = (0..target.len()).any(|a| {
+        matches!(g.layout.get(a), Shard(_))
+            && target.get(a) == Replicate
+            && !is_data(g.device.mesh(), a)
+    });
+    if !gathers {
+        return to_layout(op, g, target);
+    }
+    let cached = GATHERED_GRAD.with(|c| {
+        let (from, out) = c.borrow_mut().take()?;
+        let (from, out) = (
+            from.downcast::<DTensor<B>>().ok()?,
+            out.downcast::<DTensor<B>>().ok()?,
+        );
+        (from.same_value(&g) && &out.layout == target).then_some(*out)
+    });
+    if let Some(out) = cached {
+        return out;
+    }
+    let out = to_layout(op, g.clone(), target);
+    GATHERED_GRAD.with(|c| *c.borrow_mut() = Some((Box::new(g), Box::new(out.clone()))));
+    out
+}
+
 pub(crate) fn linear_x_backward<B: Backend>(
     weight: DTensor<B>,
     output_grad: DTensor<B>,
@@ -1019,7 +1081,7 @@ pub(crate) fn linear_x_backward<B: Backend>(
         out.set(a, o);
     }
     let weight = to_layout(OP, weight, &tw);
-    let g = to_layout(OP, output_grad, &tg);
+    let g = gradient_to_layout(OP, output_grad, &tg);
     let local = in_compute_dtype(&g.device, [weight.local, g.local], |[w, g]| {
         B::linear_x_backward(w, g)
     });
@@ -1148,7 +1210,7 @@ pub(crate) fn linear_weight_backward<B: Backend>(
             decide_linear_weight_backward(px, pg, rank)
         });
     let x = to_layout(OP, x, &tx);
-    let g = to_layout(OP, output_grad, &tg);
+    let g = gradient_to_layout(OP, output_grad, &tg);
     let grad = in_compute_dtype(&g.device, [x.local, g.local], |[x, g]| {
         B::linear_weight_backward(x, g)
     });
