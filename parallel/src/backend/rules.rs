@@ -1026,12 +1026,15 @@ fn decide_linear_x_backward(
     }
 }
 
+/// A gradient (type-erased `DTensor<B>`) and its gathered value.
+type GatheredGrad = (Box<dyn std::any::Any>, Box<dyn std::any::Any>);
+
 thread_local! {
     /// A linear layer's gathered output gradient, for the next backward op of the same layer:
     /// Burn calls `linear_x_backward`, then `linear_weight_backward`, with clones of one gradient,
     /// and under sequence parallelism both need it gathered — once is enough. Holds the gradient
     /// it was gathered from (so the key stays unique) and the result; used once.
-    static GATHERED_GRAD: std::cell::RefCell<Option<(Box<dyn std::any::Any>, Box<dyn std::any::Any>)>> =
+    static GATHERED_GRAD: std::cell::RefCell<Option<GatheredGrad>> =
         const { std::cell::RefCell::new(None) };
 }
 
