@@ -466,10 +466,14 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
         // Backward, tp: per block 2 all-reduces (the column-parallel input gradients), + the head's
         // input gradient, + the log-softmax backward's row sums ([N, 1]: the log-probability
         // gradient stays split over the vocabulary).
-        let backward = |x: &(f32, Vec<Vec<f32>>, u64, [u64; 3], [u64; 3], u64)| {
-            [x.4[0] - x.3[0], x.4[1] - x.3[1], x.4[2] - x.3[2]]
+        let backward = |forward: [u64; 3], total: [u64; 3]| {
+            [
+                total[0] - forward[0],
+                total[1] - forward[1],
+                total[2] - forward[2],
+            ]
         };
-        assert_eq!(backward(t), [2 * LAYERS as u64 + 2, 0, 0]);
+        assert_eq!(backward(t.3, t.4), [2 * LAYERS as u64 + 2, 0, 0]);
         // sp: per block 2 reduce-scatters (the column-parallel input gradients) and 4 all-gathers:
         // the row-parallel layers' output gradients (one gather shared by their input- and
         // weight-gradient ops) and, as Megatron-LM does, the column-parallel layers' inputs again
@@ -477,7 +481,7 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
         // head's (1 all-gather, 1 reduce-scatter), + the two embedding gradients' all-gathers, +
         // the row-sum all-reduce.
         assert_eq!(
-            backward(s),
+            backward(s.3, s.4),
             [1, 4 * LAYERS as u64 + 3, 2 * LAYERS as u64 + 1]
         );
         eprintln!(
