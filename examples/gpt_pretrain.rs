@@ -112,6 +112,9 @@ struct Args {
     /// The dtype data-parallel gradient reductions communicate in: f32, bf16 (half the bytes), f16.
     #[arg(long, default_value = "f32", help_heading = "Parallelism")]
     grad_reduce: Precision,
+    /// Per-rank budget on tensor bytes (the decorator's accounting): a step over it fails, naming the rank.
+    #[arg(long, help_heading = "Parallelism")]
+    memory_budget: Option<u64>,
     /// Activation recomputation: none, selective, full, every-N.
     #[arg(long, default_value = "none", help_heading = "Parallelism")]
     recompute: Recompute,
@@ -228,6 +231,7 @@ fn main() -> Result<()> {
         },
         precision: args.precision,
         grad_reduce: args.grad_reduce,
+        memory_budget: args.memory_budget,
         eval_every: args.eval_every,
         eval_iters: args.eval_iters,
         save: args.save.clone(),

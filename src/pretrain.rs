@@ -98,6 +98,10 @@ pub struct PretrainConfig {
     /// The dtype data-parallel gradient reductions communicate in (f32: the master gradients').
     #[serde(default = "f32_precision")]
     pub grad_reduce: Precision,
+    /// Per-rank budget on the bytes of live tensors (the decorator's accounting); a step that
+    /// needs more fails with a typed error naming the rank.
+    #[serde(default)]
+    pub memory_budget: Option<u64>,
     /// Evaluate every this many steps (0: only at the end).
     pub eval_every: usize,
     /// Validation batches per evaluation.
@@ -146,6 +150,7 @@ impl Default for PretrainConfig {
             parallel: ParallelConfig::default(),
             precision: Precision::F32,
             grad_reduce: Precision::F32,
+            memory_budget: None,
             eval_every: 50,
             eval_iters: 4,
             save: None,
@@ -648,6 +653,7 @@ impl RankRun<'_> {
             Precision::Bf16 => Some(burn::tensor::FloatDType::BF16),
             Precision::F16 => Some(burn::tensor::FloatDType::F16),
         });
+        device.context().set_memory_budget(config.memory_budget);
         device
             .context()
             .set_gradient_reduce_dtype(match config.grad_reduce {

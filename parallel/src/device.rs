@@ -54,6 +54,8 @@ pub struct RankContext {
     sequence_parallel: Mutex<Option<usize>>,
     /// The dtype data-parallel gradient reductions communicate in (None: the gradients' own).
     grad_reduce_dtype: Mutex<Option<burn_backend::FloatDType>>,
+    /// The live-bytes budget (0: none).
+    memory_budget: std::sync::atomic::AtomicU64,
 }
 
 /// The data-parallel plan of a rank: where gradients are reduce-scattered, and the strategy.
@@ -93,6 +95,7 @@ impl RankContext {
             rng: Mutex::new(None),
             sequence_parallel: Mutex::new(None),
             grad_reduce_dtype: Mutex::new(None),
+            memory_budget: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -184,10 +187,29 @@ impl RankContext {
     pub(crate) fn add_live_bytes(&self, bytes: i64) {
         let now = self.live_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
         self.peak_bytes.fetch_max(now, Ordering::Relaxed);
+        let budget = self.memory_budget.load(Ordering::Relaxed);
+        if bytes > 0 && budget > 0 && now as u64 > budget {
+            // Stop enforcing while this rank fails (its tensors are dropped as it unwinds).
+            self.memory_budget.store(0, Ordering::Relaxed);
+            crate::error::raise(crate::DistError::MemoryBudget {
+                rank: self.rank(),
+                bytes: now as u64,
+                budget,
+            });
+        }
     }
 
-    /// Bytes held by the local pieces of this rank's live distributed tensors (a clone counts
-    /// again, as if it owned its buffer: an upper bound while autodiff holds clones).
+    /// Enforce a per-rank budget on the bytes of live tensors (the accounting behind
+    /// [`live_bytes`](Self::live_bytes)): an op that would cross it fails the rank with
+    /// [`DistError::MemoryBudget`] (and the world with it). `None`: no budget.
+    pub fn set_memory_budget(&self, bytes: Option<u64>) {
+        self.memory_budget
+            .store(bytes.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// Bytes held by the local pieces of this rank's live distributed tensors. Clones share their
+    /// piece and count once; a view made by an op (a reshape, a slice) counts as its own piece,
+    /// so this is an upper bound where the backend shares buffers between them.
     pub fn live_bytes(&self) -> u64 {
         self.live_bytes.load(Ordering::Relaxed).max(0) as u64
     }

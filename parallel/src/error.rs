@@ -82,6 +82,19 @@ pub enum DistError {
         /// The op that noticed.
         op: &'static str,
     },
+    /// A rank's tensors outgrew its memory budget (`RankContext::set_memory_budget`).
+    #[error(
+        "rank {rank} needs {bytes} bytes of tensors, over its budget of {budget} bytes: shard more \
+         (--fsdp full), use more ranks, or recompute activations (--recompute full)"
+    )]
+    MemoryBudget {
+        /// The rank.
+        rank: usize,
+        /// Its live bytes when the budget was crossed.
+        bytes: u64,
+        /// The budget.
+        budget: u64,
+    },
     /// A gradient could not be reduced to its parameter's placement.
     #[error("parameter {param} (shape {shape:?}): {reason}")]
     UnreducedGradient {

@@ -571,3 +571,47 @@ fn param_local_rows(m: &wildfire::demo::Mlp<Dist>) -> Vec<usize> {
     m.visit(&mut r);
     r.0
 }
+
+/// A per-rank memory budget (enforced by the decorator's accounting): a model whose step needs
+/// more than the budget on one rank fails there with a typed error, and trains on 4 ranks under
+/// FullShard within the same budget, like one device.
+#[test]
+fn a_model_over_budget_on_one_rank_trains_on_four() {
+    let step = |n: usize, strategy: FsdpStrategy, budget: Option<u64>| {
+        let mesh = DeviceMesh::new([("dp", n)]).unwrap();
+        launch_ranks::<Flex, _, _>(
+            &mesh,
+            &Default::default(),
+            &LaunchOptions::default(),
+            |device| {
+                device.context().set_memory_budget(budget);
+                device.context().reset_peak_bytes();
+                let m = fully_shard(model::<Dist>(&device), &mesh, strategy).unwrap();
+                let rows = device.rank() * GLOBAL_BATCH / n..(device.rank() + 1) * GLOBAL_BATCH / n;
+                let (losses, _) = distributed(Opt::AdamW, m, rows, &device);
+                (losses, device.context().peak_bytes())
+            },
+        )
+    };
+    let one = step(1, FsdpStrategy::NoShard, None).unwrap();
+    let four = step(4, FsdpStrategy::FullShard, None).unwrap();
+    let (one_peak, four_peak) = (one[0].1, four.iter().map(|r| r.1).max().unwrap());
+    assert!(4 * four_peak < 3 * one_peak, "{four_peak} vs {one_peak}");
+    let budget = (one_peak + four_peak) / 2;
+    match step(1, FsdpStrategy::NoShard, Some(budget)) {
+        Err(wildfire::parallel::LaunchError::Dist {
+            error: wildfire::parallel::DistError::MemoryBudget { budget: b, .. },
+            ..
+        }) => assert_eq!(b, budget),
+        other => panic!("expected a memory-budget error, got {other:?}"),
+    }
+    let fits = step(4, FsdpStrategy::FullShard, Some(budget)).unwrap();
+    let (reference, _) = reference(Opt::AdamW);
+    let mean: Vec<f32> = (0..STEPS)
+        .map(|s| fits.iter().map(|r| r.0[s]).sum::<f32>() / 4.0)
+        .collect();
+    close("loss under the budget on 4 ranks", &mean, &reference);
+    eprintln!(
+        "budget {budget} bytes: one rank peaks at {one_peak}, four FullShard ranks at {four_peak}"
+    );
+}
