@@ -166,6 +166,10 @@ pub(crate) fn shard_dim0(
     let pad = parts == 1;
     for &a in axes {
         let size = mesh.axis_size(a);
+        if size == 1 {
+            // Nothing to split over a group of one.
+            continue;
+        }
         let fits = if pad {
             shape[0] >= parts * size
         } else {

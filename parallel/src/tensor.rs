@@ -382,6 +382,11 @@ impl<B: Backend> DTensor<B> {
                 to,
                 reason: reason.into(),
             };
+            if mesh.axis_size(a) == 1 && from != Placement::Local {
+                // A group of one: its member's piece is the whole value, already reduced.
+                layout.set(a, Placement::Replicate);
+                continue;
+            }
             match from {
                 Placement::Replicate => {}
                 Placement::Local => {
