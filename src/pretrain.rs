@@ -398,8 +398,11 @@ pub struct StepMetrics {
     /// Optimizer-state bytes on this rank.
     pub optim_bytes: u64,
     /// Peak bytes of this rank's live distributed tensors during the step (the decorator's
-    /// accounting; a clone held by autodiff counts again, so this is an upper bound).
+    /// accounting; clones count once, views made by ops again: an upper bound).
     pub peak_bytes: u64,
+    /// Of those, the peak of parameters gathered over data axes for use (FSDP).
+    #[serde(default)]
+    pub gathered_peak_bytes: u64,
     /// Peak resident memory of the whole process so far (VmHWM; all thread-ranks share it).
     pub process_peak_rss: u64,
     /// Bytes this rank passed to collectives during the step.
@@ -772,6 +775,7 @@ impl RankRun<'_> {
                 grad_bytes,
                 optim_bytes,
                 peak_bytes: ctx.peak_bytes(),
+                gathered_peak_bytes: ctx.peak_gathered_bytes(),
                 process_peak_rss: peak_rss(),
                 comm_bytes: device
                     .context()

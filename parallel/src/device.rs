@@ -30,6 +30,25 @@ impl OpCounters {
     }
 }
 
+/// A rank's memory by kind ([`RankContext::memory_report`]), in bytes of local pieces.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MemoryReport {
+    /// All live tensors.
+    pub live: u64,
+    /// The peak of `live` since the last reset.
+    pub peak: u64,
+    /// The model's parameters (this rank's pieces).
+    pub params: u64,
+    /// The gradients (this rank's pieces).
+    pub grads: u64,
+    /// Parameters gathered over data axes for use (FSDP), alive now.
+    pub gathered: u64,
+    /// The peak of `gathered` since the last reset.
+    pub peak_gathered: u64,
+    /// The rest: optimizer state, activations kept for backward, temporaries.
+    pub other: u64,
+}
+
 /// Everything a rank needs to run distributed ops: its rank, the mesh and a communicator.
 pub struct RankContext {
     comm: Arc<dyn Communicator>,
@@ -41,6 +60,10 @@ pub struct RankContext {
     /// Bytes of the local pieces of all live distributed tensors of this rank, and the peak.
     live_bytes: AtomicI64,
     peak_bytes: AtomicI64,
+    /// Of those, the copies of sharded values gathered over data axes (FSDP's gathered
+    /// parameters), and their peak.
+    gathered_bytes: AtomicI64,
+    peak_gathered_bytes: AtomicI64,
     /// How data-parallel gradients are reduced and parameters rest (set by `fully_shard`).
     plan: Mutex<DataPlan>,
     /// The dtype matmuls and linear layers compute in (None: the operands' own).
@@ -90,6 +113,8 @@ impl RankContext {
             no_sync: AtomicBool::new(false),
             live_bytes: AtomicI64::new(0),
             peak_bytes: AtomicI64::new(0),
+            gathered_bytes: AtomicI64::new(0),
+            peak_gathered_bytes: AtomicI64::new(0),
             plan: Mutex::new(DataPlan::default()),
             compute_dtype: Mutex::new(None),
             rng: Mutex::new(None),
@@ -223,6 +248,44 @@ impl RankContext {
     pub fn reset_peak_bytes(&self) {
         self.peak_bytes
             .store(self.live_bytes.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.peak_gathered_bytes.store(
+            self.gathered_bytes.load(Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
+    }
+
+    pub(crate) fn add_gathered_bytes(&self, bytes: i64) {
+        let now = self.gathered_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak_gathered_bytes.fetch_max(now, Ordering::Relaxed);
+    }
+
+    /// Of [`Self::live_bytes`], the copies gathered over data axes (FSDP's parameters gathered
+    /// for use, freed after it).
+    pub fn gathered_bytes(&self) -> u64 {
+        self.gathered_bytes.load(Ordering::Relaxed).max(0) as u64
+    }
+
+    /// The highest [`Self::gathered_bytes`] since the last [`Self::reset_peak_bytes`].
+    pub fn peak_gathered_bytes(&self) -> u64 {
+        self.peak_gathered_bytes.load(Ordering::Relaxed).max(0) as u64
+    }
+
+    /// This rank's memory by kind, from the accounting: `params` and `grads` as measured on the
+    /// model and its gradients (see `fsdp::parameter_bytes` / `gradient_bytes`), the gathered
+    /// parameter copies, and the rest (optimizer state, activations kept for backward,
+    /// temporaries).
+    pub fn memory_report(&self, params: u64, grads: u64) -> MemoryReport {
+        let live = self.live_bytes();
+        let gathered = self.gathered_bytes();
+        MemoryReport {
+            live,
+            peak: self.peak_bytes(),
+            params,
+            grads,
+            gathered,
+            peak_gathered: self.peak_gathered_bytes(),
+            other: live.saturating_sub(params + grads + gathered),
+        }
     }
 
     pub(crate) fn plan(&self) -> DataPlan {

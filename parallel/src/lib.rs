@@ -35,7 +35,8 @@ pub use data_parallel::{
     DistributedBackend, SyncReport, dtensor, from_dtensor, redistribute, replicate, sync_gradients,
 };
 pub use device::{
-    DistDevice, OpCounters, RankContext, RecomputeScope, current_device, set_current_device,
+    DistDevice, MemoryReport, OpCounters, RankContext, RecomputeScope, current_device,
+    set_current_device,
 };
 pub use error::DistError;
 pub use fsdp::{FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, parameter_bytes};

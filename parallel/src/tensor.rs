@@ -38,16 +38,26 @@ pub(crate) struct Tracker {
 
 struct TrackerInner {
     bytes: i64,
+    /// A parameter gathered over data axes for use (FSDP): also counted as "gathered".
+    gathered: bool,
     ctx: Arc<crate::device::RankContext>,
 }
 
 impl Tracker {
     fn new(bytes: usize, ctx: &Arc<crate::device::RankContext>) -> Self {
+        Self::with_kind(bytes, false, ctx)
+    }
+
+    fn with_kind(bytes: usize, gathered: bool, ctx: &Arc<crate::device::RankContext>) -> Self {
         let bytes = bytes as i64;
+        if gathered {
+            ctx.add_gathered_bytes(bytes);
+        }
         ctx.add_live_bytes(bytes);
         Self {
             _shared: Arc::new(TrackerInner {
                 bytes,
+                gathered,
                 ctx: ctx.clone(),
             }),
         }
@@ -56,6 +66,9 @@ impl Tracker {
 
 impl Drop for TrackerInner {
     fn drop(&mut self) {
+        if self.gathered {
+            self.ctx.add_gathered_bytes(-self.bytes);
+        }
         self.ctx.add_live_bytes(-self.bytes);
     }
 }
@@ -352,6 +365,7 @@ impl<B: Backend> DTensor<B> {
         let rank = self.device.rank();
         let mut layout = self.layout.clone();
         let mut local = self.local;
+        let mut gathered_data = false;
 
         // Which axes must come back to Replicate first.
         let mut undo = vec![false; n];
@@ -399,6 +413,7 @@ impl<B: Backend> DTensor<B> {
                     }
                 }
                 Placement::Shard(d) => {
+                    gathered_data |= mesh.axis(a).kind == crate::mesh::AxisKind::Data;
                     let data = comm.all_gather(Group::Axis(a), read::<B>(local), d)?;
                     local = B::float_from_data(data, &self.device.inner);
                     layout.set(a, Placement::Replicate);
@@ -474,7 +489,7 @@ impl<B: Backend> DTensor<B> {
         if communicates && let Some(memo) = memo {
             memo.lock().unwrap().push((layout.clone(), local.clone()));
         }
-        let track = Tracker::new(local_bytes(&local), self.device.context());
+        let track = Tracker::with_kind(local_bytes(&local), gathered_data, self.device.context());
         Ok(Self {
             local,
             layout,

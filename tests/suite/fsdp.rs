@@ -439,7 +439,7 @@ fn full_shard_peak_stays_within_two_gathered_layers() {
             let mut m =
                 fully_shard(model::<Dist>(&device), &mesh, FsdpStrategy::FullShard).unwrap();
             let mut optim = FsdpOptimizer::new(AdamWConfig::new().init());
-            let mut out = (0, 0, 0);
+            let mut out = (0, 0, 0, 0, 0);
             for step in 0..2 {
                 let persistent = ctx.live_bytes();
                 ctx.reset_peak_bytes();
@@ -455,13 +455,32 @@ fn full_shard_peak_stays_within_two_gathered_layers() {
                 let mut grads = GradientsParams::from_grads(grads, &m);
                 sync_gradients(&m, &mut grads).unwrap();
                 m = optim.step(1e-3, m, grads);
-                out = (persistent, activations, ctx.peak_bytes());
+                let report = ctx.memory_report(wildfire::parallel::parameter_bytes(&m), 0);
+                out = (
+                    persistent,
+                    activations,
+                    report.peak,
+                    report.peak_gathered,
+                    report.gathered,
+                );
             }
             out
         },
     )
     .unwrap();
-    for (rank, (persistent, activations, peak)) in results.into_iter().enumerate() {
+    for (rank, (persistent, activations, peak, peak_gathered, gathered)) in
+        results.into_iter().enumerate()
+    {
+        // Gathered parameters: never more than two layers at once, none left after the step.
+        assert!(
+            peak_gathered <= 2 * largest_layer,
+            "rank {rank}: {peak_gathered} bytes gathered at once"
+        );
+        assert!(peak_gathered > 0);
+        assert_eq!(
+            gathered, 0,
+            "rank {rank}: gathered parameters outlived the step"
+        );
         let bound = persistent + activations + 2 * largest_layer;
         eprintln!(
             "rank {rank}: peak {peak} = persistent {persistent} + activations {activations} + {} (largest layer gathered {largest_layer}, bound {bound})",
