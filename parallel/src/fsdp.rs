@@ -1,12 +1,12 @@
 //! FSDP and the ZeRO family over the data axes: `fully_shard` places the parameters and sets the
 //! rank's gradient plan; [`FsdpOptimizer`] wraps any Burn optimizer so its state is sharded.
 //!
-//! | strategy | parameters rest | gradients (reduced where born) | optimizer state | bytes (f32, AdamW) |
+//! | strategy | parameters rest | gradients | optimizer state | bytes (f32, AdamW) |
 //! |---|---|---|---|---|
-//! | `NoShard` (DDP) | replicated | all-reduced | replicated | 16Ψ |
-//! | `ShardOptimizer` (ZeRO-1) | replicated | all-reduced, sliced for the step | sharded | 8Ψ + 8Ψ/N |
-//! | `ShardGradOp` (ZeRO-2) | replicated, re-gathered after the step | reduce-scattered | sharded | 4Ψ + 12Ψ/N |
-//! | `FullShard` (ZeRO-3) | sharded, gathered per use (forward and again in backward) | reduce-scattered | sharded | 16Ψ/N |
+//! | `NoShard` (DDP) | replicated | all-reduced once after backward (`sync_gradients`) | replicated | 16Ψ |
+//! | `ShardOptimizer` (ZeRO-1) | replicated | all-reduced once after backward, sliced for the step | sharded | 8Ψ + 8Ψ/N |
+//! | `ShardGradOp` (ZeRO-2) | replicated, re-gathered after the step | reduce-scattered where born | sharded | 4Ψ + 12Ψ/N |
+//! | `FullShard` (ZeRO-3) | sharded, gathered per use (forward and again in backward) | reduce-scattered where born | sharded | 16Ψ/N |
 //! | `Hybrid` (HSDP) | `FullShard` over `dp_shard`, replicated over `dp_replicate` | reduce-scattered / all-reduced | sharded over `dp_shard` | 16Ψ/N_shard |
 //!
 //! Shards are `Shard(0)`, padded with zero rows where the first dimension does not divide by the

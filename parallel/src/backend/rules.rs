@@ -1124,10 +1124,18 @@ fn reduce_data_parallel<B: Backend>(
         layout.set(a, Partial(ReduceOp::Avg));
         target.set(a, plan.get(a));
     }
-    let no_sync = device.ctx.no_sync();
+    // Replicated gradients (DDP, ZeRO-1) are all-reduced once per step by `sync_gradients`, as
+    // PyTorch DDP's buckets do: a parameter used twice (a tied embedding) then costs one
+    // all-reduce, not one per use. Sharded ones (ZeRO-2/3) are reduce-scattered here, where they
+    // are born, so full-size gradients never pile up.
+    let replicated_plan = matches!(
+        device.ctx.plan().strategy,
+        Some(crate::fsdp::FsdpStrategy::NoShard | crate::fsdp::FsdpStrategy::ShardOptimizer)
+    );
+    let defer = device.ctx.no_sync() || replicated_plan;
     let grad = DTensor::new_unchecked(grad, layout, device);
-    if no_sync {
-        // Accumulating: keep the summands; `sync_gradients` reduces the sum once.
+    if defer {
+        // Keep the summands; `sync_gradients` reduces the sum once.
         return grad;
     }
     grad.reduce_gradient(&target).unwrap_or_else(|e| raise(e))
