@@ -20,18 +20,15 @@ use wildfire::models::gpt::Preset;
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
 use wildfire::pretrain::{PretrainConfig, run};
 
+mod common;
+
 fn main() {
-    // `cargo test --all-targets` runs this too (without `--bench`): a tiny model, N = 1 and 2.
-    let smoke = !std::env::args().any(|a| a == "--bench");
-    let args: Vec<String> = std::env::args().collect();
-    let out = args
-        .iter()
-        .position(|a| a == "--out")
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| {
-            let dir = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
-            format!("{dir}/fsdp_memory.md")
-        });
+    // A smoke run (`cargo test --all-targets`): a tiny model, N = 1 and 2.
+    let smoke = common::smoke();
+    let out = common::arg::<String>("--out").unwrap_or_else(|| {
+        let dir = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
+        format!("{dir}/fsdp_memory.md")
+    });
     let strategies = [
         ("ddp", FsdpStrategy::NoShard),
         ("zero1", FsdpStrategy::ShardOptimizer),

@@ -9,15 +9,12 @@ use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;
 use wildfire::pretrain::{PretrainConfig, run};
 
+mod common;
+
 fn main() {
-    // `cargo test --all-targets` runs this too (without `--bench`): one step then.
-    let smoke = !std::env::args().any(|a| a == "--bench");
-    let args: Vec<String> = std::env::args().collect();
-    let steps = args
-        .iter()
-        .position(|a| a == "--steps")
-        .and_then(|i| args.get(i + 1)?.parse().ok())
-        .unwrap_or(if smoke { 1 } else { 8 });
+    // A smoke run (`cargo test --all-targets`): one step.
+    let smoke = common::smoke();
+    let steps = common::arg("--steps").unwrap_or(if smoke { 1 } else { 8 });
     let config = PretrainConfig {
         preset: Preset::Small,
         tokenizer: TokenizerKind::Gpt2,

@@ -16,14 +16,7 @@ use wildfire::demo::{
 };
 use wildfire::parallel::Distributed;
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+mod common;
 
 struct Runner<B: AutodiffBackend> {
     model: Option<EncoderClassifier<B>>,
@@ -68,11 +61,19 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 fn main() {
-    // `cargo test --all-targets` runs this too (without `--bench`): a quick smoke run then.
-    let smoke = !std::env::args().any(|a| a == "--bench");
-    let rounds = if smoke { 1 } else { arg("--rounds", 15) };
-    let steps = if smoke { 1 } else { arg("--steps", 5) };
-    let batch = arg("--batch", 16);
+    // A smoke run (`cargo test --all-targets`): one round of one step.
+    let smoke = common::smoke();
+    let rounds = if smoke {
+        1
+    } else {
+        common::arg("--rounds").unwrap_or(15)
+    };
+    let steps = if smoke {
+        1
+    } else {
+        common::arg("--steps").unwrap_or(5)
+    };
+    let batch = common::arg("--batch").unwrap_or(16);
     let config = EncoderClassifierConfig::new()
         .with_d_input(16)
         .with_d_model(64)

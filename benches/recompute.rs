@@ -41,19 +41,13 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1)?.parse().ok())
-        .unwrap_or(default)
-}
+mod common;
 
 fn main() {
-    // `cargo test --all-targets` runs this too (without `--bench`): one tiny step per policy then.
-    let smoke = !std::env::args().any(|a| a == "--bench");
-    let steps = arg("--steps", if smoke { 1 } else { 4 });
-    let rounds = arg("--rounds", if smoke { 1 } else { 3 });
+    // A smoke run (`cargo test --all-targets`): one tiny step per policy.
+    let smoke = common::smoke();
+    let steps = common::arg("--steps").unwrap_or(if smoke { 1 } else { 4 });
+    let rounds = common::arg("--rounds").unwrap_or(if smoke { 1 } else { 3 });
     let policies = [
         Recompute::None,
         Recompute::Selective,

@@ -420,7 +420,7 @@ impl<B: Backend> DTensor<B> {
                     // The last split of a padded dim gathered: drop the padding.
                     let size = self.shape[d];
                     if layout.shards_of(d, &mesh) == 1 && local.shape()[d] != size {
-                        local = narrow::<B>(local, d, size);
+                        local = slice_dim::<B>(local, d, 0..size);
                     }
                 }
                 Placement::Partial(op) => {
@@ -464,19 +464,8 @@ impl<B: Backend> DTensor<B> {
                         let parts = target.shards_of(d, &mesh);
                         local = pad::<B>(local, d, parts, &self.device.inner);
                     }
-                    let len = local.shape().to_vec()[d] / size;
-                    let mut slices: Vec<Slice> = local
-                        .shape()
-                        .to_vec()
-                        .iter()
-                        .map(|&s| Slice::new(0, Some(s as isize), 1))
-                        .collect();
-                    slices[d] = Slice::new(
-                        (index * len) as isize,
-                        Some(((index + 1) * len) as isize),
-                        1,
-                    );
-                    local = B::float_slice(local, &slices);
+                    let len = local.shape()[d] / size;
+                    local = slice_dim::<B>(local, d, index * len..(index + 1) * len);
                 }
                 Placement::Partial(ReduceOp::Sum) if index != 0 => {
                     let dtype = local.dtype().into();
@@ -501,11 +490,11 @@ impl<B: Backend> DTensor<B> {
     }
 }
 
-/// The first `size` entries of `local` along `dim`.
-fn narrow<B: Backend>(
+/// The entries `range` of `local` along `dim`, every other dim whole.
+fn slice_dim<B: Backend>(
     local: B::FloatTensorPrimitive,
     dim: usize,
-    size: usize,
+    range: std::ops::Range<usize>,
 ) -> B::FloatTensorPrimitive {
     let mut slices: Vec<Slice> = local
         .shape()
@@ -513,7 +502,7 @@ fn narrow<B: Backend>(
         .iter()
         .map(|&s| Slice::new(0, Some(s as isize), 1))
         .collect();
-    slices[dim] = Slice::new(0, Some(size as isize), 1);
+    slices[dim] = Slice::new(range.start as isize, Some(range.end as isize), 1);
     B::float_slice(local, &slices)
 }
 

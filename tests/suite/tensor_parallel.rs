@@ -260,32 +260,13 @@ fn tensor_parallel_forward_has_two_all_reduces_per_block() {
 #[test]
 fn gpt_tensor_parallel_has_megatron_collectives_and_no_fallback() {
     use burn::prelude::*;
-    use wildfire::models::gpt::GptConfig;
-    use wildfire::models::parallelize::{ParallelConfig, parallelize_gpt};
     let mesh = DeviceMesh::new([("dp", 1), ("tp", 2)]).unwrap();
     let out = launch_ranks::<Flex, _, _>(
         &mesh,
         &Default::default(),
         &LaunchOptions::default(),
         |device| {
-            let c = GptConfig {
-                vocab_size: 64,
-                block_size: 16,
-                n_layer: LAYERS,
-                n_head: 2,
-                n_embd: 32,
-                init_seed: 7,
-                dropout: 0.0,
-            };
-            let m = parallelize_gpt(
-                c.init::<Dist>(&device).unwrap(),
-                &mesh,
-                &ParallelConfig {
-                    tp: 2,
-                    ..ParallelConfig::default()
-                },
-            )
-            .unwrap();
+            let m = tp_gpt(&mesh, &device, false);
             let ctx = device.context().clone();
             ctx.reset_counters();
             let x = Tensor::<Dist, 2, Int>::from_data(
@@ -370,8 +351,6 @@ fn split_layers_hold_one_tp_th_of_their_bytes() {
 fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
     use burn::module::{ModuleVisitor, Param};
     use burn::prelude::*;
-    use wildfire::models::gpt::GptConfig;
-    use wildfire::models::parallelize::{ParallelConfig, parallelize_gpt};
     struct Grads<'g>(&'g GradientsParams, Vec<Vec<f32>>);
     impl ModuleVisitor<Dist> for Grads<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Dist, D>>) {
@@ -386,25 +365,7 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
             &Default::default(),
             &LaunchOptions::default(),
             |device| {
-                let c = GptConfig {
-                    vocab_size: 64,
-                    block_size: 16,
-                    n_layer: LAYERS,
-                    n_head: 2,
-                    n_embd: 32,
-                    init_seed: 7,
-                    dropout: 0.0,
-                };
-                let m = parallelize_gpt(
-                    c.init::<Dist>(&device).unwrap(),
-                    &mesh,
-                    &ParallelConfig {
-                        tp: 2,
-                        sp,
-                        ..ParallelConfig::default()
-                    },
-                )
-                .unwrap();
+                let m = tp_gpt(&mesh, &device, sp);
                 let ctx = device.context().clone();
                 ctx.reset_counters();
                 let x = Tensor::<Dist, 2, Int>::from_data(
@@ -489,4 +450,34 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
             t.4, s.4, t.2, s.2
         );
     }
+}
+
+/// Our tiny GPT under its tensor-parallel plan on `mesh` (tp = 2), with or without sequence
+/// parallelism.
+fn tp_gpt(
+    mesh: &DeviceMesh,
+    device: &wildfire::parallel::DistDevice<Flex>,
+    sp: bool,
+) -> wildfire::models::gpt::Gpt<Dist> {
+    use wildfire::models::gpt::GptConfig;
+    use wildfire::models::parallelize::{ParallelConfig, parallelize_gpt};
+    let c = GptConfig {
+        vocab_size: 64,
+        block_size: 16,
+        n_layer: LAYERS,
+        n_head: 2,
+        n_embd: 32,
+        init_seed: 7,
+        dropout: 0.0,
+    };
+    parallelize_gpt(
+        c.init::<Dist>(device).unwrap(),
+        mesh,
+        &ParallelConfig {
+            tp: 2,
+            sp,
+            ..ParallelConfig::default()
+        },
+    )
+    .unwrap()
 }

@@ -1,0 +1,15 @@
+//! Shared by the benches. `cargo test --all-targets` runs every bench binary without `--bench`:
+//! a quick smoke run then.
+
+/// Whether this is a smoke run (no `--bench` on the command line).
+pub fn smoke() -> bool {
+    !std::env::args().any(|a| a == "--bench")
+}
+
+/// The value after `name` on the command line, parsed.
+pub fn arg<T: std::str::FromStr>(name: &str) -> Option<T> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1)?.parse().ok())
+}
