@@ -420,9 +420,8 @@ impl<'a, B: Backend> Checkpointer<'a, B> {
     }
 
     /// Block `index` of `count` in the model: `f(module, x, self)`, recomputed in backward if the
-    /// policy says so.
-    /// The backend is seeded with the block's stream first (also when not recomputed, so every
-    /// policy draws the same numbers).
+    /// policy says so. While training, the backend is seeded with the block's stream first (also
+    /// when not recomputed, so every policy draws the same numbers).
     pub fn block<M, F, const D: usize>(
         &self,
         index: usize,
@@ -437,7 +436,9 @@ impl<'a, B: Backend> Checkpointer<'a, B> {
     {
         let device = x.device();
         let seed = self.seed_of(index, SITE_BLOCK);
-        B::seed(&device, seed);
+        if self.training {
+            B::seed(&device, seed);
+        }
         if !(self.training && self.policy.recomputes_block(index, count) && B::ad_enabled(&device))
         {
             return f(module, x, self);
