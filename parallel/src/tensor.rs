@@ -267,13 +267,19 @@ impl<B: Backend> DTensor<B> {
     }
 
     /// A gradient reduction: [`redistribute`](Self::redistribute) with the collectives in the
-    /// rank's gradient-reduction dtype when one is set and differs (cast before, back after).
+    /// rank's gradient-reduction dtype when one is set and differs and there is something to
+    /// reduce (cast before, back after).
     pub(crate) fn reduce_gradient(self, target: &Layout) -> Result<Self, DistError> {
         let own = self.local.dtype();
         let Some(dtype) = self.device.ctx.gradient_reduce_dtype() else {
             return self.redistribute(target);
         };
-        if DType::from(dtype) == own || !self.layout.is_distributed() {
+        let reduces = self
+            .layout
+            .placements()
+            .iter()
+            .any(|p| matches!(p, Placement::Partial(_)));
+        if DType::from(dtype) == own || !reduces || &self.layout == target {
             return self.redistribute(target);
         }
         let cast = B::float_cast(self.local, dtype);
