@@ -180,7 +180,7 @@ fn decide_elementwise(
     }
 }
 
-/// Sequence parallelism: `(axis, 1)` when it is on and both operands are `[b, t, …]` activations
+/// Sequence parallelism: `(axis, 1)` when it is on and both operands are `[b, t, d]` activations
 /// (broadcasting on the other dims: a `[1, t, d]` position embedding) whose sequence divides by
 /// the axis size.
 fn sequence_dim<B: Backend>(
@@ -189,7 +189,7 @@ fn sequence_dim<B: Backend>(
     gr: &[usize],
 ) -> Option<(usize, usize)> {
     let axis = device.ctx.sequence_parallel()?;
-    (gl.len() >= 3
+    (gl.len() == 3
         && gl.len() == gr.len()
         && gl[1] == gr[1]
         && gl[1].is_multiple_of(device.mesh().axis_size(axis)))
