@@ -4,7 +4,7 @@
 use crate::gpt::Gpt;
 use serde::{Deserialize, Serialize};
 use wildfire_parallel::{
-    DeviceMesh, DistError, DistributedBackend, TpError, TpPlan, TpStyle, dtensor, fully_shard,
+    DeviceMesh, DistError, DistributedBackend, TpError, TpPlan, TpStyle, fully_shard,
     tensor_parallel,
 };
 
@@ -144,13 +144,14 @@ pub fn parallelize_gpt<B: DistributedBackend>(
                 config.tp, block.attn.n_head
             )));
         }
-        let tp_axis = mesh.axis_index("tp").map_err(DistError::from)?;
-        let model = tensor_parallel(model, mesh, &gpt_tp_plan())?;
-        dtensor(&model.wte.val())
-            .device()
-            .context()
-            .set_sequence_parallel(config.sp.then_some(tp_axis));
-        model
+        let plan = if config.sp {
+            gpt_tp_plan()
+                .with("blocks.*.ln_1|ln_2", TpStyle::SequenceParallel)
+                .with("ln_f", TpStyle::SequenceParallel)
+        } else {
+            gpt_tp_plan()
+        };
+        tensor_parallel(model, mesh, &plan)?
     } else {
         model
     };

@@ -31,6 +31,12 @@ pub enum TpStyle {
     /// its range (a partial sum, zeros elsewhere); used transposed as a tied output projection,
     /// the logits come out split on the vocabulary and the cross-entropy stays loss-parallel.
     VocabParallel,
+    /// Megatron sequence parallelism for the norms (and the dropout and residual stream around
+    /// them): their parameters stay whole, and the rank computes them on `1/tp` of the sequence —
+    /// partial sums meeting a residual add are reduce-scattered over the sequence instead of
+    /// all-reduced, column-parallel layers all-gather their input (see
+    /// `RankContext::set_sequence_parallel`, which a plan with this style turns on).
+    SequenceParallel,
 }
 
 /// A tensor-parallel plan: `(module path pattern, style)` pairs.
@@ -217,11 +223,14 @@ struct Apply {
     splits: Vec<Option<usize>>,
     next: usize,
     error: Option<DistError>,
+    ctx: Option<std::sync::Arc<crate::device::RankContext>>,
 }
 
 impl<B: DistributedBackend> ModuleMapper<B> for Apply {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
+        self.ctx
+            .get_or_insert_with(|| dtensor(&tensor).device().context().clone());
         let split = self.splits.get(self.next).copied().flatten();
         self.next += 1;
         let Some(dim) = split else {
@@ -264,10 +273,19 @@ pub fn tensor_parallel<B: DistributedBackend, M: Module<B>>(
         splits,
         next: 0,
         error: None,
+        ctx: None,
     };
     let module = module.map(&mut apply);
-    match apply.error {
-        Some(e) => Err(e.into()),
-        None => Ok(module),
+    if let Some(e) = apply.error {
+        return Err(e.into());
     }
+    if plan
+        .rules
+        .iter()
+        .any(|(_, s)| *s == TpStyle::SequenceParallel)
+        && let Some(ctx) = apply.ctx
+    {
+        ctx.set_sequence_parallel(Some(axis));
+    }
+    Ok(module)
 }

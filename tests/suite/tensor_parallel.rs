@@ -83,11 +83,13 @@ fn sharded(mesh: &DeviceMesh, fsdp: Option<FsdpStrategy>, sp: bool) -> Vec<RankR
         &LaunchOptions::default(),
         |device| {
             let m: EncoderClassifier<Dist> = deterministic_init(config().init(&device), 3);
-            let m = tensor_parallel(m, mesh, &plan()).unwrap();
-            let tp_axis = mesh.axis_index("tp").unwrap();
-            device
-                .context()
-                .set_sequence_parallel(sp.then_some(tp_axis));
+            // Sequence parallelism: the norms' style in the plan.
+            let plan = if sp {
+                plan().with("encoder.layers.*.norm_1|norm_2", TpStyle::SequenceParallel)
+            } else {
+                plan()
+            };
+            let m = tensor_parallel(m, mesh, &plan).unwrap();
             let m = match fsdp {
                 Some(s) => fully_shard(m, mesh, s).unwrap(),
                 None => replicate(m, mesh).unwrap(),
