@@ -942,7 +942,39 @@ impl RankRun<'_> {
     }
 }
 
-/// Draw the training (and validation) loss curves into a PNG.
+/// A 3×5 bitmap of `c` (rows top to bottom, bit 2 = left column): digits, `.`, `-` and the
+/// letters of the plot's labels; anything else is blank.
+fn glyph(c: char) -> [u8; 5] {
+    match c {
+        '0' => [0b111, 0b101, 0b101, 0b101, 0b111],
+        '1' => [0b010, 0b110, 0b010, 0b010, 0b111],
+        '2' => [0b111, 0b001, 0b111, 0b100, 0b111],
+        '3' => [0b111, 0b001, 0b111, 0b001, 0b111],
+        '4' => [0b101, 0b101, 0b111, 0b001, 0b001],
+        '5' => [0b111, 0b100, 0b111, 0b001, 0b111],
+        '6' => [0b111, 0b100, 0b111, 0b101, 0b111],
+        '7' => [0b111, 0b001, 0b010, 0b010, 0b010],
+        '8' => [0b111, 0b101, 0b111, 0b101, 0b111],
+        '9' => [0b111, 0b101, 0b111, 0b001, 0b111],
+        '.' => [0b000, 0b000, 0b000, 0b000, 0b010],
+        '-' => [0b000, 0b000, 0b111, 0b000, 0b000],
+        'a' => [0b000, 0b011, 0b101, 0b101, 0b011],
+        'e' => [0b000, 0b111, 0b111, 0b100, 0b111],
+        'i' => [0b010, 0b000, 0b010, 0b010, 0b010],
+        'l' => [0b100, 0b100, 0b100, 0b100, 0b011],
+        'n' => [0b000, 0b110, 0b101, 0b101, 0b101],
+        'o' => [0b000, 0b111, 0b101, 0b101, 0b111],
+        'p' => [0b000, 0b111, 0b101, 0b111, 0b100],
+        'r' => [0b000, 0b101, 0b110, 0b100, 0b100],
+        's' => [0b000, 0b011, 0b110, 0b011, 0b110],
+        't' => [0b010, 0b111, 0b010, 0b010, 0b011],
+        'v' => [0b000, 0b101, 0b101, 0b101, 0b010],
+        _ => [0; 5],
+    }
+}
+
+/// Draw the training (and validation) loss curves into a PNG, with the loss and step ranges on
+/// the axes and a legend.
 fn plot_losses(path: &Path, steps: &[StepMetrics]) -> Result<(), PretrainError> {
     const W: usize = 640;
     const H: usize = 400;
@@ -1008,6 +1040,32 @@ fn plot_losses(path: &Path, steps: &[StepMetrics]) -> Result<(), PretrainError> 
         .collect();
     line(&train, [31, 119, 180]);
     line(&val, [214, 39, 40]);
+    // Labels: the loss range on the y axis, the step range on the x axis, the legend.
+    let mut text = |x: usize, y: usize, s: &str, rgb: [u8; 3]| {
+        for (k, c) in s.chars().enumerate() {
+            let rows = glyph(c);
+            for (r, bits) in rows.iter().enumerate() {
+                for col in 0..3 {
+                    if bits & (0b100 >> col) != 0 {
+                        // 2× scale: each font pixel is a 2×2 block (`put` draws 2×2).
+                        put((x + k * 8 + col * 2) as f32, (y + r * 2) as f32, rgb);
+                    }
+                }
+            }
+        }
+    };
+    let black = [0, 0, 0];
+    text(2, M - 4, &format!("{hi:.2}"), black);
+    text(2, H - M - 6, &format!("{lo:.2}"), black);
+    text(2, H / 2 - 5, "loss", black);
+    text(M, H - M + 8, &format!("{}", steps[0].step), black);
+    let last = format!("{}", steps[steps.len() - 1].step);
+    text(W - M - 8 * last.len(), H - M + 8, &last, black);
+    text(W / 2 - 16, H - M + 8, "step", black);
+    text(W - M - 48, 8, "train", [31, 119, 180]);
+    if !val.is_empty() {
+        text(W - M - 48, 22, "val", [214, 39, 40]);
+    }
     let file = fs::File::create(path).map_err(io_err(path))?;
     let mut encoder = png::Encoder::new(std::io::BufWriter::new(file), W as u32, H as u32);
     encoder.set_color(png::ColorType::Rgb);
