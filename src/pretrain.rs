@@ -343,11 +343,18 @@ pub fn estimate(config: &PretrainConfig, model: &GptConfig) -> MemoryEstimate {
     };
     let b = config.batch_size / config.parallel.dp.max(1);
     // Korthikanti et al. (2022), bytes per layer at 16 bits with tensor parallelism t: all kept
-    // sbh(10 + 24/t) + 5as²b/t; selective recomputation drops the 5as²b/t attention core;
-    // full keeps the block input 2sbh (and one block's activations while it is recomputed).
-    let keep_all = s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t;
-    let keep_selective = s * b * h * (10 + 24 / t);
-    let keep_input = 2 * s * b * h;
+    // sbh(10 + 24/t) + 5as²b/t, with sequence parallelism sbh·34/t + 5as²b/t; selective
+    // recomputation drops the 5as²b/t attention core; full keeps the block input 2sbh (2sbh/t
+    // with sequence parallelism), and one block's activations while it is recomputed.
+    let sp = config.parallel.sp && t > 1;
+    let kept_linear = if sp {
+        s * b * h * 34 / t
+    } else {
+        s * b * h * (10 + 24 / t)
+    };
+    let keep_all = kept_linear + 5 * a * s * s * b / t;
+    let keep_selective = kept_linear;
+    let keep_input = if sp { 2 * s * b * h / t } else { 2 * s * b * h };
     let per_layer_16: usize = (0..l)
         .map(|i| match config.parallel.recompute {
             Recompute::None => keep_all,
