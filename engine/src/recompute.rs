@@ -165,10 +165,11 @@ fn probabilities<B: Backend>(
     k: &Tensor<B, 4>,
     spec: &AttentionSpec,
 ) -> (Tensor<B, 4>, Option<Tensor<B, 4>>) {
+    // The scale on q (t·hd values) rather than on the scores (t·s).
     let scores = q
         .clone()
-        .matmul(k.clone().swap_dims(2, 3))
-        .mul_scalar(spec.scale);
+        .mul_scalar(spec.scale)
+        .matmul(k.clone().swap_dims(2, 3));
     let dims = scores.dims();
     let scores = if spec.causal {
         // A large finite value: some backends implement mask_fill arithmetically (-inf → NaN).
@@ -217,18 +218,13 @@ fn attention_backward<B: Backend>(
         Some(keep) => datt * keep,
         None => datt,
     };
-    // Softmax backward: p ⊙ (ḡ − Σ_j ḡ_j p_j).
+    // Softmax backward: p ⊙ (ḡ − Σ_j ḡ_j p_j). Masked positions have p = 0 exactly (exp of
+    // -1e9 below the row max underflows), so their gradient is 0 with no mask pass.
     let row = (datt.clone() * att.clone()).sum_dim(3);
     let dscores = (datt - row) * att;
-    let dscores = if spec.causal {
-        let dims = dscores.dims();
-        dscores.mask_fill(causal_mask::<B>(dims, &q.device()), 0.0)
-    } else {
-        dscores
-    };
-    let dscores = dscores.mul_scalar(spec.scale);
-    let dq = dscores.clone().matmul(k);
-    let dk = dscores.swap_dims(2, 3).matmul(q);
+    // scores = (q·s)·kᵀ: the scale goes on the t·hd-sized results, not the t·s scores.
+    let dq = dscores.clone().matmul(k).mul_scalar(spec.scale);
+    let dk = dscores.swap_dims(2, 3).matmul(q).mul_scalar(spec.scale);
     [dq, dk, dv]
 }
 
