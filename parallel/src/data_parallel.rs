@@ -304,5 +304,6 @@ where
         ctx.comm().barrier(Group::World)?;
     }
     ctx.clear_gradients_pending();
+    crate::backend::rules::clear_gathered_gradient();
     Ok(syncer.report)
 }

@@ -1038,6 +1038,11 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
+/// Drop a gathered gradient no weight-gradient op took (a frozen weight), at the end of a step.
+pub(crate) fn clear_gathered_gradient() {
+    GATHERED_GRAD.with(|c| c.borrow_mut().take());
+}
+
 /// `to_layout` for a linear layer's output gradient, sharing one gather between the layer's
 /// input- and weight-gradient ops.
 fn gradient_to_layout<B: Backend>(op: &'static str, g: DTensor<B>, target: &Layout) -> DTensor<B> {
