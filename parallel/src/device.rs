@@ -72,9 +72,10 @@ pub struct RankContext {
     /// deterministically, whatever the other threads do (the inner backend's stream is often one
     /// per process).
     rng: Mutex<Option<rand::rngs::StdRng>>,
-    /// Megatron sequence parallelism: the model axis whose partial sums of `[b, t, …]`
-    /// activations are reduce-scattered over the sequence (dim 1) instead of all-reduced.
-    sequence_parallel: Mutex<Option<usize>>,
+    /// Megatron sequence parallelism: the model axis whose partial sums of `[b, t, d]`
+    /// activations are reduce-scattered over the sequence (dim 1) instead of all-reduced
+    /// (`usize::MAX`: off). Read by every elementwise op, hence an atomic.
+    sequence_parallel: std::sync::atomic::AtomicUsize,
     /// The dtype data-parallel gradient reductions communicate in (None: the gradients' own).
     grad_reduce_dtype: Mutex<Option<burn_backend::FloatDType>>,
     /// The live-bytes budget (0: none).
@@ -118,7 +119,7 @@ impl RankContext {
             plan: Mutex::new(DataPlan::default()),
             compute_dtype: Mutex::new(None),
             rng: Mutex::new(None),
-            sequence_parallel: Mutex::new(None),
+            sequence_parallel: std::sync::atomic::AtomicUsize::new(usize::MAX),
             grad_reduce_dtype: Mutex::new(None),
             memory_budget: std::sync::atomic::AtomicU64::new(0),
         })
@@ -316,12 +317,13 @@ impl RankContext {
     }
 
     /// Megatron sequence parallelism over model axis `axis` (`None`: off): where a partial sum of
-    /// a `[b, t, …]` activation meets a residual add, or a column-parallel layer's input gradient
+    /// a `[b, t, d]` activation meets a residual add, or a column-parallel layer's input gradient
     /// is reduced, it is reduce-scattered over the sequence (dim 1) instead of all-reduced, so
     /// LayerNorm, dropout and the residual stream hold `1/size` of the sequence; column-parallel
     /// layers all-gather their input.
     pub fn set_sequence_parallel(&self, axis: Option<usize>) {
-        *self.sequence_parallel.lock().unwrap() = axis;
+        self.sequence_parallel
+            .store(axis.unwrap_or(usize::MAX), Ordering::Relaxed);
     }
 
     /// Reduce data-parallel gradients in `dtype` (e.g. bf16: half the bytes on the wire; the
@@ -339,7 +341,8 @@ impl RankContext {
 
     /// The sequence-parallel axis, if any.
     pub fn sequence_parallel(&self) -> Option<usize> {
-        *self.sequence_parallel.lock().unwrap()
+        let axis = self.sequence_parallel.load(Ordering::Relaxed);
+        (axis != usize::MAX).then_some(axis)
     }
 
     /// The precision policy: matmuls and linear layers (forward and backward) compute in `dtype`

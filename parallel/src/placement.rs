@@ -115,6 +115,11 @@ impl Layout {
         self.0.iter().any(|p| p.is_distributed())
     }
 
+    /// Whether any axis holds partial values.
+    pub fn has_partial(&self) -> bool {
+        self.0.iter().any(|p| matches!(p, Placement::Partial(_)))
+    }
+
     /// The number of chunks tensor dimension `dim` is split into (product over the axes that shard it).
     pub fn shards_of(&self, dim: usize, mesh: &DeviceMesh) -> usize {
         self.0
@@ -147,9 +152,9 @@ impl std::fmt::Display for Layout {
 /// The one rule for where data-parallel shards go, used both to place parameters (`fully_shard`)
 /// and to reduce gradients (the rank's gradient plan), so the two always agree: dim 0 is split
 /// over `axes`. When no model axis splits dim 0, it is split over the axes in order while it has
-/// at least one row per shard, padded where it does not divide (see [`crate::DTensor`]); nested inside the `Shard(0)`s `layout` already has on model
-/// axes (a row-parallel weight), dim 0 is split over the axes in order while it divides, an axis
-/// where it does not being left as it is.
+/// at least one row per shard, padded where it does not divide (see [`crate::DTensor`]); nested
+/// inside the `Shard(0)`s `layout` already has on model axes (a row-parallel weight), dim 0 is
+/// split over the axes in order while it divides, an axis where it does not being left as it is.
 pub(crate) fn shard_dim0(
     mut layout: Layout,
     shape: &[usize],

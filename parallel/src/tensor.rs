@@ -5,6 +5,7 @@ use crate::device::DistDevice;
 use crate::error::DistError;
 use crate::placement::{Layout, Placement};
 use burn_backend::{Backend, DType, Shape, Slice, TensorData, TensorMetadata};
+use smallvec::SmallVec;
 use std::sync::{Arc, Mutex};
 
 /// A distributed tensor: this rank's local piece, its [`Layout`] over the mesh, and the global
@@ -205,11 +206,7 @@ impl<B: Backend> DTensor<B> {
     ) -> Self {
         // Only partial values are memoised: reducing them twice would double the traffic, while
         // a gathered shard must not outlive its use (FSDP frees it and gathers again).
-        let partial = layout
-            .placements()
-            .iter()
-            .any(|p| matches!(p, Placement::Partial(_)));
-        let memo = partial.then(MemoCell::<B>::default);
+        let memo = layout.has_partial().then(MemoCell::<B>::default);
         let track = Tracker::new(local_bytes(&local), device.context());
         Self {
             local,
@@ -239,26 +236,35 @@ impl<B: Backend> DTensor<B> {
     /// Whether the local piece carries padding rows (a dimension split over data axes that does
     /// not divide).
     pub fn is_padded(&self) -> bool {
+        !self.padded_dims().is_empty()
+    }
+
+    /// The dimensions whose local piece carries padding (none without a `Shard`: the common case
+    /// returns before looking at shapes).
+    fn padded_dims(&self) -> SmallVec<[usize; 4]> {
+        let sharded = |p: &Placement| matches!(p, Placement::Shard(_));
+        if !self.layout.placements().iter().any(sharded) {
+            return SmallVec::new();
+        }
         let mesh = self.device.mesh();
-        let local = self.local.shape().to_vec();
-        (0..local.len()).any(|d| local[d] * self.layout.shards_of(d, mesh) != self.shape[d])
+        let local = self.local.shape();
+        (0..local.num_dims())
+            .filter(|&d| local[d] * self.layout.shards_of(d, mesh) != self.shape[d])
+            .collect()
     }
 
     /// The same value with every padded split gathered (a no-op without padding): for ops that
     /// need exact local shapes.
     pub(crate) fn unpadded(self) -> Self {
-        if !self.is_padded() {
+        let padded = self.padded_dims();
+        if padded.is_empty() {
             return self;
         }
-        let mesh = self.device.mesh().clone();
-        let local = self.local.shape().to_vec();
         let mut target = self.layout.clone();
-        for (d, &rows) in local.iter().enumerate() {
-            if rows * self.layout.shards_of(d, &mesh) != self.shape[d] {
-                for a in 0..target.len() {
-                    if target.get(a) == Placement::Shard(d) {
-                        target.set(a, Placement::Replicate);
-                    }
+        for d in padded {
+            for a in 0..target.len() {
+                if target.get(a) == Placement::Shard(d) {
+                    target.set(a, Placement::Replicate);
                 }
             }
         }
@@ -274,12 +280,7 @@ impl<B: Backend> DTensor<B> {
         let Some(dtype) = self.device.ctx.gradient_reduce_dtype() else {
             return self.redistribute(target);
         };
-        let reduces = self
-            .layout
-            .placements()
-            .iter()
-            .any(|p| matches!(p, Placement::Partial(_)));
-        if DType::from(dtype) == own || !reduces || &self.layout == target {
+        if DType::from(dtype) == own || !self.layout.has_partial() || &self.layout == target {
             return self.redistribute(target);
         }
         let cast = B::float_cast(self.local, dtype);

@@ -180,6 +180,21 @@ fn decide_elementwise(
     }
 }
 
+/// A partial sum about to be broadcast to `elements` values is reduced first, while it is small
+/// (the row sums of a softmax over a split vocabulary: `N` values, not `N × vocab`).
+fn reduced_before_broadcast<B: Backend>(
+    op: &'static str,
+    t: DTensor<B>,
+    elements: usize,
+) -> DTensor<B> {
+    if elements > t.shape.num_elements() && t.layout.has_partial() {
+        let target = without_partials(&t.layout, |_| false);
+        to_layout(op, t.settled(), &target)
+    } else {
+        t
+    }
+}
+
 /// Sequence parallelism: `(axis, 1)` when it is on and both operands are `[b, t, d]` activations
 /// (broadcasting on the other dims: a `[1, t, d]` position embedding) whose sequence divides by
 /// the axis size.
@@ -205,24 +220,9 @@ fn align2<B: Backend>(
 ) -> (DTensor<B>, DTensor<B>, Layout) {
     let (lhs, rhs) = (lhs.settled(), rhs.settled());
     let (gl, gr) = (dims(&lhs), dims(&rhs));
-    // A partial sum about to be broadcast is reduced first, while it is small (the row sums of a
-    // softmax over a split vocabulary: `N` values, not `N × vocab`).
     let numel = |g: &[usize]| g.iter().product::<usize>();
-    let reduce_small = |t: DTensor<B>, mine: &[usize], other: &[usize]| {
-        if numel(mine) < numel(other)
-            && t.layout
-                .placements()
-                .iter()
-                .any(|p| matches!(p, Partial(_)))
-        {
-            let target = without_partials(&t.layout, |_| false);
-            to_layout(op, t, &target)
-        } else {
-            t
-        }
-    };
-    let lhs = reduce_small(lhs, &gl, &gr);
-    let rhs = reduce_small(rhs, &gr, &gl);
+    let lhs = reduced_before_broadcast(op, lhs, numel(&gr));
+    let rhs = reduced_before_broadcast(op, rhs, numel(&gl));
     let mut tl = lhs.layout.clone();
     let mut tr = rhs.layout.clone();
     let mut out = lhs.layout.clone();
@@ -617,14 +617,7 @@ pub(crate) fn float_cat<B: Backend>(tensors: Vec<DTensor<B>>, dim: usize) -> DTe
 }
 
 pub(crate) fn float_expand<B: Backend>(tensor: DTensor<B>, shape: Shape) -> DTensor<B> {
-    // A partial sum is reduced before it is broadcast, while it is small (a softmax's row sums
-    // over a vocabulary split across ranks: `N` values, not `N × vocab`).
-    let tensor = if shape.num_elements() > tensor.shape.num_elements() {
-        let target = without_partials(&tensor.layout, |_| false);
-        to_layout("float_expand", tensor.settled(), &target)
-    } else {
-        tensor
-    };
+    let tensor = reduced_before_broadcast("float_expand", tensor, shape.num_elements());
     let offset = shape.num_dims() - tensor.shape.num_dims();
     let out = map_shards(&tensor.layout, |d| d + offset);
     let mut local = shape.to_vec().clone();
