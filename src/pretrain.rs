@@ -34,6 +34,17 @@ pub enum Precision {
     F16,
 }
 
+impl Precision {
+    /// The reduced dtype (`None` for f32).
+    pub fn reduced_dtype(self) -> Option<burn::tensor::FloatDType> {
+        match self {
+            Precision::F32 => None,
+            Precision::Bf16 => Some(burn::tensor::FloatDType::BF16),
+            Precision::F16 => Some(burn::tensor::FloatDType::F16),
+        }
+    }
+}
+
 impl std::str::FromStr for Precision {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
@@ -457,11 +468,10 @@ pub fn run_on<B: Backend>(
     device: &B::Device,
 ) -> Result<RunSummary, PretrainError> {
     config.check()?;
-    let wanted = match config.precision {
-        Precision::F32 => None,
-        Precision::Bf16 => Some(burn::tensor::DType::BF16),
-        Precision::F16 => Some(burn::tensor::DType::F16),
-    };
+    let wanted = config
+        .precision
+        .reduced_dtype()
+        .map(burn::tensor::DType::from);
     if let Some(dtype) = wanted
         && !B::supports_dtype(device, dtype)
     {
@@ -658,19 +668,13 @@ impl RankRun<'_> {
         let rank = device.rank();
         // Precision policy: f32 master weights, matmuls in the compute dtype; f16 adds a
         // dynamic loss scale.
-        device.context().set_compute_dtype(match config.precision {
-            Precision::F32 => None,
-            Precision::Bf16 => Some(burn::tensor::FloatDType::BF16),
-            Precision::F16 => Some(burn::tensor::FloatDType::F16),
-        });
+        device
+            .context()
+            .set_compute_dtype(config.precision.reduced_dtype());
         device.context().set_memory_budget(config.memory_budget);
         device
             .context()
-            .set_gradient_reduce_dtype(match config.grad_reduce {
-                Precision::F32 => None,
-                Precision::Bf16 => Some(burn::tensor::FloatDType::BF16),
-                Precision::F16 => Some(burn::tensor::FloatDType::F16),
-            });
+            .set_gradient_reduce_dtype(config.grad_reduce.reduced_dtype());
         let scaler = (config.precision == Precision::F16).then(|| {
             resume_scaler.unwrap_or_else(|| DynamicLossScaler::new(LossScalerConfig::default()))
         });

@@ -69,9 +69,9 @@ impl TrainStep {
         self.scaler.as_ref()
     }
 
-    /// One step on `device` over `seeds.len()` micro-batches: `loss(model, i, ckpt)` is micro-batch `i`'s
-    /// mean loss, computed through `ckpt` (seeded with `seeds[i]`: vary it per step, micro-batch
-    /// and data-parallel rank). Returns the updated model and the record.
+    /// One step on `device` over `seeds.len()` micro-batches: `loss(model, i, ckpt)` is
+    /// micro-batch `i`'s mean loss, computed through `ckpt` (seeded with `seeds[i]`: vary it per
+    /// step, micro-batch and data-parallel rank). Returns the updated model and the record.
     #[allow(clippy::too_many_arguments)]
     pub fn run<X, M, O, L>(
         &mut self,
