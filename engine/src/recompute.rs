@@ -103,6 +103,16 @@ impl std::fmt::Display for Recompute {
     }
 }
 
+/// The next value of a splitmix64 stream in `[0, 1)` (53 random bits): the host-side generator
+/// behind the dropout masks and the GPT's initial weights.
+pub fn splitmix_unit(state: &mut u64) -> f64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+}
+
 /// splitmix64: the seed of one random stream.
 pub fn mix_seed(seed: u64, a: u64, b: u64) -> u64 {
     let mut z = seed
@@ -127,12 +137,11 @@ pub fn dropout_mask<B: Backend, const D: usize>(
     let mut state = seed;
     let values: Vec<f32> = (0..n)
         .map(|_| {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            let u = ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64;
-            if u < keep { scale } else { 0.0 }
+            if splitmix_unit(&mut state) < keep {
+                scale
+            } else {
+                0.0
+            }
         })
         .collect();
     Tensor::from_data(TensorData::new(values, shape), device)

@@ -221,13 +221,7 @@ impl Init {
     ) -> Tensor<B, D> {
         self.count += 1;
         let mut state = self.seed ^ self.count.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let mut next = || {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-        };
+        let mut next = || wildfire_engine::recompute::splitmix_unit(&mut state);
         let n: usize = shape.iter().product();
         let mut values = Vec::with_capacity(n);
         while values.len() < n {
