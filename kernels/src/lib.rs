@@ -1,2 +1,230 @@
-//! Wildfire's fused CubeCL kernels (softmax, norms, cross-entropy, flash attention, optimizer
-//! tail) and the `FusedOps` backend extension. Not written yet: see the kernels issue.
+//! Wildfire's fused kernels and the [`FusedOps`] backend extension.
+//!
+//! Each fused operation is one method of [`FusedOps`], a trait every backend a model trains on
+//! implements:
+//!
+//! * [`CubeBackend`](burn_cubecl::CubeBackend) (feature `cube`, on by `wgpu`/`cuda`) runs
+//!   `#[cube]` kernels written once in [`cube`] and compiled by CubeCL for CUDA, Vulkan (lavapipe
+//!   in CI), Metal, …;
+//! * `Autodiff<B>` records one graph node per fused op and wires its backward to `B`'s fused
+//!   backward kernel ([`autodiff`]);
+//! * `Distributed<B>` (in `wildfire-parallel`) applies the op to the local shards under a
+//!   placement rule;
+//! * every other backend (Flex here) takes the trait's default methods, built from Burn ops
+//!   ([`reference`]) — so models written against `FusedOps` stay portable, and the defaults are
+//!   the references the kernels are tested against.
+//!
+//! The tensor-level API is in [`ops`]: `softmax`, `log_softmax`, `layer_norm`, `rms_norm`,
+//! `cross_entropy`, `gelu_bias`, `attention`.
+//!
+//! Shapes: the row ops (softmax, norms, cross-entropy, GELU-with-bias) work on the last dimension
+//! of a tensor of any rank (the leading dimensions are flattened into rows); per-row statistics
+//! (mean, 1/σ, log-sum-exp) are 1-D tensors of one value per row. Attention takes
+//! `[batch, heads, seq, head_dim]`.
+
+pub mod autodiff;
+#[cfg(feature = "cube")]
+pub mod cube;
+pub mod ops;
+pub mod reference;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+
+/// Output of a LayerNorm forward: the normalised tensor and the per-row statistics its backward
+/// reads (one value per row, 1-D).
+#[derive(Debug, Clone)]
+pub struct LayerNormOutput<B: Backend> {
+    /// `(x − mean)·rstd·γ + β`, the shape of the input.
+    pub output: FloatTensor<B>,
+    /// Row means.
+    pub mean: FloatTensor<B>,
+    /// Row reciprocal standard deviations `1/√(var + ε)`.
+    pub rstd: FloatTensor<B>,
+}
+
+/// Output of a RMSNorm forward.
+#[derive(Debug, Clone)]
+pub struct RmsNormOutput<B: Backend> {
+    /// `x·rstd·γ`, the shape of the input.
+    pub output: FloatTensor<B>,
+    /// Row reciprocal root-mean-squares `1/√(mean(x²) + ε)`.
+    pub rstd: FloatTensor<B>,
+}
+
+/// Output of a fused cross-entropy forward.
+#[derive(Debug, Clone)]
+pub struct CrossEntropyOutput<B: Backend> {
+    /// Per-row loss `logsumexp(row) − row[target]`, 0 for ignored rows (negative target). 1-D.
+    pub loss: FloatTensor<B>,
+    /// Per-row log-sum-exp, kept for the backward (which then never needs the probabilities). 1-D.
+    pub lse: FloatTensor<B>,
+}
+
+/// Output of a flash-attention forward.
+#[derive(Debug, Clone)]
+pub struct AttentionOutput<B: Backend> {
+    /// `softmax(q·kᵀ·scale [+ causal mask])·v`, `[batch, heads, seq_q, head_dim]`.
+    pub output: FloatTensor<B>,
+    /// Per-query log-sum-exp of the scaled scores, `[batch, heads, seq_q]` — all the backward
+    /// needs to recompute the probabilities tile by tile.
+    pub lse: FloatTensor<B>,
+}
+
+/// Gradients of a LayerNorm.
+#[derive(Debug, Clone)]
+pub struct LayerNormGrads<B: Backend> {
+    /// Gradient w.r.t. the input.
+    pub x: FloatTensor<B>,
+    /// Gradient w.r.t. γ (summed over rows).
+    pub gamma: FloatTensor<B>,
+    /// Gradient w.r.t. β (summed over rows).
+    pub beta: FloatTensor<B>,
+}
+
+/// Gradients of an attention call.
+#[derive(Debug, Clone)]
+pub struct AttentionGrads<B: Backend> {
+    /// Gradient w.r.t. the queries.
+    pub q: FloatTensor<B>,
+    /// Gradient w.r.t. the keys.
+    pub k: FloatTensor<B>,
+    /// Gradient w.r.t. the values.
+    pub v: FloatTensor<B>,
+}
+
+/// Fused operations, forward and backward. Every method has a default built from Burn ops (see
+/// [`reference`]), so any backend can implement the trait with an empty `impl`; backends with
+/// kernels override them.
+pub trait FusedOps: Backend {
+    /// Softmax over the last dimension.
+    fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::softmax::<Self>(x, false)
+    }
+
+    /// Gradient of [`FusedOps::fused_softmax`] from its output `y`: `y·(dy − Σ dy·y)`.
+    fn fused_softmax_backward(y: FloatTensor<Self>, dy: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::softmax_backward::<Self>(y, dy, false)
+    }
+
+    /// Log-softmax over the last dimension.
+    fn fused_log_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::softmax::<Self>(x, true)
+    }
+
+    /// Gradient of [`FusedOps::fused_log_softmax`] from its output `y`: `dy − exp(y)·Σ dy`.
+    fn fused_log_softmax_backward(
+        y: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference::softmax_backward::<Self>(y, dy, true)
+    }
+
+    /// LayerNorm over the last dimension with affine `γ`, `β` (1-D, the last dimension's size).
+    fn fused_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> LayerNormOutput<Self> {
+        reference::layer_norm::<Self>(x, gamma, beta, epsilon)
+    }
+
+    /// Gradients of [`FusedOps::fused_layer_norm`] from the kept statistics.
+    fn fused_layer_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> LayerNormGrads<Self> {
+        reference::layer_norm_backward::<Self>(x, gamma, mean, rstd, dy)
+    }
+
+    /// RMSNorm over the last dimension with scale `γ`.
+    fn fused_rms_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> RmsNormOutput<Self> {
+        reference::rms_norm::<Self>(x, gamma, epsilon)
+    }
+
+    /// Gradients `(dx, dγ)` of [`FusedOps::fused_rms_norm`].
+    fn fused_rms_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::rms_norm_backward::<Self>(x, gamma, rstd, dy)
+    }
+
+    /// Cross-entropy of `logits` `[rows, vocab]` against integer `targets` `[rows]`, fused with
+    /// the log-softmax: per-row loss and log-sum-exp, no probability tensor. A negative target
+    /// marks an ignored row (loss 0, gradient 0), like PyTorch's `ignore_index = -100`.
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> CrossEntropyOutput<Self> {
+        reference::cross_entropy::<Self>(logits, targets)
+    }
+
+    /// Gradient w.r.t. the logits of [`FusedOps::fused_cross_entropy`] for per-row upstream
+    /// gradients `dloss` `[rows]`: `dloss·(exp(logits − lse) − onehot(target))`, one pass over the
+    /// logits.
+    fn fused_cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference::cross_entropy_backward::<Self>(logits, targets, lse, dloss)
+    }
+
+    /// `gelu(x + bias)` (the exact, erf form) with `bias` broadcast over the last dimension.
+    fn fused_gelu_bias(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::gelu_bias::<Self>(x, bias)
+    }
+
+    /// Gradients `(dx, dbias)` of [`FusedOps::fused_gelu_bias`].
+    fn fused_gelu_bias_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::gelu_bias_backward::<Self>(x, bias, dy)
+    }
+
+    /// Attention `softmax(q·kᵀ·scale)·v` over `[batch, heads, seq, head_dim]`, causal (query `i`
+    /// sees keys `0..=i`; needs `seq_q == seq_k`) or not. The kernel never materialises the
+    /// `seq × seq` scores (online softmax).
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> AttentionOutput<Self> {
+        reference::attention::<Self>(q, k, v, scale, causal)
+    }
+
+    /// Gradients of [`FusedOps::fused_attention`] from its output and log-sum-exp; the kernel
+    /// recomputes the probabilities tile by tile.
+    #[allow(clippy::too_many_arguments)]
+    fn fused_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_output: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> AttentionGrads<Self> {
+        reference::attention_backward::<Self>(q, k, v, output, lse, d_output, scale, causal)
+    }
+}
+
+/// Flex, the CPU backend, runs the Burn-op defaults.
+impl FusedOps for burn::backend::Flex {}

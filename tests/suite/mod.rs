@@ -17,6 +17,7 @@ pub(crate) fn close(what: &str, got: &[f32], expected: &[f32]) {
 mod data_parallel;
 mod engine;
 mod fsdp;
+mod kernels;
 mod pretrain;
 mod recompute;
 mod tensor_parallel;

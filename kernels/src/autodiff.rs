@@ -1,0 +1,297 @@
+//! `FusedOps` for `Autodiff<B>`: each fused forward is one graph node whose backward calls `B`'s
+//! fused backward (a kernel where `B` has one). The nodes keep what the kernels need — the
+//! softmax output, the norms' input and per-row statistics, the logits and per-row log-sum-exp
+//! (never the probabilities), attention's q, k, v, output and log-sum-exp (never the scores).
+
+use crate::{AttentionOutput, CrossEntropyOutput, FusedOps, LayerNormOutput, RmsNormOutput};
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::tensor::ops::{FloatTensor, IntTensor};
+
+/// Register a gradient for a parent when that parent is tracked (the node type is private to
+/// burn-autodiff, hence a macro).
+macro_rules! register {
+    ($B:ty, $grads:expr, $parent:expr, $grad:expr) => {
+        if let Some(node) = $parent {
+            $grads.register::<$B>(node.id, $grad);
+        }
+    };
+}
+
+#[derive(Debug)]
+struct SoftmaxOp {
+    log: bool,
+}
+
+impl<B: FusedOps> Backward<B, 1> for SoftmaxOp {
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let dx = if self.log {
+            B::fused_log_softmax_backward(ops.state, dy)
+        } else {
+            B::fused_softmax_backward(ops.state, dy)
+        };
+        register!(B, grads, &ops.parents[0], dx);
+    }
+}
+
+fn softmax<B: FusedOps, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    log: bool,
+) -> FloatTensor<Autodiff<B, C>> {
+    let y = if log {
+        B::fused_log_softmax(x.primitive)
+    } else {
+        B::fused_softmax(x.primitive)
+    };
+    match (SoftmaxOp { log })
+        .prepare::<C>([x.node])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(y.clone(), y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    }
+}
+
+#[derive(Debug)]
+struct LayerNormOp;
+
+impl<B: FusedOps> Backward<B, 3> for LayerNormOp {
+    /// x, γ, mean, rstd.
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, gamma, mean, rstd) = ops.state;
+        let g = B::fused_layer_norm_backward(x, gamma, mean, rstd, dy);
+        let [px, pg, pb] = &ops.parents;
+        register!(B, grads, px, g.x);
+        register!(B, grads, pg, g.gamma);
+        register!(B, grads, pb, g.beta);
+    }
+}
+
+#[derive(Debug)]
+struct RmsNormOp;
+
+impl<B: FusedOps> Backward<B, 2> for RmsNormOp {
+    /// x, γ, rstd.
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, gamma, rstd) = ops.state;
+        let (dx, dgamma) = B::fused_rms_norm_backward(x, gamma, rstd, dy);
+        let [px, pg] = &ops.parents;
+        register!(B, grads, px, dx);
+        register!(B, grads, pg, dgamma);
+    }
+}
+
+#[derive(Debug)]
+struct CrossEntropyOp;
+
+impl<B: FusedOps> Backward<B, 1> for CrossEntropyOp {
+    /// logits, targets, lse.
+    type State = (FloatTensor<B>, IntTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dloss = grads.consume::<B>(&ops.node);
+        let (logits, targets, lse) = ops.state;
+        let dx = B::fused_cross_entropy_backward(logits, targets, lse, dloss);
+        register!(B, grads, &ops.parents[0], dx);
+    }
+}
+
+#[derive(Debug)]
+struct GeluBiasOp;
+
+impl<B: FusedOps> Backward<B, 2> for GeluBiasOp {
+    /// x, bias.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, bias) = ops.state;
+        let (dx, dbias) = B::fused_gelu_bias_backward(x, bias, dy);
+        let [px, pb] = &ops.parents;
+        register!(B, grads, px, dx);
+        register!(B, grads, pb, dbias);
+    }
+}
+
+#[derive(Debug)]
+struct AttentionOp {
+    scale: f64,
+    causal: bool,
+}
+
+impl<B: FusedOps> Backward<B, 3> for AttentionOp {
+    /// q, k, v, output, lse.
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let d_o = grads.consume::<B>(&ops.node);
+        let (q, k, v, o, lse) = ops.state;
+        let g = B::fused_attention_backward(q, k, v, o, lse, d_o, self.scale, self.causal);
+        let [pq, pk, pv] = &ops.parents;
+        register!(B, grads, pq, g.q);
+        register!(B, grads, pk, g.k);
+        register!(B, grads, pv, g.v);
+    }
+}
+
+/// An untracked autodiff tensor (the per-row statistics handed back to callers).
+fn constant<B: FusedOps, C: CheckpointStrategy>(x: FloatTensor<B>) -> FloatTensor<Autodiff<B, C>> {
+    <Autodiff<B, C> as burn::tensor::backend::AutodiffBackend>::from_inner(x)
+}
+
+impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+    fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        softmax::<B, C>(x, false)
+    }
+
+    fn fused_log_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        softmax::<B, C>(x, true)
+    }
+
+    fn fused_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> LayerNormOutput<Self> {
+        let out = B::fused_layer_norm(
+            x.primitive.clone(),
+            gamma.primitive.clone(),
+            beta.primitive,
+            epsilon,
+        );
+        let output = match LayerNormOp
+            .prepare::<C>([x.node, gamma.node, beta.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                (
+                    x.primitive,
+                    gamma.primitive,
+                    out.mean.clone(),
+                    out.rstd.clone(),
+                ),
+                out.output,
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(out.output),
+        };
+        LayerNormOutput {
+            output,
+            mean: constant::<B, C>(out.mean),
+            rstd: constant::<B, C>(out.rstd),
+        }
+    }
+
+    fn fused_rms_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> RmsNormOutput<Self> {
+        let out = B::fused_rms_norm(x.primitive.clone(), gamma.primitive.clone(), epsilon);
+        let output = match RmsNormOp
+            .prepare::<C>([x.node, gamma.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                (x.primitive, gamma.primitive, out.rstd.clone()),
+                out.output,
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(out.output),
+        };
+        RmsNormOutput {
+            output,
+            rstd: constant::<B, C>(out.rstd),
+        }
+    }
+
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> CrossEntropyOutput<Self> {
+        let out = B::fused_cross_entropy(logits.primitive.clone(), targets.clone());
+        let loss = match CrossEntropyOp
+            .prepare::<C>([logits.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                prep.finish((logits.primitive, targets, out.lse.clone()), out.loss)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out.loss),
+        };
+        CrossEntropyOutput {
+            loss,
+            lse: constant::<B, C>(out.lse),
+        }
+    }
+
+    fn fused_gelu_bias(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
+        let y = B::fused_gelu_bias(x.primitive.clone(), bias.primitive.clone());
+        match GeluBiasOp
+            .prepare::<C>([x.node, bias.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((x.primitive, bias.primitive), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> AttentionOutput<Self> {
+        let out = B::fused_attention(
+            q.primitive.clone(),
+            k.primitive.clone(),
+            v.primitive.clone(),
+            scale,
+            causal,
+        );
+        let output = match (AttentionOp { scale, causal })
+            .prepare::<C>([q.node, k.node, v.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                (
+                    q.primitive,
+                    k.primitive,
+                    v.primitive,
+                    out.output.clone(),
+                    out.lse.clone(),
+                ),
+                out.output,
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(out.output),
+        };
+        AttentionOutput {
+            output,
+            lse: constant::<B, C>(out.lse),
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! The fused operations on Burn tensors, for any backend implementing [`FusedOps`].
+
+use crate::FusedOps;
+use burn::tensor::{Int, Tensor, TensorPrimitive};
+
+fn prim<B: FusedOps, const D: usize>(x: Tensor<B, D>) -> burn::tensor::ops::FloatTensor<B> {
+    x.into_primitive().tensor()
+}
+
+fn tensor<B: FusedOps, const D: usize>(x: burn::tensor::ops::FloatTensor<B>) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(x))
+}
+
+/// Softmax over the last dimension.
+pub fn softmax<B: FusedOps, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    tensor(B::fused_softmax(prim(x)))
+}
+
+/// Log-softmax over the last dimension.
+pub fn log_softmax<B: FusedOps, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
+    tensor(B::fused_log_softmax(prim(x)))
+}
+
+/// LayerNorm over the last dimension: `(x − mean)/√(var + ε)·γ + β`.
+pub fn layer_norm<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    gamma: Tensor<B, 1>,
+    beta: Tensor<B, 1>,
+    epsilon: f64,
+) -> Tensor<B, D> {
+    tensor(B::fused_layer_norm(prim(x), prim(gamma), prim(beta), epsilon).output)
+}
+
+/// RMSNorm over the last dimension: `x/√(mean(x²) + ε)·γ`.
+pub fn rms_norm<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    gamma: Tensor<B, 1>,
+    epsilon: f64,
+) -> Tensor<B, D> {
+    tensor(B::fused_rms_norm(prim(x), prim(gamma), epsilon).output)
+}
+
+/// Per-row cross-entropy of `logits` `[rows, vocab]` against `targets` `[rows]` (a negative
+/// target is ignored: loss 0, no gradient).
+pub fn cross_entropy<B: FusedOps>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+    tensor(B::fused_cross_entropy(prim(logits), targets.into_primitive()).loss)
+}
+
+/// Mean cross-entropy over the rows whose target is not ignored.
+pub fn cross_entropy_mean<B: FusedOps>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+) -> Tensor<B, 1> {
+    let kept = targets.clone().greater_equal_elem(0).int().sum();
+    let losses = cross_entropy(logits, targets);
+    losses.sum() / kept.float().clamp_min(1.0)
+}
+
+/// `gelu(x + bias)` (erf form), `bias` broadcast over the last dimension.
+pub fn gelu_bias<B: FusedOps, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1>) -> Tensor<B, D> {
+    tensor(B::fused_gelu_bias(prim(x), prim(bias)))
+}
+
+/// Attention `softmax(q·kᵀ·scale)·v` over `[batch, heads, seq, head_dim]`, causal or not.
+pub fn attention<B: FusedOps>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    scale: f64,
+    causal: bool,
+) -> Tensor<B, 4> {
+    tensor(B::fused_attention(prim(q), prim(k), prim(v), scale, causal).output)
+}

@@ -1,0 +1,239 @@
+//! The fused operations (`wildfire_kernels::FusedOps`) against references built from Burn's own
+//! ops, forward and backward through `Autodiff`: on Flex (the Burn-op defaults and the written-out
+//! backward formulas) and, with the `wgpu` feature (on in `scripts/test.sh`), the CubeCL kernels
+//! on Wgpu over lavapipe.
+//!
+//! Each check runs the fused op and an independent composition of Burn ops (differentiated by
+//! Burn's autodiff) on the same inputs, with a random upstream gradient, and compares the outputs
+//! and every input gradient: `max |a − b| ≤ tol · max |b| + 1e-6`, `tol` stated per call.
+
+use burn::backend::Autodiff;
+use burn::tensor::activation;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Bool, Distribution, Int, Tensor, TensorData};
+use wildfire_kernels::{FusedOps, ops};
+
+fn data<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data().convert::<f32>().to_vec().unwrap()
+}
+
+fn close_tol(what: &str, got: &[f32], expected: &[f32], tol: f32) {
+    assert_eq!(got.len(), expected.len(), "{what}: lengths");
+    let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    let worst = got
+        .iter()
+        .zip(expected)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        got.iter().all(|v| v.is_finite()) && worst <= tol * scale + 1e-6,
+        "{what}: max |diff| {worst} > {tol} × scale {scale} + 1e-6"
+    );
+}
+
+/// Gradient of `Σ y·w` w.r.t. each input, for a fused and a reference output.
+fn grads<B: AutodiffBackend, const D: usize>(
+    y: Tensor<B, D>,
+    w: &Tensor<B, D>,
+    inputs: &[&dyn Fn(&B::Gradients) -> Vec<f32>],
+) -> Vec<Vec<f32>> {
+    let g = (y * w.clone()).sum().backward();
+    inputs.iter().map(|f| f(&g)).collect()
+}
+
+fn grad_of<B: AutodiffBackend, const D: usize>(t: &Tensor<B, D>) -> impl Fn(&B::Gradients) -> Vec<f32> + '_ {
+    move |g| data(t.grad(g).expect("input is tracked"))
+}
+
+fn normal<B: AutodiffBackend, const D: usize>(shape: [usize; D], std: f64, device: &B::Device) -> Tensor<B, D> {
+    Tensor::random(shape, Distribution::Normal(0.0, std), device).require_grad()
+}
+
+/// Compare a fused output and gradients with the reference's.
+fn compare<B: AutodiffBackend, const D: usize>(
+    what: &str,
+    fused: Tensor<B, D>,
+    reference: Tensor<B, D>,
+    inputs: &[&dyn Fn(&B::Gradients) -> Vec<f32>],
+    tol: f32,
+) {
+    let w = Tensor::<B, D>::random(fused.shape(), Distribution::Normal(0.0, 1.0), &fused.device());
+    close_tol(&format!("{what} forward"), &data(fused.clone()), &data(reference.clone()), tol);
+    let gf = grads(fused, &w, inputs);
+    let gr = grads(reference, &w, inputs);
+    for (i, (a, b)) in gf.iter().zip(&gr).enumerate() {
+        close_tol(&format!("{what} gradient of input {i}"), a, b, tol);
+    }
+}
+
+fn check_softmax<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize; 3], tol: f32) {
+    let x = normal::<B, 3>(shape, 3.0, device);
+    let gx = grad_of(&x);
+    compare(&format!("softmax {shape:?}"), ops::softmax(x.clone()), activation::softmax(x.clone(), 2), &[&gx], tol);
+    compare(
+        &format!("log_softmax {shape:?}"),
+        ops::log_softmax(x.clone()),
+        activation::log_softmax(x.clone(), 2),
+        &[&gx],
+        tol,
+    );
+}
+
+fn check_norms<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize; 3], tol: f32) {
+    let eps = 1e-5;
+    let x = normal::<B, 3>(shape, 2.0, device).add_scalar(0.5).detach().require_grad();
+    let gamma = normal::<B, 1>([shape[2]], 1.0, device);
+    let beta = normal::<B, 1>([shape[2]], 1.0, device);
+    let (gx, gg, gb) = (grad_of(&x), grad_of(&gamma), grad_of(&beta));
+    let (var, mean) = x.clone().var_mean_bias(2);
+    let reference = (x.clone() - mean) / var.add_scalar(eps).sqrt() * gamma.clone().unsqueeze::<3>()
+        + beta.clone().unsqueeze::<3>();
+    compare(
+        &format!("layer_norm {shape:?}"),
+        ops::layer_norm(x.clone(), gamma.clone(), beta.clone(), eps),
+        reference,
+        &[&gx, &gg, &gb],
+        tol,
+    );
+    let ms = x.clone().square().mean_dim(2);
+    let reference = x.clone() / ms.add_scalar(eps).sqrt() * gamma.clone().unsqueeze::<3>();
+    compare(&format!("rms_norm {shape:?}"), ops::rms_norm(x.clone(), gamma.clone(), eps), reference, &[&gx, &gg], tol);
+}
+
+fn check_gelu<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize; 3], tol: f32) {
+    let x = normal::<B, 3>(shape, 2.0, device);
+    let bias = normal::<B, 1>([shape[2]], 1.0, device);
+    let (gx, gb) = (grad_of(&x), grad_of(&bias));
+    // Written out: Burn's `gelu_backward` default (used by its CubeCL backends) differentiates the
+    // tanh approximation, not the erf form its forward computes.
+    let z = x.clone() + bias.clone().unsqueeze::<3>();
+    let reference = z.clone() * z.mul_scalar(std::f64::consts::FRAC_1_SQRT_2).erf().add_scalar(1.0).mul_scalar(0.5);
+    compare(&format!("gelu_bias {shape:?}"), ops::gelu_bias(x.clone(), bias.clone()), reference, &[&gx, &gb], tol);
+}
+
+/// Targets in `0..vocab`, every 5th row ignored (-100).
+fn targets<B: AutodiffBackend>(rows: usize, vocab: usize, device: &B::Device) -> Tensor<B, 1, Int> {
+    let t: Vec<i64> = (0..rows)
+        .map(|r| if r % 5 == 4 { -100 } else { ((r * 7919 + 13) % vocab) as i64 })
+        .collect();
+    Tensor::from_data(TensorData::new(t, [rows]), device)
+}
+
+fn check_cross_entropy<B: AutodiffBackend + FusedOps>(device: &B::Device, rows: usize, vocab: usize, tol: f32) {
+    let logits = normal::<B, 2>([rows, vocab], 3.0, device);
+    let t = targets::<B>(rows, vocab, device);
+    let gl = grad_of(&logits);
+    let kept = t.clone().greater_equal_elem(0);
+    let picked = activation::log_softmax(logits.clone(), 1).gather(1, t.clone().clamp_min(0).unsqueeze_dim(1));
+    let reference = picked.squeeze_dim::<1>(1).neg().mask_fill(kept.bool_not(), 0.0);
+    compare(
+        &format!("cross_entropy {rows}x{vocab}"),
+        ops::cross_entropy(logits.clone(), t),
+        reference,
+        &[&gl],
+        tol,
+    );
+}
+
+fn check_attention<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize; 4], causal: bool, tol: f32) {
+    let q = normal::<B, 4>(shape, 1.0, device);
+    let k = normal::<B, 4>(shape, 1.0, device);
+    let v = normal::<B, 4>(shape, 1.0, device);
+    let scale = 1.0 / (shape[3] as f64).sqrt();
+    let (gq, gk, gv) = (grad_of(&q), grad_of(&k), grad_of(&v));
+    let mut scores = q.clone().matmul(k.clone().swap_dims(2, 3)).mul_scalar(scale);
+    if causal {
+        let s = shape[2];
+        let mask = Tensor::<B, 2, Bool>::tril_mask([s, s], 0, device)
+            .unsqueeze::<4>()
+            .expand([shape[0], shape[1], s, s]);
+        scores = scores.mask_fill(mask, f32::NEG_INFINITY);
+    }
+    let reference = activation::softmax(scores, 3).matmul(v.clone());
+    compare(
+        &format!("attention {shape:?} causal {causal}"),
+        ops::attention(q.clone(), k.clone(), v.clone(), scale, causal),
+        reference,
+        &[&gq, &gk, &gv],
+        tol,
+    );
+}
+
+/// Every fused op and its backward on one backend, across shapes with non-powers-of-two, single
+/// rows and columns wider than a cube.
+fn check_all<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) {
+    for shape in [[2, 3, 37], [1, 1, 1], [3, 5, 300], [2, 2, 1000]] {
+        check_softmax::<B>(device, shape, tol);
+        check_norms::<B>(device, shape, tol);
+        check_gelu::<B>(device, shape, tol);
+    }
+    for (rows, vocab) in [(7, 37), (1, 2), (5, 1000)] {
+        check_cross_entropy::<B>(device, rows, vocab, tol);
+    }
+    for (shape, causal) in [([2, 3, 17, 8], true), ([1, 2, 1, 16], true), ([2, 1, 9, 4], false), ([1, 2, 70, 32], true)] {
+        check_attention::<B>(device, shape, causal, tol);
+    }
+}
+
+#[test]
+fn fused_ops_on_flex_match_burn_ops_forward_and_backward() {
+    // The Burn-op defaults and the written-out backward formulas, through the fused autodiff nodes.
+    check_all::<Autodiff<burn::backend::Flex>>(&Default::default(), 2e-5);
+}
+
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use super::*;
+    use burn::backend::Wgpu;
+    use burn::tensor::{DType, FloatDType};
+    use wildfire_kernels::cube;
+
+    type W = Autodiff<Wgpu>;
+
+    #[test]
+    fn kernels_match_burn_ops_forward_and_backward() {
+        // f32; the kernels accumulate in f32 in another order than Burn's reductions.
+        let device = Default::default();
+        let before = cube::launches();
+        check_all::<W>(&device, 1e-4);
+        assert!(cube::launches() > before, "the CubeCL kernels ran");
+    }
+
+    #[test]
+    fn cross_entropy_over_a_gpt2_vocabulary() {
+        // 50,304 logits per row: many units per row, the row far wider than a cube.
+        let device = Default::default();
+        check_cross_entropy::<W>(&device, 6, 50_304, 1e-4);
+    }
+
+    #[test]
+    fn kernels_in_f16_track_f32() {
+        // f16 tensors, f32 arithmetic inside the kernels: within f16 rounding of the f32 result.
+        let device = Default::default();
+        let f16 = |t: Tensor<Wgpu, 3>| t.cast(FloatDType::F16);
+        let x = Tensor::<Wgpu, 3>::random([2, 5, 300], Distribution::Normal(0.0, 2.0), &device);
+        let gamma = Tensor::<Wgpu, 1>::random([300], Distribution::Normal(1.0, 0.2), &device);
+        let beta = Tensor::<Wgpu, 1>::random([300], Distribution::Normal(0.0, 0.2), &device);
+        let pairs = [
+            ("softmax", ops::softmax(f16(x.clone())), ops::softmax(x.clone())),
+            (
+                "layer_norm",
+                ops::layer_norm(f16(x.clone()), gamma.clone().cast(FloatDType::F16), beta.clone().cast(FloatDType::F16), 1e-5),
+                ops::layer_norm(x.clone(), gamma.clone(), beta.clone(), 1e-5),
+            ),
+            (
+                "gelu_bias",
+                ops::gelu_bias(f16(x.clone()), beta.clone().cast(FloatDType::F16)),
+                ops::gelu_bias(x.clone(), beta.clone()),
+            ),
+        ];
+        for (what, half, full) in pairs {
+            assert_eq!(half.dtype(), DType::F16, "{what} keeps the f16 dtype");
+            close_tol(&format!("{what} f16"), &data(half.cast(FloatDType::F32)), &data(full), 1e-2);
+        }
+        let q = Tensor::<Wgpu, 4>::random([1, 2, 33, 16], Distribution::Normal(0.0, 1.0), &device);
+        let half = ops::attention(q.clone().cast(FloatDType::F16), q.clone().cast(FloatDType::F16), q.clone().cast(FloatDType::F16), 0.25, true);
+        let full = ops::attention(q.clone(), q.clone(), q, 0.25, true);
+        close_tol("attention f16", &data(half.cast(FloatDType::F32)), &data(full), 1e-2);
+    }
+}
