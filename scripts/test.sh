@@ -17,5 +17,6 @@ if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
     fi
 fi
 
-cargo test --workspace --all-targets "$@"
-cargo test --workspace --doc "$@"
+# `wgpu`: the CubeCL kernel tests run on Wgpu over lavapipe (installed above).
+cargo test --workspace --all-targets --features wgpu "$@"
+cargo test --workspace --doc --features wgpu "$@"

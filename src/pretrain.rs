@@ -13,6 +13,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use wildfire_engine::{DynamicLossScaler, LossScalerConfig, TrainStep, TrainStepConfig};
+use wildfire_kernels::FusedOps;
 use wildfire_models::data::{
     BatchSampler, DataError, DataSource, TokenDataset, TokenSlice, Tokenizer, TokenizerKind,
 };
@@ -463,7 +464,7 @@ pub fn run(config: &PretrainConfig) -> Result<RunSummary, PretrainError> {
 }
 
 /// Run pretraining on the inner backend `B` (all ranks share `device`).
-pub fn run_on<B: Backend>(
+pub fn run_on<B: FusedOps>(
     config: &PretrainConfig,
     device: &B::Device,
 ) -> Result<RunSummary, PretrainError> {
@@ -656,7 +657,7 @@ fn peak_rss() -> u64 {
 }
 
 impl RankRun<'_> {
-    fn train<B: Backend>(
+    fn train<B: FusedOps>(
         &self,
         device: &DistDevice<B>,
         resume: Option<&Path>,
@@ -826,7 +827,7 @@ impl RankRun<'_> {
         Ok(summary)
     }
 
-    fn evaluate<B: Backend>(
+    fn evaluate<B: FusedOps>(
         &self,
         model: &Gpt<Autodiff<Distributed<B>>>,
         device: &DistDevice<B>,

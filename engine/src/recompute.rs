@@ -42,6 +42,7 @@ use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::str::FromStr;
+use wildfire_kernels::FusedOps;
 use wildfire_parallel::{DistError, RecomputeScope};
 
 /// Which activations are recomputed in backward instead of kept.
@@ -466,9 +467,14 @@ impl<'a, B: Backend> Checkpointer<'a, B> {
         });
         y
     }
+}
 
+impl<'a, B: FusedOps> Checkpointer<'a, B> {
     /// The attention core `softmax(mask(q·kᵀ·scale))·v` of layer `layer` on `[q, k, v]`,
-    /// `[b, h, t, hd]` each, with dropout on the probabilities while training.
+    /// `[b, h, t, hd]` each, with dropout on the probabilities while training. Without dropout,
+    /// on a backend with fused kernels ([`FusedOps::FUSED`]), this is the flash-attention kernel:
+    /// it keeps only q, k, v, the output and one log-sum-exp per query, and its backward
+    /// recomputes the probabilities tile by tile — what `Selective` asks for, under every policy.
     pub fn attention(
         &self,
         layer: usize,
@@ -483,6 +489,9 @@ impl<'a, B: Backend> Checkpointer<'a, B> {
             dropout: if self.training { dropout } else { 0.0 },
             seed: self.seed_of(layer, SITE_ATTENTION),
         };
+        if B::FUSED && spec.dropout == 0.0 {
+            return wildfire_kernels::ops::attention(q, k, v, scale, causal);
+        }
         match self.attention {
             Some(op) => op(q, k, v, &spec, self.policy == Recompute::Selective),
             None => attention_reference(q, k, v, &spec),

@@ -64,7 +64,12 @@ struct LayerNormOp;
 
 impl<B: FusedOps> Backward<B, 3> for LayerNormOp {
     /// x, γ, mean, rstd.
-    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+    );
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dy = grads.consume::<B>(&ops.node);
@@ -159,6 +164,8 @@ fn constant<B: FusedOps, C: CheckpointStrategy>(x: FloatTensor<B>) -> FloatTenso
 }
 
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
+    const FUSED: bool = B::FUSED;
+
     fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
         softmax::<B, C>(x, false)
     }
@@ -213,10 +220,9 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish(
-                (x.primitive, gamma.primitive, out.rstd.clone()),
-                out.output,
-            ),
+            OpsKind::Tracked(prep) => {
+                prep.finish((x.primitive, gamma.primitive, out.rstd.clone()), out.output)
+            }
             OpsKind::UnTracked(prep) => prep.finish(out.output),
         };
         RmsNormOutput {

@@ -9,8 +9,8 @@
 //! * "-infinity" is `-3.0e38` (WGSL has no infinity literal), which `exp` flushes to 0.
 
 use crate::{
-    AttentionGrads, AttentionOutput, CrossEntropyOutput, FusedOps, LayerNormGrads,
-    LayerNormOutput, RmsNormOutput,
+    AttentionGrads, AttentionOutput, CrossEntropyOutput, FusedOps, LayerNormGrads, LayerNormOutput,
+    RmsNormOutput,
 };
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
@@ -439,7 +439,8 @@ fn gelu_bias_kernel<F: Float>(
     if ABSOLUTE_POS >= len as usize {
         terminate!();
     }
-    let z = f32::cast_from(input[ABSOLUTE_POS]) + f32::cast_from(bias[ABSOLUTE_POS % cols as usize]);
+    let z =
+        f32::cast_from(input[ABSOLUTE_POS]) + f32::cast_from(bias[ABSOLUTE_POS % cols as usize]);
     let cdf = f32::new(0.5) * (f32::new(1.0) + Erf::erf(z * f32::new(0.70710677)));
     output[ABSOLUTE_POS] = F::cast_from(z * cdf);
 }
@@ -458,9 +459,10 @@ fn gelu_bias_backward_kernel<F: Float>(
     if ABSOLUTE_POS >= len as usize {
         terminate!();
     }
-    let z = f32::cast_from(input[ABSOLUTE_POS]) + f32::cast_from(bias[ABSOLUTE_POS % cols as usize]);
+    let z =
+        f32::cast_from(input[ABSOLUTE_POS]) + f32::cast_from(bias[ABSOLUTE_POS % cols as usize]);
     let cdf = f32::new(0.5) * (f32::new(1.0) + Erf::erf(z * f32::new(0.70710677)));
-    let pdf = f32::exp(f32::new(-0.5) * z * z) * f32::new(0.39894228);
+    let pdf = f32::exp(f32::new(-0.5) * z * z) * f32::new(0.398_942_3);
     dx[ABSOLUTE_POS] = F::cast_from(f32::cast_from(dy[ABSOLUTE_POS]) * (cdf + z * pdf));
 }
 
@@ -696,6 +698,15 @@ fn rows_cols(shape: &Shape) -> (usize, usize) {
     (shape.num_elements() / cols.max(1), cols)
 }
 
+/// The per-row statistics' shape: the input's with a last dimension of 1.
+fn stats_shape(shape: &Shape) -> Shape {
+    let mut dims = shape.to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = 1;
+    }
+    Shape::from(dims)
+}
+
 /// Units per row cube: a power of two from 32 to 256, no larger than the row needs.
 fn row_block(cols: usize) -> usize {
     cols.next_power_of_two().clamp(32, 256)
@@ -713,7 +724,10 @@ fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> Cu
 
 fn elementwise<R: CubeRuntime>(like: &CubeTensor<R>, n: usize) -> (CubeCount, CubeDim) {
     let dim = CubeDim::new(&like.client, n.max(1));
-    (calculate_cube_count_elemwise(&like.client, n.max(1), dim), dim)
+    (
+        calculate_cube_count_elemwise(&like.client, n.max(1), dim),
+        dim,
+    )
 }
 
 /// Rows per partial sum of the column reductions (norm parameter gradients, bias gradients).
@@ -730,10 +744,11 @@ fn finish_columns<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
         <Cb<R, F, I, BT> as burn::tensor::ops::FloatTensorOps<Cb<R, F, I, BT>>>::float_sum_dim(
             partial, 0,
         );
-    let summed = <Cb<R, F, I, BT> as burn::tensor::ops::FloatTensorOps<Cb<R, F, I, BT>>>::float_reshape(
-        summed,
-        Shape::new([cols]),
-    );
+    let summed =
+        <Cb<R, F, I, BT> as burn::tensor::ops::FloatTensorOps<Cb<R, F, I, BT>>>::float_reshape(
+            summed,
+            Shape::new([cols]),
+        );
     if dtype == DType::F32 {
         summed
     } else {
@@ -744,7 +759,11 @@ fn finish_columns<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
     }
 }
 
-fn column_launch<R: CubeRuntime>(like: &CubeTensor<R>, rows: usize, cols: usize) -> (usize, CubeCount, CubeDim) {
+fn column_launch<R: CubeRuntime>(
+    like: &CubeTensor<R>,
+    rows: usize,
+    cols: usize,
+) -> (usize, CubeCount, CubeDim) {
     let chunks = rows.div_ceil(COLUMN_CHUNK).max(1);
     let (count, dim) = elementwise(like, chunks * cols);
     (chunks, count, dim)
@@ -780,7 +799,11 @@ fn softmax_impl<R: CubeRuntime>(x: CubeTensor<R>, log: bool) -> CubeTensor<R> {
     out
 }
 
-fn softmax_backward_impl<R: CubeRuntime>(y: CubeTensor<R>, dy: CubeTensor<R>, log: bool) -> CubeTensor<R> {
+fn softmax_backward_impl<R: CubeRuntime>(
+    y: CubeTensor<R>,
+    dy: CubeTensor<R>,
+    log: bool,
+) -> CubeTensor<R> {
     let (y, dy) = (into_contiguous(y), into_contiguous(dy));
     let shape = y.shape();
     let (rows, cols) = rows_cols(&shape);
@@ -815,10 +838,15 @@ fn norm_impl<R: CubeRuntime>(
     let beta = beta.map(into_contiguous).unwrap_or_else(|| gamma.clone());
     let shape = x.shape();
     let (rows, cols) = rows_cols(&shape);
-    assert_eq!(gamma.shape().num_elements(), cols, "norm: γ must have the last dimension's size");
+    assert_eq!(
+        gamma.shape().num_elements(),
+        cols,
+        "norm: γ must have the last dimension's size"
+    );
+    let stats = stats_shape(&shape);
     let out = empty(&x, shape, x.dtype);
-    let mean = empty(&x, Shape::new([rows]), DType::F32);
-    let rstd = empty(&x, Shape::new([rows]), DType::F32);
+    let mean = empty(&x, stats.clone(), DType::F32);
+    let rstd = empty(&x, stats, DType::F32);
     let block = row_block(cols);
     norm_kernel::launch::<R>(
         &x.client,
@@ -849,7 +877,11 @@ fn norm_backward_impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEl
     rstd: CubeTensor<R>,
     dy: CubeTensor<R>,
 ) -> (CubeTensor<R>, CubeTensor<R>, Option<CubeTensor<R>>) {
-    let (x, gamma, dy) = (into_contiguous(x), into_contiguous(gamma), into_contiguous(dy));
+    let (x, gamma, dy) = (
+        into_contiguous(x),
+        into_contiguous(gamma),
+        into_contiguous(dy),
+    );
     let rstd = into_contiguous(rstd);
     let rms = mean.is_none();
     let mean = mean.map(into_contiguous).unwrap_or_else(|| rstd.clone());
@@ -903,7 +935,11 @@ fn norm_backward_impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEl
     (dx, dgamma, dbeta)
 }
 
-fn attention_shape<R: CubeRuntime>(q: &CubeTensor<R>, k: &CubeTensor<R>, causal: bool) -> (usize, usize, usize, usize) {
+fn attention_shape<R: CubeRuntime>(
+    q: &CubeTensor<R>,
+    k: &CubeTensor<R>,
+    causal: bool,
+) -> (usize, usize, usize, usize) {
     let [b, h, sq, d] = q.shape().dims::<4>();
     let [kb, kh, sk, kd] = k.shape().dims::<4>();
     assert!(
@@ -912,13 +948,18 @@ fn attention_shape<R: CubeRuntime>(q: &CubeTensor<R>, k: &CubeTensor<R>, causal:
         q.shape(),
         k.shape()
     );
-    assert!(!causal || sq == sk, "causal attention needs as many queries as keys ({sq} vs {sk})");
+    assert!(
+        !causal || sq == sk,
+        "causal attention needs as many queries as keys ({sq} vs {sk})"
+    );
     (b * h, sq, sk, d)
 }
 
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
     for CubeBackend<R, F, I, BT>
 {
+    const FUSED: bool = true;
+
     fn fused_softmax(x: CubeTensor<R>) -> CubeTensor<R> {
         softmax_impl(x, false)
     }
@@ -975,11 +1016,18 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         (dx, dgamma)
     }
 
-    fn fused_cross_entropy(logits: CubeTensor<R>, targets: CubeTensor<R>) -> CrossEntropyOutput<Self> {
+    fn fused_cross_entropy(
+        logits: CubeTensor<R>,
+        targets: CubeTensor<R>,
+    ) -> CrossEntropyOutput<Self> {
         let logits = into_contiguous(logits);
         let targets = into_contiguous(targets);
         let (rows, cols) = rows_cols(&logits.shape());
-        assert_eq!(targets.shape().num_elements(), rows, "cross_entropy: one target per row");
+        assert_eq!(
+            targets.shape().num_elements(),
+            rows,
+            "cross_entropy: one target per row"
+        );
         let loss = empty(&logits, Shape::new([rows]), logits.dtype);
         let lse = empty(&logits, Shape::new([rows]), DType::F32);
         let block = row_block(cols);
@@ -1007,7 +1055,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         dloss: CubeTensor<R>,
     ) -> CubeTensor<R> {
         let logits = into_contiguous(logits);
-        let (targets, lse, dloss) = (into_contiguous(targets), into_contiguous(lse), into_contiguous(dloss));
+        let (targets, lse, dloss) = (
+            into_contiguous(targets),
+            into_contiguous(lse),
+            into_contiguous(dloss),
+        );
         let shape = logits.shape();
         let (rows, cols) = rows_cols(&shape);
         let dx = empty(&logits, shape, logits.dtype);
@@ -1055,7 +1107,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         bias: CubeTensor<R>,
         dy: CubeTensor<R>,
     ) -> (CubeTensor<R>, CubeTensor<R>) {
-        let (x, bias, dy) = (into_contiguous(x), into_contiguous(bias), into_contiguous(dy));
+        let (x, bias, dy) = (
+            into_contiguous(x),
+            into_contiguous(bias),
+            into_contiguous(dy),
+        );
         let shape = x.shape();
         let (rows, cols) = rows_cols(&shape);
         let dx = empty(&x, shape, x.dtype);
@@ -1133,7 +1189,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         causal: bool,
     ) -> AttentionGrads<Self> {
         let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
-        let (output, lse, d_output) = (into_contiguous(output), into_contiguous(lse), into_contiguous(d_output));
+        let (output, lse, d_output) = (
+            into_contiguous(output),
+            into_contiguous(lse),
+            into_contiguous(d_output),
+        );
         let (bh, sq, sk, d) = attention_shape(&q, &k, causal);
         let dq = empty(&q, q.shape(), q.dtype);
         let dk = empty(&k, k.shape(), k.dtype);
@@ -1180,6 +1240,10 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
             q.dtype.into(),
         );
         launched(2);
-        AttentionGrads { q: dq, k: dk, v: dv }
+        AttentionGrads {
+            q: dq,
+            k: dk,
+            v: dv,
+        }
     }
 }

@@ -18,9 +18,10 @@
 //! `cross_entropy`, `gelu_bias`, `attention`.
 //!
 //! Shapes: the row ops (softmax, norms, cross-entropy, GELU-with-bias) work on the last dimension
-//! of a tensor of any rank (the leading dimensions are flattened into rows); per-row statistics
-//! (mean, 1/σ, log-sum-exp) are 1-D tensors of one value per row. Attention takes
-//! `[batch, heads, seq, head_dim]`.
+//! of a tensor of rank 1 to 6 (every leading index is a row); the norms' per-row statistics (mean,
+//! 1/σ) have the input's shape with a last dimension of 1, so under `Distributed<B>` they keep the
+//! input's placement. Cross-entropy takes `[rows, vocab]` logits and gives 1-D per-row values.
+//! Attention takes `[batch, heads, seq, head_dim]`.
 
 pub mod autodiff;
 #[cfg(feature = "cube")]
@@ -32,7 +33,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 
 /// Output of a LayerNorm forward: the normalised tensor and the per-row statistics its backward
-/// reads (one value per row, 1-D).
+/// reads (the input's shape with a last dimension of 1).
 #[derive(Debug, Clone)]
 pub struct LayerNormOutput<B: Backend> {
     /// `(x − mean)·rstd·γ + β`, the shape of the input.
@@ -97,6 +98,11 @@ pub struct AttentionGrads<B: Backend> {
 /// [`reference`]), so any backend can implement the trait with an empty `impl`; backends with
 /// kernels override them.
 pub trait FusedOps: Backend {
+    /// Whether the methods run fused kernels on this backend (`false`: the Burn-op defaults).
+    /// Models ask this to take the fused path only where it pays, and keep their plain Burn ops
+    /// (and their numerics) elsewhere.
+    const FUSED: bool = false;
+
     /// Softmax over the last dimension.
     fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
         reference::softmax::<Self>(x, false)

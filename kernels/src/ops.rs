@@ -42,7 +42,10 @@ pub fn rms_norm<B: FusedOps, const D: usize>(
 
 /// Per-row cross-entropy of `logits` `[rows, vocab]` against `targets` `[rows]` (a negative
 /// target is ignored: loss 0, no gradient).
-pub fn cross_entropy<B: FusedOps>(logits: Tensor<B, 2>, targets: Tensor<B, 1, Int>) -> Tensor<B, 1> {
+pub fn cross_entropy<B: FusedOps>(
+    logits: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+) -> Tensor<B, 1> {
     tensor(B::fused_cross_entropy(prim(logits), targets.into_primitive()).loss)
 }
 

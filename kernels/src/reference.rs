@@ -9,16 +9,7 @@ use crate::{
 };
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Bool, Int, Shape, Tensor, TensorMetadata, TensorPrimitive};
-
-/// `x` viewed as `[rows, last]`, with its original shape.
-fn rows<B: Backend>(x: FloatTensor<B>) -> (Tensor<B, 2>, Shape) {
-    let shape = x.shape();
-    let cols = shape[shape.num_dims() - 1];
-    let rows = shape.num_elements() / cols.max(1);
-    let x = B::float_reshape(x, Shape::new([rows, cols]));
-    (Tensor::from_primitive(TensorPrimitive::Float(x)), shape)
-}
+use burn::tensor::{Bool, IndexingUpdateOp, Int, Tensor, TensorMetadata, TensorPrimitive};
 
 fn prim<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B> {
     x.into_primitive().tensor()
@@ -28,28 +19,54 @@ fn float<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(x))
 }
 
-fn reshaped<B: Backend, const D: usize>(x: Tensor<B, D>, shape: Shape) -> FloatTensor<B> {
-    B::float_reshape(prim(x), shape)
+/// Call `$f::<$B, D>(args)` for the rank `D` of a primitive (1 to 6). The reference ops work on
+/// the last dimension in place — no reshape to rows — so under `Distributed<B>` the leading
+/// dimensions keep whatever placement they have (a reshape could force a gather).
+macro_rules! ranked {
+    ($rank:expr, $f:ident::<$B:ty>($($arg:expr),* $(,)?)) => {
+        match $rank {
+            1 => $f::<$B, 1>($($arg),*),
+            2 => $f::<$B, 2>($($arg),*),
+            3 => $f::<$B, 3>($($arg),*),
+            4 => $f::<$B, 4>($($arg),*),
+            5 => $f::<$B, 5>($($arg),*),
+            6 => $f::<$B, 6>($($arg),*),
+            r => panic!("the fused row ops take ranks 1 to 6, got {r}"),
+        }
+    };
 }
 
-/// One value per row (`[rows, 1]` → `[rows]`).
-fn per_row<B: Backend>(x: Tensor<B, 2>) -> FloatTensor<B> {
-    prim(x.squeeze_dim::<1>(1))
+fn rank<B: Backend>(x: &FloatTensor<B>) -> usize {
+    x.shape().num_dims()
 }
 
-fn column<B: Backend>(x: FloatTensor<B>) -> Tensor<B, 2> {
-    float::<B, 1>(x).unsqueeze_dim(1)
+/// A per-channel vector broadcast against a rank-`D` tensor (`[1, …, 1, C]`).
+fn channels<B: Backend, const D: usize>(v: FloatTensor<B>) -> Tensor<B, D> {
+    float::<B, 1>(v).unsqueeze::<D>()
+}
+
+/// Sum over every dimension but the last, as a 1-D `[C]` (a parameter's gradient).
+fn sum_leading<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
+    let c = t.dims()[D - 1];
+    let mut t = t;
+    for d in 0..D - 1 {
+        t = t.sum_dim(d);
+    }
+    prim(t.reshape([c]))
 }
 
 /// Softmax (or log-softmax) over the last dimension.
 pub fn softmax<B: Backend>(x: FloatTensor<B>, log: bool) -> FloatTensor<B> {
-    let (x, shape) = rows::<B>(x);
-    let y = if log {
-        burn::tensor::activation::log_softmax(x, 1)
+    ranked!(rank::<B>(&x), softmax_d::<B>(x, log))
+}
+
+fn softmax_d<B: Backend, const D: usize>(x: FloatTensor<B>, log: bool) -> FloatTensor<B> {
+    let x = float::<B, D>(x);
+    prim(if log {
+        burn::tensor::activation::log_softmax(x, D - 1)
     } else {
-        burn::tensor::activation::softmax(x, 1)
-    };
-    reshaped(y, shape)
+        burn::tensor::activation::softmax(x, D - 1)
+    })
 }
 
 /// Gradient of the softmax (or log-softmax) from its output.
@@ -58,34 +75,49 @@ pub fn softmax_backward<B: Backend>(
     dy: FloatTensor<B>,
     log: bool,
 ) -> FloatTensor<B> {
-    let (y, shape) = rows::<B>(y);
-    let (dy, _) = rows::<B>(dy);
-    let dx = if log {
-        dy.clone() - y.exp() * dy.sum_dim(1)
-    } else {
-        y.clone() * (dy.clone() - (dy * y).sum_dim(1))
-    };
-    reshaped(dx, shape)
+    ranked!(rank::<B>(&y), softmax_backward_d::<B>(y, dy, log))
 }
 
-/// LayerNorm over the last dimension.
+fn softmax_backward_d<B: Backend, const D: usize>(
+    y: FloatTensor<B>,
+    dy: FloatTensor<B>,
+    log: bool,
+) -> FloatTensor<B> {
+    let (y, dy) = (float::<B, D>(y), float::<B, D>(dy));
+    prim(if log {
+        dy.clone() - y.exp() * dy.sum_dim(D - 1)
+    } else {
+        y.clone() * (dy.clone() - (dy * y).sum_dim(D - 1))
+    })
+}
+
+/// LayerNorm over the last dimension; the statistics have the input's shape with a last
+/// dimension of 1.
 pub fn layer_norm<B: Backend>(
     x: FloatTensor<B>,
     gamma: FloatTensor<B>,
     beta: FloatTensor<B>,
     epsilon: f64,
 ) -> LayerNormOutput<B> {
-    let (x, shape) = rows::<B>(x);
-    let mean = x.clone().mean_dim(1);
+    ranked!(rank::<B>(&x), layer_norm_d::<B>(x, gamma, beta, epsilon))
+}
+
+fn layer_norm_d<B: Backend, const D: usize>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    beta: FloatTensor<B>,
+    epsilon: f64,
+) -> LayerNormOutput<B> {
+    let x = float::<B, D>(x);
+    let mean = x.clone().mean_dim(D - 1);
     let centred = x - mean.clone();
-    let var = centred.clone().square().mean_dim(1);
+    let var = centred.clone().square().mean_dim(D - 1);
     let rstd = var.add_scalar(epsilon).sqrt().recip();
-    let y = centred * rstd.clone() * float::<B, 1>(gamma).unsqueeze_dim(0)
-        + float::<B, 1>(beta).unsqueeze_dim(0);
+    let y = centred * rstd.clone() * channels::<B, D>(gamma) + channels::<B, D>(beta);
     LayerNormOutput {
-        output: reshaped(y, shape),
-        mean: per_row(mean),
-        rstd: per_row(rstd),
+        output: prim(y),
+        mean: prim(mean),
+        rstd: prim(rstd),
     }
 }
 
@@ -98,17 +130,31 @@ pub fn layer_norm_backward<B: Backend>(
     rstd: FloatTensor<B>,
     dy: FloatTensor<B>,
 ) -> LayerNormGrads<B> {
-    let (x, shape) = rows::<B>(x);
-    let (dy, _) = rows::<B>(dy);
-    let rstd = column::<B>(rstd);
-    let xhat = (x - column::<B>(mean)) * rstd.clone();
-    let g = dy.clone() * float::<B, 1>(gamma).unsqueeze_dim(0);
+    ranked!(
+        rank::<B>(&x),
+        layer_norm_backward_d::<B>(x, gamma, mean, rstd, dy)
+    )
+}
+
+fn layer_norm_backward_d<B: Backend, const D: usize>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    mean: FloatTensor<B>,
+    rstd: FloatTensor<B>,
+    dy: FloatTensor<B>,
+) -> LayerNormGrads<B> {
+    let (x, dy) = (float::<B, D>(x), float::<B, D>(dy));
+    let rstd = float::<B, D>(rstd);
+    let xhat = (x - float::<B, D>(mean)) * rstd.clone();
+    let g = dy.clone() * channels::<B, D>(gamma);
     let dx = rstd
-        * (g.clone() - g.clone().mean_dim(1) - xhat.clone() * (g * xhat.clone()).mean_dim(1));
+        * (g.clone()
+            - g.clone().mean_dim(D - 1)
+            - xhat.clone() * (g * xhat.clone()).mean_dim(D - 1));
     LayerNormGrads {
-        x: reshaped(dx, shape),
-        gamma: prim((dy.clone() * xhat).sum_dim(0).squeeze_dim::<1>(0)),
-        beta: prim(dy.sum_dim(0).squeeze_dim::<1>(0)),
+        x: prim(dx),
+        gamma: sum_leading(dy.clone() * xhat),
+        beta: sum_leading(dy),
     }
 }
 
@@ -118,12 +164,25 @@ pub fn rms_norm<B: Backend>(
     gamma: FloatTensor<B>,
     epsilon: f64,
 ) -> RmsNormOutput<B> {
-    let (x, shape) = rows::<B>(x);
-    let rstd = x.clone().square().mean_dim(1).add_scalar(epsilon).sqrt().recip();
-    let y = x * rstd.clone() * float::<B, 1>(gamma).unsqueeze_dim(0);
+    ranked!(rank::<B>(&x), rms_norm_d::<B>(x, gamma, epsilon))
+}
+
+fn rms_norm_d<B: Backend, const D: usize>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    epsilon: f64,
+) -> RmsNormOutput<B> {
+    let x = float::<B, D>(x);
+    let rstd = x
+        .clone()
+        .square()
+        .mean_dim(D - 1)
+        .add_scalar(epsilon)
+        .sqrt()
+        .recip();
     RmsNormOutput {
-        output: reshaped(y, shape),
-        rstd: per_row(rstd),
+        output: prim(x * rstd.clone() * channels::<B, D>(gamma)),
+        rstd: prim(rstd),
     }
 }
 
@@ -135,16 +194,21 @@ pub fn rms_norm_backward<B: Backend>(
     rstd: FloatTensor<B>,
     dy: FloatTensor<B>,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let (x, shape) = rows::<B>(x);
-    let (dy, _) = rows::<B>(dy);
-    let rstd = column::<B>(rstd);
+    ranked!(rank::<B>(&x), rms_norm_backward_d::<B>(x, gamma, rstd, dy))
+}
+
+fn rms_norm_backward_d<B: Backend, const D: usize>(
+    x: FloatTensor<B>,
+    gamma: FloatTensor<B>,
+    rstd: FloatTensor<B>,
+    dy: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (x, dy) = (float::<B, D>(x), float::<B, D>(dy));
+    let rstd = float::<B, D>(rstd);
     let xhat = x * rstd.clone();
-    let g = dy.clone() * float::<B, 1>(gamma).unsqueeze_dim(0);
-    let dx = rstd * (g.clone() - xhat.clone() * (g * xhat.clone()).mean_dim(1));
-    (
-        reshaped(dx, shape),
-        prim((dy * xhat).sum_dim(0).squeeze_dim::<1>(0)),
-    )
+    let g = dy.clone() * channels::<B, D>(gamma);
+    let dx = rstd * (g.clone() - xhat.clone() * (g * xhat.clone()).mean_dim(D - 1));
+    (prim(dx), sum_leading(dy * xhat))
 }
 
 /// Rows with a negative target, as a `[rows, 1]` 0/1 float mask of kept rows, and the targets
@@ -160,32 +224,30 @@ pub fn cross_entropy<B: Backend>(
     logits: FloatTensor<B>,
     targets: IntTensor<B>,
 ) -> CrossEntropyOutput<B> {
-    let (x, _) = rows::<B>(logits);
+    let x = float::<B, 2>(logits);
     let (kept, index) = kept_rows::<B>(targets);
     let max = x.clone().max_dim(1);
     let lse = (x.clone() - max.clone()).exp().sum_dim(1).log() + max;
     let picked = x.gather(1, index);
     CrossEntropyOutput {
-        loss: per_row((lse.clone() - picked) * kept),
-        lse: per_row(lse),
+        loss: prim(((lse.clone() - picked) * kept).squeeze_dim::<1>(1)),
+        lse: prim(lse.squeeze_dim::<1>(1)),
     }
 }
 
-/// Gradient of the cross-entropy w.r.t. the logits.
+/// Gradient of the cross-entropy w.r.t. the logits: `exp(x − lse)`, minus 1 at the target
+/// (a scatter-add of one value per row, no one-hot matrix), times the row's upstream gradient.
 pub fn cross_entropy_backward<B: Backend>(
     logits: FloatTensor<B>,
     targets: IntTensor<B>,
     lse: FloatTensor<B>,
     dloss: FloatTensor<B>,
 ) -> FloatTensor<B> {
-    let (x, shape) = rows::<B>(logits);
-    let [_, vocab] = x.dims();
-    let device = x.device();
+    let x = float::<B, 2>(logits);
     let (kept, index) = kept_rows::<B>(targets);
-    let p = (x - column::<B>(lse)).exp();
-    let classes = Tensor::<B, 1, Int>::arange(0..vocab as i64, &device).unsqueeze_dim::<2>(0);
-    let onehot = index.equal(classes).float();
-    reshaped((p - onehot) * (column::<B>(dloss) * kept), shape)
+    let p = (x - float::<B, 1>(lse).unsqueeze_dim::<2>(1)).exp();
+    let g = p.scatter(1, index, kept.clone().neg(), IndexingUpdateOp::Add);
+    prim(g * (float::<B, 1>(dloss).unsqueeze_dim::<2>(1) * kept))
 }
 
 const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
@@ -194,10 +256,15 @@ const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
 /// `gelu(x + bias)`, erf form.
 pub fn gelu_bias<B: Backend>(x: FloatTensor<B>, bias: FloatTensor<B>) -> FloatTensor<B> {
-    let (x, shape) = rows::<B>(x);
-    let z = x + float::<B, 1>(bias).unsqueeze_dim(0);
-    let y = z.clone() * (z.mul_scalar(FRAC_1_SQRT_2).erf().add_scalar(1.0)).mul_scalar(0.5);
-    reshaped(y, shape)
+    ranked!(rank::<B>(&x), gelu_bias_d::<B>(x, bias))
+}
+
+fn gelu_bias_d<B: Backend, const D: usize>(
+    x: FloatTensor<B>,
+    bias: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let z = float::<B, D>(x) + channels::<B, D>(bias);
+    prim(z.clone() * (z.mul_scalar(FRAC_1_SQRT_2).erf().add_scalar(1.0)).mul_scalar(0.5))
 }
 
 /// Gradients of `gelu(x + bias)`: `gelu'(z) = Φ(z) + z·φ(z)`.
@@ -206,21 +273,29 @@ pub fn gelu_bias_backward<B: Backend>(
     bias: FloatTensor<B>,
     dy: FloatTensor<B>,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let (x, shape) = rows::<B>(x);
-    let (dy, _) = rows::<B>(dy);
-    let z = x + float::<B, 1>(bias).unsqueeze_dim(0);
+    ranked!(rank::<B>(&x), gelu_bias_backward_d::<B>(x, bias, dy))
+}
+
+fn gelu_bias_backward_d<B: Backend, const D: usize>(
+    x: FloatTensor<B>,
+    bias: FloatTensor<B>,
+    dy: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let z = float::<B, D>(x) + channels::<B, D>(bias);
     let cdf = z
         .clone()
         .mul_scalar(FRAC_1_SQRT_2)
         .erf()
         .add_scalar(1.0)
         .mul_scalar(0.5);
-    let pdf = z.clone().square().mul_scalar(-0.5).exp().mul_scalar(FRAC_1_SQRT_2PI);
-    let dz = dy * (cdf + z * pdf);
-    (
-        reshaped(dz.clone(), shape),
-        prim(dz.sum_dim(0).squeeze_dim::<1>(0)),
-    )
+    let pdf = z
+        .clone()
+        .square()
+        .mul_scalar(-0.5)
+        .exp()
+        .mul_scalar(FRAC_1_SQRT_2PI);
+    let dz = float::<B, D>(dy) * (cdf + z * pdf);
+    (prim(dz.clone()), sum_leading(dz))
 }
 
 /// The causal mask `j > i` of a `[seq, seq]` score matrix, broadcast to `[1, 1, seq, seq]`.
@@ -233,8 +308,16 @@ fn causal_mask<B: Backend>(seq_q: usize, seq_k: usize, device: &B::Device) -> Te
 }
 
 /// Scaled (and masked) scores `[b, h, s_q, s_k]`.
-fn scores<B: Backend>(q: &Tensor<B, 4>, k: &Tensor<B, 4>, scale: f64, causal: bool) -> Tensor<B, 4> {
-    let s = q.clone().matmul(k.clone().swap_dims(2, 3)).mul_scalar(scale);
+fn scores<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    scale: f64,
+    causal: bool,
+) -> Tensor<B, 4> {
+    let s = q
+        .clone()
+        .matmul(k.clone().swap_dims(2, 3))
+        .mul_scalar(scale);
     if causal {
         let [b, h, sq, sk] = s.dims();
         let mask = causal_mask::<B>(sq, sk, &s.device()).expand([b, h, sq, sk]);

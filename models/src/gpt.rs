@@ -9,6 +9,7 @@ use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
 use std::str::FromStr;
 use wildfire_engine::Checkpointer;
+use wildfire_kernels::{FusedOps, ops};
 
 /// Model shape errors, reported before anything is built.
 #[derive(thiserror::Error, Debug, Clone, PartialEq)]
@@ -181,13 +182,17 @@ impl GptConfig {
         let proj_std = 0.02 / ((2 * self.n_layer) as f32).sqrt();
         let blocks = (0..self.n_layer)
             .map(|_| Block {
-                ln_1: LayerNormConfig::new(d).init(device),
+                ln_1: LayerNormConfig::new(d)
+                    .with_epsilon(LN_EPSILON)
+                    .init(device),
                 attn: CausalSelfAttention {
                     c_attn: init.linear(d, 3 * d, 0.02, device),
                     c_proj: init.linear(d, d, proj_std, device),
                     n_head: self.n_head,
                 },
-                ln_2: LayerNormConfig::new(d).init(device),
+                ln_2: LayerNormConfig::new(d)
+                    .with_epsilon(LN_EPSILON)
+                    .init(device),
                 mlp: MlpBlock {
                     c_fc: init.linear(d, 4 * d, 0.02, device),
                     c_proj: init.linear(4 * d, d, proj_std, device),
@@ -199,7 +204,9 @@ impl GptConfig {
             wte: Param::from_tensor(init.normal([self.vocab_size, d], 0.02, device)),
             wpe: Param::from_tensor(init.normal([self.block_size, d], 0.02, device)),
             blocks,
-            ln_f: LayerNormConfig::new(d).init(device),
+            ln_f: LayerNormConfig::new(d)
+                .with_epsilon(LN_EPSILON)
+                .init(device),
             dropout: self.dropout,
         };
         Ok(crate::safetensors::deterministic_ids(model))
@@ -299,7 +306,7 @@ pub struct MlpBlock<B: Backend> {
     pub c_proj: Linear<B>,
 }
 
-impl<B: Backend> CausalSelfAttention<B> {
+impl<B: FusedOps> CausalSelfAttention<B> {
     /// `[b, t, d] -> [b, t, d]` (no dropout).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         self.forward_with(0, x, 0.0, &Checkpointer::inference())
@@ -327,14 +334,33 @@ impl<B: Backend> CausalSelfAttention<B> {
     }
 }
 
-impl<B: Backend> MlpBlock<B> {
-    /// `[b, t, d] -> [b, t, d]`.
+impl<B: FusedOps> MlpBlock<B> {
+    /// `[b, t, d] -> [b, t, d]`. With fused kernels, the up projection's bias and the GELU are
+    /// one kernel.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.c_proj.forward(activation::gelu(self.c_fc.forward(x)))
+        let h = match (&self.c_fc.bias, B::FUSED) {
+            (Some(bias), true) => ops::gelu_bias(
+                burn::tensor::module::linear(x, self.c_fc.weight.val(), None),
+                bias.val(),
+            ),
+            _ => activation::gelu(self.c_fc.forward(x)),
+        };
+        self.c_proj.forward(h)
     }
 }
 
-impl<B: Backend> Block<B> {
+/// LayerNorm's ε in every GPT block.
+pub const LN_EPSILON: f64 = 1e-5;
+
+/// `ln(x)`: the fused kernel where the backend has one, Burn's `LayerNorm` otherwise.
+fn layer_norm<B: FusedOps>(ln: &LayerNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    match (&ln.beta, B::FUSED) {
+        (Some(beta), true) => ops::layer_norm(x, ln.gamma.val(), beta.val(), LN_EPSILON),
+        _ => ln.forward(x),
+    }
+}
+
+impl<B: FusedOps> Block<B> {
     /// `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))` (no dropout).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         self.forward_with(0, x, &Checkpointer::inference())
@@ -350,14 +376,14 @@ impl<B: Backend> Block<B> {
         let p = self.dropout;
         let h = self
             .attn
-            .forward_with(layer, self.ln_1.forward(x.clone()), p, ckpt);
+            .forward_with(layer, layer_norm(&self.ln_1, x.clone()), p, ckpt);
         let x = x + ckpt.dropout(layer, 1, h, p);
-        let h = self.mlp.forward(self.ln_2.forward(x.clone()));
+        let h = self.mlp.forward(layer_norm(&self.ln_2, x.clone()));
         x + ckpt.dropout(layer, 2, h, p)
     }
 }
 
-impl<B: Backend> Gpt<B> {
+impl<B: FusedOps> Gpt<B> {
     /// Logits `[b, t, vocab]` for token ids `[b, t]` (t <= block size), no dropout.
     pub fn forward(&self, idx: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         self.forward_with(idx, &Checkpointer::inference())
@@ -382,7 +408,7 @@ impl<B: Backend> Gpt<B> {
             });
         }
         // Tied output projection: logits = x · wteᵀ.
-        burn::tensor::module::linear(self.ln_f.forward(x), self.wte.val().transpose(), None)
+        burn::tensor::module::linear(layer_norm(&self.ln_f, x), self.wte.val().transpose(), None)
     }
 
     /// Mean cross-entropy of next-token prediction: `inputs` and `targets` are `[b, t]`.
@@ -400,6 +426,14 @@ impl<B: Backend> Gpt<B> {
         let [b, t] = inputs.dims();
         let logits = self.forward_with(inputs, ckpt);
         let vocab = logits.dims()[2];
+        if B::FUSED {
+            // Loss and log-sum-exp in one pass over the logits; the backward writes the logits'
+            // gradient in one more, never materialising the probabilities.
+            return ops::cross_entropy_mean(
+                logits.reshape([b * t, vocab]),
+                targets.reshape([b * t]),
+            );
+        }
         CrossEntropyLossConfig::new()
             .init(&logits.device())
             .forward(logits.reshape([b * t, vocab]), targets.reshape([b * t]))

@@ -31,21 +31,30 @@ fn close_tol(what: &str, got: &[f32], expected: &[f32], tol: f32) {
     );
 }
 
+/// Reads one input's gradient.
+type GradOf<B> = dyn Fn(&<B as AutodiffBackend>::Gradients) -> Vec<f32>;
+
 /// Gradient of `Σ y·w` w.r.t. each input, for a fused and a reference output.
 fn grads<B: AutodiffBackend, const D: usize>(
     y: Tensor<B, D>,
     w: &Tensor<B, D>,
-    inputs: &[&dyn Fn(&B::Gradients) -> Vec<f32>],
+    inputs: &[&GradOf<B>],
 ) -> Vec<Vec<f32>> {
     let g = (y * w.clone()).sum().backward();
     inputs.iter().map(|f| f(&g)).collect()
 }
 
-fn grad_of<B: AutodiffBackend, const D: usize>(t: &Tensor<B, D>) -> impl Fn(&B::Gradients) -> Vec<f32> + '_ {
+fn grad_of<B: AutodiffBackend, const D: usize>(
+    t: &Tensor<B, D>,
+) -> impl Fn(&B::Gradients) -> Vec<f32> + '_ {
     move |g| data(t.grad(g).expect("input is tracked"))
 }
 
-fn normal<B: AutodiffBackend, const D: usize>(shape: [usize; D], std: f64, device: &B::Device) -> Tensor<B, D> {
+fn normal<B: AutodiffBackend, const D: usize>(
+    shape: [usize; D],
+    std: f64,
+    device: &B::Device,
+) -> Tensor<B, D> {
     Tensor::random(shape, Distribution::Normal(0.0, std), device).require_grad()
 }
 
@@ -54,11 +63,20 @@ fn compare<B: AutodiffBackend, const D: usize>(
     what: &str,
     fused: Tensor<B, D>,
     reference: Tensor<B, D>,
-    inputs: &[&dyn Fn(&B::Gradients) -> Vec<f32>],
+    inputs: &[&GradOf<B>],
     tol: f32,
 ) {
-    let w = Tensor::<B, D>::random(fused.shape(), Distribution::Normal(0.0, 1.0), &fused.device());
-    close_tol(&format!("{what} forward"), &data(fused.clone()), &data(reference.clone()), tol);
+    let w = Tensor::<B, D>::random(
+        fused.shape(),
+        Distribution::Normal(0.0, 1.0),
+        &fused.device(),
+    );
+    close_tol(
+        &format!("{what} forward"),
+        &data(fused.clone()),
+        &data(reference.clone()),
+        tol,
+    );
     let gf = grads(fused, &w, inputs);
     let gr = grads(reference, &w, inputs);
     for (i, (a, b)) in gf.iter().zip(&gr).enumerate() {
@@ -69,7 +87,13 @@ fn compare<B: AutodiffBackend, const D: usize>(
 fn check_softmax<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize; 3], tol: f32) {
     let x = normal::<B, 3>(shape, 3.0, device);
     let gx = grad_of(&x);
-    compare(&format!("softmax {shape:?}"), ops::softmax(x.clone()), activation::softmax(x.clone(), 2), &[&gx], tol);
+    compare(
+        &format!("softmax {shape:?}"),
+        ops::softmax(x.clone()),
+        activation::softmax(x.clone(), 2),
+        &[&gx],
+        tol,
+    );
     compare(
         &format!("log_softmax {shape:?}"),
         ops::log_softmax(x.clone()),
@@ -81,12 +105,16 @@ fn check_softmax<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usiz
 
 fn check_norms<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize; 3], tol: f32) {
     let eps = 1e-5;
-    let x = normal::<B, 3>(shape, 2.0, device).add_scalar(0.5).detach().require_grad();
+    let x = normal::<B, 3>(shape, 2.0, device)
+        .add_scalar(0.5)
+        .detach()
+        .require_grad();
     let gamma = normal::<B, 1>([shape[2]], 1.0, device);
     let beta = normal::<B, 1>([shape[2]], 1.0, device);
     let (gx, gg, gb) = (grad_of(&x), grad_of(&gamma), grad_of(&beta));
     let (var, mean) = x.clone().var_mean_bias(2);
-    let reference = (x.clone() - mean) / var.add_scalar(eps).sqrt() * gamma.clone().unsqueeze::<3>()
+    let reference = (x.clone() - mean) / var.add_scalar(eps).sqrt()
+        * gamma.clone().unsqueeze::<3>()
         + beta.clone().unsqueeze::<3>();
     compare(
         &format!("layer_norm {shape:?}"),
@@ -97,7 +125,13 @@ fn check_norms<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize;
     );
     let ms = x.clone().square().mean_dim(2);
     let reference = x.clone() / ms.add_scalar(eps).sqrt() * gamma.clone().unsqueeze::<3>();
-    compare(&format!("rms_norm {shape:?}"), ops::rms_norm(x.clone(), gamma.clone(), eps), reference, &[&gx, &gg], tol);
+    compare(
+        &format!("rms_norm {shape:?}"),
+        ops::rms_norm(x.clone(), gamma.clone(), eps),
+        reference,
+        &[&gx, &gg],
+        tol,
+    );
 }
 
 fn check_gelu<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize; 3], tol: f32) {
@@ -107,25 +141,50 @@ fn check_gelu<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize; 
     // Written out: Burn's `gelu_backward` default (used by its CubeCL backends) differentiates the
     // tanh approximation, not the erf form its forward computes.
     let z = x.clone() + bias.clone().unsqueeze::<3>();
-    let reference = z.clone() * z.mul_scalar(std::f64::consts::FRAC_1_SQRT_2).erf().add_scalar(1.0).mul_scalar(0.5);
-    compare(&format!("gelu_bias {shape:?}"), ops::gelu_bias(x.clone(), bias.clone()), reference, &[&gx, &gb], tol);
+    let reference = z.clone()
+        * z.mul_scalar(std::f64::consts::FRAC_1_SQRT_2)
+            .erf()
+            .add_scalar(1.0)
+            .mul_scalar(0.5);
+    compare(
+        &format!("gelu_bias {shape:?}"),
+        ops::gelu_bias(x.clone(), bias.clone()),
+        reference,
+        &[&gx, &gb],
+        tol,
+    );
 }
 
 /// Targets in `0..vocab`, every 5th row ignored (-100).
 fn targets<B: AutodiffBackend>(rows: usize, vocab: usize, device: &B::Device) -> Tensor<B, 1, Int> {
     let t: Vec<i64> = (0..rows)
-        .map(|r| if r % 5 == 4 { -100 } else { ((r * 7919 + 13) % vocab) as i64 })
+        .map(|r| {
+            if r % 5 == 4 {
+                -100
+            } else {
+                ((r * 7919 + 13) % vocab) as i64
+            }
+        })
         .collect();
     Tensor::from_data(TensorData::new(t, [rows]), device)
 }
 
-fn check_cross_entropy<B: AutodiffBackend + FusedOps>(device: &B::Device, rows: usize, vocab: usize, tol: f32) {
+fn check_cross_entropy<B: AutodiffBackend + FusedOps>(
+    device: &B::Device,
+    rows: usize,
+    vocab: usize,
+    tol: f32,
+) {
     let logits = normal::<B, 2>([rows, vocab], 3.0, device);
     let t = targets::<B>(rows, vocab, device);
     let gl = grad_of(&logits);
     let kept = t.clone().greater_equal_elem(0);
-    let picked = activation::log_softmax(logits.clone(), 1).gather(1, t.clone().clamp_min(0).unsqueeze_dim(1));
-    let reference = picked.squeeze_dim::<1>(1).neg().mask_fill(kept.bool_not(), 0.0);
+    let picked = activation::log_softmax(logits.clone(), 1)
+        .gather(1, t.clone().clamp_min(0).unsqueeze_dim(1));
+    let reference = picked
+        .squeeze_dim::<1>(1)
+        .neg()
+        .mask_fill(kept.bool_not(), 0.0);
     compare(
         &format!("cross_entropy {rows}x{vocab}"),
         ops::cross_entropy(logits.clone(), t),
@@ -135,13 +194,21 @@ fn check_cross_entropy<B: AutodiffBackend + FusedOps>(device: &B::Device, rows: 
     );
 }
 
-fn check_attention<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize; 4], causal: bool, tol: f32) {
+fn check_attention<B: AutodiffBackend + FusedOps>(
+    device: &B::Device,
+    shape: [usize; 4],
+    causal: bool,
+    tol: f32,
+) {
     let q = normal::<B, 4>(shape, 1.0, device);
     let k = normal::<B, 4>(shape, 1.0, device);
     let v = normal::<B, 4>(shape, 1.0, device);
     let scale = 1.0 / (shape[3] as f64).sqrt();
     let (gq, gk, gv) = (grad_of(&q), grad_of(&k), grad_of(&v));
-    let mut scores = q.clone().matmul(k.clone().swap_dims(2, 3)).mul_scalar(scale);
+    let mut scores = q
+        .clone()
+        .matmul(k.clone().swap_dims(2, 3))
+        .mul_scalar(scale);
     if causal {
         let s = shape[2];
         let mask = Tensor::<B, 2, Bool>::tril_mask([s, s], 0, device)
@@ -170,7 +237,12 @@ fn check_all<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) {
     for (rows, vocab) in [(7, 37), (1, 2), (5, 1000)] {
         check_cross_entropy::<B>(device, rows, vocab, tol);
     }
-    for (shape, causal) in [([2, 3, 17, 8], true), ([1, 2, 1, 16], true), ([2, 1, 9, 4], false), ([1, 2, 70, 32], true)] {
+    for (shape, causal) in [
+        ([2, 3, 17, 8], true),
+        ([1, 2, 1, 16], true),
+        ([2, 1, 9, 4], false),
+        ([1, 2, 70, 32], true),
+    ] {
         check_attention::<B>(device, shape, causal, tol);
     }
 }
@@ -215,10 +287,19 @@ mod wgpu {
         let gamma = Tensor::<Wgpu, 1>::random([300], Distribution::Normal(1.0, 0.2), &device);
         let beta = Tensor::<Wgpu, 1>::random([300], Distribution::Normal(0.0, 0.2), &device);
         let pairs = [
-            ("softmax", ops::softmax(f16(x.clone())), ops::softmax(x.clone())),
+            (
+                "softmax",
+                ops::softmax(f16(x.clone())),
+                ops::softmax(x.clone()),
+            ),
             (
                 "layer_norm",
-                ops::layer_norm(f16(x.clone()), gamma.clone().cast(FloatDType::F16), beta.clone().cast(FloatDType::F16), 1e-5),
+                ops::layer_norm(
+                    f16(x.clone()),
+                    gamma.clone().cast(FloatDType::F16),
+                    beta.clone().cast(FloatDType::F16),
+                    1e-5,
+                ),
                 ops::layer_norm(x.clone(), gamma.clone(), beta.clone(), 1e-5),
             ),
             (
@@ -229,11 +310,91 @@ mod wgpu {
         ];
         for (what, half, full) in pairs {
             assert_eq!(half.dtype(), DType::F16, "{what} keeps the f16 dtype");
-            close_tol(&format!("{what} f16"), &data(half.cast(FloatDType::F32)), &data(full), 1e-2);
+            close_tol(
+                &format!("{what} f16"),
+                &data(half.cast(FloatDType::F32)),
+                &data(full),
+                1e-2,
+            );
         }
         let q = Tensor::<Wgpu, 4>::random([1, 2, 33, 16], Distribution::Normal(0.0, 1.0), &device);
-        let half = ops::attention(q.clone().cast(FloatDType::F16), q.clone().cast(FloatDType::F16), q.clone().cast(FloatDType::F16), 0.25, true);
+        let half = ops::attention(
+            q.clone().cast(FloatDType::F16),
+            q.clone().cast(FloatDType::F16),
+            q.clone().cast(FloatDType::F16),
+            0.25,
+            true,
+        );
         let full = ops::attention(q.clone(), q.clone(), q, 0.25, true);
-        close_tol("attention f16", &data(half.cast(FloatDType::F32)), &data(full), 1e-2);
+        close_tol(
+            "attention f16",
+            &data(half.cast(FloatDType::F32)),
+            &data(full),
+            1e-2,
+        );
+    }
+
+    /// The GPT trains on `Autodiff<Distributed<Wgpu>>` through the fused kernels (layer norms,
+    /// GELU-with-bias, flash attention, cross-entropy) and the decorator's fused placement rules;
+    /// its losses track the Flex run (plain Burn ops) step by step, on one rank and sharded.
+    #[test]
+    fn gpt_pretraining_on_wgpu_runs_the_kernels_and_tracks_flex() {
+        use wildfire::models::gpt::Preset;
+        use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
+        use wildfire::pretrain::{PretrainConfig, run, run_on};
+        let base = PretrainConfig {
+            preset: Preset::Tiny,
+            n_layer: Some(2),
+            n_head: Some(2),
+            n_embd: Some(32),
+            block_size: Some(32),
+            steps: 4,
+            batch_size: 4,
+            warmup: 2,
+            eval_every: 0,
+            eval_iters: 1,
+            sample_tokens: 0,
+            log_every: 1000,
+            progress: false,
+            ..PretrainConfig::default()
+        };
+        let flex = run(&base).unwrap();
+        let device = Default::default();
+        for (dp, tp, sp, fsdp) in [
+            (1, 1, false, FsdpStrategy::NoShard),
+            (2, 1, false, FsdpStrategy::FullShard),
+            (1, 2, true, FsdpStrategy::NoShard),
+            (2, 2, false, FsdpStrategy::FullShard),
+        ] {
+            let parallel = ParallelConfig {
+                dp,
+                tp,
+                sp,
+                fsdp,
+                ..ParallelConfig::default()
+            };
+            let before = cube::launches();
+            let got = run_on::<Wgpu>(
+                &PretrainConfig {
+                    parallel,
+                    ..base.clone()
+                },
+                &device,
+            )
+            .unwrap();
+            assert!(
+                cube::launches() > before,
+                "dp {dp} tp {tp}: the fused kernels ran"
+            );
+            for (a, b) in got.steps.iter().zip(&flex.steps) {
+                assert!(
+                    (a.loss - b.loss).abs() <= 1e-4 * b.loss.abs(),
+                    "dp {dp} tp {tp} sp {sp} step {}: wgpu {} vs flex {}",
+                    a.step,
+                    a.loss,
+                    b.loss
+                );
+            }
+        }
     }
 }

@@ -7,6 +7,7 @@
 
 mod fallback;
 mod forward;
+mod fused;
 pub(crate) mod rules;
 
 use crate::device::DistDevice;

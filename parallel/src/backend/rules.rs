@@ -48,7 +48,11 @@ pub(crate) enum BinaryKind {
 }
 
 /// Redistribute as a rule asks, counting the call when it communicates.
-fn to_layout<B: Backend>(op: &'static str, t: DTensor<B>, target: &Layout) -> DTensor<B> {
+pub(crate) fn to_layout<B: Backend>(
+    op: &'static str,
+    t: DTensor<B>,
+    target: &Layout,
+) -> DTensor<B> {
     if &t.layout == target {
         return t;
     }
@@ -65,7 +69,7 @@ fn to_layout<B: Backend>(op: &'static str, t: DTensor<B>, target: &Layout) -> DT
 }
 
 /// The layout with every `Partial` that `keep` rejects turned into `Replicate`.
-fn without_partials(layout: &Layout, keep: impl Fn(Placement) -> bool) -> Layout {
+pub(crate) fn without_partials(layout: &Layout, keep: impl Fn(Placement) -> bool) -> Layout {
     let mut out = layout.clone();
     for (a, p) in layout.placements().iter().enumerate() {
         if matches!(p, Partial(_)) && !keep(*p) {
@@ -75,7 +79,7 @@ fn without_partials(layout: &Layout, keep: impl Fn(Placement) -> bool) -> Layout
     out
 }
 
-fn wrap<B: Backend>(
+pub(crate) fn wrap<B: Backend>(
     local: B::FloatTensorPrimitive,
     layout: Layout,
     device: DistDevice<B>,
@@ -92,7 +96,7 @@ fn is_data(mesh: &DeviceMesh, axis: usize) -> bool {
 }
 
 /// A parameter operand must have a placement on every data axis with more than one member.
-fn check_param<B: Backend>(op: &'static str, w: &DTensor<B>) {
+pub(crate) fn check_param<B: Backend>(op: &'static str, w: &DTensor<B>) {
     let mesh = w.device.mesh();
     for (a, p) in w.layout.placements().iter().enumerate() {
         if *p == Local && mesh.axis_size(a) > 1 {
@@ -281,7 +285,7 @@ pub(crate) fn unpadded<B: Backend>(t: DTensor<B>) -> DTensor<B> {
 }
 
 /// `layout` with `dim` unsharded and no partials.
-fn whole_dim(layout: &Layout, dim: usize) -> Layout {
+pub(crate) fn whole_dim(layout: &Layout, dim: usize) -> Layout {
     let mut target = without_partials(layout, |_| false);
     for a in 0..target.len() {
         if target.get(a) == Shard(dim) {
@@ -1240,6 +1244,27 @@ pub(crate) fn linear_bias_backward<B: Backend>(output_grad: DTensor<B>) -> DTens
     let g = to_layout(OP, output_grad, &tg);
     let grad = B::linear_bias_backward(g.local);
     reduce_data_parallel(grad, out, &summands, g.device)
+}
+
+/// The gradient of a per-channel parameter (a norm's γ or β, a bias) from its local column sums
+/// `local_sum` `[C]` over the rows of a tensor laid out as `rows` (no partials, the channel
+/// dimension `rank − 1` whole or sharded like the parameter): the same reduction as
+/// [`linear_bias_backward`]'s — `Partial(Sum)` where the rows are sharded, reduced into the data
+/// plan where they are per-rank.
+pub(crate) fn column_grad<B: Backend>(
+    local_sum: B::FloatTensorPrimitive,
+    rows: &Layout,
+    rank: usize,
+    device: DistDevice<B>,
+) -> DTensor<B> {
+    let mesh = device.mesh().clone();
+    let (_, _, out, summands) = weight_grad_layouts(&mesh, rows, rows, |_, pg| match pg {
+        Shard(i) if i == rank - 1 => (pg, pg, Shard(0)),
+        Shard(_) => (pg, pg, Partial(ReduceOp::Sum)),
+        Partial(_) if pg.is_linear_partial() => (pg, pg, pg),
+        _ => (Replicate, Replicate, Replicate),
+    });
+    reduce_data_parallel(local_sum, out, &summands, device)
 }
 
 pub(crate) fn embedding<B: Backend>(

@@ -1,0 +1,302 @@
+//! `FusedOps` on `Distributed<B>`: placement rules that run `B`'s fused kernels on the local
+//! shards.
+//!
+//! * Row ops (softmax, norms, GELU-with-bias) need whole rows: the input's channel (last)
+//!   dimension is gathered where sharded — except GELU-with-bias, whose bias may be sharded like
+//!   the channels (a column-parallel layer's output), so it stays local — and partials are
+//!   reduced. Leading dimensions keep their placement (data-parallel `Local` batches, sequence
+//!   shards), and so do the per-row statistics. Parameters are brought whole (or to the channel
+//!   shard) exactly as the `layer_norm` rule does. A parameter's gradient is the kernel's local
+//!   column sum, reduced like a linear layer's bias gradient ([`rules::column_grad`]).
+//! * Cross-entropy runs locally when the logits' rows and vocabulary are not sharded (the integer
+//!   targets are per-rank values); otherwise — vocabulary-parallel logits — it takes the Burn-op
+//!   defaults, which the decorator's loss-parallel rules shard.
+//! * Attention runs locally on batch and head shards (tensor-parallel heads); sequence and
+//!   head-dimension shards are gathered first.
+//! * Backward passes bring the incoming gradient to the saved input's layout, then run locally.
+
+use super::Distributed;
+use super::rules::{self, column_grad, to_layout, whole_dim, without_partials, wrap};
+use crate::placement::{Layout, Placement};
+use crate::tensor::DTensor;
+use burn_backend::tensor::IntTensor;
+use wildfire_kernels::{
+    AttentionGrads, AttentionOutput, CrossEntropyOutput, FusedOps, LayerNormGrads, LayerNormOutput,
+    RmsNormOutput, reference,
+};
+
+type Dt<B> = DTensor<B>;
+
+fn last(t: &Dt<impl FusedOps>) -> usize {
+    t.shape.num_dims() - 1
+}
+
+/// The input with whole rows (channel dimension unsharded, no partials).
+fn rows<B: FusedOps>(op: &'static str, x: Dt<B>) -> Dt<B> {
+    let x = rules::unpadded(x.settled());
+    let target = whole_dim(&x.layout, last(&x));
+    to_layout(op, x, &target)
+}
+
+/// `t` (a gradient or a saved statistic) in `layout`.
+fn like<B: FusedOps>(op: &'static str, t: Dt<B>, layout: &Layout) -> B::FloatTensorPrimitive {
+    to_layout(op, rules::unpadded(t.settled()), layout).local
+}
+
+/// A per-channel parameter, whole.
+fn param<B: FusedOps>(op: &'static str, p: Dt<B>) -> B::FloatTensorPrimitive {
+    rules::check_param(op, &p);
+    let whole = Layout::replicated(p.device.mesh());
+    to_layout(op, rules::unpadded(p), &whole).local
+}
+
+/// Row ops without parameters: `f` on the local rows, the output laid out like them.
+fn row_op<B: FusedOps>(
+    op: &'static str,
+    x: Dt<B>,
+    f: impl FnOnce(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+) -> Dt<B> {
+    let x = rows(op, x);
+    wrap(f(x.local), x.layout, x.device)
+}
+
+fn row_backward<B: FusedOps>(
+    op: &'static str,
+    y: Dt<B>,
+    dy: Dt<B>,
+    f: impl FnOnce(B::FloatTensorPrimitive, B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+) -> Dt<B> {
+    let y = rows(op, y);
+    let dy = like(op, dy, &y.layout);
+    wrap(f(y.local, dy), y.layout, y.device)
+}
+
+/// No tensor-sharded axis (only `Replicate` and per-rank `Local`): the layout under which the
+/// per-rank integer targets line up with the local logits.
+fn unsharded_rows(layout: &Layout) -> bool {
+    layout
+        .placements()
+        .iter()
+        .all(|p| matches!(p, Placement::Replicate | Placement::Local))
+}
+
+/// Attention operands: no partials, sequence and head dimensions whole.
+fn attention_layout(layout: &Layout) -> Layout {
+    whole_dim(&whole_dim(layout, 2), 3)
+}
+
+impl<B: FusedOps> FusedOps for Distributed<B> {
+    const FUSED: bool = B::FUSED;
+
+    fn fused_softmax(x: Dt<B>) -> Dt<B> {
+        row_op("fused_softmax", x, B::fused_softmax)
+    }
+
+    fn fused_softmax_backward(y: Dt<B>, dy: Dt<B>) -> Dt<B> {
+        row_backward("fused_softmax_backward", y, dy, B::fused_softmax_backward)
+    }
+
+    fn fused_log_softmax(x: Dt<B>) -> Dt<B> {
+        row_op("fused_log_softmax", x, B::fused_log_softmax)
+    }
+
+    fn fused_log_softmax_backward(y: Dt<B>, dy: Dt<B>) -> Dt<B> {
+        row_backward(
+            "fused_log_softmax_backward",
+            y,
+            dy,
+            B::fused_log_softmax_backward,
+        )
+    }
+
+    fn fused_layer_norm(
+        x: Dt<B>,
+        gamma: Dt<B>,
+        beta: Dt<B>,
+        epsilon: f64,
+    ) -> LayerNormOutput<Self> {
+        const OP: &str = "fused_layer_norm";
+        let (gamma, beta) = (param(OP, gamma), param(OP, beta));
+        let x = rows(OP, x);
+        let out = B::fused_layer_norm(x.local, gamma, beta, epsilon);
+        let dev = x.device;
+        LayerNormOutput {
+            output: wrap(out.output, x.layout.clone(), dev.clone()),
+            mean: wrap(out.mean, x.layout.clone(), dev.clone()),
+            rstd: wrap(out.rstd, x.layout, dev),
+        }
+    }
+
+    fn fused_layer_norm_backward(
+        x: Dt<B>,
+        gamma: Dt<B>,
+        mean: Dt<B>,
+        rstd: Dt<B>,
+        dy: Dt<B>,
+    ) -> LayerNormGrads<Self> {
+        const OP: &str = "fused_layer_norm_backward";
+        let gamma = param(OP, gamma);
+        let x = rows(OP, x);
+        let (mean, rstd, dy) = (
+            like(OP, mean, &x.layout),
+            like(OP, rstd, &x.layout),
+            like(OP, dy, &x.layout),
+        );
+        let rank = x.shape.num_dims();
+        let g = B::fused_layer_norm_backward(x.local, gamma, mean, rstd, dy);
+        let dev = x.device;
+        LayerNormGrads {
+            x: wrap(g.x, x.layout.clone(), dev.clone()),
+            gamma: column_grad(g.gamma, &x.layout, rank, dev.clone()),
+            beta: column_grad(g.beta, &x.layout, rank, dev),
+        }
+    }
+
+    fn fused_rms_norm(x: Dt<B>, gamma: Dt<B>, epsilon: f64) -> RmsNormOutput<Self> {
+        const OP: &str = "fused_rms_norm";
+        let gamma = param(OP, gamma);
+        let x = rows(OP, x);
+        let out = B::fused_rms_norm(x.local, gamma, epsilon);
+        RmsNormOutput {
+            output: wrap(out.output, x.layout.clone(), x.device.clone()),
+            rstd: wrap(out.rstd, x.layout, x.device),
+        }
+    }
+
+    fn fused_rms_norm_backward(x: Dt<B>, gamma: Dt<B>, rstd: Dt<B>, dy: Dt<B>) -> (Dt<B>, Dt<B>) {
+        const OP: &str = "fused_rms_norm_backward";
+        let gamma = param(OP, gamma);
+        let x = rows(OP, x);
+        let (rstd, dy) = (like(OP, rstd, &x.layout), like(OP, dy, &x.layout));
+        let rank = x.shape.num_dims();
+        let (dx, dgamma) = B::fused_rms_norm_backward(x.local, gamma, rstd, dy);
+        (
+            wrap(dx, x.layout.clone(), x.device.clone()),
+            column_grad(dgamma, &x.layout, rank, x.device),
+        )
+    }
+
+    fn fused_cross_entropy(logits: Dt<B>, targets: IntTensor<B>) -> CrossEntropyOutput<Self> {
+        const OP: &str = "fused_cross_entropy";
+        let logits = rules::unpadded(logits.settled());
+        let target = without_partials(&logits.layout, |_| false);
+        if !unsharded_rows(&target) {
+            return reference::cross_entropy::<Self>(logits, targets);
+        }
+        let logits = to_layout(OP, logits, &target);
+        let out = B::fused_cross_entropy(logits.local, targets);
+        CrossEntropyOutput {
+            loss: wrap(out.loss, logits.layout.clone(), logits.device.clone()),
+            lse: wrap(out.lse, logits.layout, logits.device),
+        }
+    }
+
+    fn fused_cross_entropy_backward(
+        logits: Dt<B>,
+        targets: IntTensor<B>,
+        lse: Dt<B>,
+        dloss: Dt<B>,
+    ) -> Dt<B> {
+        const OP: &str = "fused_cross_entropy_backward";
+        let logits = rules::unpadded(logits.settled());
+        let target = without_partials(&logits.layout, |_| false);
+        if !unsharded_rows(&target) {
+            return reference::cross_entropy_backward::<Self>(logits, targets, lse, dloss);
+        }
+        let logits = to_layout(OP, logits, &target);
+        let (lse, dloss) = (
+            like(OP, lse, &logits.layout),
+            like(OP, dloss, &logits.layout),
+        );
+        let dx = B::fused_cross_entropy_backward(logits.local, targets, lse, dloss);
+        wrap(dx, logits.layout, logits.device)
+    }
+
+    fn fused_gelu_bias(x: Dt<B>, bias: Dt<B>) -> Dt<B> {
+        const OP: &str = "fused_gelu_bias";
+        let (x, bias) = gelu_operands(OP, x, bias);
+        let y = B::fused_gelu_bias(x.local, bias);
+        wrap(y, x.layout, x.device)
+    }
+
+    fn fused_gelu_bias_backward(x: Dt<B>, bias: Dt<B>, dy: Dt<B>) -> (Dt<B>, Dt<B>) {
+        const OP: &str = "fused_gelu_bias_backward";
+        let (x, bias) = gelu_operands(OP, x, bias);
+        let dy = like(OP, dy, &x.layout);
+        let rank = x.shape.num_dims();
+        let (dx, dbias) = B::fused_gelu_bias_backward(x.local, bias, dy);
+        (
+            wrap(dx, x.layout.clone(), x.device.clone()),
+            column_grad(dbias, &x.layout, rank, x.device),
+        )
+    }
+
+    fn fused_attention(
+        q: Dt<B>,
+        k: Dt<B>,
+        v: Dt<B>,
+        scale: f64,
+        causal: bool,
+    ) -> AttentionOutput<Self> {
+        const OP: &str = "fused_attention";
+        let q = rules::unpadded(q.settled());
+        let layout = attention_layout(&q.layout);
+        let q = to_layout(OP, q, &layout);
+        let (k, v) = (like(OP, k, &layout), like(OP, v, &layout));
+        let out = B::fused_attention(q.local, k, v, scale, causal);
+        AttentionOutput {
+            output: wrap(out.output, layout.clone(), q.device.clone()),
+            lse: wrap(out.lse, layout, q.device),
+        }
+    }
+
+    fn fused_attention_backward(
+        q: Dt<B>,
+        k: Dt<B>,
+        v: Dt<B>,
+        output: Dt<B>,
+        lse: Dt<B>,
+        d_output: Dt<B>,
+        scale: f64,
+        causal: bool,
+    ) -> AttentionGrads<Self> {
+        const OP: &str = "fused_attention_backward";
+        let q = rules::unpadded(q.settled());
+        let layout = attention_layout(&q.layout);
+        let q = to_layout(OP, q, &layout);
+        let (k, v) = (like(OP, k, &layout), like(OP, v, &layout));
+        let (o, lse, d_o) = (
+            like(OP, output, &layout),
+            like(OP, lse, &layout),
+            like(OP, d_output, &layout),
+        );
+        let g = B::fused_attention_backward(q.local, k, v, o, lse, d_o, scale, causal);
+        let dev = q.device;
+        AttentionGrads {
+            q: wrap(g.q, layout.clone(), dev.clone()),
+            k: wrap(g.k, layout.clone(), dev.clone()),
+            v: wrap(g.v, layout, dev),
+        }
+    }
+}
+
+/// GELU-with-bias operands: the input without partials, its channels left sharded where they are
+/// (a column-parallel output), and the bias brought to the same channel shards (gathered on the
+/// other axes, as a parameter).
+fn gelu_operands<B: FusedOps>(
+    op: &'static str,
+    x: Dt<B>,
+    bias: Dt<B>,
+) -> (Dt<B>, B::FloatTensorPrimitive) {
+    rules::check_param(op, &bias);
+    let x = rules::unpadded(x.settled());
+    let target = without_partials(&x.layout, |_| false);
+    let x = to_layout(op, x, &target);
+    let channels = last(&x);
+    let bias_layout = Layout::new(x.layout.placements().iter().map(|p| match p {
+        Placement::Shard(d) if *d == channels => Placement::Shard(0),
+        _ => Placement::Replicate,
+    }));
+    let bias = to_layout(op, rules::unpadded(bias), &bias_layout).local;
+    (x, bias)
+}
