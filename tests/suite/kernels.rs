@@ -32,13 +32,13 @@ fn close_tol(what: &str, got: &[f32], expected: &[f32], tol: f32) {
 }
 
 /// Reads one input's gradient.
-type GradOf<B> = dyn Fn(&<B as AutodiffBackend>::Gradients) -> Vec<f32>;
+type GradOf<'a, B> = dyn Fn(&<B as AutodiffBackend>::Gradients) -> Vec<f32> + 'a;
 
 /// Gradient of `Σ y·w` w.r.t. each input, for a fused and a reference output.
 fn grads<B: AutodiffBackend, const D: usize>(
     y: Tensor<B, D>,
     w: &Tensor<B, D>,
-    inputs: &[&GradOf<B>],
+    inputs: &[&GradOf<'_, B>],
 ) -> Vec<Vec<f32>> {
     let g = (y * w.clone()).sum().backward();
     inputs.iter().map(|f| f(&g)).collect()
@@ -63,7 +63,7 @@ fn compare<B: AutodiffBackend, const D: usize>(
     what: &str,
     fused: Tensor<B, D>,
     reference: Tensor<B, D>,
-    inputs: &[&GradOf<B>],
+    inputs: &[&GradOf<'_, B>],
     tol: f32,
 ) {
     let w = Tensor::<B, D>::random(
