@@ -1,0 +1,315 @@
+//! Fused kernels against the same operation composed from Burn ops, on Wgpu (lavapipe here: the
+//! times are informational, a software driver is not a GPU), forward and backward, side by side
+//! in one run (fused and unfused interleaved round by round).
+//!
+//! ```text
+//! cargo bench --bench kernels --features wgpu [-- --rounds 5]
+//! ```
+//!
+//! Columns: median time per call (after a warm-up call that compiles the shaders), the fused
+//! kernel launches per call (exact: counted by `wildfire_kernels::cube`), and the call's tensor
+//! bytes in + out (the size of every input read and every output written, once each — the
+//! traffic a fused kernel needs at least; the unfused composition also writes and re-reads every
+//! intermediate).
+
+mod common;
+
+use burn::backend::Wgpu;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorMetadata};
+use std::time::Instant;
+use wildfire::kernels::{FusedOps, cube, reference};
+
+type B = Wgpu;
+type Prim = FloatTensor<B>;
+
+fn bytes(ts: &[&Prim]) -> usize {
+    ts.iter()
+        .map(|t| t.shape().num_elements() * t.dtype().size())
+        .sum()
+}
+
+fn sync() {
+    <B as burn::tensor::backend::Backend>::sync(&Default::default()).unwrap();
+}
+
+fn random(shape: &[usize], std: f64) -> Prim {
+    Tensor::<B, 1>::random(
+        [shape.iter().product::<usize>()],
+        Distribution::Normal(0.0, std),
+        &Default::default(),
+    )
+    .into_primitive()
+    .tensor()
+    .reshape_to(shape)
+}
+
+trait ReshapeTo {
+    fn reshape_to(self, shape: &[usize]) -> Prim;
+}
+
+impl ReshapeTo for Prim {
+    fn reshape_to(self, shape: &[usize]) -> Prim {
+        <B as burn::tensor::ops::FloatTensorOps<B>>::float_reshape(self, shape.into())
+    }
+}
+
+/// Median seconds of `f` over `rounds`, after a warm-up call.
+fn time<T>(rounds: usize, f: &dyn Fn() -> T) -> f64 {
+    let _ = f();
+    sync();
+    let mut times: Vec<f64> = (0..rounds)
+        .map(|_| {
+            let start = Instant::now();
+            let out = f();
+            sync();
+            drop(out);
+            start.elapsed().as_secs_f64()
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    times[times.len() / 2]
+}
+
+struct Case<'a> {
+    name: String,
+    fused: Box<dyn Fn() -> Vec<Prim> + 'a>,
+    unfused: Box<dyn Fn() -> Vec<Prim> + 'a>,
+    inputs: Vec<Prim>,
+}
+
+fn main() {
+    let smoke = common::smoke();
+    let rounds: usize = common::arg("--rounds").unwrap_or(if smoke { 1 } else { 5 });
+    // The small GPT's shapes (batch 4 × seq 256 rows, d = 256, 4 heads of 64, vocab 50,304).
+    let (rows, d, vocab, heads, seq) = if smoke {
+        (64, 96, 1000, 2, 32)
+    } else {
+        (1024, 256, 50_304, 4, 256)
+    };
+    let hd = 64.min(d / heads);
+    let x = random(&[rows, d], 2.0);
+    let dy = random(&[rows, d], 1.0);
+    let gamma = random(&[d], 1.0);
+    let beta = random(&[d], 1.0);
+    let h4 = random(&[rows, 4 * d], 1.0);
+    let dh4 = random(&[rows, 4 * d], 1.0);
+    let bias4 = random(&[4 * d], 1.0);
+    // 512 rows of logits: lavapipe refuses a single buffer of 1024 × 50,304 f32 (206 MB).
+    let ce_rows = rows.min(512);
+    let logits = random(&[ce_rows, vocab], 3.0);
+    let targets: Tensor<B, 1, Int> = Tensor::from_data(
+        TensorData::new(
+            (0..ce_rows)
+                .map(|r| ((r * 7919) % vocab) as i64)
+                .collect::<Vec<_>>(),
+            [ce_rows],
+        ),
+        &Default::default(),
+    );
+    let t = targets.into_primitive();
+    let dloss = random(&[ce_rows], 1.0);
+    let b = rows / seq;
+    let (q, k, v) = (
+        random(&[b, heads, seq, hd], 1.0),
+        random(&[b, heads, seq, hd], 1.0),
+        random(&[b, heads, seq, hd], 1.0),
+    );
+    let scale = 1.0 / (hd as f64).sqrt();
+    let ln = B::fused_layer_norm(x.clone(), gamma.clone(), beta.clone(), 1e-5);
+    let sm = B::fused_softmax(x.clone());
+    let ce = B::fused_cross_entropy(logits.clone(), t.clone());
+    let att = B::fused_attention(q.clone(), k.clone(), v.clone(), scale, true);
+    let do_ = random(&[b, heads, seq, hd], 1.0);
+
+    let cases = vec![
+        Case {
+            name: format!("softmax [{rows}, {d}]"),
+            fused: Box::new(|| vec![B::fused_softmax(x.clone())]),
+            unfused: Box::new(|| vec![reference::softmax::<B>(x.clone(), false)]),
+            inputs: vec![x.clone()],
+        },
+        Case {
+            name: format!("softmax backward [{rows}, {d}]"),
+            fused: Box::new(|| vec![B::fused_softmax_backward(sm.clone(), dy.clone())]),
+            unfused: Box::new(|| {
+                vec![reference::softmax_backward::<B>(
+                    sm.clone(),
+                    dy.clone(),
+                    false,
+                )]
+            }),
+            inputs: vec![sm.clone(), dy.clone()],
+        },
+        Case {
+            name: format!("layer_norm [{rows}, {d}]"),
+            fused: Box::new(|| {
+                let o = B::fused_layer_norm(x.clone(), gamma.clone(), beta.clone(), 1e-5);
+                vec![o.output, o.mean, o.rstd]
+            }),
+            unfused: Box::new(|| {
+                let o = reference::layer_norm::<B>(x.clone(), gamma.clone(), beta.clone(), 1e-5);
+                vec![o.output, o.mean, o.rstd]
+            }),
+            inputs: vec![x.clone(), gamma.clone(), beta.clone()],
+        },
+        Case {
+            name: format!("layer_norm backward [{rows}, {d}]"),
+            fused: Box::new(|| {
+                let g = B::fused_layer_norm_backward(
+                    x.clone(),
+                    gamma.clone(),
+                    ln.mean.clone(),
+                    ln.rstd.clone(),
+                    dy.clone(),
+                );
+                vec![g.x, g.gamma, g.beta]
+            }),
+            unfused: Box::new(|| {
+                let g = reference::layer_norm_backward::<B>(
+                    x.clone(),
+                    gamma.clone(),
+                    ln.mean.clone(),
+                    ln.rstd.clone(),
+                    dy.clone(),
+                );
+                vec![g.x, g.gamma, g.beta]
+            }),
+            inputs: vec![
+                x.clone(),
+                gamma.clone(),
+                ln.mean.clone(),
+                ln.rstd.clone(),
+                dy.clone(),
+            ],
+        },
+        Case {
+            name: format!("gelu_bias [{rows}, {}]", 4 * d),
+            fused: Box::new(|| vec![B::fused_gelu_bias(h4.clone(), bias4.clone())]),
+            unfused: Box::new(|| vec![reference::gelu_bias::<B>(h4.clone(), bias4.clone())]),
+            inputs: vec![h4.clone(), bias4.clone()],
+        },
+        Case {
+            name: format!("gelu_bias backward [{rows}, {}]", 4 * d),
+            fused: Box::new(|| {
+                let (a, b) = B::fused_gelu_bias_backward(h4.clone(), bias4.clone(), dh4.clone());
+                vec![a, b]
+            }),
+            unfused: Box::new(|| {
+                let (a, b) =
+                    reference::gelu_bias_backward::<B>(h4.clone(), bias4.clone(), dh4.clone());
+                vec![a, b]
+            }),
+            inputs: vec![h4.clone(), bias4.clone(), dh4.clone()],
+        },
+        Case {
+            name: format!("cross_entropy [{ce_rows}, {vocab}]"),
+            fused: Box::new(|| {
+                let o = B::fused_cross_entropy(logits.clone(), t.clone());
+                vec![o.loss, o.lse]
+            }),
+            unfused: Box::new(|| {
+                let o = reference::cross_entropy::<B>(logits.clone(), t.clone());
+                vec![o.loss, o.lse]
+            }),
+            inputs: vec![logits.clone()],
+        },
+        Case {
+            name: format!("cross_entropy backward [{ce_rows}, {vocab}]"),
+            fused: Box::new(|| {
+                vec![B::fused_cross_entropy_backward(
+                    logits.clone(),
+                    t.clone(),
+                    ce.lse.clone(),
+                    dloss.clone(),
+                )]
+            }),
+            unfused: Box::new(|| {
+                vec![reference::cross_entropy_backward::<B>(
+                    logits.clone(),
+                    t.clone(),
+                    ce.lse.clone(),
+                    dloss.clone(),
+                )]
+            }),
+            inputs: vec![logits.clone(), ce.lse.clone(), dloss.clone()],
+        },
+        Case {
+            name: format!("attention causal [{b}, {heads}, {seq}, {hd}]"),
+            fused: Box::new(|| {
+                let o = B::fused_attention(q.clone(), k.clone(), v.clone(), scale, true);
+                vec![o.output, o.lse]
+            }),
+            unfused: Box::new(|| {
+                let o = reference::attention::<B>(q.clone(), k.clone(), v.clone(), scale, true);
+                vec![o.output, o.lse]
+            }),
+            inputs: vec![q.clone(), k.clone(), v.clone()],
+        },
+        Case {
+            name: format!("attention causal backward [{b}, {heads}, {seq}, {hd}]"),
+            fused: Box::new(|| {
+                let g = B::fused_attention_backward(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    att.output.clone(),
+                    att.lse.clone(),
+                    do_.clone(),
+                    scale,
+                    true,
+                );
+                vec![g.q, g.k, g.v]
+            }),
+            unfused: Box::new(|| {
+                let g = reference::attention_backward::<B>(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    att.output.clone(),
+                    att.lse.clone(),
+                    do_.clone(),
+                    scale,
+                    true,
+                );
+                vec![g.q, g.k, g.v]
+            }),
+            inputs: vec![
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                att.output.clone(),
+                att.lse.clone(),
+                do_.clone(),
+            ],
+        },
+    ];
+
+    println!("| op | fused | Burn ops | unfused / fused | fused launches | bytes in + out |");
+    println!("|---|---|---|---|---|---|");
+    for case in &cases {
+        let before = cube::launches();
+        let out = (case.fused)();
+        sync();
+        let launches = cube::launches() - before;
+        let io =
+            bytes(&case.inputs.iter().collect::<Vec<_>>()) + bytes(&out.iter().collect::<Vec<_>>());
+        drop(out);
+        let (mut fused, mut unfused) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            fused.push(time(1, &*case.fused));
+            unfused.push(time(1, &*case.unfused));
+        }
+        fused.sort_by(f64::total_cmp);
+        unfused.sort_by(f64::total_cmp);
+        let (f, u) = (fused[rounds / 2], unfused[rounds / 2]);
+        println!(
+            "| {} | {:.3} ms | {:.3} ms | {:.2} | {launches} | {:.2} MB |",
+            case.name,
+            f * 1e3,
+            u * 1e3,
+            u / f,
+            io as f64 / 1e6
+        );
+    }
+}
