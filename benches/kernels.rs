@@ -122,6 +122,28 @@ fn main() {
     let att = B::fused_attention(q.clone(), k.clone(), v.clone(), scale, true);
     let do_ = random(&[b, heads, seq, hd], 1.0);
 
+    // The optimizer tail on one 4d × d matrix.
+    let w = random(&[4 * d, d], 1.0);
+    let (mom, vel) = (
+        random(&[4 * d, d], 0.1),
+        B::fused_unscale(random(&[4 * d, d], 0.1), 1.0).grad,
+    );
+    let vel = <B as burn::tensor::ops::FloatTensorOps<B>>::float_abs(vel);
+    let one = |x: f32| -> Prim {
+        Tensor::<B, 1>::from_data(TensorData::new(vec![x], [1]), &Default::default())
+            .into_primitive()
+            .tensor()
+    };
+    let (clip, no_skip) = (one(0.5), one(0.0));
+    let adam = wildfire::kernels::AdamWStep {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+        step: 10,
+    };
+
     let cases = vec![
         Case {
             name: format!("softmax [{rows}, {d}]"),
@@ -281,6 +303,53 @@ fn main() {
                 att.output.clone(),
                 att.lse.clone(),
                 do_.clone(),
+            ],
+        },
+        Case {
+            name: format!("unscale + Σg² + non-finite [{}, {d}]", 4 * d),
+            fused: Box::new(|| {
+                let o = B::fused_unscale(w.clone(), 1.0 / 1024.0);
+                vec![o.grad, o.sum_squares, o.non_finite]
+            }),
+            unfused: Box::new(|| {
+                let o = reference::unscale::<B>(w.clone(), 1.0 / 1024.0);
+                vec![o.grad, o.sum_squares, o.non_finite]
+            }),
+            inputs: vec![w.clone()],
+        },
+        Case {
+            name: format!("AdamW, predicated [{}, {d}]", 4 * d),
+            fused: Box::new(|| {
+                let o = B::fused_adamw(
+                    w.clone(),
+                    w.clone(),
+                    mom.clone(),
+                    vel.clone(),
+                    clip.clone(),
+                    no_skip.clone(),
+                    adam,
+                );
+                vec![o.param, o.m, o.v]
+            }),
+            unfused: Box::new(|| {
+                let o = reference::adamw::<B>(
+                    w.clone(),
+                    w.clone(),
+                    mom.clone(),
+                    vel.clone(),
+                    clip.clone(),
+                    no_skip.clone(),
+                    adam,
+                );
+                vec![o.param, o.m, o.v]
+            }),
+            inputs: vec![
+                w.clone(),
+                w.clone(),
+                mom.clone(),
+                vel.clone(),
+                clip.clone(),
+                no_skip.clone(),
             ],
         },
     ];

@@ -94,6 +94,46 @@ pub struct AttentionGrads<B: Backend> {
     pub v: FloatTensor<B>,
 }
 
+/// Output of [`FusedOps::fused_unscale`]: the optimizer tail's first pass.
+#[derive(Debug, Clone)]
+pub struct UnscaleOutput<B: Backend> {
+    /// The gradient times `inv_scale`.
+    pub grad: FloatTensor<B>,
+    /// `Σ g²` of the unscaled gradient, shape `[1]` (for the global norm; stays on the device).
+    pub sum_squares: FloatTensor<B>,
+    /// `1` if any unscaled element is infinite or NaN, else `0`, shape `[1]`.
+    pub non_finite: FloatTensor<B>,
+}
+
+/// Hyper-parameters of one AdamW step (PyTorch's decoupled weight decay:
+/// `p ← p·(1 − lr·wd) − lr·m̂/(√v̂ + ε)`, `m̂ = m/(1 − β₁ᵗ)`, `v̂ = v/(1 − β₂ᵗ)`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate.
+    pub lr: f64,
+    /// First-moment decay β₁.
+    pub beta1: f64,
+    /// Second-moment decay β₂.
+    pub beta2: f64,
+    /// ε in the denominator.
+    pub epsilon: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+    /// The step number `t`, from 1 (bias correction).
+    pub step: u32,
+}
+
+/// A parameter and its AdamW moments after [`FusedOps::fused_adamw`].
+#[derive(Debug, Clone)]
+pub struct AdamWState<B: Backend> {
+    /// The parameter.
+    pub param: FloatTensor<B>,
+    /// First moment.
+    pub m: FloatTensor<B>,
+    /// Second moment.
+    pub v: FloatTensor<B>,
+}
+
 /// Fused operations, forward and backward. Every method has a default built from Burn ops (see
 /// [`reference`]), so any backend can implement the trait with an empty `impl`; backends with
 /// kernels override them.
@@ -229,6 +269,29 @@ pub trait FusedOps: Backend {
         causal: bool,
     ) -> AttentionGrads<Self> {
         reference::attention_backward::<Self>(q, k, v, output, lse, d_output, scale, causal)
+    }
+
+    /// The optimizer tail's first pass over a gradient: unscale by `inv_scale` (the loss
+    /// scaler's `1/scale`), sum of squares and non-finite flag, in one pass.
+    fn fused_unscale(grad: FloatTensor<Self>, inv_scale: f64) -> UnscaleOutput<Self> {
+        reference::unscale::<Self>(grad, inv_scale)
+    }
+
+    /// One AdamW step on `param` with moments `m`, `v`, for the gradient `grad · grad_scale`
+    /// (`grad_scale` `[1]`: a clipping coefficient kept on the device), predicated on `skip`
+    /// (`[1]`; non-zero — an overflowed step — returns the inputs unchanged), so a skipped step
+    /// never leaves the device.
+    #[allow(clippy::too_many_arguments)]
+    fn fused_adamw(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        grad_scale: FloatTensor<Self>,
+        skip: FloatTensor<Self>,
+        step: AdamWStep,
+    ) -> AdamWState<Self> {
+        reference::adamw::<Self>(param, grad, m, v, grad_scale, skip, step)
     }
 }
 

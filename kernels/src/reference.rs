@@ -4,8 +4,8 @@
 //! are the kernels' formulas.
 
 use crate::{
-    AttentionGrads, AttentionOutput, CrossEntropyOutput, LayerNormGrads, LayerNormOutput,
-    RmsNormOutput,
+    AdamWState, AdamWStep, AttentionGrads, AttentionOutput, CrossEntropyOutput, LayerNormGrads,
+    LayerNormOutput, RmsNormOutput, UnscaleOutput,
 };
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -371,5 +371,68 @@ pub fn attention_backward<B: Backend>(
         q: prim(ds.clone().matmul(k).mul_scalar(scale)),
         k: prim(ds.swap_dims(2, 3).matmul(q).mul_scalar(scale)),
         v: prim(dv),
+    }
+}
+
+/// Unscale, `Σ g²` and the non-finite flag with Burn ops.
+pub fn unscale<B: Backend>(grad: FloatTensor<B>, inv_scale: f64) -> UnscaleOutput<B> {
+    ranked!(rank::<B>(&grad), unscale_d::<B>(grad, inv_scale))
+}
+
+fn unscale_d<B: Backend, const D: usize>(grad: FloatTensor<B>, inv_scale: f64) -> UnscaleOutput<B> {
+    let g = float::<B, D>(grad).mul_scalar(inv_scale);
+    let bad = g.clone().is_nan().bool_or(g.clone().is_inf()).any().float();
+    UnscaleOutput {
+        sum_squares: prim(g.clone().square().sum()),
+        non_finite: prim(bad),
+        grad: prim(g),
+    }
+}
+
+/// AdamW with Burn ops, predicated on `skip`.
+pub fn adamw<B: Backend>(
+    param: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    m: FloatTensor<B>,
+    v: FloatTensor<B>,
+    grad_scale: FloatTensor<B>,
+    skip: FloatTensor<B>,
+    step: AdamWStep,
+) -> AdamWState<B> {
+    ranked!(
+        rank::<B>(&param),
+        adamw_d::<B>(param, grad, m, v, grad_scale, skip, step)
+    )
+}
+
+fn adamw_d<B: Backend, const D: usize>(
+    param: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    m: FloatTensor<B>,
+    v: FloatTensor<B>,
+    grad_scale: FloatTensor<B>,
+    skip: FloatTensor<B>,
+    s: AdamWStep,
+) -> AdamWState<B> {
+    let (p, m, v) = (float::<B, D>(param), float::<B, D>(m), float::<B, D>(v));
+    let shape = p.shape();
+    let g = float::<B, D>(grad) * float::<B, 1>(grad_scale).reshape([1; D]);
+    let m2 = m.clone().mul_scalar(s.beta1) + g.clone().mul_scalar(1.0 - s.beta1);
+    let v2 = v.clone().mul_scalar(s.beta2) + g.square().mul_scalar(1.0 - s.beta2);
+    let t = s.step.max(1) as i32;
+    let m_hat = m2.clone().div_scalar(1.0 - s.beta1.powi(t));
+    let v_hat = v2.clone().div_scalar(1.0 - s.beta2.powi(t));
+    let p2 = p.clone().mul_scalar(1.0 - s.lr * s.weight_decay)
+        - m_hat
+            .div(v_hat.sqrt().add_scalar(s.epsilon))
+            .mul_scalar(s.lr);
+    let skipped = float::<B, 1>(skip)
+        .not_equal_elem(0.0)
+        .reshape([1; D])
+        .expand(shape);
+    AdamWState {
+        param: prim(p2.mask_where(skipped.clone(), p)),
+        m: prim(m2.mask_where(skipped.clone(), m)),
+        v: prim(v2.mask_where(skipped, v)),
     }
 }

@@ -247,6 +247,98 @@ fn check_all<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) {
     }
 }
 
+/// The optimizer tail against the formulas computed on the host: unscale + `Σ g²` + non-finite
+/// flag, AdamW for a device-resident clip coefficient, and the skipped step (bitwise no-op).
+fn check_optimizer_tail<B: burn::tensor::backend::Backend + FusedOps>(
+    device: &B::Device,
+    tol: f32,
+) {
+    use wildfire_kernels::AdamWStep;
+    let n = 37 * 13;
+    let host = |seed: u64| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as u64 * 2654435761 + seed * 97) % 2001) as f32 / 1000.0 - 1.0)
+            .collect()
+    };
+    let tensor = |v: &[f32], shape: [usize; 2]| -> Tensor<B, 2> {
+        Tensor::from_data(TensorData::new(v.to_vec(), shape), device)
+    };
+    let prim = |t: Tensor<B, 2>| t.into_primitive().tensor();
+    let back = |p| {
+        data(Tensor::<B, 2>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(p),
+        ))
+    };
+    let back1 = |p| {
+        data(Tensor::<B, 1>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(p),
+        ))
+    };
+    let g: Vec<f32> = host(1).iter().map(|x| x * 1024.0).collect();
+    let out = B::fused_unscale(prim(tensor(&g, [37, 13])), 1.0 / 1024.0);
+    let expected: Vec<f32> = g.iter().map(|x| x / 1024.0).collect();
+    close_tol("unscaled gradient", &back(out.grad), &expected, tol);
+    let sq: f32 = expected.iter().map(|x| x * x).sum();
+    close_tol("Σ g²", &back1(out.sum_squares), &[sq], tol);
+    assert_eq!(back1(out.non_finite), vec![0.0], "finite gradient flagged");
+    for bad in [f32::INFINITY, f32::NAN] {
+        let mut g2 = g.clone();
+        g2[200] = bad;
+        let out = B::fused_unscale(prim(tensor(&g2, [37, 13])), 1.0 / 1024.0);
+        assert_eq!(back1(out.non_finite), vec![1.0], "{bad} not flagged");
+    }
+
+    let (p, gr, m) = (host(2), host(3), host(4));
+    let v: Vec<f32> = host(5).iter().map(|x| x.abs()).collect();
+    let step = AdamWStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+        step: 3,
+    };
+    let one = |x: f32| {
+        Tensor::<B, 1>::from_data(TensorData::new(vec![x], [1]), device)
+            .into_primitive()
+            .tensor()
+    };
+    let run = |skip: f32| {
+        B::fused_adamw(
+            prim(tensor(&p, [37, 13])),
+            prim(tensor(&gr, [37, 13])),
+            prim(tensor(&m, [37, 13])),
+            prim(tensor(&v, [37, 13])),
+            one(0.5),
+            one(skip),
+            step,
+        )
+    };
+    let out = run(0.0);
+    let (mut pe, mut me, mut ve) = (vec![], vec![], vec![]);
+    for i in 0..n {
+        let g = gr[i] as f64 * 0.5;
+        let m1 = 0.9 * m[i] as f64 + 0.1 * g;
+        let v1 = 0.95 * v[i] as f64 + 0.05 * g * g;
+        let (mh, vh) = (m1 / (1.0 - 0.9f64.powi(3)), v1 / (1.0 - 0.95f64.powi(3)));
+        pe.push((p[i] as f64 * (1.0 - 1e-3) - 1e-2 * mh / (vh.sqrt() + 1e-8)) as f32);
+        me.push(m1 as f32);
+        ve.push(v1 as f32);
+    }
+    close_tol("AdamW parameter", &back(out.param), &pe, tol);
+    close_tol("AdamW m", &back(out.m), &me, tol);
+    close_tol("AdamW v", &back(out.v), &ve, tol);
+    let skipped = run(1.0);
+    assert_eq!(back(skipped.param), p, "a skipped step changes nothing");
+    assert_eq!(back(skipped.m), m);
+    assert_eq!(back(skipped.v), v);
+}
+
+#[test]
+fn optimizer_tail_on_flex() {
+    check_optimizer_tail::<burn::backend::Flex>(&Default::default(), 1e-5);
+}
+
 #[test]
 fn fused_ops_on_flex_match_burn_ops_forward_and_backward() {
     // The Burn-op defaults and the written-out backward formulas, through the fused autodiff nodes.
@@ -268,6 +360,13 @@ mod wgpu {
         let device = Default::default();
         let before = cube::launches();
         check_all::<W>(&device, 1e-4);
+        assert!(cube::launches() > before, "the CubeCL kernels ran");
+    }
+
+    #[test]
+    fn optimizer_tail_kernels() {
+        let before = cube::launches();
+        check_optimizer_tail::<Wgpu>(&Default::default(), 1e-5);
         assert!(cube::launches() > before, "the CubeCL kernels ran");
     }
 
