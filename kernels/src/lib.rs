@@ -6,6 +6,8 @@
 //! * [`CubeBackend`](burn_cubecl::CubeBackend) (feature `cube`, on by `wgpu`/`cuda`) runs
 //!   `#[cube]` kernels written once in [`cube`] and compiled by CubeCL for CUDA, Vulkan (lavapipe
 //!   in CI), Metal, …;
+//! * `Fusion<B>` (feature `fusion`) registers each op as one custom operation of the fusion
+//!   stream, run by `B`'s kernel ([`fusion`]);
 //! * `Autodiff<B>` records one graph node per fused op and wires its backward to `B`'s fused
 //!   backward kernel ([`autodiff`]);
 //! * `Distributed<B>` (in `wildfire-parallel`) applies the op to the local shards under a
@@ -26,6 +28,8 @@
 pub mod autodiff;
 #[cfg(feature = "cube")]
 pub mod cube;
+#[cfg(feature = "fusion")]
+pub mod fusion;
 pub mod ops;
 pub mod reference;
 

@@ -358,6 +358,14 @@ mod wgpu {
     fn kernels_match_burn_ops_forward_and_backward() {
         // f32; the kernels accumulate in f32 in another order than Burn's reductions.
         let device = Default::default();
+        // With the `fusion` feature (CI runs this test both ways), `Wgpu` is Burn's
+        // `Fusion<CubeBackend<…>>` and the kernels run as custom ops of the fusion stream.
+        let name = <Wgpu as burn::tensor::backend::Backend>::name(&device);
+        assert_eq!(
+            name.contains("fusion"),
+            cfg!(feature = "fusion"),
+            "backend {name}"
+        );
         let before = cube::launches();
         check_all::<W>(&device, 1e-4);
         assert!(cube::launches() > before, "the CubeCL kernels ran");
