@@ -474,7 +474,7 @@ impl<'a, B: FusedOps> Checkpointer<'a, B> {
     /// `[b, h, t, hd]` each, with dropout on the probabilities while training. Without dropout,
     /// on a backend with fused kernels ([`FusedOps::FUSED`]), this is the flash-attention kernel:
     /// it keeps only q, k, v, the output and one log-sum-exp per query, and its backward
-    /// recomputes the probabilities tile by tile — what `Selective` asks for, under every policy.
+    /// recomputes the probabilities from it — what `Selective` asks for, under every policy.
     pub fn attention(
         &self,
         layer: usize,

@@ -72,7 +72,7 @@ pub struct AttentionOutput<B: Backend> {
     /// `softmax(q·kᵀ·scale [+ causal mask])·v`, `[batch, heads, seq_q, head_dim]`.
     pub output: FloatTensor<B>,
     /// Per-query log-sum-exp of the scaled scores, `[batch, heads, seq_q]` — all the backward
-    /// needs to recompute the probabilities tile by tile.
+    /// needs to recompute the probabilities key by key in backward.
     pub lse: FloatTensor<B>,
 }
 
@@ -260,7 +260,8 @@ pub trait FusedOps: Backend {
     }
 
     /// Gradients of [`FusedOps::fused_attention`] from its output and log-sum-exp; the kernel
-    /// recomputes the probabilities tile by tile.
+    /// recomputes the probabilities from `lse` (one unit per query row for dQ, one per key row for
+    /// dK and dV; no shared-memory tiling yet).
     #[allow(clippy::too_many_arguments)]
     fn fused_attention_backward(
         q: FloatTensor<Self>,
