@@ -10,7 +10,7 @@
 
 use crate::{
     AdamWState, AdamWStep, AttentionGrads, AttentionOutput, CrossEntropyOutput, FusedOps,
-    LayerNormGrads, LayerNormOutput, RmsNormOutput, UnscaleOutput,
+    LayerNormGrads, LayerNormOutput, RmsNormOutput, UnscaleOutput, stats_shape,
 };
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorMetadata};
@@ -789,15 +789,6 @@ fn adamw_kernel<F: Float>(
 fn rows_cols(shape: &Shape) -> (usize, usize) {
     let cols = shape[shape.num_dims() - 1];
     (shape.num_elements() / cols.max(1), cols)
-}
-
-/// The per-row statistics' shape: the input's with a last dimension of 1.
-fn stats_shape(shape: &Shape) -> Shape {
-    let mut dims = shape.to_vec();
-    if let Some(last) = dims.last_mut() {
-        *last = 1;
-    }
-    Shape::from(dims)
 }
 
 /// Units per row cube: a power of two from 32 to 256, about 4 elements per unit (fewer barrier

@@ -5,7 +5,7 @@
 
 use crate::{
     AdamWState, AdamWStep, AttentionGrads, AttentionOutput, CrossEntropyOutput, FusedOps,
-    LayerNormGrads, LayerNormOutput, RmsNormOutput, UnscaleOutput,
+    LayerNormGrads, LayerNormOutput, RmsNormOutput, UnscaleOutput, stats_shape,
 };
 use burn::tensor::{DType, Shape};
 use burn_fusion::stream::{Operation, OperationStreams};
@@ -179,14 +179,6 @@ fn take<const N: usize, T: std::fmt::Debug>(v: Vec<T>) -> [T; N] {
 /// The dtype of per-row statistics and reductions: f32 from kernels, the input's otherwise.
 fn stats<B: FusedOps>(input: DType) -> DType {
     if B::FUSED { DType::F32 } else { input }
-}
-
-fn stats_shape(shape: &Shape) -> Shape {
-    let mut dims = shape.to_vec();
-    if let Some(last) = dims.last_mut() {
-        *last = 1;
-    }
-    Shape::from(dims)
 }
 
 fn meta<B: FusionBackend>(t: &Ft<B>) -> (Shape, DType) {

@@ -302,3 +302,13 @@ pub trait FusedOps: Backend {
 
 /// Flex, the CPU backend, runs the Burn-op defaults.
 impl FusedOps for burn::backend::Flex {}
+
+/// The shape of the norms' per-row statistics: the input's with a last dimension of 1.
+#[cfg(any(feature = "cube", feature = "fusion"))]
+pub(crate) fn stats_shape(shape: &burn::tensor::Shape) -> burn::tensor::Shape {
+    let mut dims = shape.to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = 1;
+    }
+    burn::tensor::Shape::from(dims)
+}
