@@ -100,6 +100,11 @@ struct Args {
     /// Megatron sequence parallelism over the tensor-parallel ranks (needs --tp 2 or more).
     #[arg(long, help_heading = "Parallelism")]
     sp: bool,
+    /// With --sp: keep the sequence all-gathers of the column-parallel layers' inputs for their
+    /// backward (2 all-gathers + 2 reduce-scatters per block each way, 2·b·t·d more bytes per
+    /// block) instead of gathering again (the default, as Megatron-LM).
+    #[arg(long, help_heading = "Parallelism")]
+    sp_keep_gathers: bool,
     /// Data-parallel strategy: none (DDP), zero1, grad-op, full (FSDP / ZeRO-3), hybrid (HSDP).
     #[arg(long, default_value = "none", value_parser = parse_fsdp, help_heading = "Parallelism")]
     fsdp: FsdpStrategy,
@@ -225,6 +230,7 @@ fn main() -> Result<()> {
             dp: args.dp,
             tp: args.tp,
             sp: args.sp,
+            sp_keep_gathers: args.sp_keep_gathers,
             fsdp: args.fsdp,
             dp_shard: args.dp_shard,
             recompute: args.recompute,

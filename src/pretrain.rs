@@ -360,7 +360,8 @@ pub fn estimate(config: &PretrainConfig, model: &GptConfig) -> MemoryEstimate {
     // with sequence parallelism), and one block's activations while it is recomputed.
     let sp = config.parallel.sp && t > 1;
     let kept_linear = if sp {
-        s * b * h * 34 / t
+        // Keeping the sequence gathers: the two column-parallel inputs also whole (2·2sbh).
+        s * b * h * 34 / t + usize::from(config.parallel.sp_keep_gathers) * 4 * s * b * h
     } else {
         s * b * h * (10 + 24 / t)
     };

@@ -41,6 +41,11 @@ pub struct ParallelConfig {
     /// dropout and the residual stream hold `1/tp` of the sequence.
     #[serde(default)]
     pub sp: bool,
+    /// With `sp`: keep the sequence gathers of the column-parallel layers' inputs for backward
+    /// (2 all-gathers + 2 reduce-scatters per block each way) instead of gathering again
+    /// (Megatron-LM's default, less memory).
+    #[serde(default)]
+    pub sp_keep_gathers: bool,
     /// Data-parallel strategy.
     pub fsdp: FsdpStrategy,
     /// HSDP: ranks per shard group (`dp_shard`); the `dp / dp_shard` groups replicate.
@@ -55,6 +60,7 @@ impl Default for ParallelConfig {
             dp: 1,
             tp: 1,
             sp: false,
+            sp_keep_gathers: false,
             fsdp: FsdpStrategy::NoShard,
             dp_shard: None,
             recompute: Recompute::None,
@@ -102,6 +108,11 @@ impl ParallelConfig {
                 )));
             }
         }
+        if self.sp_keep_gathers && !self.sp {
+            return Err(ParallelizeError::Config(
+                "--sp-keep-gathers is an option of sequence parallelism: add --sp".into(),
+            ));
+        }
         if self.sp && self.tp < 2 {
             return Err(ParallelizeError::Config(
                 "--sp (sequence parallelism) shards over the tensor-parallel axis: it needs --tp 2 or more".into(),
@@ -135,21 +146,15 @@ pub fn parallelize_gpt<B: DistributedBackend>(
     config.check_available()?;
     let model = if config.tp > 1 {
         // The column split of `c_attn` must fall on head boundaries (its columns are grouped by
-        // head), so each rank computes whole heads.
-        if let Some(block) = model.blocks.first()
-            && !block.attn.n_head.is_multiple_of(config.tp)
-        {
-            return Err(ParallelizeError::Config(format!(
-                "--tp {} does not divide the {} attention heads; choose a tp that divides n_head",
-                config.tp, block.attn.n_head
-            )));
-        }
+        // head), so each rank computes whole heads: the plan checks the head count.
+        let heads = model.blocks.first().map_or(1, |b| b.attn.n_head);
+        let plan = gpt_tp_plan().with_heads("blocks.*.attn", heads);
         let plan = if config.sp {
-            gpt_tp_plan()
-                .with("blocks.*.ln_1|ln_2", TpStyle::SequenceParallel)
+            plan.with("blocks.*.ln_1|ln_2", TpStyle::SequenceParallel)
                 .with("ln_f", TpStyle::SequenceParallel)
+                .with_keep_sequence_gathers(config.sp_keep_gathers)
         } else {
-            gpt_tp_plan()
+            plan
         };
         tensor_parallel(model, mesh, &plan)?
     } else {

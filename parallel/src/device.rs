@@ -76,6 +76,9 @@ pub struct RankContext {
     /// activations are reduce-scattered over the sequence (dim 1) instead of all-reduced
     /// (`usize::MAX`: off). Read by every elementwise op, hence an atomic.
     sequence_parallel: std::sync::atomic::AtomicUsize,
+    /// Sequence parallelism: keep a sequence-sharded activation's all-gather for the backward of
+    /// the column-parallel layers that used it, instead of gathering it again there.
+    keep_sequence_gathers: AtomicBool,
     /// The dtype data-parallel gradient reductions communicate in (None: the gradients' own).
     grad_reduce_dtype: Mutex<Option<burn_backend::FloatDType>>,
     /// The live-bytes budget (0: none).
@@ -120,6 +123,7 @@ impl RankContext {
             compute_dtype: Mutex::new(None),
             rng: Mutex::new(None),
             sequence_parallel: std::sync::atomic::AtomicUsize::new(usize::MAX),
+            keep_sequence_gathers: AtomicBool::new(false),
             grad_reduce_dtype: Mutex::new(None),
             memory_budget: std::sync::atomic::AtomicU64::new(0),
         })
@@ -324,6 +328,23 @@ impl RankContext {
     pub fn set_sequence_parallel(&self, axis: Option<usize>) {
         self.sequence_parallel
             .store(axis.unwrap_or(usize::MAX), Ordering::Relaxed);
+    }
+
+    /// Sequence parallelism's trade between memory and communication. Off (the default, as
+    /// Megatron-LM does): a column-parallel layer keeps its sequence-sharded input for backward
+    /// and all-gathers it again for its weight gradient — per block 4 all-gathers + 2
+    /// reduce-scatters in backward. On: the forward's gather is kept with the sharded value
+    /// (counted in the live bytes) and reused — 2 all-gathers + 2 reduce-scatters each way, at
+    /// the memory of the gathered inputs of the column-parallel layers (`2·b·t·d` per block).
+    /// Inputs used by several layers (burn-nn's separate q, k, v projections) are then also
+    /// gathered once in forward.
+    pub fn set_keep_sequence_gathers(&self, keep: bool) {
+        self.keep_sequence_gathers.store(keep, Ordering::Relaxed);
+    }
+
+    /// Whether sequence-parallel gathers are kept for backward.
+    pub fn keeps_sequence_gathers(&self) -> bool {
+        self.keep_sequence_gathers.load(Ordering::Relaxed)
     }
 
     /// Reduce data-parallel gradients in `dtype` (e.g. bf16: half the bytes on the wire; the

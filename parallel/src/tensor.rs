@@ -79,11 +79,14 @@ fn local_bytes<P: TensorMetadata>(local: &P) -> usize {
 }
 
 type Memo<B> = Option<MemoCell<B>>;
+/// Per target layout: the local piece and its byte tracker (a cached piece stays counted in the
+/// rank's live bytes while the cache, i.e. the source value, holds it).
 type MemoCell<B> = Arc<
     Mutex<
         Vec<(
             Layout,
             <B as burn_backend::BackendTypes>::FloatTensorPrimitive,
+            Tracker,
         )>,
     >,
 >;
@@ -204,10 +207,33 @@ impl<B: Backend> DTensor<B> {
         shape: Shape,
         device: DistDevice<B>,
     ) -> Self {
-        // Only partial values are memoised: reducing them twice would double the traffic, while
-        // a gathered shard must not outlive its use (FSDP frees it and gathers again).
-        let memo = layout.has_partial().then(MemoCell::<B>::default);
+        // Partial values are memoised: reducing them twice would double the traffic. A gathered
+        // shard must not outlive its use (FSDP frees it and gathers again) — except, when asked
+        // (`RankContext::set_keep_sequence_gathers`), a sequence-parallel activation's gather,
+        // kept for the backward of the column-parallel layers that use it.
+        let memo = (layout.has_partial() || keeps_sequence_gather(&layout, &shape, &device))
+            .then(MemoCell::<B>::default);
         let track = Tracker::new(local_bytes(&local), device.context());
+        Self {
+            local,
+            layout,
+            shape,
+            device,
+            memo,
+            track,
+        }
+    }
+
+    /// A value taken from a memo: shares the cached piece's tracker (counted once).
+    fn cached(
+        local: B::FloatTensorPrimitive,
+        track: Tracker,
+        layout: Layout,
+        shape: Shape,
+        device: DistDevice<B>,
+    ) -> Self {
+        let memo = (layout.has_partial() || keeps_sequence_gather(&layout, &shape, &device))
+            .then(MemoCell::<B>::default);
         Self {
             local,
             layout,
@@ -326,10 +352,10 @@ impl<B: Backend> DTensor<B> {
             .lock()
             .unwrap()
             .iter()
-            .find(|(l, _)| l == &reduced)
-            .map(|(_, t)| t.clone());
+            .find(|(l, _, _)| l == &reduced)
+            .map(|(_, t, track)| (t.clone(), track.clone()));
         match cached {
-            Some(local) => Self::new_shaped(local, reduced, self.shape, self.device),
+            Some((local, track)) => Self::cached(local, track, reduced, self.shape, self.device),
             None => self,
         }
     }
@@ -355,12 +381,13 @@ impl<B: Backend> DTensor<B> {
         let cached = self.memo.as_ref().and_then(|memo| {
             let memo = memo.lock().unwrap();
             memo.iter()
-                .find(|(l, _)| l == target)
-                .map(|(_, t)| t.clone())
+                .find(|(l, _, _)| l == target)
+                .map(|(_, t, track)| (t.clone(), track.clone()))
         });
-        if let Some(local) = cached {
-            return Ok(Self::new_shaped(
+        if let Some((local, track)) = cached {
+            return Ok(Self::cached(
                 local,
+                track,
                 target.clone(),
                 self.shape,
                 self.device,
@@ -482,10 +509,12 @@ impl<B: Backend> DTensor<B> {
             }
             layout.set(a, to);
         }
-        if communicates && let Some(memo) = memo {
-            memo.lock().unwrap().push((layout.clone(), local.clone()));
-        }
         let track = Tracker::with_kind(local_bytes(&local), gathered_data, self.device.context());
+        if communicates && let Some(memo) = memo {
+            memo.lock()
+                .unwrap()
+                .push((layout.clone(), local.clone(), track.clone()));
+        }
         Ok(Self {
             local,
             layout,
@@ -495,6 +524,21 @@ impl<B: Backend> DTensor<B> {
             track,
         })
     }
+}
+
+/// Whether this value is a sequence-parallel activation (`[b, t, d]` split over the sequence on
+/// the sequence-parallel axis) whose gathers are kept (`RankContext::set_keep_sequence_gathers`).
+fn keeps_sequence_gather<B: Backend>(
+    layout: &Layout,
+    shape: &Shape,
+    device: &DistDevice<B>,
+) -> bool {
+    let ctx = device.context();
+    ctx.keeps_sequence_gathers()
+        && shape.num_dims() == 3
+        && ctx
+            .sequence_parallel()
+            .is_some_and(|axis| layout.get(axis) == Placement::Shard(1))
 }
 
 /// The entries `range` of `local` along `dim`, every other dim whole.

@@ -39,11 +39,23 @@ pub enum TpStyle {
     SequenceParallel,
 }
 
-/// A tensor-parallel plan: `(module path pattern, style)` pairs.
+/// A tensor-parallel plan: `(module path pattern, style)` pairs, the attention modules' head
+/// counts (checked against the tp degree before anything changes), and sequence parallelism's
+/// memory/communication trade.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TpPlan {
     /// The rules, in order.
     pub rules: Vec<(String, TpStyle)>,
+    /// `(module path pattern, head count)`: attention modules whose heads the column split must
+    /// keep whole (a weight width that divides by tp does not mean the heads do).
+    #[serde(default)]
+    pub heads: Vec<(String, usize)>,
+    /// With `SequenceParallel`: keep each sequence-sharded activation's all-gather for backward
+    /// (2 all-gathers + 2 reduce-scatters per block each way, more memory) instead of gathering
+    /// again for the weight gradients (Megatron-LM's default: 4 + 2 in backward). See
+    /// `RankContext::set_keep_sequence_gathers`.
+    #[serde(default)]
+    pub keep_sequence_gathers: bool,
 }
 
 impl TpPlan {
@@ -55,6 +67,28 @@ impl TpPlan {
     /// Add a rule.
     pub fn with(mut self, pattern: impl Into<String>, style: TpStyle) -> Self {
         self.rules.push((pattern.into(), style));
+        self
+    }
+
+    /// Declare the head count of the attention modules at `pattern`: the plan is refused
+    /// ([`TpError::Heads`]) unless tp divides it.
+    pub fn with_heads(mut self, pattern: impl Into<String>, heads: usize) -> Self {
+        self.heads.push((pattern.into(), heads));
+        self
+    }
+
+    /// Megatron's split of a stock burn-nn `MultiHeadAttention` at `pattern` (e.g.
+    /// `encoder.layers.*.mha`) with `heads` heads: `query`, `key` and `value` column-wise (whole
+    /// heads per rank), `output` row-wise, the head count checked.
+    pub fn with_multi_head_attention(self, pattern: &str, heads: usize) -> Self {
+        self.with(format!("{pattern}.query|key|value"), TpStyle::Colwise)
+            .with(format!("{pattern}.output"), TpStyle::Rowwise)
+            .with_heads(pattern, heads)
+    }
+
+    /// Sequence parallelism keeps its gathers for backward (see the field).
+    pub fn with_keep_sequence_gathers(mut self, keep: bool) -> Self {
+        self.keep_sequence_gathers = keep;
         self
     }
 }
@@ -95,6 +129,18 @@ pub enum TpError {
         dim: usize,
         /// Its size.
         size: usize,
+        /// The tensor-parallel degree.
+        tp: usize,
+    },
+    /// An attention module whose head count does not divide by the tp degree.
+    #[error(
+        "tensor-parallel plan: {module} has {heads} attention heads, which do not divide by tp = {tp}; choose a tp that divides the head count"
+    )]
+    Heads {
+        /// The module path.
+        module: String,
+        /// Its head count.
+        heads: usize,
         /// The tensor-parallel degree.
         tp: usize,
     },
@@ -167,6 +213,26 @@ fn assign(
     params: &[(String, String, Vec<usize>)],
     tp: usize,
 ) -> Result<Vec<Option<usize>>, TpError> {
+    // Head counts, on every module (a prefix of a parameter's module path) the pattern names.
+    let modules: std::collections::BTreeSet<String> = params
+        .iter()
+        .flat_map(|(module, _, _)| {
+            let parts: Vec<&str> = module.split('.').collect();
+            (1..=parts.len()).map(move |n| parts[..n].join("."))
+        })
+        .collect();
+    for (pattern, heads) in &plan.heads {
+        let Some(module) = modules.iter().find(|m| matches(pattern, m)) else {
+            return Err(TpError::NoMatch(pattern.clone()));
+        };
+        if !heads.is_multiple_of(tp) {
+            return Err(TpError::Heads {
+                module: module.clone(),
+                heads: *heads,
+                tp,
+            });
+        }
+    }
     let mut out = vec![None; params.len()];
     let mut used = vec![false; plan.rules.len()];
     for (i, (module, field, shape)) in params.iter().enumerate() {
@@ -286,6 +352,7 @@ pub fn tensor_parallel<B: DistributedBackend, M: Module<B>>(
         && let Some(ctx) = apply.ctx
     {
         ctx.set_sequence_parallel(Some(axis));
+        ctx.set_keep_sequence_gathers(plan.keep_sequence_gathers);
     }
     Ok(module)
 }

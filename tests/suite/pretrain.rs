@@ -156,6 +156,7 @@ fn sharded_runs_match_one_rank() {
             dp_shard,
             tp,
             sp,
+            sp_keep_gathers: false,
             recompute,
         };
         let many = run(&PretrainConfig {
@@ -325,7 +326,7 @@ fn bad_input_is_refused() {
     let err = run(&tp).unwrap_err();
     assert!(
         err.to_string()
-            .contains("--tp 3 does not divide the 2 attention heads"),
+            .contains("has 2 attention heads, which do not divide by tp = 3"),
         "{err}"
     );
     let sp = PretrainConfig {

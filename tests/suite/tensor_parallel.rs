@@ -41,8 +41,7 @@ fn task() -> SyntheticTask {
 /// attention output and the MLP's second layer row-wise.
 fn plan() -> TpPlan {
     TpPlan::new()
-        .with("encoder.layers.*.mha.query|key|value", TpStyle::Colwise)
-        .with("encoder.layers.*.mha.output", TpStyle::Rowwise)
+        .with_multi_head_attention("encoder.layers.*.mha", 4)
         .with("encoder.layers.*.pwff.linear_inner", TpStyle::Colwise)
         .with("encoder.layers.*.pwff.linear_outer", TpStyle::Rowwise)
 }
@@ -70,9 +69,10 @@ fn reference() -> (Vec<f32>, Vec<Vec<f32>>) {
 /// Losses, parameters, one step's collectives, fallback count.
 type RankResult = (Vec<f32>, Vec<Vec<f32>>, wildfire::parallel::CommStats, u64);
 
-/// Run on `mesh` (a `tp` axis, optionally a `dp` axis with `fsdp`); returns per rank the losses,
-/// parameters, and the collectives of the last step.
-fn sharded(mesh: &DeviceMesh, fsdp: Option<FsdpStrategy>, sp: bool) -> Vec<RankResult> {
+/// Run on `mesh` (a `tp` axis, optionally a `dp` axis with `fsdp`; `sp`: sequence parallelism,
+/// keeping its gathers or not); returns per rank the losses, parameters, and the collectives of
+/// the last step.
+fn sharded(mesh: &DeviceMesh, fsdp: Option<FsdpStrategy>, sp: Option<bool>) -> Vec<RankResult> {
     let dp = mesh
         .axis_index("dp")
         .map(|a| mesh.axis_size(a))
@@ -84,10 +84,11 @@ fn sharded(mesh: &DeviceMesh, fsdp: Option<FsdpStrategy>, sp: bool) -> Vec<RankR
         |device| {
             let m: EncoderClassifier<Dist> = deterministic_init(config().init(&device), 3);
             // Sequence parallelism: the norms' style in the plan.
-            let plan = if sp {
-                plan().with("encoder.layers.*.norm_1|norm_2", TpStyle::SequenceParallel)
-            } else {
-                plan()
+            let plan = match sp {
+                Some(keep) => plan()
+                    .with("encoder.layers.*.norm_1|norm_2", TpStyle::SequenceParallel)
+                    .with_keep_sequence_gathers(keep),
+                None => plan(),
             };
             let m = tensor_parallel(m, mesh, &plan).unwrap();
             let m = match fsdp {
@@ -139,7 +140,7 @@ fn tensor_parallel_matches_one_device_and_counts_collectives() {
     for tp in [2, 4] {
         let mesh = DeviceMesh::new([("tp", tp)]).unwrap();
         for (rank, (losses, params, stats, fallbacks)) in
-            sharded(&mesh, None, false).iter().enumerate()
+            sharded(&mesh, None, None).iter().enumerate()
         {
             close(&format!("tp={tp} rank {rank} loss"), losses, &ref_losses);
             for (i, (p, q)) in params.iter().zip(&ref_params).enumerate() {
@@ -162,7 +163,7 @@ fn tensor_parallel_matches_one_device_and_counts_collectives() {
 fn tensor_parallel_composes_with_fsdp_on_a_2x2_mesh() {
     let (ref_losses, ref_params) = reference();
     let mesh = DeviceMesh::new([("dp", 2), ("tp", 2)]).unwrap();
-    let results = sharded(&mesh, Some(FsdpStrategy::FullShard), false);
+    let results = sharded(&mesh, Some(FsdpStrategy::FullShard), None);
     let mean: Vec<f32> = (0..STEPS)
         .map(|s| (results[0].0[s] + results[2].0[s]) / 2.0)
         .collect();
@@ -176,15 +177,20 @@ fn tensor_parallel_composes_with_fsdp_on_a_2x2_mesh() {
 }
 
 /// Sequence parallelism on stock burn-nn encoder layers (tp = 2 and 4, and dp × tp with
-/// FullShard): 10 SGD steps match one device (1e-5), no fallback; per block and step the
-/// activation all-reduces are gone (reduce-scatters + all-gathers instead).
+/// FullShard; at tp = 2 also keeping the gathers): 10 SGD steps match one device (1e-5), no
+/// fallback; per block and step the activation all-reduces are gone (reduce-scatters +
+/// all-gathers instead).
 #[test]
 fn sequence_parallel_on_stock_layers_matches_one_device() {
     let (ref_losses, ref_params) = reference();
-    for (dp, tp) in [(1, 2), (1, 4), (2, 2)] {
+    let mut gathers = Vec::new();
+    for (dp, tp, keep) in [(1, 2, false), (1, 4, false), (2, 2, false), (1, 2, true)] {
         let mesh = DeviceMesh::new([("dp", dp), ("tp", tp)]).unwrap();
         let fsdp = (dp > 1).then_some(FsdpStrategy::FullShard);
-        let results = sharded(&mesh, fsdp, true);
+        let results = sharded(&mesh, fsdp, Some(keep));
+        if dp == 1 && tp == 2 {
+            gathers.push(results[0].2.count_on(CollectiveKind::AllGather, "tp"));
+        }
         for (rank, (losses, params, stats, fallbacks)) in results.iter().enumerate() {
             if dp == 1 {
                 close(&format!("sp tp={tp} rank {rank} loss"), losses, &ref_losses);
@@ -197,9 +203,20 @@ fn sequence_parallel_on_stock_layers_matches_one_device() {
                 stats.count_on(CollectiveKind::ReduceScatter, "tp") >= 4 * LAYERS as u64,
                 "sp dp={dp} tp={tp}\n{stats}"
             );
-            eprintln!("sp dp={dp} tp={tp} rank {rank}:\n{stats}");
+            eprintln!("sp dp={dp} tp={tp} keep={keep} rank {rank}:\n{stats}");
         }
     }
+    // Keeping the gathers: q, k and v share one forward gather of their input (not 3), and no
+    // column-parallel layer gathers its input again in backward (4 per block: q, k, v, MLP).
+    // burn-nn's layers are post-norm, so the first layer's attention input is the model input,
+    // not sequence-sharded (no gather either way): 2·(L−1) fewer forward, 4·L − 3 fewer backward.
+    // (Measured at L = 2: 13 → 6 all-gathers per step; forward 5 → 3.)
+    let l = LAYERS as u64;
+    assert_eq!(
+        gathers[0] - gathers[1],
+        2 * (l - 1) + 4 * l - 3,
+        "{gathers:?}"
+    );
 }
 
 #[test]
@@ -229,11 +246,39 @@ fn bad_plans_are_refused_before_anything_changes() {
                 .unwrap_err();
             let no_axis =
                 tensor_parallel(m(), &DeviceMesh::new([("dp", 2)]).unwrap(), &plan()).unwrap_err();
-            (none, twice, odd, no_axis)
+            // One head does not split over tp = 2, although the q/k/v weights' width divides.
+            let one_head = config().with_n_heads(1).init::<Dist>(&device);
+            let heads = tensor_parallel(
+                one_head,
+                &mesh,
+                &TpPlan::new().with_multi_head_attention("encoder.layers.*.mha", 1),
+            )
+            .unwrap_err();
+            let no_heads =
+                tensor_parallel(m(), &mesh, &plan().with_heads("encoder.layers.*.attn", 4))
+                    .unwrap_err();
+            (none, twice, odd, no_axis, heads, no_heads)
         },
     )
     .unwrap();
-    let (none, twice, odd, no_axis) = &errors[0];
+    let (_, _, _, _, heads, no_heads) = &errors[0];
+    assert_eq!(
+        heads,
+        &TpError::Heads {
+            module: "encoder.layers.0.mha".into(),
+            heads: 1,
+            tp: 2
+        }
+    );
+    assert!(
+        heads.to_string().contains("has 1 attention heads"),
+        "{heads}"
+    );
+    assert!(
+        matches!(no_heads, TpError::NoMatch(p) if p == "encoder.layers.*.attn"),
+        "{no_heads}"
+    );
+    let (none, twice, odd, no_axis, _, _) = &errors[0];
     assert!(
         matches!(none, TpError::NoMatch(p) if p == "encoder.layers.*.attention"),
         "{none}"
@@ -301,7 +346,7 @@ fn gpt_tensor_parallel_has_megatron_collectives_and_no_fallback() {
         &Default::default(),
         &LaunchOptions::default(),
         |device| {
-            let m = tp_gpt(&mesh, &device, false);
+            let m = tp_gpt(&mesh, &device, false, false);
             let ctx = device.context().clone();
             ctx.reset_counters();
             let x = Tensor::<Dist, 2, Int>::from_data(
@@ -394,13 +439,13 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
         }
     }
     let mesh = DeviceMesh::new([("dp", 1), ("tp", 2)]).unwrap();
-    let run = |sp: bool| {
+    let run = |sp: bool, keep: bool| {
         launch_ranks::<Flex, _, _>(
             &mesh,
             &Default::default(),
             &LaunchOptions::default(),
             |device| {
-                let m = tp_gpt(&mesh, &device, sp);
+                let m = tp_gpt(&mesh, &device, sp, keep);
                 let ctx = device.context().clone();
                 ctx.reset_counters();
                 let x = Tensor::<Dist, 2, Int>::from_data(
@@ -439,9 +484,10 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
         )
         .unwrap()
     };
-    let tp = run(false);
-    let sp = run(true);
-    for (t, s) in tp.iter().zip(&sp) {
+    let tp = run(false, false);
+    let sp = run(true, false);
+    let keep = run(true, true);
+    for ((t, s), k) in tp.iter().zip(&sp).zip(&keep) {
         assert!(
             (t.0 - s.0).abs() <= 1e-5 * t.0.abs(),
             "loss {} vs {}",
@@ -480,9 +526,31 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
             backward(s.3, s.4),
             [1, 4 * LAYERS as u64 + 3, 2 * LAYERS as u64 + 1]
         );
+        // Keeping the sequence gathers (`--sp-keep-gathers`): the same values; the count,
+        // 2 all-gathers + 2 reduce-scatters per block each way — in backward the row-parallel
+        // layers' output gradients are gathered and the column-parallel input gradients
+        // reduce-scattered, the forward gathers reused for the weight gradients — and around the
+        // blocks the head's input-gradient reduce-scatter, the embedding gradients' all-gathers
+        // and the row-sum all-reduce; more bytes kept than plain SP.
+        assert!(
+            (k.0 - s.0).abs() <= 1e-5 * s.0.abs(),
+            "loss {} vs {}",
+            k.0,
+            s.0
+        );
+        for (i, (a, b)) in k.1.iter().zip(&s.1).enumerate() {
+            close(&format!("keep gradient {i}"), a, b);
+        }
+        assert_eq!(k.5, 0, "fallbacks");
+        assert_eq!(k.3, s.3, "forward");
+        assert_eq!(
+            backward(k.3, k.4),
+            [1, 2 * LAYERS as u64 + 2, 2 * LAYERS as u64 + 1]
+        );
+        assert!(k.2 > s.2, "kept for backward: keep {} vs sp {}", k.2, s.2);
         eprintln!(
-            "collectives [all-reduce, all-gather, reduce-scatter] fwd+bwd: tp {:?}, sp {:?}; kept bytes tp {} sp {}",
-            t.4, s.4, t.2, s.2
+            "collectives [all-reduce, all-gather, reduce-scatter] fwd+bwd: tp {:?}, sp {:?}, sp keeping gathers {:?}; kept bytes tp {} sp {} keep {}",
+            t.4, s.4, k.4, t.2, s.2, k.2
         );
     }
 }
@@ -493,6 +561,7 @@ fn tp_gpt(
     mesh: &DeviceMesh,
     device: &wildfire::parallel::DistDevice<Flex>,
     sp: bool,
+    sp_keep_gathers: bool,
 ) -> wildfire::models::gpt::Gpt<Dist> {
     use wildfire::models::gpt::GptConfig;
     use wildfire::models::parallelize::{ParallelConfig, parallelize_gpt};
@@ -511,6 +580,7 @@ fn tp_gpt(
         &ParallelConfig {
             tp: 2,
             sp,
+            sp_keep_gathers,
             ..ParallelConfig::default()
         },
     )
