@@ -148,7 +148,7 @@ where
 
 /// The message of a panic payload: the `&str` or `String` passed to `panic!`, or a generic
 /// message for any other payload.
-fn panic_message(payload: &(dyn Any + Send)) -> String {
+pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
     if let Some(message) = payload.downcast_ref::<&str>() {
         (*message).to_owned()
     } else if let Some(message) = payload.downcast_ref::<String>() {

@@ -31,6 +31,8 @@ pub use backend::Distributed;
 pub use comm::{
     CollectiveKind, CommError, CommStats, Communicator, Group, InProcessWorld, ReduceOp,
 };
+#[cfg(feature = "mpi")]
+pub use comm::{MpiCommunicator, MpiError, MpiWorld, launch_ranks_mpi};
 pub use data_parallel::{
     DistributedBackend, SyncReport, dtensor, from_dtensor, redistribute, replicate, sync_gradients,
 };

@@ -12,6 +12,8 @@
 
 mod buffer;
 mod in_process;
+#[cfg(feature = "mpi")]
+mod mpi_comm;
 mod stats;
 #[cfg(test)]
 mod tests;
@@ -25,6 +27,8 @@ use serde::{Deserialize, Serialize};
 use crate::mesh::DeviceMesh;
 
 pub use in_process::{DEFAULT_TIMEOUT, InProcessCommunicator, InProcessWorld};
+#[cfg(feature = "mpi")]
+pub use mpi_comm::{MpiCommunicator, MpiError, MpiWorld, launch_ranks_mpi};
 pub use stats::{CommCount, CommStats};
 
 /// How the members' buffers are combined.

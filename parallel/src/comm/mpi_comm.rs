@@ -1,0 +1,840 @@
+//! Ranks as processes: the [`Communicator`] over MPI (feature `mpi`; Open MPI or MPICH through
+//! rsmpi), launched by `mpirun -np N …` or `srun …`.
+//!
+//! **Same results as the in-process world, bit for bit.** Every reduction combines the members'
+//! buffers in group order `0, 1, …, n−1`, with the same host arithmetic ([`super::buffer`]): an
+//! all-reduce is a reduce-scatter (an all-to-all of element ranges, each member reducing its own
+//! range in group order) followed by an all-gather of the reduced ranges — `2(n−1)/n · S` bytes
+//! per member, what a ring all-reduce moves, and deterministic, unlike `MPI_Allreduce`, whose
+//! summation order is the library's.
+//!
+//! **Checked calls.** Before any data moves, the members of a group exchange a small header —
+//! the group's call sequence number, the collective, its reduce op, dim, root, dtype and shape —
+//! so a member that calls a different collective, passes an incompatible buffer or skipped a
+//! call makes the round fail with [`CommError::Mismatch`] on every member at that call, instead
+//! of a hang or a silently wrong sum.
+//!
+//! **Failures.** A call still waiting after the timeout (a peer that never comes) prints which
+//! call on which group and aborts the MPI job (`MPI_Abort`), so every process stops within the
+//! timeout; a rank that dies makes `mpirun` stop the others. [`launch_ranks_mpi`] aborts the job
+//! when its rank fails with an error or a panic.
+
+use std::fmt;
+use std::mem::ManuallyDrop;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use burn::tensor::{DType, Shape, TensorData};
+use mpi::datatype::{Partition, PartitionMut};
+use mpi::topology::Communicator as _;
+use mpi::topology::{Color, SimpleCommunicator};
+use mpi::traits::*;
+
+use super::buffer::{check_reducible, chunk_bytes, concat, element_size, reduce};
+use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp, check_rank};
+use crate::mesh::DeviceMesh;
+
+/// Dimensions a header can describe.
+const MAX_DIMS: usize = 8;
+/// Header words: sequence, kind, op, dim, root, dtype, ndims, shape.
+const HEADER: usize = 7 + MAX_DIMS;
+/// `ndims` of a member that passes no buffer (a broadcast's non-root members).
+const NO_BUFFER: i64 = -1;
+
+/// An MPI communicator handle usable from the rank's threads.
+///
+/// SAFETY: MPI is initialised with `MPI_THREAD_MULTIPLE` (checked in [`MpiWorld::init`]), so
+/// any thread may call into it; each handle is used under its own mutex (one call at a time),
+/// and it is never freed (`ManuallyDrop`: `MPI_Finalize` releases it when the world ends).
+struct Handle(ManuallyDrop<SimpleCommunicator>);
+unsafe impl Send for Handle {}
+unsafe impl Sync for Handle {}
+
+/// MPI in this process: initialised by [`MpiWorld::init`], finalised when dropped (after every
+/// collective of the process is done).
+pub struct MpiWorld {
+    universe: ManuallyDrop<mpi::environment::Universe>,
+    comm: Arc<MpiCommunicator>,
+}
+
+/// What went wrong starting MPI.
+#[derive(thiserror::Error, Debug, Clone, PartialEq)]
+pub enum MpiError {
+    /// MPI was initialised before (MPI can be initialised once per process).
+    #[error("MPI is already initialised in this process (one MpiWorld per process)")]
+    AlreadyInitialised,
+    /// The library does not offer `MPI_THREAD_MULTIPLE`.
+    #[error(
+        "the MPI library provides thread level {0:?}, wildfire needs Multiple (the watchdog aborts the job from its own thread); use an MPI built with thread support (Open MPI 4: the default)"
+    )]
+    Threading(String),
+    /// The mesh does not match the processes `mpirun` started.
+    #[error(
+        "the mesh {mesh} has {mesh_size} ranks but MPI started {world} processes; run mpirun -np {mesh_size} (or change the mesh)"
+    )]
+    WorldSize {
+        /// The mesh.
+        mesh: String,
+        /// Its rank count.
+        mesh_size: usize,
+        /// The MPI world size.
+        world: usize,
+    },
+}
+
+impl MpiWorld {
+    /// Initialise MPI and build this process's communicator over `mesh` (its world size must be
+    /// the number of MPI processes; this process is rank `MPI_COMM_WORLD` rank). One
+    /// sub-communicator per mesh axis is split off, members ordered by their coordinate.
+    pub fn init(mesh: DeviceMesh, timeout: Duration) -> Result<Self, MpiError> {
+        let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
+            .ok_or(MpiError::AlreadyInitialised)?;
+        if level != mpi::Threading::Multiple {
+            return Err(MpiError::Threading(format!("{level:?}")));
+        }
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        if size != mesh.world_size() {
+            return Err(MpiError::WorldSize {
+                mesh: mesh.to_string(),
+                mesh_size: mesh.world_size(),
+                world: size,
+            });
+        }
+        let axes = (0..mesh.axes().len())
+            .map(|a| {
+                let members = Group::Axis(a).ranks(&mesh, rank).expect("the axis exists");
+                let index = Group::Axis(a).index(&mesh, rank).expect("a member");
+                // One color per group (its first member), ordered by the coordinate on the axis.
+                let sub = world
+                    .split_by_color_with_key(Color::with_value(members[0] as i32), index as i32)
+                    .expect("every rank has a color");
+                Mutex::new(Handle(ManuallyDrop::new(sub)))
+            })
+            .collect();
+        let p2p = Mutex::new(Handle(ManuallyDrop::new(world.duplicate())));
+        let comm = Arc::new(MpiCommunicator {
+            rank,
+            mesh,
+            world: Mutex::new(Handle(ManuallyDrop::new(world))),
+            axes,
+            p2p,
+            sequence: Mutex::new(Default::default()),
+            stats: Mutex::new(CommStats::default()),
+            watchdog: Arc::new(Watchdog {
+                timeout,
+                pending: Mutex::new(None),
+                stop: AtomicBool::new(false),
+                calls: AtomicU64::new(0),
+            }),
+        });
+        let watchdog = comm.watchdog.clone();
+        thread::Builder::new()
+            .name(format!("mpi-watchdog-{rank}"))
+            .spawn(move || watchdog.watch(rank))
+            .expect("start the MPI watchdog thread");
+        Ok(Self {
+            universe: ManuallyDrop::new(universe),
+            comm,
+        })
+    }
+
+    /// This process's communicator.
+    pub fn communicator(&self) -> Arc<MpiCommunicator> {
+        self.comm.clone()
+    }
+
+    /// The rank of this process on its node (`OMPI_COMM_WORLD_LOCAL_RANK`, `SLURM_LOCALID`,
+    /// `MPI_LOCALRANKID`, `LOCAL_RANK`; 0 when none is set): which local device to use.
+    pub fn local_rank() -> usize {
+        [
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "SLURM_LOCALID",
+            "MPI_LOCALRANKID",
+            "LOCAL_RANK",
+        ]
+        .iter()
+        .find_map(|name| std::env::var(name).ok()?.parse().ok())
+        .unwrap_or(0)
+    }
+
+    /// Stop the job: every process exits (`MPI_Abort`) with `code`.
+    pub fn abort(&self, code: i32) -> ! {
+        abort_job(code)
+    }
+}
+
+impl Drop for MpiWorld {
+    fn drop(&mut self) {
+        self.comm.watchdog.stop.store(true, Ordering::Relaxed);
+        // SAFETY: dropped once, here; MPI_Finalize after every call of this process returned.
+        unsafe { ManuallyDrop::drop(&mut self.universe) };
+    }
+}
+
+fn abort_job(code: i32) -> ! {
+    SimpleCommunicator::world().abort(code)
+}
+
+/// Aborts the job when a call waits longer than the timeout.
+struct Watchdog {
+    timeout: Duration,
+    /// The call in flight: when it started and what it is.
+    pending: Mutex<Option<(Instant, String)>>,
+    stop: AtomicBool,
+    /// Calls started (so a long run of short calls never looks stuck).
+    calls: AtomicU64,
+}
+
+impl Watchdog {
+    fn watch(&self, rank: usize) {
+        let tick = (self.timeout / 20).clamp(Duration::from_millis(10), Duration::from_millis(500));
+        while !self.stop.load(Ordering::Relaxed) {
+            thread::sleep(tick);
+            let stuck = lock(&self.pending)
+                .as_ref()
+                .filter(|(start, _)| start.elapsed() > self.timeout)
+                .map(|(start, what)| (start.elapsed(), what.clone()));
+            if let Some((waited, what)) = stuck {
+                eprintln!(
+                    "wildfire: rank {rank}: {what} timed out after {waited:.1?}: a peer rank died, \
+                     hangs, or skipped this call; aborting the MPI job"
+                );
+                abort_job(3);
+            }
+        }
+    }
+
+    fn start(&self, what: String) -> Pending<'_> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        *lock(&self.pending) = Some((Instant::now(), what));
+        Pending(self)
+    }
+}
+
+/// Clears the watchdog's call when the call returns.
+struct Pending<'w>(&'w Watchdog);
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        *lock(&self.0.pending) = None;
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One rank's endpoint of the MPI world.
+pub struct MpiCommunicator {
+    rank: usize,
+    mesh: DeviceMesh,
+    world: Mutex<Handle>,
+    axes: Vec<Mutex<Handle>>,
+    /// Point-to-point messages, on their own communicator (a duplicate of the world).
+    p2p: Mutex<Handle>,
+    /// Calls made so far per group (the header's sequence number).
+    sequence: Mutex<std::collections::HashMap<Group, i64>>,
+    stats: Mutex<CommStats>,
+    watchdog: Arc<Watchdog>,
+}
+
+impl fmt::Debug for MpiCommunicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MpiCommunicator")
+            .field("rank", &self.rank)
+            .field("mesh", &self.mesh.to_string())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A call as the header describes it.
+#[derive(Clone, Copy)]
+struct Call {
+    kind: CollectiveKind,
+    op: Option<ReduceOp>,
+    dim: usize,
+    root: usize,
+}
+
+fn kind_code(kind: CollectiveKind) -> i64 {
+    kind as i64
+}
+
+fn op_code(op: Option<ReduceOp>) -> i64 {
+    match op {
+        None => -1,
+        Some(ReduceOp::Sum) => 0,
+        Some(ReduceOp::Avg) => 1,
+        Some(ReduceOp::Max) => 2,
+    }
+}
+
+const DTYPES: [DType; 13] = [
+    DType::F64,
+    DType::F32,
+    DType::Flex32,
+    DType::F16,
+    DType::BF16,
+    DType::I64,
+    DType::I32,
+    DType::I16,
+    DType::I8,
+    DType::U64,
+    DType::U32,
+    DType::U16,
+    DType::U8,
+];
+
+fn dtype_code(dtype: DType) -> Result<i64, CommError> {
+    DTYPES
+        .iter()
+        .position(|d| *d == dtype)
+        .map(|i| i as i64)
+        .ok_or_else(|| CommError::UnsupportedDType(dtype.name().to_owned()))
+}
+
+fn header(seq: i64, call: Call, data: Option<&TensorData>) -> Result<[i64; HEADER], CommError> {
+    let mut h = [0i64; HEADER];
+    h[0] = seq;
+    h[1] = kind_code(call.kind);
+    h[2] = op_code(call.op);
+    h[3] = call.dim as i64;
+    h[4] = call.root as i64;
+    match data {
+        Some(data) => {
+            let dims = data.shape.as_slice();
+            if dims.len() > MAX_DIMS {
+                return Err(CommError::InvalidDim {
+                    op: call.kind,
+                    dim: dims.len(),
+                    ndims: MAX_DIMS,
+                });
+            }
+            element_size(data)?;
+            h[5] = dtype_code(data.dtype)?;
+            h[6] = dims.len() as i64;
+            for (slot, d) in h[7..].iter_mut().zip(dims) {
+                *slot = *d as i64;
+            }
+        }
+        None => {
+            h[5] = -1;
+            h[6] = NO_BUFFER;
+        }
+    }
+    Ok(h)
+}
+
+fn header_shape(h: &[i64]) -> Option<Vec<usize>> {
+    (h[6] != NO_BUFFER).then(|| {
+        h[7..7 + h[6] as usize]
+            .iter()
+            .map(|&d| d as usize)
+            .collect()
+    })
+}
+
+fn describe(h: &[i64]) -> String {
+    let kind = match h[1] {
+        0 => "all_reduce",
+        1 => "all_gather",
+        2 => "reduce_scatter",
+        3 => "broadcast",
+        4 => "barrier",
+        _ => "?",
+    };
+    let dtype = usize::try_from(h[5])
+        .ok()
+        .and_then(|i| DTYPES.get(i))
+        .map_or("-", |d| d.name());
+    let op = ["sum", "avg", "max"]
+        .get(h[2] as usize)
+        .copied()
+        .unwrap_or("-");
+    format!(
+        "call #{} {kind} (op {op}, dim {}, root {}) {dtype} {:?}",
+        h[0],
+        h[3],
+        h[4],
+        header_shape(h).unwrap_or_default()
+    )
+}
+
+/// Byte counts and displacements for `counts` (bytes), as MPI's `int` counts.
+fn partition(counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>), CommError> {
+    let mut displs = Vec::with_capacity(counts.len());
+    let mut at = 0usize;
+    for &c in counts {
+        displs.push(at);
+        at += c;
+    }
+    let fits = |v: usize| {
+        i32::try_from(v).map_err(|_| {
+            CommError::UnsupportedDType(format!(
+                "a message of {at} bytes (MPI counts are 32-bit: split it below 2 GiB)"
+            ))
+        })
+    };
+    Ok((
+        counts.iter().map(|&c| fits(c)).collect::<Result<_, _>>()?,
+        displs.into_iter().map(fits).collect::<Result<_, _>>()?,
+    ))
+}
+
+/// The element range of member `j` when `elements` are split into `n` contiguous ranges.
+fn range(elements: usize, n: usize, j: usize) -> std::ops::Range<usize> {
+    elements * j / n..elements * (j + 1) / n
+}
+
+impl MpiCommunicator {
+    fn handle(&self, group: Group) -> &Mutex<Handle> {
+        match group {
+            Group::World => &self.world,
+            Group::Axis(a) => &self.axes[a],
+        }
+    }
+
+    /// One checked round on `group`: exchange headers, check them, then let `body` move the
+    /// data (with the group's handle, the members' headers and this member's index).
+    fn collective<R>(
+        &self,
+        group: Group,
+        call: Call,
+        data: Option<&TensorData>,
+        body: impl FnOnce(&SimpleCommunicator, &[[i64; HEADER]], usize) -> Result<R, CommError>,
+    ) -> Result<R, CommError> {
+        let label = group.label(&self.mesh)?.to_owned();
+        let n = group.size(&self.mesh)?;
+        let index = group.index(&self.mesh, self.rank)?;
+        let seq = {
+            let mut sequence = lock(&self.sequence);
+            let s = sequence.entry(group).or_insert(0);
+            *s += 1;
+            *s
+        };
+        let mine = header(seq, call, data)?;
+        let handle = lock(self.handle(group));
+        let comm: &SimpleCommunicator = &handle.0;
+        let _pending = self
+            .watchdog
+            .start(format!("{} on {label} (call #{seq})", call.kind));
+        let mut all = vec![0i64; n * HEADER];
+        if n > 1 {
+            comm.all_gather_into(&mine[..], &mut all[..]);
+        } else {
+            all.copy_from_slice(&mine);
+        }
+        let headers: Vec<[i64; HEADER]> = all
+            .chunks_exact(HEADER)
+            .map(|c| c.try_into().expect("HEADER words"))
+            .collect();
+        // Same call (sequence, kind, op, dim, root) on every member.
+        if headers.iter().any(|h| h[..5] != mine[..5]) {
+            let members = group.ranks(&self.mesh, self.rank)?;
+            let detail = headers
+                .iter()
+                .zip(&members)
+                .map(|(h, r)| format!("rank {r}: {}", describe(h)))
+                .collect::<Vec<_>>()
+                .join("; ");
+            return Err(CommError::Mismatch {
+                op: call.kind,
+                group: label,
+                detail,
+            });
+        }
+        body(comm, &headers, index)
+    }
+
+    fn mismatch(&self, group: Group, kind: CollectiveKind, headers: &[[i64; HEADER]]) -> CommError {
+        let members = group.ranks(&self.mesh, self.rank).unwrap_or_default();
+        CommError::Mismatch {
+            op: kind,
+            group: group.label(&self.mesh).unwrap_or("?").to_owned(),
+            detail: headers
+                .iter()
+                .zip(&members)
+                .map(|(h, r)| format!("rank {r}: {}", describe(h)))
+                .collect::<Vec<_>>()
+                .join("; "),
+        }
+    }
+
+    /// Members' buffers must agree in dtype and shape (except on `except`).
+    fn same_layout(
+        &self,
+        group: Group,
+        kind: CollectiveKind,
+        headers: &[[i64; HEADER]],
+        except: Option<usize>,
+    ) -> Result<(), CommError> {
+        let first = &headers[0];
+        let agree = headers.iter().all(|h| {
+            h[5] == first[5]
+                && h[6] == first[6]
+                && (0..h[6].max(0) as usize).all(|d| Some(d) == except || h[7 + d] == first[7 + d])
+        });
+        if agree {
+            Ok(())
+        } else {
+            Err(self.mismatch(group, kind, headers))
+        }
+    }
+
+    fn record(&self, kind: CollectiveKind, group: Group, bytes: usize) {
+        let label = group.label(&self.mesh).unwrap_or("?");
+        lock(&self.stats).record(kind, label, bytes as u64);
+    }
+
+    fn record_p2p(&self, kind: CollectiveKind, bytes: usize) {
+        lock(&self.stats).record(kind, "p2p", bytes as u64);
+    }
+
+    /// Each member sends piece `j` of `send` (byte ranges `send_counts`) to member `j` and
+    /// receives one piece of `recv_count` bytes from every member, in group order.
+    fn all_to_all(
+        comm: &SimpleCommunicator,
+        send: &[u8],
+        send_counts: &[usize],
+        recv_count: usize,
+    ) -> Result<Vec<u8>, CommError> {
+        let n = send_counts.len();
+        let (sc, sd) = partition(send_counts)?;
+        let (rc, rd) = partition(&vec![recv_count; n])?;
+        let mut recv = vec![0u8; recv_count * n];
+        comm.all_to_all_varcount_into(
+            &Partition::new(send, sc, sd),
+            &mut PartitionMut::new(&mut recv[..], rc, rd),
+        );
+        Ok(recv)
+    }
+
+    fn all_gather_bytes(
+        comm: &SimpleCommunicator,
+        mine: &[u8],
+        counts: &[usize],
+    ) -> Result<Vec<u8>, CommError> {
+        let (c, d) = partition(counts)?;
+        let mut recv = vec![0u8; counts.iter().sum()];
+        comm.all_gather_varcount_into(mine, &mut PartitionMut::new(&mut recv[..], c, d));
+        Ok(recv)
+    }
+}
+
+impl Communicator for MpiCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn mesh(&self) -> &DeviceMesh {
+        &self.mesh
+    }
+
+    fn all_reduce(
+        &self,
+        group: Group,
+        data: TensorData,
+        op: ReduceOp,
+    ) -> Result<TensorData, CommError> {
+        let bytes = data.bytes.len();
+        let call = Call {
+            kind: CollectiveKind::AllReduce,
+            op: Some(op),
+            dim: 0,
+            root: 0,
+        };
+        let result = self.collective(group, call, Some(&data), |comm, headers, index| {
+            self.same_layout(group, call.kind, headers, None)?;
+            check_reducible(data.dtype)?;
+            let n = headers.len();
+            if n == 1 {
+                return Ok(data.clone());
+            }
+            let size = element_size(&data)?;
+            let elements = data.shape.num_elements();
+            if elements < n {
+                // Tiny buffers (a loss, a norm): gather them whole and reduce in group order
+                // (MPI refuses some zero-length pieces of the range split).
+                let all =
+                    Self::all_gather_bytes(comm, data.as_bytes(), &vec![data.bytes.len(); n])?;
+                let raw: Vec<&[u8]> = all.chunks_exact(data.bytes.len().max(1)).collect();
+                return Ok(if elements == 0 {
+                    data.clone()
+                } else {
+                    reduce(&raw, data.dtype, data.shape.clone(), op)
+                });
+            }
+            // Reduce-scatter of element ranges (each member reduces its range in group order)…
+            let counts: Vec<usize> = (0..n).map(|j| range(elements, n, j).len() * size).collect();
+            let own = range(elements, n, index);
+            let pieces = Self::all_to_all(comm, data.as_bytes(), &counts, own.len() * size)?;
+            let reduced = if own.is_empty() {
+                Vec::new()
+            } else {
+                let raw: Vec<&[u8]> = pieces.chunks_exact(own.len() * size).collect();
+                reduce(&raw, data.dtype, Shape::from(vec![own.len()]), op)
+                    .bytes
+                    .to_vec()
+            };
+            // …then an all-gather of the reduced ranges.
+            let whole = Self::all_gather_bytes(comm, &reduced, &counts)?;
+            Ok(TensorData::from_bytes_vec(
+                whole,
+                data.shape.clone(),
+                data.dtype,
+            ))
+        })?;
+        self.record(CollectiveKind::AllReduce, group, bytes);
+        Ok(result)
+    }
+
+    fn all_gather(
+        &self,
+        group: Group,
+        data: TensorData,
+        dim: usize,
+    ) -> Result<TensorData, CommError> {
+        let bytes = data.bytes.len();
+        let call = Call {
+            kind: CollectiveKind::AllGather,
+            op: None,
+            dim,
+            root: 0,
+        };
+        let result = self.collective(group, call, Some(&data), |comm, headers, _| {
+            self.same_layout(group, call.kind, headers, Some(dim))?;
+            let ndims = data.shape.num_dims();
+            if dim >= ndims {
+                return Err(CommError::InvalidDim {
+                    op: call.kind,
+                    dim,
+                    ndims,
+                });
+            }
+            if headers.len() == 1 {
+                return Ok(data.clone());
+            }
+            let size = element_size(&data)?;
+            let shapes: Vec<Vec<usize>> = headers
+                .iter()
+                .map(|h| header_shape(h).expect("every member passes a buffer"))
+                .collect();
+            let counts: Vec<usize> = shapes
+                .iter()
+                .map(|s| s.iter().product::<usize>() * size)
+                .collect();
+            let all = Self::all_gather_bytes(comm, data.as_bytes(), &counts)?;
+            let mut parts = Vec::with_capacity(shapes.len());
+            let mut at = 0;
+            for (shape, count) in shapes.into_iter().zip(&counts) {
+                parts.push(TensorData::from_bytes_vec(
+                    all[at..at + count].to_vec(),
+                    shape,
+                    data.dtype,
+                ));
+                at += count;
+            }
+            concat(&parts.iter().collect::<Vec<_>>(), dim)
+        })?;
+        self.record(CollectiveKind::AllGather, group, bytes);
+        Ok(result)
+    }
+
+    fn reduce_scatter(
+        &self,
+        group: Group,
+        data: TensorData,
+        dim: usize,
+        op: ReduceOp,
+    ) -> Result<TensorData, CommError> {
+        let bytes = data.bytes.len();
+        let call = Call {
+            kind: CollectiveKind::ReduceScatter,
+            op: Some(op),
+            dim,
+            root: 0,
+        };
+        let result = self.collective(group, call, Some(&data), |comm, headers, _| {
+            self.same_layout(group, call.kind, headers, None)?;
+            let ndims = data.shape.num_dims();
+            if dim >= ndims {
+                return Err(CommError::InvalidDim {
+                    op: call.kind,
+                    dim,
+                    ndims,
+                });
+            }
+            check_reducible(data.dtype)?;
+            let n = headers.len();
+            let size = data.shape[dim];
+            if size % n != 0 {
+                return Err(CommError::Indivisible {
+                    dim,
+                    size,
+                    parts: n,
+                });
+            }
+            if n == 1 {
+                return Ok(data.clone());
+            }
+            let mut send = Vec::with_capacity(data.bytes.len());
+            let mut chunk_shape = None;
+            for j in 0..n {
+                let (chunk, shape) = chunk_bytes(&data, dim, n, j)?;
+                send.extend_from_slice(&chunk);
+                chunk_shape = Some(shape);
+            }
+            let piece = send.len() / n;
+            let pieces = Self::all_to_all(comm, &send, &vec![piece; n], piece)?;
+            let raw: Vec<&[u8]> = if piece == 0 {
+                vec![&[][..]; n]
+            } else {
+                pieces.chunks_exact(piece).collect()
+            };
+            Ok(reduce(
+                &raw,
+                data.dtype,
+                chunk_shape.expect("a group has members"),
+                op,
+            ))
+        })?;
+        self.record(CollectiveKind::ReduceScatter, group, bytes);
+        Ok(result)
+    }
+
+    fn broadcast(
+        &self,
+        group: Group,
+        data: Option<TensorData>,
+        root: usize,
+    ) -> Result<TensorData, CommError> {
+        let n = group.size(&self.mesh)?;
+        check_rank(root, n, &format!("group {}", group.label(&self.mesh)?))?;
+        let is_root = group.index(&self.mesh, self.rank)? == root;
+        let data = if is_root { data } else { None };
+        let call = Call {
+            kind: CollectiveKind::Broadcast,
+            op: None,
+            dim: 0,
+            root,
+        };
+        let result = self.collective(group, call, data.as_ref(), |comm, headers, _| {
+            let source = &headers[root];
+            let Some(shape) = header_shape(source) else {
+                return Err(self.mismatch(group, call.kind, headers));
+            };
+            let dtype = DTYPES[source[5] as usize];
+            let size = dtype.size() * shape.iter().product::<usize>();
+            let mut buffer = match &data {
+                Some(d) => d.as_bytes().to_vec(),
+                None => vec![0u8; size],
+            };
+            if n > 1 {
+                comm.process_at_rank(root as i32)
+                    .broadcast_into(&mut buffer[..]);
+            }
+            Ok(TensorData::from_bytes_vec(buffer, shape, dtype))
+        })?;
+        self.record(CollectiveKind::Broadcast, group, result.bytes.len());
+        Ok(result)
+    }
+
+    fn barrier(&self, group: Group) -> Result<(), CommError> {
+        let call = Call {
+            kind: CollectiveKind::Barrier,
+            op: None,
+            dim: 0,
+            root: 0,
+        };
+        // The header exchange is an all-gather: nobody leaves before everybody arrived.
+        self.collective(group, call, None, |_, _, _| Ok(()))?;
+        self.record(CollectiveKind::Barrier, group, 0);
+        Ok(())
+    }
+
+    /// Blocking MPI send: returns once the buffer is handed over, which for messages above the
+    /// library's eager limit means once `to` has started receiving it.
+    fn send(&self, to: usize, data: TensorData) -> Result<(), CommError> {
+        check_rank(to, self.mesh.world_size(), "the world")?;
+        let call = Call {
+            kind: CollectiveKind::Send,
+            op: None,
+            dim: 0,
+            root: to,
+        };
+        let h = header(0, call, Some(&data))?;
+        let mut message: Vec<u8> = h.iter().flat_map(|w| w.to_le_bytes()).collect();
+        message.extend_from_slice(data.as_bytes());
+        let handle = lock(&self.p2p);
+        let _pending = self.watchdog.start(format!("send to rank {to}"));
+        handle.0.process_at_rank(to as i32).send(&message[..]);
+        self.record_p2p(CollectiveKind::Send, data.bytes.len());
+        Ok(())
+    }
+
+    fn recv(&self, from: usize) -> Result<TensorData, CommError> {
+        check_rank(from, self.mesh.world_size(), "the world")?;
+        let handle = lock(&self.p2p);
+        let _pending = self.watchdog.start(format!("recv from rank {from}"));
+        let (message, _status) = handle.0.process_at_rank(from as i32).receive_vec::<u8>();
+        let words: Vec<i64> = message[..HEADER * 8]
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        let shape = header_shape(&words).expect("a message carries a buffer");
+        let dtype = DTYPES[words[5] as usize];
+        let data = TensorData::from_bytes_vec(message[HEADER * 8..].to_vec(), shape, dtype);
+        self.record_p2p(CollectiveKind::Recv, data.bytes.len());
+        Ok(data)
+    }
+
+    fn stats(&self) -> CommStats {
+        lock(&self.stats).clone()
+    }
+
+    fn reset_stats(&self) {
+        *lock(&self.stats) = CommStats::default();
+    }
+}
+
+/// Run `f` as this process's rank of `mesh` under `mpirun` / `srun` (one rank per process),
+/// with a [`DistDevice`](crate::device::DistDevice) over `inner(local_rank)` (e.g. the GPU of that index
+/// on the node). Returns this rank's result; MPI is finalised before returning.
+///
+/// A rank whose `f` fails — a typed [`DistError`](crate::DistError) raised inside an op, or any
+/// panic — prints the error and aborts the MPI job, so its peers never wait on it.
+pub fn launch_ranks_mpi<B, T, F, I>(
+    mesh: &DeviceMesh,
+    inner: I,
+    options: &crate::launch::LaunchOptions,
+    f: F,
+) -> Result<T, MpiError>
+where
+    B: burn_backend::Backend,
+    F: FnOnce(crate::device::DistDevice<B>) -> T,
+    I: FnOnce(usize) -> B::Device,
+{
+    let world = MpiWorld::init(mesh.clone(), options.timeout)?;
+    let comm = world.communicator();
+    let rank = comm.rank();
+    let device = crate::device::DistDevice::<B>::new(inner(MpiWorld::local_rank()), comm);
+    crate::device::set_current_device(&device);
+    match catch_unwind(AssertUnwindSafe(|| f(device))) {
+        Ok(out) => {
+            drop(world);
+            Ok(out)
+        }
+        Err(payload) => {
+            let message = match crate::error::take_raised() {
+                Some(error) => error.to_string(),
+                None => crate::launch::panic_message(payload.as_ref()),
+            };
+            eprintln!("wildfire: rank {rank} failed: {message}; aborting the MPI job");
+            world.abort(2)
+        }
+    }
+}

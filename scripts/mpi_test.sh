@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Multi-process tests of the MPI communicator on loopback (`mpirun --oversubscribe`), installing
+# Open MPI and libclang (rsmpi's bindgen) first where they are missing. Run by `.ci/run`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v mpirun >/dev/null 2>&1 || ! ls /usr/lib/llvm-*/lib/libclang*.so* >/dev/null 2>&1; then
+    echo "mpi_test.sh: installing Open MPI and libclang (openmpi-bin libopenmpi-dev libclang-dev)"
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openmpi-bin libopenmpi-dev libclang-dev >/dev/null) || {
+            echo "mpi_test.sh: could not install Open MPI; install openmpi-bin libopenmpi-dev libclang-dev and rerun" >&2
+            exit 1
+        }
+    else
+        echo "mpi_test.sh: Open MPI or libclang is missing; install openmpi-bin libopenmpi-dev libclang-dev and rerun" >&2
+        exit 1
+    fi
+fi
+
+# Containers: mpirun refuses root without these, and the shared-memory transport's single-copy
+# mechanism (CMA) needs ptrace rights containers seldom grant.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
+
+cargo build --example mpi_check --example gpt_pretrain --features mpi
+target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
+check="$target_dir/debug/examples/mpi_check"
+pretrain="$target_dir/debug/examples/gpt_pretrain"
+mpi() { timeout 300 mpirun --oversubscribe "$@"; }
+fail() { echo "mpi_test.sh: FAILED: $*" >&2; exit 1; }
+
+for np in 2 4; do
+    echo "--- collectives, $np processes: bitwise equal to ranks-as-threads"
+    mpi -np "$np" "$check" collectives
+    echo "--- FullShard training, $np processes: parity with ranks-as-threads and one device"
+    mpi -np "$np" "$check" fsdp
+done
+
+echo "--- a mismatched collective is detected on every rank"
+out=$(mpi -np 2 "$check" mismatch 2>&1) || fail "mismatch: $out"
+printf '%s\n' "$out"
+[ "$(grep -c 'detected: mismatched' <<<"$out")" = 2 ] || fail "mismatch not reported by both ranks"
+
+echo "--- a rank that never arrives: the watchdog aborts the job within the timeout"
+start=$(date +%s)
+if out=$(mpi -np 2 "$check" hang 2>&1); then fail "hang: the job did not fail"; fi
+printf '%s\n' "$out" | head -3
+grep -q "timed out after" <<<"$out" || fail "hang: no timeout message"
+[ $(( $(date +%s) - start )) -lt 30 ] || fail "hang: took longer than 30 s"
+
+echo "--- a rank that dies mid-training: mpirun stops the others"
+start=$(date +%s)
+if out=$(mpi -np 2 "$check" kill 2>&1); then fail "kill: the job did not fail"; fi
+printf '%s\n' "$out" | grep -E "dying|exited on signal|noticed" || true
+grep -q "exited on signal" <<<"$out" || fail "kill: mpirun did not report the dead rank"
+[ $(( $(date +%s) - start )) -lt 60 ] || fail "kill: took longer than 60 s"
+
+echo "mpi_test.sh: all multi-process checks passed"
