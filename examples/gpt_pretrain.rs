@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, Recompute, parse_fsdp};
-use wildfire::pretrain::{Precision, PretrainConfig, estimate, run};
+use wildfire::pretrain::{Launch, Precision, PretrainConfig, estimate, run};
 
 /// Pretrain a GPT language model with Wildfire.
 #[derive(Parser, Debug)]
@@ -206,7 +206,7 @@ fn main() -> Result<()> {
         )
         .init();
     let args = args_with_config()?;
-    launcher_environment(&args)?;
+    let launch = launcher_environment(&args)?;
     let config = PretrainConfig {
         preset: args.preset,
         n_layer: args.n_layer,
@@ -249,6 +249,7 @@ fn main() -> Result<()> {
         sample_tokens: args.sample_tokens,
         plot: Some(args.plot.clone()),
         progress: true,
+        launch,
     };
     tracing::info!("config: {}", serde_json::to_string(&config)?);
     if args.estimate {
@@ -271,6 +272,10 @@ fn main() -> Result<()> {
             "--backend {other} is not compiled in: cargo run --release --features {other} --example gpt_pretrain -- --backend {other}"
         ),
     };
+    if summary.rank != 0 {
+        // Another process of an MPI job: rank 0 reports.
+        return Ok(());
+    }
     if let Some(last) = summary.steps.last() {
         println!(
             "final: step {} loss {:.4} val_loss {}",
@@ -286,27 +291,49 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// torchrun, SLURM and Open MPI variables, resolved once; multi-process runs need the MPI issue.
-fn launcher_environment(args: &Args) -> Result<()> {
+/// torchrun, SLURM and Open MPI variables, resolved once: a world of several processes runs
+/// this process as one rank of an MPI job (`mpirun -np N` / `srun`, feature `mpi`).
+fn launcher_environment(args: &Args) -> Result<Launch> {
     let var = |names: &[&str]| {
         names
             .iter()
             .find_map(|n| std::env::var(n).ok().map(|v| (n.to_string(), v)))
     };
-    let world = var(&["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"]);
-    let rank = var(&["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"]);
-    if let Some((name, value)) = &world {
-        tracing::info!(launcher_world = %value, from = %name, rank = ?rank, "launcher environment");
-        let size: usize = value
-            .parse()
-            .with_context(|| format!("{name}={value} is not a number"))?;
-        if size > 1 {
-            bail!(
-                "{name}={size}: multi-process launch is not available yet (it lands with the MPI/NCCL issue); \
-                 run one process with --dp {} (ranks as threads)",
-                size.max(args.dp)
-            );
-        }
+    let world = var(&[
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+        "SLURM_NTASKS",
+        "WORLD_SIZE",
+    ]);
+    let rank = var(&["OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "RANK"]);
+    let Some((name, value)) = &world else {
+        return Ok(Launch::Threads);
+    };
+    tracing::info!(launcher_world = %value, from = %name, rank = ?rank, "launcher environment");
+    let size: usize = value
+        .parse()
+        .with_context(|| format!("{name}={value} is not a number"))?;
+    if size <= 1 {
+        return Ok(Launch::Threads);
     }
-    Ok(())
+    if name == "WORLD_SIZE" {
+        bail!(
+            "WORLD_SIZE={size} (torchrun): processes are launched with MPI here; run mpirun -np {size} (or srun) with a binary built with --features mpi"
+        );
+    }
+    let mesh = args.dp * args.tp;
+    if size != mesh {
+        bail!(
+            "{name}={size} processes, but --dp {} × --tp {} = {mesh} ranks: one process per rank (mpirun -np {mesh}, or change --dp/--tp)",
+            args.dp,
+            args.tp
+        );
+    }
+    if cfg!(feature = "mpi") {
+        Ok(Launch::Mpi)
+    } else {
+        bail!(
+            "{name}={size}: this binary was built without MPI; build it with --features mpi (needs Open MPI and libclang) and run it under mpirun again"
+        )
+    }
 }

@@ -18,6 +18,9 @@
 //! - `hang`: rank 1 never joins a barrier: the others' watchdog aborts the job after the 3 s
 //!   timeout, naming the call.
 //! - `kill`: rank 1 dies (SIGABRT) in the middle of training: `mpirun` stops the others.
+//! - `bandwidth`: all-reduce / all-gather / reduce-scatter bus bandwidth for 1 KiB–256 MiB (build
+//!   with `--release`), beside the algorithm's bytes `2(n−1)/n · S` (all-reduce) and
+//!   `(n−1)/n · S` (the others), as nccl-tests reports them.
 
 use burn::backend::{Autodiff, Flex};
 use burn::optim::{AdamWConfig, GradientsParams};
@@ -54,8 +57,11 @@ fn main() {
         "kill" => fsdp(n, Some(2)),
         "mismatch" => mismatch(n),
         "hang" => hang(n),
+        "bandwidth" => bandwidth(n),
         other => {
-            eprintln!("unknown scenario '{other}': collectives, fsdp, kill, mismatch or hang");
+            eprintln!(
+                "unknown scenario '{other}': collectives, fsdp, kill, mismatch, hang or bandwidth"
+            );
             2
         }
     };
@@ -328,4 +334,101 @@ fn hang(n: usize) -> i32 {
     .unwrap();
     eprintln!("the hang scenario should have been aborted by the watchdog");
     1
+}
+
+/// Bus bandwidth per collective and size (nccl-tests' definitions): `S` is the full buffer
+/// (all-reduce and reduce-scatter input, all-gather output), `algbw = S / t`, and
+/// `busbw = algbw · 2(n−1)/n` for all-reduce, `algbw · (n−1)/n` for all-gather and
+/// reduce-scatter — the bytes each rank must move, so busbw compares with the link speed.
+fn bandwidth(n: usize) -> i32 {
+    use std::time::Instant;
+    let mesh = DeviceMesh::new([("dp", n)]).unwrap();
+    let world = wildfire::parallel::MpiWorld::init(mesh.clone(), Duration::from_secs(600)).unwrap();
+    let native = world.communicator();
+    let rows = {
+        {
+            let comm: &dyn Communicator = native.as_ref();
+            let mut rows = Vec::new();
+            let mut bytes = 1usize << 10;
+            while bytes <= 256 << 20 {
+                let elements = bytes / 4;
+                for kind in [
+                    "all_reduce",
+                    "MPI_Allreduce",
+                    "all_gather",
+                    "reduce_scatter",
+                ] {
+                    let len = if kind == "all_gather" {
+                        elements / n
+                    } else {
+                        elements
+                    };
+                    let input = TensorData::new(vec![1.0f32; len.max(1)], [len.max(1)]);
+                    let mut raw = vec![1.0f32; len.max(1)];
+                    let mut call = || -> Result<(), wildfire::parallel::comm::CommError> {
+                        // The trait takes its buffer by value: one copy per call, counted.
+                        let data = input.clone();
+                        match kind {
+                            "all_reduce" => comm.all_reduce(Group::World, data, ReduceOp::Sum)?,
+                            "MPI_Allreduce" => {
+                                native.native_all_reduce_sum(Group::World, &mut raw);
+                                data
+                            }
+                            "all_gather" => comm.all_gather(Group::World, data, 0)?,
+                            _ => comm.reduce_scatter(Group::World, data, 0, ReduceOp::Sum)?,
+                        };
+                        Ok(())
+                    };
+                    let iters = ((1usize << 30) / bytes).clamp(3, 50);
+                    call().unwrap();
+                    comm.barrier(Group::World).unwrap();
+                    let start = Instant::now();
+                    for _ in 0..iters {
+                        call().unwrap();
+                    }
+                    let mine = start.elapsed().as_secs_f64() / iters as f64;
+                    // The slowest rank's time.
+                    let t = comm
+                        .all_reduce(
+                            Group::World,
+                            TensorData::new(vec![mine], [1]),
+                            ReduceOp::Max,
+                        )
+                        .unwrap()
+                        .to_vec::<f64>()
+                        .unwrap()[0];
+                    let factor = if kind.ends_with("llreduce") || kind == "all_reduce" {
+                        2.0 * (n - 1) as f64 / n as f64
+                    } else {
+                        (n - 1) as f64 / n as f64
+                    };
+                    let algbw = bytes as f64 / t / 1e9;
+                    rows.push(format!(
+                        "| {kind} | {} | {:.1} | {algbw:.3} | {:.3} |",
+                        if bytes >= 1 << 20 {
+                            format!("{} MiB", bytes >> 20)
+                        } else {
+                            format!("{} KiB", bytes >> 10)
+                        },
+                        t * 1e6,
+                        algbw * factor
+                    ));
+                }
+                bytes *= 4;
+            }
+            (comm.rank(), rows)
+        }
+    };
+    drop(world);
+    if rows.0 == 0 {
+        println!(
+            "MPI on {n} processes (loopback); busbw = algbw × 2(n−1)/n (all-reduce), × (n−1)/n (all-gather, reduce-scatter)\n"
+        );
+        println!("| collective | size | time (µs) | algbw (GB/s) | busbw (GB/s) |");
+        println!("|---|---|---|---|---|");
+        for row in rows.1 {
+            println!("{row}");
+        }
+    }
+    0
 }

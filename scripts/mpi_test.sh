@@ -55,4 +55,24 @@ printf '%s\n' "$out" | grep -E "dying|exited on signal|noticed" || true
 grep -q "exited on signal" <<<"$out" || fail "kill: mpirun did not report the dead rank"
 [ $(( $(date +%s) - start )) -lt 60 ] || fail "kill: took longer than 60 s"
 
+echo "--- gpt_pretrain unchanged under mpirun: the same losses as ranks-as-threads"
+tmp=$(mktemp -d)
+run_args=(--steps 4 --batch-size 4 --n-layer 2 --block-size 32 --tokenizer bytes --sample-tokens 0 --eval-every 2)
+for mesh in "2:--dp 2 --fsdp full" "4:--dp 2 --tp 2 --fsdp full"; do
+    np=${mesh%%:*}
+    read -r -a flags <<<"${mesh#*:}"
+    mpi -np "$np" "$pretrain" "${run_args[@]}" "${flags[@]}" --metrics "$tmp/mpi.jsonl" --plot "$tmp/mpi.png" 2>/dev/null
+    "$pretrain" "${run_args[@]}" "${flags[@]}" --metrics "$tmp/threads.jsonl" --plot "$tmp/threads.png" 2>/dev/null
+    python3 - "$tmp/mpi.jsonl" "$tmp/threads.jsonl" "${flags[*]}" <<'PY'
+import json, sys
+a, b = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+key = lambda rows: [(r["step"], r["loss"], r.get("val_loss")) for r in rows]
+assert len(a) == 4 and key(a) == key(b), (key(a), key(b))
+print(f"{sys.argv[3]}: {len(a)} steps, losses identical under mpirun and ranks-as-threads: {[r['loss'] for r in a]}")
+PY
+done
+if out=$(mpi -np 2 "$pretrain" --steps 1 --dp 1 2>&1); then fail "a world that does not match the mesh was accepted"; fi
+grep -q "one process per rank" <<<"$out" || fail "no clear error for -np 2 --dp 1: $out"
+rm -rf "$tmp"
+
 echo "mpi_test.sh: all multi-process checks passed"

@@ -136,6 +136,20 @@ pub struct PretrainConfig {
     pub plot: Option<PathBuf>,
     /// Show a progress bar (rank 0, terminals only).
     pub progress: bool,
+    /// Ranks as threads of this process, or this process as one rank of an MPI job.
+    #[serde(default)]
+    pub launch: Launch,
+}
+
+/// How the ranks run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Launch {
+    /// One thread per rank in this process.
+    #[default]
+    Threads,
+    /// This process is one rank of the job `mpirun` / `srun` started (feature `mpi`); the mesh
+    /// must have as many ranks as the job has processes.
+    Mpi,
 }
 
 impl Default for PretrainConfig {
@@ -174,6 +188,7 @@ impl Default for PretrainConfig {
             sample_tokens: 200,
             plot: None,
             progress: true,
+            launch: Launch::Threads,
         }
     }
 }
@@ -443,6 +458,8 @@ pub struct RunSummary {
     pub parameters: Vec<Vec<f32>>,
     /// The model shape.
     pub model: Option<GptConfig>,
+    /// The rank this summary comes from (0, except on the other processes of an MPI job).
+    pub rank: usize,
 }
 
 /// The state stored next to the weights in a checkpoint.
@@ -517,14 +534,25 @@ pub fn run_on<B: FusedOps>(
     );
     let mesh = config.parallel.mesh()?;
     let dp = config.parallel.dp;
-    let metrics_file = match &config.metrics {
-        Some(path) => Some(std::sync::Mutex::new(
-            fs::File::create(path).map_err(io_err(path))?,
-        )),
-        None => None,
+    let open_metrics = || -> Result<_, PretrainError> {
+        match &config.metrics {
+            Some(path) => Ok(Some(std::sync::Mutex::new(
+                fs::File::create(path).map_err(io_err(path))?,
+            ))),
+            None => Ok(None),
+        }
     };
-    let results = launch_ranks::<B, _, _>(&mesh, device, &LaunchOptions::default(), |device| {
+    // Ranks as threads share one file (rank 0 writes it); under MPI only rank 0 opens it.
+    let metrics_file = match config.launch {
+        Launch::Threads => open_metrics()?,
+        Launch::Mpi => None,
+    };
+    let rank_body = |device: DistDevice<B>| -> Result<RunSummary, PretrainError> {
         let rank = device.rank();
+        let own_metrics = match config.launch {
+            Launch::Mpi if rank == 0 => open_metrics()?,
+            _ => None,
+        };
         // The data-parallel index: row-major over the data axes (tensor-parallel peers share rows).
         let mesh = device.mesh();
         let coords = mesh.coords(rank);
@@ -543,7 +571,7 @@ pub fn run_on<B: FusedOps>(
             train,
             val,
             rows,
-            metrics: metrics_file.as_ref(),
+            metrics: own_metrics.as_ref().or(metrics_file.as_ref()),
             tokenizer: &tokenizer,
         };
         ctx.train::<B>(
@@ -552,10 +580,42 @@ pub fn run_on<B: FusedOps>(
             start.as_ref().and_then(|(state, _)| state.scaler.clone()),
             first_step,
         )
-    })?;
-    let mut summary = results.into_iter().next().expect("rank 0")?;
+    };
+    let (rank, summary) = match config.launch {
+        Launch::Threads => {
+            let results = launch_ranks::<B, _, _>(&mesh, device, &LaunchOptions::default(), |d| {
+                rank_body(d)
+            })?;
+            (0, results.into_iter().next().expect("rank 0"))
+        }
+        #[cfg(feature = "mpi")]
+        Launch::Mpi => {
+            let mut rank = 0;
+            let summary = wildfire_parallel::launch_ranks_mpi::<B, _, _, _>(
+                &mesh,
+                |_local_rank| device.clone(),
+                &LaunchOptions::default(),
+                |d| {
+                    rank = d.rank();
+                    rank_body(d)
+                },
+            )
+            .map_err(|e| PretrainError::Config(e.to_string()))?;
+            (rank, summary)
+        }
+        #[cfg(not(feature = "mpi"))]
+        Launch::Mpi => {
+            return Err(PretrainError::Config(
+                "this binary was built without MPI: cargo build --features mpi --example gpt_pretrain, then mpirun -np N …".into(),
+            ));
+        }
+    };
+    let mut summary = summary?;
     summary.model = Some(model_config);
-    if let Some(path) = &config.plot {
+    summary.rank = rank;
+    if rank == 0
+        && let Some(path) = &config.plot
+    {
         plot_losses(path, &summary.steps)?;
     }
     Ok(summary)
