@@ -717,7 +717,12 @@ fn peak_rss() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
+type A<B> = Autodiff<Distributed<B>>;
+
 impl RankRun<'_> {
+    /// AdamW (β₂ 0.95, the configured weight decay): on backends with kernels the fused
+    /// optimizer tail (one unscale + Σg² + overflow kernel per gradient, one AdamW kernel per
+    /// parameter), elsewhere Burn's AdamW; both under `FsdpOptimizer`.
     fn train<B: FusedOps>(
         &self,
         device: &DistDevice<B>,
@@ -725,7 +730,46 @@ impl RankRun<'_> {
         resume_scaler: Option<DynamicLossScaler>,
         first_step: usize,
     ) -> Result<RunSummary, PretrainError> {
-        type A<B> = Autodiff<Distributed<B>>;
+        let weight_decay = self.config.weight_decay;
+        if B::FUSED {
+            let (adamw, inputs) = wildfire_engine::FusedAdamW::<B>::optimizer::<Gpt<A<B>>>(
+                wildfire_engine::FusedAdamWConfig {
+                    beta1: 0.9,
+                    beta2: 0.95,
+                    // Burn's AdamW default.
+                    epsilon: 1e-5,
+                    weight_decay,
+                },
+            );
+            let optim = FsdpOptimizer::new(adamw);
+            self.train_with(
+                device,
+                optim,
+                Some(inputs),
+                resume,
+                resume_scaler,
+                first_step,
+            )
+        } else {
+            let optim = FsdpOptimizer::new(
+                AdamWConfig::new()
+                    .with_beta_2(0.95)
+                    .with_weight_decay(weight_decay as f32)
+                    .init::<A<B>, Gpt<A<B>>>(),
+            );
+            self.train_with(device, optim, None, resume, resume_scaler, first_step)
+        }
+    }
+
+    fn train_with<B: FusedOps, O: Optimizer<Gpt<A<B>>, A<B>>>(
+        &self,
+        device: &DistDevice<B>,
+        mut optim: O,
+        tail: Option<wildfire_engine::TailInputs<B>>,
+        resume: Option<&Path>,
+        resume_scaler: Option<DynamicLossScaler>,
+        first_step: usize,
+    ) -> Result<RunSummary, PretrainError> {
         let config = self.config;
         let rank = device.rank();
         // Precision policy: f32 master weights, matmuls in the compute dtype; f16 adds a
@@ -749,12 +793,6 @@ impl RankRun<'_> {
         );
         let mesh = device.mesh().clone();
         let mut model: Gpt<A<B>> = self.model_config.init(device)?;
-        let mut optim = FsdpOptimizer::new(
-            AdamWConfig::new()
-                .with_beta_2(0.95)
-                .with_weight_decay(config.weight_decay as f32)
-                .init::<A<B>, Gpt<A<B>>>(),
-        );
         if let Some(dir) = resume {
             // Every rank loads the same files: the values are replicated by construction.
             let bad = |what: &str, reason: String| PretrainError::Checkpoint {
@@ -804,23 +842,40 @@ impl RankRun<'_> {
                     wildfire_engine::recompute::mix_seed(config.seed, step as u64, start as u64)
                 })
                 .collect();
-            let (next, record) = train_step.run(
-                device,
-                model,
-                &mut optim,
-                lr,
-                &seeds,
-                |model: &Gpt<A<B>>, i, ckpt| {
-                    let (x, y) = batch_tensors::<A<B>>(
-                        self.sampler,
-                        self.train,
-                        step as u64,
-                        starts[i]..starts[i] + micro,
-                        device,
-                    );
-                    model.loss_with(x, y, ckpt)
-                },
-            )?;
+            let batch = |i: usize| {
+                batch_tensors::<A<B>>(
+                    self.sampler,
+                    self.train,
+                    step as u64,
+                    starts[i]..starts[i] + micro,
+                    device,
+                )
+            };
+            let (next, record) = match &tail {
+                Some(inputs) => train_step.run_fused(
+                    device,
+                    model,
+                    &mut optim,
+                    inputs,
+                    lr,
+                    &seeds,
+                    |model: &Gpt<A<B>>, i, ckpt| {
+                        let (x, y) = batch(i);
+                        model.loss_with(x, y, ckpt)
+                    },
+                )?,
+                None => train_step.run(
+                    device,
+                    model,
+                    &mut optim,
+                    lr,
+                    &seeds,
+                    |model: &Gpt<A<B>>, i, ckpt| {
+                        let (x, y) = batch(i);
+                        model.loss_with(x, y, ckpt)
+                    },
+                )?,
+            };
             model = next;
             let (local_loss, grad_norm, scale, skipped, grad_bytes) = (
                 record.loss,

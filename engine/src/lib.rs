@@ -2,11 +2,15 @@
 //! loss scaling, the one-collective overflow check and global-norm clipping, activation
 //! recomputation ([`recompute`]), and the training step that puts them together ([`TrainStep`]).
 
+pub mod fused_tail;
 pub mod grad_check;
 pub mod recompute;
 pub mod scaler;
 pub mod step;
 
+pub use fused_tail::{
+    FusedAdamW, FusedAdamWConfig, FusedAdamWOptimizer, TailInputs, fused_unscale_check,
+};
 pub use grad_check::{GradCheck, unscale_check_clip};
 pub use recompute::{AttentionSpec, Checkpointer, Recompute, attention_reference, dropout_mask};
 pub use scaler::{DynamicLossScaler, LossScalerConfig, StepDecision};

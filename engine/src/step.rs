@@ -76,11 +76,74 @@ impl TrainStep {
     pub fn run<X, M, O, L>(
         &mut self,
         device: &DistDevice<X>,
+        model: M,
+        optim: &mut O,
+        lr: f64,
+        seeds: &[u64],
+        loss: L,
+    ) -> Result<(M, StepRecord), DistError>
+    where
+        X: Backend,
+        M: AutodiffModule<Ad<X>>,
+        O: Optimizer<M, Ad<X>>,
+        L: for<'a> Fn(&'a M, usize, &Checkpointer<'a, Ad<X>>) -> Tensor<Ad<X>, 1>,
+    {
+        let clip = self.config.clip;
+        self.run_with(
+            device,
+            model,
+            optim,
+            lr,
+            seeds,
+            loss,
+            |model, grads, inv_scale| unscale_check_clip(model, grads, inv_scale, clip),
+        )
+    }
+
+    /// [`TrainStep::run`] with the fused optimizer tail: one unscale + `Σg²` + overflow kernel
+    /// pass per gradient and `optim` a [`crate::FusedAdamW`] (alone or inside `FsdpOptimizer`)
+    /// whose `inputs` handle this fills (clipping coefficient and skip flag, on the device).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_fused<X, M, O, L>(
+        &mut self,
+        device: &DistDevice<X>,
+        model: M,
+        optim: &mut O,
+        inputs: &crate::TailInputs<X>,
+        lr: f64,
+        seeds: &[u64],
+        loss: L,
+    ) -> Result<(M, StepRecord), DistError>
+    where
+        X: wildfire_kernels::FusedOps,
+        M: AutodiffModule<Ad<X>>,
+        O: Optimizer<M, Ad<X>>,
+        L: for<'a> Fn(&'a M, usize, &Checkpointer<'a, Ad<X>>) -> Tensor<Ad<X>, 1>,
+    {
+        let clip = self.config.clip;
+        self.run_with(
+            device,
+            model,
+            optim,
+            lr,
+            seeds,
+            loss,
+            |model, grads, inv_scale| {
+                crate::fused_unscale_check(model, grads, inv_scale, clip, inputs)
+            },
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_with<X, M, O, L>(
+        &mut self,
+        device: &DistDevice<X>,
         mut model: M,
         optim: &mut O,
         lr: f64,
         seeds: &[u64],
         loss: L,
+        check: impl FnOnce(&M, &mut GradientsParams, f32) -> Result<crate::GradCheck, DistError>,
     ) -> Result<(M, StepRecord), DistError>
     where
         X: Backend,
@@ -121,7 +184,7 @@ impl TrainStep {
         // Synchronise the rest, then unscale + check + norm (one all-reduce) and clip.
         let mut grads = accumulator.grads();
         sync_gradients(&model, &mut grads)?;
-        let check = unscale_check_clip(&model, &mut grads, 1.0 / scale, self.config.clip)?;
+        let check = check(&model, &mut grads, 1.0 / scale)?;
         // Step, or skip on every rank; update the scale.
         let skipped = match self.scaler.as_mut() {
             Some(s) => s.update(check.found_inf) == StepDecision::Skip,

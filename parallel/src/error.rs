@@ -114,7 +114,7 @@ thread_local! {
 /// Raise a [`DistError`] from inside a backend op (which cannot return a `Result`): a panic whose
 /// message is the error, with the typed value kept for [`crate::launch_ranks`] to return.
 #[track_caller]
-pub(crate) fn raise(error: impl Into<DistError>) -> ! {
+pub fn raise(error: impl Into<DistError>) -> ! {
     let error = error.into();
     RAISED.with(|r| *r.borrow_mut() = Some(error.clone()));
     panic!("{error}")

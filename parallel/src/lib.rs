@@ -40,7 +40,7 @@ pub use device::{
     DistDevice, MemoryReport, OpCounters, RankContext, RecomputeScope, current_device,
     set_current_device,
 };
-pub use error::DistError;
+pub use error::{DistError, raise};
 pub use fsdp::{FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, parameter_bytes};
 pub use launch::{LaunchError, LaunchOptions, launch};
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis, MeshError};

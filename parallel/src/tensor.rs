@@ -254,6 +254,17 @@ impl<B: Backend> DTensor<B> {
         &self.local
     }
 
+    /// A value with this one's layout, global shape and device, and `local` as this rank's
+    /// piece (the result of a kernel run on the local piece, e.g. an optimizer update).
+    pub fn with_local(&self, local: B::FloatTensorPrimitive) -> Self {
+        Self::new_shaped(
+            local,
+            self.layout.clone(),
+            self.shape.clone(),
+            self.device.clone(),
+        )
+    }
+
     /// Take the local piece.
     pub fn into_local(self) -> B::FloatTensorPrimitive {
         self.local

@@ -1,0 +1,320 @@
+//! The fused optimizer tail on `Autodiff<Distributed<X>>`: per gradient one
+//! [`FusedOps::fused_unscale`] pass (unscale, `Σg²`, non-finite flag; the per-tensor sums and
+//! flags are combined on the device), then per parameter one [`FusedOps::fused_adamw`] launch
+//! (moments and parameter in one pass), predicated on a device-resident skip flag and scaled by a
+//! device-resident clipping coefficient.
+//!
+//! Every kernel runs on the rank's local pieces (a shard under FSDP, a slice under TP), so the
+//! tail works on any layout. The mesh-wide agreement on `[found_inf, Σ‖g‖²]` is one all-reduce
+//! of 16 bytes, as in [`crate::unscale_check_clip`] (each element counted once whatever its
+//! layout). On a backend without kernels (Flex) the same calls run the Burn-op defaults.
+//!
+//! [`FusedAdamW`] keeps Burn's AdamW record ([`AdamWState`]), so checkpoints are interchangeable
+//! with `burn::optim::AdamW`'s.
+
+use std::sync::{Arc, Mutex};
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamWState, AdaptiveMomentumState, GradientsParams, SimpleOptimizer};
+use burn::prelude::*;
+use burn::tensor::TensorPrimitive;
+use burn::tensor::backend::AutodiffBackend;
+use wildfire_kernels::{AdamWStep, FusedOps};
+use wildfire_parallel::{DTensor, DistError, Distributed, Group, Placement, ReduceOp, dtensor};
+
+use crate::grad_check::GradCheck;
+
+/// AdamW hyper-parameters (PyTorch / Burn defaults but the weight decay, which GPT training sets).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct FusedAdamWConfig {
+    /// β₁.
+    pub beta1: f64,
+    /// β₂.
+    pub beta2: f64,
+    /// ε.
+    pub epsilon: f64,
+    /// Decoupled weight decay.
+    pub weight_decay: f64,
+}
+
+impl Default for FusedAdamWConfig {
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.999,
+            epsilon: 1e-8,
+            weight_decay: 1e-4,
+        }
+    }
+}
+
+/// The device-resident inputs of the next AdamW launch: the clipping coefficient and the skip
+/// flag (`[1]` each, on the rank's inner device), set by [`fused_unscale_check`] and shared
+/// with the optimizer.
+#[derive(Clone)]
+pub struct TailInputs<X: Backend> {
+    inner: Arc<Mutex<Option<ScaleAndSkip<X>>>>,
+}
+
+/// The clipping coefficient and the skip flag, `[1]` each.
+type ScaleAndSkip<X> = (
+    <X as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive,
+    <X as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive,
+);
+
+/// [`FusedAdamW`] as a Burn optimizer over `Autodiff<Distributed<X>>`.
+pub type FusedAdamWOptimizer<X, M> =
+    OptimizerAdaptor<FusedAdamW<X>, M, burn::backend::Autodiff<Distributed<X>>>;
+
+impl<X: Backend> Default for TailInputs<X> {
+    fn default() -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(None)),
+        }
+    }
+}
+
+impl<X: Backend> std::fmt::Debug for TailInputs<X> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TailInputs")
+    }
+}
+
+/// AdamW through [`FusedOps::fused_adamw`] (use it as `FusedAdamW::optimizer`, alone or inside
+/// `FsdpOptimizer`).
+#[derive(Clone, Debug)]
+pub struct FusedAdamW<X: Backend> {
+    config: FusedAdamWConfig,
+    inputs: TailInputs<X>,
+}
+
+impl<X: FusedOps> FusedAdamW<X> {
+    /// The Burn optimizer and the handle [`fused_unscale_check`] fills before each step.
+    pub fn optimizer<M>(config: FusedAdamWConfig) -> (FusedAdamWOptimizer<X, M>, TailInputs<X>)
+    where
+        M: AutodiffModule<burn::backend::Autodiff<Distributed<X>>>,
+    {
+        let inputs = TailInputs::default();
+        let optim = Self {
+            config,
+            inputs: inputs.clone(),
+        };
+        (OptimizerAdaptor::from(optim), inputs)
+    }
+}
+
+fn wrap<X: Backend, const D: usize>(t: DTensor<X>) -> Tensor<Distributed<X>, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+fn piece<X: Backend, const D: usize>(
+    t: &Tensor<Distributed<X>, D>,
+    like: &DTensor<X>,
+) -> X::FloatTensorPrimitive {
+    let t = dtensor(t);
+    if t.layout() == like.layout() {
+        t.local().clone()
+    } else {
+        // A gradient or moment on another layout than its parameter (ZeRO-1 slices gradients
+        // to the shard): bring it to the parameter's.
+        t.clone()
+            .redistribute(like.layout())
+            .map(DTensor::into_local)
+            .unwrap_or_else(|e| wildfire_parallel::raise(e))
+    }
+}
+
+impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for FusedAdamW<X> {
+    type State<const D: usize> = AdamWState<Distributed<X>, D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: f64,
+        tensor: Tensor<Distributed<X>, D>,
+        grad: Tensor<Distributed<X>, D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<Distributed<X>, D>, Option<Self::State<D>>) {
+        let p = dtensor(&tensor).clone();
+        let device = p.device().inner().clone();
+        let local_shape = burn::tensor::TensorMetadata::shape(p.local());
+        let dtype = burn::tensor::TensorMetadata::dtype(p.local()).into();
+        let (time, m, v) = match state {
+            Some(s) => (
+                s.momentum.time + 1,
+                piece(&s.momentum.moment_1, &p),
+                piece(&s.momentum.moment_2, &p),
+            ),
+            None => (
+                1,
+                X::float_zeros(local_shape.clone(), &device, dtype),
+                X::float_zeros(local_shape, &device, dtype),
+            ),
+        };
+        let (scale, skip) = self
+            .inputs
+            .inner
+            .lock()
+            .unwrap()
+            .clone()
+            .unwrap_or_else(|| {
+                (
+                    X::float_from_data(TensorData::new(vec![1.0f32], [1]), &device),
+                    X::float_from_data(TensorData::new(vec![0.0f32], [1]), &device),
+                )
+            });
+        let out = X::fused_adamw(
+            p.local().clone(),
+            piece(&grad, &p),
+            m,
+            v,
+            scale,
+            skip,
+            AdamWStep {
+                lr,
+                beta1: self.config.beta1,
+                beta2: self.config.beta2,
+                epsilon: self.config.epsilon,
+                weight_decay: self.config.weight_decay,
+                step: time as u32,
+            },
+        );
+        let state = AdamWState {
+            momentum: AdaptiveMomentumState {
+                time,
+                moment_1: wrap(p.with_local(out.m)),
+                moment_2: wrap(p.with_local(out.v)),
+                max_moment_2: None,
+            },
+        };
+        (wrap(p.with_local(out.param)), Some(state))
+    }
+
+    fn to_device<const D: usize>(
+        mut state: Self::State<D>,
+        device: &burn::tensor::Device<Distributed<X>>,
+    ) -> Self::State<D> {
+        state.momentum = state.momentum.to_device(device);
+        state
+    }
+}
+
+struct Unscale<'a, X: Backend> {
+    grads: &'a mut GradientsParams,
+    inv_scale: f64,
+    /// `Σg²` over the local pieces, each divided by its number of copies, and the flag.
+    sum: Option<(Tensor<X, 1>, Tensor<X, 1>)>,
+    ctx: Option<Arc<wildfire_parallel::RankContext>>,
+}
+
+impl<B, X> ModuleVisitor<B> for Unscale<'_, X>
+where
+    B: AutodiffBackend<InnerBackend = Distributed<X>>,
+    X: FusedOps,
+{
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(grad) = self.grads.remove::<Distributed<X>, D>(param.id) else {
+            return;
+        };
+        let t = dtensor(&grad).clone();
+        let mesh = t.device().mesh().clone();
+        self.ctx.get_or_insert_with(|| t.device().context().clone());
+        let copies: usize = t
+            .layout()
+            .placements()
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| matches!(p, Placement::Replicate | Placement::Local))
+            .map(|(a, _)| mesh.axis_size(a))
+            .product();
+        let out = X::fused_unscale(t.local().clone(), self.inv_scale);
+        let sq = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(out.sum_squares));
+        let sq = if copies > 1 {
+            sq.div_scalar(copies as f64)
+        } else {
+            sq
+        };
+        let flag = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(out.non_finite));
+        self.sum = Some(match self.sum.take() {
+            Some((s, f)) => (s + sq, f.max_pair(flag)),
+            None => (sq, flag),
+        });
+        self.grads
+            .register::<Distributed<X>, D>(param.id, wrap::<X, D>(t.with_local(out.grad)));
+    }
+}
+
+/// The fused counterpart of [`crate::unscale_check_clip`]: unscale every gradient by
+/// `inv_scale` and measure `[found_inf, Σ‖g‖²]` with one kernel pass per gradient (combined on
+/// the device, then one 16-byte all-reduce over the mesh), and set `inputs` to the clipping
+/// coefficient (`max_norm / norm` when above, else 1) and the skip flag for the next
+/// [`FusedAdamW`] step. The gradients are not rescaled here: the AdamW kernel applies the
+/// coefficient as it reads them.
+pub fn fused_unscale_check<B, X, M>(
+    model: &M,
+    grads: &mut GradientsParams,
+    inv_scale: f32,
+    max_norm: Option<f32>,
+    inputs: &TailInputs<X>,
+) -> Result<GradCheck, DistError>
+where
+    B: AutodiffBackend<InnerBackend = Distributed<X>>,
+    X: FusedOps,
+    M: AutodiffModule<B>,
+{
+    let mut v = Unscale::<X> {
+        grads,
+        inv_scale: f64::from(inv_scale),
+        sum: None,
+        ctx: None,
+    };
+    model.visit(&mut v);
+    let (Some((sum, flag)), Some(ctx)) = (v.sum, v.ctx) else {
+        return Ok(GradCheck {
+            norm: 0.0,
+            found_inf: false,
+            clip_factor: 1.0,
+        });
+    };
+    let device = sum.device();
+    // One read of 8 bytes: the agreement over the mesh needs the host communicator.
+    let local: Vec<f32> = Tensor::cat(vec![flag, sum], 0)
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .expect("f32");
+    let (found_inf, total) = if ctx.world_size() > 1 {
+        let data = TensorData::new(vec![f64::from(local[0]), f64::from(local[1])], [2]);
+        let out = ctx
+            .comm()
+            .all_reduce(Group::World, data, ReduceOp::Sum)?
+            .to_vec::<f64>()
+            .expect("f64");
+        (out[0] > 0.0 || !out[1].is_finite(), out[1])
+    } else {
+        (local[0] > 0.0 || !local[1].is_finite(), f64::from(local[1]))
+    };
+    let norm = if found_inf {
+        f32::INFINITY
+    } else {
+        total.sqrt() as f32
+    };
+    let clip_factor = match max_norm {
+        Some(max) if !found_inf && norm > max => max / (norm + 1e-6),
+        _ => 1.0,
+    };
+    let scalar = |x: f32| {
+        Tensor::<X, 1>::from_data(TensorData::new(vec![x], [1]), &device)
+            .into_primitive()
+            .tensor()
+    };
+    *inputs.inner.lock().unwrap() = Some((
+        scalar(clip_factor),
+        scalar(if found_inf { 1.0 } else { 0.0 }),
+    ));
+    Ok(GradCheck {
+        norm,
+        found_inf,
+        clip_factor,
+    })
+}
