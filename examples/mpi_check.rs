@@ -18,6 +18,9 @@
 //! - `hang`: rank 1 never joins a barrier: the others' watchdog aborts the job after the 3 s
 //!   timeout, naming the call.
 //! - `kill`: rank 1 dies (SIGABRT) in the middle of training: `mpirun` stops the others.
+//! - `hybrid`: 2 ranks as threads in each process (`mpirun -np 2`: a 2 × 2 mesh over 4 ranks):
+//!   every collective bitwise equal to ranks-as-threads, and FullShard training over the 4
+//!   ranks bitwise equal too.
 //! - `bandwidth`: all-reduce / all-gather / reduce-scatter bus bandwidth for 1 KiB–256 MiB (build
 //!   with `--release`), beside the algorithm's bytes `2(n−1)/n · S` (all-reduce) and
 //!   `(n−1)/n · S` (the others), as nccl-tests reports them.
@@ -58,6 +61,7 @@ fn main() {
         "mismatch" => mismatch(n),
         "hang" => hang(n),
         "bandwidth" => bandwidth(n),
+        "hybrid" => hybrid(n),
         other => {
             eprintln!(
                 "unknown scenario '{other}': collectives, fsdp, kill, mismatch, hang or bandwidth"
@@ -69,7 +73,7 @@ fn main() {
 }
 
 /// The calls of the `collectives` scenario; returns every result's bytes.
-fn calls(comm: &dyn Communicator) -> Vec<(String, Vec<u8>)> {
+fn calls(comm: &dyn Communicator, p2p: bool) -> Vec<(String, Vec<u8>)> {
     let rank = comm.rank();
     let mesh = comm.mesh().clone();
     let value = |salt: usize, len: usize| -> Vec<f32> {
@@ -126,6 +130,9 @@ fn calls(comm: &dyn Communicator) -> Vec<(String, Vec<u8>)> {
         );
         comm.barrier(group).unwrap();
     }
+    if !p2p {
+        return out;
+    }
     // A ring of point-to-point messages.
     let n = mesh.world_size();
     comm.send((rank + 1) % n, TensorData::new(value(40, 9), [3, 3]))
@@ -154,12 +161,12 @@ fn collectives(n: usize) -> i32 {
         &LaunchOptions::default(),
         |device| {
             rank = device.rank();
-            calls(device.context().comm())
+            calls(device.context().comm(), true)
         },
     )
     .unwrap();
     let threads = launch(&mesh, &LaunchOptions::default(), |comm| {
-        calls(comm.as_ref())
+        calls(comm.as_ref(), true)
     })
     .unwrap();
     let reference = &threads[rank];
@@ -197,7 +204,10 @@ fn fsdp_rank(
     die_at: Option<usize>,
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
     let rank = device.rank();
-    let n = mesh.world_size();
+    // This rank's slice of the batch by its data-parallel coordinate (tp peers share it).
+    let dp_axis = mesh.axis_index("dp").unwrap();
+    let n = mesh.axis_size(dp_axis);
+    let d = mesh.coords(rank)[dp_axis];
     let m = deterministic_init(
         EncoderClassifierConfig::new()
             .with_n_layers(1)
@@ -212,7 +222,7 @@ fn fsdp_rank(
         &task(),
         STEPS,
         0.02,
-        rank * BATCH / n..(rank + 1) * BATCH / n,
+        d * BATCH / n..(d + 1) * BATCH / n,
         &device,
         |m, g: &mut GradientsParams| {
             step += 1;
@@ -431,4 +441,53 @@ fn bandwidth(n: usize) -> i32 {
         }
     }
     0
+}
+
+/// Two ranks as threads per process, processes across: one mesh.
+fn hybrid(n: usize) -> i32 {
+    const THREADS: usize = 2;
+    let mesh = DeviceMesh::new([("dp", n), ("tp", THREADS)]).unwrap();
+    let options = LaunchOptions {
+        timeout: Duration::from_secs(60),
+    };
+    let mine = wildfire::parallel::launch_ranks_hybrid::<Flex, _, _, _>(
+        &mesh,
+        THREADS,
+        |_| Default::default(),
+        &options,
+        |device| {
+            let rank = device.rank();
+            let calls = calls(device.context().comm(), false);
+            (rank, calls, fsdp_rank(device, &mesh, None))
+        },
+    )
+    .unwrap();
+    let trained = launch_ranks::<Flex, _, _>(&mesh, &Default::default(), &options, |device| {
+        fsdp_rank(device, &mesh, None)
+    })
+    .unwrap();
+    let threads = launch(&mesh, &LaunchOptions::default(), |comm| {
+        calls(comm.as_ref(), false)
+    })
+    .unwrap();
+    let mut bad = 0;
+    for (rank, got, training) in &mine {
+        if *training != trained[*rank] {
+            eprintln!("rank {rank}: FullShard training differs from ranks-as-threads");
+            bad += 1;
+        }
+        for ((name, a), (_, b)) in got.iter().zip(&threads[*rank]) {
+            if a != b {
+                eprintln!("rank {rank}: {name}: hybrid result differs from ranks-as-threads");
+                bad += 1;
+            }
+        }
+    }
+    println!(
+        "ranks {:?}: {} collective results each and {STEPS} FullShard AdamW steps on {mesh} (2 threads × {n} processes): equal to ranks-as-threads: {}",
+        mine.iter().map(|(r, _, _)| *r).collect::<Vec<_>>(),
+        mine[0].1.len(),
+        bad == 0
+    );
+    i32::from(bad > 0)
 }

@@ -34,6 +34,8 @@ for np in 2 4; do
     mpi -np "$np" "$check" collectives
     echo "--- FullShard training, $np processes: parity with ranks-as-threads and one device"
     mpi -np "$np" "$check" fsdp
+    echo "--- hybrid: 2 ranks as threads in each of $np processes, one mesh"
+    mpi -np "$np" "$check" hybrid
 done
 
 echo "--- a mismatched collective is detected on every rank"

@@ -32,7 +32,10 @@ pub use comm::{
     CollectiveKind, CommError, CommStats, Communicator, Group, InProcessWorld, ReduceOp,
 };
 #[cfg(feature = "mpi")]
-pub use comm::{MpiCommunicator, MpiError, MpiWorld, launch_ranks_mpi};
+pub use comm::{
+    HybridCommunicator, HybridWorld, MpiCommunicator, MpiError, MpiWorld, launch_ranks_hybrid,
+    launch_ranks_mpi,
+};
 pub use data_parallel::{
     DistributedBackend, SyncReport, dtensor, from_dtensor, redistribute, replicate, sync_gradients,
 };

@@ -11,6 +11,8 @@
 //! bitwise identical results and a run is reproducible.
 
 mod buffer;
+#[cfg(feature = "mpi")]
+mod hybrid;
 mod in_process;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
@@ -26,6 +28,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::mesh::DeviceMesh;
 
+#[cfg(feature = "mpi")]
+pub use hybrid::{HybridCommunicator, HybridWorld, launch_ranks_hybrid};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessCommunicator, InProcessWorld};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiCommunicator, MpiError, MpiWorld, launch_ranks_mpi};

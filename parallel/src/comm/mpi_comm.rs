@@ -40,7 +40,7 @@ use crate::mesh::DeviceMesh;
 /// Dimensions a header can describe.
 const MAX_DIMS: usize = 8;
 /// Header words: sequence, kind, op, dim, root, dtype, ndims, shape.
-const HEADER: usize = 7 + MAX_DIMS;
+pub(super) const HEADER: usize = 7 + MAX_DIMS;
 /// `ndims` of a member that passes no buffer (a broadcast's non-root members).
 const NO_BUFFER: i64 = -1;
 
@@ -49,7 +49,7 @@ const NO_BUFFER: i64 = -1;
 /// SAFETY: MPI is initialised with `MPI_THREAD_MULTIPLE` (checked in [`MpiWorld::init`]), so
 /// any thread may call into it; each handle is used under its own mutex (one call at a time),
 /// and it is never freed (`ManuallyDrop`: `MPI_Finalize` releases it when the world ends).
-struct Handle(ManuallyDrop<SimpleCommunicator>);
+pub(super) struct Handle(pub(super) ManuallyDrop<SimpleCommunicator>);
 unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
@@ -71,6 +71,9 @@ pub enum MpiError {
         "the MPI library provides thread level {0:?}, wildfire needs Multiple (the watchdog aborts the job from its own thread); use an MPI built with thread support (Open MPI 4: the default)"
     )]
     Threading(String),
+    /// A mesh whose groups cannot be laid over the processes.
+    #[error("hybrid mesh: {0}")]
+    Layout(String),
     /// The mesh does not match the processes `mpirun` started.
     #[error(
         "the mesh {mesh} has {mesh_size} ranks but MPI started {world} processes; run mpirun -np {mesh_size} (or change the mesh)"
@@ -253,11 +256,11 @@ impl fmt::Debug for MpiCommunicator {
 
 /// A call as the header describes it.
 #[derive(Clone, Copy)]
-struct Call {
-    kind: CollectiveKind,
-    op: Option<ReduceOp>,
-    dim: usize,
-    root: usize,
+pub(super) struct Call {
+    pub(super) kind: CollectiveKind,
+    pub(super) op: Option<ReduceOp>,
+    pub(super) dim: usize,
+    pub(super) root: usize,
 }
 
 fn kind_code(kind: CollectiveKind) -> i64 {
@@ -273,7 +276,7 @@ fn op_code(op: Option<ReduceOp>) -> i64 {
     }
 }
 
-const DTYPES: [DType; 13] = [
+pub(super) const DTYPES: [DType; 13] = [
     DType::F64,
     DType::F32,
     DType::Flex32,
@@ -297,7 +300,11 @@ fn dtype_code(dtype: DType) -> Result<i64, CommError> {
         .ok_or_else(|| CommError::UnsupportedDType(dtype.name().to_owned()))
 }
 
-fn header(seq: i64, call: Call, data: Option<&TensorData>) -> Result<[i64; HEADER], CommError> {
+pub(super) fn header(
+    seq: i64,
+    call: Call,
+    data: Option<&TensorData>,
+) -> Result<[i64; HEADER], CommError> {
     let mut h = [0i64; HEADER];
     h[0] = seq;
     h[1] = kind_code(call.kind);
@@ -329,7 +336,7 @@ fn header(seq: i64, call: Call, data: Option<&TensorData>) -> Result<[i64; HEADE
     Ok(h)
 }
 
-fn header_shape(h: &[i64]) -> Option<Vec<usize>> {
+pub(super) fn header_shape(h: &[i64]) -> Option<Vec<usize>> {
     (h[6] != NO_BUFFER).then(|| {
         h[7..7 + h[6] as usize]
             .iter()
@@ -338,7 +345,7 @@ fn header_shape(h: &[i64]) -> Option<Vec<usize>> {
     })
 }
 
-fn describe(h: &[i64]) -> String {
+pub(super) fn describe(h: &[i64]) -> String {
     let kind = match h[1] {
         0 => "all_reduce",
         1 => "all_gather",
