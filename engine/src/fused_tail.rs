@@ -21,7 +21,7 @@ use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_kernels::{AdamWStep, FusedOps};
-use wildfire_parallel::{DTensor, DistError, Distributed, Group, Placement, ReduceOp, dtensor};
+use wildfire_parallel::{DTensor, DistError, Distributed, Group, ReduceOp, dtensor};
 
 use crate::grad_check::GradCheck;
 
@@ -217,16 +217,8 @@ where
             return;
         };
         let t = dtensor(&grad).clone();
-        let mesh = t.device().mesh().clone();
         self.ctx.get_or_insert_with(|| t.device().context().clone());
-        let copies: usize = t
-            .layout()
-            .placements()
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| matches!(p, Placement::Replicate | Placement::Local))
-            .map(|(a, _)| mesh.axis_size(a))
-            .product();
+        let copies = crate::grad_check::copies(&t);
         let out = X::fused_unscale(t.local().clone(), self.inv_scale);
         let sq = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(out.sum_squares));
         let sq = if copies > 1 {

@@ -48,22 +48,27 @@ where
         };
         if self.clip.is_none() {
             let t = dtensor(&grad);
-            let mesh = t.device().mesh().clone();
             self.ctx.get_or_insert_with(|| t.device().context().clone());
-            let copies: usize = t
-                .layout()
-                .placements()
-                .iter()
-                .enumerate()
-                .filter(|(_, p)| matches!(p, Placement::Replicate | Placement::Local))
-                .map(|(a, _)| mesh.axis_size(a))
-                .product();
+            let copies = copies(&t);
             let local = Tensor::<X, D>::from_primitive(TensorPrimitive::Float(t.into_local()));
             let sq: f32 = local.powi_scalar(2).sum().into_scalar().elem();
             self.sum_sq += f64::from(sq) / copies as f64;
         }
         self.grads.register::<Distributed<X>, D>(param.id, grad);
     }
+}
+
+/// How many ranks hold the same piece of `t` (the product of its replicated axes): a local sum
+/// divided by it counts every element once in a sum over the whole mesh.
+pub(crate) fn copies<X: Backend>(t: &wildfire_parallel::DTensor<X>) -> usize {
+    let mesh = t.device().mesh();
+    t.layout()
+        .placements()
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| matches!(p, Placement::Replicate | Placement::Local))
+        .map(|(a, _)| mesh.axis_size(a))
+        .product()
 }
 
 /// Multiply every gradient by `inv_scale` (1 / loss scale), agree across the whole mesh on

@@ -211,8 +211,7 @@ impl<B: Backend> DTensor<B> {
         // shard must not outlive its use (FSDP frees it and gathers again) — except, when asked
         // (`RankContext::set_keep_sequence_gathers`), a sequence-parallel activation's gather,
         // kept for the backward of the column-parallel layers that use it.
-        let memo = (layout.has_partial() || keeps_sequence_gather(&layout, &shape, &device))
-            .then(MemoCell::<B>::default);
+        let memo = memo_for(&layout, &shape, &device);
         let track = Tracker::new(local_bytes(&local), device.context());
         Self {
             local,
@@ -232,8 +231,7 @@ impl<B: Backend> DTensor<B> {
         shape: Shape,
         device: DistDevice<B>,
     ) -> Self {
-        let memo = (layout.has_partial() || keeps_sequence_gather(&layout, &shape, &device))
-            .then(MemoCell::<B>::default);
+        let memo = memo_for(&layout, &shape, &device);
         Self {
             local,
             layout,
@@ -535,6 +533,13 @@ impl<B: Backend> DTensor<B> {
             track,
         })
     }
+}
+
+/// A memo for values whose redistributions are worth keeping: partial values, and (when asked)
+/// sequence-sharded activations.
+fn memo_for<B: Backend>(layout: &Layout, shape: &Shape, device: &DistDevice<B>) -> Memo<B> {
+    (layout.has_partial() || keeps_sequence_gather(layout, shape, device))
+        .then(MemoCell::<B>::default)
 }
 
 /// Whether this value is a sequence-parallel activation (`[b, t, d]` split over the sequence on

@@ -23,7 +23,7 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
 use super::buffer::{check_reducible, chunk_bytes, concat, element_size, reduce};
-use super::mpi_comm::{DTYPES, HEADER, Handle, describe, header, header_shape};
+use super::mpi_comm::{DTYPES, HEADER, Handle, header, header_shape, layouts_agree, mismatch};
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp, check_rank};
 use crate::mesh::DeviceMesh;
 
@@ -286,16 +286,8 @@ impl HybridCommunicator {
             })
             .collect();
         if out.iter().any(|(o, _)| o[..5] != h[..5]) {
-            return Err(CommError::Mismatch {
-                op: kind,
-                group: label,
-                detail: out
-                    .iter()
-                    .zip(&members)
-                    .map(|((o, _), r)| format!("rank {r}: {}", describe(o)))
-                    .collect::<Vec<_>>()
-                    .join("; "),
-            });
+            let headers: Vec<[i64; HEADER]> = out.iter().map(|(o, _)| *o).collect();
+            return Err(mismatch(&self.mesh, self.rank, group, kind, &headers));
         }
         Ok(out)
     }
@@ -368,26 +360,11 @@ impl HybridCommunicator {
         parts: &[Message],
         except: Option<usize>,
     ) -> Result<(), CommError> {
-        let first = &parts[0].0;
-        let agree = parts.iter().all(|(h, _)| {
-            h[5] == first[5]
-                && h[6] == first[6]
-                && (0..h[6].max(0) as usize).all(|d| Some(d) == except || h[7 + d] == first[7 + d])
-        });
-        if agree {
+        if layouts_agree(parts.iter().map(|(h, _)| h), except) {
             return Ok(());
         }
-        let members = group.ranks(&self.mesh, self.rank)?;
-        Err(CommError::Mismatch {
-            op: kind,
-            group: group.label(&self.mesh)?.to_owned(),
-            detail: parts
-                .iter()
-                .zip(&members)
-                .map(|((h, _), r)| format!("rank {r}: {}", describe(h)))
-                .collect::<Vec<_>>()
-                .join("; "),
-        })
+        let headers: Vec<[i64; HEADER]> = parts.iter().map(|(h, _)| *h).collect();
+        Err(mismatch(&self.mesh, self.rank, group, kind, &headers))
     }
 }
 

@@ -371,6 +371,42 @@ pub(super) fn describe(h: &[i64]) -> String {
     )
 }
 
+/// The mismatch of a round whose members' headers differ, naming every member's call.
+pub(super) fn mismatch(
+    mesh: &DeviceMesh,
+    rank: usize,
+    group: Group,
+    kind: CollectiveKind,
+    headers: &[[i64; HEADER]],
+) -> CommError {
+    let members = group.ranks(mesh, rank).unwrap_or_default();
+    CommError::Mismatch {
+        op: kind,
+        group: group.label(mesh).unwrap_or("?").to_owned(),
+        detail: headers
+            .iter()
+            .zip(&members)
+            .map(|(h, r)| format!("rank {r}: {}", describe(h)))
+            .collect::<Vec<_>>()
+            .join("; "),
+    }
+}
+
+/// Whether the members' buffers agree in dtype and shape (except on dim `except`).
+pub(super) fn layouts_agree<'h>(
+    mut headers: impl Iterator<Item = &'h [i64; HEADER]> + Clone,
+    except: Option<usize>,
+) -> bool {
+    let Some(first) = headers.clone().next() else {
+        return true;
+    };
+    headers.all(|h| {
+        h[5] == first[5]
+            && h[6] == first[6]
+            && (0..h[6].max(0) as usize).all(|d| Some(d) == except || h[7 + d] == first[7 + d])
+    })
+}
+
 /// Byte counts and displacements for `counts` (bytes), as MPI's `int` counts.
 fn partition(counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>), CommError> {
     let mut displs = Vec::with_capacity(counts.len());
@@ -441,34 +477,13 @@ impl MpiCommunicator {
             .collect();
         // Same call (sequence, kind, op, dim, root) on every member.
         if headers.iter().any(|h| h[..5] != mine[..5]) {
-            let members = group.ranks(&self.mesh, self.rank)?;
-            let detail = headers
-                .iter()
-                .zip(&members)
-                .map(|(h, r)| format!("rank {r}: {}", describe(h)))
-                .collect::<Vec<_>>()
-                .join("; ");
-            return Err(CommError::Mismatch {
-                op: call.kind,
-                group: label,
-                detail,
-            });
+            return Err(self.mismatch(group, call.kind, &headers));
         }
         body(comm, &headers, index)
     }
 
     fn mismatch(&self, group: Group, kind: CollectiveKind, headers: &[[i64; HEADER]]) -> CommError {
-        let members = group.ranks(&self.mesh, self.rank).unwrap_or_default();
-        CommError::Mismatch {
-            op: kind,
-            group: group.label(&self.mesh).unwrap_or("?").to_owned(),
-            detail: headers
-                .iter()
-                .zip(&members)
-                .map(|(h, r)| format!("rank {r}: {}", describe(h)))
-                .collect::<Vec<_>>()
-                .join("; "),
-        }
+        mismatch(&self.mesh, self.rank, group, kind, headers)
     }
 
     /// Members' buffers must agree in dtype and shape (except on `except`).
@@ -479,13 +494,7 @@ impl MpiCommunicator {
         headers: &[[i64; HEADER]],
         except: Option<usize>,
     ) -> Result<(), CommError> {
-        let first = &headers[0];
-        let agree = headers.iter().all(|h| {
-            h[5] == first[5]
-                && h[6] == first[6]
-                && (0..h[6].max(0) as usize).all(|d| Some(d) == except || h[7 + d] == first[7 + d])
-        });
-        if agree {
+        if layouts_agree(headers.iter(), except) {
             Ok(())
         } else {
             Err(self.mismatch(group, kind, headers))
