@@ -73,6 +73,17 @@ assert len(a) == 4 and key(a) == key(b), (key(a), key(b))
 print(f"{sys.argv[3]}: {len(a)} steps, losses identical under mpirun and ranks-as-threads: {[r['loss'] for r in a]}")
 PY
 done
+echo "--- gpt_pretrain under mpirun: save at step 2, resume to 4 == a straight run (FullShard)"
+ck=(--batch-size 4 --n-layer 2 --block-size 32 --tokenizer bytes --sample-tokens 0 --eval-every 100 --fsdp full --dp 2 --decay-steps 4 --plot "$tmp/ck.png")
+mpi -np 2 "$pretrain" "${ck[@]}" --steps 2 --save "$tmp/ck" --save-every 2 2>/dev/null
+mpi -np 2 "$pretrain" "${ck[@]}" --steps 4 --resume "$tmp/ck" --metrics "$tmp/resumed.jsonl" 2>/dev/null
+"$pretrain" "${ck[@]}" --steps 4 --metrics "$tmp/straight.jsonl" 2>/dev/null
+python3 - "$tmp/resumed.jsonl" "$tmp/straight.jsonl" <<'PY'
+import json, sys
+r, s = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:3])
+assert len(r) == 2 and r == s[-2:], (r, s)
+print(f"resumed losses {r} == straight run's last two, bitwise")
+PY
 if out=$(mpi -np 2 "$pretrain" --steps 1 --dp 1 2>&1); then fail "a world that does not match the mesh was accepted"; fi
 grep -q "one process per rank" <<<"$out" || fail "no clear error for -np 2 --dp 1: $out"
 rm -rf "$tmp"

@@ -671,6 +671,61 @@ struct RankRun<'a> {
 
 type Recs = BinBytesRecorder<FullPrecisionSettings>;
 
+/// The optimizer state per parameter (Burn's optimizer records are maps keyed by parameter).
+type OptimRecord<R> = hashbrown::HashMap<burn::module::ParamId, R>;
+
+const OPTIM_MAGIC: &[u8; 8] = b"WFOPTv1\n";
+
+/// Encode the optimizer state one parameter at a time, in parameter-id order. Gathering a
+/// sharded moment is a collective: every rank must walk the entries in the same order, which a
+/// `HashMap`'s iteration order (seeded per process) does not give.
+fn encode_optimizer<B: Backend, R: burn::record::Record<B>>(
+    record: OptimRecord<R>,
+) -> Result<Vec<u8>, burn::record::RecorderError> {
+    let mut entries: Vec<_> = record.into_iter().collect();
+    entries.sort_by_key(|(id, _)| id.to_string());
+    let mut out = OPTIM_MAGIC.to_vec();
+    out.extend_from_slice(&(entries.len() as u64).to_le_bytes());
+    for (id, r) in entries {
+        let one: OptimRecord<R> = [(id, r)].into_iter().collect();
+        let bytes = Recs::new().record(one, ())?;
+        out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        out.extend_from_slice(&bytes);
+    }
+    Ok(out)
+}
+
+/// The inverse of [`encode_optimizer`].
+fn decode_optimizer<B: Backend, R: burn::record::Record<B>>(
+    bytes: &[u8],
+    device: &B::Device,
+) -> Result<OptimRecord<R>, String> {
+    let body = bytes
+        .strip_prefix(&OPTIM_MAGIC[..])
+        .ok_or("not a wildfire optimizer state (bad magic)")?;
+    let word = |at: usize| -> Result<usize, String> {
+        body.get(at..at + 8)
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")) as usize)
+            .ok_or_else(|| "truncated".to_string())
+    };
+    let count = word(0)?;
+    let mut at = 8;
+    let mut out = OptimRecord::new();
+    for _ in 0..count {
+        let len = word(at)?;
+        let chunk = body.get(at + 8..at + 8 + len).ok_or("truncated")?;
+        let one: OptimRecord<R> = Recs::new()
+            .load(chunk.to_vec(), device)
+            .map_err(|e| e.to_string())?;
+        out.extend(one);
+        at += 8 + len;
+    }
+    if at != body.len() {
+        return Err("trailing bytes".into());
+    }
+    Ok(out)
+}
+
 fn batch_tensors<B: Backend>(
     sampler: &BatchSampler,
     data: TokenSlice<'_>,
@@ -761,7 +816,7 @@ impl RankRun<'_> {
         }
     }
 
-    fn train_with<B: FusedOps, O: Optimizer<Gpt<A<B>>, A<B>>>(
+    fn train_with<B, O, R>(
         &self,
         device: &DistDevice<B>,
         mut optim: O,
@@ -769,7 +824,12 @@ impl RankRun<'_> {
         resume: Option<&Path>,
         resume_scaler: Option<DynamicLossScaler>,
         first_step: usize,
-    ) -> Result<RunSummary, PretrainError> {
+    ) -> Result<RunSummary, PretrainError>
+    where
+        B: FusedOps,
+        O: Optimizer<Gpt<A<B>>, A<B>, Record = OptimRecord<R>>,
+        R: burn::record::Record<A<B>>,
+    {
         let config = self.config;
         let rank = device.rank();
         // Precision policy: f32 master weights, matmuls in the compute dtype; f16 adds a
@@ -805,8 +865,8 @@ impl RankRun<'_> {
             .map_err(|e| bad("model weights", e.to_string()))?;
             let bytes = fs::read(dir.join("optimizer.bin"))
                 .map_err(|e| bad("optimizer state", e.to_string()))?;
-            let o = create_replicated(|| Recs::new().load(bytes, device))
-                .map_err(|e| bad("optimizer state", e.to_string()))?;
+            let o = create_replicated(|| decode_optimizer::<A<B>, R>(&bytes, device))
+                .map_err(|e| bad("optimizer state", e))?;
             optim = create_replicated(|| optim.load_record(o));
         }
         let mut model = parallelize_gpt(model, &mesh, &config.parallel)?;
@@ -1017,27 +1077,32 @@ impl RankRun<'_> {
         Ok(())
     }
 
-    /// Save weights (`model.safetensors`, named by module path), optimizer state (Burn record,
-    /// keyed by the deterministic parameter ids) and the run state (`state.json`: step, config,
+    /// Save weights (`model.safetensors`, named by module path), optimizer state (one Burn record
+    /// per parameter, in parameter-id order, see [`encode_optimizer`]) and the run state (`state.json`: step, config,
     /// model shape; the sampler needs nothing else) to `save/step-N`, then point `latest` at it.
     /// The step directory is built under a temporary name and renamed; `latest` moves last.
-    fn save<B: Backend, O: Optimizer<Gpt<Autodiff<Distributed<B>>>, Autodiff<Distributed<B>>>>(
+    fn save<B, O, R>(
         &self,
         model: &Gpt<Autodiff<Distributed<B>>>,
         optim: &O,
         scaler: Option<&DynamicLossScaler>,
         step: usize,
         rank: usize,
-    ) -> Result<(), PretrainError> {
-        // Sharded values are gathered for the files: every rank takes part; rank 0 writes.
+    ) -> Result<(), PretrainError>
+    where
+        B: Backend,
+        O: Optimizer<Gpt<A<B>>, A<B>, Record = OptimRecord<R>>,
+        R: burn::record::Record<A<B>>,
+    {
+        // Sharded values are gathered for the files: every rank takes part, in the same order;
+        // rank 0 writes.
         let weights = wildfire_models::safetensors::to_bytes(model);
-        let optimizer =
-            Recs::new()
-                .record(optim.to_record(), ())
-                .map_err(|e| PretrainError::Checkpoint {
-                    path: self.config.save.clone().unwrap_or_default(),
-                    reason: format!("optimizer state: {e}"),
-                })?;
+        let optimizer = encode_optimizer::<A<B>, R>(optim.to_record()).map_err(|e| {
+            PretrainError::Checkpoint {
+                path: self.config.save.clone().unwrap_or_default(),
+                reason: format!("optimizer state: {e}"),
+            }
+        })?;
         if rank != 0 {
             return Ok(());
         }
