@@ -296,6 +296,20 @@ fn bad_input_is_refused() {
     .unwrap_err();
     assert!(matches!(err, PretrainError::Checkpoint { .. }), "{err}");
     assert!(err.to_string().contains("truncated"), "{err}");
+    // So is a truncated or foreign optimizer state.
+    std::fs::write(&weights, &bytes).unwrap();
+    let optim = step_dir.join("optimizer.bin");
+    let state = std::fs::read(&optim).unwrap();
+    for broken in [&state[..state.len() / 2], &b"not an optimizer state"[..]] {
+        std::fs::write(&optim, broken).unwrap();
+        let err = run(&PretrainConfig {
+            resume: Some(dir.clone()),
+            ..small(4)
+        })
+        .unwrap_err();
+        assert!(matches!(err, PretrainError::Checkpoint { .. }), "{err}");
+        assert!(err.to_string().contains("optimizer state"), "{err}");
+    }
 
     let nothing = PretrainConfig {
         resume: Some(scratch("empty")),
