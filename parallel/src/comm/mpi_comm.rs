@@ -22,7 +22,7 @@
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -131,7 +131,6 @@ impl MpiWorld {
                 timeout,
                 pending: Mutex::new(None),
                 stop: AtomicBool::new(false),
-                calls: AtomicU64::new(0),
             }),
         });
         let watchdog = comm.watchdog.clone();
@@ -188,8 +187,6 @@ struct Watchdog {
     /// The call in flight: when it started and what it is.
     pending: Mutex<Option<(Instant, String)>>,
     stop: AtomicBool,
-    /// Calls started (so a long run of short calls never looks stuck).
-    calls: AtomicU64,
 }
 
 impl Watchdog {
@@ -212,7 +209,6 @@ impl Watchdog {
     }
 
     fn start(&self, what: String) -> Pending<'_> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
         *lock(&self.pending) = Some((Instant::now(), what));
         Pending(self)
     }
