@@ -458,6 +458,18 @@ fn hybrid(n: usize) -> i32 {
         |device| {
             let rank = device.rank();
             let calls = calls(device.context().comm(), false);
+            // Point-to-point is not offered on a hybrid world: a typed error, no hang.
+            let p2p = device
+                .context()
+                .comm()
+                .send(0, TensorData::new(vec![0f32], [1]));
+            assert!(
+                matches!(
+                    p2p,
+                    Err(wildfire::parallel::comm::CommError::Unsupported(_))
+                ),
+                "{p2p:?}"
+            );
             (rank, calls, fsdp_rank(device, &mesh, None))
         },
     )

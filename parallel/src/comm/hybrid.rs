@@ -507,14 +507,14 @@ impl Communicator for HybridCommunicator {
     /// here uses them): a typed error, never a hang.
     fn send(&self, to: usize, _data: TensorData) -> Result<(), CommError> {
         check_rank(to, self.mesh.world_size(), "the world")?;
-        Err(CommError::UnsupportedDType(
+        Err(CommError::Unsupported(
             "send/recv on a hybrid (threads × processes) world; use MpiCommunicator (one rank per process)".into(),
         ))
     }
 
     fn recv(&self, from: usize) -> Result<TensorData, CommError> {
         check_rank(from, self.mesh.world_size(), "the world")?;
-        Err(CommError::UnsupportedDType(
+        Err(CommError::Unsupported(
             "send/recv on a hybrid (threads × processes) world; use MpiCommunicator (one rank per process)".into(),
         ))
     }

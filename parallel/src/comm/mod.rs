@@ -235,6 +235,10 @@ pub enum CommError {
          and splitting needs whole-byte elements"
     )]
     UnsupportedDType(String),
+    /// A call this communicator cannot make (e.g. point-to-point on a hybrid world, a message
+    /// over MPI's 32-bit counts), with what to do instead.
+    #[error("not supported here: {0}")]
+    Unsupported(String),
     /// A rank (or group index) out of range.
     #[error("rank {rank} is out of range for {context} of {size} ranks")]
     InvalidRank {

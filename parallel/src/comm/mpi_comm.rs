@@ -413,7 +413,7 @@ fn partition(counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>), CommError> {
     }
     let fits = |v: usize| {
         i32::try_from(v).map_err(|_| {
-            CommError::UnsupportedDType(format!(
+            CommError::Unsupported(format!(
                 "a message of {at} bytes (MPI counts are 32-bit: split it below 2 GiB)"
             ))
         })
