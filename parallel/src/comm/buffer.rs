@@ -25,6 +25,34 @@ pub(crate) fn element_size(data: &TensorData) -> Result<usize, CommError> {
     Ok(size)
 }
 
+/// Fails unless `data` has dimension `dim` (the dimension a gather or scatter runs along).
+pub(crate) fn check_dim(
+    op: super::CollectiveKind,
+    data: &TensorData,
+    dim: usize,
+) -> Result<(), CommError> {
+    let ndims = data.shape.num_dims();
+    if dim < ndims {
+        Ok(())
+    } else {
+        Err(CommError::InvalidDim { op, dim, ndims })
+    }
+}
+
+/// Fails unless dimension `dim` of `data` splits into `parts` equal chunks (a reduce-scatter).
+pub(crate) fn check_divisible(
+    data: &TensorData,
+    dim: usize,
+    parts: usize,
+) -> Result<(), CommError> {
+    let size = data.shape[dim];
+    if size.is_multiple_of(parts) {
+        Ok(())
+    } else {
+        Err(CommError::Indivisible { dim, size, parts })
+    }
+}
+
 /// Fails unless reductions support `dtype`.
 pub(crate) fn check_reducible(dtype: DType) -> Result<(), CommError> {
     match dtype {

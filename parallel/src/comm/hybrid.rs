@@ -22,7 +22,9 @@ use mpi::topology::Communicator as _;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
-use super::buffer::{check_reducible, chunk_bytes, concat, element_size, reduce};
+use super::buffer::{
+    check_dim, check_divisible, check_reducible, chunk_bytes, concat, element_size, reduce,
+};
 use super::mpi_comm::{DTYPES, HEADER, Handle, header, header_shape, layouts_agree, mismatch};
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp, check_rank};
 use crate::mesh::DeviceMesh;
@@ -412,14 +414,7 @@ impl Communicator for HybridCommunicator {
         let kind = CollectiveKind::AllGather;
         let parts = self.gather(group, (kind, None, dim, 0), Some(&data))?;
         self.check_layout(group, kind, &parts, Some(dim))?;
-        let ndims = data.shape.num_dims();
-        if dim >= ndims {
-            return Err(CommError::InvalidDim {
-                op: kind,
-                dim,
-                ndims,
-            });
-        }
+        check_dim(kind, &data, dim)?;
         let bytes = data.bytes.len();
         let datas: Vec<TensorData> = parts.into_iter().map(|(h, b)| data_of(&h, b)).collect();
         let result = concat(&datas.iter().collect::<Vec<_>>(), dim)?;
@@ -437,24 +432,10 @@ impl Communicator for HybridCommunicator {
         let kind = CollectiveKind::ReduceScatter;
         let parts = self.gather(group, (kind, Some(op), dim, 0), Some(&data))?;
         self.check_layout(group, kind, &parts, None)?;
-        let ndims = data.shape.num_dims();
-        if dim >= ndims {
-            return Err(CommError::InvalidDim {
-                op: kind,
-                dim,
-                ndims,
-            });
-        }
+        check_dim(kind, &data, dim)?;
         check_reducible(data.dtype)?;
         let n = parts.len();
-        let size = data.shape[dim];
-        if !size.is_multiple_of(n) {
-            return Err(CommError::Indivisible {
-                dim,
-                size,
-                parts: n,
-            });
-        }
+        check_divisible(&data, dim, n)?;
         let index = group.index(&self.mesh, self.rank)?;
         let mut chunks = Vec::with_capacity(n);
         let mut shape = Shape::from(vec![0]);

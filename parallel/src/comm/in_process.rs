@@ -395,16 +395,7 @@ impl Who<'_> {
     }
 
     fn check_dim(&self, data: &TensorData, dim: usize) -> Result<(), CommError> {
-        let ndims = data.shape.num_dims();
-        if dim < ndims {
-            Ok(())
-        } else {
-            Err(CommError::InvalidDim {
-                op: self.kind,
-                dim,
-                ndims,
-            })
-        }
+        super::buffer::check_dim(self.kind, data, dim)
     }
 }
 
@@ -547,10 +538,7 @@ impl Communicator for InProcessCommunicator {
             check_reducible(buffers[0].dtype)?;
             element_size(buffers[0])?;
             let parts = buffers.len();
-            let size = buffers[0].shape[dim];
-            if size % parts != 0 {
-                return Err(CommError::Indivisible { dim, size, parts });
-            }
+            super::buffer::check_divisible(buffers[0], dim, parts)?;
             let result = match deposits {
                 Deposits::Alone(mine) => mine.data.expect("reduce_scatter carries a buffer"),
                 Deposits::Shared(_) => {

@@ -33,7 +33,9 @@ use mpi::topology::Communicator as _;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
-use super::buffer::{check_reducible, chunk_bytes, concat, element_size, reduce};
+use super::buffer::{
+    check_dim, check_divisible, check_reducible, chunk_bytes, concat, element_size, reduce,
+};
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp, check_rank};
 use crate::mesh::DeviceMesh;
 
@@ -633,14 +635,7 @@ impl Communicator for MpiCommunicator {
         };
         let result = self.collective(group, call, Some(&data), |comm, headers, _| {
             self.same_layout(group, call.kind, headers, Some(dim))?;
-            let ndims = data.shape.num_dims();
-            if dim >= ndims {
-                return Err(CommError::InvalidDim {
-                    op: call.kind,
-                    dim,
-                    ndims,
-                });
-            }
+            check_dim(call.kind, &data, dim)?;
             if headers.len() == 1 {
                 return Ok(data.clone());
             }
@@ -686,24 +681,10 @@ impl Communicator for MpiCommunicator {
         };
         let result = self.collective(group, call, Some(&data), |comm, headers, _| {
             self.same_layout(group, call.kind, headers, None)?;
-            let ndims = data.shape.num_dims();
-            if dim >= ndims {
-                return Err(CommError::InvalidDim {
-                    op: call.kind,
-                    dim,
-                    ndims,
-                });
-            }
+            check_dim(call.kind, &data, dim)?;
             check_reducible(data.dtype)?;
             let n = headers.len();
-            let size = data.shape[dim];
-            if !size.is_multiple_of(n) {
-                return Err(CommError::Indivisible {
-                    dim,
-                    size,
-                    parts: n,
-                });
-            }
+            check_divisible(&data, dim, n)?;
             if n == 1 {
                 return Ok(data.clone());
             }
