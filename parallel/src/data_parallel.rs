@@ -6,7 +6,7 @@ use crate::comm::{Group, ReduceOp};
 use crate::error::DistError;
 use crate::mesh::{AxisKind, DeviceMesh};
 use crate::placement::{Layout, Placement};
-use crate::tensor::{DTensor, read};
+use crate::tensor::DTensor;
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -88,9 +88,7 @@ impl<B: Backend> DTensor<B> {
         if self.layout.get(axis) != Placement::Local {
             return Ok(self);
         }
-        let comm = self.device.ctx.comm();
-        let data = comm.broadcast(Group::Axis(axis), Some(read::<B>(self.local)), 0)?;
-        let local = B::float_from_data(data, &self.device.inner);
+        let local = crate::comm::broadcast(&self.device, Group::Axis(axis), self.local, 0)?;
         Ok(DTensor::new_shaped(
             local,
             self.layout.with(axis, Placement::Replicate),

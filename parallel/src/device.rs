@@ -1,6 +1,6 @@
 //! The decorator's device: (inner device, rank, mesh, communicator), and per-rank op counters.
 
-use crate::comm::{Communicator, InProcessWorld};
+use crate::comm::{Communicator, DeviceCollectives, InProcessWorld};
 use crate::mesh::{AxisKind, DeviceMesh};
 use burn::tensor::backend::{Backend, DeviceId, DeviceOps};
 use std::any::{Any, TypeId};
@@ -52,6 +52,9 @@ pub struct MemoryReport {
 /// Everything a rank needs to run distributed ops: its rank, the mesh and a communicator.
 pub struct RankContext {
     comm: Arc<dyn Communicator>,
+    /// Collectives on the inner backend's tensors (an `Arc<dyn DeviceCollectives<B>>`), when
+    /// installed.
+    device_collectives: Mutex<Option<Box<dyn Any + Send + Sync>>>,
     counters: Mutex<OpCounters>,
     /// A backward pass produced data-parallel gradients that `sync_gradients` has not seen yet.
     pending_sync: AtomicBool,
@@ -126,7 +129,31 @@ impl RankContext {
             keep_sequence_gathers: AtomicBool::new(false),
             grad_reduce_dtype: Mutex::new(None),
             memory_budget: std::sync::atomic::AtomicU64::new(0),
+            device_collectives: Mutex::new(None),
         })
+    }
+
+    /// Run this rank's redistributions on `collectives`, on the inner backend's own tensors
+    /// (NCCL on CUDA), instead of staging them through the host communicator. The host
+    /// communicator stays for host-side calls (scalars, barriers, checkpoints). One backend's
+    /// collectives at a time: installing replaces the previous ones.
+    pub fn set_device_collectives<B: Backend>(&self, collectives: Arc<dyn DeviceCollectives<B>>) {
+        *self.device_collectives.lock().unwrap() = Some(Box::new(collectives));
+    }
+
+    /// Go back to the host communicator for every collective.
+    pub fn clear_device_collectives(&self) {
+        *self.device_collectives.lock().unwrap() = None;
+    }
+
+    /// The device collectives installed for backend `B`, if any.
+    pub fn device_collectives<B: Backend>(&self) -> Option<Arc<dyn DeviceCollectives<B>>> {
+        self.device_collectives
+            .lock()
+            .unwrap()
+            .as_ref()
+            .and_then(|any| any.downcast_ref::<Arc<dyn DeviceCollectives<B>>>())
+            .cloned()
     }
 
     /// This rank.
@@ -147,6 +174,11 @@ impl RankContext {
     /// The communicator.
     pub fn comm(&self) -> &dyn Communicator {
         &*self.comm
+    }
+
+    /// The communicator, shared (e.g. to build device collectives over it).
+    pub fn comm_arc(&self) -> Arc<dyn Communicator> {
+        self.comm.clone()
     }
 
     /// A snapshot of the op counters.

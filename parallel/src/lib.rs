@@ -29,7 +29,8 @@ mod tensor_parallel;
 
 pub use backend::Distributed;
 pub use comm::{
-    CollectiveKind, CommError, CommStats, Communicator, Group, InProcessWorld, ReduceOp,
+    CollectiveKind, CommError, CommStats, Communicator, DeviceCollectives, Group, HostStaged,
+    InProcessWorld, ReduceOp,
 };
 #[cfg(feature = "mpi")]
 pub use comm::{

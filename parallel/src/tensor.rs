@@ -1,6 +1,6 @@
 //! `DTensor`: the decorator's float primitive — a local piece plus a layout over the mesh.
 
-use crate::comm::{Group, ReduceOp};
+use crate::comm::{self, Group, ReduceOp};
 use crate::device::DistDevice;
 use crate::error::DistError;
 use crate::placement::{Layout, Placement};
@@ -404,7 +404,6 @@ impl<B: Backend> DTensor<B> {
         }
         let memo = self.memo.clone();
         let communicates = self.layout.is_distributed();
-        let comm = self.device.ctx.comm();
         let rank = self.device.rank();
         let mut layout = self.layout.clone();
         let mut local = self.local;
@@ -457,8 +456,7 @@ impl<B: Backend> DTensor<B> {
                 }
                 Placement::Shard(d) => {
                     gathered_data |= mesh.axis(a).kind == crate::mesh::AxisKind::Data;
-                    let data = comm.all_gather(Group::Axis(a), read::<B>(local), d)?;
-                    local = B::float_from_data(data, &self.device.inner);
+                    local = comm::all_gather(&self.device, Group::Axis(a), local, d)?;
                     layout.set(a, Placement::Replicate);
                     // The last split of a padded dim gathered: drop the padding.
                     let size = self.shape[d];
@@ -479,14 +477,12 @@ impl<B: Backend> DTensor<B> {
                         Placement::Shard(d) if op != ReduceOp::Max && !later_shards(d) => {
                             let size = mesh.axis_size(a);
                             local = pad::<B>(local, d, size, &self.device.inner);
-                            let data =
-                                comm.reduce_scatter(Group::Axis(a), read::<B>(local), d, op)?;
-                            local = B::float_from_data(data, &self.device.inner);
+                            local =
+                                comm::reduce_scatter(&self.device, Group::Axis(a), local, d, op)?;
                             layout.set(a, to);
                         }
                         _ => {
-                            let data = comm.all_reduce(Group::Axis(a), read::<B>(local), op)?;
-                            local = B::float_from_data(data, &self.device.inner);
+                            local = comm::all_reduce(&self.device, Group::Axis(a), local, op)?;
                             layout.set(a, Placement::Replicate);
                         }
                     }

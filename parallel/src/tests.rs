@@ -6,6 +6,7 @@ use crate::*;
 use burn::backend::{Autodiff, Flex};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData, activation, module};
+use std::sync::Arc;
 
 type F = Flex;
 type D = Distributed<Flex>;
@@ -748,4 +749,150 @@ fn padded_data_shards_match_full_tensors() {
         3,
         op2!(3, 2, |a, b| a.matmul(b.unsqueeze())),
     );
+}
+
+/// Device collectives that count their calls and stage through the host (the dispatch under
+/// test is the one NCCL gets).
+#[derive(Debug)]
+struct CountingCollectives {
+    inner: HostStaged,
+    calls: std::sync::Mutex<std::collections::BTreeMap<&'static str, u64>>,
+}
+
+impl CountingCollectives {
+    fn count(&self, kind: &'static str) {
+        *self.calls.lock().unwrap().entry(kind).or_default() += 1;
+    }
+}
+
+impl DeviceCollectives<F> for CountingCollectives {
+    fn all_reduce(
+        &self,
+        group: Group,
+        tensor: <F as burn_backend::backend::BackendTypes>::FloatTensorPrimitive,
+        op: ReduceOp,
+    ) -> Result<<F as burn_backend::backend::BackendTypes>::FloatTensorPrimitive, CommError> {
+        self.count("all_reduce");
+        DeviceCollectives::<F>::all_reduce(&self.inner, group, tensor, op)
+    }
+
+    fn all_gather_first(
+        &self,
+        group: Group,
+        tensor: <F as burn_backend::backend::BackendTypes>::FloatTensorPrimitive,
+    ) -> Result<<F as burn_backend::backend::BackendTypes>::FloatTensorPrimitive, CommError> {
+        self.count("all_gather");
+        DeviceCollectives::<F>::all_gather_first(&self.inner, group, tensor)
+    }
+
+    fn reduce_scatter_first(
+        &self,
+        group: Group,
+        tensor: <F as burn_backend::backend::BackendTypes>::FloatTensorPrimitive,
+        op: ReduceOp,
+    ) -> Result<<F as burn_backend::backend::BackendTypes>::FloatTensorPrimitive, CommError> {
+        self.count("reduce_scatter");
+        DeviceCollectives::<F>::reduce_scatter_first(&self.inner, group, tensor, op)
+    }
+
+    fn broadcast(
+        &self,
+        group: Group,
+        tensor: <F as burn_backend::backend::BackendTypes>::FloatTensorPrimitive,
+        root: usize,
+    ) -> Result<<F as burn_backend::backend::BackendTypes>::FloatTensorPrimitive, CommError> {
+        self.count("broadcast");
+        DeviceCollectives::<F>::broadcast(&self.inner, group, tensor, root)
+    }
+}
+
+/// With device collectives installed, every redistribution goes through them (none through the
+/// host communicator directly), each collective along every dimension is only ever asked of
+/// them along dim 0, and the results are bitwise those of the host path.
+#[test]
+fn device_collectives_carry_every_redistribution_bitwise() {
+    let mesh = mesh22();
+    let base = values(&[4, 4, 8], 5);
+    let all: Vec<Layout> = layouts(&mesh, 3)
+        .into_iter()
+        .filter(|l| !l.placements().contains(&Placement::Local))
+        .collect();
+    let results =
+        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+            let comm = device.context().comm_arc();
+            let run = |device: &DistDevice<F>| {
+                let mut out = Vec::new();
+                for from in &all {
+                    for to in &all {
+                        let t = Tensor::<F, 3>::from_data(base.clone(), &Default::default());
+                        let Ok(dt) = DTensor::from_full(t.into_primitive().tensor(), from, device)
+                        else {
+                            continue;
+                        };
+                        // Partial → Shard must reach the shard by a reduce-scatter on any dim.
+                        let moved = dt.redistribute(to).unwrap();
+                        out.push(crate::tensor::read::<F>(moved.local().clone()));
+                    }
+                }
+                // A per-rank value adopted from member 0 (a broadcast).
+                let local = Tensor::<F, 2>::from_data(
+                    values(&[3, 5], device.rank() as u64),
+                    &Default::default(),
+                );
+                let dt = DTensor::from_local(
+                    local.into_primitive().tensor(),
+                    Layout::new([Placement::Local, Placement::Replicate]),
+                    device,
+                )
+                .unwrap();
+                out.push(crate::tensor::read::<F>(
+                    dt.adopt_from_first(0).unwrap().local().clone(),
+                ));
+                out
+            };
+            let host = run(&device);
+            let host_stats = comm.stats();
+            comm.reset_stats();
+            let counting = Arc::new(CountingCollectives {
+                inner: HostStaged::new(comm.clone()),
+                calls: Default::default(),
+            });
+            device
+                .context()
+                .set_device_collectives::<F>(counting.clone());
+            let staged = run(&device);
+            device.context().clear_device_collectives();
+            let staged_stats = comm.stats();
+            let calls = counting.calls.lock().unwrap().clone();
+            (host, staged, host_stats, staged_stats, calls)
+        })
+        .unwrap();
+    for (host, staged, host_stats, staged_stats, calls) in results {
+        assert_eq!(host.len(), staged.len());
+        for (a, b) in host.iter().zip(&staged) {
+            assert_eq!(a.as_bytes(), b.as_bytes());
+            assert_eq!(a.shape, b.shape);
+        }
+        // The same collectives, by kind, and every one went through the device collectives
+        // (whose host staging recorded it), along dim 0.
+        for (kind, name) in [
+            (CollectiveKind::AllReduce, "all_reduce"),
+            (CollectiveKind::AllGather, "all_gather"),
+            (CollectiveKind::ReduceScatter, "reduce_scatter"),
+            (CollectiveKind::Broadcast, "broadcast"),
+        ] {
+            assert_eq!(host_stats.count(kind), staged_stats.count(kind), "{kind:?}");
+            assert_eq!(host_stats.bytes(kind), staged_stats.bytes(kind), "{kind:?}");
+            assert_eq!(
+                calls.get(name).copied().unwrap_or(0),
+                host_stats.count(kind),
+                "{name}"
+            );
+        }
+        assert!(
+            calls["all_gather"] > 50 && calls["reduce_scatter"] > 10,
+            "{calls:?}"
+        );
+        assert_eq!(calls["broadcast"], 1);
+    }
 }

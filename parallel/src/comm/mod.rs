@@ -11,6 +11,7 @@
 //! bitwise identical results and a run is reproducible.
 
 mod buffer;
+mod device;
 #[cfg(feature = "mpi")]
 mod hybrid;
 mod in_process;
@@ -28,6 +29,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::mesh::DeviceMesh;
 
+pub use device::{DeviceCollectives, HostStaged};
+pub(crate) use device::{all_gather, all_reduce, broadcast, reduce_scatter};
 #[cfg(feature = "mpi")]
 pub use hybrid::{HybridCommunicator, HybridWorld, launch_ranks_hybrid};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessCommunicator, InProcessWorld};
