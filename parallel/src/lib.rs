@@ -29,8 +29,8 @@ mod tensor_parallel;
 
 pub use backend::Distributed;
 pub use comm::{
-    CollectiveKind, CommError, CommStats, Communicator, DeviceCollectives, Group, HostStaged,
-    InProcessWorld, ReduceOp,
+    Bootstrap, CollectiveKind, CommError, CommStats, Communicator, DeviceCollectives, Group,
+    HostStaged, InProcessWorld, ReduceOp, RendezvousError, TcpRendezvous, exchange_group_ids,
 };
 #[cfg(feature = "mpi")]
 pub use comm::{

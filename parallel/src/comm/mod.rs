@@ -10,6 +10,7 @@
 //! Reductions are computed in group order `0, 1, …, n-1` on every member, so all members get
 //! bitwise identical results and a run is reproducible.
 
+mod bootstrap;
 mod buffer;
 mod device;
 #[cfg(feature = "mpi")]
@@ -29,6 +30,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::mesh::DeviceMesh;
 
+pub use bootstrap::{
+    Bootstrap, RendezvousError, TcpRendezvous, bootstrap_groups, exchange_group_ids,
+};
 pub use device::{DeviceCollectives, HostStaged};
 pub(crate) use device::{all_gather, all_reduce, broadcast, reduce_scatter};
 #[cfg(feature = "mpi")]
