@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, Recompute, parse_fsdp};
-use wildfire::pretrain::{Launch, Precision, PretrainConfig, estimate, run};
+use wildfire::pretrain::{Collectives, Launch, Precision, PretrainConfig, estimate, run};
 
 /// Pretrain a GPT language model with Wildfire.
 #[derive(Parser, Debug)]
@@ -28,6 +28,10 @@ struct Args {
     /// Inner backend.
     #[arg(long, default_value = "flex", value_parser = ["flex", "wgpu", "cuda"], help_heading = "Run")]
     backend: String,
+    /// What moves the training tensors between ranks: host (threads / MPI) or nccl (CUDA GPUs,
+    /// one per rank; needs --backend cuda).
+    #[arg(long, default_value = "host", value_parser = ["host", "nccl"], help_heading = "Run")]
+    collectives: String,
 
     /// Model preset: tiny, small, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b.
     #[arg(long, default_value = "tiny", help_heading = "Model")]
@@ -250,6 +254,10 @@ fn main() -> Result<()> {
         plot: Some(args.plot.clone()),
         progress: true,
         launch,
+        collectives: match args.collectives.as_str() {
+            "nccl" => Collectives::Nccl,
+            _ => Collectives::Host,
+        },
     };
     tracing::info!("config: {}", serde_json::to_string(&config)?);
     if args.estimate {
@@ -267,7 +275,7 @@ fn main() -> Result<()> {
         #[cfg(feature = "wgpu")]
         "wgpu" => wildfire::pretrain::run_on::<burn::backend::Wgpu>(&config, &Default::default())?,
         #[cfg(feature = "cuda")]
-        "cuda" => wildfire::pretrain::run_on::<burn::backend::Cuda>(&config, &Default::default())?,
+        "cuda" => run_cuda(&config)?,
         other => bail!(
             "--backend {other} is not compiled in: cargo run --release --features {other} --example gpt_pretrain -- --backend {other}"
         ),
@@ -336,4 +344,31 @@ fn launcher_environment(args: &Args) -> Result<Launch> {
             "{name}={size}: this binary was built without MPI; build it with --features mpi (needs Open MPI and libclang) and run it under mpirun again"
         )
     }
+}
+
+/// `--backend cuda`: with `--collectives nccl`, every rank installs NCCL on its GPU first.
+#[cfg(feature = "cuda")]
+fn run_cuda(config: &PretrainConfig) -> Result<wildfire::pretrain::RunSummary> {
+    type Cuda = burn::backend::Cuda;
+    let device = Default::default();
+    if config.collectives == Collectives::Host {
+        return Ok(wildfire::pretrain::run_on::<Cuda>(config, &device)?);
+    }
+    #[cfg(not(feature = "fusion"))]
+    {
+        let setup = |d: &wildfire::parallel::DistDevice<Cuda>| {
+            wildfire::parallel::NcclCommunicator::install(d, Default::default())
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        Ok(wildfire::pretrain::run_on_with::<Cuda>(
+            config,
+            &device,
+            Some(&setup),
+        )?)
+    }
+    #[cfg(feature = "fusion")]
+    bail!(
+        "--collectives nccl runs on Burn's CUDA backend without operation fusion: build without --features fusion"
+    )
 }

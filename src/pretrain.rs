@@ -21,7 +21,7 @@ use wildfire_models::gpt::{Gpt, GptConfig, ModelError, Preset};
 use wildfire_models::parallelize::{ParallelConfig, ParallelizeError, Recompute, parallelize_gpt};
 use wildfire_parallel::{
     DistDevice, DistError, Distributed, FsdpOptimizer, Group, LaunchError, LaunchOptions, ReduceOp,
-    create_replicated, launch_ranks, parameter_bytes,
+    create_replicated, launch_ranks_on, parameter_bytes,
 };
 
 /// Numeric precision of the compute.
@@ -139,7 +139,26 @@ pub struct PretrainConfig {
     /// Ranks as threads of this process, or this process as one rank of an MPI job.
     #[serde(default)]
     pub launch: Launch,
+    /// What moves the training tensors between ranks: the host communicator (threads or MPI),
+    /// or NCCL on the GPUs (CUDA; one GPU per rank, the rank's local index).
+    #[serde(default)]
+    pub collectives: Collectives,
 }
+
+/// What carries the collectives of the training tensors.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Collectives {
+    /// The host communicator: ranks as threads, or MPI between processes.
+    #[default]
+    Host,
+    /// NCCL on the ranks' CUDA devices, bootstrapped over the host communicator (feature
+    /// `cuda`, `--backend cuda`): rank `r` of a process uses GPU `r` (its local rank under MPI).
+    Nccl,
+}
+
+/// Called on every rank's device before training (e.g. to install NCCL collectives).
+pub type RankSetup<'a, B> = dyn Fn(&DistDevice<B>) -> Result<(), String> + Sync + 'a;
 
 /// How the ranks run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -189,6 +208,7 @@ impl Default for PretrainConfig {
             plot: None,
             progress: true,
             launch: Launch::Threads,
+            collectives: Collectives::Host,
         }
     }
 }
@@ -486,7 +506,36 @@ pub fn run_on<B: FusedOps>(
     config: &PretrainConfig,
     device: &B::Device,
 ) -> Result<RunSummary, PretrainError> {
+    run_on_with::<B>(config, device, None)
+}
+
+/// [`run_on`] with `setup` run on every rank's device first. With
+/// [`Collectives::Nccl`] the setup installs NCCL, and rank `r` of a process runs on the device
+/// `r` places after `device` (its local rank: one GPU per rank).
+pub fn run_on_with<B: FusedOps>(
+    config: &PretrainConfig,
+    device: &B::Device,
+    setup: Option<&RankSetup<'_, B>>,
+) -> Result<RunSummary, PretrainError> {
     config.check()?;
+    if config.collectives == Collectives::Nccl && setup.is_none() {
+        return Err(PretrainError::Config(
+            "--collectives nccl runs on CUDA: build with --features cuda and pass --backend cuda"
+                .into(),
+        ));
+    }
+    let per_rank_device = |local: usize| -> B::Device {
+        if config.collectives == Collectives::Nccl {
+            use burn::tensor::backend::Device as _;
+            let id = device.to_id();
+            B::Device::from_id(burn::tensor::backend::DeviceId::new(
+                id.type_id,
+                id.index_id + local as u16,
+            ))
+        } else {
+            device.clone()
+        }
+    };
     let wanted = config
         .precision
         .reduced_dtype()
@@ -549,6 +598,9 @@ pub fn run_on<B: FusedOps>(
     };
     let rank_body = |device: DistDevice<B>| -> Result<RunSummary, PretrainError> {
         let rank = device.rank();
+        if let Some(setup) = setup {
+            setup(&device).map_err(PretrainError::Config)?;
+        }
         let own_metrics = match config.launch {
             Launch::Mpi if rank == 0 => open_metrics()?,
             _ => None,
@@ -583,9 +635,12 @@ pub fn run_on<B: FusedOps>(
     };
     let (rank, summary) = match config.launch {
         Launch::Threads => {
-            let results = launch_ranks::<B, _, _>(&mesh, device, &LaunchOptions::default(), |d| {
-                rank_body(d)
-            })?;
+            let results = launch_ranks_on::<B, _, _, _>(
+                &mesh,
+                per_rank_device,
+                &LaunchOptions::default(),
+                rank_body,
+            )?;
             (0, results.into_iter().next().expect("rank 0"))
         }
         #[cfg(feature = "mpi")]
@@ -593,7 +648,7 @@ pub fn run_on<B: FusedOps>(
             let mut rank = 0;
             let summary = wildfire_parallel::launch_ranks_mpi::<B, _, _, _>(
                 &mesh,
-                |_local_rank| device.clone(),
+                per_rank_device,
                 &LaunchOptions::default(),
                 |d| {
                     rank = d.rank();

@@ -37,6 +37,8 @@ pub use comm::{
     HybridCommunicator, HybridWorld, MpiCommunicator, MpiError, MpiWorld, launch_ranks_hybrid,
     launch_ranks_mpi,
 };
+#[cfg(feature = "cuda")]
+pub use comm::{NcclCommunicator, NcclInitError, NcclOptions};
 pub use data_parallel::{
     DistributedBackend, SyncReport, dtensor, from_dtensor, redistribute, replicate, sync_gradients,
 };

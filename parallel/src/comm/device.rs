@@ -204,7 +204,7 @@ pub(crate) fn reduce_scatter<B: Backend>(
             let shape = tensor.shape();
             check_dim(CollectiveKind::ReduceScatter, shape.num_dims(), dim)?;
             let n = group.size(ctx.mesh())?;
-            if shape[dim] % n != 0 {
+            if !shape[dim].is_multiple_of(n) {
                 return Err(CommError::Indivisible {
                     dim,
                     size: shape[dim],

@@ -25,7 +25,8 @@ use mpi::traits::*;
 use super::buffer::{
     check_dim, check_divisible, check_reducible, chunk_bytes, concat, element_size, reduce,
 };
-use super::mpi_comm::{DTYPES, HEADER, Handle, header, header_shape, layouts_agree, mismatch};
+use super::header::{DTYPES, HEADER, header, header_shape, layouts_agree, mismatch};
+use super::mpi_comm::Handle;
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp, check_rank};
 use crate::mesh::DeviceMesh;
 
@@ -210,7 +211,7 @@ impl HybridCommunicator {
         };
         let h = header(
             seq as i64,
-            super::mpi_comm::Call {
+            super::header::Call {
                 kind,
                 op,
                 dim,

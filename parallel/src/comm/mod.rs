@@ -13,11 +13,15 @@
 mod bootstrap;
 mod buffer;
 mod device;
+#[cfg(any(feature = "mpi", feature = "cuda"))]
+mod header;
 #[cfg(feature = "mpi")]
 mod hybrid;
 mod in_process;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
+#[cfg(feature = "cuda")]
+mod nccl;
 mod stats;
 #[cfg(test)]
 mod tests;
@@ -40,6 +44,8 @@ pub use hybrid::{HybridCommunicator, HybridWorld, launch_ranks_hybrid};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessCommunicator, InProcessWorld};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiCommunicator, MpiError, MpiWorld, launch_ranks_mpi};
+#[cfg(feature = "cuda")]
+pub use nccl::{NcclCommunicator, NcclInitError, NcclOptions};
 pub use stats::{CommCount, CommStats};
 
 /// How the members' buffers are combined.
@@ -255,6 +261,16 @@ pub enum CommError {
         size: usize,
         /// What it indexes, e.g. `the world` or `group dp`.
         context: String,
+    },
+    /// A collective library (NCCL, CUDA) failed.
+    #[error("{library} {call} failed: {reason}")]
+    Library {
+        /// The library.
+        library: &'static str,
+        /// The call.
+        call: String,
+        /// What it reported.
+        reason: String,
     },
     /// A [`Group::Axis`] that the mesh does not have.
     #[error("mesh {mesh} has no axis {axis}; name axes through DeviceMesh::axis_index")]

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use burn::tensor::{DType, Shape, TensorData};
+use burn::tensor::{Shape, TensorData};
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::topology::Communicator as _;
 use mpi::topology::{Color, SimpleCommunicator};
@@ -36,15 +36,9 @@ use mpi::traits::*;
 use super::buffer::{
     check_dim, check_divisible, check_reducible, chunk_bytes, concat, element_size, reduce,
 };
+use super::header::{Call, DTYPES, HEADER, header, header_shape, layouts_agree, mismatch};
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp, check_rank};
 use crate::mesh::DeviceMesh;
-
-/// Dimensions a header can describe.
-const MAX_DIMS: usize = 8;
-/// Header words: sequence, kind, op, dim, root, dtype, ndims, shape.
-pub(super) const HEADER: usize = 7 + MAX_DIMS;
-/// `ndims` of a member that passes no buffer (a broadcast's non-root members).
-const NO_BUFFER: i64 = -1;
 
 /// An MPI communicator handle usable from the rank's threads.
 ///
@@ -253,158 +247,6 @@ impl fmt::Debug for MpiCommunicator {
 }
 
 /// A call as the header describes it.
-#[derive(Clone, Copy)]
-pub(super) struct Call {
-    pub(super) kind: CollectiveKind,
-    pub(super) op: Option<ReduceOp>,
-    pub(super) dim: usize,
-    pub(super) root: usize,
-}
-
-fn kind_code(kind: CollectiveKind) -> i64 {
-    kind as i64
-}
-
-fn op_code(op: Option<ReduceOp>) -> i64 {
-    match op {
-        None => -1,
-        Some(ReduceOp::Sum) => 0,
-        Some(ReduceOp::Avg) => 1,
-        Some(ReduceOp::Max) => 2,
-    }
-}
-
-pub(super) const DTYPES: [DType; 13] = [
-    DType::F64,
-    DType::F32,
-    DType::Flex32,
-    DType::F16,
-    DType::BF16,
-    DType::I64,
-    DType::I32,
-    DType::I16,
-    DType::I8,
-    DType::U64,
-    DType::U32,
-    DType::U16,
-    DType::U8,
-];
-
-fn dtype_code(dtype: DType) -> Result<i64, CommError> {
-    DTYPES
-        .iter()
-        .position(|d| *d == dtype)
-        .map(|i| i as i64)
-        .ok_or_else(|| CommError::UnsupportedDType(dtype.name().to_owned()))
-}
-
-pub(super) fn header(
-    seq: i64,
-    call: Call,
-    data: Option<&TensorData>,
-) -> Result<[i64; HEADER], CommError> {
-    let mut h = [0i64; HEADER];
-    h[0] = seq;
-    h[1] = kind_code(call.kind);
-    h[2] = op_code(call.op);
-    h[3] = call.dim as i64;
-    h[4] = call.root as i64;
-    match data {
-        Some(data) => {
-            let dims = data.shape.as_slice();
-            if dims.len() > MAX_DIMS {
-                return Err(CommError::InvalidDim {
-                    op: call.kind,
-                    dim: dims.len(),
-                    ndims: MAX_DIMS,
-                });
-            }
-            element_size(data)?;
-            h[5] = dtype_code(data.dtype)?;
-            h[6] = dims.len() as i64;
-            for (slot, d) in h[7..].iter_mut().zip(dims) {
-                *slot = *d as i64;
-            }
-        }
-        None => {
-            h[5] = -1;
-            h[6] = NO_BUFFER;
-        }
-    }
-    Ok(h)
-}
-
-pub(super) fn header_shape(h: &[i64]) -> Option<Vec<usize>> {
-    (h[6] != NO_BUFFER).then(|| {
-        h[7..7 + h[6] as usize]
-            .iter()
-            .map(|&d| d as usize)
-            .collect()
-    })
-}
-
-pub(super) fn describe(h: &[i64]) -> String {
-    let kind = match h[1] {
-        0 => "all_reduce",
-        1 => "all_gather",
-        2 => "reduce_scatter",
-        3 => "broadcast",
-        4 => "barrier",
-        _ => "?",
-    };
-    let dtype = usize::try_from(h[5])
-        .ok()
-        .and_then(|i| DTYPES.get(i))
-        .map_or("-", |d| d.name());
-    let op = ["sum", "avg", "max"]
-        .get(h[2] as usize)
-        .copied()
-        .unwrap_or("-");
-    format!(
-        "call #{} {kind} (op {op}, dim {}, root {}) {dtype} {:?}",
-        h[0],
-        h[3],
-        h[4],
-        header_shape(h).unwrap_or_default()
-    )
-}
-
-/// The mismatch of a round whose members' headers differ, naming every member's call.
-pub(super) fn mismatch(
-    mesh: &DeviceMesh,
-    rank: usize,
-    group: Group,
-    kind: CollectiveKind,
-    headers: &[[i64; HEADER]],
-) -> CommError {
-    let members = group.ranks(mesh, rank).unwrap_or_default();
-    CommError::Mismatch {
-        op: kind,
-        group: group.label(mesh).unwrap_or("?").to_owned(),
-        detail: headers
-            .iter()
-            .zip(&members)
-            .map(|(h, r)| format!("rank {r}: {}", describe(h)))
-            .collect::<Vec<_>>()
-            .join("; "),
-    }
-}
-
-/// Whether the members' buffers agree in dtype and shape (except on dim `except`).
-pub(super) fn layouts_agree<'h>(
-    mut headers: impl Iterator<Item = &'h [i64; HEADER]> + Clone,
-    except: Option<usize>,
-) -> bool {
-    let Some(first) = headers.clone().next() else {
-        return true;
-    };
-    headers.all(|h| {
-        h[5] == first[5]
-            && h[6] == first[6]
-            && (0..h[6].max(0) as usize).all(|d| Some(d) == except || h[7 + d] == first[7 + d])
-    })
-}
-
 /// Byte counts and displacements for `counts` (bytes), as MPI's `int` counts.
 fn partition(counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>), CommError> {
     let mut displs = Vec::with_capacity(counts.len());

@@ -1,0 +1,831 @@
+//! NCCL between CUDA devices (feature `cuda`): one communicator per mesh group, bootstrapped
+//! over MPI, a host communicator, or a `MASTER_ADDR:MASTER_PORT` rendezvous
+//! ([`Bootstrap`]), and collectives on the device buffers of Burn's CUDA backend with no host
+//! copy ([`DeviceCollectives`] for `CubeBackend<CudaRuntime, …>`).
+//!
+//! How a call runs: the rank's compute stream is synchronised (the input's producers are done),
+//! the collective is enqueued on this rank's own NCCL stream over the raw device pointers of the
+//! CubeCL handles (`ComputeClient::get_resource`), and the stream is polled until it completes
+//! or the timeout passes, in which case every NCCL communicator of the rank is aborted
+//! (`ncclCommAbort`) and the call fails with [`CommError::Timeout`] instead of hanging. The
+//! outputs are fresh buffers (Burn tensors are immutable values).
+//!
+//! Every call is checked first (unless [`NcclOptions::check_calls`] is off): the members
+//! all-gather a small header (call number, collective, op, dtype, shape) over NCCL, and a
+//! member that diverges makes every member fail with [`CommError::Mismatch`] at that call.
+//!
+//! Reductions are NCCL's: fast, not in group order, so not bitwise equal to ranks as threads
+//! (the host communicators are). Point-to-point is not offered ([`CommError::Unsupported`]).
+//!
+//! Not run here: this workspace's CI has no GPU. It compiles in CI (`cargo check --features
+//! cuda`); the pure parts (bootstrap, header checks, the dim handling) are tested on CPU.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use burn::tensor::{DType, Shape, TensorData};
+use burn_backend::TensorMetadata;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+use cubecl::Runtime;
+use cubecl::client::ComputeClient;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cubecl::server::Handle;
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nccl::{result as nccl, sys as nccl_sys};
+
+use super::bootstrap::{Bootstrap, RendezvousError, bootstrap_groups, exchange_group_ids};
+use super::buffer::{check_dim, check_divisible, check_reducible, chunk_bytes, concat};
+use super::header::{Call, HEADER, header_of, layouts_agree, mismatch};
+use super::{
+    CollectiveKind, CommError, CommStats, Communicator, DeviceCollectives, Group, ReduceOp,
+};
+use crate::mesh::DeviceMesh;
+
+/// How an [`NcclCommunicator`] behaves.
+#[derive(Clone, Debug)]
+pub struct NcclOptions {
+    /// How long a collective may wait before the rank aborts NCCL and fails.
+    pub timeout: Duration,
+    /// Exchange and compare a call header before every collective (one tiny extra all-gather
+    /// per call): divergent ranks fail at the first divergent call rather than hanging.
+    pub check_calls: bool,
+}
+
+impl Default for NcclOptions {
+    fn default() -> Self {
+        Self {
+            timeout: super::DEFAULT_TIMEOUT,
+            check_calls: true,
+        }
+    }
+}
+
+/// Creating an [`NcclCommunicator`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NcclInitError {
+    /// The ids could not be handed out.
+    #[error(transparent)]
+    Rendezvous(#[from] RendezvousError),
+    /// A CUDA driver call failed (no device, no driver).
+    #[error("CUDA: {0}")]
+    Cuda(String),
+    /// An NCCL call failed (no libnccl, a peer with another NCCL version, …).
+    #[error("NCCL {call}: {reason}")]
+    Nccl {
+        /// The call.
+        call: &'static str,
+        /// NCCL's result code.
+        reason: String,
+    },
+}
+
+/// An NCCL communicator handle. SAFETY: used only under the owner's call lock (NCCL
+/// communicators are not thread-safe), destroyed once in `Drop`.
+struct CommHandle(nccl_sys::ncclComm_t);
+unsafe impl Send for CommHandle {}
+unsafe impl Sync for CommHandle {}
+
+/// One rank's NCCL communicators (one per mesh group it belongs to) on its CUDA device.
+pub struct NcclCommunicator {
+    rank: usize,
+    mesh: DeviceMesh,
+    device: CudaDevice,
+    client: ComputeClient<CudaRuntime>,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    /// In [`bootstrap_groups`] order: each axis, then the world.
+    comms: Vec<CommHandle>,
+    options: NcclOptions,
+    sequence: Mutex<HashMap<Group, i64>>,
+    stats: Mutex<CommStats>,
+    /// One NCCL call at a time on this rank.
+    calls: Mutex<()>,
+    aborted: AtomicBool,
+}
+
+impl fmt::Debug for NcclCommunicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "NcclCommunicator(rank {} of {}, {:?})",
+            self.rank, self.mesh, self.device
+        )
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn nccl_dtype(dtype: DType) -> Result<nccl_sys::ncclDataType_t, CommError> {
+    use nccl_sys::ncclDataType_t as T;
+    Ok(match dtype {
+        DType::F64 => T::ncclFloat64,
+        DType::F32 => T::ncclFloat32,
+        DType::F16 => T::ncclFloat16,
+        DType::BF16 => T::ncclBfloat16,
+        DType::I64 => T::ncclInt64,
+        DType::I32 => T::ncclInt32,
+        DType::I8 => T::ncclInt8,
+        DType::U64 => T::ncclUint64,
+        DType::U32 => T::ncclUint32,
+        DType::U8 => T::ncclUint8,
+        other => return Err(CommError::UnsupportedDType(other.name().to_owned())),
+    })
+}
+
+fn nccl_op(op: ReduceOp) -> nccl_sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => nccl_sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => nccl_sys::ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => nccl_sys::ncclRedOp_t::ncclMax,
+    }
+}
+
+/// What one NCCL call does with its send and receive buffers.
+#[derive(Clone, Copy)]
+enum Op {
+    /// `count` elements in and out.
+    AllReduce(ReduceOp),
+    /// `count` elements in, `n × count` out.
+    AllGather,
+    /// `n × count` in, `count` out.
+    ReduceScatter(ReduceOp),
+    /// `count` elements, from group index `root`.
+    Broadcast(usize),
+}
+
+impl NcclCommunicator {
+    /// Rank `rank` of `mesh` on CUDA device `device`: makes one NCCL communicator per group of
+    /// the rank (every axis, then the world), with ids handed out over `boot` (an MPI or other
+    /// host communicator, or a [`TcpRendezvous`](super::TcpRendezvous)). Every rank of the mesh
+    /// must call this at the same time (NCCL's initialisation is collective).
+    pub fn new(
+        mesh: DeviceMesh,
+        rank: usize,
+        device: CudaDevice,
+        boot: &(impl Bootstrap + ?Sized),
+        options: NcclOptions,
+    ) -> Result<Self, NcclInitError> {
+        let cuda = |e: cudarc::driver::DriverError| NcclInitError::Cuda(format!("{e:?}"));
+        let ctx = CudaContext::new(device.index).map_err(cuda)?;
+        ctx.bind_to_thread().map_err(cuda)?;
+        let stream = ctx.new_stream().map_err(cuda)?;
+        let client = CudaRuntime::client(&device);
+        let ids = exchange_group_ids(&mesh, boot, || {
+            let id = nccl::get_uniqueid().map_err(|e| RendezvousError::Protocol {
+                addr: String::new(),
+                reason: format!("ncclGetUniqueId: {:?}", e.0),
+            })?;
+            Ok(id.internal.iter().map(|&c| c as u8).collect())
+        })?;
+        let mut comms = Vec::new();
+        for (group, id) in bootstrap_groups(&mesh).into_iter().zip(ids) {
+            let n = group.size(&mesh).expect("a bootstrap group");
+            let index = group.index(&mesh, rank).expect("a bootstrap group");
+            let mut unique = nccl_sys::ncclUniqueId { internal: [0; 128] };
+            for (slot, byte) in unique.internal.iter_mut().zip(&id) {
+                *slot = *byte as _;
+            }
+            let mut comm: nccl_sys::ncclComm_t = std::ptr::null_mut();
+            // SAFETY: `comm` is a valid out-pointer; every member of the group makes the same
+            // call with the same id (handed out above), in the same group order.
+            unsafe { nccl::comm_init_rank(&mut comm, n as i32, unique, index as i32) }.map_err(
+                |e| NcclInitError::Nccl {
+                    call: "ncclCommInitRank",
+                    reason: format!("{:?}", e.0),
+                },
+            )?;
+            comms.push(CommHandle(comm));
+        }
+        tracing::info!(rank, groups = comms.len(), "NCCL communicators ready");
+        Ok(Self {
+            rank,
+            mesh,
+            device,
+            client,
+            ctx,
+            stream,
+            comms,
+            options,
+            sequence: Mutex::new(HashMap::new()),
+            stats: Mutex::new(CommStats::default()),
+            calls: Mutex::new(()),
+            aborted: AtomicBool::new(false),
+        })
+    }
+
+    /// Make this rank's NCCL communicators on its inner CUDA device, bootstrapped over its host
+    /// communicator (ranks as threads, or MPI), and install them as the rank's
+    /// [`DeviceCollectives`]: from then on every redistribution of `Distributed<Cuda>` runs on
+    /// NCCL. Every rank calls it at the same time. Host-side calls stay on the host
+    /// communicator; the NCCL calls are counted in the returned communicator's statistics.
+    pub fn install<F: FloatElement, I: IntElement, BT: BoolElement>(
+        device: &crate::DistDevice<CubeBackend<CudaRuntime, F, I, BT>>,
+        options: NcclOptions,
+    ) -> Result<Arc<Self>, NcclInitError> {
+        let ctx = device.context();
+        let host = ctx.comm_arc();
+        let nccl = Arc::new(Self::new(
+            ctx.mesh().clone(),
+            ctx.rank(),
+            device.inner().clone(),
+            &*host,
+            options,
+        )?);
+        ctx.set_device_collectives::<CubeBackend<CudaRuntime, F, I, BT>>(nccl.clone());
+        Ok(nccl)
+    }
+
+    /// The CUDA device.
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+
+    fn comm(&self, group: Group) -> Result<nccl_sys::ncclComm_t, CommError> {
+        let slot = match group {
+            Group::World => self.comms.len() - 1,
+            Group::Axis(a) => {
+                group.size(&self.mesh)?;
+                a
+            }
+        };
+        Ok(self.comms[slot].0)
+    }
+
+    fn library(&self, call: &str, reason: impl fmt::Debug) -> CommError {
+        CommError::Library {
+            library: "NCCL",
+            call: call.to_owned(),
+            reason: format!("{reason:?}"),
+        }
+    }
+
+    fn record(&self, kind: CollectiveKind, group: Group, bytes: usize) {
+        let label = group.label(&self.mesh).unwrap_or("?");
+        lock(&self.stats).record(kind, label, bytes as u64);
+    }
+
+    /// Waits for this rank's NCCL stream, aborting every communicator past the timeout.
+    fn wait(&self, kind: CollectiveKind, group: Group) -> Result<(), CommError> {
+        let start = Instant::now();
+        let stream = self.stream.cu_stream();
+        loop {
+            // SAFETY: `stream` is this rank's live stream.
+            let status = unsafe { cudarc::driver::sys::cuStreamQuery(stream) };
+            match status {
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                other => return Err(self.library("cuStreamQuery", other)),
+            }
+            if start.elapsed() > self.options.timeout {
+                self.abort();
+                return Err(CommError::Timeout {
+                    op: kind,
+                    group: group.label(&self.mesh).unwrap_or("?").to_owned(),
+                    rank: self.rank,
+                    waited: start.elapsed(),
+                    missing: Vec::new(),
+                });
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Aborts every NCCL communicator of this rank (after a timeout): later calls fail at once.
+    fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::SeqCst) {
+            for comm in &self.comms {
+                // SAFETY: a live communicator, aborted once (guarded by `aborted`).
+                let _ = unsafe { nccl::comm_abort(comm.0) };
+            }
+            tracing::error!(rank = self.rank, "NCCL timed out: communicators aborted");
+        }
+    }
+
+    fn check_alive(&self) -> Result<(), CommError> {
+        if self.aborted.load(Ordering::SeqCst) {
+            Err(CommError::Unsupported(
+                "this rank's NCCL communicators were aborted after a timeout".into(),
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// One NCCL call on raw CubeCL handles: `count` as [`Op`] defines it.
+    fn raw(
+        &self,
+        group: Group,
+        op: Op,
+        dtype: DType,
+        count: usize,
+        send: &Handle,
+        recv: &Handle,
+    ) -> Result<(), CommError> {
+        self.check_alive()?;
+        let comm = self.comm(group)?;
+        let kind = match op {
+            Op::AllReduce(_) => CollectiveKind::AllReduce,
+            Op::AllGather => CollectiveKind::AllGather,
+            Op::ReduceScatter(_) => CollectiveKind::ReduceScatter,
+            Op::Broadcast(_) => CollectiveKind::Broadcast,
+        };
+        let datatype = nccl_dtype(dtype)?;
+        let cuda = |e: cudarc::driver::DriverError| self.library("CUDA context", e);
+        self.ctx.bind_to_thread().map_err(cuda)?;
+        // The input's producers run on the compute stream: let them finish first.
+        cubecl::future::block_on(self.client.sync()).map_err(|e| self.library("CubeCL sync", e))?;
+        let server = |e| self.library("CubeCL get_resource", e);
+        // Kept alive until the call has completed.
+        let send_res = self.client.get_resource(send.clone()).map_err(server)?;
+        let recv_res = self.client.get_resource(recv.clone()).map_err(server)?;
+        let (src, dst) = (
+            send_res.resource().ptr as *const std::ffi::c_void,
+            recv_res.resource().ptr as *mut std::ffi::c_void,
+        );
+        let stream = self.stream.cu_stream() as nccl_sys::cudaStream_t;
+        // SAFETY: `src`/`dst` are live device allocations of the sizes `count` implies (the
+        // callers size them); `comm` is this rank's communicator for `group`, used under the
+        // call lock; `stream` belongs to the same context.
+        let result = unsafe {
+            match op {
+                Op::AllReduce(r) => {
+                    nccl::all_reduce(src, dst, count, datatype, nccl_op(r), comm, stream)
+                }
+                Op::AllGather => nccl::all_gather(src, dst, count, datatype, comm, stream),
+                Op::ReduceScatter(r) => {
+                    nccl::reduce_scatter(src, dst, count, datatype, nccl_op(r), comm, stream)
+                }
+                Op::Broadcast(root) => {
+                    nccl::broadcast(src, dst, count, datatype, root as i32, comm, stream)
+                }
+            }
+        };
+        result.map_err(|e| self.library(&kind.to_string(), e.0))?;
+        self.wait(kind, group)
+    }
+
+    fn upload(&self, bytes: &[u8]) -> Handle {
+        self.client.create_from_slice(bytes)
+    }
+
+    fn download(
+        &self,
+        handle: Handle,
+        shape: Shape,
+        dtype: DType,
+    ) -> Result<TensorData, CommError> {
+        let bytes = self
+            .client
+            .read_one(handle)
+            .map_err(|e| self.library("CubeCL read", e))?;
+        let len = shape.num_elements() * dtype.size();
+        Ok(TensorData::from_bytes_vec(
+            bytes[..len].to_vec(),
+            shape,
+            dtype,
+        ))
+    }
+
+    /// The members' headers for this call (checked for the same call on every member), or
+    /// only this member's when checks are off.
+    fn headers(
+        &self,
+        group: Group,
+        call: Call,
+        buffer: Option<(DType, &[usize])>,
+    ) -> Result<Vec<[i64; HEADER]>, CommError> {
+        let seq = {
+            let mut sequence = lock(&self.sequence);
+            let s = sequence.entry(group).or_insert(0);
+            *s += 1;
+            *s
+        };
+        let mine = header_of(seq, call, buffer)?;
+        if !self.options.check_calls && call.kind != CollectiveKind::Broadcast {
+            return Ok(vec![mine]);
+        }
+        let n = group.size(&self.mesh)?;
+        let bytes: Vec<u8> = mine.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let send = self.upload(&bytes);
+        let recv = self.client.empty(bytes.len() * n);
+        self.raw(group, Op::AllGather, DType::I64, HEADER, &send, &recv)?;
+        let all = self.download(recv, Shape::from([n * HEADER]), DType::I64)?;
+        let words = all.to_vec::<i64>().map_err(|e| self.library("header", e))?;
+        let headers: Vec<[i64; HEADER]> = words
+            .chunks_exact(HEADER)
+            .map(|c| c.try_into().expect("HEADER words"))
+            .collect();
+        if headers.iter().any(|h| h[..5] != mine[..5]) {
+            return Err(mismatch(&self.mesh, self.rank, group, call.kind, &headers));
+        }
+        Ok(headers)
+    }
+
+    /// The checks every collective makes on its members' buffers (NCCL moves equal pieces).
+    fn same_layout(
+        &self,
+        group: Group,
+        kind: CollectiveKind,
+        headers: &[[i64; HEADER]],
+    ) -> Result<(), CommError> {
+        if layouts_agree(headers.iter(), None) {
+            Ok(())
+        } else {
+            Err(mismatch(&self.mesh, self.rank, group, kind, headers))
+        }
+    }
+
+    /// A collective on device handles: header check, then the NCCL call into a fresh buffer
+    /// of `out_elems` elements.
+    #[allow(clippy::too_many_arguments)]
+    fn device_call(
+        &self,
+        group: Group,
+        call: Call,
+        op: Op,
+        dtype: DType,
+        dims: &[usize],
+        send: &Handle,
+        count: usize,
+        out_elems: usize,
+    ) -> Result<Handle, CommError> {
+        let _calls = lock(&self.calls);
+        let headers = self.headers(group, call, Some((dtype, dims)))?;
+        self.same_layout(group, call.kind, &headers)?;
+        let recv = self.client.empty(out_elems * dtype.size());
+        self.raw(group, op, dtype, count, send, &recv)?;
+        Ok(recv)
+    }
+
+    /// A host all-reduce, not recorded (the barrier is made of one).
+    fn host_all_reduce(
+        &self,
+        group: Group,
+        data: TensorData,
+        op: ReduceOp,
+    ) -> Result<TensorData, CommError> {
+        check_reducible(data.dtype)?;
+        let call = Call {
+            kind: CollectiveKind::AllReduce,
+            op: Some(op),
+            dim: 0,
+            root: 0,
+        };
+        let _calls = lock(&self.calls);
+        let headers = self.headers(group, call, Some((data.dtype, data.shape.as_slice())))?;
+        self.same_layout(group, call.kind, &headers)?;
+        let n = data.shape.num_elements();
+        let send = self.upload(data.as_bytes());
+        let recv = self.client.empty(data.bytes.len());
+        self.raw(group, Op::AllReduce(op), data.dtype, n, &send, &recv)?;
+        let out = self.download(recv, data.shape.clone(), data.dtype)?;
+        Ok(out)
+    }
+}
+
+impl Drop for NcclCommunicator {
+    fn drop(&mut self) {
+        if self.aborted.load(Ordering::SeqCst) {
+            return;
+        }
+        for comm in &self.comms {
+            // SAFETY: each communicator is live and destroyed once, after its last call.
+            let _ = unsafe { nccl::comm_destroy(comm.0) };
+        }
+    }
+}
+
+fn contiguous(tensor: CubeTensor<CudaRuntime>) -> CubeTensor<CudaRuntime> {
+    if tensor.is_contiguous() {
+        tensor
+    } else {
+        burn_cubecl::kernel::into_contiguous(tensor)
+    }
+}
+
+fn fresh(like: &CubeTensor<CudaRuntime>, shape: Shape, handle: Handle) -> CubeTensor<CudaRuntime> {
+    CubeTensor::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        shape,
+        handle,
+        like.dtype,
+    )
+}
+
+/// Collectives on Burn's CUDA tensors, on the device (no host copy).
+impl<F: FloatElement, I: IntElement, BT: BoolElement>
+    DeviceCollectives<CubeBackend<CudaRuntime, F, I, BT>> for NcclCommunicator
+{
+    fn all_reduce(
+        &self,
+        group: Group,
+        tensor: CubeTensor<CudaRuntime>,
+        op: ReduceOp,
+    ) -> Result<CubeTensor<CudaRuntime>, CommError> {
+        let t = contiguous(tensor);
+        let shape = t.shape();
+        check_reducible(t.dtype)?;
+        let call = Call {
+            kind: CollectiveKind::AllReduce,
+            op: Some(op),
+            dim: 0,
+            root: 0,
+        };
+        let n = shape.num_elements();
+        let out = self.device_call(
+            group,
+            call,
+            Op::AllReduce(op),
+            t.dtype,
+            shape.as_slice(),
+            &t.handle,
+            n,
+            n,
+        )?;
+        self.record(call.kind, group, n * t.dtype.size());
+        Ok(fresh(&t, shape, out))
+    }
+
+    fn all_gather_first(
+        &self,
+        group: Group,
+        tensor: CubeTensor<CudaRuntime>,
+    ) -> Result<CubeTensor<CudaRuntime>, CommError> {
+        let t = contiguous(tensor);
+        let shape = t.shape();
+        let members = group.size(&self.mesh)?;
+        let call = Call {
+            kind: CollectiveKind::AllGather,
+            op: None,
+            dim: 0,
+            root: 0,
+        };
+        let n = shape.num_elements();
+        let out = self.device_call(
+            group,
+            call,
+            Op::AllGather,
+            t.dtype,
+            shape.as_slice(),
+            &t.handle,
+            n,
+            n * members,
+        )?;
+        self.record(call.kind, group, n * t.dtype.size());
+        let mut dims = shape.to_vec();
+        dims[0] *= members;
+        Ok(fresh(&t, Shape::from(dims), out))
+    }
+
+    fn reduce_scatter_first(
+        &self,
+        group: Group,
+        tensor: CubeTensor<CudaRuntime>,
+        op: ReduceOp,
+    ) -> Result<CubeTensor<CudaRuntime>, CommError> {
+        let t = contiguous(tensor);
+        let shape = t.shape();
+        check_reducible(t.dtype)?;
+        let members = group.size(&self.mesh)?;
+        let call = Call {
+            kind: CollectiveKind::ReduceScatter,
+            op: Some(op),
+            dim: 0,
+            root: 0,
+        };
+        let n = shape.num_elements();
+        let chunk = n / members;
+        let out = self.device_call(
+            group,
+            call,
+            Op::ReduceScatter(op),
+            t.dtype,
+            shape.as_slice(),
+            &t.handle,
+            chunk,
+            chunk,
+        )?;
+        self.record(call.kind, group, n * t.dtype.size());
+        let mut dims = shape.to_vec();
+        dims[0] /= members;
+        Ok(fresh(&t, Shape::from(dims), out))
+    }
+
+    fn broadcast(
+        &self,
+        group: Group,
+        tensor: CubeTensor<CudaRuntime>,
+        root: usize,
+    ) -> Result<CubeTensor<CudaRuntime>, CommError> {
+        let t = contiguous(tensor);
+        let shape = t.shape();
+        super::check_rank(root, group.size(&self.mesh)?, "the group")?;
+        let call = Call {
+            kind: CollectiveKind::Broadcast,
+            op: None,
+            dim: 0,
+            root,
+        };
+        let n = shape.num_elements();
+        let out = self.device_call(
+            group,
+            call,
+            Op::Broadcast(root),
+            t.dtype,
+            shape.as_slice(),
+            &t.handle,
+            n,
+            n,
+        )?;
+        self.record(call.kind, group, n * t.dtype.size());
+        Ok(fresh(&t, shape, out))
+    }
+}
+
+/// The host API over NCCL: each buffer is uploaded, moved by NCCL and read back. For the
+/// host-side calls of a run (scalars, barriers, checkpoint gathers); the training tensors take
+/// the device path ([`DeviceCollectives`]).
+impl Communicator for NcclCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn mesh(&self) -> &DeviceMesh {
+        &self.mesh
+    }
+
+    fn all_reduce(
+        &self,
+        group: Group,
+        data: TensorData,
+        op: ReduceOp,
+    ) -> Result<TensorData, CommError> {
+        let bytes = data.bytes.len();
+        let out = self.host_all_reduce(group, data, op)?;
+        self.record(CollectiveKind::AllReduce, group, bytes);
+        Ok(out)
+    }
+
+    fn all_gather(
+        &self,
+        group: Group,
+        data: TensorData,
+        dim: usize,
+    ) -> Result<TensorData, CommError> {
+        check_dim(CollectiveKind::AllGather, &data, dim)?;
+        let call = Call {
+            kind: CollectiveKind::AllGather,
+            op: None,
+            dim,
+            root: 0,
+        };
+        let members = group.size(&self.mesh)?;
+        let _calls = lock(&self.calls);
+        let headers = self.headers(group, call, Some((data.dtype, data.shape.as_slice())))?;
+        if !layouts_agree(headers.iter(), None) {
+            // NCCL gathers equal pieces: members whose pieces differ along `dim` are refused
+            // (the host communicators accept them).
+            return Err(mismatch(&self.mesh, self.rank, group, call.kind, &headers));
+        }
+        let n = data.shape.num_elements();
+        let send = self.upload(data.as_bytes());
+        let recv = self.client.empty(data.bytes.len() * members);
+        self.raw(group, Op::AllGather, data.dtype, n, &send, &recv)?;
+        let mut dims = data.shape.to_vec();
+        dims[0] *= members;
+        let flat = self.download(recv, Shape::from(dims), data.dtype)?;
+        // The gathered pieces lie one after the other; concatenate them along `dim`.
+        let pieces: Vec<TensorData> = (0..members)
+            .map(|m| chunk_bytes(&flat, 0, members, m))
+            .map(|r| {
+                r.map(|(bytes, _)| {
+                    TensorData::from_bytes_vec(bytes, data.shape.clone(), data.dtype)
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let out = concat(&pieces.iter().collect::<Vec<_>>(), dim)?;
+        self.record(call.kind, group, data.bytes.len());
+        Ok(out)
+    }
+
+    fn reduce_scatter(
+        &self,
+        group: Group,
+        data: TensorData,
+        dim: usize,
+        op: ReduceOp,
+    ) -> Result<TensorData, CommError> {
+        check_dim(CollectiveKind::ReduceScatter, &data, dim)?;
+        check_reducible(data.dtype)?;
+        let members = group.size(&self.mesh)?;
+        check_divisible(&data, dim, members)?;
+        let call = Call {
+            kind: CollectiveKind::ReduceScatter,
+            op: Some(op),
+            dim,
+            root: 0,
+        };
+        let _calls = lock(&self.calls);
+        let headers = self.headers(group, call, Some((data.dtype, data.shape.as_slice())))?;
+        self.same_layout(group, call.kind, &headers)?;
+        // Lay the chunks along `dim` one after the other, as NCCL scatters them.
+        let mut bytes = Vec::with_capacity(data.bytes.len());
+        let mut chunk_shape = data.shape.clone();
+        for m in 0..members {
+            let (chunk, shape) = chunk_bytes(&data, dim, members, m)?;
+            bytes.extend_from_slice(&chunk);
+            chunk_shape = shape;
+        }
+        let count = chunk_shape.num_elements();
+        let send = self.upload(&bytes);
+        let recv = self.client.empty(count * data.dtype.size());
+        self.raw(
+            group,
+            Op::ReduceScatter(op),
+            data.dtype,
+            count,
+            &send,
+            &recv,
+        )?;
+        let out = self.download(recv, chunk_shape, data.dtype)?;
+        self.record(call.kind, group, data.bytes.len());
+        Ok(out)
+    }
+
+    fn broadcast(
+        &self,
+        group: Group,
+        data: Option<TensorData>,
+        root: usize,
+    ) -> Result<TensorData, CommError> {
+        let index = group.index(&self.mesh, self.rank)?;
+        super::check_rank(root, group.size(&self.mesh)?, "the group")?;
+        let call = Call {
+            kind: CollectiveKind::Broadcast,
+            op: None,
+            dim: 0,
+            root,
+        };
+        let data = if index == root {
+            Some(data.ok_or_else(|| {
+                CommError::Unsupported("the broadcast root must pass its buffer".into())
+            })?)
+        } else {
+            None
+        };
+        let _calls = lock(&self.calls);
+        // The root's header tells the others what to receive.
+        let headers = self.headers(
+            group,
+            call,
+            data.as_ref().map(|d| (d.dtype, d.shape.as_slice())),
+        )?;
+        let source = &headers[root];
+        let shape = super::header::header_shape(source)
+            .ok_or_else(|| mismatch(&self.mesh, self.rank, group, call.kind, &headers))?;
+        let dtype = super::header::DTYPES[source[5] as usize];
+        let n: usize = shape.iter().product();
+        let send = match &data {
+            Some(d) => self.upload(d.as_bytes()),
+            None => self.client.empty(n * dtype.size()),
+        };
+        let recv = self.client.empty(n * dtype.size());
+        self.raw(group, Op::Broadcast(root), dtype, n, &send, &recv)?;
+        let out = self.download(recv, Shape::from(shape), dtype)?;
+        self.record(call.kind, group, out.bytes.len());
+        Ok(out)
+    }
+
+    fn barrier(&self, group: Group) -> Result<(), CommError> {
+        self.host_all_reduce(group, TensorData::new(vec![0f32], [1]), ReduceOp::Sum)?;
+        self.record(CollectiveKind::Barrier, group, 0);
+        Ok(())
+    }
+
+    fn send(&self, _to: usize, _data: TensorData) -> Result<(), CommError> {
+        Err(CommError::Unsupported(
+            "point-to-point on NCCL (no user yet): use the MPI or in-process communicator".into(),
+        ))
+    }
+
+    fn recv(&self, _from: usize) -> Result<TensorData, CommError> {
+        Err(CommError::Unsupported(
+            "point-to-point on NCCL (no user yet): use the MPI or in-process communicator".into(),
+        ))
+    }
+
+    fn stats(&self) -> CommStats {
+        lock(&self.stats).clone()
+    }
+
+    fn reset_stats(&self) {
+        *lock(&self.stats) = CommStats::default();
+    }
+}
