@@ -324,12 +324,25 @@ fn launcher_environment(args: &Args) -> Result<Launch> {
     if size <= 1 {
         return Ok(Launch::Threads);
     }
-    if name == "WORLD_SIZE" {
-        bail!(
-            "WORLD_SIZE={size} (torchrun): processes are launched with MPI here; run mpirun -np {size} (or srun) with a binary built with --features mpi"
-        );
-    }
     let mesh = args.dp * args.tp;
+    if name == "WORLD_SIZE" {
+        // torchrun-style: no MPI; NCCL on CUDA, bootstrapped at MASTER_ADDR:MASTER_PORT.
+        if args.backend != "cuda" || args.collectives != "nccl" || !cfg!(feature = "cuda") {
+            bail!(
+                "WORLD_SIZE={size} (a torchrun-style launch): without MPI the ranks need NCCL: \
+                 a binary built with --features cuda, run with --backend cuda --collectives nccl; \
+                 or run mpirun -np {size} (or srun) with a binary built with --features mpi"
+            );
+        }
+        if size != mesh {
+            bail!(
+                "WORLD_SIZE={size} processes, but --dp {} × --tp {} = {mesh} ranks: one process per rank",
+                args.dp,
+                args.tp
+            );
+        }
+        return Ok(Launch::Rendezvous);
+    }
     if size != mesh {
         bail!(
             "{name}={size} processes, but --dp {} × --tp {} = {mesh} ranks: one process per rank (mpirun -np {mesh}, or change --dp/--tp)",
@@ -356,16 +369,29 @@ fn run_cuda(config: &PretrainConfig) -> Result<wildfire::pretrain::RunSummary> {
     }
     #[cfg(not(feature = "fusion"))]
     {
-        let setup = |d: &wildfire::parallel::DistDevice<Cuda>| {
-            wildfire::parallel::NcclCommunicator::install(d, Default::default())
+        use wildfire::parallel::{DistDevice, NcclCommunicator, launch_ranks_rendezvous};
+        use wildfire::pretrain::{RankBody, RankHooks, run_on_with};
+        // Ranks as threads or MPI processes: NCCL over the host communicator's bootstrap.
+        let setup = |d: &DistDevice<Cuda>| {
+            NcclCommunicator::install(d, Default::default())
                 .map(|_| ())
                 .map_err(|e| e.to_string())
         };
-        Ok(wildfire::pretrain::run_on_with::<Cuda>(
-            config,
-            &device,
-            Some(&setup),
-        )?)
+        // A torchrun-style process: NCCL is the only communicator.
+        let launch = |mesh: &wildfire::parallel::DeviceMesh, body: &mut RankBody<'_, Cuda>| {
+            launch_ranks_rendezvous(mesh, &Default::default(), body).map_err(|e| e.to_string())
+        };
+        let hooks = match config.launch {
+            Launch::Rendezvous => RankHooks {
+                setup: None,
+                launch: Some(&launch),
+            },
+            _ => RankHooks {
+                setup: Some(&setup),
+                launch: None,
+            },
+        };
+        Ok(run_on_with::<Cuda>(config, &device, &hooks)?)
     }
     #[cfg(feature = "fusion")]
     bail!(

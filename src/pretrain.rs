@@ -20,8 +20,8 @@ use wildfire_models::data::{
 use wildfire_models::gpt::{Gpt, GptConfig, ModelError, Preset};
 use wildfire_models::parallelize::{ParallelConfig, ParallelizeError, Recompute, parallelize_gpt};
 use wildfire_parallel::{
-    DistDevice, DistError, Distributed, FsdpOptimizer, Group, LaunchError, LaunchOptions, ReduceOp,
-    create_replicated, launch_ranks_on, parameter_bytes,
+    DeviceMesh, DistDevice, DistError, Distributed, FsdpOptimizer, Group, LaunchError,
+    LaunchOptions, ReduceOp, create_replicated, launch_ranks_on, parameter_bytes,
 };
 
 /// Numeric precision of the compute.
@@ -160,6 +160,31 @@ pub enum Collectives {
 /// Called on every rank's device before training (e.g. to install NCCL collectives).
 pub type RankSetup<'a, B> = dyn Fn(&DistDevice<B>) -> Result<(), String> + Sync + 'a;
 
+/// One rank's training, as handed to a [`ProcessLaunch`].
+pub type RankBody<'a, B> = dyn FnMut(DistDevice<B>) -> Result<RunSummary, PretrainError> + 'a;
+
+/// Runs this process's rank of `mesh` (its device made by the launcher) through the body
+/// ([`Launch::Rendezvous`]).
+pub type ProcessLaunch<'a, B> = dyn Fn(&DeviceMesh, &mut RankBody<'_, B>) -> Result<Result<RunSummary, PretrainError>, String>
+    + 'a;
+
+/// What a backend-specific caller adds to [`run_on_with`].
+pub struct RankHooks<'a, B: Backend> {
+    /// Run on every rank's device before training.
+    pub setup: Option<&'a RankSetup<'a, B>>,
+    /// Starts this process's rank for [`Launch::Rendezvous`].
+    pub launch: Option<&'a ProcessLaunch<'a, B>>,
+}
+
+impl<B: Backend> Default for RankHooks<'_, B> {
+    fn default() -> Self {
+        Self {
+            setup: None,
+            launch: None,
+        }
+    }
+}
+
 /// How the ranks run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Launch {
@@ -169,6 +194,10 @@ pub enum Launch {
     /// This process is one rank of the job `mpirun` / `srun` started (feature `mpi`); the mesh
     /// must have as many ranks as the job has processes.
     Mpi,
+    /// This process is one rank of a torchrun-style launch (`MASTER_ADDR`, `MASTER_PORT`,
+    /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK`), with no MPI: NCCL on CUDA carries everything
+    /// (feature `cuda`, `--collectives nccl`; the caller passes [`RankHooks::launch`]).
+    Rendezvous,
 }
 
 impl Default for PretrainConfig {
@@ -506,19 +535,21 @@ pub fn run_on<B: FusedOps>(
     config: &PretrainConfig,
     device: &B::Device,
 ) -> Result<RunSummary, PretrainError> {
-    run_on_with::<B>(config, device, None)
+    run_on_with::<B>(config, device, &RankHooks::default())
 }
 
-/// [`run_on`] with `setup` run on every rank's device first. With
-/// [`Collectives::Nccl`] the setup installs NCCL, and rank `r` of a process runs on the device
-/// `r` places after `device` (its local rank: one GPU per rank).
+/// [`run_on`] with backend-specific hooks: `setup` runs on every rank's device first, `launch`
+/// starts the rank of a [`Launch::Rendezvous`] process. With [`Collectives::Nccl`] the setup
+/// installs NCCL, and rank `r` of a process runs on the device `r` places after `device` (its
+/// local rank: one GPU per rank).
 pub fn run_on_with<B: FusedOps>(
     config: &PretrainConfig,
     device: &B::Device,
-    setup: Option<&RankSetup<'_, B>>,
+    hooks: &RankHooks<'_, B>,
 ) -> Result<RunSummary, PretrainError> {
     config.check()?;
-    if config.collectives == Collectives::Nccl && setup.is_none() {
+    let setup = hooks.setup;
+    if config.collectives == Collectives::Nccl && setup.is_none() && hooks.launch.is_none() {
         return Err(PretrainError::Config(
             "--collectives nccl runs on CUDA: build with --features cuda and pass --backend cuda"
                 .into(),
@@ -594,7 +625,7 @@ pub fn run_on_with<B: FusedOps>(
     // Ranks as threads share one file (rank 0 writes it); under MPI only rank 0 opens it.
     let metrics_file = match config.launch {
         Launch::Threads => open_metrics()?,
-        Launch::Mpi => None,
+        Launch::Mpi | Launch::Rendezvous => None,
     };
     let rank_body = |device: DistDevice<B>| -> Result<RunSummary, PretrainError> {
         let rank = device.rank();
@@ -602,7 +633,7 @@ pub fn run_on_with<B: FusedOps>(
             setup(&device).map_err(PretrainError::Config)?;
         }
         let own_metrics = match config.launch {
-            Launch::Mpi if rank == 0 => open_metrics()?,
+            Launch::Mpi | Launch::Rendezvous if rank == 0 => open_metrics()?,
             _ => None,
         };
         // The data-parallel index: row-major over the data axes (tensor-parallel peers share rows).
@@ -663,6 +694,20 @@ pub fn run_on_with<B: FusedOps>(
             return Err(PretrainError::Config(
                 "this binary was built without MPI: cargo build --features mpi --example gpt_pretrain, then mpirun -np N …".into(),
             ));
+        }
+        Launch::Rendezvous => {
+            let Some(launch) = hooks.launch else {
+                return Err(PretrainError::Config(
+                    "a torchrun-style launch (WORLD_SIZE, MASTER_ADDR) needs --backend cuda --collectives nccl (feature cuda), or run under mpirun (feature mpi)".into(),
+                ));
+            };
+            let mut rank = 0;
+            let mut body = |d: DistDevice<B>| {
+                rank = d.rank();
+                rank_body(d)
+            };
+            let summary = launch(&mesh, &mut body).map_err(PretrainError::Config)?;
+            (rank, summary)
         }
     };
     let mut summary = summary?;
@@ -941,7 +986,7 @@ impl RankRun<'_> {
         let mut summary = RunSummary::default();
         for step in first_step..config.steps {
             let started = Instant::now();
-            let stats_before = device.context().comm().stats();
+            let stats_before = device.context().comm_stats();
             ctx.reset_peak_bytes();
             let lr = config.lr_at(step);
             // `accum` micro-batches of this rank's rows. Recomputation and dropout streams are
@@ -1022,8 +1067,7 @@ impl RankRun<'_> {
                 process_peak_rss: peak_rss(),
                 comm_bytes: device
                     .context()
-                    .comm()
-                    .stats()
+                    .comm_stats()
                     .since(&stats_before)
                     .total_bytes(),
                 val_loss: None,

@@ -49,12 +49,16 @@ pub struct MemoryReport {
     pub other: u64,
 }
 
+type DeviceStats = Box<dyn Fn() -> crate::comm::CommStats + Send + Sync>;
+
 /// Everything a rank needs to run distributed ops: its rank, the mesh and a communicator.
 pub struct RankContext {
     comm: Arc<dyn Communicator>,
     /// Collectives on the inner backend's tensors (an `Arc<dyn DeviceCollectives<B>>`), when
     /// installed.
     device_collectives: Mutex<Option<Box<dyn Any + Send + Sync>>>,
+    /// Their statistics (the backend type erased).
+    device_collectives_stats: Mutex<Option<DeviceStats>>,
     counters: Mutex<OpCounters>,
     /// A backward pass produced data-parallel gradients that `sync_gradients` has not seen yet.
     pending_sync: AtomicBool,
@@ -130,6 +134,7 @@ impl RankContext {
             grad_reduce_dtype: Mutex::new(None),
             memory_budget: std::sync::atomic::AtomicU64::new(0),
             device_collectives: Mutex::new(None),
+            device_collectives_stats: Mutex::new(None),
         })
     }
 
@@ -138,12 +143,18 @@ impl RankContext {
     /// communicator stays for host-side calls (scalars, barriers, checkpoints). One backend's
     /// collectives at a time: installing replaces the previous ones.
     pub fn set_device_collectives<B: Backend>(&self, collectives: Arc<dyn DeviceCollectives<B>>) {
+        // Counted once when the device collectives are the host communicator too.
+        let same = std::ptr::addr_eq(Arc::as_ptr(&collectives), Arc::as_ptr(&self.comm));
+        let counted = collectives.clone();
+        *self.device_collectives_stats.lock().unwrap() =
+            (!same).then(|| Box::new(move || counted.stats()) as DeviceStats);
         *self.device_collectives.lock().unwrap() = Some(Box::new(collectives));
     }
 
     /// Go back to the host communicator for every collective.
     pub fn clear_device_collectives(&self) {
         *self.device_collectives.lock().unwrap() = None;
+        *self.device_collectives_stats.lock().unwrap() = None;
     }
 
     /// The device collectives installed for backend `B`, if any.
@@ -174,6 +185,16 @@ impl RankContext {
     /// The communicator.
     pub fn comm(&self) -> &dyn Communicator {
         &*self.comm
+    }
+
+    /// Everything this rank communicated: the host communicator's statistics plus those of the
+    /// installed device collectives (NCCL counts its own calls).
+    pub fn comm_stats(&self) -> crate::comm::CommStats {
+        let host = self.comm.stats();
+        match self.device_collectives_stats.lock().unwrap().as_ref() {
+            Some(device) => host.merged(&device()),
+            None => host,
+        }
     }
 
     /// The communicator, shared (e.g. to build device collectives over it).

@@ -38,7 +38,7 @@ pub use comm::{
     launch_ranks_mpi,
 };
 #[cfg(feature = "cuda")]
-pub use comm::{NcclCommunicator, NcclInitError, NcclOptions};
+pub use comm::{NcclCommunicator, NcclInitError, NcclOptions, launch_ranks_rendezvous};
 pub use data_parallel::{
     DistributedBackend, SyncReport, dtensor, from_dtensor, redistribute, replicate, sync_gradients,
 };

@@ -535,7 +535,7 @@ fn gpt_pretraining_through_installed_device_collectives_matches_bitwise() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
     use wildfire::parallel::{DeviceCollectives, DistDevice, Group, HostStaged, ReduceOp};
-    use wildfire::pretrain::{Collectives, run_on_with};
+    use wildfire::pretrain::{Collectives, RankHooks, run_on_with};
 
     type F = burn::backend::Flex;
     type Prim = <F as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive;
@@ -599,7 +599,11 @@ fn gpt_pretraining_through_installed_device_collectives_matches_bitwise() {
         *installed.lock().unwrap() += 1;
         Ok(())
     };
-    let staged = run_on_with::<F>(&config, &Default::default(), Some(&setup)).unwrap();
+    let hooks = RankHooks {
+        setup: Some(&setup),
+        launch: None,
+    };
+    let staged = run_on_with::<F>(&config, &Default::default(), &hooks).unwrap();
     assert_eq!(*installed.lock().unwrap(), 4);
     assert!(calls.load(Ordering::SeqCst) > 100, "{calls:?}");
     for (a, b) in plain.steps.iter().zip(&staged.steps) {

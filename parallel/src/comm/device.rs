@@ -21,14 +21,20 @@ use burn::tensor::TensorData;
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorMetadata};
 
-use super::{CollectiveKind, CommError, Communicator, Group, ReduceOp};
+use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp};
 use crate::device::DistDevice;
 
 /// Collectives on `B`'s device tensors, with the semantics of [`Communicator`] restricted to
-/// dim 0. Every member of the group calls the same sequence (SPMD). Implementations record
-/// their calls in the statistics of the rank's host communicator (which callers read), with
-/// [`CommStats`](super::CommStats)' byte conventions.
+/// dim 0. Every member of the group calls the same sequence (SPMD). Implementations count
+/// their calls with [`CommStats`]' byte conventions, in their own [`DeviceCollectives::stats`]
+/// or in the host communicator's; [`RankContext::comm_stats`](crate::RankContext::comm_stats)
+/// reads both.
 pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
+    /// The calls counted here rather than by the host communicator (default: none).
+    fn stats(&self) -> CommStats {
+        CommStats::default()
+    }
+
     /// Every member gets the element-wise reduction of all members' tensors (same shape).
     fn all_reduce(
         &self,
@@ -63,8 +69,8 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
     ) -> Result<FloatTensor<B>, CommError>;
 }
 
-/// The host path written as [`DeviceCollectives`]: read the tensor, call the host communicator,
-/// upload the result. It is what runs when nothing is installed; installed explicitly it lets a
+/// The host path written as [`DeviceCollectives`]: read the tensor, call the host communicator
+/// (which counts the call), upload the result. It is what runs when nothing is installed; installed explicitly it lets a
 /// test check the device path's dispatch and dimension handling on any backend (CPU included).
 pub struct HostStaged {
     comm: Arc<dyn Communicator>,

@@ -45,7 +45,7 @@ pub use in_process::{DEFAULT_TIMEOUT, InProcessCommunicator, InProcessWorld};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiCommunicator, MpiError, MpiWorld, launch_ranks_mpi};
 #[cfg(feature = "cuda")]
-pub use nccl::{NcclCommunicator, NcclInitError, NcclOptions};
+pub use nccl::{NcclCommunicator, NcclInitError, NcclOptions, launch_ranks_rendezvous};
 pub use stats::{CommCount, CommStats};
 
 /// How the members' buffers are combined.

@@ -223,7 +223,8 @@ impl NcclCommunicator {
     /// communicator (ranks as threads, or MPI), and install them as the rank's
     /// [`DeviceCollectives`]: from then on every redistribution of `Distributed<Cuda>` runs on
     /// NCCL. Every rank calls it at the same time. Host-side calls stay on the host
-    /// communicator; the NCCL calls are counted in the returned communicator's statistics.
+    /// communicator; the NCCL calls are counted in the returned communicator's statistics and in
+    /// [`RankContext::comm_stats`](crate::RankContext::comm_stats).
     pub fn install<F: FloatElement, I: IntElement, BT: BoolElement>(
         device: &crate::DistDevice<CubeBackend<CudaRuntime, F, I, BT>>,
         options: NcclOptions,
@@ -523,6 +524,10 @@ fn fresh(like: &CubeTensor<CudaRuntime>, shape: Shape, handle: Handle) -> CubeTe
 impl<F: FloatElement, I: IntElement, BT: BoolElement>
     DeviceCollectives<CubeBackend<CudaRuntime, F, I, BT>> for NcclCommunicator
 {
+    fn stats(&self) -> CommStats {
+        lock(&self.stats).clone()
+    }
+
     fn all_reduce(
         &self,
         group: Group,
@@ -827,5 +832,60 @@ impl Communicator for NcclCommunicator {
 
     fn reset_stats(&self) {
         *lock(&self.stats) = CommStats::default();
+    }
+}
+
+/// Run `f` as this process's rank of `mesh` in a torchrun-style launch, without MPI:
+/// `MASTER_ADDR`, `MASTER_PORT`, `RANK` and `WORLD_SIZE` give the rendezvous
+/// ([`TcpRendezvous`](super::TcpRendezvous)), `LOCAL_RANK` the GPU (default 0). NCCL carries
+/// every collective, host-side ones included (uploaded and read back).
+///
+/// A rank whose `f` fails (a typed [`DistError`](crate::DistError) raised inside an op, or any
+/// panic) prints the error, aborts its NCCL communicators and exits the process with status 2;
+/// its peers' next collective then fails after [`NcclOptions::timeout`] instead of hanging.
+pub fn launch_ranks_rendezvous<F, I, BT, T, Body>(
+    mesh: &DeviceMesh,
+    options: &NcclOptions,
+    f: Body,
+) -> Result<T, NcclInitError>
+where
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    Body: FnOnce(crate::DistDevice<CubeBackend<CudaRuntime, F, I, BT>>) -> T,
+{
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    let boot = super::TcpRendezvous::from_env(options.timeout)?;
+    let local = match std::env::var("LOCAL_RANK") {
+        Ok(v) => v.trim().parse().map_err(|e| RendezvousError::Env {
+            var: "LOCAL_RANK",
+            reason: format!("not a number ({e})"),
+        })?,
+        Err(_) => 0usize,
+    };
+    let rank = Bootstrap::rank(&boot);
+    let device = CudaDevice::new(local);
+    let nccl = Arc::new(NcclCommunicator::new(
+        mesh.clone(),
+        rank,
+        device.clone(),
+        &boot,
+        options.clone(),
+    )?);
+    let dist = crate::DistDevice::<CubeBackend<CudaRuntime, F, I, BT>>::new(device, nccl.clone());
+    dist.context()
+        .set_device_collectives::<CubeBackend<CudaRuntime, F, I, BT>>(nccl.clone());
+    crate::device::set_current_device(&dist);
+    match catch_unwind(AssertUnwindSafe(|| f(dist))) {
+        Ok(out) => Ok(out),
+        Err(payload) => {
+            let message = match crate::error::take_raised() {
+                Some(error) => error.to_string(),
+                None => crate::launch::panic_message(payload.as_ref()),
+            };
+            eprintln!("wildfire: rank {rank} failed: {message}; aborting NCCL");
+            nccl.abort();
+            std::process::exit(2)
+        }
     }
 }

@@ -98,6 +98,17 @@ impl CommStats {
             .map(|((kind, group), entry)| (*kind, group.as_str(), *entry))
     }
 
+    /// These statistics and `other`'s together (e.g. a rank's host and device collectives).
+    pub fn merged(&self, other: &CommStats) -> CommStats {
+        let mut entries = self.entries.clone();
+        for (key, count) in &other.entries {
+            let entry = entries.entry(key.clone()).or_default();
+            entry.count += count.count;
+            entry.bytes += count.bytes;
+        }
+        CommStats { entries }
+    }
+
     /// What was recorded after `earlier`, a snapshot of these statistics taken before (for
     /// example the calls of one training step).
     ///
