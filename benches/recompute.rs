@@ -4,7 +4,12 @@
 //!
 //! ```text
 //! cargo bench --bench recompute [-- --steps 4 --rounds 3]
+//! cargo bench --bench recompute -- --n-embd 768 --n-head 12 --n-layer 2   # a wider block
 //! ```
+//!
+//! `--n-embd`, `--n-head`, `--n-layer`, `--block-size` and `--batch` change the shape. The
+//! attention core's share of a block's work is about `5·a·s / (34·h)` of its activations and
+//! `s / (6·h)` of its matmul FLOPs, so the selective overhead shrinks as the width grows.
 //!
 //! Peak memory two ways: the decorator's live-bytes peak of the step (`peak_bytes`, tensors only)
 //! and the process heap peak from a counting allocator (everything the step allocates).
@@ -62,11 +67,21 @@ fn main() {
         for (i, &policy) in policies.iter().enumerate() {
             let config = PretrainConfig {
                 preset: if smoke { Preset::Tiny } else { Preset::Small },
-                n_layer: smoke.then_some(2),
-                block_size: smoke.then_some(32),
+                n_layer: if smoke {
+                    Some(2)
+                } else {
+                    common::arg("--n-layer")
+                },
+                n_head: common::arg("--n-head"),
+                n_embd: common::arg("--n-embd"),
+                block_size: if smoke {
+                    Some(32)
+                } else {
+                    common::arg("--block-size")
+                },
                 tokenizer: TokenizerKind::Bytes,
                 steps: steps + 1,
-                batch_size: 4,
+                batch_size: common::arg("--batch").unwrap_or(4),
                 warmup: 1,
                 eval_every: 0,
                 eval_iters: 0,
@@ -105,6 +120,26 @@ fn main() {
         v[v.len() / 2]
     };
     let base_time = median(&seconds[0]);
+    let model = PretrainConfig {
+        preset: Preset::Small,
+        n_layer: common::arg("--n-layer"),
+        n_head: common::arg("--n-head"),
+        n_embd: common::arg("--n-embd"),
+        block_size: common::arg("--block-size"),
+        ..PretrainConfig::default()
+    }
+    .model(256)
+    .expect("model shape");
+    if !smoke {
+        println!(
+            "{{\"bench\":\"recompute\",\"shape\":{{\"n_layer\":{},\"n_head\":{},\"n_embd\":{},\"block_size\":{},\"batch\":{}}}}}",
+            model.n_layer,
+            model.n_head,
+            model.n_embd,
+            model.block_size,
+            common::arg::<usize>("--batch").unwrap_or(4)
+        );
+    }
     for (i, policy) in policies.iter().enumerate() {
         let t = median(&seconds[i]);
         println!(

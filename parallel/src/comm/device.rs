@@ -14,8 +14,9 @@
 //! dimension to the front with a stride permutation (`swap_dims`, no copy) and back, so a
 //! collective library's flat buffer semantics (NCCL's) serve every dimension.
 
+use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use burn::tensor::TensorData;
 use burn_backend::tensor::FloatTensor;
@@ -70,16 +71,43 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
 }
 
 /// The host path written as [`DeviceCollectives`]: read the tensor, call the host communicator
-/// (which counts the call), upload the result. It is what runs when nothing is installed; installed explicitly it lets a
-/// test check the device path's dispatch and dimension handling on any backend (CPU included).
+/// (which counts the call in its statistics), upload the result. It is what runs when nothing
+/// is installed; installed explicitly it lets a test check the device path's dispatch and
+/// dimension handling on any backend (CPU included), and it counts the calls it was given
+/// ([`HostStaged::calls`]).
 pub struct HostStaged {
     comm: Arc<dyn Communicator>,
+    calls: Mutex<BTreeMap<CollectiveKind, u64>>,
 }
 
 impl HostStaged {
     /// Collectives through `comm`, staged through host memory.
     pub fn new(comm: Arc<dyn Communicator>) -> Self {
-        Self { comm }
+        Self {
+            comm,
+            calls: Mutex::default(),
+        }
+    }
+
+    /// How many calls of each kind went through these collectives.
+    pub fn calls(&self) -> BTreeMap<CollectiveKind, u64> {
+        self.calls.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn staged<B: Backend>(
+        &self,
+        kind: CollectiveKind,
+        tensor: FloatTensor<B>,
+        call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, CommError>,
+    ) -> Result<FloatTensor<B>, CommError> {
+        *self
+            .calls
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(kind)
+            .or_default() += 1;
+        let device = B::float_device(&tensor);
+        stage::<B>(&*self.comm, &device, tensor, call)
     }
 }
 
@@ -89,8 +117,15 @@ impl fmt::Debug for HostStaged {
     }
 }
 
-fn read<B: Backend>(t: FloatTensor<B>) -> TensorData {
-    crate::tensor::read::<B>(t)
+/// Read `tensor`, run `call` on the host communicator, upload the result to `device`.
+fn stage<B: Backend>(
+    comm: &dyn Communicator,
+    device: &B::Device,
+    tensor: FloatTensor<B>,
+    call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, CommError>,
+) -> Result<FloatTensor<B>, CommError> {
+    let data = call(comm, crate::tensor::read::<B>(tensor))?;
+    Ok(B::float_from_data(data, device))
 }
 
 impl<B: Backend> DeviceCollectives<B> for HostStaged {
@@ -100,9 +135,9 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         tensor: FloatTensor<B>,
         op: ReduceOp,
     ) -> Result<FloatTensor<B>, CommError> {
-        let device = B::float_device(&tensor);
-        let data = self.comm.all_reduce(group, read::<B>(tensor), op)?;
-        Ok(B::float_from_data(data, &device))
+        self.staged::<B>(CollectiveKind::AllReduce, tensor, |c, d| {
+            c.all_reduce(group, d, op)
+        })
     }
 
     fn all_gather_first(
@@ -110,9 +145,9 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         group: Group,
         tensor: FloatTensor<B>,
     ) -> Result<FloatTensor<B>, CommError> {
-        let device = B::float_device(&tensor);
-        let data = self.comm.all_gather(group, read::<B>(tensor), 0)?;
-        Ok(B::float_from_data(data, &device))
+        self.staged::<B>(CollectiveKind::AllGather, tensor, |c, d| {
+            c.all_gather(group, d, 0)
+        })
     }
 
     fn reduce_scatter_first(
@@ -121,9 +156,9 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         tensor: FloatTensor<B>,
         op: ReduceOp,
     ) -> Result<FloatTensor<B>, CommError> {
-        let device = B::float_device(&tensor);
-        let data = self.comm.reduce_scatter(group, read::<B>(tensor), 0, op)?;
-        Ok(B::float_from_data(data, &device))
+        self.staged::<B>(CollectiveKind::ReduceScatter, tensor, |c, d| {
+            c.reduce_scatter(group, d, 0, op)
+        })
     }
 
     fn broadcast(
@@ -132,9 +167,9 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         tensor: FloatTensor<B>,
         root: usize,
     ) -> Result<FloatTensor<B>, CommError> {
-        let device = B::float_device(&tensor);
-        let data = self.comm.broadcast(group, Some(read::<B>(tensor)), root)?;
-        Ok(B::float_from_data(data, &device))
+        self.staged::<B>(CollectiveKind::Broadcast, tensor, |c, d| {
+            c.broadcast(group, Some(d), root)
+        })
     }
 }
 
@@ -150,6 +185,15 @@ fn check_dim(kind: CollectiveKind, ndims: usize, dim: usize) -> Result<(), CommE
     }
 }
 
+/// The host path of a rank: through its host communicator.
+fn host<B: Backend>(
+    device: &DistDevice<B>,
+    tensor: FloatTensor<B>,
+    call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, CommError>,
+) -> Result<FloatTensor<B>, CommError> {
+    stage::<B>(device.context().comm(), device.inner(), tensor, call)
+}
+
 /// All-reduce of this rank's tensor on `group`: on the installed device collectives, else
 /// through the host communicator.
 pub(crate) fn all_reduce<B: Backend>(
@@ -160,13 +204,7 @@ pub(crate) fn all_reduce<B: Backend>(
 ) -> Result<FloatTensor<B>, CommError> {
     match device.context().device_collectives::<B>() {
         Some(dc) => dc.all_reduce(group, tensor, op),
-        None => {
-            let data = device
-                .context()
-                .comm()
-                .all_reduce(group, read::<B>(tensor), op)?;
-            Ok(B::float_from_data(data, device.inner()))
-        }
+        None => host(device, tensor, |c, d| c.all_reduce(group, d, op)),
     }
 }
 
@@ -186,13 +224,7 @@ pub(crate) fn all_gather<B: Backend>(
             let gathered = dc.all_gather_first(group, B::float_swap_dims(tensor, 0, dim))?;
             Ok(B::float_swap_dims(gathered, 0, dim))
         }
-        None => {
-            let data = device
-                .context()
-                .comm()
-                .all_gather(group, read::<B>(tensor), dim)?;
-            Ok(B::float_from_data(data, device.inner()))
-        }
+        None => host(device, tensor, |c, d| c.all_gather(group, d, dim)),
     }
 }
 
@@ -223,12 +255,7 @@ pub(crate) fn reduce_scatter<B: Backend>(
             let chunk = dc.reduce_scatter_first(group, B::float_swap_dims(tensor, 0, dim), op)?;
             Ok(B::float_swap_dims(chunk, 0, dim))
         }
-        None => {
-            let data = ctx
-                .comm()
-                .reduce_scatter(group, read::<B>(tensor), dim, op)?;
-            Ok(B::float_from_data(data, device.inner()))
-        }
+        None => host(device, tensor, |c, d| c.reduce_scatter(group, d, dim, op)),
     }
 }
 
@@ -242,12 +269,6 @@ pub(crate) fn broadcast<B: Backend>(
 ) -> Result<FloatTensor<B>, CommError> {
     match device.context().device_collectives::<B>() {
         Some(dc) => dc.broadcast(group, tensor, root),
-        None => {
-            let data = device
-                .context()
-                .comm()
-                .broadcast(group, Some(read::<B>(tensor)), root)?;
-            Ok(B::float_from_data(data, device.inner()))
-        }
+        None => host(device, tensor, |c, d| c.broadcast(group, Some(d), root)),
     }
 }

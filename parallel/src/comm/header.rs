@@ -23,6 +23,19 @@ pub(crate) struct Call {
     pub(crate) root: usize,
 }
 
+impl Call {
+    /// A call along dim 0 (or a broadcast from `root`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn new(kind: CollectiveKind, op: Option<ReduceOp>, root: usize) -> Self {
+        Self {
+            kind,
+            op,
+            dim: 0,
+            root,
+        }
+    }
+}
+
 fn kind_code(kind: CollectiveKind) -> i64 {
     kind as i64
 }

@@ -442,28 +442,6 @@ impl NcclCommunicator {
         }
     }
 
-    /// A collective on device handles: header check, then the NCCL call into a fresh buffer
-    /// of `out_elems` elements.
-    #[allow(clippy::too_many_arguments)]
-    fn device_call(
-        &self,
-        group: Group,
-        call: Call,
-        op: Op,
-        dtype: DType,
-        dims: &[usize],
-        send: &Handle,
-        count: usize,
-        out_elems: usize,
-    ) -> Result<Handle, CommError> {
-        let _calls = lock(&self.calls);
-        let headers = self.headers(group, call, Some((dtype, dims)))?;
-        self.same_layout(group, call.kind, &headers)?;
-        let recv = self.client.empty(out_elems * dtype.size());
-        self.raw(group, op, dtype, count, send, &recv)?;
-        Ok(recv)
-    }
-
     /// A host all-reduce, not recorded (the barrier is made of one).
     fn host_all_reduce(
         &self,
@@ -520,6 +498,57 @@ fn fresh(like: &CubeTensor<CudaRuntime>, shape: Shape, handle: Handle) -> CubeTe
     )
 }
 
+impl NcclCommunicator {
+    /// One collective on a CUDA tensor: `op`'s NCCL call into a fresh tensor, recorded with
+    /// the input's bytes.
+    fn on_device(
+        &self,
+        group: Group,
+        tensor: CubeTensor<CudaRuntime>,
+        op: Op,
+    ) -> Result<CubeTensor<CudaRuntime>, CommError> {
+        let t = contiguous(tensor);
+        let shape = t.shape();
+        let members = group.size(&self.mesh)?;
+        let n = shape.num_elements();
+        let mut dims = shape.to_vec();
+        let (call, count, out_elems) = match op {
+            Op::AllReduce(r) => (Call::new(CollectiveKind::AllReduce, Some(r), 0), n, n),
+            Op::Broadcast(root) => {
+                super::check_rank(root, members, "the group")?;
+                (Call::new(CollectiveKind::Broadcast, None, root), n, n)
+            }
+            Op::AllGather => {
+                dims[0] *= members;
+                (
+                    Call::new(CollectiveKind::AllGather, None, 0),
+                    n,
+                    n * members,
+                )
+            }
+            Op::ReduceScatter(r) => {
+                dims[0] /= members;
+                let chunk = n / members;
+                (
+                    Call::new(CollectiveKind::ReduceScatter, Some(r), 0),
+                    chunk,
+                    chunk,
+                )
+            }
+        };
+        if call.op.is_some() {
+            check_reducible(t.dtype)?;
+        }
+        let _calls = lock(&self.calls);
+        let headers = self.headers(group, call, Some((t.dtype, shape.as_slice())))?;
+        self.same_layout(group, call.kind, &headers)?;
+        let recv = self.client.empty(out_elems * t.dtype.size());
+        self.raw(group, op, t.dtype, count, &t.handle, &recv)?;
+        self.record(call.kind, group, n * t.dtype.size());
+        Ok(fresh(&t, Shape::from(dims), recv))
+    }
+}
+
 /// Collectives on Burn's CUDA tensors, on the device (no host copy).
 impl<F: FloatElement, I: IntElement, BT: BoolElement>
     DeviceCollectives<CubeBackend<CudaRuntime, F, I, BT>> for NcclCommunicator
@@ -534,28 +563,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
         tensor: CubeTensor<CudaRuntime>,
         op: ReduceOp,
     ) -> Result<CubeTensor<CudaRuntime>, CommError> {
-        let t = contiguous(tensor);
-        let shape = t.shape();
-        check_reducible(t.dtype)?;
-        let call = Call {
-            kind: CollectiveKind::AllReduce,
-            op: Some(op),
-            dim: 0,
-            root: 0,
-        };
-        let n = shape.num_elements();
-        let out = self.device_call(
-            group,
-            call,
-            Op::AllReduce(op),
-            t.dtype,
-            shape.as_slice(),
-            &t.handle,
-            n,
-            n,
-        )?;
-        self.record(call.kind, group, n * t.dtype.size());
-        Ok(fresh(&t, shape, out))
+        self.on_device(group, tensor, Op::AllReduce(op))
     }
 
     fn all_gather_first(
@@ -563,30 +571,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
         group: Group,
         tensor: CubeTensor<CudaRuntime>,
     ) -> Result<CubeTensor<CudaRuntime>, CommError> {
-        let t = contiguous(tensor);
-        let shape = t.shape();
-        let members = group.size(&self.mesh)?;
-        let call = Call {
-            kind: CollectiveKind::AllGather,
-            op: None,
-            dim: 0,
-            root: 0,
-        };
-        let n = shape.num_elements();
-        let out = self.device_call(
-            group,
-            call,
-            Op::AllGather,
-            t.dtype,
-            shape.as_slice(),
-            &t.handle,
-            n,
-            n * members,
-        )?;
-        self.record(call.kind, group, n * t.dtype.size());
-        let mut dims = shape.to_vec();
-        dims[0] *= members;
-        Ok(fresh(&t, Shape::from(dims), out))
+        self.on_device(group, tensor, Op::AllGather)
     }
 
     fn reduce_scatter_first(
@@ -595,32 +580,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
         tensor: CubeTensor<CudaRuntime>,
         op: ReduceOp,
     ) -> Result<CubeTensor<CudaRuntime>, CommError> {
-        let t = contiguous(tensor);
-        let shape = t.shape();
-        check_reducible(t.dtype)?;
-        let members = group.size(&self.mesh)?;
-        let call = Call {
-            kind: CollectiveKind::ReduceScatter,
-            op: Some(op),
-            dim: 0,
-            root: 0,
-        };
-        let n = shape.num_elements();
-        let chunk = n / members;
-        let out = self.device_call(
-            group,
-            call,
-            Op::ReduceScatter(op),
-            t.dtype,
-            shape.as_slice(),
-            &t.handle,
-            chunk,
-            chunk,
-        )?;
-        self.record(call.kind, group, n * t.dtype.size());
-        let mut dims = shape.to_vec();
-        dims[0] /= members;
-        Ok(fresh(&t, Shape::from(dims), out))
+        self.on_device(group, tensor, Op::ReduceScatter(op))
     }
 
     fn broadcast(
@@ -629,28 +589,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
         tensor: CubeTensor<CudaRuntime>,
         root: usize,
     ) -> Result<CubeTensor<CudaRuntime>, CommError> {
-        let t = contiguous(tensor);
-        let shape = t.shape();
-        super::check_rank(root, group.size(&self.mesh)?, "the group")?;
-        let call = Call {
-            kind: CollectiveKind::Broadcast,
-            op: None,
-            dim: 0,
-            root,
-        };
-        let n = shape.num_elements();
-        let out = self.device_call(
-            group,
-            call,
-            Op::Broadcast(root),
-            t.dtype,
-            shape.as_slice(),
-            &t.handle,
-            n,
-            n,
-        )?;
-        self.record(call.kind, group, n * t.dtype.size());
-        Ok(fresh(&t, shape, out))
+        self.on_device(group, tensor, Op::Broadcast(root))
     }
 }
 
