@@ -161,16 +161,8 @@ pub struct AttentionSpec {
     pub seed: u64,
 }
 
-fn causal_mask<B: Backend>(dims: [usize; 4], device: &B::Device) -> Tensor<B, 4, Bool> {
-    let [b, h, t, s] = dims;
-    // `true` strictly above the (shifted) diagonal: masked.
-    Tensor::<B, 2, Bool>::tril_mask([t, s], s as i64 - t as i64, device)
-        .reshape([1, 1, t, s])
-        .expand([b, h, t, s])
-}
-
 /// Probabilities `softmax(mask(q·kᵀ·scale))` and the dropout mask (scaled), if any.
-fn probabilities<B: Backend>(
+fn probabilities<B: FusedOps>(
     q: &Tensor<B, 4>,
     k: &Tensor<B, 4>,
     spec: &AttentionSpec,
@@ -181,13 +173,12 @@ fn probabilities<B: Backend>(
         .mul_scalar(spec.scale)
         .matmul(k.clone().swap_dims(2, 3));
     let dims = scores.dims();
-    let scores = if spec.causal {
-        // A large finite value: some backends implement mask_fill arithmetically (-inf → NaN).
-        scores.mask_fill(causal_mask::<B>(dims, &q.device()), -1.0e9)
+    let att = if spec.causal {
+        // Masked keys get probability exactly 0.
+        float(B::fused_causal_softmax(prim(scores)))
     } else {
-        scores
+        burn::tensor::activation::softmax(scores, 3)
     };
-    let att = burn::tensor::activation::softmax(scores, 3);
     let keep =
         (spec.dropout > 0.0).then(|| dropout_mask(spec.seed, dims, spec.dropout, &q.device()));
     (att, keep)
@@ -196,7 +187,7 @@ fn probabilities<B: Backend>(
 /// The attention core from Burn ops (differentiated by Burn's autodiff where `B` has it): the
 /// reference for [`Checkpointer::attention`]'s custom op, and its implementation on backends
 /// without autodiff.
-pub fn attention_reference<B: Backend>(
+pub fn attention_reference<B: FusedOps>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
@@ -259,7 +250,7 @@ struct AttentionState<X: Backend> {
     spec: AttentionSpec,
 }
 
-impl<X: Backend> Backward<X, 3> for AttentionOp {
+impl<X: FusedOps> Backward<X, 3> for AttentionOp {
     type State = AttentionState<X>;
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut AdCheckpointer) {
@@ -294,7 +285,7 @@ fn grad_handle<X: Backend, C: CheckpointStrategy>(
 type AttentionFn<B> =
     fn(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>, &AttentionSpec, bool) -> Tensor<B, 4>;
 
-fn attention_autodiff<X: Backend, C: CheckpointStrategy>(
+fn attention_autodiff<X: FusedOps, C: CheckpointStrategy>(
     q: Tensor<Autodiff<X, C>, 4>,
     k: Tensor<Autodiff<X, C>, 4>,
     v: Tensor<Autodiff<X, C>, 4>,
@@ -367,7 +358,7 @@ pub struct Checkpointer<'a, B: Backend> {
     fence: Option<Fence<'a>>,
 }
 
-impl<'a, X: Backend, C: CheckpointStrategy> Checkpointer<'a, Autodiff<X, C>> {
+impl<'a, X: FusedOps, C: CheckpointStrategy> Checkpointer<'a, Autodiff<X, C>> {
     /// A training step's checkpointer: `policy` decides what is recomputed; `seed` (vary it per
     /// step and micro-batch, and per data-parallel rank) seeds every dropout mask and region.
     pub fn new(policy: Recompute, seed: u64) -> Self {

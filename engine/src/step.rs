@@ -83,7 +83,7 @@ impl TrainStep {
         loss: L,
     ) -> Result<(M, StepRecord), DistError>
     where
-        X: Backend,
+        X: wildfire_kernels::FusedOps,
         M: AutodiffModule<Ad<X>>,
         O: Optimizer<M, Ad<X>>,
         L: for<'a> Fn(&'a M, usize, &Checkpointer<'a, Ad<X>>) -> Tensor<Ad<X>, 1>,
@@ -146,7 +146,7 @@ impl TrainStep {
         check: impl FnOnce(&M, &mut GradientsParams, f32) -> Result<crate::GradCheck, DistError>,
     ) -> Result<(M, StepRecord), DistError>
     where
-        X: Backend,
+        X: wildfire_kernels::FusedOps,
         M: AutodiffModule<Ad<X>>,
         O: Optimizer<M, Ad<X>>,
         L: for<'a> Fn(&'a M, usize, &Checkpointer<'a, Ad<X>>) -> Tensor<Ad<X>, 1>,

@@ -28,6 +28,7 @@
 pub mod autodiff;
 #[cfg(feature = "cube")]
 pub mod cube;
+pub mod flex;
 #[cfg(feature = "fusion")]
 pub mod fusion;
 pub mod ops;
@@ -150,6 +151,14 @@ pub trait FusedOps: Backend {
     /// Softmax over the last dimension.
     fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
         reference::softmax::<Self>(x, false)
+    }
+
+    /// Causal softmax of attention scores `[b, h, t, s]` over the last dimension: query `i`
+    /// keeps keys `j <= i + (s − t)` and gives the others probability exactly 0, as
+    /// `mask_fill(−1e9)` then softmax does (a row with no key left is uniform). The
+    /// probabilities an attention core keeps or recomputes.
+    fn fused_causal_softmax(scores: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::causal_softmax::<Self>(scores)
     }
 
     /// Gradient of [`FusedOps::fused_softmax`] from its output `y`: `y·(dy − Σ dy·y)`.
@@ -300,8 +309,13 @@ pub trait FusedOps: Backend {
     }
 }
 
-/// Flex, the CPU backend, runs the Burn-op defaults.
-impl FusedOps for burn::backend::Flex {}
+/// Flex, the CPU backend, runs the Burn-op defaults, but for the causal softmax of the
+/// attention core ([`flex`]).
+impl FusedOps for burn::backend::Flex {
+    fn fused_causal_softmax(scores: FloatTensor<Self>) -> FloatTensor<Self> {
+        flex::causal_softmax(scores)
+    }
+}
 
 /// The shape of the norms' per-row statistics: the input's with a last dimension of 1.
 #[cfg(any(feature = "cube", feature = "fusion"))]

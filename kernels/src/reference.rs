@@ -55,6 +55,24 @@ fn sum_leading<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
     prim(t.reshape([c]))
 }
 
+/// Causal softmax of `[b, h, t, s]` scores (see
+/// [`FusedOps::fused_causal_softmax`](crate::FusedOps::fused_causal_softmax)): the causal mask
+/// filled with −1e9 (a large finite value: some backends implement `mask_fill` arithmetically,
+/// and −∞ would give NaN there), then softmax.
+pub fn causal_softmax<B: Backend>(scores: FloatTensor<B>) -> FloatTensor<B> {
+    let scores = float::<B, 4>(scores);
+    let [b, h, t, s] = scores.dims();
+    let device = scores.device();
+    // `true` strictly above the (shifted) diagonal: masked.
+    let mask = Tensor::<B, 2, Bool>::tril_mask([t, s], s as i64 - t as i64, &device)
+        .reshape([1, 1, t, s])
+        .expand([b, h, t, s]);
+    prim(burn::tensor::activation::softmax(
+        scores.mask_fill(mask, -1.0e9),
+        3,
+    ))
+}
+
 /// Softmax (or log-softmax) over the last dimension.
 pub fn softmax<B: Backend>(x: FloatTensor<B>, log: bool) -> FloatTensor<B> {
     ranked!(rank::<B>(&x), softmax_d::<B>(x, log))

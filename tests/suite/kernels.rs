@@ -345,6 +345,46 @@ fn fused_ops_on_flex_match_burn_ops_forward_and_backward() {
     check_all::<Autodiff<burn::backend::Flex>>(&Default::default(), 2e-5);
 }
 
+/// The causal softmax of the attention core: Flex's native row loop against the Burn-op form
+/// (square and shifted masks), and under `Distributed<Flex>` on 2 ranks with the scores split
+/// by heads (stays local) or by query rows (gathered first: the mask needs the positions),
+/// equal to one device bitwise.
+#[test]
+fn causal_softmax_native_on_flex_and_under_distributed() {
+    use wildfire::parallel::{DTensor, DeviceMesh, Layout, Placement, launch_ranks};
+    type F = burn::backend::Flex;
+    let device = Default::default();
+    let prim = |x: Tensor<F, 4>| x.into_primitive().tensor();
+    for shape in [[2, 4, 16, 16], [1, 2, 6, 10]] {
+        let x = Tensor::<F, 4>::random(shape, Distribution::Normal(0.0, 3.0), &device);
+        let native = data(Tensor::<F, 4>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(F::fused_causal_softmax(prim(x.clone()))),
+        ));
+        let reference = data(Tensor::<F, 4>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(wildfire_kernels::reference::causal_softmax::<F>(
+                prim(x.clone()),
+            )),
+        ));
+        close_tol("causal softmax", &native, &reference, 1e-6);
+        let mesh = DeviceMesh::new([("tp", 2)]).unwrap();
+        for split in [Placement::Shard(1), Placement::Shard(2)] {
+            let x0 = x.to_data();
+            let got = launch_ranks::<F, _, _>(&mesh, &device, &Default::default(), |d| {
+                let t = Tensor::<F, 4>::from_data(x0.clone(), &Default::default());
+                let dt = DTensor::from_full(prim(t), &Layout::new([split]), &d).unwrap();
+                let y = <wildfire::parallel::Distributed<F> as FusedOps>::fused_causal_softmax(dt);
+                data(Tensor::<F, 4>::from_primitive(
+                    burn::tensor::TensorPrimitive::Float(y.full().unwrap()),
+                ))
+            })
+            .unwrap();
+            for rank in got {
+                assert_eq!(rank, native, "{shape:?} split {split:?}");
+            }
+        }
+    }
+}
+
 #[cfg(feature = "wgpu")]
 mod wgpu {
     use super::*;

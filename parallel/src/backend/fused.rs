@@ -92,6 +92,15 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         row_op("fused_softmax", x, B::fused_softmax)
     }
 
+    fn fused_causal_softmax(scores: Dt<B>) -> Dt<B> {
+        // The mask depends on the query and key positions: both dims whole.
+        const OP: &str = "fused_causal_softmax";
+        let scores = rules::unpadded(scores.settled());
+        let layout = attention_layout(&scores.layout);
+        let scores = to_layout(OP, scores, &layout);
+        wrap(B::fused_causal_softmax(scores.local), layout, scores.device)
+    }
+
     fn fused_softmax_backward(y: Dt<B>, dy: Dt<B>) -> Dt<B> {
         row_backward("fused_softmax_backward", y, dy, B::fused_softmax_backward)
     }
