@@ -211,13 +211,25 @@ int_accumulator!(i32, i64);
 fn fold<S: Lane, A: Accumulator>(
     parts: &[&[u8]],
     op: ReduceOp,
-    widen: fn(S) -> A,
-    narrow: fn(A) -> S,
+    widen: impl Fn(S) -> A + Copy,
+    narrow: impl Fn(A) -> S,
 ) -> Vec<S> {
-    let combine: fn(A, A) -> A = match op {
-        ReduceOp::Sum | ReduceOp::Avg => A::add,
-        ReduceOp::Max => A::max,
-    };
+    // One monomorphised loop per operation: a function pointer here kept the compiler from
+    // inlining and vectorising the element loop (4-5× slower on large buffers).
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => fold_with(parts, op, widen, narrow, A::add),
+        ReduceOp::Max => fold_with(parts, op, widen, narrow, A::max),
+    }
+}
+
+#[inline(always)]
+fn fold_with<S: Lane, A: Accumulator>(
+    parts: &[&[u8]],
+    op: ReduceOp,
+    widen: impl Fn(S) -> A + Copy,
+    narrow: impl Fn(A) -> S,
+    combine: impl Fn(A, A) -> A + Copy,
+) -> Vec<S> {
     let decode = |bytes: &[u8]| widen(S::read(bytes));
     let mut acc: Vec<A> = parts[0].chunks_exact(S::SIZE).map(decode).collect();
     for part in &parts[1..] {
