@@ -3,17 +3,18 @@
 //! Each fused operation is one method of [`FusedOps`], a trait every backend a model trains on
 //! implements:
 //!
-//! * [`CubeBackend`](burn_cubecl::CubeBackend) (feature `cube`, on by `wgpu`/`cuda`) runs
-//!   `#[cube]` kernels written once in [`cube`] and compiled by CubeCL for CUDA, Vulkan (lavapipe
+//! * `CubeBackend` (feature `cube`, on by `wgpu`/`cuda`) runs
+//!   `#[cube]` kernels written once in the `cube` module and compiled by CubeCL for CUDA, Vulkan (lavapipe
 //!   in CI), Metal, …;
 //! * `Fusion<B>` (feature `fusion`) registers each op as one custom operation of the fusion
-//!   stream, run by `B`'s kernel ([`fusion`]);
+//!   stream, run by `B`'s kernel (the `fusion` module);
 //! * `Autodiff<B>` records one graph node per fused op and wires its backward to `B`'s fused
 //!   backward kernel ([`autodiff`]);
 //! * `Distributed<B>` (in `wildfire-parallel`) applies the op to the local shards under a
 //!   placement rule;
-//! * every other backend (Flex here) takes the trait's default methods, built from Burn ops
-//!   ([`reference`]) — so models written against `FusedOps` stay portable, and the defaults are
+//! * every other backend takes the trait's default methods, built from Burn ops
+//!   ([`reference`](mod@reference)); Flex overrides the attention core's causal softmax
+//!   ([`flex`]) — so models written against `FusedOps` stay portable, and the defaults are
 //!   the references the kernels are tested against.
 //!
 //! The tensor-level API is in [`ops`]: `softmax`, `log_softmax`, `layer_norm`, `rms_norm`,
@@ -140,7 +141,7 @@ pub struct AdamWState<B: Backend> {
 }
 
 /// Fused operations, forward and backward. Every method has a default built from Burn ops (see
-/// [`reference`]), so any backend can implement the trait with an empty `impl`; backends with
+/// [`reference`](mod@reference)), so any backend can implement the trait with an empty `impl`; backends with
 /// kernels override them.
 pub trait FusedOps: Backend {
     /// Whether the methods run fused kernels on this backend (`false`: the Burn-op defaults).

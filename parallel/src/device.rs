@@ -284,7 +284,7 @@ impl RankContext {
 
     /// Enforce a per-rank budget on the bytes of live tensors (the accounting behind
     /// [`live_bytes`](Self::live_bytes)): an op that would cross it fails the rank with
-    /// [`DistError::MemoryBudget`] (and the world with it). `None`: no budget.
+    /// [`DistError::MemoryBudget`](crate::DistError::MemoryBudget) (and the world with it). `None`: no budget.
     pub fn set_memory_budget(&self, bytes: Option<u64>) {
         self.memory_budget
             .store(bytes.unwrap_or(0), Ordering::Relaxed);
