@@ -114,6 +114,38 @@ pub(crate) fn concat(parts: &[&TensorData], dim: usize) -> Result<TensorData, Co
     Ok(TensorData::from_bytes_vec(bytes, out_dims, first.dtype))
 }
 
+/// The members' pieces, received one after the other in `all` (`shapes[i]`, `dtype`),
+/// concatenated along `dim`. When every dim before `dim` has size 1 (dim 0 included, FSDP's
+/// gathers) the received bytes already are the concatenation and are used as they are;
+/// otherwise the rows are interleaved.
+#[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
+pub(crate) fn gathered(
+    all: Vec<u8>,
+    shapes: &[Vec<usize>],
+    dim: usize,
+    dtype: DType,
+) -> Result<TensorData, CommError> {
+    let first = &shapes[0];
+    let mut out = first.clone();
+    out[dim] = shapes.iter().map(|s| s[dim]).sum();
+    if first[..dim].iter().all(|&d| d == 1) {
+        return Ok(TensorData::from_bytes_vec(all, out, dtype));
+    }
+    let size = dtype.size();
+    let mut parts = Vec::with_capacity(shapes.len());
+    let mut at = 0;
+    for shape in shapes {
+        let count = shape.iter().product::<usize>() * size;
+        parts.push(TensorData::from_bytes_vec(
+            all[at..at + count].to_vec(),
+            shape.clone(),
+            dtype,
+        ));
+        at += count;
+    }
+    concat(&parts.iter().collect::<Vec<_>>(), dim)
+}
+
 /// The bytes of chunk `index` of `parts` equal chunks of `data` along `dim`, and that chunk's
 /// shape. The caller has checked that `parts` divides the size of `dim`.
 pub(crate) fn chunk_bytes(
@@ -315,5 +347,22 @@ mod tests {
         );
         let refs: Vec<&TensorData> = pieces.iter().collect();
         assert_eq!(concat(&refs, 1).unwrap(), data);
+        // The same from the pieces received back to back (rows interleaved along dim 1; along
+        // dim 0 the received bytes are the result as they are).
+        for dim in [1, 0] {
+            let pieces: Vec<TensorData> = (0..2)
+                .map(|index| {
+                    let (bytes, shape) = chunk_bytes(&data, dim, 2, index).unwrap();
+                    TensorData::from_bytes_vec(bytes, shape, DType::U8)
+                })
+                .collect();
+            let all: Vec<u8> = pieces.iter().flat_map(|p| p.as_bytes().to_vec()).collect();
+            let shapes: Vec<Vec<usize>> = pieces.iter().map(|p| p.shape.to_vec()).collect();
+            assert_eq!(
+                gathered(all, &shapes, dim, DType::U8).unwrap(),
+                data,
+                "dim {dim}"
+            );
+        }
     }
 }

@@ -34,7 +34,7 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
 use super::buffer::{
-    check_dim, check_divisible, check_reducible, chunk_bytes, concat, element_size, reduce,
+    check_dim, check_divisible, check_reducible, chunk_bytes, element_size, gathered, reduce,
 };
 use super::header::{Call, DTYPES, HEADER, header, header_shape, layouts_agree, mismatch};
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp, check_rank};
@@ -491,17 +491,7 @@ impl Communicator for MpiCommunicator {
                 .map(|s| s.iter().product::<usize>() * size)
                 .collect();
             let all = Self::all_gather_bytes(comm, data.as_bytes(), &counts)?;
-            let mut parts = Vec::with_capacity(shapes.len());
-            let mut at = 0;
-            for (shape, count) in shapes.into_iter().zip(&counts) {
-                parts.push(TensorData::from_bytes_vec(
-                    all[at..at + count].to_vec(),
-                    shape,
-                    data.dtype,
-                ));
-                at += count;
-            }
-            concat(&parts.iter().collect::<Vec<_>>(), dim)
+            gathered(all, &shapes, dim, data.dtype)
         })?;
         self.record(CollectiveKind::AllGather, group, bytes);
         Ok(result)

@@ -38,7 +38,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
 use super::bootstrap::{Bootstrap, RendezvousError, bootstrap_groups, exchange_group_ids};
-use super::buffer::{check_dim, check_divisible, check_reducible, chunk_bytes, concat};
+use super::buffer::{check_dim, check_divisible, check_reducible, chunk_bytes, gathered};
 use super::header::{Call, HEADER, header_of, layouts_agree, mismatch};
 use super::{
     CollectiveKind, CommError, CommStats, Communicator, DeviceCollectives, Group, ReduceOp,
@@ -375,19 +375,24 @@ impl NcclCommunicator {
         self.client.create_from_slice(bytes)
     }
 
+    /// The first `len` bytes of a device buffer.
+    fn download_bytes(&self, handle: Handle, len: usize) -> Result<Vec<u8>, CommError> {
+        let bytes = self
+            .client
+            .read_one(handle)
+            .map_err(|e| self.library("CubeCL read", e))?;
+        Ok(bytes[..len].to_vec())
+    }
+
     fn download(
         &self,
         handle: Handle,
         shape: Shape,
         dtype: DType,
     ) -> Result<TensorData, CommError> {
-        let bytes = self
-            .client
-            .read_one(handle)
-            .map_err(|e| self.library("CubeCL read", e))?;
         let len = shape.num_elements() * dtype.size();
         Ok(TensorData::from_bytes_vec(
-            bytes[..len].to_vec(),
+            self.download_bytes(handle, len)?,
             shape,
             dtype,
         ))
@@ -642,19 +647,10 @@ impl Communicator for NcclCommunicator {
         let send = self.upload(data.as_bytes());
         let recv = self.client.empty(data.bytes.len() * members);
         self.raw(group, Op::AllGather, data.dtype, n, &send, &recv)?;
-        let mut dims = data.shape.to_vec();
-        dims[0] *= members;
-        let flat = self.download(recv, Shape::from(dims), data.dtype)?;
         // The gathered pieces lie one after the other; concatenate them along `dim`.
-        let pieces: Vec<TensorData> = (0..members)
-            .map(|m| chunk_bytes(&flat, 0, members, m))
-            .map(|r| {
-                r.map(|(bytes, _)| {
-                    TensorData::from_bytes_vec(bytes, data.shape.clone(), data.dtype)
-                })
-            })
-            .collect::<Result<_, _>>()?;
-        let out = concat(&pieces.iter().collect::<Vec<_>>(), dim)?;
+        let flat = self.download_bytes(recv, data.bytes.len() * members)?;
+        let shapes = vec![data.shape.to_vec(); members];
+        let out = gathered(flat, &shapes, dim, data.dtype)?;
         self.record(call.kind, group, data.bytes.len());
         Ok(out)
     }
