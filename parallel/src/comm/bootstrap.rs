@@ -62,7 +62,8 @@ pub enum RendezvousError {
         rank: usize,
         /// How long it waited.
         waited: Duration,
-        /// The ranks that never arrived, when known (rank 0 knows; the others report all).
+        /// The ranks that never arrived: rank 0 knows and tells the ranks that came; `[0]` when
+        /// rank 0 itself never answered.
         missing: Vec<usize>,
     },
     /// A peer spoke something else, or disagreed on the world.
@@ -124,6 +125,8 @@ pub struct TcpRendezvous {
 }
 
 const MAGIC: &[u8; 8] = b"WFRDZv1\n";
+/// How long a joining rank waits for rank 0's answer past the common deadline.
+const ANSWER_GRACE: Duration = Duration::from_secs(2);
 
 impl TcpRendezvous {
     /// A rendezvous at `addr` (`host:port`) for `rank` of `world_size`, giving up after
@@ -339,9 +342,10 @@ impl TcpRendezvous {
         }
         hello.extend_from_slice(mine);
         stream.write_all(&hello).map_err(|e| self.io(e))?;
-        let left = self
-            .remaining(start)
-            .ok_or_else(|| self.timeout_error(start, (0..self.world_size).collect()))?;
+        // Rank 0 decides: it answers with every blob, or, at its own deadline, with the ranks
+        // that never came. Wait a grace period past that deadline so its verdict (which names
+        // them) arrives before this rank's own timeout.
+        let left = self.remaining(start).unwrap_or_default() + ANSWER_GRACE;
         stream
             .set_read_timeout(Some(left))
             .map_err(|e| self.io(e))?;
@@ -386,8 +390,8 @@ impl TcpRendezvous {
                     std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
                 ) =>
             {
-                // Rank 0 is waiting for ranks that never came; it knows which.
-                Err(self.timeout_error(start, (1..self.world_size).collect()))
+                // Rank 0 took this rank's hello but never answered, even past its deadline.
+                Err(self.timeout_error(start, vec![0]))
             }
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
                 Err(self.protocol("rank 0 closed the connection without an answer".into()))
@@ -634,7 +638,7 @@ mod tests {
                 .map(|rank| {
                     let addr = addr.clone();
                     s.spawn(move || {
-                        TcpRendezvous::new(addr, rank, 3, Duration::from_millis(800))
+                        TcpRendezvous::new(addr, rank, 3, Duration::from_millis(1500))
                             .unwrap()
                             .all_gather_bytes(&[rank as u8])
                     })
