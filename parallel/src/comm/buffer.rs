@@ -31,7 +31,15 @@ pub(crate) fn check_dim(
     data: &TensorData,
     dim: usize,
 ) -> Result<(), CommError> {
-    let ndims = data.shape.num_dims();
+    check_dim_of(op, data.shape.num_dims(), dim)
+}
+
+/// [`check_dim`] for a buffer of `ndims` dimensions (a device tensor's, say).
+pub(crate) fn check_dim_of(
+    op: super::CollectiveKind,
+    ndims: usize,
+    dim: usize,
+) -> Result<(), CommError> {
     if dim < ndims {
         Ok(())
     } else {
@@ -45,7 +53,11 @@ pub(crate) fn check_divisible(
     dim: usize,
     parts: usize,
 ) -> Result<(), CommError> {
-    let size = data.shape[dim];
+    check_divisible_of(data.shape[dim], dim, parts)
+}
+
+/// [`check_divisible`] for dimension `dim` of size `size`.
+pub(crate) fn check_divisible_of(size: usize, dim: usize, parts: usize) -> Result<(), CommError> {
     if size.is_multiple_of(parts) {
         Ok(())
     } else {

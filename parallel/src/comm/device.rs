@@ -22,6 +22,7 @@ use burn::tensor::TensorData;
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorMetadata};
 
+use super::buffer::{check_dim_of, check_divisible_of};
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp};
 use crate::device::DistDevice;
 
@@ -173,18 +174,6 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
     }
 }
 
-fn check_dim(kind: CollectiveKind, ndims: usize, dim: usize) -> Result<(), CommError> {
-    if dim < ndims {
-        Ok(())
-    } else {
-        Err(CommError::InvalidDim {
-            op: kind,
-            dim,
-            ndims,
-        })
-    }
-}
-
 /// The host path of a rank: through its host communicator.
 fn host<B: Backend>(
     device: &DistDevice<B>,
@@ -217,7 +206,7 @@ pub(crate) fn all_gather<B: Backend>(
 ) -> Result<FloatTensor<B>, CommError> {
     match device.context().device_collectives::<B>() {
         Some(dc) => {
-            check_dim(CollectiveKind::AllGather, tensor.shape().num_dims(), dim)?;
+            check_dim_of(CollectiveKind::AllGather, tensor.shape().num_dims(), dim)?;
             if dim == 0 {
                 return dc.all_gather_first(group, tensor);
             }
@@ -240,15 +229,9 @@ pub(crate) fn reduce_scatter<B: Backend>(
     match ctx.device_collectives::<B>() {
         Some(dc) => {
             let shape = tensor.shape();
-            check_dim(CollectiveKind::ReduceScatter, shape.num_dims(), dim)?;
+            check_dim_of(CollectiveKind::ReduceScatter, shape.num_dims(), dim)?;
             let n = group.size(ctx.mesh())?;
-            if !shape[dim].is_multiple_of(n) {
-                return Err(CommError::Indivisible {
-                    dim,
-                    size: shape[dim],
-                    parts: n,
-                });
-            }
+            check_divisible_of(shape[dim], dim, n)?;
             if dim == 0 {
                 return dc.reduce_scatter_first(group, tensor, op);
             }
