@@ -5,6 +5,11 @@
 //! cargo bench --bench gpt_throughput [-- --steps 8]
 //! ```
 
+/// mimalloc keeps freed memory for reuse (glibc returned it to the kernel every step, and the
+/// next step re-faulted and re-zeroed its pages).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;
 use wildfire::pretrain::{PretrainConfig, run};

@@ -1,15 +1,20 @@
 //! Decorator overhead at world size 1: one training step of a small stock transformer on
 //! `Autodiff<Flex>` and on `Autodiff<Distributed<Flex>>`, measured alternately in one process
-//! (the machines are shared and noisy: only the ratio of interleaved runs means anything).
+//! (the machines are shared and noisy: only the ratio of interleaved runs means anything); then
+//! the cost of one elementwise op on a small tensor (`x * x`, 64 elements) through Flex,
+//! `Distributed<Flex>`, `Autodiff<Flex>` and `Autodiff<Distributed<Flex>>` (the autodiff ones on
+//! a tracked tensor, so the graph bookkeeping is in). `benches/cpu_vs_pytorch.sh` prints
+//! PyTorch's cost of the same op beside it.
 //!
 //! ```text
-//! cargo bench --bench overhead [-- --rounds 15 --steps 5]
+//! cargo bench --bench overhead [-- --rounds 15 --steps 5 --ops 200000]
 //! ```
 
 use burn::backend::{Autodiff, Flex};
 use burn::optim::SgdConfig;
 use burn::optim::momentum::MomentumConfig;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use std::time::{Duration, Instant};
 use wildfire::demo::{
     EncoderClassifier, EncoderClassifierConfig, SyntheticTask, deterministic_init, train,
@@ -58,6 +63,23 @@ impl<B: AutodiffBackend> Runner<B> {
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
+}
+
+/// Nanoseconds per `x * x` on a 64-element tensor, the median of 5 runs of `ops` ops; `track`
+/// makes `x` tracked (autodiff backends record a graph node per op).
+fn per_op<B: Backend>(ops: usize, track: impl Fn(Tensor<B, 1>) -> Tensor<B, 1>) -> f64 {
+    let x = track(Tensor::<B, 1>::ones([64], &Default::default()));
+    let mut runs: Vec<f64> = (0..5)
+        .map(|_| {
+            let start = Instant::now();
+            for _ in 0..ops {
+                std::hint::black_box(x.clone() * x.clone());
+            }
+            start.elapsed().as_secs_f64() * 1e9 / ops as f64
+        })
+        .collect();
+    runs.sort_by(f64::total_cmp);
+    runs[2]
 }
 
 fn main() {
@@ -118,4 +140,18 @@ fn main() {
         ratios[0],
         ratios[ratios.len() - 1]
     );
+    let ops = if smoke {
+        100
+    } else {
+        common::arg("--ops").unwrap_or(200_000)
+    };
+    println!("one op (x * x, 64 f32 elements), median of 5 × {ops} ops:");
+    let plain = per_op::<Flex>(ops, |x| x);
+    println!("Flex                         {plain:8.0} ns/op");
+    let dist = per_op::<Distributed<Flex>>(ops, |x| x);
+    println!("Distributed<Flex>            {dist:8.0} ns/op");
+    let ad = per_op::<Autodiff<Flex>>(ops, |x| x.require_grad());
+    println!("Autodiff<Flex>               {ad:8.0} ns/op (tracked)");
+    let add = per_op::<Autodiff<Distributed<Flex>>>(ops, |x| x.require_grad());
+    println!("Autodiff<Distributed<Flex>>  {add:8.0} ns/op (tracked)");
 }

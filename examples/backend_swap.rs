@@ -6,6 +6,11 @@
 //! cargo run --release --example backend_swap -- --dp 2 --steps 30
 //! ```
 
+/// mimalloc keeps freed memory for reuse (glibc returned it to the kernel every step, and the
+/// next step re-faulted and re-zeroed its pages).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::{Context, Result};
 use burn::backend::{Autodiff, Flex};
 use burn::optim::SgdConfig;

@@ -6,6 +6,11 @@
 //! cargo run --release --example gpt_pretrain -- --config run.toml --steps 500   # flags win
 //! ```
 
+/// mimalloc keeps freed memory for reuse (glibc returned it to the kernel every step, and the
+/// next step re-faulted and re-zeroed its pages).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::{Context, Result, bail};
 use clap::{CommandFactory, FromArgMatches, Parser};
 use std::path::PathBuf;

@@ -886,7 +886,7 @@ impl RankRun<'_> {
         first_step: usize,
     ) -> Result<RunSummary, PretrainError> {
         let weight_decay = self.config.weight_decay;
-        if B::FUSED {
+        if B::FUSED.optimizer {
             let (adamw, inputs) = wildfire_engine::FusedAdamW::<B>::optimizer::<Gpt<A<B>>>(
                 wildfire_engine::FusedAdamWConfig {
                     beta1: 0.9,

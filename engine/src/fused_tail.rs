@@ -116,8 +116,7 @@ fn piece<X: Backend, const D: usize>(
     if t.layout() == like.layout() {
         t.local().clone()
     } else {
-        // A gradient or moment on another layout than its parameter (ZeRO-1 slices gradients
-        // to the shard): bring it to the parameter's.
+        // A moment on another layout than the step's (a resumed state): bring it there.
         t.clone()
             .redistribute(like.layout())
             .map(DTensor::into_local)
@@ -135,7 +134,18 @@ impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for FusedAdamW<X> {
         grad: Tensor<Distributed<X>, D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<Distributed<X>, D>, Option<Self::State<D>>) {
+        // The step runs on the gradient's layout: under ZeRO-1/2 the gradient is this rank's
+        // shard of a replicated parameter, so the parameter is sliced to it (a local slice, no
+        // communication) and the moments live — and stay — sharded; `FsdpOptimizer` gathers the
+        // updated shards afterwards, as with Burn's own optimizers.
+        let g = dtensor(&grad).clone();
         let p = dtensor(&tensor).clone();
+        let p = if p.layout() == g.layout() {
+            p
+        } else {
+            p.redistribute(g.layout())
+                .unwrap_or_else(|e| wildfire_parallel::raise(e))
+        };
         let device = p.device().inner().clone();
         let local_shape = burn::tensor::TensorMetadata::shape(p.local());
         let dtype = burn::tensor::TensorMetadata::dtype(p.local()).into();
@@ -165,7 +175,7 @@ impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for FusedAdamW<X> {
             });
         let out = X::fused_adamw(
             p.local().clone(),
-            piece(&grad, &p),
+            g.into_local(),
             m,
             v,
             scale,

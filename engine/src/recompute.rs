@@ -463,7 +463,7 @@ impl<'a, B: Backend> Checkpointer<'a, B> {
 impl<'a, B: FusedOps> Checkpointer<'a, B> {
     /// The attention core `softmax(mask(q·kᵀ·scale))·v` of layer `layer` on `[q, k, v]`,
     /// `[b, h, t, hd]` each, with dropout on the probabilities while training. Without dropout,
-    /// on a backend with fused kernels ([`FusedOps::FUSED`]), this is the flash-attention kernel:
+    /// on a backend with fused kernels ([`FusedOps::FUSED`]`.attention`), this is the flash-attention kernel:
     /// it keeps only q, k, v, the output and one log-sum-exp per query, and its backward
     /// recomputes the probabilities from it — what `Selective` asks for, under every policy.
     pub fn attention(
@@ -480,13 +480,42 @@ impl<'a, B: FusedOps> Checkpointer<'a, B> {
             dropout: if self.training { dropout } else { 0.0 },
             seed: self.seed_of(layer, SITE_ATTENTION),
         };
-        if B::FUSED && spec.dropout == 0.0 {
+        if B::FUSED.attention && spec.dropout == 0.0 {
             return wildfire_kernels::ops::attention(q, k, v, scale, causal);
         }
         match self.attention {
             Some(op) => op(q, k, v, &spec, self.policy == Recompute::Selective),
             None => attention_reference(q, k, v, &spec),
         }
+    }
+
+    /// [`attention`](Self::attention) on packed projections `qkv` `[b, t, h, 3·hd]` (per head:
+    /// queries, keys, values side by side), giving `[b, t, h, hd]`. Without dropout, on a backend
+    /// with fused attention, one op that never splits `qkv` nor transposes the output
+    /// ([`FusedOps::fused_attention_qkv`]); otherwise q, k and v are split out and go through
+    /// [`attention`](Self::attention) and its recomputation policy.
+    pub fn attention_qkv(
+        &self,
+        layer: usize,
+        qkv: Tensor<B, 4>,
+        scale: f64,
+        causal: bool,
+        dropout: f64,
+    ) -> Tensor<B, 4> {
+        let dropout = if self.training { dropout } else { 0.0 };
+        if B::FUSED.attention && dropout == 0.0 {
+            return wildfire_kernels::ops::attention_qkv(qkv, scale, causal);
+        }
+        let hd = qkv.dims()[3] / 3;
+        let split = |i: usize| qkv.clone().narrow(3, i * hd, hd).swap_dims(1, 2);
+        self.attention(
+            layer,
+            [split(0), split(1), split(2)],
+            scale,
+            causal,
+            dropout,
+        )
+        .swap_dims(1, 2)
     }
 
     /// Inverted dropout with probability `p` at `(layer, site)` while training; identity otherwise.

@@ -1,7 +1,8 @@
 //! `FusedOps` for `Autodiff<B>`: each fused forward is one graph node whose backward calls `B`'s
 //! fused backward (a kernel where `B` has one). The nodes keep what the kernels need — the
 //! softmax output, the norms' input and per-row statistics, the logits and per-row log-sum-exp
-//! (never the probabilities), attention's q, k, v, output and log-sum-exp (never the scores).
+//! (never the probabilities), attention's q, k, v (or packed qkv), output and log-sum-exp (never
+//! the scores).
 
 use crate::{AttentionOutput, CrossEntropyOutput, FusedOps, LayerNormOutput, RmsNormOutput};
 use burn::backend::Autodiff;
@@ -158,13 +159,31 @@ impl<B: FusedOps> Backward<B, 3> for AttentionOp {
     }
 }
 
+#[derive(Debug)]
+struct AttentionQkvOp {
+    scale: f64,
+    causal: bool,
+}
+
+impl<B: FusedOps> Backward<B, 1> for AttentionQkvOp {
+    /// qkv, output, lse.
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let d_o = grads.consume::<B>(&ops.node);
+        let (qkv, o, lse) = ops.state;
+        let g = B::fused_attention_qkv_backward(qkv, o, lse, d_o, self.scale, self.causal);
+        register!(B, grads, &ops.parents[0], g);
+    }
+}
+
 /// An untracked autodiff tensor (the per-row statistics handed back to callers).
 fn constant<B: FusedOps, C: CheckpointStrategy>(x: FloatTensor<B>) -> FloatTensor<Autodiff<B, C>> {
     <Autodiff<B, C> as burn::tensor::backend::AutodiffBackend>::from_inner(x)
 }
 
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
-    const FUSED: bool = B::FUSED;
+    const FUSED: crate::Fused = B::FUSED;
 
     fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
         softmax::<B, C>(x, false)
@@ -261,6 +280,29 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         {
             OpsKind::Tracked(prep) => prep.finish((x.primitive, bias.primitive), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_attention_qkv(
+        qkv: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> AttentionOutput<Self> {
+        let out = B::fused_attention_qkv(qkv.primitive.clone(), scale, causal);
+        let output = match (AttentionQkvOp { scale, causal })
+            .prepare::<C>([qkv.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(
+                (qkv.primitive, out.output.clone(), out.lse.clone()),
+                out.output,
+            ),
+            OpsKind::UnTracked(prep) => prep.finish(out.output),
+        };
+        AttentionOutput {
+            output,
+            lse: constant::<B, C>(out.lse),
         }
     }
 

@@ -1043,7 +1043,7 @@ fn attention_shape<R: CubeRuntime>(
 impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
     for CubeBackend<R, F, I, BT>
 {
-    const FUSED: bool = true;
+    const FUSED: crate::Fused = crate::Fused::ALL;
 
     fn fused_softmax(x: CubeTensor<R>) -> CubeTensor<R> {
         softmax_impl(x, false)

@@ -178,7 +178,7 @@ fn take<const N: usize, T: std::fmt::Debug>(v: Vec<T>) -> [T; N] {
 
 /// The dtype of per-row statistics and reductions: f32 from kernels, the input's otherwise.
 fn stats<B: FusedOps>(input: DType) -> DType {
-    if B::FUSED { DType::F32 } else { input }
+    if B::FUSED.any() { DType::F32 } else { input }
 }
 
 fn meta<B: FusionBackend>(t: &Ft<B>) -> (Shape, DType) {
@@ -186,7 +186,7 @@ fn meta<B: FusionBackend>(t: &Ft<B>) -> (Shape, DType) {
 }
 
 impl<B: FusionBackend + FusedOps> FusedOps for Fusion<B> {
-    const FUSED: bool = B::FUSED;
+    const FUSED: crate::Fused = B::FUSED;
 
     fn fused_softmax(x: Ft<B>) -> Ft<B> {
         let out = meta::<B>(&x);

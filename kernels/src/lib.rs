@@ -13,9 +13,12 @@
 //! * `Distributed<B>` (in `wildfire-parallel`) applies the op to the local shards under a
 //!   placement rule;
 //! * every other backend takes the trait's default methods, built from Burn ops
-//!   ([`reference`](mod@reference)); Flex overrides the attention core's causal softmax
-//!   ([`flex`]) — so models written against `FusedOps` stay portable, and the defaults are
-//!   the references the kernels are tested against.
+//!   ([`reference`](mod@reference)), so models written against `FusedOps` stay portable, and
+//!   the defaults are the references the kernels are tested against;
+//! * Flex, the CPU backend, runs native row-parallel loops for LayerNorm, GELU-with-bias,
+//!   cross-entropy, the optimizer tail and the attention core's causal softmax ([`flex`]).
+//!
+//! [`FusedOps::FUSED`] says, family by family, which methods are fused on a backend.
 //!
 //! The tensor-level API is in [`ops`]: `softmax`, `log_softmax`, `layer_norm`, `rms_norm`,
 //! `cross_entropy`, `gelu_bias`, `attention`.
@@ -140,14 +143,55 @@ pub struct AdamWState<B: Backend> {
     pub v: FloatTensor<B>,
 }
 
+/// Which families of [`FusedOps`] a backend runs as fused kernels ([`FusedOps::FUSED`]), op by
+/// op: a CPU backend may have a native LayerNorm and cross-entropy but keep Burn's matmuls for
+/// attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fused {
+    /// `fused_layer_norm` (and RMSNorm), forward and backward.
+    pub layer_norm: bool,
+    /// `fused_gelu_bias`, forward and backward.
+    pub gelu_bias: bool,
+    /// `fused_cross_entropy`, forward and backward.
+    pub cross_entropy: bool,
+    /// `fused_attention` (flash attention), forward and backward.
+    pub attention: bool,
+    /// The optimizer tail: `fused_unscale` and `fused_adamw`.
+    pub optimizer: bool,
+}
+
+impl Fused {
+    /// Every family on Burn ops.
+    pub const NONE: Fused = Fused {
+        layer_norm: false,
+        gelu_bias: false,
+        cross_entropy: false,
+        attention: false,
+        optimizer: false,
+    };
+    /// Every family fused.
+    pub const ALL: Fused = Fused {
+        layer_norm: true,
+        gelu_bias: true,
+        cross_entropy: true,
+        attention: true,
+        optimizer: true,
+    };
+
+    /// Whether any family is fused.
+    pub const fn any(self) -> bool {
+        self.layer_norm || self.gelu_bias || self.cross_entropy || self.attention || self.optimizer
+    }
+}
+
 /// Fused operations, forward and backward. Every method has a default built from Burn ops (see
 /// [`reference`](mod@reference)), so any backend can implement the trait with an empty `impl`; backends with
 /// kernels override them.
 pub trait FusedOps: Backend {
-    /// Whether the methods run fused kernels on this backend (`false`: the Burn-op defaults).
-    /// Models ask this to take the fused path only where it pays, and keep their plain Burn ops
-    /// (and their numerics) elsewhere.
-    const FUSED: bool = false;
+    /// Which method families run fused kernels on this backend (the rest are the Burn-op
+    /// defaults). Models ask this, op by op, to take a fused path only where it pays and keep
+    /// their plain Burn ops (and their numerics) elsewhere.
+    const FUSED: Fused = Fused::NONE;
 
     /// Softmax over the last dimension.
     fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -286,6 +330,46 @@ pub trait FusedOps: Backend {
         reference::attention_backward::<Self>(q, k, v, output, lse, d_output, scale, causal)
     }
 
+    /// [`FusedOps::fused_attention`] on packed projections `qkv` `[b, t, h, 3·hd]` (per head:
+    /// queries, keys, values side by side): output `[b, t, h, hd]` and log-sum-exp `[b, t, h]`,
+    /// with no split of `qkv` and no layout change of the output where the backend implements it
+    /// natively. The default splits and calls [`FusedOps::fused_attention`].
+    fn fused_attention_qkv(
+        qkv: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> AttentionOutput<Self> {
+        let [q, k, v] = packed::split::<Self>(qkv);
+        let out = Self::fused_attention(q, k, v, scale, causal);
+        AttentionOutput {
+            output: packed::heads_last::<Self>(out.output),
+            lse: packed::lse_heads_last::<Self>(out.lse),
+        }
+    }
+
+    /// The gradient of [`FusedOps::fused_attention_qkv`] w.r.t. `qkv`, packed like it.
+    fn fused_attention_qkv_backward(
+        qkv: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_output: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> FloatTensor<Self> {
+        let [q, k, v] = packed::split::<Self>(qkv);
+        let g = Self::fused_attention_backward(
+            q,
+            k,
+            v,
+            packed::heads_first::<Self>(output),
+            packed::lse_heads_first::<Self>(lse),
+            packed::heads_first::<Self>(d_output),
+            scale,
+            causal,
+        );
+        packed::join::<Self>([g.q, g.k, g.v])
+    }
+
     /// The optimizer tail's first pass over a gradient: unscale by `inv_scale` (the loss
     /// scaler's `1/scale`), sum of squares and non-finite flag, in one pass.
     fn fused_unscale(grad: FloatTensor<Self>, inv_scale: f64) -> UnscaleOutput<Self> {
@@ -310,11 +394,51 @@ pub trait FusedOps: Backend {
     }
 }
 
-/// Flex, the CPU backend, runs the Burn-op defaults, but for the causal softmax of the
-/// attention core ([`flex`]).
-impl FusedOps for burn::backend::Flex {
-    fn fused_causal_softmax(scores: FloatTensor<Self>) -> FloatTensor<Self> {
-        flex::causal_softmax(scores)
+/// Layout changes between packed `[b, t, h, 3·hd]` projections and the `[b, h, t, hd]` heads of
+/// [`FusedOps::fused_attention`].
+mod packed {
+    use burn::tensor::ops::FloatTensor;
+    use burn::tensor::{Tensor, TensorPrimitive, backend::Backend};
+
+    fn t<B: Backend, const D: usize>(x: FloatTensor<B>) -> Tensor<B, D> {
+        Tensor::from_primitive(TensorPrimitive::Float(x))
+    }
+
+    fn p<B: Backend, const D: usize>(x: Tensor<B, D>) -> FloatTensor<B> {
+        x.into_primitive().tensor()
+    }
+
+    /// `[b, t, h, 3·hd]` → q, k, v `[b, h, t, hd]`.
+    pub fn split<B: Backend>(qkv: FloatTensor<B>) -> [FloatTensor<B>; 3] {
+        let qkv = t::<B, 4>(qkv);
+        let hd = qkv.dims()[3] / 3;
+        [0, 1, 2].map(|i| p(qkv.clone().narrow(3, i * hd, hd).swap_dims(1, 2)))
+    }
+
+    /// `[b, h, t, hd]` → `[b, t, h, hd]`.
+    pub fn heads_last<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+        p(t::<B, 4>(x).swap_dims(1, 2))
+    }
+
+    /// `[b, t, h, hd]` → `[b, h, t, hd]`.
+    pub fn heads_first<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+        p(t::<B, 4>(x).swap_dims(1, 2))
+    }
+
+    /// `[b, h, t]` → `[b, t, h]`.
+    pub fn lse_heads_last<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+        p(t::<B, 3>(x).swap_dims(1, 2))
+    }
+
+    /// `[b, t, h]` → `[b, h, t]`.
+    pub fn lse_heads_first<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+        p(t::<B, 3>(x).swap_dims(1, 2))
+    }
+
+    /// dq, dk, dv `[b, h, t, hd]` → `[b, t, h, 3·hd]`.
+    pub fn join<B: Backend>(grads: [FloatTensor<B>; 3]) -> FloatTensor<B> {
+        let parts = grads.map(|g| t::<B, 4>(g).swap_dims(1, 2)).to_vec();
+        p(Tensor::cat(parts, 3))
     }
 }
 

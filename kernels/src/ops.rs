@@ -56,7 +56,8 @@ pub fn cross_entropy_mean<B: FusedOps>(
 ) -> Tensor<B, 1> {
     let kept = targets.clone().greater_equal_elem(0).int().sum();
     let losses = cross_entropy(logits, targets);
-    losses.sum() / kept.float().clamp_min(1.0)
+    let dtype = losses.dtype();
+    losses.sum() / kept.float().cast(dtype).clamp_min(1.0)
 }
 
 /// `gelu(x + bias)` (erf form), `bias` broadcast over the last dimension.
@@ -73,4 +74,12 @@ pub fn attention<B: FusedOps>(
     causal: bool,
 ) -> Tensor<B, 4> {
     tensor(B::fused_attention(prim(q), prim(k), prim(v), scale, causal).output)
+}
+
+/// Attention on packed projections `qkv` `[b, t, h, 3·hd]` (per head: its queries, keys and
+/// values side by side, as a q/k/v projection whose columns are grouped by head gives them):
+/// `[b, t, h, hd]`, each head's `softmax(q·kᵀ·scale)·v`. Needs no split of `qkv` and no layout
+/// change of the output, forward or backward.
+pub fn attention_qkv<B: FusedOps>(qkv: Tensor<B, 4>, scale: f64, causal: bool) -> Tensor<B, 4> {
+    tensor(B::fused_attention_qkv(prim(qkv), scale, causal).output)
 }

@@ -231,9 +231,13 @@ fn rms_norm_backward_d<B: Backend, const D: usize>(
 
 /// Rows with a negative target, as a `[rows, 1]` 0/1 float mask of kept rows, and the targets
 /// clamped to a valid index.
-fn kept_rows<B: Backend>(targets: IntTensor<B>) -> (Tensor<B, 2>, Tensor<B, 2, Int>) {
+fn kept_rows<B: Backend>(
+    targets: IntTensor<B>,
+    dtype: burn::tensor::DType,
+) -> (Tensor<B, 2>, Tensor<B, 2, Int>) {
     let targets = Tensor::<B, 1, Int>::from_primitive(targets).unsqueeze_dim::<2>(1);
-    let kept = targets.clone().greater_equal_elem(0).float();
+    // In the logits' dtype (`float()` gives the backend's default one).
+    let kept = targets.clone().greater_equal_elem(0).float().cast(dtype);
     (kept, targets.clamp_min(0))
 }
 
@@ -243,7 +247,7 @@ pub fn cross_entropy<B: Backend>(
     targets: IntTensor<B>,
 ) -> CrossEntropyOutput<B> {
     let x = float::<B, 2>(logits);
-    let (kept, index) = kept_rows::<B>(targets);
+    let (kept, index) = kept_rows::<B>(targets, x.dtype());
     let max = x.clone().max_dim(1);
     let lse = (x.clone() - max.clone()).exp().sum_dim(1).log() + max;
     let picked = x.gather(1, index);
@@ -254,7 +258,7 @@ pub fn cross_entropy<B: Backend>(
 }
 
 /// Gradient of the cross-entropy w.r.t. the logits: `exp(x − lse)`, minus 1 at the target
-/// (a scatter-add of one value per row, no one-hot matrix), times the row's upstream gradient.
+/// (a scatter-add of one value per row), times the row's upstream gradient.
 pub fn cross_entropy_backward<B: Backend>(
     logits: FloatTensor<B>,
     targets: IntTensor<B>,
@@ -262,9 +266,15 @@ pub fn cross_entropy_backward<B: Backend>(
     dloss: FloatTensor<B>,
 ) -> FloatTensor<B> {
     let x = float::<B, 2>(logits);
-    let (kept, index) = kept_rows::<B>(targets);
+    let (kept, index) = kept_rows::<B>(targets, x.dtype());
     let p = (x - float::<B, 1>(lse).unsqueeze_dim::<2>(1)).exp();
-    let g = p.scatter(1, index, kept.clone().neg(), IndexingUpdateOp::Add);
+    // −1 at the target scattered into fresh zeros, then added: under `Distributed<B>` with
+    // vocabulary-parallel logits the scatter then has its loss-parallel rule (a whole
+    // destination), and the sum is local.
+    let onehot = p
+        .zeros_like()
+        .scatter(1, index, kept.clone().neg(), IndexingUpdateOp::Add);
+    let g = p + onehot;
     prim(g * (float::<B, 1>(dloss).unsqueeze_dim::<2>(1) * kept))
 }
 

@@ -326,11 +326,9 @@ impl<B: FusedOps> CausalSelfAttention<B> {
         // `c_attn`'s columns are grouped by head (q, k, v of head 0, then of head 1, …), so a
         // column-parallel split gives each rank whole heads and the split below stays local.
         let qkv = self.c_attn.forward(x).reshape([b, t, h, 3 * hd]);
-        let split = |i: usize| qkv.clone().narrow(3, i * hd, hd).swap_dims(1, 2);
-        let (q, k, v) = (split(0), split(1), split(2));
         let scale = 1.0 / (hd as f64).sqrt();
-        let y = ckpt.attention(layer, [q, k, v], scale, true, p);
-        self.c_proj.forward(y.swap_dims(1, 2).reshape([b, t, d]))
+        let y = ckpt.attention_qkv(layer, qkv, scale, true, p);
+        self.c_proj.forward(y.reshape([b, t, d]))
     }
 }
 
@@ -338,7 +336,7 @@ impl<B: FusedOps> MlpBlock<B> {
     /// `[b, t, d] -> [b, t, d]`. With fused kernels, the up projection's bias and the GELU are
     /// one kernel.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let h = match (&self.c_fc.bias, B::FUSED) {
+        let h = match (&self.c_fc.bias, B::FUSED.gelu_bias) {
             (Some(bias), true) => ops::gelu_bias(
                 burn::tensor::module::linear(x, self.c_fc.weight.val(), None),
                 bias.val(),
@@ -354,7 +352,7 @@ pub const LN_EPSILON: f64 = 1e-5;
 
 /// `ln(x)`: the fused kernel where the backend has one, Burn's `LayerNorm` otherwise.
 fn layer_norm<B: FusedOps>(ln: &LayerNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
-    match (&ln.beta, B::FUSED) {
+    match (&ln.beta, B::FUSED.layer_norm) {
         (Some(beta), true) => ops::layer_norm(x, ln.gamma.val(), beta.val(), LN_EPSILON),
         _ => ln.forward(x),
     }
@@ -426,7 +424,7 @@ impl<B: FusedOps> Gpt<B> {
         let [b, t] = inputs.dims();
         let logits = self.forward_with(inputs, ckpt);
         let vocab = logits.dims()[2];
-        if B::FUSED {
+        if B::FUSED.cross_entropy {
             // Loss and log-sum-exp in one pass over the logits; the backward writes the logits'
             // gradient in one more, never materialising the probabilities.
             return ops::cross_entropy_mean(

@@ -97,7 +97,19 @@ where
             let spawned = thread::Builder::new()
                 .name(format!("rank-{rank}"))
                 .spawn_scoped(scope, move || {
-                    panic::catch_unwind(AssertUnwindSafe(|| f(comm))).map_err(|payload| {
+                    // A lone rank runs on a worker of rayon's pool, the one the CPU backend's
+                    // parallel ops use: its own thread would wait beside the workers for every
+                    // parallel op and compete with them for the cores between ops (2 cores: 13k
+                    // context switches a second). Several ranks keep their own threads: a rank
+                    // blocked in a collective must not hold a worker another rank needs.
+                    let run = || {
+                        if size == 1 {
+                            rayon::join(|| f(comm), || ()).0
+                        } else {
+                            f(comm)
+                        }
+                    };
+                    panic::catch_unwind(AssertUnwindSafe(run)).map_err(|payload| {
                         let message = panic_message(payload.as_ref());
                         world.abort(rank, format!("panicked: {message}"));
                         message

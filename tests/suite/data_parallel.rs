@@ -134,22 +134,38 @@ fn assert_close(what: &str, got: &[f32], expected: &[f32], rel: f32) {
     }
 }
 
-/// World size 1: the decorator changes nothing, bit for bit.
+/// World size 1: the decorator changes nothing, bit for bit — except that it runs a linear layer
+/// on an input of rank 3 or more as one GEMM over the input's rows (Burn's default runs one GEMM
+/// per batch entry and sums the weight gradient over a `[batch, d_in, d_out]` temporary), which
+/// sums the weight gradient in another order. So: the MLP (2-D inputs) bitwise, the encoder
+/// (3-D inputs) within 1e-5 (relative) of plain Burn over the whole run.
 #[test]
-fn world_size_one_is_bitwise_identical() {
+fn world_size_one_matches_plain_burn() {
     for model in [Model::Mlp, Model::Encoder] {
         let (plain_log, plain_params) = plain_run(model);
         let device = Default::default();
         let built = model.build::<Dist>(&device)();
         let (log, params) = run_built(built, 0..GLOBAL_BATCH, &device, |b| b, true);
+        assert_eq!(log.losses.len(), plain_log.losses.len(), "{model:?} steps");
+        assert_eq!(params.len(), plain_params.len(), "{model:?} parameters");
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(
-            bits(&log.losses),
-            bits(&plain_log.losses),
-            "{model:?} losses"
-        );
-        for (p, q) in params.iter().zip(&plain_params) {
-            assert_eq!(bits(p), bits(q), "{model:?} parameters");
+        match model {
+            Model::Mlp => {
+                assert_eq!(
+                    bits(&log.losses),
+                    bits(&plain_log.losses),
+                    "{model:?} losses"
+                );
+                for (p, q) in params.iter().zip(&plain_params) {
+                    assert_eq!(bits(p), bits(q), "{model:?} parameters");
+                }
+            }
+            Model::Encoder => {
+                assert_close("encoder losses", &log.losses, &plain_log.losses, 1e-5);
+                for (i, (p, q)) in params.iter().zip(&plain_params).enumerate() {
+                    assert_close(&format!("encoder parameter {i}"), p, q, 1e-5);
+                }
+            }
         }
         let best = plain_log
             .losses

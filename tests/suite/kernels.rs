@@ -1,6 +1,7 @@
 //! The fused operations (`wildfire_kernels::FusedOps`) against references built from Burn's own
-//! ops, forward and backward through `Autodiff`: on Flex (the Burn-op defaults and the written-out
-//! backward formulas) and, with the `wgpu` feature (on in `scripts/test.sh`), the CubeCL kernels
+//! ops, forward and backward through `Autodiff`: on Flex (its native loops — LayerNorm, GELU,
+//! cross-entropy, packed attention, the optimizer tail — and the Burn-op defaults with the
+//! written-out backward formulas for the rest) and, with the `wgpu` feature (on in `scripts/test.sh`), the CubeCL kernels
 //! on Wgpu over lavapipe.
 //!
 //! Each check runs the fused op and an independent composition of Burn ops (differentiated by
@@ -226,10 +227,48 @@ fn check_attention<B: AutodiffBackend + FusedOps>(
     );
 }
 
+/// Attention on packed projections `[b, t, h, 3·hd]` against the split-and-softmax composition.
+fn check_attention_qkv<B: AutodiffBackend + FusedOps>(
+    device: &B::Device,
+    [b, t, h, hd]: [usize; 4],
+    causal: bool,
+    tol: f32,
+) {
+    let qkv = normal::<B, 4>([b, t, h, 3 * hd], 1.0, device);
+    let gqkv = grad_of(&qkv);
+    let scale = 1.0 / (hd as f64).sqrt();
+    let split = |i: usize| qkv.clone().narrow(3, i * hd, hd).swap_dims(1, 2);
+    let mut scores = split(0).matmul(split(1).swap_dims(2, 3)).mul_scalar(scale);
+    if causal {
+        let mask = Tensor::<B, 2, Bool>::tril_mask([t, t], 0, device)
+            .unsqueeze::<4>()
+            .expand([b, h, t, t]);
+        scores = scores.mask_fill(mask, f32::NEG_INFINITY);
+    }
+    let reference = activation::softmax(scores, 3)
+        .matmul(split(2))
+        .swap_dims(1, 2);
+    compare(
+        &format!("attention_qkv {:?} causal {causal}", [b, t, h, hd]),
+        ops::attention_qkv(qkv.clone(), scale, causal),
+        reference,
+        &[&gqkv],
+        tol,
+    );
+}
+
 /// Every fused op and its backward on one backend, across shapes with non-powers-of-two, single
 /// rows and columns wider than a cube.
 fn check_all<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) {
-    for shape in [[2, 3, 37], [1, 1, 1], [3, 5, 300], [2, 2, 1000]] {
+    // [4, 64, 96]: rows in more than one parallel task on Flex (the column sums of γ, β and the
+    // bias are added over tasks).
+    for shape in [
+        [2, 3, 37],
+        [1, 1, 1],
+        [3, 5, 300],
+        [2, 2, 1000],
+        [4, 64, 96],
+    ] {
         check_softmax::<B>(device, shape, tol);
         check_norms::<B>(device, shape, tol);
         check_gelu::<B>(device, shape, tol);
@@ -244,6 +283,14 @@ fn check_all<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) {
         ([1, 2, 70, 32], true),
     ] {
         check_attention::<B>(device, shape, causal, tol);
+    }
+    for (shape, causal) in [
+        ([2, 17, 3, 8], true),
+        ([1, 1, 2, 16], true),
+        ([2, 9, 1, 4], false),
+        ([1, 70, 2, 32], true),
+    ] {
+        check_attention_qkv::<B>(device, shape, causal, tol);
     }
 }
 
@@ -341,7 +388,8 @@ fn optimizer_tail_on_flex() {
 
 #[test]
 fn fused_ops_on_flex_match_burn_ops_forward_and_backward() {
-    // The Burn-op defaults and the written-out backward formulas, through the fused autodiff nodes.
+    // Flex's native loops, the Burn-op defaults and the written-out backward formulas, through
+    // the fused autodiff nodes.
     check_all::<Autodiff<burn::backend::Flex>>(&Default::default(), 2e-5);
 }
 

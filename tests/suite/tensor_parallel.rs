@@ -368,14 +368,14 @@ fn gpt_tensor_parallel_has_megatron_collectives_and_no_fallback() {
     .unwrap();
     // Megatron's count: per block 2 all-reduces forward and 2 backward (the fused q/k/v projection
     // and the MLP's first layer); around the blocks, the vocabulary-parallel embedding's partial
-    // lookup (1), the loss-parallel cross-entropy's row max and row sum ([N, 1] each, 2), and in
-    // backward the log-softmax's row sums ([N, 1], 1: its gradient stays split over the
-    // vocabulary) and the tied output projection's input gradient (1). No all-gather, no
-    // reduce-scatter: no rank holds the full logits or their gradient.
+    // lookup (1), the loss-parallel cross-entropy's row max, row sum and target logit ([N, 1]
+    // each, 3: the fused cross-entropy keeps the log-sum-exp, so its backward needs no
+    // reduction), and in backward the tied output projection's input gradient (1). No
+    // all-gather, no reduce-scatter: no rank holds the full logits or their gradient.
     for (forward, total, fallbacks, gathers) in out {
         assert_eq!(
             (forward, total, fallbacks, gathers),
-            (2 * LAYERS as u64 + 3, 4 * LAYERS as u64 + 5, 0, 0)
+            (2 * LAYERS as u64 + 4, 4 * LAYERS as u64 + 5, 0, 0)
         );
     }
 }
@@ -499,15 +499,17 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
         }
         assert!(s.2 < t.2, "kept for backward: sp {} vs tp {}", s.2, t.2);
         assert_eq!(s.5, 0, "fallbacks");
-        // Forward. tp: per block 2 all-reduces, + embedding, + loss-parallel max and sum.
-        assert_eq!(t.3, [2 * LAYERS as u64 + 3, 0, 0]);
+        // Forward. tp: per block 2 all-reduces, + embedding, + loss-parallel max, sum and target
+        // logit (the fused cross-entropy).
+        assert_eq!(t.3, [2 * LAYERS as u64 + 4, 0, 0]);
         // sp: per block the 2 all-reduces become 2 reduce-scatters (after the row-parallel
         // layers) + 2 all-gathers (before the column-parallel ones); the embedding's reduction a
-        // reduce-scatter; the head's input an all-gather; loss-parallel max and sum unchanged.
-        assert_eq!(s.3, [2, 2 * LAYERS as u64 + 1, 2 * LAYERS as u64 + 1]);
+        // reduce-scatter; the head's input an all-gather; loss-parallel max, sum and target logit
+        // unchanged.
+        assert_eq!(s.3, [3, 2 * LAYERS as u64 + 1, 2 * LAYERS as u64 + 1]);
         // Backward, tp: per block 2 all-reduces (the column-parallel input gradients), + the head's
-        // input gradient, + the log-softmax backward's row sums ([N, 1]: the log-probability
-        // gradient stays split over the vocabulary).
+        // input gradient (the fused cross-entropy's backward is local: the gradient stays split
+        // over the vocabulary, the log-sum-exp is kept).
         let backward = |forward: [u64; 3], total: [u64; 3]| {
             [
                 total[0] - forward[0],
@@ -515,23 +517,22 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
                 total[2] - forward[2],
             ]
         };
-        assert_eq!(backward(t.3, t.4), [2 * LAYERS as u64 + 2, 0, 0]);
+        assert_eq!(backward(t.3, t.4), [2 * LAYERS as u64 + 1, 0, 0]);
         // sp: per block 2 reduce-scatters (the column-parallel input gradients) and 4 all-gathers:
         // the row-parallel layers' output gradients (one gather shared by their input- and
         // weight-gradient ops) and, as Megatron-LM does, the column-parallel layers' inputs again
         // for their weight gradients (keeping them gathered would undo the memory saving); + the
-        // head's (1 all-gather, 1 reduce-scatter), + the two embedding gradients' all-gathers, +
-        // the row-sum all-reduce.
+        // head's (1 all-gather, 1 reduce-scatter), + the two embedding gradients' all-gathers.
         assert_eq!(
             backward(s.3, s.4),
-            [1, 4 * LAYERS as u64 + 3, 2 * LAYERS as u64 + 1]
+            [0, 4 * LAYERS as u64 + 3, 2 * LAYERS as u64 + 1]
         );
         // Keeping the sequence gathers (`--sp-keep-gathers`): the same values; the count,
         // 2 all-gathers + 2 reduce-scatters per block each way — in backward the row-parallel
         // layers' output gradients are gathered and the column-parallel input gradients
         // reduce-scattered, the forward gathers reused for the weight gradients — and around the
-        // blocks the head's input-gradient reduce-scatter, the embedding gradients' all-gathers
-        // and the row-sum all-reduce; more bytes kept than plain SP.
+        // blocks the head's input-gradient reduce-scatter and the embedding gradients'
+        // all-gathers; more bytes kept than plain SP.
         assert!(
             (k.0 - s.0).abs() <= 1e-5 * s.0.abs(),
             "loss {} vs {}",
@@ -545,7 +546,7 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
         assert_eq!(k.3, s.3, "forward");
         assert_eq!(
             backward(k.3, k.4),
-            [1, 2 * LAYERS as u64 + 2, 2 * LAYERS as u64 + 1]
+            [0, 2 * LAYERS as u64 + 2, 2 * LAYERS as u64 + 1]
         );
         assert!(k.2 > s.2, "kept for backward: keep {} vs sp {}", k.2, s.2);
         eprintln!(

@@ -12,7 +12,8 @@
 //!   targets are per-rank values); otherwise — vocabulary-parallel logits — it takes the Burn-op
 //!   defaults, which the decorator's loss-parallel rules shard.
 //! * Attention runs locally on batch and head shards (tensor-parallel heads); sequence and
-//!   head-dimension shards are gathered first.
+//!   head-dimension shards are gathered first. Packed attention likewise, its packed last dim
+//!   whole.
 //! * Backward passes bring the incoming gradient to the saved input's layout, then run locally.
 
 use super::Distributed;
@@ -85,8 +86,16 @@ fn attention_layout(layout: &Layout) -> Layout {
     whole_dim(&whole_dim(layout, 2), 3)
 }
 
+/// Packed projections `[b, t, h, 3·hd]`: the sequence and the packed dim whole, batch and heads
+/// (tensor-parallel heads: a column-parallel projection's output) left where they are. The
+/// output `[b, t, h, hd]` and the log-sum-exp `[b, t, h]` keep the same placements (no dim 3 is
+/// sharded).
+fn packed_layout(layout: &Layout) -> Layout {
+    whole_dim(&whole_dim(layout, 1), 3)
+}
+
 impl<B: FusedOps> FusedOps for Distributed<B> {
-    const FUSED: bool = B::FUSED;
+    const FUSED: wildfire_kernels::Fused = B::FUSED;
 
     fn fused_softmax(x: Dt<B>) -> Dt<B> {
         row_op("fused_softmax", x, B::fused_softmax)
@@ -257,6 +266,39 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             output: wrap(out.output, layout.clone(), q.device.clone()),
             lse: wrap(out.lse, layout, q.device),
         }
+    }
+
+    fn fused_attention_qkv(qkv: Dt<B>, scale: f64, causal: bool) -> AttentionOutput<Self> {
+        const OP: &str = "fused_attention_qkv";
+        let qkv = rules::unpadded(qkv.settled());
+        let layout = packed_layout(&qkv.layout);
+        let qkv = to_layout(OP, qkv, &layout);
+        let out = B::fused_attention_qkv(qkv.local, scale, causal);
+        AttentionOutput {
+            output: wrap(out.output, layout.clone(), qkv.device.clone()),
+            lse: wrap(out.lse, layout, qkv.device),
+        }
+    }
+
+    fn fused_attention_qkv_backward(
+        qkv: Dt<B>,
+        output: Dt<B>,
+        lse: Dt<B>,
+        d_output: Dt<B>,
+        scale: f64,
+        causal: bool,
+    ) -> Dt<B> {
+        const OP: &str = "fused_attention_qkv_backward";
+        let qkv = rules::unpadded(qkv.settled());
+        let layout = packed_layout(&qkv.layout);
+        let qkv = to_layout(OP, qkv, &layout);
+        let (o, lse, d_o) = (
+            like(OP, output, &layout),
+            like(OP, lse, &layout),
+            like(OP, d_output, &layout),
+        );
+        let g = B::fused_attention_qkv_backward(qkv.local, o, lse, d_o, scale, causal);
+        wrap(g, layout, qkv.device)
     }
 
     fn fused_attention_backward(

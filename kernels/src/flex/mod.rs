@@ -1,0 +1,206 @@
+//! Native implementations of the fused operations on Flex, the CPU backend: plain Rust loops over
+//! contiguous f32 rows, rows (or chunks) in parallel with rayon, the inner loops compiled for the
+//! CPU's vector width ([`math`]). Burn ops would take 10–30 passes over memory for what each of
+//! these does in one or two.
+//!
+//! | op | what |
+//! |---|---|
+//! | causal softmax of the attention core | [`attention`]: visible keys only |
+//! | attention on packed q/k/v, forward and backward | [`attention`]: two GEMMs per (batch, head) reading q, k, v in place, probabilities recomputed from the log-sum-exp in backward |
+//! | LayerNorm, forward and backward | [`rows`]: one pass for the statistics, one for the output |
+//! | GELU-with-bias, forward and backward | [`rows`]: the erf form, a polynomial erf |
+//! | cross-entropy, forward and backward | [`rows`]: log-sum-exp per row; `p − onehot` per row |
+//! | unscale + `Σg²` + non-finite flag, AdamW | [`optim`]: one pass each, AdamW in place |
+//!
+//! Anything else — other dtypes (f16, bf16), shapes the fast path does not take — goes to the
+//! Burn-op form ([`reference`](crate::reference)), so the ops are total. Results agree with the
+//! Burn-op form to rounding, not bitwise (sums are taken in another order); a run uses one form
+//! throughout, so recomputation and the sharded-versus-one-device comparisons stay exact.
+
+pub mod attention;
+pub(crate) mod math;
+pub mod optim;
+pub mod rows;
+
+pub use attention::causal_softmax;
+
+use burn::backend::Flex;
+use burn::backend::flex::FlexTensor;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
+
+use crate::{
+    AdamWState, AdamWStep, CrossEntropyOutput, FusedOps, LayerNormGrads, LayerNormOutput,
+    UnscaleOutput, reference,
+};
+
+/// A contiguous f32 tensor whose storage starts at its first element.
+pub(crate) struct F32(FlexTensor);
+
+impl F32 {
+    pub(crate) fn f32s(&self) -> &[f32] {
+        self.0.as_slice::<f32>().expect("a contiguous f32 tensor")
+    }
+}
+
+/// `t` as contiguous f32 (a copy only when it is strided), `None` for other dtypes.
+pub(crate) fn contiguous(t: &FlexTensor) -> Option<F32> {
+    (t.dtype() == DType::F32).then(|| F32(t.to_contiguous()))
+}
+
+/// `t` contiguous f32 and ready to be written in place (`storage_mut` copies it only if its
+/// buffer is shared).
+pub(crate) fn owned(t: FlexTensor) -> Option<FlexTensor> {
+    (t.dtype() == DType::F32).then(|| t.to_contiguous())
+}
+
+/// A contiguous f32 tensor of `shape` from `values`.
+pub(crate) fn float(values: Vec<f32>, shape: Shape) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
+/// The norms' statistics shape: the input's with a last dimension of 1.
+pub(crate) fn stats_shape(shape: &Shape) -> Shape {
+    let mut dims = shape.to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = 1;
+    }
+    Shape::from(dims)
+}
+
+/// Flex runs native loops for the ops a GPT step spends its time in (see the module table), and
+/// the Burn-op defaults for the rest (softmax, RMSNorm, and attention on separate q, k, v).
+impl FusedOps for Flex {
+    const FUSED: crate::Fused = crate::Fused {
+        layer_norm: true,
+        gelu_bias: true,
+        cross_entropy: true,
+        attention: true,
+        optimizer: true,
+    };
+
+    fn fused_causal_softmax(scores: FloatTensor<Self>) -> FloatTensor<Self> {
+        causal_softmax(scores)
+    }
+
+    fn fused_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> LayerNormOutput<Self> {
+        rows::layer_norm(&x, &gamma, &beta, epsilon)
+            .unwrap_or_else(|| reference::layer_norm::<Self>(x, gamma, beta, epsilon))
+    }
+
+    fn fused_layer_norm_backward(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> LayerNormGrads<Self> {
+        rows::layer_norm_backward(&x, &gamma, &mean, &rstd, &dy)
+            .unwrap_or_else(|| reference::layer_norm_backward::<Self>(x, gamma, mean, rstd, dy))
+    }
+
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> CrossEntropyOutput<Self> {
+        rows::cross_entropy(&logits, &targets)
+            .unwrap_or_else(|| reference::cross_entropy::<Self>(logits, targets))
+    }
+
+    fn fused_cross_entropy_backward(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        dloss: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        rows::cross_entropy_backward(&logits, &targets, &lse, &dloss).unwrap_or_else(|| {
+            reference::cross_entropy_backward::<Self>(logits, targets, lse, dloss)
+        })
+    }
+
+    fn fused_gelu_bias(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
+        rows::gelu_bias(&x, &bias).unwrap_or_else(|| reference::gelu_bias::<Self>(x, bias))
+    }
+
+    fn fused_gelu_bias_backward(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        rows::gelu_bias_backward(&x, &bias, &dy)
+            .unwrap_or_else(|| reference::gelu_bias_backward::<Self>(x, bias, dy))
+    }
+
+    fn fused_attention_qkv(
+        qkv: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> crate::AttentionOutput<Self> {
+        attention::attention_qkv(&qkv, scale, causal).unwrap_or_else(|| {
+            let [q, k, v] = crate::packed::split::<Self>(qkv);
+            let out = Self::fused_attention(q, k, v, scale, causal);
+            crate::AttentionOutput {
+                output: crate::packed::heads_last::<Self>(out.output),
+                lse: crate::packed::lse_heads_last::<Self>(out.lse),
+            }
+        })
+    }
+
+    fn fused_attention_qkv_backward(
+        qkv: FloatTensor<Self>,
+        output: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_output: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> FloatTensor<Self> {
+        if let Some(g) =
+            attention::attention_qkv_backward(&qkv, &output, &lse, &d_output, scale, causal)
+        {
+            return g;
+        }
+        let [q, k, v] = crate::packed::split::<Self>(qkv);
+        let g = Self::fused_attention_backward(
+            q,
+            k,
+            v,
+            crate::packed::heads_first::<Self>(output),
+            crate::packed::lse_heads_first::<Self>(lse),
+            crate::packed::heads_first::<Self>(d_output),
+            scale,
+            causal,
+        );
+        crate::packed::join::<Self>([g.q, g.k, g.v])
+    }
+
+    fn fused_unscale(grad: FloatTensor<Self>, inv_scale: f64) -> UnscaleOutput<Self> {
+        if grad.dtype() != DType::F32 {
+            return reference::unscale::<Self>(grad, inv_scale);
+        }
+        optim::unscale(grad, inv_scale).expect("an f32 gradient")
+    }
+
+    fn fused_adamw(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        grad_scale: FloatTensor<Self>,
+        skip: FloatTensor<Self>,
+        step: AdamWStep,
+    ) -> AdamWState<Self> {
+        let f32s = [&param, &grad, &m, &v, &grad_scale, &skip]
+            .iter()
+            .all(|t| t.dtype() == DType::F32);
+        let same = param.shape() == grad.shape() && param.shape() == m.shape();
+        if !(f32s && same && m.shape() == v.shape()) {
+            return reference::adamw::<Self>(param, grad, m, v, grad_scale, skip, step);
+        }
+        optim::adamw(param, grad, m, v, grad_scale, skip, step).expect("checked f32 tensors")
+    }
+}

@@ -1,0 +1,346 @@
+//! Row ops on Flex: LayerNorm, GELU-with-bias and cross-entropy, forward and backward, one pass
+//! (or two) over each row, rows in parallel.
+//!
+//! A parameter's gradient (γ, β, the bias) is a column sum over rows: each task of
+//! [`rows_per_task`] rows writes its partial sums, and the partials are added in task order, so
+//! the result does not depend on the number of threads.
+
+use super::math::{self, dispatch, lane_max, lane_sum};
+use super::{contiguous, float, stats_shape};
+use crate::{CrossEntropyOutput, LayerNormGrads, LayerNormOutput};
+use burn::backend::flex::FlexTensor;
+use burn::tensor::{Shape, TensorMetadata};
+use rayon::prelude::*;
+
+/// Rows per parallel task for rows of `len` elements: about 16k elements a task.
+pub(super) fn rows_per_task(len: usize) -> usize {
+    (16_384 / len.max(1)).max(1)
+}
+
+/// Partial column sums of every task, added in task order.
+fn column_sums(partials: Vec<Vec<f32>>, len: usize) -> Vec<f32> {
+    let mut sum = vec![0f32; len];
+    for p in partials {
+        for (s, v) in sum.iter_mut().zip(p) {
+            *s += v;
+        }
+    }
+    sum
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm
+
+dispatch! {
+    /// One row's output into `y`; returns its `(mean, rstd)`.
+    fn layer_norm_row(x: &[f32], gamma: &[f32], beta: &[f32], y: &mut [f32], epsilon: f32) -> (f32, f32) {
+        let d = x.len();
+        let mean = lane_sum(d, |i| x[i]) / d as f32;
+        let var = lane_sum(d, |i| (x[i] - mean) * (x[i] - mean)) / d as f32;
+        let rstd = 1.0 / (var + epsilon).sqrt();
+        for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(gamma).zip(beta) {
+            *y = (x - mean) * rstd * g + b;
+        }
+        (mean, rstd)
+    }
+}
+
+/// LayerNorm over the last dimension (f32, any rank); `None` for other dtypes.
+pub fn layer_norm(
+    x: &FlexTensor,
+    gamma: &FlexTensor,
+    beta: &FlexTensor,
+    epsilon: f64,
+) -> Option<LayerNormOutput<burn::backend::Flex>> {
+    let shape = x.shape();
+    let (x, gamma, beta) = (contiguous(x)?, contiguous(gamma)?, contiguous(beta)?);
+    let (xs, g, b) = (x.f32s(), gamma.f32s(), beta.f32s());
+    let d = *shape.as_slice().last()?;
+    if d == 0 || g.len() != d || b.len() != d {
+        return None;
+    }
+    let rows = xs.len() / d;
+    let mut y = vec![0f32; xs.len()];
+    let mut mean = vec![0f32; rows];
+    let mut rstd = vec![0f32; rows];
+    let per = rows_per_task(d);
+    y.par_chunks_mut(per * d)
+        .zip(mean.par_chunks_mut(per))
+        .zip(rstd.par_chunks_mut(per))
+        .enumerate()
+        .for_each(|(task, ((y, mean), rstd))| {
+            for r in 0..mean.len() {
+                let row = (task * per + r) * d;
+                let (m, s) = layer_norm_row(
+                    &xs[row..row + d],
+                    g,
+                    b,
+                    &mut y[r * d..(r + 1) * d],
+                    epsilon as f32,
+                );
+                mean[r] = m;
+                rstd[r] = s;
+            }
+        });
+    let stats = stats_shape(&shape);
+    Some(LayerNormOutput {
+        output: float(y, shape),
+        mean: float(mean, stats.clone()),
+        rstd: float(rstd, stats),
+    })
+}
+
+dispatch! {
+    /// One row's `dx`; adds `dy·x̂` to `dgamma` and `dy` to `dbeta`.
+    fn layer_norm_backward_row(
+        x: &[f32],
+        gamma: &[f32],
+        dy: &[f32],
+        stats: [f32; 2],
+        dx: &mut [f32],
+        sums: (&mut [f32], &mut [f32]),
+    ) {
+        let ([mean, rstd], (dgamma, dbeta)) = (stats, sums);
+        let d = x.len();
+        let (x, gamma, dy) = (&x[..d], &gamma[..d], &dy[..d]);
+        let xhat = |i: usize| (x[i] - mean) * rstd;
+        let mean_g = lane_sum(d, |i| dy[i] * gamma[i]) / d as f32;
+        let mean_gx = lane_sum(d, |i| dy[i] * gamma[i] * xhat(i)) / d as f32;
+        let rows = dx.iter_mut().zip(dgamma.iter_mut()).zip(dbeta.iter_mut());
+        for ((((dx, dg), db), (&x, &g)), &dy) in rows.zip(x.iter().zip(gamma)).zip(dy) {
+            let xh = (x - mean) * rstd;
+            *dx = rstd * (dy * g - mean_g - xh * mean_gx);
+            *dg += dy * xh;
+            *db += dy;
+        }
+    }
+}
+
+/// Gradients of [`layer_norm`] from its statistics.
+pub fn layer_norm_backward(
+    x: &FlexTensor,
+    gamma: &FlexTensor,
+    mean: &FlexTensor,
+    rstd: &FlexTensor,
+    dy: &FlexTensor,
+) -> Option<LayerNormGrads<burn::backend::Flex>> {
+    let shape = x.shape();
+    let (x, gamma, mean, rstd, dy) = (
+        contiguous(x)?,
+        contiguous(gamma)?,
+        contiguous(mean)?,
+        contiguous(rstd)?,
+        contiguous(dy)?,
+    );
+    let (xs, g, mu, rs, dys) = (x.f32s(), gamma.f32s(), mean.f32s(), rstd.f32s(), dy.f32s());
+    let d = g.len();
+    if d == 0 || xs.len() != dys.len() || xs.len() != mu.len() * d || mu.len() != rs.len() {
+        return None;
+    }
+    let per = rows_per_task(d);
+    let mut dx = vec![0f32; xs.len()];
+    let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
+        .par_chunks_mut(per * d)
+        .enumerate()
+        .map(|(task, dx)| {
+            let (mut dg, mut db) = (vec![0f32; d], vec![0f32; d]);
+            for (r, dx) in dx.chunks_mut(d).enumerate() {
+                let row = task * per + r;
+                let span = row * d..(row + 1) * d;
+                layer_norm_backward_row(
+                    &xs[span.clone()],
+                    g,
+                    &dys[span],
+                    [mu[row], rs[row]],
+                    dx,
+                    (&mut dg, &mut db),
+                );
+            }
+            (dg, db)
+        })
+        .collect();
+    let (dg, db): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
+    Some(LayerNormGrads {
+        x: float(dx, shape),
+        gamma: float(column_sums(dg, d), Shape::new([d])),
+        beta: float(column_sums(db, d), Shape::new([d])),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU with bias (erf form)
+
+const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// `1/√(2π)`.
+const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+
+dispatch! {
+    fn gelu_bias_row(x: &[f32], bias: &[f32], y: &mut [f32]) {
+        for ((y, &x), &b) in y.iter_mut().zip(x).zip(bias) {
+            let z = x + b;
+            *y = 0.5 * z * (1.0 + math::erf(z * FRAC_1_SQRT_2));
+        }
+    }
+}
+
+/// `gelu(x + bias)` with `bias` over the last dimension.
+pub fn gelu_bias(x: &FlexTensor, bias: &FlexTensor) -> Option<FlexTensor> {
+    let shape = x.shape();
+    let (x, bias) = (contiguous(x)?, contiguous(bias)?);
+    let (xs, b) = (x.f32s(), bias.f32s());
+    let d = b.len();
+    if d == 0 || *shape.as_slice().last()? != d {
+        return None;
+    }
+    let mut y = vec![0f32; xs.len()];
+    let per = rows_per_task(d);
+    y.par_chunks_mut(per * d)
+        .zip(xs.par_chunks(per * d))
+        .for_each(|(y, x)| {
+            for (y, x) in y.chunks_mut(d).zip(x.chunks(d)) {
+                gelu_bias_row(x, b, y);
+            }
+        });
+    Some(float(y, shape))
+}
+
+dispatch! {
+    fn gelu_bias_backward_row(x: &[f32], bias: &[f32], dy: &[f32], dx: &mut [f32], dbias: &mut [f32]) {
+        let outs = dx.iter_mut().zip(dbias.iter_mut());
+        for (((dx, db), (&x, &b)), &dy) in outs.zip(x.iter().zip(bias)).zip(dy) {
+            let z = x + b;
+            let cdf = 0.5 * (1.0 + math::erf(z * FRAC_1_SQRT_2));
+            let pdf = FRAC_1_SQRT_2PI * math::exp(-0.5 * z * z);
+            let g = dy * (cdf + z * pdf);
+            *dx = g;
+            *db += g;
+        }
+    }
+}
+
+/// Gradients `(dx, dbias)` of [`gelu_bias`].
+pub fn gelu_bias_backward(
+    x: &FlexTensor,
+    bias: &FlexTensor,
+    dy: &FlexTensor,
+) -> Option<(FlexTensor, FlexTensor)> {
+    let shape = x.shape();
+    let (x, bias, dy) = (contiguous(x)?, contiguous(bias)?, contiguous(dy)?);
+    let (xs, b, dys) = (x.f32s(), bias.f32s(), dy.f32s());
+    let d = b.len();
+    if d == 0 || xs.len() != dys.len() || *shape.as_slice().last()? != d {
+        return None;
+    }
+    let per = rows_per_task(d);
+    let mut dx = vec![0f32; xs.len()];
+    let partials: Vec<Vec<f32>> = dx
+        .par_chunks_mut(per * d)
+        .enumerate()
+        .map(|(task, dx)| {
+            let mut db = vec![0f32; d];
+            for (r, dx) in dx.chunks_mut(d).enumerate() {
+                let span = (task * per + r) * d..(task * per + r + 1) * d;
+                gelu_bias_backward_row(&xs[span.clone()], b, &dys[span], dx, &mut db);
+            }
+            db
+        })
+        .collect();
+    Some((
+        float(dx, shape),
+        float(column_sums(partials, d), Shape::new([d])),
+    ))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy fused with the log-softmax
+
+dispatch! {
+    /// `log Σ exp(x)` of one row.
+    fn log_sum_exp(x: &[f32]) -> f32 {
+        let max = lane_max(x);
+        if max == f32::NEG_INFINITY || max.is_nan() {
+            return max;
+        }
+        max + lane_sum(x.len(), |i| math::exp(x[i] - max)).ln()
+    }
+}
+
+dispatch! {
+    /// `scale·exp(x − lse)` into `g`.
+    fn softmax_grad_row(x: &[f32], lse: f32, scale: f32, g: &mut [f32]) {
+        for (g, &x) in g.iter_mut().zip(x) {
+            *g = scale * math::exp(x - lse);
+        }
+    }
+}
+
+/// The targets as `i64` (Flex keeps ints as i32 or i64).
+fn targets_of(targets: &FlexTensor) -> Vec<i64> {
+    targets.clone().into_data().iter::<i64>().collect()
+}
+
+/// Cross-entropy of `[rows, vocab]` logits: per-row loss and log-sum-exp.
+pub fn cross_entropy(
+    logits: &FlexTensor,
+    targets: &FlexTensor,
+) -> Option<CrossEntropyOutput<burn::backend::Flex>> {
+    let shape = logits.shape();
+    let [rows, vocab] = shape.dims::<2>();
+    let logits = contiguous(logits)?;
+    let x = logits.f32s();
+    let targets = targets_of(targets);
+    if targets.len() != rows || vocab == 0 || targets.iter().any(|&t| t >= vocab as i64) {
+        return None;
+    }
+    let mut loss = vec![0f32; rows];
+    let mut lse = vec![0f32; rows];
+    loss.par_iter_mut()
+        .zip(lse.par_iter_mut())
+        .enumerate()
+        .with_min_len(rows_per_task(vocab))
+        .for_each(|(r, (loss, lse))| {
+            let row = &x[r * vocab..(r + 1) * vocab];
+            *lse = log_sum_exp(row);
+            let t = targets[r];
+            *loss = if t < 0 { 0.0 } else { *lse - row[t as usize] };
+        });
+    Some(CrossEntropyOutput {
+        loss: float(loss, Shape::new([rows])),
+        lse: float(lse, Shape::new([rows])),
+    })
+}
+
+/// Gradient w.r.t. the logits: `dloss·(exp(x − lse) − onehot(target))`, 0 on ignored rows.
+pub fn cross_entropy_backward(
+    logits: &FlexTensor,
+    targets: &FlexTensor,
+    lse: &FlexTensor,
+    dloss: &FlexTensor,
+) -> Option<FlexTensor> {
+    let shape = logits.shape();
+    let [rows, vocab] = shape.dims::<2>();
+    let (logits, lse, dloss) = (contiguous(logits)?, contiguous(lse)?, contiguous(dloss)?);
+    let (x, lse, dloss) = (logits.f32s(), lse.f32s(), dloss.f32s());
+    let targets = targets_of(targets);
+    if targets.len() != rows
+        || lse.len() != rows
+        || dloss.len() != rows
+        || vocab == 0
+        || targets.iter().any(|&t| t >= vocab as i64)
+    {
+        return None;
+    }
+    let mut g = vec![0f32; x.len()];
+    g.par_chunks_mut(vocab)
+        .enumerate()
+        .with_min_len(rows_per_task(vocab))
+        .for_each(|(r, g)| {
+            let t = targets[r];
+            if t < 0 {
+                return;
+            }
+            softmax_grad_row(&x[r * vocab..(r + 1) * vocab], lse[r], dloss[r], g);
+            g[t as usize] -= dloss[r];
+        });
+    Some(float(g, shape))
+}
