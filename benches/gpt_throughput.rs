@@ -5,8 +5,7 @@
 //! cargo bench --bench gpt_throughput [-- --steps 8]
 //! ```
 
-/// mimalloc keeps freed memory for reuse (glibc returned it to the kernel every step, and the
-/// next step re-faulted and re-zeroed its pages).
+/// mimalloc, keeping freed memory for the next step (see `wildfire::alloc`).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -17,6 +16,7 @@ use wildfire::pretrain::{PretrainConfig, run};
 mod common;
 
 fn main() {
+    wildfire::alloc::keep_freed_memory();
     // A smoke run (`cargo test --all-targets`): one step.
     let smoke = common::smoke();
     let steps = common::arg("--steps").unwrap_or(if smoke { 1 } else { 8 });
@@ -39,7 +39,7 @@ fn main() {
     let tokens_per_s = timed.len() as f64 / timed.iter().map(|s| 1.0 / s.tokens_per_s).sum::<f64>();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "{{\"bench\":\"gpt_throughput\",\"framework\":\"wildfire\",\"backend\":\"flex\",\"n_layer\":{},\"n_embd\":{},\"n_head\":{},\"seq\":{},\"vocab\":{},\"batch\":4,\"dtype\":\"f32\",\"threads\":{threads},\"params\":{},\"steps\":{},\"tokens_per_s\":{tokens_per_s:.1},\"peak_rss_bytes\":{}}}",
+        "{{\"bench\":\"gpt_throughput\",\"framework\":\"wildfire\",\"backend\":\"flex\",\"n_layer\":{},\"n_embd\":{},\"n_head\":{},\"seq\":{},\"vocab\":{},\"batch\":4,\"dtype\":\"f32\",\"threads\":{threads},\"params\":{},\"steps\":{},\"tokens_per_s\":{tokens_per_s:.1},\"peak_rss_bytes\":{},\"peak_tensor_bytes\":{}}}",
         model.n_layer,
         model.n_embd,
         model.n_head,
@@ -47,6 +47,8 @@ fn main() {
         model.vocab_size,
         model.num_params(),
         timed.len(),
+        // The process's peak resident set (VmHWM), and the decorator's peak of live tensor bytes.
+        summary.steps.last().map_or(0, |s| s.process_peak_rss),
         summary.steps.last().map_or(0, |s| s.peak_bytes)
     );
 }

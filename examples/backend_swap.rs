@@ -6,8 +6,7 @@
 //! cargo run --release --example backend_swap -- --dp 2 --steps 30
 //! ```
 
-/// mimalloc keeps freed memory for reuse (glibc returned it to the kernel every step, and the
-/// next step re-faulted and re-zeroed its pages).
+/// mimalloc, keeping freed memory for the next step (see `wildfire::alloc`).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -40,6 +39,7 @@ struct Args {
 }
 
 fn main() -> Result<()> {
+    wildfire::alloc::keep_freed_memory();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())

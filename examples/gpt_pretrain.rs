@@ -6,8 +6,7 @@
 //! cargo run --release --example gpt_pretrain -- --config run.toml --steps 500   # flags win
 //! ```
 
-/// mimalloc keeps freed memory for reuse (glibc returned it to the kernel every step, and the
-/// next step re-faulted and re-zeroed its pages).
+/// mimalloc, keeping freed memory for the next step (see `wildfire::alloc`).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -159,9 +158,10 @@ struct Args {
     /// A log line every N steps.
     #[arg(long, default_value_t = 10, help_heading = "Output")]
     log_every: usize,
-    /// Peak FLOP/s of one rank's device, for the MFU column.
-    #[arg(long, default_value_t = 1e12, help_heading = "Output")]
-    peak_flops: f64,
+    /// Peak FLOP/s of one rank's device (e.g. 9.9e14 for an H100's dense bf16), for the MFU
+    /// column of the log line; without it the line has no MFU (a guessed peak would mislead).
+    #[arg(long, help_heading = "Output")]
+    peak_flops: Option<f64>,
     /// Tokens of text to generate at the end (0: none).
     #[arg(long, default_value_t = 300, help_heading = "Output")]
     sample_tokens: usize,
@@ -208,6 +208,7 @@ fn args_with_config() -> Result<Args> {
 }
 
 fn main() -> Result<()> {
+    wildfire::alloc::keep_freed_memory();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(

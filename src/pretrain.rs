@@ -128,8 +128,8 @@ pub struct PretrainConfig {
     pub metrics: Option<PathBuf>,
     /// A human log line every this many steps.
     pub log_every: usize,
-    /// Peak FLOP/s of one rank's device, for MFU.
-    pub peak_flops: f64,
+    /// Peak FLOP/s of one rank's device, for the MFU column (none: no MFU in the log line).
+    pub peak_flops: Option<f64>,
     /// Tokens of generated text at the end (0: none).
     pub sample_tokens: usize,
     /// Loss-curve PNG at the end.
@@ -232,7 +232,7 @@ impl Default for PretrainConfig {
             resume: None,
             metrics: None,
             log_every: 10,
-            peak_flops: 1e12,
+            peak_flops: None,
             sample_tokens: 200,
             plot: None,
             progress: true,
@@ -616,8 +616,15 @@ pub fn run_on_with<B: FusedOps>(
     let dp = config.parallel.dp;
     let open_metrics = || -> Result<_, PretrainError> {
         match &config.metrics {
+            // A resumed run appends (as llm.c does), so one file holds the whole run.
             Some(path) => Ok(Some(std::sync::Mutex::new(
-                fs::File::create(path).map_err(io_err(path))?,
+                fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .append(config.resume.is_some())
+                    .truncate(config.resume.is_none())
+                    .open(path)
+                    .map_err(io_err(path))?,
             ))),
             None => Ok(None),
         }
@@ -870,6 +877,13 @@ fn peak_rss() -> u64 {
                 .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
+}
+
+/// Model FLOPs utilisation: the run's model FLOP/s (`flops_per_token × tokens_per_s`, tokens of
+/// the global batch) over the peak of every rank's device (`peak_flops × world_size`: data,
+/// tensor and any other model axis alike).
+pub fn mfu(flops_per_token: f64, tokens_per_s: f64, peak_flops: f64, world_size: usize) -> f64 {
+    flops_per_token * tokens_per_s / (peak_flops * world_size.max(1) as f64)
 }
 
 type A<B> = Autodiff<Distributed<B>>;
@@ -1142,19 +1156,25 @@ impl RankRun<'_> {
                 source,
             })?;
         }
-        let mfu = self
-            .model_config
-            .flops_per_token(self.model_config.block_size)
-            * m.tokens_per_s
-            / (self.config.peak_flops * self.config.parallel.dp as f64);
+        let mfu = self.config.peak_flops.map_or(String::new(), |peak| {
+            let flops = self
+                .model_config
+                .flops_per_token(self.model_config.block_size);
+            let mfu = mfu(
+                flops,
+                m.tokens_per_s,
+                peak,
+                self.config.parallel.world_size(),
+            );
+            format!(" | mfu {:.2}%", 100.0 * mfu)
+        });
         let line = format!(
-            "step {} | loss {:.4} | lr {:.2e} | grad_norm {:.3} | tok/s {:.0} | mfu {:.2}% | scale {}{}",
+            "step {} | loss {:.4} | lr {:.2e} | grad_norm {:.3} | tok/s {:.0}{mfu} | scale {}{}",
             m.step,
             m.loss,
             m.lr,
             m.grad_norm,
             m.tokens_per_s,
-            100.0 * mfu,
             m.loss_scale,
             m.val_loss
                 .map(|v| format!(" | val_loss {v:.4}"))

@@ -83,6 +83,11 @@ pub enum ParallelizeError {
 }
 
 impl ParallelConfig {
+    /// Ranks in all: every mesh axis (`dp × tp`).
+    pub fn world_size(&self) -> usize {
+        self.dp * self.tp
+    }
+
     /// The device mesh: `dp × tp`, or `dp_replicate × dp_shard × tp` for HSDP (axes of size 1
     /// kept, so layouts have a fixed shape).
     pub fn mesh(&self) -> Result<DeviceMesh, DistError> {

@@ -113,12 +113,14 @@ pub fn read(path: &Path) -> Result<NamedTensors, SafetensorsError> {
             .try_into()
             .expect("8 bytes"),
     ) as usize;
-    let header = bytes
-        .get(8..8 + n)
-        .ok_or_else(|| bad("truncated header".into()))?;
-    let header: serde_json::Value =
-        serde_json::from_slice(header).map_err(|e| bad(format!("corrupt header: {e}")))?;
-    let body = &bytes[8 + n..];
+    // Checked: a corrupt length (up to 2⁶⁴ − 1) must be an error, not an overflow.
+    let body_start = n
+        .checked_add(8)
+        .filter(|&end| end <= bytes.len())
+        .ok_or_else(|| bad(format!("truncated header (it claims {n} bytes)")))?;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..body_start])
+        .map_err(|e| bad(format!("corrupt header: {e}")))?;
+    let body = &bytes[body_start..];
     let mut out = BTreeMap::new();
     for (key, entry) in header
         .as_object()
@@ -155,7 +157,11 @@ pub fn read(path: &Path) -> Result<NamedTensors, SafetensorsError> {
                 "tensor {key} runs past the end of the file (truncated?)"
             ))
         })?;
-        if raw.len() != shape.iter().product::<usize>() * 4 {
+        let bytes_of_shape = shape
+            .iter()
+            .try_fold(4usize, |n, &d| n.checked_mul(d))
+            .ok_or_else(|| bad(format!("tensor {key}: shape {shape:?} overflows")))?;
+        if raw.len() != bytes_of_shape {
             return Err(bad(format!(
                 "tensor {key}: {} bytes for shape {shape:?}",
                 raw.len()
@@ -480,5 +486,34 @@ impl<B: wildfire_parallel::DistributedBackend> ModuleVisitor<B> for FirstDevice 
             let t = wildfire_parallel::dtensor(&param.val());
             self.0 = Some((t.device().mesh().clone(), t.device().rank()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A header length or a shape near 2⁶⁴ is a typed error (it overflowed the offset
+    /// arithmetic, a panic in debug builds).
+    #[test]
+    fn corrupt_lengths_are_typed_errors() {
+        let dir = std::env::temp_dir().join(format!("wildfire-st-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("bad.safetensors");
+        let mut bytes = u64::MAX.to_le_bytes().to_vec();
+        bytes.extend_from_slice(b"{}");
+        std::fs::write(&path, &bytes).unwrap();
+        let err = read(&path).unwrap_err().to_string();
+        assert!(err.contains("truncated header"), "{err}");
+        let header = format!(
+            "{{\"w\":{{\"dtype\":\"F32\",\"shape\":[{},4],\"data_offsets\":[0,0]}}}}",
+            u64::MAX
+        );
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        std::fs::write(&path, &bytes).unwrap();
+        let err = read(&path).unwrap_err().to_string();
+        assert!(err.contains("overflows"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

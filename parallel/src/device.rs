@@ -7,7 +7,7 @@ use std::any::{Any, TypeId};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex, Weak};
 
 /// Device type id reported to Burn for `Distributed` devices ("WF").
 const TYPE_ID: u16 = 0x5746;
@@ -478,8 +478,29 @@ impl<B: Backend> PartialEq for DistDevice<B> {
     }
 }
 
-type Registry = Mutex<(Vec<Box<dyn Any + Send + Sync>>, HashMap<TypeId, u16>)>;
-static REGISTRY: LazyLock<Registry> = LazyLock::new(|| Mutex::new((Vec::new(), HashMap::new())));
+/// One registered device: its rank context, held weakly (a device id must not keep a finished
+/// launch's ranks alive), and its inner device (`B::Device`, type-erased).
+struct Slot {
+    ctx: Weak<RankContext>,
+    inner: Box<dyn Any + Send + Sync>,
+}
+
+/// The process-wide device table. A slot whose context is gone (every device and tensor of that
+/// rank dropped) is reused, so launching again and again never runs out of the 65,536 ids a
+/// `DeviceId` can name. Each backend's `Default` device is kept alive here for the process.
+#[derive(Default)]
+struct Registry {
+    slots: Vec<Slot>,
+    defaults: HashMap<TypeId, (u16, Arc<RankContext>)>,
+}
+
+static REGISTRY: LazyLock<Mutex<Registry>> = LazyLock::new(|| Mutex::new(Registry::default()));
+
+/// Slots of the device table, live or free (for tests).
+#[cfg(test)]
+pub(crate) fn registered_slots() -> usize {
+    REGISTRY.lock().unwrap().slots.len()
+}
 
 impl<B: Backend> DistDevice<B> {
     /// A device for this rank: `inner` runs the local ops, `comm` talks to the other ranks.
@@ -489,10 +510,26 @@ impl<B: Backend> DistDevice<B> {
 
     fn register(inner: B::Device, ctx: Arc<RankContext>) -> Self {
         let mut registry = REGISTRY.lock().unwrap();
-        let id = u16::try_from(registry.0.len()).expect("more than 65536 distributed devices");
-        let device = Self { inner, ctx, id };
-        registry.0.push(Box::new(device.clone()));
-        device
+        let slot = Slot {
+            ctx: Arc::downgrade(&ctx),
+            inner: Box::new(inner.clone()),
+        };
+        let free = registry
+            .slots
+            .iter()
+            .position(|s| s.ctx.strong_count() == 0);
+        let index = match free {
+            Some(i) => {
+                registry.slots[i] = slot;
+                i
+            }
+            None => {
+                registry.slots.push(slot);
+                registry.slots.len() - 1
+            }
+        };
+        let id = u16::try_from(index).expect("more than 65536 distributed devices alive at once");
+        Self { inner, ctx, id }
     }
 
     /// The inner backend's device.
@@ -519,13 +556,17 @@ impl<B: Backend> DistDevice<B> {
 impl<B: Backend> Default for DistDevice<B> {
     fn default() -> Self {
         let key = TypeId::of::<B>();
-        let existing = REGISTRY.lock().unwrap().1.get(&key).copied();
+        let existing = REGISTRY.lock().unwrap().defaults.get(&key).map(|d| d.0);
         if let Some(id) = existing {
             return <Self as burn::tensor::backend::Device>::from_id(DeviceId::new(TYPE_ID, id));
         }
         let world = InProcessWorld::new(DeviceMesh::single(), crate::comm::DEFAULT_TIMEOUT);
         let device = Self::new(B::Device::default(), Arc::new(world.communicator(0)));
-        REGISTRY.lock().unwrap().1.insert(key, device.id);
+        REGISTRY
+            .lock()
+            .unwrap()
+            .defaults
+            .insert(key, (device.id, device.ctx.clone()));
         device
     }
 }
@@ -534,10 +575,17 @@ impl<B: Backend> burn::tensor::backend::Device for DistDevice<B> {
     fn from_id(device_id: DeviceId) -> Self {
         let registry = REGISTRY.lock().unwrap();
         registry
-            .0
+            .slots
             .get(device_id.index_id as usize)
-            .and_then(|d| d.downcast_ref::<Self>())
-            .cloned()
+            .and_then(|slot| {
+                let inner = slot.inner.downcast_ref::<B::Device>()?.clone();
+                let ctx = slot.ctx.upgrade()?;
+                Some(Self {
+                    inner,
+                    ctx,
+                    id: device_id.index_id,
+                })
+            })
             .unwrap_or_else(|| panic!("unknown distributed device {device_id}"))
     }
 

@@ -97,16 +97,26 @@ where
             let spawned = thread::Builder::new()
                 .name(format!("rank-{rank}"))
                 .spawn_scoped(scope, move || {
-                    // A lone rank runs on a worker of rayon's pool, the one the CPU backend's
-                    // parallel ops use: its own thread would wait beside the workers for every
-                    // parallel op and compete with them for the cores between ops (2 cores: 13k
-                    // context switches a second). Several ranks keep their own threads: a rank
-                    // blocked in a collective must not hold a worker another rank needs.
+                    // A lone rank runs on a worker of a rayon pool of its own, which the CPU
+                    // backend's parallel ops then use: on its own thread it would wait beside the
+                    // workers for every parallel op and compete with them for the cores between
+                    // ops (2 cores: 13k context switches a second). The pool is the launch's own
+                    // (not rayon's global one), so a worker waiting inside a parallel op never
+                    // steals a concurrent launch's rank and runs it on this rank's stack. Several
+                    // ranks keep their own threads: a rank blocked in a collective must not hold a
+                    // worker another rank needs.
                     let run = || {
-                        if size == 1 {
-                            rayon::join(|| f(comm), || ()).0
-                        } else {
-                            f(comm)
+                        let pool = (size == 1)
+                            .then(|| {
+                                rayon::ThreadPoolBuilder::new()
+                                    .thread_name(move |i| format!("rank-{rank}-worker-{i}"))
+                                    .build()
+                                    .ok()
+                            })
+                            .flatten();
+                        match pool {
+                            Some(pool) => pool.install(|| f(comm)),
+                            None => f(comm),
                         }
                     };
                     panic::catch_unwind(AssertUnwindSafe(run)).map_err(|payload| {

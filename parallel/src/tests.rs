@@ -836,3 +836,28 @@ fn device_collectives_carry_every_redistribution_bitwise() {
         assert_eq!(count(CollectiveKind::Broadcast), 1);
     }
 }
+
+/// Devices of finished ranks give their ids back: 70,000 devices made and dropped one after the
+/// other fit the 65,536 ids a `DeviceId` names (the table grew by one per rank per launch and
+/// panicked past 65,536), and a live device still round-trips through its id.
+#[test]
+fn device_ids_are_reused_after_ranks_end() {
+    use burn::tensor::backend::Device;
+    for _ in 0..70_000 {
+        let world = InProcessWorld::new(DeviceMesh::single(), std::time::Duration::from_secs(5));
+        drop(DistDevice::<Flex>::new(
+            Default::default(),
+            Arc::new(world.communicator(0)),
+        ));
+    }
+    // Other tests of this binary register their ranks' devices meanwhile: a few hundred at most.
+    assert!(
+        crate::device::registered_slots() < 10_000,
+        "{} slots",
+        crate::device::registered_slots()
+    );
+    let world = InProcessWorld::new(DeviceMesh::single(), std::time::Duration::from_secs(5));
+    let device = DistDevice::<Flex>::new(Default::default(), Arc::new(world.communicator(0)));
+    let back = DistDevice::<Flex>::from_id(device.to_id());
+    assert!(Arc::ptr_eq(back.context(), device.context()));
+}

@@ -156,13 +156,13 @@ fn world_size_one_matches_plain_burn() {
                     bits(&plain_log.losses),
                     "{model:?} losses"
                 );
-                for (p, q) in params.iter().zip(&plain_params) {
+                for (p, q) in crate::suite::pairs(&params, &plain_params) {
                     assert_eq!(bits(p), bits(q), "{model:?} parameters");
                 }
             }
             Model::Encoder => {
                 assert_close("encoder losses", &log.losses, &plain_log.losses, 1e-5);
-                for (i, (p, q)) in params.iter().zip(&plain_params).enumerate() {
+                for (i, (p, q)) in crate::suite::pairs(&params, &plain_params).enumerate() {
                     assert_close(&format!("encoder parameter {i}"), p, q, 1e-5);
                 }
             }
@@ -223,7 +223,7 @@ fn data_parallel_matches_single_device() {
                     &plain_log.losses,
                     1e-5,
                 );
-                for (i, (p, q)) in params.iter().zip(&plain_params).enumerate() {
+                for (i, (p, q)) in crate::suite::pairs(&params, &plain_params).enumerate() {
                     assert_close(
                         &format!("{model:?} dp={dp} rank {rank} param {i}"),
                         p,

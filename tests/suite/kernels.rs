@@ -80,7 +80,7 @@ fn compare<B: AutodiffBackend, const D: usize>(
     );
     let gf = grads(fused, &w, inputs);
     let gr = grads(reference, &w, inputs);
-    for (i, (a, b)) in gf.iter().zip(&gr).enumerate() {
+    for (i, (a, b)) in crate::suite::pairs(&gf, &gr).enumerate() {
         close_tol(&format!("{what} gradient of input {i}"), a, b, tol);
     }
 }
@@ -581,7 +581,7 @@ mod wgpu {
                 cube::launches() > before,
                 "dp {dp} tp {tp}: the fused kernels ran"
             );
-            for (a, b) in got.steps.iter().zip(&flex.steps) {
+            for (a, b) in crate::suite::pairs(&got.steps, &flex.steps) {
                 assert!(
                     (a.loss - b.loss).abs() <= 1e-4 * b.loss.abs(),
                     "dp {dp} tp {tp} sp {sp} step {}: wgpu {} vs flex {}",

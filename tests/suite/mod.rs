@@ -14,6 +14,17 @@ pub(crate) fn close(what: &str, got: &[f32], expected: &[f32]) {
     }
 }
 
+/// The pairs of two lists a parity check compares, which must have the same, non-zero length
+/// (a bare `zip` passes when one side is empty or short).
+pub(crate) fn pairs<'a, T>(
+    got: &'a [T],
+    expected: &'a [T],
+) -> impl Iterator<Item = (&'a T, &'a T)> {
+    assert_eq!(got.len(), expected.len(), "compared lists differ in length");
+    assert!(!expected.is_empty(), "nothing to compare");
+    got.iter().zip(expected)
+}
+
 mod data_parallel;
 mod engine;
 mod fsdp;

@@ -46,6 +46,12 @@ fn bits(v: &[f32]) -> Vec<u32> {
 fn tiny_gpt_learns_tinyshakespeare() {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt");
     if !path.exists() {
+        // CI always has ../shared beside the clone: there the test must run, not pass silently.
+        assert!(
+            std::env::var("CI").is_err(),
+            "{} is missing under CI=true",
+            path.display()
+        );
         eprintln!(
             "note: {} is absent (a clone without ../shared); skipping",
             path.display()
@@ -91,7 +97,7 @@ fn data_parallel_matches_one_rank() {
             ..small(10)
         };
         let many = run(&config).unwrap();
-        for (a, b) in many.steps.iter().zip(&one.steps) {
+        for (a, b) in crate::suite::pairs(&many.steps, &one.steps) {
             assert!(
                 (a.loss - b.loss).abs() <= 1e-4 * b.loss.abs(),
                 "dp={dp} step {}: {} vs {}",
@@ -101,7 +107,7 @@ fn data_parallel_matches_one_rank() {
             );
             assert!(a.comm_bytes > 0, "dp={dp}: no gradient traffic recorded");
         }
-        for (p, q) in many.parameters.iter().zip(&one.parameters) {
+        for (p, q) in crate::suite::pairs(&many.parameters, &one.parameters) {
             for (x, y) in p.iter().zip(q) {
                 assert!(
                     (x - y).abs() <= 1e-4 * y.abs().max(1e-2),
@@ -164,7 +170,7 @@ fn sharded_runs_match_one_rank() {
             ..small(10)
         })
         .unwrap();
-        for (a, b) in many.steps.iter().zip(&one.steps) {
+        for (a, b) in crate::suite::pairs(&many.steps, &one.steps) {
             assert!(
                 (a.loss - b.loss).abs() <= 1e-4 * b.loss.abs(),
                 "{fsdp:?} step {}: {} vs {}",
@@ -173,7 +179,7 @@ fn sharded_runs_match_one_rank() {
                 b.loss
             );
         }
-        for (p, q) in many.parameters.iter().zip(&one.parameters) {
+        for (p, q) in crate::suite::pairs(&many.parameters, &one.parameters) {
             let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (x, y) in p.iter().zip(q) {
                 assert!(
@@ -218,9 +224,11 @@ fn resume_is_bitwise_identical() {
         })
         .unwrap();
         let dir = scratch(&format!("resume-{dp}"));
+        let metrics = dir.join("metrics.jsonl");
         let first = run(&PretrainConfig {
             parallel: parallel.clone(),
             save: Some(dir.clone()),
+            metrics: Some(metrics.clone()),
             ..small(5)
         })
         .unwrap();
@@ -231,10 +239,26 @@ fn resume_is_bitwise_identical() {
         let resumed = run(&PretrainConfig {
             parallel: parallel.clone(),
             resume: Some(dir.clone()),
+            metrics: Some(metrics.clone()),
             ..small(10)
         })
         .unwrap();
         assert_eq!(resumed.steps[0].step, 5);
+        // The resumed run appends to the metrics file: one file holds the whole run.
+        let logged: Vec<u64> = std::fs::read_to_string(&metrics)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(
+            logged,
+            (0..10).collect::<Vec<u64>>(),
+            "dp={dp} metrics steps"
+        );
         let losses: Vec<f32> = first
             .steps
             .iter()
@@ -243,10 +267,24 @@ fn resume_is_bitwise_identical() {
             .collect();
         let expected: Vec<f32> = straight.steps.iter().map(|s| s.loss).collect();
         assert_eq!(bits(&losses), bits(&expected), "dp={dp} losses");
-        for (p, q) in resumed.parameters.iter().zip(&straight.parameters) {
+        assert_eq!(resumed.parameters.len(), straight.parameters.len());
+        for (p, q) in crate::suite::pairs(&resumed.parameters, &straight.parameters) {
             assert_eq!(bits(p), bits(q), "dp={dp} parameters");
         }
     }
+}
+
+/// MFU counts every rank's device: dp 2 × tp 2 is four (it divided by dp alone).
+#[test]
+fn mfu_divides_by_every_rank() {
+    let parallel = ParallelConfig {
+        dp: 2,
+        tp: 2,
+        ..ParallelConfig::default()
+    };
+    assert_eq!(parallel.world_size(), 4);
+    let m = wildfire::pretrain::mfu(1e9, 1e3, 1e12, parallel.world_size());
+    assert!((m - 0.25).abs() < 1e-12, "mfu {m}");
 }
 
 /// Bad input: each a typed error that says what to do, nothing overwritten.
@@ -420,7 +458,7 @@ fn accumulation_equals_one_big_batch() {
             ..small(5)
         })
         .unwrap();
-        for (a, b) in accumulated.steps.iter().zip(&whole.steps) {
+        for (a, b) in crate::suite::pairs(&accumulated.steps, &whole.steps) {
             assert!(
                 (a.loss - b.loss).abs() <= 1e-5 * b.loss.abs(),
                 "dp={dp} {fsdp:?} step {}: {} vs {}",
@@ -429,7 +467,7 @@ fn accumulation_equals_one_big_batch() {
                 b.loss
             );
         }
-        for (p, q) in accumulated.parameters.iter().zip(&whole.parameters) {
+        for (p, q) in crate::suite::pairs(&accumulated.parameters, &whole.parameters) {
             let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
             for (x, y) in p.iter().zip(q) {
                 assert!(
@@ -442,7 +480,7 @@ fn accumulation_equals_one_big_batch() {
             // Reduced once per step, not once per micro-batch (FSDP re-gathers per micro-batch):
             // the same bytes as the one-batch step, where DDP all-reduces each gradient once after
             // backward (the tied embedding's two contributions summed first).
-            for (a, b) in accumulated.steps.iter().zip(&whole.steps) {
+            for (a, b) in crate::suite::pairs(&accumulated.steps, &whole.steps) {
                 assert_eq!(a.comm_bytes, b.comm_bytes, "dp={dp} step {}", a.step);
             }
         }
@@ -509,7 +547,7 @@ fn bf16_gradient_reduction_halves_the_bytes() {
         ..base
     })
     .unwrap();
-    for (a, b) in bf16_run.steps.iter().zip(&f32_run.steps) {
+    for (a, b) in crate::suite::pairs(&bf16_run.steps, &f32_run.steps) {
         let (half, full) = (a.comm_bytes, b.comm_bytes);
         assert!(
             2 * half > full && 2 * half - full < 64,
@@ -566,7 +604,7 @@ fn gpt_pretraining_through_installed_device_collectives_matches_bitwise() {
         let calls: u64 = collectives.calls().values().sum();
         assert!(calls > 25, "{:?}", collectives.calls());
     }
-    for (a, b) in plain.steps.iter().zip(&staged.steps) {
+    for (a, b) in crate::suite::pairs(&plain.steps, &staged.steps) {
         assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {}", a.step);
     }
     assert_eq!(plain.parameters, staged.parameters);

@@ -143,7 +143,7 @@ fn tensor_parallel_matches_one_device_and_counts_collectives() {
             sharded(&mesh, None, None).iter().enumerate()
         {
             close(&format!("tp={tp} rank {rank} loss"), losses, &ref_losses);
-            for (i, (p, q)) in params.iter().zip(&ref_params).enumerate() {
+            for (i, (p, q)) in crate::suite::pairs(&params, &ref_params).enumerate() {
                 close(&format!("tp={tp} rank {rank} param {i}"), p, q);
             }
             // Per block and step: forward 2 (after attention and after the MLP: Megatron's `g`,
@@ -169,7 +169,7 @@ fn tensor_parallel_composes_with_fsdp_on_a_2x2_mesh() {
         .collect();
     close("dp×tp loss", &mean, &ref_losses);
     for (rank, (_, params, _, fallbacks)) in results.iter().enumerate() {
-        for (i, (p, q)) in params.iter().zip(&ref_params).enumerate() {
+        for (i, (p, q)) in crate::suite::pairs(&params, &ref_params).enumerate() {
             close(&format!("dp×tp rank {rank} param {i}"), p, q);
         }
         assert_eq!(*fallbacks, 0);
@@ -195,7 +195,7 @@ fn sequence_parallel_on_stock_layers_matches_one_device() {
             if dp == 1 {
                 close(&format!("sp tp={tp} rank {rank} loss"), losses, &ref_losses);
             }
-            for (i, (p, q)) in params.iter().zip(&ref_params).enumerate() {
+            for (i, (p, q)) in crate::suite::pairs(&params, &ref_params).enumerate() {
                 close(&format!("sp dp={dp} tp={tp} rank {rank} param {i}"), p, q);
             }
             assert_eq!(*fallbacks, 0, "sp dp={dp} tp={tp}: fallbacks");
@@ -487,14 +487,14 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
     let tp = run(false, false);
     let sp = run(true, false);
     let keep = run(true, true);
-    for ((t, s), k) in tp.iter().zip(&sp).zip(&keep) {
+    for ((t, s), k) in crate::suite::pairs(&tp, &sp).zip(&keep) {
         assert!(
             (t.0 - s.0).abs() <= 1e-5 * t.0.abs(),
             "loss {} vs {}",
             s.0,
             t.0
         );
-        for (i, (a, b)) in s.1.iter().zip(&t.1).enumerate() {
+        for (i, (a, b)) in crate::suite::pairs(&s.1, &t.1).enumerate() {
             close(&format!("gradient {i}"), a, b);
         }
         assert!(s.2 < t.2, "kept for backward: sp {} vs tp {}", s.2, t.2);
@@ -539,7 +539,7 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
             k.0,
             s.0
         );
-        for (i, (a, b)) in k.1.iter().zip(&s.1).enumerate() {
+        for (i, (a, b)) in crate::suite::pairs(&k.1, &s.1).enumerate() {
             close(&format!("keep gradient {i}"), a, b);
         }
         assert_eq!(k.5, 0, "fallbacks");
@@ -703,7 +703,7 @@ fn gpt_lm_tensor_parallel_matches_one_device() {
             if dp == 1 {
                 close(&format!("{what} loss"), losses, &ref_losses);
             }
-            for (i, (p, q)) in params.iter().zip(&ref_params).enumerate() {
+            for (i, (p, q)) in crate::suite::pairs(&params, &ref_params).enumerate() {
                 close(&format!("{what} param {i}"), p, q);
             }
             assert_eq!(*fallbacks, 0, "{what}: fallbacks");

@@ -126,6 +126,38 @@ unsafe fn matmul(
     }
 }
 
+super::math::dispatch! {
+    /// Softmax of `row[..valid]` in place (`row[valid..]` set to 0); returns the log-sum-exp.
+    fn softmax_row(row: &mut [f32], valid: usize) -> f32 {
+        let (seen, masked) = row.split_at_mut(valid);
+        let max = super::math::lane_max(seen);
+        let mut sum = 0f32;
+        for p in seen.iter_mut() {
+            *p = super::math::exp(*p - max);
+            sum += *p;
+        }
+        let inv = 1.0 / sum;
+        for p in seen.iter_mut() {
+            *p *= inv;
+        }
+        masked.fill(0.0);
+        max + sum.ln()
+    }
+}
+
+super::math::dispatch! {
+    /// The probabilities `p = exp(s − lse)` from the scores in `p`, and the score gradients
+    /// `dp ← p·(dp − delta)` on the visible keys; 0 on the masked ones.
+    fn probabilities_and_score_grads(p: &mut [f32], dp: &mut [f32], valid: usize, lse: f32, delta: f32) {
+        for (p, dp) in p[..valid].iter_mut().zip(&mut dp[..valid]) {
+            *p = super::math::exp(*p - lse);
+            *dp = *p * (*dp - delta);
+        }
+        p[valid..].fill(0.0);
+        dp[valid..].fill(0.0);
+    }
+}
+
 /// The shape `[b, t, h, hd]` of packed projections `[b, t, h, 3·hd]`.
 fn packed_dims(qkv: &FlexTensor) -> Option<[usize; 4]> {
     let shape = qkv.shape();
@@ -174,23 +206,9 @@ pub fn attention_qkv(
             );
         }
         for (i, row) in s.chunks_mut(t).enumerate() {
-            let valid = visible(i, t, causal);
-            let max = row[..valid]
-                .iter()
-                .copied()
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for p in &mut row[..valid] {
-                *p = (*p - max).exp();
-                sum += *p;
-            }
-            let inv = 1.0 / sum;
-            for p in &mut row[..valid] {
-                *p *= inv;
-            }
-            row[valid..].fill(0.0);
+            let lse = softmax_row(row, visible(i, t, causal));
             // SAFETY: index (bi, i, hi) of the `[b, t, h]` log-sum-exp, this task's alone.
-            unsafe { *l_ptr.get().add((bi * t + i) * h + hi) = max + sum.ln() };
+            unsafe { *l_ptr.get().add((bi * t + i) * h + hi) = lse };
         }
         // SAFETY: as above; the output rows of (bi, hi) are `h·hd` apart.
         unsafe {
@@ -265,12 +283,7 @@ pub fn attention_qkv_backward(
             let row = i * ors as usize;
             let delta: f32 = (0..hd).map(|c| d_o[row + c] * o[row + c]).sum();
             let (p, dp) = (&mut p[i * t..(i + 1) * t], &mut dp[i * t..(i + 1) * t]);
-            for (p, dp) in p[..valid].iter_mut().zip(&mut dp[..valid]) {
-                *p = (*p - lse_i).exp();
-                *dp = *p * (*dp - delta);
-            }
-            p[valid..].fill(0.0);
-            dp[valid..].fill(0.0);
+            probabilities_and_score_grads(p, dp, valid, lse_i, delta);
         }
         // SAFETY: the q, k and v column blocks of (bi, hi) in the packed gradient.
         unsafe {

@@ -77,6 +77,23 @@ pub fn lane_sum(n: usize, mut f: impl FnMut(usize) -> f32) -> f32 {
     combine(acc)
 }
 
+/// `Σ f(x)` over a slice, in [`LANES`] interleaved partial sums (the same order as [`lane_sum`]);
+/// slice chunks instead of indices, so the loop vectorises with no bounds checks.
+#[inline(always)]
+pub fn lane_sum_map(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += f(v);
+        }
+    }
+    for (a, &v) in acc.iter_mut().zip(chunks.remainder()) {
+        *a += f(v);
+    }
+    combine(acc)
+}
+
 /// `max f(i)` for `i < n` (`−∞` when empty), in lanes.
 #[inline(always)]
 pub fn lane_max(x: &[f32]) -> f32 {
@@ -203,6 +220,7 @@ mod tests {
         for n in [0, 1, 15, 16, 17, 100] {
             let x: Vec<f32> = (0..n).map(|i| i as f32).collect();
             assert_eq!(lane_sum(n, |i| x[i]), (n * n.saturating_sub(1) / 2) as f32);
+            assert_eq!(lane_sum_map(&x, |v| v), lane_sum(n, |i| x[i]));
             let m = lane_max(&x);
             assert_eq!(
                 m,

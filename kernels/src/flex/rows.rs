@@ -5,7 +5,7 @@
 //! [`rows_per_task`] rows writes its partial sums, and the partials are added in task order, so
 //! the result does not depend on the number of threads.
 
-use super::math::{self, dispatch, lane_max, lane_sum};
+use super::math::{self, dispatch, lane_max, lane_sum, lane_sum_map};
 use super::{contiguous, float, stats_shape};
 use crate::{CrossEntropyOutput, LayerNormGrads, LayerNormOutput};
 use burn::backend::flex::FlexTensor;
@@ -35,8 +35,8 @@ dispatch! {
     /// One row's output into `y`; returns its `(mean, rstd)`.
     fn layer_norm_row(x: &[f32], gamma: &[f32], beta: &[f32], y: &mut [f32], epsilon: f32) -> (f32, f32) {
         let d = x.len();
-        let mean = lane_sum(d, |i| x[i]) / d as f32;
-        let var = lane_sum(d, |i| (x[i] - mean) * (x[i] - mean)) / d as f32;
+        let mean = lane_sum_map(x, |v| v) / d as f32;
+        let var = lane_sum_map(x, |v| (v - mean) * (v - mean)) / d as f32;
         let rstd = 1.0 / (var + epsilon).sqrt();
         for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(gamma).zip(beta) {
             *y = (x - mean) * rstd * g + b;
@@ -261,7 +261,7 @@ dispatch! {
         if max == f32::NEG_INFINITY || max.is_nan() {
             return max;
         }
-        max + lane_sum(x.len(), |i| math::exp(x[i] - max)).ln()
+        max + lane_sum_map(x, |v| math::exp(v - max)).ln()
     }
 }
 
