@@ -223,7 +223,7 @@ fn data_parallel_matches_single_device() {
                     &plain_log.losses,
                     1e-5,
                 );
-                for (i, (p, q)) in crate::suite::pairs(&params, &plain_params).enumerate() {
+                for (i, (p, q)) in crate::suite::pairs(params, &plain_params).enumerate() {
                     assert_close(
                         &format!("{model:?} dp={dp} rank {rank} param {i}"),
                         p,

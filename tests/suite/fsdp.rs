@@ -131,7 +131,7 @@ fn check(strategy: FsdpStrategy, mesh: DeviceMesh) {
         .unwrap();
         for (rank, (losses, params)) in results.iter().enumerate() {
             assert_eq!(losses.len(), STEPS);
-            for (i, (p, q)) in crate::suite::pairs(&params, &ref_params).enumerate() {
+            for (i, (p, q)) in crate::suite::pairs(params, &ref_params).enumerate() {
                 close(
                     &format!("{strategy:?} {opt:?} {mesh} rank {rank} param {i}"),
                     p,
@@ -556,7 +556,7 @@ fn odd_shapes_shard_with_padding_and_match_one_device() {
             )
             .unwrap();
             for (rank, (_, params, local_rows)) in results.iter().enumerate() {
-                for (i, (p, q)) in crate::suite::pairs(&params, &reference.1).enumerate() {
+                for (i, (p, q)) in crate::suite::pairs(params, &reference.1).enumerate() {
                     close(&format!("{strategy:?} N={n} rank {rank} param {i}"), p, q);
                 }
                 if strategy == FsdpStrategy::FullShard {

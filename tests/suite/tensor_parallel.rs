@@ -143,7 +143,7 @@ fn tensor_parallel_matches_one_device_and_counts_collectives() {
             sharded(&mesh, None, None).iter().enumerate()
         {
             close(&format!("tp={tp} rank {rank} loss"), losses, &ref_losses);
-            for (i, (p, q)) in crate::suite::pairs(&params, &ref_params).enumerate() {
+            for (i, (p, q)) in crate::suite::pairs(params, &ref_params).enumerate() {
                 close(&format!("tp={tp} rank {rank} param {i}"), p, q);
             }
             // Per block and step: forward 2 (after attention and after the MLP: Megatron's `g`,
@@ -169,7 +169,7 @@ fn tensor_parallel_composes_with_fsdp_on_a_2x2_mesh() {
         .collect();
     close("dp×tp loss", &mean, &ref_losses);
     for (rank, (_, params, _, fallbacks)) in results.iter().enumerate() {
-        for (i, (p, q)) in crate::suite::pairs(&params, &ref_params).enumerate() {
+        for (i, (p, q)) in crate::suite::pairs(params, &ref_params).enumerate() {
             close(&format!("dp×tp rank {rank} param {i}"), p, q);
         }
         assert_eq!(*fallbacks, 0);
@@ -195,7 +195,7 @@ fn sequence_parallel_on_stock_layers_matches_one_device() {
             if dp == 1 {
                 close(&format!("sp tp={tp} rank {rank} loss"), losses, &ref_losses);
             }
-            for (i, (p, q)) in crate::suite::pairs(&params, &ref_params).enumerate() {
+            for (i, (p, q)) in crate::suite::pairs(params, &ref_params).enumerate() {
                 close(&format!("sp dp={dp} tp={tp} rank {rank} param {i}"), p, q);
             }
             assert_eq!(*fallbacks, 0, "sp dp={dp} tp={tp}: fallbacks");
@@ -703,7 +703,7 @@ fn gpt_lm_tensor_parallel_matches_one_device() {
             if dp == 1 {
                 close(&format!("{what} loss"), losses, &ref_losses);
             }
-            for (i, (p, q)) in crate::suite::pairs(&params, &ref_params).enumerate() {
+            for (i, (p, q)) in crate::suite::pairs(params, &ref_params).enumerate() {
                 close(&format!("{what} param {i}"), p, q);
             }
             assert_eq!(*fallbacks, 0, "{what}: fallbacks");
