@@ -23,7 +23,7 @@ pub mod pretrain;
 /// step faults the pages in again and the kernel zeroes them (13% of such a step, 47k page faults
 /// in 10 steps; 1k with purging off). Binaries declare
 /// `#[global_allocator] static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;` and call
-/// [`keep_freed_memory`] first thing in `main`.
+/// [`alloc::keep_freed_memory`] first thing in `main`.
 pub mod alloc {
     /// mimalloc's `mi_option_purge_delay` (the `mi_option_e` enum of mimalloc 3, `mimalloc.h`).
     const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;

@@ -1,6 +1,6 @@
 //! Native implementations of the fused operations on Flex, the CPU backend: plain Rust loops over
 //! contiguous f32 rows, rows (or chunks) in parallel with rayon, the inner loops compiled for the
-//! CPU's vector width ([`math`]). Burn ops would take 10–30 passes over memory for what each of
+//! CPU's vector width (AVX-512, AVX2 + FMA or the baseline, chosen at run time). Burn ops would take 10–30 passes over memory for what each of
 //! these does in one or two.
 //!
 //! | op | what |
@@ -13,7 +13,7 @@
 //! | unscale + `Σg²` + non-finite flag, AdamW | [`optim`]: one pass each, AdamW in place |
 //!
 //! Anything else — other dtypes (f16, bf16), shapes the fast path does not take — goes to the
-//! Burn-op form ([`reference`](crate::reference)), so the ops are total. Results agree with the
+//! Burn-op form ([`crate::reference`]), so the ops are total. Results agree with the
 //! Burn-op form to rounding, not bitwise (sums are taken in another order); a run uses one form
 //! throughout, so recomputation and the sharded-versus-one-device comparisons stay exact.
 

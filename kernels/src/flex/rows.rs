@@ -2,7 +2,7 @@
 //! (or two) over each row, rows in parallel.
 //!
 //! A parameter's gradient (γ, β, the bias) is a column sum over rows: each task of
-//! [`rows_per_task`] rows writes its partial sums, and the partials are added in task order, so
+//! about 16k elements' worth of rows writes its partial sums, and the partials are added in task order, so
 //! the result does not depend on the number of threads.
 
 use super::math::{self, dispatch, lane_max, lane_sum, lane_sum_map};
