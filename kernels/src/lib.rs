@@ -339,12 +339,7 @@ pub trait FusedOps: Backend {
         scale: f64,
         causal: bool,
     ) -> AttentionOutput<Self> {
-        let [q, k, v] = packed::split::<Self>(qkv);
-        let out = Self::fused_attention(q, k, v, scale, causal);
-        AttentionOutput {
-            output: packed::heads_last::<Self>(out.output),
-            lse: packed::lse_heads_last::<Self>(out.lse),
-        }
+        packed::attention::<Self>(qkv, scale, causal)
     }
 
     /// The gradient of [`FusedOps::fused_attention_qkv`] w.r.t. `qkv`, packed like it.
@@ -356,18 +351,7 @@ pub trait FusedOps: Backend {
         scale: f64,
         causal: bool,
     ) -> FloatTensor<Self> {
-        let [q, k, v] = packed::split::<Self>(qkv);
-        let g = Self::fused_attention_backward(
-            q,
-            k,
-            v,
-            packed::heads_first::<Self>(output),
-            packed::lse_heads_first::<Self>(lse),
-            packed::heads_first::<Self>(d_output),
-            scale,
-            causal,
-        );
-        packed::join::<Self>([g.q, g.k, g.v])
+        packed::attention_backward::<Self>(qkv, output, lse, d_output, scale, causal)
     }
 
     /// The optimizer tail's first pass over a gradient: unscale by `inv_scale` (the loss
@@ -397,6 +381,7 @@ pub trait FusedOps: Backend {
 /// Layout changes between packed `[b, t, h, 3·hd]` projections and the `[b, h, t, hd]` heads of
 /// [`FusedOps::fused_attention`].
 mod packed {
+    use crate::{AttentionOutput, FusedOps};
     use burn::tensor::ops::FloatTensor;
     use burn::tensor::{Tensor, TensorPrimitive, backend::Backend};
 
@@ -439,6 +424,45 @@ mod packed {
     pub fn join<B: Backend>(grads: [FloatTensor<B>; 3]) -> FloatTensor<B> {
         let parts = grads.map(|g| t::<B, 4>(g).swap_dims(1, 2)).to_vec();
         p(Tensor::cat(parts, 3))
+    }
+
+    /// [`FusedOps::fused_attention_qkv`] through [`FusedOps::fused_attention`]: split, attend,
+    /// heads back to the last-but-one place.
+    pub fn attention<B: FusedOps>(
+        qkv: FloatTensor<B>,
+        scale: f64,
+        causal: bool,
+    ) -> AttentionOutput<B> {
+        let [q, k, v] = split::<B>(qkv);
+        let out = B::fused_attention(q, k, v, scale, causal);
+        AttentionOutput {
+            output: heads_last::<B>(out.output),
+            lse: lse_heads_last::<B>(out.lse),
+        }
+    }
+
+    /// [`FusedOps::fused_attention_qkv_backward`] through
+    /// [`FusedOps::fused_attention_backward`].
+    pub fn attention_backward<B: FusedOps>(
+        qkv: FloatTensor<B>,
+        output: FloatTensor<B>,
+        lse: FloatTensor<B>,
+        d_output: FloatTensor<B>,
+        scale: f64,
+        causal: bool,
+    ) -> FloatTensor<B> {
+        let [q, k, v] = split::<B>(qkv);
+        let g = B::fused_attention_backward(
+            q,
+            k,
+            v,
+            heads_first::<B>(output),
+            lse_heads_first::<B>(lse),
+            heads_first::<B>(d_output),
+            scale,
+            causal,
+        );
+        join::<B>([g.q, g.k, g.v])
     }
 }
 

@@ -141,14 +141,8 @@ impl FusedOps for Flex {
         scale: f64,
         causal: bool,
     ) -> crate::AttentionOutput<Self> {
-        attention::attention_qkv(&qkv, scale, causal).unwrap_or_else(|| {
-            let [q, k, v] = crate::packed::split::<Self>(qkv);
-            let out = Self::fused_attention(q, k, v, scale, causal);
-            crate::AttentionOutput {
-                output: crate::packed::heads_last::<Self>(out.output),
-                lse: crate::packed::lse_heads_last::<Self>(out.lse),
-            }
-        })
+        attention::attention_qkv(&qkv, scale, causal)
+            .unwrap_or_else(|| crate::packed::attention::<Self>(qkv, scale, causal))
     }
 
     fn fused_attention_qkv_backward(
@@ -159,23 +153,10 @@ impl FusedOps for Flex {
         scale: f64,
         causal: bool,
     ) -> FloatTensor<Self> {
-        if let Some(g) =
-            attention::attention_qkv_backward(&qkv, &output, &lse, &d_output, scale, causal)
-        {
-            return g;
-        }
-        let [q, k, v] = crate::packed::split::<Self>(qkv);
-        let g = Self::fused_attention_backward(
-            q,
-            k,
-            v,
-            crate::packed::heads_first::<Self>(output),
-            crate::packed::lse_heads_first::<Self>(lse),
-            crate::packed::heads_first::<Self>(d_output),
-            scale,
-            causal,
-        );
-        crate::packed::join::<Self>([g.q, g.k, g.v])
+        attention::attention_qkv_backward(&qkv, &output, &lse, &d_output, scale, causal)
+            .unwrap_or_else(|| {
+                crate::packed::attention_backward::<Self>(qkv, output, lse, d_output, scale, causal)
+            })
     }
 
     fn fused_unscale(grad: FloatTensor<Self>, inv_scale: f64) -> UnscaleOutput<Self> {
