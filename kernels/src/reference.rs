@@ -258,7 +258,7 @@ pub fn cross_entropy<B: Backend>(
 }
 
 /// Gradient of the cross-entropy w.r.t. the logits: `exp(x − lse)`, minus 1 at the target
-/// (a scatter-add of one value per row), times the row's upstream gradient.
+/// (a scatter-add of one value per row, no one-hot matrix), times the row's upstream gradient.
 pub fn cross_entropy_backward<B: Backend>(
     logits: FloatTensor<B>,
     targets: IntTensor<B>,
@@ -268,13 +268,7 @@ pub fn cross_entropy_backward<B: Backend>(
     let x = float::<B, 2>(logits);
     let (kept, index) = kept_rows::<B>(targets, x.dtype());
     let p = (x - float::<B, 1>(lse).unsqueeze_dim::<2>(1)).exp();
-    // −1 at the target scattered into fresh zeros, then added: under `Distributed<B>` with
-    // vocabulary-parallel logits the scatter then has its loss-parallel rule (a whole
-    // destination), and the sum is local.
-    let onehot = p
-        .zeros_like()
-        .scatter(1, index, kept.clone().neg(), IndexingUpdateOp::Add);
-    let g = p + onehot;
+    let g = p.scatter(1, index, kept.clone().neg(), IndexingUpdateOp::Add);
     prim(g * (float::<B, 1>(dloss).unsqueeze_dim::<2>(1) * kept))
 }
 

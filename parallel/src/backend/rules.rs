@@ -669,12 +669,13 @@ fn localize_indices<B: Backend>(
     )
 }
 
-/// `scatter_add(dim)`, the backward of `gather`. Loss-parallel: when the target is whole and its
-/// `dim` divides over the one model axis of size > 1 (the vocabulary of log-probabilities under
-/// tensor parallelism), each rank adds only the values whose indices fall in its range into its
-/// slice, and the result stays split — the `[N, vocab]` gradient is never held whole. (The
-/// target, zeros from autodiff, is still created whole for a moment: Burn creates it before the
-/// scatter.) Otherwise the counted fallback.
+/// `scatter_add(dim)`, the backward of `gather`. Loss-parallel: when the target is whole, or
+/// already split over `dim` on that axis, and its `dim` divides over the one model axis larger
+/// than 1 (the vocabulary of log-probabilities under tensor parallelism), each rank adds only the
+/// values whose indices fall in its range into its slice, and the result stays split — the
+/// `[N, vocab]` gradient is never held whole. (A whole target, zeros from autodiff, is still
+/// created whole for a moment: Burn creates it before the scatter.) Otherwise the counted
+/// fallback.
 pub(crate) fn float_scatter_add<B: Backend>(
     dim: usize,
     tensor: DTensor<B>,
@@ -687,8 +688,13 @@ pub(crate) fn float_scatter_add<B: Backend>(
         .filter(|&a| !is_data(&mesh, a) && mesh.axis_size(a) > 1)
         .collect();
     let whole = |l: &Layout| !l.placements().iter().any(|p| matches!(p, Shard(_)));
+    // The target may already be split over `dim` on that axis (a gradient being built up in
+    // place): each rank then scatters into the slice it holds.
+    let whole_or_split_on = |l: &Layout, a: usize| {
+        (0..l.len()).all(|b| !matches!(l.get(b), Shard(_)) || (b == a && l.get(b) == Shard(dim)))
+    };
     let split = match model_axes[..] {
-        [a] if whole(&tensor.layout)
+        [a] if whole_or_split_on(&tensor.layout, a)
             && whole(&value.layout)
             && global[dim].is_multiple_of(mesh.axis_size(a)) =>
         {
