@@ -506,16 +506,9 @@ impl<'a, B: FusedOps> Checkpointer<'a, B> {
         if B::FUSED.attention && dropout == 0.0 {
             return wildfire_kernels::ops::attention_qkv(qkv, scale, causal);
         }
-        let hd = qkv.dims()[3] / 3;
-        let split = |i: usize| qkv.clone().narrow(3, i * hd, hd).swap_dims(1, 2);
-        self.attention(
-            layer,
-            [split(0), split(1), split(2)],
-            scale,
-            causal,
-            dropout,
-        )
-        .swap_dims(1, 2)
+        let qkv = wildfire_kernels::ops::split_qkv(qkv);
+        self.attention(layer, qkv, scale, causal, dropout)
+            .swap_dims(1, 2)
     }
 
     /// Inverted dropout with probability `p` at `(layer, site)` while training; identity otherwise.

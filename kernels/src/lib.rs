@@ -395,34 +395,18 @@ mod packed {
 
     /// `[b, t, h, 3·hd]` → q, k, v `[b, h, t, hd]`.
     pub fn split<B: Backend>(qkv: FloatTensor<B>) -> [FloatTensor<B>; 3] {
-        let qkv = t::<B, 4>(qkv);
-        let hd = qkv.dims()[3] / 3;
-        [0, 1, 2].map(|i| p(qkv.clone().narrow(3, i * hd, hd).swap_dims(1, 2)))
+        crate::ops::split_qkv(t::<B, 4>(qkv)).map(p)
     }
 
-    /// `[b, h, t, hd]` → `[b, t, h, hd]`.
-    pub fn heads_last<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-        p(t::<B, 4>(x).swap_dims(1, 2))
-    }
-
-    /// `[b, t, h, hd]` → `[b, h, t, hd]`.
-    pub fn heads_first<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-        p(t::<B, 4>(x).swap_dims(1, 2))
-    }
-
-    /// `[b, h, t]` → `[b, t, h]`.
-    pub fn lse_heads_last<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-        p(t::<B, 3>(x).swap_dims(1, 2))
-    }
-
-    /// `[b, t, h]` → `[b, h, t]`.
-    pub fn lse_heads_first<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-        p(t::<B, 3>(x).swap_dims(1, 2))
+    /// Dims 1 and 2 swapped: heads `[b, h, t, hd]` ↔ `[b, t, h, hd]`, and log-sum-exps
+    /// `[b, h, t]` ↔ `[b, t, h]`.
+    pub fn swap_heads<B: Backend, const D: usize>(x: FloatTensor<B>) -> FloatTensor<B> {
+        p(t::<B, D>(x).swap_dims(1, 2))
     }
 
     /// dq, dk, dv `[b, h, t, hd]` → `[b, t, h, 3·hd]`.
     pub fn join<B: Backend>(grads: [FloatTensor<B>; 3]) -> FloatTensor<B> {
-        let parts = grads.map(|g| t::<B, 4>(g).swap_dims(1, 2)).to_vec();
+        let parts = grads.map(|g| t::<B, 4>(swap_heads::<B, 4>(g))).to_vec();
         p(Tensor::cat(parts, 3))
     }
 
@@ -436,8 +420,8 @@ mod packed {
         let [q, k, v] = split::<B>(qkv);
         let out = B::fused_attention(q, k, v, scale, causal);
         AttentionOutput {
-            output: heads_last::<B>(out.output),
-            lse: lse_heads_last::<B>(out.lse),
+            output: swap_heads::<B, 4>(out.output),
+            lse: swap_heads::<B, 3>(out.lse),
         }
     }
 
@@ -456,9 +440,9 @@ mod packed {
             q,
             k,
             v,
-            heads_first::<B>(output),
-            lse_heads_first::<B>(lse),
-            heads_first::<B>(d_output),
+            swap_heads::<B, 4>(output),
+            swap_heads::<B, 3>(lse),
+            swap_heads::<B, 4>(d_output),
             scale,
             causal,
         );
@@ -467,7 +451,6 @@ mod packed {
 }
 
 /// The shape of the norms' per-row statistics: the input's with a last dimension of 1.
-#[cfg(any(feature = "cube", feature = "fusion"))]
 pub(crate) fn stats_shape(shape: &burn::tensor::Shape) -> burn::tensor::Shape {
     let mut dims = shape.to_vec();
     if let Some(last) = dims.last_mut() {

@@ -83,3 +83,10 @@ pub fn attention<B: FusedOps>(
 pub fn attention_qkv<B: FusedOps>(qkv: Tensor<B, 4>, scale: f64, causal: bool) -> Tensor<B, 4> {
     tensor(B::fused_attention_qkv(prim(qkv), scale, causal).output)
 }
+
+/// Packed projections `[b, t, h, 3·hd]` split into q, k, v `[b, h, t, hd]` (the heads of
+/// [`attention`]).
+pub fn split_qkv<B: burn::tensor::backend::Backend>(qkv: Tensor<B, 4>) -> [Tensor<B, 4>; 3] {
+    let hd = qkv.dims()[3] / 3;
+    [0, 1, 2].map(|i| qkv.clone().narrow(3, i * hd, hd).swap_dims(1, 2))
+}

@@ -5,15 +5,16 @@
 //! score matrix and a softmax over every key, masked or not, about 7 ms per `[4, 4, 256, 256]`
 //! on two cores. One pass per row over the valid keys only, rows in parallel, does the same.
 //!
-//! Numerics: the maximum and the sum run over the valid keys in order; masked keys get exactly 0
-//! (as `exp(−1e9 − max)` underflows to in the Burn-op form). Results agree with the Burn-op form
+//! Numerics: the maximum and the sum run over the valid keys in order (one row function,
+//! [`softmax_row`], serves this and the packed attention); masked keys get exactly 0 (as
+//! `exp(−1e9 − max)` underflows to in the Burn-op form). Results agree with the Burn-op form
 //! to rounding, not bitwise (the sum order differs); every path of a run uses this function, so
 //! recomputation stays bitwise equal to keeping the probabilities.
 
 use burn::backend::Flex;
 use burn::backend::flex::FlexTensor;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, TensorData, TensorMetadata};
+use burn::tensor::{DType, Shape, TensorMetadata};
 use rayon::prelude::*;
 
 /// Rows handed to one task.
@@ -47,27 +48,18 @@ pub fn causal_softmax(scores: FloatTensor<Flex>) -> FloatTensor<Flex> {
                 causal_row(x, o, valid);
             }
         });
-    FlexTensor::from_data(TensorData::new(output, shape))
+    super::float(output, shape)
 }
 
-/// Softmax of `x[..valid]` into `o[..valid]`; `o[valid..]` stays 0. A row with no visible key is
+/// Softmax of `x[..valid]` into `o[..valid]`; `o[valid..]` is 0. A row with no visible key is
 /// uniform (every entry masked alike).
 fn causal_row(x: &[f32], o: &mut [f32], valid: usize) {
     if valid == 0 {
         o.fill(1.0 / x.len() as f32);
         return;
     }
-    let (x, o) = (&x[..valid], &mut o[..valid]);
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for (o, &x) in o.iter_mut().zip(x) {
-        let e = (x - max).exp();
-        *o = e;
-        sum += e;
-    }
-    for o in o.iter_mut() {
-        *o /= sum;
-    }
+    o.copy_from_slice(x);
+    softmax_row(o, valid);
 }
 
 /// A raw pointer that rayon tasks share to write disjoint parts of one buffer.
@@ -223,8 +215,8 @@ pub fn attention_qkv(
         }
     });
     Some(crate::AttentionOutput {
-        output: FlexTensor::from_data(TensorData::new(out, [b, t, h, hd])),
-        lse: FlexTensor::from_data(TensorData::new(lse, [b, t, h])),
+        output: super::float(out, Shape::new([b, t, h, hd])),
+        lse: super::float(lse, Shape::new([b, t, h])),
     })
 }
 
@@ -317,20 +309,13 @@ pub fn attention_qkv_backward(
             );
         }
     });
-    Some(FlexTensor::from_data(TensorData::new(
-        grad,
-        qkv_shape(b, t, h, hd),
-    )))
-}
-
-fn qkv_shape(b: usize, t: usize, h: usize, hd: usize) -> [usize; 4] {
-    [b, t, h, 3 * hd]
+    Some(super::float(grad, qkv.0.shape()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::tensor::Tensor;
+    use burn::tensor::{Tensor, TensorData};
 
     /// Against the Burn-op form: square and shifted (`t < s`) masks, every probability within
     /// rounding, masked ones exactly 0.

@@ -1,7 +1,7 @@
 //! Native implementations of the fused operations on Flex, the CPU backend: plain Rust loops over
 //! contiguous f32 rows, rows (or chunks) in parallel with rayon, the inner loops compiled for the
-//! CPU's vector width (AVX-512, AVX2 + FMA or the baseline, chosen at run time). Burn ops would take 10–30 passes over memory for what each of
-//! these does in one or two.
+//! CPU's vector width (AVX-512, AVX2 + FMA or the baseline, chosen at run time). Burn ops would
+//! take 10–30 passes over memory for what each of these does in one or two.
 //!
 //! | op | what |
 //! |---|---|
@@ -57,15 +57,6 @@ pub(crate) fn owned(t: FlexTensor) -> Option<FlexTensor> {
 /// A contiguous f32 tensor of `shape` from `values`.
 pub(crate) fn float(values: Vec<f32>, shape: Shape) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, shape))
-}
-
-/// The norms' statistics shape: the input's with a last dimension of 1.
-pub(crate) fn stats_shape(shape: &Shape) -> Shape {
-    let mut dims = shape.to_vec();
-    if let Some(last) = dims.last_mut() {
-        *last = 1;
-    }
-    Shape::from(dims)
 }
 
 /// Flex runs native loops for the ops a GPT step spends its time in (see the module table), and

@@ -1,12 +1,13 @@
 //! Row ops on Flex: LayerNorm, GELU-with-bias and cross-entropy, forward and backward, one pass
 //! (or two) over each row, rows in parallel.
 //!
-//! A parameter's gradient (γ, β, the bias) is a column sum over rows: each task of
-//! about 16k elements' worth of rows writes its partial sums, and the partials are added in task order, so
+//! A parameter's gradient (γ, β, the bias) is a column sum over rows: each task of about 16k
+//! elements' worth of rows writes its partial sums, and the partials are added in task order, so
 //! the result does not depend on the number of threads.
 
 use super::math::{self, dispatch, lane_max, lane_sum, lane_sum_map};
-use super::{contiguous, float, stats_shape};
+use super::{contiguous, float};
+use crate::stats_shape;
 use crate::{CrossEntropyOutput, LayerNormGrads, LayerNormOutput};
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{Shape, TensorMetadata};
