@@ -6,7 +6,7 @@
 //! on two cores. One pass per row over the valid keys only, rows in parallel, does the same.
 //!
 //! Numerics: the maximum and the sum run over the valid keys in order (one row function,
-//! [`softmax_row`], serves this and the packed attention); masked keys get exactly 0 (as
+//! `softmax_row`, serves this and the packed attention); masked keys get exactly 0 (as
 //! `exp(−1e9 − max)` underflows to in the Burn-op form). Results agree with the Burn-op form
 //! to rounding, not bitwise (the sum order differs); every path of a run uses this function, so
 //! recomputation stays bitwise equal to keeping the probabilities.
