@@ -23,7 +23,7 @@ BINARY = {
 }
 DIM_LOCAL = """softmax log_softmax softmin float_cumsum float_cumprod float_cummin float_cummax
 float_sort""".split()
-# Hand-written in rules.rs, same name and arguments.
+# Hand-written in rules/, same name and arguments.
 RULES = """float_from_data float_random float_device float_to_device float_sum float_sum_dim float_mean float_mean_dim
 float_max_dim float_min_dim float_max float_min float_reshape float_swap_dims float_permute float_slice float_slice_assign
 float_cat float_expand float_select float_gather float_scatter_add float_matmul float_mask_fill float_mask_where linear linear_x_backward

@@ -1,0 +1,239 @@
+//! Elementwise ops (PyTorch DTensor's `_pointwise_ops`): unary ops, broadcasting binary ops,
+//! ops along one whole dim (softmax, cumsum, sort), and the masked fills.
+
+use super::{dims, local_range, to_layout, whole_dim, without_partials, wrap};
+use crate::backend::prelude::*;
+use crate::device::DistDevice;
+use crate::placement::{Layout, Placement};
+use crate::tensor::DTensor;
+use Placement::{Local, Partial, Replicate, Shard};
+use burn_backend::TensorMetadata;
+
+/// Whether a unary op commutes with sums (so `Partial(Sum | Avg)` may pass).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Linearity {
+    /// `f(a + b) = f(a) + f(b)`.
+    Linear,
+    /// Anything else.
+    NonLinear,
+}
+
+/// How a binary elementwise op treats `Partial` operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BinaryKind {
+    /// `Partial ± Partial` stays partial.
+    Add,
+    /// `Partial * Replicate` (either side) stays partial.
+    Mul,
+    /// `Partial / Replicate` stays partial.
+    Div,
+    /// Every partial operand is reduced first.
+    NonLinear,
+}
+
+pub(crate) fn unary<B: Backend>(
+    op: &'static str,
+    t: DTensor<B>,
+    linearity: Linearity,
+    f: impl FnOnce(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+) -> DTensor<B> {
+    let t = t.settled();
+    let target = without_partials(&t.layout, |p| {
+        linearity == Linearity::Linear && p.is_linear_partial()
+    });
+    let t = to_layout(op, t, &target);
+    // Elementwise: the shape is the input's (a padded shard's cannot be read off its piece).
+    DTensor::new_shaped(f(t.local), t.layout, t.shape, t.device)
+}
+
+/// Decide one mesh axis of a broadcasting elementwise op: (lhs target, rhs target, output).
+fn decide_elementwise(
+    mut pl: Placement,
+    mut pr: Placement,
+    kind: BinaryKind,
+    gl: &[usize],
+    gr: &[usize],
+    sequence: Option<usize>,
+) -> (Placement, Placement, Placement) {
+    // Partial operands first.
+    match (pl, pr) {
+        (Partial(p), Partial(q)) if kind == BinaryKind::Add && p == q && pl.is_linear_partial() => {
+            return (pl, pr, pl);
+        }
+        (Partial(_), Replicate)
+            if matches!(kind, BinaryKind::Mul | BinaryKind::Div) && pl.is_linear_partial() =>
+        {
+            return (pl, pr, pl);
+        }
+        (Replicate, Partial(_)) if kind == BinaryKind::Mul && pr.is_linear_partial() => {
+            return (pl, pr, pr);
+        }
+        _ => {}
+    }
+    // Sequence parallelism: a partial sum meeting a residual add is reduce-scattered over the
+    // sequence instead of all-reduced.
+    let reduced = match sequence {
+        Some(d) if kind == BinaryKind::Add => Shard(d),
+        _ => Replicate,
+    };
+    if matches!(pl, Partial(_)) {
+        pl = reduced;
+    }
+    if matches!(pr, Partial(_)) {
+        pr = reduced;
+    }
+    let shard_for = |d: usize, g: &[usize]| if g[d] == 1 { Replicate } else { Shard(d) };
+    match (pl, pr) {
+        (Local, Local) | (Local, Replicate) | (Replicate, Local) => (pl, pr, Local),
+        (Local, _) => (Local, Replicate, Local),
+        (_, Local) => (Replicate, Local, Local),
+        (Replicate, Replicate) => (Replicate, Replicate, Replicate),
+        (Shard(d), Shard(e)) if d == e => (pl, pr, pl),
+        (Shard(d), _) => (pl, shard_for(d, gr), pl),
+        (_, Shard(d)) => (shard_for(d, gl), pr, pr),
+        (Partial(_), _) | (_, Partial(_)) => unreachable!("partials were reduced above"),
+    }
+}
+
+/// A partial sum about to be broadcast to `elements` values is reduced first, while it is small
+/// (the row sums of a softmax over a split vocabulary: `N` values, not `N × vocab`).
+pub(super) fn reduced_before_broadcast<B: Backend>(
+    op: &'static str,
+    t: DTensor<B>,
+    elements: usize,
+) -> DTensor<B> {
+    if elements > t.shape.num_elements() && t.layout.has_partial() {
+        let target = without_partials(&t.layout, |_| false);
+        to_layout(op, t.settled(), &target)
+    } else {
+        t
+    }
+}
+
+/// Sequence parallelism: `(axis, 1)` when it is on and both operands are `[b, t, d]` activations
+/// (broadcasting on the other dims: a `[1, t, d]` position embedding) whose sequence divides by
+/// the axis size.
+pub(super) fn sequence_dim<B: Backend>(
+    device: &DistDevice<B>,
+    gl: &[usize],
+    gr: &[usize],
+) -> Option<(usize, usize)> {
+    let axis = device.ctx.sequence_parallel()?;
+    (gl.len() == 3
+        && gl.len() == gr.len()
+        && gl[1] == gr[1]
+        && gl[1].is_multiple_of(device.mesh().axis_size(axis)))
+    .then_some((axis, 1))
+}
+
+/// Align the two operands of an elementwise op; returns them and the output layout.
+fn align2<B: Backend>(
+    op: &'static str,
+    lhs: DTensor<B>,
+    rhs: DTensor<B>,
+    kind: BinaryKind,
+) -> (DTensor<B>, DTensor<B>, Layout) {
+    let (lhs, rhs) = (lhs.settled(), rhs.settled());
+    let (gl, gr) = (dims(&lhs), dims(&rhs));
+    let numel = |g: &[usize]| g.iter().product::<usize>();
+    let lhs = reduced_before_broadcast(op, lhs, numel(&gr));
+    let rhs = reduced_before_broadcast(op, rhs, numel(&gl));
+    let mut tl = lhs.layout.clone();
+    let mut tr = rhs.layout.clone();
+    let mut out = lhs.layout.clone();
+    let sp = sequence_dim(&lhs.device, &gl, &gr);
+    for a in 0..tl.len() {
+        let sequence = sp.filter(|&(axis, _)| axis == a).map(|(_, d)| d);
+        let (l, r, o) = decide_elementwise(
+            lhs.layout.get(a),
+            rhs.layout.get(a),
+            kind,
+            &gl,
+            &gr,
+            sequence,
+        );
+        tl.set(a, l);
+        tr.set(a, r);
+        out.set(a, o);
+    }
+    (to_layout(op, lhs, &tl), to_layout(op, rhs, &tr), out)
+}
+
+pub(crate) fn binary<B: Backend>(
+    op: &'static str,
+    lhs: DTensor<B>,
+    rhs: DTensor<B>,
+    kind: BinaryKind,
+    f: impl FnOnce(B::FloatTensorPrimitive, B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+) -> DTensor<B> {
+    let (lhs, rhs, out) = align2(op, lhs, rhs, kind);
+    // Broadcasting: the output's shape from the operands' (padded shards cannot tell it).
+    let shape: Vec<usize> = dims(&lhs)
+        .iter()
+        .zip(dims(&rhs))
+        .map(|(&l, r)| if l == 1 { r } else { l })
+        .collect();
+    DTensor::new_shaped(f(lhs.local, rhs.local), out, Shape::from(shape), lhs.device)
+}
+
+/// An op that works along `dim` (softmax, cumsum, sort): that dim must be whole and no operand
+/// partial; every other placement passes.
+pub(crate) fn dim_local<B: Backend>(
+    op: &'static str,
+    t: DTensor<B>,
+    dim: usize,
+    f: impl FnOnce(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+) -> DTensor<B> {
+    let target = whole_dim(&t.layout, dim);
+    let t = to_layout(op, t, &target);
+    DTensor::new_shaped(f(t.local), t.layout, t.shape, t.device)
+}
+
+/// Slice a per-rank (full) bool mask to the local piece of a tensor laid out as `layout`.
+fn slice_mask<B: Backend>(
+    mask: B::BoolTensorPrimitive,
+    layout: &Layout,
+    global: &[usize],
+    device: &DistDevice<B>,
+) -> B::BoolTensorPrimitive {
+    let mask_dims = mask.shape().to_vec();
+    let offset = global.len() - mask_dims.len();
+    let mut slices: Vec<Slice> = mask_dims
+        .iter()
+        .map(|&s| Slice::new(0, Some(s as isize), 1))
+        .collect();
+    let mut any = false;
+    for d in offset..global.len() {
+        if layout.shards_of(d, device.mesh()) > 1 && mask_dims[d - offset] == global[d] {
+            slices[d - offset] = local_range(layout, d, global[d], device);
+            any = true;
+        }
+    }
+    if any {
+        B::bool_slice(mask, &slices)
+    } else {
+        mask
+    }
+}
+
+pub(crate) fn float_mask_fill<B: Backend>(
+    tensor: DTensor<B>,
+    mask: B::BoolTensorPrimitive,
+    value: Scalar,
+) -> DTensor<B> {
+    let target = without_partials(&tensor.layout, |_| false);
+    let t = to_layout("float_mask_fill", tensor, &target);
+    let mask = slice_mask(mask, &t.layout, &t.shape.to_vec(), &t.device);
+    wrap(B::float_mask_fill(t.local, mask, value), t.layout, t.device)
+}
+
+pub(crate) fn float_mask_where<B: Backend>(
+    tensor: DTensor<B>,
+    mask: B::BoolTensorPrimitive,
+    value: DTensor<B>,
+) -> DTensor<B> {
+    let (t, v, out) = align2("float_mask_where", tensor, value, BinaryKind::NonLinear);
+    let global = out.global_shape(&t.local.shape().to_vec(), t.device.mesh());
+    let mask = slice_mask(mask, &out, &global, &t.device);
+    wrap(B::float_mask_where(t.local, mask, v.local), out, t.device)
+}
