@@ -15,8 +15,9 @@
 //! concatenation), [`indexing`] (select, gather, scatter), [`matrix`] (matmul and linear layers),
 //! [`embedding`], [`norms`], [`gradients`] (where data-parallel weight gradients are reduced),
 //! [`creation`] (creation, devices) and [`structs`] (ops returning Burn's structs). The helpers
-//! every family uses are here; the rules are re-exported, so `rules::float_matmul` names a rule
-//! wherever it lives.
+//! every family uses are here. A rule is a `pub(crate) fn` named after its op, with the op's
+//! arguments, in any of these files: `tools/gen_forward.py` finds it there and forwards the op
+//! to it (as `rules::<op>`: every file's items are re-exported here).
 
 mod creation;
 mod embedding;

@@ -31,6 +31,148 @@ pub(crate) enum BinaryKind {
     NonLinear,
 }
 
+/// How an elementwise op is distributed: the rule that runs it and what passes through it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Pointwise {
+    /// [`unary`], with the op's linearity.
+    Unary(Linearity),
+    /// [`binary`], with the op's treatment of partial operands.
+    Binary(BinaryKind),
+    /// [`dim_local`]: the op works along one dim (softmax, cumsum, sort).
+    AlongDim,
+}
+
+use Linearity::{Linear, NonLinear};
+use Pointwise::{AlongDim, Binary, Unary};
+
+/// Every elementwise op of Burn's op traits and its rule: which ops are linear (may take and
+/// give `Partial` values) is decided here and nowhere else. `tools/gen_forward.py` reads this
+/// table to forward each op to its rule; the generated code reads each op's linearity or kind
+/// back from it at compile time (`const { rules::linearity("float_neg") }`), so an op the
+/// generator forwards that this table lacks does not compile.
+pub(crate) const POINTWISE_OPS: &[(&str, Pointwise)] = &[
+    // Unary, linear: a partial sum passes.
+    ("float_neg", Unary(Linear)),
+    ("float_mul_scalar", Unary(Linear)),
+    ("float_div_scalar", Unary(Linear)),
+    ("float_detach", Unary(Linear)),
+    ("float_set_require_grad", Unary(Linear)),
+    ("float_cast", Unary(Linear)),
+    // Unary, non-linear: a partial value is reduced first.
+    ("float_add_scalar", Unary(NonLinear)),
+    ("float_sub_scalar", Unary(NonLinear)),
+    ("float_clamp_min", Unary(NonLinear)),
+    ("float_clamp_max", Unary(NonLinear)),
+    ("float_clamp", Unary(NonLinear)),
+    ("float_recip", Unary(NonLinear)),
+    ("float_exp", Unary(NonLinear)),
+    ("float_log", Unary(NonLinear)),
+    ("float_log1p", Unary(NonLinear)),
+    ("float_powi_scalar", Unary(NonLinear)),
+    ("float_powi_scalar_impl", Unary(NonLinear)),
+    ("float_powf_scalar", Unary(NonLinear)),
+    ("float_powf_scalar_impl", Unary(NonLinear)),
+    ("float_sqrt", Unary(NonLinear)),
+    ("float_abs", Unary(NonLinear)),
+    ("float_cos", Unary(NonLinear)),
+    ("float_sin", Unary(NonLinear)),
+    ("float_tan", Unary(NonLinear)),
+    ("float_cosh", Unary(NonLinear)),
+    ("float_sinh", Unary(NonLinear)),
+    ("float_tanh", Unary(NonLinear)),
+    ("float_acos", Unary(NonLinear)),
+    ("float_acosh", Unary(NonLinear)),
+    ("float_asin", Unary(NonLinear)),
+    ("float_asinh", Unary(NonLinear)),
+    ("float_atan", Unary(NonLinear)),
+    ("float_atanh", Unary(NonLinear)),
+    ("float_round", Unary(NonLinear)),
+    ("float_floor", Unary(NonLinear)),
+    ("float_ceil", Unary(NonLinear)),
+    ("float_trunc", Unary(NonLinear)),
+    ("float_erf", Unary(NonLinear)),
+    ("float_sign", Unary(NonLinear)),
+    ("float_remainder_scalar", Unary(NonLinear)),
+    ("leaky_relu", Unary(NonLinear)),
+    ("relu", Unary(NonLinear)),
+    ("gelu", Unary(NonLinear)),
+    ("sigmoid", Unary(NonLinear)),
+    ("hard_sigmoid", Unary(NonLinear)),
+    ("log_sigmoid", Unary(NonLinear)),
+    // Binary, broadcasting.
+    ("float_add", Binary(BinaryKind::Add)),
+    ("float_sub", Binary(BinaryKind::Add)),
+    ("float_mul", Binary(BinaryKind::Mul)),
+    ("float_div", Binary(BinaryKind::Div)),
+    ("float_powf", Binary(BinaryKind::NonLinear)),
+    ("float_atan2", Binary(BinaryKind::NonLinear)),
+    ("float_remainder", Binary(BinaryKind::NonLinear)),
+    ("relu_backward", Binary(BinaryKind::NonLinear)),
+    ("gelu_backward", Binary(BinaryKind::NonLinear)),
+    ("sigmoid_backward", Binary(BinaryKind::NonLinear)),
+    ("log_sigmoid_backward", Binary(BinaryKind::NonLinear)),
+    // Along one dim, which must be whole.
+    ("softmax", AlongDim),
+    ("log_softmax", AlongDim),
+    ("softmin", AlongDim),
+    ("float_cumsum", AlongDim),
+    ("float_cumprod", AlongDim),
+    ("float_cummin", AlongDim),
+    ("float_cummax", AlongDim),
+    ("float_sort", AlongDim),
+];
+
+/// The entry of `op` in [`POINTWISE_OPS`] (a compile-time error in a `const` block when absent).
+const fn pointwise(op: &str) -> Pointwise {
+    let mut i = 0;
+    while i < POINTWISE_OPS.len() {
+        if str_eq(POINTWISE_OPS[i].0, op) {
+            return POINTWISE_OPS[i].1;
+        }
+        i += 1;
+    }
+    panic!("not an elementwise op of rules::POINTWISE_OPS")
+}
+
+const fn str_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+/// The linearity of unary op `op`, from [`POINTWISE_OPS`].
+pub(crate) const fn linearity(op: &str) -> Linearity {
+    match pointwise(op) {
+        Unary(linearity) => linearity,
+        _ => panic!("not a unary op in rules::POINTWISE_OPS"),
+    }
+}
+
+/// The kind of binary op `op`, from [`POINTWISE_OPS`].
+pub(crate) const fn binary_kind(op: &str) -> BinaryKind {
+    match pointwise(op) {
+        Binary(kind) => kind,
+        _ => panic!("not a binary op in rules::POINTWISE_OPS"),
+    }
+}
+
+/// `op`, checked to be an op along one dim in [`POINTWISE_OPS`].
+pub(crate) const fn along_dim(op: &'static str) -> &'static str {
+    match pointwise(op) {
+        AlongDim => op,
+        _ => panic!("not an op along one dim in rules::POINTWISE_OPS"),
+    }
+}
+
 pub(crate) fn unary<B: Backend>(
     op: &'static str,
     t: DTensor<B>,
