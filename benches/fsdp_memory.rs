@@ -57,6 +57,7 @@ fn main() {
                 eval_iters: 0,
                 sample_tokens: 0,
                 progress: false,
+                plot: None,
                 parallel: ParallelConfig {
                     dp: n,
                     fsdp: strategy,

@@ -30,6 +30,7 @@ fn main() {
         eval_iters: 0,
         sample_tokens: 0,
         progress: false,
+        plot: None,
         ..PretrainConfig::default()
     };
     let summary = run(&config).expect("run");

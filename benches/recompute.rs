@@ -87,6 +87,7 @@ fn main() {
                 eval_iters: 0,
                 sample_tokens: 0,
                 progress: false,
+                plot: None,
                 parallel: ParallelConfig {
                     recompute: policy,
                     ..ParallelConfig::default()

@@ -45,10 +45,10 @@ const STEPS: usize = 6;
 const BATCH: usize = 8;
 
 fn world_size() -> usize {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"]
-        .iter()
-        .find_map(|n| std::env::var(n).ok()?.parse().ok())
-        .expect("run under mpirun (OMPI_COMM_WORLD_SIZE is not set)")
+    match wildfire::parallel::LaunchEnv::detect() {
+        Ok(Some(env)) if env.launcher.is_mpi() => env.world_size,
+        other => panic!("run under mpirun or srun (launcher environment: {other:?})"),
+    }
 }
 
 fn main() {

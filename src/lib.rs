@@ -6,6 +6,8 @@
 //! ```
 //!
 //! This facade re-exports the workspace crates and hosts the examples and the cross-crate tests.
+//! `use wildfire::prelude::*;` brings what a training program needs; the README's example
+//! compiles and runs as a test of it.
 
 pub use wildfire_engine as engine;
 pub use wildfire_kernels as kernels;
@@ -14,6 +16,25 @@ pub use wildfire_parallel as parallel;
 
 pub mod demo;
 pub mod pretrain;
+
+/// What a training program on `Distributed<B>` needs, in one import.
+pub mod prelude {
+    pub use wildfire_engine::{
+        DynamicLossScaler, LossScalerConfig, Recompute, Recomputer, StepRecord, StepRunner,
+        StepRunnerConfig,
+    };
+    pub use wildfire_kernels::FusedOps;
+    pub use wildfire_parallel::{
+        DeviceMesh, DistDevice, DistError, Distributed, FsdpOptimizer, FsdpStrategy, LaunchEnv,
+        LaunchOptions, TpPlan, TpStyle, fully_shard, launch_ranks, replicate, sync_gradients,
+        tensor_parallel,
+    };
+}
+
+/// The README's Rust examples, compiled and run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
 
 /// The allocator the binaries use: mimalloc, told to keep the memory training frees.
 ///

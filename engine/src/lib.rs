@@ -1,9 +1,10 @@
 //! Wildfire's training engine: the pieces of a training step that are not the model — dynamic
 //! loss scaling, the one-collective overflow check and global-norm clipping, activation
-//! recomputation ([`recompute`]), and the training step that puts them together ([`TrainStep`]).
+//! recomputation ([`recompute`]), and the training step that puts them together ([`StepRunner`]).
 
 pub mod fused_tail;
 pub mod grad_check;
+pub mod metrics;
 pub mod recompute;
 pub mod scaler;
 pub mod step;
@@ -12,6 +13,6 @@ pub use fused_tail::{
     FusedAdamW, FusedAdamWConfig, FusedAdamWOptimizer, TailInputs, fused_unscale_check,
 };
 pub use grad_check::{GradCheck, unscale_check_clip};
-pub use recompute::{AttentionSpec, Checkpointer, Recompute, attention_reference, dropout_mask};
+pub use recompute::{AttentionSpec, Recompute, Recomputer, attention_reference, dropout_mask};
 pub use scaler::{DynamicLossScaler, LossScalerConfig, StepDecision};
-pub use step::{StepRecord, TrainStep, TrainStepConfig};
+pub use step::{StepRecord, StepRunner, StepRunnerConfig};

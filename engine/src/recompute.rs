@@ -1,11 +1,11 @@
 //! Activation recomputation (checkpointing) for any Burn model, through Burn 0.21's public API.
 //!
-//! Two mechanisms, one [`Checkpointer`] per training step:
+//! Two mechanisms, one [`Recomputer`] per training step:
 //!
-//! * **Regions** ([`Checkpointer::block`], policies `Full` and `EveryNth`): the region (a
+//! * **Regions** ([`Recomputer::block`], policies `Full` and `EveryNth`): the region (a
 //!   transformer block) runs once with gradients off — nothing inside it is recorded — and its
 //!   output enters the graph as a fresh leaf; only the region's input is kept. In
-//!   [`Checkpointer::backward`] the loss is back-propagated down to the region outputs, then each
+//!   [`Recomputer::backward`] the loss is back-propagated down to the region outputs, then each
 //!   region, last first, is re-run with gradients on and back-propagated with the gradient that
 //!   reached its output (`Σ y·ḡ`, whose gradient is `ḡ` exactly), down to the previous region's
 //!   output. Every backward pass is a top-level one: Burn 0.21 deadlocks on a `backward()` nested
@@ -16,7 +16,7 @@
 //!   Requirement: regions are cut points — the model reaches a region's input only through the
 //!   previous region's output (true of a stack of blocks; each block's input is its own region's
 //!   input). Any `Module` works: the region is a closure over the module, written once.
-//! * **Selective** ([`Checkpointer::attention`]): the attention core
+//! * **Selective** ([`Recomputer::attention`]): the attention core
 //!   `softmax(mask(q·kᵀ·scale))·v` (with dropout on the probabilities) is one custom autodiff op
 //!   whose backward is written out on the inner backend. With `Selective` it keeps only q, k, v and
 //!   recomputes the score and probability tiles in backward (FlashAttention-style); otherwise it
@@ -185,7 +185,7 @@ fn probabilities<B: FusedOps>(
 }
 
 /// The attention core from Burn ops (differentiated by Burn's autodiff where `B` has it): the
-/// reference for [`Checkpointer::attention`]'s custom op, and its implementation on backends
+/// reference for [`Recomputer::attention`]'s custom op, and its implementation on backends
 /// without autodiff.
 pub fn attention_reference<B: FusedOps>(
     q: Tensor<B, 4>,
@@ -335,7 +335,7 @@ struct Region<'a, B: Backend> {
     recompute: RecomputeFn<'a, B>,
 }
 
-type RecomputeFn<'a, B> = Box<dyn Fn(&Checkpointer<'a, B>, FloatTensor<B>) -> FloatTensor<B> + 'a>;
+type RecomputeFn<'a, B> = Box<dyn Fn(&Recomputer<'a, B>, FloatTensor<B>) -> FloatTensor<B> + 'a>;
 type HandleFn<B> = fn(&FloatTensor<B>) -> FloatTensor<B>;
 type Fence<'a> = Box<dyn Fn() -> Result<(), DistError> + 'a>;
 
@@ -344,11 +344,11 @@ const SITE_ATTENTION: u64 = 2;
 
 /// Recomputation and random streams for one forward/backward of a model (see the module docs).
 ///
-/// Build one per micro-batch with [`Checkpointer::new`] (training, autodiff backends) or
-/// [`Checkpointer::inference`]; the model's forward calls [`block`](Self::block),
+/// Build one per micro-batch with [`Recomputer::new`] (training, autodiff backends) or
+/// [`Recomputer::inference`]; the model's forward calls [`block`](Self::block),
 /// [`attention`](Self::attention) and [`dropout`](Self::dropout); then
 /// [`backward`](Self::backward) replaces `loss.backward()`.
-pub struct Checkpointer<'a, B: Backend> {
+pub struct Recomputer<'a, B: Backend> {
     policy: Recompute,
     seed: u64,
     training: bool,
@@ -358,7 +358,7 @@ pub struct Checkpointer<'a, B: Backend> {
     fence: Option<Fence<'a>>,
 }
 
-impl<'a, X: FusedOps, C: CheckpointStrategy> Checkpointer<'a, Autodiff<X, C>> {
+impl<'a, X: FusedOps, C: CheckpointStrategy> Recomputer<'a, Autodiff<X, C>> {
     /// A training step's checkpointer: `policy` decides what is recomputed; `seed` (vary it per
     /// step and micro-batch, and per data-parallel rank) seeds every dropout mask and region.
     pub fn new(policy: Recompute, seed: u64) -> Self {
@@ -374,7 +374,7 @@ impl<'a, X: FusedOps, C: CheckpointStrategy> Checkpointer<'a, Autodiff<X, C>> {
     }
 }
 
-impl<'a, B: Backend> Checkpointer<'a, B> {
+impl<'a, B: Backend> Recomputer<'a, B> {
     /// No recomputation and no dropout (evaluation, generation; any backend).
     pub fn inference() -> Self {
         Self {
@@ -429,7 +429,7 @@ impl<'a, B: Backend> Checkpointer<'a, B> {
     ) -> Tensor<B, D>
     where
         M: Module<B> + 'a,
-        F: Fn(&M, Tensor<B, D>, &Checkpointer<'a, B>) -> Tensor<B, D> + 'a,
+        F: Fn(&M, Tensor<B, D>, &Recomputer<'a, B>) -> Tensor<B, D> + 'a,
     {
         let device = x.device();
         let seed = self.seed_of(index, SITE_BLOCK);
@@ -460,7 +460,7 @@ impl<'a, B: Backend> Checkpointer<'a, B> {
     }
 }
 
-impl<'a, B: FusedOps> Checkpointer<'a, B> {
+impl<'a, B: FusedOps> Recomputer<'a, B> {
     /// The attention core `softmax(mask(q·kᵀ·scale))·v` of layer `layer` on `[q, k, v]`,
     /// `[b, h, t, hd]` each, with dropout on the probabilities while training. Without dropout,
     /// on a backend with fused kernels ([`FusedOps::FUSED`]`.attention`), this is the flash-attention kernel:
@@ -527,7 +527,7 @@ impl<'a, B: FusedOps> Checkpointer<'a, B> {
     }
 }
 
-impl<'a, B: AutodiffBackend> Checkpointer<'a, B> {
+impl<'a, B: AutodiffBackend> Recomputer<'a, B> {
     /// `loss.backward()` with the recorded regions recomputed: one backward pass for the loss,
     /// then one per region (last first); the parameter gradients of all passes merged, as if
     /// from one pass.

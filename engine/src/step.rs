@@ -4,7 +4,7 @@
 //! (or skip on every rank), update the loss scale.
 
 use crate::grad_check::unscale_check_clip;
-use crate::recompute::{Checkpointer, Recompute};
+use crate::recompute::{Recompute, Recomputer};
 use crate::scaler::{DynamicLossScaler, StepDecision};
 use burn::backend::Autodiff;
 use burn::module::AutodiffModule;
@@ -17,14 +17,14 @@ use wildfire_parallel::{
 
 /// What a step does besides the optimizer update.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct TrainStepConfig {
+pub struct StepRunnerConfig {
     /// Clip the global gradient norm to this value (`None`: no clipping).
     pub clip: Option<f32>,
     /// Activation recomputation.
     pub recompute: Recompute,
 }
 
-impl Default for TrainStepConfig {
+impl Default for StepRunnerConfig {
     fn default() -> Self {
         Self {
             clip: Some(1.0),
@@ -49,18 +49,18 @@ pub struct StepRecord {
 }
 
 /// The training step (see the module docs). Holds the loss scaler, whose state belongs in
-/// checkpoints ([`TrainStep::scaler`]).
+/// checkpoints ([`StepRunner::scaler`]).
 #[derive(Clone, Debug)]
-pub struct TrainStep {
-    config: TrainStepConfig,
+pub struct StepRunner {
+    config: StepRunnerConfig,
     scaler: Option<DynamicLossScaler>,
 }
 
 type Ad<X> = Autodiff<Distributed<X>>;
 
-impl TrainStep {
+impl StepRunner {
     /// A step with `config`, and a dynamic loss scaler for f16 compute (`None` for f32/bf16).
-    pub fn new(config: TrainStepConfig, scaler: Option<DynamicLossScaler>) -> Self {
+    pub fn new(config: StepRunnerConfig, scaler: Option<DynamicLossScaler>) -> Self {
         Self { config, scaler }
     }
 
@@ -86,7 +86,7 @@ impl TrainStep {
         X: wildfire_kernels::FusedOps,
         M: AutodiffModule<Ad<X>>,
         O: Optimizer<M, Ad<X>>,
-        L: for<'a> Fn(&'a M, usize, &Checkpointer<'a, Ad<X>>) -> Tensor<Ad<X>, 1>,
+        L: for<'a> Fn(&'a M, usize, &Recomputer<'a, Ad<X>>) -> Tensor<Ad<X>, 1>,
     {
         let clip = self.config.clip;
         self.run_with(
@@ -100,7 +100,7 @@ impl TrainStep {
         )
     }
 
-    /// [`TrainStep::run`] with the fused optimizer tail: one unscale + `Σg²` + overflow kernel
+    /// [`StepRunner::run`] with the fused optimizer tail: one unscale + `Σg²` + overflow kernel
     /// pass per gradient and `optim` a [`crate::FusedAdamW`] (alone or inside `FsdpOptimizer`)
     /// whose `inputs` handle this fills (clipping coefficient and skip flag, on the device).
     #[allow(clippy::too_many_arguments)]
@@ -118,7 +118,7 @@ impl TrainStep {
         X: wildfire_kernels::FusedOps,
         M: AutodiffModule<Ad<X>>,
         O: Optimizer<M, Ad<X>>,
-        L: for<'a> Fn(&'a M, usize, &Checkpointer<'a, Ad<X>>) -> Tensor<Ad<X>, 1>,
+        L: for<'a> Fn(&'a M, usize, &Recomputer<'a, Ad<X>>) -> Tensor<Ad<X>, 1>,
     {
         let clip = self.config.clip;
         self.run_with(
@@ -149,7 +149,7 @@ impl TrainStep {
         X: wildfire_kernels::FusedOps,
         M: AutodiffModule<Ad<X>>,
         O: Optimizer<M, Ad<X>>,
-        L: for<'a> Fn(&'a M, usize, &Checkpointer<'a, Ad<X>>) -> Tensor<Ad<X>, 1>,
+        L: for<'a> Fn(&'a M, usize, &Recomputer<'a, Ad<X>>) -> Tensor<Ad<X>, 1>,
     {
         let accum = seeds.len().max(1);
         let ctx = device.context().clone();
@@ -160,7 +160,7 @@ impl TrainStep {
         let mut accumulator = GradientsAccumulator::new();
         let mut local_loss = 0.0;
         for (i, &seed) in seeds.iter().enumerate() {
-            let ckpt = Checkpointer::<Ad<X>>::new(self.config.recompute, seed).with_fence(|| {
+            let ckpt = Recomputer::<Ad<X>>::new(self.config.recompute, seed).with_fence(|| {
                 // Keep the ranks' backward passes apart (see `sync_gradients`).
                 if ctx.world_size() > 1 {
                     ctx.comm().barrier(Group::World)?;

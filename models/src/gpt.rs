@@ -8,7 +8,7 @@ use burn::prelude::*;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
 use std::str::FromStr;
-use wildfire_engine::Checkpointer;
+use wildfire_engine::Recomputer;
 use wildfire_kernels::{FusedOps, ops};
 
 /// Model shape errors, reported before anything is built.
@@ -309,7 +309,7 @@ pub struct MlpBlock<B: Backend> {
 impl<B: FusedOps> CausalSelfAttention<B> {
     /// `[b, t, d] -> [b, t, d]` (no dropout).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.forward_with(0, x, 0.0, &Checkpointer::inference())
+        self.forward_with(0, x, 0.0, &Recomputer::inference())
     }
 
     /// Layer `layer`'s attention, its core through the checkpointer (recomputed under the
@@ -319,7 +319,7 @@ impl<B: FusedOps> CausalSelfAttention<B> {
         layer: usize,
         x: Tensor<B, 3>,
         p: f64,
-        ckpt: &Checkpointer<'_, B>,
+        ckpt: &Recomputer<'_, B>,
     ) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let (h, hd) = (self.n_head, d / self.n_head);
@@ -361,7 +361,7 @@ fn layer_norm<B: FusedOps>(ln: &LayerNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
 impl<B: FusedOps> Block<B> {
     /// `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))` (no dropout).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.forward_with(0, x, &Checkpointer::inference())
+        self.forward_with(0, x, &Recomputer::inference())
     }
 
     /// Block `layer` with dropout on the residual branches while training.
@@ -369,7 +369,7 @@ impl<B: FusedOps> Block<B> {
         &self,
         layer: usize,
         x: Tensor<B, 3>,
-        ckpt: &Checkpointer<'_, B>,
+        ckpt: &Recomputer<'_, B>,
     ) -> Tensor<B, 3> {
         let p = self.dropout;
         let h = self
@@ -384,7 +384,7 @@ impl<B: FusedOps> Block<B> {
 impl<B: FusedOps> Gpt<B> {
     /// Logits `[b, t, vocab]` for token ids `[b, t]` (t <= block size), no dropout.
     pub fn forward(&self, idx: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        self.forward_with(idx, &Checkpointer::inference())
+        self.forward_with(idx, &Recomputer::inference())
     }
 
     /// Logits with the training step's checkpointer: blocks recomputed per its policy, dropout
@@ -392,7 +392,7 @@ impl<B: FusedOps> Gpt<B> {
     pub fn forward_with<'a>(
         &'a self,
         idx: Tensor<B, 2, Int>,
-        ckpt: &Checkpointer<'a, B>,
+        ckpt: &Recomputer<'a, B>,
     ) -> Tensor<B, 3> {
         let [_, t] = idx.dims();
         let device = idx.device();
@@ -411,7 +411,7 @@ impl<B: FusedOps> Gpt<B> {
 
     /// Mean cross-entropy of next-token prediction: `inputs` and `targets` are `[b, t]`.
     pub fn loss(&self, inputs: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        self.loss_with(inputs, targets, &Checkpointer::inference())
+        self.loss_with(inputs, targets, &Recomputer::inference())
     }
 
     /// [`loss`](Self::loss) with the training step's checkpointer.
@@ -419,7 +419,7 @@ impl<B: FusedOps> Gpt<B> {
         &'a self,
         inputs: Tensor<B, 2, Int>,
         targets: Tensor<B, 2, Int>,
-        ckpt: &Checkpointer<'a, B>,
+        ckpt: &Recomputer<'a, B>,
     ) -> Tensor<B, 1> {
         let [b, t] = inputs.dims();
         let logits = self.forward_with(inputs, ckpt);

@@ -30,41 +30,57 @@ pub fn parse_fsdp(s: &str) -> Result<FsdpStrategy, String> {
 
 pub use wildfire_engine::Recompute;
 
-/// How to parallelise: sizes of the mesh axes and the strategies.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// How to parallelise: sizes of the mesh axes and the strategies. The command-line flags and
+/// the defaults are this one definition (`Default` is what the flags give when none is passed).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, clap::Args)]
 pub struct ParallelConfig {
-    /// Data-parallel ranks.
+    /// Data-parallel ranks (under a launcher, `WORLD_SIZE / --tp` unless given).
+    #[arg(
+        long,
+        default_value_t = 1,
+        env = "WILDFIRE_DP",
+        help_heading = "Parallelism"
+    )]
     pub dp: usize,
     /// Tensor-parallel ranks.
+    #[arg(long, default_value_t = 1, help_heading = "Parallelism")]
     pub tp: usize,
-    /// Megatron sequence parallelism over the tensor-parallel axis (needs `tp > 1`): LayerNorm,
+    /// Megatron sequence parallelism over the tensor-parallel ranks (needs `tp > 1`): LayerNorm,
     /// dropout and the residual stream hold `1/tp` of the sequence.
     #[serde(default)]
+    #[arg(long, help_heading = "Parallelism")]
     pub sp: bool,
-    /// With `sp`: keep the sequence gathers of the column-parallel layers' inputs for backward
-    /// (2 all-gathers + 2 reduce-scatters per block each way) instead of gathering again
-    /// (Megatron-LM's default, less memory).
+    /// With `sp`: keep the sequence all-gathers of the column-parallel layers' inputs for their
+    /// backward (2 all-gathers + 2 reduce-scatters per block each way, 2·b·t·d more bytes per
+    /// block) instead of gathering again (Megatron-LM's default, less memory).
     #[serde(default)]
+    #[arg(long, help_heading = "Parallelism")]
     pub sp_keep_gathers: bool,
-    /// Data-parallel strategy.
+    /// Data-parallel strategy: none (DDP), zero1, grad-op, full (FSDP / ZeRO-3), hybrid (HSDP).
+    #[arg(long, default_value = "none", value_parser = parse_fsdp, help_heading = "Parallelism")]
     pub fsdp: FsdpStrategy,
     /// HSDP: ranks per shard group (`dp_shard`); the `dp / dp_shard` groups replicate.
+    #[arg(long, help_heading = "Parallelism")]
     pub dp_shard: Option<usize>,
-    /// Activation recomputation.
+    /// Activation recomputation: none, selective, full, every-N.
+    #[arg(long, default_value = "none", help_heading = "Parallelism")]
     pub recompute: Recompute,
 }
 
 impl Default for ParallelConfig {
     fn default() -> Self {
-        Self {
-            dp: 1,
-            tp: 1,
-            sp: false,
-            sp_keep_gathers: false,
-            fsdp: FsdpStrategy::NoShard,
-            dp_shard: None,
-            recompute: Recompute::None,
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            config: ParallelConfig,
         }
+        // The environment is not read here: `WILDFIRE_DP` is a flag's source, not a default.
+        let mut command = <Flags as clap::CommandFactory>::command();
+        command = command.mut_arg("dp", |a| a.env(None::<&str>));
+        let matches = command.get_matches_from(["wildfire"]);
+        <Flags as clap::FromArgMatches>::from_arg_matches(&matches)
+            .expect("the defaults parse")
+            .config
     }
 }
 
@@ -142,7 +158,7 @@ pub fn gpt_tp_plan() -> TpPlan {
 }
 
 /// Lay `model` out over `mesh` (tensor parallel → FSDP / DDP). Recomputation needs no change to
-/// the layout: the training step's `Checkpointer` applies `config.recompute` at run time.
+/// the layout: the training step's `Recomputer` applies `config.recompute` at run time.
 pub fn parallelize_gpt<B: DistributedBackend>(
     model: Gpt<B>,
     mesh: &DeviceMesh,

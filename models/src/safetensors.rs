@@ -4,7 +4,6 @@
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::prelude::*;
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::Path;
 use wildfire_parallel::ModulePath;
 
@@ -71,20 +70,12 @@ pub fn to_bytes<B: Backend, M: Module<B>>(module: &M) -> Vec<u8> {
     encode(&named_parameters(module))
 }
 
-/// Write `bytes` to `path` via a temporary file and a rename, so a crash never leaves a
-/// half-written file under the final name.
+/// Write `bytes` to `path` atomically ([`crate::io::write_atomic`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SafetensorsError> {
-    let io = |source| SafetensorsError::Io {
+    crate::io::write_atomic(path, bytes).map_err(|source| SafetensorsError::Io {
         path: path.display().to_string(),
         source,
-    };
-    let mut name = path.as_os_str().to_owned();
-    name.push(".tmp");
-    let tmp = std::path::PathBuf::from(name);
-    let mut file = std::fs::File::create(&tmp).map_err(io)?;
-    file.write_all(bytes).map_err(io)?;
-    file.sync_all().map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
+    })
 }
 
 /// Write every parameter of `module` (f32) to `path` as safetensors, atomically.

@@ -21,6 +21,10 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
+mod env;
+
+pub use env::{LaunchEnv, LaunchEnvError, Launcher};
+
 use crate::comm::{Communicator, DEFAULT_TIMEOUT, InProcessWorld};
 use crate::mesh::DeviceMesh;
 

@@ -285,13 +285,13 @@ fn pure_f16_without_scaling_fails() {
     );
 }
 
-/// `TrainStep` end to end on 2 ranks (FullShard, 2 micro-batches, f16-style loss scale): a finite
+/// `StepRunner` end to end on 2 ranks (FullShard, 2 micro-batches, f16-style loss scale): a finite
 /// step updates the model and counts towards growth; a micro-batch whose loss overflows on rank 1
 /// only makes both ranks skip (parameters untouched) and halves the scale.
 #[test]
 fn train_step_steps_and_skips_together() {
     use burn::optim::AdamWConfig;
-    use wildfire::engine::{TrainStep, TrainStepConfig};
+    use wildfire::engine::{StepRunner, StepRunnerConfig};
     use wildfire::parallel::FsdpOptimizer;
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
     let out = launch_ranks::<Flex, _, _>(
@@ -307,8 +307,8 @@ fn train_step_steps_and_skips_together() {
             )
             .unwrap();
             let mut optim = FsdpOptimizer::new(AdamWConfig::new().init::<Dist, Mlp<Dist>>());
-            let mut step = TrainStep::new(
-                TrainStepConfig::default(),
+            let mut step = StepRunner::new(
+                StepRunnerConfig::default(),
                 Some(DynamicLossScaler::new(LossScalerConfig::default())),
             );
             let mut records = Vec::new();
@@ -346,16 +346,16 @@ fn train_step_steps_and_skips_together() {
     }
 }
 
-/// The fused optimizer tail (`TrainStep::run_fused` + `FusedAdamW`: one unscale + Σg² + overflow
+/// The fused optimizer tail (`StepRunner::run_fused` + `FusedAdamW`: one unscale + Σg² + overflow
 /// pass per gradient, one AdamW pass per parameter, clipping coefficient and skip flag on the
-/// device) follows Burn's AdamW through `TrainStep::run` step by step — DDP, ZeRO-1 (gradients on
+/// device) follows Burn's AdamW through `StepRunner::run` step by step — DDP, ZeRO-1 (gradients on
 /// another layout than the parameters) and FullShard on 2 ranks, with clipping active and an
 /// overflow on rank 1 only at step 2 (both skip, parameters untouched, the scale halves) —
 /// losses and parameters within 1e-5 of each tensor's scale, the same norms and decisions.
 #[test]
 fn fused_optimizer_tail_follows_burn_adamw() {
     use burn::optim::AdamWConfig;
-    use wildfire::engine::{FusedAdamW, FusedAdamWConfig, TrainStep, TrainStepConfig};
+    use wildfire::engine::{FusedAdamW, FusedAdamWConfig, StepRunner, StepRunnerConfig};
     use wildfire::parallel::FsdpOptimizer;
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
     for strategy in [
@@ -377,9 +377,9 @@ fn fused_optimizer_tail_follows_burn_adamw() {
                     )
                     .unwrap()
                 };
-                let config = TrainStepConfig {
+                let config = StepRunnerConfig {
                     clip: Some(0.05),
-                    ..TrainStepConfig::default()
+                    ..StepRunnerConfig::default()
                 };
                 let scaler = || Some(DynamicLossScaler::new(LossScalerConfig::default()));
                 let loss = |m: &Mlp<Dist>, i: usize, poison: bool| {
@@ -396,7 +396,7 @@ fn fused_optimizer_tail_follows_burn_adamw() {
                     model(),
                     FsdpOptimizer::new(AdamWConfig::new().init::<Dist, Mlp<Dist>>()),
                 );
-                let mut step = TrainStep::new(config, scaler());
+                let mut step = StepRunner::new(config, scaler());
                 let mut burn = Vec::new();
                 for s in 0..5 {
                     let (next, r) = step
@@ -416,7 +416,7 @@ fn fused_optimizer_tail_follows_burn_adamw() {
                         weight_decay: 1e-4,
                     });
                 let (mut m, mut optim) = (model(), FsdpOptimizer::new(adamw));
-                let mut step = TrainStep::new(config, scaler());
+                let mut step = StepRunner::new(config, scaler());
                 let mut fused = Vec::new();
                 for s in 0..5 {
                     let (next, r) = step

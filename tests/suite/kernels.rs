@@ -551,6 +551,7 @@ mod wgpu {
             sample_tokens: 0,
             log_every: 1000,
             progress: false,
+            plot: None,
             ..PretrainConfig::default()
         };
         let flex = run(&base).unwrap();

@@ -24,6 +24,7 @@ fn small(steps: usize) -> PretrainConfig {
         sample_tokens: 0,
         log_every: 1000,
         progress: false,
+        plot: None,
         ..PretrainConfig::default()
     }
 }
@@ -399,25 +400,32 @@ fn bad_input_is_refused() {
 }
 
 /// `--estimate`'s parameter, gradient and optimizer bytes equal what the decorator measures
-/// after a step, for DDP, ZeRO-2 and FSDP on 2 ranks (the test model's dims all divide).
+/// after a step: DDP, ZeRO-2 and FSDP on 2 ranks, tensor parallelism on 2 (vocabulary-parallel
+/// embedding split, row-parallel biases and LayerNorms whole) and FSDP over dp 2 × tp 2. The
+/// vocabulary is the data's (`load_data`), not a constant.
 #[test]
 fn estimate_matches_measured_bytes() {
-    use wildfire::pretrain::estimate;
-    for fsdp in [
-        FsdpStrategy::NoShard,
-        FsdpStrategy::ShardGradOp,
-        FsdpStrategy::FullShard,
+    use wildfire::pretrain::{estimate, load_data};
+    for (dp, tp, fsdp) in [
+        (2, 1, FsdpStrategy::NoShard),
+        (2, 1, FsdpStrategy::ShardGradOp),
+        (2, 1, FsdpStrategy::FullShard),
+        (1, 2, FsdpStrategy::NoShard),
+        (2, 2, FsdpStrategy::FullShard),
     ] {
         let config = PretrainConfig {
             parallel: ParallelConfig {
-                dp: 2,
+                dp,
+                tp,
                 fsdp,
                 ..ParallelConfig::default()
             },
             ..small(1)
         };
         let summary = run(&config).unwrap();
-        let e = estimate(&config, summary.model.as_ref().unwrap());
+        let model = load_data(&config).unwrap().model;
+        assert_eq!(summary.model.as_ref(), Some(&model));
+        let e = estimate(&config, &model);
         let m = &summary.steps[0];
         assert_eq!(
             (m.param_bytes, m.grad_bytes, m.optim_bytes),
@@ -426,9 +434,86 @@ fn estimate_matches_measured_bytes() {
                 e.grad_bytes as u64,
                 e.optim_bytes as u64
             ),
-            "{fsdp:?}"
+            "dp {dp} tp {tp} {fsdp:?}"
         );
     }
+}
+
+/// A launched process takes its place from the launcher: torchrun inside a SLURM allocation
+/// (both sets of variables) is a torchrun rendezvous, `--dp` defaults to `WORLD_SIZE / --tp`,
+/// and a mesh that does not match the world is refused.
+#[test]
+fn launcher_environment_sets_the_launch_and_dp() {
+    use wildfire::parallel::LaunchEnv;
+    use wildfire::pretrain::Launch;
+    let vars = |pairs: &'static [(&'static str, &'static str)]| {
+        LaunchEnv::from_vars(|n| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == n)
+                .map(|(_, v)| v.to_string())
+        })
+        .unwrap()
+    };
+    let torchrun_in_slurm = vars(&[
+        ("SLURM_NTASKS", "1"),
+        ("SLURM_PROCID", "0"),
+        ("WORLD_SIZE", "4"),
+        ("RANK", "1"),
+    ]);
+    let mut config = PretrainConfig {
+        parallel: ParallelConfig {
+            tp: 2,
+            ..ParallelConfig::default()
+        },
+        ..small(1)
+    };
+    config.apply_launcher(torchrun_in_slurm, false).unwrap();
+    assert_eq!((config.launch, config.parallel.dp), (Launch::Rendezvous, 2));
+    let mut given = small(1);
+    let err = given.apply_launcher(torchrun_in_slurm, true).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("torchrun started 4 processes, but --dp 1 × --tp 1 = 1 ranks"),
+        "{err}"
+    );
+    let mut srun = small(1);
+    srun.apply_launcher(vars(&[("SLURM_NTASKS", "2"), ("SLURM_PROCID", "1")]), false)
+        .unwrap();
+    assert_eq!((srun.launch, srun.parallel.dp), (Launch::Mpi, 2));
+    let mut alone = small(1);
+    alone
+        .apply_launcher(vars(&[("WORLD_SIZE", "1")]), false)
+        .unwrap();
+    assert_eq!((alone.launch, alone.parallel.dp), (Launch::Threads, 1));
+}
+
+/// One source for every default: `PretrainConfig::default()` is what the flags give when none
+/// is passed.
+#[test]
+fn defaults_are_the_flags_defaults() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        config: PretrainConfig,
+    }
+    let parsed = Flags::try_parse_from(["x"]).unwrap().config;
+    let d = PretrainConfig::default();
+    assert_eq!(
+        (d.steps, d.sample_tokens, d.plot.clone()),
+        (300, 300, Some("loss.png".into()))
+    );
+    if std::env::var_os("WILDFIRE_DP").is_none() {
+        assert_eq!(parsed, d);
+    }
+    let flags = Flags::try_parse_from(["x", "--dp", "2", "--fsdp", "full", "--precision", "bf16"])
+        .unwrap()
+        .config;
+    assert_eq!(
+        (flags.parallel.dp, flags.precision),
+        (2, wildfire::pretrain::Precision::Bf16)
+    );
 }
 
 /// Gradient accumulation: 4 micro-batches of 2 sequences equal one batch of 8 (1 rank, DDP on

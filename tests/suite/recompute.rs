@@ -9,7 +9,7 @@ use burn::module::{ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use wildfire::engine::{AttentionSpec, Checkpointer, Recompute, attention_reference};
+use wildfire::engine::{AttentionSpec, Recompute, Recomputer, attention_reference};
 use wildfire::models::gpt::{Gpt, GptConfig};
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, parallelize_gpt};
 use wildfire::parallel::{
@@ -70,7 +70,7 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Collect<'_, B> {
 fn one_step(policy: Recompute, dropout: f64) -> (u32, Vec<Vec<u32>>, usize) {
     let device = Default::default();
     let model: Gpt<Plain> = config(4, dropout).init(&device).unwrap();
-    let ckpt = Checkpointer::<Plain>::new(policy, 99);
+    let ckpt = Recomputer::<Plain>::new(policy, 99);
     let loss = model.loss_with(tokens(2, 16, 0, &device), tokens(2, 16, 1, &device), &ckpt);
     let value = loss.clone().into_scalar().to_bits();
     let regions = ckpt.regions();
@@ -137,7 +137,7 @@ fn attention_backward_matches_burn_autodiff() {
             data(2).require_grad(),
             data(3).require_grad(),
         );
-        let ckpt = Checkpointer::<Plain>::new(
+        let ckpt = Recomputer::<Plain>::new(
             if how == "selective" {
                 Recompute::Selective
             } else {
@@ -203,7 +203,7 @@ fn policies_are_bitwise_identical_under_full_shard() {
                         },
                     )
                     .unwrap();
-                    let ckpt = Checkpointer::<Dist>::new(policy, 7 + rank as u64)
+                    let ckpt = Recomputer::<Dist>::new(policy, 7 + rank as u64)
                         .with_fence(|| Ok(ctx.comm().barrier(Group::World)?));
                     let loss = model.loss_with(
                         tokens(2, 16, rank, &device),
@@ -269,7 +269,7 @@ fn retained_bytes_per_layer_follow_the_formulas() {
         let x = tokens::<Dist>(b, s, 0, &device);
         let y = tokens::<Dist>(b, s, 1, &device);
         let before = ctx.live_bytes() as i64;
-        let ckpt = Checkpointer::<Dist>::new(policy, 1);
+        let ckpt = Recomputer::<Dist>::new(policy, 1);
         let loss = model.loss_with(x, y, &ckpt);
         let kept = ctx.live_bytes() as i64 - before;
         let _ = ckpt.backward(loss, &model).unwrap();
@@ -314,7 +314,7 @@ fn recompute_errors_come_back_typed() {
     // A fence that fails (a peer died): backward stops with that error, nothing hangs.
     let device = Default::default();
     let model: Gpt<Plain> = config(2, 0.0).init(&device).unwrap();
-    let ckpt = Checkpointer::<Plain>::new(Recompute::Full, 0).with_fence(|| {
+    let ckpt = Recomputer::<Plain>::new(Recompute::Full, 0).with_fence(|| {
         Err(DistError::Comm(CommError::PeerFailed {
             rank: 1,
             reason: "peer gone".into(),
@@ -359,7 +359,7 @@ fn stock_burn_nn_layers_recompute_bitwise() {
     }
     let reference = collect(&(x.powf_scalar(2.0).sum()).backward());
     for policy in [Recompute::Full, Recompute::EveryNth(2)] {
-        let ckpt = Checkpointer::<Plain>::new(policy, 0);
+        let ckpt = Recomputer::<Plain>::new(policy, 0);
         let mut x = input();
         for (i, layer) in encoder.layers.iter().enumerate() {
             let n = encoder.layers.len();
@@ -410,7 +410,7 @@ fn stock_dropout_replays_under_thread_ranks() {
                     let mut x =
                         Tensor::<Dist, 3>::from_data(TensorData::new(v, [2, 5, 16]), &device);
                     // The last run uses another step seed: other masks, another loss.
-                    let ckpt = Checkpointer::<Dist>::new(policy, if run == 2 { 9 } else { 3 })
+                    let ckpt = Recomputer::<Dist>::new(policy, if run == 2 { 9 } else { 3 })
                         .with_fence(|| Ok(ctx.comm().barrier(Group::World)?));
                     let n = encoder.layers.len();
                     for (i, layer) in encoder.layers.iter().enumerate() {

@@ -480,13 +480,6 @@ fn write_cache(
     tokenizer: &Tokenizer,
     tokens: &[u32],
 ) -> Result<(), DataError> {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let mut tmp = cache.as_os_str().to_owned();
-    tmp.push(format!(".tmp-{}-{nanos}", std::process::id()));
-    let tmp = PathBuf::from(tmp);
-
     let width = token_width(tokenizer);
     let mut header = [0u8; CACHE_HEADER_BYTES];
     header[..8].copy_from_slice(CACHE_MAGIC);
@@ -499,8 +492,7 @@ fn write_cache(
     header[40..44].copy_from_slice(&stamp.mtime_nanos.to_le_bytes());
     header[48..56].copy_from_slice(&(tokens.len() as u64).to_le_bytes());
 
-    let write = || -> io::Result<()> {
-        let mut out = io::BufWriter::new(File::create(&tmp)?);
+    crate::io::write_atomic_with(cache, |out| {
         out.write_all(&header)?;
         let mut buf = Vec::with_capacity(width * 65536);
         for chunk in tokens.chunks(65536) {
@@ -515,13 +507,9 @@ fn write_cache(
             }
             out.write_all(&buf)?;
         }
-        out.into_inner()
-            .map_err(io::IntoInnerError::into_error)?
-            .sync_all()?;
-        fs::rename(&tmp, cache)
-    };
-    write().map_err(|e| {
-        let _ = fs::remove_file(&tmp);
+        Ok(())
+    })
+    .map_err(|e| {
         DataError::io(
             cache,
             io::Error::new(e.kind(), format!("could not write token cache: {e}")),

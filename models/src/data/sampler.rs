@@ -80,6 +80,30 @@ impl BatchSampler {
         Ok((inputs, targets))
     }
 
+    /// [`BatchSampler::batch`] as `[rows, block_size]` integer tensors (inputs, targets) on
+    /// `device`.
+    pub fn tensors<B: burn::prelude::Backend>(
+        &self,
+        data: TokenSlice<'_>,
+        step: u64,
+        rows: Range<usize>,
+        device: &B::Device,
+    ) -> Result<
+        (
+            burn::prelude::Tensor<B, 2, burn::prelude::Int>,
+            burn::prelude::Tensor<B, 2, burn::prelude::Int>,
+        ),
+        DataError,
+    > {
+        let shape = [rows.len(), self.block_size];
+        let (x, y) = self.batch(data, step, rows)?;
+        let to = |v: Vec<u32>| {
+            let ids: Vec<i64> = v.into_iter().map(i64::from).collect();
+            burn::prelude::Tensor::from_data(burn::tensor::TensorData::new(ids, shape), device)
+        };
+        Ok((to(x), to(y)))
+    }
+
     /// The rows that rank `rank` of `ranks` data-parallel ranks takes: an equal contiguous slice of
     /// the global batch. Errors unless `ranks` divides `global_batch` and `rank < ranks`.
     pub fn rows_for(&self, rank: usize, ranks: usize) -> Result<Range<usize>, DataError> {

@@ -1,0 +1,185 @@
+//! What a training run reports: one [`StepMetrics`] record per step (JSON lines, as llm.c's
+//! log), the human log line, model FLOPs utilisation and the process's peak memory.
+
+use serde::{Deserialize, Serialize};
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// One step's record (rank 0's view; `loss` is the mean over the data-parallel ranks).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct StepMetrics {
+    /// Step number (0-based).
+    pub step: usize,
+    /// Training loss.
+    pub loss: f32,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    /// Loss scale (1 without loss scaling).
+    pub loss_scale: f32,
+    /// Whether the optimizer step was skipped.
+    pub skipped: bool,
+    /// Training tokens per second over all ranks.
+    pub tokens_per_s: f64,
+    /// Parameter bytes on this rank.
+    pub param_bytes: u64,
+    /// Gradient bytes on this rank.
+    pub grad_bytes: u64,
+    /// Optimizer-state bytes on this rank.
+    pub optim_bytes: u64,
+    /// Peak bytes of this rank's live distributed tensors during the step (the decorator's
+    /// accounting; clones count once, views made by ops again: an upper bound).
+    pub peak_bytes: u64,
+    /// Of those, the peak of parameters gathered over data axes for use (FSDP).
+    #[serde(default)]
+    pub gathered_peak_bytes: u64,
+    /// Peak resident memory of the whole process so far (VmHWM; all thread-ranks share it).
+    pub process_peak_rss: u64,
+    /// Bytes this rank passed to collectives during the step.
+    pub comm_bytes: u64,
+    /// Validation loss, on evaluation steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f32>,
+}
+
+impl StepMetrics {
+    /// The human log line: `step 10 | loss 2.3456 | lr 1.00e-3 | grad_norm 0.812 | tok/s 19031
+    /// | scale 1`, with `| mfu x%` when `mfu` is given and `| val_loss` on evaluation steps.
+    pub fn log_line(&self, mfu: Option<f64>) -> String {
+        let mfu = mfu.map_or(String::new(), |m| format!(" | mfu {:.2}%", 100.0 * m));
+        let val = self
+            .val_loss
+            .map_or(String::new(), |v| format!(" | val_loss {v:.4}"));
+        format!(
+            "step {} | loss {:.4} | lr {:.2e} | grad_norm {:.3} | tok/s {:.0}{mfu} | scale {}{val}",
+            self.step, self.loss, self.lr, self.grad_norm, self.tokens_per_s, self.loss_scale
+        )
+    }
+}
+
+/// A JSON-lines metrics file, shared by the thread-ranks of a process (rank 0 writes).
+#[derive(Debug)]
+pub struct MetricsLog {
+    path: PathBuf,
+    file: Mutex<File>,
+}
+
+impl MetricsLog {
+    /// Open `path`: truncated for a new run, appended to for a resumed one (as llm.c does, so
+    /// one file holds the whole run).
+    pub fn open(path: &Path, resumed: bool) -> std::io::Result<Self> {
+        let file = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(resumed)
+            .truncate(!resumed)
+            .open(path)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file: Mutex::new(file),
+        })
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Append one record as a line.
+    pub fn write(&self, m: &StepMetrics) -> std::io::Result<()> {
+        let line = serde_json::to_string(m).map_err(std::io::Error::other)?;
+        let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
+        writeln!(file, "{line}")
+    }
+
+    /// Every record of a metrics file (to plot or compare runs).
+    pub fn read(path: &Path) -> std::io::Result<Vec<StepMetrics>> {
+        std::fs::read_to_string(path)?
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| serde_json::from_str(l).map_err(std::io::Error::other))
+            .collect()
+    }
+}
+
+/// Model FLOPs utilisation: the run's model FLOP/s (`flops_per_token × tokens_per_s`, tokens of
+/// the global batch) over the peak of every rank's device (`peak_flops × world_size`: data,
+/// tensor and any other model axis alike).
+pub fn mfu(flops_per_token: f64, tokens_per_s: f64, peak_flops: f64, world_size: usize) -> f64 {
+    flops_per_token * tokens_per_s / (peak_flops * world_size.max(1) as f64)
+}
+
+/// The mean of a per-rank scalar over the world (a collective: every rank calls it).
+pub fn mean_over_ranks<B: burn::prelude::Backend>(
+    device: &wildfire_parallel::DistDevice<B>,
+    value: f32,
+) -> Result<f32, wildfire_parallel::CommError> {
+    use wildfire_parallel::{Group, ReduceOp};
+    let comm = device.context().comm();
+    if comm.mesh().world_size() == 1 {
+        return Ok(value);
+    }
+    let data = burn::tensor::TensorData::new(vec![value], [1]);
+    let mean = comm.all_reduce(Group::World, data, ReduceOp::Avg)?;
+    Ok(mean.to_vec::<f32>().map_or(f32::NAN, |v| v[0]))
+}
+
+/// The process's peak resident memory in bytes (`VmHWM` of `/proc/self/status`; 0 where there
+/// is no procfs).
+pub fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_resumed_log_appends() {
+        let path = std::env::temp_dir().join(format!("wildfire-metrics-{}", std::process::id()));
+        let record = |step| StepMetrics {
+            step,
+            ..Default::default()
+        };
+        let log = MetricsLog::open(&path, false).unwrap();
+        log.write(&record(0)).unwrap();
+        log.write(&record(1)).unwrap();
+        drop(log);
+        MetricsLog::open(&path, true)
+            .unwrap()
+            .write(&record(2))
+            .unwrap();
+        let steps: Vec<usize> = MetricsLog::read(&path)
+            .unwrap()
+            .iter()
+            .map(|m| m.step)
+            .collect();
+        assert_eq!(steps, [0, 1, 2]);
+        MetricsLog::open(&path, false).unwrap();
+        assert!(MetricsLog::read(&path).unwrap().is_empty());
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn the_log_line_has_mfu_only_when_asked() {
+        let m = StepMetrics {
+            step: 3,
+            loss: 2.5,
+            val_loss: Some(2.25),
+            ..Default::default()
+        };
+        assert!(!m.log_line(None).contains("mfu"));
+        assert!(m.log_line(Some(0.5)).contains("| mfu 50.00%"));
+        assert!(m.log_line(None).ends_with("| val_loss 2.2500"));
+    }
+}

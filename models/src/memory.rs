@@ -1,0 +1,153 @@
+//! The per-rank memory a GPT training run needs, predicted from its shape and parallel layout:
+//! the bytes the decorator's accounting measures (`parameter_bytes`, the gradient and
+//! optimizer-state bytes of `StepMetrics`) and an activation estimate.
+//!
+//! Parameters, gradients and AdamW state are counted tensor by tensor on the layout
+//! [`crate::parallelize::parallelize_gpt`] builds: tensor parallelism splits the token embedding
+//! by vocabulary, the column-parallel weights and biases by output and the row-parallel weights
+//! by input (row-parallel biases and LayerNorms stay whole); data-parallel sharding then splits
+//! every local piece along its first dimension into `N` shards of `⌈rows/N⌉` rows (ZeRO,
+//! Rajbhandari et al. 2020). Activations follow Korthikanti et al. (2022).
+
+use crate::gpt::GptConfig;
+use crate::parallelize::{FsdpStrategy, ParallelConfig, Recompute};
+use serde::Serialize;
+
+/// Per-rank memory in bytes (f32 parameters, gradients and AdamW moments).
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    /// Parameters Ψ of the whole model.
+    pub params: usize,
+    /// Parameters a rank holds before data-parallel sharding (its tensor-parallel piece).
+    pub params_per_tp_rank: usize,
+    /// Data-parallel ranks that shard (N of the formulas).
+    pub shard_ranks: usize,
+    /// Parameter bytes.
+    pub param_bytes: usize,
+    /// Gradient bytes.
+    pub grad_bytes: usize,
+    /// Optimizer-state bytes (AdamW's two moments).
+    pub optim_bytes: usize,
+    /// Activations kept for backward (this rank's share of the batch).
+    pub activation_bytes: usize,
+    /// The sum.
+    pub total_bytes: usize,
+}
+
+/// One parameter tensor on a tensor-parallel rank: `[rows, cols]` of its local piece.
+struct Local {
+    rows: usize,
+    cols: usize,
+}
+
+/// Every parameter's local piece on one tensor-parallel rank of `t` (the GPT's TP plan, see
+/// [`crate::parallelize::gpt_tp_plan`]). Linear weights are `[d_in, d_out]`.
+fn local_pieces(model: &GptConfig, t: usize) -> Vec<Local> {
+    let (v, s, d) = (model.vocab_size, model.block_size, model.n_embd);
+    let whole = |rows, cols| Local { rows, cols };
+    let mut pieces = vec![whole(v / t, d), whole(s, d)];
+    for _ in 0..model.n_layer {
+        pieces.extend([
+            whole(d, 1), // ln_1 γ, β
+            whole(d, 1),
+            whole(d, 3 * d / t), // c_attn: column-parallel
+            whole(3 * d / t, 1),
+            whole(d / t, d), // attn.c_proj: row-parallel, bias whole
+            whole(d, 1),
+            whole(d, 1), // ln_2
+            whole(d, 1),
+            whole(d, 4 * d / t), // c_fc: column-parallel
+            whole(4 * d / t, 1),
+            whole(4 * d / t, d), // mlp.c_proj: row-parallel, bias whole
+            whole(d, 1),
+        ]);
+    }
+    pieces.extend([whole(d, 1), whole(d, 1)]); // ln_f
+    pieces
+}
+
+/// The estimate for training `model` with `parallel` and a global batch of `batch_size`
+/// sequences, on one rank.
+pub fn estimate(model: &GptConfig, parallel: &ParallelConfig, batch_size: usize) -> MemoryEstimate {
+    use FsdpStrategy as S;
+    let t = parallel.tp.max(1);
+    let n = match parallel.fsdp {
+        S::Hybrid => parallel.dp_shard.unwrap_or(parallel.dp),
+        _ => parallel.dp,
+    }
+    .max(1);
+    let pieces = local_pieces(model, t);
+    let local: usize = pieces.iter().map(|p| p.rows * p.cols).sum();
+    let sharded: usize = pieces.iter().map(|p| p.rows.div_ceil(n) * p.cols).sum();
+    let (p, g, o) = match parallel.fsdp {
+        S::NoShard => (4 * local, 4 * local, 8 * local),
+        S::ShardOptimizer => (4 * local, 4 * local, 8 * sharded),
+        S::ShardGradOp => (4 * local, 4 * sharded, 8 * sharded),
+        S::FullShard | S::Hybrid => (4 * sharded, 4 * sharded, 8 * sharded),
+    };
+    let activation_bytes = activation_bytes(model, parallel, batch_size / parallel.dp.max(1));
+    MemoryEstimate {
+        params: model.num_params(),
+        params_per_tp_rank: local,
+        shard_ranks: n,
+        param_bytes: p,
+        grad_bytes: g,
+        optim_bytes: o,
+        activation_bytes,
+        total_bytes: p + g + o + activation_bytes,
+    }
+}
+
+/// Korthikanti et al. (2022), bytes per layer at 16 bits with tensor parallelism t: all kept
+/// sbh(10 + 24/t) + 5as²b/t, with sequence parallelism sbh·34/t + 5as²b/t; selective
+/// recomputation drops the 5as²b/t attention core; full keeps the block input 2sbh (2sbh/t with
+/// sequence parallelism), and one block's activations while it is recomputed. Doubled for f32,
+/// plus the f32 logits and their gradient (vocabulary-split over tp).
+fn activation_bytes(model: &GptConfig, parallel: &ParallelConfig, b: usize) -> usize {
+    let (s, h, a, l, t) = (
+        model.block_size,
+        model.n_embd,
+        model.n_head,
+        model.n_layer,
+        parallel.tp.max(1),
+    );
+    let sp = parallel.sp && t > 1;
+    let kept_linear = if sp {
+        // Keeping the sequence gathers: the two column-parallel inputs also whole (2·2sbh).
+        s * b * h * 34 / t + usize::from(parallel.sp_keep_gathers) * 4 * s * b * h
+    } else {
+        s * b * h * (10 + 24 / t)
+    };
+    let keep_all = kept_linear + 5 * a * s * s * b / t;
+    let keep_input = if sp { 2 * s * b * h / t } else { 2 * s * b * h };
+    let per_layer_16: usize = (0..l)
+        .map(|i| match parallel.recompute {
+            Recompute::None => keep_all,
+            Recompute::Selective => kept_linear,
+            r if r.recomputes_block(i, l) => keep_input,
+            _ => keep_all,
+        })
+        .sum();
+    let transient = match parallel.recompute {
+        Recompute::Full | Recompute::EveryNth(_) => keep_all,
+        _ => 0,
+    };
+    let logits = s * b * (model.vocab_size / t) * 4 * 2;
+    (per_layer_16 + transient) * 2 + logits
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpt::Preset;
+
+    /// Without parallelism every parameter is counted once: Ψ.
+    #[test]
+    fn one_rank_holds_psi() {
+        let model = Preset::Tiny.config(256);
+        let e = estimate(&model, &ParallelConfig::default(), 8);
+        assert_eq!(e.params_per_tp_rank, model.num_params());
+        assert_eq!(e.param_bytes, 4 * model.num_params());
+        assert_eq!(e.optim_bytes, 8 * model.num_params());
+    }
+}

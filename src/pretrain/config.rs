@@ -1,0 +1,307 @@
+//! What a pretraining run is: [`PretrainConfig`], its command-line flags and its defaults in one
+//! definition (clap reads the flags into it, `Default` is what the flags give when none is
+//! passed, serde stores it in every checkpoint), the checks a run makes before any work, and
+//! where a launched process sits ([`PretrainConfig::apply_launcher`]).
+
+use super::PretrainError;
+use burn::tensor::FloatDType;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+use wildfire_models::data::TokenizerKind;
+use wildfire_models::gpt::{GptConfig, ModelError, Preset};
+use wildfire_models::parallelize::ParallelConfig;
+use wildfire_parallel::{LaunchEnv, Launcher};
+
+/// Numeric precision of the compute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[value(rename_all = "lowercase")]
+pub enum Precision {
+    /// f32 everywhere.
+    F32,
+    /// bf16 compute, f32 master weights.
+    Bf16,
+    /// f16 compute with dynamic loss scaling, f32 master weights.
+    F16,
+}
+
+impl Precision {
+    /// The reduced dtype (`None` for f32).
+    pub fn reduced_dtype(self) -> Option<FloatDType> {
+        match self {
+            Precision::F32 => None,
+            Precision::Bf16 => Some(FloatDType::BF16),
+            Precision::F16 => Some(FloatDType::F16),
+        }
+    }
+}
+
+/// What carries the collectives of the training tensors.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Collectives {
+    /// The host communicator: ranks as threads, or MPI between processes.
+    #[default]
+    Host,
+    /// NCCL on the ranks' CUDA devices, bootstrapped over the host communicator (feature
+    /// `cuda`, `--backend cuda`): rank `r` of a process uses GPU `r` (its local rank under MPI).
+    Nccl,
+}
+
+/// How the ranks run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Launch {
+    /// One thread per rank in this process.
+    #[default]
+    Threads,
+    /// This process is one rank of the job `mpirun` / `srun` started (feature `mpi`); the mesh
+    /// must have as many ranks as the job has processes.
+    Mpi,
+    /// This process is one rank of a torchrun-style launch (`MASTER_ADDR`, `MASTER_PORT`,
+    /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK`), with no MPI: NCCL on CUDA carries everything
+    /// (feature `cuda`, `--collectives nccl`; the caller passes `RankHooks::launch`).
+    Rendezvous,
+}
+
+/// Everything a pretraining run needs: the binary's flags, stored in every checkpoint.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, clap::Args)]
+pub struct PretrainConfig {
+    /// Model preset: tiny, small, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b.
+    #[arg(long, default_value = "tiny", help_heading = "Model")]
+    pub preset: Preset,
+    /// Transformer blocks (overrides the preset).
+    #[arg(long, help_heading = "Model")]
+    pub n_layer: Option<usize>,
+    /// Attention heads (overrides the preset).
+    #[arg(long, help_heading = "Model")]
+    pub n_head: Option<usize>,
+    /// Model width (overrides the preset).
+    #[arg(long, help_heading = "Model")]
+    pub n_embd: Option<usize>,
+    /// Context length (overrides the preset).
+    #[arg(long, help_heading = "Model")]
+    pub block_size: Option<usize>,
+    /// Dropout probability while training (embeddings, attention, residual branches; 0 for
+    /// pretraining).
+    #[serde(default)]
+    #[arg(long, default_value_t = 0.0, help_heading = "Model")]
+    pub dropout: f64,
+
+    /// Training data: a text file, or a nanoGPT / llm.c `.bin` token file (default: the
+    /// embedded corpus).
+    #[arg(long, help_heading = "Data")]
+    pub data: Option<PathBuf>,
+    /// Tokenizer for text: bytes or gpt2 (GPT-2 BPE, offline).
+    #[arg(long, default_value = "bytes", help_heading = "Data")]
+    pub tokenizer: TokenizerKind,
+    /// Fraction of the tokens held out for validation.
+    #[arg(long, default_value_t = 0.1, help_heading = "Data")]
+    pub val_fraction: f64,
+
+    /// Total optimizer steps (a resumed run continues up to this step).
+    #[arg(long, default_value_t = 300, help_heading = "Training")]
+    pub steps: usize,
+    /// Global batch: sequences per step over all data-parallel ranks.
+    #[arg(long, default_value_t = 8, help_heading = "Training")]
+    pub batch_size: usize,
+    /// Gradient accumulation micro-batches per step.
+    #[arg(long, default_value_t = 1, help_heading = "Training")]
+    pub accum: usize,
+    /// Peak learning rate (AdamW, β = (0.9, 0.95)).
+    #[arg(long, default_value_t = 1e-3, help_heading = "Training")]
+    pub lr: f64,
+    /// Linear warmup steps, then cosine decay to `lr / 10` at step `decay_steps`.
+    #[arg(long, default_value_t = 20, help_heading = "Training")]
+    pub warmup: usize,
+    /// Where the cosine decay ends (default: `steps`); set it to keep a schedule fixed when a
+    /// run is stopped early and resumed with more steps.
+    #[arg(long, help_heading = "Training")]
+    pub decay_steps: Option<usize>,
+    /// AdamW weight decay.
+    #[arg(long, default_value_t = 0.1, help_heading = "Training")]
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this (0: off).
+    #[arg(long, default_value_t = 1.0, help_heading = "Training")]
+    pub clip: f64,
+    /// Seed of the data sampling (the weights' seed is part of the model).
+    #[arg(long, default_value_t = 1337, help_heading = "Training")]
+    pub seed: u64,
+
+    /// Parallelism.
+    #[command(flatten)]
+    pub parallel: ParallelConfig,
+    /// Compute precision: f32, bf16, f16.
+    #[arg(long, value_enum, default_value_t = Precision::F32, help_heading = "Parallelism")]
+    pub precision: Precision,
+    /// The dtype data-parallel gradient reductions communicate in: f32 (the master
+    /// gradients'), bf16 (half the bytes), f16.
+    #[serde(default = "f32_precision")]
+    #[arg(long, value_enum, default_value_t = Precision::F32, help_heading = "Parallelism")]
+    pub grad_reduce: Precision,
+    /// Per-rank budget on the bytes of live tensors (the decorator's accounting); a step that
+    /// needs more fails with a typed error naming the rank.
+    #[serde(default)]
+    #[arg(long, help_heading = "Parallelism")]
+    pub memory_budget: Option<u64>,
+
+    /// Evaluate every this many steps, and at the end (0: only at the end).
+    #[arg(
+        long,
+        default_value_t = 50,
+        help_heading = "Evaluation and checkpoints"
+    )]
+    pub eval_every: usize,
+    /// Validation batches per evaluation.
+    #[arg(long, default_value_t = 4, help_heading = "Evaluation and checkpoints")]
+    pub eval_iters: usize,
+    /// Checkpoint directory.
+    #[arg(long, help_heading = "Evaluation and checkpoints")]
+    pub save: Option<PathBuf>,
+    /// Checkpoint every this many steps, and at the end (0: only at the end).
+    #[arg(long, default_value_t = 0, help_heading = "Evaluation and checkpoints")]
+    pub save_every: usize,
+    /// Resume from this checkpoint directory.
+    #[arg(long, help_heading = "Evaluation and checkpoints")]
+    pub resume: Option<PathBuf>,
+
+    /// One JSON object per step (and per evaluation) to this file; appended to on --resume.
+    #[arg(long, help_heading = "Output")]
+    pub metrics: Option<PathBuf>,
+    /// A log line every this many steps.
+    #[arg(long, default_value_t = 10, help_heading = "Output")]
+    pub log_every: usize,
+    /// Peak FLOP/s of one rank's device (e.g. 9.9e14 for an H100's dense bf16), for the MFU
+    /// column of the log line; without it the line has no MFU (a guessed peak would mislead).
+    #[arg(long, help_heading = "Output")]
+    pub peak_flops: Option<f64>,
+    /// Tokens of text to generate at the end (0: none).
+    #[arg(long, default_value_t = 300, help_heading = "Output")]
+    pub sample_tokens: usize,
+    /// Loss-curve PNG written at the end.
+    #[arg(long, default_value = "loss.png", help_heading = "Output")]
+    pub plot: Option<PathBuf>,
+    /// Show a progress bar (rank 0, terminals only).
+    #[arg(skip = true)]
+    pub progress: bool,
+    /// Ranks as threads of this process, or this process as one rank of a launched job (set
+    /// from the environment by [`PretrainConfig::apply_launcher`]).
+    #[serde(default)]
+    #[arg(skip)]
+    pub launch: Launch,
+    /// What moves the training tensors between ranks: host (threads / MPI) or nccl (CUDA GPUs,
+    /// one per rank, the rank's local index; needs --backend cuda).
+    #[serde(default)]
+    #[arg(long, value_enum, default_value_t = Collectives::Host, help_heading = "Run")]
+    pub collectives: Collectives,
+}
+
+fn f32_precision() -> Precision {
+    Precision::F32
+}
+
+impl Default for PretrainConfig {
+    /// What the flags give when none is passed (the environment not read).
+    fn default() -> Self {
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            config: PretrainConfig,
+        }
+        let command =
+            <Flags as clap::CommandFactory>::command().mut_arg("dp", |a| a.env(None::<&str>));
+        let matches = command.get_matches_from(["wildfire"]);
+        <Flags as clap::FromArgMatches>::from_arg_matches(&matches)
+            .expect("the defaults parse")
+            .config
+    }
+}
+
+impl PretrainConfig {
+    /// The model shape for a vocabulary of `vocab` tokens (GPT-2's padded to 50304, as nanoGPT).
+    pub fn model(&self, vocab: usize) -> Result<GptConfig, ModelError> {
+        let vocab = if vocab > 256 {
+            vocab.div_ceil(64) * 64
+        } else {
+            vocab
+        };
+        let mut c = self.preset.config(vocab);
+        c.n_layer = self.n_layer.unwrap_or(c.n_layer);
+        c.n_head = self.n_head.unwrap_or(c.n_head);
+        c.n_embd = self.n_embd.unwrap_or(c.n_embd);
+        c.block_size = self.block_size.unwrap_or(c.block_size);
+        c.dropout = self.dropout;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Refuse options that are not implemented yet, and impossible values.
+    pub fn check(&self) -> Result<(), PretrainError> {
+        self.parallel.check_available()?;
+        let dp = self.parallel.dp;
+        if self.steps == 0 || self.batch_size == 0 {
+            return Err(PretrainError::Config(
+                "--steps and --batch-size must be at least 1".into(),
+            ));
+        }
+        if self.accum == 0 || !self.batch_size.is_multiple_of(dp * self.accum) {
+            return Err(PretrainError::Config(format!(
+                "--batch-size {} does not split into --dp {dp} × --accum {} micro-batches: choose a multiple of {}",
+                self.batch_size,
+                self.accum,
+                dp * self.accum
+            )));
+        }
+        if !(0.0..1.0).contains(&self.val_fraction) {
+            return Err(PretrainError::Config(
+                "--val-fraction must be in [0, 1)".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Learning rate at `step`: linear warmup, then cosine decay to a tenth (nanoGPT).
+    pub fn lr_at(&self, step: usize) -> f64 {
+        let min = self.lr / 10.0;
+        if step < self.warmup {
+            return self.lr * (step + 1) as f64 / self.warmup as f64;
+        }
+        let span = self
+            .decay_steps
+            .unwrap_or(self.steps)
+            .saturating_sub(self.warmup)
+            .max(1) as f64;
+        let progress = ((step - self.warmup) as f64 / span).min(1.0);
+        min + 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()) * (self.lr - min)
+    }
+
+    /// Place this process in the world its launcher started (`env`, from
+    /// [`LaunchEnv::detect`]): none or a world of one runs the ranks as threads; `mpirun`,
+    /// `mpiexec` and `srun` make it one rank of an MPI job; `torchrun` one rank of a
+    /// rendezvous (NCCL only). Unless `dp_given`, `--dp` becomes the launcher's world over
+    /// `--tp`; then the mesh must have one rank per process.
+    pub fn apply_launcher(
+        &mut self,
+        env: Option<LaunchEnv>,
+        dp_given: bool,
+    ) -> Result<(), PretrainError> {
+        let Some(env) = env.filter(|e| e.world_size > 1) else {
+            self.launch = Launch::Threads;
+            return Ok(());
+        };
+        let (world, tp) = (env.world_size, self.parallel.tp.max(1));
+        if !dp_given && world.is_multiple_of(tp) {
+            self.parallel.dp = world / tp;
+        }
+        let mesh = self.parallel.world_size();
+        if mesh != world {
+            return Err(PretrainError::Config(format!(
+                "{} started {world} processes, but --dp {} × --tp {tp} = {mesh} ranks: one process per rank (change --dp/--tp or the launcher's process count)",
+                env.launcher, self.parallel.dp
+            )));
+        }
+        self.launch = match env.launcher {
+            Launcher::Torchrun => Launch::Rendezvous,
+            _ => Launch::Mpi,
+        };
+        Ok(())
+    }
+}

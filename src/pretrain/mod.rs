@@ -1,0 +1,337 @@
+//! GPT pretraining, the library behind `examples/gpt_pretrain`, read top to bottom as nanoGPT's
+//! `train.py`: the configuration ([`PretrainConfig`]), the data and the model, the parallel
+//! layout, then the training loop on every rank with evaluation, metrics and checkpoints. One
+//! function, [`run`], that the binary and the tests call alike.
+//!
+//! The pieces it puts together live with their concern: metrics and the log line in
+//! `wildfire_engine::metrics`, checkpoint files in `wildfire_models::checkpoint`, the memory
+//! estimate in `wildfire_models::memory`, launcher detection in `wildfire_parallel::LaunchEnv`.
+
+mod config;
+mod error;
+mod plot;
+
+pub use config::{Collectives, Launch, Precision, PretrainConfig};
+pub use error::PretrainError;
+pub(crate) use error::io_err;
+pub use plot::plot_losses;
+pub use wildfire_engine::metrics::{StepMetrics, mfu};
+pub use wildfire_models::memory::MemoryEstimate;
+
+use burn::backend::Autodiff;
+use burn::module::AutodiffModule;
+use burn::optim::{AdamWConfig, Optimizer};
+use burn::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use wildfire_engine::metrics::{MetricsLog, mean_over_ranks, peak_rss};
+use wildfire_engine::{DynamicLossScaler, LossScalerConfig, StepRunner, StepRunnerConfig};
+use wildfire_kernels::FusedOps;
+use wildfire_models::checkpoint::{CheckpointDir, ParamRecords, decode_records, encode_records};
+use wildfire_models::data::{BatchSampler, DataSource, TokenDataset, TokenSlice, Tokenizer};
+use wildfire_models::gpt::{Gpt, GptConfig};
+use wildfire_models::parallelize::parallelize_gpt;
+use wildfire_parallel::{
+    AxisKind, DeviceMesh, DistDevice, Distributed, FsdpOptimizer, LaunchOptions, create_replicated,
+    launch_ranks_on, parameter_bytes,
+};
+
+/// Called on every rank's device before training (e.g. to install NCCL collectives).
+pub type RankSetup<'a, B> = dyn Fn(&DistDevice<B>) -> Result<(), String> + Sync + 'a;
+
+/// One rank's training, as handed to a [`ProcessLaunch`].
+pub type RankBody<'a, B> = dyn FnMut(DistDevice<B>) -> Result<RunSummary, PretrainError> + 'a;
+
+/// Runs this process's rank of `mesh` (its device made by the launcher) through the body
+/// ([`Launch::Rendezvous`]).
+pub type ProcessLaunch<'a, B> = dyn Fn(&DeviceMesh, &mut RankBody<'_, B>) -> Result<Result<RunSummary, PretrainError>, String>
+    + 'a;
+
+/// What a backend-specific caller adds to [`run_on_with`].
+pub struct RankHooks<'a, B: Backend> {
+    /// Run on every rank's device before training.
+    pub setup: Option<&'a RankSetup<'a, B>>,
+    /// Starts this process's rank for [`Launch::Rendezvous`].
+    pub launch: Option<&'a ProcessLaunch<'a, B>>,
+}
+
+impl<B: Backend> Default for RankHooks<'_, B> {
+    fn default() -> Self {
+        Self {
+            setup: None,
+            launch: None,
+        }
+    }
+}
+
+/// What a run produced.
+#[derive(Clone, Debug, Default)]
+pub struct RunSummary {
+    /// Metrics of each step run (from the first step after a resume).
+    pub steps: Vec<StepMetrics>,
+    /// Generated text, if asked for.
+    pub sample: String,
+    /// Every parameter at the end, in visiting order (rank 0).
+    pub parameters: Vec<Vec<f32>>,
+    /// The model shape.
+    pub model: Option<GptConfig>,
+    /// The rank this summary comes from (0, except on the other processes of an MPI job).
+    pub rank: usize,
+}
+
+/// The state stored next to the weights in a checkpoint.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct CheckpointState {
+    /// Steps completed.
+    step: usize,
+    /// The run's configuration.
+    config: PretrainConfig,
+    /// The model shape.
+    model: GptConfig,
+    /// The loss scaler (f16 runs).
+    #[serde(default)]
+    scaler: Option<DynamicLossScaler>,
+}
+
+/// The data of a run and the model shape it implies (the vocabulary is the data's).
+pub struct RunData {
+    /// The tokenizer.
+    pub tokenizer: Tokenizer,
+    /// All tokens.
+    pub dataset: TokenDataset,
+    /// The model shape.
+    pub model: GptConfig,
+}
+
+/// Load the data and derive the model shape from it.
+pub fn load_data(config: &PretrainConfig) -> Result<RunData, PretrainError> {
+    let tokenizer = Tokenizer::new(config.tokenizer)?;
+    let source = match &config.data {
+        Some(path) => DataSource::File(path.clone()),
+        None => DataSource::Embedded,
+    };
+    let dataset = TokenDataset::load(&source, &tokenizer)?;
+    let model = config.model(tokenizer.vocab_size().max(dataset.max_token() as usize + 1))?;
+    dataset.check_vocab(model.vocab_size)?;
+    tracing::info!(model = ?model, params = model.num_params(), tokens = dataset.len(), data = %source);
+    Ok(RunData {
+        tokenizer,
+        dataset,
+        model,
+    })
+}
+
+/// The per-rank memory `config` needs for `model` ([`wildfire_models::memory::estimate`]).
+pub fn estimate(config: &PretrainConfig, model: &GptConfig) -> MemoryEstimate {
+    wildfire_models::memory::estimate(model, &config.parallel, config.batch_size)
+}
+
+/// Run pretraining with `config` on the Flex CPU backend (ranks as threads).
+pub fn run(config: &PretrainConfig) -> Result<RunSummary, PretrainError> {
+    run_on::<burn::backend::Flex>(config, &Default::default())
+}
+
+/// Run pretraining on the inner backend `B` (all ranks share `device`).
+pub fn run_on<B: FusedOps>(
+    config: &PretrainConfig,
+    device: &B::Device,
+) -> Result<RunSummary, PretrainError> {
+    run_on_with::<B>(config, device, &RankHooks::default())
+}
+
+/// [`run_on`] with backend-specific hooks: `setup` runs on every rank's device first, `launch`
+/// starts the rank of a [`Launch::Rendezvous`] process. With [`Collectives::Nccl`] the setup
+/// installs NCCL, and rank `r` of a process runs on the device `r` places after `device` (its
+/// local rank: one GPU per rank).
+pub fn run_on_with<B: FusedOps>(
+    config: &PretrainConfig,
+    device: &B::Device,
+    hooks: &RankHooks<'_, B>,
+) -> Result<RunSummary, PretrainError> {
+    // 1. Configuration: refuse what cannot run before any work.
+    config.check()?;
+    if config.collectives == Collectives::Nccl && hooks.setup.is_none() && hooks.launch.is_none() {
+        return Err(PretrainError::Config(
+            "--collectives nccl runs on CUDA: build with --features cuda and pass --backend cuda"
+                .into(),
+        ));
+    }
+    if let Some(dtype) = config.precision.reduced_dtype()
+        && !B::supports_dtype(device, dtype.into())
+    {
+        return Err(PretrainError::Config(format!(
+            "--precision {:?}: the {} backend cannot compute in {dtype:?}; use --precision f32",
+            config.precision,
+            B::name(device)
+        )));
+    }
+    // 2. Data and model shape; the batch sampler gives every data-parallel rank its rows.
+    let data = load_data(config)?;
+    let (train, val) = data.dataset.split(config.val_fraction);
+    let sampler = BatchSampler {
+        seed: config.seed,
+        block_size: data.model.block_size,
+        global_batch: config.batch_size,
+    };
+    sampler.check(train)?;
+    let val_sampler = BatchSampler {
+        seed: config.seed ^ 0x0056_414C,
+        ..sampler.clone()
+    };
+    if config.eval_iters > 0 && config.val_fraction > 0.0 {
+        val_sampler.check(val)?;
+    }
+    let resume = config
+        .resume
+        .as_deref()
+        .map(|dir| read_state(dir, &data.model))
+        .transpose()?;
+    let first_step = resume.as_ref().map_or(0, |(state, _)| state.step);
+    tracing::info!("pretraining {} steps from step {first_step}", config.steps);
+    // Ranks as threads share one metrics file (rank 0 writes); a launched process's rank 0 opens
+    // its own.
+    let open_metrics = |rank: usize| match &config.metrics {
+        Some(path) if rank == 0 => MetricsLog::open(path, config.resume.is_some())
+            .map(Some)
+            .map_err(io_err(path)),
+        _ => Ok(None),
+    };
+    let shared_metrics = match config.launch {
+        Launch::Threads => open_metrics(0)?,
+        Launch::Mpi | Launch::Rendezvous => None,
+    };
+    // 3. Every rank: build, parallelize, train.
+    let setup = hooks.setup;
+    let rank_body = |device: DistDevice<B>| -> Result<RunSummary, PretrainError> {
+        if let Some(setup) = setup {
+            setup(&device).map_err(PretrainError::Config)?;
+        }
+        let own_metrics = match config.launch {
+            Launch::Threads => None,
+            _ => open_metrics(device.rank())?,
+        };
+        RankRun {
+            config,
+            data: &data,
+            sampler: &sampler,
+            val_sampler: &val_sampler,
+            train,
+            val,
+            rows: sampler.rows_for(dp_index(&device), config.parallel.dp)?,
+            metrics: own_metrics.as_ref().or(shared_metrics.as_ref()),
+            resume: resume
+                .as_ref()
+                .map(|(state, dir)| (dir.as_path(), state.scaler.clone())),
+            first_step,
+        }
+        .train(&device)
+    };
+    let (rank, summary) = launch_ranks::<B>(config, device, hooks, rank_body)?;
+    let mut summary = summary?;
+    summary.model = Some(data.model);
+    summary.rank = rank;
+    if rank == 0
+        && let Some(path) = &config.plot
+    {
+        plot_losses(path, &summary.steps)?;
+    }
+    Ok(summary)
+}
+
+/// The data-parallel index of a rank: row-major over the data axes (tensor-parallel peers
+/// share rows).
+fn dp_index<B: Backend>(device: &DistDevice<B>) -> usize {
+    let mesh = device.mesh();
+    let coords = mesh.coords(device.rank());
+    mesh.axes()
+        .iter()
+        .enumerate()
+        .filter(|(_, axis)| axis.kind == AxisKind::Data)
+        .fold(0, |index, (a, axis)| index * axis.size + coords[a])
+}
+
+/// Start the ranks as [`PretrainConfig::launch`] says; returns this process's rank and its
+/// rank's result.
+fn launch_ranks<B: FusedOps>(
+    config: &PretrainConfig,
+    device: &B::Device,
+    hooks: &RankHooks<'_, B>,
+    body: impl Fn(DistDevice<B>) -> Result<RunSummary, PretrainError> + Sync,
+) -> Result<(usize, Result<RunSummary, PretrainError>), PretrainError> {
+    let mesh = config.parallel.mesh()?;
+    // With NCCL, rank `r` of a process drives the GPU `r` places after `device`.
+    let per_rank_device = |local: usize| -> B::Device {
+        use burn::tensor::backend::{Device as _, DeviceId};
+        if config.collectives == Collectives::Nccl {
+            let id = device.to_id();
+            B::Device::from_id(DeviceId::new(id.type_id, id.index_id + local as u16))
+        } else {
+            device.clone()
+        }
+    };
+    let options = LaunchOptions::default();
+    match config.launch {
+        Launch::Threads => {
+            let results = launch_ranks_on::<B, _, _, _>(&mesh, per_rank_device, &options, body)?;
+            Ok((0, results.into_iter().next().expect("rank 0")))
+        }
+        #[cfg(feature = "mpi")]
+        Launch::Mpi => {
+            let rank = std::cell::Cell::new(0);
+            let result = wildfire_parallel::launch_ranks_mpi::<B, _, _, _>(
+                &mesh,
+                per_rank_device,
+                &options,
+                |d| {
+                    rank.set(d.rank());
+                    body(d)
+                },
+            )
+            .map_err(|e| PretrainError::Config(e.to_string()))?;
+            Ok((rank.get(), result))
+        }
+        #[cfg(not(feature = "mpi"))]
+        Launch::Mpi => Err(PretrainError::Config(
+            "this binary was built without MPI: cargo build --features mpi --example gpt_pretrain, then mpirun -np N …".into(),
+        )),
+        Launch::Rendezvous => {
+            let Some(launch) = hooks.launch else {
+                return Err(PretrainError::Config(
+                    "a torchrun-style launch (WORLD_SIZE, MASTER_ADDR): without MPI the ranks need NCCL: a binary built with --features cuda, run with --backend cuda --collectives nccl; or run under mpirun / srun with a binary built with --features mpi".into(),
+                ));
+            };
+            let mut rank = 0;
+            let mut body = |d: DistDevice<B>| {
+                rank = d.rank();
+                body(d)
+            };
+            let result = launch(&mesh, &mut body).map_err(PretrainError::Config)?;
+            Ok((rank, result))
+        }
+    }
+}
+
+/// The checkpoint to resume from: its state, checked against this run's model, and directory.
+fn read_state(root: &Path, model: &GptConfig) -> Result<(CheckpointState, PathBuf), PretrainError> {
+    let dir = CheckpointDir::new(root).latest()?;
+    let text = std::fs::read_to_string(dir.join("state.json")).map_err(io_err(&dir))?;
+    let state: CheckpointState =
+        serde_json::from_str(&text).map_err(|e| PretrainError::Checkpoint {
+            path: dir.clone(),
+            reason: format!("state.json is corrupt: {e}"),
+        })?;
+    if &state.model != model {
+        return Err(PretrainError::Checkpoint {
+            path: dir,
+            reason: format!(
+                "it holds a model of shape {:?}, this run builds {:?}; resume with the same model flags",
+                state.model, model
+            ),
+        });
+    }
+    Ok((state, dir))
+}
+
+mod rank;
+use rank::RankRun;

@@ -1,0 +1,323 @@
+//! The training loop of one rank: build the model (or load the checkpoint), lay it out over the
+//! mesh, then per step: the micro-batches, the step, the metrics, evaluation and checkpoints.
+
+use super::*;
+
+type A<B> = Autodiff<Distributed<B>>;
+
+/// What one rank's training reads.
+pub(super) struct RankRun<'a> {
+    pub config: &'a PretrainConfig,
+    pub data: &'a RunData,
+    pub sampler: &'a BatchSampler,
+    pub val_sampler: &'a BatchSampler,
+    pub train: TokenSlice<'a>,
+    pub val: TokenSlice<'a>,
+    /// This rank's rows of the global batch.
+    pub rows: std::ops::Range<usize>,
+    pub metrics: Option<&'a MetricsLog>,
+    /// The checkpoint directory and loss scaler to resume from.
+    pub resume: Option<(&'a Path, Option<DynamicLossScaler>)>,
+    pub first_step: usize,
+}
+
+impl RankRun<'_> {
+    /// AdamW (β₂ 0.95, the configured weight decay): on backends with kernels the fused
+    /// optimizer tail (one unscale + Σg² + overflow kernel per gradient, one AdamW kernel per
+    /// parameter), elsewhere Burn's AdamW; both under `FsdpOptimizer`.
+    pub fn train<B: FusedOps>(&self, device: &DistDevice<B>) -> Result<RunSummary, PretrainError> {
+        let weight_decay = self.config.weight_decay;
+        if B::FUSED.optimizer {
+            let (adamw, inputs) = wildfire_engine::FusedAdamW::<B>::optimizer::<Gpt<A<B>>>(
+                wildfire_engine::FusedAdamWConfig {
+                    beta1: 0.9,
+                    beta2: 0.95,
+                    epsilon: 1e-5, // Burn's AdamW default
+                    weight_decay,
+                },
+            );
+            self.train_with(device, FsdpOptimizer::new(adamw), Some(inputs))
+        } else {
+            let adamw = AdamWConfig::new()
+                .with_beta_2(0.95)
+                .with_weight_decay(weight_decay as f32)
+                .init::<A<B>, Gpt<A<B>>>();
+            self.train_with(device, FsdpOptimizer::new(adamw), None)
+        }
+    }
+
+    fn train_with<B, O, R>(
+        &self,
+        device: &DistDevice<B>,
+        mut optim: O,
+        tail: Option<wildfire_engine::TailInputs<B>>,
+    ) -> Result<RunSummary, PretrainError>
+    where
+        B: FusedOps,
+        O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<R>>,
+        R: burn::record::Record<A<B>>,
+    {
+        let (config, model_config) = (self.config, &self.data.model);
+        let rank = device.rank();
+        // Precision policy: f32 master weights, matmuls in the compute dtype; f16 adds a
+        // dynamic loss scale.
+        let ctx = device.context().clone();
+        ctx.set_compute_dtype(config.precision.reduced_dtype());
+        ctx.set_memory_budget(config.memory_budget);
+        ctx.set_gradient_reduce_dtype(config.grad_reduce.reduced_dtype());
+        let resume_scaler = self.resume.as_ref().and_then(|(_, s)| s.clone());
+        let scaler = (config.precision == Precision::F16).then(|| {
+            resume_scaler.unwrap_or_else(|| DynamicLossScaler::new(LossScalerConfig::default()))
+        });
+        let mut train_step = StepRunner::new(
+            StepRunnerConfig {
+                clip: (config.clip > 0.0).then_some(config.clip as f32),
+                recompute: config.parallel.recompute,
+            },
+            scaler,
+        );
+        let mut model: Gpt<A<B>> = model_config.init(device)?;
+        if let Some((dir, _)) = &self.resume {
+            // Every rank loads the same files: the values are replicated by construction.
+            let bad = |what: &str, reason: String| PretrainError::Checkpoint {
+                path: dir.to_path_buf(),
+                reason: format!("{what}: {reason}"),
+            };
+            model = create_replicated(|| {
+                wildfire_models::safetensors::load(model, &dir.join("model.safetensors"))
+            })
+            .map_err(|e| bad("model weights", e.to_string()))?;
+            let bytes = std::fs::read(dir.join("optimizer.bin"))
+                .map_err(|e| bad("optimizer state", e.to_string()))?;
+            let record = create_replicated(|| decode_records::<A<B>, R>(&bytes, device))
+                .map_err(|e| bad("optimizer state", e))?;
+            optim = create_replicated(|| optim.load_record(record));
+        }
+        let mut model = parallelize_gpt(model, device.mesh(), &config.parallel)?;
+        let tokens_per_step = (config.batch_size * model_config.block_size) as f64;
+        let progress = (rank == 0 && config.progress).then(|| self.progress_bar());
+        let mut summary = RunSummary::default();
+        for step in self.first_step..config.steps {
+            let started = Instant::now();
+            let stats_before = ctx.comm_stats();
+            ctx.reset_peak_bytes();
+            let lr = config.lr_at(step);
+            // `accum` micro-batches of this rank's rows. Recomputation and dropout streams are
+            // seeded by (run seed, step, first global row), so tensor-parallel peers (same rows)
+            // draw the same masks.
+            let micro = self.rows.len() / config.accum;
+            let starts: Vec<usize> = (0..config.accum)
+                .map(|i| self.rows.start + i * micro)
+                .collect();
+            let seeds: Vec<u64> = starts
+                .iter()
+                .map(|&start| {
+                    wildfire_engine::recompute::mix_seed(config.seed, step as u64, start as u64)
+                })
+                .collect();
+            let batch = |i: usize| {
+                let rows = starts[i]..starts[i] + micro;
+                self.sampler
+                    .tensors::<A<B>>(self.train, step as u64, rows, device)
+                    .expect("the sampler was checked")
+            };
+            let (next, record) = match &tail {
+                Some(inputs) => train_step.run_fused(
+                    device,
+                    model,
+                    &mut optim,
+                    inputs,
+                    lr,
+                    &seeds,
+                    |model: &Gpt<A<B>>, i, ckpt| {
+                        let (x, y) = batch(i);
+                        model.loss_with(x, y, ckpt)
+                    },
+                )?,
+                None => {
+                    train_step.run(device, model, &mut optim, lr, &seeds, |model, i, ckpt| {
+                        let (x, y) = batch(i);
+                        model.loss_with(x, y, ckpt)
+                    })?
+                }
+            };
+            model = next;
+            // The decorator's accounting of this rank's local pieces. After the step only the
+            // parameters and the optimizer state are alive (the loss and its graph are dropped,
+            // the gradients consumed), so the optimizer state is the rest.
+            let param_bytes = parameter_bytes(&model);
+            let elapsed = started.elapsed().as_secs_f64();
+            let mut m = StepMetrics {
+                step,
+                loss: mean_over_ranks(device, record.loss)
+                    .map_err(wildfire_parallel::DistError::from)?,
+                lr,
+                grad_norm: record.grad_norm,
+                loss_scale: record.loss_scale,
+                skipped: record.skipped,
+                tokens_per_s: tokens_per_step / elapsed,
+                param_bytes,
+                grad_bytes: record.grad_bytes,
+                optim_bytes: ctx.live_bytes().saturating_sub(param_bytes),
+                peak_bytes: ctx.peak_bytes(),
+                gathered_peak_bytes: ctx.peak_gathered_bytes(),
+                process_peak_rss: peak_rss(),
+                comm_bytes: ctx.comm_stats().since(&stats_before).total_bytes(),
+                val_loss: None,
+            };
+            let last = step + 1 == config.steps;
+            if (config.eval_every > 0 && (step + 1) % config.eval_every == 0) || last {
+                m.val_loss = self.evaluate(&model, device)?;
+            }
+            if rank == 0 {
+                self.report(&m, progress.as_ref(), elapsed)?;
+            }
+            summary.steps.push(m);
+            let every = config.save_every > 0 && (step + 1) % config.save_every == 0;
+            if let Some(root) = &config.save
+                && (every || last)
+            {
+                self.save(root, &model, &optim, train_step.scaler(), step + 1, rank)?;
+            }
+        }
+        if let Some(bar) = &progress {
+            bar.finish_and_clear();
+        }
+        // Gathering sharded parameters and sampling take collectives: every rank does them.
+        summary.parameters = crate::demo::parameters(&model);
+        if config.sample_tokens > 0 {
+            let prompt = self.data.tokenizer.encode("\n");
+            let tokens =
+                model
+                    .valid()
+                    .generate(&prompt, config.sample_tokens, 0.8, 40, config.seed, device);
+            summary.sample = self.data.tokenizer.decode(&tokens);
+        }
+        Ok(summary)
+    }
+
+    fn progress_bar(&self) -> indicatif::ProgressBar {
+        let bar = indicatif::ProgressBar::new(self.config.steps as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:40} {pos}/{len} steps {msg} [{elapsed_precise}<{eta_precise}]",
+            )
+            .expect("template"),
+        );
+        bar.set_position(self.first_step as u64);
+        bar
+    }
+
+    /// The mean validation loss over `eval_iters` batches of this rank's rows, averaged over
+    /// the ranks (`None` without validation data).
+    fn evaluate<B: FusedOps>(
+        &self,
+        model: &Gpt<A<B>>,
+        device: &DistDevice<B>,
+    ) -> Result<Option<f32>, PretrainError> {
+        if self.config.eval_iters == 0 || self.val.len() <= self.data.model.block_size {
+            return Ok(None);
+        }
+        let model = model.valid();
+        let mut total = 0.0;
+        for i in 0..self.config.eval_iters {
+            let (x, y) = self.val_sampler.tensors::<Distributed<B>>(
+                self.val,
+                i as u64,
+                self.rows.clone(),
+                device,
+            )?;
+            total += model.loss(x, y).into_scalar().elem::<f32>();
+        }
+        let mean = total / self.config.eval_iters as f32;
+        Ok(Some(
+            mean_over_ranks(device, mean).map_err(wildfire_parallel::DistError::from)?,
+        ))
+    }
+
+    /// Rank 0: the metrics record, the progress bar and (every `log_every` steps, on
+    /// evaluations and at the end) the log line.
+    fn report(
+        &self,
+        m: &StepMetrics,
+        bar: Option<&indicatif::ProgressBar>,
+        elapsed: f64,
+    ) -> Result<(), PretrainError> {
+        if let Some(log) = self.metrics {
+            log.write(m).map_err(io_err(log.path()))?;
+        }
+        let model = &self.data.model;
+        let mfu = self.config.peak_flops.map(|peak| {
+            let flops = model.flops_per_token(model.block_size);
+            mfu(
+                flops,
+                m.tokens_per_s,
+                peak,
+                self.config.parallel.world_size(),
+            )
+        });
+        if let Some(bar) = bar {
+            bar.set_position(m.step as u64 + 1);
+            bar.set_message(format!("loss {:.4} ({:.0} ms/step)", m.loss, elapsed * 1e3));
+        }
+        if m.step.is_multiple_of(self.config.log_every.max(1))
+            || m.val_loss.is_some()
+            || m.step + 1 == self.config.steps
+        {
+            let line = m.log_line(mfu);
+            match bar {
+                Some(bar) => bar.suspend(|| tracing::info!("{line}")),
+                None => tracing::info!("{line}"),
+            }
+        }
+        Ok(())
+    }
+
+    /// Save weights (`model.safetensors`, named by module path), optimizer state (one Burn
+    /// record per parameter, in parameter-id order) and the run state (`state.json`: step,
+    /// config, model shape, loss scaler; the sampler needs nothing else) as the checkpoint of
+    /// `step` under `root`. Sharded values are gathered for the files: every rank takes part, in
+    /// the same order; rank 0 writes.
+    fn save<B, O, R>(
+        &self,
+        root: &Path,
+        model: &Gpt<A<B>>,
+        optim: &O,
+        scaler: Option<&DynamicLossScaler>,
+        step: usize,
+        rank: usize,
+    ) -> Result<(), PretrainError>
+    where
+        B: Backend,
+        O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<R>>,
+        R: burn::record::Record<A<B>>,
+    {
+        let weights = wildfire_models::safetensors::to_bytes(model);
+        let optimizer = encode_records::<A<B>, R>(optim.to_record()).map_err(|e| {
+            PretrainError::Checkpoint {
+                path: root.to_path_buf(),
+                reason: format!("optimizer state: {e}"),
+            }
+        })?;
+        if rank != 0 {
+            return Ok(());
+        }
+        let state = CheckpointState {
+            step,
+            config: self.config.clone(),
+            model: self.data.model.clone(),
+            scaler: scaler.cloned(),
+        };
+        let state = serde_json::to_string_pretty(&state).expect("the state serialises");
+        let dir = CheckpointDir::new(root).save(
+            step,
+            &[
+                ("model.safetensors", &weights),
+                ("optimizer.bin", &optimizer),
+                ("state.json", state.as_bytes()),
+            ],
+        )?;
+        tracing::info!("saved checkpoint {}", dir.display());
+        Ok(())
+    }
+}
