@@ -301,7 +301,6 @@ where
     if ctx.world_size() > 1 {
         ctx.comm().barrier(Group::World)?;
     }
-    ctx.clear_gradients_pending();
-    crate::backend::rules::clear_gathered_gradient();
+    crate::backend::gradients_synced(&ctx);
     Ok(syncer.report)
 }

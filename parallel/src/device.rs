@@ -2,6 +2,7 @@
 
 use crate::comm::{Communicator, DeviceCollectives, InProcessWorld};
 use crate::mesh::{AxisKind, DeviceMesh};
+use crate::policy::ShardingPolicy;
 use burn::tensor::backend::{Backend, DeviceId, DeviceOps};
 use std::any::{Any, TypeId};
 use std::cell::RefCell;
@@ -71,8 +72,9 @@ pub struct RankContext {
     /// parameters), and their peak.
     gathered_bytes: AtomicI64,
     peak_gathered_bytes: AtomicI64,
-    /// How data-parallel gradients are reduced and parameters rest (set by `fully_shard`).
-    plan: Mutex<DataPlan>,
+    /// How parameters, gradients and optimizer state rest on the data axes (set by
+    /// `fully_shard`).
+    sharding: Mutex<ShardingPolicy>,
     /// The dtype matmuls and linear layers compute in (None: the operands' own).
     compute_dtype: Mutex<Option<burn_backend::FloatDType>>,
     /// This rank's random stream, once seeded (`Backend::seed`): ranks as threads then draw
@@ -90,16 +92,6 @@ pub struct RankContext {
     grad_reduce_dtype: Mutex<Option<burn_backend::FloatDType>>,
     /// The live-bytes budget (0: none).
     memory_budget: std::sync::atomic::AtomicU64,
-}
-
-/// The data-parallel plan of a rank: where gradients are reduce-scattered, and the strategy.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct DataPlan {
-    /// Data axes on which a gradient whose first dimension divides is reduce-scattered into
-    /// `Shard(0)` (ZeRO-2/3, HSDP's shard axis); on the others it is all-reduced.
-    pub(crate) grad_shard_axes: Vec<usize>,
-    /// The strategy `fully_shard` applied, if any.
-    pub(crate) strategy: Option<crate::fsdp::FsdpStrategy>,
 }
 
 impl std::fmt::Debug for RankContext {
@@ -126,7 +118,7 @@ impl RankContext {
             peak_bytes: AtomicI64::new(0),
             gathered_bytes: AtomicI64::new(0),
             peak_gathered_bytes: AtomicI64::new(0),
-            plan: Mutex::new(DataPlan::default()),
+            sharding: Mutex::new(ShardingPolicy::default()),
             compute_dtype: Mutex::new(None),
             rng: Mutex::new(None),
             sequence_parallel: std::sync::atomic::AtomicUsize::new(usize::MAX),
@@ -346,23 +338,29 @@ impl RankContext {
         }
     }
 
-    pub(crate) fn plan(&self) -> DataPlan {
-        self.plan.lock().unwrap().clone()
+    /// How parameters, gradients and optimizer state rest on the data axes.
+    pub fn sharding(&self) -> ShardingPolicy {
+        self.sharding.lock().unwrap().clone()
     }
 
-    pub(crate) fn set_plan(&self, plan: DataPlan) {
-        *self.plan.lock().unwrap() = plan;
+    pub(crate) fn set_sharding(&self, sharding: ShardingPolicy) {
+        *self.sharding.lock().unwrap() = sharding;
+    }
+
+    /// When data-parallel gradients are reduced (the sharding policy's, without cloning it).
+    pub(crate) fn gradient_reduction(&self) -> crate::policy::GradientReduction {
+        self.sharding.lock().unwrap().gradient_reduction
     }
 
     /// Where a data-parallel gradient of global shape `shape` (model-axis placements `base`)
-    /// goes on each data axis (`Shard(0)` on the plan's shard axes when the first dimension
-    /// divides, else `Replicate`); model axes are left `Replicate`.
+    /// goes on each data axis (`Shard(0)` on the sharding policy's gradient shard axes when the
+    /// first dimension divides, else `Replicate`); model axes are left `Replicate`.
     pub(crate) fn grad_layout(
         &self,
         shape: &[usize],
         base: &crate::placement::Layout,
     ) -> crate::placement::Layout {
-        let axes = self.plan.lock().unwrap().grad_shard_axes.clone();
+        let axes = self.sharding.lock().unwrap().grad_shard_axes.clone();
         let mesh = self.mesh();
         let mut start = base.clone();
         for (a, axis) in mesh.axes().iter().enumerate() {

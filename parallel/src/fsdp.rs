@@ -1,5 +1,6 @@
 //! FSDP and the ZeRO family over the data axes: `fully_shard` places the parameters and sets the
-//! rank's gradient plan; [`FsdpOptimizer`] wraps any Burn optimizer so its state is sharded.
+//! rank's [`ShardingPolicy`] (which the backend reads to reduce gradients); [`FsdpOptimizer`]
+//! wraps any Burn optimizer so its state is sharded.
 //!
 //! | strategy | parameters rest | gradients | optimizer state | bytes (f32, AdamW) |
 //! |---|---|---|---|---|
@@ -15,10 +16,11 @@
 //! first dimension a tensor-parallel split already divides unevenly for N.
 
 use crate::data_parallel::{DistributedBackend, dtensor, from_dtensor, redistribute, replicate};
-use crate::device::{DataPlan, RankContext};
+use crate::device::RankContext;
 use crate::error::DistError;
 use crate::mesh::{AxisKind, DeviceMesh};
 use crate::placement::Placement;
+use crate::policy::{GradientReduction, ShardingPolicy};
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
 use burn::tensor::Tensor;
@@ -88,8 +90,8 @@ impl<B: DistributedBackend> ModuleMapper<B> for Sharder<'_> {
     }
 }
 
-/// Lay `module` out for `strategy` over the data axes of `mesh` and set this rank's gradient
-/// plan. Call once, after the model is built (and after tensor parallelism, if any). Parameters
+/// Lay `module` out for `strategy` over the data axes of `mesh` and set this rank's
+/// [`ShardingPolicy`]. Call once, after the model is built (and after tensor parallelism, if any). Parameters
 /// keep their `ParamId`s; every rank starts from rank 0's values.
 pub fn fully_shard<B: DistributedBackend, M: Module<B>>(
     module: M,
@@ -113,20 +115,31 @@ pub fn fully_shard<B: DistributedBackend, M: Module<B>>(
     if let Some(e) = sharder.error {
         return Err(e);
     }
-    let grad_shard_axes = match strategy {
-        FsdpStrategy::NoShard | FsdpStrategy::ShardOptimizer => Vec::new(),
-        _ => axes,
-    };
     let ctx = sharder.ctx.unwrap_or_else(|| {
         crate::device::current_device::<B::Inner>()
             .context()
             .clone()
     });
-    ctx.set_plan(DataPlan {
-        grad_shard_axes,
-        strategy: Some(strategy),
-    });
+    ctx.set_sharding(sharding_policy(strategy, axes));
     Ok(module)
+}
+
+/// Where `strategy` puts parameters, gradients and optimizer state, sharding over `axes`.
+fn sharding_policy(strategy: FsdpStrategy, axes: Vec<usize>) -> ShardingPolicy {
+    use FsdpStrategy::*;
+    let params = match strategy {
+        FullShard | Hybrid => axes.clone(),
+        NoShard | ShardOptimizer | ShardGradOp => Vec::new(),
+    };
+    let (grads, reduction) = match strategy {
+        NoShard | ShardOptimizer => (Vec::new(), GradientReduction::AtSync),
+        ShardGradOp | FullShard | Hybrid => (axes.clone(), GradientReduction::WhereBorn),
+    };
+    let optimizer = match strategy {
+        NoShard => Vec::new(),
+        ShardOptimizer | ShardGradOp | FullShard | Hybrid => axes,
+    };
+    ShardingPolicy::new(params, grads, optimizer, reduction)
 }
 
 /// Any Burn optimizer, with its state sharded as the strategy says: for ZeRO-1 the (replicated)
@@ -146,7 +159,8 @@ impl<O> FsdpOptimizer<O> {
 
 struct Slicer<'a> {
     grads: &'a mut GradientsParams,
-    ctx: Option<Arc<RankContext>>,
+    /// The data axes the optimizer state is sharded over.
+    axes: &'a [usize],
 }
 
 impl<B> ModuleVisitor<B> for Slicer<'_>
@@ -159,16 +173,11 @@ where
             return;
         };
         let t = dtensor(&grad);
-        let ctx = self
-            .ctx
-            .get_or_insert_with(|| t.device().context().clone())
-            .clone();
-        let mesh = ctx.mesh().clone();
-        let axes = shard_axes(&mesh, FsdpStrategy::ShardOptimizer).unwrap_or_default();
+        let mesh = t.device().mesh().clone();
         let target = crate::placement::shard_dim0(
             t.layout().clone(),
             &t.global_shape().to_vec(),
-            &axes,
+            self.axes,
             &mesh,
         );
         // Replicate -> Shard is a local slice: no communication.
@@ -205,10 +214,6 @@ impl<B: DistributedBackend> ModuleMapper<B> for Regather {
     }
 }
 
-fn strategy_of(ctx: &Option<Arc<RankContext>>) -> Option<FsdpStrategy> {
-    ctx.as_ref().and_then(|c| c.plan().strategy)
-}
-
 impl<O, M, B> Optimizer<M, B> for FsdpOptimizer<O>
 where
     O: Optimizer<M, B>,
@@ -220,19 +225,20 @@ where
     type Record = O::Record;
 
     fn step(&mut self, lr: LearningRate, module: M, mut grads: GradientsParams) -> M {
-        let ctx = first_context(&module);
-        let strategy = strategy_of(&ctx);
-        if strategy == Some(FsdpStrategy::ShardOptimizer) {
+        let sharding = first_context(&module)
+            .map(|ctx| ctx.sharding())
+            .unwrap_or_default();
+        let optimizer_sharded = !sharding.optimizer_shard_axes().is_empty();
+        // ZeRO-1: the optimizer state is sharded, the gradients arrive replicated.
+        if optimizer_sharded && sharding.grad_shard_axes().is_empty() {
             module.visit(&mut Slicer {
                 grads: &mut grads,
-                ctx: ctx.clone(),
+                axes: sharding.optimizer_shard_axes(),
             });
         }
         let module = self.inner.step(lr, module, grads);
-        if matches!(
-            strategy,
-            Some(FsdpStrategy::ShardOptimizer | FsdpStrategy::ShardGradOp)
-        ) {
+        // ZeRO-1/2: the parameters rest replicated, their updates come out sharded.
+        if optimizer_sharded && sharding.param_shard_axes().is_empty() {
             let mut regather = Regather { error: None };
             let module = module.map(&mut regather);
             if let Some(e) = regather.error {

@@ -12,7 +12,25 @@
 //! Placement model (PyTorch FSDP2 + DTensor): every float tensor is a [`DTensor`] — this rank's
 //! local piece plus one [`Placement`] per mesh axis (`Replicate`, `Shard(dim)`, `Partial(op)`,
 //! and, on data axes, `Local`: per-rank batch data). Every op applies a propagation rule
-//! (`backend/rules.rs`) or the counted fallback; see `../shared/ARCHITECTURE.md` §3.
+//! (`backend/rules/`) or the counted fallback; see `../shared/ARCHITECTURE.md` §3.
+
+// Layers, bottom to top: a module imports only from the layers below it (`tests.rs` from any).
+//
+//   mesh → comm → placement → error → policy → device → tensor → backend
+//        → data_parallel → fsdp, tensor_parallel → launch → ranks
+//
+// - mesh, comm: the device mesh; the communicators and their collectives.
+// - placement, error: layouts (`Placement` per mesh axis) and the typed errors.
+// - policy: what the strategies tell the backend, as a value the rank holds.
+// - device: `DistDevice` and its `RankContext`; tensor: `DTensor` and its redistributions.
+// - backend: `Distributed<B>`, its propagation rules and fallback. It reads the policy and never
+//   imports a strategy; the strategies call down into it (`backend::gradients_synced`).
+// - data_parallel, fsdp, tensor_parallel: the strategies, which set the policy.
+// - launch, ranks: ranks as threads or processes.
+//
+// `python3 tools/check_layers.py` checks this order. Exceptions left in comm/: `comm/device.rs`
+// (collectives on a `DistDevice`'s tensors) imports device and tensor, and the MPI, NCCL and
+// hybrid launchers import device and launch.
 
 mod backend;
 pub mod comm;
@@ -23,6 +41,7 @@ mod fsdp;
 pub mod launch;
 pub mod mesh;
 mod placement;
+mod policy;
 mod ranks;
 mod tensor;
 mod tensor_parallel;
@@ -51,6 +70,7 @@ pub use fsdp::{FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, paramet
 pub use launch::{LaunchError, LaunchOptions, launch};
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis, MeshError};
 pub use placement::{Layout, Placement, create_replicated};
+pub use policy::{GradientReduction, ShardingPolicy};
 pub use ranks::{launch_ranks, launch_ranks_on};
 pub use tensor::DTensor;
 pub use tensor_parallel::{ModulePath, TpError, TpPlan, TpStyle, tensor_parallel};

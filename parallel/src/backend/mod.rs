@@ -9,9 +9,9 @@
 mod fallback;
 mod forward;
 mod fused;
-pub(crate) mod rules;
+mod rules;
 
-use crate::device::DistDevice;
+use crate::device::{DistDevice, RankContext};
 use crate::tensor::DTensor;
 use burn_backend::{Backend, BackendTypes, DType, DTypeUsageSet, ExecutionError, TensorData};
 use std::marker::PhantomData;
@@ -19,7 +19,7 @@ use std::marker::PhantomData;
 pub(crate) mod prelude {
     pub(crate) use super::Distributed;
     pub(crate) use super::fallback::Fallback;
-    pub(crate) use super::rules;
+    pub(super) use super::rules;
     pub(crate) use burn_backend::ops::*;
     pub(crate) use burn_backend::quantization::{QuantScheme, QuantizationParametersPrimitive};
     pub(crate) use burn_backend::tensor::{
@@ -30,6 +30,15 @@ pub(crate) mod prelude {
         Slice, TensorData, TensorPrimitive,
     };
     pub(crate) use std::ops::Range;
+}
+
+/// A step's gradients were synchronised (`sync_gradients`): no data-parallel gradient is pending,
+/// and the gathered output gradient a linear layer's backward keeps for the layer's next backward
+/// op is dropped (one no weight-gradient op took: a frozen weight). The strategies above call
+/// this; the backend imports none of them.
+pub(crate) fn gradients_synced(ctx: &RankContext) {
+    ctx.clear_gradients_pending();
+    rules::clear_gathered_gradient();
 }
 
 /// A backend decorator that shards tensors transparently over a device mesh.

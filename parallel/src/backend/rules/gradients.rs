@@ -1,5 +1,6 @@
 //! Data-parallel weight gradients, reduced where they are born: the layouts of a weight-gradient
-//! op's operands, and the reduction of its per-rank summands into the rank's data plan.
+//! op's operands, and the reduction of its per-rank summands into the layout the rank's sharding
+//! policy gives gradients.
 
 use super::is_data;
 use crate::backend::prelude::*;
@@ -8,13 +9,15 @@ use crate::device::DistDevice;
 use crate::error::raise;
 use crate::mesh::DeviceMesh;
 use crate::placement::{Layout, Placement};
+use crate::policy::GradientReduction;
 use crate::tensor::DTensor;
 use Placement::{Local, Partial, Replicate, Shard};
 use burn_backend::TensorMetadata;
 
 /// After computing a weight gradient from per-rank data: average the summands over every data
-/// axis where an operand was `Local`, into the rank's data plan (`Replicate` for DDP and ZeRO-1,
-/// `Shard(0)` on the shard axes of ZeRO-2/3 and HSDP): reduced where it is born.
+/// axis where an operand was `Local`, into the layout the rank's sharding policy gives gradients
+/// (`Replicate` for DDP and ZeRO-1, `Shard(0)` on the shard axes of ZeRO-2/3 and HSDP): reduced
+/// where it is born.
 pub(super) fn reduce_data_parallel<B: Backend>(
     grad: B::FloatTensorPrimitive,
     mut layout: Layout,
@@ -33,11 +36,8 @@ pub(super) fn reduce_data_parallel<B: Backend>(
     // PyTorch DDP's buckets do: a parameter used twice (a tied embedding) then costs one
     // all-reduce, not one per use. Sharded ones (ZeRO-2/3) are reduce-scattered here, where they
     // are born, so full-size gradients never pile up.
-    let replicated_plan = matches!(
-        device.ctx.plan().strategy,
-        Some(crate::fsdp::FsdpStrategy::NoShard | crate::fsdp::FsdpStrategy::ShardOptimizer)
-    );
-    let defer = device.ctx.no_sync() || replicated_plan;
+    let at_sync = device.ctx.gradient_reduction() == GradientReduction::AtSync;
+    let defer = device.ctx.no_sync() || at_sync;
     let grad = DTensor::new_unchecked(grad, layout, device);
     if defer {
         // Keep the summands; `sync_gradients` reduces the sum once.
