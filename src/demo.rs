@@ -12,6 +12,7 @@ use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use std::ops::Range;
+use wildfire_parallel::rng::XorShift64;
 
 /// A stock burn-nn transformer encoder classifier: project, encode, mean-pool, classify.
 #[derive(Module, Debug)]
@@ -107,15 +108,6 @@ impl<B: Backend> Classifier<B> for Mlp<B> {
     }
 }
 
-/// xorshift64: reproducible values with no dependency on a backend's RNG (ranks as threads
-/// share one process-wide RNG, so backend random init is not reproducible across meshes).
-fn xorshift(state: &mut u64) -> f32 {
-    *state ^= *state << 13;
-    *state ^= *state >> 7;
-    *state ^= *state << 17;
-    (*state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-}
-
 struct DeterministicInit {
     seed: u64,
 }
@@ -127,9 +119,11 @@ impl<B: Backend> ModuleMapper<B> for DeterministicInit {
         let fan_in = if D > 1 { shape[0] } else { shape[0].max(1) };
         let scale = 1.0 / (fan_in as f32).sqrt();
         self.seed += 1;
-        let mut state = self.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        // Reproducible values with no dependency on a backend's RNG (ranks as threads share one
+        // process-wide RNG, so backend random init is not reproducible across meshes).
+        let mut rng = XorShift64::new(self.seed, 0x9E37_79B9_7F4A_7C15);
         let values: Vec<f32> = (0..shape.num_elements())
-            .map(|_| xorshift(&mut state) * scale)
+            .map(|_| rng.next_signed_f32() * scale)
             .collect();
         let fresh = Tensor::<B, D>::from_data(TensorData::new(values, shape), &tensor.device());
         let fresh = if tensor.is_require_grad() {
@@ -166,13 +160,14 @@ impl SyntheticTask {
         let mut x = Vec::with_capacity(rows.len() * self.seq * self.d_input);
         let mut y = Vec::with_capacity(rows.len());
         for row in rows.clone() {
-            let mut state = (self.seed ^ ((step as u64) << 32) ^ row as u64)
-                .wrapping_mul(0x2545_F491_4F6C_DD1D)
-                | 1;
+            let mut rng = XorShift64::new(
+                self.seed ^ ((step as u64) << 32) ^ row as u64,
+                0x2545_F491_4F6C_DD1D,
+            );
             let mut mean = vec![0.0f32; self.d_input];
             for _ in 0..self.seq {
                 for m in mean.iter_mut() {
-                    let v = xorshift(&mut state);
+                    let v = rng.next_signed_f32();
                     x.push(v);
                     *m += v;
                 }

@@ -39,90 +39,12 @@ use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
-use std::str::FromStr;
 use wildfire_kernels::FusedOps;
 use wildfire_parallel::{DistError, RecomputeScope};
 
-/// Which activations are recomputed in backward instead of kept.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Recompute {
-    /// Keep every activation.
-    None,
-    /// Keep the matmul outputs, recompute the attention core (scores, probabilities, dropout).
-    Selective,
-    /// Keep only each block's input; recompute every block (but the last, see
-    /// [`Recompute::recomputes_block`]).
-    Full,
-    /// Recompute blocks 0, n, 2n, … (not the last); keep the others' activations.
-    EveryNth(usize),
-}
-
-impl Recompute {
-    /// Whether block `index` of `count` is a recomputed region. The last block never is: its
-    /// backward runs first, right after the forward, so keeping its activations adds nothing to
-    /// the peak (a recomputed block's activations are alive at that point anyway) and saves
-    /// recomputing it.
-    pub fn recomputes_block(self, index: usize, count: usize) -> bool {
-        index + 1 < count
-            && match self {
-                Recompute::Full => true,
-                Recompute::EveryNth(n) => n > 0 && index.is_multiple_of(n),
-                Recompute::None | Recompute::Selective => false,
-            }
-    }
-}
-
-impl FromStr for Recompute {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Ok(match s {
-            "none" => Recompute::None,
-            "selective" => Recompute::Selective,
-            "full" => Recompute::Full,
-            other => match other.strip_prefix("every-").and_then(|n| n.parse().ok()) {
-                Some(n) if n > 0 => Recompute::EveryNth(n),
-                _ => {
-                    return Err(format!(
-                        "unknown --recompute '{other}': choose none, selective, full or every-N"
-                    ));
-                }
-            },
-        })
-    }
-}
-
-impl std::fmt::Display for Recompute {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Recompute::None => f.write_str("none"),
-            Recompute::Selective => f.write_str("selective"),
-            Recompute::Full => f.write_str("full"),
-            Recompute::EveryNth(n) => write!(f, "every-{n}"),
-        }
-    }
-}
-
-/// The next value of a splitmix64 stream in `[0, 1)` (53 random bits): the host-side generator
-/// behind the dropout masks and the GPT's initial weights.
-pub fn splitmix_unit(state: &mut u64) -> f64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-}
-
-/// splitmix64: the seed of one random stream.
-pub fn mix_seed(seed: u64, a: u64, b: u64) -> u64 {
-    let mut z = seed
-        ^ a.wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        ^ b.wrapping_mul(0xD1B5_4A32_D192_ED03).rotate_left(17);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+pub use wildfire_kernels::hooks::Recompute;
+pub use wildfire_parallel::rng::mix_seed;
 
 /// An inverted-dropout mask drawn on the host from `seed`: each element is `1/(1-p)` with
 /// probability `1-p`, else 0. The same seed gives the same mask on every backend and thread.
@@ -135,15 +57,9 @@ pub fn dropout_mask<B: Backend, const D: usize>(
     let n: usize = shape.iter().product();
     let keep = 1.0 - p;
     let scale = (1.0 / keep) as f32;
-    let mut state = seed;
+    let mut state = wildfire_parallel::rng::SplitMix64::new(seed);
     let values: Vec<f32> = (0..n)
-        .map(|_| {
-            if splitmix_unit(&mut state) < keep {
-                scale
-            } else {
-                0.0
-            }
-        })
+        .map(|_| if state.next_unit() < keep { scale } else { 0.0 })
         .collect();
     Tensor::from_data(TensorData::new(values, shape), device)
 }
@@ -608,5 +524,46 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for MergeGrads<'_, B> {
             };
             t.grad_replace(self.into, g);
         }
+    }
+}
+
+/// The model-side face of a `Recomputer`: a model written against
+/// [`ForwardHooks`](wildfire_kernels::hooks::ForwardHooks) gets its blocks recomputed, its
+/// dropout masks replayed and its attention core recomputed as the policy says.
+impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recomputer<'a, B> {
+    fn block<M, F, const D: usize>(
+        &self,
+        index: usize,
+        count: usize,
+        module: &'a M,
+        x: Tensor<B, D>,
+        f: F,
+    ) -> Tensor<B, D>
+    where
+        M: Module<B> + 'a,
+        F: Fn(&M, Tensor<B, D>, &Self) -> Tensor<B, D> + 'a,
+    {
+        Recomputer::block(self, index, count, module, x, f)
+    }
+
+    fn attention_qkv(
+        &self,
+        layer: usize,
+        qkv: Tensor<B, 4>,
+        scale: f64,
+        causal: bool,
+        dropout: f64,
+    ) -> Tensor<B, 4> {
+        Recomputer::attention_qkv(self, layer, qkv, scale, causal, dropout)
+    }
+
+    fn dropout<const D: usize>(
+        &self,
+        layer: usize,
+        site: u64,
+        x: Tensor<B, D>,
+        p: f64,
+    ) -> Tensor<B, D> {
+        Recomputer::dropout(self, layer, site, x, p)
     }
 }

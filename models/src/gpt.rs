@@ -8,8 +8,9 @@ use burn::prelude::*;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
 use std::str::FromStr;
-use wildfire_engine::Recomputer;
+use wildfire_kernels::hooks::{ForwardHooks, Inference};
 use wildfire_kernels::{FusedOps, ops};
+use wildfire_parallel::rng::SplitMix64;
 
 /// Model shape errors, reported before anything is built.
 #[derive(thiserror::Error, Debug, Clone, PartialEq)]
@@ -227,8 +228,8 @@ impl Init {
         device: &B::Device,
     ) -> Tensor<B, D> {
         self.count += 1;
-        let mut state = self.seed ^ self.count.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let mut next = || wildfire_engine::recompute::splitmix_unit(&mut state);
+        let mut rng = SplitMix64::new(self.seed ^ self.count.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut next = || rng.next_unit();
         let n: usize = shape.iter().product();
         let mut values = Vec::with_capacity(n);
         while values.len() < n {
@@ -309,17 +310,17 @@ pub struct MlpBlock<B: Backend> {
 impl<B: FusedOps> CausalSelfAttention<B> {
     /// `[b, t, d] -> [b, t, d]` (no dropout).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.forward_with(0, x, 0.0, &Recomputer::inference())
+        self.forward_with(0, x, 0.0, &Inference)
     }
 
-    /// Layer `layer`'s attention, its core through the checkpointer (recomputed under the
-    /// selective policy), dropout `p` on the probabilities while training.
-    pub fn forward_with(
+    /// Layer `layer`'s attention, its core through the hooks (recomputed under the selective
+    /// policy while training), dropout `p` on the probabilities while training.
+    pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
         &self,
         layer: usize,
         x: Tensor<B, 3>,
         p: f64,
-        ckpt: &Recomputer<'_, B>,
+        hooks: &H,
     ) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
         let (h, hd) = (self.n_head, d / self.n_head);
@@ -327,7 +328,7 @@ impl<B: FusedOps> CausalSelfAttention<B> {
         // column-parallel split gives each rank whole heads and the split below stays local.
         let qkv = self.c_attn.forward(x).reshape([b, t, h, 3 * hd]);
         let scale = 1.0 / (hd as f64).sqrt();
-        let y = ckpt.attention_qkv(layer, qkv, scale, true, p);
+        let y = hooks.attention_qkv(layer, qkv, scale, true, p);
         self.c_proj.forward(y.reshape([b, t, d]))
     }
 }
@@ -361,48 +362,48 @@ fn layer_norm<B: FusedOps>(ln: &LayerNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
 impl<B: FusedOps> Block<B> {
     /// `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))` (no dropout).
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.forward_with(0, x, &Recomputer::inference())
+        self.forward_with(0, x, &Inference)
     }
 
     /// Block `layer` with dropout on the residual branches while training.
-    pub fn forward_with(
+    pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
         &self,
         layer: usize,
         x: Tensor<B, 3>,
-        ckpt: &Recomputer<'_, B>,
+        hooks: &H,
     ) -> Tensor<B, 3> {
         let p = self.dropout;
         let h = self
             .attn
-            .forward_with(layer, layer_norm(&self.ln_1, x.clone()), p, ckpt);
-        let x = x + ckpt.dropout(layer, 1, h, p);
+            .forward_with(layer, layer_norm(&self.ln_1, x.clone()), p, hooks);
+        let x = x + hooks.dropout(layer, 1, h, p);
         let h = self.mlp.forward(layer_norm(&self.ln_2, x.clone()));
-        x + ckpt.dropout(layer, 2, h, p)
+        x + hooks.dropout(layer, 2, h, p)
     }
 }
 
 impl<B: FusedOps> Gpt<B> {
     /// Logits `[b, t, vocab]` for token ids `[b, t]` (t <= block size), no dropout.
     pub fn forward(&self, idx: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        self.forward_with(idx, &Recomputer::inference())
+        self.forward_with(idx, &Inference)
     }
 
-    /// Logits with the training step's checkpointer: blocks recomputed per its policy, dropout
-    /// while training.
-    pub fn forward_with<'a>(
+    /// Logits with the trainer's hooks (e.g. the training step's `Recomputer`: blocks
+    /// recomputed per its policy, dropout while training).
+    pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
         &'a self,
         idx: Tensor<B, 2, Int>,
-        ckpt: &Recomputer<'a, B>,
+        hooks: &H,
     ) -> Tensor<B, 3> {
         let [_, t] = idx.dims();
         let device = idx.device();
         let pos = Tensor::<B, 1, Int>::arange(0..t as i64, &device).reshape([1, t]);
         let tok = burn::tensor::module::embedding(self.wte.val(), idx);
         let pos = burn::tensor::module::embedding(self.wpe.val(), pos);
-        let mut x = ckpt.dropout(self.blocks.len(), 0, tok + pos, self.dropout);
+        let mut x = hooks.dropout(self.blocks.len(), 0, tok + pos, self.dropout);
         for (i, block) in self.blocks.iter().enumerate() {
-            x = ckpt.block(i, self.blocks.len(), block, x, move |block, x, ckpt| {
-                block.forward_with(i, x, ckpt)
+            x = hooks.block(i, self.blocks.len(), block, x, move |block, x, hooks| {
+                block.forward_with(i, x, hooks)
             });
         }
         // Tied output projection: logits = x · wteᵀ.
@@ -411,18 +412,18 @@ impl<B: FusedOps> Gpt<B> {
 
     /// Mean cross-entropy of next-token prediction: `inputs` and `targets` are `[b, t]`.
     pub fn loss(&self, inputs: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        self.loss_with(inputs, targets, &Recomputer::inference())
+        self.loss_with(inputs, targets, &Inference)
     }
 
-    /// [`loss`](Self::loss) with the training step's checkpointer.
-    pub fn loss_with<'a>(
+    /// [`loss`](Self::loss) with the trainer's hooks.
+    pub fn loss_with<'a, H: ForwardHooks<'a, B>>(
         &'a self,
         inputs: Tensor<B, 2, Int>,
         targets: Tensor<B, 2, Int>,
-        ckpt: &Recomputer<'a, B>,
+        hooks: &H,
     ) -> Tensor<B, 1> {
         let [b, t] = inputs.dims();
-        let logits = self.forward_with(inputs, ckpt);
+        let logits = self.forward_with(inputs, hooks);
         let vocab = logits.dims()[2];
         if B::FUSED.cross_entropy {
             // Loss and log-sum-exp in one pass over the logits; the backward writes the logits'

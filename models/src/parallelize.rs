@@ -28,7 +28,7 @@ pub fn parse_fsdp(s: &str) -> Result<FsdpStrategy, String> {
     })
 }
 
-pub use wildfire_engine::Recompute;
+pub use wildfire_kernels::hooks::Recompute;
 
 /// How to parallelise: sizes of the mesh axes and the strategies. The command-line flags and
 /// the defaults are this one definition (`Default` is what the flags give when none is passed).

@@ -20,12 +20,9 @@ pub struct BatchSampler {
     pub global_batch: usize,
 }
 
-/// splitmix64's finaliser: a bijective 64-bit mix.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+/// A bijective 64-bit mix: the first value of the splitmix64 stream seeded with `z`.
+fn mix(z: u64) -> u64 {
+    wildfire_parallel::rng::SplitMix64::new(z).next_u64()
 }
 
 impl BatchSampler {

@@ -1,0 +1,154 @@
+//! What a model's forward pass goes through, so that the model never depends on the trainer:
+//! dropout, the attention core and each block's region. A model is written once against
+//! [`ForwardHooks`]; the trainer applies recomputation by handing it a recomputing
+//! implementation (`wildfire_engine::Recomputer`), as torchtitan applies activation
+//! checkpointing to a model after it is built; evaluation and generation hand it [`Inference`].
+//!
+//! [`Recompute`] is the recomputation policy a run chooses.
+
+use crate::FusedOps;
+use burn::module::Module;
+use burn::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::str::FromStr;
+
+/// The hooks a model's forward calls. `'a` is how long a recorded block region may borrow its
+/// module.
+pub trait ForwardHooks<'a, B: Backend>: Sized {
+    /// Block `index` of `count`: `f(module, x, self)`, which an implementation may run again in
+    /// backward instead of keeping its activations.
+    fn block<M, F, const D: usize>(
+        &self,
+        index: usize,
+        count: usize,
+        module: &'a M,
+        x: Tensor<B, D>,
+        f: F,
+    ) -> Tensor<B, D>
+    where
+        M: Module<B> + 'a,
+        F: Fn(&M, Tensor<B, D>, &Self) -> Tensor<B, D> + 'a;
+
+    /// Attention of layer `layer` on packed projections `qkv` `[b, t, h, 3·hd]` (per head:
+    /// queries, keys, values side by side), giving `[b, t, h, hd]`, with dropout `dropout` on
+    /// the probabilities while training.
+    fn attention_qkv(
+        &self,
+        layer: usize,
+        qkv: Tensor<B, 4>,
+        scale: f64,
+        causal: bool,
+        dropout: f64,
+    ) -> Tensor<B, 4>;
+
+    /// Inverted dropout with probability `p` at `(layer, site)` while training.
+    fn dropout<const D: usize>(
+        &self,
+        layer: usize,
+        site: u64,
+        x: Tensor<B, D>,
+        p: f64,
+    ) -> Tensor<B, D>;
+}
+
+/// The forward of evaluation and generation: no dropout, nothing recomputed, attention through
+/// [`crate::ops::attention_qkv`] (the fused kernel where the backend has one).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Inference;
+
+impl<'a, B: FusedOps> ForwardHooks<'a, B> for Inference {
+    fn block<M, F, const D: usize>(
+        &self,
+        _index: usize,
+        _count: usize,
+        module: &'a M,
+        x: Tensor<B, D>,
+        f: F,
+    ) -> Tensor<B, D>
+    where
+        M: Module<B> + 'a,
+        F: Fn(&M, Tensor<B, D>, &Self) -> Tensor<B, D> + 'a,
+    {
+        f(module, x, self)
+    }
+
+    fn attention_qkv(
+        &self,
+        _layer: usize,
+        qkv: Tensor<B, 4>,
+        scale: f64,
+        causal: bool,
+        _dropout: f64,
+    ) -> Tensor<B, 4> {
+        crate::ops::attention_qkv(qkv, scale, causal)
+    }
+
+    fn dropout<const D: usize>(
+        &self,
+        _layer: usize,
+        _site: u64,
+        x: Tensor<B, D>,
+        _p: f64,
+    ) -> Tensor<B, D> {
+        x
+    }
+}
+
+/// Which activations are recomputed in backward instead of kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Recompute {
+    /// Keep every activation.
+    None,
+    /// Keep the matmul outputs, recompute the attention core (scores, probabilities, dropout).
+    Selective,
+    /// Keep only each block's input; recompute every block (but the last, see
+    /// [`Recompute::recomputes_block`]).
+    Full,
+    /// Recompute blocks 0, n, 2n, … (not the last); keep the others' activations.
+    EveryNth(usize),
+}
+
+impl Recompute {
+    /// Whether block `index` of `count` is a recomputed region. The last block never is: its
+    /// backward runs first, right after the forward, so keeping its activations adds nothing to
+    /// the peak (a recomputed block's activations are alive at that point anyway) and saves
+    /// recomputing it.
+    pub fn recomputes_block(self, index: usize, count: usize) -> bool {
+        index + 1 < count
+            && match self {
+                Recompute::Full => true,
+                Recompute::EveryNth(n) => n > 0 && index.is_multiple_of(n),
+                Recompute::None | Recompute::Selective => false,
+            }
+    }
+}
+
+impl FromStr for Recompute {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "none" => Recompute::None,
+            "selective" => Recompute::Selective,
+            "full" => Recompute::Full,
+            other => match other.strip_prefix("every-").and_then(|n| n.parse().ok()) {
+                Some(n) if n > 0 => Recompute::EveryNth(n),
+                _ => {
+                    return Err(format!(
+                        "unknown --recompute '{other}': choose none, selective, full or every-N"
+                    ));
+                }
+            },
+        })
+    }
+}
+
+impl std::fmt::Display for Recompute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Recompute::None => f.write_str("none"),
+            Recompute::Selective => f.write_str("selective"),
+            Recompute::Full => f.write_str("full"),
+            Recompute::EveryNth(n) => write!(f, "every-{n}"),
+        }
+    }
+}
