@@ -242,8 +242,9 @@ where
         shape,
         param.device().clone(),
     );
-    // Model axes: the parameter's placement. Data axes: the rank's plan (the parameter's own
-    // placement under DDP and FSDP; sharded gradients of replicated parameters under ZeRO-2).
+    // Model axes: the parameter's placement. Data axes: the rank's sharding policy (the
+    // parameter's own placement under DDP and FSDP; sharded gradients of replicated parameters
+    // under ZeRO-2).
     let plan = param
         .device()
         .context()

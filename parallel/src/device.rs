@@ -2,13 +2,13 @@
 
 use crate::comm::{Communicator, DeviceCollectives, InProcessWorld};
 use crate::mesh::{AxisKind, DeviceMesh};
-use crate::policy::ShardingPolicy;
+use crate::policy::RankPolicy;
 use burn::tensor::backend::{Backend, DeviceId, DeviceOps};
 use std::any::{Any, TypeId};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::sync::{Arc, LazyLock, Mutex, RwLock, Weak};
 
 /// Device type id reported to Burn for `Distributed` devices ("WF").
 const TYPE_ID: u16 = 0x5746;
@@ -52,19 +52,37 @@ pub struct MemoryReport {
 
 type DeviceStats = Box<dyn Fn() -> crate::comm::CommStats + Send + Sync>;
 
-/// Everything a rank needs to run distributed ops: its rank, the mesh and a communicator.
+/// Everything a rank needs to run distributed ops: its rank, the mesh and a communicator; the
+/// run's [`RankPolicy`]; its accounting; and where it is in the step's protocol.
 pub struct RankContext {
     comm: Arc<dyn Communicator>,
-    /// Collectives on the inner backend's tensors (an `Arc<dyn DeviceCollectives<B>>`), when
-    /// installed.
-    device_collectives: Mutex<Option<Box<dyn Any + Send + Sync>>>,
-    /// Their statistics (the backend type erased).
-    device_collectives_stats: Mutex<Option<DeviceStats>>,
-    counters: Mutex<OpCounters>,
-    /// A backward pass produced data-parallel gradients that `sync_gradients` has not seen yet.
-    pending_sync: AtomicBool,
-    /// Gradient accumulation: forward after an unsynchronised backward is allowed.
-    no_sync: AtomicBool,
+    /// Collectives on the inner backend's tensors, when installed.
+    collectives: InstalledCollectives,
+    /// The run's policy: set once, before the parallelism transforms, which fill in their parts.
+    policy: RwLock<RankPolicy>,
+    /// Memory (bytes of live tensors) and op counters.
+    accounting: Accounting,
+    /// Where the rank is in the training step's protocol.
+    protocol: StepProtocol,
+    /// This rank's random stream, once seeded (`Backend::seed`): ranks as threads then draw
+    /// deterministically, whatever the other threads do (the inner backend's stream is often one
+    /// per process).
+    rng: Mutex<Option<rand::rngs::StdRng>>,
+}
+
+/// The device collectives installed on a rank.
+#[derive(Default)]
+struct InstalledCollectives {
+    /// An `Arc<dyn DeviceCollectives<B>>`, the backend type erased.
+    collectives: Mutex<Option<Box<dyn Any + Send + Sync>>>,
+    /// Their statistics, when they are not the host communicator's.
+    stats: Mutex<Option<DeviceStats>>,
+}
+
+/// A rank's accounting: the bytes of the local pieces of its live distributed tensors, and the
+/// redistributions its ops inserted.
+#[derive(Default)]
+struct Accounting {
     /// Bytes of the local pieces of all live distributed tensors of this rank, and the peak.
     live_bytes: AtomicI64,
     peak_bytes: AtomicI64,
@@ -72,26 +90,19 @@ pub struct RankContext {
     /// parameters), and their peak.
     gathered_bytes: AtomicI64,
     peak_gathered_bytes: AtomicI64,
-    /// How parameters, gradients and optimizer state rest on the data axes (set by
-    /// `fully_shard`).
-    sharding: Mutex<ShardingPolicy>,
-    /// The dtype matmuls and linear layers compute in (None: the operands' own).
-    compute_dtype: Mutex<Option<burn_backend::FloatDType>>,
-    /// This rank's random stream, once seeded (`Backend::seed`): ranks as threads then draw
-    /// deterministically, whatever the other threads do (the inner backend's stream is often one
-    /// per process).
-    rng: Mutex<Option<rand::rngs::StdRng>>,
-    /// Megatron sequence parallelism: the model axis whose partial sums of `[b, t, d]`
-    /// activations are reduce-scattered over the sequence (dim 1) instead of all-reduced
-    /// (`usize::MAX`: off). Read by every elementwise op, hence an atomic.
-    sequence_parallel: std::sync::atomic::AtomicUsize,
-    /// Sequence parallelism: keep a sequence-sharded activation's all-gather for the backward of
-    /// the column-parallel layers that used it, instead of gathering it again there.
-    keep_sequence_gathers: AtomicBool,
-    /// The dtype data-parallel gradient reductions communicate in (None: the gradients' own).
-    grad_reduce_dtype: Mutex<Option<burn_backend::FloatDType>>,
-    /// The live-bytes budget (0: none).
-    memory_budget: std::sync::atomic::AtomicU64,
+    /// The memory budget was crossed: it is not enforced again while the rank fails (its
+    /// tensors are dropped as it unwinds), until the policy is set again.
+    budget_crossed: AtomicBool,
+    counters: Mutex<OpCounters>,
+}
+
+/// Where a rank is in the protocol of a training step.
+#[derive(Default)]
+struct StepProtocol {
+    /// A backward pass produced data-parallel gradients that `sync_gradients` has not seen yet.
+    pending_sync: AtomicBool,
+    /// Gradient accumulation: forward after an unsynchronised backward is allowed.
+    no_sync: AtomicBool,
 }
 
 impl std::fmt::Debug for RankContext {
@@ -111,22 +122,11 @@ impl RankContext {
     pub fn new(comm: Arc<dyn Communicator>) -> Arc<Self> {
         Arc::new(Self {
             comm,
-            counters: Mutex::new(OpCounters::default()),
-            pending_sync: AtomicBool::new(false),
-            no_sync: AtomicBool::new(false),
-            live_bytes: AtomicI64::new(0),
-            peak_bytes: AtomicI64::new(0),
-            gathered_bytes: AtomicI64::new(0),
-            peak_gathered_bytes: AtomicI64::new(0),
-            sharding: Mutex::new(ShardingPolicy::default()),
-            compute_dtype: Mutex::new(None),
+            collectives: InstalledCollectives::default(),
+            policy: RwLock::new(RankPolicy::default()),
+            accounting: Accounting::default(),
+            protocol: StepProtocol::default(),
             rng: Mutex::new(None),
-            sequence_parallel: std::sync::atomic::AtomicUsize::new(usize::MAX),
-            keep_sequence_gathers: AtomicBool::new(false),
-            grad_reduce_dtype: Mutex::new(None),
-            memory_budget: std::sync::atomic::AtomicU64::new(0),
-            device_collectives: Mutex::new(None),
-            device_collectives_stats: Mutex::new(None),
         })
     }
 
@@ -138,20 +138,21 @@ impl RankContext {
         // Counted once when the device collectives are the host communicator too.
         let same = std::ptr::addr_eq(Arc::as_ptr(&collectives), Arc::as_ptr(&self.comm));
         let counted = collectives.clone();
-        *self.device_collectives_stats.lock().unwrap() =
+        *self.collectives.stats.lock().unwrap() =
             (!same).then(|| Box::new(move || counted.stats()) as DeviceStats);
-        *self.device_collectives.lock().unwrap() = Some(Box::new(collectives));
+        *self.collectives.collectives.lock().unwrap() = Some(Box::new(collectives));
     }
 
     /// Go back to the host communicator for every collective.
     pub fn clear_device_collectives(&self) {
-        *self.device_collectives.lock().unwrap() = None;
-        *self.device_collectives_stats.lock().unwrap() = None;
+        *self.collectives.collectives.lock().unwrap() = None;
+        *self.collectives.stats.lock().unwrap() = None;
     }
 
     /// The device collectives installed for backend `B`, if any.
     pub fn device_collectives<B: Backend>(&self) -> Option<Arc<dyn DeviceCollectives<B>>> {
-        self.device_collectives
+        self.collectives
+            .collectives
             .lock()
             .unwrap()
             .as_ref()
@@ -183,7 +184,7 @@ impl RankContext {
     /// installed device collectives (NCCL counts its own calls).
     pub fn comm_stats(&self) -> crate::comm::CommStats {
         let host = self.comm.stats();
-        match self.device_collectives_stats.lock().unwrap().as_ref() {
+        match self.collectives.stats.lock().unwrap().as_ref() {
             Some(device) => host.merged(&device()),
             None => host,
         }
@@ -196,18 +197,19 @@ impl RankContext {
 
     /// A snapshot of the op counters.
     pub fn counters(&self) -> OpCounters {
-        self.counters.lock().unwrap().clone()
+        self.accounting.counters.lock().unwrap().clone()
     }
 
     /// Reset the op counters (and the communicator's statistics).
     pub fn reset_counters(&self) {
-        *self.counters.lock().unwrap() = OpCounters::default();
+        *self.accounting.counters.lock().unwrap() = OpCounters::default();
         self.comm.reset_stats();
     }
 
     pub(crate) fn count_fallback(&self, op: &'static str) {
         tracing::trace!(op, "fallback redistribution");
         *self
+            .accounting
             .counters
             .lock()
             .unwrap()
@@ -218,6 +220,7 @@ impl RankContext {
 
     pub(crate) fn count_redistribution(&self, op: &'static str) {
         *self
+            .accounting
             .counters
             .lock()
             .unwrap()
@@ -247,25 +250,42 @@ impl RankContext {
 
     pub(crate) fn mark_gradients_pending(&self) {
         if self.is_data_parallel() {
-            self.pending_sync.store(true, Ordering::Relaxed);
+            self.protocol.pending_sync.store(true, Ordering::Relaxed);
         }
     }
 
     pub(crate) fn gradients_pending(&self) -> bool {
-        self.pending_sync.load(Ordering::Relaxed) && !self.no_sync.load(Ordering::Relaxed)
+        self.protocol.pending_sync.load(Ordering::Relaxed) && !self.no_sync()
     }
 
     pub(crate) fn clear_gradients_pending(&self) {
-        self.pending_sync.store(false, Ordering::Relaxed);
+        self.protocol.pending_sync.store(false, Ordering::Relaxed);
+    }
+
+    /// Whether gradient reduction is deferred (see [`Self::set_no_sync`]).
+    pub fn no_sync(&self) -> bool {
+        self.protocol.no_sync.load(Ordering::Relaxed)
+    }
+
+    /// Gradient accumulation (PyTorch's `no_sync`): while set, gradients are not reduced where
+    /// they are born — they stay per-rank summands (`Partial(Avg)`) and add up over micro-batches
+    /// with no communication — and a forward pass may follow an unsynchronised backward.
+    /// `sync_gradients` after the last micro-batch reduces the sums once.
+    pub fn set_no_sync(&self, no_sync: bool) {
+        self.protocol.no_sync.store(no_sync, Ordering::Relaxed);
     }
 
     pub(crate) fn add_live_bytes(&self, bytes: i64) {
-        let now = self.live_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        self.peak_bytes.fetch_max(now, Ordering::Relaxed);
-        let budget = self.memory_budget.load(Ordering::Relaxed);
-        if bytes > 0 && budget > 0 && now as u64 > budget {
+        let memory = &self.accounting;
+        let now = memory.live_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        memory.peak_bytes.fetch_max(now, Ordering::Relaxed);
+        if bytes <= 0 || memory.budget_crossed.load(Ordering::Relaxed) {
+            return;
+        }
+        let budget = self.with_policy(|p| p.memory_budget).unwrap_or(0);
+        if budget > 0 && now as u64 > budget {
             // Stop enforcing while this rank fails (its tensors are dropped as it unwinds).
-            self.memory_budget.store(0, Ordering::Relaxed);
+            memory.budget_crossed.store(true, Ordering::Relaxed);
             crate::error::raise(crate::DistError::MemoryBudget {
                 rank: self.rank(),
                 bytes: now as u64,
@@ -274,50 +294,50 @@ impl RankContext {
         }
     }
 
-    /// Enforce a per-rank budget on the bytes of live tensors (the accounting behind
-    /// [`live_bytes`](Self::live_bytes)): an op that would cross it fails the rank with
-    /// [`DistError::MemoryBudget`](crate::DistError::MemoryBudget) (and the world with it). `None`: no budget.
-    pub fn set_memory_budget(&self, bytes: Option<u64>) {
-        self.memory_budget
-            .store(bytes.unwrap_or(0), Ordering::Relaxed);
-    }
-
     /// Bytes held by the local pieces of this rank's live distributed tensors. Clones share their
     /// piece and count once; a view made by an op (a reshape, a slice) counts as its own piece,
     /// so this is an upper bound where the backend shares buffers between them.
     pub fn live_bytes(&self) -> u64 {
-        self.live_bytes.load(Ordering::Relaxed).max(0) as u64
+        self.accounting.live_bytes.load(Ordering::Relaxed).max(0) as u64
     }
 
     /// The highest [`Self::live_bytes`] since the last [`Self::reset_peak_bytes`].
     pub fn peak_bytes(&self) -> u64 {
-        self.peak_bytes.load(Ordering::Relaxed).max(0) as u64
+        self.accounting.peak_bytes.load(Ordering::Relaxed).max(0) as u64
     }
 
     /// Start a new peak measurement from the current live bytes.
     pub fn reset_peak_bytes(&self) {
-        self.peak_bytes
-            .store(self.live_bytes.load(Ordering::Relaxed), Ordering::Relaxed);
-        self.peak_gathered_bytes.store(
-            self.gathered_bytes.load(Ordering::Relaxed),
-            Ordering::Relaxed,
-        );
+        let memory = &self.accounting;
+        let live = memory.live_bytes.load(Ordering::Relaxed);
+        memory.peak_bytes.store(live, Ordering::Relaxed);
+        let gathered = memory.gathered_bytes.load(Ordering::Relaxed);
+        memory
+            .peak_gathered_bytes
+            .store(gathered, Ordering::Relaxed);
     }
 
     pub(crate) fn add_gathered_bytes(&self, bytes: i64) {
-        let now = self.gathered_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        self.peak_gathered_bytes.fetch_max(now, Ordering::Relaxed);
+        let memory = &self.accounting;
+        let now = memory.gathered_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        memory.peak_gathered_bytes.fetch_max(now, Ordering::Relaxed);
     }
 
     /// Of [`Self::live_bytes`], the copies gathered over data axes (FSDP's parameters gathered
     /// for use, freed after it).
     pub fn gathered_bytes(&self) -> u64 {
-        self.gathered_bytes.load(Ordering::Relaxed).max(0) as u64
+        self.accounting
+            .gathered_bytes
+            .load(Ordering::Relaxed)
+            .max(0) as u64
     }
 
     /// The highest [`Self::gathered_bytes`] since the last [`Self::reset_peak_bytes`].
     pub fn peak_gathered_bytes(&self) -> u64 {
-        self.peak_gathered_bytes.load(Ordering::Relaxed).max(0) as u64
+        self.accounting
+            .peak_gathered_bytes
+            .load(Ordering::Relaxed)
+            .max(0) as u64
     }
 
     /// This rank's memory by kind, from the accounting: `params` and `grads` as measured on the
@@ -338,18 +358,46 @@ impl RankContext {
         }
     }
 
-    /// How parameters, gradients and optimizer state rest on the data axes.
-    pub fn sharding(&self) -> ShardingPolicy {
-        self.sharding.lock().unwrap().clone()
+    /// The run's policy.
+    pub fn policy(&self) -> RankPolicy {
+        self.with_policy(RankPolicy::clone)
     }
 
-    pub(crate) fn set_sharding(&self, sharding: ShardingPolicy) {
-        *self.sharding.lock().unwrap() = sharding;
+    /// Set the run's policy, in one call, once per run: before the parallelism transforms
+    /// (`tensor_parallel` fills in the sequence parallelism, `fully_shard` the sharding), or with
+    /// their parts kept (`RankPolicy { compute_dtype, ..ctx.policy() }`); to change fields of
+    /// it later, [`Self::update_policy`].
+    pub fn set_policy(&self, policy: RankPolicy) {
+        self.update_policy(|p| *p = policy);
     }
 
-    /// When data-parallel gradients are reduced (the sharding policy's, without cloning it).
-    pub(crate) fn gradient_reduction(&self) -> crate::policy::GradientReduction {
-        self.sharding.lock().unwrap().gradient_reduction
+    /// Change fields of the run's policy (what the parallelism transforms do).
+    pub fn update_policy(&self, f: impl FnOnce(&mut RankPolicy)) {
+        f(&mut self.policy.write().unwrap());
+        // A new budget is enforced afresh.
+        self.accounting
+            .budget_crossed
+            .store(false, Ordering::Relaxed);
+    }
+
+    /// Read the policy in place (the backend reads it in every op: no clone).
+    pub(crate) fn with_policy<R>(&self, f: impl FnOnce(&RankPolicy) -> R) -> R {
+        f(&self.policy.read().unwrap())
+    }
+
+    /// Set [`RankPolicy::compute_dtype`] (the rest of the policy as it is).
+    pub fn set_compute_dtype(&self, dtype: Option<burn_backend::FloatDType>) {
+        self.update_policy(|p| p.compute_dtype = dtype);
+    }
+
+    /// Set [`RankPolicy::grad_reduce_dtype`] (the rest of the policy as it is).
+    pub fn set_gradient_reduce_dtype(&self, dtype: Option<burn_backend::FloatDType>) {
+        self.update_policy(|p| p.grad_reduce_dtype = dtype);
+    }
+
+    /// Set [`RankPolicy::memory_budget`] (the rest of the policy as it is).
+    pub fn set_memory_budget(&self, bytes: Option<u64>) {
+        self.update_policy(|p| p.memory_budget = bytes);
     }
 
     /// Where a data-parallel gradient of global shape `shape` (model-axis placements `base`)
@@ -360,7 +408,7 @@ impl RankContext {
         shape: &[usize],
         base: &crate::placement::Layout,
     ) -> crate::placement::Layout {
-        let axes = self.sharding.lock().unwrap().grad_shard_axes.clone();
+        let axes = self.with_policy(|p| p.sharding.grad_shard_axes.clone());
         let mesh = self.mesh();
         let mut start = base.clone();
         for (a, axis) in mesh.axes().iter().enumerate() {
@@ -369,77 +417,6 @@ impl RankContext {
             }
         }
         crate::placement::shard_dim0(start, shape, &axes, mesh)
-    }
-
-    /// Megatron sequence parallelism over model axis `axis` (`None`: off): where a partial sum of
-    /// a `[b, t, d]` activation meets a residual add, or a column-parallel layer's input gradient
-    /// is reduced, it is reduce-scattered over the sequence (dim 1) instead of all-reduced, so
-    /// LayerNorm, dropout and the residual stream hold `1/size` of the sequence; column-parallel
-    /// layers all-gather their input.
-    pub fn set_sequence_parallel(&self, axis: Option<usize>) {
-        self.sequence_parallel
-            .store(axis.unwrap_or(usize::MAX), Ordering::Relaxed);
-    }
-
-    /// Sequence parallelism's trade between memory and communication. Off (the default, as
-    /// Megatron-LM does): a column-parallel layer keeps its sequence-sharded input for backward
-    /// and all-gathers it again for its weight gradient — per block 4 all-gathers + 2
-    /// reduce-scatters in backward. On: the forward's gather is kept with the sharded value
-    /// (counted in the live bytes) and reused — 2 all-gathers + 2 reduce-scatters each way, at
-    /// the memory of the gathered inputs of the column-parallel layers (`2·b·t·d` per block).
-    /// Inputs used by several layers (burn-nn's separate q, k, v projections) are then also
-    /// gathered once in forward.
-    pub fn set_keep_sequence_gathers(&self, keep: bool) {
-        self.keep_sequence_gathers.store(keep, Ordering::Relaxed);
-    }
-
-    /// Whether sequence-parallel gathers are kept for backward.
-    pub fn keeps_sequence_gathers(&self) -> bool {
-        self.keep_sequence_gathers.load(Ordering::Relaxed)
-    }
-
-    /// Reduce data-parallel gradients in `dtype` (e.g. bf16: half the bytes on the wire; the
-    /// in-process communicator accumulates in f32 and rounds once), casting back to the
-    /// gradients' own dtype after the collective. `None`: reduce in the gradients' dtype (f32
-    /// master gradients).
-    pub fn set_gradient_reduce_dtype(&self, dtype: Option<burn_backend::FloatDType>) {
-        *self.grad_reduce_dtype.lock().unwrap() = dtype;
-    }
-
-    /// The gradient-reduction dtype, if set.
-    pub fn gradient_reduce_dtype(&self) -> Option<burn_backend::FloatDType> {
-        *self.grad_reduce_dtype.lock().unwrap()
-    }
-
-    /// The sequence-parallel axis, if any.
-    pub fn sequence_parallel(&self) -> Option<usize> {
-        let axis = self.sequence_parallel.load(Ordering::Relaxed);
-        (axis != usize::MAX).then_some(axis)
-    }
-
-    /// The precision policy: matmuls and linear layers (forward and backward) compute in `dtype`
-    /// on operands cast from their own dtype, and their results are cast back — parameters,
-    /// gradients and optimizer state stay f32 (master weights). `None`: no casting.
-    pub fn set_compute_dtype(&self, dtype: Option<burn_backend::FloatDType>) {
-        *self.compute_dtype.lock().unwrap() = dtype;
-    }
-
-    /// The compute dtype of the precision policy.
-    pub fn compute_dtype(&self) -> Option<burn_backend::FloatDType> {
-        *self.compute_dtype.lock().unwrap()
-    }
-
-    /// Whether gradient reduction is deferred (see [`Self::set_no_sync`]).
-    pub fn no_sync(&self) -> bool {
-        self.no_sync.load(Ordering::Relaxed)
-    }
-
-    /// Gradient accumulation (PyTorch's `no_sync`): while set, gradients are not reduced where
-    /// they are born — they stay per-rank summands (`Partial(Avg)`) and add up over micro-batches
-    /// with no communication — and a forward pass may follow an unsynchronised backward.
-    /// `sync_gradients` after the last micro-batch reduces the sums once.
-    pub fn set_no_sync(&self, no_sync: bool) {
-        self.no_sync.store(no_sync, Ordering::Relaxed);
     }
 }
 

@@ -82,7 +82,7 @@ pub enum DistError {
         /// The op that noticed.
         op: &'static str,
     },
-    /// A rank's tensors outgrew its memory budget (`RankContext::set_memory_budget`).
+    /// A rank's tensors outgrew its memory budget (`RankPolicy::memory_budget`).
     #[error(
         "rank {rank} needs {bytes} bytes of tensors, over its budget of {budget} bytes: shard more \
          (--fsdp full), use more ranks, or recompute activations (--recompute full)"

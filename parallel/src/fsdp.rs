@@ -120,7 +120,7 @@ pub fn fully_shard<B: DistributedBackend, M: Module<B>>(
             .context()
             .clone()
     });
-    ctx.set_sharding(sharding_policy(strategy, axes));
+    ctx.update_policy(|p| p.sharding = sharding_policy(strategy, axes));
     Ok(module)
 }
 
@@ -226,7 +226,7 @@ where
 
     fn step(&mut self, lr: LearningRate, module: M, mut grads: GradientsParams) -> M {
         let sharding = first_context(&module)
-            .map(|ctx| ctx.sharding())
+            .map(|ctx| ctx.policy().sharding)
             .unwrap_or_default();
         let optimizer_sharded = !sharding.optimizer_shard_axes().is_empty();
         // ZeRO-1: the optimizer state is sharded, the gradients arrive replicated.

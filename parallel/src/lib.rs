@@ -70,7 +70,7 @@ pub use fsdp::{FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, paramet
 pub use launch::{LaunchError, LaunchOptions, launch};
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis, MeshError};
 pub use placement::{Layout, Placement, create_replicated};
-pub use policy::{GradientReduction, ShardingPolicy};
+pub use policy::{GradientReduction, RankPolicy, ShardingPolicy};
 pub use ranks::{launch_ranks, launch_ranks_on};
 pub use tensor::DTensor;
 pub use tensor_parallel::{ModulePath, TpError, TpPlan, TpStyle, tensor_parallel};

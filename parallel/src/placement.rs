@@ -150,7 +150,7 @@ impl std::fmt::Display for Layout {
 }
 
 /// The one rule for where data-parallel shards go, used both to place parameters (`fully_shard`)
-/// and to reduce gradients (the rank's gradient plan), so the two always agree: dim 0 is split
+/// and to reduce gradients (the rank's `ShardingPolicy`), so the two always agree: dim 0 is split
 /// over `axes`. When no model axis splits dim 0, it is split over the axes in order while it has
 /// at least one row per shard, padded where it does not divide (see [`crate::DTensor`]); nested
 /// inside the `Shard(0)`s `layout` already has on model axes (a row-parallel weight), dim 0 is

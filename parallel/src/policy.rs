@@ -1,6 +1,50 @@
-//! What the backend needs to know of the parallelism strategies above it, as a typed value the
-//! rank holds ([`RankContext`](crate::RankContext)): the strategies (`fully_shard`) set it, the
-//! backend reads it, and neither imports the other.
+//! A rank's policy for a run, as a typed value its [`RankContext`](crate::RankContext) holds:
+//! precision, memory budget, and what the backend needs to know of the parallelism strategies
+//! above it. The user and the strategies (`tensor_parallel`, `fully_shard`) set it, the backend
+//! reads it, and neither imports the other.
+
+use burn_backend::FloatDType;
+
+/// A rank's policy for a run: set once per run with
+/// [`RankContext::set_policy`](crate::RankContext::set_policy), before the parallelism
+/// transforms, which fill in their parts ([`tensor_parallel`](crate::tensor_parallel): the
+/// sequence parallelism; [`fully_shard`](crate::fully_shard): the sharding). The default: no
+/// casting, no budget, no sequence parallelism, everything replicated.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RankPolicy {
+    /// The precision policy: matmuls and linear layers (forward and backward) compute in this
+    /// dtype on operands cast from their own, and their results are cast back — parameters,
+    /// gradients and optimizer state stay f32 (master weights). `None`: no casting.
+    pub compute_dtype: Option<FloatDType>,
+    /// Reduce data-parallel gradients in this dtype (e.g. bf16: half the bytes on the wire; the
+    /// in-process communicator accumulates in f32 and rounds once), casting back to the
+    /// gradients' own dtype after the collective. `None`: the gradients' dtype (f32 master
+    /// gradients).
+    pub grad_reduce_dtype: Option<FloatDType>,
+    /// Megatron sequence parallelism over this model axis (`None`: off): where a partial sum of
+    /// a `[b, t, d]` activation meets a residual add, or a column-parallel layer's input gradient
+    /// is reduced, it is reduce-scattered over the sequence (dim 1) instead of all-reduced, so
+    /// LayerNorm, dropout and the residual stream hold `1/size` of the sequence; column-parallel
+    /// layers all-gather their input. Set by `tensor_parallel` from a plan with
+    /// `TpStyle::SequenceParallel`.
+    pub sequence_parallel: Option<usize>,
+    /// Sequence parallelism's trade between memory and communication. Off (the default, as
+    /// Megatron-LM does): a column-parallel layer keeps its sequence-sharded input for backward
+    /// and all-gathers it again for its weight gradient — per block 4 all-gathers + 2
+    /// reduce-scatters in backward. On: the forward's gather is kept with the sharded value
+    /// (counted in the live bytes) and reused — 2 all-gathers + 2 reduce-scatters each way, at
+    /// the memory of the gathered inputs of the column-parallel layers (`2·b·t·d` per block).
+    /// Inputs used by several layers (burn-nn's separate q, k, v projections) are then also
+    /// gathered once in forward. Set by `tensor_parallel` from `TpPlan::keep_sequence_gathers`.
+    pub keep_sequence_gathers: bool,
+    /// A per-rank budget on the bytes of live tensors (the accounting behind
+    /// [`RankContext::live_bytes`](crate::RankContext::live_bytes)): an op that would cross it
+    /// fails the rank with [`DistError::MemoryBudget`](crate::DistError::MemoryBudget) (and the
+    /// world with it). `None` (or 0): no budget.
+    pub memory_budget: Option<u64>,
+    /// How parameters, gradients and optimizer state rest on the data axes. Set by `fully_shard`.
+    pub sharding: ShardingPolicy,
+}
 
 /// How a rank's parameters, gradients and optimizer state are spread over the data axes. Set by
 /// [`fully_shard`](crate::fully_shard); the default (no strategy applied, or

@@ -209,7 +209,7 @@ impl<B: Backend> DTensor<B> {
     ) -> Self {
         // Partial values are memoised: reducing them twice would double the traffic. A gathered
         // shard must not outlive its use (FSDP frees it and gathers again) — except, when asked
-        // (`RankContext::set_keep_sequence_gathers`), a sequence-parallel activation's gather,
+        // (`RankPolicy::keep_sequence_gathers`), a sequence-parallel activation's gather,
         // kept for the backward of the column-parallel layers that use it.
         let memo = memo_for(&layout, &shape, &device);
         let track = Tracker::new(local_bytes(&local), device.context());
@@ -312,7 +312,7 @@ impl<B: Backend> DTensor<B> {
     /// reduce (cast before, back after).
     pub(crate) fn reduce_gradient(self, target: &Layout) -> Result<Self, DistError> {
         let own = self.local.dtype();
-        let Some(dtype) = self.device.ctx.gradient_reduce_dtype() else {
+        let Some(dtype) = self.device.ctx.with_policy(|p| p.grad_reduce_dtype) else {
             return self.redistribute(target);
         };
         if DType::from(dtype) == own || !self.layout.has_partial() || &self.layout == target {
@@ -539,18 +539,17 @@ fn memo_for<B: Backend>(layout: &Layout, shape: &Shape, device: &DistDevice<B>) 
 }
 
 /// Whether this value is a sequence-parallel activation (`[b, t, d]` split over the sequence on
-/// the sequence-parallel axis) whose gathers are kept (`RankContext::set_keep_sequence_gathers`).
+/// the sequence-parallel axis) whose gathers are kept (`RankPolicy::keep_sequence_gathers`).
 fn keeps_sequence_gather<B: Backend>(
     layout: &Layout,
     shape: &Shape,
     device: &DistDevice<B>,
 ) -> bool {
-    let ctx = device.context();
-    ctx.keeps_sequence_gathers()
-        && shape.num_dims() == 3
-        && ctx
-            .sequence_parallel()
-            .is_some_and(|axis| layout.get(axis) == Placement::Shard(1))
+    let (keep, axis) = device
+        .context()
+        .with_policy(|p| (p.keep_sequence_gathers, p.sequence_parallel));
+    keep && shape.num_dims() == 3
+        && axis.is_some_and(|axis| layout.get(axis) == Placement::Shard(1))
 }
 
 /// The entries `range` of `local` along `dim`, every other dim whole.

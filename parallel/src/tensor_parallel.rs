@@ -35,7 +35,7 @@ pub enum TpStyle {
     /// them): their parameters stay whole, and the rank computes them on `1/tp` of the sequence —
     /// partial sums meeting a residual add are reduce-scattered over the sequence instead of
     /// all-reduced, column-parallel layers all-gather their input (see
-    /// `RankContext::set_sequence_parallel`, which a plan with this style turns on).
+    /// `RankPolicy::sequence_parallel`, which a plan with this style sets).
     SequenceParallel,
 }
 
@@ -53,7 +53,7 @@ pub struct TpPlan {
     /// With `SequenceParallel`: keep each sequence-sharded activation's all-gather for backward
     /// (2 all-gathers + 2 reduce-scatters per block each way, more memory) instead of gathering
     /// again for the weight gradients (Megatron-LM's default: 4 + 2 in backward). See
-    /// `RankContext::set_keep_sequence_gathers`.
+    /// `RankPolicy::keep_sequence_gathers`.
     #[serde(default)]
     pub keep_sequence_gathers: bool,
 }
@@ -351,8 +351,10 @@ pub fn tensor_parallel<B: DistributedBackend, M: Module<B>>(
         .any(|(_, s)| *s == TpStyle::SequenceParallel)
         && let Some(ctx) = apply.ctx
     {
-        ctx.set_sequence_parallel(Some(axis));
-        ctx.set_keep_sequence_gathers(plan.keep_sequence_gathers);
+        ctx.update_policy(|p| {
+            p.sequence_parallel = Some(axis);
+            p.keep_sequence_gathers = plan.keep_sequence_gathers;
+        });
     }
     Ok(module)
 }

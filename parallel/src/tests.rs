@@ -861,3 +861,59 @@ fn device_ids_are_reused_after_ranks_end() {
     let back = DistDevice::<Flex>::from_id(device.to_id());
     assert!(Arc::ptr_eq(back.context(), device.context()));
 }
+
+/// The rank policy: set in one call, kept by the parallelism transforms, which fill in their
+/// parts (`fully_shard` the sharding: where parameters, gradients and optimizer state rest, and
+/// when gradients are reduced); the thin setters change one field and keep the rest.
+#[test]
+fn rank_policy_is_set_once_and_filled_in_by_fully_shard() {
+    use burn::tensor::FloatDType::BF16;
+    let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+    let out = launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+        let ctx = device.context().clone();
+        let set = RankPolicy {
+            compute_dtype: Some(BF16),
+            memory_budget: Some(1 << 30),
+            ..Default::default()
+        };
+        ctx.set_policy(set.clone());
+        let linear = || burn::nn::LinearConfig::new(4, 4).init::<D>(&device);
+        fully_shard(linear(), &mesh, FsdpStrategy::FullShard).unwrap();
+        let full_shard = ctx.policy();
+        fully_shard(linear(), &mesh, FsdpStrategy::ShardOptimizer).unwrap();
+        let zero1 = ctx.policy();
+        ctx.set_gradient_reduce_dtype(Some(BF16));
+        (set, full_shard, zero1, ctx.policy())
+    })
+    .unwrap();
+    let (set, full_shard, zero1, last) = &out[0];
+    assert_eq!(full_shard.compute_dtype, set.compute_dtype);
+    assert_eq!(full_shard.memory_budget, set.memory_budget);
+    let s = &full_shard.sharding;
+    assert_eq!(
+        (
+            s.param_shard_axes(),
+            s.grad_shard_axes(),
+            s.optimizer_shard_axes()
+        ),
+        (&[0][..], &[0][..], &[0][..])
+    );
+    assert_eq!(s.gradient_reduction(), GradientReduction::WhereBorn);
+    let s = &zero1.sharding;
+    assert_eq!(
+        (
+            s.param_shard_axes(),
+            s.grad_shard_axes(),
+            s.optimizer_shard_axes()
+        ),
+        (&[][..], &[][..], &[0][..])
+    );
+    assert_eq!(s.gradient_reduction(), GradientReduction::AtSync);
+    assert_eq!(
+        last,
+        &RankPolicy {
+            grad_reduce_dtype: Some(BF16),
+            ..zero1.clone()
+        }
+    );
+}

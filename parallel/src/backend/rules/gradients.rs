@@ -36,7 +36,9 @@ pub(super) fn reduce_data_parallel<B: Backend>(
     // PyTorch DDP's buckets do: a parameter used twice (a tied embedding) then costs one
     // all-reduce, not one per use. Sharded ones (ZeRO-2/3) are reduce-scattered here, where they
     // are born, so full-size gradients never pile up.
-    let at_sync = device.ctx.gradient_reduction() == GradientReduction::AtSync;
+    let at_sync = device
+        .ctx
+        .with_policy(|p| p.sharding.gradient_reduction == GradientReduction::AtSync);
     let defer = device.ctx.no_sync() || at_sync;
     let grad = DTensor::new_unchecked(grad, layout, device);
     if defer {

@@ -21,7 +21,7 @@ fn in_compute_dtype<B: Backend, const N: usize>(
     inputs: [B::FloatTensorPrimitive; N],
     f: impl FnOnce([B::FloatTensorPrimitive; N]) -> B::FloatTensorPrimitive,
 ) -> B::FloatTensorPrimitive {
-    let Some(compute) = device.ctx.compute_dtype() else {
+    let Some(compute) = device.ctx.with_policy(|p| p.compute_dtype) else {
         return f(inputs);
     };
     let original: FloatDType = inputs[0].dtype().into();

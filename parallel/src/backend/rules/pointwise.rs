@@ -260,7 +260,7 @@ pub(super) fn sequence_dim<B: Backend>(
     gl: &[usize],
     gr: &[usize],
 ) -> Option<(usize, usize)> {
-    let axis = device.ctx.sequence_parallel()?;
+    let axis = device.ctx.with_policy(|p| p.sequence_parallel)?;
     (gl.len() == 3
         && gl.len() == gr.len()
         && gl[1] == gr[1]
