@@ -120,7 +120,7 @@ fn piece<X: Backend, const D: usize>(
         t.clone()
             .redistribute(like.layout())
             .map(DTensor::into_local)
-            .unwrap_or_else(|e| wildfire_parallel::raise(e))
+            .unwrap_or_else(|e| wildfire_parallel::internal::raise(e))
     }
 }
 
@@ -144,7 +144,7 @@ impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for FusedAdamW<X> {
             p
         } else {
             p.redistribute(g.layout())
-                .unwrap_or_else(|e| wildfire_parallel::raise(e))
+                .unwrap_or_else(|e| wildfire_parallel::internal::raise(e))
         };
         let device = p.device().inner().clone();
         let local_shape = burn::tensor::TensorMetadata::shape(p.local());

@@ -41,7 +41,8 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use std::cell::RefCell;
 use wildfire_kernels::FusedOps;
-use wildfire_parallel::{DistError, RecomputeScope};
+use wildfire_parallel::DistError;
+use wildfire_parallel::internal::RecomputeScope;
 
 pub use wildfire_kernels::hooks::Recompute;
 pub use wildfire_parallel::rng::mix_seed;

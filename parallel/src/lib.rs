@@ -43,6 +43,7 @@ pub mod mesh;
 mod placement;
 mod policy;
 mod ranks;
+pub mod rng;
 mod tensor;
 mod tensor_parallel;
 
@@ -61,19 +62,24 @@ pub use comm::{NcclCommunicator, NcclInitError, NcclOptions, launch_ranks_rendez
 pub use data_parallel::{
     DistributedBackend, SyncReport, dtensor, from_dtensor, redistribute, replicate, sync_gradients,
 };
-pub use device::{
-    DistDevice, MemoryReport, OpCounters, RankContext, RecomputeScope, current_device,
-    set_current_device,
-};
-pub use error::{DistError, raise};
+pub use device::{DistDevice, MemoryReport, OpCounters, RankContext};
+pub use error::DistError;
 pub use fsdp::{FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, parameter_bytes};
-pub use launch::{LaunchError, LaunchOptions, launch};
+pub use launch::{LaunchEnv, LaunchEnvError, LaunchError, LaunchOptions, Launcher, launch};
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis, MeshError};
 pub use placement::{Layout, Placement, create_replicated};
 pub use policy::{GradientReduction, RankPolicy, ShardingPolicy};
 pub use ranks::{launch_ranks, launch_ranks_on};
 pub use tensor::DTensor;
 pub use tensor_parallel::{ModulePath, TpError, TpPlan, TpStyle, tensor_parallel};
+
+/// For Wildfire's own crates (the engine raises typed errors inside backend ops and marks its
+/// recomputation passes); not part of the API.
+#[doc(hidden)]
+pub mod internal {
+    pub use crate::device::RecomputeScope;
+    pub use crate::error::raise;
+}
 
 #[cfg(test)]
 mod tests;

@@ -2,6 +2,7 @@
 //! mesh, then per step: the micro-batches, the step, the metrics, evaluation and checkpoints.
 
 use super::*;
+use wildfire_parallel::RankPolicy;
 
 type A<B> = Autodiff<Distributed<B>>;
 
@@ -62,9 +63,13 @@ impl RankRun<'_> {
         // Precision policy: f32 master weights, matmuls in the compute dtype; f16 adds a
         // dynamic loss scale.
         let ctx = device.context().clone();
-        ctx.set_compute_dtype(config.precision.reduced_dtype());
-        ctx.set_memory_budget(config.memory_budget);
-        ctx.set_gradient_reduce_dtype(config.grad_reduce.reduced_dtype());
+        // Set once, before `parallelize_gpt` fills in the sharding and sequence parallelism.
+        ctx.set_policy(RankPolicy {
+            compute_dtype: config.precision.reduced_dtype(),
+            grad_reduce_dtype: config.grad_reduce.reduced_dtype(),
+            memory_budget: config.memory_budget,
+            ..RankPolicy::default()
+        });
         let resume_scaler = self.resume.as_ref().and_then(|(_, s)| s.clone());
         let scaler = (config.precision == Precision::F16).then(|| {
             resume_scaler.unwrap_or_else(|| DynamicLossScaler::new(LossScalerConfig::default()))

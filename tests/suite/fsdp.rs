@@ -603,7 +603,7 @@ fn a_model_over_budget_on_one_rank_trains_on_four() {
             &Default::default(),
             &LaunchOptions::default(),
             |device| {
-                device.context().set_memory_budget(budget);
+                device.context().update_policy(|p| p.memory_budget = budget);
                 device.context().reset_peak_bytes();
                 let m = fully_shard(model::<Dist>(&device), &mesh, strategy).unwrap();
                 let rows = device.rank() * GLOBAL_BATCH / n..(device.rank() + 1) * GLOBAL_BATCH / n;
