@@ -24,10 +24,11 @@ pub mod prelude {
         StepRunnerConfig,
     };
     pub use wildfire_kernels::FusedOps;
+    pub use wildfire_kernels::hooks::{ForwardHooks, Inference};
     pub use wildfire_parallel::{
         DeviceMesh, DistDevice, DistError, Distributed, FsdpOptimizer, FsdpStrategy, LaunchEnv,
-        LaunchOptions, TpPlan, TpStyle, fully_shard, launch_ranks, replicate, sync_gradients,
-        tensor_parallel,
+        LaunchOptions, RankPolicy, TpPlan, TpStyle, fully_shard, launch_ranks, replicate,
+        sync_gradients, tensor_parallel,
     };
 }
 

@@ -2,7 +2,7 @@
 //!
 //! Two mechanisms, one [`Recomputer`] per training step:
 //!
-//! * **Regions** ([`Recomputer::block`], policies `Full` and `EveryNth`): the region (a
+//! * **Regions** ([`ForwardHooks::block`](wildfire_kernels::hooks::ForwardHooks::block), policies `Full` and `EveryNth`): the region (a
 //!   transformer block) runs once with gradients off — nothing inside it is recorded — and its
 //!   output enters the graph as a fresh leaf; only the region's input is kept. In
 //!   [`Recomputer::backward`] the loss is back-propagated down to the region outputs, then each
@@ -262,8 +262,8 @@ const SITE_ATTENTION: u64 = 2;
 /// Recomputation and random streams for one forward/backward of a model (see the module docs).
 ///
 /// Build one per micro-batch with [`Recomputer::new`] (training, autodiff backends) or
-/// [`Recomputer::inference`]; the model's forward calls [`block`](Self::block),
-/// [`attention`](Self::attention) and [`dropout`](Self::dropout); then
+/// [`Recomputer::inference`]; the model's forward calls [`block`](wildfire_kernels::hooks::ForwardHooks::block),
+/// [`attention`](Self::attention) and [`dropout`](wildfire_kernels::hooks::ForwardHooks::dropout); then
 /// [`backward`](Self::backward) replaces `loss.backward()`.
 pub struct Recomputer<'a, B: Backend> {
     policy: Recompute,
@@ -332,49 +332,6 @@ impl<'a, B: Backend> Recomputer<'a, B> {
     pub fn seed_of(&self, layer: usize, site: u64) -> u64 {
         mix_seed(self.seed, layer as u64, site)
     }
-
-    /// Block `index` of `count` in the model: `f(module, x, self)`, recomputed in backward if the
-    /// policy says so. While training, the backend is seeded with the block's stream first (also
-    /// when not recomputed, so every policy draws the same numbers).
-    pub fn block<M, F, const D: usize>(
-        &self,
-        index: usize,
-        count: usize,
-        module: &'a M,
-        x: Tensor<B, D>,
-        f: F,
-    ) -> Tensor<B, D>
-    where
-        M: Module<B> + 'a,
-        F: Fn(&M, Tensor<B, D>, &Recomputer<'a, B>) -> Tensor<B, D> + 'a,
-    {
-        let device = x.device();
-        let seed = self.seed_of(index, SITE_BLOCK);
-        if self.training {
-            B::seed(&device, seed);
-        }
-        if !(self.training && self.policy.recomputes_block(index, count) && B::ad_enabled(&device))
-        {
-            return f(module, x, self);
-        }
-        // Gradients off: the parameters' copies are untracked, so nothing inside is recorded.
-        let frozen = module.clone().no_grad();
-        // (`detach` keeps `require_grad` in Burn; `set_require_grad(false)` makes an untracked
-        // value.)
-        let y = f(&frozen, x.clone().set_require_grad(false), self)
-            .set_require_grad(false)
-            .require_grad();
-        self.regions.borrow_mut().push(Region {
-            input: prim(x),
-            output: match self.handle {
-                Some(handle) => handle(&prim(y.clone())),
-                None => prim(y.clone()),
-            },
-            seed,
-            recompute: Box::new(move |ckpt, input| prim(f(module, float(input), ckpt))),
-        });
-        y
-    }
 }
 
 impl<'a, B: FusedOps> Recomputer<'a, B> {
@@ -404,43 +361,6 @@ impl<'a, B: FusedOps> Recomputer<'a, B> {
             Some(op) => op(q, k, v, &spec, self.policy == Recompute::Selective),
             None => attention_reference(q, k, v, &spec),
         }
-    }
-
-    /// [`attention`](Self::attention) on packed projections `qkv` `[b, t, h, 3·hd]` (per head:
-    /// queries, keys, values side by side), giving `[b, t, h, hd]`. Without dropout, on a backend
-    /// with fused attention, one op that never splits `qkv` nor transposes the output
-    /// ([`FusedOps::fused_attention_qkv`]); otherwise q, k and v are split out and go through
-    /// [`attention`](Self::attention) and its recomputation policy.
-    pub fn attention_qkv(
-        &self,
-        layer: usize,
-        qkv: Tensor<B, 4>,
-        scale: f64,
-        causal: bool,
-        dropout: f64,
-    ) -> Tensor<B, 4> {
-        let dropout = if self.training { dropout } else { 0.0 };
-        if B::FUSED.attention && dropout == 0.0 {
-            return wildfire_kernels::ops::attention_qkv(qkv, scale, causal);
-        }
-        let qkv = wildfire_kernels::ops::split_qkv(qkv);
-        self.attention(layer, qkv, scale, causal, dropout)
-            .swap_dims(1, 2)
-    }
-
-    /// Inverted dropout with probability `p` at `(layer, site)` while training; identity otherwise.
-    pub fn dropout<const D: usize>(
-        &self,
-        layer: usize,
-        site: u64,
-        x: Tensor<B, D>,
-        p: f64,
-    ) -> Tensor<B, D> {
-        if !self.training || p <= 0.0 {
-            return x;
-        }
-        let mask = dropout_mask(self.seed_of(layer, 16 + site), x.dims(), p, &x.device());
-        x * mask
     }
 }
 
@@ -532,6 +452,9 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for MergeGrads<'_, B> {
 /// [`ForwardHooks`](wildfire_kernels::hooks::ForwardHooks) gets its blocks recomputed, its
 /// dropout masks replayed and its attention core recomputed as the policy says.
 impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recomputer<'a, B> {
+    /// Block `index` of `count` in the model: `f(module, x, self)`, recomputed in backward if the
+    /// policy says so. While training, the backend is seeded with the block's stream first (also
+    /// when not recomputed, so every policy draws the same numbers).
     fn block<M, F, const D: usize>(
         &self,
         index: usize,
@@ -544,9 +467,39 @@ impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recompute
         M: Module<B> + 'a,
         F: Fn(&M, Tensor<B, D>, &Self) -> Tensor<B, D> + 'a,
     {
-        Recomputer::block(self, index, count, module, x, f)
+        let device = x.device();
+        let seed = self.seed_of(index, SITE_BLOCK);
+        if self.training {
+            B::seed(&device, seed);
+        }
+        if !(self.training && self.policy.recomputes_block(index, count) && B::ad_enabled(&device))
+        {
+            return f(module, x, self);
+        }
+        // Gradients off: the parameters' copies are untracked, so nothing inside is recorded.
+        let frozen = module.clone().no_grad();
+        // (`detach` keeps `require_grad` in Burn; `set_require_grad(false)` makes an untracked
+        // value.)
+        let y = f(&frozen, x.clone().set_require_grad(false), self)
+            .set_require_grad(false)
+            .require_grad();
+        self.regions.borrow_mut().push(Region {
+            input: prim(x),
+            output: match self.handle {
+                Some(handle) => handle(&prim(y.clone())),
+                None => prim(y.clone()),
+            },
+            seed,
+            recompute: Box::new(move |ckpt, input| prim(f(module, float(input), ckpt))),
+        });
+        y
     }
 
+    /// [`attention`](Self::attention) on packed projections `qkv` `[b, t, h, 3·hd]` (per head:
+    /// queries, keys, values side by side), giving `[b, t, h, hd]`. Without dropout, on a backend
+    /// with fused attention, one op that never splits `qkv` nor transposes the output
+    /// ([`FusedOps::fused_attention_qkv`]); otherwise q, k and v are split out and go through
+    /// [`attention`](Self::attention) and its recomputation policy.
     fn attention_qkv(
         &self,
         layer: usize,
@@ -555,9 +508,16 @@ impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recompute
         causal: bool,
         dropout: f64,
     ) -> Tensor<B, 4> {
-        Recomputer::attention_qkv(self, layer, qkv, scale, causal, dropout)
+        let dropout = if self.training { dropout } else { 0.0 };
+        if B::FUSED.attention && dropout == 0.0 {
+            return wildfire_kernels::ops::attention_qkv(qkv, scale, causal);
+        }
+        let qkv = wildfire_kernels::ops::split_qkv(qkv);
+        self.attention(layer, qkv, scale, causal, dropout)
+            .swap_dims(1, 2)
     }
 
+    /// Inverted dropout with probability `p` at `(layer, site)` while training; identity otherwise.
     fn dropout<const D: usize>(
         &self,
         layer: usize,
@@ -565,6 +525,10 @@ impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recompute
         x: Tensor<B, D>,
         p: f64,
     ) -> Tensor<B, D> {
-        Recomputer::dropout(self, layer, site, x, p)
+        if !self.training || p <= 0.0 {
+            return x;
+        }
+        let mask = dropout_mask(self.seed_of(layer, 16 + site), x.dims(), p, &x.device());
+        x * mask
     }
 }

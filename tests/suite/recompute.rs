@@ -10,6 +10,7 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use wildfire::engine::{AttentionSpec, Recompute, Recomputer, attention_reference};
+use wildfire::kernels::hooks::ForwardHooks;
 use wildfire::models::gpt::{Gpt, GptConfig};
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, parallelize_gpt};
 use wildfire::parallel::{
