@@ -52,18 +52,12 @@ fn main() {
                 },
                 steps: 2,
                 batch_size: 4,
-                warmup: 1,
-                eval_every: 0,
-                eval_iters: 0,
-                sample_tokens: 0,
-                progress: false,
-                plot: None,
                 parallel: ParallelConfig {
                     dp: n,
                     fsdp: strategy,
                     ..ParallelConfig::default()
                 },
-                ..PretrainConfig::default()
+                ..PretrainConfig::quiet()
             };
             let summary = run(&config).expect("run");
             let psi = summary.model.as_ref().expect("model").num_params() as f64;

@@ -25,13 +25,7 @@ fn main() {
         tokenizer: TokenizerKind::Gpt2,
         steps: steps + 1,
         batch_size: 4,
-        warmup: 1,
-        eval_every: 0,
-        eval_iters: 0,
-        sample_tokens: 0,
-        progress: false,
-        plot: None,
-        ..PretrainConfig::default()
+        ..PretrainConfig::quiet()
     };
     let summary = run(&config).expect("run");
     let model = summary.model.expect("model");

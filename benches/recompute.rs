@@ -82,17 +82,11 @@ fn main() {
                 tokenizer: TokenizerKind::Bytes,
                 steps: steps + 1,
                 batch_size: common::arg("--batch").unwrap_or(4),
-                warmup: 1,
-                eval_every: 0,
-                eval_iters: 0,
-                sample_tokens: 0,
-                progress: false,
-                plot: None,
                 parallel: ParallelConfig {
                     recompute: policy,
                     ..ParallelConfig::default()
                 },
-                ..PretrainConfig::default()
+                ..PretrainConfig::quiet()
             };
             let base = CURRENT.load(Ordering::Relaxed);
             PEAK.store(base, Ordering::Relaxed);
@@ -127,7 +121,7 @@ fn main() {
         n_head: common::arg("--n-head"),
         n_embd: common::arg("--n-embd"),
         block_size: common::arg("--block-size"),
-        ..PretrainConfig::default()
+        ..PretrainConfig::quiet()
     }
     .model(256)
     .expect("model shape");

@@ -13,8 +13,10 @@ use serde::{Deserialize, Serialize};
 use std::str::FromStr;
 
 /// The hooks a model's forward calls. `'a` is how long a recorded block region may borrow its
-/// module.
-pub trait ForwardHooks<'a, B: Backend>: Sized {
+/// module. The provided methods are the forward of evaluation and generation ([`Inference`]):
+/// no dropout, nothing recomputed, attention through [`crate::ops::attention_qkv`] (the fused
+/// kernel where the backend has one).
+pub trait ForwardHooks<'a, B: FusedOps>: Sized {
     /// Block `index` of `count`: `f(module, x, self)`, which an implementation may run again in
     /// backward instead of keeping its activations.
     fn block<M, F, const D: usize>(
@@ -27,7 +29,11 @@ pub trait ForwardHooks<'a, B: Backend>: Sized {
     ) -> Tensor<B, D>
     where
         M: Module<B> + 'a,
-        F: Fn(&M, Tensor<B, D>, &Self) -> Tensor<B, D> + 'a;
+        F: Fn(&M, Tensor<B, D>, &Self) -> Tensor<B, D> + 'a,
+    {
+        let _ = (index, count);
+        f(module, x, self)
+    }
 
     /// Attention of layer `layer` on packed projections `qkv` `[b, t, h, 3·hd]` (per head:
     /// queries, keys, values side by side), giving `[b, t, h, hd]`, with dropout `dropout` on
@@ -39,7 +45,10 @@ pub trait ForwardHooks<'a, B: Backend>: Sized {
         scale: f64,
         causal: bool,
         dropout: f64,
-    ) -> Tensor<B, 4>;
+    ) -> Tensor<B, 4> {
+        let _ = (layer, dropout);
+        crate::ops::attention_qkv(qkv, scale, causal)
+    }
 
     /// Inverted dropout with probability `p` at `(layer, site)` while training.
     fn dropout<const D: usize>(
@@ -48,51 +57,17 @@ pub trait ForwardHooks<'a, B: Backend>: Sized {
         site: u64,
         x: Tensor<B, D>,
         p: f64,
-    ) -> Tensor<B, D>;
-}
-
-/// The forward of evaluation and generation: no dropout, nothing recomputed, attention through
-/// [`crate::ops::attention_qkv`] (the fused kernel where the backend has one).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Inference;
-
-impl<'a, B: FusedOps> ForwardHooks<'a, B> for Inference {
-    fn block<M, F, const D: usize>(
-        &self,
-        _index: usize,
-        _count: usize,
-        module: &'a M,
-        x: Tensor<B, D>,
-        f: F,
-    ) -> Tensor<B, D>
-    where
-        M: Module<B> + 'a,
-        F: Fn(&M, Tensor<B, D>, &Self) -> Tensor<B, D> + 'a,
-    {
-        f(module, x, self)
-    }
-
-    fn attention_qkv(
-        &self,
-        _layer: usize,
-        qkv: Tensor<B, 4>,
-        scale: f64,
-        causal: bool,
-        _dropout: f64,
-    ) -> Tensor<B, 4> {
-        crate::ops::attention_qkv(qkv, scale, causal)
-    }
-
-    fn dropout<const D: usize>(
-        &self,
-        _layer: usize,
-        _site: u64,
-        x: Tensor<B, D>,
-        _p: f64,
     ) -> Tensor<B, D> {
+        let _ = (layer, site, p);
         x
     }
 }
+
+/// The forward of evaluation and generation: the provided methods of [`ForwardHooks`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Inference;
+
+impl<B: FusedOps> ForwardHooks<'_, B> for Inference {}
 
 /// Which activations are recomputed in backward instead of kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

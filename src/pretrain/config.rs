@@ -216,6 +216,20 @@ impl Default for PretrainConfig {
 }
 
 impl PretrainConfig {
+    /// The defaults without output: no evaluation, no generated sample, no plot, no progress
+    /// bar, a one-step warmup (benchmarks and tests start from it).
+    pub fn quiet() -> Self {
+        Self {
+            warmup: 1,
+            eval_every: 0,
+            eval_iters: 0,
+            sample_tokens: 0,
+            progress: false,
+            plot: None,
+            ..Self::default()
+        }
+    }
+
     /// The model shape for a vocabulary of `vocab` tokens (GPT-2's padded to 50304, as nanoGPT).
     pub fn model(&self, vocab: usize) -> Result<GptConfig, ModelError> {
         let vocab = if vocab > 256 {

@@ -19,13 +19,9 @@ fn small(steps: usize) -> PretrainConfig {
         batch_size: 4,
         warmup: 2,
         decay_steps: Some(10),
-        eval_every: 0,
         eval_iters: 2,
-        sample_tokens: 0,
         log_every: 1000,
-        progress: false,
-        plot: None,
-        ..PretrainConfig::default()
+        ..PretrainConfig::quiet()
     }
 }
 
