@@ -72,78 +72,21 @@ impl StepRunner {
     /// One step on `device` over `seeds.len()` micro-batches: `loss(model, i, ckpt)` is
     /// micro-batch `i`'s mean loss, computed through `ckpt` (seeded with `seeds[i]`: vary it per
     /// step, micro-batch and data-parallel rank). Returns the updated model and the record.
+    ///
+    /// With `tail`, the fused optimizer tail: one unscale + `Σg²` + overflow kernel pass per
+    /// gradient, and `optim` a [`crate::FusedAdamW`] (alone or inside `FsdpOptimizer`) whose
+    /// inputs `tail` is (the clipping coefficient and skip flag are written there, on the
+    /// device). Without, the unscale, check and clip on the host ([`unscale_check_clip`]).
     #[allow(clippy::too_many_arguments)]
     pub fn run<X, M, O, L>(
         &mut self,
         device: &DistDevice<X>,
-        model: M,
-        optim: &mut O,
-        lr: f64,
-        seeds: &[u64],
-        loss: L,
-    ) -> Result<(M, StepRecord), DistError>
-    where
-        X: wildfire_kernels::FusedOps,
-        M: AutodiffModule<Ad<X>>,
-        O: Optimizer<M, Ad<X>>,
-        L: for<'a> Fn(&'a M, usize, &Recomputer<'a, Ad<X>>) -> Tensor<Ad<X>, 1>,
-    {
-        let clip = self.config.clip;
-        self.run_with(
-            device,
-            model,
-            optim,
-            lr,
-            seeds,
-            loss,
-            |model, grads, inv_scale| unscale_check_clip(model, grads, inv_scale, clip),
-        )
-    }
-
-    /// [`StepRunner::run`] with the fused optimizer tail: one unscale + `Σg²` + overflow kernel
-    /// pass per gradient and `optim` a [`crate::FusedAdamW`] (alone or inside `FsdpOptimizer`)
-    /// whose `inputs` handle this fills (clipping coefficient and skip flag, on the device).
-    #[allow(clippy::too_many_arguments)]
-    pub fn run_fused<X, M, O, L>(
-        &mut self,
-        device: &DistDevice<X>,
-        model: M,
-        optim: &mut O,
-        inputs: &crate::TailInputs<X>,
-        lr: f64,
-        seeds: &[u64],
-        loss: L,
-    ) -> Result<(M, StepRecord), DistError>
-    where
-        X: wildfire_kernels::FusedOps,
-        M: AutodiffModule<Ad<X>>,
-        O: Optimizer<M, Ad<X>>,
-        L: for<'a> Fn(&'a M, usize, &Recomputer<'a, Ad<X>>) -> Tensor<Ad<X>, 1>,
-    {
-        let clip = self.config.clip;
-        self.run_with(
-            device,
-            model,
-            optim,
-            lr,
-            seeds,
-            loss,
-            |model, grads, inv_scale| {
-                crate::fused_unscale_check(model, grads, inv_scale, clip, inputs)
-            },
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn run_with<X, M, O, L>(
-        &mut self,
-        device: &DistDevice<X>,
         mut model: M,
         optim: &mut O,
+        tail: Option<&crate::TailInputs<X>>,
         lr: f64,
         seeds: &[u64],
         loss: L,
-        check: impl FnOnce(&M, &mut GradientsParams, f32) -> Result<crate::GradCheck, DistError>,
     ) -> Result<(M, StepRecord), DistError>
     where
         X: wildfire_kernels::FusedOps,
@@ -184,7 +127,13 @@ impl StepRunner {
         // Synchronise the rest, then unscale + check + norm (one all-reduce) and clip.
         let mut grads = accumulator.grads();
         sync_gradients(&model, &mut grads)?;
-        let check = check(&model, &mut grads, 1.0 / scale)?;
+        let clip = self.config.clip;
+        let check = match tail {
+            Some(inputs) => {
+                crate::fused_unscale_check(&model, &mut grads, 1.0 / scale, clip, inputs)?
+            }
+            None => unscale_check_clip(&model, &mut grads, 1.0 / scale, clip)?,
+        };
         // Step, or skip on every rank; update the scale.
         let skipped = match self.scaler.as_mut() {
             Some(s) => s.update(check.found_inf) == StepDecision::Skip,

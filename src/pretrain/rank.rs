@@ -74,7 +74,7 @@ impl RankRun<'_> {
         let scaler = (config.precision == Precision::F16).then(|| {
             resume_scaler.unwrap_or_else(|| DynamicLossScaler::new(LossScalerConfig::default()))
         });
-        let mut train_step = StepRunner::new(
+        let mut step_runner = StepRunner::new(
             StepRunnerConfig {
                 clip: (config.clip > 0.0).then_some(config.clip as f32),
                 recompute: config.parallel.recompute,
@@ -126,26 +126,18 @@ impl RankRun<'_> {
                     .tensors::<A<B>>(self.train, step as u64, rows, device)
                     .expect("the sampler was checked")
             };
-            let (next, record) = match &tail {
-                Some(inputs) => train_step.run_fused(
-                    device,
-                    model,
-                    &mut optim,
-                    inputs,
-                    lr,
-                    &seeds,
-                    |model: &Gpt<A<B>>, i, ckpt| {
-                        let (x, y) = batch(i);
-                        model.loss_with(x, y, ckpt)
-                    },
-                )?,
-                None => {
-                    train_step.run(device, model, &mut optim, lr, &seeds, |model, i, ckpt| {
-                        let (x, y) = batch(i);
-                        model.loss_with(x, y, ckpt)
-                    })?
-                }
-            };
+            let (next, record) = step_runner.run(
+                device,
+                model,
+                &mut optim,
+                tail.as_ref(),
+                lr,
+                &seeds,
+                |model: &Gpt<A<B>>, i, ckpt| {
+                    let (x, y) = batch(i);
+                    model.loss_with(x, y, ckpt)
+                },
+            )?;
             model = next;
             // The decorator's accounting of this rank's local pieces. After the step only the
             // parameters and the optimizer state are alive (the loss and its graph are dropped,
@@ -182,7 +174,7 @@ impl RankRun<'_> {
             if let Some(root) = &config.save
                 && (every || last)
             {
-                self.save(root, &model, &optim, train_step.scaler(), step + 1, rank)?;
+                self.save(root, &model, &optim, step_runner.scaler(), step + 1, rank)?;
             }
         }
         if let Some(bar) = &progress {

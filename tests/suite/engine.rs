@@ -289,7 +289,7 @@ fn pure_f16_without_scaling_fails() {
 /// step updates the model and counts towards growth; a micro-batch whose loss overflows on rank 1
 /// only makes both ranks skip (parameters untouched) and halves the scale.
 #[test]
-fn train_step_steps_and_skips_together() {
+fn step_runner_steps_and_skips_together() {
     use burn::optim::AdamWConfig;
     use wildfire::engine::{StepRunner, StepRunnerConfig};
     use wildfire::parallel::FsdpOptimizer;
@@ -315,15 +315,23 @@ fn train_step_steps_and_skips_together() {
             for poison in [false, true] {
                 let before = wildfire::demo::parameters(&m);
                 let (next, record) = step
-                    .run(&device, m, &mut optim, 1e-2, &[1, 2], |m, i, _ckpt| {
-                        let rows = rank * 4 + i * 2..rank * 4 + i * 2 + 2;
-                        let loss = loss_of(m, rows, &device);
-                        if poison && rank == 1 && i == 1 {
-                            loss.mul_scalar(f32::INFINITY)
-                        } else {
-                            loss
-                        }
-                    })
+                    .run(
+                        &device,
+                        m,
+                        &mut optim,
+                        None,
+                        1e-2,
+                        &[1, 2],
+                        |m, i, _ckpt| {
+                            let rows = rank * 4 + i * 2..rank * 4 + i * 2 + 2;
+                            let loss = loss_of(m, rows, &device);
+                            if poison && rank == 1 && i == 1 {
+                                loss.mul_scalar(f32::INFINITY)
+                            } else {
+                                loss
+                            }
+                        },
+                    )
                     .unwrap();
                 m = next;
                 let changed = wildfire::demo::parameters(&m) != before;
@@ -346,7 +354,7 @@ fn train_step_steps_and_skips_together() {
     }
 }
 
-/// The fused optimizer tail (`StepRunner::run_fused` + `FusedAdamW`: one unscale + Σg² + overflow
+/// The fused optimizer tail (`StepRunner::run` with its tail inputs + `FusedAdamW`: one unscale + Σg² + overflow
 /// pass per gradient, one AdamW pass per parameter, clipping coefficient and skip flag on the
 /// device) follows Burn's AdamW through `StepRunner::run` step by step — DDP, ZeRO-1 (gradients on
 /// another layout than the parameters) and FullShard on 2 ranks, with clipping active and an
@@ -400,7 +408,7 @@ fn fused_optimizer_tail_follows_burn_adamw() {
                 let mut burn = Vec::new();
                 for s in 0..5 {
                     let (next, r) = step
-                        .run(&device, m, &mut optim, 1e-2, &[1, 2], |m, i, _| {
+                        .run(&device, m, &mut optim, None, 1e-2, &[1, 2], |m, i, _| {
                             loss(m, i, s == 2)
                         })
                         .unwrap();
@@ -420,9 +428,15 @@ fn fused_optimizer_tail_follows_burn_adamw() {
                 let mut fused = Vec::new();
                 for s in 0..5 {
                     let (next, r) = step
-                        .run_fused(&device, m, &mut optim, &inputs, 1e-2, &[1, 2], |m, i, _| {
-                            loss(m, i, s == 2)
-                        })
+                        .run(
+                            &device,
+                            m,
+                            &mut optim,
+                            Some(&inputs),
+                            1e-2,
+                            &[1, 2],
+                            |m, i, _| loss(m, i, s == 2),
+                        )
                         .unwrap();
                     m = next;
                     fused.push((r, wildfire::demo::parameters(&m)));
