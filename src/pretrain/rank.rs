@@ -134,7 +134,7 @@ impl RankRun<'_> {
                 lr,
                 &seeds,
                 |model: &Gpt<A<B>>, i, ckpt| {
-                    let (x, y) = batch(i);
+                    let [x, y] = batch(i);
                     model.loss_with(x, y, ckpt)
                 },
             )?;
@@ -218,7 +218,7 @@ impl RankRun<'_> {
         let model = model.valid();
         let mut total = 0.0;
         for i in 0..self.config.eval_iters {
-            let (x, y) = self.val_sampler.tensors::<Distributed<B>>(
+            let [x, y] = self.val_sampler.tensors::<Distributed<B>>(
                 self.val,
                 i as u64,
                 self.rows.clone(),

@@ -1,6 +1,7 @@
 //! Data parallelism on stock burn-nn models: `Autodiff<Distributed<Flex>>` against
 //! `Autodiff<Flex>`, ranks as threads.
 
+use super::threads;
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::optim::momentum::MomentumConfig;
@@ -191,28 +192,22 @@ fn data_parallel_matches_single_device() {
         for dp in [2, 4] {
             let mesh = DeviceMesh::new([("dp", dp)]).unwrap();
             let per_rank = GLOBAL_BATCH / dp;
-            let results = launch_ranks::<Flex, _, _>(
-                &mesh,
-                &Default::default(),
-                &LaunchOptions::default(),
-                |device| {
-                    let built = model.build::<Dist>(&device)();
-                    let ctx = device.context().clone();
-                    let rows = device.rank() * per_rank..(device.rank() + 1) * per_rank;
-                    let prepare = |b: Built<Dist>| {
-                        let b = replicated(b, &mesh);
-                        ctx.reset_counters();
-                        b
-                    };
-                    let out = run_built(built, rows, &device, prepare, true);
-                    (
-                        out,
-                        device.context().comm().stats(),
-                        device.context().counters(),
-                    )
-                },
-            )
-            .unwrap();
+            let results = threads(&mesh, |device| {
+                let built = model.build::<Dist>(&device)();
+                let ctx = device.context().clone();
+                let rows = device.rank() * per_rank..(device.rank() + 1) * per_rank;
+                let prepare = |b: Built<Dist>| {
+                    let b = replicated(b, &mesh);
+                    ctx.reset_counters();
+                    b
+                };
+                let out = run_built(built, rows, &device, prepare, true);
+                (
+                    out,
+                    device.context().comm().stats(),
+                    device.context().counters(),
+                )
+            });
             for (rank, ((log, params), stats, counters)) in results.iter().enumerate() {
                 let mean_losses: Vec<f32> = (0..STEPS)
                     .map(|s| results.iter().map(|r| r.0.0.losses[s]).sum::<f32>() / dp as f32)

@@ -1,6 +1,7 @@
 //! The training-step pieces of `wildfire-engine` on distributed layouts: one-collective overflow
 //! agreement and a global gradient norm that equals the single-device norm.
 
+use super::threads;
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
@@ -10,8 +11,8 @@ use wildfire::demo::{
 };
 use wildfire::engine::{DynamicLossScaler, LossScalerConfig, StepDecision, unscale_check_clip};
 use wildfire::parallel::{
-    CollectiveKind, DTensor, DeviceMesh, Distributed, FsdpStrategy, LaunchOptions, TpPlan, TpStyle,
-    dtensor, from_dtensor, fully_shard, launch_ranks, sync_gradients, tensor_parallel,
+    CollectiveKind, DTensor, DeviceMesh, Distributed, FsdpStrategy, TpPlan, TpStyle, dtensor,
+    from_dtensor, fully_shard, sync_gradients, tensor_parallel,
 };
 
 type Plain = Autodiff<Flex>;
@@ -104,40 +105,33 @@ fn global_norm_matches_one_device_on_every_layout() {
             true,
         ),
     ] {
-        let out = launch_ranks::<Flex, _, _>(
-            &mesh,
-            &Default::default(),
-            &LaunchOptions::default(),
-            |device| {
-                let m = model::<Dist>(&device);
-                let m = if tp {
-                    tensor_parallel(m, &mesh, &plan).unwrap()
-                } else {
-                    m
-                };
-                let m = fully_shard(m, &mesh, fsdp).unwrap();
-                let dp = mesh
-                    .axis_index("dp")
-                    .map(|a| mesh.axis_size(a))
-                    .unwrap_or(1);
-                let dp_index = mesh.coords(device.rank())[0];
-                let rows = dp_index * 8 / dp..(dp_index + 1) * 8 / dp;
-                let mut grads =
-                    GradientsParams::from_grads(loss_of(&m, rows, &device).backward(), &m);
-                sync_gradients(&m, &mut grads).unwrap();
-                let before = device.context().comm().stats();
-                let check = unscale_check_clip(&m, &mut grads, 1.0, Some(reference / 2.0)).unwrap();
-                let reductions = device
-                    .context()
-                    .comm()
-                    .stats()
-                    .since(&before)
-                    .count(CollectiveKind::AllReduce);
-                let after = unscale_check_clip(&m, &mut grads, 1.0, None).unwrap();
-                (check, reductions, after.norm)
-            },
-        )
-        .unwrap();
+        let out = threads(&mesh, |device| {
+            let m = model::<Dist>(&device);
+            let m = if tp {
+                tensor_parallel(m, &mesh, &plan).unwrap()
+            } else {
+                m
+            };
+            let m = fully_shard(m, &mesh, fsdp).unwrap();
+            let dp = mesh
+                .axis_index("dp")
+                .map(|a| mesh.axis_size(a))
+                .unwrap_or(1);
+            let dp_index = mesh.coords(device.rank())[0];
+            let rows = dp_index * 8 / dp..(dp_index + 1) * 8 / dp;
+            let mut grads = GradientsParams::from_grads(loss_of(&m, rows, &device).backward(), &m);
+            sync_gradients(&m, &mut grads).unwrap();
+            let before = device.context().comm().stats();
+            let check = unscale_check_clip(&m, &mut grads, 1.0, Some(reference / 2.0)).unwrap();
+            let reductions = device
+                .context()
+                .comm()
+                .stats()
+                .since(&before)
+                .count(CollectiveKind::AllReduce);
+            let after = unscale_check_clip(&m, &mut grads, 1.0, None).unwrap();
+            (check, reductions, after.norm)
+        });
         for (rank, (check, reductions, clipped)) in out.iter().enumerate() {
             assert!(!check.found_inf);
             assert!(
@@ -162,53 +156,46 @@ fn global_norm_matches_one_device_on_every_layout() {
 #[test]
 fn overflow_on_one_rank_makes_every_rank_skip() {
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
-    let out = launch_ranks::<Flex, _, _>(
-        &mesh,
-        &Default::default(),
-        &LaunchOptions::default(),
-        |device| {
-            let m = fully_shard(
-                deterministic_init(Mlp::<Dist>::new(4, 8, 3, &device), 1),
-                &mesh,
-                FsdpStrategy::NoShard,
-            )
-            .unwrap();
-            let scaler_config = LossScalerConfig::default();
-            let mut scaler = DynamicLossScaler::new(scaler_config);
-            let loss = loss_of(&m, device.rank() * 4..device.rank() * 4 + 4, &device)
-                .mul_scalar(scaler.scale());
-            let mut grads = GradientsParams::from_grads(loss.backward(), &m);
-            sync_gradients(&m, &mut grads).unwrap();
-            if device.rank() == 1 {
-                // Inject an infinity into this rank's copy of the first parameter's gradient.
-                struct Poison<'a>(&'a mut GradientsParams, bool);
-                impl ModuleVisitor<Dist> for Poison<'_> {
-                    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Dist, D>>) {
-                        if self.1 {
-                            return;
-                        }
-                        let g = self.0.remove::<Distributed<Flex>, D>(param.id).unwrap();
-                        let t = dtensor(&g);
-                        let local = Tensor::<Flex, D>::from_primitive(
-                            burn::tensor::TensorPrimitive::Float(t.local().clone()),
-                        );
-                        let poisoned = local.add_scalar(f32::INFINITY).into_primitive().tensor();
-                        let g = from_dtensor::<Distributed<Flex>, D>(
-                            DTensor::from_local(poisoned, t.layout().clone(), t.device()).unwrap(),
-                        );
-                        self.0.register::<Distributed<Flex>, D>(param.id, g);
-                        self.1 = true;
+    let out = threads(&mesh, |device| {
+        let m = fully_shard(
+            deterministic_init(Mlp::<Dist>::new(4, 8, 3, &device), 1),
+            &mesh,
+            FsdpStrategy::NoShard,
+        )
+        .unwrap();
+        let scaler_config = LossScalerConfig::default();
+        let mut scaler = DynamicLossScaler::new(scaler_config);
+        let loss = loss_of(&m, device.rank() * 4..device.rank() * 4 + 4, &device)
+            .mul_scalar(scaler.scale());
+        let mut grads = GradientsParams::from_grads(loss.backward(), &m);
+        sync_gradients(&m, &mut grads).unwrap();
+        if device.rank() == 1 {
+            // Inject an infinity into this rank's copy of the first parameter's gradient.
+            struct Poison<'a>(&'a mut GradientsParams, bool);
+            impl ModuleVisitor<Dist> for Poison<'_> {
+                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Dist, D>>) {
+                    if self.1 {
+                        return;
                     }
+                    let g = self.0.remove::<Distributed<Flex>, D>(param.id).unwrap();
+                    let t = dtensor(&g);
+                    let local = Tensor::<Flex, D>::from_primitive(
+                        burn::tensor::TensorPrimitive::Float(t.local().clone()),
+                    );
+                    let poisoned = local.add_scalar(f32::INFINITY).into_primitive().tensor();
+                    let g = from_dtensor::<Distributed<Flex>, D>(
+                        DTensor::from_local(poisoned, t.layout().clone(), t.device()).unwrap(),
+                    );
+                    self.0.register::<Distributed<Flex>, D>(param.id, g);
+                    self.1 = true;
                 }
-                m.visit(&mut Poison(&mut grads, false));
             }
-            let check =
-                unscale_check_clip(&m, &mut grads, 1.0 / scaler.scale(), Some(1.0)).unwrap();
-            let decision = scaler.update(check.found_inf);
-            (check.found_inf, decision, scaler.scale())
-        },
-    )
-    .unwrap();
+            m.visit(&mut Poison(&mut grads, false));
+        }
+        let check = unscale_check_clip(&m, &mut grads, 1.0 / scaler.scale(), Some(1.0)).unwrap();
+        let decision = scaler.update(check.found_inf);
+        (check.found_inf, decision, scaler.scale())
+    });
     for (found_inf, decision, scale) in out {
         assert!(found_inf);
         assert_eq!(decision, StepDecision::Skip);
@@ -294,54 +281,48 @@ fn step_runner_steps_and_skips_together() {
     use wildfire::engine::{StepRunner, StepRunnerConfig};
     use wildfire::parallel::FsdpOptimizer;
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
-    let out = launch_ranks::<Flex, _, _>(
-        &mesh,
-        &Default::default(),
-        &LaunchOptions::default(),
-        |device| {
-            let rank = device.rank();
-            let mut m = fully_shard(
-                deterministic_init(Mlp::<Dist>::new(4, 8, 3, &device), 1),
-                &mesh,
-                FsdpStrategy::FullShard,
-            )
-            .unwrap();
-            let mut optim = FsdpOptimizer::new(AdamWConfig::new().init::<Dist, Mlp<Dist>>());
-            let mut step = StepRunner::new(
-                StepRunnerConfig::default(),
-                Some(DynamicLossScaler::new(LossScalerConfig::default())),
-            );
-            let mut records = Vec::new();
-            for poison in [false, true] {
-                let before = wildfire::demo::parameters(&m);
-                let (next, record) = step
-                    .run(
-                        &device,
-                        m,
-                        &mut optim,
-                        None,
-                        1e-2,
-                        &[1, 2],
-                        |m, i, _ckpt| {
-                            let rows = rank * 4 + i * 2..rank * 4 + i * 2 + 2;
-                            let loss = loss_of(m, rows, &device);
-                            if poison && rank == 1 && i == 1 {
-                                loss.mul_scalar(f32::INFINITY)
-                            } else {
-                                loss
-                            }
-                        },
-                    )
-                    .unwrap();
-                m = next;
-                let changed = wildfire::demo::parameters(&m) != before;
-                records.push((record.skipped, record.loss_scale, changed));
-            }
-            records.push((false, step.scaler().unwrap().scale(), false));
-            records
-        },
-    )
-    .unwrap();
+    let out = threads(&mesh, |device| {
+        let rank = device.rank();
+        let mut m = fully_shard(
+            deterministic_init(Mlp::<Dist>::new(4, 8, 3, &device), 1),
+            &mesh,
+            FsdpStrategy::FullShard,
+        )
+        .unwrap();
+        let mut optim = FsdpOptimizer::new(AdamWConfig::new().init::<Dist, Mlp<Dist>>());
+        let mut step = StepRunner::new(
+            StepRunnerConfig::default(),
+            Some(DynamicLossScaler::new(LossScalerConfig::default())),
+        );
+        let mut records = Vec::new();
+        for poison in [false, true] {
+            let before = wildfire::demo::parameters(&m);
+            let (next, record) = step
+                .run(
+                    &device,
+                    m,
+                    &mut optim,
+                    None,
+                    1e-2,
+                    &[1, 2],
+                    |m, i, _ckpt| {
+                        let rows = rank * 4 + i * 2..rank * 4 + i * 2 + 2;
+                        let loss = loss_of(m, rows, &device);
+                        if poison && rank == 1 && i == 1 {
+                            loss.mul_scalar(f32::INFINITY)
+                        } else {
+                            loss
+                        }
+                    },
+                )
+                .unwrap();
+            m = next;
+            let changed = wildfire::demo::parameters(&m) != before;
+            records.push((record.skipped, record.loss_scale, changed));
+        }
+        records.push((false, step.scaler().unwrap().scale(), false));
+        records
+    });
     for records in out {
         assert_eq!(
             records,
@@ -371,80 +352,73 @@ fn fused_optimizer_tail_follows_burn_adamw() {
         FsdpStrategy::ShardOptimizer,
         FsdpStrategy::FullShard,
     ] {
-        let out = launch_ranks::<Flex, _, _>(
-            &mesh,
-            &Default::default(),
-            &LaunchOptions::default(),
-            |device| {
-                let rank = device.rank();
-                let model = || {
-                    fully_shard(
-                        deterministic_init(Mlp::<Dist>::new(4, 8, 3, &device), 1),
-                        &mesh,
-                        strategy,
+        let out = threads(&mesh, |device| {
+            let rank = device.rank();
+            let model = || {
+                fully_shard(
+                    deterministic_init(Mlp::<Dist>::new(4, 8, 3, &device), 1),
+                    &mesh,
+                    strategy,
+                )
+                .unwrap()
+            };
+            let config = StepRunnerConfig {
+                clip: Some(0.05),
+                ..StepRunnerConfig::default()
+            };
+            let scaler = || Some(DynamicLossScaler::new(LossScalerConfig::default()));
+            let loss = |m: &Mlp<Dist>, i: usize, poison: bool| {
+                let rows = rank * 4 + i * 2..rank * 4 + i * 2 + 2;
+                let loss = loss_of(m, rows, &device);
+                if poison && rank == 1 && i == 1 {
+                    loss.mul_scalar(f32::INFINITY)
+                } else {
+                    loss
+                }
+            };
+            // Burn's AdamW.
+            let (mut m, mut optim) = (
+                model(),
+                FsdpOptimizer::new(AdamWConfig::new().init::<Dist, Mlp<Dist>>()),
+            );
+            let mut step = StepRunner::new(config, scaler());
+            let mut burn = Vec::new();
+            for s in 0..5 {
+                let (next, r) = step
+                    .run(&device, m, &mut optim, None, 1e-2, &[1, 2], |m, i, _| {
+                        loss(m, i, s == 2)
+                    })
+                    .unwrap();
+                m = next;
+                burn.push((r, wildfire::demo::parameters(&m)));
+            }
+            // The fused tail.
+            let (adamw, inputs) = FusedAdamW::<Flex>::optimizer::<Mlp<Dist>>(FusedAdamWConfig {
+                beta1: 0.9,
+                beta2: 0.999,
+                epsilon: 1e-5,
+                weight_decay: 1e-4,
+            });
+            let (mut m, mut optim) = (model(), FsdpOptimizer::new(adamw));
+            let mut step = StepRunner::new(config, scaler());
+            let mut fused = Vec::new();
+            for s in 0..5 {
+                let (next, r) = step
+                    .run(
+                        &device,
+                        m,
+                        &mut optim,
+                        Some(&inputs),
+                        1e-2,
+                        &[1, 2],
+                        |m, i, _| loss(m, i, s == 2),
                     )
-                    .unwrap()
-                };
-                let config = StepRunnerConfig {
-                    clip: Some(0.05),
-                    ..StepRunnerConfig::default()
-                };
-                let scaler = || Some(DynamicLossScaler::new(LossScalerConfig::default()));
-                let loss = |m: &Mlp<Dist>, i: usize, poison: bool| {
-                    let rows = rank * 4 + i * 2..rank * 4 + i * 2 + 2;
-                    let loss = loss_of(m, rows, &device);
-                    if poison && rank == 1 && i == 1 {
-                        loss.mul_scalar(f32::INFINITY)
-                    } else {
-                        loss
-                    }
-                };
-                // Burn's AdamW.
-                let (mut m, mut optim) = (
-                    model(),
-                    FsdpOptimizer::new(AdamWConfig::new().init::<Dist, Mlp<Dist>>()),
-                );
-                let mut step = StepRunner::new(config, scaler());
-                let mut burn = Vec::new();
-                for s in 0..5 {
-                    let (next, r) = step
-                        .run(&device, m, &mut optim, None, 1e-2, &[1, 2], |m, i, _| {
-                            loss(m, i, s == 2)
-                        })
-                        .unwrap();
-                    m = next;
-                    burn.push((r, wildfire::demo::parameters(&m)));
-                }
-                // The fused tail.
-                let (adamw, inputs) =
-                    FusedAdamW::<Flex>::optimizer::<Mlp<Dist>>(FusedAdamWConfig {
-                        beta1: 0.9,
-                        beta2: 0.999,
-                        epsilon: 1e-5,
-                        weight_decay: 1e-4,
-                    });
-                let (mut m, mut optim) = (model(), FsdpOptimizer::new(adamw));
-                let mut step = StepRunner::new(config, scaler());
-                let mut fused = Vec::new();
-                for s in 0..5 {
-                    let (next, r) = step
-                        .run(
-                            &device,
-                            m,
-                            &mut optim,
-                            Some(&inputs),
-                            1e-2,
-                            &[1, 2],
-                            |m, i, _| loss(m, i, s == 2),
-                        )
-                        .unwrap();
-                    m = next;
-                    fused.push((r, wildfire::demo::parameters(&m)));
-                }
-                (burn, fused)
-            },
-        )
-        .unwrap();
+                    .unwrap();
+                m = next;
+                fused.push((r, wildfire::demo::parameters(&m)));
+            }
+            (burn, fused)
+        });
         for (rank, (burn, fused)) in out.iter().enumerate() {
             for (s, ((a, pa), (b, pb))) in burn.iter().zip(fused).enumerate() {
                 let what = format!("{strategy:?} rank {rank} step {s}");

@@ -3,6 +3,7 @@
 //! formulas.
 
 use super::close;
+use super::threads;
 use burn::backend::{Autodiff, Flex};
 use burn::module::Module;
 use burn::optim::momentum::MomentumConfig;
@@ -118,17 +119,11 @@ fn check(strategy: FsdpStrategy, mesh: DeviceMesh) {
         let (ref_losses, ref_params) = reference(opt);
         let world = mesh.world_size();
         let per_rank = GLOBAL_BATCH / world;
-        let results = launch_ranks::<Flex, _, _>(
-            &mesh,
-            &Default::default(),
-            &LaunchOptions::default(),
-            |device| {
-                let m = fully_shard(model::<Dist>(&device), &mesh, strategy).unwrap();
-                let rows = device.rank() * per_rank..(device.rank() + 1) * per_rank;
-                distributed(opt, m, rows, &device)
-            },
-        )
-        .unwrap();
+        let results = threads(&mesh, |device| {
+            let m = fully_shard(model::<Dist>(&device), &mesh, strategy).unwrap();
+            let rows = device.rank() * per_rank..(device.rank() + 1) * per_rank;
+            distributed(opt, m, rows, &device)
+        });
         for (rank, (losses, params)) in results.iter().enumerate() {
             assert_eq!(losses.len(), STEPS);
             for (i, (p, q)) in crate::suite::pairs(params, &ref_params).enumerate() {
@@ -200,41 +195,35 @@ fn memory_matches_the_zero_formulas() {
         FsdpStrategy::ShardGradOp,
         FsdpStrategy::FullShard,
     ] {
-        let results = launch_ranks::<Flex, _, _>(
-            &mesh,
-            &Default::default(),
-            &LaunchOptions::default(),
-            |device| {
-                let m = fully_shard(model::<Dist>(&device), &mesh, strategy).unwrap();
-                let mut optim = FsdpOptimizer::new(AdamWConfig::new().init());
-                let rows = device.rank() * 2..device.rank() * 2 + 2;
-                let (x, y) = task().batch(0, rows.clone());
-                let x = Tensor::<Dist, 3>::from_data(x, &device);
-                let y = Tensor::<Dist, 1, Int>::from_data(TensorData::new(y, [2]), &device);
-                let loss = burn::nn::loss::CrossEntropyLossConfig::new()
-                    .init(&device)
-                    .forward(m.logits(x), y);
-                let grads = loss.backward();
-                drop(loss);
-                let mut grads = GradientsParams::from_grads(grads, &m);
-                sync_gradients(&m, &mut grads).unwrap();
-                let grad_bytes = gradient_bytes(&m, &grads);
-                let stats_before = device.context().comm().stats();
-                let m = optim.step(1e-3, m, grads);
-                let step_stats = device.context().comm().stats().since(&stats_before);
-                let param_bytes = parameter_bytes(&m);
-                // Everything still alive is the parameters and the optimizer state.
-                let optim_bytes = device.context().live_bytes() - param_bytes;
-                drop((m, optim));
-                (
-                    param_bytes,
-                    grad_bytes,
-                    optim_bytes,
-                    step_stats.count(CollectiveKind::AllGather),
-                )
-            },
-        )
-        .unwrap();
+        let results = threads(&mesh, |device| {
+            let m = fully_shard(model::<Dist>(&device), &mesh, strategy).unwrap();
+            let mut optim = FsdpOptimizer::new(AdamWConfig::new().init());
+            let rows = device.rank() * 2..device.rank() * 2 + 2;
+            let (x, y) = task().batch(0, rows.clone());
+            let x = Tensor::<Dist, 3>::from_data(x, &device);
+            let y = Tensor::<Dist, 1, Int>::from_data(TensorData::new(y, [2]), &device);
+            let loss = burn::nn::loss::CrossEntropyLossConfig::new()
+                .init(&device)
+                .forward(m.logits(x), y);
+            let grads = loss.backward();
+            drop(loss);
+            let mut grads = GradientsParams::from_grads(grads, &m);
+            sync_gradients(&m, &mut grads).unwrap();
+            let grad_bytes = gradient_bytes(&m, &grads);
+            let stats_before = device.context().comm().stats();
+            let m = optim.step(1e-3, m, grads);
+            let step_stats = device.context().comm().stats().since(&stats_before);
+            let param_bytes = parameter_bytes(&m);
+            // Everything still alive is the parameters and the optimizer state.
+            let optim_bytes = device.context().live_bytes() - param_bytes;
+            drop((m, optim));
+            (
+                param_bytes,
+                grad_bytes,
+                optim_bytes,
+                step_stats.count(CollectiveKind::AllGather),
+            )
+        });
         let full = 4 * psi;
         let shard = 4 * sharded;
         let (p, g, o) = match strategy {
@@ -294,28 +283,22 @@ fn full_shard_collectives_per_step_match_the_plan() {
     use wildfire::demo::Mlp;
     for n in [2usize, 4] {
         let mesh = DeviceMesh::new([("dp", n)]).unwrap();
-        let stats = launch_ranks::<Flex, _, _>(
-            &mesh,
-            &Default::default(),
-            &LaunchOptions::default(),
-            |device| {
-                let m = fully_shard(
-                    deterministic_init(Mlp::<Dist>::new(4, 16, 3, &device), 2),
-                    &mesh,
-                    FsdpStrategy::FullShard,
-                )
-                .unwrap();
-                device.context().reset_counters();
-                let mut optim = FsdpOptimizer::new(SgdConfig::new().init());
-                let rows = device.rank() * 2..device.rank() * 2 + 2;
-                let (m, _) = train(m, &mut optim, &task(), 1, 0.1, rows, &device, |m, g| {
-                    sync_gradients(m, g).unwrap();
-                });
-                drop(m);
-                (device.context().comm().stats(), device.context().counters())
-            },
-        )
-        .unwrap();
+        let stats = threads(&mesh, |device| {
+            let m = fully_shard(
+                deterministic_init(Mlp::<Dist>::new(4, 16, 3, &device), 2),
+                &mesh,
+                FsdpStrategy::FullShard,
+            )
+            .unwrap();
+            device.context().reset_counters();
+            let mut optim = FsdpOptimizer::new(SgdConfig::new().init());
+            let rows = device.rank() * 2..device.rank() * 2 + 2;
+            let (m, _) = train(m, &mut optim, &task(), 1, 0.1, rows, &device, |m, g| {
+                sync_gradients(m, g).unwrap();
+            });
+            drop(m);
+            (device.context().comm().stats(), device.context().counters())
+        });
         let f = 4u64; // bytes per f32
         let n64 = n as u64;
         // fc1: w [4, 16], b [16]; fc2: w [16, 3], b [3] (padded to 4 on 2 ranks, whole on 4).
@@ -370,27 +353,21 @@ fn sharded_state_dict_round_trips() {
     let dir = std::env::temp_dir().join(format!("wildfire-sharded-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
-    let out = launch_ranks::<Flex, _, _>(
-        &mesh,
-        &Default::default(),
-        &LaunchOptions::default(),
-        |device| {
-            let m = fully_shard(model::<Dist>(&device), &mesh, FsdpStrategy::FullShard).unwrap();
-            device.context().reset_counters();
-            save_sharded(&m, &dir).unwrap();
-            let saved_without_comm = device.context().comm().stats().total_count() == 0;
-            let fresh = deterministic_init(
-                EncoderClassifierConfig::new()
-                    .with_n_layers(1)
-                    .init::<Dist>(&device),
-                99,
-            );
-            let fresh = fully_shard(fresh, &mesh, FsdpStrategy::FullShard).unwrap();
-            let loaded = load_sharded(fresh, &dir).unwrap();
-            (saved_without_comm, parameters(&loaded), parameters(&m))
-        },
-    )
-    .unwrap();
+    let out = threads(&mesh, |device| {
+        let m = fully_shard(model::<Dist>(&device), &mesh, FsdpStrategy::FullShard).unwrap();
+        device.context().reset_counters();
+        save_sharded(&m, &dir).unwrap();
+        let saved_without_comm = device.context().comm().stats().total_count() == 0;
+        let fresh = deterministic_init(
+            EncoderClassifierConfig::new()
+                .with_n_layers(1)
+                .init::<Dist>(&device),
+            99,
+        );
+        let fresh = fully_shard(fresh, &mesh, FsdpStrategy::FullShard).unwrap();
+        let loaded = load_sharded(fresh, &dir).unwrap();
+        (saved_without_comm, parameters(&loaded), parameters(&m))
+    });
     for (no_comm, loaded, original) in out {
         assert!(no_comm, "saving shards must not communicate");
         assert_eq!(loaded, original);
@@ -430,44 +407,37 @@ fn full_shard_peak_stays_within_two_gathered_layers() {
         // Weights are followed by their biases in module order.
         sizes.windows(2).map(|w| w[0] + w[1]).max().unwrap_or(0)
     };
-    let results = launch_ranks::<Flex, _, _>(
-        &mesh,
-        &Default::default(),
-        &LaunchOptions::default(),
-        |device| {
-            let ctx = device.context().clone();
-            let mut m =
-                fully_shard(model::<Dist>(&device), &mesh, FsdpStrategy::FullShard).unwrap();
-            let mut optim = FsdpOptimizer::new(AdamWConfig::new().init());
-            let mut out = (0, 0, 0, 0, 0);
-            for step in 0..2 {
-                let persistent = ctx.live_bytes();
-                ctx.reset_peak_bytes();
-                let rows = device.rank() * 2..device.rank() * 2 + 2;
-                let (x, y) = task().batch(step, rows);
-                let x = Tensor::<Dist, 3>::from_data(x, &device);
-                let y = Tensor::<Dist, 1, Int>::from_data(TensorData::new(y, [2]), &device);
-                let loss = burn::nn::loss::CrossEntropyLossConfig::new()
-                    .init(&device)
-                    .forward(m.logits(x), y);
-                let activations = ctx.live_bytes() - persistent;
-                let grads = loss.backward();
-                let mut grads = GradientsParams::from_grads(grads, &m);
-                sync_gradients(&m, &mut grads).unwrap();
-                m = optim.step(1e-3, m, grads);
-                let report = ctx.memory_report(wildfire::parallel::parameter_bytes(&m), 0);
-                out = (
-                    persistent,
-                    activations,
-                    report.peak,
-                    report.peak_gathered,
-                    report.gathered,
-                );
-            }
-            out
-        },
-    )
-    .unwrap();
+    let results = threads(&mesh, |device| {
+        let ctx = device.context().clone();
+        let mut m = fully_shard(model::<Dist>(&device), &mesh, FsdpStrategy::FullShard).unwrap();
+        let mut optim = FsdpOptimizer::new(AdamWConfig::new().init());
+        let mut out = (0, 0, 0, 0, 0);
+        for step in 0..2 {
+            let persistent = ctx.live_bytes();
+            ctx.reset_peak_bytes();
+            let rows = device.rank() * 2..device.rank() * 2 + 2;
+            let (x, y) = task().batch(step, rows);
+            let x = Tensor::<Dist, 3>::from_data(x, &device);
+            let y = Tensor::<Dist, 1, Int>::from_data(TensorData::new(y, [2]), &device);
+            let loss = burn::nn::loss::CrossEntropyLossConfig::new()
+                .init(&device)
+                .forward(m.logits(x), y);
+            let activations = ctx.live_bytes() - persistent;
+            let grads = loss.backward();
+            let mut grads = GradientsParams::from_grads(grads, &m);
+            sync_gradients(&m, &mut grads).unwrap();
+            m = optim.step(1e-3, m, grads);
+            let report = ctx.memory_report(wildfire::parallel::parameter_bytes(&m), 0);
+            out = (
+                persistent,
+                activations,
+                report.peak,
+                report.peak_gathered,
+                report.gathered,
+            );
+        }
+        out
+    });
     for (rank, (persistent, activations, peak, peak_gathered, gathered)) in
         results.into_iter().enumerate()
     {
@@ -525,36 +495,30 @@ fn odd_shapes_shard_with_padding_and_match_one_device() {
             FsdpStrategy::ShardGradOp,
             FsdpStrategy::FullShard,
         ] {
-            let results = launch_ranks::<Flex, _, _>(
-                &mesh,
-                &Default::default(),
-                &LaunchOptions::default(),
-                |device| {
-                    let m = fully_shard(
-                        deterministic_init(Mlp::<Dist>::new(5, 7, 3, &device), 9),
-                        &mesh,
-                        strategy,
-                    )
-                    .unwrap();
-                    let rows = device.rank() * batch / n..(device.rank() + 1) * batch / n;
-                    let mut optim = FsdpOptimizer::new(AdamWConfig::new().init());
-                    let (m, log) = train(
-                        m,
-                        &mut optim,
-                        &odd_task,
-                        steps,
-                        0.02,
-                        rows,
-                        &device,
-                        |m, g| {
-                            sync_gradients(m, g).unwrap();
-                        },
-                    );
-                    let local_rows = param_local_rows(&m);
-                    (log.losses, parameters(&m), local_rows)
-                },
-            )
-            .unwrap();
+            let results = threads(&mesh, |device| {
+                let m = fully_shard(
+                    deterministic_init(Mlp::<Dist>::new(5, 7, 3, &device), 9),
+                    &mesh,
+                    strategy,
+                )
+                .unwrap();
+                let rows = device.rank() * batch / n..(device.rank() + 1) * batch / n;
+                let mut optim = FsdpOptimizer::new(AdamWConfig::new().init());
+                let (m, log) = train(
+                    m,
+                    &mut optim,
+                    &odd_task,
+                    steps,
+                    0.02,
+                    rows,
+                    &device,
+                    |m, g| {
+                        sync_gradients(m, g).unwrap();
+                    },
+                );
+                let local_rows = param_local_rows(&m);
+                (log.losses, parameters(&m), local_rows)
+            });
             for (rank, (_, params, local_rows)) in results.iter().enumerate() {
                 for (i, (p, q)) in crate::suite::pairs(params, &reference.1).enumerate() {
                     close(&format!("{strategy:?} N={n} rank {rank} param {i}"), p, q);

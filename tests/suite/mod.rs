@@ -25,6 +25,20 @@ pub(crate) fn pairs<'a, T>(
     got.iter().zip(expected)
 }
 
+/// Run `f` on every rank of `mesh`, ranks as threads on Flex; the results in rank order.
+pub(crate) fn threads<T: Send>(
+    mesh: &wildfire::parallel::DeviceMesh,
+    f: impl Fn(wildfire::parallel::DistDevice<burn::backend::Flex>) -> T + Sync,
+) -> Vec<T> {
+    wildfire::parallel::launch_ranks::<burn::backend::Flex, _, _>(
+        mesh,
+        &Default::default(),
+        &wildfire::parallel::LaunchOptions::default(),
+        f,
+    )
+    .unwrap()
+}
+
 mod data_parallel;
 mod engine;
 mod fsdp;

@@ -4,6 +4,7 @@
 //! Korthikanti et al.'s formulas.
 
 use super::close;
+use super::threads;
 use burn::backend::{Autodiff, Flex};
 use burn::module::{ModuleVisitor, Param};
 use burn::optim::GradientsParams;
@@ -184,48 +185,42 @@ fn attention_backward_matches_burn_autodiff() {
 #[test]
 fn policies_are_bitwise_identical_under_full_shard() {
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
-    let out = launch_ranks::<Flex, _, _>(
-        &mesh,
-        &Default::default(),
-        &LaunchOptions::default(),
-        |device| {
-            let rank = device.rank();
-            let ctx = device.context().clone();
-            POLICIES
-                .iter()
-                .map(|&policy| {
-                    let model = parallelize_gpt(
-                        config(4, 0.1).init::<Dist>(&device).unwrap(),
-                        &mesh,
-                        &ParallelConfig {
-                            dp: 2,
-                            fsdp: FsdpStrategy::FullShard,
-                            ..ParallelConfig::default()
-                        },
-                    )
-                    .unwrap();
-                    let ckpt = Recomputer::<Dist>::new(policy, 7 + rank as u64)
-                        .with_fence(|| Ok(ctx.comm().barrier(Group::World)?));
-                    let loss = model.loss_with(
-                        tokens(2, 16, rank, &device),
-                        tokens(2, 16, rank + 1, &device),
-                        &ckpt,
-                    );
-                    let value = loss.clone().into_scalar().to_bits();
-                    let gathers = ctx.comm().stats().count(CollectiveKind::AllGather);
-                    let grads = ckpt.backward(loss, &model).unwrap();
-                    drop(ckpt);
-                    let gathers = ctx.comm().stats().count(CollectiveKind::AllGather) - gathers;
-                    let mut grads = GradientsParams::from_grads(grads, &model);
-                    sync_gradients(&model, &mut grads).unwrap();
-                    let mut shards = Shards(&grads, Vec::new());
-                    model.visit(&mut shards);
-                    (value, shards.1, gathers)
-                })
-                .collect::<Vec<_>>()
-        },
-    )
-    .unwrap();
+    let out = threads(&mesh, |device| {
+        let rank = device.rank();
+        let ctx = device.context().clone();
+        POLICIES
+            .iter()
+            .map(|&policy| {
+                let model = parallelize_gpt(
+                    config(4, 0.1).init::<Dist>(&device).unwrap(),
+                    &mesh,
+                    &ParallelConfig {
+                        dp: 2,
+                        fsdp: FsdpStrategy::FullShard,
+                        ..ParallelConfig::default()
+                    },
+                )
+                .unwrap();
+                let ckpt = Recomputer::<Dist>::new(policy, 7 + rank as u64)
+                    .with_fence(|| Ok(ctx.comm().barrier(Group::World)?));
+                let loss = model.loss_with(
+                    tokens(2, 16, rank, &device),
+                    tokens(2, 16, rank + 1, &device),
+                    &ckpt,
+                );
+                let value = loss.clone().into_scalar().to_bits();
+                let gathers = ctx.comm().stats().count(CollectiveKind::AllGather);
+                let grads = ckpt.backward(loss, &model).unwrap();
+                drop(ckpt);
+                let gathers = ctx.comm().stats().count(CollectiveKind::AllGather) - gathers;
+                let mut grads = GradientsParams::from_grads(grads, &model);
+                sync_gradients(&model, &mut grads).unwrap();
+                let mut shards = Shards(&grads, Vec::new());
+                model.visit(&mut shards);
+                (value, shards.1, gathers)
+            })
+            .collect::<Vec<_>>()
+    });
     for per_rank in out {
         let (loss, grads, gathers) = &per_rank[0];
         for (policy, (l, g, _)) in POLICIES.iter().zip(&per_rank).skip(1) {
@@ -383,54 +378,47 @@ fn stock_dropout_replays_under_thread_ranks() {
     use burn::nn::transformer::{TransformerEncoder, TransformerEncoderConfig};
     use wildfire::parallel::fully_shard;
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
-    let out = launch_ranks::<Flex, _, _>(
-        &mesh,
-        &Default::default(),
-        &LaunchOptions::default(),
-        |device| {
-            let ctx = device.context().clone();
-            let rank = device.rank();
-            [Recompute::None, Recompute::Full, Recompute::None]
-                .iter()
-                .enumerate()
-                .map(|(run, &policy)| {
-                    let encoder: TransformerEncoder<Dist> = fully_shard(
-                        wildfire::demo::deterministic_init(
-                            TransformerEncoderConfig::new(16, 32, 2, 3)
-                                .with_dropout(0.2)
-                                .init(&device),
-                            11,
-                        ),
-                        &mesh,
-                        FsdpStrategy::FullShard,
-                    )
-                    .unwrap();
-                    let v: Vec<f32> = (0..2 * 5 * 16)
-                        .map(|i| ((i * 37 % 23 + rank) as f32 - 11.0) / 7.0)
-                        .collect();
-                    let mut x =
-                        Tensor::<Dist, 3>::from_data(TensorData::new(v, [2, 5, 16]), &device);
-                    // The last run uses another step seed: other masks, another loss.
-                    let ckpt = Recomputer::<Dist>::new(policy, if run == 2 { 9 } else { 3 })
-                        .with_fence(|| Ok(ctx.comm().barrier(Group::World)?));
-                    let n = encoder.layers.len();
-                    for (i, layer) in encoder.layers.iter().enumerate() {
-                        x = ckpt.block(i, n, layer, x, |l, x, _| l.forward(x, None, None));
-                    }
-                    let loss = x.powf_scalar(2.0).mean();
-                    let value = loss.clone().into_scalar().to_bits();
-                    let grads = ckpt.backward(loss, &encoder).unwrap();
-                    drop(ckpt);
-                    let mut grads = GradientsParams::from_grads(grads, &encoder);
-                    sync_gradients(&encoder, &mut grads).unwrap();
-                    let mut shards = Shards(&grads, Vec::new());
-                    encoder.visit(&mut shards);
-                    (value, shards.1)
-                })
-                .collect::<Vec<_>>()
-        },
-    )
-    .unwrap();
+    let out = threads(&mesh, |device| {
+        let ctx = device.context().clone();
+        let rank = device.rank();
+        [Recompute::None, Recompute::Full, Recompute::None]
+            .iter()
+            .enumerate()
+            .map(|(run, &policy)| {
+                let encoder: TransformerEncoder<Dist> = fully_shard(
+                    wildfire::demo::deterministic_init(
+                        TransformerEncoderConfig::new(16, 32, 2, 3)
+                            .with_dropout(0.2)
+                            .init(&device),
+                        11,
+                    ),
+                    &mesh,
+                    FsdpStrategy::FullShard,
+                )
+                .unwrap();
+                let v: Vec<f32> = (0..2 * 5 * 16)
+                    .map(|i| ((i * 37 % 23 + rank) as f32 - 11.0) / 7.0)
+                    .collect();
+                let mut x = Tensor::<Dist, 3>::from_data(TensorData::new(v, [2, 5, 16]), &device);
+                // The last run uses another step seed: other masks, another loss.
+                let ckpt = Recomputer::<Dist>::new(policy, if run == 2 { 9 } else { 3 })
+                    .with_fence(|| Ok(ctx.comm().barrier(Group::World)?));
+                let n = encoder.layers.len();
+                for (i, layer) in encoder.layers.iter().enumerate() {
+                    x = ckpt.block(i, n, layer, x, |l, x, _| l.forward(x, None, None));
+                }
+                let loss = x.powf_scalar(2.0).mean();
+                let value = loss.clone().into_scalar().to_bits();
+                let grads = ckpt.backward(loss, &encoder).unwrap();
+                drop(ckpt);
+                let mut grads = GradientsParams::from_grads(grads, &encoder);
+                sync_gradients(&encoder, &mut grads).unwrap();
+                let mut shards = Shards(&grads, Vec::new());
+                encoder.visit(&mut shards);
+                (value, shards.1)
+            })
+            .collect::<Vec<_>>()
+    });
     for runs in out {
         assert_eq!(runs[1].0, runs[0].0, "loss");
         assert!(runs[1].1 == runs[0].1, "gradient shards differ");

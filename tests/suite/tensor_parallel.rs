@@ -3,6 +3,7 @@
 //! collective count per block, and plan errors found before anything changes.
 
 use super::close;
+use super::threads;
 use burn::backend::{Autodiff, Flex};
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{GradientsParams, SgdConfig};
@@ -222,45 +223,38 @@ fn sequence_parallel_on_stock_layers_matches_one_device() {
 #[test]
 fn bad_plans_are_refused_before_anything_changes() {
     let mesh = DeviceMesh::new([("tp", 2)]).unwrap();
-    let errors = launch_ranks::<Flex, _, _>(
-        &mesh,
-        &Default::default(),
-        &LaunchOptions::default(),
-        |device| {
-            let m = || -> EncoderClassifier<Dist> { config().init(&device) };
-            let none = tensor_parallel(
-                m(),
-                &mesh,
-                &TpPlan::new().with("encoder.layers.*.attention", TpStyle::Colwise),
-            )
+    let errors = threads(&mesh, |device| {
+        let m = || -> EncoderClassifier<Dist> { config().init(&device) };
+        let none = tensor_parallel(
+            m(),
+            &mesh,
+            &TpPlan::new().with("encoder.layers.*.attention", TpStyle::Colwise),
+        )
+        .unwrap_err();
+        let twice = tensor_parallel(
+            m(),
+            &mesh,
+            &TpPlan::new()
+                .with("encoder.layers.*.mha.query", TpStyle::Colwise)
+                .with("encoder.layers.0.mha.*", TpStyle::Rowwise),
+        )
+        .unwrap_err();
+        let odd =
+            tensor_parallel(m(), &mesh, &TpPlan::new().with("head", TpStyle::Colwise)).unwrap_err();
+        let no_axis =
+            tensor_parallel(m(), &DeviceMesh::new([("dp", 2)]).unwrap(), &plan()).unwrap_err();
+        // One head does not split over tp = 2, although the q/k/v weights' width divides.
+        let one_head = config().with_n_heads(1).init::<Dist>(&device);
+        let heads = tensor_parallel(
+            one_head,
+            &mesh,
+            &TpPlan::new().with_multi_head_attention("encoder.layers.*.mha", 1),
+        )
+        .unwrap_err();
+        let no_heads = tensor_parallel(m(), &mesh, &plan().with_heads("encoder.layers.*.attn", 4))
             .unwrap_err();
-            let twice = tensor_parallel(
-                m(),
-                &mesh,
-                &TpPlan::new()
-                    .with("encoder.layers.*.mha.query", TpStyle::Colwise)
-                    .with("encoder.layers.0.mha.*", TpStyle::Rowwise),
-            )
-            .unwrap_err();
-            let odd = tensor_parallel(m(), &mesh, &TpPlan::new().with("head", TpStyle::Colwise))
-                .unwrap_err();
-            let no_axis =
-                tensor_parallel(m(), &DeviceMesh::new([("dp", 2)]).unwrap(), &plan()).unwrap_err();
-            // One head does not split over tp = 2, although the q/k/v weights' width divides.
-            let one_head = config().with_n_heads(1).init::<Dist>(&device);
-            let heads = tensor_parallel(
-                one_head,
-                &mesh,
-                &TpPlan::new().with_multi_head_attention("encoder.layers.*.mha", 1),
-            )
-            .unwrap_err();
-            let no_heads =
-                tensor_parallel(m(), &mesh, &plan().with_heads("encoder.layers.*.attn", 4))
-                    .unwrap_err();
-            (none, twice, odd, no_axis, heads, no_heads)
-        },
-    )
-    .unwrap();
+        (none, twice, odd, no_axis, heads, no_heads)
+    });
     let (_, _, _, _, heads, no_heads) = &errors[0];
     assert_eq!(
         heads,
@@ -306,26 +300,20 @@ fn tensor_parallel_forward_has_two_all_reduces_per_block() {
     use burn::prelude::*;
     use wildfire::demo::Classifier;
     let mesh = DeviceMesh::new([("tp", 2)]).unwrap();
-    let counts = launch_ranks::<Flex, _, _>(
-        &mesh,
-        &Default::default(),
-        &LaunchOptions::default(),
-        |device| {
-            let m: EncoderClassifier<Dist> = deterministic_init(config().init(&device), 3);
-            let m = tensor_parallel(m, &mesh, &plan()).unwrap();
-            device.context().reset_counters();
-            let (x, _) = task().batch(0, 0..BATCH);
-            let logits = m.logits(Tensor::<Dist, 3>::from_data(x, &device));
-            let stats = device.context().comm().stats();
-            drop(logits);
-            (
-                stats.count(CollectiveKind::AllReduce),
-                stats.total_count(),
-                device.context().counters().fallback_total(),
-            )
-        },
-    )
-    .unwrap();
+    let counts = threads(&mesh, |device| {
+        let m: EncoderClassifier<Dist> = deterministic_init(config().init(&device), 3);
+        let m = tensor_parallel(m, &mesh, &plan()).unwrap();
+        device.context().reset_counters();
+        let (x, _) = task().batch(0, 0..BATCH);
+        let logits = m.logits(Tensor::<Dist, 3>::from_data(x, &device));
+        let stats = device.context().comm().stats();
+        drop(logits);
+        (
+            stats.count(CollectiveKind::AllReduce),
+            stats.total_count(),
+            device.context().counters().fallback_total(),
+        )
+    });
     for (all_reduce, total, fallbacks) in counts {
         assert_eq!(
             (all_reduce, total, fallbacks),
@@ -341,31 +329,25 @@ fn tensor_parallel_forward_has_two_all_reduces_per_block() {
 fn gpt_tensor_parallel_has_megatron_collectives_and_no_fallback() {
     use burn::prelude::*;
     let mesh = DeviceMesh::new([("dp", 1), ("tp", 2)]).unwrap();
-    let out = launch_ranks::<Flex, _, _>(
-        &mesh,
-        &Default::default(),
-        &LaunchOptions::default(),
-        |device| {
-            let m = tp_gpt(&mesh, &device, false, false);
-            let ctx = device.context().clone();
-            ctx.reset_counters();
-            let x = Tensor::<Dist, 2, Int>::from_data(
-                TensorData::new((0..32).map(|i| i % 64).collect::<Vec<i64>>(), [2, 16]),
-                &device,
-            );
-            let loss = m.loss(x.clone(), x);
-            let forward = ctx.comm().stats().count(CollectiveKind::AllReduce);
-            let _grads = loss.backward();
-            let stats = ctx.comm().stats();
-            (
-                forward,
-                stats.count(CollectiveKind::AllReduce),
-                ctx.counters().fallback_total(),
-                stats.count(CollectiveKind::AllGather),
-            )
-        },
-    )
-    .unwrap();
+    let out = threads(&mesh, |device| {
+        let m = tp_gpt(&mesh, &device, false, false);
+        let ctx = device.context().clone();
+        ctx.reset_counters();
+        let x = Tensor::<Dist, 2, Int>::from_data(
+            TensorData::new((0..32).map(|i| i % 64).collect::<Vec<i64>>(), [2, 16]),
+            &device,
+        );
+        let loss = m.loss(x.clone(), x);
+        let forward = ctx.comm().stats().count(CollectiveKind::AllReduce);
+        let _grads = loss.backward();
+        let stats = ctx.comm().stats();
+        (
+            forward,
+            stats.count(CollectiveKind::AllReduce),
+            ctx.counters().fallback_total(),
+            stats.count(CollectiveKind::AllGather),
+        )
+    });
     // Megatron's count: per block 2 all-reduces forward and 2 backward (the fused q/k/v projection
     // and the MLP's first layer); around the blocks, the vocabulary-parallel embedding's partial
     // lookup (1), the loss-parallel cross-entropy's row max, row sum and target logit ([N, 1]
@@ -396,18 +378,12 @@ fn split_layers_hold_one_tp_th_of_their_bytes() {
     }
     for tp in [2usize, 4] {
         let mesh = DeviceMesh::new([("tp", tp)]).unwrap();
-        let out = launch_ranks::<Flex, _, _>(
-            &mesh,
-            &Default::default(),
-            &LaunchOptions::default(),
-            |device| {
-                let m = tensor_parallel(config().init::<Dist>(&device), &mesh, &plan()).unwrap();
-                let mut b = Bytes(Vec::new());
-                burn::module::Module::visit(&m, &mut b);
-                b.0
-            },
-        )
-        .unwrap();
+        let out = threads(&mesh, |device| {
+            let m = tensor_parallel(config().init::<Dist>(&device), &mesh, &plan()).unwrap();
+            let mut b = Bytes(Vec::new());
+            burn::module::Module::visit(&m, &mut b);
+            b.0
+        });
         let split = out[0]
             .iter()
             .filter(|(local, global)| local != global)
@@ -440,49 +416,43 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
     }
     let mesh = DeviceMesh::new([("dp", 1), ("tp", 2)]).unwrap();
     let run = |sp: bool, keep: bool| {
-        launch_ranks::<Flex, _, _>(
-            &mesh,
-            &Default::default(),
-            &LaunchOptions::default(),
-            |device| {
-                let m = tp_gpt(&mesh, &device, sp, keep);
-                let ctx = device.context().clone();
-                ctx.reset_counters();
-                let x = Tensor::<Dist, 2, Int>::from_data(
-                    TensorData::new((0..32).map(|i| (i * 5) % 64).collect::<Vec<i64>>(), [2, 16]),
-                    &device,
-                );
-                let y = Tensor::<Dist, 2, Int>::from_data(
-                    TensorData::new(
-                        (0..32).map(|i| (i * 5 + 1) % 64).collect::<Vec<i64>>(),
-                        [2, 16],
-                    ),
-                    &device,
-                );
-                let before = ctx.live_bytes();
-                let loss = m.loss(x, y);
-                let kept = ctx.live_bytes() - before;
-                let stats = ctx.comm().stats();
-                let count = |s: &wildfire::parallel::CommStats| {
-                    [
-                        s.count(CollectiveKind::AllReduce),
-                        s.count(CollectiveKind::AllGather),
-                        s.count(CollectiveKind::ReduceScatter),
-                    ]
-                };
-                let forward = count(&stats);
-                let grads = loss.clone().backward();
-                let total = count(&ctx.comm().stats());
-                let fallbacks = ctx.counters().fallback_total();
-                let value = loss.into_scalar();
-                let mut grads = GradientsParams::from_grads(grads, &m);
-                sync_gradients(&m, &mut grads).unwrap();
-                let mut g = Grads(&grads, Vec::new());
-                m.visit(&mut g);
-                (value, g.1, kept, forward, total, fallbacks)
-            },
-        )
-        .unwrap()
+        threads(&mesh, |device| {
+            let m = tp_gpt(&mesh, &device, sp, keep);
+            let ctx = device.context().clone();
+            ctx.reset_counters();
+            let x = Tensor::<Dist, 2, Int>::from_data(
+                TensorData::new((0..32).map(|i| (i * 5) % 64).collect::<Vec<i64>>(), [2, 16]),
+                &device,
+            );
+            let y = Tensor::<Dist, 2, Int>::from_data(
+                TensorData::new(
+                    (0..32).map(|i| (i * 5 + 1) % 64).collect::<Vec<i64>>(),
+                    [2, 16],
+                ),
+                &device,
+            );
+            let before = ctx.live_bytes();
+            let loss = m.loss(x, y);
+            let kept = ctx.live_bytes() - before;
+            let stats = ctx.comm().stats();
+            let count = |s: &wildfire::parallel::CommStats| {
+                [
+                    s.count(CollectiveKind::AllReduce),
+                    s.count(CollectiveKind::AllGather),
+                    s.count(CollectiveKind::ReduceScatter),
+                ]
+            };
+            let forward = count(&stats);
+            let grads = loss.clone().backward();
+            let total = count(&ctx.comm().stats());
+            let fallbacks = ctx.counters().fallback_total();
+            let value = loss.into_scalar();
+            let mut grads = GradientsParams::from_grads(grads, &m);
+            sync_gradients(&m, &mut grads).unwrap();
+            let mut g = Grads(&grads, Vec::new());
+            m.visit(&mut g);
+            (value, g.1, kept, forward, total, fallbacks)
+        })
     };
     let tp = run(false, false);
     let sp = run(true, false);
@@ -654,50 +624,44 @@ fn gpt_lm_tensor_parallel_matches_one_device() {
         (2, 2, true),
     ] {
         let mesh = DeviceMesh::new([("dp", dp), ("tp", tp)]).unwrap();
-        let results = launch_ranks::<Flex, _, _>(
-            &mesh,
-            &Default::default(),
-            &LaunchOptions::default(),
-            |device| {
-                let m = parallelize_gpt(
-                    config.init::<Dist>(&device).unwrap(),
-                    &mesh,
-                    &ParallelConfig {
-                        dp,
-                        tp,
-                        sp,
-                        fsdp: if dp > 1 {
-                            FsdpStrategy::FullShard
-                        } else {
-                            FsdpStrategy::NoShard
-                        },
-                        ..ParallelConfig::default()
+        let results = threads(&mesh, |device| {
+            let m = parallelize_gpt(
+                config.init::<Dist>(&device).unwrap(),
+                &mesh,
+                &ParallelConfig {
+                    dp,
+                    tp,
+                    sp,
+                    fsdp: if dp > 1 {
+                        FsdpStrategy::FullShard
+                    } else {
+                        FsdpStrategy::NoShard
                     },
-                )
-                .unwrap();
-                let d = mesh.coords(device.rank())[0];
-                let rows = d * ROWS / dp..(d + 1) * ROWS / dp;
-                let out = train_lm(
-                    m,
-                    FsdpOptimizer::new(sgd().init()),
-                    tokens(rows.clone(), 0),
-                    tokens(rows, 1),
-                    &device,
-                    |m, g| {
-                        sync_gradients(m, g).unwrap();
-                    },
-                );
-                // Reading values to the host (the loss, the parameters) is the test's doing.
-                let counters = device.context().counters();
-                let reads = counters
-                    .fallbacks
-                    .get("float_into_data")
-                    .copied()
-                    .unwrap_or(0);
-                (out, counters.fallback_total() - reads)
-            },
-        )
-        .unwrap();
+                    ..ParallelConfig::default()
+                },
+            )
+            .unwrap();
+            let d = mesh.coords(device.rank())[0];
+            let rows = d * ROWS / dp..(d + 1) * ROWS / dp;
+            let out = train_lm(
+                m,
+                FsdpOptimizer::new(sgd().init()),
+                tokens(rows.clone(), 0),
+                tokens(rows, 1),
+                &device,
+                |m, g| {
+                    sync_gradients(m, g).unwrap();
+                },
+            );
+            // Reading values to the host (the loss, the parameters) is the test's doing.
+            let counters = device.context().counters();
+            let reads = counters
+                .fallbacks
+                .get("float_into_data")
+                .copied()
+                .unwrap_or(0);
+            (out, counters.fallback_total() - reads)
+        });
         for (rank, ((losses, params), fallbacks)) in results.iter().enumerate() {
             let what = format!("gpt dp={dp} tp={tp} sp={sp} rank {rank}");
             if dp == 1 {

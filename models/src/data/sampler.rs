@@ -1,5 +1,6 @@
 //! Seeded batch sampling that does not depend on the data-parallel degree.
 
+use burn::prelude::{Backend, Int, Tensor};
 use std::ops::Range;
 
 use super::{DataError, TokenSlice};
@@ -79,26 +80,20 @@ impl BatchSampler {
 
     /// [`BatchSampler::batch`] as `[rows, block_size]` integer tensors (inputs, targets) on
     /// `device`.
-    pub fn tensors<B: burn::prelude::Backend>(
+    pub fn tensors<B: Backend>(
         &self,
         data: TokenSlice<'_>,
         step: u64,
         rows: Range<usize>,
         device: &B::Device,
-    ) -> Result<
-        (
-            burn::prelude::Tensor<B, 2, burn::prelude::Int>,
-            burn::prelude::Tensor<B, 2, burn::prelude::Int>,
-        ),
-        DataError,
-    > {
+    ) -> Result<[Tensor<B, 2, Int>; 2], DataError> {
         let shape = [rows.len(), self.block_size];
         let (x, y) = self.batch(data, step, rows)?;
         let to = |v: Vec<u32>| {
             let ids: Vec<i64> = v.into_iter().map(i64::from).collect();
-            burn::prelude::Tensor::from_data(burn::tensor::TensorData::new(ids, shape), device)
+            Tensor::from_data(burn::tensor::TensorData::new(ids, shape), device)
         };
-        Ok((to(x), to(y)))
+        Ok([to(x), to(y)])
     }
 
     /// The rows that rank `rank` of `ranks` data-parallel ranks takes: an equal contiguous slice of
