@@ -12,30 +12,28 @@ use super::{CommError, ReduceOp};
 /// The size in bytes of one element of `data`, checking that the buffer holds exactly
 /// `num_elements` such elements (quantized and packed storage does not).
 pub(crate) fn element_size(data: &TensorData) -> Result<usize, CommError> {
-    let size = data.dtype.size();
-    let elements = data.shape.num_elements();
-    if size == 0 || data.bytes.len() != elements * size {
+    whole_elements(data.dtype, data.shape.num_elements(), data.bytes.len())
+}
+
+/// [`element_size`] of `bytes` holding `elements` of `dtype`.
+pub(crate) fn whole_elements(
+    dtype: DType,
+    elements: usize,
+    bytes: usize,
+) -> Result<usize, CommError> {
+    let size = dtype.size();
+    if size == 0 || bytes != elements * size {
         return Err(CommError::UnsupportedDType(format!(
-            "{} ({} bytes for {} elements)",
-            data.dtype.name(),
-            data.bytes.len(),
-            elements
+            "{} ({bytes} bytes for {elements} elements)",
+            dtype.name(),
         )));
     }
     Ok(size)
 }
 
-/// Fails unless `data` has dimension `dim` (the dimension a gather or scatter runs along).
+/// Fails unless a buffer of `ndims` dimensions has dimension `dim` (the dimension a gather or
+/// scatter runs along).
 pub(crate) fn check_dim(
-    op: super::CollectiveKind,
-    data: &TensorData,
-    dim: usize,
-) -> Result<(), CommError> {
-    check_dim_of(op, data.shape.num_dims(), dim)
-}
-
-/// [`check_dim`] for a buffer of `ndims` dimensions (a device tensor's, say).
-pub(crate) fn check_dim_of(
     op: super::CollectiveKind,
     ndims: usize,
     dim: usize,
@@ -47,17 +45,9 @@ pub(crate) fn check_dim_of(
     }
 }
 
-/// Fails unless dimension `dim` of `data` splits into `parts` equal chunks (a reduce-scatter).
-pub(crate) fn check_divisible(
-    data: &TensorData,
-    dim: usize,
-    parts: usize,
-) -> Result<(), CommError> {
-    check_divisible_of(data.shape[dim], dim, parts)
-}
-
-/// [`check_divisible`] for dimension `dim` of size `size`.
-pub(crate) fn check_divisible_of(size: usize, dim: usize, parts: usize) -> Result<(), CommError> {
+/// Fails unless dimension `dim`, of size `size`, splits into `parts` equal chunks (a
+/// reduce-scatter).
+pub(crate) fn check_divisible(size: usize, dim: usize, parts: usize) -> Result<(), CommError> {
     if size.is_multiple_of(parts) {
         Ok(())
     } else {

@@ -22,7 +22,7 @@ use burn::tensor::TensorData;
 use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorMetadata};
 
-use super::buffer::{check_dim_of, check_divisible_of};
+use super::buffer::{check_dim, check_divisible};
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp};
 use crate::device::DistDevice;
 
@@ -206,7 +206,7 @@ pub(crate) fn all_gather<B: Backend>(
 ) -> Result<FloatTensor<B>, CommError> {
     match device.context().device_collectives::<B>() {
         Some(dc) => {
-            check_dim_of(CollectiveKind::AllGather, tensor.shape().num_dims(), dim)?;
+            check_dim(CollectiveKind::AllGather, tensor.shape().num_dims(), dim)?;
             if dim == 0 {
                 return dc.all_gather_first(group, tensor);
             }
@@ -229,9 +229,9 @@ pub(crate) fn reduce_scatter<B: Backend>(
     match ctx.device_collectives::<B>() {
         Some(dc) => {
             let shape = tensor.shape();
-            check_dim_of(CollectiveKind::ReduceScatter, shape.num_dims(), dim)?;
+            check_dim(CollectiveKind::ReduceScatter, shape.num_dims(), dim)?;
             let n = group.size(ctx.mesh())?;
-            check_divisible_of(shape[dim], dim, n)?;
+            check_divisible(shape[dim], dim, n)?;
             if dim == 0 {
                 return dc.reduce_scatter_first(group, tensor, op);
             }

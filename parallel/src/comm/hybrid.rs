@@ -22,12 +22,12 @@ use mpi::topology::Communicator as _;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
-use super::buffer::{
-    check_dim, check_divisible, check_reducible, chunk_bytes, concat, element_size, reduce,
-};
-use super::header::{DTYPES, HEADER, header, header_shape, layouts_agree, mismatch};
+use super::buffer::{chunk_bytes, concat, reduce};
+use super::call::{Operand, Round};
+use super::header::{self, HEADER, Header, Sequence, from_bytes, to_bytes};
 use super::mpi_comm::Handle;
-use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp, check_rank};
+use super::stats::StatsCell;
+use super::{Call, CollectiveKind, CommError, CommStats, Communicator, Group};
 use crate::mesh::DeviceMesh;
 
 /// What the local members of one group deposit for one call.
@@ -40,7 +40,7 @@ struct Slot {
 /// The shared-memory half: local members of a group meet here, keyed by (members, call number).
 #[derive(Default)]
 struct LocalExchange {
-    slots: Mutex<HashMap<(Vec<usize>, u64), Slot>>,
+    slots: Mutex<HashMap<(Vec<usize>, i64), Slot>>,
     ready: Condvar,
 }
 
@@ -138,8 +138,8 @@ impl HybridWorld {
             mesh: self.mesh.clone(),
             exchange: self.exchange.clone(),
             comms: self.comms[t].clone(),
-            sequence: Mutex::new(HashMap::new()),
-            stats: Mutex::new(CommStats::default()),
+            sequence: Sequence::default(),
+            stats: StatsCell::default(),
             timeout: self.timeout,
         }
     }
@@ -164,8 +164,8 @@ pub struct HybridCommunicator {
     mesh: DeviceMesh,
     exchange: Arc<LocalExchange>,
     comms: Vec<Option<Arc<Mutex<Handle>>>>,
-    sequence: Mutex<HashMap<Group, u64>>,
-    stats: Mutex<CommStats>,
+    sequence: Sequence,
+    stats: StatsCell,
     timeout: Duration,
 }
 
@@ -178,12 +178,6 @@ impl std::fmt::Debug for HybridCommunicator {
     }
 }
 
-/// A member's message: the header of its call and its buffer's bytes.
-type Message = ([i64; HEADER], Vec<u8>);
-
-/// A call as the header describes it: kind, op, dim, root.
-type CallSpec = (CollectiveKind, Option<ReduceOp>, usize, usize);
-
 impl HybridCommunicator {
     fn comm(&self, group: Group) -> Option<&Arc<Mutex<Handle>>> {
         let index = match group {
@@ -193,33 +187,17 @@ impl HybridCommunicator {
         self.comms[index].as_ref()
     }
 
-    /// Every member's `[header | payload]`, in group order, after checking the headers agree.
+    /// Every member's call and buffer bytes, in group order, after checking the calls agree.
     fn gather(
         &self,
-        group: Group,
-        spec: CallSpec,
+        call: &Call,
         data: Option<&TensorData>,
-    ) -> Result<Vec<Message>, CommError> {
-        let (kind, op, dim, root) = spec;
+    ) -> Result<(Round<'_>, Vec<Vec<u8>>), CommError> {
+        let group = call.group();
         let label = group.label(&self.mesh)?.to_owned();
         let members = group.ranks(&self.mesh, self.rank)?;
-        let seq = {
-            let mut s = self.sequence.lock().unwrap();
-            let n = s.entry(group).or_insert(0);
-            *n += 1;
-            *n
-        };
-        let h = header(
-            seq as i64,
-            super::header::Call {
-                kind,
-                op,
-                dim,
-                root,
-            },
-            data,
-        )?;
-        let mut mine: Vec<u8> = h.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let (seq, header) = self.sequence.header(call)?;
+        let mut mine = to_bytes(&header);
         if let Some(d) = data {
             mine.extend_from_slice(d.as_bytes());
         }
@@ -230,7 +208,7 @@ impl HybridCommunicator {
             .filter(|r| r / self.threads == process)
             .collect();
         // Shared memory: the local members' messages, in group order.
-        let local_parts = self.local_exchange(&local, seq, mine, kind, &label)?;
+        let local_parts = self.local_exchange(&local, seq, mine, call.kind(), &label)?;
         // Across processes: this process's share against the others'.
         let all: Vec<Vec<u8>> = match self.comm(group) {
             None => local_parts,
@@ -275,30 +253,18 @@ impl HybridCommunicator {
                 parts
             }
         };
-        let out: Vec<Message> = all
+        let (headers, payloads): (Vec<Header>, Vec<Vec<u8>>) = all
             .into_iter()
-            .map(|m| {
-                let words: Vec<i64> = m[..HEADER * 8]
-                    .chunks_exact(8)
-                    .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
-                    .collect();
-                (
-                    words.try_into().expect("HEADER words"),
-                    m[HEADER * 8..].to_vec(),
-                )
-            })
-            .collect();
-        if out.iter().any(|(o, _)| o[..5] != h[..5]) {
-            let headers: Vec<[i64; HEADER]> = out.iter().map(|(o, _)| *o).collect();
-            return Err(mismatch(&self.mesh, self.rank, group, kind, &headers));
-        }
-        Ok(out)
+            .map(|m| (from_bytes::<HEADER>(&m), m[HEADER * 8..].to_vec()))
+            .unzip();
+        let round = header::round(&self.mesh, self.rank, call, &headers)?;
+        Ok((round, payloads))
     }
 
     fn local_exchange(
         &self,
         local: &[usize],
-        seq: u64,
+        seq: i64,
         mine: Vec<u8>,
         kind: CollectiveKind,
         label: &str,
@@ -350,30 +316,11 @@ impl HybridCommunicator {
         }
         Ok(parts)
     }
-
-    fn record(&self, kind: CollectiveKind, group: Group, bytes: usize) {
-        let label = group.label(&self.mesh).unwrap_or("?");
-        self.stats.lock().unwrap().record(kind, label, bytes as u64);
-    }
-
-    fn check_layout(
-        &self,
-        group: Group,
-        kind: CollectiveKind,
-        parts: &[Message],
-        except: Option<usize>,
-    ) -> Result<(), CommError> {
-        if layouts_agree(parts.iter().map(|(h, _)| h), except) {
-            return Ok(());
-        }
-        let headers: Vec<[i64; HEADER]> = parts.iter().map(|(h, _)| *h).collect();
-        Err(mismatch(&self.mesh, self.rank, group, kind, &headers))
-    }
 }
 
-fn data_of(h: &[i64; HEADER], bytes: Vec<u8>) -> TensorData {
-    let shape = header_shape(h).expect("a buffer");
-    TensorData::from_bytes_vec(bytes, shape, DTYPES[h[5] as usize])
+/// The buffer `bytes` of a member whose call passed `buffer`.
+fn data_of(buffer: &Operand, bytes: Vec<u8>) -> TensorData {
+    TensorData::from_bytes_vec(bytes, buffer.shape().to_vec(), buffer.dtype())
 }
 
 impl Communicator for HybridCommunicator {
@@ -385,128 +332,64 @@ impl Communicator for HybridCommunicator {
         &self.mesh
     }
 
-    fn all_reduce(
+    /// Every member's buffer on every member (see the module), then this member's result,
+    /// computed from them in group order.
+    fn collective(
         &self,
-        group: Group,
-        data: TensorData,
-        op: ReduceOp,
-    ) -> Result<TensorData, CommError> {
-        let kind = CollectiveKind::AllReduce;
-        let parts = self.gather(group, (kind, Some(op), 0, 0), Some(&data))?;
-        self.check_layout(group, kind, &parts, None)?;
-        check_reducible(data.dtype)?;
-        element_size(&data)?;
-        let result = if parts.len() == 1 {
-            data.clone()
-        } else {
-            let raw: Vec<&[u8]> = parts.iter().map(|(_, b)| b.as_slice()).collect();
-            reduce(&raw, data.dtype, data.shape.clone(), op)
-        };
-        self.record(kind, group, data.bytes.len());
-        Ok(result)
-    }
-
-    fn all_gather(
-        &self,
-        group: Group,
-        data: TensorData,
-        dim: usize,
-    ) -> Result<TensorData, CommError> {
-        let kind = CollectiveKind::AllGather;
-        let parts = self.gather(group, (kind, None, dim, 0), Some(&data))?;
-        self.check_layout(group, kind, &parts, Some(dim))?;
-        check_dim(kind, &data, dim)?;
-        let bytes = data.bytes.len();
-        let datas: Vec<TensorData> = parts.into_iter().map(|(h, b)| data_of(&h, b)).collect();
-        let result = concat(&datas.iter().collect::<Vec<_>>(), dim)?;
-        self.record(kind, group, bytes);
-        Ok(result)
-    }
-
-    fn reduce_scatter(
-        &self,
-        group: Group,
-        data: TensorData,
-        dim: usize,
-        op: ReduceOp,
-    ) -> Result<TensorData, CommError> {
-        let kind = CollectiveKind::ReduceScatter;
-        let parts = self.gather(group, (kind, Some(op), dim, 0), Some(&data))?;
-        self.check_layout(group, kind, &parts, None)?;
-        check_dim(kind, &data, dim)?;
-        check_reducible(data.dtype)?;
-        let n = parts.len();
-        check_divisible(&data, dim, n)?;
-        let index = group.index(&self.mesh, self.rank)?;
-        let mut chunks = Vec::with_capacity(n);
-        let mut shape = Shape::from(vec![0]);
-        for (h, b) in parts {
-            let (c, s) = chunk_bytes(&data_of(&h, b), dim, n, index)?;
-            chunks.push(c);
-            shape = s;
-        }
-        let raw: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
-        let result = reduce(&raw, data.dtype, shape, op);
-        self.record(kind, group, data.bytes.len());
-        Ok(result)
-    }
-
-    fn broadcast(
-        &self,
-        group: Group,
+        call: Call,
         data: Option<TensorData>,
-        root: usize,
-    ) -> Result<TensorData, CommError> {
-        let kind = CollectiveKind::Broadcast;
-        let n = group.size(&self.mesh)?;
-        check_rank(root, n, &format!("group {}", group.label(&self.mesh)?))?;
-        let data = if group.index(&self.mesh, self.rank)? == root {
-            data
-        } else {
-            None
+    ) -> Result<Option<TensorData>, CommError> {
+        call.check_root(&self.mesh)?;
+        let (round, mut payloads) = self.gather(&call, data.as_ref())?;
+        let buffers = |payloads: Vec<Vec<u8>>| -> Vec<TensorData> {
+            (round.calls().iter().zip(payloads))
+                .map(|(c, bytes)| data_of(c.buffer().expect("checked"), bytes))
+                .collect()
         };
-        let mut parts = self.gather(group, (kind, None, 0, root), data.as_ref())?;
-        let (h, b) = parts.swap_remove(root);
-        if header_shape(&h).is_none() {
-            return Err(CommError::Mismatch {
-                op: kind,
-                group: group.label(&self.mesh)?.to_owned(),
-                detail: format!("the root (group index {root}) passed no buffer"),
-            });
-        }
-        let result = data_of(&h, b);
-        self.record(kind, group, result.bytes.len());
+        let result = match call.kind() {
+            CollectiveKind::Barrier => None,
+            CollectiveKind::Broadcast => {
+                let source = round.root_buffer()?;
+                Some(data_of(source, payloads.swap_remove(call.root())))
+            }
+            kind => {
+                round.check_buffers()?;
+                let data = data.expect("this call carries a buffer");
+                let n = payloads.len();
+                Some(match kind {
+                    CollectiveKind::AllReduce if n == 1 => data,
+                    CollectiveKind::AllReduce => {
+                        let raw: Vec<&[u8]> = payloads.iter().map(Vec::as_slice).collect();
+                        reduce(&raw, data.dtype, data.shape.clone(), call.reduce_op())
+                    }
+                    CollectiveKind::AllGather => {
+                        concat(&buffers(payloads).iter().collect::<Vec<_>>(), call.dim())?
+                    }
+                    _ => {
+                        let index = call.group().index(&self.mesh, self.rank)?;
+                        let mut chunks = Vec::with_capacity(n);
+                        let mut shape = Shape::from(vec![0]);
+                        for part in buffers(payloads) {
+                            let (c, s) = chunk_bytes(&part, call.dim(), n, index)?;
+                            chunks.push(c);
+                            shape = s;
+                        }
+                        let raw: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
+                        reduce(&raw, data.dtype, shape, call.reduce_op())
+                    }
+                })
+            }
+        };
+        self.stats.record(&self.mesh, &call, result.as_ref());
         Ok(result)
-    }
-
-    fn barrier(&self, group: Group) -> Result<(), CommError> {
-        self.gather(group, (CollectiveKind::Barrier, None, 0, 0), None)?;
-        self.record(CollectiveKind::Barrier, group, 0);
-        Ok(())
-    }
-
-    /// Point-to-point messages are not offered across a hybrid world yet (no model parallelism
-    /// here uses them): a typed error, never a hang.
-    fn send(&self, to: usize, _data: TensorData) -> Result<(), CommError> {
-        check_rank(to, self.mesh.world_size(), "the world")?;
-        Err(CommError::Unsupported(
-            "send/recv on a hybrid (threads × processes) world; use MpiCommunicator (one rank per process)".into(),
-        ))
-    }
-
-    fn recv(&self, from: usize) -> Result<TensorData, CommError> {
-        check_rank(from, self.mesh.world_size(), "the world")?;
-        Err(CommError::Unsupported(
-            "send/recv on a hybrid (threads × processes) world; use MpiCommunicator (one rank per process)".into(),
-        ))
     }
 
     fn stats(&self) -> CommStats {
-        self.stats.lock().unwrap().clone()
+        self.stats.snapshot()
     }
 
     fn reset_stats(&self) {
-        *self.stats.lock().unwrap() = CommStats::default();
+        self.stats.reset();
     }
 }
 

@@ -14,13 +14,17 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use burn::tensor::TensorData;
 
-use super::buffer::{check_reducible, chunk_bytes, concat, element_size, reduce};
-use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp, check_rank};
+use super::buffer::{chunk_bytes, concat, reduce};
+use super::call::Round;
+use super::stats::StatsCell;
+use super::{
+    Call, CollectiveKind, CommError, CommStats, Communicator, PointToPoint, check_rank, lock,
+};
 use crate::mesh::DeviceMesh;
 
 /// How long a rank waits for its peers (or a message) before giving up with
@@ -77,7 +81,7 @@ impl InProcessWorld {
         InProcessCommunicator {
             world: Arc::clone(self),
             rank,
-            stats: Mutex::new(CommStats::default()),
+            stats: StatsCell::default(),
         }
     }
 
@@ -168,7 +172,7 @@ impl InProcessWorld {
         let round = state
             .rounds
             .entry(round_id)
-            .or_insert_with(|| Round::new(size));
+            .or_insert_with(|| Deposit::new(size));
         round.slots[who.index] = Some(mine);
         round.arrived += 1;
         if round.arrived == size {
@@ -220,12 +224,6 @@ impl InProcessWorld {
     }
 }
 
-/// Locks `mutex`, ignoring poisoning: the guarded state is only bookkeeping that stays
-/// consistent, and failures are reported through the abort flag instead.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 /// The meeting point of one group.
 struct Rendezvous {
     state: Mutex<RendezvousState>,
@@ -236,19 +234,20 @@ struct RendezvousState {
     /// The next round of each member (by group index).
     next_round: Vec<u64>,
     /// Rounds that some member has entered and not every member has left.
-    rounds: HashMap<u64, Round>,
+    rounds: HashMap<u64, Deposit>,
 }
 
-struct Round {
+/// One round of a rendezvous: the members' deposits as they arrive, then shared.
+struct Deposit {
     slots: Vec<Option<Contribution>>,
     arrived: usize,
     complete: Option<Arc<[Contribution]>>,
     taken: usize,
 }
 
-impl Round {
+impl Deposit {
     fn new(size: usize) -> Self {
-        Round {
+        Deposit {
             slots: (0..size).map(|_| None).collect(),
             arrived: 0,
             complete: None,
@@ -262,41 +261,6 @@ impl Round {
 struct Channel {
     queue: Mutex<std::collections::VecDeque<TensorData>>,
     ready: Condvar,
-}
-
-/// The call a member made, with the arguments every member must agree on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Call {
-    AllReduce { op: ReduceOp },
-    AllGather { dim: usize },
-    ReduceScatter { dim: usize, op: ReduceOp },
-    Broadcast { root: usize },
-    Barrier,
-}
-
-impl Call {
-    fn kind(self) -> CollectiveKind {
-        match self {
-            Call::AllReduce { .. } => CollectiveKind::AllReduce,
-            Call::AllGather { .. } => CollectiveKind::AllGather,
-            Call::ReduceScatter { .. } => CollectiveKind::ReduceScatter,
-            Call::Broadcast { .. } => CollectiveKind::Broadcast,
-            Call::Barrier => CollectiveKind::Barrier,
-        }
-    }
-}
-
-impl fmt::Display for Call {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let kind = self.kind();
-        match self {
-            Call::AllReduce { op } => write!(f, "{kind}({op})"),
-            Call::AllGather { dim } => write!(f, "{kind}(dim {dim})"),
-            Call::ReduceScatter { dim, op } => write!(f, "{kind}(dim {dim}, {op})"),
-            Call::Broadcast { root } => write!(f, "{kind}(root {root})"),
-            Call::Barrier => write!(f, "{kind}"),
-        }
-    }
 }
 
 /// One member's deposit in a round.
@@ -340,70 +304,11 @@ struct Who<'a> {
     rank: usize,
 }
 
-impl Who<'_> {
-    fn mismatch(&self, detail: String) -> CommError {
-        CommError::Mismatch {
-            op: self.kind,
-            group: self.label.to_owned(),
-            detail,
-        }
-    }
-
-    /// Fails unless every member made the same call.
-    fn same_call(&self, deposits: &[Contribution]) -> Result<(), CommError> {
-        let first = deposits[0].call;
-        if deposits.iter().all(|deposit| deposit.call == first) {
-            return Ok(());
-        }
-        let calls = deposits
-            .iter()
-            .zip(self.members)
-            .map(|(deposit, rank)| format!("rank {rank} called {}", deposit.call))
-            .collect::<Vec<_>>()
-            .join(", ");
-        Err(self.mismatch(format!("members made different calls: {calls}")))
-    }
-
-    /// Fails unless every buffer has the same dtype and, when `except` is `None`, the same
-    /// shape; with `Some(dim)`, the same rank and the same sizes on every dim but `dim`.
-    fn same_layout(&self, buffers: &[&TensorData], except: Option<usize>) -> Result<(), CommError> {
-        let first = buffers[0];
-        let agrees = |data: &&TensorData| {
-            data.dtype == first.dtype
-                && data.shape.num_dims() == first.shape.num_dims()
-                && data
-                    .shape
-                    .iter()
-                    .zip(first.shape.iter())
-                    .enumerate()
-                    .all(|(dim, (a, b))| a == b || Some(dim) == except)
-        };
-        if buffers.iter().all(agrees) {
-            return Ok(());
-        }
-        let layouts = buffers
-            .iter()
-            .zip(self.members)
-            .map(|(data, rank)| format!("rank {rank} passed {} {}", data.dtype.name(), data.shape))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let rule = match except {
-            None => "the same dtype and shape".to_owned(),
-            Some(dim) => format!("the same dtype and the same sizes except on dim {dim}"),
-        };
-        Err(self.mismatch(format!("members must pass {rule}: {layouts}")))
-    }
-
-    fn check_dim(&self, data: &TensorData, dim: usize) -> Result<(), CommError> {
-        super::buffer::check_dim(self.kind, data, dim)
-    }
-}
-
 /// One rank's endpoint of an [`InProcessWorld`].
 pub struct InProcessCommunicator {
     world: Arc<InProcessWorld>,
     rank: usize,
-    stats: Mutex<CommStats>,
+    stats: StatsCell,
 }
 
 impl fmt::Debug for InProcessCommunicator {
@@ -420,43 +325,32 @@ impl InProcessCommunicator {
     pub fn world(&self) -> &Arc<InProcessWorld> {
         &self.world
     }
+}
 
-    /// Runs one collective round of `call` on `group`: deposits `data`, checks that every
-    /// member made the same call, lets `finish` compute this member's result and byte count
-    /// from everyone's deposits, and records the call.
-    fn collective<R>(
-        &self,
-        group: Group,
-        call: Call,
-        data: Option<TensorData>,
-        finish: impl FnOnce(&Who<'_>, Deposits) -> Result<(R, usize), CommError>,
-    ) -> Result<R, CommError> {
-        self.world.check_abort()?;
-        let mesh = &self.world.mesh;
-        let label = group.label(mesh)?;
-        let members = group.ranks(mesh, self.rank)?;
-        let who = Who {
-            kind: call.kind(),
-            label,
-            members: &members,
-            index: group.index(mesh, self.rank)?,
-            rank: self.rank,
-        };
-        let mine = Contribution { call, data };
-        let deposits = if members.len() == 1 {
-            Deposits::Alone(mine)
-        } else {
-            Deposits::Shared(self.world.exchange(&who, mine)?)
-        };
-        who.same_call(deposits.all())?;
-        let (result, bytes) = finish(&who, deposits)?;
-        self.record(who.kind, label, bytes);
-        Ok(result)
-    }
-
-    fn record(&self, kind: CollectiveKind, label: &str, bytes: usize) {
-        lock(&self.stats).record(kind, label, bytes as u64);
-    }
+/// This member's result of a collective (not a broadcast, not a barrier) from everyone's
+/// buffers, in group order; the round checked them.
+fn combine(call: &Call, index: usize, buffers: &[&TensorData]) -> Result<TensorData, CommError> {
+    let first = buffers[0];
+    Ok(match call.kind() {
+        CollectiveKind::AllReduce => {
+            let raw: Vec<&[u8]> = buffers.iter().map(|data| data.as_bytes()).collect();
+            reduce(&raw, first.dtype, first.shape.clone(), call.reduce_op())
+        }
+        CollectiveKind::AllGather => concat(buffers, call.dim())?,
+        _ => {
+            let parts = buffers.len();
+            let mut shape = None;
+            let mut chunks = Vec::with_capacity(parts);
+            for data in buffers {
+                let (chunk, chunk_shape) = chunk_bytes(data, call.dim(), parts, index)?;
+                chunks.push(chunk);
+                shape = Some(chunk_shape);
+            }
+            let raw: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
+            let shape = shape.expect("a group has members");
+            reduce(&raw, first.dtype, shape, call.reduce_op())
+        }
+    })
 }
 
 impl Communicator for InProcessCommunicator {
@@ -468,127 +362,75 @@ impl Communicator for InProcessCommunicator {
         &self.world.mesh
     }
 
-    fn all_reduce(
+    /// One round of the group's rendezvous: deposits the call and `data`, checks that every
+    /// member made the same call with buffers that fit, computes this member's result from
+    /// everyone's deposits and records the call.
+    fn collective(
         &self,
-        group: Group,
-        data: TensorData,
-        op: ReduceOp,
-    ) -> Result<TensorData, CommError> {
-        let bytes = data.bytes.len();
-        self.collective(
-            group,
-            Call::AllReduce { op },
-            Some(data),
-            |who, deposits| {
-                let buffers = deposits.buffers();
-                who.same_layout(&buffers, None)?;
-                check_reducible(buffers[0].dtype)?;
-                element_size(buffers[0])?;
-                let result = match deposits {
-                    // Unchanged, bit for bit (no widening, no division).
-                    Deposits::Alone(mine) => mine.data.expect("all_reduce carries a buffer"),
-                    Deposits::Shared(_) => {
-                        let raw: Vec<&[u8]> = buffers.iter().map(|data| data.as_bytes()).collect();
-                        reduce(&raw, buffers[0].dtype, buffers[0].shape.clone(), op)
-                    }
-                };
-                Ok((result, bytes))
-            },
-        )
-    }
-
-    fn all_gather(
-        &self,
-        group: Group,
-        data: TensorData,
-        dim: usize,
-    ) -> Result<TensorData, CommError> {
-        let bytes = data.bytes.len();
-        self.collective(
-            group,
-            Call::AllGather { dim },
-            Some(data),
-            |who, deposits| {
-                let buffers = deposits.buffers();
-                who.same_layout(&buffers, Some(dim))?;
-                who.check_dim(buffers[0], dim)?;
-                element_size(buffers[0])?;
-                let result = match deposits {
-                    Deposits::Alone(mine) => mine.data.expect("all_gather carries a buffer"),
-                    Deposits::Shared(_) => concat(&buffers, dim)?,
-                };
-                Ok((result, bytes))
-            },
-        )
-    }
-
-    fn reduce_scatter(
-        &self,
-        group: Group,
-        data: TensorData,
-        dim: usize,
-        op: ReduceOp,
-    ) -> Result<TensorData, CommError> {
-        let bytes = data.bytes.len();
-        let call = Call::ReduceScatter { dim, op };
-        self.collective(group, call, Some(data), |who, deposits| {
-            let buffers = deposits.buffers();
-            who.same_layout(&buffers, None)?;
-            who.check_dim(buffers[0], dim)?;
-            check_reducible(buffers[0].dtype)?;
-            element_size(buffers[0])?;
-            let parts = buffers.len();
-            super::buffer::check_divisible(buffers[0], dim, parts)?;
-            let result = match deposits {
-                Deposits::Alone(mine) => mine.data.expect("reduce_scatter carries a buffer"),
-                Deposits::Shared(_) => {
-                    let mut shape = None;
-                    let mut chunks = Vec::with_capacity(parts);
-                    for data in &buffers {
-                        let (chunk, chunk_shape) = chunk_bytes(data, dim, parts, who.index)?;
-                        chunks.push(chunk);
-                        shape = Some(chunk_shape);
-                    }
-                    let raw: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
-                    let shape = shape.expect("a group has members");
-                    reduce(&raw, buffers[0].dtype, shape, op)
-                }
-            };
-            Ok((result, bytes))
-        })
-    }
-
-    fn broadcast(
-        &self,
-        group: Group,
+        call: Call,
         data: Option<TensorData>,
-        root: usize,
-    ) -> Result<TensorData, CommError> {
-        // Only the root's buffer travels; whatever the others pass is ignored.
-        let mine_is_root = group.index(&self.world.mesh, self.rank)? == root;
-        let data = if mine_is_root { data } else { None };
-        self.collective(group, Call::Broadcast { root }, data, |who, deposits| {
-            let all = deposits.all();
-            check_rank(root, all.len(), &format!("group {}", who.label))?;
-            let Some(source) = &all[root].data else {
-                return Err(who.mismatch(format!(
-                    "the root, rank {}, passed no buffer",
-                    who.members[root]
-                )));
-            };
-            let bytes = source.bytes.len();
-            let result = match deposits {
-                Deposits::Alone(mine) => mine.data.expect("the root's buffer is present"),
-                Deposits::Shared(all) => all[root].data.clone().expect("checked above"),
-            };
-            Ok((result, bytes))
-        })
+    ) -> Result<Option<TensorData>, CommError> {
+        self.world.check_abort()?;
+        let mesh = &self.world.mesh;
+        let group = call.group();
+        let label = group.label(mesh)?;
+        let members = group.ranks(mesh, self.rank)?;
+        let who = Who {
+            kind: call.kind(),
+            label,
+            members: &members,
+            index: group.index(mesh, self.rank)?,
+            rank: self.rank,
+        };
+        let mine = Contribution {
+            call: call.clone(),
+            data,
+        };
+        let deposits = if members.len() == 1 {
+            Deposits::Alone(mine)
+        } else {
+            Deposits::Shared(self.world.exchange(&who, mine)?)
+        };
+        let calls = deposits.all().iter().map(|d| d.call.clone()).collect();
+        let round = Round::new(mesh, self.rank, call.clone(), calls);
+        round.check_calls()?;
+        let result = match call.kind() {
+            CollectiveKind::Barrier => None,
+            CollectiveKind::Broadcast => {
+                let root = call.root();
+                round.root_buffer()?;
+                Some(match deposits {
+                    Deposits::Alone(mine) => mine.data.expect("the root's buffer is present"),
+                    Deposits::Shared(all) => all[root].data.clone().expect("checked above"),
+                })
+            }
+            _ => {
+                round.check_buffers()?;
+                Some(match deposits {
+                    // Unchanged, bit for bit (no widening, no division).
+                    Deposits::Alone(mine) => mine.data.expect("this call carries a buffer"),
+                    Deposits::Shared(_) => combine(&call, who.index, &deposits.buffers())?,
+                })
+            }
+        };
+        self.stats.record(mesh, &call, result.as_ref());
+        Ok(result)
     }
 
-    fn barrier(&self, group: Group) -> Result<(), CommError> {
-        self.collective(group, Call::Barrier, None, |_, _| Ok(((), 0)))
+    fn point_to_point(&self) -> Result<&dyn PointToPoint, CommError> {
+        Ok(self)
     }
 
+    fn stats(&self) -> CommStats {
+        self.stats.snapshot()
+    }
+
+    fn reset_stats(&self) {
+        self.stats.reset();
+    }
+}
+
+impl PointToPoint for InProcessCommunicator {
     fn send(&self, to: usize, data: TensorData) -> Result<(), CommError> {
         self.world.check_abort()?;
         check_rank(to, self.world.mesh.world_size(), "the world")?;
@@ -596,7 +438,7 @@ impl Communicator for InProcessCommunicator {
         let channel = self.world.channel(self.rank, to);
         lock(&channel.queue).push_back(data);
         channel.ready.notify_all();
-        self.record(CollectiveKind::Send, "p2p", bytes);
+        self.stats.record_p2p(CollectiveKind::Send, bytes);
         Ok(())
     }
 
@@ -629,15 +471,8 @@ impl Communicator for InProcessCommunicator {
                 .0;
         };
         drop(queue);
-        self.record(CollectiveKind::Recv, "p2p", data.bytes.len());
+        self.stats
+            .record_p2p(CollectiveKind::Recv, data.bytes.len());
         Ok(data)
-    }
-
-    fn stats(&self) -> CommStats {
-        lock(&self.stats).clone()
-    }
-
-    fn reset_stats(&self) {
-        *lock(&self.stats) = CommStats::default();
     }
 }

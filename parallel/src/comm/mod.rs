@@ -3,6 +3,9 @@
 //! Burn 0.21 offers an all-reduce only; the [`Communicator`] trait adds every collective the
 //! sharding rules need, over host buffers ([`TensorData`]). Which implementation runs is chosen
 //! at launch: [`InProcessWorld`] runs the ranks as threads of one process (tests, CPU).
+//! Each call is described once, as a [`Call`], which every communicator checks, counts and
+//! dispatches on. Point-to-point messages are a trait of their own ([`PointToPoint`]), offered
+//! by the communicators that can send them.
 //!
 //! Every collective is paired with its conjugate in backward (Megatron's `mappings.py`):
 //! all-gather ↔ reduce-scatter, all-reduce ↔ identity, broadcast ↔ reduce to the root.
@@ -12,8 +15,9 @@
 
 mod bootstrap;
 mod buffer;
+mod call;
 mod device;
-#[cfg(any(feature = "mpi", feature = "cuda"))]
+#[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
 mod header;
 #[cfg(feature = "mpi")]
 mod hybrid;
@@ -27,6 +31,7 @@ mod stats;
 mod tests;
 
 use std::fmt;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use burn::tensor::TensorData;
@@ -37,6 +42,7 @@ use crate::mesh::DeviceMesh;
 pub use bootstrap::{
     Bootstrap, RendezvousError, TcpRendezvous, bootstrap_groups, exchange_group_ids,
 };
+pub use call::{Call, Operand};
 pub use device::{DeviceCollectives, HostStaged};
 pub(crate) use device::{all_gather, all_reduce, broadcast, reduce_scatter};
 #[cfg(feature = "mpi")]
@@ -159,9 +165,9 @@ pub enum CollectiveKind {
     Broadcast,
     /// [`Communicator::barrier`].
     Barrier,
-    /// [`Communicator::send`].
+    /// [`PointToPoint::send`].
     Send,
-    /// [`Communicator::recv`].
+    /// [`PointToPoint::recv`].
     Recv,
 }
 
@@ -248,8 +254,8 @@ pub enum CommError {
          and splitting needs whole-byte elements"
     )]
     UnsupportedDType(String),
-    /// A call this communicator cannot make (e.g. point-to-point on a hybrid world, a message
-    /// over MPI's 32-bit counts), with what to do instead.
+    /// A call this communicator cannot make (e.g. point-to-point on NCCL or a hybrid world, a
+    /// message over MPI's 32-bit counts), with what to do instead.
     #[error("not supported here: {0}")]
     Unsupported(String),
     /// A rank (or group index) out of range.
@@ -302,7 +308,13 @@ fn check_rank(rank: usize, size: usize, context: &str) -> Result<(), CommError> 
     }
 }
 
-/// Collective and point-to-point communication for one rank of a mesh.
+/// Locks `mutex`, ignoring poisoning: what the communicators guard is bookkeeping that stays
+/// consistent, and failures are reported as errors instead.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Collective communication for one rank of a mesh.
 ///
 /// Every member of a group must make the same sequence of collective calls on that group (SPMD);
 /// a member that calls a different collective, or passes incompatible buffers, makes the round
@@ -310,12 +322,24 @@ fn check_rank(rank: usize, size: usize, context: &str) -> Result<(), CommError> 
 /// at once, with the input unchanged.
 ///
 /// Statistics count every call that succeeds; see [`CommStats`] for what `bytes` means.
+///
+/// Implementations provide [`Communicator::collective`], which runs any call the other methods
+/// describe; callers use the other methods.
 pub trait Communicator: Send + Sync + fmt::Debug {
     /// This rank, in `0..mesh().world_size()`.
     fn rank(&self) -> usize;
 
     /// The mesh the ranks are arranged in.
     fn mesh(&self) -> &DeviceMesh;
+
+    /// Runs one collective: `call` describes it, as the methods below build it, and `data` is
+    /// the buffer it describes (`None` for a barrier, and on a broadcast's members other than
+    /// the root). Returns this member's result, `None` for a barrier.
+    fn collective(
+        &self,
+        call: Call,
+        data: Option<TensorData>,
+    ) -> Result<Option<TensorData>, CommError>;
 
     /// Every member gets the element-wise reduction of all members' buffers, computed in group
     /// order `0, 1, …, n-1` (deterministic, bitwise identical on every member). `Avg` is the sum
@@ -325,7 +349,10 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         group: Group,
         data: TensorData,
         op: ReduceOp,
-    ) -> Result<TensorData, CommError>;
+    ) -> Result<TensorData, CommError> {
+        let call = Call::all_reduce(group, Operand::of(&data), op);
+        self.collective(call, Some(data)).map(returned)
+    }
 
     /// The concatenation of every member's buffer along `dim`, in group order. Members' shapes
     /// must agree except on `dim`. Conjugate of [`Communicator::reduce_scatter`].
@@ -334,7 +361,10 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         group: Group,
         data: TensorData,
         dim: usize,
-    ) -> Result<TensorData, CommError>;
+    ) -> Result<TensorData, CommError> {
+        let call = Call::all_gather(group, Operand::of(&data), dim);
+        self.collective(call, Some(data)).map(returned)
+    }
 
     /// Reduce (in group order), then return this member's chunk along `dim`: member `i` gets
     /// `[i·c, (i+1)·c)` with `c = size / n`. A size not divisible by `n` is
@@ -345,7 +375,10 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         data: TensorData,
         dim: usize,
         op: ReduceOp,
-    ) -> Result<TensorData, CommError>;
+    ) -> Result<TensorData, CommError> {
+        let call = Call::reduce_scatter(group, Operand::of(&data), dim, op);
+        self.collective(call, Some(data)).map(returned)
+    }
 
     /// Every member gets the buffer of the member at group index `root`. The root passes
     /// `Some(data)`; the others pass `None` (a `Some` is ignored).
@@ -354,21 +387,47 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         group: Group,
         data: Option<TensorData>,
         root: usize,
-    ) -> Result<TensorData, CommError>;
+    ) -> Result<TensorData, CommError> {
+        // Only the root's buffer travels; whatever the others pass is ignored.
+        let is_root = group.index(self.mesh(), self.rank())? == root;
+        let data = data.filter(|_| is_root);
+        let call = Call::broadcast(group, data.as_ref().map(Operand::of), root);
+        self.collective(call, data).map(returned)
+    }
 
     /// Returns once every member of the group has called it.
-    fn barrier(&self, group: Group) -> Result<(), CommError>;
+    fn barrier(&self, group: Group) -> Result<(), CommError> {
+        self.collective(Call::barrier(group), None).map(drop)
+    }
 
-    /// Sends `data` to global rank `to`, without waiting for it to be received. Messages between
-    /// one pair of ranks arrive in the order they were sent.
-    fn send(&self, to: usize, data: TensorData) -> Result<(), CommError>;
-
-    /// Receives the next message global rank `from` sent to this rank, waiting for it.
-    fn recv(&self, from: usize) -> Result<TensorData, CommError>;
+    /// This communicator's point-to-point messages, where it offers them (the in-process and
+    /// MPI communicators do); elsewhere [`CommError::Unsupported`].
+    fn point_to_point(&self) -> Result<&dyn PointToPoint, CommError> {
+        Err(CommError::Unsupported(format!(
+            "point-to-point (send/recv) on {self:?}; use the in-process communicator (ranks as \
+             threads) or MpiCommunicator (one rank per process)"
+        )))
+    }
 
     /// This rank's statistics so far.
     fn stats(&self) -> CommStats;
 
     /// Forgets this rank's statistics.
     fn reset_stats(&self);
+}
+
+/// The buffer a collective other than a barrier returns.
+fn returned(result: Option<TensorData>) -> TensorData {
+    result.expect("a collective other than a barrier returns a buffer")
+}
+
+/// Point-to-point messages between ranks of the world, on the communicators that offer them.
+/// Statistics count them under the group label `p2p`.
+pub trait PointToPoint: Communicator {
+    /// Sends `data` to global rank `to`, without waiting for it to be received. Messages between
+    /// one pair of ranks arrive in the order they were sent.
+    fn send(&self, to: usize, data: TensorData) -> Result<(), CommError>;
+
+    /// Receives the next message global rank `from` sent to this rank, waiting for it.
+    fn recv(&self, from: usize) -> Result<TensorData, CommError>;
 }

@@ -23,7 +23,7 @@ use std::fmt;
 use std::mem::ManuallyDrop;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -33,11 +33,15 @@ use mpi::topology::Communicator as _;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
-use super::buffer::{
-    check_dim, check_divisible, check_reducible, chunk_bytes, element_size, gathered, reduce,
+use super::buffer::{chunk_bytes, element_size, gathered, reduce};
+use super::call::{Operand, Round};
+use super::header::{
+    self, HEADER, Header, OPERAND, Sequence, decode_operand, encode_operand, from_bytes, to_bytes,
 };
-use super::header::{Call, DTYPES, HEADER, header, header_shape, layouts_agree, mismatch};
-use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp, check_rank};
+use super::stats::StatsCell;
+use super::{
+    Call, CollectiveKind, CommError, CommStats, Communicator, Group, PointToPoint, check_rank, lock,
+};
 use crate::mesh::DeviceMesh;
 
 /// An MPI communicator handle usable from the rank's threads.
@@ -121,8 +125,8 @@ impl MpiWorld {
             world: Mutex::new(Handle(ManuallyDrop::new(world))),
             axes,
             p2p,
-            sequence: Mutex::new(Default::default()),
-            stats: Mutex::new(CommStats::default()),
+            sequence: Sequence::default(),
+            stats: StatsCell::default(),
             watchdog: Arc::new(Watchdog {
                 timeout,
                 pending: Mutex::new(None),
@@ -219,10 +223,6 @@ impl Drop for Pending<'_> {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 /// One rank's endpoint of the MPI world.
 pub struct MpiCommunicator {
     rank: usize,
@@ -232,8 +232,8 @@ pub struct MpiCommunicator {
     /// Point-to-point messages, on their own communicator (a duplicate of the world).
     p2p: Mutex<Handle>,
     /// Calls made so far per group (the header's sequence number).
-    sequence: Mutex<std::collections::HashMap<Group, i64>>,
-    stats: Mutex<CommStats>,
+    sequence: Sequence,
+    stats: StatsCell,
     watchdog: Arc<Watchdog>,
 }
 
@@ -246,7 +246,6 @@ impl fmt::Debug for MpiCommunicator {
     }
 }
 
-/// A call as the header describes it.
 /// Byte counts and displacements for `counts` (bytes), as MPI's `int` counts.
 fn partition(counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>), CommError> {
     let mut displs = Vec::with_capacity(counts.len());
@@ -281,73 +280,35 @@ impl MpiCommunicator {
         }
     }
 
-    /// One checked round on `group`: exchange headers, check them, then let `body` move the
-    /// data (with the group's handle, the members' headers and this member's index).
-    fn collective<R>(
+    /// One checked round of `call`: exchange the members' headers, check them, then let `body`
+    /// move the data (with the group's handle, the members' calls and this member's index).
+    fn exchange<R>(
         &self,
-        group: Group,
-        call: Call,
-        data: Option<&TensorData>,
-        body: impl FnOnce(&SimpleCommunicator, &[[i64; HEADER]], usize) -> Result<R, CommError>,
+        call: &Call,
+        body: impl FnOnce(&SimpleCommunicator, &Round<'_>, usize) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
+        let group = call.group();
         let label = group.label(&self.mesh)?.to_owned();
         let n = group.size(&self.mesh)?;
         let index = group.index(&self.mesh, self.rank)?;
-        let seq = {
-            let mut sequence = lock(&self.sequence);
-            let s = sequence.entry(group).or_insert(0);
-            *s += 1;
-            *s
-        };
-        let mine = header(seq, call, data)?;
+        let (seq, mine) = self.sequence.header(call)?;
         let handle = lock(self.handle(group));
         let comm: &SimpleCommunicator = &handle.0;
         let _pending = self
             .watchdog
-            .start(format!("{} on {label} (call #{seq})", call.kind));
+            .start(format!("{} on {label} (call #{seq})", call.kind()));
         let mut all = vec![0i64; n * HEADER];
         if n > 1 {
             comm.all_gather_into(&mine[..], &mut all[..]);
         } else {
             all.copy_from_slice(&mine);
         }
-        let headers: Vec<[i64; HEADER]> = all
+        let headers: Vec<Header> = all
             .chunks_exact(HEADER)
             .map(|c| c.try_into().expect("HEADER words"))
             .collect();
-        // Same call (sequence, kind, op, dim, root) on every member.
-        if headers.iter().any(|h| h[..5] != mine[..5]) {
-            return Err(self.mismatch(group, call.kind, &headers));
-        }
-        body(comm, &headers, index)
-    }
-
-    fn mismatch(&self, group: Group, kind: CollectiveKind, headers: &[[i64; HEADER]]) -> CommError {
-        mismatch(&self.mesh, self.rank, group, kind, headers)
-    }
-
-    /// Members' buffers must agree in dtype and shape (except on `except`).
-    fn same_layout(
-        &self,
-        group: Group,
-        kind: CollectiveKind,
-        headers: &[[i64; HEADER]],
-        except: Option<usize>,
-    ) -> Result<(), CommError> {
-        if layouts_agree(headers.iter(), except) {
-            Ok(())
-        } else {
-            Err(self.mismatch(group, kind, headers))
-        }
-    }
-
-    fn record(&self, kind: CollectiveKind, group: Group, bytes: usize) {
-        let label = group.label(&self.mesh).unwrap_or("?");
-        lock(&self.stats).record(kind, label, bytes as u64);
-    }
-
-    fn record_p2p(&self, kind: CollectiveKind, bytes: usize) {
-        lock(&self.stats).record(kind, "p2p", bytes as u64);
+        let round = header::round(&self.mesh, self.rank, call, &headers)?;
+        body(comm, &round, index)
     }
 
     /// Each member sends piece `j` of `send` (byte ranges `send_counts`) to member `j` and
@@ -395,6 +356,126 @@ impl MpiCommunicator {
     }
 }
 
+impl MpiCommunicator {
+    /// A deterministic all-reduce: a reduce-scatter of element ranges (each member reducing its
+    /// own range in group order), then an all-gather of the reduced ranges.
+    fn all_reduce(
+        comm: &SimpleCommunicator,
+        call: &Call,
+        data: &TensorData,
+        n: usize,
+        index: usize,
+    ) -> Result<TensorData, CommError> {
+        let op = call.reduce_op();
+        let size = element_size(data)?;
+        let elements = data.shape.num_elements();
+        if elements < n {
+            // Tiny buffers (a loss, a norm): gather them whole and reduce in group order
+            // (MPI refuses some zero-length pieces of the range split).
+            let all = Self::all_gather_bytes(comm, data.as_bytes(), &vec![data.bytes.len(); n])?;
+            let raw: Vec<&[u8]> = all.chunks_exact(data.bytes.len().max(1)).collect();
+            return Ok(if elements == 0 {
+                data.clone()
+            } else {
+                reduce(&raw, data.dtype, data.shape.clone(), op)
+            });
+        }
+        // Reduce-scatter of element ranges (each member reduces its range in group order)…
+        let counts: Vec<usize> = (0..n).map(|j| range(elements, n, j).len() * size).collect();
+        let own = range(elements, n, index);
+        let pieces = Self::all_to_all(comm, data.as_bytes(), &counts, own.len() * size)?;
+        let reduced = if own.is_empty() {
+            Vec::new()
+        } else {
+            let raw: Vec<&[u8]> = pieces.chunks_exact(own.len() * size).collect();
+            reduce(&raw, data.dtype, Shape::from(vec![own.len()]), op)
+                .bytes
+                .to_vec()
+        };
+        // …then an all-gather of the reduced ranges.
+        let whole = Self::all_gather_bytes(comm, &reduced, &counts)?;
+        Ok(TensorData::from_bytes_vec(
+            whole,
+            data.shape.clone(),
+            data.dtype,
+        ))
+    }
+
+    /// The members' buffers, concatenated along the call's dim.
+    fn all_gather(
+        comm: &SimpleCommunicator,
+        round: &Round<'_>,
+        data: &TensorData,
+        dim: usize,
+    ) -> Result<TensorData, CommError> {
+        let size = element_size(data)?;
+        let shapes: Vec<Vec<usize>> = round
+            .calls()
+            .iter()
+            .map(|call| call.buffer().expect("checked").shape().to_vec())
+            .collect();
+        let counts: Vec<usize> = shapes
+            .iter()
+            .map(|s| s.iter().product::<usize>() * size)
+            .collect();
+        let all = Self::all_gather_bytes(comm, data.as_bytes(), &counts)?;
+        gathered(all, &shapes, dim, data.dtype)
+    }
+
+    /// Each member's chunk of every buffer to that member (an all-to-all), reduced in group
+    /// order.
+    fn reduce_scatter(
+        comm: &SimpleCommunicator,
+        call: &Call,
+        data: &TensorData,
+        n: usize,
+    ) -> Result<TensorData, CommError> {
+        let mut send = Vec::with_capacity(data.bytes.len());
+        let mut chunk_shape = None;
+        for j in 0..n {
+            let (chunk, shape) = chunk_bytes(data, call.dim(), n, j)?;
+            send.extend_from_slice(&chunk);
+            chunk_shape = Some(shape);
+        }
+        let piece = send.len() / n;
+        let pieces = Self::all_to_all(comm, &send, &vec![piece; n], piece)?;
+        let raw: Vec<&[u8]> = if piece == 0 {
+            vec![&[][..]; n]
+        } else {
+            pieces.chunks_exact(piece).collect()
+        };
+        Ok(reduce(
+            &raw,
+            data.dtype,
+            chunk_shape.expect("a group has members"),
+            call.reduce_op(),
+        ))
+    }
+
+    /// The root's buffer, on every member.
+    fn broadcast(
+        comm: &SimpleCommunicator,
+        round: &Round<'_>,
+        data: Option<&TensorData>,
+        root: usize,
+    ) -> Result<TensorData, CommError> {
+        let source = round.root_buffer()?;
+        let mut buffer = match data {
+            Some(d) => d.as_bytes().to_vec(),
+            None => vec![0u8; source.bytes()],
+        };
+        if round.calls().len() > 1 {
+            comm.process_at_rank(root as i32)
+                .broadcast_into(&mut buffer[..]);
+        }
+        Ok(TensorData::from_bytes_vec(
+            buffer,
+            source.shape().to_vec(),
+            source.dtype(),
+        ))
+    }
+}
+
 impl Communicator for MpiCommunicator {
     fn rank(&self) -> usize {
         self.rank
@@ -404,214 +485,64 @@ impl Communicator for MpiCommunicator {
         &self.mesh
     }
 
-    fn all_reduce(
+    fn collective(
         &self,
-        group: Group,
-        data: TensorData,
-        op: ReduceOp,
-    ) -> Result<TensorData, CommError> {
-        let bytes = data.bytes.len();
-        let call = Call {
-            kind: CollectiveKind::AllReduce,
-            op: Some(op),
-            dim: 0,
-            root: 0,
-        };
-        let result = self.collective(group, call, Some(&data), |comm, headers, index| {
-            self.same_layout(group, call.kind, headers, None)?;
-            check_reducible(data.dtype)?;
-            let n = headers.len();
-            if n == 1 {
-                return Ok(data.clone());
-            }
-            let size = element_size(&data)?;
-            let elements = data.shape.num_elements();
-            if elements < n {
-                // Tiny buffers (a loss, a norm): gather them whole and reduce in group order
-                // (MPI refuses some zero-length pieces of the range split).
-                let all =
-                    Self::all_gather_bytes(comm, data.as_bytes(), &vec![data.bytes.len(); n])?;
-                let raw: Vec<&[u8]> = all.chunks_exact(data.bytes.len().max(1)).collect();
-                return Ok(if elements == 0 {
-                    data.clone()
-                } else {
-                    reduce(&raw, data.dtype, data.shape.clone(), op)
-                });
-            }
-            // Reduce-scatter of element ranges (each member reduces its range in group order)…
-            let counts: Vec<usize> = (0..n).map(|j| range(elements, n, j).len() * size).collect();
-            let own = range(elements, n, index);
-            let pieces = Self::all_to_all(comm, data.as_bytes(), &counts, own.len() * size)?;
-            let reduced = if own.is_empty() {
-                Vec::new()
-            } else {
-                let raw: Vec<&[u8]> = pieces.chunks_exact(own.len() * size).collect();
-                reduce(&raw, data.dtype, Shape::from(vec![own.len()]), op)
-                    .bytes
-                    .to_vec()
-            };
-            // …then an all-gather of the reduced ranges.
-            let whole = Self::all_gather_bytes(comm, &reduced, &counts)?;
-            Ok(TensorData::from_bytes_vec(
-                whole,
-                data.shape.clone(),
-                data.dtype,
-            ))
-        })?;
-        self.record(CollectiveKind::AllReduce, group, bytes);
-        Ok(result)
-    }
-
-    fn all_gather(
-        &self,
-        group: Group,
-        data: TensorData,
-        dim: usize,
-    ) -> Result<TensorData, CommError> {
-        let bytes = data.bytes.len();
-        let call = Call {
-            kind: CollectiveKind::AllGather,
-            op: None,
-            dim,
-            root: 0,
-        };
-        let result = self.collective(group, call, Some(&data), |comm, headers, _| {
-            self.same_layout(group, call.kind, headers, Some(dim))?;
-            check_dim(call.kind, &data, dim)?;
-            if headers.len() == 1 {
-                return Ok(data.clone());
-            }
-            let size = element_size(&data)?;
-            let shapes: Vec<Vec<usize>> = headers
-                .iter()
-                .map(|h| header_shape(h).expect("every member passes a buffer"))
-                .collect();
-            let counts: Vec<usize> = shapes
-                .iter()
-                .map(|s| s.iter().product::<usize>() * size)
-                .collect();
-            let all = Self::all_gather_bytes(comm, data.as_bytes(), &counts)?;
-            gathered(all, &shapes, dim, data.dtype)
-        })?;
-        self.record(CollectiveKind::AllGather, group, bytes);
-        Ok(result)
-    }
-
-    fn reduce_scatter(
-        &self,
-        group: Group,
-        data: TensorData,
-        dim: usize,
-        op: ReduceOp,
-    ) -> Result<TensorData, CommError> {
-        let bytes = data.bytes.len();
-        let call = Call {
-            kind: CollectiveKind::ReduceScatter,
-            op: Some(op),
-            dim,
-            root: 0,
-        };
-        let result = self.collective(group, call, Some(&data), |comm, headers, _| {
-            self.same_layout(group, call.kind, headers, None)?;
-            check_dim(call.kind, &data, dim)?;
-            check_reducible(data.dtype)?;
-            let n = headers.len();
-            check_divisible(&data, dim, n)?;
-            if n == 1 {
-                return Ok(data.clone());
-            }
-            let mut send = Vec::with_capacity(data.bytes.len());
-            let mut chunk_shape = None;
-            for j in 0..n {
-                let (chunk, shape) = chunk_bytes(&data, dim, n, j)?;
-                send.extend_from_slice(&chunk);
-                chunk_shape = Some(shape);
-            }
-            let piece = send.len() / n;
-            let pieces = Self::all_to_all(comm, &send, &vec![piece; n], piece)?;
-            let raw: Vec<&[u8]> = if piece == 0 {
-                vec![&[][..]; n]
-            } else {
-                pieces.chunks_exact(piece).collect()
-            };
-            Ok(reduce(
-                &raw,
-                data.dtype,
-                chunk_shape.expect("a group has members"),
-                op,
-            ))
-        })?;
-        self.record(CollectiveKind::ReduceScatter, group, bytes);
-        Ok(result)
-    }
-
-    fn broadcast(
-        &self,
-        group: Group,
+        call: Call,
         data: Option<TensorData>,
-        root: usize,
-    ) -> Result<TensorData, CommError> {
-        let n = group.size(&self.mesh)?;
-        check_rank(root, n, &format!("group {}", group.label(&self.mesh)?))?;
-        let is_root = group.index(&self.mesh, self.rank)? == root;
-        let data = if is_root { data } else { None };
-        let call = Call {
-            kind: CollectiveKind::Broadcast,
-            op: None,
-            dim: 0,
-            root,
-        };
-        let result = self.collective(group, call, data.as_ref(), |comm, headers, _| {
-            let source = &headers[root];
-            let Some(shape) = header_shape(source) else {
-                return Err(self.mismatch(group, call.kind, headers));
+    ) -> Result<Option<TensorData>, CommError> {
+        call.check_root(&self.mesh)?;
+        // For a barrier, the header exchange is the all-gather: nobody leaves before everybody
+        // arrived.
+        let result = self.exchange(&call, |comm, round, index| {
+            let n = round.calls().len();
+            let data = match (call.kind(), &data) {
+                (CollectiveKind::Barrier, _) => return Ok(None),
+                (CollectiveKind::Broadcast, data) => {
+                    return Self::broadcast(comm, round, data.as_ref(), call.root()).map(Some);
+                }
+                (_, data) => data.as_ref().expect("this call carries a buffer"),
             };
-            let dtype = DTYPES[source[5] as usize];
-            let size = dtype.size() * shape.iter().product::<usize>();
-            let mut buffer = match &data {
-                Some(d) => d.as_bytes().to_vec(),
-                None => vec![0u8; size],
-            };
-            if n > 1 {
-                comm.process_at_rank(root as i32)
-                    .broadcast_into(&mut buffer[..]);
+            round.check_buffers()?;
+            if n == 1 {
+                return Ok(Some(data.clone()));
             }
-            Ok(TensorData::from_bytes_vec(buffer, shape, dtype))
+            Ok(Some(match call.kind() {
+                CollectiveKind::AllReduce => Self::all_reduce(comm, &call, data, n, index)?,
+                CollectiveKind::AllGather => Self::all_gather(comm, round, data, call.dim())?,
+                _ => Self::reduce_scatter(comm, &call, data, n)?,
+            }))
         })?;
-        self.record(CollectiveKind::Broadcast, group, result.bytes.len());
+        self.stats.record(&self.mesh, &call, result.as_ref());
         Ok(result)
     }
 
-    fn barrier(&self, group: Group) -> Result<(), CommError> {
-        let call = Call {
-            kind: CollectiveKind::Barrier,
-            op: None,
-            dim: 0,
-            root: 0,
-        };
-        // The header exchange is an all-gather: nobody leaves before everybody arrived.
-        self.collective(group, call, None, |_, _, _| Ok(()))?;
-        self.record(CollectiveKind::Barrier, group, 0);
-        Ok(())
+    fn point_to_point(&self) -> Result<&dyn PointToPoint, CommError> {
+        Ok(self)
     }
 
+    fn stats(&self) -> CommStats {
+        self.stats.snapshot()
+    }
+
+    fn reset_stats(&self) {
+        self.stats.reset();
+    }
+}
+
+impl PointToPoint for MpiCommunicator {
     /// Blocking MPI send: returns once the buffer is handed over, which for messages above the
     /// library's eager limit means once `to` has started receiving it.
     fn send(&self, to: usize, data: TensorData) -> Result<(), CommError> {
         check_rank(to, self.mesh.world_size(), "the world")?;
-        let call = Call {
-            kind: CollectiveKind::Send,
-            op: None,
-            dim: 0,
-            root: to,
-        };
-        let h = header(0, call, Some(&data))?;
-        let mut message: Vec<u8> = h.iter().flat_map(|w| w.to_le_bytes()).collect();
+        element_size(&data)?;
+        let words = encode_operand(CollectiveKind::Send, Some(&Operand::of(&data)))?;
+        let mut message = to_bytes(&words);
         message.extend_from_slice(data.as_bytes());
         let handle = lock(&self.p2p);
         let _pending = self.watchdog.start(format!("send to rank {to}"));
         handle.0.process_at_rank(to as i32).send(&message[..]);
-        self.record_p2p(CollectiveKind::Send, data.bytes.len());
+        self.stats
+            .record_p2p(CollectiveKind::Send, data.bytes.len());
         Ok(())
     }
 
@@ -620,23 +551,16 @@ impl Communicator for MpiCommunicator {
         let handle = lock(&self.p2p);
         let _pending = self.watchdog.start(format!("recv from rank {from}"));
         let (message, _status) = handle.0.process_at_rank(from as i32).receive_vec::<u8>();
-        let words: Vec<i64> = message[..HEADER * 8]
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect();
-        let shape = header_shape(&words).expect("a message carries a buffer");
-        let dtype = DTYPES[words[5] as usize];
-        let data = TensorData::from_bytes_vec(message[HEADER * 8..].to_vec(), shape, dtype);
-        self.record_p2p(CollectiveKind::Recv, data.bytes.len());
+        let words = from_bytes::<OPERAND>(&message);
+        let buffer = decode_operand(&words)?.expect("a message carries a buffer");
+        let data = TensorData::from_bytes_vec(
+            message[OPERAND * 8..].to_vec(),
+            buffer.shape().to_vec(),
+            buffer.dtype(),
+        );
+        self.stats
+            .record_p2p(CollectiveKind::Recv, data.bytes.len());
         Ok(data)
-    }
-
-    fn stats(&self) -> CommStats {
-        lock(&self.stats).clone()
-    }
-
-    fn reset_stats(&self) {
-        *lock(&self.stats) = CommStats::default();
     }
 }
 

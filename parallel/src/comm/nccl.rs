@@ -20,10 +20,9 @@
 //! Not run here: this workspace's CI has no GPU. It compiles in CI (`cargo check --features
 //! cuda`); the pure parts (bootstrap, header checks, the dim handling) are tested on CPU.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, Shape, TensorData};
@@ -39,9 +38,12 @@ use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
 use super::bootstrap::{Bootstrap, RendezvousError, bootstrap_groups, exchange_group_ids};
 use super::buffer::{check_dim, check_divisible, check_reducible, chunk_bytes, gathered};
-use super::header::{Call, HEADER, header_of, layouts_agree, mismatch};
+use super::call::{Operand, Round};
+use super::header::{self, HEADER, Header, Sequence};
+use super::stats::StatsCell;
 use super::{
-    CollectiveKind, CommError, CommStats, Communicator, DeviceCollectives, Group, ReduceOp,
+    Call, CollectiveKind, CommError, CommStats, Communicator, DeviceCollectives, Group, ReduceOp,
+    lock,
 };
 use crate::mesh::DeviceMesh;
 
@@ -100,8 +102,8 @@ pub struct NcclCommunicator {
     /// In [`bootstrap_groups`] order: each axis, then the world.
     comms: Vec<CommHandle>,
     options: NcclOptions,
-    sequence: Mutex<HashMap<Group, i64>>,
-    stats: Mutex<CommStats>,
+    sequence: Sequence,
+    stats: StatsCell,
     /// One NCCL call at a time on this rank.
     calls: Mutex<()>,
     aborted: AtomicBool,
@@ -115,10 +117,6 @@ impl fmt::Debug for NcclCommunicator {
             self.rank, self.mesh, self.device
         )
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn nccl_dtype(dtype: DType) -> Result<nccl_sys::ncclDataType_t, CommError> {
@@ -144,19 +142,6 @@ fn nccl_op(op: ReduceOp) -> nccl_sys::ncclRedOp_t {
         ReduceOp::Avg => nccl_sys::ncclRedOp_t::ncclAvg,
         ReduceOp::Max => nccl_sys::ncclRedOp_t::ncclMax,
     }
-}
-
-/// What one NCCL call does with its send and receive buffers.
-#[derive(Clone, Copy)]
-enum Op {
-    /// `count` elements in and out.
-    AllReduce(ReduceOp),
-    /// `count` elements in, `n × count` out.
-    AllGather,
-    /// `n × count` in, `count` out.
-    ReduceScatter(ReduceOp),
-    /// `count` elements, from group index `root`.
-    Broadcast(usize),
 }
 
 impl NcclCommunicator {
@@ -228,8 +213,8 @@ impl NcclCommunicator {
             stream,
             comms,
             options,
-            sequence: Mutex::new(HashMap::new()),
-            stats: Mutex::new(CommStats::default()),
+            sequence: Sequence::default(),
+            stats: StatsCell::default(),
             calls: Mutex::new(()),
             aborted: AtomicBool::new(false),
         })
@@ -282,13 +267,8 @@ impl NcclCommunicator {
         }
     }
 
-    fn record(&self, kind: CollectiveKind, group: Group, bytes: usize) {
-        let label = group.label(&self.mesh).unwrap_or("?");
-        lock(&self.stats).record(kind, label, bytes as u64);
-    }
-
     /// Waits for this rank's NCCL stream, aborting every communicator past the timeout.
-    fn wait(&self, kind: CollectiveKind, group: Group) -> Result<(), CommError> {
+    fn wait(&self, call: &Call) -> Result<(), CommError> {
         let start = Instant::now();
         let stream = self.stream.cu_stream();
         loop {
@@ -302,8 +282,8 @@ impl NcclCommunicator {
             if start.elapsed() > self.options.timeout {
                 self.abort();
                 return Err(CommError::Timeout {
-                    op: kind,
-                    group: group.label(&self.mesh).unwrap_or("?").to_owned(),
+                    op: call.kind(),
+                    group: call.group().label(&self.mesh).unwrap_or("?").to_owned(),
                     rank: self.rank,
                     waited: start.elapsed(),
                     missing: Vec::new(),
@@ -334,24 +314,20 @@ impl NcclCommunicator {
         }
     }
 
-    /// One NCCL call on raw CubeCL handles: `count` as [`Op`] defines it.
+    /// `call` as one NCCL call on raw CubeCL handles of `dtype`: `count` elements in and out
+    /// (all-reduce, broadcast), `count` in and `n × count` out (all-gather), `n × count` in and
+    /// `count` out (reduce-scatter).
     fn raw(
         &self,
-        group: Group,
-        op: Op,
+        call: &Call,
         dtype: DType,
         count: usize,
         send: &Handle,
         recv: &Handle,
     ) -> Result<(), CommError> {
         self.check_alive()?;
-        let comm = self.comm(group)?;
-        let kind = match op {
-            Op::AllReduce(_) => CollectiveKind::AllReduce,
-            Op::AllGather => CollectiveKind::AllGather,
-            Op::ReduceScatter(_) => CollectiveKind::ReduceScatter,
-            Op::Broadcast(_) => CollectiveKind::Broadcast,
-        };
+        let comm = self.comm(call.group())?;
+        let kind = call.kind();
         let datatype = nccl_dtype(dtype)?;
         let cuda = |e: cudarc::driver::DriverError| self.library("CUDA context", e);
         self.ctx.bind_to_thread().map_err(cuda)?;
@@ -370,21 +346,29 @@ impl NcclCommunicator {
         // callers size them); `comm` is this rank's communicator for `group`, used under the
         // call lock; `stream` belongs to the same context.
         let result = unsafe {
-            match op {
-                Op::AllReduce(r) => {
-                    nccl::all_reduce(src, dst, count, datatype, nccl_op(r), comm, stream)
+            match kind {
+                CollectiveKind::AllReduce => {
+                    let op = nccl_op(call.reduce_op());
+                    nccl::all_reduce(src, dst, count, datatype, op, comm, stream)
                 }
-                Op::AllGather => nccl::all_gather(src, dst, count, datatype, comm, stream),
-                Op::ReduceScatter(r) => {
-                    nccl::reduce_scatter(src, dst, count, datatype, nccl_op(r), comm, stream)
+                CollectiveKind::AllGather => {
+                    nccl::all_gather(src, dst, count, datatype, comm, stream)
                 }
-                Op::Broadcast(root) => {
-                    nccl::broadcast(src, dst, count, datatype, root as i32, comm, stream)
+                CollectiveKind::ReduceScatter => {
+                    let op = nccl_op(call.reduce_op());
+                    nccl::reduce_scatter(src, dst, count, datatype, op, comm, stream)
+                }
+                CollectiveKind::Broadcast => {
+                    let root = call.root() as i32;
+                    nccl::broadcast(src, dst, count, datatype, root, comm, stream)
+                }
+                other => {
+                    return Err(CommError::Unsupported(format!("{other} as one NCCL call")));
                 }
             }
         };
         result.map_err(|e| self.library(&kind.to_string(), e.0))?;
-        self.wait(kind, group)
+        self.wait(call)
     }
 
     fn upload(&self, bytes: &[u8]) -> Handle {
@@ -414,78 +398,113 @@ impl NcclCommunicator {
         ))
     }
 
-    /// The members' headers for this call (checked for the same call on every member), or
-    /// only this member's when checks are off.
-    fn headers(
-        &self,
-        group: Group,
-        call: Call,
-        buffer: Option<(DType, &[usize])>,
-    ) -> Result<Vec<[i64; HEADER]>, CommError> {
-        let seq = {
-            let mut sequence = lock(&self.sequence);
-            let s = sequence.entry(group).or_insert(0);
-            *s += 1;
-            *s
-        };
-        let mine = header_of(seq, call, buffer)?;
-        if !self.options.check_calls && call.kind != CollectiveKind::Broadcast {
-            return Ok(vec![mine]);
+    /// The round of `call`: the members' calls, exchanged as headers and checked to be the
+    /// same call on every member, or only this member's when checks are off (a broadcast always
+    /// exchanges them: the root's tells the others what to receive).
+    fn round(&self, call: &Call) -> Result<Round<'_>, CommError> {
+        let (_, mine) = self.sequence.header(call)?;
+        if !self.options.check_calls && call.kind() != CollectiveKind::Broadcast {
+            return Ok(Round::new(
+                &self.mesh,
+                self.rank,
+                call.clone(),
+                vec![call.clone()],
+            ));
         }
-        let n = group.size(&self.mesh)?;
-        let bytes: Vec<u8> = mine.iter().flat_map(|w| w.to_le_bytes()).collect();
+        let n = call.group().size(&self.mesh)?;
+        let bytes = header::to_bytes(&mine);
         let send = self.upload(&bytes);
         let recv = self.client.empty(bytes.len() * n);
-        self.raw(group, Op::AllGather, DType::I64, HEADER, &send, &recv)?;
-        let all = self.download(recv, Shape::from([n * HEADER]), DType::I64)?;
-        let words = all.to_vec::<i64>().map_err(|e| self.library("header", e))?;
-        let headers: Vec<[i64; HEADER]> = words
-            .chunks_exact(HEADER)
-            .map(|c| c.try_into().expect("HEADER words"))
+        let exchange = Call::all_gather(call.group(), Operand::new(DType::I64, &[HEADER]), 0);
+        self.raw(&exchange, DType::I64, HEADER, &send, &recv)?;
+        let all = self.download_bytes(recv, bytes.len() * n)?;
+        let headers: Vec<Header> = all
+            .chunks_exact(bytes.len())
+            .map(header::from_bytes)
             .collect();
-        if headers.iter().any(|h| h[..5] != mine[..5]) {
-            return Err(mismatch(&self.mesh, self.rank, group, call.kind, &headers));
-        }
-        Ok(headers)
-    }
-
-    /// The checks every collective makes on its members' buffers (NCCL moves equal pieces).
-    fn same_layout(
-        &self,
-        group: Group,
-        kind: CollectiveKind,
-        headers: &[[i64; HEADER]],
-    ) -> Result<(), CommError> {
-        if layouts_agree(headers.iter(), None) {
-            Ok(())
-        } else {
-            Err(mismatch(&self.mesh, self.rank, group, kind, headers))
-        }
+        header::round(&self.mesh, self.rank, call, &headers)
     }
 
     /// A host all-reduce, not recorded (the barrier is made of one).
-    fn host_all_reduce(
-        &self,
-        group: Group,
-        data: TensorData,
-        op: ReduceOp,
-    ) -> Result<TensorData, CommError> {
+    fn host_all_reduce(&self, call: &Call, data: TensorData) -> Result<TensorData, CommError> {
         check_reducible(data.dtype)?;
-        let call = Call {
-            kind: CollectiveKind::AllReduce,
-            op: Some(op),
-            dim: 0,
-            root: 0,
-        };
         let _calls = lock(&self.calls);
-        let headers = self.headers(group, call, Some((data.dtype, data.shape.as_slice())))?;
-        self.same_layout(group, call.kind, &headers)?;
+        self.round(call)?.check_layouts(None)?;
         let n = data.shape.num_elements();
         let send = self.upload(data.as_bytes());
         let recv = self.client.empty(data.bytes.len());
-        self.raw(group, Op::AllReduce(op), data.dtype, n, &send, &recv)?;
-        let out = self.download(recv, data.shape.clone(), data.dtype)?;
-        Ok(out)
+        self.raw(call, data.dtype, n, &send, &recv)?;
+        self.download(recv, data.shape.clone(), data.dtype)
+    }
+
+    /// The host all-gather: NCCL gathers equal pieces, one after the other.
+    fn host_all_gather(&self, call: &Call, data: TensorData) -> Result<TensorData, CommError> {
+        let dim = call.dim();
+        check_dim(CollectiveKind::AllGather, data.shape.num_dims(), dim)?;
+        let members = call.group().size(&self.mesh)?;
+        let _calls = lock(&self.calls);
+        // Members whose pieces differ along `dim` are refused (the host communicators accept
+        // them).
+        self.round(call)?.check_layouts(None)?;
+        let n = data.shape.num_elements();
+        let send = self.upload(data.as_bytes());
+        let recv = self.client.empty(data.bytes.len() * members);
+        self.raw(call, data.dtype, n, &send, &recv)?;
+        // The gathered pieces lie one after the other; concatenate them along `dim`.
+        let flat = self.download_bytes(recv, data.bytes.len() * members)?;
+        let shapes = vec![data.shape.to_vec(); members];
+        gathered(flat, &shapes, dim, data.dtype)
+    }
+
+    /// The host reduce-scatter: the chunks laid out along `dim` one after the other, as NCCL
+    /// scatters them.
+    fn host_reduce_scatter(&self, call: &Call, data: TensorData) -> Result<TensorData, CommError> {
+        let dim = call.dim();
+        check_dim(CollectiveKind::ReduceScatter, data.shape.num_dims(), dim)?;
+        check_reducible(data.dtype)?;
+        let members = call.group().size(&self.mesh)?;
+        check_divisible(data.shape[dim], dim, members)?;
+        let _calls = lock(&self.calls);
+        self.round(call)?.check_layouts(None)?;
+        let mut bytes = Vec::with_capacity(data.bytes.len());
+        let mut chunk_shape = data.shape.clone();
+        for m in 0..members {
+            let (chunk, shape) = chunk_bytes(&data, dim, members, m)?;
+            bytes.extend_from_slice(&chunk);
+            chunk_shape = shape;
+        }
+        let count = chunk_shape.num_elements();
+        let send = self.upload(&bytes);
+        let recv = self.client.empty(count * data.dtype.size());
+        self.raw(call, data.dtype, count, &send, &recv)?;
+        self.download(recv, chunk_shape, data.dtype)
+    }
+
+    /// The host broadcast: the root's header tells the others what to receive.
+    fn host_broadcast(
+        &self,
+        call: &Call,
+        data: Option<TensorData>,
+    ) -> Result<TensorData, CommError> {
+        let (group, root) = (call.group(), call.root());
+        let index = group.index(&self.mesh, self.rank)?;
+        call.check_root(&self.mesh)?;
+        if index == root && data.is_none() {
+            return Err(CommError::Unsupported(
+                "the broadcast root must pass its buffer".into(),
+            ));
+        }
+        let _calls = lock(&self.calls);
+        let round = self.round(call)?;
+        let source = round.root_buffer()?;
+        let (dtype, n) = (source.dtype(), source.shape().iter().product::<usize>());
+        let send = match &data {
+            Some(d) => self.upload(d.as_bytes()),
+            None => self.client.empty(n * dtype.size()),
+        };
+        let recv = self.client.empty(n * dtype.size());
+        self.raw(call, dtype, n, &send, &recv)?;
+        self.download(recv, Shape::from(source.shape()), dtype)
     }
 }
 
@@ -520,54 +539,45 @@ fn fresh(like: &CubeTensor<CudaRuntime>, shape: Shape, handle: Handle) -> CubeTe
 }
 
 impl NcclCommunicator {
-    /// One collective on a CUDA tensor: `op`'s NCCL call into a fresh tensor, recorded with
-    /// the input's bytes.
+    /// One collective on a CUDA tensor, `call` describing it: its NCCL call into a fresh
+    /// tensor, recorded with the input's bytes.
     fn on_device(
         &self,
-        group: Group,
+        call: Call,
         tensor: CubeTensor<CudaRuntime>,
-        op: Op,
     ) -> Result<CubeTensor<CudaRuntime>, CommError> {
+        call.check_root(&self.mesh)?;
         let t = contiguous(tensor);
         let shape = t.shape();
-        let members = group.size(&self.mesh)?;
+        let members = call.group().size(&self.mesh)?;
         let n = shape.num_elements();
         let mut dims = shape.to_vec();
-        let (call, count, out_elems) = match op {
-            Op::AllReduce(r) => (Call::new(CollectiveKind::AllReduce, Some(r), 0), n, n),
-            Op::Broadcast(root) => {
-                super::check_rank(root, members, "the group")?;
-                (Call::new(CollectiveKind::Broadcast, None, root), n, n)
-            }
-            Op::AllGather => {
+        let (count, out_elems) = match call.kind() {
+            CollectiveKind::AllGather => {
                 dims[0] *= members;
-                (
-                    Call::new(CollectiveKind::AllGather, None, 0),
-                    n,
-                    n * members,
-                )
+                (n, n * members)
             }
-            Op::ReduceScatter(r) => {
+            CollectiveKind::ReduceScatter => {
                 dims[0] /= members;
-                let chunk = n / members;
-                (
-                    Call::new(CollectiveKind::ReduceScatter, Some(r), 0),
-                    chunk,
-                    chunk,
-                )
+                (n / members, n / members)
             }
+            _ => (n, n),
         };
-        if call.op.is_some() {
+        if call.op().is_some() {
             check_reducible(t.dtype)?;
         }
         let _calls = lock(&self.calls);
-        let headers = self.headers(group, call, Some((t.dtype, shape.as_slice())))?;
-        self.same_layout(group, call.kind, &headers)?;
+        self.round(&call)?.check_layouts(None)?;
         let recv = self.client.empty(out_elems * t.dtype.size());
-        self.raw(group, op, t.dtype, count, &t.handle, &recv)?;
-        self.record(call.kind, group, n * t.dtype.size());
+        self.raw(&call, t.dtype, count, &t.handle, &recv)?;
+        self.stats.record(&self.mesh, &call, None);
         Ok(fresh(&t, Shape::from(dims), recv))
     }
+}
+
+/// The description of a collective on `tensor`.
+fn operand(tensor: &CubeTensor<CudaRuntime>) -> Operand {
+    Operand::new(tensor.dtype, tensor.shape().as_slice())
 }
 
 /// Collectives on Burn's CUDA tensors, on the device (no host copy).
@@ -575,7 +585,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
     DeviceCollectives<CubeBackend<CudaRuntime, F, I, BT>> for NcclCommunicator
 {
     fn stats(&self) -> CommStats {
-        lock(&self.stats).clone()
+        self.stats.snapshot()
     }
 
     fn all_reduce(
@@ -584,7 +594,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
         tensor: CubeTensor<CudaRuntime>,
         op: ReduceOp,
     ) -> Result<CubeTensor<CudaRuntime>, CommError> {
-        self.on_device(group, tensor, Op::AllReduce(op))
+        self.on_device(Call::all_reduce(group, operand(&tensor), op), tensor)
     }
 
     fn all_gather_first(
@@ -592,7 +602,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
         group: Group,
         tensor: CubeTensor<CudaRuntime>,
     ) -> Result<CubeTensor<CudaRuntime>, CommError> {
-        self.on_device(group, tensor, Op::AllGather)
+        self.on_device(Call::all_gather(group, operand(&tensor), 0), tensor)
     }
 
     fn reduce_scatter_first(
@@ -601,7 +611,8 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
         tensor: CubeTensor<CudaRuntime>,
         op: ReduceOp,
     ) -> Result<CubeTensor<CudaRuntime>, CommError> {
-        self.on_device(group, tensor, Op::ReduceScatter(op))
+        let call = Call::reduce_scatter(group, operand(&tensor), 0, op);
+        self.on_device(call, tensor)
     }
 
     fn broadcast(
@@ -610,7 +621,8 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
         tensor: CubeTensor<CudaRuntime>,
         root: usize,
     ) -> Result<CubeTensor<CudaRuntime>, CommError> {
-        self.on_device(group, tensor, Op::Broadcast(root))
+        let call = Call::broadcast(group, Some(operand(&tensor)), root);
+        self.on_device(call, tensor)
     }
 }
 
@@ -626,163 +638,38 @@ impl Communicator for NcclCommunicator {
         &self.mesh
     }
 
-    fn all_reduce(
+    fn collective(
         &self,
-        group: Group,
-        data: TensorData,
-        op: ReduceOp,
-    ) -> Result<TensorData, CommError> {
-        let bytes = data.bytes.len();
-        let out = self.host_all_reduce(group, data, op)?;
-        self.record(CollectiveKind::AllReduce, group, bytes);
-        Ok(out)
-    }
-
-    fn all_gather(
-        &self,
-        group: Group,
-        data: TensorData,
-        dim: usize,
-    ) -> Result<TensorData, CommError> {
-        check_dim(CollectiveKind::AllGather, &data, dim)?;
-        let call = Call {
-            kind: CollectiveKind::AllGather,
-            op: None,
-            dim,
-            root: 0,
-        };
-        let members = group.size(&self.mesh)?;
-        let _calls = lock(&self.calls);
-        let headers = self.headers(group, call, Some((data.dtype, data.shape.as_slice())))?;
-        if !layouts_agree(headers.iter(), None) {
-            // NCCL gathers equal pieces: members whose pieces differ along `dim` are refused
-            // (the host communicators accept them).
-            return Err(mismatch(&self.mesh, self.rank, group, call.kind, &headers));
-        }
-        let n = data.shape.num_elements();
-        let send = self.upload(data.as_bytes());
-        let recv = self.client.empty(data.bytes.len() * members);
-        self.raw(group, Op::AllGather, data.dtype, n, &send, &recv)?;
-        // The gathered pieces lie one after the other; concatenate them along `dim`.
-        let flat = self.download_bytes(recv, data.bytes.len() * members)?;
-        let shapes = vec![data.shape.to_vec(); members];
-        let out = gathered(flat, &shapes, dim, data.dtype)?;
-        self.record(call.kind, group, data.bytes.len());
-        Ok(out)
-    }
-
-    fn reduce_scatter(
-        &self,
-        group: Group,
-        data: TensorData,
-        dim: usize,
-        op: ReduceOp,
-    ) -> Result<TensorData, CommError> {
-        check_dim(CollectiveKind::ReduceScatter, &data, dim)?;
-        check_reducible(data.dtype)?;
-        let members = group.size(&self.mesh)?;
-        check_divisible(&data, dim, members)?;
-        let call = Call {
-            kind: CollectiveKind::ReduceScatter,
-            op: Some(op),
-            dim,
-            root: 0,
-        };
-        let _calls = lock(&self.calls);
-        let headers = self.headers(group, call, Some((data.dtype, data.shape.as_slice())))?;
-        self.same_layout(group, call.kind, &headers)?;
-        // Lay the chunks along `dim` one after the other, as NCCL scatters them.
-        let mut bytes = Vec::with_capacity(data.bytes.len());
-        let mut chunk_shape = data.shape.clone();
-        for m in 0..members {
-            let (chunk, shape) = chunk_bytes(&data, dim, members, m)?;
-            bytes.extend_from_slice(&chunk);
-            chunk_shape = shape;
-        }
-        let count = chunk_shape.num_elements();
-        let send = self.upload(&bytes);
-        let recv = self.client.empty(count * data.dtype.size());
-        self.raw(
-            group,
-            Op::ReduceScatter(op),
-            data.dtype,
-            count,
-            &send,
-            &recv,
-        )?;
-        let out = self.download(recv, chunk_shape, data.dtype)?;
-        self.record(call.kind, group, data.bytes.len());
-        Ok(out)
-    }
-
-    fn broadcast(
-        &self,
-        group: Group,
+        call: Call,
         data: Option<TensorData>,
-        root: usize,
-    ) -> Result<TensorData, CommError> {
-        let index = group.index(&self.mesh, self.rank)?;
-        super::check_rank(root, group.size(&self.mesh)?, "the group")?;
-        let call = Call {
-            kind: CollectiveKind::Broadcast,
-            op: None,
-            dim: 0,
-            root,
+    ) -> Result<Option<TensorData>, CommError> {
+        let result = match call.kind() {
+            CollectiveKind::Barrier => {
+                let scalar = TensorData::new(vec![0f32], [1]);
+                let sum = Call::all_reduce(call.group(), Operand::of(&scalar), ReduceOp::Sum);
+                self.host_all_reduce(&sum, scalar)?;
+                None
+            }
+            CollectiveKind::Broadcast => Some(self.host_broadcast(&call, data)?),
+            kind => {
+                let data = data.expect("this call carries a buffer");
+                Some(match kind {
+                    CollectiveKind::AllReduce => self.host_all_reduce(&call, data)?,
+                    CollectiveKind::AllGather => self.host_all_gather(&call, data)?,
+                    _ => self.host_reduce_scatter(&call, data)?,
+                })
+            }
         };
-        let data = if index == root {
-            Some(data.ok_or_else(|| {
-                CommError::Unsupported("the broadcast root must pass its buffer".into())
-            })?)
-        } else {
-            None
-        };
-        let _calls = lock(&self.calls);
-        // The root's header tells the others what to receive.
-        let headers = self.headers(
-            group,
-            call,
-            data.as_ref().map(|d| (d.dtype, d.shape.as_slice())),
-        )?;
-        let source = &headers[root];
-        let shape = super::header::header_shape(source)
-            .ok_or_else(|| mismatch(&self.mesh, self.rank, group, call.kind, &headers))?;
-        let dtype = super::header::DTYPES[source[5] as usize];
-        let n: usize = shape.iter().product();
-        let send = match &data {
-            Some(d) => self.upload(d.as_bytes()),
-            None => self.client.empty(n * dtype.size()),
-        };
-        let recv = self.client.empty(n * dtype.size());
-        self.raw(group, Op::Broadcast(root), dtype, n, &send, &recv)?;
-        let out = self.download(recv, Shape::from(shape), dtype)?;
-        self.record(call.kind, group, out.bytes.len());
-        Ok(out)
-    }
-
-    fn barrier(&self, group: Group) -> Result<(), CommError> {
-        self.host_all_reduce(group, TensorData::new(vec![0f32], [1]), ReduceOp::Sum)?;
-        self.record(CollectiveKind::Barrier, group, 0);
-        Ok(())
-    }
-
-    fn send(&self, _to: usize, _data: TensorData) -> Result<(), CommError> {
-        Err(CommError::Unsupported(
-            "point-to-point on NCCL (no user yet): use the MPI or in-process communicator".into(),
-        ))
-    }
-
-    fn recv(&self, _from: usize) -> Result<TensorData, CommError> {
-        Err(CommError::Unsupported(
-            "point-to-point on NCCL (no user yet): use the MPI or in-process communicator".into(),
-        ))
+        self.stats.record(&self.mesh, &call, result.as_ref());
+        Ok(result)
     }
 
     fn stats(&self) -> CommStats {
-        lock(&self.stats).clone()
+        self.stats.snapshot()
     }
 
     fn reset_stats(&self) {
-        *lock(&self.stats) = CommStats::default();
+        self.stats.reset();
     }
 }
 

@@ -436,7 +436,7 @@ fn missing_rank_gives_a_timeout_not_a_hang() {
                 .unwrap_err(),
         ];
         if comm.rank() == 0 {
-            errors.push(comm.recv(2).unwrap_err());
+            errors.push(comm.point_to_point().unwrap().recv(2).unwrap_err());
         }
         errors
     })
@@ -527,7 +527,7 @@ fn invalid_arguments_are_typed_errors() {
         let bad_dim = comm.all_gather(Group::World, data.clone(), 1);
         let bad_root = comm.broadcast(Group::World, Some(data.clone()), 2);
         let bad_axis = comm.barrier(Group::Axis(1));
-        let bad_peer = comm.send(5, data);
+        let bad_peer = comm.point_to_point().unwrap().send(5, data);
         (indivisible, bad_dim, bad_root, bad_axis, bad_peer)
     });
     for (indivisible, bad_dim, bad_root, bad_axis, bad_peer) in results {
@@ -586,8 +586,9 @@ fn stats_count_calls_and_bytes_as_defined() {
         let mine = (comm.group_index_on(1) == 0).then(|| f32s(5));
         comm.broadcast(Group::Axis(1), mine, 0).unwrap();
         comm.barrier(Group::World).unwrap();
-        comm.send((r + 1) % 4, f32s(2)).unwrap();
-        comm.recv((r + 3) % 4).unwrap();
+        let p2p = comm.point_to_point().unwrap();
+        p2p.send((r + 1) % 4, f32s(2)).unwrap();
+        p2p.recv((r + 3) % 4).unwrap();
         let stats = comm.stats();
         comm.reset_stats();
         (stats, comm.stats())
@@ -615,6 +616,7 @@ fn send_recv_ring_over_three_ranks() {
     let world = 3;
     let results = run(&dp(world), |comm| {
         let r = comm.rank();
+        let comm = comm.point_to_point().unwrap();
         let next = (r + 1) % world;
         let prev = (r + world - 1) % world;
         for message in 0..3 {
