@@ -1,0 +1,221 @@
+//! One NCCL call on raw device buffers: the rank's compute stream synchronised, the call
+//! enqueued on the rank's NCCL stream, the stream polled until it completes or the timeout
+//! aborts every communicator of the rank; and the call check that runs before it (the members'
+//! headers, all-gathered over NCCL).
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use burn::tensor::{DType, Shape, TensorData};
+use cubecl::server::Handle;
+use cudarc::nccl::{result as nccl, sys as nccl_sys};
+
+use super::NcclCommunicator;
+use crate::comm::call::{Operand, Round};
+use crate::comm::header::{self, HEADER, Header};
+use crate::comm::{Call, CollectiveKind, CommError, Group, ReduceOp};
+
+fn nccl_dtype(dtype: DType) -> Result<nccl_sys::ncclDataType_t, CommError> {
+    use nccl_sys::ncclDataType_t as T;
+    Ok(match dtype {
+        DType::F64 => T::ncclFloat64,
+        DType::F32 => T::ncclFloat32,
+        DType::F16 => T::ncclFloat16,
+        DType::BF16 => T::ncclBfloat16,
+        DType::I64 => T::ncclInt64,
+        DType::I32 => T::ncclInt32,
+        DType::I8 => T::ncclInt8,
+        DType::U64 => T::ncclUint64,
+        DType::U32 => T::ncclUint32,
+        DType::U8 => T::ncclUint8,
+        other => return Err(CommError::UnsupportedDType(other.name().to_owned())),
+    })
+}
+
+fn nccl_op(op: ReduceOp) -> nccl_sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => nccl_sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Avg => nccl_sys::ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => nccl_sys::ncclRedOp_t::ncclMax,
+    }
+}
+
+impl NcclCommunicator {
+    pub(super) fn comm(&self, group: Group) -> Result<nccl_sys::ncclComm_t, CommError> {
+        let slot = match group {
+            Group::World => self.comms.len() - 1,
+            Group::Axis(a) => {
+                group.size(&self.mesh)?;
+                a
+            }
+        };
+        Ok(self.comms[slot].0)
+    }
+
+    pub(super) fn library(&self, call: &str, reason: impl fmt::Debug) -> CommError {
+        CommError::Library {
+            library: "NCCL",
+            call: call.to_owned(),
+            reason: format!("{reason:?}"),
+        }
+    }
+
+    /// Waits for this rank's NCCL stream, aborting every communicator past the timeout.
+    pub(super) fn wait(&self, call: &Call) -> Result<(), CommError> {
+        let start = Instant::now();
+        let stream = self.stream.cu_stream();
+        loop {
+            // SAFETY: `stream` is this rank's live stream.
+            let status = unsafe { cudarc::driver::sys::cuStreamQuery(stream) };
+            match status {
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                other => return Err(self.library("cuStreamQuery", other)),
+            }
+            if start.elapsed() > self.options.timeout {
+                self.abort();
+                return Err(CommError::Timeout {
+                    op: call.kind(),
+                    group: call.group().label(&self.mesh).unwrap_or("?").to_owned(),
+                    rank: self.rank,
+                    waited: start.elapsed(),
+                    missing: Vec::new(),
+                });
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    /// Aborts every NCCL communicator of this rank (after a timeout): later calls fail at once.
+    pub(super) fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::SeqCst) {
+            for comm in &self.comms {
+                // SAFETY: a live communicator, aborted once (guarded by `aborted`).
+                let _ = unsafe { nccl::comm_abort(comm.0) };
+            }
+            tracing::error!(rank = self.rank, "NCCL timed out: communicators aborted");
+        }
+    }
+
+    pub(super) fn check_alive(&self) -> Result<(), CommError> {
+        if self.aborted.load(Ordering::SeqCst) {
+            Err(CommError::Unsupported(
+                "this rank's NCCL communicators were aborted after a timeout".into(),
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// `call` as one NCCL call on raw CubeCL handles of `dtype`: `count` elements in and out
+    /// (all-reduce, broadcast), `count` in and `n × count` out (all-gather), `n × count` in and
+    /// `count` out (reduce-scatter).
+    pub(super) fn raw(
+        &self,
+        call: &Call,
+        dtype: DType,
+        count: usize,
+        send: &Handle,
+        recv: &Handle,
+    ) -> Result<(), CommError> {
+        self.check_alive()?;
+        let comm = self.comm(call.group())?;
+        let kind = call.kind();
+        let datatype = nccl_dtype(dtype)?;
+        let cuda = |e: cudarc::driver::DriverError| self.library("CUDA context", e);
+        self.ctx.bind_to_thread().map_err(cuda)?;
+        // The input's producers run on the compute stream: let them finish first.
+        cubecl::future::block_on(self.client.sync()).map_err(|e| self.library("CubeCL sync", e))?;
+        let server = |e| self.library("CubeCL get_resource", e);
+        // Kept alive until the call has completed.
+        let send_res = self.client.get_resource(send.clone()).map_err(server)?;
+        let recv_res = self.client.get_resource(recv.clone()).map_err(server)?;
+        let (src, dst) = (
+            send_res.resource().ptr as *const std::ffi::c_void,
+            recv_res.resource().ptr as *mut std::ffi::c_void,
+        );
+        let stream = self.stream.cu_stream() as nccl_sys::cudaStream_t;
+        // SAFETY: `src`/`dst` are live device allocations of the sizes `count` implies (the
+        // callers size them); `comm` is this rank's communicator for `group`, used under the
+        // call lock; `stream` belongs to the same context.
+        let result = unsafe {
+            match kind {
+                CollectiveKind::AllReduce => {
+                    let op = nccl_op(call.reduce_op());
+                    nccl::all_reduce(src, dst, count, datatype, op, comm, stream)
+                }
+                CollectiveKind::AllGather => {
+                    nccl::all_gather(src, dst, count, datatype, comm, stream)
+                }
+                CollectiveKind::ReduceScatter => {
+                    let op = nccl_op(call.reduce_op());
+                    nccl::reduce_scatter(src, dst, count, datatype, op, comm, stream)
+                }
+                CollectiveKind::Broadcast => {
+                    let root = call.root() as i32;
+                    nccl::broadcast(src, dst, count, datatype, root, comm, stream)
+                }
+                other => {
+                    return Err(CommError::Unsupported(format!("{other} as one NCCL call")));
+                }
+            }
+        };
+        result.map_err(|e| self.library(&kind.to_string(), e.0))?;
+        self.wait(call)
+    }
+
+    pub(super) fn upload(&self, bytes: &[u8]) -> Handle {
+        self.client.create_from_slice(bytes)
+    }
+
+    /// The first `len` bytes of a device buffer.
+    pub(super) fn download_bytes(&self, handle: Handle, len: usize) -> Result<Vec<u8>, CommError> {
+        let bytes = self
+            .client
+            .read_one(handle)
+            .map_err(|e| self.library("CubeCL read", e))?;
+        Ok(bytes[..len].to_vec())
+    }
+
+    pub(super) fn download(
+        &self,
+        handle: Handle,
+        shape: Shape,
+        dtype: DType,
+    ) -> Result<TensorData, CommError> {
+        let len = shape.num_elements() * dtype.size();
+        Ok(TensorData::from_bytes_vec(
+            self.download_bytes(handle, len)?,
+            shape,
+            dtype,
+        ))
+    }
+
+    /// The round of `call`: the members' calls, exchanged as headers and checked to be the
+    /// same call on every member, or only this member's when checks are off (a broadcast always
+    /// exchanges them: the root's tells the others what to receive).
+    pub(super) fn round(&self, call: &Call) -> Result<Round<'_>, CommError> {
+        let (_, mine) = self.sequence.header(call)?;
+        if !self.options.check_calls && call.kind() != CollectiveKind::Broadcast {
+            return Ok(Round::new(
+                &self.mesh,
+                self.rank,
+                call.clone(),
+                vec![call.clone()],
+            ));
+        }
+        let n = call.group().size(&self.mesh)?;
+        let bytes = header::to_bytes(&mine);
+        let send = self.upload(&bytes);
+        let recv = self.client.empty(bytes.len() * n);
+        let exchange = Call::all_gather(call.group(), Operand::new(DType::I64, &[HEADER]), 0);
+        self.raw(&exchange, DType::I64, HEADER, &send, &recv)?;
+        let all = self.download_bytes(recv, bytes.len() * n)?;
+        let headers: Vec<Header> = all
+            .chunks_exact(bytes.len())
+            .map(header::from_bytes)
+            .collect();
+        header::round(&self.mesh, self.rank, call, &headers)
+    }
+}

@@ -1,0 +1,123 @@
+//! Making a rank's NCCL communicators: one per mesh group, with ids handed out over a
+//! [`Bootstrap`].
+
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+use cubecl::Runtime;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cudarc::driver::CudaContext;
+use cudarc::nccl::{result as nccl, sys as nccl_sys};
+
+use super::{CommHandle, NcclCommunicator, NcclInitError, NcclOptions};
+use crate::comm::bootstrap::{Bootstrap, RendezvousError, bootstrap_groups, exchange_group_ids};
+use crate::comm::header::Sequence;
+use crate::comm::stats::StatsCell;
+use crate::mesh::DeviceMesh;
+
+impl NcclCommunicator {
+    /// Rank `rank` of `mesh` on CUDA device `device`: makes one NCCL communicator per group of
+    /// the rank (every axis, then the world), with ids handed out over `boot` (an MPI or other
+    /// host communicator, or a [`TcpRendezvous`](crate::comm::TcpRendezvous)). Every rank of
+    /// the mesh must call this at the same time (NCCL's initialisation is collective).
+    pub fn new(
+        mesh: DeviceMesh,
+        rank: usize,
+        device: CudaDevice,
+        boot: &(impl Bootstrap + ?Sized),
+        options: NcclOptions,
+    ) -> Result<Self, NcclInitError> {
+        // cudarc loads the libraries at first use and panics when one is missing: ask first.
+        // SAFETY: only tries to open the shared libraries.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(NcclInitError::Cuda(
+                "libcuda was not found: NCCL needs an NVIDIA driver".into(),
+            ));
+        }
+        // SAFETY: as above.
+        if !unsafe { nccl_sys::is_culib_present() } {
+            return Err(NcclInitError::Nccl {
+                call: "loading libnccl",
+                reason: "libnccl.so was not found: install NCCL (e.g. Debian/Ubuntu libnccl2) \
+                         or put it on LD_LIBRARY_PATH"
+                    .into(),
+            });
+        }
+        let cuda = |e: cudarc::driver::DriverError| NcclInitError::Cuda(format!("{e:?}"));
+        let ctx = CudaContext::new(device.index).map_err(cuda)?;
+        ctx.bind_to_thread().map_err(cuda)?;
+        let stream = ctx.new_stream().map_err(cuda)?;
+        let client = CudaRuntime::client(&device);
+        let ids = exchange_group_ids(&mesh, boot, || {
+            let id = nccl::get_uniqueid().map_err(|e| RendezvousError::Protocol {
+                addr: String::new(),
+                reason: format!("ncclGetUniqueId: {:?}", e.0),
+            })?;
+            Ok(id.internal.iter().map(|&c| c as u8).collect())
+        })?;
+        let mut comms = Vec::new();
+        for (group, id) in bootstrap_groups(&mesh).into_iter().zip(ids) {
+            let n = group.size(&mesh).expect("a bootstrap group");
+            let index = group.index(&mesh, rank).expect("a bootstrap group");
+            let mut unique = nccl_sys::ncclUniqueId { internal: [0; 128] };
+            for (slot, byte) in unique.internal.iter_mut().zip(&id) {
+                *slot = *byte as _;
+            }
+            let mut comm: nccl_sys::ncclComm_t = std::ptr::null_mut();
+            // SAFETY: `comm` is a valid out-pointer; every member of the group makes the same
+            // call with the same id (handed out above), in the same group order.
+            unsafe { nccl::comm_init_rank(&mut comm, n as i32, unique, index as i32) }.map_err(
+                |e| NcclInitError::Nccl {
+                    call: "ncclCommInitRank",
+                    reason: format!("{:?}", e.0),
+                },
+            )?;
+            comms.push(CommHandle(comm));
+        }
+        tracing::info!(rank, groups = comms.len(), "NCCL communicators ready");
+        Ok(Self {
+            rank,
+            mesh,
+            device,
+            client,
+            ctx,
+            stream,
+            comms,
+            options,
+            sequence: Sequence::default(),
+            stats: StatsCell::default(),
+            calls: Mutex::new(()),
+            aborted: AtomicBool::new(false),
+        })
+    }
+
+    /// Make this rank's NCCL communicators on its inner CUDA device, bootstrapped over its host
+    /// communicator (ranks as threads, or MPI), and install them as the rank's
+    /// [`DeviceCollectives`](crate::comm::DeviceCollectives): from then on every
+    /// redistribution of `Distributed<Cuda>` runs on NCCL. Every rank calls it at the same time.
+    /// Host-side calls stay on the host communicator; the NCCL calls are counted in the returned
+    /// communicator's statistics and in
+    /// [`RankContext::comm_stats`](crate::RankContext::comm_stats).
+    pub fn install<F: FloatElement, I: IntElement, BT: BoolElement>(
+        device: &crate::DistDevice<CubeBackend<CudaRuntime, F, I, BT>>,
+        options: NcclOptions,
+    ) -> Result<Arc<Self>, NcclInitError> {
+        let ctx = device.context();
+        let host = ctx.comm_arc();
+        let nccl = Arc::new(Self::new(
+            ctx.mesh().clone(),
+            ctx.rank(),
+            device.inner().clone(),
+            &*host,
+            options,
+        )?);
+        ctx.set_device_collectives::<CubeBackend<CudaRuntime, F, I, BT>>(nccl.clone());
+        Ok(nccl)
+    }
+
+    /// The CUDA device.
+    pub fn device(&self) -> &CudaDevice {
+        &self.device
+    }
+}

@@ -1,0 +1,141 @@
+//! The host API over NCCL ([`Communicator`]): each buffer is uploaded, moved by NCCL and read
+//! back.
+
+use burn::tensor::{Shape, TensorData};
+
+use super::NcclCommunicator;
+use crate::comm::buffer::{check_dim, check_divisible, check_reducible, chunk_bytes, gathered};
+use crate::comm::call::Operand;
+use crate::comm::{Call, CollectiveKind, CommError, CommStats, Communicator, ReduceOp, lock};
+use crate::mesh::DeviceMesh;
+
+impl NcclCommunicator {
+    /// A host all-reduce, not recorded (the barrier is made of one).
+    fn host_all_reduce(&self, call: &Call, data: TensorData) -> Result<TensorData, CommError> {
+        check_reducible(data.dtype)?;
+        let _calls = lock(&self.calls);
+        self.round(call)?.check_layouts(None)?;
+        let n = data.shape.num_elements();
+        let send = self.upload(data.as_bytes());
+        let recv = self.client.empty(data.bytes.len());
+        self.raw(call, data.dtype, n, &send, &recv)?;
+        self.download(recv, data.shape.clone(), data.dtype)
+    }
+
+    /// The host all-gather: NCCL gathers equal pieces, one after the other.
+    fn host_all_gather(&self, call: &Call, data: TensorData) -> Result<TensorData, CommError> {
+        let dim = call.dim();
+        check_dim(CollectiveKind::AllGather, data.shape.num_dims(), dim)?;
+        let members = call.group().size(&self.mesh)?;
+        let _calls = lock(&self.calls);
+        // Members whose pieces differ along `dim` are refused (the host communicators accept
+        // them).
+        self.round(call)?.check_layouts(None)?;
+        let n = data.shape.num_elements();
+        let send = self.upload(data.as_bytes());
+        let recv = self.client.empty(data.bytes.len() * members);
+        self.raw(call, data.dtype, n, &send, &recv)?;
+        // The gathered pieces lie one after the other; concatenate them along `dim`.
+        let flat = self.download_bytes(recv, data.bytes.len() * members)?;
+        let shapes = vec![data.shape.to_vec(); members];
+        gathered(flat, &shapes, dim, data.dtype)
+    }
+
+    /// The host reduce-scatter: the chunks laid out along `dim` one after the other, as NCCL
+    /// scatters them.
+    fn host_reduce_scatter(&self, call: &Call, data: TensorData) -> Result<TensorData, CommError> {
+        let dim = call.dim();
+        check_dim(CollectiveKind::ReduceScatter, data.shape.num_dims(), dim)?;
+        check_reducible(data.dtype)?;
+        let members = call.group().size(&self.mesh)?;
+        check_divisible(data.shape[dim], dim, members)?;
+        let _calls = lock(&self.calls);
+        self.round(call)?.check_layouts(None)?;
+        let mut bytes = Vec::with_capacity(data.bytes.len());
+        let mut chunk_shape = data.shape.clone();
+        for m in 0..members {
+            let (chunk, shape) = chunk_bytes(&data, dim, members, m)?;
+            bytes.extend_from_slice(&chunk);
+            chunk_shape = shape;
+        }
+        let count = chunk_shape.num_elements();
+        let send = self.upload(&bytes);
+        let recv = self.client.empty(count * data.dtype.size());
+        self.raw(call, data.dtype, count, &send, &recv)?;
+        self.download(recv, chunk_shape, data.dtype)
+    }
+
+    /// The host broadcast: the root's header tells the others what to receive.
+    fn host_broadcast(
+        &self,
+        call: &Call,
+        data: Option<TensorData>,
+    ) -> Result<TensorData, CommError> {
+        let (group, root) = (call.group(), call.root());
+        let index = group.index(&self.mesh, self.rank)?;
+        call.check_root(&self.mesh)?;
+        if index == root && data.is_none() {
+            return Err(CommError::Unsupported(
+                "the broadcast root must pass its buffer".into(),
+            ));
+        }
+        let _calls = lock(&self.calls);
+        let round = self.round(call)?;
+        let source = round.root_buffer()?;
+        let (dtype, n) = (source.dtype(), source.shape().iter().product::<usize>());
+        let send = match &data {
+            Some(d) => self.upload(d.as_bytes()),
+            None => self.client.empty(n * dtype.size()),
+        };
+        let recv = self.client.empty(n * dtype.size());
+        self.raw(call, dtype, n, &send, &recv)?;
+        self.download(recv, Shape::from(source.shape()), dtype)
+    }
+}
+
+/// The host API over NCCL: each buffer is uploaded, moved by NCCL and read back. For the
+/// host-side calls of a run (scalars, barriers, checkpoint gathers); the training tensors take
+/// the device path ([`DeviceCollectives`](crate::comm::DeviceCollectives)).
+impl Communicator for NcclCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn mesh(&self) -> &DeviceMesh {
+        &self.mesh
+    }
+
+    fn collective(
+        &self,
+        call: Call,
+        data: Option<TensorData>,
+    ) -> Result<Option<TensorData>, CommError> {
+        let result = match call.kind() {
+            CollectiveKind::Barrier => {
+                let scalar = TensorData::new(vec![0f32], [1]);
+                let sum = Call::all_reduce(call.group(), Operand::of(&scalar), ReduceOp::Sum);
+                self.host_all_reduce(&sum, scalar)?;
+                None
+            }
+            CollectiveKind::Broadcast => Some(self.host_broadcast(&call, data)?),
+            kind => {
+                let data = data.expect("this call carries a buffer");
+                Some(match kind {
+                    CollectiveKind::AllReduce => self.host_all_reduce(&call, data)?,
+                    CollectiveKind::AllGather => self.host_all_gather(&call, data)?,
+                    _ => self.host_reduce_scatter(&call, data)?,
+                })
+            }
+        };
+        self.stats.record(&self.mesh, &call, result.as_ref());
+        Ok(result)
+    }
+
+    fn stats(&self) -> CommStats {
+        self.stats.snapshot()
+    }
+
+    fn reset_stats(&self) {
+        self.stats.reset();
+    }
+}

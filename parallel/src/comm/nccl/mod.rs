@@ -1,0 +1,190 @@
+//! NCCL between CUDA devices (feature `cuda`): one communicator per mesh group, bootstrapped
+//! over MPI, a host communicator, or a `MASTER_ADDR:MASTER_PORT` rendezvous
+//! ([`Bootstrap`]), and collectives on the device buffers of Burn's CUDA backend with no host
+//! copy ([`DeviceCollectives`](super::DeviceCollectives) for `CubeBackend<CudaRuntime, …>`).
+//!
+//! How a call runs: the rank's compute stream is synchronised (the input's producers are done),
+//! the collective is enqueued on this rank's own NCCL stream over the raw device pointers of the
+//! CubeCL handles (`ComputeClient::get_resource`), and the stream is polled until it completes
+//! or the timeout passes, in which case every NCCL communicator of the rank is aborted
+//! (`ncclCommAbort`) and the call fails with [`CommError::Timeout`](super::CommError::Timeout)
+//! instead of hanging. The outputs are fresh buffers (Burn tensors are immutable values).
+//!
+//! Every call is checked first (unless [`NcclOptions::check_calls`] is off): the members
+//! all-gather a small header (call number, collective, op, dtype, shape) over NCCL, and a
+//! member that diverges makes every member fail with
+//! [`CommError::Mismatch`](super::CommError::Mismatch) at that call.
+//!
+//! Reductions are NCCL's: fast, not in group order, so not bitwise equal to ranks as threads
+//! (the host communicators are). Point-to-point is not offered
+//! ([`Communicator::point_to_point`](super::Communicator::point_to_point) answers
+//! [`CommError::Unsupported`](super::CommError::Unsupported)).
+//!
+//! Not run here: this workspace's CI has no GPU. It compiles in CI (`cargo check --features
+//! cuda`); the pure parts (bootstrap, header checks, the dim handling) are tested on CPU.
+//!
+//! The files: `communicator.rs` makes the communicators, `calls.rs` runs one NCCL call (and the
+//! call check before it), `device_collectives.rs` and `host.rs` are the two APIs over it.
+
+mod calls;
+mod communicator;
+mod device_collectives;
+mod host;
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
+use cubecl::client::ComputeClient;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nccl::{result as nccl, sys as nccl_sys};
+
+use super::bootstrap::{Bootstrap, RendezvousError};
+use super::header::Sequence;
+use super::stats::StatsCell;
+use crate::mesh::DeviceMesh;
+
+/// How an [`NcclCommunicator`] behaves.
+#[derive(Clone, Debug)]
+pub struct NcclOptions {
+    /// How long a collective may wait before the rank aborts NCCL and fails.
+    pub timeout: Duration,
+    /// Exchange and compare a call header before every collective (one tiny extra all-gather
+    /// per call): divergent ranks fail at the first divergent call rather than hanging.
+    pub check_calls: bool,
+}
+
+impl Default for NcclOptions {
+    fn default() -> Self {
+        Self {
+            timeout: super::DEFAULT_TIMEOUT,
+            check_calls: true,
+        }
+    }
+}
+
+/// Creating an [`NcclCommunicator`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NcclInitError {
+    /// The ids could not be handed out.
+    #[error(transparent)]
+    Rendezvous(#[from] RendezvousError),
+    /// A CUDA driver call failed (no device, no driver).
+    #[error("CUDA: {0}")]
+    Cuda(String),
+    /// An NCCL call failed (no libnccl, a peer with another NCCL version, …).
+    #[error("NCCL {call}: {reason}")]
+    Nccl {
+        /// The call.
+        call: &'static str,
+        /// NCCL's result code.
+        reason: String,
+    },
+}
+
+/// An NCCL communicator handle. SAFETY: used only under the owner's call lock (NCCL
+/// communicators are not thread-safe), destroyed once in `Drop`.
+struct CommHandle(nccl_sys::ncclComm_t);
+unsafe impl Send for CommHandle {}
+unsafe impl Sync for CommHandle {}
+
+/// One rank's NCCL communicators (one per mesh group it belongs to) on its CUDA device.
+pub struct NcclCommunicator {
+    rank: usize,
+    mesh: DeviceMesh,
+    device: CudaDevice,
+    client: ComputeClient<CudaRuntime>,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    /// In [`bootstrap_groups`](super::bootstrap::bootstrap_groups) order: each axis, then the
+    /// world.
+    comms: Vec<CommHandle>,
+    options: NcclOptions,
+    sequence: Sequence,
+    stats: StatsCell,
+    /// One NCCL call at a time on this rank.
+    calls: Mutex<()>,
+    aborted: AtomicBool,
+}
+
+impl fmt::Debug for NcclCommunicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "NcclCommunicator(rank {} of {}, {:?})",
+            self.rank, self.mesh, self.device
+        )
+    }
+}
+
+impl Drop for NcclCommunicator {
+    fn drop(&mut self) {
+        if self.aborted.load(Ordering::SeqCst) {
+            return;
+        }
+        for comm in &self.comms {
+            // SAFETY: each communicator is live and destroyed once, after its last call.
+            let _ = unsafe { nccl::comm_destroy(comm.0) };
+        }
+    }
+}
+
+/// Run `f` as this process's rank of `mesh` in a torchrun-style launch, without MPI:
+/// `MASTER_ADDR`, `MASTER_PORT`, `RANK` and `WORLD_SIZE` give the rendezvous
+/// ([`TcpRendezvous`](super::TcpRendezvous)), `LOCAL_RANK` the GPU (default 0). NCCL carries
+/// every collective, host-side ones included (uploaded and read back).
+///
+/// A rank whose `f` fails (a typed [`DistError`](crate::DistError) raised inside an op, or any
+/// panic) prints the error, aborts its NCCL communicators and exits the process with status 2;
+/// its peers' next collective then fails after [`NcclOptions::timeout`] instead of hanging.
+pub fn launch_ranks_rendezvous<F, I, BT, T, Body>(
+    mesh: &DeviceMesh,
+    options: &NcclOptions,
+    f: Body,
+) -> Result<T, NcclInitError>
+where
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+    Body: FnOnce(crate::DistDevice<CubeBackend<CudaRuntime, F, I, BT>>) -> T,
+{
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    let boot = super::TcpRendezvous::from_env(options.timeout)?;
+    let local = match std::env::var("LOCAL_RANK") {
+        Ok(v) => v.trim().parse().map_err(|e| RendezvousError::Env {
+            var: "LOCAL_RANK",
+            reason: format!("not a number ({e})"),
+        })?,
+        Err(_) => 0usize,
+    };
+    let rank = Bootstrap::rank(&boot);
+    let device = CudaDevice::new(local);
+    let nccl = Arc::new(NcclCommunicator::new(
+        mesh.clone(),
+        rank,
+        device.clone(),
+        &boot,
+        options.clone(),
+    )?);
+    let dist = crate::DistDevice::<CubeBackend<CudaRuntime, F, I, BT>>::new(device, nccl.clone());
+    dist.context()
+        .set_device_collectives::<CubeBackend<CudaRuntime, F, I, BT>>(nccl.clone());
+    crate::device::set_current_device(&dist);
+    match catch_unwind(AssertUnwindSafe(|| f(dist))) {
+        Ok(out) => Ok(out),
+        Err(payload) => {
+            let message = match crate::error::take_raised() {
+                Some(error) => error.to_string(),
+                None => crate::launch::panic_message(payload.as_ref()),
+            };
+            eprintln!("wildfire: rank {rank} failed: {message}; aborting NCCL");
+            nccl.abort();
+            std::process::exit(2)
+        }
+    }
+}

@@ -1,0 +1,118 @@
+//! A rank's context: its precision and sharding policy, and its device ids.
+
+use super::*;
+
+/// The precision policy: with a bf16 compute dtype, a matmul and a linear run in bf16 (their
+/// results equal the same ops on bf16-cast operands, cast back) and hand back f32.
+#[test]
+fn compute_dtype_casts_matmuls_and_keeps_f32_outside() {
+    let mesh = DeviceMesh::new([("dp", 1)]).unwrap();
+    let out = launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+        let (a, b) = (values(&[4, 8], 1), values(&[8, 4], 2));
+        let x = Tensor::<D, 2>::from_data(a.clone(), &device);
+        let w = Tensor::<D, 2>::from_data(b.clone(), &device);
+        let exact = x.clone().matmul(w.clone()).into_data();
+        device
+            .context()
+            .set_compute_dtype(Some(burn::tensor::FloatDType::BF16));
+        let mixed = x.clone().matmul(w.clone());
+        let dtype = mixed.dtype();
+        let mixed = mixed.into_data();
+        let linear = module::linear(x, w, None).into_data();
+        device.context().set_compute_dtype(None);
+        let dev = Default::default();
+        let reference = Tensor::<F, 2>::from_data(a, &dev)
+            .cast(burn::tensor::DType::BF16)
+            .matmul(Tensor::<F, 2>::from_data(b, &dev).cast(burn::tensor::DType::BF16))
+            .cast(burn::tensor::DType::F32)
+            .into_data();
+        (exact, mixed, linear, reference, dtype)
+    })
+    .unwrap();
+    let (exact, mixed, linear, reference, dtype) = &out[0];
+    assert_eq!(*dtype, burn::tensor::DType::F32);
+    assert_eq!(mixed, reference);
+    assert_eq!(linear, reference);
+    assert_ne!(mixed, exact, "bf16 compute must differ from f32 somewhere");
+}
+
+/// Devices of finished ranks give their ids back: 70,000 devices made and dropped one after the
+/// other fit the 65,536 ids a `DeviceId` names (the table grew by one per rank per launch and
+/// panicked past 65,536), and a live device still round-trips through its id.
+#[test]
+fn device_ids_are_reused_after_ranks_end() {
+    use burn::tensor::backend::Device;
+    for _ in 0..70_000 {
+        let world = InProcessWorld::new(DeviceMesh::single(), std::time::Duration::from_secs(5));
+        drop(DistDevice::<Flex>::new(
+            Default::default(),
+            Arc::new(world.communicator(0)),
+        ));
+    }
+    // Other tests of this binary register their ranks' devices meanwhile: a few hundred at most.
+    assert!(
+        crate::device::registered_slots() < 10_000,
+        "{} slots",
+        crate::device::registered_slots()
+    );
+    let world = InProcessWorld::new(DeviceMesh::single(), std::time::Duration::from_secs(5));
+    let device = DistDevice::<Flex>::new(Default::default(), Arc::new(world.communicator(0)));
+    let back = DistDevice::<Flex>::from_id(device.to_id());
+    assert!(Arc::ptr_eq(back.context(), device.context()));
+}
+
+/// The rank policy: set in one call, kept by the parallelism transforms, which fill in their
+/// parts (`fully_shard` the sharding: where parameters, gradients and optimizer state rest, and
+/// when gradients are reduced); the thin setters change one field and keep the rest.
+#[test]
+fn rank_policy_is_set_once_and_filled_in_by_fully_shard() {
+    use burn::tensor::FloatDType::BF16;
+    let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+    let out = launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+        let ctx = device.context().clone();
+        let set = RankPolicy {
+            compute_dtype: Some(BF16),
+            memory_budget: Some(1 << 30),
+            ..Default::default()
+        };
+        ctx.set_policy(set.clone());
+        let linear = || burn::nn::LinearConfig::new(4, 4).init::<D>(&device);
+        fully_shard(linear(), &mesh, FsdpStrategy::FullShard).unwrap();
+        let full_shard = ctx.policy();
+        fully_shard(linear(), &mesh, FsdpStrategy::ShardOptimizer).unwrap();
+        let zero1 = ctx.policy();
+        ctx.set_gradient_reduce_dtype(Some(BF16));
+        (set, full_shard, zero1, ctx.policy())
+    })
+    .unwrap();
+    let (set, full_shard, zero1, last) = &out[0];
+    assert_eq!(full_shard.compute_dtype, set.compute_dtype);
+    assert_eq!(full_shard.memory_budget, set.memory_budget);
+    let s = &full_shard.sharding;
+    assert_eq!(
+        (
+            s.param_shard_axes(),
+            s.grad_shard_axes(),
+            s.optimizer_shard_axes()
+        ),
+        (&[0][..], &[0][..], &[0][..])
+    );
+    assert_eq!(s.gradient_reduction(), GradientReduction::WhereBorn);
+    let s = &zero1.sharding;
+    assert_eq!(
+        (
+            s.param_shard_axes(),
+            s.grad_shard_axes(),
+            s.optimizer_shard_axes()
+        ),
+        (&[][..], &[][..], &[0][..])
+    );
+    assert_eq!(s.gradient_reduction(), GradientReduction::AtSync);
+    assert_eq!(
+        last,
+        &RankPolicy {
+            grad_reduce_dtype: Some(BF16),
+            ..zero1.clone()
+        }
+    );
+}

@@ -1,0 +1,171 @@
+//! Redistribution between layouts: round trips, the errors of layouts that cannot be reached,
+//! and the device collectives carrying every redistribution.
+
+use super::*;
+
+#[test]
+fn redistribute_round_trips_every_layout_pair() {
+    let mesh = mesh22();
+    let base = values(&[4, 4, 8], 11);
+    let all: Vec<Layout> = layouts(&mesh, 3)
+        .into_iter()
+        .filter(|l| !l.placements().contains(&Placement::Local))
+        .collect();
+    let results =
+        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+            let mut checked = 0;
+            for from in &all {
+                for to in &all {
+                    let t = Tensor::<F, 3>::from_data(base.clone(), &Default::default());
+                    let Ok(dt) = DTensor::from_full(t.into_primitive().tensor(), from, &device)
+                    else {
+                        continue;
+                    };
+                    let Ok(moved) = dt.redistribute(to) else {
+                        continue;
+                    };
+                    assert_eq!(moved.layout(), to);
+                    let full = moved.full().unwrap();
+                    let got =
+                        Tensor::<F, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(full));
+                    close(&got.into_data(), &base)
+                        .unwrap_or_else(|e| panic!("{from} -> {to}: {e}"));
+                    checked += 1;
+                }
+            }
+            checked
+        })
+        .unwrap();
+    assert!(results[0] > 400, "{results:?}");
+}
+
+#[test]
+fn uneven_shards_are_a_typed_error() {
+    let mesh = DeviceMesh::new([("tp", 4)]).unwrap();
+    let results =
+        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+            let t = Tensor::<F, 2>::from_data(values(&[6, 3], 1), &Default::default());
+            DTensor::from_full(
+                t.into_primitive().tensor(),
+                &Layout::new([Placement::Shard(0)]),
+                &device,
+            )
+            .map(|_| ())
+        })
+        .unwrap();
+    for r in results {
+        match r {
+            Err(DistError::Indivisible {
+                dim: 0,
+                size: 6,
+                shards: 4,
+                ..
+            }) => {}
+            other => panic!("expected Indivisible, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn local_data_cannot_become_global() {
+    let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+    let results =
+        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+            let t = Tensor::<D, 1>::from_data([1.0, 2.0], &device);
+            assert_eq!(dtensor(&t).layout(), &Layout::new([Placement::Local]));
+            dtensor(&t)
+                .redistribute(&Layout::new([Placement::Replicate]))
+                .map(|_| ())
+        })
+        .unwrap();
+    assert!(matches!(
+        results[0],
+        Err(DistError::InvalidRedistribution { .. })
+    ));
+}
+
+/// With device collectives installed, every redistribution goes through them (none through the
+/// host communicator directly), each collective along every dimension is only ever asked of
+/// them along dim 0, and the results are bitwise those of the host path.
+#[test]
+fn device_collectives_carry_every_redistribution_bitwise() {
+    let mesh = mesh22();
+    let base = values(&[4, 4, 8], 5);
+    let all: Vec<Layout> = layouts(&mesh, 3)
+        .into_iter()
+        .filter(|l| !l.placements().contains(&Placement::Local))
+        .collect();
+    let results =
+        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+            let comm = device.context().comm_arc();
+            let run = |device: &DistDevice<F>| {
+                let mut out = Vec::new();
+                for from in &all {
+                    for to in &all {
+                        let t = Tensor::<F, 3>::from_data(base.clone(), &Default::default());
+                        let Ok(dt) = DTensor::from_full(t.into_primitive().tensor(), from, device)
+                        else {
+                            continue;
+                        };
+                        // Partial → Shard must reach the shard by a reduce-scatter on any dim.
+                        let moved = dt.redistribute(to).unwrap();
+                        out.push(crate::tensor::read::<F>(moved.local().clone()));
+                    }
+                }
+                // A per-rank value adopted from member 0 (a broadcast).
+                let local = Tensor::<F, 2>::from_data(
+                    values(&[3, 5], device.rank() as u64),
+                    &Default::default(),
+                );
+                let dt = DTensor::from_local(
+                    local.into_primitive().tensor(),
+                    Layout::new([Placement::Local, Placement::Replicate]),
+                    device,
+                )
+                .unwrap();
+                out.push(crate::tensor::read::<F>(
+                    dt.adopt_from_first(0).unwrap().local().clone(),
+                ));
+                out
+            };
+            let host = run(&device);
+            let host_stats = comm.stats();
+            comm.reset_stats();
+            let counting = Arc::new(HostStaged::new(comm.clone()));
+            device
+                .context()
+                .set_device_collectives::<F>(counting.clone());
+            let staged = run(&device);
+            device.context().clear_device_collectives();
+            let staged_stats = comm.stats();
+            let calls = counting.calls();
+            (host, staged, host_stats, staged_stats, calls)
+        })
+        .unwrap();
+    for (host, staged, host_stats, staged_stats, calls) in results {
+        assert_eq!(host.len(), staged.len());
+        for (a, b) in host.iter().zip(&staged) {
+            assert_eq!(a.as_bytes(), b.as_bytes());
+            assert_eq!(a.shape, b.shape);
+        }
+        // The same collectives, by kind, and every one went through the device collectives
+        // (whose host staging recorded it), along dim 0.
+        for kind in [
+            CollectiveKind::AllReduce,
+            CollectiveKind::AllGather,
+            CollectiveKind::ReduceScatter,
+            CollectiveKind::Broadcast,
+        ] {
+            assert_eq!(host_stats.count(kind), staged_stats.count(kind), "{kind:?}");
+            assert_eq!(host_stats.bytes(kind), staged_stats.bytes(kind), "{kind:?}");
+            let calls = calls.get(&kind).copied().unwrap_or(0);
+            assert_eq!(calls, host_stats.count(kind), "{kind:?}");
+        }
+        let count = |kind| calls.get(&kind).copied().unwrap_or(0);
+        assert!(
+            count(CollectiveKind::AllGather) > 50 && count(CollectiveKind::ReduceScatter) > 10,
+            "{calls:?}"
+        );
+        assert_eq!(count(CollectiveKind::Broadcast), 1);
+    }
+}
