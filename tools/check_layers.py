@@ -13,11 +13,12 @@ import collections, pathlib, re, sys
 
 SRC = pathlib.Path(sys.argv[1] if sys.argv[1:] else
                    pathlib.Path(__file__).resolve().parent.parent / "parallel/src")
-LAYERS = [["mesh"], ["comm"], ["placement"], ["error"], ["policy"], ["device"], ["tensor"],
+LAYERS = [["mesh"], ["comm"], ["placement"], ["error"], ["policy"], ["device"], ["collectives"],
+          ["tensor"],
           ["backend"], ["data_parallel"], ["fsdp", "tensor_parallel"], ["launch"], ["ranks"]]
 LAYER = {m: i for i, group in enumerate(LAYERS) for m in group}
-# (importing top-level module, imported top-level module): upward imports still in comm/.
-EXCEPTIONS = {("comm", "device"), ("comm", "tensor"), ("comm", "launch"), ("comm", "error")}
+# (importing top-level module, imported top-level module): known upward imports (none left).
+EXCEPTIONS = set()
 
 
 def module_of(path):

@@ -88,7 +88,7 @@ impl<B: Backend> DTensor<B> {
         if self.layout.get(axis) != Placement::Local {
             return Ok(self);
         }
-        let local = crate::comm::broadcast(&self.device, Group::Axis(axis), self.local, 0)?;
+        let local = crate::collectives::broadcast(&self.device, Group::Axis(axis), self.local, 0)?;
         Ok(DTensor::new_shaped(
             local,
             self.layout.with(axis, Placement::Replicate),

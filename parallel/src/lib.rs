@@ -16,23 +16,26 @@
 
 // Layers, bottom to top: a module imports only from the layers below it (`tests.rs` from any).
 //
-//   mesh → comm → placement → error → policy → device → tensor → backend
+//   mesh → comm → placement → error → policy → device → collectives → tensor → backend
 //        → data_parallel → fsdp, tensor_parallel → launch → ranks
 //
-// - mesh, comm: the device mesh; the communicators and their collectives.
+// - mesh, comm: the device mesh; the communicators (host buffers, and the device-collectives
+//   trait) — they know nothing of ranks' devices.
 // - placement, error: layouts (`Placement` per mesh axis) and the typed errors.
 // - policy: what the strategies tell the backend, as a value the rank holds.
-// - device: `DistDevice` and its `RankContext`; tensor: `DTensor` and its redistributions.
+// - device: `DistDevice` and its `RankContext`; collectives: a rank's collectives on its device
+//   tensors (device collectives when installed, else the host communicator); tensor: `DTensor`
+//   and its redistributions.
 // - backend: `Distributed<B>`, its propagation rules and fallback. It reads the policy and never
 //   imports a strategy; the strategies call down into it (`backend::gradients_synced`).
 // - data_parallel, fsdp, tensor_parallel: the strategies, which set the policy.
-// - launch, ranks: ranks as threads or processes.
+// - launch, ranks: ranks as threads, MPI processes, threads × processes, or a torchrun-style
+//   NCCL process (the process launchers and `NcclCommunicator::install` live in ranks/).
 //
-// `python3 tools/check_layers.py` checks this order. Exceptions left in comm/: `comm/device.rs`
-// (collectives on a `DistDevice`'s tensors) imports device and tensor, and the MPI, NCCL and
-// hybrid launchers import device and launch.
+// `python3 tools/check_layers.py` checks this order (CI runs it); there is no exception.
 
 mod backend;
+mod collectives;
 pub mod comm;
 mod data_parallel;
 mod device;
@@ -53,12 +56,9 @@ pub use comm::{
     HostStaged, InProcessWorld, ReduceOp, RendezvousError, TcpRendezvous, exchange_group_ids,
 };
 #[cfg(feature = "mpi")]
-pub use comm::{
-    HybridCommunicator, HybridWorld, MpiCommunicator, MpiError, MpiWorld, launch_ranks_hybrid,
-    launch_ranks_mpi,
-};
+pub use comm::{HybridCommunicator, HybridWorld, MpiCommunicator, MpiError, MpiWorld};
 #[cfg(feature = "cuda")]
-pub use comm::{NcclCommunicator, NcclInitError, NcclOptions, launch_ranks_rendezvous};
+pub use comm::{NcclCommunicator, NcclInitError, NcclOptions};
 pub use data_parallel::{
     DistributedBackend, SyncReport, dtensor, from_dtensor, redistribute, replicate, sync_gradients,
 };
@@ -69,7 +69,11 @@ pub use launch::{LaunchEnv, LaunchEnvError, LaunchError, LaunchOptions, Launcher
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis, MeshError};
 pub use placement::{Layout, Placement, create_replicated};
 pub use policy::{GradientReduction, RankPolicy, ShardingPolicy};
+#[cfg(feature = "cuda")]
+pub use ranks::launch_ranks_rendezvous;
 pub use ranks::{launch_ranks, launch_ranks_on};
+#[cfg(feature = "mpi")]
+pub use ranks::{launch_ranks_hybrid, launch_ranks_mpi};
 pub use tensor::DTensor;
 pub use tensor_parallel::{ModulePath, TpError, TpPlan, TpStyle, tensor_parallel};
 

@@ -1,10 +1,10 @@
 //! `DTensor`: the decorator's float primitive — a local piece plus a layout over the mesh.
 
-use crate::comm::{self, Group, ReduceOp};
+use crate::comm::{Group, ReduceOp};
 use crate::device::DistDevice;
 use crate::error::DistError;
 use crate::placement::{Layout, Placement};
-use burn_backend::{Backend, DType, Shape, Slice, TensorData, TensorMetadata};
+use burn_backend::{Backend, DType, Shape, Slice, TensorMetadata};
 use smallvec::SmallVec;
 use std::sync::{Arc, Mutex};
 
@@ -123,11 +123,6 @@ impl<B: Backend> TensorMetadata for DTensor<B> {
     fn shape(&self) -> Shape {
         self.shape.clone()
     }
-}
-
-/// Read a primitive back to the host.
-pub(crate) fn read<B: Backend>(t: B::FloatTensorPrimitive) -> TensorData {
-    burn_backend::read_sync(B::float_into_data(t)).expect("reading a local tensor failed")
 }
 
 impl<B: Backend> DTensor<B> {
@@ -456,7 +451,7 @@ impl<B: Backend> DTensor<B> {
                 }
                 Placement::Shard(d) => {
                     gathered_data |= mesh.axis(a).kind == crate::mesh::AxisKind::Data;
-                    local = comm::all_gather(&self.device, Group::Axis(a), local, d)?;
+                    local = crate::collectives::all_gather(&self.device, Group::Axis(a), local, d)?;
                     layout.set(a, Placement::Replicate);
                     // The last split of a padded dim gathered: drop the padding.
                     let size = self.shape[d];
@@ -477,12 +472,22 @@ impl<B: Backend> DTensor<B> {
                         Placement::Shard(d) if op != ReduceOp::Max && !later_shards(d) => {
                             let size = mesh.axis_size(a);
                             local = pad::<B>(local, d, size, &self.device.inner);
-                            local =
-                                comm::reduce_scatter(&self.device, Group::Axis(a), local, d, op)?;
+                            local = crate::collectives::reduce_scatter(
+                                &self.device,
+                                Group::Axis(a),
+                                local,
+                                d,
+                                op,
+                            )?;
                             layout.set(a, to);
                         }
                         _ => {
-                            local = comm::all_reduce(&self.device, Group::Axis(a), local, op)?;
+                            local = crate::collectives::all_reduce(
+                                &self.device,
+                                Group::Axis(a),
+                                local,
+                                op,
+                            )?;
                             layout.set(a, Placement::Replicate);
                         }
                     }

@@ -19,12 +19,10 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::TensorData;
+use burn_backend::Backend;
 use burn_backend::tensor::FloatTensor;
-use burn_backend::{Backend, TensorMetadata};
 
-use super::buffer::{check_dim, check_divisible};
 use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp};
-use crate::device::DistDevice;
 
 /// Collectives on `B`'s device tensors, with the semantics of [`Communicator`] restricted to
 /// dim 0. Every member of the group calls the same sequence (SPMD). Implementations count
@@ -118,14 +116,19 @@ impl fmt::Debug for HostStaged {
     }
 }
 
+/// A local tensor's values on the host.
+pub(crate) fn read<B: Backend>(t: FloatTensor<B>) -> TensorData {
+    burn_backend::read_sync(B::float_into_data(t)).expect("reading a local tensor failed")
+}
+
 /// Read `tensor`, run `call` on the host communicator, upload the result to `device`.
-fn stage<B: Backend>(
+pub(crate) fn stage<B: Backend>(
     comm: &dyn Communicator,
     device: &B::Device,
     tensor: FloatTensor<B>,
     call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, CommError>,
 ) -> Result<FloatTensor<B>, CommError> {
-    let data = call(comm, crate::tensor::read::<B>(tensor))?;
+    let data = call(comm, read::<B>(tensor))?;
     Ok(B::float_from_data(data, device))
 }
 
@@ -171,87 +174,5 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         self.staged::<B>(CollectiveKind::Broadcast, tensor, |c, d| {
             c.broadcast(group, Some(d), root)
         })
-    }
-}
-
-/// The host path of a rank: through its host communicator.
-fn host<B: Backend>(
-    device: &DistDevice<B>,
-    tensor: FloatTensor<B>,
-    call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, CommError>,
-) -> Result<FloatTensor<B>, CommError> {
-    stage::<B>(device.context().comm(), device.inner(), tensor, call)
-}
-
-/// All-reduce of this rank's tensor on `group`: on the installed device collectives, else
-/// through the host communicator.
-pub(crate) fn all_reduce<B: Backend>(
-    device: &DistDevice<B>,
-    group: Group,
-    tensor: FloatTensor<B>,
-    op: ReduceOp,
-) -> Result<FloatTensor<B>, CommError> {
-    match device.context().device_collectives::<B>() {
-        Some(dc) => dc.all_reduce(group, tensor, op),
-        None => host(device, tensor, |c, d| c.all_reduce(group, d, op)),
-    }
-}
-
-/// All-gather along `dim` (see [`Communicator::all_gather`]).
-pub(crate) fn all_gather<B: Backend>(
-    device: &DistDevice<B>,
-    group: Group,
-    tensor: FloatTensor<B>,
-    dim: usize,
-) -> Result<FloatTensor<B>, CommError> {
-    match device.context().device_collectives::<B>() {
-        Some(dc) => {
-            check_dim(CollectiveKind::AllGather, tensor.shape().num_dims(), dim)?;
-            if dim == 0 {
-                return dc.all_gather_first(group, tensor);
-            }
-            let gathered = dc.all_gather_first(group, B::float_swap_dims(tensor, 0, dim))?;
-            Ok(B::float_swap_dims(gathered, 0, dim))
-        }
-        None => host(device, tensor, |c, d| c.all_gather(group, d, dim)),
-    }
-}
-
-/// Reduce-scatter along `dim` (see [`Communicator::reduce_scatter`]).
-pub(crate) fn reduce_scatter<B: Backend>(
-    device: &DistDevice<B>,
-    group: Group,
-    tensor: FloatTensor<B>,
-    dim: usize,
-    op: ReduceOp,
-) -> Result<FloatTensor<B>, CommError> {
-    let ctx = device.context();
-    match ctx.device_collectives::<B>() {
-        Some(dc) => {
-            let shape = tensor.shape();
-            check_dim(CollectiveKind::ReduceScatter, shape.num_dims(), dim)?;
-            let n = group.size(ctx.mesh())?;
-            check_divisible(shape[dim], dim, n)?;
-            if dim == 0 {
-                return dc.reduce_scatter_first(group, tensor, op);
-            }
-            let chunk = dc.reduce_scatter_first(group, B::float_swap_dims(tensor, 0, dim), op)?;
-            Ok(B::float_swap_dims(chunk, 0, dim))
-        }
-        None => host(device, tensor, |c, d| c.reduce_scatter(group, d, dim, op)),
-    }
-}
-
-/// Broadcast from group index `root`; every member passes its own tensor (the root's is sent,
-/// the others' shape and dtype are the receive buffer's).
-pub(crate) fn broadcast<B: Backend>(
-    device: &DistDevice<B>,
-    group: Group,
-    tensor: FloatTensor<B>,
-    root: usize,
-) -> Result<FloatTensor<B>, CommError> {
-    match device.context().device_collectives::<B>() {
-        Some(dc) => dc.broadcast(group, tensor, root),
-        None => host(device, tensor, |c, d| c.broadcast(group, Some(d), root)),
     }
 }

@@ -42,16 +42,19 @@ use crate::mesh::DeviceMesh;
 pub use bootstrap::{
     Bootstrap, RendezvousError, TcpRendezvous, bootstrap_groups, exchange_group_ids,
 };
+pub(crate) use buffer::{check_dim, check_divisible};
 pub use call::{Call, Operand};
+#[cfg(test)]
+pub(crate) use device::read;
+pub(crate) use device::stage;
 pub use device::{DeviceCollectives, HostStaged};
-pub(crate) use device::{all_gather, all_reduce, broadcast, reduce_scatter};
 #[cfg(feature = "mpi")]
-pub use hybrid::{HybridCommunicator, HybridWorld, launch_ranks_hybrid};
+pub use hybrid::{HybridCommunicator, HybridWorld};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessCommunicator, InProcessWorld};
 #[cfg(feature = "mpi")]
-pub use mpi_comm::{MpiCommunicator, MpiError, MpiWorld, launch_ranks_mpi};
+pub use mpi_comm::{MpiCommunicator, MpiError, MpiWorld};
 #[cfg(feature = "cuda")]
-pub use nccl::{NcclCommunicator, NcclInitError, NcclOptions, launch_ranks_rendezvous};
+pub use nccl::{NcclCommunicator, NcclInitError, NcclOptions};
 pub use stats::{CommCount, CommStats};
 
 /// How the members' buffers are combined.

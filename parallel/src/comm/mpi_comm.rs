@@ -21,7 +21,6 @@
 
 use std::fmt;
 use std::mem::ManuallyDrop;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
@@ -147,20 +146,6 @@ impl MpiWorld {
     /// This process's communicator.
     pub fn communicator(&self) -> Arc<MpiCommunicator> {
         self.comm.clone()
-    }
-
-    /// The rank of this process on its node (`OMPI_COMM_WORLD_LOCAL_RANK`, `SLURM_LOCALID`,
-    /// `MPI_LOCALRANKID`, `LOCAL_RANK`; 0 when none is set): which local device to use.
-    pub fn local_rank() -> usize {
-        [
-            "OMPI_COMM_WORLD_LOCAL_RANK",
-            "SLURM_LOCALID",
-            "MPI_LOCALRANKID",
-            "LOCAL_RANK",
-        ]
-        .iter()
-        .find_map(|name| std::env::var(name).ok()?.parse().ok())
-        .unwrap_or(0)
     }
 
     /// Stop the job: every process exits (`MPI_Abort`) with `code`.
@@ -561,43 +546,5 @@ impl PointToPoint for MpiCommunicator {
         self.stats
             .record_p2p(CollectiveKind::Recv, data.bytes.len());
         Ok(data)
-    }
-}
-
-/// Run `f` as this process's rank of `mesh` under `mpirun` / `srun` (one rank per process),
-/// with a [`DistDevice`](crate::device::DistDevice) over `inner(local_rank)` (e.g. the GPU of that index
-/// on the node). Returns this rank's result; MPI is finalised before returning.
-///
-/// A rank whose `f` fails — a typed [`DistError`](crate::DistError) raised inside an op, or any
-/// panic — prints the error and aborts the MPI job, so its peers never wait on it.
-pub fn launch_ranks_mpi<B, T, F, I>(
-    mesh: &DeviceMesh,
-    inner: I,
-    options: &crate::launch::LaunchOptions,
-    f: F,
-) -> Result<T, MpiError>
-where
-    B: burn_backend::Backend,
-    F: FnOnce(crate::device::DistDevice<B>) -> T,
-    I: FnOnce(usize) -> B::Device,
-{
-    let world = MpiWorld::init(mesh.clone(), options.timeout)?;
-    let comm = world.communicator();
-    let rank = comm.rank();
-    let device = crate::device::DistDevice::<B>::new(inner(MpiWorld::local_rank()), comm);
-    crate::device::set_current_device(&device);
-    match catch_unwind(AssertUnwindSafe(|| f(device))) {
-        Ok(out) => {
-            drop(world);
-            Ok(out)
-        }
-        Err(payload) => {
-            let message = match crate::error::take_raised() {
-                Some(error) => error.to_string(),
-                None => crate::launch::panic_message(payload.as_ref()),
-            };
-            eprintln!("wildfire: rank {rank} failed: {message}; aborting the MPI job");
-            world.abort(2)
-        }
     }
 }

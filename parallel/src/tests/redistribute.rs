@@ -109,7 +109,7 @@ fn device_collectives_carry_every_redistribution_bitwise() {
                         };
                         // Partial → Shard must reach the shard by a reduce-scatter on any dim.
                         let moved = dt.redistribute(to).unwrap();
-                        out.push(crate::tensor::read::<F>(moved.local().clone()));
+                        out.push(crate::comm::read::<F>(moved.local().clone()));
                     }
                 }
                 // A per-rank value adopted from member 0 (a broadcast).
@@ -123,7 +123,7 @@ fn device_collectives_carry_every_redistribution_bitwise() {
                     device,
                 )
                 .unwrap();
-                out.push(crate::tensor::read::<F>(
+                out.push(crate::comm::read::<F>(
                     dt.adopt_from_first(0).unwrap().local().clone(),
                 ));
                 out

@@ -88,7 +88,7 @@ impl NcclCommunicator {
     }
 
     /// Aborts every NCCL communicator of this rank (after a timeout): later calls fail at once.
-    pub(super) fn abort(&self) {
+    pub(crate) fn abort(&self) {
         if !self.aborted.swap(true, Ordering::SeqCst) {
             for comm in &self.comms {
                 // SAFETY: a live communicator, aborted once (guarded by `aborted`).

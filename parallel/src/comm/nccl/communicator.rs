@@ -1,10 +1,9 @@
 //! Making a rank's NCCL communicators: one per mesh group, with ids handed out over a
 //! [`Bootstrap`].
 
+use std::sync::Mutex;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
 
-use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::Runtime;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cudarc::driver::CudaContext;
@@ -90,30 +89,6 @@ impl NcclCommunicator {
             calls: Mutex::new(()),
             aborted: AtomicBool::new(false),
         })
-    }
-
-    /// Make this rank's NCCL communicators on its inner CUDA device, bootstrapped over its host
-    /// communicator (ranks as threads, or MPI), and install them as the rank's
-    /// [`DeviceCollectives`](crate::comm::DeviceCollectives): from then on every
-    /// redistribution of `Distributed<Cuda>` runs on NCCL. Every rank calls it at the same time.
-    /// Host-side calls stay on the host communicator; the NCCL calls are counted in the returned
-    /// communicator's statistics and in
-    /// [`RankContext::comm_stats`](crate::RankContext::comm_stats).
-    pub fn install<F: FloatElement, I: IntElement, BT: BoolElement>(
-        device: &crate::DistDevice<CubeBackend<CudaRuntime, F, I, BT>>,
-        options: NcclOptions,
-    ) -> Result<Arc<Self>, NcclInitError> {
-        let ctx = device.context();
-        let host = ctx.comm_arc();
-        let nccl = Arc::new(Self::new(
-            ctx.mesh().clone(),
-            ctx.rank(),
-            device.inner().clone(),
-            &*host,
-            options,
-        )?);
-        ctx.set_device_collectives::<CubeBackend<CudaRuntime, F, I, BT>>(nccl.clone());
-        Ok(nccl)
     }
 
     /// The CUDA device.

@@ -38,13 +38,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::client::ComputeClient;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
-use super::bootstrap::{Bootstrap, RendezvousError};
+use super::bootstrap::RendezvousError;
 use super::header::Sequence;
 use super::stats::StatsCell;
 use crate::mesh::DeviceMesh;
@@ -130,61 +129,6 @@ impl Drop for NcclCommunicator {
         for comm in &self.comms {
             // SAFETY: each communicator is live and destroyed once, after its last call.
             let _ = unsafe { nccl::comm_destroy(comm.0) };
-        }
-    }
-}
-
-/// Run `f` as this process's rank of `mesh` in a torchrun-style launch, without MPI:
-/// `MASTER_ADDR`, `MASTER_PORT`, `RANK` and `WORLD_SIZE` give the rendezvous
-/// ([`TcpRendezvous`](super::TcpRendezvous)), `LOCAL_RANK` the GPU (default 0). NCCL carries
-/// every collective, host-side ones included (uploaded and read back).
-///
-/// A rank whose `f` fails (a typed [`DistError`](crate::DistError) raised inside an op, or any
-/// panic) prints the error, aborts its NCCL communicators and exits the process with status 2;
-/// its peers' next collective then fails after [`NcclOptions::timeout`] instead of hanging.
-pub fn launch_ranks_rendezvous<F, I, BT, T, Body>(
-    mesh: &DeviceMesh,
-    options: &NcclOptions,
-    f: Body,
-) -> Result<T, NcclInitError>
-where
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-    Body: FnOnce(crate::DistDevice<CubeBackend<CudaRuntime, F, I, BT>>) -> T,
-{
-    use std::panic::{AssertUnwindSafe, catch_unwind};
-    let boot = super::TcpRendezvous::from_env(options.timeout)?;
-    let local = match std::env::var("LOCAL_RANK") {
-        Ok(v) => v.trim().parse().map_err(|e| RendezvousError::Env {
-            var: "LOCAL_RANK",
-            reason: format!("not a number ({e})"),
-        })?,
-        Err(_) => 0usize,
-    };
-    let rank = Bootstrap::rank(&boot);
-    let device = CudaDevice::new(local);
-    let nccl = Arc::new(NcclCommunicator::new(
-        mesh.clone(),
-        rank,
-        device.clone(),
-        &boot,
-        options.clone(),
-    )?);
-    let dist = crate::DistDevice::<CubeBackend<CudaRuntime, F, I, BT>>::new(device, nccl.clone());
-    dist.context()
-        .set_device_collectives::<CubeBackend<CudaRuntime, F, I, BT>>(nccl.clone());
-    crate::device::set_current_device(&dist);
-    match catch_unwind(AssertUnwindSafe(|| f(dist))) {
-        Ok(out) => Ok(out),
-        Err(payload) => {
-            let message = match crate::error::take_raised() {
-                Some(error) => error.to_string(),
-                None => crate::launch::panic_message(payload.as_ref()),
-            };
-            eprintln!("wildfire: rank {rank} failed: {message}; aborting NCCL");
-            nccl.abort();
-            std::process::exit(2)
         }
     }
 }

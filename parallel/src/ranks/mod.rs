@@ -1,5 +1,19 @@
 //! Run one closure per rank, each with its `Distributed` device.
 
+#[cfg(feature = "mpi")]
+mod hybrid;
+#[cfg(feature = "mpi")]
+mod mpi;
+#[cfg(feature = "cuda")]
+mod nccl;
+
+#[cfg(feature = "mpi")]
+pub use hybrid::launch_ranks_hybrid;
+#[cfg(feature = "mpi")]
+pub use mpi::launch_ranks_mpi;
+#[cfg(feature = "cuda")]
+pub use nccl::launch_ranks_rendezvous;
+
 use crate::device::{DistDevice, set_current_device};
 use crate::error::{DistError, take_raised};
 use crate::launch::{LaunchError, LaunchOptions, launch};
