@@ -385,21 +385,6 @@ impl RankContext {
         f(&self.policy.read().unwrap())
     }
 
-    /// Set [`RankPolicy::compute_dtype`] (the rest of the policy as it is).
-    pub fn set_compute_dtype(&self, dtype: Option<burn_backend::FloatDType>) {
-        self.update_policy(|p| p.compute_dtype = dtype);
-    }
-
-    /// Set [`RankPolicy::grad_reduce_dtype`] (the rest of the policy as it is).
-    pub fn set_gradient_reduce_dtype(&self, dtype: Option<burn_backend::FloatDType>) {
-        self.update_policy(|p| p.grad_reduce_dtype = dtype);
-    }
-
-    /// Set [`RankPolicy::memory_budget`] (the rest of the policy as it is).
-    pub fn set_memory_budget(&self, bytes: Option<u64>) {
-        self.update_policy(|p| p.memory_budget = bytes);
-    }
-
     /// Where a data-parallel gradient of global shape `shape` (model-axis placements `base`)
     /// goes on each data axis (`Shard(0)` on the sharding policy's gradient shard axes when the
     /// first dimension divides, else `Replicate`); model axes are left `Replicate`.

@@ -26,10 +26,7 @@ fn dp(world: usize) -> DeviceMesh {
 }
 
 fn splitmix(state: u64) -> u64 {
-    let mut z = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    crate::rng::SplitMix64::new(state).next_u64()
 }
 
 /// An element type under test, with the reference arithmetic of the definition.

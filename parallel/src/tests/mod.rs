@@ -19,14 +19,9 @@ fn mesh22() -> DeviceMesh {
 /// Deterministic values in [-1, 1).
 fn values(shape: &[usize], seed: u64) -> TensorData {
     let n: usize = shape.iter().product();
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut rng = crate::rng::SplitMix64::new(seed);
     let v: Vec<f32> = (0..n)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % 2000) as f32 / 1000.0 - 1.0
-        })
+        .map(|_| rng.below(2000) as f32 / 1000.0 - 1.0)
         .collect();
     TensorData::new(v, shape.to_vec())
 }

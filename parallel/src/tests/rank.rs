@@ -14,12 +14,12 @@ fn compute_dtype_casts_matmuls_and_keeps_f32_outside() {
         let exact = x.clone().matmul(w.clone()).into_data();
         device
             .context()
-            .set_compute_dtype(Some(burn::tensor::FloatDType::BF16));
+            .update_policy(|p| p.compute_dtype = Some(burn::tensor::FloatDType::BF16));
         let mixed = x.clone().matmul(w.clone());
         let dtype = mixed.dtype();
         let mixed = mixed.into_data();
         let linear = module::linear(x, w, None).into_data();
-        device.context().set_compute_dtype(None);
+        device.context().update_policy(|p| p.compute_dtype = None);
         let dev = Default::default();
         let reference = Tensor::<F, 2>::from_data(a, &dev)
             .cast(burn::tensor::DType::BF16)
@@ -81,7 +81,7 @@ fn rank_policy_is_set_once_and_filled_in_by_fully_shard() {
         let full_shard = ctx.policy();
         fully_shard(linear(), &mesh, FsdpStrategy::ShardOptimizer).unwrap();
         let zero1 = ctx.policy();
-        ctx.set_gradient_reduce_dtype(Some(BF16));
+        ctx.update_policy(|p| p.grad_reduce_dtype = Some(BF16));
         (set, full_shard, zero1, ctx.policy())
     })
     .unwrap();
