@@ -11,29 +11,10 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder, Re
 use std::fs;
 use std::path::{Path, PathBuf};
 
-/// A checkpoint that cannot be written or used.
-#[derive(thiserror::Error, Debug)]
-pub enum CheckpointError {
-    /// I/O on a checkpoint file.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file or directory.
-        path: PathBuf,
-        /// The error.
-        source: std::io::Error,
-    },
-    /// A checkpoint that is missing, corrupt or of another run.
-    #[error("checkpoint {path}: {reason}")]
-    Invalid {
-        /// Where.
-        path: PathBuf,
-        /// What is wrong, and what to do.
-        reason: String,
-    },
-}
+use crate::io::FileError;
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
-    move |source| CheckpointError::Io {
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> FileError + '_ {
+    move |source| FileError::Io {
         path: path.to_path_buf(),
         source,
     }
@@ -59,7 +40,7 @@ impl CheckpointDir {
     /// Write `files` (name, bytes) as the checkpoint of `step` and make it the latest; returns
     /// its directory. Each file is synced, the directory renamed into place, `latest` moved last
     /// (each step atomic).
-    pub fn save(&self, step: usize, files: &[(&str, &[u8])]) -> Result<PathBuf, CheckpointError> {
+    pub fn save(&self, step: usize, files: &[(&str, &[u8])]) -> Result<PathBuf, FileError> {
         let name = format!("step-{step:08}");
         let tmp = self.root.join(format!(".{name}.tmp"));
         let dir = self.root.join(&name);
@@ -81,15 +62,15 @@ impl CheckpointDir {
     }
 
     /// The directory of the latest checkpoint.
-    pub fn latest(&self) -> Result<PathBuf, CheckpointError> {
+    pub fn latest(&self) -> Result<PathBuf, FileError> {
         let name =
-            fs::read_to_string(self.root.join("latest")).map_err(|e| CheckpointError::Invalid {
+            fs::read_to_string(self.root.join("latest")).map_err(|e| FileError::Invalid {
                 path: self.root.clone(),
                 reason: format!("no checkpoint here ({e}); pass the directory given to --save"),
             })?;
         let dir = self.root.join(name.trim());
         if !dir.is_dir() {
-            return Err(CheckpointError::Invalid {
+            return Err(FileError::Invalid {
                 path: self.root.clone(),
                 reason: format!("`latest` names {}, which is missing", dir.display()),
             });
@@ -169,7 +150,7 @@ mod tests {
         let root = std::env::temp_dir().join(format!("wildfire-ckpt-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
         let dir = CheckpointDir::new(&root);
-        assert!(matches!(dir.latest(), Err(CheckpointError::Invalid { .. })));
+        assert!(matches!(dir.latest(), Err(FileError::Invalid { .. })));
         dir.save(1, &[("a", b"one")]).unwrap();
         let two = dir.save(2, &[("a", b"two")]).unwrap();
         assert_eq!(dir.latest().unwrap(), two);

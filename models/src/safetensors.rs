@@ -7,26 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use wildfire_parallel::ModulePath;
 
-/// A safetensors file that cannot be written or used.
-#[derive(thiserror::Error, Debug)]
-pub enum SafetensorsError {
-    /// I/O on the file.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: String,
-        /// The error.
-        source: std::io::Error,
-    },
-    /// The file is not what this model needs.
-    #[error("{path}: {reason}")]
-    Mismatch {
-        /// The file.
-        path: String,
-        /// What does not match, and what to do.
-        reason: String,
-    },
-}
+use crate::io::FileError;
 
 struct Collect {
     path: ModulePath,
@@ -71,15 +52,15 @@ pub fn to_bytes<B: Backend, M: Module<B>>(module: &M) -> Vec<u8> {
 }
 
 /// Write `bytes` to `path` atomically ([`crate::io::write_atomic`]).
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), SafetensorsError> {
-    crate::io::write_atomic(path, bytes).map_err(|source| SafetensorsError::Io {
-        path: path.display().to_string(),
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FileError> {
+    crate::io::write_atomic(path, bytes).map_err(|source| FileError::Io {
+        path: path.to_path_buf(),
         source,
     })
 }
 
 /// Write every parameter of `module` (f32) to `path` as safetensors, atomically.
-pub fn save<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), SafetensorsError> {
+pub fn save<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), FileError> {
     write_atomic(path, &to_bytes(module))
 }
 
@@ -87,14 +68,14 @@ pub fn save<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), Saf
 pub type NamedTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 
 /// Read a safetensors file of f32 tensors.
-pub fn read(path: &Path) -> Result<NamedTensors, SafetensorsError> {
+pub fn read(path: &Path) -> Result<NamedTensors, FileError> {
     let name = path.display().to_string();
-    let bad = |reason: String| SafetensorsError::Mismatch {
-        path: name.clone(),
+    let bad = |reason: String| FileError::Invalid {
+        path: name.clone().into(),
         reason,
     };
-    let bytes = std::fs::read(path).map_err(|source| SafetensorsError::Io {
-        path: name.clone(),
+    let bytes = std::fs::read(path).map_err(|source| FileError::Io {
+        path: name.clone().into(),
         source,
     })?;
     let n = u64::from_le_bytes(
@@ -208,7 +189,7 @@ impl<B: Backend> ModuleMapper<B> for Load {
 }
 
 /// Load the parameters of `module` from `path` by name (ids, devices and `require_grad` kept).
-pub fn load<B: Backend, M: Module<B>>(module: M, path: &Path) -> Result<M, SafetensorsError> {
+pub fn load<B: Backend, M: Module<B>>(module: M, path: &Path) -> Result<M, FileError> {
     let tensors = read(path)?;
     let mut loader = Load {
         path: ModulePath::default(),
@@ -216,8 +197,8 @@ pub fn load<B: Backend, M: Module<B>>(module: M, path: &Path) -> Result<M, Safet
         error: None,
     };
     let module = module.map(&mut loader);
-    let mismatch = |reason| SafetensorsError::Mismatch {
-        path: path.display().to_string(),
+    let mismatch = |reason| FileError::Invalid {
+        path: path.to_path_buf(),
         reason,
     };
     if let Some(e) = loader.error {
@@ -338,7 +319,7 @@ fn encode(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
 pub fn save_sharded<B: wildfire_parallel::DistributedBackend, M: Module<B>>(
     module: &M,
     dir: &Path,
-) -> Result<(), SafetensorsError> {
+) -> Result<(), FileError> {
     let mut c = CollectLocal {
         path: ModulePath::default(),
         tensors: Vec::new(),
@@ -347,8 +328,8 @@ pub fn save_sharded<B: wildfire_parallel::DistributedBackend, M: Module<B>>(
         rank: 0,
     };
     module.visit(&mut c);
-    std::fs::create_dir_all(dir).map_err(|source| SafetensorsError::Io {
-        path: dir.display().to_string(),
+    std::fs::create_dir_all(dir).map_err(|source| FileError::Io {
+        path: dir.to_path_buf(),
         source,
     })?;
     write_atomic(
@@ -432,14 +413,14 @@ impl<B: wildfire_parallel::DistributedBackend> ModuleMapper<B> for LoadLocal {
 pub fn load_sharded<B: wildfire_parallel::DistributedBackend, M: Module<B>>(
     module: M,
     dir: &Path,
-) -> Result<M, SafetensorsError> {
+) -> Result<M, FileError> {
     let manifest_path = dir.join("manifest.json");
-    let mismatch = |reason: String| SafetensorsError::Mismatch {
-        path: dir.display().to_string(),
+    let mismatch = |reason: String| FileError::Invalid {
+        path: dir.to_path_buf(),
         reason,
     };
-    let text = std::fs::read_to_string(&manifest_path).map_err(|source| SafetensorsError::Io {
-        path: manifest_path.display().to_string(),
+    let text = std::fs::read_to_string(&manifest_path).map_err(|source| FileError::Io {
+        path: manifest_path.to_path_buf(),
         source,
     })?;
     let manifest: ShardManifest = serde_json::from_str(&text)

@@ -1,9 +1,9 @@
 //! The one error type of a pretraining run.
 
 use std::path::{Path, PathBuf};
-use wildfire_models::checkpoint::CheckpointError;
 use wildfire_models::data::DataError;
 use wildfire_models::gpt::ModelError;
+use wildfire_models::io::FileError;
 use wildfire_models::parallelize::ParallelizeError;
 use wildfire_parallel::{DistError, LaunchEnvError, LaunchError};
 
@@ -49,11 +49,11 @@ pub enum PretrainError {
     },
 }
 
-impl From<CheckpointError> for PretrainError {
-    fn from(e: CheckpointError) -> Self {
+impl From<FileError> for PretrainError {
+    fn from(e: FileError) -> Self {
         match e {
-            CheckpointError::Io { path, source } => PretrainError::Io { path, source },
-            CheckpointError::Invalid { path, reason } => PretrainError::Checkpoint { path, reason },
+            FileError::Io { path, source } => PretrainError::Io { path, source },
+            FileError::Invalid { path, reason } => PretrainError::Checkpoint { path, reason },
         }
     }
 }
