@@ -185,41 +185,34 @@ fn meta<B: FusionBackend>(t: &Ft<B>) -> (Shape, DType) {
     (t.shape.clone(), t.dtype)
 }
 
+/// Register an op whose one output has the shape and dtype of its first float input.
+fn like_first<B: FusionBackend + FusedOps>(
+    call: Call,
+    floats: Vec<Ft<B>>,
+    int: Option<Ft<B>>,
+) -> Ft<B> {
+    let out = meta::<B>(&floats[0]);
+    let [y] = take(register::<B>(call, floats, int, &[out]));
+    y
+}
+
 impl<B: FusionBackend + FusedOps> FusedOps for Fusion<B> {
     const FUSED: crate::Fused = B::FUSED;
 
     fn fused_softmax(x: Ft<B>) -> Ft<B> {
-        let out = meta::<B>(&x);
-        let [y] = take(register::<B>(Call::Softmax(false), vec![x], None, &[out]));
-        y
+        like_first::<B>(Call::Softmax(false), vec![x], None)
     }
 
     fn fused_softmax_backward(y: Ft<B>, dy: Ft<B>) -> Ft<B> {
-        let out = meta::<B>(&y);
-        let [dx] = take(register::<B>(
-            Call::SoftmaxBackward(false),
-            vec![y, dy],
-            None,
-            &[out],
-        ));
-        dx
+        like_first::<B>(Call::SoftmaxBackward(false), vec![y, dy], None)
     }
 
     fn fused_log_softmax(x: Ft<B>) -> Ft<B> {
-        let out = meta::<B>(&x);
-        let [y] = take(register::<B>(Call::Softmax(true), vec![x], None, &[out]));
-        y
+        like_first::<B>(Call::Softmax(true), vec![x], None)
     }
 
     fn fused_log_softmax_backward(y: Ft<B>, dy: Ft<B>) -> Ft<B> {
-        let out = meta::<B>(&y);
-        let [dx] = take(register::<B>(
-            Call::SoftmaxBackward(true),
-            vec![y, dy],
-            None,
-            &[out],
-        ));
-        dx
+        like_first::<B>(Call::SoftmaxBackward(true), vec![y, dy], None)
     }
 
     fn fused_layer_norm(
@@ -297,20 +290,15 @@ impl<B: FusionBackend + FusedOps> FusedOps for Fusion<B> {
         lse: Ft<B>,
         dloss: Ft<B>,
     ) -> Ft<B> {
-        let out = meta::<B>(&logits);
-        let [dx] = take(register::<B>(
+        like_first::<B>(
             Call::CrossEntropyBackward,
             vec![logits, lse, dloss],
             Some(targets),
-            &[out],
-        ));
-        dx
+        )
     }
 
     fn fused_gelu_bias(x: Ft<B>, bias: Ft<B>) -> Ft<B> {
-        let out = meta::<B>(&x);
-        let [y] = take(register::<B>(Call::GeluBias, vec![x, bias], None, &[out]));
-        y
+        like_first::<B>(Call::GeluBias, vec![x, bias], None)
     }
 
     fn fused_gelu_bias_backward(x: Ft<B>, bias: Ft<B>, dy: Ft<B>) -> (Ft<B>, Ft<B>) {

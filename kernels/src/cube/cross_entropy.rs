@@ -1,0 +1,132 @@
+//! Cross-entropy fused with the log-softmax: the forward keeps only the per-row log-sum-exp
+//! (one cube per row), the backward is one elementwise pass over the logits.
+
+use super::reduce::{row_logsumexp, this_row};
+use super::{elementwise, empty, launched, row_launch, rows_cols};
+use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+#[cube(launch)]
+fn cross_entropy_kernel<F: Float, I: Int>(
+    logits: &Tensor<F>,
+    targets: &Tensor<I>,
+    loss: &mut Tensor<F>,
+    lse_out: &mut Tensor<f32>,
+    rows: u32,
+    cols: u32,
+    #[comptime] block: usize,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let cols = cols as usize;
+    let (row, base) = this_row(rows, cols);
+    let lse = row_logsumexp::<F>(logits, base, cols, block);
+    if UNIT_POS_X == 0 {
+        let target = i32::cast_from(targets[row]);
+        let mut l = f32::new(0.0);
+        if target >= 0 {
+            l = lse - f32::cast_from(logits[base + target as usize]);
+        }
+        loss[row] = F::cast_from(l);
+        lse_out[row] = lse;
+    }
+}
+
+#[cube(launch)]
+fn cross_entropy_backward_kernel<F: Float, I: Int>(
+    logits: &Tensor<F>,
+    targets: &Tensor<I>,
+    lse: &Tensor<f32>,
+    dloss: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    rows: u32,
+    cols: u32,
+    #[define(F, I)] _dtypes: [StorageType; 2],
+) {
+    let cols = cols as usize;
+    if ABSOLUTE_POS >= rows as usize * cols {
+        terminate!();
+    }
+    let row = ABSOLUTE_POS / cols;
+    let col = ABSOLUTE_POS % cols;
+    let target = i32::cast_from(targets[row]);
+    let mut g = f32::new(0.0);
+    if target >= 0 {
+        let p = f32::exp(f32::cast_from(logits[ABSOLUTE_POS]) - lse[row]);
+        let mut hot = f32::new(0.0);
+        if col == target as usize {
+            hot = f32::new(1.0);
+        }
+        g = f32::cast_from(dloss[row]) * (p - hot);
+    }
+    dx[ABSOLUTE_POS] = F::cast_from(g);
+}
+
+/// `(loss, lse)`, both `[rows]`.
+pub(super) fn forward<R: CubeRuntime>(
+    logits: CubeTensor<R>,
+    targets: CubeTensor<R>,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let logits = into_contiguous(logits);
+    let targets = into_contiguous(targets);
+    let (rows, cols) = rows_cols(&logits.shape());
+    assert_eq!(
+        targets.shape().num_elements(),
+        rows,
+        "cross_entropy: one target per row"
+    );
+    let loss = empty(&logits, Shape::new([rows]), logits.dtype);
+    let lse = empty(&logits, Shape::new([rows]), DType::F32);
+    let (count, dim, block) = row_launch(rows, cols);
+    cross_entropy_kernel::launch::<R>(
+        &logits.client,
+        count,
+        dim,
+        logits.clone().into_tensor_arg(),
+        targets.clone().into_tensor_arg(),
+        loss.clone().into_tensor_arg(),
+        lse.clone().into_tensor_arg(),
+        rows as u32,
+        cols as u32,
+        block,
+        [logits.dtype.into(), targets.dtype.into()],
+    );
+    launched(1);
+    (loss, lse)
+}
+
+/// The gradient w.r.t. the logits.
+pub(super) fn backward<R: CubeRuntime>(
+    logits: CubeTensor<R>,
+    targets: CubeTensor<R>,
+    lse: CubeTensor<R>,
+    dloss: CubeTensor<R>,
+) -> CubeTensor<R> {
+    let logits = into_contiguous(logits);
+    let (targets, lse, dloss) = (
+        into_contiguous(targets),
+        into_contiguous(lse),
+        into_contiguous(dloss),
+    );
+    let shape = logits.shape();
+    let (rows, cols) = rows_cols(&shape);
+    let dx = empty(&logits, shape, logits.dtype);
+    let (count, dim) = elementwise(&logits, rows * cols);
+    cross_entropy_backward_kernel::launch::<R>(
+        &logits.client,
+        count,
+        dim,
+        logits.clone().into_tensor_arg(),
+        targets.clone().into_tensor_arg(),
+        lse.into_tensor_arg(),
+        dloss.into_tensor_arg(),
+        dx.clone().into_tensor_arg(),
+        rows as u32,
+        cols as u32,
+        [logits.dtype.into(), targets.dtype.into()],
+    );
+    launched(1);
+    dx
+}

@@ -1,0 +1,255 @@
+//! The `#[cube]` kernels and `FusedOps` for `CubeBackend` (Wgpu, Cuda, … — every CubeCL runtime),
+//! one file per kernel family: `softmax`, `norm` (LayerNorm and RMSNorm), `cross_entropy`,
+//! `gelu` (GELU with bias), `attention` (flash attention forward) and `attention_backward`,
+//! `optim` (the optimizer tail); the cube-wide reductions the row kernels share are in `reduce`,
+//! the host-side launch helpers here.
+//!
+//! Conventions shared by the kernels:
+//! * inputs are made contiguous first; a row is `cols` consecutive elements;
+//! * row kernels run one cube per row with `block` (a power of two, ≤ 256) units striding over
+//!   the row, and reduce through shared memory (a tree, deterministic);
+//! * arithmetic is in f32 whatever the tensor dtype (f16 and bf16 tensors are read and written in
+//!   their dtype); per-row statistics (mean, 1/σ, log-sum-exp) are f32 tensors;
+//! * "-infinity" is `-3.0e38` (WGSL has no infinity literal), which `exp` flushes to 0.
+
+mod attention;
+mod attention_backward;
+mod cross_entropy;
+mod gelu;
+mod norm;
+mod optim;
+mod reduce;
+mod softmax;
+
+use crate::{
+    AdamWState, AdamWStep, AttentionGrads, AttentionOutput, CrossEntropyOutput, FusedOps,
+    LayerNormGrads, LayerNormOutput, RmsNormOutput, UnscaleOutput,
+};
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+const NEG_BIG: f32 = -3.0e38;
+
+type Cb<R, F, I, BT> = CubeBackend<R, F, I, BT>;
+
+/// Kernel launches issued by this module since start-up (exact; for the benchmark's
+/// launches-per-call column and the tests).
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+
+/// Fused-kernel launches so far (process-wide).
+pub fn launches() -> u64 {
+    LAUNCHES.load(Ordering::Relaxed)
+}
+
+fn launched(n: u64) {
+    LAUNCHES.fetch_add(n, Ordering::Relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch helpers.
+
+/// `(rows, cols)` of a tensor seen as rows over its last dimension.
+fn rows_cols(shape: &Shape) -> (usize, usize) {
+    let cols = shape[shape.num_dims() - 1];
+    (shape.num_elements() / cols.max(1), cols)
+}
+
+/// A row kernel's launch: one cube per row, spread over x and y (each at most 65 535), of
+/// `block` units — a power of two from 32 to 256, about 4 elements per unit (fewer barrier
+/// levels in the tree reductions; a 50k-vocabulary row still gets 256 units).
+fn row_launch(rows: usize, cols: usize) -> (CubeCount, CubeDim, usize) {
+    let block = cols.div_ceil(4).next_power_of_two().clamp(32, 256);
+    let x = rows.clamp(1, 65_535);
+    let count = CubeCount::Static(x as u32, rows.div_ceil(x).max(1) as u32, 1);
+    (count, CubeDim::new_1d(block as u32), block)
+}
+
+fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> CubeTensor<R> {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
+}
+
+/// One unit per element of `n`.
+fn elementwise<R: CubeRuntime>(like: &CubeTensor<R>, n: usize) -> (CubeCount, CubeDim) {
+    let dim = CubeDim::new(&like.client, n.max(1));
+    (
+        calculate_cube_count_elemwise(&like.client, n.max(1), dim),
+        dim,
+    )
+}
+
+/// Rows per partial sum of the column reductions (norm parameter gradients, bias gradients).
+const COLUMN_CHUNK: usize = 256;
+
+/// A column reduction's launch, one unit per (chunk of `COLUMN_CHUNK` rows, column):
+/// `(chunks, count, dim)`.
+fn column_launch<R: CubeRuntime>(
+    like: &CubeTensor<R>,
+    rows: usize,
+    cols: usize,
+) -> (usize, CubeCount, CubeDim) {
+    let chunks = rows.div_ceil(COLUMN_CHUNK).max(1);
+    let (count, dim) = elementwise(like, chunks * cols);
+    (chunks, count, dim)
+}
+
+/// Sum `[chunks, cols]` f32 partials over the chunks, cast to `dtype`.
+fn finish_columns<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    partial: CubeTensor<R>,
+    dtype: DType,
+) -> CubeTensor<R> {
+    let cols = partial.shape()[1];
+    let summed = Cb::<R, F, I, BT>::float_sum_dim(partial, 0);
+    let summed = Cb::<R, F, I, BT>::float_reshape(summed, Shape::new([cols]));
+    if dtype == DType::F32 {
+        summed
+    } else {
+        Cb::<R, F, I, BT>::float_cast(summed, dtype.into())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The trait, one family file per group of methods.
+
+impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
+    for CubeBackend<R, F, I, BT>
+{
+    const FUSED: crate::Fused = crate::Fused::ALL;
+
+    fn fused_softmax(x: CubeTensor<R>) -> CubeTensor<R> {
+        softmax::forward(x, false)
+    }
+
+    fn fused_softmax_backward(y: CubeTensor<R>, dy: CubeTensor<R>) -> CubeTensor<R> {
+        softmax::backward(y, dy, false)
+    }
+
+    fn fused_log_softmax(x: CubeTensor<R>) -> CubeTensor<R> {
+        softmax::forward(x, true)
+    }
+
+    fn fused_log_softmax_backward(y: CubeTensor<R>, dy: CubeTensor<R>) -> CubeTensor<R> {
+        softmax::backward(y, dy, true)
+    }
+
+    fn fused_layer_norm(
+        x: CubeTensor<R>,
+        gamma: CubeTensor<R>,
+        beta: CubeTensor<R>,
+        epsilon: f64,
+    ) -> LayerNormOutput<Self> {
+        let (output, mean, rstd) = norm::forward(x, gamma, Some(beta), epsilon);
+        LayerNormOutput { output, mean, rstd }
+    }
+
+    fn fused_layer_norm_backward(
+        x: CubeTensor<R>,
+        gamma: CubeTensor<R>,
+        mean: CubeTensor<R>,
+        rstd: CubeTensor<R>,
+        dy: CubeTensor<R>,
+    ) -> LayerNormGrads<Self> {
+        let (x, gamma, beta) = norm::backward::<R, F, I, BT>(x, gamma, Some(mean), rstd, dy);
+        LayerNormGrads {
+            x,
+            gamma,
+            beta: beta.expect("LayerNorm has a β gradient"),
+        }
+    }
+
+    fn fused_rms_norm(x: CubeTensor<R>, gamma: CubeTensor<R>, epsilon: f64) -> RmsNormOutput<Self> {
+        let (output, _, rstd) = norm::forward(x, gamma, None, epsilon);
+        RmsNormOutput { output, rstd }
+    }
+
+    fn fused_rms_norm_backward(
+        x: CubeTensor<R>,
+        gamma: CubeTensor<R>,
+        rstd: CubeTensor<R>,
+        dy: CubeTensor<R>,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        let (dx, dgamma, _) = norm::backward::<R, F, I, BT>(x, gamma, None, rstd, dy);
+        (dx, dgamma)
+    }
+
+    fn fused_cross_entropy(
+        logits: CubeTensor<R>,
+        targets: CubeTensor<R>,
+    ) -> CrossEntropyOutput<Self> {
+        let (loss, lse) = cross_entropy::forward(logits, targets);
+        CrossEntropyOutput { loss, lse }
+    }
+
+    fn fused_cross_entropy_backward(
+        logits: CubeTensor<R>,
+        targets: CubeTensor<R>,
+        lse: CubeTensor<R>,
+        dloss: CubeTensor<R>,
+    ) -> CubeTensor<R> {
+        cross_entropy::backward(logits, targets, lse, dloss)
+    }
+
+    fn fused_gelu_bias(x: CubeTensor<R>, bias: CubeTensor<R>) -> CubeTensor<R> {
+        gelu::forward(x, bias)
+    }
+
+    fn fused_gelu_bias_backward(
+        x: CubeTensor<R>,
+        bias: CubeTensor<R>,
+        dy: CubeTensor<R>,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        gelu::backward::<R, F, I, BT>(x, bias, dy)
+    }
+
+    fn fused_unscale(grad: CubeTensor<R>, inv_scale: f64) -> UnscaleOutput<Self> {
+        let (grad, sum_squares, non_finite) = optim::unscale::<R, F, I, BT>(grad, inv_scale);
+        UnscaleOutput {
+            grad,
+            sum_squares,
+            non_finite,
+        }
+    }
+
+    fn fused_adamw(
+        param: CubeTensor<R>,
+        grad: CubeTensor<R>,
+        m: CubeTensor<R>,
+        v: CubeTensor<R>,
+        grad_scale: CubeTensor<R>,
+        skip: CubeTensor<R>,
+        step: AdamWStep,
+    ) -> AdamWState<Self> {
+        let operands = [param, grad, m, v, grad_scale, skip];
+        let [param, m, v] = optim::adamw::<R, F, I, BT>(operands, step);
+        AdamWState { param, m, v }
+    }
+
+    fn fused_attention(
+        q: CubeTensor<R>,
+        k: CubeTensor<R>,
+        v: CubeTensor<R>,
+        scale: f64,
+        causal: bool,
+    ) -> AttentionOutput<Self> {
+        let (output, lse) = attention::forward(q, k, v, scale, causal);
+        AttentionOutput { output, lse }
+    }
+
+    fn fused_attention_backward(
+        q: CubeTensor<R>,
+        k: CubeTensor<R>,
+        v: CubeTensor<R>,
+        output: CubeTensor<R>,
+        lse: CubeTensor<R>,
+        d_output: CubeTensor<R>,
+        scale: f64,
+        causal: bool,
+    ) -> AttentionGrads<Self> {
+        let (q, k, v) = attention_backward::backward(q, k, v, output, lse, d_output, scale, causal);
+        AttentionGrads { q, k, v }
+    }
+}

@@ -1,0 +1,260 @@
+//! LayerNorm and RMSNorm over the last dimension (one kernel each way, `rms` at compile time):
+//! one cube per row; the parameter gradients as f32 column sums over chunks of rows.
+
+use super::reduce::{column_chunk, cube_sum, this_row};
+use super::{COLUMN_CHUNK, column_launch, empty, finish_columns, launched, row_launch, rows_cols};
+use crate::stats_shape;
+use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
+use cubecl::prelude::*;
+
+#[cube(launch)]
+fn norm_kernel<F: Float>(
+    input: &Tensor<F>,
+    gamma: &Tensor<F>,
+    beta: &Tensor<F>,
+    output: &mut Tensor<F>,
+    mean_out: &mut Tensor<f32>,
+    rstd_out: &mut Tensor<f32>,
+    rows: u32,
+    cols: u32,
+    epsilon: f32,
+    #[comptime] block: usize,
+    #[comptime] rms: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let cols = cols as usize;
+    let (row, base) = this_row(rows, cols);
+    let tid = UNIT_POS_X as usize;
+    let step = CUBE_DIM_X as usize;
+    let n = f32::cast_from(cols);
+    let mut shared = SharedMemory::<f32>::new(block);
+    let mut mean = f32::new(0.0);
+    if !rms {
+        let mut acc = f32::new(0.0);
+        let mut c = tid;
+        while c < cols {
+            acc += f32::cast_from(input[base + c]);
+            c += step;
+        }
+        mean = cube_sum(&mut shared, acc) / n;
+    }
+    let mut acc = f32::new(0.0);
+    let mut c = tid;
+    while c < cols {
+        let d = f32::cast_from(input[base + c]) - mean;
+        acc += d * d;
+        c += step;
+    }
+    let rstd = f32::new(1.0) / f32::sqrt(cube_sum(&mut shared, acc) / n + epsilon);
+    let mut c = tid;
+    while c < cols {
+        let xhat = (f32::cast_from(input[base + c]) - mean) * rstd;
+        let mut y = xhat * f32::cast_from(gamma[c]);
+        if !rms {
+            y += f32::cast_from(beta[c]);
+        }
+        output[base + c] = F::cast_from(y);
+        c += step;
+    }
+    if tid == 0 {
+        mean_out[row] = mean;
+        rstd_out[row] = rstd;
+    }
+}
+
+#[cube(launch)]
+fn norm_backward_kernel<F: Float>(
+    input: &Tensor<F>,
+    gamma: &Tensor<F>,
+    mean: &Tensor<f32>,
+    rstd: &Tensor<f32>,
+    dy: &Tensor<F>,
+    dx: &mut Tensor<F>,
+    rows: u32,
+    cols: u32,
+    #[comptime] block: usize,
+    #[comptime] rms: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let cols = cols as usize;
+    let (row, base) = this_row(rows, cols);
+    let tid = UNIT_POS_X as usize;
+    let step = CUBE_DIM_X as usize;
+    let n = f32::cast_from(cols);
+    let mut mu = f32::new(0.0);
+    if !rms {
+        mu = mean[row];
+    }
+    let r = rstd[row];
+    let mut shared = SharedMemory::<f32>::new(block);
+    let mut a = f32::new(0.0);
+    let mut b = f32::new(0.0);
+    let mut c = tid;
+    while c < cols {
+        let g = f32::cast_from(dy[base + c]) * f32::cast_from(gamma[c]);
+        let xhat = (f32::cast_from(input[base + c]) - mu) * r;
+        a += g;
+        b += g * xhat;
+        c += step;
+    }
+    let mut mean_g = f32::new(0.0);
+    if !rms {
+        mean_g = cube_sum(&mut shared, a) / n;
+    }
+    let mean_gx = cube_sum(&mut shared, b) / n;
+    let mut c = tid;
+    while c < cols {
+        let g = f32::cast_from(dy[base + c]) * f32::cast_from(gamma[c]);
+        let xhat = (f32::cast_from(input[base + c]) - mu) * r;
+        dx[base + c] = F::cast_from(r * (g - mean_g - xhat * mean_gx));
+        c += step;
+    }
+}
+
+/// Partial sums over a chunk of `chunk` rows, one unit per (chunk, column): `Σ dy·x̂` into
+/// `dgamma[chunk, col]` and `Σ dy` into `dbeta[chunk, col]` (LayerNorm only).
+#[cube(launch)]
+fn norm_param_grads_kernel<F: Float>(
+    input: &Tensor<F>,
+    mean: &Tensor<f32>,
+    rstd: &Tensor<f32>,
+    dy: &Tensor<F>,
+    dgamma: &mut Tensor<f32>,
+    dbeta: &mut Tensor<f32>,
+    rows: u32,
+    cols: u32,
+    chunk: u32,
+    #[comptime] rms: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let cols = cols as usize;
+    let (col, start, end) = column_chunk(rows, cols, chunk);
+    let mut g = f32::new(0.0);
+    let mut b = f32::new(0.0);
+    for row in start..end {
+        let d = f32::cast_from(dy[row * cols + col]);
+        let mut mu = f32::new(0.0);
+        if !rms {
+            mu = mean[row];
+        }
+        g += d * (f32::cast_from(input[row * cols + col]) - mu) * rstd[row];
+        b += d;
+    }
+    dgamma[ABSOLUTE_POS] = g;
+    if !rms {
+        dbeta[ABSOLUTE_POS] = b;
+    }
+}
+
+/// `(output, mean, rstd)`; `beta` is `None` for RMSNorm (whose `mean` is then a placeholder).
+pub(super) fn forward<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    gamma: CubeTensor<R>,
+    beta: Option<CubeTensor<R>>,
+    epsilon: f64,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    let x = into_contiguous(x);
+    let gamma = into_contiguous(gamma);
+    let rms = beta.is_none();
+    let beta = beta.map(into_contiguous).unwrap_or_else(|| gamma.clone());
+    let shape = x.shape();
+    let (rows, cols) = rows_cols(&shape);
+    assert_eq!(
+        gamma.shape().num_elements(),
+        cols,
+        "norm: γ must have the last dimension's size"
+    );
+    let stats = stats_shape(&shape);
+    let out = empty(&x, shape, x.dtype);
+    let mean = empty(&x, stats.clone(), DType::F32);
+    let rstd = empty(&x, stats, DType::F32);
+    let (count, dim, block) = row_launch(rows, cols);
+    norm_kernel::launch::<R>(
+        &x.client,
+        count,
+        dim,
+        x.clone().into_tensor_arg(),
+        gamma.into_tensor_arg(),
+        beta.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        mean.clone().into_tensor_arg(),
+        rstd.clone().into_tensor_arg(),
+        rows as u32,
+        cols as u32,
+        epsilon as f32,
+        block,
+        rms,
+        x.dtype.into(),
+    );
+    launched(1);
+    (out, mean, rstd)
+}
+
+/// `(dx, dγ, dβ)`; `mean` is `None` for RMSNorm.
+pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    x: CubeTensor<R>,
+    gamma: CubeTensor<R>,
+    mean: Option<CubeTensor<R>>,
+    rstd: CubeTensor<R>,
+    dy: CubeTensor<R>,
+) -> (CubeTensor<R>, CubeTensor<R>, Option<CubeTensor<R>>) {
+    let (x, gamma, dy) = (
+        into_contiguous(x),
+        into_contiguous(gamma),
+        into_contiguous(dy),
+    );
+    let rstd = into_contiguous(rstd);
+    let rms = mean.is_none();
+    let mean = mean.map(into_contiguous).unwrap_or_else(|| rstd.clone());
+    let shape = x.shape();
+    let (rows, cols) = rows_cols(&shape);
+    let dx = empty(&x, shape, x.dtype);
+    let (count, dim, block) = row_launch(rows, cols);
+    norm_backward_kernel::launch::<R>(
+        &x.client,
+        count,
+        dim,
+        x.clone().into_tensor_arg(),
+        gamma.clone().into_tensor_arg(),
+        mean.clone().into_tensor_arg(),
+        rstd.clone().into_tensor_arg(),
+        dy.clone().into_tensor_arg(),
+        dx.clone().into_tensor_arg(),
+        rows as u32,
+        cols as u32,
+        block,
+        rms,
+        x.dtype.into(),
+    );
+    let (chunks, count, dim) = column_launch(&x, rows, cols);
+    let dgamma = empty(&x, Shape::new([chunks, cols]), DType::F32);
+    let dbeta = if rms {
+        dgamma.clone()
+    } else {
+        empty(&x, Shape::new([chunks, cols]), DType::F32)
+    };
+    norm_param_grads_kernel::launch::<R>(
+        &x.client,
+        count,
+        dim,
+        x.clone().into_tensor_arg(),
+        mean.into_tensor_arg(),
+        rstd.into_tensor_arg(),
+        dy.into_tensor_arg(),
+        dgamma.clone().into_tensor_arg(),
+        dbeta.clone().into_tensor_arg(),
+        rows as u32,
+        cols as u32,
+        COLUMN_CHUNK as u32,
+        rms,
+        x.dtype.into(),
+    );
+    launched(2);
+    let dtype = gamma.dtype;
+    let dgamma = finish_columns::<R, F, I, BT>(dgamma, dtype);
+    let dbeta = (!rms).then(|| finish_columns::<R, F, I, BT>(dbeta, dtype));
+    (dx, dgamma, dbeta)
+}

@@ -1,0 +1,180 @@
+//! The optimizer tail: unscale + Σg² + non-finite flag in one pass, then AdamW predicated on the
+//! flag (read on the device).
+
+use super::reduce::cube_sum;
+use super::{Cb, elementwise, empty, launched};
+use crate::AdamWStep;
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
+use cubecl::prelude::*;
+use cubecl::{CubeCount, CubeDim};
+
+/// Each unit strides over the gradient, writing the unscaled values; per-cube partial `Σ g²` and
+/// non-finite flags go to `partial_sq[cube]` and `partial_bad[cube]`.
+#[cube(launch)]
+fn unscale_kernel<F: Float>(
+    grad: &Tensor<F>,
+    output: &mut Tensor<F>,
+    partial_sq: &mut Tensor<f32>,
+    partial_bad: &mut Tensor<f32>,
+    len: u32,
+    inv_scale: f32,
+    #[comptime] block: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let tid = UNIT_POS_X as usize;
+    let cube = CUBE_POS_X as usize;
+    let stride = (CUBE_COUNT_X * CUBE_DIM_X) as usize;
+    let mut shared = SharedMemory::<f32>::new(block);
+    let mut acc = f32::new(0.0);
+    let mut flag = f32::new(0.0);
+    let mut i = cube * CUBE_DIM_X as usize + tid;
+    while i < len as usize {
+        let g = f32::cast_from(grad[i]) * inv_scale;
+        let out = F::cast_from(g);
+        // Checked in the gradient's own dtype (an f16 overflow is caught), read back as f32.
+        let back = f32::cast_from(out);
+        if f32::is_nan(back) || f32::is_inf(back) {
+            flag = f32::new(1.0);
+        }
+        output[i] = out;
+        acc += g * g;
+        i += stride;
+    }
+    let sq = cube_sum(&mut shared, acc);
+    let bad = cube_sum(&mut shared, flag);
+    if tid == 0 {
+        partial_sq[cube] = sq;
+        partial_bad[cube] = bad;
+    }
+}
+
+#[cube(launch)]
+fn adamw_kernel<F: Float>(
+    param: &Tensor<F>,
+    grad: &Tensor<F>,
+    m: &Tensor<F>,
+    v: &Tensor<F>,
+    grad_scale: &Tensor<F>,
+    skip: &Tensor<F>,
+    param_out: &mut Tensor<F>,
+    m_out: &mut Tensor<F>,
+    v_out: &mut Tensor<F>,
+    len: u32,
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    epsilon: f32,
+    decay: f32,
+    correction1: f32,
+    correction2: f32,
+    #[define(F)] _dtype: StorageType,
+) {
+    let i = ABSOLUTE_POS;
+    if i >= len as usize {
+        terminate!();
+    }
+    let p = f32::cast_from(param[i]);
+    let m0 = f32::cast_from(m[i]);
+    let v0 = f32::cast_from(v[i]);
+    if f32::cast_from(skip[0]) != f32::new(0.0) {
+        param_out[i] = param[i];
+        m_out[i] = m[i];
+        v_out[i] = v[i];
+    } else {
+        let g = f32::cast_from(grad[i]) * f32::cast_from(grad_scale[0]);
+        let m1 = beta1 * m0 + (f32::new(1.0) - beta1) * g;
+        let v1 = beta2 * v0 + (f32::new(1.0) - beta2) * g * g;
+        let m_hat = m1 / correction1;
+        let v_hat = v1 / correction2;
+        param_out[i] = F::cast_from(p * decay - lr * m_hat / (f32::sqrt(v_hat) + epsilon));
+        m_out[i] = F::cast_from(m1);
+        v_out[i] = F::cast_from(v1);
+    }
+}
+
+/// `(grad · inv_scale, Σ g², non-finite flag)`, the last two `[1]` f32.
+pub(super) fn unscale<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    grad: CubeTensor<R>,
+    inv_scale: f64,
+) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
+    let grad = into_contiguous(grad);
+    let shape = grad.shape();
+    let len = shape.num_elements();
+    let block = 256usize;
+    // Enough cubes to fill a GPU, each unit covering several elements.
+    let cubes = len.div_ceil(block * 8).clamp(1, 1024);
+    let output = empty(&grad, shape, grad.dtype);
+    let partial_sq = empty(&grad, Shape::new([cubes]), DType::F32);
+    let partial_bad = empty(&grad, Shape::new([cubes]), DType::F32);
+    unscale_kernel::launch::<R>(
+        &grad.client,
+        CubeCount::Static(cubes as u32, 1, 1),
+        CubeDim::new_1d(block as u32),
+        grad.clone().into_tensor_arg(),
+        output.clone().into_tensor_arg(),
+        partial_sq.clone().into_tensor_arg(),
+        partial_bad.clone().into_tensor_arg(),
+        len as u32,
+        inv_scale as f32,
+        block,
+        grad.dtype.into(),
+    );
+    launched(1);
+    let sum_squares = Cb::<R, F, I, BT>::float_sum(partial_sq);
+    let non_finite = Cb::<R, F, I, BT>::float_max(partial_bad);
+    (output, sum_squares, non_finite)
+}
+
+/// `(param, m, v)` after one AdamW step (the inputs where `skip` is non-zero); every operand is
+/// taken in the parameter's dtype.
+pub(super) fn adamw<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    [param, grad, m, v, grad_scale, skip]: [CubeTensor<R>; 6],
+    step: AdamWStep,
+) -> [CubeTensor<R>; 3] {
+    let param = into_contiguous(param);
+    let dtype = param.dtype;
+    let same = |t: CubeTensor<R>| {
+        let t = into_contiguous(t);
+        if t.dtype == dtype {
+            t
+        } else {
+            Cb::<R, F, I, BT>::float_cast(t, dtype.into())
+        }
+    };
+    let (grad, m, v) = (same(grad), same(m), same(v));
+    let (grad_scale, skip) = (same(grad_scale), same(skip));
+    let shape = param.shape();
+    let len = shape.num_elements();
+    let (count, dim) = elementwise(&param, len);
+    let [p_out, m_out, v_out] = [(); 3].map(|_| empty(&param, shape.clone(), dtype));
+    let t = step.step.max(1) as i32;
+    adamw_kernel::launch::<R>(
+        &param.client,
+        count,
+        dim,
+        param.clone().into_tensor_arg(),
+        grad.into_tensor_arg(),
+        m.into_tensor_arg(),
+        v.into_tensor_arg(),
+        grad_scale.into_tensor_arg(),
+        skip.into_tensor_arg(),
+        p_out.clone().into_tensor_arg(),
+        m_out.clone().into_tensor_arg(),
+        v_out.clone().into_tensor_arg(),
+        len as u32,
+        step.lr as f32,
+        step.beta1 as f32,
+        step.beta2 as f32,
+        step.epsilon as f32,
+        (1.0 - step.lr * step.weight_decay) as f32,
+        (1.0 - step.beta1.powi(t)) as f32,
+        (1.0 - step.beta2.powi(t)) as f32,
+        dtype.into(),
+    );
+    launched(1);
+    [p_out, m_out, v_out]
+}
