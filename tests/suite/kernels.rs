@@ -51,12 +51,31 @@ fn grad_of<B: AutodiffBackend, const D: usize>(
     move |g| data(t.grad(g).expect("input is tracked"))
 }
 
+thread_local! {
+    /// The float dtype of the checks' inputs (f32 unless a test asks for f16).
+    static INPUT_DTYPE: std::cell::Cell<Option<burn::tensor::FloatDType>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// A random tensor in the checks' input dtype.
+fn random<B: burn::tensor::backend::Backend, const D: usize>(
+    shape: impl Into<burn::tensor::Shape>,
+    std: f64,
+    device: &B::Device,
+) -> Tensor<B, D> {
+    let t: Tensor<B, D> = Tensor::random(shape, Distribution::Normal(0.0, std), device);
+    match INPUT_DTYPE.get() {
+        Some(dtype) => t.cast(dtype),
+        None => t,
+    }
+}
+
 fn normal<B: AutodiffBackend, const D: usize>(
     shape: [usize; D],
     std: f64,
     device: &B::Device,
 ) -> Tensor<B, D> {
-    Tensor::random(shape, Distribution::Normal(0.0, std), device).require_grad()
+    random::<B, D>(shape, std, device).require_grad()
 }
 
 /// Compare a fused output and gradients with the reference's.
@@ -67,11 +86,15 @@ fn compare<B: AutodiffBackend, const D: usize>(
     inputs: &[&GradOf<'_, B>],
     tol: f32,
 ) {
-    let w = Tensor::<B, D>::random(
-        fused.shape(),
-        Distribution::Normal(0.0, 1.0),
-        &fused.device(),
-    );
+    let w = random::<B, D>(fused.shape(), 1.0, &fused.device());
+    if let Some(dtype) = INPUT_DTYPE.get() {
+        assert_eq!(fused.dtype(), dtype.into(), "{what} keeps the input dtype");
+        assert_eq!(
+            reference.dtype(),
+            dtype.into(),
+            "{what}'s reference keeps the input dtype"
+        );
+    }
     close_tol(
         &format!("{what} forward"),
         &data(fused.clone()),
@@ -473,60 +496,26 @@ mod wgpu {
         check_cross_entropy::<W>(&device, 6, 50_304, 1e-4);
     }
 
+    /// Every fused kernel in f16 against the same computation written with Burn ops in f16 on
+    /// the same backend, forward and every input gradient (the f32 checks' shapes and
+    /// references, inputs cast to f16). Tolerance 3e-2 of the output's scale: f16 keeps 11
+    /// significant bits (2⁻¹¹ ≈ 4.9e-4 per rounding), the kernels round once from f32 while the
+    /// Burn-op references round after every op, and a 1000-wide row's sums in f16 collect some
+    /// tens of roundings; the `[1, 1, 1]` norms' near-zero gradients differ by one f16 step at
+    /// 1e-2 (measured: 1e-3 fails on softmax's gradient, 1e-2 on that one-element row).
     #[test]
-    fn kernels_in_f16_track_f32() {
-        // f16 tensors, f32 arithmetic inside the kernels: within f16 rounding of the f32 result.
+    fn kernels_in_f16_match_burn_ops_in_f16_forward_and_backward() {
         let device = Default::default();
-        let f16 = |t: Tensor<Wgpu, 3>| t.cast(FloatDType::F16);
-        let x = Tensor::<Wgpu, 3>::random([2, 5, 300], Distribution::Normal(0.0, 2.0), &device);
-        let gamma = Tensor::<Wgpu, 1>::random([300], Distribution::Normal(1.0, 0.2), &device);
-        let beta = Tensor::<Wgpu, 1>::random([300], Distribution::Normal(0.0, 0.2), &device);
-        let pairs = [
-            (
-                "softmax",
-                ops::softmax(f16(x.clone())),
-                ops::softmax(x.clone()),
-            ),
-            (
-                "layer_norm",
-                ops::layer_norm(
-                    f16(x.clone()),
-                    gamma.clone().cast(FloatDType::F16),
-                    beta.clone().cast(FloatDType::F16),
-                    1e-5,
-                ),
-                ops::layer_norm(x.clone(), gamma.clone(), beta.clone(), 1e-5),
-            ),
-            (
-                "gelu_bias",
-                ops::gelu_bias(f16(x.clone()), beta.clone().cast(FloatDType::F16)),
-                ops::gelu_bias(x.clone(), beta.clone()),
-            ),
-        ];
-        for (what, half, full) in pairs {
-            assert_eq!(half.dtype(), DType::F16, "{what} keeps the f16 dtype");
-            close_tol(
-                &format!("{what} f16"),
-                &data(half.cast(FloatDType::F32)),
-                &data(full),
-                1e-2,
-            );
+        assert!(
+            <Wgpu as burn::tensor::backend::Backend>::supports_dtype(&device, DType::F16),
+            "the Wgpu device has no f16 (lavapipe has): this test must run in f16"
+        );
+        INPUT_DTYPE.set(Some(FloatDType::F16));
+        let result = std::panic::catch_unwind(|| check_all::<Autodiff<Wgpu>>(&device, 3e-2));
+        INPUT_DTYPE.set(None);
+        if let Err(panic) = result {
+            std::panic::resume_unwind(panic);
         }
-        let q = Tensor::<Wgpu, 4>::random([1, 2, 33, 16], Distribution::Normal(0.0, 1.0), &device);
-        let half = ops::attention(
-            q.clone().cast(FloatDType::F16),
-            q.clone().cast(FloatDType::F16),
-            q.clone().cast(FloatDType::F16),
-            0.25,
-            true,
-        );
-        let full = ops::attention(q.clone(), q.clone(), q, 0.25, true);
-        close_tol(
-            "attention f16",
-            &data(half.cast(FloatDType::F32)),
-            &data(full),
-            1e-2,
-        );
     }
 
     /// The GPT trains on `Autodiff<Distributed<Wgpu>>` through the fused kernels (layer norms,
