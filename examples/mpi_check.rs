@@ -14,7 +14,7 @@
 //!   losses and parameters bitwise equal to the same run on ranks-as-threads, and parameters
 //!   within 1e-5 of one device.
 //! - `mismatch`: rank 0 calls an all-reduce where the others call an all-gather: every rank gets
-//!   `CommError::Mismatch` at that call (printed), nobody hangs.
+//!   `Error::Mismatch` at that call (printed), nobody hangs.
 //! - `hang`: rank 1 never joins a barrier: the others' watchdog aborts the job after the 3 s
 //!   timeout, naming the call.
 //! - `kill`: rank 1 dies (SIGABRT) in the middle of training: `mpirun` stops the others.
@@ -376,7 +376,7 @@ fn bandwidth(n: usize) -> i32 {
                     };
                     let input = TensorData::new(vec![1.0f32; len.max(1)], [len.max(1)]);
                     let mut raw = vec![1.0f32; len.max(1)];
-                    let mut call = || -> Result<(), wildfire::parallel::comm::CommError> {
+                    let mut call = || -> Result<(), wildfire::parallel::Error> {
                         // The trait takes its buffer by value: one copy per call, counted.
                         let data = input.clone();
                         match kind {
@@ -462,10 +462,7 @@ fn hybrid(n: usize) -> i32 {
             // Point-to-point is not offered on a hybrid world: a typed error, no hang.
             let p2p = device.context().comm().point_to_point();
             assert!(
-                matches!(
-                    p2p,
-                    Err(wildfire::parallel::comm::CommError::Unsupported(_))
-                ),
+                matches!(p2p, Err(wildfire::parallel::Error::Unsupported(_))),
                 "{p2p:?}"
             );
             (rank, calls, fsdp_rank(device, &mesh, None))

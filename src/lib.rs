@@ -26,9 +26,9 @@ pub mod prelude {
     pub use wildfire_kernels::FusedOps;
     pub use wildfire_kernels::hooks::{ForwardHooks, Inference};
     pub use wildfire_parallel::{
-        DeviceMesh, DistDevice, DistError, Distributed, FsdpOptimizer, FsdpStrategy, LaunchEnv,
-        LaunchOptions, RankPolicy, TpPlan, TpStyle, fully_shard, launch_ranks, replicate,
-        sync_gradients, tensor_parallel,
+        DeviceMesh, DistDevice, Distributed, FsdpOptimizer, FsdpStrategy, LaunchEnv, LaunchOptions,
+        RankPolicy, TpPlan, TpStyle, fully_shard, launch_ranks, replicate, sync_gradients,
+        tensor_parallel,
     };
 }
 

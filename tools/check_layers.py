@@ -2,7 +2,7 @@
 """Check the module layering of parallel/src (written down in parallel/src/lib.rs).
 
 Reads every `crate::…` and `super::…` path outside comments, maps it to the file that defines it
-(a name the crate root re-exports, `crate::DistError`, to its module), and fails (exit 1) on
+(a name the crate root re-exports, `crate::Error`, to its module), and fails (exit 1) on
 - a file importing a module of a higher layer than its own (the order in LAYERS), and
 - a cycle between files, apart from a `mod.rs` re-exporting its children and `tests.rs`.
 Known exceptions (comm/, other people's area for now) are listed in EXCEPTIONS and reported.
@@ -13,7 +13,7 @@ import collections, pathlib, re, sys
 
 SRC = pathlib.Path(sys.argv[1] if sys.argv[1:] else
                    pathlib.Path(__file__).resolve().parent.parent / "parallel/src")
-LAYERS = [["mesh"], ["comm"], ["placement"], ["error"], ["policy"], ["device"], ["collectives"],
+LAYERS = [["error"], ["mesh"], ["comm"], ["placement"], ["policy"], ["device"], ["collectives"],
           ["tensor"],
           ["backend"], ["data_parallel"], ["fsdp", "tensor_parallel"], ["launch"], ["ranks"]]
 LAYER = {m: i for i, group in enumerate(LAYERS) for m in group}
@@ -55,7 +55,7 @@ def reexports(f):
 
 def resolve(mod, names):
     """The module defining `mod + names`: the longest prefix that is a module with a file, then
-    through the re-exports of that module (`crate::DistError` is `error`)."""
+    through the re-exports of that module (`crate::Error` is `error`)."""
     path = list(mod)
     for n in names:
         if file_of(path + [n]) is not None:

@@ -21,7 +21,7 @@ use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_kernels::{AdamWStep, FusedOps};
-use wildfire_parallel::{DTensor, DistError, Distributed, Group, ReduceOp, dtensor};
+use wildfire_parallel::{DTensor, Distributed, Error, Group, ReduceOp, dtensor};
 
 use crate::grad_check::GradCheck;
 
@@ -258,7 +258,7 @@ pub fn fused_unscale_check<B, X, M>(
     inv_scale: f32,
     max_norm: Option<f32>,
     inputs: &TailInputs<X>,
-) -> Result<GradCheck, DistError>
+) -> Result<GradCheck, Error>
 where
     B: AutodiffBackend<InnerBackend = Distributed<X>>,
     X: FusedOps,

@@ -9,7 +9,7 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
-use wildfire_parallel::{DistError, Distributed, Group, Placement, ReduceOp, dtensor};
+use wildfire_parallel::{Distributed, Error, Group, Placement, ReduceOp, dtensor};
 
 /// The outcome of [`unscale_check_clip`].
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -79,7 +79,7 @@ pub fn unscale_check_clip<B, X, M>(
     grads: &mut GradientsParams,
     inv_scale: f32,
     max_norm: Option<f32>,
-) -> Result<GradCheck, DistError>
+) -> Result<GradCheck, Error>
 where
     B: AutodiffBackend<InnerBackend = Distributed<X>>,
     X: Backend,

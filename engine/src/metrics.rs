@@ -116,7 +116,7 @@ pub fn mfu(flops_per_token: f64, tokens_per_s: f64, peak_flops: f64, world_size:
 pub fn mean_over_ranks<B: burn::prelude::Backend>(
     device: &wildfire_parallel::DistDevice<B>,
     value: f32,
-) -> Result<f32, wildfire_parallel::CommError> {
+) -> Result<f32, wildfire_parallel::Error> {
     use wildfire_parallel::{Group, ReduceOp};
     let comm = device.context().comm();
     if comm.mesh().world_size() == 1 {

@@ -41,7 +41,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use std::cell::RefCell;
 use wildfire_kernels::FusedOps;
-use wildfire_parallel::DistError;
+use wildfire_parallel::Error;
 use wildfire_parallel::internal::RecomputeScope;
 
 pub use wildfire_kernels::hooks::Recompute;
@@ -254,7 +254,7 @@ struct Region<'a, B: Backend> {
 
 type RecomputeFn<'a, B> = Box<dyn Fn(&Recomputer<'a, B>, FloatTensor<B>) -> FloatTensor<B> + 'a>;
 type HandleFn<B> = fn(&FloatTensor<B>) -> FloatTensor<B>;
-type Fence<'a> = Box<dyn Fn() -> Result<(), DistError> + 'a>;
+type Fence<'a> = Box<dyn Fn() -> Result<(), Error> + 'a>;
 
 const SITE_BLOCK: u64 = 1;
 const SITE_ATTENTION: u64 = 2;
@@ -323,7 +323,7 @@ impl<'a, B: Backend> Recomputer<'a, B> {
     /// Run after every backward pass of [`backward`](Self::backward): with ranks as threads, a
     /// world barrier that keeps the ranks' passes apart (Burn 0.21 locks every graph at the end
     /// of a backward pass).
-    pub fn with_fence(mut self, fence: impl Fn() -> Result<(), DistError> + 'a) -> Self {
+    pub fn with_fence(mut self, fence: impl Fn() -> Result<(), Error> + 'a) -> Self {
         self.fence = Some(Box::new(fence));
         self
     }
@@ -372,7 +372,7 @@ impl<'a, B: AutodiffBackend> Recomputer<'a, B> {
         &self,
         loss: Tensor<B, 1>,
         model: &M,
-    ) -> Result<B::Gradients, DistError> {
+    ) -> Result<B::Gradients, Error> {
         let device = loss.device();
         let mut main = loss.backward();
         self.fenced()?;
@@ -403,7 +403,7 @@ impl<'a, B: AutodiffBackend> Recomputer<'a, B> {
         Ok(main)
     }
 
-    fn fenced(&self) -> Result<(), DistError> {
+    fn fenced(&self) -> Result<(), Error> {
         match &self.fence {
             Some(fence) => fence(),
             None => Ok(()),

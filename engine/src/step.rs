@@ -11,9 +11,7 @@ use burn::module::AutodiffModule;
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
-use wildfire_parallel::{
-    DistDevice, DistError, Distributed, Group, gradient_bytes, sync_gradients,
-};
+use wildfire_parallel::{DistDevice, Distributed, Error, Group, gradient_bytes, sync_gradients};
 
 /// What a step does besides the optimizer update.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -87,7 +85,7 @@ impl StepRunner {
         lr: f64,
         seeds: &[u64],
         loss: L,
-    ) -> Result<(M, StepRecord), DistError>
+    ) -> Result<(M, StepRecord), Error>
     where
         X: wildfire_kernels::FusedOps,
         M: AutodiffModule<Ad<X>>,

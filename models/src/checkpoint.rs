@@ -2,22 +2,24 @@
 //! built under a temporary name and renamed into place, then `root/latest` moved to name it, so
 //! a crash at any point leaves the previous checkpoint whole and `latest` pointing at it.
 //!
-//! What goes into a step directory is the caller's: the GPT driver writes `model.safetensors`
-//! ([`crate::safetensors`]), `optimizer.bin` ([`encode_records`]) and `state.json`.
+//! What goes into a step directory is the caller's: the distributed checkpoint ([`crate::dcp`])
+//! writes every rank's pieces and the metadata, the GPT driver adds `state.json`.
 
 use burn::module::ParamId;
-use burn::prelude::Backend;
-use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder, RecorderError};
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use crate::io::FileError;
+use crate::Error;
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> FileError + '_ {
-    move |source| FileError::Io {
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io {
         path: path.to_path_buf(),
         source,
     }
+}
+
+fn step_name(step: usize) -> String {
+    format!("step-{step:08}")
 }
 
 /// The checkpoints of one run, under `root`.
@@ -40,10 +42,8 @@ impl CheckpointDir {
     /// Write `files` (name, bytes) as the checkpoint of `step` and make it the latest; returns
     /// its directory. Each file is synced, the directory renamed into place, `latest` moved last
     /// (each step atomic).
-    pub fn save(&self, step: usize, files: &[(&str, &[u8])]) -> Result<PathBuf, FileError> {
-        let name = format!("step-{step:08}");
-        let tmp = self.root.join(format!(".{name}.tmp"));
-        let dir = self.root.join(&name);
+    pub fn save(&self, step: usize, files: &[(&str, &[u8])]) -> Result<PathBuf, Error> {
+        let tmp = self.staging(step);
         if tmp.exists() {
             fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
         }
@@ -52,6 +52,19 @@ impl CheckpointDir {
             let path = tmp.join(file);
             crate::io::write_atomic(&path, bytes).map_err(io_err(&path))?;
         }
+        self.commit(step)
+    }
+
+    /// The directory the checkpoint of `step` is built in before [`CheckpointDir::commit`].
+    pub fn staging(&self, step: usize) -> PathBuf {
+        self.root.join(format!(".{}.tmp", step_name(step)))
+    }
+
+    /// Rename the staging directory of `step` into place and move `latest` to it; returns the
+    /// step's directory.
+    pub fn commit(&self, step: usize) -> Result<PathBuf, Error> {
+        let name = step_name(step);
+        let (tmp, dir) = (self.staging(step), self.root.join(&name));
         if dir.exists() {
             fs::remove_dir_all(&dir).map_err(io_err(&dir))?;
         }
@@ -61,16 +74,31 @@ impl CheckpointDir {
         Ok(dir)
     }
 
+    /// Remove the staging directories of saves that never committed (a run that crashed).
+    pub fn clear_staging(&self) -> Result<(), Error> {
+        let Ok(entries) = fs::read_dir(&self.root) else {
+            return Ok(()); // nothing saved yet
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with(".step-") && name.ends_with(".tmp") {
+                let path = entry.path();
+                fs::remove_dir_all(&path).map_err(io_err(&path))?;
+            }
+        }
+        Ok(())
+    }
+
     /// The directory of the latest checkpoint.
-    pub fn latest(&self) -> Result<PathBuf, FileError> {
-        let name =
-            fs::read_to_string(self.root.join("latest")).map_err(|e| FileError::Invalid {
-                path: self.root.clone(),
-                reason: format!("no checkpoint here ({e}); pass the directory given to --save"),
-            })?;
+    pub fn latest(&self) -> Result<PathBuf, Error> {
+        let name = fs::read_to_string(self.root.join("latest")).map_err(|e| Error::Invalid {
+            path: self.root.clone(),
+            reason: format!("no checkpoint here ({e}); pass the directory given to --save"),
+        })?;
         let dir = self.root.join(name.trim());
         if !dir.is_dir() {
-            return Err(FileError::Invalid {
+            return Err(Error::Invalid {
                 path: self.root.clone(),
                 reason: format!("`latest` names {}, which is missing", dir.display()),
             });
@@ -82,65 +110,6 @@ impl CheckpointDir {
 /// Per-parameter records (Burn's optimizer records are maps keyed by parameter).
 pub type ParamRecords<R> = hashbrown::HashMap<ParamId, R>;
 
-type Recs = BinBytesRecorder<FullPrecisionSettings>;
-
-const RECORDS_MAGIC: &[u8; 8] = b"WFOPTv1\n";
-
-/// Encode per-parameter records (an optimizer's state) one parameter at a time, in
-/// parameter-id order. Gathering a sharded moment is a collective: every rank must walk the
-/// entries in the same order, which a `HashMap`'s iteration order (seeded per process) does not
-/// give.
-pub fn encode_records<B: Backend, R: Record<B>>(
-    records: ParamRecords<R>,
-) -> Result<Vec<u8>, RecorderError> {
-    let mut entries: Vec<_> = records.into_iter().collect();
-    entries.sort_by_key(|(id, _)| id.to_string());
-    let mut out = RECORDS_MAGIC.to_vec();
-    out.extend_from_slice(&(entries.len() as u64).to_le_bytes());
-    for (id, r) in entries {
-        let one: ParamRecords<R> = [(id, r)].into_iter().collect();
-        let bytes = Recs::new().record(one, ())?;
-        out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-        out.extend_from_slice(&bytes);
-    }
-    Ok(out)
-}
-
-/// The inverse of [`encode_records`]; a truncated or foreign file is an error, never a panic.
-pub fn decode_records<B: Backend, R: Record<B>>(
-    bytes: &[u8],
-    device: &B::Device,
-) -> Result<ParamRecords<R>, String> {
-    let body = bytes
-        .strip_prefix(&RECORDS_MAGIC[..])
-        .ok_or("not a wildfire optimizer state (bad magic)")?;
-    let word = |at: usize| -> Result<usize, String> {
-        at.checked_add(8)
-            .and_then(|end| body.get(at..end))
-            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")) as usize)
-            .ok_or_else(|| "truncated".to_string())
-    };
-    let count = word(0)?;
-    let mut at = 8;
-    let mut out = ParamRecords::new();
-    for _ in 0..count {
-        let len = word(at)?;
-        let chunk = (at + 8)
-            .checked_add(len)
-            .and_then(|end| body.get(at + 8..end))
-            .ok_or("truncated")?;
-        let one: ParamRecords<R> = Recs::new()
-            .load(chunk.to_vec(), device)
-            .map_err(|e| e.to_string())?;
-        out.extend(one);
-        at += 8 + len;
-    }
-    if at != body.len() {
-        return Err("trailing bytes".into());
-    }
-    Ok(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,7 +119,7 @@ mod tests {
         let root = std::env::temp_dir().join(format!("wildfire-ckpt-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
         let dir = CheckpointDir::new(&root);
-        assert!(matches!(dir.latest(), Err(FileError::Invalid { .. })));
+        assert!(matches!(dir.latest(), Err(Error::Invalid { .. })));
         dir.save(1, &[("a", b"one")]).unwrap();
         let two = dir.save(2, &[("a", b"two")]).unwrap();
         assert_eq!(dir.latest().unwrap(), two);
@@ -162,25 +131,5 @@ mod tests {
             .collect();
         assert!(names.iter().all(|n| !n.contains("tmp")), "{names:?}");
         fs::remove_dir_all(&root).unwrap();
-    }
-
-    #[test]
-    fn corrupt_records_are_errors() {
-        type B = burn::backend::Flex;
-        let device = Default::default();
-        let decode = |bytes: &[u8]| decode_records::<B, u32>(bytes, &device).map(|_| ());
-        assert_eq!(
-            decode(b"garbage").unwrap_err(),
-            "not a wildfire optimizer state (bad magic)"
-        );
-        let mut huge = RECORDS_MAGIC.to_vec();
-        huge.extend_from_slice(&1u64.to_le_bytes());
-        huge.extend_from_slice(&u64::MAX.to_le_bytes());
-        assert_eq!(decode(&huge).unwrap_err(), "truncated");
-        let empty = encode_records::<B, u32>(ParamRecords::new()).unwrap();
-        assert!(decode(&empty).is_ok());
-        let mut trailing = empty.clone();
-        trailing.push(0);
-        assert_eq!(decode(&trailing).unwrap_err(), "trailing bytes");
     }
 }

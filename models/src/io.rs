@@ -7,28 +7,6 @@ use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// A file (a checkpoint, a safetensors file) that cannot be written or used: the one error of
-/// Wildfire's file formats.
-#[derive(thiserror::Error, Debug)]
-pub enum FileError {
-    /// I/O on the file or directory.
-    #[error("{}: {source}", path.display())]
-    Io {
-        /// The file or directory.
-        path: PathBuf,
-        /// The error.
-        source: io::Error,
-    },
-    /// A file that is missing, corrupt, truncated or of another model or run.
-    #[error("{}: {reason}", path.display())]
-    Invalid {
-        /// The file or directory.
-        path: PathBuf,
-        /// What is wrong, and what to do.
-        reason: String,
-    },
-}
-
 /// A temporary name next to `path`, unique to this process and call (concurrent writers of the
 /// same file, e.g. two runs filling one token cache, never share a temporary).
 pub fn temporary_next_to(path: &Path) -> PathBuf {

@@ -2,8 +2,12 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod dcp;
+mod error;
 pub mod gpt;
 pub mod io;
 pub mod memory;
 pub mod parallelize;
 pub mod safetensors;
+
+pub use error::Error;

@@ -1,11 +1,11 @@
 //! `parallelize_gpt`: how a GPT is laid out over a mesh, in torchtitan's fixed order
 //! (tensor parallel → activation recomputation → FSDP / data parallel).
 
+use crate::Error;
 use crate::gpt::Gpt;
 use serde::{Deserialize, Serialize};
 use wildfire_parallel::{
-    DeviceMesh, DistError, DistributedBackend, TpError, TpPlan, TpStyle, fully_shard,
-    tensor_parallel,
+    DeviceMesh, DistributedBackend, TpPlan, TpStyle, fully_shard, tensor_parallel,
 };
 
 /// The data-parallel strategy: `wildfire_parallel::FsdpStrategy`, parsed from the names users
@@ -84,20 +84,6 @@ impl Default for ParallelConfig {
     }
 }
 
-/// A parallelisation that is not available yet, with the issue that brings it.
-#[derive(thiserror::Error, Debug, Clone, PartialEq)]
-pub enum ParallelizeError {
-    /// The decorator refused.
-    #[error(transparent)]
-    Dist(#[from] DistError),
-    /// Inconsistent flags.
-    #[error("{0}")]
-    Config(String),
-    /// The tensor-parallel plan does not fit the model.
-    #[error(transparent)]
-    Tp(#[from] TpError),
-}
-
 impl ParallelConfig {
     /// Ranks in all: every mesh axis (`dp × tp`).
     pub fn world_size(&self) -> usize {
@@ -106,36 +92,36 @@ impl ParallelConfig {
 
     /// The device mesh: `dp × tp`, or `dp_replicate × dp_shard × tp` for HSDP (axes of size 1
     /// kept, so layouts have a fixed shape).
-    pub fn mesh(&self) -> Result<DeviceMesh, DistError> {
+    pub fn mesh(&self) -> Result<DeviceMesh, wildfire_parallel::Error> {
         if self.fsdp == FsdpStrategy::Hybrid {
             let shard = self.dp_shard.unwrap_or(self.dp);
-            return Ok(DeviceMesh::new([
+            return DeviceMesh::new([
                 ("dp_replicate", self.dp / shard.max(1)),
                 ("dp_shard", shard),
                 ("tp", self.tp),
-            ])?);
+            ]);
         }
-        Ok(DeviceMesh::new([("dp", self.dp), ("tp", self.tp)])?)
+        DeviceMesh::new([("dp", self.dp), ("tp", self.tp)])
     }
 
     /// Refuse, before any work, what is not implemented yet.
-    pub fn check_available(&self) -> Result<(), ParallelizeError> {
+    pub fn check_available(&self) -> Result<(), Error> {
         if self.fsdp == FsdpStrategy::Hybrid {
             let shard = self.dp_shard.unwrap_or(0);
             if shard < 2 || shard >= self.dp || !self.dp.is_multiple_of(shard) {
-                return Err(ParallelizeError::Config(format!(
+                return Err(Error::Config(format!(
                     "--fsdp hybrid needs --dp-shard K with 1 < K < --dp {} and K dividing it (got {shard})",
                     self.dp
                 )));
             }
         }
         if self.sp_keep_gathers && !self.sp {
-            return Err(ParallelizeError::Config(
+            return Err(Error::Config(
                 "--sp-keep-gathers is an option of sequence parallelism: add --sp".into(),
             ));
         }
         if self.sp && self.tp < 2 {
-            return Err(ParallelizeError::Config(
+            return Err(Error::Config(
                 "--sp (sequence parallelism) shards over the tensor-parallel axis: it needs --tp 2 or more".into(),
             ));
         }
@@ -163,7 +149,7 @@ pub fn parallelize_gpt<B: DistributedBackend>(
     model: Gpt<B>,
     mesh: &DeviceMesh,
     config: &ParallelConfig,
-) -> Result<Gpt<B>, ParallelizeError> {
+) -> Result<Gpt<B>, Error> {
     config.check_available()?;
     let model = if config.tp > 1 {
         // The column split of `c_attn` must fall on head boundaries (its columns are grouped by

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use wildfire_parallel::ModulePath;
 
-use crate::io::FileError;
+use crate::Error;
 
 struct Collect {
     path: ModulePath,
@@ -52,15 +52,15 @@ pub fn to_bytes<B: Backend, M: Module<B>>(module: &M) -> Vec<u8> {
 }
 
 /// Write `bytes` to `path` atomically ([`crate::io::write_atomic`]).
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FileError> {
-    crate::io::write_atomic(path, bytes).map_err(|source| FileError::Io {
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), Error> {
+    crate::io::write_atomic(path, bytes).map_err(|source| Error::Io {
         path: path.to_path_buf(),
         source,
     })
 }
 
 /// Write every parameter of `module` (f32) to `path` as safetensors, atomically.
-pub fn save<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), FileError> {
+pub fn save<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), Error> {
     write_atomic(path, &to_bytes(module))
 }
 
@@ -68,13 +68,13 @@ pub fn save<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), Fil
 pub type NamedTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 
 /// Read a safetensors file of f32 tensors.
-pub fn read(path: &Path) -> Result<NamedTensors, FileError> {
+pub fn read(path: &Path) -> Result<NamedTensors, Error> {
     let name = path.display().to_string();
-    let bad = |reason: String| FileError::Invalid {
+    let bad = |reason: String| Error::Invalid {
         path: name.clone().into(),
         reason,
     };
-    let bytes = std::fs::read(path).map_err(|source| FileError::Io {
+    let bytes = std::fs::read(path).map_err(|source| Error::Io {
         path: name.clone().into(),
         source,
     })?;
@@ -189,7 +189,7 @@ impl<B: Backend> ModuleMapper<B> for Load {
 }
 
 /// Load the parameters of `module` from `path` by name (ids, devices and `require_grad` kept).
-pub fn load<B: Backend, M: Module<B>>(module: M, path: &Path) -> Result<M, FileError> {
+pub fn load<B: Backend, M: Module<B>>(module: M, path: &Path) -> Result<M, Error> {
     let tensors = read(path)?;
     let mut loader = Load {
         path: ModulePath::default(),
@@ -197,7 +197,7 @@ pub fn load<B: Backend, M: Module<B>>(module: M, path: &Path) -> Result<M, FileE
         error: None,
     };
     let module = module.map(&mut loader);
-    let mismatch = |reason| FileError::Invalid {
+    let mismatch = |reason| Error::Invalid {
         path: path.to_path_buf(),
         reason,
     };
@@ -228,64 +228,6 @@ pub fn deterministic_ids<B: Backend, M: Module<B>>(module: M) -> M {
     module.map(&mut Renumber(0))
 }
 
-/// What a sharded checkpoint holds, written by rank 0 next to the per-rank files.
-#[derive(serde::Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
-pub struct ShardManifest {
-    /// The mesh the shards were written on.
-    pub mesh: wildfire_parallel::DeviceMesh,
-    /// Every parameter by path: its global shape and layout.
-    pub tensors: BTreeMap<String, ShardEntry>,
-}
-
-/// One parameter of a sharded checkpoint.
-#[derive(serde::Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
-pub struct ShardEntry {
-    /// Global shape.
-    pub shape: Vec<usize>,
-    /// Placement on each mesh axis.
-    pub layout: wildfire_parallel::Layout,
-}
-
-struct CollectLocal {
-    path: ModulePath,
-    tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
-    entries: BTreeMap<String, ShardEntry>,
-    mesh: Option<wildfire_parallel::DeviceMesh>,
-    rank: usize,
-}
-
-impl<B: wildfire_parallel::DistributedBackend> ModuleVisitor<B> for CollectLocal {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.path.enter(name);
-    }
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.path.exit();
-    }
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let t = wildfire_parallel::dtensor(&param.val());
-        self.mesh.get_or_insert_with(|| t.device().mesh().clone());
-        self.rank = t.device().rank();
-        let local = Tensor::<B::Inner, D>::from_primitive(burn::tensor::TensorPrimitive::Float(
-            t.local().clone(),
-        ));
-        let shape = local.dims().to_vec();
-        let data = local
-            .into_data()
-            .convert::<f32>()
-            .to_vec::<f32>()
-            .expect("f32 data");
-        let name = self.path.name();
-        self.entries.insert(
-            name.clone(),
-            ShardEntry {
-                shape: t.global_shape().to_vec(),
-                layout: t.layout().clone(),
-            },
-        );
-        self.tensors.push((name, shape, data));
-    }
-}
-
 fn encode(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
     let mut header = String::from("{\"__metadata__\":{\"format\":\"pt\"}");
     let mut offset = 0usize;
@@ -311,154 +253,6 @@ fn encode(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
         }
     }
     bytes
-}
-
-/// A sharded state dict: each rank writes only its local pieces to `dir/rank-NNNNN.safetensors`
-/// (no communication, no full copy anywhere) and rank 0 writes `dir/manifest.json` (the mesh,
-/// every parameter's global shape and layout). Loading needs the same mesh.
-pub fn save_sharded<B: wildfire_parallel::DistributedBackend, M: Module<B>>(
-    module: &M,
-    dir: &Path,
-) -> Result<(), FileError> {
-    let mut c = CollectLocal {
-        path: ModulePath::default(),
-        tensors: Vec::new(),
-        entries: BTreeMap::new(),
-        mesh: None,
-        rank: 0,
-    };
-    module.visit(&mut c);
-    std::fs::create_dir_all(dir).map_err(|source| FileError::Io {
-        path: dir.to_path_buf(),
-        source,
-    })?;
-    write_atomic(
-        &dir.join(format!("rank-{:05}.safetensors", c.rank)),
-        &encode(&c.tensors),
-    )?;
-    if c.rank == 0 {
-        let manifest = ShardManifest {
-            mesh: c.mesh.unwrap_or_else(wildfire_parallel::DeviceMesh::single),
-            tensors: c.entries,
-        };
-        write_atomic(
-            &dir.join("manifest.json"),
-            serde_json::to_string_pretty(&manifest)
-                .expect("manifest")
-                .as_bytes(),
-        )?;
-    }
-    Ok(())
-}
-
-struct LoadLocal {
-    path: ModulePath,
-    manifest: ShardManifest,
-    tensors: NamedTensors,
-    error: Option<String>,
-}
-
-impl<B: wildfire_parallel::DistributedBackend> ModuleMapper<B> for LoadLocal {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.path.enter(name);
-    }
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.path.exit();
-    }
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, mapper) = param.consume();
-        let name = self.path.name();
-        let shape = tensor.dims().to_vec();
-        let (Some(entry), Some((local_shape, values))) =
-            (self.manifest.tensors.get(&name), self.tensors.remove(&name))
-        else {
-            self.error
-                .get_or_insert(format!("{name} is missing from the sharded checkpoint"));
-            return Param::from_mapped_value(id, tensor, mapper);
-        };
-        if entry.shape != shape {
-            self.error.get_or_insert(format!(
-                "{name} has shape {:?} in the checkpoint, {shape:?} in the model",
-                entry.shape
-            ));
-            return Param::from_mapped_value(id, tensor, mapper);
-        }
-        let device = wildfire_parallel::dtensor(&tensor).device().clone();
-        let local =
-            Tensor::<B::Inner, D>::from_data(TensorData::new(values, local_shape), device.inner());
-        match wildfire_parallel::DTensor::from_local_padded(
-            local.into_primitive().tensor(),
-            entry.layout.clone(),
-            &entry.shape,
-            &device,
-        ) {
-            Ok(t) => {
-                let out = wildfire_parallel::from_dtensor::<B, D>(t);
-                let out = if tensor.is_require_grad() {
-                    out.require_grad()
-                } else {
-                    out
-                };
-                Param::from_mapped_value(id, out, mapper)
-            }
-            Err(e) => {
-                self.error.get_or_insert(format!("{name}: {e}"));
-                Param::from_mapped_value(id, tensor, mapper)
-            }
-        }
-    }
-}
-
-/// Load a checkpoint written by [`save_sharded`] on the same mesh: each rank reads its own file.
-pub fn load_sharded<B: wildfire_parallel::DistributedBackend, M: Module<B>>(
-    module: M,
-    dir: &Path,
-) -> Result<M, FileError> {
-    let manifest_path = dir.join("manifest.json");
-    let mismatch = |reason: String| FileError::Invalid {
-        path: dir.to_path_buf(),
-        reason,
-    };
-    let text = std::fs::read_to_string(&manifest_path).map_err(|source| FileError::Io {
-        path: manifest_path.to_path_buf(),
-        source,
-    })?;
-    let manifest: ShardManifest = serde_json::from_str(&text)
-        .map_err(|e| mismatch(format!("manifest.json is corrupt: {e}")))?;
-    let mut first = FirstDevice(None);
-    module.visit(&mut first);
-    let (mesh, rank) = first
-        .0
-        .ok_or_else(|| mismatch("the model has no parameters".into()))?;
-    if mesh != manifest.mesh {
-        return Err(mismatch(format!(
-            "written on mesh {}, this run has mesh {mesh}; load the full checkpoint (model.safetensors) instead",
-            manifest.mesh
-        )));
-    }
-    let tensors = read(&dir.join(format!("rank-{rank:05}.safetensors")))?;
-    let mut loader = LoadLocal {
-        path: ModulePath::default(),
-        manifest,
-        tensors,
-        error: None,
-    };
-    let module = module.map(&mut loader);
-    match loader.error {
-        Some(e) => Err(mismatch(e)),
-        None => Ok(module),
-    }
-}
-
-struct FirstDevice(Option<(wildfire_parallel::DeviceMesh, usize)>);
-
-impl<B: wildfire_parallel::DistributedBackend> ModuleVisitor<B> for FirstDevice {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if self.0.is_none() {
-            let t = wildfire_parallel::dtensor(&param.val());
-            self.0 = Some((t.device().mesh().clone(), t.device().rank()));
-        }
-    }
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorMetadata};
 
 use crate::comm::{
-    CollectiveKind, CommError, Communicator, Group, ReduceOp, check_dim, check_divisible, stage,
+    CollectiveKind, Communicator, Error, Group, ReduceOp, check_dim, check_divisible, stage,
 };
 use crate::device::DistDevice;
 
@@ -15,8 +15,8 @@ use crate::device::DistDevice;
 fn host<B: Backend>(
     device: &DistDevice<B>,
     tensor: FloatTensor<B>,
-    call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, CommError>,
-) -> Result<FloatTensor<B>, CommError> {
+    call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, Error>,
+) -> Result<FloatTensor<B>, Error> {
     stage::<B>(device.context().comm(), device.inner(), tensor, call)
 }
 
@@ -27,7 +27,7 @@ pub(crate) fn all_reduce<B: Backend>(
     group: Group,
     tensor: FloatTensor<B>,
     op: ReduceOp,
-) -> Result<FloatTensor<B>, CommError> {
+) -> Result<FloatTensor<B>, Error> {
     match device.context().device_collectives::<B>() {
         Some(dc) => dc.all_reduce(group, tensor, op),
         None => host(device, tensor, |c, d| c.all_reduce(group, d, op)),
@@ -40,7 +40,7 @@ pub(crate) fn all_gather<B: Backend>(
     group: Group,
     tensor: FloatTensor<B>,
     dim: usize,
-) -> Result<FloatTensor<B>, CommError> {
+) -> Result<FloatTensor<B>, Error> {
     match device.context().device_collectives::<B>() {
         Some(dc) => {
             check_dim(CollectiveKind::AllGather, tensor.shape().num_dims(), dim)?;
@@ -61,7 +61,7 @@ pub(crate) fn reduce_scatter<B: Backend>(
     tensor: FloatTensor<B>,
     dim: usize,
     op: ReduceOp,
-) -> Result<FloatTensor<B>, CommError> {
+) -> Result<FloatTensor<B>, Error> {
     let ctx = device.context();
     match ctx.device_collectives::<B>() {
         Some(dc) => {
@@ -86,7 +86,7 @@ pub(crate) fn broadcast<B: Backend>(
     group: Group,
     tensor: FloatTensor<B>,
     root: usize,
-) -> Result<FloatTensor<B>, CommError> {
+) -> Result<FloatTensor<B>, Error> {
     match device.context().device_collectives::<B>() {
         Some(dc) => dc.broadcast(group, tensor, root),
         None => host(device, tensor, |c, d| c.broadcast(group, Some(d), root)),

@@ -3,7 +3,7 @@
 
 use crate::backend::Distributed;
 use crate::comm::{Group, ReduceOp};
-use crate::error::DistError;
+use crate::error::Error;
 use crate::mesh::{AxisKind, DeviceMesh};
 use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
@@ -70,7 +70,7 @@ pub fn from_dtensor<B: DistributedBackend, const D: usize>(
 pub fn redistribute<B: DistributedBackend, const D: usize>(
     tensor: Tensor<B, D>,
     layout: &Layout,
-) -> Result<Tensor<B, D>, DistError> {
+) -> Result<Tensor<B, D>, Error> {
     let require_grad = tensor.is_require_grad();
     let t = dtensor(&tensor).redistribute(layout)?;
     let out = from_dtensor::<B, D>(t);
@@ -84,7 +84,7 @@ pub fn redistribute<B: DistributedBackend, const D: usize>(
 impl<B: Backend> DTensor<B> {
     /// Turn per-rank `Local` data on `axis` into `Replicate` by adopting group member 0's value
     /// (a broadcast): how a model initialised on every rank becomes one replicated model.
-    pub fn adopt_from_first(self, axis: usize) -> Result<Self, DistError> {
+    pub fn adopt_from_first(self, axis: usize) -> Result<Self, Error> {
         if self.layout.get(axis) != Placement::Local {
             return Ok(self);
         }
@@ -100,7 +100,7 @@ impl<B: Backend> DTensor<B> {
 
 struct Replicator<'a> {
     mesh: &'a DeviceMesh,
-    error: Option<DistError>,
+    error: Option<Error>,
 }
 
 impl<B: DistributedBackend> ModuleMapper<B> for Replicator<'_> {
@@ -111,7 +111,7 @@ impl<B: DistributedBackend> ModuleMapper<B> for Replicator<'_> {
         }
         let mut t = dtensor(&tensor);
         if t.device().mesh() != self.mesh {
-            self.error = Some(DistError::InvalidLayout {
+            self.error = Some(Error::InvalidLayout {
                 shape: t.global_shape().to_vec().clone(),
                 mesh: self.mesh.to_string(),
                 reason: format!("the parameter lives on mesh {}", t.device().mesh()),
@@ -146,7 +146,7 @@ impl<B: DistributedBackend> ModuleMapper<B> for Replicator<'_> {
 pub fn replicate<B: DistributedBackend, M: Module<B>>(
     module: M,
     mesh: &DeviceMesh,
-) -> Result<M, DistError> {
+) -> Result<M, Error> {
     let mut mapper = Replicator { mesh, error: None };
     let module = module.map(&mut mapper);
     match mapper.error {
@@ -167,7 +167,7 @@ pub struct SyncReport {
 struct Syncer<'a> {
     grads: &'a mut GradientsParams,
     report: SyncReport,
-    error: Option<DistError>,
+    error: Option<Error>,
     device_seen: Option<std::sync::Arc<crate::device::RankContext>>,
 }
 
@@ -192,7 +192,7 @@ fn sync_one<B, X, const D: usize>(
     syncer: &mut Syncer<'_>,
     id: ParamId,
     value: &Tensor<B, D>,
-) -> Result<(), DistError>
+) -> Result<(), Error>
 where
     B: AutodiffBackend<InnerBackend = Distributed<X>>,
     X: Backend,
@@ -207,7 +207,7 @@ where
     }
     let grad = grad.into_primitive().tensor();
     let mesh = param.device().mesh().clone();
-    let unreduced = |reason: String| DistError::UnreducedGradient {
+    let unreduced = |reason: String| Error::UnreducedGradient {
         param: id.to_string(),
         shape: param.global_shape().to_vec().clone(),
         reason,
@@ -272,10 +272,7 @@ where
 /// error, a gradient whose parameter has no placement on a data axis of size > 1; and the next
 /// forward pass refuses to start if a backward pass on a data-parallel mesh was not followed by
 /// this call.
-pub fn sync_gradients<B, X, M>(
-    model: &M,
-    grads: &mut GradientsParams,
-) -> Result<SyncReport, DistError>
+pub fn sync_gradients<B, X, M>(model: &M, grads: &mut GradientsParams) -> Result<SyncReport, Error>
 where
     B: AutodiffBackend<InnerBackend = Distributed<X>>,
     X: Backend,

@@ -286,7 +286,7 @@ impl RankContext {
         if budget > 0 && now as u64 > budget {
             // Stop enforcing while this rank fails (its tensors are dropped as it unwinds).
             memory.budget_crossed.store(true, Ordering::Relaxed);
-            crate::error::raise(crate::DistError::MemoryBudget {
+            crate::error::raise(crate::Error::MemoryBudget {
                 rank: self.rank(),
                 bytes: now as u64,
                 budget,

@@ -1,22 +1,219 @@
-//! Typed errors of the `Distributed<B>` decorator.
+//! The one error type of the parallel crate.
+//!
+//! Every fallible function of `wildfire_parallel` returns [`Error`]; backend ops (which cannot
+//! return a `Result` in Burn's API) [`raise`] it, and the launcher hands it back typed. It sits at
+//! the bottom of the crate's layers, so it names only plain data (placements and axis kinds as
+//! text).
 
-use crate::comm::CommError;
-use crate::mesh::MeshError;
-use crate::placement::Placement;
+use std::fmt;
+use std::time::Duration;
 
-/// What can go wrong when placing, redistributing or training with distributed tensors.
+/// The kind of a communication call, as statistics and errors name it.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+pub enum CollectiveKind {
+    /// [`crate::Communicator::all_reduce`].
+    AllReduce,
+    /// [`crate::Communicator::all_gather`].
+    AllGather,
+    /// [`crate::Communicator::reduce_scatter`].
+    ReduceScatter,
+    /// [`crate::Communicator::broadcast`].
+    Broadcast,
+    /// [`crate::Communicator::barrier`].
+    Barrier,
+    /// [`crate::comm::PointToPoint::send`].
+    Send,
+    /// [`crate::comm::PointToPoint::recv`].
+    Recv,
+}
+
+impl fmt::Display for CollectiveKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+            CollectiveKind::Broadcast => "broadcast",
+            CollectiveKind::Barrier => "barrier",
+            CollectiveKind::Send => "send",
+            CollectiveKind::Recv => "recv",
+        })
+    }
+}
+
+/// What can go wrong in the parallel layer: describing a mesh, communicating, placing and
+/// redistributing tensors, planning tensor parallelism, launching ranks and processes.
 ///
 /// Public functions return it; backend ops (which cannot return a `Result` in Burn's API) panic
 /// with it as the message, and the launcher ([`crate::launch_ranks`]) turns that back into this
-/// value ([`crate::LaunchError::Dist`]), so a test or a binary always sees the typed error.
+/// value ([`Error::OnRank`]), so a test or a binary always sees the typed error.
 #[derive(thiserror::Error, Debug, Clone, PartialEq)]
-pub enum DistError {
-    /// A collective failed (timeout, a dead peer, a mismatched schedule).
-    #[error(transparent)]
-    Comm(#[from] CommError),
-    /// A mesh problem.
-    #[error(transparent)]
-    Mesh(#[from] MeshError),
+pub enum Error {
+    // ---- the device mesh
+    /// The mesh has no axis at all.
+    #[error("a device mesh needs at least one axis; use (\"dp\", 1) for a single rank")]
+    EmptyMesh,
+    /// An axis name that is not one of the accepted names.
+    #[error("unknown mesh axis \"{name}\"; accepted axis names are {}", accepted)]
+    UnknownAxis {
+        /// The rejected name.
+        name: String,
+        /// The accepted names, by kind.
+        accepted: String,
+    },
+    /// An axis of size 0.
+    #[error("mesh axis \"{name}\" has size 0; every axis needs size 1 or more (1 disables it)")]
+    ZeroSize {
+        /// The axis name.
+        name: String,
+    },
+    /// The same axis name given twice.
+    #[error("mesh axis \"{name}\" is given twice; give every axis once, with its full size")]
+    DuplicateAxis {
+        /// The repeated name.
+        name: String,
+    },
+    /// The product of the axis sizes differs from the number of ranks.
+    #[error(
+        "mesh {mesh} = {product} ranks does not match the world size {world}; \
+         choose axis sizes whose product is {world}"
+    )]
+    WorldMismatch {
+        /// Every factor, e.g. `dp=3 × tp=2`.
+        mesh: String,
+        /// The product of the axis sizes.
+        product: usize,
+        /// The number of ranks actually present.
+        world: usize,
+    },
+    /// The product of the axis sizes does not fit in a `usize`.
+    #[error("mesh {mesh} has more ranks than fit in a usize; check the axis sizes")]
+    MeshTooLarge {
+        /// Every factor.
+        mesh: String,
+    },
+    /// A lookup by name of an axis the mesh does not have.
+    #[error("mesh {mesh} has no axis \"{name}\"; its axes are {axes}")]
+    NoSuchAxis {
+        /// The name looked up.
+        name: String,
+        /// The mesh, e.g. `dp=2 × tp=2`.
+        mesh: String,
+        /// The mesh's axis names, comma separated.
+        axes: String,
+    },
+    /// A deserialised axis whose recorded kind contradicts its name.
+    #[error("mesh axis \"{name}\" is recorded as {kind}, but that name is a {expected} axis")]
+    WrongKind {
+        /// The axis name.
+        name: String,
+        /// The recorded kind.
+        kind: String,
+        /// The kind the name implies.
+        expected: String,
+    },
+    // ---- communication
+    /// Not every member of the group arrived (or no message came) within the timeout.
+    #[error(
+        "{op} on {group} timed out on rank {rank} after {waited:?}{}; a rank that skips a \
+         collective or calls collectives in a different order leaves the others waiting",
+        missing_note(.missing)
+    )]
+    Timeout {
+        /// The call that timed out.
+        op: CollectiveKind,
+        /// The group label (an axis name, `world`, or `p2p`).
+        group: String,
+        /// The rank that gave up waiting.
+        rank: usize,
+        /// How long it waited.
+        waited: Duration,
+        /// The global ranks that never arrived, when known.
+        missing: Vec<usize>,
+    },
+    /// Another rank aborted the world (it panicked or gave up); every pending and later call fails.
+    #[error("rank {rank} failed and aborted the world: {reason}")]
+    PeerFailed {
+        /// The rank that aborted.
+        rank: usize,
+        /// Why it aborted.
+        reason: String,
+    },
+    /// The members of a group called different collectives, or passed incompatible arguments
+    /// (shapes, dtypes, dims, roots), in the same round.
+    #[error("mismatched {op} on {group}: {detail}")]
+    Mismatch {
+        /// The call this rank made.
+        op: CollectiveKind,
+        /// The group label.
+        group: String,
+        /// What differed, member by member.
+        detail: String,
+    },
+    /// A dimension cannot be split into equal parts, one per member.
+    #[error(
+        "cannot split dimension {dim} of size {size} into {parts} equal parts; \
+         make its size a multiple of {parts} (pad it, or change the mesh)"
+    )]
+    Unsplittable {
+        /// The tensor dimension.
+        dim: usize,
+        /// Its size.
+        size: usize,
+        /// The number of members.
+        parts: usize,
+    },
+    /// A tensor dimension that the buffer does not have.
+    #[error("{op} along dimension {dim} of a tensor with {ndims} dimensions")]
+    InvalidDim {
+        /// The call.
+        op: CollectiveKind,
+        /// The requested dimension.
+        dim: usize,
+        /// The number of dimensions of the buffer.
+        ndims: usize,
+    },
+    /// A dtype the operation cannot handle.
+    #[error(
+        "dtype {0} is not supported here; reductions take f32, f64, f16, bf16, i32 and i64, \
+         and splitting needs whole-byte elements"
+    )]
+    UnsupportedDType(String),
+    /// A call this communicator cannot make (e.g. point-to-point on NCCL or a hybrid world, a
+    /// message over MPI's 32-bit counts), with what to do instead.
+    #[error("not supported here: {0}")]
+    Unsupported(String),
+    /// A rank (or group index) out of range.
+    #[error("rank {rank} is out of range for {context} of {size} ranks")]
+    InvalidRank {
+        /// The rank or group index given.
+        rank: usize,
+        /// The number of ranks it must be below.
+        size: usize,
+        /// What it indexes, e.g. `the world` or `group dp`.
+        context: String,
+    },
+    /// A collective library (NCCL, CUDA) failed.
+    #[error("{library} {call} failed: {reason}")]
+    Library {
+        /// The library.
+        library: &'static str,
+        /// The call.
+        call: String,
+        /// What it reported.
+        reason: String,
+    },
+    /// A [`Group::Axis`] that the mesh does not have.
+    #[error("mesh {mesh} has no axis {axis}; name axes through DeviceMesh::axis_index")]
+    NoSuchAxisIndex {
+        /// The axis index given.
+        axis: usize,
+        /// The mesh.
+        mesh: String,
+    },
+    // ---- placement and redistribution
     /// A tensor dimension does not divide by the number of shards.
     #[error(
         "cannot shard {what}: dimension {dim} has size {size}, which does not divide into {shards} \
@@ -44,14 +241,14 @@ pub enum DistError {
         reason: String,
     },
     /// A redistribution that has no meaning (e.g. from per-rank `Local` data to a global layout).
-    #[error("cannot redistribute on mesh axis '{axis}' from {from:?} to {to:?}: {reason}")]
+    #[error("cannot redistribute on mesh axis '{axis}' from {from} to {to}: {reason}")]
     InvalidRedistribution {
         /// The mesh axis.
         axis: String,
-        /// The current placement.
-        from: Placement,
-        /// The requested placement.
-        to: Placement,
+        /// The current placement (as `Debug` writes it).
+        from: String,
+        /// The requested placement (as `Debug` writes it).
+        to: String,
         /// Why not.
         reason: String,
     },
@@ -105,22 +302,193 @@ pub enum DistError {
         /// Why.
         reason: String,
     },
+    // ---- tensor-parallel plans
+    /// The mesh has no `tp` axis.
+    #[error("the mesh {0} has no 'tp' axis; build it with a (\"tp\", N) axis")]
+    NoTpAxis(String),
+    /// A pattern matched no `Linear`.
+    #[error(
+        "tensor-parallel plan: pattern '{0}' matches no Linear layer of the model; check the module path (e.g. encoder.layers.*.mha.query)"
+    )]
+    PlanNoMatch(String),
+    /// Two rules for one layer.
+    #[error(
+        "tensor-parallel plan: {module} is matched by '{first}' and '{second}'; give each layer one style"
+    )]
+    PlanConflict {
+        /// The module path.
+        module: String,
+        /// The first pattern.
+        first: String,
+        /// The second pattern.
+        second: String,
+    },
+    /// A split that does not divide.
+    #[error(
+        "tensor-parallel plan: {param} has shape {shape:?}; dimension {dim} ({size}) does not divide by tp = {tp}"
+    )]
+    PlanIndivisible {
+        /// The parameter path.
+        param: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// The split dimension.
+        dim: usize,
+        /// Its size.
+        size: usize,
+        /// The tensor-parallel degree.
+        tp: usize,
+    },
+    /// An attention module whose head count does not divide by the tp degree.
+    #[error(
+        "tensor-parallel plan: {module} has {heads} attention heads, which do not divide by tp = {tp}; choose a tp that divides the head count"
+    )]
+    PlanHeads {
+        /// The module path.
+        module: String,
+        /// Its head count.
+        heads: usize,
+        /// The tensor-parallel degree.
+        tp: usize,
+    },
+    // ---- launching ranks
+    /// A rank panicked. When several did, this is the root cause: the first rank that failed,
+    /// not the ones that failed because it aborted the world.
+    #[error("rank {rank} failed: {message}")]
+    RankFailed {
+        /// The failing rank.
+        rank: usize,
+        /// Its panic message.
+        message: String,
+    },
+    /// A rank's thread could not be started.
+    #[error("could not start the rank threads: {0}")]
+    Spawn(String),
+    /// A rank raised a typed error inside a distributed op (see [`crate::launch_ranks`]).
+    #[error("rank {rank}: {error}")]
+    OnRank {
+        /// The failing rank.
+        rank: usize,
+        /// What went wrong.
+        error: Box<Error>,
+    },
+    /// A launcher variable that is set but unusable.
+    #[error("{var}={value}: {reason}")]
+    LaunchEnv {
+        /// The variable.
+        var: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong.
+        reason: String,
+    },
+    // ---- rendezvous
+    /// A launcher variable is missing or malformed.
+    #[error(
+        "{var}: {reason} (torchrun-style launch sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)"
+    )]
+    RendezvousEnv {
+        /// The variable.
+        var: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A socket error.
+    #[error("rendezvous at {addr}, rank {rank}: {message}")]
+    RendezvousIo {
+        /// The rendezvous address.
+        addr: String,
+        /// This rank.
+        rank: usize,
+        /// The kind of I/O error.
+        kind: std::io::ErrorKind,
+        /// What the operating system said.
+        message: String,
+    },
+    /// Not every rank arrived in time.
+    #[error(
+        "rendezvous at {addr}: rank {rank} waited {waited:?}; ranks {missing:?} never arrived \
+         (is WORLD_SIZE the same everywhere, and is every rank started?)"
+    )]
+    RendezvousTimeout {
+        /// The rendezvous address.
+        addr: String,
+        /// This rank.
+        rank: usize,
+        /// How long it waited.
+        waited: Duration,
+        /// The ranks that never arrived: rank 0 knows and tells the ranks that came; `[0]` when
+        /// rank 0 itself never answered.
+        missing: Vec<usize>,
+    },
+    /// A peer spoke something else, or disagreed on the world.
+    #[error("rendezvous at {addr}: {reason}")]
+    RendezvousProtocol {
+        /// The rendezvous address.
+        addr: String,
+        /// What was wrong.
+        reason: String,
+    },
+    // ---- MPI and NCCL
+    /// MPI was initialised before (MPI can be initialised once per process).
+    #[error("MPI is already initialised in this process (one MpiWorld per process)")]
+    MpiAlreadyInitialised,
+    /// The library does not offer `MPI_THREAD_MULTIPLE`.
+    #[error(
+        "the MPI library provides thread level {0:?}, wildfire needs Multiple (the watchdog aborts the job from its own thread); use an MPI built with thread support (Open MPI 4: the default)"
+    )]
+    MpiThreading(String),
+    /// A mesh whose groups cannot be laid over the processes.
+    #[error("hybrid mesh: {0}")]
+    HybridLayout(String),
+    /// The mesh does not match the processes `mpirun` started.
+    #[error(
+        "the mesh {mesh} has {mesh_size} ranks but MPI started {world} processes; run mpirun -np {mesh_size} (or change the mesh)"
+    )]
+    MpiWorldSize {
+        /// The mesh.
+        mesh: String,
+        /// Its rank count.
+        mesh_size: usize,
+        /// The MPI world size.
+        world: usize,
+    },
+    /// The CUDA driver failed (no device, no driver).
+    #[error("CUDA: {0}")]
+    Cuda(String),
+    /// An NCCL call failed while creating the communicators (no libnccl, a peer with another
+    /// NCCL version, …).
+    #[error("NCCL {call}: {reason}")]
+    Nccl {
+        /// The call.
+        call: &'static str,
+        /// NCCL's result code.
+        reason: String,
+    },
+}
+
+fn missing_note(missing: &[usize]) -> String {
+    match missing {
+        [] => String::new(),
+        [rank] => format!(" (rank {rank} never arrived)"),
+        ranks => format!(" (ranks {ranks:?} never arrived)"),
+    }
 }
 
 thread_local! {
-    static RAISED: std::cell::RefCell<Option<DistError>> = const { std::cell::RefCell::new(None) };
+    static RAISED: std::cell::RefCell<Option<Error>> = const { std::cell::RefCell::new(None) };
 }
 
-/// Raise a [`DistError`] from inside a backend op (which cannot return a `Result`): a panic whose
+/// Raise an [`Error`] from inside a backend op (which cannot return a `Result`): a panic whose
 /// message is the error, with the typed value kept for [`crate::launch_ranks`] to return.
 #[track_caller]
-pub fn raise(error: impl Into<DistError>) -> ! {
+pub fn raise(error: impl Into<Error>) -> ! {
     let error = error.into();
     RAISED.with(|r| *r.borrow_mut() = Some(error.clone()));
     panic!("{error}")
 }
 
 /// The error this thread raised last, if any.
-pub(crate) fn take_raised() -> Option<DistError> {
+pub(crate) fn take_raised() -> Option<Error> {
     RAISED.with(|r| r.borrow_mut().take())
 }

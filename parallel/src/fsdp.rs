@@ -17,7 +17,7 @@
 
 use crate::data_parallel::{DistributedBackend, dtensor, from_dtensor, redistribute, replicate};
 use crate::device::RankContext;
-use crate::error::DistError;
+use crate::error::Error;
 use crate::mesh::{AxisKind, DeviceMesh};
 use crate::placement::Placement;
 use crate::policy::{GradientReduction, ShardingPolicy};
@@ -44,7 +44,7 @@ pub enum FsdpStrategy {
 }
 
 /// The data axes a strategy shards over on `mesh`.
-fn shard_axes(mesh: &DeviceMesh, strategy: FsdpStrategy) -> Result<Vec<usize>, DistError> {
+fn shard_axes(mesh: &DeviceMesh, strategy: FsdpStrategy) -> Result<Vec<usize>, Error> {
     let data: Vec<usize> = (0..mesh.axes().len())
         .filter(|&a| mesh.axis(a).kind == AxisKind::Data)
         .collect();
@@ -63,7 +63,7 @@ struct Sharder<'a> {
     mesh: &'a DeviceMesh,
     axes: Vec<usize>,
     ctx: Option<Arc<RankContext>>,
-    error: Option<DistError>,
+    error: Option<Error>,
 }
 
 impl<B: DistributedBackend> ModuleMapper<B> for Sharder<'_> {
@@ -97,7 +97,7 @@ pub fn fully_shard<B: DistributedBackend, M: Module<B>>(
     module: M,
     mesh: &DeviceMesh,
     strategy: FsdpStrategy,
-) -> Result<M, DistError> {
+) -> Result<M, Error> {
     let axes = shard_axes(mesh, strategy)?;
     let module = replicate(module, mesh)?;
     let rests_sharded = matches!(strategy, FsdpStrategy::FullShard | FsdpStrategy::Hybrid);
@@ -140,6 +140,30 @@ fn sharding_policy(strategy: FsdpStrategy, axes: Vec<usize>) -> ShardingPolicy {
         ShardOptimizer | ShardGradOp | FullShard | Hybrid => axes,
     };
     ShardingPolicy::new(params, grads, optimizer, reduction)
+}
+
+/// The layout a parameter's optimizer state (AdamW's moments) has under its rank's sharding
+/// policy: the parameter's model-axis splits, data axes replicated, then dim 0 split over the
+/// optimizer's shard axes — the parameter's own layout for DDP, FSDP and HSDP, a shard of a
+/// replicated parameter for ZeRO-1/2. A checkpoint loader builds the state in this layout.
+pub fn optimizer_state_layout<B: burn::tensor::backend::Backend>(
+    param: &crate::tensor::DTensor<B>,
+) -> crate::placement::Layout {
+    let device = param.device();
+    let mesh = device.mesh();
+    let axes = device
+        .context()
+        .policy()
+        .sharding
+        .optimizer_shard_axes()
+        .to_vec();
+    let mut start = param.layout().clone();
+    for (a, axis) in mesh.axes().iter().enumerate() {
+        if axis.kind == AxisKind::Data {
+            start.set(a, Placement::Replicate);
+        }
+    }
+    crate::placement::shard_dim0(start, &param.global_shape().to_vec(), &axes, mesh)
 }
 
 /// Any Burn optimizer, with its state sharded as the strategy says: for ZeRO-1 the (replicated)
@@ -190,7 +214,7 @@ where
 }
 
 struct Regather {
-    error: Option<DistError>,
+    error: Option<Error>,
 }
 
 impl<B: DistributedBackend> ModuleMapper<B> for Regather {

@@ -23,16 +23,17 @@ use std::time::Duration;
 
 mod env;
 
-pub use env::{LaunchEnv, LaunchEnvError, Launcher};
+pub use env::{LaunchEnv, Launcher};
 
 use crate::comm::{Communicator, DEFAULT_TIMEOUT, InProcessWorld};
+use crate::error::Error;
 use crate::mesh::DeviceMesh;
 
 /// How to run the ranks.
 #[derive(Clone, Debug)]
 pub struct LaunchOptions {
     /// How long a rank waits for its peers in a collective (or for a message) before failing
-    /// with [`CommError::Timeout`](crate::comm::CommError::Timeout).
+    /// with [`Error::Timeout`](crate::comm::Error::Timeout).
     pub timeout: Duration,
 }
 
@@ -44,39 +45,14 @@ impl Default for LaunchOptions {
     }
 }
 
-/// A launch that did not produce a result on every rank.
-#[derive(thiserror::Error, Debug)]
-pub enum LaunchError {
-    /// A rank panicked. When several did, this is the root cause: the first rank that failed,
-    /// not the ones that failed because it aborted the world.
-    #[error("rank {rank} failed: {message}")]
-    RankFailed {
-        /// The failing rank.
-        rank: usize,
-        /// Its panic message.
-        message: String,
-    },
-    /// A rank's thread could not be started.
-    #[error("could not start the rank threads: {0}")]
-    Spawn(String),
-    /// A rank raised a typed error inside a distributed op (see [`crate::launch_ranks`]).
-    #[error("rank {rank}: {error}")]
-    Dist {
-        /// The failing rank.
-        rank: usize,
-        /// What went wrong.
-        error: crate::DistError,
-    },
-}
-
 /// Runs `f` once per rank of `mesh`, each on its own thread named `rank-{r}`, with that rank's
 /// in-process communicator, and returns the results in rank order.
 ///
 /// A panic on any rank aborts the world ([`InProcessWorld::abort`]), so the other ranks'
 /// pending and later calls fail at once with
-/// [`CommError::PeerFailed`](crate::comm::CommError::PeerFailed) instead of waiting for the
-/// timeout; the launch then returns [`LaunchError::RankFailed`] for the rank that failed first.
-pub fn launch<T, F>(mesh: &DeviceMesh, options: &LaunchOptions, f: F) -> Result<Vec<T>, LaunchError>
+/// [`Error::PeerFailed`](crate::comm::Error::PeerFailed) instead of waiting for the
+/// timeout; the launch then returns [`Error::RankFailed`] for the rank that failed first.
+pub fn launch<T, F>(mesh: &DeviceMesh, options: &LaunchOptions, f: F) -> Result<Vec<T>, Error>
 where
     T: Send,
     F: Fn(Arc<dyn Communicator>) -> T + Sync,
@@ -86,7 +62,7 @@ where
 }
 
 /// Like [`launch`], on an existing world (for example to inspect or abort it from outside).
-pub fn launch_with_world<T, F>(world: &Arc<InProcessWorld>, f: F) -> Result<Vec<T>, LaunchError>
+pub fn launch_with_world<T, F>(world: &Arc<InProcessWorld>, f: F) -> Result<Vec<T>, Error>
 where
     T: Send,
     F: Fn(Arc<dyn Communicator>) -> T + Sync,
@@ -151,7 +127,7 @@ where
         (outcomes, spawn_error)
     });
     if let Some(message) = spawn_error {
-        return Err(LaunchError::Spawn(message));
+        return Err(Error::Spawn(message));
     }
     let failed = |rank: usize| outcomes.get(rank).is_some_and(Result::is_err);
     let root_cause = world
@@ -164,7 +140,7 @@ where
             Err(message) => message.clone(),
             Ok(_) => unreachable!("the root cause is a failed rank"),
         };
-        return Err(LaunchError::RankFailed { rank, message });
+        return Err(Error::RankFailed { rank, message });
     }
     Ok(outcomes
         .into_iter()
@@ -191,7 +167,7 @@ mod tests {
     use burn::tensor::TensorData;
 
     use super::*;
-    use crate::comm::{CommError, Group, ReduceOp};
+    use crate::comm::{Error, Group, ReduceOp};
 
     #[test]
     fn results_come_back_in_rank_order_on_named_threads() {
@@ -222,7 +198,7 @@ mod tests {
             outcome.unwrap();
         });
         match result {
-            Err(LaunchError::RankFailed { rank, message }) => {
+            Err(Error::RankFailed { rank, message }) => {
                 assert_eq!(rank, 1);
                 assert_eq!(message, "rank one gives up");
             }
@@ -233,7 +209,7 @@ mod tests {
         for outcome in seen {
             assert_eq!(
                 outcome,
-                Err(CommError::PeerFailed {
+                Err(Error::PeerFailed {
                     rank: 1,
                     reason: "panicked: rank one gives up".into()
                 })
@@ -256,7 +232,7 @@ mod tests {
             )
         });
         match result {
-            Err(LaunchError::RankFailed { rank, message }) => {
+            Err(Error::RankFailed { rank, message }) => {
                 assert_eq!(rank, 0);
                 assert!(message.contains("not a string"), "{message}");
             }

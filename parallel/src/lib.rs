@@ -16,12 +16,13 @@
 
 // Layers, bottom to top: a module imports only from the layers below it (`tests.rs` from any).
 //
-//   mesh → comm → placement → error → policy → device → collectives → tensor → backend
+//   error → mesh → comm → placement → policy → device → collectives → tensor → backend
 //        → data_parallel → fsdp, tensor_parallel → launch → ranks
 //
+// - error: the crate's one error type (and `CollectiveKind`, which it names), plain data only.
 // - mesh, comm: the device mesh; the communicators (host buffers, and the device-collectives
 //   trait) — they know nothing of ranks' devices.
-// - placement, error: layouts (`Placement` per mesh axis) and the typed errors.
+// - placement: layouts (`Placement` per mesh axis).
 // - policy: what the strategies tell the backend, as a value the rank holds.
 // - device: `DistDevice` and its `RankContext`; collectives: a rank's collectives on its device
 //   tensors (device collectives when installed, else the host communicator); tensor: `DTensor`
@@ -52,21 +53,24 @@ mod tensor_parallel;
 
 pub use backend::Distributed;
 pub use comm::{
-    Bootstrap, CollectiveKind, CommError, CommStats, Communicator, DeviceCollectives, Group,
-    HostStaged, InProcessWorld, ReduceOp, RendezvousError, TcpRendezvous, exchange_group_ids,
+    Bootstrap, CommStats, Communicator, DeviceCollectives, Group, HostStaged, InProcessWorld,
+    ReduceOp, TcpRendezvous, exchange_group_ids,
 };
 #[cfg(feature = "mpi")]
-pub use comm::{HybridCommunicator, HybridWorld, MpiCommunicator, MpiError, MpiWorld};
+pub use comm::{HybridCommunicator, HybridWorld, MpiCommunicator, MpiWorld};
 #[cfg(feature = "cuda")]
-pub use comm::{NcclCommunicator, NcclInitError, NcclOptions};
+pub use comm::{NcclCommunicator, NcclOptions};
 pub use data_parallel::{
     DistributedBackend, SyncReport, dtensor, from_dtensor, redistribute, replicate, sync_gradients,
 };
 pub use device::{DistDevice, MemoryReport, OpCounters, RankContext};
-pub use error::DistError;
-pub use fsdp::{FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, parameter_bytes};
-pub use launch::{LaunchEnv, LaunchEnvError, LaunchError, LaunchOptions, Launcher, launch};
-pub use mesh::{AxisKind, DeviceMesh, MeshAxis, MeshError};
+pub use error::{CollectiveKind, Error};
+pub use fsdp::{
+    FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, optimizer_state_layout,
+    parameter_bytes,
+};
+pub use launch::{LaunchEnv, LaunchOptions, Launcher, launch};
+pub use mesh::{AxisKind, DeviceMesh, MeshAxis};
 pub use placement::{Layout, Placement, create_replicated};
 pub use policy::{GradientReduction, RankPolicy, ShardingPolicy};
 #[cfg(feature = "cuda")]
@@ -75,7 +79,7 @@ pub use ranks::{launch_ranks, launch_ranks_on};
 #[cfg(feature = "mpi")]
 pub use ranks::{launch_ranks_hybrid, launch_ranks_mpi};
 pub use tensor::DTensor;
-pub use tensor_parallel::{ModulePath, TpError, TpPlan, TpStyle, tensor_parallel};
+pub use tensor_parallel::{ModulePath, TpPlan, TpStyle, tensor_parallel};
 
 /// For Wildfire's own crates (the engine raises typed errors inside backend ops and marks its
 /// recomputation passes); not part of the API.

@@ -11,6 +11,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::Error;
+
 /// What a mesh axis is used for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum AxisKind {
@@ -54,74 +56,6 @@ pub struct MeshAxis {
     pub kind: AxisKind,
 }
 
-/// A user error in the description of a mesh.
-#[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
-pub enum MeshError {
-    /// The mesh has no axis at all.
-    #[error("a device mesh needs at least one axis; use (\"dp\", 1) for a single rank")]
-    Empty,
-    /// An axis name that is not one of the accepted names.
-    #[error(
-        "unknown mesh axis \"{name}\"; accepted axis names are {}",
-        accepted_names()
-    )]
-    UnknownAxis {
-        /// The rejected name.
-        name: String,
-    },
-    /// An axis of size 0.
-    #[error("mesh axis \"{name}\" has size 0; every axis needs size 1 or more (1 disables it)")]
-    ZeroSize {
-        /// The axis name.
-        name: String,
-    },
-    /// The same axis name given twice.
-    #[error("mesh axis \"{name}\" is given twice; give every axis once, with its full size")]
-    DuplicateAxis {
-        /// The repeated name.
-        name: String,
-    },
-    /// The product of the axis sizes differs from the number of ranks.
-    #[error(
-        "mesh {mesh} = {product} ranks does not match the world size {world}; \
-         choose axis sizes whose product is {world}"
-    )]
-    WorldMismatch {
-        /// Every factor, e.g. `dp=3 × tp=2`.
-        mesh: String,
-        /// The product of the axis sizes.
-        product: usize,
-        /// The number of ranks actually present.
-        world: usize,
-    },
-    /// The product of the axis sizes does not fit in a `usize`.
-    #[error("mesh {mesh} has more ranks than fit in a usize; check the axis sizes")]
-    TooLarge {
-        /// Every factor.
-        mesh: String,
-    },
-    /// A lookup by name of an axis the mesh does not have.
-    #[error("mesh {mesh} has no axis \"{name}\"; its axes are {axes}")]
-    NoSuchAxis {
-        /// The name looked up.
-        name: String,
-        /// The mesh, e.g. `dp=2 × tp=2`.
-        mesh: String,
-        /// The mesh's axis names, comma separated.
-        axes: String,
-    },
-    /// A deserialised axis whose recorded kind contradicts its name.
-    #[error("mesh axis \"{name}\" is recorded as {kind:?}, but that name is a {expected:?} axis")]
-    WrongKind {
-        /// The axis name.
-        name: String,
-        /// The recorded kind.
-        kind: AxisKind,
-        /// The kind the name implies.
-        expected: AxisKind,
-    },
-}
-
 fn accepted_names() -> String {
     let names = |kind| {
         AXIS_NAMES
@@ -155,17 +89,17 @@ struct RawMesh {
 }
 
 impl TryFrom<RawMesh> for DeviceMesh {
-    type Error = MeshError;
+    type Error = Error;
 
-    fn try_from(raw: RawMesh) -> Result<Self, MeshError> {
+    fn try_from(raw: RawMesh) -> Result<Self, Error> {
         for axis in &raw.axes {
             if let Some(expected) = AxisKind::of(&axis.name)
                 && expected != axis.kind
             {
-                return Err(MeshError::WrongKind {
+                return Err(Error::WrongKind {
                     name: axis.name.clone(),
-                    kind: axis.kind,
-                    expected,
+                    kind: format!("{:?}", axis.kind),
+                    expected: format!("{expected:?}"),
                 });
             }
         }
@@ -177,7 +111,7 @@ impl DeviceMesh {
     /// A mesh with the given `(name, size)` axes, in order (the last varies fastest).
     ///
     /// Fails on an empty list, an unknown or repeated name, or a size of 0.
-    pub fn new<I, S>(axes: I) -> Result<Self, MeshError>
+    pub fn new<I, S>(axes: I) -> Result<Self, Error>
     where
         I: IntoIterator<Item = (S, usize)>,
         S: Into<String>,
@@ -185,24 +119,26 @@ impl DeviceMesh {
         let mut checked: Vec<MeshAxis> = Vec::new();
         for (name, size) in axes {
             let name = name.into();
-            let kind =
-                AxisKind::of(&name).ok_or_else(|| MeshError::UnknownAxis { name: name.clone() })?;
+            let kind = AxisKind::of(&name).ok_or_else(|| Error::UnknownAxis {
+                name: name.clone(),
+                accepted: accepted_names(),
+            })?;
             if checked.iter().any(|axis| axis.name == name) {
-                return Err(MeshError::DuplicateAxis { name });
+                return Err(Error::DuplicateAxis { name });
             }
             if size == 0 {
-                return Err(MeshError::ZeroSize { name });
+                return Err(Error::ZeroSize { name });
             }
             checked.push(MeshAxis { name, size, kind });
         }
         if checked.is_empty() {
-            return Err(MeshError::Empty);
+            return Err(Error::EmptyMesh);
         }
         let mesh = DeviceMesh { axes: checked };
         mesh.axes
             .iter()
             .try_fold(1usize, |product, axis| product.checked_mul(axis.size))
-            .ok_or_else(|| MeshError::TooLarge {
+            .ok_or_else(|| Error::MeshTooLarge {
                 mesh: mesh.to_string(),
             })?;
         Ok(mesh)
@@ -210,7 +146,7 @@ impl DeviceMesh {
 
     /// Like [`DeviceMesh::new`], and also checks that the axis sizes multiply to `world`,
     /// reporting every factor in one message when they do not.
-    pub fn with_world<I, S>(axes: I, world: usize) -> Result<Self, MeshError>
+    pub fn with_world<I, S>(axes: I, world: usize) -> Result<Self, Error>
     where
         I: IntoIterator<Item = (S, usize)>,
         S: Into<String>,
@@ -218,7 +154,7 @@ impl DeviceMesh {
         let mesh = Self::new(axes)?;
         let product = mesh.world_size();
         if product != world {
-            return Err(MeshError::WorldMismatch {
+            return Err(Error::WorldMismatch {
                 mesh: mesh.to_string(),
                 product,
                 world,
@@ -257,11 +193,11 @@ impl DeviceMesh {
     }
 
     /// The index of the axis called `name`.
-    pub fn axis_index(&self, name: &str) -> Result<usize, MeshError> {
+    pub fn axis_index(&self, name: &str) -> Result<usize, Error> {
         self.axes
             .iter()
             .position(|axis| axis.name == name)
-            .ok_or_else(|| MeshError::NoSuchAxis {
+            .ok_or_else(|| Error::NoSuchAxis {
                 name: name.to_owned(),
                 mesh: self.to_string(),
                 axes: self
@@ -396,8 +332,9 @@ mod tests {
         let err = DeviceMesh::new([("batch", 2)]).unwrap_err();
         assert_eq!(
             err,
-            MeshError::UnknownAxis {
-                name: "batch".into()
+            Error::UnknownAxis {
+                name: "batch".into(),
+                accepted: accepted_names(),
             }
         );
         let message = err.to_string();
@@ -415,19 +352,19 @@ mod tests {
         }
         assert_eq!(
             DeviceMesh::new([("dp", 2), ("dp", 2)]).unwrap_err(),
-            MeshError::DuplicateAxis { name: "dp".into() }
+            Error::DuplicateAxis { name: "dp".into() }
         );
         assert_eq!(
             DeviceMesh::new([("dp", 2), ("tp", 0)]).unwrap_err(),
-            MeshError::ZeroSize { name: "tp".into() }
+            Error::ZeroSize { name: "tp".into() }
         );
         assert_eq!(
             DeviceMesh::new(Vec::<(&str, usize)>::new()).unwrap_err(),
-            MeshError::Empty
+            Error::EmptyMesh
         );
         assert!(matches!(
             DeviceMesh::new([("dp", usize::MAX), ("tp", 2)]),
-            Err(MeshError::TooLarge { .. })
+            Err(Error::MeshTooLarge { .. })
         ));
     }
 
@@ -503,10 +440,10 @@ mod tests {
         wrong[1].kind = AxisKind::Data;
         assert_eq!(
             DeviceMesh::try_from(RawMesh { axes: wrong }).unwrap_err(),
-            MeshError::WrongKind {
+            Error::WrongKind {
                 name: "tp".into(),
-                kind: AxisKind::Data,
-                expected: AxisKind::Model
+                kind: "Data".into(),
+                expected: "Model".into()
             }
         );
         let mut zero = axes;

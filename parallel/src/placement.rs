@@ -130,6 +130,49 @@ impl Layout {
             .product()
     }
 
+    /// Where `rank`'s piece of a tensor of global `shape` lies under this layout, per dimension:
+    /// the global index range of its real elements and the extent of its local piece. The extent
+    /// is larger than the range where a data-axis split pads (the rows past the real ones are
+    /// zeros), and the range is empty for a rank that holds only padding. Nested splits of one
+    /// dimension go in mesh-axis order, the first axis outermost, as [`crate::DTensor`] lays them.
+    pub fn local_box(
+        &self,
+        shape: &[usize],
+        mesh: &DeviceMesh,
+        rank: usize,
+    ) -> Vec<(std::ops::Range<usize>, usize)> {
+        let coords = mesh.coords(rank);
+        (0..shape.len())
+            .map(|dim| {
+                let (mut index, mut parts) = (0, 1);
+                for (a, &coord) in coords.iter().enumerate() {
+                    if self.get(a) == Placement::Shard(dim) {
+                        index = index * mesh.axis_size(a) + coord;
+                        parts *= mesh.axis_size(a);
+                    }
+                }
+                let n = shape[dim];
+                let extent = n.div_ceil(parts);
+                let start = (index * extent).min(n);
+                (start..((index + 1) * extent).min(n), extent)
+            })
+            .collect()
+    }
+
+    /// Whether `rank` is the one rank that speaks for its piece: the first member (coordinate 0)
+    /// of every axis the piece is replicated over. Saving only such pieces writes every element
+    /// once. A layout with partial or per-rank (`Local`) values has no such piece.
+    pub fn owns_piece(&self, mesh: &DeviceMesh, rank: usize) -> bool {
+        mesh.coords(rank)
+            .iter()
+            .zip(self.placements())
+            .all(|(&coord, p)| match p {
+                Placement::Shard(_) => true,
+                Placement::Replicate => coord == 0,
+                Placement::Partial(_) | Placement::Local => false,
+            })
+    }
+
     /// The global shape of a tensor whose local piece has `local` shape under this layout.
     pub fn global_shape(&self, local: &[usize], mesh: &DeviceMesh) -> Vec<usize> {
         let mut shape = local.to_vec();

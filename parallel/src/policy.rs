@@ -39,7 +39,7 @@ pub struct RankPolicy {
     pub keep_sequence_gathers: bool,
     /// A per-rank budget on the bytes of live tensors (the accounting behind
     /// [`RankContext::live_bytes`](crate::RankContext::live_bytes)): an op that would cross it
-    /// fails the rank with [`DistError::MemoryBudget`](crate::DistError::MemoryBudget) (and the
+    /// fails the rank with [`Error::MemoryBudget`](crate::Error::MemoryBudget) (and the
     /// world with it). `None` (or 0): no budget.
     pub memory_budget: Option<u64>,
     /// How parameters, gradients and optimizer state rest on the data axes. Set by `fully_shard`.

@@ -2,7 +2,7 @@
 
 use crate::comm::{Group, ReduceOp};
 use crate::device::DistDevice;
-use crate::error::DistError;
+use crate::error::Error;
 use crate::placement::{Layout, Placement};
 use burn_backend::{Backend, DType, Shape, Slice, TensorMetadata};
 use smallvec::SmallVec;
@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 /// `⌈size/P⌉·P` while split: every rank holds `⌈size/P⌉` rows, the last ones padding, and
 /// gathering trims it again — so any shape shards. A dimension split over a model axis must
 /// divide, otherwise creating or redistributing to that layout fails with
-/// [`DistError::Indivisible`] naming the shape and the sizes.
+/// [`Error::Indivisible`] naming the shape and the sizes.
 pub struct DTensor<B: Backend> {
     pub(crate) local: B::FloatTensorPrimitive,
     pub(crate) layout: Layout,
@@ -131,7 +131,7 @@ impl<B: Backend> DTensor<B> {
         local: B::FloatTensorPrimitive,
         layout: Layout,
         device: &DistDevice<B>,
-    ) -> Result<Self, DistError> {
+    ) -> Result<Self, Error> {
         let mesh = device.mesh();
         let rank = local.shape().num_dims();
         check_layout(&layout, rank, None, mesh)?;
@@ -146,7 +146,7 @@ impl<B: Backend> DTensor<B> {
         full: B::FloatTensorPrimitive,
         layout: &Layout,
         device: &DistDevice<B>,
-    ) -> Result<Self, DistError> {
+    ) -> Result<Self, Error> {
         let start = Self::from_local(full, Layout::replicated(device.mesh()), device)?;
         start.redistribute(layout)
     }
@@ -159,7 +159,7 @@ impl<B: Backend> DTensor<B> {
         layout: Layout,
         global: &[usize],
         device: &DistDevice<B>,
-    ) -> Result<Self, DistError> {
+    ) -> Result<Self, Error> {
         let mesh = device.mesh();
         check_layout(&layout, global.len(), Some(global), mesh)?;
         let expected: Vec<usize> = (0..global.len())
@@ -169,7 +169,7 @@ impl<B: Backend> DTensor<B> {
             })
             .collect();
         if local.shape().to_vec() != expected {
-            return Err(DistError::InvalidLayout {
+            return Err(Error::InvalidLayout {
                 shape: global.to_vec(),
                 mesh: mesh.to_string(),
                 reason: format!(
@@ -305,7 +305,7 @@ impl<B: Backend> DTensor<B> {
     /// A gradient reduction: [`redistribute`](Self::redistribute) with the collectives in the
     /// rank's gradient-reduction dtype when one is set and differs and there is something to
     /// reduce (cast before, back after).
-    pub(crate) fn reduce_gradient(self, target: &Layout) -> Result<Self, DistError> {
+    pub(crate) fn reduce_gradient(self, target: &Layout) -> Result<Self, Error> {
         let own = self.local.dtype();
         let Some(dtype) = self.device.ctx.with_policy(|p| p.grad_reduce_dtype) else {
             return self.redistribute(target);
@@ -337,7 +337,7 @@ impl<B: Backend> DTensor<B> {
 
     /// The full value on every rank: `Shard` axes are gathered and `Partial` axes reduced;
     /// `Local` axes stay per-rank.
-    pub fn full(self) -> Result<B::FloatTensorPrimitive, DistError> {
+    pub fn full(self) -> Result<B::FloatTensorPrimitive, Error> {
         let target = self.layout.unsharded();
         Ok(self.redistribute(&target)?.local)
     }
@@ -370,7 +370,7 @@ impl<B: Backend> DTensor<B> {
     /// `Partial`, or reduce-scatter straight into the target shard), then the target placements
     /// are applied from the first axis to the last (slice for `Shard`, keep the value on member 0
     /// for `Partial(Sum)`), so nested shards of one dimension keep their order.
-    pub fn redistribute(self, target: &Layout) -> Result<Self, DistError> {
+    pub fn redistribute(self, target: &Layout) -> Result<Self, Error> {
         if &self.layout == target {
             return Ok(self);
         }
@@ -427,10 +427,10 @@ impl<B: Backend> DTensor<B> {
             }
             let from = layout.get(a);
             let to = target.get(a);
-            let invalid = |reason: &str| DistError::InvalidRedistribution {
+            let invalid = |reason: &str| Error::InvalidRedistribution {
                 axis: mesh.axis(a).name.clone(),
-                from,
-                to,
+                from: format!("{from:?}"),
+                to: format!("{to:?}"),
                 reason: reason.into(),
             };
             if mesh.axis_size(a) == 1 && from != Placement::Local {
@@ -599,8 +599,8 @@ pub(crate) fn check_layout(
     rank: usize,
     dims: Option<&[usize]>,
     mesh: &crate::mesh::DeviceMesh,
-) -> Result<(), DistError> {
-    let invalid = |reason: String| DistError::InvalidLayout {
+) -> Result<(), Error> {
+    let invalid = |reason: String| Error::InvalidLayout {
         shape: dims.map(<[usize]>::to_vec).unwrap_or_default(),
         mesh: mesh.to_string(),
         reason,
@@ -639,7 +639,7 @@ pub(crate) fn check_layout(
         // (Not below one row per shard: a size-1 dim is a broadcast dim.)
         let pads = data_only && dims[d] >= shards;
         if shards > 1 && dims[d] % shards != 0 && !pads {
-            return Err(DistError::Indivisible {
+            return Err(Error::Indivisible {
                 what: format!("a tensor of shape {dims:?} as {layout}"),
                 dim: d,
                 size: dims[d],

@@ -13,7 +13,7 @@
 //! when the head count divides) and `PositionWiseFeedForward`.
 
 use crate::data_parallel::{DistributedBackend, dtensor, redistribute};
-use crate::error::DistError;
+use crate::error::Error;
 use crate::mesh::DeviceMesh;
 use crate::placement::Placement;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
@@ -71,7 +71,7 @@ impl TpPlan {
     }
 
     /// Declare the head count of the attention modules at `pattern`: the plan is refused
-    /// ([`TpError::Heads`]) unless tp divides it.
+    /// ([`Error::PlanHeads`]) unless tp divides it.
     pub fn with_heads(mut self, pattern: impl Into<String>, heads: usize) -> Self {
         self.heads.push((pattern.into(), heads));
         self
@@ -91,62 +91,6 @@ impl TpPlan {
         self.keep_sequence_gathers = keep;
         self
     }
-}
-
-/// A plan that does not fit the model, found before anything is changed.
-#[derive(thiserror::Error, Debug, Clone, PartialEq)]
-pub enum TpError {
-    /// The mesh has no `tp` axis.
-    #[error("the mesh {0} has no 'tp' axis; build it with a (\"tp\", N) axis")]
-    NoAxis(String),
-    /// A pattern matched no `Linear`.
-    #[error(
-        "tensor-parallel plan: pattern '{0}' matches no Linear layer of the model; check the module path (e.g. encoder.layers.*.mha.query)"
-    )]
-    NoMatch(String),
-    /// Two rules for one layer.
-    #[error(
-        "tensor-parallel plan: {module} is matched by '{first}' and '{second}'; give each layer one style"
-    )]
-    Conflict {
-        /// The module path.
-        module: String,
-        /// The first pattern.
-        first: String,
-        /// The second pattern.
-        second: String,
-    },
-    /// A split that does not divide.
-    #[error(
-        "tensor-parallel plan: {param} has shape {shape:?}; dimension {dim} ({size}) does not divide by tp = {tp}"
-    )]
-    Indivisible {
-        /// The parameter path.
-        param: String,
-        /// Its shape.
-        shape: Vec<usize>,
-        /// The split dimension.
-        dim: usize,
-        /// Its size.
-        size: usize,
-        /// The tensor-parallel degree.
-        tp: usize,
-    },
-    /// An attention module whose head count does not divide by the tp degree.
-    #[error(
-        "tensor-parallel plan: {module} has {heads} attention heads, which do not divide by tp = {tp}; choose a tp that divides the head count"
-    )]
-    Heads {
-        /// The module path.
-        module: String,
-        /// Its head count.
-        heads: usize,
-        /// The tensor-parallel degree.
-        tp: usize,
-    },
-    /// The decorator refused.
-    #[error(transparent)]
-    Dist(#[from] DistError),
 }
 
 fn matches(pattern: &str, path: &str) -> bool {
@@ -212,7 +156,7 @@ fn assign(
     plan: &TpPlan,
     params: &[(String, String, Vec<usize>)],
     tp: usize,
-) -> Result<Vec<Option<usize>>, TpError> {
+) -> Result<Vec<Option<usize>>, Error> {
     // Head counts, on every module (a prefix of a parameter's module path) the pattern names.
     let modules: std::collections::BTreeSet<String> = params
         .iter()
@@ -223,10 +167,10 @@ fn assign(
         .collect();
     for (pattern, heads) in &plan.heads {
         let Some(module) = modules.iter().find(|m| matches(pattern, m)) else {
-            return Err(TpError::NoMatch(pattern.clone()));
+            return Err(Error::PlanNoMatch(pattern.clone()));
         };
         if !heads.is_multiple_of(tp) {
-            return Err(TpError::Heads {
+            return Err(Error::PlanHeads {
                 module: module.clone(),
                 heads: *heads,
                 tp,
@@ -247,7 +191,7 @@ fn assign(
                 || (*style == TpStyle::VocabParallel && matches(pattern, &full))
             {
                 if let Some((first, _)) = chosen {
-                    return Err(TpError::Conflict {
+                    return Err(Error::PlanConflict {
                         module: module.clone(),
                         first: plan.rules[first].0.clone(),
                         second: pattern.clone(),
@@ -268,7 +212,7 @@ fn assign(
         if let Some(d) = dim
             && !shape[d].is_multiple_of(tp)
         {
-            return Err(TpError::Indivisible {
+            return Err(Error::PlanIndivisible {
                 param: format!("{module}.{field}"),
                 shape: shape.clone(),
                 dim: d,
@@ -279,7 +223,7 @@ fn assign(
         out[i] = dim;
     }
     if let Some(r) = used.iter().position(|u| !u) {
-        return Err(TpError::NoMatch(plan.rules[r].0.clone()));
+        return Err(Error::PlanNoMatch(plan.rules[r].0.clone()));
     }
     Ok(out)
 }
@@ -288,7 +232,7 @@ struct Apply {
     axis: usize,
     splits: Vec<Option<usize>>,
     next: usize,
-    error: Option<DistError>,
+    error: Option<Error>,
     ctx: Option<std::sync::Arc<crate::device::RankContext>>,
 }
 
@@ -324,10 +268,10 @@ pub fn tensor_parallel<B: DistributedBackend, M: Module<B>>(
     module: M,
     mesh: &DeviceMesh,
     plan: &TpPlan,
-) -> Result<M, TpError> {
+) -> Result<M, Error> {
     let axis = mesh
         .axis_index("tp")
-        .map_err(|_| TpError::NoAxis(mesh.to_string()))?;
+        .map_err(|_| Error::NoTpAxis(mesh.to_string()))?;
     let mut scan = Scan {
         path: ModulePath::default(),
         params: Vec::new(),
@@ -343,7 +287,7 @@ pub fn tensor_parallel<B: DistributedBackend, M: Module<B>>(
     };
     let module = module.map(&mut apply);
     if let Some(e) = apply.error {
-        return Err(e.into());
+        return Err(e);
     }
     if plan
         .rules

@@ -8,7 +8,7 @@ use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use wildfire_models::data::TokenizerKind;
-use wildfire_models::gpt::{GptConfig, ModelError, Preset};
+use wildfire_models::gpt::{GptConfig, Preset};
 use wildfire_models::parallelize::ParallelConfig;
 use wildfire_parallel::{LaunchEnv, Launcher};
 
@@ -231,7 +231,7 @@ impl PretrainConfig {
     }
 
     /// The model shape for a vocabulary of `vocab` tokens (GPT-2's padded to 50304, as nanoGPT).
-    pub fn model(&self, vocab: usize) -> Result<GptConfig, ModelError> {
+    pub fn model(&self, vocab: usize) -> Result<GptConfig, wildfire_models::Error> {
         let vocab = if vocab > 256 {
             vocab.div_ceil(64) * 64
         } else {

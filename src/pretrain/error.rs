@@ -1,33 +1,16 @@
 //! The one error type of a pretraining run.
 
 use std::path::{Path, PathBuf};
-use wildfire_models::data::DataError;
-use wildfire_models::gpt::ModelError;
-use wildfire_models::io::FileError;
-use wildfire_models::parallelize::ParallelizeError;
-use wildfire_parallel::{DistError, LaunchEnvError, LaunchError};
 
 /// A run that cannot start or cannot go on; each message says what to do.
 #[derive(thiserror::Error, Debug)]
 pub enum PretrainError {
-    /// Data problem.
+    /// The model, its data or its parallelisation (`wildfire_models`).
     #[error(transparent)]
-    Data(#[from] DataError),
-    /// Model shape problem.
+    Models(wildfire_models::Error),
+    /// The parallel layer: a mesh, a collective, a rank that failed, a launcher variable.
     #[error(transparent)]
-    Model(#[from] ModelError),
-    /// Parallelisation problem.
-    #[error(transparent)]
-    Parallelize(#[from] ParallelizeError),
-    /// Distributed problem.
-    #[error(transparent)]
-    Dist(#[from] DistError),
-    /// A rank failed.
-    #[error(transparent)]
-    Launch(#[from] LaunchError),
-    /// A launcher variable that cannot be used.
-    #[error(transparent)]
-    LaunchEnv(#[from] LaunchEnvError),
+    Parallel(#[from] wildfire_parallel::Error),
     /// A bad option value.
     #[error("{0}")]
     Config(String),
@@ -49,11 +32,16 @@ pub enum PretrainError {
     },
 }
 
-impl From<FileError> for PretrainError {
-    fn from(e: FileError) -> Self {
+/// A file error of the models crate is the run's own `Io` or `Checkpoint`, so a caller matches
+/// one variant for every file the run reads or writes.
+impl From<wildfire_models::Error> for PretrainError {
+    fn from(e: wildfire_models::Error) -> Self {
+        use wildfire_models::Error as M;
         match e {
-            FileError::Io { path, source } => PretrainError::Io { path, source },
-            FileError::Invalid { path, reason } => PretrainError::Checkpoint { path, reason },
+            M::Io { path, source } => PretrainError::Io { path, source },
+            M::Invalid { path, reason } => PretrainError::Checkpoint { path, reason },
+            M::Parallel(e) => PretrainError::Parallel(e),
+            e => PretrainError::Models(e),
         }
     }
 }

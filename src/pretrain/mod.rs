@@ -23,18 +23,19 @@ use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, Optimizer};
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 use wildfire_engine::metrics::{MetricsLog, mean_over_ranks, peak_rss};
 use wildfire_engine::{DynamicLossScaler, LossScalerConfig, StepRunner, StepRunnerConfig};
 use wildfire_kernels::FusedOps;
-use wildfire_models::checkpoint::{CheckpointDir, ParamRecords, decode_records, encode_records};
+use wildfire_models::checkpoint::{CheckpointDir, ParamRecords};
 use wildfire_models::data::{BatchSampler, DataSource, TokenDataset, TokenSlice, Tokenizer};
+use wildfire_models::dcp::{Checkpoint, CheckpointWriter, Snapshot};
 use wildfire_models::gpt::{Gpt, GptConfig};
 use wildfire_models::parallelize::parallelize_gpt;
 use wildfire_parallel::{
-    AxisKind, DeviceMesh, DistDevice, Distributed, FsdpOptimizer, LaunchOptions, create_replicated,
-    launch_ranks_on, parameter_bytes,
+    AxisKind, DeviceMesh, DistDevice, Distributed, FsdpOptimizer, LaunchOptions, launch_ranks_on,
+    parameter_bytes,
 };
 
 /// Called on every rank's device before training (e.g. to install NCCL collectives).
@@ -222,7 +223,7 @@ pub fn run_on_with<B: FusedOps>(
             metrics: own_metrics.as_ref().or(shared_metrics.as_ref()),
             resume: resume
                 .as_ref()
-                .map(|(state, dir)| (dir.as_path(), state.scaler.clone())),
+                .map(|(state, checkpoint)| (checkpoint, state.scaler.clone())),
             first_step,
         }
         .train(&device)
@@ -313,8 +314,13 @@ fn launch_ranks<B: FusedOps>(
 }
 
 /// The checkpoint to resume from: its state, checked against this run's model, and directory.
-fn read_state(root: &Path, model: &GptConfig) -> Result<(CheckpointState, PathBuf), PretrainError> {
+fn read_state(
+    root: &Path,
+    model: &GptConfig,
+) -> Result<(CheckpointState, Checkpoint), PretrainError> {
     let dir = CheckpointDir::new(root).latest()?;
+    // The metadata and every file's size, checked before any rank starts.
+    let checkpoint = Checkpoint::open(&dir)?;
     let text = std::fs::read_to_string(dir.join("state.json")).map_err(io_err(&dir))?;
     let state: CheckpointState =
         serde_json::from_str(&text).map_err(|e| PretrainError::Checkpoint {
@@ -330,7 +336,7 @@ fn read_state(root: &Path, model: &GptConfig) -> Result<(CheckpointState, PathBu
             ),
         });
     }
-    Ok((state, dir))
+    Ok((state, checkpoint))
 }
 
 mod rank;

@@ -2,6 +2,8 @@
 //! mesh, then per step: the micro-batches, the step, the metrics, evaluation and checkpoints.
 
 use super::*;
+use burn::optim::SimpleOptimizer;
+use burn::optim::record::AdaptorRecord;
 use wildfire_parallel::RankPolicy;
 
 type A<B> = Autodiff<Distributed<B>>;
@@ -17,8 +19,8 @@ pub(super) struct RankRun<'a> {
     /// This rank's rows of the global batch.
     pub rows: std::ops::Range<usize>,
     pub metrics: Option<&'a MetricsLog>,
-    /// The checkpoint directory and loss scaler to resume from.
-    pub resume: Option<(&'a Path, Option<DynamicLossScaler>)>,
+    /// The checkpoint and loss scaler to resume from.
+    pub resume: Option<(&'a Checkpoint, Option<DynamicLossScaler>)>,
     pub first_step: usize,
 }
 
@@ -47,7 +49,7 @@ impl RankRun<'_> {
         }
     }
 
-    fn train_with<B, O, R>(
+    fn train_with<B, O, X>(
         &self,
         device: &DistDevice<B>,
         mut optim: O,
@@ -55,8 +57,8 @@ impl RankRun<'_> {
     ) -> Result<RunSummary, PretrainError>
     where
         B: FusedOps,
-        O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<R>>,
-        R: burn::record::Record<A<B>>,
+        O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
+        X: SimpleOptimizer<Distributed<B>>,
     {
         let (config, model_config) = (self.config, &self.data.model);
         let rank = device.rank();
@@ -81,24 +83,22 @@ impl RankRun<'_> {
             },
             scaler,
         );
-        let mut model: Gpt<A<B>> = model_config.init(device)?;
-        if let Some((dir, _)) = &self.resume {
-            // Every rank loads the same files: the values are replicated by construction.
-            let bad = |what: &str, reason: String| PretrainError::Checkpoint {
-                path: dir.to_path_buf(),
-                reason: format!("{what}: {reason}"),
-            };
-            model = create_replicated(|| {
-                wildfire_models::safetensors::load(model, &dir.join("model.safetensors"))
-            })
-            .map_err(|e| bad("model weights", e.to_string()))?;
-            let bytes = std::fs::read(dir.join("optimizer.bin"))
-                .map_err(|e| bad("optimizer state", e.to_string()))?;
-            let record = create_replicated(|| decode_records::<A<B>, R>(&bytes, device))
-                .map_err(|e| bad("optimizer state", e))?;
-            optim = create_replicated(|| optim.load_record(record));
-        }
+        let model: Gpt<A<B>> = model_config.init(device)?;
         let mut model = parallelize_gpt(model, device.mesh(), &config.parallel)?;
+        if let Some((checkpoint, _)) = &self.resume {
+            // Each rank reads the pieces of the checkpoint that overlap its own, in this run's
+            // layout (the saving run's mesh and strategy may differ).
+            model = checkpoint.load_model(model)?;
+            optim = optim.load_record(checkpoint.load_optimizer::<A<B>, _, X>(&model)?);
+        }
+        let mut writer = match &config.save {
+            Some(root) => Some(CheckpointWriter::new(
+                root,
+                rank,
+                device.mesh().world_size(),
+            )?),
+            None => None,
+        };
         let tokens_per_step = (config.batch_size * model_config.block_size) as f64;
         let progress = (rank == 0 && config.progress).then(|| self.progress_bar());
         let mut summary = RunSummary::default();
@@ -146,8 +146,7 @@ impl RankRun<'_> {
             let elapsed = started.elapsed().as_secs_f64();
             let mut m = StepMetrics {
                 step,
-                loss: mean_over_ranks(device, record.loss)
-                    .map_err(wildfire_parallel::DistError::from)?,
+                loss: mean_over_ranks(device, record.loss)?,
                 lr,
                 grad_norm: record.grad_norm,
                 loss_scale: record.loss_scale,
@@ -171,11 +170,16 @@ impl RankRun<'_> {
             }
             summary.steps.push(m);
             let every = config.save_every > 0 && (step + 1) % config.save_every == 0;
-            if let Some(root) = &config.save
+            if let Some(writer) = writer.as_mut()
                 && (every || last)
             {
-                self.save(root, &model, &optim, step_runner.scaler(), step + 1, rank)?;
+                self.save(writer, &model, &optim, step_runner.scaler(), step + 1, rank)?;
             }
+        }
+        if let Some(writer) = writer.as_mut()
+            && let Some(report) = writer.wait()?
+        {
+            log_save(&report);
         }
         if let Some(bar) = &progress {
             bar.finish_and_clear();
@@ -227,9 +231,7 @@ impl RankRun<'_> {
             total += model.loss(x, y).into_scalar().elem::<f32>();
         }
         let mean = total / self.config.eval_iters as f32;
-        Ok(Some(
-            mean_over_ranks(device, mean).map_err(wildfire_parallel::DistError::from)?,
-        ))
+        Ok(Some(mean_over_ranks(device, mean)?))
     }
 
     /// Rank 0: the metrics record, the progress bar and (every `log_every` steps, on
@@ -270,14 +272,13 @@ impl RankRun<'_> {
         Ok(())
     }
 
-    /// Save weights (`model.safetensors`, named by module path), optimizer state (one Burn
-    /// record per parameter, in parameter-id order) and the run state (`state.json`: step,
-    /// config, model shape, loss scaler; the sampler needs nothing else) as the checkpoint of
-    /// `step` under `root`. Sharded values are gathered for the files: every rank takes part, in
-    /// the same order; rank 0 writes.
-    fn save<B, O, R>(
+    /// Save the checkpoint of `step`: this rank's pieces of the weights and the AdamW state are
+    /// copied to host memory (the part on the step's path), then written by `writer` in the
+    /// background while training goes on; rank 0 adds the run state (`state.json`: step, config,
+    /// model shape, loss scaler; the sampler needs nothing else) and commits. No collective runs.
+    fn save<B, O, X>(
         &self,
-        root: &Path,
+        writer: &mut CheckpointWriter,
         model: &Gpt<A<B>>,
         optim: &O,
         scaler: Option<&DynamicLossScaler>,
@@ -285,36 +286,46 @@ impl RankRun<'_> {
         rank: usize,
     ) -> Result<(), PretrainError>
     where
-        B: Backend,
-        O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<R>>,
-        R: burn::record::Record<A<B>>,
+        B: FusedOps,
+        O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
+        X: SimpleOptimizer<Distributed<B>>,
     {
-        let weights = wildfire_models::safetensors::to_bytes(model);
-        let optimizer = encode_records::<A<B>, R>(optim.to_record()).map_err(|e| {
-            PretrainError::Checkpoint {
-                path: root.to_path_buf(),
-                reason: format!("optimizer state: {e}"),
-            }
-        })?;
-        if rank != 0 {
-            return Ok(());
-        }
-        let state = CheckpointState {
-            step,
-            config: self.config.clone(),
-            model: self.data.model.clone(),
-            scaler: scaler.cloned(),
+        let started = Instant::now();
+        let snapshot = Snapshot::take(model, Some(optim.to_record()))?;
+        let copy = started.elapsed();
+        let files = if rank == 0 {
+            let state = CheckpointState {
+                step,
+                config: self.config.clone(),
+                model: self.data.model.clone(),
+                scaler: scaler.cloned(),
+            };
+            let state = serde_json::to_vec_pretty(&state).expect("the state serialises");
+            vec![("state.json".to_string(), state)]
+        } else {
+            Vec::new()
         };
-        let state = serde_json::to_string_pretty(&state).expect("the state serialises");
-        let dir = CheckpointDir::new(root).save(
+        let bytes = snapshot.bytes();
+        if let Some(report) = writer.save(snapshot, step, files)? {
+            log_save(&report);
+        }
+        tracing::debug!(
             step,
-            &[
-                ("model.safetensors", &weights),
-                ("optimizer.bin", &optimizer),
-                ("state.json", state.as_bytes()),
-            ],
-        )?;
-        tracing::info!("saved checkpoint {}", dir.display());
+            bytes,
+            "checkpoint: {:.1} ms copying to host on the step's path",
+            copy.as_secs_f64() * 1e3
+        );
         Ok(())
+    }
+}
+
+fn log_save(report: &wildfire_models::dcp::SaveReport) {
+    if let Some(dir) = &report.dir {
+        tracing::info!(
+            "saved checkpoint {} ({} bytes from rank 0, written in {:.1} ms in the background)",
+            dir.display(),
+            report.bytes,
+            report.write_time.as_secs_f64() * 1e3
+        );
     }
 }

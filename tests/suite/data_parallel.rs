@@ -12,8 +12,8 @@ use wildfire::demo::{
     parameters, train,
 };
 use wildfire::parallel::{
-    CollectiveKind, DeviceMesh, DistError, Distributed, LaunchError, LaunchOptions, launch_ranks,
-    replicate, sync_gradients,
+    CollectiveKind, DeviceMesh, Distributed, Error, LaunchOptions, launch_ranks, replicate,
+    sync_gradients,
 };
 
 type Plain = Autodiff<Flex>;
@@ -285,13 +285,12 @@ fn unplaced_model_is_a_typed_error() {
         },
     )
     .unwrap_err();
-    match err {
-        LaunchError::Dist {
-            error:
-                DistError::UnplacedParameter {
-                    op, axis, size: 2, ..
-                },
-            ..
+    let Error::OnRank { error, .. } = err else {
+        panic!("expected a rank's typed error, got {err:?}");
+    };
+    match *error {
+        Error::UnplacedParameter {
+            op, axis, size: 2, ..
         } => {
             assert_eq!(op, "linear");
             assert_eq!(axis, "dp");
@@ -323,11 +322,8 @@ fn missing_sync_is_a_typed_error() {
     .unwrap_err();
     assert!(
         matches!(
-            err,
-            LaunchError::Dist {
-                error: DistError::GradientsNotSynced { .. },
-                ..
-            }
+            &err,
+            Error::OnRank { error, .. } if matches!(**error, Error::GradientsNotSynced { .. })
         ),
         "{err:?}"
     );

@@ -271,6 +271,86 @@ fn resume_is_bitwise_identical() {
     }
 }
 
+/// A checkpoint saved on one mesh and strategy resumes on another: saved at step 5 under dp 4
+/// FullShard, resumed to step 10 under dp 4 FullShard (bitwise: the same arithmetic), dp 2
+/// FullShard, dp 1, dp 2 × tp 2 FullShard and HSDP 2 × 2; saved under tp 2, resumed under tp 1.
+/// Losses and parameters follow the uninterrupted run of the saving layout.
+#[test]
+fn resume_reshards_onto_other_layouts() {
+    let layout = |dp, tp, fsdp, dp_shard| ParallelConfig {
+        dp,
+        tp,
+        fsdp,
+        dp_shard,
+        ..ParallelConfig::default()
+    };
+    let fsdp4 = layout(4, 1, FsdpStrategy::FullShard, None);
+    let tp2 = layout(1, 2, FsdpStrategy::NoShard, None);
+    for (from, targets) in [
+        (
+            fsdp4.clone(),
+            vec![
+                fsdp4.clone(),
+                layout(2, 1, FsdpStrategy::FullShard, None),
+                layout(1, 1, FsdpStrategy::NoShard, None),
+                layout(2, 2, FsdpStrategy::FullShard, None),
+                layout(4, 1, FsdpStrategy::Hybrid, Some(2)),
+            ],
+        ),
+        (tp2.clone(), vec![layout(1, 1, FsdpStrategy::NoShard, None)]),
+    ] {
+        let straight = run(&PretrainConfig {
+            parallel: from.clone(),
+            ..small(10)
+        })
+        .unwrap();
+        let dir = scratch(&format!("reshard-{}-{}", from.dp, from.tp));
+        let first = run(&PretrainConfig {
+            parallel: from.clone(),
+            save: Some(dir.clone()),
+            ..small(5)
+        })
+        .unwrap();
+        for target in targets {
+            let resumed = run(&PretrainConfig {
+                parallel: target.clone(),
+                resume: Some(dir.clone()),
+                ..small(10)
+            })
+            .unwrap();
+            let what = format!(
+                "dp {} tp {} {:?} -> dp {} tp {} {:?}",
+                from.dp, from.tp, from.fsdp, target.dp, target.tp, target.fsdp
+            );
+            let losses: Vec<f32> = first
+                .steps
+                .iter()
+                .chain(&resumed.steps)
+                .map(|s| s.loss)
+                .collect();
+            let expected: Vec<f32> = straight.steps.iter().map(|s| s.loss).collect();
+            if target == from {
+                assert_eq!(bits(&losses), bits(&expected), "{what}: losses");
+            }
+            for (a, b) in crate::suite::pairs(&losses, &expected) {
+                assert!((a - b).abs() <= 1e-5 * b.abs(), "{what}: loss {a} vs {b}");
+            }
+            for (p, q) in crate::suite::pairs(&resumed.parameters, &straight.parameters) {
+                if target == from {
+                    assert_eq!(bits(p), bits(q), "{what}: parameters");
+                }
+                let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
+                for (x, y) in p.iter().zip(q) {
+                    assert!(
+                        (x - y).abs() <= 1e-5 * scale,
+                        "{what}: parameter {x} vs {y}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// MFU counts every rank's device: dp 2 × tp 2 is four (it divided by dp alone).
 #[test]
 fn mfu_divides_by_every_rank() {
@@ -292,7 +372,13 @@ fn bad_input_is_refused() {
         ..small(2)
     };
     let err = run(&missing).unwrap_err();
-    assert!(matches!(err, PretrainError::Data(_)), "{err}");
+    assert!(
+        matches!(
+            err,
+            PretrainError::Models(wildfire::models::Error::Missing { .. })
+        ),
+        "{err}"
+    );
     assert!(err.to_string().contains("/nonexistent/input.txt"), "{err}");
 
     let dir = scratch("shape");
@@ -313,38 +399,44 @@ fn bad_input_is_refused() {
     assert!(err.to_string().contains("same model flags"), "{err}");
     assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap(), before);
 
-    // The weights are plain safetensors: a plain `Gpt<Flex>` loads them.
+    // Every file of the checkpoint is checked before a step runs: a truncated piece file, a
+    // changed byte of a weight (its CRC-32), a corrupt or foreign metadata file are refused with
+    // the file's path, and `latest` still names the checkpoint.
     let step_dir = dir.join(&before);
-    let shape = small(2).model(256).unwrap();
-    let plain = shape
-        .init::<burn::backend::Flex>(&Default::default())
-        .unwrap();
-    wildfire::models::safetensors::load(plain, &step_dir.join("model.safetensors")).unwrap();
-    // A truncated weights file is refused with the path, not a panic.
-    let weights = step_dir.join("model.safetensors");
-    let bytes = std::fs::read(&weights).unwrap();
-    std::fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
-    let err = run(&PretrainConfig {
-        resume: Some(dir.clone()),
-        ..small(4)
-    })
-    .unwrap_err();
-    assert!(matches!(err, PretrainError::Checkpoint { .. }), "{err}");
-    assert!(err.to_string().contains("truncated"), "{err}");
-    // So is a truncated or foreign optimizer state.
-    std::fs::write(&weights, &bytes).unwrap();
-    let optim = step_dir.join("optimizer.bin");
-    let state = std::fs::read(&optim).unwrap();
-    for broken in [&state[..state.len() / 2], &b"not an optimizer state"[..]] {
-        std::fs::write(&optim, broken).unwrap();
-        let err = run(&PretrainConfig {
+    let resume = || {
+        run(&PretrainConfig {
             resume: Some(dir.clone()),
             ..small(4)
         })
-        .unwrap_err();
+        .unwrap_err()
+    };
+    let pieces = step_dir.join("rank-00000.safetensors");
+    let bytes = std::fs::read(&pieces).unwrap();
+    std::fs::write(&pieces, &bytes[..bytes.len() / 2]).unwrap();
+    let err = resume();
+    assert!(matches!(err, PretrainError::Checkpoint { .. }), "{err}");
+    assert!(err.to_string().contains("truncated"), "{err}");
+    assert!(err.to_string().contains("rank-00000.safetensors"), "{err}");
+    let mut flipped = bytes.clone();
+    *flipped.last_mut().unwrap() ^= 0x40;
+    std::fs::write(&pieces, &flipped).unwrap();
+    let err = resume();
+    assert!(matches!(err, PretrainError::Checkpoint { .. }), "{err}");
+    assert!(err.to_string().contains("checksum mismatch"), "{err}");
+    std::fs::write(&pieces, &bytes).unwrap();
+    let metadata = step_dir.join("metadata.json");
+    let meta = std::fs::read_to_string(&metadata).unwrap();
+    for broken in [
+        meta[..meta.len() / 2].to_string(),
+        meta.replace("wildfire-dcp/1", "wildfire-dcp/0"),
+    ] {
+        std::fs::write(&metadata, broken).unwrap();
+        let err = resume();
         assert!(matches!(err, PretrainError::Checkpoint { .. }), "{err}");
-        assert!(err.to_string().contains("optimizer state"), "{err}");
+        assert!(err.to_string().contains("metadata.json"), "{err}");
     }
+    std::fs::write(&metadata, &meta).unwrap();
+    assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap(), before);
 
     let nothing = PretrainConfig {
         resume: Some(scratch("empty")),

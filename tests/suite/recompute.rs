@@ -15,8 +15,8 @@ use wildfire::kernels::hooks::ForwardHooks;
 use wildfire::models::gpt::{Gpt, GptConfig};
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, parallelize_gpt};
 use wildfire::parallel::{
-    CollectiveKind, CommError, DeviceMesh, DistError, Distributed, Group, LaunchOptions, dtensor,
-    launch_ranks, sync_gradients,
+    CollectiveKind, DeviceMesh, Distributed, Error, Group, LaunchOptions, dtensor, launch_ranks,
+    sync_gradients,
 };
 
 type Plain = Autodiff<Flex>;
@@ -202,7 +202,7 @@ fn policies_are_bitwise_identical_under_full_shard() {
                 )
                 .unwrap();
                 let ckpt = Recomputer::<Dist>::new(policy, 7 + rank as u64)
-                    .with_fence(|| Ok(ctx.comm().barrier(Group::World)?));
+                    .with_fence(|| ctx.comm().barrier(Group::World));
                 let loss = model.loss_with(
                     tokens(2, 16, rank, &device),
                     tokens(2, 16, rank + 1, &device),
@@ -311,10 +311,10 @@ fn recompute_errors_come_back_typed() {
     let device = Default::default();
     let model: Gpt<Plain> = config(2, 0.0).init(&device).unwrap();
     let ckpt = Recomputer::<Plain>::new(Recompute::Full, 0).with_fence(|| {
-        Err(DistError::Comm(CommError::PeerFailed {
+        Err(Error::PeerFailed {
             rank: 1,
             reason: "peer gone".into(),
-        }))
+        })
     });
     let loss = model.loss_with(tokens(1, 8, 0, &device), tokens(1, 8, 1, &device), &ckpt);
     let Err(err) = ckpt.backward(loss, &model) else {
@@ -402,7 +402,7 @@ fn stock_dropout_replays_under_thread_ranks() {
                 let mut x = Tensor::<Dist, 3>::from_data(TensorData::new(v, [2, 5, 16]), &device);
                 // The last run uses another step seed: other masks, another loss.
                 let ckpt = Recomputer::<Dist>::new(policy, if run == 2 { 9 } else { 3 })
-                    .with_fence(|| Ok(ctx.comm().barrier(Group::World)?));
+                    .with_fence(|| ctx.comm().barrier(Group::World));
                 let n = encoder.layers.len();
                 for (i, layer) in encoder.layers.iter().enumerate() {
                     x = ckpt.block(i, n, layer, x, |l, x, _| l.forward(x, None, None));

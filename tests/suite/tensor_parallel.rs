@@ -12,7 +12,7 @@ use wildfire::demo::{
     train,
 };
 use wildfire::parallel::{
-    CollectiveKind, DeviceMesh, Distributed, FsdpOptimizer, FsdpStrategy, LaunchOptions, TpError,
+    CollectiveKind, DeviceMesh, Distributed, Error, FsdpOptimizer, FsdpStrategy, LaunchOptions,
     TpPlan, TpStyle, fully_shard, launch_ranks, replicate, sync_gradients, tensor_parallel,
 };
 
@@ -258,7 +258,7 @@ fn bad_plans_are_refused_before_anything_changes() {
     let (_, _, _, _, heads, no_heads) = &errors[0];
     assert_eq!(
         heads,
-        &TpError::Heads {
+        &Error::PlanHeads {
             module: "encoder.layers.0.mha".into(),
             heads: 1,
             tp: 2
@@ -269,19 +269,19 @@ fn bad_plans_are_refused_before_anything_changes() {
         "{heads}"
     );
     assert!(
-        matches!(no_heads, TpError::NoMatch(p) if p == "encoder.layers.*.attn"),
+        matches!(no_heads, Error::PlanNoMatch(p) if p == "encoder.layers.*.attn"),
         "{no_heads}"
     );
     let (none, twice, odd, no_axis, _, _) = &errors[0];
     assert!(
-        matches!(none, TpError::NoMatch(p) if p == "encoder.layers.*.attention"),
+        matches!(none, Error::PlanNoMatch(p) if p == "encoder.layers.*.attention"),
         "{none}"
     );
-    assert!(matches!(twice, TpError::Conflict { .. }), "{twice}");
+    assert!(matches!(twice, Error::PlanConflict { .. }), "{twice}");
     assert!(
         matches!(
             odd,
-            TpError::Indivisible {
+            Error::PlanIndivisible {
                 dim: 1,
                 size: 3,
                 tp: 2,
@@ -290,7 +290,7 @@ fn bad_plans_are_refused_before_anything_changes() {
         ),
         "{odd}"
     );
-    assert!(matches!(no_axis, TpError::NoAxis(_)), "{no_axis}");
+    assert!(matches!(no_axis, Error::NoTpAxis(_)), "{no_axis}");
 }
 
 /// Forward only: exactly two all-reduces per block (Megatron's `g` after the row-parallel

@@ -3,7 +3,7 @@
 use burn::prelude::{Backend, Int, Tensor};
 use std::ops::Range;
 
-use super::{DataError, TokenSlice};
+use super::{Error, TokenSlice};
 
 /// Seeded sampling where the *global* batch of a step is the same set of sequences whatever the
 /// data-parallel degree: sequence `row` (`0..global_batch`) of step `step` starts at an offset that
@@ -38,9 +38,9 @@ impl BatchSampler {
     }
 
     /// Checks that `data` holds at least one sequence and its target (`block_size + 1` tokens).
-    pub fn check(&self, data: TokenSlice<'_>) -> Result<(), DataError> {
+    pub fn check(&self, data: TokenSlice<'_>) -> Result<(), Error> {
         if data.len() <= self.block_size {
-            return Err(DataError::TooShort {
+            return Err(Error::TooShort {
                 split: data.name(),
                 tokens: data.len(),
                 needed: self.block_size + 1,
@@ -60,7 +60,7 @@ impl BatchSampler {
         data: TokenSlice<'_>,
         step: u64,
         rows: Range<usize>,
-    ) -> Result<(Vec<u32>, Vec<u32>), DataError> {
+    ) -> Result<(Vec<u32>, Vec<u32>), Error> {
         assert!(
             rows.end <= self.global_batch,
             "rows {rows:?} outside the global batch of {}",
@@ -86,7 +86,7 @@ impl BatchSampler {
         step: u64,
         rows: Range<usize>,
         device: &B::Device,
-    ) -> Result<[Tensor<B, 2, Int>; 2], DataError> {
+    ) -> Result<[Tensor<B, 2, Int>; 2], Error> {
         let shape = [rows.len(), self.block_size];
         let (x, y) = self.batch(data, step, rows)?;
         let to = |v: Vec<u32>| {
@@ -98,12 +98,12 @@ impl BatchSampler {
 
     /// The rows that rank `rank` of `ranks` data-parallel ranks takes: an equal contiguous slice of
     /// the global batch. Errors unless `ranks` divides `global_batch` and `rank < ranks`.
-    pub fn rows_for(&self, rank: usize, ranks: usize) -> Result<Range<usize>, DataError> {
+    pub fn rows_for(&self, rank: usize, ranks: usize) -> Result<Range<usize>, Error> {
         if rank >= ranks {
-            return Err(DataError::BadRank { rank, ranks });
+            return Err(Error::BadRank { rank, ranks });
         }
         if !self.global_batch.is_multiple_of(ranks) {
-            return Err(DataError::BatchNotDivisible {
+            return Err(Error::BatchNotDivisible {
                 global_batch: self.global_batch,
                 ranks,
             });
@@ -213,20 +213,14 @@ mod tests {
         let err = sampler.rows_for(0, 4).unwrap_err();
         assert!(matches!(
             err,
-            DataError::BatchNotDivisible {
+            Error::BatchNotDivisible {
                 global_batch: 6,
                 ranks: 4
             }
         ));
         assert!(err.to_string().contains("multiple of 4"), "{err}");
-        assert!(matches!(
-            sampler.rows_for(3, 3),
-            Err(DataError::BadRank { .. })
-        ));
-        assert!(matches!(
-            sampler.rows_for(0, 0),
-            Err(DataError::BadRank { .. })
-        ));
+        assert!(matches!(sampler.rows_for(3, 3), Err(Error::BadRank { .. })));
+        assert!(matches!(sampler.rows_for(0, 0), Err(Error::BadRank { .. })));
         assert_eq!(sampler.rows_for(2, 3).unwrap(), 4..6);
 
         let data = dataset(64);
@@ -234,7 +228,7 @@ mod tests {
         assert!(
             matches!(
                 err,
-                DataError::TooShort {
+                Error::TooShort {
                     tokens: 64,
                     needed: 65,
                     ..

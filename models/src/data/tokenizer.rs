@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tiktoken_rs::CoreBPE;
 
-use super::DataError;
+use super::Error;
 
 /// Which tokenizer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -38,14 +38,14 @@ impl TokenizerKind {
 }
 
 impl FromStr for TokenizerKind {
-    type Err = DataError;
+    type Err = Error;
 
     /// `"bytes"` or `"gpt2"` (case-insensitive).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.to_ascii_lowercase().as_str() {
             "bytes" => Ok(Self::Bytes),
             "gpt2" => Ok(Self::Gpt2),
-            _ => Err(DataError::UnknownTokenizer(s.to_owned())),
+            _ => Err(Error::UnknownTokenizer(s.to_owned())),
         }
     }
 }
@@ -82,19 +82,19 @@ impl fmt::Debug for Tokenizer {
 }
 
 /// GPT-2's BPE, built on first use from the tables bundled in `tiktoken-rs`.
-fn gpt2_bpe() -> Result<&'static CoreBPE, DataError> {
+fn gpt2_bpe() -> Result<&'static CoreBPE, Error> {
     static BPE: OnceLock<CoreBPE> = OnceLock::new();
     if let Some(bpe) = BPE.get() {
         return Ok(bpe);
     }
-    let bpe = tiktoken_rs::r50k_base().map_err(|e| DataError::Tokenizer(e.to_string()))?;
+    let bpe = tiktoken_rs::r50k_base().map_err(|e| Error::Tokenizer(e.to_string()))?;
     // Two threads may race to build it; either result is the same.
     Ok(BPE.get_or_init(|| bpe))
 }
 
 impl Tokenizer {
     /// Builds the tokenizer (for GPT-2, from the bundled BPE tables: no network).
-    pub fn new(kind: TokenizerKind) -> Result<Self, DataError> {
+    pub fn new(kind: TokenizerKind) -> Result<Self, Error> {
         let bpe = match kind {
             TokenizerKind::Bytes => None,
             TokenizerKind::Gpt2 => Some(gpt2_bpe()?),

@@ -11,9 +11,8 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use burn::tensor::TensorData;
-use thiserror::Error;
 
-use super::{CommError, Communicator, Group};
+use super::{Communicator, Error, Group};
 use crate::mesh::DeviceMesh;
 
 /// Exchanges one byte blob per rank among all ranks: every rank gets every rank's blob, in rank
@@ -24,59 +23,7 @@ pub trait Bootstrap {
     /// The number of ranks.
     fn world_size(&self) -> usize;
     /// Every rank's `mine`, in rank order.
-    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, RendezvousError>;
-}
-
-/// What went wrong while bootstrapping.
-#[derive(Debug, Error)]
-pub enum RendezvousError {
-    /// A launcher variable is missing or malformed.
-    #[error(
-        "{var}: {reason} (torchrun-style launch sets MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)"
-    )]
-    Env {
-        /// The variable.
-        var: &'static str,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// A socket error.
-    #[error("rendezvous at {addr}, rank {rank}: {source}")]
-    Io {
-        /// The rendezvous address.
-        addr: String,
-        /// This rank.
-        rank: usize,
-        /// The error.
-        source: std::io::Error,
-    },
-    /// Not every rank arrived in time.
-    #[error(
-        "rendezvous at {addr}: rank {rank} waited {waited:?}; ranks {missing:?} never arrived \
-         (is WORLD_SIZE the same everywhere, and is every rank started?)"
-    )]
-    Timeout {
-        /// The rendezvous address.
-        addr: String,
-        /// This rank.
-        rank: usize,
-        /// How long it waited.
-        waited: Duration,
-        /// The ranks that never arrived: rank 0 knows and tells the ranks that came; `[0]` when
-        /// rank 0 itself never answered.
-        missing: Vec<usize>,
-    },
-    /// A peer spoke something else, or disagreed on the world.
-    #[error("rendezvous at {addr}: {reason}")]
-    Protocol {
-        /// The rendezvous address.
-        addr: String,
-        /// What was wrong.
-        reason: String,
-    },
-    /// The host communicator failed.
-    #[error(transparent)]
-    Comm(#[from] CommError),
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, Error>;
 }
 
 /// Any host communicator bootstraps over its world group.
@@ -89,13 +36,13 @@ impl<C: Communicator + ?Sized> Bootstrap for C {
         self.mesh().world_size()
     }
 
-    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, RendezvousError> {
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, Error> {
         // Blobs may differ in length: gather the lengths, then the padded blobs.
         let len = TensorData::new(vec![mine.len() as i64], [1]);
         let lens = self.all_gather(Group::World, len, 0)?;
         let lens: Vec<usize> = lens
             .to_vec::<i64>()
-            .map_err(|e| CommError::UnsupportedDType(format!("{e:?}")))?
+            .map_err(|e| Error::UnsupportedDType(format!("{e:?}")))?
             .into_iter()
             .map(|l| l as usize)
             .collect();
@@ -136,10 +83,10 @@ impl TcpRendezvous {
         rank: usize,
         world_size: usize,
         timeout: Duration,
-    ) -> Result<Self, RendezvousError> {
+    ) -> Result<Self, Error> {
         let addr = addr.into();
         if world_size == 0 || rank >= world_size {
-            return Err(RendezvousError::Protocol {
+            return Err(Error::RendezvousProtocol {
                 addr,
                 reason: format!("rank {rank} is not in a world of {world_size}"),
             });
@@ -153,7 +100,7 @@ impl TcpRendezvous {
     }
 
     /// The rendezvous torchrun describes: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`.
-    pub fn from_env(timeout: Duration) -> Result<Self, RendezvousError> {
+    pub fn from_env(timeout: Duration) -> Result<Self, Error> {
         Self::from_vars(|var| std::env::var(var).ok(), timeout)
     }
 
@@ -161,15 +108,15 @@ impl TcpRendezvous {
     pub fn from_vars(
         var: impl Fn(&str) -> Option<String>,
         timeout: Duration,
-    ) -> Result<Self, RendezvousError> {
+    ) -> Result<Self, Error> {
         let get = |name: &'static str| {
-            var(name).ok_or(RendezvousError::Env {
+            var(name).ok_or(Error::RendezvousEnv {
                 var: name,
                 reason: "not set".into(),
             })
         };
-        let number = |name: &'static str| -> Result<usize, RendezvousError> {
-            get(name)?.trim().parse().map_err(|e| RendezvousError::Env {
+        let number = |name: &'static str| -> Result<usize, Error> {
+            get(name)?.trim().parse().map_err(|e| Error::RendezvousEnv {
                 var: name,
                 reason: format!("not a number ({e})"),
             })
@@ -177,14 +124,14 @@ impl TcpRendezvous {
         let host = get("MASTER_ADDR")?;
         let port = number("MASTER_PORT")?;
         if port == 0 || port > u16::MAX as usize {
-            return Err(RendezvousError::Env {
+            return Err(Error::RendezvousEnv {
                 var: "MASTER_PORT",
                 reason: format!("{port} is not a port"),
             });
         }
         let (rank, world) = (number("RANK")?, number("WORLD_SIZE")?);
         if rank >= world {
-            return Err(RendezvousError::Env {
+            return Err(Error::RendezvousEnv {
                 var: "RANK",
                 reason: format!("{rank} is not below WORLD_SIZE {world}"),
             });
@@ -197,23 +144,24 @@ impl TcpRendezvous {
         &self.addr
     }
 
-    fn io(&self, source: std::io::Error) -> RendezvousError {
-        RendezvousError::Io {
+    fn io(&self, source: std::io::Error) -> Error {
+        Error::RendezvousIo {
             addr: self.addr.clone(),
             rank: self.rank,
-            source,
+            kind: source.kind(),
+            message: source.to_string(),
         }
     }
 
-    fn protocol(&self, reason: String) -> RendezvousError {
-        RendezvousError::Protocol {
+    fn protocol(&self, reason: String) -> Error {
+        Error::RendezvousProtocol {
             addr: self.addr.clone(),
             reason,
         }
     }
 
-    fn timeout_error(&self, start: Instant, missing: Vec<usize>) -> RendezvousError {
-        RendezvousError::Timeout {
+    fn timeout_error(&self, start: Instant, missing: Vec<usize>) -> Error {
+        Error::RendezvousTimeout {
             addr: self.addr.clone(),
             rank: self.rank,
             waited: start.elapsed(),
@@ -221,7 +169,7 @@ impl TcpRendezvous {
         }
     }
 
-    fn resolve(&self) -> Result<SocketAddr, RendezvousError> {
+    fn resolve(&self) -> Result<SocketAddr, Error> {
         self.addr
             .to_socket_addrs()
             .map_err(|e| self.io(e))?
@@ -235,7 +183,7 @@ impl TcpRendezvous {
             .filter(|d| !d.is_zero())
     }
 
-    fn serve(&self, mine: &[u8], start: Instant) -> Result<Vec<Vec<u8>>, RendezvousError> {
+    fn serve(&self, mine: &[u8], start: Instant) -> Result<Vec<Vec<u8>>, Error> {
         let listener = TcpListener::bind(self.resolve()?).map_err(|e| self.io(e))?;
         listener.set_nonblocking(true).map_err(|e| self.io(e))?;
         let mut peers: Vec<(usize, TcpStream)> = Vec::new();
@@ -244,7 +192,7 @@ impl TcpRendezvous {
         // rather than a closed socket.
         if let Err(e) = &result {
             let (tag, missing) = match e {
-                RendezvousError::Timeout { missing, .. } => (1u64, missing.clone()),
+                Error::RendezvousTimeout { missing, .. } => (1u64, missing.clone()),
                 _ => (2u64, Vec::new()),
             };
             let mut frame = Vec::new();
@@ -271,7 +219,7 @@ impl TcpRendezvous {
         mine: &[u8],
         start: Instant,
         peers: &mut Vec<(usize, TcpStream)>,
-    ) -> Result<Vec<Vec<u8>>, RendezvousError> {
+    ) -> Result<Vec<Vec<u8>>, Error> {
         let mut blobs: Vec<Option<Vec<u8>>> = vec![None; self.world_size];
         blobs[0] = Some(mine.to_vec());
         while blobs.iter().any(Option::is_none) {
@@ -323,7 +271,7 @@ impl TcpRendezvous {
         Ok(blobs)
     }
 
-    fn join(&self, mine: &[u8], start: Instant) -> Result<Vec<Vec<u8>>, RendezvousError> {
+    fn join(&self, mine: &[u8], start: Instant) -> Result<Vec<Vec<u8>>, Error> {
         let addr = self.resolve()?;
         let mut stream = loop {
             let Some(left) = self.remaining(start) else {
@@ -350,32 +298,31 @@ impl TcpRendezvous {
             .set_read_timeout(Some(left))
             .map_err(|e| self.io(e))?;
         // Ok(Ok(blobs)), or Ok(Err(rank 0's failure)).
-        let read =
-            |stream: &mut TcpStream| -> std::io::Result<Result<Vec<Vec<u8>>, RendezvousError>> {
-                expect_magic(stream)?;
-                let n = read_u64(stream)?;
-                if n == u64::MAX {
-                    let tag = read_u64(stream)?;
-                    let count = read_u64(stream)?.min(1 << 16);
-                    let missing = (0..count)
-                        .map(|_| read_u64(stream).map(|r| r as usize))
-                        .collect::<std::io::Result<Vec<_>>>()?;
+        let read = |stream: &mut TcpStream| -> std::io::Result<Result<Vec<Vec<u8>>, Error>> {
+            expect_magic(stream)?;
+            let n = read_u64(stream)?;
+            if n == u64::MAX {
+                let tag = read_u64(stream)?;
+                let count = read_u64(stream)?.min(1 << 16);
+                let missing = (0..count)
+                    .map(|_| read_u64(stream).map(|r| r as usize))
+                    .collect::<std::io::Result<Vec<_>>>()?;
+                let len = read_u64(stream)? as usize;
+                let text = String::from_utf8_lossy(&read_exact_vec(stream, len)?).into_owned();
+                return Ok(Err(if tag == 1 {
+                    self.timeout_error(start, missing)
+                } else {
+                    self.protocol(format!("rank 0 gave up: {text}"))
+                }));
+            }
+            (0..n)
+                .map(|_| {
                     let len = read_u64(stream)? as usize;
-                    let text = String::from_utf8_lossy(&read_exact_vec(stream, len)?).into_owned();
-                    return Ok(Err(if tag == 1 {
-                        self.timeout_error(start, missing)
-                    } else {
-                        self.protocol(format!("rank 0 gave up: {text}"))
-                    }));
-                }
-                (0..n)
-                    .map(|_| {
-                        let len = read_u64(stream)? as usize;
-                        read_exact_vec(stream, len)
-                    })
-                    .collect::<std::io::Result<Vec<_>>>()
-                    .map(Ok)
-            };
+                    read_exact_vec(stream, len)
+                })
+                .collect::<std::io::Result<Vec<_>>>()
+                .map(Ok)
+        };
         match read(&mut stream) {
             Ok(Err(e)) => Err(e),
             Ok(Ok(blobs)) if blobs.len() == self.world_size => Ok(blobs),
@@ -410,7 +357,7 @@ impl Bootstrap for TcpRendezvous {
         self.world_size
     }
 
-    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, RendezvousError> {
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, Error> {
         let start = Instant::now();
         if self.world_size == 1 {
             return Ok(vec![mine.to_vec()]);
@@ -480,11 +427,11 @@ pub fn bootstrap_groups(mesh: &DeviceMesh) -> Vec<Group> {
 pub fn exchange_group_ids(
     mesh: &DeviceMesh,
     boot: &(impl Bootstrap + ?Sized),
-    mut new_id: impl FnMut() -> Result<Vec<u8>, RendezvousError>,
-) -> Result<Vec<Vec<u8>>, RendezvousError> {
+    mut new_id: impl FnMut() -> Result<Vec<u8>, Error>,
+) -> Result<Vec<Vec<u8>>, Error> {
     let rank = boot.rank();
     if boot.world_size() != mesh.world_size() {
-        return Err(RendezvousError::Protocol {
+        return Err(Error::RendezvousProtocol {
             addr: String::new(),
             reason: format!(
                 "the launch has {} ranks, the mesh {mesh} has {}",
@@ -530,7 +477,7 @@ pub fn exchange_group_ids(
         .enumerate()
         .map(|(i, &group)| {
             let from = leader(rank, group);
-            slot(&all[from], i).ok_or_else(|| RendezvousError::Protocol {
+            slot(&all[from], i).ok_or_else(|| Error::RendezvousProtocol {
                 addr: String::new(),
                 reason: format!("rank {from} sent no id for its group {group:?}"),
             })
@@ -633,7 +580,7 @@ mod tests {
     fn a_missing_rank_times_out_with_its_number() {
         let addr = format!("127.0.0.1:{}", free_port());
         // World of 3, rank 2 never starts.
-        let results: Vec<Result<Vec<Vec<u8>>, RendezvousError>> = std::thread::scope(|s| {
+        let results: Vec<Result<Vec<Vec<u8>>, Error>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..2)
                 .map(|rank| {
                     let addr = addr.clone();
@@ -647,14 +594,14 @@ mod tests {
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         match &results[0] {
-            Err(RendezvousError::Timeout { missing, rank, .. }) => {
+            Err(Error::RendezvousTimeout { missing, rank, .. }) => {
                 assert_eq!((missing.as_slice(), *rank), (&[2][..], 0));
             }
             other => panic!("rank 0: {other:?}"),
         }
         // Rank 1 learns from rank 0 which rank is missing.
         match &results[1] {
-            Err(RendezvousError::Timeout { missing, rank, .. }) => {
+            Err(Error::RendezvousTimeout { missing, rank, .. }) => {
                 assert_eq!((missing.as_slice(), *rank), (&[2][..], 1));
             }
             other => panic!("rank 1: {other:?}"),
@@ -664,7 +611,7 @@ mod tests {
     #[test]
     fn disagreeing_world_sizes_and_bad_variables_are_typed_errors() {
         let addr = format!("127.0.0.1:{}", free_port());
-        let results: Vec<Result<Vec<Vec<u8>>, RendezvousError>> = std::thread::scope(|s| {
+        let results: Vec<Result<Vec<Vec<u8>>, Error>> = std::thread::scope(|s| {
             let handles: Vec<_> = [(0, 2), (1, 3)]
                 .into_iter()
                 .map(|(rank, world)| {
@@ -678,11 +625,11 @@ mod tests {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let Err(RendezvousError::Protocol { reason, .. }) = &results[0] else {
+        let Err(Error::RendezvousProtocol { reason, .. }) = &results[0] else {
             panic!("{:?}", results[0]);
         };
         assert!(reason.contains("3 ranks"), "{reason}");
-        let Err(RendezvousError::Protocol { reason, .. }) = &results[1] else {
+        let Err(Error::RendezvousProtocol { reason, .. }) = &results[1] else {
             panic!("{:?}", results[1]);
         };
         assert!(reason.contains("rank 0 gave up"), "{reason}");
@@ -700,7 +647,7 @@ mod tests {
         assert!(
             matches!(
                 err,
-                RendezvousError::Env {
+                Error::RendezvousEnv {
                     var: "MASTER_PORT",
                     ..
                 }
@@ -715,7 +662,7 @@ mod tests {
         ];
         let err = TcpRendezvous::from_vars(vars(bad), t).unwrap_err();
         assert!(
-            matches!(err, RendezvousError::Env { var: "RANK", .. }),
+            matches!(err, Error::RendezvousEnv { var: "RANK", .. }),
             "{err}"
         );
         let good = &[

@@ -7,23 +7,19 @@
 
 use burn::tensor::{DType, Shape, TensorData, bf16, f16};
 
-use super::{CommError, ReduceOp};
+use super::{Error, ReduceOp};
 
 /// The size in bytes of one element of `data`, checking that the buffer holds exactly
 /// `num_elements` such elements (quantized and packed storage does not).
-pub(crate) fn element_size(data: &TensorData) -> Result<usize, CommError> {
+pub(crate) fn element_size(data: &TensorData) -> Result<usize, Error> {
     whole_elements(data.dtype, data.shape.num_elements(), data.bytes.len())
 }
 
 /// [`element_size`] of `bytes` holding `elements` of `dtype`.
-pub(crate) fn whole_elements(
-    dtype: DType,
-    elements: usize,
-    bytes: usize,
-) -> Result<usize, CommError> {
+pub(crate) fn whole_elements(dtype: DType, elements: usize, bytes: usize) -> Result<usize, Error> {
     let size = dtype.size();
     if size == 0 || bytes != elements * size {
-        return Err(CommError::UnsupportedDType(format!(
+        return Err(Error::UnsupportedDType(format!(
             "{} ({bytes} bytes for {elements} elements)",
             dtype.name(),
         )));
@@ -33,34 +29,30 @@ pub(crate) fn whole_elements(
 
 /// Fails unless a buffer of `ndims` dimensions has dimension `dim` (the dimension a gather or
 /// scatter runs along).
-pub(crate) fn check_dim(
-    op: super::CollectiveKind,
-    ndims: usize,
-    dim: usize,
-) -> Result<(), CommError> {
+pub(crate) fn check_dim(op: super::CollectiveKind, ndims: usize, dim: usize) -> Result<(), Error> {
     if dim < ndims {
         Ok(())
     } else {
-        Err(CommError::InvalidDim { op, dim, ndims })
+        Err(Error::InvalidDim { op, dim, ndims })
     }
 }
 
 /// Fails unless dimension `dim`, of size `size`, splits into `parts` equal chunks (a
 /// reduce-scatter).
-pub(crate) fn check_divisible(size: usize, dim: usize, parts: usize) -> Result<(), CommError> {
+pub(crate) fn check_divisible(size: usize, dim: usize, parts: usize) -> Result<(), Error> {
     if size.is_multiple_of(parts) {
         Ok(())
     } else {
-        Err(CommError::Indivisible { dim, size, parts })
+        Err(Error::Unsplittable { dim, size, parts })
     }
 }
 
 /// Fails unless reductions support `dtype`.
-pub(crate) fn check_reducible(dtype: DType) -> Result<(), CommError> {
+pub(crate) fn check_reducible(dtype: DType) -> Result<(), Error> {
     match dtype {
         DType::F32 | DType::Flex32 | DType::F64 | DType::F16 | DType::BF16 | DType::I32 => Ok(()),
         DType::I64 => Ok(()),
-        other => Err(CommError::UnsupportedDType(other.name().to_owned())),
+        other => Err(Error::UnsupportedDType(other.name().to_owned())),
     }
 }
 
@@ -95,7 +87,7 @@ pub(crate) fn reduce(parts: &[&[u8]], dtype: DType, shape: Shape, op: ReduceOp) 
 
 /// Concatenates `parts` along `dim`. The caller has checked that they share the dtype and
 /// every size but `dim`'s.
-pub(crate) fn concat(parts: &[&TensorData], dim: usize) -> Result<TensorData, CommError> {
+pub(crate) fn concat(parts: &[&TensorData], dim: usize) -> Result<TensorData, Error> {
     let first = parts[0];
     let size = element_size(first)?;
     let dims = first.shape.as_slice();
@@ -126,7 +118,7 @@ pub(crate) fn gathered(
     shapes: &[Vec<usize>],
     dim: usize,
     dtype: DType,
-) -> Result<TensorData, CommError> {
+) -> Result<TensorData, Error> {
     let first = &shapes[0];
     let mut out = first.clone();
     out[dim] = shapes.iter().map(|s| s[dim]).sum();
@@ -155,7 +147,7 @@ pub(crate) fn chunk_bytes(
     dim: usize,
     parts: usize,
     index: usize,
-) -> Result<(Vec<u8>, Shape), CommError> {
+) -> Result<(Vec<u8>, Shape), Error> {
     let size = element_size(data)?;
     let dims = data.shape.as_slice();
     let outer: usize = dims[..dim].iter().product();

@@ -12,7 +12,7 @@ use std::fmt;
 use burn::tensor::{DType, TensorData};
 
 use super::buffer::{check_dim, check_divisible, check_reducible, whole_elements};
-use super::{CollectiveKind, CommError, Group, ReduceOp, check_rank};
+use super::{CollectiveKind, Error, Group, ReduceOp, check_rank};
 use crate::mesh::DeviceMesh;
 
 /// The buffer a member passes to a collective: its dtype, shape and byte length.
@@ -68,7 +68,7 @@ impl Operand {
 
     /// Fails unless the buffer holds exactly its elements, whole bytes each (quantized and
     /// packed storage does not).
-    pub(crate) fn check_element_size(&self) -> Result<usize, CommError> {
+    pub(crate) fn check_element_size(&self) -> Result<usize, Error> {
         whole_elements(self.dtype, self.shape.iter().product(), self.bytes)
     }
 }
@@ -196,7 +196,7 @@ impl Call {
     /// Fails unless a broadcast's root is a group index of its group (other calls pass): what
     /// the communicators that move data as they go check before the round.
     #[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
-    pub(crate) fn check_root(&self, mesh: &DeviceMesh) -> Result<(), CommError> {
+    pub(crate) fn check_root(&self, mesh: &DeviceMesh) -> Result<(), Error> {
         if self.kind != CollectiveKind::Broadcast {
             return Ok(());
         }
@@ -268,7 +268,7 @@ impl<'m> Round<'m> {
     }
 
     /// Fails unless every member made the same call (with the same call number).
-    pub(crate) fn check_calls(&self) -> Result<(), CommError> {
+    pub(crate) fn check_calls(&self) -> Result<(), Error> {
         let first = &self.calls[0];
         let number = self.numbers.first();
         let same = self.calls.iter().all(|call| call.same_call(first))
@@ -287,7 +287,7 @@ impl<'m> Round<'m> {
 
     /// Fails unless every member's buffer has the same dtype and, when `except` is `None`, the
     /// same shape; with `Some(dim)`, the same rank and the same sizes on every dim but `dim`.
-    pub(crate) fn check_layouts(&self, except: Option<usize>) -> Result<(), CommError> {
+    pub(crate) fn check_layouts(&self, except: Option<usize>) -> Result<(), Error> {
         let first = self.calls[0].buffer();
         let agrees = |call: &Call| match (call.buffer(), first) {
             (Some(buffer), Some(first)) => buffer.agrees(first, except),
@@ -312,7 +312,7 @@ impl<'m> Round<'m> {
     /// The checks of a host collective on its members' buffers, once the calls agree: layouts
     /// that fit (an all-gather's may differ along `dim`), a dim the buffers have, a dtype the
     /// reduction takes, whole-byte elements, and a scattered dim that splits evenly.
-    pub(crate) fn check_buffers(&self) -> Result<(), CommError> {
+    pub(crate) fn check_buffers(&self) -> Result<(), Error> {
         let call = &self.mine;
         let gather = call.kind == CollectiveKind::AllGather;
         self.check_layouts(gather.then_some(call.dim))?;
@@ -340,10 +340,10 @@ impl<'m> Round<'m> {
     }
 
     /// A broadcast's source: the root's buffer (the root being a valid group index).
-    pub(crate) fn root_buffer(&self) -> Result<&Operand, CommError> {
+    pub(crate) fn root_buffer(&self) -> Result<&Operand, Error> {
         let root = self.mine.root;
         let Some(source) = self.calls.get(root) else {
-            return Err(CommError::InvalidRank {
+            return Err(Error::InvalidRank {
                 rank: root,
                 size: self.calls.len(),
                 context: format!("group {}", self.label()),
@@ -358,9 +358,9 @@ impl<'m> Round<'m> {
         })
     }
 
-    /// This round's [`CommError::Mismatch`], with `detail`.
-    fn mismatch(&self, detail: String) -> CommError {
-        CommError::Mismatch {
+    /// This round's [`Error::Mismatch`], with `detail`.
+    fn mismatch(&self, detail: String) -> Error {
+        Error::Mismatch {
             op: self.mine.kind,
             group: self.label().to_owned(),
             detail,

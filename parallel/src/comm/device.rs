@@ -22,7 +22,7 @@ use burn::tensor::TensorData;
 use burn_backend::Backend;
 use burn_backend::tensor::FloatTensor;
 
-use super::{CollectiveKind, CommError, CommStats, Communicator, Group, ReduceOp};
+use super::{CollectiveKind, CommStats, Communicator, Error, Group, ReduceOp};
 
 /// Collectives on `B`'s device tensors, with the semantics of [`Communicator`] restricted to
 /// dim 0. Every member of the group calls the same sequence (SPMD). Implementations count
@@ -41,7 +41,7 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
         group: Group,
         tensor: FloatTensor<B>,
         op: ReduceOp,
-    ) -> Result<FloatTensor<B>, CommError>;
+    ) -> Result<FloatTensor<B>, Error>;
 
     /// The concatenation along dim 0 of every member's tensor, in group order. Members' shapes
     /// agree except on dim 0.
@@ -49,7 +49,7 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
         &self,
         group: Group,
         tensor: FloatTensor<B>,
-    ) -> Result<FloatTensor<B>, CommError>;
+    ) -> Result<FloatTensor<B>, Error>;
 
     /// Reduce, then this member's chunk along dim 0 (the caller checked divisibility).
     fn reduce_scatter_first(
@@ -57,7 +57,7 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
         group: Group,
         tensor: FloatTensor<B>,
         op: ReduceOp,
-    ) -> Result<FloatTensor<B>, CommError>;
+    ) -> Result<FloatTensor<B>, Error>;
 
     /// Every member gets the tensor of the member at group index `root`; the others pass a
     /// tensor of the same shape and dtype as the receive buffer.
@@ -66,7 +66,7 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
         group: Group,
         tensor: FloatTensor<B>,
         root: usize,
-    ) -> Result<FloatTensor<B>, CommError>;
+    ) -> Result<FloatTensor<B>, Error>;
 }
 
 /// The host path written as [`DeviceCollectives`]: read the tensor, call the host communicator
@@ -97,8 +97,8 @@ impl HostStaged {
         &self,
         kind: CollectiveKind,
         tensor: FloatTensor<B>,
-        call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, CommError>,
-    ) -> Result<FloatTensor<B>, CommError> {
+        call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, Error>,
+    ) -> Result<FloatTensor<B>, Error> {
         *self
             .calls
             .lock()
@@ -126,8 +126,8 @@ pub(crate) fn stage<B: Backend>(
     comm: &dyn Communicator,
     device: &B::Device,
     tensor: FloatTensor<B>,
-    call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, CommError>,
-) -> Result<FloatTensor<B>, CommError> {
+    call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, Error>,
+) -> Result<FloatTensor<B>, Error> {
     let data = call(comm, read::<B>(tensor))?;
     Ok(B::float_from_data(data, device))
 }
@@ -138,7 +138,7 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         group: Group,
         tensor: FloatTensor<B>,
         op: ReduceOp,
-    ) -> Result<FloatTensor<B>, CommError> {
+    ) -> Result<FloatTensor<B>, Error> {
         self.staged::<B>(CollectiveKind::AllReduce, tensor, |c, d| {
             c.all_reduce(group, d, op)
         })
@@ -148,7 +148,7 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         &self,
         group: Group,
         tensor: FloatTensor<B>,
-    ) -> Result<FloatTensor<B>, CommError> {
+    ) -> Result<FloatTensor<B>, Error> {
         self.staged::<B>(CollectiveKind::AllGather, tensor, |c, d| {
             c.all_gather(group, d, 0)
         })
@@ -159,7 +159,7 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         group: Group,
         tensor: FloatTensor<B>,
         op: ReduceOp,
-    ) -> Result<FloatTensor<B>, CommError> {
+    ) -> Result<FloatTensor<B>, Error> {
         self.staged::<B>(CollectiveKind::ReduceScatter, tensor, |c, d| {
             c.reduce_scatter(group, d, 0, op)
         })
@@ -170,7 +170,7 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         group: Group,
         tensor: FloatTensor<B>,
         root: usize,
-    ) -> Result<FloatTensor<B>, CommError> {
+    ) -> Result<FloatTensor<B>, Error> {
         self.staged::<B>(CollectiveKind::Broadcast, tensor, |c, d| {
             c.broadcast(group, Some(d), root)
         })

@@ -1,7 +1,7 @@
 //! A [`Call`] on the wire (MPI, hybrid and NCCL communicators): the members of a group
 //! exchange their calls as fixed-size headers — call number, collective, op, dim, root, dtype and
 //! shape — before any data moves, so that members that diverge fail with
-//! [`CommError::Mismatch`] naming each member's call ([`Round`]) instead of hanging or mixing
+//! [`Error::Mismatch`] naming each member's call ([`Round`]) instead of hanging or mixing
 //! buffers.
 
 use std::collections::HashMap;
@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use burn::tensor::DType;
 
 use super::call::{Call, Operand, Round};
-use super::{CollectiveKind, CommError, Group, ReduceOp, lock};
+use super::{CollectiveKind, Error, Group, ReduceOp, lock};
 use crate::mesh::DeviceMesh;
 
 /// Dimensions a header can describe.
@@ -67,7 +67,7 @@ impl Sequence {
 
     /// The header of this member's next call, `call`: numbered on its group, its buffer
     /// checked to hold whole elements.
-    pub(crate) fn header(&self, call: &Call) -> Result<(i64, Header), CommError> {
+    pub(crate) fn header(&self, call: &Call) -> Result<(i64, Header), Error> {
         let seq = self.next(call.group());
         if let Some(buffer) = call.buffer() {
             buffer.check_element_size()?;
@@ -80,12 +80,12 @@ fn code<T: PartialEq>(table: &[T], value: &T) -> Option<i64> {
     table.iter().position(|v| v == value).map(|i| i as i64)
 }
 
-fn decoded<T: Copy>(table: &[T], code: i64, what: &str) -> Result<T, CommError> {
+fn decoded<T: Copy>(table: &[T], code: i64, what: &str) -> Result<T, Error> {
     usize::try_from(code)
         .ok()
         .and_then(|i| table.get(i).copied())
         .ok_or_else(|| {
-            CommError::Unsupported(format!(
+            Error::Unsupported(format!(
                 "a header with {what} code {code}, which this build does not know: every rank \
                  must run the same build"
             ))
@@ -96,7 +96,7 @@ fn decoded<T: Copy>(table: &[T], code: i64, what: &str) -> Result<T, CommError> 
 pub(crate) fn encode_operand(
     kind: CollectiveKind,
     buffer: Option<&Operand>,
-) -> Result<[i64; OPERAND], CommError> {
+) -> Result<[i64; OPERAND], Error> {
     let mut words = [0i64; OPERAND];
     let Some(buffer) = buffer else {
         words[0] = -1;
@@ -105,14 +105,14 @@ pub(crate) fn encode_operand(
     };
     let dims = buffer.shape();
     if dims.len() > MAX_DIMS {
-        return Err(CommError::InvalidDim {
+        return Err(Error::InvalidDim {
             op: kind,
             dim: dims.len(),
             ndims: MAX_DIMS,
         });
     }
     words[0] = code(&DTYPES, &buffer.dtype())
-        .ok_or_else(|| CommError::UnsupportedDType(buffer.dtype().name().to_owned()))?;
+        .ok_or_else(|| Error::UnsupportedDType(buffer.dtype().name().to_owned()))?;
     words[1] = dims.len() as i64;
     for (slot, d) in words[2..].iter_mut().zip(dims) {
         *slot = *d as i64;
@@ -121,7 +121,7 @@ pub(crate) fn encode_operand(
 }
 
 /// The buffer [`encode_operand`] wrote.
-pub(crate) fn decode_operand(words: &[i64]) -> Result<Option<Operand>, CommError> {
+pub(crate) fn decode_operand(words: &[i64]) -> Result<Option<Operand>, Error> {
     if words[1] == NO_BUFFER {
         return Ok(None);
     }
@@ -129,13 +129,13 @@ pub(crate) fn decode_operand(words: &[i64]) -> Result<Option<Operand>, CommError
     let ndims = usize::try_from(words[1])
         .ok()
         .filter(|&n| n <= MAX_DIMS)
-        .ok_or_else(|| CommError::Unsupported(format!("a header with {} dims", words[1])))?;
+        .ok_or_else(|| Error::Unsupported(format!("a header with {} dims", words[1])))?;
     let shape: Vec<usize> = words[2..2 + ndims].iter().map(|&d| d as usize).collect();
     Ok(Some(Operand::new(dtype, &shape)))
 }
 
 /// `call` as this member's `seq`-th call on its group.
-pub(crate) fn encode(seq: i64, call: &Call) -> Result<Header, CommError> {
+pub(crate) fn encode(seq: i64, call: &Call) -> Result<Header, Error> {
     let mut h = [0i64; HEADER];
     h[0] = seq;
     h[1] = code(&KINDS, &call.kind()).expect("every kind has a code");
@@ -149,7 +149,7 @@ pub(crate) fn encode(seq: i64, call: &Call) -> Result<Header, CommError> {
 }
 
 /// The call number and call (on `group`) that [`encode`] wrote.
-pub(crate) fn decode(h: &Header, group: Group) -> Result<(i64, Call), CommError> {
+pub(crate) fn decode(h: &Header, group: Group) -> Result<(i64, Call), Error> {
     let op = match h[2] {
         -1 => None,
         code => Some(decoded(&OPS, code, "op")?),
@@ -186,7 +186,7 @@ pub(crate) fn round<'m>(
     rank: usize,
     mine: &Call,
     headers: &[Header],
-) -> Result<Round<'m>, CommError> {
+) -> Result<Round<'m>, Error> {
     let (numbers, calls): (Vec<i64>, Vec<Call>) = headers
         .iter()
         .map(|h| decode(h, mine.group()))

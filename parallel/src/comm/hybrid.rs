@@ -27,7 +27,7 @@ use super::call::{Operand, Round};
 use super::header::{self, HEADER, Header, Sequence, from_bytes, to_bytes};
 use super::mpi_comm::Handle;
 use super::stats::StatsCell;
-use super::{Call, CollectiveKind, CommError, CommStats, Communicator, Group};
+use super::{Call, CollectiveKind, CommStats, Communicator, Error, Group};
 use crate::mesh::DeviceMesh;
 
 /// What the local members of one group deposit for one call.
@@ -61,20 +61,16 @@ impl HybridWorld {
     /// Initialise MPI for a mesh of `P × threads` ranks (`P` the MPI world size): this process
     /// runs ranks `p·threads .. (p+1)·threads`. Every group must have the same number of members
     /// in each process it spans (true when the axes inside a process are the innermost).
-    pub fn init(
-        mesh: DeviceMesh,
-        threads: usize,
-        timeout: Duration,
-    ) -> Result<Self, super::MpiError> {
+    pub fn init(mesh: DeviceMesh, threads: usize, timeout: Duration) -> Result<Self, super::Error> {
         let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
-            .ok_or(super::MpiError::AlreadyInitialised)?;
+            .ok_or(super::Error::MpiAlreadyInitialised)?;
         if level != mpi::Threading::Multiple {
-            return Err(super::MpiError::Threading(format!("{level:?}")));
+            return Err(super::Error::MpiThreading(format!("{level:?}")));
         }
         let world = universe.world();
         let (process, processes) = (world.rank() as usize, world.size() as usize);
         if processes * threads != mesh.world_size() {
-            return Err(super::MpiError::WorldSize {
+            return Err(super::Error::MpiWorldSize {
                 mesh: mesh.to_string(),
                 mesh_size: mesh.world_size(),
                 world: processes * threads,
@@ -103,7 +99,7 @@ impl HybridWorld {
                     .iter()
                     .all(|&q| members.iter().filter(|r| *r / threads == q).count() == local.len());
                 if !regular {
-                    return Err(super::MpiError::Layout(format!(
+                    return Err(super::Error::HybridLayout(format!(
                         "group {} of rank {rank} has {} ranks in process {process} but a different number in another; put the axes inside a process innermost",
                         group.label(&mesh).unwrap_or("?"),
                         local.len()
@@ -192,7 +188,7 @@ impl HybridCommunicator {
         &self,
         call: &Call,
         data: Option<&TensorData>,
-    ) -> Result<(Round<'_>, Vec<Vec<u8>>), CommError> {
+    ) -> Result<(Round<'_>, Vec<Vec<u8>>), Error> {
         let group = call.group();
         let label = group.label(&self.mesh)?.to_owned();
         let members = group.ranks(&self.mesh, self.rank)?;
@@ -268,7 +264,7 @@ impl HybridCommunicator {
         mine: Vec<u8>,
         kind: CollectiveKind,
         label: &str,
-    ) -> Result<Vec<Vec<u8>>, CommError> {
+    ) -> Result<Vec<Vec<u8>>, Error> {
         if local.len() == 1 {
             return Ok(vec![mine]);
         }
@@ -294,7 +290,7 @@ impl HybridCommunicator {
                     .copied()
                     .filter(|r| !slot.parts.contains_key(r))
                     .collect();
-                return Err(CommError::Timeout {
+                return Err(Error::Timeout {
                     op: kind,
                     group: label.to_owned(),
                     rank: self.rank,
@@ -338,7 +334,7 @@ impl Communicator for HybridCommunicator {
         &self,
         call: Call,
         data: Option<TensorData>,
-    ) -> Result<Option<TensorData>, CommError> {
+    ) -> Result<Option<TensorData>, Error> {
         call.check_root(&self.mesh)?;
         let (round, mut payloads) = self.gather(&call, data.as_ref())?;
         let buffers = |payloads: Vec<Vec<u8>>| -> Vec<TensorData> {

@@ -8,8 +8,8 @@
 //! ones still collect the previous one; rounds never mix.
 //!
 //! Waiting uses a condition variable with a deadline (a missing peer gives
-//! [`CommError::Timeout`], never a hang) and watches the world's abort flag (a failed peer gives
-//! [`CommError::PeerFailed`] at once).
+//! [`Error::Timeout`], never a hang) and watches the world's abort flag (a failed peer gives
+//! [`Error::PeerFailed`] at once).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -22,13 +22,11 @@ use burn::tensor::TensorData;
 use super::buffer::{chunk_bytes, concat, reduce};
 use super::call::Round;
 use super::stats::StatsCell;
-use super::{
-    Call, CollectiveKind, CommError, CommStats, Communicator, PointToPoint, check_rank, lock,
-};
+use super::{Call, CollectiveKind, CommStats, Communicator, Error, PointToPoint, check_rank, lock};
 use crate::mesh::DeviceMesh;
 
 /// How long a rank waits for its peers (or a message) before giving up with
-/// [`CommError::Timeout`].
+/// [`Error::Timeout`].
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The state shared by the ranks of one in-process world.
@@ -96,7 +94,7 @@ impl InProcessWorld {
     }
 
     /// Makes every pending and future call of every rank fail with
-    /// [`CommError::PeerFailed`] naming `rank` and `reason`. Only the first abort is kept.
+    /// [`Error::PeerFailed`] naming `rank` and `reason`. Only the first abort is kept.
     pub fn abort(&self, rank: usize, reason: String) {
         {
             let mut slot = lock(&self.abort_reason);
@@ -124,14 +122,14 @@ impl InProcessWorld {
         lock(&self.abort_reason).clone()
     }
 
-    fn check_abort(&self) -> Result<(), CommError> {
+    fn check_abort(&self) -> Result<(), Error> {
         if !self.aborted.load(Ordering::SeqCst) {
             return Ok(());
         }
         let (rank, reason) = self
             .abort_reason()
             .expect("the abort reason is set before the flag");
-        Err(CommError::PeerFailed { rank, reason })
+        Err(Error::PeerFailed { rank, reason })
     }
 
     fn rendezvous(&self, members: &[usize]) -> Arc<Rendezvous> {
@@ -156,11 +154,7 @@ impl InProcessWorld {
 
     /// Deposits `mine` into this member's next round of the group `members` and waits for
     /// everyone's deposits.
-    fn exchange(
-        &self,
-        who: &Who<'_>,
-        mine: Contribution,
-    ) -> Result<Arc<[Contribution]>, CommError> {
+    fn exchange(&self, who: &Who<'_>, mine: Contribution) -> Result<Arc<[Contribution]>, Error> {
         let point = self.rendezvous(who.members);
         let size = who.members.len();
         let start = Instant::now();
@@ -207,7 +201,7 @@ impl InProcessWorld {
                     .filter(|(slot, _)| slot.is_none())
                     .map(|(_, &rank)| rank)
                     .collect();
-                return Err(CommError::Timeout {
+                return Err(Error::Timeout {
                     op: who.kind,
                     group: who.label.to_owned(),
                     rank: who.rank,
@@ -329,7 +323,7 @@ impl InProcessCommunicator {
 
 /// This member's result of a collective (not a broadcast, not a barrier) from everyone's
 /// buffers, in group order; the round checked them.
-fn combine(call: &Call, index: usize, buffers: &[&TensorData]) -> Result<TensorData, CommError> {
+fn combine(call: &Call, index: usize, buffers: &[&TensorData]) -> Result<TensorData, Error> {
     let first = buffers[0];
     Ok(match call.kind() {
         CollectiveKind::AllReduce => {
@@ -369,7 +363,7 @@ impl Communicator for InProcessCommunicator {
         &self,
         call: Call,
         data: Option<TensorData>,
-    ) -> Result<Option<TensorData>, CommError> {
+    ) -> Result<Option<TensorData>, Error> {
         self.world.check_abort()?;
         let mesh = &self.world.mesh;
         let group = call.group();
@@ -417,7 +411,7 @@ impl Communicator for InProcessCommunicator {
         Ok(result)
     }
 
-    fn point_to_point(&self) -> Result<&dyn PointToPoint, CommError> {
+    fn point_to_point(&self) -> Result<&dyn PointToPoint, Error> {
         Ok(self)
     }
 
@@ -431,7 +425,7 @@ impl Communicator for InProcessCommunicator {
 }
 
 impl PointToPoint for InProcessCommunicator {
-    fn send(&self, to: usize, data: TensorData) -> Result<(), CommError> {
+    fn send(&self, to: usize, data: TensorData) -> Result<(), Error> {
         self.world.check_abort()?;
         check_rank(to, self.world.mesh.world_size(), "the world")?;
         let bytes = data.bytes.len();
@@ -442,7 +436,7 @@ impl PointToPoint for InProcessCommunicator {
         Ok(())
     }
 
-    fn recv(&self, from: usize) -> Result<TensorData, CommError> {
+    fn recv(&self, from: usize) -> Result<TensorData, Error> {
         self.world.check_abort()?;
         check_rank(from, self.world.mesh.world_size(), "the world")?;
         let channel = self.world.channel(from, self.rank);
@@ -456,7 +450,7 @@ impl PointToPoint for InProcessCommunicator {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(CommError::Timeout {
+                return Err(Error::Timeout {
                     op: CollectiveKind::Recv,
                     group: "p2p".to_owned(),
                     rank: self.rank,

@@ -32,16 +32,14 @@ mod tests;
 
 use std::fmt;
 use std::sync::{Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
 
 use burn::tensor::TensorData;
 use serde::{Deserialize, Serialize};
 
+pub use crate::error::{CollectiveKind, Error};
 use crate::mesh::DeviceMesh;
 
-pub use bootstrap::{
-    Bootstrap, RendezvousError, TcpRendezvous, bootstrap_groups, exchange_group_ids,
-};
+pub use bootstrap::{Bootstrap, TcpRendezvous, bootstrap_groups, exchange_group_ids};
 pub(crate) use buffer::{check_dim, check_divisible};
 pub use call::{Call, Operand};
 #[cfg(test)]
@@ -52,9 +50,9 @@ pub use device::{DeviceCollectives, HostStaged};
 pub use hybrid::{HybridCommunicator, HybridWorld};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessCommunicator, InProcessWorld};
 #[cfg(feature = "mpi")]
-pub use mpi_comm::{MpiCommunicator, MpiError, MpiWorld};
+pub use mpi_comm::{MpiCommunicator, MpiWorld};
 #[cfg(feature = "cuda")]
-pub use nccl::{NcclCommunicator, NcclInitError, NcclOptions};
+pub use nccl::{NcclCommunicator, NcclOptions};
 pub use stats::{CommCount, CommStats};
 
 /// How the members' buffers are combined.
@@ -90,7 +88,7 @@ pub enum Group {
 
 impl Group {
     /// The label statistics and errors use: the axis name, or `world`.
-    pub fn label(self, mesh: &DeviceMesh) -> Result<&str, CommError> {
+    pub fn label(self, mesh: &DeviceMesh) -> Result<&str, Error> {
         match self {
             Group::World => Ok("world"),
             Group::Axis(axis) => {
@@ -101,7 +99,7 @@ impl Group {
     }
 
     /// The global ranks of `rank`'s group, in group order.
-    pub fn ranks(self, mesh: &DeviceMesh, rank: usize) -> Result<Vec<usize>, CommError> {
+    pub fn ranks(self, mesh: &DeviceMesh, rank: usize) -> Result<Vec<usize>, Error> {
         check_rank(rank, mesh.world_size(), "the world")?;
         match self {
             Group::World => Ok((0..mesh.world_size()).collect()),
@@ -113,7 +111,7 @@ impl Group {
     }
 
     /// The number of ranks in the group.
-    pub fn size(self, mesh: &DeviceMesh) -> Result<usize, CommError> {
+    pub fn size(self, mesh: &DeviceMesh) -> Result<usize, Error> {
         match self {
             Group::World => Ok(mesh.world_size()),
             Group::Axis(axis) => {
@@ -124,7 +122,7 @@ impl Group {
     }
 
     /// `rank`'s index inside its group.
-    pub fn index(self, mesh: &DeviceMesh, rank: usize) -> Result<usize, CommError> {
+    pub fn index(self, mesh: &DeviceMesh, rank: usize) -> Result<usize, Error> {
         check_rank(rank, mesh.world_size(), "the world")?;
         match self {
             Group::World => Ok(rank),
@@ -135,9 +133,9 @@ impl Group {
         }
     }
 
-    fn check(self, mesh: &DeviceMesh) -> Result<(), CommError> {
+    fn check(self, mesh: &DeviceMesh) -> Result<(), Error> {
         match self {
-            Group::Axis(axis) if axis >= mesh.axes().len() => Err(CommError::NoSuchAxis {
+            Group::Axis(axis) if axis >= mesh.axes().len() => Err(Error::NoSuchAxisIndex {
                 axis,
                 mesh: mesh.to_string(),
             }),
@@ -155,155 +153,11 @@ impl fmt::Display for Group {
     }
 }
 
-/// The kind of a communication call, as statistics and errors name it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub enum CollectiveKind {
-    /// [`Communicator::all_reduce`].
-    AllReduce,
-    /// [`Communicator::all_gather`].
-    AllGather,
-    /// [`Communicator::reduce_scatter`].
-    ReduceScatter,
-    /// [`Communicator::broadcast`].
-    Broadcast,
-    /// [`Communicator::barrier`].
-    Barrier,
-    /// [`PointToPoint::send`].
-    Send,
-    /// [`PointToPoint::recv`].
-    Recv,
-}
-
-impl fmt::Display for CollectiveKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            CollectiveKind::AllReduce => "all_reduce",
-            CollectiveKind::AllGather => "all_gather",
-            CollectiveKind::ReduceScatter => "reduce_scatter",
-            CollectiveKind::Broadcast => "broadcast",
-            CollectiveKind::Barrier => "barrier",
-            CollectiveKind::Send => "send",
-            CollectiveKind::Recv => "recv",
-        })
-    }
-}
-
-/// A failed communication call.
-#[derive(thiserror::Error, Debug, Clone, PartialEq)]
-pub enum CommError {
-    /// Not every member of the group arrived (or no message came) within the timeout.
-    #[error(
-        "{op} on {group} timed out on rank {rank} after {waited:?}{}; a rank that skips a \
-         collective or calls collectives in a different order leaves the others waiting",
-        missing_note(.missing)
-    )]
-    Timeout {
-        /// The call that timed out.
-        op: CollectiveKind,
-        /// The group label (an axis name, `world`, or `p2p`).
-        group: String,
-        /// The rank that gave up waiting.
-        rank: usize,
-        /// How long it waited.
-        waited: Duration,
-        /// The global ranks that never arrived, when known.
-        missing: Vec<usize>,
-    },
-    /// Another rank aborted the world (it panicked or gave up); every pending and later call fails.
-    #[error("rank {rank} failed and aborted the world: {reason}")]
-    PeerFailed {
-        /// The rank that aborted.
-        rank: usize,
-        /// Why it aborted.
-        reason: String,
-    },
-    /// The members of a group called different collectives, or passed incompatible arguments
-    /// (shapes, dtypes, dims, roots), in the same round.
-    #[error("mismatched {op} on {group}: {detail}")]
-    Mismatch {
-        /// The call this rank made.
-        op: CollectiveKind,
-        /// The group label.
-        group: String,
-        /// What differed, member by member.
-        detail: String,
-    },
-    /// A dimension cannot be split into equal parts, one per member.
-    #[error(
-        "cannot split dimension {dim} of size {size} into {parts} equal parts; \
-         make its size a multiple of {parts} (pad it, or change the mesh)"
-    )]
-    Indivisible {
-        /// The tensor dimension.
-        dim: usize,
-        /// Its size.
-        size: usize,
-        /// The number of members.
-        parts: usize,
-    },
-    /// A tensor dimension that the buffer does not have.
-    #[error("{op} along dimension {dim} of a tensor with {ndims} dimensions")]
-    InvalidDim {
-        /// The call.
-        op: CollectiveKind,
-        /// The requested dimension.
-        dim: usize,
-        /// The number of dimensions of the buffer.
-        ndims: usize,
-    },
-    /// A dtype the operation cannot handle.
-    #[error(
-        "dtype {0} is not supported here; reductions take f32, f64, f16, bf16, i32 and i64, \
-         and splitting needs whole-byte elements"
-    )]
-    UnsupportedDType(String),
-    /// A call this communicator cannot make (e.g. point-to-point on NCCL or a hybrid world, a
-    /// message over MPI's 32-bit counts), with what to do instead.
-    #[error("not supported here: {0}")]
-    Unsupported(String),
-    /// A rank (or group index) out of range.
-    #[error("rank {rank} is out of range for {context} of {size} ranks")]
-    InvalidRank {
-        /// The rank or group index given.
-        rank: usize,
-        /// The number of ranks it must be below.
-        size: usize,
-        /// What it indexes, e.g. `the world` or `group dp`.
-        context: String,
-    },
-    /// A collective library (NCCL, CUDA) failed.
-    #[error("{library} {call} failed: {reason}")]
-    Library {
-        /// The library.
-        library: &'static str,
-        /// The call.
-        call: String,
-        /// What it reported.
-        reason: String,
-    },
-    /// A [`Group::Axis`] that the mesh does not have.
-    #[error("mesh {mesh} has no axis {axis}; name axes through DeviceMesh::axis_index")]
-    NoSuchAxis {
-        /// The axis index given.
-        axis: usize,
-        /// The mesh.
-        mesh: String,
-    },
-}
-
-fn missing_note(missing: &[usize]) -> String {
-    match missing {
-        [] => String::new(),
-        [rank] => format!(" (rank {rank} never arrived)"),
-        ranks => format!(" (ranks {ranks:?} never arrived)"),
-    }
-}
-
-fn check_rank(rank: usize, size: usize, context: &str) -> Result<(), CommError> {
+fn check_rank(rank: usize, size: usize, context: &str) -> Result<(), Error> {
     if rank < size {
         Ok(())
     } else {
-        Err(CommError::InvalidRank {
+        Err(Error::InvalidRank {
             rank,
             size,
             context: context.to_owned(),
@@ -321,7 +175,7 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 ///
 /// Every member of a group must make the same sequence of collective calls on that group (SPMD);
 /// a member that calls a different collective, or passes incompatible buffers, makes the round
-/// fail with [`CommError::Mismatch`] on every member. Collectives on a group of one rank return
+/// fail with [`Error::Mismatch`] on every member. Collectives on a group of one rank return
 /// at once, with the input unchanged.
 ///
 /// Statistics count every call that succeeds; see [`CommStats`] for what `bytes` means.
@@ -338,11 +192,8 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     /// Runs one collective: `call` describes it, as the methods below build it, and `data` is
     /// the buffer it describes (`None` for a barrier, and on a broadcast's members other than
     /// the root). Returns this member's result, `None` for a barrier.
-    fn collective(
-        &self,
-        call: Call,
-        data: Option<TensorData>,
-    ) -> Result<Option<TensorData>, CommError>;
+    fn collective(&self, call: Call, data: Option<TensorData>)
+    -> Result<Option<TensorData>, Error>;
 
     /// Every member gets the element-wise reduction of all members' buffers, computed in group
     /// order `0, 1, …, n-1` (deterministic, bitwise identical on every member). `Avg` is the sum
@@ -352,33 +203,28 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         group: Group,
         data: TensorData,
         op: ReduceOp,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<TensorData, Error> {
         let call = Call::all_reduce(group, Operand::of(&data), op);
         self.collective(call, Some(data)).map(returned)
     }
 
     /// The concatenation of every member's buffer along `dim`, in group order. Members' shapes
     /// must agree except on `dim`. Conjugate of [`Communicator::reduce_scatter`].
-    fn all_gather(
-        &self,
-        group: Group,
-        data: TensorData,
-        dim: usize,
-    ) -> Result<TensorData, CommError> {
+    fn all_gather(&self, group: Group, data: TensorData, dim: usize) -> Result<TensorData, Error> {
         let call = Call::all_gather(group, Operand::of(&data), dim);
         self.collective(call, Some(data)).map(returned)
     }
 
     /// Reduce (in group order), then return this member's chunk along `dim`: member `i` gets
     /// `[i·c, (i+1)·c)` with `c = size / n`. A size not divisible by `n` is
-    /// [`CommError::Indivisible`]. Conjugate of [`Communicator::all_gather`].
+    /// [`Error::Unsplittable`]. Conjugate of [`Communicator::all_gather`].
     fn reduce_scatter(
         &self,
         group: Group,
         data: TensorData,
         dim: usize,
         op: ReduceOp,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<TensorData, Error> {
         let call = Call::reduce_scatter(group, Operand::of(&data), dim, op);
         self.collective(call, Some(data)).map(returned)
     }
@@ -390,7 +236,7 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         group: Group,
         data: Option<TensorData>,
         root: usize,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<TensorData, Error> {
         // Only the root's buffer travels; whatever the others pass is ignored.
         let is_root = group.index(self.mesh(), self.rank())? == root;
         let data = data.filter(|_| is_root);
@@ -399,14 +245,14 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     }
 
     /// Returns once every member of the group has called it.
-    fn barrier(&self, group: Group) -> Result<(), CommError> {
+    fn barrier(&self, group: Group) -> Result<(), Error> {
         self.collective(Call::barrier(group), None).map(drop)
     }
 
     /// This communicator's point-to-point messages, where it offers them (the in-process and
-    /// MPI communicators do); elsewhere [`CommError::Unsupported`].
-    fn point_to_point(&self) -> Result<&dyn PointToPoint, CommError> {
-        Err(CommError::Unsupported(format!(
+    /// MPI communicators do); elsewhere [`Error::Unsupported`].
+    fn point_to_point(&self) -> Result<&dyn PointToPoint, Error> {
+        Err(Error::Unsupported(format!(
             "point-to-point (send/recv) on {self:?}; use the in-process communicator (ranks as \
              threads) or MpiCommunicator (one rank per process)"
         )))
@@ -429,8 +275,8 @@ fn returned(result: Option<TensorData>) -> TensorData {
 pub trait PointToPoint: Communicator {
     /// Sends `data` to global rank `to`, without waiting for it to be received. Messages between
     /// one pair of ranks arrive in the order they were sent.
-    fn send(&self, to: usize, data: TensorData) -> Result<(), CommError>;
+    fn send(&self, to: usize, data: TensorData) -> Result<(), Error>;
 
     /// Receives the next message global rank `from` sent to this rank, waiting for it.
-    fn recv(&self, from: usize) -> Result<TensorData, CommError>;
+    fn recv(&self, from: usize) -> Result<TensorData, Error>;
 }

@@ -11,7 +11,7 @@
 //! **Checked calls.** Before any data moves, the members of a group exchange a small header —
 //! the group's call sequence number, the collective, its reduce op, dim, root, dtype and shape —
 //! so a member that calls a different collective, passes an incompatible buffer or skipped a
-//! call makes the round fail with [`CommError::Mismatch`] on every member at that call, instead
+//! call makes the round fail with [`Error::Mismatch`] on every member at that call, instead
 //! of a hang or a silently wrong sum.
 //!
 //! **Failures.** A call still waiting after the timeout (a peer that never comes) prints which
@@ -39,7 +39,7 @@ use super::header::{
 };
 use super::stats::StatsCell;
 use super::{
-    Call, CollectiveKind, CommError, CommStats, Communicator, Group, PointToPoint, check_rank, lock,
+    Call, CollectiveKind, CommStats, Communicator, Error, Group, PointToPoint, check_rank, lock,
 };
 use crate::mesh::DeviceMesh;
 
@@ -59,48 +59,20 @@ pub struct MpiWorld {
     comm: Arc<MpiCommunicator>,
 }
 
-/// What went wrong starting MPI.
-#[derive(thiserror::Error, Debug, Clone, PartialEq)]
-pub enum MpiError {
-    /// MPI was initialised before (MPI can be initialised once per process).
-    #[error("MPI is already initialised in this process (one MpiWorld per process)")]
-    AlreadyInitialised,
-    /// The library does not offer `MPI_THREAD_MULTIPLE`.
-    #[error(
-        "the MPI library provides thread level {0:?}, wildfire needs Multiple (the watchdog aborts the job from its own thread); use an MPI built with thread support (Open MPI 4: the default)"
-    )]
-    Threading(String),
-    /// A mesh whose groups cannot be laid over the processes.
-    #[error("hybrid mesh: {0}")]
-    Layout(String),
-    /// The mesh does not match the processes `mpirun` started.
-    #[error(
-        "the mesh {mesh} has {mesh_size} ranks but MPI started {world} processes; run mpirun -np {mesh_size} (or change the mesh)"
-    )]
-    WorldSize {
-        /// The mesh.
-        mesh: String,
-        /// Its rank count.
-        mesh_size: usize,
-        /// The MPI world size.
-        world: usize,
-    },
-}
-
 impl MpiWorld {
     /// Initialise MPI and build this process's communicator over `mesh` (its world size must be
     /// the number of MPI processes; this process is rank `MPI_COMM_WORLD` rank). One
     /// sub-communicator per mesh axis is split off, members ordered by their coordinate.
-    pub fn init(mesh: DeviceMesh, timeout: Duration) -> Result<Self, MpiError> {
+    pub fn init(mesh: DeviceMesh, timeout: Duration) -> Result<Self, Error> {
         let (universe, level) = mpi::initialize_with_threading(mpi::Threading::Multiple)
-            .ok_or(MpiError::AlreadyInitialised)?;
+            .ok_or(Error::MpiAlreadyInitialised)?;
         if level != mpi::Threading::Multiple {
-            return Err(MpiError::Threading(format!("{level:?}")));
+            return Err(Error::MpiThreading(format!("{level:?}")));
         }
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         if size != mesh.world_size() {
-            return Err(MpiError::WorldSize {
+            return Err(Error::MpiWorldSize {
                 mesh: mesh.to_string(),
                 mesh_size: mesh.world_size(),
                 world: size,
@@ -232,7 +204,7 @@ impl fmt::Debug for MpiCommunicator {
 }
 
 /// Byte counts and displacements for `counts` (bytes), as MPI's `int` counts.
-fn partition(counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>), CommError> {
+fn partition(counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>), Error> {
     let mut displs = Vec::with_capacity(counts.len());
     let mut at = 0usize;
     for &c in counts {
@@ -241,7 +213,7 @@ fn partition(counts: &[usize]) -> Result<(Vec<i32>, Vec<i32>), CommError> {
     }
     let fits = |v: usize| {
         i32::try_from(v).map_err(|_| {
-            CommError::Unsupported(format!(
+            Error::Unsupported(format!(
                 "a message of {at} bytes (MPI counts are 32-bit: split it below 2 GiB)"
             ))
         })
@@ -270,8 +242,8 @@ impl MpiCommunicator {
     fn exchange<R>(
         &self,
         call: &Call,
-        body: impl FnOnce(&SimpleCommunicator, &Round<'_>, usize) -> Result<R, CommError>,
-    ) -> Result<R, CommError> {
+        body: impl FnOnce(&SimpleCommunicator, &Round<'_>, usize) -> Result<R, Error>,
+    ) -> Result<R, Error> {
         let group = call.group();
         let label = group.label(&self.mesh)?.to_owned();
         let n = group.size(&self.mesh)?;
@@ -303,7 +275,7 @@ impl MpiCommunicator {
         send: &[u8],
         send_counts: &[usize],
         recv_count: usize,
-    ) -> Result<Vec<u8>, CommError> {
+    ) -> Result<Vec<u8>, Error> {
         let n = send_counts.len();
         let (sc, sd) = partition(send_counts)?;
         let (rc, rd) = partition(&vec![recv_count; n])?;
@@ -319,7 +291,7 @@ impl MpiCommunicator {
         comm: &SimpleCommunicator,
         mine: &[u8],
         counts: &[usize],
-    ) -> Result<Vec<u8>, CommError> {
+    ) -> Result<Vec<u8>, Error> {
         let (c, d) = partition(counts)?;
         let mut recv = vec![0u8; counts.iter().sum()];
         comm.all_gather_varcount_into(mine, &mut PartitionMut::new(&mut recv[..], c, d));
@@ -350,7 +322,7 @@ impl MpiCommunicator {
         data: &TensorData,
         n: usize,
         index: usize,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<TensorData, Error> {
         let op = call.reduce_op();
         let size = element_size(data)?;
         let elements = data.shape.num_elements();
@@ -392,7 +364,7 @@ impl MpiCommunicator {
         round: &Round<'_>,
         data: &TensorData,
         dim: usize,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<TensorData, Error> {
         let size = element_size(data)?;
         let shapes: Vec<Vec<usize>> = round
             .calls()
@@ -414,7 +386,7 @@ impl MpiCommunicator {
         call: &Call,
         data: &TensorData,
         n: usize,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<TensorData, Error> {
         let mut send = Vec::with_capacity(data.bytes.len());
         let mut chunk_shape = None;
         for j in 0..n {
@@ -443,7 +415,7 @@ impl MpiCommunicator {
         round: &Round<'_>,
         data: Option<&TensorData>,
         root: usize,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<TensorData, Error> {
         let source = round.root_buffer()?;
         let mut buffer = match data {
             Some(d) => d.as_bytes().to_vec(),
@@ -474,7 +446,7 @@ impl Communicator for MpiCommunicator {
         &self,
         call: Call,
         data: Option<TensorData>,
-    ) -> Result<Option<TensorData>, CommError> {
+    ) -> Result<Option<TensorData>, Error> {
         call.check_root(&self.mesh)?;
         // For a barrier, the header exchange is the all-gather: nobody leaves before everybody
         // arrived.
@@ -501,7 +473,7 @@ impl Communicator for MpiCommunicator {
         Ok(result)
     }
 
-    fn point_to_point(&self) -> Result<&dyn PointToPoint, CommError> {
+    fn point_to_point(&self) -> Result<&dyn PointToPoint, Error> {
         Ok(self)
     }
 
@@ -517,7 +489,7 @@ impl Communicator for MpiCommunicator {
 impl PointToPoint for MpiCommunicator {
     /// Blocking MPI send: returns once the buffer is handed over, which for messages above the
     /// library's eager limit means once `to` has started receiving it.
-    fn send(&self, to: usize, data: TensorData) -> Result<(), CommError> {
+    fn send(&self, to: usize, data: TensorData) -> Result<(), Error> {
         check_rank(to, self.mesh.world_size(), "the world")?;
         element_size(&data)?;
         let words = encode_operand(CollectiveKind::Send, Some(&Operand::of(&data)))?;
@@ -531,7 +503,7 @@ impl PointToPoint for MpiCommunicator {
         Ok(())
     }
 
-    fn recv(&self, from: usize) -> Result<TensorData, CommError> {
+    fn recv(&self, from: usize) -> Result<TensorData, Error> {
         check_rank(from, self.mesh.world_size(), "the world")?;
         let handle = lock(&self.p2p);
         let _pending = self.watchdog.start(format!("recv from rank {from}"));

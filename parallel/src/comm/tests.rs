@@ -337,7 +337,7 @@ fn size_one_groups_return_the_input_unchanged() {
             assert_eq!(output.as_bytes(), data.as_bytes());
             assert_eq!(output.shape, data.shape);
         }
-        assert_eq!(unsupported, Err(CommError::UnsupportedDType("u8".into())));
+        assert_eq!(unsupported, Err(Error::UnsupportedDType("u8".into())));
         assert_eq!(stats.count_on(CollectiveKind::AllReduce, "tp"), 1);
         assert_eq!(stats.total_count(), 5);
     }
@@ -440,7 +440,7 @@ fn missing_rank_gives_a_timeout_not_a_hang() {
     .unwrap();
     for (rank, errors) in results.iter().enumerate().take(2) {
         match &errors[0] {
-            CommError::Timeout {
+            Error::Timeout {
                 op: CollectiveKind::AllReduce,
                 group,
                 rank: who,
@@ -462,7 +462,7 @@ fn missing_rank_gives_a_timeout_not_a_hang() {
     }
     assert!(matches!(
         &results[0][1],
-        CommError::Timeout { op: CollectiveKind::Recv, group, missing, .. }
+        Error::Timeout { op: CollectiveKind::Recv, group, missing, .. }
             if group == "p2p" && missing == &vec![2]
     ));
 }
@@ -494,7 +494,7 @@ fn mismatched_calls_and_buffers_fail_on_every_member() {
     });
     for (rank, (call, shape, dtype, root, fine)) in results.into_iter().enumerate() {
         let call = call.unwrap_err();
-        assert!(matches!(call, CommError::Mismatch { .. }), "{call:?}");
+        assert!(matches!(call, Error::Mismatch { .. }), "{call:?}");
         let message = call.to_string();
         assert!(
             message.contains("rank 0 called all_reduce(sum)")
@@ -507,7 +507,7 @@ fn mismatched_calls_and_buffers_fail_on_every_member() {
         assert!(dtype.contains("rank 1 passed i32 [2]"), "{dtype}");
         assert!(matches!(
             root,
-            Err(CommError::Mismatch {
+            Err(Error::Mismatch {
                 op: CollectiveKind::Broadcast,
                 ..
             })
@@ -530,7 +530,7 @@ fn invalid_arguments_are_typed_errors() {
     for (indivisible, bad_dim, bad_root, bad_axis, bad_peer) in results {
         assert_eq!(
             indivisible,
-            Err(CommError::Indivisible {
+            Err(Error::Unsplittable {
                 dim: 0,
                 size: 3,
                 parts: 2
@@ -538,7 +538,7 @@ fn invalid_arguments_are_typed_errors() {
         );
         assert_eq!(
             bad_dim,
-            Err(CommError::InvalidDim {
+            Err(Error::InvalidDim {
                 op: CollectiveKind::AllGather,
                 dim: 1,
                 ndims: 1
@@ -546,7 +546,7 @@ fn invalid_arguments_are_typed_errors() {
         );
         assert!(matches!(
             bad_root,
-            Err(CommError::InvalidRank {
+            Err(Error::InvalidRank {
                 rank: 2,
                 size: 2,
                 ..
@@ -554,11 +554,11 @@ fn invalid_arguments_are_typed_errors() {
         ));
         assert!(matches!(
             bad_axis,
-            Err(CommError::NoSuchAxis { axis: 1, .. })
+            Err(Error::NoSuchAxisIndex { axis: 1, .. })
         ));
         assert!(matches!(
             bad_peer,
-            Err(CommError::InvalidRank {
+            Err(Error::InvalidRank {
                 rank: 5,
                 size: 2,
                 ..

@@ -10,6 +10,8 @@
 
 use std::fmt;
 
+use crate::error::Error;
+
 /// The program that started this process's world.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Launcher {
@@ -60,18 +62,6 @@ impl fmt::Display for Launcher {
     }
 }
 
-/// A launcher variable that is set but unusable.
-#[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
-#[error("{var}={value}: {reason}")]
-pub struct LaunchEnvError {
-    /// The variable.
-    pub var: &'static str,
-    /// Its value.
-    pub value: String,
-    /// What is wrong.
-    pub reason: String,
-}
-
 /// This process's place in a launched world.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LaunchEnv {
@@ -88,16 +78,16 @@ pub struct LaunchEnv {
 
 impl LaunchEnv {
     /// Read the process environment; `None` when no launcher started this process.
-    pub fn detect() -> Result<Option<Self>, LaunchEnvError> {
+    pub fn detect() -> Result<Option<Self>, Error> {
         Self::from_vars(|name| std::env::var(name).ok())
     }
 
     /// [`LaunchEnv::detect`] over any variable lookup.
-    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, LaunchEnvError> {
-        let number = |name: &'static str| -> Result<Option<usize>, LaunchEnvError> {
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, Error> {
+        let number = |name: &'static str| -> Result<Option<usize>, Error> {
             var(name)
                 .map(|value| {
-                    value.trim().parse().map_err(|e| LaunchEnvError {
+                    value.trim().parse().map_err(|e| Error::LaunchEnv {
                         var: name,
                         value: value.clone(),
                         reason: format!("not a number ({e})"),
@@ -117,7 +107,7 @@ impl LaunchEnv {
             };
             let rank = number(rank_var)?.unwrap_or(0);
             if world_size == 0 || rank >= world_size {
-                return Err(LaunchEnvError {
+                return Err(Error::LaunchEnv {
                     var: rank_var,
                     value: rank.to_string(),
                     reason: format!("not a rank of a world of {world_size} ({size_var})"),
@@ -151,7 +141,7 @@ impl LaunchEnv {
 mod tests {
     use super::*;
 
-    fn env(vars: &[(&str, &str)]) -> Result<Option<LaunchEnv>, LaunchEnvError> {
+    fn env(vars: &[(&str, &str)]) -> Result<Option<LaunchEnv>, Error> {
         LaunchEnv::from_vars(|name| {
             vars.iter()
                 .find(|(n, _)| *n == name)
@@ -223,9 +213,18 @@ mod tests {
     #[test]
     fn bad_variables_are_typed_errors() {
         let e = env(&[("WORLD_SIZE", "four")]).unwrap_err();
-        assert_eq!(e.var, "WORLD_SIZE");
+        assert!(
+            matches!(
+                e,
+                Error::LaunchEnv {
+                    var: "WORLD_SIZE",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
         let e = env(&[("WORLD_SIZE", "2"), ("RANK", "2")]).unwrap_err();
-        assert_eq!(e.var, "RANK");
+        assert!(matches!(e, Error::LaunchEnv { var: "RANK", .. }), "{e:?}");
         assert!(e.to_string().contains("not a rank of a world of 2"), "{e}");
     }
 }

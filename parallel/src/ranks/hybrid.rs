@@ -5,7 +5,7 @@ use std::sync::Arc;
 use mpi::topology::Communicator as _;
 use mpi::topology::SimpleCommunicator;
 
-use crate::comm::{Communicator, HybridWorld, MpiError};
+use crate::comm::{Communicator, Error, HybridWorld};
 use crate::device::{DistDevice, set_current_device};
 use crate::error::take_raised;
 use crate::launch::{LaunchOptions, panic_message};
@@ -21,7 +21,7 @@ pub fn launch_ranks_hybrid<B, T, F, I>(
     inner: I,
     options: &LaunchOptions,
     f: F,
-) -> Result<Vec<T>, MpiError>
+) -> Result<Vec<T>, Error>
 where
     B: burn_backend::Backend,
     T: Send,

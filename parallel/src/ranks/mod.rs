@@ -15,8 +15,8 @@ pub use mpi::launch_ranks_mpi;
 pub use nccl::launch_ranks_rendezvous;
 
 use crate::device::{DistDevice, set_current_device};
-use crate::error::{DistError, take_raised};
-use crate::launch::{LaunchError, LaunchOptions, launch};
+use crate::error::{Error, take_raised};
+use crate::launch::{LaunchOptions, launch};
 use crate::mesh::DeviceMesh;
 use burn_backend::Backend;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
@@ -25,14 +25,14 @@ use std::sync::Mutex;
 /// Run `f` on one thread per rank of `mesh`, each with a [`DistDevice`] over `inner` (ranks as
 /// threads share the inner device: right for CPU backends and tests). Returns the results in rank
 /// order. A panic on any rank ends every rank (their collectives fail at once instead of
-/// hanging); a typed [`DistError`] raised inside a backend op comes back as
-/// [`LaunchError::Dist`], any other panic as [`LaunchError::RankFailed`].
+/// hanging); a typed [`Error`] raised inside a backend op comes back as
+/// [`Error::OnRank`], any other panic as [`Error::RankFailed`].
 pub fn launch_ranks<B, T, F>(
     mesh: &DeviceMesh,
     inner: &B::Device,
     options: &LaunchOptions,
     f: F,
-) -> Result<Vec<T>, LaunchError>
+) -> Result<Vec<T>, Error>
 where
     B: Backend,
     T: Send,
@@ -47,14 +47,14 @@ pub fn launch_ranks_on<B, T, F, I>(
     inner: I,
     options: &LaunchOptions,
     f: F,
-) -> Result<Vec<T>, LaunchError>
+) -> Result<Vec<T>, Error>
 where
     B: Backend,
     T: Send,
     F: Fn(DistDevice<B>) -> T + Sync,
     I: Fn(usize) -> B::Device + Sync,
 {
-    let raised: Mutex<Vec<Option<DistError>>> = Mutex::new(vec![None; mesh.world_size()]);
+    let raised: Mutex<Vec<Option<Error>>> = Mutex::new(vec![None; mesh.world_size()]);
     let result = launch(mesh, options, |comm| {
         let rank = comm.rank();
         let device = DistDevice::<B>::new(inner(rank), comm);
@@ -68,12 +68,13 @@ where
         }
     });
     match result {
-        Err(LaunchError::RankFailed { rank, message }) => {
-            match raised.lock().unwrap()[rank].take() {
-                Some(error) => Err(LaunchError::Dist { rank, error }),
-                None => Err(LaunchError::RankFailed { rank, message }),
-            }
-        }
+        Err(Error::RankFailed { rank, message }) => match raised.lock().unwrap()[rank].take() {
+            Some(error) => Err(Error::OnRank {
+                rank,
+                error: Box::new(error),
+            }),
+            None => Err(Error::RankFailed { rank, message }),
+        },
         other => other,
     }
 }

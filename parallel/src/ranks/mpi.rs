@@ -2,7 +2,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use crate::comm::{Communicator, MpiError, MpiWorld};
+use crate::comm::{Communicator, Error, MpiWorld};
 use crate::device::{DistDevice, set_current_device};
 use crate::error::take_raised;
 use crate::launch::{LaunchEnv, LaunchOptions, panic_message};
@@ -12,14 +12,14 @@ use crate::mesh::DeviceMesh;
 /// with a [`DistDevice`](DistDevice) over `inner(local_rank)` (e.g. the GPU of that index
 /// on the node). Returns this rank's result; MPI is finalised before returning.
 ///
-/// A rank whose `f` fails — a typed [`DistError`](crate::DistError) raised inside an op, or any
+/// A rank whose `f` fails — a typed [`Error`](crate::Error) raised inside an op, or any
 /// panic — prints the error and aborts the MPI job, so its peers never wait on it.
 pub fn launch_ranks_mpi<B, T, F, I>(
     mesh: &DeviceMesh,
     inner: I,
     options: &LaunchOptions,
     f: F,
-) -> Result<T, MpiError>
+) -> Result<T, Error>
 where
     B: burn_backend::Backend,
     F: FnOnce(DistDevice<B>) -> T,

@@ -6,9 +6,7 @@ use std::sync::Arc;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 
-use crate::comm::{
-    Bootstrap, NcclCommunicator, NcclInitError, NcclOptions, RendezvousError, TcpRendezvous,
-};
+use crate::comm::{Bootstrap, Error, NcclCommunicator, NcclOptions, TcpRendezvous};
 use crate::device::{DistDevice, set_current_device};
 use crate::error::take_raised;
 use crate::launch::{LaunchEnv, panic_message};
@@ -25,7 +23,7 @@ impl NcclCommunicator {
     pub fn install<F: FloatElement, I: IntElement, BT: BoolElement>(
         device: &DistDevice<CubeBackend<CudaRuntime, F, I, BT>>,
         options: NcclOptions,
-    ) -> Result<Arc<Self>, NcclInitError> {
+    ) -> Result<Arc<Self>, Error> {
         let ctx = device.context();
         let host = ctx.comm_arc();
         let nccl = Arc::new(Self::new(
@@ -45,14 +43,14 @@ impl NcclCommunicator {
 /// ([`TcpRendezvous`](crate::comm::TcpRendezvous)), `LOCAL_RANK` the GPU (default 0). NCCL carries
 /// every collective, host-side ones included (uploaded and read back).
 ///
-/// A rank whose `f` fails (a typed [`DistError`](crate::DistError) raised inside an op, or any
+/// A rank whose `f` fails (a typed [`Error`](crate::Error) raised inside an op, or any
 /// panic) prints the error, aborts its NCCL communicators and exits the process with status 2;
 /// its peers' next collective then fails after [`NcclOptions::timeout`] instead of hanging.
 pub fn launch_ranks_rendezvous<F, I, BT, T, Body>(
     mesh: &DeviceMesh,
     options: &NcclOptions,
     f: Body,
-) -> Result<T, NcclInitError>
+) -> Result<T, Error>
 where
     F: FloatElement,
     I: IntElement,
@@ -62,7 +60,7 @@ where
     use std::panic::{AssertUnwindSafe, catch_unwind};
     let boot = TcpRendezvous::from_env(options.timeout)?;
     let local = LaunchEnv::detect()
-        .map_err(|e| RendezvousError::Env {
+        .map_err(|e| Error::RendezvousEnv {
             var: e.var,
             reason: e.to_string(),
         })?

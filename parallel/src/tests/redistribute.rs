@@ -55,7 +55,7 @@ fn uneven_shards_are_a_typed_error() {
         .unwrap();
     for r in results {
         match r {
-            Err(DistError::Indivisible {
+            Err(Error::Indivisible {
                 dim: 0,
                 size: 6,
                 shards: 4,
@@ -80,7 +80,7 @@ fn local_data_cannot_become_global() {
         .unwrap();
     assert!(matches!(
         results[0],
-        Err(DistError::InvalidRedistribution { .. })
+        Err(Error::InvalidRedistribution { .. })
     ));
 }
 

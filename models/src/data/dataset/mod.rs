@@ -11,7 +11,7 @@ use std::time::UNIX_EPOCH;
 use indicatif::{ProgressBar, ProgressStyle};
 use memmap2::Mmap;
 
-use super::{DataError, DataSource, Tokenizer, TokenizerKind, embedded_corpus};
+use super::{DataSource, Error, Tokenizer, TokenizerKind, embedded_corpus};
 
 /// llm.c's token-file magic (`dev/data/data_common.py`).
 const LLMC_MAGIC: i32 = 20240520;
@@ -138,11 +138,11 @@ fn token_width(tokenizer: &Tokenizer) -> usize {
 }
 
 /// Maps `file` read-only.
-fn map(path: &Path) -> Result<Mmap, DataError> {
-    let file = File::open(path).map_err(|e| DataError::io(path, e))?;
+fn map(path: &Path) -> Result<Mmap, Error> {
+    let file = File::open(path).map_err(|e| Error::io(path, e))?;
     // SAFETY: the mapping is read-only and token files are treated as immutable while training
     // (as llm.c and nanoGPT do); a file truncated underneath us is outside what we support.
-    unsafe { Mmap::map(&file) }.map_err(|e| DataError::io(path, e))
+    unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))
 }
 
 impl TokenDataset {
@@ -160,7 +160,7 @@ impl TokenDataset {
     ///   same file at once do not see half a cache; if it cannot be written (read-only directory),
     ///   the tokens stay in memory and a warning is logged.
     /// - [`DataSource::Embedded`]: the built-in corpus ([`embedded_corpus`]), tokenised in memory.
-    pub fn load(source: &DataSource, tokenizer: &Tokenizer) -> Result<Self, DataError> {
+    pub fn load(source: &DataSource, tokenizer: &Tokenizer) -> Result<Self, Error> {
         Self::load_with_progress(source, tokenizer, true)
     }
 
@@ -170,7 +170,7 @@ impl TokenDataset {
         source: &DataSource,
         tokenizer: &Tokenizer,
         progress: bool,
-    ) -> Result<Self, DataError> {
+    ) -> Result<Self, Error> {
         match source {
             DataSource::Embedded => {
                 let mut data = Self::from_tokens(tokenizer.encode(embedded_corpus()));
@@ -178,13 +178,13 @@ impl TokenDataset {
                 Ok(data)
             }
             DataSource::File(path) => {
-                let meta = fs::metadata(path).map_err(|e| DataError::io(path, e))?;
+                let meta = fs::metadata(path).map_err(|e| Error::io(path, e))?;
                 if !meta.is_file() {
                     let err = io::Error::new(io::ErrorKind::InvalidInput, "not a regular file");
-                    return Err(DataError::io(path, err));
+                    return Err(Error::io(path, err));
                 }
                 if meta.len() == 0 {
-                    return Err(DataError::Empty { path: path.clone() });
+                    return Err(Error::EmptyFile { path: path.clone() });
                 }
                 if path.extension().is_some_and(|e| e == "bin") {
                     Self::load_bin(path)
@@ -256,10 +256,10 @@ impl TokenDataset {
     }
 
     /// Checks that every token id is `< vocab_size` (via [`TokenDataset::max_token`]).
-    pub fn check_vocab(&self, vocab_size: usize) -> Result<(), DataError> {
+    pub fn check_vocab(&self, vocab_size: usize) -> Result<(), Error> {
         let token = self.max_token();
         if !self.is_empty() && token as usize >= vocab_size {
-            return Err(DataError::TokenOutOfVocab { token, vocab_size });
+            return Err(Error::TokenOutOfVocab { token, vocab_size });
         }
         Ok(())
     }
@@ -302,10 +302,10 @@ impl TokenDataset {
     }
 
     /// An llm.c or nanoGPT token file (non-empty), memory-mapped.
-    fn load_bin(path: &Path) -> Result<Self, DataError> {
+    fn load_bin(path: &Path) -> Result<Self, Error> {
         let map = map(path)?;
         let bytes = map.len();
-        let bad = |reason: String| DataError::BadHeader {
+        let bad = |reason: String| Error::BadHeader {
             path: path.to_owned(),
             reason,
         };
@@ -325,7 +325,7 @@ impl TokenDataset {
                 u64::try_from(count).map_err(|_| bad(format!("negative token count {count}")))?;
             let payload = (bytes - LLMC_HEADER_BYTES) as u64;
             if payload != 2 * expected {
-                return Err(DataError::TokenCountMismatch {
+                return Err(Error::TokenCountMismatch {
                     path: path.to_owned(),
                     expected,
                     found: payload / 2,
@@ -350,7 +350,7 @@ impl TokenDataset {
             )));
         } else {
             if bytes % 2 != 0 {
-                return Err(DataError::OddLength {
+                return Err(Error::OddLength {
                     path: path.to_owned(),
                     len: bytes as u64,
                 });
@@ -372,7 +372,7 @@ impl TokenDataset {
         meta: &fs::Metadata,
         tokenizer: &Tokenizer,
         progress: bool,
-    ) -> Result<Self, DataError> {
+    ) -> Result<Self, Error> {
         let stamp = SourceStamp::of(meta);
         let cache = cache_path(path, tokenizer.kind());
         match Self::open_cache(&cache, stamp, tokenizer) {
@@ -386,8 +386,8 @@ impl TokenDataset {
             Err(None) => {}
         }
 
-        let bytes = fs::read(path).map_err(|e| DataError::io(path, e))?;
-        let text = String::from_utf8(bytes).map_err(|e| DataError::NotUtf8 {
+        let bytes = fs::read(path).map_err(|e| Error::io(path, e))?;
+        let text = String::from_utf8(bytes).map_err(|e| Error::NotUtf8 {
             path: path.to_owned(),
             offset: e.utf8_error().valid_up_to(),
         })?;
@@ -411,7 +411,7 @@ impl TokenDataset {
         // Map what was just written, so a first load and a later one read the same bytes.
         Self::open_cache(&cache, stamp, tokenizer).map_err(|reason| {
             let reason = reason.unwrap_or_else(|| "vanished".into());
-            DataError::io(
+            Error::io(
                 &cache,
                 io::Error::other(format!("token cache {reason} just after writing it")),
             )
@@ -427,7 +427,7 @@ impl TokenDataset {
     ) -> Result<Self, Option<String>> {
         let map = match map(cache) {
             Ok(map) => map,
-            Err(DataError::Missing { .. }) => return Err(None),
+            Err(Error::Missing { .. }) => return Err(None),
             Err(e) => return Err(Some(format!("is unreadable ({e})"))),
         };
         if map.len() < CACHE_HEADER_BYTES || &map[..8] != CACHE_MAGIC {
@@ -479,7 +479,7 @@ fn write_cache(
     stamp: SourceStamp,
     tokenizer: &Tokenizer,
     tokens: &[u32],
-) -> Result<(), DataError> {
+) -> Result<(), Error> {
     let width = token_width(tokenizer);
     let mut header = [0u8; CACHE_HEADER_BYTES];
     header[..8].copy_from_slice(CACHE_MAGIC);
@@ -510,7 +510,7 @@ fn write_cache(
         Ok(())
     })
     .map_err(|e| {
-        DataError::io(
+        Error::io(
             cache,
             io::Error::new(e.kind(), format!("could not write token cache: {e}")),
         )

@@ -16,7 +16,7 @@ fn llmc_bin(magic: i32, version: i32, count: i32, tokens: &[u16]) -> Vec<u8> {
     out
 }
 
-fn load(path: &Path) -> Result<TokenDataset, DataError> {
+fn load(path: &Path) -> Result<TokenDataset, Error> {
     TokenDataset::load(&DataSource::File(path.to_owned()), &bytes_tokenizer())
 }
 
@@ -36,7 +36,7 @@ fn llmc_bin_reads_back_and_bad_headers_are_errors() {
     let err = data.check_vocab(50257).unwrap_err();
     assert!(matches!(
         err,
-        DataError::TokenOutOfVocab {
+        Error::TokenOutOfVocab {
             token: 65535,
             vocab_size: 50257
         }
@@ -46,7 +46,7 @@ fn llmc_bin_reads_back_and_bad_headers_are_errors() {
     let bad_magic = dir.path().join("bad_magic.bin");
     fs::write(&bad_magic, llmc_bin(12345, 1, 6, &tokens)).unwrap();
     let err = load(&bad_magic).unwrap_err();
-    assert!(matches!(err, DataError::BadHeader { .. }), "{err}");
+    assert!(matches!(err, Error::BadHeader { .. }), "{err}");
     assert!(
         err.to_string().contains("magic 12345, expected 20240520"),
         "{err}"
@@ -55,10 +55,7 @@ fn llmc_bin_reads_back_and_bad_headers_are_errors() {
 
     let bad_version = dir.path().join("v2.bin");
     fs::write(&bad_version, llmc_bin(LLMC_MAGIC, 2, 6, &tokens)).unwrap();
-    assert!(matches!(
-        load(&bad_version),
-        Err(DataError::BadHeader { .. })
-    ));
+    assert!(matches!(load(&bad_version), Err(Error::BadHeader { .. })));
 
     let model = dir.path().join("gpt2_124M.bin");
     fs::write(&model, llmc_bin(LLMC_MODEL_MAGIC, 3, 0, &[])).unwrap();
@@ -71,7 +68,7 @@ fn llmc_bin_reads_back_and_bad_headers_are_errors() {
     assert!(
         matches!(
             err,
-            DataError::TokenCountMismatch {
+            Error::TokenCountMismatch {
                 expected: 100,
                 found: 6,
                 ..
@@ -108,10 +105,7 @@ fn nanogpt_bin_reads_back_and_odd_length_is_an_error() {
 
     let odd = dir.path().join("odd.bin");
     fs::write(&odd, &bytes[..7]).unwrap();
-    assert!(matches!(
-        load(&odd),
-        Err(DataError::OddLength { len: 7, .. })
-    ));
+    assert!(matches!(load(&odd), Err(Error::OddLength { len: 7, .. })));
 }
 
 #[test]
@@ -189,21 +183,21 @@ fn missing_empty_not_utf8_and_short_are_typed_errors() {
     let dir = ScratchDir::new("errors");
     let missing = dir.path().join("nope.txt");
     let err = load(&missing).unwrap_err();
-    assert!(matches!(err, DataError::Missing { .. }), "{err}");
+    assert!(matches!(err, Error::Missing { .. }), "{err}");
     assert!(err.to_string().contains("nope.txt"), "{err}");
 
     for name in ["empty.txt", "empty.bin"] {
         let empty = dir.path().join(name);
         fs::write(&empty, b"").unwrap();
         let err = load(&empty).unwrap_err();
-        assert!(matches!(err, DataError::Empty { .. }), "{err}");
+        assert!(matches!(err, Error::EmptyFile { .. }), "{err}");
         assert!(err.to_string().contains(name), "{err}");
     }
 
     let latin1 = dir.path().join("latin1.txt");
     fs::write(&latin1, b"caf\xe9 au lait").unwrap();
     let err = load(&latin1).unwrap_err();
-    assert!(matches!(err, DataError::NotUtf8 { offset: 3, .. }), "{err}");
+    assert!(matches!(err, Error::NotUtf8 { offset: 3, .. }), "{err}");
 
     let short = dir.path().join("short.txt");
     fs::write(&short, "tiny").unwrap();
@@ -217,7 +211,7 @@ fn missing_empty_not_utf8_and_short_are_typed_errors() {
     assert!(
         matches!(
             err,
-            DataError::TooShort {
+            Error::TooShort {
                 tokens: 4,
                 needed: 9,
                 ..
@@ -227,7 +221,7 @@ fn missing_empty_not_utf8_and_short_are_typed_errors() {
     );
     assert!(matches!(
         sampler.check(data.all()),
-        Err(DataError::TooShort { .. })
+        Err(Error::TooShort { .. })
     ));
 }
 

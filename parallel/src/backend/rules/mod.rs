@@ -42,7 +42,7 @@ pub(crate) use structs::*;
 pub(crate) use views::*;
 
 use crate::device::DistDevice;
-use crate::error::{DistError, raise};
+use crate::error::{Error, raise};
 use crate::mesh::{AxisKind, DeviceMesh};
 use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
@@ -104,7 +104,7 @@ pub(crate) fn check_param<B: Backend>(op: &'static str, w: &DTensor<B>) {
     let mesh = w.device.mesh();
     for (a, p) in w.layout.placements().iter().enumerate() {
         if *p == Local && mesh.axis_size(a) > 1 {
-            raise(DistError::UnplacedParameter {
+            raise(Error::UnplacedParameter {
                 op,
                 shape: dims(w),
                 axis: mesh.axis(a).name.clone(),
@@ -117,7 +117,7 @@ pub(crate) fn check_param<B: Backend>(op: &'static str, w: &DTensor<B>) {
 /// A forward op that uses parameters: the previous backward's gradients must have been synced.
 fn check_synced<B: Backend>(op: &'static str, device: &DistDevice<B>) {
     if device.ctx.gradients_pending() && !crate::device::is_recomputing() {
-        raise(DistError::GradientsNotSynced { op });
+        raise(Error::GradientsNotSynced { op });
     }
 }
 

@@ -14,9 +14,9 @@ use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use super::NcclCommunicator;
 use crate::comm::call::{Operand, Round};
 use crate::comm::header::{self, HEADER, Header};
-use crate::comm::{Call, CollectiveKind, CommError, Group, ReduceOp};
+use crate::comm::{Call, CollectiveKind, Error, Group, ReduceOp};
 
-fn nccl_dtype(dtype: DType) -> Result<nccl_sys::ncclDataType_t, CommError> {
+fn nccl_dtype(dtype: DType) -> Result<nccl_sys::ncclDataType_t, Error> {
     use nccl_sys::ncclDataType_t as T;
     Ok(match dtype {
         DType::F64 => T::ncclFloat64,
@@ -29,7 +29,7 @@ fn nccl_dtype(dtype: DType) -> Result<nccl_sys::ncclDataType_t, CommError> {
         DType::U64 => T::ncclUint64,
         DType::U32 => T::ncclUint32,
         DType::U8 => T::ncclUint8,
-        other => return Err(CommError::UnsupportedDType(other.name().to_owned())),
+        other => return Err(Error::UnsupportedDType(other.name().to_owned())),
     })
 }
 
@@ -42,7 +42,7 @@ fn nccl_op(op: ReduceOp) -> nccl_sys::ncclRedOp_t {
 }
 
 impl NcclCommunicator {
-    pub(super) fn comm(&self, group: Group) -> Result<nccl_sys::ncclComm_t, CommError> {
+    pub(super) fn comm(&self, group: Group) -> Result<nccl_sys::ncclComm_t, Error> {
         let slot = match group {
             Group::World => self.comms.len() - 1,
             Group::Axis(a) => {
@@ -53,8 +53,8 @@ impl NcclCommunicator {
         Ok(self.comms[slot].0)
     }
 
-    pub(super) fn library(&self, call: &str, reason: impl fmt::Debug) -> CommError {
-        CommError::Library {
+    pub(super) fn library(&self, call: &str, reason: impl fmt::Debug) -> Error {
+        Error::Library {
             library: "NCCL",
             call: call.to_owned(),
             reason: format!("{reason:?}"),
@@ -62,7 +62,7 @@ impl NcclCommunicator {
     }
 
     /// Waits for this rank's NCCL stream, aborting every communicator past the timeout.
-    pub(super) fn wait(&self, call: &Call) -> Result<(), CommError> {
+    pub(super) fn wait(&self, call: &Call) -> Result<(), Error> {
         let start = Instant::now();
         let stream = self.stream.cu_stream();
         loop {
@@ -75,7 +75,7 @@ impl NcclCommunicator {
             }
             if start.elapsed() > self.options.timeout {
                 self.abort();
-                return Err(CommError::Timeout {
+                return Err(Error::Timeout {
                     op: call.kind(),
                     group: call.group().label(&self.mesh).unwrap_or("?").to_owned(),
                     rank: self.rank,
@@ -98,9 +98,9 @@ impl NcclCommunicator {
         }
     }
 
-    pub(super) fn check_alive(&self) -> Result<(), CommError> {
+    pub(super) fn check_alive(&self) -> Result<(), Error> {
         if self.aborted.load(Ordering::SeqCst) {
-            Err(CommError::Unsupported(
+            Err(Error::Unsupported(
                 "this rank's NCCL communicators were aborted after a timeout".into(),
             ))
         } else {
@@ -118,7 +118,7 @@ impl NcclCommunicator {
         count: usize,
         send: &Handle,
         recv: &Handle,
-    ) -> Result<(), CommError> {
+    ) -> Result<(), Error> {
         self.check_alive()?;
         let comm = self.comm(call.group())?;
         let kind = call.kind();
@@ -157,7 +157,7 @@ impl NcclCommunicator {
                     nccl::broadcast(src, dst, count, datatype, root, comm, stream)
                 }
                 other => {
-                    return Err(CommError::Unsupported(format!("{other} as one NCCL call")));
+                    return Err(Error::Unsupported(format!("{other} as one NCCL call")));
                 }
             }
         };
@@ -170,7 +170,7 @@ impl NcclCommunicator {
     }
 
     /// The first `len` bytes of a device buffer.
-    pub(super) fn download_bytes(&self, handle: Handle, len: usize) -> Result<Vec<u8>, CommError> {
+    pub(super) fn download_bytes(&self, handle: Handle, len: usize) -> Result<Vec<u8>, Error> {
         let bytes = self
             .client
             .read_one(handle)
@@ -183,7 +183,7 @@ impl NcclCommunicator {
         handle: Handle,
         shape: Shape,
         dtype: DType,
-    ) -> Result<TensorData, CommError> {
+    ) -> Result<TensorData, Error> {
         let len = shape.num_elements() * dtype.size();
         Ok(TensorData::from_bytes_vec(
             self.download_bytes(handle, len)?,
@@ -195,7 +195,7 @@ impl NcclCommunicator {
     /// The round of `call`: the members' calls, exchanged as headers and checked to be the
     /// same call on every member, or only this member's when checks are off (a broadcast always
     /// exchanges them: the root's tells the others what to receive).
-    pub(super) fn round(&self, call: &Call) -> Result<Round<'_>, CommError> {
+    pub(super) fn round(&self, call: &Call) -> Result<Round<'_>, Error> {
         let (_, mine) = self.sequence.header(call)?;
         if !self.options.check_calls && call.kind() != CollectiveKind::Broadcast {
             return Ok(Round::new(

@@ -9,8 +9,8 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cudarc::driver::CudaContext;
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
-use super::{CommHandle, NcclCommunicator, NcclInitError, NcclOptions};
-use crate::comm::bootstrap::{Bootstrap, RendezvousError, bootstrap_groups, exchange_group_ids};
+use super::{CommHandle, Error, NcclCommunicator, NcclOptions};
+use crate::comm::bootstrap::{Bootstrap, bootstrap_groups, exchange_group_ids};
 use crate::comm::header::Sequence;
 use crate::comm::stats::StatsCell;
 use crate::mesh::DeviceMesh;
@@ -26,30 +26,30 @@ impl NcclCommunicator {
         device: CudaDevice,
         boot: &(impl Bootstrap + ?Sized),
         options: NcclOptions,
-    ) -> Result<Self, NcclInitError> {
+    ) -> Result<Self, Error> {
         // cudarc loads the libraries at first use and panics when one is missing: ask first.
         // SAFETY: only tries to open the shared libraries.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err(NcclInitError::Cuda(
+            return Err(Error::Cuda(
                 "libcuda was not found: NCCL needs an NVIDIA driver".into(),
             ));
         }
         // SAFETY: as above.
         if !unsafe { nccl_sys::is_culib_present() } {
-            return Err(NcclInitError::Nccl {
+            return Err(Error::Nccl {
                 call: "loading libnccl",
                 reason: "libnccl.so was not found: install NCCL (e.g. Debian/Ubuntu libnccl2) \
                          or put it on LD_LIBRARY_PATH"
                     .into(),
             });
         }
-        let cuda = |e: cudarc::driver::DriverError| NcclInitError::Cuda(format!("{e:?}"));
+        let cuda = |e: cudarc::driver::DriverError| Error::Cuda(format!("{e:?}"));
         let ctx = CudaContext::new(device.index).map_err(cuda)?;
         ctx.bind_to_thread().map_err(cuda)?;
         let stream = ctx.new_stream().map_err(cuda)?;
         let client = CudaRuntime::client(&device);
         let ids = exchange_group_ids(&mesh, boot, || {
-            let id = nccl::get_uniqueid().map_err(|e| RendezvousError::Protocol {
+            let id = nccl::get_uniqueid().map_err(|e| Error::RendezvousProtocol {
                 addr: String::new(),
                 reason: format!("ncclGetUniqueId: {:?}", e.0),
             })?;
@@ -67,7 +67,7 @@ impl NcclCommunicator {
             // SAFETY: `comm` is a valid out-pointer; every member of the group makes the same
             // call with the same id (handed out above), in the same group order.
             unsafe { nccl::comm_init_rank(&mut comm, n as i32, unique, index as i32) }.map_err(
-                |e| NcclInitError::Nccl {
+                |e| Error::Nccl {
                     call: "ncclCommInitRank",
                     reason: format!("{:?}", e.0),
                 },

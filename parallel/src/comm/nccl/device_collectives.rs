@@ -11,7 +11,7 @@ use super::NcclCommunicator;
 use crate::comm::buffer::check_reducible;
 use crate::comm::call::Operand;
 use crate::comm::{
-    Call, CollectiveKind, CommError, CommStats, DeviceCollectives, Group, ReduceOp, lock,
+    Call, CollectiveKind, CommStats, DeviceCollectives, Error, Group, ReduceOp, lock,
 };
 
 fn contiguous(tensor: CubeTensor<CudaRuntime>) -> CubeTensor<CudaRuntime> {
@@ -39,7 +39,7 @@ impl NcclCommunicator {
         &self,
         call: Call,
         tensor: CubeTensor<CudaRuntime>,
-    ) -> Result<CubeTensor<CudaRuntime>, CommError> {
+    ) -> Result<CubeTensor<CudaRuntime>, Error> {
         call.check_root(&self.mesh)?;
         let t = contiguous(tensor);
         let shape = t.shape();
@@ -87,7 +87,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
         group: Group,
         tensor: CubeTensor<CudaRuntime>,
         op: ReduceOp,
-    ) -> Result<CubeTensor<CudaRuntime>, CommError> {
+    ) -> Result<CubeTensor<CudaRuntime>, Error> {
         self.on_device(Call::all_reduce(group, operand(&tensor), op), tensor)
     }
 
@@ -95,7 +95,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
         &self,
         group: Group,
         tensor: CubeTensor<CudaRuntime>,
-    ) -> Result<CubeTensor<CudaRuntime>, CommError> {
+    ) -> Result<CubeTensor<CudaRuntime>, Error> {
         self.on_device(Call::all_gather(group, operand(&tensor), 0), tensor)
     }
 
@@ -104,7 +104,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
         group: Group,
         tensor: CubeTensor<CudaRuntime>,
         op: ReduceOp,
-    ) -> Result<CubeTensor<CudaRuntime>, CommError> {
+    ) -> Result<CubeTensor<CudaRuntime>, Error> {
         let call = Call::reduce_scatter(group, operand(&tensor), 0, op);
         self.on_device(call, tensor)
     }
@@ -114,7 +114,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
         group: Group,
         tensor: CubeTensor<CudaRuntime>,
         root: usize,
-    ) -> Result<CubeTensor<CudaRuntime>, CommError> {
+    ) -> Result<CubeTensor<CudaRuntime>, Error> {
         let call = Call::broadcast(group, Some(operand(&tensor)), root);
         self.on_device(call, tensor)
     }

@@ -6,12 +6,12 @@ use burn::tensor::{Shape, TensorData};
 use super::NcclCommunicator;
 use crate::comm::buffer::{check_dim, check_divisible, check_reducible, chunk_bytes, gathered};
 use crate::comm::call::Operand;
-use crate::comm::{Call, CollectiveKind, CommError, CommStats, Communicator, ReduceOp, lock};
+use crate::comm::{Call, CollectiveKind, CommStats, Communicator, Error, ReduceOp, lock};
 use crate::mesh::DeviceMesh;
 
 impl NcclCommunicator {
     /// A host all-reduce, not recorded (the barrier is made of one).
-    fn host_all_reduce(&self, call: &Call, data: TensorData) -> Result<TensorData, CommError> {
+    fn host_all_reduce(&self, call: &Call, data: TensorData) -> Result<TensorData, Error> {
         check_reducible(data.dtype)?;
         let _calls = lock(&self.calls);
         self.round(call)?.check_layouts(None)?;
@@ -23,7 +23,7 @@ impl NcclCommunicator {
     }
 
     /// The host all-gather: NCCL gathers equal pieces, one after the other.
-    fn host_all_gather(&self, call: &Call, data: TensorData) -> Result<TensorData, CommError> {
+    fn host_all_gather(&self, call: &Call, data: TensorData) -> Result<TensorData, Error> {
         let dim = call.dim();
         check_dim(CollectiveKind::AllGather, data.shape.num_dims(), dim)?;
         let members = call.group().size(&self.mesh)?;
@@ -43,7 +43,7 @@ impl NcclCommunicator {
 
     /// The host reduce-scatter: the chunks laid out along `dim` one after the other, as NCCL
     /// scatters them.
-    fn host_reduce_scatter(&self, call: &Call, data: TensorData) -> Result<TensorData, CommError> {
+    fn host_reduce_scatter(&self, call: &Call, data: TensorData) -> Result<TensorData, Error> {
         let dim = call.dim();
         check_dim(CollectiveKind::ReduceScatter, data.shape.num_dims(), dim)?;
         check_reducible(data.dtype)?;
@@ -66,16 +66,12 @@ impl NcclCommunicator {
     }
 
     /// The host broadcast: the root's header tells the others what to receive.
-    fn host_broadcast(
-        &self,
-        call: &Call,
-        data: Option<TensorData>,
-    ) -> Result<TensorData, CommError> {
+    fn host_broadcast(&self, call: &Call, data: Option<TensorData>) -> Result<TensorData, Error> {
         let (group, root) = (call.group(), call.root());
         let index = group.index(&self.mesh, self.rank)?;
         call.check_root(&self.mesh)?;
         if index == root && data.is_none() {
-            return Err(CommError::Unsupported(
+            return Err(Error::Unsupported(
                 "the broadcast root must pass its buffer".into(),
             ));
         }
@@ -109,7 +105,7 @@ impl Communicator for NcclCommunicator {
         &self,
         call: Call,
         data: Option<TensorData>,
-    ) -> Result<Option<TensorData>, CommError> {
+    ) -> Result<Option<TensorData>, Error> {
         let result = match call.kind() {
             CollectiveKind::Barrier => {
                 let scalar = TensorData::new(vec![0f32], [1]);

@@ -7,18 +7,18 @@
 //! the collective is enqueued on this rank's own NCCL stream over the raw device pointers of the
 //! CubeCL handles (`ComputeClient::get_resource`), and the stream is polled until it completes
 //! or the timeout passes, in which case every NCCL communicator of the rank is aborted
-//! (`ncclCommAbort`) and the call fails with [`CommError::Timeout`](super::CommError::Timeout)
+//! (`ncclCommAbort`) and the call fails with [`Error::Timeout`](super::Error::Timeout)
 //! instead of hanging. The outputs are fresh buffers (Burn tensors are immutable values).
 //!
 //! Every call is checked first (unless [`NcclOptions::check_calls`] is off): the members
 //! all-gather a small header (call number, collective, op, dtype, shape) over NCCL, and a
 //! member that diverges makes every member fail with
-//! [`CommError::Mismatch`](super::CommError::Mismatch) at that call.
+//! [`Error::Mismatch`](super::Error::Mismatch) at that call.
 //!
 //! Reductions are NCCL's: fast, not in group order, so not bitwise equal to ranks as threads
 //! (the host communicators are). Point-to-point is not offered
 //! ([`Communicator::point_to_point`](super::Communicator::point_to_point) answers
-//! [`CommError::Unsupported`](super::CommError::Unsupported)).
+//! [`Error::Unsupported`](super::Error::Unsupported)).
 //!
 //! Not run here: this workspace's CI has no GPU. It compiles in CI (`cargo check --features
 //! cuda`); the pure parts (bootstrap, header checks, the dim handling) are tested on CPU.
@@ -43,9 +43,9 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
-use super::bootstrap::RendezvousError;
 use super::header::Sequence;
 use super::stats::StatsCell;
+use crate::error::Error;
 use crate::mesh::DeviceMesh;
 
 /// How an [`NcclCommunicator`] behaves.
@@ -65,25 +65,6 @@ impl Default for NcclOptions {
             check_calls: true,
         }
     }
-}
-
-/// Creating an [`NcclCommunicator`] failed.
-#[derive(Debug, thiserror::Error)]
-pub enum NcclInitError {
-    /// The ids could not be handed out.
-    #[error(transparent)]
-    Rendezvous(#[from] RendezvousError),
-    /// A CUDA driver call failed (no device, no driver).
-    #[error("CUDA: {0}")]
-    Cuda(String),
-    /// An NCCL call failed (no libnccl, a peer with another NCCL version, …).
-    #[error("NCCL {call}: {reason}")]
-    Nccl {
-        /// The call.
-        call: &'static str,
-        /// NCCL's result code.
-        reason: String,
-    },
 }
 
 /// An NCCL communicator handle. SAFETY: used only under the owner's call lock (NCCL

@@ -9,7 +9,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cudarc::nccl::sys as nccl_sys;
 
-use super::{NcclCommunicator, NcclInitError, NcclOptions};
+use super::{Error, NcclCommunicator, NcclOptions};
 use crate::comm::{
     CollectiveKind, Communicator, DeviceCollectives, Group, InProcessWorld, ReduceOp,
 };
@@ -33,7 +33,7 @@ fn nccl_world_of_one_or_a_typed_error() {
     let options = NcclOptions::default();
     let nccl = match NcclCommunicator::new(mesh, 0, CudaDevice::new(0), &boot, options) {
         Ok(nccl) => nccl,
-        Err(NcclInitError::Cuda(reason)) => {
+        Err(Error::Cuda(reason)) => {
             // SAFETY: only tries to open the library.
             assert!(
                 !unsafe { cudarc::driver::sys::is_culib_present() },
@@ -42,7 +42,7 @@ fn nccl_world_of_one_or_a_typed_error() {
             assert!(reason.contains("libcuda"), "{reason}");
             return;
         }
-        Err(NcclInitError::Nccl { call, reason }) => {
+        Err(Error::Nccl { call, reason }) => {
             // SAFETY: only tries to open the library.
             assert!(!unsafe { nccl_sys::is_culib_present() }, "{call}: {reason}");
             return;
