@@ -73,9 +73,27 @@ fn time<T>(rounds: usize, f: &dyn Fn() -> T) -> f64 {
 
 struct Case<'a> {
     name: String,
-    fused: Box<dyn Fn() -> Vec<Prim> + 'a>,
-    unfused: Box<dyn Fn() -> Vec<Prim> + 'a>,
+    /// The outputs of one call, fused (`true`) or with Burn ops (`false`).
+    run: Box<dyn Fn(bool) -> Vec<Prim> + 'a>,
     inputs: Vec<Prim>,
+}
+
+/// A case of an op whose fused form (`B::fused_*`) and Burn-op form (`reference::*`) share one
+/// signature `Op`: `call` calls the form it is given on (copies of) `inputs`, and returns the
+/// outputs.
+fn case<'a, Op: Copy + 'a, const N: usize>(
+    name: String,
+    [fused, unfused]: [Op; 2],
+    inputs: [Prim; N],
+    call: impl Fn(Op, [Prim; N]) -> Vec<Prim> + 'a,
+) -> Case<'a> {
+    let args = inputs.clone();
+    let run = move |f: bool| call(if f { fused } else { unfused }, args.clone());
+    Case {
+        name,
+        run: Box::new(run),
+        inputs: inputs.to_vec(),
+    }
 }
 
 fn main() {
@@ -145,158 +163,99 @@ fn main() {
     };
 
     let cases = vec![
-        Case {
-            name: format!("softmax [{rows}, {d}]"),
-            fused: Box::new(|| vec![B::fused_softmax(x.clone())]),
-            unfused: Box::new(|| vec![reference::softmax::<B>(x.clone(), false)]),
-            inputs: vec![x.clone()],
-        },
-        Case {
-            name: format!("softmax backward [{rows}, {d}]"),
-            fused: Box::new(|| vec![B::fused_softmax_backward(sm.clone(), dy.clone())]),
-            unfused: Box::new(|| {
-                vec![reference::softmax_backward::<B>(
-                    sm.clone(),
-                    dy.clone(),
-                    false,
-                )]
-            }),
-            inputs: vec![sm.clone(), dy.clone()],
-        },
-        Case {
-            name: format!("layer_norm [{rows}, {d}]"),
-            fused: Box::new(|| {
-                let o = B::fused_layer_norm(x.clone(), gamma.clone(), beta.clone(), 1e-5);
+        case(
+            format!("softmax [{rows}, {d}]"),
+            [B::fused_softmax, |x| reference::softmax::<B>(x, false)],
+            [x.clone()],
+            |op, [x]| vec![op(x)],
+        ),
+        case(
+            format!("softmax backward [{rows}, {d}]"),
+            [B::fused_softmax_backward, |y, dy| {
+                reference::softmax_backward::<B>(y, dy, false)
+            }],
+            [sm.clone(), dy.clone()],
+            |op, [y, dy]| vec![op(y, dy)],
+        ),
+        case(
+            format!("layer_norm [{rows}, {d}]"),
+            [B::fused_layer_norm, reference::layer_norm::<B>],
+            [x.clone(), gamma.clone(), beta.clone()],
+            |op, [x, gamma, beta]| {
+                let o = op(x, gamma, beta, 1e-5);
                 vec![o.output, o.mean, o.rstd]
-            }),
-            unfused: Box::new(|| {
-                let o = reference::layer_norm::<B>(x.clone(), gamma.clone(), beta.clone(), 1e-5);
-                vec![o.output, o.mean, o.rstd]
-            }),
-            inputs: vec![x.clone(), gamma.clone(), beta.clone()],
-        },
-        Case {
-            name: format!("layer_norm backward [{rows}, {d}]"),
-            fused: Box::new(|| {
-                let g = B::fused_layer_norm_backward(
-                    x.clone(),
-                    gamma.clone(),
-                    ln.mean.clone(),
-                    ln.rstd.clone(),
-                    dy.clone(),
-                );
-                vec![g.x, g.gamma, g.beta]
-            }),
-            unfused: Box::new(|| {
-                let g = reference::layer_norm_backward::<B>(
-                    x.clone(),
-                    gamma.clone(),
-                    ln.mean.clone(),
-                    ln.rstd.clone(),
-                    dy.clone(),
-                );
-                vec![g.x, g.gamma, g.beta]
-            }),
-            inputs: vec![
+            },
+        ),
+        case(
+            format!("layer_norm backward [{rows}, {d}]"),
+            [
+                B::fused_layer_norm_backward,
+                reference::layer_norm_backward::<B>,
+            ],
+            [
                 x.clone(),
                 gamma.clone(),
                 ln.mean.clone(),
                 ln.rstd.clone(),
                 dy.clone(),
             ],
-        },
-        Case {
-            name: format!("gelu_bias [{rows}, {}]", 4 * d),
-            fused: Box::new(|| vec![B::fused_gelu_bias(h4.clone(), bias4.clone())]),
-            unfused: Box::new(|| vec![reference::gelu_bias::<B>(h4.clone(), bias4.clone())]),
-            inputs: vec![h4.clone(), bias4.clone()],
-        },
-        Case {
-            name: format!("gelu_bias backward [{rows}, {}]", 4 * d),
-            fused: Box::new(|| {
-                let (a, b) = B::fused_gelu_bias_backward(h4.clone(), bias4.clone(), dh4.clone());
+            |op, [x, gamma, mean, rstd, dy]| {
+                let g = op(x, gamma, mean, rstd, dy);
+                vec![g.x, g.gamma, g.beta]
+            },
+        ),
+        case(
+            format!("gelu_bias [{rows}, {}]", 4 * d),
+            [B::fused_gelu_bias, reference::gelu_bias::<B>],
+            [h4.clone(), bias4.clone()],
+            |op, [h, bias]| vec![op(h, bias)],
+        ),
+        case(
+            format!("gelu_bias backward [{rows}, {}]", 4 * d),
+            [
+                B::fused_gelu_bias_backward,
+                reference::gelu_bias_backward::<B>,
+            ],
+            [h4.clone(), bias4.clone(), dh4.clone()],
+            |op, [h, bias, dh]| {
+                let (a, b) = op(h, bias, dh);
                 vec![a, b]
-            }),
-            unfused: Box::new(|| {
-                let (a, b) =
-                    reference::gelu_bias_backward::<B>(h4.clone(), bias4.clone(), dh4.clone());
-                vec![a, b]
-            }),
-            inputs: vec![h4.clone(), bias4.clone(), dh4.clone()],
-        },
-        Case {
-            name: format!("cross_entropy [{ce_rows}, {vocab}]"),
-            fused: Box::new(|| {
-                let o = B::fused_cross_entropy(logits.clone(), t.clone());
+            },
+        ),
+        case(
+            format!("cross_entropy [{ce_rows}, {vocab}]"),
+            [B::fused_cross_entropy, reference::cross_entropy::<B>],
+            [logits.clone()],
+            |op, [logits]| {
+                let o = op(logits, t.clone());
                 vec![o.loss, o.lse]
-            }),
-            unfused: Box::new(|| {
-                let o = reference::cross_entropy::<B>(logits.clone(), t.clone());
-                vec![o.loss, o.lse]
-            }),
-            inputs: vec![logits.clone()],
-        },
-        Case {
-            name: format!("cross_entropy backward [{ce_rows}, {vocab}]"),
-            fused: Box::new(|| {
-                vec![B::fused_cross_entropy_backward(
-                    logits.clone(),
-                    t.clone(),
-                    ce.lse.clone(),
-                    dloss.clone(),
-                )]
-            }),
-            unfused: Box::new(|| {
-                vec![reference::cross_entropy_backward::<B>(
-                    logits.clone(),
-                    t.clone(),
-                    ce.lse.clone(),
-                    dloss.clone(),
-                )]
-            }),
-            inputs: vec![logits.clone(), ce.lse.clone(), dloss.clone()],
-        },
-        Case {
-            name: format!("attention causal [{b}, {heads}, {seq}, {hd}]"),
-            fused: Box::new(|| {
-                let o = B::fused_attention(q.clone(), k.clone(), v.clone(), scale, true);
+            },
+        ),
+        case(
+            format!("cross_entropy backward [{ce_rows}, {vocab}]"),
+            [
+                B::fused_cross_entropy_backward,
+                reference::cross_entropy_backward::<B>,
+            ],
+            [logits.clone(), ce.lse.clone(), dloss.clone()],
+            |op, [logits, lse, dloss]| vec![op(logits, t.clone(), lse, dloss)],
+        ),
+        case(
+            format!("attention causal [{b}, {heads}, {seq}, {hd}]"),
+            [B::fused_attention, reference::attention::<B>],
+            [q.clone(), k.clone(), v.clone()],
+            |op, [q, k, v]| {
+                let o = op(q, k, v, scale, true);
                 vec![o.output, o.lse]
-            }),
-            unfused: Box::new(|| {
-                let o = reference::attention::<B>(q.clone(), k.clone(), v.clone(), scale, true);
-                vec![o.output, o.lse]
-            }),
-            inputs: vec![q.clone(), k.clone(), v.clone()],
-        },
-        Case {
-            name: format!("attention causal backward [{b}, {heads}, {seq}, {hd}]"),
-            fused: Box::new(|| {
-                let g = B::fused_attention_backward(
-                    q.clone(),
-                    k.clone(),
-                    v.clone(),
-                    att.output.clone(),
-                    att.lse.clone(),
-                    do_.clone(),
-                    scale,
-                    true,
-                );
-                vec![g.q, g.k, g.v]
-            }),
-            unfused: Box::new(|| {
-                let g = reference::attention_backward::<B>(
-                    q.clone(),
-                    k.clone(),
-                    v.clone(),
-                    att.output.clone(),
-                    att.lse.clone(),
-                    do_.clone(),
-                    scale,
-                    true,
-                );
-                vec![g.q, g.k, g.v]
-            }),
-            inputs: vec![
+            },
+        ),
+        case(
+            format!("attention causal backward [{b}, {heads}, {seq}, {hd}]"),
+            [
+                B::fused_attention_backward,
+                reference::attention_backward::<B>,
+            ],
+            [
                 q.clone(),
                 k.clone(),
                 v.clone(),
@@ -304,46 +263,24 @@ fn main() {
                 att.lse.clone(),
                 do_.clone(),
             ],
-        },
-        Case {
-            name: format!("unscale + Σg² + non-finite [{}, {d}]", 4 * d),
-            fused: Box::new(|| {
-                let o = B::fused_unscale(w.clone(), 1.0 / 1024.0);
+            |op, [q, k, v, o, lse, d_o]| {
+                let g = op(q, k, v, o, lse, d_o, scale, true);
+                vec![g.q, g.k, g.v]
+            },
+        ),
+        case(
+            format!("unscale + Σg² + non-finite [{}, {d}]", 4 * d),
+            [B::fused_unscale, reference::unscale::<B>],
+            [w.clone()],
+            |op, [w]| {
+                let o = op(w, 1.0 / 1024.0);
                 vec![o.grad, o.sum_squares, o.non_finite]
-            }),
-            unfused: Box::new(|| {
-                let o = reference::unscale::<B>(w.clone(), 1.0 / 1024.0);
-                vec![o.grad, o.sum_squares, o.non_finite]
-            }),
-            inputs: vec![w.clone()],
-        },
-        Case {
-            name: format!("AdamW, predicated [{}, {d}]", 4 * d),
-            fused: Box::new(|| {
-                let o = B::fused_adamw(
-                    w.clone(),
-                    w.clone(),
-                    mom.clone(),
-                    vel.clone(),
-                    clip.clone(),
-                    no_skip.clone(),
-                    adam,
-                );
-                vec![o.param, o.m, o.v]
-            }),
-            unfused: Box::new(|| {
-                let o = reference::adamw::<B>(
-                    w.clone(),
-                    w.clone(),
-                    mom.clone(),
-                    vel.clone(),
-                    clip.clone(),
-                    no_skip.clone(),
-                    adam,
-                );
-                vec![o.param, o.m, o.v]
-            }),
-            inputs: vec![
+            },
+        ),
+        case(
+            format!("AdamW, predicated [{}, {d}]", 4 * d),
+            [B::fused_adamw, reference::adamw::<B>],
+            [
                 w.clone(),
                 w.clone(),
                 mom.clone(),
@@ -351,14 +288,18 @@ fn main() {
                 clip.clone(),
                 no_skip.clone(),
             ],
-        },
+            |op, [param, grad, m, v, clip, skip]| {
+                let o = op(param, grad, m, v, clip, skip, adam);
+                vec![o.param, o.m, o.v]
+            },
+        ),
     ];
 
     println!("| op | fused | Burn ops | unfused / fused | fused launches | bytes in + out |");
     println!("|---|---|---|---|---|---|");
     for case in &cases {
         let before = cube::launches();
-        let out = (case.fused)();
+        let out = (case.run)(true);
         sync();
         let launches = cube::launches() - before;
         let io =
@@ -366,8 +307,8 @@ fn main() {
         drop(out);
         let (mut fused, mut unfused) = (Vec::new(), Vec::new());
         for _ in 0..rounds {
-            fused.push(time(1, &*case.fused));
-            unfused.push(time(1, &*case.unfused));
+            fused.push(time(1, &|| (case.run)(true)));
+            unfused.push(time(1, &|| (case.run)(false)));
         }
         fused.sort_by(f64::total_cmp);
         unfused.sort_by(f64::total_cmp);

@@ -2,11 +2,9 @@
 //! softmax over the keys, the score matrix never stored; the per-row helpers the backward kernels
 //! share.
 
-use super::NEG_BIG;
-use super::{empty, launched};
-use burn::tensor::{DType, Shape, TensorMetadata};
+use super::{NEG_BIG, arg, contiguous, empty_f32, empty_like, launched};
+use burn::tensor::TensorMetadata;
 use burn_cubecl::CubeRuntime;
-use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim};
@@ -20,6 +18,20 @@ pub(super) fn unit_row(seq: usize) -> usize {
         terminate!();
     }
     i
+}
+
+/// For one unit per query row: `(i, row, k_base)`, this unit's query within its (batch, head),
+/// that query's row over all of them, and the first element of the (batch, head)'s keys; a unit
+/// past the last query stops here.
+#[cube]
+pub(super) fn query_row(
+    seq_q: usize,
+    seq_k: usize,
+    #[comptime] head_dim: usize,
+) -> (usize, usize, usize) {
+    let bh = CUBE_POS_Y as usize;
+    let i = unit_row(seq_q);
+    (i, bh * seq_q + i, bh * seq_k * head_dim)
 }
 
 /// `t[base..base + head_dim]` times `scale`, in f32.
@@ -89,12 +101,8 @@ fn attention_kernel<F: Float>(
     #[comptime] causal: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let bh = CUBE_POS_Y as usize;
-    let seq_q = seq_q as usize;
     let seq_k = seq_k as usize;
-    let i = unit_row(seq_q);
-    let row = bh * seq_q + i;
-    let k_base = bh * seq_k * head_dim;
+    let (i, row, k_base) = query_row(seq_q as usize, seq_k, head_dim);
     let qr = load_row::<F>(q, row * head_dim, scale, head_dim);
     let mut acc = zeros(head_dim);
     let mut m = f32::new(NEG_BIG);
@@ -158,21 +166,21 @@ pub(super) fn forward<R: CubeRuntime>(
     scale: f64,
     causal: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
+    let [q, k, v] = contiguous([q, k, v]);
     let (bh, sq, sk, d) = attention_shape(&q, &k, causal);
     let shape = q.shape();
-    let output = empty(&q, shape.clone(), q.dtype);
-    let lse = empty(&q, Shape::new([shape[0], shape[1], sq]), DType::F32);
+    let output = empty_like(&q);
+    let lse = empty_f32(&q, [shape[0], shape[1], sq]);
     let (count, dim) = attention_launch(sq, bh);
     attention_kernel::launch::<R>(
         &q.client,
         count,
         dim,
-        q.clone().into_tensor_arg(),
-        k.into_tensor_arg(),
-        v.into_tensor_arg(),
-        output.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
+        arg(&q),
+        arg(&k),
+        arg(&v),
+        arg(&output),
+        arg(&lse),
         sq as u32,
         sk as u32,
         scale as f32,

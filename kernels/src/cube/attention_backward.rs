@@ -3,12 +3,10 @@
 //! dV.
 
 use super::attention::{
-    attention_launch, attention_shape, dot, keys_end, load_row, unit_row, zeros,
+    attention_launch, attention_shape, dot, keys_end, load_row, query_row, unit_row, zeros,
 };
-use super::{empty, launched};
-use burn::tensor::{DType, Shape, TensorMetadata};
+use super::{arg, contiguous, empty_f32, empty_like, launched};
 use burn_cubecl::CubeRuntime;
-use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
@@ -30,12 +28,8 @@ fn attention_backward_q_kernel<F: Float>(
     #[comptime] causal: bool,
     #[define(F)] _dtype: StorageType,
 ) {
-    let bh = CUBE_POS_Y as usize;
-    let seq_q = seq_q as usize;
     let seq_k = seq_k as usize;
-    let i = unit_row(seq_q);
-    let row = bh * seq_q + i;
-    let k_base = bh * seq_k * head_dim;
+    let (i, row, k_base) = query_row(seq_q as usize, seq_k, head_dim);
     let qr = load_row::<F>(q, row * head_dim, scale, head_dim);
     let dor = load_row::<F>(d_output, row * head_dim, f32::new(1.0), head_dim);
     let delta = dot::<F>(&dor, output, row * head_dim, head_dim);
@@ -110,42 +104,29 @@ fn attention_backward_kv_kernel<F: Float>(
     }
 }
 
-/// `(dq, dk, dv)`.
-#[allow(clippy::too_many_arguments)]
+/// `(dq, dk, dv)` from `[q, k, v, output, lse, d_output]`.
 pub(super) fn backward<R: CubeRuntime>(
-    q: CubeTensor<R>,
-    k: CubeTensor<R>,
-    v: CubeTensor<R>,
-    output: CubeTensor<R>,
-    lse: CubeTensor<R>,
-    d_output: CubeTensor<R>,
+    operands: [CubeTensor<R>; 6],
     scale: f64,
     causal: bool,
-) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
-    let (q, k, v) = (into_contiguous(q), into_contiguous(k), into_contiguous(v));
-    let (output, lse, d_output) = (
-        into_contiguous(output),
-        into_contiguous(lse),
-        into_contiguous(d_output),
-    );
+) -> [CubeTensor<R>; 3] {
+    let [q, k, v, output, lse, d_output] = contiguous(operands);
     let (bh, sq, sk, d) = attention_shape(&q, &k, causal);
-    let dq = empty(&q, q.shape(), q.dtype);
-    let dk = empty(&k, k.shape(), k.dtype);
-    let dv = empty(&v, v.shape(), v.dtype);
-    let delta = empty(&q, Shape::new([bh * sq]), DType::F32);
+    let [dq, dk, dv] = [&q, &k, &v].map(empty_like);
+    let delta = empty_f32(&q, [bh * sq]);
     let (count, dim) = attention_launch(sq, bh);
     attention_backward_q_kernel::launch::<R>(
         &q.client,
         count,
         dim,
-        q.clone().into_tensor_arg(),
-        k.clone().into_tensor_arg(),
-        v.clone().into_tensor_arg(),
-        output.into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
-        d_output.clone().into_tensor_arg(),
-        dq.clone().into_tensor_arg(),
-        delta.clone().into_tensor_arg(),
+        arg(&q),
+        arg(&k),
+        arg(&v),
+        arg(&output),
+        arg(&lse),
+        arg(&d_output),
+        arg(&dq),
+        arg(&delta),
         sq as u32,
         sk as u32,
         scale as f32,
@@ -158,14 +139,14 @@ pub(super) fn backward<R: CubeRuntime>(
         &q.client,
         count,
         dim,
-        q.clone().into_tensor_arg(),
-        k.into_tensor_arg(),
-        v.into_tensor_arg(),
-        lse.into_tensor_arg(),
-        delta.into_tensor_arg(),
-        d_output.into_tensor_arg(),
-        dk.clone().into_tensor_arg(),
-        dv.clone().into_tensor_arg(),
+        arg(&q),
+        arg(&k),
+        arg(&v),
+        arg(&lse),
+        arg(&delta),
+        arg(&d_output),
+        arg(&dk),
+        arg(&dv),
         sq as u32,
         sk as u32,
         scale as f32,
@@ -174,5 +155,5 @@ pub(super) fn backward<R: CubeRuntime>(
         q.dtype.into(),
     );
     launched(2);
-    (dq, dk, dv)
+    [dq, dk, dv]
 }

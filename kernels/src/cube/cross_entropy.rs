@@ -2,10 +2,11 @@
 //! (one cube per row), the backward is one elementwise pass over the logits.
 
 use super::reduce::{row_logsumexp, this_row};
-use super::{elementwise, empty, launched, row_launch, rows_cols};
-use burn::tensor::{DType, Shape, TensorMetadata};
+use super::{
+    arg, contiguous, elementwise, empty, empty_f32, empty_like, launched, row_launch, rows_cols,
+};
+use burn::tensor::{Shape, TensorMetadata};
 use burn_cubecl::CubeRuntime;
-use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
@@ -69,8 +70,7 @@ pub(super) fn forward<R: CubeRuntime>(
     logits: CubeTensor<R>,
     targets: CubeTensor<R>,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let logits = into_contiguous(logits);
-    let targets = into_contiguous(targets);
+    let [logits, targets] = contiguous([logits, targets]);
     let (rows, cols) = rows_cols(&logits.shape());
     assert_eq!(
         targets.shape().num_elements(),
@@ -78,16 +78,16 @@ pub(super) fn forward<R: CubeRuntime>(
         "cross_entropy: one target per row"
     );
     let loss = empty(&logits, Shape::new([rows]), logits.dtype);
-    let lse = empty(&logits, Shape::new([rows]), DType::F32);
+    let lse = empty_f32(&logits, [rows]);
     let (count, dim, block) = row_launch(rows, cols);
     cross_entropy_kernel::launch::<R>(
         &logits.client,
         count,
         dim,
-        logits.clone().into_tensor_arg(),
-        targets.clone().into_tensor_arg(),
-        loss.clone().into_tensor_arg(),
-        lse.clone().into_tensor_arg(),
+        arg(&logits),
+        arg(&targets),
+        arg(&loss),
+        arg(&lse),
         rows as u32,
         cols as u32,
         block,
@@ -104,25 +104,19 @@ pub(super) fn backward<R: CubeRuntime>(
     lse: CubeTensor<R>,
     dloss: CubeTensor<R>,
 ) -> CubeTensor<R> {
-    let logits = into_contiguous(logits);
-    let (targets, lse, dloss) = (
-        into_contiguous(targets),
-        into_contiguous(lse),
-        into_contiguous(dloss),
-    );
-    let shape = logits.shape();
-    let (rows, cols) = rows_cols(&shape);
-    let dx = empty(&logits, shape, logits.dtype);
+    let [logits, targets, lse, dloss] = contiguous([logits, targets, lse, dloss]);
+    let (rows, cols) = rows_cols(&logits.shape());
+    let dx = empty_like(&logits);
     let (count, dim) = elementwise(&logits, rows * cols);
     cross_entropy_backward_kernel::launch::<R>(
         &logits.client,
         count,
         dim,
-        logits.clone().into_tensor_arg(),
-        targets.clone().into_tensor_arg(),
-        lse.into_tensor_arg(),
-        dloss.into_tensor_arg(),
-        dx.clone().into_tensor_arg(),
+        arg(&logits),
+        arg(&targets),
+        arg(&lse),
+        arg(&dloss),
+        arg(&dx),
         rows as u32,
         cols as u32,
         [logits.dtype.into(), targets.dtype.into()],

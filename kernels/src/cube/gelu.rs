@@ -2,16 +2,22 @@
 //! chunks of rows.
 
 use super::reduce::column_chunk;
-use super::{COLUMN_CHUNK, column_launch, elementwise, empty, finish_columns, launched, rows_cols};
-use burn::tensor::{DType, Shape, TensorMetadata};
-use burn_cubecl::kernel::into_contiguous;
+use super::{
+    COLUMN_CHUNK, arg, column_launch, contiguous, elementwise, empty_like, finish_columns,
+    launched, rows_cols,
+};
+use burn::tensor::TensorMetadata;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-/// `z = x + bias` at element `ABSOLUTE_POS` of rows of `cols`.
+/// `z = x + bias` at element `ABSOLUTE_POS` of `len`, in rows of `cols`; a unit past the last
+/// element stops here.
 #[cube]
-fn biased<F: Float>(input: &Tensor<F>, bias: &Tensor<F>, cols: u32) -> f32 {
+fn biased<F: Float>(input: &Tensor<F>, bias: &Tensor<F>, len: u32, cols: u32) -> f32 {
+    if ABSOLUTE_POS >= len as usize {
+        terminate!();
+    }
     f32::cast_from(input[ABSOLUTE_POS]) + f32::cast_from(bias[ABSOLUTE_POS % cols as usize])
 }
 
@@ -30,10 +36,7 @@ fn gelu_bias_kernel<F: Float>(
     cols: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    if ABSOLUTE_POS >= len as usize {
-        terminate!();
-    }
-    let z = biased::<F>(input, bias, cols);
+    let z = biased::<F>(input, bias, len, cols);
     output[ABSOLUTE_POS] = F::cast_from(z * normal_cdf(z));
 }
 
@@ -48,10 +51,7 @@ fn gelu_bias_backward_kernel<F: Float>(
     cols: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    if ABSOLUTE_POS >= len as usize {
-        terminate!();
-    }
-    let z = biased::<F>(input, bias, cols);
+    let z = biased::<F>(input, bias, len, cols);
     let pdf = f32::exp(f32::new(-0.5) * z * z) * f32::new(0.398_942_3);
     dx[ABSOLUTE_POS] = F::cast_from(f32::cast_from(dy[ABSOLUTE_POS]) * (normal_cdf(z) + z * pdf));
 }
@@ -77,18 +77,17 @@ fn column_sum_kernel<F: Float>(
 
 /// `gelu(x + bias)`.
 pub(super) fn forward<R: CubeRuntime>(x: CubeTensor<R>, bias: CubeTensor<R>) -> CubeTensor<R> {
-    let (x, bias) = (into_contiguous(x), into_contiguous(bias));
-    let shape = x.shape();
-    let (rows, cols) = rows_cols(&shape);
-    let out = empty(&x, shape, x.dtype);
+    let [x, bias] = contiguous([x, bias]);
+    let (rows, cols) = rows_cols(&x.shape());
+    let out = empty_like(&x);
     let (count, dim) = elementwise(&x, rows * cols);
     gelu_bias_kernel::launch::<R>(
         &x.client,
         count,
         dim,
-        x.clone().into_tensor_arg(),
-        bias.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
+        arg(&x),
+        arg(&bias),
+        arg(&out),
         (rows * cols) as u32,
         cols as u32,
         x.dtype.into(),
@@ -103,35 +102,29 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
     bias: CubeTensor<R>,
     dy: CubeTensor<R>,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
-    let (x, bias, dy) = (
-        into_contiguous(x),
-        into_contiguous(bias),
-        into_contiguous(dy),
-    );
-    let shape = x.shape();
-    let (rows, cols) = rows_cols(&shape);
-    let dx = empty(&x, shape, x.dtype);
+    let [x, bias, dy] = contiguous([x, bias, dy]);
+    let (rows, cols) = rows_cols(&x.shape());
+    let dx = empty_like(&x);
     let (count, dim) = elementwise(&x, rows * cols);
     gelu_bias_backward_kernel::launch::<R>(
         &x.client,
         count,
         dim,
-        x.clone().into_tensor_arg(),
-        bias.clone().into_tensor_arg(),
-        dy.into_tensor_arg(),
-        dx.clone().into_tensor_arg(),
+        arg(&x),
+        arg(&bias),
+        arg(&dy),
+        arg(&dx),
         (rows * cols) as u32,
         cols as u32,
         x.dtype.into(),
     );
-    let (chunks, count, dim) = column_launch(&x, rows, cols);
-    let partial = empty(&x, Shape::new([chunks, cols]), DType::F32);
+    let (partial, count, dim) = column_launch(&x, rows, cols);
     column_sum_kernel::launch::<R>(
         &x.client,
         count,
         dim,
-        dx.clone().into_tensor_arg(),
-        partial.clone().into_tensor_arg(),
+        arg(&dx),
+        arg(&partial),
         rows as u32,
         cols as u32,
         COLUMN_CHUNK as u32,

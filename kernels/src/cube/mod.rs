@@ -27,9 +27,11 @@ use crate::{
 };
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::prelude::TensorArg;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -53,6 +55,16 @@ fn launched(n: u64) {
 // ---------------------------------------------------------------------------------------------
 // Launch helpers.
 
+/// Each of `tensors` made contiguous (the kernels index rows and columns directly).
+fn contiguous<R: CubeRuntime, const N: usize>(tensors: [CubeTensor<R>; N]) -> [CubeTensor<R>; N] {
+    tensors.map(into_contiguous)
+}
+
+/// `t` as a kernel argument (its handle cloned: `t` stays usable, as outputs must).
+fn arg<R: CubeRuntime>(t: &CubeTensor<R>) -> TensorArg<R> {
+    t.clone().into_tensor_arg()
+}
+
 /// `(rows, cols)` of a tensor seen as rows over its last dimension.
 fn rows_cols(shape: &Shape) -> (usize, usize) {
     let cols = shape[shape.num_dims() - 1];
@@ -73,6 +85,16 @@ fn empty<R: CubeRuntime>(like: &CubeTensor<R>, shape: Shape, dtype: DType) -> Cu
     empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype)
 }
 
+/// A new tensor of `like`'s shape and dtype (a kernel's output).
+fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
+    empty(like, like.shape(), like.dtype)
+}
+
+/// A new f32 tensor on `like`'s device (per-row statistics, partial sums).
+fn empty_f32<R: CubeRuntime>(like: &CubeTensor<R>, shape: impl Into<Shape>) -> CubeTensor<R> {
+    empty(like, shape.into(), DType::F32)
+}
+
 /// One unit per element of `n`.
 fn elementwise<R: CubeRuntime>(like: &CubeTensor<R>, n: usize) -> (CubeCount, CubeDim) {
     let dim = CubeDim::new(&like.client, n.max(1));
@@ -85,16 +107,16 @@ fn elementwise<R: CubeRuntime>(like: &CubeTensor<R>, n: usize) -> (CubeCount, Cu
 /// Rows per partial sum of the column reductions (norm parameter gradients, bias gradients).
 const COLUMN_CHUNK: usize = 256;
 
-/// A column reduction's launch, one unit per (chunk of `COLUMN_CHUNK` rows, column):
-/// `(chunks, count, dim)`.
+/// A column reduction's launch, one unit per (chunk of `COLUMN_CHUNK` rows, column), and its
+/// `[chunks, cols]` f32 partial sums (for [`finish_columns`]): `(partial, count, dim)`.
 fn column_launch<R: CubeRuntime>(
     like: &CubeTensor<R>,
     rows: usize,
     cols: usize,
-) -> (usize, CubeCount, CubeDim) {
+) -> (CubeTensor<R>, CubeCount, CubeDim) {
     let chunks = rows.div_ceil(COLUMN_CHUNK).max(1);
     let (count, dim) = elementwise(like, chunks * cols);
-    (chunks, count, dim)
+    (empty_f32(like, [chunks, cols]), count, dim)
 }
 
 /// Sum `[chunks, cols]` f32 partials over the chunks, cast to `dtype`.
@@ -249,7 +271,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         scale: f64,
         causal: bool,
     ) -> AttentionGrads<Self> {
-        let (q, k, v) = attention_backward::backward(q, k, v, output, lse, d_output, scale, causal);
+        let operands = [q, k, v, output, lse, d_output];
+        let [q, k, v] = attention_backward::backward(operands, scale, causal);
         AttentionGrads { q, k, v }
     }
 }

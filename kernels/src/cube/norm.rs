@@ -2,9 +2,12 @@
 //! one cube per row; the parameter gradients as f32 column sums over chunks of rows.
 
 use super::reduce::{column_chunk, cube_sum, this_row};
-use super::{COLUMN_CHUNK, column_launch, empty, finish_columns, launched, row_launch, rows_cols};
+use super::{
+    COLUMN_CHUNK, arg, column_launch, contiguous, empty_f32, empty_like, finish_columns, launched,
+    row_launch, rows_cols,
+};
 use crate::stats_shape;
-use burn::tensor::{DType, Shape, TensorMetadata};
+use burn::tensor::TensorMetadata;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
@@ -156,8 +159,7 @@ pub(super) fn forward<R: CubeRuntime>(
     beta: Option<CubeTensor<R>>,
     epsilon: f64,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
-    let x = into_contiguous(x);
-    let gamma = into_contiguous(gamma);
+    let [x, gamma] = contiguous([x, gamma]);
     let rms = beta.is_none();
     let beta = beta.map(into_contiguous).unwrap_or_else(|| gamma.clone());
     let shape = x.shape();
@@ -167,21 +169,20 @@ pub(super) fn forward<R: CubeRuntime>(
         cols,
         "norm: γ must have the last dimension's size"
     );
-    let stats = stats_shape(&shape);
-    let out = empty(&x, shape, x.dtype);
-    let mean = empty(&x, stats.clone(), DType::F32);
-    let rstd = empty(&x, stats, DType::F32);
+    let out = empty_like(&x);
+    let mean = empty_f32(&x, stats_shape(&shape));
+    let rstd = empty_like(&mean);
     let (count, dim, block) = row_launch(rows, cols);
     norm_kernel::launch::<R>(
         &x.client,
         count,
         dim,
-        x.clone().into_tensor_arg(),
-        gamma.into_tensor_arg(),
-        beta.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-        mean.clone().into_tensor_arg(),
-        rstd.clone().into_tensor_arg(),
+        arg(&x),
+        arg(&gamma),
+        arg(&beta),
+        arg(&out),
+        arg(&mean),
+        arg(&rstd),
         rows as u32,
         cols as u32,
         epsilon as f32,
@@ -201,51 +202,44 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
     rstd: CubeTensor<R>,
     dy: CubeTensor<R>,
 ) -> (CubeTensor<R>, CubeTensor<R>, Option<CubeTensor<R>>) {
-    let (x, gamma, dy) = (
-        into_contiguous(x),
-        into_contiguous(gamma),
-        into_contiguous(dy),
-    );
-    let rstd = into_contiguous(rstd);
+    let [x, gamma, rstd, dy] = contiguous([x, gamma, rstd, dy]);
     let rms = mean.is_none();
     let mean = mean.map(into_contiguous).unwrap_or_else(|| rstd.clone());
-    let shape = x.shape();
-    let (rows, cols) = rows_cols(&shape);
-    let dx = empty(&x, shape, x.dtype);
+    let (rows, cols) = rows_cols(&x.shape());
+    let dx = empty_like(&x);
     let (count, dim, block) = row_launch(rows, cols);
     norm_backward_kernel::launch::<R>(
         &x.client,
         count,
         dim,
-        x.clone().into_tensor_arg(),
-        gamma.clone().into_tensor_arg(),
-        mean.clone().into_tensor_arg(),
-        rstd.clone().into_tensor_arg(),
-        dy.clone().into_tensor_arg(),
-        dx.clone().into_tensor_arg(),
+        arg(&x),
+        arg(&gamma),
+        arg(&mean),
+        arg(&rstd),
+        arg(&dy),
+        arg(&dx),
         rows as u32,
         cols as u32,
         block,
         rms,
         x.dtype.into(),
     );
-    let (chunks, count, dim) = column_launch(&x, rows, cols);
-    let dgamma = empty(&x, Shape::new([chunks, cols]), DType::F32);
+    let (dgamma, count, dim) = column_launch(&x, rows, cols);
     let dbeta = if rms {
         dgamma.clone()
     } else {
-        empty(&x, Shape::new([chunks, cols]), DType::F32)
+        empty_like(&dgamma)
     };
     norm_param_grads_kernel::launch::<R>(
         &x.client,
         count,
         dim,
-        x.clone().into_tensor_arg(),
-        mean.into_tensor_arg(),
-        rstd.into_tensor_arg(),
-        dy.into_tensor_arg(),
-        dgamma.clone().into_tensor_arg(),
-        dbeta.clone().into_tensor_arg(),
+        arg(&x),
+        arg(&mean),
+        arg(&rstd),
+        arg(&dy),
+        arg(&dgamma),
+        arg(&dbeta),
         rows as u32,
         cols as u32,
         COLUMN_CHUNK as u32,

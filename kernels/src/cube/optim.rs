@@ -2,10 +2,10 @@
 //! flag (read on the device).
 
 use super::reduce::cube_sum;
-use super::{Cb, elementwise, empty, launched};
+use super::{Cb, arg, elementwise, empty_f32, empty_like, launched};
 use crate::AdamWStep;
+use burn::tensor::TensorMetadata;
 use burn::tensor::ops::FloatTensorOps;
-use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
@@ -102,22 +102,21 @@ pub(super) fn unscale<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEl
     inv_scale: f64,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let grad = into_contiguous(grad);
-    let shape = grad.shape();
-    let len = shape.num_elements();
+    let len = grad.shape().num_elements();
     let block = 256usize;
     // Enough cubes to fill a GPU, each unit covering several elements.
     let cubes = len.div_ceil(block * 8).clamp(1, 1024);
-    let output = empty(&grad, shape, grad.dtype);
-    let partial_sq = empty(&grad, Shape::new([cubes]), DType::F32);
-    let partial_bad = empty(&grad, Shape::new([cubes]), DType::F32);
+    let output = empty_like(&grad);
+    let partial_sq = empty_f32(&grad, [cubes]);
+    let partial_bad = empty_like(&partial_sq);
     unscale_kernel::launch::<R>(
         &grad.client,
         CubeCount::Static(cubes as u32, 1, 1),
         CubeDim::new_1d(block as u32),
-        grad.clone().into_tensor_arg(),
-        output.clone().into_tensor_arg(),
-        partial_sq.clone().into_tensor_arg(),
-        partial_bad.clone().into_tensor_arg(),
+        arg(&grad),
+        arg(&output),
+        arg(&partial_sq),
+        arg(&partial_bad),
         len as u32,
         inv_scale as f32,
         block,
@@ -132,39 +131,35 @@ pub(super) fn unscale<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEl
 /// `(param, m, v)` after one AdamW step (the inputs where `skip` is non-zero); every operand is
 /// taken in the parameter's dtype.
 pub(super) fn adamw<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-    [param, grad, m, v, grad_scale, skip]: [CubeTensor<R>; 6],
+    operands: [CubeTensor<R>; 6],
     step: AdamWStep,
 ) -> [CubeTensor<R>; 3] {
-    let param = into_contiguous(param);
-    let dtype = param.dtype;
-    let same = |t: CubeTensor<R>| {
+    let dtype = operands[0].dtype;
+    let [param, grad, m, v, grad_scale, skip] = operands.map(|t| {
         let t = into_contiguous(t);
         if t.dtype == dtype {
             t
         } else {
             Cb::<R, F, I, BT>::float_cast(t, dtype.into())
         }
-    };
-    let (grad, m, v) = (same(grad), same(m), same(v));
-    let (grad_scale, skip) = (same(grad_scale), same(skip));
-    let shape = param.shape();
-    let len = shape.num_elements();
+    });
+    let len = param.shape().num_elements();
     let (count, dim) = elementwise(&param, len);
-    let [p_out, m_out, v_out] = [(); 3].map(|_| empty(&param, shape.clone(), dtype));
+    let [p_out, m_out, v_out] = [(); 3].map(|_| empty_like(&param));
     let t = step.step.max(1) as i32;
     adamw_kernel::launch::<R>(
         &param.client,
         count,
         dim,
-        param.clone().into_tensor_arg(),
-        grad.into_tensor_arg(),
-        m.into_tensor_arg(),
-        v.into_tensor_arg(),
-        grad_scale.into_tensor_arg(),
-        skip.into_tensor_arg(),
-        p_out.clone().into_tensor_arg(),
-        m_out.clone().into_tensor_arg(),
-        v_out.clone().into_tensor_arg(),
+        arg(&param),
+        arg(&grad),
+        arg(&m),
+        arg(&v),
+        arg(&grad_scale),
+        arg(&skip),
+        arg(&p_out),
+        arg(&m_out),
+        arg(&v_out),
         len as u32,
         step.lr as f32,
         step.beta1 as f32,

@@ -1,7 +1,7 @@
 //! Softmax and log-softmax over the last dimension, forward and backward: one cube per row.
 
 use super::reduce::{cube_sum, row_logsumexp, this_row};
-use super::{empty, launched, row_launch, rows_cols};
+use super::{arg, contiguous, empty_like, launched, row_launch, rows_cols};
 use burn::tensor::TensorMetadata;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
@@ -77,16 +77,15 @@ fn softmax_backward_kernel<F: Float>(
 /// Softmax (or log-softmax) of `x`.
 pub(super) fn forward<R: CubeRuntime>(x: CubeTensor<R>, log: bool) -> CubeTensor<R> {
     let x = into_contiguous(x);
-    let shape = x.shape();
-    let (rows, cols) = rows_cols(&shape);
-    let out = empty(&x, shape, x.dtype);
+    let (rows, cols) = rows_cols(&x.shape());
+    let out = empty_like(&x);
     let (count, dim, block) = row_launch(rows, cols);
     softmax_kernel::launch::<R>(
         &x.client,
         count,
         dim,
-        x.clone().into_tensor_arg(),
-        out.clone().into_tensor_arg(),
+        arg(&x),
+        arg(&out),
         rows as u32,
         cols as u32,
         block,
@@ -103,18 +102,17 @@ pub(super) fn backward<R: CubeRuntime>(
     dy: CubeTensor<R>,
     log: bool,
 ) -> CubeTensor<R> {
-    let (y, dy) = (into_contiguous(y), into_contiguous(dy));
-    let shape = y.shape();
-    let (rows, cols) = rows_cols(&shape);
-    let dx = empty(&y, shape, y.dtype);
+    let [y, dy] = contiguous([y, dy]);
+    let (rows, cols) = rows_cols(&y.shape());
+    let dx = empty_like(&y);
     let (count, dim, block) = row_launch(rows, cols);
     softmax_backward_kernel::launch::<R>(
         &y.client,
         count,
         dim,
-        y.clone().into_tensor_arg(),
-        dy.into_tensor_arg(),
-        dx.clone().into_tensor_arg(),
+        arg(&y),
+        arg(&dy),
+        arg(&dx),
         rows as u32,
         cols as u32,
         block,

@@ -118,6 +118,32 @@ unsafe fn matmul(
     }
 }
 
+/// `dst[t×t] = alpha·A·Bᵀ` for `t` rows of `hd` in `a` and in `b` (`a.1` and `b.1` apart): every
+/// row of A dotted with every row of B (the scores `Q·Kᵀ`, the score gradients `dO·Vᵀ`).
+///
+/// # Safety
+/// `a.0` and `b.0` must be valid for `t` rows of `hd` elements at their row strides.
+unsafe fn row_dots(
+    dst: &mut [f32],
+    a: (&[f32], isize),
+    b: (&[f32], isize),
+    [t, hd]: [usize; 2],
+    alpha: f32,
+) {
+    debug_assert_eq!(dst.len(), t * t);
+    // SAFETY: `dst` is t × t; `a` and `b` as the caller guarantees.
+    unsafe {
+        matmul(
+            [t, t, hd],
+            dst.as_mut_ptr(),
+            t as isize,
+            (a.0.as_ptr(), 1, a.1),
+            (b.0.as_ptr(), b.1, 1),
+            alpha,
+        );
+    }
+}
+
 super::math::dispatch! {
     /// Softmax of `row[..valid]` in place (`row[valid..]` set to 0); returns the log-sum-exp.
     fn softmax_row(row: &mut [f32], valid: usize) -> f32 {
@@ -185,24 +211,14 @@ pub fn attention_qkv(
         let base = bi * t * h * 3 * hd + hi * 3 * hd;
         let (q, k, v) = (&x[base..], &x[base + hd..], &x[base + 2 * hd..]);
         let mut s = vec![0f32; t * t];
-        // SAFETY: q, k, v rows are `rs` apart inside `x`; `s` is t × t; the output block of
-        // (bi, hi) is written by this task only.
-        unsafe {
-            matmul(
-                [t, t, hd],
-                s.as_mut_ptr(),
-                t as isize,
-                (q.as_ptr(), 1, rs),
-                (k.as_ptr(), rs, 1),
-                scale as f32,
-            );
-        }
+        // SAFETY: q, k, v rows are `rs` apart inside `x`.
+        unsafe { row_dots(&mut s, (q, rs), (k, rs), [t, hd], scale as f32) };
         for (i, row) in s.chunks_mut(t).enumerate() {
             let lse = softmax_row(row, visible(i, t, causal));
             // SAFETY: index (bi, i, hi) of the `[b, t, h]` log-sum-exp, this task's alone.
             unsafe { *l_ptr.get().add((bi * t + i) * h + hi) = lse };
         }
-        // SAFETY: as above; the output rows of (bi, hi) are `h·hd` apart.
+        // SAFETY: the output rows of (bi, hi), `h·hd` apart, are written by this task only.
         unsafe {
             matmul(
                 [t, hd, t],
@@ -250,24 +266,10 @@ pub fn attention_qkv_backward(
         let (o, d_o) = (&o[obase..], &d_o[obase..]);
         let mut p = vec![0f32; t * t];
         let mut dp = vec![0f32; t * t];
-        // SAFETY: as in the forward; the gradient block of (bi, hi) is this task's alone.
+        // SAFETY: q, k, v rows are `rs` apart inside `x`, output rows `ors` apart.
         unsafe {
-            matmul(
-                [t, t, hd],
-                p.as_mut_ptr(),
-                t as isize,
-                (q.as_ptr(), 1, rs),
-                (k.as_ptr(), rs, 1),
-                scale as f32,
-            );
-            matmul(
-                [t, t, hd],
-                dp.as_mut_ptr(),
-                t as isize,
-                (d_o.as_ptr(), 1, ors),
-                (v.as_ptr(), rs, 1),
-                1.0,
-            );
+            row_dots(&mut p, (q, rs), (k, rs), [t, hd], scale as f32);
+            row_dots(&mut dp, (d_o, ors), (v, rs), [t, hd], 1.0);
         }
         for i in 0..t {
             let valid = visible(i, t, causal);
@@ -277,7 +279,8 @@ pub fn attention_qkv_backward(
             let (p, dp) = (&mut p[i * t..(i + 1) * t], &mut dp[i * t..(i + 1) * t]);
             probabilities_and_score_grads(p, dp, valid, lse_i, delta);
         }
-        // SAFETY: the q, k and v column blocks of (bi, hi) in the packed gradient.
+        // SAFETY: the q, k and v column blocks of (bi, hi) in the packed gradient, this task's
+        // alone.
         unsafe {
             let g = g_ptr.get().add(base);
             // dV = Pᵀ·dO
