@@ -59,12 +59,7 @@ where
 {
     use std::panic::{AssertUnwindSafe, catch_unwind};
     let boot = TcpRendezvous::from_env(options.timeout)?;
-    let local = LaunchEnv::detect()
-        .map_err(|e| Error::RendezvousEnv {
-            var: e.var,
-            reason: e.to_string(),
-        })?
-        .map_or(0, |env| env.local_rank);
+    let local = LaunchEnv::detect()?.map_or(0, |env| env.local_rank);
     let rank = Bootstrap::rank(&boot);
     let device = CudaDevice::new(local);
     let nccl = Arc::new(NcclCommunicator::new(
