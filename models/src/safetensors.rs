@@ -1,27 +1,20 @@
 //! Model weights as a safetensors file (the format every framework reads), named by module path
 //! (`blocks.0.attn.c_attn.weight`), written atomically; and loading them back by name.
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::prelude::*;
 use std::collections::BTreeMap;
 use std::path::Path;
-use wildfire_parallel::ModulePath;
+use wildfire_parallel::{ModulePath, ParamMapper, ParamVisitor, map_params, visit_params};
 
 use crate::Error;
 
 struct Collect {
-    path: ModulePath,
     tensors: Vec<(String, Vec<usize>, Vec<f32>)>,
 }
 
-impl<B: Backend> ModuleVisitor<B> for Collect {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.path.enter(name);
-    }
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.path.exit();
-    }
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+impl<B: Backend> ParamVisitor<B> for Collect {
+    fn visit<const D: usize>(&mut self, path: &ModulePath, param: &Param<Tensor<B, D>>) {
         let value = param.val();
         let shape = value.dims().to_vec();
         let data = value
@@ -29,7 +22,7 @@ impl<B: Backend> ModuleVisitor<B> for Collect {
             .convert::<f32>()
             .to_vec::<f32>()
             .expect("f32 data");
-        self.tensors.push((self.path.name(), shape, data));
+        self.tensors.push((path.name(), shape, data));
     }
 }
 
@@ -38,10 +31,9 @@ pub fn named_parameters<B: Backend, M: Module<B>>(
     module: &M,
 ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut c = Collect {
-        path: ModulePath::default(),
         tensors: Vec::new(),
     };
-    module.visit(&mut c);
+    visit_params(module, &mut c);
     c.tensors
 }
 
@@ -149,21 +141,18 @@ pub fn read(path: &Path) -> Result<NamedTensors, Error> {
 }
 
 struct Load {
-    path: ModulePath,
     tensors: NamedTensors,
     error: Option<String>,
 }
 
-impl<B: Backend> ModuleMapper<B> for Load {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.path.enter(name);
-    }
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.path.exit();
-    }
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+impl<B: Backend> ParamMapper<B> for Load {
+    fn map<const D: usize>(
+        &mut self,
+        path: &ModulePath,
+        param: Param<Tensor<B, D>>,
+    ) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
-        let name = self.path.name();
+        let name = path.name();
         let shape = tensor.dims().to_vec();
         let tensor = match self.tensors.remove(&name) {
             Some((s, values)) if s == shape => {
@@ -192,11 +181,10 @@ impl<B: Backend> ModuleMapper<B> for Load {
 pub fn load<B: Backend, M: Module<B>>(module: M, path: &Path) -> Result<M, Error> {
     let tensors = read(path)?;
     let mut loader = Load {
-        path: ModulePath::default(),
         tensors,
         error: None,
     };
-    let module = module.map(&mut loader);
+    let module = map_params(module, &mut loader);
     let mismatch = |reason| Error::Invalid {
         path: path.to_path_buf(),
         reason,

@@ -79,7 +79,10 @@ pub use ranks::{launch_ranks, launch_ranks_on};
 #[cfg(feature = "mpi")]
 pub use ranks::{launch_ranks_hybrid, launch_ranks_mpi};
 pub use tensor::DTensor;
-pub use tensor_parallel::{ModulePath, TpPlan, TpStyle, tensor_parallel};
+pub use tensor_parallel::{
+    ModulePath, ParamMapper, ParamVisitor, TpPlan, TpStyle, map_params, tensor_parallel,
+    visit_params,
+};
 
 /// For Wildfire's own crates (the engine raises typed errors inside backend ops and marks its
 /// recomputation passes); not part of the API.

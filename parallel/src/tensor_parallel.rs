@@ -18,6 +18,7 @@ use crate::mesh::DeviceMesh;
 use crate::placement::Placement;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
 
 /// How one `Linear` is split over the tensor-parallel axis.
@@ -131,13 +132,29 @@ impl ModulePath {
     }
 }
 
-/// Parameters of the model by (module path, field name) with shapes.
-struct Scan {
-    path: ModulePath,
-    params: Vec<(String, String, Vec<usize>)>,
+/// A walk over a module's float parameters that is told each one's path.
+pub trait ParamVisitor<B: Backend> {
+    /// One parameter, at `path`.
+    fn visit<const D: usize>(&mut self, path: &ModulePath, param: &Param<Tensor<B, D>>);
 }
 
-impl<B: DistributedBackend> ModuleVisitor<B> for Scan {
+/// A map over a module's float parameters that is told each one's path.
+pub trait ParamMapper<B: Backend> {
+    /// One parameter, at `path`: what it becomes.
+    fn map<const D: usize>(
+        &mut self,
+        path: &ModulePath,
+        param: Param<Tensor<B, D>>,
+    ) -> Param<Tensor<B, D>>;
+}
+
+/// Burn's visitor and mapper, keeping the path for a [`ParamVisitor`] or [`ParamMapper`].
+struct WithPaths<'a, V> {
+    path: ModulePath,
+    inner: &'a mut V,
+}
+
+impl<B: Backend, V: ParamVisitor<B>> ModuleVisitor<B> for WithPaths<'_, V> {
     fn enter_module(&mut self, name: &str, _container: &str) {
         self.path.enter(name);
     }
@@ -145,7 +162,46 @@ impl<B: DistributedBackend> ModuleVisitor<B> for Scan {
         self.path.exit();
     }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let (module, field) = self.path.split_last();
+        self.inner.visit(&self.path, param);
+    }
+}
+
+impl<B: Backend, V: ParamMapper<B>> ModuleMapper<B> for WithPaths<'_, V> {
+    fn enter_module(&mut self, name: &str, _container: &str) {
+        self.path.enter(name);
+    }
+    fn exit_module(&mut self, _name: &str, _container: &str) {
+        self.path.exit();
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        self.inner.map(&self.path, param)
+    }
+}
+
+/// Walk `module`'s float parameters in visiting order, with their paths.
+pub fn visit_params<B: Backend, M: Module<B>>(module: &M, visitor: &mut impl ParamVisitor<B>) {
+    module.visit(&mut WithPaths {
+        path: ModulePath::default(),
+        inner: visitor,
+    });
+}
+
+/// Map `module`'s float parameters in visiting order, with their paths.
+pub fn map_params<B: Backend, M: Module<B>>(module: M, mapper: &mut impl ParamMapper<B>) -> M {
+    module.map(&mut WithPaths {
+        path: ModulePath::default(),
+        inner: mapper,
+    })
+}
+
+/// Parameters of the model by (module path, field name) with shapes.
+struct Scan {
+    params: Vec<(String, String, Vec<usize>)>,
+}
+
+impl<B: DistributedBackend> ParamVisitor<B> for Scan {
+    fn visit<const D: usize>(&mut self, path: &ModulePath, param: &Param<Tensor<B, D>>) {
+        let (module, field) = path.split_last();
         self.params
             .push((module, field, param.val().dims().to_vec()));
     }
@@ -272,11 +328,8 @@ pub fn tensor_parallel<B: DistributedBackend, M: Module<B>>(
     let axis = mesh
         .axis_index("tp")
         .map_err(|_| Error::NoTpAxis(mesh.to_string()))?;
-    let mut scan = Scan {
-        path: ModulePath::default(),
-        params: Vec::new(),
-    };
-    module.visit(&mut scan);
+    let mut scan = Scan { params: Vec::new() };
+    visit_params(&module, &mut scan);
     let splits = assign(plan, &scan.params, mesh.axis_size(axis))?;
     let mut apply = Apply {
         axis,

@@ -1,0 +1,170 @@
+//! Distributed checkpoints: every rank writes only its own pieces of the parameters and of the
+//! optimizer state, in parallel and with no collective; one metadata file records every
+//! tensor's global shape and where each piece lies. Loading reshards: a checkpoint written on one
+//! mesh and strategy loads onto another, each rank reading (memory-mapped) only the pieces that
+//! overlap its own, each piece checked against its CRC-32.
+//!
+//! On disk, the checkpoint of step `N` under `root` (see [`CheckpointDir`]):
+//!
+//! ```text
+//! root/step-0000000N/
+//!   metadata.json            format, step, the saving mesh, files and their sizes, and per
+//!                            tensor its shape and pieces (file, box, CRC-32), AdamW's step counts
+//!   rank-00000.safetensors   rank 0's pieces, named like the tensors:
+//!                            model/<path>, optim/<path>/moment_1, optim/<path>/moment_2
+//!   rank-00000.json          rank 0's index (merged into metadata.json by the commit)
+//!   …                        one pair per rank
+//!   state.json               the caller's run state (written by rank 0)
+//! root/latest                names the newest complete step directory
+//! ```
+//!
+//! A piece is saved by the one rank that owns it ([`wildfire_parallel::Layout::owns_piece`]),
+//! without its padding, so every element is on disk once. The save is in two halves: a
+//! [`Snapshot`] copies this rank's pieces to host memory (the only part on the training step's
+//! path), then a [`CheckpointWriter`] writes them on a background thread. Rank 0's thread then
+//! waits for every rank's index, writes `metadata.json`, renames the staging directory into place
+//! and moves `latest` last: a rank that dies mid-save leaves the previous checkpoint the latest.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use wildfire_parallel::DeviceMesh;
+
+mod load;
+mod save;
+
+pub use load::Checkpoint;
+pub use save::{CheckpointWriter, SaveReport, Snapshot};
+
+/// The format tag of `metadata.json` and the rank indexes.
+pub const FORMAT: &str = "wildfire-dcp/1";
+
+/// One saved piece of a tensor: the box of global indices it holds, where it is, its checksum.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct PieceMeta {
+    /// The file (in the step directory) holding it, under the tensor's name.
+    pub file: String,
+    /// First global index per dimension.
+    pub start: Vec<usize>,
+    /// One past the last global index per dimension.
+    pub end: Vec<usize>,
+    /// CRC-32 of its bytes (little-endian f32, row-major).
+    pub crc32: u32,
+}
+
+/// A tensor of the checkpoint: its global shape and its pieces.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct TensorMeta {
+    /// Global shape.
+    pub shape: Vec<usize>,
+    /// Element type on disk (always `F32`: master weights and optimizer state).
+    pub dtype: String,
+    /// The pieces, which together cover the tensor once.
+    pub pieces: Vec<PieceMeta>,
+}
+
+/// What one rank wrote: merged into [`Metadata`] by the commit.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub(crate) struct RankIndex {
+    pub(crate) format: String,
+    pub(crate) step: usize,
+    pub(crate) rank: usize,
+    pub(crate) file: String,
+    pub(crate) bytes: u64,
+    pub(crate) tensors: BTreeMap<String, (Vec<usize>, PieceMeta)>,
+    pub(crate) times: BTreeMap<String, usize>,
+}
+
+/// `metadata.json`: everything a loader needs to find any element of any tensor.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct Metadata {
+    /// [`FORMAT`].
+    pub format: String,
+    /// The step the checkpoint was taken after.
+    pub step: usize,
+    /// The mesh it was written on (loading does not need the same one).
+    pub mesh: DeviceMesh,
+    /// Every data file and its size in bytes (a shorter file is truncated).
+    pub files: BTreeMap<String, u64>,
+    /// Every tensor by name (`model/<path>`, `optim/<path>/moment_1`, `optim/<path>/moment_2`).
+    pub tensors: BTreeMap<String, TensorMeta>,
+    /// AdamW's step count per parameter path.
+    pub optimizer_steps: BTreeMap<String, usize>,
+}
+
+pub(crate) fn model_key(path: &str) -> String {
+    format!("model/{path}")
+}
+
+pub(crate) fn moment_key(path: &str, which: u8) -> String {
+    format!("optim/{path}/moment_{which}")
+}
+
+pub(crate) fn rank_file(rank: usize, ext: &str) -> String {
+    format!("rank-{rank:05}.{ext}")
+}
+
+/// Copy the box `size` from `src` (row-major, shape `src_shape`, box at `src_at`) to `dst`
+/// (shape `dst_shape`, box at `dst_at`), a contiguous run per innermost row.
+pub(crate) fn copy_box(
+    src: &[f32],
+    src_shape: &[usize],
+    src_at: &[usize],
+    dst: &mut [f32],
+    dst_shape: &[usize],
+    dst_at: &[usize],
+    size: &[usize],
+) {
+    let d = size.len();
+    if d == 0 {
+        dst[0] = src[0];
+        return;
+    }
+    if size.contains(&0) {
+        return;
+    }
+    let strides = |shape: &[usize]| {
+        let mut s = vec![1; d];
+        for i in (0..d.saturating_sub(1)).rev() {
+            s[i] = s[i + 1] * shape[i + 1];
+        }
+        s
+    };
+    let (ss, ds) = (strides(src_shape), strides(dst_shape));
+    let run = size[d - 1];
+    let rows: usize = size[..d - 1].iter().product();
+    let mut idx = vec![0; d - 1];
+    for _ in 0..rows {
+        let so: usize = (0..d)
+            .map(|i| (src_at[i] + idx.get(i).copied().unwrap_or(0)) * ss[i])
+            .sum();
+        let doff: usize = (0..d)
+            .map(|i| (dst_at[i] + idx.get(i).copied().unwrap_or(0)) * ds[i])
+            .sum();
+        dst[doff..doff + run].copy_from_slice(&src[so..so + run]);
+        for i in (0..d - 1).rev() {
+            idx[i] += 1;
+            if idx[i] < size[i] {
+                break;
+            }
+            idx[i] = 0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::copy_box;
+
+    #[test]
+    fn copy_box_moves_a_sub_box() {
+        // a 3×4 source, its [1..3, 1..3] box into a 2×3 destination at [0, 1]
+        let src: Vec<f32> = (0..12).map(|v| v as f32).collect();
+        let mut dst = vec![0.0; 6];
+        copy_box(&src, &[3, 4], &[1, 1], &mut dst, &[2, 3], &[0, 1], &[2, 2]);
+        assert_eq!(dst, vec![0.0, 5.0, 6.0, 0.0, 9.0, 10.0]);
+        let mut scalar = vec![0.0];
+        copy_box(&[7.0], &[], &[], &mut scalar, &[], &[], &[]);
+        assert_eq!(scalar, vec![7.0]);
+    }
+}

@@ -1,0 +1,415 @@
+//! The save half: a [`Snapshot`] of this rank's pieces on the host, written by a
+//! [`CheckpointWriter`] in the background; rank 0 commits.
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use burn::module::{Module, Param};
+use burn::optim::AdamWState;
+use burn::optim::SimpleOptimizer;
+use burn::optim::record::AdaptorRecord;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Tensor, TensorPrimitive};
+use wildfire_parallel::{
+    DTensor, DeviceMesh, DistributedBackend, ModulePath, ParamVisitor, dtensor, visit_params,
+};
+
+use super::{
+    FORMAT, Metadata, PieceMeta, RankIndex, TensorMeta, copy_box, model_key, moment_key, rank_file,
+};
+use crate::Error;
+use crate::checkpoint::{CheckpointDir, ParamRecords};
+
+/// A piece copied to host memory.
+struct HostPiece {
+    name: String,
+    shape: Vec<usize>,
+    start: Vec<usize>,
+    end: Vec<usize>,
+    data: Vec<f32>,
+}
+
+/// This rank's pieces of a model and its optimizer state, copied to host memory: what a save
+/// holds on to while the files are written in the background.
+pub struct Snapshot {
+    rank: usize,
+    mesh: Option<DeviceMesh>,
+    pieces: Vec<HostPiece>,
+    times: BTreeMap<String, usize>,
+    error: Option<String>,
+}
+
+impl Snapshot {
+    /// Copy this rank's owned pieces of `model`'s parameters and, when given, of the AdamW
+    /// moments in `optimizer` (Burn's `AdamW` or any optimizer whose state is `AdamWState`) to
+    /// host memory. Nothing is communicated.
+    pub fn take<B, M, X>(
+        model: &M,
+        optimizer: Option<ParamRecords<AdaptorRecord<X, B>>>,
+    ) -> Result<Self, Error>
+    where
+        B: AutodiffBackend,
+        B::InnerBackend: DistributedBackend,
+        M: Module<B>,
+        X: SimpleOptimizer<B::InnerBackend>,
+    {
+        let mut visitor = SnapshotVisitor::<B, X> {
+            records: optimizer,
+            snapshot: Snapshot {
+                rank: 0,
+                mesh: None,
+                pieces: Vec::new(),
+                times: BTreeMap::new(),
+                error: None,
+            },
+        };
+        visit_params(model, &mut visitor);
+        let snapshot = visitor.snapshot;
+        match &snapshot.error {
+            Some(reason) => Err(Error::Invalid {
+                path: PathBuf::new(),
+                reason: reason.clone(),
+            }),
+            None => Ok(snapshot),
+        }
+    }
+
+    /// The bytes of tensor data it holds.
+    pub fn bytes(&self) -> usize {
+        self.pieces.iter().map(|p| p.data.len() * 4).sum()
+    }
+
+    fn add<Inner: burn::tensor::backend::Backend, const D: usize>(
+        &mut self,
+        name: String,
+        t: &DTensor<Inner>,
+    ) {
+        let mesh = t.device().mesh();
+        let rank = t.device().rank();
+        self.rank = rank;
+        self.mesh.get_or_insert_with(|| mesh.clone());
+        let layout = t.layout();
+        if layout.has_partial() {
+            self.error.get_or_insert(format!(
+                "{name} holds partial sums ({layout}); save after the optimizer step"
+            ));
+            return;
+        }
+        if !layout.owns_piece(mesh, rank) {
+            return;
+        }
+        let shape = t.global_shape().to_vec();
+        let local_box = layout.local_box(&shape, mesh, rank);
+        if local_box.iter().any(|(range, _)| range.is_empty()) {
+            return; // only padding here
+        }
+        let local = Tensor::<Inner, D>::from_primitive(TensorPrimitive::Float(t.local().clone()));
+        let values = local
+            .into_data()
+            .convert::<f32>()
+            .into_vec::<f32>()
+            .expect("f32 data");
+        let extents: Vec<usize> = local_box.iter().map(|(_, e)| *e).collect();
+        let lens: Vec<usize> = local_box.iter().map(|(r, _)| r.len()).collect();
+        let data = if lens == extents {
+            values
+        } else {
+            let mut out = vec![0.0; lens.iter().product()];
+            copy_box(&values, &extents, &[0; D], &mut out, &lens, &[0; D], &lens);
+            out
+        };
+        self.pieces.push(HostPiece {
+            name,
+            shape,
+            start: local_box.iter().map(|(r, _)| r.start).collect(),
+            end: local_box.iter().map(|(r, _)| r.end).collect(),
+            data,
+        });
+    }
+
+    /// Encode and write this rank's files into `staging`; returns its index.
+    fn write(self, staging: &Path, step: usize) -> Result<RankIndex, Error> {
+        let file = rank_file(self.rank, "safetensors");
+        let mut tensors = BTreeMap::new();
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = self
+            .pieces
+            .into_iter()
+            .map(|p| {
+                let raw: Vec<u8> = p.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let meta = PieceMeta {
+                    file: file.clone(),
+                    start: p.start.clone(),
+                    end: p.end.clone(),
+                    crc32: crc32fast::hash(&raw),
+                };
+                tensors.insert(p.name.clone(), (p.shape, meta));
+                let dims = p.start.iter().zip(&p.end).map(|(s, e)| e - s).collect();
+                (p.name, dims, raw)
+            })
+            .collect();
+        let views = bytes.iter().map(|(name, dims, raw)| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, dims.clone(), raw)
+                    .expect("a piece's bytes match its box");
+            (name.clone(), view)
+        });
+        let path = staging.join(&file);
+        let encoded = safetensors::serialize(views, None).map_err(|e| Error::Invalid {
+            path: path.clone(),
+            reason: format!("could not encode the pieces: {e}"),
+        })?;
+        crate::io::write_atomic(&path, &encoded).map_err(|source| Error::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let index = RankIndex {
+            format: FORMAT.into(),
+            step,
+            rank: self.rank,
+            file,
+            bytes: encoded.len() as u64,
+            tensors,
+            times: self.times,
+        };
+        // The index last: its presence says this rank's data is complete.
+        let index_path = staging.join(rank_file(self.rank, "json"));
+        let json = serde_json::to_vec_pretty(&index).expect("the index serialises");
+        crate::io::write_atomic(&index_path, &json).map_err(|source| Error::Io {
+            path: index_path,
+            source,
+        })?;
+        Ok(index)
+    }
+}
+
+struct SnapshotVisitor<B: AutodiffBackend, X: SimpleOptimizer<B::InnerBackend>> {
+    records: Option<ParamRecords<AdaptorRecord<X, B>>>,
+    snapshot: Snapshot,
+}
+
+impl<B, X> ParamVisitor<B> for SnapshotVisitor<B, X>
+where
+    B: AutodiffBackend,
+    B::InnerBackend: DistributedBackend,
+    X: SimpleOptimizer<B::InnerBackend>,
+{
+    fn visit<const D: usize>(&mut self, path: &ModulePath, param: &Param<Tensor<B, D>>) {
+        let path = path.name();
+        let t = dtensor(&param.val().inner());
+        self.snapshot.add::<_, D>(model_key(&path), &t);
+        let Some(record) = self.records.as_mut().and_then(|r| r.remove(&param.id)) else {
+            return;
+        };
+        let state: Box<dyn Any> = Box::new(record.into_state::<D>());
+        match state.downcast::<AdamWState<B::InnerBackend, D>>() {
+            Ok(state) => {
+                let m = state.momentum;
+                self.snapshot.times.insert(path.clone(), m.time);
+                self.snapshot
+                    .add::<_, D>(moment_key(&path, 1), &dtensor(&m.moment_1));
+                self.snapshot
+                    .add::<_, D>(moment_key(&path, 2), &dtensor(&m.moment_2));
+                if m.max_moment_2.is_some() {
+                    self.snapshot.error.get_or_insert(
+                        "AMSGrad's max moment is not saved by the distributed checkpoint".into(),
+                    );
+                }
+            }
+            Err(_) => {
+                self.snapshot.error.get_or_insert(format!(
+                    "{path}: the optimizer state is not AdamW's; the distributed checkpoint saves \
+                     AdamW (Burn's or Wildfire's fused one)"
+                ));
+            }
+        }
+    }
+}
+
+/// What a background save reports when it is done.
+#[derive(Clone, Debug)]
+pub struct SaveReport {
+    /// The step.
+    pub step: usize,
+    /// The committed directory (rank 0), `None` on other ranks.
+    pub dir: Option<PathBuf>,
+    /// Time spent encoding and writing this rank's files.
+    pub write_time: Duration,
+    /// Bytes this rank wrote.
+    pub bytes: u64,
+}
+
+/// Writes [`Snapshot`]s in the background, one save in flight at a time.
+pub struct CheckpointWriter {
+    dir: CheckpointDir,
+    rank: usize,
+    world_size: usize,
+    commit_timeout: Duration,
+    pending: Option<JoinHandle<Result<SaveReport, Error>>>,
+}
+
+impl CheckpointWriter {
+    /// The writer of rank `rank` of `world_size` under `root`. Rank 0 removes the staging
+    /// directories of saves that never completed (a crashed run); call it on every rank before
+    /// training, so no rank has started a save yet.
+    pub fn new(root: impl Into<PathBuf>, rank: usize, world_size: usize) -> Result<Self, Error> {
+        let dir = CheckpointDir::new(root);
+        if rank == 0 {
+            dir.clear_staging()?;
+        }
+        Ok(Self {
+            dir,
+            rank,
+            world_size,
+            commit_timeout: Duration::from_secs(600),
+            pending: None,
+        })
+    }
+
+    /// How long rank 0 waits for the other ranks' files before giving the save up (the previous
+    /// checkpoint stays the latest). Default 10 minutes.
+    pub fn with_commit_timeout(mut self, timeout: Duration) -> Self {
+        self.commit_timeout = timeout;
+        self
+    }
+
+    /// Write `snapshot` as this rank's part of the checkpoint of `step` on a background thread;
+    /// rank 0 also writes `files` (e.g. the run state) and commits once every rank's part is
+    /// there. Waits for the previous save first and returns its report (or its error).
+    pub fn save(
+        &mut self,
+        snapshot: Snapshot,
+        step: usize,
+        files: Vec<(String, Vec<u8>)>,
+    ) -> Result<Option<SaveReport>, Error> {
+        let previous = self.wait()?;
+        let staging = self.dir.staging(step);
+        let (dir, rank, world, timeout) = (
+            self.dir.clone(),
+            self.rank,
+            self.world_size,
+            self.commit_timeout,
+        );
+        let mesh = snapshot.mesh.clone().unwrap_or_else(DeviceMesh::single);
+        self.pending = Some(std::thread::spawn(move || {
+            let started = Instant::now();
+            fs::create_dir_all(&staging).map_err(|source| Error::Io {
+                path: staging.clone(),
+                source,
+            })?;
+            let index = snapshot.write(&staging, step)?;
+            let write_time = started.elapsed();
+            let committed = if rank == 0 {
+                for (name, bytes) in &files {
+                    let path = staging.join(name);
+                    crate::io::write_atomic(&path, bytes)
+                        .map_err(|source| Error::Io { path, source })?;
+                }
+                Some(commit(&dir, &staging, step, world, mesh, timeout)?)
+            } else {
+                None
+            };
+            Ok(SaveReport {
+                step,
+                dir: committed,
+                write_time,
+                bytes: index.bytes,
+            })
+        }));
+        Ok(previous)
+    }
+
+    /// Wait for the save in flight, if any; its report, or its error.
+    pub fn wait(&mut self) -> Result<Option<SaveReport>, Error> {
+        match self.pending.take() {
+            None => Ok(None),
+            Some(handle) => match handle.join() {
+                Ok(result) => result.map(Some),
+                Err(_) => Err(Error::Invalid {
+                    path: self.dir.root().to_path_buf(),
+                    reason: "the checkpoint writer thread panicked".into(),
+                }),
+            },
+        }
+    }
+}
+
+/// Rank 0: wait for every rank's index, merge them into `metadata.json`, rename the staging
+/// directory into place and move `latest`.
+fn commit(
+    dir: &CheckpointDir,
+    staging: &Path,
+    step: usize,
+    world: usize,
+    mesh: DeviceMesh,
+    timeout: Duration,
+) -> Result<PathBuf, Error> {
+    let started = Instant::now();
+    let mut indexes = Vec::with_capacity(world);
+    for rank in 0..world {
+        let path = staging.join(rank_file(rank, "json"));
+        let index: RankIndex = loop {
+            match fs::read(&path) {
+                Ok(bytes) => {
+                    break serde_json::from_slice(&bytes).map_err(|e| Error::Invalid {
+                        path: path.clone(),
+                        reason: format!("a rank's index is corrupt: {e}"),
+                    })?;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    if started.elapsed() > timeout {
+                        return Err(Error::Invalid {
+                            path: staging.to_path_buf(),
+                            reason: format!(
+                                "rank {rank} did not finish its part of the step-{step} checkpoint \
+                                 within {timeout:?}; the previous checkpoint stays the latest"
+                            ),
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(source) => return Err(Error::Io { path, source }),
+            }
+        };
+        if index.step != step || index.format != FORMAT {
+            return Err(Error::Invalid {
+                path,
+                reason: format!(
+                    "the index is of step {} ({}), expected step {step} ({FORMAT})",
+                    index.step, index.format
+                ),
+            });
+        }
+        indexes.push(index);
+    }
+    let mut meta = Metadata {
+        format: FORMAT.into(),
+        step,
+        mesh,
+        files: BTreeMap::new(),
+        tensors: BTreeMap::new(),
+        optimizer_steps: BTreeMap::new(),
+    };
+    for index in indexes {
+        meta.files.insert(index.file, index.bytes);
+        meta.optimizer_steps.extend(index.times);
+        for (name, (shape, piece)) in index.tensors {
+            meta.tensors
+                .entry(name)
+                .or_insert_with(|| TensorMeta {
+                    shape,
+                    dtype: "F32".into(),
+                    pieces: Vec::new(),
+                })
+                .pieces
+                .push(piece);
+        }
+    }
+    let path = staging.join("metadata.json");
+    let json = serde_json::to_vec_pretty(&meta).expect("the metadata serialises");
+    crate::io::write_atomic(&path, &json).map_err(|source| Error::Io { path, source })?;
+    dir.commit(step)
+}
