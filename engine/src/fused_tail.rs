@@ -246,7 +246,8 @@ where
     }
 }
 
-/// The fused counterpart of [`crate::unscale_check_clip`]: unscale every gradient by
+/// The fused counterpart of [`crate::unscale_check_clip`] (`loss_not_finite`: this rank's loss
+/// was NaN or infinite, counted as an overflow in the same all-reduce): unscale every gradient by
 /// `inv_scale` and measure `[found_inf, Σ‖g‖²]` with one kernel pass per gradient (combined on
 /// the device, then one 16-byte all-reduce over the mesh), and set `inputs` to the clipping
 /// coefficient (`max_norm / norm` when above, else 1) and the skip flag for the next
@@ -258,6 +259,7 @@ pub fn fused_unscale_check<B, X, M>(
     inv_scale: f32,
     max_norm: Option<f32>,
     inputs: &TailInputs<X>,
+    loss_not_finite: bool,
 ) -> Result<GradCheck, Error>
 where
     B: AutodiffBackend<InnerBackend = Distributed<X>>,
@@ -274,7 +276,7 @@ where
     let (Some((sum, flag)), Some(ctx)) = (v.sum, v.ctx) else {
         return Ok(GradCheck {
             norm: 0.0,
-            found_inf: false,
+            found_inf: loss_not_finite,
             clip_factor: 1.0,
         });
     };
@@ -286,7 +288,12 @@ where
         .to_vec()
         .expect("f32");
     let (found_inf, total) = if ctx.world_size() > 1 {
-        let data = TensorData::new(vec![f64::from(local[0]), f64::from(local[1])], [2]);
+        let flag = if loss_not_finite {
+            1.0
+        } else {
+            f64::from(local[0])
+        };
+        let data = TensorData::new(vec![flag, f64::from(local[1])], [2]);
         let out = ctx
             .comm()
             .all_reduce(Group::World, data, ReduceOp::Sum)?
@@ -294,7 +301,10 @@ where
             .expect("f64");
         (out[0] > 0.0 || !out[1].is_finite(), out[1])
     } else {
-        (local[0] > 0.0 || !local[1].is_finite(), f64::from(local[1]))
+        (
+            loss_not_finite || local[0] > 0.0 || !local[1].is_finite(),
+            f64::from(local[1]),
+        )
     };
     let norm = if found_inf {
         f32::INFINITY

@@ -85,6 +85,23 @@ where
     X: Backend,
     M: AutodiffModule<B>,
 {
+    check_with_loss(model, grads, inv_scale, max_norm, false)
+}
+
+/// [`unscale_check_clip`], with this rank's loss being non-finite counted as an overflow too (in
+/// the same all-reduce), so a step whose loss is NaN on any rank is skipped on every rank.
+pub(crate) fn check_with_loss<B, X, M>(
+    model: &M,
+    grads: &mut GradientsParams,
+    inv_scale: f32,
+    max_norm: Option<f32>,
+    loss_not_finite: bool,
+) -> Result<GradCheck, Error>
+where
+    B: AutodiffBackend<InnerBackend = Distributed<X>>,
+    X: Backend,
+    M: AutodiffModule<B>,
+{
     let mut v = Visit::<X> {
         grads,
         inv_scale,
@@ -94,7 +111,7 @@ where
         _x: std::marker::PhantomData,
     };
     model.visit(&mut v);
-    let local_inf = !v.sum_sq.is_finite();
+    let local_inf = loss_not_finite || !v.sum_sq.is_finite();
     let (found_inf, total) = match &v.ctx {
         Some(ctx) if ctx.world_size() > 1 => {
             let data = TensorData::new(

@@ -3,15 +3,21 @@
 //! backward, synchronise, unscale + overflow check + global norm in one all-reduce, clip, step
 //! (or skip on every rank), update the loss scale.
 
-use crate::grad_check::unscale_check_clip;
+use crate::Error;
+use crate::grad_check::check_with_loss;
 use crate::recompute::{Recompute, Recomputer};
 use crate::scaler::{DynamicLossScaler, StepDecision};
 use burn::backend::Autodiff;
 use burn::module::AutodiffModule;
+use burn::module::Param;
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
-use wildfire_parallel::{DistDevice, Distributed, Error, Group, gradient_bytes, sync_gradients};
+use wildfire_parallel::{
+    DistDevice, Distributed, Group, ModulePath, ParamVisitor, ReduceOp, dtensor, gradient_bytes,
+    sync_gradients, visit_params,
+};
 
 /// What a step does besides the optimizer update.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -20,6 +26,16 @@ pub struct StepRunnerConfig {
     pub clip: Option<f32>,
     /// Activation recomputation.
     pub recompute: Recompute,
+    /// Stop with [`Error::NonFinite`] after this many steps in a row whose loss or gradients were
+    /// not finite (each is skipped on every rank). A loss scaler's calibration skips a few steps
+    /// at the start (from its initial 2¹⁶ it halves per overflow, at most 16 in a row before it
+    /// reaches 1), so the default leaves room for it.
+    #[serde(default = "default_max_skipped")]
+    pub max_skipped_in_a_row: usize,
+}
+
+fn default_max_skipped() -> usize {
+    20
 }
 
 impl Default for StepRunnerConfig {
@@ -27,6 +43,7 @@ impl Default for StepRunnerConfig {
         Self {
             clip: Some(1.0),
             recompute: Recompute::None,
+            max_skipped_in_a_row: default_max_skipped(),
         }
     }
 }
@@ -40,7 +57,7 @@ pub struct StepRecord {
     pub grad_norm: f32,
     /// The loss scale the step used (1 without a scaler).
     pub loss_scale: f32,
-    /// The step was skipped (non-finite gradients on some rank).
+    /// The step was skipped (a non-finite loss or gradient on some rank).
     pub skipped: bool,
     /// This rank's gradient bytes after synchronisation (its shards).
     pub grad_bytes: u64,
@@ -52,6 +69,10 @@ pub struct StepRecord {
 pub struct StepRunner {
     config: StepRunnerConfig,
     scaler: Option<DynamicLossScaler>,
+    /// The step the next call runs (for errors).
+    step: usize,
+    /// Steps skipped in a row so far.
+    skipped_in_a_row: usize,
 }
 
 type Ad<X> = Autodiff<Distributed<X>>;
@@ -59,7 +80,18 @@ type Ad<X> = Autodiff<Distributed<X>>;
 impl StepRunner {
     /// A step with `config`, and a dynamic loss scaler for f16 compute (`None` for f32/bf16).
     pub fn new(config: StepRunnerConfig, scaler: Option<DynamicLossScaler>) -> Self {
-        Self { config, scaler }
+        Self {
+            config,
+            scaler,
+            step: 0,
+            skipped_in_a_row: 0,
+        }
+    }
+
+    /// Number the steps from `step` (a resumed run), as errors name them.
+    pub fn starting_at(mut self, step: usize) -> Self {
+        self.step = step;
+        self
     }
 
     /// The loss scaler, if any (save it with the checkpoint).
@@ -126,11 +158,17 @@ impl StepRunner {
         let mut grads = accumulator.grads();
         sync_gradients(&model, &mut grads)?;
         let clip = self.config.clip;
+        let loss_not_finite = !local_loss.is_finite();
         let check = match tail {
-            Some(inputs) => {
-                crate::fused_unscale_check(&model, &mut grads, 1.0 / scale, clip, inputs)?
-            }
-            None => unscale_check_clip(&model, &mut grads, 1.0 / scale, clip)?,
+            Some(inputs) => crate::fused_unscale_check(
+                &model,
+                &mut grads,
+                1.0 / scale,
+                clip,
+                inputs,
+                loss_not_finite,
+            )?,
+            None => check_with_loss(&model, &mut grads, 1.0 / scale, clip, loss_not_finite)?,
         };
         // Step, or skip on every rank; update the scale.
         let skipped = match self.scaler.as_mut() {
@@ -138,9 +176,20 @@ impl StepRunner {
             None => check.found_inf,
         };
         let grad_bytes = gradient_bytes(&model, &grads);
+        let step = self.step;
+        self.step += 1;
         if skipped {
-            tracing::warn!(scale, "non-finite gradients: step skipped");
+            self.skipped_in_a_row += 1;
+            tracing::warn!(step, scale, "non-finite loss or gradients: step skipped");
+            if self.skipped_in_a_row >= self.config.max_skipped_in_a_row.max(1) {
+                return Err(Error::NonFinite {
+                    step,
+                    in_a_row: self.skipped_in_a_row,
+                    parameter: first_non_finite(device, &model, &grads)?,
+                });
+            }
         } else {
+            self.skipped_in_a_row = 0;
             model = optim.step(lr, model, grads);
         }
         Ok((
@@ -154,4 +203,68 @@ impl StepRunner {
             },
         ))
     }
+}
+
+/// The path of the first parameter (in visiting order) whose gradient holds a NaN or an infinity
+/// on any rank's shard: each rank finds its first, one all-reduce picks the earliest.
+fn first_non_finite<X, M>(
+    device: &DistDevice<X>,
+    model: &M,
+    grads: &GradientsParams,
+) -> Result<Option<String>, Error>
+where
+    X: Backend,
+    M: AutodiffModule<Ad<X>>,
+{
+    struct Find<'a> {
+        grads: &'a GradientsParams,
+        paths: Vec<String>,
+        first: Option<usize>,
+    }
+    impl<B> ParamVisitor<B> for Find<'_>
+    where
+        B: AutodiffBackend,
+        B::InnerBackend: wildfire_parallel::DistributedBackend,
+    {
+        fn visit<const D: usize>(&mut self, path: &ModulePath, param: &Param<Tensor<B, D>>) {
+            let index = self.paths.len();
+            self.paths.push(path.name());
+            if self.first.is_some() {
+                return;
+            }
+            let Some(grad) = self.grads.get::<B::InnerBackend, D>(param.id) else {
+                return;
+            };
+            // This rank's piece only: x − x is NaN exactly where x is NaN or infinite.
+            let local = dtensor(&grad).local().clone();
+            let local = Tensor::<
+                <B::InnerBackend as wildfire_parallel::DistributedBackend>::Inner,
+                D,
+            >::from_primitive(burn::tensor::TensorPrimitive::Float(local));
+            let bad = (local.clone() - local).is_nan().any().into_data();
+            if bad.iter::<bool>().next().unwrap_or(false) {
+                self.first = Some(index);
+            }
+        }
+    }
+    let mut find = Find {
+        grads,
+        paths: Vec::new(),
+        first: None,
+    };
+    visit_params(model, &mut find);
+    let n = find.paths.len();
+    // The earliest index over the ranks, as a maximum of n − index (0: none here).
+    let mine = find.first.map_or(0.0, |i| (n - i) as f64);
+    let ctx = device.context();
+    let best = if ctx.world_size() > 1 {
+        let data = burn::tensor::TensorData::new(vec![mine], [1]);
+        ctx.comm()
+            .all_reduce(Group::World, data, ReduceOp::Max)?
+            .to_vec::<f64>()
+            .expect("f64")[0]
+    } else {
+        mine
+    };
+    Ok((best > 0.0).then(|| find.paths[n - best as usize].clone()))
 }

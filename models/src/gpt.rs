@@ -2,6 +2,7 @@
 //! input and output embeddings tied, GPT-2 initialisation (nanoGPT / llm.c conventions).
 
 use crate::Error;
+use crate::init::{Pieces, Place, Shapes, Values, Whole};
 use burn::module::Param;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear};
@@ -11,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use std::str::FromStr;
 use wildfire_kernels::hooks::{ForwardHooks, Inference};
 use wildfire_kernels::{FusedOps, ops};
-use wildfire_parallel::rng::SplitMix64;
+use wildfire_parallel::{DistributedBackend, planned_layouts};
 
 /// Model presets: two small ones for CPUs and tests, and GPT-2's four sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,85 +148,111 @@ impl GptConfig {
     /// output projections N(0, 0.02/√(2L)), biases 0, LayerNorm 1 and 0.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Result<Gpt<B>, Error> {
         self.validate()?;
-        let mut init = Init {
-            seed: self.init_seed,
-            count: 0,
+        Ok(self.build(&mut Whole(device), device))
+    }
+
+    /// Build the model already laid out over `device`'s mesh as `parallel` (tensor parallelism,
+    /// then FSDP) lays it out, each rank drawing only its own pieces of every split parameter —
+    /// the same values [`GptConfig::init`] gives there, and no rank ever holds a whole one.
+    /// [`crate::parallelize::parallelize_gpt`] then changes no layout (it sets the rank's policy).
+    pub fn init_sharded<B: DistributedBackend>(
+        &self,
+        device: &B::Device,
+        parallel: &crate::parallelize::ParallelConfig,
+    ) -> Result<Gpt<B>, Error> {
+        self.validate()?;
+        let dist = B::dist_device(device);
+        let mut shapes = Shapes::<B> {
+            device: Some(device),
+            params: Vec::new(),
         };
+        self.build(&mut shapes, device);
+        // Sequence parallelism changes no parameter's layout: the plan without it.
+        let plan = (parallel.tp > 1)
+            .then(|| crate::parallelize::gpt_tp_plan().with_heads("blocks.*.attn", self.n_head));
+        let layouts = planned_layouts(&shapes.params, dist.mesh(), plan.as_ref(), parallel.fsdp)?;
+        let mut pieces = Pieces::<B> {
+            device: dist,
+            layouts: shapes
+                .params
+                .into_iter()
+                .map(|(p, _)| p)
+                .zip(layouts)
+                .collect(),
+            error: None,
+        };
+        let model = self.build(&mut pieces, device);
+        match pieces.error {
+            Some(e) => Err(e),
+            None => Ok(model),
+        }
+    }
+
+    /// The model, its parameters made by `place` in construction order (each with its own
+    /// stream: the order fixes the values).
+    fn build<B: Backend>(&self, place: &mut impl Place<B>, device: &B::Device) -> Gpt<B> {
         let d = self.n_embd;
         let proj_std = 0.02 / ((2 * self.n_layer) as f32).sqrt();
-        let blocks = (0..self.n_layer)
-            .map(|_| Block {
-                ln_1: LayerNormConfig::new(d)
-                    .with_epsilon(LN_EPSILON)
-                    .init(device),
+        let mut count = 0u64;
+        let mut normal = |std: f32| {
+            count += 1;
+            Values::Normal {
+                stream: self.init_seed ^ count.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                std,
+            }
+        };
+        let mut make_linear = |path: &str, d_in: usize, d_out: usize, values: Values| Linear {
+            weight: Param::from_tensor(place.tensor(
+                &format!("{path}.weight"),
+                [d_in, d_out],
+                values,
+            )),
+            bias: Some(Param::from_tensor(place.tensor(
+                &format!("{path}.bias"),
+                [d_out],
+                Values::Constant(0.0),
+            ))),
+        };
+        let layer_norm = || {
+            LayerNormConfig::new(d)
+                .with_epsilon(LN_EPSILON)
+                .init(device)
+        };
+        let mut blocks = Vec::with_capacity(self.n_layer);
+        for l in 0..self.n_layer {
+            let c_attn = make_linear(&format!("blocks.{l}.attn.c_attn"), d, 3 * d, normal(0.02));
+            let c_proj = make_linear(&format!("blocks.{l}.attn.c_proj"), d, d, normal(proj_std));
+            let c_fc = make_linear(&format!("blocks.{l}.mlp.c_fc"), d, 4 * d, normal(0.02));
+            let mlp_proj = make_linear(
+                &format!("blocks.{l}.mlp.c_proj"),
+                4 * d,
+                d,
+                normal(proj_std),
+            );
+            blocks.push(Block {
+                ln_1: layer_norm(),
                 attn: CausalSelfAttention {
-                    c_attn: init.linear(d, 3 * d, 0.02, device),
-                    c_proj: init.linear(d, d, proj_std, device),
+                    c_attn,
+                    c_proj,
                     n_head: self.n_head,
                 },
-                ln_2: LayerNormConfig::new(d)
-                    .with_epsilon(LN_EPSILON)
-                    .init(device),
+                ln_2: layer_norm(),
                 mlp: MlpBlock {
-                    c_fc: init.linear(d, 4 * d, 0.02, device),
-                    c_proj: init.linear(4 * d, d, proj_std, device),
+                    c_fc,
+                    c_proj: mlp_proj,
                 },
                 dropout: self.dropout,
-            })
-            .collect();
+            });
+        }
+        let (wte_values, wpe_values) = (normal(0.02), normal(0.02));
         let model = Gpt {
-            wte: Param::from_tensor(init.normal([self.vocab_size, d], 0.02, device)),
-            wpe: Param::from_tensor(init.normal([self.block_size, d], 0.02, device)),
+            wte: Param::from_tensor(place.tensor("wte", [self.vocab_size, d], wte_values)),
+            wpe: Param::from_tensor(place.tensor("wpe", [self.block_size, d], wpe_values)),
             blocks,
-            ln_f: LayerNormConfig::new(d)
-                .with_epsilon(LN_EPSILON)
-                .init(device),
+            ln_f: layer_norm(),
             dropout: self.dropout,
         };
-        Ok(crate::safetensors::deterministic_ids(model))
-    }
-}
-
-/// Host-side seeded initialisation (splitmix64 + Box-Muller), one stream per tensor.
-struct Init {
-    seed: u64,
-    count: u64,
-}
-
-impl Init {
-    fn normal<B: Backend, const D: usize>(
-        &mut self,
-        shape: [usize; D],
-        std: f32,
-        device: &B::Device,
-    ) -> Tensor<B, D> {
-        self.count += 1;
-        let mut rng = SplitMix64::new(self.seed ^ self.count.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        let mut next = || rng.next_unit();
-        let n: usize = shape.iter().product();
-        let mut values = Vec::with_capacity(n);
-        while values.len() < n {
-            let (u1, u2) = (next().max(1e-300), next());
-            let r = (-2.0 * u1.ln()).sqrt();
-            let theta = 2.0 * std::f64::consts::PI * u2;
-            values.push((r * theta.cos()) as f32 * std);
-            values.push((r * theta.sin()) as f32 * std);
-        }
-        values.truncate(n);
-        Tensor::from_data(TensorData::new(values, shape), device)
-    }
-
-    fn linear<B: Backend>(
-        &mut self,
-        d_in: usize,
-        d_out: usize,
-        std: f32,
-        device: &B::Device,
-    ) -> Linear<B> {
-        Linear {
-            weight: Param::from_tensor(self.normal([d_in, d_out], std, device)),
-            bias: Some(Param::from_tensor(Tensor::zeros([d_out], device))),
-        }
+        crate::safetensors::deterministic_ids(model)
     }
 }
 

@@ -5,6 +5,7 @@ pub mod data;
 pub mod dcp;
 mod error;
 pub mod gpt;
+mod init;
 pub mod io;
 pub mod memory;
 pub mod parallelize;

@@ -3,6 +3,7 @@
 
 use crate::backend::Distributed;
 use crate::comm::{Group, ReduceOp};
+use crate::device::DistDevice;
 use crate::error::Error;
 use crate::mesh::{AxisKind, DeviceMesh};
 use crate::placement::{Layout, Placement};
@@ -27,6 +28,9 @@ pub trait DistributedBackend: burn::tensor::backend::Backend {
 
     /// A float tensor from a distributed tensor (a new leaf under autodiff).
     fn from_dtensor(tensor: DTensor<Self::Inner>) -> FloatTensor<Self>;
+
+    /// The rank's device behind this backend's device.
+    fn dist_device(device: &Self::Device) -> DistDevice<Self::Inner>;
 }
 
 impl<B: Backend> DistributedBackend for Distributed<B> {
@@ -39,6 +43,10 @@ impl<B: Backend> DistributedBackend for Distributed<B> {
     fn from_dtensor(tensor: DTensor<B>) -> FloatTensor<Self> {
         tensor
     }
+
+    fn dist_device(device: &DistDevice<B>) -> DistDevice<B> {
+        device.clone()
+    }
 }
 
 impl<B: Backend, C: CheckpointStrategy> DistributedBackend for Autodiff<Distributed<B>, C> {
@@ -50,6 +58,10 @@ impl<B: Backend, C: CheckpointStrategy> DistributedBackend for Autodiff<Distribu
 
     fn from_dtensor(tensor: DTensor<B>) -> FloatTensor<Self> {
         <Self as AutodiffBackend>::from_inner(tensor)
+    }
+
+    fn dist_device(device: &DistDevice<B>) -> DistDevice<B> {
+        device.clone()
     }
 }
 

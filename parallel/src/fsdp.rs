@@ -19,7 +19,7 @@ use crate::data_parallel::{DistributedBackend, dtensor, from_dtensor, redistribu
 use crate::device::RankContext;
 use crate::error::Error;
 use crate::mesh::{AxisKind, DeviceMesh};
-use crate::placement::Placement;
+use crate::placement::{Layout, Placement};
 use crate::policy::{GradientReduction, ShardingPolicy};
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
@@ -122,6 +122,54 @@ pub fn fully_shard<B: DistributedBackend, M: Module<B>>(
     });
     ctx.update_policy(|p| p.sharding = sharding_policy(strategy, axes));
     Ok(module)
+}
+
+/// The layout of every parameter of a model after [`crate::tensor_parallel`] with `plan` (when
+/// given) and [`fully_shard`] with `strategy` on `mesh`, computed from the parameters' paths and
+/// shapes alone (in visiting order, as [`crate::visit_params`] reports them). A model built
+/// directly in these layouts (sharded initialisation: each rank materialises only its pieces)
+/// comes out of those two calls unchanged; they then only set the rank's policy.
+pub fn planned_layouts(
+    params: &[(String, Vec<usize>)],
+    mesh: &DeviceMesh,
+    plan: Option<&crate::TpPlan>,
+    strategy: FsdpStrategy,
+) -> Result<Vec<Layout>, Error> {
+    let splits = match plan {
+        Some(plan) => {
+            let axis = mesh
+                .axis_index("tp")
+                .map_err(|_| Error::NoTpAxis(mesh.to_string()))?;
+            let scan: Vec<(String, String, Vec<usize>)> = params
+                .iter()
+                .map(|(path, shape)| {
+                    let (module, field) = path.rsplit_once('.').unwrap_or(("", path));
+                    (module.to_string(), field.to_string(), shape.clone())
+                })
+                .collect();
+            let splits = crate::tensor_parallel::assign(plan, &scan, mesh.axis_size(axis))?;
+            Some((axis, splits))
+        }
+        None => None,
+    };
+    let axes = shard_axes(mesh, strategy)?;
+    let rests_sharded = matches!(strategy, FsdpStrategy::FullShard | FsdpStrategy::Hybrid);
+    Ok(params
+        .iter()
+        .enumerate()
+        .map(|(i, (_, shape))| {
+            let mut layout = Layout::replicated(mesh);
+            if let Some((axis, splits)) = &splits
+                && let Some(dim) = splits[i]
+            {
+                layout = layout.with(*axis, Placement::Shard(dim));
+            }
+            if rests_sharded {
+                layout = crate::placement::shard_dim0(layout, shape, &axes, mesh);
+            }
+            layout
+        })
+        .collect())
 }
 
 /// Where `strategy` puts parameters, gradients and optimizer state, sharding over `axes`.

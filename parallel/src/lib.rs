@@ -67,7 +67,7 @@ pub use device::{DistDevice, MemoryReport, OpCounters, RankContext};
 pub use error::{CollectiveKind, Error};
 pub use fsdp::{
     FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, optimizer_state_layout,
-    parameter_bytes,
+    parameter_bytes, planned_layouts,
 };
 pub use launch::{LaunchEnv, LaunchOptions, Launcher, launch};
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis};

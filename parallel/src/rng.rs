@@ -28,6 +28,12 @@ impl SplitMix64 {
         Self(seed)
     }
 
+    /// The stream `seed` after `draws` draws (jumping ahead costs nothing: the state is a
+    /// counter).
+    pub fn after(seed: u64, draws: u64) -> Self {
+        Self(seed.wrapping_add(draws.wrapping_mul(GAMMA)))
+    }
+
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(GAMMA);

@@ -208,7 +208,7 @@ impl<B: DistributedBackend> ParamVisitor<B> for Scan {
 }
 
 /// What each parameter becomes: (index in visiting order) → tensor dim split on the tp axis.
-fn assign(
+pub(crate) fn assign(
     plan: &TpPlan,
     params: &[(String, String, Vec<usize>)],
     tp: usize,

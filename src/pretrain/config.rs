@@ -122,6 +122,11 @@ pub struct PretrainConfig {
     /// Clip the global gradient norm to this (0: off).
     #[arg(long, default_value_t = 1.0, help_heading = "Training")]
     pub clip: f64,
+    /// Stop after this many steps in a row with a non-finite loss or gradient norm (each is
+    /// skipped on every rank); the error names the first parameter with a non-finite gradient.
+    #[serde(default = "twenty")]
+    #[arg(long, default_value_t = 20, help_heading = "Training")]
+    pub max_skipped: usize,
     /// Seed of the data sampling (the weights' seed is part of the model).
     #[arg(long, default_value_t = 1337, help_heading = "Training")]
     pub seed: u64,
@@ -318,4 +323,9 @@ impl PretrainConfig {
         };
         Ok(())
     }
+}
+
+/// The default of `max_skipped` in run files and checkpoints that predate it.
+fn twenty() -> usize {
+    20
 }

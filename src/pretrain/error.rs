@@ -11,6 +11,9 @@ pub enum PretrainError {
     /// The parallel layer: a mesh, a collective, a rank that failed, a launcher variable.
     #[error(transparent)]
     Parallel(#[from] wildfire_parallel::Error),
+    /// Training cannot go on (the loss or gradients stayed non-finite).
+    #[error(transparent)]
+    Training(wildfire_engine::Error),
     /// A bad option value.
     #[error("{0}")]
     Config(String),
@@ -42,6 +45,16 @@ impl From<wildfire_models::Error> for PretrainError {
             M::Invalid { path, reason } => PretrainError::Checkpoint { path, reason },
             M::Parallel(e) => PretrainError::Parallel(e),
             e => PretrainError::Models(e),
+        }
+    }
+}
+
+/// The engine's parallel errors are the run's `Parallel`.
+impl From<wildfire_engine::Error> for PretrainError {
+    fn from(e: wildfire_engine::Error) -> Self {
+        match e {
+            wildfire_engine::Error::Parallel(e) => PretrainError::Parallel(e),
+            e => PretrainError::Training(e),
         }
     }
 }

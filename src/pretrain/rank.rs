@@ -80,10 +80,13 @@ impl RankRun<'_> {
             StepRunnerConfig {
                 clip: (config.clip > 0.0).then_some(config.clip as f32),
                 recompute: config.parallel.recompute,
+                max_skipped_in_a_row: config.max_skipped,
             },
             scaler,
-        );
-        let model: Gpt<A<B>> = model_config.init(device)?;
+        )
+        .starting_at(self.first_step);
+        // Each rank draws only its pieces of the parameters the layout splits.
+        let model: Gpt<A<B>> = model_config.init_sharded(device, &config.parallel)?;
         let mut model = parallelize_gpt(model, device.mesh(), &config.parallel)?;
         if let Some((checkpoint, _)) = &self.resume {
             // Each rank reads the pieces of the checkpoint that overlap its own, in this run's
