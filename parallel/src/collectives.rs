@@ -7,17 +7,43 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorMetadata};
 
 use crate::comm::{
-    CollectiveKind, Communicator, Error, Group, ReduceOp, check_dim, check_divisible, stage,
+    CollectiveKind, Communicator, DeviceCollectives, Error, Group, ReduceOp, check_dim,
+    check_divisible, stage,
 };
 use crate::device::DistDevice;
 
-/// The host path of a rank: through its host communicator.
-fn host<B: Backend>(
+/// Runs one collective of this rank: `on_device` on the installed device collectives, else
+/// `on_host` through the host communicator (staged through host memory).
+fn dispatch<B, D, H>(
     device: &DistDevice<B>,
     tensor: FloatTensor<B>,
-    call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, Error>,
+    on_device: D,
+    on_host: H,
+) -> Result<FloatTensor<B>, Error>
+where
+    B: Backend,
+    D: FnOnce(&dyn DeviceCollectives<B>, FloatTensor<B>) -> Result<FloatTensor<B>, Error>,
+    H: FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, Error>,
+{
+    let ctx = device.context();
+    match ctx.device_collectives::<B>() {
+        Some(dc) => on_device(&*dc, tensor),
+        None => stage::<B>(ctx.comm(), device.inner(), tensor, on_host),
+    }
+}
+
+/// `first` (a device collective along dim 0) applied along `dim`: the dimension is moved to the
+/// front with a stride permutation (no copy) and back.
+fn along<B: Backend>(
+    tensor: FloatTensor<B>,
+    dim: usize,
+    first: impl FnOnce(FloatTensor<B>) -> Result<FloatTensor<B>, Error>,
 ) -> Result<FloatTensor<B>, Error> {
-    stage::<B>(device.context().comm(), device.inner(), tensor, call)
+    if dim == 0 {
+        return first(tensor);
+    }
+    let moved = first(B::float_swap_dims(tensor, 0, dim))?;
+    Ok(B::float_swap_dims(moved, 0, dim))
 }
 
 /// All-reduce of this rank's tensor on `group`: on the installed device collectives, else
@@ -28,10 +54,12 @@ pub(crate) fn all_reduce<B: Backend>(
     tensor: FloatTensor<B>,
     op: ReduceOp,
 ) -> Result<FloatTensor<B>, Error> {
-    match device.context().device_collectives::<B>() {
-        Some(dc) => dc.all_reduce(group, tensor, op),
-        None => host(device, tensor, |c, d| c.all_reduce(group, d, op)),
-    }
+    dispatch(
+        device,
+        tensor,
+        |dc, t| dc.all_reduce(group, t, op),
+        |c, d| c.all_reduce(group, d, op),
+    )
 }
 
 /// All-gather along `dim` (see [`Communicator::all_gather`]).
@@ -41,17 +69,15 @@ pub(crate) fn all_gather<B: Backend>(
     tensor: FloatTensor<B>,
     dim: usize,
 ) -> Result<FloatTensor<B>, Error> {
-    match device.context().device_collectives::<B>() {
-        Some(dc) => {
-            check_dim(CollectiveKind::AllGather, tensor.shape().num_dims(), dim)?;
-            if dim == 0 {
-                return dc.all_gather_first(group, tensor);
-            }
-            let gathered = dc.all_gather_first(group, B::float_swap_dims(tensor, 0, dim))?;
-            Ok(B::float_swap_dims(gathered, 0, dim))
-        }
-        None => host(device, tensor, |c, d| c.all_gather(group, d, dim)),
-    }
+    dispatch(
+        device,
+        tensor,
+        |dc, t| {
+            check_dim(CollectiveKind::AllGather, t.shape().num_dims(), dim)?;
+            along::<B>(t, dim, |t| dc.all_gather_first(group, t))
+        },
+        |c, d| c.all_gather(group, d, dim),
+    )
 }
 
 /// Reduce-scatter along `dim` (see [`Communicator::reduce_scatter`]).
@@ -62,21 +88,17 @@ pub(crate) fn reduce_scatter<B: Backend>(
     dim: usize,
     op: ReduceOp,
 ) -> Result<FloatTensor<B>, Error> {
-    let ctx = device.context();
-    match ctx.device_collectives::<B>() {
-        Some(dc) => {
-            let shape = tensor.shape();
+    dispatch(
+        device,
+        tensor,
+        |dc, t| {
+            let shape = t.shape();
             check_dim(CollectiveKind::ReduceScatter, shape.num_dims(), dim)?;
-            let n = group.size(ctx.mesh())?;
-            check_divisible(shape[dim], dim, n)?;
-            if dim == 0 {
-                return dc.reduce_scatter_first(group, tensor, op);
-            }
-            let chunk = dc.reduce_scatter_first(group, B::float_swap_dims(tensor, 0, dim), op)?;
-            Ok(B::float_swap_dims(chunk, 0, dim))
-        }
-        None => host(device, tensor, |c, d| c.reduce_scatter(group, d, dim, op)),
-    }
+            check_divisible(shape[dim], dim, group.size(device.context().mesh())?)?;
+            along::<B>(t, dim, |t| dc.reduce_scatter_first(group, t, op))
+        },
+        |c, d| c.reduce_scatter(group, d, dim, op),
+    )
 }
 
 /// Broadcast from group index `root`; every member passes its own tensor (the root's is sent,
@@ -87,8 +109,10 @@ pub(crate) fn broadcast<B: Backend>(
     tensor: FloatTensor<B>,
     root: usize,
 ) -> Result<FloatTensor<B>, Error> {
-    match device.context().device_collectives::<B>() {
-        Some(dc) => dc.broadcast(group, tensor, root),
-        None => host(device, tensor, |c, d| c.broadcast(group, Some(d), root)),
-    }
+    dispatch(
+        device,
+        tensor,
+        |dc, t| dc.broadcast(group, t, root),
+        |c, d| c.broadcast(group, Some(d), root),
+    )
 }

@@ -499,6 +499,20 @@ mod tests {
             .port()
     }
 
+    /// `f` of each input, each on a thread of its own; the results in input order.
+    fn on_threads<I: Send, T: Send>(
+        inputs: impl IntoIterator<Item = I>,
+        f: impl Fn(I) -> T + Sync,
+    ) -> Vec<T> {
+        let f = &f;
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (inputs.into_iter())
+                .map(|input| s.spawn(move || f(input)))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
     fn fake_id(rank: usize, counter: &mut u8) -> Vec<u8> {
         *counter += 1;
         let mut id = vec![rank as u8; 128];
@@ -537,20 +551,10 @@ mod tests {
     fn tcp_rendezvous_hands_each_group_its_leaders_id() {
         let mesh = DeviceMesh::new([("dp", 2), ("tp", 2)]).unwrap();
         let addr = format!("127.0.0.1:{}", free_port());
-        let ids: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..4)
-                .map(|rank| {
-                    let (mesh, addr) = (mesh.clone(), addr.clone());
-                    s.spawn(move || {
-                        let boot =
-                            TcpRendezvous::new(addr, rank, 4, Duration::from_secs(20)).unwrap();
-                        let mut counter = 0;
-                        exchange_group_ids(&mesh, &boot, || Ok(fake_id(rank, &mut counter)))
-                            .unwrap()
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let ids = on_threads(0..4, |rank| {
+            let boot = TcpRendezvous::new(addr.clone(), rank, 4, Duration::from_secs(20)).unwrap();
+            let mut counter = 0;
+            exchange_group_ids(&mesh, &boot, || Ok(fake_id(rank, &mut counter))).unwrap()
         });
         check_ids(&mesh, &ids);
     }
@@ -559,19 +563,10 @@ mod tests {
     fn host_communicator_bootstraps_the_same_way() {
         let mesh = DeviceMesh::new([("dp", 2), ("tp", 2)]).unwrap();
         let world = InProcessWorld::new(mesh.clone(), Duration::from_secs(20));
-        let ids: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..4)
-                .map(|rank| {
-                    let (mesh, comm) = (mesh.clone(), world.communicator(rank));
-                    s.spawn(move || {
-                        let comm: Arc<dyn Communicator> = Arc::new(comm);
-                        let mut counter = 0;
-                        exchange_group_ids(&mesh, &*comm, || Ok(fake_id(rank, &mut counter)))
-                            .unwrap()
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let ids = on_threads(0..4, |rank| {
+            let comm: Arc<dyn Communicator> = Arc::new(world.communicator(rank));
+            let mut counter = 0;
+            exchange_group_ids(&mesh, &*comm, || Ok(fake_id(rank, &mut counter))).unwrap()
         });
         check_ids(&mesh, &ids);
     }
@@ -580,18 +575,10 @@ mod tests {
     fn a_missing_rank_times_out_with_its_number() {
         let addr = format!("127.0.0.1:{}", free_port());
         // World of 3, rank 2 never starts.
-        let results: Vec<Result<Vec<Vec<u8>>, Error>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..2)
-                .map(|rank| {
-                    let addr = addr.clone();
-                    s.spawn(move || {
-                        TcpRendezvous::new(addr, rank, 3, Duration::from_millis(1500))
-                            .unwrap()
-                            .all_gather_bytes(&[rank as u8])
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let results = on_threads(0..2, |rank| {
+            TcpRendezvous::new(addr.clone(), rank, 3, Duration::from_millis(1500))
+                .unwrap()
+                .all_gather_bytes(&[rank as u8])
         });
         match &results[0] {
             Err(Error::RendezvousTimeout { missing, rank, .. }) => {
@@ -611,19 +598,10 @@ mod tests {
     #[test]
     fn disagreeing_world_sizes_and_bad_variables_are_typed_errors() {
         let addr = format!("127.0.0.1:{}", free_port());
-        let results: Vec<Result<Vec<Vec<u8>>, Error>> = std::thread::scope(|s| {
-            let handles: Vec<_> = [(0, 2), (1, 3)]
-                .into_iter()
-                .map(|(rank, world)| {
-                    let addr = addr.clone();
-                    s.spawn(move || {
-                        TcpRendezvous::new(addr, rank, world, Duration::from_secs(2))
-                            .unwrap()
-                            .all_gather_bytes(b"x")
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        let results = on_threads([(0, 2), (1, 3)], |(rank, world)| {
+            TcpRendezvous::new(addr.clone(), rank, world, Duration::from_secs(2))
+                .unwrap()
+                .all_gather_bytes(b"x")
         });
         let Err(Error::RendezvousProtocol { reason, .. }) = &results[0] else {
             panic!("{:?}", results[0]);

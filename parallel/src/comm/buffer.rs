@@ -274,41 +274,36 @@ fn fold_with<S: Lane, A: Accumulator>(
 mod tests {
     use super::*;
 
-    fn bytes(data: &TensorData) -> &[u8] {
-        data.as_bytes()
+    /// [`reduce`] of whole buffers, of the first one's dtype and shape.
+    fn reduced(parts: &[&TensorData], op: ReduceOp) -> TensorData {
+        let raw: Vec<&[u8]> = parts.iter().map(|data| data.as_bytes()).collect();
+        reduce(&raw, parts[0].dtype, parts[0].shape.clone(), op)
+    }
+
+    /// `data`'s `n` chunks along `dim`.
+    fn chunks(data: &TensorData, dim: usize, n: usize) -> Vec<TensorData> {
+        (0..n)
+            .map(|index| {
+                let (bytes, shape) = chunk_bytes(data, dim, n, index).unwrap();
+                TensorData::from_bytes_vec(bytes, shape, data.dtype)
+            })
+            .collect()
     }
 
     #[test]
     fn reduce_in_order_and_per_dtype() {
         let a = TensorData::new(vec![1.0f32, -2.0, f32::NAN], [3]);
         let b = TensorData::new(vec![3.0f32, 5.0, 0.0], [3]);
-        let sum = reduce(
-            &[bytes(&a), bytes(&b)],
-            DType::F32,
-            Shape::from([3]),
-            ReduceOp::Sum,
-        );
-        let sum = sum.to_vec::<f32>().unwrap();
+        let sum = reduced(&[&a, &b], ReduceOp::Sum).to_vec::<f32>().unwrap();
         assert_eq!(&sum[..2], &[4.0, 3.0]);
         assert!(sum[2].is_nan());
-        let max = reduce(
-            &[bytes(&a), bytes(&b)],
-            DType::F32,
-            Shape::from([3]),
-            ReduceOp::Max,
-        );
-        let max = max.to_vec::<f32>().unwrap();
+        let max = reduced(&[&a, &b], ReduceOp::Max).to_vec::<f32>().unwrap();
         assert_eq!(&max[..2], &[3.0, 5.0]);
         assert!(max[2].is_nan(), "max propagates NaN");
 
         let a = TensorData::new(vec![7i64, -7], [2]);
         let b = TensorData::new(vec![0i64, 0], [2]);
-        let avg = reduce(
-            &[bytes(&a), bytes(&b)],
-            DType::I64,
-            Shape::from([2]),
-            ReduceOp::Avg,
-        );
+        let avg = reduced(&[&a, &b], ReduceOp::Avg);
         assert_eq!(avg.to_vec::<i64>().unwrap(), vec![3, -3]);
 
         // bf16 accumulates in f32: 256 + 1 + 1 is 258 in f32, but 256 in bf16 step by step.
@@ -316,8 +311,8 @@ mod tests {
             .iter()
             .map(|&x| TensorData::new(vec![bf16::from_f32(x)], [1]))
             .collect();
-        let refs: Vec<&[u8]> = parts.iter().map(bytes).collect();
-        let sum = reduce(&refs, DType::BF16, Shape::from([1]), ReduceOp::Sum);
+        let refs: Vec<&TensorData> = parts.iter().collect();
+        let sum = reduced(&refs, ReduceOp::Sum);
         assert_eq!(sum.dtype, DType::BF16);
         assert_eq!(sum.to_vec::<bf16>().unwrap(), vec![bf16::from_f32(258.0)]);
 
@@ -328,12 +323,7 @@ mod tests {
     #[test]
     fn concat_and_chunk_are_inverse() {
         let data = TensorData::new((0..24u8).collect::<Vec<_>>(), [2, 6, 2]);
-        let pieces: Vec<TensorData> = (0..3)
-            .map(|index| {
-                let (bytes, shape) = chunk_bytes(&data, 1, 3, index).unwrap();
-                TensorData::from_bytes_vec(bytes, shape, DType::U8)
-            })
-            .collect();
+        let pieces = chunks(&data, 1, 3);
         assert_eq!(pieces[1].shape.as_slice(), &[2, 2, 2]);
         assert_eq!(
             pieces[1].to_vec::<u8>().unwrap(),
@@ -344,12 +334,7 @@ mod tests {
         // The same from the pieces received back to back (rows interleaved along dim 1; along
         // dim 0 the received bytes are the result as they are).
         for dim in [1, 0] {
-            let pieces: Vec<TensorData> = (0..2)
-                .map(|index| {
-                    let (bytes, shape) = chunk_bytes(&data, dim, 2, index).unwrap();
-                    TensorData::from_bytes_vec(bytes, shape, DType::U8)
-                })
-                .collect();
+            let pieces = chunks(&data, dim, 2);
             let all: Vec<u8> = pieces.iter().flat_map(|p| p.as_bytes().to_vec()).collect();
             let shapes: Vec<Vec<usize>> = pieces.iter().map(|p| p.shape.to_vec()).collect();
             assert_eq!(

@@ -26,8 +26,7 @@ use super::buffer::{chunk_bytes, concat, reduce};
 use super::call::{Operand, Round};
 use super::header::{self, HEADER, Header, Sequence, from_bytes, to_bytes};
 use super::mpi_comm::Handle;
-use super::stats::StatsCell;
-use super::{Call, CollectiveKind, CommStats, Communicator, Error, Group};
+use super::{Call, CollectiveKind, Communicator, Error, Group, Member};
 use crate::mesh::DeviceMesh;
 
 /// What the local members of one group deposit for one call.
@@ -129,13 +128,11 @@ impl HybridWorld {
     /// The communicator of local thread `t` (global rank `process·threads + t`).
     pub fn communicator(&self, t: usize) -> HybridCommunicator {
         HybridCommunicator {
-            rank: self.process * self.threads + t,
+            member: Member::new(self.process * self.threads + t, self.mesh.clone()),
             threads: self.threads,
-            mesh: self.mesh.clone(),
             exchange: self.exchange.clone(),
             comms: self.comms[t].clone(),
             sequence: Sequence::default(),
-            stats: StatsCell::default(),
             timeout: self.timeout,
         }
     }
@@ -155,22 +152,17 @@ impl Drop for HybridWorld {
 
 /// One thread-rank's endpoint of a [`HybridWorld`].
 pub struct HybridCommunicator {
-    rank: usize,
+    member: Member,
     threads: usize,
-    mesh: DeviceMesh,
     exchange: Arc<LocalExchange>,
     comms: Vec<Option<Arc<Mutex<Handle>>>>,
     sequence: Sequence,
-    stats: StatsCell,
     timeout: Duration,
 }
 
 impl std::fmt::Debug for HybridCommunicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HybridCommunicator")
-            .field("rank", &self.rank)
-            .field("mesh", &self.mesh.to_string())
-            .finish_non_exhaustive()
+        self.member.debug_as("HybridCommunicator", f)
     }
 }
 
@@ -189,15 +181,16 @@ impl HybridCommunicator {
         call: &Call,
         data: Option<&TensorData>,
     ) -> Result<(Round<'_>, Vec<Vec<u8>>), Error> {
+        let (mesh, rank) = (self.mesh(), self.rank());
         let group = call.group();
-        let label = group.label(&self.mesh)?.to_owned();
-        let members = group.ranks(&self.mesh, self.rank)?;
+        let label = group.label(mesh)?.to_owned();
+        let members = group.ranks(mesh, rank)?;
         let (seq, header) = self.sequence.header(call)?;
         let mut mine = to_bytes(&header);
         if let Some(d) = data {
             mine.extend_from_slice(d.as_bytes());
         }
-        let process = self.rank / self.threads;
+        let process = rank / self.threads;
         let local: Vec<usize> = members
             .iter()
             .copied()
@@ -253,7 +246,7 @@ impl HybridCommunicator {
             .into_iter()
             .map(|m| (from_bytes::<HEADER>(&m), m[HEADER * 8..].to_vec()))
             .unzip();
-        let round = header::round(&self.mesh, self.rank, call, &headers)?;
+        let round = header::round(mesh, rank, call, &headers)?;
         Ok((round, payloads))
     }
 
@@ -275,7 +268,7 @@ impl HybridCommunicator {
             .entry(key.clone())
             .or_default()
             .parts
-            .insert(self.rank, mine);
+            .insert(self.rank(), mine);
         ex.ready.notify_all();
         let start = Instant::now();
         loop {
@@ -293,7 +286,7 @@ impl HybridCommunicator {
                 return Err(Error::Timeout {
                     op: kind,
                     group: label.to_owned(),
-                    rank: self.rank,
+                    rank: self.rank(),
                     waited,
                     missing,
                 });
@@ -320,29 +313,21 @@ fn data_of(buffer: &Operand, bytes: Vec<u8>) -> TensorData {
 }
 
 impl Communicator for HybridCommunicator {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn mesh(&self) -> &DeviceMesh {
-        &self.mesh
+    fn member(&self) -> &Member {
+        &self.member
     }
 
     /// Every member's buffer on every member (see the module), then this member's result,
     /// computed from them in group order.
-    fn collective(
-        &self,
-        call: Call,
-        data: Option<TensorData>,
-    ) -> Result<Option<TensorData>, Error> {
-        call.check_root(&self.mesh)?;
-        let (round, mut payloads) = self.gather(&call, data.as_ref())?;
+    fn run(&self, call: &Call, data: Option<TensorData>) -> Result<Option<TensorData>, Error> {
+        call.check_root(self.mesh())?;
+        let (round, mut payloads) = self.gather(call, data.as_ref())?;
         let buffers = |payloads: Vec<Vec<u8>>| -> Vec<TensorData> {
             (round.calls().iter().zip(payloads))
                 .map(|(c, bytes)| data_of(c.buffer().expect("checked"), bytes))
                 .collect()
         };
-        let result = match call.kind() {
+        Ok(match call.kind() {
             CollectiveKind::Barrier => None,
             CollectiveKind::Broadcast => {
                 let source = round.root_buffer()?;
@@ -362,7 +347,7 @@ impl Communicator for HybridCommunicator {
                         concat(&buffers(payloads).iter().collect::<Vec<_>>(), call.dim())?
                     }
                     _ => {
-                        let index = call.group().index(&self.mesh, self.rank)?;
+                        let index = call.group().index(self.mesh(), self.rank())?;
                         let mut chunks = Vec::with_capacity(n);
                         let mut shape = Shape::from(vec![0]);
                         for part in buffers(payloads) {
@@ -375,16 +360,6 @@ impl Communicator for HybridCommunicator {
                     }
                 })
             }
-        };
-        self.stats.record(&self.mesh, &call, result.as_ref());
-        Ok(result)
-    }
-
-    fn stats(&self) -> CommStats {
-        self.stats.snapshot()
-    }
-
-    fn reset_stats(&self) {
-        self.stats.reset();
+        })
     }
 }

@@ -21,8 +21,7 @@ use burn::tensor::TensorData;
 
 use super::buffer::{chunk_bytes, concat, reduce};
 use super::call::Round;
-use super::stats::StatsCell;
-use super::{Call, CollectiveKind, CommStats, Communicator, Error, PointToPoint, check_rank, lock};
+use super::{Call, CollectiveKind, Communicator, Error, Member, PointToPoint, lock};
 use crate::mesh::DeviceMesh;
 
 /// How long a rank waits for its peers (or a message) before giving up with
@@ -78,8 +77,7 @@ impl InProcessWorld {
         );
         InProcessCommunicator {
             world: Arc::clone(self),
-            rank,
-            stats: StatsCell::default(),
+            member: Member::new(rank, self.mesh.clone()),
         }
     }
 
@@ -301,16 +299,12 @@ struct Who<'a> {
 /// One rank's endpoint of an [`InProcessWorld`].
 pub struct InProcessCommunicator {
     world: Arc<InProcessWorld>,
-    rank: usize,
-    stats: StatsCell,
+    member: Member,
 }
 
 impl fmt::Debug for InProcessCommunicator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("InProcessCommunicator")
-            .field("rank", &self.rank)
-            .field("mesh", &self.world.mesh.to_string())
-            .finish_non_exhaustive()
+        self.member.debug_as("InProcessCommunicator", f)
     }
 }
 
@@ -348,33 +342,25 @@ fn combine(call: &Call, index: usize, buffers: &[&TensorData]) -> Result<TensorD
 }
 
 impl Communicator for InProcessCommunicator {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn mesh(&self) -> &DeviceMesh {
-        &self.world.mesh
+    fn member(&self) -> &Member {
+        &self.member
     }
 
     /// One round of the group's rendezvous: deposits the call and `data`, checks that every
-    /// member made the same call with buffers that fit, computes this member's result from
-    /// everyone's deposits and records the call.
-    fn collective(
-        &self,
-        call: Call,
-        data: Option<TensorData>,
-    ) -> Result<Option<TensorData>, Error> {
+    /// member made the same call with buffers that fit, and computes this member's result from
+    /// everyone's deposits.
+    fn run(&self, call: &Call, data: Option<TensorData>) -> Result<Option<TensorData>, Error> {
         self.world.check_abort()?;
-        let mesh = &self.world.mesh;
+        let (mesh, rank) = (self.mesh(), self.rank());
         let group = call.group();
         let label = group.label(mesh)?;
-        let members = group.ranks(mesh, self.rank)?;
+        let members = group.ranks(mesh, rank)?;
         let who = Who {
             kind: call.kind(),
             label,
             members: &members,
-            index: group.index(mesh, self.rank)?,
-            rank: self.rank,
+            index: group.index(mesh, rank)?,
+            rank,
         };
         let mine = Contribution {
             call: call.clone(),
@@ -386,9 +372,9 @@ impl Communicator for InProcessCommunicator {
             Deposits::Shared(self.world.exchange(&who, mine)?)
         };
         let calls = deposits.all().iter().map(|d| d.call.clone()).collect();
-        let round = Round::new(mesh, self.rank, call.clone(), calls);
+        let round = Round::new(mesh, rank, call.clone(), calls);
         round.check_calls()?;
-        let result = match call.kind() {
+        Ok(match call.kind() {
             CollectiveKind::Barrier => None,
             CollectiveKind::Broadcast => {
                 let root = call.root();
@@ -403,43 +389,33 @@ impl Communicator for InProcessCommunicator {
                 Some(match deposits {
                     // Unchanged, bit for bit (no widening, no division).
                     Deposits::Alone(mine) => mine.data.expect("this call carries a buffer"),
-                    Deposits::Shared(_) => combine(&call, who.index, &deposits.buffers())?,
+                    Deposits::Shared(_) => combine(call, who.index, &deposits.buffers())?,
                 })
             }
-        };
-        self.stats.record(mesh, &call, result.as_ref());
-        Ok(result)
+        })
     }
 
     fn point_to_point(&self) -> Result<&dyn PointToPoint, Error> {
         Ok(self)
-    }
-
-    fn stats(&self) -> CommStats {
-        self.stats.snapshot()
-    }
-
-    fn reset_stats(&self) {
-        self.stats.reset();
     }
 }
 
 impl PointToPoint for InProcessCommunicator {
     fn send(&self, to: usize, data: TensorData) -> Result<(), Error> {
         self.world.check_abort()?;
-        check_rank(to, self.world.mesh.world_size(), "the world")?;
+        self.member.check_peer(to)?;
         let bytes = data.bytes.len();
-        let channel = self.world.channel(self.rank, to);
+        let channel = self.world.channel(self.rank(), to);
         lock(&channel.queue).push_back(data);
         channel.ready.notify_all();
-        self.stats.record_p2p(CollectiveKind::Send, bytes);
+        self.member.record_p2p(CollectiveKind::Send, bytes);
         Ok(())
     }
 
     fn recv(&self, from: usize) -> Result<TensorData, Error> {
         self.world.check_abort()?;
-        check_rank(from, self.world.mesh.world_size(), "the world")?;
-        let channel = self.world.channel(from, self.rank);
+        self.member.check_peer(from)?;
+        let channel = self.world.channel(from, self.rank());
         let start = Instant::now();
         let deadline = start + self.world.timeout;
         let mut queue = lock(&channel.queue);
@@ -453,7 +429,7 @@ impl PointToPoint for InProcessCommunicator {
                 return Err(Error::Timeout {
                     op: CollectiveKind::Recv,
                     group: "p2p".to_owned(),
-                    rank: self.rank,
+                    rank: self.rank(),
                     waited: now - start,
                     missing: vec![from],
                 });
@@ -465,7 +441,7 @@ impl PointToPoint for InProcessCommunicator {
                 .0;
         };
         drop(queue);
-        self.stats
+        self.member
             .record_p2p(CollectiveKind::Recv, data.bytes.len());
         Ok(data)
     }

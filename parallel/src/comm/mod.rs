@@ -22,6 +22,7 @@ mod header;
 #[cfg(feature = "mpi")]
 mod hybrid;
 mod in_process;
+mod member;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
 #[cfg(feature = "cuda")]
@@ -49,6 +50,7 @@ pub use device::{DeviceCollectives, HostStaged};
 #[cfg(feature = "mpi")]
 pub use hybrid::{HybridCommunicator, HybridWorld};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessCommunicator, InProcessWorld};
+pub use member::Member;
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiCommunicator, MpiWorld};
 #[cfg(feature = "cuda")]
@@ -180,20 +182,40 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 ///
 /// Statistics count every call that succeeds; see [`CommStats`] for what `bytes` means.
 ///
-/// Implementations provide [`Communicator::collective`], which runs any call the other methods
-/// describe; callers use the other methods.
+/// Implementations provide [`Communicator::member`] (their rank, mesh and statistics) and
+/// [`Communicator::run`], which moves the data of any call the other methods describe; callers
+/// use the other methods, which count the calls.
 pub trait Communicator: Send + Sync + fmt::Debug {
+    /// This rank of the mesh, with the statistics of its calls.
+    fn member(&self) -> &Member;
+
+    /// Moves the data of one collective without recording it: `call` describes it, as the
+    /// methods below build it, and `data` is the buffer it describes (`None` for a barrier, and
+    /// on a broadcast's members other than the root). Returns this member's result, `None` for
+    /// a barrier. [`Communicator::collective`] runs it and records the call.
+    fn run(&self, call: &Call, data: Option<TensorData>) -> Result<Option<TensorData>, Error>;
+
     /// This rank, in `0..mesh().world_size()`.
-    fn rank(&self) -> usize;
+    fn rank(&self) -> usize {
+        self.member().rank()
+    }
 
     /// The mesh the ranks are arranged in.
-    fn mesh(&self) -> &DeviceMesh;
+    fn mesh(&self) -> &DeviceMesh {
+        self.member().mesh()
+    }
 
-    /// Runs one collective: `call` describes it, as the methods below build it, and `data` is
-    /// the buffer it describes (`None` for a barrier, and on a broadcast's members other than
-    /// the root). Returns this member's result, `None` for a barrier.
-    fn collective(&self, call: Call, data: Option<TensorData>)
-    -> Result<Option<TensorData>, Error>;
+    /// Runs one collective ([`Communicator::run`]) and, when it succeeds, records it in this
+    /// rank's statistics. Returns this member's result, `None` for a barrier.
+    fn collective(
+        &self,
+        call: Call,
+        data: Option<TensorData>,
+    ) -> Result<Option<TensorData>, Error> {
+        let result = self.run(&call, data)?;
+        self.member().record(&call, result.as_ref());
+        Ok(result)
+    }
 
     /// Every member gets the element-wise reduction of all members' buffers, computed in group
     /// order `0, 1, …, n-1` (deterministic, bitwise identical on every member). `Avg` is the sum
@@ -259,10 +281,14 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     }
 
     /// This rank's statistics so far.
-    fn stats(&self) -> CommStats;
+    fn stats(&self) -> CommStats {
+        self.member().stats()
+    }
 
     /// Forgets this rank's statistics.
-    fn reset_stats(&self);
+    fn reset_stats(&self) {
+        self.member().reset_stats();
+    }
 }
 
 /// The buffer a collective other than a barrier returns.

@@ -37,10 +37,7 @@ use super::call::{Operand, Round};
 use super::header::{
     self, HEADER, Header, OPERAND, Sequence, decode_operand, encode_operand, from_bytes, to_bytes,
 };
-use super::stats::StatsCell;
-use super::{
-    Call, CollectiveKind, CommStats, Communicator, Error, Group, PointToPoint, check_rank, lock,
-};
+use super::{Call, CollectiveKind, Communicator, Error, Group, Member, PointToPoint, lock};
 use crate::mesh::DeviceMesh;
 
 /// An MPI communicator handle usable from the rank's threads.
@@ -91,13 +88,11 @@ impl MpiWorld {
             .collect();
         let p2p = Mutex::new(Handle(ManuallyDrop::new(world.duplicate())));
         let comm = Arc::new(MpiCommunicator {
-            rank,
-            mesh,
+            member: Member::new(rank, mesh),
             world: Mutex::new(Handle(ManuallyDrop::new(world))),
             axes,
             p2p,
             sequence: Sequence::default(),
-            stats: StatsCell::default(),
             watchdog: Arc::new(Watchdog {
                 timeout,
                 pending: Mutex::new(None),
@@ -182,24 +177,19 @@ impl Drop for Pending<'_> {
 
 /// One rank's endpoint of the MPI world.
 pub struct MpiCommunicator {
-    rank: usize,
-    mesh: DeviceMesh,
+    member: Member,
     world: Mutex<Handle>,
     axes: Vec<Mutex<Handle>>,
     /// Point-to-point messages, on their own communicator (a duplicate of the world).
     p2p: Mutex<Handle>,
     /// Calls made so far per group (the header's sequence number).
     sequence: Sequence,
-    stats: StatsCell,
     watchdog: Arc<Watchdog>,
 }
 
 impl fmt::Debug for MpiCommunicator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MpiCommunicator")
-            .field("rank", &self.rank)
-            .field("mesh", &self.mesh.to_string())
-            .finish_non_exhaustive()
+        self.member.debug_as("MpiCommunicator", f)
     }
 }
 
@@ -244,10 +234,11 @@ impl MpiCommunicator {
         call: &Call,
         body: impl FnOnce(&SimpleCommunicator, &Round<'_>, usize) -> Result<R, Error>,
     ) -> Result<R, Error> {
+        let (mesh, rank) = (self.mesh(), self.rank());
         let group = call.group();
-        let label = group.label(&self.mesh)?.to_owned();
-        let n = group.size(&self.mesh)?;
-        let index = group.index(&self.mesh, self.rank)?;
+        let label = group.label(mesh)?.to_owned();
+        let n = group.size(mesh)?;
+        let index = group.index(mesh, rank)?;
         let (seq, mine) = self.sequence.header(call)?;
         let handle = lock(self.handle(group));
         let comm: &SimpleCommunicator = &handle.0;
@@ -264,7 +255,7 @@ impl MpiCommunicator {
             .chunks_exact(HEADER)
             .map(|c| c.try_into().expect("HEADER words"))
             .collect();
-        let round = header::round(&self.mesh, self.rank, call, &headers)?;
+        let round = header::round(mesh, rank, call, &headers)?;
         body(comm, &round, index)
     }
 
@@ -434,23 +425,17 @@ impl MpiCommunicator {
 }
 
 impl Communicator for MpiCommunicator {
-    fn rank(&self) -> usize {
-        self.rank
+    fn member(&self) -> &Member {
+        &self.member
     }
 
-    fn mesh(&self) -> &DeviceMesh {
-        &self.mesh
-    }
-
-    fn collective(
-        &self,
-        call: Call,
-        data: Option<TensorData>,
-    ) -> Result<Option<TensorData>, Error> {
-        call.check_root(&self.mesh)?;
+    /// The members' headers, checked (see the module), then the data over MPI's collectives,
+    /// each member reducing in group order.
+    fn run(&self, call: &Call, data: Option<TensorData>) -> Result<Option<TensorData>, Error> {
+        call.check_root(self.mesh())?;
         // For a barrier, the header exchange is the all-gather: nobody leaves before everybody
         // arrived.
-        let result = self.exchange(&call, |comm, round, index| {
+        self.exchange(call, |comm, round, index| {
             let n = round.calls().len();
             let data = match (call.kind(), &data) {
                 (CollectiveKind::Barrier, _) => return Ok(None),
@@ -464,25 +449,15 @@ impl Communicator for MpiCommunicator {
                 return Ok(Some(data.clone()));
             }
             Ok(Some(match call.kind() {
-                CollectiveKind::AllReduce => Self::all_reduce(comm, &call, data, n, index)?,
+                CollectiveKind::AllReduce => Self::all_reduce(comm, call, data, n, index)?,
                 CollectiveKind::AllGather => Self::all_gather(comm, round, data, call.dim())?,
-                _ => Self::reduce_scatter(comm, &call, data, n)?,
+                _ => Self::reduce_scatter(comm, call, data, n)?,
             }))
-        })?;
-        self.stats.record(&self.mesh, &call, result.as_ref());
-        Ok(result)
+        })
     }
 
     fn point_to_point(&self) -> Result<&dyn PointToPoint, Error> {
         Ok(self)
-    }
-
-    fn stats(&self) -> CommStats {
-        self.stats.snapshot()
-    }
-
-    fn reset_stats(&self) {
-        self.stats.reset();
     }
 }
 
@@ -490,7 +465,7 @@ impl PointToPoint for MpiCommunicator {
     /// Blocking MPI send: returns once the buffer is handed over, which for messages above the
     /// library's eager limit means once `to` has started receiving it.
     fn send(&self, to: usize, data: TensorData) -> Result<(), Error> {
-        check_rank(to, self.mesh.world_size(), "the world")?;
+        self.member.check_peer(to)?;
         element_size(&data)?;
         let words = encode_operand(CollectiveKind::Send, Some(&Operand::of(&data)))?;
         let mut message = to_bytes(&words);
@@ -498,13 +473,13 @@ impl PointToPoint for MpiCommunicator {
         let handle = lock(&self.p2p);
         let _pending = self.watchdog.start(format!("send to rank {to}"));
         handle.0.process_at_rank(to as i32).send(&message[..]);
-        self.stats
+        self.member
             .record_p2p(CollectiveKind::Send, data.bytes.len());
         Ok(())
     }
 
     fn recv(&self, from: usize) -> Result<TensorData, Error> {
-        check_rank(from, self.mesh.world_size(), "the world")?;
+        self.member.check_peer(from)?;
         let handle = lock(&self.p2p);
         let _pending = self.watchdog.start(format!("recv from rank {from}"));
         let (message, _status) = handle.0.process_at_rank(from as i32).receive_vec::<u8>();
@@ -515,7 +490,7 @@ impl PointToPoint for MpiCommunicator {
             buffer.shape().to_vec(),
             buffer.dtype(),
         );
-        self.stats
+        self.member
             .record_p2p(CollectiveKind::Recv, data.bytes.len());
         Ok(data)
     }

@@ -3,12 +3,8 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::Mutex;
 
-use burn::tensor::TensorData;
-
-use super::{Call, CollectiveKind, lock};
-use crate::mesh::DeviceMesh;
+use super::CollectiveKind;
 
 /// The call count and byte volume of one (kind, group) entry.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -174,34 +170,6 @@ impl fmt::Display for CommStats {
             self.total_count(),
             self.total_bytes()
         )
-    }
-}
-
-/// A communicator's statistics, recorded by its calls from any thread.
-#[derive(Debug, Default)]
-pub(crate) struct StatsCell(Mutex<CommStats>);
-
-impl StatsCell {
-    /// Records `call`, which returned `result`, with the bytes [`Call::counted_bytes`] says.
-    pub(crate) fn record(&self, mesh: &DeviceMesh, call: &Call, result: Option<&TensorData>) {
-        let label = call.group().label(mesh).unwrap_or("?");
-        let bytes = call.counted_bytes(result) as u64;
-        lock(&self.0).record(call.kind(), label, bytes);
-    }
-
-    /// Records a point-to-point message of `bytes`.
-    pub(crate) fn record_p2p(&self, kind: CollectiveKind, bytes: usize) {
-        lock(&self.0).record(kind, "p2p", bytes as u64);
-    }
-
-    /// The statistics so far.
-    pub(crate) fn snapshot(&self) -> CommStats {
-        lock(&self.0).clone()
-    }
-
-    /// Forgets them.
-    pub(crate) fn reset(&self) {
-        *lock(&self.0) = CommStats::default();
     }
 }
 

@@ -14,7 +14,7 @@ use cudarc::nccl::{result as nccl, sys as nccl_sys};
 use super::NcclCommunicator;
 use crate::comm::call::{Operand, Round};
 use crate::comm::header::{self, HEADER, Header};
-use crate::comm::{Call, CollectiveKind, Error, Group, ReduceOp};
+use crate::comm::{Call, CollectiveKind, Communicator, Error, Group, ReduceOp};
 
 fn nccl_dtype(dtype: DType) -> Result<nccl_sys::ncclDataType_t, Error> {
     use nccl_sys::ncclDataType_t as T;
@@ -46,7 +46,7 @@ impl NcclCommunicator {
         let slot = match group {
             Group::World => self.comms.len() - 1,
             Group::Axis(a) => {
-                group.size(&self.mesh)?;
+                group.size(self.mesh())?;
                 a
             }
         };
@@ -77,8 +77,8 @@ impl NcclCommunicator {
                 self.abort();
                 return Err(Error::Timeout {
                     op: call.kind(),
-                    group: call.group().label(&self.mesh).unwrap_or("?").to_owned(),
-                    rank: self.rank,
+                    group: call.group().label(self.mesh()).unwrap_or("?").to_owned(),
+                    rank: self.rank(),
                     waited: start.elapsed(),
                     missing: Vec::new(),
                 });
@@ -94,7 +94,7 @@ impl NcclCommunicator {
                 // SAFETY: a live communicator, aborted once (guarded by `aborted`).
                 let _ = unsafe { nccl::comm_abort(comm.0) };
             }
-            tracing::error!(rank = self.rank, "NCCL timed out: communicators aborted");
+            tracing::error!(rank = self.rank(), "NCCL timed out: communicators aborted");
         }
     }
 
@@ -199,13 +199,13 @@ impl NcclCommunicator {
         let (_, mine) = self.sequence.header(call)?;
         if !self.options.check_calls && call.kind() != CollectiveKind::Broadcast {
             return Ok(Round::new(
-                &self.mesh,
-                self.rank,
+                self.mesh(),
+                self.rank(),
                 call.clone(),
                 vec![call.clone()],
             ));
         }
-        let n = call.group().size(&self.mesh)?;
+        let n = call.group().size(self.mesh())?;
         let bytes = header::to_bytes(&mine);
         let send = self.upload(&bytes);
         let recv = self.client.empty(bytes.len() * n);
@@ -216,6 +216,6 @@ impl NcclCommunicator {
             .chunks_exact(bytes.len())
             .map(header::from_bytes)
             .collect();
-        header::round(&self.mesh, self.rank, call, &headers)
+        header::round(self.mesh(), self.rank(), call, &headers)
     }
 }

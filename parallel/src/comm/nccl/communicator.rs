@@ -10,9 +10,9 @@ use cudarc::driver::CudaContext;
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
 use super::{CommHandle, Error, NcclCommunicator, NcclOptions};
+use crate::comm::Member;
 use crate::comm::bootstrap::{Bootstrap, bootstrap_groups, exchange_group_ids};
 use crate::comm::header::Sequence;
-use crate::comm::stats::StatsCell;
 use crate::mesh::DeviceMesh;
 
 impl NcclCommunicator {
@@ -76,8 +76,7 @@ impl NcclCommunicator {
         }
         tracing::info!(rank, groups = comms.len(), "NCCL communicators ready");
         Ok(Self {
-            rank,
-            mesh,
+            member: Member::new(rank, mesh),
             device,
             client,
             ctx,
@@ -85,7 +84,6 @@ impl NcclCommunicator {
             comms,
             options,
             sequence: Sequence::default(),
-            stats: StatsCell::default(),
             calls: Mutex::new(()),
             aborted: AtomicBool::new(false),
         })

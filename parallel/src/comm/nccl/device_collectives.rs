@@ -11,7 +11,7 @@ use super::NcclCommunicator;
 use crate::comm::buffer::check_reducible;
 use crate::comm::call::Operand;
 use crate::comm::{
-    Call, CollectiveKind, CommStats, DeviceCollectives, Error, Group, ReduceOp, lock,
+    Call, CollectiveKind, CommStats, Communicator, DeviceCollectives, Error, Group, ReduceOp, lock,
 };
 
 fn contiguous(tensor: CubeTensor<CudaRuntime>) -> CubeTensor<CudaRuntime> {
@@ -40,10 +40,10 @@ impl NcclCommunicator {
         call: Call,
         tensor: CubeTensor<CudaRuntime>,
     ) -> Result<CubeTensor<CudaRuntime>, Error> {
-        call.check_root(&self.mesh)?;
+        call.check_root(self.mesh())?;
         let t = contiguous(tensor);
         let shape = t.shape();
-        let members = call.group().size(&self.mesh)?;
+        let members = call.group().size(self.mesh())?;
         let n = shape.num_elements();
         let mut dims = shape.to_vec();
         let (count, out_elems) = match call.kind() {
@@ -64,7 +64,7 @@ impl NcclCommunicator {
         self.round(&call)?.check_layouts(None)?;
         let recv = self.client.empty(out_elems * t.dtype.size());
         self.raw(&call, t.dtype, count, &t.handle, &recv)?;
-        self.stats.record(&self.mesh, &call, None);
+        self.member.record(&call, None);
         Ok(fresh(&t, Shape::from(dims), recv))
     }
 }
@@ -79,7 +79,7 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
     DeviceCollectives<CubeBackend<CudaRuntime, F, I, BT>> for NcclCommunicator
 {
     fn stats(&self) -> CommStats {
-        self.stats.snapshot()
+        self.member.stats()
     }
 
     fn all_reduce(

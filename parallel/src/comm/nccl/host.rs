@@ -6,8 +6,7 @@ use burn::tensor::{Shape, TensorData};
 use super::NcclCommunicator;
 use crate::comm::buffer::{check_dim, check_divisible, check_reducible, chunk_bytes, gathered};
 use crate::comm::call::Operand;
-use crate::comm::{Call, CollectiveKind, CommStats, Communicator, Error, ReduceOp, lock};
-use crate::mesh::DeviceMesh;
+use crate::comm::{Call, CollectiveKind, Communicator, Error, Member, ReduceOp, lock};
 
 impl NcclCommunicator {
     /// A host all-reduce, not recorded (the barrier is made of one).
@@ -26,7 +25,7 @@ impl NcclCommunicator {
     fn host_all_gather(&self, call: &Call, data: TensorData) -> Result<TensorData, Error> {
         let dim = call.dim();
         check_dim(CollectiveKind::AllGather, data.shape.num_dims(), dim)?;
-        let members = call.group().size(&self.mesh)?;
+        let members = call.group().size(self.mesh())?;
         let _calls = lock(&self.calls);
         // Members whose pieces differ along `dim` are refused (the host communicators accept
         // them).
@@ -47,7 +46,7 @@ impl NcclCommunicator {
         let dim = call.dim();
         check_dim(CollectiveKind::ReduceScatter, data.shape.num_dims(), dim)?;
         check_reducible(data.dtype)?;
-        let members = call.group().size(&self.mesh)?;
+        let members = call.group().size(self.mesh())?;
         check_divisible(data.shape[dim], dim, members)?;
         let _calls = lock(&self.calls);
         self.round(call)?.check_layouts(None)?;
@@ -68,8 +67,8 @@ impl NcclCommunicator {
     /// The host broadcast: the root's header tells the others what to receive.
     fn host_broadcast(&self, call: &Call, data: Option<TensorData>) -> Result<TensorData, Error> {
         let (group, root) = (call.group(), call.root());
-        let index = group.index(&self.mesh, self.rank)?;
-        call.check_root(&self.mesh)?;
+        let index = group.index(self.mesh(), self.rank())?;
+        call.check_root(self.mesh())?;
         if index == root && data.is_none() {
             return Err(Error::Unsupported(
                 "the broadcast root must pass its buffer".into(),
@@ -93,45 +92,27 @@ impl NcclCommunicator {
 /// host-side calls of a run (scalars, barriers, checkpoint gathers); the training tensors take
 /// the device path ([`DeviceCollectives`](crate::comm::DeviceCollectives)).
 impl Communicator for NcclCommunicator {
-    fn rank(&self) -> usize {
-        self.rank
+    fn member(&self) -> &Member {
+        &self.member
     }
 
-    fn mesh(&self) -> &DeviceMesh {
-        &self.mesh
-    }
-
-    fn collective(
-        &self,
-        call: Call,
-        data: Option<TensorData>,
-    ) -> Result<Option<TensorData>, Error> {
-        let result = match call.kind() {
+    fn run(&self, call: &Call, data: Option<TensorData>) -> Result<Option<TensorData>, Error> {
+        Ok(match call.kind() {
             CollectiveKind::Barrier => {
                 let scalar = TensorData::new(vec![0f32], [1]);
                 let sum = Call::all_reduce(call.group(), Operand::of(&scalar), ReduceOp::Sum);
                 self.host_all_reduce(&sum, scalar)?;
                 None
             }
-            CollectiveKind::Broadcast => Some(self.host_broadcast(&call, data)?),
+            CollectiveKind::Broadcast => Some(self.host_broadcast(call, data)?),
             kind => {
                 let data = data.expect("this call carries a buffer");
                 Some(match kind {
-                    CollectiveKind::AllReduce => self.host_all_reduce(&call, data)?,
-                    CollectiveKind::AllGather => self.host_all_gather(&call, data)?,
-                    _ => self.host_reduce_scatter(&call, data)?,
+                    CollectiveKind::AllReduce => self.host_all_reduce(call, data)?,
+                    CollectiveKind::AllGather => self.host_all_gather(call, data)?,
+                    _ => self.host_reduce_scatter(call, data)?,
                 })
             }
-        };
-        self.stats.record(&self.mesh, &call, result.as_ref());
-        Ok(result)
-    }
-
-    fn stats(&self) -> CommStats {
-        self.stats.snapshot()
-    }
-
-    fn reset_stats(&self) {
-        self.stats.reset();
+        })
     }
 }

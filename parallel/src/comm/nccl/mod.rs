@@ -44,9 +44,8 @@ use cudarc::driver::{CudaContext, CudaStream};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
 use super::header::Sequence;
-use super::stats::StatsCell;
+use super::{Communicator, Member};
 use crate::error::Error;
-use crate::mesh::DeviceMesh;
 
 /// How an [`NcclCommunicator`] behaves.
 #[derive(Clone, Debug)]
@@ -75,8 +74,7 @@ unsafe impl Sync for CommHandle {}
 
 /// One rank's NCCL communicators (one per mesh group it belongs to) on its CUDA device.
 pub struct NcclCommunicator {
-    rank: usize,
-    mesh: DeviceMesh,
+    member: Member,
     device: CudaDevice,
     client: ComputeClient<CudaRuntime>,
     ctx: Arc<CudaContext>,
@@ -86,7 +84,6 @@ pub struct NcclCommunicator {
     comms: Vec<CommHandle>,
     options: NcclOptions,
     sequence: Sequence,
-    stats: StatsCell,
     /// One NCCL call at a time on this rank.
     calls: Mutex<()>,
     aborted: AtomicBool,
@@ -97,7 +94,9 @@ impl fmt::Debug for NcclCommunicator {
         write!(
             f,
             "NcclCommunicator(rank {} of {}, {:?})",
-            self.rank, self.mesh, self.device
+            self.rank(),
+            self.mesh(),
+            self.device
         )
     }
 }
