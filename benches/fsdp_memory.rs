@@ -4,8 +4,15 @@
 //! formulas, and their ratio. A markdown table, printed and written to a file.
 //!
 //! ```text
-//! cargo bench --bench fsdp_memory [-- --out target/fsdp_memory.md]
+//! cargo bench --bench fsdp_memory [-- --out target/fsdp_memory.md] [--only checkpoint]
 //! ```
+//!
+//! A second table: the process's peak resident set (VmHWM, reset before each run) of GPT-2 124M
+//! (block 64, dp 4, FullShard, ranks as threads) with sharded initialisation, a distributed
+//! checkpoint save and a resume from it, beside the model-state formula, and the save's time on
+//! the step's path (the copy to host) against its background write. The system allocator: the
+//! binaries' mimalloc keeps freed memory for the next step, which would carry one run's memory
+//! into the next run's figures in this one process.
 //!
 //! Formulas (Ψ parameters, f32): parameters 4Ψ (4Ψ/N sharded), gradients 4Ψ (4Ψ/N), AdamW state
 //! 8Ψ (8Ψ/N); communication in the bytes each rank passes to its collectives: DDP all-reduces the
@@ -18,6 +25,7 @@
 use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
+use wildfire::pretrain::RunSummary;
 use wildfire::pretrain::{PretrainConfig, run};
 
 mod common;
@@ -25,6 +33,12 @@ mod common;
 fn main() {
     // A smoke run (`cargo test --all-targets`): a tiny model, N = 1 and 2.
     let smoke = common::smoke();
+    let only = common::arg::<String>("--only");
+    let checkpoint = checkpoint_memory(smoke);
+    println!("{checkpoint}");
+    if only.as_deref() == Some("checkpoint") {
+        return;
+    }
     let out = common::arg::<String>("--out").unwrap_or_else(|| {
         let dir = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
         format!("{dir}/fsdp_memory.md")
@@ -117,8 +131,134 @@ fn main() {
         }
     }
     println!("{table}");
+    let table = format!("{table}\n{checkpoint}");
     match std::fs::write(&out, &table) {
         Ok(()) => eprintln!("written to {out}"),
         Err(e) => eprintln!("could not write {out}: {e}"),
     }
+}
+
+/// The process's resident set now (VmRSS).
+fn rss() -> u64 {
+    status_kb("VmRSS:")
+}
+
+fn status_kb(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(key))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Reset the peak resident set (VmHWM) to the current one (Linux: `5` to `clear_refs`).
+fn reset_peak() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+/// Sharded init, save and resume: measured peaks beside the formula (see the module docs).
+fn checkpoint_memory(smoke: bool) -> String {
+    let n = if smoke { 2 } else { 4 };
+    let dir = std::env::temp_dir().join(format!("wildfire-bench-dcp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let base = PretrainConfig {
+        preset: if smoke {
+            Preset::Tiny
+        } else {
+            Preset::Gpt2_124m
+        },
+        n_layer: smoke.then_some(2),
+        block_size: Some(if smoke { 32 } else { 64 }),
+        tokenizer: if smoke {
+            TokenizerKind::Bytes
+        } else {
+            TokenizerKind::Gpt2
+        },
+        batch_size: n,
+        parallel: ParallelConfig {
+            dp: n,
+            fsdp: FsdpStrategy::FullShard,
+            ..ParallelConfig::default()
+        },
+        gather_parameters: false,
+        ..PretrainConfig::quiet()
+    };
+    let baseline = rss();
+    let resets = reset_peak();
+    let first = run(&PretrainConfig {
+        steps: 1,
+        save: Some(dir.clone()),
+        ..base.clone()
+    })
+    .expect("run");
+    reset_peak();
+    let resumed = run(&PretrainConfig {
+        steps: 2,
+        resume: Some(dir.clone()),
+        ..base
+    })
+    .expect("resume");
+    let _ = std::fs::remove_dir_all(&dir);
+    let psi = first.model.as_ref().expect("model").num_params() as f64;
+    // The decorator's peak of live tensor bytes on rank 0 (model state + activations), times
+    // the ranks: every rank holds the same shapes.
+    let step_peak = |s: &RunSummary| n as f64 * s.steps.last().expect("a step").peak_bytes as f64;
+    let gb = |b: f64| format!("{:.3} GB", b / 1e9);
+    let row = |phase: &str, measured: u64, formula: f64, what: &str| {
+        let formula = formula + baseline as f64;
+        format!(
+            "| {phase} | {} | {} ({what} + {} baseline) | {:.2} |\n",
+            gb(measured as f64),
+            gb(formula),
+            gb(baseline as f64),
+            measured as f64 / formula
+        )
+    };
+    let mut out = format!(
+        "GPT-2 {} ({} parameters), block {}, dp {n} FullShard, ranks as threads; Ψ = parameters, \
+         f32 AdamW: model state 16Ψ over the process{}\n\n| phase | peak RSS (VmHWM) | formula | ratio |\n|---|---|---|---|\n",
+        if smoke { "tiny (smoke)" } else { "124M" },
+        psi as u64,
+        if smoke { 32 } else { 64 },
+        if resets {
+            ""
+        } else {
+            " (VmHWM could not be reset: each figure is the peak so far)"
+        }
+    );
+    out.push_str(&row(
+        "init (sharded)",
+        first.setup_peak_rss,
+        4.0 * psi,
+        "4Ψ parameters",
+    ));
+    out.push_str(&row(
+        "step + save",
+        first.final_peak_rss,
+        step_peak(&first) + 12.0 * psi,
+        "step peak of live tensors + 12Ψ host copy of parameters and moments",
+    ));
+    out.push_str(&row(
+        "resume (load)",
+        resumed.setup_peak_rss,
+        12.0 * psi,
+        "4Ψ parameters + 8Ψ moments",
+    ));
+    out.push_str(&row(
+        "resume + step",
+        resumed.final_peak_rss,
+        step_peak(&resumed),
+        "step peak of live tensors",
+    ));
+    if let Some((copy, write)) = first.saves.first() {
+        out.push_str(&format!(
+            "\nsave: {:.1} ms on the step's path (copy to host), {:.1} ms written in the background (rank 0)\n",
+            copy * 1e3,
+            write * 1e3
+        ));
+    }
+    out
 }

@@ -187,6 +187,11 @@ pub struct PretrainConfig {
     /// Show a progress bar (rank 0, terminals only).
     #[arg(skip = true)]
     pub progress: bool,
+    /// Gather every parameter at the end into the run summary (tests compare them; it holds the
+    /// whole model on every rank for a moment, so runs do without).
+    #[serde(default, skip_serializing)]
+    #[arg(skip = false)]
+    pub gather_parameters: bool,
     /// Ranks as threads of this process, or this process as one rank of a launched job (set
     /// from the environment by [`PretrainConfig::apply_launcher`]).
     #[serde(default)]
@@ -231,6 +236,7 @@ impl PretrainConfig {
             sample_tokens: 0,
             progress: false,
             plot: None,
+            gather_parameters: true,
             ..Self::default()
         }
     }

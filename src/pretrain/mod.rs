@@ -73,8 +73,16 @@ pub struct RunSummary {
     pub steps: Vec<StepMetrics>,
     /// Generated text, if asked for.
     pub sample: String,
-    /// Every parameter at the end, in visiting order (rank 0).
+    /// Every parameter at the end, in visiting order (rank 0; with `gather_parameters`).
     pub parameters: Vec<Vec<f32>>,
+    /// The process's peak resident set (VmHWM) once the model was built, laid out and loaded,
+    /// before the first step (rank 0's view of the process).
+    pub setup_peak_rss: u64,
+    /// The process's peak resident set at the end, after the last checkpoint was written.
+    pub final_peak_rss: u64,
+    /// Per checkpoint saved: the seconds on the step's path (copying the pieces to host) and the
+    /// seconds rank 0's background thread took to write and commit.
+    pub saves: Vec<(f64, f64)>,
     /// The model shape.
     pub model: Option<GptConfig>,
     /// The rank this summary comes from (0, except on the other processes of an MPI job).

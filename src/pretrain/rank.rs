@@ -4,6 +4,7 @@
 use super::*;
 use burn::optim::SimpleOptimizer;
 use burn::optim::record::AdaptorRecord;
+use wildfire_models::dcp::SaveReport;
 use wildfire_parallel::RankPolicy;
 
 type A<B> = Autodiff<Distributed<B>>;
@@ -102,9 +103,12 @@ impl RankRun<'_> {
             )?),
             None => None,
         };
+        let mut summary = RunSummary {
+            setup_peak_rss: peak_rss(),
+            ..RunSummary::default()
+        };
         let tokens_per_step = (config.batch_size * model_config.block_size) as f64;
         let progress = (rank == 0 && config.progress).then(|| self.progress_bar());
-        let mut summary = RunSummary::default();
         for step in self.first_step..config.steps {
             let started = Instant::now();
             let stats_before = ctx.comm_stats();
@@ -176,19 +180,31 @@ impl RankRun<'_> {
             if let Some(writer) = writer.as_mut()
                 && (every || last)
             {
-                self.save(writer, &model, &optim, step_runner.scaler(), step + 1, rank)?;
+                let (copy, previous) =
+                    self.save(writer, &model, &optim, step_runner.scaler(), step + 1, rank)?;
+                // The previous save's background write finished before this one started.
+                if let (Some(report), Some(last)) = (previous, summary.saves.last_mut()) {
+                    last.1 = report.write_time.as_secs_f64();
+                }
+                summary.saves.push((copy, 0.0));
             }
         }
         if let Some(writer) = writer.as_mut()
             && let Some(report) = writer.wait()?
         {
             log_save(&report);
+            if let Some(last) = summary.saves.last_mut() {
+                last.1 = report.write_time.as_secs_f64();
+            }
         }
         if let Some(bar) = &progress {
             bar.finish_and_clear();
         }
+        summary.final_peak_rss = peak_rss();
         // Gathering sharded parameters and sampling take collectives: every rank does them.
-        summary.parameters = crate::demo::parameters(&model);
+        if config.gather_parameters {
+            summary.parameters = crate::demo::parameters(&model);
+        }
         if config.sample_tokens > 0 {
             let prompt = self.data.tokenizer.encode("\n");
             let tokens =
@@ -287,7 +303,7 @@ impl RankRun<'_> {
         scaler: Option<&DynamicLossScaler>,
         step: usize,
         rank: usize,
-    ) -> Result<(), PretrainError>
+    ) -> Result<(f64, Option<SaveReport>), PretrainError>
     where
         B: FusedOps,
         O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
@@ -309,8 +325,9 @@ impl RankRun<'_> {
             Vec::new()
         };
         let bytes = snapshot.bytes();
-        if let Some(report) = writer.save(snapshot, step, files)? {
-            log_save(&report);
+        let previous = writer.save(snapshot, step, files)?;
+        if let Some(report) = &previous {
+            log_save(report);
         }
         tracing::debug!(
             step,
@@ -318,11 +335,11 @@ impl RankRun<'_> {
             "checkpoint: {:.1} ms copying to host on the step's path",
             copy.as_secs_f64() * 1e3
         );
-        Ok(())
+        Ok((copy.as_secs_f64(), previous))
     }
 }
 
-fn log_save(report: &wildfire_models::dcp::SaveReport) {
+fn log_save(report: &SaveReport) {
     if let Some(dir) = &report.dir {
         tracing::info!(
             "saved checkpoint {} ({} bytes from rank 0, written in {:.1} ms in the background)",

@@ -204,57 +204,92 @@ impl Checkpoint {
     }
 }
 
-/// Memory-mapped data files and their parsed headers, opened on first use.
+/// The data files and their safetensors headers, opened on first use; pieces are read with
+/// positioned reads (no mapping: the file's pages never count in the process's resident set).
 #[derive(Default)]
 struct Reader {
-    files: BTreeMap<String, (memmap2::Mmap, usize, safetensors::tensor::Metadata)>,
+    files: BTreeMap<String, (fs::File, u64, BTreeMap<String, serde_json::Value>)>,
+}
+
+/// One tensor's entry in a safetensors header.
+#[derive(serde::Deserialize)]
+struct HeaderEntry {
+    dtype: String,
+    shape: Vec<usize>,
+    data_offsets: [u64; 2],
 }
 
 impl Reader {
     /// The values of `piece` of tensor `name`, checked against its CRC-32.
     fn piece(&mut self, dir: &Path, name: &str, piece: &PieceMeta) -> Result<Vec<f32>, Error> {
+        use std::io::{Read, Seek, SeekFrom};
         let path = dir.join(&piece.file);
         let invalid = |reason: String| Error::Invalid {
             path: path.clone(),
             reason: format!("{name}: {reason}"),
         };
+        let io = |source| Error::io(&path, source);
         if !self.files.contains_key(&piece.file) {
-            let file = fs::File::open(&path).map_err(|source| Error::io(&path, source))?;
-            // SAFETY: the checkpoint's files are written once (atomically) and not modified while
-            // a run reads them; a change underneath is caught by the checksums.
-            let map =
-                unsafe { memmap2::Mmap::map(&file) }.map_err(|source| Error::io(&path, source))?;
-            let (n, header) = safetensors::SafeTensors::read_metadata(&map)
+            let mut file = fs::File::open(&path).map_err(io)?;
+            let len = file.metadata().map_err(io)?.len();
+            let mut word = [0u8; 8];
+            file.read_exact(&mut word).map_err(io)?;
+            let n = u64::from_le_bytes(word);
+            if n > len.saturating_sub(8) || n > 100 << 20 {
+                return Err(invalid(format!(
+                    "not a safetensors file (header of {n} bytes)"
+                )));
+            }
+            let mut header = vec![0u8; n as usize];
+            file.read_exact(&mut header).map_err(io)?;
+            let header = serde_json::from_slice(&header)
                 .map_err(|e| invalid(format!("not a safetensors file ({e})")))?;
-            self.files.insert(piece.file.clone(), (map, n, header));
+            self.files.insert(piece.file.clone(), (file, 8 + n, header));
         }
-        let (map, n, header) = &self.files[&piece.file];
-        let info = header
-            .info(name)
-            .ok_or_else(|| invalid("missing from the file".into()))?;
+        let (file, data_start, header) = &self.files[&piece.file];
+        let entry: HeaderEntry = header
+            .get(name)
+            .cloned()
+            .ok_or_else(|| invalid("missing from the file".into()))
+            .and_then(|v| {
+                serde_json::from_value(v).map_err(|e| invalid(format!("bad header entry ({e})")))
+            })?;
         let dims: Vec<usize> = piece
             .start
             .iter()
             .zip(&piece.end)
             .map(|(s, e)| e - s)
             .collect();
-        if info.dtype != safetensors::Dtype::F32 || info.shape != dims {
+        let [begin, end] = entry.data_offsets;
+        let count: usize = dims.iter().product();
+        if entry.dtype != "F32"
+            || entry.shape != dims
+            || end.checked_sub(begin) != Some(4 * count as u64)
+        {
             return Err(invalid(format!(
-                "{:?} {:?} in the file, the metadata says F32 {dims:?}",
-                info.dtype, info.shape
+                "{} {:?} in the file, the metadata says F32 {dims:?}",
+                entry.dtype, entry.shape
             )));
         }
-        let begin = 8 + n + info.data_offsets.0;
-        let bytes = &map[begin..8 + n + info.data_offsets.1];
-        if crc32fast::hash(bytes) != piece.crc32 {
+        let mut values = vec![0f32; count];
+        let mut reader = file;
+        reader
+            .seek(SeekFrom::Start(data_start + begin))
+            .map_err(io)?;
+        reader
+            .read_exact(bytemuck::cast_slice_mut(&mut values))
+            .map_err(io)?;
+        if crc32fast::hash(bytemuck::cast_slice(&values)) != piece.crc32 {
             return Err(invalid(
                 "checksum mismatch: the file is corrupt; resume from an earlier checkpoint".into(),
             ));
         }
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
+        if cfg!(target_endian = "big") {
+            for v in &mut values {
+                *v = f32::from_le_bytes(v.to_ne_bytes());
+            }
+        }
+        Ok(values)
     }
 }
 

@@ -134,44 +134,53 @@ impl Snapshot {
     /// Encode and write this rank's files into `staging`; returns its index.
     fn write(self, staging: &Path, step: usize) -> Result<RankIndex, Error> {
         let file = rank_file(self.rank, "safetensors");
+        let path = staging.join(&file);
+        let io = |source| Error::Io {
+            path: path.clone(),
+            source,
+        };
         let mut tensors = BTreeMap::new();
-        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = self
+        let views: Vec<(String, F32View)> = self
             .pieces
-            .into_iter()
+            .iter()
             .map(|p| {
-                let raw: Vec<u8> = p.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+                let view = F32View {
+                    shape: p.start.iter().zip(&p.end).map(|(s, e)| e - s).collect(),
+                    data: &p.data,
+                };
                 let meta = PieceMeta {
                     file: file.clone(),
                     start: p.start.clone(),
                     end: p.end.clone(),
-                    crc32: crc32fast::hash(&raw),
+                    crc32: crc32fast::hash(&safetensors::View::data(&view)),
                 };
-                tensors.insert(p.name.clone(), (p.shape, meta));
-                let dims = p.start.iter().zip(&p.end).map(|(s, e)| e - s).collect();
-                (p.name, dims, raw)
+                tensors.insert(p.name.clone(), (p.shape.clone(), meta));
+                (p.name.clone(), view)
             })
             .collect();
-        let views = bytes.iter().map(|(name, dims, raw)| {
-            let view =
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, dims.clone(), raw)
-                    .expect("a piece's bytes match its box");
-            (name.clone(), view)
-        });
-        let path = staging.join(&file);
-        let encoded = safetensors::serialize(views, None).map_err(|e| Error::Invalid {
-            path: path.clone(),
-            reason: format!("could not encode the pieces: {e}"),
-        })?;
-        crate::io::write_atomic(&path, &encoded).map_err(|source| Error::Io {
-            path: path.clone(),
-            source,
+        // Streamed from the pieces into a temporary next to the file (no second copy of the
+        // data), synced, then renamed over it.
+        let tmp = crate::io::temporary_next_to(&path);
+        let written = safetensors::serialize_to_file(views, None, &tmp)
+            .map_err(|e| Error::Invalid {
+                path: path.clone(),
+                reason: format!("could not write the pieces: {e}"),
+            })
+            .and_then(|()| {
+                let f = fs::File::open(&tmp).map_err(io)?;
+                f.sync_all().map_err(io)?;
+                Ok(f.metadata().map_err(io)?.len())
+            })
+            .and_then(|bytes| fs::rename(&tmp, &path).map(|()| bytes).map_err(io));
+        let bytes = written.inspect_err(|_| {
+            let _ = fs::remove_file(&tmp);
         })?;
         let index = RankIndex {
             format: FORMAT.into(),
             step,
             rank: self.rank,
             file,
-            bytes: encoded.len() as u64,
+            bytes,
             tensors,
             times: self.times,
         };
@@ -183,6 +192,32 @@ impl Snapshot {
             source,
         })?;
         Ok(index)
+    }
+}
+
+/// A piece's values as a safetensors view: little-endian f32, borrowed where the machine is
+/// little-endian.
+struct F32View<'a> {
+    shape: Vec<usize>,
+    data: &'a [f32],
+}
+
+impl safetensors::View for F32View<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        safetensors::Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        if cfg!(target_endian = "little") {
+            std::borrow::Cow::Borrowed(bytemuck::cast_slice(self.data))
+        } else {
+            std::borrow::Cow::Owned(self.data.iter().flat_map(|v| v.to_le_bytes()).collect())
+        }
+    }
+    fn data_len(&self) -> usize {
+        self.data.len() * 4
     }
 }
 
