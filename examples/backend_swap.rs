@@ -12,10 +12,14 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use anyhow::{Context, Result};
 use burn::backend::{Autodiff, Flex};
-use burn::optim::SgdConfig;
 use burn::optim::momentum::MomentumConfig;
+use burn::optim::{GradientsParams, SgdConfig};
+use burn::tensor::backend::AutodiffBackend;
 use clap::Parser;
-use wildfire::demo::{EncoderClassifierConfig, SyntheticTask, deterministic_init, train};
+use std::ops::Range;
+use wildfire::demo::{
+    EncoderClassifier, EncoderClassifierConfig, SyntheticTask, TrainLog, deterministic_init, train,
+};
 use wildfire::parallel::{
     DeviceMesh, Distributed, LaunchOptions, launch_ranks, replicate, sync_gradients,
 };
@@ -51,29 +55,10 @@ fn main() -> Result<()> {
         args.batch,
         args.dp
     );
-    let task = SyntheticTask {
-        seq: 8,
-        d_input: 4,
-        classes: 3,
-        seed: 7,
-    };
-    let config = EncoderClassifierConfig::new();
-    let sgd = || SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9)));
 
     // 1. One device: type B = Autodiff<Flex>.
     type B = Autodiff<Flex>;
-    let device = Default::default();
-    let model = deterministic_init(config.init::<B>(&device), 1);
-    let (_, plain) = train(
-        model,
-        &mut sgd().init(),
-        &task,
-        args.steps,
-        args.lr,
-        0..args.batch,
-        &device,
-        |_, _| {},
-    );
+    let plain = train_encoder::<B>(&args, 0..args.batch, &Default::default(), |m| m, |_, _| {});
 
     // 2. Data parallel: type B = Autodiff<Distributed<Flex>>, plus `replicate` and `sync_gradients`.
     type D = Autodiff<Distributed<Flex>>;
@@ -84,17 +69,12 @@ fn main() -> Result<()> {
         &Default::default(),
         &LaunchOptions::default(),
         |device| {
-            let model = deterministic_init(config.init::<D>(&device), 1);
-            let model = replicate(model, &mesh).expect("replicate");
             let rows = device.rank() * per_rank..(device.rank() + 1) * per_rank;
-            let (_, log) = train(
-                model,
-                &mut sgd().init(),
-                &task,
-                args.steps,
-                args.lr,
+            let log = train_encoder::<D>(
+                &args,
                 rows,
                 &device,
+                |m| replicate(m, &mesh).expect("replicate"),
                 |m, g| {
                     sync_gradients(m, g).expect("sync_gradients");
                 },
@@ -124,4 +104,33 @@ fn main() -> Result<()> {
         args.steps, logs[0].1
     );
     Ok(())
+}
+
+/// The training code of both runs, generic over the backend: the stock model, SGD with momentum
+/// 0.9 on `rows` of the task; `place` is the one sharding call (none on one device) and `sync` the
+/// one gradient hook, between backward and the optimizer step.
+fn train_encoder<B: AutodiffBackend>(
+    args: &Args,
+    rows: Range<usize>,
+    device: &B::Device,
+    place: impl FnOnce(EncoderClassifier<B>) -> EncoderClassifier<B>,
+    sync: impl FnMut(&EncoderClassifier<B>, &mut GradientsParams),
+) -> TrainLog {
+    let task = SyntheticTask {
+        seq: 8,
+        d_input: 4,
+        classes: 3,
+        seed: 7,
+    };
+    let model = place(deterministic_init(
+        EncoderClassifierConfig::new().init::<B>(device),
+        1,
+    ));
+    let mut sgd = SgdConfig::new()
+        .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
+        .init();
+    let (_, log) = train(
+        model, &mut sgd, &task, args.steps, args.lr, rows, device, sync,
+    );
+    log
 }

@@ -1,8 +1,8 @@
 //! Data parallelism on stock burn-nn models: `Autodiff<Distributed<Flex>>` against
 //! `Autodiff<Flex>`, ranks as threads.
 
-use super::threads;
-use burn::backend::{Autodiff, Flex};
+use super::{Dist, Plain, threads};
+use burn::backend::Flex;
 use burn::module::Module;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{GradientsParams, SgdConfig};
@@ -16,20 +16,12 @@ use wildfire::parallel::{
     sync_gradients,
 };
 
-type Plain = Autodiff<Flex>;
-type Dist = Autodiff<Distributed<Flex>>;
-
 const STEPS: usize = 10;
 const GLOBAL_BATCH: usize = 8;
 const LR: f64 = 0.05;
 
 fn task() -> SyntheticTask {
-    SyntheticTask {
-        seq: 6,
-        d_input: 4,
-        classes: 3,
-        seed: 17,
-    }
+    super::task(6, 17)
 }
 
 fn sgd<B: AutodiffBackend, M: burn::module::AutodiffModule<B>>() -> impl burn::optim::Optimizer<M, B>
@@ -265,26 +257,28 @@ fn replicated(built: Built<Dist>, mesh: &DeviceMesh) -> Built<Dist> {
     }
 }
 
-/// Without `replicate`, a data-parallel mesh refuses the per-rank parameters with a typed error.
-#[test]
-fn unplaced_model_is_a_typed_error() {
+/// Train `model` on 2 data-parallel ranks, 4 rows each, replicated or not, its gradients synced or
+/// not: the launch's error.
+fn two_rank_error(model: Model, replicate: bool, sync: bool) -> Error {
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
-    let err = launch_ranks::<Flex, _, _>(
+    launch_ranks::<Flex, _, _>(
         &mesh,
         &Default::default(),
         &LaunchOptions::default(),
         |device| {
-            let built = Model::Mlp.build::<Dist>(&device)();
-            run_built(
-                built,
-                device.rank() * 4..device.rank() * 4 + 4,
-                &device,
-                |b| b,
-                true,
-            )
+            let built = model.build::<Dist>(&device)();
+            let prepare = |b| if replicate { replicated(b, &mesh) } else { b };
+            let rows = device.rank() * 4..device.rank() * 4 + 4;
+            run_built(built, rows, &device, prepare, sync)
         },
     )
-    .unwrap_err();
+    .unwrap_err()
+}
+
+/// Without `replicate`, a data-parallel mesh refuses the per-rank parameters with a typed error.
+#[test]
+fn unplaced_model_is_a_typed_error() {
+    let err = two_rank_error(Model::Mlp, false, true);
     let Error::OnRank { error, .. } = err else {
         panic!("expected a rank's typed error, got {err:?}");
     };
@@ -302,24 +296,7 @@ fn unplaced_model_is_a_typed_error() {
 /// Skipping `sync_gradients` is refused at the next forward pass.
 #[test]
 fn missing_sync_is_a_typed_error() {
-    let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
-    let err = launch_ranks::<Flex, _, _>(
-        &mesh,
-        &Default::default(),
-        &LaunchOptions::default(),
-        |device| {
-            let built = Model::Encoder.build::<Dist>(&device)();
-            let prepare = |b: Built<Dist>| replicated(b, &mesh);
-            run_built(
-                built,
-                device.rank() * 4..device.rank() * 4 + 4,
-                &device,
-                prepare,
-                false,
-            )
-        },
-    )
-    .unwrap_err();
+    let err = two_rank_error(Model::Encoder, true, false);
     assert!(
         matches!(
             &err,

@@ -1,8 +1,8 @@
 //! The training-step pieces of `wildfire-engine` on distributed layouts: one-collective overflow
 //! agreement and a global gradient norm that equals the single-device norm.
 
-use super::threads;
-use burn::backend::{Autodiff, Flex};
+use super::{Dist, Plain, sharded_mlp, threads};
+use burn::backend::Flex;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
@@ -15,16 +15,8 @@ use wildfire::parallel::{
     from_dtensor, fully_shard, sync_gradients, tensor_parallel,
 };
 
-type Plain = Autodiff<Flex>;
-type Dist = Autodiff<Distributed<Flex>>;
-
 fn task() -> SyntheticTask {
-    SyntheticTask {
-        seq: 4,
-        d_input: 4,
-        classes: 3,
-        seed: 41,
-    }
+    super::task(4, 41)
 }
 
 fn loss_of<B: burn::tensor::backend::AutodiffBackend, M: Classifier<B>>(
@@ -39,6 +31,24 @@ fn loss_of<B: burn::tensor::backend::AutodiffBackend, M: Classifier<B>>(
     burn::nn::loss::CrossEntropyLossConfig::new()
         .init(device)
         .forward(m.logits(x), y)
+}
+
+/// The loss of micro-batch `i` (2 rows) of `rank`'s 4 rows; when `poison`, infinite on rank 1's
+/// second micro-batch.
+fn micro_batch_loss(
+    m: &Mlp<Dist>,
+    rank: usize,
+    i: usize,
+    poison: bool,
+    device: &wildfire::parallel::DistDevice<Flex>,
+) -> Tensor<Dist, 1> {
+    let rows = rank * 4 + i * 2..rank * 4 + i * 2 + 2;
+    let loss = loss_of(m, rows, device);
+    if poison && rank == 1 && i == 1 {
+        loss.mul_scalar(f32::INFINITY)
+    } else {
+        loss
+    }
 }
 
 fn model<B: Backend>(device: &B::Device) -> EncoderClassifier<B> {
@@ -157,12 +167,7 @@ fn global_norm_matches_one_device_on_every_layout() {
 fn overflow_on_one_rank_makes_every_rank_skip() {
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
     let out = threads(&mesh, |device| {
-        let m = fully_shard(
-            deterministic_init(Mlp::<Dist>::new(4, 8, 3, &device), 1),
-            &mesh,
-            FsdpStrategy::NoShard,
-        )
-        .unwrap();
+        let m = sharded_mlp(&device, &mesh, [4, 8, 3], 1, FsdpStrategy::NoShard);
         let scaler_config = LossScalerConfig::default();
         let mut scaler = DynamicLossScaler::new(scaler_config);
         let loss = loss_of(&m, device.rank() * 4..device.rank() * 4 + 4, &device)
@@ -211,7 +216,7 @@ fn pure_f16_without_scaling_fails() {
     use burn::module::ModuleMapper;
     use burn::optim::{AdamWConfig, Optimizer};
     use burn::tensor::FloatDType;
-    use wildfire::models::gpt::{Gpt, GptConfig};
+    use wildfire::models::gpt::Gpt;
     struct Cast(FloatDType);
     impl ModuleMapper<Plain> for Cast {
         fn map_float<const D: usize>(
@@ -224,16 +229,10 @@ fn pure_f16_without_scaling_fails() {
     }
     let device = Default::default();
     let train = |dtype: FloatDType| -> Vec<f32> {
-        let config = GptConfig {
-            vocab_size: 64,
-            block_size: 16,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 32,
-            init_seed: 5,
-            dropout: 0.0,
-        };
-        let mut model: Gpt<Plain> = config.init(&device).unwrap().map(&mut Cast(dtype));
+        let mut model: Gpt<Plain> = super::small_gpt(2, 5)
+            .init(&device)
+            .unwrap()
+            .map(&mut Cast(dtype));
         let mut optim = AdamWConfig::new().init();
         let ids = |shift: usize| {
             let v: Vec<i64> = (0..4 * 16)
@@ -283,12 +282,7 @@ fn step_runner_steps_and_skips_together() {
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
     let out = threads(&mesh, |device| {
         let rank = device.rank();
-        let mut m = fully_shard(
-            deterministic_init(Mlp::<Dist>::new(4, 8, 3, &device), 1),
-            &mesh,
-            FsdpStrategy::FullShard,
-        )
-        .unwrap();
+        let mut m = sharded_mlp(&device, &mesh, [4, 8, 3], 1, FsdpStrategy::FullShard);
         let mut optim = FsdpOptimizer::new(AdamWConfig::new().init::<Dist, Mlp<Dist>>());
         let mut step = StepRunner::new(
             StepRunnerConfig::default(),
@@ -305,15 +299,7 @@ fn step_runner_steps_and_skips_together() {
                     None,
                     1e-2,
                     &[1, 2],
-                    |m, i, _ckpt| {
-                        let rows = rank * 4 + i * 2..rank * 4 + i * 2 + 2;
-                        let loss = loss_of(m, rows, &device);
-                        if poison && rank == 1 && i == 1 {
-                            loss.mul_scalar(f32::INFINITY)
-                        } else {
-                            loss
-                        }
-                    },
+                    |m, i, _ckpt| micro_batch_loss(m, rank, i, poison, &device),
                 )
                 .unwrap();
             m = next;
@@ -354,27 +340,14 @@ fn fused_optimizer_tail_follows_burn_adamw() {
     ] {
         let out = threads(&mesh, |device| {
             let rank = device.rank();
-            let model = || {
-                fully_shard(
-                    deterministic_init(Mlp::<Dist>::new(4, 8, 3, &device), 1),
-                    &mesh,
-                    strategy,
-                )
-                .unwrap()
-            };
+            let model = || sharded_mlp(&device, &mesh, [4, 8, 3], 1, strategy);
             let config = StepRunnerConfig {
                 clip: Some(0.05),
                 ..StepRunnerConfig::default()
             };
             let scaler = || Some(DynamicLossScaler::new(LossScalerConfig::default()));
             let loss = |m: &Mlp<Dist>, i: usize, poison: bool| {
-                let rows = rank * 4 + i * 2..rank * 4 + i * 2 + 2;
-                let loss = loss_of(m, rows, &device);
-                if poison && rank == 1 && i == 1 {
-                    loss.mul_scalar(f32::INFINITY)
-                } else {
-                    loss
-                }
+                micro_batch_loss(m, rank, i, poison, &device)
             };
             // Burn's AdamW.
             let (mut m, mut optim) = (

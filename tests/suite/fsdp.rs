@@ -2,9 +2,8 @@
 //! on 2 × 2) against one device, with SGD+momentum and AdamW; per-rank memory against the ZeRO
 //! formulas.
 
-use super::close;
-use super::threads;
-use burn::backend::{Autodiff, Flex};
+use super::{Dist, Plain, close, sharded_mlp, threads};
+use burn::backend::Flex;
 use burn::module::Module;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer, SgdConfig};
@@ -14,23 +13,15 @@ use wildfire::demo::{
     parameters, train,
 };
 use wildfire::parallel::{
-    CollectiveKind, DeviceMesh, Distributed, FsdpOptimizer, FsdpStrategy, Group, LaunchOptions,
-    fully_shard, gradient_bytes, launch_ranks, parameter_bytes, sync_gradients,
+    CollectiveKind, DeviceMesh, FsdpOptimizer, FsdpStrategy, Group, LaunchOptions, fully_shard,
+    gradient_bytes, launch_ranks, parameter_bytes, sync_gradients,
 };
-
-type Plain = Autodiff<Flex>;
-type Dist = Autodiff<Distributed<Flex>>;
 
 const STEPS: usize = 20;
 const GLOBAL_BATCH: usize = 8;
 
 fn task() -> SyntheticTask {
-    SyntheticTask {
-        seq: 4,
-        d_input: 4,
-        classes: 3,
-        seed: 23,
-    }
+    super::task(4, 23)
 }
 
 fn model<B: burn::tensor::backend::AutodiffBackend>(device: &B::Device) -> EncoderClassifier<B> {
@@ -280,16 +271,10 @@ fn param_dims<B: Backend, M: Module<B>>(m: &M) -> Vec<Vec<usize>> {
 /// all-reduced).
 #[test]
 fn full_shard_collectives_per_step_match_the_plan() {
-    use wildfire::demo::Mlp;
     for n in [2usize, 4] {
         let mesh = DeviceMesh::new([("dp", n)]).unwrap();
         let stats = threads(&mesh, |device| {
-            let m = fully_shard(
-                deterministic_init(Mlp::<Dist>::new(4, 16, 3, &device), 2),
-                &mesh,
-                FsdpStrategy::FullShard,
-            )
-            .unwrap();
+            let m = sharded_mlp(&device, &mesh, [4, 16, 3], 2, FsdpStrategy::FullShard);
             device.context().reset_counters();
             let mut optim = FsdpOptimizer::new(SgdConfig::new().init());
             let rows = device.rank() * 2..device.rank() * 2 + 2;
@@ -311,26 +296,17 @@ fn full_shard_collectives_per_step_match_the_plan() {
         }
         for (rank, (s, counters)) in stats.iter().enumerate() {
             let what = format!("N={n} rank {rank}\n{s}");
-            assert_eq!(
-                s.count(CollectiveKind::AllGather),
-                gathers.len() as u64,
-                "{what}"
-            );
-            assert_eq!(
-                s.bytes(CollectiveKind::AllGather),
-                f * gathers.iter().sum::<u64>(),
-                "{what}"
-            );
-            assert_eq!(
-                s.count(CollectiveKind::ReduceScatter),
-                scatters.len() as u64,
-                "{what}"
-            );
-            assert_eq!(
-                s.bytes(CollectiveKind::ReduceScatter),
-                f * scatters.iter().sum::<u64>(),
-                "{what}"
-            );
+            for (kind, elements) in [
+                (CollectiveKind::AllGather, &gathers),
+                (CollectiveKind::ReduceScatter, &scatters),
+            ] {
+                assert_eq!(s.count(kind), elements.len() as u64, "{kind:?} {what}");
+                assert_eq!(
+                    s.bytes(kind),
+                    f * elements.iter().sum::<u64>(),
+                    "{kind:?} {what}"
+                );
+            }
             let all_reduces = u64::from(!bias_sharded);
             assert_eq!(s.count(CollectiveKind::AllReduce), all_reduces, "{what}");
             assert_eq!(
@@ -490,29 +466,34 @@ fn full_shard_peak_stays_within_two_gathered_layers() {
 /// every parameter of at least N rows sharded — each rank holds ⌈rows/N⌉ rows.
 #[test]
 fn odd_shapes_shard_with_padding_and_match_one_device() {
+    use burn::tensor::backend::AutodiffBackend;
     use wildfire::demo::Mlp;
-    let steps = 8;
-    let batch = 8;
-    let odd_task = SyntheticTask {
-        d_input: 5,
-        ..task()
-    };
-    let reference = {
-        let device = Default::default();
-        let m = deterministic_init(Mlp::<Plain>::new(5, 7, 3, &device), 9);
-        let mut optim = AdamWConfig::new().init();
-        let (m, log) = train(
-            m,
-            &mut optim,
-            &odd_task,
-            steps,
-            0.02,
-            0..batch,
-            &device,
-            |_, _| {},
-        );
-        (log.losses, parameters(&m))
-    };
+    const ODD_STEPS: usize = 8;
+    const BATCH: usize = 8;
+    /// AdamW steps of the 5 → 7 → 3 MLP, placed by `place`, on `rows` of a 5-feature task.
+    fn train_odd<B: AutodiffBackend>(
+        place: impl FnOnce(Mlp<B>) -> Mlp<B>,
+        optim: &mut impl Optimizer<Mlp<B>, B>,
+        rows: std::ops::Range<usize>,
+        device: &B::Device,
+        sync: impl FnMut(&Mlp<B>, &mut GradientsParams),
+    ) -> (Vec<f32>, Mlp<B>) {
+        let odd_task = SyntheticTask {
+            d_input: 5,
+            ..task()
+        };
+        let m = place(deterministic_init(Mlp::new(5, 7, 3, device), 9));
+        let (m, log) = train(m, optim, &odd_task, ODD_STEPS, 0.02, rows, device, sync);
+        (log.losses, m)
+    }
+    let (ref_losses, m) = train_odd::<Plain>(
+        |m| m,
+        &mut AdamWConfig::new().init(),
+        0..BATCH,
+        &Default::default(),
+        |_, _| {},
+    );
+    let ref_params = parameters(&m);
     for n in [2usize, 4] {
         let mesh = DeviceMesh::new([("dp", n)]).unwrap();
         for strategy in [
@@ -521,31 +502,20 @@ fn odd_shapes_shard_with_padding_and_match_one_device() {
             FsdpStrategy::FullShard,
         ] {
             let results = threads(&mesh, |device| {
-                let m = fully_shard(
-                    deterministic_init(Mlp::<Dist>::new(5, 7, 3, &device), 9),
-                    &mesh,
-                    strategy,
-                )
-                .unwrap();
-                let rows = device.rank() * batch / n..(device.rank() + 1) * batch / n;
-                let mut optim = FsdpOptimizer::new(AdamWConfig::new().init());
-                let (m, log) = train(
-                    m,
-                    &mut optim,
-                    &odd_task,
-                    steps,
-                    0.02,
+                let rows = device.rank() * BATCH / n..(device.rank() + 1) * BATCH / n;
+                let (losses, m) = train_odd(
+                    |m| fully_shard(m, &mesh, strategy).unwrap(),
+                    &mut FsdpOptimizer::new(AdamWConfig::new().init()),
                     rows,
                     &device,
                     |m, g| {
                         sync_gradients(m, g).unwrap();
                     },
                 );
-                let local_rows = param_local_rows(&m);
-                (log.losses, parameters(&m), local_rows)
+                (losses, parameters(&m), param_local_rows(&m))
             });
             for (rank, (_, params, local_rows)) in results.iter().enumerate() {
-                for (i, (p, q)) in crate::suite::pairs(params, &reference.1).enumerate() {
+                for (i, (p, q)) in crate::suite::pairs(params, &ref_params).enumerate() {
                     close(&format!("{strategy:?} N={n} rank {rank} param {i}"), p, q);
                 }
                 if strategy == FsdpStrategy::FullShard {
@@ -557,10 +527,10 @@ fn odd_shapes_shard_with_padding_and_match_one_device() {
                     assert_eq!(local_rows, &expected, "N={n} rank {rank}");
                 }
             }
-            let mean: Vec<f32> = (0..steps)
+            let mean: Vec<f32> = (0..ODD_STEPS)
                 .map(|s| results.iter().map(|r| r.0[s]).sum::<f32>() / n as f32)
                 .collect();
-            close(&format!("{strategy:?} N={n} loss"), &mean, &reference.0);
+            close(&format!("{strategy:?} N={n} loss"), &mean, &ref_losses);
         }
     }
 }

@@ -25,6 +25,85 @@ pub(crate) fn pairs<'a, T>(
     got.iter().zip(expected)
 }
 
+/// Every tensor of `got` equals its counterpart in `expected` to `tol` of that tensor's scale:
+/// max |a − b| ≤ tol · max |b| (parameters, one `Vec` each, as `parameters` lists them).
+pub(crate) fn tensors_close(what: &str, got: &[Vec<f32>], expected: &[Vec<f32>], tol: f32) {
+    for (i, (p, q)) in pairs(got, expected).enumerate() {
+        assert_eq!(p.len(), q.len(), "{what}: tensor {i}");
+        let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (x, y) in p.iter().zip(q) {
+            assert!(
+                (x - y).abs() <= tol * scale,
+                "{what}: tensor {i}: {x} vs {y} (scale {scale})"
+            );
+        }
+    }
+}
+
+/// Every step's loss of a pretraining run equals the expected run's to `tol` (relative).
+pub(crate) fn losses_close(
+    what: &str,
+    got: &[wildfire::pretrain::StepMetrics],
+    expected: &[wildfire::pretrain::StepMetrics],
+    tol: f32,
+) {
+    for (a, b) in pairs(got, expected) {
+        assert!(
+            (a.loss - b.loss).abs() <= tol * b.loss.abs(),
+            "{what} step {}: {} vs {}",
+            a.step,
+            a.loss,
+            b.loss
+        );
+    }
+}
+
+/// The backends the parity tests compare: plain Burn, and Burn under the distributed decorator.
+pub(crate) type Plain = burn::backend::Autodiff<burn::backend::Flex>;
+pub(crate) type Dist =
+    burn::backend::Autodiff<wildfire::parallel::Distributed<burn::backend::Flex>>;
+
+/// The synthetic classification task of the parity tests: `seq` positions of 4 features, 3
+/// classes.
+pub(crate) fn task(seq: usize, seed: u64) -> wildfire::demo::SyntheticTask {
+    wildfire::demo::SyntheticTask {
+        seq,
+        d_input: 4,
+        classes: 3,
+        seed,
+    }
+}
+
+/// A deterministic MLP `d_in → hidden → d_out` (initialised from `seed`), sharded on `mesh`
+/// under `strategy`.
+pub(crate) fn sharded_mlp(
+    device: &wildfire::parallel::DistDevice<burn::backend::Flex>,
+    mesh: &wildfire::parallel::DeviceMesh,
+    [d_in, hidden, d_out]: [usize; 3],
+    seed: u64,
+    strategy: wildfire::parallel::FsdpStrategy,
+) -> wildfire::demo::Mlp<Dist> {
+    let m = wildfire::demo::deterministic_init(
+        wildfire::demo::Mlp::new(d_in, hidden, d_out, device),
+        seed,
+    );
+    wildfire::parallel::fully_shard(m, mesh, strategy).unwrap()
+}
+
+/// The tests' small GPT: vocabulary 64, 16 positions, width 32, 2 heads, no dropout; `n_layer`
+/// blocks, initialised from `init_seed`.
+pub(crate) fn small_gpt(n_layer: usize, init_seed: u64) -> wildfire::models::gpt::GptConfig {
+    wildfire::models::gpt::GptConfig {
+        vocab_size: 64,
+        block_size: 16,
+        n_layer,
+        n_head: 2,
+        n_embd: 32,
+        init_seed,
+        dropout: 0.0,
+    }
+}
+
 /// Run `f` on every rank of `mesh`, ranks as threads on Flex; the results in rank order.
 pub(crate) fn threads<T: Send>(
     mesh: &wildfire::parallel::DeviceMesh,

@@ -1,11 +1,12 @@
 //! The GPT pretraining driver: learning on a real corpus, data parallel against one rank,
 //! resume against an uninterrupted run, and refusals of bad input.
 
+use crate::suite::{losses_close, pairs, tensors_close};
 use std::path::PathBuf;
 use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, Recompute};
-use wildfire::pretrain::{PretrainConfig, PretrainError, run};
+use wildfire::pretrain::{PretrainConfig, PretrainError, RunSummary, run};
 
 /// A CI-sized model on the embedded corpus.
 fn small(steps: usize) -> PretrainConfig {
@@ -34,6 +35,27 @@ fn scratch(name: &str) -> PathBuf {
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// `got` is `expected` bit for bit, tensor by tensor.
+fn same_bits(what: &str, got: &[Vec<f32>], expected: &[Vec<f32>]) {
+    for (p, q) in pairs(got, expected) {
+        assert_eq!(bits(p), bits(q), "{what}");
+    }
+}
+
+/// The losses of a run saved part-way (`first`) and then resumed, step by step.
+fn resumed_losses(first: &RunSummary, resumed: &RunSummary) -> Vec<f32> {
+    first
+        .steps
+        .iter()
+        .chain(&resumed.steps)
+        .map(|s| s.loss)
+        .collect()
+}
+
+fn losses(run: &RunSummary) -> Vec<f32> {
+    run.steps.iter().map(|s| s.loss).collect()
 }
 
 /// tinyshakespeare, bytes: the validation loss falls below 2.6 nats/byte within 300 steps of
@@ -94,17 +116,11 @@ fn data_parallel_matches_one_rank() {
             ..small(10)
         };
         let many = run(&config).unwrap();
-        for (a, b) in crate::suite::pairs(&many.steps, &one.steps) {
-            assert!(
-                (a.loss - b.loss).abs() <= 1e-4 * b.loss.abs(),
-                "dp={dp} step {}: {} vs {}",
-                a.step,
-                a.loss,
-                b.loss
-            );
-            assert!(a.comm_bytes > 0, "dp={dp}: no gradient traffic recorded");
+        losses_close(&format!("dp={dp}"), &many.steps, &one.steps, 1e-4);
+        for s in &many.steps {
+            assert!(s.comm_bytes > 0, "dp={dp}: no gradient traffic recorded");
         }
-        for (p, q) in crate::suite::pairs(&many.parameters, &one.parameters) {
+        for (p, q) in pairs(&many.parameters, &one.parameters) {
             for (x, y) in p.iter().zip(q) {
                 assert!(
                     (x - y).abs() <= 1e-4 * y.abs().max(1e-2),
@@ -167,24 +183,9 @@ fn sharded_runs_match_one_rank() {
             ..small(10)
         })
         .unwrap();
-        for (a, b) in crate::suite::pairs(&many.steps, &one.steps) {
-            assert!(
-                (a.loss - b.loss).abs() <= 1e-4 * b.loss.abs(),
-                "{fsdp:?} step {}: {} vs {}",
-                a.step,
-                a.loss,
-                b.loss
-            );
-        }
-        for (p, q) in crate::suite::pairs(&many.parameters, &one.parameters) {
-            let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
-            for (x, y) in p.iter().zip(q) {
-                assert!(
-                    (x - y).abs() <= 1e-4 * scale,
-                    "{fsdp:?} parameter {x} vs {y}"
-                );
-            }
-        }
+        let what = format!("{fsdp:?} dp={dp} tp={tp} sp={sp}");
+        losses_close(&what, &many.steps, &one.steps, 1e-4);
+        tensors_close(&what, &many.parameters, &one.parameters, 1e-4);
         let bytes = many.steps[0].param_bytes;
         match (fsdp, tp) {
             (FsdpStrategy::FullShard | FsdpStrategy::Hybrid, _) => assert!(
@@ -256,18 +257,16 @@ fn resume_is_bitwise_identical() {
             (0..10).collect::<Vec<u64>>(),
             "dp={dp} metrics steps"
         );
-        let losses: Vec<f32> = first
-            .steps
-            .iter()
-            .chain(&resumed.steps)
-            .map(|s| s.loss)
-            .collect();
-        let expected: Vec<f32> = straight.steps.iter().map(|s| s.loss).collect();
-        assert_eq!(bits(&losses), bits(&expected), "dp={dp} losses");
-        assert_eq!(resumed.parameters.len(), straight.parameters.len());
-        for (p, q) in crate::suite::pairs(&resumed.parameters, &straight.parameters) {
-            assert_eq!(bits(p), bits(q), "dp={dp} parameters");
-        }
+        assert_eq!(
+            bits(&resumed_losses(&first, &resumed)),
+            bits(&losses(&straight)),
+            "dp={dp} losses"
+        );
+        same_bits(
+            &format!("dp={dp} parameters"),
+            &resumed.parameters,
+            &straight.parameters,
+        );
     }
 }
 
@@ -322,31 +321,19 @@ fn resume_reshards_onto_other_layouts() {
                 "dp {} tp {} {:?} -> dp {} tp {} {:?}",
                 from.dp, from.tp, from.fsdp, target.dp, target.tp, target.fsdp
             );
-            let losses: Vec<f32> = first
-                .steps
-                .iter()
-                .chain(&resumed.steps)
-                .map(|s| s.loss)
-                .collect();
-            let expected: Vec<f32> = straight.steps.iter().map(|s| s.loss).collect();
+            let (losses, expected) = (resumed_losses(&first, &resumed), losses(&straight));
             if target == from {
                 assert_eq!(bits(&losses), bits(&expected), "{what}: losses");
+                same_bits(
+                    &format!("{what}: parameters"),
+                    &resumed.parameters,
+                    &straight.parameters,
+                );
             }
-            for (a, b) in crate::suite::pairs(&losses, &expected) {
+            for (a, b) in pairs(&losses, &expected) {
                 assert!((a - b).abs() <= 1e-5 * b.abs(), "{what}: loss {a} vs {b}");
             }
-            for (p, q) in crate::suite::pairs(&resumed.parameters, &straight.parameters) {
-                if target == from {
-                    assert_eq!(bits(p), bits(q), "{what}: parameters");
-                }
-                let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
-                for (x, y) in p.iter().zip(q) {
-                    assert!(
-                        (x - y).abs() <= 1e-5 * scale,
-                        "{what}: parameter {x} vs {y}"
-                    );
-                }
-            }
+            tensors_close(&what, &resumed.parameters, &straight.parameters, 1e-5);
         }
     }
 }
@@ -631,29 +618,14 @@ fn accumulation_equals_one_big_batch() {
             ..small(5)
         })
         .unwrap();
-        for (a, b) in crate::suite::pairs(&accumulated.steps, &whole.steps) {
-            assert!(
-                (a.loss - b.loss).abs() <= 1e-5 * b.loss.abs(),
-                "dp={dp} {fsdp:?} step {}: {} vs {}",
-                a.step,
-                a.loss,
-                b.loss
-            );
-        }
-        for (p, q) in crate::suite::pairs(&accumulated.parameters, &whole.parameters) {
-            let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
-            for (x, y) in p.iter().zip(q) {
-                assert!(
-                    (x - y).abs() <= 1e-5 * scale,
-                    "dp={dp} {fsdp:?}: {x} vs {y}"
-                );
-            }
-        }
+        let what = format!("dp={dp} {fsdp:?}");
+        losses_close(&what, &accumulated.steps, &whole.steps, 1e-5);
+        tensors_close(&what, &accumulated.parameters, &whole.parameters, 1e-5);
         if fsdp == FsdpStrategy::NoShard && dp > 1 {
             // Reduced once per step, not once per micro-batch (FSDP re-gathers per micro-batch):
             // the same bytes as the one-batch step, where DDP all-reduces each gradient once after
             // backward (the tied embedding's two contributions summed first).
-            for (a, b) in crate::suite::pairs(&accumulated.steps, &whole.steps) {
+            for (a, b) in pairs(&accumulated.steps, &whole.steps) {
                 assert_eq!(a.comm_bytes, b.comm_bytes, "dp={dp} step {}", a.step);
             }
         }
@@ -720,21 +692,15 @@ fn bf16_gradient_reduction_halves_the_bytes() {
         ..base
     })
     .unwrap();
-    for (a, b) in crate::suite::pairs(&bf16_run.steps, &f32_run.steps) {
+    for (a, b) in pairs(&bf16_run.steps, &f32_run.steps) {
         let (half, full) = (a.comm_bytes, b.comm_bytes);
         assert!(
             2 * half > full && 2 * half - full < 64,
             "step {}: {half} bytes with bf16 reduction vs {full}",
             a.step
         );
-        assert!(
-            (a.loss - b.loss).abs() <= 1e-3 * b.loss,
-            "step {}: {} vs {}",
-            a.step,
-            a.loss,
-            b.loss
-        );
     }
+    losses_close("bf16 reduction", &bf16_run.steps, &f32_run.steps, 1e-3);
 }
 
 /// The rank-setup hook `--collectives nccl` uses, exercised on CPU: every rank installs device
@@ -777,7 +743,7 @@ fn gpt_pretraining_through_installed_device_collectives_matches_bitwise() {
         let calls: u64 = collectives.calls().values().sum();
         assert!(calls > 25, "{:?}", collectives.calls());
     }
-    for (a, b) in crate::suite::pairs(&plain.steps, &staged.steps) {
+    for (a, b) in pairs(&plain.steps, &staged.steps) {
         assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {}", a.step);
     }
     assert_eq!(plain.parameters, staged.parameters);

@@ -3,9 +3,8 @@
 //! written-out backward against Burn's autodiff; bytes retained for backward per layer against
 //! Korthikanti et al.'s formulas.
 
-use super::close;
-use super::threads;
-use burn::backend::{Autodiff, Flex};
+use super::{Dist, Plain, close, threads};
+use burn::backend::Flex;
 use burn::module::{ModuleVisitor, Param};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
@@ -19,9 +18,6 @@ use wildfire::parallel::{
     sync_gradients,
 };
 
-type Plain = Autodiff<Flex>;
-type Dist = Autodiff<Distributed<Flex>>;
-
 const POLICIES: [Recompute; 4] = [
     Recompute::None,
     Recompute::Selective,
@@ -31,13 +27,8 @@ const POLICIES: [Recompute; 4] = [
 
 fn config(n_layer: usize, dropout: f64) -> GptConfig {
     GptConfig {
-        vocab_size: 64,
-        block_size: 16,
-        n_layer,
-        n_head: 2,
-        n_embd: 32,
-        init_seed: 3,
         dropout,
+        ..super::small_gpt(n_layer, 3)
     }
 }
 

@@ -2,9 +2,8 @@
 //! paths, parity with one device (tp = 2 and 4, and tp × FSDP on a 2 × 2 mesh), Megatron's
 //! collective count per block, and plan errors found before anything changes.
 
-use super::close;
-use super::threads;
-use burn::backend::{Autodiff, Flex};
+use super::{Dist, Plain, close, small_gpt, threads};
+use burn::backend::Flex;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{GradientsParams, SgdConfig};
 use wildfire::demo::{
@@ -15,9 +14,6 @@ use wildfire::parallel::{
     CollectiveKind, DeviceMesh, Distributed, Error, FsdpOptimizer, FsdpStrategy, LaunchOptions,
     TpPlan, TpStyle, fully_shard, launch_ranks, replicate, sync_gradients, tensor_parallel,
 };
-
-type Plain = Autodiff<Flex>;
-type Dist = Autodiff<Distributed<Flex>>;
 
 const STEPS: usize = 10;
 const BATCH: usize = 8;
@@ -30,12 +26,7 @@ fn config() -> EncoderClassifierConfig {
 }
 
 fn task() -> SyntheticTask {
-    SyntheticTask {
-        seq: 4,
-        d_input: 4,
-        classes: 3,
-        seed: 31,
-    }
+    super::task(4, 31)
 }
 
 /// Megatron's plan for burn-nn's encoder layer: q/k/v and the MLP's first layer column-wise, the
@@ -457,16 +448,20 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
     let tp = run(false, false);
     let sp = run(true, false);
     let keep = run(true, true);
+    // A run's loss and every gradient within 1e-5 of the expected run's.
+    type Values<'a> = (f32, &'a [Vec<f32>]);
+    let same_values =
+        |what: &str, (loss, grads): Values, (expected_loss, expected_grads): Values| {
+            assert!(
+                (loss - expected_loss).abs() <= 1e-5 * expected_loss.abs(),
+                "{what} loss {loss} vs {expected_loss}"
+            );
+            for (i, (a, b)) in crate::suite::pairs(grads, expected_grads).enumerate() {
+                close(&format!("{what} gradient {i}"), a, b);
+            }
+        };
     for ((t, s), k) in crate::suite::pairs(&tp, &sp).zip(&keep) {
-        assert!(
-            (t.0 - s.0).abs() <= 1e-5 * t.0.abs(),
-            "loss {} vs {}",
-            s.0,
-            t.0
-        );
-        for (i, (a, b)) in crate::suite::pairs(&s.1, &t.1).enumerate() {
-            close(&format!("gradient {i}"), a, b);
-        }
+        same_values("sp", (s.0, &s.1), (t.0, &t.1));
         assert!(s.2 < t.2, "kept for backward: sp {} vs tp {}", s.2, t.2);
         assert_eq!(s.5, 0, "fallbacks");
         // Forward. tp: per block 2 all-reduces, + embedding, + loss-parallel max, sum and target
@@ -503,15 +498,7 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
         // reduce-scattered, the forward gathers reused for the weight gradients — and around the
         // blocks the head's input-gradient reduce-scatter and the embedding gradients'
         // all-gathers; more bytes kept than plain SP.
-        assert!(
-            (k.0 - s.0).abs() <= 1e-5 * s.0.abs(),
-            "loss {} vs {}",
-            k.0,
-            s.0
-        );
-        for (i, (a, b)) in crate::suite::pairs(&k.1, &s.1).enumerate() {
-            close(&format!("keep gradient {i}"), a, b);
-        }
+        same_values("keep", (k.0, &k.1), (s.0, &s.1));
         assert_eq!(k.5, 0, "fallbacks");
         assert_eq!(k.3, s.3, "forward");
         assert_eq!(
@@ -534,19 +521,9 @@ fn tp_gpt(
     sp: bool,
     sp_keep_gathers: bool,
 ) -> wildfire::models::gpt::Gpt<Dist> {
-    use wildfire::models::gpt::GptConfig;
     use wildfire::models::parallelize::{ParallelConfig, parallelize_gpt};
-    let c = GptConfig {
-        vocab_size: 64,
-        block_size: 16,
-        n_layer: LAYERS,
-        n_head: 2,
-        n_embd: 32,
-        init_seed: 7,
-        dropout: 0.0,
-    };
     parallelize_gpt(
-        c.init::<Dist>(device).unwrap(),
+        small_gpt(LAYERS, 7).init::<Dist>(device).unwrap(),
         mesh,
         &ParallelConfig {
             tp: 2,
@@ -570,13 +547,8 @@ fn gpt_lm_tensor_parallel_matches_one_device() {
     const LM_STEPS: usize = 10;
     const ROWS: usize = 4;
     let config = GptConfig {
-        vocab_size: 64,
-        block_size: 16,
-        n_layer: LAYERS,
         n_head: 4,
-        n_embd: 32,
-        init_seed: 11,
-        dropout: 0.0,
+        ..small_gpt(LAYERS, 11)
     };
     let tokens = |rows: std::ops::Range<usize>, shift: i64| -> TensorData {
         let data: Vec<i64> = rows

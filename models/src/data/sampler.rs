@@ -118,6 +118,15 @@ mod tests {
     use super::*;
     use crate::data::TokenDataset;
 
+    /// `global_batch` rows of `block_size` tokens per step, offsets from `seed`.
+    fn sampler(seed: u64, block_size: usize, global_batch: usize) -> BatchSampler {
+        BatchSampler {
+            seed,
+            block_size,
+            global_batch,
+        }
+    }
+
     fn dataset(len: u32) -> TokenDataset {
         // Distinct tokens make a window's content identify its offset.
         TokenDataset::from_tokens(
@@ -130,11 +139,7 @@ mod tests {
     #[test]
     fn global_batch_is_the_same_for_any_number_of_ranks() {
         let data = dataset(10_000);
-        let sampler = BatchSampler {
-            seed: 7,
-            block_size: 16,
-            global_batch: 8,
-        };
+        let sampler = sampler(7, 16, 8);
         let all = data.all();
         // Reference: the whole global batch in one call.
         let (inputs, targets) = sampler.batch(all, 3, 0..8).unwrap();
@@ -157,11 +162,7 @@ mod tests {
     #[test]
     fn targets_are_inputs_shifted_and_sampling_is_deterministic() {
         let data = dataset(5_000);
-        let sampler = BatchSampler {
-            seed: 1,
-            block_size: 32,
-            global_batch: 4,
-        };
+        let sampler = sampler(1, 32, 4);
         let all = data.all();
         let (inputs, targets) = sampler.batch(all, 0, 0..4).unwrap();
         for row in 0..4 {
@@ -186,11 +187,7 @@ mod tests {
 
     #[test]
     fn offsets_cover_the_valid_range() {
-        let sampler = BatchSampler {
-            seed: 0,
-            block_size: 8,
-            global_batch: 1,
-        };
+        let sampler = sampler(0, 8, 1);
         // 10 tokens, block 8: starts 0 and 1 are the only ones; both occur.
         let mut seen = [false; 2];
         for step in 0..64 {
@@ -205,11 +202,7 @@ mod tests {
 
     #[test]
     fn bad_ranks_and_short_data_are_typed_errors() {
-        let sampler = BatchSampler {
-            seed: 0,
-            block_size: 64,
-            global_batch: 6,
-        };
+        let sampler = sampler(0, 64, 6);
         let err = sampler.rows_for(0, 4).unwrap_err();
         assert!(matches!(
             err,

@@ -26,47 +26,44 @@ fn tensor_parallel_mlp_gradients_match_and_count_collectives() {
             b.grad(&g).unwrap().into_data(),
         )
     };
-    let results =
-        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
-            let put = |v: &TensorData, p: Placement| {
-                let t = Tensor::<F, 2>::from_data(v.clone(), &Default::default());
-                let dt =
-                    DTensor::from_full(t.into_primitive().tensor(), &Layout::new([p]), &device)
-                        .unwrap();
-                from_dtensor::<A, 2>(dt).require_grad()
-            };
-            let x = put(&x0, Placement::Replicate);
-            let a = put(&w1, Placement::Shard(1));
-            let b = put(&w2, Placement::Shard(0));
-            device.context().reset_counters();
-            let y = activation::gelu(module::linear(x.clone(), a.clone(), None));
-            let y = module::linear(y, b.clone(), None);
-            let loss = (y.clone() * y).sum();
-            let forward = device.context().comm().stats();
-            let g = loss.backward();
-            let total = device.context().comm().stats();
-            let counters = device.context().counters();
-            let full = |t: Tensor<D, 2>| {
-                dtensor(&t)
-                    .full()
-                    .map(|p| {
-                        Tensor::<F, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(p))
-                            .into_data()
-                    })
-                    .unwrap()
-            };
-            let out = (
-                Tensor::<F, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
-                    dtensor(&loss.inner()).full().unwrap(),
-                ))
-                .into_data(),
-                full(x.grad(&g).unwrap()),
-                full(a.grad(&g).unwrap()),
-                full(b.grad(&g).unwrap()),
-            );
-            (out, forward, total, counters)
-        })
-        .unwrap();
+    let results = threads(&mesh, |device| {
+        let put = |v: &TensorData, p: Placement| {
+            let t = Tensor::<F, 2>::from_data(v.clone(), &Default::default());
+            let dt = DTensor::from_full(t.into_primitive().tensor(), &Layout::new([p]), &device)
+                .unwrap();
+            from_dtensor::<A, 2>(dt).require_grad()
+        };
+        let x = put(&x0, Placement::Replicate);
+        let a = put(&w1, Placement::Shard(1));
+        let b = put(&w2, Placement::Shard(0));
+        device.context().reset_counters();
+        let y = activation::gelu(module::linear(x.clone(), a.clone(), None));
+        let y = module::linear(y, b.clone(), None);
+        let loss = (y.clone() * y).sum();
+        let forward = device.context().comm().stats();
+        let g = loss.backward();
+        let total = device.context().comm().stats();
+        let counters = device.context().counters();
+        let full = |t: Tensor<D, 2>| {
+            dtensor(&t)
+                .full()
+                .map(|p| {
+                    Tensor::<F, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(p))
+                        .into_data()
+                })
+                .unwrap()
+        };
+        let out = (
+            Tensor::<F, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(
+                dtensor(&loss.inner()).full().unwrap(),
+            ))
+            .into_data(),
+            full(x.grad(&g).unwrap()),
+            full(a.grad(&g).unwrap()),
+            full(b.grad(&g).unwrap()),
+        );
+        (out, forward, total, counters)
+    });
     for ((loss, gx, ga, gb), forward, total, counters) in results {
         close(&loss, &reference.0).unwrap();
         close(&gx, &reference.1).unwrap();
@@ -104,28 +101,26 @@ fn data_parallel_embedding_gradient_is_reduced_at_birth() {
             .map(|(a, b)| (a + b) / 2.0)
             .collect()
     };
-    let results =
-        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
-            let t = Tensor::<F, 2>::from_data(w0.clone(), &Default::default());
-            let dt = DTensor::from_full(
-                t.into_primitive().tensor(),
-                &Layout::replicated(&mesh),
-                &device,
-            )
-            .unwrap();
-            let w = from_dtensor::<A, 2>(dt).require_grad();
-            let idx = Tensor::<A, 2, Int>::from_data(indices(device.rank()), &device);
-            let y = module::embedding(w.clone(), idx);
-            let g = (y.clone() * y).sum().backward();
-            let grad = dtensor(&w.grad(&g).unwrap());
-            assert_eq!(grad.layout(), &Layout::replicated(&mesh));
-            let stats = device.context().comm().stats();
-            let full = grad.full().unwrap();
-            let data = Tensor::<F, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(full))
-                .into_data();
-            (data, stats)
-        })
+    let results = threads(&mesh, |device| {
+        let t = Tensor::<F, 2>::from_data(w0.clone(), &Default::default());
+        let dt = DTensor::from_full(
+            t.into_primitive().tensor(),
+            &Layout::replicated(&mesh),
+            &device,
+        )
         .unwrap();
+        let w = from_dtensor::<A, 2>(dt).require_grad();
+        let idx = Tensor::<A, 2, Int>::from_data(indices(device.rank()), &device);
+        let y = module::embedding(w.clone(), idx);
+        let g = (y.clone() * y).sum().backward();
+        let grad = dtensor(&w.grad(&g).unwrap());
+        assert_eq!(grad.layout(), &Layout::replicated(&mesh));
+        let stats = device.context().comm().stats();
+        let full = grad.full().unwrap();
+        let data =
+            Tensor::<F, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(full)).into_data();
+        (data, stats)
+    });
     for (grad, stats) in results {
         close(&grad, &TensorData::new(reference.clone(), [8, 4])).unwrap();
         assert_eq!(stats.count(CollectiveKind::AllReduce), 1, "{stats}");

@@ -12,6 +12,11 @@ use std::sync::Arc;
 type F = Flex;
 type D = Distributed<Flex>;
 
+/// Run `f` on every rank of `mesh`, ranks as threads; the results in rank order.
+fn threads<T: Send>(mesh: &DeviceMesh, f: impl Fn(DistDevice<F>) -> T + Sync) -> Vec<T> {
+    launch_ranks::<F, _, _>(mesh, &Default::default(), &Default::default(), f).unwrap()
+}
+
 fn mesh22() -> DeviceMesh {
     DeviceMesh::new([("dp", 2), ("tp", 2)]).unwrap()
 }
@@ -146,31 +151,21 @@ fn check1_where<const N: usize>(
     let mesh = mesh22();
     let base = values(&shape, 7);
     let all: Vec<Layout> = layouts(&mesh, N).into_iter().filter(|l| keep(l)).collect();
-    let results =
-        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
-            let (mut checked, mut fails) = (0, Vec::new());
-            for layout in &all {
-                let value = rank_value(&base, layout, &mesh, device.rank());
-                let Some(x) = dist::<N>(&value, layout, &device) else {
-                    continue;
-                };
-                let expected = op.apply(Tensor::<F, N>::from_data(value, &Default::default()));
-                if let Err(e) = close(&op.apply(x), &expected) {
-                    fails.push(format!("{name} on {layout}: {e}"));
-                }
-                checked += 1;
+    checked_on_every_rank(&mesh, |device| {
+        let (mut checked, mut fails) = (0, Vec::new());
+        for layout in &all {
+            let value = rank_value(&base, layout, &mesh, device.rank());
+            let Some(x) = dist::<N>(&value, layout, device) else {
+                continue;
+            };
+            let expected = op.apply(Tensor::<F, N>::from_data(value, &Default::default()));
+            if let Err(e) = close(&op.apply(x), &expected) {
+                fails.push(format!("{name} on {layout}: {e}"));
             }
-            (checked, fails)
-        })
-        .unwrap();
-    let fails: Vec<String> = results.iter().flat_map(|(_, f)| f.clone()).collect();
-    assert!(
-        fails.is_empty(),
-        "{} failures, first: {:#?}",
-        fails.len(),
-        &fails[..fails.len().min(5)]
-    );
-    results[0].0
+            checked += 1;
+        }
+        (checked, fails)
+    })
 }
 
 /// Run `op` on pairs of layouts (every `stride`-th pair, to keep the test quick).
@@ -200,30 +195,37 @@ fn check2_where<const N: usize, const M: usize>(
         .flat_map(|a| lb.iter().map(move |b| (a.clone(), b.clone())))
         .step_by(stride)
         .collect();
-    let results =
-        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
-            let (mut checked, mut fails) = (0, Vec::new());
-            let plain = Default::default();
-            for (l1, l2) in &pairs {
-                let va = rank_value(&base_a, l1, &mesh, device.rank());
-                let vb = rank_value(&base_b, l2, &mesh, device.rank());
-                let (Some(a), Some(b)) = (dist::<N>(&va, l1, &device), dist::<M>(&vb, l2, &device))
-                else {
-                    continue;
-                };
-                let expected = op.apply(
-                    Tensor::<F, N>::from_data(va, &plain),
-                    Tensor::<F, M>::from_data(vb, &plain),
-                );
-                if let Err(e) = close(&op.apply(a, b), &expected) {
-                    fails.push(format!("{name} on {l1} × {l2}: {e}"));
-                }
-                checked += 1;
+    checked_on_every_rank(&mesh, |device| {
+        let (mut checked, mut fails) = (0, Vec::new());
+        let plain = Default::default();
+        for (l1, l2) in &pairs {
+            let va = rank_value(&base_a, l1, &mesh, device.rank());
+            let vb = rank_value(&base_b, l2, &mesh, device.rank());
+            let (Some(a), Some(b)) = (dist::<N>(&va, l1, device), dist::<M>(&vb, l2, device))
+            else {
+                continue;
+            };
+            let expected = op.apply(
+                Tensor::<F, N>::from_data(va, &plain),
+                Tensor::<F, M>::from_data(vb, &plain),
+            );
+            if let Err(e) = close(&op.apply(a, b), &expected) {
+                fails.push(format!("{name} on {l1} × {l2}: {e}"));
             }
-            (checked, fails)
-        })
-        .unwrap();
-    let fails: Vec<String> = results.iter().flat_map(|(_, f)| f.clone()).collect();
+            checked += 1;
+        }
+        (checked, fails)
+    })
+}
+
+/// Run `check` on every rank of `mesh`: each returns how many cases it checked and its failures.
+/// Asserts that no rank failed; rank 0's count.
+fn checked_on_every_rank(
+    mesh: &DeviceMesh,
+    check: impl Fn(&DistDevice<F>) -> (usize, Vec<String>) + Sync,
+) -> usize {
+    let results = threads(mesh, |device| check(&device));
+    let fails: Vec<&String> = results.iter().flat_map(|(_, f)| f).collect();
     assert!(
         fails.is_empty(),
         "{} failures, first: {:#?}",
@@ -231,6 +233,11 @@ fn check2_where<const N: usize, const M: usize>(
         &fails[..fails.len().min(5)]
     );
     results[0].0
+}
+
+/// The layouts of a rank-`rank` tensor on `mesh` that are global (no `Local` axis).
+fn placed_layouts(mesh: &DeviceMesh, rank: usize) -> Vec<Layout> {
+    layouts(mesh, rank).into_iter().filter(placed).collect()
 }
 
 fn placed(layout: &Layout) -> bool {

@@ -7,7 +7,7 @@ use super::*;
 #[test]
 fn compute_dtype_casts_matmuls_and_keeps_f32_outside() {
     let mesh = DeviceMesh::new([("dp", 1)]).unwrap();
-    let out = launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+    let out = threads(&mesh, |device| {
         let (a, b) = (values(&[4, 8], 1), values(&[8, 4], 2));
         let x = Tensor::<D, 2>::from_data(a.clone(), &device);
         let w = Tensor::<D, 2>::from_data(b.clone(), &device);
@@ -27,8 +27,7 @@ fn compute_dtype_casts_matmuls_and_keeps_f32_outside() {
             .cast(burn::tensor::DType::F32)
             .into_data();
         (exact, mixed, linear, reference, dtype)
-    })
-    .unwrap();
+    });
     let (exact, mixed, linear, reference, dtype) = &out[0];
     assert_eq!(*dtype, burn::tensor::DType::F32);
     assert_eq!(mixed, reference);
@@ -68,7 +67,7 @@ fn device_ids_are_reused_after_ranks_end() {
 fn rank_policy_is_set_once_and_filled_in_by_fully_shard() {
     use burn::tensor::FloatDType::BF16;
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
-    let out = launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+    let out = threads(&mesh, |device| {
         let ctx = device.context().clone();
         let set = RankPolicy {
             compute_dtype: Some(BF16),
@@ -83,8 +82,7 @@ fn rank_policy_is_set_once_and_filled_in_by_fully_shard() {
         let zero1 = ctx.policy();
         ctx.update_policy(|p| p.grad_reduce_dtype = Some(BF16));
         (set, full_shard, zero1, ctx.policy())
-    })
-    .unwrap();
+    });
     let (set, full_shard, zero1, last) = &out[0];
     assert_eq!(full_shard.compute_dtype, set.compute_dtype);
     assert_eq!(full_shard.memory_budget, set.memory_budget);

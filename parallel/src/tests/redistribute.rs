@@ -3,56 +3,57 @@
 
 use super::*;
 
+/// Every pair (`from`, `to`) of global layouts of a rank-3 tensor on the device's mesh, with
+/// `base` laid out as `from` on this rank (the pairs whose `from` cannot hold `base` left out).
+fn layout_pairs<'a>(
+    base: &'a TensorData,
+    device: &'a DistDevice<F>,
+) -> impl Iterator<Item = (Layout, Layout, DTensor<F>)> + 'a {
+    let layouts = placed_layouts(device.mesh(), 3);
+    let pairs: Vec<(Layout, Layout)> = layouts
+        .iter()
+        .flat_map(|from| layouts.iter().map(|to| (from.clone(), to.clone())))
+        .collect();
+    pairs.into_iter().filter_map(move |(from, to)| {
+        let t = Tensor::<F, 3>::from_data(base.clone(), &Default::default());
+        let dt = DTensor::from_full(t.into_primitive().tensor(), &from, device).ok()?;
+        Some((from, to, dt))
+    })
+}
+
 #[test]
 fn redistribute_round_trips_every_layout_pair() {
     let mesh = mesh22();
     let base = values(&[4, 4, 8], 11);
-    let all: Vec<Layout> = layouts(&mesh, 3)
-        .into_iter()
-        .filter(|l| !l.placements().contains(&Placement::Local))
-        .collect();
-    let results =
-        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
-            let mut checked = 0;
-            for from in &all {
-                for to in &all {
-                    let t = Tensor::<F, 3>::from_data(base.clone(), &Default::default());
-                    let Ok(dt) = DTensor::from_full(t.into_primitive().tensor(), from, &device)
-                    else {
-                        continue;
-                    };
-                    let Ok(moved) = dt.redistribute(to) else {
-                        continue;
-                    };
-                    assert_eq!(moved.layout(), to);
-                    let full = moved.full().unwrap();
-                    let got =
-                        Tensor::<F, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(full));
-                    close(&got.into_data(), &base)
-                        .unwrap_or_else(|e| panic!("{from} -> {to}: {e}"));
-                    checked += 1;
-                }
-            }
-            checked
-        })
-        .unwrap();
+    let results = threads(&mesh, |device| {
+        let mut checked = 0;
+        for (from, to, dt) in layout_pairs(&base, &device) {
+            let Ok(moved) = dt.redistribute(&to) else {
+                continue;
+            };
+            assert_eq!(moved.layout(), &to);
+            let full = moved.full().unwrap();
+            let got = Tensor::<F, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(full));
+            close(&got.into_data(), &base).unwrap_or_else(|e| panic!("{from} -> {to}: {e}"));
+            checked += 1;
+        }
+        checked
+    });
     assert!(results[0] > 400, "{results:?}");
 }
 
 #[test]
 fn uneven_shards_are_a_typed_error() {
     let mesh = DeviceMesh::new([("tp", 4)]).unwrap();
-    let results =
-        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
-            let t = Tensor::<F, 2>::from_data(values(&[6, 3], 1), &Default::default());
-            DTensor::from_full(
-                t.into_primitive().tensor(),
-                &Layout::new([Placement::Shard(0)]),
-                &device,
-            )
-            .map(|_| ())
-        })
-        .unwrap();
+    let results = threads(&mesh, |device| {
+        let t = Tensor::<F, 2>::from_data(values(&[6, 3], 1), &Default::default());
+        DTensor::from_full(
+            t.into_primitive().tensor(),
+            &Layout::new([Placement::Shard(0)]),
+            &device,
+        )
+        .map(|_| ())
+    });
     for r in results {
         match r {
             Err(Error::Indivisible {
@@ -69,15 +70,13 @@ fn uneven_shards_are_a_typed_error() {
 #[test]
 fn local_data_cannot_become_global() {
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
-    let results =
-        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
-            let t = Tensor::<D, 1>::from_data([1.0, 2.0], &device);
-            assert_eq!(dtensor(&t).layout(), &Layout::new([Placement::Local]));
-            dtensor(&t)
-                .redistribute(&Layout::new([Placement::Replicate]))
-                .map(|_| ())
-        })
-        .unwrap();
+    let results = threads(&mesh, |device| {
+        let t = Tensor::<D, 1>::from_data([1.0, 2.0], &device);
+        assert_eq!(dtensor(&t).layout(), &Layout::new([Placement::Local]));
+        dtensor(&t)
+            .redistribute(&Layout::new([Placement::Replicate]))
+            .map(|_| ())
+    });
     assert!(matches!(
         results[0],
         Err(Error::InvalidRedistribution { .. })
@@ -91,57 +90,44 @@ fn local_data_cannot_become_global() {
 fn device_collectives_carry_every_redistribution_bitwise() {
     let mesh = mesh22();
     let base = values(&[4, 4, 8], 5);
-    let all: Vec<Layout> = layouts(&mesh, 3)
-        .into_iter()
-        .filter(|l| !l.placements().contains(&Placement::Local))
-        .collect();
-    let results =
-        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
-            let comm = device.context().comm_arc();
-            let run = |device: &DistDevice<F>| {
-                let mut out = Vec::new();
-                for from in &all {
-                    for to in &all {
-                        let t = Tensor::<F, 3>::from_data(base.clone(), &Default::default());
-                        let Ok(dt) = DTensor::from_full(t.into_primitive().tensor(), from, device)
-                        else {
-                            continue;
-                        };
-                        // Partial → Shard must reach the shard by a reduce-scatter on any dim.
-                        let moved = dt.redistribute(to).unwrap();
-                        out.push(crate::comm::read::<F>(moved.local().clone()));
-                    }
-                }
-                // A per-rank value adopted from member 0 (a broadcast).
-                let local = Tensor::<F, 2>::from_data(
-                    values(&[3, 5], device.rank() as u64),
-                    &Default::default(),
-                );
-                let dt = DTensor::from_local(
-                    local.into_primitive().tensor(),
-                    Layout::new([Placement::Local, Placement::Replicate]),
-                    device,
-                )
-                .unwrap();
-                out.push(crate::comm::read::<F>(
-                    dt.adopt_from_first(0).unwrap().local().clone(),
-                ));
-                out
-            };
-            let host = run(&device);
-            let host_stats = comm.stats();
-            comm.reset_stats();
-            let counting = Arc::new(HostStaged::new(comm.clone()));
-            device
-                .context()
-                .set_device_collectives::<F>(counting.clone());
-            let staged = run(&device);
-            device.context().clear_device_collectives();
-            let staged_stats = comm.stats();
-            let calls = counting.calls();
-            (host, staged, host_stats, staged_stats, calls)
-        })
-        .unwrap();
+    let results = threads(&mesh, |device| {
+        let comm = device.context().comm_arc();
+        let run = |device: &DistDevice<F>| {
+            let mut out = Vec::new();
+            for (_, to, dt) in layout_pairs(&base, device) {
+                // Partial → Shard must reach the shard by a reduce-scatter on any dim.
+                let moved = dt.redistribute(&to).unwrap();
+                out.push(crate::comm::read::<F>(moved.local().clone()));
+            }
+            // A per-rank value adopted from member 0 (a broadcast).
+            let local = Tensor::<F, 2>::from_data(
+                values(&[3, 5], device.rank() as u64),
+                &Default::default(),
+            );
+            let dt = DTensor::from_local(
+                local.into_primitive().tensor(),
+                Layout::new([Placement::Local, Placement::Replicate]),
+                device,
+            )
+            .unwrap();
+            out.push(crate::comm::read::<F>(
+                dt.adopt_from_first(0).unwrap().local().clone(),
+            ));
+            out
+        };
+        let host = run(&device);
+        let host_stats = comm.stats();
+        comm.reset_stats();
+        let counting = Arc::new(HostStaged::new(comm.clone()));
+        device
+            .context()
+            .set_device_collectives::<F>(counting.clone());
+        let staged = run(&device);
+        device.context().clear_device_collectives();
+        let staged_stats = comm.stats();
+        let calls = counting.calls();
+        (host, staged, host_stats, staged_stats, calls)
+    });
     for (host, staged, host_stats, staged_stats, calls) in results {
         assert_eq!(host.len(), staged.len());
         for (a, b) in host.iter().zip(&staged) {

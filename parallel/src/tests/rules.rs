@@ -209,14 +209,13 @@ fn scatter_add_rule_matches_full_tensors_and_stays_split() {
         ) > 10
     );
     let mesh = DeviceMesh::new([("dp", 1), ("tp", 2)]).unwrap();
-    let out = launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+    let out = threads(&mesh, |device| {
         let t = Tensor::<D, 2>::zeros([4, 8], &device);
         let v = Tensor::<D, 2>::from_data(values(&[4, 1], 1), &device);
         let idx = Tensor::<D, 2, Int>::from_data([[1], [7], [0], [4]], &device);
         let out = t.scatter(1, idx, v, IndexingUpdateOp::Add);
         dtensor(&out).layout().clone()
-    })
-    .unwrap();
+    });
     for layout in out {
         assert_eq!(layout.get(1), Placement::Shard(1), "{layout}");
     }
