@@ -5,6 +5,7 @@ pub mod data;
 pub mod dcp;
 mod error;
 pub mod gpt;
+pub mod hf;
 mod init;
 pub mod io;
 pub mod memory;

@@ -167,6 +167,17 @@ pub struct PretrainConfig {
     /// Resume from this checkpoint directory.
     #[arg(long, help_heading = "Evaluation and checkpoints")]
     pub resume: Option<PathBuf>,
+    /// Start from the weights of a Hugging Face GPT-2 safetensors file (F32), each rank reading
+    /// its pieces; the model flags must match its shapes (the vocabulary may be padded, the
+    /// context shorter).
+    #[serde(default)]
+    #[arg(long, value_name = "FILE", help_heading = "Evaluation and checkpoints")]
+    pub init_from: Option<PathBuf>,
+    /// At the end, write the last checkpoint's weights as one Hugging Face GPT-2 safetensors
+    /// file (needs --save), streamed tensor by tensor.
+    #[serde(default)]
+    #[arg(long, value_name = "FILE", help_heading = "Evaluation and checkpoints")]
+    pub export_hf: Option<PathBuf>,
 
     /// One JSON object per step (and per evaluation) to this file; appended to on --resume.
     #[arg(long, help_heading = "Output")]
@@ -261,6 +272,11 @@ impl PretrainConfig {
     /// Refuse options that are not implemented yet, and impossible values.
     pub fn check(&self) -> Result<(), PretrainError> {
         self.parallel.check_available()?;
+        if self.export_hf.is_some() && self.save.is_none() {
+            return Err(PretrainError::Config(
+                "--export-hf writes the last checkpoint's weights: it needs --save DIR".into(),
+            ));
+        }
         let dp = self.parallel.dp;
         if self.steps == 0 || self.batch_size == 0 {
             return Err(PretrainError::Config(

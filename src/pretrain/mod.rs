@@ -245,6 +245,18 @@ pub fn run_on_with<B: FusedOps>(
     {
         plot_losses(path, &summary.steps)?;
     }
+    if rank == 0
+        && let Some(out) = &config.export_hf
+    {
+        // Rank 0 committed the last checkpoint before its run returned.
+        let root = config
+            .save
+            .as_ref()
+            .expect("checked: --export-hf needs --save");
+        let checkpoint = Checkpoint::open(CheckpointDir::new(root).latest()?)?;
+        wildfire_models::hf::export_gpt2(&checkpoint, out)?;
+        tracing::info!("exported the weights to {}", out.display());
+    }
     Ok(summary)
 }
 

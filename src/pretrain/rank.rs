@@ -89,6 +89,9 @@ impl RankRun<'_> {
         // Each rank draws only its pieces of the parameters the layout splits.
         let model: Gpt<A<B>> = model_config.init_sharded(device, &config.parallel)?;
         let mut model = parallelize_gpt(model, device.mesh(), &config.parallel)?;
+        if let (None, Some(file)) = (&self.resume, &config.init_from) {
+            model = wildfire_models::hf::import_gpt2(file)?.load_model(model)?;
+        }
         if let Some((checkpoint, _)) = &self.resume {
             // Each rank reads the pieces of the checkpoint that overlap its own, in this run's
             // layout (the saving run's mesh and strategy may differ).

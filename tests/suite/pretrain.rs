@@ -758,3 +758,84 @@ fn gpt_pretraining_through_installed_device_collectives_matches_bitwise() {
         "{err}"
     );
 }
+
+/// GPT-2 weights out and in: a run's last checkpoint exported as a Hugging Face GPT-2 file; a
+/// fine-tune from that file at tp 2 follows the same fine-tune at tp 1 (within 1e-5), and starts
+/// from the exported weights (its first loss is the exporting run's loss on the same batch after
+/// the last update, i.e. not a fresh initialisation's).
+#[test]
+fn gpt2_export_and_fine_tune_from_it() {
+    let dir = scratch("hf");
+    let file = dir.join("gpt2.safetensors");
+    let trained = run(&PretrainConfig {
+        save: Some(dir.join("ckpt")),
+        export_hf: Some(file.clone()),
+        ..small(6)
+    })
+    .unwrap();
+    let fresh = run(&small(1)).unwrap();
+    let mut tuned = Vec::new();
+    for tp in [1, 2] {
+        let summary = run(&PretrainConfig {
+            init_from: Some(file.clone()),
+            seed: 99,
+            parallel: ParallelConfig {
+                tp,
+                ..ParallelConfig::default()
+            },
+            ..small(4)
+        })
+        .unwrap();
+        tuned.push(summary);
+    }
+    crate::suite::losses_close("tp 2 vs tp 1", &tuned[1].steps, &tuned[0].steps, 1e-5);
+    // Trained weights: the fine-tune's losses sit near the end of training, far below a fresh
+    // model's first loss.
+    let (start, fresh_loss) = (tuned[0].steps[0].loss, fresh.steps[0].loss);
+    let end = trained.steps.last().unwrap().loss;
+    assert!(
+        start < fresh_loss - 0.5 * (fresh_loss - end),
+        "{start} vs fresh {fresh_loss}, trained {end}"
+    );
+    // Without --save there is no checkpoint to export.
+    let err = run(&PretrainConfig {
+        export_hf: Some(file),
+        ..small(1)
+    })
+    .unwrap_err();
+    assert!(matches!(err, PretrainError::Config(_)), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run whose loss and gradients stay non-finite (an absurd learning rate blows the weights up
+/// after the first update) skips every such step on every rank and stops after --max-skipped of
+/// them in a row, naming the step and the first parameter with a non-finite gradient, instead of
+/// training on NaN.
+#[test]
+fn non_finite_steps_stop_the_run() {
+    for dp in [1, 2] {
+        let err = run(&PretrainConfig {
+            lr: 1e30,
+            warmup: 0,
+            max_skipped: 3,
+            parallel: ParallelConfig {
+                dp,
+                ..ParallelConfig::default()
+            },
+            ..small(20)
+        })
+        .unwrap_err();
+        let PretrainError::Training(wildfire::engine::Error::NonFinite {
+            step,
+            in_a_row,
+            parameter,
+        }) = &err
+        else {
+            panic!("dp {dp}: expected a non-finite stop, got {err}");
+        };
+        assert_eq!(*in_a_row, 3, "dp {dp}");
+        assert!(*step >= 3 && *step < 20, "dp {dp}: step {step}");
+        assert!(parameter.is_some(), "dp {dp}: {err}");
+        assert!(err.to_string().contains(&format!("step {step}")), "{err}");
+    }
+}

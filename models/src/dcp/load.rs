@@ -24,8 +24,8 @@ use crate::checkpoint::ParamRecords;
 
 /// A distributed checkpoint opened for loading: its metadata, checked against its files.
 pub struct Checkpoint {
-    dir: PathBuf,
-    meta: Metadata,
+    pub(crate) dir: PathBuf,
+    pub(crate) meta: Metadata,
 }
 
 impl Checkpoint {
@@ -136,7 +136,11 @@ impl Checkpoint {
         let meta = self.meta.tensors.get(name).ok_or_else(|| {
             invalid("not in the checkpoint (a checkpoint of another model?)".into())
         })?;
-        if meta.shape != shape {
+        let fits = meta.shape == shape
+            || (meta.rows_padded
+                && meta.shape.len() == shape.len()
+                && meta.shape[1..] == shape[1..]);
+        if !fits {
             return Err(invalid(format!(
                 "shape {:?} in the checkpoint, {shape:?} in the model",
                 meta.shape
@@ -187,7 +191,15 @@ impl Checkpoint {
             );
             covered += size.iter().product::<usize>();
         }
-        let needed: usize = local_box.iter().map(|(r, _)| r.len()).product();
+        // Rows past the checkpoint's (a padded vocabulary) stay zero.
+        let needed: usize = local_box
+            .iter()
+            .enumerate()
+            .map(|(d, (r, _))| match d {
+                0 => r.end.min(meta.shape[0]).saturating_sub(r.start),
+                _ => r.len(),
+            })
+            .product();
         if covered != needed {
             return Err(invalid(format!(
                 "the pieces cover {covered} of the {needed} elements this rank needs"
@@ -207,21 +219,54 @@ impl Checkpoint {
 /// The data files and their safetensors headers, opened on first use; pieces are read with
 /// positioned reads (no mapping: the file's pages never count in the process's resident set).
 #[derive(Default)]
-struct Reader {
+pub(crate) struct Reader {
     files: BTreeMap<String, (fs::File, u64, BTreeMap<String, serde_json::Value>)>,
+}
+
+/// A safetensors file opened for positioned reads: the file, where its data starts, and its
+/// header (tensor name → entry; `__metadata__` too).
+pub(crate) fn open_safetensors(
+    path: &Path,
+) -> Result<(fs::File, u64, BTreeMap<String, serde_json::Value>), Error> {
+    use std::io::Read;
+    let io = |source| Error::io(path, source);
+    let invalid = |reason: String| Error::Invalid {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut file = fs::File::open(path).map_err(io)?;
+    let len = file.metadata().map_err(io)?.len();
+    let mut word = [0u8; 8];
+    file.read_exact(&mut word).map_err(io)?;
+    let n = u64::from_le_bytes(word);
+    if n > len.saturating_sub(8) || n > 100 << 20 {
+        return Err(invalid(format!(
+            "not a safetensors file (header of {n} bytes)"
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    file.read_exact(&mut header).map_err(io)?;
+    let header = serde_json::from_slice(&header)
+        .map_err(|e| invalid(format!("not a safetensors file ({e})")))?;
+    Ok((file, 8 + n, header))
 }
 
 /// One tensor's entry in a safetensors header.
 #[derive(serde::Deserialize)]
-struct HeaderEntry {
-    dtype: String,
-    shape: Vec<usize>,
+pub(crate) struct HeaderEntry {
+    pub(crate) dtype: String,
+    pub(crate) shape: Vec<usize>,
     data_offsets: [u64; 2],
 }
 
 impl Reader {
     /// The values of `piece` of tensor `name`, checked against its CRC-32.
-    fn piece(&mut self, dir: &Path, name: &str, piece: &PieceMeta) -> Result<Vec<f32>, Error> {
+    pub(crate) fn piece(
+        &mut self,
+        dir: &Path,
+        name: &str,
+        piece: &PieceMeta,
+    ) -> Result<Vec<f32>, Error> {
         use std::io::{Read, Seek, SeekFrom};
         let path = dir.join(&piece.file);
         let invalid = |reason: String| Error::Invalid {
@@ -230,25 +275,13 @@ impl Reader {
         };
         let io = |source| Error::io(&path, source);
         if !self.files.contains_key(&piece.file) {
-            let mut file = fs::File::open(&path).map_err(io)?;
-            let len = file.metadata().map_err(io)?.len();
-            let mut word = [0u8; 8];
-            file.read_exact(&mut word).map_err(io)?;
-            let n = u64::from_le_bytes(word);
-            if n > len.saturating_sub(8) || n > 100 << 20 {
-                return Err(invalid(format!(
-                    "not a safetensors file (header of {n} bytes)"
-                )));
-            }
-            let mut header = vec![0u8; n as usize];
-            file.read_exact(&mut header).map_err(io)?;
-            let header = serde_json::from_slice(&header)
-                .map_err(|e| invalid(format!("not a safetensors file ({e})")))?;
-            self.files.insert(piece.file.clone(), (file, 8 + n, header));
+            let (file, data_start, header) = open_safetensors(&path)?;
+            self.files
+                .insert(piece.file.clone(), (file, data_start, header));
         }
         let (file, data_start, header) = &self.files[&piece.file];
         let entry: HeaderEntry = header
-            .get(name)
+            .get(piece.key.as_deref().unwrap_or(name))
             .cloned()
             .ok_or_else(|| invalid("missing from the file".into()))
             .and_then(|v| {
@@ -279,7 +312,10 @@ impl Reader {
         reader
             .read_exact(bytemuck::cast_slice_mut(&mut values))
             .map_err(io)?;
-        if crc32fast::hash(bytemuck::cast_slice(&values)) != piece.crc32 {
+        if piece
+            .crc32
+            .is_some_and(|crc| crc32fast::hash(bytemuck::cast_slice(&values)) != crc)
+        {
             return Err(invalid(
                 "checksum mismatch: the file is corrupt; resume from an earlier checkpoint".into(),
             ));

@@ -33,6 +33,8 @@ use wildfire_parallel::DeviceMesh;
 mod load;
 mod save;
 
+pub(crate) use load::{HeaderEntry, Reader, open_safetensors};
+
 pub use load::Checkpoint;
 pub use save::{CheckpointWriter, SaveReport, Snapshot};
 
@@ -48,8 +50,13 @@ pub struct PieceMeta {
     pub start: Vec<usize>,
     /// One past the last global index per dimension.
     pub end: Vec<usize>,
-    /// CRC-32 of its bytes (little-endian f32, row-major).
-    pub crc32: u32,
+    /// CRC-32 of its bytes (little-endian f32, row-major); `None` for a file written elsewhere
+    /// (an imported Hugging Face file).
+    #[serde(default)]
+    pub crc32: Option<u32>,
+    /// Its name in the file, when not the tensor's (an imported file's own names).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
 }
 
 /// A tensor of the checkpoint: its global shape and its pieces.
@@ -61,6 +68,11 @@ pub struct TensorMeta {
     pub dtype: String,
     /// The pieces, which together cover the tensor once.
     pub pieces: Vec<PieceMeta>,
+    /// The model's tensor may have another number of rows (dim 0) than `shape`: rows it has
+    /// beyond these load as zeros (a vocabulary padded for tensor parallelism), rows it lacks are
+    /// dropped (a shorter context).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rows_padded: bool,
 }
 
 /// What one rank wrote: merged into [`Metadata`] by the commit.

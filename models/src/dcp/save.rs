@@ -152,7 +152,8 @@ impl Snapshot {
                     file: file.clone(),
                     start: p.start.clone(),
                     end: p.end.clone(),
-                    crc32: crc32fast::hash(&safetensors::View::data(&view)),
+                    crc32: Some(crc32fast::hash(&safetensors::View::data(&view))),
+                    key: None,
                 };
                 tensors.insert(p.name.clone(), (p.shape.clone(), meta));
                 (p.name.clone(), view)
@@ -438,6 +439,7 @@ fn commit(
                     shape,
                     dtype: "F32".into(),
                     pieces: Vec::new(),
+                    rows_padded: false,
                 })
                 .pieces
                 .push(piece);
