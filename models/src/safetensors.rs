@@ -59,83 +59,30 @@ pub fn save<B: Backend, M: Module<B>>(module: &M, path: &Path) -> Result<(), Err
 /// Tensors by name: (shape, values).
 pub type NamedTensors = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 
-/// Read a safetensors file of f32 tensors.
+/// Read a safetensors file of f32 tensors (the `safetensors` crate checks the header, the
+/// offsets and the length; a corrupt or truncated file is [`Error::Invalid`]).
 pub fn read(path: &Path) -> Result<NamedTensors, Error> {
-    let name = path.display().to_string();
     let bad = |reason: String| Error::Invalid {
-        path: name.clone().into(),
+        path: path.to_path_buf(),
         reason,
     };
-    let bytes = std::fs::read(path).map_err(|source| Error::Io {
-        path: name.clone().into(),
-        source,
-    })?;
-    let n = u64::from_le_bytes(
-        bytes
-            .get(..8)
-            .ok_or_else(|| bad("shorter than a safetensors header".into()))?
-            .try_into()
-            .expect("8 bytes"),
-    ) as usize;
-    // Checked: a corrupt length (up to 2⁶⁴ − 1) must be an error, not an overflow.
-    let body_start = n
-        .checked_add(8)
-        .filter(|&end| end <= bytes.len())
-        .ok_or_else(|| bad(format!("truncated header (it claims {n} bytes)")))?;
-    let header: serde_json::Value = serde_json::from_slice(&bytes[8..body_start])
-        .map_err(|e| bad(format!("corrupt header: {e}")))?;
-    let body = &bytes[body_start..];
+    let bytes = std::fs::read(path).map_err(|source| Error::io(path, source))?;
+    let file = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad(format!("not a safetensors file, or truncated ({e})")))?;
     let mut out = BTreeMap::new();
-    for (key, entry) in header
-        .as_object()
-        .ok_or_else(|| bad("header is not an object".into()))?
-    {
-        if key == "__metadata__" {
-            continue;
-        }
-        let dtype = entry["dtype"].as_str().unwrap_or("");
-        if dtype != "F32" {
-            return Err(bad(format!("tensor {key} is {dtype}; only F32 is read")));
-        }
-        let shape: Vec<usize> = entry["shape"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|v| v.as_u64().map(|v| v as usize))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let offsets: Vec<usize> = entry["data_offsets"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|v| v.as_u64().map(|v| v as usize))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let [start, end] = offsets[..] else {
-            return Err(bad(format!("tensor {key} has no data_offsets")));
-        };
-        let raw = body.get(start..end).ok_or_else(|| {
-            bad(format!(
-                "tensor {key} runs past the end of the file (truncated?)"
-            ))
-        })?;
-        let bytes_of_shape = shape
-            .iter()
-            .try_fold(4usize, |n, &d| n.checked_mul(d))
-            .ok_or_else(|| bad(format!("tensor {key}: shape {shape:?} overflows")))?;
-        if raw.len() != bytes_of_shape {
+    for (key, view) in file.tensors() {
+        if view.dtype() != safetensors::Dtype::F32 {
             return Err(bad(format!(
-                "tensor {key}: {} bytes for shape {shape:?}",
-                raw.len()
+                "tensor {key} is {:?}; only F32 is read",
+                view.dtype()
             )));
         }
-        let values = raw
+        let values = view
+            .data()
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
             .collect();
-        out.insert(key.clone(), (shape, values));
+        out.insert(key, (view.shape().to_vec(), values));
     }
     Ok(out)
 }
@@ -217,30 +164,17 @@ pub fn deterministic_ids<B: Backend, M: Module<B>>(module: M) -> M {
 }
 
 fn encode(tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
-    let mut header = String::from("{\"__metadata__\":{\"format\":\"pt\"}");
-    let mut offset = 0usize;
-    for (name, shape, data) in tensors {
-        let end = offset + data.len() * 4;
-        let dims: Vec<String> = shape.iter().map(usize::to_string).collect();
-        header.push_str(&format!(
-            ",\"{name}\":{{\"dtype\":\"F32\",\"shape\":[{}],\"data_offsets\":[{offset},{end}]}}",
-            dims.join(",")
-        ));
-        offset = end;
-    }
-    header.push('}');
-    while !header.len().is_multiple_of(8) {
-        header.push(' ');
-    }
-    let mut bytes = Vec::with_capacity(8 + header.len() + offset);
-    bytes.extend_from_slice(&(header.len() as u64).to_le_bytes());
-    bytes.extend_from_slice(header.as_bytes());
-    for (_, _, data) in tensors {
-        for v in data {
-            bytes.extend_from_slice(&v.to_le_bytes());
-        }
-    }
-    bytes
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, data)| data.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .collect();
+    let views = tensors.iter().zip(&bytes).map(|((name, shape, _), raw)| {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), raw)
+                .expect("the bytes match the shape");
+        (name.clone(), view)
+    });
+    safetensors::serialize(views, None).expect("F32 tensors encode")
 }
 
 #[cfg(test)]
@@ -258,7 +192,7 @@ mod tests {
         bytes.extend_from_slice(b"{}");
         std::fs::write(&path, &bytes).unwrap();
         let err = read(&path).unwrap_err().to_string();
-        assert!(err.contains("truncated header"), "{err}");
+        assert!(err.contains("not a safetensors file"), "{err}");
         let header = format!(
             "{{\"w\":{{\"dtype\":\"F32\",\"shape\":[{},4],\"data_offsets\":[0,0]}}}}",
             u64::MAX
@@ -267,7 +201,7 @@ mod tests {
         bytes.extend_from_slice(header.as_bytes());
         std::fs::write(&path, &bytes).unwrap();
         let err = read(&path).unwrap_err().to_string();
-        assert!(err.contains("overflows"), "{err}");
+        assert!(err.contains("not a safetensors file"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
