@@ -10,9 +10,8 @@
 //! A second table: the process's peak resident set (VmHWM, reset before each run) of GPT-2 124M
 //! (block 64, dp 4, FullShard, ranks as threads) with sharded initialisation, a distributed
 //! checkpoint save and a resume from it, beside the model-state formula, and the save's time on
-//! the step's path (the copy to host) against its background write. The system allocator: the
-//! binaries' mimalloc keeps freed memory for the next step, which would carry one run's memory
-//! into the next run's figures in this one process.
+//! the step's path (the copy to host) against its background write. Each of those runs is a
+//! process of its own (this binary with `--phase`), with the binaries' allocator.
 //!
 //! Formulas (Ψ parameters, f32): parameters 4Ψ (4Ψ/N sharded), gradients 4Ψ (4Ψ/N), AdamW state
 //! 8Ψ (8Ψ/N); communication in the bytes each rank passes to its collectives: DDP all-reduces the
@@ -21,6 +20,11 @@
 //! and again for backward (2 × 4Ψ/N) and reduce-scatters the gradients (4Ψ). Measured figures add
 //! the padding of uneven shards, the tied embedding's second use and the small collectives of the
 //! step (loss metric, overflow and norm check).
+
+/// The binaries' allocator, which keeps freed memory for the next step (see `wildfire::alloc`):
+/// the resident figures are what `gpt_pretrain` would show.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;
@@ -32,6 +36,10 @@ mod common;
 
 fn main() {
     // A smoke run (`cargo test --all-targets`): a tiny model, N = 1 and 2.
+    wildfire::alloc::keep_freed_memory();
+    if let Some(phase) = common::arg::<String>("--phase") {
+        return run_phase(&phase);
+    }
     let smoke = common::smoke();
     let only = common::arg::<String>("--only");
     let checkpoint = checkpoint_memory(smoke);
@@ -164,48 +172,30 @@ fn checkpoint_memory(smoke: bool) -> String {
     let n = if smoke { 2 } else { 4 };
     let dir = std::env::temp_dir().join(format!("wildfire-bench-dcp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let base = PretrainConfig {
-        preset: if smoke {
-            Preset::Tiny
-        } else {
-            Preset::Gpt2_124m
-        },
-        n_layer: smoke.then_some(2),
-        block_size: Some(if smoke { 32 } else { 64 }),
-        tokenizer: if smoke {
-            TokenizerKind::Bytes
-        } else {
-            TokenizerKind::Gpt2
-        },
-        batch_size: n,
-        parallel: ParallelConfig {
-            dp: n,
-            fsdp: FsdpStrategy::FullShard,
-            ..ParallelConfig::default()
-        },
-        gather_parameters: false,
-        ..PretrainConfig::quiet()
+    // Each phase in a process of its own (this binary, `--phase`), so one run's freed memory
+    // (kept by the allocator, as the binaries keep it) does not count in the next one's figures.
+    let phase = |name: &str| -> Phase {
+        let out = std::process::Command::new(std::env::current_exe().expect("this binary"))
+            .args(["--phase", name, "--dir"])
+            .arg(&dir)
+            .args(smoke.then_some("--smoke"))
+            .output()
+            .expect("a phase process");
+        assert!(
+            out.status.success(),
+            "phase {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).expect("the phase's figures")
     };
-    let baseline = rss();
-    let resets = reset_peak();
-    let first = run(&PretrainConfig {
-        steps: 1,
-        save: Some(dir.clone()),
-        ..base.clone()
-    })
-    .expect("run");
-    reset_peak();
-    let resumed = run(&PretrainConfig {
-        steps: 2,
-        resume: Some(dir.clone()),
-        ..base
-    })
-    .expect("resume");
+    let (first, resumed) = (phase("save"), phase("resume"));
     let _ = std::fs::remove_dir_all(&dir);
-    let psi = first.model.as_ref().expect("model").num_params() as f64;
+    let baseline = first.baseline;
+    let resets = first.resets;
+    let psi = first.params as f64;
     // The decorator's peak of live tensor bytes on rank 0 (model state + activations), times
     // the ranks: every rank holds the same shapes.
-    let step_peak = |s: &RunSummary| n as f64 * s.steps.last().expect("a step").peak_bytes as f64;
+    let step_peak = |s: &Phase| n as f64 * s.step_peak_bytes as f64;
     let gb = |b: f64| format!("{:.3} GB", b / 1e9);
     let row = |phase: &str, measured: u64, formula: f64, what: &str| {
         let formula = formula + baseline as f64;
@@ -253,7 +243,7 @@ fn checkpoint_memory(smoke: bool) -> String {
         step_peak(&resumed),
         "step peak of live tensors",
     ));
-    if let Some((copy, write)) = first.saves.first() {
+    if let Some((copy, write)) = first.save {
         out.push_str(&format!(
             "\nsave: {:.1} ms on the step's path (copy to host), {:.1} ms written in the background (rank 0)\n",
             copy * 1e3,
@@ -261,4 +251,76 @@ fn checkpoint_memory(smoke: bool) -> String {
         ));
     }
     out
+}
+
+/// The checkpoint runs' configuration: GPT-2 124M, block 64, dp 4 FullShard (smoke: tiny, dp 2).
+fn checkpoint_config(smoke: bool) -> PretrainConfig {
+    let n = if smoke { 2 } else { 4 };
+    PretrainConfig {
+        preset: if smoke {
+            Preset::Tiny
+        } else {
+            Preset::Gpt2_124m
+        },
+        n_layer: smoke.then_some(2),
+        block_size: Some(if smoke { 32 } else { 64 }),
+        tokenizer: if smoke {
+            TokenizerKind::Bytes
+        } else {
+            TokenizerKind::Gpt2
+        },
+        batch_size: n,
+        parallel: ParallelConfig {
+            dp: n,
+            fsdp: FsdpStrategy::FullShard,
+            ..ParallelConfig::default()
+        },
+        gather_parameters: false,
+        ..PretrainConfig::quiet()
+    }
+}
+
+/// What one phase process measured.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Phase {
+    params: u64,
+    baseline: u64,
+    resets: bool,
+    setup_peak_rss: u64,
+    final_peak_rss: u64,
+    step_peak_bytes: u64,
+    save: Option<(f64, f64)>,
+}
+
+/// `--phase save|resume --dir DIR [--smoke]`: one step saved into DIR, or a resume from it for
+/// one more step; prints a [`Phase`] as JSON.
+fn run_phase(name: &str) {
+    let dir = std::path::PathBuf::from(common::arg::<String>("--dir").expect("--dir"));
+    let smoke = std::env::args().any(|a| a == "--smoke");
+    let baseline = rss();
+    let resets = reset_peak();
+    let config = checkpoint_config(smoke);
+    let summary: RunSummary = match name {
+        "save" => run(&PretrainConfig {
+            steps: 1,
+            save: Some(dir),
+            ..config
+        }),
+        _ => run(&PretrainConfig {
+            steps: 2,
+            resume: Some(dir),
+            ..config
+        }),
+    }
+    .expect("run");
+    let phase = Phase {
+        params: summary.model.as_ref().expect("model").num_params() as u64,
+        baseline,
+        resets,
+        setup_peak_rss: summary.setup_peak_rss,
+        final_peak_rss: summary.final_peak_rss,
+        step_peak_bytes: summary.steps.last().expect("a step").peak_bytes,
+        save: summary.saves.first().copied(),
+    };
+    println!("{}", serde_json::to_string(&phase).expect("json"));
 }
