@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use std::str::FromStr;
 use wildfire_kernels::hooks::{ForwardHooks, Inference};
 use wildfire_kernels::{FusedOps, ops};
-use wildfire_parallel::{DistributedBackend, planned_layouts};
+use wildfire_parallel::{DeviceMesh, DistributedBackend, Layout};
 
 /// Model presets: two small ones for CPUs and tests, and GPT-2's four sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -151,14 +151,18 @@ impl GptConfig {
         Ok(self.build(&mut Whole(device), device))
     }
 
-    /// Build the model already laid out over `device`'s mesh as `parallel` (tensor parallelism,
-    /// then FSDP) lays it out, each rank drawing only its own pieces of every split parameter —
-    /// the same values [`GptConfig::init`] gives there, and no rank ever holds a whole one.
-    /// [`crate::parallelize::parallelize_gpt`] then changes no layout (it sets the rank's policy).
-    pub fn init_sharded<B: DistributedBackend>(
+    /// Build the model already laid out over `device`'s mesh, each parameter in the layout
+    /// `layouts` gives it (called once with every parameter's path and shape, in construction
+    /// order), each rank drawing only its own pieces — the same values [`GptConfig::init`] gives
+    /// there, and no rank ever holds a whole parameter its layout splits. See
+    /// [`crate::parallelize::init_gpt`], which lays it out as `parallelize_gpt` would.
+    pub fn init_in_layouts<B: DistributedBackend>(
         &self,
         device: &B::Device,
-        parallel: &crate::parallelize::ParallelConfig,
+        layouts: impl FnOnce(
+            &[(String, Vec<usize>)],
+            &DeviceMesh,
+        ) -> Result<Vec<Layout>, wildfire_parallel::Error>,
     ) -> Result<Gpt<B>, Error> {
         self.validate()?;
         let dist = B::dist_device(device);
@@ -167,10 +171,7 @@ impl GptConfig {
             params: Vec::new(),
         };
         self.build(&mut shapes, device);
-        // Sequence parallelism changes no parameter's layout: the plan without it.
-        let plan = (parallel.tp > 1)
-            .then(|| crate::parallelize::gpt_tp_plan().with_heads("blocks.*.attn", self.n_head));
-        let layouts = planned_layouts(&shapes.params, dist.mesh(), plan.as_ref(), parallel.fsdp)?;
+        let layouts = layouts(&shapes.params, dist.mesh())?;
         let mut pieces = Pieces::<B> {
             device: dist,
             layouts: shapes

@@ -325,7 +325,8 @@ mod tests {
                 &Default::default(),
                 &LaunchOptions::default(),
                 |device| {
-                    let model = config.init_sharded::<Dist>(&device, &parallel).unwrap();
+                    let model =
+                        crate::parallelize::init_gpt::<Dist>(&config, &device, &parallel).unwrap();
                     let model = parallelize_gpt(model, &mesh, &parallel).unwrap();
                     let model = import_gpt2(&file).unwrap().load_model(model).unwrap();
                     let mut writer =

@@ -207,13 +207,7 @@ mod tests {
             init_seed: 3,
             dropout: 0.0,
         };
-        let layout = |dp, tp, fsdp, dp_shard| ParallelConfig {
-            dp,
-            tp,
-            fsdp,
-            dp_shard,
-            ..ParallelConfig::default()
-        };
+        let layout = ParallelConfig::layout;
         for parallel in [
             layout(2, 1, FsdpStrategy::NoShard, None),
             layout(2, 1, FsdpStrategy::ShardOptimizer, None),
@@ -230,7 +224,8 @@ mod tests {
                 |device| {
                     let whole = config.init::<Dist>(&device).unwrap();
                     let whole = parallelize_gpt(whole, &mesh, &parallel).unwrap();
-                    let sharded = config.init_sharded::<Dist>(&device, &parallel).unwrap();
+                    let sharded =
+                        crate::parallelize::init_gpt::<Dist>(&config, &device, &parallel).unwrap();
                     let bytes = wildfire_parallel::parameter_bytes(&sharded);
                     let sharded = parallelize_gpt(sharded, &mesh, &parallel).unwrap();
                     let (mut a, mut b) = (Pieces::default(), Pieces::default());

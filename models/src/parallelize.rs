@@ -2,10 +2,10 @@
 //! (tensor parallel → activation recomputation → FSDP / data parallel).
 
 use crate::Error;
-use crate::gpt::Gpt;
+use crate::gpt::{Gpt, GptConfig};
 use serde::{Deserialize, Serialize};
 use wildfire_parallel::{
-    DeviceMesh, DistributedBackend, TpPlan, TpStyle, fully_shard, tensor_parallel,
+    DeviceMesh, DistributedBackend, TpPlan, TpStyle, fully_shard, planned_layouts, tensor_parallel,
 };
 
 /// The data-parallel strategy: `wildfire_parallel::FsdpStrategy`, parsed from the names users
@@ -85,6 +85,18 @@ impl Default for ParallelConfig {
 }
 
 impl ParallelConfig {
+    /// `dp × tp` ranks with `fsdp` (`dp_shard`: the shard group's size for HSDP), the rest the
+    /// defaults.
+    pub fn layout(dp: usize, tp: usize, fsdp: FsdpStrategy, dp_shard: Option<usize>) -> Self {
+        Self {
+            dp,
+            tp,
+            fsdp,
+            dp_shard,
+            ..Self::default()
+        }
+    }
+
     /// Ranks in all: every mesh axis (`dp × tp`).
     pub fn world_size(&self) -> usize {
         self.dp * self.tp
@@ -141,6 +153,21 @@ pub fn gpt_tp_plan() -> TpPlan {
         .with("blocks.*.attn.c_proj", TpStyle::Rowwise)
         .with("blocks.*.mlp.c_fc", TpStyle::Colwise)
         .with("blocks.*.mlp.c_proj", TpStyle::Rowwise)
+}
+
+/// Build the GPT already laid out as [`parallelize_gpt`] lays it out on `device`'s mesh: each rank
+/// draws only its pieces ([`GptConfig::init_in_layouts`] over [`planned_layouts`]), and
+/// `parallelize_gpt` then changes no layout (it sets the rank's policy).
+pub fn init_gpt<B: DistributedBackend>(
+    config: &GptConfig,
+    device: &B::Device,
+    parallel: &ParallelConfig,
+) -> Result<Gpt<B>, Error> {
+    // Sequence parallelism changes no parameter's layout: the plan without it.
+    let plan = (parallel.tp > 1).then(|| gpt_tp_plan().with_heads("blocks.*.attn", config.n_head));
+    config.init_in_layouts(device, |params, mesh| {
+        planned_layouts(params, mesh, plan.as_ref(), parallel.fsdp)
+    })
 }
 
 /// Lay `model` out over `mesh` (tensor parallel → FSDP / DDP). Recomputation needs no change to

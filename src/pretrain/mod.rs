@@ -32,7 +32,7 @@ use wildfire_models::checkpoint::{CheckpointDir, ParamRecords};
 use wildfire_models::data::{BatchSampler, DataSource, TokenDataset, TokenSlice, Tokenizer};
 use wildfire_models::dcp::{Checkpoint, CheckpointWriter, Snapshot};
 use wildfire_models::gpt::{Gpt, GptConfig};
-use wildfire_models::parallelize::parallelize_gpt;
+use wildfire_models::parallelize::{init_gpt, parallelize_gpt};
 use wildfire_parallel::{
     AxisKind, DeviceMesh, DistDevice, Distributed, FsdpOptimizer, LaunchOptions, launch_ranks_on,
     parameter_bytes,

@@ -87,7 +87,7 @@ impl RankRun<'_> {
         )
         .starting_at(self.first_step);
         // Each rank draws only its pieces of the parameters the layout splits.
-        let model: Gpt<A<B>> = model_config.init_sharded(device, &config.parallel)?;
+        let model: Gpt<A<B>> = init_gpt(model_config, device, &config.parallel)?;
         let mut model = parallelize_gpt(model, device.mesh(), &config.parallel)?;
         if let (None, Some(file)) = (&self.resume, &config.init_from) {
             model = wildfire_models::hf::import_gpt2(file)?.load_model(model)?;

@@ -276,13 +276,7 @@ fn resume_is_bitwise_identical() {
 /// Losses and parameters follow the uninterrupted run of the saving layout.
 #[test]
 fn resume_reshards_onto_other_layouts() {
-    let layout = |dp, tp, fsdp, dp_shard| ParallelConfig {
-        dp,
-        tp,
-        fsdp,
-        dp_shard,
-        ..ParallelConfig::default()
-    };
+    let layout = ParallelConfig::layout;
     let fsdp4 = layout(4, 1, FsdpStrategy::FullShard, None);
     let tp2 = layout(1, 2, FsdpStrategy::NoShard, None);
     for (from, targets) in [

@@ -21,7 +21,7 @@
 //! let (inputs, targets) = sampler.batch(train, 0, rows)?;
 //! assert_eq!(inputs.len(), 4 * 64);
 //! assert_eq!(inputs[1..64], targets[..63]);
-//! # Ok::<(), wildfire_models::data::Error>(())
+//! # Ok::<(), wildfire_models::Error>(())
 //! ```
 
 mod corpus;
