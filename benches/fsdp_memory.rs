@@ -10,7 +10,8 @@
 //! A second table: the process's peak resident set (VmHWM, reset before each run) of GPT-2 124M
 //! (block 64, dp 4, FullShard, ranks as threads) with sharded initialisation, a distributed
 //! checkpoint save and a resume from it, beside the model-state formula, and the save's time on
-//! the step's path (the copy to host) against its background write. Each of those runs is a
+//! the step's path (taking the pieces) against its background write (reading them out and
+//! writing them). Each of those runs is a
 //! process of its own (this binary with `--phase`), with the binaries' allocator.
 //!
 //! Formulas (Ψ parameters, f32): parameters 4Ψ (4Ψ/N sharded), gradients 4Ψ (4Ψ/N), AdamW state
@@ -229,7 +230,7 @@ fn checkpoint_memory(smoke: bool) -> String {
         "step + save",
         first.final_peak_rss,
         step_peak(&first) + 12.0 * psi,
-        "step peak of live tensors + 12Ψ host copy of parameters and moments",
+        "step peak of live tensors + 12Ψ held pieces of parameters and moments",
     ));
     out.push_str(&row(
         "resume (load)",
@@ -245,7 +246,7 @@ fn checkpoint_memory(smoke: bool) -> String {
     ));
     if let Some((copy, write)) = first.save {
         out.push_str(&format!(
-            "\nsave: {:.1} ms on the step's path (copy to host), {:.1} ms written in the background (rank 0)\n",
+            "\nsave: {:.1} ms on the step's path (taking the pieces), {:.1} ms read out and written in the background (rank 0)\n",
             copy * 1e3,
             write * 1e3
         ));

@@ -106,7 +106,7 @@ impl StepRunner {
     /// With `tail`, the fused optimizer tail: one unscale + `Σg²` + overflow kernel pass per
     /// gradient, and `optim` a [`crate::FusedAdamW`] (alone or inside `FsdpOptimizer`) whose
     /// inputs `tail` is (the clipping coefficient and skip flag are written there, on the
-    /// device). Without, the unscale, check and clip on the host ([`unscale_check_clip`]).
+    /// device). Without, the unscale, check and clip on the host ([`crate::unscale_check_clip`]).
     #[allow(clippy::too_many_arguments)]
     pub fn run<X, M, O, L>(
         &mut self,

@@ -12,12 +12,12 @@
 //! memory at a time, on no rank at all.
 
 use std::collections::BTreeMap;
-use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::Error;
-use crate::dcp::{Checkpoint, FORMAT, Metadata, PieceMeta, Reader, TensorMeta, copy_box};
+use crate::dcp::{
+    Checkpoint, FORMAT, Metadata, PieceMeta, Reader, TensorMeta, copy_box, write_streamed,
+};
 
 /// The Hugging Face GPT-2 name of a Wildfire GPT parameter path.
 pub fn hf_name(path: &str) -> String {
@@ -144,61 +144,40 @@ pub fn export_gpt2(checkpoint: &Checkpoint, out: &Path) -> Result<(), Error> {
         .iter()
         .filter(|(name, _)| name.starts_with("model/"))
         .collect();
-    let mut infos = Vec::with_capacity(weights.len());
-    let mut offset = 0;
-    for (name, t) in &weights {
-        let bytes = 4 * t.shape.iter().product::<usize>();
-        infos.push((
-            hf_name(&name["model/".len()..]),
-            safetensors::tensor::TensorInfo {
-                dtype: safetensors::Dtype::F32,
-                shape: t.shape.clone(),
-                data_offsets: (offset, offset + bytes),
-            },
-        ));
-        offset += bytes;
-    }
-    let meta = safetensors::tensor::Metadata::new(None, infos).map_err(|e| Error::Invalid {
-        path: out.to_path_buf(),
-        reason: format!("could not describe the tensors: {e}"),
-    })?;
-    let mut header = serde_json::to_vec(&meta).expect("the header serialises");
-    header.resize(header.len().next_multiple_of(8), b' ');
+    let names: Vec<(String, Vec<usize>)> = weights
+        .iter()
+        .map(|(name, t)| (hf_name(&name["model/".len()..]), t.shape.clone()))
+        .collect();
     let mut reader = Reader::default();
-    crate::io::write_atomic_with(out, |file| {
-        file.write_all(&(header.len() as u64).to_le_bytes())?;
-        file.write_all(&header)?;
-        for (name, t) in &weights {
-            let mut full = vec![0f32; t.shape.iter().product()];
-            for piece in &t.pieces {
-                let values = reader
-                    .piece(&checkpoint.dir, name, piece)
-                    .map_err(std::io::Error::other)?;
-                let size: Vec<usize> = piece
-                    .start
-                    .iter()
-                    .zip(&piece.end)
-                    .map(|(s, e)| e - s)
-                    .collect();
-                copy_box(
-                    &values,
-                    &size,
-                    &vec![0; size.len()],
-                    &mut full,
-                    &t.shape,
-                    &piece.start,
-                    &size,
-                );
-            }
-            file.write_all(bytemuck::cast_slice(&full))?;
+    let assemble = |i: usize| -> std::io::Result<Vec<f32>> {
+        let (name, t) = weights[i];
+        let mut full = vec![0f32; t.shape.iter().product()];
+        for piece in &t.pieces {
+            let values = reader
+                .piece(&checkpoint.dir, name, piece)
+                .map_err(std::io::Error::other)?;
+            let size: Vec<usize> = piece
+                .start
+                .iter()
+                .zip(&piece.end)
+                .map(|(s, e)| e - s)
+                .collect();
+            copy_box(
+                &values,
+                &size,
+                &vec![0; size.len()],
+                &mut full,
+                &t.shape,
+                &piece.start,
+                &size,
+            );
         }
-        Ok(())
-    })
-    .map_err(|source| Error::Io {
+        Ok(full)
+    };
+    write_streamed(out, &names, assemble, |_, _| {}).map_err(|source| Error::Io {
         path: out.to_path_buf(),
         source,
     })?;
-    let _ = fs::metadata(out);
     Ok(())
 }
 
@@ -208,6 +187,7 @@ mod tests {
     use crate::gpt::GptConfig;
     use crate::parallelize::{FsdpStrategy, ParallelConfig, parallelize_gpt};
     use burn::backend::{Autodiff, Flex};
+    use std::fs;
     use wildfire_parallel::{Distributed, LaunchOptions, launch_ranks};
 
     type Dist = Autodiff<Distributed<Flex>>;

@@ -205,7 +205,7 @@ pub enum Error {
         /// What it reported.
         reason: String,
     },
-    /// A [`Group::Axis`] that the mesh does not have.
+    /// A [`crate::Group::Axis`] that the mesh does not have.
     #[error("mesh {mesh} has no axis {axis}; name axes through DeviceMesh::axis_index")]
     NoSuchAxisIndex {
         /// The axis index given.

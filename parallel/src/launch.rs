@@ -33,7 +33,7 @@ use crate::mesh::DeviceMesh;
 #[derive(Clone, Debug)]
 pub struct LaunchOptions {
     /// How long a rank waits for its peers in a collective (or for a message) before failing
-    /// with [`Error::Timeout`](crate::comm::Error::Timeout).
+    /// with [`Error::Timeout`].
     pub timeout: Duration,
 }
 
@@ -50,7 +50,7 @@ impl Default for LaunchOptions {
 ///
 /// A panic on any rank aborts the world ([`InProcessWorld::abort`]), so the other ranks'
 /// pending and later calls fail at once with
-/// [`Error::PeerFailed`](crate::comm::Error::PeerFailed) instead of waiting for the
+/// [`Error::PeerFailed`] instead of waiting for the
 /// timeout; the launch then returns [`Error::RankFailed`] for the rank that failed first.
 pub fn launch<T, F>(mesh: &DeviceMesh, options: &LaunchOptions, f: F) -> Result<Vec<T>, Error>
 where

@@ -80,7 +80,7 @@ pub struct RunSummary {
     pub setup_peak_rss: u64,
     /// The process's peak resident set at the end, after the last checkpoint was written.
     pub final_peak_rss: u64,
-    /// Per checkpoint saved: the seconds on the step's path (copying the pieces to host) and the
+    /// Per checkpoint saved: the seconds on the step's path (taking the pieces) and the
     /// seconds rank 0's background thread took to write and commit.
     pub saves: Vec<(f64, f64)>,
     /// The model shape.

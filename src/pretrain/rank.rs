@@ -295,7 +295,7 @@ impl RankRun<'_> {
     }
 
     /// Save the checkpoint of `step`: this rank's pieces of the weights and the AdamW state are
-    /// copied to host memory (the part on the step's path), then written by `writer` in the
+    /// held (the part on the step's path: no copy), then read out and written by `writer` in the
     /// background while training goes on; rank 0 adds the run state (`state.json`: step, config,
     /// model shape, loss scaler; the sampler needs nothing else) and commits. No collective runs.
     fn save<B, O, X>(
@@ -335,7 +335,7 @@ impl RankRun<'_> {
         tracing::debug!(
             step,
             bytes,
-            "checkpoint: {:.1} ms copying to host on the step's path",
+            "checkpoint: {:.1} ms taking the pieces on the step's path",
             copy.as_secs_f64() * 1e3
         );
         Ok((copy.as_secs_f64(), previous))

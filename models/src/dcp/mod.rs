@@ -4,7 +4,7 @@
 //! mesh and strategy loads onto another, each rank reading (memory-mapped) only the pieces that
 //! overlap its own, each piece checked against its CRC-32.
 //!
-//! On disk, the checkpoint of step `N` under `root` (see [`CheckpointDir`]):
+//! On disk, the checkpoint of step `N` under `root` (see [`crate::checkpoint::CheckpointDir`]):
 //!
 //! ```text
 //! root/step-0000000N/
@@ -20,8 +20,9 @@
 //!
 //! A piece is saved by the one rank that owns it ([`wildfire_parallel::Layout::owns_piece`]),
 //! without its padding, so every element is on disk once. The save is in two halves: a
-//! [`Snapshot`] copies this rank's pieces to host memory (the only part on the training step's
-//! path), then a [`CheckpointWriter`] writes them on a background thread. Rank 0's thread then
+//! [`Snapshot`] takes a hold on this rank's pieces (the only part on the training step's path: no
+//! copy, the tensors being values), then a [`CheckpointWriter`] reads them out and writes them on
+//! a background thread. Rank 0's thread then
 //! waits for every rank's index, writes `metadata.json`, renames the staging directory into place
 //! and moves `latest` last: a rank that dies mid-save leaves the previous checkpoint the latest.
 
@@ -114,6 +115,56 @@ pub(crate) fn moment_key(path: &str, which: u8) -> String {
 
 pub(crate) fn rank_file(rank: usize, ext: &str) -> String {
     format!("rank-{rank:05}.{ext}")
+}
+
+/// Write a safetensors file of F32 tensors at `path` atomically, streaming: the header from the
+/// names and shapes, then each tensor's values as `next(i)` gives them (one tensor in memory at
+/// a time), each also passed to `seen(i, bytes)` (for a checksum). Returns the file's length.
+pub(crate) fn write_streamed(
+    path: &std::path::Path,
+    tensors: &[(String, Vec<usize>)],
+    mut next: impl FnMut(usize) -> std::io::Result<Vec<f32>>,
+    mut seen: impl FnMut(usize, &[u8]),
+) -> std::io::Result<u64> {
+    use std::io::Write;
+    let mut offset = 0;
+    let infos = tensors
+        .iter()
+        .map(|(name, shape)| {
+            let bytes = 4 * shape.iter().product::<usize>();
+            offset += bytes;
+            let info = safetensors::tensor::TensorInfo {
+                dtype: safetensors::Dtype::F32,
+                shape: shape.clone(),
+                data_offsets: (offset - bytes, offset),
+            };
+            (name.clone(), info)
+        })
+        .collect();
+    let meta = safetensors::tensor::Metadata::new(None, infos).map_err(std::io::Error::other)?;
+    let mut header = serde_json::to_vec(&meta).map_err(std::io::Error::other)?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+    crate::io::write_atomic_with(path, |file| {
+        file.write_all(&(header.len() as u64).to_le_bytes())?;
+        file.write_all(&header)?;
+        for i in 0..tensors.len() {
+            let values = next(i)?;
+            let bytes = le_bytes(&values);
+            seen(i, &bytes);
+            file.write_all(&bytes)?;
+        }
+        Ok(())
+    })?;
+    Ok(8 + header.len() as u64 + offset as u64)
+}
+
+/// `values` as little-endian bytes (borrowed on a little-endian machine).
+pub(crate) fn le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        std::borrow::Cow::Borrowed(bytemuck::cast_slice(values))
+    } else {
+        std::borrow::Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
 }
 
 /// Copy the box `size` from `src` (row-major, shape `src_shape`, box at `src_at`) to `dst`

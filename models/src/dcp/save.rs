@@ -1,4 +1,4 @@
-//! The save half: a [`Snapshot`] of this rank's pieces on the host, written by a
+//! The save half: a [`Snapshot`] holding this rank's pieces, written by a
 //! [`CheckpointWriter`] in the background; rank 0 commits.
 
 use std::any::Any;
@@ -24,17 +24,23 @@ use super::{
 use crate::Error;
 use crate::checkpoint::{CheckpointDir, ParamRecords};
 
-/// A piece copied to host memory.
+/// Reads a piece's values (on the writer thread).
+type ReadPiece = Box<dyn FnOnce() -> Vec<f32> + Send>;
+
+/// A piece: where it lies, and a hold on the rank's buffer that reads its values out.
 struct HostPiece {
     name: String,
     shape: Vec<usize>,
     start: Vec<usize>,
     end: Vec<usize>,
-    data: Vec<f32>,
+    read: ReadPiece,
 }
 
-/// This rank's pieces of a model and its optimizer state, copied to host memory: what a save
-/// holds on to while the files are written in the background.
+/// This rank's pieces of a model and its optimizer state: what a save holds on to while the files
+/// are written in the background. It holds each piece's buffer itself, not a copy: Burn's tensors
+/// are values (an update writes into a buffer only when nothing else holds it, and makes a new
+/// one otherwise), so training goes on while the writer thread reads the held buffers out — the
+/// step's path pays for the references, not for a copy.
 pub struct Snapshot {
     rank: usize,
     mesh: Option<DeviceMesh>,
@@ -44,9 +50,9 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// Copy this rank's owned pieces of `model`'s parameters and, when given, of the AdamW
-    /// moments in `optimizer` (Burn's `AdamW` or any optimizer whose state is `AdamWState`) to
-    /// host memory. Nothing is communicated.
+    /// Hold this rank's owned pieces of `model`'s parameters and, when given, of the AdamW
+    /// moments in `optimizer` (Burn's `AdamW` or any optimizer whose state is `AdamWState`).
+    /// Nothing is communicated or copied.
     pub fn take<B, M, X>(
         model: &M,
         optimizer: Option<ParamRecords<AdaptorRecord<X, B>>>,
@@ -80,7 +86,17 @@ impl Snapshot {
 
     /// The bytes of tensor data it holds.
     pub fn bytes(&self) -> usize {
-        self.pieces.iter().map(|p| p.data.len() * 4).sum()
+        self.pieces
+            .iter()
+            .map(|p| {
+                4 * p
+                    .start
+                    .iter()
+                    .zip(&p.end)
+                    .map(|(s, e)| e - s)
+                    .product::<usize>()
+            })
+            .sum()
     }
 
     fn add<Inner: burn::tensor::backend::Backend, const D: usize>(
@@ -107,27 +123,30 @@ impl Snapshot {
         if local_box.iter().any(|(range, _)| range.is_empty()) {
             return; // only padding here
         }
-        let local = Tensor::<Inner, D>::from_primitive(TensorPrimitive::Float(t.local().clone()));
-        let values = local
-            .into_data()
-            .convert::<f32>()
-            .into_vec::<f32>()
-            .expect("f32 data");
         let extents: Vec<usize> = local_box.iter().map(|(_, e)| *e).collect();
         let lens: Vec<usize> = local_box.iter().map(|(r, _)| r.len()).collect();
-        let data = if lens == extents {
-            values
-        } else {
-            let mut out = vec![0.0; lens.iter().product()];
-            copy_box(&values, &extents, &[0; D], &mut out, &lens, &[0; D], &lens);
-            out
-        };
+        let local = t.local().clone();
+        let read: ReadPiece = Box::new(move || {
+            let values = Tensor::<Inner, D>::from_primitive(TensorPrimitive::Float(local))
+                .into_data()
+                .convert::<f32>()
+                .into_vec::<f32>()
+                .expect("f32 data");
+            if lens == extents {
+                values
+            } else {
+                // Without the padding rows.
+                let mut out = vec![0.0; lens.iter().product()];
+                copy_box(&values, &extents, &[0; D], &mut out, &lens, &[0; D], &lens);
+                out
+            }
+        });
         self.pieces.push(HostPiece {
             name,
             shape,
             start: local_box.iter().map(|(r, _)| r.start).collect(),
             end: local_box.iter().map(|(r, _)| r.end).collect(),
-            data,
+            read,
         });
     }
 
@@ -139,43 +158,39 @@ impl Snapshot {
             path: path.clone(),
             source,
         };
-        let mut tensors = BTreeMap::new();
-        let views: Vec<(String, F32View)> = self
+        let names: Vec<(String, Vec<usize>)> = self
             .pieces
             .iter()
             .map(|p| {
-                let view = F32View {
-                    shape: p.start.iter().zip(&p.end).map(|(s, e)| e - s).collect(),
-                    data: &p.data,
-                };
-                let meta = PieceMeta {
-                    file: file.clone(),
-                    start: p.start.clone(),
-                    end: p.end.clone(),
-                    crc32: Some(crc32fast::hash(&safetensors::View::data(&view))),
-                    key: None,
-                };
-                tensors.insert(p.name.clone(), (p.shape.clone(), meta));
-                (p.name.clone(), view)
+                let dims = p.start.iter().zip(&p.end).map(|(s, e)| e - s).collect();
+                (p.name.clone(), dims)
             })
             .collect();
-        // Streamed from the pieces into a temporary next to the file (no second copy of the
-        // data), synced, then renamed over it.
-        let tmp = crate::io::temporary_next_to(&path);
-        let written = safetensors::serialize_to_file(views, None, &tmp)
-            .map_err(|e| Error::Invalid {
-                path: path.clone(),
-                reason: format!("could not write the pieces: {e}"),
-            })
-            .and_then(|()| {
-                let f = fs::File::open(&tmp).map_err(io)?;
-                f.sync_all().map_err(io)?;
-                Ok(f.metadata().map_err(io)?.len())
-            })
-            .and_then(|bytes| fs::rename(&tmp, &path).map(|()| bytes).map_err(io));
-        let bytes = written.inspect_err(|_| {
-            let _ = fs::remove_file(&tmp);
-        })?;
+        // Each piece read out of its held buffer, checksummed and written before the next one.
+        let mut reads: Vec<Option<ReadPiece>> = Vec::with_capacity(self.pieces.len());
+        let mut tensors = BTreeMap::new();
+        for p in self.pieces {
+            reads.push(Some(p.read));
+            let meta = PieceMeta {
+                file: file.clone(),
+                start: p.start,
+                end: p.end,
+                crc32: None,
+                key: None,
+            };
+            tensors.insert(p.name, (p.shape, meta));
+        }
+        let mut crcs = vec![0u32; names.len()];
+        let bytes = super::write_streamed(
+            &path,
+            &names,
+            |i| Ok(reads[i].take().expect("each piece is read once")()),
+            |i, bytes| crcs[i] = crc32fast::hash(bytes),
+        )
+        .map_err(io)?;
+        for ((name, _), crc) in names.iter().zip(crcs) {
+            tensors.get_mut(name).expect("every piece").1.crc32 = Some(crc);
+        }
         let index = RankIndex {
             format: FORMAT.into(),
             step,
@@ -193,32 +208,6 @@ impl Snapshot {
             source,
         })?;
         Ok(index)
-    }
-}
-
-/// A piece's values as a safetensors view: little-endian f32, borrowed where the machine is
-/// little-endian.
-struct F32View<'a> {
-    shape: Vec<usize>,
-    data: &'a [f32],
-}
-
-impl safetensors::View for F32View<'_> {
-    fn dtype(&self) -> safetensors::Dtype {
-        safetensors::Dtype::F32
-    }
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        if cfg!(target_endian = "little") {
-            std::borrow::Cow::Borrowed(bytemuck::cast_slice(self.data))
-        } else {
-            std::borrow::Cow::Owned(self.data.iter().flat_map(|v| v.to_le_bytes()).collect())
-        }
-    }
-    fn data_len(&self) -> usize {
-        self.data.len() * 4
     }
 }
 
