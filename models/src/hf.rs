@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use crate::Error;
 use crate::dcp::{
-    Checkpoint, FORMAT, Metadata, PieceMeta, Reader, TensorMeta, copy_box, write_streamed,
+    Checkpoint, FORMAT, Metadata, PieceMeta, Reader, TensorMeta, box_dims, copy_box, write_streamed,
 };
 
 /// The Hugging Face GPT-2 name of a Wildfire GPT parameter path.
@@ -83,14 +83,9 @@ pub fn import_gpt2(file: &Path) -> Result<Checkpoint, Error> {
         .into_owned();
     let mut tensors = BTreeMap::new();
     for (key, entry) in &header {
-        if key == "__metadata__" {
-            continue;
-        }
         let Some(path) = wildfire_path(key) else {
             continue;
         };
-        let entry: crate::dcp::HeaderEntry = serde_json::from_value(entry.clone())
-            .map_err(|e| invalid(format!("{key}: bad header entry ({e})")))?;
         if entry.dtype != "F32" {
             return Err(invalid(format!(
                 "{key} is {}; convert the file to F32 (the master weights' type)",
@@ -156,12 +151,7 @@ pub fn export_gpt2(checkpoint: &Checkpoint, out: &Path) -> Result<(), Error> {
             let values = reader
                 .piece(&checkpoint.dir, name, piece)
                 .map_err(std::io::Error::other)?;
-            let size: Vec<usize> = piece
-                .start
-                .iter()
-                .zip(&piece.end)
-                .map(|(s, e)| e - s)
-                .collect();
+            let size: Vec<usize> = box_dims(&piece.start, &piece.end);
             copy_box(
                 &values,
                 &size,

@@ -10,6 +10,7 @@ use wildfire_parallel::rng::SplitMix64;
 use wildfire_parallel::{DTensor, DistDevice, DistributedBackend, Layout};
 
 use crate::Error;
+use crate::dcp::for_each_row;
 
 /// One parameter's initial values: N(0, std²) from its own splitmix64 stream (Box–Muller on
 /// consecutive pairs of draws: element 2k is the cosine of pair k, 2k + 1 the sine), or a
@@ -123,31 +124,19 @@ impl<B: DistributedBackend> Place<B> for Pieces<B> {
         let local_box = layout.local_box(&shape, self.device.mesh(), self.device.rank());
         let extents: Vec<usize> = local_box.iter().map(|(_, e)| *e).collect();
         let mut local = vec![0.0; extents.iter().product()];
-        if local_box.iter().all(|(r, _)| !r.is_empty()) && D > 0 {
-            // One contiguous run per row of the box (the last dim), in global flat indices.
-            let run = local_box[D - 1].0.clone();
-            let rows: Vec<usize> = local_box[..D - 1].iter().map(|(r, _)| r.len()).collect();
-            let mut idx = vec![0; D - 1];
-            for _ in 0..rows.iter().product::<usize>() {
-                let (mut global, mut at) = (0, 0);
-                for d in 0..D - 1 {
-                    global = global * shape[d] + local_box[d].0.start + idx[d];
-                    at = at * extents[d] + idx[d];
-                }
-                let global = global * shape[D - 1] + run.start;
-                let at = at * extents[D - 1];
-                values.fill(global, &mut local[at..at + run.len()]);
-                for d in (0..D - 1).rev() {
-                    idx[d] += 1;
-                    if idx[d] < rows[d] {
-                        break;
-                    }
-                    idx[d] = 0;
-                }
-            }
-        } else if D == 0 {
-            values.fill(0, &mut local);
-        }
+        // One contiguous run per row of the box (along the last dim), in global flat indices.
+        let lens: Vec<usize> = local_box.iter().map(|(r, _)| r.len()).collect();
+        for_each_row(&lens, |row| {
+            let flat = |shape: &[usize], start: &dyn Fn(usize) -> usize| {
+                (0..D).fold(0, |flat, d| {
+                    flat * shape[d] + start(d) + row.get(d).copied().unwrap_or(0)
+                })
+            };
+            let global = flat(&shape, &|d| local_box[d].0.start);
+            let at = flat(&extents, &|_| 0);
+            let run = lens.last().copied().unwrap_or(1);
+            values.fill(global, &mut local[at..at + run]);
+        });
         let piece =
             Tensor::<B::Inner, D>::from_data(TensorData::new(local, extents), self.device.inner());
         // The planner checked that the layout splits only what divides (or pads on data axes).

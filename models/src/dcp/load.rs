@@ -18,7 +18,7 @@ use wildfire_parallel::{
     map_params, visit_params,
 };
 
-use super::{FORMAT, Metadata, PieceMeta, copy_box, model_key, moment_key};
+use super::{FORMAT, Metadata, PieceMeta, box_dims, copy_box, model_key, moment_key};
 use crate::Error;
 use crate::checkpoint::ParamRecords;
 
@@ -164,12 +164,7 @@ impl Checkpoint {
             let Some(overlap) = overlap else { continue };
             let data = reader.piece(&self.dir, name, piece)?;
             let size: Vec<usize> = overlap.iter().map(Range::len).collect();
-            let piece_shape: Vec<usize> = piece
-                .start
-                .iter()
-                .zip(&piece.end)
-                .map(|(s, e)| e - s)
-                .collect();
+            let piece_shape: Vec<usize> = box_dims(&piece.start, &piece.end);
             let src_at: Vec<usize> = overlap
                 .iter()
                 .zip(&piece.start)
@@ -220,14 +215,14 @@ impl Checkpoint {
 /// positioned reads (no mapping: the file's pages never count in the process's resident set).
 #[derive(Default)]
 pub(crate) struct Reader {
-    files: BTreeMap<String, (fs::File, u64, BTreeMap<String, serde_json::Value>)>,
+    files: BTreeMap<String, (fs::File, u64, BTreeMap<String, HeaderEntry>)>,
 }
 
 /// A safetensors file opened for positioned reads: the file, where its data starts, and its
-/// header (tensor name → entry; `__metadata__` too).
+/// header's tensors (name → entry).
 pub(crate) fn open_safetensors(
     path: &Path,
-) -> Result<(fs::File, u64, BTreeMap<String, serde_json::Value>), Error> {
+) -> Result<(fs::File, u64, BTreeMap<String, HeaderEntry>), Error> {
     use std::io::Read;
     let io = |source| Error::io(path, source);
     let invalid = |reason: String| Error::Invalid {
@@ -246,9 +241,17 @@ pub(crate) fn open_safetensors(
     }
     let mut header = vec![0u8; n as usize];
     file.read_exact(&mut header).map_err(io)?;
-    let header = serde_json::from_slice(&header)
+    let mut header: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&header)
         .map_err(|e| invalid(format!("not a safetensors file ({e})")))?;
-    Ok((file, 8 + n, header))
+    header.remove("__metadata__");
+    let entries = header
+        .into_iter()
+        .map(|(name, entry)| match serde_json::from_value(entry) {
+            Ok(entry) => Ok((name, entry)),
+            Err(e) => Err(invalid(format!("{name}: bad header entry ({e})"))),
+        })
+        .collect::<Result<_, _>>()?;
+    Ok((file, 8 + n, entries))
 }
 
 /// One tensor's entry in a safetensors header.
@@ -280,19 +283,10 @@ impl Reader {
                 .insert(piece.file.clone(), (file, data_start, header));
         }
         let (file, data_start, header) = &self.files[&piece.file];
-        let entry: HeaderEntry = header
+        let entry = header
             .get(piece.key.as_deref().unwrap_or(name))
-            .cloned()
-            .ok_or_else(|| invalid("missing from the file".into()))
-            .and_then(|v| {
-                serde_json::from_value(v).map_err(|e| invalid(format!("bad header entry ({e})")))
-            })?;
-        let dims: Vec<usize> = piece
-            .start
-            .iter()
-            .zip(&piece.end)
-            .map(|(s, e)| e - s)
-            .collect();
+            .ok_or_else(|| invalid("missing from the file".into()))?;
+        let dims: Vec<usize> = box_dims(&piece.start, &piece.end);
         let [begin, end] = entry.data_offsets;
         let count: usize = dims.iter().product();
         if entry.dtype != "F32"

@@ -34,7 +34,7 @@ use wildfire_parallel::DeviceMesh;
 mod load;
 mod save;
 
-pub(crate) use load::{HeaderEntry, Reader, open_safetensors};
+pub(crate) use load::{Reader, open_safetensors};
 
 pub use load::Checkpoint;
 pub use save::{CheckpointWriter, SaveReport, Snapshot};
@@ -178,41 +178,42 @@ pub(crate) fn copy_box(
     dst_at: &[usize],
     size: &[usize],
 ) {
-    let d = size.len();
-    if d == 0 {
-        dst[0] = src[0];
-        return;
-    }
+    let flat = |shape: &[usize], at: &[usize], row: &[usize]| {
+        (0..size.len()).fold(0, |flat, i| {
+            flat * shape[i] + at[i] + row.get(i).copied().unwrap_or(0)
+        })
+    };
+    for_each_row(size, |row| {
+        let (so, doff) = (flat(src_shape, src_at, row), flat(dst_shape, dst_at, row));
+        let run = size.last().copied().unwrap_or(1);
+        dst[doff..doff + run].copy_from_slice(&src[so..so + run]);
+    });
+}
+
+/// Call `f` with the index of every row of a box of `size` (its leading dims; a row runs along
+/// the last), in row-major order: once with `[]` for a rank-0 or rank-1 box, never for an empty
+/// one.
+pub(crate) fn for_each_row(size: &[usize], mut f: impl FnMut(&[usize])) {
     if size.contains(&0) {
         return;
     }
-    let strides = |shape: &[usize]| {
-        let mut s = vec![1; d];
-        for i in (0..d.saturating_sub(1)).rev() {
-            s[i] = s[i + 1] * shape[i + 1];
-        }
-        s
-    };
-    let (ss, ds) = (strides(src_shape), strides(dst_shape));
-    let run = size[d - 1];
-    let rows: usize = size[..d - 1].iter().product();
-    let mut idx = vec![0; d - 1];
-    for _ in 0..rows {
-        let so: usize = (0..d)
-            .map(|i| (src_at[i] + idx.get(i).copied().unwrap_or(0)) * ss[i])
-            .sum();
-        let doff: usize = (0..d)
-            .map(|i| (dst_at[i] + idx.get(i).copied().unwrap_or(0)) * ds[i])
-            .sum();
-        dst[doff..doff + run].copy_from_slice(&src[so..so + run]);
-        for i in (0..d - 1).rev() {
-            idx[i] += 1;
-            if idx[i] < size[i] {
+    let lead = &size[..size.len().saturating_sub(1)];
+    let mut row = vec![0; lead.len()];
+    for _ in 0..lead.iter().product::<usize>() {
+        f(&row);
+        for d in (0..lead.len()).rev() {
+            row[d] += 1;
+            if row[d] < lead[d] {
                 break;
             }
-            idx[i] = 0;
+            row[d] = 0;
         }
     }
+}
+
+/// The size of the box `start..end` per dimension.
+pub(crate) fn box_dims(start: &[usize], end: &[usize]) -> Vec<usize> {
+    start.iter().zip(end).map(|(s, e)| e - s).collect()
 }
 
 #[cfg(test)]

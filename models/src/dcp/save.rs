@@ -19,7 +19,8 @@ use wildfire_parallel::{
 };
 
 use super::{
-    FORMAT, Metadata, PieceMeta, RankIndex, TensorMeta, copy_box, model_key, moment_key, rank_file,
+    FORMAT, Metadata, PieceMeta, RankIndex, TensorMeta, box_dims, copy_box, model_key, moment_key,
+    rank_file,
 };
 use crate::Error;
 use crate::checkpoint::{CheckpointDir, ParamRecords};
@@ -88,14 +89,7 @@ impl Snapshot {
     pub fn bytes(&self) -> usize {
         self.pieces
             .iter()
-            .map(|p| {
-                4 * p
-                    .start
-                    .iter()
-                    .zip(&p.end)
-                    .map(|(s, e)| e - s)
-                    .product::<usize>()
-            })
+            .map(|p| 4 * box_dims(&p.start, &p.end).iter().product::<usize>())
             .sum()
     }
 
@@ -158,29 +152,19 @@ impl Snapshot {
             path: path.clone(),
             source,
         };
+        // Each piece read out of its held buffer, checksummed and written before the next one.
         let names: Vec<(String, Vec<usize>)> = self
             .pieces
             .iter()
-            .map(|p| {
-                let dims = p.start.iter().zip(&p.end).map(|(s, e)| e - s).collect();
-                (p.name.clone(), dims)
-            })
+            .map(|p| (p.name.clone(), box_dims(&p.start, &p.end)))
             .collect();
-        // Each piece read out of its held buffer, checksummed and written before the next one.
         let mut reads: Vec<Option<ReadPiece>> = Vec::with_capacity(self.pieces.len());
-        let mut tensors = BTreeMap::new();
+        let mut crcs = vec![0u32; names.len()];
+        let mut pieces = Vec::with_capacity(self.pieces.len());
         for p in self.pieces {
             reads.push(Some(p.read));
-            let meta = PieceMeta {
-                file: file.clone(),
-                start: p.start,
-                end: p.end,
-                crc32: None,
-                key: None,
-            };
-            tensors.insert(p.name, (p.shape, meta));
+            pieces.push((p.name, p.shape, p.start, p.end));
         }
-        let mut crcs = vec![0u32; names.len()];
         let bytes = super::write_streamed(
             &path,
             &names,
@@ -188,9 +172,20 @@ impl Snapshot {
             |i, bytes| crcs[i] = crc32fast::hash(bytes),
         )
         .map_err(io)?;
-        for ((name, _), crc) in names.iter().zip(crcs) {
-            tensors.get_mut(name).expect("every piece").1.crc32 = Some(crc);
-        }
+        let tensors = pieces
+            .into_iter()
+            .zip(crcs)
+            .map(|((name, shape, start, end), crc)| {
+                let meta = PieceMeta {
+                    file: file.clone(),
+                    start,
+                    end,
+                    crc32: Some(crc),
+                    key: None,
+                };
+                (name, (shape, meta))
+            })
+            .collect();
         let index = RankIndex {
             format: FORMAT.into(),
             step,
