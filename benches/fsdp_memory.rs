@@ -7,12 +7,15 @@
 //! cargo bench --bench fsdp_memory [-- --out target/fsdp_memory.md] [--only checkpoint]
 //! ```
 //!
-//! A second table: the process's peak resident set (VmHWM, reset before each run) of GPT-2 124M
-//! (block 64, dp 4, FullShard, ranks as threads) with sharded initialisation, a distributed
-//! checkpoint save and a resume from it, beside the model-state formula, and the save's time on
-//! the step's path (taking the pieces) against its background write (reading them out and
-//! writing them). Each of those runs is a
-//! process of its own (this binary with `--phase`), with the binaries' allocator.
+//! A second table: GPT-2 124M (block 64, dp 4, FullShard, ranks as threads) with sharded
+//! initialisation, a distributed checkpoint save (after each of two steps: the second step runs
+//! while the first save is written) and a resume from it: the most heap bytes live at once and
+//! the process's peak resident set (VmHWM, reset before each run) under the binaries' two
+//! allocators (mimalloc keeping freed pages, the default; glibc's with `WILDFIRE_ALLOC=system`),
+//! beside the formula: the model state, plus, once a step ran, the decorator's peak of live
+//! tensor bytes (activations, gathered parameters, gradients: measured, times the ranks). Also
+//! the save's time on the step's path (taking the pieces) against its background write (reading
+//! them out and writing them). Each run is a process of its own (this binary with `--phase`).
 //!
 //! Formulas (Ψ parameters, f32): parameters 4Ψ (4Ψ/N sharded), gradients 4Ψ (4Ψ/N), AdamW state
 //! 8Ψ (8Ψ/N); communication in the bytes each rank passes to its collectives: DDP all-reduces the
@@ -22,10 +25,10 @@
 //! the padding of uneven shards, the tied embedding's second use and the small collectives of the
 //! step (loss metric, overflow and norm check).
 
-/// The binaries' allocator, which keeps freed memory for the next step (see `wildfire::alloc`):
-/// the resident figures are what `gpt_pretrain` would show.
+/// The binaries' allocator (see `wildfire::alloc`): mimalloc keeping freed memory, or the
+/// system's with `WILDFIRE_ALLOC=system`; it counts the live heap either way.
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
 use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;
@@ -172,16 +175,19 @@ fn reset_peak() -> bool {
 fn checkpoint_memory(smoke: bool) -> String {
     let n = if smoke { 2 } else { 4 };
     let dir = std::env::temp_dir().join(format!("wildfire-bench-dcp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
     // Each phase in a process of its own (this binary, `--phase`), so one run's freed memory
     // (kept by the allocator, as the binaries keep it) does not count in the next one's figures.
-    let phase = |name: &str| -> Phase {
-        let out = std::process::Command::new(std::env::current_exe().expect("this binary"))
+    let phase = |name: &str, system: bool| -> Phase {
+        let mut command = std::process::Command::new(std::env::current_exe().expect("this binary"));
+        command
             .args(["--phase", name, "--dir"])
             .arg(&dir)
             .args(smoke.then_some("--smoke"))
-            .output()
-            .expect("a phase process");
+            .env_remove("WILDFIRE_ALLOC");
+        if system {
+            command.env("WILDFIRE_ALLOC", "system");
+        }
+        let out = command.output().expect("a phase process");
         assert!(
             out.status.success(),
             "phase {name}: {}",
@@ -189,32 +195,48 @@ fn checkpoint_memory(smoke: bool) -> String {
         );
         serde_json::from_slice(&out.stdout).expect("the phase's figures")
     };
-    let (first, resumed) = (phase("save"), phase("resume"));
+    // The same save and resume under each allocator (the second save replaces the first).
+    let mut runs = Vec::new();
+    for system in [false, true] {
+        let _ = std::fs::remove_dir_all(&dir);
+        runs.push((phase("save", system), phase("resume", system)));
+    }
     let _ = std::fs::remove_dir_all(&dir);
+    let [(first, resumed), (first_sys, resumed_sys)] = <[_; 2]>::try_from(runs).ok().unwrap();
+    assert!(
+        !first.system && first_sys.system,
+        "the allocator choice reached the phases"
+    );
     let baseline = first.baseline;
-    let resets = first.resets;
     let psi = first.params as f64;
     // The decorator's peak of live tensor bytes on rank 0 (model state + activations), times
     // the ranks: every rank holds the same shapes.
     let step_peak = |s: &Phase| n as f64 * s.step_peak_bytes as f64;
-    let gb = |b: f64| format!("{:.3} GB", b / 1e9);
-    let row = |phase: &str, measured: u64, formula: f64, what: &str| {
+    let gb = |b: f64| format!("{:.3}", b / 1e9);
+    let row = |phase: &str, heap: u64, mi: u64, sys: u64, formula: f64, what: &str| {
         let formula = formula + baseline as f64;
+        let ratio = |m: u64| format!("{:.2}", m as f64 / formula);
         format!(
-            "| {phase} | {} | {} ({what} + {} baseline) | {:.2} |\n",
-            gb(measured as f64),
+            "| {phase} | {} ({}) | {} ({}) | {} ({}) | {} = {what} + {} baseline |\n",
+            gb(heap as f64),
+            ratio(heap),
+            gb(mi as f64),
+            ratio(mi),
+            gb(sys as f64),
+            ratio(sys),
             gb(formula),
             gb(baseline as f64),
-            measured as f64 / formula
         )
     };
     let mut out = format!(
         "GPT-2 {} ({} parameters), block {}, dp {n} FullShard, ranks as threads; Ψ = parameters, \
-         f32 AdamW: model state 16Ψ over the process{}\n\n| phase | peak RSS (VmHWM) | formula | ratio |\n|---|---|---|---|\n",
+         f32 AdamW: model state 16Ψ over the process. GB, and (in brackets) the ratio to the \
+         formula{}\n\n| phase | heap peak | VmHWM, mimalloc (default) | VmHWM, glibc \
+         (`WILDFIRE_ALLOC=system`) | formula |\n|---|---|---|---|---|\n",
         if smoke { "tiny (smoke)" } else { "124M" },
         psi as u64,
         if smoke { 32 } else { 64 },
-        if resets {
+        if first.resets {
             ""
         } else {
             " (VmHWM could not be reset: each figure is the peak so far)"
@@ -222,31 +244,39 @@ fn checkpoint_memory(smoke: bool) -> String {
     );
     out.push_str(&row(
         "init (sharded)",
+        first.setup_heap_peak,
         first.setup_peak_rss,
+        first_sys.setup_peak_rss,
         4.0 * psi,
         "4Ψ parameters",
     ));
     out.push_str(&row(
-        "step + save",
+        "2 steps, each saved",
+        first.final_heap_peak,
         first.final_peak_rss,
+        first_sys.final_peak_rss,
         step_peak(&first) + 12.0 * psi,
         "step peak of live tensors + 12Ψ held pieces of parameters and moments",
     ));
     out.push_str(&row(
         "resume (load)",
+        resumed.setup_heap_peak,
         resumed.setup_peak_rss,
+        resumed_sys.setup_peak_rss,
         12.0 * psi,
         "4Ψ parameters + 8Ψ moments",
     ));
     out.push_str(&row(
         "resume + step",
+        resumed.final_heap_peak,
         resumed.final_peak_rss,
+        resumed_sys.final_peak_rss,
         step_peak(&resumed),
         "step peak of live tensors",
     ));
     if let Some((copy, write)) = first.save {
         out.push_str(&format!(
-            "\nsave: {:.1} ms on the step's path (taking the pieces), {:.1} ms read out and written in the background (rank 0)\n",
+            "\nsave: {:.1} ms on the step's path (taking the pieces), {:.1} ms read out and written in the background (rank 0, first save)\n",
             copy * 1e3,
             write * 1e3
         ));
@@ -287,28 +317,33 @@ struct Phase {
     params: u64,
     baseline: u64,
     resets: bool,
+    system: bool,
     setup_peak_rss: u64,
     final_peak_rss: u64,
+    setup_heap_peak: u64,
+    final_heap_peak: u64,
     step_peak_bytes: u64,
     save: Option<(f64, f64)>,
 }
 
-/// `--phase save|resume --dir DIR [--smoke]`: one step saved into DIR, or a resume from it for
-/// one more step; prints a [`Phase`] as JSON.
+/// `--phase save|resume --dir DIR [--smoke]`: two steps, each saved into DIR, or a resume from
+/// the second for one more step; prints a [`Phase`] as JSON.
 fn run_phase(name: &str) {
     let dir = std::path::PathBuf::from(common::arg::<String>("--dir").expect("--dir"));
     let smoke = std::env::args().any(|a| a == "--smoke");
     let baseline = rss();
     let resets = reset_peak();
+    wildfire::alloc::reset_heap_peak();
     let config = checkpoint_config(smoke);
     let summary: RunSummary = match name {
         "save" => run(&PretrainConfig {
-            steps: 1,
+            steps: 2,
             save: Some(dir),
+            save_every: 1,
             ..config
         }),
         _ => run(&PretrainConfig {
-            steps: 2,
+            steps: 3,
             resume: Some(dir),
             ..config
         }),
@@ -318,9 +353,17 @@ fn run_phase(name: &str) {
         params: summary.model.as_ref().expect("model").num_params() as u64,
         baseline,
         resets,
+        system: wildfire::alloc::uses_system_allocator(),
         setup_peak_rss: summary.setup_peak_rss,
         final_peak_rss: summary.final_peak_rss,
-        step_peak_bytes: summary.steps.last().expect("a step").peak_bytes,
+        setup_heap_peak: summary.setup_heap_peak,
+        final_heap_peak: summary.final_heap_peak,
+        step_peak_bytes: summary
+            .steps
+            .iter()
+            .map(|s| s.peak_bytes)
+            .max()
+            .expect("a step"),
         save: summary.saves.first().copied(),
     };
     println!("{}", serde_json::to_string(&phase).expect("json"));

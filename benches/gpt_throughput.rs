@@ -5,9 +5,10 @@
 //! cargo bench --bench gpt_throughput [-- --steps 8]
 //! ```
 
-/// mimalloc, keeping freed memory for the next step (see `wildfire::alloc`).
+/// mimalloc, keeping freed memory for the next step, or `WILDFIRE_ALLOC=system` (see
+/// `wildfire::alloc`).
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
 use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;

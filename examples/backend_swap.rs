@@ -6,9 +6,10 @@
 //! cargo run --release --example backend_swap -- --dp 2 --steps 30
 //! ```
 
-/// mimalloc, keeping freed memory for the next step (see `wildfire::alloc`).
+/// mimalloc, keeping freed memory for the next step, or `WILDFIRE_ALLOC=system` (see
+/// `wildfire::alloc`).
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
 use anyhow::{Context, Result};
 use burn::backend::{Autodiff, Flex};

@@ -6,9 +6,10 @@
 //! cargo run --release --example gpt_pretrain -- --config run.toml --steps 500   # flags win
 //! ```
 
-/// mimalloc, keeping freed memory for the next step (see `wildfire::alloc`).
+/// mimalloc, keeping freed memory for the next step, or `WILDFIRE_ALLOC=system` (see
+/// `wildfire::alloc`).
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
 use anyhow::{Context, Result, bail};
 use clap::parser::ValueSource;

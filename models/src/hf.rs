@@ -102,6 +102,7 @@ pub fn import_gpt2(file: &Path) -> Result<Checkpoint, Error> {
                     start: vec![0; entry.shape.len()],
                     end: entry.shape.clone(),
                     crc32: None,
+                    chunks: None,
                     key: Some(key.clone()),
                 }],
                 rows_padded: path == "wte" || path == "wpe",
@@ -116,9 +117,9 @@ pub fn import_gpt2(file: &Path) -> Result<Checkpoint, Error> {
     let dir = file
         .parent()
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
-    Ok(Checkpoint {
+    Ok(Checkpoint::new(
         dir,
-        meta: Metadata {
+        Metadata {
             format: FORMAT.into(),
             step: 0,
             mesh: wildfire_parallel::DeviceMesh::single(),
@@ -126,7 +127,7 @@ pub fn import_gpt2(file: &Path) -> Result<Checkpoint, Error> {
             tensors,
             optimizer_steps: BTreeMap::new(),
         },
-    })
+    ))
 }
 
 /// Write the weights of `checkpoint` as one safetensors file with GPT-2's names at `out`

@@ -80,6 +80,11 @@ pub struct RunSummary {
     pub setup_peak_rss: u64,
     /// The process's peak resident set at the end, after the last checkpoint was written.
     pub final_peak_rss: u64,
+    /// The most heap bytes live at once before the first step ([`crate::alloc::heap_peak`]:
+    /// 0 unless the binary's global allocator is [`crate::alloc::Allocator`]).
+    pub setup_heap_peak: u64,
+    /// The most heap bytes live at once by the end.
+    pub final_heap_peak: u64,
     /// Per checkpoint saved: the seconds on the step's path (taking the pieces) and the
     /// seconds rank 0's background thread took to write and commit.
     pub saves: Vec<(f64, f64)>,

@@ -108,6 +108,7 @@ impl RankRun<'_> {
         };
         let mut summary = RunSummary {
             setup_peak_rss: peak_rss(),
+            setup_heap_peak: crate::alloc::heap_peak() as u64,
             ..RunSummary::default()
         };
         let tokens_per_step = (config.batch_size * model_config.block_size) as f64;
@@ -204,6 +205,7 @@ impl RankRun<'_> {
             bar.finish_and_clear();
         }
         summary.final_peak_rss = peak_rss();
+        summary.final_heap_peak = crate::alloc::heap_peak() as u64;
         // Gathering sharded parameters and sampling take collectives: every rank does them.
         if config.gather_parameters {
             summary.parameters = crate::demo::parameters(&model);

@@ -323,8 +323,10 @@ fn full_shard_collectives_per_step_match_the_plan() {
 /// A distributed checkpoint of a stock burn-nn model: every rank writes only its own pieces, with
 /// no collective; rank 0 commits once every rank's part is there. A rank that never finishes its
 /// part (it died) leaves the previous checkpoint the latest, and rank 0 gets a typed error naming
-/// it. The pieces cover every tensor once; loading onto another mesh (dp 4) reads the pieces that
-/// overlap each rank's own and gives the saved values exactly.
+/// it. The pieces cover every tensor once; loading onto another mesh (dp 4) reads the parts of
+/// the pieces that overlap each rank's own (each half piece read by one rank: the whole
+/// checkpoint once, plus at most a checksum chunk at each end of a part) and gives the saved
+/// values exactly.
 #[test]
 fn distributed_checkpoint_reshards_a_stock_model() {
     use burn::optim::AdamW;
@@ -334,7 +336,10 @@ fn distributed_checkpoint_reshards_a_stock_model() {
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
     let out = threads(&mesh, |device| {
         let m = fully_shard(model::<Dist>(&device), &mesh, FsdpStrategy::FullShard).unwrap();
-        let writer = CheckpointWriter::new(&root, device.rank(), 2).unwrap();
+        // Checksums per 64 bytes: a rank reads its part of a piece, not the piece.
+        let writer = CheckpointWriter::new(&root, device.rank(), 2)
+            .unwrap()
+            .with_chunk_bytes(64);
         // Rank 0 clears stale staging directories before anyone saves (in training, the steps
         // between the writer's creation and the first save order it so).
         device.context().comm().barrier(Group::World).unwrap();
@@ -386,6 +391,14 @@ fn distributed_checkpoint_reshards_a_stock_model() {
     for params in loaded {
         assert_eq!(params, saved);
     }
+    let data: u64 = meta.files.values().sum();
+    let (tensors, pieces) = (meta.tensors.len() as u64, 2 * meta.tensors.len() as u64);
+    let slack = 4 * pieces * 2 * 64;
+    let read = checkpoint.bytes_read();
+    assert!(
+        read <= data + slack && read < data * 3 / 2,
+        "read {read} bytes of {data} ({tensors} tensors)"
+    );
     std::fs::remove_dir_all(&root).unwrap();
 }
 

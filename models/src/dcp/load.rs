@@ -26,6 +26,8 @@ use crate::checkpoint::ParamRecords;
 pub struct Checkpoint {
     pub(crate) dir: PathBuf,
     pub(crate) meta: Metadata,
+    /// Bytes of tensor data read by every load so far (all ranks sharing this value).
+    bytes_read: std::sync::atomic::AtomicU64,
 }
 
 impl Checkpoint {
@@ -61,7 +63,27 @@ impl Checkpoint {
                 });
             }
         }
-        Ok(Self { dir, meta })
+        Ok(Self::new(dir, meta))
+    }
+
+    pub(crate) fn new(dir: PathBuf, meta: Metadata) -> Self {
+        Self {
+            dir,
+            meta,
+            bytes_read: Default::default(),
+        }
+    }
+
+    /// Bytes of tensor data read from the files so far, by every load from this value (ranks as
+    /// threads sharing one `Checkpoint` add up): a rank reads the checksum chunks that hold
+    /// the elements it needs, not whole pieces.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn count(&self, reader: &Reader) {
+        self.bytes_read
+            .fetch_add(reader.bytes_read, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The metadata.
@@ -88,6 +110,7 @@ impl Checkpoint {
             error: None,
         };
         let model = map_params(model, &mut loader);
+        self.count(&loader.reader);
         match loader.error {
             Some(e) => Err(e),
             None => Ok(model),
@@ -114,6 +137,7 @@ impl Checkpoint {
             error: None,
         };
         visit_params(model, &mut loader);
+        self.count(&loader.reader);
         match loader.error {
             Some(e) => Err(e),
             None => Ok(loader.records),
@@ -162,9 +186,7 @@ impl Checkpoint {
                 })
                 .collect();
             let Some(overlap) = overlap else { continue };
-            let data = reader.piece(&self.dir, name, piece)?;
             let size: Vec<usize> = overlap.iter().map(Range::len).collect();
-            let piece_shape: Vec<usize> = box_dims(&piece.start, &piece.end);
             let src_at: Vec<usize> = overlap
                 .iter()
                 .zip(&piece.start)
@@ -175,10 +197,12 @@ impl Checkpoint {
                 .zip(&local_box)
                 .map(|(o, (b, _))| o.start - b.start)
                 .collect();
+            // Only the overlap's bytes (and the rest of their checksum chunks) are read.
+            let data = reader.read_box(&self.dir, name, piece, &src_at, &size)?;
             copy_box(
                 &data,
-                &piece_shape,
-                &src_at,
+                &size,
+                &vec![0; size.len()],
                 &mut values,
                 &extents,
                 &dst_at,
@@ -216,6 +240,8 @@ impl Checkpoint {
 #[derive(Default)]
 pub(crate) struct Reader {
     files: BTreeMap<String, (fs::File, u64, BTreeMap<String, HeaderEntry>)>,
+    /// Bytes of tensor data read so far.
+    pub(crate) bytes_read: u64,
 }
 
 /// A safetensors file opened for positioned reads: the file, where its data starts, and its
@@ -263,14 +289,29 @@ pub(crate) struct HeaderEntry {
 }
 
 impl Reader {
-    /// The values of `piece` of tensor `name`, checked against its CRC-32.
+    /// The values of `piece` of tensor `name`, whole, checked against its checksums.
     pub(crate) fn piece(
         &mut self,
         dir: &Path,
         name: &str,
         piece: &PieceMeta,
     ) -> Result<Vec<f32>, Error> {
-        use std::io::{Read, Seek, SeekFrom};
+        let size = box_dims(&piece.start, &piece.end);
+        self.read_box(dir, name, piece, &vec![0; size.len()], &size)
+    }
+
+    /// The box `size` at `at` (in the piece's own indices) of `piece` of tensor `name`, row-major:
+    /// reads only the checksum chunks that hold its bytes (every byte it reads is checked), or,
+    /// for a piece without checksums (an imported file), only its bytes.
+    pub(crate) fn read_box(
+        &mut self,
+        dir: &Path,
+        name: &str,
+        piece: &PieceMeta,
+        at: &[usize],
+        size: &[usize],
+    ) -> Result<Vec<f32>, Error> {
+        use std::os::unix::fs::FileExt;
         let path = dir.join(&piece.file);
         let invalid = |reason: String| Error::Invalid {
             path: path.clone(),
@@ -298,28 +339,84 @@ impl Reader {
                 entry.dtype, entry.shape
             )));
         }
-        let mut values = vec![0f32; count];
-        let mut reader = file;
-        reader
-            .seek(SeekFrom::Start(data_start + begin))
+        let piece_bytes = 4 * count;
+        // The unit of reading: a checksum chunk, the whole piece (one checksum), or one value.
+        let (granule, checks): (usize, Vec<u32>) = match (&piece.chunks, piece.crc32) {
+            (Some(chunks), _) => {
+                let granule = chunks.bytes as usize;
+                if granule == 0
+                    || granule % 4 != 0
+                    || chunks.crc32.len() != piece_bytes.div_ceil(granule)
+                {
+                    return Err(invalid(format!(
+                        "{} checksums of {granule}-byte chunks for {piece_bytes} bytes",
+                        chunks.crc32.len()
+                    )));
+                }
+                (granule, chunks.crc32.clone())
+            }
+            (None, Some(crc)) => (piece_bytes.max(4), vec![crc]),
+            (None, None) => (4, Vec::new()),
+        };
+        // The box's runs (one per row along the last dim): where in the piece, where in `out`.
+        let run = size.last().copied().unwrap_or(1);
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        super::for_each_row(size, |row| {
+            let from = (0..size.len()).fold(0, |flat, d| {
+                flat * dims[d] + at[d] + row.get(d).copied().unwrap_or(0)
+            });
+            runs.push((from, runs.len() * run));
+        });
+        let mut out = vec![0f32; size.iter().product()];
+        // Spans of whole granules covering consecutive runs, each read at once (at most
+        // `SPAN_BYTES` of them, or one run's granules), checked, and copied out of.
+        const SPAN_BYTES: usize = 16 << 20;
+        let granules = |from: usize| (4 * from / granule, (4 * (from + run) - 1) / granule);
+        let mut i = 0;
+        while i < runs.len() {
+            let (first, mut last) = granules(runs[i].0);
+            let mut j = i + 1;
+            while j < runs.len() {
+                let (g0, g1) = granules(runs[j].0);
+                if g0 > last + 1 || (g1 + 1 - first) * granule > SPAN_BYTES.max(granule) {
+                    break;
+                }
+                last = last.max(g1);
+                j += 1;
+            }
+            let (lo, hi) = (first * granule, ((last + 1) * granule).min(piece_bytes));
+            let mut span = vec![0f32; (hi - lo) / 4];
+            file.read_exact_at(
+                bytemuck::cast_slice_mut(&mut span),
+                data_start + begin + lo as u64,
+            )
             .map_err(io)?;
-        reader
-            .read_exact(bytemuck::cast_slice_mut(&mut values))
-            .map_err(io)?;
-        if piece
-            .crc32
-            .is_some_and(|crc| crc32fast::hash(bytemuck::cast_slice(&values)) != crc)
-        {
-            return Err(invalid(
-                "checksum mismatch: the file is corrupt; resume from an earlier checkpoint".into(),
-            ));
+            self.bytes_read += (hi - lo) as u64;
+            let bytes: &[u8] = bytemuck::cast_slice(&span);
+            for (k, chunk) in bytes.chunks(granule).enumerate() {
+                if let Some(&crc) = checks.get(first + k)
+                    && crc32fast::hash(chunk) != crc
+                {
+                    return Err(invalid(format!(
+                        "checksum mismatch in bytes {}..{}: the file is corrupt; resume from an \
+                         earlier checkpoint",
+                        lo + k * granule,
+                        lo + k * granule + chunk.len()
+                    )));
+                }
+            }
+            for &(from, to) in &runs[i..j] {
+                let from = from - lo / 4;
+                out[to..to + run].copy_from_slice(&span[from..from + run]);
+            }
+            i = j;
         }
         if cfg!(target_endian = "big") {
-            for v in &mut values {
+            for v in &mut out {
                 *v = f32::from_le_bytes(v.to_ne_bytes());
             }
         }
-        Ok(values)
+        Ok(out)
     }
 }
 

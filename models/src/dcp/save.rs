@@ -144,8 +144,9 @@ impl Snapshot {
         });
     }
 
-    /// Encode and write this rank's files into `staging`; returns its index.
-    fn write(self, staging: &Path, step: usize) -> Result<RankIndex, Error> {
+    /// Encode and write this rank's files into `staging`, a checksum per `chunk` bytes of each
+    /// piece; returns its index.
+    fn write(self, staging: &Path, step: usize, chunk: usize) -> Result<RankIndex, Error> {
         let file = rank_file(self.rank, "safetensors");
         let path = staging.join(&file);
         let io = |source| Error::Io {
@@ -159,7 +160,7 @@ impl Snapshot {
             .map(|p| (p.name.clone(), box_dims(&p.start, &p.end)))
             .collect();
         let mut reads: Vec<Option<ReadPiece>> = Vec::with_capacity(self.pieces.len());
-        let mut crcs = vec![0u32; names.len()];
+        let mut crcs = vec![Vec::new(); names.len()];
         let mut pieces = Vec::with_capacity(self.pieces.len());
         for p in self.pieces {
             reads.push(Some(p.read));
@@ -169,7 +170,7 @@ impl Snapshot {
             &path,
             &names,
             |i| Ok(reads[i].take().expect("each piece is read once")()),
-            |i, bytes| crcs[i] = crc32fast::hash(bytes),
+            |i, bytes| crcs[i] = bytes.chunks(chunk).map(crc32fast::hash).collect(),
         )
         .map_err(io)?;
         let tensors = pieces
@@ -180,7 +181,11 @@ impl Snapshot {
                     file: file.clone(),
                     start,
                     end,
-                    crc32: Some(crc),
+                    crc32: None,
+                    chunks: Some(super::Chunks {
+                        bytes: chunk as u64,
+                        crc32: crc,
+                    }),
                     key: None,
                 };
                 (name, (shape, meta))
@@ -268,6 +273,7 @@ pub struct CheckpointWriter {
     rank: usize,
     world_size: usize,
     commit_timeout: Duration,
+    chunk_bytes: usize,
     pending: Option<JoinHandle<Result<SaveReport, Error>>>,
 }
 
@@ -285,6 +291,7 @@ impl CheckpointWriter {
             rank,
             world_size,
             commit_timeout: Duration::from_secs(600),
+            chunk_bytes: super::CHUNK_BYTES,
             pending: None,
         })
     }
@@ -293,6 +300,13 @@ impl CheckpointWriter {
     /// checkpoint stays the latest). Default 10 minutes.
     pub fn with_commit_timeout(mut self, timeout: Duration) -> Self {
         self.commit_timeout = timeout;
+        self
+    }
+
+    /// The size of the chunks each piece's checksums cover (default [`super::CHUNK_BYTES`]; rounded
+    /// up to a multiple of 4 bytes): the smallest unit a resharding load reads.
+    pub fn with_chunk_bytes(mut self, bytes: usize) -> Self {
+        self.chunk_bytes = bytes.max(1).next_multiple_of(4);
         self
     }
 
@@ -307,11 +321,12 @@ impl CheckpointWriter {
     ) -> Result<Option<SaveReport>, Error> {
         let previous = self.wait()?;
         let staging = self.dir.staging(step);
-        let (dir, rank, world, timeout) = (
+        let (dir, rank, world, timeout, chunk) = (
             self.dir.clone(),
             self.rank,
             self.world_size,
             self.commit_timeout,
+            self.chunk_bytes,
         );
         let mesh = snapshot.mesh.clone().unwrap_or_else(DeviceMesh::single);
         self.pending = Some(std::thread::spawn(move || {
@@ -320,7 +335,7 @@ impl CheckpointWriter {
                 path: staging.clone(),
                 source,
             })?;
-            let index = snapshot.write(&staging, step)?;
+            let index = snapshot.write(&staging, step, chunk)?;
             let write_time = started.elapsed();
             let committed = if rank == 0 {
                 for (name, bytes) in &files {

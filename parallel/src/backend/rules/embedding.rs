@@ -74,7 +74,7 @@ pub(crate) fn embedding_backward<B: Backend>(
         },
     );
     let g = to_layout(OP, output_grad, &tg);
-    // The inner op reads only the weight's shape: hand it zeros of the local gradient's shape.
+    // The inner op reads only the weight's shape (and device): hand it that shape.
     let mut local = dims(&weights);
     for (d, size) in local.iter_mut().enumerate() {
         *size /= out.shards_of(d, &mesh);
@@ -94,8 +94,11 @@ pub(crate) fn embedding_backward<B: Backend>(
         }
         None => (indices, g.local),
     };
-    let zeros = B::float_zeros(Shape::from(local), &g.device.inner, dtype);
-    let grad = B::embedding_backward(zeros, g_local, indices);
+    // A broadcast view of one zero: no table-sized buffer (the gradient's own is the inner
+    // op's; a materialised stand-in cost a third table-sized buffer at the step's peak).
+    let one = B::float_zeros(Shape::from(vec![1; local.len()]), &g.device.inner, dtype);
+    let shape_only = B::float_expand(one, Shape::from(local));
+    let grad = B::embedding_backward(shape_only, g_local, indices);
     reduce_data_parallel(grad, out, &summands, g.device)
 }
 
