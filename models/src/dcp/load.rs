@@ -345,7 +345,7 @@ impl Reader {
             (Some(chunks), _) => {
                 let granule = chunks.bytes as usize;
                 if granule == 0
-                    || granule % 4 != 0
+                    || !granule.is_multiple_of(4)
                     || chunks.crc32.len() != piece_bytes.div_ceil(granule)
                 {
                     return Err(invalid(format!(
