@@ -199,10 +199,17 @@ fn checkpoint_memory(smoke: bool) -> String {
     let mut runs = Vec::new();
     for system in [false, true] {
         let _ = std::fs::remove_dir_all(&dir);
-        runs.push((phase("save", system), phase("resume", system)));
+        runs.push((
+            phase("save", system),
+            phase("load", system),
+            phase("resume", system),
+        ));
     }
     let _ = std::fs::remove_dir_all(&dir);
-    let [(first, resumed), (first_sys, resumed_sys)] = <[_; 2]>::try_from(runs).ok().unwrap();
+    let [
+        (first, loaded, resumed),
+        (first_sys, loaded_sys, resumed_sys),
+    ] = <[_; 2]>::try_from(runs).ok().unwrap();
     assert!(
         !first.system && first_sys.system,
         "the allocator choice reached the phases"
@@ -260,9 +267,9 @@ fn checkpoint_memory(smoke: bool) -> String {
     ));
     out.push_str(&row(
         "resume (load)",
-        resumed.setup_heap_peak,
-        resumed.setup_peak_rss,
-        resumed_sys.setup_peak_rss,
+        loaded.final_heap_peak,
+        loaded.final_peak_rss,
+        loaded_sys.final_peak_rss,
         12.0 * psi,
         "4Ψ parameters + 8Ψ moments",
     ));
@@ -326,8 +333,8 @@ struct Phase {
     save: Option<(f64, f64)>,
 }
 
-/// `--phase save|resume --dir DIR [--smoke]`: two steps, each saved into DIR, or a resume from
-/// the second for one more step; prints a [`Phase`] as JSON.
+/// `--phase save|load|resume --dir DIR [--smoke]`: two steps, each saved into DIR; a resume from
+/// the second and no step; or that resume and one more step. Prints a [`Phase`] as JSON.
 fn run_phase(name: &str) {
     let dir = std::path::PathBuf::from(common::arg::<String>("--dir").expect("--dir"));
     let smoke = std::env::args().any(|a| a == "--smoke");
@@ -336,6 +343,12 @@ fn run_phase(name: &str) {
     wildfire::alloc::reset_heap_peak();
     let config = checkpoint_config(smoke);
     let summary: RunSummary = match name {
+        // The resume alone (no step: its peak is read once every rank has loaded).
+        "load" => run(&PretrainConfig {
+            steps: 2,
+            resume: Some(dir),
+            ..config
+        }),
         "save" => run(&PretrainConfig {
             steps: 2,
             save: Some(dir),
@@ -363,7 +376,7 @@ fn run_phase(name: &str) {
             .iter()
             .map(|s| s.peak_bytes)
             .max()
-            .expect("a step"),
+            .unwrap_or(0),
         save: summary.saves.first().copied(),
     };
     println!("{}", serde_json::to_string(&phase).expect("json"));

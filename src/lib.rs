@@ -27,8 +27,8 @@ pub mod prelude {
     pub use wildfire_kernels::hooks::{ForwardHooks, Inference};
     pub use wildfire_parallel::{
         DeviceMesh, DistDevice, Distributed, FsdpOptimizer, FsdpStrategy, LaunchEnv, LaunchOptions,
-        RankPolicy, TpPlan, TpStyle, fully_shard, launch_ranks, replicate, sync_gradients,
-        tensor_parallel,
+        RankPolicy, TpPlan, TpStyle, fully_shard, init_sharded, launch_ranks, replicate,
+        sync_gradients, tensor_parallel,
     };
 }
 

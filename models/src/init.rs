@@ -10,7 +10,6 @@ use wildfire_parallel::rng::SplitMix64;
 use wildfire_parallel::{DTensor, DistDevice, DistributedBackend, Layout};
 
 use crate::Error;
-use crate::dcp::for_each_row;
 
 /// One parameter's initial values: N(0, std²) from its own splitmix64 stream (Box–Muller on
 /// consecutive pairs of draws: element 2k is the cosine of pair k, 2k + 1 the sine), or a
@@ -121,22 +120,12 @@ impl<B: DistributedBackend> Place<B> for Pieces<B> {
                 Layout::replicated(self.device.mesh())
             }
         };
-        let local_box = layout.local_box(&shape, self.device.mesh(), self.device.rank());
-        let extents: Vec<usize> = local_box.iter().map(|(_, e)| *e).collect();
-        let mut local = vec![0.0; extents.iter().product()];
-        // One contiguous run per row of the box (along the last dim), in global flat indices.
-        let lens: Vec<usize> = local_box.iter().map(|(r, _)| r.len()).collect();
-        for_each_row(&lens, |row| {
-            let flat = |shape: &[usize], start: &dyn Fn(usize) -> usize| {
-                (0..D).fold(0, |flat, d| {
-                    flat * shape[d] + start(d) + row.get(d).copied().unwrap_or(0)
-                })
-            };
-            let global = flat(&shape, &|d| local_box[d].0.start);
-            let at = flat(&extents, &|_| 0);
-            let run = lens.last().copied().unwrap_or(1);
-            values.fill(global, &mut local[at..at + run]);
-        });
+        let (local, extents) = layout.draw_local(
+            &shape,
+            self.device.mesh(),
+            self.device.rank(),
+            |start, run| values.fill(start, run),
+        );
         let piece =
             Tensor::<B::Inner, D>::from_data(TensorData::new(local, extents), self.device.inner());
         // The planner checked that the layout splits only what divides (or pads on data axes).

@@ -68,6 +68,18 @@ pub struct RankContext {
     /// deterministically, whatever the other threads do (the inner backend's stream is often one
     /// per process).
     rng: Mutex<Option<rand::rngs::StdRng>>,
+    /// Sharded initialisation ([`crate::init_sharded`]): the next tensor of this shape that a
+    /// creation op makes is this rank's piece of it in this layout, random values drawn from
+    /// this stream piece by piece.
+    init_scope: Mutex<Option<InitScope>>,
+}
+
+/// One parameter's sharded initialisation (see [`RankContext`]'s `init_scope`).
+#[derive(Clone, Debug)]
+pub(crate) struct InitScope {
+    pub(crate) shape: Vec<usize>,
+    pub(crate) layout: crate::placement::Layout,
+    pub(crate) stream: u64,
 }
 
 /// The device collectives installed on a rank.
@@ -127,6 +139,7 @@ impl RankContext {
             accounting: Accounting::default(),
             protocol: StepProtocol::default(),
             rng: Mutex::new(None),
+            init_scope: Mutex::new(None),
         })
     }
 
@@ -241,6 +254,21 @@ impl RankContext {
     pub(crate) fn seed(&self, seed: u64) {
         use rand::SeedableRng;
         *self.rng.lock().unwrap() = Some(rand::rngs::StdRng::seed_from_u64(seed));
+    }
+
+    /// Make the next creation op of `scope.shape` this rank's piece (`None`: stop).
+    pub(crate) fn set_init_scope(&self, scope: Option<InitScope>) {
+        *self.init_scope.lock().unwrap() = scope;
+    }
+
+    /// The initialisation scope for a tensor of `shape`, taken: it applies once.
+    pub(crate) fn take_init_scope(&self, shape: &[usize]) -> Option<InitScope> {
+        let mut scope = self.init_scope.lock().unwrap();
+        if scope.as_ref().is_some_and(|s| s.shape == shape) {
+            scope.take()
+        } else {
+            None
+        }
     }
 
     /// Draw from this rank's stream, if seeded.

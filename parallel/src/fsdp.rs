@@ -90,6 +90,98 @@ impl<B: DistributedBackend> ModuleMapper<B> for Sharder<'_> {
     }
 }
 
+/// Sharded initialisation of a module built with Burn's lazy parameters (every burn-nn module:
+/// `Param::uninitialized` keeps the shape and the initialiser until first use): each parameter
+/// is made directly as this rank's piece in the layout that `plan` (tensor parallelism) and
+/// `strategy` (over the data axes) give it, so no rank ever holds a parameter whole. Random
+/// initialisers draw piece by piece from a counter-based stream per parameter (seeded by `seed`
+/// and the parameter's path, [`crate::rng::fill_distribution`]): the pieces are those of the same
+/// call at world size 1, whatever the mesh. Constants fill their pieces. An initialiser made of
+/// more than one op (Burn's `Orthogonal`) and an already initialised parameter are made whole
+/// and laid out after (sliced). Then lay the module out as usual ([`crate::tensor_parallel`],
+/// [`fully_shard`]): the parameters already have their layouts, so nothing moves.
+pub fn init_sharded<B: DistributedBackend, M: Module<B>>(
+    module: M,
+    mesh: &DeviceMesh,
+    plan: Option<&crate::TpPlan>,
+    strategy: FsdpStrategy,
+    seed: u64,
+) -> Result<M, Error> {
+    use crate::tensor_parallel::{ModulePath, ParamMapper, ParamVisitor, map_params, visit_params};
+
+    struct Shapes(Vec<(String, Vec<usize>)>);
+    impl<B: burn::tensor::backend::Backend> ParamVisitor<B> for Shapes {
+        fn visit<const D: usize>(&mut self, path: &ModulePath, param: &Param<Tensor<B, D>>) {
+            self.0.push((path.name(), param.lazy_shape().to_vec()));
+        }
+    }
+
+    struct Init<'a> {
+        layouts: std::vec::IntoIter<Layout>,
+        mesh: &'a DeviceMesh,
+        seed: u64,
+        error: Option<Error>,
+    }
+    impl<B: DistributedBackend> ParamMapper<B> for Init<'_> {
+        fn map<const D: usize>(
+            &mut self,
+            path: &ModulePath,
+            param: Param<Tensor<B, D>>,
+        ) -> Param<Tensor<B, D>> {
+            let layout = self.layouts.next().expect("one layout per parameter");
+            if self.error.is_some() {
+                return param;
+            }
+            let device = B::dist_device(&param.lazy_device());
+            if device.mesh() != self.mesh {
+                self.error = Some(Error::InvalidLayout {
+                    shape: param.lazy_shape().to_vec(),
+                    mesh: self.mesh.to_string(),
+                    reason: format!("the parameter lives on mesh {}", device.mesh()),
+                });
+                return param;
+            }
+            let ctx = device.context().clone();
+            if !param.is_initialized() {
+                // FNV-1a of the path: the parameter's stream, the same on every rank and mesh.
+                let name = path.name();
+                let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                    (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+                });
+                ctx.set_init_scope(Some(crate::device::InitScope {
+                    shape: param.lazy_shape().to_vec(),
+                    layout: layout.clone(),
+                    stream: crate::rng::mix_seed(self.seed, hash, 0),
+                }));
+            }
+            let (id, tensor, mapper) = param.consume();
+            ctx.set_init_scope(None);
+            match redistribute(tensor.clone(), &layout) {
+                Ok(out) => Param::from_mapped_value(id, out, mapper),
+                Err(e) => {
+                    self.error = Some(e);
+                    Param::from_mapped_value(id, tensor, mapper)
+                }
+            }
+        }
+    }
+
+    let mut shapes = Shapes(Vec::new());
+    visit_params(&module, &mut shapes);
+    let layouts = planned_layouts(&shapes.0, mesh, plan, strategy)?;
+    let mut init = Init {
+        layouts: layouts.into_iter(),
+        mesh,
+        seed,
+        error: None,
+    };
+    let module = map_params(module, &mut init);
+    match init.error {
+        Some(e) => Err(e),
+        None => Ok(module),
+    }
+}
+
 /// Lay `module` out for `strategy` over the data axes of `mesh` and set this rank's
 /// [`ShardingPolicy`]. Call once, after the model is built (and after tensor parallelism, if any). Parameters
 /// keep their `ParamId`s; every rank starts from rank 0's values.

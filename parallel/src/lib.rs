@@ -66,7 +66,7 @@ pub use data_parallel::{
 pub use device::{DistDevice, MemoryReport, OpCounters, RankContext};
 pub use error::{CollectiveKind, Error};
 pub use fsdp::{
-    FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, optimizer_state_layout,
+    FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, init_sharded, optimizer_state_layout,
     parameter_bytes, planned_layouts,
 };
 pub use launch::{LaunchEnv, LaunchOptions, Launcher, launch};

@@ -159,6 +159,47 @@ impl Layout {
             .collect()
     }
 
+    /// This rank's local piece of a tensor of global `shape` in this layout, padded to the
+    /// layout's extents (zeros past the tensor's end), its values given per row of the box:
+    /// `fill(flat index in the whole tensor of the row's first element, the row)`. With
+    /// [`crate::DTensor::from_local_padded`], a sharded tensor that no rank ever held whole.
+    pub fn draw_local(
+        &self,
+        shape: &[usize],
+        mesh: &DeviceMesh,
+        rank: usize,
+        mut fill: impl FnMut(usize, &mut [f32]),
+    ) -> (Vec<f32>, Vec<usize>) {
+        let local_box = self.local_box(shape, mesh, rank);
+        let extents: Vec<usize> = local_box.iter().map(|(_, e)| *e).collect();
+        let mut local = vec![0.0; extents.iter().product()];
+        let lens: Vec<usize> = local_box.iter().map(|(r, _)| r.len()).collect();
+        if lens.contains(&0) {
+            return (local, extents);
+        }
+        // One contiguous run per row of the box (along the last dim), rows in row-major order.
+        let lead = &lens[..lens.len().saturating_sub(1)];
+        let run = lens.last().copied().unwrap_or(1);
+        let mut row = vec![0; lead.len()];
+        for _ in 0..lead.iter().product::<usize>() {
+            let (mut global, mut at) = (0, 0);
+            for d in 0..shape.len() {
+                let i = row.get(d).copied().unwrap_or(0);
+                global = global * shape[d] + local_box[d].0.start + i;
+                at = at * extents[d] + i;
+            }
+            fill(global, &mut local[at..at + run]);
+            for d in (0..lead.len()).rev() {
+                row[d] += 1;
+                if row[d] < lead[d] {
+                    break;
+                }
+                row[d] = 0;
+            }
+        }
+        (local, extents)
+    }
+
     /// Whether `rank` is the one rank that speaks for its piece: the first member (coordinate 0)
     /// of every axis the piece is replicated over. Saving only such pieces writes every element
     /// once. A layout with partial or per-rank (`Local`) values has no such piece.

@@ -56,6 +56,47 @@ impl SplitMix64 {
     }
 }
 
+/// The values of `distribution` at flat indices `start..start + out.len()` of a tensor drawn from
+/// stream `stream`: element `i`'s value depends only on the stream and `i` (uniform: draw `i`;
+/// normal: Box–Muller on draws `2k`, `2k + 1` for the pair `k = i / 2`, the cosine at `2k`), so
+/// any piece of a tensor is drawn alone and equals that piece of the whole draw.
+pub fn fill_distribution(
+    stream: u64,
+    distribution: burn_backend::Distribution,
+    start: usize,
+    out: &mut [f32],
+) {
+    use burn_backend::Distribution;
+    let unit = |i: usize| SplitMix64::after(stream, i as u64).next_unit();
+    match distribution {
+        Distribution::Default => {
+            for (k, v) in out.iter_mut().enumerate() {
+                *v = unit(start + k) as f32;
+            }
+        }
+        Distribution::Uniform(low, high) => {
+            for (k, v) in out.iter_mut().enumerate() {
+                *v = (low + (high - low) * unit(start + k)) as f32;
+            }
+        }
+        Distribution::Bernoulli(p) => {
+            for (k, v) in out.iter_mut().enumerate() {
+                *v = if unit(start + k) < p { 1.0 } else { 0.0 };
+            }
+        }
+        Distribution::Normal(mean, std) => {
+            for (k, v) in out.iter_mut().enumerate() {
+                let i = start + k;
+                let (u1, u2) = (unit(i & !1).max(1e-300), unit(i | 1));
+                let r = (-2.0 * u1.ln()).sqrt();
+                let theta = 2.0 * std::f64::consts::PI * u2;
+                let z = if i % 2 == 0 { theta.cos() } else { theta.sin() };
+                *v = (mean + std * r * z) as f32;
+            }
+        }
+    }
+}
+
 /// An xorshift64 stream (Marsaglia 2003): the demo models' initial weights and synthetic task
 /// (kept for their tests' recorded tolerances; new code draws from [`SplitMix64`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -96,5 +137,38 @@ mod tests {
         );
         assert!((0..1000).all(|_| (0.0..1.0).contains(&s.next_unit())));
         assert!((0..1000).all(|_| s.below(7) < 7));
+    }
+
+    /// Any run of a drawn tensor is the same run of the whole draw, for every distribution; the
+    /// draws have about the asked mean and spread.
+    #[test]
+    fn any_run_of_a_draw_is_that_run_of_the_whole() {
+        use burn_backend::Distribution;
+        for d in [
+            Distribution::Default,
+            Distribution::Uniform(-2.0, 3.0),
+            Distribution::Bernoulli(0.3),
+            Distribution::Normal(1.0, 0.5),
+        ] {
+            let mut whole = vec![0.0; 4001];
+            fill_distribution(9, d, 0, &mut whole);
+            for (start, len) in [(0, 1), (1, 1), (1, 2), (7, 30), (2000, 2001), (4000, 1)] {
+                let mut part = vec![0.0; len];
+                fill_distribution(9, d, start, &mut part);
+                assert_eq!(part, whole[start..start + len], "{d:?} {start}+{len}");
+            }
+            let mean = whole.iter().map(|&v| v as f64).sum::<f64>() / whole.len() as f64;
+            let expected = match d {
+                Distribution::Default => 0.5,
+                Distribution::Uniform(a, b) => (a + b) / 2.0,
+                Distribution::Bernoulli(p) => p,
+                Distribution::Normal(m, _) => m,
+            };
+            assert!((mean - expected).abs() < 0.06, "{d:?}: mean {mean}");
+        }
+        let mut normal = vec![0.0; 4000];
+        fill_distribution(3, Distribution::Normal(0.0, 2.0), 0, &mut normal);
+        let var = normal.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / 4000.0;
+        assert!((var.sqrt() - 2.0).abs() < 0.1, "std {}", var.sqrt());
     }
 }

@@ -604,3 +604,57 @@ fn a_model_over_budget_on_one_rank_trains_on_four() {
         "budget {budget} bytes: one rank peaks at {one_peak}, four FullShard ranks at {four_peak}"
     );
 }
+
+/// Sharded initialisation of a stock burn-nn model (Burn's lazy parameters): under dp 4
+/// FullShard, each rank makes only its pieces (the decorator's peak of live bytes during the init
+/// is the rank's sharded parameter bytes, and `fully_shard` after it communicates nothing), and
+/// the pieces are those of the same initialisation at world size 1, bitwise; DDP's replicas are
+/// that whole initialisation on every rank.
+#[test]
+fn stock_models_initialise_sharded() {
+    use wildfire::parallel::init_sharded;
+    let build = |device: &wildfire::parallel::DistDevice<Flex>| {
+        EncoderClassifierConfig::new()
+            .with_n_layers(1)
+            .init::<Dist>(device)
+    };
+    let one = DeviceMesh::new([("dp", 1)]).unwrap();
+    let whole = threads(&one, |device| {
+        let m = init_sharded(build(&device), &one, None, FsdpStrategy::NoShard, 7).unwrap();
+        parameters(&m)
+    })
+    .remove(0);
+    // Another seed draws other values.
+    let other = threads(&one, |device| {
+        parameters(&init_sharded(build(&device), &one, None, FsdpStrategy::NoShard, 8).unwrap())
+    })
+    .remove(0);
+    assert_ne!(whole, other);
+    for (n, strategy) in [(4, FsdpStrategy::FullShard), (2, FsdpStrategy::NoShard)] {
+        let mesh = DeviceMesh::new([("dp", n)]).unwrap();
+        let out = threads(&mesh, |device| {
+            let ctx = device.context().clone();
+            ctx.reset_peak_bytes();
+            let before = ctx.live_bytes();
+            let m = init_sharded(build(&device), &mesh, None, strategy, 7).unwrap();
+            let peak = ctx.peak_bytes() - before;
+            let bytes = parameter_bytes(&m);
+            ctx.reset_counters();
+            let m = fully_shard(m, &mesh, strategy).unwrap();
+            let moved = ctx.comm().stats().total_count();
+            (parameters(&m), peak, bytes, parameter_bytes(&m), moved)
+        });
+        for (rank, (params, peak, bytes, after, moved)) in out.into_iter().enumerate() {
+            assert_eq!(params, whole, "{strategy:?} rank {rank}");
+            assert_eq!(
+                moved, 0,
+                "{strategy:?} rank {rank}: fully_shard moved nothing"
+            );
+            assert_eq!(bytes, after, "{strategy:?} rank {rank}");
+            assert!(
+                peak <= bytes,
+                "{strategy:?} rank {rank}: peak {peak} > {bytes}"
+            );
+        }
+    }
+}

@@ -19,15 +19,11 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     }
 
     fn float_zeros(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        let fb = Fallback::<B>::new("float_zeros");
-        let device = fb.device(device);
-        fb.wrap(B::float_zeros(shape, device, dtype))
+        rules::float_zeros::<B>(shape, device, dtype)
     }
 
     fn float_ones(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        let fb = Fallback::<B>::new("float_ones");
-        let device = fb.device(device);
-        fb.wrap(B::float_ones(shape, device, dtype))
+        rules::float_ones::<B>(shape, device, dtype)
     }
 
     fn float_full(
@@ -36,9 +32,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
-        let fb = Fallback::<B>::new("float_full");
-        let device = fb.device(device);
-        fb.wrap(B::float_full(shape, fill_value, device, dtype))
+        rules::float_full::<B>(shape, fill_value, device, dtype)
     }
 
     fn float_into_data(

@@ -21,6 +21,11 @@ pub(crate) fn float_random<B: Backend>(
     device: &DistDevice<B>,
     dtype: FloatDType,
 ) -> DTensor<B> {
+    if let Some(scope) = device.ctx.take_init_scope(&shape) {
+        return scoped(&shape, device, dtype, &scope, |start, out| {
+            crate::rng::fill_distribution(scope.stream, distribution, start, out)
+        });
+    }
     let drawn = device.ctx.with_rng(|rng| {
         TensorData::random::<f32, _, _>(shape.clone(), distribution, rng)
             .convert_dtype(burn_backend::DType::from(dtype))
@@ -30,6 +35,75 @@ pub(crate) fn float_random<B: Backend>(
         None => B::float_random(shape, distribution, &device.inner, dtype),
     };
     wrap(local, Layout::replicated(device.mesh()), device.clone())
+}
+
+/// A constant tensor: this rank's piece of it inside a sharded initialisation, else the inner
+/// backend's (through the fallback, as every op without a rule).
+fn constant<B: Backend>(
+    op: &'static str,
+    shape: Shape,
+    value: f32,
+    device: &DistDevice<B>,
+    dtype: FloatDType,
+    inner: impl FnOnce(Shape, &B::Device) -> B::FloatTensorPrimitive,
+) -> DTensor<B> {
+    if let Some(scope) = device.ctx.take_init_scope(&shape) {
+        return scoped(&shape, device, dtype, &scope, |_, out| out.fill(value));
+    }
+    let fb = Fallback::<B>::new(op);
+    let inner_device = fb.device(device);
+    fb.wrap(inner(shape, inner_device))
+}
+
+pub(crate) fn float_zeros<B: Backend>(
+    shape: Shape,
+    device: &DistDevice<B>,
+    dtype: FloatDType,
+) -> DTensor<B> {
+    constant("float_zeros", shape, 0.0, device, dtype, |s, d| {
+        B::float_zeros(s, d, dtype)
+    })
+}
+
+pub(crate) fn float_ones<B: Backend>(
+    shape: Shape,
+    device: &DistDevice<B>,
+    dtype: FloatDType,
+) -> DTensor<B> {
+    constant("float_ones", shape, 1.0, device, dtype, |s, d| {
+        B::float_ones(s, d, dtype)
+    })
+}
+
+pub(crate) fn float_full<B: Backend>(
+    shape: Shape,
+    fill_value: Scalar,
+    device: &DistDevice<B>,
+    dtype: FloatDType,
+) -> DTensor<B> {
+    let value = fill_value.elem::<f32>();
+    constant("float_full", shape, value, device, dtype, |s, d| {
+        B::float_full(s, fill_value, d, dtype)
+    })
+}
+
+/// This rank's piece, in the scope's layout, of a tensor whose values `fill` gives by flat index
+/// (see [`Layout::draw_local`]): the whole tensor is never made.
+fn scoped<B: Backend>(
+    shape: &Shape,
+    device: &DistDevice<B>,
+    dtype: FloatDType,
+    scope: &crate::device::InitScope,
+    fill: impl FnMut(usize, &mut [f32]),
+) -> DTensor<B> {
+    let (local, extents) =
+        scope
+            .layout
+            .draw_local(&shape.to_vec(), device.mesh(), device.rank(), fill);
+    let data = TensorData::new(local, extents).convert_dtype(burn_backend::DType::from(dtype));
+    let local = B::float_from_data(data, &device.inner);
+    DTensor::from_local_padded(local, scope.layout.clone(), &shape.to_vec(), device)
+        .expect("a planned layout fits its tensor")
 }
 
 pub(crate) fn float_device<B: Backend>(tensor: &DTensor<B>) -> DistDevice<B> {
