@@ -90,7 +90,11 @@ pub fn fill_distribution(
                 let (u1, u2) = (unit(i & !1).max(1e-300), unit(i | 1));
                 let r = (-2.0 * u1.ln()).sqrt();
                 let theta = 2.0 * std::f64::consts::PI * u2;
-                let z = if i % 2 == 0 { theta.cos() } else { theta.sin() };
+                let z = if i.is_multiple_of(2) {
+                    theta.cos()
+                } else {
+                    theta.sin()
+                };
                 *v = (mean + std * r * z) as f32;
             }
         }
