@@ -14,6 +14,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
+use std::time::Instant;
 use wildfire_parallel::{
     DistDevice, Distributed, Group, ModulePath, ParamVisitor, ReduceOp, dtensor, gradient_bytes,
     sync_gradients, visit_params,
@@ -140,21 +141,27 @@ impl StepRunner {
                 }
                 Ok(())
             });
-            // Scale, backward (with the recomputed regions).
+            // Scale, backward (with the recomputed regions). Regions go into the rank's trace
+            // when it is on (`Member::set_tracing`).
+            let started = Instant::now();
             let micro = loss(&model, i, &ckpt).div_scalar(accum as f64);
             local_loss += micro.clone().into_scalar().elem::<f32>();
+            ctx.comm().member().trace_region("forward", started);
             let micro = if scale != 1.0 {
                 micro.mul_scalar(scale)
             } else {
                 micro
             };
+            let started = Instant::now();
             let grads = ckpt.backward(micro, &model);
             drop(ckpt);
+            ctx.comm().member().trace_region("backward", started);
             let grads = grads.inspect_err(|_| ctx.set_no_sync(false))?;
             accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
         }
         ctx.set_no_sync(false);
         // Synchronise the rest, then unscale + check + norm (one all-reduce) and clip.
+        let started = Instant::now();
         let mut grads = accumulator.grads();
         sync_gradients(&model, &mut grads)?;
         let clip = self.config.clip;
@@ -170,6 +177,7 @@ impl StepRunner {
             )?,
             None => check_with_loss(&model, &mut grads, 1.0 / scale, clip, loss_not_finite)?,
         };
+        ctx.comm().member().trace_region("sync and check", started);
         // Step, or skip on every rank; update the scale.
         let skipped = match self.scaler.as_mut() {
             Some(s) => s.update(check.found_inf) == StepDecision::Skip,
@@ -190,7 +198,9 @@ impl StepRunner {
             }
         } else {
             self.skipped_in_a_row = 0;
+            let started = Instant::now();
             model = optim.step(lr, model, grads);
+            ctx.comm().member().trace_region("optimizer", started);
         }
         Ok((
             model,

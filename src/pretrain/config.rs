@@ -195,6 +195,10 @@ pub struct PretrainConfig {
     /// Loss-curve PNG written at the end.
     #[arg(long, default_value = "loss.png", help_heading = "Output")]
     pub plot: Option<PathBuf>,
+    /// Chrome / Perfetto trace (JSON) of every rank's compute regions and collectives, written
+    /// at the end (under MPI, one file per process: `FILE.rank-N.json`).
+    #[arg(long, value_name = "FILE", help_heading = "Output")]
+    pub trace: Option<PathBuf>,
     /// Show a progress bar (rank 0, terminals only).
     #[arg(skip = true)]
     pub progress: bool,

@@ -10,6 +10,7 @@
 mod config;
 mod error;
 mod plot;
+pub mod trace;
 
 pub use config::{Collectives, Launch, Precision, PretrainConfig};
 pub use error::PretrainError;
@@ -92,6 +93,8 @@ pub struct RunSummary {
     pub model: Option<GptConfig>,
     /// The rank this summary comes from (0, except on the other processes of an MPI job).
     pub rank: usize,
+    /// With `--trace`: (rank, its trace) of every rank of this process.
+    pub trace: Vec<(usize, Vec<wildfire_parallel::comm::TraceEvent>)>,
 }
 
 /// The state stored next to the weights in a checkpoint.
@@ -250,6 +253,18 @@ pub fn run_on_with<B: FusedOps>(
     {
         plot_losses(path, &summary.steps)?;
     }
+    if let Some(path) = &config.trace {
+        // Ranks as threads: one file; processes: one each.
+        let path = match config.launch {
+            Launch::Threads => path.clone(),
+            _ => path.with_extension(format!("rank-{rank}.json")),
+        };
+        trace::write_trace(&path, &summary.trace).map_err(|source| PretrainError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        tracing::info!("trace: {}", path.display());
+    }
     if rank == 0
         && let Some(out) = &config.export_hf
     {
@@ -300,7 +315,14 @@ fn launch_ranks<B: FusedOps>(
     match config.launch {
         Launch::Threads => {
             let results = launch_ranks_on::<B, _, _, _>(&mesh, per_rank_device, &options, body)?;
-            Ok((0, results.into_iter().next().expect("rank 0")))
+            // Every rank's trace goes with rank 0's summary.
+            let trace: Vec<_> = results
+                .iter()
+                .flat_map(|r| r.as_ref().ok().map(|s| s.trace.clone()))
+                .flatten()
+                .collect();
+            let first = results.into_iter().next().expect("rank 0");
+            Ok((0, first.map(|s| RunSummary { trace, ..s })))
         }
         #[cfg(feature = "mpi")]
         Launch::Mpi => {

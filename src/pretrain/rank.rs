@@ -113,6 +113,8 @@ impl RankRun<'_> {
         };
         let tokens_per_step = (config.batch_size * model_config.block_size) as f64;
         let progress = (rank == 0 && config.progress).then(|| self.progress_bar());
+        let member = ctx.comm().member();
+        member.set_tracing(config.trace.is_some());
         for step in self.first_step..config.steps {
             let started = Instant::now();
             let stats_before = ctx.comm_stats();
@@ -137,6 +139,7 @@ impl RankRun<'_> {
                     .tensors::<A<B>>(self.train, step as u64, rows, device)
                     .expect("the sampler was checked")
             };
+            let step_started = Instant::now();
             let (next, record) = step_runner.run(
                 device,
                 model,
@@ -150,6 +153,7 @@ impl RankRun<'_> {
                 },
             )?;
             model = next;
+            member.trace_region("step", step_started);
             // The decorator's accounting of this rank's local pieces. After the step only the
             // parameters and the optimizer state are alive (the loss and its graph are dropped,
             // the gradients consumed), so the optimizer state is the rest.
@@ -205,6 +209,10 @@ impl RankRun<'_> {
             bar.finish_and_clear();
         }
         summary.final_peak_rss = peak_rss();
+        if config.trace.is_some() {
+            summary.trace = vec![(rank, member.take_trace())];
+            member.set_tracing(false);
+        }
         summary.final_heap_peak = crate::alloc::heap_peak() as u64;
         // Gathering sharded parameters and sampling take collectives: every rank does them.
         if config.gather_parameters {

@@ -833,3 +833,78 @@ fn non_finite_steps_stop_the_run() {
         assert!(err.to_string().contains(&format!("step {step}")), "{err}");
     }
 }
+
+/// `--trace`: a Chrome trace every rank's collectives are in, each a begin event at its issue and
+/// an end event at its completion, one after another on the rank's thread; the bytes they carry
+/// are exactly the steps' communication counters; forward, backward and optimizer regions per
+/// step on every rank; the ranks ran the same collectives (SPMD).
+#[test]
+fn the_trace_holds_every_collective_of_every_rank() {
+    let dir = scratch("trace");
+    let path = dir.join("trace.json");
+    let summary = run(&PretrainConfig {
+        parallel: ParallelConfig {
+            dp: 2,
+            fsdp: FsdpStrategy::FullShard,
+            ..ParallelConfig::default()
+        },
+        eval_iters: 0,
+        trace: Some(path.clone()),
+        ..small(3)
+    })
+    .unwrap();
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let mut per_rank: Vec<Vec<(String, u64)>> = Vec::new();
+    for rank in 0..2u64 {
+        let mine: Vec<&serde_json::Value> = events
+            .iter()
+            .filter(|e| e["tid"].as_u64() == Some(rank))
+            .collect();
+        assert!(
+            mine.iter()
+                .any(|e| e["ph"] == "M" && e["args"]["name"] == format!("rank {rank}"))
+        );
+        // Begin and end events pair up in order, never overlapping.
+        let (mut open, mut last_end, mut collectives) = (None::<f64>, 0.0, Vec::new());
+        for e in mine.iter().filter(|e| e["cat"] == "collective") {
+            let ts = e["ts"].as_f64().unwrap();
+            match e["ph"].as_str().unwrap() {
+                "B" => {
+                    assert!(
+                        open.is_none(),
+                        "rank {rank}: a collective began inside another"
+                    );
+                    assert!(ts >= last_end, "rank {rank}: collectives overlap");
+                    open = Some(ts);
+                    collectives.push((
+                        e["name"].as_str().unwrap().to_string(),
+                        e["args"]["bytes"].as_u64().unwrap(),
+                    ));
+                }
+                "E" => {
+                    let began = open.take().expect("an end event after its begin event");
+                    assert!(ts >= began);
+                    last_end = ts;
+                }
+                other => panic!("phase {other}"),
+            }
+        }
+        assert!(open.is_none(), "rank {rank}: a collective never completed");
+        for region in ["forward", "backward", "sync and check", "optimizer", "step"] {
+            let n = mine
+                .iter()
+                .filter(|e| e["ph"] == "X" && e["name"] == region)
+                .count();
+            assert_eq!(n, 3, "rank {rank}: {region} regions");
+        }
+        let names: Vec<&str> = collectives.iter().map(|(n, _)| n.as_str()).collect();
+        assert!(names.contains(&"AllGather") && names.contains(&"ReduceScatter"));
+        per_rank.push(collectives);
+    }
+    assert_eq!(per_rank[0].len(), per_rank[1].len());
+    let traced: u64 = per_rank[0].iter().map(|(_, b)| b).sum();
+    let counted: u64 = summary.steps.iter().map(|s| s.comm_bytes).sum();
+    assert_eq!(traced, counted, "the trace's bytes are the counters' bytes");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

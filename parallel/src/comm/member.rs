@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::sync::Mutex;
+use std::time::Instant;
 
 use burn::tensor::TensorData;
 
@@ -16,6 +17,36 @@ pub struct Member {
     rank: usize,
     mesh: DeviceMesh,
     stats: Mutex<CommStats>,
+    /// The trace of this rank's collectives and compute regions, while tracing.
+    trace: Mutex<Option<Vec<TraceEvent>>>,
+}
+
+/// One span of a rank's trace (see [`Member::set_tracing`]): a collective (from its issue to its
+/// completion) or a compute region, in microseconds since the process's first traced moment.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TraceEvent {
+    /// The collective's kind (`AllGather`, …) or the region's name (`forward`, …).
+    pub name: String,
+    /// `collective` or `compute`.
+    pub cat: String,
+    /// Start, in µs since the trace's epoch (shared by the ranks of one process).
+    pub start_us: f64,
+    /// Duration in µs.
+    pub dur_us: f64,
+    /// The mesh axis or group a collective ran over (empty for a region).
+    pub group: String,
+    /// The bytes a collective counted (0 for a region).
+    pub bytes: u64,
+}
+
+/// The moment every trace of this process counts from.
+fn epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn micros(t: Instant) -> f64 {
+    t.saturating_duration_since(epoch()).as_secs_f64() * 1e6
 }
 
 impl Member {
@@ -25,7 +56,44 @@ impl Member {
             rank,
             mesh,
             stats: Mutex::default(),
+            trace: Mutex::default(),
         }
+    }
+
+    /// Start (`true`, forgetting any earlier trace) or stop recording this rank's trace: every
+    /// collective from issue to completion, and the compute regions its caller marks
+    /// ([`Member::trace_region`]).
+    pub fn set_tracing(&self, on: bool) {
+        epoch();
+        *lock(&self.trace) = on.then(Vec::new);
+    }
+
+    /// Whether the trace is being recorded.
+    pub fn tracing(&self) -> bool {
+        lock(&self.trace).is_some()
+    }
+
+    /// Record the compute region `name`, from `start` to now (nothing unless tracing).
+    pub fn trace_region(&self, name: &str, start: Instant) {
+        let end = Instant::now();
+        if let Some(trace) = lock(&self.trace).as_mut() {
+            trace.push(TraceEvent {
+                name: name.into(),
+                cat: "compute".into(),
+                start_us: micros(start),
+                dur_us: micros(end) - micros(start),
+                group: String::new(),
+                bytes: 0,
+            });
+        }
+    }
+
+    /// The trace so far, taken (recording goes on if it was on).
+    pub fn take_trace(&self) -> Vec<TraceEvent> {
+        lock(&self.trace)
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     /// This rank, in `0..mesh().world_size()`.
@@ -48,11 +116,23 @@ impl Member {
         *lock(&self.stats) = CommStats::default();
     }
 
-    /// Records `call`, which returned `result`, with the bytes [`Call::counted_bytes`] says.
-    pub(crate) fn record(&self, call: &Call, result: Option<&TensorData>) {
+    /// Records `call`, which returned `result`, with the bytes [`Call::counted_bytes`] says; in
+    /// the trace too when it is on and `issued` says when the call began.
+    pub(crate) fn record(&self, call: &Call, result: Option<&TensorData>, issued: Option<Instant>) {
         let label = call.group().label(&self.mesh).unwrap_or("?");
         let bytes = call.counted_bytes(result) as u64;
         lock(&self.stats).record(call.kind(), label, bytes);
+        if let (Some(issued), Some(trace)) = (issued, lock(&self.trace).as_mut()) {
+            let (start, end) = (micros(issued), micros(Instant::now()));
+            trace.push(TraceEvent {
+                name: format!("{:?}", call.kind()),
+                cat: "collective".into(),
+                start_us: start,
+                dur_us: end - start,
+                group: label.to_string(),
+                bytes,
+            });
+        }
     }
 
     /// Records a point-to-point message of `bytes`.

@@ -50,7 +50,7 @@ pub use device::{DeviceCollectives, HostStaged};
 #[cfg(feature = "mpi")]
 pub use hybrid::{HybridCommunicator, HybridWorld};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessCommunicator, InProcessWorld};
-pub use member::Member;
+pub use member::{Member, TraceEvent};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiCommunicator, MpiWorld};
 #[cfg(feature = "cuda")]
@@ -212,8 +212,9 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         call: Call,
         data: Option<TensorData>,
     ) -> Result<Option<TensorData>, Error> {
+        let issued = self.member().tracing().then(std::time::Instant::now);
         let result = self.run(&call, data)?;
-        self.member().record(&call, result.as_ref());
+        self.member().record(&call, result.as_ref(), issued);
         Ok(result)
     }
 

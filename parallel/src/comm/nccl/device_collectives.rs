@@ -64,7 +64,7 @@ impl NcclCommunicator {
         self.round(&call)?.check_layouts(None)?;
         let recv = self.client.empty(out_elems * t.dtype.size());
         self.raw(&call, t.dtype, count, &t.handle, &recv)?;
-        self.member.record(&call, None);
+        self.member.record(&call, None, None);
         Ok(fresh(&t, Shape::from(dims), recv))
     }
 }
