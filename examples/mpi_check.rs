@@ -241,6 +241,7 @@ fn fsdp(n: usize, die_at: Option<usize>) -> i32 {
     let mesh = DeviceMesh::new([("dp", n)]).unwrap();
     let options = LaunchOptions {
         timeout: Duration::from_secs(60),
+        ..Default::default()
     };
     let mut rank = 0;
     let (losses, params) = launch_ranks_mpi::<Flex, _, _, _>(
@@ -326,6 +327,7 @@ fn hang(n: usize) -> i32 {
     let mesh = DeviceMesh::new([("dp", n)]).unwrap();
     let options = LaunchOptions {
         timeout: Duration::from_secs(3),
+        ..Default::default()
     };
     launch_ranks_mpi::<Flex, _, _, _>(
         &mesh,
@@ -450,6 +452,7 @@ fn hybrid(n: usize) -> i32 {
     let mesh = DeviceMesh::new([("dp", n), ("tp", THREADS)]).unwrap();
     let options = LaunchOptions {
         timeout: Duration::from_secs(60),
+        ..Default::default()
     };
     let mine = wildfire::parallel::launch_ranks_hybrid::<Flex, _, _, _>(
         &mesh,

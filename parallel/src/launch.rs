@@ -35,12 +35,15 @@ pub struct LaunchOptions {
     /// How long a rank waits for its peers in a collective (or for a message) before failing
     /// with [`Error::Timeout`].
     pub timeout: Duration,
+    /// Ranks as threads: the modelled links of the mesh's axes (none: memory speed).
+    pub links: crate::comm::Links,
 }
 
 impl Default for LaunchOptions {
     fn default() -> Self {
         LaunchOptions {
             timeout: DEFAULT_TIMEOUT,
+            links: Default::default(),
         }
     }
 }
@@ -58,6 +61,7 @@ where
     F: Fn(Arc<dyn Communicator>) -> T + Sync,
 {
     let world = InProcessWorld::new(mesh.clone(), options.timeout);
+    world.set_links(options.links.clone());
     launch_with_world(&world, f)
 }
 

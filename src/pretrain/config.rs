@@ -217,6 +217,12 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(long, value_enum, default_value_t = Collectives::Host, help_heading = "Run")]
     pub collectives: Collectives,
+    /// Ranks as threads: model an axis's links, `AXIS=BANDWIDTH,LATENCY` (`dp=25GB/s,5us`) or
+    /// `AXIS=nvlink|infiniband|ethernet`, so its collectives take the time they would on them;
+    /// repeat per axis.
+    #[serde(default)]
+    #[arg(long = "link", value_name = "AXIS=LINK", help_heading = "Run")]
+    pub links: Vec<String>,
 }
 
 fn f32_precision() -> Precision {
@@ -256,6 +262,23 @@ impl PretrainConfig {
         }
     }
 
+    /// The modelled links of `--link`, each naming an axis of the mesh.
+    pub fn links(&self) -> Result<wildfire_parallel::comm::Links, PretrainError> {
+        let mesh = self.parallel.mesh()?;
+        let mut links = wildfire_parallel::comm::Links::default();
+        for spec in &self.links {
+            links.add(spec).map_err(PretrainError::Config)?;
+        }
+        for axis in links.0.keys() {
+            if mesh.axis_index(axis).is_err() {
+                return Err(PretrainError::Config(format!(
+                    "--link {axis}=…: the mesh {mesh} has no axis {axis}"
+                )));
+            }
+        }
+        Ok(links)
+    }
+
     /// The model shape for a vocabulary of `vocab` tokens (GPT-2's padded to 50304, as nanoGPT).
     pub fn model(&self, vocab: usize) -> Result<GptConfig, wildfire_models::Error> {
         let vocab = if vocab > 256 {
@@ -276,6 +299,7 @@ impl PretrainConfig {
     /// Refuse options that are not implemented yet, and impossible values.
     pub fn check(&self) -> Result<(), PretrainError> {
         self.parallel.check_available()?;
+        self.links()?;
         if self.export_hf.is_some() && self.save.is_none() {
             return Err(PretrainError::Config(
                 "--export-hf writes the last checkpoint's weights: it needs --save DIR".into(),

@@ -311,7 +311,10 @@ fn launch_ranks<B: FusedOps>(
             device.clone()
         }
     };
-    let options = LaunchOptions::default();
+    let options = LaunchOptions {
+        links: config.links()?,
+        ..LaunchOptions::default()
+    };
     match config.launch {
         Launch::Threads => {
             let results = launch_ranks_on::<B, _, _, _>(&mesh, per_rank_device, &options, body)?;

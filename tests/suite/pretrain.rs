@@ -908,3 +908,70 @@ fn the_trace_holds_every_collective_of_every_rank() {
     assert_eq!(traced, counted, "the trace's bytes are the counters' bytes");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `--link`: a modelled link paces the collectives over its axis (in the trace, each lasts at
+/// least the link's time for its kind, group size and bytes) and changes no result: the losses
+/// are bitwise those of the run without it. A link for an axis the mesh lacks is refused.
+#[test]
+fn modelled_links_pace_collectives_and_change_no_result() {
+    use wildfire::parallel::CollectiveKind;
+    use wildfire::parallel::comm::LinkModel;
+    let dir = scratch("link");
+    let path = dir.join("trace.json");
+    let base = PretrainConfig {
+        parallel: ParallelConfig {
+            dp: 2,
+            fsdp: FsdpStrategy::FullShard,
+            ..ParallelConfig::default()
+        },
+        eval_iters: 0,
+        ..small(2)
+    };
+    let plain = run(&base).unwrap();
+    let paced = run(&PretrainConfig {
+        links: vec!["dp=2GB/s,40us".into()],
+        trace: Some(path.clone()),
+        ..base.clone()
+    })
+    .unwrap();
+    let losses = |s: &RunSummary| s.steps.iter().map(|m| m.loss).collect::<Vec<_>>();
+    assert_eq!(losses(&plain), losses(&paced));
+    let link: LinkModel = "2GB/s,40us".parse().unwrap();
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let mut begun = None;
+    let mut checked = 0;
+    for e in trace["traceEvents"].as_array().unwrap() {
+        if e["tid"] != 0 || e["cat"] != "collective" {
+            continue;
+        }
+        let ts = e["ts"].as_f64().unwrap();
+        if e["ph"] == "B" {
+            let kind = match e["name"].as_str().unwrap() {
+                "AllReduce" => CollectiveKind::AllReduce,
+                "AllGather" => CollectiveKind::AllGather,
+                "ReduceScatter" => CollectiveKind::ReduceScatter,
+                "Broadcast" => CollectiveKind::Broadcast,
+                "Barrier" => CollectiveKind::Barrier,
+                other => panic!("{other}"),
+            };
+            begun = Some((ts, kind, e["args"]["bytes"].as_u64().unwrap()));
+        } else {
+            let (start, kind, bytes) = begun.take().unwrap();
+            let least = link.collective_time(kind, 2, bytes).as_secs_f64() * 1e6;
+            assert!(
+                ts - start >= least,
+                "{kind:?} of {bytes} B: {} µs",
+                ts - start
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 10, "{checked} collectives");
+    let err = run(&PretrainConfig {
+        links: vec!["pp=nvlink".into()],
+        ..base
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("no axis pp"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -37,6 +37,8 @@ pub struct InProcessWorld {
     abort_reason: Mutex<Option<(usize, String)>>,
     /// One rendezvous per group, keyed by its member ranks in group order.
     rendezvous: Mutex<HashMap<Vec<usize>, Arc<Rendezvous>>>,
+    /// The modelled links of the mesh's axes: a collective takes at least their time.
+    links: std::sync::RwLock<super::Links>,
     /// One FIFO per (from, to) pair.
     channels: Mutex<HashMap<(usize, usize), Arc<Channel>>>,
 }
@@ -60,6 +62,7 @@ impl InProcessWorld {
             aborted: AtomicBool::new(false),
             abort_reason: Mutex::new(None),
             rendezvous: Mutex::new(HashMap::new()),
+            links: Default::default(),
             channels: Mutex::new(HashMap::new()),
         })
     }
@@ -79,6 +82,13 @@ impl InProcessWorld {
             world: Arc::clone(self),
             member: Member::new(rank, self.mesh.clone()),
         }
+    }
+
+    /// Model the links of the mesh's axes ([`super::LinkModel`]): from now on every collective
+    /// over an axis with a link takes at least the time it would take on it (the data still
+    /// moves through memory; results and reduction order are unchanged).
+    pub fn set_links(&self, links: super::Links) {
+        *self.links.write().unwrap() = links;
     }
 
     /// The mesh the ranks are arranged in.
@@ -350,6 +360,7 @@ impl Communicator for InProcessCommunicator {
     /// member made the same call with buffers that fit, and computes this member's result from
     /// everyone's deposits.
     fn run(&self, call: &Call, data: Option<TensorData>) -> Result<Option<TensorData>, Error> {
+        let started = std::time::Instant::now();
         self.world.check_abort()?;
         let (mesh, rank) = (self.mesh(), self.rank());
         let group = call.group();
@@ -374,7 +385,7 @@ impl Communicator for InProcessCommunicator {
         let calls = deposits.all().iter().map(|d| d.call.clone()).collect();
         let round = Round::new(mesh, rank, call.clone(), calls);
         round.check_calls()?;
-        Ok(match call.kind() {
+        let out = match call.kind() {
             CollectiveKind::Barrier => None,
             CollectiveKind::Broadcast => {
                 let root = call.root();
@@ -392,7 +403,17 @@ impl Communicator for InProcessCommunicator {
                     Deposits::Shared(_) => combine(call, who.index, &deposits.buffers())?,
                 })
             }
-        })
+        };
+        // The modelled link: the call lasts at least as long as it would on it.
+        let link = self.world.links.read().unwrap().for_group(label).copied();
+        if let Some(link) = link {
+            let bytes = call.counted_bytes(out.as_ref()) as u64;
+            let modelled = link.collective_time(call.kind(), members.len(), bytes);
+            if let Some(rest) = modelled.checked_sub(started.elapsed()) {
+                std::thread::sleep(rest);
+            }
+        }
+        Ok(out)
     }
 
     fn point_to_point(&self) -> Result<&dyn PointToPoint, Error> {

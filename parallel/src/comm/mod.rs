@@ -22,6 +22,7 @@ mod header;
 #[cfg(feature = "mpi")]
 mod hybrid;
 mod in_process;
+mod link;
 mod member;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
@@ -50,6 +51,7 @@ pub use device::{DeviceCollectives, HostStaged};
 #[cfg(feature = "mpi")]
 pub use hybrid::{HybridCommunicator, HybridWorld};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessCommunicator, InProcessWorld};
+pub use link::{LinkModel, Links};
 pub use member::{Member, TraceEvent};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiCommunicator, MpiWorld};

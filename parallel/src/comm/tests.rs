@@ -17,6 +17,7 @@ const TEST_TIMEOUT: Duration = Duration::from_secs(10);
 fn run<T: Send>(mesh: &DeviceMesh, f: impl Fn(Arc<dyn Communicator>) -> T + Sync) -> Vec<T> {
     let options = LaunchOptions {
         timeout: TEST_TIMEOUT,
+        ..Default::default()
     };
     launch(mesh, &options, f).expect("every rank succeeds")
 }
@@ -413,7 +414,10 @@ fn consecutive_rounds_never_mix() {
 #[test]
 fn missing_rank_gives_a_timeout_not_a_hang() {
     let timeout = Duration::from_millis(200);
-    let options = LaunchOptions { timeout };
+    let options = LaunchOptions {
+        timeout,
+        ..Default::default()
+    };
     let results = launch(&dp(3), &options, |comm| {
         if comm.rank() == 2 {
             return Vec::new(); // never arrives
