@@ -421,12 +421,39 @@ impl RankContext {
         shape: &[usize],
         base: &crate::placement::Layout,
     ) -> crate::placement::Layout {
-        let axes = self.with_policy(|p| p.sharding.grad_shard_axes.clone());
+        use crate::placement::Placement;
+        let (axes, transposed) = self.with_policy(|p| {
+            let s = &p.sharding;
+            let transposed = shape.len() == 2
+                && !s.param_shapes.contains(shape)
+                && s.param_shapes.contains(&vec![shape[1], shape[0]]);
+            (s.grad_shard_axes.clone(), transposed)
+        });
         let mesh = self.mesh();
         let mut start = base.clone();
         for (a, axis) in mesh.axes().iter().enumerate() {
             if axis.kind == AxisKind::Data {
-                start.set(a, crate::placement::Placement::Replicate);
+                start.set(a, Placement::Replicate);
+            }
+        }
+        // The gradient of a parameter used transposed (a tied embedding as the head's weight),
+        // with nothing split on model axes: split as the parameter is (its dim 0, here dim 1),
+        // so adding it to the parameter's other gradient moves nothing.
+        if transposed && !start.is_distributed() {
+            let param =
+                crate::placement::shard_dim0(start.clone(), &[shape[1], shape[0]], &axes, mesh);
+            let parts: usize = (0..param.len())
+                .filter(|&a| param.get(a) == Placement::Shard(0))
+                .map(|a| mesh.axis_size(a))
+                .product();
+            if parts > 1 && shape[1].is_multiple_of(parts) {
+                let mut out = start;
+                for a in 0..param.len() {
+                    if param.get(a) == Placement::Shard(0) {
+                        out.set(a, Placement::Shard(1));
+                    }
+                }
+                return out;
             }
         }
         crate::placement::shard_dim0(start, shape, &axes, mesh)

@@ -63,6 +63,7 @@ struct Sharder<'a> {
     mesh: &'a DeviceMesh,
     axes: Vec<usize>,
     ctx: Option<Arc<RankContext>>,
+    shapes: std::collections::BTreeSet<Vec<usize>>,
     error: Option<Error>,
 }
 
@@ -74,6 +75,7 @@ impl<B: DistributedBackend> ModuleMapper<B> for Sharder<'_> {
         }
         let t = dtensor(&tensor);
         self.ctx.get_or_insert_with(|| t.device().context().clone());
+        self.shapes.insert(t.global_shape().to_vec());
         let target = crate::placement::shard_dim0(
             t.layout().clone(),
             &t.global_shape().to_vec(),
@@ -201,6 +203,7 @@ pub fn fully_shard<B: DistributedBackend, M: Module<B>>(
             Vec::new()
         },
         ctx: None,
+        shapes: Default::default(),
         error: None,
     };
     let module = module.map(&mut sharder);
@@ -212,7 +215,13 @@ pub fn fully_shard<B: DistributedBackend, M: Module<B>>(
             .context()
             .clone()
     });
-    ctx.update_policy(|p| p.sharding = sharding_policy(strategy, axes));
+    let param_shapes = sharder.shapes;
+    ctx.update_policy(|p| {
+        p.sharding = ShardingPolicy {
+            param_shapes,
+            ..sharding_policy(strategy, axes)
+        }
+    });
     Ok(module)
 }
 

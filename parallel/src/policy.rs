@@ -62,6 +62,10 @@ pub struct ShardingPolicy {
     pub(crate) optimizer_shard_axes: Vec<usize>,
     /// When data-parallel gradients are reduced.
     pub(crate) gradient_reduction: GradientReduction,
+    /// The global shapes of the parameters [`crate::fully_shard`] laid out: a 2-D gradient whose
+    /// shape is no parameter's but whose transpose is one's (a tied embedding used as the head's
+    /// weight) is reduce-scattered along dim 1, the parameter's own dim 0.
+    pub(crate) param_shapes: std::collections::BTreeSet<Vec<usize>>,
 }
 
 /// When a rank reduces its data-parallel gradients.
@@ -90,6 +94,7 @@ impl ShardingPolicy {
             grad_shard_axes,
             optimizer_shard_axes,
             gradient_reduction,
+            param_shapes: Default::default(),
         }
     }
 

@@ -837,7 +837,8 @@ fn non_finite_steps_stop_the_run() {
 /// `--trace`: a Chrome trace every rank's collectives are in, each a begin event at its issue and
 /// an end event at its completion, one after another on the rank's thread; the bytes they carry
 /// are exactly the steps' communication counters; forward, backward and optimizer regions per
-/// step on every rank; the ranks ran the same collectives (SPMD).
+/// step on every rank; the ranks ran the same collectives (SPMD); the tied embedding's table is
+/// gathered three times a step, never for its gradient.
 #[test]
 fn the_trace_holds_every_collective_of_every_rank() {
     let dir = scratch("trace");
@@ -903,6 +904,16 @@ fn the_trace_holds_every_collective_of_every_rank() {
         per_rank.push(collectives);
     }
     assert_eq!(per_rank[0].len(), per_rank[1].len());
+    let table = 4 * 256 * 32 / 2; // a rank's shard of the tied embedding [256, 32]
+    let gathers = per_rank[0]
+        .iter()
+        .filter(|(name, bytes)| name == "AllGather" && *bytes == table)
+        .count();
+    // Per step: the table gathered for the embedding, for the head, and again for the head's
+    // backward; its two gradients (the head's, born transposed, and the table's) are both
+    // reduce-scattered into the parameter's own split, so their sum gathers nothing (a fourth
+    // gather per step before).
+    assert_eq!(gathers, 3 * 3, "the tied table's all-gathers");
     let traced: u64 = per_rank[0].iter().map(|(_, b)| b).sum();
     let counted: u64 = summary.steps.iter().map(|s| s.comm_bytes).sum();
     assert_eq!(traced, counted, "the trace's bytes are the counters' bytes");
