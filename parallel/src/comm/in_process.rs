@@ -408,9 +408,19 @@ impl Communicator for InProcessCommunicator {
         let link = self.world.links.read().unwrap().for_group(label).copied();
         if let Some(link) = link {
             let bytes = call.counted_bytes(out.as_ref()) as u64;
-            let modelled = link.collective_time(call.kind(), members.len(), bytes);
-            if let Some(rest) = modelled.checked_sub(started.elapsed()) {
-                std::thread::sleep(rest);
+            let deadline = started + link.collective_time(call.kind(), members.len(), bytes);
+            // Sleep for the bulk, spin for the last stretch (a sleep overshoots by ~0.1 ms,
+            // which would swamp a small collective's microseconds).
+            const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
+            while let Some(rest) = deadline.checked_duration_since(std::time::Instant::now()) {
+                if rest.is_zero() {
+                    break;
+                }
+                if rest > SPIN {
+                    std::thread::sleep(rest - SPIN);
+                } else {
+                    std::hint::spin_loop();
+                }
             }
         }
         Ok(out)

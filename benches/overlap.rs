@@ -1,0 +1,138 @@
+//! Exposed communication under a modelled link (issue 19's measure of overlap): gpt_pretrain's
+//! small GPT (4 layers, d = 256, GPT-2 vocabulary, sequence 128) at dp 2 and 4, DDP and FullShard,
+//! ranks as threads, each run twice — without a link, and with `--link dp=LINK` — for a markdown
+//! table of: step time without and with the link (medians over the timed steps), the step's
+//! communication time on the link (the [`LinkModel`] time of every collective the step ran, from
+//! its trace), the exposed part (the step time's increase) and the hidden fraction
+//! `1 − exposed / communication`. Collectives block today (no overlap within a rank), so the
+//! hidden fraction should be near 0; overlap (prefetch, buckets) raises it.
+//!
+//! Valid only where every rank has cores of its own. Ranks as threads share the machine's cores
+//! (and Flex's one thread pool): while one rank sleeps in a paced collective the others compute
+//! faster, which hides link time that no rank overlapped. Lockstep collectives (FSDP's gathers,
+//! every rank waiting together) show little of it; DDP's per-parameter all-reduces at the end of
+//! backward, where ranks arrive at different times, show much of it on a 2-core machine.
+//!
+//! ```text
+//! cargo bench --bench overlap [-- --link 100MB/s,20us --steps 4]
+//! ```
+
+/// mimalloc, keeping freed memory for the next step, or `WILDFIRE_ALLOC=system` (see
+/// `wildfire::alloc`).
+#[global_allocator]
+static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
+
+use wildfire::models::data::TokenizerKind;
+use wildfire::models::gpt::Preset;
+use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
+use wildfire::parallel::CollectiveKind;
+use wildfire::parallel::comm::{LinkModel, TraceEvent};
+use wildfire::pretrain::{PretrainConfig, RunSummary, run};
+
+mod common;
+
+fn main() {
+    wildfire::alloc::keep_freed_memory();
+    // A smoke run (`cargo test --all-targets`): a tiny model, one configuration, one step.
+    let smoke = common::smoke();
+    let link_spec = common::arg::<String>("--link").unwrap_or_else(|| "100MB/s,20us".into());
+    let link: LinkModel = link_spec.parse().expect("--link BANDWIDTH,LATENCY");
+    let steps = common::arg("--steps").unwrap_or(if smoke { 1 } else { 4 });
+    let configs: &[(usize, FsdpStrategy)] = if smoke {
+        &[(2, FsdpStrategy::FullShard)]
+    } else {
+        &[
+            (2, FsdpStrategy::NoShard),
+            (2, FsdpStrategy::FullShard),
+            (4, FsdpStrategy::NoShard),
+            (4, FsdpStrategy::FullShard),
+        ]
+    };
+    let dir = std::env::temp_dir().join(format!("wildfire-bench-overlap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    println!(
+        "link dp={link_spec}; {} timed steps after one warm-up\n\n| dp | strategy | step, no link (ms) | step, link (ms) | communication on the link (ms) | exposed (ms) | hidden |\n|---|---|---|---|---|---|---|",
+        steps
+    );
+    for &(dp, fsdp) in configs {
+        let config = PretrainConfig {
+            preset: if smoke { Preset::Tiny } else { Preset::Small },
+            n_layer: smoke.then_some(2),
+            tokenizer: if smoke {
+                TokenizerKind::Bytes
+            } else {
+                TokenizerKind::Gpt2
+            },
+            block_size: Some(if smoke { 32 } else { 128 }),
+            batch_size: dp * 2,
+            steps: steps + 1,
+            parallel: ParallelConfig {
+                dp,
+                fsdp,
+                ..ParallelConfig::default()
+            },
+            gather_parameters: false,
+            ..PretrainConfig::quiet()
+        };
+        let plain = run(&config).expect("run");
+        let paced = run(&PretrainConfig {
+            links: vec![format!("dp={link_spec}")],
+            trace: Some(dir.join("trace.json")),
+            ..config.clone()
+        })
+        .expect("run with the link");
+        let tokens = (config.batch_size * config.block_size.unwrap_or(0)) as f64;
+        let step_ms = |s: &RunSummary| {
+            median(
+                s.steps[1..]
+                    .iter()
+                    .map(|m| tokens / m.tokens_per_s * 1e3)
+                    .collect(),
+            )
+        };
+        let (t0, t1) = (step_ms(&plain), step_ms(&paced));
+        let comm = median(step_communication(&paced, &link, dp)[1..].to_vec());
+        let exposed = t1 - t0;
+        println!(
+            "| {dp} | {fsdp:?} | {t0:.1} | {t1:.1} | {comm:.1} | {exposed:.1} | {:.0}% |",
+            100.0 * (1.0 - exposed / comm)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Per step (rank 0's trace): the link's time for every collective inside the step's region.
+fn step_communication(summary: &RunSummary, link: &LinkModel, dp: usize) -> Vec<f64> {
+    let (_, trace) = &summary.trace[0];
+    let steps = trace
+        .iter()
+        .filter(|e| e.cat == "compute" && e.name == "step");
+    steps
+        .map(|step| {
+            let end = step.start_us + step.dur_us;
+            trace
+                .iter()
+                .filter(|e| {
+                    e.cat == "collective" && e.start_us >= step.start_us && e.start_us <= end
+                })
+                .map(|e| link.collective_time(kind(e), dp, e.bytes).as_secs_f64() * 1e3)
+                .sum()
+        })
+        .collect()
+}
+
+fn kind(e: &TraceEvent) -> CollectiveKind {
+    match e.name.as_str() {
+        "AllReduce" => CollectiveKind::AllReduce,
+        "AllGather" => CollectiveKind::AllGather,
+        "ReduceScatter" => CollectiveKind::ReduceScatter,
+        "Broadcast" => CollectiveKind::Broadcast,
+        "Barrier" => CollectiveKind::Barrier,
+        other => panic!("a collective named {other}"),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
