@@ -25,8 +25,7 @@ static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
-use wildfire::parallel::CollectiveKind;
-use wildfire::parallel::comm::{LinkModel, TraceEvent};
+use wildfire::parallel::comm::LinkModel;
 use wildfire::pretrain::{PretrainConfig, RunSummary, run};
 
 mod common;
@@ -106,30 +105,18 @@ fn step_communication(summary: &RunSummary, link: &LinkModel, dp: usize) -> Vec<
     let (_, trace) = &summary.trace[0];
     let steps = trace
         .iter()
-        .filter(|e| e.cat == "compute" && e.name == "step");
+        .filter(|e| e.kind.is_none() && e.name == "step");
     steps
         .map(|step| {
             let end = step.start_us + step.dur_us;
             trace
                 .iter()
-                .filter(|e| {
-                    e.cat == "collective" && e.start_us >= step.start_us && e.start_us <= end
-                })
-                .map(|e| link.collective_time(kind(e), dp, e.bytes).as_secs_f64() * 1e3)
+                .filter(|e| e.start_us >= step.start_us && e.start_us <= end)
+                .filter_map(|e| Some(link.collective_time(e.kind?, dp, e.bytes)))
+                .map(|t| t.as_secs_f64() * 1e3)
                 .sum()
         })
         .collect()
-}
-
-fn kind(e: &TraceEvent) -> CollectiveKind {
-    match e.name.as_str() {
-        "AllReduce" => CollectiveKind::AllReduce,
-        "AllGather" => CollectiveKind::AllGather,
-        "ReduceScatter" => CollectiveKind::ReduceScatter,
-        "Broadcast" => CollectiveKind::Broadcast,
-        "Barrier" => CollectiveKind::Barrier,
-        other => panic!("a collective named {other}"),
-    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

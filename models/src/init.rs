@@ -6,7 +6,6 @@ use std::collections::BTreeMap;
 
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
-use wildfire_parallel::rng::SplitMix64;
 use wildfire_parallel::{DTensor, DistDevice, DistributedBackend, Layout};
 
 use crate::Error;
@@ -23,28 +22,13 @@ pub(crate) enum Values {
 impl Values {
     /// The values at flat indices `start..start + out.len()`.
     pub(crate) fn fill(&self, start: usize, out: &mut [f32]) {
-        let (stream, std) = match *self {
-            Values::Constant(c) => return out.fill(c),
-            Values::Normal { stream, std } => (stream, std),
-        };
-        let end = start + out.len();
-        let mut pair = start / 2;
-        let mut rng = SplitMix64::after(stream, 2 * pair as u64);
-        while 2 * pair < end {
-            let (u1, u2) = (rng.next_unit().max(1e-300), rng.next_unit());
-            let r = (-2.0 * u1.ln()).sqrt();
-            let theta = 2.0 * std::f64::consts::PI * u2;
-            let two = [
-                (r * theta.cos()) as f32 * std,
-                (r * theta.sin()) as f32 * std,
-            ];
-            for (k, v) in two.into_iter().enumerate() {
-                let i = 2 * pair + k;
-                if (start..end).contains(&i) {
-                    out[i - start] = v;
-                }
+        match *self {
+            Values::Constant(c) => out.fill(c),
+            Values::Normal { stream, std } => {
+                wildfire_parallel::rng::box_muller(stream, start, out.len(), |k, r, trig| {
+                    out[k] = (r * trig) as f32 * std;
+                });
             }
-            pair += 1;
         }
     }
 }

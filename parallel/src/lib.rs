@@ -71,7 +71,7 @@ pub use fsdp::{
 };
 pub use launch::{LaunchEnv, LaunchOptions, Launcher, launch};
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis};
-pub use placement::{Layout, Placement, create_replicated};
+pub use placement::{Layout, Placement, create_replicated, for_each_row};
 pub use policy::{GradientReduction, RankPolicy, ShardingPolicy};
 #[cfg(feature = "cuda")]
 pub use ranks::launch_ranks_rendezvous;

@@ -174,14 +174,9 @@ impl Layout {
         let extents: Vec<usize> = local_box.iter().map(|(_, e)| *e).collect();
         let mut local = vec![0.0; extents.iter().product()];
         let lens: Vec<usize> = local_box.iter().map(|(r, _)| r.len()).collect();
-        if lens.contains(&0) {
-            return (local, extents);
-        }
         // One contiguous run per row of the box (along the last dim), rows in row-major order.
-        let lead = &lens[..lens.len().saturating_sub(1)];
         let run = lens.last().copied().unwrap_or(1);
-        let mut row = vec![0; lead.len()];
-        for _ in 0..lead.iter().product::<usize>() {
+        for_each_row(&lens, |row| {
             let (mut global, mut at) = (0, 0);
             for d in 0..shape.len() {
                 let i = row.get(d).copied().unwrap_or(0);
@@ -189,14 +184,7 @@ impl Layout {
                 at = at * extents[d] + i;
             }
             fill(global, &mut local[at..at + run]);
-            for d in (0..lead.len()).rev() {
-                row[d] += 1;
-                if row[d] < lead[d] {
-                    break;
-                }
-                row[d] = 0;
-            }
-        }
+        });
         (local, extents)
     }
 
@@ -289,4 +277,25 @@ pub fn create_replicated<R>(f: impl FnOnce() -> R) -> R {
     }
     let _reset = Reset(FRESH_REPLICATED.with(|c| c.replace(true)));
     f()
+}
+
+/// Call `f` with the index of every row of a box of `size` (its leading dims; a row runs along
+/// the last), in row-major order: once with `[]` for a rank-0 or rank-1 box, never for an empty
+/// one.
+pub fn for_each_row(size: &[usize], mut f: impl FnMut(&[usize])) {
+    if size.contains(&0) {
+        return;
+    }
+    let lead = &size[..size.len().saturating_sub(1)];
+    let mut row = vec![0; lead.len()];
+    for _ in 0..lead.iter().product::<usize>() {
+        f(&row);
+        for d in (0..lead.len()).rev() {
+            row[d] += 1;
+            if row[d] < lead[d] {
+                break;
+            }
+            row[d] = 0;
+        }
+    }
 }

@@ -85,19 +85,31 @@ pub fn fill_distribution(
             }
         }
         Distribution::Normal(mean, std) => {
-            for (k, v) in out.iter_mut().enumerate() {
-                let i = start + k;
-                let (u1, u2) = (unit(i & !1).max(1e-300), unit(i | 1));
-                let r = (-2.0 * u1.ln()).sqrt();
-                let theta = 2.0 * std::f64::consts::PI * u2;
-                let z = if i.is_multiple_of(2) {
-                    theta.cos()
-                } else {
-                    theta.sin()
-                };
-                *v = (mean + std * r * z) as f32;
+            box_muller(stream, start, out.len(), |k, r, trig| {
+                out[k] = (mean + std * r * trig) as f32;
+            });
+        }
+    }
+}
+
+/// Standard normal draws at flat indices `start..start + len` of stream `stream`, by Box–Muller
+/// on pairs of draws (pair `k` from draws `2k` and `2k + 1`, each pair drawn once):
+/// `f(i − start, r, trig)` for each index `i`, the value being `r · trig` (`trig` the cosine at
+/// `2k`, the sine at `2k + 1`). Callers scale it in their own precision.
+pub fn box_muller(stream: u64, start: usize, len: usize, mut f: impl FnMut(usize, f64, f64)) {
+    let end = start + len;
+    let mut pair = start / 2;
+    let mut rng = SplitMix64::after(stream, 2 * pair as u64);
+    while 2 * pair < end {
+        let (u1, u2) = (rng.next_unit().max(1e-300), rng.next_unit());
+        let r = (-2.0 * u1.ln()).sqrt();
+        let theta = 2.0 * std::f64::consts::PI * u2;
+        for (i, trig) in [(2 * pair, theta.cos()), (2 * pair + 1, theta.sin())] {
+            if (start..end).contains(&i) {
+                f(i - start, r, trig);
             }
         }
+        pair += 1;
     }
 }
 

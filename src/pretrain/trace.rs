@@ -17,8 +17,13 @@ pub fn chrome_trace(ranks: &[(usize, Vec<TraceEvent>)]) -> Value {
             "args": { "name": format!("rank {rank}") },
         }));
         for e in trace {
-            let common = |ph: &str, ts: f64| json!({ "name": e.name, "cat": e.cat, "ph": ph, "ts": ts, "pid": 0, "tid": rank });
-            if e.cat == "collective" {
+            let cat = if e.kind.is_some() {
+                "collective"
+            } else {
+                "compute"
+            };
+            let common = |ph: &str, ts: f64| json!({ "name": e.name, "cat": cat, "ph": ph, "ts": ts, "pid": 0, "tid": rank });
+            if e.kind.is_some() {
                 let mut begin = common("B", e.start_us);
                 begin["args"] = json!({ "group": e.group, "bytes": e.bytes });
                 events.push(begin);

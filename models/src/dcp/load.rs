@@ -361,7 +361,7 @@ impl Reader {
         // The box's runs (one per row along the last dim): where in the piece, where in `out`.
         let run = size.last().copied().unwrap_or(1);
         let mut runs: Vec<(usize, usize)> = Vec::new();
-        super::for_each_row(size, |row| {
+        wildfire_parallel::for_each_row(size, |row| {
             let from = (0..size.len()).fold(0, |flat, d| {
                 flat * dims[d] + at[d] + row.get(d).copied().unwrap_or(0)
             });

@@ -29,7 +29,7 @@
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
-use wildfire_parallel::DeviceMesh;
+use wildfire_parallel::{DeviceMesh, for_each_row};
 
 mod load;
 mod save;
@@ -206,27 +206,6 @@ pub(crate) fn copy_box(
         let run = size.last().copied().unwrap_or(1);
         dst[doff..doff + run].copy_from_slice(&src[so..so + run]);
     });
-}
-
-/// Call `f` with the index of every row of a box of `size` (its leading dims; a row runs along
-/// the last), in row-major order: once with `[]` for a rank-0 or rank-1 box, never for an empty
-/// one.
-pub(crate) fn for_each_row(size: &[usize], mut f: impl FnMut(&[usize])) {
-    if size.contains(&0) {
-        return;
-    }
-    let lead = &size[..size.len().saturating_sub(1)];
-    let mut row = vec![0; lead.len()];
-    for _ in 0..lead.iter().product::<usize>() {
-        f(&row);
-        for d in (0..lead.len()).rev() {
-            row[d] += 1;
-            if row[d] < lead[d] {
-                break;
-            }
-            row[d] = 0;
-        }
-    }
 }
 
 /// The size of the box `start..end` per dimension.

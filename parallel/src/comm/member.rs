@@ -27,8 +27,8 @@ pub struct Member {
 pub struct TraceEvent {
     /// The collective's kind (`AllGather`, …) or the region's name (`forward`, …).
     pub name: String,
-    /// `collective` or `compute`.
-    pub cat: String,
+    /// The collective's kind; `None` for a compute region.
+    pub kind: Option<CollectiveKind>,
     /// Start, in µs since the trace's epoch (shared by the ranks of one process).
     pub start_us: f64,
     /// Duration in µs.
@@ -79,7 +79,7 @@ impl Member {
         if let Some(trace) = lock(&self.trace).as_mut() {
             trace.push(TraceEvent {
                 name: name.into(),
-                cat: "compute".into(),
+                kind: None,
                 start_us: micros(start),
                 dur_us: micros(end) - micros(start),
                 group: String::new(),
@@ -126,7 +126,7 @@ impl Member {
             let (start, end) = (micros(issued), micros(Instant::now()));
             trace.push(TraceEvent {
                 name: format!("{:?}", call.kind()),
-                cat: "collective".into(),
+                kind: Some(call.kind()),
                 start_us: start,
                 dur_us: end - start,
                 group: label.to_string(),
