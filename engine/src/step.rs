@@ -127,6 +127,9 @@ impl StepRunner {
     {
         let accum = seeds.len().max(1);
         let ctx = device.context().clone();
+        // FSDP prefetch (when the policy asks for it): this step's parameters, so that their
+        // gathers can be issued ahead, in the order the last step gathered them.
+        wildfire_parallel::prefetch_parameters::<Ad<X>, X, M>(&model);
         // Accumulate: the micro-batches' gradients stay unreduced summands (no communication)
         // until `sync_gradients` after the last.
         ctx.set_no_sync(accum > 1);

@@ -80,6 +80,42 @@ pub(crate) fn all_gather<B: Backend>(
     )
 }
 
+/// A collective issued on the rank's queue ([`crate::comm::CommQueue`]), or already done (on
+/// installed device collectives, which run in order on their own stream).
+pub(crate) enum PendingTensor<B: Backend> {
+    Done(Result<FloatTensor<B>, Error>),
+    Queued(crate::comm::Pending, B::Device),
+}
+
+impl<B: Backend> PendingTensor<B> {
+    /// The result, waited for.
+    pub(crate) fn wait(self) -> Result<FloatTensor<B>, Error> {
+        match self {
+            Self::Done(result) => result,
+            Self::Queued(pending, device) => Ok(B::float_from_data(pending.wait_data()?, &device)),
+        }
+    }
+}
+
+/// [`all_gather`], issued now and waited for later: through the host communicator's queue
+/// (read to the host now); on installed device collectives, done now.
+pub(crate) fn issue_all_gather<B: Backend>(
+    device: &DistDevice<B>,
+    group: Group,
+    tensor: FloatTensor<B>,
+    dim: usize,
+) -> PendingTensor<B> {
+    let ctx = device.context();
+    if ctx.device_collectives::<B>().is_some() {
+        return PendingTensor::Done(all_gather(device, group, tensor, dim));
+    }
+    let data = crate::comm::read::<B>(tensor);
+    PendingTensor::Queued(
+        ctx.queue().issue_all_gather(group, data, dim),
+        device.inner().clone(),
+    )
+}
+
 /// Reduce-scatter along `dim` (see [`Communicator::reduce_scatter`]).
 pub(crate) fn reduce_scatter<B: Backend>(
     device: &DistDevice<B>,

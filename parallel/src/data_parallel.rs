@@ -312,5 +312,6 @@ where
         ctx.comm().barrier(Group::World)?;
     }
     crate::backend::gradients_synced(&ctx);
+    crate::tensor::prefetch::end_step::<X>(&ctx);
     Ok(syncer.report)
 }

@@ -1,6 +1,6 @@
 //! The decorator's device: (inner device, rank, mesh, communicator), and per-rank op counters.
 
-use crate::comm::{Communicator, DeviceCollectives, InProcessWorld};
+use crate::comm::{CommQueue, Communicator, DeviceCollectives, InProcessWorld};
 use crate::mesh::{AxisKind, DeviceMesh};
 use crate::policy::RankPolicy;
 use burn::tensor::backend::{Backend, DeviceId, DeviceOps};
@@ -31,6 +31,20 @@ impl OpCounters {
     }
 }
 
+/// FSDP prefetch counters of a rank ([`RankContext::prefetch_stats`]; see
+/// [`crate::prefetch_parameters`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefetchStats {
+    /// Parameter gathers issued ahead of their use.
+    pub issued: u64,
+    /// Gathers served by one issued ahead.
+    pub used: u64,
+    /// Gathers issued ahead and never used (a step left the recorded order).
+    pub wasted: u64,
+    /// Steps that left the recorded order.
+    pub diverged: u64,
+}
+
 /// A rank's memory by kind ([`RankContext::memory_report`]), in bytes of local pieces.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct MemoryReport {
@@ -55,7 +69,8 @@ type DeviceStats = Box<dyn Fn() -> crate::comm::CommStats + Send + Sync>;
 /// Everything a rank needs to run distributed ops: its rank, the mesh and a communicator; the
 /// run's [`RankPolicy`]; its accounting; and where it is in the step's protocol.
 pub struct RankContext {
-    comm: Arc<dyn Communicator>,
+    /// The communicator, behind the rank's queue of issued collectives.
+    comm: Arc<CommQueue>,
     /// Collectives on the inner backend's tensors, when installed.
     collectives: InstalledCollectives,
     /// The run's policy: set once, before the parallelism transforms, which fill in their parts.
@@ -72,6 +87,10 @@ pub struct RankContext {
     /// creation op makes is this rank's piece of it in this layout, random values drawn from
     /// this stream piece by piece.
     init_scope: Mutex<Option<InitScope>>,
+    /// FSDP prefetch: the step's parameters, the recorded gather order and the gathers in
+    /// flight (`tensor::prefetch::Prefetch<B>`, the backend type erased), and its counters.
+    prefetch: Mutex<Option<Box<dyn Any + Send>>>,
+    prefetch_stats: Mutex<PrefetchStats>,
 }
 
 /// One parameter's sharded initialisation (see [`RankContext`]'s `init_scope`).
@@ -133,13 +152,15 @@ impl RankContext {
     /// A context over a communicator (which knows the rank and the mesh).
     pub fn new(comm: Arc<dyn Communicator>) -> Arc<Self> {
         Arc::new(Self {
-            comm,
+            comm: Arc::new(CommQueue::new(comm)),
             collectives: InstalledCollectives::default(),
             policy: RwLock::new(RankPolicy::default()),
             accounting: Accounting::default(),
             protocol: StepProtocol::default(),
             rng: Mutex::new(None),
             init_scope: Mutex::new(None),
+            prefetch: Mutex::new(None),
+            prefetch_stats: Mutex::default(),
         })
     }
 
@@ -149,7 +170,7 @@ impl RankContext {
     /// collectives at a time: installing replaces the previous ones.
     pub fn set_device_collectives<B: Backend>(&self, collectives: Arc<dyn DeviceCollectives<B>>) {
         // Counted once when the device collectives are the host communicator too.
-        let same = std::ptr::addr_eq(Arc::as_ptr(&collectives), Arc::as_ptr(&self.comm));
+        let same = std::ptr::addr_eq(Arc::as_ptr(&collectives), Arc::as_ptr(self.comm.inner()));
         let counted = collectives.clone();
         *self.collectives.stats.lock().unwrap() =
             (!same).then(|| Box::new(move || counted.stats()) as DeviceStats);
@@ -191,6 +212,12 @@ impl RankContext {
     /// The communicator.
     pub fn comm(&self) -> &dyn Communicator {
         &*self.comm
+    }
+
+    /// The communicator's queue: collectives issued now and waited for later
+    /// ([`CommQueue::issue`]).
+    pub fn queue(&self) -> &CommQueue {
+        &self.comm
     }
 
     /// Everything this rank communicated: the host communicator's statistics plus those of the
@@ -269,6 +296,28 @@ impl RankContext {
         } else {
             None
         }
+    }
+
+    /// Run `f` on the rank's prefetch state of type `T` (a state of another type is dropped).
+    pub(crate) fn with_prefetch<T: Any + Send, R>(&self, f: impl FnOnce(&mut Option<T>) -> R) -> R {
+        let mut slot = self.prefetch.lock().unwrap_or_else(|e| e.into_inner());
+        if !slot.as_ref().is_some_and(|b| b.is::<Option<T>>()) {
+            *slot = Some(Box::new(None::<T>));
+        }
+        let state = slot
+            .as_mut()
+            .and_then(|b| b.downcast_mut::<Option<T>>())
+            .expect("set above");
+        f(state)
+    }
+
+    pub(crate) fn count_prefetch(&self, f: impl FnOnce(&mut PrefetchStats)) {
+        f(&mut self.prefetch_stats.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+
+    /// What FSDP prefetch did on this rank so far.
+    pub fn prefetch_stats(&self) -> PrefetchStats {
+        *self.prefetch_stats.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Draw from this rank's stream, if seeded.

@@ -184,6 +184,47 @@ pub fn init_sharded<B: DistributedBackend, M: Module<B>>(
     }
 }
 
+/// FSDP prefetch: call before each training step's first forward pass (the engine's
+/// `StepRunner` does). It hands the rank this step's parameters, in the model's order; the rank
+/// records the order the step gathers them in and, from the next step on, keeps up to
+/// [`RankPolicy::prefetch`](crate::RankPolicy) of the next gathers of that order in flight on
+/// its communication queue while it computes (forward: the next blocks' parameters; backward:
+/// the previous blocks'). The gathers, their count and every result are those of the blocking
+/// path ([`RankContext::prefetch_stats`] counts what was served ahead). The parameters are let
+/// go at [`sync_gradients`](crate::sync_gradients). Does nothing unless the parameters rest
+/// sharded (FullShard, HSDP) and the policy's `prefetch` is above 0.
+pub fn prefetch_parameters<B, X, M>(model: &M)
+where
+    B: AutodiffBackend<InnerBackend = crate::Distributed<X>>,
+    X: burn_backend::Backend,
+    M: AutodiffModule<B>,
+{
+    struct Collect<X: burn_backend::Backend>(Vec<crate::tensor::DTensor<X>>);
+    impl<B, X> ModuleVisitor<B> for Collect<X>
+    where
+        B: AutodiffBackend<InnerBackend = crate::Distributed<X>>,
+        X: burn_backend::Backend,
+    {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push(B::inner(param.val().into_primitive().tensor()));
+        }
+    }
+    let mut params = Collect::<X>(Vec::new());
+    model.visit(&mut params);
+    let ctx = match params.0.first() {
+        Some(p) => p.device().context().clone(),
+        None => crate::device::current_device::<X>().context().clone(),
+    };
+    let depth = ctx.with_policy(|p| {
+        if p.sharding.param_shard_axes.is_empty() {
+            0
+        } else {
+            p.prefetch
+        }
+    });
+    crate::tensor::prefetch::start_step::<X>(&ctx, params.0, depth);
+}
+
 /// Lay `module` out for `strategy` over the data axes of `mesh` and set this rank's
 /// [`ShardingPolicy`]. Call once, after the model is built (and after tensor parallelism, if any). Parameters
 /// keep their `ParamId`s; every rank starts from rank 0's values.

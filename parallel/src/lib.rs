@@ -63,11 +63,11 @@ pub use comm::{NcclCommunicator, NcclOptions};
 pub use data_parallel::{
     DistributedBackend, SyncReport, dtensor, from_dtensor, redistribute, replicate, sync_gradients,
 };
-pub use device::{DistDevice, MemoryReport, OpCounters, RankContext};
+pub use device::{DistDevice, MemoryReport, OpCounters, PrefetchStats, RankContext};
 pub use error::{CollectiveKind, Error};
 pub use fsdp::{
     FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, init_sharded, optimizer_state_layout,
-    parameter_bytes, planned_layouts,
+    parameter_bytes, planned_layouts, prefetch_parameters,
 };
 pub use launch::{LaunchEnv, LaunchOptions, Launcher, launch};
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis};

@@ -44,6 +44,10 @@ pub struct RankPolicy {
     pub memory_budget: Option<u64>,
     /// How parameters, gradients and optimizer state rest on the data axes. Set by `fully_shard`.
     pub sharding: ShardingPolicy,
+    /// FSDP prefetch: how many parameter all-gathers may be in flight ahead of the one in use,
+    /// issued in the order the last step gathered them (see
+    /// [`prefetch_parameters`](crate::prefetch_parameters)); 0: gather each when it is needed.
+    pub prefetch: usize,
 }
 
 /// How a rank's parameters, gradients and optimizer state are spread over the data axes. Set by

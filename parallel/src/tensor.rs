@@ -3,10 +3,13 @@
 use crate::comm::{Group, ReduceOp};
 use crate::device::DistDevice;
 use crate::error::Error;
+use crate::mesh::DeviceMesh;
 use crate::placement::{Layout, Placement};
 use burn_backend::{Backend, DType, Shape, Slice, TensorMetadata};
 use smallvec::SmallVec;
 use std::sync::{Arc, Mutex};
+
+pub(crate) mod prefetch;
 
 /// A distributed tensor: this rank's local piece, its [`Layout`] over the mesh, and the global
 /// (logical) shape, which is what Burn, autodiff and the optimizers see.
@@ -27,6 +30,15 @@ pub struct DTensor<B: Backend> {
     memo: Memo<B>,
     /// Counts the local piece in the rank's live-bytes accounting while this value exists.
     track: Tracker,
+}
+
+/// A parameter's gather issued ahead of its use ([`DTensor::issue_gather`]).
+pub(crate) struct PendingGather<B: Backend> {
+    local: crate::collectives::PendingTensor<B>,
+    /// The gathered bytes, counted while the call is in flight.
+    _in_flight: Tracker,
+    axis: usize,
+    dim: usize,
 }
 
 /// Adds a local piece's bytes to its rank's live count on creation, removes them when the last
@@ -364,6 +376,91 @@ impl<B: Backend> DTensor<B> {
         }
     }
 
+    /// The last split of a padded dim `d` gathered (`layout` splits it no more): the padding
+    /// dropped.
+    fn without_padding(
+        local: B::FloatTensorPrimitive,
+        shape: &Shape,
+        layout: &Layout,
+        d: usize,
+        mesh: &DeviceMesh,
+    ) -> B::FloatTensorPrimitive {
+        let size = shape[d];
+        if layout.shards_of(d, mesh) == 1 && local.shape()[d] != size {
+            slice_dim::<B>(local, d, 0..size)
+        } else {
+            local
+        }
+    }
+
+    /// A value's identity, shared by its clones (the same local piece).
+    pub(crate) fn identity(&self) -> usize {
+        Arc::as_ptr(&self.track._shared) as usize
+    }
+
+    /// Whether redistributing to `target` is one all-gather of a sharded parameter (FSDP's
+    /// gather): exactly one data axis of size > 1 changes, from `Shard(d)` to `Replicate`, and no
+    /// other axis splits `d`. Its axis and `d`.
+    pub(crate) fn parameter_gather(&self, target: &Layout) -> Option<(usize, usize)> {
+        let mesh = self.device.mesh();
+        let changed: Vec<usize> = (0..mesh.axes().len())
+            .filter(|&a| self.layout.get(a) != target.get(a))
+            .collect();
+        let [a] = changed[..] else { return None };
+        let Placement::Shard(d) = self.layout.get(a) else {
+            return None;
+        };
+        let alone = (0..mesh.axes().len())
+            .all(|b| b == a || self.layout.get(b) != Placement::Shard(d));
+        (target.get(a) == Placement::Replicate
+            && mesh.axis(a).kind == crate::mesh::AxisKind::Data
+            && mesh.axis_size(a) > 1
+            && alone
+            && self.memo.is_none())
+        .then_some((a, d))
+    }
+
+    /// Issue the gather [`Self::parameter_gather`] found, on the rank's communication queue;
+    /// its bytes count as gathered while it is in flight.
+    pub(crate) fn issue_gather(&self, axis: usize, dim: usize) -> PendingGather<B> {
+        let size = self.device.mesh().axis_size(axis);
+        let bytes = local_bytes(&self.local) * size;
+        PendingGather {
+            local: crate::collectives::issue_all_gather(
+                &self.device,
+                Group::Axis(axis),
+                self.local.clone(),
+                dim,
+            ),
+            _in_flight: Tracker::with_kind(bytes, true, self.device.context()),
+            axis,
+            dim,
+        }
+    }
+
+    /// The value [`Self::redistribute`] to `target` makes, from a gather issued earlier.
+    pub(crate) fn finish_gather(
+        &self,
+        pending: PendingGather<B>,
+        target: &Layout,
+    ) -> Result<Self, Error> {
+        let (axis, dim) = (pending.axis, pending.dim);
+        debug_assert_eq!(self.parameter_gather(target), Some((axis, dim)));
+        let local = pending.local.wait()?;
+        let mut layout = self.layout.clone();
+        layout.set(axis, Placement::Replicate);
+        let local = Self::without_padding(local, &self.shape, &layout, dim, self.device.mesh());
+        let track = Tracker::with_kind(local_bytes(&local), true, self.device.context());
+        Ok(Self {
+            local,
+            layout,
+            shape: self.shape.clone(),
+            device: self.device.clone(),
+            memo: None,
+            track,
+        })
+    }
+
     /// Change the layout, with the collectives that takes (none when only slicing).
     ///
     /// Axes are first brought to `Replicate` from the last to the first (gather `Shard`, reduce
@@ -396,6 +493,9 @@ impl<B: Backend> DTensor<B> {
                 self.shape,
                 self.device,
             ));
+        }
+        if let Some(gathered) = prefetch::take(&self, target) {
+            return gathered;
         }
         let memo = self.memo.clone();
         let communicates = self.layout.is_distributed();
@@ -453,11 +553,7 @@ impl<B: Backend> DTensor<B> {
                     gathered_data |= mesh.axis(a).kind == crate::mesh::AxisKind::Data;
                     local = crate::collectives::all_gather(&self.device, Group::Axis(a), local, d)?;
                     layout.set(a, Placement::Replicate);
-                    // The last split of a padded dim gathered: drop the padding.
-                    let size = self.shape[d];
-                    if layout.shards_of(d, &mesh) == 1 && local.shape()[d] != size {
-                        local = slice_dim::<B>(local, d, 0..size);
-                    }
+                    local = Self::without_padding(local, &self.shape, &layout, d, &mesh);
                 }
                 Placement::Partial(op) => {
                     // Reduce-scatter straight into the shard only if no other axis splits the

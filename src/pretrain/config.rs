@@ -147,6 +147,12 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(long, help_heading = "Parallelism")]
     pub memory_budget: Option<u64>,
+    /// FSDP prefetch: parameter all-gathers kept in flight ahead of the one in use (issued on
+    /// each rank's communication thread in the order the last step gathered them, so they run
+    /// while the rank computes); 0: gather each parameter when it is needed.
+    #[serde(default = "default_prefetch")]
+    #[arg(long, default_value_t = default_prefetch(), help_heading = "Parallelism")]
+    pub prefetch: usize,
 
     /// Evaluate every this many steps, and at the end (0: only at the end).
     #[arg(
@@ -223,6 +229,10 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(long = "link", value_name = "AXIS=LINK", help_heading = "Run")]
     pub links: Vec<String>,
+}
+
+fn default_prefetch() -> usize {
+    0
 }
 
 fn f32_precision() -> Precision {

@@ -95,6 +95,8 @@ pub struct RunSummary {
     pub rank: usize,
     /// With `--trace`: (rank, its trace) of every rank of this process.
     pub trace: Vec<(usize, Vec<wildfire_parallel::comm::TraceEvent>)>,
+    /// What FSDP prefetch (`--prefetch`) did on this rank.
+    pub prefetch: wildfire_parallel::PrefetchStats,
 }
 
 /// The state stored next to the weights in a checkpoint.

@@ -71,6 +71,7 @@ impl RankRun<'_> {
             compute_dtype: config.precision.reduced_dtype(),
             grad_reduce_dtype: config.grad_reduce.reduced_dtype(),
             memory_budget: config.memory_budget,
+            prefetch: config.prefetch,
             ..RankPolicy::default()
         });
         let resume_scaler = self.resume.as_ref().and_then(|(_, s)| s.clone());
@@ -214,6 +215,7 @@ impl RankRun<'_> {
             member.set_tracing(false);
         }
         summary.final_heap_peak = crate::alloc::heap_peak() as u64;
+        summary.prefetch = ctx.prefetch_stats();
         // Gathering sharded parameters and sampling take collectives: every rank does them.
         if config.gather_parameters {
             summary.parameters = crate::demo::parameters(&model);

@@ -33,6 +33,10 @@ pub struct TraceEvent {
     pub start_us: f64,
     /// Duration in µs.
     pub dur_us: f64,
+    /// For a collective, when it was issued (µs since the epoch): before `start_us` when it
+    /// waited on the rank's communication queue ([`super::CommQueue`]) behind earlier calls.
+    #[serde(default)]
+    pub issued_us: f64,
     /// The mesh axis or group a collective ran over (empty for a region).
     pub group: String,
     /// The bytes a collective counted (0 for a region).
@@ -82,6 +86,7 @@ impl Member {
                 kind: None,
                 start_us: micros(start),
                 dur_us: micros(end) - micros(start),
+                issued_us: micros(start),
                 group: String::new(),
                 bytes: 0,
             });
@@ -117,18 +122,25 @@ impl Member {
     }
 
     /// Records `call`, which returned `result`, with the bytes [`Call::counted_bytes`] says; in
-    /// the trace too when it is on and `issued` says when the call began.
-    pub(crate) fn record(&self, call: &Call, result: Option<&TensorData>, issued: Option<Instant>) {
+    /// the trace too when it is on and `times` says when the call was issued and when it began
+    /// to run.
+    pub(crate) fn record(
+        &self,
+        call: &Call,
+        result: Option<&TensorData>,
+        times: Option<(Instant, Instant)>,
+    ) {
         let label = call.group().label(&self.mesh).unwrap_or("?");
         let bytes = call.counted_bytes(result) as u64;
         lock(&self.stats).record(call.kind(), label, bytes);
-        if let (Some(issued), Some(trace)) = (issued, lock(&self.trace).as_mut()) {
-            let (start, end) = (micros(issued), micros(Instant::now()));
+        if let (Some((issued, started)), Some(trace)) = (times, lock(&self.trace).as_mut()) {
+            let (start, end) = (micros(started), micros(Instant::now()));
             trace.push(TraceEvent {
                 name: format!("{:?}", call.kind()),
                 kind: Some(call.kind()),
                 start_us: start,
                 dur_us: end - start,
+                issued_us: micros(issued),
                 group: label.to_string(),
                 bytes,
             });

@@ -24,6 +24,7 @@ mod hybrid;
 mod in_process;
 mod link;
 mod member;
+mod queue;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
 #[cfg(feature = "cuda")]
@@ -44,15 +45,14 @@ use crate::mesh::DeviceMesh;
 pub use bootstrap::{Bootstrap, TcpRendezvous, bootstrap_groups, exchange_group_ids};
 pub(crate) use buffer::{check_dim, check_divisible};
 pub use call::{Call, Operand};
-#[cfg(test)]
-pub(crate) use device::read;
-pub(crate) use device::stage;
+pub(crate) use device::{read, stage};
 pub use device::{DeviceCollectives, HostStaged};
 #[cfg(feature = "mpi")]
 pub use hybrid::{HybridCommunicator, HybridWorld};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessCommunicator, InProcessWorld};
 pub use link::{LinkModel, Links};
 pub use member::{Member, TraceEvent};
+pub use queue::{CommQueue, Pending};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiCommunicator, MpiWorld};
 #[cfg(feature = "cuda")]
@@ -216,7 +216,8 @@ pub trait Communicator: Send + Sync + fmt::Debug {
     ) -> Result<Option<TensorData>, Error> {
         let issued = self.member().tracing().then(std::time::Instant::now);
         let result = self.run(&call, data)?;
-        self.member().record(&call, result.as_ref(), issued);
+        self.member()
+            .record(&call, result.as_ref(), issued.map(|t| (t, t)));
         Ok(result)
     }
 

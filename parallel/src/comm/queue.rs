@@ -1,0 +1,165 @@
+//! Asynchronous collectives: issue now, wait later.
+//!
+//! [`CommQueue`] wraps a rank's communicator. [`CommQueue::issue`] hands a collective to the
+//! rank's communication thread and returns a [`Pending`] at once; the thread runs the calls one
+//! at a time in the order they were issued, so every rank still issues the same sequence on
+//! each group (the contract every communicator relies on), and results and reduction order are
+//! exactly those of the blocking calls. A blocking call made while issued calls are in flight
+//! queues behind them (issue and wait); with none in flight it runs on the caller's thread, as
+//! before. Like NCCL's communication stream: one ordered queue per rank, beside the compute.
+//!
+//! The thread is started at the first issue. It records each call in the rank's statistics and
+//! trace when the call completes, so a trace shows the call from its issue to its completion,
+//! beside the compute regions of the rank's own thread. With a modelled link
+//! ([`super::InProcessWorld::set_links`]) the link's time is spent on this thread too: that is
+//! what compute hides.
+
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use burn::tensor::TensorData;
+
+use super::{Call, Communicator, Error, Member, PointToPoint};
+
+/// One issued call and where its result goes.
+struct Job {
+    call: Call,
+    data: Option<TensorData>,
+    issued: Instant,
+    done: Sender<Result<Option<TensorData>, Error>>,
+}
+
+/// A rank's communicator with a queue of issued collectives (see the module docs).
+pub struct CommQueue {
+    inner: Arc<dyn Communicator>,
+    /// The communication thread's inbox (started at the first issue).
+    jobs: Mutex<Option<Sender<Job>>>,
+    /// Calls issued and not yet completed.
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// A collective issued on a [`CommQueue`]: [`Pending::wait`] for its result.
+#[must_use = "a pending collective's result is only had by waiting for it"]
+pub struct Pending {
+    result: Receiver<Result<Option<TensorData>, Error>>,
+}
+
+impl Pending {
+    /// Wait for the call to complete: this member's result (`None` for a barrier).
+    pub fn wait(self) -> Result<Option<TensorData>, Error> {
+        self.result.recv().unwrap_or_else(|_| {
+            Err(Error::Unsupported(
+                "the communication thread stopped before the call completed".into(),
+            ))
+        })
+    }
+
+    /// Wait for a call that returns a buffer (any but a barrier).
+    pub fn wait_data(self) -> Result<TensorData, Error> {
+        self.wait().map(super::returned)
+    }
+}
+
+impl CommQueue {
+    /// A queue in front of `inner` (no thread until the first issue).
+    pub fn new(inner: Arc<dyn Communicator>) -> Self {
+        Self {
+            inner,
+            jobs: Mutex::new(None),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// The communicator the calls run on.
+    pub fn inner(&self) -> &Arc<dyn Communicator> {
+        &self.inner
+    }
+
+    /// Calls issued and not yet completed.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Issue `call` on the communication thread; its result comes with [`Pending::wait`]. Calls
+    /// run in the order they are issued (blocking calls made meanwhile included).
+    pub fn issue(&self, call: Call, data: Option<TensorData>) -> Pending {
+        let (done, result) = mpsc::channel();
+        let job = Job {
+            call,
+            data,
+            issued: Instant::now(),
+            done,
+        };
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        let sender = jobs.get_or_insert_with(|| self.start());
+        if let Err(mpsc::SendError(job)) = sender.send(job) {
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+            let _ = job.done.send(Err(Error::Unsupported(
+                "the communication thread has stopped".into(),
+            )));
+        }
+        Pending { result }
+    }
+
+    /// Issue an all-gather (see [`Communicator::all_gather`]).
+    pub fn issue_all_gather(&self, group: super::Group, data: TensorData, dim: usize) -> Pending {
+        let call = Call::all_gather(group, super::Operand::of(&data), dim);
+        self.issue(call, Some(data))
+    }
+
+    fn start(&self) -> Sender<Job> {
+        let (sender, jobs) = mpsc::channel::<Job>();
+        let inner = self.inner.clone();
+        let in_flight = self.in_flight.clone();
+        std::thread::Builder::new()
+            .name(format!("wildfire-comm-{}", inner.rank()))
+            .spawn(move || {
+                for job in jobs {
+                    let started = Instant::now();
+                    let result = inner.run(&job.call, job.data);
+                    if let Ok(out) = &result {
+                        let times = inner.member().tracing().then_some((job.issued, started));
+                        inner.member().record(&job.call, out.as_ref(), times);
+                    }
+                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                    // The waiter may have given up on it (a prefetch never used).
+                    let _ = job.done.send(result);
+                }
+            })
+            .expect("spawning a communication thread");
+        sender
+    }
+}
+
+impl fmt::Debug for CommQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CommQueue({:?})", self.inner)
+    }
+}
+
+impl Communicator for CommQueue {
+    fn member(&self) -> &Member {
+        self.inner.member()
+    }
+
+    fn run(&self, call: &Call, data: Option<TensorData>) -> Result<Option<TensorData>, Error> {
+        self.inner.run(call, data)
+    }
+
+    /// Runs on the caller's thread when nothing is in flight, else queued behind the issued
+    /// calls (and recorded by the communication thread).
+    fn collective(&self, call: Call, data: Option<TensorData>) -> Result<Option<TensorData>, Error> {
+        if self.in_flight() == 0 {
+            return self.inner.collective(call, data);
+        }
+        self.issue(call, data).wait()
+    }
+
+    fn point_to_point(&self) -> Result<&dyn PointToPoint, Error> {
+        self.inner.point_to_point()
+    }
+}
