@@ -11,7 +11,8 @@
 //! initialisation, a distributed checkpoint save (after each of two steps: the second step runs
 //! while the first save is written) and a resume from it: the most heap bytes live at once and
 //! the process's peak resident set (VmHWM, reset before each run) under the binaries' two
-//! allocators (mimalloc keeping freed pages, the default; glibc's with `WILDFIRE_ALLOC=system`),
+//! allocators (the default: blocks of 1 MiB or more from one cache shared by the threads, smaller
+//! ones from mimalloc keeping freed pages; or glibc's for the small ones, `WILDFIRE_ALLOC=system`),
 //! beside the formula: the model state, plus, once a step ran, the decorator's peak of live
 //! tensor bytes (activations, gathered parameters, gradients: measured, times the ranks). Also
 //! the save's time on the step's path (taking the pieces) against its background write (reading
@@ -25,7 +26,8 @@
 //! the padding of uneven shards, the tied embedding's second use and the small collectives of the
 //! step (loss metric, overflow and norm check).
 
-/// The binaries' allocator (see `wildfire::alloc`): mimalloc keeping freed memory, or the
+/// The binaries' allocator (see `wildfire::alloc`): large blocks cached across threads, small ones
+/// from mimalloc keeping freed memory, or the
 /// system's with `WILDFIRE_ALLOC=system`; it counts the live heap either way.
 #[global_allocator]
 static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
@@ -238,7 +240,7 @@ fn checkpoint_memory(smoke: bool) -> String {
     let mut out = format!(
         "GPT-2 {} ({} parameters), block {}, dp {n} FullShard, ranks as threads; Ψ = parameters, \
          f32 AdamW: model state 16Ψ over the process. GB, and (in brackets) the ratio to the \
-         formula{}\n\n| phase | heap peak | VmHWM, mimalloc (default) | VmHWM, glibc \
+         formula{}\n\n| phase | heap peak | VmHWM, default allocator | VmHWM, glibc for small blocks \
          (`WILDFIRE_ALLOC=system`) | formula |\n|---|---|---|---|---|\n",
         if smoke { "tiny (smoke)" } else { "124M" },
         psi as u64,

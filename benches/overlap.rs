@@ -4,8 +4,9 @@
 //! table of: step time without and with the link (medians over the timed steps), the step's
 //! communication time on the link (the [`LinkModel`] time of every collective the step ran, from
 //! its trace), the exposed part (the step time's increase) and the hidden fraction
-//! `1 − exposed / communication`. Collectives block today (no overlap within a rank), so the
-//! hidden fraction should be near 0; overlap (prefetch, buckets) raises it.
+//! `1 − exposed / communication`. FullShard runs twice more: gathering each parameter when it is
+//! needed (prefetch 0: the collectives block the rank) and with `--prefetch` (the next gathers in
+//! flight on the rank's communication thread while it computes).
 //!
 //! Valid only where every rank has cores of its own. Ranks as threads share the machine's cores
 //! (and Flex's one thread pool): while one rank sleeps in a paced collective the others compute
@@ -14,7 +15,7 @@
 //! backward, where ranks arrive at different times, show much of it on a 2-core machine.
 //!
 //! ```text
-//! cargo bench --bench overlap [-- --link 100MB/s,20us --steps 4]
+//! cargo bench --bench overlap [-- --link 100MB/s,20us --steps 4 --prefetch 4]
 //! ```
 
 /// mimalloc, keeping freed memory for the next step, or `WILDFIRE_ALLOC=system` (see
@@ -37,23 +38,26 @@ fn main() {
     let link_spec = common::arg::<String>("--link").unwrap_or_else(|| "100MB/s,20us".into());
     let link: LinkModel = link_spec.parse().expect("--link BANDWIDTH,LATENCY");
     let steps = common::arg("--steps").unwrap_or(if smoke { 1 } else { 4 });
-    let configs: &[(usize, FsdpStrategy)] = if smoke {
-        &[(2, FsdpStrategy::FullShard)]
+    let prefetch = common::arg("--prefetch").unwrap_or(4);
+    let configs: &[(usize, FsdpStrategy, usize)] = if smoke {
+        &[(2, FsdpStrategy::FullShard, 2)]
     } else {
         &[
-            (2, FsdpStrategy::NoShard),
-            (2, FsdpStrategy::FullShard),
-            (4, FsdpStrategy::NoShard),
-            (4, FsdpStrategy::FullShard),
+            (2, FsdpStrategy::NoShard, 0),
+            (2, FsdpStrategy::FullShard, 0),
+            (2, FsdpStrategy::FullShard, prefetch),
+            (4, FsdpStrategy::NoShard, 0),
+            (4, FsdpStrategy::FullShard, 0),
+            (4, FsdpStrategy::FullShard, prefetch),
         ]
     };
     let dir = std::env::temp_dir().join(format!("wildfire-bench-overlap-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a scratch directory");
     println!(
-        "link dp={link_spec}; {} timed steps after one warm-up\n\n| dp | strategy | step, no link (ms) | step, link (ms) | communication on the link (ms) | exposed (ms) | hidden |\n|---|---|---|---|---|---|---|",
+        "link dp={link_spec}; {} timed steps after one warm-up\n\n| dp | strategy | prefetch | step, no link (ms) | step, link (ms) | communication on the link (ms) | exposed (ms) | hidden |\n|---|---|---|---|---|---|---|---|",
         steps
     );
-    for &(dp, fsdp) in configs {
+    for &(dp, fsdp, prefetch) in configs {
         let config = PretrainConfig {
             preset: if smoke { Preset::Tiny } else { Preset::Small },
             n_layer: smoke.then_some(2),
@@ -70,6 +74,7 @@ fn main() {
                 fsdp,
                 ..ParallelConfig::default()
             },
+            prefetch,
             gather_parameters: false,
             ..PretrainConfig::quiet()
         };
@@ -93,7 +98,7 @@ fn main() {
         let comm = median(step_communication(&paced, &link, dp)[1..].to_vec());
         let exposed = t1 - t0;
         println!(
-            "| {dp} | {fsdp:?} | {t0:.1} | {t1:.1} | {comm:.1} | {exposed:.1} | {:.0}% |",
+            "| {dp} | {fsdp:?} | {prefetch} | {t0:.1} | {t1:.1} | {comm:.1} | {exposed:.1} | {:.0}% |",
             100.0 * (1.0 - exposed / comm)
         );
     }

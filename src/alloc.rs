@@ -17,7 +17,8 @@
 //! [`LargeBlockStats`] counts what it did.
 //!
 //! Smaller blocks go to mimalloc, told to keep what it frees ([`keep_freed_memory`]), or with
-//! `WILDFIRE_ALLOC=system` to glibc's malloc.
+//! `WILDFIRE_ALLOC=system` to glibc's malloc. `WILDFIRE_ALLOC=mimalloc` sends every block to
+//! mimalloc (no large-block cache), for comparison.
 //!
 //! Binaries declare
 //! `#[global_allocator] static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;`
@@ -49,7 +50,8 @@ pub fn keep_freed_memory() {
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
-/// 0: not chosen yet, 1: mimalloc, 2: the system's.
+/// 0: not chosen yet, 1: mimalloc, 2: the system's, 3: mimalloc for every block (no large-block
+/// cache).
 static CHOICE: AtomicU8 = AtomicU8::new(0);
 /// The process's cache of large blocks (used where [`Allocator`] is the global allocator).
 static LARGE: BlockCache = BlockCache::new();
@@ -90,6 +92,11 @@ pub fn release_cached_memory() -> usize {
 }
 
 fn system() -> bool {
+    choice() == 2
+}
+
+/// The allocator choice, read from `WILDFIRE_ALLOC` once (see [`CHOICE`]).
+fn choice() -> u8 {
     match CHOICE.load(Ordering::Relaxed) {
         0 => {
             // Read with libc's getenv: the first allocation happens before `main`, and
@@ -97,16 +104,23 @@ fn system() -> bool {
             // SAFETY: a NUL-terminated name; the returned pointer is only compared and read
             // as a C string while the environment is not being modified (process start).
             let value = unsafe { libc::getenv(c"WILDFIRE_ALLOC".as_ptr()) };
-            let system = !value.is_null()
+            let value = if value.is_null() {
+                &b""[..]
+            } else {
                 // SAFETY: getenv returned a valid C string.
-                && unsafe { std::ffi::CStr::from_ptr(value) }.to_bytes() == b"system";
-            let choice = if system { 2 } else { 1 };
+                unsafe { std::ffi::CStr::from_ptr(value) }.to_bytes()
+            };
+            let choice = match value {
+                b"system" => 2,
+                b"mimalloc" => 3,
+                _ => 1,
+            };
             match CHOICE.compare_exchange(0, choice, Ordering::Relaxed, Ordering::Relaxed) {
-                Ok(_) => system,
-                Err(chosen) => chosen == 2,
+                Ok(_) => choice,
+                Err(chosen) => chosen,
             }
         }
-        chosen => chosen == 2,
+        chosen => chosen,
     }
 }
 
@@ -117,7 +131,7 @@ fn grow(bytes: usize) {
 
 /// Whether a block of this layout takes the large path (the same answer at its free).
 fn is_large(layout: Layout) -> bool {
-    layout.size() >= LARGE_BLOCK && layout.align() <= PAGE
+    layout.size() >= LARGE_BLOCK && layout.align() <= PAGE && choice() != 3
 }
 
 /// The size class of a large block: rounded up to a 32nd of the power of two at or below it
@@ -194,7 +208,8 @@ impl BlockCache {
                     stats.maps += 1;
                     // Unmap cached blocks until the new mapping keeps live + cached within the
                     // mark: first the smallest block that covers it alone, else the largest ones.
-                    let over = |s: &LargeBlockStats| (s.live + s.cached).saturating_sub(s.peak_live);
+                    let over =
+                        |s: &LargeBlockStats| (s.live + s.cached).saturating_sub(s.peak_live);
                     while over(&state.stats) > 0 {
                         let need = over(&state.stats);
                         let pick = state
@@ -259,10 +274,7 @@ impl BlockCache {
     }
 
     pub(crate) fn stats(&self) -> LargeBlockStats {
-        self.lock()
-            .as_ref()
-            .map(|s| s.stats)
-            .unwrap_or_default()
+        self.lock().as_ref().map(|s| s.stats).unwrap_or_default()
     }
 
     /// Unmap every cached block; the bytes unmapped.
@@ -407,9 +419,18 @@ mod tests {
 
     #[test]
     fn size_classes_round_up_by_at_most_a_32nd() {
-        for size in [LARGE_BLOCK, LARGE_BLOCK + 1, 3 << 20, 206_045_184, (1 << 30) + 12345] {
+        for size in [
+            LARGE_BLOCK,
+            LARGE_BLOCK + 1,
+            3 << 20,
+            206_045_184,
+            (1 << 30) + 12345,
+        ] {
             let class = size_class(size);
-            assert!(class >= size && class % PAGE == 0, "{size} → {class}");
+            assert!(
+                class >= size && class.is_multiple_of(PAGE),
+                "{size} → {class}"
+            );
             assert!((class - size) * 32 <= size, "{size} → {class}");
         }
         assert_eq!(size_class(LARGE_BLOCK), LARGE_BLOCK);
@@ -435,28 +456,37 @@ mod tests {
             cache.free(b, 8 * mb - 100);
             let z = cache.alloc(8 * mb, true);
             // SAFETY: 8 MB, zeroed.
-            assert!(unsafe { std::slice::from_raw_parts(z, 8 * mb) }.iter().all(|&x| x == 0));
+            assert!(
+                unsafe { std::slice::from_raw_parts(z, 8 * mb) }
+                    .iter()
+                    .all(|&x| x == 0)
+            );
             cache.free(z, 8 * mb);
             (b as usize, cache.stats())
         });
         let (b, stats) = b.join().unwrap();
         assert_eq!(b, a, "the freed block was taken back");
         assert_eq!((stats.hits, stats.maps, stats.unmaps), (2, 1, 0));
-        assert_eq!((stats.live, stats.cached, stats.peak_live), (0, 8 * mb, 8 * mb));
+        assert_eq!(
+            (stats.live, stats.cached, stats.peak_live),
+            (0, 8 * mb, 8 * mb)
+        );
 
         // Mixed sizes: the resident bytes (live + cached) stay within the peak of live bytes.
         let cache = BlockCache::new();
         let mut held: Vec<(usize, usize)> = Vec::new();
         let mut x = 12345u64;
         for _ in 0..400 {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             if held.len() > 6 || (!held.is_empty() && x >> 63 == 1) {
                 let (p, s) = held.swap_remove((x >> 20) as usize % held.len());
                 cache.free(p as *mut u8, s);
             } else {
                 let s = mb + (x >> 40) as usize % (24 * mb);
                 let p = cache.alloc(s, false);
-                assert!(!p.is_null() && p as usize % PAGE == 0);
+                assert!(!p.is_null() && (p as usize).is_multiple_of(PAGE));
                 held.push((p as usize, s));
             }
             let stats = cache.stats();

@@ -312,12 +312,18 @@ impl RankContext {
     }
 
     pub(crate) fn count_prefetch(&self, f: impl FnOnce(&mut PrefetchStats)) {
-        f(&mut self.prefetch_stats.lock().unwrap_or_else(|e| e.into_inner()));
+        f(&mut self
+            .prefetch_stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()));
     }
 
     /// What FSDP prefetch did on this rank so far.
     pub fn prefetch_stats(&self) -> PrefetchStats {
-        *self.prefetch_stats.lock().unwrap_or_else(|e| e.into_inner())
+        *self
+            .prefetch_stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Draw from this rank's stream, if seeded.

@@ -410,8 +410,8 @@ impl<B: Backend> DTensor<B> {
         let Placement::Shard(d) = self.layout.get(a) else {
             return None;
         };
-        let alone = (0..mesh.axes().len())
-            .all(|b| b == a || self.layout.get(b) != Placement::Shard(d));
+        let alone =
+            (0..mesh.axes().len()).all(|b| b == a || self.layout.get(b) != Placement::Shard(d));
         (target.get(a) == Placement::Replicate
             && mesh.axis(a).kind == crate::mesh::AxisKind::Data
             && mesh.axis_size(a) > 1

@@ -41,7 +41,8 @@ pub fn chrome_trace(ranks: &[(usize, Vec<TraceEvent>)]) -> Value {
             let common = |ph: &str, ts: f64| json!({ "name": e.name, "cat": cat, "ph": ph, "ts": ts, "pid": 0, "tid": tid });
             if e.kind.is_some() {
                 let mut begin = common("B", e.start_us);
-                begin["args"] = json!({ "group": e.group, "bytes": e.bytes, "issued": e.issued_us });
+                begin["args"] =
+                    json!({ "group": e.group, "bytes": e.bytes, "issued": e.issued_us });
                 events.push(begin);
                 events.push(common("E", e.start_us + e.dur_us));
             } else {

@@ -1000,10 +1000,42 @@ fn modelled_links_pace_collectives_and_change_no_result() {
 fn fsdp_prefetch_changes_nothing_but_timing() {
     let dir = scratch("prefetch");
     let cases = [
-        (FsdpStrategy::FullShard, 2, None, 1, false, Recompute::Full, 1),
-        (FsdpStrategy::Hybrid, 4, Some(2), 1, false, Recompute::None, 1),
-        (FsdpStrategy::FullShard, 2, None, 2, true, Recompute::None, 1),
-        (FsdpStrategy::FullShard, 2, None, 1, false, Recompute::None, 2),
+        (
+            FsdpStrategy::FullShard,
+            2,
+            None,
+            1,
+            false,
+            Recompute::Full,
+            1,
+        ),
+        (
+            FsdpStrategy::Hybrid,
+            4,
+            Some(2),
+            1,
+            false,
+            Recompute::None,
+            1,
+        ),
+        (
+            FsdpStrategy::FullShard,
+            2,
+            None,
+            2,
+            true,
+            Recompute::None,
+            1,
+        ),
+        (
+            FsdpStrategy::FullShard,
+            2,
+            None,
+            1,
+            false,
+            Recompute::None,
+            2,
+        ),
     ];
     for (fsdp, dp, dp_shard, tp, sp, recompute, accum) in cases {
         let what = format!("{fsdp:?} dp={dp} tp={tp} sp={sp} {recompute:?} accum={accum}");
@@ -1039,7 +1071,9 @@ fn fsdp_prefetch_changes_nothing_but_timing() {
             let mut kinds = std::collections::BTreeMap::<String, usize>::new();
             for e in trace["traceEvents"].as_array().unwrap() {
                 if e["cat"] == "collective" && e["ph"] == "B" {
-                    *kinds.entry(e["name"].as_str().unwrap().to_string()).or_default() += 1;
+                    *kinds
+                        .entry(e["name"].as_str().unwrap().to_string())
+                        .or_default() += 1;
                 }
             }
             kinds

@@ -24,11 +24,11 @@ mod hybrid;
 mod in_process;
 mod link;
 mod member;
-mod queue;
 #[cfg(feature = "mpi")]
 mod mpi_comm;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod queue;
 mod stats;
 #[cfg(test)]
 mod tests;
@@ -45,18 +45,18 @@ use crate::mesh::DeviceMesh;
 pub use bootstrap::{Bootstrap, TcpRendezvous, bootstrap_groups, exchange_group_ids};
 pub(crate) use buffer::{check_dim, check_divisible};
 pub use call::{Call, Operand};
-pub(crate) use device::{read, stage};
 pub use device::{DeviceCollectives, HostStaged};
+pub(crate) use device::{read, stage};
 #[cfg(feature = "mpi")]
 pub use hybrid::{HybridCommunicator, HybridWorld};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessCommunicator, InProcessWorld};
 pub use link::{LinkModel, Links};
 pub use member::{Member, TraceEvent};
-pub use queue::{CommQueue, Pending};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiCommunicator, MpiWorld};
 #[cfg(feature = "cuda")]
 pub use nccl::{NcclCommunicator, NcclOptions};
+pub use queue::{CommQueue, Pending};
 pub use stats::{CommCount, CommStats};
 
 /// How the members' buffers are combined.

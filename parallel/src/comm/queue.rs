@@ -152,7 +152,11 @@ impl Communicator for CommQueue {
 
     /// Runs on the caller's thread when nothing is in flight, else queued behind the issued
     /// calls (and recorded by the communication thread).
-    fn collective(&self, call: Call, data: Option<TensorData>) -> Result<Option<TensorData>, Error> {
+    fn collective(
+        &self,
+        call: Call,
+        data: Option<TensorData>,
+    ) -> Result<Option<TensorData>, Error> {
         if self.in_flight() == 0 {
             return self.inner.collective(call, data);
         }

@@ -93,7 +93,10 @@ pub(crate) fn end_step<B: Backend>(ctx: &RankContext) {
 
 /// The gather of `t` to `target`, if it is a parameter's gather this step planned: served by the
 /// prefetch (issued earlier), the next ones issued first. `None`: gather it now.
-pub(crate) fn take<B: Backend>(t: &DTensor<B>, target: &Layout) -> Option<Result<DTensor<B>, Error>> {
+pub(crate) fn take<B: Backend>(
+    t: &DTensor<B>,
+    target: &Layout,
+) -> Option<Result<DTensor<B>, Error>> {
     let (axis, dim) = t.parameter_gather(target)?;
     let ctx = t.device.context();
     let pending = ctx.with_prefetch::<Prefetch<B>, _>(|state| {
@@ -146,7 +149,8 @@ impl<B: Backend> Prefetch<B> {
             let Some((axis, dim)) = p.parameter_gather(target) else {
                 continue;
             };
-            self.pending.push_back((position, p.issue_gather(axis, dim)));
+            self.pending
+                .push_back((position, p.issue_gather(axis, dim)));
             ctx.count_prefetch(|c| c.issued += 1);
         }
     }
