@@ -6,7 +6,8 @@
 //! its trace), the exposed part (the step time's increase) and the hidden fraction
 //! `1 − exposed / communication`. FullShard runs twice more: gathering each parameter when it is
 //! needed (prefetch 0: the collectives block the rank) and with `--prefetch` (the next gathers in
-//! flight on the rank's communication thread while it computes).
+//! flight on the rank's communication thread while it computes) and `--reduce-in-flight 2` (the
+//! gradients' reduce-scatters issued where they are born, waited for at first use).
 //!
 //! Valid only where every rank has cores of its own. Ranks as threads share the machine's cores
 //! (and Flex's one thread pool): while one rank sleeps in a paced collective the others compute
@@ -15,7 +16,7 @@
 //! backward, where ranks arrive at different times, show much of it on a 2-core machine.
 //!
 //! ```text
-//! cargo bench --bench overlap [-- --link 100MB/s,20us --steps 4 --prefetch 4]
+//! cargo bench --bench overlap [-- --link 100MB/s,20us --steps 4 --prefetch 4 --bytes]
 //! ```
 
 /// mimalloc, keeping freed memory for the next step, or `WILDFIRE_ALLOC=system` (see
@@ -39,6 +40,9 @@ fn main() {
     let link: LinkModel = link_spec.parse().expect("--link BANDWIDTH,LATENCY");
     let steps = common::arg("--steps").unwrap_or(if smoke { 1 } else { 4 });
     let prefetch = common::arg("--prefetch").unwrap_or(4);
+    // `--bytes`: the byte tokenizer (vocabulary 256, gpt_pretrain's default), so the blocks'
+    // parameters dominate the traffic instead of the 50k-row embedding table.
+    let bytes = std::env::args().any(|a| a == "--bytes");
     let configs: &[(usize, FsdpStrategy, usize)] = if smoke {
         &[(2, FsdpStrategy::FullShard, 2)]
     } else {
@@ -54,14 +58,19 @@ fn main() {
     let dir = std::env::temp_dir().join(format!("wildfire-bench-overlap-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a scratch directory");
     println!(
-        "link dp={link_spec}; {} timed steps after one warm-up\n\n| dp | strategy | prefetch | step, no link (ms) | step, link (ms) | communication on the link (ms) | exposed (ms) | hidden |\n|---|---|---|---|---|---|---|---|",
+        "link dp={link_spec}; {}; {} timed steps after one warm-up\n\n| dp | strategy | prefetch | step, no link (ms) | step, link (ms) | communication on the link (ms) | exposed (ms) | hidden |\n|---|---|---|---|---|---|---|---|",
+        if bytes {
+            "byte tokenizer (vocabulary 256)"
+        } else {
+            "GPT-2 tokenizer (vocabulary 50304)"
+        },
         steps
     );
     for &(dp, fsdp, prefetch) in configs {
         let config = PretrainConfig {
             preset: if smoke { Preset::Tiny } else { Preset::Small },
             n_layer: smoke.then_some(2),
-            tokenizer: if smoke {
+            tokenizer: if smoke || bytes {
                 TokenizerKind::Bytes
             } else {
                 TokenizerKind::Gpt2
@@ -75,6 +84,7 @@ fn main() {
                 ..ParallelConfig::default()
             },
             prefetch,
+            reduce_in_flight: prefetch.min(2),
             gather_parameters: false,
             ..PretrainConfig::quiet()
         };

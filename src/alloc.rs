@@ -142,7 +142,7 @@ fn size_class(size: usize) -> usize {
     size.div_ceil(step) * step
 }
 
-/// What a [`BlockCache`] has done since the process started.
+/// What the process's cache of large blocks has done since the process started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct LargeBlockStats {
     /// Requests served from the cache (no new mapping, pages already resident).

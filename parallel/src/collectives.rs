@@ -116,6 +116,39 @@ pub(crate) fn issue_all_gather<B: Backend>(
     )
 }
 
+/// [`reduce_scatter`], issued now and waited for later (see [`issue_all_gather`]).
+pub(crate) fn issue_reduce_scatter<B: Backend>(
+    device: &DistDevice<B>,
+    group: Group,
+    tensor: FloatTensor<B>,
+    dim: usize,
+    op: ReduceOp,
+) -> PendingTensor<B> {
+    let ctx = device.context();
+    if ctx.device_collectives::<B>().is_some() {
+        return PendingTensor::Done(reduce_scatter(device, group, tensor, dim, op));
+    }
+    let data = crate::comm::read::<B>(tensor);
+    let call = crate::comm::Call::reduce_scatter(group, crate::comm::Operand::of(&data), dim, op);
+    PendingTensor::Queued(ctx.queue().issue(call, Some(data)), device.inner().clone())
+}
+
+/// [`all_reduce`], issued now and waited for later (see [`issue_all_gather`]).
+pub(crate) fn issue_all_reduce<B: Backend>(
+    device: &DistDevice<B>,
+    group: Group,
+    tensor: FloatTensor<B>,
+    op: ReduceOp,
+) -> PendingTensor<B> {
+    let ctx = device.context();
+    if ctx.device_collectives::<B>().is_some() {
+        return PendingTensor::Done(all_reduce(device, group, tensor, op));
+    }
+    let data = crate::comm::read::<B>(tensor);
+    let call = crate::comm::Call::all_reduce(group, crate::comm::Operand::of(&data), op);
+    PendingTensor::Queued(ctx.queue().issue(call, Some(data)), device.inner().clone())
+}
+
 /// Reduce-scatter along `dim` (see [`Communicator::reduce_scatter`]).
 pub(crate) fn reduce_scatter<B: Backend>(
     device: &DistDevice<B>,

@@ -304,6 +304,9 @@ where
         Some(ctx) => ctx,
         None => crate::device::current_device::<X>().context().clone(),
     };
+    // Asynchronous reductions not yet waited for (a gradient no parameter took): their errors
+    // surface here.
+    ctx.resolve_outstanding()?;
     // Burn 0.21's autodiff ends every backward pass by locking the graphs of every thread
     // (`GraphCleaner::cleanup_orphaned_entries`). A rank that raced ahead into its next backward
     // would hold its graph's lock while waiting in a collective for a rank still in that cleanup:

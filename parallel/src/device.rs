@@ -31,8 +31,14 @@ impl OpCounters {
     }
 }
 
-/// FSDP prefetch counters of a rank ([`RankContext::prefetch_stats`]; see
-/// [`crate::prefetch_parameters`]).
+/// A reduction in flight that can be waited for (`tensor::Awaited`), the backend type erased.
+pub(crate) trait Resolve: Send + Sync {
+    /// Wait for it (its result is kept for its value's first use).
+    fn resolve(&self) -> Result<(), crate::Error>;
+}
+
+/// Overlap counters of a rank ([`RankContext::prefetch_stats`]): FSDP's prefetched gathers (see
+/// [`crate::prefetch_parameters`]) and the asynchronous gradient reductions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefetchStats {
     /// Parameter gathers issued ahead of their use.
@@ -43,6 +49,8 @@ pub struct PrefetchStats {
     pub wasted: u64,
     /// Steps that left the recorded order.
     pub diverged: u64,
+    /// Gradient reductions issued asynchronously ([`RankPolicy::reduce_in_flight`](crate::RankPolicy)).
+    pub reductions: u64,
 }
 
 /// A rank's memory by kind ([`RankContext::memory_report`]), in bytes of local pieces.
@@ -91,6 +99,8 @@ pub struct RankContext {
     /// flight (`tensor::prefetch::Prefetch<B>`, the backend type erased), and its counters.
     prefetch: Mutex<Option<Box<dyn Any + Send>>>,
     prefetch_stats: Mutex<PrefetchStats>,
+    /// Asynchronous gradient reductions issued and not yet waited for, oldest first.
+    outstanding: Mutex<std::collections::VecDeque<Arc<dyn Resolve>>>,
 }
 
 /// One parameter's sharded initialisation (see [`RankContext`]'s `init_scope`).
@@ -161,6 +171,7 @@ impl RankContext {
             init_scope: Mutex::new(None),
             prefetch: Mutex::new(None),
             prefetch_stats: Mutex::default(),
+            outstanding: Mutex::default(),
         })
     }
 
@@ -316,6 +327,31 @@ impl RankContext {
             .prefetch_stats
             .lock()
             .unwrap_or_else(|e| e.into_inner()));
+    }
+
+    /// Keep `reduction` outstanding, waiting for the oldest ones beyond the policy's
+    /// `reduce_in_flight`.
+    pub(crate) fn await_later(&self, reduction: Arc<dyn Resolve>) -> Result<(), crate::Error> {
+        let limit = self.with_policy(|p| p.reduce_in_flight).max(1);
+        let due: Vec<Arc<dyn Resolve>> = {
+            let mut outstanding = self.outstanding.lock().unwrap_or_else(|e| e.into_inner());
+            outstanding.push_back(reduction);
+            let over = outstanding.len().saturating_sub(limit);
+            outstanding.drain(..over).collect()
+        };
+        due.iter().try_for_each(|r| r.resolve())
+    }
+
+    /// Wait for every outstanding asynchronous reduction (`sync_gradients` does, before the
+    /// optimizer step).
+    pub(crate) fn resolve_outstanding(&self) -> Result<(), crate::Error> {
+        let due: Vec<Arc<dyn Resolve>> = self
+            .outstanding
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+            .collect();
+        due.iter().try_for_each(|r| r.resolve())
     }
 
     /// What FSDP prefetch did on this rank so far.

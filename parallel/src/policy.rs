@@ -48,6 +48,11 @@ pub struct RankPolicy {
     /// issued in the order the last step gathered them (see
     /// [`prefetch_parameters`](crate::prefetch_parameters)); 0: gather each when it is needed.
     pub prefetch: usize,
+    /// Asynchronous gradient reductions: a data-parallel gradient reduced where it is born
+    /// (FSDP / ZeRO-2 / HSDP's reduce-scatter) is issued on the rank's communication queue and
+    /// waited for at its first use, so backward goes on while it runs; at most this many are
+    /// outstanding (the oldest is waited for beyond). 0: each reduction blocks.
+    pub reduce_in_flight: usize,
 }
 
 /// How a rank's parameters, gradients and optimizer state are spread over the data axes. Set by

@@ -30,6 +30,54 @@ pub struct DTensor<B: Backend> {
     memo: Memo<B>,
     /// Counts the local piece in the rank's live-bytes accounting while this value exists.
     track: Tracker,
+    /// A value still being reduced on the rank's communication queue (an asynchronous gradient
+    /// reduction): `local` is a stand-in until [`DTensor::ready`] waits for it.
+    awaited: Option<Arc<Awaited<B>>>,
+}
+
+/// The local piece of a value still being reduced on the rank's communication queue: the first
+/// use waits for it ([`DTensor::ready`]); clones share it.
+pub(crate) struct Awaited<B: Backend> {
+    state: Mutex<Option<AwaitState<B>>>,
+}
+
+enum AwaitState<B: Backend> {
+    Pending(crate::collectives::PendingTensor<B>),
+    Done(B::FloatTensorPrimitive),
+    Failed(Error),
+}
+
+impl<B: Backend> Awaited<B> {
+    fn new(pending: crate::collectives::PendingTensor<B>) -> Self {
+        Self {
+            state: Mutex::new(Some(AwaitState::Pending(pending))),
+        }
+    }
+
+    /// The local piece, waited for once (an error is the collective's, every time).
+    fn local(&self) -> Result<B::FloatTensorPrimitive, Error> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(AwaitState::Pending(_)) = &*state {
+            let Some(AwaitState::Pending(pending)) = state.take() else {
+                unreachable!("matched above")
+            };
+            *state = Some(match pending.wait() {
+                Ok(local) => AwaitState::Done(local),
+                Err(e) => AwaitState::Failed(e),
+            });
+        }
+        match state.as_ref() {
+            Some(AwaitState::Done(local)) => Ok(local.clone()),
+            Some(AwaitState::Failed(e)) => Err(e.clone()),
+            _ => unreachable!("resolved above"),
+        }
+    }
+}
+
+impl<B: Backend> crate::device::Resolve for Awaited<B> {
+    fn resolve(&self) -> Result<(), Error> {
+        self.local().map(drop)
+    }
 }
 
 /// A parameter's gather issued ahead of its use ([`DTensor::issue_gather`]).
@@ -112,6 +160,7 @@ impl<B: Backend> Clone for DTensor<B> {
             device: self.device.clone(),
             memo: self.memo.clone(),
             track: self.track.clone(),
+            awaited: self.awaited.clone(),
         }
     }
 }
@@ -227,6 +276,7 @@ impl<B: Backend> DTensor<B> {
             device,
             memo,
             track,
+            awaited: None,
         }
     }
 
@@ -246,6 +296,7 @@ impl<B: Backend> DTensor<B> {
             device,
             memo,
             track,
+            awaited: None,
         }
     }
 
@@ -272,7 +323,7 @@ impl<B: Backend> DTensor<B> {
 
     /// Take the local piece.
     pub fn into_local(self) -> B::FloatTensorPrimitive {
-        self.local
+        self.ready().local
     }
 
     /// Whether the local piece carries padding rows (a dimension split over data axes that does
@@ -298,10 +349,15 @@ impl<B: Backend> DTensor<B> {
     /// The same value with every padded split gathered (a no-op without padding): for ops that
     /// need exact local shapes.
     pub(crate) fn unpadded(self) -> Self {
-        let padded = self.padded_dims();
+        let this = self.ready();
+        let padded = this.padded_dims();
         if padded.is_empty() {
-            return self;
+            return this;
         }
+        this.unpadded_now(padded)
+    }
+
+    fn unpadded_now(self, padded: SmallVec<[usize; 4]>) -> Self {
         let mut target = self.layout.clone();
         for d in padded {
             for a in 0..target.len() {
@@ -318,6 +374,11 @@ impl<B: Backend> DTensor<B> {
     /// rank's gradient-reduction dtype when one is set and differs and there is something to
     /// reduce (cast before, back after).
     pub(crate) fn reduce_gradient(self, target: &Layout) -> Result<Self, Error> {
+        let this = self.ready();
+        this.reduce_gradient_now(target)
+    }
+
+    fn reduce_gradient_now(self, target: &Layout) -> Result<Self, Error> {
         let own = self.local.dtype();
         let Some(dtype) = self.device.ctx.with_policy(|p| p.grad_reduce_dtype) else {
             return self.redistribute(target);
@@ -357,6 +418,10 @@ impl<B: Backend> DTensor<B> {
     /// If this partial value has already been reduced (another use asked for it), that reduced
     /// value: as good as a replicated operand, for free. Otherwise `self`.
     pub(crate) fn settled(self) -> Self {
+        self.ready().settled_now()
+    }
+
+    fn settled_now(self) -> Self {
         let Some(memo) = &self.memo else { return self };
         let mut reduced = self.layout.clone();
         for a in 0..reduced.len() {
@@ -374,6 +439,126 @@ impl<B: Backend> DTensor<B> {
             Some((local, track)) => Self::cached(local, track, reduced, self.shape, self.device),
             None => self,
         }
+    }
+
+    /// This value with its local piece in hand: an asynchronous reduction still in flight (see
+    /// [`RankPolicy::reduce_in_flight`](crate::RankPolicy)) is waited for. Every op does this
+    /// to its inputs; call it before reading [`DTensor::local`] of a gradient that
+    /// `sync_gradients` has not seen.
+    pub fn ready(mut self) -> Self {
+        if let Some(awaited) = self.awaited.take() {
+            self.local = awaited.local().unwrap_or_else(|e| crate::error::raise(e));
+        }
+        self
+    }
+
+    /// Whether reducing to `target` is one collective on one axis of size > 1 — an all-reduce
+    /// (`Partial` → `Replicate`) or a reduce-scatter straight into the target's shard
+    /// (`Partial` → `Shard(d)`, no other axis splitting `d`), as a gradient's reduction under
+    /// DDP or FSDP is — with nothing memoised: its axis, op and the reduce-scatter's dim.
+    fn single_reduction(&self, target: &Layout) -> Option<(usize, ReduceOp, Option<usize>)> {
+        let mesh = self.device.mesh();
+        let n = mesh.axes().len();
+        let changed: Vec<usize> = (0..n)
+            .filter(|&a| self.layout.get(a) != target.get(a))
+            .collect();
+        let [a] = changed[..] else { return None };
+        let Placement::Partial(op) = self.layout.get(a) else {
+            return None;
+        };
+        if op == ReduceOp::Max || mesh.axis_size(a) == 1 {
+            return None;
+        }
+        if self
+            .memo
+            .as_ref()
+            .is_some_and(|m| !m.lock().unwrap().is_empty())
+        {
+            return None;
+        }
+        match target.get(a) {
+            Placement::Replicate => Some((a, op, None)),
+            Placement::Shard(d) => (0..n)
+                .filter(|&b| b != a)
+                .all(|b| {
+                    self.layout.get(b) != Placement::Shard(d)
+                        && target.get(b) != Placement::Shard(d)
+                })
+                .then_some((a, op, Some(d))),
+            _ => None,
+        }
+    }
+
+    /// [`Self::reduce_gradient`] issued on the rank's communication queue: the value returned
+    /// stands for the reduced gradient (its layout, shape and bytes) and waits for it at its
+    /// first use ([`Self::ready`]); the rank keeps at most
+    /// [`RankPolicy::reduce_in_flight`](crate::RankPolicy) such reductions outstanding. One
+    /// that takes more than one collective, or a cast to the reduction dtype, runs now.
+    pub(crate) fn reduce_gradient_async(self, target: &Layout) -> Result<Self, Error> {
+        let this = self.ready();
+        let ctx = this.device.context().clone();
+        let own = this.local.dtype();
+        let casts = ctx
+            .with_policy(|p| p.grad_reduce_dtype)
+            .is_some_and(|d| DType::from(d) != own);
+        let single = if casts {
+            None
+        } else {
+            this.single_reduction(target)
+        };
+        let Some((axis, op, dim)) = single else {
+            return this.reduce_gradient_now(target);
+        };
+        let group = Group::Axis(axis);
+        let mut layout = this.layout.clone();
+        let (pending, local_shape) = match dim {
+            Some(d) => {
+                let size = this.device.mesh().axis_size(axis);
+                let local = pad::<B>(this.local, d, size, &this.device.inner);
+                let mut shape = local.shape().to_vec();
+                shape[d] /= size;
+                layout.set(axis, Placement::Shard(d));
+                let pending =
+                    crate::collectives::issue_reduce_scatter(&this.device, group, local, d, op);
+                (pending, shape)
+            }
+            None => {
+                layout.set(axis, Placement::Replicate);
+                let shape = this.local.shape().to_vec();
+                let pending =
+                    crate::collectives::issue_all_reduce(&this.device, group, this.local, op);
+                (pending, shape)
+            }
+        };
+        // A stand-in of the result's shape that holds no memory (one NaN, broadcast): an op that
+        // read it without waiting would poison the step loudly, never silently.
+        let float = match own {
+            DType::F64 => burn_backend::FloatDType::F64,
+            DType::F16 => burn_backend::FloatDType::F16,
+            DType::BF16 => burn_backend::FloatDType::BF16,
+            _ => burn_backend::FloatDType::F32,
+        };
+        let one = B::float_full(
+            Shape::from(vec![1; local_shape.len()]),
+            burn_backend::Scalar::Float(f64::NAN),
+            &this.device.inner,
+            float,
+        );
+        let stand_in = B::float_expand(one, Shape::from(local_shape.clone()));
+        let bytes = local_shape.iter().product::<usize>() * own.size();
+        let awaited = Arc::new(Awaited::new(pending));
+        ctx.count_prefetch(|c| c.reductions += 1);
+        ctx.await_later(awaited.clone())?;
+        let memo = memo_for(&layout, &this.shape, &this.device);
+        Ok(Self {
+            local: stand_in,
+            layout,
+            shape: this.shape,
+            device: this.device,
+            memo,
+            track: Tracker::new(bytes, &ctx),
+            awaited: Some(awaited),
+        })
     }
 
     /// The last split of a padded dim `d` gathered (`layout` splits it no more): the padding
@@ -458,6 +643,7 @@ impl<B: Backend> DTensor<B> {
             device: self.device.clone(),
             memo: None,
             track,
+            awaited: None,
         })
     }
 
@@ -468,6 +654,11 @@ impl<B: Backend> DTensor<B> {
     /// are applied from the first axis to the last (slice for `Shard`, keep the value on member 0
     /// for `Partial(Sum)`), so nested shards of one dimension keep their order.
     pub fn redistribute(self, target: &Layout) -> Result<Self, Error> {
+        let this = self.ready();
+        this.redistribute_now(target)
+    }
+
+    fn redistribute_now(self, target: &Layout) -> Result<Self, Error> {
         if &self.layout == target {
             return Ok(self);
         }
@@ -628,6 +819,7 @@ impl<B: Backend> DTensor<B> {
             device: self.device,
             memo: None,
             track,
+            awaited: None,
         })
     }
 }

@@ -153,6 +153,13 @@ pub struct PretrainConfig {
     #[serde(default = "default_prefetch")]
     #[arg(long, default_value_t = default_prefetch(), help_heading = "Parallelism")]
     pub prefetch: usize,
+    /// Asynchronous gradient reductions (FSDP, ZeRO-2, HSDP): a gradient's reduce-scatter is
+    /// issued on the rank's communication thread where the gradient is born and waited for at
+    /// its first use, at most this many outstanding, so backward computes while they run; 0:
+    /// each blocks.
+    #[serde(default)]
+    #[arg(long, default_value_t = 0, help_heading = "Parallelism")]
+    pub reduce_in_flight: usize,
 
     /// Evaluate every this many steps, and at the end (0: only at the end).
     #[arg(

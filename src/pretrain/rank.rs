@@ -72,6 +72,7 @@ impl RankRun<'_> {
             grad_reduce_dtype: config.grad_reduce.reduced_dtype(),
             memory_budget: config.memory_budget,
             prefetch: config.prefetch,
+            reduce_in_flight: config.reduce_in_flight,
             ..RankPolicy::default()
         });
         let resume_scaler = self.resume.as_ref().and_then(|(_, s)| s.clone());

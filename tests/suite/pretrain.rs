@@ -990,8 +990,10 @@ fn modelled_links_pace_collectives_and_change_no_result() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `--prefetch`: FSDP's parameter gathers issued ahead on each rank's communication thread, in
-/// the order the previous step gathered them, change nothing but their timing: losses and
+/// `--prefetch` and `--reduce-in-flight`: FSDP's parameter gathers issued ahead on each rank's
+/// communication thread, in the order the previous step gathered them, and its gradients'
+/// reduce-scatters issued where they are born and waited for at first use (at most 2
+/// outstanding), change nothing but their timing: losses and
 /// parameters bitwise those of the blocking run, the same collectives of each kind and bytes
 /// every step (from the trace and the counters), under FullShard with full recomputation, HSDP,
 /// FullShard × TP with sequence parallelism, and gradient accumulation; from the second step on
@@ -1040,6 +1042,7 @@ fn fsdp_prefetch_changes_nothing_but_timing() {
     for (fsdp, dp, dp_shard, tp, sp, recompute, accum) in cases {
         let what = format!("{fsdp:?} dp={dp} tp={tp} sp={sp} {recompute:?} accum={accum}");
         let config = |prefetch: usize| PretrainConfig {
+            reduce_in_flight: prefetch.min(2),
             parallel: ParallelConfig {
                 dp,
                 fsdp,
@@ -1083,6 +1086,10 @@ fn fsdp_prefetch_changes_nothing_but_timing() {
         let p = ahead.prefetch;
         assert!(p.used > 0 && p.used == p.issued, "{what}: {p:?}");
         assert_eq!((p.wasted, p.diverged), (0, 0), "{what}: {p:?}");
+        // HSDP reduces over two axes (two collectives): those reductions block.
+        if fsdp == FsdpStrategy::FullShard && accum == 1 {
+            assert!(p.reductions > 0, "{what}: {p:?}");
+        }
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -47,6 +47,7 @@ impl<B: Backend> Fallback<B> {
 
     /// An input: its full (or per-rank `Local`) value.
     pub(crate) fn float(&self, t: DTensor<B>) -> B::FloatTensorPrimitive {
+        let t = t.ready();
         self.note_device(&t.device);
         let target = t.layout.unsharded();
         let mut state = self.state.borrow_mut();

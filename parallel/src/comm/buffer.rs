@@ -141,13 +141,14 @@ pub(crate) fn gathered(
 }
 
 /// The bytes of chunk `index` of `parts` equal chunks of `data` along `dim`, and that chunk's
-/// shape. The caller has checked that `parts` divides the size of `dim`.
+/// shape: borrowed where the chunk is one run of `data`'s bytes (`dim` 0, or every dim before it
+/// of size 1), else copied. The caller has checked that `parts` divides the size of `dim`.
 pub(crate) fn chunk_bytes(
     data: &TensorData,
     dim: usize,
     parts: usize,
     index: usize,
-) -> Result<(Vec<u8>, Shape), Error> {
+) -> Result<(std::borrow::Cow<'_, [u8]>, Shape), Error> {
     let size = element_size(data)?;
     let dims = data.shape.as_slice();
     let outer: usize = dims[..dim].iter().product();
@@ -155,14 +156,22 @@ pub(crate) fn chunk_bytes(
     let chunk = dims[dim] / parts;
     let block = dims[dim] * inner_bytes;
     let piece = chunk * inner_bytes;
-    let mut bytes = Vec::with_capacity(outer * piece);
-    for row in 0..outer {
-        let start = row * block + index * piece;
-        bytes.extend_from_slice(&data.as_bytes()[start..start + piece]);
-    }
     let mut shape = dims.to_vec();
     shape[dim] = chunk;
-    Ok((bytes, Shape::from(shape)))
+    let bytes = data.as_bytes();
+    if outer == 1 {
+        let start = index * piece;
+        return Ok((
+            std::borrow::Cow::Borrowed(&bytes[start..start + piece]),
+            Shape::from(shape),
+        ));
+    }
+    let mut out = Vec::with_capacity(outer * piece);
+    for row in 0..outer {
+        let start = row * block + index * piece;
+        out.extend_from_slice(&bytes[start..start + piece]);
+    }
+    Ok((std::borrow::Cow::Owned(out), Shape::from(shape)))
 }
 
 /// A stored element type, decoded from native-endian bytes of any alignment.
@@ -285,7 +294,7 @@ mod tests {
         (0..n)
             .map(|index| {
                 let (bytes, shape) = chunk_bytes(data, dim, n, index).unwrap();
-                TensorData::from_bytes_vec(bytes, shape, data.dtype)
+                TensorData::from_bytes_vec(bytes.into_owned(), shape, data.dtype)
             })
             .collect()
     }

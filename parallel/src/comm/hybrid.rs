@@ -352,7 +352,7 @@ impl Communicator for HybridCommunicator {
                         let mut shape = Shape::from(vec![0]);
                         for part in buffers(payloads) {
                             let (c, s) = chunk_bytes(&part, call.dim(), n, index)?;
-                            chunks.push(c);
+                            chunks.push(c.into_owned());
                             shape = s;
                         }
                         let raw: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();

@@ -344,7 +344,7 @@ fn combine(call: &Call, index: usize, buffers: &[&TensorData]) -> Result<TensorD
                 chunks.push(chunk);
                 shape = Some(chunk_shape);
             }
-            let raw: Vec<&[u8]> = chunks.iter().map(Vec::as_slice).collect();
+            let raw: Vec<&[u8]> = chunks.iter().map(|c| c.as_ref()).collect();
             let shape = shape.expect("a group has members");
             reduce(&raw, first.dtype, shape, call.reduce_op())
         }

@@ -94,12 +94,50 @@ pub(crate) fn embedding_backward<B: Backend>(
         }
         None => (indices, g.local),
     };
-    // A broadcast view of one zero: no table-sized buffer (the gradient's own is the inner
-    // op's; a materialised stand-in cost a third table-sized buffer at the step's peak).
-    let one = B::float_zeros(Shape::from(vec![1; local.len()]), &g.device.inner, dtype);
-    let shape_only = B::float_expand(one, Shape::from(local));
-    let grad = B::embedding_backward(shape_only, g_local, indices);
+    let grad = if is_flex::<B>() && g_local.dtype() == burn_backend::DType::F32 {
+        rows_added_once::<B>(local[0], local[1], g_local, indices, &g.device.inner)
+    } else {
+        // A broadcast view of one zero: no table-sized buffer (the gradient's own is the inner
+        // op's; a materialised stand-in cost a third table-sized buffer at the step's peak).
+        let one = B::float_zeros(Shape::from(vec![1; local.len()]), &g.device.inner, dtype);
+        let shape_only = B::float_expand(one, Shape::from(local));
+        B::embedding_backward(shape_only, g_local, indices)
+    };
     reduce_data_parallel(grad, out, &summands, g.device)
+}
+
+/// Whether the inner backend is Flex (Burn's CPU backend).
+fn is_flex<B: Backend>() -> bool {
+    std::any::TypeId::of::<B>() == std::any::TypeId::of::<burn::backend::Flex>()
+}
+
+/// Flex's embedding backward: a `[rows, cols]` table of zeros with each output-gradient row
+/// added to its token's row, in token order — in one buffer. Flex's own makes the zero table and
+/// then `select_add` copies it, so two table-sized buffers live at once (150 MB each for GPT-2's
+/// table, at the step's memory peak, on every rank); the sums are the same, bitwise.
+fn rows_added_once<B: Backend>(
+    rows: usize,
+    cols: usize,
+    grad: B::FloatTensorPrimitive,
+    indices: B::IntTensorPrimitive,
+    device: &B::Device,
+) -> B::FloatTensorPrimitive {
+    let grad = crate::comm::read::<B>(grad);
+    let indices =
+        burn_backend::read_sync(B::int_into_data(indices)).expect("reading token indices failed");
+    let grad: &[f32] = grad.as_slice().expect("an f32 gradient");
+    let mut table = vec![0f32; rows * cols];
+    for (i, token) in indices.iter::<i64>().enumerate() {
+        let row = usize::try_from(token)
+            .ok()
+            .filter(|&r| r < rows)
+            .unwrap_or_else(|| panic!("embedding_backward: index {token} out of 0..{rows}"));
+        let dst = &mut table[row * cols..(row + 1) * cols];
+        for (d, s) in dst.iter_mut().zip(&grad[i * cols..(i + 1) * cols]) {
+            *d += *s;
+        }
+    }
+    B::float_from_data(TensorData::new(table, [rows, cols]), device)
 }
 
 /// The model axis of a vocabulary-parallel embedding table (`Shard(0)` on exactly one model

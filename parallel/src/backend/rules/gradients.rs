@@ -40,10 +40,16 @@ pub(super) fn reduce_data_parallel<B: Backend>(
         .ctx
         .with_policy(|p| p.sharding.gradient_reduction == GradientReduction::AtSync);
     let defer = device.ctx.no_sync() || at_sync;
+    let asynchronous = device.ctx.with_policy(|p| p.reduce_in_flight > 0);
     let grad = DTensor::new_unchecked(grad, layout, device);
     if defer {
         // Keep the summands; `sync_gradients` reduces the sum once.
         return grad;
+    }
+    if asynchronous {
+        return grad
+            .reduce_gradient_async(&target)
+            .unwrap_or_else(|e| raise(e));
     }
     grad.reduce_gradient(&target).unwrap_or_else(|e| raise(e))
 }

@@ -57,6 +57,7 @@ pub(crate) fn to_layout<B: Backend>(
     t: DTensor<B>,
     target: &Layout,
 ) -> DTensor<B> {
+    let t = t.ready();
     if &t.layout == target {
         return t;
     }

@@ -308,7 +308,7 @@ pub(crate) fn binary<B: Backend>(
     kind: BinaryKind,
     f: impl FnOnce(B::FloatTensorPrimitive, B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
 ) -> DTensor<B> {
-    let (lhs, rhs, out) = align2(op, lhs, rhs, kind);
+    let (lhs, rhs, out) = align2(op, lhs.ready(), rhs.ready(), kind);
     // Broadcasting: the output's shape from the operands' (padded shards cannot tell it).
     let shape: Vec<usize> = dims(&lhs)
         .iter()
