@@ -4,10 +4,11 @@
 //! table of: step time without and with the link (medians over the timed steps), the step's
 //! communication time on the link (the [`LinkModel`] time of every collective the step ran, from
 //! its trace), the exposed part (the step time's increase) and the hidden fraction
-//! `1 − exposed / communication`. FullShard runs twice more: gathering each parameter when it is
-//! needed (prefetch 0: the collectives block the rank) and with `--prefetch` (the next gathers in
-//! flight on the rank's communication thread while it computes) and `--reduce-in-flight 2` (the
-//! gradients' reduce-scatters issued where they are born, waited for at first use).
+//! `1 − exposed / communication`. Each strategy runs without overlap (every collective blocks the
+//! rank) and with it: FullShard with `--prefetch` (the next gathers in flight on the rank's
+//! communication thread while it computes) and `--reduce-in-flight 2` (the gradients'
+//! reduce-scatters issued where they are born, waited for at first use); DDP with `--bucket-mb`
+//! buckets all-reduced as they fill, 2 in flight.
 //!
 //! Valid only where every rank has cores of its own. Ranks as threads share the machine's cores
 //! (and Flex's one thread pool): while one rank sleeps in a paced collective the others compute
@@ -16,7 +17,7 @@
 //! backward, where ranks arrive at different times, show much of it on a 2-core machine.
 //!
 //! ```text
-//! cargo bench --bench overlap [-- --link 100MB/s,20us --steps 4 --prefetch 4 --bytes]
+//! cargo bench --bench overlap [-- --link 100MB/s,20us --steps 4 --prefetch 8 --bucket-mb 25 --bytes]
 //! ```
 
 /// mimalloc, keeping freed memory for the next step, or `WILDFIRE_ALLOC=system` (see
@@ -39,26 +40,36 @@ fn main() {
     let link_spec = common::arg::<String>("--link").unwrap_or_else(|| "100MB/s,20us".into());
     let link: LinkModel = link_spec.parse().expect("--link BANDWIDTH,LATENCY");
     let steps = common::arg("--steps").unwrap_or(if smoke { 1 } else { 4 });
-    let prefetch = common::arg("--prefetch").unwrap_or(4);
+    let prefetch = common::arg("--prefetch").unwrap_or(8);
+    let bucket_mb = common::arg("--bucket-mb").unwrap_or(25);
     // `--bytes`: the byte tokenizer (vocabulary 256, gpt_pretrain's default), so the blocks'
     // parameters dominate the traffic instead of the 50k-row embedding table.
     let bytes = std::env::args().any(|a| a == "--bytes");
-    let configs: &[(usize, FsdpStrategy, usize)] = if smoke {
-        &[(2, FsdpStrategy::FullShard, 2)]
+    // (dp, strategy, overlap): without overlap every collective blocks the rank; with it
+    // FullShard prefetches `--prefetch` gathers and issues its reduce-scatters where the
+    // gradients are born, and DDP all-reduces `--bucket-mb` buckets as they fill (2 reductions
+    // in flight either way).
+    let configs: &[(usize, FsdpStrategy, bool)] = if smoke {
+        &[
+            (2, FsdpStrategy::FullShard, true),
+            (2, FsdpStrategy::NoShard, true),
+        ]
     } else {
         &[
-            (2, FsdpStrategy::NoShard, 0),
-            (2, FsdpStrategy::FullShard, 0),
-            (2, FsdpStrategy::FullShard, prefetch),
-            (4, FsdpStrategy::NoShard, 0),
-            (4, FsdpStrategy::FullShard, 0),
-            (4, FsdpStrategy::FullShard, prefetch),
+            (2, FsdpStrategy::NoShard, false),
+            (2, FsdpStrategy::NoShard, true),
+            (2, FsdpStrategy::FullShard, false),
+            (2, FsdpStrategy::FullShard, true),
+            (4, FsdpStrategy::NoShard, false),
+            (4, FsdpStrategy::NoShard, true),
+            (4, FsdpStrategy::FullShard, false),
+            (4, FsdpStrategy::FullShard, true),
         ]
     };
     let dir = std::env::temp_dir().join(format!("wildfire-bench-overlap-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a scratch directory");
     println!(
-        "link dp={link_spec}; {}; {} timed steps after one warm-up\n\n| dp | strategy | prefetch | step, no link (ms) | step, link (ms) | communication on the link (ms) | exposed (ms) | hidden |\n|---|---|---|---|---|---|---|---|",
+        "link dp={link_spec}; {}; {} timed steps after one warm-up\n\n| dp | strategy | overlap | step, no link (ms) | step, link (ms) | communication on the link (ms) | exposed (ms) | hidden |\n|---|---|---|---|---|---|---|---|",
         if bytes {
             "byte tokenizer (vocabulary 256)"
         } else {
@@ -66,7 +77,13 @@ fn main() {
         },
         steps
     );
-    for &(dp, fsdp, prefetch) in configs {
+    for &(dp, fsdp, overlap) in configs {
+        let full = fsdp == FsdpStrategy::FullShard;
+        let what = match (overlap, full) {
+            (false, _) => "none".to_string(),
+            (true, true) => format!("prefetch {prefetch}, async reduce-scatter"),
+            (true, false) => format!("{bucket_mb} MiB buckets"),
+        };
         let config = PretrainConfig {
             preset: if smoke { Preset::Tiny } else { Preset::Small },
             n_layer: smoke.then_some(2),
@@ -83,8 +100,9 @@ fn main() {
                 fsdp,
                 ..ParallelConfig::default()
             },
-            prefetch,
-            reduce_in_flight: prefetch.min(2),
+            prefetch: if overlap && full { prefetch } else { 0 },
+            bucket_mb: if overlap && !full { bucket_mb } else { 0 },
+            reduce_in_flight: if overlap { 2 } else { 0 },
             gather_parameters: false,
             ..PretrainConfig::quiet()
         };
@@ -108,7 +126,7 @@ fn main() {
         let comm = median(step_communication(&paced, &link, dp)[1..].to_vec());
         let exposed = t1 - t0;
         println!(
-            "| {dp} | {fsdp:?} | {prefetch} | {t0:.1} | {t1:.1} | {comm:.1} | {exposed:.1} | {:.0}% |",
+            "| {dp} | {fsdp:?} | {what} | {t0:.1} | {t1:.1} | {comm:.1} | {exposed:.1} | {:.0}% |",
             100.0 * (1.0 - exposed / comm)
         );
     }

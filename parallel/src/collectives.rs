@@ -7,8 +7,8 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorMetadata};
 
 use crate::comm::{
-    CollectiveKind, Communicator, DeviceCollectives, Error, Group, ReduceOp, check_dim,
-    check_divisible, stage,
+    Call, CollectiveKind, Communicator, DeviceCollectives, Error, Group, Operand, ReduceOp,
+    check_dim, check_divisible, stage,
 };
 use crate::device::DistDevice;
 
@@ -97,26 +97,40 @@ impl<B: Backend> PendingTensor<B> {
     }
 }
 
-/// [`all_gather`], issued now and waited for later: through the host communicator's queue
-/// (read to the host now); on installed device collectives, done now.
+/// One collective issued now and waited for later: on installed device collectives (which run
+/// in order on their own stream) done now by `now`; else read to the host and issued on the
+/// rank's communication queue as the call `call` describes.
+fn issue<B: Backend>(
+    device: &DistDevice<B>,
+    tensor: FloatTensor<B>,
+    now: impl FnOnce(FloatTensor<B>) -> Result<FloatTensor<B>, Error>,
+    call: impl FnOnce(Operand) -> Call,
+) -> PendingTensor<B> {
+    let ctx = device.context();
+    if ctx.device_collectives::<B>().is_some() {
+        return PendingTensor::Done(now(tensor));
+    }
+    let data = crate::comm::read::<B>(tensor);
+    let call = call(Operand::of(&data));
+    PendingTensor::Queued(ctx.queue().issue(call, Some(data)), device.inner().clone())
+}
+
+/// [`all_gather`], issued now and waited for later (see [`issue`]).
 pub(crate) fn issue_all_gather<B: Backend>(
     device: &DistDevice<B>,
     group: Group,
     tensor: FloatTensor<B>,
     dim: usize,
 ) -> PendingTensor<B> {
-    let ctx = device.context();
-    if ctx.device_collectives::<B>().is_some() {
-        return PendingTensor::Done(all_gather(device, group, tensor, dim));
-    }
-    let data = crate::comm::read::<B>(tensor);
-    PendingTensor::Queued(
-        ctx.queue().issue_all_gather(group, data, dim),
-        device.inner().clone(),
+    issue(
+        device,
+        tensor,
+        |t| all_gather(device, group, t, dim),
+        |operand| Call::all_gather(group, operand, dim),
     )
 }
 
-/// [`reduce_scatter`], issued now and waited for later (see [`issue_all_gather`]).
+/// [`reduce_scatter`], issued now and waited for later (see [`issue`]).
 pub(crate) fn issue_reduce_scatter<B: Backend>(
     device: &DistDevice<B>,
     group: Group,
@@ -124,29 +138,27 @@ pub(crate) fn issue_reduce_scatter<B: Backend>(
     dim: usize,
     op: ReduceOp,
 ) -> PendingTensor<B> {
-    let ctx = device.context();
-    if ctx.device_collectives::<B>().is_some() {
-        return PendingTensor::Done(reduce_scatter(device, group, tensor, dim, op));
-    }
-    let data = crate::comm::read::<B>(tensor);
-    let call = crate::comm::Call::reduce_scatter(group, crate::comm::Operand::of(&data), dim, op);
-    PendingTensor::Queued(ctx.queue().issue(call, Some(data)), device.inner().clone())
+    issue(
+        device,
+        tensor,
+        |t| reduce_scatter(device, group, t, dim, op),
+        |operand| Call::reduce_scatter(group, operand, dim, op),
+    )
 }
 
-/// [`all_reduce`], issued now and waited for later (see [`issue_all_gather`]).
+/// [`all_reduce`], issued now and waited for later (see [`issue`]).
 pub(crate) fn issue_all_reduce<B: Backend>(
     device: &DistDevice<B>,
     group: Group,
     tensor: FloatTensor<B>,
     op: ReduceOp,
 ) -> PendingTensor<B> {
-    let ctx = device.context();
-    if ctx.device_collectives::<B>().is_some() {
-        return PendingTensor::Done(all_reduce(device, group, tensor, op));
-    }
-    let data = crate::comm::read::<B>(tensor);
-    let call = crate::comm::Call::all_reduce(group, crate::comm::Operand::of(&data), op);
-    PendingTensor::Queued(ctx.queue().issue(call, Some(data)), device.inner().clone())
+    issue(
+        device,
+        tensor,
+        |t| all_reduce(device, group, t, op),
+        |operand| Call::all_reduce(group, operand, op),
+    )
 }
 
 /// Reduce-scatter along `dim` (see [`Communicator::reduce_scatter`]).

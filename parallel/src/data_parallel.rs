@@ -305,7 +305,8 @@ where
         None => crate::device::current_device::<X>().context().clone(),
     };
     // Asynchronous reductions not yet waited for (a gradient no parameter took): their errors
-    // surface here.
+    // surface here. The last DDP bucket is issued first.
+    crate::tensor::buckets::flush::<X>(&ctx)?;
     ctx.resolve_outstanding()?;
     // Burn 0.21's autodiff ends every backward pass by locking the graphs of every thread
     // (`GraphCleaner::cleanup_orphaned_entries`). A rank that raced ahead into its next backward

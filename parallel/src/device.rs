@@ -31,6 +31,22 @@ impl OpCounters {
     }
 }
 
+/// Run `f` on the state of type `T` in `slot` (a state of another type is dropped).
+fn with_slot<T: Any + Send, R>(
+    slot: &Mutex<Option<Box<dyn Any + Send>>>,
+    f: impl FnOnce(&mut Option<T>) -> R,
+) -> R {
+    let mut slot = slot.lock().unwrap_or_else(|e| e.into_inner());
+    if !slot.as_ref().is_some_and(|b| b.is::<Option<T>>()) {
+        *slot = Some(Box::new(None::<T>));
+    }
+    let state = slot
+        .as_mut()
+        .and_then(|b| b.downcast_mut::<Option<T>>())
+        .expect("set above");
+    f(state)
+}
+
 /// A reduction in flight that can be waited for (`tensor::Awaited`), the backend type erased.
 pub(crate) trait Resolve: Send + Sync {
     /// Wait for it (its result is kept for its value's first use).
@@ -51,6 +67,8 @@ pub struct PrefetchStats {
     pub diverged: u64,
     /// Gradient reductions issued asynchronously ([`RankPolicy::reduce_in_flight`](crate::RankPolicy)).
     pub reductions: u64,
+    /// DDP gradient buckets all-reduced ([`RankPolicy::bucket_bytes`](crate::RankPolicy)).
+    pub buckets: u64,
 }
 
 /// A rank's memory by kind ([`RankContext::memory_report`]), in bytes of local pieces.
@@ -99,6 +117,8 @@ pub struct RankContext {
     /// flight (`tensor::prefetch::Prefetch<B>`, the backend type erased), and its counters.
     prefetch: Mutex<Option<Box<dyn Any + Send>>>,
     prefetch_stats: Mutex<PrefetchStats>,
+    /// The open DDP gradient bucket (`tensor::buckets`, the backend type erased).
+    buckets: Mutex<Option<Box<dyn Any + Send>>>,
     /// Asynchronous gradient reductions issued and not yet waited for, oldest first.
     outstanding: Mutex<std::collections::VecDeque<Arc<dyn Resolve>>>,
 }
@@ -171,6 +191,7 @@ impl RankContext {
             init_scope: Mutex::new(None),
             prefetch: Mutex::new(None),
             prefetch_stats: Mutex::default(),
+            buckets: Mutex::new(None),
             outstanding: Mutex::default(),
         })
     }
@@ -311,15 +332,12 @@ impl RankContext {
 
     /// Run `f` on the rank's prefetch state of type `T` (a state of another type is dropped).
     pub(crate) fn with_prefetch<T: Any + Send, R>(&self, f: impl FnOnce(&mut Option<T>) -> R) -> R {
-        let mut slot = self.prefetch.lock().unwrap_or_else(|e| e.into_inner());
-        if !slot.as_ref().is_some_and(|b| b.is::<Option<T>>()) {
-            *slot = Some(Box::new(None::<T>));
-        }
-        let state = slot
-            .as_mut()
-            .and_then(|b| b.downcast_mut::<Option<T>>())
-            .expect("set above");
-        f(state)
+        with_slot(&self.prefetch, f)
+    }
+
+    /// Run `f` on the rank's open gradient bucket of type `T`.
+    pub(crate) fn with_buckets<T: Any + Send, R>(&self, f: impl FnOnce(&mut Option<T>) -> R) -> R {
+        with_slot(&self.buckets, f)
     }
 
     pub(crate) fn count_prefetch(&self, f: impl FnOnce(&mut PrefetchStats)) {

@@ -53,6 +53,12 @@ pub struct RankPolicy {
     /// waited for at its first use, so backward goes on while it runs; at most this many are
     /// outstanding (the oldest is waited for beyond). 0: each reduction blocks.
     pub reduce_in_flight: usize,
+    /// DDP gradient buckets: replicated parameters' gradients (DDP, ZeRO-1) all-reduced where
+    /// they are born, in flat buckets of this many bytes (PyTorch DDP's 25 MB), instead of one
+    /// call per parameter in `sync_gradients`; with `reduce_in_flight` above 0 a bucket runs
+    /// while backward goes on. 0: reduced in `sync_gradients` (a tied parameter's gradients are
+    /// then summed before their one reduction; with buckets each is reduced, then summed).
+    pub bucket_bytes: usize,
 }
 
 /// How a rank's parameters, gradients and optimizer state are spread over the data axes. Set by

@@ -9,6 +9,7 @@ use burn_backend::{Backend, DType, Shape, Slice, TensorMetadata};
 use smallvec::SmallVec;
 use std::sync::{Arc, Mutex};
 
+pub(crate) mod buckets;
 pub(crate) mod prefetch;
 
 /// A distributed tensor: this rank's local piece, its [`Layout`] over the mesh, and the global
@@ -43,6 +44,12 @@ pub(crate) struct Awaited<B: Backend> {
 
 enum AwaitState<B: Backend> {
     Pending(crate::collectives::PendingTensor<B>),
+    /// Elements `offset..offset + shape.product()` of a DDP bucket's all-reduce, in `shape`.
+    InBucket {
+        bucket: Arc<buckets::Bucket<B>>,
+        offset: usize,
+        shape: Vec<usize>,
+    },
     Done(B::FloatTensorPrimitive),
     Failed(Error),
 }
@@ -54,14 +61,36 @@ impl<B: Backend> Awaited<B> {
         }
     }
 
+    fn in_bucket(bucket: Arc<buckets::Bucket<B>>, offset: usize, shape: Vec<usize>) -> Self {
+        Self {
+            state: Mutex::new(Some(AwaitState::InBucket {
+                bucket,
+                offset,
+                shape,
+            })),
+        }
+    }
+
     /// The local piece, waited for once (an error is the collective's, every time).
     fn local(&self) -> Result<B::FloatTensorPrimitive, Error> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(AwaitState::Pending(_)) = &*state {
-            let Some(AwaitState::Pending(pending)) = state.take() else {
-                unreachable!("matched above")
+        if !matches!(&*state, Some(AwaitState::Done(_) | AwaitState::Failed(_))) {
+            let result = match state.take() {
+                Some(AwaitState::Pending(pending)) => pending.wait(),
+                Some(AwaitState::InBucket {
+                    bucket,
+                    offset,
+                    shape,
+                }) => bucket.result().map(|all| {
+                    let n: usize = shape.iter().product();
+                    B::float_reshape(
+                        slice_dim::<B>(all, 0, offset..offset + n),
+                        Shape::from(shape),
+                    )
+                }),
+                _ => unreachable!("not resolved"),
             };
-            *state = Some(match pending.wait() {
+            *state = Some(match result {
                 Ok(local) => AwaitState::Done(local),
                 Err(e) => AwaitState::Failed(e),
             });
@@ -456,7 +485,10 @@ impl<B: Backend> DTensor<B> {
     /// (`Partial` → `Replicate`) or a reduce-scatter straight into the target's shard
     /// (`Partial` → `Shard(d)`, no other axis splitting `d`), as a gradient's reduction under
     /// DDP or FSDP is — with nothing memoised: its axis, op and the reduce-scatter's dim.
-    fn single_reduction(&self, target: &Layout) -> Option<(usize, ReduceOp, Option<usize>)> {
+    pub(crate) fn single_reduction(
+        &self,
+        target: &Layout,
+    ) -> Option<(usize, ReduceOp, Option<usize>)> {
         let mesh = self.device.mesh();
         let n = mesh.axes().len();
         let changed: Vec<usize> = (0..n)
@@ -530,9 +562,31 @@ impl<B: Backend> DTensor<B> {
                 (pending, shape)
             }
         };
-        // A stand-in of the result's shape that holds no memory (one NaN, broadcast): an op that
-        // read it without waiting would poison the step loudly, never silently.
-        let float = match own {
+        let awaited = Arc::new(Awaited::new(pending));
+        ctx.count_prefetch(|c| c.reductions += 1);
+        ctx.await_later(awaited.clone())?;
+        Ok(Self::awaiting(
+            awaited,
+            local_shape,
+            own,
+            layout,
+            this.shape,
+            this.device,
+        ))
+    }
+
+    /// A value of `layout` whose local piece (`local_shape`, `dtype`) `awaited` will give: until
+    /// then a stand-in of that shape that holds no memory (one NaN, broadcast: an op that read it
+    /// without waiting would poison the step loudly, never silently), its bytes counted.
+    pub(crate) fn awaiting(
+        awaited: Arc<Awaited<B>>,
+        local_shape: Vec<usize>,
+        dtype: DType,
+        layout: Layout,
+        shape: Shape,
+        device: DistDevice<B>,
+    ) -> Self {
+        let float = match dtype {
             DType::F64 => burn_backend::FloatDType::F64,
             DType::F16 => burn_backend::FloatDType::F16,
             DType::BF16 => burn_backend::FloatDType::BF16,
@@ -541,24 +595,22 @@ impl<B: Backend> DTensor<B> {
         let one = B::float_full(
             Shape::from(vec![1; local_shape.len()]),
             burn_backend::Scalar::Float(f64::NAN),
-            &this.device.inner,
+            &device.inner,
             float,
         );
-        let stand_in = B::float_expand(one, Shape::from(local_shape.clone()));
-        let bytes = local_shape.iter().product::<usize>() * own.size();
-        let awaited = Arc::new(Awaited::new(pending));
-        ctx.count_prefetch(|c| c.reductions += 1);
-        ctx.await_later(awaited.clone())?;
-        let memo = memo_for(&layout, &this.shape, &this.device);
-        Ok(Self {
+        let bytes = local_shape.iter().product::<usize>() * dtype.size();
+        let stand_in = B::float_expand(one, Shape::from(local_shape));
+        let memo = memo_for(&layout, &shape, &device);
+        let track = Tracker::new(bytes, device.context());
+        Self {
             local: stand_in,
             layout,
-            shape: this.shape,
-            device: this.device,
+            shape,
+            device,
             memo,
-            track: Tracker::new(bytes, &ctx),
+            track,
             awaited: Some(awaited),
-        })
+        }
     }
 
     /// The last split of a padded dim `d` gathered (`layout` splits it no more): the padding

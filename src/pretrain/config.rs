@@ -160,6 +160,12 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(long, default_value_t = 0, help_heading = "Parallelism")]
     pub reduce_in_flight: usize,
+    /// DDP (and ZeRO-1): all-reduce the gradients where they are born, in buckets of this many
+    /// MiB (PyTorch DDP's default is 25), instead of one call per parameter after backward; with
+    /// `--reduce-in-flight` above 0 the buckets run while backward goes on. 0: after backward.
+    #[serde(default)]
+    #[arg(long, default_value_t = 0, help_heading = "Parallelism")]
+    pub bucket_mb: usize,
 
     /// Evaluate every this many steps, and at the end (0: only at the end).
     #[arg(

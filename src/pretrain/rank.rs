@@ -73,6 +73,7 @@ impl RankRun<'_> {
             memory_budget: config.memory_budget,
             prefetch: config.prefetch,
             reduce_in_flight: config.reduce_in_flight,
+            bucket_bytes: config.bucket_mb << 20,
             ..RankPolicy::default()
         });
         let resume_scaler = self.resume.as_ref().and_then(|(_, s)| s.clone());
