@@ -7,8 +7,8 @@ use burn_backend::tensor::FloatTensor;
 use burn_backend::{Backend, TensorMetadata};
 
 use crate::comm::{
-    Call, CollectiveKind, Communicator, DeviceCollectives, Error, Group, Operand, ReduceOp,
-    check_dim, check_divisible, stage,
+    Call, CollectiveKind, Communicator, DeviceCollectives, DeviceIssued, DeviceOp, Error, Group,
+    Operand, ReduceOp, check_dim, check_divisible, stage,
 };
 use crate::device::DistDevice;
 
@@ -84,7 +84,11 @@ pub(crate) fn all_gather<B: Backend>(
 /// installed device collectives, which run in order on their own stream).
 pub(crate) enum PendingTensor<B: Backend> {
     Done(Result<FloatTensor<B>, Error>),
+    /// Issued on the installed device collectives.
+    Device(DeviceIssued<B>),
     Queued(crate::comm::Pending, B::Device),
+    /// The result cast to this dtype (a reduction run in a lower precision, cast back).
+    Cast(Box<PendingTensor<B>>, burn_backend::FloatDType),
 }
 
 impl<B: Backend> PendingTensor<B> {
@@ -92,73 +96,130 @@ impl<B: Backend> PendingTensor<B> {
     pub(crate) fn wait(self) -> Result<FloatTensor<B>, Error> {
         match self {
             Self::Done(result) => result,
+            Self::Device(issued) => issued.wait(),
             Self::Queued(pending, device) => Ok(B::float_from_data(pending.wait_data()?, &device)),
+            Self::Cast(pending, dtype) => Ok(B::float_cast(pending.wait()?, dtype)),
         }
     }
 }
 
-/// One collective issued now and waited for later: on installed device collectives (which run
-/// in order on their own stream) done now by `now`; else read to the host and issued on the
-/// rank's communication queue as the call `call` describes.
-fn issue<B: Backend>(
-    device: &DistDevice<B>,
+/// `op` along `dim` issued on the installed device collectives (`dim` moved to the front with
+/// a stride permutation and back, as [`along`] does).
+fn issue_on_device<B: Backend>(
+    dc: std::sync::Arc<dyn DeviceCollectives<B>>,
+    group: Group,
+    op: DeviceOp,
     tensor: FloatTensor<B>,
-    now: impl FnOnce(FloatTensor<B>) -> Result<FloatTensor<B>, Error>,
-    call: impl FnOnce(Operand) -> Call,
-) -> PendingTensor<B> {
-    let ctx = device.context();
-    if ctx.device_collectives::<B>().is_some() {
-        return PendingTensor::Done(now(tensor));
+    dim: usize,
+) -> DeviceIssued<B> {
+    if dim == 0 {
+        return dc.issue(group, op, tensor);
     }
-    let data = crate::comm::read::<B>(tensor);
-    let call = call(Operand::of(&data));
-    PendingTensor::Queued(ctx.queue().issue(call, Some(data)), device.inner().clone())
+    dc.issue(group, op, B::float_swap_dims(tensor, 0, dim))
+        .then(move |t| Ok(B::float_swap_dims(t, 0, dim)))
 }
 
-/// [`all_gather`], issued now and waited for later (see [`issue`]).
+/// One step of a reduction: on mesh axis `axis`, an all-reduce (`dim` `None`) or a
+/// reduce-scatter along `dim` (which divides by the axis size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ReduceStep {
+    pub(crate) axis: usize,
+    pub(crate) op: ReduceOp,
+    pub(crate) dim: Option<usize>,
+}
+
+/// `steps` applied in order to `tensor`, issued now as one chain on the rank's communication
+/// queue (each call takes the previous one's result) and waited for later; on installed device
+/// collectives, the first call issued there and the rest run when it is waited for.
+pub(crate) fn issue_reduction<B: Backend>(
+    device: &DistDevice<B>,
+    tensor: FloatTensor<B>,
+    steps: &[ReduceStep],
+) -> PendingTensor<B> {
+    let ctx = device.context();
+    if let Some(dc) = ctx.device_collectives::<B>() {
+        // The first call is issued; the rest of a chain (HSDP's all-reduce across replicas)
+        // runs when it is waited for.
+        let Some((first, rest)) = steps.split_first() else {
+            return PendingTensor::Done(Ok(tensor));
+        };
+        let group = Group::Axis(first.axis);
+        let issued = match first.dim {
+            Some(d) => (|| {
+                let shape = tensor.shape();
+                check_dim(CollectiveKind::ReduceScatter, shape.num_dims(), d)?;
+                check_divisible(shape[d], d, group.size(ctx.mesh())?)?;
+                let op = DeviceOp::ReduceScatterFirst(first.op);
+                Ok(issue_on_device(dc, group, op, tensor, d))
+            })(),
+            None => Ok(issue_on_device(
+                dc,
+                group,
+                DeviceOp::AllReduce(first.op),
+                tensor,
+                0,
+            )),
+        };
+        let issued = match issued {
+            Ok(issued) => issued,
+            Err(e) => return PendingTensor::Done(Err(e)),
+        };
+        let (device, rest) = (device.clone(), rest.to_vec());
+        return PendingTensor::Device(issued.then(move |t| {
+            rest.iter().try_fold(t, |t, s| match s.dim {
+                Some(d) => reduce_scatter(&device, Group::Axis(s.axis), t, d, s.op),
+                None => all_reduce(&device, Group::Axis(s.axis), t, s.op),
+            })
+        }));
+    }
+    let data = crate::comm::read::<B>(tensor);
+    let mut operand = Operand::of(&data);
+    let calls = steps
+        .iter()
+        .map(|s| {
+            let group = Group::Axis(s.axis);
+            match s.dim {
+                Some(d) => {
+                    let call = Call::reduce_scatter(group, operand.clone(), d, s.op);
+                    let mut shape = operand.shape().to_vec();
+                    shape[d] /= device.mesh().axis_size(s.axis);
+                    operand = Operand::new(operand.dtype(), &shape);
+                    call
+                }
+                None => Call::all_reduce(group, operand.clone(), s.op),
+            }
+        })
+        .collect();
+    PendingTensor::Queued(
+        ctx.queue().issue_chain(calls, Some(data)),
+        device.inner().clone(),
+    )
+}
+
+/// [`all_gather`], issued now and waited for later: on the installed device collectives, else
+/// read to the host and issued on the rank's communication queue.
 pub(crate) fn issue_all_gather<B: Backend>(
     device: &DistDevice<B>,
     group: Group,
     tensor: FloatTensor<B>,
     dim: usize,
 ) -> PendingTensor<B> {
-    issue(
-        device,
-        tensor,
-        |t| all_gather(device, group, t, dim),
-        |operand| Call::all_gather(group, operand, dim),
-    )
-}
-
-/// [`reduce_scatter`], issued now and waited for later (see [`issue`]).
-pub(crate) fn issue_reduce_scatter<B: Backend>(
-    device: &DistDevice<B>,
-    group: Group,
-    tensor: FloatTensor<B>,
-    dim: usize,
-    op: ReduceOp,
-) -> PendingTensor<B> {
-    issue(
-        device,
-        tensor,
-        |t| reduce_scatter(device, group, t, dim, op),
-        |operand| Call::reduce_scatter(group, operand, dim, op),
-    )
-}
-
-/// [`all_reduce`], issued now and waited for later (see [`issue`]).
-pub(crate) fn issue_all_reduce<B: Backend>(
-    device: &DistDevice<B>,
-    group: Group,
-    tensor: FloatTensor<B>,
-    op: ReduceOp,
-) -> PendingTensor<B> {
-    issue(
-        device,
-        tensor,
-        |t| all_reduce(device, group, t, op),
-        |operand| Call::all_reduce(group, operand, op),
-    )
+    let ctx = device.context();
+    if let Some(dc) = ctx.device_collectives::<B>() {
+        if let Err(e) = check_dim(CollectiveKind::AllGather, tensor.shape().num_dims(), dim) {
+            return PendingTensor::Done(Err(e));
+        }
+        return PendingTensor::Device(issue_on_device(
+            dc,
+            group,
+            DeviceOp::AllGatherFirst,
+            tensor,
+            dim,
+        ));
+    }
+    let data = crate::comm::read::<B>(tensor);
+    let call = Call::all_gather(group, Operand::of(&data), dim);
+    PendingTensor::Queued(ctx.queue().issue(call, Some(data)), device.inner().clone())
 }
 
 /// Reduce-scatter along `dim` (see [`Communicator::reduce_scatter`]).

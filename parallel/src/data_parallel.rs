@@ -215,6 +215,8 @@ where
     };
     syncer.report.gradients += 1;
     if syncer.device_seen.is_none() {
+        // The step's backward is over: uses of its gradients from here on are the sync's own.
+        crate::tensor::buckets::end_backward::<X>(param.device().context());
         syncer.device_seen = Some(param.device().context().clone());
     }
     let grad = grad.into_primitive().tensor();

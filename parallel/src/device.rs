@@ -262,6 +262,11 @@ impl RankContext {
         }
     }
 
+    /// The rank's queue, shared (e.g. for [`HostStaged::queued`](crate::HostStaged::queued)).
+    pub fn queue_arc(&self) -> Arc<CommQueue> {
+        self.comm.clone()
+    }
+
     /// The communicator, shared (e.g. to build device collectives over it).
     pub fn comm_arc(&self) -> Arc<dyn Communicator> {
         self.comm.clone()

@@ -1,5 +1,6 @@
 //! `DTensor`: the decorator's float primitive — a local piece plus a layout over the mesh.
 
+use crate::collectives::ReduceStep;
 use crate::comm::{Group, ReduceOp};
 use crate::device::DistDevice;
 use crate::error::Error;
@@ -40,39 +41,67 @@ pub struct DTensor<B: Backend> {
 /// use waits for it ([`DTensor::ready`]); clones share it.
 pub(crate) struct Awaited<B: Backend> {
     state: Mutex<Option<AwaitState<B>>>,
+    /// A DDP gradient's place in its step's births, told to the step's watch at each use (see
+    /// [`buckets`]).
+    watch: Option<(usize, Arc<buckets::Watch>)>,
 }
 
 enum AwaitState<B: Backend> {
     Pending(crate::collectives::PendingTensor<B>),
-    /// Elements `offset..offset + shape.product()` of a DDP bucket's all-reduce, in `shape`.
+    /// Elements `offset..offset + shape.product()` of a DDP bucket's all-reduce, in `shape`,
+    /// cast to `dtype` (the bucket's may be the gradient-reduction dtype).
     InBucket {
         bucket: Arc<buckets::Bucket<B>>,
         offset: usize,
         shape: Vec<usize>,
+        dtype: burn_backend::FloatDType,
     },
     Done(B::FloatTensorPrimitive),
     Failed(Error),
 }
 
 impl<B: Backend> Awaited<B> {
-    fn new(pending: crate::collectives::PendingTensor<B>) -> Self {
+    fn with_state(state: AwaitState<B>) -> Self {
         Self {
-            state: Mutex::new(Some(AwaitState::Pending(pending))),
+            state: Mutex::new(Some(state)),
+            watch: None,
         }
     }
 
-    fn in_bucket(bucket: Arc<buckets::Bucket<B>>, offset: usize, shape: Vec<usize>) -> Self {
-        Self {
-            state: Mutex::new(Some(AwaitState::InBucket {
-                bucket,
-                offset,
-                shape,
-            })),
-        }
+    fn new(pending: crate::collectives::PendingTensor<B>) -> Self {
+        Self::with_state(AwaitState::Pending(pending))
+    }
+
+    fn in_bucket(
+        bucket: Arc<buckets::Bucket<B>>,
+        offset: usize,
+        shape: Vec<usize>,
+        dtype: burn_backend::FloatDType,
+    ) -> Self {
+        Self::with_state(AwaitState::InBucket {
+            bucket,
+            offset,
+            shape,
+            dtype,
+        })
+    }
+
+    /// A piece already in hand, only watched.
+    fn done(local: B::FloatTensorPrimitive) -> Self {
+        Self::with_state(AwaitState::Done(local))
+    }
+
+    /// Tell `watch` of every use, as birth `birth`.
+    fn watched(mut self, birth: usize, watch: Arc<buckets::Watch>) -> Self {
+        self.watch = Some((birth, watch));
+        self
     }
 
     /// The local piece, waited for once (an error is the collective's, every time).
     fn local(&self) -> Result<B::FloatTensorPrimitive, Error> {
+        if let Some((birth, watch)) = &self.watch {
+            watch.saw(*birth);
+        }
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if !matches!(&*state, Some(AwaitState::Done(_) | AwaitState::Failed(_))) {
             let result = match state.take() {
@@ -81,12 +110,18 @@ impl<B: Backend> Awaited<B> {
                     bucket,
                     offset,
                     shape,
+                    dtype,
                 }) => bucket.result().map(|all| {
                     let n: usize = shape.iter().product();
-                    B::float_reshape(
+                    let mine = B::float_reshape(
                         slice_dim::<B>(all, 0, offset..offset + n),
                         Shape::from(shape),
-                    )
+                    );
+                    if mine.dtype() == DType::from(dtype) {
+                        mine
+                    } else {
+                        B::float_cast(mine, dtype)
+                    }
                 }),
                 _ => unreachable!("not resolved"),
             };
@@ -481,26 +516,16 @@ impl<B: Backend> DTensor<B> {
         self
     }
 
-    /// Whether reducing to `target` is one collective on one axis of size > 1 — an all-reduce
-    /// (`Partial` → `Replicate`) or a reduce-scatter straight into the target's shard
-    /// (`Partial` → `Shard(d)`, no other axis splitting `d`), as a gradient's reduction under
-    /// DDP or FSDP is — with nothing memoised: its axis, op and the reduce-scatter's dim.
-    pub(crate) fn single_reduction(
-        &self,
-        target: &Layout,
-    ) -> Option<(usize, ReduceOp, Option<usize>)> {
+    /// The collectives that reduce this value to `target`, in the order
+    /// [`redistribute`](Self::redistribute) runs them, when that is nothing but reductions: every
+    /// axis that changes goes from `Partial` (not `Max`) to `Replicate` (an all-reduce) or to
+    /// `Shard(d)` by a reduce-scatter straight into the shard (no other axis splitting `d`) — a
+    /// gradient's reduction under DDP, FSDP and HSDP (reduce-scatter, then all-reduce across
+    /// the replicas) — with nothing memoised. Axes of size 1 only change their placement.
+    /// `None`: anything else, or nothing to reduce.
+    pub(crate) fn reduction_steps(&self, target: &Layout) -> Option<Vec<ReduceStep>> {
         let mesh = self.device.mesh();
         let n = mesh.axes().len();
-        let changed: Vec<usize> = (0..n)
-            .filter(|&a| self.layout.get(a) != target.get(a))
-            .collect();
-        let [a] = changed[..] else { return None };
-        let Placement::Partial(op) = self.layout.get(a) else {
-            return None;
-        };
-        if op == ReduceOp::Max || mesh.axis_size(a) == 1 {
-            return None;
-        }
         if self
             .memo
             .as_ref()
@@ -508,59 +533,88 @@ impl<B: Backend> DTensor<B> {
         {
             return None;
         }
-        match target.get(a) {
-            Placement::Replicate => Some((a, op, None)),
-            Placement::Shard(d) => (0..n)
-                .filter(|&b| b != a)
-                .all(|b| {
-                    self.layout.get(b) != Placement::Shard(d)
-                        && target.get(b) != Placement::Shard(d)
-                })
-                .then_some((a, op, Some(d))),
-            _ => None,
+        let mut layout = self.layout.clone();
+        let mut shape = self.local.shape().to_vec();
+        let mut steps = Vec::new();
+        for a in (0..n).rev() {
+            let (from, to) = (layout.get(a), target.get(a));
+            if from == to {
+                continue;
+            }
+            let Placement::Partial(op) = from else {
+                return None;
+            };
+            if op == ReduceOp::Max {
+                return None;
+            }
+            let size = mesh.axis_size(a);
+            match to {
+                _ if size == 1 && matches!(to, Placement::Replicate) => {}
+                Placement::Replicate => steps.push(ReduceStep {
+                    axis: a,
+                    op,
+                    dim: None,
+                }),
+                Placement::Shard(d) if size > 1 => {
+                    let others = (0..n).filter(|&b| b != a).any(|b| {
+                        layout.get(b) == Placement::Shard(d) || target.get(b) == Placement::Shard(d)
+                    });
+                    // Padding is done before the first call only.
+                    let padded = shape[d].div_ceil(size) * size;
+                    if others || (!steps.is_empty() && padded != shape[d]) {
+                        return None;
+                    }
+                    shape[d] = padded / size;
+                    steps.push(ReduceStep {
+                        axis: a,
+                        op,
+                        dim: Some(d),
+                    });
+                }
+                _ => return None,
+            }
+            layout.set(a, to);
         }
+        (!steps.is_empty() && &layout == target).then_some(steps)
     }
 
     /// [`Self::reduce_gradient`] issued on the rank's communication queue: the value returned
     /// stands for the reduced gradient (its layout, shape and bytes) and waits for it at its
     /// first use ([`Self::ready`]); the rank keeps at most
-    /// [`RankPolicy::reduce_in_flight`](crate::RankPolicy) such reductions outstanding. One
-    /// that takes more than one collective, or a cast to the reduction dtype, runs now.
+    /// [`RankPolicy::reduce_in_flight`](crate::RankPolicy) such reductions outstanding. The
+    /// reduction's collectives (a reduce-scatter, an all-reduce, or both under HSDP) go as one
+    /// chain, in the gradient-reduction dtype when one is set (cast before, back after), as the
+    /// blocking path does; one that is more than reductions ([`Self::reduction_steps`]) runs
+    /// now.
     pub(crate) fn reduce_gradient_async(self, target: &Layout) -> Result<Self, Error> {
         let this = self.ready();
-        let ctx = this.device.context().clone();
-        let own = this.local.dtype();
-        let casts = ctx
-            .with_policy(|p| p.grad_reduce_dtype)
-            .is_some_and(|d| DType::from(d) != own);
-        let single = if casts {
-            None
-        } else {
-            this.single_reduction(target)
-        };
-        let Some((axis, op, dim)) = single else {
+        let Some(steps) = this.reduction_steps(target) else {
             return this.reduce_gradient_now(target);
         };
-        let group = Group::Axis(axis);
-        let mut layout = this.layout.clone();
-        let (pending, local_shape) = match dim {
-            Some(d) => {
-                let size = this.device.mesh().axis_size(axis);
-                let local = pad::<B>(this.local, d, size, &this.device.inner);
-                let mut shape = local.shape().to_vec();
-                shape[d] /= size;
-                layout.set(axis, Placement::Shard(d));
-                let pending =
-                    crate::collectives::issue_reduce_scatter(&this.device, group, local, d, op);
-                (pending, shape)
+        let ctx = this.device.context().clone();
+        let own = this.local.dtype();
+        let mut local = this.local;
+        if let Some(d) = steps[0].dim {
+            let size = this.device.mesh().axis_size(steps[0].axis);
+            local = pad::<B>(local, d, size, &this.device.inner);
+        }
+        let mut local_shape = local.shape().to_vec();
+        for step in &steps {
+            if let Some(d) = step.dim {
+                local_shape[d] /= this.device.mesh().axis_size(step.axis);
             }
-            None => {
-                layout.set(axis, Placement::Replicate);
-                let shape = this.local.shape().to_vec();
-                let pending =
-                    crate::collectives::issue_all_reduce(&this.device, group, this.local, op);
-                (pending, shape)
+        }
+        let layout = target.clone();
+        let cast = ctx
+            .with_policy(|p| p.grad_reduce_dtype)
+            .filter(|&d| DType::from(d) != own);
+        let pending = match cast {
+            Some(low) => {
+                let low = B::float_cast(local, low);
+                let pending = crate::collectives::issue_reduction(&this.device, low, &steps);
+                crate::collectives::PendingTensor::Cast(Box::new(pending), float_dtype(own))
             }
+            None => crate::collectives::issue_reduction(&this.device, local, &steps),
         };
         let awaited = Arc::new(Awaited::new(pending));
         ctx.count_prefetch(|c| c.reductions += 1);
@@ -586,12 +640,7 @@ impl<B: Backend> DTensor<B> {
         shape: Shape,
         device: DistDevice<B>,
     ) -> Self {
-        let float = match dtype {
-            DType::F64 => burn_backend::FloatDType::F64,
-            DType::F16 => burn_backend::FloatDType::F16,
-            DType::BF16 => burn_backend::FloatDType::BF16,
-            _ => burn_backend::FloatDType::F32,
-        };
+        let float = float_dtype(dtype);
         let one = B::float_full(
             Shape::from(vec![1; local_shape.len()]),
             burn_backend::Scalar::Float(f64::NAN),
@@ -873,6 +922,16 @@ impl<B: Backend> DTensor<B> {
             track,
             awaited: None,
         })
+    }
+}
+
+/// The float dtype of a float tensor's `dtype` (`F32` for anything else).
+pub(crate) fn float_dtype(dtype: DType) -> burn_backend::FloatDType {
+    match dtype {
+        DType::F64 => burn_backend::FloatDType::F64,
+        DType::F16 => burn_backend::FloatDType::F16,
+        DType::BF16 => burn_backend::FloatDType::BF16,
+        _ => burn_backend::FloatDType::F32,
     }
 }
 

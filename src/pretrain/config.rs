@@ -45,6 +45,11 @@ pub enum Collectives {
     /// NCCL on the ranks' CUDA devices, bootstrapped over the host communicator (feature
     /// `cuda`, `--backend cuda`): rank `r` of a process uses GPU `r` (its local rank under MPI).
     Nccl,
+    /// The device-collectives path that NCCL takes (every redistribution handed the backend's
+    /// tensors, asynchronous calls issued through it), carried by the host communicator and
+    /// staged through host memory ([`wildfire_parallel::HostStaged::queued`]): any backend,
+    /// the host path's results bit for bit. For testing that path without GPUs.
+    Staged,
 }
 
 /// How the ranks run.
@@ -231,8 +236,9 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(skip)]
     pub launch: Launch,
-    /// What moves the training tensors between ranks: host (threads / MPI) or nccl (CUDA GPUs,
-    /// one per rank, the rank's local index; needs --backend cuda).
+    /// What moves the training tensors between ranks: host (threads / MPI), nccl (CUDA GPUs,
+    /// one per rank, the rank's local index; needs --backend cuda), or staged (the device
+    /// path over the host communicator, for testing it).
     #[serde(default)]
     #[arg(long, value_enum, default_value_t = Collectives::Host, help_heading = "Run")]
     pub collectives: Collectives,

@@ -226,6 +226,11 @@ pub fn run_on_with<B: FusedOps>(
         if let Some(setup) = setup {
             setup(&device).map_err(PretrainError::Config)?;
         }
+        if config.collectives == Collectives::Staged {
+            let ctx = device.context();
+            let staged = wildfire_parallel::HostStaged::queued(ctx.queue_arc());
+            ctx.set_device_collectives::<B>(std::sync::Arc::new(staged));
+        }
         let own_metrics = match config.launch {
             Launch::Threads => None,
             _ => open_metrics(device.rank())?,

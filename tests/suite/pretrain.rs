@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use wildfire::models::data::TokenizerKind;
 use wildfire::models::gpt::Preset;
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, Recompute};
-use wildfire::pretrain::{PretrainConfig, PretrainError, RunSummary, run};
+use wildfire::pretrain::{Collectives, Precision, PretrainConfig, PretrainError, RunSummary, run};
 
 /// A CI-sized model on the embedded corpus.
 fn small(steps: usize) -> PretrainConfig {
@@ -579,10 +579,7 @@ fn defaults_are_the_flags_defaults() {
     let flags = Flags::try_parse_from(["x", "--dp", "2", "--fsdp", "full", "--precision", "bf16"])
         .unwrap()
         .config;
-    assert_eq!(
-        (flags.parallel.dp, flags.precision),
-        (2, wildfire::pretrain::Precision::Bf16)
-    );
+    assert_eq!((flags.parallel.dp, flags.precision), (2, Precision::Bf16));
 }
 
 /// Gradient accumulation: 4 micro-batches of 2 sequences equal one batch of 8 (1 rank, DDP on
@@ -631,7 +628,6 @@ fn accumulation_equals_one_big_batch() {
 /// so the scale is agreed across ranks); the f16 run reports its scale.
 #[test]
 fn mixed_precision_tracks_f32() {
-    use wildfire::pretrain::Precision;
     let steps = 30;
     let base = PretrainConfig {
         lr: 3e-3,
@@ -705,7 +701,7 @@ fn bf16_gradient_reduction_halves_the_bytes() {
 fn gpt_pretraining_through_installed_device_collectives_matches_bitwise() {
     use std::sync::{Arc, Mutex};
     use wildfire::parallel::{DistDevice, HostStaged};
-    use wildfire::pretrain::{Collectives, RankHooks, run_on_with};
+    use wildfire::pretrain::{RankHooks, run_on_with};
 
     type F = burn::backend::Flex;
 
@@ -993,11 +989,13 @@ fn modelled_links_pace_collectives_and_change_no_result() {
 /// `--prefetch` and `--reduce-in-flight`: FSDP's parameter gathers issued ahead on each rank's
 /// communication thread, in the order the previous step gathered them, and its gradients'
 /// reduce-scatters issued where they are born and waited for at first use (at most 2
-/// outstanding), change nothing but their timing: losses and
-/// parameters bitwise those of the blocking run, the same collectives of each kind and bytes
-/// every step (from the trace and the counters), under FullShard with full recomputation, HSDP,
-/// FullShard × TP with sequence parallelism, and gradient accumulation; from the second step on
-/// every gather of the recorded order is served by a prefetch, none wasted.
+/// outstanding), change nothing but their timing: losses and parameters bitwise those of the
+/// blocking run, the same collectives of each kind and bytes every step (from the trace and the
+/// counters), under FullShard with full recomputation, HSDP (its reduce-scatter and all-reduce
+/// issued as one chain), FullShard × TP with sequence parallelism, gradient accumulation, and
+/// ZeRO-2 reducing in bf16; on the host path and on the device-collectives path NCCL takes
+/// (`--collectives staged`). From the second step on every gather of the recorded order is served
+/// by a prefetch, none wasted.
 #[test]
 fn fsdp_prefetch_changes_nothing_but_timing() {
     let dir = scratch("prefetch");
@@ -1038,11 +1036,28 @@ fn fsdp_prefetch_changes_nothing_but_timing() {
             Recompute::None,
             2,
         ),
+        (
+            FsdpStrategy::ShardGradOp,
+            2,
+            None,
+            1,
+            false,
+            Recompute::None,
+            1,
+        ),
     ];
     for (fsdp, dp, dp_shard, tp, sp, recompute, accum) in cases {
-        let what = format!("{fsdp:?} dp={dp} tp={tp} sp={sp} {recompute:?} accum={accum}");
-        let config = |prefetch: usize| PretrainConfig {
+        // ZeRO-2's reductions in bf16: cast, reduced on the queue, cast back.
+        let grad_reduce = match fsdp {
+            FsdpStrategy::ShardGradOp => Precision::Bf16,
+            _ => Precision::F32,
+        };
+        let what =
+            format!("{fsdp:?} dp={dp} tp={tp} sp={sp} {recompute:?} accum={accum} {grad_reduce:?}");
+        let config = |prefetch: usize, collectives: Collectives| PretrainConfig {
             reduce_in_flight: prefetch.min(2),
+            grad_reduce,
+            collectives,
             parallel: ParallelConfig {
                 dp,
                 fsdp,
@@ -1055,20 +1070,24 @@ fn fsdp_prefetch_changes_nothing_but_timing() {
             accum,
             prefetch,
             eval_iters: 0,
-            trace: Some(dir.join(format!("{prefetch}.json"))),
+            trace: Some(dir.join(format!("{prefetch}-{collectives:?}.json"))),
             ..small(4)
         };
-        let plain = run(&config(0)).unwrap();
-        let ahead = run(&config(3)).unwrap();
+        let plain = run(&config(0, Collectives::Host)).unwrap();
+        let ahead = run(&config(3, Collectives::Host)).unwrap();
+        // The device-collectives path (NCCL's), asynchronous calls issued through it: staged.
+        let staged = run(&config(3, Collectives::Staged)).unwrap();
         let losses = |s: &RunSummary| s.steps.iter().map(|m| m.loss.to_bits()).collect::<Vec<_>>();
-        assert_eq!(losses(&plain), losses(&ahead), "{what}: losses");
-        for (a, b) in plain.parameters.iter().zip(&ahead.parameters) {
-            assert_eq!(bits(a), bits(b), "{what}: parameters");
-        }
         let bytes = |s: &RunSummary| s.steps.iter().map(|m| m.comm_bytes).collect::<Vec<_>>();
-        assert_eq!(bytes(&plain), bytes(&ahead), "{what}: bytes per step");
-        let kinds = |prefetch: usize| {
-            let path = dir.join(format!("{prefetch}.json"));
+        for (other, how) in [(&ahead, "ahead"), (&staged, "staged")] {
+            assert_eq!(losses(&plain), losses(other), "{what} {how}: losses");
+            for (a, b) in plain.parameters.iter().zip(&other.parameters) {
+                assert_eq!(bits(a), bits(b), "{what} {how}: parameters");
+            }
+            assert_eq!(bytes(&plain), bytes(other), "{what} {how}: bytes per step");
+        }
+        let kinds = |name: &str| {
+            let path = dir.join(format!("{name}.json"));
             let trace: serde_json::Value =
                 serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
             let mut kinds = std::collections::BTreeMap::<String, usize>::new();
@@ -1081,77 +1100,107 @@ fn fsdp_prefetch_changes_nothing_but_timing() {
             }
             kinds
         };
-        assert_eq!(kinds(0), kinds(3), "{what}: collectives of each kind");
+        for name in ["3-Host", "3-Staged"] {
+            assert_eq!(
+                kinds("0-Host"),
+                kinds(name),
+                "{what} {name}: collectives of each kind"
+            );
+        }
         assert_eq!(plain.prefetch, Default::default(), "{what}");
+        assert_eq!(ahead.prefetch, staged.prefetch, "{what}");
         let p = ahead.prefetch;
-        assert!(p.used > 0 && p.used == p.issued, "{what}: {p:?}");
+        // ZeRO-2 gathers its parameters after the optimizer step, not op by op: nothing to
+        // prefetch.
+        let gathers = fsdp != FsdpStrategy::ShardGradOp;
+        assert!(
+            p.used == p.issued && (p.used > 0) == gathers,
+            "{what}: {p:?}"
+        );
         assert_eq!((p.wasted, p.diverged), (0, 0), "{what}: {p:?}");
-        // HSDP reduces over two axes (two collectives): those reductions block.
-        if fsdp == FsdpStrategy::FullShard && accum == 1 {
+        // Gradients reduced on the queue (HSDP's reduce-scatter and all-reduce as one chain,
+        // ZeRO-2's cast to bf16 and back around it).
+        if accum == 1 {
             assert!(p.reductions > 0, "{what}: {p:?}");
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `--bucket-mb`: DDP's gradients all-reduced in flat buckets where they are born. Issued on the
-/// communication thread and waited for at first use (`--reduce-in-flight 2`) or waited for at
-/// once: bitwise the same losses and parameters; one all-reduce per bucket replaces the one per
-/// parameter (the per-step all-reduces drop by the number of parameter tensors and rise by the
-/// buckets, counted); within 1e-5 of the unbucketed run (a tied table's two gradients are then
-/// reduced apart and summed, not summed and reduced) and of one device.
+/// `--bucket-mb`: DDP's and ZeRO-1's gradients all-reduced in flat buckets where they are born
+/// (in bf16 when the reductions are). Issued on the communication thread and waited for at first
+/// use (`--reduce-in-flight 2`) or waited for at once: bitwise the losses, parameters and bytes
+/// of the unbucketed run — the tied table's two gradients are kept out of the buckets (seen
+/// being added in the first step, which only watches) and all-reduced once, summed, as without
+/// buckets. One all-reduce per bucket replaces the one per parameter, counted.
 #[test]
 fn ddp_buckets_reduce_as_gradients_are_born() {
     let dir = scratch("buckets");
-    let config = |bucket_mb: usize, reduce_in_flight: usize| PretrainConfig {
-        parallel: ParallelConfig {
-            dp: 2,
-            ..ParallelConfig::default()
-        },
-        bucket_mb,
-        reduce_in_flight,
-        eval_iters: 0,
-        trace: Some(dir.join(format!("{bucket_mb}-{reduce_in_flight}.json"))),
-        ..small(4)
-    };
-    let one = run(&PretrainConfig {
-        eval_iters: 0,
-        ..small(4)
-    })
-    .unwrap();
-    let plain = run(&config(0, 0)).unwrap();
-    let blocking = run(&config(1, 0)).unwrap();
-    let overlapped = run(&config(1, 2)).unwrap();
-    let losses = |s: &RunSummary| s.steps.iter().map(|m| m.loss.to_bits()).collect::<Vec<_>>();
-    assert_eq!(losses(&blocking), losses(&overlapped), "losses");
-    for (a, b) in blocking.parameters.iter().zip(&overlapped.parameters) {
-        assert_eq!(bits(a), bits(b), "parameters");
-    }
-    losses_close("buckets", &overlapped.steps, &plain.steps, 1e-5);
-    tensors_close("buckets", &overlapped.parameters, &plain.parameters, 1e-5);
-    losses_close("buckets vs one device", &overlapped.steps, &one.steps, 1e-4);
-    let all_reduces = |name: &str| {
-        let path = dir.join(format!("{name}.json"));
-        let trace: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
-        trace["traceEvents"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|e| e["tid"] == 1000 && e["ph"] == "B" && e["name"] == "AllReduce")
-            .count()
-    };
-    // The tiny GPT's parameter tensors: the tied table, positions, 12 per block, the final norm.
-    let tensors = 2 + 12 * 2 + 2;
-    for (run, name) in [(&blocking, "1-0"), (&overlapped, "1-2")] {
-        let buckets = run.prefetch.buckets as usize;
-        assert!(buckets >= 4, "{name}: {} buckets in 4 steps", buckets);
+    for (fsdp, grad_reduce) in [
+        (FsdpStrategy::NoShard, Precision::F32),
+        (FsdpStrategy::ShardOptimizer, Precision::Bf16),
+    ] {
+        let what = format!("{fsdp:?} {grad_reduce:?}");
+        let name = |bucket_mb: usize, reduce_in_flight: usize| {
+            format!("{fsdp:?}-{bucket_mb}-{reduce_in_flight}")
+        };
+        let config = |bucket_mb: usize, reduce_in_flight: usize| PretrainConfig {
+            parallel: ParallelConfig {
+                dp: 2,
+                fsdp,
+                ..ParallelConfig::default()
+            },
+            grad_reduce,
+            bucket_mb,
+            reduce_in_flight,
+            eval_iters: 0,
+            trace: Some(dir.join(format!("{}.json", name(bucket_mb, reduce_in_flight)))),
+            ..small(4)
+        };
+        let plain = run(&config(0, 0)).unwrap();
+        let blocking = run(&config(1, 0)).unwrap();
+        let overlapped = run(&config(1, 2)).unwrap();
+        let losses = |s: &RunSummary| s.steps.iter().map(|m| m.loss.to_bits()).collect::<Vec<_>>();
+        let bytes = |s: &RunSummary| s.steps.iter().map(|m| m.comm_bytes).collect::<Vec<_>>();
+        for (bucketed, how) in [(&blocking, "blocking"), (&overlapped, "overlapped")] {
+            assert_eq!(losses(bucketed), losses(&plain), "{what} {how}: losses");
+            for (a, b) in bucketed.parameters.iter().zip(&plain.parameters) {
+                assert_eq!(bits(a), bits(b), "{what} {how}: parameters");
+            }
+            assert_eq!(
+                bytes(bucketed),
+                bytes(&plain),
+                "{what} {how}: bytes per step"
+            );
+        }
+        let all_reduces = |name: String| {
+            let path = dir.join(format!("{name}.json"));
+            let trace: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+            trace["traceEvents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["tid"] == 1000 && e["ph"] == "B" && e["name"] == "AllReduce")
+                .count()
+        };
+        // The tiny GPT's parameter tensors: the tied table, positions, 12 per block, the final
+        // norm. The first step reduces each at the sync; the next three the tied table there
+        // and the other tensors in buckets.
+        let tensors = 2 + 12 * 2 + 2;
+        for (run, flight) in [(&blocking, 0), (&overlapped, 2)] {
+            let buckets = run.prefetch.buckets as usize;
+            assert!(buckets >= 3, "{what}: {buckets} buckets in 3 steps");
+            assert_eq!(
+                all_reduces(name(1, flight)) + 3 * (tensors - 1),
+                all_reduces(name(0, 0)) + buckets,
+                "{what}: one all-reduce per bucket instead of one per parameter"
+            );
+        }
         assert_eq!(
-            all_reduces(name) + 4 * tensors,
-            all_reduces("0-0") + buckets,
-            "{name}: one all-reduce per bucket instead of one per parameter"
+            overlapped.prefetch.buckets, blocking.prefetch.buckets,
+            "{what}"
         );
     }
-    assert_eq!(overlapped.prefetch.buckets, blocking.prefetch.buckets);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -22,7 +22,7 @@ use burn::tensor::TensorData;
 use burn_backend::Backend;
 use burn_backend::tensor::FloatTensor;
 
-use super::{CollectiveKind, CommStats, Communicator, Error, Group, ReduceOp};
+use super::{CollectiveKind, CommQueue, CommStats, Communicator, Error, Group, ReduceOp};
 
 /// Collectives on `B`'s device tensors, with the semantics of [`Communicator`] restricted to
 /// dim 0. Every member of the group calls the same sequence (SPMD). Implementations count
@@ -67,6 +67,83 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
         tensor: FloatTensor<B>,
         root: usize,
     ) -> Result<FloatTensor<B>, Error>;
+
+    /// `op` issued now and waited for later ([`DeviceIssued::wait`]): FSDP's prefetched
+    /// gathers and the gradient reductions issued where gradients are born. The calls of a
+    /// rank run in the order they are issued, blocking ones included. Default: run now (the
+    /// result is in hand when this returns). NCCL enqueues the call on its stream and returns.
+    fn issue(
+        self: Arc<Self>,
+        group: Group,
+        op: DeviceOp,
+        tensor: FloatTensor<B>,
+    ) -> DeviceIssued<B> {
+        run_now(&*self, group, op, tensor)
+    }
+}
+
+/// `op` run now, as an issued call already done.
+pub fn run_now<B: Backend>(
+    collectives: &(impl DeviceCollectives<B> + ?Sized),
+    group: Group,
+    op: DeviceOp,
+    tensor: FloatTensor<B>,
+) -> DeviceIssued<B> {
+    DeviceIssued::done(match op {
+        DeviceOp::AllReduce(op) => collectives.all_reduce(group, tensor, op),
+        DeviceOp::AllGatherFirst => collectives.all_gather_first(group, tensor),
+        DeviceOp::ReduceScatterFirst(op) => collectives.reduce_scatter_first(group, tensor, op),
+    })
+}
+
+/// A collective [`DeviceCollectives::issue`] can issue ahead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceOp {
+    /// [`DeviceCollectives::all_reduce`].
+    AllReduce(ReduceOp),
+    /// [`DeviceCollectives::all_gather_first`].
+    AllGatherFirst,
+    /// [`DeviceCollectives::reduce_scatter_first`].
+    ReduceScatterFirst(ReduceOp),
+}
+
+/// A device collective issued and not yet waited for ([`DeviceCollectives::issue`]).
+#[must_use = "an issued collective's result is only had by waiting for it"]
+pub struct DeviceIssued<B: Backend> {
+    wait: Box<dyn FnOnce() -> Result<FloatTensor<B>, Error> + Send>,
+}
+
+impl<B: Backend> DeviceIssued<B> {
+    /// A call whose result `wait` gives, waiting for it.
+    pub fn new(wait: impl FnOnce() -> Result<FloatTensor<B>, Error> + Send + 'static) -> Self {
+        Self {
+            wait: Box::new(wait),
+        }
+    }
+
+    /// A call already done.
+    pub fn done(result: Result<FloatTensor<B>, Error>) -> Self {
+        Self::new(move || result)
+    }
+
+    /// Wait for the call: its result.
+    pub fn wait(self) -> Result<FloatTensor<B>, Error> {
+        (self.wait)()
+    }
+
+    /// `f` applied to the result, once waited for.
+    pub(crate) fn then(
+        self,
+        f: impl FnOnce(FloatTensor<B>) -> Result<FloatTensor<B>, Error> + Send + 'static,
+    ) -> Self {
+        Self::new(move || (self.wait)().and_then(f))
+    }
+}
+
+impl<B: Backend> fmt::Debug for DeviceIssued<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("DeviceIssued")
+    }
 }
 
 /// The host path written as [`DeviceCollectives`]: read the tensor, call the host communicator
@@ -76,6 +153,8 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
 /// ([`HostStaged::calls`]).
 pub struct HostStaged {
     comm: Arc<dyn Communicator>,
+    /// Where issued calls go ([`HostStaged::queued`]); without one they run when issued.
+    queue: Option<Arc<CommQueue>>,
     calls: Mutex<BTreeMap<CollectiveKind, u64>>,
 }
 
@@ -84,8 +163,30 @@ impl HostStaged {
     pub fn new(comm: Arc<dyn Communicator>) -> Self {
         Self {
             comm,
+            queue: None,
             calls: Mutex::default(),
         }
+    }
+
+    /// Collectives through a rank's queue ([`RankContext::queue_arc`](crate::RankContext::queue_arc)),
+    /// staged through host memory; [`DeviceCollectives::issue`] issues them on its
+    /// communication thread, as NCCL issues on its stream: the device path's asynchronous
+    /// dispatch, on any backend.
+    pub fn queued(queue: Arc<CommQueue>) -> Self {
+        Self {
+            comm: queue.clone(),
+            queue: Some(queue),
+            calls: Mutex::default(),
+        }
+    }
+
+    fn count(&self, kind: CollectiveKind) {
+        *self
+            .calls
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(kind)
+            .or_default() += 1;
     }
 
     /// How many calls of each kind went through these collectives.
@@ -99,12 +200,7 @@ impl HostStaged {
         tensor: FloatTensor<B>,
         call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, Error>,
     ) -> Result<FloatTensor<B>, Error> {
-        *self
-            .calls
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(kind)
-            .or_default() += 1;
+        self.count(kind);
         let device = B::float_device(&tensor);
         stage::<B>(&*self.comm, &device, tensor, call)
     }
@@ -174,5 +270,27 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         self.staged::<B>(CollectiveKind::Broadcast, tensor, |c, d| {
             c.broadcast(group, Some(d), root)
         })
+    }
+
+    fn issue(
+        self: Arc<Self>,
+        group: Group,
+        op: DeviceOp,
+        tensor: FloatTensor<B>,
+    ) -> DeviceIssued<B> {
+        let Some(queue) = &self.queue else {
+            return run_now::<B>(&*self, group, op, tensor);
+        };
+        let device = B::float_device(&tensor);
+        let data = read::<B>(tensor);
+        let operand = super::Operand::of(&data);
+        let call = match op {
+            DeviceOp::AllReduce(op) => super::Call::all_reduce(group, operand, op),
+            DeviceOp::AllGatherFirst => super::Call::all_gather(group, operand, 0),
+            DeviceOp::ReduceScatterFirst(op) => super::Call::reduce_scatter(group, operand, 0, op),
+        };
+        self.count(call.kind());
+        let pending = queue.issue(call, Some(data));
+        DeviceIssued::new(move || Ok(B::float_from_data(pending.wait_data()?, &device)))
     }
 }

@@ -45,7 +45,7 @@ use crate::mesh::DeviceMesh;
 pub use bootstrap::{Bootstrap, TcpRendezvous, bootstrap_groups, exchange_group_ids};
 pub(crate) use buffer::{check_dim, check_divisible};
 pub use call::{Call, Operand};
-pub use device::{DeviceCollectives, HostStaged};
+pub use device::{DeviceCollectives, DeviceIssued, DeviceOp, HostStaged};
 pub(crate) use device::{read, stage};
 #[cfg(feature = "mpi")]
 pub use hybrid::{HybridCommunicator, HybridWorld};

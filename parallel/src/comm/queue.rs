@@ -8,6 +8,12 @@
 //! queues behind them (issue and wait); with none in flight it runs on the caller's thread, as
 //! before. Like NCCL's communication stream: one ordered queue per rank, beside the compute.
 //!
+//! Over MPI (initialised `MPI_THREAD_MULTIPLE`) the thread makes the MPI calls, as PyTorch's
+//! `ProcessGroupMPI` runs its collectives on one worker thread; MPI's own non-blocking
+//! collectives (`MPI_Iallreduce`) are not used because the reductions here are the host's
+//! deterministic rounds, not MPI's ops. On CUDA the calls go to NCCL's stream instead
+//! ([`super::DeviceCollectives::issue`]).
+//!
 //! The thread is started at the first issue. It records each call in the rank's statistics and
 //! trace when the call completes, so a trace shows the call from its issue to its completion,
 //! beside the compute regions of the rank's own thread. With a modelled link
@@ -24,9 +30,9 @@ use burn::tensor::TensorData;
 
 use super::{Call, Communicator, Error, Member, PointToPoint};
 
-/// One issued call and where its result goes.
+/// One issued chain of calls (each taking the previous one's result) and where its result goes.
 struct Job {
-    call: Call,
+    calls: Vec<Call>,
     data: Option<TensorData>,
     issued: Instant,
     done: Sender<Result<Option<TensorData>, Error>>,
@@ -86,9 +92,17 @@ impl CommQueue {
     /// Issue `call` on the communication thread; its result comes with [`Pending::wait`]. Calls
     /// run in the order they are issued (blocking calls made meanwhile included).
     pub fn issue(&self, call: Call, data: Option<TensorData>) -> Pending {
+        self.issue_chain(vec![call], data)
+    }
+
+    /// Issue `calls` as one job: the first gets `data`, each next one the previous one's result
+    /// (so `calls` must describe those buffers), and the last one's result comes with
+    /// [`Pending::wait`]. A hybrid-sharded gradient's reduce-scatter then all-reduce is one
+    /// chain. The first failing call ends the chain with its error.
+    pub fn issue_chain(&self, calls: Vec<Call>, data: Option<TensorData>) -> Pending {
         let (done, result) = mpsc::channel();
         let job = Job {
-            call,
+            calls,
             data,
             issued: Instant::now(),
             done,
@@ -119,11 +133,15 @@ impl CommQueue {
             .name(format!("wildfire-comm-{}", inner.rank()))
             .spawn(move || {
                 for job in jobs {
-                    let started = Instant::now();
-                    let result = inner.run(&job.call, job.data);
-                    if let Ok(out) = &result {
-                        let times = inner.member().tracing().then_some((job.issued, started));
-                        inner.member().record(&job.call, out.as_ref(), times);
+                    let mut result = Ok(job.data);
+                    for call in &job.calls {
+                        let Ok(data) = result else { break };
+                        let started = Instant::now();
+                        result = inner.run(call, data);
+                        if let Ok(out) = &result {
+                            let times = inner.member().tracing().then_some((job.issued, started));
+                            inner.member().record(call, out.as_ref(), times);
+                        }
                     }
                     in_flight.fetch_sub(1, Ordering::AcqRel);
                     // The waiter may have given up on it (a prefetch never used).

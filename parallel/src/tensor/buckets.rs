@@ -3,22 +3,32 @@
 //! With [`RankPolicy::bucket_bytes`](crate::RankPolicy) set, a replicated parameter's gradient
 //! (DDP, ZeRO-1) is not kept for `sync_gradients` but added, where backward makes it, to the
 //! rank's open bucket; a bucket that reaches the size is all-reduced as one flat buffer on the
-//! rank's communication queue (PyTorch DDP's `bucket_cap_mb`, 25 MB there), and each gradient in
-//! it is a value that waits for its slice at its first use. A bucket still open when one of its
-//! gradients is needed (a tied parameter's two gradients are added) or at `sync_gradients` is
-//! issued then. Every rank fills its buckets in the same order, so every rank issues the same
-//! calls; an all-reduce of the flat buffer is element for element the all-reduce of each
-//! gradient, so the results are bitwise those of reducing each gradient where it is born.
+//! rank's communication queue (PyTorch DDP's `bucket_cap_mb`, 25 MB there), in the
+//! gradient-reduction dtype when one is set, and each gradient in it is a value that waits for
+//! its slice at its first use. The last bucket is issued by `sync_gradients`.
 //! [`RankPolicy::reduce_in_flight`](crate::RankPolicy) buckets may be in flight (0: each is
 //! waited for as soon as it is issued).
+//!
+//! **A parameter used twice** (a tied embedding) gets two gradients that backward adds before
+//! the step: reduced in buckets, that would be two all-reduces where the blocking path does one,
+//! and a different rounding. So the gradients of a step are numbered as they are born, and each
+//! use of one before `sync_gradients` is seen (a [`Watch`]); the births used before the sync
+//! are, from the next step on, kept out of the buckets as summands, added, and all-reduced once
+//! by `sync_gradients` — as PyTorch DDP rebuilds its buckets from the first iteration's order.
+//! The first step keeps every gradient out of the buckets (it only watches). Every rank runs
+//! the same program, so every rank plans alike and issues the same calls; and an all-reduce of
+//! a flat buffer is element for element the all-reduce of each gradient in it, so the results
+//! are bitwise those of DDP without buckets.
 
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn_backend::{Backend, DType, Shape, TensorMetadata};
 
-use super::{Awaited, DTensor};
-use crate::collectives::PendingTensor;
-use crate::comm::{Group, ReduceOp};
+use super::{Awaited, DTensor, float_dtype};
+use crate::collectives::{PendingTensor, ReduceStep};
+use crate::comm::ReduceOp;
 use crate::device::{DistDevice, RankContext, Resolve};
 use crate::error::Error;
 use crate::placement::Layout;
@@ -64,11 +74,15 @@ impl<B: Backend> Bucket<B> {
                 B::float_cat(flat, 0)
             };
             self.device.context().count_prefetch(|c| c.buckets += 1);
-            *state = State::Issued(crate::collectives::issue_all_reduce(
+            let step = ReduceStep {
+                axis: self.axis,
+                op: self.op,
+                dim: None,
+            };
+            *state = State::Issued(crate::collectives::issue_reduction(
                 &self.device,
-                Group::Axis(self.axis),
                 all,
-                self.op,
+                &[step],
             ));
         }
     }
@@ -103,37 +117,119 @@ impl<B: Backend> Resolve for Bucket<B> {
     }
 }
 
-/// A rank's open bucket (kept type-erased in its context).
-struct Open<B: Backend>(Arc<Bucket<B>>);
+/// The uses of a step's DDP gradients before `sync_gradients`, by birth number.
+pub(crate) struct Watch {
+    open: AtomicBool,
+    used: Mutex<BTreeSet<usize>>,
+}
+
+impl Watch {
+    fn new() -> Self {
+        Self {
+            open: AtomicBool::new(true),
+            used: Mutex::default(),
+        }
+    }
+
+    /// Birth `birth` was used (counted until the step's backward ends).
+    pub(crate) fn saw(&self, birth: usize) {
+        if self.open.load(Ordering::Acquire) {
+            self.used
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(birth);
+        }
+    }
+}
+
+/// A rank's buckets (kept type-erased in its context): the open one, and the plan.
+struct Buckets<B: Backend> {
+    open: Option<Arc<Bucket<B>>>,
+    /// This step's gradients so far.
+    births: usize,
+    /// The births kept out of the buckets (used before the last step's sync); `None` until a
+    /// step has been watched.
+    plan: Option<Arc<BTreeSet<usize>>>,
+    watch: Arc<Watch>,
+}
+
+impl<B: Backend> Buckets<B> {
+    fn new() -> Self {
+        Self {
+            open: None,
+            births: 0,
+            plan: None,
+            watch: Arc::new(Watch::new()),
+        }
+    }
+}
+
+/// The all-reduce that reduces `grad` to `target`, if that is all it takes: its axis and op.
+fn all_reduce_of<B: Backend>(grad: &DTensor<B>, target: &Layout) -> Option<(usize, ReduceOp)> {
+    match grad.reduction_steps(target).as_deref() {
+        Some(
+            &[
+                ReduceStep {
+                    axis,
+                    op,
+                    dim: None,
+                },
+            ],
+        ) => Some((axis, op)),
+        _ => None,
+    }
+}
 
 /// Whether `grad` goes into a bucket: its reduction to `target` is one all-reduce (see
-/// [`DTensor::single_reduction`]).
+/// [`DTensor::reduction_steps`]).
 pub(crate) fn fits<B: Backend>(grad: &DTensor<B>, target: &Layout) -> bool {
-    matches!(grad.single_reduction(target), Some((_, _, None)))
+    all_reduce_of(grad, target).is_some()
 }
 
 /// Add `grad`, a per-rank summand that [`fits`], to the rank's open bucket (issued once it
-/// holds `limit` bytes): the value that stands for the reduced gradient.
+/// holds `limit` bytes): the value that stands for the reduced gradient. A birth the plan keeps
+/// out comes back as the summand it is, for `sync_gradients` to reduce.
 pub(crate) fn add<B: Backend>(grad: DTensor<B>, target: &Layout, limit: usize) -> DTensor<B> {
-    let Some((axis, op, None)) = grad.single_reduction(target) else {
+    let Some((axis, op)) = all_reduce_of(&grad, target) else {
         unreachable!("the caller checked that it fits")
     };
-    let grad = grad.ready();
+    let mut grad = grad.ready();
     let ctx = grad.device.context().clone();
-    let dtype = grad.local.dtype();
+    let own = grad.local.dtype();
+    let dtype = ctx
+        .with_policy(|p| p.grad_reduce_dtype)
+        .map_or(own, DType::from);
+    let (birth, kept_out, watch) = ctx.with_buckets::<Buckets<B>, _>(|state| {
+        let s = state.get_or_insert_with(Buckets::new);
+        let birth = s.births;
+        s.births += 1;
+        let kept_out = s.plan.as_ref().is_none_or(|p| p.contains(&birth));
+        (birth, kept_out, s.watch.clone())
+    });
+    if kept_out {
+        let watched = Awaited::done(grad.local.clone()).watched(birth, watch);
+        grad.awaited = Some(Arc::new(watched));
+        return grad;
+    }
     let local_shape = grad.local.shape().to_vec();
     let n: usize = local_shape.iter().product();
+    let part = if dtype == own {
+        grad.local.clone()
+    } else {
+        B::float_cast(grad.local.clone(), float_dtype(dtype))
+    };
     let mut full = Vec::new();
-    let (bucket, offset) = ctx.with_buckets::<Open<B>, _>(|open| {
-        let reuse = open.as_ref().is_some_and(|o| {
-            o.0.accepts(axis, op, dtype) && matches!(*o.0.state.lock().unwrap(), State::Open { .. })
+    let (bucket, offset) = ctx.with_buckets::<Buckets<B>, _>(|state| {
+        let s = state.get_or_insert_with(Buckets::new);
+        let reuse = s.open.as_ref().is_some_and(|o| {
+            o.accepts(axis, op, dtype) && matches!(*o.state.lock().unwrap(), State::Open { .. })
         });
         if !reuse {
             // Another axis, op or dtype (or issued because a gradient in it was needed).
-            if let Some(old) = open.take() {
-                full.push(old.0);
+            if let Some(old) = s.open.take() {
+                full.push(old);
             }
-            *open = Some(Open(Arc::new(Bucket {
+            s.open = Some(Arc::new(Bucket {
                 state: Mutex::new(State::Open {
                     parts: Vec::new(),
                     elements: 0,
@@ -142,23 +238,23 @@ pub(crate) fn add<B: Backend>(grad: DTensor<B>, target: &Layout, limit: usize) -
                 axis,
                 op,
                 dtype,
-            })));
+            }));
         }
-        let bucket = open.as_ref().expect("set above").0.clone();
+        let bucket = s.open.clone().expect("set above");
         let offset = {
             let mut state = bucket.state.lock().unwrap();
             let State::Open { parts, elements } = &mut *state else {
                 unreachable!("an open bucket")
             };
             let offset = *elements;
-            parts.push(grad.local.clone());
+            parts.push(part);
             *elements += n;
             offset
         };
         if (offset + n) * dtype.size() >= limit
-            && let Some(o) = open.take()
+            && let Some(o) = s.open.take()
         {
-            full.push(o.0);
+            full.push(o);
         }
         (bucket, offset)
     });
@@ -169,11 +265,12 @@ pub(crate) fn add<B: Backend>(grad: DTensor<B>, target: &Layout, limit: usize) -
     }
     let mut layout = grad.layout.clone();
     layout.set(axis, target.get(axis));
-    let awaited = Arc::new(Awaited::in_bucket(bucket, offset, local_shape.clone()));
+    let awaited = Awaited::in_bucket(bucket, offset, local_shape.clone(), float_dtype(own))
+        .watched(birth, watch);
     DTensor::awaiting(
-        awaited,
+        Arc::new(awaited),
         local_shape,
-        dtype,
+        own,
         layout,
         grad.shape.clone(),
         grad.device.clone(),
@@ -189,10 +286,27 @@ fn close<B: Backend>(ctx: &RankContext, bucket: Arc<Bucket<B>>) -> Result<(), Er
     ctx.await_later(bucket)
 }
 
+/// The step's backward is over (`sync_gradients` starts): the births used so far are the ones
+/// the next step keeps out of the buckets. Uses from here on (the sync's own) are not counted.
+pub(crate) fn end_backward<B: Backend>(ctx: &RankContext) {
+    ctx.with_buckets::<Buckets<B>, _>(|state| {
+        if let Some(s) = state.as_mut()
+            && s.births > 0
+        {
+            s.watch.open.store(false, Ordering::Release);
+            let used = std::mem::take(&mut *s.watch.used.lock().unwrap_or_else(|e| e.into_inner()));
+            s.plan = Some(Arc::new(used));
+            s.births = 0;
+            s.watch = Arc::new(Watch::new());
+        }
+    });
+}
+
 /// Issue the rank's open bucket (`sync_gradients`, after backward).
 pub(crate) fn flush<B: Backend>(ctx: &RankContext) -> Result<(), Error> {
-    match ctx.with_buckets::<Open<B>, _>(|open| open.take()) {
-        Some(open) => close(ctx, open.0),
+    end_backward::<B>(ctx);
+    match ctx.with_buckets::<Buckets<B>, _>(|state| state.as_mut().and_then(|s| s.open.take())) {
+        Some(open) => close(ctx, open),
         None => Ok(()),
     }
 }

@@ -16,6 +16,13 @@ use crate::comm::call::{Operand, Round};
 use crate::comm::header::{self, HEADER, Header};
 use crate::comm::{Call, CollectiveKind, Communicator, Error, Group, ReduceOp};
 
+/// An NCCL call enqueued and not yet waited for: its buffers, kept alive until it ends, and an
+/// event recorded on the NCCL stream after it.
+pub(super) struct Enqueued {
+    _buffers: Box<dyn std::any::Any + Send>,
+    event: cudarc::driver::CudaEvent,
+}
+
 fn nccl_dtype(dtype: DType) -> Result<nccl_sys::ncclDataType_t, Error> {
     use nccl_sys::ncclDataType_t as T;
     Ok(match dtype {
@@ -110,7 +117,7 @@ impl NcclCommunicator {
 
     /// `call` as one NCCL call on raw CubeCL handles of `dtype`: `count` elements in and out
     /// (all-reduce, broadcast), `count` in and `n × count` out (all-gather), `n × count` in and
-    /// `count` out (reduce-scatter).
+    /// `count` out (reduce-scatter); waited for.
     pub(super) fn raw(
         &self,
         call: &Call,
@@ -119,6 +126,21 @@ impl NcclCommunicator {
         send: &Handle,
         recv: &Handle,
     ) -> Result<(), Error> {
+        let _enqueued = self.enqueue(call, dtype, count, send, recv)?;
+        self.wait(call)
+    }
+
+    /// [`Self::raw`] without the wait: the call is enqueued on this rank's NCCL stream after
+    /// the compute stream's work so far; the buffers stay alive and an event marks its end in
+    /// the returned [`Enqueued`] ([`Self::wait_enqueued`]).
+    pub(super) fn enqueue(
+        &self,
+        call: &Call,
+        dtype: DType,
+        count: usize,
+        send: &Handle,
+        recv: &Handle,
+    ) -> Result<Enqueued, Error> {
         self.check_alive()?;
         let comm = self.comm(call.group())?;
         let kind = call.kind();
@@ -162,7 +184,37 @@ impl NcclCommunicator {
             }
         };
         result.map_err(|e| self.library(&kind.to_string(), e.0))?;
-        self.wait(call)
+        let event = self
+            .stream
+            .record_event(None)
+            .map_err(|e| self.library("cuEventRecord", e))?;
+        Ok(Enqueued {
+            _buffers: Box::new((send_res, recv_res)),
+            event,
+        })
+    }
+
+    /// Waits for an [`Enqueued`] call's end, aborting every communicator past the timeout.
+    pub(super) fn wait_enqueued(&self, call: &Call, enqueued: Enqueued) -> Result<(), Error> {
+        let start = Instant::now();
+        loop {
+            match enqueued.event.try_is_complete() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => return Err(self.library("cuEventQuery", e)),
+            }
+            if start.elapsed() > self.options.timeout {
+                self.abort();
+                return Err(Error::Timeout {
+                    op: call.kind(),
+                    group: call.group().label(self.mesh()).unwrap_or("?").to_owned(),
+                    rank: self.rank(),
+                    waited: start.elapsed(),
+                    missing: Vec::new(),
+                });
+            }
+            std::thread::yield_now();
+        }
     }
 
     pub(super) fn upload(&self, bytes: &[u8]) -> Handle {

@@ -8,11 +8,15 @@ use cubecl::cuda::CudaRuntime;
 use cubecl::server::Handle;
 
 use super::NcclCommunicator;
+use super::calls::Enqueued;
 use crate::comm::buffer::check_reducible;
 use crate::comm::call::Operand;
 use crate::comm::{
-    Call, CollectiveKind, CommStats, Communicator, DeviceCollectives, Error, Group, ReduceOp, lock,
+    Call, CollectiveKind, CommStats, Communicator, DeviceCollectives, DeviceIssued, DeviceOp,
+    Error, Group, ReduceOp, lock,
 };
+use std::sync::Arc;
+use std::time::Instant;
 
 fn contiguous(tensor: CubeTensor<CudaRuntime>) -> CubeTensor<CudaRuntime> {
     if tensor.is_contiguous() {
@@ -34,12 +38,27 @@ fn fresh(like: &CubeTensor<CudaRuntime>, shape: Shape, handle: Handle) -> CubeTe
 
 impl NcclCommunicator {
     /// One collective on a CUDA tensor, `call` describing it: its NCCL call into a fresh
-    /// tensor, recorded with the input's bytes.
+    /// tensor, recorded with the input's bytes (and traced, from its start to its end).
     fn on_device(
         &self,
         call: Call,
         tensor: CubeTensor<CudaRuntime>,
     ) -> Result<CubeTensor<CudaRuntime>, Error> {
+        let started = Instant::now();
+        let (out, enqueued) = self.enqueue_on_device(&call, tensor)?;
+        self.wait_enqueued(&call, enqueued)?;
+        let times = self.member.tracing().then_some((started, started));
+        self.member.record(&call, None, times);
+        Ok(out)
+    }
+
+    /// [`Self::on_device`] up to the call enqueued on the NCCL stream: the tensor it will
+    /// fill, and the call to wait for.
+    fn enqueue_on_device(
+        &self,
+        call: &Call,
+        tensor: CubeTensor<CudaRuntime>,
+    ) -> Result<(CubeTensor<CudaRuntime>, Enqueued), Error> {
         call.check_root(self.mesh())?;
         let t = contiguous(tensor);
         let shape = t.shape();
@@ -61,11 +80,10 @@ impl NcclCommunicator {
             check_reducible(t.dtype)?;
         }
         let _calls = lock(&self.calls);
-        self.round(&call)?.check_layouts(None)?;
+        self.round(call)?.check_layouts(None)?;
         let recv = self.client.empty(out_elems * t.dtype.size());
-        self.raw(&call, t.dtype, count, &t.handle, &recv)?;
-        self.member.record(&call, None, None);
-        Ok(fresh(&t, Shape::from(dims), recv))
+        let enqueued = self.enqueue(call, t.dtype, count, &t.handle, &recv)?;
+        Ok((fresh(&t, Shape::from(dims), recv), enqueued))
     }
 }
 
@@ -117,5 +135,34 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
     ) -> Result<CubeTensor<CudaRuntime>, Error> {
         let call = Call::broadcast(group, Some(operand(&tensor)), root);
         self.on_device(call, tensor)
+    }
+
+    /// Enqueued on this rank's NCCL stream and returned at once: the compute enqueued after it
+    /// runs beside it; waiting polls its event (with the timeout). With call checks on
+    /// ([`NcclOptions::check_calls`](super::NcclOptions::check_calls)) each call's header
+    /// exchange waits for the calls before it on the stream, so one call at a time overlaps.
+    fn issue(
+        self: Arc<Self>,
+        group: Group,
+        op: DeviceOp,
+        tensor: CubeTensor<CudaRuntime>,
+    ) -> DeviceIssued<CubeBackend<CudaRuntime, F, I, BT>> {
+        let call = match op {
+            DeviceOp::AllReduce(op) => Call::all_reduce(group, operand(&tensor), op),
+            DeviceOp::AllGatherFirst => Call::all_gather(group, operand(&tensor), 0),
+            DeviceOp::ReduceScatterFirst(op) => {
+                Call::reduce_scatter(group, operand(&tensor), 0, op)
+            }
+        };
+        let issued = Instant::now();
+        match self.enqueue_on_device(&call, tensor) {
+            Ok((out, enqueued)) => DeviceIssued::new(move || {
+                self.wait_enqueued(&call, enqueued)?;
+                let times = self.member.tracing().then_some((issued, issued));
+                self.member.record(&call, None, times);
+                Ok(out)
+            }),
+            Err(e) => DeviceIssued::done(Err(e)),
+        }
     }
 }

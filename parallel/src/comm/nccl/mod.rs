@@ -5,10 +5,15 @@
 //!
 //! How a call runs: the rank's compute stream is synchronised (the input's producers are done),
 //! the collective is enqueued on this rank's own NCCL stream over the raw device pointers of the
-//! CubeCL handles (`ComputeClient::get_resource`), and the stream is polled until it completes
-//! or the timeout passes, in which case every NCCL communicator of the rank is aborted
-//! (`ncclCommAbort`) and the call fails with [`Error::Timeout`](super::Error::Timeout)
-//! instead of hanging. The outputs are fresh buffers (Burn tensors are immutable values).
+//! CubeCL handles (`ComputeClient::get_resource`), and an event is recorded after it. A blocking
+//! call then polls the event until it completes or the timeout passes, in which case every NCCL
+//! communicator of the rank is aborted (`ncclCommAbort`) and the call fails with
+//! [`Error::Timeout`](super::Error::Timeout) instead of hanging. An issued call
+//! ([`DeviceCollectives::issue`](super::DeviceCollectives::issue): FSDP's prefetched gathers,
+//! gradients reduced where they are born) returns at once and polls when it is waited for, so
+//! the compute enqueued meanwhile runs beside it — PyTorch's NCCL communication stream. The
+//! outputs are fresh buffers (Burn tensors are immutable values), and every call is recorded in
+//! the rank's statistics and trace when it is seen to complete.
 //!
 //! Every call is checked first (unless [`NcclOptions::check_calls`] is off): the members
 //! all-gather a small header (call number, collective, op, dtype, shape) over NCCL, and a
