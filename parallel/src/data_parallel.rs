@@ -7,6 +7,7 @@ use crate::device::DistDevice;
 use crate::error::Error;
 use crate::mesh::{AxisKind, DeviceMesh};
 use crate::placement::{Layout, Placement};
+use crate::policy::GradientReduction;
 use crate::tensor::DTensor;
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -181,7 +182,12 @@ struct Syncer<'a> {
     report: SyncReport,
     error: Option<Error>,
     device_seen: Option<std::sync::Arc<crate::device::RankContext>>,
+    /// Gradients put in a DDP bucket at the sync: each replaced by its reduced value once the
+    /// buckets are done, so that what the caller gets back is in hand.
+    in_buckets: Vec<ReadyLater>,
 }
+
+type ReadyLater = Box<dyn FnOnce(&mut GradientsParams)>;
 
 impl<B, X> ModuleVisitor<B> for SyncerFor<'_, '_, X>
 where
@@ -272,7 +278,28 @@ where
     if before != target {
         syncer.report.reduced += usize::from(source.is_distributed());
     }
-    let grad = grad.reduce_gradient(&target)?;
+    let ctx = param.device().context();
+    let bucket_bytes = ctx.with_policy(|p| {
+        (p.sharding.gradient_reduction == GradientReduction::AtSync).then_some(p.bucket_bytes)
+    });
+    let grad = match bucket_bytes {
+        // DDP buckets: the gradients kept out of them in backward join the last one.
+        Some(limit) if limit > 0 && crate::tensor::buckets::fits(&grad, &target) => {
+            syncer
+                .in_buckets
+                .push(Box::new(move |grads: &mut GradientsParams| {
+                    if let Some(grad) = grads.remove::<Distributed<X>, D>(id) {
+                        let grad = grad.into_primitive().tensor().ready();
+                        grads.register::<Distributed<X>, D>(
+                            id,
+                            from_dtensor::<Distributed<X>, D>(grad),
+                        );
+                    }
+                }));
+            crate::tensor::buckets::add_at_sync(grad, &target, limit)
+        }
+        _ => grad.reduce_gradient(&target)?,
+    };
     syncer
         .grads
         .register::<Distributed<X>, D>(id, from_dtensor::<Distributed<X>, D>(grad));
@@ -297,6 +324,7 @@ where
         report: SyncReport::default(),
         error: None,
         device_seen: None,
+        in_buckets: Vec::new(),
     };
     model.visit(&mut SyncerFor::<X>(&mut syncer, std::marker::PhantomData));
     if let Some(e) = syncer.error {
@@ -310,6 +338,9 @@ where
     // surface here. The last DDP bucket is issued first.
     crate::tensor::buckets::flush::<X>(&ctx)?;
     ctx.resolve_outstanding()?;
+    for ready in std::mem::take(&mut syncer.in_buckets) {
+        ready(&mut *syncer.grads);
+    }
     // Burn 0.21's autodiff ends every backward pass by locking the graphs of every thread
     // (`GraphCleaner::cleanup_orphaned_entries`). A rank that raced ahead into its next backward
     // would hold its graph's lock while waiting in a collective for a rank still in that cleanup:

@@ -154,23 +154,25 @@ pub struct PretrainConfig {
     pub memory_budget: Option<u64>,
     /// FSDP prefetch: parameter all-gathers kept in flight ahead of the one in use (issued on
     /// each rank's communication thread in the order the last step gathered them, so they run
-    /// while the rank computes); 0: gather each parameter when it is needed.
+    /// while the rank computes; FSDP2's default is one); 0: gather each parameter when it is
+    /// needed.
     #[serde(default = "default_prefetch")]
     #[arg(long, default_value_t = default_prefetch(), help_heading = "Parallelism")]
     pub prefetch: usize,
     /// Asynchronous gradient reductions (FSDP, ZeRO-2, HSDP): a gradient's reduce-scatter is
     /// issued on the rank's communication thread where the gradient is born and waited for at
-    /// its first use, at most this many outstanding, so backward computes while they run; 0:
-    /// each blocks.
-    #[serde(default)]
-    #[arg(long, default_value_t = 0, help_heading = "Parallelism")]
+    /// its first use, at most this many outstanding, so backward computes while they run (DDP's
+    /// buckets too); 0: each blocks.
+    #[serde(default = "default_reduce_in_flight")]
+    #[arg(long, default_value_t = default_reduce_in_flight(), help_heading = "Parallelism")]
     pub reduce_in_flight: usize,
     /// DDP (and ZeRO-1): all-reduce the gradients where they are born, in buckets of this many
-    /// MiB (PyTorch DDP's default is 25), instead of one call per parameter after backward; with
-    /// `--reduce-in-flight` above 0 the buckets run while backward goes on. 0: after backward.
-    #[serde(default)]
-    #[arg(long, default_value_t = 0, help_heading = "Parallelism")]
-    pub bucket_mb: usize,
+    /// MiB (PyTorch DDP's default is 25; fractions allowed), instead of one call per parameter
+    /// after backward; with `--reduce-in-flight` above 0 the buckets run while backward goes on.
+    /// 0: after backward.
+    #[serde(default = "default_bucket_mb")]
+    #[arg(long, default_value_t = default_bucket_mb(), help_heading = "Parallelism")]
+    pub bucket_mb: f64,
 
     /// Evaluate every this many steps, and at the end (0: only at the end).
     #[arg(
@@ -251,7 +253,15 @@ pub struct PretrainConfig {
 }
 
 fn default_prefetch() -> usize {
-    0
+    1
+}
+
+fn default_reduce_in_flight() -> usize {
+    2
+}
+
+fn default_bucket_mb() -> f64 {
+    25.0
 }
 
 fn f32_precision() -> Precision {
@@ -333,6 +343,12 @@ impl PretrainConfig {
             return Err(PretrainError::Config(
                 "--export-hf writes the last checkpoint's weights: it needs --save DIR".into(),
             ));
+        }
+        if !(self.bucket_mb.is_finite() && self.bucket_mb >= 0.0) {
+            return Err(PretrainError::Config(format!(
+                "--bucket-mb {}: a bucket size is a number of MiB, 0 or more",
+                self.bucket_mb
+            )));
         }
         let dp = self.parallel.dp;
         if self.steps == 0 || self.batch_size == 0 {

@@ -73,7 +73,7 @@ impl RankRun<'_> {
             memory_budget: config.memory_budget,
             prefetch: config.prefetch,
             reduce_in_flight: config.reduce_in_flight,
-            bucket_bytes: config.bucket_mb << 20,
+            bucket_bytes: (config.bucket_mb * (1u64 << 20) as f64) as usize,
             ..RankPolicy::default()
         });
         let resume_scaler = self.resume.as_ref().and_then(|(_, s)| s.clone());

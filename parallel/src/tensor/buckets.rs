@@ -15,7 +15,9 @@
 //! use of one before `sync_gradients` is seen (a [`Watch`]); the births used before the sync
 //! are, from the next step on, kept out of the buckets as summands, added, and all-reduced once
 //! by `sync_gradients` — as PyTorch DDP rebuilds its buckets from the first iteration's order.
-//! The first step keeps every gradient out of the buckets (it only watches). Every rank runs
+//! The first step keeps every gradient out of the buckets (it only watches). The gradients kept
+//! out go into the last bucket at the sync ([`add_at_sync`]), so a step's all-reduces are its
+//! buckets, one call each. Every rank runs
 //! the same program, so every rank plans alike and issues the same calls; and an all-reduce of
 //! a flat buffer is element for element the all-reduce of each gradient in it, so the results
 //! are bitwise those of DDP without buckets.
@@ -186,19 +188,12 @@ pub(crate) fn fits<B: Backend>(grad: &DTensor<B>, target: &Layout) -> bool {
     all_reduce_of(grad, target).is_some()
 }
 
-/// Add `grad`, a per-rank summand that [`fits`], to the rank's open bucket (issued once it
-/// holds `limit` bytes): the value that stands for the reduced gradient. A birth the plan keeps
-/// out comes back as the summand it is, for `sync_gradients` to reduce.
+/// Add `grad`, a per-rank summand that [`fits`], born in backward, to the rank's open bucket
+/// (issued once it holds `limit` bytes): the value that stands for the reduced gradient. A
+/// birth the plan keeps out comes back as the summand it is, for `sync_gradients` to reduce.
 pub(crate) fn add<B: Backend>(grad: DTensor<B>, target: &Layout, limit: usize) -> DTensor<B> {
-    let Some((axis, op)) = all_reduce_of(&grad, target) else {
-        unreachable!("the caller checked that it fits")
-    };
     let mut grad = grad.ready();
     let ctx = grad.device.context().clone();
-    let own = grad.local.dtype();
-    let dtype = ctx
-        .with_policy(|p| p.grad_reduce_dtype)
-        .map_or(own, DType::from);
     let (birth, kept_out, watch) = ctx.with_buckets::<Buckets<B>, _>(|state| {
         let s = state.get_or_insert_with(Buckets::new);
         let birth = s.births;
@@ -211,6 +206,35 @@ pub(crate) fn add<B: Backend>(grad: DTensor<B>, target: &Layout, limit: usize) -
         grad.awaited = Some(Arc::new(watched));
         return grad;
     }
+    fill(grad, target, limit, Some((birth, watch)))
+}
+
+/// Add `grad`, a gradient `sync_gradients` reduces (one the plan kept out of the buckets in
+/// backward, summed), to the rank's open bucket: the last bucket, issued by [`flush`], holds
+/// it with the gradients born last, so a step's all-reduces are its buckets.
+pub(crate) fn add_at_sync<B: Backend>(
+    grad: DTensor<B>,
+    target: &Layout,
+    limit: usize,
+) -> DTensor<B> {
+    fill(grad.ready(), target, limit, None)
+}
+
+/// Put `grad` in the open bucket (told to `watch` at each use, as a birth).
+fn fill<B: Backend>(
+    grad: DTensor<B>,
+    target: &Layout,
+    limit: usize,
+    watch: Option<(usize, Arc<Watch>)>,
+) -> DTensor<B> {
+    let Some((axis, op)) = all_reduce_of(&grad, target) else {
+        unreachable!("the caller checked that it fits")
+    };
+    let ctx = grad.device.context().clone();
+    let own = grad.local.dtype();
+    let dtype = ctx
+        .with_policy(|p| p.grad_reduce_dtype)
+        .map_or(own, DType::from);
     let local_shape = grad.local.shape().to_vec();
     let n: usize = local_shape.iter().product();
     let part = if dtype == own {
@@ -265,8 +289,10 @@ pub(crate) fn add<B: Backend>(grad: DTensor<B>, target: &Layout, limit: usize) -
     }
     let mut layout = grad.layout.clone();
     layout.set(axis, target.get(axis));
-    let awaited = Awaited::in_bucket(bucket, offset, local_shape.clone(), float_dtype(own))
-        .watched(birth, watch);
+    let mut awaited = Awaited::in_bucket(bucket, offset, local_shape.clone(), float_dtype(own));
+    if let Some((birth, watch)) = watch {
+        awaited = awaited.watched(birth, watch);
+    }
     DTensor::awaiting(
         Arc::new(awaited),
         local_shape,
