@@ -15,7 +15,7 @@ SRC = pathlib.Path(sys.argv[1] if sys.argv[1:] else
                    pathlib.Path(__file__).resolve().parent.parent / "parallel/src")
 LAYERS = [["error"], ["mesh"], ["comm"], ["placement"], ["policy"], ["device"], ["collectives"],
           ["tensor"],
-          ["backend"], ["data_parallel"], ["fsdp", "tensor_parallel"], ["launch"], ["ranks"]]
+          ["backend"], ["data_parallel"], ["fsdp", "tensor_parallel", "pipeline"], ["launch"], ["ranks"]]
 LAYER = {m: i for i, group in enumerate(LAYERS) for m in group}
 # (importing top-level module, imported top-level module): known upward imports (none left).
 EXCEPTIONS = set()

@@ -351,6 +351,15 @@ pub enum Error {
         /// The tensor-parallel degree.
         tp: usize,
     },
+    // ---- pipeline parallelism
+    /// A pipeline schedule that cannot be built or does not hold every stage's work once.
+    #[error("invalid pipeline schedule: {0}")]
+    InvalidSchedule(String),
+
+    /// A pipeline schedule whose ranks wait for each other forever.
+    #[error("the pipeline schedule deadlocks: no rank can go on ({0})")]
+    ScheduleDeadlock(String),
+
     // ---- launching ranks
     /// A rank panicked. When several did, this is the root cause: the first rank that failed,
     /// not the ones that failed because it aborted the world.

@@ -17,7 +17,7 @@
 // Layers, bottom to top: a module imports only from the layers below it (`tests.rs` from any).
 //
 //   error → mesh → comm → placement → policy → device → collectives → tensor → backend
-//        → data_parallel → fsdp, tensor_parallel → launch → ranks
+//        → data_parallel → fsdp, tensor_parallel, pipeline → launch → ranks
 //
 // - error: the crate's one error type (and `CollectiveKind`, which it names), plain data only.
 // - mesh, comm: the device mesh; the communicators (host buffers, and the device-collectives
@@ -29,7 +29,8 @@
 //   and its redistributions.
 // - backend: `Distributed<B>`, its propagation rules and fallback. It reads the policy and never
 //   imports a strategy; the strategies call down into it (`backend::gradients_synced`).
-// - data_parallel, fsdp, tensor_parallel: the strategies, which set the policy.
+// - data_parallel, fsdp, tensor_parallel, pipeline: the strategies, which set the policy
+//   (pipeline: so far its schedules, plain data).
 // - launch, ranks: ranks as threads, MPI processes, threads × processes, or a torchrun-style
 //   NCCL process (the process launchers and `NcclCommunicator::install` live in ranks/).
 //
@@ -44,6 +45,7 @@ mod error;
 mod fsdp;
 pub mod launch;
 pub mod mesh;
+pub mod pipeline;
 mod placement;
 mod policy;
 mod ranks;

@@ -246,6 +246,7 @@ fn placed(layout: &Layout) -> bool {
 
 // After the macros above, which they use.
 mod gradients;
+mod pipeline;
 mod rank;
 mod redistribute;
 mod rules;

@@ -1,0 +1,179 @@
+//! Pipeline bubbles, measured (issue 20): the pipeline runner on a stack of residual MLP blocks
+//! (2 per stage, d = 256, micro-batches of 4 × 64 tokens), ranks as threads on a `pp` axis, one
+//! step after a warm-up. Per rank, the time its actions computed (from the moment each one's
+//! input was in hand to its end) against the step's span on one time axis; the bubble is the
+//! idle fraction, averaged over the ranks, beside the theory for uniform stages —
+//! (p−1)/(M+p−1) for GPipe and 1F1B, (p−1)/(V·M+p−1) for interleaved 1F1B — and beside the
+//! schedule's own simulation with unit costs. Writes the measured 1F1B timeline for p = 4,
+//! M = 8 as an SVG.
+//!
+//! Valid only where every rank has cores of its own: ranks as threads share the machine's cores
+//! and Flex's thread pool, so on a 2-core machine a step with more than two busy ranks runs each
+//! action slower than alone, which stretches the busy time, not the bubble, but the two-core
+//! figures for p = 4 are a lower bound on what one core per rank gives.
+//!
+//! ```text
+//! cargo bench --bench pipeline [-- --svg FILE]
+//! ```
+
+#[global_allocator]
+static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::{Module, Param};
+use burn::nn::Linear;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Tensor, activation};
+use wildfire::parallel::mesh::DeviceMesh;
+use wildfire::parallel::pipeline::{Costs, Placed, Schedule, ScheduleKind, Timeline, run_step};
+
+mod common;
+
+type A = Autodiff<Flex>;
+
+#[derive(Module, Debug)]
+struct Block<B: Backend> {
+    linear: Linear<B>,
+}
+
+#[derive(Module, Debug)]
+struct Blocks<B: Backend> {
+    blocks: Vec<Block<B>>,
+}
+
+impl<B: Backend> Blocks<B> {
+    fn new(n: usize, d: usize, device: &B::Device) -> Self {
+        let blocks = (0..n)
+            .map(|_| {
+                let w = Tensor::random([d, d], Distribution::Normal(0.0, 0.02), device);
+                let b = Tensor::zeros([d], device);
+                Block {
+                    linear: Linear {
+                        weight: Param::from_tensor(w),
+                        bias: Some(Param::from_tensor(b)),
+                    },
+                }
+            })
+            .collect();
+        Self { blocks }
+    }
+
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.blocks
+            .iter()
+            .fold(x, |x, b| x.clone() + activation::gelu(b.linear.forward(x)))
+    }
+}
+
+/// One measured step of `schedule`: every rank's timeline on a common time axis.
+fn measure(schedule: &Schedule, d: usize, tokens: [usize; 2]) -> Timeline {
+    let p = schedule.ranks();
+    let v = schedule.stages() / p;
+    let mesh = DeviceMesh::new([("pp", p)]).expect("a pp mesh");
+    let runs = wildfire::parallel::launch_ranks::<Flex, _, _>(
+        &mesh,
+        &Default::default(),
+        &Default::default(),
+        |device| {
+            let comm = device.context().comm_arc();
+            let inner = Default::default();
+            let chunks: Vec<Blocks<A>> = (0..v).map(|_| Blocks::new(2, d, &inner)).collect();
+            let step = || {
+                run_step(
+                    schedule,
+                    &*comm,
+                    0,
+                    &chunks,
+                    |chunk: &Blocks<A>, _, _, x| {
+                        chunk.forward(x.unwrap_or_else(|| {
+                            Tensor::random([tokens[0], tokens[1], d], Distribution::Default, &inner)
+                        }))
+                    },
+                    |_, out| out.powi_scalar(2).mean(),
+                )
+                .expect("a pipeline step")
+            };
+            step(); // warm-up
+            let out = step();
+            (out.started, out.timeline)
+        },
+    )
+    .expect("the ranks");
+    let origin = runs.iter().map(|(s, _)| *s).min().expect("a rank");
+    Timeline {
+        ranks: runs
+            .into_iter()
+            .map(|(started, placed)| {
+                let offset = started.duration_since(origin).as_secs_f64();
+                placed
+                    .into_iter()
+                    .map(|p| Placed {
+                        start: p.start + offset,
+                        end: p.end + offset,
+                        ..p
+                    })
+                    .collect()
+            })
+            .collect(),
+    }
+}
+
+fn main() {
+    let smoke = common::smoke();
+    let (d, tokens) = if smoke { (16, [2, 4]) } else { (256, [4, 64]) };
+    let cases: Vec<(ScheduleKind, usize, usize, usize)> = if smoke {
+        vec![(ScheduleKind::OneFOneB, 2, 4, 1)]
+    } else {
+        let mut cases = Vec::new();
+        for (kind, v) in [
+            (ScheduleKind::GPipe, 1),
+            (ScheduleKind::OneFOneB, 1),
+            (ScheduleKind::Interleaved, 2),
+        ] {
+            for p in [2, 4] {
+                for m in [4, 8, 16] {
+                    cases.push((kind, p, m, v));
+                }
+            }
+        }
+        cases
+    };
+    println!(
+        "pipeline bubble, measured: 2 residual MLP blocks per stage, d = {d}, micro-batches of \
+         {} x {} tokens, ranks as threads\n\n| schedule | p | M | V | measured | theory | \
+         simulated (unit costs) |\n|---|---|---|---|---|---|---|",
+        tokens[0], tokens[1]
+    );
+    let svg_path = common::arg::<String>("--svg").unwrap_or_else(|| {
+        std::env::temp_dir()
+            .join("wildfire-pipeline-1f1b.svg")
+            .display()
+            .to_string()
+    });
+    for (kind, p, m, v) in cases {
+        let schedule = Schedule::new(kind, p, m, v).expect("a schedule");
+        let measured = measure(&schedule, d, tokens);
+        let theory = (p - 1) as f64 / (v * m + p - 1) as f64;
+        let chunk = 1.0 / v as f64;
+        let simulated = schedule
+            .simulate(&Costs {
+                forward: chunk,
+                backward_input: chunk,
+                backward_weight: chunk,
+                transfer: 0.0,
+            })
+            .expect("a simulation")
+            .mean_bubble();
+        println!(
+            "| {kind:?} | {p} | {m} | {v} | {:.1}% | {:.1}% | {:.1}% |",
+            100.0 * measured.mean_bubble(),
+            100.0 * theory,
+            100.0 * simulated
+        );
+        if (kind, p, m) == (ScheduleKind::OneFOneB, 4, 8) || smoke {
+            let title = format!("{kind:?}: p = {p}, M = {m}, measured");
+            std::fs::write(&svg_path, measured.svg(&title)).expect("writing the SVG");
+            println!("\n(timeline: {svg_path})\n");
+        }
+    }
+}

@@ -1,0 +1,356 @@
+//! The runner: one rank's part of a pipeline step, its [`Schedule`]'s actions executed in order
+//! on the rank's model chunks, activations and their gradients moved between ranks by
+//! point-to-point messages on the rank's communicator.
+//!
+//! A forward of a stage that is not the first takes the previous stage's activation (received,
+//! or handed over on the same rank) as a leaf that requires its gradient; the last stage turns
+//! its output into the micro-batch's loss, divided by the micro-batch count so the summed
+//! gradients are those of the mean loss. A backward runs Burn's autodiff on that micro-batch's
+//! graph — from the loss on the last stage, from `Σ output ⊙ received gradient` elsewhere — and
+//! sends the input leaf's gradient back. Each chunk's parameter gradients are summed over the
+//! micro-batches in the order the schedule runs their backwards (a plain gradient
+//! accumulation), so a pipeline step gives the gradients one device would get from the same
+//! micro-batches.
+//!
+//! Messages carry a small header (what, which stage, which micro-batch) before the tensor, and a
+//! rank keeps what arrives before it is needed: one pair of ranks carries activations and
+//! gradients of several stages (interleaved schedules), and their orders need not agree. A
+//! received tensor whose shape differs from the one the stage gave before fails with
+//! [`Error::Mismatch`]; a peer that never sends fails the receive after the communicator's
+//! timeout (a dead stage is an error on every rank, not a hang).
+//!
+//! Not yet: the split backward of zero-bubble schedules (`I` and `W`), refused with
+//! [`Error::InvalidSchedule`].
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use burn::module::{AutodiffModule, ModuleMapper, Param};
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor, TensorData};
+
+use super::schedule::{Placed, Schedule, Work};
+use crate::comm::{CollectiveKind, Communicator, Group};
+use crate::error::Error;
+
+/// What one rank's part of a pipeline step gave ([`run_step`]).
+#[derive(Debug)]
+pub struct PipelineStep {
+    /// Per chunk of the rank (its stages `c·p + r` for `c = 0, 1, …`), its parameters'
+    /// gradients summed over the micro-batches.
+    pub grads: Vec<GradientsParams>,
+    /// On the rank of the last stage, each micro-batch's loss (not divided by the count), in
+    /// micro-batch order; empty elsewhere.
+    pub losses: Vec<f32>,
+    /// Point-to-point messages this rank sent and received (activations and gradients, headers
+    /// not counted).
+    pub sends: usize,
+    /// See `sends`.
+    pub recvs: usize,
+    /// The most micro-batches whose activations the rank held at once (forward done, backward
+    /// not), counted per stage.
+    pub peak_held: usize,
+    /// Each action as it ran: from when its input was in hand to its end, in seconds from
+    /// `started`, the instant the step began (time spent waiting for a message is idle).
+    pub timeline: Vec<Placed>,
+    /// When the step began (to put several ranks' timelines on one time axis).
+    pub started: Instant,
+}
+
+/// The module with fresh autodiff leaves for its parameters (the same values and ids): each
+/// micro-batch's forward builds its own graph on them. Burn's autodiff frees, at the end of a
+/// backward, the graph nodes it reached — parameters shared by graphs still waiting for their
+/// backward included — so graphs must not share leaves.
+struct FreshLeaves;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeaves {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let fresh = if tensor.is_require_grad() {
+            tensor.detach().require_grad()
+        } else {
+            tensor.detach()
+        };
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+/// A micro-batch's forward state, kept until its backward.
+struct Held<B: AutodiffBackend, M> {
+    /// The chunk with this micro-batch's leaves ([`FreshLeaves`]).
+    chunk: M,
+    /// The received activation, a leaf whose gradient goes back (`None` on the first stage).
+    input: Option<Tensor<B, 3>>,
+    /// The stage's output, or on the last stage the scaled loss.
+    output: Output<B>,
+}
+
+enum Output<B: AutodiffBackend> {
+    Activation(Tensor<B, 3>),
+    Loss(Tensor<B, 1>),
+}
+
+const ACTIVATION: i64 = 0;
+const GRADIENT: i64 = 1;
+
+/// Messages on the pipeline's channels, by (what, stage, micro-batch), and the shapes seen.
+struct Mailbox<'a> {
+    comm: &'a dyn Communicator,
+    /// Global ranks of the pipeline group, by pipeline index.
+    members: Vec<usize>,
+    early: HashMap<(i64, usize, usize), TensorData>,
+    /// Handed over between two stages of this rank.
+    local: HashMap<(i64, usize, usize), TensorData>,
+    shapes: HashMap<(i64, usize), Vec<usize>>,
+    sends: usize,
+    recvs: usize,
+}
+
+impl Mailbox<'_> {
+    fn send(
+        &mut self,
+        to: usize,
+        what: i64,
+        stage: usize,
+        mb: usize,
+        data: TensorData,
+    ) -> Result<(), Error> {
+        if self.members[to] == self.comm.rank() {
+            self.local.insert((what, stage, mb), data);
+            return Ok(());
+        }
+        let p2p = self.comm.point_to_point()?;
+        let header = TensorData::new(vec![what, stage as i64, mb as i64], [3]);
+        p2p.send(self.members[to], header)?;
+        p2p.send(self.members[to], data)?;
+        self.sends += 1;
+        Ok(())
+    }
+
+    /// The message `(what, stage, mb)` from pipeline rank `from`, its shape checked against the
+    /// ones this kind of message had before for that stage.
+    fn recv(
+        &mut self,
+        from: usize,
+        what: i64,
+        stage: usize,
+        mb: usize,
+    ) -> Result<TensorData, Error> {
+        let key = (what, stage, mb);
+        let data = if let Some(data) = self.local.remove(&key) {
+            data
+        } else if let Some(data) = self.early.remove(&key) {
+            data
+        } else {
+            let p2p = self.comm.point_to_point()?;
+            loop {
+                let header = p2p.recv(self.members[from])?;
+                let data = p2p.recv(self.members[from])?;
+                let h = header.to_vec::<i64>().map_err(|e| Error::Mismatch {
+                    op: CollectiveKind::Recv,
+                    group: "pp".into(),
+                    detail: format!("a pipeline message header that is not one: {e:?}"),
+                })?;
+                let got = (h[0], h[1] as usize, h[2] as usize);
+                self.recvs += 1;
+                if got == key {
+                    break data;
+                }
+                self.early.insert(got, data);
+            }
+        };
+        let shape = data.shape.to_vec();
+        match self.shapes.get(&(what, stage)) {
+            Some(seen) if *seen != shape => Err(Error::Mismatch {
+                op: CollectiveKind::Recv,
+                group: "pp".into(),
+                detail: format!(
+                    "stage {stage} received a {} of shape {shape:?} for micro-batch {mb}, \
+                     where earlier ones were {seen:?}",
+                    if what == ACTIVATION {
+                        "activation"
+                    } else {
+                        "gradient"
+                    }
+                ),
+            }),
+            _ => {
+                self.shapes.insert((what, stage), shape);
+                Ok(data)
+            }
+        }
+    }
+}
+
+/// Runs rank `comm.rank()`'s part of one step of `schedule` over the mesh axis `axis` (the
+/// pipeline group: its members, in axis order, are the pipeline ranks): `chunks[c]` is the
+/// rank's stage `c·p + r`; `forward(chunk, stage, micro-batch, input)` runs a stage (`input`
+/// `None` on the first stage, which reads its micro-batch itself) and `loss(micro-batch,
+/// output)` turns the last stage's output into the micro-batch's loss (a one-element tensor).
+pub fn run_step<B, M>(
+    schedule: &Schedule,
+    comm: &dyn Communicator,
+    axis: usize,
+    chunks: &[M],
+    forward: impl Fn(&M, usize, usize, Option<Tensor<B, 3>>) -> Tensor<B, 3>,
+    loss: impl Fn(usize, Tensor<B, 3>) -> Tensor<B, 1>,
+) -> Result<PipelineStep, Error>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+{
+    // Refused on every rank before anything runs (no rank is left waiting for another).
+    let split = (0..schedule.ranks()).any(|r| {
+        schedule
+            .actions(r)
+            .iter()
+            .any(|a| matches!(a.work, Work::BackwardInput | Work::BackwardWeight))
+    });
+    if split {
+        return Err(Error::InvalidSchedule(format!(
+            "{:?}: the runner runs whole backwards; splitting them into input and weight \
+             gradients (zero-bubble schedules) is not supported yet",
+            schedule.kind()
+        )));
+    }
+    let group = Group::Axis(axis);
+    let members = group.ranks(comm.mesh(), comm.rank())?;
+    let rank = group.index(comm.mesh(), comm.rank())?;
+    let p = schedule.ranks();
+    if members.len() != p {
+        return Err(Error::InvalidSchedule(format!(
+            "a schedule for {p} pipeline ranks on an axis of {}",
+            members.len()
+        )));
+    }
+    let v = schedule.stages() / p;
+    if chunks.len() != v {
+        return Err(Error::InvalidSchedule(format!(
+            "pipeline rank {rank} has {} model chunks for {v} stages per rank",
+            chunks.len()
+        )));
+    }
+    let device = chunks[0]
+        .devices()
+        .into_iter()
+        .next()
+        .ok_or_else(|| Error::Unsupported("a pipeline stage with no parameters".into()))?;
+    let last = schedule.stages() - 1;
+    let m = schedule.microbatches();
+    let mut mail = Mailbox {
+        comm,
+        members,
+        early: HashMap::new(),
+        local: HashMap::new(),
+        shapes: HashMap::new(),
+        sends: 0,
+        recvs: 0,
+    };
+    let mut held: HashMap<(usize, usize), Held<B, M>> = HashMap::new();
+    let mut accumulators: Vec<GradientsAccumulator<M>> =
+        (0..v).map(|_| GradientsAccumulator::new()).collect();
+    let mut losses = vec![f32::NAN; if schedule.rank_of(last) == rank { m } else { 0 }];
+    let mut peak_held = 0;
+    let started = Instant::now();
+    let mut timeline = Vec::with_capacity(schedule.actions(rank).len());
+    for action in schedule.actions(rank) {
+        let (stage, mb) = (action.stage, action.microbatch);
+        // Reset once the action's input has arrived: waiting is idle time, not the action's.
+        let mut start = started.elapsed().as_secs_f64();
+        let chunk = &chunks[stage / p];
+        match action.work {
+            Work::Forward => {
+                let input = if stage == 0 {
+                    None
+                } else {
+                    let data = mail.recv(schedule.rank_of(stage - 1), ACTIVATION, stage, mb)?;
+                    Some(Tensor::<B, 3>::from_data(data, &device).require_grad())
+                };
+                start = started.elapsed().as_secs_f64();
+                let leaves = chunk.clone().map(&mut FreshLeaves);
+                let out = forward(&leaves, stage, mb, input.clone());
+                let output = if stage == last {
+                    let value = loss(mb, out);
+                    losses[mb] = value.clone().into_scalar().elem::<f32>();
+                    Output::Loss(value.div_scalar(m as f64))
+                } else {
+                    let data = out.clone().into_data();
+                    mail.send(schedule.rank_of(stage + 1), ACTIVATION, stage + 1, mb, data)?;
+                    Output::Activation(out)
+                };
+                held.insert(
+                    (stage, mb),
+                    Held {
+                        chunk: leaves,
+                        input,
+                        output,
+                    },
+                );
+                peak_held = peak_held.max(held.len());
+            }
+            Work::Backward => {
+                let Held {
+                    chunk: leaves,
+                    input,
+                    output,
+                } = held.remove(&(stage, mb)).ok_or_else(|| {
+                    Error::InvalidSchedule(format!("backward of {action} before its forward"))
+                })?;
+                let grads = match output {
+                    Output::Loss(value) => value.backward(),
+                    Output::Activation(out) => {
+                        let data = mail.recv(schedule.rank_of(stage + 1), GRADIENT, stage, mb)?;
+                        if data.shape.to_vec() != out.dims().to_vec() {
+                            return Err(Error::Mismatch {
+                                op: CollectiveKind::Recv,
+                                group: "pp".into(),
+                                detail: format!(
+                                    "stage {stage}'s output is {:?}, its gradient {:?}",
+                                    out.dims(),
+                                    data.shape
+                                ),
+                            });
+                        }
+                        let g = Tensor::<B, 3>::from_data(data, &device);
+                        start = started.elapsed().as_secs_f64();
+                        (out * g).sum().backward()
+                    }
+                };
+                if let Some(input) = input {
+                    let grad = input.grad(&grads).ok_or_else(|| {
+                        Error::Unsupported(format!(
+                            "stage {stage}'s output does not depend on its input"
+                        ))
+                    })?;
+                    mail.send(
+                        schedule.rank_of(stage - 1),
+                        GRADIENT,
+                        stage - 1,
+                        mb,
+                        grad.into_data(),
+                    )?;
+                }
+                accumulators[stage / p]
+                    .accumulate(chunk, GradientsParams::from_grads(grads, &leaves));
+            }
+            Work::BackwardInput | Work::BackwardWeight => {
+                unreachable!("refused before the step")
+            }
+        }
+        timeline.push(Placed {
+            action: *action,
+            start,
+            end: started.elapsed().as_secs_f64(),
+        });
+    }
+    Ok(PipelineStep {
+        grads: accumulators.into_iter().map(|mut a| a.grads()).collect(),
+        losses,
+        sends: mail.sends,
+        recvs: mail.recvs,
+        peak_held,
+        timeline,
+        started,
+    })
+}

@@ -1,0 +1,287 @@
+//! Pipeline runs (ranks as threads, a `pp` axis) against one device running the same blocks on
+//! the same micro-batches: losses and every parameter after AdamW steps, the messages each rank
+//! sent and received against the schedule's prediction, the activations it held against the
+//! schedule's simulation, and the failures (a dead stage, an unsupported schedule).
+
+use super::*;
+use crate::pipeline::{Costs, Schedule, ScheduleKind, run_step};
+use burn::module::{Module, Param};
+use burn::nn::Linear;
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+
+type A = Autodiff<Flex>;
+
+#[derive(Module, Debug)]
+struct Block<B: Backend> {
+    linear: Linear<B>,
+}
+
+impl<B: Backend> Block<B> {
+    fn new(d: usize, seed: u64, device: &B::Device) -> Self {
+        let w = Tensor::from_data(values(&[d, d], seed), device).mul_scalar(0.5);
+        let b = Tensor::from_data(values(&[d], seed + 1000), device).mul_scalar(0.1);
+        Self {
+            linear: Linear {
+                weight: Param::from_tensor(w),
+                bias: Some(Param::from_tensor(b)),
+            },
+        }
+    }
+
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        x.clone() + activation::gelu(self.linear.forward(x))
+    }
+}
+
+/// A run of consecutive blocks: one pipeline stage, or the whole model on one device.
+#[derive(Module, Debug)]
+struct Blocks<B: Backend> {
+    blocks: Vec<Block<B>>,
+}
+
+impl<B: Backend> Blocks<B> {
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.blocks.iter().fold(x, |x, b| b.forward(x))
+    }
+
+    fn values(&self) -> Vec<Vec<f32>> {
+        self.blocks
+            .iter()
+            .flat_map(|b| {
+                let bias = b.linear.bias.as_ref().expect("a bias").val();
+                [b.linear.weight.val().into_data(), bias.into_data()]
+            })
+            .map(|d| d.to_vec::<f32>().unwrap())
+            .collect()
+    }
+}
+
+const D: usize = 8;
+const PER_STAGE: usize = 2;
+const STEPS: usize = 3;
+
+fn input(step: usize, mb: usize) -> TensorData {
+    values(&[2, 3, D], 7_000 + 100 * step as u64 + mb as u64)
+}
+
+fn target(step: usize, mb: usize) -> TensorData {
+    values(&[2, 3, D], 9_000 + 100 * step as u64 + mb as u64)
+}
+
+fn mse(out: Tensor<A, 3>, step: usize, mb: usize) -> Tensor<A, 1> {
+    let t = Tensor::<A, 3>::from_data(target(step, mb), &out.device());
+    (out - t).powi_scalar(2).mean()
+}
+
+fn adamw() -> AdamWConfig {
+    AdamWConfig::new().with_weight_decay(0.01)
+}
+
+/// One device: every stage's blocks in order, the micro-batches' gradients accumulated, AdamW.
+/// The mean loss of each step and the final parameters.
+fn one_device(stages: usize, m: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let device = Default::default();
+    let mut model = Blocks::<A> {
+        blocks: (0..stages * PER_STAGE)
+            .map(|i| Block::new(D, i as u64, &device))
+            .collect(),
+    };
+    let mut optim = adamw().init::<A, Blocks<A>>();
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let mut acc = burn::optim::GradientsAccumulator::new();
+        let mut sum = 0.0;
+        for mb in 0..m {
+            let x = Tensor::<A, 3>::from_data(input(step, mb), &device);
+            let loss = mse(model.forward(x), step, mb);
+            sum += loss.clone().into_scalar();
+            let grads = loss.div_scalar(m as f64).backward();
+            acc.accumulate(&model, GradientsParams::from_grads(grads, &model));
+        }
+        losses.push(sum / m as f32);
+        model = optim.step(1e-2, model, acc.grads());
+    }
+    (losses, model.values())
+}
+
+/// What a pipeline rank ends with.
+struct RankRun {
+    losses: Vec<f32>,
+    /// Per chunk, its blocks' values.
+    chunks: Vec<Vec<Vec<f32>>>,
+    p2p: Vec<(usize, usize)>,
+    peak_held: usize,
+}
+
+fn pipelined(schedule: &Schedule) -> Vec<RankRun> {
+    let p = schedule.ranks();
+    let v = schedule.stages() / p;
+    let mesh = DeviceMesh::new([("pp", p)]).unwrap();
+    threads(&mesh, |device| {
+        let comm = device.context().comm_arc();
+        let r = device.rank();
+        let inner = Default::default();
+        // Chunk c is stage c·p + r: blocks PER_STAGE·stage ..
+        let mut chunks: Vec<Blocks<A>> = (0..v)
+            .map(|c| {
+                let stage = c * p + r;
+                Blocks {
+                    blocks: (0..PER_STAGE)
+                        .map(|i| Block::new(D, (stage * PER_STAGE + i) as u64, &inner))
+                        .collect(),
+                }
+            })
+            .collect();
+        let mut optims: Vec<_> = (0..v).map(|_| adamw().init::<A, Blocks<A>>()).collect();
+        let (mut losses, mut p2p, mut peak_held) = (Vec::new(), Vec::new(), 0);
+        for step in 0..STEPS {
+            let out = run_step(
+                schedule,
+                &*comm,
+                0,
+                &chunks,
+                |chunk: &Blocks<A>, stage, mb, x| {
+                    let x = x.unwrap_or_else(|| {
+                        assert_eq!(stage, 0);
+                        Tensor::from_data(input(step, mb), &inner)
+                    });
+                    chunk.forward(x)
+                },
+                |mb, out| mse(out, step, mb),
+            )
+            .unwrap();
+            if !out.losses.is_empty() {
+                losses.push(out.losses.iter().sum::<f32>() / out.losses.len() as f32);
+            }
+            p2p.push((out.sends, out.recvs));
+            peak_held = peak_held.max(out.peak_held);
+            chunks = chunks
+                .into_iter()
+                .zip(out.grads)
+                .zip(&mut optims)
+                .map(|((chunk, grads), optim)| optim.step(1e-2, chunk, grads))
+                .collect();
+        }
+        RankRun {
+            losses,
+            chunks: chunks.iter().map(Blocks::values).collect(),
+            p2p,
+            peak_held,
+        }
+    })
+}
+
+/// GPipe, 1F1B and interleaved 1F1B (V = 2) at p = 2 and 4 with M = 4 and 8: the losses and
+/// every parameter after 3 AdamW steps within 1e-6 of one device (the same micro-batch
+/// gradients, accumulated in the same order); each rank sent and received exactly the messages
+/// the schedule predicts, every step; and held at most the micro-batches the schedule's
+/// simulation holds (1F1B ≤ p, GPipe M).
+#[test]
+fn pipelines_match_one_device() {
+    for (kind, v) in [
+        (ScheduleKind::GPipe, 1),
+        (ScheduleKind::OneFOneB, 1),
+        (ScheduleKind::Interleaved, 2),
+    ] {
+        for p in [2, 4] {
+            for m in [4, 8] {
+                let what = format!("{kind:?} p={p} m={m} v={v}");
+                let schedule = Schedule::new(kind, p, m, v).unwrap();
+                let (losses, params) = one_device(schedule.stages(), m);
+                let ranks = pipelined(&schedule);
+                let timeline = schedule.simulate(&Costs::default()).unwrap();
+                let last = schedule.rank_of(schedule.stages() - 1);
+                for (r, run) in ranks.iter().enumerate() {
+                    if r == last {
+                        for (a, b) in run.losses.iter().zip(&losses) {
+                            assert!((a - b).abs() <= 1e-6 * b.abs(), "{what}: {a} vs {b}");
+                        }
+                        assert_eq!(run.losses.len(), STEPS, "{what}");
+                    } else {
+                        assert!(run.losses.is_empty(), "{what}: rank {r} reports losses");
+                    }
+                    for (c, chunk) in run.chunks.iter().enumerate() {
+                        let stage = c * p + r;
+                        for (i, got) in chunk.iter().enumerate() {
+                            let want = &params[stage * PER_STAGE * 2 + i];
+                            for (x, y) in got.iter().zip(want) {
+                                assert!((x - y).abs() <= 1e-6, "{what}: stage {stage}: {x} vs {y}");
+                            }
+                        }
+                    }
+                    assert_eq!(
+                        run.p2p,
+                        vec![schedule.p2p_counts(r); STEPS],
+                        "{what} rank {r}"
+                    );
+                    assert_eq!(
+                        run.peak_held,
+                        timeline.peak_activations(r),
+                        "{what} rank {r}"
+                    );
+                }
+                if kind == ScheduleKind::GPipe {
+                    assert!(ranks.iter().all(|r| r.peak_held == m), "{what}");
+                }
+                if kind == ScheduleKind::OneFOneB {
+                    assert!(ranks.iter().all(|r| r.peak_held <= p), "{what}");
+                }
+            }
+        }
+    }
+}
+
+/// A stage that dies mid-schedule (rank 1 panics before its first send) is an error on every
+/// rank, never a hang; a zero-bubble schedule is refused (the runner does not split backwards
+/// yet).
+#[test]
+fn a_dead_stage_fails_every_rank_and_zero_bubble_is_refused() {
+    let schedule = Schedule::new(ScheduleKind::OneFOneB, 2, 4, 1).unwrap();
+    let mesh = DeviceMesh::new([("pp", 2)]).unwrap();
+    let result =
+        launch_ranks::<F, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+            let comm = device.context().comm_arc();
+            let inner = Default::default();
+            let chunk = Blocks::<A> {
+                blocks: vec![Block::new(D, device.rank() as u64, &inner)],
+            };
+            run_step(
+                &schedule,
+                &*comm,
+                0,
+                std::slice::from_ref(&chunk),
+                |chunk: &Blocks<A>, stage, mb, x| {
+                    assert!(stage == 0, "stage {stage} dies at micro-batch {mb}");
+                    chunk.forward(x.unwrap_or_else(|| Tensor::from_data(input(0, mb), &inner)))
+                },
+                |mb, out| mse(out, 0, mb),
+            )
+            .map(|_| ())
+        });
+    let err = result.unwrap_err();
+    assert!(err.to_string().contains("rank 1"), "{err}");
+
+    let zb = Schedule::new(ScheduleKind::ZeroBubble, 2, 4, 1).unwrap();
+    let results = threads(&mesh, |device| {
+        let comm = device.context().comm_arc();
+        let chunk = Blocks::<A> {
+            blocks: vec![Block::new(D, 0, &Default::default())],
+        };
+        run_step(
+            &zb,
+            &*comm,
+            0,
+            std::slice::from_ref(&chunk),
+            |chunk: &Blocks<A>, _, mb, x| {
+                chunk.forward(
+                    x.unwrap_or_else(|| Tensor::from_data(input(0, mb), &Default::default())),
+                )
+            },
+            |mb, out| mse(out, 0, mb),
+        )
+        .map(|_| ())
+    });
+    for r in results {
+        assert!(matches!(r, Err(Error::InvalidSchedule(_))), "{r:?}");
+    }
+}
