@@ -1,5 +1,5 @@
 //! Pipeline bubbles, measured (issue 20): the pipeline runner on a stack of residual MLP blocks
-//! (2 per stage, d = 256, micro-batches of 4 × 64 tokens), ranks as threads on a `pp` axis, one
+//! (2 per stage, d = 512, micro-batches of 8 × 64 tokens), ranks as threads on a `pp` axis, one
 //! step after a warm-up. Per rank, the time its actions computed (from the moment each one's
 //! input was in hand to its end) against the step's span on one time axis; the bubble is the
 //! idle fraction, averaged over the ranks, beside the theory for uniform stages —
@@ -120,7 +120,7 @@ fn measure(schedule: &Schedule, d: usize, tokens: [usize; 2]) -> Timeline {
 
 fn main() {
     let smoke = common::smoke();
-    let (d, tokens) = if smoke { (16, [2, 4]) } else { (256, [4, 64]) };
+    let (d, tokens) = if smoke { (16, [2, 4]) } else { (512, [8, 64]) };
     let cases: Vec<(ScheduleKind, usize, usize, usize)> = if smoke {
         vec![(ScheduleKind::OneFOneB, 2, 4, 1)]
     } else {
