@@ -25,7 +25,9 @@ use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor, activation};
 use wildfire::parallel::mesh::DeviceMesh;
-use wildfire::parallel::pipeline::{Costs, Placed, Schedule, ScheduleKind, Timeline, run_step};
+use wildfire::parallel::pipeline::{
+    Costs, Placed, Schedule, ScheduleKind, Timeline, Work, run_step,
+};
 
 mod common;
 
@@ -141,7 +143,8 @@ fn main() {
     println!(
         "pipeline bubble, measured: 2 residual MLP blocks per stage, d = {d}, micro-batches of \
          {} x {} tokens, ranks as threads\n\n| schedule | p | M | V | measured | theory | \
-         simulated (unit costs) |\n|---|---|---|---|---|---|---|",
+         simulated (unit costs) | simulated (measured F and B) | F (ms) | B (ms) |\n\
+         |---|---|---|---|---|---|---|---|---|---|",
         tokens[0], tokens[1]
     );
     let svg_path = common::arg::<String>("--svg").unwrap_or_else(|| {
@@ -164,11 +167,37 @@ fn main() {
             })
             .expect("a simulation")
             .mean_bubble();
+        // The same schedule simulated with the forward and backward times this run measured
+        // (means over every action): what uniform stages with these costs would give, so the
+        // rest of the gap to the measurement is the runner's and the machine's.
+        let mean = |work: Work| {
+            let times: Vec<f64> = measured
+                .ranks
+                .iter()
+                .flatten()
+                .filter(|p| p.action.work == work)
+                .map(|p| p.end - p.start)
+                .collect();
+            times.iter().sum::<f64>() / times.len().max(1) as f64
+        };
+        let (f, b) = (mean(Work::Forward), mean(Work::Backward));
+        let with_costs = schedule
+            .simulate(&Costs {
+                forward: f,
+                backward_input: b / 2.0,
+                backward_weight: b / 2.0,
+                transfer: 0.0,
+            })
+            .expect("a simulation")
+            .mean_bubble();
         println!(
-            "| {kind:?} | {p} | {m} | {v} | {:.1}% | {:.1}% | {:.1}% |",
+            "| {kind:?} | {p} | {m} | {v} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.2} | {:.2} |",
             100.0 * measured.mean_bubble(),
             100.0 * theory,
-            100.0 * simulated
+            100.0 * simulated,
+            100.0 * with_costs,
+            1e3 * f,
+            1e3 * b
         );
         if (kind, p, m) == (ScheduleKind::OneFOneB, 4, 8) || smoke {
             let title = format!("{kind:?}: p = {p}, M = {m}, measured");

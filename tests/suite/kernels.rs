@@ -138,10 +138,16 @@ fn check_softmax<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usiz
 
 fn check_norms<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize; 3], tol: f32) {
     let eps = 1e-5;
-    let x = normal::<B, 3>(shape, 2.0, device)
-        .add_scalar(0.5)
-        .detach()
-        .require_grad();
+    let x = normal::<B, 3>(shape, 2.0, device).add_scalar(0.5);
+    // Over one element a norm's output is flat in x: its input gradient is two O(1/|x|) terms
+    // cancelling (γ·ε/(x²+ε)^1.5 ≈ 0), so its rounding error grows as 1/|x| and beat the
+    // 1e-6 floor for an input near 0 (1.3e-6 seen in CI). Keep |x| ≥ 1 there.
+    let x = if shape[2] == 1 {
+        x.abs().add_scalar(1.0)
+    } else {
+        x
+    };
+    let x = x.detach().require_grad();
     let gamma = normal::<B, 1>([shape[2]], 1.0, device);
     let beta = normal::<B, 1>([shape[2]], 1.0, device);
     let (gx, gg, gb) = (grad_of(&x), grad_of(&gamma), grad_of(&beta));

@@ -1,7 +1,8 @@
 //! One NCCL call on raw device buffers: the rank's compute stream synchronised, the call
-//! enqueued on the rank's NCCL stream, the stream polled until it completes or the timeout
-//! aborts every communicator of the rank; and the call check that runs before it (the members'
-//! headers, all-gathered over NCCL).
+//! enqueued on the rank's NCCL stream with an event after it, the event polled (at once for a
+//! blocking call, at the wait for an issued one) until it completes or the timeout aborts every
+//! communicator of the rank; and the call check that runs before it (the members' headers,
+//! all-gathered over NCCL).
 
 use std::fmt;
 use std::sync::atomic::Ordering;
@@ -68,32 +69,6 @@ impl NcclCommunicator {
         }
     }
 
-    /// Waits for this rank's NCCL stream, aborting every communicator past the timeout.
-    pub(super) fn wait(&self, call: &Call) -> Result<(), Error> {
-        let start = Instant::now();
-        let stream = self.stream.cu_stream();
-        loop {
-            // SAFETY: `stream` is this rank's live stream.
-            let status = unsafe { cudarc::driver::sys::cuStreamQuery(stream) };
-            match status {
-                cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
-                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                other => return Err(self.library("cuStreamQuery", other)),
-            }
-            if start.elapsed() > self.options.timeout {
-                self.abort();
-                return Err(Error::Timeout {
-                    op: call.kind(),
-                    group: call.group().label(self.mesh()).unwrap_or("?").to_owned(),
-                    rank: self.rank(),
-                    waited: start.elapsed(),
-                    missing: Vec::new(),
-                });
-            }
-            std::thread::yield_now();
-        }
-    }
-
     /// Aborts every NCCL communicator of this rank (after a timeout): later calls fail at once.
     pub(crate) fn abort(&self) {
         if !self.aborted.swap(true, Ordering::SeqCst) {
@@ -126,8 +101,8 @@ impl NcclCommunicator {
         send: &Handle,
         recv: &Handle,
     ) -> Result<(), Error> {
-        let _enqueued = self.enqueue(call, dtype, count, send, recv)?;
-        self.wait(call)
+        let enqueued = self.enqueue(call, dtype, count, send, recv)?;
+        self.wait_enqueued(call, enqueued)
     }
 
     /// [`Self::raw`] without the wait: the call is enqueued on this rank's NCCL stream after
