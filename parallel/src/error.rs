@@ -356,6 +356,10 @@ pub enum Error {
     #[error("invalid pipeline schedule: {0}")]
     InvalidSchedule(String),
 
+    /// A split of a model's blocks into pipeline stages that the plan does not allow.
+    #[error("invalid pipeline stage plan: {0}")]
+    InvalidStagePlan(String),
+
     /// A pipeline schedule whose ranks wait for each other forever.
     #[error("the pipeline schedule deadlocks: no rank can go on ({0})")]
     ScheduleDeadlock(String),

@@ -4,7 +4,7 @@
 //! schedule's simulation, and the failures (a dead stage, an unsupported schedule).
 
 use super::*;
-use crate::pipeline::{Costs, Schedule, ScheduleKind, run_step};
+use crate::pipeline::{Costs, Schedule, ScheduleKind, StagePlan, run_step};
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
@@ -121,17 +121,17 @@ fn pipelined(schedule: &Schedule) -> Vec<RankRun> {
         let comm = device.context().comm_arc();
         let r = device.rank();
         let inner = Default::default();
-        // Chunk c is stage c·p + r: blocks PER_STAGE·stage ..
-        let mut chunks: Vec<Blocks<A>> = (0..v)
-            .map(|c| {
-                let stage = c * p + r;
-                Blocks {
-                    blocks: (0..PER_STAGE)
-                        .map(|i| Block::new(D, (stage * PER_STAGE + i) as u64, &inner))
-                        .collect(),
-                }
+        // Chunk c is stage c·p + r, its blocks as the plan splits them.
+        let plan = StagePlan::even(schedule.stages() * PER_STAGE, schedule.stages()).unwrap();
+        let mut chunks: Vec<Blocks<A>> = plan
+            .chunks(schedule, r)
+            .unwrap()
+            .into_iter()
+            .map(|range| Blocks {
+                blocks: range.map(|i| Block::new(D, i as u64, &inner)).collect(),
             })
             .collect();
+        assert_eq!(chunks.len(), v);
         let mut optims: Vec<_> = (0..v).map(|_| adamw().init::<A, Blocks<A>>()).collect();
         let (mut losses, mut p2p, mut peak_held) = (Vec::new(), Vec::new(), 0);
         for step in 0..STEPS {
