@@ -128,6 +128,32 @@ pub(crate) struct ReduceStep {
     pub(crate) dim: Option<usize>,
 }
 
+/// One reduction step, blocking.
+fn run_step<B: Backend>(
+    device: &DistDevice<B>,
+    tensor: FloatTensor<B>,
+    step: &ReduceStep,
+) -> Result<FloatTensor<B>, Error> {
+    let group = Group::Axis(step.axis);
+    match step.dim {
+        Some(d) => reduce_scatter(device, group, tensor, d, step.op),
+        None => all_reduce(device, group, tensor, step.op),
+    }
+}
+
+/// Fails unless `tensor` can be reduce-scattered along `dim` on `group` (the dim exists and
+/// divides by the group's size).
+fn check_scatter<B: Backend>(
+    device: &DistDevice<B>,
+    group: Group,
+    tensor: &FloatTensor<B>,
+    dim: usize,
+) -> Result<(), Error> {
+    let shape = tensor.shape();
+    check_dim(CollectiveKind::ReduceScatter, shape.num_dims(), dim)?;
+    check_divisible(shape[dim], dim, group.size(device.context().mesh())?)
+}
+
 /// `steps` applied in order to `tensor`, issued now as one chain on the rank's communication
 /// queue (each call takes the previous one's result) and waited for later; on installed device
 /// collectives, the first call issued there and the rest run when it is waited for.
@@ -144,33 +170,20 @@ pub(crate) fn issue_reduction<B: Backend>(
             return PendingTensor::Done(Ok(tensor));
         };
         let group = Group::Axis(first.axis);
-        let issued = match first.dim {
-            Some(d) => (|| {
-                let shape = tensor.shape();
-                check_dim(CollectiveKind::ReduceScatter, shape.num_dims(), d)?;
-                check_divisible(shape[d], d, group.size(ctx.mesh())?)?;
-                let op = DeviceOp::ReduceScatterFirst(first.op);
-                Ok(issue_on_device(dc, group, op, tensor, d))
-            })(),
-            None => Ok(issue_on_device(
-                dc,
-                group,
-                DeviceOp::AllReduce(first.op),
-                tensor,
-                0,
-            )),
+        let (op, dim) = match first.dim {
+            Some(d) => (DeviceOp::ReduceScatterFirst(first.op), d),
+            None => (DeviceOp::AllReduce(first.op), 0),
         };
-        let issued = match issued {
-            Ok(issued) => issued,
-            Err(e) => return PendingTensor::Done(Err(e)),
-        };
+        if first.dim.is_some()
+            && let Err(e) = check_scatter::<B>(device, group, &tensor, dim)
+        {
+            return PendingTensor::Done(Err(e));
+        }
         let (device, rest) = (device.clone(), rest.to_vec());
-        return PendingTensor::Device(issued.then(move |t| {
-            rest.iter().try_fold(t, |t, s| match s.dim {
-                Some(d) => reduce_scatter(&device, Group::Axis(s.axis), t, d, s.op),
-                None => all_reduce(&device, Group::Axis(s.axis), t, s.op),
-            })
-        }));
+        let issued = issue_on_device(dc, group, op, tensor, dim);
+        return PendingTensor::Device(
+            issued.then(move |t| rest.iter().try_fold(t, |t, s| run_step(&device, t, s))),
+        );
     }
     let data = crate::comm::read::<B>(tensor);
     let mut operand = Operand::of(&data);
@@ -234,9 +247,7 @@ pub(crate) fn reduce_scatter<B: Backend>(
         device,
         tensor,
         |dc, t| {
-            let shape = t.shape();
-            check_dim(CollectiveKind::ReduceScatter, shape.num_dims(), dim)?;
-            check_divisible(shape[dim], dim, group.size(device.context().mesh())?)?;
+            check_scatter::<B>(device, group, &t, dim)?;
             along::<B>(t, dim, |t| dc.reduce_scatter_first(group, t, op))
         },
         |c, d| c.reduce_scatter(group, d, dim, op),

@@ -7,7 +7,6 @@ use crate::device::DistDevice;
 use crate::error::Error;
 use crate::mesh::{AxisKind, DeviceMesh};
 use crate::placement::{Layout, Placement};
-use crate::policy::GradientReduction;
 use crate::tensor::DTensor;
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -278,13 +277,9 @@ where
     if before != target {
         syncer.report.reduced += usize::from(source.is_distributed());
     }
-    let ctx = param.device().context();
-    let bucket_bytes = ctx.with_policy(|p| {
-        (p.sharding.gradient_reduction == GradientReduction::AtSync).then_some(p.bucket_bytes)
-    });
-    let grad = match bucket_bytes {
+    let grad = match crate::tensor::buckets::limit(param.device().context()) {
         // DDP buckets: the gradients kept out of them in backward join the last one.
-        Some(limit) if limit > 0 && crate::tensor::buckets::fits(&grad, &target) => {
+        Some(limit) if crate::tensor::buckets::fits(&grad, &target) => {
             syncer
                 .in_buckets
                 .push(Box::new(move |grads: &mut GradientsParams| {

@@ -612,7 +612,7 @@ impl<B: Backend> DTensor<B> {
             Some(low) => {
                 let low = B::float_cast(local, low);
                 let pending = crate::collectives::issue_reduction(&this.device, low, &steps);
-                crate::collectives::PendingTensor::Cast(Box::new(pending), float_dtype(own))
+                crate::collectives::PendingTensor::Cast(Box::new(pending), own.into())
             }
             None => crate::collectives::issue_reduction(&this.device, local, &steps),
         };
@@ -640,7 +640,7 @@ impl<B: Backend> DTensor<B> {
         shape: Shape,
         device: DistDevice<B>,
     ) -> Self {
-        let float = float_dtype(dtype);
+        let float = burn_backend::FloatDType::from(dtype);
         let one = B::float_full(
             Shape::from(vec![1; local_shape.len()]),
             burn_backend::Scalar::Float(f64::NAN),
@@ -922,16 +922,6 @@ impl<B: Backend> DTensor<B> {
             track,
             awaited: None,
         })
-    }
-}
-
-/// The float dtype of a float tensor's `dtype` (`F32` for anything else).
-pub(crate) fn float_dtype(dtype: DType) -> burn_backend::FloatDType {
-    match dtype {
-        DType::F64 => burn_backend::FloatDType::F64,
-        DType::F16 => burn_backend::FloatDType::F16,
-        DType::BF16 => burn_backend::FloatDType::BF16,
-        _ => burn_backend::FloatDType::F32,
     }
 }
 

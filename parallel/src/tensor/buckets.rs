@@ -28,12 +28,13 @@ use std::sync::{Arc, Mutex};
 
 use burn_backend::{Backend, DType, Shape, TensorMetadata};
 
-use super::{Awaited, DTensor, float_dtype};
+use super::{Awaited, DTensor};
 use crate::collectives::{PendingTensor, ReduceStep};
 use crate::comm::ReduceOp;
 use crate::device::{DistDevice, RankContext, Resolve};
 use crate::error::Error;
 use crate::placement::Layout;
+use crate::policy::GradientReduction;
 
 /// One bucket: the gradients' local pieces while it is open, then its all-reduce.
 pub(crate) struct Bucket<B: Backend> {
@@ -182,6 +183,15 @@ fn all_reduce_of<B: Backend>(grad: &DTensor<B>, target: &Layout) -> Option<(usiz
     }
 }
 
+/// The bucket size when this rank's replicated gradients go into DDP buckets: reduced at the
+/// sync (DDP, ZeRO-1) and a size set.
+pub(crate) fn limit(ctx: &RankContext) -> Option<usize> {
+    ctx.with_policy(|p| {
+        (p.sharding.gradient_reduction == GradientReduction::AtSync && p.bucket_bytes > 0)
+            .then_some(p.bucket_bytes)
+    })
+}
+
 /// Whether `grad` goes into a bucket: its reduction to `target` is one all-reduce (see
 /// [`DTensor::reduction_steps`]).
 pub(crate) fn fits<B: Backend>(grad: &DTensor<B>, target: &Layout) -> bool {
@@ -240,7 +250,7 @@ fn fill<B: Backend>(
     let part = if dtype == own {
         grad.local.clone()
     } else {
-        B::float_cast(grad.local.clone(), float_dtype(dtype))
+        B::float_cast(grad.local.clone(), dtype.into())
     };
     let mut full = Vec::new();
     let (bucket, offset) = ctx.with_buckets::<Buckets<B>, _>(|state| {
@@ -289,7 +299,7 @@ fn fill<B: Backend>(
     }
     let mut layout = grad.layout.clone();
     layout.set(axis, target.get(axis));
-    let mut awaited = Awaited::in_bucket(bucket, offset, local_shape.clone(), float_dtype(own));
+    let mut awaited = Awaited::in_bucket(bucket, offset, local_shape.clone(), own.into());
     if let Some((birth, watch)) = watch {
         awaited = awaited.watched(birth, watch);
     }

@@ -42,14 +42,12 @@ pub(super) fn reduce_data_parallel<B: Backend>(
     let defer = device.ctx.no_sync() || at_sync;
     let asynchronous = device.ctx.with_policy(|p| p.reduce_in_flight > 0);
     let grad = DTensor::new_unchecked(grad, layout, device);
-    let bucket_bytes = grad.device().context().with_policy(|p| p.bucket_bytes);
-    if at_sync
-        && !grad.device().context().no_sync()
-        && bucket_bytes > 0
+    if !grad.device().context().no_sync()
+        && let Some(limit) = crate::tensor::buckets::limit(grad.device().context())
         && crate::tensor::buckets::fits(&grad, &target)
     {
         // DDP buckets: reduced with the gradients born next to it, as the bucket fills.
-        return crate::tensor::buckets::add(grad, &target, bucket_bytes);
+        return crate::tensor::buckets::add(grad, &target, limit);
     }
     if defer {
         // Keep the summands; `sync_gradients` reduces the sum once.
