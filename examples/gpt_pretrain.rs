@@ -36,19 +36,6 @@ struct Args {
     /// With --pp-schedule-dump: also draw the schedule's timeline as an SVG picture here.
     #[arg(long, value_name = "FILE", help_heading = "Pipeline")]
     pp_svg: Option<std::path::PathBuf>,
-    /// Pipeline ranks. Only --pp-schedule-dump uses it so far: the GPT's split into stages
-    /// is not written yet, and a run with --pp above 1 is refused.
-    #[arg(long, default_value_t = 1, help_heading = "Pipeline")]
-    pp: usize,
-    /// The pipeline schedule: gpipe, 1f1b, interleaved, zb (ZB-H1).
-    #[arg(long, default_value = "1f1b", help_heading = "Pipeline")]
-    pp_schedule: String,
-    /// Micro-batches per step in the pipeline schedule.
-    #[arg(long, default_value_t = 8, help_heading = "Pipeline")]
-    microbatches: usize,
-    /// Model chunks per pipeline rank (interleaved schedule).
-    #[arg(long, default_value_t = 1, help_heading = "Pipeline")]
-    pp_virtual: usize,
     /// Inner backend.
     #[arg(long, default_value = "flex", value_parser = ["flex", "wgpu", "cuda"], help_heading = "Run")]
     backend: String,
@@ -109,9 +96,8 @@ fn main() -> Result<()> {
     let dp_given = matches.value_source("dp") != Some(ValueSource::DefaultValue);
     config.apply_launcher(LaunchEnv::detect()?, dp_given)?;
     if args.pp_schedule_dump {
-        use wildfire::parallel::pipeline::{Costs, Schedule};
-        let kind = args.pp_schedule.parse()?;
-        let schedule = Schedule::new(kind, args.pp, args.microbatches, args.pp_virtual)?;
+        use wildfire::parallel::pipeline::Costs;
+        let schedule = config.parallel.schedule()?;
         print!("{}", schedule.table()?);
         if let Some(path) = &args.pp_svg {
             std::fs::write(path, schedule.svg(&Costs::default())?)
@@ -119,13 +105,6 @@ fn main() -> Result<()> {
             println!("timeline: {}", path.display());
         }
         return Ok(());
-    }
-    if args.pp > 1 {
-        bail!(
-            "--pp {}: pipeline training is not in gpt_pretrain yet (the schedules and their \
-             runner are, in wildfire::parallel::pipeline); --pp-schedule-dump prints a schedule",
-            args.pp
-        );
     }
     tracing::info!("config: {}", serde_json::to_string(&config)?);
     if args.estimate {

@@ -4,7 +4,7 @@
 //! clip — so an overflow on any rank makes every rank skip, and the norm equals the single-device
 //! norm for DDP, FSDP and tensor-parallel layouts.
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
@@ -24,6 +24,9 @@ pub struct GradCheck {
 
 struct Visit<'a, X: Backend> {
     grads: &'a mut GradientsParams,
+    /// Parameters left out of the norm (a pipeline stage's copy of a tied parameter, counted
+    /// on the stage that holds the original).
+    skip: &'a [ParamId],
     inv_scale: f32,
     sum_sq: f64,
     ctx: Option<std::sync::Arc<wildfire_parallel::RankContext>>,
@@ -46,7 +49,7 @@ where
         } else {
             grad
         };
-        if self.clip.is_none() {
+        if self.clip.is_none() && !self.skip.contains(&param.id) {
             let t = dtensor(&grad);
             self.ctx.get_or_insert_with(|| t.device().context().clone());
             let copies = copies(&t);
@@ -59,14 +62,18 @@ where
 }
 
 /// How many ranks hold the same piece of `t` (the product of its replicated axes): a local sum
-/// divided by it counts every element once in a sum over the whole mesh.
+/// divided by it counts every element once in a sum over the whole mesh. The pipeline axis is
+/// not one of them: its ranks hold different stages, each parameter on one of them.
 pub(crate) fn copies<X: Backend>(t: &wildfire_parallel::DTensor<X>) -> usize {
     let mesh = t.device().mesh();
     t.layout()
         .placements()
         .iter()
         .enumerate()
-        .filter(|(_, p)| matches!(p, Placement::Replicate | Placement::Local))
+        .filter(|&(a, p)| {
+            matches!(p, Placement::Replicate | Placement::Local)
+                && mesh.axis(a).name != wildfire_parallel::PIPELINE_AXIS
+        })
         .map(|(a, _)| mesh.axis_size(a))
         .product()
 }
@@ -102,22 +109,57 @@ where
     X: Backend,
     M: AutodiffModule<B>,
 {
-    let mut v = Visit::<X> {
-        grads,
+    check_models(
+        std::slice::from_ref(model),
+        std::slice::from_mut(grads),
         inv_scale,
-        sum_sq: 0.0,
-        ctx: None,
-        clip: None,
-        _x: std::marker::PhantomData,
-    };
-    model.visit(&mut v);
-    let local_inf = loss_not_finite || !v.sum_sq.is_finite();
-    let (found_inf, total) = match &v.ctx {
+        max_norm,
+        loss_not_finite,
+        &[],
+        None,
+    )
+}
+
+/// [`check_with_loss`] over several modules (a pipeline rank's model chunks, `grads[i]` the
+/// gradients of `models[i]`) in one all-reduce, the parameters in `skip` left out of the norm
+/// (still unscaled and clipped). `ctx`: the rank's context, for a rank whose modules may hold
+/// no gradient (it still joins the all-reduce).
+pub(crate) fn check_models<B, X, M>(
+    models: &[M],
+    grads: &mut [GradientsParams],
+    inv_scale: f32,
+    max_norm: Option<f32>,
+    loss_not_finite: bool,
+    skip: &[ParamId],
+    ctx: Option<std::sync::Arc<wildfire_parallel::RankContext>>,
+) -> Result<GradCheck, Error>
+where
+    B: AutodiffBackend<InnerBackend = Distributed<X>>,
+    X: Backend,
+    M: AutodiffModule<B>,
+{
+    let (mut sum_sq, mut ctx) = (0.0, ctx);
+    for (model, grads) in models.iter().zip(grads.iter_mut()) {
+        let mut v = Visit::<X> {
+            grads,
+            skip,
+            inv_scale,
+            sum_sq: 0.0,
+            ctx: ctx.take(),
+            clip: None,
+            _x: std::marker::PhantomData,
+        };
+        model.visit(&mut v);
+        sum_sq += v.sum_sq;
+        ctx = v.ctx;
+    }
+    let local_inf = loss_not_finite || !sum_sq.is_finite();
+    let (found_inf, total) = match &ctx {
         Some(ctx) if ctx.world_size() > 1 => {
             let data = TensorData::new(
                 vec![
                     if local_inf { 1.0f64 } else { 0.0 },
-                    if local_inf { 0.0 } else { v.sum_sq },
+                    if local_inf { 0.0 } else { sum_sq },
                 ],
                 [2],
             );
@@ -128,7 +170,7 @@ where
                 .expect("f64");
             (out[0] > 0.0, out[1])
         }
-        _ => (local_inf, v.sum_sq),
+        _ => (local_inf, sum_sq),
     };
     let norm = if found_inf {
         f32::INFINITY
@@ -141,15 +183,17 @@ where
         && norm > max
     {
         clip_factor = max / (norm + 1e-6);
-        let grads = v.grads;
-        model.visit(&mut Visit::<X> {
-            grads,
-            inv_scale: 1.0,
-            sum_sq: 0.0,
-            ctx: None,
-            clip: Some(clip_factor),
-            _x: std::marker::PhantomData,
-        });
+        for (model, grads) in models.iter().zip(grads.iter_mut()) {
+            model.visit(&mut Visit::<X> {
+                grads,
+                skip,
+                inv_scale: 1.0,
+                sum_sq: 0.0,
+                ctx: None,
+                clip: Some(clip_factor),
+                _x: std::marker::PhantomData,
+            });
+        }
     }
     Ok(GradCheck {
         norm,

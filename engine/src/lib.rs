@@ -6,6 +6,7 @@ mod error;
 pub mod fused_tail;
 pub mod grad_check;
 pub mod metrics;
+pub mod pipeline;
 pub mod recompute;
 pub mod scaler;
 pub mod step;
@@ -15,6 +16,7 @@ pub use fused_tail::{
     FusedAdamW, FusedAdamWConfig, FusedAdamWOptimizer, TailInputs, fused_unscale_check,
 };
 pub use grad_check::{GradCheck, unscale_check_clip};
+pub use pipeline::PipelineRecord;
 pub use recompute::{AttentionSpec, Recompute, Recomputer, attention_reference, dropout_mask};
 pub use scaler::{DynamicLossScaler, LossScalerConfig, StepDecision};
 pub use step::{StepRecord, StepRunner, StepRunnerConfig};

@@ -68,15 +68,15 @@ pub struct StepRecord {
 /// checkpoints ([`StepRunner::scaler`]).
 #[derive(Clone, Debug)]
 pub struct StepRunner {
-    config: StepRunnerConfig,
-    scaler: Option<DynamicLossScaler>,
+    pub(crate) config: StepRunnerConfig,
+    pub(crate) scaler: Option<DynamicLossScaler>,
     /// The step the next call runs (for errors).
-    step: usize,
+    pub(crate) step: usize,
     /// Steps skipped in a row so far.
-    skipped_in_a_row: usize,
+    pub(crate) skipped_in_a_row: usize,
 }
 
-type Ad<X> = Autodiff<Distributed<X>>;
+pub(crate) type Ad<X> = Autodiff<Distributed<X>>;
 
 impl StepRunner {
     /// A step with `config`, and a dynamic loss scaler for f16 compute (`None` for f32/bf16).
@@ -220,7 +220,7 @@ impl StepRunner {
 
 /// The path of the first parameter (in visiting order) whose gradient holds a NaN or an infinity
 /// on any rank's shard: each rank finds its first, one all-reduce picks the earliest.
-fn first_non_finite<X, M>(
+pub(crate) fn first_non_finite<X, M>(
     device: &DistDevice<X>,
     model: &M,
     grads: &GradientsParams,

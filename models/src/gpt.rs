@@ -9,6 +9,7 @@ use burn::nn::{LayerNorm, LayerNormConfig, Linear};
 use burn::prelude::*;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 use std::str::FromStr;
 use wildfire_kernels::hooks::{ForwardHooks, Inference};
 use wildfire_kernels::{FusedOps, ops};
@@ -147,8 +148,9 @@ impl GptConfig {
     /// Build the model on `device`, with GPT-2's initialisation: weights N(0, 0.02), residual
     /// output projections N(0, 0.02/√(2L)), biases 0, LayerNorm 1 and 0.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Result<Gpt<B>, Error> {
-        self.validate()?;
-        Ok(self.build(&mut Whole(device), device))
+        Ok(self
+            .init_stage(device, 0..self.n_layer, true, true)?
+            .into_gpt())
     }
 
     /// Build the model already laid out over `device`'s mesh, each parameter in the layout
@@ -164,13 +166,34 @@ impl GptConfig {
             &DeviceMesh,
         ) -> Result<Vec<Layout>, wildfire_parallel::Error>,
     ) -> Result<Gpt<B>, Error> {
+        let whole = self.init_stage_in_layouts(device, 0..self.n_layer, true, true, layouts)?;
+        Ok(whole.into_gpt())
+    }
+
+    /// One pipeline stage of the model — blocks `blocks`, the embeddings when `first`, the final
+    /// norm and the (tied) output projection when `last` — with exactly the values and
+    /// parameter ids those parameters have in [`GptConfig::init`]'s whole model (the last
+    /// stage's copy of the tied table, when it is not also the first, gets an id of its own),
+    /// laid out as `layouts` says. No rank builds a parameter its stages do not hold.
+    pub fn init_stage_in_layouts<B: DistributedBackend>(
+        &self,
+        device: &B::Device,
+        blocks: Range<usize>,
+        first: bool,
+        last: bool,
+        layouts: impl FnOnce(
+            &[(String, Vec<usize>)],
+            &DeviceMesh,
+        ) -> Result<Vec<Layout>, wildfire_parallel::Error>,
+    ) -> Result<GptStage<B>, Error> {
         self.validate()?;
+        self.check_stage(&blocks, first, last)?;
         let dist = B::dist_device(device);
         let mut shapes = Shapes::<B> {
             device: Some(device),
             params: Vec::new(),
         };
-        self.build(&mut shapes, device);
+        self.build(&mut shapes, device, blocks.clone(), first, last);
         let layouts = layouts(&shapes.params, dist.mesh())?;
         let mut pieces = Pieces::<B> {
             device: dist,
@@ -182,25 +205,61 @@ impl GptConfig {
                 .collect(),
             error: None,
         };
-        let model = self.build(&mut pieces, device);
+        let model = self.build(&mut pieces, device, blocks, first, last);
         match pieces.error {
             Some(e) => Err(e),
             None => Ok(model),
         }
     }
 
-    /// The model, its parameters made by `place` in construction order (each with its own
-    /// stream: the order fixes the values).
-    fn build<B: Backend>(&self, place: &mut impl Place<B>, device: &B::Device) -> Gpt<B> {
+    /// [`GptConfig::init_stage_in_layouts`] on a plain backend: every value of the stage's
+    /// parameters.
+    pub fn init_stage<B: Backend>(
+        &self,
+        device: &B::Device,
+        blocks: Range<usize>,
+        first: bool,
+        last: bool,
+    ) -> Result<GptStage<B>, Error> {
+        self.validate()?;
+        self.check_stage(&blocks, first, last)?;
+        Ok(self.build(&mut Whole(device), device, blocks, first, last))
+    }
+
+    fn check_stage(&self, blocks: &Range<usize>, first: bool, last: bool) -> Result<(), Error> {
+        let fits = blocks.end <= self.n_layer
+            && (!first || blocks.start == 0)
+            && (!last || blocks.end == self.n_layer)
+            && (first || last || !blocks.is_empty());
+        if fits {
+            Ok(())
+        } else {
+            Err(Error::Config(format!(
+                "a pipeline stage of blocks {blocks:?} (first: {first}, last: {last}) in a model \
+                 of {} blocks: the first stage starts at block 0, the last ends at the last \
+                 block, and a middle stage holds at least one",
+                self.n_layer
+            )))
+        }
+    }
+
+    /// Blocks `blocks` of the model (the embeddings when `first`, the head when `last`), their
+    /// parameters made by `place`. Every parameter's values have their own stream, numbered as
+    /// in the whole model (each block's four projections, then the token and the position
+    /// table), so a stage holds exactly the whole model's values.
+    fn build<B: Backend>(
+        &self,
+        place: &mut impl Place<B>,
+        device: &B::Device,
+        range: Range<usize>,
+        first: bool,
+        last: bool,
+    ) -> GptStage<B> {
         let d = self.n_embd;
         let proj_std = 0.02 / ((2 * self.n_layer) as f32).sqrt();
-        let mut count = 0u64;
-        let mut normal = |std: f32| {
-            count += 1;
-            Values::Normal {
-                stream: self.init_seed ^ count.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-                std,
-            }
+        let normal = |count: usize, std: f32| Values::Normal {
+            stream: self.init_seed ^ (count as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            std,
         };
         let mut make_linear = |path: &str, d_in: usize, d_out: usize, values: Values| Linear {
             weight: Param::from_tensor(place.tensor(
@@ -219,16 +278,34 @@ impl GptConfig {
                 .with_epsilon(LN_EPSILON)
                 .init(device)
         };
-        let mut blocks = Vec::with_capacity(self.n_layer);
-        for l in 0..self.n_layer {
-            let c_attn = make_linear(&format!("blocks.{l}.attn.c_attn"), d, 3 * d, normal(0.02));
-            let c_proj = make_linear(&format!("blocks.{l}.attn.c_proj"), d, d, normal(proj_std));
-            let c_fc = make_linear(&format!("blocks.{l}.mlp.c_fc"), d, 4 * d, normal(0.02));
+        let mut blocks = Vec::with_capacity(range.len());
+        for l in range.clone() {
+            // Stage-local paths (`blocks.0` is the stage's first block): the parallel plans
+            // match them by pattern.
+            let i = l - range.start;
+            let c_attn = make_linear(
+                &format!("blocks.{i}.attn.c_attn"),
+                d,
+                3 * d,
+                normal(4 * l + 1, 0.02),
+            );
+            let c_proj = make_linear(
+                &format!("blocks.{i}.attn.c_proj"),
+                d,
+                d,
+                normal(4 * l + 2, proj_std),
+            );
+            let c_fc = make_linear(
+                &format!("blocks.{i}.mlp.c_fc"),
+                d,
+                4 * d,
+                normal(4 * l + 3, 0.02),
+            );
             let mlp_proj = make_linear(
-                &format!("blocks.{l}.mlp.c_proj"),
+                &format!("blocks.{i}.mlp.c_proj"),
                 4 * d,
                 d,
-                normal(proj_std),
+                normal(4 * l + 4, proj_std),
             );
             blocks.push(Block {
                 ln_1: layer_norm(),
@@ -245,15 +322,23 @@ impl GptConfig {
                 dropout: self.dropout,
             });
         }
-        let (wte_values, wpe_values) = (normal(0.02), normal(0.02));
-        let model = Gpt {
-            wte: Param::from_tensor(place.tensor("wte", [self.vocab_size, d], wte_values)),
-            wpe: Param::from_tensor(place.tensor("wpe", [self.block_size, d], wpe_values)),
+        let tables = 4 * self.n_layer;
+        let wte = (first || last).then(|| {
+            Param::from_tensor(place.tensor("wte", [self.vocab_size, d], normal(tables + 1, 0.02)))
+        });
+        let wpe = first.then(|| {
+            Param::from_tensor(place.tensor("wpe", [self.block_size, d], normal(tables + 2, 0.02)))
+        });
+        let stage = GptStage {
+            wte,
+            wpe,
             blocks,
-            ln_f: layer_norm(),
+            ln_f: last.then(layer_norm),
+            first_block: range.start,
+            n_layer: self.n_layer,
             dropout: self.dropout,
         };
-        crate::safetensors::deterministic_ids(model)
+        stage.with_model_ids()
     }
 }
 
@@ -270,6 +355,118 @@ pub struct Gpt<B: Backend> {
     pub ln_f: LayerNorm<B>,
     /// Dropout probability while training (after the embeddings).
     pub dropout: f64,
+}
+
+/// One pipeline stage of a GPT ([`GptConfig::init_stage`]): a run of consecutive blocks, with the
+/// token and position embeddings on the first stage and the final norm and the tied output
+/// projection on the last. The first and the last stage each hold a copy of the tied token
+/// table (Megatron's layout); the pipeline step sums the two copies' gradients, so both take
+/// the same update and stay equal. A stage that is both (one stage) is the whole model.
+#[derive(Module, Debug)]
+pub struct GptStage<B: Backend> {
+    /// Token embedding (first stage) and output projection (last stage).
+    pub wte: Option<Param<Tensor<B, 2>>>,
+    /// Position embedding (first stage).
+    pub wpe: Option<Param<Tensor<B, 2>>>,
+    /// The stage's blocks.
+    pub blocks: Vec<Block<B>>,
+    /// Final LayerNorm (last stage).
+    pub ln_f: Option<LayerNorm<B>>,
+    /// The model's index of the stage's first block (for the recomputation and dropout
+    /// streams, which are numbered by block).
+    pub first_block: usize,
+    /// Blocks in the whole model.
+    pub n_layer: usize,
+    /// Dropout probability while training (after the embeddings).
+    pub dropout: f64,
+}
+
+/// A stage's input: token ids on the first stage, the previous stage's hidden states elsewhere.
+#[derive(Clone, Debug)]
+pub enum StageInput<B: Backend> {
+    /// `[b, t]` token ids.
+    Tokens(Tensor<B, 2, Int>),
+    /// `[b, t, d]` hidden states.
+    Hidden(Tensor<B, 3>),
+}
+
+impl<B: Backend> GptStage<B> {
+    /// Whether the stage holds the embeddings.
+    pub fn is_first(&self) -> bool {
+        self.wpe.is_some()
+    }
+
+    /// Whether the stage holds the final norm and the output projection.
+    pub fn is_last(&self) -> bool {
+        self.ln_f.is_some()
+    }
+
+    /// The whole model, from a stage that is both the first and the last.
+    ///
+    /// # Panics
+    /// On a stage that is not the whole model.
+    pub fn into_gpt(self) -> Gpt<B> {
+        assert!(
+            self.is_first() && self.is_last() && self.blocks.len() == self.n_layer,
+            "only a stage that holds every block, the embeddings and the head is a whole GPT"
+        );
+        Gpt {
+            wte: self.wte.expect("the first stage holds the token table"),
+            wpe: self.wpe.expect("the first stage holds the position table"),
+            blocks: self.blocks,
+            ln_f: self.ln_f.expect("the last stage holds the final norm"),
+            dropout: self.dropout,
+        }
+    }
+
+    /// The ids the stage's parameters have in the whole model (`deterministic_ids`' numbering:
+    /// 1, 2, 3, … in the whole model's visiting order: `wte`, `wpe`, the blocks, `ln_f`).
+    fn with_model_ids(self) -> Self {
+        struct Ids(std::vec::IntoIter<u64>);
+        impl<B: Backend> burn::module::ModuleMapper<B> for Ids {
+            fn map_float<const D: usize>(
+                &mut self,
+                param: Param<Tensor<B, D>>,
+            ) -> Param<Tensor<B, D>> {
+                let (_, tensor, mapper) = param.consume();
+                let id = self.0.next().expect("an id per parameter");
+                Param::from_mapped_value(burn::module::ParamId::from(id), tensor, mapper)
+            }
+        }
+        let per_block = self.blocks.first().map_or(0, |b| b.num_params_tensors()) as u64;
+        let (start, layers) = (self.first_block as u64, self.n_layer as u64);
+        let head = 3 + per_block * layers;
+        let mut ids = Vec::new();
+        if self.wte.is_some() {
+            // The last stage's copy of the tied table, unless it is also the first: one past
+            // the whole model's last id.
+            ids.push(if self.is_first() { 1 } else { head + 2 });
+        }
+        if self.is_first() {
+            ids.push(2);
+        }
+        let blocks = 3 + per_block * start;
+        ids.extend(blocks..blocks + per_block * self.blocks.len() as u64);
+        if self.is_last() {
+            ids.extend([head, head + 1]);
+        }
+        self.map(&mut Ids(ids.into_iter()))
+    }
+}
+
+impl<B: Backend> Block<B> {
+    /// How many parameter tensors the block holds.
+    fn num_params_tensors(&self) -> usize {
+        struct Count(usize);
+        impl<B: Backend> burn::module::ModuleVisitor<B> for Count {
+            fn visit_float<const D: usize>(&mut self, _: &Param<Tensor<B, D>>) {
+                self.0 += 1;
+            }
+        }
+        let mut count = Count(0);
+        self.visit(&mut count);
+        count.0
+    }
 }
 
 /// A pre-LayerNorm transformer block.
@@ -382,6 +579,93 @@ impl<B: FusedOps> Block<B> {
     }
 }
 
+/// The embeddings: token plus position, dropout (site `(n_layer, 0)`) while training.
+fn embed<'a, B: FusedOps, H: ForwardHooks<'a, B>>(
+    wte: &Param<Tensor<B, 2>>,
+    wpe: &Param<Tensor<B, 2>>,
+    idx: Tensor<B, 2, Int>,
+    n_layer: usize,
+    dropout: f64,
+    hooks: &H,
+) -> Tensor<B, 3> {
+    let [_, t] = idx.dims();
+    let device = idx.device();
+    let pos = Tensor::<B, 1, Int>::arange(0..t as i64, &device).reshape([1, t]);
+    let tok = burn::tensor::module::embedding(wte.val(), idx);
+    let pos = burn::tensor::module::embedding(wpe.val(), pos);
+    hooks.dropout(n_layer, 0, tok + pos, dropout)
+}
+
+/// `blocks`, the model's blocks `first..` of `n_layer`, through the hooks.
+fn run_blocks<'a, B: FusedOps, H: ForwardHooks<'a, B>>(
+    blocks: &'a [Block<B>],
+    first: usize,
+    n_layer: usize,
+    mut x: Tensor<B, 3>,
+    hooks: &H,
+) -> Tensor<B, 3> {
+    for (i, block) in blocks.iter().enumerate() {
+        let layer = first + i;
+        x = hooks.block(layer, n_layer, block, x, move |block, x, hooks| {
+            block.forward_with(layer, x, hooks)
+        });
+    }
+    x
+}
+
+/// The final norm and the tied output projection: logits = ln_f(x) · wteᵀ.
+fn head<B: FusedOps>(
+    ln_f: &LayerNorm<B>,
+    wte: &Param<Tensor<B, 2>>,
+    x: Tensor<B, 3>,
+) -> Tensor<B, 3> {
+    burn::tensor::module::linear(layer_norm(ln_f, x), wte.val().transpose(), None)
+}
+
+/// Mean cross-entropy of `logits` `[b, t, vocab]` against `targets` `[b, t]`: the fused kernel
+/// where the backend has one (loss and log-sum-exp in one pass over the logits, the backward
+/// writing their gradient in one more, never materialising the probabilities), Burn's otherwise.
+pub fn cross_entropy<B: FusedOps>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+) -> Tensor<B, 1> {
+    let [b, t, vocab] = logits.dims();
+    if B::FUSED.cross_entropy {
+        return ops::cross_entropy_mean(logits.reshape([b * t, vocab]), targets.reshape([b * t]));
+    }
+    CrossEntropyLossConfig::new()
+        .init(&logits.device())
+        .forward(logits.reshape([b * t, vocab]), targets.reshape([b * t]))
+}
+
+impl<B: FusedOps> GptStage<B> {
+    /// The stage's output with the trainer's hooks: the logits `[b, t, vocab]` on the last
+    /// stage, hidden states `[b, t, d]` elsewhere.
+    ///
+    /// # Panics
+    /// When `input` is token ids on a stage that is not the first, or hidden states on the
+    /// first.
+    pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
+        &'a self,
+        input: StageInput<B>,
+        hooks: &H,
+    ) -> Tensor<B, 3> {
+        let x = match (input, &self.wte, &self.wpe) {
+            (StageInput::Tokens(idx), Some(wte), Some(wpe)) => {
+                embed(wte, wpe, idx, self.n_layer, self.dropout, hooks)
+            }
+            (StageInput::Hidden(x), _, None) => x,
+            (StageInput::Tokens(_), ..) => panic!("token ids go to the first stage"),
+            (StageInput::Hidden(_), ..) => panic!("the first stage takes token ids"),
+        };
+        let x = run_blocks(&self.blocks, self.first_block, self.n_layer, x, hooks);
+        match (&self.ln_f, &self.wte) {
+            (Some(ln_f), Some(wte)) => head(ln_f, wte, x),
+            _ => x,
+        }
+    }
+}
+
 impl<B: FusedOps> Gpt<B> {
     /// Logits `[b, t, vocab]` for token ids `[b, t]` (t <= block size), no dropout.
     pub fn forward(&self, idx: Tensor<B, 2, Int>) -> Tensor<B, 3> {
@@ -395,19 +679,10 @@ impl<B: FusedOps> Gpt<B> {
         idx: Tensor<B, 2, Int>,
         hooks: &H,
     ) -> Tensor<B, 3> {
-        let [_, t] = idx.dims();
-        let device = idx.device();
-        let pos = Tensor::<B, 1, Int>::arange(0..t as i64, &device).reshape([1, t]);
-        let tok = burn::tensor::module::embedding(self.wte.val(), idx);
-        let pos = burn::tensor::module::embedding(self.wpe.val(), pos);
-        let mut x = hooks.dropout(self.blocks.len(), 0, tok + pos, self.dropout);
-        for (i, block) in self.blocks.iter().enumerate() {
-            x = hooks.block(i, self.blocks.len(), block, x, move |block, x, hooks| {
-                block.forward_with(i, x, hooks)
-            });
-        }
-        // Tied output projection: logits = x · wteᵀ.
-        burn::tensor::module::linear(layer_norm(&self.ln_f, x), self.wte.val().transpose(), None)
+        let n = self.blocks.len();
+        let x = embed(&self.wte, &self.wpe, idx, n, self.dropout, hooks);
+        let x = run_blocks(&self.blocks, 0, n, x, hooks);
+        head(&self.ln_f, &self.wte, x)
     }
 
     /// Mean cross-entropy of next-token prediction: `inputs` and `targets` are `[b, t]`.
@@ -422,20 +697,7 @@ impl<B: FusedOps> Gpt<B> {
         targets: Tensor<B, 2, Int>,
         hooks: &H,
     ) -> Tensor<B, 1> {
-        let [b, t] = inputs.dims();
-        let logits = self.forward_with(inputs, hooks);
-        let vocab = logits.dims()[2];
-        if B::FUSED.cross_entropy {
-            // Loss and log-sum-exp in one pass over the logits; the backward writes the logits'
-            // gradient in one more, never materialising the probabilities.
-            return ops::cross_entropy_mean(
-                logits.reshape([b * t, vocab]),
-                targets.reshape([b * t]),
-            );
-        }
-        CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits.reshape([b * t, vocab]), targets.reshape([b * t]))
+        cross_entropy(self.forward_with(inputs, hooks), targets)
     }
 
     /// The context length.

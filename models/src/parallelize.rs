@@ -2,8 +2,11 @@
 //! (tensor parallel → activation recomputation → FSDP / data parallel).
 
 use crate::Error;
+use crate::gpt::GptStage;
 use crate::gpt::{Gpt, GptConfig};
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
+use wildfire_parallel::pipeline::{Schedule, ScheduleKind};
 use wildfire_parallel::{
     DeviceMesh, DistributedBackend, TpPlan, TpStyle, fully_shard, planned_layouts, tensor_parallel,
 };
@@ -65,6 +68,36 @@ pub struct ParallelConfig {
     /// Activation recomputation: none, selective, full, every-N.
     #[arg(long, default_value = "none", help_heading = "Parallelism")]
     pub recompute: Recompute,
+    /// Pipeline ranks (the `pp` axis of a `dp × pp × tp` mesh): the blocks split into stages,
+    /// the embeddings on the first, the final norm, head and loss on the last.
+    #[serde(default = "one")]
+    #[arg(long, default_value_t = 1, help_heading = "Pipeline")]
+    pub pp: usize,
+    /// The pipeline schedule: gpipe, 1f1b, interleaved (with --pp-virtual), zb (ZB-H1).
+    #[serde(default = "one_f_one_b")]
+    #[arg(long, default_value = "1f1b", help_heading = "Pipeline")]
+    pub pp_schedule: String,
+    /// Micro-batches per step in the pipeline schedule (each data-parallel rank's rows split
+    /// into this many).
+    #[serde(default = "eight")]
+    #[arg(long, default_value_t = 8, help_heading = "Pipeline")]
+    pub microbatches: usize,
+    /// Model chunks (stages) per pipeline rank: the interleaved schedule's V.
+    #[serde(default = "one")]
+    #[arg(long, default_value_t = 1, help_heading = "Pipeline")]
+    pub pp_virtual: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn eight() -> usize {
+    8
+}
+
+fn one_f_one_b() -> String {
+    "1f1b".into()
 }
 
 impl Default for ParallelConfig {
@@ -97,23 +130,39 @@ impl ParallelConfig {
         }
     }
 
-    /// Ranks in all: every mesh axis (`dp × tp`).
+    /// Ranks in all: every mesh axis (`dp × pp × tp`).
     pub fn world_size(&self) -> usize {
-        self.dp * self.tp
+        self.dp * self.pp.max(1) * self.tp
     }
 
     /// The device mesh: `dp × tp`, or `dp_replicate × dp_shard × tp` for HSDP (axes of size 1
-    /// kept, so layouts have a fixed shape).
+    /// kept, so layouts have a fixed shape); with `pp > 1` a `pp` axis before `tp`.
     pub fn mesh(&self) -> Result<DeviceMesh, wildfire_parallel::Error> {
-        if self.fsdp == FsdpStrategy::Hybrid {
+        let mut axes = if self.fsdp == FsdpStrategy::Hybrid {
             let shard = self.dp_shard.unwrap_or(self.dp);
-            return DeviceMesh::new([
+            vec![
                 ("dp_replicate", self.dp / shard.max(1)),
                 ("dp_shard", shard),
-                ("tp", self.tp),
-            ]);
+            ]
+        } else {
+            vec![("dp", self.dp)]
+        };
+        if self.pp > 1 {
+            axes.push(("pp", self.pp));
         }
-        DeviceMesh::new([("dp", self.dp), ("tp", self.tp)])
+        axes.push(("tp", self.tp));
+        DeviceMesh::new(axes)
+    }
+
+    /// The pipeline schedule of `--pp`, `--pp-schedule`, `--microbatches` and `--pp-virtual`.
+    pub fn schedule(&self) -> Result<Schedule, Error> {
+        let kind: ScheduleKind = self.pp_schedule.parse()?;
+        Ok(Schedule::new(
+            kind,
+            self.pp.max(1),
+            self.microbatches,
+            self.pp_virtual,
+        )?)
     }
 
     /// Refuse, before any work, what is not implemented yet.
@@ -131,6 +180,25 @@ impl ParallelConfig {
             return Err(Error::Config(
                 "--sp-keep-gathers is an option of sequence parallelism: add --sp".into(),
             ));
+        }
+        if self.pp > 1 {
+            self.schedule()?;
+            let unsupported = if self.tp > 1 {
+                Some("tensor parallelism (--tp)")
+            } else if matches!(self.fsdp, FsdpStrategy::FullShard | FsdpStrategy::Hybrid) {
+                Some("parameter sharding (--fsdp full, hybrid)")
+            } else if self.recompute != Recompute::None {
+                Some("activation recomputation (--recompute)")
+            } else {
+                None
+            };
+            if let Some(what) = unsupported {
+                return Err(Error::Config(format!(
+                    "--pp {}: {what} inside pipeline stages is not supported yet; pipeline \
+                     stages compose with data parallelism (--fsdp none, zero1, grad-op)",
+                    self.pp
+                )));
+            }
         }
         if self.sp && self.tp < 2 {
             return Err(Error::Config(
@@ -195,4 +263,24 @@ pub fn parallelize_gpt<B: DistributedBackend>(
         model
     };
     Ok(fully_shard(model, mesh, config.fsdp)?)
+}
+
+/// One pipeline stage of the GPT (blocks `blocks`; the embeddings when `first`, the head when
+/// `last`), each rank drawing only its pieces in the layout `parallel`'s data-parallel strategy
+/// gives them, then laid out by it (`fully_shard`). Tensor parallelism inside stages is refused
+/// by [`ParallelConfig::check_available`].
+pub fn init_gpt_stage<B: DistributedBackend>(
+    config: &GptConfig,
+    device: &B::Device,
+    parallel: &ParallelConfig,
+    blocks: Range<usize>,
+    first: bool,
+    last: bool,
+) -> Result<GptStage<B>, Error> {
+    parallel.check_available()?;
+    let stage = config.init_stage_in_layouts(device, blocks, first, last, |params, mesh| {
+        planned_layouts(params, mesh, None, parallel.fsdp)
+    })?;
+    let mesh = B::dist_device(device).mesh().clone();
+    Ok(fully_shard(stage, &mesh, parallel.fsdp)?)
 }

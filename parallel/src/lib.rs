@@ -72,7 +72,7 @@ pub use fsdp::{
     parameter_bytes, planned_layouts, prefetch_parameters,
 };
 pub use launch::{LaunchEnv, LaunchOptions, Launcher, launch};
-pub use mesh::{AxisKind, DeviceMesh, MeshAxis};
+pub use mesh::{AxisKind, DeviceMesh, MeshAxis, PIPELINE_AXIS};
 pub use placement::{Layout, Placement, create_replicated, for_each_row};
 pub use policy::{GradientReduction, RankPolicy, ShardingPolicy};
 #[cfg(feature = "cuda")]

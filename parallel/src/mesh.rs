@@ -23,6 +23,10 @@ pub enum AxisKind {
     Model,
 }
 
+/// The name of the pipeline axis: its ranks hold different stages of the model (a parameter lives
+/// on one of them, so a sum over the mesh counts it once there, never as replicated).
+pub const PIPELINE_AXIS: &str = "pp";
+
 /// The accepted axis names and their roles, in the order error messages list them.
 const AXIS_NAMES: [(&str, AxisKind); 8] = [
     ("dp", AxisKind::Data),

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use wildfire_models::data::TokenizerKind;
 use wildfire_models::gpt::{GptConfig, Preset};
 use wildfire_models::parallelize::ParallelConfig;
+use wildfire_parallel::pipeline::ScheduleKind;
 use wildfire_parallel::{LaunchEnv, Launcher};
 
 /// Numeric precision of the compute.
@@ -364,6 +365,45 @@ impl PretrainConfig {
                 dp * self.accum
             )));
         }
+        let pp = &self.parallel;
+        if pp.pp > 1 {
+            let m = pp.microbatches;
+            if self.accum != 1 {
+                return Err(PretrainError::Config(format!(
+                    "--pp {}: the pipeline's micro-batches are its gradient accumulation: use \
+                     --microbatches instead of --accum {}",
+                    pp.pp, self.accum
+                )));
+            }
+            if !self.batch_size.is_multiple_of(dp * m) {
+                return Err(PretrainError::Config(format!(
+                    "--batch-size {} does not split into --dp {dp} × --microbatches {m}: choose \
+                     a multiple of {}",
+                    self.batch_size,
+                    dp * m
+                )));
+            }
+            if pp.schedule()?.kind() == ScheduleKind::ZeroBubble {
+                return Err(PretrainError::Config(
+                    "--pp-schedule zb: the split backward of zero-bubble schedules is not in \
+                     the pipeline runner yet (--pp-schedule-dump prints the schedule); use \
+                     gpipe, 1f1b or interleaved"
+                        .into(),
+                ));
+            }
+            let unsupported = [
+                (self.save.is_some(), "--save"),
+                (self.resume.is_some(), "--resume"),
+                (self.init_from.is_some(), "--init-from"),
+                (self.dropout > 0.0, "--dropout"),
+            ];
+            if let Some((_, flag)) = unsupported.iter().find(|(on, _)| *on) {
+                return Err(PretrainError::Config(format!(
+                    "--pp {}: {flag} with pipeline stages is not supported yet",
+                    pp.pp
+                )));
+            }
+        }
         if !(0.0..1.0).contains(&self.val_fraction) {
             return Err(PretrainError::Config(
                 "--val-fraction must be in [0, 1)".into(),
@@ -402,14 +442,15 @@ impl PretrainConfig {
             return Ok(());
         };
         let (world, tp) = (env.world_size, self.parallel.tp.max(1));
-        if !dp_given && world.is_multiple_of(tp) {
-            self.parallel.dp = world / tp;
+        let model = tp * self.parallel.pp.max(1);
+        if !dp_given && world.is_multiple_of(model) {
+            self.parallel.dp = world / model;
         }
         let mesh = self.parallel.world_size();
         if mesh != world {
             return Err(PretrainError::Config(format!(
-                "{} started {world} processes, but --dp {} × --tp {tp} = {mesh} ranks: one process per rank (change --dp/--tp or the launcher's process count)",
-                env.launcher, self.parallel.dp
+                "{} started {world} processes, but --dp {} × --pp {} × --tp {tp} = {mesh} ranks: one process per rank (change --dp/--pp/--tp or the launcher's process count)",
+                env.launcher, self.parallel.dp, self.parallel.pp
             )));
         }
         self.launch = match env.launcher {

@@ -235,7 +235,7 @@ pub fn run_on_with<B: FusedOps>(
             Launch::Threads => None,
             _ => open_metrics(device.rank())?,
         };
-        RankRun {
+        let run = RankRun {
             config,
             data: &data,
             sampler: &sampler,
@@ -248,8 +248,12 @@ pub fn run_on_with<B: FusedOps>(
                 .as_ref()
                 .map(|(state, checkpoint)| (checkpoint, state.scaler.clone())),
             first_step,
+        };
+        if config.parallel.pp > 1 {
+            run.train_pipelined(&device)
+        } else {
+            run.train(&device)
         }
-        .train(&device)
     };
     let (rank, summary) = launch_ranks::<B>(config, device, hooks, rank_body)?;
     let mut summary = summary?;
@@ -396,5 +400,6 @@ fn read_state(
     Ok((state, checkpoint))
 }
 
+mod pipeline;
 mod rank;
 use rank::RankRun;

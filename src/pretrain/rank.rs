@@ -233,7 +233,7 @@ impl RankRun<'_> {
         Ok(summary)
     }
 
-    fn progress_bar(&self) -> indicatif::ProgressBar {
+    pub(super) fn progress_bar(&self) -> indicatif::ProgressBar {
         let bar = indicatif::ProgressBar::new(self.config.steps as u64);
         bar.set_style(
             indicatif::ProgressStyle::with_template(
@@ -272,7 +272,7 @@ impl RankRun<'_> {
 
     /// Rank 0: the metrics record, the progress bar and (every `log_every` steps, on
     /// evaluations and at the end) the log line.
-    fn report(
+    pub(super) fn report(
         &self,
         m: &StepMetrics,
         bar: Option<&indicatif::ProgressBar>,

@@ -12,5 +12,5 @@ pub mod runner;
 pub mod schedule;
 
 pub use plan::StagePlan;
-pub use runner::{PipelineStep, run_step};
+pub use runner::{PipelineStep, run_step, run_step_scaled};
 pub use schedule::{Action, Costs, Placed, Schedule, ScheduleKind, Timeline, Work};

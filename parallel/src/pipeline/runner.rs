@@ -200,6 +200,24 @@ where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
+    run_step_scaled(schedule, comm, axis, chunks, 1.0, forward, loss)
+}
+
+/// [`run_step`] with each micro-batch's loss multiplied by `loss_scale` before its backward
+/// (dynamic loss scaling; the losses reported are not scaled).
+pub fn run_step_scaled<B, M>(
+    schedule: &Schedule,
+    comm: &dyn Communicator,
+    axis: usize,
+    chunks: &[M],
+    loss_scale: f32,
+    forward: impl Fn(&M, usize, usize, Option<Tensor<B, 3>>) -> Tensor<B, 3>,
+    loss: impl Fn(usize, Tensor<B, 3>) -> Tensor<B, 1>,
+) -> Result<PipelineStep, Error>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+{
     // Refused on every rank before anything runs (no rank is left waiting for another).
     let split = (0..schedule.ranks()).any(|r| {
         schedule
@@ -273,7 +291,12 @@ where
                 let output = if stage == last {
                     let value = loss(mb, out);
                     losses[mb] = value.clone().into_scalar().elem::<f32>();
-                    Output::Loss(value.div_scalar(m as f64))
+                    let value = value.div_scalar(m as f64);
+                    Output::Loss(if loss_scale == 1.0 {
+                        value
+                    } else {
+                        value.mul_scalar(loss_scale)
+                    })
                 } else {
                     let data = out.clone().into_data();
                     mail.send(schedule.rank_of(stage + 1), ACTIVATION, stage + 1, mb, data)?;

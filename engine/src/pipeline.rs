@@ -1,0 +1,373 @@
+//! One training step of a pipeline-parallel model on `Autodiff<Distributed<X>>`: the rank's part
+//! of the schedule ([`wildfire_parallel::pipeline::run_step_scaled`]: forwards and backwards of
+//! the micro-batches, activations and gradients sent between the stages), then per model chunk
+//! the data-parallel gradient synchronisation, the tied parameters' gradients summed between
+//! the first and the last stage, unscale + overflow check + global norm in one all-reduce over
+//! the whole mesh (the pipeline axis included, each parameter counted once), clipping, and the
+//! optimizer step of every chunk (or a skip on every rank).
+//!
+//! The micro-batches' gradients stay unreduced over the data axes until the schedule ends
+//! (`no_sync`): no collective runs inside a backward pass, where Burn 0.21 holds its graph's
+//! lock, so ranks as threads cannot deadlock on another rank's end-of-backward cleanup.
+
+use std::sync::Arc;
+
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::optim::{GradientsParams, Optimizer};
+use burn::prelude::*;
+use burn::tensor::TensorPrimitive;
+use wildfire_parallel::pipeline::{Placed, Schedule, run_step_scaled};
+use wildfire_parallel::{
+    DistDevice, Distributed, Group, PIPELINE_AXIS, RankContext, ReduceOp, dtensor, from_dtensor,
+    gradient_bytes, sync_gradients,
+};
+
+use crate::Error;
+use crate::grad_check::check_models;
+use crate::recompute::Recompute;
+use crate::scaler::{DynamicLossScaler, StepDecision};
+use crate::step::{Ad, StepRecord, StepRunner, first_non_finite};
+
+/// What a pipeline step did, besides [`StepRecord`] (whose loss is the mean over every
+/// micro-batch of every data-parallel rank, the same on every rank).
+#[derive(Clone, Debug)]
+pub struct PipelineRecord {
+    /// The step.
+    pub step: StepRecord,
+    /// Point-to-point messages this rank sent and received (activations and gradients).
+    pub sends: usize,
+    /// See `sends`.
+    pub recvs: usize,
+    /// The most micro-batches whose activations this rank held at once.
+    pub peak_held: usize,
+    /// This rank's actions as they ran, in seconds from `started`.
+    pub timeline: Vec<Placed>,
+    /// When the schedule began.
+    pub started: std::time::Instant,
+}
+
+impl StepRunner {
+    /// One pipeline step of `schedule` on `device`'s mesh, whose `pp` axis is the pipeline:
+    /// `chunks[c]` is this rank's stage `c·p + r` and `optims[c]` its optimizer;
+    /// `forward(chunk, stage, micro-batch, input)` runs a stage (`input` is `None` on the first
+    /// stage, which reads its micro-batch itself) and `loss(micro-batch, output)` is the last
+    /// stage's mean loss of a micro-batch. `tied(chunk)` names a chunk's parameters that are
+    /// copies of one parameter held by both the first and the last stage (the GPT's token
+    /// table), in the same order on both: their gradients are summed, so both copies take the
+    /// same update; the norm counts the first stage's. Returns the updated chunks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_pipeline<X, M, O>(
+        &mut self,
+        device: &DistDevice<X>,
+        schedule: &Schedule,
+        chunks: Vec<M>,
+        optims: &mut [O],
+        lr: f64,
+        tied: impl Fn(&M) -> Vec<ParamId>,
+        forward: impl Fn(&M, usize, usize, Option<Tensor<Ad<X>, 3>>) -> Tensor<Ad<X>, 3>,
+        loss: impl Fn(usize, Tensor<Ad<X>, 3>) -> Tensor<Ad<X>, 1>,
+    ) -> Result<(Vec<M>, PipelineRecord), Error>
+    where
+        X: Backend,
+        M: AutodiffModule<Ad<X>>,
+        O: Optimizer<M, Ad<X>>,
+    {
+        if self.config.recompute != Recompute::None {
+            return Err(Error::Parallel(wildfire_parallel::Error::Unsupported(
+                "activation recomputation inside pipeline stages is not supported yet".into(),
+            )));
+        }
+        let ctx = device.context().clone();
+        let mesh = device.mesh();
+        let axis = mesh.axis_index(PIPELINE_AXIS)?;
+        if optims.len() != chunks.len() {
+            return Err(Error::Parallel(wildfire_parallel::Error::InvalidSchedule(
+                format!(
+                    "{} model chunks with {} optimizers",
+                    chunks.len(),
+                    optims.len()
+                ),
+            )));
+        }
+        let scale = self.scaler.as_ref().map_or(1.0, DynamicLossScaler::scale);
+        // The schedule, with every data-parallel reduction deferred to its end.
+        ctx.set_no_sync(true);
+        let out = run_step_scaled(schedule, ctx.comm(), axis, &chunks, scale, forward, loss);
+        ctx.set_no_sync(false);
+        let out = out?;
+        let mut grads = out.grads;
+        for (chunk, grads) in chunks.iter().zip(grads.iter_mut()) {
+            sync_gradients(chunk, grads)?;
+        }
+        // The tied parameters: this rank's chunks of the first and of the last stage.
+        let (p, stages) = (schedule.ranks(), schedule.stages());
+        let rank = Group::Axis(axis).index(mesh, device.rank())?;
+        let first = (schedule.rank_of(0) == rank).then_some(0);
+        let last = (schedule.rank_of(stages - 1) == rank).then_some((stages - 1) / p);
+        let mut skip = Vec::new();
+        match (first, last) {
+            (Some(f), Some(l)) if f == l => {}
+            (Some(f), Some(l)) => {
+                let (mine, theirs) = (tied(&chunks[f]), tied(&chunks[l]));
+                let sent = local_pieces::<X, M>(&chunks[l], &mut grads[l], &theirs)?;
+                add_pieces::<X, M>(&chunks[f], &mut grads[f], &mine, sent.clone())?;
+                let kept = local_pieces::<X, M>(&chunks[f], &mut grads[f], &mine)?;
+                replace_pieces::<X, M>(&chunks[l], &mut grads[l], &theirs, kept)?;
+                skip = theirs;
+            }
+            (Some(f), None) => {
+                let ids = tied(&chunks[f]);
+                let peer =
+                    Group::Axis(axis).ranks(mesh, device.rank())?[schedule.rank_of(stages - 1)];
+                exchange::<X, M>(&ctx, peer, true, &chunks[f], &mut grads[f], &ids)?;
+            }
+            (None, Some(l)) => {
+                let ids = tied(&chunks[l]);
+                let peer = Group::Axis(axis).ranks(mesh, device.rank())?[schedule.rank_of(0)];
+                exchange::<X, M>(&ctx, peer, false, &chunks[l], &mut grads[l], &ids)?;
+                skip = ids;
+            }
+            (None, None) => {}
+        }
+        // Unscale + check + norm over the whole mesh, clip.
+        let loss_sum: f64 = out.losses.iter().map(|&l| f64::from(l)).sum();
+        let check = check_models(
+            &chunks,
+            &mut grads,
+            1.0 / scale,
+            self.config.clip,
+            !loss_sum.is_finite(),
+            &skip,
+            Some(ctx.clone()),
+        )?;
+        let loss = mean_loss(&ctx, loss_sum, out.losses.len())?;
+        let skipped = match self.scaler.as_mut() {
+            Some(s) => s.update(check.found_inf) == StepDecision::Skip,
+            None => check.found_inf,
+        };
+        let grad_bytes = chunks
+            .iter()
+            .zip(&grads)
+            .map(|(c, g)| gradient_bytes(c, g))
+            .sum();
+        let step = self.step;
+        self.step += 1;
+        let chunks = if skipped {
+            self.skipped_in_a_row += 1;
+            tracing::warn!(step, scale, "non-finite loss or gradients: step skipped");
+            if self.skipped_in_a_row >= self.config.max_skipped_in_a_row.max(1) {
+                let mut parameter = None;
+                for (chunk, grads) in chunks.iter().zip(&grads) {
+                    // Every rank runs each chunk's search (it takes an all-reduce).
+                    let found = first_non_finite(device, chunk, grads)?;
+                    parameter = parameter.or(found);
+                }
+                return Err(Error::NonFinite {
+                    step,
+                    in_a_row: self.skipped_in_a_row,
+                    parameter,
+                });
+            }
+            chunks
+        } else {
+            self.skipped_in_a_row = 0;
+            chunks
+                .into_iter()
+                .zip(grads)
+                .zip(optims.iter_mut())
+                .map(|((chunk, grads), optim)| optim.step(lr, chunk, grads))
+                .collect()
+        };
+        Ok((
+            chunks,
+            PipelineRecord {
+                step: StepRecord {
+                    loss,
+                    grad_norm: check.norm,
+                    loss_scale: scale,
+                    skipped,
+                    grad_bytes,
+                },
+                sends: out.sends,
+                recvs: out.recvs,
+                peak_held: out.peak_held,
+                timeline: out.timeline,
+                started: out.started,
+            },
+        ))
+    }
+}
+
+/// The mean of the last stage's micro-batch losses over every rank that holds them (one
+/// all-reduce of `[Σ loss, count]` over the mesh).
+fn mean_loss(ctx: &Arc<RankContext>, sum: f64, count: usize) -> Result<f32, Error> {
+    if ctx.world_size() == 1 {
+        return Ok((sum / count.max(1) as f64) as f32);
+    }
+    let data = TensorData::new(vec![sum, count as f64], [2]);
+    let out = ctx
+        .comm()
+        .all_reduce(Group::World, data, ReduceOp::Sum)?
+        .to_vec::<f64>()
+        .expect("f64");
+    Ok((out[0] / out[1].max(1.0)) as f32)
+}
+
+/// Visits the gradients of the parameters `ids` of a module, in `ids`' order.
+struct Tied<'a, X: Backend> {
+    ids: &'a [ParamId],
+    grads: &'a mut GradientsParams,
+    /// Per id: its gradient's local piece, read or (when `put` holds it) replaced.
+    pieces: Vec<Option<TensorData>>,
+    put: Option<Vec<TensorData>>,
+    add: bool,
+    error: Option<String>,
+    _x: std::marker::PhantomData<X>,
+}
+
+impl<X: Backend> ModuleVisitor<Ad<X>> for Tied<'_, X> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Ad<X>, D>>) {
+        let Some(i) = self.ids.iter().position(|id| *id == param.id) else {
+            return;
+        };
+        let Some(grad) = self.grads.remove::<Distributed<X>, D>(param.id) else {
+            self.error
+                .get_or_insert(format!("tied parameter {} has no gradient", param.id));
+            return;
+        };
+        let t = dtensor(&grad);
+        let local = Tensor::<X, D>::from_primitive(TensorPrimitive::Float(t.local().clone()));
+        let grad = match &self.put {
+            None => {
+                self.pieces[i] = Some(local.into_data());
+                grad
+            }
+            Some(put) => {
+                let data = put[i].clone();
+                if data.shape.to_vec() != local.dims().to_vec() {
+                    self.error.get_or_insert(format!(
+                        "tied parameter {}: a gradient piece of shape {:?} for one of {:?}",
+                        param.id,
+                        data.shape,
+                        local.dims()
+                    ));
+                    grad
+                } else {
+                    let other = Tensor::<X, D>::from_data(data, &local.device());
+                    let new = if self.add { local + other } else { other };
+                    from_dtensor::<Distributed<X>, D>(t.with_local(new.into_primitive().tensor()))
+                }
+            }
+        };
+        self.grads.register::<Distributed<X>, D>(param.id, grad);
+    }
+}
+
+fn visit_tied<X: Backend, M: AutodiffModule<Ad<X>>>(
+    chunk: &M,
+    grads: &mut GradientsParams,
+    ids: &[ParamId],
+    put: Option<Vec<TensorData>>,
+    add: bool,
+) -> Result<Vec<Option<TensorData>>, Error> {
+    if let Some(put) = &put
+        && put.len() != ids.len()
+    {
+        return Err(tied_error(format!(
+            "{} tied parameters here, {} on the other stage",
+            ids.len(),
+            put.len()
+        )));
+    }
+    let mut v = Tied::<X> {
+        ids,
+        grads,
+        pieces: vec![None; ids.len()],
+        put,
+        add,
+        error: None,
+        _x: std::marker::PhantomData,
+    };
+    chunk.visit(&mut v);
+    match v.error {
+        Some(e) => Err(tied_error(e)),
+        None => Ok(v.pieces),
+    }
+}
+
+fn tied_error(detail: String) -> Error {
+    Error::Parallel(wildfire_parallel::Error::Mismatch {
+        op: wildfire_parallel::CollectiveKind::Recv,
+        group: PIPELINE_AXIS.into(),
+        detail,
+    })
+}
+
+/// The local pieces of the gradients of `ids`, in order.
+fn local_pieces<X: Backend, M: AutodiffModule<Ad<X>>>(
+    chunk: &M,
+    grads: &mut GradientsParams,
+    ids: &[ParamId],
+) -> Result<Vec<TensorData>, Error> {
+    visit_tied::<X, M>(chunk, grads, ids, None, false)?
+        .into_iter()
+        .enumerate()
+        .map(|(i, d)| d.ok_or_else(|| tied_error(format!("tied parameter {} not found", ids[i]))))
+        .collect()
+}
+
+fn add_pieces<X: Backend, M: AutodiffModule<Ad<X>>>(
+    chunk: &M,
+    grads: &mut GradientsParams,
+    ids: &[ParamId],
+    pieces: Vec<TensorData>,
+) -> Result<(), Error> {
+    visit_tied::<X, M>(chunk, grads, ids, Some(pieces), true).map(|_| ())
+}
+
+fn replace_pieces<X: Backend, M: AutodiffModule<Ad<X>>>(
+    chunk: &M,
+    grads: &mut GradientsParams,
+    ids: &[ParamId],
+    pieces: Vec<TensorData>,
+) -> Result<(), Error> {
+    visit_tied::<X, M>(chunk, grads, ids, Some(pieces), false).map(|_| ())
+}
+
+/// Sum the tied gradients with the stage on `peer` (the first stage sends first, the last
+/// receives first, so blocking sends cannot wait on each other): both end with the same sum.
+fn exchange<X: Backend, M: AutodiffModule<Ad<X>>>(
+    ctx: &Arc<RankContext>,
+    peer: usize,
+    sends_first: bool,
+    chunk: &M,
+    grads: &mut GradientsParams,
+    ids: &[ParamId],
+) -> Result<(), Error> {
+    let p2p = ctx.comm().point_to_point()?;
+    let mine = local_pieces::<X, M>(chunk, grads, ids)?;
+    let count = TensorData::new(vec![ids.len() as i64], [1]);
+    let mut theirs = Vec::with_capacity(ids.len());
+    let receive = |theirs: &mut Vec<TensorData>| -> Result<(), Error> {
+        let n = p2p
+            .recv(peer)?
+            .to_vec::<i64>()
+            .map_err(|e| tied_error(format!("a tied-gradient count that is not one: {e:?}")))?[0]
+            as usize;
+        for _ in 0..n {
+            theirs.push(p2p.recv(peer)?);
+        }
+        Ok(())
+    };
+    if !sends_first {
+        receive(&mut theirs)?;
+    }
+    p2p.send(peer, count)?;
+    for piece in mine {
+        p2p.send(peer, piece)?;
+    }
+    if sends_first {
+        receive(&mut theirs)?;
+    }
+    add_pieces::<X, M>(chunk, grads, ids, theirs)
+}

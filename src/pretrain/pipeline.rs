@@ -1,0 +1,309 @@
+//! The training loop of one rank of a pipeline-parallel run (`--pp N`): the rank builds only
+//! its stages of the GPT (the blocks the [`StagePlan`] gives them, the embeddings on the first
+//! stage, the final norm and the tied head on the last), then per step runs its part of the
+//! schedule ([`StepRunner::run_pipeline`]), reports the metrics of the whole mesh, and evaluates
+//! by a forward-only pass through the stages.
+
+use super::*;
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use wildfire_kernels::hooks::Inference;
+use wildfire_models::gpt::{GptStage, StageInput, cross_entropy};
+use wildfire_models::parallelize::init_gpt_stage;
+use wildfire_parallel::pipeline::{Schedule, StagePlan};
+use wildfire_parallel::{Group, PIPELINE_AXIS, RankPolicy, ReduceOp};
+
+type A<B> = Autodiff<Distributed<B>>;
+
+/// A rank's stages, in chunk order, with their stage numbers.
+struct Stages<B: FusedOps> {
+    chunks: Vec<GptStage<A<B>>>,
+    /// Chunk `c` is stage `c·p + r`.
+    numbers: Vec<usize>,
+}
+
+impl RankRun<'_> {
+    /// Train this rank's stages (see the module docs); the summary's losses are the mesh's.
+    pub fn train_pipelined<B: FusedOps>(
+        &self,
+        device: &DistDevice<B>,
+    ) -> Result<RunSummary, PretrainError> {
+        let (config, model_config) = (self.config, &self.data.model);
+        let rank = device.rank();
+        let ctx = device.context().clone();
+        ctx.set_policy(RankPolicy {
+            compute_dtype: config.precision.reduced_dtype(),
+            grad_reduce_dtype: config.grad_reduce.reduced_dtype(),
+            memory_budget: config.memory_budget,
+            prefetch: config.prefetch,
+            reduce_in_flight: config.reduce_in_flight,
+            bucket_bytes: (config.bucket_mb * (1u64 << 20) as f64) as usize,
+            ..RankPolicy::default()
+        });
+        let schedule = config.parallel.schedule()?;
+        let stages = self.build_stages::<B>(device, &schedule)?;
+        let mut chunks = stages.chunks;
+        let adamw = AdamWConfig::new()
+            .with_beta_2(0.95)
+            .with_weight_decay(config.weight_decay as f32);
+        let mut optims: Vec<_> = chunks
+            .iter()
+            .map(|_| FsdpOptimizer::new(adamw.init::<A<B>, GptStage<A<B>>>()))
+            .collect();
+        let scaler = (config.precision == Precision::F16)
+            .then(|| DynamicLossScaler::new(LossScalerConfig::default()));
+        let mut step_runner = StepRunner::new(
+            StepRunnerConfig {
+                clip: (config.clip > 0.0).then_some(config.clip as f32),
+                recompute: config.parallel.recompute,
+                max_skipped_in_a_row: config.max_skipped,
+            },
+            scaler,
+        )
+        .starting_at(self.first_step);
+        let mut summary = RunSummary {
+            setup_peak_rss: peak_rss(),
+            setup_heap_peak: crate::alloc::heap_peak() as u64,
+            ..RunSummary::default()
+        };
+        let tokens_per_step = (config.batch_size * model_config.block_size) as f64;
+        let progress = (rank == 0 && config.progress).then(|| self.progress_bar());
+        let member = ctx.comm().member();
+        member.set_tracing(config.trace.is_some());
+        let m = schedule.microbatches();
+        let micro = self.rows.len() / m;
+        for step in self.first_step..config.steps {
+            let started = Instant::now();
+            let stats_before = ctx.comm_stats();
+            ctx.reset_peak_bytes();
+            let lr = config.lr_at(step);
+            let batch = |mb: usize| {
+                let start = self.rows.start + mb * micro;
+                self.sampler
+                    .tensors::<A<B>>(self.train, step as u64, start..start + micro, device)
+                    .expect("the sampler was checked")
+            };
+            let step_started = Instant::now();
+            let (next, record) = step_runner.run_pipeline(
+                device,
+                &schedule,
+                chunks,
+                &mut optims,
+                lr,
+                tied_table::<B>,
+                |chunk: &GptStage<A<B>>, _stage, mb, input| {
+                    let input = match input {
+                        Some(hidden) => StageInput::Hidden(hidden),
+                        None => StageInput::Tokens(batch(mb)[0].clone()),
+                    };
+                    chunk.forward_with(input, &Inference)
+                },
+                |mb, logits| {
+                    let [_, y] = batch(mb);
+                    cross_entropy(logits, y)
+                },
+            )?;
+            chunks = next;
+            member.trace_region("step", step_started);
+            let param_bytes: u64 = chunks.iter().map(|c| parameter_bytes(c)).sum();
+            let elapsed = started.elapsed().as_secs_f64();
+            let r = record.step;
+            let mut metrics = StepMetrics {
+                step,
+                loss: r.loss,
+                lr,
+                grad_norm: r.grad_norm,
+                loss_scale: r.loss_scale,
+                skipped: r.skipped,
+                tokens_per_s: tokens_per_step / elapsed,
+                param_bytes,
+                grad_bytes: r.grad_bytes,
+                optim_bytes: ctx.live_bytes().saturating_sub(param_bytes),
+                peak_bytes: ctx.peak_bytes(),
+                gathered_peak_bytes: ctx.peak_gathered_bytes(),
+                process_peak_rss: peak_rss(),
+                comm_bytes: ctx.comm_stats().since(&stats_before).total_bytes(),
+                val_loss: None,
+            };
+            tracing::debug!(
+                step,
+                rank,
+                sends = record.sends,
+                recvs = record.recvs,
+                peak_held = record.peak_held,
+                "pipeline step"
+            );
+            let last = step + 1 == config.steps;
+            if (config.eval_every > 0 && (step + 1) % config.eval_every == 0) || last {
+                metrics.val_loss = self.evaluate_pipelined(&chunks, &stages.numbers, device)?;
+            }
+            if rank == 0 {
+                self.report(&metrics, progress.as_ref(), elapsed)?;
+            }
+            summary.steps.push(metrics);
+        }
+        if let Some(bar) = &progress {
+            bar.finish_and_clear();
+        }
+        summary.final_peak_rss = peak_rss();
+        if config.trace.is_some() {
+            summary.trace = vec![(rank, member.take_trace())];
+            member.set_tracing(false);
+        }
+        summary.final_heap_peak = crate::alloc::heap_peak() as u64;
+        if config.gather_parameters {
+            summary.parameters = gather_parameters(device, &chunks)?;
+        }
+        if config.sample_tokens > 0 && rank == 0 {
+            tracing::warn!(
+                "--sample-tokens: generating through pipeline stages is not supported yet"
+            );
+        }
+        Ok(summary)
+    }
+
+    /// This rank's stages under `schedule`: the plan splits the blocks as evenly as they go
+    /// (the longer runs first), and each rank draws only its stages' parameters.
+    fn build_stages<B: FusedOps>(
+        &self,
+        device: &DistDevice<B>,
+        schedule: &Schedule,
+    ) -> Result<Stages<B>, PretrainError> {
+        let model = &self.data.model;
+        let plan = StagePlan::balanced(model.n_layer, schedule.stages())?;
+        let mesh = device.mesh();
+        let axis = mesh.axis_index(PIPELINE_AXIS)?;
+        let pp_rank = Group::Axis(axis).index(mesh, device.rank())?;
+        let last = schedule.stages() - 1;
+        let mut stages = Stages {
+            chunks: Vec::new(),
+            numbers: Vec::new(),
+        };
+        for (c, blocks) in plan.chunks(schedule, pp_rank)?.into_iter().enumerate() {
+            let stage = c * schedule.ranks() + pp_rank;
+            if device.rank() == 0 || pp_rank == 0 {
+                tracing::debug!(stage, ?blocks, "pipeline stage");
+            }
+            stages.chunks.push(init_gpt_stage(
+                model,
+                device,
+                &self.config.parallel,
+                blocks,
+                stage == 0,
+                stage == last,
+            )?);
+            stages.numbers.push(stage);
+        }
+        Ok(stages)
+    }
+
+    /// The mean validation loss over `eval_iters` batches: each batch goes forward through the
+    /// stages in order (a rank runs its stages in order, receiving each one's input from the
+    /// stage before and sending its output on), the last stage's losses averaged over the mesh.
+    fn evaluate_pipelined<B: FusedOps>(
+        &self,
+        chunks: &[GptStage<A<B>>],
+        numbers: &[usize],
+        device: &DistDevice<B>,
+    ) -> Result<Option<f32>, PretrainError> {
+        if self.config.eval_iters == 0 || self.val.len() <= self.data.model.block_size {
+            return Ok(None);
+        }
+        let mesh = device.mesh();
+        let axis = mesh.axis_index(PIPELINE_AXIS)?;
+        let members = Group::Axis(axis).ranks(mesh, device.rank())?;
+        let p = members.len();
+        let ctx = device.context();
+        let p2p = ctx.comm().point_to_point()?;
+        let chunks: Vec<GptStage<Distributed<B>>> = chunks.iter().map(|c| c.valid()).collect();
+        let (mut total, mut count) = (0.0f64, 0usize);
+        for i in 0..self.config.eval_iters {
+            let [x, y] = self.val_sampler.tensors::<Distributed<B>>(
+                self.val,
+                i as u64,
+                self.rows.clone(),
+                device,
+            )?;
+            for (chunk, &stage) in chunks.iter().zip(numbers) {
+                let input = if chunk.is_first() {
+                    StageInput::Tokens(x.clone())
+                } else {
+                    let data = p2p.recv(members[(stage - 1) % p])?;
+                    StageInput::Hidden(Tensor::from_data(data, &x.device()))
+                };
+                let out = chunk.forward_with(input, &Inference);
+                if chunk.is_last() {
+                    total += f64::from(cross_entropy(out, y.clone()).into_scalar().elem::<f32>());
+                    count += 1;
+                } else {
+                    p2p.send(members[(stage + 1) % p], out.into_data())?;
+                }
+            }
+        }
+        let data = TensorData::new(vec![total, count as f64], [2]);
+        let out = ctx
+            .comm()
+            .all_reduce(Group::World, data, ReduceOp::Sum)?
+            .to_vec::<f64>()
+            .expect("f64");
+        Ok(Some((out[0] / out[1].max(1.0)) as f32))
+    }
+}
+
+/// The token table's copy on the first and on the last stage (the tied parameter).
+fn tied_table<B: FusedOps>(chunk: &GptStage<A<B>>) -> Vec<ParamId> {
+    chunk.wte.as_ref().map(|p| p.id).into_iter().collect()
+}
+
+/// Every parameter of the whole model on rank 0, in the whole model's visiting order (the
+/// stages' parameters carry the whole model's ids): the other ranks of rank 0's pipeline group
+/// send theirs. The last stage's copy of the tied table is left out (it equals the first's).
+fn gather_parameters<B: FusedOps>(
+    device: &DistDevice<B>,
+    chunks: &[GptStage<A<B>>],
+) -> Result<Vec<Vec<f32>>, PretrainError> {
+    struct Collect(Vec<(u64, Vec<f32>)>, Option<ParamId>);
+    impl<B: burn::tensor::backend::Backend> ModuleVisitor<B> for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if Some(param.id) == self.1 {
+                return;
+            }
+            let id: u64 = param.id.val();
+            let values = param.val().into_data().convert::<f32>().to_vec().unwrap();
+            self.0.push((id, values));
+        }
+    }
+    let mut mine = Collect(Vec::new(), None);
+    for chunk in chunks {
+        mine.1 = (!chunk.is_first())
+            .then(|| chunk.wte.as_ref().map(|p| p.id))
+            .flatten();
+        chunk.visit(&mut mine);
+    }
+    let mesh = device.mesh();
+    let axis = mesh.axis_index(PIPELINE_AXIS)?;
+    let members = Group::Axis(axis).ranks(mesh, device.rank())?;
+    if !members.contains(&0) {
+        return Ok(Vec::new());
+    }
+    let p2p = device.context().comm().point_to_point()?;
+    let mut all = mine.0;
+    if device.rank() == 0 {
+        for &from in &members[1..] {
+            let n = p2p.recv(from)?.to_vec::<i64>().expect("a count")[0] as usize;
+            for _ in 0..n {
+                let id = p2p.recv(from)?.to_vec::<i64>().expect("an id")[0] as u64;
+                all.push((id, p2p.recv(from)?.to_vec::<f32>().expect("values")));
+            }
+        }
+        all.sort_by_key(|(id, _)| *id);
+        Ok(all.into_iter().map(|(_, v)| v).collect())
+    } else {
+        p2p.send(0, TensorData::new(vec![all.len() as i64], [1]))?;
+        for (id, values) in all {
+            let n = values.len();
+            p2p.send(0, TensorData::new(vec![id as i64], [1]))?;
+            p2p.send(0, TensorData::new(values, [n]))?;
+        }
+        Ok(Vec::new())
+    }
+}
