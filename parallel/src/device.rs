@@ -121,6 +121,9 @@ pub struct RankContext {
     buckets: Mutex<Option<Box<dyn Any + Send>>>,
     /// Asynchronous gradient reductions issued and not yet waited for, oldest first.
     outstanding: Mutex<std::collections::VecDeque<Arc<dyn Resolve>>>,
+    /// Zero-bubble split backward: while `Some`, the weight gradients of linear layers are
+    /// deferred and listed here ([`RankContext::begin_deferring_weight_gradients`]).
+    deferred: Mutex<Option<Vec<Arc<dyn Resolve>>>>,
 }
 
 /// One parameter's sharded initialisation (see [`RankContext`]'s `init_scope`).
@@ -193,6 +196,7 @@ impl RankContext {
             prefetch_stats: Mutex::default(),
             buckets: Mutex::new(None),
             outstanding: Mutex::default(),
+            deferred: Mutex::default(),
         })
     }
 
@@ -363,6 +367,48 @@ impl RankContext {
             outstanding.drain(..over).collect()
         };
         due.iter().try_for_each(|r| r.resolve())
+    }
+
+    /// Zero-bubble split backward (the `I` of ZB-H1): from now until
+    /// [`end_deferring_weight_gradients`](Self::end_deferring_weight_gradients), a linear layer's
+    /// weight gradient is not computed in backward while gradients are kept unreduced
+    /// ([`set_no_sync`](Self::set_no_sync)): it is a stand-in whose matmul (with its saved
+    /// input and output gradient) runs at its first use or when the batch is run (the `W`).
+    pub fn begin_deferring_weight_gradients(&self) {
+        *self.deferred.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
+    }
+
+    /// Stop deferring; the weight gradients deferred since the begin, to run later.
+    pub fn end_deferring_weight_gradients(&self) -> DeferredWeights {
+        DeferredWeights(
+            self.deferred
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+                .unwrap_or_default(),
+        )
+    }
+
+    /// Whether weight gradients are being deferred now (only while gradients stay unreduced).
+    pub(crate) fn defers_weight_gradients(&self) -> bool {
+        self.no_sync()
+            && self
+                .deferred
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some()
+    }
+
+    /// List a deferred weight gradient.
+    pub(crate) fn defer(&self, deferred: Arc<dyn Resolve>) {
+        if let Some(list) = self
+            .deferred
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            list.push(deferred);
+        }
     }
 
     /// Wait for every outstanding asynchronous reduction (`sync_gradients` does, before the
@@ -772,4 +818,36 @@ impl Drop for RecomputeScope {
 
 pub(crate) fn is_recomputing() -> bool {
     RECOMPUTING.with(|c| c.get() > 0)
+}
+
+/// Weight gradients deferred by a zero-bubble schedule's `I` action
+/// ([`RankContext::end_deferring_weight_gradients`]), computed by [`DeferredWeights::run`] (its
+/// `W` action). Those already used (a weight used twice in the graph sums its gradients at once)
+/// are computed already.
+#[must_use = "deferred weight gradients are computed when run (or at their first use)"]
+pub struct DeferredWeights(Vec<Arc<dyn Resolve>>);
+
+impl DeferredWeights {
+    /// How many weight gradients were deferred.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether none was.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Compute them now, in the order they were deferred.
+    pub fn run(self) -> Result<usize, crate::Error> {
+        let n = self.0.len();
+        self.0.iter().try_for_each(|d| d.resolve())?;
+        Ok(n)
+    }
+}
+
+impl std::fmt::Debug for DeferredWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeferredWeights({})", self.0.len())
+    }
 }

@@ -65,7 +65,9 @@ pub use comm::{NcclCommunicator, NcclOptions};
 pub use data_parallel::{
     DistributedBackend, SyncReport, dtensor, from_dtensor, redistribute, replicate, sync_gradients,
 };
-pub use device::{DistDevice, MemoryReport, OpCounters, PrefetchStats, RankContext};
+pub use device::{
+    DeferredWeights, DistDevice, MemoryReport, OpCounters, PrefetchStats, RankContext,
+};
 pub use error::{CollectiveKind, Error};
 pub use fsdp::{
     FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, init_sharded, optimizer_state_layout,

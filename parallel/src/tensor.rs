@@ -58,6 +58,9 @@ enum AwaitState<B: Backend> {
     },
     Done(B::FloatTensorPrimitive),
     Failed(Error),
+    /// A computation deferred to the first use or to [`crate::RankContext::run_deferred`]: a
+    /// weight gradient whose matmul a zero-bubble schedule runs in its `W` action.
+    Deferred(Box<dyn FnOnce() -> B::FloatTensorPrimitive + Send>),
 }
 
 impl<B: Backend> Awaited<B> {
@@ -84,6 +87,11 @@ impl<B: Backend> Awaited<B> {
             shape,
             dtype,
         })
+    }
+
+    /// A piece that `compute` gives, computed at the first use (or when resolved).
+    pub(crate) fn deferred(compute: Box<dyn FnOnce() -> B::FloatTensorPrimitive + Send>) -> Self {
+        Self::with_state(AwaitState::Deferred(compute))
     }
 
     /// A piece already in hand, only watched.
@@ -123,6 +131,7 @@ impl<B: Backend> Awaited<B> {
                         B::float_cast(mine, dtype)
                     }
                 }),
+                Some(AwaitState::Deferred(compute)) => Ok(compute()),
                 _ => unreachable!("not resolved"),
             };
             *state = Some(match result {

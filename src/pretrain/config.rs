@@ -10,7 +10,6 @@ use std::path::PathBuf;
 use wildfire_models::data::TokenizerKind;
 use wildfire_models::gpt::{GptConfig, Preset};
 use wildfire_models::parallelize::ParallelConfig;
-use wildfire_parallel::pipeline::ScheduleKind;
 use wildfire_parallel::{LaunchEnv, Launcher};
 
 /// Numeric precision of the compute.
@@ -383,14 +382,7 @@ impl PretrainConfig {
                     dp * m
                 )));
             }
-            if pp.schedule()?.kind() == ScheduleKind::ZeroBubble {
-                return Err(PretrainError::Config(
-                    "--pp-schedule zb: the split backward of zero-bubble schedules is not in \
-                     the pipeline runner yet (--pp-schedule-dump prints the schedule); use \
-                     gpipe, 1f1b or interleaved"
-                        .into(),
-                ));
-            }
+            pp.schedule()?;
             let unsupported = [
                 (self.save.is_some(), "--save"),
                 (self.resume.is_some(), "--resume"),

@@ -19,8 +19,11 @@
 //! [`Error::Mismatch`]; a peer that never sends fails the receive after the communicator's
 //! timeout (a dead stage is an error on every rank, not a hang).
 //!
-//! Not yet: the split backward of zero-bubble schedules (`I` and `W`), refused with
-//! [`Error::InvalidSchedule`].
+//! Zero-bubble schedules split a backward into `I` (the input gradient, sent on at once) and `W`
+//! (the weight gradients, run later in a bubble): on the `Distributed` backend the `I` defers
+//! every linear layer's weight-gradient matmul (the bulk of a backward's weight work: norms,
+//! biases and embeddings stay in `I`), the `W` runs them. Elsewhere such schedules are refused
+//! with [`Error::InvalidSchedule`].
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -32,6 +35,7 @@ use burn::tensor::{ElementConversion, Tensor, TensorData};
 
 use super::schedule::{Placed, Schedule, Work};
 use crate::comm::{CollectiveKind, Communicator, Group};
+use crate::device::{DeferredWeights, RankContext};
 use crate::error::Error;
 
 /// What one rank's part of a pipeline step gave ([`run_step`]).
@@ -56,6 +60,9 @@ pub struct PipelineStep {
     pub timeline: Vec<Placed>,
     /// When the step began (to put several ranks' timelines on one time axis).
     pub started: Instant,
+    /// Weight gradients the `I` actions deferred and the `W` actions computed (zero-bubble
+    /// schedules; 0 otherwise).
+    pub deferred: usize,
 }
 
 /// The module with fresh autodiff leaves for its parameters (the same values and ids): each
@@ -200,17 +207,23 @@ where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
-    run_step_scaled(schedule, comm, axis, chunks, 1.0, forward, loss)
+    run_step_scaled(schedule, comm, axis, chunks, 1.0, None, forward, loss)
 }
 
 /// [`run_step`] with each micro-batch's loss multiplied by `loss_scale` before its backward
-/// (dynamic loss scaling; the losses reported are not scaled).
+/// (dynamic loss scaling; the losses reported are not scaled), and, with `split` (the rank's
+/// context on the `Distributed` backend), the split backward of zero-bubble schedules: an `I`
+/// action runs the backward with the linear layers' weight gradients deferred
+/// ([`RankContext::begin_deferring_weight_gradients`]; gradients must be kept unreduced,
+/// [`RankContext::set_no_sync`]) and sends the input gradient on; its `W` computes them.
+#[allow(clippy::too_many_arguments)]
 pub fn run_step_scaled<B, M>(
     schedule: &Schedule,
     comm: &dyn Communicator,
     axis: usize,
     chunks: &[M],
     loss_scale: f32,
+    split: Option<&RankContext>,
     forward: impl Fn(&M, usize, usize, Option<Tensor<B, 3>>) -> Tensor<B, 3>,
     loss: impl Fn(usize, Tensor<B, 3>) -> Tensor<B, 1>,
 ) -> Result<PipelineStep, Error>
@@ -219,16 +232,16 @@ where
     M: AutodiffModule<B>,
 {
     // Refused on every rank before anything runs (no rank is left waiting for another).
-    let split = (0..schedule.ranks()).any(|r| {
+    let has_split = (0..schedule.ranks()).any(|r| {
         schedule
             .actions(r)
             .iter()
             .any(|a| matches!(a.work, Work::BackwardInput | Work::BackwardWeight))
     });
-    if split {
+    if has_split && split.is_none() {
         return Err(Error::InvalidSchedule(format!(
-            "{:?}: the runner runs whole backwards; splitting them into input and weight \
-             gradients (zero-bubble schedules) is not supported yet",
+            "{:?}: splitting backwards into input and weight gradients needs the Distributed \
+             backend's deferred weight gradients (pass the rank's context)",
             schedule.kind()
         )));
     }
@@ -270,6 +283,9 @@ where
         (0..v).map(|_| GradientsAccumulator::new()).collect();
     let mut losses = vec![f32::NAN; if schedule.rank_of(last) == rank { m } else { 0 }];
     let mut peak_held = 0;
+    // After an `I`, until its `W`: the micro-batch's gradients and its deferred weight gradients.
+    let mut waiting: HashMap<(usize, usize), (GradientsParams, DeferredWeights)> = HashMap::new();
+    let mut deferred_count = 0;
     let started = Instant::now();
     let mut timeline = Vec::with_capacity(schedule.actions(rank).len());
     for action in schedule.actions(rank) {
@@ -312,7 +328,7 @@ where
                 );
                 peak_held = peak_held.max(held.len());
             }
-            Work::Backward => {
+            Work::Backward | Work::BackwardInput => {
                 let Held {
                     chunk: leaves,
                     input,
@@ -320,6 +336,13 @@ where
                 } = held.remove(&(stage, mb)).ok_or_else(|| {
                     Error::InvalidSchedule(format!("backward of {action} before its forward"))
                 })?;
+                let defer = match (action.work, split) {
+                    (Work::BackwardInput, Some(ctx)) => {
+                        ctx.begin_deferring_weight_gradients();
+                        Some(ctx)
+                    }
+                    _ => None,
+                };
                 let grads = match output {
                     Output::Loss(value) => value.backward(),
                     Output::Activation(out) => {
@@ -340,6 +363,7 @@ where
                         (out * g).sum().backward()
                     }
                 };
+                let deferred = defer.map(RankContext::end_deferring_weight_gradients);
                 if let Some(input) = input {
                     let grad = input.grad(&grads).ok_or_else(|| {
                         Error::Unsupported(format!(
@@ -354,11 +378,20 @@ where
                         grad.into_data(),
                     )?;
                 }
-                accumulators[stage / p]
-                    .accumulate(chunk, GradientsParams::from_grads(grads, &leaves));
+                let grads = GradientsParams::from_grads(grads, &leaves);
+                match deferred {
+                    Some(deferred) => {
+                        waiting.insert((stage, mb), (grads, deferred));
+                    }
+                    None => accumulators[stage / p].accumulate(chunk, grads),
+                }
             }
-            Work::BackwardInput | Work::BackwardWeight => {
-                unreachable!("refused before the step")
+            Work::BackwardWeight => {
+                let (grads, deferred) = waiting.remove(&(stage, mb)).ok_or_else(|| {
+                    Error::InvalidSchedule(format!("{action} before its input gradient"))
+                })?;
+                deferred_count += deferred.run()?;
+                accumulators[stage / p].accumulate(chunk, grads);
             }
         }
         timeline.push(Placed {
@@ -375,5 +408,6 @@ where
         peak_held,
         timeline,
         started,
+        deferred: deferred_count,
     })
 }

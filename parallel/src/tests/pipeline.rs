@@ -4,7 +4,8 @@
 //! schedule's simulation, and the failures (a dead stage, an unsupported schedule).
 
 use super::*;
-use crate::pipeline::{Costs, Schedule, ScheduleKind, StagePlan, run_step};
+use crate::pipeline::{Costs, Schedule, ScheduleKind, StagePlan, run_step, run_step_scaled};
+use burn::tensor::backend::AutodiffBackend;
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
@@ -68,8 +69,8 @@ fn target(step: usize, mb: usize) -> TensorData {
     values(&[2, 3, D], 9_000 + 100 * step as u64 + mb as u64)
 }
 
-fn mse(out: Tensor<A, 3>, step: usize, mb: usize) -> Tensor<A, 1> {
-    let t = Tensor::<A, 3>::from_data(target(step, mb), &out.device());
+fn mse<B: Backend>(out: Tensor<B, 3>, step: usize, mb: usize) -> Tensor<B, 1> {
+    let t = Tensor::<B, 3>::from_data(target(step, mb), &out.device());
     (out - t).powi_scalar(2).mean()
 }
 
@@ -111,19 +112,33 @@ struct RankRun {
     chunks: Vec<Vec<Vec<f32>>>,
     p2p: Vec<(usize, usize)>,
     peak_held: usize,
+    /// Per step, the weight gradients the `W` actions computed.
+    deferred: Vec<usize>,
 }
 
+/// `schedule` run for `STEPS` steps on plain Flex ranks.
 fn pipelined(schedule: &Schedule) -> Vec<RankRun> {
+    pipelined_on::<A>(schedule, |_| Default::default(), false)
+}
+
+/// `schedule` run for `STEPS` steps, each rank's chunks on `B` on the device `device_of` gives;
+/// `split`: with the rank's context (the `Distributed` backend's deferred weight gradients) and
+/// gradients kept unreduced.
+fn pipelined_on<B: AutodiffBackend>(
+    schedule: &Schedule,
+    device_of: impl Fn(&DistDevice<F>) -> B::Device + Sync,
+    split: bool,
+) -> Vec<RankRun> {
     let p = schedule.ranks();
     let v = schedule.stages() / p;
     let mesh = DeviceMesh::new([("pp", p)]).unwrap();
     threads(&mesh, |device| {
         let comm = device.context().comm_arc();
         let r = device.rank();
-        let inner = Default::default();
+        let inner = device_of(&device);
         // Chunk c is stage c·p + r, its blocks as the plan splits them.
         let plan = StagePlan::even(schedule.stages() * PER_STAGE, schedule.stages()).unwrap();
-        let mut chunks: Vec<Blocks<A>> = plan
+        let mut chunks: Vec<Blocks<B>> = plan
             .chunks(schedule, r)
             .unwrap()
             .into_iter()
@@ -132,15 +147,20 @@ fn pipelined(schedule: &Schedule) -> Vec<RankRun> {
             })
             .collect();
         assert_eq!(chunks.len(), v);
-        let mut optims: Vec<_> = (0..v).map(|_| adamw().init::<A, Blocks<A>>()).collect();
-        let (mut losses, mut p2p, mut peak_held) = (Vec::new(), Vec::new(), 0);
+        let mut optims: Vec<_> = (0..v).map(|_| adamw().init::<B, Blocks<B>>()).collect();
+        let (mut losses, mut p2p, mut peak_held, mut deferred) =
+            (Vec::new(), Vec::new(), 0, Vec::new());
+        let ctx = device.context();
         for step in 0..STEPS {
-            let out = run_step(
+            ctx.set_no_sync(split);
+            let out = run_step_scaled(
                 schedule,
                 &*comm,
                 0,
                 &chunks,
-                |chunk: &Blocks<A>, stage, mb, x| {
+                1.0,
+                split.then_some(&**ctx),
+                |chunk: &Blocks<B>, stage, mb, x| {
                     let x = x.unwrap_or_else(|| {
                         assert_eq!(stage, 0);
                         Tensor::from_data(input(step, mb), &inner)
@@ -150,11 +170,13 @@ fn pipelined(schedule: &Schedule) -> Vec<RankRun> {
                 |mb, out| mse(out, step, mb),
             )
             .unwrap();
+            ctx.set_no_sync(false);
             if !out.losses.is_empty() {
                 losses.push(out.losses.iter().sum::<f32>() / out.losses.len() as f32);
             }
             p2p.push((out.sends, out.recvs));
             peak_held = peak_held.max(out.peak_held);
+            deferred.push(out.deferred);
             chunks = chunks
                 .into_iter()
                 .zip(out.grads)
@@ -167,6 +189,7 @@ fn pipelined(schedule: &Schedule) -> Vec<RankRun> {
             chunks: chunks.iter().map(Blocks::values).collect(),
             p2p,
             peak_held,
+            deferred,
         }
     })
 }
@@ -185,55 +208,90 @@ fn pipelines_match_one_device() {
     ] {
         for p in [2, 4] {
             for m in [4, 8] {
-                let what = format!("{kind:?} p={p} m={m} v={v}");
                 let schedule = Schedule::new(kind, p, m, v).unwrap();
-                let (losses, params) = one_device(schedule.stages(), m);
                 let ranks = pipelined(&schedule);
-                let timeline = schedule.simulate(&Costs::default()).unwrap();
-                let last = schedule.rank_of(schedule.stages() - 1);
-                for (r, run) in ranks.iter().enumerate() {
-                    if r == last {
-                        for (a, b) in run.losses.iter().zip(&losses) {
-                            assert!((a - b).abs() <= 1e-6 * b.abs(), "{what}: {a} vs {b}");
-                        }
-                        assert_eq!(run.losses.len(), STEPS, "{what}");
-                    } else {
-                        assert!(run.losses.is_empty(), "{what}: rank {r} reports losses");
-                    }
-                    for (c, chunk) in run.chunks.iter().enumerate() {
-                        let stage = c * p + r;
-                        for (i, got) in chunk.iter().enumerate() {
-                            let want = &params[stage * PER_STAGE * 2 + i];
-                            for (x, y) in got.iter().zip(want) {
-                                assert!((x - y).abs() <= 1e-6, "{what}: stage {stage}: {x} vs {y}");
-                            }
-                        }
-                    }
-                    assert_eq!(
-                        run.p2p,
-                        vec![schedule.p2p_counts(r); STEPS],
-                        "{what} rank {r}"
-                    );
-                    assert_eq!(
-                        run.peak_held,
-                        timeline.peak_activations(r),
-                        "{what} rank {r}"
-                    );
-                }
-                if kind == ScheduleKind::GPipe {
-                    assert!(ranks.iter().all(|r| r.peak_held == m), "{what}");
-                }
-                if kind == ScheduleKind::OneFOneB {
-                    assert!(ranks.iter().all(|r| r.peak_held <= p), "{what}");
-                }
+                check_against_one_device(&schedule, &ranks);
+                assert!(ranks.iter().all(|r| r.deferred.iter().all(|&d| d == 0)));
             }
         }
     }
 }
 
+/// ZB-H1 on the `Distributed` backend at p = 2 and 4 with M = 4 and 8: the same parity, counts
+/// and peaks as the other schedules, and on every stage but the first (whose backwards stay
+/// whole: it has no input gradient to send) every linear layer's weight gradient (one per block,
+/// `PER_STAGE` per stage, for each of the M micro-batches) deferred by its `I` action and
+/// computed by its `W`, every step.
+#[test]
+fn zero_bubble_defers_weight_gradients_and_matches_one_device() {
+    for p in [2, 4] {
+        for m in [4, 8] {
+            let schedule = Schedule::new(ScheduleKind::ZeroBubble, p, m, 1).unwrap();
+            let ranks = pipelined_on::<Autodiff<Distributed<F>>>(&schedule, |d| d.clone(), true);
+            check_against_one_device(&schedule, &ranks);
+            for (r, run) in ranks.iter().enumerate() {
+                let splits = schedule
+                    .actions(r)
+                    .iter()
+                    .filter(|a| a.work == crate::pipeline::Work::BackwardInput)
+                    .count();
+                // The first stage has no input gradient to send: its backwards stay whole.
+                assert_eq!(splits, if r == 0 { 0 } else { m }, "p={p} m={m} rank {r}");
+                assert_eq!(run.deferred, vec![PER_STAGE * splits; STEPS], "p={p} m={m} rank {r}");
+            }
+        }
+    }
+}
+
+/// Each rank's run of `schedule` against one device: losses and parameters within 1e-6, the
+/// point-to-point messages the schedule predicts, the peak of held activations its simulation
+/// gives.
+fn check_against_one_device(schedule: &Schedule, ranks: &[RankRun]) {
+    let (kind, p, m) = (schedule.kind(), schedule.ranks(), schedule.microbatches());
+    let what = format!("{kind:?} p={p} m={m} v={}", schedule.stages() / p);
+    let (losses, params) = one_device(schedule.stages(), m);
+    let timeline = schedule.simulate(&Costs::default()).unwrap();
+    let last = schedule.rank_of(schedule.stages() - 1);
+    for (r, run) in ranks.iter().enumerate() {
+        if r == last {
+            for (a, b) in run.losses.iter().zip(&losses) {
+                assert!((a - b).abs() <= 1e-6 * b.abs(), "{what}: {a} vs {b}");
+            }
+            assert_eq!(run.losses.len(), STEPS, "{what}");
+        } else {
+            assert!(run.losses.is_empty(), "{what}: rank {r} reports losses");
+        }
+        for (c, chunk) in run.chunks.iter().enumerate() {
+            let stage = c * p + r;
+            for (i, got) in chunk.iter().enumerate() {
+                let want = &params[stage * PER_STAGE * 2 + i];
+                for (x, y) in got.iter().zip(want) {
+                    assert!((x - y).abs() <= 1e-6, "{what}: stage {stage}: {x} vs {y}");
+                }
+            }
+        }
+        assert_eq!(
+            run.p2p,
+            vec![schedule.p2p_counts(r); STEPS],
+            "{what} rank {r}"
+        );
+        assert_eq!(
+            run.peak_held,
+            timeline.peak_activations(r),
+            "{what} rank {r}"
+        );
+    }
+    if kind == ScheduleKind::GPipe {
+        assert!(ranks.iter().all(|r| r.peak_held == m), "{what}");
+    }
+    if kind == ScheduleKind::OneFOneB {
+        assert!(ranks.iter().all(|r| r.peak_held <= p), "{what}");
+    }
+}
+
 /// A stage that dies mid-schedule (rank 1 panics before its first send) is an error on every
-/// rank, never a hang; a zero-bubble schedule is refused (the runner does not split backwards
-/// yet).
+/// rank, never a hang; a zero-bubble schedule is refused where the backend cannot defer weight
+/// gradients (no rank context given).
 #[test]
 fn a_dead_stage_fails_every_rank_and_zero_bubble_is_refused() {
     let schedule = Schedule::new(ScheduleKind::OneFOneB, 2, 4, 1).unwrap();

@@ -61,6 +61,28 @@ pub(super) fn reduce_data_parallel<B: Backend>(
     grad.reduce_gradient(&target).unwrap_or_else(|e| raise(e))
 }
 
+/// [`reduce_data_parallel`] for a weight gradient whose computation is deferred (a zero-bubble
+/// `I` action; gradients kept unreduced, so no reduction runs here): a stand-in of the local
+/// shape `local_shape` and `dtype` that `compute` fills at its first use or when the rank runs
+/// its deferred weight gradients.
+pub(super) fn deferred_data_parallel<B: Backend>(
+    compute: Box<dyn FnOnce() -> B::FloatTensorPrimitive + Send>,
+    local_shape: Vec<usize>,
+    dtype: burn_backend::DType,
+    mut layout: Layout,
+    summand_axes: &[usize],
+    device: DistDevice<B>,
+) -> DTensor<B> {
+    device.ctx.mark_gradients_pending();
+    for &a in summand_axes {
+        layout.set(a, Partial(ReduceOp::Avg));
+    }
+    let global = burn_backend::Shape::from(layout.global_shape(&local_shape, device.mesh()));
+    let awaited = std::sync::Arc::new(crate::tensor::Awaited::deferred(compute));
+    device.ctx.defer(awaited.clone());
+    DTensor::awaiting(awaited, local_shape, dtype, layout, global, device)
+}
+
 /// Split the mesh axes of a weight-gradient op: data axes where an operand is `Local` produce
 /// summands (both operands brought to `Local`/`Replicate`); the rest go through `decide`.
 pub(super) fn weight_grad_layouts(

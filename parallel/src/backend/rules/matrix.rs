@@ -402,6 +402,27 @@ pub(crate) fn linear_weight_backward<B: Backend>(
         });
     let x = to_layout(OP, x, &tx);
     let g = gradient_to_layout(OP, output_grad, &tg);
+    if g.device.ctx.defers_weight_gradients() {
+        // A zero-bubble `I`: the gradient's layouts are decided (and any gather done) now, its
+        // matmul runs at the `W`.
+        let (xs, gs) = (x.local.shape(), g.local.shape());
+        let (k, n) = (xs[xs.num_dims() - 1], gs[gs.num_dims() - 1]);
+        let dtype = g.local.dtype();
+        let device = g.device.clone();
+        let compute = Box::new(move || {
+            in_compute_dtype(&device, [x.local, g.local], |[x, g]| {
+                B::linear_weight_backward(rows_of::<B>(x).0, rows_of::<B>(g).0)
+            })
+        });
+        return super::gradients::deferred_data_parallel(
+            compute,
+            vec![k, n],
+            dtype,
+            out,
+            &summands,
+            g.device,
+        );
+    }
     let grad = in_compute_dtype(&g.device, [x.local, g.local], |[x, g]| {
         B::linear_weight_backward(rows_of::<B>(x).0, rows_of::<B>(g).0)
     });
