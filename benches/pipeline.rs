@@ -3,9 +3,11 @@
 //! step after a warm-up. Per rank, the time its actions computed (from the moment each one's
 //! input was in hand to its end) against the step's span on one time axis; the bubble is the
 //! idle fraction, averaged over the ranks, beside the theory for uniform stages —
-//! (p−1)/(M+p−1) for GPipe and 1F1B, (p−1)/(V·M+p−1) for interleaved 1F1B — and beside the
-//! schedule's own simulation with unit costs. Writes the measured 1F1B timeline for p = 4,
-//! M = 8 as an SVG.
+//! (p−1)/(M+p−1) for GPipe and 1F1B, (p−1)/(V·M+p−1) for interleaved 1F1B, (p−1)/(3M+p−1) for
+//! ZB-H1 (F = I = W: a third of 1F1B's) — and beside the schedule's own simulation with unit
+//! costs. The blocks run on `Autodiff<Distributed<Flex>>`, as training does (ZB-H1 defers the
+//! linear layers' weight gradients to its `W` actions there). Writes the measured 1F1B timeline
+//! for p = 4, M = 8 as an SVG.
 //!
 //! Valid only where every rank has cores of its own: ranks as threads share the machine's cores
 //! and Flex's thread pool, so on a 2-core machine a step with more than two busy ranks runs each
@@ -24,14 +26,15 @@ use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor, activation};
+use wildfire::parallel::Distributed;
 use wildfire::parallel::mesh::DeviceMesh;
 use wildfire::parallel::pipeline::{
-    Costs, Placed, Schedule, ScheduleKind, Timeline, Work, run_step,
+    Costs, Placed, Schedule, ScheduleKind, Timeline, Work, run_step_scaled,
 };
 
 mod common;
 
-type A = Autodiff<Flex>;
+type A = Autodiff<Distributed<Flex>>;
 
 #[derive(Module, Debug)]
 struct Block<B: Backend> {
@@ -77,15 +80,20 @@ fn measure(schedule: &Schedule, d: usize, tokens: [usize; 2]) -> Timeline {
         &Default::default(),
         &Default::default(),
         |device| {
-            let comm = device.context().comm_arc();
-            let inner = Default::default();
+            let ctx = device.context().clone();
+            let comm = ctx.comm_arc();
+            let inner = device.clone();
             let chunks: Vec<Blocks<A>> = (0..v).map(|_| Blocks::new(2, d, &inner)).collect();
             let step = || {
-                run_step(
+                // Gradients stay unreduced through the schedule, as the training step keeps them.
+                ctx.set_no_sync(true);
+                let out = run_step_scaled(
                     schedule,
                     &*comm,
                     0,
                     &chunks,
+                    1.0,
+                    Some(&ctx),
                     |chunk: &Blocks<A>, _, _, x| {
                         chunk.forward(x.unwrap_or_else(|| {
                             Tensor::random([tokens[0], tokens[1], d], Distribution::Default, &inner)
@@ -93,7 +101,9 @@ fn measure(schedule: &Schedule, d: usize, tokens: [usize; 2]) -> Timeline {
                     },
                     |_, out| out.powi_scalar(2).mean(),
                 )
-                .expect("a pipeline step")
+                .expect("a pipeline step");
+                ctx.set_no_sync(false);
+                out
             };
             step(); // warm-up
             let out = step();
@@ -124,13 +134,17 @@ fn main() {
     let smoke = common::smoke();
     let (d, tokens) = if smoke { (16, [2, 4]) } else { (512, [8, 64]) };
     let cases: Vec<(ScheduleKind, usize, usize, usize)> = if smoke {
-        vec![(ScheduleKind::OneFOneB, 2, 4, 1)]
+        vec![
+            (ScheduleKind::OneFOneB, 2, 4, 1),
+            (ScheduleKind::ZeroBubble, 2, 4, 1),
+        ]
     } else {
         let mut cases = Vec::new();
         for (kind, v) in [
             (ScheduleKind::GPipe, 1),
             (ScheduleKind::OneFOneB, 1),
             (ScheduleKind::Interleaved, 2),
+            (ScheduleKind::ZeroBubble, 1),
         ] {
             for p in [2, 4] {
                 for m in [4, 8, 16] {
@@ -143,7 +157,7 @@ fn main() {
     println!(
         "pipeline bubble, measured: 2 residual MLP blocks per stage, d = {d}, micro-batches of \
          {} x {} tokens, ranks as threads\n\n| schedule | p | M | V | measured | theory | \
-         simulated (unit costs) | simulated (measured F and B) | F (ms) | B (ms) |\n\
+         simulated (unit costs) | simulated (measured F and B) | F (ms) | B = I + W (ms) |\n\
          |---|---|---|---|---|---|---|---|---|---|",
         tokens[0], tokens[1]
     );
@@ -156,7 +170,10 @@ fn main() {
     for (kind, p, m, v) in cases {
         let schedule = Schedule::new(kind, p, m, v).expect("a schedule");
         let measured = measure(&schedule, d, tokens);
-        let theory = (p - 1) as f64 / (v * m + p - 1) as f64;
+        let theory = match kind {
+            ScheduleKind::ZeroBubble => (p - 1) as f64 / (3 * m + p - 1) as f64,
+            _ => (p - 1) as f64 / (v * m + p - 1) as f64,
+        };
         let chunk = 1.0 / v as f64;
         let simulated = schedule
             .simulate(&Costs {
@@ -180,12 +197,18 @@ fn main() {
                 .collect();
             times.iter().sum::<f64>() / times.len().max(1) as f64
         };
-        let (f, b) = (mean(Work::Forward), mean(Work::Backward));
+        let f = mean(Work::Forward);
+        // A whole backward, or (ZB-H1) the split ones: the stages that split give I and W.
+        let (i, w) = match kind {
+            ScheduleKind::ZeroBubble => (mean(Work::BackwardInput), mean(Work::BackwardWeight)),
+            _ => (mean(Work::Backward) / 2.0, mean(Work::Backward) / 2.0),
+        };
+        let b = i + w;
         let with_costs = schedule
             .simulate(&Costs {
                 forward: f,
-                backward_input: b / 2.0,
-                backward_weight: b / 2.0,
+                backward_input: i,
+                backward_weight: w,
                 transfer: 0.0,
             })
             .expect("a simulation")

@@ -92,7 +92,16 @@ impl StepRunner {
         let scale = self.scaler.as_ref().map_or(1.0, DynamicLossScaler::scale);
         // The schedule, with every data-parallel reduction deferred to its end.
         ctx.set_no_sync(true);
-        let out = run_step_scaled(schedule, ctx.comm(), axis, &chunks, scale, Some(&ctx), forward, loss);
+        let out = run_step_scaled(
+            schedule,
+            ctx.comm(),
+            axis,
+            &chunks,
+            scale,
+            Some(&ctx),
+            forward,
+            loss,
+        );
         ctx.set_no_sync(false);
         let out = out?;
         let mut grads = out.grads;

@@ -30,7 +30,8 @@
 // - backend: `Distributed<B>`, its propagation rules and fallback. It reads the policy and never
 //   imports a strategy; the strategies call down into it (`backend::gradients_synced`).
 // - data_parallel, fsdp, tensor_parallel, pipeline: the strategies, which set the policy
-//   (pipeline: so far its schedules, plain data).
+//   (pipeline: its schedules, plain data, and the runner; its ZB split backward sets the
+//   rank context's weight-gradient deferral).
 // - launch, ranks: ranks as threads, MPI processes, threads × processes, or a torchrun-style
 //   NCCL process (the process launchers and `NcclCommunicator::install` live in ranks/).
 //

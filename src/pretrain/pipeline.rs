@@ -104,7 +104,7 @@ impl RankRun<'_> {
             )?;
             chunks = next;
             member.trace_region("step", step_started);
-            let param_bytes: u64 = chunks.iter().map(|c| parameter_bytes(c)).sum();
+            let param_bytes: u64 = chunks.iter().map(parameter_bytes).sum();
             let elapsed = started.elapsed().as_secs_f64();
             let r = record.step;
             let mut metrics = StepMetrics {

@@ -1310,8 +1310,14 @@ fn pipeline_refusals_are_typed_errors() {
         assert!(err.to_string().contains(words), "{words}: {err}");
     };
     refused(pp(&|p| p.tp = 2), "tensor parallelism");
-    refused(pp(&|p| p.fsdp = FsdpStrategy::FullShard), "parameter sharding");
-    refused(pp(&|p| p.pp_schedule = "2f2b".into()), "unknown pipeline schedule");
+    refused(
+        pp(&|p| p.fsdp = FsdpStrategy::FullShard),
+        "parameter sharding",
+    );
+    refused(
+        pp(&|p| p.pp_schedule = "2f2b".into()),
+        "unknown pipeline schedule",
+    );
     refused(pp(&|p| p.microbatches = 3), "--microbatches 3");
     refused(
         PretrainConfig {

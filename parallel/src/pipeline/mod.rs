@@ -1,11 +1,15 @@
 //! Pipeline parallelism on a `pp` axis.
 //!
-//! Landed so far: the schedules as data ([`Schedule`]: GPipe, 1F1B, interleaved 1F1B, ZB-H1),
-//! checked and simulated (bubble, held activations, point-to-point counts), printed as a table
-//! and drawn as an SVG timeline; which blocks each stage holds ([`StagePlan`]); and the runner ([`run_step`]) that executes one rank's part of
-//! a step on any Burn module split into chunks, over the rank's communicator — whole backwards
-//! only (GPipe, 1F1B, interleaved). Not yet: the GPT's split into stages and `gpt_pretrain
-//! --pp`, the zero-bubble split backward, composition with FSDP / TP inside the stages.
+//! The schedules as data ([`Schedule`]: GPipe, 1F1B, interleaved 1F1B, ZB-H1), checked and
+//! simulated (bubble, held activations, point-to-point counts), printed as a table and drawn as
+//! an SVG timeline; which blocks each stage holds ([`StagePlan`]); and the runner
+//! ([`run_step`], [`run_step_scaled`]) that executes one rank's part of a step on any Burn
+//! module split into chunks, over the rank's communicator — on the `Distributed` backend with
+//! zero-bubble schedules' split backward (weight gradients deferred from `I` to `W`). The
+//! training step around it (data-parallel sync, tied parameters, norm, optimizer) is
+//! `wildfire_engine::StepRunner::run_pipeline`; the GPT's stages are
+//! `wildfire_models::gpt::GptStage`. Not yet: FSDP (parameter sharding) and tensor parallelism
+//! inside the stages.
 
 pub mod plan;
 pub mod runner;

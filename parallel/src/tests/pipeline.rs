@@ -5,10 +5,10 @@
 
 use super::*;
 use crate::pipeline::{Costs, Schedule, ScheduleKind, StagePlan, run_step, run_step_scaled};
-use burn::tensor::backend::AutodiffBackend;
 use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
 
 type A = Autodiff<Flex>;
 
@@ -237,7 +237,11 @@ fn zero_bubble_defers_weight_gradients_and_matches_one_device() {
                     .count();
                 // The first stage has no input gradient to send: its backwards stay whole.
                 assert_eq!(splits, if r == 0 { 0 } else { m }, "p={p} m={m} rank {r}");
-                assert_eq!(run.deferred, vec![PER_STAGE * splits; STEPS], "p={p} m={m} rank {r}");
+                assert_eq!(
+                    run.deferred,
+                    vec![PER_STAGE * splits; STEPS],
+                    "p={p} m={m} rank {r}"
+                );
             }
         }
     }
