@@ -183,10 +183,8 @@ impl ParallelConfig {
         }
         if self.pp > 1 {
             self.schedule()?;
-            let unsupported = if self.tp > 1 {
-                Some("tensor parallelism (--tp)")
-            } else if matches!(self.fsdp, FsdpStrategy::FullShard | FsdpStrategy::Hybrid) {
-                Some("parameter sharding (--fsdp full, hybrid)")
+            let unsupported = if self.sp {
+                Some("sequence parallelism (--sp)")
             } else if self.recompute != Recompute::None {
                 Some("activation recomputation (--recompute)")
             } else {
@@ -194,8 +192,7 @@ impl ParallelConfig {
             };
             if let Some(what) = unsupported {
                 return Err(Error::Config(format!(
-                    "--pp {}: {what} inside pipeline stages is not supported yet; pipeline \
-                     stages compose with data parallelism (--fsdp none, zero1, grad-op)",
+                    "--pp {}: {what} inside pipeline stages is not supported yet",
                     self.pp
                 )));
             }
@@ -215,8 +212,12 @@ impl ParallelConfig {
 /// so the tied output projection yields vocabulary-split logits and the cross-entropy is
 /// loss-parallel (no rank holds the full logits).
 pub fn gpt_tp_plan() -> TpPlan {
+    gpt_block_tp_plan().with("wte", TpStyle::VocabParallel)
+}
+
+/// [`gpt_tp_plan`] for the blocks alone (a pipeline stage without the token table).
+pub fn gpt_block_tp_plan() -> TpPlan {
     TpPlan::new()
-        .with("wte", TpStyle::VocabParallel)
         .with("blocks.*.attn.c_attn", TpStyle::Colwise)
         .with("blocks.*.attn.c_proj", TpStyle::Rowwise)
         .with("blocks.*.mlp.c_fc", TpStyle::Colwise)
@@ -266,9 +267,8 @@ pub fn parallelize_gpt<B: DistributedBackend>(
 }
 
 /// One pipeline stage of the GPT (blocks `blocks`; the embeddings when `first`, the head when
-/// `last`), each rank drawing only its pieces in the layout `parallel`'s data-parallel strategy
-/// gives them, then laid out by it (`fully_shard`). Tensor parallelism inside stages is refused
-/// by [`ParallelConfig::check_available`].
+/// `last`), laid out as [`parallelize_gpt`] lays out the whole model (tensor parallel, then the
+/// data-parallel strategy), each rank drawing only its pieces.
 pub fn init_gpt_stage<B: DistributedBackend>(
     config: &GptConfig,
     device: &B::Device,
@@ -278,9 +278,22 @@ pub fn init_gpt_stage<B: DistributedBackend>(
     last: bool,
 ) -> Result<GptStage<B>, Error> {
     parallel.check_available()?;
+    // The tied table's vocabulary-parallel split only where the stage holds it.
+    let plan = (parallel.tp > 1).then(|| {
+        let plan = if first || last {
+            gpt_tp_plan()
+        } else {
+            gpt_block_tp_plan()
+        };
+        plan.with_heads("blocks.*.attn", config.n_head)
+    });
     let stage = config.init_stage_in_layouts(device, blocks, first, last, |params, mesh| {
-        planned_layouts(params, mesh, None, parallel.fsdp)
+        planned_layouts(params, mesh, plan.as_ref(), parallel.fsdp)
     })?;
     let mesh = B::dist_device(device).mesh().clone();
+    let stage = match &plan {
+        Some(plan) => tensor_parallel(stage, &mesh, plan)?,
+        None => stage,
+    };
     Ok(fully_shard(stage, &mesh, parallel.fsdp)?)
 }

@@ -14,6 +14,7 @@
 pub mod plan;
 pub mod runner;
 pub mod schedule;
+mod turns;
 
 pub use plan::StagePlan;
 pub use runner::{PipelineStep, run_step, run_step_scaled};

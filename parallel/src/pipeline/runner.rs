@@ -34,6 +34,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 
 use super::schedule::{Placed, Schedule, Work};
+use super::turns::StageGroup;
 use crate::comm::{CollectiveKind, Communicator, Group};
 use crate::device::{DeferredWeights, RankContext};
 use crate::error::Error;
@@ -245,6 +246,11 @@ where
             schedule.kind()
         )));
     }
+    // Backward passes that communicate take turns (see `turns`).
+    let turns = match split {
+        Some(ctx) => StageGroup::of(ctx, axis)?,
+        None => None,
+    };
     let group = Group::Axis(axis);
     let members = group.ranks(comm.mesh(), comm.rank())?;
     let rank = group.index(comm.mesh(), comm.rank())?;
@@ -336,15 +342,10 @@ where
                 } = held.remove(&(stage, mb)).ok_or_else(|| {
                     Error::InvalidSchedule(format!("backward of {action} before its forward"))
                 })?;
-                let defer = match (action.work, split) {
-                    (Work::BackwardInput, Some(ctx)) => {
-                        ctx.begin_deferring_weight_gradients();
-                        Some(ctx)
-                    }
-                    _ => None,
-                };
-                let grads = match output {
-                    Output::Loss(value) => value.backward(),
+                // The root of the micro-batch's backward: its loss on the last stage,
+                // `Σ output ⊙ received gradient` elsewhere.
+                let root = match output {
+                    Output::Loss(value) => value,
                     Output::Activation(out) => {
                         let data = mail.recv(schedule.rank_of(stage + 1), GRADIENT, stage, mb)?;
                         if data.shape.to_vec() != out.dims().to_vec() {
@@ -360,10 +361,25 @@ where
                         }
                         let g = Tensor::<B, 3>::from_data(data, &device);
                         start = started.elapsed().as_secs_f64();
-                        (out * g).sum().backward()
+                        (out * g).sum().reshape([1])
                     }
                 };
-                let deferred = defer.map(RankContext::end_deferring_weight_gradients);
+                let backward = || {
+                    // A zero-bubble `I`: the linear layers' weight gradients wait for the `W`.
+                    let defer = match (action.work, split) {
+                        (Work::BackwardInput, Some(ctx)) => {
+                            ctx.begin_deferring_weight_gradients();
+                            Some(ctx)
+                        }
+                        _ => None,
+                    };
+                    let grads = root.backward();
+                    (grads, defer.map(RankContext::end_deferring_weight_gradients))
+                };
+                let (grads, deferred) = match &turns {
+                    Some(group) => group.in_turn(comm, backward)?,
+                    None => backward(),
+                };
                 if let Some(input) = input {
                     let grad = input.grad(&grads).ok_or_else(|| {
                         Error::Unsupported(format!(
