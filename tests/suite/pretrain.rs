@@ -1210,9 +1210,10 @@ fn ddp_buckets_reduce_as_gradients_are_born() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Pipeline parallelism: GPipe, 1F1B and ZB-H1 (weight gradients deferred to the `W` actions) at
-/// pp 2 and 4 with 4 and 8 micro-batches, interleaved 1F1B with 2 chunks per rank at pp 2 and 4,
-/// and dp 2 × pp 2 (DDP, ZeRO-1 under ZB-H1, ZeRO-2 interleaved) against one
+/// Pipeline parallelism: GPipe, 1F1B, interleaved 1F1B (2 chunks per rank) and ZB-H1 (weight
+/// gradients deferred to the `W` actions) at pp 2 and 4 with 4 and 8 micro-batches; dp 2 × pp 2
+/// (DDP, ZeRO-1 under ZB-H1, ZeRO-2 interleaved); pp 2 × tp 2; dp 2 × pp 2 × tp 2 with FSDP
+/// (8 ranks: 1F1B, ZB-H1, interleaved); HSDP 2 × 2 × pp 2 — against one
 /// rank accumulating the same micro-batches: every step's loss, the validation losses and every
 /// parameter after 10 AdamW steps (clipping on) within 1e-5. The tied token table's two copies
 /// (first and last stage) take one summed gradient, and the norm counts each parameter once.
@@ -1226,28 +1227,28 @@ fn pipeline_parallel_matches_one_rank() {
         ..small(10)
     };
     let mut references = std::collections::HashMap::new();
-    let cases = [
-        ("gpipe", 2, 1, 4, 1, FsdpStrategy::NoShard),
-        ("gpipe", 2, 1, 8, 1, FsdpStrategy::NoShard),
-        ("gpipe", 4, 1, 4, 1, FsdpStrategy::NoShard),
-        ("gpipe", 4, 1, 8, 1, FsdpStrategy::NoShard),
-        ("1f1b", 2, 1, 4, 1, FsdpStrategy::NoShard),
-        ("1f1b", 2, 1, 8, 1, FsdpStrategy::NoShard),
-        ("1f1b", 4, 1, 4, 1, FsdpStrategy::NoShard),
-        ("1f1b", 4, 1, 8, 1, FsdpStrategy::NoShard),
-        ("interleaved", 2, 2, 4, 1, FsdpStrategy::NoShard),
-        ("interleaved", 2, 2, 8, 1, FsdpStrategy::NoShard),
-        ("interleaved", 4, 2, 4, 1, FsdpStrategy::NoShard),
-        ("interleaved", 4, 2, 8, 1, FsdpStrategy::NoShard),
-        ("zb", 2, 1, 4, 1, FsdpStrategy::NoShard),
-        ("zb", 2, 1, 8, 1, FsdpStrategy::NoShard),
-        ("zb", 4, 1, 4, 1, FsdpStrategy::NoShard),
-        ("zb", 4, 1, 8, 1, FsdpStrategy::NoShard),
-        ("1f1b", 2, 1, 4, 2, FsdpStrategy::NoShard),
-        ("zb", 2, 1, 4, 2, FsdpStrategy::ShardOptimizer),
-        ("interleaved", 2, 2, 4, 2, FsdpStrategy::ShardGradOp),
-    ];
-    for (schedule, pp, virt, m, dp, fsdp) in cases {
+    use FsdpStrategy::{FullShard, Hybrid, NoShard, ShardGradOp, ShardOptimizer};
+    // (schedule, pp, V, M, dp, tp, strategy)
+    let mut cases = Vec::new();
+    for (schedule, virt) in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)] {
+        for pp in [2, 4] {
+            for m in [4, 8] {
+                cases.push((schedule, pp, virt, m, 1, 1, NoShard));
+            }
+        }
+    }
+    cases.extend([
+        ("1f1b", 2, 1, 4, 2, 1, NoShard),
+        ("zb", 2, 1, 4, 2, 1, ShardOptimizer),
+        ("interleaved", 2, 2, 4, 2, 1, ShardGradOp),
+        ("1f1b", 2, 1, 4, 1, 2, NoShard),
+        // dp × pp × tp = 2 × 2 × 2 with FSDP, 8 ranks
+        ("1f1b", 2, 1, 4, 2, 2, FullShard),
+        ("zb", 2, 1, 4, 2, 2, FullShard),
+        ("interleaved", 2, 2, 4, 2, 2, FullShard),
+        ("gpipe", 2, 1, 2, 4, 1, Hybrid),
+    ]);
+    for (schedule, pp, virt, m, dp, tp, fsdp) in cases {
         // One rank, the same micro-batches (dp·m of them) accumulated.
         let expected = references.entry(dp * m).or_insert_with(|| {
             run(&PretrainConfig {
@@ -1259,7 +1260,9 @@ fn pipeline_parallel_matches_one_rank() {
         let got = run(&PretrainConfig {
             parallel: ParallelConfig {
                 dp,
+                tp,
                 fsdp,
+                dp_shard: (fsdp == Hybrid).then_some(2),
                 pp,
                 pp_schedule: schedule.into(),
                 microbatches: m,
@@ -1269,24 +1272,50 @@ fn pipeline_parallel_matches_one_rank() {
             ..base.clone()
         })
         .unwrap();
-        let what = format!("{schedule} pp={pp} V={virt} M={m} dp={dp} {fsdp:?}");
-        losses_close(&what, &got.steps, &expected.steps, 1e-5);
-        for (a, b) in pairs(&got.steps, &expected.steps) {
-            assert_eq!(a.val_loss.is_some(), b.val_loss.is_some(), "{what}");
-            if let (Some(x), Some(y)) = (a.val_loss, b.val_loss) {
-                assert!((x - y).abs() <= 1e-5 * y, "{what}: val loss {x} vs {y}");
-            }
-            assert!(
-                (a.grad_norm - b.grad_norm).abs() <= 1e-4 * b.grad_norm,
-                "{what} step {}: grad norm {} vs {}",
-                a.step,
-                a.grad_norm,
-                b.grad_norm
-            );
+        let what = format!("{schedule} pp={pp} V={virt} M={m} dp={dp} tp={tp} {fsdp:?}");
+        if tp == 1 {
+            same_run(&what, &got, expected, 1e-5);
+        } else {
+            // Tensor parallelism sums in another order than one rank (AdamW's normalised update
+            // turns that into ~1e-5 on tiny gradients): the pipeline against the same layout
+            // without it within 1e-5, against one rank within 1e-4 (as the TP tests).
+            let unpipelined = run(&PretrainConfig {
+                accum: m,
+                parallel: ParallelConfig {
+                    dp,
+                    tp,
+                    fsdp,
+                    dp_shard: (fsdp == Hybrid).then_some(2),
+                    ..ParallelConfig::default()
+                },
+                ..base.clone()
+            })
+            .unwrap();
+            same_run(&what, &got, &unpipelined, 1e-5);
+            same_run(&format!("{what} vs one rank"), &got, expected, 1e-4);
         }
-        assert_eq!(got.parameters.len(), expected.parameters.len(), "{what}");
-        tensors_close(&what, &got.parameters, &expected.parameters, 1e-5);
     }
+}
+
+/// `got` is `expected` within `tol` (relative): every step's loss, validation loss and gradient
+/// norm, and every parameter at the end.
+fn same_run(what: &str, got: &RunSummary, expected: &RunSummary, tol: f32) {
+    losses_close(what, &got.steps, &expected.steps, tol);
+    for (a, b) in pairs(&got.steps, &expected.steps) {
+        assert_eq!(a.val_loss.is_some(), b.val_loss.is_some(), "{what}");
+        if let (Some(x), Some(y)) = (a.val_loss, b.val_loss) {
+            assert!((x - y).abs() <= tol * y, "{what}: val loss {x} vs {y}");
+        }
+        assert!(
+            (a.grad_norm - b.grad_norm).abs() <= 10.0 * tol * b.grad_norm,
+            "{what} step {}: grad norm {} vs {}",
+            a.step,
+            a.grad_norm,
+            b.grad_norm
+        );
+    }
+    assert_eq!(got.parameters.len(), expected.parameters.len(), "{what}");
+    tensors_close(what, &got.parameters, &expected.parameters, tol);
 }
 
 /// What pipeline training cannot do yet, and splits that cannot be, are refused before a step.
@@ -1309,11 +1338,14 @@ fn pipeline_refusals_are_typed_errors() {
         let err = run(&config).unwrap_err();
         assert!(err.to_string().contains(words), "{words}: {err}");
     };
-    refused(pp(&|p| p.tp = 2), "tensor parallelism");
     refused(
-        pp(&|p| p.fsdp = FsdpStrategy::FullShard),
-        "parameter sharding",
+        pp(&|p| {
+            p.tp = 2;
+            p.sp = true;
+        }),
+        "sequence parallelism",
     );
+    refused(pp(&|p| p.recompute = Recompute::Full), "recomputation");
     refused(
         pp(&|p| p.pp_schedule = "2f2b".into()),
         "unknown pipeline schedule",

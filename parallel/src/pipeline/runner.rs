@@ -374,7 +374,10 @@ where
                         _ => None,
                     };
                     let grads = root.backward();
-                    (grads, defer.map(RankContext::end_deferring_weight_gradients))
+                    (
+                        grads,
+                        defer.map(RankContext::end_deferring_weight_gradients),
+                    )
                 };
                 let (grads, deferred) = match &turns {
                     Some(group) => group.in_turn(comm, backward)?,

@@ -62,9 +62,7 @@ impl StageGroup {
         let axes: Vec<usize> = (0..mesh.axes().len())
             .filter(|&a| a != pipeline_axis && mesh.axis_size(a) > 1)
             .collect();
-        let model = axes
-            .iter()
-            .any(|&a| mesh.axis(a).kind == AxisKind::Model);
+        let model = axes.iter().any(|&a| mesh.axis(a).kind == AxisKind::Model);
         let sharded = ctx.with_policy(|p| !p.sharding.param_shard_axes.is_empty());
         if !(model || sharded) {
             return Ok(None);
