@@ -387,7 +387,6 @@ impl PretrainConfig {
                 (self.save.is_some(), "--save"),
                 (self.resume.is_some(), "--resume"),
                 (self.init_from.is_some(), "--init-from"),
-                (self.dropout > 0.0, "--dropout"),
             ];
             if let Some((_, flag)) = unsupported.iter().find(|(on, _)| *on) {
                 return Err(PretrainError::Config(format!(

@@ -6,6 +6,7 @@
 
 use super::*;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use wildfire_engine::recompute::{Recompute, Recomputer, mix_seed};
 use wildfire_kernels::hooks::Inference;
 use wildfire_models::gpt::{GptStage, StageInput, cross_entropy};
 use wildfire_models::parallelize::init_gpt_stage;
@@ -95,7 +96,13 @@ impl RankRun<'_> {
                         Some(hidden) => StageInput::Hidden(hidden),
                         None => StageInput::Tokens(batch(mb)[0].clone()),
                     };
-                    chunk.forward_with(input, &Inference)
+                    // Dropout masks seeded as the unpipelined step seeds them (run seed, step,
+                    // the micro-batch's first global row; each block by its model index), so
+                    // the stages draw the masks one device would.
+                    let start = self.rows.start + mb * micro;
+                    let seed = mix_seed(config.seed, step as u64, start as u64);
+                    let hooks = Recomputer::<A<B>>::new(Recompute::None, seed);
+                    chunk.forward_with(input, &hooks)
                 },
                 |mb, logits| {
                     let [_, y] = batch(mb);

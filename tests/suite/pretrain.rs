@@ -544,7 +544,7 @@ fn launcher_environment_sets_the_launch_and_dp() {
     let err = given.apply_launcher(torchrun_in_slurm, true).unwrap_err();
     assert!(
         err.to_string()
-            .contains("torchrun started 4 processes, but --dp 1 × --tp 1 = 1 ranks"),
+            .contains("torchrun started 4 processes, but --dp 1 × --pp 1 × --tp 1 = 1 ranks"),
         "{err}"
     );
     let mut srun = small(1);
@@ -1295,6 +1295,44 @@ fn pipeline_parallel_matches_one_rank() {
             same_run(&format!("{what} vs one rank"), &got, expected, 1e-4);
         }
     }
+}
+
+/// Dropout inside pipeline stages draws the masks one device draws (seeded by step, first row
+/// and block index): 1F1B and ZB-H1 with dropout 0.1 against one rank within 1e-5.
+#[test]
+fn pipeline_dropout_matches_one_rank() {
+    let base = PretrainConfig {
+        n_layer: Some(4),
+        batch_size: 8,
+        dropout: 0.1,
+        ..small(6)
+    };
+    let expected = run(&PretrainConfig {
+        accum: 4,
+        ..base.clone()
+    })
+    .unwrap();
+    for schedule in ["1f1b", "zb"] {
+        let got = run(&PretrainConfig {
+            parallel: ParallelConfig {
+                pp: 2,
+                pp_schedule: schedule.into(),
+                microbatches: 4,
+                ..ParallelConfig::default()
+            },
+            ..base.clone()
+        })
+        .unwrap();
+        same_run(&format!("{schedule} dropout"), &got, &expected, 1e-5);
+    }
+    // The masks are drawn (the runs part from the one without dropout).
+    let without = run(&PretrainConfig {
+        dropout: 0.0,
+        accum: 4,
+        ..base.clone()
+    })
+    .unwrap();
+    assert_ne!(losses(&without), losses(&expected));
 }
 
 /// `got` is `expected` within `tol` (relative): every step's loss, validation loss and gradient

@@ -114,6 +114,9 @@ struct RankRun {
     peak_held: usize,
     /// Per step, the weight gradients the `W` actions computed.
     deferred: Vec<usize>,
+    /// Per step, the most bytes of distributed tensors alive at once (the decorator's
+    /// accounting; 0 on plain Flex).
+    peak_bytes: Vec<u64>,
 }
 
 /// `schedule` run for `STEPS` steps on plain Flex ranks.
@@ -150,9 +153,11 @@ fn pipelined_on<B: AutodiffBackend>(
         let mut optims: Vec<_> = (0..v).map(|_| adamw().init::<B, Blocks<B>>()).collect();
         let (mut losses, mut p2p, mut peak_held, mut deferred) =
             (Vec::new(), Vec::new(), 0, Vec::new());
+        let mut peak_bytes = Vec::new();
         let ctx = device.context();
         for step in 0..STEPS {
             ctx.set_no_sync(split);
+            ctx.reset_peak_bytes();
             let out = run_step_scaled(
                 schedule,
                 &*comm,
@@ -177,6 +182,7 @@ fn pipelined_on<B: AutodiffBackend>(
             p2p.push((out.sends, out.recvs));
             peak_held = peak_held.max(out.peak_held);
             deferred.push(out.deferred);
+            peak_bytes.push(ctx.peak_bytes());
             chunks = chunks
                 .into_iter()
                 .zip(out.grads)
@@ -190,6 +196,7 @@ fn pipelined_on<B: AutodiffBackend>(
             p2p,
             peak_held,
             deferred,
+            peak_bytes,
         }
     })
 }
@@ -245,6 +252,40 @@ fn zero_bubble_defers_weight_gradients_and_matches_one_device() {
             }
         }
     }
+}
+
+/// Held activations in bytes, from the decorator's accounting (rank 0 of p = 2, the peak of the
+/// last step, after the optimizer state exists): GPipe's peak grows by one micro-batch's
+/// activations per micro-batch (exactly linear in M), 1F1B's does not grow with M at all (it
+/// holds p micro-batches), and at M = 8 GPipe holds more than 1F1B.
+#[test]
+fn one_f_one_b_holds_p_micro_batches_where_gpipe_holds_m() {
+    let peak = |kind: ScheduleKind, m: usize| {
+        let schedule = Schedule::new(kind, 2, m, 1).unwrap();
+        let ranks = pipelined_on::<Autodiff<Distributed<F>>>(&schedule, |d| d.clone(), false);
+        ranks[0].peak_bytes[STEPS - 1]
+    };
+    let (g2, g4, g8) = (
+        peak(ScheduleKind::GPipe, 2),
+        peak(ScheduleKind::GPipe, 4),
+        peak(ScheduleKind::GPipe, 8),
+    );
+    let per_micro_batch = (g4 - g2) / 2;
+    assert!(
+        per_micro_batch > 0 && g4 - g2 == 2 * per_micro_batch,
+        "{g2} {g4}"
+    );
+    assert_eq!(
+        g8 - g4,
+        4 * per_micro_batch,
+        "GPipe holds all M micro-batches"
+    );
+    let (o4, o8) = (
+        peak(ScheduleKind::OneFOneB, 4),
+        peak(ScheduleKind::OneFOneB, 8),
+    );
+    assert_eq!(o4, o8, "1F1B holds p micro-batches, whatever M");
+    assert!(g8 > o8 + 4 * per_micro_batch, "GPipe {g8}, 1F1B {o8}");
 }
 
 /// Each rank's run of `schedule` against one device: losses and parameters within 1e-6, the
