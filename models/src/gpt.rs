@@ -419,6 +419,25 @@ impl<B: Backend> GptStage<B> {
         }
     }
 
+    /// The whole model's name of the parameter at `path` in this stage (the stage's block `i`
+    /// is the model's `first_block + i`): checkpoints of a pipelined run hold the whole model
+    /// under its own names, so any layout, pipelined or not, resumes from them.
+    pub fn model_name(&self, path: &str) -> String {
+        stage_to_model_name(self.first_block, path)
+    }
+
+    /// [`GptStage::model_name`] of a stage whose first block is the model's `first_block`.
+    pub fn name_in_model(first_block: usize, path: &str) -> String {
+        stage_to_model_name(first_block, path)
+    }
+
+    /// [`GptStage::model_name`] for saving: `None` for the last stage's copy of the tied table
+    /// (the first stage saves it).
+    pub fn saved_name(&self, path: &str) -> Option<String> {
+        let tied_copy = !self.is_first() && path == "wte";
+        (!tied_copy).then(|| self.model_name(path))
+    }
+
     /// The ids the stage's parameters have in the whole model (`deterministic_ids`' numbering:
     /// 1, 2, 3, … in the whole model's visiting order: `wte`, `wpe`, the blocks, `ln_f`).
     fn with_model_ids(self) -> Self {
@@ -451,6 +470,20 @@ impl<B: Backend> GptStage<B> {
             ids.extend([head, head + 1]);
         }
         self.map(&mut Ids(ids.into_iter()))
+    }
+}
+
+/// `blocks.{i}.…` of a stage whose first block is the model's `first_block`, as the model names
+/// it: `blocks.{first_block + i}.…`; other paths unchanged.
+fn stage_to_model_name(first_block: usize, path: &str) -> String {
+    let Some(rest) = path.strip_prefix("blocks.") else {
+        return path.to_string();
+    };
+    let (index, tail) = rest.split_once('.').unwrap_or((rest, ""));
+    match index.parse::<usize>() {
+        Ok(i) if tail.is_empty() => format!("blocks.{}", first_block + i),
+        Ok(i) => format!("blocks.{}.{tail}", first_block + i),
+        Err(_) => path.to_string(),
     }
 }
 
@@ -862,6 +895,47 @@ mod tests {
         let err = crate::safetensors::load(wider, &path).unwrap_err();
         assert!(err.to_string().contains("same shape"), "{err}");
         std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn stage_names_are_the_whole_model_names() {
+        assert_eq!(
+            stage_to_model_name(6, "blocks.1.attn.c_attn.weight"),
+            "blocks.7.attn.c_attn.weight"
+        );
+        assert_eq!(stage_to_model_name(6, "wte"), "wte");
+        assert_eq!(stage_to_model_name(6, "ln_f.gamma"), "ln_f.gamma");
+        let config = tiny();
+        let last = config
+            .init_stage::<Flex>(&Default::default(), 1..2, false, true)
+            .unwrap();
+        assert_eq!(last.saved_name("wte"), None);
+        assert_eq!(last.model_name("wte"), "wte");
+        assert_eq!(
+            last.saved_name("blocks.0.ln_1.gamma").as_deref(),
+            Some("blocks.1.ln_1.gamma")
+        );
+        // Every name a stage saves is a name of the whole model, and together they are all of
+        // them, each once.
+        let whole: Vec<String> = crate::safetensors::named_parameters(
+            &config.init::<Flex>(&Default::default()).unwrap(),
+        )
+        .into_iter()
+        .map(|(n, _, _)| n)
+        .collect();
+        let mut saved = Vec::new();
+        for (blocks, first, last) in [(0..1, true, false), (1..2, false, true)] {
+            let stage = config
+                .init_stage::<Flex>(&Default::default(), blocks, first, last)
+                .unwrap();
+            for (name, _, _) in crate::safetensors::named_parameters(&stage) {
+                saved.extend(stage.saved_name(&name));
+            }
+        }
+        saved.sort();
+        let mut whole = whole;
+        whole.sort();
+        assert_eq!(saved, whole);
     }
 
     #[test]

@@ -189,15 +189,17 @@ impl Layout {
     }
 
     /// Whether `rank` is the one rank that speaks for its piece: the first member (coordinate 0)
-    /// of every axis the piece is replicated over. Saving only such pieces writes every element
-    /// once. A layout with partial or per-rank (`Local`) values has no such piece.
+    /// of every axis the piece is replicated over — not the pipeline axis, whose ranks hold
+    /// different stages. Saving only such pieces writes every element once. A layout with
+    /// partial or per-rank (`Local`) values has no such piece.
     pub fn owns_piece(&self, mesh: &DeviceMesh, rank: usize) -> bool {
         mesh.coords(rank)
             .iter()
             .zip(self.placements())
-            .all(|(&coord, p)| match p {
+            .zip(mesh.axes())
+            .all(|((&coord, p), axis)| match p {
                 Placement::Shard(_) => true,
-                Placement::Replicate => coord == 0,
+                Placement::Replicate => coord == 0 || axis.name == crate::mesh::PIPELINE_AXIS,
                 Placement::Partial(_) | Placement::Local => false,
             })
     }

@@ -383,11 +383,7 @@ impl PretrainConfig {
                 )));
             }
             pp.schedule()?;
-            let unsupported = [
-                (self.save.is_some(), "--save"),
-                (self.resume.is_some(), "--resume"),
-                (self.init_from.is_some(), "--init-from"),
-            ];
+            let unsupported = [(self.init_from.is_some(), "--init-from")];
             if let Some((_, flag)) = unsupported.iter().find(|(on, _)| *on) {
                 return Err(PretrainError::Config(format!(
                     "--pp {}: {flag} with pipeline stages is not supported yet",

@@ -6,6 +6,7 @@
 
 use super::*;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::AdamW;
 use wildfire_engine::recompute::{Recompute, Recomputer, mix_seed};
 use wildfire_kernels::hooks::Inference;
 use wildfire_models::gpt::{GptStage, StageInput, cross_entropy};
@@ -50,8 +51,29 @@ impl RankRun<'_> {
             .iter()
             .map(|_| FsdpOptimizer::new(adamw.init::<A<B>, GptStage<A<B>>>()))
             .collect();
-        let scaler = (config.precision == Precision::F16)
-            .then(|| DynamicLossScaler::new(LossScalerConfig::default()));
+        if let Some((checkpoint, _)) = &self.resume {
+            // The checkpoint holds the whole model under its own names (whatever layout saved
+            // it): each stage reads its blocks' pieces.
+            for (chunk, optim) in chunks.iter_mut().zip(optims.iter_mut()) {
+                let first = chunk.first_block;
+                let name = move |path: &str| stage_name(first, path);
+                *chunk = checkpoint.load_model_named(chunk.clone(), &name)?;
+                let record = checkpoint.load_optimizer_named::<A<B>, _, AdamW>(chunk, &name)?;
+                *optim = optim.clone().load_record(record);
+            }
+        }
+        let mut writer = match &config.save {
+            Some(root) => Some(CheckpointWriter::new(
+                root,
+                rank,
+                device.mesh().world_size(),
+            )?),
+            None => None,
+        };
+        let resume_scaler = self.resume.as_ref().and_then(|(_, s)| s.clone());
+        let scaler = (config.precision == Precision::F16).then(|| {
+            resume_scaler.unwrap_or_else(|| DynamicLossScaler::new(LossScalerConfig::default()))
+        });
         let mut step_runner = StepRunner::new(
             StepRunnerConfig {
                 clip: (config.clip > 0.0).then_some(config.clip as f32),
@@ -147,6 +169,48 @@ impl RankRun<'_> {
                 self.report(&metrics, progress.as_ref(), elapsed)?;
             }
             summary.steps.push(metrics);
+            let every = config.save_every > 0 && (step + 1) % config.save_every == 0;
+            if let Some(writer) = writer.as_mut()
+                && (every || last)
+            {
+                let started = Instant::now();
+                let mut snapshot: Option<Snapshot> = None;
+                for (chunk, optim) in chunks.iter().zip(&optims) {
+                    let part =
+                        Snapshot::take_named(chunk, Some(optim.to_record()), &|path: &str| {
+                            chunk.saved_name(path)
+                        })?;
+                    match snapshot.as_mut() {
+                        Some(s) => s.merge(part),
+                        None => snapshot = Some(part),
+                    }
+                }
+                let snapshot = snapshot.expect("a rank holds a stage");
+                let copy = started.elapsed().as_secs_f64();
+                let files = if rank == 0 {
+                    let state = CheckpointState {
+                        step: step + 1,
+                        config: config.clone(),
+                        model: model_config.clone(),
+                        scaler: step_runner.scaler().cloned(),
+                    };
+                    let state = serde_json::to_vec_pretty(&state).expect("the state serialises");
+                    vec![("state.json".to_string(), state)]
+                } else {
+                    Vec::new()
+                };
+                let previous = writer.save(snapshot, step + 1, files)?;
+                if let (Some(report), Some(last)) = (previous, summary.saves.last_mut()) {
+                    last.1 = report.write_time.as_secs_f64();
+                }
+                summary.saves.push((copy, 0.0));
+            }
+        }
+        if let Some(writer) = writer.as_mut()
+            && let Some(report) = writer.wait()?
+            && let Some(last) = summary.saves.last_mut()
+        {
+            last.1 = report.write_time.as_secs_f64();
         }
         if let Some(bar) = &progress {
             bar.finish_and_clear();
@@ -254,6 +318,11 @@ impl RankRun<'_> {
             .expect("f64");
         Ok(Some((out[0] / out[1].max(1.0)) as f32))
     }
+}
+
+/// The whole model's name of a stage's parameter (see `GptStage::model_name`).
+fn stage_name(first_block: usize, path: &str) -> String {
+    GptStage::<Distributed<burn::backend::Flex>>::name_in_model(first_block, path)
 }
 
 /// The token table's copy on the first and on the last stage (the tied parameter).

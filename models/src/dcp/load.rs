@@ -104,7 +104,23 @@ impl Checkpoint {
         B::InnerBackend: DistributedBackend,
         M: Module<B>,
     {
+        self.load_model_named(model, &|path| path.to_string())
+    }
+
+    /// [`Checkpoint::load_model`] with each parameter read from the tensor `name(path)` (a
+    /// pipeline stage's blocks under the whole model's names).
+    pub fn load_model_named<B, M>(
+        &self,
+        model: M,
+        name: &dyn Fn(&str) -> String,
+    ) -> Result<M, Error>
+    where
+        B: AutodiffBackend,
+        B::InnerBackend: DistributedBackend,
+        M: Module<B>,
+    {
         let mut loader = ModelLoader {
+            name,
             checkpoint: self,
             reader: Reader::default(),
             error: None,
@@ -130,7 +146,23 @@ impl Checkpoint {
         M: Module<B>,
         X: SimpleOptimizer<B::InnerBackend>,
     {
+        self.load_optimizer_named(model, &|path| path.to_string())
+    }
+
+    /// [`Checkpoint::load_optimizer`] with each parameter's state read under `name(path)`.
+    pub fn load_optimizer_named<B, M, X>(
+        &self,
+        model: &M,
+        name: &dyn Fn(&str) -> String,
+    ) -> Result<ParamRecords<AdaptorRecord<X, B>>, Error>
+    where
+        B: AutodiffBackend,
+        B::InnerBackend: DistributedBackend,
+        M: Module<B>,
+        X: SimpleOptimizer<B::InnerBackend>,
+    {
         let mut loader = OptimizerLoader::<B, X> {
+            name,
             checkpoint: self,
             reader: Reader::default(),
             records: ParamRecords::new(),
@@ -421,6 +453,7 @@ impl Reader {
 }
 
 struct ModelLoader<'a> {
+    name: &'a dyn Fn(&str) -> String,
     checkpoint: &'a Checkpoint,
     reader: Reader,
     error: Option<Error>,
@@ -441,7 +474,7 @@ where
             return Param::from_mapped_value(id, tensor, mapper);
         }
         let t = dtensor(&tensor.clone().inner());
-        let name = model_key(&path.name());
+        let name = model_key(&(self.name)(&path.name()));
         match self
             .checkpoint
             .read_local::<_, D>(&mut self.reader, &name, &t, t.layout())
@@ -464,6 +497,7 @@ where
 }
 
 struct OptimizerLoader<'a, B: AutodiffBackend, X: SimpleOptimizer<B::InnerBackend>> {
+    name: &'a dyn Fn(&str) -> String,
     checkpoint: &'a Checkpoint,
     reader: Reader,
     records: ParamRecords<AdaptorRecord<X, B>>,
@@ -524,7 +558,7 @@ where
 {
     fn visit<const D: usize>(&mut self, path: &ModulePath, param: &Param<Tensor<B, D>>) {
         if self.error.is_none()
-            && let Err(e) = self.load::<D>(path.name(), param.id, &param.val())
+            && let Err(e) = self.load::<D>((self.name)(&path.name()), param.id, &param.val())
         {
             self.error = Some(e);
         }

@@ -64,7 +64,25 @@ impl Snapshot {
         M: Module<B>,
         X: SimpleOptimizer<B::InnerBackend>,
     {
+        Self::take_named(model, optimizer, &|path| Some(path.to_string()))
+    }
+
+    /// [`Snapshot::take`] with each parameter saved under `name(path)` (its module path in
+    /// `model`), or left out where that is `None`: a pipeline stage saves its blocks under the
+    /// whole model's names, and a copy of a tied parameter not at all.
+    pub fn take_named<B, M, X>(
+        model: &M,
+        optimizer: Option<ParamRecords<AdaptorRecord<X, B>>>,
+        name: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Self, Error>
+    where
+        B: AutodiffBackend,
+        B::InnerBackend: DistributedBackend,
+        M: Module<B>,
+        X: SimpleOptimizer<B::InnerBackend>,
+    {
         let mut visitor = SnapshotVisitor::<B, X> {
+            name,
             records: optimizer,
             snapshot: Snapshot {
                 rank: 0,
@@ -82,6 +100,19 @@ impl Snapshot {
                 reason: reason.clone(),
             }),
             None => Ok(snapshot),
+        }
+    }
+
+    /// Add `other`'s pieces (another module of the same rank: a pipeline rank's chunks).
+    pub fn merge(&mut self, other: Snapshot) {
+        if self.mesh.is_none() {
+            self.rank = other.rank;
+            self.mesh = other.mesh;
+        }
+        self.pieces.extend(other.pieces);
+        self.times.extend(other.times);
+        if let Some(e) = other.error {
+            self.error.get_or_insert(e);
         }
     }
 
@@ -211,19 +242,22 @@ impl Snapshot {
     }
 }
 
-struct SnapshotVisitor<B: AutodiffBackend, X: SimpleOptimizer<B::InnerBackend>> {
+struct SnapshotVisitor<'a, B: AutodiffBackend, X: SimpleOptimizer<B::InnerBackend>> {
+    name: &'a dyn Fn(&str) -> Option<String>,
     records: Option<ParamRecords<AdaptorRecord<X, B>>>,
     snapshot: Snapshot,
 }
 
-impl<B, X> ParamVisitor<B> for SnapshotVisitor<B, X>
+impl<B, X> ParamVisitor<B> for SnapshotVisitor<'_, B, X>
 where
     B: AutodiffBackend,
     B::InnerBackend: DistributedBackend,
     X: SimpleOptimizer<B::InnerBackend>,
 {
     fn visit<const D: usize>(&mut self, path: &ModulePath, param: &Param<Tensor<B, D>>) {
-        let path = path.name();
+        let Some(path) = (self.name)(&path.name()) else {
+            return;
+        };
         let t = dtensor(&param.val().inner());
         self.snapshot.add::<_, D>(model_key(&path), &t);
         let Some(record) = self.records.as_mut().and_then(|r| r.remove(&param.id)) else {
