@@ -29,7 +29,7 @@ use burn::tensor::{Distribution, Tensor, activation};
 use wildfire::parallel::Distributed;
 use wildfire::parallel::mesh::DeviceMesh;
 use wildfire::parallel::pipeline::{
-    Costs, Placed, Schedule, ScheduleKind, Timeline, Work, run_step_scaled,
+    Costs, Placed, Schedule, ScheduleKind, StepOptions, Timeline, Work, run_step_with,
 };
 
 mod common;
@@ -87,13 +87,15 @@ fn measure(schedule: &Schedule, d: usize, tokens: [usize; 2]) -> Timeline {
             let step = || {
                 // Gradients stay unreduced through the schedule, as the training step keeps them.
                 ctx.set_no_sync(true);
-                let out = run_step_scaled(
+                let out = run_step_with(
                     schedule,
                     &*comm,
                     0,
                     &chunks,
-                    1.0,
-                    Some(&ctx),
+                    StepOptions {
+                        ctx: Some(&ctx),
+                        ..StepOptions::default()
+                    },
                     |chunk: &Blocks<A>, _, _, x| {
                         chunk.forward(x.unwrap_or_else(|| {
                             Tensor::random([tokens[0], tokens[1], d], Distribution::Default, &inner)

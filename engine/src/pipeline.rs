@@ -1,5 +1,5 @@
 //! One training step of a pipeline-parallel model on `Autodiff<Distributed<X>>`: the rank's part
-//! of the schedule ([`wildfire_parallel::pipeline::run_step_scaled`]: forwards and backwards of
+//! of the schedule ([`wildfire_parallel::pipeline::run_step_with`]: forwards and backwards of
 //! the micro-batches, activations and gradients sent between the stages), then per model chunk
 //! the data-parallel gradient synchronisation, the tied parameters' gradients summed between
 //! the first and the last stage, unscale + overflow check + global norm in one all-reduce over
@@ -16,7 +16,7 @@ use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
-use wildfire_parallel::pipeline::{Placed, Schedule, run_step_scaled};
+use wildfire_parallel::pipeline::{Placed, Schedule, StepOptions, run_step_with};
 use wildfire_parallel::{
     DistDevice, Distributed, Group, PIPELINE_AXIS, RankContext, ReduceOp, dtensor, from_dtensor,
     gradient_bytes, sync_gradients,
@@ -72,9 +72,13 @@ impl StepRunner {
         M: AutodiffModule<Ad<X>>,
         O: Optimizer<M, Ad<X>>,
     {
-        if self.config.recompute != Recompute::None {
+        if !matches!(self.config.recompute, Recompute::None | Recompute::Full) {
             return Err(Error::Parallel(wildfire_parallel::Error::Unsupported(
-                "activation recomputation inside pipeline stages is not supported yet".into(),
+                format!(
+                    "recomputation {:?} inside pipeline stages is not supported yet: \
+                 Recompute::Full re-materialises each stage (its forward again in its backward)",
+                    self.config.recompute
+                ),
             )));
         }
         let ctx = device.context().clone();
@@ -92,13 +96,16 @@ impl StepRunner {
         let scale = self.scaler.as_ref().map_or(1.0, DynamicLossScaler::scale);
         // The schedule, with every data-parallel reduction deferred to its end.
         ctx.set_no_sync(true);
-        let out = run_step_scaled(
+        let out = run_step_with(
             schedule,
             ctx.comm(),
             axis,
             &chunks,
-            scale,
-            Some(&ctx),
+            StepOptions {
+                loss_scale: scale,
+                ctx: Some(&ctx),
+                rematerialize: self.config.recompute == Recompute::Full,
+            },
             forward,
             loss,
         );

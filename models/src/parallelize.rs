@@ -185,8 +185,8 @@ impl ParallelConfig {
             self.schedule()?;
             let unsupported = if self.sp {
                 Some("sequence parallelism (--sp)")
-            } else if self.recompute != Recompute::None {
-                Some("activation recomputation (--recompute)")
+            } else if !matches!(self.recompute, Recompute::None | Recompute::Full) {
+                Some("recomputation other than --recompute full (which re-materialises each stage)")
             } else {
                 None
             };

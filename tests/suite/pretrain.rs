@@ -1298,7 +1298,9 @@ fn pipeline_parallel_matches_one_rank() {
 }
 
 /// Dropout inside pipeline stages draws the masks one device draws (seeded by step, first row
-/// and block index): 1F1B and ZB-H1 with dropout 0.1 against one rank within 1e-5.
+/// and block index), also when each stage's forward runs again in its backward
+/// (`--recompute full`: re-materialisation): 1F1B and ZB-H1 with dropout 0.1, with and without,
+/// against one rank within 1e-5.
 #[test]
 fn pipeline_dropout_matches_one_rank() {
     let base = PretrainConfig {
@@ -1313,17 +1315,25 @@ fn pipeline_dropout_matches_one_rank() {
     })
     .unwrap();
     for schedule in ["1f1b", "zb"] {
-        let got = run(&PretrainConfig {
-            parallel: ParallelConfig {
-                pp: 2,
-                pp_schedule: schedule.into(),
-                microbatches: 4,
-                ..ParallelConfig::default()
-            },
-            ..base.clone()
-        })
-        .unwrap();
-        same_run(&format!("{schedule} dropout"), &got, &expected, 1e-5);
+        for recompute in [Recompute::None, Recompute::Full] {
+            let got = run(&PretrainConfig {
+                parallel: ParallelConfig {
+                    pp: 2,
+                    pp_schedule: schedule.into(),
+                    microbatches: 4,
+                    recompute,
+                    ..ParallelConfig::default()
+                },
+                ..base.clone()
+            })
+            .unwrap();
+            same_run(
+                &format!("{schedule} dropout {recompute:?}"),
+                &got,
+                &expected,
+                1e-5,
+            );
+        }
     }
     // The masks are drawn (the runs part from the one without dropout).
     let without = run(&PretrainConfig {
@@ -1475,7 +1485,7 @@ fn pipeline_refusals_are_typed_errors() {
         }),
         "sequence parallelism",
     );
-    refused(pp(&|p| p.recompute = Recompute::Full), "recomputation");
+    refused(pp(&|p| p.recompute = Recompute::Selective), "recomputation");
     refused(
         pp(&|p| p.pp_schedule = "2f2b".into()),
         "unknown pipeline schedule",

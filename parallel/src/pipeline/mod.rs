@@ -3,7 +3,7 @@
 //! The schedules as data ([`Schedule`]: GPipe, 1F1B, interleaved 1F1B, ZB-H1), checked and
 //! simulated (bubble, held activations, point-to-point counts), printed as a table and drawn as
 //! an SVG timeline; which blocks each stage holds ([`StagePlan`]); and the runner
-//! ([`run_step`], [`run_step_scaled`]) that executes one rank's part of a step on any Burn
+//! ([`run_step`], [`run_step_with`]) that executes one rank's part of a step on any Burn
 //! module split into chunks, over the rank's communicator — on the `Distributed` backend with
 //! zero-bubble schedules' split backward (weight gradients deferred from `I` to `W`). The
 //! training step around it (data-parallel sync, tied parameters, norm, optimizer) is
@@ -17,5 +17,5 @@ pub mod schedule;
 mod turns;
 
 pub use plan::StagePlan;
-pub use runner::{PipelineStep, run_step, run_step_scaled};
+pub use runner::{PipelineStep, StepOptions, run_step, run_step_with};
 pub use schedule::{Action, Costs, Placed, Schedule, ScheduleKind, Timeline, Work};

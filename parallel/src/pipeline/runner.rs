@@ -39,6 +39,17 @@ use crate::comm::{CollectiveKind, Communicator, Group};
 use crate::device::{DeferredWeights, RankContext};
 use crate::error::Error;
 
+/// The last stage's loss as its backward starts from it: divided by the micro-batch count `m`
+/// (the summed gradients are those of the mean loss), times the loss scale.
+fn scaled<B: AutodiffBackend>(value: Tensor<B, 1>, m: usize, loss_scale: f32) -> Output<B> {
+    let value = value.div_scalar(m as f64);
+    Output::Loss(if loss_scale == 1.0 {
+        value
+    } else {
+        value.mul_scalar(loss_scale)
+    })
+}
+
 /// What one rank's part of a pipeline step gave ([`run_step`]).
 #[derive(Debug)]
 pub struct PipelineStep {
@@ -84,11 +95,24 @@ impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeaves {
     }
 }
 
+/// The module with its parameters' values as untracked tensors: a forward on it builds no graph
+/// (re-materialisation's first forward).
+struct Untracked;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for Untracked {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        Param::from_mapped_value(id, tensor.detach(), mapper)
+    }
+}
+
 /// A micro-batch's forward state, kept until its backward.
 struct Held<B: AutodiffBackend, M> {
-    /// The chunk with this micro-batch's leaves ([`FreshLeaves`]).
-    chunk: M,
-    /// The received activation, a leaf whose gradient goes back (`None` on the first stage).
+    /// The chunk with this micro-batch's leaves ([`FreshLeaves`]); none under
+    /// re-materialisation.
+    chunk: Option<M>,
+    /// The received activation, a leaf whose gradient goes back (`None` on the first stage;
+    /// not yet a leaf under re-materialisation).
     input: Option<Tensor<B, 3>>,
     /// The stage's output, or on the last stage the scaled loss.
     output: Output<B>,
@@ -97,6 +121,8 @@ struct Held<B: AutodiffBackend, M> {
 enum Output<B: AutodiffBackend> {
     Activation(Tensor<B, 3>),
     Loss(Tensor<B, 1>),
+    /// Re-materialisation: nothing kept but the input; the backward runs the forward again.
+    Again,
 }
 
 const ACTIVATION: i64 = 0;
@@ -208,23 +234,55 @@ where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
-    run_step_scaled(schedule, comm, axis, chunks, 1.0, None, forward, loss)
+    run_step_with(
+        schedule,
+        comm,
+        axis,
+        chunks,
+        StepOptions::default(),
+        forward,
+        loss,
+    )
 }
 
-/// [`run_step`] with each micro-batch's loss multiplied by `loss_scale` before its backward
-/// (dynamic loss scaling; the losses reported are not scaled), and, with `split` (the rank's
-/// context on the `Distributed` backend), the split backward of zero-bubble schedules: an `I`
-/// action runs the backward with the linear layers' weight gradients deferred
-/// ([`RankContext::begin_deferring_weight_gradients`]; gradients must be kept unreduced,
-/// [`RankContext::set_no_sync`]) and sends the input gradient on; its `W` computes them.
-#[allow(clippy::too_many_arguments)]
-pub fn run_step_scaled<B, M>(
+/// How [`run_step_with`] runs a step, beyond the schedule.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOptions<'a> {
+    /// Each micro-batch's loss is multiplied by this before its backward (dynamic loss
+    /// scaling; the losses reported are not scaled).
+    pub loss_scale: f32,
+    /// The rank's context on the `Distributed` backend: zero-bubble schedules' split backward
+    /// (an `I` runs the backward with the linear layers' weight gradients deferred,
+    /// [`RankContext::begin_deferring_weight_gradients`], gradients kept unreduced,
+    /// [`RankContext::set_no_sync`]; its `W` computes them), and backward passes that
+    /// communicate taking turns within the process (see the `turns` module).
+    pub ctx: Option<&'a RankContext>,
+    /// Re-materialisation (GPipe's): a stage keeps only its input per micro-batch (its forward
+    /// runs on untracked parameters and builds no backward graph), and runs the forward again,
+    /// with its graph, in the backward — bitwise the same step. Burn 0.21's autodiff still
+    /// registers untracked ops in its graph and frees them only when the rank's next backward
+    /// cleans orphaned graphs up, so the saving is partial (1F1B gains a little, GPipe
+    /// nothing); a forward on the inner module would hold nothing.
+    pub rematerialize: bool,
+}
+
+impl Default for StepOptions<'_> {
+    fn default() -> Self {
+        Self {
+            loss_scale: 1.0,
+            ctx: None,
+            rematerialize: false,
+        }
+    }
+}
+
+/// [`run_step`] with [`StepOptions`].
+pub fn run_step_with<B, M>(
     schedule: &Schedule,
     comm: &dyn Communicator,
     axis: usize,
     chunks: &[M],
-    loss_scale: f32,
-    split: Option<&RankContext>,
+    options: StepOptions<'_>,
     forward: impl Fn(&M, usize, usize, Option<Tensor<B, 3>>) -> Tensor<B, 3>,
     loss: impl Fn(usize, Tensor<B, 3>) -> Tensor<B, 1>,
 ) -> Result<PipelineStep, Error>
@@ -232,6 +290,11 @@ where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
 {
+    let StepOptions {
+        loss_scale,
+        ctx: split,
+        rematerialize,
+    } = options;
     // Refused on every rank before anything runs (no rank is left waiting for another).
     let has_split = (0..schedule.ranks()).any(|r| {
         schedule
@@ -305,29 +368,30 @@ where
                     None
                 } else {
                     let data = mail.recv(schedule.rank_of(stage - 1), ACTIVATION, stage, mb)?;
-                    Some(Tensor::<B, 3>::from_data(data, &device).require_grad())
+                    let x = Tensor::<B, 3>::from_data(data, &device);
+                    Some(if rematerialize { x } else { x.require_grad() })
                 };
                 start = started.elapsed().as_secs_f64();
-                let leaves = chunk.clone().map(&mut FreshLeaves);
+                let leaves = if rematerialize {
+                    chunk.clone().map(&mut Untracked)
+                } else {
+                    chunk.clone().map(&mut FreshLeaves)
+                };
                 let out = forward(&leaves, stage, mb, input.clone());
                 let output = if stage == last {
                     let value = loss(mb, out);
                     losses[mb] = value.clone().into_scalar().elem::<f32>();
-                    let value = value.div_scalar(m as f64);
-                    Output::Loss(if loss_scale == 1.0 {
-                        value
-                    } else {
-                        value.mul_scalar(loss_scale)
-                    })
+                    scaled(value, m, loss_scale)
                 } else {
                     let data = out.clone().into_data();
                     mail.send(schedule.rank_of(stage + 1), ACTIVATION, stage + 1, mb, data)?;
                     Output::Activation(out)
                 };
+                let output = if rematerialize { Output::Again } else { output };
                 held.insert(
                     (stage, mb),
                     Held {
-                        chunk: leaves,
+                        chunk: (!rematerialize).then_some(leaves),
                         input,
                         output,
                     },
@@ -342,9 +406,29 @@ where
                 } = held.remove(&(stage, mb)).ok_or_else(|| {
                     Error::InvalidSchedule(format!("backward of {action} before its forward"))
                 })?;
+                // Re-materialisation: the forward again, now with its graph.
+                let (leaves, input, output) = match output {
+                    Output::Again => {
+                        let leaves = chunk.clone().map(&mut FreshLeaves);
+                        let input = input.map(Tensor::require_grad);
+                        let out = forward(&leaves, stage, mb, input.clone());
+                        let output = if stage == last {
+                            scaled(loss(mb, out), m, loss_scale)
+                        } else {
+                            Output::Activation(out)
+                        };
+                        (leaves, input, output)
+                    }
+                    output => (
+                        leaves.expect("a chunk is held unless re-materialised"),
+                        input,
+                        output,
+                    ),
+                };
                 // The root of the micro-batch's backward: its loss on the last stage,
                 // `Σ output ⊙ received gradient` elsewhere.
                 let root = match output {
+                    Output::Again => unreachable!("run again above"),
                     Output::Loss(value) => value,
                     Output::Activation(out) => {
                         let data = mail.recv(schedule.rank_of(stage + 1), GRADIENT, stage, mb)?;
