@@ -7,7 +7,9 @@
 //! ZB-H1 (F = I = W: a third of 1F1B's) — and beside the schedule's own simulation with unit
 //! costs. The blocks run on `Autodiff<Distributed<Flex>>`, as training does (ZB-H1 defers the
 //! linear layers' weight gradients to its `W` actions there). Writes the measured 1F1B timeline
-//! for p = 4, M = 8 as an SVG.
+//! for p = 4, M = 8 as an SVG. Then, for p = 2, each action kind's mean time alone (the other
+//! rank idle) and alongside the other rank's action: what sharing the cores costs, which the
+//! bubble beyond the theory absorbs.
 //!
 //! Valid only where every rank has cores of its own: ranks as threads share the machine's cores
 //! and Flex's thread pool, so on a 2-core machine a step with more than two busy ranks runs each
@@ -132,6 +134,34 @@ fn measure(schedule: &Schedule, d: usize, tokens: [usize; 2]) -> Timeline {
     }
 }
 
+/// Mean durations (ms) of `work` actions that ran alone (another rank busy < 10% of the time)
+/// and alongside another rank's action (> 90%): with ranks as threads on shared cores, the cost
+/// of contention that the bubble absorbs. `None` where no action fell in a class.
+fn alone_and_shared(t: &Timeline, work: Work) -> (Option<f64>, Option<f64>) {
+    let (mut alone, mut shared) = (Vec::new(), Vec::new());
+    for (r, actions) in t.ranks.iter().enumerate() {
+        for a in actions.iter().filter(|a| a.action.work == work) {
+            let span = (a.end - a.start).max(1e-12);
+            let busy: f64 = t
+                .ranks
+                .iter()
+                .enumerate()
+                .filter(|(o, _)| *o != r)
+                .flat_map(|(_, other)| other.iter())
+                .map(|b| (a.end.min(b.end) - a.start.max(b.start)).max(0.0))
+                .sum();
+            let share = busy / span;
+            if share < 0.1 {
+                alone.push(span);
+            } else if share > 0.9 {
+                shared.push(span);
+            }
+        }
+    }
+    let mean = |v: &[f64]| (!v.is_empty()).then(|| 1e3 * v.iter().sum::<f64>() / v.len() as f64);
+    (mean(&alone), mean(&shared))
+}
+
 fn main() {
     let smoke = common::smoke();
     let (d, tokens) = if smoke { (16, [2, 4]) } else { (512, [8, 64]) };
@@ -169,6 +199,7 @@ fn main() {
             .display()
             .to_string()
     });
+    let mut contention = Vec::new();
     for (kind, p, m, v) in cases {
         let schedule = Schedule::new(kind, p, m, v).expect("a schedule");
         let measured = measure(&schedule, d, tokens);
@@ -224,10 +255,32 @@ fn main() {
             1e3 * f,
             1e3 * b
         );
+        if p == 2 && kind != ScheduleKind::ZeroBubble {
+            contention.push((kind, m, measured.clone()));
+        }
         if (kind, p, m) == (ScheduleKind::OneFOneB, 4, 8) || smoke {
             let title = format!("{kind:?}: p = {p}, M = {m}, measured");
             std::fs::write(&svg_path, measured.svg(&title)).expect("writing the SVG");
             println!("\n(timeline: {svg_path})\n");
         }
+    }
+    // p = 2: what an action costs alone and alongside the other rank's (2 cores, one Flex thread
+    // pool): where the bubble beyond the theory comes from.
+    println!(
+        "\nrank contention at p = 2: mean action time (ms) alone (the other rank idle > 90% of \
+         it) and shared (busy > 90%)\n\n| schedule | M | F alone | F shared | B alone | B shared |\n\
+         |---|---|---|---|---|---|"
+    );
+    let ms = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.2}"));
+    for (kind, m, timeline) in contention {
+        let (fa, fs) = alone_and_shared(&timeline, Work::Forward);
+        let (ba, bs) = alone_and_shared(&timeline, Work::Backward);
+        println!(
+            "| {kind:?} | {m} | {} | {} | {} | {} |",
+            ms(fa),
+            ms(fs),
+            ms(ba),
+            ms(bs)
+        );
     }
 }

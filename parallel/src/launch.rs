@@ -222,6 +222,42 @@ mod tests {
         assert!(start.elapsed() < DEFAULT_TIMEOUT / 2);
     }
 
+    /// A rank that stops with an error (no panic) and says so (`Communicator::fail`) releases
+    /// the others at once, naming it and its reason; a collective every rank reached before the
+    /// failure still completes on every rank.
+    #[test]
+    fn a_failing_rank_releases_the_others_and_finished_calls_stand() {
+        let mesh = DeviceMesh::new([("dp", 3)]).unwrap();
+        let start = Instant::now();
+        let results = launch(&mesh, &LaunchOptions::default(), |comm| {
+            let sum = comm.all_reduce(
+                Group::World,
+                TensorData::new(vec![1.0f32], [1]),
+                ReduceOp::Sum,
+            );
+            if comm.rank() == 1 {
+                comm.fail("rank one cannot build its stage".into());
+                return (sum, Ok(()));
+            }
+            // Rank 1 never reaches this barrier.
+            (sum, comm.barrier(Group::World))
+        })
+        .unwrap();
+        for (rank, (sum, barrier)) in results.into_iter().enumerate() {
+            assert_eq!(sum.unwrap().to_vec::<f32>().unwrap(), [3.0], "rank {rank}");
+            if rank != 1 {
+                assert_eq!(
+                    barrier,
+                    Err(Error::PeerFailed {
+                        rank: 1,
+                        reason: "rank one cannot build its stage".into()
+                    })
+                );
+            }
+        }
+        assert!(start.elapsed() < DEFAULT_TIMEOUT / 2);
+    }
+
     #[test]
     fn panic_messages_of_any_payload() {
         let mesh = DeviceMesh::new([("dp", 2)]).unwrap();

@@ -249,11 +249,17 @@ pub fn run_on_with<B: FusedOps>(
                 .map(|(state, checkpoint)| (checkpoint, state.scaler.clone())),
             first_step,
         };
-        if config.parallel.pp > 1 {
+        let result = if config.parallel.pp > 1 {
             run.train_pipelined(&device)
         } else {
             run.train(&device)
+        };
+        // A rank that stops with an error releases the others from waiting for it (ranks as
+        // threads): they fail at once, naming it and its error.
+        if let Err(e) = &result {
+            device.context().comm().fail(e.to_string());
         }
+        result
     };
     let (rank, summary) = launch_ranks::<B>(config, device, hooks, rank_body)?;
     let mut summary = summary?;

@@ -187,7 +187,9 @@ impl InProcessWorld {
             point.arrived.notify_all();
         }
         loop {
-            self.check_abort()?;
+            // A round every member reached completes even if the world was aborted since (a
+            // rank that stops with an error right after a collective must not turn its peers'
+            // finished call into a failure).
             let round = state
                 .rounds
                 .get_mut(&round_id)
@@ -200,6 +202,7 @@ impl InProcessWorld {
                 }
                 return Ok(all);
             }
+            self.check_abort()?;
             let now = Instant::now();
             if now >= deadline {
                 let missing = round
@@ -356,6 +359,10 @@ impl Communicator for InProcessCommunicator {
         &self.member
     }
 
+    fn fail(&self, reason: String) {
+        self.world.abort(self.rank(), reason);
+    }
+
     /// One round of the group's rendezvous: deposits the call and `data`, checks that every
     /// member made the same call with buffers that fit, and computes this member's result from
     /// everyone's deposits.
@@ -451,10 +458,11 @@ impl PointToPoint for InProcessCommunicator {
         let deadline = start + self.world.timeout;
         let mut queue = lock(&channel.queue);
         let data = loop {
-            self.world.check_abort()?;
+            // A message already sent is received even if the world was aborted since.
             if let Some(data) = queue.pop_front() {
                 break data;
             }
+            self.world.check_abort()?;
             let now = Instant::now();
             if now >= deadline {
                 return Err(Error::Timeout {

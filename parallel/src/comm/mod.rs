@@ -275,6 +275,14 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         self.collective(Call::barrier(group), None).map(drop)
     }
 
+    /// This rank failed (`reason`): where the communicator can, every pending and later call of
+    /// the other ranks fails at once naming this rank and `reason` ([`Error::PeerFailed`]),
+    /// instead of each waiting out its timeout. The in-process world does; elsewhere nothing
+    /// happens (an MPI job's watchdog ends it after the timeout).
+    fn fail(&self, reason: String) {
+        let _ = reason;
+    }
+
     /// This communicator's point-to-point messages, where it offers them (the in-process and
     /// MPI communicators do); elsewhere [`Error::Unsupported`].
     fn point_to_point(&self) -> Result<&dyn PointToPoint, Error> {

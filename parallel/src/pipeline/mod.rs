@@ -8,8 +8,10 @@
 //! zero-bubble schedules' split backward (weight gradients deferred from `I` to `W`). The
 //! training step around it (data-parallel sync, tied parameters, norm, optimizer) is
 //! `wildfire_engine::StepRunner::run_pipeline`; the GPT's stages are
-//! `wildfire_models::gpt::GptStage`. Not yet: FSDP (parameter sharding) and tensor parallelism
-//! inside the stages.
+//! `wildfire_models::gpt::GptStage`. Stages compose with FSDP / HSDP and tensor parallelism
+//! (backward passes that communicate take turns within a process: `turns`). Not yet: sequence
+//! parallelism inside stages, NCCL point-to-point (activations go through the host
+//! communicator's messages).
 
 pub mod plan;
 pub mod runner;
