@@ -317,4 +317,11 @@ pub trait PointToPoint: Communicator {
 
     /// Receives the next message global rank `from` sent to this rank, waiting for it.
     fn recv(&self, from: usize) -> Result<TensorData, Error>;
+
+    /// Wait until every message this rank sent has left it (MPI: the immediate sends completed,
+    /// their buffers freed). Call once nothing this rank waits for depends on its own later
+    /// sends (the end of a pipeline step).
+    fn flush(&self) -> Result<(), Error> {
+        Ok(())
+    }
 }

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::{Shape, TensorData};
 use mpi::datatype::{Partition, PartitionMut};
+use mpi::request::{Request, StaticScope};
 use mpi::topology::Communicator as _;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
@@ -92,6 +93,7 @@ impl MpiWorld {
             world: Mutex::new(Handle(ManuallyDrop::new(world))),
             axes,
             p2p,
+            in_flight: Mutex::default(),
             sequence: Sequence::default(),
             watchdog: Arc::new(Watchdog {
                 timeout,
@@ -182,9 +184,76 @@ pub struct MpiCommunicator {
     axes: Vec<Mutex<Handle>>,
     /// Point-to-point messages, on their own communicator (a duplicate of the world).
     p2p: Mutex<Handle>,
+    /// Sends started and not yet known to be complete (see [`InFlight`]).
+    in_flight: Mutex<InFlight>,
     /// Calls made so far per group (the header's sequence number).
     sequence: Sequence,
     watchdog: Arc<Watchdog>,
+}
+
+/// Immediate sends in flight, each with its message, which MPI reads until the send completes.
+/// A standard-mode send of a message above the transport's eager limit waits for the matching
+/// receive; pipeline ranks that both send before they receive (1F1B's steady state) would wait
+/// on each other, so `send` starts the send and returns ([`PointToPoint::send`]'s contract),
+/// and completed sends are reaped on each later call and waited for when the communicator goes.
+#[derive(Default)]
+struct InFlight(Vec<(SendRequest, *mut [u8])>);
+
+/// An immediate send whose buffer lives until it completes.
+type SendRequest = Request<'static, [u8], StaticScope>;
+
+// The requests and buffers are only touched under the communicator's mutex; MPI is initialised
+// with `Threading::Multiple`.
+unsafe impl Send for InFlight {}
+
+impl InFlight {
+    /// Start sending `message` to `to` on `comm`.
+    fn start(&mut self, comm: &SimpleCommunicator, to: i32, message: Vec<u8>) {
+        let raw: *mut [u8] = Box::into_raw(message.into_boxed_slice());
+        // SAFETY: `raw` stays allocated, and is neither read nor written here, until the request
+        // completes (`reap`, `drop`): for MPI the buffer lives as long as `'static` asks.
+        let buffer: &'static [u8] = unsafe { &*raw };
+        let request = comm.process_at_rank(to).immediate_send(StaticScope, buffer);
+        self.0.push((request, raw));
+    }
+
+    /// Free the messages of the sends that have completed.
+    fn reap(&mut self) {
+        let pending = std::mem::take(&mut self.0);
+        for (request, raw) in pending {
+            match request.test() {
+                // SAFETY: the send completed; MPI no longer reads the buffer, which
+                // `Box::into_raw` made and nothing else frees.
+                Ok(_) => drop(unsafe { Box::from_raw(raw) }),
+                Err(request) => self.0.push((request, raw)),
+            }
+        }
+    }
+}
+
+impl InFlight {
+    /// Wait for every send in flight, and free its message.
+    fn wait_all(&mut self) {
+        for (request, raw) in self.0.drain(..) {
+            request.wait();
+            // SAFETY: as in `reap`.
+            drop(unsafe { Box::from_raw(raw) });
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if mpi::environment::is_finalized() {
+            // The process is ending and MPI may not be called again: a request cannot be
+            // completed, and dropping one uncompleted panics; its message stays allocated.
+            for (request, _) in self.0.drain(..) {
+                std::mem::forget(request);
+            }
+        } else {
+            self.wait_all();
+        }
+    }
 }
 
 impl fmt::Debug for MpiCommunicator {
@@ -471,16 +540,25 @@ impl PointToPoint for MpiCommunicator {
         let mut message = to_bytes(&words);
         message.extend_from_slice(data.as_bytes());
         let handle = lock(&self.p2p);
-        let _pending = self.watchdog.start(format!("send to rank {to}"));
-        handle.0.process_at_rank(to as i32).send(&message[..]);
+        let mut in_flight = lock(&self.in_flight);
+        in_flight.reap();
+        in_flight.start(&handle.0, to as i32, message);
         self.member
             .record_p2p(CollectiveKind::Send, data.bytes.len());
+        Ok(())
+    }
+
+    fn flush(&self) -> Result<(), Error> {
+        let _handle = lock(&self.p2p);
+        let _pending = self.watchdog.start("sends to complete".to_string());
+        lock(&self.in_flight).wait_all();
         Ok(())
     }
 
     fn recv(&self, from: usize) -> Result<TensorData, Error> {
         self.member.check_peer(from)?;
         let handle = lock(&self.p2p);
+        lock(&self.in_flight).reap();
         let _pending = self.watchdog.start(format!("recv from rank {from}"));
         let (message, _status) = handle.0.process_at_rank(from as i32).receive_vec::<u8>();
         let words = from_bytes::<OPERAND>(&message);

@@ -503,6 +503,10 @@ where
             end: started.elapsed().as_secs_f64(),
         });
     }
+    // The step's last messages have left this rank (MPI: its immediate sends are complete).
+    if mail.sends > 0 {
+        comm.point_to_point()?.flush()?;
+    }
     Ok(PipelineStep {
         grads: accumulators.into_iter().map(|mut a| a.grads()).collect(),
         losses,
