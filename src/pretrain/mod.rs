@@ -99,6 +99,17 @@ pub struct RunSummary {
     pub prefetch: wildfire_parallel::PrefetchStats,
 }
 
+impl RunSummary {
+    /// A summary whose setup peaks are the process's now (the model built, laid out, loaded).
+    fn at_setup() -> Self {
+        Self {
+            setup_peak_rss: peak_rss(),
+            setup_heap_peak: crate::alloc::heap_peak() as u64,
+            ..Self::default()
+        }
+    }
+}
+
 /// The state stored next to the weights in a checkpoint.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct CheckpointState {

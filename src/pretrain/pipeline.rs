@@ -12,7 +12,7 @@ use wildfire_kernels::hooks::Inference;
 use wildfire_models::gpt::{GptStage, StageInput, cross_entropy};
 use wildfire_models::parallelize::init_gpt_stage;
 use wildfire_parallel::pipeline::{Schedule, StagePlan};
-use wildfire_parallel::{Group, PIPELINE_AXIS, RankPolicy, ReduceOp};
+use wildfire_parallel::{Group, PIPELINE_AXIS, ReduceOp};
 
 type A<B> = Autodiff<Distributed<B>>;
 
@@ -29,18 +29,10 @@ impl RankRun<'_> {
         &self,
         device: &DistDevice<B>,
     ) -> Result<RunSummary, PretrainError> {
-        let (config, model_config) = (self.config, &self.data.model);
+        let config = self.config;
         let rank = device.rank();
         let ctx = device.context().clone();
-        ctx.set_policy(RankPolicy {
-            compute_dtype: config.precision.reduced_dtype(),
-            grad_reduce_dtype: config.grad_reduce.reduced_dtype(),
-            memory_budget: config.memory_budget,
-            prefetch: config.prefetch,
-            reduce_in_flight: config.reduce_in_flight,
-            bucket_bytes: (config.bucket_mb * (1u64 << 20) as f64) as usize,
-            ..RankPolicy::default()
-        });
+        self.set_policy(&ctx);
         let schedule = config.parallel.schedule()?;
         let stages = self.build_stages::<B>(device, &schedule)?;
         let mut chunks = stages.chunks;
@@ -62,33 +54,9 @@ impl RankRun<'_> {
                 *optim = optim.clone().load_record(record);
             }
         }
-        let mut writer = match &config.save {
-            Some(root) => Some(CheckpointWriter::new(
-                root,
-                rank,
-                device.mesh().world_size(),
-            )?),
-            None => None,
-        };
-        let resume_scaler = self.resume.as_ref().and_then(|(_, s)| s.clone());
-        let scaler = (config.precision == Precision::F16).then(|| {
-            resume_scaler.unwrap_or_else(|| DynamicLossScaler::new(LossScalerConfig::default()))
-        });
-        let mut step_runner = StepRunner::new(
-            StepRunnerConfig {
-                clip: (config.clip > 0.0).then_some(config.clip as f32),
-                recompute: config.parallel.recompute,
-                max_skipped_in_a_row: config.max_skipped,
-            },
-            scaler,
-        )
-        .starting_at(self.first_step);
-        let mut summary = RunSummary {
-            setup_peak_rss: peak_rss(),
-            setup_heap_peak: crate::alloc::heap_peak() as u64,
-            ..RunSummary::default()
-        };
-        let tokens_per_step = (config.batch_size * model_config.block_size) as f64;
+        let mut writer = self.checkpoint_writer(rank, device.mesh().world_size())?;
+        let mut step_runner = self.step_runner();
+        let mut summary = RunSummary::at_setup();
         let progress = (rank == 0 && config.progress).then(|| self.progress_bar());
         let member = ctx.comm().member();
         member.set_tracing(config.trace.is_some());
@@ -134,25 +102,15 @@ impl RankRun<'_> {
             chunks = next;
             member.trace_region("step", step_started);
             let param_bytes: u64 = chunks.iter().map(parameter_bytes).sum();
-            let elapsed = started.elapsed().as_secs_f64();
-            let r = record.step;
-            let mut metrics = StepMetrics {
+            let (mut metrics, elapsed) = self.step_metrics(
+                &ctx,
                 step,
-                loss: r.loss,
                 lr,
-                grad_norm: r.grad_norm,
-                loss_scale: r.loss_scale,
-                skipped: r.skipped,
-                tokens_per_s: tokens_per_step / elapsed,
+                &record.step,
                 param_bytes,
-                grad_bytes: r.grad_bytes,
-                optim_bytes: ctx.live_bytes().saturating_sub(param_bytes),
-                peak_bytes: ctx.peak_bytes(),
-                gathered_peak_bytes: ctx.peak_gathered_bytes(),
-                process_peak_rss: peak_rss(),
-                comm_bytes: ctx.comm_stats().since(&stats_before).total_bytes(),
-                val_loss: None,
-            };
+                started,
+                &stats_before,
+            );
             tracing::debug!(
                 step,
                 rank,
@@ -187,18 +145,7 @@ impl RankRun<'_> {
                 }
                 let snapshot = snapshot.expect("a rank holds a stage");
                 let copy = started.elapsed().as_secs_f64();
-                let files = if rank == 0 {
-                    let state = CheckpointState {
-                        step: step + 1,
-                        config: config.clone(),
-                        model: model_config.clone(),
-                        scaler: step_runner.scaler().cloned(),
-                    };
-                    let state = serde_json::to_vec_pretty(&state).expect("the state serialises");
-                    vec![("state.json".to_string(), state)]
-                } else {
-                    Vec::new()
-                };
+                let files = self.state_files(rank, step + 1, step_runner.scaler());
                 let previous = writer.save(snapshot, step + 1, files)?;
                 if let (Some(report), Some(last)) = (previous, summary.saves.last_mut()) {
                     last.1 = report.write_time.as_secs_f64();
@@ -215,12 +162,7 @@ impl RankRun<'_> {
         if let Some(bar) = &progress {
             bar.finish_and_clear();
         }
-        summary.final_peak_rss = peak_rss();
-        if config.trace.is_some() {
-            summary.trace = vec![(rank, member.take_trace())];
-            member.set_tracing(false);
-        }
-        summary.final_heap_peak = crate::alloc::heap_peak() as u64;
+        self.finish(&mut summary, rank, member);
         if config.gather_parameters {
             summary.parameters = gather_parameters(device, &chunks)?;
         }

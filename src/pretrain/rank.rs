@@ -4,8 +4,9 @@
 use super::*;
 use burn::optim::SimpleOptimizer;
 use burn::optim::record::AdaptorRecord;
+use wildfire_engine::StepRecord;
 use wildfire_models::dcp::SaveReport;
-use wildfire_parallel::RankPolicy;
+use wildfire_parallel::{RankContext, RankPolicy};
 
 type A<B> = Autodiff<Distributed<B>>;
 
@@ -67,28 +68,8 @@ impl RankRun<'_> {
         // dynamic loss scale.
         let ctx = device.context().clone();
         // Set once, before `parallelize_gpt` fills in the sharding and sequence parallelism.
-        ctx.set_policy(RankPolicy {
-            compute_dtype: config.precision.reduced_dtype(),
-            grad_reduce_dtype: config.grad_reduce.reduced_dtype(),
-            memory_budget: config.memory_budget,
-            prefetch: config.prefetch,
-            reduce_in_flight: config.reduce_in_flight,
-            bucket_bytes: (config.bucket_mb * (1u64 << 20) as f64) as usize,
-            ..RankPolicy::default()
-        });
-        let resume_scaler = self.resume.as_ref().and_then(|(_, s)| s.clone());
-        let scaler = (config.precision == Precision::F16).then(|| {
-            resume_scaler.unwrap_or_else(|| DynamicLossScaler::new(LossScalerConfig::default()))
-        });
-        let mut step_runner = StepRunner::new(
-            StepRunnerConfig {
-                clip: (config.clip > 0.0).then_some(config.clip as f32),
-                recompute: config.parallel.recompute,
-                max_skipped_in_a_row: config.max_skipped,
-            },
-            scaler,
-        )
-        .starting_at(self.first_step);
+        self.set_policy(&ctx);
+        let mut step_runner = self.step_runner();
         // Each rank draws only its pieces of the parameters the layout splits.
         let model: Gpt<A<B>> = init_gpt(model_config, device, &config.parallel)?;
         let mut model = parallelize_gpt(model, device.mesh(), &config.parallel)?;
@@ -101,20 +82,8 @@ impl RankRun<'_> {
             model = checkpoint.load_model(model)?;
             optim = optim.load_record(checkpoint.load_optimizer::<A<B>, _, X>(&model)?);
         }
-        let mut writer = match &config.save {
-            Some(root) => Some(CheckpointWriter::new(
-                root,
-                rank,
-                device.mesh().world_size(),
-            )?),
-            None => None,
-        };
-        let mut summary = RunSummary {
-            setup_peak_rss: peak_rss(),
-            setup_heap_peak: crate::alloc::heap_peak() as u64,
-            ..RunSummary::default()
-        };
-        let tokens_per_step = (config.batch_size * model_config.block_size) as f64;
+        let mut writer = self.checkpoint_writer(rank, device.mesh().world_size())?;
+        let mut summary = RunSummary::at_setup();
         let progress = (rank == 0 && config.progress).then(|| self.progress_bar());
         let member = ctx.comm().member();
         member.set_tracing(config.trace.is_some());
@@ -160,25 +129,19 @@ impl RankRun<'_> {
             // The decorator's accounting of this rank's local pieces. After the step only the
             // parameters and the optimizer state are alive (the loss and its graph are dropped,
             // the gradients consumed), so the optimizer state is the rest.
-            let param_bytes = parameter_bytes(&model);
-            let elapsed = started.elapsed().as_secs_f64();
-            let mut m = StepMetrics {
-                step,
+            let record = StepRecord {
                 loss: mean_over_ranks(device, record.loss)?,
-                lr,
-                grad_norm: record.grad_norm,
-                loss_scale: record.loss_scale,
-                skipped: record.skipped,
-                tokens_per_s: tokens_per_step / elapsed,
-                param_bytes,
-                grad_bytes: record.grad_bytes,
-                optim_bytes: ctx.live_bytes().saturating_sub(param_bytes),
-                peak_bytes: ctx.peak_bytes(),
-                gathered_peak_bytes: ctx.peak_gathered_bytes(),
-                process_peak_rss: peak_rss(),
-                comm_bytes: ctx.comm_stats().since(&stats_before).total_bytes(),
-                val_loss: None,
+                ..record
             };
+            let (mut m, elapsed) = self.step_metrics(
+                &ctx,
+                step,
+                lr,
+                &record,
+                parameter_bytes(&model),
+                started,
+                &stats_before,
+            );
             let last = step + 1 == config.steps;
             if (config.eval_every > 0 && (step + 1) % config.eval_every == 0) || last {
                 m.val_loss = self.evaluate(&model, device)?;
@@ -211,12 +174,7 @@ impl RankRun<'_> {
         if let Some(bar) = &progress {
             bar.finish_and_clear();
         }
-        summary.final_peak_rss = peak_rss();
-        if config.trace.is_some() {
-            summary.trace = vec![(rank, member.take_trace())];
-            member.set_tracing(false);
-        }
-        summary.final_heap_peak = crate::alloc::heap_peak() as u64;
+        self.finish(&mut summary, rank, member);
         summary.prefetch = ctx.prefetch_stats();
         // Gathering sharded parameters and sampling take collectives: every rank does them.
         if config.gather_parameters {
@@ -231,6 +189,123 @@ impl RankRun<'_> {
             summary.sample = self.data.tokenizer.decode(&tokens);
         }
         Ok(summary)
+    }
+
+    /// The rank's run-wide policy from the configuration (before the model is laid out).
+    pub(super) fn set_policy(&self, ctx: &RankContext) {
+        let config = self.config;
+        ctx.set_policy(RankPolicy {
+            compute_dtype: config.precision.reduced_dtype(),
+            grad_reduce_dtype: config.grad_reduce.reduced_dtype(),
+            memory_budget: config.memory_budget,
+            prefetch: config.prefetch,
+            reduce_in_flight: config.reduce_in_flight,
+            bucket_bytes: (config.bucket_mb * (1u64 << 20) as f64) as usize,
+            ..RankPolicy::default()
+        });
+    }
+
+    /// The step runner: clipping, recomputation, the skip limit, and for f16 the loss scaler
+    /// (the checkpoint's when resuming), its steps numbered from the first step run.
+    pub(super) fn step_runner(&self) -> StepRunner {
+        let config = self.config;
+        let resume_scaler = self.resume.as_ref().and_then(|(_, s)| s.clone());
+        let scaler = (config.precision == Precision::F16).then(|| {
+            resume_scaler.unwrap_or_else(|| DynamicLossScaler::new(LossScalerConfig::default()))
+        });
+        StepRunner::new(
+            StepRunnerConfig {
+                clip: (config.clip > 0.0).then_some(config.clip as f32),
+                recompute: config.parallel.recompute,
+                max_skipped_in_a_row: config.max_skipped,
+            },
+            scaler,
+        )
+        .starting_at(self.first_step)
+    }
+
+    /// This rank's checkpoint writer, with `--save`.
+    pub(super) fn checkpoint_writer(
+        &self,
+        rank: usize,
+        world_size: usize,
+    ) -> Result<Option<CheckpointWriter>, PretrainError> {
+        Ok(match &self.config.save {
+            Some(root) => Some(CheckpointWriter::new(root, rank, world_size)?),
+            None => None,
+        })
+    }
+
+    /// A step's metrics (`record.loss` already the mesh's) and its seconds: the decorator's
+    /// accounting of this rank's pieces, of which `param_bytes` are the parameters' (after the
+    /// step only they and the optimizer state are alive).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn step_metrics(
+        &self,
+        ctx: &RankContext,
+        step: usize,
+        lr: f64,
+        record: &StepRecord,
+        param_bytes: u64,
+        started: Instant,
+        stats_before: &wildfire_parallel::CommStats,
+    ) -> (StepMetrics, f64) {
+        let elapsed = started.elapsed().as_secs_f64();
+        let tokens_per_step = (self.config.batch_size * self.data.model.block_size) as f64;
+        let metrics = StepMetrics {
+            step,
+            loss: record.loss,
+            lr,
+            grad_norm: record.grad_norm,
+            loss_scale: record.loss_scale,
+            skipped: record.skipped,
+            tokens_per_s: tokens_per_step / elapsed,
+            param_bytes,
+            grad_bytes: record.grad_bytes,
+            optim_bytes: ctx.live_bytes().saturating_sub(param_bytes),
+            peak_bytes: ctx.peak_bytes(),
+            gathered_peak_bytes: ctx.peak_gathered_bytes(),
+            process_peak_rss: peak_rss(),
+            comm_bytes: ctx.comm_stats().since(stats_before).total_bytes(),
+            val_loss: None,
+        };
+        (metrics, elapsed)
+    }
+
+    /// The run state rank 0 writes next to the pieces (`state.json`: steps done, config, model
+    /// shape, loss scaler); nothing on the other ranks.
+    pub(super) fn state_files(
+        &self,
+        rank: usize,
+        step: usize,
+        scaler: Option<&DynamicLossScaler>,
+    ) -> Vec<(String, Vec<u8>)> {
+        if rank != 0 {
+            return Vec::new();
+        }
+        let state = CheckpointState {
+            step,
+            config: self.config.clone(),
+            model: self.data.model.clone(),
+            scaler: scaler.cloned(),
+        };
+        let state = serde_json::to_vec_pretty(&state).expect("the state serialises");
+        vec![("state.json".to_string(), state)]
+    }
+
+    /// The end of a rank's run: peaks, and the trace when one was asked for.
+    pub(super) fn finish(
+        &self,
+        summary: &mut RunSummary,
+        rank: usize,
+        member: &wildfire_parallel::comm::Member,
+    ) {
+        summary.final_peak_rss = peak_rss();
+        if self.config.trace.is_some() {
+            summary.trace = vec![(rank, member.take_trace())];
+            member.set_tracing(false);
+        }
+        summary.final_heap_peak = crate::alloc::heap_peak() as u64;
     }
 
     pub(super) fn progress_bar(&self) -> indicatif::ProgressBar {
@@ -329,18 +404,7 @@ impl RankRun<'_> {
         let started = Instant::now();
         let snapshot = Snapshot::take(model, Some(optim.to_record()))?;
         let copy = started.elapsed();
-        let files = if rank == 0 {
-            let state = CheckpointState {
-                step,
-                config: self.config.clone(),
-                model: self.data.model.clone(),
-                scaler: scaler.cloned(),
-            };
-            let state = serde_json::to_vec_pretty(&state).expect("the state serialises");
-            vec![("state.json".to_string(), state)]
-        } else {
-            Vec::new()
-        };
+        let files = self.state_files(rank, step, scaler);
         let bytes = snapshot.bytes();
         let previous = writer.save(snapshot, step, files)?;
         if let Some(report) = &previous {
