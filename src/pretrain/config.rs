@@ -383,13 +383,6 @@ impl PretrainConfig {
                 )));
             }
             pp.schedule()?;
-            let unsupported = [(self.init_from.is_some(), "--init-from")];
-            if let Some((_, flag)) = unsupported.iter().find(|(on, _)| *on) {
-                return Err(PretrainError::Config(format!(
-                    "--pp {}: {flag} with pipeline stages is not supported yet",
-                    pp.pp
-                )));
-            }
         }
         if !(0.0..1.0).contains(&self.val_fraction) {
             return Err(PretrainError::Config(

@@ -43,6 +43,15 @@ impl RankRun<'_> {
             .iter()
             .map(|_| FsdpOptimizer::new(adamw.init::<A<B>, GptStage<A<B>>>()))
             .collect();
+        if let (None, Some(file)) = (&self.resume, &config.init_from) {
+            // Hugging Face GPT-2 weights, by the whole model's names: each stage its blocks.
+            let weights = wildfire_models::hf::import_gpt2(file)?;
+            for chunk in chunks.iter_mut() {
+                let first = chunk.first_block;
+                let name = move |path: &str| stage_name(first, path);
+                *chunk = weights.load_model_named(chunk.clone(), &name)?;
+            }
+        }
         if let Some((checkpoint, _)) = &self.resume {
             // The checkpoint holds the whole model under its own names (whatever layout saved
             // it): each stage reads its blocks' pieces.

@@ -780,6 +780,25 @@ fn gpt2_export_and_fine_tune_from_it() {
         tuned.push(summary);
     }
     crate::suite::losses_close("tp 2 vs tp 1", &tuned[1].steps, &tuned[0].steps, 1e-5);
+    // Pipeline stages each load their blocks of the file by the whole model's names.
+    let pipelined = run(&PretrainConfig {
+        init_from: Some(file.clone()),
+        seed: 99,
+        parallel: ParallelConfig {
+            pp: 2,
+            microbatches: 2,
+            ..ParallelConfig::default()
+        },
+        ..small(4)
+    })
+    .unwrap();
+    crate::suite::losses_close("pp 2 vs one rank", &pipelined.steps, &tuned[0].steps, 1e-5);
+    crate::suite::tensors_close(
+        "pp 2 vs one rank",
+        &pipelined.parameters,
+        &tuned[0].parameters,
+        1e-5,
+    );
     // Trained weights: the fine-tune's losses sit near the end of training, far below a fresh
     // model's first loss.
     let (start, fresh_loss) = (tuned[0].steps[0].loss, fresh.steps[0].loss);
