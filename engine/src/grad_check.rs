@@ -71,8 +71,7 @@ pub(crate) fn copies<X: Backend>(t: &wildfire_parallel::DTensor<X>) -> usize {
         .iter()
         .enumerate()
         .filter(|&(a, p)| {
-            matches!(p, Placement::Replicate | Placement::Local)
-                && mesh.axis(a).name != wildfire_parallel::PIPELINE_AXIS
+            matches!(p, Placement::Replicate | Placement::Local) && !mesh.axis(a).is_pipeline()
         })
         .map(|(a, _)| mesh.axis_size(a))
         .product()

@@ -127,6 +127,27 @@ pub fn mean_over_ranks<B: burn::prelude::Backend>(
     Ok(mean.to_vec::<f32>().map_or(f32::NAN, |v| v[0]))
 }
 
+/// The mean of values only some ranks hold (a pipeline's last stage holds the losses): each
+/// rank gives the sum of its values and their count, one all-reduce of `[Σ, count]` over the
+/// world adds them up (a collective: every rank calls it, with `count` 0 where it holds none).
+pub fn mean_where_held(
+    ctx: &wildfire_parallel::RankContext,
+    sum: f64,
+    count: usize,
+) -> Result<f32, wildfire_parallel::Error> {
+    use wildfire_parallel::{Group, ReduceOp};
+    if ctx.world_size() == 1 {
+        return Ok((sum / count.max(1) as f64) as f32);
+    }
+    let data = burn::tensor::TensorData::new(vec![sum, count as f64], [2]);
+    let out = ctx
+        .comm()
+        .all_reduce(Group::World, data, ReduceOp::Sum)?
+        .to_vec::<f64>()
+        .expect("f64");
+    Ok((out[0] / out[1].max(1.0)) as f32)
+}
+
 /// The process's peak resident memory in bytes (`VmHWM` of `/proc/self/status`; 0 where there
 /// is no procfs).
 pub fn peak_rss() -> u64 {

@@ -18,7 +18,7 @@ use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 use wildfire_parallel::pipeline::{Placed, Schedule, StepOptions, run_step_with};
 use wildfire_parallel::{
-    DistDevice, Distributed, Group, PIPELINE_AXIS, RankContext, ReduceOp, dtensor, from_dtensor,
+    DistDevice, Distributed, Group, PIPELINE_AXIS, RankContext, dtensor, from_dtensor,
     gradient_bytes, sync_gradients,
 };
 
@@ -156,7 +156,7 @@ impl StepRunner {
             &skip,
             Some(ctx.clone()),
         )?;
-        let loss = mean_loss(&ctx, loss_sum, out.losses.len())?;
+        let loss = crate::metrics::mean_where_held(&ctx, loss_sum, out.losses.len())?;
         let skipped = match self.scaler.as_mut() {
             Some(s) => s.update(check.found_inf) == StepDecision::Skip,
             None => check.found_inf,
@@ -212,21 +212,6 @@ impl StepRunner {
             },
         ))
     }
-}
-
-/// The mean of the last stage's micro-batch losses over every rank that holds them (one
-/// all-reduce of `[Σ loss, count]` over the mesh).
-fn mean_loss(ctx: &Arc<RankContext>, sum: f64, count: usize) -> Result<f32, Error> {
-    if ctx.world_size() == 1 {
-        return Ok((sum / count.max(1) as f64) as f32);
-    }
-    let data = TensorData::new(vec![sum, count as f64], [2]);
-    let out = ctx
-        .comm()
-        .all_reduce(Group::World, data, ReduceOp::Sum)?
-        .to_vec::<f64>()
-        .expect("f64");
-    Ok((out[0] / out[1].max(1.0)) as f32)
 }
 
 /// Visits the gradients of the parameters `ids` of a module, in `ids`' order.

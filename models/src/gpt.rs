@@ -423,12 +423,7 @@ impl<B: Backend> GptStage<B> {
     /// is the model's `first_block + i`): checkpoints of a pipelined run hold the whole model
     /// under its own names, so any layout, pipelined or not, resumes from them.
     pub fn model_name(&self, path: &str) -> String {
-        stage_to_model_name(self.first_block, path)
-    }
-
-    /// [`GptStage::model_name`] of a stage whose first block is the model's `first_block`.
-    pub fn name_in_model(first_block: usize, path: &str) -> String {
-        stage_to_model_name(first_block, path)
+        stage_param_name(self.first_block, path)
     }
 
     /// [`GptStage::model_name`] for saving: `None` for the last stage's copy of the tied table
@@ -474,8 +469,9 @@ impl<B: Backend> GptStage<B> {
 }
 
 /// `blocks.{i}.…` of a stage whose first block is the model's `first_block`, as the model names
-/// it: `blocks.{first_block + i}.…`; other paths unchanged.
-fn stage_to_model_name(first_block: usize, path: &str) -> String {
+/// it: `blocks.{first_block + i}.…`; other paths unchanged ([`GptStage::model_name`] without a
+/// stage at hand).
+pub fn stage_param_name(first_block: usize, path: &str) -> String {
     let Some(rest) = path.strip_prefix("blocks.") else {
         return path.to_string();
     };
@@ -900,11 +896,11 @@ mod tests {
     #[test]
     fn stage_names_are_the_whole_model_names() {
         assert_eq!(
-            stage_to_model_name(6, "blocks.1.attn.c_attn.weight"),
+            stage_param_name(6, "blocks.1.attn.c_attn.weight"),
             "blocks.7.attn.c_attn.weight"
         );
-        assert_eq!(stage_to_model_name(6, "wte"), "wte");
-        assert_eq!(stage_to_model_name(6, "ln_f.gamma"), "ln_f.gamma");
+        assert_eq!(stage_param_name(6, "wte"), "wte");
+        assert_eq!(stage_param_name(6, "ln_f.gamma"), "ln_f.gamma");
         let config = tiny();
         let last = config
             .init_stage::<Flex>(&Default::default(), 1..2, false, true)

@@ -60,6 +60,14 @@ pub struct MeshAxis {
     pub kind: AxisKind,
 }
 
+impl MeshAxis {
+    /// Whether this is the pipeline axis ([`PIPELINE_AXIS`]): its ranks hold different stages,
+    /// so a tensor `Replicate` along it is not a copy of one value.
+    pub fn is_pipeline(&self) -> bool {
+        self.name == PIPELINE_AXIS
+    }
+}
+
 fn accepted_names() -> String {
     let names = |kind| {
         AXIS_NAMES

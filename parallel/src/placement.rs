@@ -199,7 +199,7 @@ impl Layout {
             .zip(mesh.axes())
             .all(|((&coord, p), axis)| match p {
                 Placement::Shard(_) => true,
-                Placement::Replicate => coord == 0 || axis.name == crate::mesh::PIPELINE_AXIS,
+                Placement::Replicate => coord == 0 || axis.is_pipeline(),
                 Placement::Partial(_) | Placement::Local => false,
             })
     }

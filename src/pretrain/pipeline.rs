@@ -9,10 +9,10 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::AdamW;
 use wildfire_engine::recompute::{Recompute, Recomputer, mix_seed};
 use wildfire_kernels::hooks::Inference;
-use wildfire_models::gpt::{GptStage, StageInput, cross_entropy};
+use wildfire_models::gpt::{GptStage, StageInput, cross_entropy, stage_param_name};
 use wildfire_models::parallelize::init_gpt_stage;
 use wildfire_parallel::pipeline::{Schedule, StagePlan};
-use wildfire_parallel::{Group, PIPELINE_AXIS, ReduceOp};
+use wildfire_parallel::{Group, PIPELINE_AXIS};
 
 type A<B> = Autodiff<Distributed<B>>;
 
@@ -48,7 +48,7 @@ impl RankRun<'_> {
             let weights = wildfire_models::hf::import_gpt2(file)?;
             for chunk in chunks.iter_mut() {
                 let first = chunk.first_block;
-                let name = move |path: &str| stage_name(first, path);
+                let name = move |path: &str| stage_param_name(first, path);
                 *chunk = weights.load_model_named(chunk.clone(), &name)?;
             }
         }
@@ -57,7 +57,7 @@ impl RankRun<'_> {
             // it): each stage reads its blocks' pieces.
             for (chunk, optim) in chunks.iter_mut().zip(optims.iter_mut()) {
                 let first = chunk.first_block;
-                let name = move |path: &str| stage_name(first, path);
+                let name = move |path: &str| stage_param_name(first, path);
                 *chunk = checkpoint.load_model_named(chunk.clone(), &name)?;
                 let record = checkpoint.load_optimizer_named::<A<B>, _, AdamW>(chunk, &name)?;
                 *optim = optim.clone().load_record(record);
@@ -128,17 +128,16 @@ impl RankRun<'_> {
                 peak_held = record.peak_held,
                 "pipeline step"
             );
-            let last = step + 1 == config.steps;
-            if (config.eval_every > 0 && (step + 1) % config.eval_every == 0) || last {
+            let (evaluate, save) = self.due(step);
+            if evaluate {
                 metrics.val_loss = self.evaluate_pipelined(&chunks, &stages.numbers, device)?;
             }
             if rank == 0 {
                 self.report(&metrics, progress.as_ref(), elapsed)?;
             }
             summary.steps.push(metrics);
-            let every = config.save_every > 0 && (step + 1) % config.save_every == 0;
             if let Some(writer) = writer.as_mut()
-                && (every || last)
+                && save
             {
                 let started = Instant::now();
                 let mut snapshot: Option<Snapshot> = None;
@@ -227,7 +226,7 @@ impl RankRun<'_> {
         numbers: &[usize],
         device: &DistDevice<B>,
     ) -> Result<Option<f32>, PretrainError> {
-        if self.config.eval_iters == 0 || self.val.len() <= self.data.model.block_size {
+        if !self.validates() {
             return Ok(None);
         }
         let mesh = device.mesh();
@@ -239,12 +238,7 @@ impl RankRun<'_> {
         let chunks: Vec<GptStage<Distributed<B>>> = chunks.iter().map(|c| c.valid()).collect();
         let (mut total, mut count) = (0.0f64, 0usize);
         for i in 0..self.config.eval_iters {
-            let [x, y] = self.val_sampler.tensors::<Distributed<B>>(
-                self.val,
-                i as u64,
-                self.rows.clone(),
-                device,
-            )?;
+            let [x, y] = self.val_batch(i, device)?;
             for (chunk, &stage) in chunks.iter().zip(numbers) {
                 let input = if chunk.is_first() {
                     StageInput::Tokens(x.clone())
@@ -261,19 +255,10 @@ impl RankRun<'_> {
                 }
             }
         }
-        let data = TensorData::new(vec![total, count as f64], [2]);
-        let out = ctx
-            .comm()
-            .all_reduce(Group::World, data, ReduceOp::Sum)?
-            .to_vec::<f64>()
-            .expect("f64");
-        Ok(Some((out[0] / out[1].max(1.0)) as f32))
+        Ok(Some(wildfire_engine::metrics::mean_where_held(
+            ctx, total, count,
+        )?))
     }
-}
-
-/// The whole model's name of a stage's parameter (see `GptStage::model_name`).
-fn stage_name(first_block: usize, path: &str) -> String {
-    GptStage::<Distributed<burn::backend::Flex>>::name_in_model(first_block, path)
 }
 
 /// The token table's copy on the first and on the last stage (the tied parameter).

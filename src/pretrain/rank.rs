@@ -142,17 +142,16 @@ impl RankRun<'_> {
                 started,
                 &stats_before,
             );
-            let last = step + 1 == config.steps;
-            if (config.eval_every > 0 && (step + 1) % config.eval_every == 0) || last {
+            let (evaluate, save) = self.due(step);
+            if evaluate {
                 m.val_loss = self.evaluate(&model, device)?;
             }
             if rank == 0 {
                 self.report(&m, progress.as_ref(), elapsed)?;
             }
             summary.steps.push(m);
-            let every = config.save_every > 0 && (step + 1) % config.save_every == 0;
             if let Some(writer) = writer.as_mut()
-                && (every || last)
+                && save
             {
                 let (copy, previous) =
                     self.save(writer, &model, &optim, step_runner.scaler(), step + 1, rank)?;
@@ -189,6 +188,38 @@ impl RankRun<'_> {
             summary.sample = self.data.tokenizer.decode(&tokens);
         }
         Ok(summary)
+    }
+
+    /// Whether the run evaluates: validation batches asked for, and validation data longer than
+    /// a context.
+    pub(super) fn validates(&self) -> bool {
+        self.config.eval_iters > 0 && self.val.len() > self.data.model.block_size
+    }
+
+    /// Validation batch `i` of this rank's rows (the same batches every evaluation).
+    pub(super) fn val_batch<B: FusedOps>(
+        &self,
+        i: usize,
+        device: &DistDevice<B>,
+    ) -> Result<[Tensor<Distributed<B>, 2, Int>; 2], PretrainError> {
+        Ok(self.val_sampler.tensors::<Distributed<B>>(
+            self.val,
+            i as u64,
+            self.rows.clone(),
+            device,
+        )?)
+    }
+
+    /// Whether step `step` ends with an evaluation and with a checkpoint (with `--save`): every
+    /// `--eval-every` and `--save-every` steps, and at the last step.
+    pub(super) fn due(&self, step: usize) -> (bool, bool) {
+        let config = self.config;
+        let (done, last) = (step + 1, step + 1 == config.steps);
+        let every = |n: usize| n > 0 && done.is_multiple_of(n);
+        (
+            every(config.eval_every) || last,
+            every(config.save_every) || last,
+        )
     }
 
     /// The rank's run-wide policy from the configuration (before the model is laid out).
@@ -327,18 +358,13 @@ impl RankRun<'_> {
         model: &Gpt<A<B>>,
         device: &DistDevice<B>,
     ) -> Result<Option<f32>, PretrainError> {
-        if self.config.eval_iters == 0 || self.val.len() <= self.data.model.block_size {
+        if !self.validates() {
             return Ok(None);
         }
         let model = model.valid();
         let mut total = 0.0;
         for i in 0..self.config.eval_iters {
-            let [x, y] = self.val_sampler.tensors::<Distributed<B>>(
-                self.val,
-                i as u64,
-                self.rows.clone(),
-                device,
-            )?;
+            let [x, y] = self.val_batch(i, device)?;
             total += model.loss(x, y).into_scalar().elem::<f32>();
         }
         let mean = total / self.config.eval_iters as f32;
