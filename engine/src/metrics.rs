@@ -38,8 +38,13 @@ pub struct StepMetrics {
     pub gathered_peak_bytes: u64,
     /// Peak resident memory of the whole process so far (VmHWM; all thread-ranks share it).
     pub process_peak_rss: u64,
-    /// Bytes this rank passed to collectives during the step.
+    /// Bytes this rank passed to collectives during the step (point-to-point messages
+    /// included, sent and received).
     pub comm_bytes: u64,
+    /// Of those, the bytes of the point-to-point messages this rank sent (pipeline activations
+    /// and gradients, with their headers).
+    #[serde(default)]
+    pub p2p_sent_bytes: u64,
     /// Validation loss, on evaluation steps.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f32>,

@@ -10,13 +10,18 @@
 //! (`no_sync`): no collective runs inside a backward pass, where Burn 0.21 holds its graph's
 //! lock, so ranks as threads cannot deadlock on another rank's end-of-backward cleanup.
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
-use wildfire_parallel::pipeline::{Placed, Schedule, StepOptions, run_step_with};
+use wildfire_kernels::FusedOps;
+use wildfire_parallel::pipeline::{
+    Pieces, Placed, Schedule, StageGroup, StepOptions, run_step_custom,
+};
 use wildfire_parallel::{
     DistDevice, Distributed, Group, PIPELINE_AXIS, RankContext, dtensor, from_dtensor,
     gradient_bytes, sync_gradients,
@@ -24,9 +29,12 @@ use wildfire_parallel::{
 
 use crate::Error;
 use crate::grad_check::check_models;
-use crate::recompute::Recompute;
+use crate::recompute::{Recompute, Recomputer};
 use crate::scaler::{DynamicLossScaler, StepDecision};
 use crate::step::{Ad, StepRecord, StepRunner, first_non_finite};
+
+/// Each (stage, micro-batch)'s recomputer whose regions its backward action runs again.
+type Recomputers<X> = RefCell<HashMap<(usize, usize), Recomputer<'static, Ad<X>>>>;
 
 /// What a pipeline step did, besides [`StepRecord`] (whose loss is the mean over every
 /// micro-batch of every data-parallel rank, the same on every rank).
@@ -49,9 +57,15 @@ pub struct PipelineRecord {
 impl StepRunner {
     /// One pipeline step of `schedule` on `device`'s mesh, whose `pp` axis is the pipeline:
     /// `chunks[c]` is this rank's stage `c·p + r` and `optims[c]` its optimizer;
-    /// `forward(chunk, stage, micro-batch, input)` runs a stage (`input` is `None` on the first
-    /// stage, which reads its micro-batch itself) and `loss(micro-batch, output)` is the last
-    /// stage's mean loss of a micro-batch. `tied(chunk)` names a chunk's parameters that are
+    /// `forward(chunk, stage, micro-batch, input, ckpt)` runs a stage through `ckpt` (`input` is
+    /// `None` on the first stage, which reads its micro-batch itself) and `loss(micro-batch,
+    /// output)` is the last stage's mean loss of a micro-batch.
+    ///
+    /// `ckpt` is the micro-batch's [`Recomputer`], seeded with `seeds[micro-batch]` (vary it per
+    /// step, micro-batch and data-parallel rank): the run's recomputation policy applies inside
+    /// each stage — the selective policy's attention core, every-N's block regions (run again by
+    /// the micro-batch's backward action) — and `Recompute::Full` re-materialises each stage
+    /// whole (only its input kept; `ckpt` then recomputes nothing). `tied(chunk)` names a chunk's parameters that are
     /// copies of one parameter held by both the first and the last stage (the GPT's token
     /// table), in the same order on both: their gradients are summed, so both copies take the
     /// same update; the norm counts the first stage's. Returns the updated chunks.
@@ -63,27 +77,34 @@ impl StepRunner {
         chunks: Vec<M>,
         optims: &mut [O],
         lr: f64,
+        seeds: &[u64],
         tied: impl Fn(&M) -> Vec<ParamId>,
-        forward: impl Fn(&M, usize, usize, Option<Tensor<Ad<X>, 3>>) -> Tensor<Ad<X>, 3>,
+        forward: impl Fn(
+            &M,
+            usize,
+            usize,
+            Option<Tensor<Ad<X>, 3>>,
+            &Recomputer<'static, Ad<X>>,
+        ) -> Tensor<Ad<X>, 3>,
         loss: impl Fn(usize, Tensor<Ad<X>, 3>) -> Tensor<Ad<X>, 1>,
     ) -> Result<(Vec<M>, PipelineRecord), Error>
     where
-        X: Backend,
-        M: AutodiffModule<Ad<X>>,
+        X: FusedOps,
+        M: AutodiffModule<Ad<X>> + 'static,
         O: Optimizer<M, Ad<X>>,
     {
-        if !matches!(self.config.recompute, Recompute::None | Recompute::Full) {
-            return Err(Error::Parallel(wildfire_parallel::Error::Unsupported(
-                format!(
-                    "recomputation {:?} inside pipeline stages is not supported yet: \
-                 Recompute::Full re-materialises each stage (its forward again in its backward)",
-                    self.config.recompute
-                ),
-            )));
-        }
         let ctx = device.context().clone();
         let mesh = device.mesh();
         let axis = mesh.axis_index(PIPELINE_AXIS)?;
+        if seeds.len() != schedule.microbatches() {
+            return Err(Error::Parallel(wildfire_parallel::Error::InvalidSchedule(
+                format!(
+                    "{} seeds for {} micro-batches",
+                    seeds.len(),
+                    schedule.microbatches()
+                ),
+            )));
+        }
         if optims.len() != chunks.len() {
             return Err(Error::Parallel(wildfire_parallel::Error::InvalidSchedule(
                 format!(
@@ -94,9 +115,50 @@ impl StepRunner {
             )));
         }
         let scale = self.scaler.as_ref().map_or(1.0, DynamicLossScaler::scale);
+        // Recomputation inside the stages: `Full` re-materialises each stage in the runner;
+        // other policies go through each micro-batch's `Recomputer`, whose recorded regions
+        // its backward action runs again. The passes of one backward keep the stage group
+        // together (Burn 0.21's end-of-backward cleanup, see `turns`).
+        let rematerialize = self.config.recompute == Recompute::Full;
+        let policy = if rematerialize {
+            Recompute::None
+        } else {
+            self.config.recompute
+        };
+        let fence = StageGroup::of(&ctx, axis)?.map(|group| {
+            let ctx = ctx.clone();
+            Arc::new(move || group.barrier(ctx.comm()))
+        });
+        let recomputers: Recomputers<X> = RefCell::default();
+        let run_forward = |chunk: &M, stage: usize, mb: usize, input| {
+            let mut ckpt = Recomputer::<Ad<X>>::new(policy, seeds[mb]);
+            if let Some(fence) = &fence {
+                let fence = fence.clone();
+                ckpt = ckpt.with_fence(move || fence());
+            }
+            let out = forward(chunk, stage, mb, input, &ckpt);
+            if ckpt.regions() > 0 {
+                recomputers.borrow_mut().insert((stage, mb), ckpt);
+            }
+            out
+        };
+        let run_backward = |chunk: &M,
+                            stage: usize,
+                            mb: usize,
+                            root: Tensor<Ad<X>, 1>,
+                            input: Option<&Tensor<Ad<X>, 3>>| {
+            let ckpt = recomputers.borrow_mut().remove(&(stage, mb));
+            match ckpt {
+                None => Ok(root.backward()),
+                Some(ckpt) => {
+                    let inputs: Vec<_> = input.into_iter().cloned().collect();
+                    ckpt.backward_with_inputs(root, chunk, &inputs)
+                }
+            }
+        };
         // The schedule, with every data-parallel reduction deferred to its end.
         ctx.set_no_sync(true);
-        let out = run_step_with(
+        let out = run_step_custom(
             schedule,
             ctx.comm(),
             axis,
@@ -104,10 +166,12 @@ impl StepRunner {
             StepOptions {
                 loss_scale: scale,
                 ctx: Some(&ctx),
-                rematerialize: self.config.recompute == Recompute::Full,
+                rematerialize,
             },
-            forward,
+            run_forward,
             loss,
+            run_backward,
+            &Pieces,
         );
         ctx.set_no_sync(false);
         let out = out?;

@@ -373,6 +373,18 @@ impl<'a, B: AutodiffBackend> Recomputer<'a, B> {
         loss: Tensor<B, 1>,
         model: &M,
     ) -> Result<B::Gradients, Error> {
+        self.backward_with_inputs::<M, 1>(loss, model, &[])
+    }
+
+    /// [`backward`](Self::backward) that also sums, over every pass, the gradients of `inputs`:
+    /// leaves the forward started from (a pipeline stage's received activation, whose gradient
+    /// a region that starts at it gets only in its own pass).
+    pub fn backward_with_inputs<M: AutodiffModule<B>, const D: usize>(
+        &self,
+        loss: Tensor<B, 1>,
+        model: &M,
+        inputs: &[Tensor<B, D>],
+    ) -> Result<B::Gradients, Error> {
         let device = loss.device();
         let mut main = loss.backward();
         self.fenced()?;
@@ -399,6 +411,15 @@ impl<'a, B: AutodiffBackend> Recomputer<'a, B> {
                 from: &mut pass,
                 into: &mut main,
             });
+            for x in inputs {
+                if let Some(g) = x.grad_remove(&mut pass) {
+                    let g = match x.grad_remove(&mut main) {
+                        Some(old) => g + old,
+                        None => g,
+                    };
+                    x.grad_replace(&mut main, g);
+                }
+            }
         }
         Ok(main)
     }
@@ -459,7 +480,7 @@ impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recompute
         &self,
         index: usize,
         count: usize,
-        module: &'a M,
+        module: &M,
         x: Tensor<B, D>,
         f: F,
     ) -> Tensor<B, D>
@@ -490,7 +511,11 @@ impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recompute
                 None => prim(y.clone()),
             },
             seed,
-            recompute: Box::new(move |ckpt, input| prim(f(module, float(input), ckpt))),
+            recompute: {
+                // The region owns its module (shared parameter handles, no values copied).
+                let module = module.clone();
+                Box::new(move |ckpt, input| prim(f(&module, float(input), ckpt)))
+            },
         });
         y
     }

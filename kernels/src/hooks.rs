@@ -12,8 +12,9 @@ use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::str::FromStr;
 
-/// The hooks a model's forward calls. `'a` is how long a recorded block region may borrow its
-/// module. The provided methods are the forward of evaluation and generation ([`Inference`]):
+/// The hooks a model's forward calls. `'a` bounds what a recorded block region keeps (its
+/// module, cloned: parameters are shared handles, so the clone copies no values, and a region
+/// outlives the forward that recorded it — a pipeline stage runs its backward actions later). The provided methods are the forward of evaluation and generation ([`Inference`]):
 /// no dropout, nothing recomputed, attention through [`crate::ops::attention_qkv`] (the fused
 /// kernel where the backend has one).
 pub trait ForwardHooks<'a, B: FusedOps>: Sized {
@@ -23,7 +24,7 @@ pub trait ForwardHooks<'a, B: FusedOps>: Sized {
         &self,
         index: usize,
         count: usize,
-        module: &'a M,
+        module: &M,
         x: Tensor<B, D>,
         f: F,
     ) -> Tensor<B, D>

@@ -627,7 +627,7 @@ fn embed<'a, B: FusedOps, H: ForwardHooks<'a, B>>(
 
 /// `blocks`, the model's blocks `first..` of `n_layer`, through the hooks.
 fn run_blocks<'a, B: FusedOps, H: ForwardHooks<'a, B>>(
-    blocks: &'a [Block<B>],
+    blocks: &[Block<B>],
     first: usize,
     n_layer: usize,
     mut x: Tensor<B, 3>,
@@ -675,7 +675,7 @@ impl<B: FusedOps> GptStage<B> {
     /// When `input` is token ids on a stage that is not the first, or hidden states on the
     /// first.
     pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
-        &'a self,
+        &self,
         input: StageInput<B>,
         hooks: &H,
     ) -> Tensor<B, 3> {
@@ -704,7 +704,7 @@ impl<B: FusedOps> Gpt<B> {
     /// Logits with the trainer's hooks (e.g. the training step's `Recomputer`: blocks
     /// recomputed per its policy, dropout while training).
     pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
-        &'a self,
+        &self,
         idx: Tensor<B, 2, Int>,
         hooks: &H,
     ) -> Tensor<B, 3> {
@@ -721,7 +721,7 @@ impl<B: FusedOps> Gpt<B> {
 
     /// [`loss`](Self::loss) with the trainer's hooks.
     pub fn loss_with<'a, H: ForwardHooks<'a, B>>(
-        &'a self,
+        &self,
         inputs: Tensor<B, 2, Int>,
         targets: Tensor<B, 2, Int>,
         hooks: &H,
@@ -750,7 +750,7 @@ impl<B: FusedOps> Gpt<B> {
         } else {
             prompt.to_vec()
         };
-        let mut state = seed | 1;
+        let mut sampler = TokenSampler::new(temperature, top_k, seed);
         for _ in 0..new_tokens {
             let start = tokens.len().saturating_sub(self.block_size());
             let context: Vec<i64> = tokens[start..].iter().map(|&t| t as i64).collect();
@@ -758,29 +758,57 @@ impl<B: FusedOps> Gpt<B> {
             let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(context, [1, t]), device);
             let logits = self.forward(idx).narrow(1, t - 1, 1);
             let logits: Vec<f32> = logits.into_data().convert::<f32>().to_vec().unwrap();
-            let mut order: Vec<usize> = (0..logits.len()).collect();
-            order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-            order.truncate(top_k.max(1));
-            let max = logits[order[0]];
-            let weights: Vec<f64> = order
-                .iter()
-                .map(|&i| (((logits[i] - max) / temperature.max(1e-6)) as f64).exp())
-                .collect();
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let mut pick = (state >> 11) as f64 / (1u64 << 53) as f64 * weights.iter().sum::<f64>();
-            let mut choice = order[order.len() - 1];
-            for (&i, w) in order.iter().zip(&weights) {
-                if pick < *w {
-                    choice = i;
-                    break;
-                }
-                pick -= w;
-            }
-            tokens.push(choice as u32);
+            let choice = sampler.pick(&logits);
+            tokens.push(choice);
         }
         tokens
+    }
+}
+
+/// Sampling of the next token from its logits, with `temperature` among the `top_k` most likely,
+/// seeded (xorshift): the same logits and seed give the same text, however the logits were
+/// computed (one device, or pipeline stages).
+#[derive(Clone, Debug)]
+pub struct TokenSampler {
+    temperature: f32,
+    top_k: usize,
+    state: u64,
+}
+
+impl TokenSampler {
+    /// A sampler seeded with `seed`.
+    pub fn new(temperature: f32, top_k: usize, seed: u64) -> Self {
+        Self {
+            temperature,
+            top_k,
+            state: seed | 1,
+        }
+    }
+
+    /// The next token, given the last position's logits over the vocabulary.
+    pub fn pick(&mut self, logits: &[f32]) -> u32 {
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        order.truncate(self.top_k.max(1));
+        let max = logits[order[0]];
+        let weights: Vec<f64> = order
+            .iter()
+            .map(|&i| (((logits[i] - max) / self.temperature.max(1e-6)) as f64).exp())
+            .collect();
+        let state = &mut self.state;
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        let mut pick = (*state >> 11) as f64 / (1u64 << 53) as f64 * weights.iter().sum::<f64>();
+        let mut choice = order[order.len() - 1];
+        for (&i, w) in order.iter().zip(&weights) {
+            if pick < *w {
+                choice = i;
+                break;
+            }
+            pick -= w;
+        }
+        choice as u32
     }
 }
 

@@ -183,19 +183,6 @@ impl ParallelConfig {
         }
         if self.pp > 1 {
             self.schedule()?;
-            let unsupported = if self.sp {
-                Some("sequence parallelism (--sp)")
-            } else if !matches!(self.recompute, Recompute::None | Recompute::Full) {
-                Some("recomputation other than --recompute full (which re-materialises each stage)")
-            } else {
-                None
-            };
-            if let Some(what) = unsupported {
-                return Err(Error::Config(format!(
-                    "--pp {}: {what} inside pipeline stages is not supported yet",
-                    self.pp
-                )));
-            }
         }
         if self.sp && self.tp < 2 {
             return Err(Error::Config(
@@ -291,8 +278,20 @@ pub fn init_gpt_stage<B: DistributedBackend>(
         planned_layouts(params, mesh, plan.as_ref(), parallel.fsdp)
     })?;
     let mesh = B::dist_device(device).mesh().clone();
-    let stage = match &plan {
-        Some(plan) => tensor_parallel(stage, &mesh, plan)?,
+    let stage = match plan {
+        // Sequence parallelism (no parameter's layout changes; it sets the rank's policy) as in
+        // `parallelize_gpt`, the final norm on the last stage.
+        Some(plan) if parallel.sp => {
+            let plan = plan.with("blocks.*.ln_1|ln_2", TpStyle::SequenceParallel);
+            let plan = if last {
+                plan.with("ln_f", TpStyle::SequenceParallel)
+            } else {
+                plan
+            };
+            let plan = plan.with_keep_sequence_gathers(parallel.sp_keep_gathers);
+            tensor_parallel(stage, &mesh, &plan)?
+        }
+        Some(plan) => tensor_parallel(stage, &mesh, &plan)?,
         None => stage,
     };
     Ok(fully_shard(stage, &mesh, parallel.fsdp)?)

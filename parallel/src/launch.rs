@@ -222,25 +222,31 @@ mod tests {
         assert!(start.elapsed() < DEFAULT_TIMEOUT / 2);
     }
 
-    /// A rank that stops with an error (no panic) and says so (`Communicator::fail`) releases
-    /// the others at once, naming it and its reason; a collective every rank reached before the
-    /// failure still completes on every rank.
+    /// A rank that stops with an error (no panic) and says so (`Communicator::fail`, here
+    /// through the communication queue a training rank talks to) releases the others at once,
+    /// naming it and its reason — one waiting in a collective, one waiting for a point-to-point
+    /// message; a collective every rank reached before the failure still completes on every
+    /// rank.
     #[test]
     fn a_failing_rank_releases_the_others_and_finished_calls_stand() {
         let mesh = DeviceMesh::new([("dp", 3)]).unwrap();
         let start = Instant::now();
         let results = launch(&mesh, &LaunchOptions::default(), |comm| {
-            let sum = comm.all_reduce(
+            let queue = crate::comm::CommQueue::new(comm.clone());
+            let sum = queue.all_reduce(
                 Group::World,
                 TensorData::new(vec![1.0f32], [1]),
                 ReduceOp::Sum,
             );
-            if comm.rank() == 1 {
-                comm.fail("rank one cannot build its stage".into());
-                return (sum, Ok(()));
+            match queue.rank() {
+                1 => {
+                    queue.fail("rank one cannot build its stage".into());
+                    (sum, Ok(()))
+                }
+                // Rank 1 never sends this message, nor reaches the barrier.
+                2 => (sum, queue.point_to_point().unwrap().recv(1).map(|_| ())),
+                _ => (sum, queue.barrier(Group::World)),
             }
-            // Rank 1 never reaches this barrier.
-            (sum, comm.barrier(Group::World))
         })
         .unwrap();
         for (rank, (sum, barrier)) in results.into_iter().enumerate() {

@@ -7,9 +7,9 @@
 use super::*;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::AdamW;
-use wildfire_engine::recompute::{Recompute, Recomputer, mix_seed};
+use wildfire_engine::recompute::mix_seed;
 use wildfire_kernels::hooks::Inference;
-use wildfire_models::gpt::{GptStage, StageInput, cross_entropy, stage_param_name};
+use wildfire_models::gpt::{GptStage, StageInput, TokenSampler, cross_entropy, stage_param_name};
 use wildfire_models::parallelize::init_gpt_stage;
 use wildfire_parallel::pipeline::{Schedule, StagePlan};
 use wildfire_parallel::{Group, PIPELINE_AXIS};
@@ -82,6 +82,15 @@ impl RankRun<'_> {
                     .tensors::<A<B>>(self.train, step as u64, start..start + micro, device)
                     .expect("the sampler was checked")
             };
+            // Dropout masks seeded as the unpipelined step seeds them (run seed, step, the
+            // micro-batch's first global row; each block by its model index), so the stages
+            // draw the masks one device would.
+            let seeds: Vec<u64> = (0..m)
+                .map(|mb| {
+                    let start = self.rows.start + mb * micro;
+                    mix_seed(config.seed, step as u64, start as u64)
+                })
+                .collect();
             let step_started = Instant::now();
             let (next, record) = step_runner.run_pipeline(
                 device,
@@ -89,19 +98,14 @@ impl RankRun<'_> {
                 chunks,
                 &mut optims,
                 lr,
+                &seeds,
                 tied_table::<B>,
-                |chunk: &GptStage<A<B>>, _stage, mb, input| {
+                |chunk: &GptStage<A<B>>, _stage, mb, input, ckpt| {
                     let input = match input {
                         Some(hidden) => StageInput::Hidden(hidden),
                         None => StageInput::Tokens(batch(mb)[0].clone()),
                     };
-                    // Dropout masks seeded as the unpipelined step seeds them (run seed, step,
-                    // the micro-batch's first global row; each block by its model index), so
-                    // the stages draw the masks one device would.
-                    let start = self.rows.start + mb * micro;
-                    let seed = mix_seed(config.seed, step as u64, start as u64);
-                    let hooks = Recomputer::<A<B>>::new(Recompute::None, seed);
-                    chunk.forward_with(input, &hooks)
+                    chunk.forward_with(input, ckpt)
                 },
                 |mb, logits| {
                     let [_, y] = batch(mb);
@@ -174,10 +178,9 @@ impl RankRun<'_> {
         if config.gather_parameters {
             summary.parameters = gather_parameters(device, &chunks)?;
         }
-        if config.sample_tokens > 0 && rank == 0 {
-            tracing::warn!(
-                "--sample-tokens: generating through pipeline stages is not supported yet"
-            );
+        if config.sample_tokens > 0 {
+            let tokens = self.generate_pipelined(&chunks, &stages.numbers, device)?;
+            summary.sample = self.data.tokenizer.decode(&tokens);
         }
         Ok(summary)
     }
@@ -258,6 +261,66 @@ impl RankRun<'_> {
         Ok(Some(wildfire_engine::metrics::mean_where_held(
             ctx, total, count,
         )?))
+    }
+}
+
+impl RankRun<'_> {
+    /// `--sample-tokens` tokens after a newline, generated through the stages: per token, a
+    /// forward-only pass through the stages in order (as in evaluation), the last stage samples
+    /// the next token from the last position's logits ([`TokenSampler`], seeded as one device
+    /// seeds it, so the text is one device's) and sends it to every other member of its
+    /// pipeline group. Every rank of the mesh takes part; each has the tokens at the end.
+    fn generate_pipelined<B: FusedOps>(
+        &self,
+        chunks: &[GptStage<A<B>>],
+        numbers: &[usize],
+        device: &DistDevice<B>,
+    ) -> Result<Vec<u32>, PretrainError> {
+        let mesh = device.mesh();
+        let axis = mesh.axis_index(PIPELINE_AXIS)?;
+        let members = Group::Axis(axis).ranks(mesh, device.rank())?;
+        let p = members.len();
+        let p2p = device.context().comm().point_to_point()?;
+        let chunks: Vec<GptStage<Distributed<B>>> = chunks.iter().map(|c| c.valid()).collect();
+        // The last stage (stage p·V − 1) is on the last pipeline rank.
+        let last_rank = members[p - 1];
+        let prompt = self.data.tokenizer.encode("\n");
+        let mut tokens: Vec<u32> = if prompt.is_empty() { vec![0] } else { prompt };
+        let mut sampler = TokenSampler::new(0.8, 40, self.config.seed);
+        let block_size = self.data.model.block_size;
+        for _ in 0..self.config.sample_tokens {
+            let start = tokens.len().saturating_sub(block_size);
+            let context: Vec<i64> = tokens[start..].iter().map(|&t| i64::from(t)).collect();
+            let t = context.len();
+            let mut next = None;
+            for (chunk, &stage) in chunks.iter().zip(numbers) {
+                let input = if chunk.is_first() {
+                    let data = TensorData::new(context.clone(), [1, t]);
+                    StageInput::Tokens(Tensor::from_data(data, device))
+                } else {
+                    let data = p2p.recv(members[(stage - 1) % p])?;
+                    StageInput::Hidden(Tensor::from_data(data, device))
+                };
+                let out = chunk.forward_with(input, &Inference);
+                if chunk.is_last() {
+                    let logits = out.narrow(1, t - 1, 1).into_data().convert::<f32>();
+                    let logits = logits.to_vec::<f32>().expect("f32 logits");
+                    let token = sampler.pick(&logits);
+                    for &member in members.iter().filter(|&&m| m != device.rank()) {
+                        p2p.send(member, TensorData::new(vec![i64::from(token)], [1]))?;
+                    }
+                    next = Some(token);
+                } else {
+                    p2p.send(members[(stage + 1) % p], out.into_data())?;
+                }
+            }
+            let token = match next {
+                Some(token) => token,
+                None => p2p.recv(last_rank)?.to_vec::<i64>().expect("a token")[0] as u32,
+            };
+            tokens.push(token);
+        }
+        Ok(tokens)
     }
 }
 

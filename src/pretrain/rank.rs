@@ -283,6 +283,7 @@ impl RankRun<'_> {
     ) -> (StepMetrics, f64) {
         let elapsed = started.elapsed().as_secs_f64();
         let tokens_per_step = (self.config.batch_size * self.data.model.block_size) as f64;
+        let stats = ctx.comm_stats().since(stats_before);
         let metrics = StepMetrics {
             step,
             loss: record.loss,
@@ -297,7 +298,8 @@ impl RankRun<'_> {
             peak_bytes: ctx.peak_bytes(),
             gathered_peak_bytes: ctx.peak_gathered_bytes(),
             process_peak_rss: peak_rss(),
-            comm_bytes: ctx.comm_stats().since(stats_before).total_bytes(),
+            comm_bytes: stats.total_bytes(),
+            p2p_sent_bytes: stats.bytes(wildfire_parallel::CollectiveKind::Send),
             val_loss: None,
         };
         (metrics, elapsed)

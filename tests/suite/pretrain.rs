@@ -1364,6 +1364,167 @@ fn pipeline_dropout_matches_one_rank() {
     assert_ne!(losses(&without), losses(&expected));
 }
 
+/// Recomputation inside pipeline stages, with dropout 0.1 (recomputed regions replay their
+/// masks): `--recompute selective` (the attention core) and `every-2` (block regions that the
+/// micro-batch's backward action runs again) on 1F1B, ZB-H1 and interleaved give one rank's run
+/// within 1e-5, and every-2 holds fewer activation bytes than keeping everything. On
+/// dp 2 × pp 2 × tp 2 with FullShard (a backward's passes take turns with the other stage
+/// groups) every-2 matches the same layout without the pipeline within 1e-5. A text sampled at
+/// the end through the stages (`--sample-tokens`) is one rank's text.
+#[test]
+fn pipeline_stages_recompute_as_one_device() {
+    let base = PretrainConfig {
+        n_layer: Some(4),
+        batch_size: 8,
+        dropout: 0.1,
+        ..small(6)
+    };
+    let expected = run(&PretrainConfig {
+        accum: 4,
+        sample_tokens: 24,
+        ..base.clone()
+    })
+    .unwrap();
+    assert!(expected.sample.chars().count() > 1, "no text sampled");
+    let pipelined = |schedule: &str, virt: usize, recompute: Recompute| PretrainConfig {
+        parallel: ParallelConfig {
+            pp: 2,
+            pp_schedule: schedule.into(),
+            pp_virtual: virt,
+            microbatches: 4,
+            recompute,
+            ..ParallelConfig::default()
+        },
+        ..base.clone()
+    };
+    let kept = run(&pipelined("1f1b", 1, Recompute::None)).unwrap();
+    for (schedule, virt) in [("1f1b", 1), ("zb", 1), ("interleaved", 2)] {
+        for recompute in [Recompute::Selective, Recompute::EveryNth(2)] {
+            let got = run(&PretrainConfig {
+                sample_tokens: 24,
+                ..pipelined(schedule, virt, recompute)
+            })
+            .unwrap();
+            let what = format!("{schedule} {recompute:?}");
+            same_run(&what, &got, &expected, 1e-5);
+            assert_eq!(got.sample, expected.sample, "{what}: sampled text");
+            if recompute == Recompute::EveryNth(2) && schedule == "1f1b" {
+                let peak = |r: &RunSummary| r.steps.iter().map(|m| m.peak_bytes).max().unwrap();
+                assert!(
+                    peak(&got) < peak(&kept),
+                    "{what}: peak {} bytes, {} keeping every activation",
+                    peak(&got),
+                    peak(&kept)
+                );
+            }
+        }
+    }
+    // 8 ranks: dp 2 × pp 2 × tp 2, FullShard, every-2, against the same layout unpipelined
+    // without recomputation (the unpipelined step with TP, dropout and recomputation is off by
+    // ~1e-4, and with overlapped collectives varies from run to run: see the issue 20 note),
+    // collectives blocking.
+    let layout = ParallelConfig {
+        dp: 2,
+        tp: 2,
+        fsdp: FsdpStrategy::FullShard,
+        ..ParallelConfig::default()
+    };
+    let blocking = PretrainConfig {
+        prefetch: 0,
+        reduce_in_flight: 0,
+        ..base.clone()
+    };
+    let unpipelined = run(&PretrainConfig {
+        accum: 2,
+        parallel: layout.clone(),
+        ..blocking.clone()
+    })
+    .unwrap();
+    let got = run(&PretrainConfig {
+        parallel: ParallelConfig {
+            pp: 2,
+            pp_schedule: "zb".into(),
+            microbatches: 2,
+            recompute: Recompute::EveryNth(2),
+            ..layout
+        },
+        ..blocking
+    })
+    .unwrap();
+    same_run("dp2 pp2 tp2 FullShard every-2", &got, &unpipelined, 1e-5);
+}
+
+/// Sequence parallelism inside pipeline stages: pp 2 × tp 2 with `--sp` (1F1B; ZB-H1 on
+/// dp 2 × pp 2 × tp 2 with FullShard) matches the same layout without the pipeline within
+/// 1e-5 and one rank within 1e-4. An activation travels as each tensor-parallel rank's
+/// sequence shard: per step the first stage's rank sends exactly half the activation bytes it
+/// sends without `--sp`, with the same headers.
+#[test]
+fn pipeline_stages_with_sequence_parallelism() {
+    let base = PretrainConfig {
+        n_layer: Some(4),
+        batch_size: 8,
+        ..small(6)
+    };
+    let one_rank = run(&PretrainConfig {
+        accum: 4,
+        ..base.clone()
+    })
+    .unwrap();
+    let mut sent = Vec::new();
+    for (schedule, dp, m, fsdp) in [
+        ("1f1b", 1, 4, FsdpStrategy::NoShard),
+        ("zb", 2, 2, FsdpStrategy::FullShard),
+    ] {
+        for sp in [true, false] {
+            let layout = ParallelConfig {
+                dp,
+                tp: 2,
+                sp,
+                fsdp,
+                ..ParallelConfig::default()
+            };
+            let got = run(&PretrainConfig {
+                parallel: ParallelConfig {
+                    pp: 2,
+                    pp_schedule: schedule.into(),
+                    microbatches: m,
+                    ..layout.clone()
+                },
+                ..base.clone()
+            })
+            .unwrap();
+            let what = format!("{schedule} dp={dp} sp={sp}");
+            if sp {
+                let unpipelined = run(&PretrainConfig {
+                    accum: m,
+                    parallel: layout,
+                    ..base.clone()
+                })
+                .unwrap();
+                same_run(&what, &got, &unpipelined, 1e-5);
+                same_run(&format!("{what} vs one rank"), &got, &one_rank, 1e-4);
+            }
+            let bytes: Vec<u64> = got.steps.iter().map(|s| s.p2p_sent_bytes).collect();
+            assert!(bytes.iter().all(|&b| b == bytes[0]), "{what}: {bytes:?}");
+            sent.push((what, m, bytes[0]));
+        }
+    }
+    // Rank 0 (stage 0) sends one activation per micro-batch, rows × block × n_embd f32s, which
+    // the sequence split halves; its headers and the tied table's gradient exchange are the same
+    // with and without.
+    for pair in sent.chunks(2) {
+        let [(what, m, with_sp), (_, _, without)] = pair else {
+            unreachable!()
+        };
+        let rows = 8 / (if what.contains("dp=2") { 2 } else { 1 } * m);
+        let activation = (rows * 32 * 32 * 4) as u64;
+        let m = *m as u64;
+        assert_eq!(without - with_sp, m * activation / 2, "{what}");
+        assert!(*with_sp >= m * activation / 2, "{what}: {with_sp}");
+    }
+}
+
 /// Checkpoints of pipelined runs hold the whole model under its own names: a dp 2 × pp 2 (ZB-H1,
 /// ZeRO-1) run saved at step 4 and resumed the same way continues bitwise as the uninterrupted
 /// run; resumed on one rank without a pipeline, and a one-rank checkpoint resumed as
@@ -1477,7 +1638,7 @@ fn same_run(what: &str, got: &RunSummary, expected: &RunSummary, tol: f32) {
     tensors_close(what, &got.parameters, &expected.parameters, tol);
 }
 
-/// What pipeline training cannot do yet, and splits that cannot be, are refused before a step.
+/// Pipeline settings that cannot be, and splits that cannot be, are refused before a step.
 #[test]
 fn pipeline_refusals_are_typed_errors() {
     let pp = |f: &dyn Fn(&mut ParallelConfig)| {
@@ -1497,14 +1658,7 @@ fn pipeline_refusals_are_typed_errors() {
         let err = run(&config).unwrap_err();
         assert!(err.to_string().contains(words), "{words}: {err}");
     };
-    refused(
-        pp(&|p| {
-            p.tp = 2;
-            p.sp = true;
-        }),
-        "sequence parallelism",
-    );
-    refused(pp(&|p| p.recompute = Recompute::Selective), "recomputation");
+    refused(pp(&|p| p.sp = true), "it needs --tp 2");
     refused(
         pp(&|p| p.pp_schedule = "2f2b".into()),
         "unknown pipeline schedule",

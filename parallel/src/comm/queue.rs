@@ -184,4 +184,8 @@ impl Communicator for CommQueue {
     fn point_to_point(&self) -> Result<&dyn PointToPoint, Error> {
         self.inner.point_to_point()
     }
+
+    fn fail(&self, reason: String) {
+        self.inner.fail(reason);
+    }
 }

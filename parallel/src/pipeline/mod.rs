@@ -8,16 +8,21 @@
 //! zero-bubble schedules' split backward (weight gradients deferred from `I` to `W`). The
 //! training step around it (data-parallel sync, tied parameters, norm, optimizer) is
 //! `wildfire_engine::StepRunner::run_pipeline`; the GPT's stages are
-//! `wildfire_models::gpt::GptStage`. Stages compose with FSDP / HSDP and tensor parallelism
-//! (backward passes that communicate take turns within a process: `turns`). Not yet: sequence
-//! parallelism inside stages, NCCL point-to-point (activations go through the host
-//! communicator's messages).
+//! `wildfire_models::gpt::GptStage`. Stages compose with FSDP / HSDP, tensor and sequence
+//! parallelism (each rank sends its own piece of an activation with its layout: [`Pieces`]) and
+//! recomputation ([`run_step_custom`] takes the backward, so a recomputing one runs the regions
+//! the forward recorded); backward passes that communicate take turns within a process
+//! ([`turns`]). Not yet: NCCL point-to-point (activations go through the host communicator's
+//! messages on every backend).
 
 pub mod plan;
 pub mod runner;
 pub mod schedule;
-mod turns;
+pub mod turns;
 
 pub use plan::StagePlan;
-pub use runner::{PipelineStep, StepOptions, run_step, run_step_with};
+pub use runner::{
+    Pieces, PipelineStep, StepOptions, Transport, Whole, run_step, run_step_custom, run_step_with,
+};
 pub use schedule::{Action, Costs, Placed, Schedule, ScheduleKind, Timeline, Work};
+pub use turns::StageGroup;

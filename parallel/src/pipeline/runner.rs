@@ -30,14 +30,124 @@ use std::time::Instant;
 
 use burn::module::{AutodiffModule, ModuleMapper, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Tensor, TensorData, TensorPrimitive};
 
 use super::schedule::{Placed, Schedule, Work};
 use super::turns::StageGroup;
 use crate::comm::{CollectiveKind, Communicator, Group};
+use crate::data_parallel::{DistributedBackend, dtensor, from_dtensor};
 use crate::device::{DeferredWeights, RankContext};
 use crate::error::Error;
+use crate::placement::{Layout, Placement};
+use crate::tensor::DTensor;
+
+/// How activations and their gradients travel between stages: `encode` turns a tensor leaving
+/// this rank into a message and a few header words; `decode`, on the receiving rank (the same
+/// position on every mesh axis but `pp`), turns them back into the tensor.
+pub trait Transport<B: Backend> {
+    /// The message for `tensor` and the header words its receiver needs.
+    fn encode(&self, tensor: Tensor<B, 3>) -> Result<(TensorData, Vec<i64>), Error>;
+    /// The tensor of a message `encode` made, on `device`.
+    fn decode(
+        &self,
+        data: TensorData,
+        header: &[i64],
+        device: &B::Device,
+    ) -> Result<Tensor<B, 3>, Error>;
+}
+
+/// The whole tensor (`into_data`, `from_data`): any backend. On the `Distributed` backend that
+/// gathers a sharded activation first; [`Pieces`] sends each rank's piece instead.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Whole;
+
+impl<B: Backend> Transport<B> for Whole {
+    fn encode(&self, tensor: Tensor<B, 3>) -> Result<(TensorData, Vec<i64>), Error> {
+        Ok((tensor.into_data(), Vec::new()))
+    }
+
+    fn decode(
+        &self,
+        data: TensorData,
+        _: &[i64],
+        device: &B::Device,
+    ) -> Result<Tensor<B, 3>, Error> {
+        Ok(Tensor::from_data(data, device))
+    }
+}
+
+/// On the `Distributed` backend: each rank sends its own piece with its layout, and the
+/// receiver (which sits at the same coordinates of every other axis) wraps it in that layout.
+/// Under sequence parallelism an activation travels as each tensor-parallel rank's sequence
+/// shard — 1/tp of the bytes, no gather (Megatron's `scatter_gather_tensors_in_pipeline`); a
+/// `Partial` value is reduced first and a padded one gathered.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Pieces;
+
+const REPLICATE: i64 = -1;
+const LOCAL: i64 = -2;
+
+impl<B: DistributedBackend> Transport<B> for Pieces {
+    fn encode(&self, tensor: Tensor<B, 3>) -> Result<(TensorData, Vec<i64>), Error> {
+        let t = dtensor(&tensor).ready();
+        let t = if t.is_padded() {
+            let target = t.layout().unsharded();
+            t.redistribute(&target)?
+        } else if t.layout().has_partial() {
+            let mut target = t.layout().clone();
+            for a in 0..target.len() {
+                if matches!(target.get(a), Placement::Partial(_)) {
+                    target.set(a, Placement::Replicate);
+                }
+            }
+            t.redistribute(&target)?
+        } else {
+            t
+        };
+        let header = t
+            .layout()
+            .placements()
+            .iter()
+            .map(|p| match p {
+                Placement::Replicate => REPLICATE,
+                Placement::Local => LOCAL,
+                Placement::Shard(d) => *d as i64,
+                Placement::Partial(_) => unreachable!("reduced above"),
+            })
+            .collect();
+        let local = Tensor::<B::Inner, 3>::from_primitive(TensorPrimitive::Float(t.into_local()));
+        Ok((local.into_data(), header))
+    }
+
+    fn decode(
+        &self,
+        data: TensorData,
+        header: &[i64],
+        device: &B::Device,
+    ) -> Result<Tensor<B, 3>, Error> {
+        let device = B::dist_device(device);
+        let axes = device.mesh().axes().len();
+        if header.len() != axes {
+            return Err(Error::Mismatch {
+                op: CollectiveKind::Recv,
+                group: "pp".into(),
+                detail: format!(
+                    "a pipeline message laid out over {} mesh axes, on a mesh of {axes}",
+                    header.len()
+                ),
+            });
+        }
+        let layout = Layout::new(header.iter().map(|&code| match code {
+            REPLICATE => Placement::Replicate,
+            LOCAL => Placement::Local,
+            d => Placement::Shard(d as usize),
+        }));
+        let local = Tensor::<B::Inner, 3>::from_data(data, device.inner());
+        let t = DTensor::from_local(local.into_primitive().tensor(), layout, &device)?;
+        Ok(from_dtensor::<B, 3>(t))
+    }
+}
 
 /// The last stage's loss as its backward starts from it: divided by the micro-batch count `m`
 /// (the summed gradients are those of the mean loss), times the loss scale.
@@ -128,14 +238,17 @@ enum Output<B: AutodiffBackend> {
 const ACTIVATION: i64 = 0;
 const GRADIENT: i64 = 1;
 
+/// A message's tensor and its [`Transport`] header words.
+type Message = (TensorData, Vec<i64>);
+
 /// Messages on the pipeline's channels, by (what, stage, micro-batch), and the shapes seen.
 struct Mailbox<'a> {
     comm: &'a dyn Communicator,
     /// Global ranks of the pipeline group, by pipeline index.
     members: Vec<usize>,
-    early: HashMap<(i64, usize, usize), TensorData>,
+    early: HashMap<(i64, usize, usize), Message>,
     /// Handed over between two stages of this rank.
-    local: HashMap<(i64, usize, usize), TensorData>,
+    local: HashMap<(i64, usize, usize), Message>,
     shapes: HashMap<(i64, usize), Vec<usize>>,
     sends: usize,
     recvs: usize,
@@ -148,15 +261,17 @@ impl Mailbox<'_> {
         what: i64,
         stage: usize,
         mb: usize,
-        data: TensorData,
+        (data, words): (TensorData, Vec<i64>),
     ) -> Result<(), Error> {
         if self.members[to] == self.comm.rank() {
-            self.local.insert((what, stage, mb), data);
+            self.local.insert((what, stage, mb), (data, words));
             return Ok(());
         }
         let p2p = self.comm.point_to_point()?;
-        let header = TensorData::new(vec![what, stage as i64, mb as i64], [3]);
-        p2p.send(self.members[to], header)?;
+        let mut header = vec![what, stage as i64, mb as i64];
+        header.extend(words);
+        let n = header.len();
+        p2p.send(self.members[to], TensorData::new(header, [n]))?;
         p2p.send(self.members[to], data)?;
         self.sends += 1;
         Ok(())
@@ -164,15 +279,9 @@ impl Mailbox<'_> {
 
     /// The message `(what, stage, mb)` from pipeline rank `from`, its shape checked against the
     /// ones this kind of message had before for that stage.
-    fn recv(
-        &mut self,
-        from: usize,
-        what: i64,
-        stage: usize,
-        mb: usize,
-    ) -> Result<TensorData, Error> {
+    fn recv(&mut self, from: usize, what: i64, stage: usize, mb: usize) -> Result<Message, Error> {
         let key = (what, stage, mb);
-        let data = if let Some(data) = self.local.remove(&key) {
+        let (data, words) = if let Some(data) = self.local.remove(&key) {
             data
         } else if let Some(data) = self.early.remove(&key) {
             data
@@ -187,11 +296,12 @@ impl Mailbox<'_> {
                     detail: format!("a pipeline message header that is not one: {e:?}"),
                 })?;
                 let got = (h[0], h[1] as usize, h[2] as usize);
+                let words = h[3..].to_vec();
                 self.recvs += 1;
                 if got == key {
-                    break data;
+                    break (data, words);
                 }
-                self.early.insert(got, data);
+                self.early.insert(got, (data, words));
             }
         };
         let shape = data.shape.to_vec();
@@ -211,7 +321,7 @@ impl Mailbox<'_> {
             }),
             _ => {
                 self.shapes.insert((what, stage), shape);
-                Ok(data)
+                Ok((data, words))
             }
         }
     }
@@ -285,6 +395,51 @@ pub fn run_step_with<B, M>(
     options: StepOptions<'_>,
     forward: impl Fn(&M, usize, usize, Option<Tensor<B, 3>>) -> Tensor<B, 3>,
     loss: impl Fn(usize, Tensor<B, 3>) -> Tensor<B, 1>,
+) -> Result<PipelineStep, Error>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+{
+    run_step_custom(
+        schedule,
+        comm,
+        axis,
+        chunks,
+        options,
+        forward,
+        loss,
+        |_, _, _, root: Tensor<B, 1>, _| Ok(root.backward()),
+        &Whole,
+    )
+}
+
+/// [`run_step_with`] with the backward of a micro-batch given: `backward(chunk, stage,
+/// micro-batch, root, input)` computes the gradients from the root of that micro-batch's graph
+/// (the scaled loss on the last stage, `Σ output ⊙ received gradient` elsewhere) on `chunk`,
+/// the chunk the forward ran on, including the gradient of `input`, the received activation
+/// (none on the first stage) — `root.backward()`, or a recomputing backward that runs the
+/// regions the forward recorded again (`wildfire_engine::Recomputer::backward`). It runs inside
+/// the stage group's turn when backward passes communicate; several passes in one backward must
+/// keep the group's members together between passes (a barrier over
+/// [`StageGroup`](super::StageGroup)). `transport` encodes what travels between the stages
+/// ([`Whole`] or, on the `Distributed` backend, [`Pieces`]).
+#[allow(clippy::too_many_arguments)]
+pub fn run_step_custom<B, M>(
+    schedule: &Schedule,
+    comm: &dyn Communicator,
+    axis: usize,
+    chunks: &[M],
+    options: StepOptions<'_>,
+    forward: impl Fn(&M, usize, usize, Option<Tensor<B, 3>>) -> Tensor<B, 3>,
+    loss: impl Fn(usize, Tensor<B, 3>) -> Tensor<B, 1>,
+    backward: impl Fn(
+        &M,
+        usize,
+        usize,
+        Tensor<B, 1>,
+        Option<&Tensor<B, 3>>,
+    ) -> Result<B::Gradients, Error>,
+    transport: &dyn Transport<B>,
 ) -> Result<PipelineStep, Error>
 where
     B: AutodiffBackend,
@@ -367,8 +522,9 @@ where
                 let input = if stage == 0 {
                     None
                 } else {
-                    let data = mail.recv(schedule.rank_of(stage - 1), ACTIVATION, stage, mb)?;
-                    let x = Tensor::<B, 3>::from_data(data, &device);
+                    let (data, words) =
+                        mail.recv(schedule.rank_of(stage - 1), ACTIVATION, stage, mb)?;
+                    let x = transport.decode(data, &words, &device)?;
                     Some(if rematerialize { x } else { x.require_grad() })
                 };
                 start = started.elapsed().as_secs_f64();
@@ -383,8 +539,14 @@ where
                     losses[mb] = value.clone().into_scalar().elem::<f32>();
                     scaled(value, m, loss_scale)
                 } else {
-                    let data = out.clone().into_data();
-                    mail.send(schedule.rank_of(stage + 1), ACTIVATION, stage + 1, mb, data)?;
+                    let message = transport.encode(out.clone())?;
+                    mail.send(
+                        schedule.rank_of(stage + 1),
+                        ACTIVATION,
+                        stage + 1,
+                        mb,
+                        message,
+                    )?;
                     Output::Activation(out)
                 };
                 let output = if rematerialize { Output::Again } else { output };
@@ -431,24 +593,25 @@ where
                     Output::Again => unreachable!("run again above"),
                     Output::Loss(value) => value,
                     Output::Activation(out) => {
-                        let data = mail.recv(schedule.rank_of(stage + 1), GRADIENT, stage, mb)?;
-                        if data.shape.to_vec() != out.dims().to_vec() {
+                        let (data, words) =
+                            mail.recv(schedule.rank_of(stage + 1), GRADIENT, stage, mb)?;
+                        let g = transport.decode(data, &words, &device)?;
+                        if g.dims() != out.dims() {
                             return Err(Error::Mismatch {
                                 op: CollectiveKind::Recv,
                                 group: "pp".into(),
                                 detail: format!(
                                     "stage {stage}'s output is {:?}, its gradient {:?}",
                                     out.dims(),
-                                    data.shape
+                                    g.dims()
                                 ),
                             });
                         }
-                        let g = Tensor::<B, 3>::from_data(data, &device);
                         start = started.elapsed().as_secs_f64();
                         (out * g).sum().reshape([1])
                     }
                 };
-                let backward = || {
+                let pass = || {
                     // A zero-bubble `I`: the linear layers' weight gradients wait for the `W`.
                     let defer = match (action.work, split) {
                         (Work::BackwardInput, Some(ctx)) => {
@@ -457,15 +620,13 @@ where
                         }
                         _ => None,
                     };
-                    let grads = root.backward();
-                    (
-                        grads,
-                        defer.map(RankContext::end_deferring_weight_gradients),
-                    )
+                    let grads = backward(&leaves, stage, mb, root, input.as_ref());
+                    let deferred = defer.map(RankContext::end_deferring_weight_gradients);
+                    grads.map(|grads| (grads, deferred))
                 };
                 let (grads, deferred) = match &turns {
-                    Some(group) => group.in_turn(comm, backward)?,
-                    None => backward(),
+                    Some(group) => group.in_turn(comm, pass)??,
+                    None => pass()?,
                 };
                 if let Some(input) = input {
                     let grad = input.grad(&grads).ok_or_else(|| {
@@ -478,7 +639,7 @@ where
                         GRADIENT,
                         stage - 1,
                         mb,
-                        grad.into_data(),
+                        transport.encode(Tensor::from_inner(grad))?,
                     )?;
                 }
                 let grads = GradientsParams::from_grads(grads, &leaves);

@@ -47,7 +47,8 @@ impl Drop for Turn {
 }
 
 /// A rank's stage group, when its backward passes communicate.
-pub(crate) struct StageGroup {
+#[derive(Clone, Debug)]
+pub struct StageGroup {
     /// The mesh axes of the group (every axis but the pipeline's, of size above 1).
     axes: Vec<usize>,
     /// The member that takes the turn (coordinate 0 on every axis of the group).
@@ -57,7 +58,7 @@ pub(crate) struct StageGroup {
 impl StageGroup {
     /// `None` when the rank's backward passes run no collective: no model axis besides the
     /// pipeline's has more than one rank, and no parameter rests sharded over a data axis.
-    pub(crate) fn of(ctx: &RankContext, pipeline_axis: usize) -> Result<Option<Self>, Error> {
+    pub fn of(ctx: &RankContext, pipeline_axis: usize) -> Result<Option<Self>, Error> {
         let mesh = ctx.mesh();
         let axes: Vec<usize> = (0..mesh.axes().len())
             .filter(|&a| a != pipeline_axis && mesh.axis_size(a) > 1)
@@ -76,7 +77,7 @@ impl StageGroup {
 
     /// Every member of the group has reached this point: a barrier over each of its axes in
     /// turn (after the last, every member of the product has arrived).
-    fn barrier(&self, comm: &dyn Communicator) -> Result<(), Error> {
+    pub fn barrier(&self, comm: &dyn Communicator) -> Result<(), Error> {
         self.axes
             .iter()
             .try_for_each(|&a| comm.barrier(Group::Axis(a)))
