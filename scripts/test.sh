@@ -17,6 +17,7 @@ if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1; then
     fi
 fi
 
-# `wgpu`: the CubeCL kernel tests run on Wgpu over lavapipe (installed above).
-cargo test --workspace --all-targets --features wgpu "$@"
-cargo test --workspace --doc --features wgpu "$@"
+# `wgpu`: the CubeCL kernel tests run on Wgpu over lavapipe (installed above); `learner`:
+# burn-train's Learner, sharded (`wildfire::learner`).
+cargo test --workspace --all-targets --features wgpu,learner "$@"
+cargo test --workspace --doc --features wgpu,learner "$@"

@@ -15,6 +15,8 @@ pub use wildfire_models as models;
 pub use wildfire_parallel as parallel;
 
 pub mod demo;
+#[cfg(feature = "learner")]
+pub mod learner;
 pub mod pretrain;
 
 /// What a training program on `Distributed<B>` needs, in one import.

@@ -107,6 +107,23 @@ impl CheckpointDir {
     }
 }
 
+impl CheckpointDir {
+    /// The directory of the checkpoint of `step`, which must have been committed.
+    pub fn at(&self, step: usize) -> Result<PathBuf, Error> {
+        let dir = self.root.join(step_name(step));
+        if !dir.is_dir() {
+            return Err(Error::Invalid {
+                path: self.root.clone(),
+                reason: format!(
+                    "no checkpoint of step {step} here ({} is missing)",
+                    dir.display()
+                ),
+            });
+        }
+        Ok(dir)
+    }
+}
+
 /// Per-parameter records (Burn's optimizer records are maps keyed by parameter).
 pub type ParamRecords<R> = hashbrown::HashMap<ParamId, R>;
 

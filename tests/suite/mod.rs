@@ -122,6 +122,8 @@ mod data_parallel;
 mod engine;
 mod fsdp;
 mod kernels;
+#[cfg(feature = "learner")]
+mod learner;
 mod pretrain;
 mod recompute;
 mod tensor_parallel;
