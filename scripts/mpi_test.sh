@@ -22,10 +22,11 @@ fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_btl_vader_single_copy_mechanism=none
 
-cargo build --example mpi_check --example gpt_pretrain --features mpi
+cargo build --example mpi_check --example gpt_pretrain --example learner_fsdp --features mpi,learner
 target_dir=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 check="$target_dir/debug/examples/mpi_check"
 pretrain="$target_dir/debug/examples/gpt_pretrain"
+learner="$target_dir/debug/examples/learner_fsdp"
 mpi() { timeout 300 mpirun --oversubscribe "$@"; }
 fail() { echo "mpi_test.sh: FAILED: $*" >&2; exit 1; }
 
@@ -91,6 +92,12 @@ r, s = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:3])
 assert len(r) == 2 and r == s[-2:], (r, s)
 print(f"resumed losses {r} == straight run's last two, bitwise")
 PY
+echo "--- burn-train's Learner under mpirun (FSDP, one process per rank): the curve of ranks-as-threads"
+lf=(--dp 2 --epochs 2 --rows 256)
+mpi_curve=$(mpi -np 2 "$learner" "${lf[@]}" --dir "$tmp/lf-mpi" 2>/dev/null | grep '^curve:')
+threads_curve=$("$learner" "${lf[@]}" --dir "$tmp/lf-threads" 2>/dev/null | grep '^curve:')
+[ -n "$mpi_curve" ] && [ "$mpi_curve" = "$threads_curve" ] || fail "learner_fsdp: $mpi_curve vs $threads_curve"
+echo "learner_fsdp: the same losses under mpirun and ranks-as-threads"
 if out=$(mpi -np 2 "$pretrain" --steps 1 --dp 1 2>&1); then fail "a world that does not match the mesh was accepted"; fi
 grep -q "one process per rank" <<<"$out" || fail "no clear error for -np 2 --dp 1: $out"
 rm -rf "$tmp"

@@ -34,8 +34,9 @@ pub mod prelude {
     };
 }
 
-/// The README's Rust examples, compiled and run as doc tests.
-#[cfg(doctest)]
+/// The README's Rust examples, compiled and run as doc tests (the Learner's needs the `learner`
+/// feature, which `scripts/test.sh` turns on).
+#[cfg(all(doctest, feature = "learner"))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 

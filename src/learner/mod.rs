@@ -43,6 +43,7 @@
 //! [`glyphs`] is a model in the Burn Book's style, with its data, for the examples and tests.
 
 pub mod glyphs;
+mod history;
 mod loader;
 mod optim;
 mod strategy;
@@ -72,6 +73,7 @@ use wildfire_models::checkpoint::CheckpointDir;
 use wildfire_models::dcp::Checkpoint;
 use wildfire_parallel::{AxisKind, DistDevice, Distributed};
 
+pub use history::LossHistory;
 pub use loader::ShardedLoader;
 pub use optim::ShardedOptimizer;
 

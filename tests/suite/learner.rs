@@ -2,78 +2,62 @@
 //! `Autodiff<Distributed<Flex>>`, ranks as threads, against the one-device Learner.
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use burn::backend::{Autodiff, Flex};
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::optim::AdamWConfig;
 use burn::train::logger::InMemoryMetricLogger;
 use burn::train::metric::{
-    LossInput, LossMetric, Metric, MetricMetadata, MetricName, Numeric, NumericEntry,
-    SerializedEntry,
+    LossInput, Metric, MetricMetadata, MetricName, Numeric, NumericEntry, SerializedEntry,
 };
-use burn::train::{Learner, SupervisedTraining};
+use burn::train::{Interrupter, Learner, SupervisedTraining};
 use wildfire::demo::{deterministic_init, parameters};
 use wildfire::learner::glyphs::{GlyphBatcher, GlyphClassifierConfig, GlyphDataset};
-use wildfire::learner::{LearnerError, LearnerRank, Quiet, Sharded, ShardedLoader};
+use wildfire::learner::{LearnerError, LearnerRank, LossHistory, Quiet, Sharded, ShardedLoader};
 use wildfire::parallel::{
-    DeviceMesh, FsdpStrategy, LaunchOptions, fully_shard, launch_ranks, replicate,
+    DeviceMesh, FsdpStrategy, LaunchOptions, TpPlan, TpStyle, fully_shard, launch_ranks, replicate,
+    tensor_parallel,
 };
 
 use crate::suite::{pairs, tensors_close};
 
-/// The Learner's loss metric, each value also kept in `values` (every step's loss on the rank,
-/// in order): the metric pipeline the Learner runs, read back.
+/// A loss metric that stops the rank's training (its interrupter) once it has seen `after`
+/// steps.
 #[derive(Clone)]
-struct LossLog {
-    inner: LossMetric<Flex>,
-    name: MetricName,
-    values: Arc<Mutex<Vec<f64>>>,
+struct StopAfter {
+    interrupter: Interrupter,
+    after: usize,
+    history: LossHistory,
 }
 
-impl LossLog {
-    fn new(name: &str) -> (Self, Arc<Mutex<Vec<f64>>>) {
-        let values = Arc::new(Mutex::new(Vec::new()));
-        let log = Self {
-            inner: LossMetric::new(),
-            name: Arc::new(name.to_string()),
-            values: values.clone(),
-        };
-        (log, values)
-    }
-}
-
-impl Metric for LossLog {
+impl Metric for StopAfter {
     type Input = LossInput<Flex>;
 
     fn name(&self) -> MetricName {
-        self.name.clone()
+        self.history.name()
     }
 
     fn update(&mut self, item: &Self::Input, metadata: &MetricMetadata) -> SerializedEntry {
-        let entry = self.inner.update(item, metadata);
-        let value = match self.inner.value() {
-            NumericEntry::Value(v) => v,
-            NumericEntry::Aggregated {
-                aggregated_value, ..
-            } => aggregated_value,
-        };
-        self.values.lock().unwrap().push(value);
+        let entry = self.history.update(item, metadata);
+        if self.history.values().len() == self.after {
+            self.interrupter.stop(Some("asked on one rank"));
+        }
         entry
     }
 
     fn clear(&mut self) {
-        self.inner.clear();
+        self.history.clear();
     }
 }
 
-impl Numeric for LossLog {
+impl Numeric for StopAfter {
     fn value(&self) -> NumericEntry {
-        self.inner.value()
+        self.history.value()
     }
 
     fn running_value(&self) -> NumericEntry {
-        self.inner.running_value()
+        self.history.running_value()
     }
 }
 
@@ -128,21 +112,18 @@ fn one_device(epochs: usize, dir: &str) -> Run {
     let valid = DataLoaderBuilder::new(GlyphBatcher)
         .batch_size(8)
         .build(GlyphDataset::new(24, 2));
-    let (train_log, train_values) = LossLog::new("Loss log");
-    let (valid_log, valid_values) = LossLog::new("Loss log");
+    let (train_log, valid_log) = (LossHistory::new("Loss log"), LossHistory::new("Loss log"));
     let training = SupervisedTraining::new(scratch(dir), Arc::new(train), valid)
-        .metric_train_numeric(train_log)
-        .metric_valid_numeric(valid_log)
+        .metric_train_numeric(train_log.clone())
+        .metric_valid_numeric(valid_log.clone())
         .with_application_logger(None)
         .renderer(Quiet)
         .with_metric_logger(InMemoryMetricLogger::new())
         .num_epochs(epochs);
     let result = training.launch(Learner::new(model, AdamWConfig::new().init(), LR));
-    let train = train_values.lock().unwrap().clone();
-    let valid = valid_values.lock().unwrap().clone();
     Run {
-        train: vec![train],
-        valid,
+        train: vec![train_log.values()],
+        valid: valid_log.values(),
         parameters: parameters(&result.model),
     }
 }
@@ -152,6 +133,22 @@ fn one_device(epochs: usize, dir: &str) -> Run {
 enum Layout {
     Ddp,
     Fsdp(FsdpStrategy),
+    /// HSDP: replicated over `dp_replicate`, sharded over `dp_shard` (2 × 2).
+    Hybrid,
+    /// Megatron TP over `tp` (the hidden layer column-wise, the output layer row-wise) inside
+    /// FullShard over `dp` (2 × 2).
+    TensorParallel,
+}
+
+impl Layout {
+    fn mesh(self, dp: usize) -> DeviceMesh {
+        match self {
+            Layout::Hybrid => DeviceMesh::new([("dp_replicate", 2), ("dp_shard", 2)]),
+            Layout::TensorParallel => DeviceMesh::new([("dp", 2), ("tp", 2)]),
+            _ => DeviceMesh::new([("dp", dp)]),
+        }
+        .unwrap()
+    }
 }
 
 /// The same Learner program on `Autodiff<Distributed<Flex>>`, `dp` ranks as threads: the model
@@ -164,8 +161,21 @@ fn sharded(
     dir: &str,
     configure: impl Fn(LearnerRank<Flex>) -> LearnerRank<Flex> + Sync,
 ) -> Result<Run, LearnerError> {
+    sharded_with(dp, layout, epochs, dir, configure, None)
+}
+
+/// [`sharded`], with `stop = Some((rank, after))`: that rank's interrupter is stopped (from the
+/// metrics thread, as a TUI's `q` would) once its metrics have seen `after` steps.
+fn sharded_with(
+    dp: usize,
+    layout: Layout,
+    epochs: usize,
+    dir: &str,
+    configure: impl Fn(LearnerRank<Flex>) -> LearnerRank<Flex> + Sync,
+    stop: Option<(usize, usize)>,
+) -> Result<Run, LearnerError> {
     type B = Sharded<Flex>;
-    let mesh = DeviceMesh::new([("dp", dp)]).unwrap();
+    let mesh = layout.mesh(dp);
     let root = scratch(dir);
     let results = launch_ranks::<Flex, _, _>(
         &mesh,
@@ -177,6 +187,14 @@ fn sharded(
             let model = match layout {
                 Layout::Ddp => replicate(model, &mesh)?,
                 Layout::Fsdp(strategy) => fully_shard(model, &mesh, strategy)?,
+                Layout::Hybrid => fully_shard(model, &mesh, FsdpStrategy::Hybrid)?,
+                Layout::TensorParallel => {
+                    let plan = TpPlan::new()
+                        .with("hidden", TpStyle::Colwise)
+                        .with("output", TpStyle::Rowwise);
+                    let model = tensor_parallel(model, &mesh, &plan)?;
+                    fully_shard(model, &mesh, FsdpStrategy::FullShard)?
+                }
             };
             let train = rank.loader(
                 GlyphBatcher,
@@ -188,23 +206,33 @@ fn sharded(
                 .batch_size(8)
                 .set_device(device.clone())
                 .build(GlyphDataset::new(24, 2));
-            let (train_log, train_values) = LossLog::new("Loss log");
-            let (valid_log, valid_values) = LossLog::new("Loss log");
+            let (train_log, valid_log) =
+                (LossHistory::new("Loss log"), LossHistory::new("Loss log"));
             let training = SupervisedTraining::new(root.join("artifacts"), train, valid)
-                .metric_train_numeric(train_log)
-                .metric_valid_numeric(valid_log)
+                .metric_train_numeric(train_log.clone())
+                .metric_valid_numeric(valid_log.clone())
                 .with_application_logger(None)
                 .renderer(Quiet)
                 .with_metric_logger(InMemoryMetricLogger::new())
                 .num_epochs(epochs);
+            let training = match stop {
+                Some((who, after)) if who == rank.rank() => {
+                    let interrupter = Interrupter::new();
+                    training
+                        .with_interrupter(interrupter.clone())
+                        .metric_train_numeric(StopAfter {
+                            interrupter,
+                            after,
+                            history: LossHistory::new("Stop after"),
+                        })
+                }
+                _ => training,
+            };
             let result = rank.launch(training, model, AdamWConfig::new().init(), LR)?;
-            let parameters = parameters(&result.model);
-            let train = train_values.lock().unwrap().clone();
-            let valid = valid_values.lock().unwrap().clone();
             Ok(Run {
-                train: vec![train],
-                valid,
-                parameters,
+                train: vec![train_log.values()],
+                valid: valid_log.values(),
+                parameters: parameters(&result.model),
             })
         },
     )?;
@@ -236,9 +264,10 @@ fn close(what: &str, got: &[f64], expected: &[f64], tol: f64) {
 }
 
 /// The Learner trains 10 steps (2 epochs of 5) sharded as on one device: at world size 1
-/// bitwise (losses, validation losses, parameters); DDP and FullShard on 2 and 4 ranks within
-/// 1e-5 (the global loss of every step, every validation batch's loss on rank 0, every
-/// parameter). The global batch is the same at every world size.
+/// bitwise (losses, validation losses, parameters); DDP and FullShard on 2 and 4 ranks, ZeRO-1,
+/// ZeRO-2, HSDP and tensor parallelism inside FSDP within 1e-5 (the global loss of every step,
+/// every validation batch's loss on rank 0, every parameter). The global batch is the same at
+/// every world size.
 #[test]
 fn learner_sharded_matches_one_device() {
     let reference = one_device(2, "one");
@@ -278,17 +307,30 @@ fn learner_sharded_matches_one_device() {
             tensors_close(&what, &got.parameters, &reference.parameters, 1e-5);
         }
     }
-    // ZeRO-1 and ZeRO-2 too (the optimizer state sharded).
-    for strategy in [FsdpStrategy::ShardOptimizer, FsdpStrategy::ShardGradOp] {
-        let got = sharded(2, Layout::Fsdp(strategy), 2, "zero", |r| r).unwrap();
-        let what = format!("dp 2 {strategy:?}");
+    // ZeRO-1 and ZeRO-2 (the optimizer state sharded), HSDP (2 × 2) within 1e-5; TP inside
+    // FSDP (2 × 2) within 1e-4 (the row-parallel layer sums its halves in another order, which
+    // AdamW's normalised step turns into ~1e-5 on tiny gradients, as in the GPT's TP tests).
+    for (layout, tol) in [
+        (Layout::Fsdp(FsdpStrategy::ShardOptimizer), 1e-5),
+        (Layout::Fsdp(FsdpStrategy::ShardGradOp), 1e-5),
+        (Layout::Hybrid, 1e-5),
+        (Layout::TensorParallel, 1e-5),
+    ] {
+        let got = sharded(2, layout, 2, "more", |r| r).unwrap();
+        let what = format!("{layout:?}");
         close(
             &format!("{what}: loss"),
             &got.global_losses(),
             &reference.train[0],
-            1e-5,
+            tol,
         );
-        tensors_close(&what, &got.parameters, &reference.parameters, 1e-5);
+        close(
+            &format!("{what}: validation"),
+            &got.valid,
+            &reference.valid,
+            tol,
+        );
+        tensors_close(&what, &got.parameters, &reference.parameters, tol as f32);
     }
 }
 
@@ -350,4 +392,22 @@ fn learner_resumes_from_its_distributed_checkpoint() {
     };
     let err = sharded(2, fsdp, 8, "missing", &missing).unwrap_err();
     assert!(err.to_string().contains("no checkpoint of step 7"), "{err}");
+}
+
+/// A stop asked on one rank (its interrupter, as a TUI's `q` would) stops every rank at the
+/// same step: no rank is left waiting in a collective, and the run ends cleanly on all.
+#[test]
+fn a_stop_on_one_rank_stops_every_rank_at_the_same_step() {
+    let run = sharded_with(
+        2,
+        Layout::Fsdp(FsdpStrategy::FullShard),
+        2,
+        "stop",
+        |r| r,
+        Some((1, 3)),
+    )
+    .unwrap();
+    let steps: Vec<usize> = run.train.iter().map(Vec::len).collect();
+    assert_eq!(steps[0], steps[1], "{steps:?}");
+    assert!((3..10).contains(&steps[0]), "{steps:?}");
 }
