@@ -25,7 +25,7 @@
 //!   ([`ShardedOptimizer`]): between backward and the optimizer step the gradients are
 //!   synchronised (`sync_gradients`: all-reduce for DDP, reduce-scatter for FSDP), optionally
 //!   clipped by the global norm over the whole mesh ([`LearnerRank::with_clip`]); ZeRO-1/2's
-//!   sharded optimizer state is handled as [`FsdpOptimizer`] handles it. The loop is the stock
+//!   sharded optimizer state is handled as [`FsdpOptimizer`](wildfire_parallel::FsdpOptimizer) handles it. The loop is the stock
 //!   single-device loop (learning-rate schedule, gradient accumulation, metrics, validation,
 //!   early stopping) with every decision that could part the ranks agreed across the mesh: a
 //!   stop asked on any rank stops all at the same step; early stopping is rank 0's decision.

@@ -421,7 +421,7 @@ where
 /// regions the forward recorded again (`wildfire_engine::Recomputer::backward`). It runs inside
 /// the stage group's turn when backward passes communicate; several passes in one backward must
 /// keep the group's members together between passes (a barrier over
-/// [`StageGroup`](super::StageGroup)). `transport` encodes what travels between the stages
+/// [`StageGroup`]). `transport` encodes what travels between the stages
 /// ([`Whole`] or, on the `Distributed` backend, [`Pieces`]).
 #[allow(clippy::too_many_arguments)]
 pub fn run_step_custom<B, M>(
