@@ -39,6 +39,8 @@
 //!   (or Burn's `.checkpoint(epoch)`) continues from an epoch on any layout, the learning-rate
 //!   schedule replayed to where it was. Burn's file checkpointer would serialise sharded
 //!   parameters on its own threads, outside the rank's collectives: it is not used.
+//!   [`LearnerRank::save_model_file`] writes the trained model whole as a Burn record file
+//!   (every rank gathers, rank 0 writes), which loads on one device.
 //!
 //! [`glyphs`] is a model in the Burn Book's style, with its data, for the examples and tests.
 
@@ -57,9 +59,11 @@ use burn::data::dataloader::DataLoader;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::lr_scheduler::LrScheduler;
-use burn::module::AutodiffModule;
+use burn::module::{AutodiffModule, Module, ModuleMapper, Param};
 use burn::optim::SimpleOptimizer;
 use burn::optim::adaptor::OptimizerAdaptor;
+use burn::record::FileRecorder;
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use burn::train::renderer::{
     EvaluationName, EvaluationProgress, MetricState, MetricsRenderer, MetricsRendererEvaluation,
@@ -71,7 +75,9 @@ use burn::train::{
 };
 use wildfire_models::checkpoint::CheckpointDir;
 use wildfire_models::dcp::Checkpoint;
-use wildfire_parallel::{AxisKind, DistDevice, Distributed};
+use wildfire_parallel::{
+    AxisKind, DistDevice, Distributed, DistributedBackend, Layout, dtensor, redistribute,
+};
 
 pub use history::LossHistory;
 pub use loader::ShardedLoader;
@@ -287,6 +293,54 @@ impl<X: Backend> LearnerRank<X> {
             self.device.context().comm().fail(message.clone());
             LearnerError::Failed { rank, message }
         })
+    }
+}
+
+impl<X: Backend> LearnerRank<X> {
+    /// Write `model` (a trained model, as [`launch`](Self::launch) returns it: laid out as it
+    /// trained) to `path` as a Burn record file with `recorder`, whole: every rank gathers each
+    /// parameter (collectives: call it on every rank), rank 0 writes. The file loads into the
+    /// same model on any backend (`load_file`), on one device.
+    pub fn save_model_file<M, FR>(
+        &self,
+        model: M,
+        path: impl Into<PathBuf>,
+        recorder: &FR,
+    ) -> Result<(), LearnerError>
+    where
+        M: Module<Distributed<X>>,
+        FR: FileRecorder<Distributed<X>>,
+    {
+        let mut gather = Gather { error: None };
+        let whole = model.map(&mut gather);
+        if let Some(e) = gather.error {
+            return Err(e.into());
+        }
+        if self.is_main() {
+            whole
+                .save_file(path.into(), recorder)
+                .map_err(|e| LearnerError::Config(format!("writing the model: {e}")))?;
+        }
+        Ok(())
+    }
+}
+
+/// Every parameter whole on every rank (`Replicate` on every mesh axis).
+struct Gather {
+    error: Option<wildfire_parallel::Error>,
+}
+
+impl<B: DistributedBackend> ModuleMapper<B> for Gather {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let mesh = dtensor(&tensor).device().mesh().clone();
+        match redistribute(tensor.clone(), &Layout::replicated(&mesh)) {
+            Ok(whole) => Param::from_mapped_value(id, whole, mapper),
+            Err(e) => {
+                self.error.get_or_insert(e);
+                Param::from_mapped_value(id, tensor, mapper)
+            }
+        }
     }
 }
 

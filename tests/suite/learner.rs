@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use burn::backend::{Autodiff, Flex};
 use burn::data::dataloader::DataLoaderBuilder;
+use burn::module::Module;
 use burn::optim::AdamWConfig;
+use burn::record::{BinFileRecorder, FullPrecisionSettings};
 use burn::train::logger::InMemoryMetricLogger;
 use burn::train::metric::{
     LossInput, Metric, MetricMetadata, MetricName, Numeric, NumericEntry, SerializedEntry,
@@ -86,8 +88,12 @@ impl Run {
     }
 }
 
+fn scratch_path(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("wildfire-learner-{name}-{}", std::process::id()))
+}
+
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("wildfire-learner-{name}-{}", std::process::id()));
+    let dir = scratch_path(name);
     let _ = std::fs::remove_dir_all(&dir);
     dir
 }
@@ -229,6 +235,9 @@ fn sharded_with(
                 _ => training,
             };
             let result = rank.launch(training, model, AdamWConfig::new().init(), LR)?;
+            // The trained model, whole, as a Burn record file (rank 0 writes it).
+            let file = root.join("model");
+            rank.save_model_file(result.model.clone(), &file, &recorder())?;
             Ok(Run {
                 train: vec![train_log.values()],
                 valid: valid_log.values(),
@@ -252,6 +261,20 @@ fn sharded_with(
     Ok(run)
 }
 
+fn recorder() -> BinFileRecorder<FullPrecisionSettings> {
+    BinFileRecorder::new()
+}
+
+/// The model file a sharded run's rank 0 wrote, loaded into the model on one device.
+fn load_model_file(dir: &str) -> Vec<Vec<f32>> {
+    let device = Default::default();
+    let model = GlyphClassifierConfig::new()
+        .init::<Flex>(&device)
+        .load_file(scratch_path(dir).join("model"), &recorder(), &device)
+        .expect("the model file");
+    parameters(&model)
+}
+
 fn same_bits(what: &str, got: &[f64], expected: &[f64]) {
     let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(got), bits(expected), "{what}");
@@ -267,7 +290,8 @@ fn close(what: &str, got: &[f64], expected: &[f64], tol: f64) {
 /// bitwise (losses, validation losses, parameters); DDP and FullShard on 2 and 4 ranks, ZeRO-1,
 /// ZeRO-2, HSDP and tensor parallelism inside FSDP within 1e-5 (the global loss of every step,
 /// every validation batch's loss on rank 0, every parameter). The global batch is the same at
-/// every world size.
+/// every world size. The model file rank 0 writes (`save_model_file`) holds the whole trained
+/// model: loaded on one device, its parameters are the sharded run's, bitwise.
 #[test]
 fn learner_sharded_matches_one_device() {
     let reference = one_device(2, "one");
@@ -288,7 +312,14 @@ fn learner_sharded_matches_one_device() {
     for dp in [2, 4] {
         for layout in [Layout::Ddp, Layout::Fsdp(FsdpStrategy::FullShard)] {
             let what = format!("dp {dp} {layout:?}");
-            let got = sharded(dp, layout, 2, &format!("dp{dp}"), |r| r).unwrap();
+            let dir = format!("dp{dp}-{layout:?}");
+            let got = sharded(dp, layout, 2, &dir, |r| r).unwrap();
+            // The model file holds the whole trained model: it loads on one device.
+            let loaded = load_model_file(&dir);
+            for (a, b) in pairs(&loaded, &got.parameters) {
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(a), bits(b), "{what}: the model file");
+            }
             assert_eq!(got.train.len(), dp);
             // Each rank reads its own rows.
             assert_ne!(got.train[0], got.train[1], "{what}");
@@ -316,8 +347,14 @@ fn learner_sharded_matches_one_device() {
         (Layout::Hybrid, 1e-5),
         (Layout::TensorParallel, 1e-5),
     ] {
-        let got = sharded(2, layout, 2, "more", |r| r).unwrap();
         let what = format!("{layout:?}");
+        let dir = format!("more-{layout:?}");
+        let got = sharded(2, layout, 2, &dir, |r| r).unwrap();
+        assert_eq!(
+            load_model_file(&dir),
+            got.parameters,
+            "{what}: the model file"
+        );
         close(
             &format!("{what}: loss"),
             &got.global_losses(),
