@@ -65,10 +65,12 @@ impl StepRunner {
     /// step, micro-batch and data-parallel rank): the run's recomputation policy applies inside
     /// each stage — the selective policy's attention core, every-N's block regions (run again by
     /// the micro-batch's backward action) — and `Recompute::Full` re-materialises each stage
-    /// whole (only its input kept; `ckpt` then recomputes nothing). `tied(chunk)` names a chunk's parameters that are
-    /// copies of one parameter held by both the first and the last stage (the GPT's token
-    /// table), in the same order on both: their gradients are summed, so both copies take the
-    /// same update; the norm counts the first stage's. Returns the updated chunks.
+    /// whole (only its input kept; `ckpt` then recomputes nothing).
+    ///
+    /// `tied(chunk)` names a chunk's parameters that are copies of one parameter held by both
+    /// the first and the last stage (the GPT's token table), in the same order on both: their
+    /// gradients are summed, so both copies take the same update; the norm counts the first
+    /// stage's. Returns the updated chunks.
     #[allow(clippy::too_many_arguments)]
     pub fn run_pipeline<X, M, O>(
         &mut self,

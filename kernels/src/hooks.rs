@@ -14,8 +14,9 @@ use std::str::FromStr;
 
 /// The hooks a model's forward calls. `'a` bounds what a recorded block region keeps (its
 /// module, cloned: parameters are shared handles, so the clone copies no values, and a region
-/// outlives the forward that recorded it — a pipeline stage runs its backward actions later). The provided methods are the forward of evaluation and generation ([`Inference`]):
-/// no dropout, nothing recomputed, attention through [`crate::ops::attention_qkv`] (the fused
+/// outlives the forward that recorded it — a pipeline stage runs its backward actions later).
+/// The provided methods are the forward of evaluation and generation ([`Inference`]): no
+/// dropout, nothing recomputed, attention through [`crate::ops::attention_qkv`] (the fused
 /// kernel where the backend has one).
 pub trait ForwardHooks<'a, B: FusedOps>: Sized {
     /// Block `index` of `count`: `f(module, x, self)`, which an implementation may run again in

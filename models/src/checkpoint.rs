@@ -105,9 +105,7 @@ impl CheckpointDir {
         }
         Ok(dir)
     }
-}
 
-impl CheckpointDir {
     /// The directory of the checkpoint of `step`, which must have been committed.
     pub fn at(&self, step: usize) -> Result<PathBuf, Error> {
         let dir = self.root.join(step_name(step));

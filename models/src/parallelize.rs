@@ -240,9 +240,7 @@ pub fn parallelize_gpt<B: DistributedBackend>(
         let heads = model.blocks.first().map_or(1, |b| b.attn.n_head);
         let plan = gpt_tp_plan().with_heads("blocks.*.attn", heads);
         let plan = if config.sp {
-            plan.with("blocks.*.ln_1|ln_2", TpStyle::SequenceParallel)
-                .with("ln_f", TpStyle::SequenceParallel)
-                .with_keep_sequence_gathers(config.sp_keep_gathers)
+            with_sequence_parallel(plan, config, true)
         } else {
             plan
         };
@@ -251,6 +249,18 @@ pub fn parallelize_gpt<B: DistributedBackend>(
         model
     };
     Ok(fully_shard(model, mesh, config.fsdp)?)
+}
+
+/// `plan` with Megatron sequence parallelism over the GPT's blocks' norms and, with
+/// `final_norm`, the final norm (the whole model, or the last pipeline stage).
+fn with_sequence_parallel(plan: TpPlan, config: &ParallelConfig, final_norm: bool) -> TpPlan {
+    let plan = plan.with("blocks.*.ln_1|ln_2", TpStyle::SequenceParallel);
+    let plan = if final_norm {
+        plan.with("ln_f", TpStyle::SequenceParallel)
+    } else {
+        plan
+    };
+    plan.with_keep_sequence_gathers(config.sp_keep_gathers)
 }
 
 /// One pipeline stage of the GPT (blocks `blocks`; the embeddings when `first`, the head when
@@ -279,17 +289,10 @@ pub fn init_gpt_stage<B: DistributedBackend>(
     })?;
     let mesh = B::dist_device(device).mesh().clone();
     let stage = match plan {
-        // Sequence parallelism (no parameter's layout changes; it sets the rank's policy) as in
-        // `parallelize_gpt`, the final norm on the last stage.
+        // Sequence parallelism (no parameter's layout changes; it sets the rank's policy), the
+        // final norm on the last stage.
         Some(plan) if parallel.sp => {
-            let plan = plan.with("blocks.*.ln_1|ln_2", TpStyle::SequenceParallel);
-            let plan = if last {
-                plan.with("ln_f", TpStyle::SequenceParallel)
-            } else {
-                plan
-            };
-            let plan = plan.with_keep_sequence_gathers(parallel.sp_keep_gathers);
-            tensor_parallel(stage, &mesh, &plan)?
+            tensor_parallel(stage, &mesh, &with_sequence_parallel(plan, parallel, last))?
         }
         Some(plan) => tensor_parallel(stage, &mesh, &plan)?,
         None => stage,

@@ -299,6 +299,23 @@ impl DeviceMesh {
         (rank / self.stride(axis)) % self.axes[axis].size
     }
 
+    /// `rank`'s index among the data-parallel ranks, row-major over the data axes, and their
+    /// number (the product of the data axes): the ranks of one model-parallel group (tensor,
+    /// pipeline) share an index, so they read the same rows.
+    ///
+    /// # Panics
+    /// If `rank` is out of range.
+    pub fn data_index(&self, rank: usize) -> (usize, usize) {
+        let coords = self.coords(rank);
+        self.axes
+            .iter()
+            .zip(coords)
+            .filter(|(axis, _)| axis.kind == AxisKind::Data)
+            .fold((0, 1), |(index, size), (axis, coord)| {
+                (index * axis.size + coord, size * axis.size)
+            })
+    }
+
     fn check_rank(&self, rank: usize) {
         assert!(
             rank < self.world_size(),
@@ -324,6 +341,21 @@ impl fmt::Display for DeviceMesh {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The data index runs row-major over the data axes only: the tensor-parallel peers of a
+    /// rank share it, and the pipeline axis (a model axis) does not split the data.
+    #[test]
+    fn data_index_counts_data_axes_only() {
+        let mesh =
+            DeviceMesh::new([("dp_replicate", 2), ("dp_shard", 2), ("pp", 2), ("tp", 2)]).unwrap();
+        let indices: Vec<(usize, usize)> =
+            (0..mesh.world_size()).map(|r| mesh.data_index(r)).collect();
+        for (rank, &(index, size)) in indices.iter().enumerate() {
+            assert_eq!(size, 4);
+            assert_eq!(index, rank / 4, "rank {rank}");
+        }
+        assert_eq!(DeviceMesh::single().data_index(0), (0, 1));
+    }
 
     #[test]
     fn world_mismatch_lists_every_factor() {

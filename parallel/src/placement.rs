@@ -110,6 +110,20 @@ impl Layout {
         )
     }
 
+    /// This layout with every `Partial` reduced to `Replicate` (what a reduction of a partial
+    /// value gives; shards stay).
+    pub fn reduced(&self) -> Self {
+        Layout(
+            self.0
+                .iter()
+                .map(|&p| match p {
+                    Placement::Partial(_) => Placement::Replicate,
+                    p => p,
+                })
+                .collect(),
+        )
+    }
+
     /// Whether any axis shards or holds partial values.
     pub fn is_distributed(&self) -> bool {
         self.0.iter().any(|p| p.is_distributed())

@@ -496,12 +496,7 @@ impl<B: Backend> DTensor<B> {
 
     fn settled_now(self) -> Self {
         let Some(memo) = &self.memo else { return self };
-        let mut reduced = self.layout.clone();
-        for a in 0..reduced.len() {
-            if matches!(reduced.get(a), Placement::Partial(_)) {
-                reduced.set(a, Placement::Replicate);
-            }
-        }
+        let reduced = self.layout.reduced();
         let cached = memo
             .lock()
             .unwrap()

@@ -3,16 +3,21 @@
 //! (and tensor parallel where the model was given a plan), with ranks as threads or MPI
 //! processes.
 //!
-//! A Learner program changes in three places:
+//! A Learner program changes in four places (the one-device line, then each rank's, with
+//! `rank = LearnerRank::new(device)`):
 //!
 //! ```text
-//! // one device                                   // each rank (LearnerRank::new(device))
-//! type B = Autodiff<Flex>;                        type B = Autodiff<Distributed<Flex>>;
-//! let model = config.init::<B>(&device);          let model = fully_shard(config.init::<B>(&device), &mesh, FullShard)?;
-//! let train = DataLoaderBuilder::new(batcher)     let train = rank.loader(batcher, dataset, global_batch, seed)?;
-//!     .batch_size(64).shuffle(seed).build(dataset);
-//! let result = training                           let result = rank.launch(training, model, optim, lr)?;
-//!     .launch(Learner::new(model, optim, lr));
+//! type B = Autodiff<Flex>;
+//! type B = Autodiff<Distributed<Flex>>;
+//!
+//! let model = config.init::<B>(&device);
+//! let model = fully_shard(config.init::<B>(&device), &mesh, FullShard)?;
+//!
+//! let train = DataLoaderBuilder::new(batcher).batch_size(64).shuffle(seed).build(dataset);
+//! let train = rank.loader(batcher, dataset, global_batch, seed)?;
+//!
+//! let result = training.launch(Learner::new(model, optim, lr));
+//! let result = rank.launch(training, model, optim, lr)?;
 //! ```
 //!
 //! - [`LearnerRank::loader`] is a distributed sampler ([`ShardedLoader`]): every epoch the
@@ -25,7 +30,8 @@
 //!   ([`ShardedOptimizer`]): between backward and the optimizer step the gradients are
 //!   synchronised (`sync_gradients`: all-reduce for DDP, reduce-scatter for FSDP), optionally
 //!   clipped by the global norm over the whole mesh ([`LearnerRank::with_clip`]); ZeRO-1/2's
-//!   sharded optimizer state is handled as [`FsdpOptimizer`](wildfire_parallel::FsdpOptimizer) handles it. The loop is the stock
+//!   sharded optimizer state is handled as
+//!   [`FsdpOptimizer`](wildfire_parallel::FsdpOptimizer) handles it. The loop is the stock
 //!   single-device loop (learning-rate schedule, gradient accumulation, metrics, validation,
 //!   early stopping) with every decision that could part the ranks agreed across the mesh: a
 //!   stop asked on any rank stops all at the same step; early stopping is rank 0's decision.
@@ -76,7 +82,7 @@ use burn::train::{
 use wildfire_models::checkpoint::CheckpointDir;
 use wildfire_models::dcp::Checkpoint;
 use wildfire_parallel::{
-    AxisKind, DistDevice, Distributed, DistributedBackend, Layout, dtensor, redistribute,
+    DistDevice, Distributed, DistributedBackend, Layout, dtensor, redistribute,
 };
 
 pub use history::LossHistory;
@@ -162,15 +168,7 @@ impl<X: Backend> LearnerRank<X> {
     /// This rank's index among the data-parallel ranks, and their number (the product of the
     /// mesh's data axes): the ranks of one tensor-parallel group read the same rows.
     pub fn data_rank(&self) -> (usize, usize) {
-        let mesh = self.device.mesh();
-        let coords = mesh.coords(self.device.rank());
-        mesh.axes()
-            .iter()
-            .enumerate()
-            .filter(|(_, axis)| axis.kind == AxisKind::Data)
-            .fold((0, 1), |(index, size), (a, axis)| {
-                (index * axis.size + coords[a], size * axis.size)
-            })
+        self.device.mesh().data_index(self.device.rank())
     }
 
     /// Clip the gradients to `max_norm` by their global norm over the whole mesh (one

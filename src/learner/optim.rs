@@ -36,14 +36,6 @@ impl<O> ShardedOptimizer<O> {
     }
 }
 
-/// Stop the rank with a typed error (the launcher or [`super::LearnerRank::launch`] reports it).
-fn fail(e: wildfire_engine::Error) -> ! {
-    match e {
-        wildfire_engine::Error::Parallel(e) => wildfire_parallel::internal::raise(e),
-        e => panic!("{e}"),
-    }
-}
-
 impl<O, M, X> Optimizer<M, Sharded<X>> for ShardedOptimizer<O>
 where
     X: Backend,
@@ -54,8 +46,9 @@ where
     type Record = O::Record;
 
     fn step(&mut self, lr: LearningRate, module: M, mut grads: GradientsParams) -> M {
+        // A typed error stops the rank (`LearnerRank::launch` reports it).
         sync_gradients(&module, &mut grads)
-            .unwrap_or_else(|e| fail(wildfire_engine::Error::Parallel(e)));
+            .unwrap_or_else(|e| wildfire_parallel::internal::raise(e));
         if let Some(max_norm) = self.clip {
             let check = wildfire_engine::unscale_check_clip::<Sharded<X>, X, M>(
                 &module,

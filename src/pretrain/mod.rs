@@ -35,7 +35,7 @@ use wildfire_models::dcp::{Checkpoint, CheckpointWriter, Snapshot};
 use wildfire_models::gpt::{Gpt, GptConfig};
 use wildfire_models::parallelize::{init_gpt, parallelize_gpt};
 use wildfire_parallel::{
-    AxisKind, DeviceMesh, DistDevice, Distributed, FsdpOptimizer, LaunchOptions, launch_ranks_on,
+    DeviceMesh, DistDevice, Distributed, FsdpOptimizer, LaunchOptions, launch_ranks_on,
     parameter_bytes,
 };
 
@@ -253,7 +253,10 @@ pub fn run_on_with<B: FusedOps>(
             val_sampler: &val_sampler,
             train,
             val,
-            rows: sampler.rows_for(dp_index(&device), config.parallel.dp)?,
+            rows: sampler.rows_for(
+                device.mesh().data_index(device.rank()).0,
+                config.parallel.dp,
+            )?,
             metrics: own_metrics.as_ref().or(shared_metrics.as_ref()),
             resume: resume
                 .as_ref()
@@ -306,18 +309,6 @@ pub fn run_on_with<B: FusedOps>(
         tracing::info!("exported the weights to {}", out.display());
     }
     Ok(summary)
-}
-
-/// The data-parallel index of a rank: row-major over the data axes (tensor-parallel peers
-/// share rows).
-fn dp_index<B: Backend>(device: &DistDevice<B>) -> usize {
-    let mesh = device.mesh();
-    let coords = mesh.coords(device.rank());
-    mesh.axes()
-        .iter()
-        .enumerate()
-        .filter(|(_, axis)| axis.kind == AxisKind::Data)
-        .fold(0, |index, (a, axis)| index * axis.size + coords[a])
 }
 
 /// Start the ranks as [`PretrainConfig::launch`] says; returns this process's rank and its

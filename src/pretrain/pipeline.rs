@@ -220,9 +220,8 @@ impl RankRun<'_> {
         Ok(stages)
     }
 
-    /// The mean validation loss over `eval_iters` batches: each batch goes forward through the
-    /// stages in order (a rank runs its stages in order, receiving each one's input from the
-    /// stage before and sending its output on), the last stage's losses averaged over the mesh.
+    /// The mean validation loss over `eval_iters` batches, each a forward-only pass through the
+    /// stages ([`InferenceStages`]), the last stage's losses averaged over the mesh.
     fn evaluate_pipelined<B: FusedOps>(
         &self,
         chunks: &[GptStage<A<B>>],
@@ -232,30 +231,14 @@ impl RankRun<'_> {
         if !self.validates() {
             return Ok(None);
         }
-        let mesh = device.mesh();
-        let axis = mesh.axis_index(PIPELINE_AXIS)?;
-        let members = Group::Axis(axis).ranks(mesh, device.rank())?;
-        let p = members.len();
         let ctx = device.context();
-        let p2p = ctx.comm().point_to_point()?;
-        let chunks: Vec<GptStage<Distributed<B>>> = chunks.iter().map(|c| c.valid()).collect();
+        let stages = InferenceStages::new(chunks, numbers, device)?;
         let (mut total, mut count) = (0.0f64, 0usize);
         for i in 0..self.config.eval_iters {
             let [x, y] = self.val_batch(i, device)?;
-            for (chunk, &stage) in chunks.iter().zip(numbers) {
-                let input = if chunk.is_first() {
-                    StageInput::Tokens(x.clone())
-                } else {
-                    let data = p2p.recv(members[(stage - 1) % p])?;
-                    StageInput::Hidden(Tensor::from_data(data, &x.device()))
-                };
-                let out = chunk.forward_with(input, &Inference);
-                if chunk.is_last() {
-                    total += f64::from(cross_entropy(out, y.clone()).into_scalar().elem::<f32>());
-                    count += 1;
-                } else {
-                    p2p.send(members[(stage + 1) % p], out.into_data())?;
-                }
+            if let Some(logits) = stages.forward(x)? {
+                total += f64::from(cross_entropy(logits, y).into_scalar().elem::<f32>());
+                count += 1;
             }
         }
         Ok(Some(wildfire_engine::metrics::mean_where_held(
@@ -276,14 +259,8 @@ impl RankRun<'_> {
         numbers: &[usize],
         device: &DistDevice<B>,
     ) -> Result<Vec<u32>, PretrainError> {
-        let mesh = device.mesh();
-        let axis = mesh.axis_index(PIPELINE_AXIS)?;
-        let members = Group::Axis(axis).ranks(mesh, device.rank())?;
-        let p = members.len();
+        let stages = InferenceStages::new(chunks, numbers, device)?;
         let p2p = device.context().comm().point_to_point()?;
-        let chunks: Vec<GptStage<Distributed<B>>> = chunks.iter().map(|c| c.valid()).collect();
-        // The last stage (stage p·V − 1) is on the last pipeline rank.
-        let last_rank = members[p - 1];
         let prompt = self.data.tokenizer.encode("\n");
         let mut tokens: Vec<u32> = if prompt.is_empty() { vec![0] } else { prompt };
         let mut sampler = TokenSampler::new(0.8, 40, self.config.seed);
@@ -292,35 +269,78 @@ impl RankRun<'_> {
             let start = tokens.len().saturating_sub(block_size);
             let context: Vec<i64> = tokens[start..].iter().map(|&t| i64::from(t)).collect();
             let t = context.len();
-            let mut next = None;
-            for (chunk, &stage) in chunks.iter().zip(numbers) {
-                let input = if chunk.is_first() {
-                    let data = TensorData::new(context.clone(), [1, t]);
-                    StageInput::Tokens(Tensor::from_data(data, device))
-                } else {
-                    let data = p2p.recv(members[(stage - 1) % p])?;
-                    StageInput::Hidden(Tensor::from_data(data, device))
-                };
-                let out = chunk.forward_with(input, &Inference);
-                if chunk.is_last() {
-                    let logits = out.narrow(1, t - 1, 1).into_data().convert::<f32>();
-                    let logits = logits.to_vec::<f32>().expect("f32 logits");
-                    let token = sampler.pick(&logits);
-                    for &member in members.iter().filter(|&&m| m != device.rank()) {
+            let idx = Tensor::from_data(TensorData::new(context, [1, t]), device);
+            let token = match stages.forward(idx)? {
+                Some(logits) => {
+                    let logits = logits.narrow(1, t - 1, 1).into_data().convert::<f32>();
+                    let token = sampler.pick(&logits.to_vec::<f32>().expect("f32 logits"));
+                    for &member in stages.members.iter().filter(|&&m| m != device.rank()) {
                         p2p.send(member, TensorData::new(vec![i64::from(token)], [1]))?;
                     }
-                    next = Some(token);
-                } else {
-                    p2p.send(members[(stage + 1) % p], out.into_data())?;
+                    token
                 }
-            }
-            let token = match next {
-                Some(token) => token,
-                None => p2p.recv(last_rank)?.to_vec::<i64>().expect("a token")[0] as u32,
+                // The last stage (stage p·V − 1) is on the last pipeline rank.
+                None => {
+                    let last = *stages.members.last().expect("a pipeline rank");
+                    p2p.recv(last)?.to_vec::<i64>().expect("a token")[0] as u32
+                }
             };
             tokens.push(token);
         }
         Ok(tokens)
+    }
+}
+
+/// A rank's stages for forward-only passes (evaluation, generation): a batch goes through the
+/// stages in order, each rank running its stages in order, receiving each one's input from the
+/// stage before and sending its output on.
+struct InferenceStages<'a, B: FusedOps> {
+    chunks: Vec<GptStage<Distributed<B>>>,
+    numbers: &'a [usize],
+    /// The global ranks of the pipeline group, by pipeline index.
+    members: Vec<usize>,
+    device: &'a DistDevice<B>,
+}
+
+impl<'a, B: FusedOps> InferenceStages<'a, B> {
+    fn new(
+        chunks: &[GptStage<A<B>>],
+        numbers: &'a [usize],
+        device: &'a DistDevice<B>,
+    ) -> Result<Self, PretrainError> {
+        let mesh = device.mesh();
+        let axis = mesh.axis_index(PIPELINE_AXIS)?;
+        Ok(Self {
+            chunks: chunks.iter().map(|c| c.valid()).collect(),
+            numbers,
+            members: Group::Axis(axis).ranks(mesh, device.rank())?,
+            device,
+        })
+    }
+
+    /// One pass of token ids `idx` (used by the first stage); the last stage's logits on the
+    /// rank that holds it, `None` elsewhere.
+    fn forward(
+        &self,
+        idx: Tensor<Distributed<B>, 2, Int>,
+    ) -> Result<Option<Tensor<Distributed<B>, 3>>, PretrainError> {
+        let p2p = self.device.context().comm().point_to_point()?;
+        let p = self.members.len();
+        let mut idx = Some(idx);
+        for (chunk, &stage) in self.chunks.iter().zip(self.numbers) {
+            let input = if chunk.is_first() {
+                StageInput::Tokens(idx.take().expect("one first stage"))
+            } else {
+                let data = p2p.recv(self.members[(stage - 1) % p])?;
+                StageInput::Hidden(Tensor::from_data(data, self.device))
+            };
+            let out = chunk.forward_with(input, &Inference);
+            if chunk.is_last() {
+                return Ok(Some(out));
+            }
+            p2p.send(self.members[(stage + 1) % p], out.into_data())?;
+        }
+        Ok(None)
     }
 }
 

@@ -95,12 +95,7 @@ impl<B: DistributedBackend> Transport<B> for Pieces {
             let target = t.layout().unsharded();
             t.redistribute(&target)?
         } else if t.layout().has_partial() {
-            let mut target = t.layout().clone();
-            for a in 0..target.len() {
-                if matches!(target.get(a), Placement::Partial(_)) {
-                    target.set(a, Placement::Replicate);
-                }
-            }
+            let target = t.layout().reduced();
             t.redistribute(&target)?
         } else {
             t
