@@ -57,10 +57,7 @@ where
                 Some(max_norm),
             )
             .unwrap_or_else(|e| wildfire_parallel::internal::raise(e));
-            let mut shared = lock(&self.shared);
-            shared.last_norm = Some(check.norm);
             if check.found_inf {
-                shared.skipped += 1;
                 tracing::warn!(
                     norm = check.norm,
                     "non-finite gradients: step skipped on every rank"

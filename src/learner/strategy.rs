@@ -30,10 +30,6 @@ use super::{LearnerError, Sharded, ShardedComponents as Components};
 pub(crate) struct Shared {
     /// The optimizer state's record after the last step taken (for a checkpoint).
     pub(crate) record: Option<Box<dyn Any + Send>>,
-    /// The global gradient norm of the last step (with clipping).
-    pub(crate) last_norm: Option<f32>,
-    /// Steps skipped for non-finite gradients.
-    pub(crate) skipped: usize,
 }
 
 /// The run state rank 0 writes beside a checkpoint's pieces (`learner.json`).

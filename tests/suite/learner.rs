@@ -448,3 +448,34 @@ fn a_stop_on_one_rank_stops_every_rank_at_the_same_step() {
     assert_eq!(steps[0], steps[1], "{steps:?}");
     assert!((3..10).contains(&steps[0]), "{steps:?}");
 }
+
+/// Clipping by the global norm (`with_clip`): FullShard on 2 ranks clips as one rank does (the
+/// norm agreed over the mesh, not per shard), within 1e-5; and the clip acts (the parameters
+/// part from the unclipped run's).
+#[test]
+fn learner_clips_by_the_global_norm_over_the_mesh() {
+    let clip = |r: LearnerRank<Flex>| r.with_clip(0.05);
+    let one = sharded(1, Layout::Ddp, 1, "clip-one", clip).unwrap();
+    let fsdp = sharded(
+        2,
+        Layout::Fsdp(FsdpStrategy::FullShard),
+        1,
+        "clip-fsdp",
+        clip,
+    )
+    .unwrap();
+    close("clipped: loss", &fsdp.global_losses(), &one.train[0], 1e-5);
+    tensors_close("clipped", &fsdp.parameters, &one.parameters, 1e-5);
+    let unclipped = sharded(1, Layout::Ddp, 1, "clip-none", |r| r).unwrap();
+    let moved = one
+        .parameters
+        .iter()
+        .zip(&unclipped.parameters)
+        .flat_map(|(a, b)| a.iter().zip(b))
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        moved > 1e-4,
+        "clipping changed the parameters by only {moved}"
+    );
+}
