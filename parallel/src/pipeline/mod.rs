@@ -4,7 +4,9 @@
 //! simulated (bubble, held activations, point-to-point counts), printed as a table and drawn as
 //! an SVG timeline; which blocks each stage holds ([`StagePlan`]); and the runner
 //! ([`run_step`], [`run_step_with`]) that executes one rank's part of a step on any Burn
-//! module split into chunks, over the rank's communicator — on the `Distributed` backend with
+//! module split into chunks, over the rank's communicator; [`pipeline`] splits any model that
+//! is a sequence of blocks ([`Sequential`]: a burn-nn `TransformerEncoder`, a `Vec` of
+//! [`Layer`]s) by a plan in one call — on the `Distributed` backend with
 //! zero-bubble schedules' split backward (weight gradients deferred from `I` to `W`). The
 //! training step around it (data-parallel sync, tied parameters, norm, optimizer) is
 //! `wildfire_engine::StepRunner::run_pipeline`; the GPT's stages are
@@ -18,6 +20,7 @@
 pub mod plan;
 pub mod runner;
 pub mod schedule;
+pub mod split;
 pub mod turns;
 
 pub use plan::StagePlan;
@@ -25,4 +28,5 @@ pub use runner::{
     Pieces, PipelineStep, StepOptions, Transport, Whole, run_step, run_step_custom, run_step_with,
 };
 pub use schedule::{Action, Costs, Placed, Schedule, ScheduleKind, Timeline, Work};
+pub use split::{Layer, Pipeline, Sequential, pipeline};
 pub use turns::StageGroup;

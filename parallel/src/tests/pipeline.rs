@@ -5,10 +5,13 @@
 
 use super::*;
 use crate::pipeline::{
-    Costs, Schedule, ScheduleKind, StagePlan, StepOptions, run_step, run_step_with,
+    Costs, Schedule, ScheduleKind, StagePlan, StepOptions, pipeline, run_step, run_step_with,
 };
 use burn::module::{Module, Param};
 use burn::nn::Linear;
+use burn::nn::transformer::{
+    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
+};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
 
@@ -417,100 +420,272 @@ fn a_dead_stage_fails_every_rank_and_zero_bubble_is_refused() {
     }
 }
 
-/// A stock burn-nn `TransformerEncoder` split into pipeline stages by its layers (each stage an
-/// encoder holding its run of layers): 1F1B at p = 2 with M = 4 gives the losses and every
-/// parameter of the whole encoder on one device after 3 AdamW steps (within 1e-6).
-#[test]
-fn a_stock_transformer_encoder_runs_as_a_pipeline() {
-    use burn::nn::transformer::{
-        TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
-    };
-    const M: usize = 4;
-    let device = Default::default();
-    let whole: TransformerEncoder<A> = TransformerEncoderConfig::new(D, 2 * D, 2, 4)
-        .with_dropout(0.0)
-        .init(&device);
-    let values = |m: &TransformerEncoder<A>| -> Vec<Vec<f32>> {
-        struct Collect(Vec<Vec<f32>>);
-        impl burn::module::ModuleVisitor<A> for Collect {
-            fn visit_float<const K: usize>(&mut self, p: &Param<Tensor<A, K>>) {
-                self.0.push(p.val().into_data().to_vec::<f32>().unwrap());
+const LAYERS: usize = 4;
+
+/// Every parameter drawn from [`values`] (the same on every backend), keeping its id.
+struct Fill(u64);
+
+impl<B: Backend> burn::module::ModuleMapper<B> for Fill {
+    fn map_float<const K: usize>(&mut self, p: Param<Tensor<B, K>>) -> Param<Tensor<B, K>> {
+        self.0 += 1;
+        let seed = 500 + self.0;
+        p.map(|t| {
+            let fresh = Tensor::from_data(values(&t.dims(), seed), &t.device()).mul_scalar(0.5);
+            if t.is_require_grad() {
+                fresh.require_grad()
+            } else {
+                fresh
             }
+        })
+    }
+}
+
+/// A stock burn-nn encoder of `LAYERS` layers, no dropout, its parameters from [`Fill`].
+fn encoder<B: Backend>(device: &B::Device) -> TransformerEncoder<B> {
+    TransformerEncoderConfig::new(D, 2 * D, 2, LAYERS)
+        .with_dropout(0.0)
+        .init(device)
+        .map(&mut Fill(0))
+}
+
+/// Every parameter's values, in visiting order (gathered whole on the `Distributed` backend).
+fn param_values<B: Backend, M: Module<B>>(m: &M) -> Vec<Vec<f32>> {
+    struct Collect(Vec<Vec<f32>>);
+    impl<B: Backend> burn::module::ModuleVisitor<B> for Collect {
+        fn visit_float<const K: usize>(&mut self, p: &Param<Tensor<B, K>>) {
+            self.0.push(p.val().into_data().to_vec::<f32>().unwrap());
         }
-        let mut c = Collect(Vec::new());
-        m.visit(&mut c);
-        c.0
-    };
-    // Burn's parameters are drawn lazily: draw them once, before any clone.
-    let _ = values(&whole);
-    let forward =
-        |m: &TransformerEncoder<A>, x: Tensor<A, 3>| m.forward(TransformerEncoderInput::new(x));
-    // One device.
-    let mut model = whole.clone();
+    }
+    let mut c = Collect(Vec::new());
+    m.visit(&mut c);
+    c.0
+}
+
+/// The encoder on one device, `m` micro-batches a step: the mean losses and the parameters.
+fn encoder_one_device(m: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let device = Default::default();
+    let mut model = encoder::<A>(&device);
     let mut optim = adamw().init::<A, TransformerEncoder<A>>();
     let mut losses = Vec::new();
     for step in 0..STEPS {
         let mut acc = burn::optim::GradientsAccumulator::new();
         let mut sum = 0.0;
-        for mb in 0..M {
+        for mb in 0..m {
             let x = Tensor::<A, 3>::from_data(input(step, mb), &device);
-            let loss = mse(forward(&model, x), step, mb);
+            let loss = mse(model.forward(TransformerEncoderInput::new(x)), step, mb);
             sum += loss.clone().into_scalar();
-            let grads = loss.div_scalar(M as f64).backward();
+            let grads = loss.div_scalar(m as f64).backward();
             acc.accumulate(&model, GradientsParams::from_grads(grads, &model));
         }
-        losses.push(sum / M as f32);
+        losses.push(sum / m as f32);
         model = optim.step(1e-2, model, acc.grads());
     }
-    let expected = values(&model);
-    // Two stages of two layers each.
+    (losses, param_values(&model))
+}
+
+/// The stages' parameters, in stage order, against the whole model's; the losses against one
+/// device's.
+fn check_stages(
+    what: &str,
+    losses: &[f32],
+    stages: Vec<Vec<Vec<f32>>>,
+    expected: &(Vec<f32>, Vec<Vec<f32>>),
+    tol: f32,
+) {
+    assert_eq!(losses.len(), STEPS, "{what}");
+    for (a, b) in losses.iter().zip(&expected.0) {
+        assert!((a - b).abs() <= tol * b.abs(), "{what}: loss {a} vs {b}");
+    }
+    let got: Vec<Vec<f32>> = stages.into_iter().flatten().collect();
+    assert_eq!(got.len(), expected.1.len(), "{what}");
+    for (i, (g, e)) in got.iter().zip(&expected.1).enumerate() {
+        for (x, y) in g.iter().zip(e) {
+            assert!((x - y).abs() <= tol, "{what}: parameter {i}: {x} vs {y}");
+        }
+    }
+}
+
+/// A stock burn-nn `TransformerEncoder` split by [`pipeline`] (each stage an encoder holding
+/// its run of layers, its stock forward): 1F1B at p = 2 with M = 4, and interleaved 1F1B over
+/// 2 ranks × 2 chunks (one layer a stage), give the losses and every parameter of the whole
+/// encoder on one device after 3 AdamW steps, within 1e-6.
+#[test]
+fn a_stock_transformer_encoder_splits_into_a_pipeline() {
+    const M: usize = 4;
+    let expected = encoder_one_device(M);
+    for (schedule, plan) in [
+        (
+            Schedule::new(ScheduleKind::OneFOneB, 2, M, 1).unwrap(),
+            StagePlan::even(LAYERS, 2).unwrap(),
+        ),
+        (
+            Schedule::new(ScheduleKind::Interleaved, 2, M, 2).unwrap(),
+            StagePlan::even(LAYERS, 4).unwrap(),
+        ),
+    ] {
+        let mesh = DeviceMesh::new([("pp", 2)]).unwrap();
+        let ranks = threads(&mesh, |dist| {
+            let comm = dist.context().comm_arc();
+            let device = Default::default();
+            let mut pipe = pipeline(encoder::<A>(&device), &*comm, 0, &plan, &schedule).unwrap();
+            assert_eq!(
+                pipe.stages(),
+                (dist.rank()..plan.stages()).step_by(2).collect::<Vec<_>>()
+            );
+            let mut optims: Vec<_> = pipe
+                .chunks()
+                .iter()
+                .map(|_| adamw().init::<A, TransformerEncoder<A>>())
+                .collect();
+            let mut losses = Vec::new();
+            for step in 0..STEPS {
+                let out = pipe
+                    .step(
+                        &*comm,
+                        StepOptions::default(),
+                        |mb| Tensor::from_data(input(step, mb), &device),
+                        |mb, out| mse(out, step, mb),
+                    )
+                    .unwrap();
+                if !out.losses.is_empty() {
+                    losses.push(out.losses.iter().sum::<f32>() / M as f32);
+                }
+                let mut grads = out.grads.into_iter();
+                pipe = pipe
+                    .try_map(|c, chunk| {
+                        Ok::<_, ()>(optims[c].step(1e-2, chunk, grads.next().unwrap()))
+                    })
+                    .unwrap();
+            }
+            let stages = pipe.stages();
+            let values = pipe.chunks().iter().map(param_values).collect::<Vec<_>>();
+            (losses, stages.into_iter().zip(values).collect::<Vec<_>>())
+        });
+        let losses = ranks[(schedule.stages() - 1) % 2].0.clone();
+        let mut stages: Vec<_> = ranks.into_iter().flat_map(|(_, s)| s).collect();
+        stages.sort_by_key(|(s, _)| *s);
+        let what = format!("{:?}", schedule.kind());
+        check_stages(
+            &what,
+            &losses,
+            stages.into_iter().map(|(_, v)| v).collect(),
+            &expected,
+            1e-6,
+        );
+    }
+}
+
+/// The split composes with FSDP inside each stage: a 2 × 2 `dp × pp` mesh, each stage's
+/// encoder fully sharded over `dp` (`Pipeline::try_map`), each data-parallel rank feeding its
+/// half of every micro-batch, 1F1B with M = 4: the losses (mean over `dp`) and every parameter
+/// match one device within 1e-5.
+#[test]
+fn a_split_encoder_trains_fully_sharded_inside_its_stages() {
+    type Dist = Autodiff<D>;
+    const M: usize = 4;
+    let expected = encoder_one_device(M);
     let schedule = Schedule::new(ScheduleKind::OneFOneB, 2, M, 1).unwrap();
-    let plan = StagePlan::even(4, 2).unwrap();
-    let mesh = DeviceMesh::new([("pp", 2)]).unwrap();
+    let plan = StagePlan::even(LAYERS, 2).unwrap();
+    let mesh = DeviceMesh::new([("dp", 2), ("pp", 2)]).unwrap();
     let ranks = threads(&mesh, |dist| {
         let comm = dist.context().comm_arc();
-        let r = dist.rank();
-        let stage = TransformerEncoder {
-            layers: whole.layers[plan.blocks(r)].to_vec(),
-            n_layers: plan.blocks(r).len(),
-            ..whole.clone()
-        };
-        let mut chunks = vec![stage];
-        let mut optim = adamw().init::<A, TransformerEncoder<A>>();
+        let ctx = dist.context();
+        let dp = dist.mesh().coords(dist.rank())[0];
+        let pipe = pipeline(encoder::<Dist>(&dist), &*comm, 1, &plan, &schedule).unwrap();
+        let mut pipe = pipe
+            .try_map(|_, chunk| fully_shard(chunk, dist.mesh(), FsdpStrategy::FullShard))
+            .unwrap()
+            .with_transport(crate::pipeline::Pieces);
+        let mut optim = FsdpOptimizer::new(adamw().init::<Dist, TransformerEncoder<Dist>>());
         let mut losses = Vec::new();
+        let rows = |t: TensorData| Tensor::<Dist, 3>::from_data(t, &dist).narrow(0, dp, 1);
         for step in 0..STEPS {
-            let out = run_step(
-                &schedule,
-                &*comm,
-                0,
-                &chunks,
-                |chunk: &TransformerEncoder<A>, _, mb, x| {
-                    forward(
-                        chunk,
-                        x.unwrap_or_else(|| Tensor::from_data(input(step, mb), &device)),
-                    )
-                },
-                |mb, out| mse(out, step, mb),
-            )
-            .unwrap();
+            ctx.set_no_sync(true);
+            let out = pipe
+                .step(
+                    &*comm,
+                    StepOptions {
+                        ctx: Some(&**ctx),
+                        ..StepOptions::default()
+                    },
+                    |mb| rows(input(step, mb)),
+                    |mb, out| (out - rows(target(step, mb))).powi_scalar(2).mean(),
+                )
+                .unwrap();
+            ctx.set_no_sync(false);
             if !out.losses.is_empty() {
                 losses.push(out.losses.iter().sum::<f32>() / M as f32);
             }
-            let grads = out.grads.into_iter().next().unwrap();
-            chunks = vec![optim.step(1e-2, chunks.pop().unwrap(), grads)];
+            let mut grads = out.grads.into_iter();
+            pipe = pipe
+                .try_map(|_, chunk| {
+                    let mut g = grads.next().unwrap();
+                    sync_gradients(&chunk, &mut g)?;
+                    Ok::<_, Error>(optim.step(1e-2, chunk, g))
+                })
+                .unwrap();
         }
-        (losses, values(&chunks[0]))
+        let values: Vec<_> = pipe.chunks().iter().map(param_values).collect();
+        // Each rank holds half of its stage's parameters (every dimension here is even).
+        let numel: usize = values.iter().flatten().map(Vec::len).sum();
+        let held: u64 = pipe.chunks().iter().map(parameter_bytes).sum();
+        assert_eq!(2 * held, 4 * numel as u64);
+        (dist.rank(), pipe.rank(), losses, values)
     });
-    for (a, b) in ranks[1].0.iter().zip(&losses) {
-        assert!((a - b).abs() <= 1e-6 * b.abs(), "loss {a} vs {b}");
+    // The mean loss over the two data-parallel ranks of the last stage.
+    let last: Vec<_> = ranks.iter().filter(|r| r.1 == 1).collect();
+    let losses: Vec<f32> = (0..STEPS)
+        .map(|s| last.iter().map(|r| r.2[s]).sum::<f32>() / 2.0)
+        .collect();
+    for dp in 0..2 {
+        let stages: Vec<_> = (0..2)
+            .map(|pp| {
+                let r = ranks
+                    .iter()
+                    .find(|r| r.0 == mesh.rank_of(&[dp, pp]))
+                    .unwrap();
+                r.3.clone().into_iter().flatten().collect::<Vec<_>>()
+            })
+            .collect();
+        check_stages(&format!("dp rank {dp}"), &losses, stages, &expected, 1e-5);
     }
-    assert_eq!(ranks[1].0.len(), STEPS);
-    // The stages' parameters, in order, are the whole encoder's.
-    let got: Vec<Vec<f32>> = ranks.into_iter().flat_map(|(_, v)| v).collect();
-    assert_eq!(got.len(), expected.len());
-    for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-        for (x, y) in g.iter().zip(e) {
-            assert!((x - y).abs() <= 1e-6, "parameter {i}: {x} vs {y}");
-        }
+}
+
+/// What the splitter refuses before any step: a plan for another number of blocks, a plan
+/// whose stages are not the schedule's, an axis the schedule does not fit.
+#[test]
+fn the_splitter_refuses_plans_that_do_not_fit() {
+    let mesh = DeviceMesh::new([("pp", 2)]).unwrap();
+    let errors = threads(&mesh, |dist| {
+        let comm = dist.context().comm_arc();
+        let device = Default::default();
+        let one_f_one_b = Schedule::new(ScheduleKind::OneFOneB, 2, 4, 1).unwrap();
+        let four = Schedule::new(ScheduleKind::OneFOneB, 4, 4, 1).unwrap();
+        let split = |plan: &StagePlan, schedule: &Schedule| {
+            pipeline(encoder::<A>(&device), &*comm, 0, plan, schedule).unwrap_err()
+        };
+        [
+            split(&StagePlan::even(6, 2).unwrap(), &one_f_one_b),
+            split(&StagePlan::even(4, 4).unwrap(), &one_f_one_b),
+            split(&StagePlan::even(4, 4).unwrap(), &four),
+        ]
+        .map(|e| e.to_string())
+    });
+    for e in &errors {
+        assert!(
+            e[0].contains("0..6") && e[0].contains("4 blocks"),
+            "{}",
+            e[0]
+        );
+        assert!(
+            e[1].contains("a plan of 4 stages for a schedule of 2"),
+            "{}",
+            e[1]
+        );
+        assert!(
+            e[2].contains("4 pipeline ranks on an axis of 2"),
+            "{}",
+            e[2]
+        );
     }
 }
