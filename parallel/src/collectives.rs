@@ -269,3 +269,56 @@ pub(crate) fn broadcast<B: Backend>(
         |c, d| c.broadcast(group, Some(d), root),
     )
 }
+
+/// Sends this rank's tensor to global rank `to` (a pipeline stage's activation or gradient):
+/// on the installed device collectives, else as a host point-to-point message.
+pub(crate) fn send<B: Backend>(
+    device: &DistDevice<B>,
+    to: usize,
+    tensor: FloatTensor<B>,
+) -> Result<(), Error> {
+    let ctx = device.context();
+    match ctx.device_collectives::<B>() {
+        Some(dc) => dc.send(to, tensor),
+        None => ctx
+            .comm()
+            .point_to_point()?
+            .send(to, crate::comm::read::<B>(tensor)),
+    }
+}
+
+/// Receives the next tensor global rank `from` sent ([`send`]), of `shape` and `dtype`.
+pub(crate) fn recv<B: Backend>(
+    device: &DistDevice<B>,
+    from: usize,
+    shape: burn::tensor::Shape,
+    dtype: burn::tensor::DType,
+) -> Result<FloatTensor<B>, Error> {
+    let ctx = device.context();
+    match ctx.device_collectives::<B>() {
+        Some(dc) => dc.recv(from, shape, dtype, device.inner()),
+        None => {
+            let data = ctx.comm().point_to_point()?.recv(from)?;
+            if data.shape != shape || data.dtype != dtype {
+                return Err(Error::Mismatch {
+                    op: CollectiveKind::Recv,
+                    group: "p2p".into(),
+                    detail: format!(
+                        "rank {from} sent {:?} {:?} where {dtype:?} {shape:?} was announced",
+                        data.dtype, data.shape
+                    ),
+                });
+            }
+            Ok(B::float_from_data(data, device.inner()))
+        }
+    }
+}
+
+/// Waits until every tensor this rank sent ([`send`]) on the installed device collectives has
+/// left it (host messages: [`PointToPoint::flush`](crate::comm::PointToPoint::flush)).
+pub(crate) fn flush<B: Backend>(device: &DistDevice<B>) -> Result<(), Error> {
+    match device.context().device_collectives::<B>() {
+        Some(dc) => dc.flush(),
+        None => Ok(()),
+    }
+}

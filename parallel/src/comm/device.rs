@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use burn::tensor::TensorData;
+use burn::tensor::{DType, Shape, TensorData};
 use burn_backend::Backend;
 use burn_backend::tensor::FloatTensor;
 
@@ -67,6 +67,38 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
         tensor: FloatTensor<B>,
         root: usize,
     ) -> Result<FloatTensor<B>, Error>;
+
+    /// Sends `tensor` to global rank `to` without waiting for it to be received: pipeline
+    /// stages' activations and gradients. A pair's messages arrive in the order they were
+    /// sent. Default: [`Error::Unsupported`].
+    fn send(&self, to: usize, tensor: FloatTensor<B>) -> Result<(), Error> {
+        let _ = (to, tensor);
+        Err(Error::Unsupported(format!(
+            "point-to-point sends on the device collectives {self:?}"
+        )))
+    }
+
+    /// Receives the next tensor global rank `from` sent to this rank, of `shape` and `dtype`
+    /// (which the sender told the receiver beforehand, over the host communicator), onto
+    /// `device`, waiting for it (within the timeout). Default: [`Error::Unsupported`].
+    fn recv(
+        &self,
+        from: usize,
+        shape: Shape,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<FloatTensor<B>, Error> {
+        let _ = (from, shape, dtype, device);
+        Err(Error::Unsupported(format!(
+            "point-to-point receives on the device collectives {self:?}"
+        )))
+    }
+
+    /// Waits until every tensor this rank sent has left it (within the timeout). Default:
+    /// nothing to wait for.
+    fn flush(&self) -> Result<(), Error> {
+        Ok(())
+    }
 
     /// `op` issued now and waited for later ([`DeviceIssued::wait`]): FSDP's prefetched
     /// gathers and the gradient reductions issued where gradients are born. The calls of a
@@ -270,6 +302,40 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         self.staged::<B>(CollectiveKind::Broadcast, tensor, |c, d| {
             c.broadcast(group, Some(d), root)
         })
+    }
+
+    /// Through the host communicator's point-to-point messages.
+    fn send(&self, to: usize, tensor: FloatTensor<B>) -> Result<(), Error> {
+        self.count(CollectiveKind::Send);
+        self.comm.point_to_point()?.send(to, read::<B>(tensor))
+    }
+
+    /// Through the host communicator's point-to-point messages; a message of another shape or
+    /// dtype than announced fails with [`Error::Mismatch`].
+    fn recv(
+        &self,
+        from: usize,
+        shape: Shape,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<FloatTensor<B>, Error> {
+        self.count(CollectiveKind::Recv);
+        let data = self.comm.point_to_point()?.recv(from)?;
+        if data.shape != shape || data.dtype != dtype {
+            return Err(Error::Mismatch {
+                op: CollectiveKind::Recv,
+                group: "p2p".into(),
+                detail: format!(
+                    "rank {from} sent {:?} {:?} where {dtype:?} {shape:?} was announced",
+                    data.dtype, data.shape
+                ),
+            });
+        }
+        Ok(B::float_from_data(data, device))
+    }
+
+    fn flush(&self) -> Result<(), Error> {
+        self.comm.point_to_point()?.flush()
     }
 
     fn issue(

@@ -92,6 +92,16 @@ fn decoded<T: Copy>(table: &[T], code: i64, what: &str) -> Result<T, Error> {
         })
 }
 
+/// `dtype` as one header word.
+pub(crate) fn dtype_code(dtype: DType) -> Result<i64, Error> {
+    code(&DTYPES, &dtype).ok_or_else(|| Error::UnsupportedDType(format!("{dtype:?}")))
+}
+
+/// The dtype of a [`dtype_code`] word.
+pub(crate) fn dtype_of(code: i64) -> Result<DType, Error> {
+    decoded(&DTYPES, code, "dtype")
+}
+
 /// `buffer` as header words (`kind` names the call in errors).
 pub(crate) fn encode_operand(
     kind: CollectiveKind,

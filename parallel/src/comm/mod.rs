@@ -47,6 +47,7 @@ pub(crate) use buffer::{check_dim, check_divisible};
 pub use call::{Call, Operand};
 pub use device::{DeviceCollectives, DeviceIssued, DeviceOp, HostStaged};
 pub(crate) use device::{read, stage};
+pub(crate) use header::{dtype_code, dtype_of};
 #[cfg(feature = "mpi")]
 pub use hybrid::{HybridCommunicator, HybridWorld};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessCommunicator, InProcessWorld};

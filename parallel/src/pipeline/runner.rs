@@ -12,7 +12,9 @@
 //! accumulation), so a pipeline step gives the gradients one device would get from the same
 //! micro-batches.
 //!
-//! Messages carry a small header (what, which stage, which micro-batch) before the tensor, and a
+//! Messages carry a small header (what, which stage, which micro-batch) before the tensor (a
+//! [`Transport`] moves them: [`Whole`] tensors as host messages, or on the `Distributed`
+//! backend [`Pieces`], each rank's piece, on the device collectives when installed), and a
 //! rank keeps what arrives before it is needed: one pair of ranks carries activations and
 //! gradients of several stages (interleaved schedules), and their orders need not agree. A
 //! received tensor whose shape differs from the one the stage gave before fails with
@@ -31,7 +33,8 @@ use std::time::Instant;
 use burn::module::{AutodiffModule, ModuleMapper, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn_backend::TensorMetadata;
 
 use super::schedule::{Placed, Schedule, Work};
 use super::turns::StageGroup;
@@ -42,38 +45,87 @@ use crate::error::Error;
 use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
 
-/// How activations and their gradients travel between stages: `encode` turns a tensor leaving
-/// this rank into a message and a few header words; `decode`, on the receiving rank (the same
-/// position on every mesh axis but `pp`), turns them back into the tensor.
+/// How activations and their gradients travel between stages. `send` sends a tensor leaving
+/// this rank to global rank `to` — first one host message of header words (the runner's
+/// `head`, then whatever the transport adds), then the tensor — and `recv`, on the receiving
+/// rank (the same position on every mesh axis but `pp`), takes the next message from `from`
+/// and turns it back into the tensor. A pair's messages arrive in the order they were sent.
 pub trait Transport<B: Backend> {
-    /// The message for `tensor` and the header words its receiver needs.
-    fn encode(&self, tensor: Tensor<B, 3>) -> Result<(TensorData, Vec<i64>), Error>;
-    /// The tensor of a message `encode` made, on `device`.
-    fn decode(
+    /// Sends `tensor` to global rank `to` over `comm`, after the header words `head`.
+    fn send(
         &self,
-        data: TensorData,
-        header: &[i64],
+        comm: &dyn Communicator,
+        to: usize,
+        head: Vec<i64>,
+        tensor: Tensor<B, 3>,
+    ) -> Result<(), Error>;
+
+    /// The next message global rank `from` sent: its first `head` header words (the sender's
+    /// `head`) and its tensor, on `device`.
+    fn recv(
+        &self,
+        comm: &dyn Communicator,
+        from: usize,
+        head: usize,
         device: &B::Device,
-    ) -> Result<Tensor<B, 3>, Error>;
+    ) -> Result<(Vec<i64>, Tensor<B, 3>), Error>;
+
+    /// Waits until every message this rank sent has left it (MPI: its immediate sends
+    /// completed; NCCL: its sends' kernels done).
+    fn flush(&self, comm: &dyn Communicator, device: &B::Device) -> Result<(), Error> {
+        let _ = device;
+        comm.point_to_point()?.flush()
+    }
 }
 
-/// The whole tensor (`into_data`, `from_data`): any backend. On the `Distributed` backend that
-/// gathers a sharded activation first; [`Pieces`] sends each rank's piece instead.
+/// The header words of a message, checked to be at least `len`.
+fn header_words(data: TensorData, len: usize) -> Result<Vec<i64>, Error> {
+    let words = data.to_vec::<i64>().map_err(|e| Error::Mismatch {
+        op: CollectiveKind::Recv,
+        group: "pp".into(),
+        detail: format!("a pipeline message header that is not one: {e:?}"),
+    })?;
+    if words.len() < len {
+        return Err(Error::Mismatch {
+            op: CollectiveKind::Recv,
+            group: "pp".into(),
+            detail: format!("a pipeline message header of {} words", words.len()),
+        });
+    }
+    Ok(words)
+}
+
+/// The whole tensor (`into_data`, `from_data`) as a host message: any backend. On the
+/// `Distributed` backend that gathers a sharded activation first; [`Pieces`] sends each rank's
+/// piece instead.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Whole;
 
 impl<B: Backend> Transport<B> for Whole {
-    fn encode(&self, tensor: Tensor<B, 3>) -> Result<(TensorData, Vec<i64>), Error> {
-        Ok((tensor.into_data(), Vec::new()))
+    fn send(
+        &self,
+        comm: &dyn Communicator,
+        to: usize,
+        head: Vec<i64>,
+        tensor: Tensor<B, 3>,
+    ) -> Result<(), Error> {
+        let p2p = comm.point_to_point()?;
+        let n = head.len();
+        p2p.send(to, TensorData::new(head, [n]))?;
+        p2p.send(to, tensor.into_data())
     }
 
-    fn decode(
+    fn recv(
         &self,
-        data: TensorData,
-        _: &[i64],
+        comm: &dyn Communicator,
+        from: usize,
+        head: usize,
         device: &B::Device,
-    ) -> Result<Tensor<B, 3>, Error> {
-        Ok(Tensor::from_data(data, device))
+    ) -> Result<(Vec<i64>, Tensor<B, 3>), Error> {
+        let p2p = comm.point_to_point()?;
+        let mut words = header_words(p2p.recv(from)?, head)?;
+        words.truncate(head);
+        Ok((words, Tensor::from_data(p2p.recv(from)?, device)))
     }
 }
 
@@ -81,7 +133,12 @@ impl<B: Backend> Transport<B> for Whole {
 /// receiver (which sits at the same coordinates of every other axis) wraps it in that layout.
 /// Under sequence parallelism an activation travels as each tensor-parallel rank's sequence
 /// shard — 1/tp of the bytes, no gather (Megatron's `scatter_gather_tensors_in_pipeline`); a
-/// `Partial` value is reduced first and a padded one gathered.
+/// `Partial` value is reduced first and a padded one gathered. The piece itself goes on the
+/// rank's device collectives when installed ([`DeviceCollectives::send`]: NCCL send/recv on
+/// CUDA, no host copy), else as a host message; its layout, shape and dtype go ahead of it in
+/// the header.
+///
+/// [`DeviceCollectives::send`]: crate::comm::DeviceCollectives::send
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Pieces;
 
@@ -89,7 +146,14 @@ const REPLICATE: i64 = -1;
 const LOCAL: i64 = -2;
 
 impl<B: DistributedBackend> Transport<B> for Pieces {
-    fn encode(&self, tensor: Tensor<B, 3>) -> Result<(TensorData, Vec<i64>), Error> {
+    fn send(
+        &self,
+        comm: &dyn Communicator,
+        to: usize,
+        mut head: Vec<i64>,
+        tensor: Tensor<B, 3>,
+    ) -> Result<(), Error> {
+        let device = B::dist_device(&tensor.device());
         let t = dtensor(&tensor).ready();
         let t = if t.is_padded() {
             let target = t.layout().unsharded();
@@ -100,47 +164,63 @@ impl<B: DistributedBackend> Transport<B> for Pieces {
         } else {
             t
         };
-        let header = t
-            .layout()
-            .placements()
-            .iter()
-            .map(|p| match p {
-                Placement::Replicate => REPLICATE,
-                Placement::Local => LOCAL,
-                Placement::Shard(d) => *d as i64,
-                Placement::Partial(_) => unreachable!("reduced above"),
-            })
-            .collect();
-        let local = Tensor::<B::Inner, 3>::from_primitive(TensorPrimitive::Float(t.into_local()));
-        Ok((local.into_data(), header))
+        head.extend(t.layout().placements().iter().map(|p| match p {
+            Placement::Replicate => REPLICATE,
+            Placement::Local => LOCAL,
+            Placement::Shard(d) => *d as i64,
+            Placement::Partial(_) => unreachable!("reduced above"),
+        }));
+        let local = t.into_local();
+        head.extend(
+            local
+                .shape()
+                .iter()
+                .map(|&d| d as i64)
+                .chain([crate::comm::dtype_code(local.dtype())?]),
+        );
+        let n = head.len();
+        comm.point_to_point()?
+            .send(to, TensorData::new(head, [n]))?;
+        crate::collectives::send(&device, to, local)
     }
 
-    fn decode(
+    fn recv(
         &self,
-        data: TensorData,
-        header: &[i64],
+        comm: &dyn Communicator,
+        from: usize,
+        head: usize,
         device: &B::Device,
-    ) -> Result<Tensor<B, 3>, Error> {
+    ) -> Result<(Vec<i64>, Tensor<B, 3>), Error> {
         let device = B::dist_device(device);
         let axes = device.mesh().axes().len();
-        if header.len() != axes {
+        let mut words = header_words(comm.point_to_point()?.recv(from)?, head)?;
+        if words.len() != head + axes + 4 {
             return Err(Error::Mismatch {
                 op: CollectiveKind::Recv,
                 group: "pp".into(),
                 detail: format!(
                     "a pipeline message laid out over {} mesh axes, on a mesh of {axes}",
-                    header.len()
+                    words.len().saturating_sub(head + 4)
                 ),
             });
         }
-        let layout = Layout::new(header.iter().map(|&code| match code {
+        let extra = words.split_off(head);
+        let (codes, rest) = extra.split_at(axes);
+        let layout = Layout::new(codes.iter().map(|&code| match code {
             REPLICATE => Placement::Replicate,
             LOCAL => Placement::Local,
             d => Placement::Shard(d as usize),
         }));
-        let local = Tensor::<B::Inner, 3>::from_data(data, device.inner());
-        let t = DTensor::from_local(local.into_primitive().tensor(), layout, &device)?;
-        Ok(from_dtensor::<B, 3>(t))
+        let shape: Vec<usize> = rest[..3].iter().map(|&d| d as usize).collect();
+        let dtype = crate::comm::dtype_of(rest[3])?;
+        let local = crate::collectives::recv(&device, from, shape.into(), dtype)?;
+        let t = DTensor::from_local(local, layout, &device)?;
+        Ok((words, from_dtensor::<B, 3>(t)))
+    }
+
+    fn flush(&self, comm: &dyn Communicator, device: &B::Device) -> Result<(), Error> {
+        crate::collectives::flush(&B::dist_device(device))?;
+        comm.point_to_point()?.flush()
     }
 }
 
@@ -232,74 +312,75 @@ enum Output<B: AutodiffBackend> {
 
 const ACTIVATION: i64 = 0;
 const GRADIENT: i64 = 1;
-
-/// A message's tensor and its [`Transport`] header words.
-type Message = (TensorData, Vec<i64>);
+/// The runner's header words: what, which stage, which micro-batch.
+const HEAD: usize = 3;
 
 /// Messages on the pipeline's channels, by (what, stage, micro-batch), and the shapes seen.
-struct Mailbox<'a> {
+struct Mailbox<'a, B: AutodiffBackend> {
     comm: &'a dyn Communicator,
+    transport: &'a dyn Transport<B>,
+    device: B::Device,
     /// Global ranks of the pipeline group, by pipeline index.
     members: Vec<usize>,
-    early: HashMap<(i64, usize, usize), Message>,
+    early: HashMap<(i64, usize, usize), Tensor<B, 3>>,
     /// Handed over between two stages of this rank.
-    local: HashMap<(i64, usize, usize), Message>,
-    shapes: HashMap<(i64, usize), Vec<usize>>,
+    local: HashMap<(i64, usize, usize), Tensor<B, 3>>,
+    shapes: HashMap<(i64, usize), [usize; 3]>,
     sends: usize,
     recvs: usize,
 }
 
-impl Mailbox<'_> {
+impl<B: AutodiffBackend> Mailbox<'_, B> {
+    /// Sends `tensor` as `(what, stage, mb)` to pipeline rank `to` (handed over untracked when
+    /// that is this rank).
     fn send(
         &mut self,
         to: usize,
         what: i64,
         stage: usize,
         mb: usize,
-        (data, words): (TensorData, Vec<i64>),
+        tensor: Tensor<B, 3>,
     ) -> Result<(), Error> {
         if self.members[to] == self.comm.rank() {
-            self.local.insert((what, stage, mb), (data, words));
+            self.local
+                .insert((what, stage, mb), Tensor::from_inner(tensor.inner()));
             return Ok(());
         }
-        let p2p = self.comm.point_to_point()?;
-        let mut header = vec![what, stage as i64, mb as i64];
-        header.extend(words);
-        let n = header.len();
-        p2p.send(self.members[to], TensorData::new(header, [n]))?;
-        p2p.send(self.members[to], data)?;
+        let head = vec![what, stage as i64, mb as i64];
+        self.transport
+            .send(self.comm, self.members[to], head, tensor)?;
         self.sends += 1;
         Ok(())
     }
 
     /// The message `(what, stage, mb)` from pipeline rank `from`, its shape checked against the
     /// ones this kind of message had before for that stage.
-    fn recv(&mut self, from: usize, what: i64, stage: usize, mb: usize) -> Result<Message, Error> {
+    fn recv(
+        &mut self,
+        from: usize,
+        what: i64,
+        stage: usize,
+        mb: usize,
+    ) -> Result<Tensor<B, 3>, Error> {
         let key = (what, stage, mb);
-        let (data, words) = if let Some(data) = self.local.remove(&key) {
-            data
-        } else if let Some(data) = self.early.remove(&key) {
-            data
+        let tensor = if let Some(t) = self.local.remove(&key) {
+            t
+        } else if let Some(t) = self.early.remove(&key) {
+            t
         } else {
-            let p2p = self.comm.point_to_point()?;
             loop {
-                let header = p2p.recv(self.members[from])?;
-                let data = p2p.recv(self.members[from])?;
-                let h = header.to_vec::<i64>().map_err(|e| Error::Mismatch {
-                    op: CollectiveKind::Recv,
-                    group: "pp".into(),
-                    detail: format!("a pipeline message header that is not one: {e:?}"),
-                })?;
-                let got = (h[0], h[1] as usize, h[2] as usize);
-                let words = h[3..].to_vec();
+                let (head, t) =
+                    self.transport
+                        .recv(self.comm, self.members[from], HEAD, &self.device)?;
+                let got = (head[0], head[1] as usize, head[2] as usize);
                 self.recvs += 1;
                 if got == key {
-                    break (data, words);
+                    break t;
                 }
-                self.early.insert(got, (data, words));
+                self.early.insert(got, t);
             }
         };
-        let shape = data.shape.to_vec();
+        let shape = tensor.dims();
         match self.shapes.get(&(what, stage)) {
             Some(seen) if *seen != shape => Err(Error::Mismatch {
                 op: CollectiveKind::Recv,
@@ -316,7 +397,7 @@ impl Mailbox<'_> {
             }),
             _ => {
                 self.shapes.insert((what, stage), shape);
-                Ok((data, words))
+                Ok(tensor)
             }
         }
     }
@@ -490,6 +571,8 @@ where
     let m = schedule.microbatches();
     let mut mail = Mailbox {
         comm,
+        transport,
+        device: device.clone(),
         members,
         early: HashMap::new(),
         local: HashMap::new(),
@@ -517,9 +600,7 @@ where
                 let input = if stage == 0 {
                     None
                 } else {
-                    let (data, words) =
-                        mail.recv(schedule.rank_of(stage - 1), ACTIVATION, stage, mb)?;
-                    let x = transport.decode(data, &words, &device)?;
+                    let x = mail.recv(schedule.rank_of(stage - 1), ACTIVATION, stage, mb)?;
                     Some(if rematerialize { x } else { x.require_grad() })
                 };
                 start = started.elapsed().as_secs_f64();
@@ -534,13 +615,12 @@ where
                     losses[mb] = value.clone().into_scalar().elem::<f32>();
                     scaled(value, m, loss_scale)
                 } else {
-                    let message = transport.encode(out.clone())?;
                     mail.send(
                         schedule.rank_of(stage + 1),
                         ACTIVATION,
                         stage + 1,
                         mb,
-                        message,
+                        out.clone(),
                     )?;
                     Output::Activation(out)
                 };
@@ -588,9 +668,7 @@ where
                     Output::Again => unreachable!("run again above"),
                     Output::Loss(value) => value,
                     Output::Activation(out) => {
-                        let (data, words) =
-                            mail.recv(schedule.rank_of(stage + 1), GRADIENT, stage, mb)?;
-                        let g = transport.decode(data, &words, &device)?;
+                        let g = mail.recv(schedule.rank_of(stage + 1), GRADIENT, stage, mb)?;
                         if g.dims() != out.dims() {
                             return Err(Error::Mismatch {
                                 op: CollectiveKind::Recv,
@@ -634,7 +712,7 @@ where
                         GRADIENT,
                         stage - 1,
                         mb,
-                        transport.encode(Tensor::from_inner(grad))?,
+                        Tensor::from_inner(grad),
                     )?;
                 }
                 let grads = GradientsParams::from_grads(grads, &leaves);
@@ -659,9 +737,10 @@ where
             end: started.elapsed().as_secs_f64(),
         });
     }
-    // The step's last messages have left this rank (MPI: its immediate sends are complete).
+    // The step's last messages have left this rank (MPI: its immediate sends are complete;
+    // NCCL: its sends' kernels are done).
     if mail.sends > 0 {
-        comm.point_to_point()?.flush()?;
+        transport.flush(comm, &device)?;
     }
     Ok(PipelineStep {
         grads: accumulators.into_iter().map(|mut a| a.grads()).collect(),

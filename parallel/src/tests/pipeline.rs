@@ -578,9 +578,17 @@ fn a_stock_transformer_encoder_splits_into_a_pipeline() {
 /// The split composes with FSDP inside each stage: a 2 × 2 `dp × pp` mesh, each stage's
 /// encoder fully sharded over `dp` (`Pipeline::try_map`), each data-parallel rank feeding its
 /// half of every micro-batch, 1F1B with M = 4: the losses (mean over `dp`) and every parameter
-/// match one device within 1e-5.
+/// match one device within 1e-5. Run twice: the pieces as host messages, and on installed
+/// device collectives ([`HostStaged`], the device path NCCL takes on CUDA), which carry every
+/// piece the runner sends and receives (their counts are the runner's).
 #[test]
 fn a_split_encoder_trains_fully_sharded_inside_its_stages() {
+    for on_device in [false, true] {
+        split_encoder_fully_sharded(on_device);
+    }
+}
+
+fn split_encoder_fully_sharded(on_device: bool) {
     type Dist = Autodiff<D>;
     const M: usize = 4;
     let expected = encoder_one_device(M);
@@ -590,6 +598,11 @@ fn a_split_encoder_trains_fully_sharded_inside_its_stages() {
     let ranks = threads(&mesh, |dist| {
         let comm = dist.context().comm_arc();
         let ctx = dist.context();
+        let staged = Arc::new(HostStaged::new(comm.clone()));
+        if on_device {
+            ctx.set_device_collectives::<F>(staged.clone());
+        }
+        let mut messages = (0, 0);
         let dp = dist.mesh().coords(dist.rank())[0];
         let pipe = pipeline(encoder::<Dist>(&dist), &*comm, 1, &plan, &schedule).unwrap();
         let mut pipe = pipe
@@ -616,6 +629,8 @@ fn a_split_encoder_trains_fully_sharded_inside_its_stages() {
             if !out.losses.is_empty() {
                 losses.push(out.losses.iter().sum::<f32>() / M as f32);
             }
+            messages.0 += out.sends as u64;
+            messages.1 += out.recvs as u64;
             let mut grads = out.grads.into_iter();
             pipe = pipe
                 .try_map(|_, chunk| {
@@ -630,6 +645,19 @@ fn a_split_encoder_trains_fully_sharded_inside_its_stages() {
         let numel: usize = values.iter().flatten().map(Vec::len).sum();
         let held: u64 = pipe.chunks().iter().map(parameter_bytes).sum();
         assert_eq!(2 * held, 4 * numel as u64);
+        // 1F1B over 2 stages: each rank sends and receives one message per micro-batch.
+        assert_eq!(messages, ((STEPS * M) as u64, (STEPS * M) as u64));
+        let calls = staged.calls();
+        let count = |kind| calls.get(&kind).copied().unwrap_or(0);
+        if on_device {
+            assert_eq!(
+                (count(CollectiveKind::Send), count(CollectiveKind::Recv)),
+                messages
+            );
+            ctx.clear_device_collectives();
+        } else {
+            assert!(calls.is_empty(), "{calls:?}");
+        }
         (dist.rank(), pipe.rank(), losses, values)
     });
     // The mean loss over the two data-parallel ranks of the last stage.
@@ -647,7 +675,8 @@ fn a_split_encoder_trains_fully_sharded_inside_its_stages() {
                 r.3.clone().into_iter().flatten().collect::<Vec<_>>()
             })
             .collect();
-        check_stages(&format!("dp rank {dp}"), &losses, stages, &expected, 1e-5);
+        let what = format!("dp rank {dp}, device collectives {on_device}");
+        check_stages(&what, &losses, stages, &expected, 1e-5);
     }
 }
 
