@@ -485,6 +485,99 @@ pub fn exchange_group_ids(
         .collect()
 }
 
+/// A point-to-point channel of a rank: to or from `peer` (a global rank), between
+/// neighbouring pipeline stages. NCCL gives each its own two-rank communicator and stream, so
+/// a send waiting for its receiver never holds up another channel (a rank's sends and
+/// receives on one NCCL stream could wait on each other across two ranks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Channel {
+    /// The rank at the other end.
+    pub peer: usize,
+    /// Whether this rank sends on it (else it receives).
+    pub sends: bool,
+}
+
+/// The channels of `rank` on `mesh`'s pipeline axis ([`PIPELINE_AXIS`](crate::mesh::PIPELINE_AXIS)):
+/// sends to the next and to the previous pipeline rank, then receives from them, on a ring
+/// (interleaved schedules send from the last rank to the first). Deduplicated (two pipeline
+/// ranks are each other's next and previous); none without a pipeline axis of 2 or more.
+pub fn p2p_channels(mesh: &DeviceMesh, rank: usize) -> Vec<Channel> {
+    let Some(axis) = mesh.axes().iter().position(|a| a.is_pipeline()) else {
+        return Vec::new();
+    };
+    let members = mesh.group_ranks(rank, axis);
+    let p = members.len();
+    if p < 2 {
+        return Vec::new();
+    }
+    let a = mesh.group_index(rank, axis);
+    let neighbours = [members[(a + 1) % p], members[(a + p - 1) % p]];
+    let mut channels = Vec::new();
+    for sends in [true, false] {
+        for peer in neighbours {
+            let channel = Channel { peer, sends };
+            if !channels.contains(&channel) {
+                channels.push(channel);
+            }
+        }
+    }
+    channels
+}
+
+/// One id per channel of this rank ([`p2p_channels`] order), each made by the channel's sender
+/// with `new_id` and handed to its receiver over `boot`: one all-gather. Every rank of the
+/// mesh calls it (none when the mesh has no pipeline axis of 2 or more).
+pub fn exchange_channel_ids(
+    mesh: &DeviceMesh,
+    boot: &(impl Bootstrap + ?Sized),
+    mut new_id: impl FnMut() -> Result<Vec<u8>, Error>,
+) -> Result<Vec<(Channel, Vec<u8>)>, Error> {
+    let rank = boot.rank();
+    let channels = p2p_channels(mesh, rank);
+    if p2p_channels(mesh, 0).is_empty() {
+        return Ok(Vec::new());
+    }
+    // [len u32][id] per send channel, in order.
+    let mut mine = Vec::new();
+    let mut made = Vec::new();
+    for channel in channels.iter().filter(|c| c.sends) {
+        let id = new_id()?;
+        mine.extend_from_slice(&(id.len() as u32).to_le_bytes());
+        mine.extend_from_slice(&id);
+        made.push((*channel, id));
+    }
+    let all = boot.all_gather_bytes(&mine)?;
+    let nth = |blob: &[u8], index: usize| -> Option<Vec<u8>> {
+        let mut at = 0;
+        for i in 0..=index {
+            let len = u32::from_le_bytes(blob.get(at..at + 4)?.try_into().ok()?) as usize;
+            let id = blob.get(at + 4..at + 4 + len)?;
+            if i == index {
+                return Some(id.to_vec());
+            }
+            at += 4 + len;
+        }
+        None
+    };
+    let mut ids = made;
+    for channel in channels.iter().filter(|c| !c.sends) {
+        let sender = channel.peer;
+        let index = p2p_channels(mesh, sender)
+            .iter()
+            .filter(|c| c.sends)
+            .position(|c| c.peer == rank);
+        let id =
+            index
+                .and_then(|i| nth(&all[sender], i))
+                .ok_or_else(|| Error::RendezvousProtocol {
+                    addr: String::new(),
+                    reason: format!("rank {sender} sent no id for its channel to rank {rank}"),
+                })?;
+        ids.push((*channel, id));
+    }
+    Ok(ids)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -569,6 +662,49 @@ mod tests {
             exchange_group_ids(&mesh, &*comm, || Ok(fake_id(rank, &mut counter))).unwrap()
         });
         check_ids(&mesh, &ids);
+    }
+
+    /// Pipeline ranks send to their ring neighbours and receive from them; the receiver of each
+    /// channel holds the id its sender made; no channels without a pipeline axis.
+    #[test]
+    fn pipeline_channels_pair_each_sender_with_its_receiver() {
+        let ch = |peer, sends| Channel { peer, sends };
+        let two = DeviceMesh::new([("dp", 2), ("pp", 2)]).unwrap();
+        // Rank 1 is dp 0, pp 1: its one neighbour is rank 0.
+        assert_eq!(p2p_channels(&two, 1), [ch(0, true), ch(0, false)]);
+        let four = DeviceMesh::new([("pp", 4)]).unwrap();
+        assert_eq!(
+            p2p_channels(&four, 0),
+            [ch(1, true), ch(3, true), ch(1, false), ch(3, false)]
+        );
+        assert!(p2p_channels(&DeviceMesh::new([("dp", 4)]).unwrap(), 0).is_empty());
+        assert!(p2p_channels(&DeviceMesh::new([("pp", 1), ("dp", 2)]).unwrap(), 1).is_empty());
+        for mesh in [two, four] {
+            let n = mesh.world_size();
+            let world = InProcessWorld::new(mesh.clone(), Duration::from_secs(20));
+            let ids = on_threads(0..n, |rank| {
+                let comm: Arc<dyn Communicator> = Arc::new(world.communicator(rank));
+                let mut counter = 0;
+                exchange_channel_ids(&mesh, &*comm, || Ok(fake_id(rank, &mut counter))).unwrap()
+            });
+            for (rank, mine) in ids.iter().enumerate() {
+                assert_eq!(
+                    mine.iter().map(|(c, _)| *c).collect::<Vec<_>>(),
+                    p2p_channels(&mesh, rank)
+                );
+                for (channel, id) in mine {
+                    // The sender's id (its rank in every byte but the first)…
+                    let sender = if channel.sends { rank } else { channel.peer };
+                    assert_eq!(id[1], sender as u8);
+                    // …and the same at the other end.
+                    let theirs = ids[channel.peer]
+                        .iter()
+                        .find(|(c, _)| c.peer == rank && c.sends != channel.sends)
+                        .unwrap();
+                    assert_eq!(&theirs.1, id);
+                }
+            }
+        }
     }
 
     #[test]

@@ -42,7 +42,10 @@ use serde::{Deserialize, Serialize};
 pub use crate::error::{CollectiveKind, Error};
 use crate::mesh::DeviceMesh;
 
-pub use bootstrap::{Bootstrap, TcpRendezvous, bootstrap_groups, exchange_group_ids};
+pub use bootstrap::{
+    Bootstrap, Channel, TcpRendezvous, bootstrap_groups, exchange_channel_ids, exchange_group_ids,
+    p2p_channels,
+};
 pub(crate) use buffer::{check_dim, check_divisible};
 pub use call::{Call, Operand};
 pub use device::{DeviceCollectives, DeviceIssued, DeviceOp, HostStaged};

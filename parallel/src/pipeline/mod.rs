@@ -14,8 +14,9 @@
 //! parallelism (each rank sends its own piece of an activation with its layout: [`Pieces`]) and
 //! recomputation ([`run_step_custom`] takes the backward, so a recomputing one runs the regions
 //! the forward recorded); backward passes that communicate take turns within a process
-//! ([`turns`]). Not yet: NCCL point-to-point (activations go through the host communicator's
-//! messages on every backend).
+//! ([`turns`]). Activations and their gradients go as host messages, or with [`Pieces`] on the
+//! rank's device collectives when installed: NCCL send/recv on CUDA, one channel per directed
+//! pair of neighbouring stages (`wildfire_parallel::comm::p2p_channels`).
 
 pub mod plan;
 pub mod runner;

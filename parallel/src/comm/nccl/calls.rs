@@ -20,11 +20,11 @@ use crate::comm::{Call, CollectiveKind, Communicator, Error, Group, ReduceOp};
 /// An NCCL call enqueued and not yet waited for: its buffers, kept alive until it ends, and an
 /// event recorded on the NCCL stream after it.
 pub(super) struct Enqueued {
-    _buffers: Box<dyn std::any::Any + Send>,
-    event: cudarc::driver::CudaEvent,
+    pub(super) _buffers: Box<dyn std::any::Any + Send>,
+    pub(super) event: cudarc::driver::CudaEvent,
 }
 
-fn nccl_dtype(dtype: DType) -> Result<nccl_sys::ncclDataType_t, Error> {
+pub(super) fn nccl_dtype(dtype: DType) -> Result<nccl_sys::ncclDataType_t, Error> {
     use nccl_sys::ncclDataType_t as T;
     Ok(match dtype {
         DType::F64 => T::ncclFloat64,
@@ -72,7 +72,8 @@ impl NcclCommunicator {
     /// Aborts every NCCL communicator of this rank (after a timeout): later calls fail at once.
     pub(crate) fn abort(&self) {
         if !self.aborted.swap(true, Ordering::SeqCst) {
-            for comm in &self.comms {
+            let channels = self.channels.iter().map(|c| &c.comm);
+            for comm in self.comms.iter().chain(channels) {
                 // SAFETY: a live communicator, aborted once (guarded by `aborted`).
                 let _ = unsafe { nccl::comm_abort(comm.0) };
             }
@@ -171,6 +172,17 @@ impl NcclCommunicator {
 
     /// Waits for an [`Enqueued`] call's end, aborting every communicator past the timeout.
     pub(super) fn wait_enqueued(&self, call: &Call, enqueued: Enqueued) -> Result<(), Error> {
+        let group = call.group().label(self.mesh()).unwrap_or("?").to_owned();
+        self.wait_event(call.kind(), group, enqueued)
+    }
+
+    /// [`Self::wait_enqueued`] for a call of kind `op` on the group labelled `group`.
+    pub(super) fn wait_event(
+        &self,
+        op: CollectiveKind,
+        group: String,
+        enqueued: Enqueued,
+    ) -> Result<(), Error> {
         let start = Instant::now();
         loop {
             match enqueued.event.try_is_complete() {
@@ -181,8 +193,8 @@ impl NcclCommunicator {
             if start.elapsed() > self.options.timeout {
                 self.abort();
                 return Err(Error::Timeout {
-                    op: call.kind(),
-                    group: call.group().label(self.mesh()).unwrap_or("?").to_owned(),
+                    op,
+                    group,
                     rank: self.rank(),
                     waited: start.elapsed(),
                     missing: Vec::new(),

@@ -9,7 +9,7 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cudarc::driver::CudaContext;
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
-use super::{CommHandle, Error, NcclCommunicator, NcclOptions};
+use super::{CommHandle, Error, NcclCommunicator, NcclOptions, p2p};
 use crate::comm::Member;
 use crate::comm::bootstrap::{Bootstrap, bootstrap_groups, exchange_group_ids};
 use crate::comm::header::Sequence;
@@ -74,7 +74,13 @@ impl NcclCommunicator {
             )?;
             comms.push(CommHandle(comm));
         }
-        tracing::info!(rank, groups = comms.len(), "NCCL communicators ready");
+        let channels = p2p::P2pChannel::make(&mesh, boot, &ctx)?;
+        tracing::info!(
+            rank,
+            groups = comms.len(),
+            channels = channels.len(),
+            "NCCL communicators ready"
+        );
         Ok(Self {
             member: Member::new(rank, mesh),
             device,
@@ -82,6 +88,7 @@ impl NcclCommunicator {
             ctx,
             stream,
             comms,
+            channels,
             options,
             sequence: Sequence::default(),
             calls: Mutex::new(()),

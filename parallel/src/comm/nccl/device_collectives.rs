@@ -1,10 +1,10 @@
 //! Collectives on Burn's CUDA tensors ([`DeviceCollectives`]), on the device: no host copy.
 
-use burn::tensor::Shape;
+use burn::tensor::{DType, Shape};
 use burn_backend::TensorMetadata;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
-use cubecl::cuda::CudaRuntime;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::server::Handle;
 
 use super::NcclCommunicator;
@@ -18,7 +18,7 @@ use crate::comm::{
 use std::sync::Arc;
 use std::time::Instant;
 
-fn contiguous(tensor: CubeTensor<CudaRuntime>) -> CubeTensor<CudaRuntime> {
+pub(super) fn contiguous(tensor: CubeTensor<CudaRuntime>) -> CubeTensor<CudaRuntime> {
     if tensor.is_contiguous() {
         tensor
     } else {
@@ -135,6 +135,26 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
     ) -> Result<CubeTensor<CudaRuntime>, Error> {
         let call = Call::broadcast(group, Some(operand(&tensor)), root);
         self.on_device(call, tensor)
+    }
+
+    /// On the channel to `to` (a neighbouring pipeline rank): enqueued, not waited for.
+    fn send(&self, to: usize, tensor: CubeTensor<CudaRuntime>) -> Result<(), Error> {
+        self.p2p_send(to, tensor)
+    }
+
+    /// On the channel from `from`, waited for.
+    fn recv(
+        &self,
+        from: usize,
+        shape: Shape,
+        dtype: DType,
+        device: &CudaDevice,
+    ) -> Result<CubeTensor<CudaRuntime>, Error> {
+        self.p2p_recv(from, shape, dtype, device)
+    }
+
+    fn flush(&self) -> Result<(), Error> {
+        self.p2p_flush()
     }
 
     /// Enqueued on this rank's NCCL stream and returned at once: the compute enqueued after it

@@ -92,6 +92,11 @@ impl NcclCommunicator {
 /// host-side calls of a run (scalars, barriers, checkpoint gathers); the training tensors take
 /// the device path ([`DeviceCollectives`](crate::comm::DeviceCollectives)).
 impl Communicator for NcclCommunicator {
+    /// Host messages between neighbouring pipeline ranks, on their NCCL channels.
+    fn point_to_point(&self) -> Result<&dyn crate::comm::PointToPoint, Error> {
+        Ok(self)
+    }
+
     fn member(&self) -> &Member {
         &self.member
     }

@@ -21,20 +21,30 @@
 //! [`Error::Mismatch`](super::Error::Mismatch) at that call.
 //!
 //! Reductions are NCCL's: fast, not in group order, so not bitwise equal to ranks as threads
-//! (the host communicators are). Point-to-point is not offered
-//! ([`Communicator::point_to_point`](super::Communicator::point_to_point) answers
-//! [`Error::Unsupported`](super::Error::Unsupported)).
+//! (the host communicators are).
+//!
+//! Point-to-point between neighbouring pipeline stages (`DeviceCollectives::send`/`recv`, which
+//! the pipeline's `Pieces` transport uses for activations and their gradients) runs on
+//! channels: one two-rank communicator and one stream per directed pair of neighbours on the
+//! `pp` axis, made with the others (`p2p.rs`). A send is enqueued and returns; a receive waits
+//! (with the timeout); a rank's sends and receives never share a stream, so a send waiting for
+//! its receiver cannot hold up a receive the other rank is waiting on. The host messages of
+//! [`Communicator::point_to_point`](super::Communicator::point_to_point) are not offered
+//! ([`Error::Unsupported`](super::Error::Unsupported)): headers go over the launcher's host
+//! communicator.
 //!
 //! Not run here: this workspace's CI has no GPU. It compiles in CI (`cargo check --features
 //! cuda`); the pure parts (bootstrap, header checks, the dim handling) are tested on CPU.
 //!
 //! The files: `communicator.rs` makes the communicators, `calls.rs` runs one NCCL call (and the
-//! call check before it), `device_collectives.rs` and `host.rs` are the two APIs over it.
+//! call check before it), `device_collectives.rs` and `host.rs` are the two APIs over it,
+//! `p2p.rs` the point-to-point channels.
 
 mod calls;
 mod communicator;
 mod device_collectives;
 mod host;
+mod p2p;
 #[cfg(test)]
 mod tests;
 
@@ -87,6 +97,8 @@ pub struct NcclCommunicator {
     /// In [`bootstrap_groups`](super::bootstrap::bootstrap_groups) order: each axis, then the
     /// world.
     comms: Vec<CommHandle>,
+    /// Point-to-point channels to and from the neighbouring pipeline ranks.
+    channels: Vec<p2p::P2pChannel>,
     options: NcclOptions,
     sequence: Sequence,
     /// One NCCL call at a time on this rank.
@@ -111,7 +123,8 @@ impl Drop for NcclCommunicator {
         if self.aborted.load(Ordering::SeqCst) {
             return;
         }
-        for comm in &self.comms {
+        let channels = self.channels.iter().map(|c| &c.comm);
+        for comm in self.comms.iter().chain(channels) {
             // SAFETY: each communicator is live and destroyed once, after its last call.
             let _ = unsafe { nccl::comm_destroy(comm.0) };
         }
