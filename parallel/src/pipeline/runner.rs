@@ -287,7 +287,8 @@ struct Untracked;
 impl<B: AutodiffBackend> ModuleMapper<B> for Untracked {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
-        Param::from_mapped_value(id, tensor.detach(), mapper)
+        // (`detach` keeps `require_grad` in Burn: the forward would still record its graph.)
+        Param::from_mapped_value(id, Tensor::from_inner(tensor.inner()), mapper)
     }
 }
 
@@ -445,10 +446,9 @@ pub struct StepOptions<'a> {
     pub ctx: Option<&'a RankContext>,
     /// Re-materialisation (GPipe's): a stage keeps only its input per micro-batch (its forward
     /// runs on untracked parameters and builds no backward graph), and runs the forward again,
-    /// with its graph, in the backward — bitwise the same step. Burn 0.21's autodiff still
-    /// registers untracked ops in its graph and frees them only when the rank's next backward
-    /// cleans orphaned graphs up, so the saving is partial (1F1B gains a little, GPipe
-    /// nothing); a forward on the inner module would hold nothing.
+    /// with its graph, in the backward — bitwise the same step. The first stage keeps nothing
+    /// (it reads its micro-batch itself): under GPipe a stage holds M inputs instead of M
+    /// graphs.
     pub rematerialize: bool,
 }
 
