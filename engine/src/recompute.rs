@@ -367,7 +367,10 @@ impl<'a, B: FusedOps> Recomputer<'a, B> {
 impl<'a, B: AutodiffBackend> Recomputer<'a, B> {
     /// `loss.backward()` with the recorded regions recomputed: one backward pass for the loss,
     /// then one per region (last first); the parameter gradients of all passes merged, as if
-    /// from one pass.
+    /// from one pass. The forward must have run on parameters no earlier backward reached —
+    /// a fresh model, or [`fresh_leaves`](wildfire_parallel::fresh_leaves) per micro-batch when
+    /// gradients are accumulated, as [`StepRunner`](crate::StepRunner) does — or Burn 0.21 may
+    /// free the graph under a region before its pass (and its gradients are lost).
     pub fn backward<M: AutodiffModule<B>>(
         &self,
         loss: Tensor<B, 1>,

@@ -137,6 +137,10 @@ impl StepRunner {
         let mut accumulator = GradientsAccumulator::new();
         let mut local_loss = 0.0;
         for (i, &seed) in seeds.iter().enumerate() {
+            // Each micro-batch's graph on leaves of its own: an earlier backward reached the
+            // parameters, and the regions a micro-batch records outlive its main backward (see
+            // `fresh_leaves`). The same values and ids: no copy.
+            let leaves = wildfire_parallel::fresh_leaves(model.clone());
             let ckpt = Recomputer::<Ad<X>>::new(self.config.recompute, seed).with_fence(|| {
                 // Keep the ranks' backward passes apart (see `sync_gradients`).
                 if ctx.world_size() > 1 {
@@ -147,7 +151,7 @@ impl StepRunner {
             // Scale, backward (with the recomputed regions). Regions go into the rank's trace
             // when it is on (`Member::set_tracing`).
             let started = Instant::now();
-            let micro = loss(&model, i, &ckpt).div_scalar(accum as f64);
+            let micro = loss(&leaves, i, &ckpt).div_scalar(accum as f64);
             local_loss += micro.clone().into_scalar().elem::<f32>();
             ctx.comm().member().trace_region("forward", started);
             let micro = if scale != 1.0 {
@@ -156,11 +160,11 @@ impl StepRunner {
                 micro
             };
             let started = Instant::now();
-            let grads = ckpt.backward(micro, &model);
+            let grads = ckpt.backward(micro, &leaves);
             drop(ckpt);
             ctx.comm().member().trace_region("backward", started);
             let grads = grads.inspect_err(|_| ctx.set_no_sync(false))?;
-            accumulator.accumulate(&model, GradientsParams::from_grads(grads, &model));
+            accumulator.accumulate(&model, GradientsParams::from_grads(grads, &leaves));
         }
         ctx.set_no_sync(false);
         // Synchronise the rest, then unscale + check + norm (one all-reduce) and clip.

@@ -152,6 +152,28 @@ impl<B: DistributedBackend> ModuleMapper<B> for Replicator<'_> {
     }
 }
 
+/// `module` with fresh autodiff leaves for its parameters: the same values (no copy), ids and
+/// `require_grad`, new graph nodes. Build each micro-batch's graph on fresh leaves whenever
+/// a graph outlives a backward pass that reached the parameters — recomputed regions, whose
+/// passes run after the micro-batch's main backward, and pipeline micro-batches waiting for
+/// theirs. Burn 0.21's autodiff forgets a parameter's leaf once a backward reached it, and a
+/// later graph built on that leaf is stored apart from it, where the end-of-backward cleanup
+/// of some other pass may free it (nondeterministically: it depends on hash order) — the
+/// gradients that flow through it are then lost.
+pub fn fresh_leaves<B: AutodiffBackend, M: AutodiffModule<B>>(module: M) -> M {
+    module.map(&mut FreshLeaves)
+}
+
+struct FreshLeaves;
+
+impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeaves {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, tensor, mapper) = param.consume();
+        // `detach` keeps `require_grad` and makes a new node.
+        Param::from_mapped_value(id, tensor.detach(), mapper)
+    }
+}
+
 /// Data parallelism (DDP): every parameter becomes `Replicate` on the data axes, with rank 0's
 /// values broadcast to the others (so a model initialised independently on each rank starts
 /// identical). Model-axis placements are kept. Call once, after the model is built.

@@ -64,7 +64,8 @@ pub use comm::{HybridCommunicator, HybridWorld, MpiCommunicator, MpiWorld};
 #[cfg(feature = "cuda")]
 pub use comm::{NcclCommunicator, NcclOptions};
 pub use data_parallel::{
-    DistributedBackend, SyncReport, dtensor, from_dtensor, redistribute, replicate, sync_gradients,
+    DistributedBackend, SyncReport, dtensor, fresh_leaves, from_dtensor, redistribute, replicate,
+    sync_gradients,
 };
 pub use device::{
     DeferredWeights, DistDevice, MemoryReport, OpCounters, PrefetchStats, RankContext,

@@ -39,7 +39,7 @@ use burn_backend::TensorMetadata;
 use super::schedule::{Placed, Schedule, Work};
 use super::turns::StageGroup;
 use crate::comm::{CollectiveKind, Communicator, Group};
-use crate::data_parallel::{DistributedBackend, dtensor, from_dtensor};
+use crate::data_parallel::{DistributedBackend, dtensor, fresh_leaves, from_dtensor};
 use crate::device::{DeferredWeights, RankContext};
 use crate::error::Error;
 use crate::placement::{Layout, Placement};
@@ -262,24 +262,6 @@ pub struct PipelineStep {
     pub deferred: usize,
 }
 
-/// The module with fresh autodiff leaves for its parameters (the same values and ids): each
-/// micro-batch's forward builds its own graph on them. Burn's autodiff frees, at the end of a
-/// backward, the graph nodes it reached — parameters shared by graphs still waiting for their
-/// backward included — so graphs must not share leaves.
-struct FreshLeaves;
-
-impl<B: AutodiffBackend> ModuleMapper<B> for FreshLeaves {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, mapper) = param.consume();
-        let fresh = if tensor.is_require_grad() {
-            tensor.detach().require_grad()
-        } else {
-            tensor.detach()
-        };
-        Param::from_mapped_value(id, fresh, mapper)
-    }
-}
-
 /// The module with its parameters' values as untracked tensors: a forward on it builds no graph
 /// (re-materialisation's first forward).
 struct Untracked;
@@ -294,7 +276,7 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Untracked {
 
 /// A micro-batch's forward state, kept until its backward.
 struct Held<B: AutodiffBackend, M> {
-    /// The chunk with this micro-batch's leaves ([`FreshLeaves`]); none under
+    /// The chunk with this micro-batch's leaves ([`fresh_leaves`]); none under
     /// re-materialisation.
     chunk: Option<M>,
     /// The received activation, a leaf whose gradient goes back (`None` on the first stage;
@@ -607,7 +589,7 @@ where
                 let leaves = if rematerialize {
                     chunk.clone().map(&mut Untracked)
                 } else {
-                    chunk.clone().map(&mut FreshLeaves)
+                    fresh_leaves(chunk.clone())
                 };
                 let out = forward(&leaves, stage, mb, input.clone());
                 let output = if stage == last {
@@ -646,7 +628,7 @@ where
                 // Re-materialisation: the forward again, now with its graph.
                 let (leaves, input, output) = match output {
                     Output::Again => {
-                        let leaves = chunk.clone().map(&mut FreshLeaves);
+                        let leaves = fresh_leaves(chunk.clone());
                         let input = input.map(Tensor::require_grad);
                         let out = forward(&leaves, stage, mb, input.clone());
                         let output = if stage == last {
