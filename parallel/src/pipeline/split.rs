@@ -163,6 +163,13 @@ pub fn pipeline<B: Backend, S: Sequential<B>>(
     let ranges: Vec<_> = (0..plan.stages()).map(|s| plan.blocks(s)).collect();
     let mut stages: Vec<Option<S::Stage>> =
         model.into_stages(&ranges).into_iter().map(Some).collect();
+    if stages.len() != ranges.len() {
+        return Err(Error::InvalidStagePlan(format!(
+            "the model was cut into {} stages for a plan of {}",
+            stages.len(),
+            ranges.len()
+        )));
+    }
     let chunks = (rank..schedule.stages())
         .step_by(schedule.ranks())
         .map(|s| stages[s].take().expect("each stage taken once"))
