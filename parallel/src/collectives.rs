@@ -299,16 +299,7 @@ pub(crate) fn recv<B: Backend>(
         Some(dc) => dc.recv(from, shape, dtype, device.inner()),
         None => {
             let data = ctx.comm().point_to_point()?.recv(from)?;
-            if data.shape != shape || data.dtype != dtype {
-                return Err(Error::Mismatch {
-                    op: CollectiveKind::Recv,
-                    group: "p2p".into(),
-                    detail: format!(
-                        "rank {from} sent {:?} {:?} where {dtype:?} {shape:?} was announced",
-                        data.dtype, data.shape
-                    ),
-                });
-            }
+            crate::comm::check_announced(from, &data, &shape, dtype)?;
             Ok(B::float_from_data(data, device.inner()))
         }
     }

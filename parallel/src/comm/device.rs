@@ -244,6 +244,27 @@ impl fmt::Debug for HostStaged {
     }
 }
 
+/// Fails with [`Error::Mismatch`] unless `data`, received from rank `from`, has the `shape` and
+/// `dtype` announced for it.
+pub(crate) fn check_announced(
+    from: usize,
+    data: &TensorData,
+    shape: &Shape,
+    dtype: DType,
+) -> Result<(), Error> {
+    if data.shape == *shape && data.dtype == dtype {
+        return Ok(());
+    }
+    Err(Error::Mismatch {
+        op: CollectiveKind::Recv,
+        group: "p2p".into(),
+        detail: format!(
+            "rank {from} sent {:?} {:?} where {dtype:?} {shape:?} was announced",
+            data.dtype, data.shape
+        ),
+    })
+}
+
 /// A local tensor's values on the host.
 pub(crate) fn read<B: Backend>(t: FloatTensor<B>) -> TensorData {
     burn_backend::read_sync(B::float_into_data(t)).expect("reading a local tensor failed")
@@ -321,16 +342,7 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
     ) -> Result<FloatTensor<B>, Error> {
         self.count(CollectiveKind::Recv);
         let data = self.comm.point_to_point()?.recv(from)?;
-        if data.shape != shape || data.dtype != dtype {
-            return Err(Error::Mismatch {
-                op: CollectiveKind::Recv,
-                group: "p2p".into(),
-                detail: format!(
-                    "rank {from} sent {:?} {:?} where {dtype:?} {shape:?} was announced",
-                    data.dtype, data.shape
-                ),
-            });
-        }
+        check_announced(from, &data, &shape, dtype)?;
         Ok(B::float_from_data(data, device))
     }
 

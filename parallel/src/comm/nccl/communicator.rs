@@ -48,21 +48,12 @@ impl NcclCommunicator {
         ctx.bind_to_thread().map_err(cuda)?;
         let stream = ctx.new_stream().map_err(cuda)?;
         let client = CudaRuntime::client(&device);
-        let ids = exchange_group_ids(&mesh, boot, || {
-            let id = nccl::get_uniqueid().map_err(|e| Error::RendezvousProtocol {
-                addr: String::new(),
-                reason: format!("ncclGetUniqueId: {:?}", e.0),
-            })?;
-            Ok(id.internal.iter().map(|&c| c as u8).collect())
-        })?;
+        let ids = exchange_group_ids(&mesh, boot, super::new_unique_id)?;
         let mut comms = Vec::new();
         for (group, id) in bootstrap_groups(&mesh).into_iter().zip(ids) {
             let n = group.size(&mesh).expect("a bootstrap group");
             let index = group.index(&mesh, rank).expect("a bootstrap group");
-            let mut unique = nccl_sys::ncclUniqueId { internal: [0; 128] };
-            for (slot, byte) in unique.internal.iter_mut().zip(&id) {
-                *slot = *byte as _;
-            }
+            let unique = super::unique_id(&id);
             let mut comm: nccl_sys::ncclComm_t = std::ptr::null_mut();
             // SAFETY: `comm` is a valid out-pointer; every member of the group makes the same
             // call with the same id (handed out above), in the same group order.

@@ -81,6 +81,24 @@ impl Default for NcclOptions {
     }
 }
 
+/// A fresh NCCL unique id, as the bytes the bootstrap hands out.
+fn new_unique_id() -> Result<Vec<u8>, Error> {
+    let id = nccl::get_uniqueid().map_err(|e| Error::RendezvousProtocol {
+        addr: String::new(),
+        reason: format!("ncclGetUniqueId: {:?}", e.0),
+    })?;
+    Ok(id.internal.iter().map(|&c| c as u8).collect())
+}
+
+/// The NCCL unique id [`new_unique_id`] gave as bytes.
+fn unique_id(bytes: &[u8]) -> nccl_sys::ncclUniqueId {
+    let mut unique = nccl_sys::ncclUniqueId { internal: [0; 128] };
+    for (slot, byte) in unique.internal.iter_mut().zip(bytes) {
+        *slot = *byte as _;
+    }
+    unique
+}
+
 /// An NCCL communicator handle. SAFETY: used only under the owner's call lock (NCCL
 /// communicators are not thread-safe), destroyed once in `Drop`.
 struct CommHandle(nccl_sys::ncclComm_t);

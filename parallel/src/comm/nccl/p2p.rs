@@ -57,13 +57,7 @@ impl P2pChannel {
         boot: &(impl Bootstrap + ?Sized),
         ctx: &Arc<CudaContext>,
     ) -> Result<Vec<Self>, Error> {
-        let ids = exchange_channel_ids(mesh, boot, || {
-            let id = nccl::get_uniqueid().map_err(|e| Error::RendezvousProtocol {
-                addr: String::new(),
-                reason: format!("ncclGetUniqueId: {:?}", e.0),
-            })?;
-            Ok(id.internal.iter().map(|&c| c as u8).collect())
-        })?;
+        let ids = exchange_channel_ids(mesh, boot, super::new_unique_id)?;
         debug_assert_eq!(
             ids.iter().map(|(c, _)| *c).collect::<Vec<_>>(),
             p2p_channels(mesh, boot.rank())
@@ -82,10 +76,7 @@ impl P2pChannel {
         // across ranks (each blocks until its peer makes the same call).
         nccl::group_start().map_err(failed("ncclGroupStart"))?;
         for (channel, id) in ids {
-            let mut unique = nccl_sys::ncclUniqueId { internal: [0; 128] };
-            for (slot, byte) in unique.internal.iter_mut().zip(&id) {
-                *slot = *byte as _;
-            }
+            let unique = super::unique_id(&id);
             let mut comm: nccl_sys::ncclComm_t = std::ptr::null_mut();
             let index = if channel.sends { 0 } else { 1 };
             // SAFETY: `comm` is a valid out-pointer; the channel's two ranks make this call
@@ -123,8 +114,55 @@ impl NcclCommunicator {
             })
     }
 
-    /// `count` elements of `datatype` at `handle` sent to `to` on their channel: enqueued after
-    /// the compute stream's work so far, not waited for (the buffer is kept alive until done).
+    /// `count` elements of `datatype` at `handle` sent to (`sends`) or received from `peer` on
+    /// their channel, enqueued on its stream after the compute stream's work so far (the
+    /// buffer's producers, or its memory's earlier users): the call, its buffer kept alive, and
+    /// an event after it.
+    fn enqueue_p2p(
+        &self,
+        peer: usize,
+        sends: bool,
+        handle: &Handle,
+        count: usize,
+        datatype: nccl_sys::ncclDataType_t,
+    ) -> Result<(&P2pChannel, Enqueued), Error> {
+        self.check_alive()?;
+        let channel = self.channel(peer, sends)?;
+        let cuda = |e: cudarc::driver::DriverError| self.library("CUDA context", e);
+        self.ctx.bind_to_thread().map_err(cuda)?;
+        cubecl::future::block_on(self.client.sync()).map_err(|e| self.library("CubeCL sync", e))?;
+        let resource = self
+            .client
+            .get_resource(handle.clone())
+            .map_err(|e| self.library("CubeCL get_resource", e))?;
+        let ptr = resource.resource().ptr as *mut std::ffi::c_void;
+        let _comm = lock(&channel.pending);
+        let stream = channel.stream.cu_stream() as nccl_sys::cudaStream_t;
+        // SAFETY: `ptr` is a live device allocation of `count` elements of `datatype`, kept
+        // alive with the returned call until it completes; the channel's communicator is used
+        // under its lock, on its own stream of the same context; the sender is its rank 0, the
+        // receiver its rank 1.
+        let called = unsafe {
+            if sends {
+                nccl::send(ptr, count, datatype, 1, channel.comm.0, stream)
+            } else {
+                nccl::recv(ptr, count, datatype, 0, channel.comm.0, stream)
+            }
+        };
+        called.map_err(|e| self.library(if sends { "ncclSend" } else { "ncclRecv" }, e.0))?;
+        let event = channel
+            .stream
+            .record_event(None)
+            .map_err(|e| self.library("cuEventRecord", e))?;
+        let enqueued = Enqueued {
+            _buffers: Box::new(resource),
+            event,
+        };
+        Ok((channel, enqueued))
+    }
+
+    /// `count` elements of `datatype` at `handle` sent to `to` on their channel: enqueued, not
+    /// waited for (the buffer is kept alive until done).
     fn enqueue_send(
         &self,
         to: usize,
@@ -132,34 +170,11 @@ impl NcclCommunicator {
         count: usize,
         datatype: nccl_sys::ncclDataType_t,
     ) -> Result<(), Error> {
-        self.check_alive()?;
-        let channel = self.channel(to, true)?;
-        let cuda = |e: cudarc::driver::DriverError| self.library("CUDA context", e);
-        self.ctx.bind_to_thread().map_err(cuda)?;
-        // The buffer's producers run on the compute stream: let them finish first.
-        cubecl::future::block_on(self.client.sync()).map_err(|e| self.library("CubeCL sync", e))?;
-        let resource = self
-            .client
-            .get_resource(handle.clone())
-            .map_err(|e| self.library("CubeCL get_resource", e))?;
-        let src = resource.resource().ptr as *const std::ffi::c_void;
+        let (channel, send) = self.enqueue_p2p(to, true, handle, count, datatype)?;
         let mut pending = lock(&channel.pending);
-        let stream = channel.stream.cu_stream() as nccl_sys::cudaStream_t;
-        // SAFETY: `src` is a live device allocation of `count` elements of `datatype`, kept
-        // alive in `pending` until the call completes; the channel's communicator is used under
-        // its lock, on its own stream of the same context; its receiver is rank 1.
-        unsafe { nccl::send(src, count, datatype, 1, channel.comm.0, stream) }
-            .map_err(|e| self.library("ncclSend", e.0))?;
-        let event = channel
-            .stream
-            .record_event(None)
-            .map_err(|e| self.library("cuEventRecord", e))?;
         // Forget the sends already done.
         pending.retain(|p| !matches!(p.event.try_is_complete(), Ok(true)));
-        pending.push(Enqueued {
-            _buffers: Box::new(resource),
-            event,
-        });
+        pending.push(send);
         Ok(())
     }
 
@@ -172,35 +187,8 @@ impl NcclCommunicator {
         count: usize,
         datatype: nccl_sys::ncclDataType_t,
     ) -> Result<(), Error> {
-        self.check_alive()?;
-        let channel = self.channel(from, false)?;
-        let cuda = |e: cudarc::driver::DriverError| self.library("CUDA context", e);
-        self.ctx.bind_to_thread().map_err(cuda)?;
-        // The buffer may be memory the compute stream's pending work still uses.
-        cubecl::future::block_on(self.client.sync()).map_err(|e| self.library("CubeCL sync", e))?;
-        let resource = self
-            .client
-            .get_resource(handle.clone())
-            .map_err(|e| self.library("CubeCL get_resource", e))?;
-        let dst = resource.resource().ptr as *mut std::ffi::c_void;
-        let enqueued = {
-            let _comm = lock(&channel.pending);
-            let stream = channel.stream.cu_stream() as nccl_sys::cudaStream_t;
-            // SAFETY: `dst` is a live device allocation of `count` elements of `datatype`,
-            // kept alive until the call has completed (waited for below); the channel's
-            // communicator is used under its lock, on its own stream; its sender is rank 0.
-            unsafe { nccl::recv(dst, count, datatype, 0, channel.comm.0, stream) }
-                .map_err(|e| self.library("ncclRecv", e.0))?;
-            let event = channel
-                .stream
-                .record_event(None)
-                .map_err(|e| self.library("cuEventRecord", e))?;
-            Enqueued {
-                _buffers: Box::new(resource),
-                event,
-            }
-        };
-        self.wait_event(CollectiveKind::Recv, "p2p".into(), enqueued)
+        let (_, recv) = self.enqueue_p2p(from, false, handle, count, datatype)?;
+        self.wait_event(CollectiveKind::Recv, "p2p".into(), recv)
     }
 
     /// Sends `tensor` to `to` on their channel: enqueued, not waited for.
