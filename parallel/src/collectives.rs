@@ -280,10 +280,7 @@ pub(crate) fn send<B: Backend>(
     let ctx = device.context();
     match ctx.device_collectives::<B>() {
         Some(dc) => dc.send(to, tensor),
-        None => ctx
-            .comm()
-            .point_to_point()?
-            .send(to, crate::comm::read::<B>(tensor)),
+        None => crate::comm::host_send::<B>(ctx.comm(), to, tensor),
     }
 }
 
@@ -297,11 +294,7 @@ pub(crate) fn recv<B: Backend>(
     let ctx = device.context();
     match ctx.device_collectives::<B>() {
         Some(dc) => dc.recv(from, shape, dtype, device.inner()),
-        None => {
-            let data = ctx.comm().point_to_point()?.recv(from)?;
-            crate::comm::check_announced(from, &data, &shape, dtype)?;
-            Ok(B::float_from_data(data, device.inner()))
-        }
+        None => crate::comm::host_recv::<B>(ctx.comm(), from, shape, dtype, device.inner()),
     }
 }
 

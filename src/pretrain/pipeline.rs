@@ -202,8 +202,8 @@ impl RankRun<'_> {
             chunks: Vec::new(),
             numbers: Vec::new(),
         };
-        for (c, blocks) in plan.chunks(schedule, pp_rank)?.into_iter().enumerate() {
-            let stage = c * schedule.ranks() + pp_rank;
+        let chunks = plan.chunks(schedule, pp_rank)?;
+        for (stage, blocks) in schedule.stages_of(pp_rank).zip(chunks) {
             if device.rank() == 0 || pp_rank == 0 {
                 tracing::debug!(stage, ?blocks, "pipeline stage");
             }

@@ -421,6 +421,41 @@ pub fn bootstrap_groups(mesh: &DeviceMesh) -> Vec<Group> {
         .collect()
 }
 
+/// Refused unless `boot` launched as many ranks as `mesh` has.
+fn check_world(mesh: &DeviceMesh, boot: &(impl Bootstrap + ?Sized)) -> Result<(), Error> {
+    if boot.world_size() == mesh.world_size() {
+        return Ok(());
+    }
+    Err(Error::RendezvousProtocol {
+        addr: String::new(),
+        reason: format!(
+            "the launch has {} ranks, the mesh {mesh} has {}",
+            boot.world_size(),
+            mesh.world_size()
+        ),
+    })
+}
+
+/// Appends `id` to a blob of ids as `[len u32][bytes]`.
+fn push_id(blob: &mut Vec<u8>, id: &[u8]) {
+    blob.extend_from_slice(&(id.len() as u32).to_le_bytes());
+    blob.extend_from_slice(id);
+}
+
+/// The `index`-th id of a blob [`push_id`] wrote.
+fn nth_id(blob: &[u8], index: usize) -> Option<&[u8]> {
+    let mut at = 0;
+    for i in 0..=index {
+        let len = u32::from_le_bytes(blob.get(at..at + 4)?.try_into().ok()?) as usize;
+        let id = blob.get(at + 4..at + 4 + len)?;
+        if i == index {
+            return Some(id);
+        }
+        at += 4 + len;
+    }
+    None
+}
+
 /// One id per group of this rank ([`bootstrap_groups`] order), each made by the group's first
 /// member with `new_id` and shared with the group's other members over `boot`: one all-gather
 /// of `(axes + 1) × id` bytes per rank.
@@ -430,57 +465,34 @@ pub fn exchange_group_ids(
     mut new_id: impl FnMut() -> Result<Vec<u8>, Error>,
 ) -> Result<Vec<Vec<u8>>, Error> {
     let rank = boot.rank();
-    if boot.world_size() != mesh.world_size() {
-        return Err(Error::RendezvousProtocol {
-            addr: String::new(),
-            reason: format!(
-                "the launch has {} ranks, the mesh {mesh} has {}",
-                boot.world_size(),
-                mesh.world_size()
-            ),
-        });
-    }
+    check_world(mesh, boot)?;
     let groups = bootstrap_groups(mesh);
     let leader = |rank: usize, group: Group| match group {
         Group::World => 0,
         Group::Axis(a) => mesh.group_ranks(rank, a)[0],
     };
-    // Slot per group: [1 if this rank made it][len u32][id].
+    // One id per group: this rank's, or an empty one where another member makes it.
     let mut mine = Vec::new();
     for &group in &groups {
-        if leader(rank, group) == rank {
-            let id = new_id()?;
-            mine.push(1u8);
-            mine.extend_from_slice(&(id.len() as u32).to_le_bytes());
-            mine.extend_from_slice(&id);
+        let id = if leader(rank, group) == rank {
+            new_id()?
         } else {
-            mine.push(0u8);
-            mine.extend_from_slice(&0u32.to_le_bytes());
-        }
+            Vec::new()
+        };
+        push_id(&mut mine, &id);
     }
     let all = boot.all_gather_bytes(&mine)?;
-    let slot = |blob: &[u8], index: usize| -> Option<Vec<u8>> {
-        let mut at = 0;
-        for i in 0..=index {
-            let made = *blob.get(at)?;
-            let len = u32::from_le_bytes(blob.get(at + 1..at + 5)?.try_into().ok()?) as usize;
-            let id = blob.get(at + 5..at + 5 + len)?;
-            if i == index {
-                return (made == 1).then(|| id.to_vec());
-            }
-            at += 5 + len;
-        }
-        None
-    };
     groups
         .iter()
         .enumerate()
         .map(|(i, &group)| {
             let from = leader(rank, group);
-            slot(&all[from], i).ok_or_else(|| Error::RendezvousProtocol {
-                addr: String::new(),
-                reason: format!("rank {from} sent no id for its group {group:?}"),
-            })
+            let id = nth_id(&all[from], i).filter(|id| !id.is_empty());
+            id.map(<[u8]>::to_vec)
+                .ok_or_else(|| Error::RendezvousProtocol {
+                    addr: String::new(),
+                    reason: format!("rank {from} sent no id for its group {group:?}"),
+                })
         })
         .collect()
 }
@@ -533,47 +545,32 @@ pub fn exchange_channel_ids(
     mut new_id: impl FnMut() -> Result<Vec<u8>, Error>,
 ) -> Result<Vec<(Channel, Vec<u8>)>, Error> {
     let rank = boot.rank();
+    check_world(mesh, boot)?;
     let channels = p2p_channels(mesh, rank);
     if p2p_channels(mesh, 0).is_empty() {
         return Ok(Vec::new());
     }
-    // [len u32][id] per send channel, in order.
+    // One id per send channel, in order.
     let mut mine = Vec::new();
-    let mut made = Vec::new();
+    let mut ids = Vec::new();
     for channel in channels.iter().filter(|c| c.sends) {
         let id = new_id()?;
-        mine.extend_from_slice(&(id.len() as u32).to_le_bytes());
-        mine.extend_from_slice(&id);
-        made.push((*channel, id));
+        push_id(&mut mine, &id);
+        ids.push((*channel, id));
     }
     let all = boot.all_gather_bytes(&mine)?;
-    let nth = |blob: &[u8], index: usize| -> Option<Vec<u8>> {
-        let mut at = 0;
-        for i in 0..=index {
-            let len = u32::from_le_bytes(blob.get(at..at + 4)?.try_into().ok()?) as usize;
-            let id = blob.get(at + 4..at + 4 + len)?;
-            if i == index {
-                return Some(id.to_vec());
-            }
-            at += 4 + len;
-        }
-        None
-    };
-    let mut ids = made;
     for channel in channels.iter().filter(|c| !c.sends) {
         let sender = channel.peer;
         let index = p2p_channels(mesh, sender)
             .iter()
             .filter(|c| c.sends)
             .position(|c| c.peer == rank);
-        let id =
-            index
-                .and_then(|i| nth(&all[sender], i))
-                .ok_or_else(|| Error::RendezvousProtocol {
-                    addr: String::new(),
-                    reason: format!("rank {sender} sent no id for its channel to rank {rank}"),
-                })?;
-        ids.push((*channel, id));
+        let id = index.and_then(|i| nth_id(&all[sender], i));
+        let id = id.ok_or_else(|| Error::RendezvousProtocol {
+            addr: String::new(),
+            reason: format!("rank {sender} sent no id for its channel to rank {rank}"),
+        })?;
+        ids.push((*channel, id.to_vec()));
     }
     Ok(ids)
 }

@@ -244,25 +244,36 @@ impl fmt::Debug for HostStaged {
     }
 }
 
-/// Fails with [`Error::Mismatch`] unless `data`, received from rank `from`, has the `shape` and
-/// `dtype` announced for it.
-pub(crate) fn check_announced(
-    from: usize,
-    data: &TensorData,
-    shape: &Shape,
-    dtype: DType,
+/// Sends a local tensor to global rank `to` as a host point-to-point message on `comm`.
+pub(crate) fn host_send<B: Backend>(
+    comm: &dyn Communicator,
+    to: usize,
+    tensor: FloatTensor<B>,
 ) -> Result<(), Error> {
-    if data.shape == *shape && data.dtype == dtype {
-        return Ok(());
+    comm.point_to_point()?.send(to, read::<B>(tensor))
+}
+
+/// The next host point-to-point message from global rank `from` on `comm`, onto `device`; one
+/// of another `shape` or `dtype` than announced fails with [`Error::Mismatch`].
+pub(crate) fn host_recv<B: Backend>(
+    comm: &dyn Communicator,
+    from: usize,
+    shape: Shape,
+    dtype: DType,
+    device: &B::Device,
+) -> Result<FloatTensor<B>, Error> {
+    let data = comm.point_to_point()?.recv(from)?;
+    if data.shape != shape || data.dtype != dtype {
+        return Err(Error::Mismatch {
+            op: CollectiveKind::Recv,
+            group: "p2p".into(),
+            detail: format!(
+                "rank {from} sent {:?} {:?} where {dtype:?} {shape:?} was announced",
+                data.dtype, data.shape
+            ),
+        });
     }
-    Err(Error::Mismatch {
-        op: CollectiveKind::Recv,
-        group: "p2p".into(),
-        detail: format!(
-            "rank {from} sent {:?} {:?} where {dtype:?} {shape:?} was announced",
-            data.dtype, data.shape
-        ),
-    })
+    Ok(B::float_from_data(data, device))
 }
 
 /// A local tensor's values on the host.
@@ -328,7 +339,7 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
     /// Through the host communicator's point-to-point messages.
     fn send(&self, to: usize, tensor: FloatTensor<B>) -> Result<(), Error> {
         self.count(CollectiveKind::Send);
-        self.comm.point_to_point()?.send(to, read::<B>(tensor))
+        host_send::<B>(&*self.comm, to, tensor)
     }
 
     /// Through the host communicator's point-to-point messages; a message of another shape or
@@ -341,9 +352,7 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         device: &B::Device,
     ) -> Result<FloatTensor<B>, Error> {
         self.count(CollectiveKind::Recv);
-        let data = self.comm.point_to_point()?.recv(from)?;
-        check_announced(from, &data, &shape, dtype)?;
-        Ok(B::float_from_data(data, device))
+        host_recv::<B>(&*self.comm, from, shape, dtype, device)
     }
 
     fn flush(&self) -> Result<(), Error> {

@@ -49,7 +49,7 @@ pub use bootstrap::{
 pub(crate) use buffer::{check_dim, check_divisible};
 pub use call::{Call, Operand};
 pub use device::{DeviceCollectives, DeviceIssued, DeviceOp, HostStaged};
-pub(crate) use device::{check_announced, read, stage};
+pub(crate) use device::{host_recv, host_send, read, stage};
 pub(crate) use header::{dtype_code, dtype_of};
 #[cfg(feature = "mpi")]
 pub use hybrid::{HybridCommunicator, HybridWorld};

@@ -89,10 +89,7 @@ impl StagePlan {
                 schedule.stages() / schedule.ranks()
             )));
         }
-        Ok((rank..schedule.stages())
-            .step_by(schedule.ranks())
-            .map(|s| self.blocks(s))
-            .collect())
+        Ok(schedule.stages_of(rank).map(|s| self.blocks(s)).collect())
     }
 }
 

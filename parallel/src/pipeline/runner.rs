@@ -78,8 +78,16 @@ pub trait Transport<B: Backend> {
     }
 }
 
-/// The header words of a message, checked to be at least `len`.
-fn header_words(data: TensorData, len: usize) -> Result<Vec<i64>, Error> {
+/// Sends a message's header words to global rank `to`, as one host message.
+fn send_header(comm: &dyn Communicator, to: usize, words: Vec<i64>) -> Result<(), Error> {
+    let n = words.len();
+    comm.point_to_point()?.send(to, TensorData::new(words, [n]))
+}
+
+/// The header words of the next message from global rank `from` ([`send_header`]), checked to
+/// be at least `len`.
+fn recv_header(comm: &dyn Communicator, from: usize, len: usize) -> Result<Vec<i64>, Error> {
+    let data = comm.point_to_point()?.recv(from)?;
     let words = data.to_vec::<i64>().map_err(|e| Error::Mismatch {
         op: CollectiveKind::Recv,
         group: "pp".into(),
@@ -109,10 +117,8 @@ impl<B: Backend> Transport<B> for Whole {
         head: Vec<i64>,
         tensor: Tensor<B, 3>,
     ) -> Result<(), Error> {
-        let p2p = comm.point_to_point()?;
-        let n = head.len();
-        p2p.send(to, TensorData::new(head, [n]))?;
-        p2p.send(to, tensor.into_data())
+        send_header(comm, to, head)?;
+        comm.point_to_point()?.send(to, tensor.into_data())
     }
 
     fn recv(
@@ -122,10 +128,10 @@ impl<B: Backend> Transport<B> for Whole {
         head: usize,
         device: &B::Device,
     ) -> Result<(Vec<i64>, Tensor<B, 3>), Error> {
-        let p2p = comm.point_to_point()?;
-        let mut words = header_words(p2p.recv(from)?, head)?;
+        let mut words = recv_header(comm, from, head)?;
         words.truncate(head);
-        Ok((words, Tensor::from_data(p2p.recv(from)?, device)))
+        let data = comm.point_to_point()?.recv(from)?;
+        Ok((words, Tensor::from_data(data, device)))
     }
 }
 
@@ -178,9 +184,7 @@ impl<B: DistributedBackend> Transport<B> for Pieces {
                 .map(|&d| d as i64)
                 .chain([crate::comm::dtype_code(local.dtype())?]),
         );
-        let n = head.len();
-        comm.point_to_point()?
-            .send(to, TensorData::new(head, [n]))?;
+        send_header(comm, to, head)?;
         crate::collectives::send(&device, to, local)
     }
 
@@ -193,7 +197,7 @@ impl<B: DistributedBackend> Transport<B> for Pieces {
     ) -> Result<(Vec<i64>, Tensor<B, 3>), Error> {
         let device = B::dist_device(device);
         let axes = device.mesh().axes().len();
-        let mut words = header_words(comm.point_to_point()?.recv(from)?, head)?;
+        let mut words = recv_header(comm, from, head)?;
         if words.len() != head + axes + 4 {
             return Err(Error::Mismatch {
                 op: CollectiveKind::Recv,
@@ -386,6 +390,36 @@ impl<B: AutodiffBackend> Mailbox<'_, B> {
     }
 }
 
+/// The pipeline group on mesh axis `axis` (its members' global ranks, in axis order) and this
+/// rank's index in it, refused when the axis is not as long as `schedule` has ranks.
+pub(super) fn pipeline_group(
+    comm: &dyn Communicator,
+    axis: usize,
+    schedule: &Schedule,
+) -> Result<(Vec<usize>, usize), Error> {
+    let group = Group::Axis(axis);
+    let members = group.ranks(comm.mesh(), comm.rank())?;
+    if members.len() != schedule.ranks() {
+        return Err(Error::InvalidSchedule(format!(
+            "a schedule for {} pipeline ranks on an axis of {}",
+            schedule.ranks(),
+            members.len()
+        )));
+    }
+    Ok((members, group.index(comm.mesh(), comm.rank())?))
+}
+
+/// Refused unless pipeline rank `rank` has one chunk per stage `schedule` gives each rank.
+pub(super) fn check_chunks(schedule: &Schedule, rank: usize, chunks: usize) -> Result<(), Error> {
+    let v = schedule.stages() / schedule.ranks();
+    if chunks != v {
+        return Err(Error::InvalidSchedule(format!(
+            "pipeline rank {rank} has {chunks} model chunks for {v} stages per rank"
+        )));
+    }
+    Ok(())
+}
+
 /// Runs rank `comm.rank()`'s part of one step of `schedule` over the mesh axis `axis` (the
 /// pipeline group: its members, in axis order, are the pipeline ranks): `chunks[c]` is the
 /// rank's stage `c·p + r`; `forward(chunk, stage, micro-batch, input)` runs a stage (`input`
@@ -527,23 +561,9 @@ where
         Some(ctx) => StageGroup::of(ctx, axis)?,
         None => None,
     };
-    let group = Group::Axis(axis);
-    let members = group.ranks(comm.mesh(), comm.rank())?;
-    let rank = group.index(comm.mesh(), comm.rank())?;
-    let p = schedule.ranks();
-    if members.len() != p {
-        return Err(Error::InvalidSchedule(format!(
-            "a schedule for {p} pipeline ranks on an axis of {}",
-            members.len()
-        )));
-    }
-    let v = schedule.stages() / p;
-    if chunks.len() != v {
-        return Err(Error::InvalidSchedule(format!(
-            "pipeline rank {rank} has {} model chunks for {v} stages per rank",
-            chunks.len()
-        )));
-    }
+    let (members, rank) = pipeline_group(comm, axis, schedule)?;
+    check_chunks(schedule, rank, chunks.len())?;
+    let (p, v) = (schedule.ranks(), schedule.stages() / schedule.ranks());
     let device = chunks[0]
         .devices()
         .into_iter()

@@ -349,6 +349,11 @@ impl Schedule {
         self.ranks * self.virtual_stages
     }
 
+    /// Rank `rank`'s stages, chunk by chunk: `c·p + rank` for `c = 0, 1, …, V − 1`.
+    pub fn stages_of(&self, rank: usize) -> impl Iterator<Item = usize> + use<> {
+        (rank..self.stages()).step_by(self.ranks)
+    }
+
     /// Micro-batches per step.
     pub fn microbatches(&self) -> usize {
         self.microbatches
@@ -413,7 +418,7 @@ impl Schedule {
                     }
                 }
             }
-            for stage in (rank..self.stages()).step_by(self.ranks) {
+            for stage in self.stages_of(rank) {
                 for microbatch in 0..self.microbatches {
                     let has = |work| {
                         seen.contains(&Action {

@@ -20,9 +20,11 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use super::plan::StagePlan;
-use super::runner::{PipelineStep, StepOptions, Transport, Whole, run_step_custom};
+use super::runner::{
+    PipelineStep, StepOptions, Transport, Whole, check_chunks, pipeline_group, run_step_custom,
+};
 use super::schedule::Schedule;
-use crate::comm::{Communicator, Group};
+use crate::comm::Communicator;
 use crate::error::Error;
 
 /// A model that is a sequence of blocks: the input goes through them in order, each block's
@@ -158,8 +160,9 @@ pub fn pipeline<B: Backend, S: Sequential<B>>(
             "a plan of blocks 0..{covered} for a model of {blocks} blocks"
         )));
     }
-    let rank = pipeline_rank(comm, axis, schedule)?;
-    let mine = plan.chunks(schedule, rank)?;
+    let (_, rank) = pipeline_group(comm, axis, schedule)?;
+    // Refused unless the plan has the schedule's stages.
+    plan.chunks(schedule, rank)?;
     let ranges: Vec<_> = (0..plan.stages()).map(|s| plan.blocks(s)).collect();
     let mut stages: Vec<Option<S::Stage>> =
         model.into_stages(&ranges).into_iter().map(Some).collect();
@@ -170,11 +173,10 @@ pub fn pipeline<B: Backend, S: Sequential<B>>(
             ranges.len()
         )));
     }
-    let chunks = (rank..schedule.stages())
-        .step_by(schedule.ranks())
+    let chunks = schedule
+        .stages_of(rank)
         .map(|s| stages[s].take().expect("each stage taken once"))
-        .collect::<Vec<_>>();
-    debug_assert_eq!(chunks.len(), mine.len());
+        .collect();
     Ok(Pipeline {
         schedule: schedule.clone(),
         axis,
@@ -182,23 +184,6 @@ pub fn pipeline<B: Backend, S: Sequential<B>>(
         chunks,
         transport: Box::new(Whole),
     })
-}
-
-/// This rank's index on the pipeline axis, the axis checked against the schedule.
-fn pipeline_rank(
-    comm: &dyn Communicator,
-    axis: usize,
-    schedule: &Schedule,
-) -> Result<usize, Error> {
-    let group = Group::Axis(axis);
-    let size = group.size(comm.mesh())?;
-    if size != schedule.ranks() {
-        return Err(Error::InvalidSchedule(format!(
-            "a schedule for {} pipeline ranks on an axis of {size}",
-            schedule.ranks()
-        )));
-    }
-    group.index(comm.mesh(), comm.rank())
 }
 
 impl<B: Backend, S: Sequential<B>> Pipeline<B, S> {
@@ -210,14 +195,8 @@ impl<B: Backend, S: Sequential<B>> Pipeline<B, S> {
         axis: usize,
         schedule: &Schedule,
     ) -> Result<Self, Error> {
-        let rank = pipeline_rank(comm, axis, schedule)?;
-        let v = schedule.stages() / schedule.ranks();
-        if chunks.len() != v {
-            return Err(Error::InvalidSchedule(format!(
-                "pipeline rank {rank} has {} model chunks for {v} stages per rank",
-                chunks.len()
-            )));
-        }
+        let (_, rank) = pipeline_group(comm, axis, schedule)?;
+        check_chunks(schedule, rank, chunks.len())?;
         Ok(Self {
             schedule: schedule.clone(),
             axis,
@@ -246,9 +225,7 @@ impl<B: Backend, S: Sequential<B>> Pipeline<B, S> {
 
     /// The stages this rank holds, chunk by chunk.
     pub fn stages(&self) -> Vec<usize> {
-        (self.rank..self.schedule.stages())
-            .step_by(self.schedule.ranks())
-            .collect()
+        self.schedule.stages_of(self.rank).collect()
     }
 
     /// This rank's chunks.

@@ -72,8 +72,7 @@ impl NcclCommunicator {
     /// Aborts every NCCL communicator of this rank (after a timeout): later calls fail at once.
     pub(crate) fn abort(&self) {
         if !self.aborted.swap(true, Ordering::SeqCst) {
-            let channels = self.channels.iter().map(|c| &c.comm);
-            for comm in self.comms.iter().chain(channels) {
+            for comm in self.all_comms() {
                 // SAFETY: a live communicator, aborted once (guarded by `aborted`).
                 let _ = unsafe { nccl::comm_abort(comm.0) };
             }

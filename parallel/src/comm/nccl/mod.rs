@@ -136,13 +136,21 @@ impl fmt::Debug for NcclCommunicator {
     }
 }
 
+impl NcclCommunicator {
+    /// Every NCCL communicator of this rank: its groups', then its channels'.
+    fn all_comms(&self) -> impl Iterator<Item = &CommHandle> {
+        self.comms
+            .iter()
+            .chain(self.channels.iter().map(|c| &c.comm))
+    }
+}
+
 impl Drop for NcclCommunicator {
     fn drop(&mut self) {
         if self.aborted.load(Ordering::SeqCst) {
             return;
         }
-        let channels = self.channels.iter().map(|c| &c.comm);
-        for comm in self.comms.iter().chain(channels) {
+        for comm in self.all_comms() {
             // SAFETY: each communicator is live and destroyed once, after its last call.
             let _ = unsafe { nccl::comm_destroy(comm.0) };
         }
