@@ -120,7 +120,7 @@ fn main() -> Result<()> {
         #[cfg(feature = "wgpu")]
         "wgpu" => wildfire::pretrain::run_on::<burn::backend::Wgpu>(&config, &Default::default())?,
         #[cfg(feature = "cuda")]
-        "cuda" => run_cuda(&config)?,
+        "cuda" => wildfire::pretrain::run_cuda(&config)?,
         other => bail!(
             "--backend {other} is not compiled in: cargo run --release --features {other} --example gpt_pretrain -- --backend {other}"
         ),
@@ -144,45 +144,4 @@ fn main() -> Result<()> {
         println!("loss curve: {}", plot.display());
     }
     Ok(())
-}
-
-/// `--backend cuda`: with `--collectives nccl`, every rank installs NCCL on its GPU first.
-#[cfg(feature = "cuda")]
-fn run_cuda(config: &PretrainConfig) -> Result<wildfire::pretrain::RunSummary> {
-    use wildfire::pretrain::{Collectives, Launch};
-    type Cuda = burn::backend::Cuda;
-    let device = Default::default();
-    if config.collectives == Collectives::Host {
-        return Ok(wildfire::pretrain::run_on::<Cuda>(config, &device)?);
-    }
-    #[cfg(not(feature = "fusion"))]
-    {
-        use wildfire::parallel::{DistDevice, NcclCommunicator, launch_ranks_rendezvous};
-        use wildfire::pretrain::{RankBody, RankHooks, run_on_with};
-        // Ranks as threads or MPI processes: NCCL over the host communicator's bootstrap.
-        let setup = |d: &DistDevice<Cuda>| {
-            NcclCommunicator::install(d, Default::default())
-                .map(|_| ())
-                .map_err(|e| e.to_string())
-        };
-        // A torchrun-style process: NCCL is the only communicator.
-        let launch = |mesh: &wildfire::parallel::DeviceMesh, body: &mut RankBody<'_, Cuda>| {
-            launch_ranks_rendezvous(mesh, &Default::default(), body).map_err(|e| e.to_string())
-        };
-        let hooks = match config.launch {
-            Launch::Rendezvous => RankHooks {
-                setup: None,
-                launch: Some(&launch),
-            },
-            _ => RankHooks {
-                setup: Some(&setup),
-                launch: None,
-            },
-        };
-        Ok(run_on_with::<Cuda>(config, &device, &hooks)?)
-    }
-    #[cfg(feature = "fusion")]
-    bail!(
-        "--collectives nccl runs on Burn's CUDA backend without operation fusion: build without --features fusion"
-    )
 }

@@ -246,8 +246,9 @@ where
     }
 }
 
-/// The fused counterpart of [`crate::unscale_check_clip`] (`loss_not_finite`: this rank's loss
-/// was NaN or infinite, counted as an overflow in the same all-reduce): unscale every gradient by
+/// The fused counterpart of [`crate::unscale_check_clip`] (`loss`: this rank's loss, still on the
+/// device — read with the flag and `Σ‖g‖²` in the step's one host read, returned beside the
+/// check; a NaN or infinite loss counts as an overflow in the same all-reduce): unscale every gradient by
 /// `inv_scale` and measure `[found_inf, Σ‖g‖²]` with one kernel pass per gradient (combined on
 /// the device, then one 16-byte all-reduce over the mesh), and set `inputs` to the clipping
 /// coefficient (`max_norm / norm` when above, else 1) and the skip flag for the next
@@ -259,8 +260,8 @@ pub fn fused_unscale_check<B, X, M>(
     inv_scale: f32,
     max_norm: Option<f32>,
     inputs: &TailInputs<X>,
-    loss_not_finite: bool,
-) -> Result<GradCheck, Error>
+    loss: Tensor<X, 1>,
+) -> Result<(GradCheck, f32), Error>
 where
     B: AutodiffBackend<InnerBackend = Distributed<X>>,
     X: FusedOps,
@@ -273,20 +274,26 @@ where
         ctx: None,
     };
     model.visit(&mut v);
+    let loss = loss.cast(burn::tensor::DType::F32);
     let (Some((sum, flag)), Some(ctx)) = (v.sum, v.ctx) else {
-        return Ok(GradCheck {
+        let loss: f32 = loss.into_scalar().elem();
+        let check = GradCheck {
             norm: 0.0,
-            found_inf: loss_not_finite,
+            found_inf: !loss.is_finite(),
             clip_factor: 1.0,
-        });
+        };
+        return Ok((check, loss));
     };
     let device = sum.device();
-    // One read of 8 bytes: the agreement over the mesh needs the host communicator.
-    let local: Vec<f32> = Tensor::cat(vec![flag, sum], 0)
+    // The step's one read, 12 bytes: the flag, Σg² and the loss (the agreement over the mesh
+    // needs the host communicator).
+    ctx.count_host_read();
+    let local: Vec<f32> = Tensor::cat(vec![flag, sum, loss], 0)
         .into_data()
         .convert::<f32>()
         .to_vec()
         .expect("f32");
+    let loss_not_finite = !local[2].is_finite();
     let (found_inf, total) = if ctx.world_size() > 1 {
         let flag = if loss_not_finite {
             1.0
@@ -324,9 +331,10 @@ where
         scalar(clip_factor),
         scalar(if found_inf { 1.0 } else { 0.0 }),
     ));
-    Ok(GradCheck {
+    let check = GradCheck {
         norm,
         found_inf,
         clip_factor,
-    })
+    };
+    Ok((check, local[2]))
 }

@@ -51,6 +51,7 @@ where
         };
         if self.clip.is_none() && !self.skip.contains(&param.id) {
             let t = dtensor(&grad);
+            t.device().context().count_host_read();
             self.ctx.get_or_insert_with(|| t.device().context().clone());
             let copies = copies(&t);
             let local = Tensor::<X, D>::from_primitive(TensorPrimitive::Float(t.into_local()));

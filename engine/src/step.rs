@@ -135,7 +135,10 @@ impl StepRunner {
         ctx.set_no_sync(accum > 1);
         let scale = self.scaler.as_ref().map_or(1.0, DynamicLossScaler::scale);
         let mut accumulator = GradientsAccumulator::new();
-        let mut local_loss = 0.0;
+        // The rank's loss stays on the device until the step's one host read (with the overflow
+        // flag and Σg² on the fused tail): reading it per micro-batch would wait for each
+        // forward before its backward is queued.
+        let mut device_loss: Option<Tensor<Distributed<X>, 1>> = None;
         for (i, &seed) in seeds.iter().enumerate() {
             // Each micro-batch's graph on leaves of its own: an earlier backward reached the
             // parameters, and the regions a micro-batch records outlive its main backward (see
@@ -152,7 +155,11 @@ impl StepRunner {
             // when it is on (`Member::set_tracing`).
             let started = Instant::now();
             let micro = loss(&leaves, i, &ckpt).div_scalar(accum as f64);
-            local_loss += micro.clone().into_scalar().elem::<f32>();
+            let value = micro.clone().inner();
+            device_loss = Some(match device_loss.take() {
+                Some(sum) => sum + value,
+                None => value,
+            });
             ctx.comm().member().trace_region("forward", started);
             let micro = if scale != 1.0 {
                 micro.mul_scalar(scale)
@@ -172,17 +179,30 @@ impl StepRunner {
         let mut grads = accumulator.grads();
         sync_gradients(&model, &mut grads)?;
         let clip = self.config.clip;
-        let loss_not_finite = !local_loss.is_finite();
-        let check = match tail {
+        // The full value of the rank's loss (reduced over model axes if partial), still on the
+        // device.
+        let device_loss = device_loss.expect("a step has at least one micro-batch");
+        let device_loss = dtensor(&device_loss).full()?;
+        let (check, local_loss) = match tail {
             Some(inputs) => crate::fused_unscale_check(
                 &model,
                 &mut grads,
                 1.0 / scale,
                 clip,
                 inputs,
-                loss_not_finite,
+                Tensor::from_primitive(burn::tensor::TensorPrimitive::Float(device_loss)),
             )?,
-            None => check_with_loss(&model, &mut grads, 1.0 / scale, clip, loss_not_finite)?,
+            None => {
+                ctx.count_host_read();
+                let loss: f32 = Tensor::<X, 1>::from_primitive(
+                    burn::tensor::TensorPrimitive::Float(device_loss),
+                )
+                .into_scalar()
+                .elem();
+                let check =
+                    check_with_loss(&model, &mut grads, 1.0 / scale, clip, !loss.is_finite())?;
+                (check, loss)
+            }
         };
         ctx.comm().member().trace_region("sync and check", started);
         // Step, or skip on every rank; update the scale.

@@ -22,6 +22,8 @@ pub struct OpCounters {
     /// Redistributions a propagation rule asked for (e.g. reducing a `Partial` before a
     /// non-linear op, or gathering a sharded weight for an FSDP matmul).
     pub redistributions: BTreeMap<&'static str, u64>,
+    /// Float tensors read to the host (`into_data`, `into_scalar`: each waits for the device).
+    pub host_reads: u64,
 }
 
 impl OpCounters {
@@ -297,6 +299,13 @@ impl RankContext {
             .fallbacks
             .entry(op)
             .or_default() += 1;
+    }
+
+    /// Count one read of a tensor to the host ([`OpCounters::host_reads`]). The decorator counts
+    /// its own `into_data`; code that reads a local piece on the inner backend directly (the
+    /// engine's gradient checks) calls this, so the count covers every read of a step.
+    pub fn count_host_read(&self) {
+        self.accounting.counters.lock().unwrap().host_reads += 1;
     }
 
     pub(crate) fn count_redistribution(&self, op: &'static str) {
@@ -776,9 +785,29 @@ thread_local! {
 }
 
 /// Make `device` this thread's current device: the device reported for int and bool tensors
-/// (which stay plain per-rank tensors of the inner backend). The launcher does this per rank.
-pub fn set_current_device<B: Backend>(device: &DistDevice<B>) {
-    CURRENT.with(|c| *c.borrow_mut() = Some(Box::new(device.clone())));
+/// (which stay plain per-rank tensors of the inner backend), until the returned guard is
+/// dropped. The launcher does this per rank and drops the guard when the rank's body ends, so
+/// the rank's context (and the device collectives installed on it: NCCL's communicators) is
+/// released there, on the rank's thread, and not by a thread-local destructor at thread exit,
+/// when the CUDA driver may already be gone.
+pub fn set_current_device<B: Backend>(device: &DistDevice<B>) -> CurrentDevice {
+    let previous = CURRENT.with(|c| c.replace(Some(Box::new(device.clone()))));
+    CurrentDevice(previous)
+}
+
+/// While alive, a device is this thread's current device ([`set_current_device`]); dropped, the
+/// thread's previous current device (usually none) is restored and the device released.
+#[must_use = "the device stops being current when the guard is dropped"]
+pub struct CurrentDevice(Option<Box<dyn Any>>);
+
+impl Drop for CurrentDevice {
+    fn drop(&mut self) {
+        let previous = self.0.take();
+        // Taken out of the cell before it is dropped: dropping a rank's last device runs its
+        // context's destructors, which must not find the cell borrowed.
+        let current = CURRENT.with(|c| c.replace(previous));
+        drop(current);
+    }
 }
 
 /// This thread's current device, or the world-size-1 default.

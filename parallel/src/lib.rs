@@ -62,7 +62,7 @@ pub use comm::{
 #[cfg(feature = "mpi")]
 pub use comm::{HybridCommunicator, HybridWorld, MpiCommunicator, MpiWorld};
 #[cfg(feature = "cuda")]
-pub use comm::{NcclCommunicator, NcclOptions};
+pub use comm::{NcclCommunicator, NcclOptions, check_libcuda};
 pub use data_parallel::{
     DistributedBackend, SyncReport, dtensor, fresh_leaves, from_dtensor, redistribute, replicate,
     sync_gradients,

@@ -8,11 +8,15 @@
 //! estimate in `wildfire_models::memory`, launcher detection in `wildfire_parallel::LaunchEnv`.
 
 mod config;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
 mod plot;
 pub mod trace;
 
 pub use config::{Collectives, Launch, Precision, PretrainConfig};
+#[cfg(feature = "cuda")]
+pub use cuda::run_cuda;
 pub use error::PretrainError;
 pub(crate) use error::io_err;
 pub use plot::plot_losses;
@@ -40,14 +44,18 @@ use wildfire_parallel::{
 };
 
 /// Called on every rank's device before training (e.g. to install NCCL collectives).
-pub type RankSetup<'a, B> = dyn Fn(&DistDevice<B>) -> Result<(), String> + Sync + 'a;
+pub type RankSetup<'a, B> =
+    dyn Fn(&DistDevice<B>) -> Result<(), wildfire_parallel::Error> + Sync + 'a;
 
 /// One rank's training, as handed to a [`ProcessLaunch`].
 pub type RankBody<'a, B> = dyn FnMut(DistDevice<B>) -> Result<RunSummary, PretrainError> + 'a;
 
 /// Runs this process's rank of `mesh` (its device made by the launcher) through the body
 /// ([`Launch::Rendezvous`]).
-pub type ProcessLaunch<'a, B> = dyn Fn(&DeviceMesh, &mut RankBody<'_, B>) -> Result<Result<RunSummary, PretrainError>, String>
+pub type ProcessLaunch<'a, B> = dyn Fn(
+        &DeviceMesh,
+        &mut RankBody<'_, B>,
+    ) -> Result<Result<RunSummary, PretrainError>, wildfire_parallel::Error>
     + 'a;
 
 /// What a backend-specific caller adds to [`run_on_with`].
@@ -63,6 +71,31 @@ impl<B: Backend> Default for RankHooks<'_, B> {
         Self {
             setup: None,
             launch: None,
+        }
+    }
+}
+
+impl<'a, B: Backend> RankHooks<'a, B> {
+    /// The hooks `config`'s collectives take from a backend that offers NCCL (`nccl_setup`
+    /// installs it on a rank's device, `nccl_launch` starts a torchrun-style process on it):
+    /// with [`Collectives::Nccl`], the launch for [`Launch::Rendezvous`] and the set-up for
+    /// ranks as threads or MPI processes; none for [`Collectives::Host`] and
+    /// [`Collectives::Staged`], which the run carries over the host communicator itself.
+    pub fn for_collectives(
+        config: &PretrainConfig,
+        nccl_setup: &'a RankSetup<'a, B>,
+        nccl_launch: &'a ProcessLaunch<'a, B>,
+    ) -> Self {
+        match (config.collectives, config.launch) {
+            (Collectives::Host | Collectives::Staged, _) => Self::default(),
+            (Collectives::Nccl, Launch::Rendezvous) => Self {
+                setup: None,
+                launch: Some(nccl_launch),
+            },
+            (Collectives::Nccl, Launch::Threads | Launch::Mpi) => Self {
+                setup: Some(nccl_setup),
+                launch: None,
+            },
         }
     }
 }
@@ -235,7 +268,7 @@ pub fn run_on_with<B: FusedOps>(
     let setup = hooks.setup;
     let rank_body = |device: DistDevice<B>| -> Result<RunSummary, PretrainError> {
         if let Some(setup) = setup {
-            setup(&device).map_err(PretrainError::Config)?;
+            setup(&device)?;
         }
         if config.collectives == Collectives::Staged {
             let ctx = device.context();
@@ -376,7 +409,7 @@ fn launch_ranks<B: FusedOps>(
                 rank = d.rank();
                 body(d)
             };
-            let result = launch(&mesh, &mut body).map_err(PretrainError::Config)?;
+            let result = launch(&mesh, &mut body)?;
             Ok((rank, result))
         }
     }
@@ -411,3 +444,46 @@ fn read_state(
 mod pipeline;
 mod rank;
 use rank::RankRun;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type F = burn::backend::Flex;
+
+    /// The collectives choice of a backend that offers NCCL: its set-up (or, for a
+    /// torchrun-style process, its launch) only for `--collectives nccl`. Staged collectives
+    /// take neither: the run stages them over the host communicator (on CUDA they installed
+    /// NCCL, whose initialisation then failed with two ranks on one GPU).
+    #[test]
+    fn only_nccl_collectives_take_the_nccl_hooks() {
+        fn setup(_: &DistDevice<F>) -> Result<(), wildfire_parallel::Error> {
+            Ok(())
+        }
+        type Launched = Result<Result<RunSummary, PretrainError>, wildfire_parallel::Error>;
+        fn launch(_: &DeviceMesh, _: &mut RankBody<'_, F>) -> Launched {
+            unreachable!("only chosen")
+        }
+        let chosen = |collectives, launch_kind| {
+            let config = PretrainConfig {
+                collectives,
+                launch: launch_kind,
+                ..PretrainConfig::default()
+            };
+            let hooks = RankHooks::<F>::for_collectives(&config, &setup, &launch);
+            (hooks.setup.is_some(), hooks.launch.is_some())
+        };
+        for launch_kind in [Launch::Threads, Launch::Mpi, Launch::Rendezvous] {
+            for collectives in [Collectives::Host, Collectives::Staged] {
+                assert_eq!(
+                    chosen(collectives, launch_kind),
+                    (false, false),
+                    "{collectives:?} {launch_kind:?}"
+                );
+            }
+        }
+        assert_eq!(chosen(Collectives::Nccl, Launch::Threads), (true, false));
+        assert_eq!(chosen(Collectives::Nccl, Launch::Mpi), (true, false));
+        assert_eq!(chosen(Collectives::Nccl, Launch::Rendezvous), (false, true));
+    }
+}

@@ -321,6 +321,63 @@ fn step_runner_steps_and_skips_together() {
     }
 }
 
+/// A step on the fused tail reads the device once: the loss, the overflow flag and `Σg²` in one
+/// read after the last backward (counted by the decorator: `OpCounters::host_reads`), with one
+/// micro-batch and with four, on one rank and FullShard over two.
+#[test]
+fn one_host_read_per_step() {
+    use wildfire::engine::{FusedAdamW, FusedAdamWConfig, StepRunner, StepRunnerConfig};
+    use wildfire::parallel::FsdpOptimizer;
+    for (dp, strategy) in [(1, FsdpStrategy::NoShard), (2, FsdpStrategy::FullShard)] {
+        let mesh = DeviceMesh::new([("dp", dp)]).unwrap();
+        let reads = threads(&mesh, |device| {
+            let rank = device.rank();
+            let (adamw, inputs) = FusedAdamW::<Flex>::optimizer::<Mlp<Dist>>(FusedAdamWConfig {
+                beta1: 0.9,
+                beta2: 0.999,
+                epsilon: 1e-5,
+                weight_decay: 1e-4,
+            });
+            let mut m = sharded_mlp(&device, &mesh, [4, 8, 3], 1, strategy);
+            let mut optim = FsdpOptimizer::new(adamw);
+            let config = StepRunnerConfig {
+                clip: Some(0.05),
+                ..StepRunnerConfig::default()
+            };
+            let mut step = StepRunner::new(
+                config,
+                Some(DynamicLossScaler::new(LossScalerConfig::default())),
+            );
+            let mut reads = Vec::new();
+            for seeds in [&[1u64][..], &[1, 2, 3, 4], &[5], &[6, 7, 8, 9]] {
+                device.context().reset_counters();
+                let (next, record) = step
+                    .run(
+                        &device,
+                        m,
+                        &mut optim,
+                        Some(&inputs),
+                        1e-2,
+                        seeds,
+                        |m, i, _| micro_batch_loss(m, rank, i % 2, false, &device),
+                    )
+                    .unwrap();
+                m = next;
+                assert!(record.loss.is_finite() && !record.skipped);
+                reads.push(device.context().counters().host_reads);
+            }
+            reads
+        });
+        for (rank, reads) in reads.iter().enumerate() {
+            assert_eq!(
+                reads,
+                &[1, 1, 1, 1],
+                "dp {dp} rank {rank}: host reads per step"
+            );
+        }
+    }
+}
+
 /// The fused optimizer tail (`StepRunner::run` with its tail inputs + `FusedAdamW`: one unscale + Σg² + overflow
 /// pass per gradient, one AdamW pass per parameter, clipping coefficient and skip flag on the
 /// device) follows Burn's AdamW through `StepRunner::run` step by step — DDP, ZeRO-1 (gradients on

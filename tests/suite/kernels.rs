@@ -28,10 +28,11 @@ fn close_tol(what: &str, got: &[f32], expected: &[f32], tol: f32) {
         .fold(0f32, f32::max);
     // An absolute floor for outputs near 0 computed from O(1) inputs: 1e-6 in f32, one f16 step
     // at 1 (≈ 1e-3) in f16.
-    let floor = if INPUT_DTYPE.get().is_some() {
-        1e-3
-    } else {
-        1e-6
+    // (bf16: one step at 1 is ≈ 8e-3.)
+    let floor = match INPUT_DTYPE.get() {
+        Some(burn::tensor::FloatDType::BF16) => 8e-3,
+        Some(_) => 1e-3,
+        None => 1e-6,
     };
     assert!(
         got.iter().all(|v| v.is_finite()) && worst <= tol * scale + floor,
@@ -295,6 +296,67 @@ fn check_attention_qkv<B: AutodiffBackend + FusedOps>(
     );
 }
 
+/// Grouped-query attention: `k`, `v` with `kv_heads` heads shared by `h / kv_heads` query heads
+/// each, against the reference on key/value heads repeated to `h`.
+fn check_attention_gqa<B: AutodiffBackend + FusedOps>(
+    device: &B::Device,
+    [b, h, s, d]: [usize; 4],
+    kv_heads: usize,
+    tol: f32,
+) {
+    let q = normal::<B, 4>([b, h, s, d], 1.0, device);
+    let k = normal::<B, 4>([b, kv_heads, s, d], 1.0, device);
+    let v = normal::<B, 4>([b, kv_heads, s, d], 1.0, device);
+    let scale = 1.0 / (d as f64).sqrt();
+    let (gq, gk, gv) = (grad_of(&q), grad_of(&k), grad_of(&v));
+    let repeat = |t: &Tensor<B, 4>| {
+        t.clone()
+            .unsqueeze_dim::<5>(2)
+            .expand([b, kv_heads, h / kv_heads, s, d])
+            .reshape([b, h, s, d])
+    };
+    let mask = Tensor::<B, 2, Bool>::tril_mask([s, s], 0, device)
+        .unsqueeze::<4>()
+        .expand([b, h, s, s]);
+    let scores = q
+        .clone()
+        .matmul(repeat(&k).swap_dims(2, 3))
+        .mul_scalar(scale)
+        .mask_fill(mask, f32::NEG_INFINITY);
+    let reference = activation::softmax(scores, 3).matmul(repeat(&v));
+    compare(
+        &format!(
+            "grouped-query attention {:?} kv heads {kv_heads}",
+            [b, h, s, d]
+        ),
+        ops::attention(q.clone(), k.clone(), v.clone(), scale, true),
+        reference,
+        &[&gq, &gk, &gv],
+        tol,
+    );
+}
+
+/// The tiled flash attention across its edges: sequences of one token, shorter than a tile, a
+/// whole tile, past two tiles (130), head dims 32, 64 and 128, causal and not, separate and packed
+/// q/k/v; one long sequence (1024: many key blocks, most of them skipped above the diagonal);
+/// grouped key/value heads.
+fn check_attention_tiles<B: AutodiffBackend + FusedOps>(
+    device: &B::Device,
+    seqs: &[usize],
+    tol: f32,
+) {
+    for &d in &[32, 64, 128] {
+        for &s in seqs {
+            for causal in [true, false] {
+                check_attention::<B>(device, [2, 2, s, d], causal, tol);
+                check_attention_qkv::<B>(device, [2, s, 2, d], causal, tol);
+            }
+        }
+    }
+    check_attention::<B>(device, [1, 1, 1024, 64], true, tol);
+    check_attention_gqa::<B>(device, [1, 4, 33, 32], 2, tol);
+}
+
 /// Every fused op and its backward on one backend, across shapes with non-powers-of-two, single
 /// rows and columns wider than a cube.
 fn check_all<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) {
@@ -533,6 +595,23 @@ mod wgpu {
         }
     }
 
+    /// The tiled flash attention (the cube-wide tile products without tensor cores: lavapipe has
+    /// none) against Burn ops, forward and every input gradient, in f32 and f16 (f16 inputs
+    /// against the same composition in f16: tolerance as for the other f16 kernels).
+    #[test]
+    fn tiled_attention_matches_burn_ops_f32_and_f16() {
+        let device = Default::default();
+        check_attention_tiles::<W>(&device, &[1, 17, 64, 130], 1e-4);
+        INPUT_DTYPE.set(Some(FloatDType::F16));
+        let result = std::panic::catch_unwind(|| {
+            check_attention_tiles::<W>(&device, &[17, 130], 3e-2);
+        });
+        INPUT_DTYPE.set(None);
+        if let Err(panic) = result {
+            std::panic::resume_unwind(panic);
+        }
+    }
+
     /// The GPT trains on `Autodiff<Distributed<Wgpu>>` through the fused kernels (layer norms,
     /// GELU-with-bias, flash attention, cross-entropy) and the decorator's fused placement rules;
     /// its losses track the Flex run (plain Burn ops) step by step, on one rank and sharded.
@@ -592,6 +671,63 @@ mod wgpu {
                 &flex.steps,
                 1e-4,
             );
+        }
+    }
+}
+
+/// The same checks on CUDA (run by the GPU bench's correctness half, `benches/gpu.sh`): f32 (the
+/// tiled products without tensor cores), then f16 and bf16 through tensor-core fragments.
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+    use burn::backend::Cuda;
+    use burn::tensor::FloatDType;
+
+    type C = Autodiff<Cuda>;
+
+    /// Every kernel against Burn ops on CUDA, f32 (slow on a fresh machine: each reference
+    /// matmul shape is autotuned once).
+    #[test]
+    fn cuda_kernels_match_burn_ops() {
+        let device = Default::default();
+        check_all::<C>(&device, 1e-4);
+        check_attention_tiles::<C>(&device, &[1, 17, 64, 130], 1e-4);
+    }
+
+    /// The tensor-core tiles (bf16 and f16 q, k, v: `cmma` fragments, f32 accumulation) against
+    /// the f32 tiles on the same inputs — the f32 path is the one checked against Burn ops here
+    /// and on lavapipe, and this comparison needs no Burn matmul (no autotuning): forward and
+    /// the gradient of the packed input, through the casts. Tolerances of the output's scale:
+    /// bf16 keeps 8 significant bits (inputs and probabilities rounded once each), f16 11.
+    #[test]
+    fn cuda_tensor_core_attention_matches_f32_tiles() {
+        let device = Default::default();
+        for (dtype, tol) in [(FloatDType::BF16, 4e-2), (FloatDType::F16, 8e-3)] {
+            for ([b, t, h, hd], causal) in [
+                ([2, 130, 2, 64], true),
+                ([2, 130, 2, 64], false),
+                ([1, 1024, 2, 64], true),
+                ([2, 77, 2, 128], true),
+                ([1, 17, 3, 32], false),
+                ([1, 1, 2, 64], true),
+            ] {
+                let qkv = normal::<C, 4>([b, t, h, 3 * hd], 1.0, &device);
+                let g = grad_of(&qkv);
+                let scale = 1.0 / (hd as f64).sqrt();
+                let reference = ops::attention_qkv(qkv.clone(), scale, causal);
+                let got = ops::attention_qkv(qkv.clone().cast(dtype), scale, causal)
+                    .cast(FloatDType::F32);
+                compare(
+                    &format!(
+                        "{dtype:?} tensor-core attention {:?} causal {causal}",
+                        [b, t, h, hd]
+                    ),
+                    got,
+                    reference,
+                    &[&g],
+                    tol,
+                );
+            }
         }
     }
 }

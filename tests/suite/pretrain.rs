@@ -717,7 +717,7 @@ fn gpt_pretraining_through_installed_device_collectives_matches_bitwise() {
     };
     let plain = run(&config).unwrap();
     let installed: Mutex<Vec<Arc<HostStaged>>> = Mutex::default();
-    let setup = |d: &DistDevice<F>| -> Result<(), String> {
+    let setup = |d: &DistDevice<F>| -> Result<(), wildfire::parallel::Error> {
         let staged = Arc::new(HostStaged::new(d.context().comm_arc()));
         d.context().set_device_collectives::<F>(staged.clone());
         installed.lock().unwrap().push(staged);

@@ -1,6 +1,7 @@
 //! The `#[cube]` kernels and `FusedOps` for `CubeBackend` (Wgpu, Cuda, … — every CubeCL runtime),
 //! one file per kernel family: `softmax`, `norm` (LayerNorm and RMSNorm), `cross_entropy`,
-//! `gelu` (GELU with bias), `attention` (flash attention forward) and `attention_backward`,
+//! `gelu` (GELU with bias), `attention` (tiled flash attention forward, separate or packed q/k/v)
+//! and `attention_backward`,
 //! `optim` (the optimizer tail); the cube-wide reductions the row kernels share are in `reduce`,
 //! the host-side launch helpers here.
 //!
@@ -272,7 +273,23 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         causal: bool,
     ) -> AttentionGrads<Self> {
         let operands = [q, k, v, output, lse, d_output];
-        let [q, k, v] = attention_backward::backward(operands, scale, causal);
+        let [q, k, v] = attention_backward::backward::<R, F, I, BT>(operands, scale, causal);
         AttentionGrads { q, k, v }
+    }
+
+    fn fused_attention_qkv(qkv: CubeTensor<R>, scale: f64, causal: bool) -> AttentionOutput<Self> {
+        let (output, lse) = attention::forward_packed(qkv, scale, causal);
+        AttentionOutput { output, lse }
+    }
+
+    fn fused_attention_qkv_backward(
+        qkv: CubeTensor<R>,
+        output: CubeTensor<R>,
+        lse: CubeTensor<R>,
+        d_output: CubeTensor<R>,
+        scale: f64,
+        causal: bool,
+    ) -> CubeTensor<R> {
+        attention_backward::backward_packed(qkv, output, lse, d_output, scale, causal)
     }
 }

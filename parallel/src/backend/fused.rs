@@ -21,6 +21,7 @@ use super::rules::{self, column_grad, to_layout, whole_dim, without_partials, wr
 use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
 use burn_backend::tensor::IntTensor;
+use burn_backend::{Backend, FloatDType, TensorMetadata};
 use wildfire_kernels::{
     AttentionGrads, AttentionOutput, CrossEntropyOutput, FusedOps, LayerNormGrads, LayerNormOutput,
     RmsNormOutput, reference,
@@ -30,6 +31,39 @@ type Dt<B> = DTensor<B>;
 
 fn last(t: &Dt<impl FusedOps>) -> usize {
     t.shape.num_dims() - 1
+}
+
+/// The precision policy around a fused op: the rank's compute dtype (when one is set and differs
+/// from the operands'), and the operands' dtype to return in.
+struct ComputeCast {
+    original: FloatDType,
+    compute: Option<FloatDType>,
+}
+
+impl ComputeCast {
+    fn of<B: Backend>(t: &DTensor<B>) -> Self {
+        let original: FloatDType = t.local.dtype().into();
+        let compute = t
+            .device
+            .ctx
+            .with_policy(|p| p.compute_dtype)
+            .filter(|c| *c != original);
+        Self { original, compute }
+    }
+
+    fn to_compute<B: Backend>(&self, t: B::FloatTensorPrimitive) -> B::FloatTensorPrimitive {
+        match self.compute {
+            Some(c) => B::float_cast(t, c),
+            None => t,
+        }
+    }
+
+    fn back<B: Backend>(&self, t: B::FloatTensorPrimitive) -> B::FloatTensorPrimitive {
+        match self.compute {
+            Some(_) => B::float_cast(t, self.original),
+            None => t,
+        }
+    }
 }
 
 /// The input with whole rows (channel dimension unsharded, no partials).
@@ -273,9 +307,17 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let qkv = rules::unpadded(qkv.settled());
         let layout = packed_layout(&qkv.layout);
         let qkv = to_layout(OP, qkv, &layout);
-        let out = B::fused_attention_qkv(qkv.local, scale, causal);
+        // In the compute dtype (as `torch.autocast` runs SDPA): bf16/f16 q, k, v take the
+        // kernels' tensor-core tiles; the output comes back in the activations' dtype, the
+        // log-sum-exp stays f32.
+        let dtypes = ComputeCast::of(&qkv);
+        let out = B::fused_attention_qkv(dtypes.to_compute::<B>(qkv.local), scale, causal);
         AttentionOutput {
-            output: wrap(out.output, layout.clone(), qkv.device.clone()),
+            output: wrap(
+                dtypes.back::<B>(out.output),
+                layout.clone(),
+                qkv.device.clone(),
+            ),
             lse: wrap(out.lse, layout, qkv.device),
         }
     }
@@ -297,8 +339,16 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             like(OP, lse, &layout),
             like(OP, d_output, &layout),
         );
-        let g = B::fused_attention_qkv_backward(qkv.local, o, lse, d_o, scale, causal);
-        wrap(g, layout, qkv.device)
+        let dtypes = ComputeCast::of(&qkv);
+        let g = B::fused_attention_qkv_backward(
+            dtypes.to_compute::<B>(qkv.local),
+            dtypes.to_compute::<B>(o),
+            lse,
+            dtypes.to_compute::<B>(d_o),
+            scale,
+            causal,
+        );
+        wrap(dtypes.back::<B>(g), layout, qkv.device)
     }
 
     fn fused_attention_backward(

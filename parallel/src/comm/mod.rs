@@ -59,7 +59,7 @@ pub use member::{Member, TraceEvent};
 #[cfg(feature = "mpi")]
 pub use mpi_comm::{MpiCommunicator, MpiWorld};
 #[cfg(feature = "cuda")]
-pub use nccl::{NcclCommunicator, NcclOptions};
+pub use nccl::{NcclCommunicator, NcclOptions, check_libcuda};
 pub use queue::{CommQueue, Pending};
 pub use stats::{CommCount, CommStats};
 

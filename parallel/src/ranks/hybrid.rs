@@ -39,10 +39,15 @@ where
                     .name(format!("rank-{}", comm.rank()))
                     .spawn_scoped(scope, move || {
                         let device = DistDevice::<B>::new(inner(t), comm);
-                        set_current_device(&device);
+                        let current = set_current_device(&device);
                         let rank = device.rank();
-                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(device)))
-                            .map_err(|payload| {
+                        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(device))) {
+                            Ok(out) => {
+                                // The rank's context goes now, not at the thread's exit.
+                                drop(current);
+                                Ok(out)
+                            }
+                            Err(payload) => {
                                 let message = match take_raised() {
                                     Some(e) => e.to_string(),
                                     None => panic_message(payload.as_ref()),
@@ -52,7 +57,8 @@ where
                                     "wildfire: rank {rank} failed: {message}; aborting the MPI job"
                                 );
                                 SimpleCommunicator::world().abort(2)
-                            })
+                            }
+                        }
                     })
                     .expect("start a rank thread")
             })

@@ -58,14 +58,18 @@ where
     let result = launch(mesh, options, |comm| {
         let rank = comm.rank();
         let device = DistDevice::<B>::new(inner(rank), comm);
-        set_current_device(&device);
-        match catch_unwind(AssertUnwindSafe(|| f(device))) {
+        let current = set_current_device(&device);
+        let out = match catch_unwind(AssertUnwindSafe(|| f(device))) {
             Ok(out) => out,
             Err(payload) => {
                 raised.lock().unwrap()[rank] = take_raised();
                 resume_unwind(payload)
             }
-        }
+        };
+        // The rank's context goes now, on this thread: a lone rank's thread is a pool worker
+        // that would otherwise keep it until it exits.
+        drop(current);
+        out
     });
     match result {
         Err(Error::RankFailed { rank, message }) => match raised.lock().unwrap()[rank].take() {

@@ -29,9 +29,11 @@ where
     let comm = world.communicator();
     let rank = comm.rank();
     let device = DistDevice::<B>::new(inner(LaunchEnv::local_rank_or_zero()), comm);
-    set_current_device(&device);
+    let current = set_current_device(&device);
     match catch_unwind(AssertUnwindSafe(|| f(device))) {
         Ok(out) => {
+            // The rank's context goes before MPI is finalised, not at the thread's exit.
+            drop(current);
             drop(world);
             Ok(out)
         }

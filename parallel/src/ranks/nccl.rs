@@ -72,9 +72,13 @@ where
     let dist = DistDevice::<CubeBackend<CudaRuntime, F, I, BT>>::new(device, nccl.clone());
     dist.context()
         .set_device_collectives::<CubeBackend<CudaRuntime, F, I, BT>>(nccl.clone());
-    set_current_device(&dist);
+    let current = set_current_device(&dist);
     match catch_unwind(AssertUnwindSafe(|| f(dist))) {
-        Ok(out) => Ok(out),
+        Ok(out) => {
+            // NCCL is destroyed here, on this thread, not by a thread-local destructor at exit.
+            drop(current);
+            Ok(out)
+        }
         Err(payload) => {
             let message = match take_raised() {
                 Some(error) => error.to_string(),

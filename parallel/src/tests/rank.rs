@@ -114,3 +114,80 @@ fn rank_policy_is_set_once_and_filled_in_by_fully_shard() {
         }
     );
 }
+
+thread_local! {
+    /// Touched by a rank's body, after its launcher made the rank's device current: a rank's
+    /// thread destroys it before that device (thread-local destructors run in reverse order of
+    /// first use).
+    static TOUCHED: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Device collectives that say, when dropped, whether their thread's locals were still alive:
+/// `false` when a thread-local destructor dropped them as the thread exited (where NCCL's
+/// communicators crashed the process at exit).
+#[derive(Debug)]
+struct DropProbe(std::sync::mpsc::Sender<bool>);
+
+impl Drop for DropProbe {
+    fn drop(&mut self) {
+        let _ = self.0.send(TOUCHED.try_with(|_| ()).is_ok());
+    }
+}
+
+impl DeviceCollectives<F> for DropProbe {
+    fn all_reduce(
+        &self,
+        _: Group,
+        _: burn_backend::tensor::FloatTensor<F>,
+        _: ReduceOp,
+    ) -> Result<burn_backend::tensor::FloatTensor<F>, Error> {
+        unreachable!("the probe is only dropped")
+    }
+
+    fn all_gather_first(
+        &self,
+        _: Group,
+        _: burn_backend::tensor::FloatTensor<F>,
+    ) -> Result<burn_backend::tensor::FloatTensor<F>, Error> {
+        unreachable!("the probe is only dropped")
+    }
+
+    fn reduce_scatter_first(
+        &self,
+        _: Group,
+        _: burn_backend::tensor::FloatTensor<F>,
+        _: ReduceOp,
+    ) -> Result<burn_backend::tensor::FloatTensor<F>, Error> {
+        unreachable!("the probe is only dropped")
+    }
+
+    fn broadcast(
+        &self,
+        _: Group,
+        _: burn_backend::tensor::FloatTensor<F>,
+        _: usize,
+    ) -> Result<burn_backend::tensor::FloatTensor<F>, Error> {
+        unreachable!("the probe is only dropped")
+    }
+}
+
+/// A rank's context, and the device collectives installed on it, are released when the rank's
+/// body ends, on the rank's thread, before the launch returns: a lone rank (which runs on a pool
+/// worker) and ranks on threads of their own. They were kept as the thread's current device
+/// until a thread-local destructor dropped them at thread exit, where NCCL's
+/// `ncclCommDestroy` crashed the process.
+#[test]
+fn a_rank_context_is_released_when_the_rank_ends() {
+    for dp in [1, 2] {
+        let (sender, dropped) = std::sync::mpsc::channel();
+        let mesh = DeviceMesh::new([("dp", dp)]).unwrap();
+        threads(&mesh, |device| {
+            TOUCHED.with(|t| t.borrow_mut().push(device.rank()));
+            let probe = Arc::new(DropProbe(sender.clone()));
+            device.context().set_device_collectives::<F>(probe);
+        });
+        drop(sender);
+        let dropped: Vec<bool> = dropped.try_iter().collect();
+        assert_eq!(dropped, vec![true; dp], "dp {dp}");
+    }
+}

@@ -38,9 +38,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     fn float_into_data(
         tensor: FloatTensor<Self>,
     ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        let fb = Fallback::<B>::new("float_into_data");
-        let tensor = fb.float(tensor);
-        B::float_into_data(tensor)
+        rules::float_into_data::<B>(rules::unpadded::<B>(tensor))
     }
 
     fn float_device(tensor: &FloatTensor<Self>) -> Device<Self> {

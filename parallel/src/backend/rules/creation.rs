@@ -106,6 +106,19 @@ fn scoped<B: Backend>(
         .expect("a planned layout fits its tensor")
 }
 
+/// A float tensor read to the host (PyTorch's `.item()` / `.cpu()`): its full value (gathered
+/// or reduced as the fallback does), counted as one host read of the rank
+/// ([`OpCounters::host_reads`](crate::OpCounters::host_reads)) — each is a device
+/// synchronisation, and a training step should need one.
+pub(crate) fn float_into_data<B: Backend>(
+    tensor: DTensor<B>,
+) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
+    tensor.device.ctx.count_host_read();
+    let fb = Fallback::<B>::new("float_into_data");
+    let tensor = fb.float(tensor);
+    B::float_into_data(tensor)
+}
+
 pub(crate) fn float_device<B: Backend>(tensor: &DTensor<B>) -> DistDevice<B> {
     tensor.device.clone()
 }

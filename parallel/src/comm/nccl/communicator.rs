@@ -28,13 +28,8 @@ impl NcclCommunicator {
         options: NcclOptions,
     ) -> Result<Self, Error> {
         // cudarc loads the libraries at first use and panics when one is missing: ask first.
-        // SAFETY: only tries to open the shared libraries.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err(Error::Cuda(
-                "libcuda was not found: NCCL needs an NVIDIA driver".into(),
-            ));
-        }
-        // SAFETY: as above.
+        super::check_libcuda()?;
+        // SAFETY: only tries to open the shared library.
         if !unsafe { nccl_sys::is_culib_present() } {
             return Err(Error::Nccl {
                 call: "loading libnccl",

@@ -81,6 +81,20 @@ impl Default for NcclOptions {
     }
 }
 
+/// Whether the CUDA driver (libcuda) can be loaded, as a typed error when it cannot: cudarc
+/// loads it at first use and panics when it is missing, so whatever first touches a CUDA
+/// device (Burn's CUDA backend, NCCL) asks here first.
+pub fn check_libcuda() -> Result<(), Error> {
+    // SAFETY: only tries to open the shared library.
+    if unsafe { cudarc::driver::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(Error::Cuda(
+            "libcuda was not found: CUDA and NCCL need an NVIDIA driver".into(),
+        ))
+    }
+}
+
 /// A fresh NCCL unique id, as the bytes the bootstrap hands out.
 fn new_unique_id() -> Result<Vec<u8>, Error> {
     let id = nccl::get_uniqueid().map_err(|e| Error::RendezvousProtocol {

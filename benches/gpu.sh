@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The GPU bench, in two halves.
+#
+#   bash benches/gpu.sh build            # any machine with Rust: CUDA binaries → .gpu/ (stripped, gzipped)
+#   bash benches/gpu.sh run              # a machine with an NVIDIA GPU, Python and PyTorch, no Rust needed
+#
+# `build` compiles gpt_pretrain, the kernel bench (benches/gpu_kernels.rs) and the test binary
+# with `--features cuda` (FEATURES overrides, e.g. FEATURES=cuda,wgpu to share a build with the
+# lavapipe tests), and packs them with the corpus and the PyTorch scripts into `.gpu/` (git
+# ignores it; ≈ 30 MB). `run` (from the repository root, or any folder holding `.gpu/`) does, in
+# order of priority, each step with its own timeout and the whole under DEADLINE seconds (480):
+#   (a) correctness: the tensor-core attention (bf16, f16) against the f32 tiles on CUDA, CUDA
+#       against Flex for 30 steps of the tiny preset, and (last: its Burn-op references are
+#       autotuned) every kernel against Burn ops in f32;
+#   (b) speed: attention and GEMMs at GPT-2 124M's shapes beside SDPA and torch.matmul, then
+#       GPT-2 124M bf16 at 8 × 1024 beside PyTorch eager (and torch.compile if time is left), the
+#       same model, batches and optimizer; tokens/s and MFU with one formula for both;
+#   (c) CubeCL's per-kernel time table of one training step (its profiler).
+# It prints one markdown table and leaves every log in $OUT/gpu-bench.tgz, and CubeCL's tuning
+# cache in $OUT/cubecl-cache.tgz (put it in .gpu/ to skip the tuning next time; OUT defaults to a
+# temporary folder). CUBECL_AUTOTUNE_LEVEL (here `minimal` unless set: the first run's tuning
+# fits the deadline; `balanced` is CubeCL's default) sets the matmul tuning effort.
+set -uo pipefail
+mode=${1:-}
+root=$(cd "$(dirname "$0")/.." && pwd)
+
+build() {
+    cd "$root"
+    local features=${FEATURES:-cuda} dir=.gpu
+    mkdir -p "$dir"
+    cargo build --release --features "$features" --example gpt_pretrain
+    cargo bench --no-run --features "$features" --bench gpu_kernels
+    local bench tests
+    bench=$(cargo bench --no-run --features "$features" --bench gpu_kernels --message-format json 2>/dev/null |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("executable") and m["target"]["name"] == "gpu_kernels": print(m["executable"])')
+    tests=$(cargo test --release --no-run --features "$features" --test main --message-format json 2>/dev/null |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("executable") and m["target"]["name"] == "main": print(m["executable"])')
+    local target=${CARGO_TARGET_DIR:-target}
+    for pair in "$target/release/examples/gpt_pretrain:gpt_pretrain" "$bench:gpu_kernels" "$tests:kernel_tests"; do
+        local src=${pair%%:*} name=${pair##*:}
+        strip -o "$dir/$name" "$src" && gzip -9f "$dir/$name"
+    done
+    cp benches/pytorch/gpt_gpu.py benches/pytorch/gpu_kernels.py benches/gpu_table.py "$dir/"
+    cp benches/gpu.sh "$dir/gpu.sh"
+    gzip -9c "$root/../shared/data/tinyshakespeare.txt" > "$dir/tinyshakespeare.txt.gz" 2>/dev/null ||
+        echo "gpu.sh: no ../shared corpus; the run half will use the binary's embedded one"
+    du -sh "$dir"
+}
+
+run() {
+    local here dir
+    here=$(pwd)
+    dir=$([ -d "$here/.gpu" ] && echo "$here/.gpu" || echo "$root/.gpu")
+    local T; T=$(mktemp -d)
+    local START; START=$(date +%s)
+    local DEADLINE=${DEADLINE:-480}
+    local O=${OUT:-$T/out} R=$T/r
+    mkdir -p "$O" "$R" "$T/b"
+    for f in "$dir"/*.gz; do gunzip -c "$f" > "$T/b/$(basename "$f" .gz)"; done
+    chmod +x "$T/b/gpt_pretrain" "$T/b/gpu_kernels" "$T/b/kernel_tests"
+    cp "$dir"/*.py "$T/b/"
+    export NO_COLOR=1 RUST_LOG=${RUST_LOG:-info}
+    export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
+    # A previous run's tuning results (CubeCL keys them by device): on a fresh machine each GEMM
+    # shape costs 20–30 s of tuning even at `minimal`, ≈ 17 shapes for GPT-2 124M's step.
+    [ -f "$dir/cubecl-cache.tgz" ] && mkdir -p "$HOME/.cache" && tar xzf "$dir/cubecl-cache.tgz" -C "$HOME/.cache"
+    { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+      python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } > "$R/env.txt" 2>&1
+    local corpus=()
+    [ -f "$T/b/tinyshakespeare.txt" ] && corpus=(--data "$T/b/tinyshakespeare.txt")
+    left() { echo $((DEADLINE - ($(date +%s) - START))); }
+    step() { # name timeout cmd...
+        local name=$1 t=$2; shift 2
+        local l; l=$(left)
+        if [ "$l" -lt 15 ]; then echo "$name skipped (deadline)" >> "$R/summary.txt"; return; fi
+        [ "$t" -gt "$l" ] && t=$l
+        local s; s=$(date +%s)
+        (cd "$T" && timeout "$t" "$@") > "$R/$name.log" 2>&1
+        echo "$name rc=$? $(( $(date +%s) - s ))s" >> "$R/summary.txt"
+        tar czf "$O/gpu-bench.tgz" -C "$T" r 2>/dev/null
+    }
+    local G=$T/b/gpt_pretrain
+    local SMALL=(--tokenizer bytes "${corpus[@]}" --steps 30 --warmup 5 --eval-every 0 --eval-iters 0
+        --sample-tokens 0 --log-every 1 --plot "$T/p.png")
+    local BIG=(--preset gpt2-124m --tokenizer gpt2 "${corpus[@]}" --batch-size 8 --precision bf16
+        --eval-every 0 --eval-iters 0 --sample-tokens 0 --log-every 1 --peak-flops 9.89e14 --plot "$T/p.png")
+    # (a) the kernels' correctness first (tensor-core tiles included), (b) the whole step beside
+    # PyTorch eager, then the kernels beside SDPA and torch.matmul, (c) the profile, then the
+    # tiny run against Flex and torch.compile while time is left.
+    step attention_tests 60 "$T/b/kernel_tests" cuda_tensor_core --test-threads 1
+    step gpt2_ours 200 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_ours.jsonl"
+    step gpt2_eager 60 python3 "$T/b/gpt_gpu.py" --mode eager --batch 8 --seq 1024 --dtype bf16 --steps 10 --warmup 3
+    step kernels_ours 120 "$T/b/gpu_kernels"
+    step kernels_torch 60 python3 "$T/b/gpu_kernels.py"
+    WILDFIRE_ATTENTION_CMMA=0 step kernels_ours_nocmma 60 "$T/b/gpu_kernels" --iters 5
+    printf '[profiling.logger]\nlevel = "basic"\nfile = "%s"\n' "$R/profile.log" > "$T/cubecl.toml"
+    step gpt2_profile 90 "$G" --backend cuda "${BIG[@]}" --steps 2 --warmup 1
+    rm -f "$T/cubecl.toml"
+    step flex_tiny 90 "$G" --backend flex "${SMALL[@]}" --metrics "$R/flex_tiny.jsonl" &
+    step cuda_tiny 90 "$G" --backend cuda "${SMALL[@]}" --metrics "$R/cuda_tiny.jsonl"
+    wait
+    step gpt2_compile 150 python3 "$T/b/gpt_gpu.py" --mode compile --batch 8 --seq 1024 --dtype bf16 --steps 10 --warmup 3
+    # every kernel against Burn ops in f32 (each reference matmul shape is tuned once: slow on a
+    # fresh machine, last)
+    step kernel_tests 150 "$T/b/kernel_tests" cuda_kernels_match_burn_ops --test-threads 1
+    # the tuning results, for the next run on this kind of GPU (`.gpu/cubecl-cache.tgz`)
+    tar czf "$O/cubecl-cache.tgz" -C "$HOME/.cache" cubecl 2>/dev/null
+    python3 "$T/b/gpu_table.py" "$R" > "$R/table.md" 2>&1
+    tar czf "$O/gpu-bench.tgz" -C "$T" r
+    cat "$R/table.md"
+}
+
+case "$mode" in
+    build) build ;;
+    run) run ;;
+    *) echo "usage: bash benches/gpu.sh build|run" >&2; exit 2 ;;
+esac

@@ -1,0 +1,115 @@
+//! The GPU's hot kernels at GPT-2 124M's shapes, on CUDA: flash attention forward + backward
+//! (packed q/k/v, as the GPT calls it) and each bf16 GEMM of a training step through Burn's
+//! matmul (autotuned). `benches/gpu.sh` runs it beside `benches/pytorch/gpu_kernels.py` (SDPA
+//! and `torch.matmul` on the same shapes) on the same GPU.
+//!
+//! ```text
+//! cargo bench --bench gpu_kernels --features cuda [-- --batch 8 --seq 1024]
+//! WILDFIRE_ATTENTION_CMMA=0 …   # the tiled attention without tensor cores, for comparison
+//! ```
+//!
+//! Prints one JSON object per line: `{"kernel", "shape", "ms", "tflops"}` (mean over the timed
+//! calls after two warm-up calls, which compile and autotune).
+
+use burn::backend::Cuda;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Distribution, Tensor};
+use std::time::Instant;
+use wildfire::kernels::FusedOps;
+
+type B = Cuda;
+
+fn sync() {
+    <B as burn::tensor::backend::Backend>::sync(&Default::default()).unwrap();
+}
+
+fn arg(name: &str, default: usize) -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .map_or(default, |v| v.parse().expect("a number"))
+}
+
+/// Mean seconds per call of `f` over `iters` calls, after two warm-up calls.
+fn time(iters: usize, f: &dyn Fn()) -> f64 {
+    f();
+    f();
+    sync();
+    let start = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    sync();
+    start.elapsed().as_secs_f64() / iters as f64
+}
+
+fn report(kernel: &str, shape: &str, seconds: f64, flops: f64) {
+    println!(
+        "{{\"kernel\": \"{kernel}\", \"shape\": \"{shape}\", \"ms\": {:.4}, \"tflops\": {:.1}}}",
+        seconds * 1e3,
+        flops / seconds / 1e12
+    );
+}
+
+fn random_bf16<const D: usize>(shape: [usize; D]) -> Tensor<B, D> {
+    Tensor::<B, D>::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
+        .cast(DType::BF16)
+}
+
+fn main() {
+    let (b, t) = (arg("--batch", 8), arg("--seq", 1024));
+    let (h, hd, d, v) = (12, 64, 768, 50_304);
+    let iters = arg("--iters", 20);
+
+    // Attention, causal, packed [b, t, h, 3·hd]: forward, then forward + backward. FLOPs as
+    // FlashAttention counts them for causal: forward 2·2·b·h·t²·hd / 2, backward 2.5× that.
+    let qkv: FloatTensor<B> = random_bf16([b, t, h, 3 * hd]).into_primitive().tensor();
+    let scale = 1.0 / (hd as f64).sqrt();
+    let fwd_flops = 4.0 * (b * h * t * t * hd) as f64 / 2.0;
+    let shape = format!("b{b} h{h} t{t} d{hd} causal bf16");
+    let forward = || {
+        let _ = B::fused_attention_qkv(qkv.clone(), scale, true);
+    };
+    report("attention_fwd", &shape, time(iters, &forward), fwd_flops);
+    let out = B::fused_attention_qkv(qkv.clone(), scale, true);
+    let d_out: FloatTensor<B> = random_bf16([b, t, h, hd]).into_primitive().tensor();
+    let backward = || {
+        let _ = B::fused_attention_qkv_backward(
+            qkv.clone(),
+            out.output.clone(),
+            out.lse.clone(),
+            d_out.clone(),
+            scale,
+            true,
+        );
+    };
+    report(
+        "attention_bwd",
+        &shape,
+        time(iters, &backward),
+        2.5 * fwd_flops,
+    );
+
+    // The GEMMs of one layer and the head, forward shapes (x·Wᵀ as the GPT's linear runs them).
+    let rows = b * t;
+    for (name, k, n) in [
+        ("qkv", d, 3 * d),
+        ("attn_proj", d, d),
+        ("mlp_fc", d, 4 * d),
+        ("mlp_proj", 4 * d, d),
+        ("lm_head", d, v),
+    ] {
+        let x = random_bf16([rows, k]);
+        let w = random_bf16([n, k]);
+        let mm = || {
+            let _ = x.clone().matmul(w.clone().transpose());
+        };
+        report(
+            &format!("matmul_{name}"),
+            &format!("{rows}x{k}x{n} bf16"),
+            time(iters, &mm),
+            2.0 * (rows * k * n) as f64,
+        );
+    }
+}

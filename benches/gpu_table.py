@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""The markdown table of `benches/gpu.sh run`, from the logs in its result folder.
+
+    python3 benches/gpu_table.py RESULT_DIR
+
+MFU has one formula for both sides: tokens/s × flops_per_token / 989e12 (H100 SXM dense bf16),
+flops_per_token = 6·N + 12·L·T·d as PyTorch's script reports it for the same model (N without
+the position table).
+"""
+import json, os, re, statistics, sys
+from collections import defaultdict
+
+R = sys.argv[1]
+PEAK = 989e12
+
+
+def read(name):
+    try:
+        return open(os.path.join(R, name), errors="replace").read()
+    except OSError:
+        return ""
+
+
+def jsonl(name):
+    out = []
+    for line in read(name).splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
+
+print("## GPU bench\n")
+print("```\n" + read("env.txt").strip() + "\n```\n")
+print("Steps: " + "; ".join(read("summary.txt").strip().splitlines()) + "\n")
+
+# (a) correctness
+print("### Correctness\n")
+for log, what in (("attention_tests.log", "tensor-core attention against the f32 tiles"),
+                  ("kernel_tests.log", "every kernel against Burn ops (f32)")):
+    tests = re.findall(r"test result: .*", read(log))
+    failed = re.findall(r"^test (\S+) \.\.\. FAILED", read(log), re.M)
+    print(f"- {what}: {tests[-1] if tests else 'no result'}"
+          + (f" (failed: {', '.join(failed)})" if failed else ""))
+flex, cuda = jsonl("flex_tiny.jsonl"), jsonl("cuda_tiny.jsonl")
+if flex and cuda and len(flex) == len(cuda):
+    dl = max(abs(a["loss"] - b["loss"]) for a, b in zip(flex, cuda))
+    dg = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(flex, cuda))
+    print(f"- tiny preset, {len(cuda)} steps f32, CUDA vs Flex: max |Δloss| {dl:.2e}, "
+          f"max |Δgrad_norm| {dg:.2e}")
+else:
+    print(f"- tiny preset CUDA vs Flex: incomplete ({len(flex)} vs {len(cuda)} steps)")
+
+# (b) kernels
+print("\n### Kernels at GPT-2 124M's shapes (bf16)\n")
+ours = {k["kernel"]: k for k in jsonl("kernels_ours.log")}
+torch = {k["kernel"]: k for k in jsonl("kernels_torch.log")}
+print("| kernel | shape | Wildfire ms | PyTorch ms | ratio | Wildfire TFLOP/s (% of peak) |")
+print("|---|---|---|---|---|---|")
+for name, k in ours.items():
+    t = torch.get(name)
+    ratio = f"{k['ms'] / t['ms']:.2f}×" if t and t["ms"] > 0 else "–"
+    print(f"| {name} | {k['shape']} | {k['ms']:.3f} | {t['ms'] if t else '–'} | {ratio} | "
+          f"{k['tflops']} ({100 * k['tflops'] * 1e12 / PEAK:.0f}%) |")
+
+plain = {k["kernel"]: k for k in jsonl("kernels_ours_nocmma.log")}
+for name in ("attention_fwd", "attention_bwd"):
+    if name in plain:
+        k = plain[name]
+        print(f"| {name} without tensor cores | {k['shape']} | {k['ms']:.3f} | | | {k['tflops']} |")
+
+# (b) whole step
+print("\n### GPT-2 124M, bf16, batch 8 × 1024 (tokens/s after step 0)\n")
+eager = jsonl("gpt2_eager.log")
+compiled = jsonl("gpt2_compile.log")
+fpt = (eager or compiled or [{}])[0].get("flops_per_token")
+rows = []
+ours_steps = jsonl("gpt2_ours.jsonl")[1:]
+if ours_steps:
+    tps = statistics.median(s["tokens_per_s"] for s in ours_steps)
+    rows.append(("Wildfire (CUDA)", tps))
+for label, res in (("PyTorch eager", eager), ("torch.compile", compiled)):
+    if res:
+        rows.append((label, res[0]["tokens_per_s"]))
+print("| implementation | tokens/s | MFU |")
+print("|---|---|---|")
+for label, tps in rows:
+    mfu = f"{100 * tps * fpt / PEAK:.1f}%" if fpt else "–"
+    print(f"| {label} | {tps:,.0f} | {mfu} |")
+
+# (c) profile
+print("\n### CubeCL profile of one training step (the run's last step; top 15 kernels)\n")
+per = defaultdict(lambda: [0.0, 0])
+units = {"ns": 1e-6, "µs": 1e-3, "us": 1e-3, "ms": 1.0, "s": 1e3}
+launches = []
+for line in read("profile.log").splitlines():
+    m = re.match(r"\|\s*([\d.]+)(ns|µs|us|ms|s)\s*\|\s*(.+)$", line)
+    if m:
+        name = re.split(r"[\s<:(]", m.group(3).strip(), maxsplit=1)[0]
+        launches.append((name, float(m.group(1)) * units[m.group(2)]))
+# The last step alone: after the first step's optimizer launches (its first launches compile
+# and tune). A step ends with one AdamW launch per parameter tensor.
+adamw = [i for i, (n, _) in enumerate(launches) if n == "AdamwKernel"]
+if adamw and len(adamw) % 2 == 0:
+    launches = launches[adamw[len(adamw) // 2 - 1] + 1:]
+for name, ms in launches:
+    per[name][0] += ms
+    per[name][1] += 1
+total = sum(v[0] for v in per.values())
+if total:
+    print(f"Launches of the step: {sum(v[1] for v in per.values())}, {total:.1f} ms of kernel time.\n")
+    print("| kernel | ms | launches | share |")
+    print("|---|---|---|---|")
+    for name, (ms, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:15]:
+        print(f"| {name} | {ms:.1f} | {n} | {100 * ms / total:.1f}% |")
+else:
+    print("(no profile)")

@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""PyTorch's side of benches/gpu_kernels.rs: SDPA (causal, bf16) forward and forward+backward,
+and torch.matmul on each bf16 GEMM of a GPT-2 124M training step, timed the same way (mean over
+the timed calls after two warm-up calls). One JSON line per kernel, the same keys as the Rust
+bench: {"kernel", "shape", "ms", "tflops"}.
+
+    python3 benches/pytorch/gpu_kernels.py [--batch 8 --seq 1024]
+"""
+import argparse, json, time
+
+import torch
+import torch.nn.functional as F
+
+p = argparse.ArgumentParser()
+p.add_argument("--batch", type=int, default=8)
+p.add_argument("--seq", type=int, default=1024)
+p.add_argument("--iters", type=int, default=20)
+args = p.parse_args()
+b, t, h, hd, d, v = args.batch, args.seq, 12, 64, 768, 50304
+dev, bf16 = "cuda", torch.bfloat16
+torch.manual_seed(0)
+
+
+def timed(f):
+    f(); f()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        f()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / args.iters
+
+
+def report(kernel, shape, s, flops):
+    print(json.dumps({"kernel": kernel, "shape": shape, "ms": round(s * 1e3, 4),
+                      "tflops": round(flops / s / 1e12, 1)}))
+
+
+qkv = torch.randn(b, t, h, 3 * hd, device=dev, dtype=bf16, requires_grad=True)
+shape = f"b{b} h{h} t{t} d{hd} causal bf16"
+fwd_flops = 4 * b * h * t * t * hd / 2
+
+
+def attn():
+    q, k, vv = qkv.split(hd, dim=3)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), vv.transpose(1, 2), is_causal=True)
+
+
+with torch.no_grad():
+    report("attention_fwd", shape, timed(attn), fwd_flops)
+out = attn()
+g = torch.randn_like(out)
+
+
+def fwd_bwd():
+    o = attn()
+    torch.autograd.grad(o, qkv, g)
+
+
+# the backward alone: forward + backward minus the forward
+s_fb = timed(fwd_bwd)
+with torch.no_grad():
+    s_f = timed(attn)
+report("attention_bwd", shape, s_fb - s_f, 2.5 * fwd_flops)
+
+rows = b * t
+for name, k, n in [("qkv", d, 3 * d), ("attn_proj", d, d), ("mlp_fc", d, 4 * d),
+                   ("mlp_proj", 4 * d, d), ("lm_head", d, v)]:
+    x = torch.randn(rows, k, device=dev, dtype=bf16)
+    w = torch.randn(n, k, device=dev, dtype=bf16)
+    report(f"matmul_{name}", f"{rows}x{k}x{n} bf16", timed(lambda: x @ w.t()), 2 * rows * k * n)

@@ -1,0 +1,82 @@
+//! Pretraining on Burn's CUDA backend (feature `cuda`): which collectives carry the run, chosen
+//! here rather than by the binary, so the choice moves with the launcher.
+
+use super::{PretrainConfig, PretrainError, RankHooks, RunSummary, run_on_with};
+
+/// Burn's CUDA backend (wrapped in operation fusion with the feature `fusion`).
+type Cuda = burn::backend::Cuda;
+
+/// Run pretraining with `config` on Burn's CUDA backend, its collectives as
+/// [`PretrainConfig::collectives`] says ([`RankHooks::for_collectives`]): host and staged over
+/// the host communicator, every rank on the default GPU; NCCL installed on every rank, rank `r`
+/// of a process on GPU `r` (or, for a torchrun-style process, NCCL carrying everything).
+/// Without libcuda this is a typed error ([`wildfire_parallel::Error::Cuda`]) before the device
+/// is first used, whatever the collectives. NCCL needs Burn's CUDA backend without operation
+/// fusion (a build without the feature `fusion`).
+pub fn run_cuda(config: &PretrainConfig) -> Result<RunSummary, PretrainError> {
+    // cudarc loads libcuda at the device's first use and panics when it is missing.
+    wildfire_parallel::check_libcuda()?;
+    tracing::info!(
+        "CUDA: Burn's matmuls are autotuned — each new GEMM shape is timed once on this GPU \
+         (≈ 20–30 s per shape on a fresh machine, GPT-2 124M has ≈ 17; CUBECL_AUTOTUNE_LEVEL=\
+         minimal|balanced|extensive|full sets the effort), cached in ~/.cache/cubecl for later runs"
+    );
+    let device = Default::default();
+    #[cfg(not(feature = "fusion"))]
+    {
+        use super::RankBody;
+        use wildfire_parallel::{
+            DeviceMesh, DistDevice, NcclCommunicator, NcclOptions, launch_ranks_rendezvous,
+        };
+        // Ranks as threads or MPI processes: NCCL over the host communicator's bootstrap.
+        let setup =
+            |d: &DistDevice<Cuda>| NcclCommunicator::install(d, NcclOptions::default()).map(|_| ());
+        // A torchrun-style process: NCCL is the only communicator.
+        let launch = |mesh: &DeviceMesh, body: &mut RankBody<'_, Cuda>| {
+            launch_ranks_rendezvous(mesh, &NcclOptions::default(), body)
+        };
+        let hooks = RankHooks::<Cuda>::for_collectives(config, &setup, &launch);
+        run_on_with::<Cuda>(config, &device, &hooks)
+    }
+    #[cfg(feature = "fusion")]
+    {
+        if config.collectives == super::Collectives::Nccl {
+            return Err(PretrainError::Config(
+                "--collectives nccl runs on Burn's CUDA backend without operation fusion: build \
+                 without --features fusion"
+                    .into(),
+            ));
+        }
+        run_on_with::<Cuda>(config, &device, &RankHooks::default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pretrain::Collectives;
+
+    /// Without libcuda (a CPU-only machine), a CUDA run is the typed error NCCL gives, whatever
+    /// the collectives, not cudarc's panic at the device's first use. With it, nothing to check
+    /// here (the GPU runs are the suite's).
+    #[test]
+    fn cuda_without_libcuda_is_a_typed_error() {
+        if wildfire_parallel::check_libcuda().is_ok() {
+            return;
+        }
+        for collectives in [Collectives::Host, Collectives::Staged, Collectives::Nccl] {
+            let config = PretrainConfig {
+                collectives,
+                steps: 1,
+                ..PretrainConfig::default()
+            };
+            match run_cuda(&config) {
+                Err(PretrainError::Parallel(wildfire_parallel::Error::Cuda(reason))) => {
+                    assert!(reason.contains("libcuda"), "{collectives:?}: {reason}");
+                }
+                Err(e) => panic!("{collectives:?}: {e}"),
+                Ok(_) => panic!("{collectives:?}: ran without libcuda"),
+            }
+        }
+    }
+}
