@@ -127,7 +127,7 @@ impl Tiles {
         let es = like.dtype.size();
         let cmma = cmma_wanted()
             && matches!(like.dtype, DType::F16 | DType::BF16)
-            && d % 16 == 0
+            && d.is_multiple_of(16)
             && props.hardware.plane_size_min == 32
             && props.hardware.plane_size_max == 32
             && props.features.matmul.cmma.contains(&MmaConfig {
@@ -629,7 +629,7 @@ pub(super) fn problem<R: CubeRuntime>(
     let [b, h, sq, d] = q.shape().dims::<4>();
     let [kb, kh, sk, kd] = k.shape().dims::<4>();
     assert!(
-        b == kb && d == kd && kh > 0 && h % kh == 0,
+        b == kb && d == kd && kh > 0 && h.is_multiple_of(kh),
         "attention: q {:?} and k {:?} differ in batch or head_dim, or the query heads are not a \
          multiple of the key/value heads",
         q.shape(),
@@ -688,7 +688,7 @@ pub(super) fn packed_operands<R: CubeRuntime>(
     let [qkv] = contiguous([qkv]);
     let [b, t, h, d3] = qkv.shape().dims::<4>();
     assert!(
-        d3 % 3 == 0,
+        d3.is_multiple_of(3),
         "packed attention: last dim {d3} is not 3·head_dim"
     );
     let d = d3 / 3;

@@ -118,32 +118,6 @@ unsafe fn matmul(
     }
 }
 
-/// `dst[t×t] = alpha·A·Bᵀ` for `t` rows of `hd` in `a` and in `b` (`a.1` and `b.1` apart): every
-/// row of A dotted with every row of B (the scores `Q·Kᵀ`, the score gradients `dO·Vᵀ`).
-///
-/// # Safety
-/// `a.0` and `b.0` must be valid for `t` rows of `hd` elements at their row strides.
-unsafe fn row_dots(
-    dst: &mut [f32],
-    a: (&[f32], isize),
-    b: (&[f32], isize),
-    [t, hd]: [usize; 2],
-    alpha: f32,
-) {
-    debug_assert_eq!(dst.len(), t * t);
-    // SAFETY: `dst` is t × t; `a` and `b` as the caller guarantees.
-    unsafe {
-        matmul(
-            [t, t, hd],
-            dst.as_mut_ptr(),
-            t as isize,
-            (a.0.as_ptr(), 1, a.1),
-            (b.0.as_ptr(), b.1, 1),
-            alpha,
-        );
-    }
-}
-
 super::math::dispatch! {
     /// Softmax of `row[..valid]` in place (`row[valid..]` set to 0); returns the log-sum-exp.
     fn softmax_row(row: &mut [f32], valid: usize) -> f32 {
@@ -190,10 +164,26 @@ fn visible(i: usize, t: usize, causal: bool) -> usize {
     if causal { i + 1 } else { t }
 }
 
+/// Rows per block of the causal GEMMs.
+const CAUSAL_BLOCK: usize = 64;
+
+/// The blocks of `t` rows the GEMMs take, `(start, end, keys)`: rows `start..end` attend to keys
+/// `..keys`. Causal: blocks of [`CAUSAL_BLOCK`] seeing the keys up to their last row, so the
+/// blocks above the diagonal are never computed (about half of the score GEMMs at long `t`);
+/// otherwise one block of every row and key.
+fn row_blocks(t: usize, causal: bool) -> impl Iterator<Item = (usize, usize, usize)> {
+    let block = if causal { CAUSAL_BLOCK } else { t.max(1) };
+    (0..t).step_by(block).map(move |start| {
+        let end = (start + block).min(t);
+        (start, end, if causal { end } else { t })
+    })
+}
+
 /// [`FusedOps::fused_attention_qkv`](crate::FusedOps::fused_attention_qkv) on Flex: per (batch,
-/// head) pair, `S = scale·Q·Kᵀ` and `O = P·V` as two GEMMs that read q, k and v where they lie in
+/// head) pair, `S = scale·Q·Kᵀ` and `O = P·V` as GEMMs that read q, k and v where they lie in
 /// the packed buffer and write the output in `[b, t, h, hd]` order (no layout copies), the
-/// softmax in between. `None` for other dtypes or shapes.
+/// softmax in between; causal, by blocks of rows that skip the keys above the diagonal
+/// ([`row_blocks`]). `None` for other dtypes or shapes.
 pub fn attention_qkv(
     qkv: &FlexTensor,
     scale: f64,
@@ -211,23 +201,38 @@ pub fn attention_qkv(
         let base = bi * t * h * 3 * hd + hi * 3 * hd;
         let (q, k, v) = (&x[base..], &x[base + hd..], &x[base + 2 * hd..]);
         let mut s = vec![0f32; t * t];
-        // SAFETY: q, k, v rows are `rs` apart inside `x`.
-        unsafe { row_dots(&mut s, (q, rs), (k, rs), [t, hd], scale as f32) };
-        for (i, row) in s.chunks_mut(t).enumerate() {
-            let lse = softmax_row(row, visible(i, t, causal));
-            // SAFETY: index (bi, i, hi) of the `[b, t, h]` log-sum-exp, this task's alone.
-            unsafe { *l_ptr.get().add((bi * t + i) * h + hi) = lse };
-        }
-        // SAFETY: the output rows of (bi, hi), `h·hd` apart, are written by this task only.
-        unsafe {
-            matmul(
-                [t, hd, t],
-                o_ptr.get().add(bi * t * h * hd + hi * hd),
-                (h * hd) as isize,
-                (s.as_ptr(), 1, t as isize),
-                (v.as_ptr(), 1, rs),
-                1.0,
-            );
+        let row = rs as usize;
+        for (start, end, keys) in row_blocks(t, causal) {
+            let m = end - start;
+            // S[start..end, ..keys] = scale·Q·Kᵀ.
+            // SAFETY: q, k, v rows are `rs` apart inside `x`; `s` is t × t.
+            unsafe {
+                matmul(
+                    [m, keys, hd],
+                    s.as_mut_ptr().add(start * t),
+                    t as isize,
+                    (q.as_ptr().add(start * row), 1, rs),
+                    (k.as_ptr(), rs, 1),
+                    scale as f32,
+                );
+            }
+            for i in start..end {
+                let lse = softmax_row(&mut s[i * t..i * t + keys], visible(i, t, causal));
+                // SAFETY: index (bi, i, hi) of the `[b, t, h]` log-sum-exp, this task's alone.
+                unsafe { *l_ptr.get().add((bi * t + i) * h + hi) = lse };
+            }
+            // O[start..end] = P[start..end, ..keys]·V[..keys].
+            // SAFETY: the output rows of (bi, hi), `h·hd` apart, are written by this task only.
+            unsafe {
+                matmul(
+                    [m, hd, keys],
+                    o_ptr.get().add(bi * t * h * hd + start * h * hd + hi * hd),
+                    (h * hd) as isize,
+                    (s.as_ptr().add(start * t), 1, t as isize),
+                    (v.as_ptr(), 1, rs),
+                    1.0,
+                );
+            }
         }
     });
     Some(crate::AttentionOutput {
@@ -266,50 +271,80 @@ pub fn attention_qkv_backward(
         let (o, d_o) = (&o[obase..], &d_o[obase..]);
         let mut p = vec![0f32; t * t];
         let mut dp = vec![0f32; t * t];
-        // SAFETY: q, k, v rows are `rs` apart inside `x`, output rows `ors` apart.
-        unsafe {
-            row_dots(&mut p, (q, rs), (k, rs), [t, hd], scale as f32);
-            row_dots(&mut dp, (d_o, ors), (v, rs), [t, hd], 1.0);
+        let (row, orow) = (rs as usize, ors as usize);
+        let g = g_ptr.get();
+        for (start, end, keys) in row_blocks(t, causal) {
+            let m = end - start;
+            // P and dP on rows start..end, keys ..keys (the blocks above the diagonal stay 0).
+            // SAFETY: q, k, v rows are `rs` apart inside `x`, output rows `ors` apart; `p` and
+            // `dp` are t × t.
+            unsafe {
+                matmul(
+                    [m, keys, hd],
+                    p.as_mut_ptr().add(start * t),
+                    t as isize,
+                    (q.as_ptr().add(start * row), 1, rs),
+                    (k.as_ptr(), rs, 1),
+                    scale as f32,
+                );
+                matmul(
+                    [m, keys, hd],
+                    dp.as_mut_ptr().add(start * t),
+                    t as isize,
+                    (d_o.as_ptr().add(start * orow), 1, ors),
+                    (v.as_ptr(), rs, 1),
+                    1.0,
+                );
+            }
+            for i in start..end {
+                let valid = visible(i, t, causal);
+                let lse_i = l[(bi * t + i) * h + hi];
+                let r = i * orow;
+                let delta: f32 = (0..hd).map(|c| d_o[r + c] * o[r + c]).sum();
+                let (p, dp) = (&mut p[i * t..i * t + keys], &mut dp[i * t..i * t + keys]);
+                probabilities_and_score_grads(p, dp, valid, lse_i, delta);
+            }
+            // dQ[start..end] = scale·dS[start..end, ..keys]·K[..keys].
+            // SAFETY: the q column block of (bi, hi) in the packed gradient, this task's alone.
+            unsafe {
+                matmul(
+                    [m, hd, keys],
+                    g.add(base + start * row),
+                    rs,
+                    (dp.as_ptr().add(start * t), 1, t as isize),
+                    (k.as_ptr(), 1, rs),
+                    scale as f32,
+                );
+            }
         }
-        for i in 0..t {
-            let valid = visible(i, t, causal);
-            let lse_i = l[(bi * t + i) * h + hi];
-            let row = i * ors as usize;
-            let delta: f32 = (0..hd).map(|c| d_o[row + c] * o[row + c]).sum();
-            let (p, dp) = (&mut p[i * t..(i + 1) * t], &mut dp[i * t..(i + 1) * t]);
-            probabilities_and_score_grads(p, dp, valid, lse_i, delta);
-        }
-        // SAFETY: the q, k and v column blocks of (bi, hi) in the packed gradient, this task's
-        // alone.
-        unsafe {
-            let g = g_ptr.get().add(base);
-            // dV = Pᵀ·dO
-            matmul(
-                [t, hd, t],
-                g.add(2 * hd),
-                rs,
-                (p.as_ptr(), t as isize, 1),
-                (d_o.as_ptr(), 1, ors),
-                1.0,
-            );
-            // dQ = scale·dS·K
-            matmul(
-                [t, hd, t],
-                g,
-                rs,
-                (dp.as_ptr(), 1, t as isize),
-                (k.as_ptr(), 1, rs),
-                scale as f32,
-            );
-            // dK = scale·dSᵀ·Q
-            matmul(
-                [t, hd, t],
-                g.add(hd),
-                rs,
-                (dp.as_ptr(), t as isize, 1),
-                (q.as_ptr(), 1, rs),
-                scale as f32,
-            );
+        // dV and dK by blocks of keys: keys start..end are seen by the queries from `start` on
+        // (causal) or by all.
+        for (start, end, _) in row_blocks(t, causal) {
+            let m = end - start;
+            let first = if causal { start } else { 0 };
+            let n = t - first;
+            // SAFETY: the k and v column blocks of (bi, hi) in the packed gradient, this task's
+            // alone; `p` and `dp` are t × t.
+            unsafe {
+                // dV = Pᵀ·dO
+                matmul(
+                    [m, hd, n],
+                    g.add(base + 2 * hd + start * row),
+                    rs,
+                    (p.as_ptr().add(first * t + start), t as isize, 1),
+                    (d_o.as_ptr().add(first * orow), 1, ors),
+                    1.0,
+                );
+                // dK = scale·dSᵀ·Q
+                matmul(
+                    [m, hd, n],
+                    g.add(base + hd + start * row),
+                    rs,
+                    (dp.as_ptr().add(first * t + start), t as isize, 1),
+                    (q.as_ptr().add(first * row), 1, rs),
+                    scale as f32,
+                );
+            }
         }
     });
     Some(super::float(grad, qkv.0.shape()))
