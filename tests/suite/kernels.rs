@@ -298,6 +298,7 @@ fn check_attention_qkv<B: AutodiffBackend + FusedOps>(
 
 /// Grouped-query attention: `k`, `v` with `kv_heads` heads shared by `h / kv_heads` query heads
 /// each, against the reference on key/value heads repeated to `h`.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn check_attention_gqa<B: AutodiffBackend + FusedOps>(
     device: &B::Device,
     [b, h, s, d]: [usize; 4],
@@ -340,6 +341,7 @@ fn check_attention_gqa<B: AutodiffBackend + FusedOps>(
 /// whole tile, past two tiles (130), head dims 32, 64 and 128, causal and not, separate and packed
 /// q/k/v; one long sequence (1024: many key blocks, most of them skipped above the diagonal);
 /// grouped key/value heads.
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn check_attention_tiles<B: AutodiffBackend + FusedOps>(
     device: &B::Device,
     seqs: &[usize],

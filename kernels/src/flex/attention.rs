@@ -183,7 +183,7 @@ fn row_blocks(t: usize, causal: bool) -> impl Iterator<Item = (usize, usize, usi
 /// head) pair, `S = scale·Q·Kᵀ` and `O = P·V` as GEMMs that read q, k and v where they lie in
 /// the packed buffer and write the output in `[b, t, h, hd]` order (no layout copies), the
 /// softmax in between; causal, by blocks of rows that skip the keys above the diagonal
-/// ([`row_blocks`]). `None` for other dtypes or shapes.
+/// (blocks of 64 rows). `None` for other dtypes or shapes.
 pub fn attention_qkv(
     qkv: &FlexTensor,
     scale: f64,
