@@ -382,6 +382,30 @@ pub(super) fn this_head(heads: u32, kv_group: u32) -> (usize, usize, usize) {
     (bh / heads as usize, h, h / kv_group as usize)
 }
 
+/// First element of (batch `b`, head `h`) of an operand laid out as `l` ([`Heads::args`]).
+#[cube]
+pub(super) fn head_base(l: &Sequence<u32>, b: usize, h: usize) -> usize {
+    *l.index(0usize) as usize + b * *l.index(1usize) as usize + h * *l.index(2usize) as usize
+}
+
+/// The keys the queries `q_start..q_start + bq` see: all `seq_k`, or when causal up to the last
+/// query's position (`q_offset` after key 0's).
+#[cube]
+pub(super) fn keys_end(
+    q_start: usize,
+    seq_k: usize,
+    q_offset: i32,
+    #[comptime] bq: usize,
+    #[comptime] causal: bool,
+) -> usize {
+    let mut end = seq_k;
+    if comptime!(causal) {
+        let last = i32::cast_from(q_start + bq) + q_offset;
+        end = usize::min(seq_k, usize::cast_from(i32::max(last, 0)));
+    }
+    end
+}
+
 /// Forward: one cube per `bq` queries of one (batch, head).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
@@ -412,15 +436,9 @@ fn flash_forward_kernel<E: Float>(
     let seq_q = seq_q as usize;
     let seq_k = seq_k as usize;
     let (b, h, hk) = this_head(heads, kv_group);
-    let q_base = *q_l.index(0usize) as usize
-        + b * *q_l.index(1usize) as usize
-        + h * *q_l.index(2usize) as usize;
-    let k_base = *k_l.index(0usize) as usize
-        + b * *k_l.index(1usize) as usize
-        + hk * *k_l.index(2usize) as usize;
-    let v_base = *v_l.index(0usize) as usize
-        + b * *v_l.index(1usize) as usize
-        + hk * *v_l.index(2usize) as usize;
+    let q_base = head_base(&q_l, b, h);
+    let k_base = head_base(&k_l, b, hk);
+    let v_base = head_base(&v_l, b, hk);
     let q_start = CUBE_POS_X as usize * bq;
 
     let mut qs = SharedMemory::<E>::new(bq * d);
@@ -453,12 +471,7 @@ fn flash_forward_kernel<E: Float>(
         r += CUBE_DIM as usize;
     }
     // Key blocks up to the last key the block's last query sees.
-    let mut k_end = seq_k;
-    if comptime!(causal) {
-        let last = i32::cast_from(q_start + bq) + q_offset;
-        k_end = usize::min(seq_k, usize::cast_from(i32::max(last, 0)));
-    }
-    let blocks = k_end.div_ceil(bk);
+    let blocks = keys_end(q_start, seq_k, q_offset, bq, causal).div_ceil(bk);
     sync_cube();
 
     for kb in 0..blocks {
@@ -526,9 +539,7 @@ fn flash_forward_kernel<E: Float>(
         sync_cube();
     }
 
-    let o_base = *o_l.index(0usize) as usize
-        + b * *o_l.index(1usize) as usize
-        + h * *o_l.index(2usize) as usize;
+    let o_base = head_base(&o_l, b, h);
     let o_token = *o_l.index(3usize) as usize;
     let mut e = UNIT_POS as usize;
     while e < bq * d {
@@ -539,7 +550,7 @@ fn flash_forward_kernel<E: Float>(
         }
         e += CUBE_DIM as usize;
     }
-    let s_base = b * *s_l.index(1usize) as usize + h * *s_l.index(2usize) as usize;
+    let s_base = head_base(&s_l, b, h);
     let mut r = UNIT_POS as usize;
     while r < bq {
         if q_start + r < seq_q {

@@ -13,8 +13,8 @@
 //! `E·(2·bk·d + 2·bq·d + bk·bq) + 4·(bk·bq + 2·bk·d + 2·bq)` ([`Tiles::shared_bytes`]).
 
 use super::attention::{
-    Heads, Operands, Pass, Problem, Tiles, launch_dims, load_rows, load_stats, packed_operands,
-    problem, seq_arg, this_head, tile_mm, visible,
+    Heads, Operands, Pass, Problem, Tiles, head_base, keys_end, launch_dims, load_rows, load_stats,
+    packed_operands, problem, seq_arg, this_head, tile_mm, visible,
 };
 use super::{Cb, arg, contiguous, empty, empty_f32, launched};
 use burn::tensor::ops::FloatTensorOps;
@@ -22,12 +22,6 @@ use burn::tensor::{Shape, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
-
-/// First element of (batch `b`, head `h`) of an operand laid out as `l`.
-#[cube]
-fn head_base(l: &Sequence<u32>, b: usize, h: usize) -> usize {
-    *l.index(0usize) as usize + b * *l.index(1usize) as usize + h * *l.index(2usize) as usize
-}
 
 /// Pass 1: dQ and `delta`, one cube per `bq` queries.
 #[cube(launch)]
@@ -113,12 +107,7 @@ fn flash_backward_q_kernel<E: Float>(
         delta_s[r] = acc;
         r += CUBE_DIM as usize;
     }
-    let mut k_end = seq_k;
-    if comptime!(causal) {
-        let last = i32::cast_from(q_start + bq) + q_offset;
-        k_end = usize::min(seq_k, usize::cast_from(i32::max(last, 0)));
-    }
-    let blocks = k_end.div_ceil(bk);
+    let blocks = keys_end(q_start, seq_k, q_offset, bq, causal).div_ceil(bk);
     sync_cube();
 
     for kb in 0..blocks {

@@ -118,6 +118,35 @@ unsafe fn matmul(
     }
 }
 
+/// Rows `start..start + m` of `dst` (row stride `t`) = `alpha·A·Bᵀ` over their first `n`
+/// columns, for `m` rows of `hd` in `a` from row `start` and `n` rows in `b` (`a.1` and `b.1`
+/// apart): those rows of A dotted with the first rows of B (the scores `Q·Kᵀ`, the score
+/// gradients `dO·Vᵀ`, one block of rows).
+///
+/// # Safety
+/// `a.0` must be valid for `start + m` rows and `b.0` for `n` rows of `hd` elements at their row
+/// strides; `dst` holds `t` columns per row, `n ≤ t`.
+unsafe fn row_dots(
+    dst: &mut [f32],
+    a: (&[f32], isize),
+    b: (&[f32], isize),
+    [start, m, n, hd, t]: [usize; 5],
+    alpha: f32,
+) {
+    debug_assert!(n <= t && dst.len() >= (start + m) * t);
+    // SAFETY: `dst` holds the rows; `a` and `b` as the caller guarantees.
+    unsafe {
+        matmul(
+            [m, n, hd],
+            dst.as_mut_ptr().add(start * t),
+            t as isize,
+            (a.0.as_ptr().add(start * a.1 as usize), 1, a.1),
+            (b.0.as_ptr(), b.1, 1),
+            alpha,
+        );
+    }
+}
+
 super::math::dispatch! {
     /// Softmax of `row[..valid]` in place (`row[valid..]` set to 0); returns the log-sum-exp.
     fn softmax_row(row: &mut [f32], valid: usize) -> f32 {
@@ -201,21 +230,19 @@ pub fn attention_qkv(
         let base = bi * t * h * 3 * hd + hi * 3 * hd;
         let (q, k, v) = (&x[base..], &x[base + hd..], &x[base + 2 * hd..]);
         let mut s = vec![0f32; t * t];
-        let row = rs as usize;
         for (start, end, keys) in row_blocks(t, causal) {
             let m = end - start;
             // S[start..end, ..keys] = scale·Q·Kᵀ.
             // SAFETY: q, k, v rows are `rs` apart inside `x`; `s` is t × t.
             unsafe {
-                matmul(
-                    [m, keys, hd],
-                    s.as_mut_ptr().add(start * t),
-                    t as isize,
-                    (q.as_ptr().add(start * row), 1, rs),
-                    (k.as_ptr(), rs, 1),
+                row_dots(
+                    &mut s,
+                    (q, rs),
+                    (k, rs),
+                    [start, m, keys, hd, t],
                     scale as f32,
-                );
-            }
+                )
+            };
             for i in start..end {
                 let lse = softmax_row(&mut s[i * t..i * t + keys], visible(i, t, causal));
                 // SAFETY: index (bi, i, hi) of the `[b, t, h]` log-sum-exp, this task's alone.
@@ -279,22 +306,9 @@ pub fn attention_qkv_backward(
             // SAFETY: q, k, v rows are `rs` apart inside `x`, output rows `ors` apart; `p` and
             // `dp` are t × t.
             unsafe {
-                matmul(
-                    [m, keys, hd],
-                    p.as_mut_ptr().add(start * t),
-                    t as isize,
-                    (q.as_ptr().add(start * row), 1, rs),
-                    (k.as_ptr(), rs, 1),
-                    scale as f32,
-                );
-                matmul(
-                    [m, keys, hd],
-                    dp.as_mut_ptr().add(start * t),
-                    t as isize,
-                    (d_o.as_ptr().add(start * orow), 1, ors),
-                    (v.as_ptr(), rs, 1),
-                    1.0,
-                );
+                let dims = [start, m, keys, hd, t];
+                row_dots(&mut p, (q, rs), (k, rs), dims, scale as f32);
+                row_dots(&mut dp, (d_o, ors), (v, rs), dims, 1.0);
             }
             for i in start..end {
                 let valid = visible(i, t, causal);
