@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU bench, in two halves.
 #
-#   bash benches/gpu.sh build            # any machine with Rust: CUDA binaries → .gpu/ (stripped, gzipped)
+#   bash benches/gpu.sh build            # any machine with Rust: CUDA binaries → .gpu/ (stripped, xz)
 #   bash benches/gpu.sh run              # a machine with an NVIDIA GPU, Python and PyTorch, no Rust needed
 #
 # `build` compiles gpt_pretrain, the kernel bench (benches/gpu_kernels.rs) and the test binary
 # with `--features cuda` (FEATURES overrides, e.g. FEATURES=cuda,wgpu to share a build with the
 # lavapipe tests), and packs them with the corpus and the PyTorch scripts into `.gpu/` (git
-# ignores it; ≈ 30 MB). `run` (from the repository root, or any folder holding `.gpu/`) does, in
+# ignores it; ≈ 25 MB). `run` (from the repository root, or any folder holding `.gpu/`) does, in
 # order of priority, each step with its own timeout and the whole under DEADLINE seconds (480):
 #   (a) correctness: the tensor-core attention (bf16, f16) against the f32 tiles on CUDA, CUDA
 #       against Flex for 30 steps of the tiny preset, and (last: its Burn-op references are
@@ -44,7 +44,8 @@ for l in sys.stdin:
     local target=${CARGO_TARGET_DIR:-target}
     for pair in "$target/release/examples/gpt_pretrain:gpt_pretrain" "$bench:gpu_kernels" "$tests:kernel_tests"; do
         local src=${pair%%:*} name=${pair##*:}
-        strip -o "$dir/$name" "$src" && gzip -9f "$dir/$name"
+        rm -f "$dir/$name.gz"
+        strip -o "$dir/$name" "$src" && xz -9e -T0 -f "$dir/$name"
     done
     cp benches/pytorch/gpt_gpu.py benches/pytorch/gpu_kernels.py benches/gpu_table.py "$dir/"
     cp benches/gpu.sh "$dir/gpu.sh"
@@ -63,6 +64,11 @@ run() {
     local O=${OUT:-$T/out} R=$T/r
     mkdir -p "$O" "$R" "$T/b"
     for f in "$dir"/*.gz; do gunzip -c "$f" > "$T/b/$(basename "$f" .gz)"; done
+    # The binaries are xz (a third smaller than gzip); Python's lzma where xz is not installed.
+    for f in "$dir"/*.xz; do
+        xz -dc "$f" > "$T/b/$(basename "$f" .xz)" 2>/dev/null ||
+            python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$f" "$T/b/$(basename "$f" .xz)"
+    done
     chmod +x "$T/b/gpt_pretrain" "$T/b/gpu_kernels" "$T/b/kernel_tests"
     cp "$dir"/*.py "$T/b/"
     export NO_COLOR=1 RUST_LOG=${RUST_LOG:-info}

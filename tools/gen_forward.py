@@ -27,7 +27,7 @@ FILES = {
     "TransactionOps": "transaction",
 }
 # Rules that take padded shards as they are.
-KEEP_PADDED = """float_to_device""".split()
+KEEP_PADDED = """float_to_device float_cast""".split()
 # Default methods left to the trait: their defaults are compositions of ops that have rules.
 KEEP_DEFAULT = """float_transpose""".split()
 

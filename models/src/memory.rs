@@ -11,6 +11,7 @@
 
 use crate::gpt::GptConfig;
 use crate::parallelize::{FsdpStrategy, ParallelConfig, Recompute};
+use burn::tensor::FloatDType;
 use serde::Serialize;
 
 /// Per-rank memory in bytes (f32 parameters, gradients and AdamW moments).
@@ -28,7 +29,8 @@ pub struct MemoryEstimate {
     pub grad_bytes: usize,
     /// Optimizer-state bytes (AdamW's two moments).
     pub optim_bytes: usize,
-    /// Activations kept for backward (this rank's share of the batch).
+    /// Activations kept for backward (this rank's share of the batch), in the compute dtype
+    /// (the residual stream f32).
     pub activation_bytes: usize,
     /// The sum.
     pub total_bytes: usize,
@@ -67,8 +69,14 @@ fn local_pieces(model: &GptConfig, t: usize) -> Vec<Local> {
 }
 
 /// The estimate for training `model` with `parallel` and a global batch of `batch_size`
-/// sequences, on one rank.
-pub fn estimate(model: &GptConfig, parallel: &ParallelConfig, batch_size: usize) -> MemoryEstimate {
+/// sequences, on one rank, with activations in `compute` (the precision policy's compute dtype,
+/// `None`: f32).
+pub fn estimate(
+    model: &GptConfig,
+    parallel: &ParallelConfig,
+    batch_size: usize,
+    compute: Option<FloatDType>,
+) -> MemoryEstimate {
     use FsdpStrategy as S;
     let t = parallel.tp.max(1);
     let n = match parallel.fsdp {
@@ -85,7 +93,12 @@ pub fn estimate(model: &GptConfig, parallel: &ParallelConfig, batch_size: usize)
         S::ShardGradOp => (4 * local, 4 * sharded, 8 * sharded),
         S::FullShard | S::Hybrid => (4 * sharded, 4 * sharded, 8 * sharded),
     };
-    let activation_bytes = activation_bytes(model, parallel, batch_size / parallel.dp.max(1));
+    let activation_bytes = activation_bytes(
+        model,
+        parallel,
+        batch_size / parallel.dp.max(1),
+        compute.is_some_and(|c| burn::tensor::DType::from(c).size() == 2),
+    );
     MemoryEstimate {
         params: model.num_params(),
         params_per_tp_rank: local,
@@ -101,9 +114,12 @@ pub fn estimate(model: &GptConfig, parallel: &ParallelConfig, batch_size: usize)
 /// Korthikanti et al. (2022), bytes per layer at 16 bits with tensor parallelism t: all kept
 /// sbh(10 + 24/t) + 5as²b/t, with sequence parallelism sbh·34/t + 5as²b/t; selective
 /// recomputation drops the 5as²b/t attention core; full keeps the block input 2sbh (2sbh/t with
-/// sequence parallelism), and one block's activations while it is recomputed. Doubled for f32,
-/// plus the f32 logits and their gradient (vocabulary-split over tp).
-fn activation_bytes(model: &GptConfig, parallel: &ParallelConfig, b: usize) -> usize {
+/// sequence parallelism), and one block's activations while it is recomputed. Doubled for f32
+/// activations. With `half` (a 16-bit compute dtype: the precision policy keeps what feeds the
+/// matmuls in it) the residual stream stays f32 — the LayerNorms' two inputs per kept block, the
+/// input of a recomputed one — and the rest is 16-bit. Plus the logits and their gradient
+/// (vocabulary-split over tp), in the activations' dtype.
+fn activation_bytes(model: &GptConfig, parallel: &ParallelConfig, b: usize, half: bool) -> usize {
     let (s, h, a, l, t) = (
         model.block_size,
         model.n_embd,
@@ -120,20 +136,28 @@ fn activation_bytes(model: &GptConfig, parallel: &ParallelConfig, b: usize) -> u
     };
     let keep_all = kept_linear + 5 * a * s * s * b / t;
     let keep_input = if sp { 2 * s * b * h / t } else { 2 * s * b * h };
-    let per_layer_16: usize = (0..l)
+    // (bytes at 16 bits, of which the residual stream's) per kept block, per recomputed one.
+    let all = (keep_all, 2 * keep_input);
+    let recomputed = (keep_input, keep_input);
+    let blocks: (usize, usize) = (0..l)
         .map(|i| match parallel.recompute {
-            Recompute::None => keep_all,
-            Recompute::Selective => kept_linear,
-            r if r.recomputes_block(i, l) => keep_input,
-            _ => keep_all,
+            Recompute::None => all,
+            Recompute::Selective => (kept_linear, 2 * keep_input),
+            r if r.recomputes_block(i, l) => recomputed,
+            _ => all,
         })
-        .sum();
+        .fold((0, 0), |(u, f), (du, df)| (u + du, f + df));
     let transient = match parallel.recompute {
-        Recompute::Full | Recompute::EveryNth(_) => keep_all,
-        _ => 0,
+        Recompute::Full | Recompute::EveryNth(_) => all,
+        _ => (0, 0),
     };
-    let logits = s * b * (model.vocab_size / t) * 4 * 2;
-    (per_layer_16 + transient) * 2 + logits
+    let (at_16, stream) = (blocks.0 + transient.0, blocks.1 + transient.1);
+    let logits = s * b * (model.vocab_size / t) * 2;
+    if half {
+        at_16 + stream + logits * 2
+    } else {
+        at_16 * 2 + logits * 4
+    }
 }
 
 #[cfg(test)]
@@ -145,9 +169,27 @@ mod tests {
     #[test]
     fn one_rank_holds_psi() {
         let model = Preset::Tiny.config(256);
-        let e = estimate(&model, &ParallelConfig::default(), 8);
+        let e = estimate(&model, &ParallelConfig::default(), 8, None);
         assert_eq!(e.params_per_tp_rank, model.num_params());
         assert_eq!(e.param_bytes, 4 * model.num_params());
         assert_eq!(e.optim_bytes, 8 * model.num_params());
+    }
+
+    /// Under a 16-bit compute dtype the activations that feed matmuls are 16-bit, the residual
+    /// stream (the LayerNorms' inputs) f32: GPT-2 124M at 8 × 1024 without recomputation keeps
+    /// sbh·34 + 5as²b bytes per layer at 16 bits, plus 2·2sbh for the f32 stream, plus the bf16
+    /// logits and their gradient; f32 doubles everything.
+    #[test]
+    fn activations_follow_the_compute_dtype() {
+        let model = Preset::Gpt2_124m.config(50304);
+        let parallel = ParallelConfig::default();
+        let (s, b, h, a, l, v) = (1024, 8, 768, 12, 12, 50304);
+        let at_16 = l * (34 * s * b * h + 5 * a * s * s * b);
+        let stream = l * 4 * s * b * h;
+        let bf16 = estimate(&model, &parallel, b, Some(FloatDType::BF16));
+        let f32 = estimate(&model, &parallel, b, None);
+        assert_eq!(bf16.activation_bytes, at_16 + stream + s * b * v * 4);
+        assert_eq!(f32.activation_bytes, 2 * at_16 + s * b * v * 8);
+        assert_eq!(bf16.param_bytes, f32.param_bytes);
     }
 }

@@ -24,12 +24,21 @@ pub struct OpCounters {
     pub redistributions: BTreeMap<&'static str, u64>,
     /// Float tensors read to the host (`into_data`, `into_scalar`: each waits for the device).
     pub host_reads: u64,
+    /// Dtype casts run on the inner backend, by the op that asked (`float_cast` for explicit
+    /// casts; the precision policy's casts under the rule that needed them — a weight cast to
+    /// the compute dtype is counted once per value, its cached copy serves every later use).
+    pub casts: BTreeMap<&'static str, u64>,
 }
 
 impl OpCounters {
     /// Total number of fallback redistributions.
     pub fn fallback_total(&self) -> u64 {
         self.fallbacks.values().sum()
+    }
+
+    /// Total number of casts.
+    pub fn cast_total(&self) -> u64 {
+        self.casts.values().sum()
     }
 }
 
@@ -306,6 +315,18 @@ impl RankContext {
     /// engine's gradient checks) calls this, so the count covers every read of a step.
     pub fn count_host_read(&self) {
         self.accounting.counters.lock().unwrap().host_reads += 1;
+    }
+
+    /// Count one cast on the inner backend, asked for by `op` ([`OpCounters::casts`]).
+    pub(crate) fn count_cast(&self, op: &'static str) {
+        *self
+            .accounting
+            .counters
+            .lock()
+            .unwrap()
+            .casts
+            .entry(op)
+            .or_default() += 1;
     }
 
     pub(crate) fn count_redistribution(&self, op: &'static str) {

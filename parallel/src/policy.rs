@@ -12,9 +12,16 @@ use burn_backend::FloatDType;
 /// casting, no budget, no sequence parallelism, everything replicated.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RankPolicy {
-    /// The precision policy: matmuls and linear layers (forward and backward) compute in this
-    /// dtype on operands cast from their own, and their results are cast back — parameters,
-    /// gradients and optimizer state stay f32 (master weights). `None`: no casting.
+    /// The precision policy, as `torch.autocast` runs it: matmuls, linear layers and attention
+    /// (forward and backward) compute in this dtype, and what they produce stays in it — the
+    /// activations between matmuls, their input gradients — while the weight gradients come
+    /// back in f32: parameters, gradients and optimizer state stay f32 (master weights). Each
+    /// operand value is cast at most once, its copy kept with it (an f32 weight: once per step,
+    /// whatever the micro-batches and backward passes that use it); LayerNorm, softmax and the
+    /// loss compute their statistics in f32, a norm hands its output on in this dtype, the loss
+    /// comes back f32, and an elementwise op meeting two dtypes (the f32 residual stream and a
+    /// bf16 branch) computes in the wider. Every cast is counted
+    /// ([`OpCounters::casts`](crate::OpCounters)). `None`: no casting.
     pub compute_dtype: Option<FloatDType>,
     /// Reduce data-parallel gradients in this dtype (e.g. bf16: half the bytes on the wire; the
     /// in-process communicator accumulates in f32 and rounds once), casting back to the

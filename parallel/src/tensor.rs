@@ -6,7 +6,7 @@ use crate::device::DistDevice;
 use crate::error::Error;
 use crate::mesh::DeviceMesh;
 use crate::placement::{Layout, Placement};
-use burn_backend::{Backend, DType, Shape, Slice, TensorMetadata};
+use burn_backend::{Backend, DType, FloatDType, Shape, Slice, TensorMetadata};
 use smallvec::SmallVec;
 use std::sync::{Arc, Mutex};
 
@@ -175,6 +175,17 @@ struct TrackerInner {
     /// A parameter gathered over data axes for use (FSDP): also counted as "gathered".
     gathered: bool,
     ctx: Arc<crate::device::RankContext>,
+    /// The piece cast to another dtype by the precision policy ([`DTensor::local_in`]), shared
+    /// by the value's clones and dropped with them.
+    cast: Mutex<Option<CastCopy>>,
+}
+
+/// A piece's copy in another dtype (type-erased: the tracker is not generic over the backend),
+/// counted in the rank's live bytes while it is kept.
+struct CastCopy {
+    dtype: burn_backend::FloatDType,
+    local: Box<dyn std::any::Any + Send + Sync>,
+    _track: Tracker,
 }
 
 impl Tracker {
@@ -193,6 +204,7 @@ impl Tracker {
                 bytes,
                 gathered,
                 ctx: ctx.clone(),
+                cast: Mutex::new(None),
             }),
         }
     }
@@ -492,6 +504,37 @@ impl<B: Backend> DTensor<B> {
     /// value: as good as a replicated operand, for free. Otherwise `self`.
     pub(crate) fn settled(self) -> Self {
         self.ready().settled_now()
+    }
+
+    /// The local piece in `dtype`, for the precision policy of rule `op`: the piece itself when it
+    /// has that dtype, else its cast — made once per value, then kept with it (its clones share
+    /// the copy, as `torch.autocast` caches the casts of its weights: an f32 master weight is cast
+    /// once per step however many micro-batches, recomputations and backward passes use it) and
+    /// counted in [`OpCounters::casts`](crate::OpCounters) under `op` and in the live bytes.
+    pub(crate) fn local_in(&self, op: &'static str, dtype: FloatDType) -> B::FloatTensorPrimitive {
+        debug_assert!(
+            self.awaited.is_none(),
+            "{op}: cast of a value still in flight"
+        );
+        if FloatDType::from(self.local.dtype()) == dtype {
+            return self.local.clone();
+        }
+        let mut slot = self.track._shared.cast.lock().unwrap();
+        if let Some(copy) = slot.as_ref().filter(|c| c.dtype == dtype) {
+            return copy
+                .local
+                .downcast_ref::<B::FloatTensorPrimitive>()
+                .expect("a value's cast copy is of its backend")
+                .clone();
+        }
+        let local = B::float_cast(self.local.clone(), dtype);
+        self.device.ctx.count_cast(op);
+        *slot = Some(CastCopy {
+            dtype,
+            local: Box::new(local.clone()),
+            _track: Tracker::new(local_bytes(&local), self.device.context()),
+        });
+        local
     }
 
     fn settled_now(self) -> Self {

@@ -187,7 +187,12 @@ pub fn load_data(config: &PretrainConfig) -> Result<RunData, PretrainError> {
 
 /// The per-rank memory `config` needs for `model` ([`wildfire_models::memory::estimate`]).
 pub fn estimate(config: &PretrainConfig, model: &GptConfig) -> MemoryEstimate {
-    wildfire_models::memory::estimate(model, &config.parallel, config.batch_size)
+    wildfire_models::memory::estimate(
+        model,
+        &config.parallel,
+        config.batch_size,
+        config.precision.reduced_dtype(),
+    )
 }
 
 /// Run pretraining with `config` on the Flex CPU backend (ranks as threads).

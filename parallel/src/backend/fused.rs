@@ -21,7 +21,7 @@ use super::rules::{self, column_grad, to_layout, whole_dim, without_partials, wr
 use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
 use burn_backend::tensor::IntTensor;
-use burn_backend::{Backend, FloatDType, TensorMetadata};
+use burn_backend::{FloatDType, TensorMetadata};
 use wildfire_kernels::{
     AttentionGrads, AttentionOutput, CrossEntropyOutput, FusedOps, LayerNormGrads, LayerNormOutput,
     RmsNormOutput, reference,
@@ -31,39 +31,6 @@ type Dt<B> = DTensor<B>;
 
 fn last(t: &Dt<impl FusedOps>) -> usize {
     t.shape.num_dims() - 1
-}
-
-/// The precision policy around a fused op: the rank's compute dtype (when one is set and differs
-/// from the operands'), and the operands' dtype to return in.
-struct ComputeCast {
-    original: FloatDType,
-    compute: Option<FloatDType>,
-}
-
-impl ComputeCast {
-    fn of<B: Backend>(t: &DTensor<B>) -> Self {
-        let original: FloatDType = t.local.dtype().into();
-        let compute = t
-            .device
-            .ctx
-            .with_policy(|p| p.compute_dtype)
-            .filter(|c| *c != original);
-        Self { original, compute }
-    }
-
-    fn to_compute<B: Backend>(&self, t: B::FloatTensorPrimitive) -> B::FloatTensorPrimitive {
-        match self.compute {
-            Some(c) => B::float_cast(t, c),
-            None => t,
-        }
-    }
-
-    fn back<B: Backend>(&self, t: B::FloatTensorPrimitive) -> B::FloatTensorPrimitive {
-        match self.compute {
-            Some(_) => B::float_cast(t, self.original),
-            None => t,
-        }
-    }
 }
 
 /// The input with whole rows (channel dimension unsharded, no partials).
@@ -78,11 +45,17 @@ fn like<B: FusedOps>(op: &'static str, t: Dt<B>, layout: &Layout) -> B::FloatTen
     to_layout(op, rules::unpadded(t.settled()), layout).local
 }
 
-/// A per-channel parameter, whole.
-fn param<B: FusedOps>(op: &'static str, p: Dt<B>) -> B::FloatTensorPrimitive {
+/// A per-channel parameter, whole, in `dtype` (the input's: cast once per value under the
+/// precision policy, see [`DTensor::local_in`]).
+fn param<B: FusedOps>(op: &'static str, p: Dt<B>, dtype: FloatDType) -> B::FloatTensorPrimitive {
     rules::check_param(op, &p);
-    let whole = Layout::replicated(p.device.mesh());
-    to_layout(op, rules::unpadded(p), &whole).local
+    let whole = rules::whole_param(&p.layout);
+    to_layout(op, rules::unpadded(p), &whole).local_in(op, dtype)
+}
+
+/// The dtype of `t`'s local piece.
+fn dtype_of<B: FusedOps>(t: &Dt<B>) -> FloatDType {
+    t.local.dtype().into()
 }
 
 /// Row ops without parameters: `f` on the local rows, the output laid out like them.
@@ -168,12 +141,16 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         epsilon: f64,
     ) -> LayerNormOutput<Self> {
         const OP: &str = "fused_layer_norm";
-        let (gamma, beta) = (param(OP, gamma), param(OP, beta));
         let x = rows(OP, x);
+        let dtype = dtype_of(&x);
+        let (gamma, beta) = (param(OP, gamma, dtype), param(OP, beta, dtype));
         let out = B::fused_layer_norm(x.local, gamma, beta, epsilon);
         let dev = x.device;
+        // Under the precision policy the statistics stay f32 and the output, which feeds
+        // matmuls, is handed on in the compute dtype (what autodiff keeps for their backward).
+        let output = rules::to_compute(OP, &dev, out.output);
         LayerNormOutput {
-            output: wrap(out.output, x.layout.clone(), dev.clone()),
+            output: wrap(output, x.layout.clone(), dev.clone()),
             mean: wrap(out.mean, x.layout.clone(), dev.clone()),
             rstd: wrap(out.rstd, x.layout, dev),
         }
@@ -187,41 +164,51 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         dy: Dt<B>,
     ) -> LayerNormGrads<Self> {
         const OP: &str = "fused_layer_norm_backward";
-        let gamma = param(OP, gamma);
         let x = rows(OP, x);
+        let dtype = dtype_of(&x);
+        let gamma = param(OP, gamma, dtype);
         let (mean, rstd, dy) = (
             like(OP, mean, &x.layout),
             like(OP, rstd, &x.layout),
             like(OP, dy, &x.layout),
         );
+        let dy = rules::cast_local(OP, &x.device, dy, dtype);
         let rank = x.shape.num_dims();
         let g = B::fused_layer_norm_backward(x.local, gamma, mean, rstd, dy);
         let dev = x.device;
+        let (dgamma, dbeta) = (
+            rules::to_master(OP, &dev, g.gamma),
+            rules::to_master(OP, &dev, g.beta),
+        );
         LayerNormGrads {
             x: wrap(g.x, x.layout.clone(), dev.clone()),
-            gamma: column_grad(g.gamma, &x.layout, rank, dev.clone()),
-            beta: column_grad(g.beta, &x.layout, rank, dev),
+            gamma: column_grad(dgamma, &x.layout, rank, dev.clone()),
+            beta: column_grad(dbeta, &x.layout, rank, dev),
         }
     }
 
     fn fused_rms_norm(x: Dt<B>, gamma: Dt<B>, epsilon: f64) -> RmsNormOutput<Self> {
         const OP: &str = "fused_rms_norm";
-        let gamma = param(OP, gamma);
         let x = rows(OP, x);
+        let gamma = param(OP, gamma, dtype_of(&x));
         let out = B::fused_rms_norm(x.local, gamma, epsilon);
+        let output = rules::to_compute(OP, &x.device, out.output);
         RmsNormOutput {
-            output: wrap(out.output, x.layout.clone(), x.device.clone()),
+            output: wrap(output, x.layout.clone(), x.device.clone()),
             rstd: wrap(out.rstd, x.layout, x.device),
         }
     }
 
     fn fused_rms_norm_backward(x: Dt<B>, gamma: Dt<B>, rstd: Dt<B>, dy: Dt<B>) -> (Dt<B>, Dt<B>) {
         const OP: &str = "fused_rms_norm_backward";
-        let gamma = param(OP, gamma);
         let x = rows(OP, x);
+        let dtype = dtype_of(&x);
+        let gamma = param(OP, gamma, dtype);
         let (rstd, dy) = (like(OP, rstd, &x.layout), like(OP, dy, &x.layout));
+        let dy = rules::cast_local(OP, &x.device, dy, dtype);
         let rank = x.shape.num_dims();
         let (dx, dgamma) = B::fused_rms_norm_backward(x.local, gamma, rstd, dy);
+        let dgamma = rules::to_master(OP, &x.device, dgamma);
         (
             wrap(dx, x.layout.clone(), x.device.clone()),
             column_grad(dgamma, &x.layout, rank, x.device),
@@ -233,12 +220,19 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let logits = rules::unpadded(logits.settled());
         let target = without_partials(&logits.layout, |_| false);
         if !unsharded_rows(&target) {
-            return reference::cross_entropy::<Self>(logits, targets);
+            // Vocabulary-parallel: Burn ops in the logits' dtype, the loss in f32 as below.
+            let mut out = reference::cross_entropy::<Self>(logits, targets);
+            if rules::compute_dtype(&out.loss.device).is_some() {
+                out.loss = rules::float_cast(out.loss, rules::MASTER_DTYPE);
+            }
+            return out;
         }
         let logits = to_layout(OP, logits, &target);
         let out = B::fused_cross_entropy(logits.local, targets);
+        // The kernels compute in f32 whatever the logits' dtype; the loss goes on in f32.
+        let loss = rules::to_master(OP, &logits.device, out.loss);
         CrossEntropyOutput {
-            loss: wrap(out.loss, logits.layout.clone(), logits.device.clone()),
+            loss: wrap(loss, logits.layout.clone(), logits.device.clone()),
             lse: wrap(out.lse, logits.layout, logits.device),
         }
     }
@@ -260,6 +254,7 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             like(OP, lse, &logits.layout),
             like(OP, dloss, &logits.layout),
         );
+        let dloss = rules::cast_local(OP, &logits.device, dloss, dtype_of(&logits));
         let dx = B::fused_cross_entropy_backward(logits.local, targets, lse, dloss);
         wrap(dx, logits.layout, logits.device)
     }
@@ -276,7 +271,9 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let (x, bias) = gelu_operands(OP, x, bias);
         let dy = like(OP, dy, &x.layout);
         let rank = x.shape.num_dims();
+        let dy = rules::cast_local(OP, &x.device, dy, dtype_of(&x));
         let (dx, dbias) = B::fused_gelu_bias_backward(x.local, bias, dy);
+        let dbias = rules::to_master(OP, &x.device, dbias);
         (
             wrap(dx, x.layout.clone(), x.device.clone()),
             column_grad(dbias, &x.layout, rank, x.device),
@@ -308,16 +305,15 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let layout = packed_layout(&qkv.layout);
         let qkv = to_layout(OP, qkv, &layout);
         // In the compute dtype (as `torch.autocast` runs SDPA): bf16/f16 q, k, v take the
-        // kernels' tensor-core tiles; the output comes back in the activations' dtype, the
-        // log-sum-exp stays f32.
-        let dtypes = ComputeCast::of(&qkv);
-        let out = B::fused_attention_qkv(dtypes.to_compute::<B>(qkv.local), scale, causal);
+        // kernels' tensor-core tiles, the output stays in it (it feeds the output projection),
+        // the log-sum-exp is f32.
+        let qkv_local = match rules::compute_dtype(&qkv.device) {
+            Some(c) => qkv.local_in(OP, c),
+            None => qkv.local,
+        };
+        let out = B::fused_attention_qkv(qkv_local, scale, causal);
         AttentionOutput {
-            output: wrap(
-                dtypes.back::<B>(out.output),
-                layout.clone(),
-                qkv.device.clone(),
-            ),
+            output: wrap(out.output, layout.clone(), qkv.device.clone()),
             lse: wrap(out.lse, layout, qkv.device),
         }
     }
@@ -339,16 +335,17 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             like(OP, lse, &layout),
             like(OP, d_output, &layout),
         );
-        let dtypes = ComputeCast::of(&qkv);
-        let g = B::fused_attention_qkv_backward(
-            dtypes.to_compute::<B>(qkv.local),
-            dtypes.to_compute::<B>(o),
-            lse,
-            dtypes.to_compute::<B>(d_o),
-            scale,
-            causal,
+        // The forward's dtype: the compute dtype under the precision policy (the gradient stays
+        // in it), the operands' own otherwise.
+        let dtype = rules::compute_dtype(&qkv.device).unwrap_or(dtype_of(&qkv));
+        let dev = qkv.device.clone();
+        let (o, d_o) = (
+            rules::cast_local(OP, &dev, o, dtype),
+            rules::cast_local(OP, &dev, d_o, dtype),
         );
-        wrap(dtypes.back::<B>(g), layout, qkv.device)
+        let g =
+            B::fused_attention_qkv_backward(qkv.local_in(OP, dtype), o, lse, d_o, scale, causal);
+        wrap(g, layout, dev)
     }
 
     fn fused_attention_backward(
@@ -394,10 +391,12 @@ fn gelu_operands<B: FusedOps>(
     let target = without_partials(&x.layout, |_| false);
     let x = to_layout(op, x, &target);
     let channels = last(&x);
-    let bias_layout = Layout::new(x.layout.placements().iter().map(|p| match p {
-        Placement::Shard(d) if *d == channels => Placement::Shard(0),
-        _ => Placement::Replicate,
-    }));
-    let bias = to_layout(op, rules::unpadded(bias), &bias_layout).local;
+    let mut bias_layout = rules::whole_param(&bias.layout);
+    for (a, p) in x.layout.placements().iter().enumerate() {
+        if *p == Placement::Shard(channels) {
+            bias_layout.set(a, Placement::Shard(0));
+        }
+    }
+    let bias = to_layout(op, rules::unpadded(bias), &bias_layout).local_in(op, dtype_of(&x));
     (x, bias)
 }

@@ -2,37 +2,68 @@
 
 use super::*;
 
-/// The precision policy: with a bf16 compute dtype, a matmul and a linear run in bf16 (their
-/// results equal the same ops on bf16-cast operands, cast back) and hand back f32.
+/// The precision policy (as `torch.autocast`): with a bf16 compute dtype a matmul and a linear
+/// run on bf16 operands and hand back bf16 — the next matmul takes it as it is; each operand value
+/// is cast once (the linear after the matmul reuses both casts) and the weight's gradient comes
+/// back in f32 for the master weight. Every cast is counted under the rule that asked.
 #[test]
-fn compute_dtype_casts_matmuls_and_keeps_f32_outside() {
+fn compute_dtype_runs_matmuls_in_bf16_and_casts_each_value_once() {
+    use burn::tensor::{DType, FloatDType};
+    type A = Autodiff<D>;
     let mesh = DeviceMesh::new([("dp", 1)]).unwrap();
     let out = threads(&mesh, |device| {
         let (a, b) = (values(&[4, 8], 1), values(&[8, 4], 2));
-        let x = Tensor::<D, 2>::from_data(a.clone(), &device);
-        let w = Tensor::<D, 2>::from_data(b.clone(), &device);
+        let x = Tensor::<A, 2>::from_data(a.clone(), &device);
+        let w = Tensor::<A, 2>::from_data(b.clone(), &device).require_grad();
         let exact = x.clone().matmul(w.clone()).into_data();
+        device.context().reset_counters();
         device
             .context()
-            .update_policy(|p| p.compute_dtype = Some(burn::tensor::FloatDType::BF16));
-        let mixed = x.clone().matmul(w.clone());
-        let dtype = mixed.dtype();
-        let mixed = mixed.into_data();
-        let linear = module::linear(x, w, None).into_data();
+            .update_policy(|p| p.compute_dtype = Some(FloatDType::BF16));
+        let mixed = x.clone().matmul(w.clone()).into_data();
+        let linear = module::linear(x, w.clone(), None);
+        let forward_casts = device.context().counters().casts;
+        let grads = linear.clone().sum().backward();
+        let w_grad = w.grad(&grads).unwrap();
+        let casts = device.context().counters().casts;
         device.context().update_policy(|p| p.compute_dtype = None);
         let dev = Default::default();
-        let reference = Tensor::<F, 2>::from_data(a, &dev)
-            .cast(burn::tensor::DType::BF16)
-            .matmul(Tensor::<F, 2>::from_data(b, &dev).cast(burn::tensor::DType::BF16))
-            .cast(burn::tensor::DType::F32)
+        let xb = Tensor::<F, 2>::from_data(a, &dev).cast(DType::BF16);
+        let reference = xb
+            .clone()
+            .matmul(Tensor::<F, 2>::from_data(b, &dev).cast(DType::BF16))
             .into_data();
-        (exact, mixed, linear, reference, dtype)
+        let ones = Tensor::<F, 2>::ones([4, 4], &dev).cast(DType::BF16);
+        let w_reference = xb.transpose().matmul(ones).cast(DType::F32).into_data();
+        let w_grad = (w_grad.dtype(), w_grad.into_data());
+        (
+            exact,
+            mixed,
+            linear.into_data(),
+            reference,
+            forward_casts,
+            casts,
+            w_grad,
+            w_reference,
+        )
     });
-    let (exact, mixed, linear, reference, dtype) = &out[0];
-    assert_eq!(*dtype, burn::tensor::DType::F32);
+    let (exact, mixed, linear, reference, forward_casts, casts, w_grad, w_reference) = &out[0];
+    assert_eq!(mixed.dtype, DType::BF16);
     assert_eq!(mixed, reference);
     assert_eq!(linear, reference);
-    assert_ne!(mixed, exact, "bf16 compute must differ from f32 somewhere");
+    assert_ne!(
+        mixed.clone().convert::<f32>(),
+        *exact,
+        "bf16 compute must differ from f32 somewhere"
+    );
+    let counted = |pairs: &[(&'static str, u64)]| pairs.iter().copied().collect();
+    assert_eq!(*forward_casts, counted(&[("float_matmul", 2)]));
+    assert_eq!(
+        *casts,
+        counted(&[("float_matmul", 2), ("linear_weight_backward", 1)])
+    );
+    assert_eq!(w_grad.0, DType::F32);
+    assert_eq!(w_grad.1, *w_reference);
 }
 
 /// Devices of finished ranks give their ids back: 70,000 devices made and dropped one after the

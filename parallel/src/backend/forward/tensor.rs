@@ -551,12 +551,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     }
 
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        rules::unary::<B>(
-            "float_cast",
-            tensor,
-            const { rules::linearity("float_cast") },
-            |t| B::float_cast(t, dtype),
-        )
+        rules::float_cast::<B>(tensor, dtype)
     }
 
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -1034,7 +1029,6 @@ const _: () = {
     rules::along_dim("float_cumprod");
     rules::along_dim("float_cummin");
     rules::along_dim("float_cummax");
-    rules::linearity("float_cast");
     rules::linearity("float_exp");
     rules::linearity("float_log");
     rules::linearity("float_log1p");

@@ -4,32 +4,45 @@
 
 use super::gradients::{reduce_data_parallel, weight_grad_layouts};
 use super::pointwise::sequence_dim;
-use super::{check_param, check_synced, dims, is_data, to_layout, wrap};
+use super::{
+    MASTER_DTYPE, cast_local, check_param, check_synced, compute_dtype, dims, is_data, to_layout,
+    to_master, whole_param, wrap,
+};
 use crate::backend::prelude::*;
 use crate::comm::ReduceOp;
-use crate::device::DistDevice;
 use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
 use Placement::{Local, Partial, Replicate, Shard};
 use burn_backend::TensorMetadata;
 
-/// The precision policy: run `f` on the local operands cast to the rank's compute dtype (if one
-/// is set and differs), and cast the result back to the operands' dtype — f32 master weights and
-/// activations, bf16/f16 matmuls.
+/// What a matmul's result is under the precision policy's compute dtype.
+#[derive(Clone, Copy)]
+enum Out {
+    /// An activation or an input gradient: it stays in the compute dtype (as under
+    /// `torch.autocast`), so the next matmul takes it as it is.
+    Compute,
+    /// A weight gradient: back in the master weights' f32.
+    Master,
+}
+
+/// The precision policy: run `f` on the operands' local pieces in the rank's compute dtype (when
+/// one is set; each operand cast once per value, see [`DTensor::local_in`]) — f32 master
+/// weights, bf16/f16 matmuls. Without a compute dtype, `f` on the pieces as they are.
 fn in_compute_dtype<B: Backend, const N: usize>(
-    device: &DistDevice<B>,
-    inputs: [B::FloatTensorPrimitive; N],
+    op: &'static str,
+    inputs: [DTensor<B>; N],
+    out: Out,
     f: impl FnOnce([B::FloatTensorPrimitive; N]) -> B::FloatTensorPrimitive,
 ) -> B::FloatTensorPrimitive {
-    let Some(compute) = device.ctx.with_policy(|p| p.compute_dtype) else {
-        return f(inputs);
+    let device = inputs[0].device.clone();
+    let Some(compute) = compute_dtype(&device) else {
+        return f(inputs.map(|t| t.local));
     };
-    let original: FloatDType = inputs[0].dtype().into();
-    if original == compute {
-        return f(inputs);
+    let result = f(inputs.map(|t| t.local_in(op, compute)));
+    match out {
+        Out::Compute => result,
+        Out::Master => cast_local(op, &device, result, MASTER_DTYPE),
     }
-    let cast = inputs.map(|t| B::float_cast(t, compute));
-    B::float_cast(f(cast), original)
 }
 
 /// `lhs [.., m, k] @ rhs [.., k, n]`, one mesh axis: (lhs target, rhs target, output).
@@ -90,10 +103,11 @@ pub(crate) fn float_matmul<B: Backend>(lhs: DTensor<B>, rhs: DTensor<B>) -> DTen
     }
     let lhs = to_layout("float_matmul", lhs, &tl);
     let rhs = to_layout("float_matmul", rhs, &tr);
-    let local = in_compute_dtype(&lhs.device, [lhs.local, rhs.local], |[l, r]| {
+    let device = lhs.device.clone();
+    let local = in_compute_dtype("float_matmul", [lhs, rhs], Out::Compute, |[l, r]| {
         B::float_matmul(l, r)
     });
-    wrap(local, out, lhs.device)
+    wrap(local, out, device)
 }
 
 /// `x [.., k] @ w [k, n]` (Burn's `linear` layout), one mesh axis.
@@ -154,14 +168,15 @@ pub(crate) fn linear<B: Backend>(
     }
     let x = to_layout(OP, x, &tx);
     let weight = to_layout(OP, weight, &tw);
+    let device = x.device.clone();
     let Some(bias) = bias else {
-        let local = in_compute_dtype(&x.device, [x.local, weight.local], |[x, w]| {
+        let local = in_compute_dtype(OP, [x, weight], Out::Compute, |[x, w]| {
             flat_linear::<B>(x, w, None)
         });
-        return wrap(local, out, x.device);
+        return wrap(local, out, device);
     };
     // The bias follows the output's last dim; with a partial sum only member 0 adds it.
-    let mut tb = Layout::replicated(&mesh);
+    let mut tb = whole_param(&bias.layout);
     let mut add_bias = true;
     for a in 0..tb.len() {
         match out.get(a) {
@@ -171,16 +186,16 @@ pub(crate) fn linear<B: Backend>(
         }
     }
     let bias = to_layout(OP, bias, &tb);
-    let bias = add_bias.then_some(bias.local);
-    let local = match bias {
-        Some(b) => in_compute_dtype(&x.device, [x.local, weight.local, b], |[x, w, b]| {
+    let local = if add_bias {
+        in_compute_dtype(OP, [x, weight, bias], Out::Compute, |[x, w, b]| {
             flat_linear::<B>(x, w, Some(b))
-        }),
-        None => in_compute_dtype(&x.device, [x.local, weight.local], |[x, w]| {
+        })
+    } else {
+        in_compute_dtype(OP, [x, weight], Out::Compute, |[x, w]| {
             flat_linear::<B>(x, w, None)
-        }),
+        })
     };
-    wrap(local, out, x.device)
+    wrap(local, out, device)
 }
 
 /// `[a, b, …, k]` as `[a·b·…, k]` (a view when contiguous) and the leading dims to restore.
@@ -328,7 +343,8 @@ pub(crate) fn linear_x_backward<B: Backend>(
     }
     let weight = to_layout(OP, weight, &tw);
     let g = gradient_to_layout(OP, output_grad, &tg);
-    let local = in_compute_dtype(&g.device, [weight.local, g.local], |[w, g]| {
+    let device = g.device.clone();
+    let local = in_compute_dtype(OP, [weight, g], Out::Compute, |[w, g]| {
         let (g, lead) = rows_of::<B>(g);
         unrows::<B>(B::linear_x_backward(w, g), lead)
     });
@@ -336,7 +352,7 @@ pub(crate) fn linear_x_backward<B: Backend>(
     // here, as Megatron's `f` does in backward. Left partial, it would be reduced wherever the
     // next non-linear backward op meets it — inside LayerNorm's backward, more than once, and
     // with the LayerNorm parameters' gradients born partial too.
-    let grad = wrap(local, out.clone(), g.device);
+    let grad = wrap(local, out.clone(), device);
     let mut reduced = out;
     let sp = sequence_dim(&grad.device, &dims(&grad), &dims(&grad));
     for a in 0..reduced.len() {
@@ -407,10 +423,13 @@ pub(crate) fn linear_weight_backward<B: Backend>(
         // matmul runs at the `W`.
         let (xs, gs) = (x.local.shape(), g.local.shape());
         let (k, n) = (xs[xs.num_dims() - 1], gs[gs.num_dims() - 1]);
-        let dtype = g.local.dtype();
+        let dtype = match compute_dtype(&g.device) {
+            Some(_) => MASTER_DTYPE.into(),
+            None => g.local.dtype(),
+        };
         let device = g.device.clone();
         let compute = Box::new(move || {
-            in_compute_dtype(&device, [x.local, g.local], |[x, g]| {
+            in_compute_dtype(OP, [x, g], Out::Master, |[x, g]| {
                 B::linear_weight_backward(rows_of::<B>(x).0, rows_of::<B>(g).0)
             })
         });
@@ -420,13 +439,14 @@ pub(crate) fn linear_weight_backward<B: Backend>(
             dtype,
             out,
             &summands,
-            g.device,
+            device,
         );
     }
-    let grad = in_compute_dtype(&g.device, [x.local, g.local], |[x, g]| {
+    let device = g.device.clone();
+    let grad = in_compute_dtype(OP, [x, g], Out::Master, |[x, g]| {
         B::linear_weight_backward(rows_of::<B>(x).0, rows_of::<B>(g).0)
     });
-    reduce_data_parallel(grad, out, &summands, g.device)
+    reduce_data_parallel(grad, out, &summands, device)
 }
 
 pub(crate) fn linear_bias_backward<B: Backend>(output_grad: DTensor<B>) -> DTensor<B> {
@@ -441,6 +461,6 @@ pub(crate) fn linear_bias_backward<B: Backend>(output_grad: DTensor<B>) -> DTens
         _ => (Replicate, Replicate, Replicate),
     });
     let g = to_layout(OP, output_grad, &tg);
-    let grad = B::linear_bias_backward(g.local);
+    let grad = to_master(OP, &g.device, B::linear_bias_backward(g.local));
     reduce_data_parallel(grad, out, &summands, g.device)
 }

@@ -46,10 +46,70 @@ use crate::error::{Error, raise};
 use crate::mesh::{AxisKind, DeviceMesh};
 use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
-use burn_backend::Backend;
 use burn_backend::Slice;
+use burn_backend::{Backend, FloatDType, TensorMetadata};
 
 use Placement::{Local, Partial, Replicate, Shard};
+
+/// The precision policy's compute dtype on this rank ([`crate::RankPolicy::compute_dtype`]).
+pub(crate) fn compute_dtype<B: Backend>(device: &DistDevice<B>) -> Option<FloatDType> {
+    device.ctx.with_policy(|p| p.compute_dtype)
+}
+
+/// The dtype of master weights, their gradients and the statistics the precision policy keeps
+/// wide (a loss): what weight gradients and losses come back in under a compute dtype.
+pub(crate) const MASTER_DTYPE: FloatDType = FloatDType::F32;
+
+/// `local` in `dtype`, cast (and counted under `op`) when it is not: a result the precision
+/// policy hands on in another dtype than it was computed in.
+pub(crate) fn cast_local<B: Backend>(
+    op: &'static str,
+    device: &DistDevice<B>,
+    local: B::FloatTensorPrimitive,
+    dtype: FloatDType,
+) -> B::FloatTensorPrimitive {
+    if FloatDType::from(local.dtype()) == dtype {
+        return local;
+    }
+    device.ctx.count_cast(op);
+    B::float_cast(local, dtype)
+}
+
+/// Under a compute dtype, `local` (a weight gradient, a loss) back in f32; as it is otherwise.
+pub(crate) fn to_master<B: Backend>(
+    op: &'static str,
+    device: &DistDevice<B>,
+    local: B::FloatTensorPrimitive,
+) -> B::FloatTensorPrimitive {
+    cast_to(
+        op,
+        device,
+        local,
+        compute_dtype(device).map(|_| MASTER_DTYPE),
+    )
+}
+
+/// Under a compute dtype, `local` (an activation that feeds matmuls: a norm's output) in it; as
+/// it is otherwise.
+pub(crate) fn to_compute<B: Backend>(
+    op: &'static str,
+    device: &DistDevice<B>,
+    local: B::FloatTensorPrimitive,
+) -> B::FloatTensorPrimitive {
+    cast_to(op, device, local, compute_dtype(device))
+}
+
+fn cast_to<B: Backend>(
+    op: &'static str,
+    device: &DistDevice<B>,
+    local: B::FloatTensorPrimitive,
+    dtype: Option<FloatDType>,
+) -> B::FloatTensorPrimitive {
+    match dtype {
+        Some(d) => cast_local(op, device, local, d),
+        None => local,
+    }
+}
 
 /// Redistribute as a rule asks, counting the call when it communicates.
 pub(crate) fn to_layout<B: Backend>(
@@ -113,6 +173,18 @@ pub(crate) fn check_param<B: Backend>(op: &'static str, w: &DTensor<B>) {
             });
         }
     }
+}
+
+/// A parameter brought whole: `Replicate` everywhere, except that `Local` stays (a parameter is
+/// `Local` only on axes of one member, where its piece is whole already): relabelled, it would be
+/// a new value at each use, and lose the compute-dtype copy kept with it.
+pub(crate) fn whole_param(layout: &Layout) -> Layout {
+    Layout::new(
+        layout
+            .placements()
+            .iter()
+            .map(|p| if *p == Local { Local } else { Replicate }),
+    )
 }
 
 /// A forward op that uses parameters: the previous backward's gradients must have been synced.

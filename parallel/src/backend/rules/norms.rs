@@ -1,9 +1,9 @@
 //! Normalisation: layer norm over a whole last dim, its parameters whole.
 
-use super::{check_param, to_layout, whole_dim, wrap};
+use super::{check_param, to_layout, whole_dim, whole_param, wrap};
 use crate::backend::prelude::*;
-use crate::placement::Layout;
 use crate::tensor::DTensor;
+use burn_backend::TensorMetadata;
 
 pub(crate) fn layer_norm<B: Backend>(
     tensor: DTensor<B>,
@@ -16,11 +16,17 @@ pub(crate) fn layer_norm<B: Backend>(
     let last = tensor.shape.num_dims() - 1;
     let target = whole_dim(&tensor.layout, last);
     let x = to_layout(OP, tensor, &target);
-    let whole = Layout::replicated(x.device.mesh());
-    let gamma = to_layout(OP, gamma, &whole).local;
+    // The parameters whole, in the input's dtype (cast once per value under the precision
+    // policy, see `DTensor::local_in`).
+    let dtype = x.local.dtype().into();
+    let whole = |p: DTensor<B>| {
+        let target = whole_param(&p.layout);
+        to_layout(OP, p, &target).local_in(OP, dtype)
+    };
+    let gamma = whole(gamma);
     let beta = beta.map(|b| {
         check_param(OP, &b);
-        to_layout(OP, b, &whole).local
+        whole(b)
     });
     wrap(
         B::layer_norm(x.local, gamma, beta, epsilon),

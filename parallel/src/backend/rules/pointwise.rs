@@ -7,7 +7,7 @@ use crate::device::DistDevice;
 use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
 use Placement::{Local, Partial, Replicate, Shard};
-use burn_backend::TensorMetadata;
+use burn_backend::{DType, TensorMetadata};
 
 /// Whether a unary op commutes with sums (so `Partial(Sum | Avg)` may pass).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,7 +57,6 @@ pub(crate) const POINTWISE_OPS: &[(&str, Pointwise)] = &[
     ("float_div_scalar", Unary(Linear)),
     ("float_detach", Unary(Linear)),
     ("float_set_require_grad", Unary(Linear)),
-    ("float_cast", Unary(Linear)),
     // Unary, non-linear: a partial value is reduced first.
     ("float_add_scalar", Unary(NonLinear)),
     ("float_sub_scalar", Unary(NonLinear)),
@@ -188,6 +187,16 @@ pub(crate) fn unary<B: Backend>(
     DTensor::new_shaped(f(t.local), t.layout, t.shape, t.device)
 }
 
+/// A cast: elementwise and linear (partial sums pass, padded shards stay), counted in
+/// [`OpCounters::casts`](crate::OpCounters) when the dtype changes.
+pub(crate) fn float_cast<B: Backend>(tensor: DTensor<B>, dtype: FloatDType) -> DTensor<B> {
+    const OP: &str = "float_cast";
+    if FloatDType::from(tensor.local.dtype()) != dtype {
+        tensor.device.ctx.count_cast(OP);
+    }
+    unary(OP, tensor, Linearity::Linear, |t| B::float_cast(t, dtype))
+}
+
 /// Decide one mesh axis of a broadcasting elementwise op: (lhs target, rhs target, output).
 fn decide_elementwise(
     mut pl: Placement,
@@ -315,7 +324,35 @@ pub(crate) fn binary<B: Backend>(
         .zip(dims(&rhs))
         .map(|(&l, r)| if l == 1 { r } else { l })
         .collect();
-    DTensor::new_shaped(f(lhs.local, rhs.local), out, Shape::from(shape), lhs.device)
+    let device = lhs.device.clone();
+    let (l, r) = promoted(op, lhs, rhs);
+    DTensor::new_shaped(f(l, r), out, Shape::from(shape), device)
+}
+
+/// The operands' local pieces in one dtype: the wider of the two where they differ (type
+/// promotion, as PyTorch's for `bf16 + f32`: a residual stream in f32 meeting a bf16 branch under
+/// the precision policy, or gradients of both kinds summed), the narrower one cast once per value.
+fn promoted<B: Backend>(
+    op: &'static str,
+    lhs: DTensor<B>,
+    rhs: DTensor<B>,
+) -> (B::FloatTensorPrimitive, B::FloatTensorPrimitive) {
+    let (dl, dr) = (lhs.local.dtype(), rhs.local.dtype());
+    if dl == dr {
+        return (lhs.local, rhs.local);
+    }
+    let width = |d: DType| match d {
+        DType::F64 => 3,
+        DType::F32 => 2,
+        _ => 1,
+    };
+    let wide = match width(dl).cmp(&width(dr)) {
+        std::cmp::Ordering::Greater => dl,
+        std::cmp::Ordering::Less => dr,
+        std::cmp::Ordering::Equal => DType::F32, // bf16 with f16
+    };
+    let wide = FloatDType::from(wide);
+    (lhs.local_in(op, wide), rhs.local_in(op, wide))
 }
 
 /// An op that works along `dim` (softmax, cumsum, sort): that dim must be whole and no operand
