@@ -174,7 +174,8 @@ fn cmma_wanted() -> bool {
 /// `c (+)= a · b` for shared-memory tiles, by the whole cube (every unit calls it; callers sync
 /// around it). `a` is `m × k`, stored row-major with row stride `lda`, or (`a_t`) as its
 /// transpose `k × m`; `b` is `k × n`, row-major with stride `ldb`, or (`b_t`) as its transpose
-/// `n × k`; `c` is f32, row-major with stride `ldc`, overwritten or (`acc`) added to. With `cmma`
+/// `n × k`; `c` is f32, row-major with stride `ldc` or (`c_t`) stored as its transpose `n × m`,
+/// overwritten or (`acc`) added to. With `cmma`
 /// each plane takes 16 × 16 output tiles in turn (tensor-core fragments, f32 accumulation; `m`,
 /// `n`, `k` multiples of 16); without, each unit takes output elements in turn.
 #[cube]
@@ -191,6 +192,7 @@ pub(super) fn tile_mm<E: Float>(
     #[comptime] ldc: usize,
     #[comptime] a_t: bool,
     #[comptime] b_t: bool,
+    #[comptime] c_t: bool,
     #[comptime] acc: bool,
     #[comptime] cmma: bool,
 ) {
@@ -211,10 +213,20 @@ pub(super) fn tile_mm<E: Float>(
         } else {
             cmma::MatrixLayout::RowMajor
         });
+        let c_layout = comptime!(if c_t {
+            cmma::MatrixLayout::ColMajor
+        } else {
+            cmma::MatrixLayout::RowMajor
+        });
         let mut t = (UNIT_POS / PLANE_DIM) as usize;
         while t < tiles {
             let i0 = (t / tiles_n) * 16usize;
             let j0 = (t % tiles_n) * 16usize;
+            let c_start = if comptime!(c_t) {
+                j0 * ldc + i0
+            } else {
+                i0 * ldc + j0
+            };
             let out = unsafe {
                 cmma::Matrix::<f32>::uninitialized(
                     cmma::MatrixIdent::Accumulator,
@@ -225,12 +237,7 @@ pub(super) fn tile_mm<E: Float>(
                 )
             };
             if comptime!(acc) {
-                cmma::load_with_layout(
-                    &out,
-                    &c.slice(i0 * ldc + j0, c_len),
-                    ldc as u32,
-                    cmma::MatrixLayout::RowMajor,
-                );
+                cmma::load_with_layout(&out, &c.slice(c_start, c_len), ldc as u32, c_layout);
             } else {
                 cmma::fill(&out, 0.0f32);
             }
@@ -268,22 +275,26 @@ pub(super) fn tile_mm<E: Float>(
                 cmma::load(&fb, &b.slice(b_start, b_len), ldb as u32);
                 cmma::execute::<E, E, f32, f32>(&fa, &fb, &out, &out);
             }
-            cmma::store(
-                &mut c.slice_mut(i0 * ldc + j0, c_len),
-                &out,
-                ldc as u32,
-                cmma::MatrixLayout::RowMajor,
-            );
+            cmma::store(&mut c.slice_mut(c_start, c_len), &out, ldc as u32, c_layout);
             t += planes;
         }
     } else {
         let mut e = UNIT_POS as usize;
         while e < m * n {
-            let i = e / n;
-            let j = e % n;
+            // Consecutive units on consecutive elements of `c` as stored.
+            let (i, j) = if comptime!(c_t) {
+                (e % m, e / m)
+            } else {
+                (e / n, e % n)
+            };
+            let ci = if comptime!(c_t) {
+                j * ldc + i
+            } else {
+                i * ldc + j
+            };
             let mut s = 0.0f32;
             if comptime!(acc) {
-                s = c[i * ldc + j];
+                s = c[ci];
             }
             for kk in 0usize..k {
                 let av = if comptime!(a_t) {
@@ -298,7 +309,7 @@ pub(super) fn tile_mm<E: Float>(
                 };
                 s += f32::cast_from(av) * f32::cast_from(bv);
             }
-            c[i * ldc + j] = s;
+            c[ci] = s;
             e += CUBE_DIM as usize;
         }
     }
@@ -487,9 +498,11 @@ fn flash_forward_kernel<E: Float>(
             d,
         );
         sync_cube();
-        // S = Q·Kᵀ
+        // S = Q·Kᵀ, stored transposed (`ss[j·bq + r]`), as are P and O: the softmax below runs one
+        // unit per query row, so consecutive units read consecutive words (row-major, a warp's
+        // 32 rows `bk` words apart would all hit one shared-memory bank).
         tile_mm::<E>(
-            &qs, &kvs, &mut ss, bq, bk, d, d, d, bk, false, true, false, cmma,
+            &qs, &kvs, &mut ss, bq, bk, d, d, d, bq, false, true, true, false, cmma,
         );
         sync_cube();
         // Online softmax, one unit per query row: the new running max, P = exp(S·scale − max)
@@ -501,7 +514,7 @@ fn flash_forward_kernel<E: Float>(
             let mut mx = m_old;
             for j in 0..bk {
                 if visible(i, k_start + j, seq_q, seq_k, q_offset, causal) {
-                    mx = f32::max(mx, ss[r * bk + j] * scale);
+                    mx = f32::max(mx, ss[j * bq + r] * scale);
                 }
             }
             let corr = f32::exp(m_old - mx);
@@ -509,15 +522,15 @@ fn flash_forward_kernel<E: Float>(
             for j in 0..bk {
                 let mut p = 0.0f32;
                 if visible(i, k_start + j, seq_q, seq_k, q_offset, causal) {
-                    p = f32::exp(ss[r * bk + j] * scale - mx);
+                    p = f32::exp(ss[j * bq + r] * scale - mx);
                 }
-                ps[r * bk + j] = E::cast_from(p);
+                ps[j * bq + r] = E::cast_from(p);
                 sum += p;
             }
             row_sum[r] = row_sum[r] * corr + sum;
             row_max[r] = mx;
             for c in 0..d {
-                os[r * d + c] *= corr;
+                os[c * bq + r] *= corr;
             }
             r += CUBE_DIM as usize;
         }
@@ -532,9 +545,9 @@ fn flash_forward_kernel<E: Float>(
             d,
         );
         sync_cube();
-        // O += P·V
+        // O += P·V (P and O transposed)
         tile_mm::<E>(
-            &ps, &kvs, &mut os, bq, d, bk, bk, d, d, false, false, true, cmma,
+            &ps, &kvs, &mut os, bq, d, bk, bq, d, bq, true, false, true, true, cmma,
         );
         sync_cube();
     }
@@ -546,7 +559,7 @@ fn flash_forward_kernel<E: Float>(
         let r = e / d;
         let c = e % d;
         if q_start + r < seq_q {
-            out[o_base + (q_start + r) * o_token + c] = E::cast_from(os[e] / row_sum[r]);
+            out[o_base + (q_start + r) * o_token + c] = E::cast_from(os[c * bq + r] / row_sum[r]);
         }
         e += CUBE_DIM as usize;
     }

@@ -135,10 +135,10 @@ fn flash_backward_q_kernel<E: Float>(
         sync_cube();
         // S = Q·Kᵀ and dP = dO·Vᵀ (independent: one phase; dP into `dps`)
         tile_mm::<E>(
-            &qs, &ks, &mut ss, bq, bk, d, d, d, bk, false, true, false, cmma,
+            &qs, &ks, &mut ss, bq, bk, d, d, d, bk, false, true, false, false, cmma,
         );
         tile_mm::<E>(
-            &dos, &vs, &mut dps, bq, bk, d, d, d, bk, false, true, false, cmma,
+            &dos, &vs, &mut dps, bq, bk, d, d, d, bk, false, true, false, false, cmma,
         );
         sync_cube();
         // P (f32, from the scores) and dS = P∘(dP − delta), rounded once into `ps`
@@ -157,7 +157,7 @@ fn flash_backward_q_kernel<E: Float>(
         sync_cube();
         // dQ += dS·K
         tile_mm::<E>(
-            &ps, &ks, &mut dqs, bq, d, bk, bk, d, d, false, false, true, cmma,
+            &ps, &ks, &mut dqs, bq, d, bk, bk, d, d, false, false, false, true, cmma,
         );
         sync_cube();
     }
@@ -282,7 +282,7 @@ fn flash_backward_kv_kernel<E: Float>(
         sync_cube();
         // Sᵀ = K·Qᵀ, then Pᵀ
         tile_mm::<E>(
-            &ks, &qs, &mut st, bk, bq, d, d, d, bq, false, true, false, cmma,
+            &ks, &qs, &mut st, bk, bq, d, d, d, bq, false, true, false, false, cmma,
         );
         sync_cube();
         let mut e = UNIT_POS as usize;
@@ -299,10 +299,10 @@ fn flash_backward_kv_kernel<E: Float>(
         sync_cube();
         // dV += Pᵀ·dO and dPᵀ = V·dOᵀ (independent: one phase)
         tile_mm::<E>(
-            &pt, &dos, &mut dvs, bk, d, bq, bq, d, d, false, false, true, cmma,
+            &pt, &dos, &mut dvs, bk, d, bq, bq, d, d, false, false, false, true, cmma,
         );
         tile_mm::<E>(
-            &vs, &dos, &mut st, bk, bq, d, d, d, bq, false, true, false, cmma,
+            &vs, &dos, &mut st, bk, bq, d, d, d, bq, false, true, false, false, cmma,
         );
         sync_cube();
         // dSᵀ = Pᵀ∘(dPᵀ − delta) in place of Pᵀ
@@ -316,7 +316,7 @@ fn flash_backward_kv_kernel<E: Float>(
         sync_cube();
         // dK += dSᵀ·Q
         tile_mm::<E>(
-            &pt, &qs, &mut dks, bk, d, bq, bq, d, d, false, false, true, cmma,
+            &pt, &qs, &mut dks, bk, d, bq, bq, d, d, false, false, false, true, cmma,
         );
         sync_cube();
     }
