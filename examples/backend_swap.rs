@@ -45,7 +45,9 @@ struct Args {
 
 fn main() -> Result<()> {
     wildfire::alloc::keep_freed_memory();
+    // Colours only on a terminal: a log redirected to a file stays plain text.
     tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .init();

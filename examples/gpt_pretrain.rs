@@ -84,7 +84,9 @@ fn args_with_config() -> Result<(Args, ArgMatches)> {
 
 fn main() -> Result<()> {
     wildfire::alloc::keep_freed_memory();
+    // Colours only on a terminal: a log redirected to a file stays plain text.
     tracing_subscriber::fmt()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -142,6 +144,9 @@ fn main() -> Result<()> {
     }
     if let Some(plot) = &config.plot {
         println!("loss curve: {}", plot.display());
+    }
+    if let Some(metrics) = &config.metrics {
+        println!("metrics: {}", metrics.display());
     }
     Ok(())
 }

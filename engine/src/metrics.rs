@@ -73,9 +73,12 @@ pub struct MetricsLog {
 }
 
 impl MetricsLog {
-    /// Open `path`: truncated for a new run, appended to for a resumed one (as llm.c does, so
-    /// one file holds the whole run).
+    /// Open `path` (its folder made if missing): truncated for a new run, appended to for a
+    /// resumed one (as llm.c does, so one file holds the whole run).
     pub fn open(path: &Path, resumed: bool) -> std::io::Result<Self> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
         let file = OpenOptions::new()
             .create(true)
             .write(true)

@@ -92,9 +92,16 @@ pub struct PretrainConfig {
     pub dropout: f64,
 
     /// Training data: a text file, or a nanoGPT / llm.c `.bin` token file (default: the
-    /// embedded corpus).
+    /// embedded corpus). A text file is tokenised once and its tokens cached beside it as
+    /// `<file>.<tokenizer>.tokens` (keyed by the file's content: an edit tokenises again, a
+    /// fresh checkout does not); `--token-cache` puts the cache elsewhere.
     #[arg(long, help_heading = "Data")]
     pub data: Option<PathBuf>,
+    /// Folder for the token cache of a text `--data` file (made if missing), instead of the
+    /// data file's own folder.
+    #[serde(default)]
+    #[arg(long, value_name = "DIR", help_heading = "Data")]
+    pub token_cache: Option<PathBuf>,
     /// Tokenizer for text: bytes or gpt2 (GPT-2 BPE, offline).
     #[arg(long, default_value = "bytes", help_heading = "Data")]
     pub tokenizer: TokenizerKind,
@@ -205,8 +212,14 @@ pub struct PretrainConfig {
     #[arg(long, value_name = "FILE", help_heading = "Evaluation and checkpoints")]
     pub export_hf: Option<PathBuf>,
 
-    /// One JSON object per step (and per evaluation) to this file; appended to on --resume.
-    #[arg(long, help_heading = "Output")]
+    /// One JSON object per step (and per evaluation) to this file (its folder made if missing);
+    /// appended to on --resume. The default puts a run's outputs in `runs/latest/`, beside the
+    /// loss curve, never over a tracked file.
+    #[arg(
+        long,
+        default_value = "runs/latest/metrics.jsonl",
+        help_heading = "Output"
+    )]
     pub metrics: Option<PathBuf>,
     /// A log line every this many steps.
     #[arg(long, default_value_t = 10, help_heading = "Output")]
@@ -218,8 +231,8 @@ pub struct PretrainConfig {
     /// Tokens of text to generate at the end (0: none).
     #[arg(long, default_value_t = 300, help_heading = "Output")]
     pub sample_tokens: usize,
-    /// Loss-curve PNG written at the end.
-    #[arg(long, default_value = "loss.png", help_heading = "Output")]
+    /// Loss-curve PNG written at the end (its folder made if missing).
+    #[arg(long, default_value = "runs/latest/loss.png", help_heading = "Output")]
     pub plot: Option<PathBuf>,
     /// Chrome / Perfetto trace (JSON) of every rank's compute regions and collectives, written
     /// at the end (under MPI, one file per process: `FILE.rank-N.json`).
@@ -286,7 +299,7 @@ impl Default for PretrainConfig {
 }
 
 impl PretrainConfig {
-    /// The defaults without output: no evaluation, no generated sample, no plot, no progress
+    /// The defaults without output: no evaluation, no generated sample, no plot or metrics file, no progress
     /// bar, a one-step warmup (benchmarks and tests start from it).
     pub fn quiet() -> Self {
         Self {
@@ -296,6 +309,7 @@ impl PretrainConfig {
             sample_tokens: 0,
             progress: false,
             plot: None,
+            metrics: None,
             gather_parameters: true,
             ..Self::default()
         }

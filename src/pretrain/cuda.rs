@@ -68,7 +68,7 @@ mod tests {
             let config = PretrainConfig {
                 collectives,
                 steps: 1,
-                ..PretrainConfig::default()
+                ..PretrainConfig::quiet()
             };
             match run_cuda(&config) {
                 Err(PretrainError::Parallel(wildfire_parallel::Error::Cuda(reason))) => {

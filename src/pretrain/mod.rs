@@ -174,7 +174,8 @@ pub fn load_data(config: &PretrainConfig) -> Result<RunData, PretrainError> {
         Some(path) => DataSource::File(path.clone()),
         None => DataSource::Embedded,
     };
-    let dataset = TokenDataset::load(&source, &tokenizer)?;
+    let dataset =
+        TokenDataset::load_with_cache(&source, &tokenizer, true, config.token_cache.as_deref())?;
     let model = config.model(tokenizer.vocab_size().max(dataset.max_token() as usize + 1))?;
     dataset.check_vocab(model.vocab_size)?;
     tracing::info!(model = ?model, params = model.num_params(), tokens = dataset.len(), data = %source);

@@ -19,7 +19,8 @@ fn register_font() {
     });
 }
 
-/// Draw the training and validation loss of `steps` into a PNG at `path` (nothing for no step).
+/// Draw the training and validation loss of `steps` into a PNG at `path`, its folder made if
+/// missing (nothing for no step).
 pub fn plot_losses(path: &Path, steps: &[StepMetrics]) -> Result<(), PretrainError> {
     let (Some(first), Some(last)) = (steps.first(), steps.last()) else {
         return Ok(());
@@ -106,6 +107,9 @@ pub fn plot_losses(path: &Path, steps: &[StepMetrics]) -> Result<(), PretrainErr
         .write_header()
         .and_then(|mut w| w.write_image_data(&rgb))
         .map_err(|e| plot_err(e.to_string()))?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    }
     wildfire_models::io::write_atomic(path, &png_bytes).map_err(io_err(path))
 }
 

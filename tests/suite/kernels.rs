@@ -637,6 +637,7 @@ mod wgpu {
             log_every: 1000,
             progress: false,
             plot: None,
+            metrics: None,
             ..PretrainConfig::default()
         };
         let flex = run(&base).unwrap();

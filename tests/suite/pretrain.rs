@@ -571,8 +571,13 @@ fn defaults_are_the_flags_defaults() {
     let parsed = Flags::try_parse_from(["x"]).unwrap().config;
     let d = PretrainConfig::default();
     assert_eq!(
-        (d.steps, d.sample_tokens, d.plot.clone()),
-        (300, 300, Some("loss.png".into()))
+        (d.steps, d.sample_tokens, d.plot.clone(), d.metrics.clone()),
+        (
+            300,
+            300,
+            Some("runs/latest/loss.png".into()),
+            Some("runs/latest/metrics.jsonl".into())
+        )
     );
     if std::env::var_os("WILDFIRE_DP").is_none() {
         assert_eq!(parsed, d);

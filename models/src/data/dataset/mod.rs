@@ -6,7 +6,6 @@ use std::fs::{self, File};
 use std::io::{self, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::time::UNIX_EPOCH;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use memmap2::Mmap;
@@ -22,25 +21,26 @@ const LLMC_HEADER_BYTES: usize = 256 * 4;
 
 /// Magic of Wildfire's token cache (`<file>.<tokenizer>.tokens`).
 const CACHE_MAGIC: &[u8; 8] = b"WFTOKENS";
-/// Version of the cache layout below; a different version is rebuilt.
-const CACHE_VERSION: u32 = 1;
+/// Version of the cache layout below; a different version is rebuilt (1 keyed the source by its
+/// mtime, which a fresh checkout changes).
+const CACHE_VERSION: u32 = 2;
 /// The cache header, all little-endian:
 ///
 /// | bytes  | field                                                   |
 /// |--------|---------------------------------------------------------|
 /// | 0..8   | magic `WFTOKENS`                                        |
-/// | 8..12  | layout version (1)                                      |
+/// | 8..12  | layout version (2)                                      |
 /// | 12..16 | bytes per token: 2 (vocab ≤ 65536) or 4                 |
 /// | 16..20 | tokenizer: 0 bytes, 1 GPT-2                             |
 /// | 20..24 | vocab size                                              |
 /// | 24..32 | source length in bytes                                  |
-/// | 32..40 | source mtime, whole seconds since the Unix epoch (i64)  |
-/// | 40..44 | source mtime, nanoseconds (u32)                         |
-/// | 44..48 | zero                                                    |
+/// | 32..40 | xxh3-64 of the source's bytes                           |
+/// | 40..48 | zero                                                    |
 /// | 48..56 | token count                                             |
 /// | 56..64 | zero                                                    |
 ///
-/// The tokens follow. The cache is valid while the source's length and mtime match.
+/// The tokens follow. The cache is valid while the source's length and content hash match: a
+/// copied or freshly checked-out file keeps its cache, an edited one is tokenised again.
 const CACHE_HEADER_BYTES: usize = 64;
 
 /// Text is tokenised in chunks of about this many bytes (the progress bar's granularity).
@@ -87,36 +87,43 @@ fn header_i32(bytes: &[u8], index: usize) -> i32 {
     i32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"))
 }
 
-/// The length and mtime of a text file, recorded in its cache to notice a changed source.
+/// The length and content hash of a text file, recorded in its cache to notice a changed source.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct SourceStamp {
     len: u64,
-    mtime_secs: i64,
-    mtime_nanos: u32,
+    hash: u64,
 }
 
 impl SourceStamp {
-    fn of(meta: &fs::Metadata) -> Self {
-        let (mtime_secs, mtime_nanos) = match meta.modified().map(|t| t.duration_since(UNIX_EPOCH))
-        {
-            Ok(Ok(d)) => (d.as_secs() as i64, d.subsec_nanos()),
-            Ok(Err(before)) => (
-                -(before.duration().as_secs() as i64),
-                before.duration().subsec_nanos(),
-            ),
-            Err(_) => (0, 0), // no mtime on this platform: the length alone decides
-        };
-        Self {
-            len: meta.len(),
-            mtime_secs,
-            mtime_nanos,
+    /// The stamp of the file at `path`, read in 1 MiB chunks (xxh3 hashes at memory speed).
+    fn of(path: &Path) -> Result<Self, Error> {
+        let mut file = File::open(path).map_err(|e| Error::io(path, e))?;
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut len = 0u64;
+        loop {
+            let n = io::Read::read(&mut file, &mut buf).map_err(|e| Error::io(path, e))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            len += n as u64;
         }
+        Ok(Self {
+            len,
+            hash: hasher.digest(),
+        })
     }
 }
 
-/// `<file>.<tokenizer>.tokens`, next to the text file.
-fn cache_path(path: &Path, kind: TokenizerKind) -> PathBuf {
-    let mut name = path.as_os_str().to_owned();
+/// `<file>.<tokenizer>.tokens`: next to the text file, or in `dir` when given.
+fn cache_path(path: &Path, kind: TokenizerKind, dir: Option<&Path>) -> PathBuf {
+    let mut name = match dir {
+        Some(dir) => dir
+            .join(path.file_name().unwrap_or(path.as_os_str()))
+            .into_os_string(),
+        None => path.as_os_str().to_owned(),
+    };
     name.push(format!(".{kind}.tokens"));
     PathBuf::from(name)
 }
@@ -155,8 +162,9 @@ impl TokenDataset {
     ///   `tokenizer` is not used: check the ids with [`TokenDataset::check_vocab`].
     /// - Any other file: UTF-8 text, tokenised with `tokenizer` and cached next to it as
     ///   `<file>.<tokenizer>.tokens` (u16 when the vocab fits, else u32, after a 64-byte header that
-    ///   records the source's length and mtime: a changed source is tokenised again). Later loads
-    ///   map the cache. The cache is written to a temporary file and renamed, so ranks loading the
+    ///   records the source's length and content hash: an edited source is tokenised again, a
+    ///   copied or checked-out one keeps its cache; [`TokenDataset::load_with_cache`] puts the
+    ///   cache in another folder). Later loads map the cache. The cache is written to a temporary file and renamed, so ranks loading the
     ///   same file at once do not see half a cache; if it cannot be written (read-only directory),
     ///   the tokens stay in memory and a warning is logged.
     /// - [`DataSource::Embedded`]: the built-in corpus ([`embedded_corpus`]), tokenised in memory.
@@ -170,6 +178,18 @@ impl TokenDataset {
         source: &DataSource,
         tokenizer: &Tokenizer,
         progress: bool,
+    ) -> Result<Self, Error> {
+        Self::load_with_cache(source, tokenizer, progress, None)
+    }
+
+    /// [`TokenDataset::load_with_progress`] with a text file's token cache in `cache_dir` (made
+    /// if missing) rather than next to the file — for a read-only data folder, or one shared by
+    /// runs that should not write into it.
+    pub fn load_with_cache(
+        source: &DataSource,
+        tokenizer: &Tokenizer,
+        progress: bool,
+        cache_dir: Option<&Path>,
     ) -> Result<Self, Error> {
         match source {
             DataSource::Embedded => {
@@ -189,7 +209,7 @@ impl TokenDataset {
                 if path.extension().is_some_and(|e| e == "bin") {
                     Self::load_bin(path)
                 } else {
-                    Self::load_text(path, &meta, tokenizer, progress)
+                    Self::load_text(path, tokenizer, progress, cache_dir)
                 }
             }
         }
@@ -369,12 +389,12 @@ impl TokenDataset {
     /// A UTF-8 text file: its cache if that is current, else tokenised now and cached.
     fn load_text(
         path: &Path,
-        meta: &fs::Metadata,
         tokenizer: &Tokenizer,
         progress: bool,
+        cache_dir: Option<&Path>,
     ) -> Result<Self, Error> {
-        let stamp = SourceStamp::of(meta);
-        let cache = cache_path(path, tokenizer.kind());
+        let stamp = SourceStamp::of(path)?;
+        let cache = cache_path(path, tokenizer.kind(), cache_dir);
         match Self::open_cache(&cache, stamp, tokenizer) {
             Ok(data) => {
                 tracing::debug!(cache = %cache.display(), tokens = data.len, "using token cache");
@@ -445,11 +465,10 @@ impl TokenDataset {
         }
         let cached = SourceStamp {
             len: u64_at(24),
-            mtime_secs: u64_at(32) as i64,
-            mtime_nanos: u32_at(40),
+            hash: u64_at(32),
         };
         if cached != stamp {
-            return Err(Some("is stale (the source's size or mtime changed)".into()));
+            return Err(Some("is stale (the source's content changed)".into()));
         }
         let len = u64_at(48);
         if (CACHE_HEADER_BYTES as u64).checked_add(len.saturating_mul(width as u64))
@@ -472,8 +491,9 @@ impl TokenDataset {
     }
 }
 
-/// Writes the cache to a temporary file next to `cache`, then renames it into place (atomic on
-/// one file system, so concurrent readers see the old cache, none, or the whole new one).
+/// Writes the cache to a temporary file next to `cache` (its folder made if missing), then renames
+/// it into place (atomic on one file system, so concurrent readers see the old cache, none, or
+/// the whole new one).
 fn write_cache(
     cache: &Path,
     stamp: SourceStamp,
@@ -488,10 +508,12 @@ fn write_cache(
     header[16..20].copy_from_slice(&tokenizer_id(tokenizer.kind()).to_le_bytes());
     header[20..24].copy_from_slice(&(tokenizer.vocab_size() as u32).to_le_bytes());
     header[24..32].copy_from_slice(&stamp.len.to_le_bytes());
-    header[32..40].copy_from_slice(&stamp.mtime_secs.to_le_bytes());
-    header[40..44].copy_from_slice(&stamp.mtime_nanos.to_le_bytes());
+    header[32..40].copy_from_slice(&stamp.hash.to_le_bytes());
     header[48..56].copy_from_slice(&(tokens.len() as u64).to_le_bytes());
 
+    if let Some(dir) = cache.parent().filter(|d| !d.as_os_str().is_empty()) {
+        fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    }
     crate::io::write_atomic_with(cache, |out| {
         out.write_all(&header)?;
         let mut buf = Vec::with_capacity(width * 65536);

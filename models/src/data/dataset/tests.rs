@@ -132,7 +132,28 @@ fn text_is_cached_reused_and_retokenised_when_changed() {
         "cache reused"
     );
 
-    // A changed source (here: another length and mtime) is tokenised again.
+    // The cache is keyed by content, not by the file's mtime: a touched (or freshly checked-out)
+    // source keeps it; an edit of the same length is tokenised again.
+    let touched = std::time::SystemTime::now() + std::time::Duration::from_secs(3600);
+    File::options()
+        .write(true)
+        .open(&path)
+        .unwrap()
+        .set_modified(touched)
+        .unwrap();
+    load(&path).unwrap();
+    assert_eq!(
+        fs::metadata(&cache).unwrap().modified().unwrap(),
+        written,
+        "cache kept for a touched source"
+    );
+    fs::write(&path, "jello, world\n").unwrap();
+    assert_eq!(
+        load(&path).unwrap().all().to_vec(),
+        b"jello, world\n".map(u32::from)
+    );
+
+    // A changed source (here: another length) is tokenised again.
     fs::write(&path, "goodbye, cruel world\n").unwrap();
     let third = load(&path).unwrap();
     assert_eq!(
@@ -154,6 +175,25 @@ fn text_is_cached_reused_and_retokenised_when_changed() {
     fs::write(&cache, b"garbage").unwrap();
     assert_eq!(load(&path).unwrap().len(), 21);
     assert!(fs::read(&cache).unwrap().starts_with(CACHE_MAGIC));
+}
+
+/// With a cache folder, the cache goes there (made if missing), named after the file, and the
+/// data folder is left alone.
+#[test]
+fn the_token_cache_can_live_elsewhere() {
+    let dir = ScratchDir::new("cache-dir");
+    let path = dir.path().join("input.txt");
+    fs::write(&path, "hello, world\n").unwrap();
+    let elsewhere = dir.path().join("caches/tokens");
+    let source = DataSource::File(path.clone());
+    let data = TokenDataset::load_with_cache(&source, &bytes_tokenizer(), false, Some(&elsewhere))
+        .unwrap();
+    assert_eq!(data.all().to_vec(), b"hello, world\n".map(u32::from));
+    assert!(elsewhere.join("input.txt.bytes.tokens").exists());
+    assert!(!dir.path().join("input.txt.bytes.tokens").exists());
+    let again = TokenDataset::load_with_cache(&source, &bytes_tokenizer(), false, Some(&elsewhere))
+        .unwrap();
+    assert!(matches!(again.storage, Storage::U16 { .. }), "{again:?}");
 }
 
 #[test]
