@@ -1,18 +1,23 @@
 #!/usr/bin/env python3
-"""Check the module layering of parallel/src (written down in parallel/src/lib.rs).
+"""Check the module structure of every crate of the workspace: no import cycle between files in
+any crate, and in parallel/src the layering written down in parallel/src/lib.rs.
 
-Reads every `crate::…` and `super::…` path outside comments, maps it to the file that defines it
-(a name the crate root re-exports, `crate::Error`, to its module), and fails (exit 1) on
-- a file importing a module of a higher layer than its own (the order in LAYERS), and
-- a cycle between files, apart from a `mod.rs` re-exporting its children and `tests.rs`.
-Known exceptions (comm/, other people's area for now) are listed in EXCEPTIONS and reported.
+Reads every `crate::…` and `super::…` path outside comments and test modules (`tests.rs`, inline
+`mod tests { .. }`), maps it to the file that defines it (a name a `lib.rs` or `mod.rs`
+re-exports, `crate::Error`, to its module), and fails (exit 1) on
+- a cycle between files, apart from a `mod.rs` re-exporting its children, and
+- in parallel/src, a file importing a module of a higher layer than its own (the order in
+  LAYERS). Known exceptions are listed in EXCEPTIONS and reported.
 
-    python3 tools/check_layers.py [SRC]    # SRC: parallel/src by default
+    python3 tools/check_layers.py [SRC ...]    # SRC: every crate's src/ by default
 """
 import collections, pathlib, re, sys
 
-SRC = pathlib.Path(sys.argv[1] if sys.argv[1:] else
-                   pathlib.Path(__file__).resolve().parent.parent / "parallel/src")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CRATES = ["parallel/src", "kernels/src", "engine/src", "models/src", "src"]
+# The crate whose layering is checked (set per crate by `main`).
+LAYERED = ROOT / "parallel/src"
+SRC = LAYERED
 LAYERS = [["error"], ["mesh"], ["comm"], ["placement"], ["policy"], ["device"], ["collectives"],
           ["tensor"],
           ["backend"], ["data_parallel"], ["fsdp", "tensor_parallel", "pipeline"], ["launch"], ["ranks"]]
@@ -119,7 +124,7 @@ def edges():
             continue
         mod = module_of(f)
         for root, names, inner in paths(code(f)):
-            if not names:
+            if not names or "tests" in inner:
                 continue
             if root == "crate":
                 base = []
@@ -170,18 +175,23 @@ def top(path):
     return path.parts[0].removesuffix(".rs")
 
 
-def main():
+def check(src):
+    """The errors and known exceptions of the crate at `src`."""
+    global SRC
+    SRC = src
     graph = edges()
     bad, known = [], []
-    for src, dsts in sorted(graph.items()):
+    layered = src.resolve() == LAYERED.resolve()
+    for src_file, dsts in sorted(graph.items()):
         for dst in sorted(dsts):
-            a, b = top(src), top(dst)
-            if a == b or a not in LAYER or b not in LAYER or LAYER[b] <= LAYER[a]:
+            a, b = top(src_file), top(dst)
+            if not layered or a == b or a not in LAYER or b not in LAYER or LAYER[b] <= LAYER[a]:
                 continue
-            (known if (a, b) in EXCEPTIONS else bad).append(f"{src} imports {dst} (a higher layer)")
+            (known if (a, b) in EXCEPTIONS else bad).append(
+                f"{src_file} imports {dst} (a higher layer)")
     # Cycles left without the known exceptions are errors; those they close are reported.
-    strict = {src: {dst for dst in dsts if (top(src), top(dst)) not in EXCEPTIONS}
-              for src, dsts in graph.items()}
+    strict = {s: {d for d in dsts if (top(s), top(d)) not in EXCEPTIONS}
+              for s, dsts in graph.items()}
     strict_cycles = cycles(strict)
     for comp in cycles(graph):
         line = "cycle: " + " <-> ".join(str(p) for p in comp)
@@ -189,13 +199,25 @@ def main():
             known.append(line + " (through the exceptions above)")
     for comp in strict_cycles:
         bad.append("cycle: " + " <-> ".join(str(p) for p in comp))
-    for line in known:
-        print("known:", line)
-    for line in bad:
-        print("error:", line)
-    if bad:
+    return bad, known
+
+
+def main():
+    dirs = [pathlib.Path(a) for a in sys.argv[1:]] or [ROOT / c for c in CRATES]
+    failed = False
+    for src in dirs:
+        bad, known = check(src)
+        name = src.resolve().relative_to(ROOT) if src.resolve().is_relative_to(ROOT) else src
+        for line in known:
+            print(f"{name}: known: {line}")
+        for line in bad:
+            print(f"{name}: error: {line}")
+        failed |= bool(bad)
+        if not bad:
+            what = "layering holds, no cycle" if src.resolve() == LAYERED.resolve() else "no cycle"
+            print(f"{name}: {what}" + (" (known exceptions above)" if known else ""))
+    if failed:
         sys.exit(1)
-    print("parallel/src: layering holds" + (" (known exceptions above)" if known else ""))
 
 
 if __name__ == "__main__":

@@ -772,7 +772,7 @@ impl<B: FusedOps> Gpt<B> {
 pub struct TokenSampler {
     temperature: f32,
     top_k: usize,
-    state: u64,
+    rng: wildfire_parallel::rng::XorShift64,
 }
 
 impl TokenSampler {
@@ -781,7 +781,7 @@ impl TokenSampler {
         Self {
             temperature,
             top_k,
-            state: seed | 1,
+            rng: wildfire_parallel::rng::XorShift64::new(seed, 1),
         }
     }
 
@@ -795,11 +795,7 @@ impl TokenSampler {
             .iter()
             .map(|&i| (((logits[i] - max) / self.temperature.max(1e-6)) as f64).exp())
             .collect();
-        let state = &mut self.state;
-        *state ^= *state << 13;
-        *state ^= *state >> 7;
-        *state ^= *state << 17;
-        let mut pick = (*state >> 11) as f64 / (1u64 << 53) as f64 * weights.iter().sum::<f64>();
+        let mut pick = self.rng.next_unit() * weights.iter().sum::<f64>();
         let mut choice = order[order.len() - 1];
         for (&i, w) in order.iter().zip(&weights) {
             if pick < *w {

@@ -113,8 +113,9 @@ pub fn box_muller(stream: u64, start: usize, len: usize, mut f: impl FnMut(usize
     }
 }
 
-/// An xorshift64 stream (Marsaglia 2003): the demo models' initial weights and synthetic task
-/// (kept for their tests' recorded tolerances; new code draws from [`SplitMix64`]).
+/// An xorshift64 stream (Marsaglia 2003, shifts 13, 7, 17): the demo models' initial weights and
+/// synthetic task, and the GPT's token sampler (kept for their tests' recorded values and
+/// tolerances; new code draws from [`SplitMix64`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct XorShift64(u64);
 
@@ -125,12 +126,22 @@ impl XorShift64 {
         Self(seed.wrapping_mul(spread) | 1)
     }
 
-    /// The next value in `[-1, 1)` as an f32 (24 random bits).
-    pub fn next_signed_f32(&mut self) -> f32 {
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
-        (self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        self.0
+    }
+
+    /// The next value in `[-1, 1)` as an f32 (24 random bits).
+    pub fn next_signed_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+
+    /// The next value in `[0, 1)` (53 random bits).
+    pub fn next_unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 

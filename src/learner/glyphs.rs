@@ -13,6 +13,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use wildfire_parallel::rng::SplitMix64;
 
 /// Pixels of a glyph (8 × 8).
 pub const PIXELS: usize = 64;
@@ -84,26 +85,18 @@ fn pattern(class: usize) -> [f32; PIXELS] {
     p
 }
 
-/// SplitMix64.
-fn next(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 impl Dataset<GlyphItem> for GlyphDataset {
     fn get(&self, index: usize) -> Option<GlyphItem> {
         if index >= self.len {
             return None;
         }
-        let mut state = self.seed ^ (index as u64).wrapping_mul(0xD1B5_4A32_D192_ED03);
-        let label = (next(&mut state) % CLASSES as u64) as usize;
+        let mut rng =
+            SplitMix64::new(self.seed ^ (index as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+        let label = (rng.next_u64() % CLASSES as u64) as usize;
         let base = pattern(label);
         let (dr, dc) = (
-            (next(&mut state) % 3) as isize - 1,
-            (next(&mut state) % 3) as isize - 1,
+            (rng.next_u64() % 3) as isize - 1,
+            (rng.next_u64() % 3) as isize - 1,
         );
         let mut pixels = vec![0.0f32; PIXELS];
         for r in 0..8isize {
@@ -112,8 +105,8 @@ impl Dataset<GlyphItem> for GlyphDataset {
                 let on = (0..8).contains(&sr)
                     && (0..8).contains(&sc)
                     && base[(sr * 8 + sc) as usize] > 0.0;
-                let flip = next(&mut state).is_multiple_of(16);
-                let noise = (next(&mut state) >> 40) as f32 / (1u64 << 24) as f32 * 0.3;
+                let flip = rng.next_u64().is_multiple_of(16);
+                let noise = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 0.3;
                 pixels[(r * 8 + c) as usize] = if on != flip { 0.7 + noise } else { noise };
             }
         }

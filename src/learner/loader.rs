@@ -11,6 +11,7 @@ use burn::data::dataset::Dataset;
 use burn::tensor::backend::Backend;
 
 use super::LearnerError;
+use wildfire_parallel::rng::SplitMix64;
 
 /// A Burn [`DataLoader`] over rank `index`'s part of every global batch of `global_batch` rows,
 /// for `ranks` data-parallel ranks (PyTorch's `DistributedSampler` with `drop_last`).
@@ -105,9 +106,10 @@ impl<B: Backend, I, O> ShardedLoader<B, I, O> {
     /// The order of epoch `epoch` (1-based): the rows of the dataset, shuffled.
     pub fn order(&self, epoch: usize) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.dataset.len()).collect();
-        let mut state = self.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut rng =
+            SplitMix64::new(self.seed ^ (epoch as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         for i in (1..order.len()).rev() {
-            let j = (splitmix64(&mut state) % (i as u64 + 1)) as usize;
+            let j = (rng.next_u64() % (i as u64 + 1)) as usize;
             order.swap(i, j);
         }
         order
@@ -126,15 +128,6 @@ impl<B: Backend, I, O> ShardedLoader<B, I, O> {
             batches,
         }
     }
-}
-
-/// SplitMix64: the next number of the stream `state`.
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 impl<B, I, O> DataLoader<B, O> for ShardedLoader<B, I, O>

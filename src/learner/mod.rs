@@ -51,6 +51,7 @@
 //! [`glyphs`] is a model in the Burn Book's style, with its data, for the examples and tests.
 
 pub mod glyphs;
+mod handoff;
 mod history;
 mod loader;
 mod optim;
@@ -89,7 +90,8 @@ pub use history::LossHistory;
 pub use loader::ShardedLoader;
 pub use optim::ShardedOptimizer;
 
-use strategy::{ShardedStrategy, Shared};
+use handoff::Handoff;
+use strategy::ShardedStrategy;
 
 /// The training backend of a sharded Learner on `X`.
 pub type Sharded<X> = Autodiff<Distributed<X>>;
@@ -264,11 +266,11 @@ impl<X: Backend> LearnerRank<X> {
                 .and_then(Checkpoint::open)
                 .map_err(|e| failed(e.into()))?;
         }
-        let shared = Arc::new(Mutex::new(Shared::default()));
+        let handoff = Handoff::default();
         let strategy = ShardedStrategy::new(
             self.device.clone(),
             self.counters.clone(),
-            shared.clone(),
+            handoff.clone(),
             self.checkpoints.clone(),
         );
         let mut training =
@@ -282,7 +284,7 @@ impl<X: Backend> LearnerRank<X> {
                 .with_metric_logger(burn::train::logger::InMemoryMetricLogger::new())
                 .with_application_logger(None);
         }
-        let optim = ShardedOptimizer::new(optim, self.clip, shared);
+        let optim = ShardedOptimizer::new(optim, self.clip, handoff);
         let learner = Learner::new(model, optim, lr_scheduler);
         let outcome =
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| training.launch(learner)));

@@ -1,15 +1,13 @@
 //! The Learner's optimizer on a mesh: gradients synchronised (and clipped by their global norm)
 //! before the wrapped optimizer steps.
 
-use std::sync::{Arc, Mutex};
-
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, LearningRate, MultiGradientsParams, Optimizer};
 use burn::tensor::backend::Backend;
 use wildfire_parallel::{FsdpOptimizer, sync_gradients};
 
 use super::Sharded;
-use super::strategy::Shared;
+use super::handoff::Handoff;
 
 /// Any Burn optimizer, as the Learner's optimizer on a mesh. Its `step` — which burn-train calls
 /// once per optimizer step, between backward and the update — first synchronises the gradients
@@ -23,15 +21,15 @@ use super::strategy::Shared;
 pub struct ShardedOptimizer<O> {
     inner: FsdpOptimizer<O>,
     clip: Option<f32>,
-    shared: Arc<Mutex<Shared>>,
+    handoff: Handoff,
 }
 
 impl<O> ShardedOptimizer<O> {
-    pub(super) fn new(inner: O, clip: Option<f32>, shared: Arc<Mutex<Shared>>) -> Self {
+    pub(super) fn new(inner: O, clip: Option<f32>, handoff: Handoff) -> Self {
         Self {
             inner: FsdpOptimizer::new(inner),
             clip,
-            shared,
+            handoff,
         }
     }
 }
@@ -66,7 +64,7 @@ where
             }
         }
         let module = self.inner.step(lr, module, grads);
-        lock(&self.shared).record = Some(Box::new(self.inner.to_record()));
+        self.handoff.put(self.inner.to_record());
         module
     }
 
@@ -86,10 +84,4 @@ where
             ..self
         }
     }
-}
-
-pub(super) fn lock(shared: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
-    shared
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }

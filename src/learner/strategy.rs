@@ -1,7 +1,6 @@
 //! The training strategy of a sharded Learner: burn-train's single-device loop, every rank in
 //! lockstep, with distributed checkpoints.
 
-use std::any::Any;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,15 +21,8 @@ use wildfire_models::checkpoint::{CheckpointDir, ParamRecords};
 use wildfire_models::dcp::{Checkpoint, CheckpointWriter, Snapshot};
 use wildfire_parallel::{DistDevice, Distributed, Group, ReduceOp};
 
-use super::optim::lock;
+use super::handoff::Handoff;
 use super::{LearnerError, Sharded, ShardedComponents as Components};
-
-/// What the optimizer leaves for the strategy after each step.
-#[derive(Default)]
-pub(crate) struct Shared {
-    /// The optimizer state's record after the last step taken (for a checkpoint).
-    pub(crate) record: Option<Box<dyn Any + Send>>,
-}
 
 /// The run state rank 0 writes beside a checkpoint's pieces (`learner.json`).
 #[derive(Debug, Serialize, Deserialize)]
@@ -45,7 +37,7 @@ pub(crate) struct ShardedStrategy<X: Backend> {
     device: DistDevice<X>,
     /// The epoch counters of the rank's sharded loaders.
     counters: Arc<Mutex<Vec<Arc<AtomicUsize>>>>,
-    shared: Arc<Mutex<Shared>>,
+    handoff: Handoff,
     checkpoints: Option<PathBuf>,
 }
 
@@ -53,13 +45,13 @@ impl<X: Backend> ShardedStrategy<X> {
     pub(crate) fn new(
         device: DistDevice<X>,
         counters: Arc<Mutex<Vec<Arc<AtomicUsize>>>>,
-        shared: Arc<Mutex<Shared>>,
+        handoff: Handoff,
         checkpoints: Option<PathBuf>,
     ) -> Self {
         Self {
             device,
             counters,
-            shared,
+            handoff,
             checkpoints,
         }
     }
@@ -280,11 +272,7 @@ impl<X: Backend> ShardedStrategy<X> {
         S: SimpleOptimizer<Distributed<X>> + 'static,
     {
         type Records<S, X> = ParamRecords<burn::optim::record::AdaptorRecord<S, Sharded<X>>>;
-        let records = lock(&self.shared)
-            .record
-            .as_ref()
-            .and_then(|r| r.downcast_ref::<Records<S, X>>())
-            .cloned();
+        let records = self.handoff.get::<Records<S, X>>();
         let snapshot = Snapshot::take::<Sharded<X>, M, S>(model, records)?;
         let files = if self.device.rank() == 0 {
             let state = LearnerState { epoch, lr_steps };
