@@ -1,0 +1,229 @@
+//! Checkpoints: bitwise resume, resume onto other layouts, Hugging Face export and fine-tuning,
+//! and a run that stops on non-finite steps.
+
+use super::*;
+
+/// Save at step 5, resume to step 10: bitwise the same losses and parameters as a straight run,
+/// also on two data-parallel ranks.
+#[test]
+fn resume_is_bitwise_identical() {
+    for dp in [1, 2] {
+        let parallel = ParallelConfig {
+            dp,
+            ..ParallelConfig::default()
+        };
+        let straight = run(&PretrainConfig {
+            parallel: parallel.clone(),
+            ..small(10)
+        })
+        .unwrap();
+        let dir = scratch(&format!("resume-{dp}"));
+        let metrics = dir.join("metrics.jsonl");
+        let first = run(&PretrainConfig {
+            parallel: parallel.clone(),
+            save: Some(dir.clone()),
+            metrics: Some(metrics.clone()),
+            ..small(5)
+        })
+        .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(dir.join("latest")).unwrap(),
+            "step-00000005"
+        );
+        let resumed = run(&PretrainConfig {
+            parallel: parallel.clone(),
+            resume: Some(dir.clone()),
+            metrics: Some(metrics.clone()),
+            ..small(10)
+        })
+        .unwrap();
+        assert_eq!(resumed.steps[0].step, 5);
+        // The resumed run appends to the metrics file: one file holds the whole run.
+        let logged: Vec<u64> = std::fs::read_to_string(&metrics)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(
+            logged,
+            (0..10).collect::<Vec<u64>>(),
+            "dp={dp} metrics steps"
+        );
+        assert_eq!(
+            bits(&resumed_losses(&first, &resumed)),
+            bits(&losses(&straight)),
+            "dp={dp} losses"
+        );
+        same_bits(
+            &format!("dp={dp} parameters"),
+            &resumed.parameters,
+            &straight.parameters,
+        );
+    }
+}
+
+/// A checkpoint saved on one mesh and strategy resumes on another: saved at step 5 under dp 4
+/// FullShard, resumed to step 10 under dp 4 FullShard (bitwise: the same arithmetic), dp 2
+/// FullShard, dp 1, dp 2 × tp 2 FullShard and HSDP 2 × 2; saved under tp 2, resumed under tp 1.
+/// Losses and parameters follow the uninterrupted run of the saving layout.
+#[test]
+fn resume_reshards_onto_other_layouts() {
+    let layout = ParallelConfig::layout;
+    let fsdp4 = layout(4, 1, FsdpStrategy::FullShard, None);
+    let tp2 = layout(1, 2, FsdpStrategy::NoShard, None);
+    for (from, targets) in [
+        (
+            fsdp4.clone(),
+            vec![
+                fsdp4.clone(),
+                layout(2, 1, FsdpStrategy::FullShard, None),
+                layout(1, 1, FsdpStrategy::NoShard, None),
+                layout(2, 2, FsdpStrategy::FullShard, None),
+                layout(4, 1, FsdpStrategy::Hybrid, Some(2)),
+            ],
+        ),
+        (tp2.clone(), vec![layout(1, 1, FsdpStrategy::NoShard, None)]),
+    ] {
+        let straight = run(&PretrainConfig {
+            parallel: from.clone(),
+            ..small(10)
+        })
+        .unwrap();
+        let dir = scratch(&format!("reshard-{}-{}", from.dp, from.tp));
+        let first = run(&PretrainConfig {
+            parallel: from.clone(),
+            save: Some(dir.clone()),
+            ..small(5)
+        })
+        .unwrap();
+        for target in targets {
+            let resumed = run(&PretrainConfig {
+                parallel: target.clone(),
+                resume: Some(dir.clone()),
+                ..small(10)
+            })
+            .unwrap();
+            let what = format!(
+                "dp {} tp {} {:?} -> dp {} tp {} {:?}",
+                from.dp, from.tp, from.fsdp, target.dp, target.tp, target.fsdp
+            );
+            let (losses, expected) = (resumed_losses(&first, &resumed), losses(&straight));
+            if target == from {
+                assert_eq!(bits(&losses), bits(&expected), "{what}: losses");
+                same_bits(
+                    &format!("{what}: parameters"),
+                    &resumed.parameters,
+                    &straight.parameters,
+                );
+            }
+            for (a, b) in pairs(&losses, &expected) {
+                assert!((a - b).abs() <= 1e-5 * b.abs(), "{what}: loss {a} vs {b}");
+            }
+            tensors_close(&what, &resumed.parameters, &straight.parameters, 1e-5);
+        }
+    }
+}
+
+/// GPT-2 weights out and in: a run's last checkpoint exported as a Hugging Face GPT-2 file; a
+/// fine-tune from that file at tp 2 follows the same fine-tune at tp 1 (within 1e-5), and starts
+/// from the exported weights (its first loss is the exporting run's loss on the same batch after
+/// the last update, i.e. not a fresh initialisation's).
+#[test]
+fn gpt2_export_and_fine_tune_from_it() {
+    let dir = scratch("hf");
+    let file = dir.join("gpt2.safetensors");
+    let trained = run(&PretrainConfig {
+        save: Some(dir.join("ckpt")),
+        export_hf: Some(file.clone()),
+        ..small(6)
+    })
+    .unwrap();
+    let fresh = run(&small(1)).unwrap();
+    let mut tuned = Vec::new();
+    for tp in [1, 2] {
+        let summary = run(&PretrainConfig {
+            init_from: Some(file.clone()),
+            seed: 99,
+            parallel: ParallelConfig {
+                tp,
+                ..ParallelConfig::default()
+            },
+            ..small(4)
+        })
+        .unwrap();
+        tuned.push(summary);
+    }
+    crate::suite::losses_close("tp 2 vs tp 1", &tuned[1].steps, &tuned[0].steps, 1e-5);
+    // Pipeline stages each load their blocks of the file by the whole model's names.
+    let pipelined = run(&PretrainConfig {
+        init_from: Some(file.clone()),
+        seed: 99,
+        parallel: ParallelConfig {
+            pp: 2,
+            microbatches: 2,
+            ..ParallelConfig::default()
+        },
+        ..small(4)
+    })
+    .unwrap();
+    crate::suite::losses_close("pp 2 vs one rank", &pipelined.steps, &tuned[0].steps, 1e-5);
+    crate::suite::tensors_close(
+        "pp 2 vs one rank",
+        &pipelined.parameters,
+        &tuned[0].parameters,
+        1e-5,
+    );
+    // Trained weights: the fine-tune's losses sit near the end of training, far below a fresh
+    // model's first loss.
+    let (start, fresh_loss) = (tuned[0].steps[0].loss, fresh.steps[0].loss);
+    let end = trained.steps.last().unwrap().loss;
+    assert!(
+        start < fresh_loss - 0.5 * (fresh_loss - end),
+        "{start} vs fresh {fresh_loss}, trained {end}"
+    );
+    // Without --save there is no checkpoint to export.
+    let err = run(&PretrainConfig {
+        export_hf: Some(file),
+        ..small(1)
+    })
+    .unwrap_err();
+    assert!(matches!(err, PretrainError::Config(_)), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A run whose loss and gradients stay non-finite (an absurd learning rate blows the weights up
+/// after the first update) skips every such step on every rank and stops after --max-skipped of
+/// them in a row, naming the step and the first parameter with a non-finite gradient, instead of
+/// training on NaN.
+#[test]
+fn non_finite_steps_stop_the_run() {
+    for dp in [1, 2] {
+        let err = run(&PretrainConfig {
+            lr: 1e30,
+            warmup: 0,
+            max_skipped: 3,
+            parallel: ParallelConfig {
+                dp,
+                ..ParallelConfig::default()
+            },
+            ..small(20)
+        })
+        .unwrap_err();
+        let PretrainError::Training(wildfire::engine::Error::NonFinite {
+            step,
+            in_a_row,
+            parameter,
+        }) = &err
+        else {
+            panic!("dp {dp}: expected a non-finite stop, got {err}");
+        };
+        assert_eq!(*in_a_row, 3, "dp {dp}");
+        assert!(*step >= 3 && *step < 20, "dp {dp}: step {step}");
+        assert!(parameter.is_some(), "dp {dp}: {err}");
+        assert!(err.to_string().contains(&format!("step {step}")), "{err}");
+    }
+}

@@ -1,0 +1,246 @@
+//! The run's configuration: refusals of bad input, the memory estimate against the measured
+//! bytes, the launcher's environment, the flags' defaults.
+
+use super::*;
+
+/// Bad input: each a typed error that says what to do, nothing overwritten.
+#[test]
+fn bad_input_is_refused() {
+    let missing = PretrainConfig {
+        data: Some("/nonexistent/input.txt".into()),
+        ..small(2)
+    };
+    let err = run(&missing).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            PretrainError::Models(wildfire::models::Error::Missing { .. })
+        ),
+        "{err}"
+    );
+    assert!(err.to_string().contains("/nonexistent/input.txt"), "{err}");
+
+    let dir = scratch("shape");
+    run(&PretrainConfig {
+        save: Some(dir.clone()),
+        ..small(2)
+    })
+    .unwrap();
+    let before = std::fs::read_to_string(dir.join("latest")).unwrap();
+    let other = PretrainConfig {
+        n_embd: Some(64),
+        resume: Some(dir.clone()),
+        save: Some(dir.clone()),
+        ..small(4)
+    };
+    let err = run(&other).unwrap_err();
+    assert!(matches!(err, PretrainError::Checkpoint { .. }), "{err}");
+    assert!(err.to_string().contains("same model flags"), "{err}");
+    assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap(), before);
+
+    // Every file of the checkpoint is checked before a step runs: a truncated piece file, a
+    // changed byte of a weight (its CRC-32), a corrupt or foreign metadata file are refused with
+    // the file's path, and `latest` still names the checkpoint.
+    let step_dir = dir.join(&before);
+    let resume = || {
+        run(&PretrainConfig {
+            resume: Some(dir.clone()),
+            ..small(4)
+        })
+        .unwrap_err()
+    };
+    let pieces = step_dir.join("rank-00000.safetensors");
+    let bytes = std::fs::read(&pieces).unwrap();
+    std::fs::write(&pieces, &bytes[..bytes.len() / 2]).unwrap();
+    let err = resume();
+    assert!(matches!(err, PretrainError::Checkpoint { .. }), "{err}");
+    assert!(err.to_string().contains("truncated"), "{err}");
+    assert!(err.to_string().contains("rank-00000.safetensors"), "{err}");
+    let mut flipped = bytes.clone();
+    *flipped.last_mut().unwrap() ^= 0x40;
+    std::fs::write(&pieces, &flipped).unwrap();
+    let err = resume();
+    assert!(matches!(err, PretrainError::Checkpoint { .. }), "{err}");
+    assert!(err.to_string().contains("checksum mismatch"), "{err}");
+    std::fs::write(&pieces, &bytes).unwrap();
+    let metadata = step_dir.join("metadata.json");
+    let meta = std::fs::read_to_string(&metadata).unwrap();
+    for broken in [
+        meta[..meta.len() / 2].to_string(),
+        meta.replace("wildfire-dcp/1", "wildfire-dcp/0"),
+    ] {
+        std::fs::write(&metadata, broken).unwrap();
+        let err = resume();
+        assert!(matches!(err, PretrainError::Checkpoint { .. }), "{err}");
+        assert!(err.to_string().contains("metadata.json"), "{err}");
+    }
+    std::fs::write(&metadata, &meta).unwrap();
+    assert_eq!(std::fs::read_to_string(dir.join("latest")).unwrap(), before);
+
+    let nothing = PretrainConfig {
+        resume: Some(scratch("empty")),
+        ..small(2)
+    };
+    assert!(matches!(
+        run(&nothing).unwrap_err(),
+        PretrainError::Checkpoint { .. }
+    ));
+
+    let odd = PretrainConfig {
+        batch_size: 3,
+        parallel: ParallelConfig {
+            dp: 2,
+            ..ParallelConfig::default()
+        },
+        ..small(2)
+    };
+    assert!(matches!(run(&odd).unwrap_err(), PretrainError::Config(_)));
+
+    let tp = PretrainConfig {
+        parallel: ParallelConfig {
+            tp: 3,
+            ..ParallelConfig::default()
+        },
+        ..small(2)
+    };
+    let err = run(&tp).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("has 2 attention heads, which do not divide by tp = 3"),
+        "{err}"
+    );
+    let sp = PretrainConfig {
+        parallel: ParallelConfig {
+            sp: true,
+            ..ParallelConfig::default()
+        },
+        ..small(2)
+    };
+    let err = run(&sp).unwrap_err();
+    assert!(err.to_string().contains("needs --tp 2 or more"), "{err}");
+    let dropout = PretrainConfig {
+        dropout: 1.5,
+        ..small(2)
+    };
+    let err = run(&dropout).unwrap_err();
+    assert!(err.to_string().contains("dropout 1.5"), "{err}");
+}
+
+/// `--estimate`'s parameter, gradient and optimizer bytes equal what the decorator measures
+/// after a step: DDP, ZeRO-2 and FSDP on 2 ranks, tensor parallelism on 2 (vocabulary-parallel
+/// embedding split, row-parallel biases and LayerNorms whole) and FSDP over dp 2 × tp 2. The
+/// vocabulary is the data's (`load_data`), not a constant.
+#[test]
+fn estimate_matches_measured_bytes() {
+    use wildfire::pretrain::{estimate, load_data};
+    for (dp, tp, fsdp) in [
+        (2, 1, FsdpStrategy::NoShard),
+        (2, 1, FsdpStrategy::ShardGradOp),
+        (2, 1, FsdpStrategy::FullShard),
+        (1, 2, FsdpStrategy::NoShard),
+        (2, 2, FsdpStrategy::FullShard),
+    ] {
+        let config = PretrainConfig {
+            parallel: ParallelConfig {
+                dp,
+                tp,
+                fsdp,
+                ..ParallelConfig::default()
+            },
+            ..small(1)
+        };
+        let summary = run(&config).unwrap();
+        let model = load_data(&config).unwrap().model;
+        assert_eq!(summary.model.as_ref(), Some(&model));
+        let e = estimate(&config, &model);
+        let m = &summary.steps[0];
+        assert_eq!(
+            (m.param_bytes, m.grad_bytes, m.optim_bytes),
+            (
+                e.param_bytes as u64,
+                e.grad_bytes as u64,
+                e.optim_bytes as u64
+            ),
+            "dp {dp} tp {tp} {fsdp:?}"
+        );
+    }
+}
+
+/// A launched process takes its place from the launcher: torchrun inside a SLURM allocation
+/// (both sets of variables) is a torchrun rendezvous, `--dp` defaults to `WORLD_SIZE / --tp`,
+/// and a mesh that does not match the world is refused.
+#[test]
+fn launcher_environment_sets_the_launch_and_dp() {
+    use wildfire::parallel::LaunchEnv;
+    use wildfire::pretrain::Launch;
+    let vars = |pairs: &'static [(&'static str, &'static str)]| {
+        LaunchEnv::from_vars(|n| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == n)
+                .map(|(_, v)| v.to_string())
+        })
+        .unwrap()
+    };
+    let torchrun_in_slurm = vars(&[
+        ("SLURM_NTASKS", "1"),
+        ("SLURM_PROCID", "0"),
+        ("WORLD_SIZE", "4"),
+        ("RANK", "1"),
+    ]);
+    let mut config = PretrainConfig {
+        parallel: ParallelConfig {
+            tp: 2,
+            ..ParallelConfig::default()
+        },
+        ..small(1)
+    };
+    config.apply_launcher(torchrun_in_slurm, false).unwrap();
+    assert_eq!((config.launch, config.parallel.dp), (Launch::Rendezvous, 2));
+    let mut given = small(1);
+    let err = given.apply_launcher(torchrun_in_slurm, true).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("torchrun started 4 processes, but --dp 1 × --pp 1 × --tp 1 = 1 ranks"),
+        "{err}"
+    );
+    let mut srun = small(1);
+    srun.apply_launcher(vars(&[("SLURM_NTASKS", "2"), ("SLURM_PROCID", "1")]), false)
+        .unwrap();
+    assert_eq!((srun.launch, srun.parallel.dp), (Launch::Mpi, 2));
+    let mut alone = small(1);
+    alone
+        .apply_launcher(vars(&[("WORLD_SIZE", "1")]), false)
+        .unwrap();
+    assert_eq!((alone.launch, alone.parallel.dp), (Launch::Threads, 1));
+}
+
+/// One source for every default: `PretrainConfig::default()` is what the flags give when none
+/// is passed.
+#[test]
+fn defaults_are_the_flags_defaults() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        config: PretrainConfig,
+    }
+    let parsed = Flags::try_parse_from(["x"]).unwrap().config;
+    let d = PretrainConfig::default();
+    assert_eq!(
+        (d.steps, d.sample_tokens, d.plot.clone(), d.metrics.clone()),
+        (
+            300,
+            300,
+            Some("runs/latest/loss.png".into()),
+            Some("runs/latest/metrics.jsonl".into())
+        )
+    );
+    if std::env::var_os("WILDFIRE_DP").is_none() {
+        assert_eq!(parsed, d);
+    }
+    let flags = Flags::try_parse_from(["x", "--dp", "2", "--fsdp", "full", "--precision", "bf16"])
+        .unwrap()
+        .config;
+    assert_eq!((flags.parallel.dp, flags.precision), (2, Precision::Bf16));
+}

@@ -1,0 +1,88 @@
+//! The GPT pretraining driver, one file per theme: [`learning`] (a real corpus, parallel runs
+//! against one rank, precision), [`checkpoints`] (resume, export), [`config`] (refusals, the
+//! estimate, the launcher, defaults), [`overlap`] (collectives, traces, links, prefetch, buckets)
+//! and [`pipeline`]. The helpers they share are here.
+
+mod checkpoints;
+mod config;
+mod learning;
+mod overlap;
+mod pipeline;
+
+use crate::suite::{losses_close, pairs, tensors_close};
+use std::path::PathBuf;
+use wildfire::models::data::TokenizerKind;
+use wildfire::models::gpt::Preset;
+use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, Recompute};
+use wildfire::pretrain::{Collectives, Precision, PretrainConfig, PretrainError, RunSummary, run};
+
+/// A CI-sized model on the embedded corpus.
+fn small(steps: usize) -> PretrainConfig {
+    PretrainConfig {
+        preset: Preset::Tiny,
+        n_layer: Some(2),
+        n_head: Some(2),
+        n_embd: Some(32),
+        block_size: Some(32),
+        steps,
+        batch_size: 4,
+        warmup: 2,
+        decay_steps: Some(10),
+        eval_iters: 2,
+        log_every: 1000,
+        ..PretrainConfig::quiet()
+    }
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("wildfire-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// `got` is `expected` bit for bit, tensor by tensor.
+fn same_bits(what: &str, got: &[Vec<f32>], expected: &[Vec<f32>]) {
+    for (p, q) in pairs(got, expected) {
+        assert_eq!(bits(p), bits(q), "{what}");
+    }
+}
+
+/// The losses of a run saved part-way (`first`) and then resumed, step by step.
+fn resumed_losses(first: &RunSummary, resumed: &RunSummary) -> Vec<f32> {
+    first
+        .steps
+        .iter()
+        .chain(&resumed.steps)
+        .map(|s| s.loss)
+        .collect()
+}
+
+fn losses(run: &RunSummary) -> Vec<f32> {
+    run.steps.iter().map(|s| s.loss).collect()
+}
+
+/// `got` is `expected` within `tol` (relative): every step's loss, validation loss and gradient
+/// norm, and every parameter at the end.
+fn same_run(what: &str, got: &RunSummary, expected: &RunSummary, tol: f32) {
+    losses_close(what, &got.steps, &expected.steps, tol);
+    for (a, b) in pairs(&got.steps, &expected.steps) {
+        assert_eq!(a.val_loss.is_some(), b.val_loss.is_some(), "{what}");
+        if let (Some(x), Some(y)) = (a.val_loss, b.val_loss) {
+            assert!((x - y).abs() <= tol * y, "{what}: val loss {x} vs {y}");
+        }
+        assert!(
+            (a.grad_norm - b.grad_norm).abs() <= 10.0 * tol * b.grad_norm,
+            "{what} step {}: grad norm {} vs {}",
+            a.step,
+            a.grad_norm,
+            b.grad_norm
+        );
+    }
+    assert_eq!(got.parameters.len(), expected.parameters.len(), "{what}");
+    tensors_close(what, &got.parameters, &expected.parameters, tol);
+}
