@@ -1,0 +1,44 @@
+//! Seeded sampling of the next token.
+
+/// Sampling of the next token from its logits, with `temperature` among the `top_k` most likely,
+/// seeded (xorshift): the same logits and seed give the same text, however the logits were
+/// computed (one device, or pipeline stages).
+#[derive(Clone, Debug)]
+pub struct TokenSampler {
+    temperature: f32,
+    top_k: usize,
+    rng: wildfire_parallel::rng::XorShift64,
+}
+
+impl TokenSampler {
+    /// A sampler seeded with `seed`.
+    pub fn new(temperature: f32, top_k: usize, seed: u64) -> Self {
+        Self {
+            temperature,
+            top_k,
+            rng: wildfire_parallel::rng::XorShift64::new(seed, 1),
+        }
+    }
+
+    /// The next token, given the last position's logits over the vocabulary.
+    pub fn pick(&mut self, logits: &[f32]) -> u32 {
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        order.truncate(self.top_k.max(1));
+        let max = logits[order[0]];
+        let weights: Vec<f64> = order
+            .iter()
+            .map(|&i| (((logits[i] - max) / self.temperature.max(1e-6)) as f64).exp())
+            .collect();
+        let mut pick = self.rng.next_unit() * weights.iter().sum::<f64>();
+        let mut choice = order[order.len() - 1];
+        for (&i, w) in order.iter().zip(&weights) {
+            if pick < *w {
+                choice = i;
+                break;
+            }
+            pick -= w;
+        }
+        choice as u32
+    }
+}

@@ -1,0 +1,161 @@
+//! Tests of the GPT: shapes, parameter counts, names, saving and loading, stages.
+
+use super::*;
+use burn::backend::{Autodiff, Flex};
+
+fn tiny() -> GptConfig {
+    GptConfig {
+        vocab_size: 64,
+        block_size: 16,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 32,
+        init_seed: 7,
+        dropout: 0.0,
+    }
+}
+
+fn tokens(b: usize, t: usize, shift: usize) -> Tensor<Autodiff<Flex>, 2, Int> {
+    let v: Vec<i64> = (0..b * t).map(|i| ((i * 7 + shift) % 64) as i64).collect();
+    Tensor::from_data(TensorData::new(v, [b, t]), &Default::default())
+}
+
+#[test]
+fn initial_loss_is_near_uniform_and_gradients_are_finite() {
+    let model = tiny().init::<Autodiff<Flex>>(&Default::default()).unwrap();
+    let loss = model.loss(tokens(2, 16, 0), tokens(2, 16, 1));
+    let value = loss.clone().into_scalar().elem::<f32>();
+    assert!(
+        (value - (64f32).ln()).abs() < 0.3,
+        "initial loss {value}, ln(64) = {}",
+        (64f32).ln()
+    );
+    let grads = loss.backward();
+    let g = model.wte.val().grad(&grads).unwrap();
+    assert!(
+        g.into_data()
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .all(|x| x.is_finite())
+    );
+}
+
+#[test]
+fn parameter_count_matches_the_formula() {
+    let config = tiny();
+    let model = config.init::<Flex>(&Default::default()).unwrap();
+    assert_eq!(model.num_params(), config.num_params());
+    // GPT-2 small: 124,439,808 parameters with the 50257 vocabulary (tied embedding).
+    assert_eq!(Preset::Gpt2_124m.config(50257).num_params(), 124_439_808);
+}
+
+#[test]
+fn attention_is_causal() {
+    let model = tiny().init::<Flex>(&Default::default()).unwrap();
+    let a: Vec<i64> = (0..16).map(|i| i % 64).collect();
+    let mut b = a.clone();
+    b[10] = 63;
+    let run = |v: Vec<i64>| {
+        let x = Tensor::<Flex, 2, Int>::from_data(TensorData::new(v, [1, 16]), &Default::default());
+        model
+            .forward(x)
+            .narrow(1, 0, 10)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    assert_eq!(run(a), run(b), "positions before 10 must not see token 10");
+}
+
+#[test]
+fn safetensors_round_trip_by_name() {
+    let config = tiny();
+    let model = config.init::<Flex>(&Default::default()).unwrap();
+    let names: Vec<String> = crate::safetensors::named_parameters(&model)
+        .into_iter()
+        .map(|(n, _, _)| n)
+        .collect();
+    assert_eq!(names[0], "wte");
+    assert!(
+        names.contains(&"blocks.1.attn.c_attn.weight".to_string()),
+        "{names:?}"
+    );
+    let path =
+        std::env::temp_dir().join(format!("wildfire-gpt-{}.safetensors", std::process::id()));
+    crate::safetensors::save(&model, &path).unwrap();
+    let other = GptConfig {
+        init_seed: 99,
+        ..config.clone()
+    }
+    .init::<Flex>(&Default::default())
+    .unwrap();
+    let loaded = crate::safetensors::load(other, &path).unwrap();
+    assert_eq!(
+        crate::safetensors::named_parameters(&loaded),
+        crate::safetensors::named_parameters(&model)
+    );
+    let wider = GptConfig {
+        n_embd: 64,
+        ..config
+    }
+    .init::<Flex>(&Default::default())
+    .unwrap();
+    let err = crate::safetensors::load(wider, &path).unwrap_err();
+    assert!(err.to_string().contains("same shape"), "{err}");
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+fn stage_names_are_the_whole_model_names() {
+    assert_eq!(
+        stage_param_name(6, "blocks.1.attn.c_attn.weight"),
+        "blocks.7.attn.c_attn.weight"
+    );
+    assert_eq!(stage_param_name(6, "wte"), "wte");
+    assert_eq!(stage_param_name(6, "ln_f.gamma"), "ln_f.gamma");
+    let config = tiny();
+    let last = config
+        .init_stage::<Flex>(&Default::default(), 1..2, false, true)
+        .unwrap();
+    assert_eq!(last.saved_name("wte"), None);
+    assert_eq!(last.model_name("wte"), "wte");
+    assert_eq!(
+        last.saved_name("blocks.0.ln_1.gamma").as_deref(),
+        Some("blocks.1.ln_1.gamma")
+    );
+    // Every name a stage saves is a name of the whole model, and together they are all of
+    // them, each once.
+    let whole: Vec<String> =
+        crate::safetensors::named_parameters(&config.init::<Flex>(&Default::default()).unwrap())
+            .into_iter()
+            .map(|(n, _, _)| n)
+            .collect();
+    let mut saved = Vec::new();
+    for (blocks, first, last) in [(0..1, true, false), (1..2, false, true)] {
+        let stage = config
+            .init_stage::<Flex>(&Default::default(), blocks, first, last)
+            .unwrap();
+        for (name, _, _) in crate::safetensors::named_parameters(&stage) {
+            saved.extend(stage.saved_name(&name));
+        }
+    }
+    saved.sort();
+    let mut whole = whole;
+    whole.sort();
+    assert_eq!(saved, whole);
+}
+
+#[test]
+fn bad_shapes_are_refused() {
+    let mut c = tiny();
+    c.n_head = 3;
+    assert!(matches!(
+        c.init::<Flex>(&Default::default()).unwrap_err(),
+        Error::Heads {
+            n_embd: 32,
+            n_head: 3
+        }
+    ));
+    assert!("gpt9".parse::<Preset>().is_err());
+}
