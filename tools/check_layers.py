@@ -18,7 +18,7 @@ CRATES = ["parallel/src", "kernels/src", "engine/src", "models/src", "src"]
 # The crate whose layering is checked (set per crate by `main`).
 LAYERED = ROOT / "parallel/src"
 SRC = LAYERED
-LAYERS = [["error"], ["mesh"], ["comm"], ["placement"], ["policy"], ["device"], ["collectives"],
+LAYERS = [["error", "params"], ["mesh"], ["comm"], ["placement"], ["policy"], ["device"], ["collectives"],
           ["tensor"],
           ["backend"], ["data_parallel"], ["fsdp", "tensor_parallel", "pipeline"], ["launch"], ["ranks"]]
 LAYER = {m: i for i, group in enumerate(LAYERS) for m in group}

@@ -14,7 +14,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, Param, ParamId};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
@@ -23,8 +23,8 @@ use wildfire_parallel::pipeline::{
     Pieces, Placed, Schedule, StageGroup, StepOptions, run_step_custom,
 };
 use wildfire_parallel::{
-    DistDevice, Distributed, Group, PIPELINE_AXIS, RankContext, dtensor, from_dtensor,
-    gradient_bytes, sync_gradients,
+    DistDevice, Distributed, Group, ModulePath, PIPELINE_AXIS, RankContext, TryParamVisitor,
+    dtensor, from_dtensor, gradient_bytes, sync_gradients, try_visit_params,
 };
 
 use crate::Error;
@@ -288,19 +288,22 @@ struct Tied<'a, X: Backend> {
     pieces: Vec<Option<TensorData>>,
     put: Option<Vec<TensorData>>,
     add: bool,
-    error: Option<String>,
     _x: std::marker::PhantomData<X>,
 }
 
-impl<X: Backend> ModuleVisitor<Ad<X>> for Tied<'_, X> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Ad<X>, D>>) {
+impl<X: Backend> TryParamVisitor<Ad<X>> for Tied<'_, X> {
+    type Error = String;
+
+    fn try_visit<const D: usize>(
+        &mut self,
+        _path: &ModulePath,
+        param: &Param<Tensor<Ad<X>, D>>,
+    ) -> Result<(), String> {
         let Some(i) = self.ids.iter().position(|id| *id == param.id) else {
-            return;
+            return Ok(());
         };
         let Some(grad) = self.grads.remove::<Distributed<X>, D>(param.id) else {
-            self.error
-                .get_or_insert(format!("tied parameter {} has no gradient", param.id));
-            return;
+            return Err(format!("tied parameter {} has no gradient", param.id));
         };
         let t = dtensor(&grad);
         let local = Tensor::<X, D>::from_primitive(TensorPrimitive::Float(t.local().clone()));
@@ -312,13 +315,13 @@ impl<X: Backend> ModuleVisitor<Ad<X>> for Tied<'_, X> {
             Some(put) => {
                 let data = put[i].clone();
                 if data.shape.to_vec() != local.dims().to_vec() {
-                    self.error.get_or_insert(format!(
+                    self.grads.register::<Distributed<X>, D>(param.id, grad);
+                    return Err(format!(
                         "tied parameter {}: a gradient piece of shape {:?} for one of {:?}",
                         param.id,
                         data.shape,
                         local.dims()
                     ));
-                    grad
                 } else {
                     let other = Tensor::<X, D>::from_data(data, &local.device());
                     let new = if self.add { local + other } else { other };
@@ -327,6 +330,7 @@ impl<X: Backend> ModuleVisitor<Ad<X>> for Tied<'_, X> {
             }
         };
         self.grads.register::<Distributed<X>, D>(param.id, grad);
+        Ok(())
     }
 }
 
@@ -352,14 +356,10 @@ fn visit_tied<X: Backend, M: AutodiffModule<Ad<X>>>(
         pieces: vec![None; ids.len()],
         put,
         add,
-        error: None,
         _x: std::marker::PhantomData,
     };
-    chunk.visit(&mut v);
-    match v.error {
-        Some(e) => Err(tied_error(e)),
-        None => Ok(v.pieces),
-    }
+    try_visit_params(chunk, &mut v).map_err(tied_error)?;
+    Ok(v.pieces)
 }
 
 fn tied_error(detail: String) -> Error {

@@ -5,7 +5,7 @@ use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::prelude::*;
 use std::collections::BTreeMap;
 use std::path::Path;
-use wildfire_parallel::{ModulePath, ParamMapper, ParamVisitor, map_params, visit_params};
+use wildfire_parallel::{ModulePath, ParamVisitor, TryParamMapper, try_map_params, visit_params};
 
 use crate::Error;
 
@@ -89,56 +89,47 @@ pub fn read(path: &Path) -> Result<NamedTensors, Error> {
 
 struct Load {
     tensors: NamedTensors,
-    error: Option<String>,
 }
 
-impl<B: Backend> ParamMapper<B> for Load {
-    fn map<const D: usize>(
+impl<B: Backend> TryParamMapper<B> for Load {
+    type Error = String;
+
+    fn try_map<const D: usize>(
         &mut self,
         path: &ModulePath,
         param: Param<Tensor<B, D>>,
-    ) -> Param<Tensor<B, D>> {
+    ) -> Result<Param<Tensor<B, D>>, (String, Param<Tensor<B, D>>)> {
         let (id, tensor, mapper) = param.consume();
         let name = path.name();
         let shape = tensor.dims().to_vec();
-        let tensor = match self.tensors.remove(&name) {
+        let error = match self.tensors.remove(&name) {
             Some((s, values)) if s == shape => {
                 let fresh = Tensor::<B, D>::from_data(TensorData::new(values, s), &tensor.device());
-                if tensor.is_require_grad() {
+                let fresh = if tensor.is_require_grad() {
                     fresh.require_grad()
                 } else {
                     fresh
-                }
+                };
+                return Ok(Param::from_mapped_value(id, fresh, mapper));
             }
-            Some((s, _)) => {
-                self.error.get_or_insert(format!("{name} has shape {s:?} in the file, {shape:?} in the model; load it into a model of the same shape"));
-                tensor
-            }
-            None => {
-                self.error
-                    .get_or_insert(format!("{name} is missing from the file"));
-                tensor
-            }
+            Some((s, _)) => format!(
+                "{name} has shape {s:?} in the file, {shape:?} in the model; load it into a model of the same shape"
+            ),
+            None => format!("{name} is missing from the file"),
         };
-        Param::from_mapped_value(id, tensor, mapper)
+        Err((error, Param::from_mapped_value(id, tensor, mapper)))
     }
 }
 
 /// Load the parameters of `module` from `path` by name (ids, devices and `require_grad` kept).
 pub fn load<B: Backend, M: Module<B>>(module: M, path: &Path) -> Result<M, Error> {
     let tensors = read(path)?;
-    let mut loader = Load {
-        tensors,
-        error: None,
-    };
-    let module = map_params(module, &mut loader);
+    let mut loader = Load { tensors };
     let mismatch = |reason| Error::Invalid {
         path: path.to_path_buf(),
         reason,
     };
-    if let Some(e) = loader.error {
-        return Err(mismatch(e));
-    }
+    let module = try_map_params(module, &mut loader).map_err(mismatch)?;
     if let Some(extra) = loader.tensors.keys().next() {
         return Err(mismatch(format!(
             "the file has {extra}, which this model does not"

@@ -6,11 +6,14 @@ use crate::comm::{Group, ReduceOp};
 use crate::device::DistDevice;
 use crate::error::Error;
 use crate::mesh::{AxisKind, DeviceMesh};
+use crate::params::{
+    ModulePath, TryParamMapper, TryParamVisitor, try_map_params, try_visit_params,
+};
 use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, Module, ModuleMapper, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorPrimitive};
@@ -112,32 +115,31 @@ impl<B: Backend> DTensor<B> {
 
 struct Replicator<'a> {
     mesh: &'a DeviceMesh,
-    error: Option<Error>,
 }
 
-impl<B: DistributedBackend> ModuleMapper<B> for Replicator<'_> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+impl<B: DistributedBackend> TryParamMapper<B> for Replicator<'_> {
+    type Error = Error;
+
+    fn try_map<const D: usize>(
+        &mut self,
+        _path: &ModulePath,
+        param: Param<Tensor<B, D>>,
+    ) -> Result<Param<Tensor<B, D>>, (Error, Param<Tensor<B, D>>)> {
         let (id, tensor, mapper) = param.consume();
-        if self.error.is_some() {
-            return Param::from_mapped_value(id, tensor, mapper);
-        }
         let mut t = dtensor(&tensor);
         if t.device().mesh() != self.mesh {
-            self.error = Some(Error::InvalidLayout {
+            let e = Error::InvalidLayout {
                 shape: t.global_shape().to_vec().clone(),
                 mesh: self.mesh.to_string(),
                 reason: format!("the parameter lives on mesh {}", t.device().mesh()),
-            });
-            return Param::from_mapped_value(id, tensor, mapper);
+            };
+            return Err((e, Param::from_mapped_value(id, tensor, mapper)));
         }
         for (a, axis) in self.mesh.axes().iter().enumerate() {
             if axis.kind == AxisKind::Data {
                 t = match t.adopt_from_first(a) {
                     Ok(t) => t,
-                    Err(e) => {
-                        self.error = Some(e);
-                        return Param::from_mapped_value(id, tensor, mapper);
-                    }
+                    Err(e) => return Err((e, Param::from_mapped_value(id, tensor, mapper))),
                 };
             }
         }
@@ -148,7 +150,7 @@ impl<B: DistributedBackend> ModuleMapper<B> for Replicator<'_> {
         } else {
             out
         };
-        Param::from_mapped_value(id, out, mapper)
+        Ok(Param::from_mapped_value(id, out, mapper))
     }
 }
 
@@ -181,12 +183,7 @@ pub fn replicate<B: DistributedBackend, M: Module<B>>(
     module: M,
     mesh: &DeviceMesh,
 ) -> Result<M, Error> {
-    let mut mapper = Replicator { mesh, error: None };
-    let module = module.map(&mut mapper);
-    match mapper.error {
-        Some(e) => Err(e),
-        None => Ok(module),
-    }
+    try_map_params(module, &mut Replicator { mesh })
 }
 
 /// What [`sync_gradients`] did.
@@ -201,7 +198,6 @@ pub struct SyncReport {
 struct Syncer<'a> {
     grads: &'a mut GradientsParams,
     report: SyncReport,
-    error: Option<Error>,
     device_seen: Option<std::sync::Arc<crate::device::RankContext>>,
     /// Gradients put in a DDP bucket at the sync: each replaced by its reduced value once the
     /// buckets are done, so that what the caller gets back is in hand.
@@ -210,18 +206,19 @@ struct Syncer<'a> {
 
 type ReadyLater = Box<dyn FnOnce(&mut GradientsParams)>;
 
-impl<B, X> ModuleVisitor<B> for SyncerFor<'_, '_, X>
+impl<B, X> TryParamVisitor<B> for SyncerFor<'_, '_, X>
 where
     B: AutodiffBackend<InnerBackend = Distributed<X>>,
     X: Backend,
 {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if self.0.error.is_some() {
-            return;
-        }
-        if let Err(e) = sync_one::<B, X, D>(self.0, param.id, &param.val()) {
-            self.0.error = Some(e);
-        }
+    type Error = Error;
+
+    fn try_visit<const D: usize>(
+        &mut self,
+        _path: &ModulePath,
+        param: &Param<Tensor<B, D>>,
+    ) -> Result<(), Error> {
+        sync_one::<B, X, D>(self.0, param.id, &param.val())
     }
 }
 
@@ -339,14 +336,13 @@ where
     let mut syncer = Syncer {
         grads,
         report: SyncReport::default(),
-        error: None,
         device_seen: None,
         in_buckets: Vec::new(),
     };
-    model.visit(&mut SyncerFor::<X>(&mut syncer, std::marker::PhantomData));
-    if let Some(e) = syncer.error {
-        return Err(e);
-    }
+    try_visit_params(
+        model,
+        &mut SyncerFor::<X>(&mut syncer, std::marker::PhantomData),
+    )?;
     let ctx = match syncer.device_seen {
         Some(ctx) => ctx,
         None => crate::device::current_device::<X>().context().clone(),

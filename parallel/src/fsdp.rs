@@ -19,6 +19,7 @@ use crate::data_parallel::{DistributedBackend, dtensor, from_dtensor, redistribu
 use crate::device::RankContext;
 use crate::error::Error;
 use crate::mesh::{AxisKind, DeviceMesh};
+use crate::params::{ModulePath, TryParamMapper, try_map_params};
 use crate::placement::{Layout, Placement};
 use crate::policy::{GradientReduction, ShardingPolicy};
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
@@ -64,15 +65,19 @@ struct Sharder<'a> {
     axes: Vec<usize>,
     ctx: Option<Arc<RankContext>>,
     shapes: std::collections::BTreeSet<Vec<usize>>,
-    error: Option<Error>,
 }
 
-impl<B: DistributedBackend> ModuleMapper<B> for Sharder<'_> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+impl<B: DistributedBackend> TryParamMapper<B> for Sharder<'_> {
+    type Error = Error;
+
+    fn try_map<const D: usize>(
+        &mut self,
+        _path: &ModulePath,
+        param: Param<Tensor<B, D>>,
+    ) -> Result<Param<Tensor<B, D>>, (Error, Param<Tensor<B, D>>)> {
+        // Replicate -> Shard(0) is a local slice: no collective, so stopping at a failure keeps
+        // the ranks' collectives matched.
         let (id, tensor, mapper) = param.consume();
-        if self.error.is_some() {
-            return Param::from_mapped_value(id, tensor, mapper);
-        }
         let t = dtensor(&tensor);
         self.ctx.get_or_insert_with(|| t.device().context().clone());
         self.shapes.insert(t.global_shape().to_vec());
@@ -83,11 +88,8 @@ impl<B: DistributedBackend> ModuleMapper<B> for Sharder<'_> {
             self.mesh,
         );
         match redistribute(tensor.clone(), &target) {
-            Ok(out) => Param::from_mapped_value(id, out, mapper),
-            Err(e) => {
-                self.error = Some(e);
-                Param::from_mapped_value(id, tensor, mapper)
-            }
+            Ok(out) => Ok(Param::from_mapped_value(id, out, mapper)),
+            Err(e) => Err((e, Param::from_mapped_value(id, tensor, mapper))),
         }
     }
 }
@@ -109,7 +111,7 @@ pub fn init_sharded<B: DistributedBackend, M: Module<B>>(
     strategy: FsdpStrategy,
     seed: u64,
 ) -> Result<M, Error> {
-    use crate::tensor_parallel::{ModulePath, ParamMapper, ParamVisitor, map_params, visit_params};
+    use crate::params::{ParamVisitor, visit_params};
 
     struct Shapes(Vec<(String, Vec<usize>)>);
     impl<B: burn::tensor::backend::Backend> ParamVisitor<B> for Shapes {
@@ -122,26 +124,24 @@ pub fn init_sharded<B: DistributedBackend, M: Module<B>>(
         layouts: std::vec::IntoIter<Layout>,
         mesh: &'a DeviceMesh,
         seed: u64,
-        error: Option<Error>,
     }
-    impl<B: DistributedBackend> ParamMapper<B> for Init<'_> {
-        fn map<const D: usize>(
+    impl<B: DistributedBackend> TryParamMapper<B> for Init<'_> {
+        type Error = Error;
+
+        fn try_map<const D: usize>(
             &mut self,
             path: &ModulePath,
             param: Param<Tensor<B, D>>,
-        ) -> Param<Tensor<B, D>> {
+        ) -> Result<Param<Tensor<B, D>>, (Error, Param<Tensor<B, D>>)> {
             let layout = self.layouts.next().expect("one layout per parameter");
-            if self.error.is_some() {
-                return param;
-            }
             let device = B::dist_device(&param.lazy_device());
             if device.mesh() != self.mesh {
-                self.error = Some(Error::InvalidLayout {
+                let e = Error::InvalidLayout {
                     shape: param.lazy_shape().to_vec(),
                     mesh: self.mesh.to_string(),
                     reason: format!("the parameter lives on mesh {}", device.mesh()),
-                });
-                return param;
+                };
+                return Err((e, param));
             }
             let ctx = device.context().clone();
             if !param.is_initialized() {
@@ -159,11 +159,8 @@ pub fn init_sharded<B: DistributedBackend, M: Module<B>>(
             let (id, tensor, mapper) = param.consume();
             ctx.set_init_scope(None);
             match redistribute(tensor.clone(), &layout) {
-                Ok(out) => Param::from_mapped_value(id, out, mapper),
-                Err(e) => {
-                    self.error = Some(e);
-                    Param::from_mapped_value(id, tensor, mapper)
-                }
+                Ok(out) => Ok(Param::from_mapped_value(id, out, mapper)),
+                Err(e) => Err((e, Param::from_mapped_value(id, tensor, mapper))),
             }
         }
     }
@@ -175,13 +172,8 @@ pub fn init_sharded<B: DistributedBackend, M: Module<B>>(
         layouts: layouts.into_iter(),
         mesh,
         seed,
-        error: None,
     };
-    let module = map_params(module, &mut init);
-    match init.error {
-        Some(e) => Err(e),
-        None => Ok(module),
-    }
+    try_map_params(module, &mut init)
 }
 
 /// FSDP prefetch: call before each training step's first forward pass (the engine's
@@ -245,12 +237,8 @@ pub fn fully_shard<B: DistributedBackend, M: Module<B>>(
         },
         ctx: None,
         shapes: Default::default(),
-        error: None,
     };
-    let module = module.map(&mut sharder);
-    if let Some(e) = sharder.error {
-        return Err(e);
-    }
+    let module = try_map_params(module, &mut sharder)?;
     let ctx = sharder.ctx.unwrap_or_else(|| {
         crate::device::current_device::<B::Inner>()
             .context()
@@ -403,6 +391,9 @@ where
     }
 }
 
+/// Gathers ZeRO-1/2's sharded updates back to replicated parameters. It goes on through every
+/// parameter after a failure (keeping the first error): each gather is a collective, and a rank
+/// that stopped early would leave its peers waiting in theirs.
 struct Regather {
     error: Option<Error>,
 }

@@ -16,10 +16,11 @@
 
 // Layers, bottom to top: a module imports only from the layers below it (`tests.rs` from any).
 //
-//   error → mesh → comm → placement → policy → device → collectives → tensor → backend
+//   error, params → mesh → comm → placement → policy → device → collectives → tensor → backend
 //        → data_parallel → fsdp, tensor_parallel, pipeline → launch → ranks
 //
-// - error: the crate's one error type (and `CollectiveKind`, which it names), plain data only.
+// - error: the crate's one error type (and `CollectiveKind`, which it names), plain data only;
+//   params: walks over a Burn module's parameters with their paths (Burn only).
 // - mesh, comm: the device mesh; the communicators (host buffers, and the device-collectives
 //   trait) — they know nothing of ranks' devices.
 // - placement: layouts (`Placement` per mesh axis).
@@ -46,6 +47,7 @@ mod error;
 mod fsdp;
 pub mod launch;
 pub mod mesh;
+mod params;
 pub mod pipeline;
 mod placement;
 mod policy;
@@ -77,6 +79,10 @@ pub use fsdp::{
 };
 pub use launch::{LaunchEnv, LaunchOptions, Launcher, launch};
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis, PIPELINE_AXIS};
+pub use params::{
+    ModulePath, ParamMapper, ParamVisitor, TryParamMapper, TryParamVisitor, map_params,
+    try_map_params, try_visit_params, visit_params,
+};
 pub use placement::{Layout, Placement, create_replicated, for_each_row};
 pub use policy::{GradientReduction, RankPolicy, ShardingPolicy};
 #[cfg(feature = "cuda")]
@@ -85,10 +91,7 @@ pub use ranks::{launch_ranks, launch_ranks_on};
 #[cfg(feature = "mpi")]
 pub use ranks::{launch_ranks_hybrid, launch_ranks_mpi};
 pub use tensor::DTensor;
-pub use tensor_parallel::{
-    ModulePath, ParamMapper, ParamVisitor, TpPlan, TpStyle, map_params, tensor_parallel,
-    visit_params,
-};
+pub use tensor_parallel::{TpPlan, TpStyle, tensor_parallel};
 
 /// For Wildfire's own crates (the engine raises typed errors inside backend ops and marks its
 /// recomputation passes); not part of the API.

@@ -15,10 +15,10 @@
 use crate::data_parallel::{DistributedBackend, dtensor, redistribute};
 use crate::error::Error;
 use crate::mesh::DeviceMesh;
+use crate::params::{ModulePath, ParamVisitor, TryParamMapper, try_map_params, visit_params};
 use crate::placement::Placement;
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::module::{Module, Param};
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
 use serde::{Deserialize, Serialize};
 
 /// How one `Linear` is split over the tensor-parallel axis.
@@ -100,98 +100,6 @@ fn matches(pattern: &str, path: &str) -> bool {
         && p.iter()
             .zip(&q)
             .all(|(a, b)| *a == "*" || a.split('|').any(|alt| alt == *b))
-}
-
-/// The module path while a visitor or mapper walks a module (`enter_module` / `exit_module`):
-/// the names Burn reports, joined with dots (`blocks.0.attn.c_attn.weight`).
-#[derive(Clone, Debug, Default)]
-pub struct ModulePath(Vec<String>);
-
-impl ModulePath {
-    /// Entering a submodule or parameter field.
-    pub fn enter(&mut self, name: &str) {
-        self.0.push(name.to_string());
-    }
-
-    /// Leaving it.
-    pub fn exit(&mut self) {
-        self.0.pop();
-    }
-
-    /// The current path, dot-joined.
-    pub fn name(&self) -> String {
-        self.0.join(".")
-    }
-
-    /// The path split into (enclosing module, last segment).
-    pub fn split_last(&self) -> (String, String) {
-        match self.0.split_last() {
-            Some((last, module)) => (module.join("."), last.clone()),
-            None => (String::new(), String::new()),
-        }
-    }
-}
-
-/// A walk over a module's float parameters that is told each one's path.
-pub trait ParamVisitor<B: Backend> {
-    /// One parameter, at `path`.
-    fn visit<const D: usize>(&mut self, path: &ModulePath, param: &Param<Tensor<B, D>>);
-}
-
-/// A map over a module's float parameters that is told each one's path.
-pub trait ParamMapper<B: Backend> {
-    /// One parameter, at `path`: what it becomes.
-    fn map<const D: usize>(
-        &mut self,
-        path: &ModulePath,
-        param: Param<Tensor<B, D>>,
-    ) -> Param<Tensor<B, D>>;
-}
-
-/// Burn's visitor and mapper, keeping the path for a [`ParamVisitor`] or [`ParamMapper`].
-struct WithPaths<'a, V> {
-    path: ModulePath,
-    inner: &'a mut V,
-}
-
-impl<B: Backend, V: ParamVisitor<B>> ModuleVisitor<B> for WithPaths<'_, V> {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.path.enter(name);
-    }
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.path.exit();
-    }
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        self.inner.visit(&self.path, param);
-    }
-}
-
-impl<B: Backend, V: ParamMapper<B>> ModuleMapper<B> for WithPaths<'_, V> {
-    fn enter_module(&mut self, name: &str, _container: &str) {
-        self.path.enter(name);
-    }
-    fn exit_module(&mut self, _name: &str, _container: &str) {
-        self.path.exit();
-    }
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        self.inner.map(&self.path, param)
-    }
-}
-
-/// Walk `module`'s float parameters in visiting order, with their paths.
-pub fn visit_params<B: Backend, M: Module<B>>(module: &M, visitor: &mut impl ParamVisitor<B>) {
-    module.visit(&mut WithPaths {
-        path: ModulePath::default(),
-        inner: visitor,
-    });
-}
-
-/// Map `module`'s float parameters in visiting order, with their paths.
-pub fn map_params<B: Backend, M: Module<B>>(module: M, mapper: &mut impl ParamMapper<B>) -> M {
-    module.map(&mut WithPaths {
-        path: ModulePath::default(),
-        inner: mapper,
-    })
 }
 
 /// Parameters of the model by (module path, field name) with shapes.
@@ -288,19 +196,24 @@ struct Apply {
     axis: usize,
     splits: Vec<Option<usize>>,
     next: usize,
-    error: Option<Error>,
     ctx: Option<std::sync::Arc<crate::device::RankContext>>,
 }
 
-impl<B: DistributedBackend> ModuleMapper<B> for Apply {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+impl<B: DistributedBackend> TryParamMapper<B> for Apply {
+    type Error = Error;
+
+    fn try_map<const D: usize>(
+        &mut self,
+        _path: &ModulePath,
+        param: Param<Tensor<B, D>>,
+    ) -> Result<Param<Tensor<B, D>>, (Error, Param<Tensor<B, D>>)> {
         let (id, tensor, mapper) = param.consume();
         self.ctx
             .get_or_insert_with(|| dtensor(&tensor).device().context().clone());
         let split = self.splits.get(self.next).copied().flatten();
         self.next += 1;
         let Some(dim) = split else {
-            return Param::from_mapped_value(id, tensor, mapper);
+            return Ok(Param::from_mapped_value(id, tensor, mapper));
         };
         // Replicate -> Shard is a local slice: every rank keeps its columns / rows.
         let target = dtensor(&tensor)
@@ -308,11 +221,8 @@ impl<B: DistributedBackend> ModuleMapper<B> for Apply {
             .clone()
             .with(self.axis, Placement::Shard(dim));
         match redistribute(tensor.clone(), &target) {
-            Ok(out) => Param::from_mapped_value(id, out, mapper),
-            Err(e) => {
-                self.error.get_or_insert(e);
-                Param::from_mapped_value(id, tensor, mapper)
-            }
+            Ok(out) => Ok(Param::from_mapped_value(id, out, mapper)),
+            Err(e) => Err((e, Param::from_mapped_value(id, tensor, mapper))),
         }
     }
 }
@@ -335,13 +245,9 @@ pub fn tensor_parallel<B: DistributedBackend, M: Module<B>>(
         axis,
         splits,
         next: 0,
-        error: None,
         ctx: None,
     };
-    let module = module.map(&mut apply);
-    if let Some(e) = apply.error {
-        return Err(e);
-    }
+    let module = try_map_params(module, &mut apply)?;
     if plan
         .rules
         .iter()

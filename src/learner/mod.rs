@@ -325,7 +325,9 @@ impl<X: Backend> LearnerRank<X> {
     }
 }
 
-/// Every parameter whole on every rank (`Replicate` on every mesh axis).
+/// Every parameter whole on every rank (`Replicate` on every mesh axis). It goes on through every
+/// parameter after a failure (keeping the first error): each gather is a collective, and a rank
+/// that stopped early would leave its peers waiting in theirs.
 struct Gather {
     error: Option<wildfire_parallel::Error>,
 }

@@ -14,8 +14,8 @@ use burn::optim::{AdamWState, AdaptiveMomentumState};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use wildfire_parallel::{
-    DTensor, DistributedBackend, ModulePath, ParamMapper, ParamVisitor, dtensor, from_dtensor,
-    map_params, visit_params,
+    DTensor, DistributedBackend, ModulePath, TryParamMapper, TryParamVisitor, dtensor,
+    from_dtensor, try_map_params, try_visit_params,
 };
 
 use super::{FORMAT, Metadata, PieceMeta, box_dims, copy_box, model_key, moment_key};
@@ -123,14 +123,10 @@ impl Checkpoint {
             name,
             checkpoint: self,
             reader: Reader::default(),
-            error: None,
         };
-        let model = map_params(model, &mut loader);
+        let model = try_map_params(model, &mut loader);
         self.count(&loader.reader);
-        match loader.error {
-            Some(e) => Err(e),
-            None => Ok(model),
-        }
+        model
     }
 
     /// The AdamW state of every parameter of `model` (already laid out, and its rank's sharding
@@ -166,14 +162,10 @@ impl Checkpoint {
             checkpoint: self,
             reader: Reader::default(),
             records: ParamRecords::new(),
-            error: None,
         };
-        visit_params(model, &mut loader);
+        let loaded = try_visit_params(model, &mut loader);
         self.count(&loader.reader);
-        match loader.error {
-            Some(e) => Err(e),
-            None => Ok(loader.records),
-        }
+        loaded.map(|()| loader.records)
     }
 
     /// This rank's piece of tensor `name` in `layout`: the padded local values.
@@ -456,23 +448,21 @@ struct ModelLoader<'a> {
     name: &'a dyn Fn(&str) -> String,
     checkpoint: &'a Checkpoint,
     reader: Reader,
-    error: Option<Error>,
 }
 
-impl<B> ParamMapper<B> for ModelLoader<'_>
+impl<B> TryParamMapper<B> for ModelLoader<'_>
 where
     B: AutodiffBackend,
     B::InnerBackend: DistributedBackend,
 {
-    fn map<const D: usize>(
+    type Error = Error;
+
+    fn try_map<const D: usize>(
         &mut self,
         path: &ModulePath,
         param: Param<Tensor<B, D>>,
-    ) -> Param<Tensor<B, D>> {
+    ) -> Result<Param<Tensor<B, D>>, (Error, Param<Tensor<B, D>>)> {
         let (id, tensor, mapper) = param.consume();
-        if self.error.is_some() {
-            return Param::from_mapped_value(id, tensor, mapper);
-        }
         let t = dtensor(&tensor.clone().inner());
         let name = model_key(&(self.name)(&path.name()));
         match self
@@ -486,12 +476,9 @@ where
                 } else {
                     out
                 };
-                Param::from_mapped_value(id, out, mapper)
+                Ok(Param::from_mapped_value(id, out, mapper))
             }
-            Err(e) => {
-                self.error = Some(e);
-                Param::from_mapped_value(id, tensor, mapper)
-            }
+            Err(e) => Err((e, Param::from_mapped_value(id, tensor, mapper))),
         }
     }
 }
@@ -501,7 +488,6 @@ struct OptimizerLoader<'a, B: AutodiffBackend, X: SimpleOptimizer<B::InnerBacken
     checkpoint: &'a Checkpoint,
     reader: Reader,
     records: ParamRecords<AdaptorRecord<X, B>>,
-    error: Option<Error>,
 }
 
 impl<B, X> OptimizerLoader<'_, B, X>
@@ -550,17 +536,19 @@ where
     }
 }
 
-impl<B, X> ParamVisitor<B> for OptimizerLoader<'_, B, X>
+impl<B, X> TryParamVisitor<B> for OptimizerLoader<'_, B, X>
 where
     B: AutodiffBackend,
     B::InnerBackend: DistributedBackend,
     X: SimpleOptimizer<B::InnerBackend>,
 {
-    fn visit<const D: usize>(&mut self, path: &ModulePath, param: &Param<Tensor<B, D>>) {
-        if self.error.is_none()
-            && let Err(e) = self.load::<D>((self.name)(&path.name()), param.id, &param.val())
-        {
-            self.error = Some(e);
-        }
+    type Error = Error;
+
+    fn try_visit<const D: usize>(
+        &mut self,
+        path: &ModulePath,
+        param: &Param<Tensor<B, D>>,
+    ) -> Result<(), Error> {
+        self.load::<D>((self.name)(&path.name()), param.id, &param.val())
     }
 }

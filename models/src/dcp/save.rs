@@ -15,7 +15,7 @@ use burn::optim::record::AdaptorRecord;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorPrimitive};
 use wildfire_parallel::{
-    DTensor, DeviceMesh, DistributedBackend, ModulePath, ParamVisitor, dtensor, visit_params,
+    DTensor, DeviceMesh, DistributedBackend, ModulePath, TryParamVisitor, dtensor, try_visit_params,
 };
 
 use super::{
@@ -47,7 +47,6 @@ pub struct Snapshot {
     mesh: Option<DeviceMesh>,
     pieces: Vec<HostPiece>,
     times: BTreeMap<String, usize>,
-    error: Option<String>,
 }
 
 impl Snapshot {
@@ -89,18 +88,13 @@ impl Snapshot {
                 mesh: None,
                 pieces: Vec::new(),
                 times: BTreeMap::new(),
-                error: None,
             },
         };
-        visit_params(model, &mut visitor);
-        let snapshot = visitor.snapshot;
-        match &snapshot.error {
-            Some(reason) => Err(Error::Invalid {
-                path: PathBuf::new(),
-                reason: reason.clone(),
-            }),
-            None => Ok(snapshot),
-        }
+        try_visit_params(model, &mut visitor).map_err(|reason| Error::Invalid {
+            path: PathBuf::new(),
+            reason,
+        })?;
+        Ok(visitor.snapshot)
     }
 
     /// Add `other`'s pieces (another module of the same rank: a pipeline rank's chunks).
@@ -111,9 +105,6 @@ impl Snapshot {
         }
         self.pieces.extend(other.pieces);
         self.times.extend(other.times);
-        if let Some(e) = other.error {
-            self.error.get_or_insert(e);
-        }
     }
 
     /// The bytes of tensor data it holds.
@@ -128,25 +119,24 @@ impl Snapshot {
         &mut self,
         name: String,
         t: &DTensor<Inner>,
-    ) {
+    ) -> Result<(), String> {
         let mesh = t.device().mesh();
         let rank = t.device().rank();
         self.rank = rank;
         self.mesh.get_or_insert_with(|| mesh.clone());
         let layout = t.layout();
         if layout.has_partial() {
-            self.error.get_or_insert(format!(
+            return Err(format!(
                 "{name} holds partial sums ({layout}); save after the optimizer step"
             ));
-            return;
         }
         if !layout.owns_piece(mesh, rank) {
-            return;
+            return Ok(());
         }
         let shape = t.global_shape().to_vec();
         let local_box = layout.local_box(&shape, mesh, rank);
         if local_box.iter().any(|(range, _)| range.is_empty()) {
-            return; // only padding here
+            return Ok(()); // only padding here
         }
         let extents: Vec<usize> = local_box.iter().map(|(_, e)| *e).collect();
         let lens: Vec<usize> = local_box.iter().map(|(r, _)| r.len()).collect();
@@ -173,6 +163,7 @@ impl Snapshot {
             end: local_box.iter().map(|(r, _)| r.end).collect(),
             read,
         });
+        Ok(())
     }
 
     /// Encode and write this rank's files into `staging`, a checksum per `chunk` bytes of each
@@ -248,43 +239,43 @@ struct SnapshotVisitor<'a, B: AutodiffBackend, X: SimpleOptimizer<B::InnerBacken
     snapshot: Snapshot,
 }
 
-impl<B, X> ParamVisitor<B> for SnapshotVisitor<'_, B, X>
+impl<B, X> TryParamVisitor<B> for SnapshotVisitor<'_, B, X>
 where
     B: AutodiffBackend,
     B::InnerBackend: DistributedBackend,
     X: SimpleOptimizer<B::InnerBackend>,
 {
-    fn visit<const D: usize>(&mut self, path: &ModulePath, param: &Param<Tensor<B, D>>) {
+    type Error = String;
+
+    fn try_visit<const D: usize>(
+        &mut self,
+        path: &ModulePath,
+        param: &Param<Tensor<B, D>>,
+    ) -> Result<(), String> {
         let Some(path) = (self.name)(&path.name()) else {
-            return;
+            return Ok(());
         };
         let t = dtensor(&param.val().inner());
-        self.snapshot.add::<_, D>(model_key(&path), &t);
+        self.snapshot.add::<_, D>(model_key(&path), &t)?;
         let Some(record) = self.records.as_mut().and_then(|r| r.remove(&param.id)) else {
-            return;
+            return Ok(());
         };
         let state: Box<dyn Any> = Box::new(record.into_state::<D>());
-        match state.downcast::<AdamWState<B::InnerBackend, D>>() {
-            Ok(state) => {
-                let m = state.momentum;
-                self.snapshot.times.insert(path.clone(), m.time);
-                self.snapshot
-                    .add::<_, D>(moment_key(&path, 1), &dtensor(&m.moment_1));
-                self.snapshot
-                    .add::<_, D>(moment_key(&path, 2), &dtensor(&m.moment_2));
-                if m.max_moment_2.is_some() {
-                    self.snapshot.error.get_or_insert(
-                        "AMSGrad's max moment is not saved by the distributed checkpoint".into(),
-                    );
-                }
-            }
-            Err(_) => {
-                self.snapshot.error.get_or_insert(format!(
-                    "{path}: the optimizer state is not AdamW's; the distributed checkpoint saves \
-                     AdamW (Burn's or Wildfire's fused one)"
-                ));
-            }
+        let Ok(state) = state.downcast::<AdamWState<B::InnerBackend, D>>() else {
+            return Err(format!(
+                "{path}: the optimizer state is not AdamW's; the distributed checkpoint saves \
+                 AdamW (Burn's or Wildfire's fused one)"
+            ));
+        };
+        let m = state.momentum;
+        if m.max_moment_2.is_some() {
+            return Err("AMSGrad's max moment is not saved by the distributed checkpoint".into());
         }
+        self.snapshot.times.insert(path.clone(), m.time);
+        self.snapshot
+            .add::<_, D>(moment_key(&path, 1), &dtensor(&m.moment_1))?;
+        self.snapshot
+            .add::<_, D>(moment_key(&path, 2), &dtensor(&m.moment_2))
     }
 }
 
