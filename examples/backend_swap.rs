@@ -11,6 +11,8 @@
 #[global_allocator]
 static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
+mod common;
+
 use anyhow::{Context, Result};
 use burn::backend::{Autodiff, Flex};
 use burn::optim::momentum::MomentumConfig;
@@ -44,13 +46,7 @@ struct Args {
 }
 
 fn main() -> Result<()> {
-    wildfire::alloc::keep_freed_memory();
-    // Colours only on a terminal: a log redirected to a file stays plain text.
-    tracing_subscriber::fmt()
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .init();
+    common::init("error");
     let args = Args::parse();
     anyhow::ensure!(
         args.batch % args.dp == 0,

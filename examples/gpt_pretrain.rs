@@ -11,6 +11,8 @@
 #[global_allocator]
 static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
+mod common;
+
 use anyhow::{Context, Result, bail};
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
@@ -83,15 +85,7 @@ fn args_with_config() -> Result<(Args, ArgMatches)> {
 }
 
 fn main() -> Result<()> {
-    wildfire::alloc::keep_freed_memory();
-    // Colours only on a terminal: a log redirected to a file stays plain text.
-    tracing_subscriber::fmt()
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    common::init("info");
     let (args, matches) = args_with_config()?;
     let mut config = args.run.clone();
     // mpirun / srun / torchrun: this process is one rank; --dp defaults to the launched world.

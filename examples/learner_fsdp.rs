@@ -14,6 +14,8 @@
 #[global_allocator]
 static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -67,13 +69,7 @@ struct Args {
 const SEED: u64 = 5;
 
 fn main() -> Result<()> {
-    wildfire::alloc::keep_freed_memory();
-    // Colours only on a terminal: a log redirected to a file stays plain text.
-    tracing_subscriber::fmt()
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr)
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .init();
+    common::init("error");
     let args = Args::parse();
     let env = LaunchEnv::detect()?;
     let mpi = env.is_some_and(|e| e.world_size > 1);
