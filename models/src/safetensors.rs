@@ -5,7 +5,9 @@ use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::prelude::*;
 use std::collections::BTreeMap;
 use std::path::Path;
-use wildfire_parallel::{ModulePath, ParamVisitor, TryParamMapper, try_map_params, visit_params};
+use wildfire_parallel::{
+    Mapped, ModulePath, ParamVisitor, TryParamMapper, map_value, try_map_params, visit_params,
+};
 
 use crate::Error;
 
@@ -98,26 +100,26 @@ impl<B: Backend> TryParamMapper<B> for Load {
         &mut self,
         path: &ModulePath,
         param: Param<Tensor<B, D>>,
-    ) -> Result<Param<Tensor<B, D>>, (String, Param<Tensor<B, D>>)> {
-        let (id, tensor, mapper) = param.consume();
+    ) -> Mapped<B, D, String> {
         let name = path.name();
-        let shape = tensor.dims().to_vec();
-        let error = match self.tensors.remove(&name) {
-            Some((s, values)) if s == shape => {
-                let fresh = Tensor::<B, D>::from_data(TensorData::new(values, s), &tensor.device());
-                let fresh = if tensor.is_require_grad() {
-                    fresh.require_grad()
-                } else {
-                    fresh
-                };
-                return Ok(Param::from_mapped_value(id, fresh, mapper));
+        map_value(param, |tensor| {
+            let shape = tensor.dims().to_vec();
+            match self.tensors.remove(&name) {
+                Some((s, values)) if s == shape => {
+                    let fresh =
+                        Tensor::<B, D>::from_data(TensorData::new(values, s), &tensor.device());
+                    Ok(if tensor.is_require_grad() {
+                        fresh.require_grad()
+                    } else {
+                        fresh
+                    })
+                }
+                Some((s, _)) => Err(format!(
+                    "{name} has shape {s:?} in the file, {shape:?} in the model; load it into a model of the same shape"
+                )),
+                None => Err(format!("{name} is missing from the file")),
             }
-            Some((s, _)) => format!(
-                "{name} has shape {s:?} in the file, {shape:?} in the model; load it into a model of the same shape"
-            ),
-            None => format!("{name} is missing from the file"),
-        };
-        Err((error, Param::from_mapped_value(id, tensor, mapper)))
+        })
     }
 }
 

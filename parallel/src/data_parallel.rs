@@ -7,7 +7,8 @@ use crate::device::DistDevice;
 use crate::error::Error;
 use crate::mesh::{AxisKind, DeviceMesh};
 use crate::params::{
-    ModulePath, TryParamMapper, TryParamVisitor, try_map_params, try_visit_params,
+    Mapped, ModulePath, TryParamMapper, TryParamVisitor, map_value, try_map_params,
+    try_visit_params,
 };
 use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
@@ -124,33 +125,28 @@ impl<B: DistributedBackend> TryParamMapper<B> for Replicator<'_> {
         &mut self,
         _path: &ModulePath,
         param: Param<Tensor<B, D>>,
-    ) -> Result<Param<Tensor<B, D>>, (Error, Param<Tensor<B, D>>)> {
-        let (id, tensor, mapper) = param.consume();
-        let mut t = dtensor(&tensor);
-        if t.device().mesh() != self.mesh {
-            let e = Error::InvalidLayout {
-                shape: t.global_shape().to_vec().clone(),
-                mesh: self.mesh.to_string(),
-                reason: format!("the parameter lives on mesh {}", t.device().mesh()),
-            };
-            return Err((e, Param::from_mapped_value(id, tensor, mapper)));
-        }
-        for (a, axis) in self.mesh.axes().iter().enumerate() {
-            if axis.kind == AxisKind::Data {
-                t = match t.adopt_from_first(a) {
-                    Ok(t) => t,
-                    Err(e) => return Err((e, Param::from_mapped_value(id, tensor, mapper))),
-                };
+    ) -> Mapped<B, D, Error> {
+        map_value(param, |tensor| {
+            let mut t = dtensor(tensor);
+            if t.device().mesh() != self.mesh {
+                return Err(Error::InvalidLayout {
+                    shape: t.global_shape().to_vec().clone(),
+                    mesh: self.mesh.to_string(),
+                    reason: format!("the parameter lives on mesh {}", t.device().mesh()),
+                });
             }
-        }
-        let require_grad = tensor.is_require_grad();
-        let out = from_dtensor::<B, D>(t);
-        let out = if require_grad {
-            out.require_grad()
-        } else {
-            out
-        };
-        Ok(Param::from_mapped_value(id, out, mapper))
+            for (a, axis) in self.mesh.axes().iter().enumerate() {
+                if axis.kind == AxisKind::Data {
+                    t = t.adopt_from_first(a)?;
+                }
+            }
+            let out = from_dtensor::<B, D>(t);
+            Ok(if tensor.is_require_grad() {
+                out.require_grad()
+            } else {
+                out
+            })
+        })
     }
 }
 

@@ -19,7 +19,7 @@ use crate::data_parallel::{DistributedBackend, dtensor, from_dtensor, redistribu
 use crate::device::RankContext;
 use crate::error::Error;
 use crate::mesh::{AxisKind, DeviceMesh};
-use crate::params::{ModulePath, TryParamMapper, try_map_params};
+use crate::params::{Mapped, ModulePath, TryParamMapper, map_value, try_map_params};
 use crate::placement::{Layout, Placement};
 use crate::policy::{GradientReduction, ShardingPolicy};
 use burn::module::{AutodiffModule, Module, ModuleMapper, ModuleVisitor, Param};
@@ -74,23 +74,21 @@ impl<B: DistributedBackend> TryParamMapper<B> for Sharder<'_> {
         &mut self,
         _path: &ModulePath,
         param: Param<Tensor<B, D>>,
-    ) -> Result<Param<Tensor<B, D>>, (Error, Param<Tensor<B, D>>)> {
+    ) -> Mapped<B, D, Error> {
         // Replicate -> Shard(0) is a local slice: no collective, so stopping at a failure keeps
         // the ranks' collectives matched.
-        let (id, tensor, mapper) = param.consume();
-        let t = dtensor(&tensor);
-        self.ctx.get_or_insert_with(|| t.device().context().clone());
-        self.shapes.insert(t.global_shape().to_vec());
-        let target = crate::placement::shard_dim0(
-            t.layout().clone(),
-            &t.global_shape().to_vec(),
-            &self.axes,
-            self.mesh,
-        );
-        match redistribute(tensor.clone(), &target) {
-            Ok(out) => Ok(Param::from_mapped_value(id, out, mapper)),
-            Err(e) => Err((e, Param::from_mapped_value(id, tensor, mapper))),
-        }
+        map_value(param, |tensor| {
+            let t = dtensor(tensor);
+            self.ctx.get_or_insert_with(|| t.device().context().clone());
+            self.shapes.insert(t.global_shape().to_vec());
+            let target = crate::placement::shard_dim0(
+                t.layout().clone(),
+                &t.global_shape().to_vec(),
+                &self.axes,
+                self.mesh,
+            );
+            redistribute(tensor.clone(), &target)
+        })
     }
 }
 
@@ -132,7 +130,7 @@ pub fn init_sharded<B: DistributedBackend, M: Module<B>>(
             &mut self,
             path: &ModulePath,
             param: Param<Tensor<B, D>>,
-        ) -> Result<Param<Tensor<B, D>>, (Error, Param<Tensor<B, D>>)> {
+        ) -> Mapped<B, D, Error> {
             let layout = self.layouts.next().expect("one layout per parameter");
             let device = B::dist_device(&param.lazy_device());
             if device.mesh() != self.mesh {
@@ -156,12 +154,11 @@ pub fn init_sharded<B: DistributedBackend, M: Module<B>>(
                     stream: crate::rng::mix_seed(self.seed, hash, 0),
                 }));
             }
-            let (id, tensor, mapper) = param.consume();
-            ctx.set_init_scope(None);
-            match redistribute(tensor.clone(), &layout) {
-                Ok(out) => Ok(Param::from_mapped_value(id, out, mapper)),
-                Err(e) => Err((e, Param::from_mapped_value(id, tensor, mapper))),
-            }
+            // Consumed (made) inside the scope.
+            map_value(param, |tensor| {
+                ctx.set_init_scope(None);
+                redistribute(tensor.clone(), &layout)
+            })
         }
     }
 
@@ -400,22 +397,21 @@ struct Regather {
 
 impl<B: DistributedBackend> ModuleMapper<B> for Regather {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, mapper) = param.consume();
-        let t = dtensor(&tensor);
-        let mesh = t.device().mesh().clone();
-        let mut target = t.layout().clone();
-        for (a, axis) in mesh.axes().iter().enumerate() {
-            if axis.kind == AxisKind::Data && matches!(target.get(a), Placement::Shard(_)) {
-                target.set(a, Placement::Replicate);
+        map_value(param, |tensor| {
+            let t = dtensor(tensor);
+            let mesh = t.device().mesh().clone();
+            let mut target = t.layout().clone();
+            for (a, axis) in mesh.axes().iter().enumerate() {
+                if axis.kind == AxisKind::Data && matches!(target.get(a), Placement::Shard(_)) {
+                    target.set(a, Placement::Replicate);
+                }
             }
-        }
-        match redistribute(tensor.clone(), &target) {
-            Ok(out) => Param::from_mapped_value(id, out, mapper),
-            Err(e) => {
-                self.error.get_or_insert(e);
-                Param::from_mapped_value(id, tensor, mapper)
-            }
-        }
+            redistribute(tensor.clone(), &target)
+        })
+        .unwrap_or_else(|(e, param)| {
+            self.error.get_or_insert(e);
+            param
+        })
     }
 }
 

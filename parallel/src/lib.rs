@@ -80,8 +80,8 @@ pub use fsdp::{
 pub use launch::{LaunchEnv, LaunchOptions, Launcher, launch};
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis, PIPELINE_AXIS};
 pub use params::{
-    ModulePath, ParamMapper, ParamVisitor, TryParamMapper, TryParamVisitor, map_params,
-    try_map_params, try_visit_params, visit_params,
+    Mapped, ModulePath, ParamMapper, ParamVisitor, TryParamMapper, TryParamVisitor, map_params,
+    map_value, try_map_params, try_visit_params, visit_params,
 };
 pub use placement::{Layout, Placement, create_replicated, for_each_row};
 pub use policy::{GradientReduction, RankPolicy, ShardingPolicy};

@@ -98,19 +98,36 @@ pub fn map_params<B: Backend, M: Module<B>>(module: M, mapper: &mut impl ParamMa
     })
 }
 
+/// What [`TryParamMapper::try_map`] gives: the parameter as it becomes, or why not with the
+/// parameter given back as it was.
+pub type Mapped<B, const D: usize, E> = Result<Param<Tensor<B, D>>, (E, Param<Tensor<B, D>>)>;
+
+/// `param` with its value through `f`, its id and mapper kept; when `f` fails, the error with
+/// the parameter as it was (see [`Mapped`]). The parameter is consumed (a lazy one made) first.
+pub fn map_value<B: Backend, const D: usize, E>(
+    param: Param<Tensor<B, D>>,
+    f: impl FnOnce(&Tensor<B, D>) -> Result<Tensor<B, D>, E>,
+) -> Mapped<B, D, E> {
+    let (id, tensor, mapper) = param.consume();
+    match f(&tensor) {
+        Ok(out) => Ok(Param::from_mapped_value(id, out, mapper)),
+        Err(e) => Err((e, Param::from_mapped_value(id, tensor, mapper))),
+    }
+}
+
 /// A fallible [`ParamMapper`]: each parameter becomes something else or the walk fails.
 pub trait TryParamMapper<B: Backend> {
     /// Why a parameter could not be mapped.
     type Error;
 
     /// One parameter, at `path`: what it becomes, or why not — with the parameter given back
-    /// (as it was), so that the module stays whole while the error travels up.
-    #[allow(clippy::type_complexity)]
+    /// (as it was), so that the module stays whole while the error travels up. [`map_value`]
+    /// does both for a map of the value alone.
     fn try_map<const D: usize>(
         &mut self,
         path: &ModulePath,
         param: Param<Tensor<B, D>>,
-    ) -> Result<Param<Tensor<B, D>>, (Self::Error, Param<Tensor<B, D>>)>;
+    ) -> Mapped<B, D, Self::Error>;
 }
 
 /// A fallible [`ParamVisitor`].

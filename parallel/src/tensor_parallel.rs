@@ -15,7 +15,9 @@
 use crate::data_parallel::{DistributedBackend, dtensor, redistribute};
 use crate::error::Error;
 use crate::mesh::DeviceMesh;
-use crate::params::{ModulePath, ParamVisitor, TryParamMapper, try_map_params, visit_params};
+use crate::params::{
+    Mapped, ModulePath, ParamVisitor, TryParamMapper, map_value, try_map_params, visit_params,
+};
 use crate::placement::Placement;
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
@@ -206,24 +208,19 @@ impl<B: DistributedBackend> TryParamMapper<B> for Apply {
         &mut self,
         _path: &ModulePath,
         param: Param<Tensor<B, D>>,
-    ) -> Result<Param<Tensor<B, D>>, (Error, Param<Tensor<B, D>>)> {
-        let (id, tensor, mapper) = param.consume();
-        self.ctx
-            .get_or_insert_with(|| dtensor(&tensor).device().context().clone());
+    ) -> Mapped<B, D, Error> {
         let split = self.splits.get(self.next).copied().flatten();
         self.next += 1;
-        let Some(dim) = split else {
-            return Ok(Param::from_mapped_value(id, tensor, mapper));
-        };
-        // Replicate -> Shard is a local slice: every rank keeps its columns / rows.
-        let target = dtensor(&tensor)
-            .layout()
-            .clone()
-            .with(self.axis, Placement::Shard(dim));
-        match redistribute(tensor.clone(), &target) {
-            Ok(out) => Ok(Param::from_mapped_value(id, out, mapper)),
-            Err(e) => Err((e, Param::from_mapped_value(id, tensor, mapper))),
-        }
+        map_value(param, |tensor| {
+            let t = dtensor(tensor);
+            self.ctx.get_or_insert_with(|| t.device().context().clone());
+            let Some(dim) = split else {
+                return Ok(tensor.clone());
+            };
+            // Replicate -> Shard is a local slice: every rank keeps its columns / rows.
+            let target = t.layout().clone().with(self.axis, Placement::Shard(dim));
+            redistribute(tensor.clone(), &target)
+        })
     }
 }
 

@@ -83,7 +83,7 @@ use burn::train::{
 use wildfire_models::checkpoint::CheckpointDir;
 use wildfire_models::dcp::Checkpoint;
 use wildfire_parallel::{
-    DistDevice, Distributed, DistributedBackend, Layout, dtensor, redistribute,
+    DistDevice, Distributed, DistributedBackend, Layout, dtensor, map_value, redistribute,
 };
 
 pub use history::LossHistory;
@@ -334,15 +334,14 @@ struct Gather {
 
 impl<B: DistributedBackend> ModuleMapper<B> for Gather {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let (id, tensor, mapper) = param.consume();
-        let mesh = dtensor(&tensor).device().mesh().clone();
-        match redistribute(tensor.clone(), &Layout::replicated(&mesh)) {
-            Ok(whole) => Param::from_mapped_value(id, whole, mapper),
-            Err(e) => {
-                self.error.get_or_insert(e);
-                Param::from_mapped_value(id, tensor, mapper)
-            }
-        }
+        map_value(param, |tensor| {
+            let mesh = dtensor(tensor).device().mesh().clone();
+            redistribute(tensor.clone(), &Layout::replicated(&mesh))
+        })
+        .unwrap_or_else(|(e, param)| {
+            self.error.get_or_insert(e);
+            param
+        })
     }
 }
 

@@ -14,8 +14,8 @@ use burn::optim::{AdamWState, AdaptiveMomentumState};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Tensor, TensorData};
 use wildfire_parallel::{
-    DTensor, DistributedBackend, ModulePath, TryParamMapper, TryParamVisitor, dtensor,
-    from_dtensor, try_map_params, try_visit_params,
+    DTensor, DistributedBackend, Mapped, ModulePath, TryParamMapper, TryParamVisitor, dtensor,
+    from_dtensor, map_value, try_map_params, try_visit_params,
 };
 
 use super::{FORMAT, Metadata, PieceMeta, box_dims, copy_box, model_key, moment_key};
@@ -461,25 +461,20 @@ where
         &mut self,
         path: &ModulePath,
         param: Param<Tensor<B, D>>,
-    ) -> Result<Param<Tensor<B, D>>, (Error, Param<Tensor<B, D>>)> {
-        let (id, tensor, mapper) = param.consume();
-        let t = dtensor(&tensor.clone().inner());
+    ) -> Mapped<B, D, Error> {
         let name = model_key(&(self.name)(&path.name()));
-        match self
-            .checkpoint
-            .read_local::<_, D>(&mut self.reader, &name, &t, t.layout())
-        {
-            Ok(loaded) => {
-                let out = Tensor::from_inner(from_dtensor::<B::InnerBackend, D>(loaded));
-                let out = if tensor.is_require_grad() {
-                    out.require_grad()
-                } else {
-                    out
-                };
-                Ok(Param::from_mapped_value(id, out, mapper))
-            }
-            Err(e) => Err((e, Param::from_mapped_value(id, tensor, mapper))),
-        }
+        map_value(param, |tensor| {
+            let t = dtensor(&tensor.clone().inner());
+            let loaded =
+                self.checkpoint
+                    .read_local::<_, D>(&mut self.reader, &name, &t, t.layout())?;
+            let out = Tensor::from_inner(from_dtensor::<B::InnerBackend, D>(loaded));
+            Ok(if tensor.is_require_grad() {
+                out.require_grad()
+            } else {
+                out
+            })
+        })
     }
 }
 
