@@ -19,7 +19,8 @@
 # It prints one markdown table and leaves every log in $OUT/gpu-bench.tgz, and CubeCL's tuning
 # cache in $OUT/cubecl-cache.tgz (put it in .gpu/ to skip the tuning next time; OUT defaults to a
 # temporary folder). CUBECL_AUTOTUNE_LEVEL (here `minimal` unless set: the first run's tuning
-# fits the deadline; `balanced` is CubeCL's default) sets the matmul tuning effort.
+# fits the deadline; `balanced` is CubeCL's default) sets the matmul tuning effort. ONLY="step …"
+# runs only the named steps (their names are the logs' names).
 set -uo pipefail
 mode=${1:-}
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -83,6 +84,8 @@ run() {
     left() { echo $((DEADLINE - ($(date +%s) - START))); }
     step() { # name timeout cmd...
         local name=$1 t=$2; shift 2
+        # ONLY="a b c" runs just those steps (a short device lease)
+        if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
         local l; l=$(left)
         if [ "$l" -lt 15 ]; then echo "$name skipped (deadline)" >> "$R/summary.txt"; return; fi
         [ "$t" -gt "$l" ] && t=$l

@@ -26,13 +26,14 @@ fn close_tol(what: &str, got: &[f32], expected: &[f32], tol: f32) {
         .zip(expected)
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
-    // An absolute floor for outputs near 0 computed from O(1) inputs: 1e-6 in f32, one f16 step
+    // An absolute floor for outputs near 0 computed from O(1) inputs: 4e-6 in f32 (≈ 32 ulps at
+    // 1: CUDA's LayerNorm backward of one-element rows, exactly 0, came out 1.5e-6), one f16 step
     // at 1 (≈ 1e-3) in f16.
     // (bf16: one step at 1 is ≈ 8e-3.)
     let floor = match INPUT_DTYPE.get() {
         Some(burn::tensor::FloatDType::BF16) => 8e-3,
         Some(_) => 1e-3,
-        None => 1e-6,
+        None => 4e-6,
     };
     assert!(
         got.iter().all(|v| v.is_finite()) && worst <= tol * scale + floor,

@@ -1,7 +1,7 @@
 //! The `#[cube]` kernels and `FusedOps` for `CubeBackend` (Wgpu, Cuda, … — every CubeCL runtime),
 //! one file per kernel family: `softmax`, `norm` (LayerNorm and RMSNorm), `cross_entropy`,
-//! `gelu` (GELU with bias), `attention` (tiled flash attention forward, separate or packed q/k/v)
-//! and `attention_backward`,
+//! `gelu` (GELU with bias), `attention` (flash attention's host side, separate or packed q/k/v),
+//! `attention_backward` and `flash` (the flash-attention kernels),
 //! `optim` (the optimizer tail); the cube-wide reductions the row kernels share are in `reduce`,
 //! the host-side launch helpers here.
 //!
@@ -16,6 +16,7 @@
 mod attention;
 mod attention_backward;
 mod cross_entropy;
+mod flash;
 mod gelu;
 mod norm;
 mod optim;

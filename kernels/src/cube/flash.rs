@@ -1,0 +1,1170 @@
+//! The flash-attention kernels, FlashAttention-2's work split: each plane (32 units, a CUDA
+//! warp) owns `rows` rows of the cube's block — queries in the forward and the dQ pass, keys in
+//! the dK/dV pass — and keeps their accumulators (O, dQ, dK and dV) in tensor-core fragments
+//! (`cmma`, 16 × 16 × 16, f32) for the whole loop over the other side's blocks; only the operand
+//! blocks the planes share (K and V, or Q and dO) go through shared memory. Each plane's score
+//! tile goes to its own shared-memory scratch, where its units take a row each (`32 / rows`
+//! units per row, a slice of the row each, rotated by lane so a plane's reads hit 32 banks) for
+//! the softmax, synchronising only the plane. The forward rescales its output only when a row's
+//! running maximum grows by more than `e^8` (FlashAttention-4's lazy rescale: exact, since the
+//! final normalisation uses the same maximum), so the fragments leave registers on a rescale
+//! only, in practice in the first blocks.
+//!
+//! Without tensor cores (Wgpu, f32) the same kernels run with the fragments replaced by plane
+//! tiles in shared memory multiplied by plain loops, and every plane barrier widened to the cube
+//! (a Wgpu plane need not have 32 units): one algorithm, two ways to multiply a tile — the
+//! lavapipe tests check the one the GPU runs.
+//!
+//! Shared-memory rows are padded (`+8` elements of the input, `+4` f32) against bank conflicts
+//! of the fragment loads and stores; [`Flash::shared_bytes`] mirrors the allocations.
+
+use super::NEG_BIG;
+use super::attention::{Heads, Problem, head_base, keys_end, load_stats, this_head, visible};
+use burn::tensor::DType;
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::features::MmaConfig;
+use cubecl::prelude::*;
+use cubecl::{CubeCount, CubeDim};
+
+/// Units per plane (a tensor-core fragment is spread over 32).
+const LANES: usize = 32;
+/// Padding of an input-dtype shared-memory row (16 bytes at 16 bits).
+const PAD_E: usize = 8;
+/// Padding of an f32 shared-memory row (16 bytes).
+const PAD_F: usize = 4;
+/// A row's running maximum is raised (and its output rescaled) only past this much growth.
+const RESCALE_THRESHOLD: f32 = 8.0;
+
+/// Which pass a tile choice is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pass {
+    Forward,
+    BackwardQ,
+    BackwardKv,
+}
+
+/// The work split of one launch (all comptime in the kernels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Flash {
+    /// Planes per cube.
+    pub planes: usize,
+    /// Rows each plane owns (16 with tensor cores: one fragment high).
+    pub rows: usize,
+    /// Rows of the other side per loop step (keys, or queries in the dK/dV pass).
+    pub block: usize,
+    /// Tensor-core fragments.
+    pub cmma: bool,
+}
+
+impl Flash {
+    /// Rows a cube owns.
+    pub fn owned(&self) -> usize {
+        self.planes * self.rows
+    }
+
+    /// Shared-memory bytes of `pass` for head dimension `d` and input element size `es`
+    /// (mirrors the kernels' allocations).
+    pub fn shared_bytes(&self, pass: Pass, d: usize, es: usize) -> usize {
+        let (own, blk, pr) = (self.owned(), self.block, self.planes * self.rows);
+        let ld = d + PAD_E;
+        let w = blk.max(d) + PAD_F;
+        let red = 4 * self.planes * LANES;
+        let plain_acc = |n: usize| if self.cmma { 4 } else { 4 * n * pr * d };
+        match pass {
+            Pass::Forward => {
+                es * (own * ld + 2 * blk * ld + pr * (blk + PAD_E))
+                    + 4 * pr * w
+                    + red
+                    + 4 * own
+                    + plain_acc(1)
+            }
+            Pass::BackwardQ => {
+                es * (2 * own * ld + 2 * blk * ld + pr * (blk + PAD_E))
+                    + 8 * pr * w
+                    + red
+                    + plain_acc(1)
+            }
+            Pass::BackwardKv => {
+                es * (2 * own * ld + 2 * blk * ld + 2 * pr * (blk + PAD_E))
+                    + 8 * pr * w
+                    + 8 * blk
+                    + plain_acc(2)
+            }
+        }
+    }
+
+    /// The split for `pass` on `like`'s device: tensor cores when the dtype is f16/bf16, `d` a
+    /// multiple of 16 and the device has 16 × 16 × 16 fragments for it with f32 accumulation and
+    /// planes of 32 (unless `WILDFIRE_ATTENTION_CMMA=0`). Four planes of 16 rows (8 without
+    /// tensor cores) and blocks of 64;
+    /// while the cube's shared memory exceeds the device's (or 100 KB: two cubes per H100
+    /// multiprocessor) the block halves down to 16, then the planes, then (without tensor cores)
+    /// the rows down to 2.
+    pub fn choose<R: CubeRuntime>(like: &CubeTensor<R>, pass: Pass, d: usize) -> Self {
+        let props = like.client.properties();
+        let es = like.dtype.size();
+        let cmma = cmma_wanted()
+            && matches!(like.dtype, DType::F16 | DType::BF16)
+            && d.is_multiple_of(16)
+            && props.hardware.plane_size_min == 32
+            && props.hardware.plane_size_max == 32
+            && props.features.matmul.cmma.contains(&MmaConfig {
+                a_type: like.dtype.into(),
+                b_type: like.dtype.into(),
+                cd_type: DType::F32.into(),
+                m: 16,
+                n: 16,
+                k: 16,
+            });
+        let limit = props.hardware.max_shared_memory_size.min(100 * 1024);
+        // Without tensor cores planes own 8 rows: on lavapipe, 16 gave wrong gradients for f16,
+        // head dim 64, past ≈ 900 tokens (queries ≥ 896 against keys < 160; 8 and 4 rows, head
+        // dim 32, f32 and 768 tokens were right) — not understood; see the note of 2026-11-27.
+        let (planes, rows, block) = split_override().unwrap_or((4, if cmma { 16 } else { 8 }, 64));
+        let mut f = Flash {
+            planes,
+            rows: if cmma { 16 } else { rows },
+            block,
+            cmma,
+        };
+        while f.shared_bytes(pass, d, es) > limit {
+            if f.block > 16 {
+                f.block /= 2;
+            } else if f.planes > 1 {
+                f.planes /= 2;
+            } else if !cmma && f.rows > 2 {
+                f.rows /= 2;
+            } else {
+                break;
+            }
+        }
+        if split_override().is_some() {
+            eprintln!(
+                "attention split {pass:?} d {d}: {f:?}, {} of {limit} bytes",
+                f.shared_bytes(pass, d, es)
+            );
+        }
+        assert!(
+            f.shared_bytes(pass, d, es) <= props.hardware.max_shared_memory_size,
+            "attention: head dim {d} needs {} bytes of shared memory per cube, the device has {}",
+            f.shared_bytes(pass, d, es),
+            props.hardware.max_shared_memory_size
+        );
+        f
+    }
+
+    /// The launch over `rows` owned rows per (batch, head).
+    pub fn launch_dims(&self, rows: usize, p: &Problem) -> (CubeCount, CubeDim) {
+        let bh = p.batch * p.heads;
+        assert!(
+            bh <= 65_535,
+            "attention: batch × heads {bh} exceeds one launch's 65,535 cubes along y"
+        );
+        (
+            CubeCount::Static(rows.div_ceil(self.owned()).max(1) as u32, bh as u32, 1),
+            CubeDim::new_1d((self.planes * LANES) as u32),
+        )
+    }
+}
+
+/// `WILDFIRE_ATTENTION_SPLIT=planes,rows,block` starts the split's search there instead of
+/// `4,16,64` (for tuning on a new device; the shared-memory limit still applies).
+fn split_override() -> Option<(usize, usize, usize)> {
+    static SPLIT: std::sync::OnceLock<Option<(usize, usize, usize)>> = std::sync::OnceLock::new();
+    *SPLIT.get_or_init(|| {
+        let v = std::env::var("WILDFIRE_ATTENTION_SPLIT").ok()?;
+        let n: Vec<usize> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        let ok = n.len() == 3
+            && n[0].is_power_of_two()
+            && n[0] <= 8
+            && [2, 4, 8, 16].contains(&n[1])
+            && n[2].is_power_of_two()
+            && (16..=128).contains(&n[2]);
+        if !ok {
+            eprintln!("WILDFIRE_ATTENTION_SPLIT={v:?} is not planes,rows,block; ignored");
+        }
+        ok.then(|| (n[0], n[1], n[2]))
+    })
+}
+
+/// `WILDFIRE_ATTENTION_CMMA=0` turns the tensor-core fragments off (the bench's comparison, and
+/// a way around a device whose fragments misbehave).
+fn cmma_wanted() -> bool {
+    static WANTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WANTED.get_or_init(|| std::env::var("WILDFIRE_ATTENTION_CMMA").map_or(true, |v| v != "0"))
+}
+
+/// A barrier over the units that share a plane's tiles: the plane with tensor cores, the cube
+/// without (a Wgpu plane may be narrower than 32 units). Called in uniform control flow.
+#[cube]
+fn sync_tiles(#[comptime] cmma: bool) {
+    if comptime!(cmma) {
+        sync_plane();
+    } else {
+        sync_cube();
+    }
+}
+
+/// Rows `start..start + rows` of one (batch, head) of `src` (first element `base`, row stride
+/// `token`, `d` columns) into `dst` (`rows` rows of stride `ld`), rows at or past `end` as
+/// zeros; by the whole cube, consecutive units on consecutive columns. (Unrolled with every load
+/// issued before the first store it measured slower on an H100: forward 1.89 ms instead of
+/// 1.24 at GPT-2's shape.)
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_block<E: Float>(
+    src: &Tensor<E>,
+    base: usize,
+    token: usize,
+    start: usize,
+    end: usize,
+    dst: &mut SharedMemory<E>,
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+    #[comptime] ld: usize,
+) {
+    let mut e = UNIT_POS as usize;
+    while e < rows * d {
+        let r = e / d;
+        let c = e % d;
+        let mut x = E::new(0.0);
+        if start + r < end {
+            x = src[base + (start + r) * token + c];
+        }
+        dst[r * ld + c] = x;
+        e += CUBE_DIM as usize;
+    }
+}
+
+/// A new f32 accumulator fragment.
+#[cube]
+fn acc_fragment() -> cmma::Matrix<f32> {
+    unsafe {
+        cmma::Matrix::<f32>::uninitialized(
+            cmma::MatrixIdent::Accumulator,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::Undefined,
+        )
+    }
+}
+
+/// `n / 16` zeroed accumulator fragments (none without tensor cores).
+#[cube]
+fn acc_fragments(#[comptime] n: usize, #[comptime] cmma: bool) -> Sequence<cmma::Matrix<f32>> {
+    let mut accs = Sequence::<cmma::Matrix<f32>>::new();
+    if comptime!(cmma) {
+        #[unroll]
+        for _ in 0..comptime!(n / 16) {
+            let f = acc_fragment();
+            cmma::fill(&f, 0.0f32);
+            accs.push(f);
+        }
+    }
+    accs
+}
+
+/// `c = a · bᵀ` for one plane: `a` its `rows × k` rows (from `a_off`, stride `lda`), `b` stored
+/// `n × k` (from `b_off`, stride `ldb`), `c` f32 `rows × n` at `c_off` with stride `ldc`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn plane_scores<E: Float>(
+    a: &SharedMemory<E>,
+    a_off: usize,
+    b: &SharedMemory<E>,
+    c: &mut SharedMemory<f32>,
+    c_off: usize,
+    #[comptime] rows: usize,
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+    #[comptime] lda: usize,
+    #[comptime] ldb: usize,
+    #[comptime] ldc: usize,
+    #[comptime] cmma: bool,
+) {
+    if comptime!(cmma) {
+        let accs = acc_fragments(n, true);
+        #[unroll]
+        for kk in 0..comptime!(k / 16) {
+            let fa = unsafe {
+                cmma::Matrix::<E>::uninitialized(
+                    cmma::MatrixIdent::A,
+                    16usize,
+                    16usize,
+                    16usize,
+                    cmma::MatrixLayout::RowMajor,
+                )
+            };
+            cmma::load(&fa, &a.slice(a_off + kk * 16, a.len()), lda as u32);
+            #[unroll]
+            for t in 0..comptime!(n / 16) {
+                let fb = unsafe {
+                    cmma::Matrix::<E>::uninitialized(
+                        cmma::MatrixIdent::B,
+                        16usize,
+                        16usize,
+                        16usize,
+                        cmma::MatrixLayout::ColMajor,
+                    )
+                };
+                cmma::load(&fb, &b.slice(t * 16 * ldb + kk * 16, b.len()), ldb as u32);
+                cmma::execute::<E, E, f32, f32>(&fa, &fb, accs.index(t), accs.index(t));
+            }
+        }
+        #[unroll]
+        for t in 0..comptime!(n / 16) {
+            cmma::store(
+                &mut c.slice_mut(c_off + t * 16, c.len()),
+                accs.index(t),
+                ldc as u32,
+                cmma::MatrixLayout::RowMajor,
+            );
+        }
+    } else {
+        let mut e = (UNIT_POS as usize) % LANES;
+        while e < rows * n {
+            let i = e / n;
+            let j = e % n;
+            let mut s = 0.0f32;
+            for kk in 0..k {
+                s += f32::cast_from(a[a_off + i * lda + kk]) * f32::cast_from(b[j * ldb + kk]);
+            }
+            c[c_off + i * ldc + j] = s;
+            e += LANES;
+        }
+    }
+}
+
+/// `acc += a · b` for one plane: `a` its `rows × k` tile (from `a_off`, stride `lda`), `b`
+/// `k × n` row-major (stride `ldb`); the accumulator is `accs` (`n / 16` fragments) with
+/// tensor cores, else the f32 tile at `plain_off` (stride `n`) of `plain`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn plane_accumulate<E: Float>(
+    a: &SharedMemory<E>,
+    a_off: usize,
+    b: &SharedMemory<E>,
+    accs: &Sequence<cmma::Matrix<f32>>,
+    plain: &mut SharedMemory<f32>,
+    plain_off: usize,
+    #[comptime] rows: usize,
+    #[comptime] n: usize,
+    #[comptime] k: usize,
+    #[comptime] lda: usize,
+    #[comptime] ldb: usize,
+    #[comptime] cmma: bool,
+) {
+    if comptime!(cmma) {
+        #[unroll]
+        for kk in 0..comptime!(k / 16) {
+            let fa = unsafe {
+                cmma::Matrix::<E>::uninitialized(
+                    cmma::MatrixIdent::A,
+                    16usize,
+                    16usize,
+                    16usize,
+                    cmma::MatrixLayout::RowMajor,
+                )
+            };
+            cmma::load(&fa, &a.slice(a_off + kk * 16, a.len()), lda as u32);
+            #[unroll]
+            for t in 0..comptime!(n / 16) {
+                let fb = unsafe {
+                    cmma::Matrix::<E>::uninitialized(
+                        cmma::MatrixIdent::B,
+                        16usize,
+                        16usize,
+                        16usize,
+                        cmma::MatrixLayout::RowMajor,
+                    )
+                };
+                cmma::load(&fb, &b.slice(kk * 16 * ldb + t * 16, b.len()), ldb as u32);
+                cmma::execute::<E, E, f32, f32>(&fa, &fb, accs.index(t), accs.index(t));
+            }
+        }
+    } else {
+        let mut e = (UNIT_POS as usize) % LANES;
+        while e < rows * n {
+            let i = e / n;
+            let j = e % n;
+            let mut s = plain[plain_off + i * n + j];
+            for kk in 0..k {
+                s += f32::cast_from(a[a_off + i * lda + kk]) * f32::cast_from(b[kk * ldb + j]);
+            }
+            plain[plain_off + i * n + j] = s;
+            e += LANES;
+        }
+    }
+}
+
+/// A plane's accumulator (`rows × n`) into `dst` at `off` with stride `ld` (f32): the fragments
+/// stored, or the plain tile copied. The caller syncs the plane's tiles after.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn plane_spill(
+    accs: &Sequence<cmma::Matrix<f32>>,
+    plain: &SharedMemory<f32>,
+    plain_off: usize,
+    dst: &mut SharedMemory<f32>,
+    off: usize,
+    #[comptime] rows: usize,
+    #[comptime] n: usize,
+    #[comptime] ld: usize,
+    #[comptime] cmma: bool,
+) {
+    if comptime!(cmma) {
+        #[unroll]
+        for t in 0..comptime!(n / 16) {
+            cmma::store(
+                &mut dst.slice_mut(off + t * 16, dst.len()),
+                accs.index(t),
+                ld as u32,
+                cmma::MatrixLayout::RowMajor,
+            );
+        }
+    } else {
+        let mut e = (UNIT_POS as usize) % LANES;
+        while e < rows * n {
+            dst[off + (e / n) * ld + e % n] = plain[plain_off + e];
+            e += LANES;
+        }
+    }
+}
+
+/// Zeroes a plane's plain accumulator tile (`rows × n` at `off`; nothing with tensor cores,
+/// whose fragments start zeroed).
+#[cube]
+fn plane_zero(
+    plain: &mut SharedMemory<f32>,
+    off: usize,
+    #[comptime] rows: usize,
+    #[comptime] n: usize,
+    #[comptime] cmma: bool,
+) {
+    if comptime!(!cmma) {
+        let mut e = (UNIT_POS as usize) % LANES;
+        while e < rows * n {
+            plain[off + e] = 0.0;
+            e += LANES;
+        }
+    }
+}
+
+/// The combination over a row's `per_row` units of their partial `x` (`max` or sum): through
+/// the plane's slots of `red`. Every unit calls it in uniform control flow.
+#[cube]
+fn row_combine(
+    red: &mut SharedMemory<f32>,
+    x: f32,
+    #[comptime] per_row: usize,
+    #[comptime] max: bool,
+    #[comptime] cmma: bool,
+) -> f32 {
+    let unit = UNIT_POS as usize;
+    let first = unit - unit % per_row;
+    red[unit] = x;
+    sync_tiles(cmma);
+    let mut y = red[first];
+    #[unroll]
+    for t in 1..per_row {
+        if comptime!(max) {
+            y = f32::max(y, red[first + t]);
+        } else {
+            y += red[first + t];
+        }
+    }
+    y
+}
+
+/// Forward: one cube per `planes · rows` queries of one (batch, head); each plane its `rows`
+/// queries, over the key blocks up to the last one its cube's last query sees.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn flash_forward_kernel<E: Float>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out: &mut Tensor<E>,
+    lse: &mut Tensor<f32>,
+    q_l: Sequence<u32>,
+    k_l: Sequence<u32>,
+    v_l: Sequence<u32>,
+    o_l: Sequence<u32>,
+    s_l: Sequence<u32>,
+    heads: u32,
+    kv_group: u32,
+    seq_q: u32,
+    seq_k: u32,
+    q_offset: i32,
+    scale: f32,
+    #[comptime] planes: usize,
+    #[comptime] rows: usize,
+    #[comptime] bk: usize,
+    #[comptime] d: usize,
+    #[comptime] causal: bool,
+    #[comptime] cmma: bool,
+    #[define(E)] _dtype: StorageType,
+) {
+    let own = comptime!(planes * rows);
+    let ld = comptime!(d + PAD_E);
+    let ldp = comptime!(bk + PAD_E);
+    let w = comptime!(bk.max(d) + PAD_F);
+    let per_row = comptime!(LANES / rows);
+    let cols = comptime!(bk / per_row);
+    let seq_q = seq_q as usize;
+    let seq_k = seq_k as usize;
+    let (b, h, hk) = this_head(heads, kv_group);
+    let k_base = head_base(&k_l, b, hk);
+    let v_base = head_base(&v_l, b, hk);
+    let q_start = CUBE_POS_X as usize * own;
+    let unit = UNIT_POS as usize;
+    let plane = unit / LANES;
+    let lane = unit % LANES;
+    let r = lane / per_row;
+    let part = lane % per_row;
+    let i = q_start + plane * rows + r;
+
+    let mut qs = SharedMemory::<E>::new(own * ld);
+    let mut ks = SharedMemory::<E>::new(bk * ld);
+    let mut vs = SharedMemory::<E>::new(bk * ld);
+    let mut ps = SharedMemory::<E>::new(own * ldp);
+    let mut sc = SharedMemory::<f32>::new(own * w);
+    let mut red = SharedMemory::<f32>::new(planes * LANES);
+    let mut norm = SharedMemory::<f32>::new(own);
+    let mut plain = SharedMemory::<f32>::new(comptime!(if cmma { 1 } else { own * d }));
+
+    load_block::<E>(
+        q,
+        head_base(&q_l, b, h),
+        *q_l.index(3usize) as usize,
+        q_start,
+        seq_q,
+        &mut qs,
+        own,
+        d,
+        ld,
+    );
+    let acc = acc_fragments(d, cmma);
+    let a_off = plane * rows * ld;
+    let p_off = plane * rows * ldp;
+    let s_off = plane * rows * w;
+    let o_off = plane * rows * d;
+    plane_zero(&mut plain, o_off, rows, d, cmma);
+    // This unit's running maximum (its row's) and partial sum (its slice of the row).
+    let mut m = f32::new(NEG_BIG);
+    let mut l = 0.0f32;
+    let blocks = keys_end(q_start, seq_k, q_offset, own, causal).div_ceil(bk);
+    sync_cube();
+
+    for kb in 0..blocks {
+        let k_start = kb * bk;
+        load_block::<E>(
+            k,
+            k_base,
+            *k_l.index(3usize) as usize,
+            k_start,
+            seq_k,
+            &mut ks,
+            bk,
+            d,
+            ld,
+        );
+        load_block::<E>(
+            v,
+            v_base,
+            *v_l.index(3usize) as usize,
+            k_start,
+            seq_k,
+            &mut vs,
+            bk,
+            d,
+            ld,
+        );
+        sync_cube();
+        // S = Q·Kᵀ for the plane's rows
+        plane_scores::<E>(
+            &qs, a_off, &ks, &mut sc, s_off, rows, bk, d, ld, ld, w, cmma,
+        );
+        sync_tiles(cmma);
+        // The row's block maximum over its units' slices.
+        let row = s_off + r * w + part * cols;
+        let mut mx = f32::new(NEG_BIG);
+        for c in 0..cols {
+            let j = (c + lane) % cols;
+            if visible(i, k_start + part * cols + j, seq_q, seq_k, q_offset, causal) {
+                mx = f32::max(mx, sc[row + j] * scale);
+            }
+        }
+        let mx = row_combine(&mut red, mx, per_row, true, cmma);
+        // Raise the running maximum only past the threshold (exact either way).
+        let mut m_new = m;
+        if mx > m + RESCALE_THRESHOLD {
+            m_new = mx;
+        }
+        let corr = f32::exp(m - m_new);
+        l *= corr;
+        let prow = p_off + r * ldp + part * cols;
+        for c in 0..cols {
+            let j = (c + lane) % cols;
+            let mut p = 0.0f32;
+            if visible(i, k_start + part * cols + j, seq_q, seq_k, q_offset, causal) {
+                p = f32::exp(sc[row + j] * scale - m_new);
+            }
+            ps[prow + j] = E::cast_from(p);
+            l += p;
+        }
+        // A grown maximum of a row that has seen keys rescales its output row.
+        let grown = m_new != m && m > NEG_BIG;
+        m = m_new;
+        if comptime!(cmma) {
+            if plane_any(grown) {
+                sync_plane();
+                plane_spill(&acc, &plain, o_off, &mut sc, s_off, rows, d, w, true);
+                sync_plane();
+                let mut c = part;
+                while c < d {
+                    sc[s_off + r * w + c] *= corr;
+                    c += per_row;
+                }
+                sync_plane();
+                #[unroll]
+                for t in 0..comptime!(d / 16) {
+                    cmma::load_with_layout(
+                        acc.index(t),
+                        &sc.slice(s_off + t * 16, sc.len()),
+                        w as u32,
+                        cmma::MatrixLayout::RowMajor,
+                    );
+                }
+            }
+        } else {
+            if grown {
+                let mut c = part;
+                while c < d {
+                    plain[o_off + r * d + c] *= corr;
+                    c += per_row;
+                }
+            }
+        }
+        sync_tiles(cmma);
+        // O += P·V
+        plane_accumulate::<E>(
+            &ps, p_off, &vs, &acc, &mut plain, o_off, rows, d, bk, ldp, ld, cmma,
+        );
+        sync_cube();
+    }
+
+    let total = row_combine(&mut red, l, per_row, false, cmma);
+    if part == 0 {
+        norm[plane * rows + r] = total;
+    }
+    plane_spill(&acc, &plain, o_off, &mut sc, s_off, rows, d, w, cmma);
+    sync_tiles(cmma);
+    let o_base = head_base(&o_l, b, h);
+    let o_token = *o_l.index(3usize) as usize;
+    let mut e = lane;
+    while e < rows * d {
+        let rr = e / d;
+        let c = e % d;
+        let ii = q_start + plane * rows + rr;
+        if ii < seq_q {
+            let n = norm[plane * rows + rr];
+            let mut x = 0.0f32;
+            if n > 0.0 {
+                x = sc[s_off + rr * w + c] / n;
+            }
+            out[o_base + ii * o_token + c] = E::cast_from(x);
+        }
+        e += LANES;
+    }
+    if part == 0 && i < seq_q {
+        let s_base = head_base(&s_l, b, h);
+        lse[s_base + i * *s_l.index(3usize) as usize] = m + f32::ln(total);
+    }
+}
+
+/// Launches the forward into `output` and `lse` (f32).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn forward<R: CubeRuntime>(
+    ops: &super::attention::Operands<R>,
+    p: &Problem,
+    output: (&CubeTensor<R>, Heads),
+    lse: (&CubeTensor<R>, Heads),
+) {
+    use super::arg;
+    use super::attention::seq_arg;
+    let q = &ops.q.0;
+    let f = Flash::choose(q, Pass::Forward, p.head_dim);
+    let (count, dim) = f.launch_dims(p.seq_q, p);
+    flash_forward_kernel::launch::<R>(
+        &q.client,
+        count,
+        dim,
+        arg(q),
+        arg(&ops.k.0),
+        arg(&ops.v.0),
+        arg(output.0),
+        arg(lse.0),
+        seq_arg(&ops.q.1),
+        seq_arg(&ops.k.1),
+        seq_arg(&ops.v.1),
+        seq_arg(&output.1),
+        seq_arg(&lse.1),
+        p.heads as u32,
+        p.kv_group as u32,
+        p.seq_q as u32,
+        p.seq_k as u32,
+        p.q_offset as i32,
+        p.scale,
+        f.planes,
+        f.rows,
+        f.block,
+        p.head_dim,
+        p.causal,
+        f.cmma,
+        q.dtype.into(),
+    );
+}
+
+/// Pass 1 of the backward: dQ, and `delta = rowsum(dO∘O)` (written for pass 2); one cube per
+/// `planes · rows` queries, each plane its rows, over the key blocks up to the diagonal.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn flash_backward_q_kernel<E: Float>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out: &Tensor<E>,
+    d_out: &Tensor<E>,
+    lse: &Tensor<f32>,
+    dq: &mut Tensor<E>,
+    delta: &mut Tensor<f32>,
+    q_l: Sequence<u32>,
+    k_l: Sequence<u32>,
+    v_l: Sequence<u32>,
+    o_l: Sequence<u32>,
+    s_l: Sequence<u32>,
+    dq_l: Sequence<u32>,
+    heads: u32,
+    kv_group: u32,
+    seq_q: u32,
+    seq_k: u32,
+    q_offset: i32,
+    scale: f32,
+    #[comptime] planes: usize,
+    #[comptime] rows: usize,
+    #[comptime] bk: usize,
+    #[comptime] d: usize,
+    #[comptime] causal: bool,
+    #[comptime] cmma: bool,
+    #[define(E)] _dtype: StorageType,
+) {
+    let own = comptime!(planes * rows);
+    let ld = comptime!(d + PAD_E);
+    let ldp = comptime!(bk + PAD_E);
+    let w = comptime!(bk.max(d) + PAD_F);
+    let per_row = comptime!(LANES / rows);
+    let cols = comptime!(bk / per_row);
+    let seq_q = seq_q as usize;
+    let seq_k = seq_k as usize;
+    let (b, h, hk) = this_head(heads, kv_group);
+    let q_start = CUBE_POS_X as usize * own;
+    let o_base = head_base(&o_l, b, h);
+    let o_token = *o_l.index(3usize) as usize;
+    let s_base = head_base(&s_l, b, h);
+    let s_token = *s_l.index(3usize) as usize;
+    let k_base = head_base(&k_l, b, hk);
+    let v_base = head_base(&v_l, b, hk);
+    let unit = UNIT_POS as usize;
+    let plane = unit / LANES;
+    let lane = unit % LANES;
+    let r = lane / per_row;
+    let part = lane % per_row;
+    let i = q_start + plane * rows + r;
+
+    let mut qs = SharedMemory::<E>::new(own * ld);
+    let mut dos = SharedMemory::<E>::new(own * ld);
+    let mut ks = SharedMemory::<E>::new(bk * ld);
+    let mut vs = SharedMemory::<E>::new(bk * ld);
+    let mut ps = SharedMemory::<E>::new(own * ldp);
+    let mut sc = SharedMemory::<f32>::new(own * w);
+    let mut dps = SharedMemory::<f32>::new(own * w);
+    let mut red = SharedMemory::<f32>::new(planes * LANES);
+    let mut plain = SharedMemory::<f32>::new(comptime!(if cmma { 1 } else { own * d }));
+
+    load_block::<E>(
+        q,
+        head_base(&q_l, b, h),
+        *q_l.index(3usize) as usize,
+        q_start,
+        seq_q,
+        &mut qs,
+        own,
+        d,
+        ld,
+    );
+    load_block::<E>(d_out, o_base, o_token, q_start, seq_q, &mut dos, own, d, ld);
+    // delta of this unit's row over its slice of the head dimension, in f32 from the stored dO
+    // and O; the row's lse.
+    // (one unit per row, in column order: for one visible key, dP − delta is then exactly 0
+    // without tensor cores, as the product `dO·Vᵀ` sums in the same order)
+    let mut part_delta = 0.0f32;
+    if i < seq_q && part == 0 {
+        let at = o_base + i * o_token;
+        for c in 0..d {
+            part_delta += f32::cast_from(d_out[at + c]) * f32::cast_from(out[at + c]);
+        }
+    }
+    let dl = row_combine(&mut red, part_delta, per_row, false, cmma);
+    let mut row_lse = 0.0f32;
+    if i < seq_q {
+        row_lse = lse[s_base + i * s_token];
+        if part == 0 {
+            delta[s_base + i * s_token] = dl;
+        }
+    }
+    let acc = acc_fragments(d, cmma);
+    let a_off = plane * rows * ld;
+    let p_off = plane * rows * ldp;
+    let s_off = plane * rows * w;
+    let o_off = plane * rows * d;
+    plane_zero(&mut plain, o_off, rows, d, cmma);
+    let blocks = keys_end(q_start, seq_k, q_offset, own, causal).div_ceil(bk);
+    sync_cube();
+
+    for kb in 0..blocks {
+        let k_start = kb * bk;
+        load_block::<E>(
+            k,
+            k_base,
+            *k_l.index(3usize) as usize,
+            k_start,
+            seq_k,
+            &mut ks,
+            bk,
+            d,
+            ld,
+        );
+        load_block::<E>(
+            v,
+            v_base,
+            *v_l.index(3usize) as usize,
+            k_start,
+            seq_k,
+            &mut vs,
+            bk,
+            d,
+            ld,
+        );
+        sync_cube();
+        // S = Q·Kᵀ and dP = dO·Vᵀ for the plane's rows
+        plane_scores::<E>(
+            &qs, a_off, &ks, &mut sc, s_off, rows, bk, d, ld, ld, w, cmma,
+        );
+        plane_scores::<E>(
+            &dos, a_off, &vs, &mut dps, s_off, rows, bk, d, ld, ld, w, cmma,
+        );
+        sync_tiles(cmma);
+        // dS = P∘(dP − delta) with P = exp(S·scale − lse), in f32, rounded once
+        let row = s_off + r * w + part * cols;
+        let prow = p_off + r * ldp + part * cols;
+        for c in 0..cols {
+            let j = (c + lane) % cols;
+            let mut ds = 0.0f32;
+            if visible(i, k_start + part * cols + j, seq_q, seq_k, q_offset, causal) {
+                let p = f32::exp(sc[row + j] * scale - row_lse);
+                ds = p * (dps[row + j] - dl);
+            }
+            ps[prow + j] = E::cast_from(ds);
+        }
+        sync_tiles(cmma);
+        // dQ += dS·K
+        plane_accumulate::<E>(
+            &ps, p_off, &ks, &acc, &mut plain, o_off, rows, d, bk, ldp, ld, cmma,
+        );
+        sync_cube();
+    }
+
+    plane_spill(&acc, &plain, o_off, &mut sc, s_off, rows, d, w, cmma);
+    sync_tiles(cmma);
+    let dq_base = head_base(&dq_l, b, h);
+    let dq_token = *dq_l.index(3usize) as usize;
+    let mut e = lane;
+    while e < rows * d {
+        let rr = e / d;
+        let ii = q_start + plane * rows + rr;
+        if ii < seq_q {
+            dq[dq_base + ii * dq_token + e % d] = E::cast_from(sc[s_off + rr * w + e % d] * scale);
+        }
+        e += LANES;
+    }
+}
+
+/// Pass 2 of the backward: dK and dV, one cube per `planes · rows` keys of one (batch, query
+/// head), each plane its keys, over the query blocks from the diagonal on; `dkv` holds both
+/// (laid out `dk_l`, `dv_l`). With grouped key/value heads each query head writes its own
+/// partial, summed over the group by the host.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn flash_backward_kv_kernel<E: Float>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    d_out: &Tensor<E>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dkv: &mut Tensor<E>,
+    q_l: Sequence<u32>,
+    k_l: Sequence<u32>,
+    v_l: Sequence<u32>,
+    o_l: Sequence<u32>,
+    s_l: Sequence<u32>,
+    dk_l: Sequence<u32>,
+    dv_l: Sequence<u32>,
+    heads: u32,
+    kv_group: u32,
+    seq_q: u32,
+    seq_k: u32,
+    q_offset: i32,
+    scale: f32,
+    #[comptime] planes: usize,
+    #[comptime] rows: usize,
+    #[comptime] bq: usize,
+    #[comptime] d: usize,
+    #[comptime] causal: bool,
+    #[comptime] cmma: bool,
+    #[define(E)] _dtype: StorageType,
+) {
+    let own = comptime!(planes * rows);
+    let ld = comptime!(d + PAD_E);
+    let ldp = comptime!(bq + PAD_E);
+    let w = comptime!(bq.max(d) + PAD_F);
+    let per_row = comptime!(LANES / rows);
+    let cols = comptime!(bq / per_row);
+    let seq_q = seq_q as usize;
+    let seq_k = seq_k as usize;
+    let (b, h, hk) = this_head(heads, kv_group);
+    let k_start = CUBE_POS_X as usize * own;
+    let q_base = head_base(&q_l, b, h);
+    let q_token = *q_l.index(3usize) as usize;
+    let o_base = head_base(&o_l, b, h);
+    let o_token = *o_l.index(3usize) as usize;
+    let s_base = head_base(&s_l, b, h);
+    let s_token = *s_l.index(3usize) as usize;
+    let unit = UNIT_POS as usize;
+    let plane = unit / LANES;
+    let lane = unit % LANES;
+    let r = lane / per_row;
+    let part = lane % per_row;
+    let key = k_start + plane * rows + r;
+
+    let mut ks = SharedMemory::<E>::new(own * ld);
+    let mut vs = SharedMemory::<E>::new(own * ld);
+    let mut qs = SharedMemory::<E>::new(bq * ld);
+    let mut dos = SharedMemory::<E>::new(bq * ld);
+    let mut pt = SharedMemory::<E>::new(own * ldp);
+    let mut dst = SharedMemory::<E>::new(own * ldp);
+    let mut sc = SharedMemory::<f32>::new(own * w);
+    let mut dps = SharedMemory::<f32>::new(own * w);
+    let mut lse_s = SharedMemory::<f32>::new(bq);
+    let mut delta_s = SharedMemory::<f32>::new(bq);
+    let mut plain = SharedMemory::<f32>::new(comptime!(if cmma { 1 } else { 2 * own * d }));
+
+    load_block::<E>(
+        k,
+        head_base(&k_l, b, hk),
+        *k_l.index(3usize) as usize,
+        k_start,
+        seq_k,
+        &mut ks,
+        own,
+        d,
+        ld,
+    );
+    load_block::<E>(
+        v,
+        head_base(&v_l, b, hk),
+        *v_l.index(3usize) as usize,
+        k_start,
+        seq_k,
+        &mut vs,
+        own,
+        d,
+        ld,
+    );
+    let dk_acc = acc_fragments(d, cmma);
+    let dv_acc = acc_fragments(d, cmma);
+    let a_off = plane * rows * ld;
+    let p_off = plane * rows * ldp;
+    let s_off = plane * rows * w;
+    let dk_off = plane * rows * d;
+    let dv_off = comptime!(own * d) + plane * rows * d;
+    plane_zero(&mut plain, dk_off, rows, d, cmma);
+    plane_zero(&mut plain, dv_off, rows, d, cmma);
+    // Query blocks from the first query that sees this cube's first key.
+    let mut first = 0usize;
+    if comptime!(causal) {
+        let q_first = i32::cast_from(k_start) - q_offset;
+        first = usize::cast_from(i32::max(q_first, 0)) / bq;
+    }
+    let blocks = seq_q.div_ceil(bq);
+
+    for qb in first..blocks {
+        let q_start = qb * bq;
+        load_block::<E>(q, q_base, q_token, q_start, seq_q, &mut qs, bq, d, ld);
+        load_block::<E>(d_out, o_base, o_token, q_start, seq_q, &mut dos, bq, d, ld);
+        load_stats(lse, s_base, s_token, q_start, seq_q, 0.0, &mut lse_s, bq);
+        load_stats(
+            delta,
+            s_base,
+            s_token,
+            q_start,
+            seq_q,
+            0.0,
+            &mut delta_s,
+            bq,
+        );
+        sync_cube();
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the plane's keys
+        plane_scores::<E>(
+            &ks, a_off, &qs, &mut sc, s_off, rows, bq, d, ld, ld, w, cmma,
+        );
+        plane_scores::<E>(
+            &vs, a_off, &dos, &mut dps, s_off, rows, bq, d, ld, ld, w, cmma,
+        );
+        sync_tiles(cmma);
+        // Pᵀ and dSᵀ = Pᵀ∘(dPᵀ − delta), each rounded once
+        let row = s_off + r * w + part * cols;
+        let prow = p_off + r * ldp + part * cols;
+        for c in 0..cols {
+            let j = (c + lane) % cols;
+            let qj = part * cols + j;
+            let mut p = 0.0f32;
+            let mut ds = 0.0f32;
+            if visible(q_start + qj, key, seq_q, seq_k, q_offset, causal) {
+                p = f32::exp(sc[row + j] * scale - lse_s[qj]);
+                ds = p * (dps[row + j] - delta_s[qj]);
+            }
+            pt[prow + j] = E::cast_from(p);
+            dst[prow + j] = E::cast_from(ds);
+        }
+        sync_tiles(cmma);
+        // dV += Pᵀ·dO, dK += dSᵀ·Q
+        plane_accumulate::<E>(
+            &pt, p_off, &dos, &dv_acc, &mut plain, dv_off, rows, d, bq, ldp, ld, cmma,
+        );
+        plane_accumulate::<E>(
+            &dst, p_off, &qs, &dk_acc, &mut plain, dk_off, rows, d, bq, ldp, ld, cmma,
+        );
+        sync_cube();
+    }
+
+    plane_spill(&dk_acc, &plain, dk_off, &mut sc, s_off, rows, d, w, cmma);
+    plane_spill(&dv_acc, &plain, dv_off, &mut dps, s_off, rows, d, w, cmma);
+    sync_tiles(cmma);
+    let dk_base = head_base(&dk_l, b, h);
+    let dk_token = *dk_l.index(3usize) as usize;
+    let dv_base = head_base(&dv_l, b, h);
+    let dv_token = *dv_l.index(3usize) as usize;
+    let mut e = lane;
+    while e < rows * d {
+        let jj = k_start + plane * rows + e / d;
+        let c = e % d;
+        if jj < seq_k {
+            let at = s_off + (e / d) * w + c;
+            dkv[dk_base + jj * dk_token + c] = E::cast_from(sc[at] * scale);
+            dkv[dv_base + jj * dv_token + c] = E::cast_from(dps[at]);
+        }
+        e += LANES;
+    }
+}
+
+/// Launches both backward passes: dQ into `dq`, `delta` (f32, laid out like lse), dK and dV
+/// into `dkv` (laid out `dk_l`, `dv_l`: per query head).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward<R: CubeRuntime>(
+    ops: &super::attention::Operands<R>,
+    p: &Problem,
+    output: (&CubeTensor<R>, Heads),
+    d_output: &CubeTensor<R>,
+    lse: (&CubeTensor<R>, Heads),
+    delta: &CubeTensor<R>,
+    dq: (&CubeTensor<R>, Heads),
+    dkv: &CubeTensor<R>,
+    dk_l: Heads,
+    dv_l: Heads,
+) {
+    use super::arg;
+    use super::attention::seq_arg;
+    let q = &ops.q.0;
+    let f = Flash::choose(q, Pass::BackwardQ, p.head_dim);
+    let (count, dim) = f.launch_dims(p.seq_q, p);
+    flash_backward_q_kernel::launch::<R>(
+        &q.client,
+        count,
+        dim,
+        arg(q),
+        arg(&ops.k.0),
+        arg(&ops.v.0),
+        arg(output.0),
+        arg(d_output),
+        arg(lse.0),
+        arg(dq.0),
+        arg(delta),
+        seq_arg(&ops.q.1),
+        seq_arg(&ops.k.1),
+        seq_arg(&ops.v.1),
+        seq_arg(&output.1),
+        seq_arg(&lse.1),
+        seq_arg(&dq.1),
+        p.heads as u32,
+        p.kv_group as u32,
+        p.seq_q as u32,
+        p.seq_k as u32,
+        p.q_offset as i32,
+        p.scale,
+        f.planes,
+        f.rows,
+        f.block,
+        p.head_dim,
+        p.causal,
+        f.cmma,
+        q.dtype.into(),
+    );
+    let f = Flash::choose(q, Pass::BackwardKv, p.head_dim);
+    let (count, dim) = f.launch_dims(p.seq_k, p);
+    flash_backward_kv_kernel::launch::<R>(
+        &q.client,
+        count,
+        dim,
+        arg(q),
+        arg(&ops.k.0),
+        arg(&ops.v.0),
+        arg(d_output),
+        arg(lse.0),
+        arg(delta),
+        arg(dkv),
+        seq_arg(&ops.q.1),
+        seq_arg(&ops.k.1),
+        seq_arg(&ops.v.1),
+        seq_arg(&output.1),
+        seq_arg(&lse.1),
+        seq_arg(&dk_l),
+        seq_arg(&dv_l),
+        p.heads as u32,
+        p.kv_group as u32,
+        p.seq_q as u32,
+        p.seq_k as u32,
+        p.q_offset as i32,
+        p.scale,
+        f.planes,
+        f.rows,
+        f.block,
+        p.head_dim,
+        p.causal,
+        f.cmma,
+        q.dtype.into(),
+    );
+}
