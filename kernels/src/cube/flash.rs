@@ -206,17 +206,18 @@ fn sync_tiles(#[comptime] cmma: bool) {
     }
 }
 
-/// Rows `start..start + rows` of one (batch, head) of `src` (first element `base`, row stride
-/// `token`, `d` columns) into `dst` (`rows` rows of stride `ld`), rows at or past `end` as
+/// Rows `start..start + rows` of operand `src` laid out as `l` ([`Heads::args`]), (batch `b`,
+/// head `h`), into `dst` (`rows` rows of `d` columns, stride `ld`), rows at or past `end` as
 /// zeros; by the whole cube, consecutive units on consecutive columns. (Unrolled with every load
 /// issued before the first store it measured slower on an H100: forward 1.89 ms instead of
 /// 1.24 at GPT-2's shape.)
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_block<E: Float>(
+fn load_head<E: Float>(
     src: &Tensor<E>,
-    base: usize,
-    token: usize,
+    l: &Sequence<u32>,
+    b: usize,
+    h: usize,
     start: usize,
     end: usize,
     dst: &mut SharedMemory<E>,
@@ -224,6 +225,8 @@ fn load_block<E: Float>(
     #[comptime] d: usize,
     #[comptime] ld: usize,
 ) {
+    let base = head_base(l, b, h);
+    let token = *l.index(3usize) as usize;
     let mut e = UNIT_POS as usize;
     while e < rows * d {
         let r = e / d;
@@ -235,6 +238,36 @@ fn load_block<E: Float>(
         dst[r * ld + c] = x;
         e += CUBE_DIM as usize;
     }
+}
+
+/// [`load_head`] of two operands of the same head and rows (K and V, or Q and dO).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_pair<E: Float>(
+    x: &Tensor<E>,
+    x_l: &Sequence<u32>,
+    y: &Tensor<E>,
+    y_l: &Sequence<u32>,
+    b: usize,
+    h: usize,
+    start: usize,
+    end: usize,
+    xs: &mut SharedMemory<E>,
+    ys: &mut SharedMemory<E>,
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+    #[comptime] ld: usize,
+) {
+    load_head::<E>(x, x_l, b, h, start, end, xs, rows, d, ld);
+    load_head::<E>(y, y_l, b, h, start, end, ys, rows, d, ld);
+}
+
+/// This unit's plane, lane, row in the plane (`lane / per_row`) and part of the row.
+#[cube]
+fn lane_layout(#[comptime] per_row: usize) -> (usize, usize, usize, usize) {
+    let unit = UNIT_POS as usize;
+    let lane = unit % LANES;
+    (unit / LANES, lane, lane / per_row, lane % per_row)
 }
 
 /// A new f32 accumulator fragment.
@@ -266,6 +299,43 @@ fn acc_fragments(#[comptime] n: usize, #[comptime] cmma: bool) -> Sequence<cmma:
     accs
 }
 
+/// A 16 × 16 `A` fragment loaded from `a` at `off` (row-major, stride `ld`).
+#[cube]
+fn a_fragment<E: Float>(a: &SharedMemory<E>, off: usize, #[comptime] ld: usize) -> cmma::Matrix<E> {
+    let f = unsafe {
+        cmma::Matrix::<E>::uninitialized(
+            cmma::MatrixIdent::A,
+            16usize,
+            16usize,
+            16usize,
+            cmma::MatrixLayout::RowMajor,
+        )
+    };
+    cmma::load(&f, &a.slice(off, a.len()), ld as u32);
+    f
+}
+
+/// A 16 × 16 `B` fragment loaded from `b` at `off` with stride `ld`: row-major, or (`col`) stored
+/// as its transpose.
+#[cube]
+fn b_fragment<E: Float>(
+    b: &SharedMemory<E>,
+    off: usize,
+    #[comptime] ld: usize,
+    #[comptime] col: bool,
+) -> cmma::Matrix<E> {
+    let layout = comptime!(if col {
+        cmma::MatrixLayout::ColMajor
+    } else {
+        cmma::MatrixLayout::RowMajor
+    });
+    let f = unsafe {
+        cmma::Matrix::<E>::uninitialized(cmma::MatrixIdent::B, 16usize, 16usize, 16usize, layout)
+    };
+    cmma::load(&f, &b.slice(off, b.len()), ld as u32);
+    f
+}
+
 /// `c = a · bᵀ` for one plane: `a` its `rows × k` rows (from `a_off`, stride `lda`), `b` stored
 /// `n × k` (from `b_off`, stride `ldb`), `c` f32 `rows × n` at `c_off` with stride `ldc`.
 #[cube]
@@ -288,28 +358,10 @@ fn plane_scores<E: Float>(
         let accs = acc_fragments(n, true);
         #[unroll]
         for kk in 0..comptime!(k / 16) {
-            let fa = unsafe {
-                cmma::Matrix::<E>::uninitialized(
-                    cmma::MatrixIdent::A,
-                    16usize,
-                    16usize,
-                    16usize,
-                    cmma::MatrixLayout::RowMajor,
-                )
-            };
-            cmma::load(&fa, &a.slice(a_off + kk * 16, a.len()), lda as u32);
+            let fa = a_fragment::<E>(a, a_off + kk * 16, lda);
             #[unroll]
             for t in 0..comptime!(n / 16) {
-                let fb = unsafe {
-                    cmma::Matrix::<E>::uninitialized(
-                        cmma::MatrixIdent::B,
-                        16usize,
-                        16usize,
-                        16usize,
-                        cmma::MatrixLayout::ColMajor,
-                    )
-                };
-                cmma::load(&fb, &b.slice(t * 16 * ldb + kk * 16, b.len()), ldb as u32);
+                let fb = b_fragment::<E>(b, t * 16 * ldb + kk * 16, ldb, true);
                 cmma::execute::<E, E, f32, f32>(&fa, &fb, accs.index(t), accs.index(t));
             }
         }
@@ -359,28 +411,10 @@ fn plane_accumulate<E: Float>(
     if comptime!(cmma) {
         #[unroll]
         for kk in 0..comptime!(k / 16) {
-            let fa = unsafe {
-                cmma::Matrix::<E>::uninitialized(
-                    cmma::MatrixIdent::A,
-                    16usize,
-                    16usize,
-                    16usize,
-                    cmma::MatrixLayout::RowMajor,
-                )
-            };
-            cmma::load(&fa, &a.slice(a_off + kk * 16, a.len()), lda as u32);
+            let fa = a_fragment::<E>(a, a_off + kk * 16, lda);
             #[unroll]
             for t in 0..comptime!(n / 16) {
-                let fb = unsafe {
-                    cmma::Matrix::<E>::uninitialized(
-                        cmma::MatrixIdent::B,
-                        16usize,
-                        16usize,
-                        16usize,
-                        cmma::MatrixLayout::RowMajor,
-                    )
-                };
-                cmma::load(&fb, &b.slice(kk * 16 * ldb + t * 16, b.len()), ldb as u32);
+                let fb = b_fragment::<E>(b, kk * 16 * ldb + t * 16, ldb, false);
                 cmma::execute::<E, E, f32, f32>(&fa, &fb, accs.index(t), accs.index(t));
             }
         }
@@ -478,6 +512,33 @@ fn row_combine(
     y
 }
 
+/// Launches flash kernel `$kernel` over `$count` × `$dim` with its tensor and layout arguments
+/// `[$args]` followed by the scalars and comptime split every flash kernel takes (from problem
+/// `$p` and split `$f`; `$q` gives the client and dtype).
+macro_rules! launch_flash {
+    ($kernel:ident, $q:ident, $p:ident, $f:ident, $count:ident, $dim:ident, [$($arg:expr),* $(,)?]) => {
+        $kernel::launch::<R>(
+            &$q.client,
+            $count,
+            $dim,
+            $($arg,)*
+            $p.heads as u32,
+            $p.kv_group as u32,
+            $p.seq_q as u32,
+            $p.seq_k as u32,
+            $p.q_offset as i32,
+            $p.scale,
+            $f.planes,
+            $f.rows,
+            $f.block,
+            $p.head_dim,
+            $p.causal,
+            $f.cmma,
+            $q.dtype.into(),
+        )
+    };
+}
+
 /// Forward: one cube per `planes · rows` queries of one (batch, head); each plane its `rows`
 /// queries, over the key blocks up to the last one its cube's last query sees.
 #[cube(launch)]
@@ -516,14 +577,8 @@ fn flash_forward_kernel<E: Float>(
     let seq_q = seq_q as usize;
     let seq_k = seq_k as usize;
     let (b, h, hk) = this_head(heads, kv_group);
-    let k_base = head_base(&k_l, b, hk);
-    let v_base = head_base(&v_l, b, hk);
     let q_start = CUBE_POS_X as usize * own;
-    let unit = UNIT_POS as usize;
-    let plane = unit / LANES;
-    let lane = unit % LANES;
-    let r = lane / per_row;
-    let part = lane % per_row;
+    let (plane, lane, r, part) = lane_layout(per_row);
     let i = q_start + plane * rows + r;
 
     let mut qs = SharedMemory::<E>::new(own * ld);
@@ -535,17 +590,7 @@ fn flash_forward_kernel<E: Float>(
     let mut norm = SharedMemory::<f32>::new(own);
     let mut plain = SharedMemory::<f32>::new(comptime!(if cmma { 1 } else { own * d }));
 
-    load_block::<E>(
-        q,
-        head_base(&q_l, b, h),
-        *q_l.index(3usize) as usize,
-        q_start,
-        seq_q,
-        &mut qs,
-        own,
-        d,
-        ld,
-    );
+    load_head::<E>(q, &q_l, b, h, q_start, seq_q, &mut qs, own, d, ld);
     let acc = acc_fragments(d, cmma);
     let a_off = plane * rows * ld;
     let p_off = plane * rows * ldp;
@@ -560,27 +605,8 @@ fn flash_forward_kernel<E: Float>(
 
     for kb in 0..blocks {
         let k_start = kb * bk;
-        load_block::<E>(
-            k,
-            k_base,
-            *k_l.index(3usize) as usize,
-            k_start,
-            seq_k,
-            &mut ks,
-            bk,
-            d,
-            ld,
-        );
-        load_block::<E>(
-            v,
-            v_base,
-            *v_l.index(3usize) as usize,
-            k_start,
-            seq_k,
-            &mut vs,
-            bk,
-            d,
-            ld,
+        load_pair::<E>(
+            k, &k_l, v, &v_l, b, hk, k_start, seq_k, &mut ks, &mut vs, bk, d, ld,
         );
         sync_cube();
         // S = Q·Kᵀ for the plane's rows
@@ -698,33 +724,25 @@ pub(super) fn forward<R: CubeRuntime>(
     let q = &ops.q.0;
     let f = Flash::choose(q, Pass::Forward, p.head_dim);
     let (count, dim) = f.launch_dims(p.seq_q, p);
-    flash_forward_kernel::launch::<R>(
-        &q.client,
+    launch_flash!(
+        flash_forward_kernel,
+        q,
+        p,
+        f,
         count,
         dim,
-        arg(q),
-        arg(&ops.k.0),
-        arg(&ops.v.0),
-        arg(output.0),
-        arg(lse.0),
-        seq_arg(&ops.q.1),
-        seq_arg(&ops.k.1),
-        seq_arg(&ops.v.1),
-        seq_arg(&output.1),
-        seq_arg(&lse.1),
-        p.heads as u32,
-        p.kv_group as u32,
-        p.seq_q as u32,
-        p.seq_k as u32,
-        p.q_offset as i32,
-        p.scale,
-        f.planes,
-        f.rows,
-        f.block,
-        p.head_dim,
-        p.causal,
-        f.cmma,
-        q.dtype.into(),
+        [
+            arg(q),
+            arg(&ops.k.0),
+            arg(&ops.v.0),
+            arg(output.0),
+            arg(lse.0),
+            seq_arg(&ops.q.1),
+            seq_arg(&ops.k.1),
+            seq_arg(&ops.v.1),
+            seq_arg(&output.1),
+            seq_arg(&lse.1),
+        ]
     );
 }
 
@@ -775,13 +793,7 @@ fn flash_backward_q_kernel<E: Float>(
     let o_token = *o_l.index(3usize) as usize;
     let s_base = head_base(&s_l, b, h);
     let s_token = *s_l.index(3usize) as usize;
-    let k_base = head_base(&k_l, b, hk);
-    let v_base = head_base(&v_l, b, hk);
-    let unit = UNIT_POS as usize;
-    let plane = unit / LANES;
-    let lane = unit % LANES;
-    let r = lane / per_row;
-    let part = lane % per_row;
+    let (plane, lane, r, part) = lane_layout(per_row);
     let i = q_start + plane * rows + r;
 
     let mut qs = SharedMemory::<E>::new(own * ld);
@@ -794,22 +806,12 @@ fn flash_backward_q_kernel<E: Float>(
     let mut red = SharedMemory::<f32>::new(planes * LANES);
     let mut plain = SharedMemory::<f32>::new(comptime!(if cmma { 1 } else { own * d }));
 
-    load_block::<E>(
-        q,
-        head_base(&q_l, b, h),
-        *q_l.index(3usize) as usize,
-        q_start,
-        seq_q,
-        &mut qs,
-        own,
-        d,
-        ld,
+    load_pair::<E>(
+        q, &q_l, d_out, &o_l, b, h, q_start, seq_q, &mut qs, &mut dos, own, d, ld,
     );
-    load_block::<E>(d_out, o_base, o_token, q_start, seq_q, &mut dos, own, d, ld);
-    // delta of this unit's row over its slice of the head dimension, in f32 from the stored dO
-    // and O; the row's lse.
-    // (one unit per row, in column order: for one visible key, dP − delta is then exactly 0
-    // without tensor cores, as the product `dO·Vᵀ` sums in the same order)
+    // delta of this unit's row in f32 from the stored dO and O, by one unit per row in column
+    // order (for one visible key, dP − delta is then exactly 0 without tensor cores, as the
+    // product `dO·Vᵀ` sums in the same order); the row's lse.
     let mut part_delta = 0.0f32;
     if i < seq_q && part == 0 {
         let at = o_base + i * o_token;
@@ -836,27 +838,8 @@ fn flash_backward_q_kernel<E: Float>(
 
     for kb in 0..blocks {
         let k_start = kb * bk;
-        load_block::<E>(
-            k,
-            k_base,
-            *k_l.index(3usize) as usize,
-            k_start,
-            seq_k,
-            &mut ks,
-            bk,
-            d,
-            ld,
-        );
-        load_block::<E>(
-            v,
-            v_base,
-            *v_l.index(3usize) as usize,
-            k_start,
-            seq_k,
-            &mut vs,
-            bk,
-            d,
-            ld,
+        load_pair::<E>(
+            k, &k_l, v, &v_l, b, hk, k_start, seq_k, &mut ks, &mut vs, bk, d, ld,
         );
         sync_cube();
         // S = Q·Kᵀ and dP = dO·Vᵀ for the plane's rows
@@ -947,17 +930,9 @@ fn flash_backward_kv_kernel<E: Float>(
     let seq_k = seq_k as usize;
     let (b, h, hk) = this_head(heads, kv_group);
     let k_start = CUBE_POS_X as usize * own;
-    let q_base = head_base(&q_l, b, h);
-    let q_token = *q_l.index(3usize) as usize;
-    let o_base = head_base(&o_l, b, h);
-    let o_token = *o_l.index(3usize) as usize;
     let s_base = head_base(&s_l, b, h);
     let s_token = *s_l.index(3usize) as usize;
-    let unit = UNIT_POS as usize;
-    let plane = unit / LANES;
-    let lane = unit % LANES;
-    let r = lane / per_row;
-    let part = lane % per_row;
+    let (plane, lane, r, part) = lane_layout(per_row);
     let key = k_start + plane * rows + r;
 
     let mut ks = SharedMemory::<E>::new(own * ld);
@@ -972,27 +947,8 @@ fn flash_backward_kv_kernel<E: Float>(
     let mut delta_s = SharedMemory::<f32>::new(bq);
     let mut plain = SharedMemory::<f32>::new(comptime!(if cmma { 1 } else { 2 * own * d }));
 
-    load_block::<E>(
-        k,
-        head_base(&k_l, b, hk),
-        *k_l.index(3usize) as usize,
-        k_start,
-        seq_k,
-        &mut ks,
-        own,
-        d,
-        ld,
-    );
-    load_block::<E>(
-        v,
-        head_base(&v_l, b, hk),
-        *v_l.index(3usize) as usize,
-        k_start,
-        seq_k,
-        &mut vs,
-        own,
-        d,
-        ld,
+    load_pair::<E>(
+        k, &k_l, v, &v_l, b, hk, k_start, seq_k, &mut ks, &mut vs, own, d, ld,
     );
     let dk_acc = acc_fragments(d, cmma);
     let dv_acc = acc_fragments(d, cmma);
@@ -1013,8 +969,9 @@ fn flash_backward_kv_kernel<E: Float>(
 
     for qb in first..blocks {
         let q_start = qb * bq;
-        load_block::<E>(q, q_base, q_token, q_start, seq_q, &mut qs, bq, d, ld);
-        load_block::<E>(d_out, o_base, o_token, q_start, seq_q, &mut dos, bq, d, ld);
+        load_pair::<E>(
+            q, &q_l, d_out, &o_l, b, h, q_start, seq_q, &mut qs, &mut dos, bq, d, ld,
+        );
         load_stats(lse, s_base, s_token, q_start, seq_q, 0.0, &mut lse_s, bq);
         load_stats(
             delta,
@@ -1101,70 +1058,54 @@ pub(super) fn backward<R: CubeRuntime>(
     let q = &ops.q.0;
     let f = Flash::choose(q, Pass::BackwardQ, p.head_dim);
     let (count, dim) = f.launch_dims(p.seq_q, p);
-    flash_backward_q_kernel::launch::<R>(
-        &q.client,
+    launch_flash!(
+        flash_backward_q_kernel,
+        q,
+        p,
+        f,
         count,
         dim,
-        arg(q),
-        arg(&ops.k.0),
-        arg(&ops.v.0),
-        arg(output.0),
-        arg(d_output),
-        arg(lse.0),
-        arg(dq.0),
-        arg(delta),
-        seq_arg(&ops.q.1),
-        seq_arg(&ops.k.1),
-        seq_arg(&ops.v.1),
-        seq_arg(&output.1),
-        seq_arg(&lse.1),
-        seq_arg(&dq.1),
-        p.heads as u32,
-        p.kv_group as u32,
-        p.seq_q as u32,
-        p.seq_k as u32,
-        p.q_offset as i32,
-        p.scale,
-        f.planes,
-        f.rows,
-        f.block,
-        p.head_dim,
-        p.causal,
-        f.cmma,
-        q.dtype.into(),
+        [
+            arg(q),
+            arg(&ops.k.0),
+            arg(&ops.v.0),
+            arg(output.0),
+            arg(d_output),
+            arg(lse.0),
+            arg(dq.0),
+            arg(delta),
+            seq_arg(&ops.q.1),
+            seq_arg(&ops.k.1),
+            seq_arg(&ops.v.1),
+            seq_arg(&output.1),
+            seq_arg(&lse.1),
+            seq_arg(&dq.1),
+        ]
     );
     let f = Flash::choose(q, Pass::BackwardKv, p.head_dim);
     let (count, dim) = f.launch_dims(p.seq_k, p);
-    flash_backward_kv_kernel::launch::<R>(
-        &q.client,
+    launch_flash!(
+        flash_backward_kv_kernel,
+        q,
+        p,
+        f,
         count,
         dim,
-        arg(q),
-        arg(&ops.k.0),
-        arg(&ops.v.0),
-        arg(d_output),
-        arg(lse.0),
-        arg(delta),
-        arg(dkv),
-        seq_arg(&ops.q.1),
-        seq_arg(&ops.k.1),
-        seq_arg(&ops.v.1),
-        seq_arg(&output.1),
-        seq_arg(&lse.1),
-        seq_arg(&dk_l),
-        seq_arg(&dv_l),
-        p.heads as u32,
-        p.kv_group as u32,
-        p.seq_q as u32,
-        p.seq_k as u32,
-        p.q_offset as i32,
-        p.scale,
-        f.planes,
-        f.rows,
-        f.block,
-        p.head_dim,
-        p.causal,
-        f.cmma,
-        q.dtype.into(),
+        [
+            arg(q),
+            arg(&ops.k.0),
+            arg(&ops.v.0),
+            arg(d_output),
+            arg(lse.0),
+            arg(delta),
+            arg(dkv),
+            seq_arg(&ops.q.1),
+            seq_arg(&ops.k.1),
+            seq_arg(&ops.v.1),
+            seq_arg(&output.1),
+            seq_arg(&lse.1),
+            seq_arg(&dk_l),
+            seq_arg(&dv_l),
+        ]
     );
 }
