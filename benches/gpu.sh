@@ -17,8 +17,9 @@
 #       same model, batches and optimizer; tokens/s and MFU with one formula for both;
 #   (c) CubeCL's per-kernel time table of one training step (its profiler).
 # It prints one markdown table and leaves every log in $OUT/gpu-bench.tgz, and CubeCL's tuning
-# cache in $OUT/cubecl-cache.tgz (put it in .gpu/ to skip the tuning next time; OUT defaults to a
-# temporary folder). CUBECL_AUTOTUNE_LEVEL (here `minimal` unless set: the first run's tuning
+# cache in $OUT/cubecl-cache.tgz (put it in .gpu/ to skip the tuning next time — `build` packs
+# benches/cubecl-cache-h100.tgz, an H100's, when .gpu/ has none; OUT defaults to a temporary
+# folder). CUBECL_AUTOTUNE_LEVEL (here `minimal` unless set: the first run's tuning
 # fits the deadline; `balanced` is CubeCL's default) sets the matmul tuning effort. ONLY="step …"
 # runs only the named steps (their names are the logs' names).
 set -uo pipefail
@@ -50,6 +51,9 @@ for l in sys.stdin:
     done
     cp benches/pytorch/gpt_gpu.py benches/pytorch/gpu_kernels.py benches/gpu_table.py "$dir/"
     cp benches/gpu.sh "$dir/gpu.sh"
+    # CubeCL's tuning results from the last H100 run (keyed by device index, not model: on another
+    # GPU they only pick kernels, never change results); a newer run's cache replaces it.
+    [ -f "$dir/cubecl-cache.tgz" ] || cp benches/cubecl-cache-h100.tgz "$dir/cubecl-cache.tgz"
     gzip -9c "$root/../shared/data/tinyshakespeare.txt" > "$dir/tinyshakespeare.txt.gz" 2>/dev/null ||
         echo "gpu.sh: no ../shared corpus; the run half will use the binary's embedded one"
     du -sh "$dir"
@@ -102,7 +106,7 @@ run() {
     # (a) the kernels' correctness first (tensor-core tiles included), (b) the whole step beside
     # PyTorch eager, then the kernels beside SDPA and torch.matmul, (c) the profile, then the
     # tiny run against Flex and torch.compile while time is left.
-    step attention_tests 60 "$T/b/kernel_tests" cuda_tensor_core --test-threads 1
+    step attention_tests 90 "$T/b/kernel_tests" cuda_tensor_core --test-threads 1
     step gpt2_ours 200 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_ours.jsonl"
     step gpt2_eager 60 python3 "$T/b/gpt_gpu.py" --mode eager --batch 8 --seq 1024 --dtype bf16 --steps 10 --warmup 3
     step kernels_ours 120 "$T/b/gpu_kernels"
@@ -111,8 +115,9 @@ run() {
     printf '[profiling.logger]\nlevel = "basic"\nfile = "%s"\n' "$R/profile.log" > "$T/cubecl.toml"
     step gpt2_profile 90 "$G" --backend cuda "${BIG[@]}" --steps 2 --warmup 1
     rm -f "$T/cubecl.toml"
+    # (f32 GEMMs of the tiny shapes: ≈ 25 s of tuning each on a fresh machine, ≈ 8 shapes)
     step flex_tiny 90 "$G" --backend flex "${SMALL[@]}" --metrics "$R/flex_tiny.jsonl" &
-    step cuda_tiny 90 "$G" --backend cuda "${SMALL[@]}" --metrics "$R/cuda_tiny.jsonl"
+    step cuda_tiny 240 "$G" --backend cuda "${SMALL[@]}" --metrics "$R/cuda_tiny.jsonl"
     wait
     step gpt2_compile 150 python3 "$T/b/gpt_gpu.py" --mode compile --batch 8 --seq 1024 --dtype bf16 --steps 10 --warmup 3
     # every kernel against Burn ops in f32 (each reference matmul shape is tuned once: slow on a
