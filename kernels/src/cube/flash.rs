@@ -66,28 +66,28 @@ impl Flash {
     /// Shared-memory bytes of `pass` for head dimension `d` and input element size `es`
     /// (mirrors the kernels' allocations).
     pub fn shared_bytes(&self, pass: Pass, d: usize, es: usize) -> usize {
-        let (own, blk, pr) = (self.owned(), self.block, self.planes * self.rows);
+        let (own, blk) = (self.owned(), self.block);
         let ld = d + PAD_E;
         let w = blk.max(d) + PAD_F;
         let red = 4 * self.planes * LANES;
-        let plain_acc = |n: usize| if self.cmma { 4 } else { 4 * n * pr * d };
+        let plain_acc = |n: usize| if self.cmma { 4 } else { 4 * n * own * d };
         match pass {
             Pass::Forward => {
-                es * (own * ld + 2 * blk * ld + pr * (blk + PAD_E))
-                    + 4 * pr * w
+                es * (own * ld + 2 * blk * ld + own * (blk + PAD_E))
+                    + 4 * own * w
                     + red
                     + 4 * own
                     + plain_acc(1)
             }
             Pass::BackwardQ => {
-                es * (2 * own * ld + 2 * blk * ld + pr * (blk + PAD_E))
-                    + 8 * pr * w
+                es * (2 * own * ld + 2 * blk * ld + own * (blk + PAD_E))
+                    + 8 * own * w
                     + red
                     + plain_acc(1)
             }
             Pass::BackwardKv => {
-                es * (2 * own * ld + 2 * blk * ld + 2 * pr * (blk + PAD_E))
-                    + 8 * pr * w
+                es * (2 * own * ld + 2 * blk * ld + 2 * own * (blk + PAD_E))
+                    + 8 * own * w
                     + 8 * blk
                     + plain_acc(2)
             }
@@ -169,7 +169,8 @@ impl Flash {
 }
 
 /// `WILDFIRE_ATTENTION_SPLIT=planes,rows,block` starts the split's search there instead of
-/// `4,16,64` (for tuning on a new device; the shared-memory limit still applies).
+/// `4,16,64` (`4,8,64` without tensor cores, whose rows it may set; with them rows stay 16), for
+/// tuning on a new device; the shared-memory limit still applies.
 fn split_override() -> Option<(usize, usize, usize)> {
     static SPLIT: std::sync::OnceLock<Option<(usize, usize, usize)>> = std::sync::OnceLock::new();
     *SPLIT.get_or_init(|| {
@@ -486,6 +487,24 @@ fn plane_zero(
     }
 }
 
+/// This unit's share (columns `part`, `part + per_row`, …) of the `d` values of a row starting at
+/// `start` of `buf`, multiplied by `corr`.
+#[cube]
+fn scale_row(
+    buf: &mut SharedMemory<f32>,
+    start: usize,
+    corr: f32,
+    part: usize,
+    #[comptime] per_row: usize,
+    #[comptime] d: usize,
+) {
+    let mut c = part;
+    while c < d {
+        buf[start + c] *= corr;
+        c += per_row;
+    }
+}
+
 /// The combination over a row's `per_row` units of their partial `x` (`max` or sum): through
 /// the plane's slots of `red`. Every unit calls it in uniform control flow.
 #[cube]
@@ -649,11 +668,7 @@ fn flash_forward_kernel<E: Float>(
                 sync_plane();
                 plane_spill(&acc, &plain, o_off, &mut sc, s_off, rows, d, w, true);
                 sync_plane();
-                let mut c = part;
-                while c < d {
-                    sc[s_off + r * w + c] *= corr;
-                    c += per_row;
-                }
+                scale_row(&mut sc, s_off + r * w, corr, part, per_row, d);
                 sync_plane();
                 #[unroll]
                 for t in 0..comptime!(d / 16) {
@@ -667,11 +682,7 @@ fn flash_forward_kernel<E: Float>(
             }
         } else {
             if grown {
-                let mut c = part;
-                while c < d {
-                    plain[o_off + r * d + c] *= corr;
-                    c += per_row;
-                }
+                scale_row(&mut plain, o_off + r * d, corr, part, per_row, d);
             }
         }
         sync_tiles(cmma);
@@ -712,7 +723,6 @@ fn flash_forward_kernel<E: Float>(
 }
 
 /// Launches the forward into `output` and `lse` (f32).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn forward<R: CubeRuntime>(
     ops: &super::attention::Operands<R>,
     p: &Problem,
