@@ -10,7 +10,8 @@
 //! No `t × t` buffer exists; the probabilities are recomputed from the forward's log-sum-exp.
 //! The kernels are in [`super::flash`]; this file is their host side.
 
-use super::attention::{Heads, Operands, Problem, packed_operands, problem};
+use super::attention::{packed_operands, problem};
+use super::heads::{Heads, Operands, Problem};
 use super::{Cb, contiguous, empty, empty_f32, launched};
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{Shape, TensorMetadata};

@@ -19,7 +19,9 @@
 //! of the fragment loads and stores; [`Flash::shared_bytes`] mirrors the allocations.
 
 use super::NEG_BIG;
-use super::attention::{Heads, Problem, head_base, keys_end, load_stats, this_head, visible};
+use super::heads::{
+    Heads, Operands, Problem, head_base, keys_end, load_stats, seq_arg, this_head, visible,
+};
 use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
@@ -724,13 +726,12 @@ fn flash_forward_kernel<E: Float>(
 
 /// Launches the forward into `output` and `lse` (f32).
 pub(super) fn forward<R: CubeRuntime>(
-    ops: &super::attention::Operands<R>,
+    ops: &Operands<R>,
     p: &Problem,
     output: (&CubeTensor<R>, Heads),
     lse: (&CubeTensor<R>, Heads),
 ) {
     use super::arg;
-    use super::attention::seq_arg;
     let q = &ops.q.0;
     let f = Flash::choose(q, Pass::Forward, p.head_dim);
     let (count, dim) = f.launch_dims(p.seq_q, p);
@@ -1052,7 +1053,7 @@ fn flash_backward_kv_kernel<E: Float>(
 /// into `dkv` (laid out `dk_l`, `dv_l`: per query head).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward<R: CubeRuntime>(
-    ops: &super::attention::Operands<R>,
+    ops: &Operands<R>,
     p: &Problem,
     output: (&CubeTensor<R>, Heads),
     d_output: &CubeTensor<R>,
@@ -1064,7 +1065,6 @@ pub(super) fn backward<R: CubeRuntime>(
     dv_l: Heads,
 ) {
     use super::arg;
-    use super::attention::seq_arg;
     let q = &ops.q.0;
     let f = Flash::choose(q, Pass::BackwardQ, p.head_dim);
     let (count, dim) = f.launch_dims(p.seq_q, p);

@@ -1,7 +1,7 @@
 //! The `#[cube]` kernels and `FusedOps` for `CubeBackend` (Wgpu, Cuda, … — every CubeCL runtime),
 //! one file per kernel family: `softmax`, `norm` (LayerNorm and RMSNorm), `cross_entropy`,
 //! `gelu` (GELU with bias), `attention` (flash attention's host side, separate or packed q/k/v),
-//! `attention_backward` and `flash` (the flash-attention kernels),
+//! `attention_backward` and `flash` (the flash-attention kernels), `heads` (what they share),
 //! `optim` (the optimizer tail); the cube-wide reductions the row kernels share are in `reduce`,
 //! the host-side launch helpers here.
 //!
@@ -18,6 +18,7 @@ mod attention_backward;
 mod cross_entropy;
 mod flash;
 mod gelu;
+mod heads;
 mod norm;
 mod optim;
 mod reduce;
