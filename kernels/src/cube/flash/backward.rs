@@ -1,0 +1,366 @@
+//! The two backward passes (dQ and delta; dK and dV) and their launch.
+
+use super::*;
+
+/// Pass 1 of the backward: dQ, and `delta = rowsum(dO∘O)` (written for pass 2); one cube per
+/// `planes · rows` queries, each plane its rows, over the key blocks up to the diagonal.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn flash_backward_q_kernel<E: Float>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out: &Tensor<E>,
+    d_out: &Tensor<E>,
+    lse: &Tensor<f32>,
+    dq: &mut Tensor<E>,
+    delta: &mut Tensor<f32>,
+    q_l: Sequence<u32>,
+    k_l: Sequence<u32>,
+    v_l: Sequence<u32>,
+    o_l: Sequence<u32>,
+    s_l: Sequence<u32>,
+    dq_l: Sequence<u32>,
+    heads: u32,
+    kv_group: u32,
+    seq_q: u32,
+    seq_k: u32,
+    q_offset: i32,
+    scale: f32,
+    #[comptime] planes: usize,
+    #[comptime] rows: usize,
+    #[comptime] bk: usize,
+    #[comptime] d: usize,
+    #[comptime] causal: bool,
+    #[comptime] cmma: bool,
+    #[define(E)] _dtype: StorageType,
+) {
+    let own = comptime!(planes * rows);
+    let ld = comptime!(d + PAD_E);
+    let ldp = comptime!(bk + PAD_E);
+    let w = comptime!(bk.max(d) + PAD_F);
+    let per_row = comptime!(LANES / rows);
+    let cols = comptime!(bk / per_row);
+    let seq_q = seq_q as usize;
+    let seq_k = seq_k as usize;
+    let (b, h, hk) = this_head(heads, kv_group);
+    let q_start = CUBE_POS_X as usize * own;
+    let o_base = head_base(&o_l, b, h);
+    let o_token = *o_l.index(3usize) as usize;
+    let s_base = head_base(&s_l, b, h);
+    let s_token = *s_l.index(3usize) as usize;
+    let (plane, lane, r, part) = lane_layout(per_row);
+    let i = q_start + plane * rows + r;
+
+    let mut qs = SharedMemory::<E>::new(own * ld);
+    let mut dos = SharedMemory::<E>::new(own * ld);
+    let mut ks = SharedMemory::<E>::new(bk * ld);
+    let mut vs = SharedMemory::<E>::new(bk * ld);
+    let mut ps = SharedMemory::<E>::new(own * ldp);
+    let mut sc = SharedMemory::<f32>::new(own * w);
+    let mut dps = SharedMemory::<f32>::new(own * w);
+    let mut red = SharedMemory::<f32>::new(planes * LANES);
+    let mut plain = SharedMemory::<f32>::new(comptime!(if cmma { 1 } else { own * d }));
+
+    load_pair::<E>(
+        q, &q_l, d_out, &o_l, b, h, q_start, seq_q, &mut qs, &mut dos, own, d, ld,
+    );
+    // delta of this unit's row in f32 from the stored dO and O, by one unit per row in column
+    // order (for one visible key, dP − delta is then exactly 0 without tensor cores, as the
+    // product `dO·Vᵀ` sums in the same order); the row's lse.
+    let mut part_delta = 0.0f32;
+    if i < seq_q && part == 0 {
+        let at = o_base + i * o_token;
+        for c in 0..d {
+            part_delta += f32::cast_from(d_out[at + c]) * f32::cast_from(out[at + c]);
+        }
+    }
+    let dl = row_combine(&mut red, part_delta, per_row, false, cmma);
+    let mut row_lse = 0.0f32;
+    if i < seq_q {
+        row_lse = lse[s_base + i * s_token];
+        if part == 0 {
+            delta[s_base + i * s_token] = dl;
+        }
+    }
+    let acc = acc_fragments(d, cmma);
+    let a_off = plane * rows * ld;
+    let p_off = plane * rows * ldp;
+    let s_off = plane * rows * w;
+    let o_off = plane * rows * d;
+    plane_zero(&mut plain, o_off, rows, d, cmma);
+    let blocks = keys_end(q_start, seq_k, q_offset, own, causal).div_ceil(bk);
+    sync_cube();
+
+    for kb in 0..blocks {
+        let k_start = kb * bk;
+        load_pair::<E>(
+            k, &k_l, v, &v_l, b, hk, k_start, seq_k, &mut ks, &mut vs, bk, d, ld,
+        );
+        sync_cube();
+        // S = Q·Kᵀ and dP = dO·Vᵀ for the plane's rows
+        plane_scores::<E>(
+            &qs, a_off, &ks, &mut sc, s_off, rows, bk, d, ld, ld, w, cmma,
+        );
+        plane_scores::<E>(
+            &dos, a_off, &vs, &mut dps, s_off, rows, bk, d, ld, ld, w, cmma,
+        );
+        sync_tiles(cmma);
+        // dS = P∘(dP − delta) with P = exp(S·scale − lse), in f32, rounded once
+        let row = s_off + r * w + part * cols;
+        let prow = p_off + r * ldp + part * cols;
+        for c in 0..cols {
+            let j = (c + lane) % cols;
+            let mut ds = 0.0f32;
+            if visible(i, k_start + part * cols + j, seq_q, seq_k, q_offset, causal) {
+                let p = f32::exp(sc[row + j] * scale - row_lse);
+                ds = p * (dps[row + j] - dl);
+            }
+            ps[prow + j] = E::cast_from(ds);
+        }
+        sync_tiles(cmma);
+        // dQ += dS·K
+        plane_accumulate::<E>(
+            &ps, p_off, &ks, &acc, &mut plain, o_off, rows, d, bk, ldp, ld, cmma,
+        );
+        sync_cube();
+    }
+
+    plane_spill(&acc, &plain, o_off, &mut sc, s_off, rows, d, w, cmma);
+    sync_tiles(cmma);
+    let dq_base = head_base(&dq_l, b, h);
+    let dq_token = *dq_l.index(3usize) as usize;
+    let mut e = lane;
+    while e < rows * d {
+        let rr = e / d;
+        let ii = q_start + plane * rows + rr;
+        if ii < seq_q {
+            dq[dq_base + ii * dq_token + e % d] = E::cast_from(sc[s_off + rr * w + e % d] * scale);
+        }
+        e += LANES;
+    }
+}
+
+/// Pass 2 of the backward: dK and dV, one cube per `planes · rows` keys of one (batch, query
+/// head), each plane its keys, over the query blocks from the diagonal on; `dkv` holds both
+/// (laid out `dk_l`, `dv_l`). With grouped key/value heads each query head writes its own
+/// partial, summed over the group by the host.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn flash_backward_kv_kernel<E: Float>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    d_out: &Tensor<E>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    dkv: &mut Tensor<E>,
+    q_l: Sequence<u32>,
+    k_l: Sequence<u32>,
+    v_l: Sequence<u32>,
+    o_l: Sequence<u32>,
+    s_l: Sequence<u32>,
+    dk_l: Sequence<u32>,
+    dv_l: Sequence<u32>,
+    heads: u32,
+    kv_group: u32,
+    seq_q: u32,
+    seq_k: u32,
+    q_offset: i32,
+    scale: f32,
+    #[comptime] planes: usize,
+    #[comptime] rows: usize,
+    #[comptime] bq: usize,
+    #[comptime] d: usize,
+    #[comptime] causal: bool,
+    #[comptime] cmma: bool,
+    #[define(E)] _dtype: StorageType,
+) {
+    let own = comptime!(planes * rows);
+    let ld = comptime!(d + PAD_E);
+    let ldp = comptime!(bq + PAD_E);
+    let w = comptime!(bq.max(d) + PAD_F);
+    let per_row = comptime!(LANES / rows);
+    let cols = comptime!(bq / per_row);
+    let seq_q = seq_q as usize;
+    let seq_k = seq_k as usize;
+    let (b, h, hk) = this_head(heads, kv_group);
+    let k_start = CUBE_POS_X as usize * own;
+    let s_base = head_base(&s_l, b, h);
+    let s_token = *s_l.index(3usize) as usize;
+    let (plane, lane, r, part) = lane_layout(per_row);
+    let key = k_start + plane * rows + r;
+
+    let mut ks = SharedMemory::<E>::new(own * ld);
+    let mut vs = SharedMemory::<E>::new(own * ld);
+    let mut qs = SharedMemory::<E>::new(bq * ld);
+    let mut dos = SharedMemory::<E>::new(bq * ld);
+    let mut pt = SharedMemory::<E>::new(own * ldp);
+    let mut dst = SharedMemory::<E>::new(own * ldp);
+    let mut sc = SharedMemory::<f32>::new(own * w);
+    let mut dps = SharedMemory::<f32>::new(own * w);
+    let mut lse_s = SharedMemory::<f32>::new(bq);
+    let mut delta_s = SharedMemory::<f32>::new(bq);
+    let mut plain = SharedMemory::<f32>::new(comptime!(if cmma { 1 } else { 2 * own * d }));
+
+    load_pair::<E>(
+        k, &k_l, v, &v_l, b, hk, k_start, seq_k, &mut ks, &mut vs, own, d, ld,
+    );
+    let dk_acc = acc_fragments(d, cmma);
+    let dv_acc = acc_fragments(d, cmma);
+    let a_off = plane * rows * ld;
+    let p_off = plane * rows * ldp;
+    let s_off = plane * rows * w;
+    let dk_off = plane * rows * d;
+    let dv_off = comptime!(own * d) + plane * rows * d;
+    plane_zero(&mut plain, dk_off, rows, d, cmma);
+    plane_zero(&mut plain, dv_off, rows, d, cmma);
+    // Query blocks from the first query that sees this cube's first key.
+    let mut first = 0usize;
+    if comptime!(causal) {
+        let q_first = i32::cast_from(k_start) - q_offset;
+        first = usize::cast_from(i32::max(q_first, 0)) / bq;
+    }
+    let blocks = seq_q.div_ceil(bq);
+
+    for qb in first..blocks {
+        let q_start = qb * bq;
+        load_pair::<E>(
+            q, &q_l, d_out, &o_l, b, h, q_start, seq_q, &mut qs, &mut dos, bq, d, ld,
+        );
+        load_stats(lse, s_base, s_token, q_start, seq_q, 0.0, &mut lse_s, bq);
+        load_stats(
+            delta,
+            s_base,
+            s_token,
+            q_start,
+            seq_q,
+            0.0,
+            &mut delta_s,
+            bq,
+        );
+        sync_cube();
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for the plane's keys
+        plane_scores::<E>(
+            &ks, a_off, &qs, &mut sc, s_off, rows, bq, d, ld, ld, w, cmma,
+        );
+        plane_scores::<E>(
+            &vs, a_off, &dos, &mut dps, s_off, rows, bq, d, ld, ld, w, cmma,
+        );
+        sync_tiles(cmma);
+        // Pᵀ and dSᵀ = Pᵀ∘(dPᵀ − delta), each rounded once
+        let row = s_off + r * w + part * cols;
+        let prow = p_off + r * ldp + part * cols;
+        for c in 0..cols {
+            let j = (c + lane) % cols;
+            let qj = part * cols + j;
+            let mut p = 0.0f32;
+            let mut ds = 0.0f32;
+            if visible(q_start + qj, key, seq_q, seq_k, q_offset, causal) {
+                p = f32::exp(sc[row + j] * scale - lse_s[qj]);
+                ds = p * (dps[row + j] - delta_s[qj]);
+            }
+            pt[prow + j] = E::cast_from(p);
+            dst[prow + j] = E::cast_from(ds);
+        }
+        sync_tiles(cmma);
+        // dV += Pᵀ·dO, dK += dSᵀ·Q
+        plane_accumulate::<E>(
+            &pt, p_off, &dos, &dv_acc, &mut plain, dv_off, rows, d, bq, ldp, ld, cmma,
+        );
+        plane_accumulate::<E>(
+            &dst, p_off, &qs, &dk_acc, &mut plain, dk_off, rows, d, bq, ldp, ld, cmma,
+        );
+        sync_cube();
+    }
+
+    plane_spill(&dk_acc, &plain, dk_off, &mut sc, s_off, rows, d, w, cmma);
+    plane_spill(&dv_acc, &plain, dv_off, &mut dps, s_off, rows, d, w, cmma);
+    sync_tiles(cmma);
+    let dk_base = head_base(&dk_l, b, h);
+    let dk_token = *dk_l.index(3usize) as usize;
+    let dv_base = head_base(&dv_l, b, h);
+    let dv_token = *dv_l.index(3usize) as usize;
+    let mut e = lane;
+    while e < rows * d {
+        let jj = k_start + plane * rows + e / d;
+        let c = e % d;
+        if jj < seq_k {
+            let at = s_off + (e / d) * w + c;
+            dkv[dk_base + jj * dk_token + c] = E::cast_from(sc[at] * scale);
+            dkv[dv_base + jj * dv_token + c] = E::cast_from(dps[at]);
+        }
+        e += LANES;
+    }
+}
+
+/// Launches both backward passes: dQ into `dq`, `delta` (f32, laid out like lse), dK and dV
+/// into `dkv` (laid out `dk_l`, `dv_l`: per query head).
+#[allow(clippy::too_many_arguments)]
+pub(in crate::cube) fn backward<R: CubeRuntime>(
+    ops: &Operands<R>,
+    p: &Problem,
+    output: (&CubeTensor<R>, Heads),
+    d_output: &CubeTensor<R>,
+    lse: (&CubeTensor<R>, Heads),
+    delta: &CubeTensor<R>,
+    dq: (&CubeTensor<R>, Heads),
+    dkv: &CubeTensor<R>,
+    dk_l: Heads,
+    dv_l: Heads,
+) {
+    use super::super::arg;
+    let q = &ops.q.0;
+    let f = Flash::choose(q, Pass::BackwardQ, p.head_dim);
+    let (count, dim) = f.launch_dims(p.seq_q, p);
+    launch_flash!(
+        flash_backward_q_kernel,
+        q,
+        p,
+        f,
+        count,
+        dim,
+        [
+            arg(q),
+            arg(&ops.k.0),
+            arg(&ops.v.0),
+            arg(output.0),
+            arg(d_output),
+            arg(lse.0),
+            arg(dq.0),
+            arg(delta),
+            seq_arg(&ops.q.1),
+            seq_arg(&ops.k.1),
+            seq_arg(&ops.v.1),
+            seq_arg(&output.1),
+            seq_arg(&lse.1),
+            seq_arg(&dq.1),
+        ]
+    );
+    let f = Flash::choose(q, Pass::BackwardKv, p.head_dim);
+    let (count, dim) = f.launch_dims(p.seq_k, p);
+    launch_flash!(
+        flash_backward_kv_kernel,
+        q,
+        p,
+        f,
+        count,
+        dim,
+        [
+            arg(q),
+            arg(&ops.k.0),
+            arg(&ops.v.0),
+            arg(d_output),
+            arg(lse.0),
+            arg(delta),
+            arg(dkv),
+            seq_arg(&ops.q.1),
+            seq_arg(&ops.k.1),
+            seq_arg(&ops.v.1),
+            seq_arg(&output.1),
+            seq_arg(&lse.1),
+            seq_arg(&dk_l),
+            seq_arg(&dv_l),
+        ]
+    );
+}

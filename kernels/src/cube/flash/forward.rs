@@ -1,0 +1,200 @@
+//! The forward kernel and its launch.
+
+use super::*;
+
+/// Forward: one cube per `planes · rows` queries of one (batch, head); each plane its `rows`
+/// queries, over the key blocks up to the last one its cube's last query sees.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+fn flash_forward_kernel<E: Float>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    v: &Tensor<E>,
+    out: &mut Tensor<E>,
+    lse: &mut Tensor<f32>,
+    q_l: Sequence<u32>,
+    k_l: Sequence<u32>,
+    v_l: Sequence<u32>,
+    o_l: Sequence<u32>,
+    s_l: Sequence<u32>,
+    heads: u32,
+    kv_group: u32,
+    seq_q: u32,
+    seq_k: u32,
+    q_offset: i32,
+    scale: f32,
+    #[comptime] planes: usize,
+    #[comptime] rows: usize,
+    #[comptime] bk: usize,
+    #[comptime] d: usize,
+    #[comptime] causal: bool,
+    #[comptime] cmma: bool,
+    #[define(E)] _dtype: StorageType,
+) {
+    let own = comptime!(planes * rows);
+    let ld = comptime!(d + PAD_E);
+    let ldp = comptime!(bk + PAD_E);
+    let w = comptime!(bk.max(d) + PAD_F);
+    let per_row = comptime!(LANES / rows);
+    let cols = comptime!(bk / per_row);
+    let seq_q = seq_q as usize;
+    let seq_k = seq_k as usize;
+    let (b, h, hk) = this_head(heads, kv_group);
+    let q_start = CUBE_POS_X as usize * own;
+    let (plane, lane, r, part) = lane_layout(per_row);
+    let i = q_start + plane * rows + r;
+
+    let mut qs = SharedMemory::<E>::new(own * ld);
+    let mut ks = SharedMemory::<E>::new(bk * ld);
+    let mut vs = SharedMemory::<E>::new(bk * ld);
+    let mut ps = SharedMemory::<E>::new(own * ldp);
+    let mut sc = SharedMemory::<f32>::new(own * w);
+    let mut red = SharedMemory::<f32>::new(planes * LANES);
+    let mut norm = SharedMemory::<f32>::new(own);
+    let mut plain = SharedMemory::<f32>::new(comptime!(if cmma { 1 } else { own * d }));
+
+    load_head::<E>(q, &q_l, b, h, q_start, seq_q, &mut qs, own, d, ld);
+    let acc = acc_fragments(d, cmma);
+    let a_off = plane * rows * ld;
+    let p_off = plane * rows * ldp;
+    let s_off = plane * rows * w;
+    let o_off = plane * rows * d;
+    plane_zero(&mut plain, o_off, rows, d, cmma);
+    // This unit's running maximum (its row's) and partial sum (its slice of the row).
+    let mut m = f32::new(NEG_BIG);
+    let mut l = 0.0f32;
+    let blocks = keys_end(q_start, seq_k, q_offset, own, causal).div_ceil(bk);
+    sync_cube();
+
+    for kb in 0..blocks {
+        let k_start = kb * bk;
+        load_pair::<E>(
+            k, &k_l, v, &v_l, b, hk, k_start, seq_k, &mut ks, &mut vs, bk, d, ld,
+        );
+        sync_cube();
+        // S = Q·Kᵀ for the plane's rows
+        plane_scores::<E>(
+            &qs, a_off, &ks, &mut sc, s_off, rows, bk, d, ld, ld, w, cmma,
+        );
+        sync_tiles(cmma);
+        // The row's block maximum over its units' slices.
+        let row = s_off + r * w + part * cols;
+        let mut mx = f32::new(NEG_BIG);
+        for c in 0..cols {
+            let j = (c + lane) % cols;
+            if visible(i, k_start + part * cols + j, seq_q, seq_k, q_offset, causal) {
+                mx = f32::max(mx, sc[row + j] * scale);
+            }
+        }
+        let mx = row_combine(&mut red, mx, per_row, true, cmma);
+        // Raise the running maximum only past the threshold (exact either way).
+        let mut m_new = m;
+        if mx > m + RESCALE_THRESHOLD {
+            m_new = mx;
+        }
+        let corr = f32::exp(m - m_new);
+        l *= corr;
+        let prow = p_off + r * ldp + part * cols;
+        for c in 0..cols {
+            let j = (c + lane) % cols;
+            let mut p = 0.0f32;
+            if visible(i, k_start + part * cols + j, seq_q, seq_k, q_offset, causal) {
+                p = f32::exp(sc[row + j] * scale - m_new);
+            }
+            ps[prow + j] = E::cast_from(p);
+            l += p;
+        }
+        // A grown maximum of a row that has seen keys rescales its output row.
+        let grown = m_new != m && m > NEG_BIG;
+        m = m_new;
+        if comptime!(cmma) {
+            if plane_any(grown) {
+                sync_plane();
+                plane_spill(&acc, &plain, o_off, &mut sc, s_off, rows, d, w, true);
+                sync_plane();
+                scale_row(&mut sc, s_off + r * w, corr, part, per_row, d);
+                sync_plane();
+                #[unroll]
+                for t in 0..comptime!(d / 16) {
+                    cmma::load_with_layout(
+                        acc.index(t),
+                        &sc.slice(s_off + t * 16, sc.len()),
+                        w as u32,
+                        cmma::MatrixLayout::RowMajor,
+                    );
+                }
+            }
+        } else {
+            if grown {
+                scale_row(&mut plain, o_off + r * d, corr, part, per_row, d);
+            }
+        }
+        sync_tiles(cmma);
+        // O += P·V
+        plane_accumulate::<E>(
+            &ps, p_off, &vs, &acc, &mut plain, o_off, rows, d, bk, ldp, ld, cmma,
+        );
+        sync_cube();
+    }
+
+    let total = row_combine(&mut red, l, per_row, false, cmma);
+    if part == 0 {
+        norm[plane * rows + r] = total;
+    }
+    plane_spill(&acc, &plain, o_off, &mut sc, s_off, rows, d, w, cmma);
+    sync_tiles(cmma);
+    let o_base = head_base(&o_l, b, h);
+    let o_token = *o_l.index(3usize) as usize;
+    let mut e = lane;
+    while e < rows * d {
+        let rr = e / d;
+        let c = e % d;
+        let ii = q_start + plane * rows + rr;
+        if ii < seq_q {
+            let n = norm[plane * rows + rr];
+            let mut x = 0.0f32;
+            if n > 0.0 {
+                x = sc[s_off + rr * w + c] / n;
+            }
+            out[o_base + ii * o_token + c] = E::cast_from(x);
+        }
+        e += LANES;
+    }
+    if part == 0 && i < seq_q {
+        let s_base = head_base(&s_l, b, h);
+        lse[s_base + i * *s_l.index(3usize) as usize] = m + f32::ln(total);
+    }
+}
+
+/// Launches the forward into `output` and `lse` (f32).
+pub(in crate::cube) fn forward<R: CubeRuntime>(
+    ops: &Operands<R>,
+    p: &Problem,
+    output: (&CubeTensor<R>, Heads),
+    lse: (&CubeTensor<R>, Heads),
+) {
+    use super::super::arg;
+    let q = &ops.q.0;
+    let f = Flash::choose(q, Pass::Forward, p.head_dim);
+    let (count, dim) = f.launch_dims(p.seq_q, p);
+    launch_flash!(
+        flash_forward_kernel,
+        q,
+        p,
+        f,
+        count,
+        dim,
+        [
+            arg(q),
+            arg(&ops.k.0),
+            arg(&ops.v.0),
+            arg(output.0),
+            arg(lse.0),
+            seq_arg(&ops.q.1),
+            seq_arg(&ops.k.1),
+            seq_arg(&ops.v.1),
+            seq_arg(&output.1),
+            seq_arg(&lse.1),
+        ]
+    );
+}
