@@ -21,7 +21,9 @@ use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
 use burn::tensor::backend::AutodiffBackend;
 use wildfire_kernels::{AdamWStep, FusedOps};
-use wildfire_parallel::{DTensor, Distributed, Error, Group, ReduceOp, dtensor};
+use wildfire_parallel::{
+    DTensor, Distributed, EncodedState, Error, Group, ReduceOp, StateCodec, StateSpec, dtensor,
+};
 
 use crate::grad_check::GradCheck;
 
@@ -206,6 +208,24 @@ impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for FusedAdamW<X> {
     ) -> Self::State<D> {
         state.momentum = state.momentum.to_device(device);
         state
+    }
+}
+
+impl<X: FusedOps> StateCodec<Distributed<X>> for FusedAdamW<X> {
+    fn state_specs(_shape: &[usize]) -> Vec<StateSpec> {
+        wildfire_parallel::adamw_specs()
+    }
+
+    fn encode<const D: usize>(
+        state: Self::State<D>,
+    ) -> Result<EncodedState<Distributed<X>>, String> {
+        wildfire_parallel::encode_adamw(state)
+    }
+
+    fn decode<const D: usize>(
+        state: EncodedState<Distributed<X>>,
+    ) -> Result<Self::State<D>, String> {
+        wildfire_parallel::decode_adamw(state)
     }
 }
 

@@ -2,6 +2,7 @@
 //! loss scaling, the one-collective overflow check and global-norm clipping, activation
 //! recomputation ([`recompute`]), and the training step that puts them together ([`StepRunner`]).
 
+pub mod adafactor;
 mod error;
 pub mod fused_tail;
 pub mod grad_check;
@@ -11,6 +12,7 @@ pub mod recompute;
 pub mod scaler;
 pub mod step;
 
+pub use adafactor::{Adafactor, AdafactorConfig, AdafactorState};
 pub use error::Error;
 pub use fused_tail::{
     FusedAdamW, FusedAdamWConfig, FusedAdamWOptimizer, TailInputs, fused_unscale_check,

@@ -17,7 +17,7 @@
 // Layers, bottom to top: a module imports only from the layers below it (`tests.rs` from any).
 //
 //   error, params → mesh → comm → placement → policy → device → collectives → tensor → backend
-//        → data_parallel → fsdp, tensor_parallel, pipeline → launch → ranks
+//        → data_parallel → fsdp, tensor_parallel, pipeline → optim_state → launch → ranks
 //
 // - error: the crate's one error type (and `CollectiveKind`, which it names), plain data only;
 //   params: walks over a Burn module's parameters with their paths (Burn only).
@@ -33,6 +33,7 @@
 // - data_parallel, fsdp, tensor_parallel, pipeline: the strategies, which set the policy
 //   (pipeline: its schedules, plain data, and the runner; its ZB split backward sets the
 //   rank context's weight-gradient deferral).
+// - optim_state: optimizer state as named tensors with layout rules (reads fsdp's state layout).
 // - launch, ranks: ranks as threads, MPI processes, threads × processes, or a torchrun-style
 //   NCCL process (the process launchers and `NcclCommunicator::install` live in ranks/).
 //
@@ -47,6 +48,7 @@ mod error;
 mod fsdp;
 pub mod launch;
 pub mod mesh;
+mod optim_state;
 mod params;
 pub mod pipeline;
 mod placement;
@@ -79,6 +81,10 @@ pub use fsdp::{
 };
 pub use launch::{LaunchEnv, LaunchOptions, Launcher, launch};
 pub use mesh::{AxisKind, DeviceMesh, MeshAxis, PIPELINE_AXIS};
+pub use optim_state::{
+    EncodedState, StateCodec, StateShape, StateSpec, adamw_specs, decode_adamw, encode_adamw,
+    state_layout,
+};
 pub use params::{
     Mapped, ModulePath, ParamMapper, ParamVisitor, TryParamMapper, TryParamVisitor, map_params,
     map_value, try_map_params, try_visit_params, visit_params,

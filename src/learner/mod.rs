@@ -67,7 +67,6 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::lr_scheduler::LrScheduler;
 use burn::module::{AutodiffModule, Module, ModuleMapper, Param};
-use burn::optim::SimpleOptimizer;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::record::FileRecorder;
 use burn::tensor::Tensor;
@@ -83,7 +82,8 @@ use burn::train::{
 use wildfire_models::checkpoint::CheckpointDir;
 use wildfire_models::dcp::Checkpoint;
 use wildfire_parallel::{
-    DistDevice, Distributed, DistributedBackend, Layout, dtensor, map_value, redistribute,
+    DistDevice, Distributed, DistributedBackend, Layout, StateCodec, dtensor, map_value,
+    redistribute,
 };
 
 pub use history::LossHistory;
@@ -245,7 +245,7 @@ impl<X: Backend> LearnerRank<X> {
         LR: LrScheduler + 'static,
         M: TrainStep + AutodiffModule<Sharded<X>> + core::fmt::Display + 'static,
         M::InnerModule: InferenceStep,
-        S: SimpleOptimizer<Distributed<X>> + 'static,
+        S: StateCodec<Distributed<X>> + 'static,
     {
         let rank = self.rank();
         // A rank that cannot start releases the others at once (they fail instead of waiting).

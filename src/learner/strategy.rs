@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use burn::data::dataloader::Progress;
 use burn::lr_scheduler::LrScheduler;
 use burn::module::AutodiffModule;
-use burn::optim::{GradientsAccumulator, SimpleOptimizer};
+use burn::optim::GradientsAccumulator;
 use burn::tensor::TensorData;
 use burn::tensor::backend::Backend;
 use burn::train::{
@@ -19,7 +19,7 @@ use burn::train::{
 use serde::{Deserialize, Serialize};
 use wildfire_models::checkpoint::{CheckpointDir, ParamRecords};
 use wildfire_models::dcp::{Checkpoint, CheckpointWriter, Snapshot};
-use wildfire_parallel::{DistDevice, Distributed, Group, ReduceOp};
+use wildfire_parallel::{DistDevice, Distributed, Group, ReduceOp, StateCodec};
 
 use super::handoff::Handoff;
 use super::{LearnerError, Sharded, ShardedComponents as Components};
@@ -85,7 +85,7 @@ where
     LR: LrScheduler + 'static,
     M: TrainStep + AutodiffModule<Sharded<X>> + core::fmt::Display + 'static,
     M::InnerModule: InferenceStep,
-    S: SimpleOptimizer<Distributed<X>> + 'static,
+    S: StateCodec<Distributed<X>> + 'static,
 {
     /// burn-train's `train`, with the resume from a distributed checkpoint (Burn's file
     /// checkpointer is not used) and the summary on rank 0 only.
@@ -168,7 +168,7 @@ impl<X: Backend> ShardedStrategy<X> {
         LR: LrScheduler + 'static,
         M: TrainStep + AutodiffModule<Sharded<X>> + core::fmt::Display + 'static,
         M::InnerModule: InferenceStep,
-        S: SimpleOptimizer<Distributed<X>> + 'static,
+        S: StateCodec<Distributed<X>> + 'static,
     {
         let ctx = self.device.context().clone();
         let mut processor = components.event_processor;
@@ -269,7 +269,7 @@ impl<X: Backend> ShardedStrategy<X> {
     ) -> Result<(), LearnerError>
     where
         M: AutodiffModule<Sharded<X>>,
-        S: SimpleOptimizer<Distributed<X>> + 'static,
+        S: StateCodec<Distributed<X>> + 'static,
     {
         type Records<S, X> = ParamRecords<burn::optim::record::AdaptorRecord<S, Sharded<X>>>;
         let records = self.handoff.get::<Records<S, X>>();
@@ -297,7 +297,7 @@ impl<X: Backend> ShardedStrategy<X> {
         LR: LrScheduler + 'static,
         M: TrainStep + AutodiffModule<Sharded<X>> + core::fmt::Display + 'static,
         M::InnerModule: InferenceStep,
-        S: SimpleOptimizer<Distributed<X>> + 'static,
+        S: StateCodec<Distributed<X>> + 'static,
     {
         let root = self.checkpoints.as_ref().ok_or_else(|| {
             LearnerError::Config(format!(

@@ -2,11 +2,10 @@
 //! mesh, then per step: the micro-batches, the step, the metrics, evaluation and checkpoints.
 
 use super::*;
-use burn::optim::SimpleOptimizer;
 use burn::optim::record::AdaptorRecord;
 use wildfire_engine::StepRecord;
 use wildfire_models::dcp::SaveReport;
-use wildfire_parallel::{RankContext, RankPolicy};
+use wildfire_parallel::{RankContext, RankPolicy, StateCodec};
 
 type A<B> = Autodiff<Distributed<B>>;
 
@@ -60,7 +59,7 @@ impl RankRun<'_> {
     where
         B: FusedOps,
         O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
-        X: SimpleOptimizer<Distributed<B>>,
+        X: StateCodec<Distributed<B>>,
     {
         let (config, model_config) = (self.config, &self.data.model);
         let rank = device.rank();
@@ -427,7 +426,7 @@ impl RankRun<'_> {
     where
         B: FusedOps,
         O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
-        X: SimpleOptimizer<Distributed<B>>,
+        X: StateCodec<Distributed<B>>,
     {
         let started = Instant::now();
         let snapshot = Snapshot::take(model, Some(optim.to_record()))?;

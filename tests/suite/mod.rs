@@ -124,6 +124,7 @@ mod fsdp;
 mod kernels;
 #[cfg(feature = "learner")]
 mod learner;
+mod optimizer_state;
 mod pretrain;
 mod recompute;
 mod tensor_parallel;

@@ -1,24 +1,22 @@
 //! The load half: a [`Checkpoint`] opened from its metadata, each rank reading the pieces that
 //! overlap its own in the model's layout.
 
-use std::any::Any;
 use std::collections::BTreeMap;
 use std::fs;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use burn::module::{Module, Param, ParamId};
-use burn::optim::SimpleOptimizer;
 use burn::optim::record::AdaptorRecord;
-use burn::optim::{AdamWState, AdaptiveMomentumState};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use wildfire_parallel::{
-    DTensor, DistributedBackend, Mapped, ModulePath, TryParamMapper, TryParamVisitor, dtensor,
-    from_dtensor, map_value, try_map_params, try_visit_params,
+    DTensor, DistDevice, DistributedBackend, EncodedState, Layout, Mapped, ModulePath, StateCodec,
+    TryParamMapper, TryParamVisitor, dtensor, from_dtensor, map_value, state_layout,
+    try_map_params, try_visit_params,
 };
 
-use super::{FORMAT, Metadata, PieceMeta, box_dims, copy_box, model_key, moment_key};
+use super::{FORMAT, Metadata, PieceMeta, box_dims, copy_box, model_key, state_key};
 use crate::Error;
 use crate::checkpoint::ParamRecords;
 
@@ -129,9 +127,9 @@ impl Checkpoint {
         model
     }
 
-    /// The AdamW state of every parameter of `model` (already laid out, and its rank's sharding
-    /// policy set), each moment in the layout the optimizer keeps it in
-    /// ([`wildfire_parallel::optimizer_state_layout`]): a record for `Optimizer::load_record`.
+    /// The optimizer state of every parameter of `model` (already laid out, and its rank's
+    /// sharding policy set), each state tensor in the layout the optimizer keeps it in
+    /// ([`wildfire_parallel::state_layout`]): a record for `Optimizer::load_record`.
     pub fn load_optimizer<B, M, X>(
         &self,
         model: &M,
@@ -140,7 +138,7 @@ impl Checkpoint {
         B: AutodiffBackend,
         B::InnerBackend: DistributedBackend,
         M: Module<B>,
-        X: SimpleOptimizer<B::InnerBackend>,
+        X: StateCodec<B::InnerBackend>,
     {
         self.load_optimizer_named(model, &|path| path.to_string())
     }
@@ -155,7 +153,7 @@ impl Checkpoint {
         B: AutodiffBackend,
         B::InnerBackend: DistributedBackend,
         M: Module<B>,
-        X: SimpleOptimizer<B::InnerBackend>,
+        X: StateCodec<B::InnerBackend>,
     {
         let mut loader = OptimizerLoader::<B, X> {
             name,
@@ -168,19 +166,20 @@ impl Checkpoint {
         loaded.map(|()| loader.records)
     }
 
-    /// This rank's piece of tensor `name` in `layout`: the padded local values.
-    fn read_local<Inner: burn::tensor::backend::Backend, const D: usize>(
+    /// This rank's piece of tensor `name` (global `shape`) in `layout` on `device`: the padded
+    /// local values.
+    fn read_local<Inner: Backend>(
         &self,
         reader: &mut Reader,
         name: &str,
-        like: &DTensor<Inner>,
-        layout: &wildfire_parallel::Layout,
+        shape: &[usize],
+        device: &DistDevice<Inner>,
+        layout: &Layout,
     ) -> Result<DTensor<Inner>, Error> {
         let invalid = |reason: String| Error::Invalid {
             path: self.dir.clone(),
             reason: format!("{name}: {reason}"),
         };
-        let shape = like.global_shape().to_vec();
         let meta = self.meta.tensors.get(name).ok_or_else(|| {
             invalid("not in the checkpoint (a checkpoint of another model?)".into())
         })?;
@@ -194,8 +193,7 @@ impl Checkpoint {
                 meta.shape
             )));
         }
-        let device = like.device();
-        let local_box = layout.local_box(&shape, device.mesh(), device.rank());
+        let local_box = layout.local_box(shape, device.mesh(), device.rank());
         let extents: Vec<usize> = local_box.iter().map(|(_, e)| *e).collect();
         let mut values = vec![0.0f32; extents.iter().product()];
         let mut covered = 0usize;
@@ -248,14 +246,9 @@ impl Checkpoint {
                 "the pieces cover {covered} of the {needed} elements this rank needs"
             )));
         }
-        let local = Tensor::<Inner, D>::from_data(TensorData::new(values, extents), device.inner());
-        DTensor::from_local_padded(
-            local.into_primitive().tensor(),
-            layout.clone(),
-            &shape,
-            device,
-        )
-        .map_err(|e| invalid(e.to_string()))
+        let local = Inner::float_from_data(TensorData::new(values, extents), device.inner());
+        DTensor::from_local_padded(local, layout.clone(), shape, device)
+            .map_err(|e| invalid(e.to_string()))
     }
 }
 
@@ -465,9 +458,13 @@ where
         let name = model_key(&(self.name)(&path.name()));
         map_value(param, |tensor| {
             let t = dtensor(&tensor.clone().inner());
-            let loaded =
-                self.checkpoint
-                    .read_local::<_, D>(&mut self.reader, &name, &t, t.layout())?;
+            let loaded = self.checkpoint.read_local(
+                &mut self.reader,
+                &name,
+                &t.global_shape().to_vec(),
+                t.device(),
+                t.layout(),
+            )?;
             let out = Tensor::from_inner(from_dtensor::<B::InnerBackend, D>(loaded));
             Ok(if tensor.is_require_grad() {
                 out.require_grad()
@@ -478,7 +475,7 @@ where
     }
 }
 
-struct OptimizerLoader<'a, B: AutodiffBackend, X: SimpleOptimizer<B::InnerBackend>> {
+struct OptimizerLoader<'a, B: AutodiffBackend, X: StateCodec<B::InnerBackend>> {
     name: &'a dyn Fn(&str) -> String,
     checkpoint: &'a Checkpoint,
     reader: Reader,
@@ -489,7 +486,7 @@ impl<B, X> OptimizerLoader<'_, B, X>
 where
     B: AutodiffBackend,
     B::InnerBackend: DistributedBackend,
-    X: SimpleOptimizer<B::InnerBackend>,
+    X: StateCodec<B::InnerBackend>,
 {
     fn load<const D: usize>(
         &mut self,
@@ -501,32 +498,30 @@ where
             return Ok(()); // never stepped (no gradient yet)
         };
         let t = dtensor(&param.clone().inner());
-        let layout = wildfire_parallel::optimizer_state_layout(&t);
-        let mut moment = |which| -> Result<Tensor<B::InnerBackend, D>, Error> {
-            let name = moment_key(&path, which);
-            let local = self
-                .checkpoint
-                .read_local::<_, D>(&mut self.reader, &name, &t, &layout)?;
-            Ok(from_dtensor::<B::InnerBackend, D>(local))
-        };
-        let (moment_1, moment_2) = (moment(1)?, moment(2)?);
-        let state = AdamWState {
-            momentum: AdaptiveMomentumState {
-                time,
-                moment_1,
-                moment_2,
-                max_moment_2: None,
-            },
-        };
-        let state: Box<dyn Any> = Box::new(state);
-        let state = state.downcast::<X::State<D>>().map_err(|_| Error::Invalid {
+        let shape = t.global_shape().to_vec();
+        let tensors = X::state_specs(&shape)
+            .iter()
+            .map(|spec| {
+                let local = self.checkpoint.read_local(
+                    &mut self.reader,
+                    &state_key(&path, &spec.name),
+                    &spec.shape.of(&shape),
+                    t.device(),
+                    &state_layout(&t, &spec.shape),
+                )?;
+                Ok(<B::InnerBackend as DistributedBackend>::from_dtensor(local))
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        let state = X::decode::<D>(EncodedState {
+            steps: time,
+            tensors,
+        })
+        .map_err(|e| Error::Invalid {
             path: self.checkpoint.dir.clone(),
-            reason: format!(
-                "{path}: the checkpoint holds AdamW state, this run's optimizer keeps another kind"
-            ),
+            reason: format!("{path}: {e}"),
         })?;
         self.records
-            .insert(id, AdaptorRecord::from_state::<D>(*state));
+            .insert(id, AdaptorRecord::from_state::<D>(state));
         Ok(())
     }
 }
@@ -535,7 +530,7 @@ impl<B, X> TryParamVisitor<B> for OptimizerLoader<'_, B, X>
 where
     B: AutodiffBackend,
     B::InnerBackend: DistributedBackend,
-    X: SimpleOptimizer<B::InnerBackend>,
+    X: StateCodec<B::InnerBackend>,
 {
     type Error = Error;
 

@@ -117,9 +117,10 @@ pub struct Metadata {
     pub mesh: DeviceMesh,
     /// Every data file and its size in bytes (a shorter file is truncated).
     pub files: BTreeMap<String, u64>,
-    /// Every tensor by name (`model/<path>`, `optim/<path>/moment_1`, `optim/<path>/moment_2`).
+    /// Every tensor by name (`model/<path>`, `optim/<path>/<state>` per
+    /// [`wildfire_parallel::StateSpec`] of the optimizer).
     pub tensors: BTreeMap<String, TensorMeta>,
-    /// AdamW's step count per parameter path.
+    /// The optimizer's step count per parameter path.
     pub optimizer_steps: BTreeMap<String, usize>,
 }
 
@@ -127,8 +128,9 @@ pub(crate) fn model_key(path: &str) -> String {
     format!("model/{path}")
 }
 
-pub(crate) fn moment_key(path: &str, which: u8) -> String {
-    format!("optim/{path}/moment_{which}")
+/// The name of state tensor `name` ([`wildfire_parallel::StateSpec::name`]) of parameter `path`.
+pub(crate) fn state_key(path: &str, name: &str) -> String {
+    format!("optim/{path}/{name}")
 }
 
 pub(crate) fn rank_file(rank: usize, ext: &str) -> String {

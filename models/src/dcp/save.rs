@@ -1,7 +1,6 @@
 //! The save half: a [`Snapshot`] holding this rank's pieces, written by a
 //! [`CheckpointWriter`] in the background; rank 0 commits.
 
-use std::any::Any;
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -9,18 +8,17 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use burn::module::{Module, Param};
-use burn::optim::AdamWState;
-use burn::optim::SimpleOptimizer;
 use burn::optim::record::AdaptorRecord;
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::Tensor;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 use wildfire_parallel::{
-    DTensor, DeviceMesh, DistributedBackend, ModulePath, TryParamVisitor, dtensor, try_visit_params,
+    DTensor, DeviceMesh, DistributedBackend, ModulePath, StateCodec, TryParamVisitor, dtensor,
+    try_visit_params,
 };
 
 use super::{
-    FORMAT, Metadata, PieceMeta, RankIndex, TensorMeta, box_dims, copy_box, model_key, moment_key,
-    rank_file,
+    FORMAT, Metadata, PieceMeta, RankIndex, TensorMeta, box_dims, copy_box, model_key, rank_file,
+    state_key,
 };
 use crate::Error;
 use crate::checkpoint::{CheckpointDir, ParamRecords};
@@ -50,8 +48,8 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// Hold this rank's owned pieces of `model`'s parameters and, when given, of the AdamW
-    /// moments in `optimizer` (Burn's `AdamW` or any optimizer whose state is `AdamWState`).
+    /// Hold this rank's owned pieces of `model`'s parameters and, when given, of the state
+    /// tensors of `optimizer` (any optimizer with a [`StateCodec`]: AdamW, Adafactor, …).
     /// Nothing is communicated or copied.
     pub fn take<B, M, X>(
         model: &M,
@@ -61,7 +59,7 @@ impl Snapshot {
         B: AutodiffBackend,
         B::InnerBackend: DistributedBackend,
         M: Module<B>,
-        X: SimpleOptimizer<B::InnerBackend>,
+        X: StateCodec<B::InnerBackend>,
     {
         Self::take_named(model, optimizer, &|path| Some(path.to_string()))
     }
@@ -78,7 +76,7 @@ impl Snapshot {
         B: AutodiffBackend,
         B::InnerBackend: DistributedBackend,
         M: Module<B>,
-        X: SimpleOptimizer<B::InnerBackend>,
+        X: StateCodec<B::InnerBackend>,
     {
         let mut visitor = SnapshotVisitor::<B, X> {
             name,
@@ -115,11 +113,7 @@ impl Snapshot {
             .sum()
     }
 
-    fn add<Inner: burn::tensor::backend::Backend, const D: usize>(
-        &mut self,
-        name: String,
-        t: &DTensor<Inner>,
-    ) -> Result<(), String> {
+    fn add<Inner: Backend>(&mut self, name: String, t: &DTensor<Inner>) -> Result<(), String> {
         let mesh = t.device().mesh();
         let rank = t.device().rank();
         self.rank = rank;
@@ -142,8 +136,8 @@ impl Snapshot {
         let lens: Vec<usize> = local_box.iter().map(|(r, _)| r.len()).collect();
         let local = t.local().clone();
         let read: ReadPiece = Box::new(move || {
-            let values = Tensor::<Inner, D>::from_primitive(TensorPrimitive::Float(local))
-                .into_data()
+            let values = burn::tensor::read_sync(Inner::float_into_data(local))
+                .expect("reading a held piece")
                 .convert::<f32>()
                 .into_vec::<f32>()
                 .expect("f32 data");
@@ -151,8 +145,9 @@ impl Snapshot {
                 values
             } else {
                 // Without the padding rows.
+                let at = vec![0; lens.len()];
                 let mut out = vec![0.0; lens.iter().product()];
-                copy_box(&values, &extents, &[0; D], &mut out, &lens, &[0; D], &lens);
+                copy_box(&values, &extents, &at, &mut out, &lens, &at, &lens);
                 out
             }
         });
@@ -233,7 +228,7 @@ impl Snapshot {
     }
 }
 
-struct SnapshotVisitor<'a, B: AutodiffBackend, X: SimpleOptimizer<B::InnerBackend>> {
+struct SnapshotVisitor<'a, B: AutodiffBackend, X: StateCodec<B::InnerBackend>> {
     name: &'a dyn Fn(&str) -> Option<String>,
     records: Option<ParamRecords<AdaptorRecord<X, B>>>,
     snapshot: Snapshot,
@@ -243,7 +238,7 @@ impl<B, X> TryParamVisitor<B> for SnapshotVisitor<'_, B, X>
 where
     B: AutodiffBackend,
     B::InnerBackend: DistributedBackend,
-    X: SimpleOptimizer<B::InnerBackend>,
+    X: StateCodec<B::InnerBackend>,
 {
     type Error = String;
 
@@ -256,26 +251,34 @@ where
             return Ok(());
         };
         let t = dtensor(&param.val().inner());
-        self.snapshot.add::<_, D>(model_key(&path), &t)?;
+        self.snapshot.add(model_key(&path), &t)?;
         let Some(record) = self.records.as_mut().and_then(|r| r.remove(&param.id)) else {
             return Ok(());
         };
-        let state: Box<dyn Any> = Box::new(record.into_state::<D>());
-        let Ok(state) = state.downcast::<AdamWState<B::InnerBackend, D>>() else {
+        let shape = t.global_shape().to_vec();
+        let specs = X::state_specs(&shape);
+        let state = X::encode::<D>(record.into_state::<D>()).map_err(|e| format!("{path}: {e}"))?;
+        if state.tensors.len() != specs.len() {
             return Err(format!(
-                "{path}: the optimizer state is not AdamW's; the distributed checkpoint saves \
-                 AdamW (Burn's or Wildfire's fused one)"
+                "{path}: the optimizer encoded {} state tensors, its specs name {}",
+                state.tensors.len(),
+                specs.len()
             ));
-        };
-        let m = state.momentum;
-        if m.max_moment_2.is_some() {
-            return Err("AMSGrad's max moment is not saved by the distributed checkpoint".into());
         }
-        self.snapshot.times.insert(path.clone(), m.time);
-        self.snapshot
-            .add::<_, D>(moment_key(&path, 1), &dtensor(&m.moment_1))?;
-        self.snapshot
-            .add::<_, D>(moment_key(&path, 2), &dtensor(&m.moment_2))
+        self.snapshot.times.insert(path.clone(), state.steps);
+        for (spec, tensor) in specs.iter().zip(&state.tensors) {
+            let t = <B::InnerBackend as DistributedBackend>::dtensor(tensor);
+            let want = spec.shape.of(&shape);
+            if t.global_shape().to_vec() != want {
+                return Err(format!(
+                    "{path}: state tensor {} is {:?}, its spec says {want:?}",
+                    spec.name,
+                    t.global_shape()
+                ));
+            }
+            self.snapshot.add(state_key(&path, &spec.name), &t)?;
+        }
+        Ok(())
     }
 }
 

@@ -1,0 +1,269 @@
+//! Optimizer state beyond AdamW's: Adafactor (factored second moments, a row and a column
+//! statistic per matrix) sharded against one device, and its state through the distributed
+//! checkpoint across a change of mesh and strategy.
+
+use super::{Dist, Plain, close, pairs, tensors_close, threads};
+use burn::module::{AutodiffModule, Module, Param};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::{GradientsParams, Optimizer};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use wildfire::demo::{
+    Classifier, EncoderClassifier, EncoderClassifierConfig, SyntheticTask, deterministic_init,
+    parameters,
+};
+use wildfire::engine::AdafactorConfig;
+use wildfire::models::dcp::{Checkpoint, CheckpointWriter, Snapshot};
+use wildfire::parallel::{
+    DeviceMesh, FsdpOptimizer, FsdpStrategy, Group, Placement, StateShape, dtensor, fully_shard,
+    state_layout, sync_gradients,
+};
+
+const GLOBAL_BATCH: usize = 8;
+/// Adafactor's relative step is capped by the learning rate (PyTorch's default).
+const LR: f64 = 1e-2;
+
+fn task() -> SyntheticTask {
+    super::task(4, 31)
+}
+
+fn model<B: AutodiffBackend>(device: &B::Device) -> EncoderClassifier<B> {
+    deterministic_init(
+        EncoderClassifierConfig::new().with_n_layers(1).init(device),
+        5,
+    )
+}
+
+/// Train `steps` steps starting at data step `first`; the losses.
+fn train<B, M, O>(
+    model: &mut M,
+    optim: &mut O,
+    steps: std::ops::Range<usize>,
+    rows: std::ops::Range<usize>,
+    device: &B::Device,
+    sync: impl Fn(&M, &mut GradientsParams),
+) -> Vec<f32>
+where
+    B: AutodiffBackend,
+    M: Classifier<B> + AutodiffModule<B>,
+    O: Optimizer<M, B>,
+{
+    let loss_fn = CrossEntropyLossConfig::new().init(device);
+    let task = task();
+    let mut losses = Vec::new();
+    for step in steps {
+        let (x, y) = task.batch(step, rows.clone());
+        let x = Tensor::<B, 3>::from_data(x, device);
+        let y = Tensor::<B, 1, Int>::from_data(TensorData::new(y, [rows.len()]), device);
+        let loss = loss_fn.forward(model.logits(x), y);
+        losses.push(loss.clone().into_scalar().elem::<f32>());
+        let mut grads = GradientsParams::from_grads(loss.backward(), model);
+        sync(model, &mut grads);
+        *model = optim.step(LR, model.clone(), grads);
+    }
+    losses
+}
+
+/// One device, plain Burn: `steps` Adafactor steps.
+fn reference(steps: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let device = Default::default();
+    let mut m = model::<Plain>(&device);
+    let mut optim = AdafactorConfig::new().init();
+    let losses = train(
+        &mut m,
+        &mut optim,
+        0..steps,
+        0..GLOBAL_BATCH,
+        &device,
+        |_, _| {},
+    );
+    (losses, parameters(&m))
+}
+
+fn sync(m: &EncoderClassifier<Dist>, g: &mut GradientsParams) {
+    sync_gradients(m, g).unwrap();
+}
+
+/// The global mean of each step's per-rank losses.
+fn mean_losses(per_rank: &[Vec<f32>]) -> Vec<f32> {
+    (0..per_rank[0].len())
+        .map(|s| per_rank.iter().map(|l| l[s]).sum::<f32>() / per_rank.len() as f32)
+        .collect()
+}
+
+/// Adafactor on 2 ranks under every sharding strategy trains like one device: the statistics of
+/// row-sharded matrices are combined across the shards by the step's own ops.
+#[test]
+fn adafactor_sharded_matches_one_device() {
+    const STEPS: usize = 6;
+    let (ref_losses, ref_params) = reference(STEPS);
+    let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+    use FsdpStrategy::*;
+    for strategy in [NoShard, ShardOptimizer, ShardGradOp, FullShard] {
+        let out = threads(&mesh, |device| {
+            let mut m = fully_shard(model::<Dist>(&device), &mesh, strategy).unwrap();
+            let mut optim = FsdpOptimizer::new(AdafactorConfig::new().init());
+            let rows = device.rank() * 4..(device.rank() + 1) * 4;
+            let losses = train(&mut m, &mut optim, 0..STEPS, rows, &device, sync);
+            (losses, parameters(&m))
+        });
+        let losses: Vec<Vec<f32>> = out.iter().map(|o| o.0.clone()).collect();
+        close(
+            &format!("{strategy:?} loss"),
+            &mean_losses(&losses),
+            &ref_losses,
+        );
+        for (rank, (_, params)) in out.iter().enumerate() {
+            tensors_close(
+                &format!("{strategy:?} rank {rank}"),
+                params,
+                &ref_params,
+                1e-5,
+            );
+        }
+    }
+}
+
+/// Where each matrix's Adafactor statistics live under FSDP on 2 ranks, as the state layout rule
+/// says: the row statistic (`n × 1`) sharded with the rows, the column statistic (`1 × m`) —
+/// reduced over the sharded rows — replicated.
+fn check_factored_layouts(
+    model: &EncoderClassifier<Dist>,
+    records: &wildfire::models::checkpoint::ParamRecords<
+        burn::optim::record::AdaptorRecord<wildfire::engine::Adafactor, Dist>,
+    >,
+) -> usize {
+    struct Check<'a> {
+        records: &'a wildfire::models::checkpoint::ParamRecords<
+            burn::optim::record::AdaptorRecord<wildfire::engine::Adafactor, Dist>,
+        >,
+        matrices: usize,
+    }
+    impl burn::module::ModuleVisitor<Dist> for Check<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Dist, D>>) {
+            let Some(record) = self.records.get(&param.id) else {
+                return;
+            };
+            let state = record.clone().into_state::<D>();
+            let p = dtensor(&param.val().inner());
+            let Some(col) = state.col else {
+                return;
+            };
+            if p.layout().get(0) != Placement::Shard(0) {
+                return;
+            }
+            self.matrices += 1;
+            let row = dtensor(&state.row);
+            let col = dtensor(&col);
+            assert_eq!(row.layout().get(0), Placement::Shard(0), "row statistic");
+            assert_eq!(
+                col.layout().get(0),
+                Placement::Replicate,
+                "column statistic"
+            );
+            assert_eq!(
+                row.layout(),
+                &state_layout(&p, &StateShape::Reduced(vec![D - 1]))
+            );
+            assert_eq!(
+                col.layout(),
+                &state_layout(&p, &StateShape::Reduced(vec![D - 2]))
+            );
+        }
+    }
+    let mut check = Check {
+        records,
+        matrices: 0,
+    };
+    model.visit(&mut check);
+    check.matrices
+}
+
+/// Adafactor's state (a row and a column vector per matrix, a full second moment per vector)
+/// saved by 2 FSDP ranks after 3 steps, loaded by 4 ZeRO-2 ranks, which train 3 more: the same
+/// losses and parameters as 6 steps on one device. The checkpoint holds `row` (`n × 1`) and
+/// `col` (`1 × m`) per matrix, and loading reads them into the new layout.
+#[test]
+fn adafactor_state_round_trips_the_distributed_checkpoint_across_layouts() {
+    const FIRST: usize = 3;
+    const STEPS: usize = 6;
+    let (ref_losses, ref_params) = reference(STEPS);
+    let root = std::env::temp_dir().join(format!("wildfire-adafactor-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let two = DeviceMesh::new([("dp", 2)]).unwrap();
+    let first = threads(&two, |device| {
+        let mut m = fully_shard(model::<Dist>(&device), &two, FsdpStrategy::FullShard).unwrap();
+        let mut optim = FsdpOptimizer::new(AdafactorConfig::new().init());
+        let rows = device.rank() * 4..(device.rank() + 1) * 4;
+        let losses = train(&mut m, &mut optim, 0..FIRST, rows, &device, sync);
+        let records = optim.to_record();
+        let matrices = check_factored_layouts(&m, &records);
+        let mut writer = CheckpointWriter::new(&root, device.rank(), 2).unwrap();
+        device.context().comm().barrier(Group::World).unwrap();
+        let snapshot =
+            Snapshot::take::<Dist, _, wildfire::engine::Adafactor>(&m, Some(records)).unwrap();
+        writer.save(snapshot, FIRST, Vec::new()).unwrap();
+        writer.wait().unwrap();
+        (losses, matrices)
+    });
+    assert!(first.iter().all(|(_, matrices)| *matrices >= 2));
+    let checkpoint = Checkpoint::open(root.join(format!("step-{FIRST:08}"))).unwrap();
+    let meta = checkpoint.metadata();
+    let (mut rows, mut cols, mut seconds) = (0, 0, 0);
+    for (name, t) in &meta.tensors {
+        let Some(param) = name.strip_prefix("optim/") else {
+            continue;
+        };
+        let model = &meta.tensors[&format!("model/{}", &param[..param.rfind('/').unwrap()])];
+        let d = model.shape.len();
+        match &param[param.rfind('/').unwrap() + 1..] {
+            "row" => {
+                rows += 1;
+                assert_eq!(t.shape[..d - 1], model.shape[..d - 1], "{name}");
+                assert_eq!(t.shape[d - 1], 1, "{name}");
+            }
+            "col" => {
+                cols += 1;
+                assert_eq!(t.shape[d - 2], 1, "{name}");
+                assert_eq!(t.shape[d - 1], model.shape[d - 1], "{name}");
+            }
+            "second" => {
+                seconds += 1;
+                assert_eq!(t.shape, model.shape, "{name}");
+            }
+            other => panic!("{name}: unexpected state tensor {other}"),
+        }
+    }
+    assert!(
+        rows > 0 && rows == cols && seconds > 0,
+        "{rows} {cols} {seconds}"
+    );
+    assert!(meta.optimizer_steps.values().all(|&s| s == FIRST));
+
+    let four = DeviceMesh::new([("dp", 4)]).unwrap();
+    let second = threads(&four, |device| {
+        // Other initial values: the checkpoint must replace them all.
+        let fresh = deterministic_init(model::<Dist>(&device), 99);
+        let fresh = fully_shard(fresh, &four, FsdpStrategy::ShardGradOp).unwrap();
+        let mut m = checkpoint.load_model(fresh).unwrap();
+        let records = checkpoint
+            .load_optimizer::<Dist, _, wildfire::engine::Adafactor>(&m)
+            .unwrap();
+        let mut optim = FsdpOptimizer::new(AdafactorConfig::new().init()).load_record(records);
+        let rows = device.rank() * 2..(device.rank() + 1) * 2;
+        let losses = train(&mut m, &mut optim, FIRST..STEPS, rows, &device, sync);
+        (losses, parameters(&m))
+    });
+    let before: Vec<Vec<f32>> = first.into_iter().map(|(l, _)| l).collect();
+    let after: Vec<Vec<f32>> = second.iter().map(|(l, _)| l.clone()).collect();
+    let mut losses = mean_losses(&before);
+    losses.extend(mean_losses(&after));
+    close("losses across the resume", &losses, &ref_losses);
+    for (rank, (_, params)) in second.iter().enumerate() {
+        tensors_close(&format!("rank {rank}"), params, &ref_params, 1e-5);
+    }
+    for (a, b) in pairs(&second[0].1, &second[3].1) {
+        assert_eq!(a, b, "the ranks agree");
+    }
+    std::fs::remove_dir_all(&root).unwrap();
+}
