@@ -10,7 +10,7 @@
 //! θ  ← θ · (1 − lr · λ)
 //! rank ≥ 2:  R ← β₂ₜ R + (1 − β₂ₜ) mean_last(G²)        (shape [.., n, 1])
 //!            C ← β₂ₜ C + (1 − β₂ₜ) mean_second_last(G²) (shape [.., 1, m])
-//!            V = R · C / mean_second_last(R)
+//!            V = R · C / max(mean_second_last(R), ε₁)
 //! rank 1:    V ← β₂ₜ V + (1 − β₂ₜ) G²
 //! U = G / √max(V, ε₁²)            θ ← θ − αₜ · U / max(1, RMS(U) / d)
 //! ```
@@ -63,13 +63,18 @@ impl AdafactorConfig {
     pub fn init<B: AutodiffBackend, M: AutodiffModule<B>>(
         &self,
     ) -> OptimizerAdaptor<Adafactor, M, B> {
-        OptimizerAdaptor::from(Adafactor {
+        OptimizerAdaptor::from(self.build())
+    }
+
+    /// The per-tensor step itself (Burn's `SimpleOptimizer`), without the module adaptor.
+    pub fn build(&self) -> Adafactor {
+        Adafactor {
             beta2_decay: self.beta2_decay,
             epsilon1: self.epsilon1,
             epsilon2: self.epsilon2,
             clip_threshold: self.clip_threshold,
             weight_decay: self.weight_decay,
-        })
+        }
     }
 }
 

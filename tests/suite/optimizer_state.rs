@@ -19,6 +19,10 @@ use wildfire::parallel::{
     state_layout, sync_gradients,
 };
 
+/// PyTorch's `torch.optim.Adafactor` on three parameters (rank 2, 1 and 3) for 5 steps, two
+/// configurations: `tools/adafactor_reference.py` wrote it.
+const TORCH: &str = include_str!("../fixtures/adafactor_torch.json");
+
 const GLOBAL_BATCH: usize = 8;
 /// Adafactor's relative step is capped by the learning rate (PyTorch's default).
 const LR: f64 = 1e-2;
@@ -62,6 +66,91 @@ where
         *model = optim.step(LR, model.clone(), grads);
     }
     losses
+}
+
+/// `config`'s Adafactor stepped with the fixture's gradients from its initial values, one
+/// parameter of shape `shape` (rank `D`): the parameter after each step.
+fn adafactor_steps<const D: usize>(
+    config: &AdafactorConfig,
+    lr: f64,
+    shape: [usize; D],
+    init: &serde_json::Value,
+    grads: &[&serde_json::Value],
+) -> Vec<Vec<f32>> {
+    use burn::optim::SimpleOptimizer;
+    let floats = |v: &serde_json::Value| -> Vec<f32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
+    };
+    let device = Default::default();
+    let tensor =
+        |v| Tensor::<burn::backend::Flex, D>::from_data(TensorData::new(floats(v), shape), &device);
+    let optim = config.build();
+    let (mut param, mut state) = (tensor(init), None);
+    grads
+        .iter()
+        .map(|g| {
+            (param, state) = optim.step(lr, param.clone(), tensor(g), state.take());
+            param.to_data().to_vec::<f32>().unwrap()
+        })
+        .collect()
+}
+
+/// Wildfire's Adafactor against PyTorch's own (`torch.optim.Adafactor`, the fixture): every
+/// parameter after each of 5 steps, for a matrix, a vector and a rank-3 tensor (factored over its
+/// last two dims), under PyTorch's defaults and under weight decay, `ε₁`, `d` and `β₂` decay set.
+#[test]
+fn adafactor_matches_pytorch() {
+    let fixture: serde_json::Value = serde_json::from_str(TORCH).unwrap();
+    for run in fixture["runs"].as_array().unwrap() {
+        let c = &run["config"];
+        let get = |k: &str| c.get(k).and_then(serde_json::Value::as_f64);
+        let mut config = AdafactorConfig::new();
+        if let Some(wd) = get("weight_decay") {
+            config = config.with_weight_decay(wd);
+        }
+        if let Some(d) = get("d") {
+            config = config.with_clip_threshold(d);
+        }
+        if let Some(decay) = get("beta2_decay") {
+            config = config.with_beta2_decay(decay);
+        }
+        if let Some(eps1) = get("eps1") {
+            config = config.with_epsilon1(Some(eps1));
+        }
+        if let Some(eps2) = get("eps2") {
+            config = config.with_epsilon2(eps2);
+        }
+        let lr = get("lr").unwrap();
+        let steps = run["grads"].as_array().unwrap();
+        for k in 0..3 {
+            let grads: Vec<&serde_json::Value> = steps.iter().map(|s| &s[k]).collect();
+            let init = &run["init"][k];
+            let got = match k {
+                0 => adafactor_steps(&config, lr, [5, 3], init, &grads),
+                1 => adafactor_steps(&config, lr, [4], init, &grads),
+                _ => adafactor_steps(&config, lr, [2, 3, 4], init, &grads),
+            };
+            for (step, got) in got.iter().enumerate() {
+                let want: Vec<f32> = run["params"][step][k]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap() as f32)
+                    .collect();
+                // Within f32 rounding of the different summation orders.
+                tensors_close(
+                    &format!("{c} parameter {k} step {}", step + 1),
+                    std::slice::from_ref(got),
+                    std::slice::from_ref(&want),
+                    2e-6,
+                );
+            }
+        }
+    }
 }
 
 /// One device, plain Burn: `steps` Adafactor steps.
