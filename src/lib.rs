@@ -9,6 +9,7 @@
 //! `use wildfire::prelude::*;` brings what a training program needs; the README's example
 //! compiles and runs as a test of it.
 
+pub use wildfire_checkpoint as checkpoint;
 pub use wildfire_engine as engine;
 pub use wildfire_kernels as kernels;
 pub use wildfire_models as models;

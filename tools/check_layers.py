@@ -14,7 +14,7 @@ re-exports, `crate::Error`, to its module), and fails (exit 1) on
 import collections, pathlib, re, sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CRATES = ["parallel/src", "kernels/src", "engine/src", "models/src", "src"]
+CRATES = ["parallel/src", "kernels/src", "engine/src", "checkpoint/src", "models/src", "src"]
 # The crate whose layering is checked (set per crate by `main`).
 LAYERED = ROOT / "parallel/src"
 SRC = LAYERED

@@ -162,6 +162,9 @@ pub enum Error {
         /// What is wrong, and what to do.
         reason: String,
     },
+    /// A checkpoint or weights file (`wildfire_checkpoint`).
+    #[error(transparent)]
+    Checkpoint(#[from] wildfire_checkpoint::Error),
     // ---- parallelisation
     /// Inconsistent parallelisation flags.
     #[error("{0}")]

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::Error;
-use crate::dcp::{
+use wildfire_checkpoint::dcp::{
     Checkpoint, FORMAT, Metadata, PieceMeta, Reader, TensorMeta, box_dims, copy_box, write_streamed,
 };
 
@@ -71,7 +71,7 @@ pub fn import_gpt2(file: &Path) -> Result<Checkpoint, Error> {
         path: file.to_path_buf(),
         reason,
     };
-    let (handle, _, header) = crate::dcp::open_safetensors(file)?;
+    let (handle, _, header) = wildfire_checkpoint::dcp::open_safetensors(file)?;
     let len = handle
         .metadata()
         .map_err(|source| Error::io(file, source))?
@@ -135,7 +135,7 @@ pub fn import_gpt2(file: &Path) -> Result<Checkpoint, Error> {
 /// and written before the next is read.
 pub fn export_gpt2(checkpoint: &Checkpoint, out: &Path) -> Result<(), Error> {
     let weights: Vec<(&String, &TensorMeta)> = checkpoint
-        .meta
+        .metadata()
         .tensors
         .iter()
         .filter(|(name, _)| name.starts_with("model/"))
@@ -150,7 +150,7 @@ pub fn export_gpt2(checkpoint: &Checkpoint, out: &Path) -> Result<(), Error> {
         let mut full = vec![0f32; t.shape.iter().product()];
         for piece in &t.pieces {
             let values = reader
-                .piece(&checkpoint.dir, name, piece)
+                .piece(checkpoint.dir(), name, piece)
                 .map_err(std::io::Error::other)?;
             let size: Vec<usize> = box_dims(&piece.start, &piece.end);
             copy_box(
@@ -278,7 +278,7 @@ mod tests {
             init_seed: 1,
             dropout: 0.0,
         };
-        let original = crate::safetensors::read(&file).unwrap();
+        let original = wildfire_checkpoint::safetensors::read(&file).unwrap();
         for (dp, tp, fsdp) in [
             (1, 1, FsdpStrategy::NoShard),
             (2, 2, FsdpStrategy::FullShard),
@@ -300,20 +300,25 @@ mod tests {
                         crate::parallelize::init_gpt::<Dist>(&config, &device, &parallel).unwrap();
                     let model = parallelize_gpt(model, &mesh, &parallel).unwrap();
                     let model = import_gpt2(&file).unwrap().load_model(model).unwrap();
-                    let mut writer =
-                        crate::dcp::CheckpointWriter::new(&save, device.rank(), mesh.world_size())
-                            .unwrap();
+                    let mut writer = wildfire_checkpoint::dcp::CheckpointWriter::new(
+                        &save,
+                        device.rank(),
+                        mesh.world_size(),
+                    )
+                    .unwrap();
                     device
                         .context()
                         .comm()
                         .barrier(wildfire_parallel::Group::World)
                         .unwrap();
                     let snapshot =
-                        crate::dcp::Snapshot::take::<Dist, _, burn::optim::AdamW>(&model, None)
-                            .unwrap();
+                        wildfire_checkpoint::dcp::Snapshot::take::<Dist, _, burn::optim::AdamW>(
+                            &model, None,
+                        )
+                        .unwrap();
                     writer.save(snapshot, 1, Vec::new()).unwrap();
                     writer.wait().unwrap();
-                    crate::safetensors::named_parameters(&model)
+                    wildfire_checkpoint::safetensors::named_parameters(&model)
                 },
             )
             .unwrap();
@@ -332,7 +337,7 @@ mod tests {
             let exported = dir.join(format!("export-{dp}-{tp}.safetensors"));
             let checkpoint = Checkpoint::open(save.join("step-00000001")).unwrap();
             export_gpt2(&checkpoint, &exported).unwrap();
-            let back = crate::safetensors::read(&exported).unwrap();
+            let back = wildfire_checkpoint::safetensors::read(&exported).unwrap();
             assert_eq!(back.len(), 4 + 12 * layers);
             for (name, (shape, values)) in &back {
                 match name.as_str() {

@@ -40,7 +40,7 @@
 //!   validation metrics are the one-device metrics (FSDP's forward needs every rank anyway); the
 //!   training loss rank 0 shows is the loss of its own part of the batch.
 //! - Checkpoints ([`LearnerRank::with_checkpoints`]) are the distributed checkpoint
-//!   (`wildfire_models::dcp`): at each epoch's end every rank writes its own pieces of the model
+//!   (`wildfire_checkpoint::dcp`): at each epoch's end every rank writes its own pieces of the model
 //!   and of the optimizer state, in the background, atomically; [`LearnerRank::resume_from`]
 //!   (or Burn's `.checkpoint(epoch)`) continues from an epoch on any layout, the learning-rate
 //!   schedule replayed to where it was. Burn's file checkpointer would serialise sharded
@@ -79,8 +79,8 @@ use burn::train::{
     InferenceStep, Learner, LearnerSummary, LearningComponentsMarker, LearningResult,
     SupervisedTraining, TrainStep, TrainingStrategy,
 };
-use wildfire_models::checkpoint::CheckpointDir;
-use wildfire_models::dcp::Checkpoint;
+use wildfire_checkpoint::CheckpointDir;
+use wildfire_checkpoint::dcp::Checkpoint;
 use wildfire_parallel::{
     DistDevice, Distributed, DistributedBackend, Layout, StateCodec, dtensor, map_value,
     redistribute,
@@ -114,7 +114,7 @@ pub enum LearnerError {
     Parallel(#[from] wildfire_parallel::Error),
     /// A checkpoint that cannot be read or written.
     #[error(transparent)]
-    Checkpoint(#[from] wildfire_models::Error),
+    Checkpoint(#[from] wildfire_checkpoint::Error),
     /// A setting that cannot work.
     #[error("{0}")]
     Config(String),

@@ -17,8 +17,8 @@ use burn::train::{
     TrainingComponents, TrainingItem, ValidLoader,
 };
 use serde::{Deserialize, Serialize};
-use wildfire_models::checkpoint::{CheckpointDir, ParamRecords};
-use wildfire_models::dcp::{Checkpoint, CheckpointWriter, Snapshot};
+use wildfire_checkpoint::dcp::{Checkpoint, CheckpointWriter, Snapshot};
+use wildfire_checkpoint::{CheckpointDir, ParamRecords};
 use wildfire_parallel::{DistDevice, Distributed, Group, ReduceOp, StateCodec};
 
 use super::handoff::Handoff;

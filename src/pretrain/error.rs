@@ -44,7 +44,23 @@ impl From<wildfire_models::Error> for PretrainError {
             M::Io { path, source } => PretrainError::Io { path, source },
             M::Invalid { path, reason } => PretrainError::Checkpoint { path, reason },
             M::Parallel(e) => PretrainError::Parallel(e),
+            M::Checkpoint(e) => e.into(),
             e => PretrainError::Models(e),
+        }
+    }
+}
+
+/// A checkpoint error is the run's `Io` or `Checkpoint`, as the models crate's file errors.
+impl From<wildfire_checkpoint::Error> for PretrainError {
+    fn from(e: wildfire_checkpoint::Error) -> Self {
+        use wildfire_checkpoint::Error as C;
+        match e {
+            C::Io { path, source } => PretrainError::Io { path, source },
+            C::Invalid { path, reason } => PretrainError::Checkpoint { path, reason },
+            C::Missing { path } => PretrainError::Checkpoint {
+                path,
+                reason: "not found: name a step directory, or the root for its latest step".into(),
+            },
         }
     }
 }

@@ -4,7 +4,7 @@
 //! function, [`run`], that the binary and the tests call alike.
 //!
 //! The pieces it puts together live with their concern: metrics and the log line in
-//! `wildfire_engine::metrics`, checkpoint files in `wildfire_models::checkpoint`, the memory
+//! `wildfire_engine::metrics`, checkpoint files in `wildfire_checkpoint`, the memory
 //! estimate in `wildfire_models::memory`, launcher detection in `wildfire_parallel::LaunchEnv`.
 
 mod config;
@@ -30,12 +30,12 @@ use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::time::Instant;
+use wildfire_checkpoint::dcp::{Checkpoint, CheckpointWriter, Snapshot};
+use wildfire_checkpoint::{CheckpointDir, ParamRecords};
 use wildfire_engine::metrics::{MetricsLog, mean_over_ranks, peak_rss};
 use wildfire_engine::{DynamicLossScaler, LossScalerConfig, StepRunner, StepRunnerConfig};
 use wildfire_kernels::FusedOps;
-use wildfire_models::checkpoint::{CheckpointDir, ParamRecords};
 use wildfire_models::data::{BatchSampler, DataSource, TokenDataset, TokenSlice, Tokenizer};
-use wildfire_models::dcp::{Checkpoint, CheckpointWriter, Snapshot};
 use wildfire_models::gpt::{Gpt, GptConfig};
 use wildfire_models::parallelize::{init_gpt, parallelize_gpt};
 use wildfire_parallel::{

@@ -110,7 +110,7 @@ pub fn plot_losses(path: &Path, steps: &[StepMetrics]) -> Result<(), PretrainErr
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     }
-    wildfire_models::io::write_atomic(path, &png_bytes).map_err(io_err(path))
+    wildfire_checkpoint::io::write_atomic(path, &png_bytes).map_err(io_err(path))
 }
 
 #[cfg(test)]

@@ -3,8 +3,8 @@
 
 use super::*;
 use burn::optim::record::AdaptorRecord;
+use wildfire_checkpoint::dcp::SaveReport;
 use wildfire_engine::StepRecord;
-use wildfire_models::dcp::SaveReport;
 use wildfire_parallel::{RankContext, RankPolicy, StateCodec};
 
 type A<B> = Autodiff<Distributed<B>>;

@@ -58,5 +58,5 @@ pub fn chrome_trace(ranks: &[(usize, Vec<TraceEvent>)]) -> Value {
 /// Write the trace of `ranks` to `path` (atomically).
 pub fn write_trace(path: &Path, ranks: &[(usize, Vec<TraceEvent>)]) -> std::io::Result<()> {
     let bytes = serde_json::to_vec(&chrome_trace(ranks)).map_err(std::io::Error::other)?;
-    wildfire_models::io::write_atomic(path, &bytes)
+    wildfire_checkpoint::io::write_atomic(path, &bytes)
 }

@@ -330,7 +330,7 @@ fn full_shard_collectives_per_step_match_the_plan() {
 #[test]
 fn distributed_checkpoint_reshards_a_stock_model() {
     use burn::optim::AdamW;
-    use wildfire::models::dcp::{Checkpoint, CheckpointWriter, Snapshot};
+    use wildfire::checkpoint::dcp::{Checkpoint, CheckpointWriter, Snapshot};
     let root = std::env::temp_dir().join(format!("wildfire-dcp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     let mesh = DeviceMesh::new([("dp", 2)]).unwrap();

@@ -8,12 +8,12 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
+use wildfire::checkpoint::dcp::{Checkpoint, CheckpointWriter, Snapshot};
 use wildfire::demo::{
     Classifier, EncoderClassifier, EncoderClassifierConfig, SyntheticTask, deterministic_init,
     parameters,
 };
 use wildfire::engine::AdafactorConfig;
-use wildfire::models::dcp::{Checkpoint, CheckpointWriter, Snapshot};
 use wildfire::parallel::{
     DeviceMesh, FsdpOptimizer, FsdpStrategy, Group, Placement, StateShape, dtensor, fully_shard,
     state_layout, sync_gradients,
@@ -218,12 +218,12 @@ fn adafactor_sharded_matches_one_device() {
 /// reduced over the sharded rows — replicated.
 fn check_factored_layouts(
     model: &EncoderClassifier<Dist>,
-    records: &wildfire::models::checkpoint::ParamRecords<
+    records: &wildfire::checkpoint::ParamRecords<
         burn::optim::record::AdaptorRecord<wildfire::engine::Adafactor, Dist>,
     >,
 ) -> usize {
     struct Check<'a> {
-        records: &'a wildfire::models::checkpoint::ParamRecords<
+        records: &'a wildfire::checkpoint::ParamRecords<
             burn::optim::record::AdaptorRecord<wildfire::engine::Adafactor, Dist>,
         >,
         matrices: usize,

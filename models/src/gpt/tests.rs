@@ -72,7 +72,7 @@ fn attention_is_causal() {
 fn safetensors_round_trip_by_name() {
     let config = tiny();
     let model = config.init::<Flex>(&Default::default()).unwrap();
-    let names: Vec<String> = crate::safetensors::named_parameters(&model)
+    let names: Vec<String> = wildfire_checkpoint::safetensors::named_parameters(&model)
         .into_iter()
         .map(|(n, _, _)| n)
         .collect();
@@ -83,17 +83,17 @@ fn safetensors_round_trip_by_name() {
     );
     let path =
         std::env::temp_dir().join(format!("wildfire-gpt-{}.safetensors", std::process::id()));
-    crate::safetensors::save(&model, &path).unwrap();
+    wildfire_checkpoint::safetensors::save(&model, &path).unwrap();
     let other = GptConfig {
         init_seed: 99,
         ..config.clone()
     }
     .init::<Flex>(&Default::default())
     .unwrap();
-    let loaded = crate::safetensors::load(other, &path).unwrap();
+    let loaded = wildfire_checkpoint::safetensors::load(other, &path).unwrap();
     assert_eq!(
-        crate::safetensors::named_parameters(&loaded),
-        crate::safetensors::named_parameters(&model)
+        wildfire_checkpoint::safetensors::named_parameters(&loaded),
+        wildfire_checkpoint::safetensors::named_parameters(&model)
     );
     let wider = GptConfig {
         n_embd: 64,
@@ -101,7 +101,7 @@ fn safetensors_round_trip_by_name() {
     }
     .init::<Flex>(&Default::default())
     .unwrap();
-    let err = crate::safetensors::load(wider, &path).unwrap_err();
+    let err = wildfire_checkpoint::safetensors::load(wider, &path).unwrap_err();
     assert!(err.to_string().contains("same shape"), "{err}");
     std::fs::remove_file(&path).unwrap();
 }
@@ -126,17 +126,18 @@ fn stage_names_are_the_whole_model_names() {
     );
     // Every name a stage saves is a name of the whole model, and together they are all of
     // them, each once.
-    let whole: Vec<String> =
-        crate::safetensors::named_parameters(&config.init::<Flex>(&Default::default()).unwrap())
-            .into_iter()
-            .map(|(n, _, _)| n)
-            .collect();
+    let whole: Vec<String> = wildfire_checkpoint::safetensors::named_parameters(
+        &config.init::<Flex>(&Default::default()).unwrap(),
+    )
+    .into_iter()
+    .map(|(n, _, _)| n)
+    .collect();
     let mut saved = Vec::new();
     for (blocks, first, last) in [(0..1, true, false), (1..2, false, true)] {
         let stage = config
             .init_stage::<Flex>(&Default::default(), blocks, first, last)
             .unwrap();
-        for (name, _, _) in crate::safetensors::named_parameters(&stage) {
+        for (name, _, _) in wildfire_checkpoint::safetensors::named_parameters(&stage) {
             saved.extend(stage.saved_name(&name));
         }
     }

@@ -514,7 +514,7 @@ fn write_cache(
     if let Some(dir) = cache.parent().filter(|d| !d.as_os_str().is_empty()) {
         fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     }
-    crate::io::write_atomic_with(cache, |out| {
+    wildfire_checkpoint::io::write_atomic_with(cache, |out| {
         out.write_all(&header)?;
         let mut buf = Vec::with_capacity(width * 65536);
         for chunk in tokens.chunks(65536) {

@@ -21,7 +21,7 @@ use super::{
     state_key,
 };
 use crate::Error;
-use crate::checkpoint::{CheckpointDir, ParamRecords};
+use crate::{CheckpointDir, ParamRecords};
 
 /// Reads a piece's values (on the writer thread).
 type ReadPiece = Box<dyn FnOnce() -> Vec<f32> + Send>;

@@ -18,7 +18,7 @@ use wildfire_parallel::{
 
 use super::{FORMAT, Metadata, PieceMeta, box_dims, copy_box, model_key, state_key};
 use crate::Error;
-use crate::checkpoint::ParamRecords;
+use crate::ParamRecords;
 
 /// A distributed checkpoint opened for loading: its metadata, checked against its files.
 pub struct Checkpoint {
@@ -64,7 +64,9 @@ impl Checkpoint {
         Ok(Self::new(dir, meta))
     }
 
-    pub(crate) fn new(dir: PathBuf, meta: Metadata) -> Self {
+    /// A checkpoint of `meta` in `dir`, unchecked (an import builds the metadata of files
+    /// written elsewhere: [`PieceMeta::key`] names each piece in its file).
+    pub fn new(dir: PathBuf, meta: Metadata) -> Self {
         Self {
             dir,
             meta,
@@ -255,7 +257,7 @@ impl Checkpoint {
 /// The data files and their safetensors headers, opened on first use; pieces are read with
 /// positioned reads (no mapping: the file's pages never count in the process's resident set).
 #[derive(Default)]
-pub(crate) struct Reader {
+pub struct Reader {
     files: BTreeMap<String, (fs::File, u64, BTreeMap<String, HeaderEntry>)>,
     /// Bytes of tensor data read so far.
     pub(crate) bytes_read: u64,
@@ -263,7 +265,7 @@ pub(crate) struct Reader {
 
 /// A safetensors file opened for positioned reads: the file, where its data starts, and its
 /// header's tensors (name → entry).
-pub(crate) fn open_safetensors(
+pub fn open_safetensors(
     path: &Path,
 ) -> Result<(fs::File, u64, BTreeMap<String, HeaderEntry>), Error> {
     use std::io::Read;
@@ -299,20 +301,17 @@ pub(crate) fn open_safetensors(
 
 /// One tensor's entry in a safetensors header.
 #[derive(serde::Deserialize)]
-pub(crate) struct HeaderEntry {
-    pub(crate) dtype: String,
-    pub(crate) shape: Vec<usize>,
+pub struct HeaderEntry {
+    /// Its element type (`F32`, `BF16`, …).
+    pub dtype: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
     data_offsets: [u64; 2],
 }
 
 impl Reader {
     /// The values of `piece` of tensor `name`, whole, checked against its checksums.
-    pub(crate) fn piece(
-        &mut self,
-        dir: &Path,
-        name: &str,
-        piece: &PieceMeta,
-    ) -> Result<Vec<f32>, Error> {
+    pub fn piece(&mut self, dir: &Path, name: &str, piece: &PieceMeta) -> Result<Vec<f32>, Error> {
         let size = box_dims(&piece.start, &piece.end);
         self.read_box(dir, name, piece, &vec![0; size.len()], &size)
     }
@@ -320,7 +319,7 @@ impl Reader {
     /// The box `size` at `at` (in the piece's own indices) of `piece` of tensor `name`, row-major:
     /// reads only the checksum chunks that hold its bytes (every byte it reads is checked), or,
     /// for a piece without checksums (an imported file), only its bytes.
-    pub(crate) fn read_box(
+    pub fn read_box(
         &mut self,
         dir: &Path,
         name: &str,

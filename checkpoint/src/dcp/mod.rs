@@ -4,7 +4,7 @@
 //! mesh and strategy loads onto another, each rank reading (memory-mapped) only the pieces that
 //! overlap its own, each piece checked against its CRC-32.
 //!
-//! On disk, the checkpoint of step `N` under `root` (see [`crate::checkpoint::CheckpointDir`]):
+//! On disk, the checkpoint of step `N` under `root` (see [`crate::CheckpointDir`]):
 //!
 //! ```text
 //! root/step-0000000N/
@@ -34,7 +34,7 @@ use wildfire_parallel::{DeviceMesh, for_each_row};
 mod load;
 mod save;
 
-pub(crate) use load::{Reader, open_safetensors};
+pub use load::{HeaderEntry, Reader, open_safetensors};
 
 pub use load::Checkpoint;
 pub use save::{CheckpointWriter, SaveReport, Snapshot};
@@ -140,7 +140,7 @@ pub(crate) fn rank_file(rank: usize, ext: &str) -> String {
 /// Write a safetensors file of F32 tensors at `path` atomically, streaming: the header from the
 /// names and shapes, then each tensor's values as `next(i)` gives them (one tensor in memory at
 /// a time), each also passed to `seen(i, bytes)` (for a checksum). Returns the file's length.
-pub(crate) fn write_streamed(
+pub fn write_streamed(
     path: &std::path::Path,
     tensors: &[(String, Vec<usize>)],
     mut next: impl FnMut(usize) -> std::io::Result<Vec<f32>>,
@@ -179,7 +179,7 @@ pub(crate) fn write_streamed(
 }
 
 /// `values` as little-endian bytes (borrowed on a little-endian machine).
-pub(crate) fn le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+pub fn le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
     if cfg!(target_endian = "little") {
         std::borrow::Cow::Borrowed(bytemuck::cast_slice(values))
     } else {
@@ -189,7 +189,7 @@ pub(crate) fn le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
 
 /// Copy the box `size` from `src` (row-major, shape `src_shape`, box at `src_at`) to `dst`
 /// (shape `dst_shape`, box at `dst_at`), a contiguous run per innermost row.
-pub(crate) fn copy_box(
+pub fn copy_box(
     src: &[f32],
     src_shape: &[usize],
     src_at: &[usize],
@@ -211,7 +211,7 @@ pub(crate) fn copy_box(
 }
 
 /// The size of the box `start..end` per dimension.
-pub(crate) fn box_dims(start: &[usize], end: &[usize]) -> Vec<usize> {
+pub fn box_dims(start: &[usize], end: &[usize]) -> Vec<usize> {
     start.iter().zip(end).map(|(s, e)| e - s).collect()
 }
 
