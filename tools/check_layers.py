@@ -18,7 +18,7 @@ CRATES = ["parallel/src", "kernels/src", "engine/src", "checkpoint/src", "models
 # The crate whose layering is checked (set per crate by `main`).
 LAYERED = ROOT / "parallel/src"
 SRC = LAYERED
-LAYERS = [["error", "params"], ["mesh"], ["comm"], ["placement"], ["policy"], ["device"], ["collectives"],
+LAYERS = [["error", "params"], ["mesh"], ["dims"], ["comm"], ["placement"], ["policy"], ["device"], ["collectives"],
           ["tensor"],
           ["backend"], ["data_parallel"], ["fsdp", "tensor_parallel", "pipeline"], ["optim_state"], ["launch"], ["ranks"]]
 LAYER = {m: i for i, group in enumerate(LAYERS) for m in group}

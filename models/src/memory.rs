@@ -78,12 +78,9 @@ pub fn estimate(
     compute: Option<FloatDType>,
 ) -> MemoryEstimate {
     use FsdpStrategy as S;
-    let t = parallel.tp.max(1);
-    let n = match parallel.fsdp {
-        S::Hybrid => parallel.dp_shard.unwrap_or(parallel.dp),
-        _ => parallel.dp,
-    }
-    .max(1);
+    let dims = parallel.dims();
+    let t = dims.tp.max(1);
+    let n = dims.shard_degree().max(1);
     let pieces = local_pieces(model, t);
     let local: usize = pieces.iter().map(|p| p.rows * p.cols).sum();
     let sharded: usize = pieces.iter().map(|p| p.rows.div_ceil(n) * p.cols).sum();
@@ -96,7 +93,7 @@ pub fn estimate(
     let activation_bytes = activation_bytes(
         model,
         parallel,
-        batch_size / parallel.dp.max(1),
+        batch_size / dims.data_degree().max(1),
         compute.is_some_and(|c| burn::tensor::DType::from(c).size() == 2),
     );
     MemoryEstimate {

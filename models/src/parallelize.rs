@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 use std::ops::Range;
 use wildfire_parallel::pipeline::{Schedule, ScheduleKind};
 use wildfire_parallel::{
-    DeviceMesh, DistributedBackend, TpPlan, TpStyle, fully_shard, planned_layouts, tensor_parallel,
+    DeviceMesh, DistributedBackend, ParallelDims, TpPlan, TpStyle, fully_shard, planned_layouts,
+    tensor_parallel,
 };
 
 /// The data-parallel strategy: `wildfire_parallel::FsdpStrategy`, parsed from the names users
@@ -130,28 +131,34 @@ impl ParallelConfig {
         }
     }
 
-    /// Ranks in all: every mesh axis (`dp × pp × tp`).
-    pub fn world_size(&self) -> usize {
-        self.dp * self.pp.max(1) * self.tp
+    /// The run's parallel degrees: `--dp` is `dp_replicate × dp_shard` (HSDP: `--dp-shard` ranks
+    /// per shard group), with `--pp`, `--tp` and `--sp`. Unchecked: [`Self::check_available`]
+    /// checks the flags, the mesh ([`Self::mesh`]) the degrees.
+    pub fn dims(&self) -> ParallelDims {
+        let shard = match self.fsdp {
+            FsdpStrategy::Hybrid => self.dp_shard.unwrap_or(self.dp).max(1),
+            _ => self.dp,
+        };
+        ParallelDims {
+            dp_replicate: self.dp / shard.max(1),
+            dp_shard: shard,
+            pp: self.pp.max(1),
+            tp: self.tp,
+            sp: self.sp,
+            ..ParallelDims::default()
+        }
     }
 
-    /// The device mesh: `dp × tp`, or `dp_replicate × dp_shard × tp` for HSDP (axes of size 1
-    /// kept, so layouts have a fixed shape); with `pp > 1` a `pp` axis before `tp`.
+    /// Ranks in all: every mesh axis (`dp × pp × tp`).
+    pub fn world_size(&self) -> usize {
+        self.dims().world_size()
+    }
+
+    /// The device mesh of [`Self::dims`]: `dp × tp`, or `dp_replicate × dp_shard × tp` for HSDP
+    /// (a `tp` of size 1 kept, so layouts have a fixed shape); with `pp > 1` a `pp` axis before
+    /// `tp`.
     pub fn mesh(&self) -> Result<DeviceMesh, wildfire_parallel::Error> {
-        let mut axes = if self.fsdp == FsdpStrategy::Hybrid {
-            let shard = self.dp_shard.unwrap_or(self.dp);
-            vec![
-                ("dp_replicate", self.dp / shard.max(1)),
-                ("dp_shard", shard),
-            ]
-        } else {
-            vec![("dp", self.dp)]
-        };
-        if self.pp > 1 {
-            axes.push(("pp", self.pp));
-        }
-        axes.push(("tp", self.tp));
-        DeviceMesh::new(axes)
+        self.dims().validate()?.mesh()
     }
 
     /// The pipeline schedule of `--pp`, `--pp-schedule`, `--microbatches` and `--pp-virtual`.

@@ -104,6 +104,12 @@ pub enum Error {
         /// The mesh's axis names, comma separated.
         axes: String,
     },
+    /// Parallel degrees that do not fit together ([`crate::ParallelDims::validate`]).
+    #[error("parallel degrees: {reason}")]
+    InvalidDims {
+        /// What does not fit, and what to choose.
+        reason: String,
+    },
     /// A deserialised axis whose recorded kind contradicts its name.
     #[error("mesh axis \"{name}\" is recorded as {kind}, but that name is a {expected} axis")]
     WrongKind {

@@ -16,13 +16,14 @@
 
 // Layers, bottom to top: a module imports only from the layers below it (`tests.rs` from any).
 //
-//   error, params → mesh → comm → placement → policy → device → collectives → tensor → backend
-//        → data_parallel → fsdp, tensor_parallel, pipeline → optim_state → launch → ranks
+//   error, params → mesh, dims → comm → placement → policy → device → collectives → tensor
+//        → backend → data_parallel → fsdp, tensor_parallel, pipeline → optim_state → launch → ranks
 //
 // - error: the crate's one error type (and `CollectiveKind`, which it names), plain data only;
 //   params: walks over a Burn module's parameters with their paths (Burn only).
-// - mesh, comm: the device mesh; the communicators (host buffers, and the device-collectives
-//   trait) — they know nothing of ranks' devices.
+// - mesh, dims, comm: the device mesh; the run's parallel degrees (`ParallelDims`) and the mesh
+//   they make; the communicators (host buffers, and the device-collectives trait) — they know
+//   nothing of ranks' devices.
 // - placement: layouts (`Placement` per mesh axis).
 // - policy: what the strategies tell the backend, as a value the rank holds.
 // - device: `DistDevice` and its `RankContext`; collectives: a rank's collectives on its device
@@ -44,6 +45,7 @@ mod collectives;
 pub mod comm;
 mod data_parallel;
 mod device;
+mod dims;
 mod error;
 mod fsdp;
 pub mod launch;
@@ -74,13 +76,14 @@ pub use data_parallel::{
 pub use device::{
     DeferredWeights, DistDevice, MemoryReport, OpCounters, PrefetchStats, RankContext,
 };
+pub use dims::ParallelDims;
 pub use error::{CollectiveKind, Error};
 pub use fsdp::{
     FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, init_sharded, optimizer_state_layout,
     parameter_bytes, planned_layouts, prefetch_parameters,
 };
 pub use launch::{LaunchEnv, LaunchOptions, Launcher, launch};
-pub use mesh::{AxisKind, DeviceMesh, MeshAxis, PIPELINE_AXIS};
+pub use mesh::{AxisKind, CONTEXT_AXIS, DeviceMesh, MeshAxis, PIPELINE_AXIS};
 pub use optim_state::{
     EncodedState, StateCodec, StateShape, StateSpec, adamw_specs, decode_adamw, encode_adamw,
     state_layout,

@@ -16,10 +16,13 @@ use crate::error::Error;
 /// What a mesh axis is used for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum AxisKind {
-    /// Data parallelism (DDP, FSDP, HSDP): every rank on the axis sees different batch data.
+    /// Data parallelism (DDP, FSDP, HSDP, and the expert axis taken from its ranks): every rank
+    /// on the axis sees different batch data. Parameters are replicated or sharded over it and
+    /// gradients reduced over it. The context axis ([`CONTEXT_AXIS`]) is one too, its ranks
+    /// seeing different positions of the same rows.
     Data,
-    /// Model parallelism (tensor, sequence, context, expert, pipeline): ranks on the axis hold
-    /// different pieces of the model and see the same batch data.
+    /// Model parallelism (tensor, pipeline): ranks on the axis hold different pieces of the model
+    /// and see the same batch data.
     Model,
 }
 
@@ -27,16 +30,21 @@ pub enum AxisKind {
 /// on one of them, so a sum over the mesh counts it once there, never as replicated).
 pub const PIPELINE_AXIS: &str = "pp";
 
-/// The accepted axis names and their roles, in the order error messages list them.
-const AXIS_NAMES: [(&str, AxisKind); 8] = [
+/// The name of the context-parallel axis: a data axis whose ranks read the same rows (each holds
+/// a part of every sequence), so [`DeviceMesh::data_index`] does not count it.
+pub const CONTEXT_AXIS: &str = "cp";
+
+/// The accepted axis names and their roles, in the order error messages list them (see
+/// [`crate::ParallelDims`] for what each splits). Sequence parallelism is a mode of `tp`, not an
+/// axis; `ep` is a split of the data-sharding ranks.
+const AXIS_NAMES: [(&str, AxisKind); 7] = [
     ("dp", AxisKind::Data),
     ("dp_replicate", AxisKind::Data),
     ("dp_shard", AxisKind::Data),
+    ("ep", AxisKind::Data),
+    (CONTEXT_AXIS, AxisKind::Data),
     ("tp", AxisKind::Model),
-    ("sp", AxisKind::Model),
-    ("cp", AxisKind::Model),
-    ("ep", AxisKind::Model),
-    ("pp", AxisKind::Model),
+    (PIPELINE_AXIS, AxisKind::Model),
 ];
 
 impl AxisKind {
@@ -52,7 +60,7 @@ impl AxisKind {
 /// One axis of a [`DeviceMesh`].
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct MeshAxis {
-    /// The axis name, one of `dp`, `dp_replicate`, `dp_shard`, `tp`, `sp`, `cp`, `ep`, `pp`.
+    /// The axis name, one of `dp`, `dp_replicate`, `dp_shard`, `ep`, `cp`, `tp`, `pp`.
     pub name: String,
     /// How many ranks lie along the axis (at least 1).
     pub size: usize,
@@ -299,9 +307,10 @@ impl DeviceMesh {
         (rank / self.stride(axis)) % self.axes[axis].size
     }
 
-    /// `rank`'s index among the data-parallel ranks, row-major over the data axes, and their
-    /// number (the product of the data axes): the ranks of one model-parallel group (tensor,
-    /// pipeline) share an index, so they read the same rows.
+    /// `rank`'s index among the data-parallel ranks, row-major over the data axes but the
+    /// context axis, and their number (the product of those axes): the ranks of one
+    /// model-parallel group (tensor, pipeline) and of one context-parallel group share an index,
+    /// so they read the same rows.
     ///
     /// # Panics
     /// If `rank` is out of range.
@@ -310,7 +319,7 @@ impl DeviceMesh {
         self.axes
             .iter()
             .zip(coords)
-            .filter(|(axis, _)| axis.kind == AxisKind::Data)
+            .filter(|(axis, _)| axis.kind == AxisKind::Data && axis.name != CONTEXT_AXIS)
             .fold((0, 1), |(index, size), (axis, coord)| {
                 (index * axis.size + coord, size * axis.size)
             })
@@ -382,18 +391,11 @@ mod tests {
             }
         );
         let message = err.to_string();
-        for name in [
-            "dp",
-            "dp_replicate",
-            "dp_shard",
-            "tp",
-            "sp",
-            "cp",
-            "ep",
-            "pp",
-        ] {
+        for name in ["dp", "dp_replicate", "dp_shard", "ep", "cp", "tp", "pp"] {
             assert!(message.contains(name), "{message}");
         }
+        // Sequence parallelism is a mode of tp, not an axis.
+        assert!(DeviceMesh::new([("sp", 2)]).is_err());
         assert_eq!(
             DeviceMesh::new([("dp", 2), ("dp", 2)]).unwrap_err(),
             Error::DuplicateAxis { name: "dp".into() }

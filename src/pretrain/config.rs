@@ -436,9 +436,8 @@ impl PretrainConfig {
             return Ok(());
         };
         let (world, tp) = (env.world_size, self.parallel.tp.max(1));
-        let model = tp * self.parallel.pp.max(1);
-        if !dp_given && world.is_multiple_of(model) {
-            self.parallel.dp = world / model;
+        if !dp_given && let Some(dp) = self.parallel.dims().data_degree_of(world) {
+            self.parallel.dp = dp;
         }
         let mesh = self.parallel.world_size();
         if mesh != world {
