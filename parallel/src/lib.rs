@@ -94,9 +94,12 @@ pub use params::{
 };
 pub use placement::{Layout, Placement, create_replicated, for_each_row};
 pub use policy::{GradientReduction, RankPolicy, ShardingPolicy};
+pub use ranks::{
+    Collectives, DeviceLaunch, HostLaunch, JobSpec, Launch, Launched, check_job, launch_job,
+    launch_ranks, launch_ranks_on,
+};
 #[cfg(feature = "cuda")]
-pub use ranks::launch_ranks_rendezvous;
-pub use ranks::{launch_ranks, launch_ranks_on};
+pub use ranks::{NcclLaunch, launch_ranks_rendezvous};
 #[cfg(feature = "mpi")]
 pub use ranks::{launch_ranks_hybrid, launch_ranks_mpi};
 pub use tensor::DTensor;

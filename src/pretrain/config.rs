@@ -10,7 +10,8 @@ use std::path::PathBuf;
 use wildfire_models::data::TokenizerKind;
 use wildfire_models::gpt::{GptConfig, Preset};
 use wildfire_models::parallelize::ParallelConfig;
-use wildfire_parallel::{LaunchEnv, Launcher};
+use wildfire_parallel::LaunchEnv;
+pub use wildfire_parallel::{Collectives, Launch};
 
 /// Numeric precision of the compute.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -33,38 +34,6 @@ impl Precision {
             Precision::F16 => Some(FloatDType::F16),
         }
     }
-}
-
-/// What carries the collectives of the training tensors.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Collectives {
-    /// The host communicator: ranks as threads, or MPI between processes.
-    #[default]
-    Host,
-    /// NCCL on the ranks' CUDA devices, bootstrapped over the host communicator (feature
-    /// `cuda`, `--backend cuda`): rank `r` of a process uses GPU `r` (its local rank under MPI).
-    Nccl,
-    /// The device-collectives path that NCCL takes (every redistribution handed the backend's
-    /// tensors, asynchronous calls issued through it), carried by the host communicator and
-    /// staged through host memory ([`wildfire_parallel::HostStaged::queued`]): any backend,
-    /// the host path's results bit for bit. For testing that path without GPUs.
-    Staged,
-}
-
-/// How the ranks run.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Launch {
-    /// One thread per rank in this process.
-    #[default]
-    Threads,
-    /// This process is one rank of the job `mpirun` / `srun` started (feature `mpi`); the mesh
-    /// must have as many ranks as the job has processes.
-    Mpi,
-    /// This process is one rank of a torchrun-style launch (`MASTER_ADDR`, `MASTER_PORT`,
-    /// `RANK`, `WORLD_SIZE`, `LOCAL_RANK`), with no MPI: NCCL on CUDA carries everything
-    /// (feature `cuda`, `--collectives nccl`; the caller passes `RankHooks::launch`).
-    Rendezvous,
 }
 
 /// Everything a pretraining run needs: the binary's flags, stored in every checkpoint.
@@ -255,7 +224,12 @@ pub struct PretrainConfig {
     /// one per rank, the rank's local index; needs --backend cuda), or staged (the device
     /// path over the host communicator, for testing it).
     #[serde(default)]
-    #[arg(long, value_enum, default_value_t = Collectives::Host, help_heading = "Run")]
+    #[arg(
+        long,
+        default_value = "host",
+        value_parser = |s: &str| s.parse::<Collectives>(),
+        help_heading = "Run"
+    )]
     pub collectives: Collectives,
     /// Ranks as threads: model an axis's links, `AXIS=BANDWIDTH,LATENCY` (`dp=25GB/s,5us`) or
     /// `AXIS=nvlink|infiniband|ethernet`, so its collectives take the time they would on them;
@@ -446,10 +420,7 @@ impl PretrainConfig {
                 env.launcher, self.parallel.dp, self.parallel.pp
             )));
         }
-        self.launch = match env.launcher {
-            Launcher::Torchrun => Launch::Rendezvous,
-            _ => Launch::Mpi,
-        };
+        self.launch = Launch::of(Some(&env));
         Ok(())
     }
 }

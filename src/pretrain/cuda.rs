@@ -1,15 +1,16 @@
 //! Pretraining on Burn's CUDA backend (feature `cuda`): which collectives carry the run, chosen
 //! here rather than by the binary, so the choice moves with the launcher.
 
-use super::{PretrainConfig, PretrainError, RankHooks, RunSummary, run_on_with};
+use super::{PretrainConfig, PretrainError, RunSummary, run_on_with};
 
 /// Burn's CUDA backend (wrapped in operation fusion with the feature `fusion`).
 type Cuda = burn::backend::Cuda;
 
 /// Run pretraining with `config` on Burn's CUDA backend, its collectives as
-/// [`PretrainConfig::collectives`] says ([`RankHooks::for_collectives`]): host and staged over
-/// the host communicator, every rank on the default GPU; NCCL installed on every rank, rank `r`
-/// of a process on GPU `r` (or, for a torchrun-style process, NCCL carrying everything).
+/// [`PretrainConfig::collectives`] says (the launch installs them: `wildfire_parallel::NcclLaunch`):
+/// host and staged over the host communicator, every rank on the default GPU; NCCL installed on
+/// every rank, rank `r` of a process on GPU `r` (or, for a torchrun-style process, NCCL carrying
+/// everything).
 /// Without libcuda this is a typed error ([`wildfire_parallel::Error::Cuda`]) before the device
 /// is first used, whatever the collectives. NCCL needs Burn's CUDA backend without operation
 /// fusion (a build without the feature `fusion`).
@@ -24,19 +25,8 @@ pub fn run_cuda(config: &PretrainConfig) -> Result<RunSummary, PretrainError> {
     let device = Default::default();
     #[cfg(not(feature = "fusion"))]
     {
-        use super::RankBody;
-        use wildfire_parallel::{
-            DeviceMesh, DistDevice, NcclCommunicator, NcclOptions, launch_ranks_rendezvous,
-        };
-        // Ranks as threads or MPI processes: NCCL over the host communicator's bootstrap.
-        let setup =
-            |d: &DistDevice<Cuda>| NcclCommunicator::install(d, NcclOptions::default()).map(|_| ());
-        // A torchrun-style process: NCCL is the only communicator.
-        let launch = |mesh: &DeviceMesh, body: &mut RankBody<'_, Cuda>| {
-            launch_ranks_rendezvous(mesh, &NcclOptions::default(), body)
-        };
-        let hooks = RankHooks::<Cuda>::for_collectives(config, &setup, &launch);
-        run_on_with::<Cuda>(config, &device, &hooks)
+        let nccl = wildfire_parallel::NcclLaunch::default();
+        run_on_with::<Cuda, _>(config, &device, &nccl)
     }
     #[cfg(feature = "fusion")]
     {
@@ -47,7 +37,7 @@ pub fn run_cuda(config: &PretrainConfig) -> Result<RunSummary, PretrainError> {
                     .into(),
             ));
         }
-        run_on_with::<Cuda>(config, &device, &RankHooks::default())
+        run_on_with::<Cuda, _>(config, &device, &wildfire_parallel::HostLaunch)
     }
 }
 

@@ -39,66 +39,9 @@ use wildfire_models::data::{BatchSampler, DataSource, TokenDataset, TokenSlice, 
 use wildfire_models::gpt::{Gpt, GptConfig};
 use wildfire_models::parallelize::{init_gpt, parallelize_gpt};
 use wildfire_parallel::{
-    DeviceMesh, DistDevice, Distributed, FsdpOptimizer, LaunchOptions, launch_ranks_on,
-    parameter_bytes,
+    DeviceLaunch, DistDevice, Distributed, FsdpOptimizer, HostLaunch, JobSpec, LaunchOptions,
+    check_job, launch_job, parameter_bytes,
 };
-
-/// Called on every rank's device before training (e.g. to install NCCL collectives).
-pub type RankSetup<'a, B> =
-    dyn Fn(&DistDevice<B>) -> Result<(), wildfire_parallel::Error> + Sync + 'a;
-
-/// One rank's training, as handed to a [`ProcessLaunch`].
-pub type RankBody<'a, B> = dyn FnMut(DistDevice<B>) -> Result<RunSummary, PretrainError> + 'a;
-
-/// Runs this process's rank of `mesh` (its device made by the launcher) through the body
-/// ([`Launch::Rendezvous`]).
-pub type ProcessLaunch<'a, B> = dyn Fn(
-        &DeviceMesh,
-        &mut RankBody<'_, B>,
-    ) -> Result<Result<RunSummary, PretrainError>, wildfire_parallel::Error>
-    + 'a;
-
-/// What a backend-specific caller adds to [`run_on_with`].
-pub struct RankHooks<'a, B: Backend> {
-    /// Run on every rank's device before training.
-    pub setup: Option<&'a RankSetup<'a, B>>,
-    /// Starts this process's rank for [`Launch::Rendezvous`].
-    pub launch: Option<&'a ProcessLaunch<'a, B>>,
-}
-
-impl<B: Backend> Default for RankHooks<'_, B> {
-    fn default() -> Self {
-        Self {
-            setup: None,
-            launch: None,
-        }
-    }
-}
-
-impl<'a, B: Backend> RankHooks<'a, B> {
-    /// The hooks `config`'s collectives take from a backend that offers NCCL (`nccl_setup`
-    /// installs it on a rank's device, `nccl_launch` starts a torchrun-style process on it):
-    /// with [`Collectives::Nccl`], the launch for [`Launch::Rendezvous`] and the set-up for
-    /// ranks as threads or MPI processes; none for [`Collectives::Host`] and
-    /// [`Collectives::Staged`], which the run carries over the host communicator itself.
-    pub fn for_collectives(
-        config: &PretrainConfig,
-        nccl_setup: &'a RankSetup<'a, B>,
-        nccl_launch: &'a ProcessLaunch<'a, B>,
-    ) -> Self {
-        match (config.collectives, config.launch) {
-            (Collectives::Host | Collectives::Staged, _) => Self::default(),
-            (Collectives::Nccl, Launch::Rendezvous) => Self {
-                setup: None,
-                launch: Some(nccl_launch),
-            },
-            (Collectives::Nccl, Launch::Threads | Launch::Mpi) => Self {
-                setup: Some(nccl_setup),
-                launch: None,
-            },
-        }
-    }
-}
 
 /// What a run produced.
 #[derive(Clone, Debug, Default)]
@@ -206,26 +149,29 @@ pub fn run_on<B: FusedOps>(
     config: &PretrainConfig,
     device: &B::Device,
 ) -> Result<RunSummary, PretrainError> {
-    run_on_with::<B>(config, device, &RankHooks::default())
+    run_on_with::<B, _>(config, device, &HostLaunch)
 }
 
-/// [`run_on`] with backend-specific hooks: `setup` runs on every rank's device first, `launch`
-/// starts the rank of a [`Launch::Rendezvous`] process. With [`Collectives::Nccl`] the setup
-/// installs NCCL, and rank `r` of a process runs on the device `r` places after `device` (its
-/// local rank: one GPU per rank).
-pub fn run_on_with<B: FusedOps>(
+/// [`run_on`] with what the backend adds to a launch (`support`: NCCL on CUDA,
+/// `wildfire_parallel::NcclLaunch`). With [`Collectives::Nccl`] rank `r` of a process runs on the
+/// device `r` places after `device` (its local rank: one GPU per rank).
+pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     config: &PretrainConfig,
     device: &B::Device,
-    hooks: &RankHooks<'_, B>,
+    support: &D,
 ) -> Result<RunSummary, PretrainError> {
     // 1. Configuration: refuse what cannot run before any work.
     config.check()?;
-    if config.collectives == Collectives::Nccl && hooks.setup.is_none() && hooks.launch.is_none() {
-        return Err(PretrainError::Config(
-            "--collectives nccl runs on CUDA: build with --features cuda and pass --backend cuda"
-                .into(),
-        ));
-    }
+    let job = JobSpec {
+        mesh: config.parallel.mesh()?,
+        launch: config.launch,
+        collectives: config.collectives,
+        options: LaunchOptions {
+            links: config.links()?,
+            ..LaunchOptions::default()
+        },
+    };
+    check_job(&job, support)?;
     if let Some(dtype) = config.precision.reduced_dtype()
         && !B::supports_dtype(device, dtype.into())
     {
@@ -270,17 +216,8 @@ pub fn run_on_with<B: FusedOps>(
         Launch::Threads => open_metrics(0)?,
         Launch::Mpi | Launch::Rendezvous => None,
     };
-    // 3. Every rank: build, parallelize, train.
-    let setup = hooks.setup;
+    // 3. Every rank (its collectives installed by the launch): build, parallelize, train.
     let rank_body = |device: DistDevice<B>| -> Result<RunSummary, PretrainError> {
-        if let Some(setup) = setup {
-            setup(&device)?;
-        }
-        if config.collectives == Collectives::Staged {
-            let ctx = device.context();
-            let staged = wildfire_parallel::HostStaged::queued(ctx.queue_arc());
-            ctx.set_device_collectives::<B>(std::sync::Arc::new(staged));
-        }
         let own_metrics = match config.launch {
             Launch::Threads => None,
             _ => open_metrics(device.rank())?,
@@ -314,8 +251,17 @@ pub fn run_on_with<B: FusedOps>(
         }
         result
     };
-    let (rank, summary) = launch_ranks::<B>(config, device, hooks, rank_body)?;
-    let mut summary = summary?;
+    let launched = launch_job(&job, device, support, rank_body)?;
+    let rank = launched.first_rank;
+    // Ranks as threads: every rank's trace goes with rank 0's summary.
+    let trace: Vec<_> = launched
+        .results
+        .iter()
+        .flat_map(|r| r.as_ref().ok().map(|s| s.trace.clone()))
+        .flatten()
+        .collect();
+    let first = launched.results.into_iter().next().expect("a rank ran");
+    let mut summary = RunSummary { trace, ..first? };
     summary.model = Some(data.model);
     summary.rank = rank;
     if rank == 0
@@ -350,77 +296,6 @@ pub fn run_on_with<B: FusedOps>(
     Ok(summary)
 }
 
-/// Start the ranks as [`PretrainConfig::launch`] says; returns this process's rank and its
-/// rank's result.
-fn launch_ranks<B: FusedOps>(
-    config: &PretrainConfig,
-    device: &B::Device,
-    hooks: &RankHooks<'_, B>,
-    body: impl Fn(DistDevice<B>) -> Result<RunSummary, PretrainError> + Sync,
-) -> Result<(usize, Result<RunSummary, PretrainError>), PretrainError> {
-    let mesh = config.parallel.mesh()?;
-    // With NCCL, rank `r` of a process drives the GPU `r` places after `device`.
-    let per_rank_device = |local: usize| -> B::Device {
-        use burn::tensor::backend::{Device as _, DeviceId};
-        if config.collectives == Collectives::Nccl {
-            let id = device.to_id();
-            B::Device::from_id(DeviceId::new(id.type_id, id.index_id + local as u16))
-        } else {
-            device.clone()
-        }
-    };
-    let options = LaunchOptions {
-        links: config.links()?,
-        ..LaunchOptions::default()
-    };
-    match config.launch {
-        Launch::Threads => {
-            let results = launch_ranks_on::<B, _, _, _>(&mesh, per_rank_device, &options, body)?;
-            // Every rank's trace goes with rank 0's summary.
-            let trace: Vec<_> = results
-                .iter()
-                .flat_map(|r| r.as_ref().ok().map(|s| s.trace.clone()))
-                .flatten()
-                .collect();
-            let first = results.into_iter().next().expect("rank 0");
-            Ok((0, first.map(|s| RunSummary { trace, ..s })))
-        }
-        #[cfg(feature = "mpi")]
-        Launch::Mpi => {
-            let rank = std::cell::Cell::new(0);
-            let result = wildfire_parallel::launch_ranks_mpi::<B, _, _, _>(
-                &mesh,
-                per_rank_device,
-                &options,
-                |d| {
-                    rank.set(d.rank());
-                    body(d)
-                },
-            )
-            .map_err(|e| PretrainError::Config(e.to_string()))?;
-            Ok((rank.get(), result))
-        }
-        #[cfg(not(feature = "mpi"))]
-        Launch::Mpi => Err(PretrainError::Config(
-            "this binary was built without MPI: cargo build --features mpi --example gpt_pretrain, then mpirun -np N …".into(),
-        )),
-        Launch::Rendezvous => {
-            let Some(launch) = hooks.launch else {
-                return Err(PretrainError::Config(
-                    "a torchrun-style launch (WORLD_SIZE, MASTER_ADDR): without MPI the ranks need NCCL: a binary built with --features cuda, run with --backend cuda --collectives nccl; or run under mpirun / srun with a binary built with --features mpi".into(),
-                ));
-            };
-            let mut rank = 0;
-            let mut body = |d: DistDevice<B>| {
-                rank = d.rank();
-                body(d)
-            };
-            let result = launch(&mesh, &mut body)?;
-            Ok((rank, result))
-        }
-    }
-}
-
 /// The checkpoint to resume from: its state, checked against this run's model, and directory.
 fn read_state(
     root: &Path,
@@ -450,46 +325,3 @@ fn read_state(
 mod pipeline;
 mod rank;
 use rank::RankRun;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    type F = burn::backend::Flex;
-
-    /// The collectives choice of a backend that offers NCCL: its set-up (or, for a
-    /// torchrun-style process, its launch) only for `--collectives nccl`. Staged collectives
-    /// take neither: the run stages them over the host communicator (on CUDA they installed
-    /// NCCL, whose initialisation then failed with two ranks on one GPU).
-    #[test]
-    fn only_nccl_collectives_take_the_nccl_hooks() {
-        fn setup(_: &DistDevice<F>) -> Result<(), wildfire_parallel::Error> {
-            Ok(())
-        }
-        type Launched = Result<Result<RunSummary, PretrainError>, wildfire_parallel::Error>;
-        fn launch(_: &DeviceMesh, _: &mut RankBody<'_, F>) -> Launched {
-            unreachable!("only chosen")
-        }
-        let chosen = |collectives, launch_kind| {
-            let config = PretrainConfig {
-                collectives,
-                launch: launch_kind,
-                ..PretrainConfig::default()
-            };
-            let hooks = RankHooks::<F>::for_collectives(&config, &setup, &launch);
-            (hooks.setup.is_some(), hooks.launch.is_some())
-        };
-        for launch_kind in [Launch::Threads, Launch::Mpi, Launch::Rendezvous] {
-            for collectives in [Collectives::Host, Collectives::Staged] {
-                assert_eq!(
-                    chosen(collectives, launch_kind),
-                    (false, false),
-                    "{collectives:?} {launch_kind:?}"
-                );
-            }
-        }
-        assert_eq!(chosen(Collectives::Nccl, Launch::Threads), (true, false));
-        assert_eq!(chosen(Collectives::Nccl, Launch::Mpi), (true, false));
-        assert_eq!(chosen(Collectives::Nccl, Launch::Rendezvous), (false, true));
-    }
-}

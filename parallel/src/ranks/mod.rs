@@ -2,6 +2,7 @@
 
 #[cfg(feature = "mpi")]
 mod hybrid;
+mod job;
 #[cfg(feature = "mpi")]
 mod mpi;
 #[cfg(feature = "cuda")]
@@ -9,6 +10,11 @@ mod nccl;
 
 #[cfg(feature = "mpi")]
 pub use hybrid::launch_ranks_hybrid;
+#[cfg(feature = "cuda")]
+pub use job::NcclLaunch;
+pub use job::{
+    Collectives, DeviceLaunch, HostLaunch, JobSpec, Launch, Launched, check_job, launch_job,
+};
 #[cfg(feature = "mpi")]
 pub use mpi::launch_ranks_mpi;
 #[cfg(feature = "cuda")]

@@ -3,17 +3,43 @@
 
 use super::*;
 
-/// The rank-setup hook `--collectives nccl` uses, exercised on CPU: every rank installs device
-/// collectives (host-staged here, NCCL on CUDA) and the run is bitwise the run without them,
-/// with every parameter gather and gradient reduction passing through them. Asking for NCCL
-/// without CUDA is a configuration error.
+/// What `--collectives nccl` does, exercised on CPU: a backend's launch support
+/// (`DeviceLaunch`, NCCL on CUDA) installs device collectives on every rank — host-staged here —
+/// and the run is bitwise the run without them, with every parameter gather and gradient
+/// reduction passing through them. Asking for NCCL of a launch that does not offer it is a typed
+/// error naming the build and flag that would.
 #[test]
 fn gpt_pretraining_through_installed_device_collectives_matches_bitwise() {
     use std::sync::{Arc, Mutex};
-    use wildfire::parallel::{DistDevice, HostStaged};
-    use wildfire::pretrain::{RankHooks, run_on_with};
+    use wildfire::parallel::{DeviceLaunch, DeviceMesh, DistDevice, HostStaged};
+    use wildfire::pretrain::run_on_with;
 
     type F = burn::backend::Flex;
+
+    /// NCCL's place in the launch, taken by host-staged collectives it keeps a hold on.
+    #[derive(Default)]
+    struct Staged(Mutex<Vec<Arc<HostStaged>>>);
+
+    impl DeviceLaunch<F> for Staged {
+        fn offers_nccl(&self) -> bool {
+            true
+        }
+
+        fn install_nccl(&self, d: &DistDevice<F>) -> Result<(), wildfire::parallel::Error> {
+            let staged = Arc::new(HostStaged::new(d.context().comm_arc()));
+            d.context().set_device_collectives::<F>(staged.clone());
+            self.0.lock().unwrap().push(staged);
+            Ok(())
+        }
+
+        fn rendezvous<T>(
+            &self,
+            _: &DeviceMesh,
+            _: &mut dyn FnMut(DistDevice<F>) -> T,
+        ) -> Result<T, wildfire::parallel::Error> {
+            unreachable!("ranks as threads")
+        }
+    }
 
     let config = PretrainConfig {
         parallel: ParallelConfig {
@@ -25,19 +51,13 @@ fn gpt_pretraining_through_installed_device_collectives_matches_bitwise() {
         ..small(3)
     };
     let plain = run(&config).unwrap();
-    let installed: Mutex<Vec<Arc<HostStaged>>> = Mutex::default();
-    let setup = |d: &DistDevice<F>| -> Result<(), wildfire::parallel::Error> {
-        let staged = Arc::new(HostStaged::new(d.context().comm_arc()));
-        d.context().set_device_collectives::<F>(staged.clone());
-        installed.lock().unwrap().push(staged);
-        Ok(())
+    let support = Staged::default();
+    let nccl = PretrainConfig {
+        collectives: Collectives::Nccl,
+        ..config.clone()
     };
-    let hooks = RankHooks {
-        setup: Some(&setup),
-        launch: None,
-    };
-    let staged = run_on_with::<F>(&config, &Default::default(), &hooks).unwrap();
-    let installed = installed.into_inner().unwrap();
+    let staged = run_on_with::<F, _>(&nccl, &Default::default(), &support).unwrap();
+    let installed = support.0.into_inner().unwrap();
     assert_eq!(installed.len(), 4);
     for collectives in &installed {
         let calls: u64 = collectives.calls().values().sum();
@@ -54,7 +74,10 @@ fn gpt_pretraining_through_installed_device_collectives_matches_bitwise() {
     };
     let err = run(&nccl).unwrap_err();
     assert!(
-        matches!(err, PretrainError::Config(_)) && err.to_string().contains("CUDA"),
+        matches!(
+            err,
+            PretrainError::Parallel(wildfire::parallel::Error::Unsupported(_))
+        ) && err.to_string().contains("--features cuda"),
         "{err}"
     );
 }
