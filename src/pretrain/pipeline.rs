@@ -4,10 +4,11 @@
 //! schedule ([`StepRunner::run_pipeline`]), reports the metrics of the whole mesh, and evaluates
 //! by a forward-only pass through the stages.
 
+use super::rank::Trainee;
 use super::*;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::AdamW;
-use wildfire_engine::recompute::mix_seed;
+use wildfire_engine::StepRecord;
 use wildfire_kernels::hooks::Inference;
 use wildfire_models::gpt::{GptStage, StageInput, TokenSampler, cross_entropy, stage_param_name};
 use wildfire_models::parallelize::init_gpt_stage;
@@ -16,12 +17,17 @@ use wildfire_parallel::{Group, PIPELINE_AXIS};
 
 type A<B> = Autodiff<Distributed<B>>;
 
-/// A rank's stages, in chunk order, with their stage numbers.
-struct Stages<B: FusedOps> {
+/// A rank's stages, in chunk order, with their stage numbers, optimizers and schedule.
+pub(super) struct Stages<B: FusedOps> {
     chunks: Vec<GptStage<A<B>>>,
     /// Chunk `c` is stage `c·p + r`.
     numbers: Vec<usize>,
+    optims: Vec<StageOptimizer<B>>,
+    schedule: Schedule,
 }
+
+type StageOptimizer<B> =
+    FsdpOptimizer<burn::optim::adaptor::OptimizerAdaptor<AdamW, GptStage<A<B>>, A<B>>>;
 
 impl RankRun<'_> {
     /// Train this rank's stages (see the module docs); the summary's losses are the mesh's.
@@ -30,23 +36,13 @@ impl RankRun<'_> {
         device: &DistDevice<B>,
     ) -> Result<RunSummary, PretrainError> {
         let config = self.config;
-        let rank = device.rank();
-        let ctx = device.context().clone();
-        self.set_policy(&ctx);
+        self.set_policy(device.context());
         let schedule = config.parallel.schedule()?;
-        let stages = self.build_stages::<B>(device, &schedule)?;
-        let mut chunks = stages.chunks;
-        let adamw = AdamWConfig::new()
-            .with_beta_2(0.95)
-            .with_weight_decay(config.weight_decay as f32);
-        let mut optims: Vec<_> = chunks
-            .iter()
-            .map(|_| FsdpOptimizer::new(adamw.init::<A<B>, GptStage<A<B>>>()))
-            .collect();
+        let mut stages = self.build_stages::<B>(device, schedule)?;
         if let (None, Some(file)) = (&self.resume, &config.init_from) {
             // Hugging Face GPT-2 weights, by the whole model's names: each stage its blocks.
             let weights = wildfire_models::hf::import_gpt2(file)?;
-            for chunk in chunks.iter_mut() {
+            for chunk in stages.chunks.iter_mut() {
                 let first = chunk.first_block;
                 let name = move |path: &str| stage_param_name(first, path);
                 *chunk = weights.load_model_named(chunk.clone(), &name)?;
@@ -55,7 +51,7 @@ impl RankRun<'_> {
         if let Some((checkpoint, _)) = &self.resume {
             // The checkpoint holds the whole model under its own names (whatever layout saved
             // it): each stage reads its blocks' pieces.
-            for (chunk, optim) in chunks.iter_mut().zip(optims.iter_mut()) {
+            for (chunk, optim) in stages.chunks.iter_mut().zip(stages.optims.iter_mut()) {
                 let first = chunk.first_block;
                 let name = move |path: &str| stage_param_name(first, path);
                 *chunk = checkpoint.load_model_named(chunk.clone(), &name)?;
@@ -63,134 +59,19 @@ impl RankRun<'_> {
                 *optim = optim.clone().load_record(record);
             }
         }
-        let mut writer = self.checkpoint_writer(rank, device.mesh().world_size())?;
-        let mut step_runner = self.step_runner();
-        let mut summary = RunSummary::at_setup();
-        let progress = (rank == 0 && config.progress).then(|| self.progress_bar());
-        let member = ctx.comm().member();
-        member.set_tracing(config.trace.is_some());
-        let m = schedule.microbatches();
-        let micro = self.rows.len() / m;
-        for step in self.first_step..config.steps {
-            let started = Instant::now();
-            let stats_before = ctx.comm_stats();
-            ctx.reset_peak_bytes();
-            let lr = config.lr_at(step);
-            let batch = |mb: usize| {
-                let start = self.rows.start + mb * micro;
-                self.sampler
-                    .tensors::<A<B>>(self.train, step as u64, start..start + micro, device)
-                    .expect("the sampler was checked")
-            };
-            // Dropout masks seeded as the unpipelined step seeds them (run seed, step, the
-            // micro-batch's first global row; each block by its model index), so the stages
-            // draw the masks one device would.
-            let seeds: Vec<u64> = (0..m)
-                .map(|mb| {
-                    let start = self.rows.start + mb * micro;
-                    mix_seed(config.seed, step as u64, start as u64)
-                })
-                .collect();
-            let step_started = Instant::now();
-            let (next, record) = step_runner.run_pipeline(
-                device,
-                &schedule,
-                chunks,
-                &mut optims,
-                lr,
-                &seeds,
-                tied_table::<B>,
-                |chunk: &GptStage<A<B>>, _stage, mb, input, ckpt| {
-                    let input = match input {
-                        Some(hidden) => StageInput::Hidden(hidden),
-                        None => StageInput::Tokens(batch(mb)[0].clone()),
-                    };
-                    chunk.forward_with(input, ckpt)
-                },
-                |mb, logits| {
-                    let [_, y] = batch(mb);
-                    cross_entropy(logits, y)
-                },
-            )?;
-            chunks = next;
-            member.trace_region("step", step_started);
-            let param_bytes: u64 = chunks.iter().map(parameter_bytes).sum();
-            let (mut metrics, elapsed) = self.step_metrics(
-                &ctx,
-                step,
-                lr,
-                &record.step,
-                param_bytes,
-                started,
-                &stats_before,
-            );
-            tracing::debug!(
-                step,
-                rank,
-                sends = record.sends,
-                recvs = record.recvs,
-                peak_held = record.peak_held,
-                "pipeline step"
-            );
-            let (evaluate, save) = self.due(step);
-            if evaluate {
-                metrics.val_loss = self.evaluate_pipelined(&chunks, &stages.numbers, device)?;
-            }
-            if rank == 0 {
-                self.report(&metrics, progress.as_ref(), elapsed)?;
-            }
-            summary.steps.push(metrics);
-            if let Some(writer) = writer.as_mut()
-                && save
-            {
-                let started = Instant::now();
-                let mut snapshot: Option<Snapshot> = None;
-                for (chunk, optim) in chunks.iter().zip(&optims) {
-                    let part =
-                        Snapshot::take_named(chunk, Some(optim.to_record()), &|path: &str| {
-                            chunk.saved_name(path)
-                        })?;
-                    match snapshot.as_mut() {
-                        Some(s) => s.merge(part),
-                        None => snapshot = Some(part),
-                    }
-                }
-                let snapshot = snapshot.expect("a rank holds a stage");
-                let copy = started.elapsed().as_secs_f64();
-                let files = self.state_files(rank, step + 1, step_runner.scaler());
-                let previous = writer.save(snapshot, step + 1, files)?;
-                if let (Some(report), Some(last)) = (previous, summary.saves.last_mut()) {
-                    last.1 = report.write_time.as_secs_f64();
-                }
-                summary.saves.push((copy, 0.0));
-            }
-        }
-        if let Some(writer) = writer.as_mut()
-            && let Some(report) = writer.wait()?
-            && let Some(last) = summary.saves.last_mut()
-        {
-            last.1 = report.write_time.as_secs_f64();
-        }
-        if let Some(bar) = &progress {
-            bar.finish_and_clear();
-        }
-        self.finish(&mut summary, rank, member);
-        if config.gather_parameters {
-            summary.parameters = gather_parameters(device, &chunks)?;
-        }
-        if config.sample_tokens > 0 {
-            let tokens = self.generate_pipelined(&chunks, &stages.numbers, device)?;
-            summary.sample = self.data.tokenizer.decode(&tokens);
-        }
-        Ok(summary)
+        let microbatches = stages.schedule.microbatches();
+        self.train_loop(device, stages, microbatches)
     }
 
     /// This rank's stages under `schedule`: the plan splits the blocks as evenly as they go
     /// (the longer runs first), and each rank draws only its stages' parameters.
+    /// This rank's stages under `schedule`: the plan splits the blocks as evenly as they go
+    /// (the longer runs first), and each rank draws only its stages' parameters; AdamW (β₂
+    /// 0.95, the configured weight decay) per stage.
     fn build_stages<B: FusedOps>(
         &self,
         device: &DistDevice<B>,
-        schedule: &Schedule,
+        schedule: Schedule,
     ) -> Result<Stages<B>, PretrainError> {
         let model = &self.data.model;
         let plan = StagePlan::balanced(model.n_layer, schedule.stages())?;
@@ -198,12 +79,17 @@ impl RankRun<'_> {
         let axis = mesh.axis_index(PIPELINE_AXIS)?;
         let pp_rank = Group::Axis(axis).index(mesh, device.rank())?;
         let last = schedule.stages() - 1;
+        let adamw = AdamWConfig::new()
+            .with_beta_2(0.95)
+            .with_weight_decay(self.config.weight_decay as f32);
         let mut stages = Stages {
             chunks: Vec::new(),
             numbers: Vec::new(),
+            optims: Vec::new(),
+            schedule,
         };
-        let chunks = plan.chunks(schedule, pp_rank)?;
-        for (stage, blocks) in schedule.stages_of(pp_rank).zip(chunks) {
+        let chunks = plan.chunks(&stages.schedule, pp_rank)?;
+        for (stage, blocks) in stages.schedule.stages_of(pp_rank).zip(chunks) {
             if device.rank() == 0 || pp_rank == 0 {
                 tracing::debug!(stage, ?blocks, "pipeline stage");
             }
@@ -216,56 +102,110 @@ impl RankRun<'_> {
                 stage == last,
             )?);
             stages.numbers.push(stage);
+            stages
+                .optims
+                .push(FsdpOptimizer::new(adamw.init::<A<B>, GptStage<A<B>>>()));
         }
         Ok(stages)
     }
+}
 
-    /// The mean validation loss over `eval_iters` batches, each a forward-only pass through the
-    /// stages ([`InferenceStages`]), the last stage's losses averaged over the mesh.
-    fn evaluate_pipelined<B: FusedOps>(
-        &self,
-        chunks: &[GptStage<A<B>>],
-        numbers: &[usize],
+impl<B: FusedOps> Trainee<B> for Stages<B> {
+    /// This rank's part of the schedule ([`StepRunner::run_pipeline`]); the loss is the mesh's.
+    fn step(
+        &mut self,
+        runner: &mut StepRunner,
         device: &DistDevice<B>,
-    ) -> Result<Option<f32>, PretrainError> {
-        if !self.validates() {
-            return Ok(None);
-        }
-        let ctx = device.context();
-        let stages = InferenceStages::new(chunks, numbers, device)?;
+        lr: f64,
+        seeds: &[u64],
+        batch: &dyn Fn(usize) -> [Tensor<A<B>, 2, Int>; 2],
+    ) -> Result<StepRecord, PretrainError> {
+        let (next, record) = runner.run_pipeline(
+            device,
+            &self.schedule,
+            std::mem::take(&mut self.chunks),
+            &mut self.optims,
+            lr,
+            seeds,
+            tied_table::<B>,
+            |chunk: &GptStage<A<B>>, _stage, mb, input, ckpt| {
+                let input = match input {
+                    Some(hidden) => StageInput::Hidden(hidden),
+                    None => StageInput::Tokens(batch(mb)[0].clone()),
+                };
+                chunk.forward_with(input, ckpt)
+            },
+            |mb, logits| {
+                let [_, y] = batch(mb);
+                cross_entropy(logits, y)
+            },
+        )?;
+        self.chunks = next;
+        tracing::debug!(
+            rank = device.rank(),
+            sends = record.sends,
+            recvs = record.recvs,
+            peak_held = record.peak_held,
+            "pipeline step"
+        );
+        Ok(record.step)
+    }
+
+    fn param_bytes(&self) -> u64 {
+        self.chunks.iter().map(parameter_bytes).sum()
+    }
+
+    /// Each batch a forward-only pass through the stages ([`InferenceStages`]), the last stage's
+    /// losses averaged over the mesh.
+    fn evaluate(&self, run: &RankRun, device: &DistDevice<B>) -> Result<f32, PretrainError> {
+        let stages = InferenceStages::new(&self.chunks, &self.numbers, device)?;
         let (mut total, mut count) = (0.0f64, 0usize);
-        for i in 0..self.config.eval_iters {
-            let [x, y] = self.val_batch(i, device)?;
+        for i in 0..run.config.eval_iters {
+            let [x, y] = run.val_batch(i, device)?;
             if let Some(logits) = stages.forward(x)? {
                 total += f64::from(cross_entropy(logits, y).into_scalar().elem::<f32>());
                 count += 1;
             }
         }
-        Ok(Some(wildfire_engine::metrics::mean_where_held(
-            ctx, total, count,
-        )?))
+        Ok(wildfire_engine::metrics::mean_where_held(
+            device.context(),
+            total,
+            count,
+        )?)
     }
-}
 
-impl RankRun<'_> {
+    /// Every chunk's pieces under the whole model's names (a copy of the tied table not at all).
+    fn snapshot(&self) -> Result<Snapshot, PretrainError> {
+        let mut snapshot: Option<Snapshot> = None;
+        for (chunk, optim) in self.chunks.iter().zip(&self.optims) {
+            let part = Snapshot::take_named(chunk, Some(optim.to_record()), &|path: &str| {
+                chunk.saved_name(path)
+            })?;
+            match snapshot.as_mut() {
+                Some(s) => s.merge(part),
+                None => snapshot = Some(part),
+            }
+        }
+        Ok(snapshot.expect("a rank holds a stage"))
+    }
+
+    fn parameters(&self, device: &DistDevice<B>) -> Result<Vec<Vec<f32>>, PretrainError> {
+        gather_parameters(device, &self.chunks)
+    }
+
     /// `--sample-tokens` tokens after a newline, generated through the stages: per token, a
     /// forward-only pass through the stages in order (as in evaluation), the last stage samples
     /// the next token from the last position's logits ([`TokenSampler`], seeded as one device
     /// seeds it, so the text is one device's) and sends it to every other member of its
     /// pipeline group. Every rank of the mesh takes part; each has the tokens at the end.
-    fn generate_pipelined<B: FusedOps>(
-        &self,
-        chunks: &[GptStage<A<B>>],
-        numbers: &[usize],
-        device: &DistDevice<B>,
-    ) -> Result<Vec<u32>, PretrainError> {
-        let stages = InferenceStages::new(chunks, numbers, device)?;
+    fn sample(&self, run: &RankRun, device: &DistDevice<B>) -> Result<Vec<u32>, PretrainError> {
+        let stages = InferenceStages::new(&self.chunks, &self.numbers, device)?;
         let p2p = device.context().comm().point_to_point()?;
-        let prompt = self.data.tokenizer.encode("\n");
+        let prompt = run.data.tokenizer.encode("\n");
         let mut tokens: Vec<u32> = if prompt.is_empty() { vec![0] } else { prompt };
-        let mut sampler = TokenSampler::new(0.8, 40, self.config.seed);
-        let block_size = self.data.model.block_size;
-        for _ in 0..self.config.sample_tokens {
+        let mut sampler = TokenSampler::new(0.8, 40, run.config.seed);
+        let block_size = run.data.model.block_size;
+        for _ in 0..run.config.sample_tokens {
             let start = tokens.len().saturating_sub(block_size);
             let context: Vec<i64> = tokens[start..].iter().map(|&t| i64::from(t)).collect();
             let t = context.len();

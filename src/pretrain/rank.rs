@@ -61,16 +61,11 @@ impl RankRun<'_> {
         O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
         X: StateCodec<Distributed<B>>,
     {
-        let (config, model_config) = (self.config, &self.data.model);
-        let rank = device.rank();
-        // Precision policy: f32 master weights, matmuls in the compute dtype; f16 adds a
-        // dynamic loss scale.
-        let ctx = device.context().clone();
+        let config = self.config;
         // Set once, before `parallelize_gpt` fills in the sharding and sequence parallelism.
-        self.set_policy(&ctx);
-        let mut step_runner = self.step_runner();
+        self.set_policy(device.context());
         // Each rank draws only its pieces of the parameters the layout splits.
-        let model: Gpt<A<B>> = init_gpt(model_config, device, &config.parallel)?;
+        let model: Gpt<A<B>> = init_gpt(&self.data.model, device, &config.parallel)?;
         let mut model = parallelize_gpt(model, device.mesh(), &config.parallel)?;
         if let (None, Some(file)) = (&self.resume, &config.init_from) {
             model = wildfire_models::hf::import_gpt2(file)?.load_model(model)?;
@@ -81,21 +76,42 @@ impl RankRun<'_> {
             model = checkpoint.load_model(model)?;
             optim = optim.load_record(checkpoint.load_optimizer::<A<B>, _, X>(&model)?);
         }
+        let whole = Whole {
+            model: Some(model),
+            optim,
+            tail,
+            codec: std::marker::PhantomData,
+        };
+        self.train_loop(device, whole, config.accum)
+    }
+
+    /// The training loop, whatever the rank trains (the whole model, or its pipeline stages):
+    /// per step its `microbatches` micro-batches of this rank's rows, the step, the metrics,
+    /// evaluation and checkpoints; at the end the peaks, the parameters and a sample.
+    pub(super) fn train_loop<B: FusedOps, T: Trainee<B>>(
+        &self,
+        device: &DistDevice<B>,
+        mut trainee: T,
+        microbatches: usize,
+    ) -> Result<RunSummary, PretrainError> {
+        let config = self.config;
+        let (rank, ctx) = (device.rank(), device.context().clone());
+        let mut runner = self.step_runner();
         let mut writer = self.checkpoint_writer(rank, device.mesh().world_size())?;
         let mut summary = RunSummary::at_setup();
         let progress = (rank == 0 && config.progress).then(|| self.progress_bar());
         let member = ctx.comm().member();
         member.set_tracing(config.trace.is_some());
+        let micro = self.rows.len() / microbatches;
         for step in self.first_step..config.steps {
             let started = Instant::now();
             let stats_before = ctx.comm_stats();
             ctx.reset_peak_bytes();
             let lr = config.lr_at(step);
-            // `accum` micro-batches of this rank's rows. Recomputation and dropout streams are
-            // seeded by (run seed, step, first global row), so tensor-parallel peers (same rows)
-            // draw the same masks.
-            let micro = self.rows.len() / config.accum;
-            let starts: Vec<usize> = (0..config.accum)
+            // Recomputation and dropout streams are seeded by (run seed, step, the micro-batch's
+            // first global row), so tensor-parallel peers (same rows) draw the same masks and
+            // pipeline stages the masks one device would.
+            let starts: Vec<usize> = (0..microbatches)
                 .map(|i| self.rows.start + i * micro)
                 .collect();
             let seeds: Vec<u64> = starts
@@ -105,45 +121,30 @@ impl RankRun<'_> {
                 })
                 .collect();
             let batch = |i: usize| {
-                let rows = starts[i]..starts[i] + micro;
                 self.sampler
-                    .tensors::<A<B>>(self.train, step as u64, rows, device)
+                    .tensors::<A<B>>(
+                        self.train,
+                        step as u64,
+                        starts[i]..starts[i] + micro,
+                        device,
+                    )
                     .expect("the sampler was checked")
             };
             let step_started = Instant::now();
-            let (next, record) = step_runner.run(
-                device,
-                model,
-                &mut optim,
-                tail.as_ref(),
-                lr,
-                &seeds,
-                |model: &Gpt<A<B>>, i, ckpt| {
-                    let [x, y] = batch(i);
-                    model.loss_with(x, y, ckpt)
-                },
-            )?;
-            model = next;
+            let record = trainee.step(&mut runner, device, lr, &seeds, &batch)?;
             member.trace_region("step", step_started);
-            // The decorator's accounting of this rank's local pieces. After the step only the
-            // parameters and the optimizer state are alive (the loss and its graph are dropped,
-            // the gradients consumed), so the optimizer state is the rest.
-            let record = StepRecord {
-                loss: mean_over_ranks(device, record.loss)?,
-                ..record
-            };
             let (mut m, elapsed) = self.step_metrics(
                 &ctx,
                 step,
                 lr,
                 &record,
-                parameter_bytes(&model),
+                trainee.param_bytes(),
                 started,
                 &stats_before,
             );
             let (evaluate, save) = self.due(step);
-            if evaluate {
-                m.val_loss = self.evaluate(&model, device)?;
+            if evaluate && self.validates() {
+                m.val_loss = Some(trainee.evaluate(self, device)?);
             }
             if rank == 0 {
                 self.report(&m, progress.as_ref(), elapsed)?;
@@ -152,11 +153,21 @@ impl RankRun<'_> {
             if let Some(writer) = writer.as_mut()
                 && save
             {
-                let (copy, previous) =
-                    self.save(writer, &model, &optim, step_runner.scaler(), step + 1, rank)?;
+                // This rank's pieces are held (the part on the step's path: no copy), then read
+                // out and written in the background while training goes on; rank 0 adds the run
+                // state and commits. No collective runs.
+                let taken = Instant::now();
+                let snapshot = trainee.snapshot()?;
+                let copy = taken.elapsed().as_secs_f64();
+                let files = self.state_files(rank, step + 1, runner.scaler());
+                tracing::debug!(step, bytes = snapshot.bytes(), copy, "checkpoint taken");
+                let previous = writer.save(snapshot, step + 1, files)?;
                 // The previous save's background write finished before this one started.
-                if let (Some(report), Some(last)) = (previous, summary.saves.last_mut()) {
-                    last.1 = report.write_time.as_secs_f64();
+                if let Some(report) = previous {
+                    log_save(&report);
+                    if let Some(last) = summary.saves.last_mut() {
+                        last.1 = report.write_time.as_secs_f64();
+                    }
                 }
                 summary.saves.push((copy, 0.0));
             }
@@ -176,15 +187,10 @@ impl RankRun<'_> {
         summary.prefetch = ctx.prefetch_stats();
         // Gathering sharded parameters and sampling take collectives: every rank does them.
         if config.gather_parameters {
-            summary.parameters = crate::demo::parameters(&model);
+            summary.parameters = trainee.parameters(device)?;
         }
         if config.sample_tokens > 0 {
-            let prompt = self.data.tokenizer.encode("\n");
-            let tokens =
-                model
-                    .valid()
-                    .generate(&prompt, config.sample_tokens, 0.8, 40, config.seed, device);
-            summary.sample = self.data.tokenizer.decode(&tokens);
+            summary.sample = self.data.tokenizer.decode(&trainee.sample(self, device)?);
         }
         Ok(summary)
     }
@@ -352,26 +358,6 @@ impl RankRun<'_> {
         bar
     }
 
-    /// The mean validation loss over `eval_iters` batches of this rank's rows, averaged over
-    /// the ranks (`None` without validation data).
-    fn evaluate<B: FusedOps>(
-        &self,
-        model: &Gpt<A<B>>,
-        device: &DistDevice<B>,
-    ) -> Result<Option<f32>, PretrainError> {
-        if !self.validates() {
-            return Ok(None);
-        }
-        let model = model.valid();
-        let mut total = 0.0;
-        for i in 0..self.config.eval_iters {
-            let [x, y] = self.val_batch(i, device)?;
-            total += model.loss(x, y).into_scalar().elem::<f32>();
-        }
-        let mean = total / self.config.eval_iters as f32;
-        Ok(Some(mean_over_ranks(device, mean)?))
-    }
-
     /// Rank 0: the metrics record, the progress bar and (every `log_every` steps, on
     /// evaluations and at the end) the log line.
     pub(super) fn report(
@@ -409,42 +395,6 @@ impl RankRun<'_> {
         }
         Ok(())
     }
-
-    /// Save the checkpoint of `step`: this rank's pieces of the weights and the AdamW state are
-    /// held (the part on the step's path: no copy), then read out and written by `writer` in the
-    /// background while training goes on; rank 0 adds the run state (`state.json`: step, config,
-    /// model shape, loss scaler; the sampler needs nothing else) and commits. No collective runs.
-    fn save<B, O, X>(
-        &self,
-        writer: &mut CheckpointWriter,
-        model: &Gpt<A<B>>,
-        optim: &O,
-        scaler: Option<&DynamicLossScaler>,
-        step: usize,
-        rank: usize,
-    ) -> Result<(f64, Option<SaveReport>), PretrainError>
-    where
-        B: FusedOps,
-        O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
-        X: StateCodec<Distributed<B>>,
-    {
-        let started = Instant::now();
-        let snapshot = Snapshot::take(model, Some(optim.to_record()))?;
-        let copy = started.elapsed();
-        let files = self.state_files(rank, step, scaler);
-        let bytes = snapshot.bytes();
-        let previous = writer.save(snapshot, step, files)?;
-        if let Some(report) = &previous {
-            log_save(report);
-        }
-        tracing::debug!(
-            step,
-            bytes,
-            "checkpoint: {:.1} ms taking the pieces on the step's path",
-            copy.as_secs_f64() * 1e3
-        );
-        Ok((copy.as_secs_f64(), previous))
-    }
 }
 
 fn log_save(report: &SaveReport) {
@@ -455,5 +405,122 @@ fn log_save(report: &SaveReport) {
             report.bytes,
             report.write_time.as_secs_f64() * 1e3
         );
+    }
+}
+
+/// What a rank trains: the whole model ([`Whole`]) or its stages of a pipeline.
+pub(super) trait Trainee<B: FusedOps> {
+    /// One step over the micro-batches `batch(i)`, seeded `seeds[i]`; its record, the loss the
+    /// mesh's.
+    fn step(
+        &mut self,
+        runner: &mut StepRunner,
+        device: &DistDevice<B>,
+        lr: f64,
+        seeds: &[u64],
+        batch: &dyn Fn(usize) -> [Tensor<A<B>, 2, Int>; 2],
+    ) -> Result<StepRecord, PretrainError>;
+
+    /// The bytes of this rank's parameter pieces.
+    fn param_bytes(&self) -> u64;
+
+    /// The mean validation loss over `eval_iters` batches, the mesh's.
+    fn evaluate(&self, run: &RankRun, device: &DistDevice<B>) -> Result<f32, PretrainError>;
+
+    /// This rank's pieces of the parameters and the optimizer state, held for a save.
+    fn snapshot(&self) -> Result<Snapshot, PretrainError>;
+
+    /// Every parameter of the whole model, in visiting order, on rank 0.
+    fn parameters(&self, device: &DistDevice<B>) -> Result<Vec<Vec<f32>>, PretrainError>;
+
+    /// `--sample-tokens` tokens generated after a newline.
+    fn sample(&self, run: &RankRun, device: &DistDevice<B>) -> Result<Vec<u32>, PretrainError>;
+}
+
+/// The whole model and its optimizer (`tail`: the fused optimizer tail's device inputs).
+pub(super) struct Whole<B: FusedOps, O, X> {
+    model: Option<Gpt<A<B>>>,
+    optim: O,
+    tail: Option<wildfire_engine::TailInputs<B>>,
+    codec: std::marker::PhantomData<X>,
+}
+
+impl<B, O, X> Whole<B, O, X>
+where
+    B: FusedOps,
+{
+    fn model(&self) -> &Gpt<A<B>> {
+        self.model.as_ref().expect("a model between steps")
+    }
+}
+
+impl<B, O, X> Trainee<B> for Whole<B, O, X>
+where
+    B: FusedOps,
+    O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
+    X: StateCodec<Distributed<B>>,
+{
+    fn step(
+        &mut self,
+        runner: &mut StepRunner,
+        device: &DistDevice<B>,
+        lr: f64,
+        seeds: &[u64],
+        batch: &dyn Fn(usize) -> [Tensor<A<B>, 2, Int>; 2],
+    ) -> Result<StepRecord, PretrainError> {
+        let model = self.model.take().expect("a model between steps");
+        let (next, record) = runner.run(
+            device,
+            model,
+            &mut self.optim,
+            self.tail.as_ref(),
+            lr,
+            seeds,
+            |model: &Gpt<A<B>>, i, ckpt| {
+                let [x, y] = batch(i);
+                model.loss_with(x, y, ckpt)
+            },
+        )?;
+        self.model = Some(next);
+        Ok(StepRecord {
+            loss: mean_over_ranks(device, record.loss)?,
+            ..record
+        })
+    }
+
+    fn param_bytes(&self) -> u64 {
+        parameter_bytes(self.model())
+    }
+
+    fn evaluate(&self, run: &RankRun, device: &DistDevice<B>) -> Result<f32, PretrainError> {
+        let model = self.model().valid();
+        let mut total = 0.0;
+        for i in 0..run.config.eval_iters {
+            let [x, y] = run.val_batch(i, device)?;
+            total += model.loss(x, y).into_scalar().elem::<f32>();
+        }
+        let mean = total / run.config.eval_iters as f32;
+        Ok(mean_over_ranks(device, mean)?)
+    }
+
+    fn snapshot(&self) -> Result<Snapshot, PretrainError> {
+        Ok(Snapshot::take(self.model(), Some(self.optim.to_record()))?)
+    }
+
+    fn parameters(&self, _: &DistDevice<B>) -> Result<Vec<Vec<f32>>, PretrainError> {
+        Ok(crate::demo::parameters(self.model()))
+    }
+
+    fn sample(&self, run: &RankRun, device: &DistDevice<B>) -> Result<Vec<u32>, PretrainError> {
+        let config = run.config;
+        let prompt = run.data.tokenizer.encode("\n");
+        Ok(self.model().valid().generate(
+            &prompt,
+            config.sample_tokens,
+            0.8,
+            40,
+            config.seed,
+            device,
+        ))
     }
 }
