@@ -4,7 +4,7 @@
 //! schedule ([`StepRunner::run_pipeline`]), reports the metrics of the whole mesh, and evaluates
 //! by a forward-only pass through the stages.
 
-use super::rank::Trainee;
+use super::rank::{StepAt, Trainee};
 use super::*;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::AdamW;
@@ -115,34 +115,31 @@ impl<B: FusedOps> Trainee<B> for Stages<B> {
     fn step(
         &mut self,
         runner: &mut StepRunner,
-        device: &DistDevice<B>,
-        lr: f64,
-        seeds: &[u64],
-        batch: &dyn Fn(usize) -> [Tensor<A<B>, 2, Int>; 2],
+        at: &StepAt<B>,
     ) -> Result<StepRecord, PretrainError> {
         let (next, record) = runner.run_pipeline(
-            device,
+            at.device,
             &self.schedule,
             std::mem::take(&mut self.chunks),
             &mut self.optims,
-            lr,
-            seeds,
+            at.lr,
+            at.seeds,
             tied_table::<B>,
             |chunk: &GptStage<A<B>>, _stage, mb, input, ckpt| {
                 let input = match input {
                     Some(hidden) => StageInput::Hidden(hidden),
-                    None => StageInput::Tokens(batch(mb)[0].clone()),
+                    None => StageInput::Tokens((at.batch)(mb)[0].clone()),
                 };
                 chunk.forward_with(input, ckpt)
             },
             |mb, logits| {
-                let [_, y] = batch(mb);
+                let [_, y] = (at.batch)(mb);
                 cross_entropy(logits, y)
             },
         )?;
         self.chunks = next;
         tracing::debug!(
-            rank = device.rank(),
+            rank = at.device.rank(),
             sends = record.sends,
             recvs = record.recvs,
             peak_held = record.peak_held,

@@ -131,7 +131,13 @@ impl RankRun<'_> {
                     .expect("the sampler was checked")
             };
             let step_started = Instant::now();
-            let record = trainee.step(&mut runner, device, lr, &seeds, &batch)?;
+            let at = StepAt {
+                device,
+                lr,
+                seeds: &seeds,
+                batch: &batch,
+            };
+            let record = trainee.step(&mut runner, &at)?;
             member.trace_region("step", step_started);
             let (mut m, elapsed) = self.step_metrics(
                 &ctx,
@@ -408,17 +414,22 @@ fn log_save(report: &SaveReport) {
     }
 }
 
+/// What one step is given: the device, the learning rate, the micro-batches' seeds and the
+/// micro-batches themselves (`batch(i)`: tokens and targets).
+pub(super) struct StepAt<'a, B: FusedOps> {
+    pub device: &'a DistDevice<B>,
+    pub lr: f64,
+    pub seeds: &'a [u64],
+    pub batch: &'a dyn Fn(usize) -> [Tensor<A<B>, 2, Int>; 2],
+}
+
 /// What a rank trains: the whole model ([`Whole`]) or its stages of a pipeline.
 pub(super) trait Trainee<B: FusedOps> {
-    /// One step over the micro-batches `batch(i)`, seeded `seeds[i]`; its record, the loss the
-    /// mesh's.
+    /// One step over the micro-batches; its record, the loss the mesh's.
     fn step(
         &mut self,
         runner: &mut StepRunner,
-        device: &DistDevice<B>,
-        lr: f64,
-        seeds: &[u64],
-        batch: &dyn Fn(usize) -> [Tensor<A<B>, 2, Int>; 2],
+        at: &StepAt<B>,
     ) -> Result<StepRecord, PretrainError>;
 
     /// The bytes of this rank's parameter pieces.
@@ -463,27 +474,24 @@ where
     fn step(
         &mut self,
         runner: &mut StepRunner,
-        device: &DistDevice<B>,
-        lr: f64,
-        seeds: &[u64],
-        batch: &dyn Fn(usize) -> [Tensor<A<B>, 2, Int>; 2],
+        at: &StepAt<B>,
     ) -> Result<StepRecord, PretrainError> {
         let model = self.model.take().expect("a model between steps");
         let (next, record) = runner.run(
-            device,
+            at.device,
             model,
             &mut self.optim,
             self.tail.as_ref(),
-            lr,
-            seeds,
+            at.lr,
+            at.seeds,
             |model: &Gpt<A<B>>, i, ckpt| {
-                let [x, y] = batch(i);
+                let [x, y] = (at.batch)(i);
                 model.loss_with(x, y, ckpt)
             },
         )?;
         self.model = Some(next);
         Ok(StepRecord {
-            loss: mean_over_ranks(device, record.loss)?,
+            loss: mean_over_ranks(at.device, record.loss)?,
             ..record
         })
     }
