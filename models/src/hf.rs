@@ -1,7 +1,11 @@
 //! Hugging Face GPT-2 weights in and out. GPT-2's `Conv1D` keeps its weight as `[in, out]`, as
 //! Burn's `Linear` does, so no weight is transposed; the names differ (`transformer.h.0.…` for
 //! `blocks.0.…`, LayerNorm `weight`/`bias` for `gamma`/`beta`), and the tied `lm_head.weight` and
-//! the attention-mask buffers (`attn.bias`, `attn.masked_bias`) are not parameters.
+//! the attention-mask buffers (`attn.bias`, `attn.masked_bias`) are not parameters. The fused
+//! q/k/v projection's columns are in another order: Hugging Face keeps `[Q | K | V]` (each head's
+//! columns inside each part), Wildfire keeps them by head, `[q₀ k₀ v₀ | q₁ k₁ v₁ | …]` (so tensor
+//! parallelism gives a rank whole heads), so `c_attn`'s weight and bias are reordered both ways
+//! ([`hf_column`]). The tests compare against files and logits `transformers` wrote.
 //!
 //! Import ([`import_gpt2`]) makes a [`Checkpoint`] of the file, so loading it is the distributed
 //! checkpoint's loading: each rank reads the tensors that overlap its pieces and keeps its pieces,
@@ -64,9 +68,60 @@ pub fn wildfire_path(name: &str) -> Option<String> {
     )
 }
 
-/// A Hugging Face GPT-2 safetensors file (F32) as a checkpoint to load a GPT from
-/// ([`Checkpoint::load_model`]; it holds no optimizer state).
-pub fn import_gpt2(file: &Path) -> Result<Checkpoint, Error> {
+/// Where Wildfire's column `j` of the fused q/k/v projection (`3·d` columns, `n_head` heads,
+/// by head: `[q₀ k₀ v₀ | q₁ k₁ v₁ | …]`) is in Hugging Face's (`[Q | K | V]`).
+pub fn hf_column(j: usize, d: usize, n_head: usize) -> usize {
+    let hd = d / n_head;
+    let (head, rest) = (j / (3 * hd), j % (3 * hd));
+    let (part, c) = (rest / hd, rest % hd);
+    part * d + head * hd + c
+}
+
+/// Whether a Wildfire parameter path is a fused q/k/v projection (`….attn.c_attn.weight|bias`).
+fn is_qkv(path: &str) -> bool {
+    path.ends_with("attn.c_attn.weight") || path.ends_with("attn.c_attn.bias")
+}
+
+/// The pieces of a Hugging Face tensor of `shape` stored as `key` in `file`: one covering it
+/// whole, or for the fused q/k/v projection one per head and part — Wildfire's columns of
+/// (head, part) are a box of Hugging Face's tensor elsewhere in its last dim.
+fn import_pieces(
+    path: &str,
+    key: &str,
+    file: &str,
+    shape: &[usize],
+    n_head: usize,
+) -> Vec<PieceMeta> {
+    let piece = |start: Vec<usize>, end: Vec<usize>, at: Option<Vec<usize>>| PieceMeta {
+        file: file.to_string(),
+        start,
+        end,
+        crc32: None,
+        chunks: None,
+        key: Some(key.to_string()),
+        at,
+    };
+    let last = shape.len().saturating_sub(1);
+    if !is_qkv(path) || n_head == 0 || !shape[last].is_multiple_of(3 * n_head) {
+        return vec![piece(vec![0; shape.len()], shape.to_vec(), None)];
+    }
+    let d = shape[last] / 3;
+    let hd = d / n_head;
+    (0..3 * n_head)
+        .map(|block| {
+            let j = block * hd;
+            let mut start = vec![0; shape.len()];
+            let mut end = shape.to_vec();
+            let mut at = vec![0; shape.len()];
+            (start[last], end[last], at[last]) = (j, j + hd, hf_column(j, d, n_head));
+            piece(start, end, Some(at))
+        })
+        .collect()
+}
+
+/// A Hugging Face GPT-2 safetensors file (F32) of a model with `n_head` heads as a checkpoint to
+/// load a GPT from ([`Checkpoint::load_model`]; it holds no optimizer state).
+pub fn import_gpt2(file: &Path, n_head: usize) -> Result<Checkpoint, Error> {
     let invalid = |reason: String| Error::Invalid {
         path: file.to_path_buf(),
         reason,
@@ -97,14 +152,7 @@ pub fn import_gpt2(file: &Path) -> Result<Checkpoint, Error> {
             TensorMeta {
                 shape: entry.shape.clone(),
                 dtype: "F32".into(),
-                pieces: vec![PieceMeta {
-                    file: name.clone(),
-                    start: vec![0; entry.shape.len()],
-                    end: entry.shape.clone(),
-                    crc32: None,
-                    chunks: None,
-                    key: Some(key.clone()),
-                }],
+                pieces: import_pieces(&path, key, &name, &entry.shape, n_head),
                 rows_padded: path == "wte" || path == "wpe",
             },
         );
@@ -130,10 +178,10 @@ pub fn import_gpt2(file: &Path) -> Result<Checkpoint, Error> {
     ))
 }
 
-/// Write the weights of `checkpoint` as one safetensors file with GPT-2's names at `out`
-/// (atomically), tensor by tensor: each is assembled from its pieces (their checksums checked)
-/// and written before the next is read.
-pub fn export_gpt2(checkpoint: &Checkpoint, out: &Path) -> Result<(), Error> {
+/// Write the weights of `checkpoint` (a model with `n_head` heads) as one safetensors file with
+/// GPT-2's names and column order at `out` (atomically), tensor by tensor: each is assembled
+/// from its pieces (their checksums checked) and written before the next is read.
+pub fn export_gpt2(checkpoint: &Checkpoint, out: &Path, n_head: usize) -> Result<(), Error> {
     let weights: Vec<(&String, &TensorMeta)> = checkpoint
         .metadata()
         .tensors
@@ -163,7 +211,18 @@ pub fn export_gpt2(checkpoint: &Checkpoint, out: &Path) -> Result<(), Error> {
                 &size,
             );
         }
-        Ok(full)
+        if !is_qkv(name) {
+            return Ok(full);
+        }
+        // Back into Hugging Face's `[Q | K | V]` order, row by row.
+        let cols = *t.shape.last().expect("a qkv tensor has a last dim");
+        let mut hf = vec![0f32; full.len()];
+        for (src, dst) in full.chunks(cols).zip(hf.chunks_mut(cols)) {
+            for (j, &v) in src.iter().enumerate() {
+                dst[hf_column(j, cols / 3, n_head)] = v;
+            }
+        }
+        Ok(hf)
     };
     write_streamed(out, &names, assemble, |_, _| {}).map_err(|source| Error::Io {
         path: out.to_path_buf(),
@@ -182,6 +241,44 @@ mod tests {
     use wildfire_parallel::{Distributed, LaunchOptions, launch_ranks};
 
     type Dist = Autodiff<Distributed<Flex>>;
+
+    /// `f` on every rank of `parallel`'s mesh, ranks as threads; the results in rank order.
+    fn ranks<T: Send>(
+        parallel: &ParallelConfig,
+        f: impl Fn(wildfire_parallel::DistDevice<Flex>) -> T + Sync,
+    ) -> Vec<T> {
+        let mesh = parallel.mesh().unwrap();
+        launch_ranks::<Flex, _, _>(&mesh, &Default::default(), &LaunchOptions::default(), f)
+            .unwrap()
+    }
+
+    /// On one rank: the GPT of `config`, laid out as `parallel` says, loaded from the Hugging
+    /// Face `file`, and saved as the distributed checkpoint of step 1 under `save`.
+    fn import_and_save(
+        device: &wildfire_parallel::DistDevice<Flex>,
+        config: &GptConfig,
+        parallel: &ParallelConfig,
+        file: &Path,
+        save: &Path,
+    ) -> crate::gpt::Gpt<Dist> {
+        let model = crate::parallelize::init_gpt::<Dist>(config, device, parallel).unwrap();
+        let model = parallelize_gpt(model, device.mesh(), parallel).unwrap();
+        let model = import_gpt2(file, config.n_head)
+            .unwrap()
+            .load_model(model)
+            .unwrap();
+        let world = device.mesh().world_size();
+        let mut writer =
+            wildfire_checkpoint::dcp::CheckpointWriter::new(save, device.rank(), world).unwrap();
+        let comm = device.context().comm();
+        comm.barrier(wildfire_parallel::Group::World).unwrap();
+        let snapshot =
+            wildfire_checkpoint::dcp::Snapshot::take::<Dist, _, burn::optim::AdamW>(&model, None)
+                .unwrap();
+        writer.save(snapshot, 1, Vec::new()).unwrap();
+        writer.wait().unwrap();
+        model
+    }
 
     /// A GPT-2 file as Hugging Face lays it out (names and shapes written out from `GPT2Model`:
     /// Conv1D weights `[in, out]`, the mask buffer `attn.bias`), each tensor distinct values.
@@ -289,39 +386,11 @@ mod tests {
                 fsdp,
                 ..ParallelConfig::default()
             };
-            let mesh = parallel.mesh().unwrap();
             let save = dir.join(format!("dcp-{dp}-{tp}"));
-            let out = launch_ranks::<Flex, _, _>(
-                &mesh,
-                &Default::default(),
-                &LaunchOptions::default(),
-                |device| {
-                    let model =
-                        crate::parallelize::init_gpt::<Dist>(&config, &device, &parallel).unwrap();
-                    let model = parallelize_gpt(model, &mesh, &parallel).unwrap();
-                    let model = import_gpt2(&file).unwrap().load_model(model).unwrap();
-                    let mut writer = wildfire_checkpoint::dcp::CheckpointWriter::new(
-                        &save,
-                        device.rank(),
-                        mesh.world_size(),
-                    )
-                    .unwrap();
-                    device
-                        .context()
-                        .comm()
-                        .barrier(wildfire_parallel::Group::World)
-                        .unwrap();
-                    let snapshot =
-                        wildfire_checkpoint::dcp::Snapshot::take::<Dist, _, burn::optim::AdamW>(
-                            &model, None,
-                        )
-                        .unwrap();
-                    writer.save(snapshot, 1, Vec::new()).unwrap();
-                    writer.wait().unwrap();
-                    wildfire_checkpoint::safetensors::named_parameters(&model)
-                },
-            )
-            .unwrap();
+            let out = ranks(&parallel, |device| {
+                let model = import_and_save(&device, &config, &parallel, &file, &save);
+                wildfire_checkpoint::safetensors::named_parameters(&model)
+            });
             for (path, shape, values) in &out[0] {
                 let (hf_shape, hf_values) = &original[&hf_name(path)];
                 match path.as_str() {
@@ -331,12 +400,21 @@ mod tests {
                         assert!(values[vocab * d..].iter().all(|v| *v == 0.0));
                     }
                     "wpe" => assert_eq!(&values[..], &hf_values[..8 * d]),
+                    // By head here, `[Q | K | V]` in the file.
+                    _ if is_qkv(path) => {
+                        assert_eq!(shape, hf_shape, "{path}");
+                        for (row, hf_row) in values.chunks(3 * d).zip(hf_values.chunks(3 * d)) {
+                            for (j, v) in row.iter().enumerate() {
+                                assert_eq!(*v, hf_row[hf_column(j, d, 2)], "{path} column {j}");
+                            }
+                        }
+                    }
                     _ => assert_eq!((shape, values), (hf_shape, hf_values), "{path}"),
                 }
             }
             let exported = dir.join(format!("export-{dp}-{tp}.safetensors"));
             let checkpoint = Checkpoint::open(save.join("step-00000001")).unwrap();
-            export_gpt2(&checkpoint, &exported).unwrap();
+            export_gpt2(&checkpoint, &exported, config.n_head).unwrap();
             let back = wildfire_checkpoint::safetensors::read(&exported).unwrap();
             assert_eq!(back.len(), 4 + 12 * layers);
             for (name, (shape, values)) in &back {
@@ -353,5 +431,94 @@ mod tests {
             }
         }
         fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The tiny GPT-2 `transformers` wrote (`tools/gpt2_reference.py`: 4 heads, every parameter
+    /// perturbed, the exact GELU): imported, Wildfire's logits on the reference tokens are within
+    /// 1e-4 of `GPT2LMHeadModel`'s and its loss within 1e-5 — at world size 1 and laid out dp 2 ×
+    /// tp 2 under FSDP — and exported back, every tensor is bitwise the file's, under its name.
+    #[test]
+    fn a_transformers_gpt2_gives_its_logits_and_exports_bitwise() {
+        use burn::tensor::{Int, Tensor, TensorData};
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gpt2_tiny");
+        let file = fixture.join("model.safetensors");
+        let reference: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(fixture.join("reference.json")).unwrap())
+                .unwrap();
+        let floats = |v: &serde_json::Value| -> Vec<f32> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        };
+        let tokens: Vec<i64> = reference["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter().map(|t| t.as_i64().unwrap()))
+            .collect();
+        let (b, t) = (2, tokens.len() / 2);
+        let want = floats(&reference["logits"]);
+        let want_loss = reference["loss"].as_f64().unwrap() as f32;
+        let config = GptConfig {
+            vocab_size: 256,
+            block_size: 32,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 64,
+            init_seed: 1,
+            dropout: 0.0,
+        };
+        let dir = scratch("transformers");
+        for (dp, tp, fsdp) in [
+            (1, 1, FsdpStrategy::NoShard),
+            (2, 2, FsdpStrategy::FullShard),
+        ] {
+            let parallel = ParallelConfig::layout(dp, tp, fsdp, None);
+            let save = dir.join(format!("dcp-{dp}-{tp}"));
+            let out = ranks(&parallel, |device| {
+                let model = import_and_save(&device, &config, &parallel, &file, &save);
+                let idx = |range: std::ops::Range<usize>| {
+                    let rows: Vec<i64> = tokens
+                        .chunks(t)
+                        .flat_map(|row| row[range.clone()].to_vec())
+                        .collect();
+                    Tensor::<Dist, 2, Int>::from_data(
+                        TensorData::new(rows, [b, range.len()]),
+                        &device,
+                    )
+                };
+                let logits = model.forward(idx(0..t)).into_data().convert::<f32>();
+                // transformers' loss: each position predicts the next token.
+                let loss = model.loss(idx(0..t - 1), idx(1..t)).into_scalar();
+                (logits.to_vec::<f32>().unwrap(), loss)
+            });
+            for (rank, (logits, loss)) in out.iter().enumerate() {
+                assert_eq!(logits.len(), want.len());
+                let worst = logits
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(
+                    worst <= 1e-4,
+                    "dp {dp} tp {tp} rank {rank}: logits off by {worst}"
+                );
+                assert!(
+                    (loss - want_loss).abs() <= 1e-5 * want_loss,
+                    "dp {dp} tp {tp} rank {rank}: loss {loss} vs {want_loss}"
+                );
+            }
+            let exported = dir.join(format!("export-{dp}-{tp}.safetensors"));
+            let checkpoint = Checkpoint::open(save.join("step-00000001")).unwrap();
+            export_gpt2(&checkpoint, &exported, 4).unwrap();
+            let original = wildfire_checkpoint::safetensors::read(&file).unwrap();
+            let back = wildfire_checkpoint::safetensors::read(&exported).unwrap();
+            assert_eq!(back.len(), original.len());
+            for (name, tensor) in &original {
+                assert_eq!(back.get(name), Some(tensor), "{name}");
+            }
+        }
     }
 }

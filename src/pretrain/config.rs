@@ -171,7 +171,7 @@ pub struct PretrainConfig {
     pub resume: Option<PathBuf>,
     /// Start from the weights of a Hugging Face GPT-2 safetensors file (F32), each rank reading
     /// its pieces; the model flags must match its shapes (the vocabulary may be padded, the
-    /// context shorter).
+    /// context shorter) and `--n-head` its heads (it orders the fused q/k/v columns).
     #[serde(default)]
     #[arg(long, value_name = "FILE", help_heading = "Evaluation and checkpoints")]
     pub init_from: Option<PathBuf>,

@@ -262,7 +262,7 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
         .collect();
     let first = launched.results.into_iter().next().expect("a rank ran");
     let mut summary = RunSummary { trace, ..first? };
-    summary.model = Some(data.model);
+    summary.model = Some(data.model.clone());
     summary.rank = rank;
     if rank == 0
         && let Some(path) = &config.plot
@@ -290,7 +290,7 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
             .as_ref()
             .expect("checked: --export-hf needs --save");
         let checkpoint = Checkpoint::open(CheckpointDir::new(root).latest()?)?;
-        wildfire_models::hf::export_gpt2(&checkpoint, out)?;
+        wildfire_models::hf::export_gpt2(&checkpoint, out, data.model.n_head)?;
         tracing::info!("exported the weights to {}", out.display());
     }
     Ok(summary)

@@ -41,7 +41,7 @@ impl RankRun<'_> {
         let mut stages = self.build_stages::<B>(device, schedule)?;
         if let (None, Some(file)) = (&self.resume, &config.init_from) {
             // Hugging Face GPT-2 weights, by the whole model's names: each stage its blocks.
-            let weights = wildfire_models::hf::import_gpt2(file)?;
+            let weights = wildfire_models::hf::import_gpt2(file, self.data.model.n_head)?;
             for chunk in stages.chunks.iter_mut() {
                 let first = chunk.first_block;
                 let name = move |path: &str| stage_param_name(first, path);

@@ -68,7 +68,8 @@ impl RankRun<'_> {
         let model: Gpt<A<B>> = init_gpt(&self.data.model, device, &config.parallel)?;
         let mut model = parallelize_gpt(model, device.mesh(), &config.parallel)?;
         if let (None, Some(file)) = (&self.resume, &config.init_from) {
-            model = wildfire_models::hf::import_gpt2(file)?.load_model(model)?;
+            model = wildfire_models::hf::import_gpt2(file, self.data.model.n_head)?
+                .load_model(model)?;
         }
         if let Some((checkpoint, _)) = &self.resume {
             // Each rank reads the pieces of the checkpoint that overlap its own, in this run's

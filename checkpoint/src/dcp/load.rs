@@ -343,15 +343,25 @@ impl Reader {
         let entry = header
             .get(piece.key.as_deref().unwrap_or(name))
             .ok_or_else(|| invalid("missing from the file".into()))?;
-        let dims: Vec<usize> = box_dims(&piece.start, &piece.end);
+        // The piece's box inside the stored tensor: the whole of it, or a box at `piece.at`.
+        let piece_dims: Vec<usize> = box_dims(&piece.start, &piece.end);
+        let (dims, offset) = match &piece.at {
+            Some(at) => (entry.shape.clone(), at.clone()),
+            None => (piece_dims.clone(), vec![0; piece_dims.len()]),
+        };
         let [begin, end] = entry.data_offsets;
         let count: usize = dims.iter().product();
+        let fits = offset.len() == dims.len()
+            && piece_dims.len() == dims.len()
+            && (0..dims.len()).all(|d| offset[d] + piece_dims[d] <= dims[d]);
         if entry.dtype != "F32"
             || entry.shape != dims
+            || !fits
             || end.checked_sub(begin) != Some(4 * count as u64)
         {
             return Err(invalid(format!(
-                "{} {:?} in the file, the metadata says F32 {dims:?}",
+                "{} {:?} in the file, the metadata says F32 {piece_dims:?} at {offset:?} of \
+                 {dims:?}",
                 entry.dtype, entry.shape
             )));
         }
@@ -379,7 +389,7 @@ impl Reader {
         let mut runs: Vec<(usize, usize)> = Vec::new();
         wildfire_parallel::for_each_row(size, |row| {
             let from = (0..size.len()).fold(0, |flat, d| {
-                flat * dims[d] + at[d] + row.get(d).copied().unwrap_or(0)
+                flat * dims[d] + offset[d] + at[d] + row.get(d).copied().unwrap_or(0)
             });
             runs.push((from, runs.len() * run));
         });

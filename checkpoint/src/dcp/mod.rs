@@ -63,6 +63,11 @@ pub struct PieceMeta {
     /// Its name in the file, when not the tensor's (an imported file's own names).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
+    /// Where the piece starts inside the tensor stored in the file, when it is a box of a larger
+    /// stored tensor (an imported file whose columns the model keeps in another order); `None`:
+    /// the stored tensor is the piece.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub at: Option<Vec<usize>>,
 }
 
 /// A piece's checksums, one per chunk of its bytes.

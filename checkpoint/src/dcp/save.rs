@@ -204,6 +204,7 @@ impl Snapshot {
                         crc32: crc,
                     }),
                     key: None,
+                    at: None,
                 };
                 (name, (shape, meta))
             })

@@ -1,0 +1,53 @@
+#!/usr/bin/env python3
+"""Write tests/fixtures/gpt2_tiny/: a tiny GPT-2 as Hugging Face `transformers` saves it
+(`model.safetensors`, `config.json`: 2 layers, 4 heads, width 64, a 256-token vocabulary, 32
+positions, the exact GELU so the built-in model's activation applies) with every parameter
+perturbed away from its initialisation (biases and LayerNorms included, so a misplaced column
+shows), and `reference.json`: the tokens, `GPT2LMHeadModel`'s logits on them and its loss.
+The tests import the file and compare Wildfire's logits, and export it back and compare the
+tensors bitwise.
+
+    python -m venv /tmp/tv && /tmp/tv/bin/pip install torch transformers safetensors numpy
+    /tmp/tv/bin/python tools/gpt2_reference.py
+"""
+import json
+import pathlib
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+OUT = pathlib.Path(__file__).resolve().parent.parent / "tests/fixtures/gpt2_tiny"
+
+
+def main():
+    torch.manual_seed(20261127)
+    config = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    OUT.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(OUT, safe_serialization=True)
+    (OUT / "generation_config.json").unlink(missing_ok=True)
+    tokens = [[(7 * i + 3 * b + 1) % 256 for i in range(24)] for b in range(2)]
+    idx = torch.tensor(tokens)
+    with torch.no_grad():
+        out = model(idx, labels=idx)
+    reference = {
+        "n_head": config.n_head,
+        "tokens": tokens,
+        "logits": out.logits.flatten().tolist(),
+        "logits_shape": list(out.logits.shape),
+        # transformers' loss: next-token targets (labels shifted inside the model)
+        "loss": out.loss.item(),
+        "transformers": __import__("transformers").__version__,
+        "torch": torch.__version__,
+    }
+    (OUT / "reference.json").write_text(json.dumps(reference) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
