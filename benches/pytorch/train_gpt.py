@@ -80,8 +80,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, block, n_layer, n_head, d, init_seed=1337):
+    def __init__(self, vocab, block, n_layer, n_head, d, init_seed=1337, used=None):
         super().__init__()
+        # Wildfire masks a padded vocabulary's entries out of the logits (logit -1e4): the same.
+        mask = torch.zeros(vocab)
+        mask[(used or vocab):] = -1e4
+        self.register_buffer("pad_mask", mask if used and used < vocab else None)
         self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
         self.blocks = nn.ModuleList(Block(d, n_head) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(d, eps=1e-5)
@@ -107,6 +111,8 @@ class GPT(nn.Module):
         for b in self.blocks:
             x = b(x)
         logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output projection
+        if self.pad_mask is not None:
+            logits = logits + self.pad_mask
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -150,10 +156,11 @@ def main():
     min_lr = args.lr / 10 if args.min_lr is None else args.min_lr
 
     tokens, source = load_tokens(args.data, args.vocab)
-    n_vocab = 256 if args.vocab == "bytes" else -(-max(50257, int(tokens.max()) + 1) // 64) * 64
+    n_used = 256 if args.vocab == "bytes" else max(50257, int(tokens.max()) + 1)
+    n_vocab = n_used if args.vocab == "bytes" else -(-n_used // 64) * 64
     n_train = int(len(tokens) * (1.0 - args.val_fraction))
     train, val = tokens[:n_train], tokens[n_train:]
-    model = GPT(n_vocab, args.block_size, args.n_layer, args.n_head, args.n_embd)
+    model = GPT(n_vocab, args.block_size, args.n_layer, args.n_head, args.n_embd, used=n_used)
     params = sum(q.numel() for q in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-5,
                             weight_decay=args.weight_decay)

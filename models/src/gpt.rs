@@ -86,6 +86,7 @@ impl Preset {
             n_embd,
             init_seed: 1337,
             dropout: 0.0,
+            vocab_used: None,
         }
     }
 }
@@ -109,7 +110,17 @@ pub struct GptConfig {
     /// training; 0 for pretraining, as GPT-2 reproductions use.
     #[serde(default)]
     pub dropout: f64,
+    /// The tokens that exist when `vocab_size` is padded (GPT-2 BPE: 50257 of 50304): the
+    /// padded ones are masked out of the logits (their logit [`PADDED_LOGIT`]), so they are
+    /// never predicted or sampled and take nothing of the loss's normaliser — llm.c's
+    /// `Vp`/`V`. `None`: every token exists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocab_used: Option<usize>,
 }
+
+/// The logit of a padded vocabulary entry: far enough below any real logit that its
+/// probability is exactly 0 in f32, f16 and bf16, and finite in all three.
+pub const PADDED_LOGIT: f32 = -1e4;
 
 impl GptConfig {
     /// Check the shape.
@@ -127,6 +138,14 @@ impl GptConfig {
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(Error::Dropout(self.dropout));
+        }
+        if self
+            .vocab_used
+            .is_some_and(|used| used == 0 || used > self.vocab_size)
+        {
+            return Err(Error::Zero {
+                what: "vocab_used (at most vocab_size): the tokens that exist",
+            });
         }
         if !self.n_embd.is_multiple_of(self.n_head) {
             return Err(Error::Heads {
@@ -344,6 +363,7 @@ impl GptConfig {
             first_block: range.start,
             n_layer: self.n_layer,
             dropout: self.dropout,
+            vocab_used: self.vocab_used.unwrap_or(self.vocab_size),
         };
         stage.with_model_ids()
     }
@@ -362,6 +382,8 @@ pub struct Gpt<B: Backend> {
     pub ln_f: LayerNorm<B>,
     /// Dropout probability while training (after the embeddings).
     pub dropout: f64,
+    /// The tokens that exist ([`GptConfig::vocab_used`]): logits past them are masked.
+    pub vocab_used: usize,
 }
 
 /// One pipeline stage of a GPT ([`GptConfig::init_stage`]): a run of consecutive blocks, with the
@@ -386,6 +408,8 @@ pub struct GptStage<B: Backend> {
     pub n_layer: usize,
     /// Dropout probability while training (after the embeddings).
     pub dropout: f64,
+    /// The tokens that exist ([`GptConfig::vocab_used`]): logits past them are masked.
+    pub vocab_used: usize,
 }
 
 /// A stage's input: token ids on the first stage, the previous stage's hidden states elsewhere.
@@ -423,6 +447,7 @@ impl<B: Backend> GptStage<B> {
             blocks: self.blocks,
             ln_f: self.ln_f.expect("the last stage holds the final norm"),
             dropout: self.dropout,
+            vocab_used: self.vocab_used,
         }
     }
 
@@ -524,13 +549,26 @@ fn run_blocks<'a, B: FusedOps, H: ForwardHooks<'a, B>>(
     x
 }
 
-/// The final norm and the tied output projection: logits = ln_f(x) · wteᵀ.
+/// The final norm and the tied output projection: logits = ln_f(x) · wteᵀ, the columns past
+/// the `used` tokens that exist set to [`PADDED_LOGIT`] (one add of a constant row; none
+/// without padding).
 fn head<B: FusedOps>(
     ln_f: &LayerNorm<B>,
     wte: &Param<Tensor<B, 2>>,
     x: Tensor<B, 3>,
+    used: usize,
 ) -> Tensor<B, 3> {
-    burn::tensor::module::linear(layer_norm(ln_f, x), wte.val().transpose(), None)
+    let logits = burn::tensor::module::linear(layer_norm(ln_f, x), wte.val().transpose(), None);
+    let vocab = wte.dims()[0];
+    if used >= vocab {
+        return logits;
+    }
+    let mut row = vec![0f32; vocab];
+    row[used..].fill(PADDED_LOGIT);
+    let mask = Tensor::<B, 1>::from_data(TensorData::new(row, [vocab]), &logits.device())
+        .cast(logits.dtype())
+        .reshape([1, 1, vocab]);
+    logits.add(mask)
 }
 
 /// Mean cross-entropy of `logits` `[b, t, vocab]` against `targets` `[b, t]`: the fused kernel
@@ -571,7 +609,7 @@ impl<B: FusedOps> GptStage<B> {
         };
         let x = run_blocks(&self.blocks, self.first_block, self.n_layer, x, hooks);
         match (&self.ln_f, &self.wte) {
-            (Some(ln_f), Some(wte)) => head(ln_f, wte, x),
+            (Some(ln_f), Some(wte)) => head(ln_f, wte, x, self.vocab_used),
             _ => x,
         }
     }
@@ -593,7 +631,7 @@ impl<B: FusedOps> Gpt<B> {
         let n = self.blocks.len();
         let x = embed(&self.wte, &self.wpe, idx, n, self.dropout, hooks);
         let x = run_blocks(&self.blocks, 0, n, x, hooks);
-        head(&self.ln_f, &self.wte, x)
+        head(&self.ln_f, &self.wte, x, self.vocab_used)
     }
 
     /// Mean cross-entropy of next-token prediction: `inputs` and `targets` are `[b, t]`.

@@ -374,6 +374,7 @@ mod tests {
             n_embd: d,
             init_seed: 1,
             dropout: 0.0,
+            vocab_used: None,
         };
         let original = wildfire_checkpoint::safetensors::read(&file).unwrap();
         for (dp, tp, fsdp) in [
@@ -469,6 +470,7 @@ mod tests {
             n_embd: 64,
             init_seed: 1,
             dropout: 0.0,
+            vocab_used: None,
         };
         let dir = scratch("transformers");
         for (dp, tp, fsdp) in [

@@ -168,6 +168,7 @@ mod tests {
             n_embd: 8,
             init_seed: 3,
             dropout: 0.0,
+            vocab_used: None,
         };
         let layout = ParallelConfig::layout;
         for parallel in [

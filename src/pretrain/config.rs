@@ -306,14 +306,17 @@ impl PretrainConfig {
         Ok(links)
     }
 
-    /// The model shape for a vocabulary of `vocab` tokens (GPT-2's padded to 50304, as nanoGPT).
+    /// The model shape for a vocabulary of `vocab` tokens (GPT-2's padded to 50304, as nanoGPT;
+    /// the padded entries masked out of the logits: [`GptConfig::vocab_used`]).
     pub fn model(&self, vocab: usize) -> Result<GptConfig, wildfire_models::Error> {
+        let used = vocab;
         let vocab = if vocab > 256 {
             vocab.div_ceil(64) * 64
         } else {
             vocab
         };
         let mut c = self.preset.config(vocab);
+        c.vocab_used = (vocab > used).then_some(used);
         c.n_layer = self.n_layer.unwrap_or(c.n_layer);
         c.n_head = self.n_head.unwrap_or(c.n_head);
         c.n_embd = self.n_embd.unwrap_or(c.n_embd);

@@ -310,7 +310,13 @@ fn read_state(
             path: dir.clone(),
             reason: format!("state.json is corrupt: {e}"),
         })?;
-    if &state.model != model {
+    // A checkpoint from before the padded vocabulary was masked (`vocab_used`) has the same
+    // weights: it resumes, masked from here on.
+    let saved = GptConfig {
+        vocab_used: model.vocab_used,
+        ..state.model.clone()
+    };
+    if &saved != model {
         return Err(PretrainError::Checkpoint {
             path: dir,
             reason: format!(

@@ -101,6 +101,7 @@ pub(crate) fn small_gpt(n_layer: usize, init_seed: u64) -> wildfire::models::gpt
         n_embd: 32,
         init_seed,
         dropout: 0.0,
+        vocab_used: None,
     }
 }
 

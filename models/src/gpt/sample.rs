@@ -31,7 +31,10 @@ impl TokenSampler {
             .map(|&i| (((logits[i] - max) / self.temperature.max(1e-6)) as f64).exp())
             .collect();
         let mut pick = self.rng.next_unit() * weights.iter().sum::<f64>();
-        let mut choice = order[order.len() - 1];
+        // Should rounding leave `pick` past every weight: the least likely token that can be
+        // drawn at all (a masked one, of weight 0, never).
+        let last = weights.iter().rposition(|w| *w > 0.0).unwrap_or(0);
+        let mut choice = order[last];
         for (&i, w) in order.iter().zip(&weights) {
             if pick < *w {
                 choice = i;

@@ -12,6 +12,7 @@ fn tiny() -> GptConfig {
         n_embd: 32,
         init_seed: 7,
         dropout: 0.0,
+        vocab_used: None,
     }
 }
 
@@ -159,4 +160,77 @@ fn bad_shapes_are_refused() {
         }
     ));
     assert!("gpt9".parse::<Preset>().is_err());
+}
+
+/// A padded vocabulary (64 entries, 50 that exist): the padded logits are masked
+/// ([`PADDED_LOGIT`] below the rest), the loss is the cross-entropy over the 50 real logits
+/// alone (an f64 reference from the same logits) and differs from the unmasked model's, and
+/// sampling, even among all 64, never draws a padded token.
+#[test]
+fn a_padded_vocabulary_is_masked_out_of_the_loss_and_the_sampler() {
+    let device = Default::default();
+    let masked = GptConfig {
+        vocab_used: Some(50),
+        ..tiny()
+    };
+    let model = masked.init::<Flex>(&device).unwrap();
+    let (b, t) = (2, 16);
+    let ids = |shift: usize| -> Tensor<Flex, 2, Int> {
+        let v: Vec<i64> = (0..b * t).map(|i| ((i * 7 + shift) % 50) as i64).collect();
+        Tensor::from_data(TensorData::new(v, [b, t]), &device)
+    };
+    let (x, y) = (ids(0), ids(1));
+    let logits: Vec<f32> = model.forward(x.clone()).into_data().to_vec().unwrap();
+    let targets: Vec<i64> = y.clone().into_data().convert::<i64>().to_vec().unwrap();
+    let mut reference = 0f64;
+    for (row, &target) in logits.chunks(64).zip(&targets) {
+        assert!(
+            row[50..].iter().all(|&l| l < PADDED_LOGIT / 2.0),
+            "{:?}",
+            &row[50..]
+        );
+        let real = &row[..50];
+        let max = real.iter().fold(f32::MIN, |m, &l| m.max(l)) as f64;
+        let lse = max
+            + real
+                .iter()
+                .map(|&l| (l as f64 - max).exp())
+                .sum::<f64>()
+                .ln();
+        reference += lse - real[target as usize] as f64;
+    }
+    let reference = (reference / targets.len() as f64) as f32;
+    let loss = model.loss(x.clone(), y.clone()).into_scalar().elem::<f32>();
+    assert!(
+        (loss - reference).abs() <= 1e-5 * reference,
+        "{loss} vs {reference}"
+    );
+    let unmasked = tiny().init::<Flex>(&device).unwrap();
+    let plain = unmasked.loss(x.clone(), y).into_scalar().elem::<f32>();
+    assert!(
+        (plain - loss).abs() > 1e-3,
+        "the mask changes the loss: {plain} vs {loss}"
+    );
+    let tokens = model.generate(&[1, 2, 3], 300, 2.0, 64, 5, &device);
+    assert!(tokens.iter().all(|&t| t < 50), "{tokens:?}");
+    // Laid out dp 2 × tp 2 under FSDP (the logits vocabulary-split over tp, the mask with them):
+    // the same loss.
+    use crate::parallelize::{FsdpStrategy, ParallelConfig, init_gpt, parallelize_gpt};
+    use wildfire_parallel::{Distributed, LaunchOptions, launch_ranks};
+    type Dist = Autodiff<Distributed<Flex>>;
+    let parallel = ParallelConfig::layout(2, 2, FsdpStrategy::FullShard, None);
+    let mesh = parallel.mesh().unwrap();
+    let x: Vec<i64> = x.into_data().convert::<i64>().to_vec().unwrap();
+    let losses = launch_ranks::<Flex, _, _>(&mesh, &device, &LaunchOptions::default(), |d| {
+        let model = init_gpt::<Dist>(&masked, &d, &parallel).unwrap();
+        let model = parallelize_gpt(model, &mesh, &parallel).unwrap();
+        let ids =
+            |v: &[i64]| Tensor::<Dist, 2, Int>::from_data(TensorData::new(v.to_vec(), [b, t]), &d);
+        let loss = model.loss(ids(&x), ids(&targets));
+        loss.into_scalar().elem::<f32>()
+    })
+    .unwrap();
+    for sharded in losses {
+        assert!((sharded - loss).abs() <= 1e-5 * loss, "{sharded} vs {loss}");
+    }
 }
