@@ -11,6 +11,7 @@ pub mod pipeline;
 pub mod recompute;
 pub mod scaler;
 pub mod step;
+pub mod trace;
 
 pub use adafactor::{Adafactor, AdafactorConfig, AdafactorState};
 pub use error::Error;

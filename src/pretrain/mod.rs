@@ -4,7 +4,7 @@
 //! function, [`run`], that the binary and the tests call alike.
 //!
 //! The pieces it puts together live with their concern: metrics and the log line in
-//! `wildfire_engine::metrics`, checkpoint files in `wildfire_checkpoint`, the memory
+//! `wildfire_engine::metrics` (the `--trace` file in `wildfire_engine::trace`), checkpoint files in `wildfire_checkpoint`, the memory
 //! estimate in `wildfire_models::memory`, launcher detection in `wildfire_parallel::LaunchEnv`.
 
 mod config;
@@ -12,7 +12,6 @@ mod config;
 mod cuda;
 mod error;
 mod plot;
-pub mod trace;
 
 pub use config::{Collectives, Launch, Precision, PretrainConfig};
 #[cfg(feature = "cuda")]
@@ -275,9 +274,12 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
             Launch::Threads => path.clone(),
             _ => path.with_extension(format!("rank-{rank}.json")),
         };
-        trace::write_trace(&path, &summary.trace).map_err(|source| PretrainError::Io {
-            path: path.clone(),
-            source,
+        let bytes = wildfire_engine::trace::chrome_trace_bytes(&summary.trace);
+        wildfire_checkpoint::io::write_atomic(&path, &bytes).map_err(|source| {
+            PretrainError::Io {
+                path: path.clone(),
+                source,
+            }
         })?;
         tracing::info!("trace: {}", path.display());
     }

@@ -1,11 +1,10 @@
-//! `--trace FILE`: every rank's compute regions and collectives as a Chrome / Perfetto trace
-//! (the JSON that PyTorch's profiler exports): one process; per rank a compute track (its
+//! A run's trace — every rank's compute regions and collectives, as each rank's communication
+//! member records them (`Member::take_trace`) — as a Chrome / Perfetto trace (the JSON that
+//! PyTorch's profiler exports; the pretraining binary's `--trace FILE`): one process; per rank a compute track (its
 //! regions, as complete events) and a communication track (its collectives, one after another,
 //! each a begin event when it starts to run and an end event at its completion, with the time it
 //! was issued in its arguments: a prefetched gather is issued while the compute track works).
 //! Open it in `chrome://tracing` or <https://ui.perfetto.dev>.
-
-use std::path::Path;
 
 use serde_json::{Value, json};
 use wildfire_parallel::comm::TraceEvent;
@@ -55,8 +54,7 @@ pub fn chrome_trace(ranks: &[(usize, Vec<TraceEvent>)]) -> Value {
     json!({ "traceEvents": events, "displayTimeUnit": "ms" })
 }
 
-/// Write the trace of `ranks` to `path` (atomically).
-pub fn write_trace(path: &Path, ranks: &[(usize, Vec<TraceEvent>)]) -> std::io::Result<()> {
-    let bytes = serde_json::to_vec(&chrome_trace(ranks)).map_err(std::io::Error::other)?;
-    wildfire_checkpoint::io::write_atomic(path, &bytes)
+/// The trace of `ranks` as the bytes of a `.json` file.
+pub fn chrome_trace_bytes(ranks: &[(usize, Vec<TraceEvent>)]) -> Vec<u8> {
+    serde_json::to_vec(&chrome_trace(ranks)).expect("a JSON value serialises")
 }
