@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Write tests/fixtures/gpt2_tiny/: a tiny GPT-2 as Hugging Face `transformers` saves it
 (`model.safetensors`, `config.json`: 2 layers, 4 heads, width 64, a 256-token vocabulary, 32
-positions, the exact GELU so the built-in model's activation applies) with every parameter
+positions, the exact GELU so the built-in model's activation applies; the same weights in bf16
+and f16 as `model-bf16.safetensors` / `model-f16.safetensors`) with every parameter
 perturbed away from its initialisation (biases and LayerNorms included, so a misplaced column
 shows), and `reference.json`: the tokens, `GPT2LMHeadModel`'s logits on them and its loss.
 The tests import the file and compare Wildfire's logits, and export it back and compare the
@@ -45,6 +46,17 @@ def main():
         "transformers": __import__("transformers").__version__,
         "torch": torch.__version__,
     }
+    # The same weights stored in bf16 and f16, as Hugging Face ships larger models, and the
+    # logits of those weights widened back to f32.
+    from safetensors.torch import save_file
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "f16")):
+        save_file({k: v.to(dtype).contiguous() for k, v in state.items()},
+                  OUT / f"model-{name}.safetensors")
+        rounded = GPT2LMHeadModel(config).eval()
+        rounded.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
+        with torch.no_grad():
+            reference[f"logits_{name}"] = rounded(idx).logits.flatten().tolist()
     (OUT / "reference.json").write_text(json.dumps(reference) + "\n")
     print(f"wrote {OUT}")
 

@@ -119,8 +119,9 @@ fn import_pieces(
         .collect()
 }
 
-/// A Hugging Face GPT-2 safetensors file (F32) of a model with `n_head` heads as a checkpoint to
-/// load a GPT from ([`Checkpoint::load_model`]; it holds no optimizer state).
+/// A Hugging Face GPT-2 safetensors file (F32, or BF16 / F16 widened to f32 as read) of a model
+/// with `n_head` heads as a checkpoint to load a GPT from ([`Checkpoint::load_model`]; it holds
+/// no optimizer state).
 pub fn import_gpt2(file: &Path, n_head: usize) -> Result<Checkpoint, Error> {
     let invalid = |reason: String| Error::Invalid {
         path: file.to_path_buf(),
@@ -141,9 +142,10 @@ pub fn import_gpt2(file: &Path, n_head: usize) -> Result<Checkpoint, Error> {
         let Some(path) = wildfire_path(key) else {
             continue;
         };
-        if entry.dtype != "F32" {
+        if !matches!(entry.dtype.as_str(), "F32" | "BF16" | "F16") {
             return Err(invalid(format!(
-                "{key} is {}; convert the file to F32 (the master weights' type)",
+                "{key} is {}; Wildfire reads F32, BF16 and F16 weights (widened to f32, the \
+                 master weights' type)",
                 entry.dtype
             )));
         }
@@ -521,6 +523,65 @@ mod tests {
             for (name, tensor) in &original {
                 assert_eq!(back.get(name), Some(tensor), "{name}");
             }
+        }
+    }
+
+    /// The same GPT-2 stored in bf16 and in f16, as Hugging Face ships larger models: imported
+    /// (widened to f32 as read), its logits are within 1e-4 of `transformers`' logits of the same
+    /// rounded weights.
+    #[test]
+    fn bf16_and_f16_files_load_widened() {
+        use burn::tensor::{Int, Tensor, TensorData};
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gpt2_tiny");
+        let reference: serde_json::Value =
+            serde_json::from_str(&fs::read_to_string(fixture.join("reference.json")).unwrap())
+                .unwrap();
+        let tokens: Vec<i64> = reference["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter().map(|t| t.as_i64().unwrap()))
+            .collect();
+        let config = GptConfig {
+            vocab_size: 256,
+            block_size: 32,
+            n_layer: 2,
+            n_head: 4,
+            n_embd: 64,
+            init_seed: 1,
+            dropout: 0.0,
+            vocab_used: None,
+        };
+        let parallel = ParallelConfig::default();
+        for name in ["bf16", "f16"] {
+            let file = fixture.join(format!("model-{name}.safetensors"));
+            let want: Vec<f32> = reference[format!("logits_{name}")]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect();
+            let logits = ranks(&parallel, |device| {
+                let model =
+                    crate::parallelize::init_gpt::<Dist>(&config, &device, &parallel).unwrap();
+                let model = import_gpt2(&file, 4).unwrap().load_model(model).unwrap();
+                let idx = Tensor::<Dist, 2, Int>::from_data(
+                    TensorData::new(tokens.clone(), [2, tokens.len() / 2]),
+                    &device,
+                );
+                model
+                    .forward(idx)
+                    .into_data()
+                    .convert::<f32>()
+                    .to_vec::<f32>()
+                    .unwrap()
+            });
+            let worst = logits[0]
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(worst <= 1e-4, "{name}: logits off by {worst}");
         }
     }
 }

@@ -354,18 +354,22 @@ impl Reader {
         let fits = offset.len() == dims.len()
             && piece_dims.len() == dims.len()
             && (0..dims.len()).all(|d| offset[d] + piece_dims[d] <= dims[d]);
-        if entry.dtype != "F32"
-            || entry.shape != dims
-            || !fits
-            || end.checked_sub(begin) != Some(4 * count as u64)
-        {
+        // Bytes per element: f32, or (an imported file) bf16 / f16, widened to f32 as read.
+        let width = match entry.dtype.as_str() {
+            "F32" => Some(4),
+            "BF16" | "F16" if piece.chunks.is_none() && piece.crc32.is_none() => Some(2),
+            _ => None,
+        };
+        let Some(width) = width.filter(|&w| {
+            entry.shape == dims && fits && end.checked_sub(begin) == Some((w * count) as u64)
+        }) else {
             return Err(invalid(format!(
-                "{} {:?} in the file, the metadata says F32 {piece_dims:?} at {offset:?} of \
-                 {dims:?}",
+                "{} {:?} in the file, the metadata says F32 (or an imported BF16 / F16) \
+                 {piece_dims:?} at {offset:?} of {dims:?}",
                 entry.dtype, entry.shape
             )));
-        }
-        let piece_bytes = 4 * count;
+        };
+        let piece_bytes = width * count;
         // The unit of reading: a checksum chunk, the whole piece (one checksum), or one value.
         let (granule, checks): (usize, Vec<u32>) = match (&piece.chunks, piece.crc32) {
             (Some(chunks), _) => {
@@ -382,7 +386,7 @@ impl Reader {
                 (granule, chunks.crc32.clone())
             }
             (None, Some(crc)) => (piece_bytes.max(4), vec![crc]),
-            (None, None) => (4, Vec::new()),
+            (None, None) => (width, Vec::new()),
         };
         // The box's runs (one per row along the last dim): where in the piece, where in `out`.
         let run = size.last().copied().unwrap_or(1);
@@ -397,7 +401,7 @@ impl Reader {
         // Spans of whole granules covering consecutive runs, each read at once (at most
         // `SPAN_BYTES` of them, or one run's granules), checked, and copied out of.
         const SPAN_BYTES: usize = 16 << 20;
-        let granules = |from: usize| (4 * from / granule, (4 * (from + run) - 1) / granule);
+        let granules = |from: usize| (width * from / granule, (width * (from + run) - 1) / granule);
         let mut i = 0;
         while i < runs.len() {
             let (first, mut last) = granules(runs[i].0);
@@ -411,14 +415,10 @@ impl Reader {
                 j += 1;
             }
             let (lo, hi) = (first * granule, ((last + 1) * granule).min(piece_bytes));
-            let mut span = vec![0f32; (hi - lo) / 4];
-            file.read_exact_at(
-                bytemuck::cast_slice_mut(&mut span),
-                data_start + begin + lo as u64,
-            )
-            .map_err(io)?;
+            let mut bytes = vec![0u8; hi - lo];
+            file.read_exact_at(&mut bytes, data_start + begin + lo as u64)
+                .map_err(io)?;
             self.bytes_read += (hi - lo) as u64;
-            let bytes: &[u8] = bytemuck::cast_slice(&span);
             for (k, chunk) in bytes.chunks(granule).enumerate() {
                 if let Some(&crc) = checks.get(first + k)
                     && crc32fast::hash(chunk) != crc
@@ -432,17 +432,25 @@ impl Reader {
                 }
             }
             for &(from, to) in &runs[i..j] {
-                let from = from - lo / 4;
-                out[to..to + run].copy_from_slice(&span[from..from + run]);
+                let at = width * from - lo;
+                let src = &bytes[at..at + width * run];
+                let dst = &mut out[to..to + run];
+                match entry.dtype.as_str() {
+                    "BF16" => decode(src, dst, |b| burn::tensor::bf16::from_le_bytes(b).to_f32()),
+                    "F16" => decode(src, dst, |b| burn::tensor::f16::from_le_bytes(b).to_f32()),
+                    _ => decode(src, dst, f32::from_le_bytes),
+                }
             }
             i = j;
         }
-        if cfg!(target_endian = "big") {
-            for v in &mut out {
-                *v = f32::from_le_bytes(v.to_ne_bytes());
-            }
-        }
         Ok(out)
+    }
+}
+
+/// `dst` from the little-endian elements of `src`, `N` bytes each, through `f`.
+fn decode<const N: usize>(src: &[u8], dst: &mut [f32], f: impl Fn([u8; N]) -> f32) {
+    for (v, b) in dst.iter_mut().zip(src.chunks_exact(N)) {
+        *v = f(b.try_into().expect("N bytes"));
     }
 }
 
