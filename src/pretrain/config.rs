@@ -169,9 +169,9 @@ pub struct PretrainConfig {
     /// Resume from this checkpoint directory.
     #[arg(long, help_heading = "Evaluation and checkpoints")]
     pub resume: Option<PathBuf>,
-    /// Start from the weights of a Hugging Face GPT-2 safetensors file (F32), each rank reading
-    /// its pieces; the model flags must match its shapes (the vocabulary may be padded, the
-    /// context shorter) and `--n-head` its heads (it orders the fused q/k/v columns).
+    /// Start from the weights of a Hugging Face GPT-2 safetensors file (F32, BF16 or F16), each
+    /// rank reading its pieces; the model flags must match its shapes (the vocabulary may be
+    /// padded, the context shorter) and `--n-head` its heads (it orders the fused q/k/v columns).
     #[serde(default)]
     #[arg(long, value_name = "FILE", help_heading = "Evaluation and checkpoints")]
     pub init_from: Option<PathBuf>,
