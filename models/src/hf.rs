@@ -436,44 +436,93 @@ mod tests {
         fs::remove_dir_all(&dir).unwrap();
     }
 
-    /// The tiny GPT-2 `transformers` wrote (`tools/gpt2_reference.py`: 4 heads, every parameter
-    /// perturbed, the exact GELU): imported, Wildfire's logits on the reference tokens are within
-    /// 1e-4 of `GPT2LMHeadModel`'s and its loss within 1e-5 — at world size 1 and laid out dp 2 ×
-    /// tp 2 under FSDP — and exported back, every tensor is bitwise the file's, under its name.
-    #[test]
-    fn a_transformers_gpt2_gives_its_logits_and_exports_bitwise() {
-        use burn::tensor::{Int, Tensor, TensorData};
-        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gpt2_tiny");
-        let file = fixture.join("model.safetensors");
-        let reference: serde_json::Value =
-            serde_json::from_str(&fs::read_to_string(fixture.join("reference.json")).unwrap())
-                .unwrap();
-        let floats = |v: &serde_json::Value| -> Vec<f32> {
-            v.as_array()
+    /// The tiny GPT-2 `transformers` wrote (`tools/gpt2_reference.py`) and its reference values.
+    struct Gpt2Fixture {
+        dir: PathBuf,
+        reference: serde_json::Value,
+        /// The `[2, t]` reference tokens, row-major.
+        tokens: Vec<i64>,
+        config: GptConfig,
+    }
+
+    impl Gpt2Fixture {
+        fn load() -> Self {
+            let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gpt2_tiny");
+            let reference: serde_json::Value =
+                serde_json::from_str(&fs::read_to_string(dir.join("reference.json")).unwrap())
+                    .unwrap();
+            let tokens = reference["tokens"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|row| row.as_array().unwrap().iter().map(|t| t.as_i64().unwrap()))
+                .collect();
+            let config = GptConfig {
+                vocab_size: 256,
+                block_size: 32,
+                n_layer: 2,
+                n_head: 4,
+                n_embd: 64,
+                init_seed: 1,
+                dropout: 0.0,
+                vocab_used: None,
+            };
+            Self {
+                dir,
+                reference,
+                tokens,
+                config,
+            }
+        }
+
+        /// The reference values under `key`, as f32.
+        fn floats(&self, key: &str) -> Vec<f32> {
+            self.reference[key]
+                .as_array()
                 .unwrap()
                 .iter()
                 .map(|x| x.as_f64().unwrap() as f32)
                 .collect()
-        };
-        let tokens: Vec<i64> = reference["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .flat_map(|row| row.as_array().unwrap().iter().map(|t| t.as_i64().unwrap()))
-            .collect();
-        let (b, t) = (2, tokens.len() / 2);
-        let want = floats(&reference["logits"]);
-        let want_loss = reference["loss"].as_f64().unwrap() as f32;
-        let config = GptConfig {
-            vocab_size: 256,
-            block_size: 32,
-            n_layer: 2,
-            n_head: 4,
-            n_embd: 64,
-            init_seed: 1,
-            dropout: 0.0,
-            vocab_used: None,
-        };
+        }
+
+        /// Positions `range` of both rows of the tokens, on `device`.
+        fn ids(
+            &self,
+            range: std::ops::Range<usize>,
+            device: &wildfire_parallel::DistDevice<Flex>,
+        ) -> burn::tensor::Tensor<Dist, 2, burn::tensor::Int> {
+            let t = self.tokens.len() / 2;
+            let rows: Vec<i64> = self
+                .tokens
+                .chunks(t)
+                .flat_map(|row| row[range.clone()].to_vec())
+                .collect();
+            let data = burn::tensor::TensorData::new(rows, [2, range.len()]);
+            burn::tensor::Tensor::from_data(data, device)
+        }
+
+        /// The largest difference between `logits` and the reference under `key`.
+        fn logits_off(&self, logits: &[f32], key: &str) -> f32 {
+            let want = self.floats(key);
+            assert_eq!(logits.len(), want.len(), "{key}");
+            logits
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max)
+        }
+    }
+
+    /// The tiny GPT-2 `transformers` wrote (4 heads, every parameter perturbed, the exact GELU):
+    /// imported, Wildfire's logits on the reference tokens are within 1e-4 of
+    /// `GPT2LMHeadModel`'s and its loss within 1e-5 — at world size 1 and laid out dp 2 × tp 2
+    /// under FSDP — and exported back, every tensor is bitwise the file's, under its name.
+    #[test]
+    fn a_transformers_gpt2_gives_its_logits_and_exports_bitwise() {
+        let fixture = Gpt2Fixture::load();
+        let file = fixture.dir.join("model.safetensors");
+        let t = fixture.tokens.len() / 2;
+        let want_loss = fixture.reference["loss"].as_f64().unwrap() as f32;
         let dir = scratch("transformers");
         for (dp, tp, fsdp) in [
             (1, 1, FsdpStrategy::NoShard),
@@ -482,29 +531,15 @@ mod tests {
             let parallel = ParallelConfig::layout(dp, tp, fsdp, None);
             let save = dir.join(format!("dcp-{dp}-{tp}"));
             let out = ranks(&parallel, |device| {
-                let model = import_and_save(&device, &config, &parallel, &file, &save);
-                let idx = |range: std::ops::Range<usize>| {
-                    let rows: Vec<i64> = tokens
-                        .chunks(t)
-                        .flat_map(|row| row[range.clone()].to_vec())
-                        .collect();
-                    Tensor::<Dist, 2, Int>::from_data(
-                        TensorData::new(rows, [b, range.len()]),
-                        &device,
-                    )
-                };
-                let logits = model.forward(idx(0..t)).into_data().convert::<f32>();
+                let model = import_and_save(&device, &fixture.config, &parallel, &file, &save);
+                let logits = model.forward(fixture.ids(0..t, &device)).into_data();
                 // transformers' loss: each position predicts the next token.
-                let loss = model.loss(idx(0..t - 1), idx(1..t)).into_scalar();
-                (logits.to_vec::<f32>().unwrap(), loss)
+                let (x, y) = (fixture.ids(0..t - 1, &device), fixture.ids(1..t, &device));
+                let loss = model.loss(x, y).into_scalar();
+                (logits.convert::<f32>().to_vec::<f32>().unwrap(), loss)
             });
             for (rank, (logits, loss)) in out.iter().enumerate() {
-                assert_eq!(logits.len(), want.len());
-                let worst = logits
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f32, f32::max);
+                let worst = fixture.logits_off(logits, "logits");
                 assert!(
                     worst <= 1e-4,
                     "dp {dp} tp {tp} rank {rank}: logits off by {worst}"
@@ -531,56 +566,20 @@ mod tests {
     /// rounded weights.
     #[test]
     fn bf16_and_f16_files_load_widened() {
-        use burn::tensor::{Int, Tensor, TensorData};
-        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gpt2_tiny");
-        let reference: serde_json::Value =
-            serde_json::from_str(&fs::read_to_string(fixture.join("reference.json")).unwrap())
-                .unwrap();
-        let tokens: Vec<i64> = reference["tokens"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .flat_map(|row| row.as_array().unwrap().iter().map(|t| t.as_i64().unwrap()))
-            .collect();
-        let config = GptConfig {
-            vocab_size: 256,
-            block_size: 32,
-            n_layer: 2,
-            n_head: 4,
-            n_embd: 64,
-            init_seed: 1,
-            dropout: 0.0,
-            vocab_used: None,
-        };
+        let fixture = Gpt2Fixture::load();
+        let t = fixture.tokens.len() / 2;
         let parallel = ParallelConfig::default();
         for name in ["bf16", "f16"] {
-            let file = fixture.join(format!("model-{name}.safetensors"));
-            let want: Vec<f32> = reference[format!("logits_{name}")]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-                .collect();
+            let file = fixture.dir.join(format!("model-{name}.safetensors"));
             let logits = ranks(&parallel, |device| {
                 let model =
-                    crate::parallelize::init_gpt::<Dist>(&config, &device, &parallel).unwrap();
+                    crate::parallelize::init_gpt::<Dist>(&fixture.config, &device, &parallel)
+                        .unwrap();
                 let model = import_gpt2(&file, 4).unwrap().load_model(model).unwrap();
-                let idx = Tensor::<Dist, 2, Int>::from_data(
-                    TensorData::new(tokens.clone(), [2, tokens.len() / 2]),
-                    &device,
-                );
-                model
-                    .forward(idx)
-                    .into_data()
-                    .convert::<f32>()
-                    .to_vec::<f32>()
-                    .unwrap()
+                let logits = model.forward(fixture.ids(0..t, &device)).into_data();
+                logits.convert::<f32>().to_vec::<f32>().unwrap()
             });
-            let worst = logits[0]
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+            let worst = fixture.logits_off(&logits[0], &format!("logits_{name}"));
             assert!(worst <= 1e-4, "{name}: logits off by {worst}");
         }
     }
