@@ -18,6 +18,7 @@ pub use wildfire_parallel as parallel;
 pub mod demo;
 #[cfg(feature = "learner")]
 pub mod learner;
+pub mod plot;
 pub mod pretrain;
 
 /// What a training program on `Distributed<B>` needs, in one import.

@@ -65,6 +65,60 @@ impl StepMetrics {
     }
 }
 
+/// One step's measurement: started before the step (the rank's peak reset, its collective
+/// counters read), [`StepWatch::finish`]ed after it into the step's [`StepMetrics`].
+pub struct StepWatch {
+    started: std::time::Instant,
+    stats_before: wildfire_parallel::CommStats,
+}
+
+impl StepWatch {
+    /// Start measuring a step on the rank `ctx`.
+    pub fn start(ctx: &wildfire_parallel::RankContext) -> Self {
+        let stats_before = ctx.comm_stats();
+        ctx.reset_peak_bytes();
+        Self {
+            started: std::time::Instant::now(),
+            stats_before,
+        }
+    }
+
+    /// The step's metrics (`record.loss` already the mesh's; `tokens`: the global batch's) and
+    /// its seconds: the decorator's accounting of this rank's pieces, of which `param_bytes` are
+    /// the parameters' (after the step only they and the optimizer state are alive).
+    pub fn finish(
+        &self,
+        ctx: &wildfire_parallel::RankContext,
+        step: usize,
+        lr: f64,
+        record: &crate::StepRecord,
+        param_bytes: u64,
+        tokens: usize,
+    ) -> (StepMetrics, f64) {
+        let elapsed = self.started.elapsed().as_secs_f64();
+        let stats = ctx.comm_stats().since(&self.stats_before);
+        let metrics = StepMetrics {
+            step,
+            loss: record.loss,
+            lr,
+            grad_norm: record.grad_norm,
+            loss_scale: record.loss_scale,
+            skipped: record.skipped,
+            tokens_per_s: tokens as f64 / elapsed,
+            param_bytes,
+            grad_bytes: record.grad_bytes,
+            optim_bytes: ctx.live_bytes().saturating_sub(param_bytes),
+            peak_bytes: ctx.peak_bytes(),
+            gathered_peak_bytes: ctx.peak_gathered_bytes(),
+            process_peak_rss: peak_rss(),
+            comm_bytes: stats.total_bytes(),
+            p2p_sent_bytes: stats.bytes(wildfire_parallel::CollectiveKind::Send),
+            val_loss: None,
+        };
+        (metrics, elapsed)
+    }
+}
+
 /// A JSON-lines metrics file, shared by the thread-ranks of a process (rank 0 writes).
 #[derive(Debug)]
 pub struct MetricsLog {

@@ -24,14 +24,14 @@ use wildfire_parallel::pipeline::{
 };
 use wildfire_parallel::{
     DistDevice, Distributed, Group, ModulePath, PIPELINE_AXIS, RankContext, TryParamVisitor,
-    dtensor, from_dtensor, gradient_bytes, sync_gradients, try_visit_params,
+    dtensor, from_dtensor, sync_gradients, try_visit_params,
 };
 
 use crate::Error;
 use crate::grad_check::check_models;
 use crate::recompute::{Recompute, Recomputer};
-use crate::scaler::{DynamicLossScaler, StepDecision};
-use crate::step::{Ad, StepRecord, StepRunner, first_non_finite};
+use crate::scaler::DynamicLossScaler;
+use crate::step::{Ad, StepRecord, StepRunner};
 
 /// Each (stage, micro-batch)'s recomputer whose regions its backward action runs again.
 type Recomputers<X> = RefCell<HashMap<(usize, usize), Recomputer<'static, Ad<X>>>>;
@@ -223,53 +223,12 @@ impl StepRunner {
             Some(ctx.clone()),
         )?;
         let loss = crate::metrics::mean_where_held(&ctx, loss_sum, out.losses.len())?;
-        let skipped = match self.scaler.as_mut() {
-            Some(s) => s.update(check.found_inf) == StepDecision::Skip,
-            None => check.found_inf,
-        };
-        let grad_bytes = chunks
-            .iter()
-            .zip(&grads)
-            .map(|(c, g)| gradient_bytes(c, g))
-            .sum();
-        let step = self.step;
-        self.step += 1;
-        let chunks = if skipped {
-            self.skipped_in_a_row += 1;
-            tracing::warn!(step, scale, "non-finite loss or gradients: step skipped");
-            if self.skipped_in_a_row >= self.config.max_skipped_in_a_row.max(1) {
-                let mut parameter = None;
-                for (chunk, grads) in chunks.iter().zip(&grads) {
-                    // Every rank runs each chunk's search (it takes an all-reduce).
-                    let found = first_non_finite(device, chunk, grads)?;
-                    parameter = parameter.or(found);
-                }
-                return Err(Error::NonFinite {
-                    step,
-                    in_a_row: self.skipped_in_a_row,
-                    parameter,
-                });
-            }
-            chunks
-        } else {
-            self.skipped_in_a_row = 0;
-            chunks
-                .into_iter()
-                .zip(grads)
-                .zip(optims.iter_mut())
-                .map(|((chunk, grads), optim)| optim.step(lr, chunk, grads))
-                .collect()
-        };
+        let (chunks, step) =
+            self.conclude(device, chunks, grads, optims, lr, check, scale, loss)?;
         Ok((
             chunks,
             PipelineRecord {
-                step: StepRecord {
-                    loss,
-                    grad_norm: check.norm,
-                    loss_scale: scale,
-                    skipped,
-                    grad_bytes,
-                },
+                step,
                 sends: out.sends,
                 recvs: out.recvs,
                 peak_held: out.peak_held,

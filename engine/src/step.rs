@@ -4,7 +4,7 @@
 //! (or skip on every rank), update the loss scale.
 
 use crate::Error;
-use crate::grad_check::check_with_loss;
+use crate::grad_check::{GradCheck, check_with_loss};
 use crate::recompute::{Recompute, Recomputer};
 use crate::scaler::{DynamicLossScaler, StepDecision};
 use burn::backend::Autodiff;
@@ -112,7 +112,7 @@ impl StepRunner {
     pub fn run<X, M, O, L>(
         &mut self,
         device: &DistDevice<X>,
-        mut model: M,
+        model: M,
         optim: &mut O,
         tail: Option<&crate::TailInputs<X>>,
         lr: f64,
@@ -205,34 +205,88 @@ impl StepRunner {
             }
         };
         ctx.comm().member().trace_region("sync and check", started);
-        // Step, or skip on every rank; update the scale.
+        let (mut models, record) = self.conclude(
+            device,
+            vec![model],
+            vec![grads],
+            std::slice::from_mut(optim),
+            lr,
+            check,
+            scale,
+            local_loss,
+        )?;
+        Ok((models.pop().expect("one model"), record))
+    }
+
+    /// The end every step shares, once the gradients are synchronised and checked: the loss
+    /// scaler's decision, the count of steps skipped in a row (after too many, the error naming
+    /// the first non-finite parameter), and the optimizer step of every model chunk (`grads[i]`
+    /// and `optims[i]` are `chunks[i]`'s), or of none when the step is skipped.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn conclude<X, M, O>(
+        &mut self,
+        device: &DistDevice<X>,
+        chunks: Vec<M>,
+        grads: Vec<GradientsParams>,
+        optims: &mut [O],
+        lr: f64,
+        check: GradCheck,
+        scale: f32,
+        loss: f32,
+    ) -> Result<(Vec<M>, StepRecord), Error>
+    where
+        X: Backend,
+        M: AutodiffModule<Ad<X>>,
+        O: Optimizer<M, Ad<X>>,
+    {
         let skipped = match self.scaler.as_mut() {
             Some(s) => s.update(check.found_inf) == StepDecision::Skip,
             None => check.found_inf,
         };
-        let grad_bytes = gradient_bytes(&model, &grads);
+        let grad_bytes = chunks
+            .iter()
+            .zip(&grads)
+            .map(|(c, g)| gradient_bytes(c, g))
+            .sum();
         let step = self.step;
         self.step += 1;
-        if skipped {
+        let chunks = if skipped {
             self.skipped_in_a_row += 1;
             tracing::warn!(step, scale, "non-finite loss or gradients: step skipped");
             if self.skipped_in_a_row >= self.config.max_skipped_in_a_row.max(1) {
+                let mut parameter = None;
+                for (chunk, grads) in chunks.iter().zip(&grads) {
+                    // Every rank runs each chunk's search (it takes an all-reduce).
+                    let found = first_non_finite(device, chunk, grads)?;
+                    parameter = parameter.or(found);
+                }
                 return Err(Error::NonFinite {
                     step,
                     in_a_row: self.skipped_in_a_row,
-                    parameter: first_non_finite(device, &model, &grads)?,
+                    parameter,
                 });
             }
+            chunks
         } else {
             self.skipped_in_a_row = 0;
             let started = Instant::now();
-            model = optim.step(lr, model, grads);
-            ctx.comm().member().trace_region("optimizer", started);
-        }
+            let chunks = chunks
+                .into_iter()
+                .zip(grads)
+                .zip(optims.iter_mut())
+                .map(|((chunk, grads), optim)| optim.step(lr, chunk, grads))
+                .collect();
+            device
+                .context()
+                .comm()
+                .member()
+                .trace_region("optimizer", started);
+            chunks
+        };
         Ok((
-            model,
+            chunks,
             StepRecord {
-                loss: local_loss,
+                loss,
                 grad_norm: check.norm,
                 loss_scale: scale,
                 skipped,
@@ -244,7 +298,7 @@ impl StepRunner {
 
 /// The path of the first parameter (in visiting order) whose gradient holds a NaN or an infinity
 /// on any rank's shard: each rank finds its first, one all-reduce picks the earliest.
-pub(crate) fn first_non_finite<X, M>(
+fn first_non_finite<X, M>(
     device: &DistDevice<X>,
     model: &M,
     grads: &GradientsParams,

@@ -17,10 +17,12 @@ use wildfire_parallel::{DeviceMesh, DistributedBackend, Layout};
 
 mod block;
 mod sample;
+mod staged;
 
 use block::layer_norm;
 pub use block::{Block, CausalSelfAttention, LN_EPSILON, MlpBlock};
 pub use sample::TokenSampler;
+pub use staged::{generate_staged, stage_pass};
 
 /// Model presets: two small ones for CPUs and tests, and GPT-2's four sizes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -665,23 +667,18 @@ impl<B: FusedOps> Gpt<B> {
         seed: u64,
         device: &B::Device,
     ) -> Vec<u32> {
-        let mut tokens: Vec<u32> = if prompt.is_empty() {
-            vec![0]
-        } else {
-            prompt.to_vec()
-        };
         let mut sampler = TokenSampler::new(temperature, top_k, seed);
-        for _ in 0..new_tokens {
-            let start = tokens.len().saturating_sub(self.block_size());
-            let context: Vec<i64> = tokens[start..].iter().map(|&t| t as i64).collect();
+        let next = |context: Vec<i64>| {
             let t = context.len();
             let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(context, [1, t]), device);
             let logits = self.forward(idx).narrow(1, t - 1, 1);
             let logits: Vec<f32> = logits.into_data().convert::<f32>().to_vec().unwrap();
-            let choice = sampler.pick(&logits);
-            tokens.push(choice);
+            Ok::<_, std::convert::Infallible>(sampler.pick(&logits))
+        };
+        match sample::generate_by(prompt, new_tokens, self.block_size(), next) {
+            Ok(tokens) => tokens,
+            Err(never) => match never {},
         }
-        tokens
     }
 }
 

@@ -6,10 +6,10 @@ use crate::gpt::GptStage;
 use crate::gpt::{Gpt, GptConfig};
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
-use wildfire_parallel::pipeline::{Schedule, ScheduleKind};
+use wildfire_parallel::pipeline::{Schedule, ScheduleKind, StagePlan};
 use wildfire_parallel::{
-    DeviceMesh, DistributedBackend, ParallelDims, TpPlan, TpStyle, fully_shard, planned_layouts,
-    tensor_parallel,
+    DeviceMesh, DistributedBackend, Group, PIPELINE_AXIS, ParallelDims, TpPlan, TpStyle,
+    fully_shard, planned_layouts, tensor_parallel,
 };
 
 /// The data-parallel strategy: `wildfire_parallel::FsdpStrategy`, parsed from the names users
@@ -305,4 +305,32 @@ pub fn init_gpt_stage<B: DistributedBackend>(
         None => stage,
     };
     Ok(fully_shard(stage, &mesh, parallel.fsdp)?)
+}
+
+/// The stages of `schedule` that the rank of `device` holds, in chunk order, each with its stage
+/// number: a [`StagePlan::balanced`] split of the blocks (the longer runs first), each stage laid
+/// out by [`init_gpt_stage`] (the rank draws only its pieces).
+pub fn init_gpt_stages<B: DistributedBackend>(
+    config: &GptConfig,
+    device: &B::Device,
+    parallel: &ParallelConfig,
+    schedule: &Schedule,
+) -> Result<Vec<(usize, GptStage<B>)>, Error> {
+    let plan = StagePlan::balanced(config.n_layer, schedule.stages())?;
+    let dist = B::dist_device(device);
+    let mesh = dist.mesh();
+    let axis = mesh.axis_index(PIPELINE_AXIS)?;
+    let pp_rank = Group::Axis(axis).index(mesh, dist.rank())?;
+    let last = schedule.stages() - 1;
+    let chunks = plan.chunks(schedule, pp_rank)?;
+    schedule
+        .stages_of(pp_rank)
+        .zip(chunks)
+        .map(|(stage, blocks)| {
+            tracing::debug!(stage, ?blocks, "pipeline stage");
+            let chunk =
+                init_gpt_stage(config, device, parallel, blocks, stage == 0, stage == last)?;
+            Ok((stage, chunk))
+        })
+        .collect()
 }

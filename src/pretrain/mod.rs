@@ -11,14 +11,13 @@ mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod error;
-mod plot;
 
+pub use crate::plot::plot_losses;
 pub use config::{Collectives, Launch, Precision, PretrainConfig};
 #[cfg(feature = "cuda")]
 pub use cuda::run_cuda;
 pub use error::PretrainError;
 pub(crate) use error::io_err;
-pub use plot::plot_losses;
 pub use wildfire_engine::metrics::{StepMetrics, mfu};
 pub use wildfire_models::memory::MemoryEstimate;
 
@@ -266,7 +265,7 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     if rank == 0
         && let Some(path) = &config.plot
     {
-        plot_losses(path, &summary.steps)?;
+        plot_losses(path, &summary.steps).map_err(io_err(path))?;
     }
     if let Some(path) = &config.trace {
         // Ranks as threads: one file; processes: one each.

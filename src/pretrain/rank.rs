@@ -5,6 +5,7 @@ use super::*;
 use burn::optim::record::AdaptorRecord;
 use wildfire_checkpoint::dcp::SaveReport;
 use wildfire_engine::StepRecord;
+use wildfire_engine::metrics::StepWatch;
 use wildfire_parallel::{RankContext, RankPolicy, StateCodec};
 
 type A<B> = Autodiff<Distributed<B>>;
@@ -105,9 +106,7 @@ impl RankRun<'_> {
         member.set_tracing(config.trace.is_some());
         let micro = self.rows.len() / microbatches;
         for step in self.first_step..config.steps {
-            let started = Instant::now();
-            let stats_before = ctx.comm_stats();
-            ctx.reset_peak_bytes();
+            let watch = StepWatch::start(&ctx);
             let lr = config.lr_at(step);
             // Recomputation and dropout streams are seeded by (run seed, step, the micro-batch's
             // first global row), so tensor-parallel peers (same rows) draw the same masks and
@@ -140,15 +139,9 @@ impl RankRun<'_> {
             };
             let record = trainee.step(&mut runner, &at)?;
             member.trace_region("step", step_started);
-            let (mut m, elapsed) = self.step_metrics(
-                &ctx,
-                step,
-                lr,
-                &record,
-                trainee.param_bytes(),
-                started,
-                &stats_before,
-            );
+            let tokens = config.batch_size * self.data.model.block_size;
+            let (mut m, elapsed) =
+                watch.finish(&ctx, step, lr, &record, trainee.param_bytes(), tokens);
             let (evaluate, save) = self.due(step);
             if evaluate && self.validates() {
                 m.val_loss = Some(trainee.evaluate(self, device)?);
@@ -277,44 +270,6 @@ impl RankRun<'_> {
             Some(root) => Some(CheckpointWriter::new(root, rank, world_size)?),
             None => None,
         })
-    }
-
-    /// A step's metrics (`record.loss` already the mesh's) and its seconds: the decorator's
-    /// accounting of this rank's pieces, of which `param_bytes` are the parameters' (after the
-    /// step only they and the optimizer state are alive).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn step_metrics(
-        &self,
-        ctx: &RankContext,
-        step: usize,
-        lr: f64,
-        record: &StepRecord,
-        param_bytes: u64,
-        started: Instant,
-        stats_before: &wildfire_parallel::CommStats,
-    ) -> (StepMetrics, f64) {
-        let elapsed = started.elapsed().as_secs_f64();
-        let tokens_per_step = (self.config.batch_size * self.data.model.block_size) as f64;
-        let stats = ctx.comm_stats().since(stats_before);
-        let metrics = StepMetrics {
-            step,
-            loss: record.loss,
-            lr,
-            grad_norm: record.grad_norm,
-            loss_scale: record.loss_scale,
-            skipped: record.skipped,
-            tokens_per_s: tokens_per_step / elapsed,
-            param_bytes,
-            grad_bytes: record.grad_bytes,
-            optim_bytes: ctx.live_bytes().saturating_sub(param_bytes),
-            peak_bytes: ctx.peak_bytes(),
-            gathered_peak_bytes: ctx.peak_gathered_bytes(),
-            process_peak_rss: peak_rss(),
-            comm_bytes: stats.total_bytes(),
-            p2p_sent_bytes: stats.bytes(wildfire_parallel::CollectiveKind::Send),
-            val_loss: None,
-        };
-        (metrics, elapsed)
     }
 
     /// The run state rank 0 writes next to the pieces (`state.json`: steps done, config, model

@@ -45,3 +45,24 @@ impl TokenSampler {
         choice as u32
     }
 }
+
+/// `prompt` (`[0]` when empty) continued by `new_tokens` tokens, each chosen by `next` from the
+/// last `block_size` tokens (the context, as ids).
+pub(crate) fn generate_by<E>(
+    prompt: &[u32],
+    new_tokens: usize,
+    block_size: usize,
+    mut next: impl FnMut(Vec<i64>) -> Result<u32, E>,
+) -> Result<Vec<u32>, E> {
+    let mut tokens: Vec<u32> = if prompt.is_empty() {
+        vec![0]
+    } else {
+        prompt.to_vec()
+    };
+    for _ in 0..new_tokens {
+        let start = tokens.len().saturating_sub(block_size);
+        let token = next(tokens[start..].iter().map(|&t| i64::from(t)).collect())?;
+        tokens.push(token);
+    }
+    Ok(tokens)
+}

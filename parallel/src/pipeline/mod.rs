@@ -10,7 +10,9 @@
 //! zero-bubble schedules' split backward (weight gradients deferred from `I` to `W`). The
 //! training step around it (data-parallel sync, tied parameters, norm, optimizer) is
 //! `wildfire_engine::StepRunner::run_pipeline`; the GPT's stages are
-//! `wildfire_models::gpt::GptStage`. Stages compose with FSDP / HSDP, tensor and sequence
+//! `wildfire_models::gpt::GptStage`. Outside the step, [`StagePasses`] runs forward-only passes
+//! through a rank's stages (evaluation, generation) and [`gather_stage_parameters`] collects the
+//! whole model's parameters on rank 0. Stages compose with FSDP / HSDP, tensor and sequence
 //! parallelism (each rank sends its own piece of an activation with its layout: [`Pieces`]) and
 //! recomputation ([`run_step_custom`] takes the backward, so a recomputing one runs the regions
 //! the forward recorded); backward passes that communicate take turns within a process
@@ -22,6 +24,7 @@ pub mod plan;
 pub mod runner;
 pub mod schedule;
 pub mod split;
+pub mod stages;
 pub mod turns;
 
 pub use plan::StagePlan;
@@ -30,4 +33,5 @@ pub use runner::{
 };
 pub use schedule::{Action, Costs, Placed, Schedule, ScheduleKind, Timeline, Work};
 pub use split::{Layer, Pipeline, Sequential, pipeline};
+pub use stages::{StagePasses, gather_stage_parameters};
 pub use turns::StageGroup;

@@ -1,8 +1,7 @@
-//! The loss curves of a run as a PNG: training loss per step and validation loss at each
+//! The loss curves of a run (pretraining's, or any loop's [`StepMetrics`]) as a PNG: training loss per step and validation loss at each
 //! evaluation, drawn with plotters into an RGB buffer (text in the embedded DejaVu Sans, so no
 //! system font is needed) and written atomically with the `png` encoder.
 
-use super::{PretrainError, io_err};
 use plotters::prelude::*;
 use std::path::Path;
 use std::sync::Once;
@@ -21,15 +20,12 @@ fn register_font() {
 
 /// Draw the training and validation loss of `steps` into a PNG at `path`, its folder made if
 /// missing (nothing for no step).
-pub fn plot_losses(path: &Path, steps: &[StepMetrics]) -> Result<(), PretrainError> {
+pub fn plot_losses(path: &Path, steps: &[StepMetrics]) -> std::io::Result<()> {
     let (Some(first), Some(last)) = (steps.first(), steps.last()) else {
         return Ok(());
     };
     register_font();
-    let plot_err = |e: String| PretrainError::Io {
-        path: path.to_path_buf(),
-        source: std::io::Error::other(format!("drawing the loss plot: {e}")),
-    };
+    let plot_err = |e: String| std::io::Error::other(format!("drawing the loss plot: {e}"));
     let losses = steps
         .iter()
         .map(|s| s.loss)
@@ -108,9 +104,9 @@ pub fn plot_losses(path: &Path, steps: &[StepMetrics]) -> Result<(), PretrainErr
         .and_then(|mut w| w.write_image_data(&rgb))
         .map_err(|e| plot_err(e.to_string()))?;
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        std::fs::create_dir_all(dir)?;
     }
-    wildfire_checkpoint::io::write_atomic(path, &png_bytes).map_err(io_err(path))
+    wildfire_checkpoint::io::write_atomic(path, &png_bytes)
 }
 
 #[cfg(test)]
