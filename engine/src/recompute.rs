@@ -545,6 +545,19 @@ impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recompute
             .swap_dims(1, 2)
     }
 
+    /// [`Recomputer::attention`]: the flash kernel without dropout where the backend has one,
+    /// otherwise the core under the recomputation policy.
+    fn attention_heads(
+        &self,
+        layer: usize,
+        qkv: [Tensor<B, 4>; 3],
+        scale: f64,
+        causal: bool,
+        dropout: f64,
+    ) -> Tensor<B, 4> {
+        Recomputer::attention(self, layer, qkv, scale, causal, dropout)
+    }
+
     /// Inverted dropout with probability `p` at `(layer, site)` while training; identity otherwise.
     fn dropout<const D: usize>(
         &self,

@@ -52,6 +52,23 @@ pub trait ForwardHooks<'a, B: FusedOps>: Sized {
         crate::ops::attention_qkv(qkv, scale, causal)
     }
 
+    /// Attention of layer `layer` on separate heads `[q, k, v]`, `[b, h, t, hd]` each (a model
+    /// whose keys and values are not packed with its queries: grouped-query attention, rotary
+    /// positions applied to q and k), giving `[b, h, t, hd]`, with dropout `dropout` on the
+    /// probabilities while training.
+    fn attention_heads(
+        &self,
+        layer: usize,
+        qkv: [Tensor<B, 4>; 3],
+        scale: f64,
+        causal: bool,
+        dropout: f64,
+    ) -> Tensor<B, 4> {
+        let _ = (layer, dropout);
+        let [q, k, v] = qkv;
+        crate::ops::attention(q, k, v, scale, causal)
+    }
+
     /// Inverted dropout with probability `p` at `(layer, site)` while training.
     fn dropout<const D: usize>(
         &self,

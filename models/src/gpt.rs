@@ -22,6 +22,7 @@ mod staged;
 use block::layer_norm;
 pub use block::{Block, CausalSelfAttention, LN_EPSILON, MlpBlock};
 pub use sample::TokenSampler;
+pub(crate) use sample::generate_by;
 pub use staged::{generate_staged, stage_pass};
 
 /// Model presets: two small ones for CPUs and tests, and GPT-2's four sizes.
@@ -551,17 +552,27 @@ fn run_blocks<'a, B: FusedOps, H: ForwardHooks<'a, B>>(
     x
 }
 
-/// The final norm and the tied output projection: logits = ln_f(x) · wteᵀ, the columns past
-/// the `used` tokens that exist set to [`PADDED_LOGIT`] (one add of a constant row; none
-/// without padding).
+/// The final norm and the tied output projection: logits = ln_f(x) · wteᵀ, padded columns
+/// masked ([`table_logits`]).
 fn head<B: FusedOps>(
     ln_f: &LayerNorm<B>,
     wte: &Param<Tensor<B, 2>>,
     x: Tensor<B, 3>,
     used: usize,
 ) -> Tensor<B, 3> {
-    let logits = burn::tensor::module::linear(layer_norm(ln_f, x), wte.val().transpose(), None);
-    let vocab = wte.dims()[0];
+    table_logits(layer_norm(ln_f, x), wte.val(), used)
+}
+
+/// Logits `x · tableᵀ` for a `[vocab, d]` table (a tied token table, or an output head kept in
+/// the same orientation), the columns past the `used` tokens that exist set to
+/// [`PADDED_LOGIT`] (one add of a constant row; none without padding).
+pub(crate) fn table_logits<B: Backend>(
+    x: Tensor<B, 3>,
+    table: Tensor<B, 2>,
+    used: usize,
+) -> Tensor<B, 3> {
+    let vocab = table.dims()[0];
+    let logits = burn::tensor::module::linear(x, table.transpose(), None);
     if used >= vocab {
         return logits;
     }

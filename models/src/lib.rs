@@ -5,6 +5,7 @@ mod error;
 pub mod gpt;
 pub mod hf;
 mod init;
+pub mod llama;
 pub mod memory;
 pub mod parallelize;
 

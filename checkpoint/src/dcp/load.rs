@@ -328,6 +328,9 @@ impl Reader {
         size: &[usize],
     ) -> Result<Vec<f32>, Error> {
         use std::os::unix::fs::FileExt;
+        if piece.transposed {
+            return self.read_transposed(dir, name, piece, at, size);
+        }
         let path = dir.join(&piece.file);
         let invalid = |reason: String| Error::Invalid {
             path: path.clone(),
@@ -442,6 +445,47 @@ impl Reader {
                 }
             }
             i = j;
+        }
+        Ok(out)
+    }
+}
+
+impl Reader {
+    /// [`Reader::read_box`] of a piece stored transposed: the transposed box of the stored
+    /// tensor, read as it is stored (row runs of the stored rows), then transposed.
+    fn read_transposed(
+        &mut self,
+        dir: &Path,
+        name: &str,
+        piece: &PieceMeta,
+        at: &[usize],
+        size: &[usize],
+    ) -> Result<Vec<f32>, Error> {
+        let pair = |v: &[usize]| <[usize; 2]>::try_from(v).ok();
+        let (Some([r, c]), Some([at_r, at_c]), Some([start_r, start_c]), Some([end_r, end_c])) =
+            (pair(size), pair(at), pair(&piece.start), pair(&piece.end))
+        else {
+            return Err(Error::Invalid {
+                path: dir.join(&piece.file),
+                reason: format!(
+                    "{name}: a transposed piece of {} dims; only matrices are",
+                    size.len()
+                ),
+            });
+        };
+        let stored = PieceMeta {
+            start: vec![start_c, start_r],
+            end: vec![end_c, end_r],
+            at: piece.at.as_ref().map(|a| a.iter().rev().copied().collect()),
+            transposed: false,
+            ..piece.clone()
+        };
+        let t = self.read_box(dir, name, &stored, &[at_c, at_r], &[c, r])?;
+        let mut out = vec![0f32; r * c];
+        for (j, row) in t.chunks_exact(r.max(1)).enumerate() {
+            for (i, &v) in row.iter().enumerate() {
+                out[i * c + j] = v;
+            }
         }
         Ok(out)
     }

@@ -68,6 +68,11 @@ pub struct PieceMeta {
     /// the stored tensor is the piece.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub at: Option<Vec<usize>>,
+    /// The stored tensor holds the piece transposed: a 2-D weight an imported file keeps as
+    /// `[out, in]` (PyTorch's `nn.Linear`) for a model that keeps `[in, out]` (Burn's `Linear`);
+    /// `start`, `end` and `at` are in the model's order.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub transposed: bool,
 }
 
 /// A piece's checksums, one per chunk of its bytes.

@@ -205,6 +205,7 @@ impl Snapshot {
                     }),
                     key: None,
                     at: None,
+                    transposed: false,
                 };
                 (name, (shape, meta))
             })

@@ -18,6 +18,10 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+mod llama;
+
+pub use llama::{export_llama, hf_llama_name, import_llama, llama_path};
+
 use crate::Error;
 use wildfire_checkpoint::dcp::{
     Checkpoint, FORMAT, Metadata, PieceMeta, Reader, TensorMeta, box_dims, copy_box, write_streamed,
@@ -100,6 +104,7 @@ fn import_pieces(
         chunks: None,
         key: Some(key.to_string()),
         at,
+        transposed: false,
     };
     let last = shape.len().saturating_sub(1);
     if !is_qkv(path) || n_head == 0 || !shape[last].is_multiple_of(3 * n_head) {
@@ -184,15 +189,44 @@ pub fn import_gpt2(file: &Path, n_head: usize) -> Result<Checkpoint, Error> {
 /// GPT-2's names and column order at `out` (atomically), tensor by tensor: each is assembled
 /// from its pieces (their checksums checked) and written before the next is read.
 pub fn export_gpt2(checkpoint: &Checkpoint, out: &Path, n_head: usize) -> Result<(), Error> {
+    export_with(checkpoint, out, |path, shape, full| {
+        if !is_qkv(path) {
+            return (hf_name(path), shape.to_vec(), full);
+        }
+        // Back into Hugging Face's `[Q | K | V]` order, row by row.
+        let cols = *shape.last().expect("a qkv tensor has a last dim");
+        let mut hf = vec![0f32; full.len()];
+        for (src, dst) in full.chunks(cols).zip(hf.chunks_mut(cols)) {
+            for (j, &v) in src.iter().enumerate() {
+                dst[hf_column(j, cols / 3, n_head)] = v;
+            }
+        }
+        (hf_name(path), shape.to_vec(), hf)
+    })
+}
+
+/// Write the weights of `checkpoint` as one safetensors file at `out` (atomically), tensor by
+/// tensor in the checkpoint's order: each is assembled from its pieces (their checksums
+/// checked), turned by `convert(path, shape, values)` into its name, shape and values in the
+/// file, and written before the next is read — one tensor in memory at a time.
+pub(crate) fn export_with(
+    checkpoint: &Checkpoint,
+    out: &Path,
+    convert: impl Fn(&str, &[usize], Vec<f32>) -> (String, Vec<usize>, Vec<f32>),
+) -> Result<(), Error> {
     let weights: Vec<(&String, &TensorMeta)> = checkpoint
         .metadata()
         .tensors
         .iter()
         .filter(|(name, _)| name.starts_with("model/"))
         .collect();
+    // Names and shapes first (the header), from empty values.
     let names: Vec<(String, Vec<usize>)> = weights
         .iter()
-        .map(|(name, t)| (hf_name(&name["model/".len()..]), t.shape.clone()))
+        .map(|(name, t)| {
+            let (name, shape, _) = convert(&name["model/".len()..], &t.shape, Vec::new());
+            (name, shape)
+        })
         .collect();
     let mut reader = Reader::default();
     let assemble = |i: usize| -> std::io::Result<Vec<f32>> {
@@ -213,18 +247,7 @@ pub fn export_gpt2(checkpoint: &Checkpoint, out: &Path, n_head: usize) -> Result
                 &size,
             );
         }
-        if !is_qkv(name) {
-            return Ok(full);
-        }
-        // Back into Hugging Face's `[Q | K | V]` order, row by row.
-        let cols = *t.shape.last().expect("a qkv tensor has a last dim");
-        let mut hf = vec![0f32; full.len()];
-        for (src, dst) in full.chunks(cols).zip(hf.chunks_mut(cols)) {
-            for (j, &v) in src.iter().enumerate() {
-                dst[hf_column(j, cols / 3, n_head)] = v;
-            }
-        }
-        Ok(hf)
+        Ok(convert(&name["model/".len()..], &t.shape, full).2)
     };
     write_streamed(out, &names, assemble, |_, _| {}).map_err(|source| Error::Io {
         path: out.to_path_buf(),

@@ -1,0 +1,219 @@
+//! Hugging Face `LlamaForCausalLM` weights in: one `model.safetensors`, or a directory as
+//! Hugging Face writes it for large models (`model.safetensors.index.json` naming the shard of
+//! each tensor). Names map one to one (`model.layers.0.self_attn.q_proj.weight` is
+//! `layers.0.self_attn.q_proj.weight`, a norm's `weight` Burn's `gamma`); PyTorch's `nn.Linear`
+//! keeps its weight `[out, in]` where Burn's `Linear` keeps `[in, out]`, so each projection is
+//! read transposed (`PieceMeta::transposed`), box by box, by the distributed checkpoint's loader:
+//! each rank reads only what overlaps its pieces, in any layout. Export ([`export_llama`])
+//! writes a distributed checkpoint's weights back under Hugging Face's names and orientation.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::Error;
+use wildfire_checkpoint::dcp::{Checkpoint, FORMAT, Metadata, PieceMeta, TensorMeta};
+
+/// The Wildfire path of a Hugging Face Llama tensor name and whether it is stored transposed;
+/// `None` for a buffer that is not a parameter (`rotary_emb.inv_freq` in older files).
+pub fn llama_path(name: &str) -> Option<Result<(String, bool), String>> {
+    if name.ends_with("rotary_emb.inv_freq") {
+        return None;
+    }
+    if name == "lm_head.weight" {
+        return Some(Ok(("lm_head".into(), false)));
+    }
+    let Some(rest) = name.strip_prefix("model.") else {
+        return Some(Err(format!("{name}: not a LlamaForCausalLM tensor")));
+    };
+    if rest == "embed_tokens.weight" {
+        return Some(Ok(("embed_tokens".into(), false)));
+    }
+    if rest == "norm.weight" {
+        return Some(Ok(("norm.gamma".into(), false)));
+    }
+    let known = |tail: &str| {
+        ["input_layernorm.weight", "post_attention_layernorm.weight"].contains(&tail)
+            || [
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+            ]
+            .iter()
+            .chain(&["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"])
+            .any(|p| tail == format!("{p}.weight"))
+    };
+    let layer = rest.strip_prefix("layers.").and_then(|r| r.split_once('.'));
+    Some(match layer {
+        Some((i, tail)) if i.parse::<usize>().is_ok() && known(tail) => {
+            match tail.strip_suffix("layernorm.weight") {
+                Some(norm) => Ok((format!("layers.{i}.{norm}layernorm.gamma"), false)),
+                None => Ok((format!("layers.{i}.{tail}"), true)),
+            }
+        }
+        _ => Err(format!(
+            "{name}: not a tensor of Wildfire's Llama (biases and other extras are not part of it)"
+        )),
+    })
+}
+
+/// The Hugging Face name of a Wildfire Llama parameter path, and whether the file stores it
+/// transposed (the inverse of [`llama_path`]).
+pub fn hf_llama_name(path: &str) -> (String, bool) {
+    match path {
+        "lm_head" => ("lm_head.weight".into(), false),
+        "embed_tokens" => ("model.embed_tokens.weight".into(), false),
+        _ => match path.strip_suffix(".gamma") {
+            Some(norm) => (format!("model.{norm}.weight"), false),
+            None => (format!("model.{path}"), path.ends_with("_proj.weight")),
+        },
+    }
+}
+
+/// Write the weights of a Llama `checkpoint` as one safetensors file at `out` (atomically) with
+/// Hugging Face's names, each projection transposed back to `[out, in]`, one tensor in memory
+/// at a time.
+pub fn export_llama(checkpoint: &Checkpoint, out: &Path) -> Result<(), Error> {
+    super::export_with(checkpoint, out, |path, shape, values| {
+        let (name, transposed) = hf_llama_name(path);
+        if !transposed {
+            return (name, shape.to_vec(), values);
+        }
+        let (r, c) = (shape[0], shape[1]);
+        let mut t = vec![0f32; values.len()];
+        for (i, row) in values.chunks_exact(c.max(1)).enumerate() {
+            for (j, &v) in row.iter().enumerate() {
+                t[j * r + i] = v;
+            }
+        }
+        (name, vec![c, r], t)
+    })
+}
+
+/// The safetensors files of `path`: the file itself, or in a directory its index's shards
+/// (`model.safetensors.index.json`) or its one `model.safetensors`.
+fn weight_files(path: &Path) -> Result<(PathBuf, Vec<String>), Error> {
+    let invalid = |reason: String| Error::Invalid {
+        path: path.to_path_buf(),
+        reason,
+    };
+    if !path.is_dir() {
+        let name = path
+            .file_name()
+            .ok_or_else(|| invalid("not a file".into()))?
+            .to_string_lossy()
+            .into_owned();
+        let dir = path
+            .parent()
+            .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
+        return Ok((dir, vec![name]));
+    }
+    let index = path.join("model.safetensors.index.json");
+    if !index.exists() {
+        return Ok((path.to_path_buf(), vec!["model.safetensors".into()]));
+    }
+    let text = std::fs::read_to_string(&index).map_err(|source| Error::io(&index, source))?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Invalid {
+        path: index.clone(),
+        reason: format!("not JSON: {e}"),
+    })?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| Error::Invalid {
+            path: index.clone(),
+            reason: "no weight_map".into(),
+        })?;
+    let mut files: Vec<String> = map
+        .values()
+        .filter_map(|v| v.as_str().map(str::to_string))
+        .collect();
+    files.sort();
+    files.dedup();
+    if let Some(bad) = files.iter().find(|f| f.contains('/') || f.contains("..")) {
+        return Err(Error::Invalid {
+            path: index,
+            reason: format!("a shard named {bad:?} outside the directory"),
+        });
+    }
+    Ok((path.to_path_buf(), files))
+}
+
+/// Hugging Face Llama weights (a `model.safetensors` file, or a directory with one or with
+/// sharded files and their index; F32, or BF16 / F16 widened to f32 as read) as a checkpoint to
+/// load a [`crate::llama::Llama`] from ([`Checkpoint::load_model`]; no optimizer state). A
+/// tensor of another dtype or name is a typed error naming it.
+pub fn import_llama(path: &Path) -> Result<Checkpoint, Error> {
+    let (dir, names) = weight_files(path)?;
+    let mut files = BTreeMap::new();
+    let mut tensors = BTreeMap::new();
+    for name in names {
+        let file = dir.join(&name);
+        let invalid = |reason: String| Error::Invalid {
+            path: file.clone(),
+            reason,
+        };
+        let (handle, _, header) = wildfire_checkpoint::dcp::open_safetensors(&file)?;
+        let len = handle
+            .metadata()
+            .map_err(|source| Error::io(&file, source))?
+            .len();
+        files.insert(name.clone(), len);
+        for (key, entry) in &header {
+            let Some(mapped) = llama_path(key) else {
+                continue;
+            };
+            let (path, transposed) = mapped.map_err(&invalid)?;
+            if !matches!(entry.dtype.as_str(), "F32" | "BF16" | "F16") {
+                return Err(invalid(format!(
+                    "{key} is {}; Wildfire reads F32, BF16 and F16 weights (widened to f32)",
+                    entry.dtype
+                )));
+            }
+            let mut shape = entry.shape.clone();
+            if transposed {
+                if shape.len() != 2 {
+                    return Err(invalid(format!("{key} of shape {shape:?} is not a matrix")));
+                }
+                shape.reverse();
+            }
+            let piece = PieceMeta {
+                file: name.clone(),
+                start: vec![0; shape.len()],
+                end: shape.clone(),
+                crc32: None,
+                chunks: None,
+                key: Some(key.clone()),
+                at: None,
+                transposed,
+            };
+            let rows_padded = path == "embed_tokens" || path == "lm_head";
+            let meta = TensorMeta {
+                shape,
+                dtype: "F32".into(),
+                pieces: vec![piece],
+                rows_padded,
+            };
+            if tensors.insert(format!("model/{path}"), meta).is_some() {
+                return Err(invalid(format!("{key} is stored twice")));
+            }
+        }
+    }
+    if !tensors.contains_key("model/embed_tokens") {
+        return Err(Error::Invalid {
+            path: path.to_path_buf(),
+            reason: "no token table (model.embed_tokens.weight): not a Llama file".into(),
+        });
+    }
+    Ok(Checkpoint::new(
+        dir,
+        Metadata {
+            format: FORMAT.into(),
+            step: 0,
+            mesh: wildfire_parallel::DeviceMesh::single(),
+            files,
+            tensors,
+            optimizer_steps: BTreeMap::new(),
+        },
+    ))
+}

@@ -1,0 +1,493 @@
+//! The Llama-3 family, as Hugging Face's `LlamaForCausalLM` computes it: pre-RMSNorm blocks,
+//! grouped-query attention with rotary positions (Llama-3's frequency scaling included), a SwiGLU
+//! MLP, no biases, the output head tied to the token table or its own as
+//! `tie_word_embeddings` says.
+//!
+//! Parameter paths follow Hugging Face's names (`layers.0.self_attn.q_proj.weight`, …, the
+//! norms' `weight` as Burn's `gamma`), so its files map name for name ([`crate::hf`]); linear
+//! weights are kept `[in, out]` (Burn's `Linear`), the token table and an untied head
+//! `[vocab, d]` (as stored).
+
+use crate::Error;
+use crate::gpt::{TokenSampler, cross_entropy, table_logits};
+use crate::init::{Pieces, Place, Shapes, Values, Whole};
+use burn::module::Param;
+use burn::nn::RmsNorm;
+use burn::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use wildfire_kernels::FusedOps;
+use wildfire_kernels::hooks::{ForwardHooks, Inference};
+use wildfire_parallel::{DeviceMesh, DistributedBackend, Layout};
+
+mod block;
+mod parallel;
+mod rope;
+
+pub use block::{LlamaAttention, LlamaBlock, SwiGlu};
+pub use parallel::{init_llama, llama_tp_plan, parallelize_llama};
+pub use rope::{Llama3Scaling, Rope, apply_rope};
+
+/// A Llama model's shape.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    /// Vocabulary size (rows of the token table).
+    pub vocab_size: usize,
+    /// The tokens that exist, when the table is padded past them (their logits are masked to
+    /// [`PADDED_LOGIT`](crate::gpt::PADDED_LOGIT)); `None`: every row is a token.
+    #[serde(default)]
+    pub vocab_used: Option<usize>,
+    /// Blocks.
+    pub n_layer: usize,
+    /// Query heads.
+    pub n_head: usize,
+    /// Key/value heads (grouped-query attention; `n_head` for plain multi-head attention).
+    pub n_kv_head: usize,
+    /// Width.
+    pub d_model: usize,
+    /// The MLP's hidden width.
+    pub ffn_hidden: usize,
+    /// The context length trained on (rotary positions reach any length; this sizes batches).
+    pub block_size: usize,
+    /// The rotary embedding.
+    pub rope: Rope,
+    /// RMSNorm's ε.
+    pub rms_eps: f64,
+    /// The output head is the token table (`tie_word_embeddings`).
+    pub tie_embeddings: bool,
+    /// Seed of the initial values.
+    #[serde(default)]
+    pub init_seed: u64,
+}
+
+/// Llama-3.1/3.2's rotary embedding: θ 500,000, scaled by `factor` from an 8,192-token
+/// original context.
+fn llama3_rope(factor: f64) -> Rope {
+    Rope {
+        theta: 500_000.0,
+        scaling: Some(Llama3Scaling {
+            factor,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        }),
+    }
+}
+
+/// Llama-3's vocabulary (the `tokenizer.json` of every Llama-3 model).
+pub const LLAMA3_VOCAB: usize = 128_256;
+
+impl LlamaConfig {
+    /// A tiny Llama for CPUs and tests: 4 layers, 4 query heads over 2 key/value heads, width
+    /// 128, SwiGLU width 384, context 128, the head tied, Llama-3.2's rotary embedding.
+    pub fn tiny(vocab_size: usize) -> Self {
+        Self {
+            vocab_size,
+            vocab_used: None,
+            n_layer: 4,
+            n_head: 4,
+            n_kv_head: 2,
+            d_model: 128,
+            ffn_hidden: 384,
+            block_size: 128,
+            rope: llama3_rope(32.0),
+            rms_eps: 1e-5,
+            tie_embeddings: true,
+            init_seed: 0,
+        }
+    }
+
+    /// Llama-3.2-1B's shape (16 layers, 32 heads over 8, width 2,048, SwiGLU 8,192, tied head),
+    /// with a `block_size` context.
+    pub fn llama3_2_1b(block_size: usize) -> Self {
+        Self {
+            vocab_size: LLAMA3_VOCAB,
+            n_layer: 16,
+            n_head: 32,
+            n_kv_head: 8,
+            d_model: 2048,
+            ffn_hidden: 8192,
+            block_size,
+            ..Self::tiny(LLAMA3_VOCAB)
+        }
+    }
+
+    /// Llama-3.2-3B's shape (28 layers, 24 heads over 8, width 3,072, SwiGLU 8,192, tied head).
+    pub fn llama3_2_3b(block_size: usize) -> Self {
+        Self {
+            n_layer: 28,
+            n_head: 24,
+            d_model: 3072,
+            ..Self::llama3_2_1b(block_size)
+        }
+    }
+
+    /// Llama-3-8B's shape (32 layers, 32 heads over 8, width 4,096, SwiGLU 14,336, a head of its
+    /// own, θ 500,000 unscaled).
+    pub fn llama3_8b(block_size: usize) -> Self {
+        Self {
+            n_layer: 32,
+            n_head: 32,
+            d_model: 4096,
+            ffn_hidden: 14_336,
+            tie_embeddings: false,
+            rope: Rope {
+                theta: 500_000.0,
+                scaling: None,
+            },
+            ..Self::llama3_2_1b(block_size)
+        }
+    }
+
+    /// A head's width.
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_head.max(1)
+    }
+
+    /// Refuse shapes the model cannot have.
+    pub fn validate(&self) -> Result<(), Error> {
+        let hd = self.head_dim();
+        let problem = if self.n_head == 0 || self.n_kv_head == 0 {
+            Some("no heads".to_string())
+        } else if !self.d_model.is_multiple_of(self.n_head) {
+            Some(format!("width {} over {} heads", self.d_model, self.n_head))
+        } else if !self.n_head.is_multiple_of(self.n_kv_head) {
+            Some(format!(
+                "{} query heads over {} key/value heads",
+                self.n_head, self.n_kv_head
+            ))
+        } else if !hd.is_multiple_of(2) {
+            Some(format!(
+                "an odd head width {hd} (rotary positions pair dims)"
+            ))
+        } else if self.vocab_used.is_some_and(|u| u > self.vocab_size) {
+            Some(format!(
+                "{:?} tokens used of {}",
+                self.vocab_used, self.vocab_size
+            ))
+        } else {
+            None
+        };
+        match problem {
+            Some(p) => Err(Error::Config(format!("a Llama with {p}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Parameters in the model (the tied head counted once).
+    pub fn num_params(&self) -> usize {
+        let (d, kv) = (self.d_model, self.n_kv_head * self.head_dim());
+        let block = 2 * d * d + 2 * d * kv + 3 * d * self.ffn_hidden + 2 * d;
+        let head = if self.tie_embeddings {
+            0
+        } else {
+            self.vocab_size * d
+        };
+        self.n_layer * block + self.vocab_size * d + d + head
+    }
+
+    /// The shape a Hugging Face `config.json` of a `LlamaForCausalLM` gives (`transformers`
+    /// 4.x's `rope_theta` / `rope_scaling`, or 5.x's `rope_parameters`), with a `block_size`
+    /// context (at most the file's `max_position_embeddings`).
+    pub fn from_hf_config(path: &Path, block_size: usize) -> Result<Self, Error> {
+        let invalid = |reason: String| Error::Invalid {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| Error::io(path, source))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| invalid(format!("not JSON: {e}")))?;
+        let int = |key: &str| -> Result<usize, Error> {
+            json.get(key)
+                .and_then(serde_json::Value::as_u64)
+                .map(|v| v as usize)
+                .ok_or_else(|| invalid(format!("no integer {key}")))
+        };
+        let model_type = json.get("model_type").and_then(|v| v.as_str());
+        if model_type != Some("llama") {
+            return Err(invalid(format!(
+                "model_type {model_type:?}; this reads Llama configurations (\"llama\")"
+            )));
+        }
+        for key in ["attention_bias", "mlp_bias"] {
+            if json.get(key).and_then(|v| v.as_bool()) == Some(true) {
+                return Err(invalid(format!(
+                    "{key} is true; Wildfire's Llama has no biases"
+                )));
+            }
+        }
+        if let Some(act) = json.get("hidden_act").and_then(|v| v.as_str())
+            && act != "silu"
+        {
+            return Err(invalid(format!(
+                "hidden_act {act:?}; the Llama MLP is SwiGLU (silu)"
+            )));
+        }
+        let n_head = int("num_attention_heads")?;
+        let d_model = int("hidden_size")?;
+        if let Some(hd) = json.get("head_dim").and_then(|v| v.as_u64())
+            && hd as usize * n_head != d_model
+        {
+            return Err(invalid(format!(
+                "head_dim {hd} × {n_head} heads is not the width {d_model}"
+            )));
+        }
+        let max_positions = int("max_position_embeddings")?;
+        if block_size > max_positions {
+            return Err(invalid(format!(
+                "a context of {block_size} past max_position_embeddings {max_positions}"
+            )));
+        }
+        let rope_params = json
+            .get("rope_parameters")
+            .or_else(|| json.get("rope_scaling"))
+            .filter(|v| !v.is_null());
+        let float = |v: Option<&serde_json::Value>, key: &str| {
+            v.and_then(|v| v.get(key))
+                .and_then(serde_json::Value::as_f64)
+        };
+        let theta = float(rope_params, "rope_theta")
+            .or_else(|| json.get("rope_theta").and_then(|v| v.as_f64()))
+            .unwrap_or(10_000.0);
+        let kind = rope_params
+            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
+            .and_then(|v| v.as_str())
+            .unwrap_or("default");
+        let scaling = match kind {
+            "default" => None,
+            "llama3" => {
+                let get = |key: &str| {
+                    float(rope_params, key)
+                        .ok_or_else(|| invalid(format!("llama3 rope without {key}")))
+                };
+                Some(Llama3Scaling {
+                    factor: get("factor")?,
+                    low_freq_factor: get("low_freq_factor")?,
+                    high_freq_factor: get("high_freq_factor")?,
+                    original_max_position_embeddings: get("original_max_position_embeddings")?
+                        as usize,
+                })
+            }
+            other => {
+                return Err(invalid(format!(
+                    "rope_type {other:?}; Wildfire's Llama reads \"default\" and \"llama3\""
+                )));
+            }
+        };
+        let n_kv_head = match json.get("num_key_value_heads") {
+            Some(v) if !v.is_null() => int("num_key_value_heads")?,
+            _ => n_head,
+        };
+        let config = Self {
+            vocab_size: int("vocab_size")?,
+            vocab_used: None,
+            n_layer: int("num_hidden_layers")?,
+            n_head,
+            n_kv_head,
+            d_model,
+            ffn_hidden: int("intermediate_size")?,
+            block_size,
+            rope: Rope { theta, scaling },
+            rms_eps: json
+                .get("rms_norm_eps")
+                .and_then(|v| v.as_f64())
+                .unwrap_or(1e-6),
+            tie_embeddings: json
+                .get("tie_word_embeddings")
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false),
+            init_seed: 0,
+        };
+        config.validate().map_err(|e| invalid(e.to_string()))?;
+        Ok(config)
+    }
+
+    /// The model, every parameter drawn whole: normal(0, 0.02) linear weights and tables (as
+    /// `transformers` initialises a Llama), norms at 1.
+    pub fn init<B: Backend>(&self, device: &B::Device) -> Result<Llama<B>, Error> {
+        self.validate()?;
+        Ok(self.build(&mut Whole(device), device))
+    }
+
+    /// The model already laid out over `device`'s mesh, each parameter in the layout `layouts`
+    /// gives it, each rank drawing only its own pieces (the values [`LlamaConfig::init`] gives
+    /// there).
+    pub fn init_in_layouts<B: DistributedBackend>(
+        &self,
+        device: &B::Device,
+        layouts: impl FnOnce(
+            &[(String, Vec<usize>)],
+            &DeviceMesh,
+        ) -> Result<Vec<Layout>, wildfire_parallel::Error>,
+    ) -> Result<Llama<B>, Error> {
+        self.validate()?;
+        let dist = B::dist_device(device);
+        let mut shapes = Shapes::<B> {
+            device: Some(device),
+            params: Vec::new(),
+        };
+        self.build(&mut shapes, device);
+        let layouts = layouts(&shapes.params, dist.mesh())?;
+        let mut pieces = Pieces::<B> {
+            device: dist,
+            layouts: shapes
+                .params
+                .into_iter()
+                .map(|(p, _)| p)
+                .zip(layouts)
+                .collect(),
+            error: None,
+        };
+        let model = self.build(&mut pieces, device);
+        match pieces.error {
+            Some(e) => Err(e),
+            None => Ok(model),
+        }
+    }
+
+    /// The model, its parameters made by `place`; each has its own stream (per block its seven
+    /// projections, then the token table and the head).
+    fn build<B: Backend>(&self, place: &mut impl Place<B>, device: &B::Device) -> Llama<B> {
+        let (d, hd) = (self.d_model, self.head_dim());
+        let normal = |count: usize| Values::Normal {
+            stream: self.init_seed ^ (count as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            std: 0.02,
+        };
+        let mut linear = |path: String, d_in: usize, d_out: usize, count: usize| {
+            let path = format!("{path}.weight");
+            block::linear(place.tensor(&path, [d_in, d_out], normal(count)))
+        };
+        let norm = || RmsNorm {
+            gamma: Param::from_tensor(Tensor::ones([d], device)),
+            epsilon: self.rms_eps,
+        };
+        let (q, kv) = (self.n_head * hd, self.n_kv_head * hd);
+        let layers = (0..self.n_layer)
+            .map(|l| {
+                let at = |s: &str| format!("layers.{l}.{s}");
+                let c = 7 * l;
+                LlamaBlock {
+                    input_layernorm: norm(),
+                    self_attn: LlamaAttention {
+                        q_proj: linear(at("self_attn.q_proj"), d, q, c + 1),
+                        k_proj: linear(at("self_attn.k_proj"), d, kv, c + 2),
+                        v_proj: linear(at("self_attn.v_proj"), d, kv, c + 3),
+                        o_proj: linear(at("self_attn.o_proj"), q, d, c + 4),
+                        n_head: self.n_head,
+                        n_kv_head: self.n_kv_head,
+                    },
+                    post_attention_layernorm: norm(),
+                    mlp: SwiGlu {
+                        gate_proj: linear(at("mlp.gate_proj"), d, self.ffn_hidden, c + 5),
+                        up_proj: linear(at("mlp.up_proj"), d, self.ffn_hidden, c + 6),
+                        down_proj: linear(at("mlp.down_proj"), self.ffn_hidden, d, c + 7),
+                    },
+                }
+            })
+            .collect();
+        let tables = 7 * self.n_layer;
+        let vocab = self.vocab_size;
+        let embed_tokens =
+            Param::from_tensor(place.tensor("embed_tokens", [vocab, d], normal(tables + 1)));
+        let lm_head = (!self.tie_embeddings)
+            .then(|| Param::from_tensor(place.tensor("lm_head", [vocab, d], normal(tables + 2))));
+        Llama {
+            embed_tokens,
+            layers,
+            norm: norm(),
+            lm_head,
+            rope: self.rope,
+            vocab_used: self.vocab_used.unwrap_or(vocab),
+        }
+    }
+}
+
+/// A Llama model (see the module docs).
+#[derive(Module, Debug)]
+pub struct Llama<B: Backend> {
+    /// Token table `[vocab, d]`.
+    pub embed_tokens: Param<Tensor<B, 2>>,
+    /// The blocks.
+    pub layers: Vec<LlamaBlock<B>>,
+    /// Final RMSNorm.
+    pub norm: RmsNorm<B>,
+    /// The output head `[vocab, d]`, or `None` when tied to the token table.
+    pub lm_head: Option<Param<Tensor<B, 2>>>,
+    /// The rotary embedding.
+    #[module(skip)]
+    pub rope: Rope,
+    /// The tokens that exist (logits past them masked).
+    pub vocab_used: usize,
+}
+
+impl<B: FusedOps> Llama<B> {
+    /// Logits `[b, t, vocab]` for token ids `[b, t]`.
+    pub fn forward(&self, idx: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.forward_with(idx, &Inference)
+    }
+
+    /// Logits through the trainer's hooks (recomputation per its policy).
+    pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
+        &self,
+        idx: Tensor<B, 2, Int>,
+        hooks: &H,
+    ) -> Tensor<B, 3> {
+        let [_, t] = idx.dims();
+        let device = idx.device();
+        let mut x = burn::tensor::module::embedding(self.embed_tokens.val(), idx);
+        let hd =
+            self.embed_tokens.dims()[1] / self.layers.first().map_or(1, |l| l.self_attn.n_head);
+        let rope = self.rope.tables::<B>(t, hd, &device);
+        let n = self.layers.len();
+        for (layer, block) in self.layers.iter().enumerate() {
+            let rope = rope.clone();
+            x = hooks.block(layer, n, block, x, move |block, x, hooks| {
+                block.forward_with(layer, x, &rope, hooks)
+            });
+        }
+        let x = block::rms_norm(&self.norm, x);
+        let table = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        table_logits(x, table.val(), self.vocab_used)
+    }
+
+    /// Mean cross-entropy of next-token prediction: `inputs` and `targets` are `[b, t]`.
+    pub fn loss(&self, inputs: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
+        self.loss_with(inputs, targets, &Inference)
+    }
+
+    /// [`loss`](Self::loss) through the trainer's hooks.
+    pub fn loss_with<'a, H: ForwardHooks<'a, B>>(
+        &self,
+        inputs: Tensor<B, 2, Int>,
+        targets: Tensor<B, 2, Int>,
+        hooks: &H,
+    ) -> Tensor<B, 1> {
+        cross_entropy(self.forward_with(inputs, hooks), targets)
+    }
+
+    /// Continue `prompt` by `new_tokens` tokens from contexts of at most `block_size`, sampling
+    /// with `sampler` (seeded, so a sample is reproducible).
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        new_tokens: usize,
+        block_size: usize,
+        mut sampler: TokenSampler,
+        device: &B::Device,
+    ) -> Vec<u32> {
+        let next = |context: Vec<i64>| {
+            let t = context.len();
+            let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(context, [1, t]), device);
+            let logits = self.forward(idx).narrow(1, t - 1, 1);
+            let logits: Vec<f32> = logits.into_data().convert::<f32>().to_vec().unwrap();
+            Ok::<_, std::convert::Infallible>(sampler.pick(&logits))
+        };
+        match crate::gpt::generate_by(prompt, new_tokens, block_size, next) {
+            Ok(tokens) => tokens,
+            Err(never) => match never {},
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

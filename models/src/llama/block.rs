@@ -1,0 +1,141 @@
+//! The Llama block: pre-RMSNorm grouped-query attention with rotary positions and a SwiGLU MLP,
+//! residual connections around both, no biases.
+
+use super::rope::apply_rope;
+use burn::module::Param;
+use burn::nn::{Linear, RmsNorm};
+use burn::prelude::*;
+use burn::tensor::activation;
+use wildfire_kernels::hooks::{ForwardHooks, Inference};
+use wildfire_kernels::{FusedOps, ops};
+
+/// A pre-RMSNorm Llama block.
+#[derive(Module, Debug)]
+pub struct LlamaBlock<B: Backend> {
+    /// Norm before attention.
+    pub input_layernorm: RmsNorm<B>,
+    /// Grouped-query self-attention.
+    pub self_attn: LlamaAttention<B>,
+    /// Norm before the MLP.
+    pub post_attention_layernorm: RmsNorm<B>,
+    /// The SwiGLU MLP.
+    pub mlp: SwiGlu<B>,
+}
+
+/// Causal grouped-query self-attention: `n_head` query heads share `n_kv_head` key/value heads
+/// (each key/value head serves `n_head / n_kv_head` consecutive query heads), rotary positions
+/// on queries and keys.
+#[derive(Module, Debug)]
+pub struct LlamaAttention<B: Backend> {
+    /// Query projection `[d, n_head·hd]`.
+    pub q_proj: Linear<B>,
+    /// Key projection `[d, n_kv_head·hd]`.
+    pub k_proj: Linear<B>,
+    /// Value projection `[d, n_kv_head·hd]`.
+    pub v_proj: Linear<B>,
+    /// Output projection `[n_head·hd, d]`.
+    pub o_proj: Linear<B>,
+    /// Query heads.
+    pub n_head: usize,
+    /// Key/value heads.
+    pub n_kv_head: usize,
+}
+
+/// The SwiGLU MLP: `down(silu(gate(x)) ⊙ up(x))`.
+#[derive(Module, Debug)]
+pub struct SwiGlu<B: Backend> {
+    /// Gate projection `[d, ffn]`.
+    pub gate_proj: Linear<B>,
+    /// Up projection `[d, ffn]`.
+    pub up_proj: Linear<B>,
+    /// Down projection `[ffn, d]`.
+    pub down_proj: Linear<B>,
+}
+
+/// `norm(x)`: RMSNorm through the fused op (Wildfire's kernel where the backend has one, Burn
+/// ops otherwise), in the input's dtype.
+pub(super) fn rms_norm<B: FusedOps>(norm: &RmsNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
+    ops::rms_norm(x, norm.gamma.val(), norm.epsilon)
+}
+
+/// A bias-free linear layer with weight `[d_in, d_out]` (Burn's layout).
+pub(super) fn linear<B: Backend>(weight: Tensor<B, 2>) -> Linear<B> {
+    Linear {
+        weight: Param::from_tensor(weight),
+        bias: None,
+    }
+}
+
+impl<B: FusedOps> LlamaAttention<B> {
+    /// `[b, t, d] -> [b, t, d]` with rotary tables `cos`, `sin` (`[1, 1, t, hd]`), the core
+    /// through the hooks (the flash kernel where the backend has one; recomputed under the
+    /// selective policy while training).
+    pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
+        &self,
+        layer: usize,
+        x: Tensor<B, 3>,
+        [cos, sin]: &[Tensor<B, 4>; 2],
+        hooks: &H,
+    ) -> Tensor<B, 3> {
+        let [b, t, _] = x.dims();
+        let (h, kv) = (self.n_head, self.n_kv_head);
+        let hd = self.q_proj.weight.dims()[1] / h;
+        let heads = |proj: &Linear<B>, n: usize| {
+            proj.forward(x.clone())
+                .reshape([b, t, n, hd])
+                .swap_dims(1, 2)
+        };
+        let q = apply_rope(heads(&self.q_proj, h), cos, sin);
+        let k = apply_rope(heads(&self.k_proj, kv), cos, sin);
+        let v = heads(&self.v_proj, kv);
+        // Each key/value head repeated for the query heads it serves (`repeat_kv`).
+        let repeat = |x: Tensor<B, 4>| {
+            if kv == h {
+                return x;
+            }
+            x.unsqueeze_dim::<5>(2)
+                .expand([b, kv, h / kv, t, hd])
+                .reshape([b, h, t, hd])
+        };
+        let scale = 1.0 / (hd as f64).sqrt();
+        let y = hooks.attention_heads(layer, [q, repeat(k), repeat(v)], scale, true, 0.0);
+        self.o_proj
+            .forward(y.swap_dims(1, 2).reshape([b, t, h * hd]))
+    }
+}
+
+impl<B: FusedOps> SwiGlu<B> {
+    /// `[b, t, d] -> [b, t, d]`.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let gate = activation::silu(self.gate_proj.forward(x.clone()));
+        self.down_proj.forward(gate * self.up_proj.forward(x))
+    }
+}
+
+impl<B: FusedOps> LlamaBlock<B> {
+    /// `x + attn(norm(x))`, then `x + mlp(norm(x))`, without hooks.
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &[Tensor<B, 4>; 2]) -> Tensor<B, 3> {
+        self.forward_with(0, x, rope, &Inference)
+    }
+
+    /// Block `layer` through the hooks.
+    pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
+        &self,
+        layer: usize,
+        x: Tensor<B, 3>,
+        rope: &[Tensor<B, 4>; 2],
+        hooks: &H,
+    ) -> Tensor<B, 3> {
+        let h = self.self_attn.forward_with(
+            layer,
+            rms_norm(&self.input_layernorm, x.clone()),
+            rope,
+            hooks,
+        );
+        let x = x + h;
+        let h = self
+            .mlp
+            .forward(rms_norm(&self.post_attention_layernorm, x.clone()));
+        x + h
+    }
+}

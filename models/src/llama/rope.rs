@@ -1,0 +1,134 @@
+//! Rotary position embeddings as Hugging Face's Llama applies them: the "rotate half"
+//! convention (a head's first half of dims paired with its second half), inverse frequencies
+//! `θ^(−2i/hd)`, and Llama-3's frequency scaling (`rope_type: "llama3"`).
+
+use burn::prelude::*;
+use serde::{Deserialize, Serialize};
+
+/// Llama-3's scaling of the rotary frequencies for long contexts (Llama-3.1 and 3.2): wavelengths
+/// longer than `original_max_position_embeddings / low_freq_factor` are divided by `factor`,
+/// shorter than `… / high_freq_factor` kept, and those between interpolated smoothly.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Llama3Scaling {
+    /// How much longer the context is than the one trained without scaling.
+    pub factor: f64,
+    /// Low-frequency bound, as a fraction of the original context.
+    pub low_freq_factor: f64,
+    /// High-frequency bound, as a fraction of the original context.
+    pub high_freq_factor: f64,
+    /// The context the frequencies were first trained for.
+    pub original_max_position_embeddings: usize,
+}
+
+/// The rotary embedding of a model: base `theta` and an optional Llama-3 scaling.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Rope {
+    /// The base of the inverse frequencies.
+    pub theta: f64,
+    /// Llama-3's frequency scaling, if any.
+    pub scaling: Option<Llama3Scaling>,
+}
+
+impl Rope {
+    /// The `head_dim / 2` inverse frequencies, as `transformers` computes them (in f32:
+    /// `1 / θ^(2i/hd)`, then the Llama-3 scaling).
+    pub fn inv_freq(&self, head_dim: usize) -> Vec<f32> {
+        let base: Vec<f32> = (0..head_dim / 2)
+            .map(|i| 1.0 / (self.theta as f32).powf((2 * i) as f32 / head_dim as f32))
+            .collect();
+        let Some(s) = self.scaling else {
+            return base;
+        };
+        let old = s.original_max_position_embeddings as f32;
+        let (factor, low, high) = (
+            s.factor as f32,
+            s.low_freq_factor as f32,
+            s.high_freq_factor as f32,
+        );
+        let (low_wavelen, high_wavelen) = (old / low, old / high);
+        base.into_iter()
+            .map(|f| {
+                let wavelen = 2.0 * std::f32::consts::PI / f;
+                if wavelen > low_wavelen {
+                    f / factor
+                } else if wavelen < high_wavelen {
+                    f
+                } else {
+                    let smooth = (old / wavelen - low) / (high - low);
+                    (1.0 - smooth) * f / factor + smooth * f
+                }
+            })
+            .collect()
+    }
+
+    /// `cos` and `sin` tables `[1, 1, t, head_dim]` for positions `0..t` (each frequency's
+    /// angle repeated in both halves of a head, as `transformers` builds them).
+    pub fn tables<B: Backend>(
+        &self,
+        t: usize,
+        head_dim: usize,
+        device: &B::Device,
+    ) -> [Tensor<B, 4>; 2] {
+        let inv_freq = self.inv_freq(head_dim);
+        let half = head_dim / 2;
+        let (mut cos, mut sin) = (vec![0f32; t * head_dim], vec![0f32; t * head_dim]);
+        for p in 0..t {
+            for (i, &f) in inv_freq.iter().enumerate() {
+                let angle = p as f32 * f;
+                let (s, c) = angle.sin_cos();
+                for j in [i, i + half] {
+                    cos[p * head_dim + j] = c;
+                    sin[p * head_dim + j] = s;
+                }
+            }
+        }
+        [cos, sin].map(|v| Tensor::from_data(TensorData::new(v, [1, 1, t, head_dim]), device))
+    }
+}
+
+/// `x·cos + rotate_half(x)·sin` over `[b, h, t, hd]`, where `rotate_half([x₁, x₂]) = [−x₂, x₁]`
+/// (the halves of each head's dims).
+pub fn apply_rope<B: Backend>(
+    x: Tensor<B, 4>,
+    cos: &Tensor<B, 4>,
+    sin: &Tensor<B, 4>,
+) -> Tensor<B, 4> {
+    let hd = x.dims()[3];
+    let half = hd / 2;
+    let (x1, x2) = (
+        x.clone().narrow(3, 0, half),
+        x.clone().narrow(3, half, half),
+    );
+    let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+    let dtype = x.dtype();
+    x * cos.clone().cast(dtype) + rotated * sin.clone().cast(dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The three regimes of the Llama-3 scaling at head width 8, θ 500,000 (Llama-3.2's
+    /// parameters): the values `transformers` 5.24 computes (`LlamaRotaryEmbedding.inv_freq`).
+    #[test]
+    fn llama3_scaling_matches_transformers() {
+        let rope = Rope {
+            theta: 500_000.0,
+            scaling: Some(Llama3Scaling {
+                factor: 32.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            }),
+        };
+        let want = [1.0f32, 3.7606e-2, 4.2956e-4, 1.6620e-6];
+        for (got, want) in rope.inv_freq(8).iter().zip(want) {
+            assert!((got - want).abs() <= 1e-4 * want, "{got} vs {want}");
+        }
+        let plain = Rope {
+            scaling: None,
+            ..rope
+        };
+        assert!((plain.inv_freq(8)[3] - 5.3183e-5).abs() < 1e-8);
+    }
+}
