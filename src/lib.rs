@@ -29,6 +29,7 @@ pub mod prelude {
     };
     pub use wildfire_kernels::FusedOps;
     pub use wildfire_kernels::hooks::{ForwardHooks, Inference};
+    pub use wildfire_models::CausalLm;
     pub use wildfire_parallel::{
         DeviceMesh, DistDevice, Distributed, FsdpOptimizer, FsdpStrategy, LaunchEnv, LaunchOptions,
         RankPolicy, TpPlan, TpStyle, fully_shard, init_sharded, launch_ranks, replicate,

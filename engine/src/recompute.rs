@@ -16,7 +16,7 @@
 //!   Requirement: regions are cut points — the model reaches a region's input only through the
 //!   previous region's output (true of a stack of blocks; each block's input is its own region's
 //!   input). Any `Module` works: the region is a closure over the module, written once.
-//! * **Selective** ([`Recomputer::attention`]): the attention core
+//! * **Selective** ([`Recomputer::attention_heads`]): the attention core
 //!   `softmax(mask(q·kᵀ·scale))·v` (with dropout on the probabilities) is one custom autodiff op
 //!   whose backward is written out on the inner backend. With `Selective` it keeps only q, k, v and
 //!   recomputes the score and probability tiles in backward (FlashAttention-style); otherwise it
@@ -102,7 +102,7 @@ fn probabilities<B: FusedOps>(
 }
 
 /// The attention core from Burn ops (differentiated by Burn's autodiff where `B` has it): the
-/// reference for [`Recomputer::attention`]'s custom op, and its implementation on backends
+/// reference for [`Recomputer::attention_heads`]'s custom op, and its implementation on backends
 /// without autodiff.
 pub fn attention_reference<B: FusedOps>(
     q: Tensor<B, 4>,
@@ -263,7 +263,7 @@ const SITE_ATTENTION: u64 = 2;
 ///
 /// Build one per micro-batch with [`Recomputer::new`] (training, autodiff backends) or
 /// [`Recomputer::inference`]; the model's forward calls [`block`](wildfire_kernels::hooks::ForwardHooks::block),
-/// [`attention`](Self::attention) and [`dropout`](wildfire_kernels::hooks::ForwardHooks::dropout); then
+/// [`attention_heads`](wildfire_kernels::hooks::ForwardHooks::attention_heads) and [`dropout`](wildfire_kernels::hooks::ForwardHooks::dropout); then
 /// [`backward`](Self::backward) replaces `loss.backward()`.
 pub struct Recomputer<'a, B: Backend> {
     policy: Recompute,
@@ -331,36 +331,6 @@ impl<'a, B: Backend> Recomputer<'a, B> {
     /// The seed of the random stream of `(layer, site)` in this step.
     pub fn seed_of(&self, layer: usize, site: u64) -> u64 {
         mix_seed(self.seed, layer as u64, site)
-    }
-}
-
-impl<'a, B: FusedOps> Recomputer<'a, B> {
-    /// The attention core `softmax(mask(q·kᵀ·scale))·v` of layer `layer` on `[q, k, v]`,
-    /// `[b, h, t, hd]` each, with dropout on the probabilities while training. Without dropout,
-    /// on a backend with fused kernels ([`FusedOps::FUSED`]`.attention`), this is the flash-attention kernel:
-    /// it keeps only q, k, v, the output and one log-sum-exp per query, and its backward
-    /// recomputes the probabilities from it — what `Selective` asks for, under every policy.
-    pub fn attention(
-        &self,
-        layer: usize,
-        [q, k, v]: [Tensor<B, 4>; 3],
-        scale: f64,
-        causal: bool,
-        dropout: f64,
-    ) -> Tensor<B, 4> {
-        let spec = AttentionSpec {
-            scale,
-            causal,
-            dropout: if self.training { dropout } else { 0.0 },
-            seed: self.seed_of(layer, SITE_ATTENTION),
-        };
-        if B::FUSED.attention && spec.dropout == 0.0 {
-            return wildfire_kernels::ops::attention(q, k, v, scale, causal);
-        }
-        match self.attention {
-            Some(op) => op(q, k, v, &spec, self.policy == Recompute::Selective),
-            None => attention_reference(q, k, v, &spec),
-        }
     }
 }
 
@@ -523,11 +493,11 @@ impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recompute
         y
     }
 
-    /// [`attention`](Self::attention) on packed projections `qkv` `[b, t, h, 3·hd]` (per head:
+    /// [`attention_heads`](wildfire_kernels::hooks::ForwardHooks::attention_heads) on packed projections `qkv` `[b, t, h, 3·hd]` (per head:
     /// queries, keys, values side by side), giving `[b, t, h, hd]`. Without dropout, on a backend
     /// with fused attention, one op that never splits `qkv` nor transposes the output
     /// ([`FusedOps::fused_attention_qkv`]); otherwise q, k and v are split out and go through
-    /// [`attention`](Self::attention) and its recomputation policy.
+    /// [`attention_heads`](Self::attention_heads) and its recomputation policy.
     fn attention_qkv(
         &self,
         layer: usize,
@@ -541,21 +511,36 @@ impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recompute
             return wildfire_kernels::ops::attention_qkv(qkv, scale, causal);
         }
         let qkv = wildfire_kernels::ops::split_qkv(qkv);
-        self.attention(layer, qkv, scale, causal, dropout)
+        self.attention_heads(layer, qkv, scale, causal, dropout)
             .swap_dims(1, 2)
     }
 
-    /// [`Recomputer::attention`]: the flash kernel without dropout where the backend has one,
-    /// otherwise the core under the recomputation policy.
+    /// The attention core `softmax(mask(q·kᵀ·scale))·v` of layer `layer` on `qkv` = `[q, k, v]`,
+    /// `[b, h, t, hd]` each, with dropout on the probabilities while training. Without dropout,
+    /// on a backend with fused kernels ([`FusedOps::FUSED`]`.attention`), this is the flash-attention kernel:
+    /// it keeps only q, k, v, the output and one log-sum-exp per query, and its backward
+    /// recomputes the probabilities from it — what `Selective` asks for, under every policy.
     fn attention_heads(
         &self,
         layer: usize,
-        qkv: [Tensor<B, 4>; 3],
+        [q, k, v]: [Tensor<B, 4>; 3],
         scale: f64,
         causal: bool,
         dropout: f64,
     ) -> Tensor<B, 4> {
-        Recomputer::attention(self, layer, qkv, scale, causal, dropout)
+        let spec = AttentionSpec {
+            scale,
+            causal,
+            dropout: if self.training { dropout } else { 0.0 },
+            seed: self.seed_of(layer, SITE_ATTENTION),
+        };
+        if B::FUSED.attention && spec.dropout == 0.0 {
+            return wildfire_kernels::ops::attention(q, k, v, scale, causal);
+        }
+        match self.attention {
+            Some(op) => op(q, k, v, &spec, self.policy == Recompute::Selective),
+            None => attention_reference(q, k, v, &spec),
+        }
     }
 
     /// Inverted dropout with probability `p` at `(layer, site)` while training; identity otherwise.

@@ -2,7 +2,8 @@
 //! input and output embeddings tied, GPT-2 initialisation (nanoGPT / llm.c conventions).
 
 use crate::Error;
-use crate::init::{Pieces, Place, Shapes, Values, Whole};
+use crate::init::{LayoutFn, Place, Values, Whole, build_in_layouts};
+use crate::lm::CausalLm;
 use burn::module::Param;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear};
@@ -13,7 +14,7 @@ use std::ops::Range;
 use std::str::FromStr;
 use wildfire_kernels::hooks::{ForwardHooks, Inference};
 use wildfire_kernels::{FusedOps, ops};
-use wildfire_parallel::{DeviceMesh, DistributedBackend, Layout};
+use wildfire_parallel::DistributedBackend;
 
 mod block;
 mod sample;
@@ -190,10 +191,7 @@ impl GptConfig {
     pub fn init_in_layouts<B: DistributedBackend>(
         &self,
         device: &B::Device,
-        layouts: impl FnOnce(
-            &[(String, Vec<usize>)],
-            &DeviceMesh,
-        ) -> Result<Vec<Layout>, wildfire_parallel::Error>,
+        layouts: impl LayoutFn,
     ) -> Result<Gpt<B>, Error> {
         let whole = self.init_stage_in_layouts(device, 0..self.n_layer, true, true, layouts)?;
         Ok(whole.into_gpt())
@@ -210,35 +208,18 @@ impl GptConfig {
         blocks: Range<usize>,
         first: bool,
         last: bool,
-        layouts: impl FnOnce(
-            &[(String, Vec<usize>)],
-            &DeviceMesh,
-        ) -> Result<Vec<Layout>, wildfire_parallel::Error>,
+        layouts: impl LayoutFn,
     ) -> Result<GptStage<B>, Error> {
         self.validate()?;
         self.check_stage(&blocks, first, last)?;
-        let dist = B::dist_device(device);
-        let mut shapes = Shapes::<B> {
-            device: Some(device),
-            params: Vec::new(),
-        };
-        self.build(&mut shapes, device, blocks.clone(), first, last);
-        let layouts = layouts(&shapes.params, dist.mesh())?;
-        let mut pieces = Pieces::<B> {
-            device: dist,
-            layouts: shapes
-                .params
-                .into_iter()
-                .map(|(p, _)| p)
-                .zip(layouts)
-                .collect(),
-            error: None,
-        };
-        let model = self.build(&mut pieces, device, blocks, first, last);
-        match pieces.error {
-            Some(e) => Err(e),
-            None => Ok(model),
-        }
+        build_in_layouts(
+            device,
+            layouts,
+            |shapes| {
+                self.build(shapes, device, blocks.clone(), first, last);
+            },
+            |pieces| self.build(pieces, device, blocks.clone(), first, last),
+        )
     }
 
     /// [`GptConfig::init_stage_in_layouts`] on a plain backend: every value of the stage's
@@ -628,15 +609,8 @@ impl<B: FusedOps> GptStage<B> {
     }
 }
 
-impl<B: FusedOps> Gpt<B> {
-    /// Logits `[b, t, vocab]` for token ids `[b, t]` (t <= block size), no dropout.
-    pub fn forward(&self, idx: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        self.forward_with(idx, &Inference)
-    }
-
-    /// Logits with the trainer's hooks (e.g. the training step's `Recomputer`: blocks
-    /// recomputed per its policy, dropout while training).
-    pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
+impl<B: FusedOps> CausalLm<B> for Gpt<B> {
+    fn forward_with<'a, H: ForwardHooks<'a, B>>(
         &self,
         idx: Tensor<B, 2, Int>,
         hooks: &H,
@@ -646,22 +620,9 @@ impl<B: FusedOps> Gpt<B> {
         let x = run_blocks(&self.blocks, 0, n, x, hooks);
         head(&self.ln_f, &self.wte, x, self.vocab_used)
     }
+}
 
-    /// Mean cross-entropy of next-token prediction: `inputs` and `targets` are `[b, t]`.
-    pub fn loss(&self, inputs: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        self.loss_with(inputs, targets, &Inference)
-    }
-
-    /// [`loss`](Self::loss) with the trainer's hooks.
-    pub fn loss_with<'a, H: ForwardHooks<'a, B>>(
-        &self,
-        inputs: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-        hooks: &H,
-    ) -> Tensor<B, 1> {
-        cross_entropy(self.forward_with(inputs, hooks), targets)
-    }
-
+impl<B: FusedOps> Gpt<B> {
     /// The context length.
     pub fn block_size(&self) -> usize {
         self.wpe.dims()[0]
@@ -678,18 +639,8 @@ impl<B: FusedOps> Gpt<B> {
         seed: u64,
         device: &B::Device,
     ) -> Vec<u32> {
-        let mut sampler = TokenSampler::new(temperature, top_k, seed);
-        let next = |context: Vec<i64>| {
-            let t = context.len();
-            let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(context, [1, t]), device);
-            let logits = self.forward(idx).narrow(1, t - 1, 1);
-            let logits: Vec<f32> = logits.into_data().convert::<f32>().to_vec().unwrap();
-            Ok::<_, std::convert::Infallible>(sampler.pick(&logits))
-        };
-        match sample::generate_by(prompt, new_tokens, self.block_size(), next) {
-            Ok(tokens) => tokens,
-            Err(never) => match never {},
-        }
+        let sampler = TokenSampler::new(temperature, top_k, seed);
+        self.sample(prompt, new_tokens, self.block_size(), sampler, device)
     }
 }
 

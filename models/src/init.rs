@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use burn::prelude::*;
 use burn::tensor::TensorPrimitive;
-use wildfire_parallel::{DTensor, DistDevice, DistributedBackend, Layout};
+use wildfire_parallel::{DTensor, DeviceMesh, DistDevice, DistributedBackend, Layout};
 
 use crate::Error;
 
@@ -30,6 +30,54 @@ impl Values {
                 });
             }
         }
+    }
+}
+
+/// What lays a model out as it is built: given every parameter's path and shape (in
+/// construction order) and the mesh, each one's layout.
+pub trait LayoutFn:
+    FnOnce(&[(String, Vec<usize>)], &DeviceMesh) -> Result<Vec<Layout>, wildfire_parallel::Error>
+{
+}
+
+impl<F> LayoutFn for F where
+    F: FnOnce(
+        &[(String, Vec<usize>)],
+        &DeviceMesh,
+    ) -> Result<Vec<Layout>, wildfire_parallel::Error>
+{
+}
+
+/// A model built in the layouts `layouts` gives, each rank drawing only its pieces: `record`
+/// builds it once with [`Shapes`] (the parameters' paths and shapes, nothing drawn), `draw` once
+/// more with [`Pieces`] in those layouts.
+pub(crate) fn build_in_layouts<B: DistributedBackend, M>(
+    device: &B::Device,
+    layouts: impl LayoutFn,
+    record: impl FnOnce(&mut Shapes<B>),
+    draw: impl FnOnce(&mut Pieces<B>) -> M,
+) -> Result<M, Error> {
+    let dist = B::dist_device(device);
+    let mut shapes = Shapes::<B> {
+        device: Some(device),
+        params: Vec::new(),
+    };
+    record(&mut shapes);
+    let layouts = layouts(&shapes.params, dist.mesh())?;
+    let mut pieces = Pieces::<B> {
+        device: dist,
+        layouts: shapes
+            .params
+            .into_iter()
+            .map(|(p, _)| p)
+            .zip(layouts)
+            .collect(),
+        error: None,
+    };
+    let model = draw(&mut pieces);
+    match pieces.error {
+        Some(e) => Err(e),
+        None => Ok(model),
     }
 }
 

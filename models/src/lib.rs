@@ -6,7 +6,10 @@ pub mod gpt;
 pub mod hf;
 mod init;
 pub mod llama;
+mod lm;
 pub mod memory;
 pub mod parallelize;
 
 pub use error::Error;
+pub use init::LayoutFn;
+pub use lm::CausalLm;

@@ -8,17 +8,18 @@
 //! weights are kept `[in, out]` (Burn's `Linear`), the token table and an untied head
 //! `[vocab, d]` (as stored).
 
+use crate::CausalLm;
 use crate::Error;
-use crate::gpt::{TokenSampler, cross_entropy, table_logits};
-use crate::init::{Pieces, Place, Shapes, Values, Whole};
+use crate::gpt::table_logits;
+use crate::init::{LayoutFn, Place, Values, Whole, build_in_layouts};
 use burn::module::Param;
 use burn::nn::RmsNorm;
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use wildfire_kernels::FusedOps;
-use wildfire_kernels::hooks::{ForwardHooks, Inference};
-use wildfire_parallel::{DeviceMesh, DistributedBackend, Layout};
+use wildfire_kernels::hooks::ForwardHooks;
+use wildfire_parallel::DistributedBackend;
 
 mod block;
 mod parallel;
@@ -315,34 +316,17 @@ impl LlamaConfig {
     pub fn init_in_layouts<B: DistributedBackend>(
         &self,
         device: &B::Device,
-        layouts: impl FnOnce(
-            &[(String, Vec<usize>)],
-            &DeviceMesh,
-        ) -> Result<Vec<Layout>, wildfire_parallel::Error>,
+        layouts: impl LayoutFn,
     ) -> Result<Llama<B>, Error> {
         self.validate()?;
-        let dist = B::dist_device(device);
-        let mut shapes = Shapes::<B> {
-            device: Some(device),
-            params: Vec::new(),
-        };
-        self.build(&mut shapes, device);
-        let layouts = layouts(&shapes.params, dist.mesh())?;
-        let mut pieces = Pieces::<B> {
-            device: dist,
-            layouts: shapes
-                .params
-                .into_iter()
-                .map(|(p, _)| p)
-                .zip(layouts)
-                .collect(),
-            error: None,
-        };
-        let model = self.build(&mut pieces, device);
-        match pieces.error {
-            Some(e) => Err(e),
-            None => Ok(model),
-        }
+        build_in_layouts(
+            device,
+            layouts,
+            |shapes| {
+                self.build(shapes, device);
+            },
+            |pieces| self.build(pieces, device),
+        )
     }
 
     /// The model, its parameters made by `place`; each has its own stream (per block its seven
@@ -420,14 +404,8 @@ pub struct Llama<B: Backend> {
     pub vocab_used: usize,
 }
 
-impl<B: FusedOps> Llama<B> {
-    /// Logits `[b, t, vocab]` for token ids `[b, t]`.
-    pub fn forward(&self, idx: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        self.forward_with(idx, &Inference)
-    }
-
-    /// Logits through the trainer's hooks (recomputation per its policy).
-    pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
+impl<B: FusedOps> CausalLm<B> for Llama<B> {
+    fn forward_with<'a, H: ForwardHooks<'a, B>>(
         &self,
         idx: Tensor<B, 2, Int>,
         hooks: &H,
@@ -448,44 +426,6 @@ impl<B: FusedOps> Llama<B> {
         let x = block::rms_norm(&self.norm, x);
         let table = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
         table_logits(x, table.val(), self.vocab_used)
-    }
-
-    /// Mean cross-entropy of next-token prediction: `inputs` and `targets` are `[b, t]`.
-    pub fn loss(&self, inputs: Tensor<B, 2, Int>, targets: Tensor<B, 2, Int>) -> Tensor<B, 1> {
-        self.loss_with(inputs, targets, &Inference)
-    }
-
-    /// [`loss`](Self::loss) through the trainer's hooks.
-    pub fn loss_with<'a, H: ForwardHooks<'a, B>>(
-        &self,
-        inputs: Tensor<B, 2, Int>,
-        targets: Tensor<B, 2, Int>,
-        hooks: &H,
-    ) -> Tensor<B, 1> {
-        cross_entropy(self.forward_with(inputs, hooks), targets)
-    }
-
-    /// Continue `prompt` by `new_tokens` tokens from contexts of at most `block_size`, sampling
-    /// with `sampler` (seeded, so a sample is reproducible).
-    pub fn generate(
-        &self,
-        prompt: &[u32],
-        new_tokens: usize,
-        block_size: usize,
-        mut sampler: TokenSampler,
-        device: &B::Device,
-    ) -> Vec<u32> {
-        let next = |context: Vec<i64>| {
-            let t = context.len();
-            let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(context, [1, t]), device);
-            let logits = self.forward(idx).narrow(1, t - 1, 1);
-            let logits: Vec<f32> = logits.into_data().convert::<f32>().to_vec().unwrap();
-            Ok::<_, std::convert::Infallible>(sampler.pick(&logits))
-        };
-        match crate::gpt::generate_by(prompt, new_tokens, block_size, next) {
-            Ok(tokens) => tokens,
-            Err(never) => match never {},
-        }
     }
 }
 

@@ -6,6 +6,7 @@ use burn::optim::record::AdaptorRecord;
 use wildfire_checkpoint::dcp::SaveReport;
 use wildfire_engine::StepRecord;
 use wildfire_engine::metrics::StepWatch;
+use wildfire_models::CausalLm;
 use wildfire_parallel::{RankContext, RankPolicy, StateCodec};
 
 type A<B> = Autodiff<Distributed<B>>;

@@ -10,6 +10,7 @@ use wildfire::demo::{
     Classifier, EncoderClassifier, EncoderClassifierConfig, Mlp, SyntheticTask, deterministic_init,
 };
 use wildfire::engine::{DynamicLossScaler, LossScalerConfig, StepDecision, unscale_check_clip};
+use wildfire::models::CausalLm;
 use wildfire::parallel::{
     CollectiveKind, DTensor, DeviceMesh, Distributed, FsdpStrategy, TpPlan, TpStyle, dtensor,
     from_dtensor, fully_shard, sync_gradients, tensor_parallel,

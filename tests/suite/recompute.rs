@@ -11,6 +11,7 @@ use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use wildfire::engine::{AttentionSpec, Recompute, Recomputer, attention_reference};
 use wildfire::kernels::hooks::ForwardHooks;
+use wildfire::models::CausalLm;
 use wildfire::models::gpt::{Gpt, GptConfig};
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, parallelize_gpt};
 use wildfire::parallel::{
@@ -155,7 +156,7 @@ fn attention_backward_matches_burn_autodiff() {
             };
             attention_reference(q.clone(), k.clone(), v.clone(), &spec)
         } else {
-            ckpt.attention(0, [q.clone(), k.clone(), v.clone()], 0.5, true, 0.25)
+            ckpt.attention_heads(0, [q.clone(), k.clone(), v.clone()], 0.5, true, 0.25)
         };
         let grads = (y.clone() * weights.clone()).sum().backward();
         let f = |t: Tensor<Flex, 4>| t.into_data().to_vec::<f32>().unwrap();

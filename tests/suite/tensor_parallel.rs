@@ -10,6 +10,7 @@ use wildfire::demo::{
     EncoderClassifier, EncoderClassifierConfig, SyntheticTask, deterministic_init, parameters,
     train,
 };
+use wildfire::models::CausalLm;
 use wildfire::parallel::{
     CollectiveKind, DeviceMesh, Distributed, Error, FsdpOptimizer, FsdpStrategy, LaunchOptions,
     TpPlan, TpStyle, fully_shard, launch_ranks, replicate, sync_gradients, tensor_parallel,

@@ -329,7 +329,15 @@ impl Reader {
     ) -> Result<Vec<f32>, Error> {
         use std::os::unix::fs::FileExt;
         if piece.transposed {
-            return self.read_transposed(dir, name, piece, at, size);
+            // Read as stored (row runs of the stored rows), then transposed.
+            let Some((stored, at, size)) = stored_transposed(piece, at, size) else {
+                return Err(Error::Invalid {
+                    path: dir.join(&piece.file),
+                    reason: format!("{name}: a transposed piece that is not a matrix"),
+                });
+            };
+            let values = self.read_box(dir, name, &stored, &at, &size)?;
+            return Ok(transpose(&values, size[0], size[1]));
         }
         let path = dir.join(&piece.file);
         let invalid = |reason: String| Error::Invalid {
@@ -450,45 +458,37 @@ impl Reader {
     }
 }
 
-impl Reader {
-    /// [`Reader::read_box`] of a piece stored transposed: the transposed box of the stored
-    /// tensor, read as it is stored (row runs of the stored rows), then transposed.
-    fn read_transposed(
-        &mut self,
-        dir: &Path,
-        name: &str,
-        piece: &PieceMeta,
-        at: &[usize],
-        size: &[usize],
-    ) -> Result<Vec<f32>, Error> {
-        let pair = |v: &[usize]| <[usize; 2]>::try_from(v).ok();
-        let (Some([r, c]), Some([at_r, at_c]), Some([start_r, start_c]), Some([end_r, end_c])) =
-            (pair(size), pair(at), pair(&piece.start), pair(&piece.end))
-        else {
-            return Err(Error::Invalid {
-                path: dir.join(&piece.file),
-                reason: format!(
-                    "{name}: a transposed piece of {} dims; only matrices are",
-                    size.len()
-                ),
-            });
-        };
-        let stored = PieceMeta {
-            start: vec![start_c, start_r],
-            end: vec![end_c, end_r],
-            at: piece.at.as_ref().map(|a| a.iter().rev().copied().collect()),
-            transposed: false,
-            ..piece.clone()
-        };
-        let t = self.read_box(dir, name, &stored, &[at_c, at_r], &[c, r])?;
-        let mut out = vec![0f32; r * c];
-        for (j, row) in t.chunks_exact(r.max(1)).enumerate() {
-            for (i, &v) in row.iter().enumerate() {
-                out[i * c + j] = v;
-            }
-        }
-        Ok(out)
+/// A piece stored transposed, as stored: the piece with its box's dims reversed, and the box
+/// `size` at `at` reversed likewise; `None` unless it is a matrix.
+fn stored_transposed(
+    piece: &PieceMeta,
+    at: &[usize],
+    size: &[usize],
+) -> Option<(PieceMeta, Vec<usize>, Vec<usize>)> {
+    let dims_2 = [&piece.start, &piece.end].iter().all(|v| v.len() == 2);
+    if !dims_2 || at.len() != 2 || size.len() != 2 {
+        return None;
     }
+    let rev = |v: &[usize]| v.iter().rev().copied().collect::<Vec<_>>();
+    let stored = PieceMeta {
+        start: rev(&piece.start),
+        end: rev(&piece.end),
+        at: piece.at.as_deref().map(rev),
+        transposed: false,
+        ..piece.clone()
+    };
+    Some((stored, rev(at), rev(size)))
+}
+
+/// The row-major `[cols, rows]` transpose of the row-major `[rows, cols]` `values`.
+pub fn transpose(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0f32; values.len()];
+    for (i, row) in values.chunks_exact(cols.max(1)).enumerate().take(rows) {
+        for (j, &v) in row.iter().enumerate() {
+            out[j * rows + i] = v;
+        }
+    }
+    out
 }
 
 /// `dst` from the little-endian elements of `src`, `N` bytes each, through `f`.

@@ -34,7 +34,7 @@ use wildfire_parallel::{DeviceMesh, for_each_row};
 mod load;
 mod save;
 
-pub use load::{HeaderEntry, Reader, open_safetensors};
+pub use load::{HeaderEntry, Reader, open_safetensors, transpose};
 
 pub use load::Checkpoint;
 pub use save::{CheckpointWriter, SaveReport, Snapshot};

@@ -80,12 +80,7 @@ pub fn export_llama(checkpoint: &Checkpoint, out: &Path) -> Result<(), Error> {
             return (name, shape.to_vec(), values);
         }
         let (r, c) = (shape[0], shape[1]);
-        let mut t = vec![0f32; values.len()];
-        for (i, row) in values.chunks_exact(c.max(1)).enumerate() {
-            for (j, &v) in row.iter().enumerate() {
-                t[j * r + i] = v;
-            }
-        }
+        let t = wildfire_checkpoint::dcp::transpose(&values, r, c);
         (name, vec![c, r], t)
     })
 }

@@ -259,6 +259,7 @@ pub(crate) fn export_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::CausalLm;
     use crate::gpt::GptConfig;
     use crate::parallelize::{FsdpStrategy, ParallelConfig, parallelize_gpt};
     use burn::backend::{Autodiff, Flex};
