@@ -18,6 +18,9 @@ use wildfire_parallel::pipeline::{Schedule, StagePasses, gather_stage_parameters
 
 type A<B> = Autodiff<Distributed<B>>;
 
+/// A stage without autodiff (forward-only passes).
+type InferenceStage<B> = GptStage<Distributed<B>>;
+
 /// A rank's stages, in chunk order, with their stage numbers, optimizers and schedule.
 pub(super) struct Stages<B: FusedOps> {
     chunks: Vec<GptStage<A<B>>>,
@@ -201,7 +204,7 @@ impl<B: FusedOps> Stages<B> {
     fn passes<'a>(
         &'a self,
         device: &'a DistDevice<B>,
-    ) -> Result<(StagePasses<'a, B>, Vec<GptStage<Distributed<B>>>), PretrainError> {
+    ) -> Result<(StagePasses<'a, B>, Vec<InferenceStage<B>>), PretrainError> {
         let passes = StagePasses::new(device, &self.numbers, self.schedule.stages())?;
         Ok((passes, self.chunks.iter().map(|c| c.valid()).collect()))
     }
