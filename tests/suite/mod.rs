@@ -40,6 +40,17 @@ pub(crate) fn tensors_close(what: &str, got: &[Vec<f32>], expected: &[Vec<f32>],
     }
 }
 
+/// Every value of `got` equals its counterpart in `expected` to `tol` (relative): per-step
+/// losses.
+pub(crate) fn losses_close_f32(what: &str, got: &[f32], expected: &[f32], tol: f32) {
+    for (i, (a, b)) in pairs(got, expected).enumerate() {
+        assert!(
+            (a - b).abs() <= tol * b.abs(),
+            "{what} step {i}: {a} vs {b}"
+        );
+    }
+}
+
 /// Every step's loss of a pretraining run equals the expected run's to `tol` (relative).
 pub(crate) fn losses_close(
     what: &str,
@@ -125,6 +136,7 @@ mod fsdp;
 mod kernels;
 #[cfg(feature = "learner")]
 mod learner;
+mod llama;
 mod optimizer_state;
 mod pretrain;
 mod recompute;
