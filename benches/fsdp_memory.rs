@@ -32,8 +32,8 @@
 #[global_allocator]
 static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
+use wildfire::models::Preset;
 use wildfire::models::data::TokenizerKind;
-use wildfire::models::gpt::Preset;
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
 use wildfire::pretrain::RunSummary;
 use wildfire::pretrain::{PretrainConfig, run};

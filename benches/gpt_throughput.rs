@@ -10,8 +10,8 @@
 #[global_allocator]
 static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
+use wildfire::models::Preset;
 use wildfire::models::data::TokenizerKind;
-use wildfire::models::gpt::Preset;
 use wildfire::pretrain::{PretrainConfig, run};
 
 mod common;
@@ -36,11 +36,11 @@ fn main() {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
         "{{\"bench\":\"gpt_throughput\",\"framework\":\"wildfire\",\"backend\":\"flex\",\"n_layer\":{},\"n_embd\":{},\"n_head\":{},\"seq\":{},\"vocab\":{},\"batch\":4,\"dtype\":\"f32\",\"threads\":{threads},\"params\":{},\"steps\":{},\"tokens_per_s\":{tokens_per_s:.1},\"peak_rss_bytes\":{},\"peak_tensor_bytes\":{}}}",
-        model.n_layer,
-        model.n_embd,
-        model.n_head,
-        model.block_size,
-        model.vocab_size,
+        model.n_layer(),
+        model.d_model(),
+        model.n_head(),
+        model.block_size(),
+        model.vocab_size(),
         model.num_params(),
         timed.len(),
         // The process's peak resident set (VmHWM), and the decorator's peak of live tensor bytes.

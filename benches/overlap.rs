@@ -25,8 +25,8 @@
 #[global_allocator]
 static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
+use wildfire::models::Preset;
 use wildfire::models::data::TokenizerKind;
-use wildfire::models::gpt::Preset;
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
 use wildfire::parallel::comm::LinkModel;
 use wildfire::pretrain::{PretrainConfig, RunSummary, run};

@@ -18,8 +18,8 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use wildfire::engine::Recompute;
+use wildfire::models::Preset;
 use wildfire::models::data::TokenizerKind;
-use wildfire::models::gpt::Preset;
 use wildfire::models::parallelize::ParallelConfig;
 use wildfire::pretrain::{PretrainConfig, run};
 
@@ -93,7 +93,7 @@ fn main() {
             let summary = run(&config).expect("run");
             heap_peak[i] = heap_peak[i].max(PEAK.load(Ordering::Relaxed) - base);
             let tokens =
-                (config.batch_size * summary.model.as_ref().expect("model").block_size) as f64;
+                (config.batch_size * summary.model.as_ref().expect("model").block_size()) as f64;
             // The first step includes one-time work; time the rest.
             for s in &summary.steps[1.min(summary.steps.len() - 1)..] {
                 seconds[i].push(tokens / s.tokens_per_s);
@@ -128,10 +128,10 @@ fn main() {
     if !smoke {
         println!(
             "{{\"bench\":\"recompute\",\"shape\":{{\"n_layer\":{},\"n_head\":{},\"n_embd\":{},\"block_size\":{},\"batch\":{}}}}}",
-            model.n_layer,
-            model.n_head,
-            model.n_embd,
-            model.block_size,
+            model.n_layer(),
+            model.n_head(),
+            model.d_model(),
+            model.block_size(),
             common::arg::<usize>("--batch").unwrap_or(4)
         );
     }

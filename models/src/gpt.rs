@@ -5,95 +5,23 @@ use crate::Error;
 use crate::init::{LayoutFn, Place, Values, Whole, build_in_layouts};
 use crate::lm::CausalLm;
 use burn::module::Param;
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear};
 use burn::prelude::*;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
-use std::str::FromStr;
 use wildfire_kernels::hooks::{ForwardHooks, Inference};
 use wildfire_kernels::{FusedOps, ops};
 use wildfire_parallel::DistributedBackend;
 
 mod block;
-mod sample;
 mod staged;
 
+use crate::lm::table_logits;
+pub use crate::lm::{PADDED_LOGIT, TokenSampler, cross_entropy};
 use block::layer_norm;
 pub use block::{Block, CausalSelfAttention, LN_EPSILON, MlpBlock};
-pub use sample::TokenSampler;
-pub(crate) use sample::generate_by;
 pub use staged::{generate_staged, stage_pass};
-
-/// Model presets: two small ones for CPUs and tests, and GPT-2's four sizes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Preset {
-    /// 4 layers, 4 heads, width 128, context 128: trains in minutes on a CPU.
-    Tiny,
-    /// 4 layers, 4 heads, width 256, context 256 (the CPU benchmark shape).
-    Small,
-    /// GPT-2 small: 12 layers, 12 heads, width 768, context 1024.
-    Gpt2_124m,
-    /// GPT-2 medium: 24 layers, 16 heads, width 1024.
-    Gpt2_350m,
-    /// GPT-2 large: 36 layers, 20 heads, width 1280.
-    Gpt2_774m,
-    /// GPT-2 XL: 48 layers, 25 heads, width 1600.
-    Gpt2_1_5b,
-}
-
-impl FromStr for Preset {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self, Error> {
-        Ok(match s {
-            "tiny" => Preset::Tiny,
-            "small" => Preset::Small,
-            "gpt2-124m" | "gpt2" => Preset::Gpt2_124m,
-            "gpt2-350m" | "gpt2-medium" => Preset::Gpt2_350m,
-            "gpt2-774m" | "gpt2-large" => Preset::Gpt2_774m,
-            "gpt2-1.5b" | "gpt2-xl" => Preset::Gpt2_1_5b,
-            other => return Err(Error::UnknownPreset(other.to_string())),
-        })
-    }
-}
-
-impl std::fmt::Display for Preset {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Preset::Tiny => "tiny",
-            Preset::Small => "small",
-            Preset::Gpt2_124m => "gpt2-124m",
-            Preset::Gpt2_350m => "gpt2-350m",
-            Preset::Gpt2_774m => "gpt2-774m",
-            Preset::Gpt2_1_5b => "gpt2-1.5b",
-        })
-    }
-}
-
-impl Preset {
-    /// The preset's shape for a vocabulary of `vocab_size` tokens.
-    pub fn config(self, vocab_size: usize) -> GptConfig {
-        let (n_layer, n_head, n_embd, block_size) = match self {
-            Preset::Tiny => (4, 4, 128, 128),
-            Preset::Small => (4, 4, 256, 256),
-            Preset::Gpt2_124m => (12, 12, 768, 1024),
-            Preset::Gpt2_350m => (24, 16, 1024, 1024),
-            Preset::Gpt2_774m => (36, 20, 1280, 1024),
-            Preset::Gpt2_1_5b => (48, 25, 1600, 1024),
-        };
-        GptConfig {
-            vocab_size,
-            block_size,
-            n_layer,
-            n_head,
-            n_embd,
-            init_seed: 1337,
-            dropout: 0.0,
-            vocab_used: None,
-        }
-    }
-}
 
 /// The shape of a GPT model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -121,10 +49,6 @@ pub struct GptConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vocab_used: Option<usize>,
 }
-
-/// The logit of a padded vocabulary entry: far enough below any real logit that its
-/// probability is exactly 0 in f32, f16 and bf16, and finite in all three.
-pub const PADDED_LOGIT: f32 = -1e4;
 
 impl GptConfig {
     /// Check the shape.
@@ -542,43 +466,6 @@ fn head<B: FusedOps>(
     used: usize,
 ) -> Tensor<B, 3> {
     table_logits(layer_norm(ln_f, x), wte.val(), used)
-}
-
-/// Logits `x · tableᵀ` for a `[vocab, d]` table (a tied token table, or an output head kept in
-/// the same orientation), the columns past the `used` tokens that exist set to
-/// [`PADDED_LOGIT`] (one add of a constant row; none without padding).
-pub(crate) fn table_logits<B: Backend>(
-    x: Tensor<B, 3>,
-    table: Tensor<B, 2>,
-    used: usize,
-) -> Tensor<B, 3> {
-    let vocab = table.dims()[0];
-    let logits = burn::tensor::module::linear(x, table.transpose(), None);
-    if used >= vocab {
-        return logits;
-    }
-    let mut row = vec![0f32; vocab];
-    row[used..].fill(PADDED_LOGIT);
-    let mask = Tensor::<B, 1>::from_data(TensorData::new(row, [vocab]), &logits.device())
-        .cast(logits.dtype())
-        .reshape([1, 1, vocab]);
-    logits.add(mask)
-}
-
-/// Mean cross-entropy of `logits` `[b, t, vocab]` against `targets` `[b, t]`: the fused kernel
-/// where the backend has one (loss and log-sum-exp in one pass over the logits, the backward
-/// writing their gradient in one more, never materialising the probabilities), Burn's otherwise.
-pub fn cross_entropy<B: FusedOps>(
-    logits: Tensor<B, 3>,
-    targets: Tensor<B, 2, Int>,
-) -> Tensor<B, 1> {
-    let [b, t, vocab] = logits.dims();
-    if B::FUSED.cross_entropy {
-        return ops::cross_entropy_mean(logits.reshape([b * t, vocab]), targets.reshape([b * t]));
-    }
-    CrossEntropyLossConfig::new()
-        .init(&logits.device())
-        .forward(logits.reshape([b * t, vocab]), targets.reshape([b * t]))
 }
 
 impl<B: FusedOps> GptStage<B> {

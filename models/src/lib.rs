@@ -2,6 +2,7 @@
 
 pub mod data;
 mod error;
+mod family;
 pub mod gpt;
 pub mod hf;
 mod init;
@@ -11,5 +12,6 @@ pub mod memory;
 pub mod parallelize;
 
 pub use error::Error;
+pub use family::{ModelConfig, Preset};
 pub use init::LayoutFn;
 pub use lm::CausalLm;

@@ -10,8 +10,8 @@
 
 use crate::CausalLm;
 use crate::Error;
-use crate::gpt::table_logits;
 use crate::init::{LayoutFn, Place, Values, Whole, build_in_layouts};
+use crate::lm::table_logits;
 use burn::module::Param;
 use burn::nn::RmsNorm;
 use burn::prelude::*;
@@ -185,6 +185,18 @@ impl LlamaConfig {
             self.vocab_size * d
         };
         self.n_layer * block + self.vocab_size * d + d + head
+    }
+
+    /// Training FLOPs per token for sequences of `seq` tokens: 6N + 12·L·d·T (N without the
+    /// token table when the head is tied: its lookup is not a matmul).
+    pub fn flops_per_token(&self, seq: usize) -> f64 {
+        let n = self.num_params()
+            - if self.tie_embeddings {
+                0
+            } else {
+                self.vocab_size * self.d_model
+            };
+        6.0 * n as f64 + 12.0 * (self.n_layer * self.d_model * seq) as f64
     }
 
     /// The shape a Hugging Face `config.json` of a `LlamaForCausalLM` gives (`transformers`

@@ -1,10 +1,16 @@
 //! What a causal language model offers a trainer, whatever its family ([`crate::gpt::Gpt`],
 //! [`crate::llama::Llama`]): logits through the trainer's hooks, the loss, and sampling.
 
-use crate::gpt::{TokenSampler, cross_entropy, generate_by};
+mod sample;
+
+pub use sample::TokenSampler;
+pub(crate) use sample::generate_by;
+
+use burn::nn::loss::CrossEntropyLossConfig;
 use burn::prelude::*;
 use wildfire_kernels::FusedOps;
 use wildfire_kernels::hooks::{ForwardHooks, Inference};
+use wildfire_kernels::ops;
 
 /// A causal language model: token ids in, next-token logits out.
 pub trait CausalLm<B: FusedOps> {
@@ -58,4 +64,45 @@ pub trait CausalLm<B: FusedOps> {
             Err(never) => match never {},
         }
     }
+}
+
+/// The logit of a padded vocabulary entry: far enough below any real logit that its
+/// probability is exactly 0 in f32, f16 and bf16, and finite in all three.
+pub const PADDED_LOGIT: f32 = -1e4;
+
+/// Logits `x · tableᵀ` for a `[vocab, d]` table (a tied token table, or an output head kept in
+/// the same orientation), the columns past the `used` tokens that exist set to
+/// [`PADDED_LOGIT`] (one add of a constant row; none without padding).
+pub(crate) fn table_logits<B: Backend>(
+    x: Tensor<B, 3>,
+    table: Tensor<B, 2>,
+    used: usize,
+) -> Tensor<B, 3> {
+    let vocab = table.dims()[0];
+    let logits = burn::tensor::module::linear(x, table.transpose(), None);
+    if used >= vocab {
+        return logits;
+    }
+    let mut row = vec![0f32; vocab];
+    row[used..].fill(PADDED_LOGIT);
+    let mask = Tensor::<B, 1>::from_data(TensorData::new(row, [vocab]), &logits.device())
+        .cast(logits.dtype())
+        .reshape([1, 1, vocab]);
+    logits.add(mask)
+}
+
+/// Mean cross-entropy of `logits` `[b, t, vocab]` against `targets` `[b, t]`: the fused kernel
+/// where the backend has one (loss and log-sum-exp in one pass over the logits, the backward
+/// writing their gradient in one more, never materialising the probabilities), Burn's otherwise.
+pub fn cross_entropy<B: FusedOps>(
+    logits: Tensor<B, 3>,
+    targets: Tensor<B, 2, Int>,
+) -> Tensor<B, 1> {
+    let [b, t, vocab] = logits.dims();
+    if B::FUSED.cross_entropy {
+        return ops::cross_entropy_mean(logits.reshape([b * t, vocab]), targets.reshape([b * t]));
+    }
+    CrossEntropyLossConfig::new()
+        .init(&logits.device())
+        .forward(logits.reshape([b * t, vocab]), targets.reshape([b * t]))
 }

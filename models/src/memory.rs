@@ -160,12 +160,12 @@ fn activation_bytes(model: &GptConfig, parallel: &ParallelConfig, b: usize, half
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpt::Preset;
+    use crate::Preset;
 
     /// Without parallelism every parameter is counted once: Ψ.
     #[test]
     fn one_rank_holds_psi() {
-        let model = Preset::Tiny.config(256);
+        let model = Preset::Tiny.gpt(256).unwrap();
         let e = estimate(&model, &ParallelConfig::default(), 8, None);
         assert_eq!(e.params_per_tp_rank, model.num_params());
         assert_eq!(e.param_bytes, 4 * model.num_params());
@@ -178,7 +178,7 @@ mod tests {
     /// logits and their gradient; f32 doubles everything.
     #[test]
     fn activations_follow_the_compute_dtype() {
-        let model = Preset::Gpt2_124m.config(50304);
+        let model = Preset::Gpt2_124m.gpt(50304).unwrap();
         let parallel = ParallelConfig::default();
         let (s, b, h, a, l, v) = (1024, 8, 768, 12, 12, 50304);
         let at_16 = l * (34 * s * b * h + 5 * a * s * s * b);

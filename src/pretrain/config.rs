@@ -8,8 +8,9 @@ use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use wildfire_models::data::TokenizerKind;
-use wildfire_models::gpt::{GptConfig, Preset};
+use wildfire_models::llama::LlamaConfig;
 use wildfire_models::parallelize::ParallelConfig;
+use wildfire_models::{ModelConfig, Preset};
 use wildfire_parallel::LaunchEnv;
 pub use wildfire_parallel::{Collectives, Launch};
 
@@ -39,7 +40,8 @@ impl Precision {
 /// Everything a pretraining run needs: the binary's flags, stored in every checkpoint.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, clap::Args)]
 pub struct PretrainConfig {
-    /// Model preset: tiny, small, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b.
+    /// Model preset: GPT-2 (tiny, small, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b) or
+    /// Llama-3 (llama-tiny, llama3-1b, llama3-3b, llama3-8b).
     #[arg(long, default_value = "tiny", help_heading = "Model")]
     pub preset: Preset,
     /// Transformer blocks (overrides the preset).
@@ -51,6 +53,10 @@ pub struct PretrainConfig {
     /// Model width (overrides the preset).
     #[arg(long, help_heading = "Model")]
     pub n_embd: Option<usize>,
+    /// Key/value heads of a Llama (grouped-query attention; overrides the preset).
+    #[serde(default)]
+    #[arg(long, help_heading = "Model")]
+    pub n_kv_head: Option<usize>,
     /// Context length (overrides the preset).
     #[arg(long, help_heading = "Model")]
     pub block_size: Option<usize>,
@@ -169,14 +175,16 @@ pub struct PretrainConfig {
     /// Resume from this checkpoint directory.
     #[arg(long, help_heading = "Evaluation and checkpoints")]
     pub resume: Option<PathBuf>,
-    /// Start from the weights of a Hugging Face GPT-2 safetensors file (F32, BF16 or F16), each
-    /// rank reading its pieces; the model flags must match its shapes (the vocabulary may be
-    /// padded, the context shorter) and `--n-head` its heads (it orders the fused q/k/v columns).
+    /// Start from Hugging Face weights (F32, BF16 or F16), each rank reading its pieces: a GPT-2
+    /// safetensors file (the model flags must match its shapes — the vocabulary may be padded,
+    /// the context shorter — and `--n-head` its heads), or for a Llama preset a
+    /// `LlamaForCausalLM` file or directory (one `model.safetensors`, or shards with their
+    /// index; a directory's `config.json` gives the model's shape).
     #[serde(default)]
     #[arg(long, value_name = "FILE", help_heading = "Evaluation and checkpoints")]
     pub init_from: Option<PathBuf>,
-    /// At the end, write the last checkpoint's weights as one Hugging Face GPT-2 safetensors
-    /// file (needs --save), streamed tensor by tensor.
+    /// At the end, write the last checkpoint's weights as one Hugging Face safetensors file
+    /// (GPT-2's or Llama's names; needs --save), streamed tensor by tensor.
     #[serde(default)]
     #[arg(long, value_name = "FILE", help_heading = "Evaluation and checkpoints")]
     pub export_hf: Option<PathBuf>,
@@ -306,24 +314,69 @@ impl PretrainConfig {
         Ok(links)
     }
 
-    /// The model shape for a vocabulary of `vocab` tokens (GPT-2's padded to 50304, as nanoGPT;
-    /// the padded entries masked out of the logits: [`GptConfig::vocab_used`]).
-    pub fn model(&self, vocab: usize) -> Result<GptConfig, wildfire_models::Error> {
+    /// The model shape for a vocabulary of `vocab` tokens (padded past 256 to a multiple of 64,
+    /// as nanoGPT pads GPT-2's to 50304; the padded entries masked out of the logits), the
+    /// preset's with the model flags over it — or, for a Llama started from a Hugging Face
+    /// directory, its `config.json`'s, with `--block-size` (default: the preset's context, at
+    /// most the file's positions).
+    pub fn model(&self, vocab: usize) -> Result<ModelConfig, wildfire_models::Error> {
         let used = vocab;
         let vocab = if vocab > 256 {
             vocab.div_ceil(64) * 64
         } else {
             vocab
         };
-        let mut c = self.preset.config(vocab);
-        c.vocab_used = (vocab > used).then_some(used);
-        c.n_layer = self.n_layer.unwrap_or(c.n_layer);
-        c.n_head = self.n_head.unwrap_or(c.n_head);
-        c.n_embd = self.n_embd.unwrap_or(c.n_embd);
-        c.block_size = self.block_size.unwrap_or(c.block_size);
-        c.dropout = self.dropout;
-        c.validate()?;
-        Ok(c)
+        let flag = |name: &str, given: bool, family: &str| {
+            if given {
+                Err(wildfire_models::Error::Config(format!(
+                    "--{name} is a flag of the {family} family, not of --preset {}",
+                    self.preset
+                )))
+            } else {
+                Ok(())
+            }
+        };
+        let mut model = self.preset.model(vocab);
+        match &mut model {
+            ModelConfig::Gpt(c) => {
+                flag("n-kv-head", self.n_kv_head.is_some(), "Llama")?;
+                c.vocab_used = (vocab > used).then_some(used);
+                c.n_layer = self.n_layer.unwrap_or(c.n_layer);
+                c.n_head = self.n_head.unwrap_or(c.n_head);
+                c.n_embd = self.n_embd.unwrap_or(c.n_embd);
+                c.block_size = self.block_size.unwrap_or(c.block_size);
+                c.dropout = self.dropout;
+            }
+            ModelConfig::Llama(c) => {
+                flag("dropout", self.dropout != 0.0, "GPT")?;
+                let hf = self.init_from.as_deref().map(|p| p.join("config.json"));
+                if let Some(file) = hf.filter(|f| f.is_file()) {
+                    let block = self.block_size.unwrap_or(c.block_size);
+                    let hf = LlamaConfig::from_hf_config(&file, block)?;
+                    if used > hf.vocab_size {
+                        return Err(wildfire_models::Error::Config(format!(
+                            "the data's tokens reach {used}, the vocabulary of {} {}: use the \
+                             tokenizer the model was trained with",
+                            file.display(),
+                            hf.vocab_size
+                        )));
+                    }
+                    *c = LlamaConfig {
+                        init_seed: c.init_seed,
+                        ..hf
+                    };
+                } else {
+                    c.vocab_used = (vocab > used).then_some(used);
+                    c.n_layer = self.n_layer.unwrap_or(c.n_layer);
+                    c.n_head = self.n_head.unwrap_or(c.n_head);
+                    c.n_kv_head = self.n_kv_head.unwrap_or(c.n_kv_head.min(c.n_head));
+                    c.d_model = self.n_embd.unwrap_or(c.d_model);
+                    c.block_size = self.block_size.unwrap_or(c.block_size);
+                }
+            }
+        }
+        model.validate()?;
+        Ok(model)
     }
 
     /// Refuse options that are not implemented yet, and impossible values.

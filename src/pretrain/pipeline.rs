@@ -40,12 +40,17 @@ impl RankRun<'_> {
         device: &DistDevice<B>,
     ) -> Result<RunSummary, PretrainError> {
         let config = self.config;
+        let Some(model) = self.data.model.gpt() else {
+            return Err(PretrainError::Config(
+                "pipeline stages are built for the GPT family".into(),
+            ));
+        };
         self.set_policy(device.context());
         let schedule = config.parallel.schedule()?;
-        let mut stages = self.build_stages::<B>(device, schedule)?;
+        let mut stages = self.build_stages::<B>(device, model, schedule)?;
         if let (None, Some(file)) = (&self.resume, &config.init_from) {
             // Hugging Face GPT-2 weights, by the whole model's names: each stage its blocks.
-            let weights = wildfire_models::hf::import_gpt2(file, self.data.model.n_head)?;
+            let weights = wildfire_models::hf::import_gpt2(file, model.n_head)?;
             for chunk in stages.chunks.iter_mut() {
                 let first = chunk.first_block;
                 let name = move |path: &str| stage_param_name(first, path);
@@ -73,10 +78,11 @@ impl RankRun<'_> {
     fn build_stages<B: FusedOps>(
         &self,
         device: &DistDevice<B>,
+        model: &GptConfig,
         schedule: Schedule,
     ) -> Result<Stages<B>, PretrainError> {
         let parallel = &self.config.parallel;
-        let chunks = init_gpt_stages(&self.data.model, device, parallel, &schedule)?;
+        let chunks = init_gpt_stages(model, device, parallel, &schedule)?;
         let adamw = AdamWConfig::new()
             .with_beta_2(0.95)
             .with_weight_decay(self.config.weight_decay as f32);
@@ -187,7 +193,7 @@ impl<B: FusedOps> Trainee<B> for Stages<B> {
         let config = run.config;
         let prompt = run.data.tokenizer.encode("\n");
         let sampler = TokenSampler::new(0.8, 40, config.seed);
-        let block_size = run.data.model.block_size;
+        let block_size = run.data.model.block_size();
         Ok(generate_staged(
             &chunks,
             &passes,

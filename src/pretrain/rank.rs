@@ -7,6 +7,9 @@ use wildfire_checkpoint::dcp::SaveReport;
 use wildfire_engine::StepRecord;
 use wildfire_engine::metrics::StepWatch;
 use wildfire_models::CausalLm;
+use wildfire_models::gpt::TokenSampler;
+use wildfire_models::hf::{import_gpt2, import_llama};
+use wildfire_models::llama::{init_llama, parallelize_llama};
 use wildfire_parallel::{RankContext, RankPolicy, StateCodec};
 
 type A<B> = Autodiff<Distributed<B>>;
@@ -28,13 +31,40 @@ pub(super) struct RankRun<'a> {
 }
 
 impl RankRun<'_> {
-    /// AdamW (β₂ 0.95, the configured weight decay): on backends with kernels the fused
-    /// optimizer tail (one unscale + Σg² + overflow kernel per gradient, one AdamW kernel per
-    /// parameter), elsewhere Burn's AdamW; both under `FsdpOptimizer`.
+    /// The whole model of the run's family, laid out over the mesh (each rank drawing only its
+    /// pieces of the parameters the layout splits), trained by [`RankRun::train_model`].
     pub fn train<B: FusedOps>(&self, device: &DistDevice<B>) -> Result<RunSummary, PretrainError> {
+        let parallel = &self.config.parallel;
+        // Set once, before the layout fills in the sharding and sequence parallelism.
+        self.set_policy(device.context());
+        let mesh = device.mesh();
+        match &self.data.model {
+            ModelConfig::Gpt(c) => {
+                let model = init_gpt::<A<B>>(c, device, parallel)?;
+                let model = parallelize_gpt(model, mesh, parallel)?;
+                self.train_model(device, model, |file| import_gpt2(file, c.n_head))
+            }
+            ModelConfig::Llama(c) => {
+                let model = init_llama::<A<B>>(c, device, parallel)?;
+                let model = parallelize_llama(model, mesh, parallel)?;
+                self.train_model(device, model, import_llama)
+            }
+        }
+    }
+
+    /// `model` trained with AdamW (β₂ 0.95, the configured weight decay): on backends with
+    /// kernels the fused optimizer tail (one unscale + Σg² + overflow kernel per gradient, one
+    /// AdamW kernel per parameter), elsewhere Burn's AdamW; both under `FsdpOptimizer`. `import`
+    /// reads `--init-from`'s Hugging Face weights.
+    fn train_model<B: FusedOps, M: Lm<B>>(
+        &self,
+        device: &DistDevice<B>,
+        model: M,
+        import: impl Fn(&Path) -> Result<Checkpoint, wildfire_models::Error>,
+    ) -> Result<RunSummary, PretrainError> {
         let weight_decay = self.config.weight_decay;
         if B::FUSED.optimizer {
-            let (adamw, inputs) = wildfire_engine::FusedAdamW::<B>::optimizer::<Gpt<A<B>>>(
+            let (adamw, inputs) = wildfire_engine::FusedAdamW::<B>::optimizer::<M>(
                 wildfire_engine::FusedAdamWConfig {
                     beta1: 0.9,
                     beta2: 0.95,
@@ -42,36 +72,33 @@ impl RankRun<'_> {
                     weight_decay,
                 },
             );
-            self.train_with(device, FsdpOptimizer::new(adamw), Some(inputs))
+            let optim = FsdpOptimizer::new(adamw);
+            self.train_with(device, model, optim, Some(inputs), import)
         } else {
             let adamw = AdamWConfig::new()
                 .with_beta_2(0.95)
                 .with_weight_decay(weight_decay as f32)
-                .init::<A<B>, Gpt<A<B>>>();
-            self.train_with(device, FsdpOptimizer::new(adamw), None)
+                .init::<A<B>, M>();
+            self.train_with(device, model, FsdpOptimizer::new(adamw), None, import)
         }
     }
 
-    fn train_with<B, O, X>(
+    fn train_with<B, M, O, X>(
         &self,
         device: &DistDevice<B>,
+        mut model: M,
         mut optim: O,
         tail: Option<wildfire_engine::TailInputs<B>>,
+        import: impl Fn(&Path) -> Result<Checkpoint, wildfire_models::Error>,
     ) -> Result<RunSummary, PretrainError>
     where
         B: FusedOps,
-        O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
+        M: Lm<B>,
+        O: Optimizer<M, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
         X: StateCodec<Distributed<B>>,
     {
-        let config = self.config;
-        // Set once, before `parallelize_gpt` fills in the sharding and sequence parallelism.
-        self.set_policy(device.context());
-        // Each rank draws only its pieces of the parameters the layout splits.
-        let model: Gpt<A<B>> = init_gpt(&self.data.model, device, &config.parallel)?;
-        let mut model = parallelize_gpt(model, device.mesh(), &config.parallel)?;
-        if let (None, Some(file)) = (&self.resume, &config.init_from) {
-            model = wildfire_models::hf::import_gpt2(file, self.data.model.n_head)?
-                .load_model(model)?;
+        if let (None, Some(file)) = (&self.resume, &self.config.init_from) {
+            model = import(file)?.load_model(model)?;
         }
         if let Some((checkpoint, _)) = &self.resume {
             // Each rank reads the pieces of the checkpoint that overlap its own, in this run's
@@ -85,7 +112,7 @@ impl RankRun<'_> {
             tail,
             codec: std::marker::PhantomData,
         };
-        self.train_loop(device, whole, config.accum)
+        self.train_loop(device, whole, self.config.accum)
     }
 
     /// The training loop, whatever the rank trains (the whole model, or its pipeline stages):
@@ -140,7 +167,7 @@ impl RankRun<'_> {
             };
             let record = trainee.step(&mut runner, &at)?;
             member.trace_region("step", step_started);
-            let tokens = config.batch_size * self.data.model.block_size;
+            let tokens = config.batch_size * self.data.model.block_size();
             let (mut m, elapsed) =
                 watch.finish(&ctx, step, lr, &record, trainee.param_bytes(), tokens);
             let (evaluate, save) = self.due(step);
@@ -199,7 +226,7 @@ impl RankRun<'_> {
     /// Whether the run evaluates: validation batches asked for, and validation data longer than
     /// a context.
     pub(super) fn validates(&self) -> bool {
-        self.config.eval_iters > 0 && self.val.len() > self.data.model.block_size
+        self.config.eval_iters > 0 && self.val.len() > self.data.model.block_size()
     }
 
     /// Validation batch `i` of this rank's rows (the same batches every evaluation).
@@ -334,7 +361,7 @@ impl RankRun<'_> {
         }
         let model = &self.data.model;
         let mfu = self.config.peak_flops.map(|peak| {
-            let flops = model.flops_per_token(model.block_size);
+            let flops = model.flops_per_token(model.block_size());
             mfu(
                 flops,
                 m.tokens_per_s,
@@ -405,27 +432,37 @@ pub(super) trait Trainee<B: FusedOps> {
     fn sample(&self, run: &RankRun, device: &DistDevice<B>) -> Result<Vec<u32>, PretrainError>;
 }
 
+/// A language model the driver trains whole: a [`CausalLm`] on `Autodiff<Distributed<B>>`
+/// whose inner module (evaluation, generation) is one too.
+pub(super) trait Lm<B: FusedOps>:
+    AutodiffModule<A<B>, InnerModule: CausalLm<Distributed<B>>> + CausalLm<A<B>> + 'static
+{
+}
+
+impl<B: FusedOps, M> Lm<B> for M where
+    M: AutodiffModule<A<B>, InnerModule: CausalLm<Distributed<B>>> + CausalLm<A<B>> + 'static
+{
+}
+
 /// The whole model and its optimizer (`tail`: the fused optimizer tail's device inputs).
-pub(super) struct Whole<B: FusedOps, O, X> {
-    model: Option<Gpt<A<B>>>,
+pub(super) struct Whole<B: FusedOps, M, O, X> {
+    model: Option<M>,
     optim: O,
     tail: Option<wildfire_engine::TailInputs<B>>,
     codec: std::marker::PhantomData<X>,
 }
 
-impl<B, O, X> Whole<B, O, X>
-where
-    B: FusedOps,
-{
-    fn model(&self) -> &Gpt<A<B>> {
+impl<B: FusedOps, M, O, X> Whole<B, M, O, X> {
+    fn model(&self) -> &M {
         self.model.as_ref().expect("a model between steps")
     }
 }
 
-impl<B, O, X> Trainee<B> for Whole<B, O, X>
+impl<B, M, O, X> Trainee<B> for Whole<B, M, O, X>
 where
     B: FusedOps,
-    O: Optimizer<Gpt<A<B>>, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
+    M: Lm<B>,
+    O: Optimizer<M, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
     X: StateCodec<Distributed<B>>,
 {
     fn step(
@@ -441,7 +478,7 @@ where
             self.tail.as_ref(),
             at.lr,
             at.seeds,
-            |model: &Gpt<A<B>>, i, ckpt| {
+            |model: &M, i, ckpt| {
                 let [x, y] = (at.batch)(i);
                 model.loss_with(x, y, ckpt)
             },
@@ -479,13 +516,11 @@ where
     fn sample(&self, run: &RankRun, device: &DistDevice<B>) -> Result<Vec<u32>, PretrainError> {
         let config = run.config;
         let prompt = run.data.tokenizer.encode("\n");
-        Ok(self.model().valid().generate(
-            &prompt,
-            config.sample_tokens,
-            0.8,
-            40,
-            config.seed,
-            device,
-        ))
+        let sampler = TokenSampler::new(0.8, 40, config.seed);
+        let block_size = run.data.model.block_size();
+        Ok(self
+            .model()
+            .valid()
+            .sample(&prompt, config.sample_tokens, block_size, sampler, device))
     }
 }

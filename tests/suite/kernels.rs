@@ -620,7 +620,7 @@ mod wgpu {
     /// its losses track the Flex run (plain Burn ops) step by step, on one rank and sharded.
     #[test]
     fn gpt_pretraining_on_wgpu_runs_the_kernels_and_tracks_flex() {
-        use wildfire::models::gpt::Preset;
+        use wildfire::models::Preset;
         use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
         use wildfire::pretrain::{PretrainConfig, run, run_on};
         let base = PretrainConfig {

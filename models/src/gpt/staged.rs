@@ -2,9 +2,9 @@
 //! ([`stage_pass`] for [`StagePasses::forward`]) and text generated through them
 //! ([`generate_staged`]).
 
-use super::sample::generate_by;
 use super::{GptStage, StageInput, TokenSampler};
 use crate::Error;
+use crate::lm::generate_by;
 use burn::prelude::*;
 use wildfire_kernels::FusedOps;
 use wildfire_kernels::hooks::Inference;

@@ -1,6 +1,7 @@
 //! Tests of the GPT: shapes, parameter counts, names, saving and loading, stages.
 
 use super::*;
+use crate::Preset;
 use burn::backend::{Autodiff, Flex};
 
 fn tiny() -> GptConfig {
@@ -48,7 +49,10 @@ fn parameter_count_matches_the_formula() {
     let model = config.init::<Flex>(&Default::default()).unwrap();
     assert_eq!(model.num_params(), config.num_params());
     // GPT-2 small: 124,439,808 parameters with the 50257 vocabulary (tied embedding).
-    assert_eq!(Preset::Gpt2_124m.config(50257).num_params(), 124_439_808);
+    assert_eq!(
+        Preset::Gpt2_124m.gpt(50257).unwrap().num_params(),
+        124_439_808
+    );
 }
 
 #[test]

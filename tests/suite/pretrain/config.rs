@@ -152,7 +152,7 @@ fn estimate_matches_measured_bytes() {
         let summary = run(&config).unwrap();
         let model = load_data(&config).unwrap().model;
         assert_eq!(summary.model.as_ref(), Some(&model));
-        let e = estimate(&config, &model);
+        let e = estimate(&config, &model).unwrap();
         let m = &summary.steps[0];
         assert_eq!(
             (m.param_bytes, m.grad_bytes, m.optim_bytes),

@@ -6,13 +6,14 @@
 mod checkpoints;
 mod config;
 mod learning;
+mod llama;
 mod overlap;
 mod pipeline;
 
 use crate::suite::{losses_close, pairs, tensors_close};
 use std::path::PathBuf;
+use wildfire::models::Preset;
 use wildfire::models::data::TokenizerKind;
-use wildfire::models::gpt::Preset;
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, Recompute};
 use wildfire::pretrain::{Collectives, Precision, PretrainConfig, PretrainError, RunSummary, run};
 

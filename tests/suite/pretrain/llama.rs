@@ -1,0 +1,155 @@
+//! The Llama family through the pretraining driver: sharded runs follow one rank, a resume is
+//! bitwise, a `transformers` directory starts a run (its `config.json` the shape), the last
+//! checkpoint exports under Hugging Face's names, and what is not built yet is refused.
+
+use super::*;
+use wildfire::models::ModelConfig;
+use wildfire::models::llama::{Llama, init_llama};
+
+/// A CI-sized Llama on the embedded corpus: 2 layers, 4 query heads over 2 key/value heads,
+/// width 32, context 32.
+fn tiny_llama(steps: usize) -> PretrainConfig {
+    PretrainConfig {
+        preset: Preset::LlamaTiny,
+        n_kv_head: Some(2),
+        n_head: Some(4),
+        ..small(steps)
+    }
+}
+
+/// dp 2 × tp 2 FullShard with sequence parallelism and selective recomputation follows one
+/// rank; saved at step 3 under dp 2 FullShard and resumed to step 6, the run is bitwise the
+/// uninterrupted one; the export holds every tensor under Hugging Face's name and orientation.
+#[test]
+fn llama_pretrains_sharded_and_resumes_bitwise() {
+    let one = run(&tiny_llama(6)).unwrap();
+    assert!(matches!(one.model, Some(ModelConfig::Llama(_))));
+    let sharded = run(&PretrainConfig {
+        parallel: ParallelConfig {
+            sp: true,
+            recompute: Recompute::Selective,
+            ..ParallelConfig::layout(2, 2, FsdpStrategy::FullShard, None)
+        },
+        ..tiny_llama(6)
+    })
+    .unwrap();
+    same_run("llama dp 2 x tp 2 + SP", &sharded, &one, 1e-5);
+    let fsdp = ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None);
+    let straight = run(&PretrainConfig {
+        parallel: fsdp.clone(),
+        ..tiny_llama(6)
+    })
+    .unwrap();
+    let dir = scratch("llama-resume");
+    let out = dir.join("export.safetensors");
+    let first = run(&PretrainConfig {
+        parallel: fsdp.clone(),
+        save: Some(dir.clone()),
+        ..tiny_llama(3)
+    })
+    .unwrap();
+    let resumed = run(&PretrainConfig {
+        parallel: fsdp,
+        resume: Some(dir.clone()),
+        save: Some(dir.clone()),
+        export_hf: Some(out.clone()),
+        ..tiny_llama(6)
+    })
+    .unwrap();
+    assert_eq!(
+        bits(&resumed_losses(&first, &resumed)),
+        bits(&losses(&straight))
+    );
+    same_bits("llama resumed", &resumed.parameters, &straight.parameters);
+    let exported = wildfire::checkpoint::safetensors::read(&out).unwrap();
+    let (shape, _) = &exported["model.layers.1.self_attn.k_proj.weight"];
+    assert_eq!(shape, &[16, 32], "k_proj is [kv heads · head width, width]");
+    assert!(exported.contains_key("model.embed_tokens.weight"));
+    assert!(exported.contains_key("model.norm.weight"));
+    assert!(
+        !exported.contains_key("lm_head.weight"),
+        "the tiny preset ties its head"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `--init-from` a directory `transformers` wrote: its `config.json` gives the shape (grouped
+/// heads, an untied head, the rotary scaling) whatever the preset's, and at learning rate 0
+/// the parameters after a step are the file's exactly (as the library's import reads them).
+#[test]
+fn llama_starts_from_a_transformers_directory() {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_tiny/untied");
+    let config = PretrainConfig {
+        preset: Preset::LlamaTiny,
+        init_from: Some(dir.clone()),
+        block_size: Some(24),
+        lr: 0.0,
+        ..small(1)
+    };
+    let summary = run(&config).unwrap();
+    let Some(ModelConfig::Llama(shape)) = &summary.model else {
+        panic!("a Llama: {:?}", summary.model);
+    };
+    assert_eq!(
+        (
+            shape.d_model,
+            shape.n_kv_head,
+            shape.tie_embeddings,
+            shape.block_size
+        ),
+        (32, 2, false, 24)
+    );
+    let mesh = ParallelConfig::default().mesh().unwrap();
+    let expected = crate::suite::threads(&mesh, |device| {
+        let model =
+            init_llama::<crate::suite::Dist>(shape, &device, &ParallelConfig::default()).unwrap();
+        let model: Llama<crate::suite::Dist> = wildfire::models::hf::import_llama(&dir)
+            .unwrap()
+            .load_model(model)
+            .unwrap();
+        wildfire::demo::parameters(&model)
+    });
+    same_bits("llama from transformers", &summary.parameters, &expected[0]);
+}
+
+/// What the Llama family does not have yet, and flags of the other family, are typed refusals.
+#[test]
+fn llama_refusals_are_typed() {
+    let refused = |config: PretrainConfig, needle: &str| match run(&config) {
+        Err(PretrainError::Config(msg))
+        | Err(PretrainError::Models(wildfire::models::Error::Config(msg))) => {
+            assert!(msg.contains(needle), "{msg}")
+        }
+        Err(e) => panic!("{needle}: {e}"),
+        Ok(_) => panic!("{needle}: ran"),
+    };
+    refused(
+        PretrainConfig {
+            parallel: ParallelConfig {
+                pp: 2,
+                microbatches: 2,
+                ..ParallelConfig::default()
+            },
+            ..tiny_llama(1)
+        },
+        "pipeline stages",
+    );
+    refused(
+        PretrainConfig {
+            dropout: 0.1,
+            ..tiny_llama(1)
+        },
+        "--dropout",
+    );
+    refused(
+        PretrainConfig {
+            n_kv_head: Some(2),
+            ..small(1)
+        },
+        "--n-kv-head",
+    );
+    let config = tiny_llama(1);
+    let model = wildfire::pretrain::load_data(&config).unwrap().model;
+    assert!(wildfire::pretrain::estimate(&config, &model).is_err());
+}
