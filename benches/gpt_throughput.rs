@@ -1,8 +1,10 @@
-//! GPT training throughput on CPU, one JSON line, for comparison with other frameworks running the
+//! Training throughput on CPU, one JSON line, for comparison with other frameworks running the
 //! same configuration: 4 layers, d = 256, 4 heads, sequence 256, vocabulary 50304, batch 4, f32.
+//! `--preset llama-tiny` trains the Llama family at the same width, depth and context (SwiGLU
+//! width 768 and 2 key/value heads: the same 12·d² parameters per block as the GPT's).
 //!
 //! ```text
-//! cargo bench --bench gpt_throughput [-- --steps 8]
+//! cargo bench --bench gpt_throughput [-- --steps 8] [--preset llama-tiny]
 //! ```
 
 /// mimalloc, keeping freed memory for the next step, or `WILDFIRE_ALLOC=system` (see
@@ -21,8 +23,15 @@ fn main() {
     // A smoke run (`cargo test --all-targets`): one step.
     let smoke = common::smoke();
     let steps = common::arg("--steps").unwrap_or(if smoke { 1 } else { 8 });
+    let preset: Preset = common::arg("--preset").unwrap_or(Preset::Small);
+    let llama = preset.llama(256).is_some();
     let config = PretrainConfig {
-        preset: Preset::Small,
+        preset,
+        n_layer: Some(4),
+        n_head: Some(4),
+        n_embd: Some(256),
+        block_size: Some(256),
+        n_kv_head: llama.then_some(2),
         tokenizer: TokenizerKind::Gpt2,
         steps: steps + 1,
         batch_size: 4,
@@ -35,7 +44,7 @@ fn main() {
     let tokens_per_s = timed.len() as f64 / timed.iter().map(|s| 1.0 / s.tokens_per_s).sum::<f64>();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!(
-        "{{\"bench\":\"gpt_throughput\",\"framework\":\"wildfire\",\"backend\":\"flex\",\"n_layer\":{},\"n_embd\":{},\"n_head\":{},\"seq\":{},\"vocab\":{},\"batch\":4,\"dtype\":\"f32\",\"threads\":{threads},\"params\":{},\"steps\":{},\"tokens_per_s\":{tokens_per_s:.1},\"peak_rss_bytes\":{},\"peak_tensor_bytes\":{}}}",
+        "{{\"bench\":\"gpt_throughput\",\"framework\":\"wildfire\",\"model\":\"{preset}\",\"backend\":\"flex\",\"n_layer\":{},\"n_embd\":{},\"n_head\":{},\"seq\":{},\"vocab\":{},\"batch\":4,\"dtype\":\"f32\",\"threads\":{threads},\"params\":{},\"steps\":{},\"tokens_per_s\":{tokens_per_s:.1},\"peak_rss_bytes\":{},\"peak_tensor_bytes\":{}}}",
         model.n_layer(),
         model.d_model(),
         model.n_head(),

@@ -107,7 +107,7 @@ fn main() -> Result<()> {
         let model = load_data(&config)?.model;
         println!(
             "{}",
-            serde_json::to_string_pretty(&estimate(&config, &model)?)?
+            serde_json::to_string_pretty(&estimate(&config, &model))?
         );
         return Ok(());
     }

@@ -4,14 +4,16 @@
 positions, the exact GELU so the built-in model's activation applies; the same weights in bf16
 and f16 as `model-bf16.safetensors` / `model-f16.safetensors`) with every parameter
 perturbed away from its initialisation (biases and LayerNorms included, so a misplaced column
-shows), and `reference.json`: the tokens, `GPT2LMHeadModel`'s logits on them and its loss.
+shows), and `reference.safetensors`: the tokens (`tokens`, i64 `[2, 24]`), `GPT2LMHeadModel`'s logits on
+them (`logits`, f32 `[2, 24, 256]`; `logits_bf16` / `logits_f16` of the rounded weights) and its
+loss (`loss`, f32 `[1]`), and the logits of the same weights under GPT-2's own tanh GELU
+(`logits_tanh`, `activation_function: "gelu_new"`).
 The tests import the file and compare Wildfire's logits, and export it back and compare the
 tensors bitwise.
 
     python -m venv /tmp/tv && /tmp/tv/bin/pip install torch transformers safetensors numpy
     /tmp/tv/bin/python tools/gpt2_reference.py
 """
-import json
 import pathlib
 
 import torch
@@ -36,19 +38,14 @@ def main():
     idx = torch.tensor(tokens)
     with torch.no_grad():
         out = model(idx, labels=idx)
+    from safetensors.torch import save_file
     reference = {
-        "n_head": config.n_head,
-        "tokens": tokens,
-        "logits": out.logits.flatten().tolist(),
-        "logits_shape": list(out.logits.shape),
-        # transformers' loss: next-token targets (labels shifted inside the model)
-        "loss": out.loss.item(),
-        "transformers": __import__("transformers").__version__,
-        "torch": torch.__version__,
+        "tokens": idx.to(torch.int64).contiguous(),
+        "logits": out.logits.float().contiguous(),
+        "loss": out.loss.float().reshape(1).contiguous(),
     }
     # The same weights stored in bf16 and f16, as Hugging Face ships larger models, and the
     # logits of those weights widened back to f32.
-    from safetensors.torch import save_file
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "f16")):
         save_file({k: v.to(dtype).contiguous() for k, v in state.items()},
@@ -56,9 +53,20 @@ def main():
         rounded = GPT2LMHeadModel(config).eval()
         rounded.load_state_dict({k: v.to(dtype).float() for k, v in model.state_dict().items()})
         with torch.no_grad():
-            reference[f"logits_{name}"] = rounded(idx).logits.flatten().tolist()
-    (OUT / "reference.json").write_text(json.dumps(reference) + "\n")
+            reference[f"logits_{name}"] = rounded(idx).logits.float().contiguous()
+    reference["logits_tanh"] = tanh_logits(idx)
+    save_file(reference, OUT / "reference.safetensors", metadata={
+        "transformers": __import__("transformers").__version__, "torch": torch.__version__})
     print(f"wrote {OUT}")
+
+
+def tanh_logits(idx):
+    """The written weights' logits under the tanh GELU (`gelu_new`), GPT-2's own activation."""
+    config = GPT2Config.from_pretrained(OUT)
+    config.activation_function = "gelu_new"
+    model = GPT2LMHeadModel.from_pretrained(OUT, config=config).eval()
+    with torch.no_grad():
+        return model(idx).logits.float().contiguous()
 
 
 if __name__ == "__main__":

@@ -537,6 +537,18 @@ impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recompute
         if B::FUSED.attention && spec.dropout == 0.0 {
             return wildfire_kernels::ops::attention(q, k, v, scale, causal);
         }
+        // Grouped key/value heads repeated for the query heads each serves (the fused kernel
+        // above reads them in place).
+        let [b, h, _, d] = q.dims();
+        let repeat = |x: Tensor<B, 4>| {
+            let [_, kv, s, _] = x.dims();
+            if kv == h {
+                return x;
+            }
+            let x = x.unsqueeze_dim::<5>(2).expand([b, kv, h / kv, s, d]);
+            x.reshape([b, h, s, d])
+        };
+        let (k, v) = (repeat(k), repeat(v));
         match self.attention {
             Some(op) => op(q, k, v, &spec, self.policy == Recompute::Selective),
             None => attention_reference(q, k, v, &spec),

@@ -52,10 +52,9 @@ pub trait ForwardHooks<'a, B: FusedOps>: Sized {
         crate::ops::attention_qkv(qkv, scale, causal)
     }
 
-    /// Attention of layer `layer` on separate heads `[q, k, v]`, `[b, h, t, hd]` each (a model
-    /// whose keys and values are not packed with its queries: grouped-query attention, rotary
-    /// positions applied to q and k), giving `[b, h, t, hd]`, with dropout `dropout` on the
-    /// probabilities while training.
+    /// Attention of layer `layer` on separate heads `[q, k, v]`, `[b, h, t, hd]` each — `k` and
+    /// `v` may have fewer heads, each serving consecutive query heads (grouped-query attention)
+    /// — giving `[b, h, t, hd]`, with dropout `dropout` on the probabilities while training.
     fn attention_heads(
         &self,
         layer: usize,

@@ -150,8 +150,10 @@ pub struct AdamWState<B: Backend> {
 /// attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fused {
-    /// `fused_layer_norm` (and RMSNorm), forward and backward.
+    /// `fused_layer_norm`, forward and backward.
     pub layer_norm: bool,
+    /// `fused_rms_norm`, forward and backward.
+    pub rms_norm: bool,
     /// `fused_gelu_bias`, forward and backward.
     pub gelu_bias: bool,
     /// `fused_cross_entropy`, forward and backward.
@@ -166,6 +168,7 @@ impl Fused {
     /// Every family on Burn ops.
     pub const NONE: Fused = Fused {
         layer_norm: false,
+        rms_norm: false,
         gelu_bias: false,
         cross_entropy: false,
         attention: false,
@@ -174,6 +177,7 @@ impl Fused {
     /// Every family fused.
     pub const ALL: Fused = Fused {
         layer_norm: true,
+        rms_norm: true,
         gelu_bias: true,
         cross_entropy: true,
         attention: true,
@@ -182,7 +186,12 @@ impl Fused {
 
     /// Whether any family is fused.
     pub const fn any(self) -> bool {
-        self.layer_norm || self.gelu_bias || self.cross_entropy || self.attention || self.optimizer
+        self.layer_norm
+            || self.rms_norm
+            || self.gelu_bias
+            || self.cross_entropy
+            || self.attention
+            || self.optimizer
     }
 }
 

@@ -349,7 +349,32 @@ fn scores<B: Backend>(
     }
 }
 
-/// Attention through the full score matrix.
+/// Keys or values of `[b, kv_heads, s, d]` repeated for the `h` query heads they serve
+/// (grouped-query attention: query head `j` reads key/value head `j / (h / kv_heads)`);
+/// unchanged when there are as many.
+fn repeat_heads<B: Backend>(x: Tensor<B, 4>, h: usize) -> Tensor<B, 4> {
+    let [b, kv, s, d] = x.dims();
+    if kv == h {
+        return x;
+    }
+    x.unsqueeze_dim::<5>(2)
+        .expand([b, kv, h / kv, s, d])
+        .reshape([b, h, s, d])
+}
+
+/// The gradient of [`repeat_heads`]: the query heads' summed per key/value head.
+fn sum_heads<B: Backend>(x: Tensor<B, 4>, kv: usize) -> Tensor<B, 4> {
+    let [b, h, s, d] = x.dims();
+    if kv == h {
+        return x;
+    }
+    x.reshape([b, kv, h / kv, s, d])
+        .sum_dim(2)
+        .squeeze_dim::<4>(2)
+}
+
+/// Attention through the full score matrix; `k` and `v` may have fewer heads than `q`, each
+/// serving consecutive query heads (grouped-query attention).
 pub fn attention<B: Backend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
@@ -357,7 +382,12 @@ pub fn attention<B: Backend>(
     scale: f64,
     causal: bool,
 ) -> AttentionOutput<B> {
-    let (q, k, v) = (float::<B, 4>(q), float::<B, 4>(k), float::<B, 4>(v));
+    let q = float::<B, 4>(q);
+    let h = q.dims()[1];
+    let (k, v) = (
+        repeat_heads(float::<B, 4>(k), h),
+        repeat_heads(float::<B, 4>(v), h),
+    );
     let s = scores(&q, &k, scale, causal);
     let max = s.clone().max_dim(3);
     let lse = (s.clone() - max.clone()).exp().sum_dim(3).log() + max;
@@ -368,7 +398,7 @@ pub fn attention<B: Backend>(
     }
 }
 
-/// Attention gradients: `P = exp(S − lse)`, `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `D = rowsum(dO∘O)`,
+/// Attention gradients (grouped key/value heads as [`attention`] takes them): `P = exp(S − lse)`, `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `D = rowsum(dO∘O)`,
 /// `dS = P∘(dP − D)`, `dQ = dS·K·scale`, `dK = dSᵀ·Q·scale`.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<B: Backend>(
@@ -381,7 +411,12 @@ pub fn attention_backward<B: Backend>(
     scale: f64,
     causal: bool,
 ) -> AttentionGrads<B> {
-    let (q, k, v) = (float::<B, 4>(q), float::<B, 4>(k), float::<B, 4>(v));
+    let q = float::<B, 4>(q);
+    let (h, kv) = (q.dims()[1], float::<B, 4>(k.clone()).dims()[1]);
+    let (k, v) = (
+        repeat_heads(float::<B, 4>(k), h),
+        repeat_heads(float::<B, 4>(v), h),
+    );
     let (o, d_o) = (float::<B, 4>(output), float::<B, 4>(d_output));
     let lse = float::<B, 3>(lse).unsqueeze_dim::<4>(3);
     let p = (scores(&q, &k, scale, causal) - lse).exp();
@@ -391,8 +426,11 @@ pub fn attention_backward<B: Backend>(
     let ds = p * (dp - delta);
     AttentionGrads {
         q: prim(ds.clone().matmul(k).mul_scalar(scale)),
-        k: prim(ds.swap_dims(2, 3).matmul(q).mul_scalar(scale)),
-        v: prim(dv),
+        k: prim(sum_heads(
+            ds.swap_dims(2, 3).matmul(q).mul_scalar(scale),
+            kv,
+        )),
+        v: prim(sum_heads(dv, kv)),
     }
 }
 

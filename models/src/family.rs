@@ -98,6 +98,7 @@ impl Preset {
             init_seed: 1337,
             dropout: 0.0,
             vocab_used: None,
+            gelu: crate::gpt::Gelu::Erf,
         })
     }
 

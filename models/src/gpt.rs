@@ -48,6 +48,32 @@ pub struct GptConfig {
     /// `Vp`/`V`. `None`: every token exists.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vocab_used: Option<usize>,
+    /// The MLP's GELU: the exact one (the built-in presets) or GPT-2's tanh approximation
+    /// (`gelu_new`, what a Hugging Face GPT-2 configuration names).
+    #[serde(default)]
+    pub gelu: Gelu,
+}
+
+/// Which GELU an MLP applies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum Gelu {
+    /// `x·Φ(x)`, with the error function (PyTorch's `gelu`).
+    #[default]
+    Erf,
+    /// `½x(1 + tanh(√(2/π)(x + 0.044715x³)))`: GPT-2's original (`gelu_new`,
+    /// `gelu_pytorch_tanh`).
+    Tanh,
+}
+
+impl Gelu {
+    /// The GELU a Hugging Face `activation_function` names; `None` for another activation.
+    pub fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "gelu" | "gelu_python" => Some(Self::Erf),
+            "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast" => Some(Self::Tanh),
+            _ => None,
+        }
+    }
 }
 
 impl GptConfig {
@@ -252,6 +278,7 @@ impl GptConfig {
                 mlp: MlpBlock {
                     c_fc,
                     c_proj: mlp_proj,
+                    gelu: self.gelu,
                 },
                 dropout: self.dropout,
             });

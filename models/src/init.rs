@@ -217,6 +217,7 @@ mod tests {
             init_seed: 3,
             dropout: 0.0,
             vocab_used: None,
+            gelu: crate::gpt::Gelu::Erf,
         };
         let layout = ParallelConfig::layout;
         for parallel in [

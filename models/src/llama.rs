@@ -203,25 +203,8 @@ impl LlamaConfig {
     /// 4.x's `rope_theta` / `rope_scaling`, or 5.x's `rope_parameters`), with a `block_size`
     /// context (at most the file's `max_position_embeddings`).
     pub fn from_hf_config(path: &Path, block_size: usize) -> Result<Self, Error> {
-        let invalid = |reason: String| Error::Invalid {
-            path: path.to_path_buf(),
-            reason,
-        };
-        let text = std::fs::read_to_string(path).map_err(|source| Error::io(path, source))?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| invalid(format!("not JSON: {e}")))?;
-        let int = |key: &str| -> Result<usize, Error> {
-            json.get(key)
-                .and_then(serde_json::Value::as_u64)
-                .map(|v| v as usize)
-                .ok_or_else(|| invalid(format!("no integer {key}")))
-        };
-        let model_type = json.get("model_type").and_then(|v| v.as_str());
-        if model_type != Some("llama") {
-            return Err(invalid(format!(
-                "model_type {model_type:?}; this reads Llama configurations (\"llama\")"
-            )));
-        }
+        let file = crate::hf::HfConfig::read(path, "llama")?;
+        let (json, invalid, int) = (&file.json, |r| file.invalid(r), |k| file.int(k));
         for key in ["attention_bias", "mlp_bias"] {
             if json.get(key).and_then(|v| v.as_bool()) == Some(true) {
                 return Err(invalid(format!(

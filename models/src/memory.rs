@@ -1,15 +1,20 @@
-//! The per-rank memory a GPT training run needs, predicted from its shape and parallel layout:
+//! The per-rank memory a training run needs (GPT or Llama), predicted from its shape and parallel
+//! layout:
 //! the bytes the decorator's accounting measures (`parameter_bytes`, the gradient and
 //! optimizer-state bytes of `StepMetrics`) and an activation estimate.
 //!
 //! Parameters, gradients and AdamW state are counted tensor by tensor on the layout
-//! [`crate::parallelize::parallelize_gpt`] builds: tensor parallelism splits the token embedding
-//! by vocabulary, the column-parallel weights and biases by output and the row-parallel weights
-//! by input (row-parallel biases and LayerNorms stay whole); data-parallel sharding then splits
-//! every local piece along its first dimension into `N` shards of `⌈rows/N⌉` rows (ZeRO,
-//! Rajbhandari et al. 2020). Activations follow Korthikanti et al. (2022).
+//! [`crate::parallelize::parallelize_gpt`] (or [`crate::llama::parallelize_llama`]) builds: tensor
+//! parallelism splits the token embedding (and an untied head) by vocabulary, the column-parallel
+//! weights and biases by output and the row-parallel weights by input (row-parallel biases and
+//! norms stay whole); data-parallel sharding then splits every local piece along its first
+//! dimension into `N` shards of `⌈rows/N⌉` rows (ZeRO, Rajbhandari et al. 2020). A GPT's
+//! activations follow Korthikanti et al. (2022); a Llama's are counted tensor by tensor
+//! ([`llama_activation_bytes`]).
 
+use crate::ModelConfig;
 use crate::gpt::GptConfig;
+use crate::llama::LlamaConfig;
 use crate::parallelize::{FsdpStrategy, ParallelConfig, Recompute};
 use burn::tensor::FloatDType;
 use serde::Serialize;
@@ -42,9 +47,47 @@ struct Local {
     cols: usize,
 }
 
-/// Every parameter's local piece on one tensor-parallel rank of `t` (the GPT's TP plan, see
-/// [`crate::parallelize::gpt_tp_plan`]). Linear weights are `[d_in, d_out]`.
-fn local_pieces(model: &GptConfig, t: usize) -> Vec<Local> {
+/// Every parameter's local piece on one tensor-parallel rank of `t`. Linear weights are
+/// `[d_in, d_out]`.
+fn local_pieces(model: &ModelConfig, t: usize) -> Vec<Local> {
+    match model {
+        ModelConfig::Gpt(c) => gpt_pieces(c, t),
+        ModelConfig::Llama(c) => llama_pieces(c, t),
+    }
+}
+
+/// [`local_pieces`] of a Llama ([`crate::llama::llama_tp_plan`]: q, k, v, gate and up
+/// column-parallel; o and down row-parallel; the tables vocabulary-parallel; the norms whole).
+fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
+    let (v, d, f) = (model.vocab_size, model.d_model, model.ffn_hidden);
+    let (q, kv) = (
+        model.n_head * model.head_dim(),
+        model.n_kv_head * model.head_dim(),
+    );
+    let whole = |rows, cols| Local { rows, cols };
+    let mut pieces = vec![whole(v / t, d)];
+    for _ in 0..model.n_layer {
+        pieces.extend([
+            whole(d, 1), // input_layernorm γ
+            whole(d, q / t),
+            whole(d, kv / t),
+            whole(d, kv / t),
+            whole(q / t, d), // o_proj: row-parallel
+            whole(d, 1),     // post_attention_layernorm γ
+            whole(d, f / t), // gate, up: column-parallel
+            whole(d, f / t),
+            whole(f / t, d), // down: row-parallel
+        ]);
+    }
+    pieces.push(whole(d, 1)); // norm γ
+    if !model.tie_embeddings {
+        pieces.push(whole(v / t, d));
+    }
+    pieces
+}
+
+/// [`local_pieces`] of a GPT ([`crate::parallelize::gpt_tp_plan`]).
+fn gpt_pieces(model: &GptConfig, t: usize) -> Vec<Local> {
     let (v, s, d) = (model.vocab_size, model.block_size, model.n_embd);
     let whole = |rows, cols| Local { rows, cols };
     let mut pieces = vec![whole(v / t, d), whole(s, d)];
@@ -72,7 +115,7 @@ fn local_pieces(model: &GptConfig, t: usize) -> Vec<Local> {
 /// sequences, on one rank, with activations in `compute` (the precision policy's compute dtype,
 /// `None`: f32).
 pub fn estimate(
-    model: &GptConfig,
+    model: &ModelConfig,
     parallel: &ParallelConfig,
     batch_size: usize,
     compute: Option<FloatDType>,
@@ -90,12 +133,12 @@ pub fn estimate(
         S::ShardGradOp => (4 * local, 4 * sharded, 8 * sharded),
         S::FullShard | S::Hybrid => (4 * sharded, 4 * sharded, 8 * sharded),
     };
-    let activation_bytes = activation_bytes(
-        model,
-        parallel,
-        batch_size / dims.data_degree().max(1),
-        compute.is_some_and(|c| burn::tensor::DType::from(c).size() == 2),
-    );
+    let rows = batch_size / dims.data_degree().max(1);
+    let half = compute.is_some_and(|c| burn::tensor::DType::from(c).size() == 2);
+    let activation_bytes = match model {
+        ModelConfig::Gpt(c) => activation_bytes(c, parallel, rows, half),
+        ModelConfig::Llama(c) => llama_activation_bytes(c, parallel, rows, half),
+    };
     MemoryEstimate {
         params: model.num_params(),
         params_per_tp_rank: local,
@@ -157,6 +200,63 @@ fn activation_bytes(model: &GptConfig, parallel: &ParallelConfig, b: usize, half
     }
 }
 
+/// A Llama's activations kept for backward, counted tensor by tensor per block (elements, for
+/// `b` sequences of `s` tokens, width `h`, query width `q`, key/value width `kv`, SwiGLU width
+/// `f`, `a` query heads, tensor parallelism `t`): the two RMSNorms' inputs (the residual
+/// stream, f32), outputs and row statistics, `4sbh + 2sb` (`/t` with sequence parallelism); the
+/// attention's queries, output and log-sum-exp and its grouped keys and values (never
+/// repeated), `(2sb(q + kv) + sba)/t` (the fused attention keeps no `s²` probabilities, so
+/// selective recomputation drops nothing more); SwiGLU's gate, its sigmoid, the SiLU, the up
+/// projection and their product, `5sbf/t`. Full (or every-N) recomputation keeps a recomputed
+/// block's f32 input, `sbh`, and one block's activations while it runs again. With `half`, all
+/// but the residual stream in 16 bits. Plus the logits and their gradient.
+pub fn llama_activation_bytes(
+    model: &LlamaConfig,
+    parallel: &ParallelConfig,
+    b: usize,
+    half: bool,
+) -> usize {
+    let (s, h, l, t) = (
+        model.block_size,
+        model.d_model,
+        model.n_layer,
+        parallel.tp.max(1),
+    );
+    let (q, kv, f) = (
+        model.n_head * model.head_dim(),
+        model.n_kv_head * model.head_dim(),
+        model.ffn_hidden,
+    );
+    let sp = parallel.sp && t > 1;
+    let split = |x: usize| if sp { x / t } else { x };
+    // (elements in the compute dtype, elements of the f32 residual stream) per block.
+    let stream = split(2 * s * b * h);
+    let a = model.n_head;
+    let kept = (
+        split(2 * s * b * h + 2 * s * b) + (2 * s * b * (q + kv) + s * b * a + 5 * s * b * f) / t,
+        stream,
+    );
+    let input = (0, split(s * b * h));
+    let blocks = (0..l)
+        .map(|i| match parallel.recompute {
+            Recompute::Full | Recompute::EveryNth(_)
+                if parallel.recompute.recomputes_block(i, l) =>
+            {
+                input
+            }
+            _ => kept,
+        })
+        .fold((0, 0), |(u, r), (du, dr)| (u + du, r + dr));
+    let transient = match parallel.recompute {
+        Recompute::Full | Recompute::EveryNth(_) => kept,
+        _ => (0, 0),
+    };
+    let (compute, stream) = (blocks.0 + transient.0, blocks.1 + transient.1);
+    let logits = 2 * s * b * (model.vocab_size / t);
+    let width = if half { 2 } else { 4 };
+    (compute + logits) * width + stream * 4
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,7 +265,7 @@ mod tests {
     /// Without parallelism every parameter is counted once: Ψ.
     #[test]
     fn one_rank_holds_psi() {
-        let model = Preset::Tiny.gpt(256).unwrap();
+        let model = Preset::Tiny.model(256);
         let e = estimate(&model, &ParallelConfig::default(), 8, None);
         assert_eq!(e.params_per_tp_rank, model.num_params());
         assert_eq!(e.param_bytes, 4 * model.num_params());
@@ -178,7 +278,7 @@ mod tests {
     /// logits and their gradient; f32 doubles everything.
     #[test]
     fn activations_follow_the_compute_dtype() {
-        let model = Preset::Gpt2_124m.gpt(50304).unwrap();
+        let model = Preset::Gpt2_124m.model(50304);
         let parallel = ParallelConfig::default();
         let (s, b, h, a, l, v) = (1024, 8, 768, 12, 12, 50304);
         let at_16 = l * (34 * s * b * h + 5 * a * s * s * b);

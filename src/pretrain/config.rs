@@ -8,6 +8,7 @@ use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use wildfire_models::data::TokenizerKind;
+use wildfire_models::gpt::{Gelu, GptConfig};
 use wildfire_models::llama::LlamaConfig;
 use wildfire_models::parallelize::ParallelConfig;
 use wildfire_models::{ModelConfig, Preset};
@@ -50,9 +51,14 @@ pub struct PretrainConfig {
     /// Attention heads (overrides the preset).
     #[arg(long, help_heading = "Model")]
     pub n_head: Option<usize>,
-    /// Model width (overrides the preset).
+    /// Model width (overrides the preset; a Llama's SwiGLU width keeps the preset's ratio).
     #[arg(long, help_heading = "Model")]
     pub n_embd: Option<usize>,
+    /// A GPT's GELU: erf (the presets') or tanh (GPT-2's `gelu_new`); a Hugging Face directory
+    /// given to `--init-from` names its own.
+    #[serde(default)]
+    #[arg(long, value_enum, default_value_t = Gelu::Erf, help_heading = "Model")]
+    pub gelu: Gelu,
     /// Key/value heads of a Llama (grouped-query attention; overrides the preset).
     #[serde(default)]
     #[arg(long, help_heading = "Model")]
@@ -320,12 +326,15 @@ impl PretrainConfig {
     /// directory, its `config.json`'s, with `--block-size` (default: the preset's context, at
     /// most the file's positions).
     pub fn model(&self, vocab: usize) -> Result<ModelConfig, wildfire_models::Error> {
-        let used = vocab;
-        let vocab = if vocab > 256 {
-            vocab.div_ceil(64) * 64
-        } else {
-            vocab
+        let pad = |used: usize| {
+            if used > 256 {
+                used.div_ceil(64) * 64
+            } else {
+                used
+            }
         };
+        let used = vocab;
+        let vocab = pad(used);
         let flag = |name: &str, given: bool, family: &str| {
             if given {
                 Err(wildfire_models::Error::Config(format!(
@@ -336,21 +345,40 @@ impl PretrainConfig {
                 Ok(())
             }
         };
+        // A Hugging Face directory's configuration gives the shape.
+        let hf_config = self
+            .init_from
+            .as_deref()
+            .map(|p| p.join("config.json"))
+            .filter(|f| f.is_file());
         let mut model = self.preset.model(vocab);
         match &mut model {
             ModelConfig::Gpt(c) => {
                 flag("n-kv-head", self.n_kv_head.is_some(), "Llama")?;
-                c.vocab_used = (vocab > used).then_some(used);
-                c.n_layer = self.n_layer.unwrap_or(c.n_layer);
-                c.n_head = self.n_head.unwrap_or(c.n_head);
-                c.n_embd = self.n_embd.unwrap_or(c.n_embd);
-                c.block_size = self.block_size.unwrap_or(c.block_size);
+                // The tokens that exist: the data's, or a Hugging Face model's vocabulary.
+                let mut real = used;
+                if let Some(file) = hf_config {
+                    let hf = wildfire_models::hf::gpt2_config(&file, self.block_size)?;
+                    real = real.max(hf.vocab_size);
+                    *c = GptConfig {
+                        init_seed: c.init_seed,
+                        ..hf
+                    };
+                } else {
+                    c.n_layer = self.n_layer.unwrap_or(c.n_layer);
+                    c.n_head = self.n_head.unwrap_or(c.n_head);
+                    c.n_embd = self.n_embd.unwrap_or(c.n_embd);
+                    c.block_size = self.block_size.unwrap_or(c.block_size);
+                    c.gelu = self.gelu;
+                }
+                c.vocab_size = pad(real);
+                c.vocab_used = (c.vocab_size > real).then_some(real);
                 c.dropout = self.dropout;
             }
             ModelConfig::Llama(c) => {
                 flag("dropout", self.dropout != 0.0, "GPT")?;
-                let hf = self.init_from.as_deref().map(|p| p.join("config.json"));
-                if let Some(file) = hf.filter(|f| f.is_file()) {
+                flag("gelu", self.gelu != Gelu::Erf, "GPT")?;
+                if let Some(file) = hf_config {
                     let block = self.block_size.unwrap_or(c.block_size);
                     let hf = LlamaConfig::from_hf_config(&file, block)?;
                     if used > hf.vocab_size {
@@ -370,7 +398,11 @@ impl PretrainConfig {
                     c.n_layer = self.n_layer.unwrap_or(c.n_layer);
                     c.n_head = self.n_head.unwrap_or(c.n_head);
                     c.n_kv_head = self.n_kv_head.unwrap_or(c.n_kv_head.min(c.n_head));
-                    c.d_model = self.n_embd.unwrap_or(c.d_model);
+                    if let Some(d) = self.n_embd {
+                        // The SwiGLU width keeps the preset's ratio to the width.
+                        c.ffn_hidden = c.ffn_hidden * d / c.d_model;
+                        c.d_model = d;
+                    }
                     c.block_size = self.block_size.unwrap_or(c.block_size);
                 }
             }

@@ -128,24 +128,14 @@ pub fn load_data(config: &PretrainConfig) -> Result<RunData, PretrainError> {
     })
 }
 
-/// The per-rank memory `config` needs for `model` ([`wildfire_models::memory::estimate`]; the
-/// GPT's formula: a Llama's is a typed refusal until its formula is written).
-pub fn estimate(
-    config: &PretrainConfig,
-    model: &ModelConfig,
-) -> Result<MemoryEstimate, PretrainError> {
-    let model = model.gpt().ok_or_else(|| {
-        PretrainError::Config(
-            "--estimate covers the GPT family; the Llama's memory formula is not written yet"
-                .into(),
-        )
-    })?;
-    Ok(wildfire_models::memory::estimate(
+/// The per-rank memory `config` needs for `model` ([`wildfire_models::memory::estimate`]).
+pub fn estimate(config: &PretrainConfig, model: &ModelConfig) -> MemoryEstimate {
+    wildfire_models::memory::estimate(
         model,
         &config.parallel,
         config.batch_size,
         config.precision.reduced_dtype(),
-    ))
+    )
 }
 
 /// Run pretraining with `config` on the Flex CPU backend (ranks as threads).

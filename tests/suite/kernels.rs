@@ -299,7 +299,6 @@ fn check_attention_qkv<B: AutodiffBackend + FusedOps>(
 
 /// Grouped-query attention: `k`, `v` with `kv_heads` heads shared by `h / kv_heads` query heads
 /// each, against the reference on key/value heads repeated to `h`.
-#[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn check_attention_gqa<B: AutodiffBackend + FusedOps>(
     device: &B::Device,
     [b, h, s, d]: [usize; 4],
@@ -395,6 +394,9 @@ fn check_all<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) {
         check_attention::<B>(device, [b, h, s, d], causal, tol);
         check_attention_qkv::<B>(device, [b, s, h, d], causal, tol);
     }
+    // Grouped key/value heads (the Llama family's), two and four query heads to each.
+    check_attention_gqa::<B>(device, [2, 4, 9, 8], 2, tol);
+    check_attention_gqa::<B>(device, [1, 8, 5, 4], 2, tol);
 }
 
 /// The optimizer tail against the formulas computed on the host: unscale + `Σ g²` + non-finite

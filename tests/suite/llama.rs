@@ -117,3 +117,67 @@ fn llama_matches_one_device_under_every_axis() {
         tensors_close(what, &p, &params, 1e-5);
     }
 }
+
+/// Bytes kept for backward per block (the difference between 3 blocks and 1, so the tables and
+/// the head cancel), measured by the decorator's accounting, against the count
+/// `wildfire::models::memory::llama_activation_bytes` makes: full recomputation keeps exactly
+/// each block's f32 input (and a 4-byte handle on its region's output), no recomputation what
+/// the count lists, within a tenth (the decorator counts a view an op makes again: an upper
+/// bound).
+#[test]
+fn llama_activations_per_block_follow_the_count() {
+    use wildfire::engine::Recomputer;
+    use wildfire::models::memory::llama_activation_bytes;
+    let (b, s) = (2usize, 16usize);
+    let retained = |recompute: Recompute, layers: usize| -> i64 {
+        let device = DistDevice::<burn::backend::Flex>::default();
+        let ctx = device.context().clone();
+        let config = LlamaConfig {
+            n_layer: layers,
+            ..tiny()
+        };
+        let model: Llama<Dist> = config.init(&device).unwrap();
+        let tokens = |shift: usize| {
+            let ids: Vec<i64> = (0..b * s).map(|i| ((i * 7 + shift) % 64) as i64).collect();
+            Tensor::<Dist, 2, Int>::from_data(TensorData::new(ids, [b, s]), &device)
+        };
+        let (x, y) = (tokens(0), tokens(1));
+        let before = ctx.live_bytes() as i64;
+        let ckpt = Recomputer::<Dist>::new(recompute, 1);
+        let loss = model.loss_with(x, y, &ckpt);
+        let kept = ctx.live_bytes() as i64 - before;
+        let _ = ckpt.backward(loss, &model).unwrap();
+        kept
+    };
+    let per_block = |recompute| (retained(recompute, 3) - retained(recompute, 1)) / 2;
+    let count = |recompute| {
+        let parallel = ParallelConfig {
+            recompute,
+            ..ParallelConfig::default()
+        };
+        let at = |layers| {
+            let config = LlamaConfig {
+                n_layer: layers,
+                block_size: s,
+                ..tiny()
+            };
+            llama_activation_bytes(&config, &parallel, b, false) as i64
+        };
+        (at(3) - at(1)) / 2
+    };
+    let full = per_block(Recompute::Full);
+    let h = tiny().d_model;
+    assert_eq!(
+        full,
+        4 * (s * b * h) as i64 + 4,
+        "full keeps the block input"
+    );
+    assert_eq!(count(Recompute::Full), 4 * (s * b * h) as i64);
+    let (none, predicted) = (per_block(Recompute::None), count(Recompute::None));
+    let ratio = none as f64 / predicted as f64;
+    println!("llama: {none} bytes/block kept, counted {predicted}, ratio {ratio:.3}");
+    assert!(
+        (0.75..1.25).contains(&ratio),
+        "kept {none}, counted {predicted}"
+    );
+}

@@ -113,6 +113,7 @@ pub(crate) fn small_gpt(n_layer: usize, init_seed: u64) -> wildfire::models::gpt
         init_seed,
         dropout: 0.0,
         vocab_used: None,
+        gelu: wildfire::models::gpt::Gelu::Erf,
     }
 }
 

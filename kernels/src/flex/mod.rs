@@ -31,7 +31,7 @@ use burn::tensor::{DType, Shape, TensorData, TensorMetadata};
 
 use crate::{
     AdamWState, AdamWStep, CrossEntropyOutput, FusedOps, LayerNormGrads, LayerNormOutput,
-    UnscaleOutput, reference,
+    RmsNormOutput, UnscaleOutput, reference,
 };
 
 /// A contiguous f32 tensor whose storage starts at its first element.
@@ -60,15 +60,11 @@ pub(crate) fn float(values: Vec<f32>, shape: Shape) -> FlexTensor {
 }
 
 /// Flex runs native loops for the ops a GPT step spends its time in (see the module table), and
-/// the Burn-op defaults for the rest (softmax, RMSNorm, and attention on separate q, k, v).
+/// the Burn-op defaults for the rest (softmax, and attention on separate q, k, v).
 impl FusedOps for Flex {
-    const FUSED: crate::Fused = crate::Fused {
-        layer_norm: true,
-        gelu_bias: true,
-        cross_entropy: true,
-        attention: true,
-        optimizer: true,
-    };
+    // Every family: the ones without a native loop here (attention on separate q, k, v) are
+    // the Burn-op defaults, still one fused autodiff node each.
+    const FUSED: crate::Fused = crate::Fused::ALL;
 
     fn fused_causal_softmax(scores: FloatTensor<Self>) -> FloatTensor<Self> {
         causal_softmax(scores)
@@ -93,6 +89,25 @@ impl FusedOps for Flex {
     ) -> LayerNormGrads<Self> {
         rows::layer_norm_backward(&x, &gamma, &mean, &rstd, &dy)
             .unwrap_or_else(|| reference::layer_norm_backward::<Self>(x, gamma, mean, rstd, dy))
+    }
+
+    fn fused_rms_norm(
+        x: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
+        eps: f64,
+    ) -> RmsNormOutput<Self> {
+        rows::rms_norm(&x, &scale, eps)
+            .unwrap_or_else(|| reference::rms_norm::<Self>(x, scale, eps))
+    }
+
+    fn fused_rms_norm_backward(
+        x: FloatTensor<Self>,
+        scale: FloatTensor<Self>,
+        r: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        rows::rms_norm_backward(&x, &scale, &r, &dy)
+            .unwrap_or_else(|| reference::rms_norm_backward::<Self>(x, scale, r, dy))
     }
 
     fn fused_cross_entropy(

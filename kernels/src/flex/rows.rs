@@ -1,5 +1,5 @@
-//! Row ops on Flex: LayerNorm, GELU-with-bias and cross-entropy, forward and backward, one pass
-//! (or two) over each row, rows in parallel.
+//! Row ops on Flex: LayerNorm, RMSNorm, GELU-with-bias and cross-entropy, forward and backward,
+//! one pass (or two) over each row, rows in parallel.
 //!
 //! A parameter's gradient (γ, β, the bias) is a column sum over rows: each task of about 16k
 //! elements' worth of rows writes its partial sums, and the partials are added in task order, so
@@ -8,7 +8,7 @@
 use super::math::{self, dispatch, lane_max, lane_sum, lane_sum_map};
 use super::{contiguous, float};
 use crate::stats_shape;
-use crate::{CrossEntropyOutput, LayerNormGrads, LayerNormOutput};
+use crate::{CrossEntropyOutput, LayerNormGrads, LayerNormOutput, RmsNormOutput};
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{Shape, TensorMetadata};
 use rayon::prelude::*;
@@ -27,6 +27,29 @@ fn column_sums(partials: Vec<Vec<f32>>, len: usize) -> Vec<f32> {
         }
     }
     sum
+}
+
+/// A backward over rows of `d` of `n` elements, rows in parallel, with one column sum:
+/// `row(r, dx, sum)` writes row `r`'s `dx` and adds its part of the sum (a parameter's gradient).
+fn rows_with_column_sum(
+    n: usize,
+    d: usize,
+    row: impl Fn(usize, &mut [f32], &mut [f32]) + Sync,
+) -> (Vec<f32>, Vec<f32>) {
+    let per = rows_per_task(d);
+    let mut dx = vec![0f32; n];
+    let partials: Vec<Vec<f32>> = dx
+        .par_chunks_mut(per * d)
+        .enumerate()
+        .map(|(task, dx)| {
+            let mut sum = vec![0f32; d];
+            for (r, dx) in dx.chunks_mut(d).enumerate() {
+                row(task * per + r, dx, &mut sum);
+            }
+            sum
+        })
+        .collect();
+    (dx, column_sums(partials, d))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -169,6 +192,104 @@ pub fn layer_norm_backward(
 }
 
 // ---------------------------------------------------------------------------------------------
+// RMSNorm
+
+dispatch! {
+    /// One row's output into `y`; returns its `rstd`.
+    fn rms_norm_row(x: &[f32], gamma: &[f32], y: &mut [f32], epsilon: f32) -> f32 {
+        let d = x.len();
+        let rstd = 1.0 / (lane_sum_map(x, |v| v * v) / d as f32 + epsilon).sqrt();
+        for ((y, &x), &g) in y.iter_mut().zip(x).zip(gamma) {
+            *y = x * rstd * g;
+        }
+        rstd
+    }
+}
+
+/// RMSNorm over the last dimension (f32, any rank): `x·rstd·γ`, `rstd = 1/√(mean(x²) + ε)`;
+/// `None` for other dtypes.
+pub fn rms_norm(
+    x: &FlexTensor,
+    gamma: &FlexTensor,
+    epsilon: f64,
+) -> Option<RmsNormOutput<burn::backend::Flex>> {
+    let shape = x.shape();
+    let (x, gamma) = (contiguous(x)?, contiguous(gamma)?);
+    let (xs, g) = (x.f32s(), gamma.f32s());
+    let d = *shape.as_slice().last()?;
+    if d == 0 || g.len() != d {
+        return None;
+    }
+    let rows = xs.len() / d;
+    let mut y = vec![0f32; xs.len()];
+    let mut rstd = vec![0f32; rows];
+    let per = rows_per_task(d);
+    y.par_chunks_mut(per * d)
+        .zip(rstd.par_chunks_mut(per))
+        .enumerate()
+        .for_each(|(task, (y, rstd))| {
+            for (r, rstd) in rstd.iter_mut().enumerate() {
+                let row = (task * per + r) * d;
+                let out = &mut y[r * d..(r + 1) * d];
+                *rstd = rms_norm_row(&xs[row..row + d], g, out, epsilon as f32);
+            }
+        });
+    Some(RmsNormOutput {
+        output: float(y, shape.clone()),
+        rstd: float(rstd, stats_shape(&shape)),
+    })
+}
+
+dispatch! {
+    /// One row's `dx` (with `x̂ = x·r`, `g = dy·γ`: `r·(g − x̂·mean(g·x̂))`); adds `dy·x̂` to
+    /// `dgamma`.
+    fn rms_norm_backward_row(
+        x: &[f32],
+        gamma: &[f32],
+        dy: &[f32],
+        rstd: f32,
+        dx: &mut [f32],
+        dgamma: &mut [f32],
+    ) {
+        let d = x.len();
+        let (x, gamma, dy) = (&x[..d], &gamma[..d], &dy[..d]);
+        let mean_gx = lane_sum(d, |i| dy[i] * gamma[i] * x[i] * rstd) / d as f32;
+        let rows = dx.iter_mut().zip(dgamma.iter_mut());
+        for (((dx, dg), (&x, &g)), &dy) in rows.zip(x.iter().zip(gamma)).zip(dy) {
+            let xh = x * rstd;
+            *dx = rstd * (dy * g - xh * mean_gx);
+            *dg += dy * xh;
+        }
+    }
+}
+
+/// Gradients `(dx, dγ)` of [`rms_norm`] from its `rstd`.
+pub fn rms_norm_backward(
+    x: &FlexTensor,
+    gamma: &FlexTensor,
+    rstd: &FlexTensor,
+    dy: &FlexTensor,
+) -> Option<(FlexTensor, FlexTensor)> {
+    let shape = x.shape();
+    let (x, gamma, rstd, dy) = (
+        contiguous(x)?,
+        contiguous(gamma)?,
+        contiguous(rstd)?,
+        contiguous(dy)?,
+    );
+    let (xs, g, rs, dys) = (x.f32s(), gamma.f32s(), rstd.f32s(), dy.f32s());
+    let d = g.len();
+    if d == 0 || xs.len() != dys.len() || xs.len() != rs.len() * d {
+        return None;
+    }
+    let (dx, dg) = rows_with_column_sum(xs.len(), d, |row, dx, dg| {
+        let span = row * d..(row + 1) * d;
+        rms_norm_backward_row(&xs[span.clone()], g, &dys[span], rs[row], dx, dg);
+    });
+    Some((float(dx, shape), float(dg, Shape::new([d]))))
+}
+
+// ---------------------------------------------------------------------------------------------
 // GELU with bias (erf form)
 
 const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
@@ -232,24 +353,11 @@ pub fn gelu_bias_backward(
     if d == 0 || xs.len() != dys.len() || *shape.as_slice().last()? != d {
         return None;
     }
-    let per = rows_per_task(d);
-    let mut dx = vec![0f32; xs.len()];
-    let partials: Vec<Vec<f32>> = dx
-        .par_chunks_mut(per * d)
-        .enumerate()
-        .map(|(task, dx)| {
-            let mut db = vec![0f32; d];
-            for (r, dx) in dx.chunks_mut(d).enumerate() {
-                let span = (task * per + r) * d..(task * per + r + 1) * d;
-                gelu_bias_backward_row(&xs[span.clone()], b, &dys[span], dx, &mut db);
-            }
-            db
-        })
-        .collect();
-    Some((
-        float(dx, shape),
-        float(column_sums(partials, d), Shape::new([d])),
-    ))
+    let (dx, db) = rows_with_column_sum(xs.len(), d, |row, dx, db| {
+        let span = row * d..(row + 1) * d;
+        gelu_bias_backward_row(&xs[span.clone()], b, &dys[span], dx, db);
+    });
+    Some((float(dx, shape), float(db, Shape::new([d]))))
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ fn tiny() -> GptConfig {
         init_seed: 7,
         dropout: 0.0,
         vocab_used: None,
+        gelu: crate::gpt::Gelu::Erf,
     }
 }
 

@@ -23,6 +23,7 @@ mod llama;
 pub use llama::{export_llama, hf_llama_name, import_llama, llama_path};
 
 use crate::Error;
+use crate::gpt::{Gelu, GptConfig};
 use wildfire_checkpoint::dcp::{
     Checkpoint, FORMAT, Metadata, PieceMeta, Reader, TensorMeta, box_dims, copy_box, write_streamed,
 };
@@ -124,10 +125,11 @@ fn import_pieces(
         .collect()
 }
 
-/// A Hugging Face GPT-2 safetensors file (F32, or BF16 / F16 widened to f32 as read) of a model
+/// A Hugging Face GPT-2 safetensors file (or a directory's `model.safetensors`; F32, or BF16 / F16 widened to f32 as read) of a model
 /// with `n_head` heads as a checkpoint to load a GPT from ([`Checkpoint::load_model`]; it holds
 /// no optimizer state).
 pub fn import_gpt2(file: &Path, n_head: usize) -> Result<Checkpoint, Error> {
+    let file = &weights_file(file);
     let invalid = |reason: String| Error::Invalid {
         path: file.to_path_buf(),
         reason,
@@ -183,6 +185,96 @@ pub fn import_gpt2(file: &Path, n_head: usize) -> Result<Checkpoint, Error> {
             optimizer_steps: BTreeMap::new(),
         },
     ))
+}
+
+/// A Hugging Face `config.json`, read and checked to be of one `model_type`; errors name the
+/// file.
+pub(crate) struct HfConfig {
+    path: PathBuf,
+    /// The file's JSON.
+    pub json: serde_json::Value,
+}
+
+impl HfConfig {
+    /// The configuration at `path`, which must be of `model_type`.
+    pub(crate) fn read(path: &Path, model_type: &str) -> Result<Self, Error> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::io(path, source))?;
+        let file = Self {
+            path: path.to_path_buf(),
+            json: serde_json::Value::Null,
+        };
+        let json =
+            serde_json::from_str(&text).map_err(|e| file.invalid(format!("not JSON: {e}")))?;
+        let file = Self { json, ..file };
+        let found = file.json.get("model_type").and_then(|v| v.as_str());
+        if found != Some(model_type) {
+            return Err(file.invalid(format!(
+                "model_type {found:?}; this reads {model_type:?} configurations"
+            )));
+        }
+        Ok(file)
+    }
+
+    /// An error about the file.
+    pub(crate) fn invalid(&self, reason: String) -> Error {
+        Error::Invalid {
+            path: self.path.clone(),
+            reason,
+        }
+    }
+
+    /// The integer under `key`.
+    pub(crate) fn int(&self, key: &str) -> Result<usize, Error> {
+        self.json
+            .get(key)
+            .and_then(serde_json::Value::as_u64)
+            .map(|v| v as usize)
+            .ok_or_else(|| self.invalid(format!("no integer {key}")))
+    }
+}
+
+/// The GPT shape a Hugging Face GPT-2 `config.json` gives: its layers, heads, width, vocabulary
+/// and GELU (`activation_function`), with a `block_size` context (default: its `n_positions`,
+/// which it may not exceed). Another model type, activation or a width the heads do not divide
+/// is an error naming it.
+pub fn gpt2_config(path: &Path, block_size: Option<usize>) -> Result<GptConfig, Error> {
+    let file = HfConfig::read(path, "gpt2")?;
+    let (json, invalid, int) = (&file.json, |r| file.invalid(r), |k| file.int(k));
+    let act = json
+        .get("activation_function")
+        .and_then(|v| v.as_str())
+        .unwrap_or("gelu_new");
+    let gelu = Gelu::from_hf(act)
+        .ok_or_else(|| invalid(format!("activation_function {act:?}: not a GELU")))?;
+    let positions = int("n_positions")?;
+    let block_size = block_size.unwrap_or(positions);
+    if block_size > positions {
+        return Err(invalid(format!(
+            "a context of {block_size} past n_positions {positions}"
+        )));
+    }
+    let config = GptConfig {
+        vocab_size: int("vocab_size")?,
+        block_size,
+        n_layer: int("n_layer")?,
+        n_head: int("n_head")?,
+        n_embd: int("n_embd")?,
+        init_seed: 1337,
+        dropout: 0.0,
+        vocab_used: None,
+        gelu,
+    };
+    config.validate().map_err(|e| invalid(e.to_string()))?;
+    Ok(config)
+}
+
+/// The weights file of `path`: the file itself, or a directory's `model.safetensors`.
+pub fn weights_file(path: &Path) -> PathBuf {
+    if path.is_dir() {
+        path.join("model.safetensors")
+    } else {
+        path.to_path_buf()
+    }
 }
 
 /// Write the weights of `checkpoint` (a model with `n_head` heads) as one safetensors file with
@@ -401,6 +493,7 @@ mod tests {
             init_seed: 1,
             dropout: 0.0,
             vocab_used: None,
+            gelu: crate::gpt::Gelu::Erf,
         };
         let original = wildfire_checkpoint::safetensors::read(&file).unwrap();
         for (dp, tp, fsdp) in [
@@ -463,7 +556,8 @@ mod tests {
     /// The tiny GPT-2 `transformers` wrote (`tools/gpt2_reference.py`) and its reference values.
     struct Gpt2Fixture {
         dir: PathBuf,
-        reference: serde_json::Value,
+        /// `reference.safetensors`: f32 tensors by name (the tokens widened).
+        reference: BTreeMap<String, Vec<f32>>,
         /// The `[2, t]` reference tokens, row-major.
         tokens: Vec<i64>,
         config: GptConfig,
@@ -472,15 +566,23 @@ mod tests {
     impl Gpt2Fixture {
         fn load() -> Self {
             let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gpt2_tiny");
-            let reference: serde_json::Value =
-                serde_json::from_str(&fs::read_to_string(dir.join("reference.json")).unwrap())
-                    .unwrap();
-            let tokens = reference["tokens"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .flat_map(|row| row.as_array().unwrap().iter().map(|t| t.as_i64().unwrap()))
-                .collect();
+            let bytes = fs::read(dir.join("reference.safetensors")).unwrap();
+            let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            let mut reference = BTreeMap::new();
+            let mut tokens = Vec::new();
+            for (name, view) in file.tensors() {
+                if name == "tokens" {
+                    tokens = view
+                        .data()
+                        .chunks_exact(8)
+                        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                        .collect();
+                } else {
+                    let values = view.data().chunks_exact(4);
+                    let values = values.map(|c| f32::from_le_bytes(c.try_into().unwrap()));
+                    reference.insert(name, values.collect());
+                }
+            }
             let config = GptConfig {
                 vocab_size: 256,
                 block_size: 32,
@@ -490,6 +592,7 @@ mod tests {
                 init_seed: 1,
                 dropout: 0.0,
                 vocab_used: None,
+                gelu: crate::gpt::Gelu::Erf,
             };
             Self {
                 dir,
@@ -499,14 +602,9 @@ mod tests {
             }
         }
 
-        /// The reference values under `key`, as f32.
+        /// The reference values under `key`.
         fn floats(&self, key: &str) -> Vec<f32> {
-            self.reference[key]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap() as f32)
-                .collect()
+            self.reference[key].clone()
         }
 
         /// Positions `range` of both rows of the tokens, on `device`.
@@ -546,7 +644,7 @@ mod tests {
         let fixture = Gpt2Fixture::load();
         let file = fixture.dir.join("model.safetensors");
         let t = fixture.tokens.len() / 2;
-        let want_loss = fixture.reference["loss"].as_f64().unwrap() as f32;
+        let want_loss = fixture.floats("loss")[0];
         let dir = scratch("transformers");
         for (dp, tp, fsdp) in [
             (1, 1, FsdpStrategy::NoShard),
@@ -606,5 +704,41 @@ mod tests {
             let worst = fixture.logits_off(&logits[0], &format!("logits_{name}"));
             assert!(worst <= 1e-4, "{name}: logits off by {worst}");
         }
+    }
+
+    /// GPT-2's own tanh GELU: the same weights with `Gelu::Tanh` give `transformers`' logits under
+    /// `activation_function: "gelu_new"` within 1e-4 (the exact GELU's are 3e-4 away: the test
+    /// tells them apart); the directory's `config.json` reads as the fixture's shape, its GELU
+    /// the file's.
+    #[test]
+    fn the_tanh_gelu_gives_gpt2s_own_logits() {
+        let fixture = Gpt2Fixture::load();
+        let t = fixture.tokens.len() / 2;
+        let parallel = ParallelConfig::default();
+        let tanh = GptConfig {
+            gelu: crate::gpt::Gelu::Tanh,
+            ..fixture.config.clone()
+        };
+        let logits = ranks(&parallel, |device| {
+            let model = crate::parallelize::init_gpt::<Dist>(&tanh, &device, &parallel).unwrap();
+            let model = import_gpt2(&fixture.dir, 4)
+                .unwrap()
+                .load_model(model)
+                .unwrap();
+            let logits = model.forward(fixture.ids(0..t, &device)).into_data();
+            logits.convert::<f32>().to_vec::<f32>().unwrap()
+        });
+        let worst = fixture.logits_off(&logits[0], "logits_tanh");
+        assert!(worst <= 1e-4, "tanh: logits off by {worst}");
+        assert!(fixture.logits_off(&logits[0], "logits") > 2e-4);
+        let read = gpt2_config(&fixture.dir.join("config.json"), None).unwrap();
+        assert_eq!(
+            read,
+            GptConfig {
+                init_seed: 1337,
+                ..fixture.config.clone()
+            }
+        );
+        assert!(gpt2_config(&fixture.dir.join("config.json"), Some(33)).is_err());
     }
 }

@@ -52,10 +52,14 @@ pub struct SwiGlu<B: Backend> {
     pub down_proj: Linear<B>,
 }
 
-/// `norm(x)`: RMSNorm through the fused op (Wildfire's kernel where the backend has one, Burn
-/// ops otherwise), in the input's dtype.
+/// `norm(x)`: the fused RMSNorm kernel where the backend has one ([`FusedOps::FUSED`]), Burn's
+/// `RmsNorm` otherwise.
 pub(super) fn rms_norm<B: FusedOps>(norm: &RmsNorm<B>, x: Tensor<B, 3>) -> Tensor<B, 3> {
-    ops::rms_norm(x, norm.gamma.val(), norm.epsilon)
+    if B::FUSED.rms_norm {
+        ops::rms_norm(x, norm.gamma.val(), norm.epsilon)
+    } else {
+        norm.forward(x)
+    }
 }
 
 /// A bias-free linear layer with weight `[d_in, d_out]` (Burn's layout).
@@ -88,17 +92,10 @@ impl<B: FusedOps> LlamaAttention<B> {
         let q = apply_rope(heads(&self.q_proj, h), cos, sin);
         let k = apply_rope(heads(&self.k_proj, kv), cos, sin);
         let v = heads(&self.v_proj, kv);
-        // Each key/value head repeated for the query heads it serves (`repeat_kv`).
-        let repeat = |x: Tensor<B, 4>| {
-            if kv == h {
-                return x;
-            }
-            x.unsqueeze_dim::<5>(2)
-                .expand([b, kv, h / kv, t, hd])
-                .reshape([b, h, t, hd])
-        };
         let scale = 1.0 / (hd as f64).sqrt();
-        let y = hooks.attention_heads(layer, [q, repeat(k), repeat(v)], scale, true, 0.0);
+        // The key/value heads as they are: the attention reads each for its group of query heads
+        // (the flash kernels in place; Burn's ops repeat them).
+        let y = hooks.attention_heads(layer, [q, k, v], scale, true, 0.0);
         self.o_proj
             .forward(y.swap_dims(1, 2).reshape([b, t, h * hd]))
     }

@@ -132,38 +132,7 @@ fn bad_input_is_refused() {
 /// vocabulary is the data's (`load_data`), not a constant.
 #[test]
 fn estimate_matches_measured_bytes() {
-    use wildfire::pretrain::{estimate, load_data};
-    for (dp, tp, fsdp) in [
-        (2, 1, FsdpStrategy::NoShard),
-        (2, 1, FsdpStrategy::ShardGradOp),
-        (2, 1, FsdpStrategy::FullShard),
-        (1, 2, FsdpStrategy::NoShard),
-        (2, 2, FsdpStrategy::FullShard),
-    ] {
-        let config = PretrainConfig {
-            parallel: ParallelConfig {
-                dp,
-                tp,
-                fsdp,
-                ..ParallelConfig::default()
-            },
-            ..small(1)
-        };
-        let summary = run(&config).unwrap();
-        let model = load_data(&config).unwrap().model;
-        assert_eq!(summary.model.as_ref(), Some(&model));
-        let e = estimate(&config, &model).unwrap();
-        let m = &summary.steps[0];
-        assert_eq!(
-            (m.param_bytes, m.grad_bytes, m.optim_bytes),
-            (
-                e.param_bytes as u64,
-                e.grad_bytes as u64,
-                e.optim_bytes as u64
-            ),
-            "dp {dp} tp {tp} {fsdp:?}"
-        );
-    }
+    estimate_matches_the_accounting(&small(1));
 }
 
 /// A launched process takes its place from the launcher: torchrun inside a SLURM allocation

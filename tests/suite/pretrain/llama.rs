@@ -149,7 +149,11 @@ fn llama_refusals_are_typed() {
         },
         "--n-kv-head",
     );
-    let config = tiny_llama(1);
-    let model = wildfire::pretrain::load_data(&config).unwrap().model;
-    assert!(wildfire::pretrain::estimate(&config, &model).is_err());
+}
+
+/// The memory estimate of a Llama equals the decorator's accounting of a step (grouped
+/// key/value heads split over tp, the tied table vocabulary-parallel).
+#[test]
+fn llama_memory_estimate_equals_the_accounting() {
+    estimate_matches_the_accounting(&tiny_llama(1));
 }

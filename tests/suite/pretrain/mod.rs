@@ -87,3 +87,33 @@ fn same_run(what: &str, got: &RunSummary, expected: &RunSummary, tol: f32) {
     assert_eq!(got.parameters.len(), expected.parameters.len(), "{what}");
     tensors_close(what, &got.parameters, &expected.parameters, tol);
 }
+
+/// The memory estimate of `base`'s model equals the decorator's accounting of one step:
+/// parameter, gradient and AdamW-state bytes under DDP, ZeRO-2 and FSDP on 2 ranks, tensor
+/// parallelism on 2, and FSDP over dp 2 × tp 2 (the vocabulary the data's, via `load_data`).
+fn estimate_matches_the_accounting(base: &PretrainConfig) {
+    use wildfire::pretrain::{estimate, load_data};
+    for (dp, tp, fsdp) in [
+        (2, 1, FsdpStrategy::NoShard),
+        (2, 1, FsdpStrategy::ShardGradOp),
+        (2, 1, FsdpStrategy::FullShard),
+        (1, 2, FsdpStrategy::NoShard),
+        (2, 2, FsdpStrategy::FullShard),
+    ] {
+        let config = PretrainConfig {
+            parallel: ParallelConfig::layout(dp, tp, fsdp, None),
+            ..base.clone()
+        };
+        let summary = run(&config).unwrap();
+        let model = load_data(&config).unwrap().model;
+        assert_eq!(summary.model.as_ref(), Some(&model));
+        let e = estimate(&config, &model);
+        let m = &summary.steps[0];
+        let estimated = [e.param_bytes, e.grad_bytes, e.optim_bytes].map(|b| b as u64);
+        assert_eq!(
+            [m.param_bytes, m.grad_bytes, m.optim_bytes],
+            estimated,
+            "dp {dp} tp {tp} {fsdp:?}"
+        );
+    }
+}
