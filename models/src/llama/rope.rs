@@ -4,6 +4,8 @@
 
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Llama-3's scaling of the rotary frequencies for long contexts (Llama-3.1 and 3.2): wavelengths
 /// longer than `original_max_position_embeddings / low_freq_factor` are divided by `factor`,
@@ -19,6 +21,9 @@ pub struct Llama3Scaling {
     /// The context the frequencies were first trained for.
     pub original_max_position_embeddings: usize,
 }
+
+/// The `cos` and `sin` values of [`Rope::tables`], row-major `[t, head_dim]`.
+type HostTables = (Vec<f32>, Vec<f32>);
 
 /// The rotary embedding of a model: base `theta` and an optional Llama-3 scaling.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -62,27 +67,48 @@ impl Rope {
     }
 
     /// `cos` and `sin` tables `[1, 1, t, head_dim]` for positions `0..t` (each frequency's
-    /// angle repeated in both halves of a head, as `transformers` builds them).
+    /// angle repeated in both halves of a head, as `transformers` builds them), computed once
+    /// per shape on the host and kept for the process.
     pub fn tables<B: Backend>(
         &self,
         t: usize,
         head_dim: usize,
         device: &B::Device,
     ) -> [Tensor<B, 4>; 2] {
+        let host = self.host_tables(t, head_dim);
+        let [cos, sin] =
+            [&host.0, &host.1].map(|v| TensorData::new(v.clone(), [1, 1, t, head_dim]));
+        [
+            Tensor::from_data(cos, device),
+            Tensor::from_data(sin, device),
+        ]
+    }
+
+    /// The host values of [`Rope::tables`], from the process-wide cache.
+    fn host_tables(&self, t: usize, head_dim: usize) -> Arc<HostTables> {
+        type Key = (String, usize, usize);
+        static CACHE: OnceLock<Mutex<HashMap<Key, Arc<HostTables>>>> = OnceLock::new();
+        let key = (format!("{self:?}"), t, head_dim);
+        let cache = CACHE.get_or_init(Default::default);
+        if let Some(found) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return found.clone();
+        }
         let inv_freq = self.inv_freq(head_dim);
         let half = head_dim / 2;
         let (mut cos, mut sin) = (vec![0f32; t * head_dim], vec![0f32; t * head_dim]);
         for p in 0..t {
             for (i, &f) in inv_freq.iter().enumerate() {
-                let angle = p as f32 * f;
-                let (s, c) = angle.sin_cos();
+                let (s, c) = (p as f32 * f).sin_cos();
                 for j in [i, i + half] {
                     cos[p * head_dim + j] = c;
                     sin[p * head_dim + j] = s;
                 }
             }
         }
-        [cos, sin].map(|v| Tensor::from_data(TensorData::new(v, [1, 1, t, head_dim]), device))
+        let tables = Arc::new((cos, sin));
+        let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+        cache.insert(key, tables.clone());
+        tables
     }
 }
 
