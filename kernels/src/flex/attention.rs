@@ -1,5 +1,7 @@
-//! Attention on Flex: attention on packed q/k/v projections ([`attention_qkv`], forward and
-//! backward), and the causal softmax the attention core uses otherwise ([`causal_softmax`]).
+//! Attention on Flex: attention on packed q/k/v projections ([`attention_qkv`]) and on separate
+//! q, k, v with grouped key/value heads ([`attention`]), forward and backward, one (batch, head)
+//! pair per task through the same two head functions; and the causal softmax the attention core
+//! uses otherwise ([`causal_softmax`]).
 //!
 //! The causal softmax: Burn ops cost a mask tensor, a broadcast `mask_fill` over the whole
 //! score matrix and a softmax over every key, masked or not, about 7 ms per `[4, 4, 256, 256]`
@@ -79,7 +81,8 @@ impl Shared {
 /// A strided matrix operand of [`matmul`]: pointer, column stride, row stride.
 type Operand = (*const f32, isize, isize);
 
-/// `dst[m×n] (row stride dst_rs) = alpha·lhs·rhs`, single-threaded (the tasks are the parallelism).
+/// `dst[m×n] (row stride dst_rs) = alpha·lhs·rhs` (or, with `add`, `+=`), single-threaded (the
+/// tasks are the parallelism).
 ///
 /// # Safety
 /// Every operand must be valid for its `m × k`, `k × n` and `m × n` strided extent.
@@ -91,6 +94,7 @@ unsafe fn matmul(
     lhs: Operand,
     rhs: Operand,
     alpha: f32,
+    add: bool,
 ) {
     // SAFETY: forwarded from the caller.
     unsafe {
@@ -101,14 +105,14 @@ unsafe fn matmul(
             dst,
             1,
             dst_rs,
-            false,
+            add,
             lhs.0,
             lhs.1,
             lhs.2,
             rhs.0,
             rhs.1,
             rhs.2,
-            0.0,
+            if add { 1.0 } else { 0.0 },
             alpha,
             false,
             false,
@@ -143,6 +147,7 @@ unsafe fn row_dots(
             (a.0.as_ptr().add(start * a.1 as usize), 1, a.1),
             (b.0.as_ptr(), b.1, 1),
             alpha,
+            false,
         );
     }
 }
@@ -208,11 +213,141 @@ fn row_blocks(t: usize, causal: bool) -> impl Iterator<Item = (usize, usize, usi
     })
 }
 
+/// One head's rows: a slice starting at its first row and the distance between rows.
+type Rows<'a> = (&'a [f32], isize);
+
+/// Where one head's outputs go: its first row (or element) and the distance between rows.
+type Out = (Shared, isize);
+
+/// One (batch, head) pair of the forward: `S = scale·Q·Kᵀ` and `O = P·V` as GEMMs reading `q`,
+/// `k` and `v` where they lie, the softmax in between, the output rows and log-sum-exps written
+/// at `out` and `lse`; causal, by blocks of rows that skip the keys above the diagonal.
+///
+/// # Safety
+/// `q`, `k`, `v` must hold `t` rows of `hd` at their strides; `out` and `lse` must be valid for
+/// `t` rows (elements) at theirs, written by this call alone.
+unsafe fn head_forward(
+    [q, k, v]: [Rows; 3],
+    out: Out,
+    lse: Out,
+    [t, hd]: [usize; 2],
+    scale: f32,
+    causal: bool,
+) {
+    let mut s = vec![0f32; t * t];
+    for (start, end, keys) in row_blocks(t, causal) {
+        let m = end - start;
+        // SAFETY: as the caller guarantees; `s` is t × t.
+        unsafe {
+            // S[start..end, ..keys] = scale·Q·Kᵀ.
+            row_dots(&mut s, q, k, [start, m, keys, hd, t], scale);
+            for i in start..end {
+                let l = softmax_row(&mut s[i * t..i * t + keys], visible(i, t, causal));
+                *lse.0.get().offset(i as isize * lse.1) = l;
+            }
+            // O[start..end] = P[start..end, ..keys]·V[..keys].
+            matmul(
+                [m, hd, keys],
+                out.0.get().offset(start as isize * out.1),
+                out.1,
+                (s.as_ptr().add(start * t), 1, t as isize),
+                (v.0.as_ptr(), 1, v.1),
+                1.0,
+                false,
+            );
+        }
+    }
+}
+
+/// One (batch, head) pair of the backward: the probabilities again from the log-sum-exp, then
+/// `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P∘(dP − rowsum(dO∘O))`, `dQ = scale·dS·K`,
+/// `dK = scale·dSᵀ·Q`, each written at its place — `dK` and `dV` added to what is there with
+/// `add` (query heads sharing a key/value head).
+///
+/// # Safety
+/// As [`head_forward`]: every operand holds `t` rows at its stride, `lse` `t` elements; the
+/// gradients' rows are written by this call alone.
+#[allow(clippy::too_many_arguments)]
+unsafe fn head_backward(
+    [q, k, v]: [Rows; 3],
+    [o, d_o]: [Rows; 2],
+    lse: Rows,
+    [dq, dk, dv]: [Out; 3],
+    [t, hd]: [usize; 2],
+    scale: f32,
+    causal: bool,
+    add: bool,
+) {
+    let mut p = vec![0f32; t * t];
+    let mut dp = vec![0f32; t * t];
+    let orow = o.1 as usize;
+    for (start, end, keys) in row_blocks(t, causal) {
+        let m = end - start;
+        // P and dP on rows start..end, keys ..keys (the blocks above the diagonal stay 0).
+        // SAFETY: as the caller guarantees; `p` and `dp` are t × t.
+        unsafe {
+            let dims = [start, m, keys, hd, t];
+            row_dots(&mut p, q, k, dims, scale);
+            row_dots(&mut dp, d_o, v, dims, 1.0);
+        }
+        for i in start..end {
+            let valid = visible(i, t, causal);
+            let lse_i = lse.0[i * lse.1 as usize];
+            let r = i * orow;
+            let delta: f32 = (0..hd).map(|c| d_o.0[r + c] * o.0[r + c]).sum();
+            let (p, dp) = (&mut p[i * t..i * t + keys], &mut dp[i * t..i * t + keys]);
+            probabilities_and_score_grads(p, dp, valid, lse_i, delta);
+        }
+        // dQ[start..end] = scale·dS[start..end, ..keys]·K[..keys].
+        // SAFETY: the rows of dQ are this call's alone.
+        unsafe {
+            matmul(
+                [m, hd, keys],
+                dq.0.get().offset(start as isize * dq.1),
+                dq.1,
+                (dp.as_ptr().add(start * t), 1, t as isize),
+                (k.0.as_ptr(), 1, k.1),
+                scale,
+                false,
+            );
+        }
+    }
+    // dV and dK by blocks of keys: keys start..end are seen by the queries from `start` on
+    // (causal) or by all.
+    for (start, end, _) in row_blocks(t, causal) {
+        let m = end - start;
+        let first = if causal { start } else { 0 };
+        let n = t - first;
+        // SAFETY: the rows of dK and dV are this call's alone; `p` and `dp` are t × t.
+        unsafe {
+            // dV = Pᵀ·dO
+            matmul(
+                [m, hd, n],
+                dv.0.get().offset(start as isize * dv.1),
+                dv.1,
+                (p.as_ptr().add(first * t + start), t as isize, 1),
+                (d_o.0.as_ptr().add(first * orow), 1, d_o.1),
+                1.0,
+                add,
+            );
+            // dK = scale·dSᵀ·Q
+            matmul(
+                [m, hd, n],
+                dk.0.get().offset(start as isize * dk.1),
+                dk.1,
+                (dp.as_ptr().add(first * t + start), t as isize, 1),
+                (q.0.as_ptr().add(first * q.1 as usize), 1, q.1),
+                scale,
+                add,
+            );
+        }
+    }
+}
+
 /// [`FusedOps::fused_attention_qkv`](crate::FusedOps::fused_attention_qkv) on Flex: per (batch,
-/// head) pair, `S = scale·Q·Kᵀ` and `O = P·V` as GEMMs that read q, k and v where they lie in
-/// the packed buffer and write the output in `[b, t, h, hd]` order (no layout copies), the
-/// softmax in between; causal, by blocks of rows that skip the keys above the diagonal
-/// (blocks of 64 rows). `None` for other dtypes or shapes.
+/// head) pair [`head_forward`], reading q, k and v where they lie in the packed buffer and
+/// writing the output in `[b, t, h, hd]` order (no layout copies). `None` for other dtypes or
+/// shapes.
 pub fn attention_qkv(
     qkv: &FlexTensor,
     scale: f64,
@@ -228,38 +363,14 @@ pub fn attention_qkv(
     (0..b * h).into_par_iter().for_each(|task| {
         let (bi, hi) = (task / h, task % h);
         let base = bi * t * h * 3 * hd + hi * 3 * hd;
-        let (q, k, v) = (&x[base..], &x[base + hd..], &x[base + 2 * hd..]);
-        let mut s = vec![0f32; t * t];
-        for (start, end, keys) in row_blocks(t, causal) {
-            let m = end - start;
-            // S[start..end, ..keys] = scale·Q·Kᵀ.
-            // SAFETY: q, k, v rows are `rs` apart inside `x`; `s` is t × t.
-            unsafe {
-                row_dots(
-                    &mut s,
-                    (q, rs),
-                    (k, rs),
-                    [start, m, keys, hd, t],
-                    scale as f32,
-                )
-            };
-            for i in start..end {
-                let lse = softmax_row(&mut s[i * t..i * t + keys], visible(i, t, causal));
-                // SAFETY: index (bi, i, hi) of the `[b, t, h]` log-sum-exp, this task's alone.
-                unsafe { *l_ptr.get().add((bi * t + i) * h + hi) = lse };
-            }
-            // O[start..end] = P[start..end, ..keys]·V[..keys].
-            // SAFETY: the output rows of (bi, hi), `h·hd` apart, are written by this task only.
-            unsafe {
-                matmul(
-                    [m, hd, keys],
-                    o_ptr.get().add(bi * t * h * hd + start * h * hd + hi * hd),
-                    (h * hd) as isize,
-                    (s.as_ptr().add(start * t), 1, t as isize),
-                    (v.as_ptr(), 1, rs),
-                    1.0,
-                );
-            }
+        let qkv = [0, hd, 2 * hd].map(|at| (&x[base + at..], rs));
+        // SAFETY: the head's rows are `rs` apart inside `x`; its output rows (`h·hd` apart) and
+        // log-sum-exps (`h` apart) are this task's alone.
+        unsafe {
+            let out = o_ptr.get().add(bi * t * h * hd + hi * hd);
+            let lse = l_ptr.get().add(bi * t * h + hi);
+            let (out, lse) = ((Shared(out), (h * hd) as isize), (Shared(lse), h as isize));
+            head_forward(qkv, out, lse, [t, hd], scale as f32, causal);
         }
     });
     Some(crate::AttentionOutput {
@@ -269,9 +380,8 @@ pub fn attention_qkv(
 }
 
 /// [`FusedOps::fused_attention_qkv_backward`](crate::FusedOps::fused_attention_qkv_backward) on
-/// Flex: per (batch, head) pair the probabilities again from the log-sum-exp, then
-/// `dV = Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P∘(dP − rowsum(dO∘O))`, `dQ = scale·dS·K`,
-/// `dK = scale·dSᵀ·Q`, each written straight into its place in the packed gradient.
+/// Flex: per (batch, head) pair [`head_backward`], each gradient written straight into its place
+/// in the packed gradient.
 pub fn attention_qkv_backward(
     qkv: &FlexTensor,
     output: &FlexTensor,
@@ -294,74 +404,133 @@ pub fn attention_qkv_backward(
         let (bi, hi) = (task / h, task % h);
         let base = bi * t * h * 3 * hd + hi * 3 * hd;
         let obase = bi * t * h * hd + hi * hd;
-        let (q, k, v) = (&x[base..], &x[base + hd..], &x[base + 2 * hd..]);
-        let (o, d_o) = (&o[obase..], &d_o[obase..]);
-        let mut p = vec![0f32; t * t];
-        let mut dp = vec![0f32; t * t];
-        let (row, orow) = (rs as usize, ors as usize);
-        let g = g_ptr.get();
-        for (start, end, keys) in row_blocks(t, causal) {
-            let m = end - start;
-            // P and dP on rows start..end, keys ..keys (the blocks above the diagonal stay 0).
-            // SAFETY: q, k, v rows are `rs` apart inside `x`, output rows `ors` apart; `p` and
-            // `dp` are t × t.
-            unsafe {
-                let dims = [start, m, keys, hd, t];
-                row_dots(&mut p, (q, rs), (k, rs), dims, scale as f32);
-                row_dots(&mut dp, (d_o, ors), (v, rs), dims, 1.0);
-            }
-            for i in start..end {
-                let valid = visible(i, t, causal);
-                let lse_i = l[(bi * t + i) * h + hi];
-                let r = i * orow;
-                let delta: f32 = (0..hd).map(|c| d_o[r + c] * o[r + c]).sum();
-                let (p, dp) = (&mut p[i * t..i * t + keys], &mut dp[i * t..i * t + keys]);
-                probabilities_and_score_grads(p, dp, valid, lse_i, delta);
-            }
-            // dQ[start..end] = scale·dS[start..end, ..keys]·K[..keys].
-            // SAFETY: the q column block of (bi, hi) in the packed gradient, this task's alone.
-            unsafe {
-                matmul(
-                    [m, hd, keys],
-                    g.add(base + start * row),
-                    rs,
-                    (dp.as_ptr().add(start * t), 1, t as isize),
-                    (k.as_ptr(), 1, rs),
-                    scale as f32,
-                );
-            }
-        }
-        // dV and dK by blocks of keys: keys start..end are seen by the queries from `start` on
-        // (causal) or by all.
-        for (start, end, _) in row_blocks(t, causal) {
-            let m = end - start;
-            let first = if causal { start } else { 0 };
-            let n = t - first;
-            // SAFETY: the k and v column blocks of (bi, hi) in the packed gradient, this task's
-            // alone; `p` and `dp` are t × t.
-            unsafe {
-                // dV = Pᵀ·dO
-                matmul(
-                    [m, hd, n],
-                    g.add(base + 2 * hd + start * row),
-                    rs,
-                    (p.as_ptr().add(first * t + start), t as isize, 1),
-                    (d_o.as_ptr().add(first * orow), 1, ors),
-                    1.0,
-                );
-                // dK = scale·dSᵀ·Q
-                matmul(
-                    [m, hd, n],
-                    g.add(base + hd + start * row),
-                    rs,
-                    (dp.as_ptr().add(first * t + start), t as isize, 1),
-                    (q.as_ptr().add(first * row), 1, rs),
-                    scale as f32,
-                );
-            }
+        let qkv = [0, hd, 2 * hd].map(|at| (&x[base + at..], rs));
+        let out = [(&o[obase..], ors), (&d_o[obase..], ors)];
+        let lse = (&l[bi * t * h + hi..], h as isize);
+        // SAFETY: the q, k and v column blocks of (bi, hi) in the packed gradient are this
+        // task's alone.
+        unsafe {
+            let grads = [0, hd, 2 * hd].map(|at| (Shared(g_ptr.get().add(base + at)), rs));
+            head_backward(qkv, out, lse, grads, [t, hd], scale as f32, causal, false);
         }
     });
     Some(super::float(grad, qkv.0.shape()))
+}
+
+/// The shape `[b, h, t, hd]` of separate queries and the key/value heads `kv` of keys and
+/// values of the same length (`h` a multiple of `kv`); `None` otherwise.
+fn heads_dims(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> Option<[usize; 5]> {
+    let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
+    if qs.num_dims() != 4 || ks.as_slice() != vs.as_slice() || ks.num_dims() != 4 {
+        return None;
+    }
+    let [b, h, t, hd] = [qs[0], qs[1], qs[2], qs[3]];
+    let kv = ks[1];
+    let fits = ks[0] == b && ks[2] == t && ks[3] == hd && kv > 0 && h.is_multiple_of(kv);
+    fits.then_some([b, h, t, hd, kv])
+}
+
+/// [`FusedOps::fused_attention`](crate::FusedOps::fused_attention) on Flex: queries `[b, h, t,
+/// hd]`, keys and values `[b, kv, t, hd]` (grouped-query attention: query head `j` reads key/value
+/// head `j / (h / kv)`, in place, never repeated); per (batch, head) pair [`head_forward`].
+/// `None` for other dtypes or shapes (keys of another length than the queries).
+pub fn attention(
+    q: &FlexTensor,
+    k: &FlexTensor,
+    v: &FlexTensor,
+    scale: f64,
+    causal: bool,
+) -> Option<crate::AttentionOutput<Flex>> {
+    let [b, h, t, hd, kv] = heads_dims(q, k, v)?;
+    let (q, k, v) = (
+        super::contiguous(q)?,
+        super::contiguous(k)?,
+        super::contiguous(v)?,
+    );
+    let (qs, ks, vs) = (q.f32s(), k.f32s(), v.f32s());
+    let mut out = vec![0f32; b * h * t * hd];
+    let mut lse = vec![0f32; b * h * t];
+    let (o_ptr, l_ptr) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
+    let row = hd as isize;
+    (0..b * h).into_par_iter().for_each(|task| {
+        let (bi, hi) = (task / h, task % h);
+        let kvi = (bi * kv + hi / (h / kv)) * t * hd;
+        let io = [
+            (&qs[task * t * hd..], row),
+            (&ks[kvi..], row),
+            (&vs[kvi..], row),
+        ];
+        // SAFETY: each operand holds the head's `t` rows of `hd`; its output rows and
+        // log-sum-exps are this task's alone.
+        unsafe {
+            let out = (Shared(o_ptr.get().add(task * t * hd)), row);
+            let lse = (Shared(l_ptr.get().add(task * t)), 1);
+            head_forward(io, out, lse, [t, hd], scale as f32, causal);
+        }
+    });
+    Some(crate::AttentionOutput {
+        output: super::float(out, Shape::new([b, h, t, hd])),
+        lse: super::float(lse, Shape::new([b, h, t])),
+    })
+}
+
+/// [`FusedOps::fused_attention_backward`](crate::FusedOps::fused_attention_backward) on Flex:
+/// per (batch, key/value head) the [`head_backward`] of each query head it serves, in order, the
+/// key and value gradients summed over them.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    q: &FlexTensor,
+    k: &FlexTensor,
+    v: &FlexTensor,
+    output: &FlexTensor,
+    lse: &FlexTensor,
+    d_output: &FlexTensor,
+    scale: f64,
+    causal: bool,
+) -> Option<crate::AttentionGrads<Flex>> {
+    let [b, h, t, hd, kv] = heads_dims(q, k, v)?;
+    let (q, k, v) = (
+        super::contiguous(q)?,
+        super::contiguous(k)?,
+        super::contiguous(v)?,
+    );
+    let (output, lse) = (super::contiguous(output)?, super::contiguous(lse)?);
+    let d_output = super::contiguous(d_output)?;
+    let (qs, ks, vs) = (q.f32s(), k.f32s(), v.f32s());
+    let (o, l, d_o) = (output.f32s(), lse.f32s(), d_output.f32s());
+    if o.len() != qs.len() || d_o.len() != qs.len() || l.len() != b * h * t {
+        return None;
+    }
+    let (mut dq, mut dk, mut dv) = (
+        vec![0f32; qs.len()],
+        vec![0f32; ks.len()],
+        vec![0f32; vs.len()],
+    );
+    let ptrs = [&mut dq, &mut dk, &mut dv].map(|g| Shared(g.as_mut_ptr()));
+    let (row, group) = (hd as isize, h / kv);
+    (0..b * kv).into_par_iter().for_each(|task| {
+        let kvi = task * t * hd;
+        for hi in (task % kv) * group..(task % kv + 1) * group {
+            let head = (task / kv) * h + hi;
+            let qi = head * t * hd;
+            let io = [(&qs[qi..], row), (&ks[kvi..], row), (&vs[kvi..], row)];
+            let out = [(&o[qi..], row), (&d_o[qi..], row)];
+            let lse = (&l[head * t..], 1);
+            // SAFETY: the query head's dQ rows and this key/value head's dK and dV rows are
+            // this task's alone (every query head of the group runs in this task, in order).
+            unsafe {
+                let at = [qi, kvi, kvi];
+                let grads = [0, 1, 2].map(|i| (Shared(ptrs[i].get().add(at[i])), row));
+                let add = hi % group != 0;
+                head_backward(io, out, lse, grads, [t, hd], scale as f32, causal, add);
+            }
+        }
+    });
+    Some(crate::AttentionGrads {
+        q: super::float(dq, q.0.shape()),
+        k: super::float(dk, k.0.shape()),
+        v: super::float(dv, v.0.shape()),
+    })
 }
 
 #[cfg(test)]

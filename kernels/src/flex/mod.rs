@@ -7,7 +7,8 @@
 //! |---|---|
 //! | causal softmax of the attention core | [`attention`]: visible keys only |
 //! | attention on packed q/k/v, forward and backward | [`attention`]: two GEMMs per (batch, head) reading q, k, v in place, probabilities recomputed from the log-sum-exp in backward |
-//! | LayerNorm, forward and backward | [`rows`]: one pass for the statistics, one for the output |
+//! | attention on separate q, k, v with grouped key/value heads, forward and backward | [`attention`]: the same per (batch, head); the key/value gradients summed over the query heads of a group in one task |
+//! | LayerNorm and RMSNorm, forward and backward | [`rows`]: one pass for the statistics, one for the output |
 //! | GELU-with-bias, forward and backward | [`rows`]: the erf form, a polynomial erf |
 //! | cross-entropy, forward and backward | [`rows`]: log-sum-exp per row; `p − onehot` per row |
 //! | unscale + `Σg²` + non-finite flag, AdamW | [`optim`]: one pass each, AdamW in place |
@@ -59,11 +60,10 @@ pub(crate) fn float(values: Vec<f32>, shape: Shape) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(values, shape))
 }
 
-/// Flex runs native loops for the ops a GPT step spends its time in (see the module table), and
-/// the Burn-op defaults for the rest (softmax, and attention on separate q, k, v).
+/// Flex runs native loops for the ops a training step spends its time in (see the module table),
+/// and the Burn-op default for the softmax.
 impl FusedOps for Flex {
-    // Every family: the ones without a native loop here (attention on separate q, k, v) are
-    // the Burn-op defaults, still one fused autodiff node each.
+    // Every family, native (softmax alone keeps its Burn-op default).
     const FUSED: crate::Fused = crate::Fused::ALL;
 
     fn fused_causal_softmax(scores: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -140,6 +140,32 @@ impl FusedOps for Flex {
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         rows::gelu_bias_backward(&x, &bias, &dy)
             .unwrap_or_else(|| reference::gelu_bias_backward::<Self>(x, bias, dy))
+    }
+
+    fn fused_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> crate::AttentionOutput<Self> {
+        attention::attention(&q, &k, &v, scale, causal)
+            .unwrap_or_else(|| reference::attention::<Self>(q, k, v, scale, causal))
+    }
+
+    fn fused_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        o: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        d_o: FloatTensor<Self>,
+        scale: f64,
+        causal: bool,
+    ) -> crate::AttentionGrads<Self> {
+        attention::attention_backward(&q, &k, &v, &o, &lse, &d_o, scale, causal).unwrap_or_else(
+            || reference::attention_backward::<Self>(q, k, v, o, lse, d_o, scale, causal),
+        )
     }
 
     fn fused_attention_qkv(
