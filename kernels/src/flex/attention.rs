@@ -417,9 +417,12 @@ pub fn attention_qkv_backward(
     Some(super::float(grad, qkv.0.shape()))
 }
 
-/// The shape `[b, h, t, hd]` of separate queries and the key/value heads `kv` of keys and
-/// values of the same length (`h` a multiple of `kv`); `None` otherwise.
-fn heads_dims(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> Option<[usize; 5]> {
+/// `[b, h, t, hd, kv]` and the contiguous q, k, v of [`heads`].
+type Heads = ([usize; 5], [super::F32; 3]);
+
+/// Separate queries `[b, h, t, hd]` and keys and values `[b, kv, t, hd]` of the same length
+/// (`h` a multiple of `kv`), contiguous f32, with `[b, h, t, hd, kv]`; `None` otherwise.
+fn heads(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> Option<Heads> {
     let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
     if qs.num_dims() != 4 || ks.as_slice() != vs.as_slice() || ks.num_dims() != 4 {
         return None;
@@ -427,7 +430,11 @@ fn heads_dims(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> Option<[usize; 
     let [b, h, t, hd] = [qs[0], qs[1], qs[2], qs[3]];
     let kv = ks[1];
     let fits = ks[0] == b && ks[2] == t && ks[3] == hd && kv > 0 && h.is_multiple_of(kv);
-    fits.then_some([b, h, t, hd, kv])
+    let operands = [q, k, v].map(super::contiguous);
+    let [Some(q), Some(k), Some(v)] = operands else {
+        return None;
+    };
+    fits.then_some(([b, h, t, hd, kv], [q, k, v]))
 }
 
 /// [`FusedOps::fused_attention`](crate::FusedOps::fused_attention) on Flex: queries `[b, h, t,
@@ -441,12 +448,7 @@ pub fn attention(
     scale: f64,
     causal: bool,
 ) -> Option<crate::AttentionOutput<Flex>> {
-    let [b, h, t, hd, kv] = heads_dims(q, k, v)?;
-    let (q, k, v) = (
-        super::contiguous(q)?,
-        super::contiguous(k)?,
-        super::contiguous(v)?,
-    );
+    let ([b, h, t, hd, kv], [q, k, v]) = heads(q, k, v)?;
     let (qs, ks, vs) = (q.f32s(), k.f32s(), v.f32s());
     let mut out = vec![0f32; b * h * t * hd];
     let mut lse = vec![0f32; b * h * t];
@@ -488,12 +490,7 @@ pub fn attention_backward(
     scale: f64,
     causal: bool,
 ) -> Option<crate::AttentionGrads<Flex>> {
-    let [b, h, t, hd, kv] = heads_dims(q, k, v)?;
-    let (q, k, v) = (
-        super::contiguous(q)?,
-        super::contiguous(k)?,
-        super::contiguous(v)?,
-    );
+    let ([b, h, t, hd, kv], [q, k, v]) = heads(q, k, v)?;
     let (output, lse) = (super::contiguous(output)?, super::contiguous(lse)?);
     let d_output = super::contiguous(d_output)?;
     let (qs, ks, vs) = (q.f32s(), k.f32s(), v.f32s());

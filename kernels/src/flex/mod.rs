@@ -143,28 +143,30 @@ impl FusedOps for Flex {
     }
 
     fn fused_attention(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        scale: f64,
-        causal: bool,
+        queries: FloatTensor<Self>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        alpha: f64,
+        masked: bool,
     ) -> crate::AttentionOutput<Self> {
-        attention::attention(&q, &k, &v, scale, causal)
-            .unwrap_or_else(|| reference::attention::<Self>(q, k, v, scale, causal))
+        let (q, k, v) = (queries, keys, values);
+        attention::attention(&q, &k, &v, alpha, masked)
+            .unwrap_or_else(|| reference::attention::<Self>(q, k, v, alpha, masked))
     }
 
     fn fused_attention_backward(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        o: FloatTensor<Self>,
+        queries: FloatTensor<Self>,
+        keys: FloatTensor<Self>,
+        values: FloatTensor<Self>,
+        out: FloatTensor<Self>,
         lse: FloatTensor<Self>,
-        d_o: FloatTensor<Self>,
-        scale: f64,
-        causal: bool,
+        d_out: FloatTensor<Self>,
+        alpha: f64,
+        masked: bool,
     ) -> crate::AttentionGrads<Self> {
-        attention::attention_backward(&q, &k, &v, &o, &lse, &d_o, scale, causal).unwrap_or_else(
-            || reference::attention_backward::<Self>(q, k, v, o, lse, d_o, scale, causal),
+        let (q, k, v, o, d_o) = (queries, keys, values, out, d_out);
+        attention::attention_backward(&q, &k, &v, &o, &lse, &d_o, alpha, masked).unwrap_or_else(
+            || reference::attention_backward::<Self>(q, k, v, o, lse, d_o, alpha, masked),
         )
     }
 
