@@ -10,9 +10,10 @@
 //! A second table: GPT-2 124M (block 64, dp 4, FullShard, ranks as threads) with sharded
 //! initialisation, a distributed checkpoint save (after each of two steps: the second step runs
 //! while the first save is written) and a resume from it: the most heap bytes live at once and
-//! the process's peak resident set (VmHWM, reset before each run) under the binaries' two
-//! allocators (the default: blocks of 1 MiB or more from one cache shared by the threads, smaller
-//! ones from mimalloc keeping freed pages; or glibc's for the small ones, `WILDFIRE_ALLOC=system`),
+//! the process's peak resident set (VmHWM, reset before each run) under the binaries' allocators
+//! (the default: blocks of 1 MiB or more from one cache shared by the threads, smaller ones from
+//! mimalloc keeping freed pages; glibc's for the small ones, `WILDFIRE_ALLOC=system`; or mimalloc
+//! for every block, keeping freed pages, `WILDFIRE_ALLOC=mimalloc`),
 //! beside the formula: the model state, plus, once a step ran, the decorator's peak of live
 //! tensor bytes (activations, gathered parameters, gradients: measured, times the ranks). Also
 //! the save's time on the step's path (taking the pieces) against its background write (reading
@@ -179,15 +180,15 @@ fn checkpoint_memory(smoke: bool) -> String {
     let dir = std::env::temp_dir().join(format!("wildfire-bench-dcp-{}", std::process::id()));
     // Each phase in a process of its own (this binary, `--phase`), so one run's freed memory
     // (kept by the allocator, as the binaries keep it) does not count in the next one's figures.
-    let phase = |name: &str, system: bool| -> Phase {
+    let phase = |name: &str, allocator: &str| -> Phase {
         let mut command = std::process::Command::new(std::env::current_exe().expect("this binary"));
         command
             .args(["--phase", name, "--dir"])
             .arg(&dir)
             .args(smoke.then_some("--smoke"))
             .env_remove("WILDFIRE_ALLOC");
-        if system {
-            command.env("WILDFIRE_ALLOC", "system");
+        if allocator != "default" {
+            command.env("WILDFIRE_ALLOC", allocator);
         }
         let out = command.output().expect("a phase process");
         assert!(
@@ -199,40 +200,40 @@ fn checkpoint_memory(smoke: bool) -> String {
     };
     // The same save and resume under each allocator (the second save replaces the first).
     let mut runs = Vec::new();
-    for system in [false, true] {
+    let allocators = ["default", "system", "mimalloc"];
+    for allocator in allocators {
         let _ = std::fs::remove_dir_all(&dir);
         runs.push((
-            phase("save", system),
-            phase("load", system),
-            phase("resume", system),
+            phase("save", allocator),
+            phase("load", allocator),
+            phase("resume", allocator),
         ));
     }
     let _ = std::fs::remove_dir_all(&dir);
+    for (allocator, (save, ..)) in allocators.iter().zip(&runs) {
+        assert_eq!(
+            &save.allocator, allocator,
+            "the allocator choice reached the phases"
+        );
+    }
     let [
         (first, loaded, resumed),
         (first_sys, loaded_sys, resumed_sys),
-    ] = <[_; 2]>::try_from(runs).ok().unwrap();
-    assert!(
-        !first.system && first_sys.system,
-        "the allocator choice reached the phases"
-    );
+        (first_mi, loaded_mi, resumed_mi),
+    ] = <[_; 3]>::try_from(runs).ok().unwrap();
     let baseline = first.baseline;
     let psi = first.params as f64;
     // The decorator's peak of live tensor bytes on rank 0 (model state + activations), times
     // the ranks: every rank holds the same shapes.
     let step_peak = |s: &Phase| n as f64 * s.step_peak_bytes as f64;
     let gb = |b: f64| format!("{:.3}", b / 1e9);
-    let row = |phase: &str, heap: u64, mi: u64, sys: u64, formula: f64, what: &str| {
+    let row = |phase: &str, heap: u64, rss: [u64; 3], formula: f64, what: &str| {
         let formula = formula + baseline as f64;
-        let ratio = |m: u64| format!("{:.2}", m as f64 / formula);
+        let cell = |m: u64| format!("{} ({:.2})", gb(m as f64), m as f64 / formula);
+        let [default, sys, mi] = rss.map(cell);
         format!(
-            "| {phase} | {} ({}) | {} ({}) | {} ({}) | {} = {what} + {} baseline |\n",
-            gb(heap as f64),
-            ratio(heap),
-            gb(mi as f64),
-            ratio(mi),
-            gb(sys as f64),
-            ratio(sys),
+            "| {phase} | {} | {default} | {sys} | {mi} | {} = {what} + {} baseline |\n",
+            cell(heap),
             gb(formula),
             gb(baseline as f64),
         )
@@ -241,7 +242,8 @@ fn checkpoint_memory(smoke: bool) -> String {
         "GPT-2 {} ({} parameters), block {}, dp {n} FullShard, ranks as threads; Ψ = parameters, \
          f32 AdamW: model state 16Ψ over the process. GB, and (in brackets) the ratio to the \
          formula{}\n\n| phase | heap peak | VmHWM, default allocator | VmHWM, glibc for small blocks \
-         (`WILDFIRE_ALLOC=system`) | formula |\n|---|---|---|---|---|\n",
+         (`WILDFIRE_ALLOC=system`) | VmHWM, mimalloc for every block, freed pages kept \
+         (`WILDFIRE_ALLOC=mimalloc`) | formula |\n|---|---|---|---|---|---|\n",
         if smoke { "tiny (smoke)" } else { "124M" },
         psi as u64,
         if smoke { 32 } else { 64 },
@@ -254,32 +256,44 @@ fn checkpoint_memory(smoke: bool) -> String {
     out.push_str(&row(
         "init (sharded)",
         first.setup_heap_peak,
-        first.setup_peak_rss,
-        first_sys.setup_peak_rss,
+        [
+            first.setup_peak_rss,
+            first_sys.setup_peak_rss,
+            first_mi.setup_peak_rss,
+        ],
         4.0 * psi,
         "4Ψ parameters",
     ));
     out.push_str(&row(
         "2 steps, each saved",
         first.final_heap_peak,
-        first.final_peak_rss,
-        first_sys.final_peak_rss,
+        [
+            first.final_peak_rss,
+            first_sys.final_peak_rss,
+            first_mi.final_peak_rss,
+        ],
         step_peak(&first) + 12.0 * psi,
         "step peak of live tensors + 12Ψ held pieces of parameters and moments",
     ));
     out.push_str(&row(
         "resume (load)",
         loaded.final_heap_peak,
-        loaded.final_peak_rss,
-        loaded_sys.final_peak_rss,
+        [
+            loaded.final_peak_rss,
+            loaded_sys.final_peak_rss,
+            loaded_mi.final_peak_rss,
+        ],
         12.0 * psi,
         "4Ψ parameters + 8Ψ moments",
     ));
     out.push_str(&row(
         "resume + step",
         resumed.final_heap_peak,
-        resumed.final_peak_rss,
-        resumed_sys.final_peak_rss,
+        [
+            resumed.final_peak_rss,
+            resumed_sys.final_peak_rss,
+            resumed_mi.final_peak_rss,
+        ],
         step_peak(&resumed),
         "step peak of live tensors",
     ));
@@ -326,7 +340,7 @@ struct Phase {
     params: u64,
     baseline: u64,
     resets: bool,
-    system: bool,
+    allocator: String,
     setup_peak_rss: u64,
     final_peak_rss: u64,
     setup_heap_peak: u64,
@@ -368,7 +382,7 @@ fn run_phase(name: &str) {
         params: summary.model.as_ref().expect("model").num_params() as u64,
         baseline,
         resets,
-        system: wildfire::alloc::uses_system_allocator(),
+        allocator: wildfire::alloc::allocator_name().into(),
         setup_peak_rss: summary.setup_peak_rss,
         final_peak_rss: summary.final_peak_rss,
         setup_heap_peak: summary.setup_heap_peak,

@@ -79,6 +79,16 @@ pub fn uses_system_allocator() -> bool {
     system()
 }
 
+/// The allocator [`Allocator`] runs as: `"default"` (large blocks cached across threads, small
+/// ones from mimalloc), `"system"` or `"mimalloc"` (every block), as `WILDFIRE_ALLOC` chose.
+pub fn allocator_name() -> &'static str {
+    match choice() {
+        2 => "system",
+        3 => "mimalloc",
+        _ => "default",
+    }
+}
+
 /// What the process's cache of large blocks has done (all zero where [`Allocator`] is not the
 /// global allocator).
 pub fn large_block_stats() -> LargeBlockStats {

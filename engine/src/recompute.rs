@@ -16,7 +16,7 @@
 //!   Requirement: regions are cut points — the model reaches a region's input only through the
 //!   previous region's output (true of a stack of blocks; each block's input is its own region's
 //!   input). Any `Module` works: the region is a closure over the module, written once.
-//! * **Selective** ([`Recomputer::attention_heads`]): the attention core
+//! * **Selective** ([`Recomputer`'s `attention_heads`](wildfire_kernels::hooks::ForwardHooks::attention_heads)): the attention core
 //!   `softmax(mask(q·kᵀ·scale))·v` (with dropout on the probabilities) is one custom autodiff op
 //!   whose backward is written out on the inner backend. With `Selective` it keeps only q, k, v and
 //!   recomputes the score and probability tiles in backward (FlashAttention-style); otherwise it
@@ -102,7 +102,7 @@ fn probabilities<B: FusedOps>(
 }
 
 /// The attention core from Burn ops (differentiated by Burn's autodiff where `B` has it): the
-/// reference for [`Recomputer::attention_heads`]'s custom op, and its implementation on backends
+/// reference for [`Recomputer`'s `attention_heads`](wildfire_kernels::hooks::ForwardHooks::attention_heads)'s custom op, and its implementation on backends
 /// without autodiff.
 pub fn attention_reference<B: FusedOps>(
     q: Tensor<B, 4>,
@@ -497,7 +497,7 @@ impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recompute
     /// queries, keys, values side by side), giving `[b, t, h, hd]`. Without dropout, on a backend
     /// with fused attention, one op that never splits `qkv` nor transposes the output
     /// ([`FusedOps::fused_attention_qkv`]); otherwise q, k and v are split out and go through
-    /// [`attention_heads`](Self::attention_heads) and its recomputation policy.
+    /// [`attention_heads`](wildfire_kernels::hooks::ForwardHooks::attention_heads) and its recomputation policy.
     fn attention_qkv(
         &self,
         layer: usize,

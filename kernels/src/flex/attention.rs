@@ -265,7 +265,7 @@ unsafe fn head_forward(
 /// `add` (query heads sharing a key/value head).
 ///
 /// # Safety
-/// As [`head_forward`]: every operand holds `t` rows at its stride, `lse` `t` elements; the
+/// As `head_forward`: every operand holds `t` rows at its stride, `lse` `t` elements; the
 /// gradients' rows are written by this call alone.
 #[allow(clippy::too_many_arguments)]
 unsafe fn head_backward(
@@ -345,7 +345,7 @@ unsafe fn head_backward(
 }
 
 /// [`FusedOps::fused_attention_qkv`](crate::FusedOps::fused_attention_qkv) on Flex: per (batch,
-/// head) pair [`head_forward`], reading q, k and v where they lie in the packed buffer and
+/// head) pair `head_forward`, reading q, k and v where they lie in the packed buffer and
 /// writing the output in `[b, t, h, hd]` order (no layout copies). `None` for other dtypes or
 /// shapes.
 pub fn attention_qkv(
@@ -380,7 +380,7 @@ pub fn attention_qkv(
 }
 
 /// [`FusedOps::fused_attention_qkv_backward`](crate::FusedOps::fused_attention_qkv_backward) on
-/// Flex: per (batch, head) pair [`head_backward`], each gradient written straight into its place
+/// Flex: per (batch, head) pair `head_backward`, each gradient written straight into its place
 /// in the packed gradient.
 pub fn attention_qkv_backward(
     qkv: &FlexTensor,
@@ -439,7 +439,7 @@ fn heads(q: &FlexTensor, k: &FlexTensor, v: &FlexTensor) -> Option<Heads> {
 
 /// [`FusedOps::fused_attention`](crate::FusedOps::fused_attention) on Flex: queries `[b, h, t,
 /// hd]`, keys and values `[b, kv, t, hd]` (grouped-query attention: query head `j` reads key/value
-/// head `j / (h / kv)`, in place, never repeated); per (batch, head) pair [`head_forward`].
+/// head `j / (h / kv)`, in place, never repeated); per (batch, head) pair `head_forward`.
 /// `None` for other dtypes or shapes (keys of another length than the queries).
 pub fn attention(
     q: &FlexTensor,
@@ -477,7 +477,7 @@ pub fn attention(
 }
 
 /// [`FusedOps::fused_attention_backward`](crate::FusedOps::fused_attention_backward) on Flex:
-/// per (batch, key/value head) the [`head_backward`] of each query head it serves, in order, the
+/// per (batch, key/value head) the `head_backward` of each query head it serves, in order, the
 /// key and value gradients summed over them.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
