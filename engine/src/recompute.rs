@@ -539,15 +539,8 @@ impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recompute
         }
         // Grouped key/value heads repeated for the query heads each serves (the fused kernel
         // above reads them in place).
-        let [b, h, _, d] = q.dims();
-        let repeat = |x: Tensor<B, 4>| {
-            let [_, kv, s, _] = x.dims();
-            if kv == h {
-                return x;
-            }
-            let x = x.unsqueeze_dim::<5>(2).expand([b, kv, h / kv, s, d]);
-            x.reshape([b, h, s, d])
-        };
+        let h = q.dims()[1];
+        let repeat = |x| wildfire_kernels::reference::repeat_heads(x, h);
         let (k, v) = (repeat(k), repeat(v));
         match self.attention {
             Some(op) => op(q, k, v, &spec, self.policy == Recompute::Selective),

@@ -352,7 +352,7 @@ fn scores<B: Backend>(
 /// Keys or values of `[b, kv_heads, s, d]` repeated for the `h` query heads they serve
 /// (grouped-query attention: query head `j` reads key/value head `j / (h / kv_heads)`);
 /// unchanged when there are as many.
-fn repeat_heads<B: Backend>(x: Tensor<B, 4>, h: usize) -> Tensor<B, 4> {
+pub fn repeat_heads<B: Backend>(x: Tensor<B, 4>, h: usize) -> Tensor<B, 4> {
     let [b, kv, s, d] = x.dims();
     if kv == h {
         return x;
@@ -412,7 +412,7 @@ pub fn attention_backward<B: Backend>(
     causal: bool,
 ) -> AttentionGrads<B> {
     let q = float::<B, 4>(q);
-    let (h, kv) = (q.dims()[1], float::<B, 4>(k.clone()).dims()[1]);
+    let (h, kv) = (q.dims()[1], k.shape()[1]);
     let (k, v) = (
         repeat_heads(float::<B, 4>(k), h),
         repeat_heads(float::<B, 4>(v), h),

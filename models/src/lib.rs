@@ -15,3 +15,14 @@ pub use error::Error;
 pub use family::{ModelConfig, Preset};
 pub use init::LayoutFn;
 pub use lm::CausalLm;
+
+/// The largest absolute difference between `got` and `want` (of equal length), for the tests'
+/// comparisons with `transformers`' logits.
+#[cfg(test)]
+pub(crate) fn largest_difference(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "compared lists differ in length");
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+}

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::Error;
-use wildfire_checkpoint::dcp::{Checkpoint, FORMAT, Metadata, PieceMeta, TensorMeta};
+use wildfire_checkpoint::dcp::{Checkpoint, TensorMeta};
 
 /// The Wildfire path of a Hugging Face Llama tensor name and whether it is stored transposed;
 /// `None` for a buffer that is not a parameter (`rotary_emb.inv_freq` in older files).
@@ -148,23 +148,14 @@ pub fn import_llama(path: &Path) -> Result<Checkpoint, Error> {
             path: file.clone(),
             reason,
         };
-        let (handle, _, header) = wildfire_checkpoint::dcp::open_safetensors(&file)?;
-        let len = handle
-            .metadata()
-            .map_err(|source| Error::io(&file, source))?
-            .len();
+        let (len, header) = super::open_imported(&file)?;
         files.insert(name.clone(), len);
         for (key, entry) in &header {
             let Some(mapped) = llama_path(key) else {
                 continue;
             };
             let (path, transposed) = mapped.map_err(&invalid)?;
-            if !matches!(entry.dtype.as_str(), "F32" | "BF16" | "F16") {
-                return Err(invalid(format!(
-                    "{key} is {}; Wildfire reads F32, BF16 and F16 weights (widened to f32)",
-                    entry.dtype
-                )));
-            }
+            super::check_dtype(&file, key, entry)?;
             let mut shape = entry.shape.clone();
             if transposed {
                 if shape.len() != 2 {
@@ -172,16 +163,8 @@ pub fn import_llama(path: &Path) -> Result<Checkpoint, Error> {
                 }
                 shape.reverse();
             }
-            let piece = PieceMeta {
-                file: name.clone(),
-                start: vec![0; shape.len()],
-                end: shape.clone(),
-                crc32: None,
-                chunks: None,
-                key: Some(key.clone()),
-                at: None,
-                transposed,
-            };
+            let whole = [vec![0; shape.len()], shape.clone()];
+            let piece = super::imported_piece(&name, key, whole, None, transposed);
             let rows_padded = path == "embed_tokens" || path == "lm_head";
             let meta = TensorMeta {
                 shape,
@@ -200,15 +183,5 @@ pub fn import_llama(path: &Path) -> Result<Checkpoint, Error> {
             reason: "no token table (model.embed_tokens.weight): not a Llama file".into(),
         });
     }
-    Ok(Checkpoint::new(
-        dir,
-        Metadata {
-            format: FORMAT.into(),
-            step: 0,
-            mesh: wildfire_parallel::DeviceMesh::single(),
-            files,
-            tensors,
-            optimizer_steps: BTreeMap::new(),
-        },
-    ))
+    Ok(super::imported_checkpoint(dir, files, tensors))
 }

@@ -25,7 +25,8 @@ pub use llama::{export_llama, hf_llama_name, import_llama, llama_path};
 use crate::Error;
 use crate::gpt::{Gelu, GptConfig};
 use wildfire_checkpoint::dcp::{
-    Checkpoint, FORMAT, Metadata, PieceMeta, Reader, TensorMeta, box_dims, copy_box, write_streamed,
+    Checkpoint, FORMAT, HeaderEntry, Metadata, PieceMeta, Reader, TensorMeta, box_dims, copy_box,
+    write_streamed,
 };
 
 /// The Hugging Face GPT-2 name of a Wildfire GPT parameter path.
@@ -87,6 +88,73 @@ fn is_qkv(path: &str) -> bool {
     path.ends_with("attn.c_attn.weight") || path.ends_with("attn.c_attn.bias")
 }
 
+/// A piece of an imported file: the box `start..end` of tensor `key` in `file`, found at `at` of
+/// the stored tensor (`None`: it is the stored tensor), stored transposed or not; no checksums.
+fn imported_piece(
+    file: &str,
+    key: &str,
+    [start, end]: [Vec<usize>; 2],
+    at: Option<Vec<usize>>,
+    transposed: bool,
+) -> PieceMeta {
+    PieceMeta {
+        file: file.to_string(),
+        start,
+        end,
+        crc32: None,
+        chunks: None,
+        key: Some(key.to_string()),
+        at,
+        transposed,
+    }
+}
+
+/// The length and header of an imported safetensors file.
+fn open_imported(file: &Path) -> Result<(u64, BTreeMap<String, HeaderEntry>), Error> {
+    let (handle, _, header) = wildfire_checkpoint::dcp::open_safetensors(file)?;
+    let len = handle
+        .metadata()
+        .map_err(|source| Error::io(file, source))?
+        .len();
+    Ok((len, header))
+}
+
+/// A weight `key` of an imported `file` in a dtype Wildfire reads: F32, or BF16 / F16 (widened
+/// to f32 as read); another is an error naming the tensor.
+fn check_dtype(file: &Path, key: &str, entry: &HeaderEntry) -> Result<(), Error> {
+    if matches!(entry.dtype.as_str(), "F32" | "BF16" | "F16") {
+        return Ok(());
+    }
+    Err(Error::Invalid {
+        path: file.to_path_buf(),
+        reason: format!(
+            "{key} is {}; Wildfire reads F32, BF16 and F16 weights (widened to f32, the master \
+             weights' type)",
+            entry.dtype
+        ),
+    })
+}
+
+/// The checkpoint of imported `tensors` stored in `files` (name → length) of `dir`: step 0, one
+/// device, no optimizer state.
+fn imported_checkpoint(
+    dir: PathBuf,
+    files: BTreeMap<String, u64>,
+    tensors: BTreeMap<String, TensorMeta>,
+) -> Checkpoint {
+    Checkpoint::new(
+        dir,
+        Metadata {
+            format: FORMAT.into(),
+            step: 0,
+            mesh: wildfire_parallel::DeviceMesh::single(),
+            files,
+            tensors,
+            optimizer_steps: BTreeMap::new(),
+        },
+    )
+}
+
 /// The pieces of a Hugging Face tensor of `shape` stored as `key` in `file`: one covering it
 /// whole, or for the fused q/k/v projection one per head and part — Wildfire's columns of
 /// (head, part) are a box of Hugging Face's tensor elsewhere in its last dim.
@@ -97,16 +165,7 @@ fn import_pieces(
     shape: &[usize],
     n_head: usize,
 ) -> Vec<PieceMeta> {
-    let piece = |start: Vec<usize>, end: Vec<usize>, at: Option<Vec<usize>>| PieceMeta {
-        file: file.to_string(),
-        start,
-        end,
-        crc32: None,
-        chunks: None,
-        key: Some(key.to_string()),
-        at,
-        transposed: false,
-    };
+    let piece = |start, end, at| imported_piece(file, key, [start, end], at, false);
     let last = shape.len().saturating_sub(1);
     if !is_qkv(path) || n_head == 0 || !shape[last].is_multiple_of(3 * n_head) {
         return vec![piece(vec![0; shape.len()], shape.to_vec(), None)];
@@ -134,11 +193,7 @@ pub fn import_gpt2(file: &Path, n_head: usize) -> Result<Checkpoint, Error> {
         path: file.to_path_buf(),
         reason,
     };
-    let (handle, _, header) = wildfire_checkpoint::dcp::open_safetensors(file)?;
-    let len = handle
-        .metadata()
-        .map_err(|source| Error::io(file, source))?
-        .len();
+    let (len, header) = open_imported(file)?;
     let name = file
         .file_name()
         .ok_or_else(|| invalid("not a file".into()))?
@@ -149,13 +204,7 @@ pub fn import_gpt2(file: &Path, n_head: usize) -> Result<Checkpoint, Error> {
         let Some(path) = wildfire_path(key) else {
             continue;
         };
-        if !matches!(entry.dtype.as_str(), "F32" | "BF16" | "F16") {
-            return Err(invalid(format!(
-                "{key} is {}; Wildfire reads F32, BF16 and F16 weights (widened to f32, the \
-                 master weights' type)",
-                entry.dtype
-            )));
-        }
+        check_dtype(file, key, entry)?;
         tensors.insert(
             format!("model/{path}"),
             TensorMeta {
@@ -174,17 +223,8 @@ pub fn import_gpt2(file: &Path, n_head: usize) -> Result<Checkpoint, Error> {
     let dir = file
         .parent()
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf);
-    Ok(Checkpoint::new(
-        dir,
-        Metadata {
-            format: FORMAT.into(),
-            step: 0,
-            mesh: wildfire_parallel::DeviceMesh::single(),
-            files: [(name, len)].into_iter().collect(),
-            tensors,
-            optimizer_steps: BTreeMap::new(),
-        },
-    ))
+    let files = [(name, len)].into_iter().collect();
+    Ok(imported_checkpoint(dir, files, tensors))
 }
 
 /// A Hugging Face `config.json`, read and checked to be of one `model_type`; errors name the
@@ -625,13 +665,7 @@ mod tests {
 
         /// The largest difference between `logits` and the reference under `key`.
         fn logits_off(&self, logits: &[f32], key: &str) -> f32 {
-            let want = self.floats(key);
-            assert_eq!(logits.len(), want.len(), "{key}");
-            logits
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max)
+            crate::largest_difference(logits, &self.reference[key])
         }
     }
 

@@ -86,9 +86,16 @@ impl Rope {
 
     /// The host values of [`Rope::tables`], from the process-wide cache.
     fn host_tables(&self, t: usize, head_dim: usize) -> Arc<HostTables> {
-        type Key = (String, usize, usize);
+        // The rotary parameters' bits, the length and the head width.
+        type Key = ([u64; 6], usize, usize);
         static CACHE: OnceLock<Mutex<HashMap<Key, Arc<HostTables>>>> = OnceLock::new();
-        let key = (format!("{self:?}"), t, head_dim);
+        let scaling = self.scaling.map_or([0; 4], |s| {
+            let old = s.original_max_position_embeddings as f64;
+            [s.factor, s.low_freq_factor, s.high_freq_factor, old].map(f64::to_bits)
+        });
+        let [a, b, c, d] = scaling;
+        let scaled = u64::from(self.scaling.is_some());
+        let key = ([self.theta.to_bits(), scaled, a, b, c, d], t, head_dim);
         let cache = CACHE.get_or_init(Default::default);
         if let Some(found) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return found.clone();

@@ -73,12 +73,7 @@ impl Fixture {
 
     /// The largest difference between `logits` and `transformers`' logits.
     fn logits_off(&self, logits: &[f32]) -> f32 {
-        assert_eq!(logits.len(), self.logits.len());
-        logits
-            .iter()
-            .zip(&self.logits)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max)
+        crate::largest_difference(logits, &self.logits)
     }
 }
 
