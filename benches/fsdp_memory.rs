@@ -33,9 +33,8 @@
 #[global_allocator]
 static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
-use wildfire::models::Preset;
-use wildfire::models::data::TokenizerKind;
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
+use wildfire::models::{ModelFlags, Preset};
 use wildfire::pretrain::RunSummary;
 use wildfire::pretrain::{PretrainConfig, run};
 
@@ -71,13 +70,12 @@ fn main() {
     for &n in ranks {
         for (name, strategy) in strategies {
             let config = PretrainConfig {
-                preset: if smoke { Preset::Tiny } else { Preset::Small },
-                n_layer: smoke.then_some(2),
-                block_size: smoke.then_some(32),
-                tokenizer: if smoke {
-                    TokenizerKind::Bytes
-                } else {
-                    TokenizerKind::Gpt2
+                data: common::corpus(smoke),
+                model: ModelFlags {
+                    preset: if smoke { Preset::Tiny } else { Preset::Small },
+                    n_layer: smoke.then_some(2),
+                    block_size: smoke.then_some(32),
+                    ..PretrainConfig::quiet().model
                 },
                 steps: 2,
                 batch_size: 4,
@@ -311,17 +309,16 @@ fn checkpoint_memory(smoke: bool) -> String {
 fn checkpoint_config(smoke: bool) -> PretrainConfig {
     let n = if smoke { 2 } else { 4 };
     PretrainConfig {
-        preset: if smoke {
-            Preset::Tiny
-        } else {
-            Preset::Gpt2_124m
-        },
-        n_layer: smoke.then_some(2),
-        block_size: Some(if smoke { 32 } else { 64 }),
-        tokenizer: if smoke {
-            TokenizerKind::Bytes
-        } else {
-            TokenizerKind::Gpt2
+        data: common::corpus(smoke),
+        model: ModelFlags {
+            preset: if smoke {
+                Preset::Tiny
+            } else {
+                Preset::Gpt2_124m
+            },
+            n_layer: smoke.then_some(2),
+            block_size: Some(if smoke { 32 } else { 64 }),
+            ..PretrainConfig::quiet().model
         },
         batch_size: n,
         parallel: ParallelConfig {

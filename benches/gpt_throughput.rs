@@ -12,8 +12,7 @@
 #[global_allocator]
 static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
-use wildfire::models::Preset;
-use wildfire::models::data::TokenizerKind;
+use wildfire::models::{ModelFlags, Preset};
 use wildfire::pretrain::{PretrainConfig, run};
 
 mod common;
@@ -26,13 +25,16 @@ fn main() {
     let preset: Preset = common::arg("--preset").unwrap_or(Preset::Small);
     let llama = preset.llama(256).is_some();
     let config = PretrainConfig {
-        preset,
-        n_layer: Some(4),
-        n_head: Some(4),
-        n_embd: Some(256),
-        block_size: Some(256),
-        n_kv_head: llama.then_some(2),
-        tokenizer: TokenizerKind::Gpt2,
+        data: common::corpus(false),
+        model: ModelFlags {
+            preset,
+            n_layer: Some(4),
+            n_head: Some(4),
+            n_embd: Some(256),
+            block_size: Some(256),
+            n_kv_head: llama.then_some(2),
+            ..PretrainConfig::quiet().model
+        },
         steps: steps + 1,
         batch_size: 4,
         ..PretrainConfig::quiet()

@@ -25,9 +25,8 @@
 #[global_allocator]
 static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
-use wildfire::models::Preset;
-use wildfire::models::data::TokenizerKind;
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
+use wildfire::models::{ModelFlags, Preset};
 use wildfire::parallel::comm::LinkModel;
 use wildfire::pretrain::{PretrainConfig, RunSummary, run};
 
@@ -87,14 +86,13 @@ fn main() {
             (true, false) => format!("{bucket_mb} MiB buckets"),
         };
         let config = PretrainConfig {
-            preset: if smoke { Preset::Tiny } else { Preset::Small },
-            n_layer: smoke.then_some(2),
-            tokenizer: if smoke || bytes {
-                TokenizerKind::Bytes
-            } else {
-                TokenizerKind::Gpt2
+            data: common::corpus(smoke || bytes),
+            model: ModelFlags {
+                preset: if smoke { Preset::Tiny } else { Preset::Small },
+                n_layer: smoke.then_some(2),
+                block_size: Some(if smoke { 32 } else { 128 }),
+                ..PretrainConfig::quiet().model
             },
-            block_size: Some(if smoke { 32 } else { 128 }),
             batch_size: dp * 2,
             steps: steps + 1,
             parallel: ParallelConfig {
@@ -115,7 +113,7 @@ fn main() {
             ..config.clone()
         })
         .expect("run with the link");
-        let tokens = (config.batch_size * config.block_size.unwrap_or(0)) as f64;
+        let tokens = (config.batch_size * config.model.block_size.unwrap_or(0)) as f64;
         let step_ms = |s: &RunSummary| {
             median(
                 s.steps[1..]

@@ -18,9 +18,8 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use wildfire::engine::Recompute;
-use wildfire::models::Preset;
-use wildfire::models::data::TokenizerKind;
 use wildfire::models::parallelize::ParallelConfig;
+use wildfire::models::{ModelFlags, Preset};
 use wildfire::pretrain::{PretrainConfig, run};
 
 struct Counting;
@@ -66,20 +65,23 @@ fn main() {
     for _ in 0..rounds {
         for (i, &policy) in policies.iter().enumerate() {
             let config = PretrainConfig {
-                preset: if smoke { Preset::Tiny } else { Preset::Small },
-                n_layer: if smoke {
-                    Some(2)
-                } else {
-                    common::arg("--n-layer")
+                data: common::corpus(true),
+                model: ModelFlags {
+                    preset: if smoke { Preset::Tiny } else { Preset::Small },
+                    n_layer: if smoke {
+                        Some(2)
+                    } else {
+                        common::arg("--n-layer")
+                    },
+                    n_head: common::arg("--n-head"),
+                    n_embd: common::arg("--n-embd"),
+                    block_size: if smoke {
+                        Some(32)
+                    } else {
+                        common::arg("--block-size")
+                    },
+                    ..PretrainConfig::quiet().model
                 },
-                n_head: common::arg("--n-head"),
-                n_embd: common::arg("--n-embd"),
-                block_size: if smoke {
-                    Some(32)
-                } else {
-                    common::arg("--block-size")
-                },
-                tokenizer: TokenizerKind::Bytes,
                 steps: steps + 1,
                 batch_size: common::arg("--batch").unwrap_or(4),
                 parallel: ParallelConfig {
@@ -116,14 +118,17 @@ fn main() {
     };
     let base_time = median(&seconds[0]);
     let model = PretrainConfig {
-        preset: Preset::Small,
-        n_layer: common::arg("--n-layer"),
-        n_head: common::arg("--n-head"),
-        n_embd: common::arg("--n-embd"),
-        block_size: common::arg("--block-size"),
+        model: ModelFlags {
+            preset: Preset::Small,
+            n_layer: common::arg("--n-layer"),
+            n_head: common::arg("--n-head"),
+            n_embd: common::arg("--n-embd"),
+            block_size: common::arg("--block-size"),
+            ..PretrainConfig::quiet().model
+        },
         ..PretrainConfig::quiet()
     }
-    .model(256)
+    .model_shape(256)
     .expect("model shape");
     if !smoke {
         println!(

@@ -13,3 +13,17 @@ pub fn arg<T: std::str::FromStr>(name: &str) -> Option<T> {
         .position(|a| a == name)
         .and_then(|i| args.get(i + 1)?.parse().ok())
 }
+
+/// The data flags of a bench: the embedded corpus, tokenised as bytes or with GPT-2's BPE.
+#[allow(dead_code)] // not every bench trains the driver
+pub fn corpus(bytes: bool) -> wildfire::models::data::DataFlags {
+    use wildfire::models::data::{DataFlags, TokenizerKind};
+    DataFlags {
+        tokenizer: if bytes {
+            TokenizerKind::Bytes
+        } else {
+            TokenizerKind::Gpt2
+        },
+        ..DataFlags::default()
+    }
+}

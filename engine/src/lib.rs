@@ -9,6 +9,7 @@ pub mod grad_check;
 pub mod metrics;
 pub mod pipeline;
 pub mod recompute;
+pub mod report;
 pub mod scaler;
 pub mod step;
 pub mod trace;

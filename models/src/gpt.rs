@@ -400,6 +400,20 @@ impl<B: Backend> GptStage<B> {
         (!tied_copy).then(|| self.model_name(path))
     }
 
+    /// The token table's copy on the first and on the last stage (the tied parameter, whose
+    /// gradients the pipeline sums): its id, or none on a middle stage.
+    pub fn tied_table(&self) -> Vec<burn::module::ParamId> {
+        self.wte.as_ref().map(|p| p.id).into_iter().collect()
+    }
+
+    /// The last stage's copy of the tied table (it equals the first's: gathers and saves leave
+    /// it out); `None` on the first stage and the middle ones.
+    pub fn tied_copy(&self) -> Option<burn::module::ParamId> {
+        (!self.is_first())
+            .then(|| self.tied_table().pop())
+            .flatten()
+    }
+
     /// The ids the stage's parameters have in the whole model (`deterministic_ids`' numbering:
     /// 1, 2, 3, … in the whole model's visiting order: `wte`, `wpe`, the blocks, `ln_f`).
     fn with_model_ids(self) -> Self {

@@ -10,11 +10,13 @@ pub mod llama;
 mod lm;
 pub mod memory;
 pub mod parallelize;
+mod shape;
 
 pub use error::Error;
 pub use family::{ModelConfig, Preset};
 pub use init::LayoutFn;
-pub use lm::CausalLm;
+pub use lm::{CausalLm, DistributedLm};
+pub use shape::{ModelFlags, padded_vocab};
 
 /// The largest absolute difference between `got` and `want` (of equal length), for the tests'
 /// comparisons with `transformers`' logits.

@@ -6,11 +6,13 @@ mod sample;
 pub use sample::TokenSampler;
 pub(crate) use sample::generate_by;
 
+use burn::module::AutodiffModule;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::prelude::*;
 use wildfire_kernels::FusedOps;
 use wildfire_kernels::hooks::{ForwardHooks, Inference};
 use wildfire_kernels::ops;
+use wildfire_parallel::Distributed;
 
 /// A causal language model: token ids in, next-token logits out.
 pub trait CausalLm<B: FusedOps> {
@@ -90,6 +92,20 @@ pub(crate) fn table_logits<B: Backend>(
         .reshape([1, 1, vocab]);
     logits.add(mask)
 }
+
+/// A [`CausalLm`] trained on `Autodiff<Distributed<B>>` whose inner module (evaluation,
+/// generation) is one too: what a training loop over a whole model takes.
+pub trait DistributedLm<B: FusedOps>:
+    AutodiffModule<Ad<B>, InnerModule: CausalLm<Distributed<B>>> + CausalLm<Ad<B>> + 'static
+{
+}
+
+impl<B: FusedOps, M> DistributedLm<B> for M where
+    M: AutodiffModule<Ad<B>, InnerModule: CausalLm<Distributed<B>>> + CausalLm<Ad<B>> + 'static
+{
+}
+
+type Ad<B> = burn::backend::Autodiff<Distributed<B>>;
 
 /// Mean cross-entropy of `logits` `[b, t, vocab]` against `targets` `[b, t]`: the fused kernel
 /// where the backend has one (loss and log-sum-exp in one pass over the logits, the backward

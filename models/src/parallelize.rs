@@ -6,6 +6,7 @@ use crate::gpt::GptStage;
 use crate::gpt::{Gpt, GptConfig};
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
+use wildfire_parallel::comm::Links;
 use wildfire_parallel::pipeline::{Schedule, ScheduleKind, StagePlan};
 use wildfire_parallel::{
     DeviceMesh, DistributedBackend, Group, PIPELINE_AXIS, ParallelDims, TpPlan, TpStyle,
@@ -172,6 +173,80 @@ impl ParallelConfig {
         )?)
     }
 
+    /// Fit the layout to the world a launcher started (`world` processes, one rank each,
+    /// `launcher` naming it in errors): unless `dp_given`, `--dp` becomes the world over the
+    /// model axes; then the mesh must have one rank per process.
+    pub fn fit_world(&mut self, world: usize, launcher: &str, dp_given: bool) -> Result<(), Error> {
+        if !dp_given && let Some(dp) = self.dims().data_degree_of(world) {
+            self.dp = dp;
+        }
+        let mesh = self.world_size();
+        if mesh != world {
+            return Err(Error::Config(format!(
+                "{launcher} started {world} processes, but --dp {} × --pp {} × --tp {} = {mesh} \
+                 ranks: one process per rank (change --dp/--pp/--tp or the launcher's process \
+                 count)",
+                self.dp,
+                self.pp,
+                self.tp.max(1)
+            )));
+        }
+        Ok(())
+    }
+
+    /// The modelled links of `--link` specs (`AXIS=BANDWIDTH,LATENCY` or `AXIS=nvlink|…`),
+    /// each naming an axis of the mesh.
+    pub fn links(&self, specs: &[String]) -> Result<Links, Error> {
+        let mesh = self.mesh()?;
+        let mut links = Links::default();
+        for spec in specs {
+            links.add(spec).map_err(Error::Config)?;
+        }
+        for axis in links.0.keys() {
+            if mesh.axis_index(axis).is_err() {
+                return Err(Error::Config(format!(
+                    "--link {axis}=…: the mesh {mesh} has no axis {axis}"
+                )));
+            }
+        }
+        Ok(links)
+    }
+
+    /// Refuse a global batch of `batch_size` sequences that does not split evenly: into `--dp`
+    /// ranks × `accum` micro-batches, or with `--pp` into `--dp` × the pipeline's micro-batches
+    /// (which are its gradient accumulation: `accum` must be 1).
+    pub fn check_batch(&self, batch_size: usize, accum: usize) -> Result<(), Error> {
+        let dp = self.dp;
+        if batch_size == 0 {
+            return Err(Error::Config("--batch-size must be at least 1".into()));
+        }
+        if accum == 0 || !batch_size.is_multiple_of(dp * accum) {
+            return Err(Error::Config(format!(
+                "--batch-size {batch_size} does not split into --dp {dp} × --accum {accum} \
+                 micro-batches: choose a multiple of {}",
+                dp * accum.max(1)
+            )));
+        }
+        if self.pp > 1 {
+            let m = self.microbatches;
+            if accum != 1 {
+                return Err(Error::Config(format!(
+                    "--pp {}: the pipeline's micro-batches are its gradient accumulation: use \
+                     --microbatches instead of --accum {accum}",
+                    self.pp
+                )));
+            }
+            if !batch_size.is_multiple_of(dp * m) {
+                return Err(Error::Config(format!(
+                    "--batch-size {batch_size} does not split into --dp {dp} × --microbatches \
+                     {m}: choose a multiple of {}",
+                    dp * m
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Refuse, before any work, what is not implemented yet.
     pub fn check_available(&self) -> Result<(), Error> {
         if self.fsdp == FsdpStrategy::Hybrid {
@@ -197,6 +272,30 @@ impl ParallelConfig {
             ));
         }
         Ok(())
+    }
+}
+
+/// Numeric precision of the compute (`--precision`; `--grad-reduce` for the dtype gradient
+/// reductions communicate in): the policy's compute dtype and the memory estimate's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[value(rename_all = "lowercase")]
+pub enum Precision {
+    /// f32 everywhere.
+    F32,
+    /// bf16 compute, f32 master weights.
+    Bf16,
+    /// f16 compute with dynamic loss scaling, f32 master weights.
+    F16,
+}
+
+impl Precision {
+    /// The reduced dtype (`None` for f32).
+    pub fn reduced_dtype(self) -> Option<burn::tensor::FloatDType> {
+        match self {
+            Precision::F32 => None,
+            Precision::Bf16 => Some(burn::tensor::FloatDType::BF16),
+            Precision::F16 => Some(burn::tensor::FloatDType::F16),
+        }
     }
 }
 

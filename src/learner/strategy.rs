@@ -17,7 +17,9 @@ use burn::train::{
     TrainingComponents, TrainingItem, ValidLoader,
 };
 use serde::{Deserialize, Serialize};
-use wildfire_checkpoint::dcp::{Checkpoint, CheckpointWriter, Snapshot};
+use wildfire_checkpoint::dcp::{
+    Checkpoint, CheckpointWriter, Snapshot, read_state_file, state_file,
+};
 use wildfire_checkpoint::{CheckpointDir, ParamRecords};
 use wildfire_parallel::{DistDevice, Distributed, Group, ReduceOp, StateCodec};
 
@@ -274,13 +276,8 @@ impl<X: Backend> ShardedStrategy<X> {
         type Records<S, X> = ParamRecords<burn::optim::record::AdaptorRecord<S, Sharded<X>>>;
         let records = self.handoff.get::<Records<S, X>>();
         let snapshot = Snapshot::take::<Sharded<X>, M, S>(model, records)?;
-        let files = if self.device.rank() == 0 {
-            let state = LearnerState { epoch, lr_steps };
-            let json = serde_json::to_vec_pretty(&state).expect("a plain struct");
-            vec![("learner.json".to_string(), json)]
-        } else {
-            Vec::new()
-        };
+        let state = LearnerState { epoch, lr_steps };
+        let files = state_file(self.device.rank(), "learner.json", &state);
         writer.save(snapshot, epoch, files)?;
         Ok(())
     }
@@ -307,11 +304,7 @@ impl<X: Backend> ShardedStrategy<X> {
         })?;
         let dir = CheckpointDir::new(root).at(epoch)?;
         let checkpoint = Checkpoint::open(&dir)?;
-        let path = dir.join("learner.json");
-        let text = std::fs::read(&path)
-            .map_err(|e| LearnerError::Config(format!("{}: {e}", path.display())))?;
-        let state: LearnerState = serde_json::from_slice(&text)
-            .map_err(|e| LearnerError::Config(format!("{} is corrupt: {e}", path.display())))?;
+        let state: LearnerState = read_state_file(&dir, "learner.json")?;
         let model = checkpoint.load_model::<Sharded<X>, M>(learner.model())?;
         let records = checkpoint.load_optimizer::<Sharded<X>, M, S>(&model)?;
         learner.load_model(model.into_record());

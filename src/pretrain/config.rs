@@ -4,91 +4,28 @@
 //! where a launched process sits ([`PretrainConfig::apply_launcher`]).
 
 use super::PretrainError;
-use burn::tensor::FloatDType;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
-use wildfire_models::data::TokenizerKind;
-use wildfire_models::gpt::{Gelu, GptConfig};
-use wildfire_models::llama::LlamaConfig;
+use wildfire_engine::report::WarmupCosine;
+use wildfire_models::data::DataFlags;
 use wildfire_models::parallelize::ParallelConfig;
-use wildfire_models::{ModelConfig, Preset};
+pub use wildfire_models::parallelize::Precision;
+use wildfire_models::{ModelConfig, ModelFlags};
 use wildfire_parallel::LaunchEnv;
 pub use wildfire_parallel::{Collectives, Launch};
-
-/// Numeric precision of the compute.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[value(rename_all = "lowercase")]
-pub enum Precision {
-    /// f32 everywhere.
-    F32,
-    /// bf16 compute, f32 master weights.
-    Bf16,
-    /// f16 compute with dynamic loss scaling, f32 master weights.
-    F16,
-}
-
-impl Precision {
-    /// The reduced dtype (`None` for f32).
-    pub fn reduced_dtype(self) -> Option<FloatDType> {
-        match self {
-            Precision::F32 => None,
-            Precision::Bf16 => Some(FloatDType::BF16),
-            Precision::F16 => Some(FloatDType::F16),
-        }
-    }
-}
 
 /// Everything a pretraining run needs: the binary's flags, stored in every checkpoint.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, clap::Args)]
 pub struct PretrainConfig {
-    /// Model preset: GPT-2 (tiny, small, gpt2-124m, gpt2-350m, gpt2-774m, gpt2-1.5b) or
-    /// Llama-3 (llama-tiny, llama3-1b, llama3-3b, llama3-8b).
-    #[arg(long, default_value = "tiny", help_heading = "Model")]
-    pub preset: Preset,
-    /// Transformer blocks (overrides the preset).
-    #[arg(long, help_heading = "Model")]
-    pub n_layer: Option<usize>,
-    /// Attention heads (overrides the preset).
-    #[arg(long, help_heading = "Model")]
-    pub n_head: Option<usize>,
-    /// Model width (overrides the preset; a Llama's SwiGLU width keeps the preset's ratio).
-    #[arg(long, help_heading = "Model")]
-    pub n_embd: Option<usize>,
-    /// A GPT's GELU: erf (the presets') or tanh (GPT-2's `gelu_new`); a Hugging Face directory
-    /// given to `--init-from` names its own.
-    #[serde(default)]
-    #[arg(long, value_enum, default_value_t = Gelu::Erf, help_heading = "Model")]
-    pub gelu: Gelu,
-    /// Key/value heads of a Llama (grouped-query attention; overrides the preset).
-    #[serde(default)]
-    #[arg(long, help_heading = "Model")]
-    pub n_kv_head: Option<usize>,
-    /// Context length (overrides the preset).
-    #[arg(long, help_heading = "Model")]
-    pub block_size: Option<usize>,
-    /// Dropout probability while training (embeddings, attention, residual branches; 0 for
-    /// pretraining).
-    #[serde(default)]
-    #[arg(long, default_value_t = 0.0, help_heading = "Model")]
-    pub dropout: f64,
+    /// The model: a preset and the flags over it.
+    #[serde(flatten)]
+    #[command(flatten)]
+    pub model: ModelFlags,
 
-    /// Training data: a text file, or a nanoGPT / llm.c `.bin` token file (default: the
-    /// embedded corpus). A text file is tokenised once and its tokens cached beside it as
-    /// `<file>.<tokenizer>.tokens` (keyed by the file's content: an edit tokenises again, a
-    /// fresh checkout does not); `--token-cache` puts the cache elsewhere.
-    #[arg(long, help_heading = "Data")]
-    pub data: Option<PathBuf>,
-    /// Folder for the token cache of a text `--data` file (made if missing), instead of the
-    /// data file's own folder.
-    #[serde(default)]
-    #[arg(long, value_name = "DIR", help_heading = "Data")]
-    pub token_cache: Option<PathBuf>,
-    /// Tokenizer for text: bytes or gpt2 (GPT-2 BPE, offline).
-    #[arg(long, default_value = "bytes", help_heading = "Data")]
-    pub tokenizer: TokenizerKind,
-    /// Fraction of the tokens held out for validation.
-    #[arg(long, default_value_t = 0.1, help_heading = "Data")]
-    pub val_fraction: f64,
+    /// The data: what the run trains on, its tokenizer, what is held out.
+    #[serde(flatten)]
+    #[command(flatten)]
+    pub data: DataFlags,
 
     /// Total optimizer steps (a resumed run continues up to this step).
     #[arg(long, default_value_t = 300, help_heading = "Training")]
@@ -305,110 +242,13 @@ impl PretrainConfig {
 
     /// The modelled links of `--link`, each naming an axis of the mesh.
     pub fn links(&self) -> Result<wildfire_parallel::comm::Links, PretrainError> {
-        let mesh = self.parallel.mesh()?;
-        let mut links = wildfire_parallel::comm::Links::default();
-        for spec in &self.links {
-            links.add(spec).map_err(PretrainError::Config)?;
-        }
-        for axis in links.0.keys() {
-            if mesh.axis_index(axis).is_err() {
-                return Err(PretrainError::Config(format!(
-                    "--link {axis}=…: the mesh {mesh} has no axis {axis}"
-                )));
-            }
-        }
-        Ok(links)
+        Ok(self.parallel.links(&self.links)?)
     }
 
-    /// The model shape for a vocabulary of `vocab` tokens (padded past 256 to a multiple of 64,
-    /// as nanoGPT pads GPT-2's to 50304; the padded entries masked out of the logits), the
-    /// preset's with the model flags over it — or, for a Llama started from a Hugging Face
-    /// directory, its `config.json`'s, with `--block-size` (default: the preset's context, at
-    /// most the file's positions).
-    pub fn model(&self, vocab: usize) -> Result<ModelConfig, wildfire_models::Error> {
-        let pad = |used: usize| {
-            if used > 256 {
-                used.div_ceil(64) * 64
-            } else {
-                used
-            }
-        };
-        let used = vocab;
-        let vocab = pad(used);
-        let flag = |name: &str, given: bool, family: &str| {
-            if given {
-                Err(wildfire_models::Error::Config(format!(
-                    "--{name} is a flag of the {family} family, not of --preset {}",
-                    self.preset
-                )))
-            } else {
-                Ok(())
-            }
-        };
-        // A Hugging Face directory's configuration gives the shape.
-        let hf_config = self
-            .init_from
-            .as_deref()
-            .map(|p| p.join("config.json"))
-            .filter(|f| f.is_file());
-        let mut model = self.preset.model(vocab);
-        match &mut model {
-            ModelConfig::Gpt(c) => {
-                flag("n-kv-head", self.n_kv_head.is_some(), "Llama")?;
-                // The tokens that exist: the data's, or a Hugging Face model's vocabulary.
-                let mut real = used;
-                if let Some(file) = hf_config {
-                    let hf = wildfire_models::hf::gpt2_config(&file, self.block_size)?;
-                    real = real.max(hf.vocab_size);
-                    *c = GptConfig {
-                        init_seed: c.init_seed,
-                        ..hf
-                    };
-                } else {
-                    c.n_layer = self.n_layer.unwrap_or(c.n_layer);
-                    c.n_head = self.n_head.unwrap_or(c.n_head);
-                    c.n_embd = self.n_embd.unwrap_or(c.n_embd);
-                    c.block_size = self.block_size.unwrap_or(c.block_size);
-                    c.gelu = self.gelu;
-                }
-                c.vocab_size = pad(real);
-                c.vocab_used = (c.vocab_size > real).then_some(real);
-                c.dropout = self.dropout;
-            }
-            ModelConfig::Llama(c) => {
-                flag("dropout", self.dropout != 0.0, "GPT")?;
-                flag("gelu", self.gelu != Gelu::Erf, "GPT")?;
-                if let Some(file) = hf_config {
-                    let block = self.block_size.unwrap_or(c.block_size);
-                    let hf = LlamaConfig::from_hf_config(&file, block)?;
-                    if used > hf.vocab_size {
-                        return Err(wildfire_models::Error::Config(format!(
-                            "the data's tokens reach {used}, the vocabulary of {} {}: use the \
-                             tokenizer the model was trained with",
-                            file.display(),
-                            hf.vocab_size
-                        )));
-                    }
-                    *c = LlamaConfig {
-                        init_seed: c.init_seed,
-                        ..hf
-                    };
-                } else {
-                    c.vocab_used = (vocab > used).then_some(used);
-                    c.n_layer = self.n_layer.unwrap_or(c.n_layer);
-                    c.n_head = self.n_head.unwrap_or(c.n_head);
-                    c.n_kv_head = self.n_kv_head.unwrap_or(c.n_kv_head.min(c.n_head));
-                    if let Some(d) = self.n_embd {
-                        // The SwiGLU width keeps the preset's ratio to the width.
-                        c.ffn_hidden = c.ffn_hidden * d / c.d_model;
-                        c.d_model = d;
-                    }
-                    c.block_size = self.block_size.unwrap_or(c.block_size);
-                }
-            }
-        }
-        model.validate()?;
-        Ok(model)
+    /// The model shape for a vocabulary of `vocab` tokens ([`ModelFlags::resolve`]): the
+    /// preset's with the model flags over it, or a Hugging Face directory's `config.json`'s.
+    pub fn model_shape(&self, vocab: usize) -> Result<ModelConfig, wildfire_models::Error> {
+        self.model.resolve(vocab, self.init_from.as_deref())
     }
 
     /// Refuse options that are not implemented yet, and impossible values.
@@ -426,61 +266,20 @@ impl PretrainConfig {
                 self.bucket_mb
             )));
         }
-        let dp = self.parallel.dp;
-        if self.steps == 0 || self.batch_size == 0 {
-            return Err(PretrainError::Config(
-                "--steps and --batch-size must be at least 1".into(),
-            ));
+        if self.steps == 0 {
+            return Err(PretrainError::Config("--steps must be at least 1".into()));
         }
-        if self.accum == 0 || !self.batch_size.is_multiple_of(dp * self.accum) {
-            return Err(PretrainError::Config(format!(
-                "--batch-size {} does not split into --dp {dp} × --accum {} micro-batches: choose a multiple of {}",
-                self.batch_size,
-                self.accum,
-                dp * self.accum
-            )));
-        }
-        let pp = &self.parallel;
-        if pp.pp > 1 {
-            let m = pp.microbatches;
-            if self.accum != 1 {
-                return Err(PretrainError::Config(format!(
-                    "--pp {}: the pipeline's micro-batches are its gradient accumulation: use \
-                     --microbatches instead of --accum {}",
-                    pp.pp, self.accum
-                )));
-            }
-            if !self.batch_size.is_multiple_of(dp * m) {
-                return Err(PretrainError::Config(format!(
-                    "--batch-size {} does not split into --dp {dp} × --microbatches {m}: choose \
-                     a multiple of {}",
-                    self.batch_size,
-                    dp * m
-                )));
-            }
-            pp.schedule()?;
-        }
-        if !(0.0..1.0).contains(&self.val_fraction) {
-            return Err(PretrainError::Config(
-                "--val-fraction must be in [0, 1)".into(),
-            ));
-        }
+        self.parallel.check_batch(self.batch_size, self.accum)?;
         Ok(())
     }
 
-    /// Learning rate at `step`: linear warmup, then cosine decay to a tenth (nanoGPT).
-    pub fn lr_at(&self, step: usize) -> f64 {
-        let min = self.lr / 10.0;
-        if step < self.warmup {
-            return self.lr * (step + 1) as f64 / self.warmup as f64;
+    /// The learning-rate schedule: linear warmup, then cosine decay to a tenth (nanoGPT).
+    pub fn schedule(&self) -> WarmupCosine {
+        WarmupCosine {
+            lr: self.lr,
+            warmup: self.warmup,
+            decay_steps: self.decay_steps.unwrap_or(self.steps),
         }
-        let span = self
-            .decay_steps
-            .unwrap_or(self.steps)
-            .saturating_sub(self.warmup)
-            .max(1) as f64;
-        let progress = ((step - self.warmup) as f64 / span).min(1.0);
-        min + 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()) * (self.lr - min)
     }
 
     /// Place this process in the world its launcher started (`env`, from
@@ -497,17 +296,9 @@ impl PretrainConfig {
             self.launch = Launch::Threads;
             return Ok(());
         };
-        let (world, tp) = (env.world_size, self.parallel.tp.max(1));
-        if !dp_given && let Some(dp) = self.parallel.dims().data_degree_of(world) {
-            self.parallel.dp = dp;
-        }
-        let mesh = self.parallel.world_size();
-        if mesh != world {
-            return Err(PretrainError::Config(format!(
-                "{} started {world} processes, but --dp {} × --pp {} × --tp {tp} = {mesh} ranks: one process per rank (change --dp/--pp/--tp or the launcher's process count)",
-                env.launcher, self.parallel.dp, self.parallel.pp
-            )));
-        }
+        let launcher = env.launcher.to_string();
+        self.parallel
+            .fit_world(env.world_size, &launcher, dp_given)?;
         self.launch = Launch::of(Some(&env));
         Ok(())
     }

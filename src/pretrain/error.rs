@@ -14,7 +14,7 @@ pub enum PretrainError {
     /// Training cannot go on (the loss or gradients stayed non-finite).
     #[error(transparent)]
     Training(wildfire_engine::Error),
-    /// A bad option value.
+    /// A bad option value (the models crate's own `Config` errors included).
     #[error("{0}")]
     Config(String),
     /// A checkpoint that cannot be used.
@@ -44,6 +44,7 @@ impl From<wildfire_models::Error> for PretrainError {
             M::Io { path, source } => PretrainError::Io { path, source },
             M::Invalid { path, reason } => PretrainError::Checkpoint { path, reason },
             M::Parallel(e) => PretrainError::Parallel(e),
+            M::Config(reason) => PretrainError::Config(reason),
             M::Checkpoint(e) => e.into(),
             e => PretrainError::Models(e),
         }

@@ -28,13 +28,13 @@ use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use std::time::Instant;
-use wildfire_checkpoint::dcp::{Checkpoint, CheckpointWriter, Snapshot};
+use wildfire_checkpoint::dcp::{Checkpoint, CheckpointWriter, Snapshot, read_state_file};
 use wildfire_checkpoint::{CheckpointDir, ParamRecords};
 use wildfire_engine::metrics::{MetricsLog, mean_over_ranks, peak_rss};
 use wildfire_engine::{DynamicLossScaler, LossScalerConfig, StepRunner, StepRunnerConfig};
 use wildfire_kernels::FusedOps;
 use wildfire_models::ModelConfig;
-use wildfire_models::data::{BatchSampler, DataSource, TokenDataset, TokenSlice, Tokenizer};
+use wildfire_models::data::{BatchSampler, TokenDataset, TokenSlice, Tokenizer};
 use wildfire_models::gpt::GptConfig;
 use wildfire_models::parallelize::{init_gpt, parallelize_gpt};
 use wildfire_parallel::{
@@ -111,16 +111,10 @@ pub struct RunData {
 
 /// Load the data and derive the model shape from it.
 pub fn load_data(config: &PretrainConfig) -> Result<RunData, PretrainError> {
-    let tokenizer = Tokenizer::new(config.tokenizer)?;
-    let source = match &config.data {
-        Some(path) => DataSource::File(path.clone()),
-        None => DataSource::Embedded,
-    };
-    let dataset =
-        TokenDataset::load_with_cache(&source, &tokenizer, true, config.token_cache.as_deref())?;
-    let model = config.model(tokenizer.vocab_size().max(dataset.max_token() as usize + 1))?;
+    let (tokenizer, dataset) = config.data.load()?;
+    let model = config.model_shape(tokenizer.vocab_size().max(dataset.max_token() as usize + 1))?;
     dataset.check_vocab(model.vocab_size())?;
-    tracing::info!(model = ?model, params = model.num_params(), tokens = dataset.len(), data = %source);
+    tracing::info!(model = ?model, params = model.num_params(), tokens = dataset.len(), data = %config.data.source());
     Ok(RunData {
         tokenizer,
         dataset,
@@ -182,27 +176,22 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     }
     // 2. Data and model shape; the batch sampler gives every data-parallel rank its rows.
     let data = load_data(config)?;
-    if config.parallel.pp > 1 && data.model.gpt().is_none() {
-        return Err(PretrainError::Config(format!(
-            "--pp {}: pipeline stages are built for the GPT family; train --preset {} without \
-             --pp (FSDP, --tp, --sp and --recompute apply)",
-            config.parallel.pp, config.preset
-        )));
-    }
-    let (train, val) = data.dataset.split(config.val_fraction);
-    let sampler = BatchSampler {
-        seed: config.seed,
-        block_size: data.model.block_size(),
-        global_batch: config.batch_size,
+    // Pipeline stages: the GPT's.
+    let stages = match (config.parallel.pp > 1, &data.model) {
+        (false, _) => None,
+        (true, ModelConfig::Gpt(c)) => Some(c),
+        (true, _) => {
+            return Err(PretrainError::Config(format!(
+                "--pp {}: pipeline stages are built for the GPT family; train --preset {} \
+                 without --pp (FSDP, --tp, --sp and --recompute apply)",
+                config.parallel.pp, config.model.preset
+            )));
+        }
     };
-    sampler.check(train)?;
-    let val_sampler = BatchSampler {
-        seed: config.seed ^ 0x0056_414C,
-        ..sampler.clone()
-    };
-    if config.eval_iters > 0 && config.val_fraction > 0.0 {
-        val_sampler.check(val)?;
-    }
+    let validate = config.eval_iters > 0;
+    let (seed, block) = (config.seed, data.model.block_size());
+    let [(train, sampler), (val, val_sampler)] =
+        (config.data).samplers(&data.dataset, seed, block, config.batch_size, validate)?;
     let resume = config
         .resume
         .as_deref()
@@ -245,10 +234,9 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
                 .map(|(state, checkpoint)| (checkpoint, state.scaler.clone())),
             first_step,
         };
-        let result = if config.parallel.pp > 1 {
-            run.train_pipelined(&device)
-        } else {
-            run.train(&device)
+        let result = match stages {
+            Some(model) => run.train_pipelined(&device, model),
+            None => run.train(&device),
         };
         // A rank that stops with an error releases the others from waiting for it (ranks as
         // threads): they fail at once, naming it and its error.
@@ -299,10 +287,7 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
             .as_ref()
             .expect("checked: --export-hf needs --save");
         let checkpoint = Checkpoint::open(CheckpointDir::new(root).latest()?)?;
-        match &data.model {
-            ModelConfig::Gpt(c) => wildfire_models::hf::export_gpt2(&checkpoint, out, c.n_head)?,
-            ModelConfig::Llama(_) => wildfire_models::hf::export_llama(&checkpoint, out)?,
-        }
+        data.model.export_hf(&checkpoint, out)?;
         tracing::info!("exported the weights to {}", out.display());
     }
     Ok(summary)
@@ -316,12 +301,7 @@ fn read_state(
     let dir = CheckpointDir::new(root).latest()?;
     // The metadata and every file's size, checked before any rank starts.
     let checkpoint = Checkpoint::open(&dir)?;
-    let text = std::fs::read_to_string(dir.join("state.json")).map_err(io_err(&dir))?;
-    let state: CheckpointState =
-        serde_json::from_str(&text).map_err(|e| PretrainError::Checkpoint {
-            path: dir.clone(),
-            reason: format!("state.json is corrupt: {e}"),
-        })?;
+    let state: CheckpointState = read_state_file(&dir, "state.json")?;
     // A checkpoint from before the padded vocabulary was masked (`vocab_used`) has the same
     // weights: it resumes, masked from here on.
     let saved = match (&state.model, model) {

@@ -6,12 +6,10 @@
 
 use super::rank::{StepAt, Trainee};
 use super::*;
-use burn::module::ParamId;
 use burn::optim::AdamW;
 use wildfire_engine::StepRecord;
 use wildfire_models::gpt::{
-    GptStage, StageInput, TokenSampler, cross_entropy, generate_staged, stage_param_name,
-    stage_pass,
+    GptStage, StageInput, cross_entropy, generate_staged, stage_param_name, stage_pass,
 };
 use wildfire_models::parallelize::init_gpt_stages;
 use wildfire_parallel::pipeline::{Schedule, StagePasses, gather_stage_parameters};
@@ -34,40 +32,16 @@ type StageOptimizer<B> =
     FsdpOptimizer<burn::optim::adaptor::OptimizerAdaptor<AdamW, GptStage<A<B>>, A<B>>>;
 
 impl RankRun<'_> {
-    /// Train this rank's stages (see the module docs); the summary's losses are the mesh's.
+    /// Train this rank's stages of the GPT `model` (see the module docs); the summary's
+    /// losses are the mesh's.
     pub fn train_pipelined<B: FusedOps>(
         &self,
         device: &DistDevice<B>,
+        model: &GptConfig,
     ) -> Result<RunSummary, PretrainError> {
-        let config = self.config;
-        let Some(model) = self.data.model.gpt() else {
-            return Err(PretrainError::Config(
-                "pipeline stages are built for the GPT family".into(),
-            ));
-        };
         self.set_policy(device.context());
-        let schedule = config.parallel.schedule()?;
-        let mut stages = self.build_stages::<B>(device, model, schedule)?;
-        if let (None, Some(file)) = (&self.resume, &config.init_from) {
-            // Hugging Face GPT-2 weights, by the whole model's names: each stage its blocks.
-            let weights = wildfire_models::hf::import_gpt2(file, model.n_head)?;
-            for chunk in stages.chunks.iter_mut() {
-                let first = chunk.first_block;
-                let name = move |path: &str| stage_param_name(first, path);
-                *chunk = weights.load_model_named(chunk.clone(), &name)?;
-            }
-        }
-        if let Some((checkpoint, _)) = &self.resume {
-            // The checkpoint holds the whole model under its own names (whatever layout saved
-            // it): each stage reads its blocks' pieces.
-            for (chunk, optim) in stages.chunks.iter_mut().zip(stages.optims.iter_mut()) {
-                let first = chunk.first_block;
-                let name = move |path: &str| stage_param_name(first, path);
-                *chunk = checkpoint.load_model_named(chunk.clone(), &name)?;
-                let record = checkpoint.load_optimizer_named::<A<B>, _, AdamW>(chunk, &name)?;
-                *optim = optim.clone().load_record(record);
-            }
-        }
+        let schedule = self.config.parallel.schedule()?;
+        let stages = self.build_stages::<B>(device, model, schedule)?;
         let microbatches = stages.schedule.microbatches();
         self.train_loop(device, stages, microbatches)
     }
@@ -114,7 +88,7 @@ impl<B: FusedOps> Trainee<B> for Stages<B> {
             &mut self.optims,
             at.lr,
             at.seeds,
-            tied_table::<B>,
+            GptStage::tied_table,
             |chunk: &GptStage<A<B>>, _stage, mb, input, ckpt| {
                 let input = match input {
                     Some(hidden) => StageInput::Hidden(hidden),
@@ -136,6 +110,21 @@ impl<B: FusedOps> Trainee<B> for Stages<B> {
             "pipeline step"
         );
         Ok(record.step)
+    }
+
+    /// The checkpoint (or Hugging Face weights) holds the whole model under its own names,
+    /// whatever layout saved it: each stage reads its blocks' pieces.
+    fn load(&mut self, weights: &Checkpoint, optimizer: bool) -> Result<(), PretrainError> {
+        for (chunk, optim) in self.chunks.iter_mut().zip(self.optims.iter_mut()) {
+            let first = chunk.first_block;
+            let name = move |path: &str| stage_param_name(first, path);
+            *chunk = weights.load_model_named(chunk.clone(), &name)?;
+            if optimizer {
+                let record = weights.load_optimizer_named::<A<B>, _, AdamW>(chunk, &name)?;
+                *optim = optim.clone().load_record(record);
+            }
+        }
+        Ok(())
     }
 
     fn param_bytes(&self) -> u64 {
@@ -178,11 +167,7 @@ impl<B: FusedOps> Trainee<B> for Stages<B> {
 
     /// The last stage's copy of the tied table left out (it equals the first's).
     fn parameters(&self, device: &DistDevice<B>) -> Result<Vec<Vec<f32>>, PretrainError> {
-        let copy = |chunk: &GptStage<A<B>>| {
-            (!chunk.is_first())
-                .then(|| chunk.wte.as_ref().map(|p| p.id))
-                .flatten()
-        };
+        let copy = GptStage::tied_copy;
         Ok(gather_stage_parameters(device, &self.chunks, copy)?)
     }
 
@@ -190,18 +175,10 @@ impl<B: FusedOps> Trainee<B> for Stages<B> {
     /// ([`generate_staged`]).
     fn sample(&self, run: &RankRun, device: &DistDevice<B>) -> Result<Vec<u32>, PretrainError> {
         let (passes, chunks) = self.passes(device)?;
-        let config = run.config;
-        let prompt = run.data.tokenizer.encode("\n");
-        let sampler = TokenSampler::new(0.8, 40, config.seed);
-        let block_size = run.data.model.block_size();
-        Ok(generate_staged(
-            &chunks,
-            &passes,
-            &prompt,
-            config.sample_tokens,
-            block_size,
-            sampler,
-        )?)
+        let (prompt, sampler) = run.sampling();
+        let (tokens, block_size) = (run.config.sample_tokens, run.data.model.block_size());
+        let generate = generate_staged(&chunks, &passes, &prompt, tokens, block_size, sampler);
+        Ok(generate?)
     }
 }
 
@@ -214,9 +191,4 @@ impl<B: FusedOps> Stages<B> {
         let passes = StagePasses::new(device, &self.numbers, self.schedule.stages())?;
         Ok((passes, self.chunks.iter().map(|c| c.valid()).collect()))
     }
-}
-
-/// The token table's copy on the first and on the last stage (the tied parameter).
-fn tied_table<B: FusedOps>(chunk: &GptStage<A<B>>) -> Vec<ParamId> {
-    chunk.wte.as_ref().map(|p| p.id).into_iter().collect()
 }

@@ -3,16 +3,21 @@
 
 use super::*;
 use burn::optim::record::AdaptorRecord;
-use wildfire_checkpoint::dcp::SaveReport;
+use std::ops::Range;
+use wildfire_checkpoint::dcp::state_file;
 use wildfire_engine::StepRecord;
 use wildfire_engine::metrics::StepWatch;
-use wildfire_models::CausalLm;
+use wildfire_engine::recompute::mix_seed;
+use wildfire_engine::report::{MfuSpec, StepReporter};
 use wildfire_models::gpt::TokenSampler;
-use wildfire_models::hf::{import_gpt2, import_llama};
 use wildfire_models::llama::{init_llama, parallelize_llama};
+use wildfire_models::{CausalLm, DistributedLm};
 use wildfire_parallel::{RankContext, RankPolicy, StateCodec};
 
 type A<B> = Autodiff<Distributed<B>>;
+
+/// Files rank 0 adds to a checkpoint: (name, bytes).
+type Files = Vec<(String, Vec<u8>)>;
 
 /// What one rank's training reads.
 pub(super) struct RankRun<'a> {
@@ -41,28 +46,25 @@ impl RankRun<'_> {
         match &self.data.model {
             ModelConfig::Gpt(c) => {
                 let model = init_gpt::<A<B>>(c, device, parallel)?;
-                let model = parallelize_gpt(model, mesh, parallel)?;
-                self.train_model(device, model, |file| import_gpt2(file, c.n_head))
+                self.train_model(device, parallelize_gpt(model, mesh, parallel)?)
             }
             ModelConfig::Llama(c) => {
                 let model = init_llama::<A<B>>(c, device, parallel)?;
-                let model = parallelize_llama(model, mesh, parallel)?;
-                self.train_model(device, model, import_llama)
+                self.train_model(device, parallelize_llama(model, mesh, parallel)?)
             }
         }
     }
 
     /// `model` trained with AdamW (β₂ 0.95, the configured weight decay): on backends with
     /// kernels the fused optimizer tail (one unscale + Σg² + overflow kernel per gradient, one
-    /// AdamW kernel per parameter), elsewhere Burn's AdamW; both under `FsdpOptimizer`. `import`
-    /// reads `--init-from`'s Hugging Face weights.
-    fn train_model<B: FusedOps, M: Lm<B>>(
+    /// AdamW kernel per parameter), elsewhere Burn's AdamW; both under `FsdpOptimizer`.
+    fn train_model<B: FusedOps, M: DistributedLm<B>>(
         &self,
         device: &DistDevice<B>,
         model: M,
-        import: impl Fn(&Path) -> Result<Checkpoint, wildfire_models::Error>,
     ) -> Result<RunSummary, PretrainError> {
         let weight_decay = self.config.weight_decay;
+        let accum = self.config.accum;
         if B::FUSED.optimizer {
             let (adamw, inputs) = wildfire_engine::FusedAdamW::<B>::optimizer::<M>(
                 wildfire_engine::FusedAdamWConfig {
@@ -72,47 +74,16 @@ impl RankRun<'_> {
                     weight_decay,
                 },
             );
-            let optim = FsdpOptimizer::new(adamw);
-            self.train_with(device, model, optim, Some(inputs), import)
+            let whole = Whole::new(model, FsdpOptimizer::new(adamw), Some(inputs));
+            self.train_loop(device, whole, accum)
         } else {
             let adamw = AdamWConfig::new()
                 .with_beta_2(0.95)
                 .with_weight_decay(weight_decay as f32)
                 .init::<A<B>, M>();
-            self.train_with(device, model, FsdpOptimizer::new(adamw), None, import)
+            let whole = Whole::new(model, FsdpOptimizer::new(adamw), None);
+            self.train_loop(device, whole, accum)
         }
-    }
-
-    fn train_with<B, M, O, X>(
-        &self,
-        device: &DistDevice<B>,
-        mut model: M,
-        mut optim: O,
-        tail: Option<wildfire_engine::TailInputs<B>>,
-        import: impl Fn(&Path) -> Result<Checkpoint, wildfire_models::Error>,
-    ) -> Result<RunSummary, PretrainError>
-    where
-        B: FusedOps,
-        M: Lm<B>,
-        O: Optimizer<M, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
-        X: StateCodec<Distributed<B>>,
-    {
-        if let (None, Some(file)) = (&self.resume, &self.config.init_from) {
-            model = import(file)?.load_model(model)?;
-        }
-        if let Some((checkpoint, _)) = &self.resume {
-            // Each rank reads the pieces of the checkpoint that overlap its own, in this run's
-            // layout (the saving run's mesh and strategy may differ).
-            model = checkpoint.load_model(model)?;
-            optim = optim.load_record(checkpoint.load_optimizer::<A<B>, _, X>(&model)?);
-        }
-        let whole = Whole {
-            model: Some(model),
-            optim,
-            tail,
-            codec: std::marker::PhantomData,
-        };
-        self.train_loop(device, whole, self.config.accum)
     }
 
     /// The training loop, whatever the rank trains (the whole model, or its pipeline stages):
@@ -125,38 +96,45 @@ impl RankRun<'_> {
         microbatches: usize,
     ) -> Result<RunSummary, PretrainError> {
         let config = self.config;
+        // The checkpoint resumed (parameters and optimizer state), or the Hugging Face weights
+        // of `--init-from`: each rank reads the pieces that overlap its own, in this run's
+        // layout (the saving run's mesh and strategy may differ).
+        match (&self.resume, &config.init_from) {
+            (Some((checkpoint, _)), _) => trainee.load(checkpoint, true)?,
+            (None, Some(file)) => trainee.load(&self.data.model.import_hf(file)?, false)?,
+            (None, None) => {}
+        }
         let (rank, ctx) = (device.rank(), device.context().clone());
         let mut runner = self.step_runner();
-        let mut writer = self.checkpoint_writer(rank, device.mesh().world_size())?;
+        let mut writer = match &config.save {
+            Some(root) => Some(CheckpointWriter::new(
+                root,
+                rank,
+                device.mesh().world_size(),
+            )?),
+            None => None,
+        };
         let mut summary = RunSummary::at_setup();
-        let progress = (rank == 0 && config.progress).then(|| self.progress_bar());
+        let reporter = (rank == 0).then(|| self.reporter());
         let member = ctx.comm().member();
         member.set_tracing(config.trace.is_some());
-        let micro = self.rows.len() / microbatches;
         for step in self.first_step..config.steps {
             let watch = StepWatch::start(&ctx);
-            let lr = config.lr_at(step);
+            // Every `n` steps (0: never), and at the last step.
+            let due =
+                |n: usize| (n > 0 && (step + 1).is_multiple_of(n)) || step + 1 == config.steps;
+            let lr = config.schedule().at(step);
             // Recomputation and dropout streams are seeded by (run seed, step, the micro-batch's
             // first global row), so tensor-parallel peers (same rows) draw the same masks and
             // pipeline stages the masks one device would.
-            let starts: Vec<usize> = (0..microbatches)
-                .map(|i| self.rows.start + i * micro)
-                .collect();
-            let seeds: Vec<u64> = starts
-                .iter()
-                .map(|&start| {
-                    wildfire_engine::recompute::mix_seed(config.seed, step as u64, start as u64)
-                })
-                .collect();
+            let rows = BatchSampler::microbatches(self.rows.clone(), microbatches);
+            let seed = |r: &Range<usize>| mix_seed(config.seed, step as u64, r.start as u64);
+            let seeds: Vec<u64> = rows.iter().map(seed).collect();
             let batch = |i: usize| {
-                self.sampler
-                    .tensors::<A<B>>(
-                        self.train,
-                        step as u64,
-                        starts[i]..starts[i] + micro,
-                        device,
-                    )
-                    .expect("the sampler was checked")
+                let rows = rows[i].clone();
+                let sampler = self.sampler;
+                let batch = sampler.tensors::<A<B>>(self.train, step as u64, rows, device);
+                batch.expect("the sampler was checked")
             };
             let step_started = Instant::now();
             let at = StepAt {
@@ -170,12 +148,14 @@ impl RankRun<'_> {
             let tokens = config.batch_size * self.data.model.block_size();
             let (mut m, elapsed) =
                 watch.finish(&ctx, step, lr, &record, trainee.param_bytes(), tokens);
-            let (evaluate, save) = self.due(step);
+            let (evaluate, save) = (due(config.eval_every), due(config.save_every));
             if evaluate && self.validates() {
                 m.val_loss = Some(trainee.evaluate(self, device)?);
             }
-            if rank == 0 {
-                self.report(&m, progress.as_ref(), elapsed)?;
+            if let Some(reporter) = &reporter {
+                reporter
+                    .report(&m, elapsed)
+                    .map_err(io_err(reporter.log_path().unwrap_or(Path::new("metrics"))))?;
             }
             summary.steps.push(m);
             if let Some(writer) = writer.as_mut()
@@ -186,30 +166,17 @@ impl RankRun<'_> {
                 // state and commits. No collective runs.
                 let taken = Instant::now();
                 let snapshot = trainee.snapshot()?;
-                let copy = taken.elapsed().as_secs_f64();
+                summary.saves.push((taken.elapsed().as_secs_f64(), 0.0));
                 let files = self.state_files(rank, step + 1, runner.scaler());
-                tracing::debug!(step, bytes = snapshot.bytes(), copy, "checkpoint taken");
-                let previous = writer.save(snapshot, step + 1, files)?;
-                // The previous save's background write finished before this one started.
-                if let Some(report) = previous {
-                    log_save(&report);
-                    if let Some(last) = summary.saves.last_mut() {
-                        last.1 = report.write_time.as_secs_f64();
-                    }
-                }
-                summary.saves.push((copy, 0.0));
+                writer.save(snapshot, step + 1, files)?;
             }
         }
-        if let Some(writer) = writer.as_mut()
-            && let Some(report) = writer.wait()?
-        {
-            log_save(&report);
-            if let Some(last) = summary.saves.last_mut() {
-                last.1 = report.write_time.as_secs_f64();
+        drop(reporter);
+        if let Some(writer) = writer.as_mut() {
+            writer.wait()?;
+            for (save, report) in summary.saves.iter_mut().zip(writer.reports()) {
+                save.1 = report.write_time.as_secs_f64();
             }
-        }
-        if let Some(bar) = &progress {
-            bar.finish_and_clear();
         }
         self.finish(&mut summary, rank, member);
         summary.prefetch = ctx.prefetch_stats();
@@ -241,18 +208,6 @@ impl RankRun<'_> {
             self.rows.clone(),
             device,
         )?)
-    }
-
-    /// Whether step `step` ends with an evaluation and with a checkpoint (with `--save`): every
-    /// `--eval-every` and `--save-every` steps, and at the last step.
-    pub(super) fn due(&self, step: usize) -> (bool, bool) {
-        let config = self.config;
-        let (done, last) = (step + 1, step + 1 == config.steps);
-        let every = |n: usize| n > 0 && done.is_multiple_of(n);
-        (
-            every(config.eval_every) || last,
-            every(config.save_every) || last,
-        )
     }
 
     /// The rank's run-wide policy from the configuration (before the model is laid out).
@@ -288,37 +243,16 @@ impl RankRun<'_> {
         .starting_at(self.first_step)
     }
 
-    /// This rank's checkpoint writer, with `--save`.
-    pub(super) fn checkpoint_writer(
-        &self,
-        rank: usize,
-        world_size: usize,
-    ) -> Result<Option<CheckpointWriter>, PretrainError> {
-        Ok(match &self.config.save {
-            Some(root) => Some(CheckpointWriter::new(root, rank, world_size)?),
-            None => None,
-        })
-    }
-
     /// The run state rank 0 writes next to the pieces (`state.json`: steps done, config, model
     /// shape, loss scaler); nothing on the other ranks.
-    pub(super) fn state_files(
-        &self,
-        rank: usize,
-        step: usize,
-        scaler: Option<&DynamicLossScaler>,
-    ) -> Vec<(String, Vec<u8>)> {
-        if rank != 0 {
-            return Vec::new();
-        }
+    fn state_files(&self, rank: usize, step: usize, scaler: Option<&DynamicLossScaler>) -> Files {
         let state = CheckpointState {
             step,
             config: self.config.clone(),
             model: self.data.model.clone(),
             scaler: scaler.cloned(),
         };
-        let state = serde_json::to_vec_pretty(&state).expect("the state serialises");
-        vec![("state.json".to_string(), state)]
+        state_file(rank, "state.json", &state)
     }
 
     /// The end of a rank's run: peaks, and the trace when one was asked for.
@@ -336,65 +270,31 @@ impl RankRun<'_> {
         summary.final_heap_peak = crate::alloc::heap_peak() as u64;
     }
 
-    pub(super) fn progress_bar(&self) -> indicatif::ProgressBar {
-        let bar = indicatif::ProgressBar::new(self.config.steps as u64);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{bar:40} {pos}/{len} steps {msg} [{elapsed_precise}<{eta_precise}]",
-            )
-            .expect("template"),
-        );
-        bar.set_position(self.first_step as u64);
-        bar
-    }
-
-    /// Rank 0: the metrics record, the progress bar and (every `log_every` steps, on
-    /// evaluations and at the end) the log line.
-    pub(super) fn report(
-        &self,
-        m: &StepMetrics,
-        bar: Option<&indicatif::ProgressBar>,
-        elapsed: f64,
-    ) -> Result<(), PretrainError> {
-        if let Some(log) = self.metrics {
-            log.write(m).map_err(io_err(log.path()))?;
-        }
+    /// Rank 0's report: the metrics file, the progress bar, the log line (with MFU given
+    /// `--peak-flops`).
+    fn reporter(&self) -> StepReporter<'_> {
+        let config = self.config;
         let model = &self.data.model;
-        let mfu = self.config.peak_flops.map(|peak| {
-            let flops = model.flops_per_token(model.block_size());
-            mfu(
-                flops,
-                m.tokens_per_s,
-                peak,
-                self.config.parallel.world_size(),
-            )
+        let mfu = config.peak_flops.map(|peak_flops| MfuSpec {
+            flops_per_token: model.flops_per_token(model.block_size()),
+            peak_flops,
+            world_size: config.parallel.world_size(),
         });
-        if let Some(bar) = bar {
-            bar.set_position(m.step as u64 + 1);
-            bar.set_message(format!("loss {:.4} ({:.0} ms/step)", m.loss, elapsed * 1e3));
-        }
-        if m.step.is_multiple_of(self.config.log_every.max(1))
-            || m.val_loss.is_some()
-            || m.step + 1 == self.config.steps
-        {
-            let line = m.log_line(mfu);
-            match bar {
-                Some(bar) => bar.suspend(|| tracing::info!("{line}")),
-                None => tracing::info!("{line}"),
-            }
-        }
-        Ok(())
+        let (first, steps) = (self.first_step, config.steps);
+        StepReporter::new(
+            self.metrics,
+            first,
+            steps,
+            config.log_every,
+            config.progress,
+        )
+        .with_mfu(mfu)
     }
-}
 
-fn log_save(report: &SaveReport) {
-    if let Some(dir) = &report.dir {
-        tracing::info!(
-            "saved checkpoint {} ({} bytes from rank 0, written in {:.1} ms in the background)",
-            dir.display(),
-            report.bytes,
-            report.write_time.as_secs_f64() * 1e3
-        );
+    /// `--sample-tokens` generation's prompt (a newline) and sampler (temperature 0.8, top 40).
+    pub(super) fn sampling(&self) -> (Vec<u32>, TokenSampler) {
+        let prompt = self.data.tokenizer.encode("\n");
+        (prompt, TokenSampler::new(0.8, 40, self.config.seed))
     }
 }
 
@@ -416,6 +316,10 @@ pub(super) trait Trainee<B: FusedOps> {
         at: &StepAt<B>,
     ) -> Result<StepRecord, PretrainError>;
 
+    /// Load `weights`' parameters (with `optimizer`, the optimizer state too), each piece by
+    /// the whole model's names.
+    fn load(&mut self, weights: &Checkpoint, optimizer: bool) -> Result<(), PretrainError>;
+
     /// The bytes of this rank's parameter pieces.
     fn param_bytes(&self) -> u64;
 
@@ -432,18 +336,6 @@ pub(super) trait Trainee<B: FusedOps> {
     fn sample(&self, run: &RankRun, device: &DistDevice<B>) -> Result<Vec<u32>, PretrainError>;
 }
 
-/// A language model the driver trains whole: a [`CausalLm`] on `Autodiff<Distributed<B>>`
-/// whose inner module (evaluation, generation) is one too.
-pub(super) trait Lm<B: FusedOps>:
-    AutodiffModule<A<B>, InnerModule: CausalLm<Distributed<B>>> + CausalLm<A<B>> + 'static
-{
-}
-
-impl<B: FusedOps, M> Lm<B> for M where
-    M: AutodiffModule<A<B>, InnerModule: CausalLm<Distributed<B>>> + CausalLm<A<B>> + 'static
-{
-}
-
 /// The whole model and its optimizer (`tail`: the fused optimizer tail's device inputs).
 pub(super) struct Whole<B: FusedOps, M, O, X> {
     model: Option<M>,
@@ -453,6 +345,15 @@ pub(super) struct Whole<B: FusedOps, M, O, X> {
 }
 
 impl<B: FusedOps, M, O, X> Whole<B, M, O, X> {
+    fn new(model: M, optim: O, tail: Option<wildfire_engine::TailInputs<B>>) -> Self {
+        Self {
+            model: Some(model),
+            optim,
+            tail,
+            codec: std::marker::PhantomData,
+        }
+    }
+
     fn model(&self) -> &M {
         self.model.as_ref().expect("a model between steps")
     }
@@ -461,7 +362,7 @@ impl<B: FusedOps, M, O, X> Whole<B, M, O, X> {
 impl<B, M, O, X> Trainee<B> for Whole<B, M, O, X>
 where
     B: FusedOps,
-    M: Lm<B>,
+    M: DistributedLm<B>,
     O: Optimizer<M, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>>,
     X: StateCodec<Distributed<B>>,
 {
@@ -490,6 +391,16 @@ where
         })
     }
 
+    fn load(&mut self, weights: &Checkpoint, optimizer: bool) -> Result<(), PretrainError> {
+        let model = weights.load_model(self.model.take().expect("a model between steps"))?;
+        if optimizer {
+            let record = weights.load_optimizer::<A<B>, _, X>(&model)?;
+            self.optim = self.optim.clone().load_record(record);
+        }
+        self.model = Some(model);
+        Ok(())
+    }
+
     fn param_bytes(&self) -> u64 {
         parameter_bytes(self.model())
     }
@@ -514,13 +425,15 @@ where
     }
 
     fn sample(&self, run: &RankRun, device: &DistDevice<B>) -> Result<Vec<u32>, PretrainError> {
-        let config = run.config;
-        let prompt = run.data.tokenizer.encode("\n");
-        let sampler = TokenSampler::new(0.8, 40, config.seed);
+        let (prompt, sampler) = run.sampling();
         let block_size = run.data.model.block_size();
-        Ok(self
-            .model()
-            .valid()
-            .sample(&prompt, config.sample_tokens, block_size, sampler, device))
+        let model = self.model().valid();
+        Ok(model.sample(
+            &prompt,
+            run.config.sample_tokens,
+            block_size,
+            sampler,
+            device,
+        ))
     }
 }

@@ -622,15 +622,10 @@ mod wgpu {
     /// its losses track the Flex run (plain Burn ops) step by step, on one rank and sharded.
     #[test]
     fn gpt_pretraining_on_wgpu_runs_the_kernels_and_tracks_flex() {
-        use wildfire::models::Preset;
         use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
         use wildfire::pretrain::{PretrainConfig, run, run_on};
         let base = PretrainConfig {
-            preset: Preset::Tiny,
-            n_layer: Some(2),
-            n_head: Some(2),
-            n_embd: Some(32),
-            block_size: Some(32),
+            model: crate::suite::tiny_gpt_flags(),
             steps: 4,
             batch_size: 4,
             warmup: 2,

@@ -131,6 +131,18 @@ pub(crate) fn threads<T: Send>(
     .unwrap()
 }
 
+/// The driver's CI-sized GPT: 2 layers, 2 heads, width 32, context 32.
+pub fn tiny_gpt_flags() -> wildfire::models::ModelFlags {
+    wildfire::models::ModelFlags {
+        preset: wildfire::models::Preset::Tiny,
+        n_layer: Some(2),
+        n_head: Some(2),
+        n_embd: Some(32),
+        block_size: Some(32),
+        ..Default::default()
+    }
+}
+
 mod data_parallel;
 mod engine;
 mod fsdp;

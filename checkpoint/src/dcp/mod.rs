@@ -26,7 +26,9 @@
 //! waits for every rank's index, writes `metadata.json`, renames the staging directory into place
 //! and moves `latest` last: a rank that dies mid-save leaves the previous checkpoint the latest.
 
+use crate::Error;
 use std::collections::BTreeMap;
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use wildfire_parallel::{DeviceMesh, for_each_row};
@@ -145,6 +147,30 @@ pub(crate) fn state_key(path: &str, name: &str) -> String {
 
 pub(crate) fn rank_file(rank: usize, ext: &str) -> String {
     format!("rank-{rank:05}.{ext}")
+}
+
+/// `state` as the JSON file `name` that rank 0 adds beside its pieces (the `files` of
+/// [`CheckpointWriter::save`]: a run's step, configuration, scaler); nothing on the other ranks.
+pub fn state_file<T: Serialize>(rank: usize, name: &str, state: &T) -> Vec<(String, Vec<u8>)> {
+    if rank != 0 {
+        return Vec::new();
+    }
+    let json = serde_json::to_vec_pretty(state).expect("a run state serialises to JSON");
+    vec![(name.to_string(), json)]
+}
+
+/// The JSON file `name` of the checkpoint directory `dir` ([`state_file`]): missing, an I/O
+/// error; unreadable as `T`, [`Error::Invalid`] naming the file.
+pub fn read_state_file<T: serde::de::DeserializeOwned>(dir: &Path, name: &str) -> Result<T, Error> {
+    let path = dir.join(name);
+    let bytes = std::fs::read(&path).map_err(|source| Error::Io {
+        path: path.clone(),
+        source,
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| Error::Invalid {
+        path,
+        reason: format!("{name} is corrupt: {e}"),
+    })
 }
 
 /// Write a safetensors file of F32 tensors at `path` atomically, streaming: the header from the

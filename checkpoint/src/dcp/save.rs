@@ -305,6 +305,8 @@ pub struct CheckpointWriter {
     commit_timeout: Duration,
     chunk_bytes: usize,
     pending: Option<JoinHandle<Result<SaveReport, Error>>>,
+    /// Every save finished so far.
+    done: Vec<SaveReport>,
 }
 
 impl CheckpointWriter {
@@ -323,6 +325,7 @@ impl CheckpointWriter {
             commit_timeout: Duration::from_secs(600),
             chunk_bytes: super::CHUNK_BYTES,
             pending: None,
+            done: Vec::new(),
         })
     }
 
@@ -387,18 +390,31 @@ impl CheckpointWriter {
         Ok(previous)
     }
 
-    /// Wait for the save in flight, if any; its report, or its error.
+    /// Wait for the save in flight, if any; its report (logged, and kept in
+    /// [`CheckpointWriter::reports`]), or its error.
     pub fn wait(&mut self) -> Result<Option<SaveReport>, Error> {
-        match self.pending.take() {
-            None => Ok(None),
-            Some(handle) => match handle.join() {
-                Ok(result) => result.map(Some),
-                Err(_) => Err(Error::Invalid {
-                    path: self.dir.root().to_path_buf(),
-                    reason: "the checkpoint writer thread panicked".into(),
-                }),
-            },
+        let Some(handle) = self.pending.take() else {
+            return Ok(None);
+        };
+        let report = handle.join().map_err(|_| Error::Invalid {
+            path: self.dir.root().to_path_buf(),
+            reason: "the checkpoint writer thread panicked".into(),
+        })??;
+        if let Some(dir) = &report.dir {
+            tracing::info!(
+                "saved checkpoint {} ({} bytes from rank 0, written in {:.1} ms in the background)",
+                dir.display(),
+                report.bytes,
+                report.write_time.as_secs_f64() * 1e3
+            );
         }
+        self.done.push(report.clone());
+        Ok(Some(report))
+    }
+
+    /// The reports of the saves finished so far, oldest first.
+    pub fn reports(&self) -> &[SaveReport] {
+        &self.done
     }
 }
 

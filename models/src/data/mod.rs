@@ -26,6 +26,7 @@
 
 mod corpus;
 mod dataset;
+mod flags;
 mod sampler;
 mod tokenizer;
 
@@ -37,6 +38,7 @@ pub(crate) use crate::Error;
 
 pub use corpus::embedded_corpus;
 pub use dataset::{TokenDataset, TokenSlice};
+pub use flags::DataFlags;
 pub use sampler::BatchSampler;
 pub use tokenizer::{GPT2_END_OF_TEXT, Tokenizer, TokenizerKind};
 

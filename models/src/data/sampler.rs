@@ -27,6 +27,14 @@ fn mix(z: u64) -> u64 {
 }
 
 impl BatchSampler {
+    /// `rows` (a rank's rows of the global batch) split in order into `count` micro-batches of
+    /// equal size (a remainder is left out: the batch checks make the split exact).
+    pub fn microbatches(rows: Range<usize>, count: usize) -> Vec<Range<usize>> {
+        let size = rows.len() / count.max(1);
+        let at = |i: usize| rows.start + i * size;
+        (0..count).map(|i| at(i)..at(i) + size).collect()
+    }
+
     /// Where row `row` of step `step` starts in data of `len` tokens: uniform over the
     /// `len - block_size` starts whose `block_size + 1` tokens fit (`len > block_size` required),
     /// from a hash of `(seed, step, row)` alone.

@@ -7,7 +7,10 @@ use super::*;
 #[test]
 fn bad_input_is_refused() {
     let missing = PretrainConfig {
-        data: Some("/nonexistent/input.txt".into()),
+        data: DataFlags {
+            path: Some("/nonexistent/input.txt".into()),
+            ..small(2).data
+        },
         ..small(2)
     };
     let err = run(&missing).unwrap_err();
@@ -28,7 +31,10 @@ fn bad_input_is_refused() {
     .unwrap();
     let before = std::fs::read_to_string(dir.join("latest")).unwrap();
     let other = PretrainConfig {
-        n_embd: Some(64),
+        model: ModelFlags {
+            n_embd: Some(64),
+            ..small(4).model
+        },
         resume: Some(dir.clone()),
         save: Some(dir.clone()),
         ..small(4)
@@ -119,7 +125,10 @@ fn bad_input_is_refused() {
     let err = run(&sp).unwrap_err();
     assert!(err.to_string().contains("needs --tp 2 or more"), "{err}");
     let dropout = PretrainConfig {
-        dropout: 1.5,
+        model: ModelFlags {
+            dropout: 1.5,
+            ..small(2).model
+        },
         ..small(2)
     };
     let err = run(&dropout).unwrap_err();
@@ -212,4 +221,40 @@ fn defaults_are_the_flags_defaults() {
         .unwrap()
         .config;
     assert_eq!((flags.parallel.dp, flags.precision), (2, Precision::Bf16));
+    // The flattened groups' own defaults are the flags' too.
+    assert_eq!(d.model, ModelFlags::default());
+    assert_eq!(d.data, DataFlags::default());
+    // A stored configuration keeps its flat keys (checkpoints written before the groups load).
+    let json = serde_json::to_value(&d).unwrap();
+    for key in ["preset", "n_layer", "dropout", "data", "tokenizer", "val_fraction"] {
+        assert!(json.get(key).is_some(), "{key} missing from {json}");
+    }
+    let back: PretrainConfig = serde_json::from_value(json).unwrap();
+    assert_eq!(back, d);
+}
+
+/// Without libcuda (a CPU-only machine), a CUDA run is the typed error NCCL gives, whatever the
+/// collectives, not cudarc's panic at the device's first use (CI runs the same through the
+/// binary). With it, nothing to check here (the GPU runs are the bench's).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_without_libcuda_is_a_typed_error() {
+    use wildfire::pretrain::run_cuda;
+    if wildfire::parallel::check_libcuda().is_ok() {
+        return;
+    }
+    for collectives in [Collectives::Host, Collectives::Staged, Collectives::Nccl] {
+        let config = PretrainConfig {
+            collectives,
+            steps: 1,
+            ..PretrainConfig::quiet()
+        };
+        match run_cuda(&config) {
+            Err(PretrainError::Parallel(wildfire::parallel::Error::Cuda(reason))) => {
+                assert!(reason.contains("libcuda"), "{collectives:?}: {reason}");
+            }
+            Err(e) => panic!("{collectives:?}: {e}"),
+            Ok(_) => panic!("{collectives:?}: ran without libcuda"),
+        }
+    }
 }

@@ -27,12 +27,18 @@ fn tiny_gpt_learns_tinyshakespeare() {
     let data = dir.join("input.txt");
     std::fs::copy(&path, &data).unwrap();
     let config = PretrainConfig {
-        data: Some(data),
-        tokenizer: TokenizerKind::Bytes,
-        n_layer: Some(2),
-        n_head: Some(4),
-        n_embd: Some(64),
-        block_size: Some(64),
+        data: DataFlags {
+            path: Some(data),
+            tokenizer: TokenizerKind::Bytes,
+            ..small(300).data
+        },
+        model: ModelFlags {
+            n_layer: Some(2),
+            n_head: Some(4),
+            n_embd: Some(64),
+            block_size: Some(64),
+            ..small(300).model
+        },
         batch_size: 8,
         lr: 3e-3,
         warmup: 10,

@@ -10,9 +10,12 @@ use wildfire::models::llama::{Llama, init_llama};
 /// width 32, context 32.
 fn tiny_llama(steps: usize) -> PretrainConfig {
     PretrainConfig {
-        preset: Preset::LlamaTiny,
-        n_kv_head: Some(2),
-        n_head: Some(4),
+        model: ModelFlags {
+            preset: Preset::LlamaTiny,
+            n_kv_head: Some(2),
+            n_head: Some(4),
+            ..small(steps).model
+        },
         ..small(steps)
     }
 }
@@ -81,9 +84,12 @@ fn llama_starts_from_a_transformers_directory() {
     let dir =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_tiny/untied");
     let config = PretrainConfig {
-        preset: Preset::LlamaTiny,
+        model: ModelFlags {
+            preset: Preset::LlamaTiny,
+            block_size: Some(24),
+            ..small(1).model
+        },
         init_from: Some(dir.clone()),
-        block_size: Some(24),
         lr: 0.0,
         ..small(1)
     };
@@ -137,14 +143,20 @@ fn llama_refusals_are_typed() {
     );
     refused(
         PretrainConfig {
-            dropout: 0.1,
+            model: ModelFlags {
+                dropout: 0.1,
+                ..tiny_llama(1).model
+            },
             ..tiny_llama(1)
         },
         "--dropout",
     );
     refused(
         PretrainConfig {
-            n_kv_head: Some(2),
+            model: ModelFlags {
+                n_kv_head: Some(2),
+                ..small(1).model
+            },
             ..small(1)
         },
         "--n-kv-head",

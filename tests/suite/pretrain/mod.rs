@@ -12,19 +12,16 @@ mod pipeline;
 
 use crate::suite::{losses_close, pairs, tensors_close};
 use std::path::PathBuf;
+use wildfire::models::ModelFlags;
 use wildfire::models::Preset;
-use wildfire::models::data::TokenizerKind;
+use wildfire::models::data::{DataFlags, TokenizerKind};
 use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig, Recompute};
 use wildfire::pretrain::{Collectives, Precision, PretrainConfig, PretrainError, RunSummary, run};
 
 /// A CI-sized model on the embedded corpus.
 fn small(steps: usize) -> PretrainConfig {
     PretrainConfig {
-        preset: Preset::Tiny,
-        n_layer: Some(2),
-        n_head: Some(2),
-        n_embd: Some(32),
-        block_size: Some(32),
+        model: crate::suite::tiny_gpt_flags(),
         steps,
         batch_size: 4,
         warmup: 2,

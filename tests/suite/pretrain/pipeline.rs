@@ -13,7 +13,10 @@ use super::*;
 #[test]
 fn pipeline_parallel_matches_one_rank() {
     let base = PretrainConfig {
-        n_layer: Some(8),
+        model: ModelFlags {
+            n_layer: Some(8),
+            ..small(10).model
+        },
         batch_size: 8,
         eval_every: 5,
         eval_iters: 2,
@@ -96,12 +99,7 @@ fn pipeline_parallel_matches_one_rank() {
 /// against one rank within 1e-5; re-materialised, each schedule holds fewer peak bytes.
 #[test]
 fn pipeline_dropout_matches_one_rank() {
-    let base = PretrainConfig {
-        n_layer: Some(4),
-        batch_size: 8,
-        dropout: 0.1,
-        ..small(6)
-    };
+    let base = four_layers_with_dropout();
     let expected = run(&PretrainConfig {
         accum: 4,
         ..base.clone()
@@ -137,7 +135,10 @@ fn pipeline_dropout_matches_one_rank() {
     }
     // The masks are drawn (the runs part from the one without dropout).
     let without = run(&PretrainConfig {
-        dropout: 0.0,
+        model: ModelFlags {
+            dropout: 0.0,
+            ..base.model.clone()
+        },
         accum: 4,
         ..base.clone()
     })
@@ -154,12 +155,7 @@ fn pipeline_dropout_matches_one_rank() {
 /// the end through the stages (`--sample-tokens`) is one rank's text.
 #[test]
 fn pipeline_stages_recompute_as_one_device() {
-    let base = PretrainConfig {
-        n_layer: Some(4),
-        batch_size: 8,
-        dropout: 0.1,
-        ..small(6)
-    };
+    let base = four_layers_with_dropout();
     let expected = run(&PretrainConfig {
         accum: 4,
         sample_tokens: 24,
@@ -240,10 +236,13 @@ fn pipeline_stages_recompute_as_one_device() {
 #[test]
 fn recompute_with_accumulation_is_bitwise_no_recompute() {
     let base = PretrainConfig {
-        n_layer: Some(4),
+        model: ModelFlags {
+            n_layer: Some(4),
+            dropout: 0.1,
+            ..small(3).model
+        },
         batch_size: 8,
         accum: 2,
-        dropout: 0.1,
         ..small(3)
     };
     let with = |recompute: Recompute, parallel: &ParallelConfig| PretrainConfig {
@@ -293,7 +292,10 @@ fn recompute_with_accumulation_is_bitwise_no_recompute() {
 #[test]
 fn pipeline_stages_with_sequence_parallelism() {
     let base = PretrainConfig {
-        n_layer: Some(4),
+        model: ModelFlags {
+            n_layer: Some(4),
+            ..small(6).model
+        },
         batch_size: 8,
         ..small(6)
     };
@@ -363,7 +365,10 @@ fn pipeline_stages_with_sequence_parallelism() {
 #[test]
 fn pipelined_checkpoints_resume_on_any_layout() {
     let base = PretrainConfig {
-        n_layer: Some(4),
+        model: ModelFlags {
+            n_layer: Some(4),
+            ..small(8).model
+        },
         batch_size: 8,
         ..small(8)
     };
@@ -494,4 +499,17 @@ fn pipeline_refusals_are_typed_errors() {
         ),
         "{err}"
     );
+}
+
+/// [`small`] with 4 layers, dropout 0.1 and 8 sequences a step, for 6 steps.
+fn four_layers_with_dropout() -> PretrainConfig {
+    PretrainConfig {
+        model: ModelFlags {
+            n_layer: Some(4),
+            dropout: 0.1,
+            ..small(6).model
+        },
+        batch_size: 8,
+        ..small(6)
+    }
 }

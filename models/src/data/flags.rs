@@ -1,0 +1,93 @@
+//! The data flags of a run ([`DataFlags`]): what it trains on, how it is tokenised and cached,
+//! and how much is held out; loaded into a tokenizer and a dataset, and split into the training
+//! and validation samplers.
+
+use super::{BatchSampler, DataSource, TokenDataset, TokenSlice, Tokenizer, TokenizerKind};
+use crate::Error;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// What a run trains on (clap flags under "Data", flattened into a binary's own flags; serde for
+/// the run's stored configuration).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, clap::Args)]
+pub struct DataFlags {
+    /// Training data: a text file, or a nanoGPT / llm.c `.bin` token file (default: the
+    /// embedded corpus). A text file is tokenised once and its tokens cached beside it as
+    /// `<file>.<tokenizer>.tokens` (keyed by the file's content: an edit tokenises again, a
+    /// fresh checkout does not); `--token-cache` puts the cache elsewhere.
+    #[serde(rename = "data")]
+    #[arg(long = "data", help_heading = "Data")]
+    pub path: Option<PathBuf>,
+    /// Folder for the token cache of a text `--data` file (made if missing), instead of the
+    /// data file's own folder.
+    #[serde(default)]
+    #[arg(long, value_name = "DIR", help_heading = "Data")]
+    pub token_cache: Option<PathBuf>,
+    /// Tokenizer for text: bytes or gpt2 (GPT-2 BPE, offline).
+    #[arg(long, default_value = "bytes", help_heading = "Data")]
+    pub tokenizer: TokenizerKind,
+    /// Fraction of the tokens held out for validation.
+    #[arg(long, default_value_t = 0.1, help_heading = "Data")]
+    pub val_fraction: f64,
+}
+
+impl Default for DataFlags {
+    /// The embedded corpus as bytes, a tenth held out (what the flags give when none is passed).
+    fn default() -> Self {
+        Self {
+            path: None,
+            token_cache: None,
+            tokenizer: TokenizerKind::Bytes,
+            val_fraction: 0.1,
+        }
+    }
+}
+
+impl DataFlags {
+    /// Where the tokens come from.
+    pub fn source(&self) -> DataSource {
+        match &self.path {
+            Some(path) => DataSource::File(path.clone()),
+            None => DataSource::Embedded,
+        }
+    }
+
+    /// The tokenizer and every token of the data (a text file's tokens through its cache).
+    pub fn load(&self) -> Result<(Tokenizer, TokenDataset), Error> {
+        let tokenizer = Tokenizer::new(self.tokenizer)?;
+        let cache = self.token_cache.as_deref();
+        let dataset = TokenDataset::load_with_cache(&self.source(), &tokenizer, true, cache)?;
+        Ok((tokenizer, dataset))
+    }
+
+    /// `dataset` split into training and held-out tokens, each with its sampler of global
+    /// batches of `global_batch` rows of `block_size` tokens (the held-out one seeded apart),
+    /// checked against its tokens (the held-out one only when `validate`).
+    pub fn samplers<'d>(
+        &self,
+        dataset: &'d TokenDataset,
+        seed: u64,
+        block_size: usize,
+        global_batch: usize,
+        validate: bool,
+    ) -> Result<[(TokenSlice<'d>, BatchSampler); 2], Error> {
+        if !(0.0..1.0).contains(&self.val_fraction) {
+            return Err(Error::Config("--val-fraction must be in [0, 1)".into()));
+        }
+        let (train, val) = dataset.split(self.val_fraction);
+        let sampler = BatchSampler {
+            seed,
+            block_size,
+            global_batch,
+        };
+        sampler.check(train)?;
+        let val_sampler = BatchSampler {
+            seed: seed ^ 0x0056_414C,
+            ..sampler.clone()
+        };
+        if validate && self.val_fraction > 0.0 {
+            val_sampler.check(val)?;
+        }
+        Ok([(train, sampler), (val, val_sampler)])
+    }
+}
