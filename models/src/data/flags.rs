@@ -91,3 +91,43 @@ impl DataFlags {
         Ok([(train, sampler), (val, val_sampler)])
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samplers_split_the_data_and_refuse_a_bad_fraction() {
+        let flags = DataFlags::default();
+        let (_, dataset) = flags.load().unwrap();
+        let [(train, sampler), (val, val_sampler)] =
+            flags.samplers(&dataset, 7, 32, 4, true).unwrap();
+        assert_eq!(train.len() + val.len(), dataset.len());
+        assert!(val.len() * 9 < dataset.len() && val.len() * 11 > dataset.len());
+        assert_eq!(
+            (sampler.seed, sampler.block_size, sampler.global_batch),
+            (7, 32, 4)
+        );
+        assert_ne!(
+            val_sampler.seed, sampler.seed,
+            "held-out batches are drawn apart"
+        );
+        for fraction in [1.0, -0.1, f64::NAN] {
+            let bad = DataFlags {
+                val_fraction: fraction,
+                ..DataFlags::default()
+            };
+            let err = bad.samplers(&dataset, 7, 32, 4, true).unwrap_err();
+            assert!(err.to_string().contains("--val-fraction"), "{err}");
+        }
+    }
+
+    #[test]
+    fn microbatches_split_a_ranks_rows_in_order() {
+        assert_eq!(
+            BatchSampler::microbatches(4..12, 4),
+            [4..6, 6..8, 8..10, 10..12]
+        );
+        assert_eq!(BatchSampler::microbatches(0..3, 1), [0..3]);
+    }
+}

@@ -226,7 +226,14 @@ fn defaults_are_the_flags_defaults() {
     assert_eq!(d.data, DataFlags::default());
     // A stored configuration keeps its flat keys (checkpoints written before the groups load).
     let json = serde_json::to_value(&d).unwrap();
-    for key in ["preset", "n_layer", "dropout", "data", "tokenizer", "val_fraction"] {
+    for key in [
+        "preset",
+        "n_layer",
+        "dropout",
+        "data",
+        "tokenizer",
+        "val_fraction",
+    ] {
         assert!(json.get(key).is_some(), "{key} missing from {json}");
     }
     let back: PretrainConfig = serde_json::from_value(json).unwrap();
