@@ -2,7 +2,7 @@
 //! input and output embeddings tied, GPT-2 initialisation (nanoGPT / llm.c conventions).
 
 use crate::Error;
-use crate::init::{LayoutFn, Place, Values, Whole, build_in_layouts};
+use crate::init::{LayoutFn, Place, Values};
 use crate::lm::CausalLm;
 use burn::module::Param;
 use burn::nn::{LayerNorm, LayerNormConfig, Linear};
@@ -15,13 +15,15 @@ use wildfire_kernels::{FusedOps, ops};
 use wildfire_parallel::DistributedBackend;
 
 mod block;
-mod staged;
 
 use crate::lm::table_logits;
 pub use crate::lm::{PADDED_LOGIT, TokenSampler, cross_entropy};
+use crate::stage::PipelineStage;
+
+crate::stage::stage_inits!(GptConfig, GptStage);
+pub use crate::stage::{StageInput, generate_staged, stage_param_name, stage_pass};
 use block::layer_norm;
 pub use block::{Block, CausalSelfAttention, LN_EPSILON, MlpBlock};
-pub use staged::{generate_staged, stage_pass};
 
 /// The shape of a GPT model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -145,62 +147,6 @@ impl GptConfig {
     ) -> Result<Gpt<B>, Error> {
         let whole = self.init_stage_in_layouts(device, 0..self.n_layer, true, true, layouts)?;
         Ok(whole.into_gpt())
-    }
-
-    /// One pipeline stage of the model — blocks `blocks`, the embeddings when `first`, the final
-    /// norm and the (tied) output projection when `last` — with exactly the values and
-    /// parameter ids those parameters have in [`GptConfig::init`]'s whole model (the last
-    /// stage's copy of the tied table, when it is not also the first, gets an id of its own),
-    /// laid out as `layouts` says. No rank builds a parameter its stages do not hold.
-    pub fn init_stage_in_layouts<B: DistributedBackend>(
-        &self,
-        device: &B::Device,
-        blocks: Range<usize>,
-        first: bool,
-        last: bool,
-        layouts: impl LayoutFn,
-    ) -> Result<GptStage<B>, Error> {
-        self.validate()?;
-        self.check_stage(&blocks, first, last)?;
-        build_in_layouts(
-            device,
-            layouts,
-            |shapes| {
-                self.build(shapes, device, blocks.clone(), first, last);
-            },
-            |pieces| self.build(pieces, device, blocks.clone(), first, last),
-        )
-    }
-
-    /// [`GptConfig::init_stage_in_layouts`] on a plain backend: every value of the stage's
-    /// parameters.
-    pub fn init_stage<B: Backend>(
-        &self,
-        device: &B::Device,
-        blocks: Range<usize>,
-        first: bool,
-        last: bool,
-    ) -> Result<GptStage<B>, Error> {
-        self.validate()?;
-        self.check_stage(&blocks, first, last)?;
-        Ok(self.build(&mut Whole(device), device, blocks, first, last))
-    }
-
-    fn check_stage(&self, blocks: &Range<usize>, first: bool, last: bool) -> Result<(), Error> {
-        let fits = blocks.end <= self.n_layer
-            && (!first || blocks.start == 0)
-            && (!last || blocks.end == self.n_layer)
-            && (first || last || !blocks.is_empty());
-        if fits {
-            Ok(())
-        } else {
-            Err(Error::Config(format!(
-                "a pipeline stage of blocks {blocks:?} (first: {first}, last: {last}) in a model \
-                 of {} blocks: the first stage starts at block 0, the last ends at the last \
-                 block, and a middle stage holds at least one",
-                self.n_layer
-            )))
-        }
     }
 
     /// Blocks `blocks` of the model (the embeddings when `first`, the head when `last`), their
@@ -347,21 +293,7 @@ pub struct GptStage<B: Backend> {
     pub vocab_used: usize,
 }
 
-/// A stage's input: token ids on the first stage, the previous stage's hidden states elsewhere.
-#[derive(Clone, Debug)]
-pub enum StageInput<B: Backend> {
-    /// `[b, t]` token ids.
-    Tokens(Tensor<B, 2, Int>),
-    /// `[b, t, d]` hidden states.
-    Hidden(Tensor<B, 3>),
-}
-
 impl<B: Backend> GptStage<B> {
-    /// Whether the stage holds the embeddings.
-    pub fn is_first(&self) -> bool {
-        self.wpe.is_some()
-    }
-
     /// Whether the stage holds the final norm and the output projection.
     pub fn is_last(&self) -> bool {
         self.ln_f.is_some()
@@ -373,7 +305,7 @@ impl<B: Backend> GptStage<B> {
     /// On a stage that is not the whole model.
     pub fn into_gpt(self) -> Gpt<B> {
         assert!(
-            self.is_first() && self.is_last() && self.blocks.len() == self.n_layer,
+            self.wpe.is_some() && self.is_last() && self.blocks.len() == self.n_layer,
             "only a stage that holds every block, the embeddings and the head is a whole GPT"
         );
         Gpt {
@@ -386,48 +318,9 @@ impl<B: Backend> GptStage<B> {
         }
     }
 
-    /// The whole model's name of the parameter at `path` in this stage (the stage's block `i`
-    /// is the model's `first_block + i`): checkpoints of a pipelined run hold the whole model
-    /// under its own names, so any layout, pipelined or not, resumes from them.
-    pub fn model_name(&self, path: &str) -> String {
-        stage_param_name(self.first_block, path)
-    }
-
-    /// [`GptStage::model_name`] for saving: `None` for the last stage's copy of the tied table
-    /// (the first stage saves it).
-    pub fn saved_name(&self, path: &str) -> Option<String> {
-        let tied_copy = !self.is_first() && path == "wte";
-        (!tied_copy).then(|| self.model_name(path))
-    }
-
-    /// The token table's copy on the first and on the last stage (the tied parameter, whose
-    /// gradients the pipeline sums): its id, or none on a middle stage.
-    pub fn tied_table(&self) -> Vec<burn::module::ParamId> {
-        self.wte.as_ref().map(|p| p.id).into_iter().collect()
-    }
-
-    /// The last stage's copy of the tied table (it equals the first's: gathers and saves leave
-    /// it out); `None` on the first stage and the middle ones.
-    pub fn tied_copy(&self) -> Option<burn::module::ParamId> {
-        (!self.is_first())
-            .then(|| self.tied_table().pop())
-            .flatten()
-    }
-
     /// The ids the stage's parameters have in the whole model (`deterministic_ids`' numbering:
     /// 1, 2, 3, … in the whole model's visiting order: `wte`, `wpe`, the blocks, `ln_f`).
     fn with_model_ids(self) -> Self {
-        struct Ids(std::vec::IntoIter<u64>);
-        impl<B: Backend> burn::module::ModuleMapper<B> for Ids {
-            fn map_float<const D: usize>(
-                &mut self,
-                param: Param<Tensor<B, D>>,
-            ) -> Param<Tensor<B, D>> {
-                let (_, tensor, mapper) = param.consume();
-                let id = self.0.next().expect("an id per parameter");
-                Param::from_mapped_value(burn::module::ParamId::from(id), tensor, mapper)
-            }
-        }
         let per_block = self.blocks.first().map_or(0, |b| b.num_params_tensors()) as u64;
         let (start, layers) = (self.first_block as u64, self.n_layer as u64);
         let head = 3 + per_block * layers;
@@ -435,9 +328,9 @@ impl<B: Backend> GptStage<B> {
         if self.wte.is_some() {
             // The last stage's copy of the tied table, unless it is also the first: one past
             // the whole model's last id.
-            ids.push(if self.is_first() { 1 } else { head + 2 });
+            ids.push(if self.wpe.is_some() { 1 } else { head + 2 });
         }
-        if self.is_first() {
+        if self.wpe.is_some() {
             ids.push(2);
         }
         let blocks = 3 + per_block * start;
@@ -445,22 +338,7 @@ impl<B: Backend> GptStage<B> {
         if self.is_last() {
             ids.extend([head, head + 1]);
         }
-        self.map(&mut Ids(ids.into_iter()))
-    }
-}
-
-/// `blocks.{i}.…` of a stage whose first block is the model's `first_block`, as the model names
-/// it: `blocks.{first_block + i}.…`; other paths unchanged ([`GptStage::model_name`] without a
-/// stage at hand).
-pub fn stage_param_name(first_block: usize, path: &str) -> String {
-    let Some(rest) = path.strip_prefix("blocks.") else {
-        return path.to_string();
-    };
-    let (index, tail) = rest.split_once('.').unwrap_or((rest, ""));
-    match index.parse::<usize>() {
-        Ok(i) if tail.is_empty() => format!("blocks.{}", first_block + i),
-        Ok(i) => format!("blocks.{}.{tail}", first_block + i),
-        Err(_) => path.to_string(),
+        crate::stage::with_ids(self, ids)
     }
 }
 
@@ -509,14 +387,22 @@ fn head<B: FusedOps>(
     table_logits(layer_norm(ln_f, x), wte.val(), used)
 }
 
-impl<B: FusedOps> GptStage<B> {
-    /// The stage's output with the trainer's hooks: the logits `[b, t, vocab]` on the last
-    /// stage, hidden states `[b, t, d]` elsewhere.
-    ///
-    /// # Panics
-    /// When `input` is token ids on a stage that is not the first, or hidden states on the
-    /// first.
-    pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
+impl<B: FusedOps> PipelineStage<B> for GptStage<B> {
+    const TABLE: &'static str = "wte";
+
+    fn is_first(&self) -> bool {
+        self.wpe.is_some()
+    }
+
+    fn first_block(&self) -> usize {
+        self.first_block
+    }
+
+    fn tied_table(&self) -> Vec<burn::module::ParamId> {
+        self.wte.as_ref().map(|p| p.id).into_iter().collect()
+    }
+
+    fn forward_with<'a, H: ForwardHooks<'a, B>>(
         &self,
         input: StageInput<B>,
         hooks: &H,

@@ -11,6 +11,7 @@ mod lm;
 pub mod memory;
 pub mod parallelize;
 mod shape;
+pub mod stage;
 
 pub use error::Error;
 pub use family::{ModelConfig, Preset};

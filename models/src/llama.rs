@@ -11,11 +11,11 @@
 use crate::CausalLm;
 use crate::Error;
 use crate::init::{LayoutFn, Place, Values, Whole, build_in_layouts};
-use crate::lm::table_logits;
 use burn::module::Param;
 use burn::nn::RmsNorm;
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 use std::path::Path;
 use wildfire_kernels::FusedOps;
 use wildfire_kernels::hooks::ForwardHooks;
@@ -24,10 +24,14 @@ use wildfire_parallel::DistributedBackend;
 mod block;
 mod parallel;
 mod rope;
+mod stage;
 
 pub use block::{LlamaAttention, LlamaBlock, SwiGlu};
-pub use parallel::{init_llama, llama_tp_plan, parallelize_llama};
+pub use parallel::{
+    init_llama, init_llama_stage, init_llama_stages, llama_tp_plan, parallelize_llama,
+};
 pub use rope::{Llama3Scaling, Rope, apply_rope};
+pub use stage::LlamaStage;
 
 /// A Llama model's shape.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -302,7 +306,10 @@ impl LlamaConfig {
     /// `transformers` initialises a Llama), norms at 1.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Result<Llama<B>, Error> {
         self.validate()?;
-        Ok(self.build(&mut Whole(device), device))
+        let n = self.n_layer;
+        Ok(self
+            .build(&mut Whole(device), device, 0..n, true, true)
+            .into_llama())
     }
 
     /// The model already laid out over `device`'s mesh, each parameter in the layout `layouts`
@@ -318,15 +325,28 @@ impl LlamaConfig {
             device,
             layouts,
             |shapes| {
-                self.build(shapes, device);
+                self.build(shapes, device, 0..self.n_layer, true, true);
             },
-            |pieces| self.build(pieces, device),
+            |pieces| {
+                let n = self.n_layer;
+                self.build(pieces, device, 0..n, true, true).into_llama()
+            },
         )
     }
 
-    /// The model, its parameters made by `place`; each has its own stream (per block its seven
-    /// projections, then the token table and the head).
-    fn build<B: Backend>(&self, place: &mut impl Place<B>, device: &B::Device) -> Llama<B> {
+    /// Blocks `range` of the model (the token table when `first`; the final norm and the head
+    /// when `last`, a copy of the token table for a tied head), their parameters made by `place`
+    /// under stage-local paths (`layers.0` is the stage's first block: the parallel plans match
+    /// them by pattern). Every parameter's values have their own stream, numbered as in the
+    /// whole model, so a stage holds exactly the whole model's values.
+    fn build<B: Backend>(
+        &self,
+        place: &mut impl Place<B>,
+        device: &B::Device,
+        range: Range<usize>,
+        first: bool,
+        last: bool,
+    ) -> LlamaStage<B> {
         let (d, hd) = (self.d_model, self.head_dim());
         let normal = |count: usize| Values::Normal {
             stream: self.init_seed ^ (count as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
@@ -341,9 +361,11 @@ impl LlamaConfig {
             epsilon: self.rms_eps,
         };
         let (q, kv) = (self.n_head * hd, self.n_kv_head * hd);
-        let layers = (0..self.n_layer)
+        let layers = range
+            .clone()
             .map(|l| {
-                let at = |s: &str| format!("layers.{l}.{s}");
+                let i = l - range.start;
+                let at = |s: &str| format!("layers.{i}.{s}");
                 let c = 7 * l;
                 LlamaBlock {
                     input_layernorm: norm(),
@@ -366,18 +388,25 @@ impl LlamaConfig {
             .collect();
         let tables = 7 * self.n_layer;
         let vocab = self.vocab_size;
-        let embed_tokens =
-            Param::from_tensor(place.tensor("embed_tokens", [vocab, d], normal(tables + 1)));
-        let lm_head = (!self.tie_embeddings)
+        let tied = self.tie_embeddings;
+        let embed_tokens = (first || (last && tied)).then(|| {
+            Param::from_tensor(place.tensor("embed_tokens", [vocab, d], normal(tables + 1)))
+        });
+        let lm_head = (last && !tied)
             .then(|| Param::from_tensor(place.tensor("lm_head", [vocab, d], normal(tables + 2))));
-        Llama {
+        LlamaStage {
             embed_tokens,
             layers,
-            norm: norm(),
+            norm: last.then(norm),
             lm_head,
             rope: self.rope,
+            first,
+            tied,
+            first_block: range.start,
+            n_layer: self.n_layer,
             vocab_used: self.vocab_used.unwrap_or(vocab),
         }
+        .with_model_ids()
     }
 }
 
@@ -405,22 +434,11 @@ impl<B: FusedOps> CausalLm<B> for Llama<B> {
         idx: Tensor<B, 2, Int>,
         hooks: &H,
     ) -> Tensor<B, 3> {
-        let [_, t] = idx.dims();
-        let device = idx.device();
-        let mut x = burn::tensor::module::embedding(self.embed_tokens.val(), idx);
-        let hd =
-            self.embed_tokens.dims()[1] / self.layers.first().map_or(1, |l| l.self_attn.n_head);
-        let rope = self.rope.tables::<B>(t, hd, &device);
+        let x = burn::tensor::module::embedding(self.embed_tokens.val(), idx);
         let n = self.layers.len();
-        for (layer, block) in self.layers.iter().enumerate() {
-            let rope = rope.clone();
-            x = hooks.block(layer, n, block, x, move |block, x, hooks| {
-                block.forward_with(layer, x, &rope, hooks)
-            });
-        }
-        let x = block::rms_norm(&self.norm, x);
+        let x = stage::run_layers(&self.layers, &self.rope, 0, n, x, hooks);
         let table = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        table_logits(x, table.val(), self.vocab_used)
+        stage::head(&self.norm, table, x, self.vocab_used)
     }
 }
 

@@ -393,14 +393,26 @@ pub fn init_gpt_stage<B: DistributedBackend>(
     let stage = config.init_stage_in_layouts(device, blocks, first, last, |params, mesh| {
         planned_layouts(params, mesh, plan.as_ref(), parallel.fsdp)
     })?;
+    // Sequence parallelism (no parameter's layout changes; it sets the rank's policy), the
+    // final norm on the last stage.
+    let plan = plan.map(|plan| match parallel.sp {
+        true => with_sequence_parallel(plan, parallel, last),
+        false => plan,
+    });
+    lay_out_stage(stage, device, plan.as_ref(), parallel)
+}
+
+/// A pipeline stage built in its layouts, laid out as they say: tensor parallel by `plan`, then
+/// the data-parallel strategy.
+pub(crate) fn lay_out_stage<B: DistributedBackend, M: burn::module::Module<B>>(
+    stage: M,
+    device: &B::Device,
+    plan: Option<&TpPlan>,
+    parallel: &ParallelConfig,
+) -> Result<M, Error> {
     let mesh = B::dist_device(device).mesh().clone();
     let stage = match plan {
-        // Sequence parallelism (no parameter's layout changes; it sets the rank's policy), the
-        // final norm on the last stage.
-        Some(plan) if parallel.sp => {
-            tensor_parallel(stage, &mesh, &with_sequence_parallel(plan, parallel, last))?
-        }
-        Some(plan) => tensor_parallel(stage, &mesh, &plan)?,
+        Some(plan) => tensor_parallel(stage, &mesh, plan)?,
         None => stage,
     };
     Ok(fully_shard(stage, &mesh, parallel.fsdp)?)
@@ -415,7 +427,21 @@ pub fn init_gpt_stages<B: DistributedBackend>(
     parallel: &ParallelConfig,
     schedule: &Schedule,
 ) -> Result<Vec<(usize, GptStage<B>)>, Error> {
-    let plan = StagePlan::balanced(config.n_layer, schedule.stages())?;
+    init_stages::<B, _>(config.n_layer, device, schedule, |blocks, first, last| {
+        init_gpt_stage(config, device, parallel, blocks, first, last)
+    })
+}
+
+/// The stages of `schedule` that the rank of `device` holds, in chunk order, each with its stage
+/// number: a [`StagePlan::balanced`] split of `n_layer` blocks (the longer runs first), a stage
+/// of blocks `blocks` made by `init(blocks, first, last)` (the rank draws only its pieces).
+pub(crate) fn init_stages<B: DistributedBackend, S>(
+    n_layer: usize,
+    device: &B::Device,
+    schedule: &Schedule,
+    mut init: impl FnMut(Range<usize>, bool, bool) -> Result<S, Error>,
+) -> Result<Vec<(usize, S)>, Error> {
+    let plan = StagePlan::balanced(n_layer, schedule.stages())?;
     let dist = B::dist_device(device);
     let mesh = dist.mesh();
     let axis = mesh.axis_index(PIPELINE_AXIS)?;
@@ -427,9 +453,7 @@ pub fn init_gpt_stages<B: DistributedBackend>(
         .zip(chunks)
         .map(|(stage, blocks)| {
             tracing::debug!(stage, ?blocks, "pipeline stage");
-            let chunk =
-                init_gpt_stage(config, device, parallel, blocks, stage == 0, stage == last)?;
-            Ok((stage, chunk))
+            Ok((stage, init(blocks, stage == 0, stage == last)?))
         })
         .collect()
 }

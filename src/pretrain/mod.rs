@@ -176,18 +176,6 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     }
     // 2. Data and model shape; the batch sampler gives every data-parallel rank its rows.
     let data = load_data(config)?;
-    // Pipeline stages: the GPT's.
-    let stages = match (config.parallel.pp > 1, &data.model) {
-        (false, _) => None,
-        (true, ModelConfig::Gpt(c)) => Some(c),
-        (true, _) => {
-            return Err(PretrainError::Config(format!(
-                "--pp {}: pipeline stages are built for the GPT family; train --preset {} \
-                 without --pp (FSDP, --tp, --sp and --recompute apply)",
-                config.parallel.pp, config.model.preset
-            )));
-        }
-    };
     let validate = config.eval_iters > 0;
     let (seed, block) = (config.seed, data.model.block_size());
     let [(train, sampler), (val, val_sampler)] =
@@ -234,9 +222,10 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
                 .map(|(state, checkpoint)| (checkpoint, state.scaler.clone())),
             first_step,
         };
-        let result = match stages {
-            Some(model) => run.train_pipelined(&device, model),
-            None => run.train(&device),
+        let result = if config.parallel.pp > 1 {
+            run.train_pipelined(&device)
+        } else {
+            run.train(&device)
         };
         // A rank that stops with an error releases the others from waiting for it (ranks as
         // threads): they fail at once, naming it and its error.

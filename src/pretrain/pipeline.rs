@@ -1,80 +1,96 @@
 //! The training loop of one rank of a pipeline-parallel run (`--pp N`): the rank builds only
-//! its stages of the GPT (the blocks the [`StagePlan`] gives them, the embeddings on the first
-//! stage, the final norm and the tied head on the last), then per step runs its part of the
+//! its stages of the model (the blocks the [`StagePlan`] gives them, the token table on the
+//! first stage, the final norm and the head on the last), then per step runs its part of the
 //! schedule ([`StepRunner::run_pipeline`]), reports the metrics of the whole mesh, and evaluates
-//! by a forward-only pass through the stages.
+//! by a forward-only pass through the stages. Any family's stages ([`PipelineStage`]).
 
 use super::rank::{StepAt, Trainee};
 use super::*;
 use burn::optim::AdamW;
 use wildfire_engine::StepRecord;
-use wildfire_models::gpt::{
-    GptStage, StageInput, cross_entropy, generate_staged, stage_param_name, stage_pass,
-};
+use wildfire_models::gpt::cross_entropy;
+use wildfire_models::llama::init_llama_stages;
 use wildfire_models::parallelize::init_gpt_stages;
+use wildfire_models::stage::{PipelineStage, StageInput, generate_staged, stage_pass};
 use wildfire_parallel::pipeline::{Schedule, StagePasses, gather_stage_parameters};
 
 type A<B> = Autodiff<Distributed<B>>;
 
-/// A stage without autodiff (forward-only passes).
-type InferenceStage<B> = GptStage<Distributed<B>>;
+/// A stage type the driver trains: a [`PipelineStage`] on `Autodiff<Distributed<B>>` whose
+/// inner module (forward-only passes) is one too.
+pub(super) trait Stage<B: FusedOps>:
+    PipelineStage<A<B>> + AutodiffModule<A<B>, InnerModule: PipelineStage<Distributed<B>>> + 'static
+{
+}
+
+impl<B: FusedOps, S> Stage<B> for S where
+    S: PipelineStage<A<B>>
+        + AutodiffModule<A<B>, InnerModule: PipelineStage<Distributed<B>>>
+        + 'static
+{
+}
 
 /// A rank's stages, in chunk order, with their stage numbers, optimizers and schedule.
-pub(super) struct Stages<B: FusedOps> {
-    chunks: Vec<GptStage<A<B>>>,
+pub(super) struct Stages<B: FusedOps, S: Stage<B>> {
+    chunks: Vec<S>,
     /// Chunk `c` is stage `c·p + r`.
     numbers: Vec<usize>,
-    optims: Vec<StageOptimizer<B>>,
+    optims: Vec<StageOptimizer<B, S>>,
     schedule: Schedule,
 }
 
-type StageOptimizer<B> =
-    FsdpOptimizer<burn::optim::adaptor::OptimizerAdaptor<AdamW, GptStage<A<B>>, A<B>>>;
+type StageOptimizer<B, S> = FsdpOptimizer<burn::optim::adaptor::OptimizerAdaptor<AdamW, S, A<B>>>;
 
 impl RankRun<'_> {
-    /// Train this rank's stages of the GPT `model` (see the module docs); the summary's
-    /// losses are the mesh's.
+    /// Train this rank's stages of the model (see the module docs): the plan splits the blocks
+    /// as evenly as they go (the longer runs first), each rank draws only its stages'
+    /// parameters; the summary's losses are the mesh's.
     pub fn train_pipelined<B: FusedOps>(
         &self,
         device: &DistDevice<B>,
-        model: &GptConfig,
     ) -> Result<RunSummary, PretrainError> {
         self.set_policy(device.context());
-        let schedule = self.config.parallel.schedule()?;
-        let stages = self.build_stages::<B>(device, model, schedule)?;
-        let microbatches = stages.schedule.microbatches();
-        self.train_loop(device, stages, microbatches)
+        let (parallel, schedule) = (&self.config.parallel, self.config.parallel.schedule()?);
+        match &self.data.model {
+            ModelConfig::Gpt(c) => {
+                let chunks = init_gpt_stages(c, device, parallel, &schedule)?;
+                self.train_stages(device, chunks, schedule)
+            }
+            ModelConfig::Llama(c) => {
+                let chunks = init_llama_stages(c, device, parallel, &schedule)?;
+                self.train_stages(device, chunks, schedule)
+            }
+        }
     }
 
-    /// This rank's stages under `schedule`: the plan splits the blocks as evenly as they go
-    /// (the longer runs first), and each rank draws only its stages' parameters; AdamW (β₂
-    /// 0.95, the configured weight decay) per stage.
-    fn build_stages<B: FusedOps>(
+    /// `chunks` (stage number, stage) trained under `schedule` with AdamW (β₂ 0.95, the
+    /// configured weight decay) per stage.
+    fn train_stages<B: FusedOps, S: Stage<B>>(
         &self,
         device: &DistDevice<B>,
-        model: &GptConfig,
+        chunks: Vec<(usize, S)>,
         schedule: Schedule,
-    ) -> Result<Stages<B>, PretrainError> {
-        let parallel = &self.config.parallel;
-        let chunks = init_gpt_stages(model, device, parallel, &schedule)?;
+    ) -> Result<RunSummary, PretrainError> {
         let adamw = AdamWConfig::new()
             .with_beta_2(0.95)
             .with_weight_decay(self.config.weight_decay as f32);
         let optims = chunks
             .iter()
-            .map(|_| FsdpOptimizer::new(adamw.init::<A<B>, GptStage<A<B>>>()))
+            .map(|_| FsdpOptimizer::new(adamw.init::<A<B>, S>()))
             .collect();
         let (numbers, chunks) = chunks.into_iter().unzip();
-        Ok(Stages {
+        let microbatches = schedule.microbatches();
+        let stages = Stages {
             chunks,
             numbers,
             optims,
             schedule,
-        })
+        };
+        self.train_loop(device, stages, microbatches)
     }
 }
 
-impl<B: FusedOps> Trainee<B> for Stages<B> {
+impl<B: FusedOps, S: Stage<B>> Trainee<B> for Stages<B, S> {
     /// This rank's part of the schedule ([`StepRunner::run_pipeline`]); the loss is the mesh's.
     fn step(
         &mut self,
@@ -88,8 +104,8 @@ impl<B: FusedOps> Trainee<B> for Stages<B> {
             &mut self.optims,
             at.lr,
             at.seeds,
-            GptStage::tied_table,
-            |chunk: &GptStage<A<B>>, _stage, mb, input, ckpt| {
+            S::tied_table,
+            |chunk: &S, _stage, mb, input, ckpt| {
                 let input = match input {
                     Some(hidden) => StageInput::Hidden(hidden),
                     None => StageInput::Tokens((at.batch)(mb)[0].clone()),
@@ -116,8 +132,8 @@ impl<B: FusedOps> Trainee<B> for Stages<B> {
     /// whatever layout saved it: each stage reads its blocks' pieces.
     fn load(&mut self, weights: &Checkpoint, optimizer: bool) -> Result<(), PretrainError> {
         for (chunk, optim) in self.chunks.iter_mut().zip(self.optims.iter_mut()) {
-            let first = chunk.first_block;
-            let name = move |path: &str| stage_param_name(first, path);
+            let first = chunk.first_block();
+            let name = move |path: &str| wildfire_models::stage::stage_param_name(first, path);
             *chunk = weights.load_model_named(chunk.clone(), &name)?;
             if optimizer {
                 let record = weights.load_optimizer_named::<A<B>, _, AdamW>(chunk, &name)?;
@@ -167,7 +183,7 @@ impl<B: FusedOps> Trainee<B> for Stages<B> {
 
     /// The last stage's copy of the tied table left out (it equals the first's).
     fn parameters(&self, device: &DistDevice<B>) -> Result<Vec<Vec<f32>>, PretrainError> {
-        let copy = GptStage::tied_copy;
+        let copy = S::tied_copy;
         Ok(gather_stage_parameters(device, &self.chunks, copy)?)
     }
 
@@ -182,12 +198,12 @@ impl<B: FusedOps> Trainee<B> for Stages<B> {
     }
 }
 
-impl<B: FusedOps> Stages<B> {
+impl<B: FusedOps, S: Stage<B>> Stages<B, S> {
     /// Forward-only passes through this rank's stages, and the stages without autodiff.
     fn passes<'a>(
         &'a self,
         device: &'a DistDevice<B>,
-    ) -> Result<(StagePasses<'a, B>, Vec<InferenceStage<B>>), PretrainError> {
+    ) -> Result<(StagePasses<'a, B>, Vec<S::InnerModule>), PretrainError> {
         let passes = StagePasses::new(device, &self.numbers, self.schedule.stages())?;
         Ok((passes, self.chunks.iter().map(|c| c.valid()).collect()))
     }

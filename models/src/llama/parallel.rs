@@ -2,9 +2,11 @@
 //! gate and up column-wise; o and down row-wise; the token table and the head
 //! vocabulary-parallel, so the cross-entropy is loss-parallel), then the data-parallel strategy.
 
-use super::{Llama, LlamaConfig};
+use super::{Llama, LlamaConfig, LlamaStage};
 use crate::Error;
-use crate::parallelize::ParallelConfig;
+use crate::parallelize::{ParallelConfig, init_stages, lay_out_stage};
+use std::ops::Range;
+use wildfire_parallel::pipeline::Schedule;
 use wildfire_parallel::{
     DeviceMesh, DistributedBackend, TpPlan, TpStyle, fully_shard, planned_layouts, tensor_parallel,
 };
@@ -13,26 +15,35 @@ use wildfire_parallel::{
 /// heads: the plan is refused unless tp divides them (each rank then holds whole key/value heads
 /// and the query heads they serve).
 pub fn llama_tp_plan(n_kv_head: usize) -> TpPlan {
+    llama_block_tp_plan(n_kv_head).with("embed_tokens|lm_head", TpStyle::VocabParallel)
+}
+
+/// [`llama_tp_plan`] for the blocks alone (a middle pipeline stage, without the tables).
+fn llama_block_tp_plan(n_kv_head: usize) -> TpPlan {
     TpPlan::new()
         .with("layers.*.self_attn.q_proj|k_proj|v_proj", TpStyle::Colwise)
         .with("layers.*.self_attn.o_proj", TpStyle::Rowwise)
         .with("layers.*.mlp.gate_proj|up_proj", TpStyle::Colwise)
         .with("layers.*.mlp.down_proj", TpStyle::Rowwise)
-        .with("embed_tokens|lm_head", TpStyle::VocabParallel)
         .with_heads("layers.*.self_attn", n_kv_head)
 }
 
-/// `plan` with sequence parallelism over the norms when `parallel.sp`.
-fn with_sp(plan: TpPlan, parallel: &ParallelConfig) -> TpPlan {
+/// `plan` with sequence parallelism over the blocks' norms and, with `final_norm`, the final
+/// norm (the whole model, or the last pipeline stage) when `parallel.sp`.
+fn with_sp(plan: TpPlan, parallel: &ParallelConfig, final_norm: bool) -> TpPlan {
     if !parallel.sp {
         return plan;
     }
-    plan.with(
+    let plan = plan.with(
         "layers.*.input_layernorm|post_attention_layernorm",
         TpStyle::SequenceParallel,
-    )
-    .with("norm", TpStyle::SequenceParallel)
-    .with_keep_sequence_gathers(parallel.sp_keep_gathers)
+    );
+    let plan = if final_norm {
+        plan.with("norm", TpStyle::SequenceParallel)
+    } else {
+        plan
+    };
+    plan.with_keep_sequence_gathers(parallel.sp_keep_gathers)
 }
 
 /// Build the Llama already laid out as [`parallelize_llama`] lays it out on `device`'s mesh,
@@ -59,9 +70,51 @@ pub fn parallelize_llama<B: DistributedBackend>(
     parallel.check_available()?;
     let model = if parallel.tp > 1 {
         let kv = model.layers.first().map_or(1, |l| l.self_attn.n_kv_head);
-        tensor_parallel(model, mesh, &with_sp(llama_tp_plan(kv), parallel))?
+        tensor_parallel(model, mesh, &with_sp(llama_tp_plan(kv), parallel, true))?
     } else {
         model
     };
     Ok(fully_shard(model, mesh, parallel.fsdp)?)
+}
+
+/// One pipeline stage of the Llama (blocks `blocks`; the token table when `first`, the norm and
+/// head when `last`), laid out as [`parallelize_llama`] lays out the whole model (tensor
+/// parallel, then the data-parallel strategy), each rank drawing only its pieces.
+pub fn init_llama_stage<B: DistributedBackend>(
+    config: &LlamaConfig,
+    device: &B::Device,
+    parallel: &ParallelConfig,
+    blocks: Range<usize>,
+    first: bool,
+    last: bool,
+) -> Result<LlamaStage<B>, Error> {
+    parallel.check_available()?;
+    // The vocabulary-parallel tables only where the stage holds them.
+    let plan = (parallel.tp > 1).then(|| {
+        let kv = config.n_kv_head;
+        if first || last {
+            llama_tp_plan(kv)
+        } else {
+            llama_block_tp_plan(kv)
+        }
+    });
+    let stage = config.init_stage_in_layouts(device, blocks, first, last, |params, mesh| {
+        planned_layouts(params, mesh, plan.as_ref(), parallel.fsdp)
+    })?;
+    let plan = plan.map(|plan| with_sp(plan, parallel, last));
+    lay_out_stage(stage, device, plan.as_ref(), parallel)
+}
+
+/// The stages of `schedule` that the rank of `device` holds, in chunk order, each with its stage
+/// number: a `StagePlan::balanced` split of the blocks, each stage laid out by
+/// [`init_llama_stage`] (the rank draws only its pieces).
+pub fn init_llama_stages<B: DistributedBackend>(
+    config: &LlamaConfig,
+    device: &B::Device,
+    parallel: &ParallelConfig,
+    schedule: &Schedule,
+) -> Result<Vec<(usize, LlamaStage<B>)>, Error> {
+    init_stages::<B, _>(config.n_layer, device, schedule, |blocks, first, last| {
+        init_llama_stage(config, device, parallel, blocks, first, last)
+    })
 }

@@ -313,3 +313,87 @@ fn a_tiny_llama_learns_a_batch() {
     }
     assert!(losses[7] < 0.6 * losses[0], "{losses:?}");
 }
+
+/// A Llama's pipeline stages are the whole model cut in pieces, tied and untied: every
+/// parameter has the whole model's value and id under the whole model's name, the saved names
+/// cover the whole model once (a tied table's copy on the last stage left out, its id one past
+/// the whole model's), and the stages' forward passes chained are the whole forward, bitwise.
+#[test]
+fn llama_stages_are_the_whole_model() {
+    use crate::stage::{PipelineStage, StageInput};
+    use burn::module::{ModuleVisitor, Param};
+    use wildfire_checkpoint::safetensors::named_parameters;
+    use wildfire_kernels::hooks::Inference;
+    /// (id, values) of every parameter, in visiting order.
+    struct Ids(Vec<(u64, Vec<f32>)>);
+    impl<B: Backend> ModuleVisitor<B> for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            let values = param.val().into_data().convert::<f32>().to_vec().unwrap();
+            self.0.push((param.id.val(), values));
+        }
+    }
+    let device = Default::default();
+    for tied in [true, false] {
+        let config = LlamaConfig {
+            n_layer: 3,
+            d_model: 32,
+            ffn_hidden: 64,
+            block_size: 16,
+            tie_embeddings: tied,
+            init_seed: 7,
+            ..LlamaConfig::tiny(64)
+        };
+        let whole = config.init::<Flex>(&device).unwrap();
+        let mut whole_ids = Ids(Vec::new());
+        whole.visit(&mut whole_ids);
+        let ids: Vec<u64> = whole_ids.0.iter().map(|(id, _)| *id).collect();
+        assert_eq!(
+            ids,
+            (1..=ids.len() as u64).collect::<Vec<_>>(),
+            "tied {tied}"
+        );
+        let stages: Vec<LlamaStage<Flex>> = [(0..1, true, false), (1..3, false, true)]
+            .into_iter()
+            .map(|(blocks, first, last)| config.init_stage(&device, blocks, first, last))
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let (mut saved, mut by_id) = (Vec::new(), Vec::new());
+        for stage in &stages {
+            for (name, shape, values) in named_parameters(stage) {
+                if let Some(name) = stage.saved_name(&name) {
+                    saved.push((name, shape, values));
+                }
+            }
+            let mut visited = Ids(Vec::new());
+            stage.visit(&mut visited);
+            let copy = stage.tied_copy().map(|id| id.val());
+            assert_eq!(copy.is_some(), tied && !stage.first, "tied {tied}");
+            if let Some(copy) = copy {
+                assert_eq!(
+                    copy,
+                    ids.len() as u64 + 1,
+                    "the copy's id is past the model's"
+                );
+            }
+            by_id.extend(visited.0.into_iter().filter(|(id, _)| Some(*id) != copy));
+        }
+        saved.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut expected = named_parameters(&whole);
+        expected.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(saved, expected, "tied {tied}: names and values");
+        by_id.sort_by_key(|(id, _)| *id);
+        assert_eq!(by_id, whole_ids.0, "tied {tied}: ids and values");
+        let idx = Tensor::<Flex, 2, Int>::from_data(
+            TensorData::new((0..24i64).map(|i| (i * 7) % 64).collect(), [2, 12]),
+            &device,
+        );
+        let hidden = stages[0].forward_with(StageInput::Tokens(idx.clone()), &Inference);
+        let logits = stages[1].forward_with(StageInput::Hidden(hidden), &Inference);
+        let want = whole.forward(idx);
+        assert_eq!(
+            logits.into_data().to_vec::<f32>().unwrap(),
+            want.into_data().to_vec::<f32>().unwrap(),
+            "tied {tied}: the stages' logits"
+        );
+    }
+}

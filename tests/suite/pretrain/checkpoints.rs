@@ -227,3 +227,69 @@ fn non_finite_steps_stop_the_run() {
         assert!(err.to_string().contains(&format!("step {step}")), "{err}");
     }
 }
+
+/// Models `transformers` trained briefly (`tools/trained_reference.py`: a tiny GPT-2 with the
+/// tanh GELU and a tiny Llama-3 with an untied head, 300 AdamW steps on Shakespeare's bytes),
+/// started with `--init-from DIR`: the validation loss the run reports (lr 0, so its weights
+/// stay) is the mean of the losses `transformers` gives on the same windows — within 0.02 as
+/// the model issue asks, and in fact to f32 rounding.
+#[test]
+fn trained_transformers_models_give_their_validation_loss() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/trained");
+    for (family, preset) in [("gpt2", Preset::Tiny), ("llama", Preset::LlamaTiny)] {
+        let config = PretrainConfig {
+            model: ModelFlags {
+                preset,
+                block_size: Some(32),
+                ..ModelFlags::default()
+            },
+            data: DataFlags {
+                path: Some(root.join("data.txt")),
+                token_cache: Some(scratch(&format!("trained-{family}"))),
+                val_fraction: 0.5,
+                ..DataFlags::default()
+            },
+            init_from: Some(root.join(family)),
+            steps: 1,
+            lr: 0.0,
+            batch_size: 8,
+            eval_every: 1,
+            eval_iters: 8,
+            ..PretrainConfig::quiet()
+        };
+        let got = run(&config).unwrap().steps[0]
+            .val_loss
+            .expect("an evaluation");
+        // `transformers`' loss of every window of data.txt, by its first byte.
+        let bytes = std::fs::read(root.join(family).join("windows.safetensors")).unwrap();
+        let header = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let meta: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header]).unwrap();
+        let at = |i: usize| meta["loss"]["data_offsets"][i].as_u64().unwrap() as usize + 8 + header;
+        let losses: Vec<f32> = bytes[at(0)..at(1)]
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        // The windows the run evaluated: its validation sampler's, batch by batch.
+        let (_, dataset) = config.data.load().unwrap();
+        let [_, (val, sampler)] = (config.data)
+            .samplers(&dataset, config.seed, 32, config.batch_size, true)
+            .unwrap();
+        let mut sum = 0.0f64;
+        for i in 0..config.eval_iters {
+            for row in 0..config.batch_size {
+                let start = val.range().start + sampler.offset(i as u64, row, val.len());
+                sum += f64::from(losses[start]);
+            }
+        }
+        let want = sum / (config.eval_iters * config.batch_size) as f64;
+        let gap = (f64::from(got) - want).abs();
+        assert!(
+            gap < 0.02,
+            "{family}: val loss {got} vs transformers' {want}"
+        );
+        assert!(
+            gap < 1e-4,
+            "{family}: val loss {got} vs transformers' {want} (f32 rounding)"
+        );
+    }
+}

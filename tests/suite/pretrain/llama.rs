@@ -1,6 +1,7 @@
 //! The Llama family through the pretraining driver: sharded runs follow one rank, a resume is
 //! bitwise, a `transformers` directory starts a run (its `config.json` the shape), the last
-//! checkpoint exports under Hugging Face's names, and what is not built yet is refused.
+//! checkpoint exports under Hugging Face's names, pipeline stages (tied and untied heads) follow
+//! one rank, and what is not built yet is refused.
 
 use super::*;
 use wildfire::models::ModelConfig;
@@ -132,17 +133,6 @@ fn llama_refusals_are_typed() {
     };
     refused(
         PretrainConfig {
-            parallel: ParallelConfig {
-                pp: 2,
-                microbatches: 2,
-                ..ParallelConfig::default()
-            },
-            ..tiny_llama(1)
-        },
-        "pipeline stages",
-    );
-    refused(
-        PretrainConfig {
             model: ModelFlags {
                 dropout: 0.1,
                 ..tiny_llama(1).model
@@ -168,4 +158,124 @@ fn llama_refusals_are_typed() {
 #[test]
 fn llama_memory_estimate_equals_the_accounting() {
     estimate_matches_the_accounting(&tiny_llama(1));
+}
+
+/// The Llama's pipeline stages against one rank accumulating the same micro-batches (4 blocks,
+/// 10 steps, every loss, the validation losses and every parameter within 1e-5): 1F1B, ZB-H1 and
+/// interleaved at pp 2 with the tied head (the tied table's two copies take one summed gradient),
+/// 1F1B with full and selective recomputation inside the stages,
+/// 1F1B with the untied head of a `transformers` directory (its weights loaded stage by stage),
+/// and pp 2 × tp 2 with sequence parallelism and FSDP against the same layout without the
+/// pipeline. A checkpoint the stages saved resumes on one rank, no pipeline.
+#[test]
+fn llama_pipeline_stages_match_one_rank() {
+    let base = PretrainConfig {
+        model: ModelFlags {
+            n_layer: Some(4),
+            ..tiny_llama(10).model
+        },
+        batch_size: 8,
+        eval_every: 5,
+        eval_iters: 2,
+        ..tiny_llama(10)
+    };
+    let stages = |schedule: &str, virt: usize| ParallelConfig {
+        pp: 2,
+        pp_schedule: schedule.into(),
+        microbatches: 4,
+        pp_virtual: virt,
+        ..ParallelConfig::default()
+    };
+    let one = run(&PretrainConfig {
+        accum: 4,
+        ..base.clone()
+    })
+    .unwrap();
+    for (schedule, virt) in [("1f1b", 1), ("zb", 1), ("interleaved", 2)] {
+        let got = run(&PretrainConfig {
+            parallel: stages(schedule, virt),
+            ..base.clone()
+        })
+        .unwrap();
+        same_run(&format!("llama {schedule} pp 2"), &got, &one, 1e-5);
+    }
+    // Recomputation inside the stages: re-materialised, and the selective attention core.
+    for recompute in [Recompute::Full, Recompute::Selective] {
+        let got = run(&PretrainConfig {
+            parallel: ParallelConfig {
+                recompute,
+                ..stages("1f1b", 1)
+            },
+            ..base.clone()
+        })
+        .unwrap();
+        same_run(&format!("llama pp 2 {recompute:?}"), &got, &one, 1e-5);
+    }
+    // Untied: the transformers directory's shape and weights (2 blocks: a stage each).
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_tiny/untied");
+    let untied = PretrainConfig {
+        model: ModelFlags {
+            block_size: Some(24),
+            ..base.model.clone()
+        },
+        init_from: Some(dir),
+        ..base.clone()
+    };
+    let one_untied = run(&PretrainConfig {
+        accum: 4,
+        ..untied.clone()
+    })
+    .unwrap();
+    let got = run(&PretrainConfig {
+        parallel: stages("1f1b", 1),
+        ..untied.clone()
+    })
+    .unwrap();
+    same_run("llama untied 1f1b pp 2", &got, &one_untied, 1e-5);
+    // pp 2 × tp 2 + SP, FSDP over dp 2: against the same layout without stages.
+    let layout = ParallelConfig {
+        sp: true,
+        ..ParallelConfig::layout(2, 2, FsdpStrategy::FullShard, None)
+    };
+    let unpipelined = run(&PretrainConfig {
+        accum: 2,
+        parallel: layout.clone(),
+        ..base.clone()
+    })
+    .unwrap();
+    let got = run(&PretrainConfig {
+        parallel: ParallelConfig {
+            pp: 2,
+            pp_schedule: "1f1b".into(),
+            microbatches: 2,
+            ..layout
+        },
+        ..base.clone()
+    })
+    .unwrap();
+    same_run("llama dp 2 x pp 2 x tp 2 + SP", &got, &unpipelined, 1e-5);
+    // Saved by the stages at step 4, resumed on one rank without them.
+    let dir = scratch("llama-pp-resume");
+    run(&PretrainConfig {
+        parallel: stages("zb", 1),
+        save: Some(dir.clone()),
+        steps: 4,
+        ..base.clone()
+    })
+    .unwrap();
+    let resumed = run(&PretrainConfig {
+        accum: 4,
+        resume: Some(dir.clone()),
+        ..base.clone()
+    })
+    .unwrap();
+    assert_eq!(resumed.steps[0].step, 4);
+    tensors_close(
+        "llama pp checkpoint on one rank",
+        &resumed.parameters,
+        &one.parameters,
+        1e-5,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
