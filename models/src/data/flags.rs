@@ -26,6 +26,11 @@ pub struct DataFlags {
     /// Tokenizer for text: bytes or gpt2 (GPT-2 BPE, offline).
     #[arg(long, default_value = "bytes", help_heading = "Data")]
     pub tokenizer: TokenizerKind,
+    /// A Hugging Face `tokenizer.json` for text instead (Llama-3's, beside its weights), read
+    /// from the file: its vocabulary sizes the model; the token cache is keyed by its content.
+    #[serde(default)]
+    #[arg(long, value_name = "FILE", help_heading = "Data")]
+    pub tokenizer_file: Option<PathBuf>,
     /// Fraction of the tokens held out for validation.
     #[arg(long, default_value_t = 0.1, help_heading = "Data")]
     pub val_fraction: f64,
@@ -38,6 +43,7 @@ impl Default for DataFlags {
             path: None,
             token_cache: None,
             tokenizer: TokenizerKind::Bytes,
+            tokenizer_file: None,
             val_fraction: 0.1,
         }
     }
@@ -52,9 +58,13 @@ impl DataFlags {
         }
     }
 
-    /// The tokenizer and every token of the data (a text file's tokens through its cache).
+    /// The tokenizer (`--tokenizer-file`'s, else `--tokenizer`'s) and every token of the data (a
+    /// text file's tokens through its cache).
     pub fn load(&self) -> Result<(Tokenizer, TokenDataset), Error> {
-        let tokenizer = Tokenizer::new(self.tokenizer)?;
+        let tokenizer = match &self.tokenizer_file {
+            Some(file) => Tokenizer::from_file(file)?,
+            None => Tokenizer::new(self.tokenizer)?,
+        };
         let cache = self.token_cache.as_deref();
         let dataset = TokenDataset::load_with_cache(&self.source(), &tokenizer, true, cache)?;
         Ok((tokenizer, dataset))

@@ -1,9 +1,12 @@
-//! Tokenizers: raw bytes, or GPT-2's BPE (`r50k_base` from `tiktoken-rs`, bundled: no download).
+//! Tokenizers: raw bytes, GPT-2's BPE (`r50k_base` from `tiktoken-rs`, bundled: no download),
+//! or a Hugging Face `tokenizer.json` from a local file (Llama-3's, through the `tokenizers`
+//! crate).
 
 use std::fmt;
+use std::path::Path;
 use std::str::FromStr;
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use tiktoken_rs::CoreBPE;
 
@@ -17,6 +20,8 @@ pub enum TokenizerKind {
     Bytes,
     /// GPT-2's byte-level BPE (`r50k_base`): vocab 50257, `<|endoftext|>` = 50256.
     Gpt2,
+    /// A Hugging Face `tokenizer.json` ([`Tokenizer::from_file`]; `--tokenizer-file`).
+    Json,
 }
 
 impl TokenizerKind {
@@ -25,14 +30,7 @@ impl TokenizerKind {
         match self {
             Self::Bytes => "bytes",
             Self::Gpt2 => "gpt2",
-        }
-    }
-
-    /// The vocabulary size of this tokenizer.
-    pub fn vocab_size(self) -> usize {
-        match self {
-            Self::Bytes => 256,
-            Self::Gpt2 => GPT2_VOCAB_SIZE,
+            Self::Json => "json",
         }
     }
 }
@@ -65,12 +63,23 @@ pub const GPT2_END_OF_TEXT: u32 = 50256;
 /// The UTF-8 encoding of U+FFFD, written for token ids a tokenizer cannot decode.
 const REPLACEMENT: &[u8] = "\u{FFFD}".as_bytes();
 
-/// A text ↔ token-id codec. Cheap to clone (the GPT-2 tables are built once per process).
+/// A text ↔ token-id codec. Cheap to clone (the GPT-2 tables are built once per process, a
+/// `tokenizer.json` once per [`Tokenizer::from_file`]).
 #[derive(Clone)]
 pub struct Tokenizer {
     kind: TokenizerKind,
     /// GPT-2's BPE, `Some` iff `kind == Gpt2`.
     bpe: Option<&'static CoreBPE>,
+    /// A `tokenizer.json`, `Some` iff `kind == Json`.
+    json: Option<Arc<JsonTokenizer>>,
+}
+
+/// A loaded `tokenizer.json`: the codec, its file's content hash (the token cache's key) and
+/// its vocabulary with the added tokens.
+struct JsonTokenizer {
+    codec: tokenizers::Tokenizer,
+    hash: u64,
+    vocab: usize,
 }
 
 impl fmt::Debug for Tokenizer {
@@ -98,8 +107,47 @@ impl Tokenizer {
         let bpe = match kind {
             TokenizerKind::Bytes => None,
             TokenizerKind::Gpt2 => Some(gpt2_bpe()?),
+            TokenizerKind::Json => {
+                return Err(Error::Tokenizer(
+                    "a tokenizer.json is read from its file: Tokenizer::from_file".into(),
+                ));
+            }
         };
-        Ok(Self { kind, bpe })
+        Ok(Self {
+            kind,
+            bpe,
+            json: None,
+        })
+    }
+
+    /// A Hugging Face `tokenizer.json` (as `transformers` saves it beside a model: Llama-3's,
+    /// for one), read from `path` (no download). Its special tokens written in a text read as
+    /// themselves; no template is applied (a data file holds its own document markers).
+    pub fn from_file(path: &Path) -> Result<Self, Error> {
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let codec = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+            Error::Tokenizer(format!("{}: not a tokenizer.json: {e}", path.display()))
+        })?;
+        let vocab = codec.get_vocab_size(true);
+        let json = JsonTokenizer {
+            codec,
+            hash: xxhash_rust::xxh3::xxh3_64(&bytes),
+            vocab,
+        };
+        Ok(Self {
+            kind: TokenizerKind::Json,
+            bpe: None,
+            json: Some(Arc::new(json)),
+        })
+    }
+
+    /// The name of the token cache files it makes: its kind, and for a `tokenizer.json` its
+    /// content hash (another file, another cache).
+    pub fn cache_name(&self) -> String {
+        match &self.json {
+            Some(json) => format!("json-{:016x}", json.hash),
+            None => self.kind.to_string(),
+        }
     }
 
     /// Which tokenizer this is.
@@ -107,14 +155,28 @@ impl Tokenizer {
         self.kind
     }
 
-    /// Token ids are `0..vocab_size()`: 256 for bytes, 50257 for GPT-2.
+    /// Token ids are `0..vocab_size()`: 256 for bytes, 50257 for GPT-2, a `tokenizer.json`'s
+    /// vocabulary with its added tokens.
     pub fn vocab_size(&self) -> usize {
-        self.kind.vocab_size()
+        match (self.kind, &self.json) {
+            (TokenizerKind::Bytes, _) => 256,
+            (TokenizerKind::Gpt2, _) => GPT2_VOCAB_SIZE,
+            (TokenizerKind::Json, json) => json.as_ref().map_or(0, |j| j.vocab),
+        }
     }
 
     /// Encodes `text`. GPT-2 reads `<|endoftext|>` as its special token 50256 (as nanoGPT's and
     /// llm.c's data scripts insert between documents); bytes sees it as 13 bytes.
     pub fn encode(&self, text: &str) -> Vec<u32> {
+        if let Some(json) = &self.json {
+            // Encoding fails only on a truncation or padding setting it cannot meet: none
+            // applies to one text without the template.
+            return json
+                .codec
+                .encode_fast(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_default();
+        }
         match self.bpe {
             None => text.bytes().map(u32::from).collect(),
             Some(bpe) => bpe.encode_with_special_tokens(text),
@@ -124,6 +186,22 @@ impl Tokenizer {
     /// Decodes `tokens`. Byte sequences that are not UTF-8 (e.g. a multi-byte character cut in two)
     /// and ids outside the vocabulary decode as U+FFFD.
     pub fn decode(&self, tokens: &[u32]) -> String {
+        if let Some(json) = &self.json {
+            // Runs of known ids decoded as the file says; an unknown id as U+FFFD.
+            let mut text = String::new();
+            for run in tokens.split_inclusive(|&t| t as usize >= json.vocab) {
+                let (known, unknown) = match run.split_last() {
+                    Some((&last, init)) if last as usize >= json.vocab => (init, true),
+                    _ => (run, false),
+                };
+                let part = json.codec.decode(known, false);
+                text.push_str(part.as_deref().unwrap_or("\u{FFFD}"));
+                if unknown {
+                    text.push('\u{FFFD}');
+                }
+            }
+            return text;
+        }
         let mut bytes = Vec::with_capacity(tokens.len() * 2);
         match self.bpe {
             None => {
@@ -155,9 +233,12 @@ impl Tokenizer {
         chunk_bytes: usize,
         progress: &(dyn Fn(u64) + Sync),
     ) -> Vec<u32> {
+        // Bytes need no chunks; a tokenizer.json's pre-tokeniser may not split where GPT-2's
+        // does (a dummy prefix, a normaliser), so its text is encoded whole.
         if self.bpe.is_none() {
+            let tokens = self.encode(text);
             progress(text.len() as u64);
-            return self.encode(text);
+            return tokens;
         }
         let ends = chunk_ends(text, chunk_bytes);
         let chunks: Vec<&str> = ends
@@ -254,6 +335,57 @@ mod tests {
         );
         let err = "bpe".parse::<TokenizerKind>().unwrap_err();
         assert!(err.to_string().contains("\"bytes\" or \"gpt2\""), "{err}");
+    }
+
+    /// A `tokenizer.json` built as Llama-3's (`tools/tokenizer_reference.py`: its split regex
+    /// with the look-ahead, byte-level BPE, special tokens) gives the ids Hugging Face
+    /// `tokenizers` gives and decodes them back; its cache name follows its content.
+    #[test]
+    fn a_tokenizer_json_gives_the_ids_hugging_face_gives() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tokenizer");
+        let tok = Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+        let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+        let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(tok.kind(), TokenizerKind::Json);
+        assert_eq!(
+            tok.vocab_size() as u64,
+            reference["vocab_size"].as_u64().unwrap()
+        );
+        let cases = reference["cases"].as_array().unwrap();
+        assert!(cases.len() >= 6);
+        for case in cases {
+            let text = case["text"].as_str().unwrap();
+            let ids: Vec<u32> = case["ids"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect();
+            assert_eq!(tok.encode(text), ids, "{text:?}");
+            assert_eq!(
+                tok.decode(&ids),
+                case["decoded"].as_str().unwrap(),
+                "{text:?}"
+            );
+        }
+        // Special tokens in the text read as themselves; an id past the vocabulary as U+FFFD.
+        let bos = tok.encode("<|begin_of_text|>");
+        assert_eq!(bos, [512]);
+        let hi = tok.encode("hi");
+        let mut ids = hi.clone();
+        ids.push(10_000);
+        ids.extend(&hi);
+        assert_eq!(tok.decode(&ids), "hi\u{FFFD}hi");
+        assert!(tok.cache_name().starts_with("json-"));
+        assert_ne!(tok.cache_name(), "json");
+        let bad = std::env::temp_dir().join(format!("wildfire-bad-{}.json", std::process::id()));
+        std::fs::write(&bad, "{\"not\": \"a tokenizer\"}").unwrap();
+        let err = Tokenizer::from_file(&bad)
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(err.contains("not a tokenizer.json"), "{err}");
+        std::fs::remove_file(&bad).unwrap();
     }
 
     #[test]

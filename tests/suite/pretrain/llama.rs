@@ -279,3 +279,43 @@ fn llama_pipeline_stages_match_one_rank() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--tokenizer-file`: a Llama trains on text a `tokenizer.json` tokenises (one built as
+/// Llama-3's, `tools/tokenizer_reference.py`): its vocabulary (512 merges and bytes, 2 special
+/// tokens) sizes the model, padded to 576 with the padding masked (the first loss is that of a
+/// uniform guess over the 514 real tokens); the token cache is named by the file's content, and
+/// the sample decodes through it.
+#[test]
+fn llama_trains_on_a_tokenizer_json() {
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let cache = scratch("tokenizer-json");
+    let config = PretrainConfig {
+        data: DataFlags {
+            path: Some(fixtures.join("trained/data.txt")),
+            tokenizer_file: Some(fixtures.join("tokenizer/tokenizer.json")),
+            token_cache: Some(cache.clone()),
+            val_fraction: 0.2,
+            ..DataFlags::default()
+        },
+        sample_tokens: 16,
+        ..tiny_llama(3)
+    };
+    let summary = run(&config).unwrap();
+    let Some(ModelConfig::Llama(model)) = &summary.model else {
+        panic!("a Llama");
+    };
+    assert_eq!((model.vocab_size, model.vocab_used), (576, Some(514)));
+    let first = summary.steps[0].loss;
+    assert!((first - 514f32.ln()).abs() < 0.05, "first loss {first}");
+    assert!(summary.steps.iter().all(|m| m.loss.is_finite()));
+    assert!(!summary.sample.is_empty());
+    let names: Vec<String> = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        names.len() == 1 && names[0].starts_with("data.txt.json-") && names[0].ends_with(".tokens"),
+        "{names:?}"
+    );
+    let _ = std::fs::remove_dir_all(&cache);
+}

@@ -116,15 +116,16 @@ impl SourceStamp {
     }
 }
 
-/// `<file>.<tokenizer>.tokens`: next to the text file, or in `dir` when given.
-fn cache_path(path: &Path, kind: TokenizerKind, dir: Option<&Path>) -> PathBuf {
+/// `<file>.<tokenizer>.tokens` ([`Tokenizer::cache_name`]): next to the text file, or in `dir`
+/// when given.
+fn cache_path(path: &Path, tokenizer: &Tokenizer, dir: Option<&Path>) -> PathBuf {
     let mut name = match dir {
         Some(dir) => dir
             .join(path.file_name().unwrap_or(path.as_os_str()))
             .into_os_string(),
         None => path.as_os_str().to_owned(),
     };
-    name.push(format!(".{kind}.tokens"));
+    name.push(format!(".{}.tokens", tokenizer.cache_name()));
     PathBuf::from(name)
 }
 
@@ -132,6 +133,7 @@ fn tokenizer_id(kind: TokenizerKind) -> u32 {
     match kind {
         TokenizerKind::Bytes => 0,
         TokenizerKind::Gpt2 => 1,
+        TokenizerKind::Json => 2,
     }
 }
 
@@ -394,7 +396,7 @@ impl TokenDataset {
         cache_dir: Option<&Path>,
     ) -> Result<Self, Error> {
         let stamp = SourceStamp::of(path)?;
-        let cache = cache_path(path, tokenizer.kind(), cache_dir);
+        let cache = cache_path(path, tokenizer, cache_dir);
         match Self::open_cache(&cache, stamp, tokenizer) {
             Ok(data) => {
                 tracing::debug!(cache = %cache.display(), tokens = data.len, "using token cache");
