@@ -208,7 +208,7 @@ fn main() {
             format!("gelu_bias [{rows}, {}]", 4 * d),
             [B::fused_gelu_bias, reference::gelu_bias::<B>],
             [h4.clone(), bias4.clone()],
-            |op, [h, bias]| vec![op(h, bias)],
+            |op, [h, bias]| vec![op(h, bias, false)],
         ),
         case(
             format!("gelu_bias backward [{rows}, {}]", 4 * d),
@@ -218,7 +218,7 @@ fn main() {
             ],
             [h4.clone(), bias4.clone(), dh4.clone()],
             |op, [h, bias, dh]| {
-                let (a, b) = op(h, bias, dh);
+                let (a, b) = op(h, bias, dh, false);
                 vec![a, b]
             },
         ),

@@ -115,8 +115,9 @@ impl<B: FusedOps> Backward<B, 1> for CrossEntropyOp {
     }
 }
 
+/// With the tanh approximation or not.
 #[derive(Debug)]
-struct GeluBiasOp;
+struct GeluBiasOp(bool);
 
 impl<B: FusedOps> Backward<B, 2> for GeluBiasOp {
     /// x, bias.
@@ -125,7 +126,7 @@ impl<B: FusedOps> Backward<B, 2> for GeluBiasOp {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let dy = grads.consume::<B>(&ops.node);
         let (x, bias) = ops.state;
-        let (dx, dbias) = B::fused_gelu_bias_backward(x, bias, dy);
+        let (dx, dbias) = B::fused_gelu_bias_backward(x, bias, dy, self.0);
         let [px, pb] = &ops.parents;
         register!(B, grads, px, dx);
         register!(B, grads, pb, dbias);
@@ -271,9 +272,14 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         }
     }
 
-    fn fused_gelu_bias(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
-        let y = B::fused_gelu_bias(x.primitive.clone(), bias.primitive.clone());
-        match GeluBiasOp
+    fn fused_gelu_bias(
+        x: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        tanh: bool,
+    ) -> FloatTensor<Self> {
+        let bias = b;
+        let y = B::fused_gelu_bias(x.primitive.clone(), bias.primitive.clone(), tanh);
+        match GeluBiasOp(tanh)
             .prepare::<C>([x.node, bias.node])
             .compute_bound()
             .stateful()

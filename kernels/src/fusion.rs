@@ -26,8 +26,9 @@ enum Call {
     CrossEntropy,
     /// Inputs: logits, lse, dloss, targets (int).
     CrossEntropyBackward,
-    GeluBias,
-    GeluBiasBackward,
+    /// With the tanh approximation or not.
+    GeluBias(bool),
+    GeluBiasBackward(bool),
     Attention(f64, bool),
     AttentionBackward(f64, bool),
     Unscale(f64),
@@ -110,9 +111,9 @@ impl<B: FusionBackend + FusedOps> Operation<B::FusionRuntime> for FusedCall<B> {
                 let targets = handles.get_int_tensor::<B>(&inputs[3]);
                 vec![B::fused_cross_entropy_backward(logits, targets, lse, dloss)]
             }
-            Call::GeluBias => vec![B::fused_gelu_bias(float(0), float(1))],
-            Call::GeluBiasBackward => {
-                let (dx, db) = B::fused_gelu_bias_backward(float(0), float(1), float(2));
+            Call::GeluBias(tanh) => vec![B::fused_gelu_bias(float(0), float(1), tanh)],
+            Call::GeluBiasBackward(tanh) => {
+                let (dx, db) = B::fused_gelu_bias_backward(float(0), float(1), float(2), tanh);
                 vec![dx, db]
             }
             Call::Attention(scale, causal) => {
@@ -297,14 +298,14 @@ impl<B: FusionBackend + FusedOps> FusedOps for Fusion<B> {
         )
     }
 
-    fn fused_gelu_bias(x: Ft<B>, bias: Ft<B>) -> Ft<B> {
-        like_first::<B>(Call::GeluBias, vec![x, bias], None)
+    fn fused_gelu_bias(x: Ft<B>, bias: Ft<B>, tanh: bool) -> Ft<B> {
+        like_first::<B>(Call::GeluBias(tanh), vec![x, bias], None)
     }
 
-    fn fused_gelu_bias_backward(x: Ft<B>, bias: Ft<B>, dy: Ft<B>) -> (Ft<B>, Ft<B>) {
+    fn fused_gelu_bias_backward(x: Ft<B>, bias: Ft<B>, dy: Ft<B>, tanh: bool) -> (Ft<B>, Ft<B>) {
         let (xm, bm) = (meta::<B>(&x), meta::<B>(&bias));
         let [dx, db] = take(register::<B>(
-            Call::GeluBiasBackward,
+            Call::GeluBiasBackward(tanh),
             vec![x, bias, dy],
             None,
             &[xm, bm],

@@ -297,9 +297,14 @@ pub trait FusedOps: Backend {
         reference::cross_entropy_backward::<Self>(logits, targets, lse, dloss)
     }
 
-    /// `gelu(x + bias)` (the exact, erf form) with `bias` broadcast over the last dimension.
-    fn fused_gelu_bias(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
-        reference::gelu_bias::<Self>(x, bias)
+    /// `gelu(x + bias)` with `bias` broadcast over the last dimension: the exact (erf) form, or
+    /// with `tanh` the tanh approximation (GPT-2's `gelu_new`, PyTorch's `approximate="tanh"`).
+    fn fused_gelu_bias(
+        x: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        tanh: bool,
+    ) -> FloatTensor<Self> {
+        reference::gelu_bias::<Self>(x, bias, tanh)
     }
 
     /// Gradients `(dx, dbias)` of [`FusedOps::fused_gelu_bias`].
@@ -307,8 +312,9 @@ pub trait FusedOps: Backend {
         x: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         dy: FloatTensor<Self>,
+        tanh: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        reference::gelu_bias_backward::<Self>(x, bias, dy)
+        reference::gelu_bias_backward::<Self>(x, bias, dy, tanh)
     }
 
     /// Attention `softmax(q·kᵀ·scale)·v` over `[batch, heads, seq, head_dim]`, causal (query `i`

@@ -60,9 +60,14 @@ pub fn cross_entropy_mean<B: FusedOps>(
     losses.sum() / kept.float().cast(dtype).clamp_min(1.0)
 }
 
-/// `gelu(x + bias)` (erf form), `bias` broadcast over the last dimension.
-pub fn gelu_bias<B: FusedOps, const D: usize>(x: Tensor<B, D>, bias: Tensor<B, 1>) -> Tensor<B, D> {
-    tensor(B::fused_gelu_bias(prim(x), prim(bias)))
+/// `gelu(x + bias)`, `bias` broadcast over the last dimension: the erf form, or with `tanh` the
+/// tanh approximation (GPT-2's).
+pub fn gelu_bias<B: FusedOps, const D: usize>(
+    x: Tensor<B, D>,
+    bias: Tensor<B, 1>,
+    tanh: bool,
+) -> Tensor<B, D> {
+    tensor(B::fused_gelu_bias(prim(x), prim(bias), tanh))
 }
 
 /// Attention `softmax(q·kᵀ·scale)·v` over `[batch, heads, seq, head_dim]`, causal or not.

@@ -276,34 +276,68 @@ const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
 /// `1/√(2π)`.
 const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 
-/// `gelu(x + bias)`, erf form.
-pub fn gelu_bias<B: Backend>(x: FloatTensor<B>, bias: FloatTensor<B>) -> FloatTensor<B> {
-    ranked!(rank::<B>(&x), gelu_bias_d::<B>(x, bias))
+/// `√(2/π)`, the tanh form's scale.
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+/// The tanh form's cubic coefficient.
+const GELU_CUBIC: f64 = 0.044_715;
+
+/// `gelu(x + bias)`: erf form, or with `tanh` the tanh approximation
+/// `z·(1 + tanh(√(2/π)(z + 0.044715 z³)))/2`.
+pub fn gelu_bias<B: Backend>(
+    x: FloatTensor<B>,
+    bias: FloatTensor<B>,
+    tanh: bool,
+) -> FloatTensor<B> {
+    ranked!(rank::<B>(&x), gelu_bias_d::<B>(x, bias, tanh))
 }
 
 fn gelu_bias_d<B: Backend, const D: usize>(
     x: FloatTensor<B>,
     bias: FloatTensor<B>,
+    tanh: bool,
 ) -> FloatTensor<B> {
     let z = float::<B, D>(x) + channels::<B, D>(bias);
+    if tanh {
+        return prim(z.clone() * tanh_inner(z).tanh().add_scalar(1.0).mul_scalar(0.5));
+    }
     prim(z.clone() * (z.mul_scalar(FRAC_1_SQRT_2).erf().add_scalar(1.0)).mul_scalar(0.5))
 }
 
-/// Gradients of `gelu(x + bias)`: `gelu'(z) = Φ(z) + z·φ(z)`.
+/// `√(2/π)(z + 0.044715 z³)`.
+fn tanh_inner<B: Backend, const D: usize>(z: Tensor<B, D>) -> Tensor<B, D> {
+    (z.clone() + z.powi_scalar(3).mul_scalar(GELU_CUBIC)).mul_scalar(SQRT_2_OVER_PI)
+}
+
+/// Gradients of `gelu(x + bias)`: `gelu'(z) = Φ(z) + z·φ(z)`; for the tanh form
+/// `(1 + t)/2 + z(1 − t²)·√(2/π)(1 + 3·0.044715 z²)/2` with `t = tanh(…)`.
 pub fn gelu_bias_backward<B: Backend>(
     x: FloatTensor<B>,
     bias: FloatTensor<B>,
     dy: FloatTensor<B>,
+    tanh: bool,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    ranked!(rank::<B>(&x), gelu_bias_backward_d::<B>(x, bias, dy))
+    ranked!(rank::<B>(&x), gelu_bias_backward_d::<B>(x, bias, dy, tanh))
 }
 
 fn gelu_bias_backward_d<B: Backend, const D: usize>(
     x: FloatTensor<B>,
     bias: FloatTensor<B>,
     dy: FloatTensor<B>,
+    tanh: bool,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
     let z = float::<B, D>(x) + channels::<B, D>(bias);
+    if tanh {
+        let t = tanh_inner(z.clone()).tanh();
+        let du = z
+            .clone()
+            .square()
+            .mul_scalar(3.0 * GELU_CUBIC)
+            .add_scalar(1.0);
+        let rest =
+            (t.clone().square().neg().add_scalar(1.0) * du * z).mul_scalar(0.5 * SQRT_2_OVER_PI);
+        let dz = float::<B, D>(dy) * (t.add_scalar(1.0).mul_scalar(0.5) + rest);
+        return (prim(dz.clone()), sum_leading(dz));
+    }
     let cdf = z
         .clone()
         .mul_scalar(FRAC_1_SQRT_2)

@@ -334,7 +334,7 @@ impl LlamaConfig {
         )
     }
 
-    /// Blocks `range` of the model (the token table when `first`; the final norm and the head
+    /// Blocks `blocks` of the model (the token table when `first`; the final norm and the head
     /// when `last`, a copy of the token table for a tied head), their parameters made by `place`
     /// under stage-local paths (`layers.0` is the stage's first block: the parallel plans match
     /// them by pattern). Every parameter's values have their own stream, numbered as in the
@@ -343,7 +343,7 @@ impl LlamaConfig {
         &self,
         place: &mut impl Place<B>,
         device: &B::Device,
-        range: Range<usize>,
+        blocks: Range<usize>,
         first: bool,
         last: bool,
     ) -> LlamaStage<B> {
@@ -361,10 +361,10 @@ impl LlamaConfig {
             epsilon: self.rms_eps,
         };
         let (q, kv) = (self.n_head * hd, self.n_kv_head * hd);
-        let layers = range
+        let layers = blocks
             .clone()
             .map(|l| {
-                let i = l - range.start;
+                let i = l - blocks.start;
                 let at = |s: &str| format!("layers.{i}.{s}");
                 let c = 7 * l;
                 LlamaBlock {
@@ -402,7 +402,7 @@ impl LlamaConfig {
             rope: self.rope,
             first,
             tied,
-            first_block: range.start,
+            first_block: blocks.start,
             n_layer: self.n_layer,
             vocab_used: self.vocab_used.unwrap_or(vocab),
         }

@@ -189,7 +189,19 @@ fn check_gelu<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize; 
             .mul_scalar(0.5);
     compare(
         &format!("gelu_bias {shape:?}"),
-        ops::gelu_bias(x.clone(), bias.clone()),
+        ops::gelu_bias(x.clone(), bias.clone(), false),
+        reference,
+        &[&gx, &gb],
+        tol,
+    );
+    // The tanh approximation (GPT-2's `gelu_new`), written out the same way.
+    let z = x.clone() + bias.clone().unsqueeze::<3>();
+    let inner = (z.clone() + z.clone().powi_scalar(3).mul_scalar(0.044715))
+        .mul_scalar((2.0 / std::f64::consts::PI).sqrt());
+    let reference = z * inner.tanh().add_scalar(1.0).mul_scalar(0.5);
+    compare(
+        &format!("gelu_bias tanh {shape:?}"),
+        ops::gelu_bias(x.clone(), bias.clone(), true),
         reference,
         &[&gx, &gb],
         tol,

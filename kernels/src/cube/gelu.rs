@@ -1,5 +1,5 @@
-//! GELU with bias (the exact, erf form), elementwise; the bias gradient as f32 column sums over
-//! chunks of rows.
+//! GELU with bias (the exact, erf form, or the tanh approximation: one kernel each, chosen at
+//! compile time), elementwise; the bias gradient as f32 column sums over chunks of rows.
 
 use super::reduce::column_chunk;
 use super::{
@@ -27,6 +27,12 @@ fn normal_cdf(z: f32) -> f32 {
     f32::new(0.5) * (f32::new(1.0) + Erf::erf(z * f32::new(0.70710677)))
 }
 
+/// `tanh(√(2/π)(z + 0.044715 z³))`, the tanh form's.
+#[cube]
+fn tanh_form(z: f32) -> f32 {
+    f32::tanh(f32::new(0.797_884_6) * (z + f32::new(0.044_715) * z * z * z))
+}
+
 #[cube(launch)]
 fn gelu_bias_kernel<F: Float>(
     input: &Tensor<F>,
@@ -34,13 +40,20 @@ fn gelu_bias_kernel<F: Float>(
     output: &mut Tensor<F>,
     len: u32,
     cols: u32,
+    #[comptime] tanh: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let z = biased::<F>(input, bias, len, cols);
-    output[ABSOLUTE_POS] = F::cast_from(z * normal_cdf(z));
+    let y = if comptime!(tanh) {
+        f32::new(0.5) * z * (f32::new(1.0) + tanh_form(z))
+    } else {
+        z * normal_cdf(z)
+    };
+    output[ABSOLUTE_POS] = F::cast_from(y);
 }
 
-/// `dz = dy·(Φ(z) + z·φ(z))` per element.
+/// `dz = dy·(Φ(z) + z·φ(z))` per element; for the tanh form
+/// `dy·((1 + t)/2 + z(1 − t²)·√(2/π)(1 + 3·0.044715 z²)/2`.
 #[cube(launch)]
 fn gelu_bias_backward_kernel<F: Float>(
     input: &Tensor<F>,
@@ -49,11 +62,19 @@ fn gelu_bias_backward_kernel<F: Float>(
     dx: &mut Tensor<F>,
     len: u32,
     cols: u32,
+    #[comptime] tanh: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let z = biased::<F>(input, bias, len, cols);
-    let pdf = f32::exp(f32::new(-0.5) * z * z) * f32::new(0.398_942_3);
-    dx[ABSOLUTE_POS] = F::cast_from(f32::cast_from(dy[ABSOLUTE_POS]) * (normal_cdf(z) + z * pdf));
+    let slope = if comptime!(tanh) {
+        let t = tanh_form(z);
+        let du = f32::new(0.797_884_6) * (f32::new(1.0) + f32::new(0.134_145) * z * z);
+        f32::new(0.5) * (f32::new(1.0) + t) + f32::new(0.5) * z * (f32::new(1.0) - t * t) * du
+    } else {
+        let pdf = f32::exp(f32::new(-0.5) * z * z) * f32::new(0.398_942_3);
+        normal_cdf(z) + z * pdf
+    };
+    dx[ABSOLUTE_POS] = F::cast_from(f32::cast_from(dy[ABSOLUTE_POS]) * slope);
 }
 
 /// Column sums over chunks of rows (`out[chunk, col]`), f32 accumulation.
@@ -75,8 +96,12 @@ fn column_sum_kernel<F: Float>(
     out[ABSOLUTE_POS] = acc;
 }
 
-/// `gelu(x + bias)`.
-pub(super) fn forward<R: CubeRuntime>(x: CubeTensor<R>, bias: CubeTensor<R>) -> CubeTensor<R> {
+/// `gelu(x + bias)` (with `tanh`, the tanh form).
+pub(super) fn forward<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    bias: CubeTensor<R>,
+    tanh: bool,
+) -> CubeTensor<R> {
     let [x, bias] = contiguous([x, bias]);
     let (rows, cols) = rows_cols(&x.shape());
     let out = empty_like(&x);
@@ -90,6 +115,7 @@ pub(super) fn forward<R: CubeRuntime>(x: CubeTensor<R>, bias: CubeTensor<R>) -> 
         arg(&out),
         (rows * cols) as u32,
         cols as u32,
+        tanh,
         x.dtype.into(),
     );
     launched(1);
@@ -101,6 +127,7 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
     x: CubeTensor<R>,
     bias: CubeTensor<R>,
     dy: CubeTensor<R>,
+    tanh: bool,
 ) -> (CubeTensor<R>, CubeTensor<R>) {
     let [x, bias, dy] = contiguous([x, bias, dy]);
     let (rows, cols) = rows_cols(&x.shape());
@@ -116,6 +143,7 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
         arg(&dx),
         (rows * cols) as u32,
         cols as u32,
+        tanh,
         x.dtype.into(),
     );
     let (partial, count, dim) = column_launch(&x, rows, cols);

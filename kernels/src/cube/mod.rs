@@ -218,16 +218,17 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         cross_entropy::backward(logits, targets, lse, dloss)
     }
 
-    fn fused_gelu_bias(x: CubeTensor<R>, bias: CubeTensor<R>) -> CubeTensor<R> {
-        gelu::forward(x, bias)
+    fn fused_gelu_bias(x: CubeTensor<R>, bias: CubeTensor<R>, tanh: bool) -> CubeTensor<R> {
+        gelu::forward(x, bias, tanh)
     }
 
     fn fused_gelu_bias_backward(
         x: CubeTensor<R>,
         bias: CubeTensor<R>,
         dy: CubeTensor<R>,
+        tanh: bool,
     ) -> (CubeTensor<R>, CubeTensor<R>) {
-        gelu::backward::<R, F, I, BT>(x, bias, dy)
+        gelu::backward::<R, F, I, BT>(x, bias, dy, tanh)
     }
 
     fn fused_unscale(grad: CubeTensor<R>, inv_scale: f64) -> UnscaleOutput<Self> {

@@ -42,6 +42,13 @@ pub fn exp(x: f32) -> f32 {
     }
 }
 
+/// `tanh(x)` as `1 − 2/(e^{2x} + 1)`: ±1 where `e^{2x}` under- or overflows, within a few ulp of
+/// 1 elsewhere (the form vectorises like [`exp`]).
+#[inline(always)]
+pub fn tanh(x: f32) -> f32 {
+    1.0 - 2.0 / (exp(2.0 * x) + 1.0)
+}
+
 /// `erf(x)` within 5e-7: Abramowitz & Stegun 7.1.26 (1.5e-7, the form PyTorch's vectorised CPU
 /// `erf` uses) plus the rounding of its f32 evaluation.
 #[inline(always)]

@@ -129,17 +129,23 @@ impl FusedOps for Flex {
         })
     }
 
-    fn fused_gelu_bias(x: FloatTensor<Self>, bias: FloatTensor<Self>) -> FloatTensor<Self> {
-        rows::gelu_bias(&x, &bias).unwrap_or_else(|| reference::gelu_bias::<Self>(x, bias))
+    fn fused_gelu_bias(
+        input: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        tanh: bool,
+    ) -> FloatTensor<Self> {
+        rows::gelu_bias(&input, &b, tanh)
+            .unwrap_or_else(|| reference::gelu_bias::<Self>(input, b, tanh))
     }
 
     fn fused_gelu_bias_backward(
         x: FloatTensor<Self>,
-        bias: FloatTensor<Self>,
-        dy: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+        tanh: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        rows::gelu_bias_backward(&x, &bias, &dy)
-            .unwrap_or_else(|| reference::gelu_bias_backward::<Self>(x, bias, dy))
+        rows::gelu_bias_backward(&x, &b, &dout, tanh)
+            .unwrap_or_else(|| reference::gelu_bias_backward::<Self>(x, b, dout, tanh))
     }
 
     fn fused_attention(

@@ -290,23 +290,40 @@ pub fn rms_norm_backward(
 }
 
 // ---------------------------------------------------------------------------------------------
-// GELU with bias (erf form)
+// GELU with bias (erf form, or the tanh approximation)
 
 const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 /// `1/√(2π)`.
 const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+/// `√(2/π)`, the tanh form's scale.
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+/// The tanh form's cubic coefficient.
+const GELU_CUBIC: f32 = 0.044_715;
+
+/// `(Φ̃(z), Φ̃'(z)·z)` of the tanh form: `gelu(z) = z·Φ̃(z)`, `Φ̃ = (1 + tanh u)/2` with
+/// `u = √(2/π)(z + 0.044715 z³)`, so `gelu'(z) = Φ̃ + z·(1 − tanh² u)·u'/2`.
+#[inline(always)]
+fn tanh_cdf(z: f32) -> (f32, f32) {
+    let t = math::tanh(SQRT_2_OVER_PI * (z + GELU_CUBIC * z * z * z));
+    let du = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * z * z);
+    (0.5 * (1.0 + t), 0.5 * z * (1.0 - t * t) * du)
+}
 
 dispatch! {
-    fn gelu_bias_row(x: &[f32], bias: &[f32], y: &mut [f32]) {
+    fn gelu_bias_row(x: &[f32], bias: &[f32], y: &mut [f32], tanh: bool) {
         for ((y, &x), &b) in y.iter_mut().zip(x).zip(bias) {
             let z = x + b;
-            *y = 0.5 * z * (1.0 + math::erf(z * FRAC_1_SQRT_2));
+            *y = if tanh {
+                z * tanh_cdf(z).0
+            } else {
+                0.5 * z * (1.0 + math::erf(z * FRAC_1_SQRT_2))
+            };
         }
     }
 }
 
-/// `gelu(x + bias)` with `bias` over the last dimension.
-pub fn gelu_bias(x: &FlexTensor, bias: &FlexTensor) -> Option<FlexTensor> {
+/// `gelu(x + bias)` with `bias` over the last dimension (with `tanh`, the tanh approximation).
+pub fn gelu_bias(x: &FlexTensor, bias: &FlexTensor, tanh: bool) -> Option<FlexTensor> {
     let shape = x.shape();
     let (x, bias) = (contiguous(x)?, contiguous(bias)?);
     let (xs, b) = (x.f32s(), bias.f32s());
@@ -320,20 +337,32 @@ pub fn gelu_bias(x: &FlexTensor, bias: &FlexTensor) -> Option<FlexTensor> {
         .zip(xs.par_chunks(per * d))
         .for_each(|(y, x)| {
             for (y, x) in y.chunks_mut(d).zip(x.chunks(d)) {
-                gelu_bias_row(x, b, y);
+                gelu_bias_row(x, b, y, tanh);
             }
         });
     Some(float(y, shape))
 }
 
 dispatch! {
-    fn gelu_bias_backward_row(x: &[f32], bias: &[f32], dy: &[f32], dx: &mut [f32], dbias: &mut [f32]) {
+    fn gelu_bias_backward_row(
+        x: &[f32],
+        bias: &[f32],
+        dy: &[f32],
+        dx: &mut [f32],
+        dbias: &mut [f32],
+        tanh: bool,
+    ) {
         let outs = dx.iter_mut().zip(dbias.iter_mut());
         for (((dx, db), (&x, &b)), &dy) in outs.zip(x.iter().zip(bias)).zip(dy) {
             let z = x + b;
-            let cdf = 0.5 * (1.0 + math::erf(z * FRAC_1_SQRT_2));
-            let pdf = FRAC_1_SQRT_2PI * math::exp(-0.5 * z * z);
-            let g = dy * (cdf + z * pdf);
+            let slope = if tanh {
+                let (cdf, rest) = tanh_cdf(z);
+                cdf + rest
+            } else {
+                let cdf = 0.5 * (1.0 + math::erf(z * FRAC_1_SQRT_2));
+                cdf + z * FRAC_1_SQRT_2PI * math::exp(-0.5 * z * z)
+            };
+            let g = dy * slope;
             *dx = g;
             *db += g;
         }
@@ -345,6 +374,7 @@ pub fn gelu_bias_backward(
     x: &FlexTensor,
     bias: &FlexTensor,
     dy: &FlexTensor,
+    tanh: bool,
 ) -> Option<(FlexTensor, FlexTensor)> {
     let shape = x.shape();
     let (x, bias, dy) = (contiguous(x)?, contiguous(bias)?, contiguous(dy)?);
@@ -355,7 +385,7 @@ pub fn gelu_bias_backward(
     }
     let (dx, db) = rows_with_column_sum(xs.len(), d, |row, dx, db| {
         let span = row * d..(row + 1) * d;
-        gelu_bias_backward_row(&xs[span.clone()], b, &dys[span], dx, db);
+        gelu_bias_backward_row(&xs[span.clone()], b, &dys[span], dx, db, tanh);
     });
     Some((float(dx, shape), float(db, Shape::new([d]))))
 }

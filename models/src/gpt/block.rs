@@ -83,16 +83,18 @@ impl<B: FusedOps> CausalSelfAttention<B> {
 }
 
 impl<B: FusedOps> MlpBlock<B> {
-    /// `[b, t, d] -> [b, t, d]`. With fused kernels, the up projection's bias and the exact
-    /// GELU are one kernel; the tanh GELU runs as Burn ops.
+    /// `[b, t, d] -> [b, t, d]`. With fused kernels, the up projection's bias and the GELU
+    /// (either form) are one kernel.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let h = match (&self.c_fc.bias, B::FUSED.gelu_bias, self.gelu) {
-            (Some(bias), true, Gelu::Erf) => ops::gelu_bias(
+        let tanh = self.gelu == Gelu::Tanh;
+        let h = match (&self.c_fc.bias, B::FUSED.gelu_bias) {
+            (Some(bias), true) => ops::gelu_bias(
                 burn::tensor::module::linear(x, self.c_fc.weight.val(), None),
                 bias.val(),
+                tanh,
             ),
-            (.., Gelu::Erf) => activation::gelu(self.c_fc.forward(x)),
-            (.., Gelu::Tanh) => activation::gelu_approximate(self.c_fc.forward(x)),
+            _ if tanh => activation::gelu_approximate(self.c_fc.forward(x)),
+            _ => activation::gelu(self.c_fc.forward(x)),
         };
         self.c_proj.forward(h)
     }

@@ -259,20 +259,20 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         wrap(dx, logits.layout, logits.device)
     }
 
-    fn fused_gelu_bias(x: Dt<B>, bias: Dt<B>) -> Dt<B> {
+    fn fused_gelu_bias(x: Dt<B>, bias: Dt<B>, tanh: bool) -> Dt<B> {
         const OP: &str = "fused_gelu_bias";
         let (x, bias) = gelu_operands(OP, x, bias);
-        let y = B::fused_gelu_bias(x.local, bias);
+        let y = B::fused_gelu_bias(x.local, bias, tanh);
         wrap(y, x.layout, x.device)
     }
 
-    fn fused_gelu_bias_backward(x: Dt<B>, bias: Dt<B>, dy: Dt<B>) -> (Dt<B>, Dt<B>) {
+    fn fused_gelu_bias_backward(x: Dt<B>, bias: Dt<B>, dy: Dt<B>, tanh: bool) -> (Dt<B>, Dt<B>) {
         const OP: &str = "fused_gelu_bias_backward";
         let (x, bias) = gelu_operands(OP, x, bias);
         let dy = like(OP, dy, &x.layout);
         let rank = x.shape.num_dims();
         let dy = rules::cast_local(OP, &x.device, dy, dtype_of(&x));
-        let (dx, dbias) = B::fused_gelu_bias_backward(x.local, bias, dy);
+        let (dx, dbias) = B::fused_gelu_bias_backward(x.local, bias, dy, tanh);
         let dbias = rules::to_master(OP, &x.device, dbias);
         (
             wrap(dx, x.layout.clone(), x.device.clone()),
