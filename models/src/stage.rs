@@ -7,7 +7,7 @@
 
 use crate::Error;
 use crate::lm::{TokenSampler, generate_by};
-use burn::module::{Module, ParamId};
+use burn::module::{AutodiffModule, Module, ParamId};
 use burn::prelude::*;
 use wildfire_kernels::FusedOps;
 use wildfire_kernels::hooks::{ForwardHooks, Inference};
@@ -76,6 +76,22 @@ pub trait PipelineStage<B: FusedOps>: Module<B> {
         (!tied_copy).then(|| self.model_name(path))
     }
 }
+
+/// A stage a training loop takes: a [`PipelineStage`] on `Autodiff<Distributed<B>>` whose inner
+/// module (forward-only passes: evaluation, generation) is one too.
+pub trait TrainableStage<B: FusedOps>:
+    PipelineStage<Ad<B>> + AutodiffModule<Ad<B>, InnerModule: PipelineStage<Distributed<B>>> + 'static
+{
+}
+
+impl<B: FusedOps, S> TrainableStage<B> for S where
+    S: PipelineStage<Ad<B>>
+        + AutodiffModule<Ad<B>, InnerModule: PipelineStage<Distributed<B>>>
+        + 'static
+{
+}
+
+type Ad<B> = burn::backend::Autodiff<Distributed<B>>;
 
 /// Refuse a stage of blocks `blocks` of a model of `n_layer` that cannot be one: the first stage
 /// starts at block 0, the last ends at the last block, and a middle stage holds at least one.

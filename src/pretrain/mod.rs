@@ -22,7 +22,6 @@ pub use wildfire_engine::metrics::{StepMetrics, mfu};
 pub use wildfire_models::memory::MemoryEstimate;
 
 use burn::backend::Autodiff;
-use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, Optimizer};
 use burn::prelude::*;
 use serde::{Deserialize, Serialize};

@@ -2,7 +2,8 @@
 //! its stages of the model (the blocks the [`StagePlan`] gives them, the token table on the
 //! first stage, the final norm and the head on the last), then per step runs its part of the
 //! schedule ([`StepRunner::run_pipeline`]), reports the metrics of the whole mesh, and evaluates
-//! by a forward-only pass through the stages. Any family's stages ([`PipelineStage`]).
+//! by a forward-only pass through the stages. Any family's stages
+//! ([`PipelineStage`](wildfire_models::stage::PipelineStage)).
 
 use super::rank::{StepAt, Trainee};
 use super::*;
@@ -11,27 +12,13 @@ use wildfire_engine::StepRecord;
 use wildfire_models::gpt::cross_entropy;
 use wildfire_models::llama::init_llama_stages;
 use wildfire_models::parallelize::init_gpt_stages;
-use wildfire_models::stage::{PipelineStage, StageInput, generate_staged, stage_pass};
+use wildfire_models::stage::{StageInput, TrainableStage, generate_staged, stage_pass};
 use wildfire_parallel::pipeline::{Schedule, StagePasses, gather_stage_parameters};
 
 type A<B> = Autodiff<Distributed<B>>;
 
-/// A stage type the driver trains: a [`PipelineStage`] on `Autodiff<Distributed<B>>` whose
-/// inner module (forward-only passes) is one too.
-pub(super) trait Stage<B: FusedOps>:
-    PipelineStage<A<B>> + AutodiffModule<A<B>, InnerModule: PipelineStage<Distributed<B>>> + 'static
-{
-}
-
-impl<B: FusedOps, S> Stage<B> for S where
-    S: PipelineStage<A<B>>
-        + AutodiffModule<A<B>, InnerModule: PipelineStage<Distributed<B>>>
-        + 'static
-{
-}
-
 /// A rank's stages, in chunk order, with their stage numbers, optimizers and schedule.
-pub(super) struct Stages<B: FusedOps, S: Stage<B>> {
+pub(super) struct Stages<B: FusedOps, S: TrainableStage<B>> {
     chunks: Vec<S>,
     /// Chunk `c` is stage `c·p + r`.
     numbers: Vec<usize>,
@@ -65,7 +52,7 @@ impl RankRun<'_> {
 
     /// `chunks` (stage number, stage) trained under `schedule` with AdamW (β₂ 0.95, the
     /// configured weight decay) per stage.
-    fn train_stages<B: FusedOps, S: Stage<B>>(
+    fn train_stages<B: FusedOps, S: TrainableStage<B>>(
         &self,
         device: &DistDevice<B>,
         chunks: Vec<(usize, S)>,
@@ -90,7 +77,7 @@ impl RankRun<'_> {
     }
 }
 
-impl<B: FusedOps, S: Stage<B>> Trainee<B> for Stages<B, S> {
+impl<B: FusedOps, S: TrainableStage<B>> Trainee<B> for Stages<B, S> {
     /// This rank's part of the schedule ([`StepRunner::run_pipeline`]); the loss is the mesh's.
     fn step(
         &mut self,
@@ -198,7 +185,7 @@ impl<B: FusedOps, S: Stage<B>> Trainee<B> for Stages<B, S> {
     }
 }
 
-impl<B: FusedOps, S: Stage<B>> Stages<B, S> {
+impl<B: FusedOps, S: TrainableStage<B>> Stages<B, S> {
     /// Forward-only passes through this rank's stages, and the stages without autodiff.
     fn passes<'a>(
         &'a self,
