@@ -380,10 +380,7 @@ mod tests {
         assert_ne!(tok.cache_name(), "json");
         let bad = std::env::temp_dir().join(format!("wildfire-bad-{}.json", std::process::id()));
         std::fs::write(&bad, "{\"not\": \"a tokenizer\"}").unwrap();
-        let err = Tokenizer::from_file(&bad)
-            .err()
-            .expect("refused")
-            .to_string();
+        let err = Tokenizer::from_file(&bad).expect_err("refused").to_string();
         assert!(err.contains("not a tokenizer.json"), "{err}");
         std::fs::remove_file(&bad).unwrap();
     }
