@@ -125,9 +125,13 @@ impl Tokenizer {
     /// themselves; no template is applied (a data file holds its own document markers).
     pub fn from_file(path: &Path) -> Result<Self, Error> {
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-        let codec = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
-            Error::Tokenizer(format!("{}: not a tokenizer.json: {e}", path.display()))
-        })?;
+        let invalid =
+            |e| Error::Tokenizer(format!("{}: not a tokenizer.json: {e}", path.display()));
+        let mut codec = tokenizers::Tokenizer::from_bytes(&bytes).map_err(invalid)?;
+        // A file may carry a model's input settings (`truncation` to its context, `padding`):
+        // a data file is encoded whole, every token kept.
+        codec.with_truncation(None).map_err(invalid)?;
+        codec.with_padding(None);
         let vocab = codec.get_vocab_size(true);
         let json = JsonTokenizer {
             codec,
@@ -169,13 +173,13 @@ impl Tokenizer {
     /// llm.c's data scripts insert between documents); bytes sees it as 13 bytes.
     pub fn encode(&self, text: &str) -> Vec<u32> {
         if let Some(json) = &self.json {
-            // Encoding fails only on a truncation or padding setting it cannot meet: none
-            // applies to one text without the template.
-            return json
-                .codec
-                .encode_fast(text, false)
-                .map(|e| e.get_ids().to_vec())
-                .unwrap_or_default();
+            // Encoding fails only on a truncation or padding setting it cannot meet, and
+            // `from_file` turned both off.
+            let encoding = json.codec.encode_fast(text, false);
+            return encoding
+                .expect("a tokenizer.json without truncation or padding encodes any text")
+                .get_ids()
+                .to_vec();
         }
         match self.bpe {
             None => text.bytes().map(u32::from).collect(),
@@ -376,6 +380,28 @@ mod tests {
         ids.push(10_000);
         ids.extend(&hi);
         assert_eq!(tok.decode(&ids), "hi\u{FFFD}hi");
+        // A file that truncates to a model's context still encodes a whole text: truncation
+        // and padding are a model's input settings, not the data's.
+        let mut json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("tokenizer.json")).unwrap()).unwrap();
+        json["truncation"] = serde_json::json!({
+            "direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0
+        });
+        json["padding"] = serde_json::json!({
+            "strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": null,
+            "pad_id": 0, "pad_type_id": 0, "pad_token": "!"
+        });
+        let limited =
+            std::env::temp_dir().join(format!("wildfire-truncating-{}.json", std::process::id()));
+        std::fs::write(&limited, serde_json::to_vec(&json).unwrap()).unwrap();
+        let limited_tok = Tokenizer::from_file(&limited).unwrap();
+        std::fs::remove_file(&limited).unwrap();
+        let case = &cases[0];
+        let text = case["text"].as_str().unwrap();
+        let ids = limited_tok.encode(text);
+        assert_eq!(ids.len(), case["ids"].as_array().unwrap().len(), "{ids:?}");
+        assert_eq!(ids, tok.encode(text));
+        assert_ne!(limited_tok.cache_name(), tok.cache_name());
         assert!(tok.cache_name().starts_with("json-"));
         assert_ne!(tok.cache_name(), "json");
         let bad = std::env::temp_dir().join(format!("wildfire-bad-{}.json", std::process::id()));
