@@ -270,6 +270,7 @@ impl PretrainConfig {
             return Err(PretrainError::Config("--steps must be at least 1".into()));
         }
         self.parallel.check_batch(self.batch_size, self.accum)?;
+        self.data.check()?;
         Ok(())
     }
 

@@ -118,12 +118,13 @@ impl RankRun<'_> {
         let reporter = (rank == 0).then(|| self.reporter());
         let member = ctx.comm().member();
         member.set_tracing(config.trace.is_some());
+        let schedule = config.schedule();
         for step in self.first_step..config.steps {
             let watch = StepWatch::start(&ctx);
             // Every `n` steps (0: never), and at the last step.
             let due =
                 |n: usize| (n > 0 && (step + 1).is_multiple_of(n)) || step + 1 == config.steps;
-            let lr = config.schedule().at(step);
+            let lr = schedule.at(step);
             // Recomputation and dropout streams are seeded by (run seed, step, the micro-batch's
             // first global row), so tensor-parallel peers (same rows) draw the same masks and
             // pipeline stages the masks one device would.
@@ -166,7 +167,9 @@ impl RankRun<'_> {
                 // state and commits. No collective runs.
                 let taken = Instant::now();
                 let snapshot = trainee.snapshot()?;
-                summary.saves.push((taken.elapsed().as_secs_f64(), 0.0));
+                let copy = taken.elapsed().as_secs_f64();
+                tracing::debug!(step, bytes = snapshot.bytes(), copy, "checkpoint taken");
+                summary.saves.push((copy, 0.0));
                 let files = self.state_files(rank, step + 1, runner.scaler());
                 writer.save(snapshot, step + 1, files)?;
             }

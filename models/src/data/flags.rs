@@ -50,6 +50,15 @@ impl Default for DataFlags {
 }
 
 impl DataFlags {
+    /// Refuse values that cannot make a run, before any data is read: a held-out share
+    /// outside `[0, 1)`.
+    pub fn check(&self) -> Result<(), Error> {
+        if !(0.0..1.0).contains(&self.val_fraction) {
+            return Err(Error::Config("--val-fraction must be in [0, 1)".into()));
+        }
+        Ok(())
+    }
+
     /// Where the tokens come from.
     pub fn source(&self) -> DataSource {
         match &self.path {
@@ -81,9 +90,7 @@ impl DataFlags {
         global_batch: usize,
         validate: bool,
     ) -> Result<[(TokenSlice<'d>, BatchSampler); 2], Error> {
-        if !(0.0..1.0).contains(&self.val_fraction) {
-            return Err(Error::Config("--val-fraction must be in [0, 1)".into()));
-        }
+        self.check()?;
         let (train, val) = dataset.split(self.val_fraction);
         let sampler = BatchSampler {
             seed,

@@ -13,6 +13,21 @@ fn bad_input_is_refused() {
         },
         ..small(2)
     };
+    // A held-out share outside [0, 1) is refused before the data is read (the file is missing:
+    // reading it would have been the error).
+    for val_fraction in [1.0, -0.5] {
+        let bad = PretrainConfig {
+            data: DataFlags {
+                val_fraction,
+                ..missing.data.clone()
+            },
+            ..missing.clone()
+        };
+        match run(&bad) {
+            Err(PretrainError::Config(msg)) => assert!(msg.contains("--val-fraction"), "{msg}"),
+            other => panic!("--val-fraction {val_fraction}: {other:?}"),
+        }
+    }
     let err = run(&missing).unwrap_err();
     assert!(
         matches!(
