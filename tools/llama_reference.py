@@ -27,9 +27,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests/fixtures/llama_tiny"
 
 
-def write(name, tie, seed):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+def tiny_config(tie):
+    """The fixtures' tiny Llama-3 (see the module docs); `tools/trained_reference.py` uses it too."""
+    return LlamaConfig(
         vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -37,7 +37,11 @@ def write(name, tie, seed):
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         tie_word_embeddings=tie, attention_bias=False, mlp_bias=False,
         bos_token_id=1, eos_token_id=2, torch_dtype="float32")
-    model = LlamaForCausalLM(config).eval()
+
+
+def write(name, tie, seed):
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(tie)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))

@@ -23,7 +23,8 @@ import pathlib
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from llama_reference import tiny_config
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests/fixtures/trained"
@@ -36,14 +37,7 @@ def models():
         vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=4,
         activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         bos_token_id=0, eos_token_id=0)
-    llama = LlamaConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-        bos_token_id=1, eos_token_id=2)
+    llama = tiny_config(tie=False)  # the untied fixture's shape
     return [("gpt2", GPT2LMHeadModel(gpt2)), ("llama", LlamaForCausalLM(llama))]
 
 
@@ -55,8 +49,9 @@ def main():
     starts = torch.arange(len(held) - BLOCK)
     windows = torch.stack([ids[s:s + BLOCK] for s in starts])
     targets = torch.stack([ids[s + 1:s + BLOCK + 1] for s in starts])
+    # Seeded before the models are built: their initial weights are part of the fixture.
+    torch.manual_seed(20261127)
     for name, model in models():
-        torch.manual_seed(20261127)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
         model.train()
         for step in range(300):
