@@ -10,7 +10,7 @@
 
 use crate::CausalLm;
 use crate::Error;
-use crate::init::{LayoutFn, Place, Values, Whole, build_in_layouts};
+use crate::init::{LayoutFn, Place, Values};
 use burn::module::Param;
 use burn::nn::RmsNorm;
 use burn::prelude::*;
@@ -305,11 +305,8 @@ impl LlamaConfig {
     /// The model, every parameter drawn whole: normal(0, 0.02) linear weights and tables (as
     /// `transformers` initialises a Llama), norms at 1.
     pub fn init<B: Backend>(&self, device: &B::Device) -> Result<Llama<B>, Error> {
-        self.validate()?;
-        let n = self.n_layer;
-        Ok(self
-            .build(&mut Whole(device), device, 0..n, true, true)
-            .into_llama())
+        let whole = self.init_stage(device, 0..self.n_layer, true, true)?;
+        Ok(whole.into_llama())
     }
 
     /// The model already laid out over `device`'s mesh, each parameter in the layout `layouts`
@@ -320,18 +317,8 @@ impl LlamaConfig {
         device: &B::Device,
         layouts: impl LayoutFn,
     ) -> Result<Llama<B>, Error> {
-        self.validate()?;
-        build_in_layouts(
-            device,
-            layouts,
-            |shapes| {
-                self.build(shapes, device, 0..self.n_layer, true, true);
-            },
-            |pieces| {
-                let n = self.n_layer;
-                self.build(pieces, device, 0..n, true, true).into_llama()
-            },
-        )
+        let whole = self.init_stage_in_layouts(device, 0..self.n_layer, true, true, layouts)?;
+        Ok(whole.into_llama())
     }
 
     /// Blocks `blocks` of the model (the token table when `first`; the final norm and the head

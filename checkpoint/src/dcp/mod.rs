@@ -163,10 +163,7 @@ pub fn state_file<T: Serialize>(rank: usize, name: &str, state: &T) -> Vec<(Stri
 /// error; unreadable as `T`, [`Error::Invalid`] naming the file.
 pub fn read_state_file<T: serde::de::DeserializeOwned>(dir: &Path, name: &str) -> Result<T, Error> {
     let path = dir.join(name);
-    let bytes = std::fs::read(&path).map_err(|source| Error::Io {
-        path: path.clone(),
-        source,
-    })?;
+    let bytes = std::fs::read(&path).map_err(|source| Error::io(&path, source))?;
     serde_json::from_slice(&bytes).map_err(|e| Error::Invalid {
         path,
         reason: format!("{name} is corrupt: {e}"),
