@@ -134,6 +134,43 @@ impl<B: FusedOps> Backward<B, 2> for GeluBiasOp {
 }
 
 #[derive(Debug)]
+struct SwiGluOp;
+
+impl<B: FusedOps> Backward<B, 2> for SwiGluOp {
+    /// gate, up.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (gate, up) = ops.state;
+        let (dgate, dup) = B::fused_swiglu_backward(gate, up, dy);
+        let [pg, pu] = &ops.parents;
+        register!(B, grads, pg, dgate);
+        register!(B, grads, pu, dup);
+    }
+}
+
+/// The rotary tables are constants: `x` is the one parent.
+#[derive(Debug)]
+struct RopeOp;
+
+impl<B: FusedOps> Backward<B, 1> for RopeOp {
+    /// cos, sin.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (cos, sin) = ops.state;
+        register!(
+            B,
+            grads,
+            &ops.parents[0],
+            B::fused_rope_backward(dy, cos, sin)
+        );
+    }
+}
+
+#[derive(Debug)]
 struct AttentionOp {
     scale: f64,
     causal: bool,
@@ -285,6 +322,30 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
             .stateful()
         {
             OpsKind::Tracked(prep) => prep.finish((x.primitive, bias.primitive), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        let y = B::fused_swiglu(gate.primitive.clone(), up.primitive.clone());
+        match SwiGluOp
+            .prepare::<C>([gate.node, up.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((gate.primitive, up.primitive), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let y = B::fused_rope(x.primitive, cos.primitive.clone(), sin.primitive.clone());
+        match RopeOp.prepare::<C>([x.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((cos.primitive, sin.primitive), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }

@@ -29,6 +29,10 @@ enum Call {
     /// With the tanh approximation or not.
     GeluBias(bool),
     GeluBiasBackward(bool),
+    SwiGlu,
+    SwiGluBackward,
+    /// Inputs: x (or dy), cos, sin; with `true` the backward.
+    Rope(bool),
     Attention(f64, bool),
     AttentionBackward(f64, bool),
     Unscale(f64),
@@ -115,6 +119,19 @@ impl<B: FusionBackend + FusedOps> Operation<B::FusionRuntime> for FusedCall<B> {
             Call::GeluBiasBackward(tanh) => {
                 let (dx, db) = B::fused_gelu_bias_backward(float(0), float(1), float(2), tanh);
                 vec![dx, db]
+            }
+            Call::SwiGlu => vec![B::fused_swiglu(float(0), float(1))],
+            Call::SwiGluBackward => {
+                let (dg, du) = B::fused_swiglu_backward(float(0), float(1), float(2));
+                vec![dg, du]
+            }
+            Call::Rope(backward) => {
+                let (x, cos, sin) = (float(0), float(1), float(2));
+                vec![if backward {
+                    B::fused_rope_backward(x, cos, sin)
+                } else {
+                    B::fused_rope(x, cos, sin)
+                }]
             }
             Call::Attention(scale, causal) => {
                 let o = B::fused_attention(float(0), float(1), float(2), scale, causal);
@@ -311,6 +328,29 @@ impl<B: FusionBackend + FusedOps> FusedOps for Fusion<B> {
             &[xm, bm],
         ));
         (dx, db)
+    }
+
+    fn fused_swiglu(gate: Ft<B>, up: Ft<B>) -> Ft<B> {
+        like_first::<B>(Call::SwiGlu, vec![gate, up], None)
+    }
+
+    fn fused_swiglu_backward(gate: Ft<B>, up: Ft<B>, dy: Ft<B>) -> (Ft<B>, Ft<B>) {
+        let (gm, um) = (meta::<B>(&gate), meta::<B>(&up));
+        let [dg, du] = take(register::<B>(
+            Call::SwiGluBackward,
+            vec![gate, up, dy],
+            None,
+            &[gm, um],
+        ));
+        (dg, du)
+    }
+
+    fn fused_rope(x: Ft<B>, cos: Ft<B>, sin: Ft<B>) -> Ft<B> {
+        like_first::<B>(Call::Rope(false), vec![x, cos, sin], None)
+    }
+
+    fn fused_rope_backward(dy: Ft<B>, cos: Ft<B>, sin: Ft<B>) -> Ft<B> {
+        like_first::<B>(Call::Rope(true), vec![dy, cos, sin], None)
     }
 
     fn fused_attention(

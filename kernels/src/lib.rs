@@ -156,6 +156,10 @@ pub struct Fused {
     pub rms_norm: bool,
     /// `fused_gelu_bias`, forward and backward.
     pub gelu_bias: bool,
+    /// `fused_swiglu`, forward and backward.
+    pub swiglu: bool,
+    /// `fused_rope`, forward and backward.
+    pub rope: bool,
     /// `fused_cross_entropy`, forward and backward.
     pub cross_entropy: bool,
     /// `fused_attention` (flash attention), forward and backward.
@@ -170,6 +174,8 @@ impl Fused {
         layer_norm: false,
         rms_norm: false,
         gelu_bias: false,
+        swiglu: false,
+        rope: false,
         cross_entropy: false,
         attention: false,
         optimizer: false,
@@ -179,6 +185,8 @@ impl Fused {
         layer_norm: true,
         rms_norm: true,
         gelu_bias: true,
+        swiglu: true,
+        rope: true,
         cross_entropy: true,
         attention: true,
         optimizer: true,
@@ -189,6 +197,8 @@ impl Fused {
         self.layer_norm
             || self.rms_norm
             || self.gelu_bias
+            || self.swiglu
+            || self.rope
             || self.cross_entropy
             || self.attention
             || self.optimizer
@@ -315,6 +325,44 @@ pub trait FusedOps: Backend {
         tanh: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         reference::gelu_bias_backward::<Self>(x, bias, dy, tanh)
+    }
+
+    /// The SwiGLU gate `silu(gate) ⊙ up` (`silu(g) = g·σ(g)`), elementwise over two tensors of
+    /// one shape: the Llama MLP's activation between its gate/up and down projections.
+    fn fused_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        reference::swiglu::<Self>(gate, up)
+    }
+
+    /// Gradients `(dgate, dup)` of [`FusedOps::fused_swiglu`]: `dup = dy·silu(g)`,
+    /// `dgate = dy·up·σ(g)·(1 + g·(1 − σ(g)))`.
+    fn fused_swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        reference::swiglu_backward::<Self>(gate, up, dy)
+    }
+
+    /// Rotary position embedding of `x` `[batch, heads, seq, head_dim]` in Hugging Face's
+    /// rotate-half convention: `x·cos + rotate_half(x)·sin` with `rotate_half([x₁, x₂]) =
+    /// [−x₂, x₁]` (the two halves of each head's dims), tables `cos`, `sin` `[seq, head_dim]` in
+    /// `x`'s dtype (row `p` for the token at position `p` of the sequence dim).
+    fn fused_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference::rope::<Self>(x, cos, sin, false)
+    }
+
+    /// The gradient of [`FusedOps::fused_rope`] w.r.t. `x`: the transposed rotation,
+    /// `dx₁ = dy₁·cos₁ + dy₂·sin₂`, `dx₂ = dy₂·cos₂ − dy₁·sin₁` (the tables are constants).
+    fn fused_rope_backward(
+        dy: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        reference::rope::<Self>(dy, cos, sin, true)
     }
 
     /// Attention `softmax(q·kᵀ·scale)·v` over `[batch, heads, seq, head_dim]`, causal (query `i`

@@ -70,6 +70,20 @@ pub fn gelu_bias<B: FusedOps, const D: usize>(
     tensor(B::fused_gelu_bias(prim(x), prim(bias), tanh))
 }
 
+/// The SwiGLU gate `silu(gate) ⊙ up`, elementwise.
+pub fn swiglu<B: FusedOps, const D: usize>(gate: Tensor<B, D>, up: Tensor<B, D>) -> Tensor<B, D> {
+    tensor(B::fused_swiglu(prim(gate), prim(up)))
+}
+
+/// Rotary position embedding of `x` `[batch, heads, seq, head_dim]` (Hugging Face's
+/// rotate-half convention) with `cos`, `sin` `[seq, head_dim]`, cast to `x`'s dtype where they
+/// are not in it.
+pub fn rope<B: FusedOps>(x: Tensor<B, 4>, cos: Tensor<B, 2>, sin: Tensor<B, 2>) -> Tensor<B, 4> {
+    let dtype = x.dtype();
+    let [cos, sin] = [cos, sin].map(|t| if t.dtype() == dtype { t } else { t.cast(dtype) });
+    tensor(B::fused_rope(prim(x), prim(cos), prim(sin)))
+}
+
 /// Attention `softmax(q·kᵀ·scale)·v` over `[batch, heads, seq, head_dim]`, causal or not.
 pub fn attention<B: FusedOps>(
     q: Tensor<B, 4>,

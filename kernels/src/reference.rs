@@ -354,6 +354,63 @@ fn gelu_bias_backward_d<B: Backend, const D: usize>(
     (prim(dz.clone()), sum_leading(dz))
 }
 
+/// `silu(gate) ⊙ up`.
+pub fn swiglu<B: Backend>(gate: FloatTensor<B>, up: FloatTensor<B>) -> FloatTensor<B> {
+    ranked!(rank::<B>(&gate), swiglu_d::<B>(gate, up))
+}
+
+fn swiglu_d<B: Backend, const D: usize>(
+    gate: FloatTensor<B>,
+    up: FloatTensor<B>,
+) -> FloatTensor<B> {
+    prim(burn::tensor::activation::silu(float::<B, D>(gate)) * float::<B, D>(up))
+}
+
+/// Gradients `(dgate, dup)` of [`swiglu`]: with `s = σ(g)`, `dup = dy·g·s` and
+/// `dgate = dy·up·s·(1 + g·(1 − s))`.
+pub fn swiglu_backward<B: Backend>(
+    gate: FloatTensor<B>,
+    up: FloatTensor<B>,
+    dy: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    ranked!(rank::<B>(&gate), swiglu_backward_d::<B>(gate, up, dy))
+}
+
+fn swiglu_backward_d<B: Backend, const D: usize>(
+    gate: FloatTensor<B>,
+    up: FloatTensor<B>,
+    dy: FloatTensor<B>,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let (g, u, dy) = (float::<B, D>(gate), float::<B, D>(up), float::<B, D>(dy));
+    let s = burn::tensor::activation::sigmoid(g.clone());
+    let dup = dy.clone() * g.clone() * s.clone();
+    let slope = s.clone() * (g * s.neg().add_scalar(1.0)).add_scalar(1.0);
+    (prim(dy * u * slope), prim(dup))
+}
+
+/// The rotary embedding of `x` `[b, h, t, hd]` with tables `[t, hd]`: `x·cos + R(x)·sin` with
+/// `R([x₁, x₂]) = [−x₂, x₁]`, or with `transpose` its gradient map `x·cos + Rᵀ(x·sin)`,
+/// `Rᵀ([g₁, g₂]) = [g₂, −g₁]`.
+pub fn rope<B: Backend>(
+    x: FloatTensor<B>,
+    cos: FloatTensor<B>,
+    sin: FloatTensor<B>,
+    transpose: bool,
+) -> FloatTensor<B> {
+    let x = float::<B, 4>(x);
+    let half = x.dims()[3] / 2;
+    let [cos, sin] = [cos, sin].map(|t| float::<B, 2>(t).unsqueeze::<4>());
+    let halves = |t: Tensor<B, 4>| (t.clone().narrow(3, 0, half), t.narrow(3, half, half));
+    let turned = if transpose {
+        let (g1, g2) = halves(x.clone() * sin);
+        Tensor::cat(vec![g2, g1.neg()], 3)
+    } else {
+        let (x1, x2) = halves(x.clone());
+        Tensor::cat(vec![x2.neg(), x1], 3) * sin
+    };
+    prim(x * cos + turned)
+}
+
 /// The causal mask `j > i` of a `[seq, seq]` score matrix, broadcast to `[1, 1, seq, seq]`.
 fn causal_mask<B: Backend>(seq_q: usize, seq_k: usize, device: &B::Device) -> Tensor<B, 4, Bool> {
     assert_eq!(

@@ -208,6 +208,48 @@ fn check_gelu<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize; 
     );
 }
 
+fn check_swiglu<B: AutodiffBackend + FusedOps>(device: &B::Device, shape: [usize; 3], tol: f32) {
+    let gate = normal::<B, 3>(shape, 3.0, device);
+    let up = normal::<B, 3>(shape, 1.0, device);
+    let (gg, gu) = (grad_of(&gate), grad_of(&up));
+    compare(
+        &format!("swiglu {shape:?}"),
+        ops::swiglu(gate.clone(), up.clone()),
+        activation::silu(gate.clone()) * up.clone(),
+        &[&gg, &gu],
+        tol,
+    );
+}
+
+/// The rotary embedding against rotate-half written with Burn ops; random tables (their two
+/// halves differ, unlike real ones), so the gradient checks the general transposed rotation.
+fn check_rope<B: AutodiffBackend + FusedOps>(
+    device: &B::Device,
+    [b, h, t, hd]: [usize; 4],
+    tol: f32,
+) {
+    let x = normal::<B, 4>([b, h, t, hd], 1.0, device);
+    let [cos, sin] = [0, 1].map(|_| random::<B, 2>([t, hd], 1.0, device));
+    let gx = grad_of(&x);
+    let half = hd / 2;
+    let rotated = Tensor::cat(
+        vec![
+            x.clone().narrow(3, half, half).neg(),
+            x.clone().narrow(3, 0, half),
+        ],
+        3,
+    );
+    let reference =
+        x.clone() * cos.clone().unsqueeze::<4>() + rotated * sin.clone().unsqueeze::<4>();
+    compare(
+        &format!("rope {:?}", [b, h, t, hd]),
+        ops::rope(x.clone(), cos, sin),
+        reference,
+        &[&gx],
+        tol,
+    );
+}
+
 /// Targets in `0..vocab`, every 5th row ignored (-100).
 fn targets<B: AutodiffBackend>(rows: usize, vocab: usize, device: &B::Device) -> Tensor<B, 1, Int> {
     let t: Vec<i64> = (0..rows)
@@ -391,6 +433,11 @@ fn check_all<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) {
         check_softmax::<B>(device, shape, tol);
         check_norms::<B>(device, shape, tol);
         check_gelu::<B>(device, shape, tol);
+        check_swiglu::<B>(device, shape, tol);
+    }
+    // Rotary embeddings: one token, odd lengths, head dims from 2 to 128, many heads.
+    for shape in [[1, 1, 1, 2], [2, 3, 17, 8], [1, 4, 33, 64], [2, 2, 5, 128]] {
+        check_rope::<B>(device, shape, tol);
     }
     for (rows, vocab) in [(7, 37), (1, 2), (5, 1000)] {
         check_cross_entropy::<B>(device, rows, vocab, tol);
@@ -545,6 +592,98 @@ fn causal_softmax_native_on_flex_and_under_distributed() {
             .unwrap();
             for rank in got {
                 assert_eq!(rank, native, "{shape:?} split {split:?}");
+            }
+        }
+    }
+}
+
+/// The SwiGLU gate and the rotary embedding under `Distributed<Flex>` on 2 ranks, forward and
+/// backward, equal to one device bitwise: SwiGLU with both operands split by columns (a
+/// column-parallel gate/up pair: stays local) and with `up` replicated (brought to `gate`'s
+/// layout); the rotary embedding split by heads (stays local) and by positions (gathered first:
+/// the tables are per position).
+#[test]
+fn swiglu_and_rope_under_distributed_equal_one_device() {
+    use burn::tensor::TensorPrimitive;
+    use wildfire::parallel::{DTensor, DeviceMesh, Distributed, Layout, Placement, launch_ranks};
+    type F = burn::backend::Flex;
+    type D = Distributed<F>;
+    let device = Default::default();
+    let prim = |x: Tensor<F, 4>| x.into_primitive().tensor();
+    let back = |x| data(Tensor::<F, 4>::from_primitive(TensorPrimitive::Float(x)));
+    let normal =
+        |shape: [usize; 4]| Tensor::<F, 4>::random(shape, Distribution::Normal(0.0, 2.0), &device);
+    let [gate, up, x, dy] = [[2, 3, 4, 8], [2, 3, 4, 8], [2, 4, 6, 8], [2, 4, 6, 8]].map(normal);
+    let [cos, sin] = [0, 1].map(|_| normal([1, 1, 6, 8]).reshape([6, 8]));
+    let tables = |t: &Tensor<F, 2>| t.clone().into_primitive().tensor();
+    let one = [
+        back(F::fused_swiglu(prim(gate.clone()), prim(up.clone()))),
+        back(
+            F::fused_swiglu_backward(
+                prim(gate.clone()),
+                prim(up.clone()),
+                prim(dy.clone().narrow(1, 0, 3).narrow(2, 0, 4)),
+            )
+            .0,
+        ),
+        back(F::fused_rope(prim(x.clone()), tables(&cos), tables(&sin))),
+        back(F::fused_rope_backward(
+            prim(dy.clone()),
+            tables(&cos),
+            tables(&sin),
+        )),
+    ];
+    let mesh = DeviceMesh::new([("tp", 2)]).unwrap();
+    let host = [&gate, &up, &x, &dy].map(|t| t.to_data());
+    let host_tables = [&cos, &sin].map(|t| t.to_data());
+    let cases = [
+        (
+            Placement::Shard(3),
+            Placement::Shard(3),
+            Placement::Shard(1),
+        ),
+        (
+            Placement::Shard(3),
+            Placement::Replicate,
+            Placement::Shard(2),
+        ),
+    ];
+    for (gate_split, up_split, x_split) in cases {
+        let got = launch_ranks::<F, _, _>(&mesh, &device, &Default::default(), |d| {
+            let dt = |data: &TensorData, split| {
+                let t = Tensor::<F, 4>::from_data(data.clone(), &Default::default());
+                DTensor::from_full(prim(t), &Layout::new([split]), &d).unwrap()
+            };
+            let table = |data: &TensorData| {
+                let t = Tensor::<F, 2>::from_data(data.clone(), &Default::default());
+                DTensor::from_full(
+                    t.into_primitive().tensor(),
+                    &Layout::new([Placement::Replicate]),
+                    &d,
+                )
+                .unwrap()
+            };
+            let [g, u] = [(&host[0], gate_split), (&host[1], up_split)].map(|(h, p)| dt(h, p));
+            let dy_small = Tensor::<F, 4>::from_data(host[3].clone(), &Default::default())
+                .narrow(1, 0, 3)
+                .narrow(2, 0, 4)
+                .into_data();
+            let full = |t: DTensor<F>| back(t.full().unwrap());
+            let (c, s) = (table(&host_tables[0]), table(&host_tables[1]));
+            [
+                full(D::fused_swiglu(g.clone(), u.clone())),
+                full(D::fused_swiglu_backward(g, u, dt(&dy_small, Placement::Replicate)).0),
+                full(D::fused_rope(dt(&host[2], x_split), c.clone(), s.clone())),
+                full(D::fused_rope_backward(dt(&host[3], x_split), c, s)),
+            ]
+        })
+        .unwrap();
+        for rank in got {
+            for (i, (got, want)) in rank.iter().zip(&one).enumerate() {
+                assert_eq!(
+                    got, want,
+                    "output {i}, splits {gate_split:?} {up_split:?} {x_split:?}"
+                );
             }
         }
     }

@@ -1,6 +1,6 @@
 //! The `#[cube]` kernels and `FusedOps` for `CubeBackend` (Wgpu, Cuda, … — every CubeCL runtime),
 //! one file per kernel family: `softmax`, `norm` (LayerNorm and RMSNorm), `cross_entropy`,
-//! `gelu` (GELU with bias), `attention` (flash attention's host side, separate or packed q/k/v),
+//! `gelu` (GELU with bias), `gated` (the SwiGLU gate and the rotary embedding), `attention` (flash attention's host side, separate or packed q/k/v),
 //! `attention_backward` and `flash` (the flash-attention kernels), `heads` (what they share),
 //! `optim` (the optimizer tail); the cube-wide reductions the row kernels share are in `reduce`,
 //! the host-side launch helpers here.
@@ -17,6 +17,7 @@ mod attention;
 mod attention_backward;
 mod cross_entropy;
 mod flash;
+mod gated;
 mod gelu;
 mod heads;
 mod norm;
@@ -137,6 +138,22 @@ fn finish_columns<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElemen
     }
 }
 
+/// `x` `[b, h, t, hd]` with an even `hd`, tables `[t, hd]` in its dtype: what the rotary kernel
+/// takes.
+fn rope_shapes<R: CubeRuntime>(
+    x: &CubeTensor<R>,
+    cos: &CubeTensor<R>,
+    sin: &CubeTensor<R>,
+) -> bool {
+    let shape = x.shape();
+    let dims = shape.as_slice();
+    dims.len() == 4
+        && dims[3] % 2 == 0
+        && [cos, sin]
+            .iter()
+            .all(|t| t.shape().as_slice() == &dims[2..] && t.dtype == x.dtype)
+}
+
 // ---------------------------------------------------------------------------------------------
 // The trait, one family file per group of methods.
 
@@ -229,6 +246,42 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         tanh: bool,
     ) -> (CubeTensor<R>, CubeTensor<R>) {
         gelu::backward::<R, F, I, BT>(x, bias, dy, tanh)
+    }
+
+    fn fused_swiglu(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
+        if gate.shape() != up.shape() {
+            return crate::reference::swiglu::<Self>(gate, up);
+        }
+        gated::swiglu(gate, up)
+    }
+
+    fn fused_swiglu_backward(
+        gate: CubeTensor<R>,
+        up: CubeTensor<R>,
+        dy: CubeTensor<R>,
+    ) -> (CubeTensor<R>, CubeTensor<R>) {
+        if gate.shape() != up.shape() || gate.shape() != dy.shape() {
+            return crate::reference::swiglu_backward::<Self>(gate, up, dy);
+        }
+        gated::swiglu_backward(gate, up, dy)
+    }
+
+    fn fused_rope(x: CubeTensor<R>, cos: CubeTensor<R>, sin: CubeTensor<R>) -> CubeTensor<R> {
+        if !rope_shapes(&x, &cos, &sin) {
+            return crate::reference::rope::<Self>(x, cos, sin, false);
+        }
+        gated::rope(x, cos, sin, false)
+    }
+
+    fn fused_rope_backward(
+        dy: CubeTensor<R>,
+        cos: CubeTensor<R>,
+        sin: CubeTensor<R>,
+    ) -> CubeTensor<R> {
+        if !rope_shapes(&dy, &cos, &sin) {
+            return crate::reference::rope::<Self>(dy, cos, sin, true);
+        }
+        gated::rope(dy, cos, sin, true)
     }
 
     fn fused_unscale(grad: CubeTensor<R>, inv_scale: f64) -> UnscaleOutput<Self> {

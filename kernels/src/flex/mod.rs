@@ -10,6 +10,7 @@
 //! | attention on separate q, k, v with grouped key/value heads, forward and backward | [`attention`]: the same per (batch, head); the key/value gradients summed over the query heads of a group in one task |
 //! | LayerNorm and RMSNorm, forward and backward | [`rows`]: one pass for the statistics, one for the output |
 //! | GELU-with-bias, forward and backward | [`rows`]: the erf form, a polynomial erf |
+//! | SwiGLU gate and rotary embedding, forward and backward | [`gated`]: one elementwise pass |
 //! | cross-entropy, forward and backward | [`rows`]: log-sum-exp per row; `p − onehot` per row |
 //! | unscale + `Σg²` + non-finite flag, AdamW | [`optim`]: one pass each, AdamW in place |
 //!
@@ -19,6 +20,7 @@
 //! throughout, so recomputation and the sharded-versus-one-device comparisons stay exact.
 
 pub mod attention;
+pub mod gated;
 pub(crate) mod math;
 pub mod optim;
 pub mod rows;
@@ -146,6 +148,37 @@ impl FusedOps for Flex {
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         rows::gelu_bias_backward(&x, &b, &dout, tanh)
             .unwrap_or_else(|| reference::gelu_bias_backward::<Self>(x, b, dout, tanh))
+    }
+
+    fn fused_swiglu(g: FloatTensor<Self>, u: FloatTensor<Self>) -> FloatTensor<Self> {
+        gated::swiglu(&g, &u).unwrap_or_else(|| reference::swiglu::<Self>(g, u))
+    }
+
+    fn fused_swiglu_backward(
+        g: FloatTensor<Self>,
+        u: FloatTensor<Self>,
+        dout: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        gated::swiglu_backward(&g, &u, &dout)
+            .unwrap_or_else(|| reference::swiglu_backward::<Self>(g, u, dout))
+    }
+
+    fn fused_rope(
+        input: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        s: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        gated::rope(&input, &c, &s, false)
+            .unwrap_or_else(|| reference::rope::<Self>(input, c, s, false))
+    }
+
+    fn fused_rope_backward(
+        dout: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+        s: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        gated::rope(&dout, &c, &s, true)
+            .unwrap_or_else(|| reference::rope::<Self>(dout, c, s, true))
     }
 
     fn fused_attention(

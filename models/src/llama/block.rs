@@ -71,14 +71,14 @@ pub(super) fn linear<B: Backend>(weight: Tensor<B, 2>) -> Linear<B> {
 }
 
 impl<B: FusedOps> LlamaAttention<B> {
-    /// `[b, t, d] -> [b, t, d]` with rotary tables `cos`, `sin` (`[1, 1, t, hd]`), the core
+    /// `[b, t, d] -> [b, t, d]` with rotary tables `cos`, `sin` (`[t, hd]`), the core
     /// through the hooks (the flash kernel where the backend has one; recomputed under the
     /// selective policy while training).
     pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
         &self,
         layer: usize,
         x: Tensor<B, 3>,
-        [cos, sin]: &[Tensor<B, 4>; 2],
+        [cos, sin]: &[Tensor<B, 2>; 2],
         hooks: &H,
     ) -> Tensor<B, 3> {
         let [b, t, _] = x.dims();
@@ -104,14 +104,19 @@ impl<B: FusedOps> LlamaAttention<B> {
 impl<B: FusedOps> SwiGlu<B> {
     /// `[b, t, d] -> [b, t, d]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let gate = activation::silu(self.gate_proj.forward(x.clone()));
-        self.down_proj.forward(gate * self.up_proj.forward(x))
+        let (gate, up) = (self.gate_proj.forward(x.clone()), self.up_proj.forward(x));
+        let h = if B::FUSED.swiglu {
+            ops::swiglu(gate, up)
+        } else {
+            activation::silu(gate) * up
+        };
+        self.down_proj.forward(h)
     }
 }
 
 impl<B: FusedOps> LlamaBlock<B> {
     /// `x + attn(norm(x))`, then `x + mlp(norm(x))`, without hooks.
-    pub fn forward(&self, x: Tensor<B, 3>, rope: &[Tensor<B, 4>; 2]) -> Tensor<B, 3> {
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &[Tensor<B, 2>; 2]) -> Tensor<B, 3> {
         self.forward_with(0, x, rope, &Inference)
     }
 
@@ -120,7 +125,7 @@ impl<B: FusedOps> LlamaBlock<B> {
         &self,
         layer: usize,
         x: Tensor<B, 3>,
-        rope: &[Tensor<B, 4>; 2],
+        rope: &[Tensor<B, 2>; 2],
         hooks: &H,
     ) -> Tensor<B, 3> {
         let h = self.self_attn.forward_with(

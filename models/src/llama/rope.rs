@@ -6,6 +6,7 @@ use burn::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
+use wildfire_kernels::{FusedOps, ops};
 
 /// Llama-3's scaling of the rotary frequencies for long contexts (Llama-3.1 and 3.2): wavelengths
 /// longer than `original_max_position_embeddings / low_freq_factor` are divided by `factor`,
@@ -66,7 +67,7 @@ impl Rope {
             .collect()
     }
 
-    /// `cos` and `sin` tables `[1, 1, t, head_dim]` for positions `0..t` (each frequency's
+    /// `cos` and `sin` tables `[t, head_dim]` for positions `0..t` (each frequency's
     /// angle repeated in both halves of a head, as `transformers` builds them), computed once
     /// per shape on the host and kept for the process.
     pub fn tables<B: Backend>(
@@ -74,10 +75,9 @@ impl Rope {
         t: usize,
         head_dim: usize,
         device: &B::Device,
-    ) -> [Tensor<B, 4>; 2] {
+    ) -> [Tensor<B, 2>; 2] {
         let host = self.host_tables(t, head_dim);
-        let [cos, sin] =
-            [&host.0, &host.1].map(|v| TensorData::new(v.clone(), [1, 1, t, head_dim]));
+        let [cos, sin] = [&host.0, &host.1].map(|v| TensorData::new(v.clone(), [t, head_dim]));
         [
             Tensor::from_data(cos, device),
             Tensor::from_data(sin, device),
@@ -119,13 +119,17 @@ impl Rope {
     }
 }
 
-/// `x·cos + rotate_half(x)·sin` over `[b, h, t, hd]`, where `rotate_half([x₁, x₂]) = [−x₂, x₁]`
-/// (the halves of each head's dims).
-pub fn apply_rope<B: Backend>(
+/// `x·cos + rotate_half(x)·sin` over `[b, h, t, hd]` with tables `[t, hd]`, where
+/// `rotate_half([x₁, x₂]) = [−x₂, x₁]` (the halves of each head's dims): the fused kernel where
+/// the backend has one ([`FusedOps::FUSED`]), Burn ops otherwise.
+pub fn apply_rope<B: FusedOps>(
     x: Tensor<B, 4>,
-    cos: &Tensor<B, 4>,
-    sin: &Tensor<B, 4>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
 ) -> Tensor<B, 4> {
+    if B::FUSED.rope {
+        return ops::rope(x, cos.clone(), sin.clone());
+    }
     let hd = x.dims()[3];
     let half = hd / 2;
     let (x1, x2) = (
@@ -134,7 +138,8 @@ pub fn apply_rope<B: Backend>(
     );
     let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
     let dtype = x.dtype();
-    x * cos.clone().cast(dtype) + rotated * sin.clone().cast(dtype)
+    let [cos, sin] = [cos, sin].map(|t| t.clone().cast(dtype).unsqueeze::<4>());
+    x * cos + rotated * sin
 }
 
 #[cfg(test)]

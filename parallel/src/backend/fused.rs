@@ -8,6 +8,11 @@
 //!   shards), and so do the per-row statistics. Parameters are brought whole (or to the channel
 //!   shard) exactly as the `layer_norm` rule does. A parameter's gradient is the kernel's local
 //!   column sum, reduced like a linear layer's bias gradient ([`rules::column_grad`]).
+//! * The SwiGLU gate is elementwise over two operands: `up` (and the incoming gradient) are
+//!   brought to `gate`'s layout without partials (a column-parallel pair shares it already), the
+//!   outputs keep it.
+//! * The rotary embedding needs a head's dims and the positions whole (dims 2 and 3 of
+//!   `[b, h, t, hd]`); batch and head shards stay local. Its tables are brought whole.
 //! * Cross-entropy runs locally when the logits' rows and vocabulary are not sharded (the integer
 //!   targets are per-rank values); otherwise — vocabulary-parallel logits — it takes the Burn-op
 //!   defaults, which the decorator's loss-parallel rules shard.
@@ -280,6 +285,33 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         )
     }
 
+    fn fused_swiglu(gate: Dt<B>, up: Dt<B>) -> Dt<B> {
+        const OP: &str = "fused_swiglu";
+        let (gate, up) = swiglu_operands(OP, gate, up);
+        let y = B::fused_swiglu(gate.local, up);
+        wrap(y, gate.layout, gate.device)
+    }
+
+    fn fused_swiglu_backward(gate: Dt<B>, up: Dt<B>, dy: Dt<B>) -> (Dt<B>, Dt<B>) {
+        const OP: &str = "fused_swiglu_backward";
+        let (gate, up) = swiglu_operands(OP, gate, up);
+        let dy = like(OP, dy, &gate.layout);
+        let dy = rules::cast_local(OP, &gate.device, dy, dtype_of(&gate));
+        let (dgate, dup) = B::fused_swiglu_backward(gate.local, up, dy);
+        (
+            wrap(dgate, gate.layout.clone(), gate.device.clone()),
+            wrap(dup, gate.layout, gate.device),
+        )
+    }
+
+    fn fused_rope(x: Dt<B>, cos: Dt<B>, sin: Dt<B>) -> Dt<B> {
+        rope_op("fused_rope", x, cos, sin, B::fused_rope)
+    }
+
+    fn fused_rope_backward(dy: Dt<B>, cos: Dt<B>, sin: Dt<B>) -> Dt<B> {
+        rope_op("fused_rope_backward", dy, cos, sin, B::fused_rope_backward)
+    }
+
     fn fused_attention(
         q: Dt<B>,
         k: Dt<B>,
@@ -381,6 +413,46 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
 /// GELU-with-bias operands: the input without partials, its channels left sharded where they are
 /// (a column-parallel output), and the bias brought to the same channel shards (gathered on the
 /// other axes, as a parameter).
+/// The SwiGLU operands: `gate` without partials, `up` in its layout and dtype.
+fn swiglu_operands<B: FusedOps>(
+    op: &'static str,
+    gate: Dt<B>,
+    up: Dt<B>,
+) -> (Dt<B>, B::FloatTensorPrimitive) {
+    let gate = rules::unpadded(gate.settled());
+    let target = without_partials(&gate.layout, |_| false);
+    let gate = to_layout(op, gate, &target);
+    let up = like(op, up, &gate.layout);
+    let up = rules::cast_local(op, &gate.device, up, dtype_of(&gate));
+    (gate, up)
+}
+
+/// The rotary embedding (or its gradient map) on `x`'s batch and head shards, positions and
+/// head dims whole, the tables whole in `x`'s dtype.
+fn rope_op<B: FusedOps>(
+    op: &'static str,
+    x: Dt<B>,
+    cos: Dt<B>,
+    sin: Dt<B>,
+    f: impl FnOnce(
+        B::FloatTensorPrimitive,
+        B::FloatTensorPrimitive,
+        B::FloatTensorPrimitive,
+    ) -> B::FloatTensorPrimitive,
+) -> Dt<B> {
+    let x = rules::unpadded(x.settled());
+    let layout = attention_layout(&x.layout);
+    let x = to_layout(op, x, &layout);
+    let dtype = dtype_of(&x);
+    let [cos, sin] = [cos, sin].map(|t| {
+        let t = rules::unpadded(t.settled());
+        let whole = rules::whole_param(&t.layout);
+        let t = to_layout(op, t, &whole).local;
+        rules::cast_local(op, &x.device, t, dtype)
+    });
+    wrap(f(x.local, cos, sin), layout, x.device)
+}
+
 fn gelu_operands<B: FusedOps>(
     op: &'static str,
     x: Dt<B>,
