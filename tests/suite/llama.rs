@@ -78,8 +78,11 @@ fn train(parallel: &ParallelConfig, recompute: Recompute) -> (Vec<f32>, Vec<Vec<
 }
 
 /// FSDP, TP + SP, dp 2 × tp 2 FullShard with SP, and full / selective / every-2 recomputation
-/// give one device's losses and parameters (to 1e-5 of each tensor's scale: the reductions add
-/// in another order).
+/// give one device's losses (to 1e-5) and parameters (to 2e-5 of each tensor's scale: the
+/// reductions add in another order, and AdamW's `m/√v` turns a rounding-level difference of a
+/// near-zero gradient into a step-sized one. Measured: every tensor within 3e-6 but layer 0's
+/// `v_proj` under tp 2, 1.2e-5 — one sensitive element; 2.7e-6 there before the SwiGLU gate
+/// went native, whose polynomial `exp` moved the trajectory).
 #[test]
 fn llama_matches_one_device_under_every_axis() {
     let (losses, params) = train(&ParallelConfig::default(), Recompute::None);
@@ -114,7 +117,7 @@ fn llama_matches_one_device_under_every_axis() {
     for (what, parallel, recompute) in runs {
         let (l, p) = train(&parallel, recompute);
         losses_close_f32(what, &l, &losses, 1e-5);
-        tensors_close(what, &p, &params, 1e-5);
+        tensors_close(what, &p, &params, 2e-5);
     }
 }
 

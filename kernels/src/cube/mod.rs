@@ -148,7 +148,7 @@ fn rope_shapes<R: CubeRuntime>(
     let shape = x.shape();
     let dims = shape.as_slice();
     dims.len() == 4
-        && dims[3] % 2 == 0
+        && dims[3].is_multiple_of(2)
         && [cos, sin]
             .iter()
             .all(|t| t.shape().as_slice() == &dims[2..] && t.dtype == x.dtype)
