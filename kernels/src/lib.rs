@@ -15,19 +15,21 @@
 //! * every other backend takes the trait's default methods, built from Burn ops
 //!   ([`reference`](mod@reference)), so models written against `FusedOps` stay portable, and
 //!   the defaults are the references the kernels are tested against;
-//! * Flex, the CPU backend, runs native row-parallel loops for LayerNorm, GELU-with-bias,
-//!   cross-entropy, the optimizer tail and the attention core's causal softmax ([`flex`]).
+//! * Flex, the CPU backend, runs native row-parallel loops for LayerNorm, RMSNorm,
+//!   GELU-with-bias, the SwiGLU gate, the rotary embedding, cross-entropy, attention, the
+//!   optimizer tail and the attention core's causal softmax ([`flex`]).
 //!
 //! [`FusedOps::FUSED`] says, family by family, which methods are fused on a backend.
 //!
 //! The tensor-level API is in [`ops`]: `softmax`, `log_softmax`, `layer_norm`, `rms_norm`,
-//! `cross_entropy`, `gelu_bias`, `attention`.
+//! `cross_entropy`, `gelu_bias`, `swiglu`, `rope`, `attention`.
 //!
 //! Shapes: the row ops (softmax, norms, cross-entropy, GELU-with-bias) work on the last dimension
 //! of a tensor of rank 1 to 6 (every leading index is a row); the norms' per-row statistics (mean,
 //! 1/σ) have the input's shape with a last dimension of 1, so under `Distributed<B>` they keep the
 //! input's placement. Cross-entropy takes `[rows, vocab]` logits and gives 1-D per-row values.
-//! Attention takes `[batch, heads, seq, head_dim]`.
+//! Attention takes `[batch, heads, seq, head_dim]`, and so does the rotary embedding (its tables
+//! `[seq, head_dim]`); the SwiGLU gate is elementwise over two tensors of one shape.
 
 pub mod autodiff;
 #[cfg(feature = "cube")]
