@@ -139,6 +139,7 @@ fn main() {
     let ce = B::fused_cross_entropy(logits.clone(), t.clone());
     let att = B::fused_attention(q.clone(), k.clone(), v.clone(), scale, true);
     let do_ = random(&[b, heads, seq, hd], 1.0);
+    let (cos, sin) = (random(&[seq, hd], 1.0), random(&[seq, hd], 1.0));
 
     // The optimizer tail on one 4d × d matrix.
     let w = random(&[4 * d, d], 1.0);
@@ -221,6 +222,37 @@ fn main() {
                 let (a, b) = op(h, bias, dh, false);
                 vec![a, b]
             },
+        ),
+        case(
+            format!("swiglu [{rows}, {}]", 4 * d),
+            [B::fused_swiglu, reference::swiglu::<B>],
+            [h4.clone(), dh4.clone()],
+            |op, [g, u]| vec![op(g, u)],
+        ),
+        case(
+            format!("swiglu backward [{rows}, {}]", 4 * d),
+            [B::fused_swiglu_backward, reference::swiglu_backward::<B>],
+            [h4.clone(), dh4.clone(), h4.clone()],
+            |op, [g, u, dy]| {
+                let (a, b) = op(g, u, dy);
+                vec![a, b]
+            },
+        ),
+        case(
+            format!("rope [{b}, {heads}, {seq}, {hd}]"),
+            [B::fused_rope, |x, c, s| {
+                reference::rope::<B>(x, c, s, false)
+            }],
+            [q.clone(), cos.clone(), sin.clone()],
+            |op, [x, c, s]| vec![op(x, c, s)],
+        ),
+        case(
+            format!("rope backward [{b}, {heads}, {seq}, {hd}]"),
+            [B::fused_rope_backward, |x, c, s| {
+                reference::rope::<B>(x, c, s, true)
+            }],
+            [do_.clone(), cos.clone(), sin.clone()],
+            |op, [x, c, s]| vec![op(x, c, s)],
         ),
         case(
             format!("cross_entropy [{ce_rows}, {vocab}]"),
