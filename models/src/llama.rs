@@ -28,7 +28,8 @@ mod stage;
 
 pub use block::{LlamaAttention, LlamaBlock, SwiGlu};
 pub use parallel::{
-    init_llama, init_llama_stage, init_llama_stages, llama_tp_plan, parallelize_llama,
+    init_llama, init_llama_stage, init_llama_stages, kv_replicated, llama_tp_plan,
+    parallelize_llama,
 };
 pub use rope::{Llama3Scaling, Rope, apply_rope};
 pub use stage::LlamaStage;

@@ -57,9 +57,15 @@ fn local_pieces(model: &ModelConfig, t: usize) -> Vec<Local> {
 }
 
 /// [`local_pieces`] of a Llama ([`crate::llama::llama_tp_plan`]: q, k, v, gate and up
-/// column-parallel; o and down row-parallel; the tables vocabulary-parallel; the norms whole).
+/// column-parallel — k and v whole where tp replicates them; o and down row-parallel; the tables
+/// vocabulary-parallel; the norms whole).
 fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
     let (v, d, f) = (model.vocab_size, model.d_model, model.ffn_hidden);
+    let kv_t = if crate::llama::kv_replicated(model.n_kv_head, t) {
+        1
+    } else {
+        t
+    };
     let (q, kv) = (
         model.n_head * model.head_dim(),
         model.n_kv_head * model.head_dim(),
@@ -70,8 +76,8 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
         pieces.extend([
             whole(d, 1), // input_layernorm γ
             whole(d, q / t),
-            whole(d, kv / t),
-            whole(d, kv / t),
+            whole(d, kv / kv_t),
+            whole(d, kv / kv_t),
             whole(q / t, d), // o_proj: row-parallel
             whole(d, 1),     // post_attention_layernorm γ
             whole(d, f / t), // gate, up: column-parallel
@@ -204,10 +210,11 @@ fn activation_bytes(model: &GptConfig, parallel: &ParallelConfig, b: usize, half
 /// `b` sequences of `s` tokens, width `h`, query width `q`, key/value width `kv`, SwiGLU width
 /// `f`, `a` query heads, tensor parallelism `t`): the two RMSNorms' inputs (the residual
 /// stream, f32), outputs and row statistics, `4sbh + 2sb` (`/t` with sequence parallelism); the
-/// attention's queries, output and log-sum-exp and its grouped keys and values (never
-/// repeated), `(2sb(q + kv) + sba)/t` (the fused attention keeps no `s²` probabilities, so
-/// selective recomputation drops nothing more); SwiGLU's gate, its sigmoid, the SiLU, the up
-/// projection and their product, `5sbf/t`. Full (or every-N) recomputation keeps a recomputed
+/// attention's queries, output and log-sum-exp, its grouped keys and values (never repeated;
+/// whole on every rank where tp replicates them), and the output's heads merged for `o_proj`,
+/// `(2sb(q + kv) + sbq + sba)/t` (the fused attention keeps no `s²` probabilities, so selective
+/// recomputation drops nothing more; the fused rotary embedding keeps only its tables); the fused
+/// SwiGLU gate's two inputs and its product, `3sbf/t`. Full (or every-N) recomputation keeps a recomputed
 /// block's f32 input, `sbh`, and one block's activations while it runs again. With `half`, all
 /// but the residual stream in 16 bits. Plus the logits and their gradient.
 pub fn llama_activation_bytes(
@@ -229,11 +236,18 @@ pub fn llama_activation_bytes(
     );
     let sp = parallel.sp && t > 1;
     let split = |x: usize| if sp { x / t } else { x };
+    let kv_t = if crate::llama::kv_replicated(model.n_kv_head, t) {
+        1
+    } else {
+        t
+    };
     // (elements in the compute dtype, elements of the f32 residual stream) per block.
     let stream = split(2 * s * b * h);
     let a = model.n_head;
     let kept = (
-        split(2 * s * b * h + 2 * s * b) + (2 * s * b * (q + kv) + s * b * a + 5 * s * b * f) / t,
+        split(2 * s * b * h + 2 * s * b)
+            + (2 * s * b * q + s * b * q + s * b * a + 3 * s * b * f) / t
+            + 2 * s * b * kv / kv_t,
         stream,
     );
     let input = (0, split(s * b * h));

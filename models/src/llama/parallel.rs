@@ -11,21 +11,55 @@ use wildfire_parallel::{
     DeviceMesh, DistributedBackend, TpPlan, TpStyle, fully_shard, planned_layouts, tensor_parallel,
 };
 
-/// Llama's tensor-parallel plan (see the module docs) for a model of `n_kv_head` key/value
-/// heads: the plan is refused unless tp divides them (each rank then holds whole key/value heads
-/// and the query heads they serve).
-pub fn llama_tp_plan(n_kv_head: usize) -> TpPlan {
-    llama_block_tp_plan(n_kv_head).with("embed_tokens|lm_head", TpStyle::VocabParallel)
+/// Whether tensor parallelism of degree `tp` replicates the key/value projections: `tp` is a
+/// multiple of the key/value heads larger than their count (Megatron's and vLLM's rule). Each
+/// rank then computes every key/value head and its attention reads the one its query heads
+/// share; the projections' gradients are summed over the ranks.
+pub fn kv_replicated(n_kv_head: usize, tp: usize) -> bool {
+    n_kv_head > 0 && tp > n_kv_head && tp.is_multiple_of(n_kv_head)
+}
+
+/// Refuse a tp that neither divides the key/value heads nor is a multiple of them (no whole
+/// key/value head per rank, nor one group per rank), naming the degrees that work.
+fn check_kv_heads(n_head: usize, n_kv_head: usize, tp: usize) -> Result<(), Error> {
+    if tp <= 1 || n_kv_head.is_multiple_of(tp) || kv_replicated(n_kv_head, tp) {
+        return Ok(());
+    }
+    let fits: Vec<String> = (2..=n_head)
+        .filter(|&t| {
+            n_head.is_multiple_of(t) && (n_kv_head.is_multiple_of(t) || kv_replicated(n_kv_head, t))
+        })
+        .map(|t| t.to_string())
+        .collect();
+    Err(Error::Config(format!(
+        "tp {tp} neither divides the {n_kv_head} key/value heads (split over tp) nor is a \
+         multiple of them (replicated over tp); choose tp among [{}]",
+        fits.join(", ")
+    )))
+}
+
+/// Llama's tensor-parallel plan (see the module docs) for a model of `n_head` query and
+/// `n_kv_head` key/value heads at degree `tp`: the key/value heads split over tp when it
+/// divides them (each rank then holds whole key/value heads and the query heads they serve),
+/// replicated when tp is a multiple of them ([`kv_replicated`]: only the query heads split, which
+/// tp must divide), refused otherwise.
+pub fn llama_tp_plan(n_head: usize, n_kv_head: usize, tp: usize) -> TpPlan {
+    llama_block_tp_plan(n_head, n_kv_head, tp).with("embed_tokens|lm_head", TpStyle::VocabParallel)
 }
 
 /// [`llama_tp_plan`] for the blocks alone (a middle pipeline stage, without the tables).
-fn llama_block_tp_plan(n_kv_head: usize) -> TpPlan {
+fn llama_block_tp_plan(n_head: usize, n_kv_head: usize, tp: usize) -> TpPlan {
+    let (columns, heads) = if kv_replicated(n_kv_head, tp) {
+        ("layers.*.self_attn.q_proj", n_head)
+    } else {
+        ("layers.*.self_attn.q_proj|k_proj|v_proj", n_kv_head)
+    };
     TpPlan::new()
-        .with("layers.*.self_attn.q_proj|k_proj|v_proj", TpStyle::Colwise)
+        .with(columns, TpStyle::Colwise)
         .with("layers.*.self_attn.o_proj", TpStyle::Rowwise)
         .with("layers.*.mlp.gate_proj|up_proj", TpStyle::Colwise)
         .with("layers.*.mlp.down_proj", TpStyle::Rowwise)
-        .with_heads("layers.*.self_attn", n_kv_head)
+        .with_heads("layers.*.self_attn", heads)
 }
 
 /// `plan` with sequence parallelism over the blocks' norms and, with `final_norm`, the final
@@ -54,7 +88,9 @@ pub fn init_llama<B: DistributedBackend>(
     parallel: &ParallelConfig,
 ) -> Result<Llama<B>, Error> {
     parallel.check_available()?;
-    let plan = (parallel.tp > 1).then(|| llama_tp_plan(config.n_kv_head));
+    check_kv_heads(config.n_head, config.n_kv_head, parallel.tp)?;
+    let plan =
+        (parallel.tp > 1).then(|| llama_tp_plan(config.n_head, config.n_kv_head, parallel.tp));
     config.init_in_layouts(device, |params, mesh| {
         planned_layouts(params, mesh, plan.as_ref(), parallel.fsdp)
     })
@@ -69,8 +105,13 @@ pub fn parallelize_llama<B: DistributedBackend>(
 ) -> Result<Llama<B>, Error> {
     parallel.check_available()?;
     let model = if parallel.tp > 1 {
-        let kv = model.layers.first().map_or(1, |l| l.self_attn.n_kv_head);
-        tensor_parallel(model, mesh, &with_sp(llama_tp_plan(kv), parallel, true))?
+        let (h, kv) = model
+            .layers
+            .first()
+            .map_or((1, 1), |l| (l.self_attn.n_head, l.self_attn.n_kv_head));
+        check_kv_heads(h, kv, parallel.tp)?;
+        let plan = llama_tp_plan(h, kv, parallel.tp);
+        tensor_parallel(model, mesh, &with_sp(plan, parallel, true))?
     } else {
         model
     };
@@ -89,13 +130,14 @@ pub fn init_llama_stage<B: DistributedBackend>(
     last: bool,
 ) -> Result<LlamaStage<B>, Error> {
     parallel.check_available()?;
+    check_kv_heads(config.n_head, config.n_kv_head, parallel.tp)?;
     // The vocabulary-parallel tables only where the stage holds them.
     let plan = (parallel.tp > 1).then(|| {
-        let kv = config.n_kv_head;
+        let (h, kv, tp) = (config.n_head, config.n_kv_head, parallel.tp);
         if first || last {
-            llama_tp_plan(kv)
+            llama_tp_plan(h, kv, tp)
         } else {
-            llama_block_tp_plan(kv)
+            llama_block_tp_plan(h, kv, tp)
         }
     });
     let stage = config.init_stage_in_layouts(device, blocks, first, last, |params, mesh| {

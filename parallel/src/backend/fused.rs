@@ -323,7 +323,7 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let q = rules::unpadded(q.settled());
         let layout = attention_layout(&q.layout);
         let q = to_layout(OP, q, &layout);
-        let (k, v) = (like(OP, k, &layout), like(OP, v, &layout));
+        let (k, v, _) = kv_operands(OP, k, v, &layout);
         let out = B::fused_attention(q.local, k, v, scale, causal);
         AttentionOutput {
             output: wrap(out.output, layout.clone(), q.device.clone()),
@@ -394,7 +394,7 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let q = rules::unpadded(q.settled());
         let layout = attention_layout(&q.layout);
         let q = to_layout(OP, q, &layout);
-        let (k, v) = (like(OP, k, &layout), like(OP, v, &layout));
+        let (k, v, replica) = kv_operands(OP, k, v, &layout);
         let (o, lse, d_o) = (
             like(OP, output, &layout),
             like(OP, lse, &layout),
@@ -402,17 +402,123 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         );
         let g = B::fused_attention_backward(q.local, k, v, o, lse, d_o, scale, causal);
         let dev = q.device;
+        let (dk, dv) = match replica {
+            None => (
+                wrap(g.k, layout.clone(), dev.clone()),
+                wrap(g.v, layout.clone(), dev.clone()),
+            ),
+            Some(r) => (r.gradient(g.k, &dev), r.gradient(g.v, &dev)),
+        };
         AttentionGrads {
-            q: wrap(g.q, layout.clone(), dev.clone()),
-            k: wrap(g.k, layout.clone(), dev.clone()),
-            v: wrap(g.v, layout, dev),
+            q: wrap(g.q, layout, dev),
+            k: dk,
+            v: dv,
         }
     }
 }
 
-/// GELU-with-bias operands: the input without partials, its channels left sharded where they are
-/// (a column-parallel output), and the bias brought to the same channel shards (gathered on the
-/// other axes, as a parameter).
+/// Grouped key/value heads that the axis sharding the query heads cannot split (more members
+/// than key/value heads: Megatron's and vLLM's replication of key/value heads when tp exceeds
+/// their count). The key/value projections are replicated over that axis; each member reads
+/// the one key/value head its query heads share, and its key/value gradients are its summand of
+/// the whole (`Partial(Sum)` over the axis, zero at the other heads).
+struct KvReplica {
+    /// The key/value operands' layout: the query's, with the head axis replicated.
+    layout: Layout,
+    /// The head axis.
+    axis: usize,
+    /// This member's key/value head, of `heads`.
+    head: usize,
+    heads: usize,
+}
+
+impl KvReplica {
+    /// For queries laid out as `layout` (heads `Shard(1)` on exactly one axis of `n` members)
+    /// against `heads` key/value heads: `Some` when `n` is a multiple of `heads` larger than it.
+    fn of<B: FusedOps>(
+        layout: &Layout,
+        device: &crate::DistDevice<B>,
+        heads: usize,
+    ) -> Option<Self> {
+        let mesh = device.mesh();
+        let axes: Vec<usize> = (0..layout.len())
+            .filter(|&a| layout.get(a) == Placement::Shard(1) && mesh.axis_size(a) > 1)
+            .collect();
+        let &[axis] = axes.as_slice() else {
+            return None;
+        };
+        let n = mesh.axis_size(axis);
+        if heads == 0 || heads >= n || !n.is_multiple_of(heads) {
+            return None;
+        }
+        let mut kv_layout = layout.clone();
+        kv_layout.set(axis, Placement::Replicate);
+        let member = mesh.coords(device.rank())[axis];
+        Some(Self {
+            layout: kv_layout,
+            axis,
+            head: member / (n / heads),
+            heads,
+        })
+    }
+
+    /// This member's key/value head of `t` (laid out as `self.layout`).
+    fn select<B: FusedOps>(&self, t: B::FloatTensorPrimitive) -> B::FloatTensorPrimitive {
+        let mut slices = vec![burn_backend::Slice::full(); 4];
+        slices[1] = burn_backend::Slice::from(self.head..self.head + 1);
+        B::float_slice(t, &slices)
+    }
+
+    /// A gradient of the selected head, as this member's summand of the whole key/value
+    /// gradient: zeros at the other heads, `Partial(Sum)` over the head axis.
+    fn gradient<B: FusedOps>(
+        &self,
+        g: B::FloatTensorPrimitive,
+        device: &crate::DistDevice<B>,
+    ) -> Dt<B> {
+        let shape = g.shape();
+        let dtype: FloatDType = g.dtype().into();
+        let zeros = |n: usize| {
+            let mut dims = shape.to_vec();
+            dims[1] = n;
+            B::float_zeros(dims.into(), &B::float_device(&g), dtype)
+        };
+        let parts = [
+            zeros(self.head),
+            g.clone(),
+            zeros(self.heads - self.head - 1),
+        ]
+        .into_iter()
+        .filter(|t| t.shape()[1] > 0)
+        .collect();
+        let mut layout = self.layout.clone();
+        layout.set(self.axis, Placement::Partial(crate::comm::ReduceOp::Sum));
+        wrap(B::float_cat(parts, 1), layout, device.clone())
+    }
+}
+
+/// Keys and values for queries laid out as `layout`: in the same layout, or (see
+/// [`KvReplica`]) whole on the head axis and narrowed to this member's head.
+fn kv_operands<B: FusedOps>(
+    op: &'static str,
+    k: Dt<B>,
+    v: Dt<B>,
+    layout: &Layout,
+) -> (
+    B::FloatTensorPrimitive,
+    B::FloatTensorPrimitive,
+    Option<KvReplica>,
+) {
+    let heads = k.shape[1];
+    match KvReplica::of(layout, &k.device, heads) {
+        None => (like(op, k, layout), like(op, v, layout), None),
+        Some(r) => {
+            let (k, v) = (like(op, k, &r.layout), like(op, v, &r.layout));
+            (r.select::<B>(k), r.select::<B>(v), Some(r))
+        }
+    }
+}
+
 /// The SwiGLU operands: `gate` without partials, `up` in its layout and dtype.
 fn swiglu_operands<B: FusedOps>(
     op: &'static str,
@@ -453,6 +559,9 @@ fn rope_op<B: FusedOps>(
     wrap(f(x.local, cos, sin), layout, x.device)
 }
 
+/// GELU-with-bias operands: the input without partials, its channels left sharded where they are
+/// (a column-parallel output), and the bias brought to the same channel shards (gathered on the
+/// other axes, as a parameter).
 fn gelu_operands<B: FusedOps>(
     op: &'static str,
     x: Dt<B>,

@@ -151,13 +151,34 @@ fn llama_refusals_are_typed() {
         },
         "--n-kv-head",
     );
+    // tp 3 over 6 query heads and 2 key/value heads: neither split nor replicated.
+    refused(
+        PretrainConfig {
+            model: ModelFlags {
+                n_head: Some(6),
+                n_embd: Some(48),
+                ..tiny_llama(1).model
+            },
+            parallel: ParallelConfig::layout(1, 3, FsdpStrategy::NoShard, None),
+            ..tiny_llama(1)
+        },
+        "tp 3 neither divides the 2 key/value heads",
+    );
 }
 
 /// The memory estimate of a Llama equals the decorator's accounting of a step (grouped
-/// key/value heads split over tp, the tied table vocabulary-parallel).
+/// key/value heads split over tp, or replicated at tp 4 over its 2 key/value heads; the tied
+/// table vocabulary-parallel).
 #[test]
 fn llama_memory_estimate_equals_the_accounting() {
     estimate_matches_the_accounting(&tiny_llama(1));
+    estimate_matches_the_accounting_at(
+        &tiny_llama(1),
+        &[
+            (1, 4, FsdpStrategy::NoShard),
+            (2, 4, FsdpStrategy::FullShard),
+        ],
+    );
 }
 
 /// The Llama's pipeline stages against one rank accumulating the same micro-batches (4 blocks,

@@ -89,14 +89,25 @@ fn same_run(what: &str, got: &RunSummary, expected: &RunSummary, tol: f32) {
 /// parameter, gradient and AdamW-state bytes under DDP, ZeRO-2 and FSDP on 2 ranks, tensor
 /// parallelism on 2, and FSDP over dp 2 × tp 2 (the vocabulary the data's, via `load_data`).
 fn estimate_matches_the_accounting(base: &PretrainConfig) {
+    estimate_matches_the_accounting_at(
+        base,
+        &[
+            (2, 1, FsdpStrategy::NoShard),
+            (2, 1, FsdpStrategy::ShardGradOp),
+            (2, 1, FsdpStrategy::FullShard),
+            (1, 2, FsdpStrategy::NoShard),
+            (2, 2, FsdpStrategy::FullShard),
+        ],
+    );
+}
+
+/// [`estimate_matches_the_accounting`] at the `(dp, tp, fsdp)` layouts given.
+fn estimate_matches_the_accounting_at(
+    base: &PretrainConfig,
+    layouts: &[(usize, usize, FsdpStrategy)],
+) {
     use wildfire::pretrain::{estimate, load_data};
-    for (dp, tp, fsdp) in [
-        (2, 1, FsdpStrategy::NoShard),
-        (2, 1, FsdpStrategy::ShardGradOp),
-        (2, 1, FsdpStrategy::FullShard),
-        (1, 2, FsdpStrategy::NoShard),
-        (2, 2, FsdpStrategy::FullShard),
-    ] {
+    for &(dp, tp, fsdp) in layouts {
         let config = PretrainConfig {
             parallel: ParallelConfig::layout(dp, tp, fsdp, None),
             ..base.clone()
