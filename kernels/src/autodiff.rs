@@ -339,13 +339,14 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     }
 
     fn fused_rope(
-        x: FloatTensor<Self>,
-        cos: FloatTensor<Self>,
-        sin: FloatTensor<Self>,
+        heads: FloatTensor<Self>,
+        cos_rows: FloatTensor<Self>,
+        sin_rows: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        let y = B::fused_rope(x.primitive, cos.primitive.clone(), sin.primitive.clone());
-        match RopeOp.prepare::<C>([x.node]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish((cos.primitive, sin.primitive), y),
+        let (cos, sin) = (cos_rows.primitive, sin_rows.primitive);
+        let y = B::fused_rope(heads.primitive, cos.clone(), sin.clone());
+        match RopeOp.prepare::<C>([heads.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((cos, sin), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }

@@ -13,6 +13,15 @@ fn sigmoid(g: f32) -> f32 {
     f32::new(1.0) / (f32::new(1.0) + f32::exp(-g))
 }
 
+/// `gate` at element `ABSOLUTE_POS` of `len`, in f32; a unit past the last element stops here.
+#[cube]
+fn gate_at<F: Float>(gate: &Tensor<F>, len: u32) -> f32 {
+    if ABSOLUTE_POS >= len as usize {
+        terminate!();
+    }
+    f32::cast_from(gate[ABSOLUTE_POS])
+}
+
 #[cube(launch)]
 fn swiglu_kernel<F: Float>(
     gate: &Tensor<F>,
@@ -21,10 +30,7 @@ fn swiglu_kernel<F: Float>(
     len: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    if ABSOLUTE_POS >= len as usize {
-        terminate!();
-    }
-    let g = f32::cast_from(gate[ABSOLUTE_POS]);
+    let g = gate_at::<F>(gate, len);
     let u = f32::cast_from(up[ABSOLUTE_POS]);
     output[ABSOLUTE_POS] = F::cast_from(g * sigmoid(g) * u);
 }
@@ -40,12 +46,9 @@ fn swiglu_backward_kernel<F: Float>(
     len: u32,
     #[define(F)] _dtype: StorageType,
 ) {
-    if ABSOLUTE_POS >= len as usize {
-        terminate!();
-    }
-    let g = f32::cast_from(gate[ABSOLUTE_POS]);
-    let u = f32::cast_from(up[ABSOLUTE_POS]);
+    let g = gate_at::<F>(gate, len);
     let d = f32::cast_from(dy[ABSOLUTE_POS]);
+    let u = f32::cast_from(up[ABSOLUTE_POS]);
     let s = sigmoid(g);
     dup[ABSOLUTE_POS] = F::cast_from(d * g * s);
     dgate[ABSOLUTE_POS] = F::cast_from(d * u * s * (f32::new(1.0) + g * (f32::new(1.0) - s)));
