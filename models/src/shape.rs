@@ -167,7 +167,7 @@ impl ModelConfig {
     /// `checkpoint`'s weights as one Hugging Face safetensors file under this family's names.
     pub fn export_hf(&self, checkpoint: &Checkpoint, out: &Path) -> Result<(), Error> {
         match self {
-            ModelConfig::Gpt(c) => hf::export_gpt2(checkpoint, out, c.n_head),
+            ModelConfig::Gpt(c) => hf::export_gpt2(checkpoint, out, c),
             ModelConfig::Llama(_) => hf::export_llama(checkpoint, out),
         }
     }

@@ -317,11 +317,20 @@ pub fn weights_file(path: &Path) -> PathBuf {
     }
 }
 
-/// Write the weights of `checkpoint` (a model with `n_head` heads) as one safetensors file with
+/// Write the weights of `checkpoint` (a GPT of shape `config`) as one safetensors file with
 /// GPT-2's names and column order at `out` (atomically), tensor by tensor: each is assembled
-/// from its pieces (their checksums checked) and written before the next is read.
-pub fn export_gpt2(checkpoint: &Checkpoint, out: &Path, n_head: usize) -> Result<(), Error> {
-    export_with(checkpoint, out, |path, shape, full| {
+/// from its pieces (their checksums checked) and written before the next is read. A padded
+/// vocabulary ([`GptConfig::vocab_used`]) is written without its padding rows: the file has the
+/// tokens that exist, as `transformers` expects (GPT-2's 50,257).
+pub fn export_gpt2(checkpoint: &Checkpoint, out: &Path, config: &GptConfig) -> Result<(), Error> {
+    let n_head = config.n_head;
+    let used = config.vocab_used;
+    export_with(checkpoint, out, |path, shape, mut full| {
+        if let (Some(used), "wte") = (used, path) {
+            let width = shape.get(1).copied().unwrap_or(1);
+            full.truncate(used * width);
+            return (hf_name(path), vec![used, width], full);
+        }
         if !is_qkv(path) {
             return (hf_name(path), shape.to_vec(), full);
         }
@@ -574,7 +583,7 @@ mod tests {
             }
             let exported = dir.join(format!("export-{dp}-{tp}.safetensors"));
             let checkpoint = Checkpoint::open(save.join("step-00000001")).unwrap();
-            export_gpt2(&checkpoint, &exported, config.n_head).unwrap();
+            export_gpt2(&checkpoint, &exported, &config).unwrap();
             let back = wildfire_checkpoint::safetensors::read(&exported).unwrap();
             assert_eq!(back.len(), 4 + 12 * layers);
             for (name, (shape, values)) in &back {
@@ -707,7 +716,7 @@ mod tests {
             }
             let exported = dir.join(format!("export-{dp}-{tp}.safetensors"));
             let checkpoint = Checkpoint::open(save.join("step-00000001")).unwrap();
-            export_gpt2(&checkpoint, &exported, 4).unwrap();
+            export_gpt2(&checkpoint, &exported, &fixture.config).unwrap();
             let original = wildfire_checkpoint::safetensors::read(&file).unwrap();
             let back = wildfire_checkpoint::safetensors::read(&exported).unwrap();
             assert_eq!(back.len(), original.len());
@@ -717,15 +726,157 @@ mod tests {
         }
     }
 
-    /// The same GPT-2 stored in bf16 and in f16, as Hugging Face ships larger models: imported
-    /// (widened to f32 as read), its logits are within 1e-4 of `transformers`' logits of the same
-    /// rounded weights.
+    /// A safetensors file's tensors widened to f32 (F32 as they are, BF16 by its bits).
+    fn widened(path: &Path) -> wildfire_checkpoint::safetensors::NamedTensors {
+        let bytes = fs::read(path).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        file.tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let values = match view.dtype() {
+                    safetensors::Dtype::F32 => view
+                        .data()
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                        .collect(),
+                    safetensors::Dtype::BF16 => view
+                        .data()
+                        .chunks_exact(2)
+                        .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
+                        .collect(),
+                    other => panic!("{name}: {other:?}"),
+                };
+                (name, (view.shape().to_vec(), values))
+            })
+            .collect()
+    }
+
+    /// A GPT-2 with the real 50,257-token vocabulary, as `transformers` saves it in bf16
+    /// (`tests/fixtures/gpt2_vocab`, 2 heads): Wildfire pads the vocabulary to 50,304, and the
+    /// padded columns stay out of everything — the log-sum-exp over all 50,304 of Wildfire's
+    /// logits is `transformers`' over its 50,257 (within 1e-4), the logits at 64 columns (the
+    /// vocabulary's last 16 among them) within 1e-4, the loss within 1e-5 — at world size 1 and
+    /// dp 2 × tp 2 FullShard (the padded table vocabulary-parallel); exported back, the file has
+    /// 50,257 rows again and every tensor equals the bf16 file's, widened.
     #[test]
-    fn bf16_and_f16_files_load_widened() {
+    fn a_transformers_gpt2_with_the_real_vocabulary_masks_its_padding() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gpt2_vocab");
+        let reference = widened_reference(&dir.join("reference.safetensors"));
+        let mut config = gpt2_config(&dir.join("config.json"), None).unwrap();
+        assert_eq!(config.vocab_size, 50_257);
+        config.vocab_size = crate::shape::padded_vocab(50_257);
+        config.vocab_used = Some(50_257);
+        let file = dir.join("model.safetensors");
+        let (tokens, t) = (&reference.1, reference.1.len() / 2);
+        let cols: Vec<usize> = reference.0["cols"].iter().map(|&c| c as usize).collect();
+        let scratch = scratch("vocab");
+        for (dp, tp, fsdp) in [
+            (1, 1, FsdpStrategy::NoShard),
+            (2, 2, FsdpStrategy::FullShard),
+        ] {
+            let parallel = ParallelConfig::layout(dp, tp, fsdp, None);
+            let save = scratch.join(format!("dcp-{dp}-{tp}"));
+            let out = ranks(&parallel, |device| {
+                let model = import_and_save(&device, &config, &parallel, &file, &save);
+                let ids = |range: std::ops::Range<usize>| {
+                    let rows: Vec<i64> = tokens
+                        .chunks(t)
+                        .flat_map(|row| row[range.clone()].to_vec())
+                        .collect();
+                    let n = range.len();
+                    burn::tensor::Tensor::<Dist, 2, burn::tensor::Int>::from_data(
+                        burn::tensor::TensorData::new(rows, [2, n]),
+                        &device,
+                    )
+                };
+                let logits = model.forward(ids(0..t)).into_data();
+                let loss = model.loss(ids(0..t - 1), ids(1..t)).into_scalar();
+                (logits.convert::<f32>().to_vec::<f32>().unwrap(), loss)
+            });
+            for (rank, (logits, loss)) in out.iter().enumerate() {
+                let what = format!("dp {dp} tp {tp} rank {rank}");
+                assert_eq!(logits.len(), 2 * t * 50_304, "{what}");
+                for (p, row) in logits.chunks(50_304).enumerate() {
+                    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                    let lse = max
+                        + row
+                            .iter()
+                            .map(|v| ((v - max) as f64).exp())
+                            .sum::<f64>()
+                            .ln() as f32;
+                    let want = reference.0["lse"][p];
+                    assert!(
+                        (lse - want).abs() <= 1e-4,
+                        "{what} position {p}: lse {lse} vs {want}"
+                    );
+                    for (i, &c) in cols.iter().enumerate() {
+                        let want = reference.0["logits_at"][p * cols.len() + i];
+                        assert!(
+                            (row[c] - want).abs() <= 1e-4,
+                            "{what} position {p} column {c}"
+                        );
+                    }
+                    assert!(
+                        row[50_257..].iter().all(|&v| v < max - 30.0),
+                        "{what}: a padded column competes"
+                    );
+                }
+                let want = reference.0["loss"][0];
+                assert!(
+                    (loss - want).abs() <= 1e-5 * want,
+                    "{what}: loss {loss} vs {want}"
+                );
+            }
+            let exported = scratch.join(format!("export-{dp}-{tp}.safetensors"));
+            let checkpoint = Checkpoint::open(save.join("step-00000001")).unwrap();
+            export_gpt2(&checkpoint, &exported, &config).unwrap();
+            let original = widened(&file);
+            let back = wildfire_checkpoint::safetensors::read(&exported).unwrap();
+            assert_eq!(back["transformer.wte.weight"].0, [50_257, 2]);
+            assert_eq!(back.len(), original.len());
+            for (name, tensor) in &original {
+                assert_eq!(back.get(name), Some(tensor), "{name}");
+            }
+        }
+        fs::remove_dir_all(&scratch).unwrap();
+    }
+
+    /// `reference.safetensors` of a fixture: its f32 tensors (i64 ones widened) by name, and the
+    /// `tokens` as ids.
+    fn widened_reference(path: &Path) -> (BTreeMap<String, Vec<f32>>, Vec<i64>) {
+        let bytes = fs::read(path).unwrap();
+        let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut floats = BTreeMap::new();
+        let mut tokens = Vec::new();
+        for (name, view) in file.tensors() {
+            if view.dtype() == safetensors::Dtype::I64 {
+                let ids: Vec<i64> = view
+                    .data()
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                    .collect();
+                if name == "tokens" {
+                    tokens = ids.clone();
+                }
+                floats.insert(name, ids.iter().map(|&i| i as f32).collect());
+            } else {
+                let values = view.data().chunks_exact(4);
+                let values = values.map(|c| f32::from_le_bytes(c.try_into().unwrap()));
+                floats.insert(name, values.collect());
+            }
+        }
+        (floats, tokens)
+    }
+
+    /// The same GPT-2 stored in f16, as Hugging Face ships larger models: imported (widened to
+    /// f32 as read), its logits are within 1e-4 of `transformers`' logits of the same rounded
+    /// weights (bf16: `a_transformers_gpt2_with_the_real_vocabulary_masks_its_padding`).
+    #[test]
+    fn f16_files_load_widened() {
         let fixture = Gpt2Fixture::load();
         let t = fixture.tokens.len() / 2;
         let parallel = ParallelConfig::default();
-        for name in ["bf16", "f16"] {
+        for name in ["f16"] {
             let file = fixture.dir.join(format!("model-{name}.safetensors"));
             let logits = ranks(&parallel, |device| {
                 let model =
