@@ -876,19 +876,17 @@ mod tests {
         let fixture = Gpt2Fixture::load();
         let t = fixture.tokens.len() / 2;
         let parallel = ParallelConfig::default();
-        for name in ["f16"] {
-            let file = fixture.dir.join(format!("model-{name}.safetensors"));
-            let logits = ranks(&parallel, |device| {
-                let model =
-                    crate::parallelize::init_gpt::<Dist>(&fixture.config, &device, &parallel)
-                        .unwrap();
-                let model = import_gpt2(&file, 4).unwrap().load_model(model).unwrap();
-                let logits = model.forward(fixture.ids(0..t, &device)).into_data();
-                logits.convert::<f32>().to_vec::<f32>().unwrap()
-            });
-            let worst = fixture.logits_off(&logits[0], &format!("logits_{name}"));
-            assert!(worst <= 1e-4, "{name}: logits off by {worst}");
-        }
+        let name = "f16";
+        let file = fixture.dir.join(format!("model-{name}.safetensors"));
+        let logits = ranks(&parallel, |device| {
+            let model =
+                crate::parallelize::init_gpt::<Dist>(&fixture.config, &device, &parallel).unwrap();
+            let model = import_gpt2(&file, 4).unwrap().load_model(model).unwrap();
+            let logits = model.forward(fixture.ids(0..t, &device)).into_data();
+            logits.convert::<f32>().to_vec::<f32>().unwrap()
+        });
+        let worst = fixture.logits_off(&logits[0], &format!("logits_{name}"));
+        assert!(worst <= 1e-4, "{name}: logits off by {worst}");
     }
 
     /// GPT-2's own tanh GELU: the same weights with `Gelu::Tanh` give `transformers`' logits under
