@@ -31,18 +31,30 @@ from transformers import GPT2Config, GPT2LMHeadModel
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests/fixtures/gpt2_tiny"
 
 
-def main():
-    torch.manual_seed(20261127)
-    config = GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
+def perturbed(seed, scale, **shape):
+    """A GPT-2 of `shape` (the exact GELU, no dropout) from `seed`, every parameter moved by
+    `scale`·N(0, 1) away from its initialisation (so a misplaced column shows)."""
+    torch.manual_seed(seed)
+    config = GPT2Config(**shape, activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
                         attn_pdrop=0.0)
     model = GPT2LMHeadModel(config).eval()
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    OUT.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(OUT, safe_serialization=True)
-    (OUT / "generation_config.json").unlink(missing_ok=True)
+            p.add_(scale * torch.randn_like(p))
+    return config, model
+
+
+def save(model, out):
+    """`model` as `transformers` saves it, in `out` (without the generation config)."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "generation_config.json").unlink(missing_ok=True)
+
+
+def main():
+    config, model = perturbed(20261127, 0.05, vocab_size=256, n_positions=32, n_embd=64,
+                              n_layer=2, n_head=4)
+    save(model, OUT)
     tokens = [[(7 * i + 3 * b + 1) % 256 for i in range(24)] for b in range(2)]
     idx = torch.tensor(tokens)
     with torch.no_grad():
@@ -74,18 +86,10 @@ VOCAB_OUT = OUT.parent / "gpt2_vocab"
 
 def vocab_fixture():
     """tests/fixtures/gpt2_vocab (see the module docs)."""
-    torch.manual_seed(20261128)
-    config = GPT2Config(vocab_size=50257, n_positions=16, n_embd=2, n_layer=1, n_head=2,
-                        activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0)
-    model = GPT2LMHeadModel(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * torch.randn_like(p))
+    _, model = perturbed(20261128, 0.5, vocab_size=50257, n_positions=16, n_embd=2, n_layer=1,
+                         n_head=2)
     model = model.to(torch.bfloat16)
-    VOCAB_OUT.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(VOCAB_OUT, safe_serialization=True)
-    (VOCAB_OUT / "generation_config.json").unlink(missing_ok=True)
+    save(model, VOCAB_OUT)
     model = model.float()
     tokens = [[(4099 * i + 7919 * b + 50250) % 50257 for i in range(12)] for b in range(2)]
     tokens[0][3] = 50256

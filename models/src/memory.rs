@@ -56,16 +56,22 @@ fn local_pieces(model: &ModelConfig, t: usize) -> Vec<Local> {
     }
 }
 
+/// The pieces a Llama's key/value projections (and their activations) are split into at tensor
+/// parallelism `t`: `t`, or 1 where tp replicates them ([`crate::llama::kv_replicated`]).
+fn kv_shards(model: &LlamaConfig, t: usize) -> usize {
+    if crate::llama::kv_replicated(model.n_kv_head, t) {
+        1
+    } else {
+        t
+    }
+}
+
 /// [`local_pieces`] of a Llama ([`crate::llama::llama_tp_plan`]: q, k, v, gate and up
 /// column-parallel — k and v whole where tp replicates them; o and down row-parallel; the tables
 /// vocabulary-parallel; the norms whole).
 fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
     let (v, d, f) = (model.vocab_size, model.d_model, model.ffn_hidden);
-    let kv_t = if crate::llama::kv_replicated(model.n_kv_head, t) {
-        1
-    } else {
-        t
-    };
+    let kv_t = kv_shards(model, t);
     let (q, kv) = (
         model.n_head * model.head_dim(),
         model.n_kv_head * model.head_dim(),
@@ -236,11 +242,7 @@ pub fn llama_activation_bytes(
     );
     let sp = parallel.sp && t > 1;
     let split = |x: usize| if sp { x / t } else { x };
-    let kv_t = if crate::llama::kv_replicated(model.n_kv_head, t) {
-        1
-    } else {
-        t
-    };
+    let kv_t = kv_shards(model, t);
     // (elements in the compute dtype, elements of the f32 residual stream) per block.
     let stream = split(2 * s * b * h);
     let a = model.n_head;

@@ -615,23 +615,7 @@ mod tests {
     impl Gpt2Fixture {
         fn load() -> Self {
             let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/gpt2_tiny");
-            let bytes = fs::read(dir.join("reference.safetensors")).unwrap();
-            let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-            let mut reference = BTreeMap::new();
-            let mut tokens = Vec::new();
-            for (name, view) in file.tensors() {
-                if name == "tokens" {
-                    tokens = view
-                        .data()
-                        .chunks_exact(8)
-                        .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-                        .collect();
-                } else {
-                    let values = view.data().chunks_exact(4);
-                    let values = values.map(|c| f32::from_le_bytes(c.try_into().unwrap()));
-                    reference.insert(name, values.collect());
-                }
-            }
+            let (reference, tokens) = widened_reference(&dir.join("reference.safetensors"));
             let config = GptConfig {
                 vocab_size: 256,
                 block_size: 32,

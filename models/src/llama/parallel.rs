@@ -19,23 +19,36 @@ pub fn kv_replicated(n_kv_head: usize, tp: usize) -> bool {
     n_kv_head > 0 && tp > n_kv_head && tp.is_multiple_of(n_kv_head)
 }
 
-/// Refuse a tp that neither divides the key/value heads nor is a multiple of them (no whole
-/// key/value head per rank, nor one group per rank), naming the degrees that work.
-fn check_kv_heads(n_head: usize, n_kv_head: usize, tp: usize) -> Result<(), Error> {
-    if tp <= 1 || n_kv_head.is_multiple_of(tp) || kv_replicated(n_kv_head, tp) {
-        return Ok(());
+/// The plan of [`llama_tp_plan`] at degree `tp` (without the tables' rule unless `tables`: a
+/// middle pipeline stage holds none), `None` without tensor parallelism. A tp that neither
+/// divides the key/value heads nor is a multiple of them (no whole key/value head per rank, nor
+/// one group per rank) is refused, naming the degrees that work.
+fn tp_plan(
+    n_head: usize,
+    n_kv_head: usize,
+    tp: usize,
+    tables: bool,
+) -> Result<Option<TpPlan>, Error> {
+    if tp <= 1 {
+        return Ok(None);
     }
-    let fits: Vec<String> = (2..=n_head)
-        .filter(|&t| {
-            n_head.is_multiple_of(t) && (n_kv_head.is_multiple_of(t) || kv_replicated(n_kv_head, t))
-        })
-        .map(|t| t.to_string())
-        .collect();
-    Err(Error::Config(format!(
-        "tp {tp} neither divides the {n_kv_head} key/value heads (split over tp) nor is a \
-         multiple of them (replicated over tp); choose tp among [{}]",
-        fits.join(", ")
-    )))
+    let fits = |t: usize| n_kv_head.is_multiple_of(t) || kv_replicated(n_kv_head, t);
+    if !fits(tp) {
+        let degrees: Vec<String> = (2..=n_head)
+            .filter(|&t| n_head.is_multiple_of(t) && fits(t))
+            .map(|t| t.to_string())
+            .collect();
+        return Err(Error::Config(format!(
+            "tp {tp} neither divides the {n_kv_head} key/value heads (split over tp) nor is a \
+             multiple of them (replicated over tp); choose tp among [{}]",
+            degrees.join(", ")
+        )));
+    }
+    Ok(Some(if tables {
+        llama_tp_plan(n_head, n_kv_head, tp)
+    } else {
+        llama_block_tp_plan(n_head, n_kv_head, tp)
+    }))
 }
 
 /// Llama's tensor-parallel plan (see the module docs) for a model of `n_head` query and
@@ -88,9 +101,7 @@ pub fn init_llama<B: DistributedBackend>(
     parallel: &ParallelConfig,
 ) -> Result<Llama<B>, Error> {
     parallel.check_available()?;
-    check_kv_heads(config.n_head, config.n_kv_head, parallel.tp)?;
-    let plan =
-        (parallel.tp > 1).then(|| llama_tp_plan(config.n_head, config.n_kv_head, parallel.tp));
+    let plan = tp_plan(config.n_head, config.n_kv_head, parallel.tp, true)?;
     config.init_in_layouts(device, |params, mesh| {
         planned_layouts(params, mesh, plan.as_ref(), parallel.fsdp)
     })
@@ -104,16 +115,13 @@ pub fn parallelize_llama<B: DistributedBackend>(
     parallel: &ParallelConfig,
 ) -> Result<Llama<B>, Error> {
     parallel.check_available()?;
-    let model = if parallel.tp > 1 {
-        let (h, kv) = model
-            .layers
-            .first()
-            .map_or((1, 1), |l| (l.self_attn.n_head, l.self_attn.n_kv_head));
-        check_kv_heads(h, kv, parallel.tp)?;
-        let plan = llama_tp_plan(h, kv, parallel.tp);
-        tensor_parallel(model, mesh, &with_sp(plan, parallel, true))?
-    } else {
-        model
+    let (h, kv) = model
+        .layers
+        .first()
+        .map_or((1, 1), |l| (l.self_attn.n_head, l.self_attn.n_kv_head));
+    let model = match tp_plan(h, kv, parallel.tp, true)? {
+        Some(plan) => tensor_parallel(model, mesh, &with_sp(plan, parallel, true))?,
+        None => model,
     };
     Ok(fully_shard(model, mesh, parallel.fsdp)?)
 }
@@ -130,16 +138,8 @@ pub fn init_llama_stage<B: DistributedBackend>(
     last: bool,
 ) -> Result<LlamaStage<B>, Error> {
     parallel.check_available()?;
-    check_kv_heads(config.n_head, config.n_kv_head, parallel.tp)?;
     // The vocabulary-parallel tables only where the stage holds them.
-    let plan = (parallel.tp > 1).then(|| {
-        let (h, kv, tp) = (config.n_head, config.n_kv_head, parallel.tp);
-        if first || last {
-            llama_tp_plan(h, kv, tp)
-        } else {
-            llama_block_tp_plan(h, kv, tp)
-        }
-    });
+    let plan = tp_plan(config.n_head, config.n_kv_head, parallel.tp, first || last)?;
     let stage = config.init_stage_in_layouts(device, blocks, first, last, |params, mesh| {
         planned_layouts(params, mesh, plan.as_ref(), parallel.fsdp)
     })?;

@@ -476,21 +476,17 @@ impl KvReplica {
         g: B::FloatTensorPrimitive,
         device: &crate::DistDevice<B>,
     ) -> Dt<B> {
-        let shape = g.shape();
+        let (shape, local) = (g.shape(), B::float_device(&g));
         let dtype: FloatDType = g.dtype().into();
         let zeros = |n: usize| {
             let mut dims = shape.to_vec();
             dims[1] = n;
-            B::float_zeros(dims.into(), &B::float_device(&g), dtype)
+            B::float_zeros(dims.into(), &local, dtype)
         };
-        let parts = [
-            zeros(self.head),
-            g.clone(),
-            zeros(self.heads - self.head - 1),
-        ]
-        .into_iter()
-        .filter(|t| t.shape()[1] > 0)
-        .collect();
+        let parts = [zeros(self.head), g, zeros(self.heads - self.head - 1)]
+            .into_iter()
+            .filter(|t| t.shape()[1] > 0)
+            .collect();
         let mut layout = self.layout.clone();
         layout.set(self.axis, Placement::Partial(crate::comm::ReduceOp::Sum));
         wrap(B::float_cat(parts, 1), layout, device.clone())
