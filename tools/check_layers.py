@@ -20,7 +20,7 @@ LAYERED = ROOT / "parallel/src"
 SRC = LAYERED
 LAYERS = [["error", "params"], ["mesh"], ["dims"], ["comm"], ["placement"], ["policy"], ["device"], ["collectives"],
           ["tensor"],
-          ["backend"], ["data_parallel"], ["fsdp", "tensor_parallel", "pipeline"], ["optim_state"], ["launch"], ["ranks"]]
+          ["backend"], ["data_parallel"], ["fsdp", "tensor_parallel", "context_parallel", "pipeline"], ["optim_state"], ["launch"], ["ranks"]]
 LAYER = {m: i for i, group in enumerate(LAYERS) for m in group}
 # (importing top-level module, imported top-level module): known upward imports (none left).
 EXCEPTIONS = set()

@@ -223,6 +223,10 @@ fn constant<B: FusedOps, C: CheckpointStrategy>(x: FloatTensor<B>) -> FloatTenso
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     const FUSED: crate::Fused = B::FUSED;
 
+    fn sequence_positions(device: &burn::tensor::Device<Self>, len: usize) -> Vec<usize> {
+        B::sequence_positions(device, len)
+    }
+
     fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
         softmax::<B, C>(x, false)
     }

@@ -217,6 +217,10 @@ fn like_first<B: FusionBackend + FusedOps>(
 impl<B: FusionBackend + FusedOps> FusedOps for Fusion<B> {
     const FUSED: crate::Fused = B::FUSED;
 
+    fn sequence_positions(device: &burn::tensor::Device<Self>, len: usize) -> Vec<usize> {
+        B::sequence_positions(device, len)
+    }
+
     fn fused_softmax(x: Ft<B>) -> Ft<B> {
         like_first::<B>(Call::Softmax(false), vec![x], None)
     }

@@ -216,6 +216,15 @@ pub trait FusedOps: Backend {
     /// their plain Burn ops (and their numerics) elsewhere.
     const FUSED: Fused = Fused::NONE;
 
+    /// The global positions of the `len` sequence positions this rank's activations hold on
+    /// `device`: `0..len`, except under context parallelism (a `Distributed` backend with a
+    /// context axis), where a rank holds chunks of every sequence. Models take their position
+    /// embeddings (learned or rotary) at these.
+    fn sequence_positions(device: &burn::tensor::Device<Self>, len: usize) -> Vec<usize> {
+        let _ = device;
+        (0..len).collect()
+    }
+
     /// Softmax over the last dimension.
     fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {
         reference::softmax::<Self>(x, false)

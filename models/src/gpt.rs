@@ -353,7 +353,12 @@ fn embed<'a, B: FusedOps, H: ForwardHooks<'a, B>>(
 ) -> Tensor<B, 3> {
     let [_, t] = idx.dims();
     let device = idx.device();
-    let pos = Tensor::<B, 1, Int>::arange(0..t as i64, &device).reshape([1, t]);
+    // The rank's positions: `0..t`, or its chunks of the sequence under context parallelism.
+    let positions: Vec<i64> = B::sequence_positions(&device, t)
+        .into_iter()
+        .map(|p| p as i64)
+        .collect();
+    let pos = Tensor::<B, 2, Int>::from_data(TensorData::new(positions, [1, t]), &device);
     let tok = burn::tensor::module::embedding(wte.val(), idx);
     let pos = burn::tensor::module::embedding(wpe.val(), pos);
     hooks.dropout(n_layer, 0, tok + pos, dropout)

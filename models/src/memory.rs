@@ -164,7 +164,8 @@ pub fn estimate(
 }
 
 /// Korthikanti et al. (2022), bytes per layer at 16 bits with tensor parallelism t: all kept
-/// sbh(10 + 24/t) + 5as²b/t, with sequence parallelism sbh·34/t + 5as²b/t; selective
+/// sbh(10 + 24/t) + 5as²b/t (with context parallelism `s` is a rank's `s/cp` positions, and the
+/// scores `5a(s/cp)·s·b/t`), with sequence parallelism sbh·34/t + 5as²b/t; selective
 /// recomputation drops the 5as²b/t attention core; full keeps the block input 2sbh (2sbh/t with
 /// sequence parallelism), and one block's activations while it is recomputed. Doubled for f32
 /// activations. With `half` (a 16-bit compute dtype: the precision policy keeps what feeds the
@@ -172,8 +173,11 @@ pub fn estimate(
 /// input of a recomputed one — and the rest is 16-bit. Plus the logits and their gradient
 /// (vocabulary-split over tp), in the activations' dtype.
 fn activation_bytes(model: &GptConfig, parallel: &ParallelConfig, b: usize, half: bool) -> usize {
+    // Context parallelism: each rank holds `s/cp` of every sequence (its queries meet all `s`
+    // keys).
+    let whole = model.block_size;
     let (s, h, a, l, t) = (
-        model.block_size,
+        whole / parallel.cp.max(1),
         model.n_embd,
         model.n_head,
         model.n_layer,
@@ -186,7 +190,7 @@ fn activation_bytes(model: &GptConfig, parallel: &ParallelConfig, b: usize, half
     } else {
         s * b * h * (10 + 24 / t)
     };
-    let keep_all = kept_linear + 5 * a * s * s * b / t;
+    let keep_all = kept_linear + 5 * a * s * whole * b / t;
     let keep_input = if sp { 2 * s * b * h / t } else { 2 * s * b * h };
     // (bytes at 16 bits, of which the residual stream's) per kept block, per recomputed one.
     let all = (keep_all, 2 * keep_input);
@@ -222,15 +226,17 @@ fn activation_bytes(model: &GptConfig, parallel: &ParallelConfig, b: usize, half
 /// recomputation drops nothing more; the fused rotary embedding keeps only its tables); the fused
 /// SwiGLU gate's two inputs and its product, `3sbf/t`. Full (or every-N) recomputation keeps a recomputed
 /// block's f32 input, `sbh`, and one block's activations while it runs again. With `half`, all
-/// but the residual stream in 16 bits. Plus the logits and their gradient.
+/// but the residual stream in 16 bits. Plus the logits and their gradient. With context
+/// parallelism `s` is a rank's `s/cp` positions.
 pub fn llama_activation_bytes(
     model: &LlamaConfig,
     parallel: &ParallelConfig,
     b: usize,
     half: bool,
 ) -> usize {
+    // Context parallelism: each rank holds `s/cp` of every sequence.
     let (s, h, l, t) = (
-        model.block_size,
+        model.block_size / parallel.cp.max(1),
         model.d_model,
         model.n_layer,
         parallel.tp.max(1),

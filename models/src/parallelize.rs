@@ -9,8 +9,8 @@ use std::ops::Range;
 use wildfire_parallel::comm::Links;
 use wildfire_parallel::pipeline::{Schedule, ScheduleKind, StagePlan};
 use wildfire_parallel::{
-    DeviceMesh, DistributedBackend, Group, PIPELINE_AXIS, ParallelDims, TpPlan, TpStyle,
-    fully_shard, planned_layouts, tensor_parallel,
+    CpLayout, CpRotate, DeviceMesh, DistributedBackend, Group, PIPELINE_AXIS, ParallelDims, TpPlan,
+    TpStyle, context_parallel, fully_shard, planned_layouts, tensor_parallel,
 };
 
 /// The data-parallel strategy: `wildfire_parallel::FsdpStrategy`, parsed from the names users
@@ -61,6 +61,22 @@ pub struct ParallelConfig {
     #[serde(default)]
     #[arg(long, help_heading = "Parallelism")]
     pub sp_keep_gathers: bool,
+    /// Context-parallel ranks (the `cp` axis): every sequence split over them, attention meeting
+    /// the other ranks' keys and values (ring attention). A data axis: parameters are
+    /// replicated or sharded over it as over `--dp` (FSDP shards over `dp × cp`).
+    #[serde(default = "one")]
+    #[arg(long, default_value_t = 1, help_heading = "Parallelism")]
+    pub cp: usize,
+    /// Which chunks of each sequence a context-parallel rank holds: balanced (chunks `r` and
+    /// `2·cp − 1 − r`, equal causal work) or plain (chunk `r`).
+    #[serde(default)]
+    #[arg(long, default_value = "balanced", help_heading = "Parallelism")]
+    pub cp_layout: CpLayout,
+    /// How context-parallel attention meets the other ranks' keys and values: ring (blocks
+    /// passed around, transfers overlapping compute) or allgather (one all-gather per layer).
+    #[serde(default)]
+    #[arg(long, default_value = "ring", help_heading = "Parallelism")]
+    pub cp_rotate: CpRotate,
     /// Data-parallel strategy: none (DDP), zero1, grad-op, full (FSDP / ZeRO-3), hybrid (HSDP).
     #[arg(long, default_value = "none", value_parser = parse_fsdp, help_heading = "Parallelism")]
     pub fsdp: FsdpStrategy,
@@ -144,6 +160,7 @@ impl ParallelConfig {
             dp_replicate: self.dp / shard.max(1),
             dp_shard: shard,
             pp: self.pp.max(1),
+            cp: self.cp.max(1),
             tp: self.tp,
             sp: self.sp,
             ..ParallelDims::default()
@@ -183,11 +200,12 @@ impl ParallelConfig {
         let mesh = self.world_size();
         if mesh != world {
             return Err(Error::Config(format!(
-                "{launcher} started {world} processes, but --dp {} × --pp {} × --tp {} = {mesh} \
-                 ranks: one process per rank (change --dp/--pp/--tp or the launcher's process \
-                 count)",
+                "{launcher} started {world} processes, but --dp {} × --pp {} × --cp {} × --tp {} \
+                 = {mesh} ranks: one process per rank (change --dp/--pp/--cp/--tp or the \
+                 launcher's process count)",
                 self.dp,
                 self.pp,
+                self.cp.max(1),
                 self.tp.max(1)
             )));
         }
@@ -271,7 +289,50 @@ impl ParallelConfig {
                 "--sp (sequence parallelism) shards over the tensor-parallel axis: it needs --tp 2 or more".into(),
             ));
         }
+        if self.cp == 0 {
+            return Err(Error::Config("--cp must be at least 1".into()));
+        }
+        if self.cp > 1 && self.pp > 1 {
+            return Err(Error::Config(format!(
+                "--cp {} with --pp {}: context parallelism inside pipeline stages is not \
+                 implemented yet; use --cp with --dp and --tp",
+                self.cp, self.pp
+            )));
+        }
         Ok(())
+    }
+
+    /// Refuse, before any work, a sequence of `t` positions that context parallelism cannot
+    /// split: with `--cp` above 1, `t` must be a multiple of the layout's chunks (`2·cp`
+    /// balanced, `cp` plain).
+    pub fn check_sequence(&self, t: usize) -> Result<(), Error> {
+        if self.cp > 1 {
+            self.cp_layout
+                .chunk_len(self.cp, t)
+                .map_err(|e| Error::Config(format!("--cp {}: {e}", self.cp)))?;
+        }
+        Ok(())
+    }
+
+    /// Context parallelism ([`context_parallel`]) on the rank of `module`'s parameters, when
+    /// `--cp` is above 1.
+    pub(crate) fn lay_out_context<B: DistributedBackend, M: burn::module::Module<B>>(
+        &self,
+        module: &M,
+    ) -> Result<(), Error> {
+        if self.cp <= 1 {
+            return Ok(());
+        }
+        let Some(device) = module.devices().into_iter().next() else {
+            return Err(Error::Config(
+                "--cp: a model without parameters has no device to split the sequence on".into(),
+            ));
+        };
+        Ok(context_parallel::<B>(
+            &device,
+            self.cp_layout,
+            self.cp_rotate,
+        )?)
     }
 }
 
@@ -354,6 +415,7 @@ pub fn parallelize_gpt<B: DistributedBackend>(
     } else {
         model
     };
+    config.lay_out_context(&model)?;
     Ok(fully_shard(model, mesh, config.fsdp)?)
 }
 
@@ -415,6 +477,7 @@ pub(crate) fn lay_out_stage<B: DistributedBackend, M: burn::module::Module<B>>(
         Some(plan) => tensor_parallel(stage, &mesh, plan)?,
         None => stage,
     };
+    parallel.lay_out_context(&stage)?;
     Ok(fully_shard(stage, &mesh, parallel.fsdp)?)
 }
 

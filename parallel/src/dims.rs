@@ -17,6 +17,10 @@
 //! are split into `dp_shard / ep` groups of `ep`, so the world is
 //! `dp_replicate · dp_shard · pp · cp · tp` whatever `ep` is.
 
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
@@ -137,6 +141,142 @@ impl ParallelDims {
     }
 }
 
+/// How a context-parallel rank's part of each sequence is laid out (`--cp-layout`).
+///
+/// The sequence is cut into equal chunks. `Plain`: `cp` chunks, rank `r` holding chunk `r` —
+/// under a causal mask the last rank attends to every key and the first to its own only.
+/// `Balanced` (the "zig-zag" of ring-attention implementations): `2·cp` chunks, rank `r` holding
+/// chunks `r` and `2·cp − 1 − r`, so every rank attends to the same number of keys.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpLayout {
+    /// Two chunks per rank, `r` and `2·cp − 1 − r`: equal causal work on every rank.
+    #[default]
+    Balanced,
+    /// One contiguous chunk per rank, `r`.
+    Plain,
+}
+
+impl CpLayout {
+    /// How many chunks a sequence is cut into over `cp` ranks.
+    pub fn chunks(self, cp: usize) -> usize {
+        match self {
+            CpLayout::Balanced => 2 * cp,
+            CpLayout::Plain => cp,
+        }
+    }
+
+    /// The chunks (global indices, in the order the rank holds them) of the member at `index`
+    /// of a context-parallel group of `cp`.
+    pub fn held(self, cp: usize, index: usize) -> Vec<usize> {
+        match self {
+            CpLayout::Balanced => vec![index, 2 * cp - 1 - index],
+            CpLayout::Plain => vec![index],
+        }
+    }
+
+    /// Where chunk `chunk` lives: the member that holds it, and its slot among that member's
+    /// chunks ([`CpLayout::held`]).
+    pub fn owner(self, cp: usize, chunk: usize) -> (usize, usize) {
+        match self {
+            CpLayout::Balanced if chunk >= cp => (2 * cp - 1 - chunk, 1),
+            _ => (chunk, 0),
+        }
+    }
+
+    /// The chunk length of a sequence of `t` over `cp` ranks, or a typed error naming the
+    /// lengths that split.
+    pub fn chunk_len(self, cp: usize, t: usize) -> Result<usize, Error> {
+        let chunks = self.chunks(cp);
+        if t == 0 || !t.is_multiple_of(chunks) {
+            return Err(Error::InvalidDims {
+                reason: format!(
+                    "a sequence of {t} does not split into the {chunks} equal chunks of cp {cp} \
+                     with the {self} layout: choose a length that is a multiple of {chunks}"
+                ),
+            });
+        }
+        Ok(t / chunks)
+    }
+
+    /// The ranges of a sequence of `t` that the member at `index` holds, in its order (the
+    /// columns a data loader hands it).
+    pub fn ranges(self, cp: usize, index: usize, t: usize) -> Result<Vec<Range<usize>>, Error> {
+        let c = self.chunk_len(cp, t)?;
+        Ok(self
+            .held(cp, index)
+            .into_iter()
+            .map(|k| k * c..(k + 1) * c)
+            .collect())
+    }
+
+    /// The global positions of the `len` positions the member at `index` holds (`len` its
+    /// local sequence length).
+    pub fn positions(self, cp: usize, index: usize, len: usize) -> Vec<usize> {
+        let held = self.held(cp, index);
+        let c = len / held.len();
+        held.into_iter().flat_map(|k| k * c..(k + 1) * c).collect()
+    }
+}
+
+impl fmt::Display for CpLayout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CpLayout::Balanced => "balanced",
+            CpLayout::Plain => "plain",
+        })
+    }
+}
+
+impl FromStr for CpLayout {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "balanced" => Ok(CpLayout::Balanced),
+            "plain" => Ok(CpLayout::Plain),
+            other => Err(format!(
+                "unknown context-parallel layout '{other}': choose balanced or plain"
+            )),
+        }
+    }
+}
+
+/// How a context-parallel rank meets the keys and values of the others (`--cp-rotate`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpRotate {
+    /// Ring attention: the key/value blocks pass around the ring, one neighbour's per step,
+    /// the next block's transfer overlapping the current block's compute; backward sends the
+    /// key/value gradients around with them. A rank holds two key/value blocks at a time.
+    #[default]
+    Ring,
+    /// One all-gather of the keys and values per layer (and a reduce-scatter of their
+    /// gradients): fewer, larger messages, the whole sequence's keys and values held at once.
+    AllGather,
+}
+
+impl fmt::Display for CpRotate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CpRotate::Ring => "ring",
+            CpRotate::AllGather => "allgather",
+        })
+    }
+}
+
+impl FromStr for CpRotate {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ring" => Ok(CpRotate::Ring),
+            "allgather" | "all-gather" => Ok(CpRotate::AllGather),
+            other => Err(format!(
+                "unknown context-parallel rotation '{other}': choose ring or allgather"
+            )),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,6 +323,39 @@ mod tests {
         assert_eq!(d.shard_degree(), 4);
         assert_eq!(d.data_degree_of(32), Some(4));
         assert_eq!(d.data_degree_of(12), None);
+    }
+
+    /// The balanced layout gives member `r` chunks `r` and `2·cp − 1 − r` (every chunk held once,
+    /// found where `owner` says), the plain one chunk `r`; positions and ranges follow them.
+    #[test]
+    fn context_layouts_hold_every_chunk_once() {
+        for cp in [1, 2, 3, 4] {
+            for layout in [CpLayout::Balanced, CpLayout::Plain] {
+                let mut seen = vec![0; layout.chunks(cp)];
+                for r in 0..cp {
+                    for (slot, k) in layout.held(cp, r).into_iter().enumerate() {
+                        seen[k] += 1;
+                        assert_eq!(layout.owner(cp, k), (r, slot), "{layout} cp {cp} chunk {k}");
+                    }
+                }
+                assert!(seen.iter().all(|&n| n == 1), "{layout} cp {cp}: {seen:?}");
+            }
+        }
+        let b = CpLayout::Balanced;
+        assert_eq!(b.ranges(2, 0, 8).unwrap(), vec![0..2, 6..8]);
+        assert_eq!(b.ranges(2, 1, 8).unwrap(), vec![2..4, 4..6]);
+        assert_eq!(b.positions(2, 1, 4), vec![2, 3, 4, 5]);
+        assert_eq!(CpLayout::Plain.positions(2, 1, 4), vec![4, 5, 6, 7]);
+        let e = b.ranges(2, 0, 6).unwrap_err().to_string();
+        assert!(e.contains("multiple of 4"), "{e}");
+        assert_eq!("plain".parse::<CpLayout>(), Ok(CpLayout::Plain));
+        assert_eq!("allgather".parse::<CpRotate>(), Ok(CpRotate::AllGather));
+        assert!(
+            "zigzag"
+                .parse::<CpLayout>()
+                .unwrap_err()
+                .contains("balanced or plain")
+        );
     }
 
     #[test]

@@ -17,7 +17,8 @@
 // Layers, bottom to top: a module imports only from the layers below it (`tests.rs` from any).
 //
 //   error, params → mesh, dims → comm → placement → policy → device → collectives → tensor
-//        → backend → data_parallel → fsdp, tensor_parallel, pipeline → optim_state → launch → ranks
+//        → backend → data_parallel → fsdp, tensor_parallel, context_parallel, pipeline → optim_state
+//        → launch → ranks
 //
 // - error: the crate's one error type (and `CollectiveKind`, which it names), plain data only;
 //   params: walks over a Burn module's parameters with their paths (Burn only).
@@ -31,7 +32,8 @@
 //   and its redistributions.
 // - backend: `Distributed<B>`, its propagation rules and fallback. It reads the policy and never
 //   imports a strategy; the strategies call down into it (`backend::gradients_synced`).
-// - data_parallel, fsdp, tensor_parallel, pipeline: the strategies, which set the policy
+// - data_parallel, fsdp, tensor_parallel, context_parallel, pipeline: the strategies, which set
+//   the policy
 //   (pipeline: its schedules, plain data, and the runner; its ZB split backward sets the
 //   rank context's weight-gradient deferral).
 // - optim_state: optimizer state as named tensors with layout rules (reads fsdp's state layout).
@@ -43,6 +45,7 @@
 mod backend;
 mod collectives;
 pub mod comm;
+mod context_parallel;
 mod data_parallel;
 mod device;
 mod dims;
@@ -69,6 +72,9 @@ pub use comm::{
 pub use comm::{HybridCommunicator, HybridWorld, MpiCommunicator, MpiWorld};
 #[cfg(feature = "cuda")]
 pub use comm::{NcclCommunicator, NcclOptions, check_libcuda};
+pub use context_parallel::{
+    context_columns, context_parallel, context_ranges, without_context_parallel,
+};
 pub use data_parallel::{
     DistributedBackend, SyncReport, dtensor, fresh_leaves, from_dtensor, redistribute, replicate,
     sync_gradients,
@@ -76,7 +82,7 @@ pub use data_parallel::{
 pub use device::{
     DeferredWeights, DistDevice, MemoryReport, OpCounters, PrefetchStats, RankContext,
 };
-pub use dims::ParallelDims;
+pub use dims::{CpLayout, CpRotate, ParallelDims};
 pub use error::{CollectiveKind, Error};
 pub use fsdp::{
     FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, init_sharded, optimizer_state_layout,
@@ -93,7 +99,7 @@ pub use params::{
     map_value, try_map_params, try_visit_params, visit_params,
 };
 pub use placement::{Layout, Placement, create_replicated, for_each_row};
-pub use policy::{GradientReduction, RankPolicy, ShardingPolicy};
+pub use policy::{ContextParallel, GradientReduction, RankPolicy, ShardingPolicy};
 pub use ranks::{
     Collectives, DeviceLaunch, HostLaunch, JobSpec, Launch, Launched, check_job, launch_job,
     launch_ranks, launch_ranks_on,

@@ -5,6 +5,8 @@
 
 use burn_backend::FloatDType;
 
+use crate::dims::{CpLayout, CpRotate};
+
 /// A rank's policy for a run: set once per run with
 /// [`RankContext::set_policy`](crate::RankContext::set_policy), before the parallelism
 /// transforms, which fill in their parts ([`tensor_parallel`](crate::tensor_parallel): the
@@ -66,6 +68,21 @@ pub struct RankPolicy {
     /// while backward goes on. 0: reduced in `sync_gradients` (a tied parameter's gradients are
     /// then summed before their one reduction; with buckets each is reduced, then summed).
     pub bucket_bytes: usize,
+    /// Context parallelism (`None`: off): every sequence is split over this data axis as the
+    /// layout says, and attention meets the other members' keys and values as the rotation
+    /// says. Set by [`context_parallel`](crate::context_parallel).
+    pub context: Option<ContextParallel>,
+}
+
+/// Context parallelism over one data axis of the mesh (see [`RankPolicy::context`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextParallel {
+    /// The context axis.
+    pub axis: usize,
+    /// Which chunks of each sequence a member holds.
+    pub layout: CpLayout,
+    /// How attention meets the other members' keys and values.
+    pub rotate: CpRotate,
 }
 
 /// How a rank's parameters, gradients and optimizer state are spread over the data axes. Set by

@@ -177,6 +177,7 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     let data = load_data(config)?;
     let validate = config.eval_iters > 0;
     let (seed, block) = (config.seed, data.model.block_size());
+    config.parallel.check_sequence(block)?;
     let [(train, sampler), (val, val_sampler)] =
         (config.data).samplers(&data.dataset, seed, block, config.batch_size, validate)?;
     let resume = config

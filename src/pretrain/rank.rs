@@ -12,7 +12,9 @@ use wildfire_engine::report::{MfuSpec, StepReporter};
 use wildfire_models::gpt::TokenSampler;
 use wildfire_models::llama::{init_llama, parallelize_llama};
 use wildfire_models::{CausalLm, DistributedLm};
-use wildfire_parallel::{RankContext, RankPolicy, StateCodec};
+use wildfire_parallel::{
+    RankContext, RankPolicy, StateCodec, context_columns, without_context_parallel,
+};
 
 type A<B> = Autodiff<Distributed<B>>;
 
@@ -135,7 +137,10 @@ impl RankRun<'_> {
                 let rows = rows[i].clone();
                 let sampler = self.sampler;
                 let batch = sampler.tensors::<A<B>>(self.train, step as u64, rows, device);
-                batch.expect("the sampler was checked")
+                // Under context parallelism, this rank's chunks of every row.
+                batch
+                    .expect("the sampler was checked")
+                    .map(|t| context_columns(t).expect("the sequence length was checked"))
             };
             let step_started = Instant::now();
             let at = StepAt {
@@ -205,12 +210,14 @@ impl RankRun<'_> {
         i: usize,
         device: &DistDevice<B>,
     ) -> Result<[Tensor<Distributed<B>, 2, Int>; 2], PretrainError> {
-        Ok(self.val_sampler.tensors::<Distributed<B>>(
+        let batch = self.val_sampler.tensors::<Distributed<B>>(
             self.val,
             i as u64,
             self.rows.clone(),
             device,
-        )?)
+        )?;
+        let [x, y] = batch.map(context_columns);
+        Ok([x?, y?])
     }
 
     /// The rank's run-wide policy from the configuration (before the model is laid out).
@@ -431,12 +438,16 @@ where
         let (prompt, sampler) = run.sampling();
         let block_size = run.data.model.block_size();
         let model = self.model().valid();
-        Ok(model.sample(
-            &prompt,
-            run.config.sample_tokens,
-            block_size,
-            sampler,
-            device,
-        ))
+        // Every rank generates the whole sequence (prompts of any length): the context split
+        // is off meanwhile.
+        Ok(without_context_parallel(device, || {
+            model.sample(
+                &prompt,
+                run.config.sample_tokens,
+                block_size,
+                sampler,
+                device,
+            )
+        }))
     }
 }

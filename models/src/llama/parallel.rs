@@ -123,6 +123,7 @@ pub fn parallelize_llama<B: DistributedBackend>(
         Some(plan) => tensor_parallel(model, mesh, &with_sp(plan, parallel, true))?,
         None => model,
     };
+    parallel.lay_out_context(&model)?;
     Ok(fully_shard(model, mesh, parallel.fsdp)?)
 }
 

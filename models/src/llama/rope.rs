@@ -84,6 +84,29 @@ impl Rope {
         ]
     }
 
+    /// `cos` and `sin` tables `[positions.len(), head_dim]` at `positions` (a context-parallel
+    /// rank's chunks of the sequence): the rows of [`Rope::tables`] there.
+    pub fn tables_at<B: Backend>(
+        &self,
+        positions: &[usize],
+        head_dim: usize,
+        device: &B::Device,
+    ) -> [Tensor<B, 2>; 2] {
+        let contiguous = positions.iter().enumerate().all(|(i, &p)| p == i);
+        if contiguous {
+            return self.tables(positions.len(), head_dim, device);
+        }
+        let end = positions.iter().max().map_or(0, |&p| p + 1);
+        let host = self.host_tables(end, head_dim);
+        [&host.0, &host.1].map(|v| {
+            let rows: Vec<f32> = positions
+                .iter()
+                .flat_map(|&p| v[p * head_dim..(p + 1) * head_dim].iter().copied())
+                .collect();
+            Tensor::from_data(TensorData::new(rows, [positions.len(), head_dim]), device)
+        })
+    }
+
     /// The host values of [`Rope::tables`], from the process-wide cache.
     fn host_tables(&self, t: usize, head_dim: usize) -> Arc<HostTables> {
         // The rotary parameters' bits, the length and the head width.

@@ -94,7 +94,7 @@ impl<B: Backend> LlamaStage<B> {
 }
 
 /// `layers`, the model's blocks `first..` of `n_layer`, through the hooks, with the rotary
-/// tables of a sequence of `x`'s length.
+/// tables at the rank's positions of `x`'s sequence.
 pub(super) fn run_layers<'a, B: FusedOps, H: ForwardHooks<'a, B>>(
     layers: &[LlamaBlock<B>],
     rope: &Rope,
@@ -107,7 +107,10 @@ pub(super) fn run_layers<'a, B: FusedOps, H: ForwardHooks<'a, B>>(
         return x;
     };
     let [_, t, d] = x.dims();
-    let tables = rope.tables::<B>(t, d / block.self_attn.n_head, &x.device());
+    // The rank's positions: `0..t`, or its chunks of the sequence under context parallelism.
+    let device = x.device();
+    let positions = B::sequence_positions(&device, t);
+    let tables = rope.tables_at::<B>(&positions, d / block.self_attn.n_head, &device);
     for (i, block) in layers.iter().enumerate() {
         let (layer, tables) = (first + i, tables.clone());
         x = hooks.block(layer, n_layer, block, x, move |block, x, hooks| {

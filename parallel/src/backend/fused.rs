@@ -22,6 +22,7 @@
 //! * Backward passes bring the incoming gradient to the saved input's layout, then run locally.
 
 use super::Distributed;
+use super::context::{self, Context};
 use super::rules::{self, column_grad, to_layout, whole_dim, without_partials, wrap};
 use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
@@ -108,6 +109,13 @@ fn packed_layout(layout: &Layout) -> Layout {
 
 impl<B: FusedOps> FusedOps for Distributed<B> {
     const FUSED: wildfire_kernels::Fused = B::FUSED;
+
+    fn sequence_positions(device: &crate::DistDevice<B>, len: usize) -> Vec<usize> {
+        match Context::of(device) {
+            Some(ctx) => ctx.positions(len),
+            None => (0..len).collect(),
+        }
+    }
 
     fn fused_softmax(x: Dt<B>) -> Dt<B> {
         row_op("fused_softmax", x, B::fused_softmax)
@@ -324,7 +332,10 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let layout = attention_layout(&q.layout);
         let q = to_layout(OP, q, &layout);
         let (k, v, _) = kv_operands(OP, k, v, &layout);
-        let out = B::fused_attention(q.local, k, v, scale, causal);
+        let out = match Context::of(&q.device) {
+            Some(ctx) => context::attention(&ctx, &q.device, q.local, k, v, scale, causal),
+            None => B::fused_attention(q.local, k, v, scale, causal),
+        };
         AttentionOutput {
             output: wrap(out.output, layout.clone(), q.device.clone()),
             lse: wrap(out.lse, layout, q.device),
@@ -343,7 +354,10 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             Some(c) => qkv.local_in(OP, c),
             None => qkv.local,
         };
-        let out = B::fused_attention_qkv(qkv_local, scale, causal);
+        let out = match Context::of(&qkv.device) {
+            Some(ctx) => packed_context(&ctx, &qkv.device, qkv_local, scale, causal),
+            None => B::fused_attention_qkv(qkv_local, scale, causal),
+        };
         AttentionOutput {
             output: wrap(out.output, layout.clone(), qkv.device.clone()),
             lse: wrap(out.lse, layout, qkv.device),
@@ -375,8 +389,13 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             rules::cast_local(OP, &dev, o, dtype),
             rules::cast_local(OP, &dev, d_o, dtype),
         );
-        let g =
-            B::fused_attention_qkv_backward(qkv.local_in(OP, dtype), o, lse, d_o, scale, causal);
+        let qkv_local = qkv.local_in(OP, dtype);
+        let g = match Context::of(&dev) {
+            Some(ctx) => {
+                packed_context_backward(&ctx, &dev, qkv_local, [o, lse, d_o], scale, causal)
+            }
+            None => B::fused_attention_qkv_backward(qkv_local, o, lse, d_o, scale, causal),
+        };
         wrap(g, layout, dev)
     }
 
@@ -400,8 +419,13 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             like(OP, lse, &layout),
             like(OP, d_output, &layout),
         );
-        let g = B::fused_attention_backward(q.local, k, v, o, lse, d_o, scale, causal);
         let dev = q.device;
+        let g = match Context::of(&dev) {
+            Some(ctx) => {
+                context::attention_backward(&ctx, &dev, q.local, k, v, o, lse, d_o, scale, causal)
+            }
+            None => B::fused_attention_backward(q.local, k, v, o, lse, d_o, scale, causal),
+        };
         let (dk, dv) = match replica {
             None => (
                 wrap(g.k, layout.clone(), dev.clone()),
@@ -576,4 +600,48 @@ fn gelu_operands<B: FusedOps>(
     }
     let bias = to_layout(op, rules::unpadded(bias), &bias_layout).local_in(op, dtype_of(&x));
     (x, bias)
+}
+
+/// Packed projections `[b, t, h, 3·hd]` as separate heads `[b, h, t, hd]` each.
+fn unpack<B: FusedOps>(qkv: B::FloatTensorPrimitive) -> [B::FloatTensorPrimitive; 3] {
+    let hd = qkv.shape()[3] / 3;
+    [0, 1, 2].map(|i| {
+        let mut slices = vec![burn_backend::Slice::full(); 4];
+        slices[3] = burn_backend::Slice::from(i * hd..(i + 1) * hd);
+        B::float_swap_dims(B::float_slice(qkv.clone(), &slices), 1, 2)
+    })
+}
+
+/// Context-parallel attention ([`context::attention`]) on packed projections: output
+/// `[b, t, h, hd]` and log-sum-exp `[b, t, h]`, as [`FusedOps::fused_attention_qkv`] gives them.
+fn packed_context<B: FusedOps>(
+    ctx: &Context,
+    device: &crate::DistDevice<B>,
+    qkv: B::FloatTensorPrimitive,
+    scale: f64,
+    causal: bool,
+) -> AttentionOutput<B> {
+    let [q, k, v] = unpack::<B>(qkv);
+    let out = context::attention(ctx, device, q, k, v, scale, causal);
+    AttentionOutput {
+        output: B::float_swap_dims(out.output, 1, 2),
+        lse: B::float_swap_dims(out.lse, 1, 2),
+    }
+}
+
+/// The gradient of [`packed_context`] w.r.t. the packed projections, packed like them;
+/// `saved` is its output, log-sum-exp and output gradient, packed-shaped.
+fn packed_context_backward<B: FusedOps>(
+    ctx: &Context,
+    device: &crate::DistDevice<B>,
+    qkv: B::FloatTensorPrimitive,
+    saved: [B::FloatTensorPrimitive; 3],
+    scale: f64,
+    causal: bool,
+) -> B::FloatTensorPrimitive {
+    let [q, k, v] = unpack::<B>(qkv);
+    let [o, lse, d_o] = saved.map(|x| B::float_swap_dims(x, 1, 2));
+    let g = context::attention_backward(ctx, device, q, k, v, o, lse, d_o, scale, causal);
+    let parts = [g.q, g.k, g.v].map(|x| B::float_swap_dims(x, 1, 2));
+    B::float_cat(parts.into(), 3)
 }

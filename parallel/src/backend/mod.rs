@@ -6,6 +6,7 @@
 //! counted fallback of `fallback.rs` (bring every input to `Replicate` on the axes it is spread
 //! over, run the op locally).
 
+mod context;
 mod fallback;
 mod forward;
 mod fused;

@@ -159,6 +159,67 @@ fn sharded_runs_match_one_rank() {
     }
 }
 
+/// `--cp 2` (balanced layout, ring attention), `--cp 4 --cp-layout plain --cp-rotate
+/// allgather` and `--dp 2 --cp 2 --fsdp full` follow the one-rank run step by step — training
+/// and validation losses, gradient norms, every parameter — and FSDP shards over dp × cp: the
+/// estimate's parameter, gradient and optimizer bytes are the accounting's.
+#[test]
+fn context_parallel_runs_match_one_rank() {
+    use wildfire::parallel::{CpLayout, CpRotate};
+    use wildfire::pretrain::{estimate, load_data};
+    let base = PretrainConfig {
+        gather_parameters: true,
+        ..small(6)
+    };
+    let one = run(&base).unwrap();
+    for (dp, cp, fsdp, cp_layout, cp_rotate) in [
+        (
+            1,
+            2,
+            FsdpStrategy::NoShard,
+            CpLayout::Balanced,
+            CpRotate::Ring,
+        ),
+        (
+            1,
+            4,
+            FsdpStrategy::NoShard,
+            CpLayout::Plain,
+            CpRotate::AllGather,
+        ),
+        (
+            2,
+            2,
+            FsdpStrategy::FullShard,
+            CpLayout::Balanced,
+            CpRotate::Ring,
+        ),
+    ] {
+        let config = PretrainConfig {
+            parallel: ParallelConfig {
+                dp,
+                cp,
+                fsdp,
+                cp_layout,
+                cp_rotate,
+                ..ParallelConfig::default()
+            },
+            ..base.clone()
+        };
+        let many = run(&config).unwrap();
+        let what = format!("dp {dp} cp {cp} {fsdp:?} {cp_layout} {cp_rotate}");
+        same_run(&what, &many, &one, 1e-4);
+        let model = load_data(&config).unwrap().model;
+        let e = estimate(&config, &model);
+        let m = &many.steps[0];
+        assert_eq!(
+            [m.param_bytes, m.grad_bytes, m.optim_bytes],
+            [e.param_bytes, e.grad_bytes, e.optim_bytes].map(|b| b as u64),
+            "{what}"
+        );
+    }
+}
+
 /// MFU counts every rank's device: dp 2 × tp 2 is four (it divided by dp alone).
 #[test]
 fn mfu_divides_by_every_rank() {
