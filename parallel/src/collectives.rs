@@ -89,6 +89,14 @@ pub(crate) enum PendingTensor<B: Backend> {
     Queued(crate::comm::Pending, B::Device),
     /// The result cast to this dtype (a reduction run in a lower precision, cast back).
     Cast(Box<PendingTensor<B>>, burn_backend::FloatDType),
+    /// A receive from global rank `from` on the installed device collectives, posted when
+    /// waited for.
+    Recv {
+        from: usize,
+        shape: burn::tensor::Shape,
+        dtype: burn::tensor::DType,
+        device: DistDevice<B>,
+    },
 }
 
 impl<B: Backend> PendingTensor<B> {
@@ -99,6 +107,12 @@ impl<B: Backend> PendingTensor<B> {
             Self::Device(issued) => issued.wait(),
             Self::Queued(pending, device) => Ok(B::float_from_data(pending.wait_data()?, &device)),
             Self::Cast(pending, dtype) => Ok(B::float_cast(pending.wait()?, dtype)),
+            Self::Recv {
+                from,
+                shape,
+                dtype,
+                device,
+            } => recv(&device, from, shape, dtype),
         }
     }
 }
@@ -296,6 +310,38 @@ pub(crate) fn recv<B: Backend>(
         Some(dc) => dc.recv(from, shape, dtype, device.inner()),
         None => crate::comm::host_recv::<B>(ctx.comm(), from, shape, dtype, device.inner()),
     }
+}
+
+/// `tensor` sent to global rank `to`, and the next tensor global rank `from` sends received
+/// (of the same shape and dtype: a ring's step), issued now and waited for later: on the host
+/// communicator, as one exchange on the rank's communication queue
+/// ([`CommQueue::issue_exchange`](crate::comm::CommQueue::issue_exchange)), which runs while
+/// the caller computes; on installed device collectives the send is enqueued at once (NCCL's
+/// channel stream) and the receive when waited for.
+pub(crate) fn issue_exchange<B: Backend>(
+    device: &DistDevice<B>,
+    to: usize,
+    tensor: FloatTensor<B>,
+    from: usize,
+) -> PendingTensor<B> {
+    let ctx = device.context();
+    if let Some(dc) = ctx.device_collectives::<B>() {
+        let (shape, dtype) = (tensor.shape(), tensor.dtype());
+        if let Err(e) = dc.send(to, tensor) {
+            return PendingTensor::Done(Err(e));
+        }
+        return PendingTensor::Recv {
+            from,
+            shape,
+            dtype,
+            device: device.clone(),
+        };
+    }
+    let data = crate::comm::read::<B>(tensor);
+    PendingTensor::Queued(
+        ctx.queue().issue_exchange(to, data, from),
+        device.inner().clone(),
+    )
 }
 
 /// Waits until every tensor this rank sent ([`send`]) on the installed device collectives has

@@ -483,3 +483,68 @@ fn bad_context_parallel_input_is_refused() {
         .to_string();
     assert!(e.contains("cp"), "{e}");
 }
+
+/// Ring attention's transfers run on the rank's communication thread while its compute thread
+/// works on the blocks it holds: over a modelled slow cp link (each 16 kB piece 8 ms), the
+/// trace shows every exchange (`SendRecv`, 6 per layer at cp 2: the keys and values forward,
+/// again backward, and their gradients home) and, in every layer, attention blocks computed
+/// while an exchange was in flight — forward and backward.
+#[test]
+fn ring_transfers_overlap_the_attention_blocks() {
+    use wildfire::parallel::comm::Links;
+    use wildfire::parallel::{LaunchOptions, launch_ranks};
+    let (b, t, layers) = (2usize, 128usize, 2usize);
+    let parallel = layout(
+        1,
+        2,
+        1,
+        FsdpStrategy::NoShard,
+        CpLayout::Balanced,
+        CpRotate::Ring,
+    );
+    let mesh = parallel.mesh().unwrap();
+    let mut links = Links::default();
+    links.add("cp=2MB/s,10us").unwrap();
+    let options = LaunchOptions {
+        links,
+        ..LaunchOptions::default()
+    };
+    let run = |device: DistDevice<burn::backend::Flex>| {
+        let m = init_gpt::<Dist>(&gpt(), &device, &parallel).unwrap();
+        let m = parallelize_gpt(m, device.mesh(), &parallel).unwrap();
+        let member = device.context().comm().member();
+        member.set_tracing(true);
+        let loss = m.loss(ids(0..b, t, 0, &device), ids(0..b, t, 1, &device));
+        let _grads = loss.backward();
+        member.take_trace()
+    };
+    let traces =
+        launch_ranks::<burn::backend::Flex, _, _>(&mesh, &Default::default(), &options, run)
+            .unwrap();
+    for (rank, trace) in traces.iter().enumerate() {
+        let exchanges: Vec<_> = trace.iter().filter(|e| e.name == "SendRecv").collect();
+        let blocks: Vec<_> = trace.iter().filter(|e| e.name == "cp attention").collect();
+        assert_eq!(exchanges.len(), 6 * layers, "rank {rank}: {trace:?}");
+        assert!(
+            exchanges.iter().all(|e| e.dur_us >= 8000.0),
+            "rank {rank}: the link's time is spent on the exchanges"
+        );
+        let overlapped = blocks
+            .iter()
+            .filter(|blk| {
+                exchanges.iter().any(|e| {
+                    blk.start_us < e.start_us + e.dur_us && e.start_us < blk.start_us + blk.dur_us
+                })
+            })
+            .count();
+        println!(
+            "rank {rank}: {} blocks, {overlapped} under an exchange",
+            blocks.len()
+        );
+        assert!(
+            overlapped >= 2 * layers,
+            "rank {rank}: {overlapped} of {} blocks overlap an exchange",
+            blocks.len()
+        );
+    }
+}

@@ -29,7 +29,7 @@ use crate::comm::{Group, ReduceOp};
 use crate::device::DistDevice;
 use crate::dims::{CpLayout, CpRotate};
 use crate::error::raise;
-use burn::tensor::{DType, FloatDType, Tensor, TensorPrimitive};
+use burn::tensor::{FloatDType, Tensor, TensorPrimitive};
 use burn_backend::TensorMetadata;
 use wildfire_kernels::{AttentionGrads, AttentionOutput, FusedOps};
 
@@ -167,17 +167,53 @@ fn add<B: FusedOps>(a: Option<Tensor<B, 4>>, b: Tensor<B, 4>) -> Tensor<B, 4> {
     }
 }
 
-fn send<B: FusedOps>(device: &DistDevice<B>, to: usize, x: &Tensor<B, 4>) {
-    collectives::send(device, to, p(x.clone())).unwrap_or_else(|e| raise(e));
+/// `x` passed on to the next member while the previous member's comes in: one exchange on the
+/// rank's communication queue, waited for with [`Exchange::wait`].
+struct Exchange<B: FusedOps>(collectives::PendingTensor<B>);
+
+impl<B: FusedOps> Exchange<B> {
+    fn issue(device: &DistDevice<B>, ctx: &Context, x: &Tensor<B, 4>) -> Self {
+        Self(collectives::issue_exchange(
+            device,
+            ctx.next(),
+            p(x.clone()),
+            ctx.prev(),
+        ))
+    }
+
+    fn wait(self) -> Tensor<B, 4> {
+        t(self.0.wait().unwrap_or_else(|e| raise(e)))
+    }
 }
 
-fn recv<B: FusedOps>(
+/// Keys and values in flight together.
+type InFlight<B> = (Exchange<B>, Exchange<B>);
+
+fn issue_pair<B: FusedOps>(
     device: &DistDevice<B>,
-    from: usize,
-    shape: burn::tensor::Shape,
-    dtype: DType,
-) -> Tensor<B, 4> {
-    t(collectives::recv(device, from, shape, dtype).unwrap_or_else(|e| raise(e)))
+    ctx: &Context,
+    (k, v): (&Tensor<B, 4>, &Tensor<B, 4>),
+) -> InFlight<B> {
+    (
+        Exchange::issue(device, ctx, k),
+        Exchange::issue(device, ctx, v),
+    )
+}
+
+fn wait_pair<B: FusedOps>((k, v): InFlight<B>) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    (k.wait(), v.wait())
+}
+
+/// `f`, traced as the compute region `cp attention` of the rank (beside its exchanges).
+fn region<B: FusedOps, R>(device: &DistDevice<B>, f: impl FnOnce() -> R) -> R {
+    let started = std::time::Instant::now();
+    let out = f();
+    device
+        .context()
+        .comm()
+        .member()
+        .trace_region("cp attention", started);
+    out
 }
 
 /// `x` all-gathered over the context group along the sequence (dim 2), members in group order.
@@ -242,19 +278,11 @@ pub(crate) fn attention<B: FusedOps>(
         CpRotate::Ring => {
             let mut held = (k, v);
             for s in 0..ctx.cp {
-                let last = s + 1 == ctx.cp;
-                if !last {
-                    send(device, ctx.next(), &held.0);
-                    send(device, ctx.next(), &held.1);
-                }
-                visit(ctx.at_step(s), &held.0, &held.1);
-                if !last {
-                    let (ks, vs) = (held.0.shape(), held.1.shape());
-                    let (kd, vd) = (held.0.dtype(), held.1.dtype());
-                    held = (
-                        recv(device, ctx.prev(), ks, kd),
-                        recv(device, ctx.prev(), vs, vd),
-                    );
+                // The next member's pieces come in while these are computed on.
+                let next = (s + 1 < ctx.cp).then(|| issue_pair(device, ctx, (&held.0, &held.1)));
+                region(device, || visit(ctx.at_step(s), &held.0, &held.1));
+                if let Some(next) = next {
+                    held = wait_pair(next);
                 }
             }
         }
@@ -363,38 +391,25 @@ pub(crate) fn attention_backward<B: FusedOps>(
             (scatter(dks), scatter(dvs))
         }
         CpRotate::Ring => {
-            let last = ctx.cp - 1;
-            let (ks, vs) = (k.shape(), v.shape());
-            let (kd, vd) = (k.dtype(), v.dtype());
-            send(device, ctx.next(), &k);
-            send(device, ctx.next(), &v);
-            let own = shares(ctx.index, &k, &v);
+            // Step s holds the pieces of the member s before this one; they go on to the next
+            // member while this one computes its share of their gradients, which then follow
+            // them (the share the members before added carried in with it): after the last
+            // step the next member is the owner, and the previous member's last exchange
+            // brings this one's own gradients home.
+            let mut pieces = Some(issue_pair(device, ctx, (&k, &v)));
+            let own = region(device, || shares(ctx.index, &k, &v));
+            let mut carried: Option<InFlight<B>> = None;
             for s in 1..ctx.cp {
-                let held = (
-                    recv(device, ctx.prev(), ks.clone(), kd),
-                    recv(device, ctx.prev(), vs.clone(), vd),
-                );
-                if s < last {
-                    send(device, ctx.next(), &held.0);
-                    send(device, ctx.next(), &held.1);
+                let held = wait_pair(pieces.take().expect("issued at the step before"));
+                if s + 1 < ctx.cp {
+                    pieces = Some(issue_pair(device, ctx, (&held.0, &held.1)));
                 }
-                // The share the members before this one added (none at the first hop).
-                let carried = (s >= 2).then(|| {
-                    (
-                        recv(device, ctx.prev(), ks.clone(), DType::F32),
-                        recv(device, ctx.prev(), vs.clone(), DType::F32),
-                    )
-                });
-                let (gk, gv) = shares(ctx.at_step(s), &held.0, &held.1);
-                let (ck, cv) = carried.unzip();
-                // On to the next member; after the last step, that is the owner.
-                send(device, ctx.next(), &add(ck, gk));
-                send(device, ctx.next(), &add(cv, gv));
+                let (gk, gv) = region(device, || shares(ctx.at_step(s), &held.0, &held.1));
+                let (ck, cv) = carried.take().map(wait_pair).unzip();
+                let sum = (add(ck, gk), add(cv, gv));
+                carried = Some(issue_pair(device, ctx, (&sum.0, &sum.1)));
             }
-            let back = (
-                recv(device, ctx.prev(), ks, DType::F32),
-                recv(device, ctx.prev(), vs, DType::F32),
-            );
+            let back = wait_pair(carried.expect("a group of two or more takes a step"));
             (own.0 + back.0, own.1 + back.1)
         }
     };

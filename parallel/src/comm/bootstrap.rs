@@ -498,7 +498,7 @@ pub fn exchange_group_ids(
 }
 
 /// A point-to-point channel of a rank: to or from `peer` (a global rank), between
-/// neighbouring pipeline stages. NCCL gives each its own two-rank communicator and stream, so
+/// neighbouring pipeline stages or context-parallel ranks. NCCL gives each its own two-rank communicator and stream, so
 /// a send waiting for its receiver never holds up another channel (a rank's sends and
 /// receives on one NCCL stream could wait on each other across two ranks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -509,24 +509,30 @@ pub struct Channel {
     pub sends: bool,
 }
 
-/// The channels of `rank` on `mesh`'s pipeline axis ([`PIPELINE_AXIS`](crate::mesh::PIPELINE_AXIS)):
-/// sends to the next and to the previous pipeline rank, then receives from them, on a ring
-/// (interleaved schedules send from the last rank to the first). Deduplicated (two pipeline
-/// ranks are each other's next and previous); none without a pipeline axis of 2 or more.
+/// The channels of `rank` on `mesh`'s ring axes — the pipeline axis
+/// ([`PIPELINE_AXIS`](crate::mesh::PIPELINE_AXIS)) and the context axis
+/// ([`CONTEXT_AXIS`](crate::mesh::CONTEXT_AXIS), ring attention): sends to the next and to the
+/// previous member on each, then receives from them, on a ring (interleaved schedules send
+/// from the last pipeline rank to the first). Deduplicated (two members are each other's next
+/// and previous); none without such an axis of 2 or more.
 pub fn p2p_channels(mesh: &DeviceMesh, rank: usize) -> Vec<Channel> {
-    let Some(axis) = mesh.axes().iter().position(|a| a.is_pipeline()) else {
-        return Vec::new();
-    };
-    let members = mesh.group_ranks(rank, axis);
-    let p = members.len();
-    if p < 2 {
-        return Vec::new();
+    let mut neighbours = Vec::new();
+    let rings = mesh
+        .axes()
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| a.is_pipeline() || a.name == crate::mesh::CONTEXT_AXIS);
+    for (axis, _) in rings {
+        let members = mesh.group_ranks(rank, axis);
+        let p = members.len();
+        if p >= 2 {
+            let a = mesh.group_index(rank, axis);
+            neighbours.extend([members[(a + 1) % p], members[(a + p - 1) % p]]);
+        }
     }
-    let a = mesh.group_index(rank, axis);
-    let neighbours = [members[(a + 1) % p], members[(a + p - 1) % p]];
     let mut channels = Vec::new();
     for sends in [true, false] {
-        for peer in neighbours {
+        for &peer in &neighbours {
             let channel = Channel { peer, sends };
             if !channels.contains(&channel) {
                 channels.push(channel);
@@ -661,8 +667,9 @@ mod tests {
         check_ids(&mesh, &ids);
     }
 
-    /// Pipeline ranks send to their ring neighbours and receive from them; the receiver of each
-    /// channel holds the id its sender made; no channels without a pipeline axis.
+    /// Pipeline and context-parallel ranks send to their ring neighbours and receive from them;
+    /// the receiver of each channel holds the id its sender made; no channels without such an
+    /// axis.
     #[test]
     fn pipeline_channels_pair_each_sender_with_its_receiver() {
         let ch = |peer, sends| Channel { peer, sends };
@@ -676,7 +683,21 @@ mod tests {
         );
         assert!(p2p_channels(&DeviceMesh::new([("dp", 4)]).unwrap(), 0).is_empty());
         assert!(p2p_channels(&DeviceMesh::new([("pp", 1), ("dp", 2)]).unwrap(), 1).is_empty());
-        for mesh in [two, four] {
+        // Ring attention's neighbours on the context axis, after the pipeline's: rank 0 of
+        // pp 2 × cp 4 (its pipeline peer is rank 4, its context ring 1 and 3).
+        let both = DeviceMesh::new([("pp", 2), ("cp", 4), ("tp", 1)]).unwrap();
+        assert_eq!(
+            p2p_channels(&both, 0),
+            [
+                ch(4, true),
+                ch(1, true),
+                ch(3, true),
+                ch(4, false),
+                ch(1, false),
+                ch(3, false)
+            ]
+        );
+        for mesh in [two, four, both] {
             let n = mesh.world_size();
             let world = InProcessWorld::new(mesh.clone(), Duration::from_secs(20));
             let ids = on_threads(0..n, |rank| {

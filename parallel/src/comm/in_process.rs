@@ -264,7 +264,8 @@ impl Deposit {
 /// The point-to-point queue of one (from, to) pair.
 #[derive(Default)]
 struct Channel {
-    queue: Mutex<std::collections::VecDeque<TensorData>>,
+    /// The messages in flight, each with the moment it was sent.
+    queue: Mutex<std::collections::VecDeque<(TensorData, Instant)>>,
     ready: Condvar,
 }
 
@@ -415,20 +416,7 @@ impl Communicator for InProcessCommunicator {
         let link = self.world.links.read().unwrap().for_group(label).copied();
         if let Some(link) = link {
             let bytes = call.counted_bytes(out.as_ref()) as u64;
-            let deadline = started + link.collective_time(call.kind(), members.len(), bytes);
-            // Sleep for the bulk, spin for the last stretch (a sleep overshoots by ~0.1 ms,
-            // which would swamp a small collective's microseconds).
-            const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
-            while let Some(rest) = deadline.checked_duration_since(std::time::Instant::now()) {
-                if rest.is_zero() {
-                    break;
-                }
-                if rest > SPIN {
-                    std::thread::sleep(rest - SPIN);
-                } else {
-                    std::hint::spin_loop();
-                }
-            }
+            wait_until(started + link.collective_time(call.kind(), members.len(), bytes));
         }
         Ok(out)
     }
@@ -444,7 +432,7 @@ impl PointToPoint for InProcessCommunicator {
         self.member.check_peer(to)?;
         let bytes = data.bytes.len();
         let channel = self.world.channel(self.rank(), to);
-        lock(&channel.queue).push_back(data);
+        lock(&channel.queue).push_back((data, Instant::now()));
         channel.ready.notify_all();
         self.member.record_p2p(CollectiveKind::Send, bytes);
         Ok(())
@@ -457,10 +445,10 @@ impl PointToPoint for InProcessCommunicator {
         let start = Instant::now();
         let deadline = start + self.world.timeout;
         let mut queue = lock(&channel.queue);
-        let data = loop {
+        let (data, sent) = loop {
             // A message already sent is received even if the world was aborted since.
-            if let Some(data) = queue.pop_front() {
-                break data;
+            if let Some(message) = queue.pop_front() {
+                break message;
             }
             self.world.check_abort()?;
             let now = Instant::now();
@@ -480,8 +468,35 @@ impl PointToPoint for InProcessCommunicator {
                 .0;
         };
         drop(queue);
+        // The modelled link between the two ranks (the mesh axis they differ on): the message
+        // arrives no sooner than it would over it.
+        let mesh = self.member.mesh();
+        let (a, b) = (mesh.coords(from), mesh.coords(self.rank()));
+        let axis = (0..a.len()).find(|&i| a[i] != b[i]);
+        let label = axis.map_or("p2p", |i| mesh.axis(i).name.as_str());
+        let link = self.world.links.read().unwrap().for_group(label).copied();
+        if let Some(link) = link {
+            let bytes = data.bytes.len() as u64;
+            wait_until(sent + link.collective_time(CollectiveKind::Recv, 2, bytes));
+        }
         self.member
             .record_p2p(CollectiveKind::Recv, data.bytes.len());
         Ok(data)
+    }
+}
+
+/// Returns at `deadline`: sleeps for the bulk, spins for the last stretch (a sleep overshoots by
+/// ~0.1 ms, which would swamp a small message's microseconds).
+fn wait_until(deadline: Instant) {
+    const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
+    while let Some(rest) = deadline.checked_duration_since(Instant::now()) {
+        if rest.is_zero() {
+            break;
+        }
+        if rest > SPIN {
+            std::thread::sleep(rest - SPIN);
+        } else {
+            std::hint::spin_loop();
+        }
     }
 }

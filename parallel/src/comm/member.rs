@@ -147,6 +147,23 @@ impl Member {
         }
     }
 
+    /// Records a point-to-point exchange ([`super::CommQueue::issue_exchange`]) in the trace,
+    /// when it is on: issued at `issued`, run from `started` to now, `bytes` received.
+    pub(crate) fn trace_exchange(&self, issued: Instant, started: Instant, bytes: u64) {
+        if let Some(trace) = lock(&self.trace).as_mut() {
+            let (start, end) = (micros(started), micros(Instant::now()));
+            trace.push(TraceEvent {
+                name: "SendRecv".into(),
+                kind: Some(CollectiveKind::Recv),
+                start_us: start,
+                dur_us: end - start,
+                issued_us: micros(issued),
+                group: "p2p".into(),
+                bytes,
+            });
+        }
+    }
+
     /// Records a point-to-point message of `bytes`.
     pub(crate) fn record_p2p(&self, kind: CollectiveKind, bytes: usize) {
         lock(&self.stats).record(kind, "p2p", bytes as u64);

@@ -30,9 +30,19 @@ use burn::tensor::TensorData;
 
 use super::{Call, Communicator, Error, Member, PointToPoint};
 
-/// One issued chain of calls (each taking the previous one's result) and where its result goes.
+/// What a job does.
+enum Work {
+    /// A chain of calls, each taking the previous one's result.
+    Calls(Vec<Call>),
+    /// A point-to-point exchange: the job's buffer sent to global rank `to`, then the next
+    /// message from global rank `from` received (a ring's step: pass yours on, take the
+    /// previous member's).
+    Exchange { to: usize, from: usize },
+}
+
+/// One issued job and where its result goes.
 struct Job {
-    calls: Vec<Call>,
+    work: Work,
     data: Option<TensorData>,
     issued: Instant,
     done: Sender<Result<Option<TensorData>, Error>>,
@@ -100,9 +110,22 @@ impl CommQueue {
     /// [`Pending::wait`]. A hybrid-sharded gradient's reduce-scatter then all-reduce is one
     /// chain. The first failing call ends the chain with its error.
     pub fn issue_chain(&self, calls: Vec<Call>, data: Option<TensorData>) -> Pending {
+        self.issue_work(Work::Calls(calls), data)
+    }
+
+    /// Issue a point-to-point exchange: `data` sent to global rank `to`, then the next message
+    /// from global rank `from` received, on the communication thread (behind the calls issued
+    /// before it); [`Pending::wait`] gives the received buffer. Ring attention's step: the
+    /// transfer runs while the caller computes on what it holds. Both messages are counted as
+    /// the communicator counts them, and the exchange is one span of the trace (`SendRecv`).
+    pub fn issue_exchange(&self, to: usize, data: TensorData, from: usize) -> Pending {
+        self.issue_work(Work::Exchange { to, from }, Some(data))
+    }
+
+    fn issue_work(&self, work: Work, data: Option<TensorData>) -> Pending {
         let (done, result) = mpsc::channel();
         let job = Job {
-            calls,
+            work,
             data,
             issued: Instant::now(),
             done,
@@ -134,13 +157,27 @@ impl CommQueue {
             .spawn(move || {
                 for job in jobs {
                     let mut result = Ok(job.data);
-                    for call in &job.calls {
-                        let Ok(data) = result else { break };
-                        let started = Instant::now();
-                        result = inner.run(call, data);
-                        if let Ok(out) = &result {
-                            let times = inner.member().tracing().then_some((job.issued, started));
-                            inner.member().record(call, out.as_ref(), times);
+                    match &job.work {
+                        Work::Calls(calls) => {
+                            for call in calls {
+                                let Ok(data) = result else { break };
+                                let started = Instant::now();
+                                result = inner.run(call, data);
+                                if let Ok(out) = &result {
+                                    let member = inner.member();
+                                    let times = member.tracing().then_some((job.issued, started));
+                                    member.record(call, out.as_ref(), times);
+                                }
+                            }
+                        }
+                        &Work::Exchange { to, from } => {
+                            let started = Instant::now();
+                            let data = result.ok().flatten();
+                            result = exchange(&*inner, to, data, from).map(Some);
+                            if let Ok(Some(received)) = &result {
+                                let bytes = received.bytes.len() as u64;
+                                inner.member().trace_exchange(job.issued, started, bytes);
+                            }
                         }
                     }
                     in_flight.fetch_sub(1, Ordering::AcqRel);
@@ -151,6 +188,19 @@ impl CommQueue {
             .expect("spawning a communication thread");
         sender
     }
+}
+
+/// `data` sent to `to`, then the next message from `from`.
+fn exchange(
+    comm: &dyn Communicator,
+    to: usize,
+    data: Option<TensorData>,
+    from: usize,
+) -> Result<TensorData, Error> {
+    let p2p = comm.point_to_point()?;
+    let data = data.expect("an exchange carries its buffer");
+    p2p.send(to, data)?;
+    p2p.recv(from)
 }
 
 impl fmt::Debug for CommQueue {
