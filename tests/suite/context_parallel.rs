@@ -68,6 +68,18 @@ fn layout(
     }
 }
 
+/// `cp` ranks alone, balanced, ring attention.
+fn ring(cp: usize) -> ParallelConfig {
+    layout(
+        1,
+        cp,
+        1,
+        FsdpStrategy::NoShard,
+        CpLayout::Balanced,
+        CpRotate::Ring,
+    )
+}
+
 /// Row `r`'s token at position `p` (inputs: `p`, targets: `p + 1`): the same batch every step,
 /// so the loss falls.
 fn token(r: usize, p: usize) -> i64 {
@@ -381,14 +393,7 @@ fn a_context_parallel_rank_keeps_half_the_activations() {
     use wildfire::models::memory::llama_activation_bytes;
     let (b, t) = (2usize, 32usize);
     let kept = |cp: usize, layers: usize| -> i64 {
-        let parallel = layout(
-            1,
-            cp,
-            1,
-            FsdpStrategy::NoShard,
-            CpLayout::Balanced,
-            CpRotate::Ring,
-        );
+        let parallel = ring(cp);
         let mesh = parallel.mesh().unwrap();
         let config = LlamaConfig {
             n_layer: layers,
@@ -414,14 +419,7 @@ fn a_context_parallel_rank_keeps_half_the_activations() {
     println!("llama block: {one} bytes at cp 1, {two} at cp 2 (ratio {ratio:.4})");
     assert!((0.49..=0.51).contains(&ratio), "cp 2 keeps {two} of {one}");
     let count = |layers| {
-        let parallel = layout(
-            1,
-            2,
-            1,
-            FsdpStrategy::NoShard,
-            CpLayout::Balanced,
-            CpRotate::Ring,
-        );
+        let parallel = ring(2);
         let config = LlamaConfig {
             n_layer: layers,
             block_size: t,
@@ -439,14 +437,7 @@ fn a_context_parallel_rank_keeps_half_the_activations() {
 /// a mesh without a cp axis cannot take the policy.
 #[test]
 fn bad_context_parallel_input_is_refused() {
-    let balanced = layout(
-        1,
-        4,
-        1,
-        FsdpStrategy::NoShard,
-        CpLayout::Balanced,
-        CpRotate::Ring,
-    );
+    let balanced = ring(4);
     let e = balanced.check_sequence(36).unwrap_err().to_string();
     assert!(e.contains("multiple of 8"), "{e}");
     balanced.check_sequence(40).unwrap();
@@ -494,14 +485,7 @@ fn ring_transfers_overlap_the_attention_blocks() {
     use wildfire::parallel::comm::Links;
     use wildfire::parallel::{LaunchOptions, launch_ranks};
     let (b, t, layers) = (2usize, 128usize, 2usize);
-    let parallel = layout(
-        1,
-        2,
-        1,
-        FsdpStrategy::NoShard,
-        CpLayout::Balanced,
-        CpRotate::Ring,
-    );
+    let parallel = ring(2);
     let mesh = parallel.mesh().unwrap();
     let mut links = Links::default();
     links.add("cp=2MB/s,10us").unwrap();
