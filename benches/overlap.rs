@@ -115,7 +115,7 @@ fn main() {
         .expect("run with the link");
         let tokens = (config.batch_size * config.model.block_size.unwrap_or(0)) as f64;
         let step_ms = |s: &RunSummary| {
-            median(
+            common::median(
                 s.steps[1..]
                     .iter()
                     .map(|m| tokens / m.tokens_per_s * 1e3)
@@ -123,7 +123,7 @@ fn main() {
             )
         };
         let (t0, t1) = (step_ms(&plain), step_ms(&paced));
-        let comm = median(step_communication(&paced, &link, dp)[1..].to_vec());
+        let comm = common::median(common::step_communication(&paced, &link, |_| dp)[1..].to_vec());
         let exposed = t1 - t0;
         println!(
             "| {dp} | {fsdp:?} | {what} | {t0:.1} | {t1:.1} | {comm:.1} | {exposed:.1} | {:.0}% |",
@@ -131,28 +131,4 @@ fn main() {
         );
     }
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// Per step (rank 0's trace): the link's time for every collective inside the step's region.
-fn step_communication(summary: &RunSummary, link: &LinkModel, dp: usize) -> Vec<f64> {
-    let (_, trace) = &summary.trace[0];
-    let steps = trace
-        .iter()
-        .filter(|e| e.kind.is_none() && e.name == "step");
-    steps
-        .map(|step| {
-            let end = step.start_us + step.dur_us;
-            trace
-                .iter()
-                .filter(|e| e.start_us >= step.start_us && e.start_us <= end)
-                .filter_map(|e| Some(link.collective_time(e.kind?, dp, e.bytes)))
-                .map(|t| t.as_secs_f64() * 1e3)
-                .sum()
-        })
-        .collect()
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }

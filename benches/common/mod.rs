@@ -27,3 +27,36 @@ pub fn corpus(bytes: bool) -> wildfire::models::data::DataFlags {
         ..DataFlags::default()
     }
 }
+
+/// Per step of a traced run (rank 0's trace): the modelled `link`'s time, in ms, of every
+/// collective and point-to-point exchange that started inside the step, each over `members(kind)`
+/// ranks.
+#[allow(dead_code)] // not every bench models a link
+pub fn step_communication(
+    summary: &wildfire::pretrain::RunSummary,
+    link: &wildfire::parallel::comm::LinkModel,
+    members: impl Fn(wildfire::parallel::CollectiveKind) -> usize,
+) -> Vec<f64> {
+    let (_, trace) = &summary.trace[0];
+    let steps = trace
+        .iter()
+        .filter(|e| e.kind.is_none() && e.name == "step");
+    steps
+        .map(|step| {
+            let end = step.start_us + step.dur_us;
+            trace
+                .iter()
+                .filter(|e| e.start_us >= step.start_us && e.start_us <= end)
+                .filter_map(|e| Some(link.collective_time(e.kind?, members(e.kind?), e.bytes)))
+                .map(|t| t.as_secs_f64() * 1e3)
+                .sum()
+        })
+        .collect()
+}
+
+/// The median (the upper one of an even count; 0 for none).
+#[allow(dead_code)] // not every bench takes medians of f64
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}

@@ -9,6 +9,7 @@ mod init;
 pub mod llama;
 mod lm;
 pub mod memory;
+pub mod moe;
 pub mod parallelize;
 mod shape;
 pub mod stage;

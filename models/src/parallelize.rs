@@ -293,9 +293,15 @@ impl ParallelConfig {
             return Err(Error::Config("--cp must be at least 1".into()));
         }
         if self.cp > 1 && self.pp > 1 {
+            // Measured: ranks as threads deadlock. Burn 0.21's autodiff ends every backward
+            // pass by locking every thread's graph in turn (`GraphCleaner`); a stage whose
+            // backward holds its graph while its attention waits on a context peer, that peer
+            // waiting for a pipeline message, and the sender blocked in its own context
+            // collective behind the cleaning rank close a cycle.
             return Err(Error::Config(format!(
                 "--cp {} with --pp {}: context parallelism inside pipeline stages is not \
-                 implemented yet; use --cp with --dp and --tp",
+                 supported yet (ranks as threads deadlock in Burn 0.21's end-of-backward graph \
+                 cleanup); use --cp with --dp and --tp",
                 self.cp, self.pp
             )));
         }

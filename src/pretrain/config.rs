@@ -269,6 +269,14 @@ impl PretrainConfig {
         if self.steps == 0 {
             return Err(PretrainError::Config("--steps must be at least 1".into()));
         }
+        if self.parallel.cp > 1 && self.model.dropout > 0.0 {
+            return Err(PretrainError::Config(format!(
+                "--cp {} with --dropout {}: dropout on the attention probabilities takes the \
+                 composed attention path, which context parallelism does not split; train with \
+                 --dropout 0 (pretraining's usual choice)",
+                self.parallel.cp, self.model.dropout
+            )));
+        }
         self.parallel.check_batch(self.batch_size, self.accum)?;
         self.data.check()?;
         Ok(())

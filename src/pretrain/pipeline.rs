@@ -180,7 +180,10 @@ impl<B: FusedOps, S: TrainableStage<B>> Trainee<B> for Stages<B, S> {
         let (passes, chunks) = self.passes(device)?;
         let (prompt, sampler) = run.sampling();
         let (tokens, block_size) = (run.config.sample_tokens, run.data.model.block_size());
-        let generate = generate_staged(&chunks, &passes, &prompt, tokens, block_size, sampler);
+        // Every rank generates the whole sequence: the context split is off meanwhile.
+        let generate = wildfire_parallel::without_context_parallel(device, || {
+            generate_staged(&chunks, &passes, &prompt, tokens, block_size, sampler)
+        });
         Ok(generate?)
     }
 }

@@ -433,8 +433,9 @@ fn a_context_parallel_rank_keeps_half_the_activations() {
 }
 
 /// A sequence that does not split into the layout's chunks is refused before step 0 with the
-/// lengths that do; context parallelism inside pipeline stages is refused as not implemented;
-/// a mesh without a cp axis cannot take the policy.
+/// lengths that do, by the configuration and where a rank takes its columns; context
+/// parallelism inside pipeline stages is refused (not supported yet); a mesh without a cp axis
+/// cannot take the policy.
 #[test]
 fn bad_context_parallel_input_is_refused() {
     let balanced = ring(4);
@@ -455,7 +456,7 @@ fn bad_context_parallel_input_is_refused() {
     .check_available()
     .unwrap_err()
     .to_string();
-    assert!(e.contains("not implemented yet"), "{e}");
+    assert!(e.contains("not supported yet"), "{e}");
     // The columns a rank takes: a length that does not split is a typed error there too.
     let mesh = balanced.mesh().unwrap();
     let errors = threads(&mesh, |device| {

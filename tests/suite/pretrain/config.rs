@@ -193,8 +193,9 @@ fn launcher_environment_sets_the_launch_and_dp() {
     let mut given = small(1);
     let err = given.apply_launcher(torchrun_in_slurm, true).unwrap_err();
     assert!(
-        err.to_string()
-            .contains("torchrun started 4 processes, but --dp 1 × --pp 1 × --tp 1 = 1 ranks"),
+        err.to_string().contains(
+            "torchrun started 4 processes, but --dp 1 × --pp 1 × --cp 1 × --tp 1 = 1 ranks"
+        ),
         "{err}"
     );
     let mut srun = small(1);

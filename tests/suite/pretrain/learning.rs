@@ -172,29 +172,15 @@ fn context_parallel_runs_match_one_rank() {
         ..small(6)
     };
     let one = run(&base).unwrap();
-    for (dp, cp, fsdp, cp_layout, cp_rotate) in [
-        (
-            1,
-            2,
-            FsdpStrategy::NoShard,
-            CpLayout::Balanced,
-            CpRotate::Ring,
-        ),
-        (
-            1,
-            4,
-            FsdpStrategy::NoShard,
-            CpLayout::Plain,
-            CpRotate::AllGather,
-        ),
-        (
-            2,
-            2,
-            FsdpStrategy::FullShard,
-            CpLayout::Balanced,
-            CpRotate::Ring,
-        ),
-    ] {
+    use CpLayout::{Balanced, Plain};
+    use CpRotate::{AllGather, Ring};
+    use FsdpStrategy::{FullShard, NoShard};
+    let layouts = [
+        (1, 2, NoShard, Balanced, Ring),
+        (1, 4, NoShard, Plain, AllGather),
+        (2, 2, FullShard, Balanced, Ring),
+    ];
+    for (dp, cp, fsdp, cp_layout, cp_rotate) in layouts {
         let config = PretrainConfig {
             parallel: ParallelConfig {
                 dp,
