@@ -266,12 +266,24 @@ fn gpt_context_parallel_matches_one_device() {
                 ),
             ]);
         }
+        let mut first_loss = std::collections::HashMap::new();
         for (what, parallel, recompute) in runs {
-            let what = format!("t {t}: {what}");
             let (l, p) = train(Model::Gpt, t, &parallel, recompute);
+            first_loss.insert(what, l[0].to_bits());
+            let what = format!("t {t}: {what}");
             report(&what, &l, &losses, &p, &params);
             losses_close_f32(&what, &l, &losses, 1e-5);
             tensors_close(&what, &p, &params, PARAM_TOL);
+        }
+        // The all-gather visits the blocks in the ring's order: the same forward, bit for bit.
+        if let (Some(ring), Some(gather)) = (
+            first_loss.get("cp 4 balanced ring"),
+            first_loss.get("cp 4 balanced allgather"),
+        ) {
+            assert_eq!(
+                ring, gather,
+                "t {t}: the ring's and the all-gather's first loss"
+            );
         }
     }
 }

@@ -162,7 +162,8 @@ fn sharded_runs_match_one_rank() {
 /// `--cp 2` (balanced layout, ring attention), `--cp 4 --cp-layout plain --cp-rotate
 /// allgather` and `--dp 2 --cp 2 --fsdp full` follow the one-rank run step by step — training
 /// and validation losses, gradient norms, every parameter — and FSDP shards over dp × cp: the
-/// estimate's parameter, gradient and optimizer bytes are the accounting's.
+/// estimate's parameter, gradient and optimizer bytes are the accounting's. A block that does
+/// not split into the layout's chunks, and attention dropout, are refused before any work.
 #[test]
 fn context_parallel_runs_match_one_rank() {
     use wildfire::parallel::{CpLayout, CpRotate};
@@ -204,6 +205,34 @@ fn context_parallel_runs_match_one_rank() {
             "{what}"
         );
     }
+    // Refused before any work, each a typed configuration error: a block that does not split
+    // into 2·cp chunks, and attention dropout (its composed attention is not split).
+    let refused = |parallel: ParallelConfig, dropout: f64| {
+        let config = PretrainConfig {
+            parallel,
+            model: ModelFlags {
+                dropout,
+                ..base.model.clone()
+            },
+            ..base.clone()
+        };
+        match run(&config) {
+            Err(PretrainError::Config(msg)) => msg,
+            other => panic!("not refused: {other:?}"),
+        }
+    };
+    let three = ParallelConfig {
+        cp: 3,
+        ..ParallelConfig::default()
+    };
+    let e = refused(three, 0.0);
+    assert!(e.contains("--cp 3") && e.contains("multiple of 6"), "{e}");
+    let two = ParallelConfig {
+        cp: 2,
+        ..ParallelConfig::default()
+    };
+    let e = refused(two, 0.1);
+    assert!(e.contains("--dropout 0.1"), "{e}");
 }
 
 /// MFU counts every rank's device: dp 2 × tp 2 is four (it divided by dp alone).
