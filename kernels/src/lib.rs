@@ -39,7 +39,7 @@ pub mod flex;
 pub mod fusion;
 pub mod hooks;
 pub mod ops;
-mod packed;
+pub mod packed;
 pub mod reference;
 
 use burn::tensor::backend::Backend;

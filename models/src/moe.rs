@@ -110,10 +110,16 @@ impl MoeConfig {
     /// Each expert's capacity for a batch of `n` tokens: `⌈c · n · k / E⌉`, or `n·k` (every
     /// assignment) when dropless.
     pub fn capacity(&self, n: usize) -> usize {
-        match self.capacity_factor {
-            Some(c) => (c * (n * self.top_k) as f64 / self.experts as f64).ceil() as usize,
-            None => n * self.top_k,
-        }
+        capacity(self.capacity_factor, n, self.top_k, self.experts)
+    }
+}
+
+/// Each of `experts` experts' capacity for `n` tokens routed to `k` each: `⌈c · n · k / E⌉` with
+/// a capacity factor `c`, every assignment (`n·k`) without one.
+fn capacity(factor: Option<f64>, n: usize, k: usize, experts: usize) -> usize {
+    match factor {
+        Some(c) => (c * (n * k) as f64 / experts as f64).ceil() as usize,
+        None => n * k,
     }
 }
 
@@ -249,14 +255,14 @@ impl<B: FusedOps> MoeMlp<B> {
     }
 
     /// Each expert's capacity for `n` tokens.
-    fn capacity(&self, n: usize) -> usize {
-        let config = MoeConfig {
-            experts: self.experts.len(),
-            top_k: self.top_k,
-            capacity_factor: (self.capacity_factor > 0.0).then_some(self.capacity_factor),
-            ..MoeConfig::default()
-        };
-        config.capacity(n)
+    /// The router's scores of `n` flattened tokens `[n, d]` and where they go.
+    fn route(&self, flat: Tensor<B, 2>) -> (Scores<B>, Routing) {
+        let n = flat.dims()[0];
+        let (k, e) = (self.top_k, self.experts.len());
+        let factor = (self.capacity_factor > 0.0).then_some(self.capacity_factor);
+        let s = self.scores(flat);
+        let routing = Routing::new(&s.chosen, n, k, e, capacity(factor, n, k, e));
+        (s, routing)
     }
 
     fn scores(&self, x: Tensor<B, 2>) -> Scores<B> {
@@ -312,14 +318,7 @@ impl<B: FusedOps> MoeMlp<B> {
         let n = b * t;
         let flat = x.reshape([n, d]);
         let device = flat.device();
-        let s = self.scores(flat.clone());
-        let routing = Routing::new(
-            &s.chosen,
-            n,
-            self.top_k,
-            self.experts.len(),
-            self.capacity(n),
-        );
+        let (s, routing) = self.route(flat.clone());
         let mut out = self.shared_output(flat.clone());
         for (expert, assigned) in self.experts.iter().zip(&routing.assignments) {
             if assigned.is_empty() {
@@ -370,8 +369,7 @@ impl<B: FusedOps> MoeMlp<B> {
         let (n, k, e) = (b * t, self.top_k, self.experts.len());
         let flat = x.reshape([n, d]);
         let device = flat.device();
-        let s = self.scores(flat.clone());
-        let routing = Routing::new(&s.chosen, n, k, e, self.capacity(n));
+        let (s, routing) = self.route(flat.clone());
         let mut keep = vec![0f32; n * k];
         for assigned in &routing.assignments {
             for &(row, slot) in assigned {

@@ -42,16 +42,10 @@ pub fn context_ranges<B: burn::tensor::backend::Backend>(
     device: &crate::DistDevice<B>,
     t: usize,
 ) -> Result<Vec<std::ops::Range<usize>>, Error> {
-    let Some(c) = device.context().with_policy(|p| p.context) else {
-        return Ok(std::iter::once(0..t).collect());
-    };
-    let mesh = device.mesh();
-    let cp = mesh.axis_size(c.axis);
-    if cp == 1 {
-        return Ok(std::iter::once(0..t).collect());
+    match crate::backend::Context::of(device) {
+        Some(ctx) => ctx.ranges(t),
+        None => Ok(std::iter::once(0..t).collect()),
     }
-    c.layout
-        .ranges(cp, mesh.group_index(device.rank(), c.axis), t)
 }
 
 /// The columns of `x` (`[rows, t]`: token ids or targets) that the rank of `x`'s device holds

@@ -68,7 +68,7 @@ enum Block {
 
 impl Context {
     /// `device`'s context-parallel group, when its policy has one of two or more members.
-    pub(crate) fn of<B: FusedOps>(device: &DistDevice<B>) -> Option<Self> {
+    pub(crate) fn of<B: burn_backend::Backend>(device: &DistDevice<B>) -> Option<Self> {
         let c = device.ctx.with_policy(|p| p.context)?;
         let mesh = device.mesh();
         let cp = mesh.axis_size(c.axis);
@@ -85,6 +85,12 @@ impl Context {
     /// The global positions of this member's `len` sequence positions.
     pub(crate) fn positions(&self, len: usize) -> Vec<usize> {
         self.layout.positions(self.cp, self.index, len)
+    }
+
+    /// The ranges of a sequence of `t` positions this member holds, in its order
+    /// ([`CpLayout::ranges`]).
+    pub(crate) fn ranges(&self, t: usize) -> Result<Vec<std::ops::Range<usize>>, crate::Error> {
+        self.layout.ranges(self.cp, self.index, t)
     }
 
     /// The chunks member `member` holds.

@@ -30,7 +30,7 @@ use burn_backend::tensor::IntTensor;
 use burn_backend::{FloatDType, TensorMetadata};
 use wildfire_kernels::{
     AttentionGrads, AttentionOutput, CrossEntropyOutput, FusedOps, LayerNormGrads, LayerNormOutput,
-    RmsNormOutput, reference,
+    RmsNormOutput, packed, reference,
 };
 
 type Dt<B> = DTensor<B>;
@@ -602,16 +602,6 @@ fn gelu_operands<B: FusedOps>(
     (x, bias)
 }
 
-/// Packed projections `[b, t, h, 3·hd]` as separate heads `[b, h, t, hd]` each.
-fn unpack<B: FusedOps>(qkv: B::FloatTensorPrimitive) -> [B::FloatTensorPrimitive; 3] {
-    let hd = qkv.shape()[3] / 3;
-    [0, 1, 2].map(|i| {
-        let mut slices = vec![burn_backend::Slice::full(); 4];
-        slices[3] = burn_backend::Slice::from(i * hd..(i + 1) * hd);
-        B::float_swap_dims(B::float_slice(qkv.clone(), &slices), 1, 2)
-    })
-}
-
 /// Context-parallel attention ([`context::attention`]) on packed projections: output
 /// `[b, t, h, hd]` and log-sum-exp `[b, t, h]`, as [`FusedOps::fused_attention_qkv`] gives them.
 fn packed_context<B: FusedOps>(
@@ -621,11 +611,11 @@ fn packed_context<B: FusedOps>(
     scale: f64,
     causal: bool,
 ) -> AttentionOutput<B> {
-    let [q, k, v] = unpack::<B>(qkv);
+    let [q, k, v] = packed::split::<B>(qkv);
     let out = context::attention(ctx, device, q, k, v, scale, causal);
     AttentionOutput {
-        output: B::float_swap_dims(out.output, 1, 2),
-        lse: B::float_swap_dims(out.lse, 1, 2),
+        output: packed::swap_heads::<B, 4>(out.output),
+        lse: packed::swap_heads::<B, 3>(out.lse),
     }
 }
 
@@ -635,13 +625,16 @@ fn packed_context_backward<B: FusedOps>(
     ctx: &Context,
     device: &crate::DistDevice<B>,
     qkv: B::FloatTensorPrimitive,
-    saved: [B::FloatTensorPrimitive; 3],
+    [o, lse, d_o]: [B::FloatTensorPrimitive; 3],
     scale: f64,
     causal: bool,
 ) -> B::FloatTensorPrimitive {
-    let [q, k, v] = unpack::<B>(qkv);
-    let [o, lse, d_o] = saved.map(|x| B::float_swap_dims(x, 1, 2));
+    let [q, k, v] = packed::split::<B>(qkv);
+    let (o, lse, d_o) = (
+        packed::swap_heads::<B, 4>(o),
+        packed::swap_heads::<B, 3>(lse),
+        packed::swap_heads::<B, 4>(d_o),
+    );
     let g = context::attention_backward(ctx, device, q, k, v, o, lse, d_o, scale, causal);
-    let parts = [g.q, g.k, g.v].map(|x| B::float_swap_dims(x, 1, 2));
-    B::float_cat(parts.into(), 3)
+    packed::join::<B>([g.q, g.k, g.v])
 }

@@ -470,11 +470,18 @@ impl PointToPoint for InProcessCommunicator {
         drop(queue);
         // The modelled link between the two ranks (the mesh axis they differ on): the message
         // arrives no sooner than it would over it.
-        let mesh = self.member.mesh();
-        let (a, b) = (mesh.coords(from), mesh.coords(self.rank()));
-        let axis = (0..a.len()).find(|&i| a[i] != b[i]);
-        let label = axis.map_or("p2p", |i| mesh.axis(i).name.as_str());
-        let link = self.world.links.read().unwrap().for_group(label).copied();
+        let link = {
+            let links = self.world.links.read().unwrap();
+            let mesh = self.member.mesh();
+            let label = || {
+                let (a, b) = (mesh.coords(from), mesh.coords(self.rank()));
+                let axis = (0..a.len()).find(|&i| a[i] != b[i]);
+                axis.map_or("p2p", |i| mesh.axis(i).name.as_str())
+            };
+            (!links.is_empty())
+                .then(|| links.for_group(label()).copied())
+                .flatten()
+        };
         if let Some(link) = link {
             let bytes = data.bytes.len() as u64;
             wait_until(sent + link.collective_time(CollectiveKind::Recv, 2, bytes));

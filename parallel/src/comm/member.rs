@@ -79,16 +79,30 @@ impl Member {
 
     /// Record the compute region `name`, from `start` to now (nothing unless tracing).
     pub fn trace_region(&self, name: &str, start: Instant) {
+        self.trace_span(name, None, start, start, "", 0);
+    }
+
+    /// Records in the trace, when it is on, a span `name` issued at `issued` and run from
+    /// `started` to now.
+    fn trace_span(
+        &self,
+        name: &str,
+        kind: Option<CollectiveKind>,
+        issued: Instant,
+        started: Instant,
+        group: &str,
+        bytes: u64,
+    ) {
         let end = Instant::now();
         if let Some(trace) = lock(&self.trace).as_mut() {
             trace.push(TraceEvent {
                 name: name.into(),
-                kind: None,
-                start_us: micros(start),
-                dur_us: micros(end) - micros(start),
-                issued_us: micros(start),
-                group: String::new(),
-                bytes: 0,
+                kind,
+                start_us: micros(started),
+                dur_us: micros(end) - micros(started),
+                issued_us: micros(issued),
+                group: group.into(),
+                bytes,
             });
         }
     }
@@ -133,35 +147,17 @@ impl Member {
         let label = call.group().label(&self.mesh).unwrap_or("?");
         let bytes = call.counted_bytes(result) as u64;
         lock(&self.stats).record(call.kind(), label, bytes);
-        if let (Some((issued, started)), Some(trace)) = (times, lock(&self.trace).as_mut()) {
-            let (start, end) = (micros(started), micros(Instant::now()));
-            trace.push(TraceEvent {
-                name: format!("{:?}", call.kind()),
-                kind: Some(call.kind()),
-                start_us: start,
-                dur_us: end - start,
-                issued_us: micros(issued),
-                group: label.to_string(),
-                bytes,
-            });
+        if let Some((issued, started)) = times {
+            let name = format!("{:?}", call.kind());
+            self.trace_span(&name, Some(call.kind()), issued, started, label, bytes);
         }
     }
 
     /// Records a point-to-point exchange ([`super::CommQueue::issue_exchange`]) in the trace,
     /// when it is on: issued at `issued`, run from `started` to now, `bytes` received.
     pub(crate) fn trace_exchange(&self, issued: Instant, started: Instant, bytes: u64) {
-        if let Some(trace) = lock(&self.trace).as_mut() {
-            let (start, end) = (micros(started), micros(Instant::now()));
-            trace.push(TraceEvent {
-                name: "SendRecv".into(),
-                kind: Some(CollectiveKind::Recv),
-                start_us: start,
-                dur_us: end - start,
-                issued_us: micros(issued),
-                group: "p2p".into(),
-                bytes,
-            });
-        }
+        let kind = Some(CollectiveKind::Recv);
+        self.trace_span("SendRecv", kind, issued, started, "p2p", bytes);
     }
 
     /// Records a point-to-point message of `bytes`.
