@@ -48,6 +48,105 @@ pub struct StepMetrics {
     /// Validation loss, on evaluation steps.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f32>,
+    /// What the mixture-of-experts routers did, over every rank (a mixture-of-experts model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router: Option<RouterMetrics>,
+}
+
+/// One step's mixture-of-experts routing over the whole mesh ([`router_over_ranks`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct RouterMetrics {
+    /// The auxiliary losses (load balance and z-loss, times their coefficients) summed over the
+    /// blocks, the mean over the data-parallel ranks.
+    pub aux_loss: f32,
+    /// The mixture-of-experts blocks, by index in the model.
+    pub layers: Vec<usize>,
+    /// Per block, the assignments (token, choice) each expert received over the global batch,
+    /// before capacity.
+    pub tokens_per_expert: Vec<Vec<u64>>,
+    /// Per block, the assignments dropped for capacity.
+    pub dropped: Vec<u64>,
+}
+
+impl RouterMetrics {
+    /// The share of all assignments that were dropped.
+    pub fn dropped_share(&self) -> f64 {
+        let total: u64 = self.tokens_per_expert.iter().flatten().sum();
+        self.dropped.iter().sum::<u64>() as f64 / total.max(1) as f64
+    }
+
+    /// The busiest expert's load over the mean (1: perfectly balanced), the worst block's.
+    pub fn max_load(&self) -> f64 {
+        self.tokens_per_expert
+            .iter()
+            .map(|counts| {
+                let mean = counts.iter().sum::<u64>() as f64 / counts.len().max(1) as f64;
+                counts.iter().copied().max().unwrap_or(0) as f64 / mean.max(f64::MIN_POSITIVE)
+            })
+            .fold(0.0, f64::max)
+    }
+}
+
+/// A step's routing over every rank (a collective: every rank calls it, `record` `None` where it
+/// holds no mixture-of-experts block — a pipeline stage without one): the counts of the
+/// `layers` blocks of `experts` experts summed over the data ranks (tensor-parallel peers route
+/// the same tokens, counted once), the auxiliary loss averaged over them (each block's held by
+/// the ranks of its pipeline stage). `None` without any mixture-of-experts block.
+pub fn router_over_ranks(
+    ctx: &wildfire_parallel::RankContext,
+    record: Option<&crate::RouterRecord>,
+    layers: &[usize],
+    experts: usize,
+) -> Result<Option<RouterMetrics>, wildfire_parallel::Error> {
+    use wildfire_parallel::{Group, ReduceOp};
+    if layers.is_empty() {
+        return Ok(None);
+    }
+    // [aux, then per block: routed per expert, dropped; ranks that hold a record].
+    let width = experts + 1;
+    let len = 2 + layers.len() * width;
+    let mut v = vec![0f64; len];
+    if let Some(r) = record {
+        v[0] = r.aux_loss as f64;
+        v[len - 1] = 1.0;
+        for (layer, routing) in &r.layers {
+            let Some(i) = layers.iter().position(|l| l == layer) else {
+                continue;
+            };
+            let at = 1 + i * width;
+            for (slot, &c) in v[at..at + experts].iter_mut().zip(&routing.routed) {
+                *slot = c as f64;
+            }
+            v[at + experts] = routing.dropped as f64;
+        }
+    }
+    let mesh = ctx.mesh();
+    let size_of = |name: &str| mesh.axis_index(name).map_or(1, |a| mesh.axis_size(a));
+    let (world, tp, pp) = (mesh.world_size(), size_of("tp"), size_of("pp"));
+    if world > 1 {
+        let data = burn::tensor::TensorData::new(v, [len]);
+        v = ctx
+            .comm()
+            .all_reduce(Group::World, data, ReduceOp::Sum)?
+            .to_vec::<f64>()
+            .expect("f64");
+    }
+    if v[len - 1] == 0.0 {
+        // No rank recorded its routing (the pipeline's stages do not yet).
+        return Ok(None);
+    }
+    let counts = |x: f64| (x / tp as f64).round() as u64;
+    let block = |i: usize| &v[1 + i * width..1 + (i + 1) * width];
+    Ok(Some(RouterMetrics {
+        aux_loss: (v[0] * pp as f64 / world as f64) as f32,
+        layers: layers.to_vec(),
+        tokens_per_expert: (0..layers.len())
+            .map(|i| block(i)[..experts].iter().map(|&c| counts(c)).collect())
+            .collect(),
+        dropped: (0..layers.len())
+            .map(|i| counts(block(i)[experts]))
+            .collect(),
+    }))
 }
 
 impl StepMetrics {
@@ -58,8 +157,16 @@ impl StepMetrics {
         let val = self
             .val_loss
             .map_or(String::new(), |v| format!(" | val_loss {v:.4}"));
+        let router = self.router.as_ref().map_or(String::new(), |r| {
+            format!(
+                " | moe aux {:.4} max_load {:.2} dropped {:.1}%",
+                r.aux_loss,
+                r.max_load(),
+                100.0 * r.dropped_share()
+            )
+        });
         format!(
-            "step {} | loss {:.4} | lr {:.2e} | grad_norm {:.3} | tok/s {:.0}{mfu} | scale {}{val}",
+            "step {} | loss {:.4} | lr {:.2e} | grad_norm {:.3} | tok/s {:.0}{mfu} | scale {}{router}{val}",
             self.step, self.loss, self.lr, self.grad_norm, self.tokens_per_s, self.loss_scale
         )
     }
@@ -114,6 +221,7 @@ impl StepWatch {
             comm_bytes: stats.total_bytes(),
             p2p_sent_bytes: stats.bytes(wildfire_parallel::CollectiveKind::Send),
             val_loss: None,
+            router: None,
         };
         (metrics, elapsed)
     }

@@ -133,7 +133,11 @@ impl StepRunner {
         });
         let recomputers: Recomputers<X> = RefCell::default();
         let run_forward = |chunk: &M, stage: usize, mb: usize, input| {
-            let mut ckpt = Recomputer::<Ad<X>>::new(policy, seeds[mb]);
+            // Backward starts from the loss over the micro-batches times the loss scale; the
+            // stage's auxiliary losses get the same weight.
+            let weight = scale as f64 / schedule.microbatches() as f64;
+            let mut ckpt =
+                Recomputer::<Ad<X>>::new(policy, seeds[mb]).with_objective_weight(weight);
             if let Some(fence) = &fence {
                 let fence = fence.clone();
                 ckpt = ckpt.with_fence(move || fence());

@@ -41,6 +41,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use std::cell::RefCell;
 use wildfire_kernels::FusedOps;
+use wildfire_kernels::hooks::Routing;
 use wildfire_parallel::Error;
 use wildfire_parallel::internal::RecomputeScope;
 
@@ -273,6 +274,24 @@ pub struct Recomputer<'a, B: Backend> {
     handle: Option<HandleFn<B>>,
     regions: RefCell<Vec<Region<'a, B>>>,
     fence: Option<Fence<'a>>,
+    /// The factor backward's root carries (loss scale over micro-batches): auxiliary losses
+    /// are weighted by it.
+    objective_weight: f64,
+    /// Per block, its auxiliary loss (detached) and routing, as the last forward of the block
+    /// gave them (a recomputed block's replay writes the same values again).
+    auxiliary: RefCell<std::collections::BTreeMap<usize, (Tensor<B, 1>, Routing)>>,
+}
+
+/// One block's auxiliary loss (detached, already times its coefficients) and what its router
+/// did, from one forward ([`Recomputer::auxiliary`]).
+#[derive(Clone, Debug)]
+pub struct Auxiliary<B: Backend> {
+    /// The block.
+    pub layer: usize,
+    /// Its auxiliary loss, `[1]`.
+    pub loss: Tensor<B, 1>,
+    /// Its router's counts.
+    pub routing: Routing,
 }
 
 impl<'a, X: FusedOps, C: CheckpointStrategy> Recomputer<'a, Autodiff<X, C>> {
@@ -287,6 +306,8 @@ impl<'a, X: FusedOps, C: CheckpointStrategy> Recomputer<'a, Autodiff<X, C>> {
             handle: Some(grad_handle::<X, C>),
             regions: RefCell::new(Vec::new()),
             fence: None,
+            objective_weight: 1.0,
+            auxiliary: RefCell::default(),
         }
     }
 }
@@ -302,7 +323,31 @@ impl<'a, B: Backend> Recomputer<'a, B> {
             handle: None,
             regions: RefCell::new(Vec::new()),
             fence: None,
+            objective_weight: 1.0,
+            auxiliary: RefCell::default(),
         }
+    }
+
+    /// Backward starts from the loss times `weight` (the loss scale over the micro-batches):
+    /// auxiliary losses get the same weight
+    /// ([`ForwardHooks::auxiliary_loss`](wildfire_kernels::hooks::ForwardHooks::auxiliary_loss)).
+    /// 1 by default.
+    pub fn with_objective_weight(mut self, weight: f64) -> Self {
+        self.objective_weight = weight;
+        self
+    }
+
+    /// The auxiliary losses and routing of the forward so far, by block, taken (empty for a
+    /// dense model).
+    pub fn auxiliary(&self) -> Vec<Auxiliary<B>> {
+        std::mem::take(&mut *self.auxiliary.borrow_mut())
+            .into_iter()
+            .map(|(layer, (loss, routing))| Auxiliary {
+                layer,
+                loss,
+                routing,
+            })
+            .collect()
     }
 
     /// The policy.
@@ -546,6 +591,24 @@ impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recompute
             Some(op) => op(q, k, v, &spec, self.policy == Recompute::Selective),
             None => attention_reference(q, k, v, &spec),
         }
+    }
+
+    /// While training: `x` carrying `aux` into backward with the objective's weight, `aux`
+    /// (detached) and `routing` kept for the step's record ([`Recomputer::auxiliary`]).
+    fn auxiliary_loss(
+        &self,
+        layer: usize,
+        x: Tensor<B, 3>,
+        aux: Tensor<B, 1>,
+        routing: Routing,
+    ) -> Tensor<B, 3> {
+        if !self.training {
+            return x;
+        }
+        self.auxiliary
+            .borrow_mut()
+            .insert(layer, (aux.clone().detach(), routing));
+        wildfire_kernels::ops::with_auxiliary_loss(x, aux, self.objective_weight)
     }
 
     /// Inverted dropout with probability `p` at `(layer, site)` while training; identity otherwise.

@@ -50,7 +50,7 @@ impl Default for StepRunnerConfig {
 }
 
 /// What one step did (this rank's view; the norm and the decision agree on every rank).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct StepRecord {
     /// This rank's loss, the mean over its micro-batches.
     pub loss: f32,
@@ -62,6 +62,20 @@ pub struct StepRecord {
     pub skipped: bool,
     /// This rank's gradient bytes after synchronisation (its shards).
     pub grad_bytes: u64,
+    /// What the mixture-of-experts routers did on this rank (`None` for a dense model).
+    pub router: Option<RouterRecord>,
+}
+
+/// What a step's mixture-of-experts routers did on one rank: the auxiliary losses and, per
+/// block, the counts of its routing, over the step's micro-batches.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RouterRecord {
+    /// The blocks' auxiliary losses (times their coefficients) summed, the mean over the
+    /// micro-batches.
+    pub aux_loss: f32,
+    /// Per mixture-of-experts block (by index in the model), its counts summed over the
+    /// micro-batches.
+    pub layers: Vec<(usize, wildfire_kernels::hooks::Routing)>,
 }
 
 /// The training step (see the module docs). Holds the loss scaler, whose state belongs in
@@ -139,18 +153,21 @@ impl StepRunner {
         // flag and Σg² on the fused tail): reading it per micro-batch would wait for each
         // forward before its backward is queued.
         let mut device_loss: Option<Tensor<Distributed<X>, 1>> = None;
+        let mut routers = Routers::<X>::default();
         for (i, &seed) in seeds.iter().enumerate() {
             // Each micro-batch's graph on leaves of its own: an earlier backward reached the
             // parameters, and the regions a micro-batch records outlive its main backward (see
             // `fresh_leaves`). The same values and ids: no copy.
             let leaves = wildfire_parallel::fresh_leaves(model.clone());
-            let ckpt = Recomputer::<Ad<X>>::new(self.config.recompute, seed).with_fence(|| {
-                // Keep the ranks' backward passes apart (see `sync_gradients`).
-                if ctx.world_size() > 1 {
-                    ctx.comm().barrier(Group::World)?;
-                }
-                Ok(())
-            });
+            let ckpt = Recomputer::<Ad<X>>::new(self.config.recompute, seed)
+                .with_objective_weight(scale as f64 / accum as f64)
+                .with_fence(|| {
+                    // Keep the ranks' backward passes apart (see `sync_gradients`).
+                    if ctx.world_size() > 1 {
+                        ctx.comm().barrier(Group::World)?;
+                    }
+                    Ok(())
+                });
             // Scale, backward (with the recomputed regions). Regions go into the rank's trace
             // when it is on (`Member::set_tracing`).
             let started = Instant::now();
@@ -168,6 +185,7 @@ impl StepRunner {
             };
             let started = Instant::now();
             let grads = ckpt.backward(micro, &leaves);
+            routers.add(ckpt.auxiliary(), accum);
             drop(ckpt);
             ctx.comm().member().trace_region("backward", started);
             let grads = grads.inspect_err(|_| ctx.set_no_sync(false))?;
@@ -205,7 +223,7 @@ impl StepRunner {
             }
         };
         ctx.comm().member().trace_region("sync and check", started);
-        let (mut models, record) = self.conclude(
+        let (mut models, mut record) = self.conclude(
             device,
             vec![model],
             vec![grads],
@@ -215,6 +233,7 @@ impl StepRunner {
             scale,
             local_loss,
         )?;
+        record.router = routers.record()?;
         Ok((models.pop().expect("one model"), record))
     }
 
@@ -291,8 +310,55 @@ impl StepRunner {
                 loss_scale: scale,
                 skipped,
                 grad_bytes,
+                router: None,
             },
         ))
+    }
+}
+
+/// A step's auxiliary losses (on the device until the step's end) and routing counts, over its
+/// micro-batches.
+pub(crate) struct Routers<X: Backend> {
+    aux: Option<Tensor<Distributed<X>, 1>>,
+    layers: std::collections::BTreeMap<usize, wildfire_kernels::hooks::Routing>,
+}
+
+impl<X: Backend> Default for Routers<X> {
+    fn default() -> Self {
+        Self {
+            aux: None,
+            layers: Default::default(),
+        }
+    }
+}
+
+impl<X: wildfire_kernels::FusedOps> Routers<X> {
+    /// One micro-batch's (of `accum`).
+    pub(crate) fn add(&mut self, auxiliary: Vec<crate::recompute::Auxiliary<Ad<X>>>, accum: usize) {
+        for a in auxiliary {
+            let loss = a.loss.inner().div_scalar(accum as f64);
+            self.aux = Some(match self.aux.take() {
+                Some(sum) => sum + loss,
+                None => loss,
+            });
+            self.layers.entry(a.layer).or_default().add(&a.routing);
+        }
+    }
+
+    /// The record (one host read of the summed loss), `None` for a dense model.
+    pub(crate) fn record(self) -> Result<Option<RouterRecord>, Error> {
+        let Some(aux) = self.aux else {
+            return Ok(None);
+        };
+        let full = dtensor(&aux).full()?;
+        let aux_loss: f32 =
+            Tensor::<X, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(full))
+                .into_scalar()
+                .elem();
+        Ok(Some(RouterRecord {
+            aux_loss,
+            layers: self.layers.into_iter().collect(),
+        }))
     }
 }
 

@@ -215,6 +215,29 @@ impl<B: FusedOps> Backward<B, 1> for AttentionQkvOp {
     }
 }
 
+/// `x` carrying an auxiliary loss: its gradient passes through, the loss's is the weight.
+#[derive(Debug)]
+struct AuxiliaryLossOp {
+    weight: f64,
+}
+
+impl<B: FusedOps> Backward<B, 2> for AuxiliaryLossOp {
+    /// The auxiliary loss's shape and dtype.
+    type State = (burn::tensor::Shape, burn::tensor::DType);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let [px, paux] = &ops.parents;
+        if let Some(node) = paux {
+            let (shape, dtype) = ops.state;
+            let device = B::float_device(&dy);
+            let weight = B::float_full(shape, self.weight.into(), &device, dtype.into());
+            grads.register::<B>(node.id, weight);
+        }
+        register!(B, grads, px, dy);
+    }
+}
+
 /// An untracked autodiff tensor (the per-row statistics handed back to callers).
 fn constant<B: FusedOps, C: CheckpointStrategy>(x: FloatTensor<B>) -> FloatTensor<Autodiff<B, C>> {
     <Autodiff<B, C> as burn::tensor::backend::AutodiffBackend>::from_inner(x)
@@ -225,6 +248,23 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
 
     fn sequence_positions(device: &burn::tensor::Device<Self>, len: usize) -> Vec<usize> {
         B::sequence_positions(device, len)
+    }
+
+    fn with_auxiliary_loss(
+        x: FloatTensor<Self>,
+        aux: FloatTensor<Self>,
+        weight: f64,
+    ) -> FloatTensor<Self> {
+        use burn::tensor::TensorMetadata;
+        let state = (aux.primitive.shape(), aux.primitive.dtype());
+        match (AuxiliaryLossOp { weight })
+            .prepare::<C>([x.node, aux.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(state, x.primitive),
+            OpsKind::UnTracked(prep) => prep.finish(x.primitive),
+        }
     }
 
     fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -68,6 +68,22 @@ pub trait ForwardHooks<'a, B: FusedOps>: Sized {
         crate::ops::attention(q, k, v, scale, causal)
     }
 
+    /// Block `layer`'s output `x`, carrying the block's auxiliary loss `aux` (`[1]`, already
+    /// times its coefficients: a mixture of experts' load-balancing and z-losses) into backward,
+    /// weighted as the main loss is ([`FusedOps::with_auxiliary_loss`]), and what its router
+    /// did (`routing`). Evaluation and generation drop both: the loss they report is the
+    /// model's.
+    fn auxiliary_loss(
+        &self,
+        layer: usize,
+        x: Tensor<B, 3>,
+        aux: Tensor<B, 1>,
+        routing: Routing,
+    ) -> Tensor<B, 3> {
+        let _ = (layer, aux, routing);
+        x
+    }
+
     /// Inverted dropout with probability `p` at `(layer, site)` while training.
     fn dropout<const D: usize>(
         &self,
@@ -78,6 +94,34 @@ pub trait ForwardHooks<'a, B: FusedOps>: Sized {
     ) -> Tensor<B, D> {
         let _ = (layer, site, p);
         x
+    }
+}
+
+/// What a mixture-of-experts router did with one batch (summed over its rows).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Routing {
+    /// Assignments (token, choice) each expert received, before capacity.
+    pub routed: Vec<u64>,
+    /// Assignments each expert processed, after capacity.
+    pub kept: Vec<u64>,
+    /// Assignments dropped for capacity.
+    pub dropped: u64,
+}
+
+impl Routing {
+    /// `other`'s counts added to these (same experts; an empty record takes `other`'s).
+    pub fn add(&mut self, other: &Routing) {
+        if self.routed.is_empty() {
+            *self = other.clone();
+            return;
+        }
+        for (a, b) in self.routed.iter_mut().zip(&other.routed) {
+            *a += b;
+        }
+        for (a, b) in self.kept.iter_mut().zip(&other.kept) {
+            *a += b;
+        }
+        self.dropped += other.dropped;
     }
 }
 

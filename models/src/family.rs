@@ -26,6 +26,9 @@ pub enum Preset {
     /// Llama, 4 layers, 4 query heads over 2 key/value heads, width 128, context 128
     /// ([`LlamaConfig::tiny`]).
     LlamaTiny,
+    /// The tiny Llama with a mixture of 8 SwiGLU experts (width 192, top-2, softmax
+    /// renormalised, dropless) in every other block ([`LlamaConfig::tiny_moe`]).
+    LlamaMoeTiny,
     /// Llama-3.2-1B's shape, context 2048.
     Llama3_2_1b,
     /// Llama-3.2-3B's shape, context 2048.
@@ -35,7 +38,7 @@ pub enum Preset {
 }
 
 /// Every preset with its names (the first is the one printed).
-const NAMES: [(Preset, &[&str]); 10] = [
+const NAMES: [(Preset, &[&str]); 11] = [
     (Preset::Tiny, &["tiny", "gpt-tiny"]),
     (Preset::Small, &["small", "gpt-small"]),
     (Preset::Gpt2_124m, &["gpt2-124m", "gpt2"]),
@@ -43,6 +46,7 @@ const NAMES: [(Preset, &[&str]); 10] = [
     (Preset::Gpt2_774m, &["gpt2-774m", "gpt2-large"]),
     (Preset::Gpt2_1_5b, &["gpt2-1.5b", "gpt2-xl"]),
     (Preset::LlamaTiny, &["llama-tiny", "llama3-tiny"]),
+    (Preset::LlamaMoeTiny, &["llama-moe-tiny"]),
     (Preset::Llama3_2_1b, &["llama3-1b", "llama3.2-1b"]),
     (Preset::Llama3_2_3b, &["llama3-3b", "llama3.2-3b"]),
     (Preset::Llama3_8b, &["llama3-8b"]),
@@ -106,6 +110,7 @@ impl Preset {
     pub fn llama(self, vocab_size: usize) -> Option<LlamaConfig> {
         let config = match self {
             Preset::LlamaTiny => LlamaConfig::tiny(vocab_size),
+            Preset::LlamaMoeTiny => LlamaConfig::tiny_moe(vocab_size),
             Preset::Llama3_2_1b => LlamaConfig::llama3_2_1b(2048),
             Preset::Llama3_2_3b => LlamaConfig::llama3_2_3b(2048),
             Preset::Llama3_8b => LlamaConfig::llama3_8b(2048),
@@ -192,6 +197,21 @@ impl ModelConfig {
         match self {
             Self::Gpt(c) => c.validate(),
             Self::Llama(c) => c.validate(),
+        }
+    }
+
+    /// The mixture-of-experts blocks (by index) and their routed experts; none for a dense
+    /// model.
+    pub fn moe_blocks(&self) -> (Vec<usize>, usize) {
+        match self {
+            Self::Llama(c) => match &c.moe {
+                Some(m) => (
+                    (0..c.n_layer).filter(|&l| m.is_moe(l)).collect(),
+                    m.config.experts,
+                ),
+                None => (Vec::new(), 0),
+            },
+            Self::Gpt(_) => (Vec::new(), 0),
         }
     }
 

@@ -18,7 +18,7 @@ pub use error::Error;
 pub use family::{ModelConfig, Preset};
 pub use init::LayoutFn;
 pub use lm::{CausalLm, DistributedLm};
-pub use shape::{ModelFlags, padded_vocab};
+pub use shape::{ModelFlags, MoeFlags, padded_vocab};
 
 /// The largest absolute difference between `got` and `want` (of equal length), for the tests'
 /// comparisons with `transformers`' logits.

@@ -11,6 +11,7 @@
 use crate::CausalLm;
 use crate::Error;
 use crate::init::{LayoutFn, Place, Values};
+use crate::moe::{MoeConfig, MoeMlp};
 use burn::module::Param;
 use burn::nn::RmsNorm;
 use burn::prelude::*;
@@ -28,7 +29,7 @@ mod stage;
 
 pub use block::{LlamaAttention, LlamaBlock, SwiGlu};
 pub use parallel::{
-    init_llama, init_llama_stage, init_llama_stages, kv_replicated, llama_tp_plan,
+    Mlps, init_llama, init_llama_stage, init_llama_stages, kv_replicated, llama_tp_plan,
     parallelize_llama,
 };
 pub use rope::{Llama3Scaling, Rope, apply_rope};
@@ -64,6 +65,29 @@ pub struct LlamaConfig {
     /// Seed of the initial values.
     #[serde(default)]
     pub init_seed: u64,
+    /// Mixture-of-experts MLPs in some or all blocks (`None`: every block dense).
+    #[serde(default)]
+    pub moe: Option<LlamaMoe>,
+}
+
+/// Which of a Llama's blocks are mixtures of experts, and their experts (SwiGLU MLPs of the
+/// Llama family, routed as [`MoeConfig`] says).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LlamaMoe {
+    /// The router and experts.
+    pub config: MoeConfig,
+    /// Every `every`-th block is a mixture of experts: blocks `every − 1`, `2·every − 1`, …
+    /// (GShard's every other block at 2); 1: all of them.
+    pub every: usize,
+    /// Each expert's SwiGLU width (routed and shared).
+    pub expert_hidden: usize,
+}
+
+impl LlamaMoe {
+    /// Whether block `layer` is a mixture of experts.
+    pub fn is_moe(&self, layer: usize) -> bool {
+        self.every > 0 && layer % self.every == self.every - 1
+    }
 }
 
 /// Llama-3.1/3.2's rotary embedding: θ 500,000, scaled by `factor` from an 8,192-token
@@ -100,6 +124,21 @@ impl LlamaConfig {
             rms_eps: 1e-5,
             tie_embeddings: true,
             init_seed: 0,
+            moe: None,
+        }
+    }
+
+    /// [`LlamaConfig::tiny`] with a mixture of experts in every other block (blocks 1 and 3):
+    /// 8 SwiGLU experts of width 192, top-2 with renormalised softmax gates, dropless, Switch's
+    /// and ST-MoE's loss coefficients.
+    pub fn tiny_moe(vocab_size: usize) -> Self {
+        Self {
+            moe: Some(LlamaMoe {
+                config: MoeConfig::default(),
+                every: 2,
+                expert_hidden: 192,
+            }),
+            ..Self::tiny(vocab_size)
         }
     }
 
@@ -174,28 +213,82 @@ impl LlamaConfig {
         } else {
             None
         };
-        match problem {
-            Some(p) => Err(Error::Config(format!("a Llama with {p}"))),
-            None => Ok(()),
+        if let Some(p) = problem {
+            return Err(Error::Config(format!("a Llama with {p}")));
+        }
+        if let Some(moe) = &self.moe {
+            moe.config.check()?;
+            if moe.every == 0 || moe.every > self.n_layer {
+                return Err(Error::Config(format!(
+                    "--moe-every {} over {} blocks: choose 1 (every block) to {}",
+                    moe.every, self.n_layer, self.n_layer
+                )));
+            }
+            if moe.expert_hidden == 0 {
+                return Err(Error::Config("an expert hidden width of 0".into()));
+            }
+        }
+        Ok(())
+    }
+
+    /// The mixture-of-experts settings of block `layer`, if it is one.
+    pub fn moe_at(&self, layer: usize) -> Option<&LlamaMoe> {
+        self.moe.as_ref().filter(|m| m.is_moe(layer))
+    }
+
+    /// Parameter tensors of block `layer`: two norms, four attention projections, and three
+    /// per MLP (one dense, or the router, routed and shared experts).
+    pub fn block_tensors(&self, layer: usize) -> usize {
+        6 + match self.moe_at(layer) {
+            Some(m) => 1 + 3 * (m.config.experts + m.config.shared_experts),
+            None => 3,
+        }
+    }
+
+    /// Parameters of block `layer`'s MLP; with `active`, only those a token goes through (the
+    /// router, its `k` routed experts and the shared ones).
+    fn mlp_params(&self, layer: usize, active: bool) -> usize {
+        let d = self.d_model;
+        match self.moe_at(layer) {
+            Some(m) => {
+                let c = &m.config;
+                let routed = if active { c.top_k } else { c.experts };
+                d * c.experts + 3 * d * m.expert_hidden * (routed + c.shared_experts)
+            }
+            None => 3 * d * self.ffn_hidden,
         }
     }
 
     /// Parameters in the model (the tied head counted once).
     pub fn num_params(&self) -> usize {
+        self.params(false)
+    }
+
+    /// Parameters one token goes through: a mixture of experts' router, `k` routed and its
+    /// shared experts, not the other experts (the tied head counted once).
+    pub fn active_params(&self) -> usize {
+        self.params(true)
+    }
+
+    fn params(&self, active: bool) -> usize {
         let (d, kv) = (self.d_model, self.n_kv_head * self.head_dim());
-        let block = 2 * d * d + 2 * d * kv + 3 * d * self.ffn_hidden + 2 * d;
+        let attention = 2 * d * d + 2 * d * kv + 2 * d;
+        let blocks: usize = (0..self.n_layer)
+            .map(|l| attention + self.mlp_params(l, active))
+            .sum();
         let head = if self.tie_embeddings {
             0
         } else {
             self.vocab_size * d
         };
-        self.n_layer * block + self.vocab_size * d + d + head
+        blocks + self.vocab_size * d + d + head
     }
 
-    /// Training FLOPs per token for sequences of `seq` tokens: 6N + 12·L·d·T (N without the
-    /// token table when the head is tied: its lookup is not a matmul).
+    /// Training FLOPs per token for sequences of `seq` tokens: 6N + 12·L·d·T, N the parameters
+    /// a token goes through ([`LlamaConfig::active_params`]; without the token table when the
+    /// head is tied: its lookup is not a matmul).
     pub fn flops_per_token(&self, seq: usize) -> f64 {
-        let n = self.num_params()
+        let n = self.active_params()
             - if self.tie_embeddings {
                 0
             } else {
@@ -298,9 +391,17 @@ impl LlamaConfig {
                 .and_then(|v| v.as_bool())
                 .unwrap_or(false),
             init_seed: 0,
+            moe: None,
         };
         config.validate().map_err(|e| invalid(e.to_string()))?;
         Ok(config)
+    }
+
+    /// [`LlamaConfig::block_tensors`] of every block.
+    fn block_tensor_counts(&self) -> Vec<u64> {
+        (0..self.n_layer)
+            .map(|l| self.block_tensors(l) as u64)
+            .collect()
     }
 
     /// The model, every parameter drawn whole: normal(0, 0.02) linear weights and tables (as
@@ -340,9 +441,8 @@ impl LlamaConfig {
             stream: self.init_seed ^ (count as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
             std: 0.02,
         };
-        let mut linear = |path: String, d_in: usize, d_out: usize, count: usize| {
-            let path = format!("{path}.weight");
-            block::linear(place.tensor(&path, [d_in, d_out], normal(count)))
+        let mut tensor = |path: &str, shape: [usize; 2], count: usize| {
+            place.tensor(&format!("{path}.weight"), shape, normal(count))
         };
         let norm = || RmsNorm {
             gamma: Param::from_tensor(Tensor::ones([d], device)),
@@ -355,22 +455,60 @@ impl LlamaConfig {
                 let i = l - blocks.start;
                 let at = |s: &str| format!("layers.{i}.{s}");
                 let c = 7 * l;
+                let self_attn = LlamaAttention {
+                    q_proj: block::linear(tensor(&at("self_attn.q_proj"), [d, q], c + 1)),
+                    k_proj: block::linear(tensor(&at("self_attn.k_proj"), [d, kv], c + 2)),
+                    v_proj: block::linear(tensor(&at("self_attn.v_proj"), [d, kv], c + 3)),
+                    o_proj: block::linear(tensor(&at("self_attn.o_proj"), [q, d], c + 4)),
+                    n_head: self.n_head,
+                    n_kv_head: self.n_kv_head,
+                };
+                let (mlp, moe) = match self.moe_at(l) {
+                    None => (
+                        Some(SwiGlu {
+                            gate_proj: block::linear(tensor(
+                                &at("mlp.gate_proj"),
+                                [d, self.ffn_hidden],
+                                c + 5,
+                            )),
+                            up_proj: block::linear(tensor(
+                                &at("mlp.up_proj"),
+                                [d, self.ffn_hidden],
+                                c + 6,
+                            )),
+                            down_proj: block::linear(tensor(
+                                &at("mlp.down_proj"),
+                                [self.ffn_hidden, d],
+                                c + 7,
+                            )),
+                        }),
+                        None,
+                    ),
+                    Some(m) => {
+                        // The router takes the dense MLP's first stream; each expert
+                        // projection one of its own, past every dense stream.
+                        let mut expert = 0u64;
+                        let moe = MoeMlp::new(&m.config, d, m.expert_hidden, |name, shape| {
+                            let path = format!("layers.{i}.moe.{name}");
+                            let count = if name == "router" {
+                                c + 5
+                            } else {
+                                expert += 1;
+                                let n = (l as u64) << 24 | expert;
+                                (1usize << 40) + n as usize
+                            };
+                            tensor(&path, shape, count)
+                        })
+                        .expect("validated");
+                        (None, Some(moe))
+                    }
+                };
                 LlamaBlock {
                     input_layernorm: norm(),
-                    self_attn: LlamaAttention {
-                        q_proj: linear(at("self_attn.q_proj"), d, q, c + 1),
-                        k_proj: linear(at("self_attn.k_proj"), d, kv, c + 2),
-                        v_proj: linear(at("self_attn.v_proj"), d, kv, c + 3),
-                        o_proj: linear(at("self_attn.o_proj"), q, d, c + 4),
-                        n_head: self.n_head,
-                        n_kv_head: self.n_kv_head,
-                    },
+                    self_attn,
                     post_attention_layernorm: norm(),
-                    mlp: SwiGlu {
-                        gate_proj: linear(at("mlp.gate_proj"), d, self.ffn_hidden, c + 5),
-                        up_proj: linear(at("mlp.up_proj"), d, self.ffn_hidden, c + 6),
-                        down_proj: linear(at("mlp.down_proj"), self.ffn_hidden, d, c + 7),
-                    },
+                    mlp,
+                    moe,
                 }
             })
             .collect();
@@ -394,7 +532,7 @@ impl LlamaConfig {
             n_layer: self.n_layer,
             vocab_used: self.vocab_used.unwrap_or(vocab),
         }
-        .with_model_ids()
+        .with_model_ids(&self.block_tensor_counts())
     }
 }
 

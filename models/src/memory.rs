@@ -78,7 +78,7 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
     );
     let whole = |rows, cols| Local { rows, cols };
     let mut pieces = vec![whole(v / t, d)];
-    for _ in 0..model.n_layer {
+    for layer in 0..model.n_layer {
         pieces.extend([
             whole(d, 1), // input_layernorm γ
             whole(d, q / t),
@@ -86,10 +86,19 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
             whole(d, kv / kv_t),
             whole(q / t, d), // o_proj: row-parallel
             whole(d, 1),     // post_attention_layernorm γ
-            whole(d, f / t), // gate, up: column-parallel
-            whole(d, f / t),
-            whole(f / t, d), // down: row-parallel
         ]);
+        let swiglu = |f: usize| [whole(d, f / t), whole(d, f / t), whole(f / t, d)];
+        match model.moe_at(layer) {
+            // Gate, up: column-parallel; down: row-parallel.
+            None => pieces.extend(swiglu(f)),
+            // The router whole; every expert split as the dense MLP is.
+            Some(m) => {
+                pieces.push(whole(d, m.config.experts));
+                for _ in 0..m.config.experts + m.config.shared_experts {
+                    pieces.extend(swiglu(m.expert_hidden));
+                }
+            }
+        }
     }
     pieces.push(whole(d, 1)); // norm γ
     if !model.tie_embeddings {
@@ -252,12 +261,26 @@ pub fn llama_activation_bytes(
     // (elements in the compute dtype, elements of the f32 residual stream) per block.
     let stream = split(2 * s * b * h);
     let a = model.n_head;
-    let kept = (
-        split(2 * s * b * h + 2 * s * b)
-            + (2 * s * b * q + s * b * q + s * b * a + 3 * s * b * f) / t
-            + 2 * s * b * kv / kv_t,
-        stream,
-    );
+    // The MLP: a SwiGLU's gate, up and product; a mixture of experts' (dropless, k routed
+    // experts per token) router logits, scores and gate matrix, each token's k gathered inputs
+    // and gated outputs, and the SwiGLUs of its routed and shared experts.
+    let mlp = |i: usize| match model.moe_at(i) {
+        None => 3 * s * b * f / t,
+        Some(m) => {
+            let (k, e) = (m.config.top_k, m.config.experts);
+            let experts = k + m.config.shared_experts;
+            3 * s * b * e + 2 * k * s * b * h + 3 * experts * s * b * m.expert_hidden / t
+        }
+    };
+    let kept = |i: usize| {
+        (
+            split(2 * s * b * h + 2 * s * b)
+                + (2 * s * b * q + s * b * q + s * b * a) / t
+                + mlp(i)
+                + 2 * s * b * kv / kv_t,
+            stream,
+        )
+    };
     let input = (0, split(s * b * h));
     let blocks = (0..l)
         .map(|i| match parallel.recompute {
@@ -266,11 +289,12 @@ pub fn llama_activation_bytes(
             {
                 input
             }
-            _ => kept,
+            _ => kept(i),
         })
         .fold((0, 0), |(u, r), (du, dr)| (u + du, r + dr));
+    // One recomputed block's activations while it runs again: the largest.
     let transient = match parallel.recompute {
-        Recompute::Full | Recompute::EveryNth(_) => kept,
+        Recompute::Full | Recompute::EveryNth(_) => (0..l).map(kept).max().unwrap_or((0, 0)),
         _ => (0, 0),
     };
     let (compute, stream) = (blocks.0 + transient.0, blocks.1 + transient.1);

@@ -27,12 +27,13 @@ use burn::tensor::IndexingUpdateOp;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
 use wildfire_kernels::FusedOps;
+use wildfire_kernels::hooks::ForwardHooks;
 
 use crate::Error;
 use crate::llama::SwiGlu;
 
 /// How the router turns logits into scores.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum RouterScore {
     /// Softmax over the experts (Switch, GShard, Mixtral).
@@ -146,16 +147,8 @@ pub struct MoeMlp<B: Backend> {
     pub z_loss_coef: f64,
 }
 
-/// What routing did to one batch.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RouterStats {
-    /// Assignments each expert received (before capacity).
-    pub routed: Vec<usize>,
-    /// Assignments each expert processed (after capacity).
-    pub kept: Vec<usize>,
-    /// Assignments dropped for capacity.
-    pub dropped: usize,
-}
+/// What routing did to one batch: the trainer's hooks' record ([`Routing`](wildfire_kernels::hooks::Routing)).
+pub use wildfire_kernels::hooks::Routing as RouterStats;
 
 /// One batch's routing: per expert the rows it processes and which of each row's `k` choices
 /// that is, and the statistics.
@@ -215,7 +208,7 @@ struct Scores<B: Backend> {
     chosen: Vec<usize>,
 }
 
-impl<B: FusedOps> MoeMlp<B> {
+impl<B: Backend> MoeMlp<B> {
     /// A block of `config` over width `d`, experts of hidden width `ffn`, weights drawn from
     /// `init` (`init(name, [rows, cols])`, the names `router`, `experts.{e}.{gate,up,down}_proj`,
     /// `shared.{s}.…`).
@@ -253,8 +246,9 @@ impl<B: FusedOps> MoeMlp<B> {
             z_loss_coef: config.z_loss_coef,
         })
     }
+}
 
-    /// Each expert's capacity for `n` tokens.
+impl<B: FusedOps> MoeMlp<B> {
     /// The router's scores of `n` flattened tokens `[n, d]` and where they go.
     fn route(&self, flat: Tensor<B, 2>) -> (Scores<B>, Routing) {
         let n = flat.dims()[0];
@@ -348,6 +342,19 @@ impl<B: FusedOps> MoeMlp<B> {
             z_loss,
             stats: routing.stats,
         }
+    }
+
+    /// [`forward`](Self::forward) as block `layer` of a model: the output carries the routing
+    /// losses into backward and the statistics to the trainer ([`ForwardHooks::auxiliary_loss`]).
+    pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
+        &self,
+        layer: usize,
+        x: Tensor<B, 3>,
+        hooks: &H,
+    ) -> Tensor<B, 3> {
+        let out = self.forward(x);
+        let aux = out.aux_loss + out.z_loss;
+        hooks.auxiliary_loss(layer, out.output, aux, out.stats)
     }
 
     /// The shared experts' sum on every token (zeros without any), `[n, d]`.
@@ -543,7 +550,7 @@ mod tests {
         let x = Tensor::<A, 3>::from_data(TensorData::new(xs.clone(), [1, n, d]), &device);
         let out = m.forward(x);
         let w = m.router.weight.val().into_data().into_vec::<f32>().unwrap();
-        let (mut p, mut routed, mut z) = (vec![0f64; 3], vec![0usize; 3], 0f64);
+        let (mut p, mut routed, mut z) = (vec![0f64; 3], vec![0u64; 3], 0f64);
         for row in 0..n {
             let logits: Vec<f64> = (0..3)
                 .map(|e| {

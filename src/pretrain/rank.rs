@@ -6,7 +6,7 @@ use burn::optim::record::AdaptorRecord;
 use std::ops::Range;
 use wildfire_checkpoint::dcp::state_file;
 use wildfire_engine::StepRecord;
-use wildfire_engine::metrics::StepWatch;
+use wildfire_engine::metrics::{StepWatch, router_over_ranks};
 use wildfire_engine::recompute::mix_seed;
 use wildfire_engine::report::{MfuSpec, StepReporter};
 use wildfire_models::gpt::TokenSampler;
@@ -154,6 +154,8 @@ impl RankRun<'_> {
             let tokens = config.batch_size * self.data.model.block_size();
             let (mut m, elapsed) =
                 watch.finish(&ctx, step, lr, &record, trainee.param_bytes(), tokens);
+            let (moe_blocks, experts) = self.data.model.moe_blocks();
+            m.router = router_over_ranks(&ctx, record.router.as_ref(), &moe_blocks, experts)?;
             let (evaluate, save) = (due(config.eval_every), due(config.save_every));
             if evaluate && self.validates() {
                 m.val_loss = Some(trainee.evaluate(self, device)?);

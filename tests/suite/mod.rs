@@ -151,6 +151,7 @@ mod kernels;
 #[cfg(feature = "learner")]
 mod learner;
 mod llama;
+mod moe;
 mod optimizer_state;
 mod pretrain;
 mod recompute;

@@ -2,6 +2,7 @@
 //! residual connections around both, no biases.
 
 use super::rope::apply_rope;
+use crate::moe::MoeMlp;
 use burn::module::Param;
 use burn::nn::{Linear, RmsNorm};
 use burn::prelude::*;
@@ -18,8 +19,10 @@ pub struct LlamaBlock<B: Backend> {
     pub self_attn: LlamaAttention<B>,
     /// Norm before the MLP.
     pub post_attention_layernorm: RmsNorm<B>,
-    /// The SwiGLU MLP.
-    pub mlp: SwiGlu<B>,
+    /// The SwiGLU MLP of a dense block.
+    pub mlp: Option<SwiGlu<B>>,
+    /// The mixture of experts of a sparse block (instead of `mlp`).
+    pub moe: Option<MoeMlp<B>>,
 }
 
 /// Causal grouped-query self-attention: `n_head` query heads share `n_kv_head` key/value heads
@@ -135,9 +138,12 @@ impl<B: FusedOps> LlamaBlock<B> {
             hooks,
         );
         let x = x + h;
-        let h = self
-            .mlp
-            .forward(rms_norm(&self.post_attention_layernorm, x.clone()));
+        let h = rms_norm(&self.post_attention_layernorm, x.clone());
+        let h = match (&self.mlp, &self.moe) {
+            (Some(mlp), _) => mlp.forward(h),
+            (None, Some(moe)) => moe.forward_with(layer, h, hooks),
+            (None, None) => unreachable!("a block has a dense MLP or a mixture of experts"),
+        };
         x + h
     }
 }

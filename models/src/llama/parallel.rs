@@ -28,6 +28,7 @@ fn tp_plan(
     n_kv_head: usize,
     tp: usize,
     tables: bool,
+    mlps: Mlps,
 ) -> Result<Option<TpPlan>, Error> {
     if tp <= 1 {
         return Ok(None);
@@ -44,11 +45,44 @@ fn tp_plan(
             degrees.join(", ")
         )));
     }
-    Ok(Some(if tables {
-        llama_tp_plan(n_head, n_kv_head, tp)
-    } else {
-        llama_block_tp_plan(n_head, n_kv_head, tp)
-    }))
+    let blocks = llama_block_tp_plan(n_head, n_kv_head, tp, mlps);
+    Ok(Some(if tables { with_tables(blocks) } else { blocks }))
+}
+
+/// Which MLPs the blocks a plan covers have: dense ones, mixtures of experts (a rule that
+/// matches no parameter is refused, so each family's rules go in only where it is).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mlps {
+    /// Some block has a dense SwiGLU.
+    pub dense: bool,
+    /// Some block has a mixture of experts.
+    pub moe: bool,
+}
+
+impl Mlps {
+    /// The MLPs of `config`'s blocks `blocks`.
+    pub fn of(config: &LlamaConfig, blocks: Range<usize>) -> Self {
+        let (mut dense, mut moe) = (false, false);
+        for l in blocks {
+            match config.moe_at(l) {
+                Some(_) => moe = true,
+                None => dense = true,
+            }
+        }
+        Self { dense, moe }
+    }
+
+    /// The MLPs of `layers`.
+    fn in_layers<B: burn::prelude::Backend>(layers: &[super::LlamaBlock<B>]) -> Self {
+        Self {
+            dense: layers.iter().any(|l| l.mlp.is_some()),
+            moe: layers.iter().any(|l| l.moe.is_some()),
+        }
+    }
+}
+
+fn with_tables(plan: TpPlan) -> TpPlan {
+    plan.with("embed_tokens|lm_head", TpStyle::VocabParallel)
 }
 
 /// Llama's tensor-parallel plan (see the module docs) for a model of `n_head` query and
@@ -56,23 +90,39 @@ fn tp_plan(
 /// divides them (each rank then holds whole key/value heads and the query heads they serve),
 /// replicated when tp is a multiple of them ([`kv_replicated`]: only the query heads split, which
 /// tp must divide), refused otherwise.
-pub fn llama_tp_plan(n_head: usize, n_kv_head: usize, tp: usize) -> TpPlan {
-    llama_block_tp_plan(n_head, n_kv_head, tp).with("embed_tokens|lm_head", TpStyle::VocabParallel)
+/// `mlps` says which MLP rules go in: the dense SwiGLU's, and a mixture of experts' (every
+/// expert split as the dense MLP is, the router replicated).
+pub fn llama_tp_plan(n_head: usize, n_kv_head: usize, tp: usize, mlps: Mlps) -> TpPlan {
+    with_tables(llama_block_tp_plan(n_head, n_kv_head, tp, mlps))
 }
 
 /// [`llama_tp_plan`] for the blocks alone (a middle pipeline stage, without the tables).
-fn llama_block_tp_plan(n_head: usize, n_kv_head: usize, tp: usize) -> TpPlan {
+fn llama_block_tp_plan(n_head: usize, n_kv_head: usize, tp: usize, mlps: Mlps) -> TpPlan {
     let (columns, heads) = if kv_replicated(n_kv_head, tp) {
         ("layers.*.self_attn.q_proj", n_head)
     } else {
         ("layers.*.self_attn.q_proj|k_proj|v_proj", n_kv_head)
     };
-    TpPlan::new()
+    let mut plan = TpPlan::new()
         .with(columns, TpStyle::Colwise)
-        .with("layers.*.self_attn.o_proj", TpStyle::Rowwise)
-        .with("layers.*.mlp.gate_proj|up_proj", TpStyle::Colwise)
-        .with("layers.*.mlp.down_proj", TpStyle::Rowwise)
-        .with_heads("layers.*.self_attn", heads)
+        .with("layers.*.self_attn.o_proj", TpStyle::Rowwise);
+    if mlps.dense {
+        plan = plan
+            .with("layers.*.mlp.gate_proj|up_proj", TpStyle::Colwise)
+            .with("layers.*.mlp.down_proj", TpStyle::Rowwise);
+    }
+    if mlps.moe {
+        // Every expert (routed and shared) split as the dense MLP is (Megatron's expert tensor
+        // parallelism); the router replicated: every tp rank routes the same tokens the same
+        // way.
+        plan = plan
+            .with(
+                "layers.*.moe.experts|shared.*.gate_proj|up_proj",
+                TpStyle::Colwise,
+            )
+            .with("layers.*.moe.experts|shared.*.down_proj", TpStyle::Rowwise);
+    }
+    plan.with_heads("layers.*.self_attn", heads)
 }
 
 /// `plan` with sequence parallelism over the blocks' norms and, with `final_norm`, the final
@@ -101,7 +151,8 @@ pub fn init_llama<B: DistributedBackend>(
     parallel: &ParallelConfig,
 ) -> Result<Llama<B>, Error> {
     parallel.check_available()?;
-    let plan = tp_plan(config.n_head, config.n_kv_head, parallel.tp, true)?;
+    let mlps = Mlps::of(config, 0..config.n_layer);
+    let plan = tp_plan(config.n_head, config.n_kv_head, parallel.tp, true, mlps)?;
     config.init_in_layouts(device, |params, mesh| {
         planned_layouts(params, mesh, plan.as_ref(), parallel.fsdp)
     })
@@ -119,7 +170,8 @@ pub fn parallelize_llama<B: DistributedBackend>(
         .layers
         .first()
         .map_or((1, 1), |l| (l.self_attn.n_head, l.self_attn.n_kv_head));
-    let model = match tp_plan(h, kv, parallel.tp, true)? {
+    let mlps = Mlps::in_layers(&model.layers);
+    let model = match tp_plan(h, kv, parallel.tp, true, mlps)? {
         Some(plan) => tensor_parallel(model, mesh, &with_sp(plan, parallel, true))?,
         None => model,
     };
@@ -140,7 +192,14 @@ pub fn init_llama_stage<B: DistributedBackend>(
 ) -> Result<LlamaStage<B>, Error> {
     parallel.check_available()?;
     // The vocabulary-parallel tables only where the stage holds them.
-    let plan = tp_plan(config.n_head, config.n_kv_head, parallel.tp, first || last)?;
+    let mlps = Mlps::of(config, blocks.clone());
+    let plan = tp_plan(
+        config.n_head,
+        config.n_kv_head,
+        parallel.tp,
+        first || last,
+        mlps,
+    )?;
     let stage = config.init_stage_in_layouts(device, blocks, first, last, |params, mesh| {
         planned_layouts(params, mesh, plan.as_ref(), parallel.fsdp)
     })?;

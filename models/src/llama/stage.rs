@@ -12,9 +12,6 @@ use burn::prelude::*;
 use wildfire_kernels::FusedOps;
 use wildfire_kernels::hooks::ForwardHooks;
 
-/// Parameters of one block: two norms and seven projections (no biases).
-const PARAMS_PER_BLOCK: u64 = 9;
-
 /// One pipeline stage of a Llama ([`LlamaConfig::init_stage`]; see the module docs).
 #[derive(Module, Debug)]
 pub struct LlamaStage<B: Backend> {
@@ -73,16 +70,17 @@ impl<B: Backend> LlamaStage<B> {
 
     /// The ids the stage's parameters have in the whole model (1, 2, 3, … in the whole model's
     /// visiting order: `embed_tokens`, the blocks, `norm`, `lm_head`; a tied table's copy on a
-    /// last stage that is not the first one past the last).
-    pub(super) fn with_model_ids(self) -> Self {
-        let per = PARAMS_PER_BLOCK;
-        let norm = 2 + per * self.n_layer as u64;
+    /// last stage that is not the first one past the last), `per_block` holding each block's
+    /// parameter tensors.
+    pub(super) fn with_model_ids(self, per_block: &[u64]) -> Self {
+        let before = |l: usize| per_block[..l].iter().sum::<u64>();
+        let norm = 2 + before(self.n_layer);
         let mut ids = Vec::new();
         if self.embed_tokens.is_some() {
             ids.push(if self.first { 1 } else { norm + 1 });
         }
-        let start = 2 + per * self.first_block as u64;
-        ids.extend(start..start + per * self.layers.len() as u64);
+        let start = 2 + before(self.first_block);
+        ids.extend(start..2 + before(self.first_block + self.layers.len()));
         if self.is_last() {
             ids.push(norm);
         }

@@ -7,6 +7,7 @@ mod checkpoints;
 mod config;
 mod learning;
 mod llama;
+mod moe;
 mod overlap;
 mod pipeline;
 

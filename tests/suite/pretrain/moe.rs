@@ -1,0 +1,261 @@
+//! A mixture-of-experts Llama through the pretraining driver: sharded runs follow one rank (the
+//! experts FSDP-sharded over dp, split over tp, recomputed), the routers' global counts are the
+//! same whatever the layout, the memory estimate is the accounting, a checkpoint resumes
+//! bitwise, and bad flags are refused before any work.
+
+use super::*;
+use wildfire::models::{ModelConfig, MoeFlags};
+
+/// A CI-sized Llama whose two blocks are both mixtures of 4 experts (width 32, top-2,
+/// dropless) on the embedded corpus: width 32, context 32.
+fn tiny_moe(steps: usize) -> PretrainConfig {
+    PretrainConfig {
+        model: ModelFlags {
+            preset: Preset::LlamaTiny,
+            n_kv_head: Some(2),
+            n_head: Some(4),
+            moe: MoeFlags {
+                experts: Some(4),
+                top_k: Some(2),
+                moe_every: Some(1),
+                expert_hidden: Some(32),
+                ..MoeFlags::default()
+            },
+            ..small(steps).model
+        },
+        ..small(steps)
+    }
+}
+
+/// The routers' counts over the global batch: every step, every block.
+fn routed(r: &RunSummary) -> Vec<(Vec<Vec<u64>>, Vec<u64>)> {
+    r.steps
+        .iter()
+        .map(|m| {
+            let router = m
+                .router
+                .as_ref()
+                .expect("a mixture of experts reports its router");
+            (router.tokens_per_expert.clone(), router.dropped.clone())
+        })
+        .collect()
+}
+
+/// The load-balancing loss (and a capacity) is computed per micro-batch on each rank, as
+/// Switch and Megatron-Core do, so a run at dp N is the one-rank run accumulating N
+/// micro-batches of the same rows, and tp (whose ranks route the same tokens) the one-rank run.
+/// Against those: dp 2 FullShard (the experts sharded over the data ranks), dp 2 × tp 2
+/// FullShard with full recomputation, and tp 2 (every expert split as the dense MLP is, the
+/// router replicated) — losses, validation losses, gradient norms, every parameter within 1e-5,
+/// the auxiliary losses reaching the router through backward in each. The routers' counts over
+/// the global batch are the reference's (the sum over data ranks, tp peers counted once):
+/// `b·t·k` assignments per block and step, none dropped.
+#[test]
+fn moe_llama_sharded_runs_match_one_rank() {
+    let base = PretrainConfig {
+        gather_parameters: true,
+        ..tiny_moe(5)
+    };
+    let one = run(&base).unwrap();
+    let Some(ModelConfig::Llama(c)) = &one.model else {
+        panic!("a Llama");
+    };
+    assert_eq!(c.moe.as_ref().map(|m| m.config.experts), Some(4));
+    for (blocks, dropped) in &routed(&one) {
+        assert_eq!(blocks.len(), 2, "both blocks are mixtures of experts");
+        for b in blocks {
+            assert_eq!(
+                b.iter().sum::<u64>(),
+                4 * 32 * 2,
+                "b·t·k assignments per block"
+            );
+        }
+        assert_eq!(dropped, &vec![0, 0], "dropless");
+    }
+    let aux = one.steps[0].router.as_ref().unwrap().aux_loss;
+    // Two blocks of Switch's loss at 0.01 (1 when balanced, up to E) and the z-loss.
+    assert!(aux > 0.019 && aux < 0.1, "aux loss {aux}");
+    let accumulated = run(&PretrainConfig {
+        accum: 2,
+        ..base.clone()
+    })
+    .unwrap();
+    let layouts = [
+        (
+            "dp 2 FullShard",
+            ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
+            &accumulated,
+        ),
+        (
+            "dp 2 x tp 2 FullShard, full recompute",
+            ParallelConfig {
+                recompute: Recompute::Full,
+                ..ParallelConfig::layout(2, 2, FsdpStrategy::FullShard, None)
+            },
+            &accumulated,
+        ),
+        (
+            "tp 2",
+            ParallelConfig::layout(1, 2, FsdpStrategy::NoShard, None),
+            &one,
+        ),
+    ];
+    for (what, parallel, reference) in layouts {
+        let many = run(&PretrainConfig {
+            parallel,
+            ..base.clone()
+        })
+        .unwrap();
+        same_run(what, &many, reference, 1e-5);
+        assert_eq!(
+            routed(&many),
+            routed(reference),
+            "{what}: the routers' counts"
+        );
+        for (a, b) in many.steps.iter().zip(&reference.steps) {
+            let (x, y) = (a.router.as_ref().unwrap(), b.router.as_ref().unwrap());
+            assert!(
+                (x.aux_loss - y.aux_loss).abs() <= 1e-5 * y.aux_loss,
+                "{what}: aux loss {} vs {}",
+                x.aux_loss,
+                y.aux_loss
+            );
+        }
+    }
+}
+
+/// With a capacity factor, tokens past an expert's capacity are dropped (counted), and tp 2
+/// (whose ranks route the same tokens) still follows one rank. Without the auxiliary losses
+/// (coefficients 0) the run differs: they reach the parameters.
+#[test]
+fn moe_capacity_drops_and_the_auxiliary_losses_train() {
+    let capped = |aux: f64, parallel: ParallelConfig| PretrainConfig {
+        parallel,
+        model: ModelFlags {
+            moe: MoeFlags {
+                capacity_factor: Some(1.0),
+                aux_loss_coef: Some(aux),
+                z_loss_coef: Some(aux / 10.0),
+                ..tiny_moe(4).model.moe
+            },
+            ..tiny_moe(4).model
+        },
+        ..tiny_moe(4)
+    };
+    let one = run(&capped(0.01, ParallelConfig::default())).unwrap();
+    let dropped: u64 = routed(&one).iter().flat_map(|(_, d)| d.iter()).sum();
+    assert!(dropped > 0, "a capacity factor of 1 drops some assignments");
+    let tp = run(&capped(
+        0.01,
+        ParallelConfig::layout(1, 2, FsdpStrategy::NoShard, None),
+    ))
+    .unwrap();
+    same_run("capacity 1, tp 2", &tp, &one, 1e-5);
+    assert_eq!(routed(&tp), routed(&one));
+    let off = run(&capped(0.0, ParallelConfig::default())).unwrap();
+    assert_eq!(off.steps[0].router.as_ref().unwrap().aux_loss, 0.0);
+    // The first step's loss is the model's alone either way; the updates differ.
+    assert_eq!(off.steps[0].loss, one.steps[0].loss);
+    let moved = one
+        .parameters
+        .iter()
+        .zip(&off.parameters)
+        .any(|(a, b)| a != b);
+    assert!(moved, "the auxiliary losses change the parameters");
+}
+
+/// The memory estimate's parameter, gradient and optimizer bytes are the decorator's
+/// accounting for the mixture of experts too: DDP, ZeRO-2, FSDP, tp 2 and dp 2 × tp 2.
+#[test]
+fn moe_memory_estimate_equals_the_accounting() {
+    estimate_matches_the_accounting(&tiny_moe(1));
+}
+
+/// Saved at step 2 under dp 2 FullShard and resumed to step 4, the run is bitwise the
+/// uninterrupted one (experts, router and optimizer state under their global names).
+#[test]
+fn moe_llama_resumes_bitwise() {
+    let fsdp = ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None);
+    let straight = run(&PretrainConfig {
+        parallel: fsdp.clone(),
+        ..tiny_moe(4)
+    })
+    .unwrap();
+    let dir = scratch("moe-resume");
+    run(&PretrainConfig {
+        parallel: fsdp.clone(),
+        save: Some(dir.clone()),
+        ..tiny_moe(2)
+    })
+    .unwrap();
+    let resumed = run(&PretrainConfig {
+        parallel: fsdp,
+        resume: Some(dir.clone()),
+        ..tiny_moe(4)
+    })
+    .unwrap();
+    let tail = &straight.steps[2..];
+    assert_eq!(resumed.steps.len(), tail.len());
+    for (a, b) in resumed.steps.iter().zip(tail) {
+        assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {}", a.step);
+        assert_eq!(a.router, b.router, "step {}", a.step);
+    }
+    same_bits("moe resume", &resumed.parameters, &straight.parameters);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Refused before any work, each a typed configuration error naming the flag: top-k above the
+/// experts, `--moe-every` past the blocks, a refinement without `--experts` on a dense preset,
+/// `--experts` on a GPT, and a Hugging Face export of a mixture of experts.
+#[test]
+fn moe_refusals_are_typed() {
+    let refused = |config: PretrainConfig| match run(&config) {
+        Err(PretrainError::Config(msg)) => msg,
+        Err(other) => other.to_string(),
+        Ok(_) => panic!("not refused"),
+    };
+    let with = |moe: MoeFlags| PretrainConfig {
+        model: ModelFlags {
+            moe,
+            ..tiny_moe(1).model
+        },
+        ..tiny_moe(1)
+    };
+    let e = refused(with(MoeFlags {
+        top_k: Some(5),
+        ..tiny_moe(1).model.moe
+    }));
+    assert!(e.contains("top-k 5 over 4 experts"), "{e}");
+    let e = refused(with(MoeFlags {
+        moe_every: Some(3),
+        ..tiny_moe(1).model.moe
+    }));
+    assert!(e.contains("--moe-every 3 over 2 blocks"), "{e}");
+    let e = refused(with(MoeFlags {
+        top_k: Some(1),
+        ..MoeFlags::default()
+    }));
+    assert!(e.contains("without --experts"), "{e}");
+    let e = refused(PretrainConfig {
+        model: ModelFlags {
+            moe: MoeFlags {
+                experts: Some(4),
+                ..MoeFlags::default()
+            },
+            ..small(1).model
+        },
+        ..small(1)
+    });
+    assert!(e.contains("--experts") && e.contains("Llama"), "{e}");
+    let dir = scratch("moe-export");
+    let e = refused(PretrainConfig {
+        export_hf: Some(dir.join("model.safetensors")),
+        save: Some(dir.clone()),
+        ..tiny_moe(1)
+    });
+    assert!(
+        e.contains("mixture-of-experts") && e.contains("Hugging Face"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
