@@ -14,7 +14,8 @@
 //!   losses and parameters bitwise equal to the same run on ranks-as-threads, and parameters
 //!   within 1e-5 of one device.
 //! - `mismatch`: rank 0 calls an all-reduce where the others call an all-gather: every rank gets
-//!   `Error::Mismatch` at that call (printed), nobody hangs.
+//!   `Error::Mismatch` at that call (printed), nobody hangs; then an all-to-all whose splits
+//!   disagree (rank 1 sends rank 0 two rows, rank 0 expects one): the same on every rank.
 //! - `hang`: rank 1 never joins a barrier: the others' watchdog aborts the job after the 3 s
 //!   timeout, naming the call.
 //! - `kill`: rank 1 dies (SIGABRT) in the middle of training: `mpirun` stops the others.
@@ -127,6 +128,18 @@ fn calls(comm: &dyn Communicator, p2p: bool) -> Vec<(String, Vec<u8>)> {
         keep(
             format!("broadcast group {g}"),
             comm.broadcast(group, mine, root).unwrap(),
+        );
+        // Rows of unequal (and some empty) splits to every member.
+        let (i, rows) = (group.index(&mesh, rank).unwrap(), |i: usize, j: usize| {
+            (3 * i + 5 * j + g) % 4
+        });
+        let send: Vec<usize> = (0..size).map(|j| rows(i, j)).collect();
+        let recv: Vec<usize> = (0..size).map(|j| rows(j, i)).collect();
+        let total = send.iter().sum::<usize>();
+        let rows_data = TensorData::new(value(g + 6, 3 * total), [total, 3]);
+        keep(
+            format!("all_to_all group {g}"),
+            comm.all_to_all(group, rows_data, &send, &recv).unwrap(),
         );
         comm.barrier(group).unwrap();
     }
@@ -307,20 +320,30 @@ fn mismatch(n: usize) -> i32 {
             } else {
                 comm.all_gather(Group::World, data, 0)
             };
-            (comm.rank(), result.map(|_| ()))
+            let rows = TensorData::new(vec![1.0f32; 6], [3, 2]);
+            let (mut send, mut recv) = (vec![1; n], vec![1; n]);
+            send[0] = 3 - (n - 1);
+            if comm.rank() == 1 {
+                send[0] += 1;
+                send[1] -= 1;
+            }
+            recv[0] = send[0];
+            let splits = comm.all_to_all(Group::World, rows, &send, &recv);
+            (comm.rank(), result.map(|_| ()), splits.map(|_| ()))
         },
     )
     .unwrap();
-    match errors {
-        (rank, Err(e)) => {
-            println!("rank {rank}: detected: {e}");
-            0
-        }
-        (rank, Ok(())) => {
-            eprintln!("rank {rank}: the mismatched call went through");
-            1
+    let mut code = 0;
+    for (what, result) in [("call", errors.1), ("all-to-all", errors.2)] {
+        match result {
+            Err(e) => println!("rank {}: detected: {e}", errors.0),
+            Ok(()) => {
+                eprintln!("rank {}: the mismatched {what} went through", errors.0);
+                code = 1;
+            }
         }
     }
+    code
 }
 
 fn hang(n: usize) -> i32 {

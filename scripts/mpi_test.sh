@@ -42,7 +42,8 @@ done
 echo "--- a mismatched collective is detected on every rank"
 out=$(mpi -np 2 "$check" mismatch 2>&1) || fail "mismatch: $out"
 printf '%s\n' "$out"
-[ "$(grep -c 'detected: mismatched' <<<"$out")" = 2 ] || fail "mismatch not reported by both ranks"
+[ "$(grep -c 'detected: mismatched.*made different calls' <<<"$out")" = 2 ] || fail "mismatch not reported by both ranks"
+[ "$(grep -c "detected: mismatched all_to_all.*splits disagree" <<<"$out")" = 2 ] || fail "the all-to-all's disagreeing splits not reported by both ranks"
 
 echo "--- a rank that never arrives: the watchdog aborts the job within the timeout"
 start=$(date +%s)

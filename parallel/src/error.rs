@@ -27,6 +27,8 @@ pub enum CollectiveKind {
     Send,
     /// [`crate::comm::PointToPoint::recv`].
     Recv,
+    /// [`crate::Communicator::all_to_all`].
+    AllToAll,
 }
 
 impl fmt::Display for CollectiveKind {
@@ -39,6 +41,7 @@ impl fmt::Display for CollectiveKind {
             CollectiveKind::Barrier => "barrier",
             CollectiveKind::Send => "send",
             CollectiveKind::Recv => "recv",
+            CollectiveKind::AllToAll => "all_to_all",
         })
     }
 }

@@ -108,6 +108,27 @@ pub(crate) fn concat(parts: &[&TensorData], dim: usize) -> Result<TensorData, Er
     Ok(TensorData::from_bytes_vec(bytes, out_dims, first.dtype))
 }
 
+/// An all-to-all's result for member `index`: from each member `i` (buffers in group order,
+/// with their splits), the rows `i` sends to `index`, concatenated in group order along dim 0.
+/// The round checked the splits.
+pub(crate) fn all_to_all_rows(
+    buffers: &[&TensorData],
+    splits: &[&super::call::Splits],
+    index: usize,
+) -> Result<TensorData, Error> {
+    let first = buffers[0];
+    let size = element_size(first)?;
+    let row = first.shape.as_slice()[1..].iter().product::<usize>() * size;
+    let mut shape = first.shape.to_vec();
+    shape[0] = splits.iter().map(|s| s.send[index]).sum();
+    let mut bytes = Vec::with_capacity(shape[0] * row);
+    for (data, s) in buffers.iter().zip(splits) {
+        let start = s.send_offset(index) * row;
+        bytes.extend_from_slice(&data.as_bytes()[start..start + s.send[index] * row]);
+    }
+    Ok(TensorData::from_bytes_vec(bytes, shape, first.dtype))
+}
+
 /// The members' pieces, received one after the other in `all` (`shapes[i]`, `dtype`),
 /// concatenated along `dim`. When every dim before `dim` has size 1 (dim 0 included, FSDP's
 /// gathers) the received bytes already are the concatenation and are used as they are;

@@ -93,6 +93,56 @@ pub struct Call {
     pub(crate) dim: usize,
     pub(crate) root: usize,
     pub(crate) buffer: Option<Operand>,
+    /// An all-to-all's rows to and from each member.
+    pub(crate) splits: Option<Splits>,
+}
+
+/// An all-to-all member's rows (along dim 0) to each member (`send`) and from each (`recv`), in
+/// group order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Splits {
+    /// Rows sent to each member.
+    pub send: Vec<usize>,
+    /// Rows received from each member.
+    pub recv: Vec<usize>,
+}
+
+impl Splits {
+    /// `[send…, recv…]` as `2·n` words for a group of `n` (what travels between processes);
+    /// splits of another length as `-1`s, which [`Splits::from_words`] reads as none (the check
+    /// then names them).
+    #[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
+    pub(crate) fn words(&self, n: usize) -> Vec<i64> {
+        if self.send.len() != n || self.recv.len() != n {
+            return vec![-1; 2 * n];
+        }
+        self.send
+            .iter()
+            .chain(&self.recv)
+            .map(|&x| x as i64)
+            .collect()
+    }
+
+    /// The splits of `n` members that [`Splits::words`] wrote.
+    #[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
+    pub(crate) fn from_words(words: &[i64], n: usize) -> Self {
+        if words.iter().any(|&w| w < 0) {
+            return Self {
+                send: Vec::new(),
+                recv: Vec::new(),
+            };
+        }
+        let rows = |w: &[i64]| w.iter().map(|&x| x as usize).collect();
+        Self {
+            send: rows(&words[..n]),
+            recv: rows(&words[n..2 * n]),
+        }
+    }
+
+    /// Where member `j`'s rows start in the sent buffer.
+    pub(crate) fn send_offset(&self, j: usize) -> usize {
+        self.send[..j].iter().sum()
+    }
 }
 
 impl Call {
@@ -104,7 +154,21 @@ impl Call {
             dim: 0,
             root: 0,
             buffer,
+            splits: None,
         }
+    }
+
+    /// [`Communicator::all_to_all`](super::Communicator::all_to_all) of `buffer`'s rows.
+    pub(crate) fn all_to_all(group: Group, buffer: Operand, splits: Splits) -> Self {
+        Self {
+            splits: Some(splits),
+            ..Self::new(CollectiveKind::AllToAll, group, Some(buffer))
+        }
+    }
+
+    /// An all-to-all's splits.
+    pub fn splits(&self) -> Option<&Splits> {
+        self.splits.as_ref()
     }
 
     /// [`Communicator::all_reduce`](super::Communicator::all_reduce) of `buffer` with `op`.
@@ -223,6 +287,10 @@ impl fmt::Display for Call {
                 write!(f, "{kind}(dim {}, {op})", self.dim)?
             }
             (CollectiveKind::Broadcast, _) => write!(f, "{kind}(root {})", self.root)?,
+            (CollectiveKind::AllToAll, _) => match &self.splits {
+                Some(s) => write!(f, "{kind}(send {:?}, recv {:?})", s.send, s.recv)?,
+                None => write!(f, "{kind}")?,
+            },
             _ => write!(f, "{kind}")?,
         }
         match &self.buffer {
@@ -314,8 +382,16 @@ impl<'m> Round<'m> {
     /// reduction takes, whole-byte elements, and a scattered dim that splits evenly.
     pub(crate) fn check_buffers(&self) -> Result<(), Error> {
         let call = &self.mine;
-        let gather = call.kind == CollectiveKind::AllGather;
-        self.check_layouts(gather.then_some(call.dim))?;
+        match call.kind {
+            CollectiveKind::AllGather => self.check_layouts(Some(call.dim))?,
+            CollectiveKind::AllToAll => {
+                self.check_layouts(Some(0))?;
+                let ndims = self.calls[0].buffer().map_or(0, |b| b.shape.len());
+                check_dim(call.kind, ndims, 0)?;
+                self.check_splits()?;
+            }
+            _ => self.check_layouts(None)?,
+        }
         let first = self.calls[0]
             .buffer()
             .expect("checked: every member passes a buffer");
@@ -337,6 +413,56 @@ impl<'m> Round<'m> {
             check_divisible(first.shape[call.dim], call.dim, self.calls.len())?;
         }
         Ok(())
+    }
+
+    /// The members' calls with the splits each passed (exchanged after the headers, which do
+    /// not carry them), in group order.
+    #[cfg_attr(not(any(feature = "mpi", feature = "cuda")), allow(dead_code))]
+    pub(crate) fn with_splits(mut self, splits: Vec<Splits>) -> Self {
+        for (call, s) in self.calls.iter_mut().zip(splits) {
+            call.splits = Some(s);
+        }
+        self
+    }
+
+    /// An all-to-all's splits fit together: every member names each member once, sends the
+    /// rows its buffer holds, and member `i`'s rows to `j` are those `j` expects from `i`;
+    /// otherwise [`Error::Mismatch`] naming every member's splits (the same on every member).
+    pub(crate) fn check_splits(&self) -> Result<(), Error> {
+        let n = self.calls.len();
+        let splits: Vec<Option<&Splits>> = self.calls.iter().map(Call::splits).collect();
+        let fits = splits.iter().zip(&self.calls).all(|(s, call)| {
+            s.is_some_and(|s| {
+                s.send.len() == n
+                    && s.recv.len() == n
+                    && call
+                        .buffer()
+                        .is_some_and(|b| b.shape.first() == Some(&s.send.iter().sum()))
+            })
+        }) && (0..n).all(|i| {
+            (0..n)
+                .all(|j| splits[i].expect("checked").send[j] == splits[j].expect("checked").recv[i])
+        });
+        if fits {
+            return Ok(());
+        }
+        let each = self
+            .each(|call, _| match (call.splits(), call.buffer()) {
+                (Some(s), Some(b)) => {
+                    format!(
+                        "sends {:?} and expects {:?} of {} rows",
+                        s.send,
+                        s.recv,
+                        b.shape.first().copied().unwrap_or(0)
+                    )
+                }
+                _ => "passed no splits".to_owned(),
+            })
+            .join(", ");
+        Err(self.mismatch(format!(
+            "the all-to-all's splits disagree (member i's rows to j must be those j expects \
+             from i, and each member must send the rows it holds): {each}"
+        )))
     }
 
     /// A broadcast's source: the root's buffer (the root being a valid group index).

@@ -68,6 +68,22 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
         root: usize,
     ) -> Result<FloatTensor<B>, Error>;
 
+    /// The rows of `tensor` (dim 0) `send[j]` to each member `j`, the rows each member sends
+    /// back concatenated in group order (`recv[i]` from member `i`): see
+    /// [`Communicator::all_to_all`]. Default: [`Error::Unsupported`].
+    fn all_to_all_first(
+        &self,
+        group: Group,
+        tensor: FloatTensor<B>,
+        send: &[usize],
+        recv: &[usize],
+    ) -> Result<FloatTensor<B>, Error> {
+        let _ = (group, tensor, send, recv);
+        Err(Error::Unsupported(format!(
+            "all-to-all on the device collectives {self:?}"
+        )))
+    }
+
     /// Sends `tensor` to global rank `to` without waiting for it to be received: pipeline
     /// stages' activations and gradients. A pair's messages arrive in the order they were
     /// sent. Default: [`Error::Unsupported`].
@@ -333,6 +349,18 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
     ) -> Result<FloatTensor<B>, Error> {
         self.staged::<B>(CollectiveKind::Broadcast, tensor, |c, d| {
             c.broadcast(group, Some(d), root)
+        })
+    }
+
+    fn all_to_all_first(
+        &self,
+        group: Group,
+        tensor: FloatTensor<B>,
+        send: &[usize],
+        recv: &[usize],
+    ) -> Result<FloatTensor<B>, Error> {
+        self.staged::<B>(CollectiveKind::AllToAll, tensor, |c, d| {
+            c.all_to_all(group, d, send, recv)
         })
     }
 

@@ -24,7 +24,7 @@ pub(crate) type Header = [i64; HEADER];
 /// `ndims` of a member that passes no buffer (a broadcast's non-root members).
 const NO_BUFFER: i64 = -1;
 
-const KINDS: [CollectiveKind; 7] = [
+const KINDS: [CollectiveKind; 8] = [
     CollectiveKind::AllReduce,
     CollectiveKind::AllGather,
     CollectiveKind::ReduceScatter,
@@ -32,6 +32,7 @@ const KINDS: [CollectiveKind; 7] = [
     CollectiveKind::Barrier,
     CollectiveKind::Send,
     CollectiveKind::Recv,
+    CollectiveKind::AllToAll,
 ];
 
 const OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max];
@@ -171,6 +172,8 @@ pub(crate) fn decode(h: &Header, group: Group) -> Result<(i64, Call), Error> {
         dim: h[3] as usize,
         root: h[4] as usize,
         buffer: decode_operand(&h[5..])?,
+        // Variable-length: they travel after the header where the call has them.
+        splits: None,
     };
     Ok((h[0], call))
 }

@@ -22,11 +22,11 @@ use mpi::topology::Communicator as _;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
-use super::buffer::{chunk_bytes, concat, reduce};
+use super::buffer::{all_to_all_rows, chunk_bytes, concat, reduce};
 use super::call::{Operand, Round};
 use super::header::{self, HEADER, Header, Sequence, from_bytes, to_bytes};
 use super::mpi_comm::Handle;
-use super::{Call, CollectiveKind, Communicator, Error, Group, Member};
+use super::{Call, CollectiveKind, Communicator, Error, Group, Member, Splits};
 use crate::mesh::DeviceMesh;
 
 /// What the local members of one group deposit for one call.
@@ -187,6 +187,10 @@ impl HybridCommunicator {
         let members = group.ranks(mesh, rank)?;
         let (seq, header) = self.sequence.header(call)?;
         let mut mine = to_bytes(&header);
+        // An all-to-all's splits travel between the header and the buffer.
+        if let Some(splits) = call.splits() {
+            mine.extend_from_slice(&to_bytes(&splits.words(members.len())));
+        }
         if let Some(d) = data {
             mine.extend_from_slice(d.as_bytes());
         }
@@ -307,6 +311,14 @@ impl HybridCommunicator {
     }
 }
 
+/// Little-endian words (any number).
+fn from_bytes_vec(bytes: &[u8]) -> Vec<i64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect()
+}
+
 /// The buffer `bytes` of a member whose call passed `buffer`.
 fn data_of(buffer: &Operand, bytes: Vec<u8>) -> TensorData {
     TensorData::from_bytes_vec(bytes, buffer.shape().to_vec(), buffer.dtype())
@@ -322,6 +334,22 @@ impl Communicator for HybridCommunicator {
     fn run(&self, call: &Call, data: Option<TensorData>) -> Result<Option<TensorData>, Error> {
         call.check_root(self.mesh())?;
         let (round, mut payloads) = self.gather(call, data.as_ref())?;
+        if call.kind() == CollectiveKind::AllToAll {
+            // Every member holds every buffer: this member's rows from each.
+            let n = payloads.len();
+            let splits: Vec<Splits> = payloads
+                .iter()
+                .map(|p| Splits::from_words(&from_bytes_vec(&p[..16 * n]), n))
+                .collect();
+            let round = round.with_splits(splits.clone());
+            round.check_buffers()?;
+            let buffers: Vec<TensorData> = (round.calls().iter().zip(payloads))
+                .map(|(c, p)| data_of(c.buffer().expect("checked"), p[16 * n..].to_vec()))
+                .collect();
+            let index = call.group().index(self.mesh(), self.rank())?;
+            let splits: Vec<&Splits> = splits.iter().collect();
+            return all_to_all_rows(&buffers.iter().collect::<Vec<_>>(), &splits, index).map(Some);
+        }
         let buffers = |payloads: Vec<Vec<u8>>| -> Vec<TensorData> {
             (round.calls().iter().zip(payloads))
                 .map(|(c, bytes)| data_of(c.buffer().expect("checked"), bytes))

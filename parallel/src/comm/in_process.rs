@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::TensorData;
 
-use super::buffer::{chunk_bytes, concat, reduce};
+use super::buffer::{all_to_all_rows, chunk_bytes, concat, reduce};
 use super::call::Round;
-use super::{Call, CollectiveKind, Communicator, Error, Member, PointToPoint, lock};
+use super::{Call, CollectiveKind, Communicator, Error, Member, PointToPoint, Splits, lock};
 use crate::mesh::DeviceMesh;
 
 /// How long a rank waits for its peers (or a message) before giving up with
@@ -279,7 +279,7 @@ struct Contribution {
 /// Everyone's deposits, as this member sees them.
 enum Deposits {
     /// A group of one: the member's own deposit, still owned.
-    Alone(Contribution),
+    Alone(Box<Contribution>),
     /// A group of several: shared access to every deposit, in group order.
     Shared(Arc<[Contribution]>),
 }
@@ -287,7 +287,7 @@ enum Deposits {
 impl Deposits {
     fn all(&self) -> &[Contribution] {
         match self {
-            Deposits::Alone(mine) => std::slice::from_ref(mine),
+            Deposits::Alone(mine) => std::slice::from_ref(&**mine),
             Deposits::Shared(all) => all,
         }
     }
@@ -331,7 +331,12 @@ impl InProcessCommunicator {
 
 /// This member's result of a collective (not a broadcast, not a barrier) from everyone's
 /// buffers, in group order; the round checked them.
-fn combine(call: &Call, index: usize, buffers: &[&TensorData]) -> Result<TensorData, Error> {
+fn combine(
+    call: &Call,
+    index: usize,
+    deposits: &[Contribution],
+    buffers: &[&TensorData],
+) -> Result<TensorData, Error> {
     let first = buffers[0];
     Ok(match call.kind() {
         CollectiveKind::AllReduce => {
@@ -339,6 +344,13 @@ fn combine(call: &Call, index: usize, buffers: &[&TensorData]) -> Result<TensorD
             reduce(&raw, first.dtype, first.shape.clone(), call.reduce_op())
         }
         CollectiveKind::AllGather => concat(buffers, call.dim())?,
+        CollectiveKind::AllToAll => {
+            let splits: Vec<&Splits> = deposits
+                .iter()
+                .map(|d| d.call.splits().expect("the round checked the splits"))
+                .collect();
+            all_to_all_rows(buffers, &splits, index)?
+        }
         _ => {
             let parts = buffers.len();
             let mut shape = None;
@@ -386,7 +398,7 @@ impl Communicator for InProcessCommunicator {
             data,
         };
         let deposits = if members.len() == 1 {
-            Deposits::Alone(mine)
+            Deposits::Alone(Box::new(mine))
         } else {
             Deposits::Shared(self.world.exchange(&who, mine)?)
         };
@@ -408,7 +420,9 @@ impl Communicator for InProcessCommunicator {
                 Some(match deposits {
                     // Unchanged, bit for bit (no widening, no division).
                     Deposits::Alone(mine) => mine.data.expect("this call carries a buffer"),
-                    Deposits::Shared(_) => combine(call, who.index, &deposits.buffers())?,
+                    Deposits::Shared(_) => {
+                        combine(call, who.index, deposits.all(), &deposits.buffers())?
+                    }
                 })
             }
         };

@@ -63,6 +63,8 @@ impl LinkModel {
                 CollectiveKind::Broadcast => (n.log2().ceil(), s),
                 CollectiveKind::Barrier => (n.log2().ceil(), 0.0),
                 CollectiveKind::Send | CollectiveKind::Recv => (1.0, s),
+                // A message to each other member; about (n − 1)/n of the buffer leaves it.
+                CollectiveKind::AllToAll => (n - 1.0, (n - 1.0) / n * s),
             }
         };
         self.latency.mul_f64(steps) + Duration::from_secs_f64(volume / self.bandwidth)

@@ -47,7 +47,7 @@ pub use bootstrap::{
     p2p_channels,
 };
 pub(crate) use buffer::{check_dim, check_divisible};
-pub use call::{Call, Operand};
+pub use call::{Call, Operand, Splits};
 pub use device::{DeviceCollectives, DeviceIssued, DeviceOp, HostStaged};
 pub(crate) use device::{host_recv, host_send, read, stage};
 pub(crate) use header::{dtype_code, dtype_of};
@@ -272,6 +272,28 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         let data = data.filter(|_| is_root);
         let call = Call::broadcast(group, data.as_ref().map(Operand::of), root);
         self.collective(call, data).map(returned)
+    }
+
+    /// Member `i` sends rows (along dim 0) `send[j]` to each member `j`, its buffer's rows in
+    /// group order of their destination, and receives the rows each member sends it,
+    /// concatenated in group order (`recv[i]` from member `i`): expert parallelism's dispatch
+    /// and combine. Buffers agree except on dim 0. The splits must fit across the members —
+    /// member `i`'s `send[j]` is member `j`'s `recv[i]`, and `send` sums to the buffer's rows —
+    /// else every member fails with [`Error::Mismatch`]. Its conjugate is itself with `send`
+    /// and `recv` swapped. Statistics count the buffer passed in.
+    fn all_to_all(
+        &self,
+        group: Group,
+        data: TensorData,
+        send: &[usize],
+        recv: &[usize],
+    ) -> Result<TensorData, Error> {
+        let splits = Splits {
+            send: send.to_vec(),
+            recv: recv.to_vec(),
+        };
+        let call = Call::all_to_all(group, Operand::of(&data), splits);
+        self.collective(call, Some(data)).map(returned)
     }
 
     /// Returns once every member of the group has called it.

@@ -38,7 +38,7 @@ use super::call::{Operand, Round};
 use super::header::{
     self, HEADER, Header, OPERAND, Sequence, decode_operand, encode_operand, from_bytes, to_bytes,
 };
-use super::{Call, CollectiveKind, Communicator, Error, Group, Member, PointToPoint, lock};
+use super::{Call, CollectiveKind, Communicator, Error, Group, Member, PointToPoint, Splits, lock};
 use crate::mesh::DeviceMesh;
 
 /// An MPI communicator handle usable from the rank's threads.
@@ -469,6 +469,57 @@ impl MpiCommunicator {
         ))
     }
 
+    /// An all-to-all of rows: the members' splits all-gathered and checked (every member sees
+    /// the same splits, so a disagreement fails on all of them), then `MPI_Alltoallv`.
+    fn all_to_all_rows(
+        &self,
+        comm: &SimpleCommunicator,
+        round: &Round<'_>,
+        call: &Call,
+        data: &TensorData,
+    ) -> Result<TensorData, Error> {
+        let n = round.calls().len();
+        let mine = call
+            .splits()
+            .expect("an all-to-all carries its splits")
+            .words(n);
+        let mut all = vec![0i64; 2 * n * n];
+        if n > 1 {
+            comm.all_gather_into(&mine[..], &mut all[..]);
+        } else {
+            all.copy_from_slice(&mine);
+        }
+        let splits: Vec<Splits> = all
+            .chunks_exact(2 * n)
+            .map(|w| Splits::from_words(w, n))
+            .collect();
+        let round = Round::new(
+            self.mesh(),
+            self.rank(),
+            call.clone(),
+            round.calls().to_vec(),
+        )
+        .with_splits(splits);
+        round.check_buffers()?;
+        if n == 1 {
+            return Ok(data.clone());
+        }
+        let s = call.splits().expect("checked");
+        let row = data.shape.as_slice()[1..].iter().product::<usize>() * element_size(data)?;
+        let bytes = |rows: &[usize]| rows.iter().map(|r| r * row).collect::<Vec<_>>();
+        let (sc, sd) = partition(&bytes(&s.send))?;
+        let (rc, rd) = partition(&bytes(&s.recv))?;
+        let rows: usize = s.recv.iter().sum();
+        let mut recv = vec![0u8; rows * row];
+        comm.all_to_all_varcount_into(
+            &Partition::new(data.as_bytes(), sc, sd),
+            &mut PartitionMut::new(&mut recv[..], rc, rd),
+        );
+        let mut shape = data.shape.to_vec();
+        shape[0] = rows;
+        Ok(TensorData::from_bytes_vec(recv, shape, data.dtype))
+    }
+
     /// The root's buffer, on every member.
     fn broadcast(
         comm: &SimpleCommunicator,
@@ -513,6 +564,9 @@ impl Communicator for MpiCommunicator {
                 }
                 (_, data) => data.as_ref().expect("this call carries a buffer"),
             };
+            if call.kind() == CollectiveKind::AllToAll {
+                return self.all_to_all_rows(comm, round, call, data).map(Some);
+            }
             round.check_buffers()?;
             if n == 1 {
                 return Ok(Some(data.clone()));

@@ -635,3 +635,130 @@ impl GroupIndex for Arc<dyn Communicator> {
         self.mesh().group_index(self.rank(), axis)
     }
 }
+
+/// The rows member `i` sends member `j` in the all-to-all tests: unequal, some empty.
+fn a2a_rows(i: usize, j: usize) -> usize {
+    (3 * i + 5 * j + 1) % 4
+}
+
+/// Every row of an all-to-all reaches its member, in group order of the senders, on the world
+/// of 4 and on each axis of a 2 × 2 mesh; sent back with the splits swapped (its conjugate),
+/// every member has its buffer again; the statistics count one call of the buffer's bytes per
+/// direction.
+#[test]
+fn all_to_all_moves_each_row_to_its_member() {
+    // Row r of member i's buffer is [i, destination, r].
+    let buffer = |i: usize, n: usize| {
+        let mut v = Vec::new();
+        for j in 0..n {
+            for r in 0..a2a_rows(i, j) {
+                v.extend([i as i64, j as i64, r as i64]);
+            }
+        }
+        let rows = v.len() / 3;
+        TensorData::new(v, [rows, 3])
+    };
+    for mesh in [dp(4), DeviceMesh::new([("dp", 2), ("tp", 2)]).unwrap()] {
+        let groups: Vec<Group> = if mesh.axes().len() == 1 {
+            vec![Group::World]
+        } else {
+            vec![Group::World, Group::Axis(0), Group::Axis(1)]
+        };
+        for group in groups {
+            let results = run(&mesh, |comm| {
+                let (m, rank) = (comm.mesh().clone(), comm.rank());
+                let (i, n) = (group.index(&m, rank).unwrap(), group.size(&m).unwrap());
+                let send: Vec<usize> = (0..n).map(|j| a2a_rows(i, j)).collect();
+                let recv: Vec<usize> = (0..n).map(|j| a2a_rows(j, i)).collect();
+                let mine = buffer(i, n);
+                let got = comm.all_to_all(group, mine.clone(), &send, &recv).unwrap();
+                let back = comm.all_to_all(group, got.clone(), &recv, &send).unwrap();
+                assert_eq!(back, mine, "the conjugate brings every row home");
+                let stats = comm.stats();
+                assert_eq!(stats.count(CollectiveKind::AllToAll), 2);
+                assert_eq!(
+                    stats.bytes(CollectiveKind::AllToAll),
+                    (mine.bytes.len() + got.bytes.len()) as u64
+                );
+                (i, n, got)
+            });
+            for (i, n, got) in results {
+                let mut expected = Vec::new();
+                for sender in 0..n {
+                    for r in 0..a2a_rows(sender, i) {
+                        expected.extend([sender as i64, i as i64, r as i64]);
+                    }
+                }
+                let rows = expected.len() / 3;
+                assert_eq!(
+                    got,
+                    TensorData::new(expected, [rows, 3]),
+                    "{group} member {i}"
+                );
+            }
+        }
+    }
+}
+
+/// Splits that do not fit — a member expecting other rows than are sent to it, or sending more
+/// rows than its buffer holds — fail on every member with the same mismatch, naming each
+/// member's splits; a group of one returns its buffer, and refuses splits that are not its
+/// rows.
+#[test]
+fn all_to_all_splits_that_disagree_fail_on_every_member() {
+    let options = LaunchOptions {
+        timeout: TEST_TIMEOUT,
+        ..Default::default()
+    };
+    let errors = launch(&dp(2), &options, |comm| {
+        let data = TensorData::new(vec![1.0f32; 6], [3, 2]);
+        // Rank 1 sends rank 0 two rows; rank 0 expects one.
+        let (send, recv) = if comm.rank() == 0 {
+            (vec![1, 2], vec![1, 1])
+        } else {
+            (vec![2, 1], vec![2, 1])
+        };
+        comm.all_to_all(Group::World, data, &send, &recv)
+            .map(|_| ())
+            .unwrap_err()
+    })
+    .unwrap();
+    for e in &errors {
+        let text = e.to_string();
+        assert!(
+            matches!(
+                e,
+                Error::Mismatch {
+                    op: CollectiveKind::AllToAll,
+                    ..
+                }
+            ) && text.contains("rank 0 sends [1, 2] and expects [1, 1]")
+                && text.contains("rank 1 sends [2, 1] and expects [2, 1]"),
+            "{text}"
+        );
+    }
+    assert_eq!(errors[0], errors[1]);
+    let too_many = launch(&dp(2), &options, |comm| {
+        let data = TensorData::new(vec![1.0f32; 4], [2, 2]);
+        comm.all_to_all(Group::World, data, &[2, 1], &[2, 1])
+            .map(|_| ())
+            .unwrap_err()
+    })
+    .unwrap();
+    assert!(
+        too_many[0].to_string().contains("of 2 rows"),
+        "{}",
+        too_many[0]
+    );
+    let alone = run(&dp(1), |comm| {
+        let data = TensorData::new(vec![1.0f32, 2.0, 3.0], [3, 1]);
+        let same = comm
+            .all_to_all(Group::World, data.clone(), &[3], &[3])
+            .unwrap();
+        let refused = comm
+            .all_to_all(Group::World, data.clone(), &[2], &[3])
+            .is_err();
+        (same == data, refused)
+    });
+    assert_eq!(alone, vec![(true, true)]);
+}

@@ -169,6 +169,111 @@ impl NcclCommunicator {
         })
     }
 
+    /// An all-to-all of rows (`row` elements of `dtype` each, `call`'s splits) from `send` into
+    /// `recv`: one grouped `ncclSend`/`ncclRecv` per member with rows to move, enqueued on the
+    /// rank's NCCL stream after the compute stream's work so far.
+    pub(super) fn enqueue_all_to_all(
+        &self,
+        call: &Call,
+        dtype: DType,
+        row: usize,
+        send: &Handle,
+        recv: &Handle,
+    ) -> Result<Enqueued, Error> {
+        self.check_alive()?;
+        let splits = call.splits().expect("an all-to-all carries its splits");
+        let comm = self.comm(call.group())?;
+        let datatype = nccl_dtype(dtype)?;
+        let width = row * dtype.size();
+        let cuda = |e: cudarc::driver::DriverError| self.library("CUDA context", e);
+        self.ctx.bind_to_thread().map_err(cuda)?;
+        cubecl::future::block_on(self.client.sync()).map_err(|e| self.library("CubeCL sync", e))?;
+        let server = |e| self.library("CubeCL get_resource", e);
+        let send_res = self.client.get_resource(send.clone()).map_err(server)?;
+        let recv_res = self.client.get_resource(recv.clone()).map_err(server)?;
+        let (src, dst) = (
+            send_res.resource().ptr as *const u8,
+            recv_res.resource().ptr as *mut u8,
+        );
+        let stream = self.stream.cu_stream() as nccl_sys::cudaStream_t;
+        let failed = |what: &str| {
+            let what = what.to_owned();
+            move |e: nccl::NcclError| self.library(&what, e.0)
+        };
+        nccl::group_start().map_err(failed("ncclGroupStart"))?;
+        let (mut sent, mut received) = (0, 0);
+        for (peer, (&out, &into)) in splits.send.iter().zip(&splits.recv).enumerate() {
+            // SAFETY: `src` holds `Σ send` rows and `dst` `Σ recv` rows of `width` bytes (the
+            // callers size them); each piece lies inside its buffer; `comm` is this rank's
+            // communicator for the group (peers are group indices), used under the call lock on
+            // the stream of the same context.
+            unsafe {
+                if out > 0 {
+                    let ptr = src.add(sent * width) as *const std::ffi::c_void;
+                    nccl::send(ptr, out * row, datatype, peer as i32, comm, stream)
+                        .map_err(failed("ncclSend"))?;
+                }
+                if into > 0 {
+                    let ptr = dst.add(received * width) as *mut std::ffi::c_void;
+                    nccl::recv(ptr, into * row, datatype, peer as i32, comm, stream)
+                        .map_err(failed("ncclRecv"))?;
+                }
+            }
+            sent += out;
+            received += into;
+        }
+        nccl::group_end().map_err(failed("ncclGroupEnd"))?;
+        let event = self
+            .stream
+            .record_event(None)
+            .map_err(|e| self.library("cuEventRecord", e))?;
+        Ok(Enqueued {
+            _buffers: Box::new((send_res, recv_res)),
+            event,
+        })
+    }
+
+    /// An all-to-all's check: the header round, then (with call checks on) every member's
+    /// splits all-gathered and checked to fit; with checks off, this member's own splits only.
+    pub(super) fn check_all_to_all(&self, call: &Call) -> Result<(), Error> {
+        let round = self.round(call)?;
+        let n = call.group().size(self.mesh())?;
+        let splits = call.splits().expect("an all-to-all carries its splits");
+        if !self.options.check_calls {
+            let rows = call.buffer().and_then(|b| b.shape().first().copied());
+            let fits = splits.send.len() == n
+                && splits.recv.len() == n
+                && rows == Some(splits.send.iter().sum());
+            return if fits {
+                Ok(())
+            } else {
+                Err(Error::Mismatch {
+                    op: CollectiveKind::AllToAll,
+                    group: call.group().label(self.mesh())?.to_owned(),
+                    detail: format!(
+                        "splits send {:?} / recv {:?} for {n} members and {rows:?} rows",
+                        splits.send, splits.recv
+                    ),
+                })
+            };
+        }
+        let bytes = header::to_bytes(&splits.words(n));
+        let send = self.upload(&bytes);
+        let recv = self.client.empty(bytes.len() * n);
+        let exchange = Call::all_gather(call.group(), Operand::new(DType::I64, &[2 * n]), 0);
+        self.raw(&exchange, DType::I64, 2 * n, &send, &recv)?;
+        let all = self.download_bytes(recv, bytes.len() * n)?;
+        let words: Vec<i64> = all
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        let all_splits = words
+            .chunks_exact(2 * n)
+            .map(|w| crate::comm::Splits::from_words(w, n))
+            .collect();
+        round.with_splits(all_splits).check_buffers()
+    }
+
     /// Waits for an [`Enqueued`] call's end, aborting every communicator past the timeout.
     pub(super) fn wait_enqueued(&self, call: &Call, enqueued: Enqueued) -> Result<(), Error> {
         let group = call.group().label(self.mesh()).unwrap_or("?").to_owned();

@@ -137,6 +137,39 @@ impl<F: FloatElement, I: IntElement, BT: BoolElement>
         self.on_device(call, tensor)
     }
 
+    /// Grouped `ncclSend`/`ncclRecv` on the device, the splits checked across the members.
+    fn all_to_all_first(
+        &self,
+        group: Group,
+        tensor: CubeTensor<CudaRuntime>,
+        send: &[usize],
+        recv: &[usize],
+    ) -> Result<CubeTensor<CudaRuntime>, Error> {
+        let started = Instant::now();
+        let t = contiguous(tensor);
+        let splits = crate::comm::Splits {
+            send: send.to_vec(),
+            recv: recv.to_vec(),
+        };
+        let call = Call::all_to_all(group, operand(&t), splits);
+        let shape = t.shape();
+        let row = shape.as_slice()[1..].iter().product::<usize>();
+        let rows: usize = recv.iter().sum();
+        let out = {
+            let _calls = lock(&self.calls);
+            self.check_all_to_all(&call)?;
+            let out = self.client.empty((rows * row * t.dtype.size()).max(1));
+            let enqueued = self.enqueue_all_to_all(&call, t.dtype, row, &t.handle, &out)?;
+            self.wait_enqueued(&call, enqueued)?;
+            out
+        };
+        let mut dims = shape.to_vec();
+        dims[0] = rows;
+        let times = self.member.tracing().then_some((started, started));
+        self.member.record(&call, None, times);
+        Ok(fresh(&t, Shape::from(dims), out))
+    }
+
     /// On the channel to `to` (a neighbouring pipeline rank): enqueued, not waited for.
     fn send(&self, to: usize, tensor: CubeTensor<CudaRuntime>) -> Result<(), Error> {
         self.p2p_send(to, tensor)

@@ -64,6 +64,23 @@ impl NcclCommunicator {
         self.download(recv, chunk_shape, data.dtype)
     }
 
+    /// The host all-to-all: the splits checked across the members, then grouped send/recv.
+    fn host_all_to_all(&self, call: &Call, data: TensorData) -> Result<TensorData, Error> {
+        check_dim(CollectiveKind::AllToAll, data.shape.num_dims(), 0)?;
+        let _calls = lock(&self.calls);
+        self.check_all_to_all(call)?;
+        let splits = call.splits().expect("checked");
+        let row = data.shape.as_slice()[1..].iter().product::<usize>();
+        let rows: usize = splits.recv.iter().sum();
+        let send = self.upload(data.as_bytes());
+        let recv = self.client.empty((rows * row * data.dtype.size()).max(1));
+        let enqueued = self.enqueue_all_to_all(call, data.dtype, row, &send, &recv)?;
+        self.wait_enqueued(call, enqueued)?;
+        let mut shape = data.shape.to_vec();
+        shape[0] = rows;
+        self.download(recv, Shape::from(shape), data.dtype)
+    }
+
     /// The host broadcast: the root's header tells the others what to receive.
     fn host_broadcast(&self, call: &Call, data: Option<TensorData>) -> Result<TensorData, Error> {
         let (group, root) = (call.group(), call.root());
@@ -115,6 +132,7 @@ impl Communicator for NcclCommunicator {
                 Some(match kind {
                     CollectiveKind::AllReduce => self.host_all_reduce(call, data)?,
                     CollectiveKind::AllGather => self.host_all_gather(call, data)?,
+                    CollectiveKind::AllToAll => self.host_all_to_all(call, data)?,
                     _ => self.host_reduce_scatter(call, data)?,
                 })
             }
