@@ -11,7 +11,7 @@
 //! lock, so ranks as threads cannot deadlock on another rank's end-of-backward cleanup.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use burn::module::{AutodiffModule, Param, ParamId};
@@ -29,7 +29,7 @@ use wildfire_parallel::{
 
 use crate::Error;
 use crate::grad_check::check_models;
-use crate::recompute::{Recompute, Recomputer};
+use crate::recompute::{Auxiliary, Recompute, Recomputer};
 use crate::scaler::DynamicLossScaler;
 use crate::step::{Ad, StepRecord, StepRunner};
 
@@ -132,6 +132,9 @@ impl StepRunner {
             Arc::new(move || group.barrier(ctx.comm()))
         });
         let recomputers: Recomputers<X> = RefCell::default();
+        // Each micro-batch's auxiliary losses and routing, by block (a rematerialised stage
+        // writes the same again).
+        let auxiliary: RefCell<BTreeMap<(usize, usize), Auxiliary<Ad<X>>>> = RefCell::default();
         let run_forward = |chunk: &M, stage: usize, mb: usize, input| {
             // Backward starts from the loss over the micro-batches times the loss scale; the
             // stage's auxiliary losses get the same weight.
@@ -143,6 +146,9 @@ impl StepRunner {
                 ckpt = ckpt.with_fence(move || fence());
             }
             let out = forward(chunk, stage, mb, input, &ckpt);
+            for a in ckpt.auxiliary() {
+                auxiliary.borrow_mut().insert((mb, a.layer), a);
+            }
             if ckpt.regions() > 0 {
                 recomputers.borrow_mut().insert((stage, mb), ckpt);
             }
@@ -227,8 +233,14 @@ impl StepRunner {
             Some(ctx.clone()),
         )?;
         let loss = crate::metrics::mean_where_held(&ctx, loss_sum, out.losses.len())?;
-        let (chunks, step) =
+        let (chunks, mut step) =
             self.conclude(device, chunks, grads, optims, lr, check, scale, loss)?;
+        let mut routers = crate::step::Routers::<X>::default();
+        let microbatches = schedule.microbatches();
+        for a in auxiliary.into_inner().into_values() {
+            routers.add(vec![a], microbatches);
+        }
+        step.router = routers.record()?;
         Ok((
             chunks,
             PipelineRecord {

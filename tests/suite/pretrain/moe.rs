@@ -124,6 +124,49 @@ fn moe_llama_sharded_runs_match_one_rank() {
     }
 }
 
+/// Pipeline stages (pp 2, 1F1B, 4 micro-batches; the plain run, and rematerialised stages)
+/// follow one rank accumulating the same 4 micro-batches: every loss, the validation losses
+/// and every parameter within 1e-5 — each stage's auxiliary losses weighted by the loss scale
+/// over the micro-batches — and the routers' counts and auxiliary loss (each block's on its
+/// stage's ranks) are the reference's.
+#[test]
+fn moe_llama_pipeline_stages_match_one_rank() {
+    let base = PretrainConfig {
+        batch_size: 8,
+        ..tiny_moe(4)
+    };
+    let one = run(&PretrainConfig {
+        accum: 4,
+        ..base.clone()
+    })
+    .unwrap();
+    for recompute in [Recompute::None, Recompute::Full] {
+        let what = format!("pp 2 {recompute:?}");
+        let got = run(&PretrainConfig {
+            parallel: ParallelConfig {
+                pp: 2,
+                pp_schedule: "1f1b".into(),
+                microbatches: 4,
+                recompute,
+                ..ParallelConfig::default()
+            },
+            ..base.clone()
+        })
+        .unwrap();
+        same_run(&what, &got, &one, 1e-5);
+        assert_eq!(routed(&got), routed(&one), "{what}: the routers' counts");
+        for (a, b) in got.steps.iter().zip(&one.steps) {
+            let (x, y) = (a.router.as_ref().unwrap(), b.router.as_ref().unwrap());
+            assert!(
+                (x.aux_loss - y.aux_loss).abs() <= 1e-5 * y.aux_loss,
+                "{what}: aux loss {} vs {}",
+                x.aux_loss,
+                y.aux_loss
+            );
+        }
+    }
+}
+
 /// With a capacity factor, tokens past an expert's capacity are dropped (counted), and tp 2
 /// (whose ranks route the same tokens) still follows one rank. Without the auxiliary losses
 /// (coefficients 0) the run differs: they reach the parameters.

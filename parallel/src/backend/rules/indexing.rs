@@ -60,8 +60,9 @@ pub(crate) fn float_scatter_add<B: Backend>(
 ) -> DTensor<B> {
     let mesh = tensor.device.mesh().clone();
     let global = dims(&tensor);
+    // The pipeline axis holds different stages, not pieces of one tensor: never split over it.
     let model_axes: Vec<usize> = (0..mesh.axes().len())
-        .filter(|&a| !is_data(&mesh, a) && mesh.axis_size(a) > 1)
+        .filter(|&a| !is_data(&mesh, a) && !mesh.axis(a).is_pipeline() && mesh.axis_size(a) > 1)
         .collect();
     let whole = |l: &Layout| !l.placements().iter().any(|p| matches!(p, Shard(_)));
     // The target may already be split over `dim` on that axis (a gradient being built up in
