@@ -21,8 +21,6 @@ pub use fused_tail::{
 };
 pub use grad_check::{GradCheck, unscale_check_clip};
 pub use pipeline::PipelineRecord;
-pub use recompute::{
-    AttentionSpec, Auxiliary, Recompute, Recomputer, attention_reference, dropout_mask,
-};
+pub use recompute::{AttentionSpec, Recompute, Recomputer, attention_reference, dropout_mask};
 pub use scaler::{DynamicLossScaler, LossScalerConfig, StepDecision};
 pub use step::{RouterRecord, StepRecord, StepRunner, StepRunnerConfig};

@@ -29,9 +29,10 @@ use wildfire_parallel::{
 
 use crate::Error;
 use crate::grad_check::check_models;
-use crate::recompute::{Auxiliary, Recompute, Recomputer};
+use crate::recompute::{Recompute, Recomputer};
 use crate::scaler::DynamicLossScaler;
 use crate::step::{Ad, StepRecord, StepRunner};
+use wildfire_kernels::hooks::Auxiliary;
 
 /// Each (stage, micro-batch)'s recomputer whose regions its backward action runs again.
 type Recomputers<X> = RefCell<HashMap<(usize, usize), Recomputer<'static, Ad<X>>>>;
@@ -146,8 +147,8 @@ impl StepRunner {
                 ckpt = ckpt.with_fence(move || fence());
             }
             let out = forward(chunk, stage, mb, input, &ckpt);
-            for a in ckpt.auxiliary() {
-                auxiliary.borrow_mut().insert((mb, a.layer), a);
+            for (layer, a) in ckpt.auxiliary() {
+                auxiliary.borrow_mut().insert((mb, layer), a);
             }
             if ckpt.regions() > 0 {
                 recomputers.borrow_mut().insert((stage, mb), ckpt);
@@ -237,9 +238,11 @@ impl StepRunner {
             self.conclude(device, chunks, grads, optims, lr, check, scale, loss)?;
         let mut routers = crate::step::Routers::<X>::default();
         let microbatches = schedule.microbatches();
-        for a in auxiliary.into_inner().into_values() {
-            routers.add(vec![a], microbatches);
-        }
+        let auxiliary = auxiliary.into_inner().into_iter();
+        routers.add(
+            auxiliary.map(|((_, layer), a)| (layer, a)).collect(),
+            microbatches,
+        );
         step.router = routers.record()?;
         Ok((
             chunks,

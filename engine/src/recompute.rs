@@ -41,7 +41,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use std::cell::RefCell;
 use wildfire_kernels::FusedOps;
-use wildfire_kernels::hooks::Routing;
+use wildfire_kernels::hooks::Auxiliary;
 use wildfire_parallel::Error;
 use wildfire_parallel::internal::RecomputeScope;
 
@@ -279,19 +279,7 @@ pub struct Recomputer<'a, B: Backend> {
     objective_weight: f64,
     /// Per block, its auxiliary loss (detached) and routing, as the last forward of the block
     /// gave them (a recomputed block's replay writes the same values again).
-    auxiliary: RefCell<std::collections::BTreeMap<usize, (Tensor<B, 1>, Routing)>>,
-}
-
-/// One block's auxiliary loss (detached, already times its coefficients) and what its router
-/// did, from one forward ([`Recomputer::auxiliary`]).
-#[derive(Clone, Debug)]
-pub struct Auxiliary<B: Backend> {
-    /// The block.
-    pub layer: usize,
-    /// Its auxiliary loss, `[1]`.
-    pub loss: Tensor<B, 1>,
-    /// Its router's counts.
-    pub routing: Routing,
+    auxiliary: RefCell<std::collections::BTreeMap<usize, Auxiliary<B>>>,
 }
 
 impl<'a, X: FusedOps, C: CheckpointStrategy> Recomputer<'a, Autodiff<X, C>> {
@@ -304,10 +292,7 @@ impl<'a, X: FusedOps, C: CheckpointStrategy> Recomputer<'a, Autodiff<X, C>> {
             training: true,
             attention: Some(attention_autodiff::<X, C>),
             handle: Some(grad_handle::<X, C>),
-            regions: RefCell::new(Vec::new()),
-            fence: None,
-            objective_weight: 1.0,
-            auxiliary: RefCell::default(),
+            ..Self::inference()
         }
     }
 }
@@ -337,16 +322,11 @@ impl<'a, B: Backend> Recomputer<'a, B> {
         self
     }
 
-    /// The auxiliary losses and routing of the forward so far, by block, taken (empty for a
-    /// dense model).
-    pub fn auxiliary(&self) -> Vec<Auxiliary<B>> {
+    /// The auxiliary losses (detached) and routing of the forward so far, by block, taken
+    /// (empty for a dense model).
+    pub fn auxiliary(&self) -> Vec<(usize, Auxiliary<B>)> {
         std::mem::take(&mut *self.auxiliary.borrow_mut())
             .into_iter()
-            .map(|(layer, (loss, routing))| Auxiliary {
-                layer,
-                loss,
-                routing,
-            })
             .collect()
     }
 
@@ -593,22 +573,19 @@ impl<'a, B: FusedOps> wildfire_kernels::hooks::ForwardHooks<'a, B> for Recompute
         }
     }
 
-    /// While training: `x` carrying `aux` into backward with the objective's weight, `aux`
-    /// (detached) and `routing` kept for the step's record ([`Recomputer::auxiliary`]).
-    fn auxiliary_loss(
-        &self,
-        layer: usize,
-        x: Tensor<B, 3>,
-        aux: Tensor<B, 1>,
-        routing: Routing,
-    ) -> Tensor<B, 3> {
+    /// While training: `x` carrying the block's loss into backward with the objective's
+    /// weight, the loss (detached) and routing kept for the step's record
+    /// ([`Recomputer::auxiliary`]).
+    fn auxiliary_loss(&self, layer: usize, x: Tensor<B, 3>, aux: Auxiliary<B>) -> Tensor<B, 3> {
         if !self.training {
             return x;
         }
-        self.auxiliary
-            .borrow_mut()
-            .insert(layer, (aux.clone().detach(), routing));
-        wildfire_kernels::ops::with_auxiliary_loss(x, aux, self.objective_weight)
+        let kept = Auxiliary {
+            loss: aux.loss.clone().detach(),
+            routing: aux.routing,
+        };
+        self.auxiliary.borrow_mut().insert(layer, kept);
+        wildfire_kernels::ops::carry_loss(x, aux.loss, self.objective_weight)
     }
 
     /// Inverted dropout with probability `p` at `(layer, site)` while training; identity otherwise.

@@ -15,6 +15,7 @@ use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
+use wildfire_kernels::hooks::Auxiliary;
 use wildfire_parallel::{
     DistDevice, Distributed, Group, ModulePath, ParamVisitor, ReduceOp, dtensor, gradient_bytes,
     sync_gradients, visit_params,
@@ -334,14 +335,14 @@ impl<X: Backend> Default for Routers<X> {
 
 impl<X: wildfire_kernels::FusedOps> Routers<X> {
     /// One micro-batch's (of `accum`).
-    pub(crate) fn add(&mut self, auxiliary: Vec<crate::recompute::Auxiliary<Ad<X>>>, accum: usize) {
-        for a in auxiliary {
+    pub(crate) fn add(&mut self, auxiliary: Vec<(usize, Auxiliary<Ad<X>>)>, accum: usize) {
+        for (layer, a) in auxiliary {
             let loss = a.loss.inner().div_scalar(accum as f64);
             self.aux = Some(match self.aux.take() {
                 Some(sum) => sum + loss,
                 None => loss,
             });
-            self.layers.entry(a.layer).or_default().add(&a.routing);
+            self.layers.entry(layer).or_default().add(&a.routing);
         }
     }
 

@@ -250,15 +250,11 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         B::sequence_positions(device, len)
     }
 
-    fn with_auxiliary_loss(
-        x: FloatTensor<Self>,
-        aux: FloatTensor<Self>,
-        weight: f64,
-    ) -> FloatTensor<Self> {
+    fn carry_loss(x: FloatTensor<Self>, loss: FloatTensor<Self>, w: f64) -> FloatTensor<Self> {
         use burn::tensor::TensorMetadata;
-        let state = (aux.primitive.shape(), aux.primitive.dtype());
-        match (AuxiliaryLossOp { weight })
-            .prepare::<C>([x.node, aux.node])
+        let state = (loss.primitive.shape(), loss.primitive.dtype());
+        match (AuxiliaryLossOp { weight: w })
+            .prepare::<C>([x.node, loss.node])
             .compute_bound()
             .stateful()
         {

@@ -68,19 +68,11 @@ pub trait ForwardHooks<'a, B: FusedOps>: Sized {
         crate::ops::attention(q, k, v, scale, causal)
     }
 
-    /// Block `layer`'s output `x`, carrying the block's auxiliary loss `aux` (`[1]`, already
-    /// times its coefficients: a mixture of experts' load-balancing and z-losses) into backward,
-    /// weighted as the main loss is ([`FusedOps::with_auxiliary_loss`]), and what its router
-    /// did (`routing`). Evaluation and generation drop both: the loss they report is the
-    /// model's.
-    fn auxiliary_loss(
-        &self,
-        layer: usize,
-        x: Tensor<B, 3>,
-        aux: Tensor<B, 1>,
-        routing: Routing,
-    ) -> Tensor<B, 3> {
-        let _ = (layer, aux, routing);
+    /// Block `layer`'s output `x`, carrying the block's auxiliary loss into backward, weighted
+    /// as the main loss is ([`FusedOps::carry_loss`]), and what its router did (`aux`).
+    /// Evaluation and generation drop both: the loss they report is the model's.
+    fn auxiliary_loss(&self, layer: usize, x: Tensor<B, 3>, aux: Auxiliary<B>) -> Tensor<B, 3> {
+        let _ = (layer, aux);
         x
     }
 
@@ -95,6 +87,16 @@ pub trait ForwardHooks<'a, B: FusedOps>: Sized {
         let _ = (layer, site, p);
         x
     }
+}
+
+/// A block's auxiliary loss and what its router did with the batch.
+#[derive(Clone, Debug)]
+pub struct Auxiliary<B: Backend> {
+    /// The loss, `[1]`, already times its coefficients (a mixture of experts' load-balancing
+    /// and z-losses).
+    pub loss: Tensor<B, 1>,
+    /// The router's counts.
+    pub routing: Routing,
 }
 
 /// What a mixture-of-experts router did with one batch (summed over its rows).

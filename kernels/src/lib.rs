@@ -225,19 +225,15 @@ pub trait FusedOps: Backend {
         (0..len).collect()
     }
 
-    /// `x`, unchanged, carrying an auxiliary loss `aux` into backward: there `aux` receives the
-    /// gradient `weight` (every element), as if `weight · Σ aux` had been added to the quantity
+    /// `x`, unchanged, carrying an auxiliary `loss` into backward: there `loss` receives the
+    /// gradient `w` (every element), as if `w · Σ loss` had been added to the quantity
     /// backward starts from, and `x`'s gradient passes through. This is how a block adds a loss
     /// term (a mixture of experts' load-balancing loss) without a second output: recomputed
     /// blocks and pipeline stages hand on one tensor, as Megatron's `MoEAuxLossAutoScaler`
-    /// does. `weight` is the factor backward's root carries (the loss scale over the
-    /// micro-batches). Without autodiff there is no backward: `x` is returned and `aux` dropped.
-    fn with_auxiliary_loss(
-        x: FloatTensor<Self>,
-        aux: FloatTensor<Self>,
-        weight: f64,
-    ) -> FloatTensor<Self> {
-        let _ = (aux, weight);
+    /// does. `w` is the factor backward's root carries (the loss scale over the
+    /// micro-batches). Without autodiff there is no backward: `x` is returned and `loss` dropped.
+    fn carry_loss(x: FloatTensor<Self>, loss: FloatTensor<Self>, w: f64) -> FloatTensor<Self> {
+        let _ = (loss, w);
         x
     }
 

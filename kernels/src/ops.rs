@@ -11,14 +11,14 @@ fn tensor<B: FusedOps, const D: usize>(x: burn::tensor::ops::FloatTensor<B>) -> 
     Tensor::from_primitive(TensorPrimitive::Float(x))
 }
 
-/// `x`, carrying the auxiliary loss `aux` into backward with weight `weight` (see
-/// [`FusedOps::with_auxiliary_loss`]).
-pub fn with_auxiliary_loss<B: FusedOps, const D: usize, const E: usize>(
+/// `x`, carrying the auxiliary `loss` into backward with weight `weight` (see
+/// [`FusedOps::carry_loss`]).
+pub fn carry_loss<B: FusedOps, const D: usize, const E: usize>(
     x: Tensor<B, D>,
-    aux: Tensor<B, E>,
+    loss: Tensor<B, E>,
     weight: f64,
 ) -> Tensor<B, D> {
-    tensor(B::with_auxiliary_loss(prim(x), prim(aux), weight))
+    tensor(B::carry_loss(prim(x), prim(loss), weight))
 }
 
 /// Softmax over the last dimension.

@@ -13,6 +13,7 @@ pub mod moe;
 pub mod parallelize;
 mod shape;
 pub mod stage;
+pub mod swiglu;
 
 pub use error::Error;
 pub use family::{ModelConfig, Preset};

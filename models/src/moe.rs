@@ -27,10 +27,9 @@ use burn::tensor::IndexingUpdateOp;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
 use wildfire_kernels::FusedOps;
-use wildfire_kernels::hooks::ForwardHooks;
 
 use crate::Error;
-use crate::llama::SwiGlu;
+use crate::swiglu::SwiGlu;
 
 /// How the router turns logits into scores.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -342,19 +341,6 @@ impl<B: FusedOps> MoeMlp<B> {
             z_loss,
             stats: routing.stats,
         }
-    }
-
-    /// [`forward`](Self::forward) as block `layer` of a model: the output carries the routing
-    /// losses into backward and the statistics to the trainer ([`ForwardHooks::auxiliary_loss`]).
-    pub fn forward_with<'a, H: ForwardHooks<'a, B>>(
-        &self,
-        layer: usize,
-        x: Tensor<B, 3>,
-        hooks: &H,
-    ) -> Tensor<B, 3> {
-        let out = self.forward(x);
-        let aux = out.aux_loss + out.z_loss;
-        hooks.auxiliary_loss(layer, out.output, aux, out.stats)
     }
 
     /// The shared experts' sum on every token (zeros without any), `[n, d]`.

@@ -1,13 +1,13 @@
 //! The mixture of experts' auxiliary losses reach backward as if they were added to the loss:
 //! the trainer's hooks carry them on the block's output with the objective's weight
-//! (`FusedOps::with_auxiliary_loss`), recomputed blocks included.
+//! (`FusedOps::carry_loss`), recomputed blocks included.
 
 use burn::backend::{Autodiff, Flex};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::prelude::*;
 use std::cell::RefCell;
 use wildfire::engine::{Recompute, Recomputer};
-use wildfire::kernels::hooks::{ForwardHooks, Routing};
+use wildfire::kernels::hooks::{Auxiliary, ForwardHooks};
 use wildfire::models::CausalLm;
 use wildfire::models::llama::{Llama, LlamaConfig, LlamaMoe};
 use wildfire::models::moe::MoeConfig;
@@ -46,14 +46,8 @@ struct Collect {
 }
 
 impl<'a> ForwardHooks<'a, A> for Collect {
-    fn auxiliary_loss(
-        &self,
-        _layer: usize,
-        x: Tensor<A, 3>,
-        aux: Tensor<A, 1>,
-        _routing: Routing,
-    ) -> Tensor<A, 3> {
-        self.aux.borrow_mut().push(aux);
+    fn auxiliary_loss(&self, _layer: usize, x: Tensor<A, 3>, aux: Auxiliary<A>) -> Tensor<A, 3> {
+        self.aux.borrow_mut().push(aux.loss);
         x
     }
 }
@@ -130,15 +124,18 @@ fn auxiliary_losses_reach_backward_weighted_as_the_loss() {
             close(&format!("{policy} weight {w}"), &got, &expected);
             let recorded = ckpt.auxiliary();
             assert_eq!(
-                recorded.iter().map(|a| a.layer).collect::<Vec<_>>(),
+                recorded.iter().map(|(layer, _)| *layer).collect::<Vec<_>>(),
                 vec![0, 1]
             );
-            let sum: f32 = recorded.iter().map(|a| a.loss.clone().into_scalar()).sum();
+            let sum: f32 = recorded
+                .iter()
+                .map(|(_, a)| a.loss.clone().into_scalar())
+                .sum();
             assert!(
                 (sum - aux_sum).abs() <= 1e-6 * aux_sum,
                 "{sum} vs {aux_sum}"
             );
-            for a in &recorded {
+            for (_, a) in &recorded {
                 assert_eq!(a.routing.routed.iter().sum::<u64>(), (b * t * 2) as u64);
             }
         }

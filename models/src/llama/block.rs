@@ -3,11 +3,11 @@
 
 use super::rope::apply_rope;
 use crate::moe::MoeMlp;
+pub use crate::swiglu::SwiGlu;
 use burn::module::Param;
 use burn::nn::{Linear, RmsNorm};
 use burn::prelude::*;
-use burn::tensor::activation;
-use wildfire_kernels::hooks::{ForwardHooks, Inference};
+use wildfire_kernels::hooks::{Auxiliary, ForwardHooks, Inference};
 use wildfire_kernels::{FusedOps, ops};
 
 /// A pre-RMSNorm Llama block.
@@ -42,17 +42,6 @@ pub struct LlamaAttention<B: Backend> {
     pub n_head: usize,
     /// Key/value heads.
     pub n_kv_head: usize,
-}
-
-/// The SwiGLU MLP: `down(silu(gate(x)) ⊙ up(x))`.
-#[derive(Module, Debug)]
-pub struct SwiGlu<B: Backend> {
-    /// Gate projection `[d, ffn]`.
-    pub gate_proj: Linear<B>,
-    /// Up projection `[d, ffn]`.
-    pub up_proj: Linear<B>,
-    /// Down projection `[ffn, d]`.
-    pub down_proj: Linear<B>,
 }
 
 /// `norm(x)`: the fused RMSNorm kernel where the backend has one ([`FusedOps::FUSED`]), Burn's
@@ -104,19 +93,6 @@ impl<B: FusedOps> LlamaAttention<B> {
     }
 }
 
-impl<B: FusedOps> SwiGlu<B> {
-    /// `[b, t, d] -> [b, t, d]`.
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let (gate, up) = (self.gate_proj.forward(x.clone()), self.up_proj.forward(x));
-        let h = if B::FUSED.swiglu {
-            ops::swiglu(gate, up)
-        } else {
-            activation::silu(gate) * up
-        };
-        self.down_proj.forward(h)
-    }
-}
-
 impl<B: FusedOps> LlamaBlock<B> {
     /// `x + attn(norm(x))`, then `x + mlp(norm(x))`, without hooks.
     pub fn forward(&self, x: Tensor<B, 3>, rope: &[Tensor<B, 2>; 2]) -> Tensor<B, 3> {
@@ -141,7 +117,14 @@ impl<B: FusedOps> LlamaBlock<B> {
         let h = rms_norm(&self.post_attention_layernorm, x.clone());
         let h = match (&self.mlp, &self.moe) {
             (Some(mlp), _) => mlp.forward(h),
-            (None, Some(moe)) => moe.forward_with(layer, h, hooks),
+            (None, Some(moe)) => {
+                // The routing losses ride on the output into backward; the counts go to the
+                // trainer.
+                let out = moe.forward(h);
+                let loss = out.aux_loss + out.z_loss;
+                let routing = out.stats;
+                hooks.auxiliary_loss(layer, out.output, Auxiliary { loss, routing })
+            }
             (None, None) => unreachable!("a block has a dense MLP or a mixture of experts"),
         };
         x + h

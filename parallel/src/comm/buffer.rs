@@ -108,23 +108,21 @@ pub(crate) fn concat(parts: &[&TensorData], dim: usize) -> Result<TensorData, Er
     Ok(TensorData::from_bytes_vec(bytes, out_dims, first.dtype))
 }
 
-/// An all-to-all's result for member `index`: from each member `i` (buffers in group order,
-/// with their splits), the rows `i` sends to `index`, concatenated in group order along dim 0.
-/// The round checked the splits.
+/// An all-to-all's result: from each member's buffer (in group order) the rows `pieces` names
+/// for it (`(first row, rows)`: what it sends this member), concatenated along dim 0. The round
+/// checked the splits.
 pub(crate) fn all_to_all_rows(
     buffers: &[&TensorData],
-    splits: &[&super::call::Splits],
-    index: usize,
+    pieces: &[(usize, usize)],
 ) -> Result<TensorData, Error> {
     let first = buffers[0];
     let size = element_size(first)?;
     let row = first.shape.as_slice()[1..].iter().product::<usize>() * size;
     let mut shape = first.shape.to_vec();
-    shape[0] = splits.iter().map(|s| s.send[index]).sum();
+    shape[0] = pieces.iter().map(|&(_, rows)| rows).sum();
     let mut bytes = Vec::with_capacity(shape[0] * row);
-    for (data, s) in buffers.iter().zip(splits) {
-        let start = s.send_offset(index) * row;
-        bytes.extend_from_slice(&data.as_bytes()[start..start + s.send[index] * row]);
+    for (data, &(start, rows)) in buffers.iter().zip(pieces) {
+        bytes.extend_from_slice(&data.as_bytes()[start * row..(start + rows) * row]);
     }
     Ok(TensorData::from_bytes_vec(bytes, shape, first.dtype))
 }

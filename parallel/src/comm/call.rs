@@ -139,9 +139,9 @@ impl Splits {
         }
     }
 
-    /// Where member `j`'s rows start in the sent buffer.
-    pub(crate) fn send_offset(&self, j: usize) -> usize {
-        self.send[..j].iter().sum()
+    /// The rows sent to member `j`: `(first row, rows)` of the buffer.
+    pub(crate) fn rows_to(&self, j: usize) -> (usize, usize) {
+        (self.send[..j].iter().sum(), self.send[j])
     }
 }
 

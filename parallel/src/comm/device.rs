@@ -79,9 +79,7 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
         recv: &[usize],
     ) -> Result<FloatTensor<B>, Error> {
         let _ = (group, tensor, send, recv);
-        Err(Error::Unsupported(format!(
-            "all-to-all on the device collectives {self:?}"
-        )))
+        Err(unsupported("all-to-all", format!("{self:?}")))
     }
 
     /// Sends `tensor` to global rank `to` without waiting for it to be received: pipeline
@@ -89,9 +87,7 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
     /// sent. Default: [`Error::Unsupported`].
     fn send(&self, to: usize, tensor: FloatTensor<B>) -> Result<(), Error> {
         let _ = (to, tensor);
-        Err(Error::Unsupported(format!(
-            "point-to-point sends on the device collectives {self:?}"
-        )))
+        Err(unsupported("point-to-point sends", format!("{self:?}")))
     }
 
     /// Receives the next tensor global rank `from` sent to this rank, of `shape` and `dtype`
@@ -105,9 +101,7 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
         device: &B::Device,
     ) -> Result<FloatTensor<B>, Error> {
         let _ = (from, shape, dtype, device);
-        Err(Error::Unsupported(format!(
-            "point-to-point receives on the device collectives {self:?}"
-        )))
+        Err(unsupported("point-to-point receives", format!("{self:?}")))
     }
 
     /// Waits until every tensor this rank sent has left it (within the timeout). Default:
@@ -128,6 +122,11 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
     ) -> DeviceIssued<B> {
         run_now(&*self, group, op, tensor)
     }
+}
+
+/// `what` is not offered by the device collectives `on`.
+fn unsupported(what: &str, on: String) -> Error {
+    Error::Unsupported(format!("{what} on the device collectives {on}"))
 }
 
 /// `op` run now, as an issued call already done.

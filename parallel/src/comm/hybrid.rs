@@ -347,8 +347,8 @@ impl Communicator for HybridCommunicator {
                 .map(|(c, p)| data_of(c.buffer().expect("checked"), p[16 * n..].to_vec()))
                 .collect();
             let index = call.group().index(self.mesh(), self.rank())?;
-            let splits: Vec<&Splits> = splits.iter().collect();
-            return all_to_all_rows(&buffers.iter().collect::<Vec<_>>(), &splits, index).map(Some);
+            let pieces: Vec<(usize, usize)> = splits.iter().map(|s| s.rows_to(index)).collect();
+            return all_to_all_rows(&buffers.iter().collect::<Vec<_>>(), &pieces).map(Some);
         }
         let buffers = |payloads: Vec<Vec<u8>>| -> Vec<TensorData> {
             (round.calls().iter().zip(payloads))

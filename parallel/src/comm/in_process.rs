@@ -21,7 +21,7 @@ use burn::tensor::TensorData;
 
 use super::buffer::{all_to_all_rows, chunk_bytes, concat, reduce};
 use super::call::Round;
-use super::{Call, CollectiveKind, Communicator, Error, Member, PointToPoint, Splits, lock};
+use super::{Call, CollectiveKind, Communicator, Error, Member, PointToPoint, lock};
 use crate::mesh::DeviceMesh;
 
 /// How long a rank waits for its peers (or a message) before giving up with
@@ -345,11 +345,12 @@ fn combine(
         }
         CollectiveKind::AllGather => concat(buffers, call.dim())?,
         CollectiveKind::AllToAll => {
-            let splits: Vec<&Splits> = deposits
+            let pieces: Vec<(usize, usize)> = deposits
                 .iter()
                 .map(|d| d.call.splits().expect("the round checked the splits"))
+                .map(|s| s.rows_to(index))
                 .collect();
-            all_to_all_rows(buffers, &splits, index)?
+            all_to_all_rows(buffers, &pieces)?
         }
         _ => {
             let parts = buffers.len();

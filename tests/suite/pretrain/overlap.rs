@@ -92,11 +92,7 @@ fn the_trace_holds_every_collective_of_every_rank() {
     let dir = scratch("trace");
     let path = dir.join("trace.json");
     let summary = run(&PretrainConfig {
-        parallel: ParallelConfig {
-            dp: 2,
-            fsdp: FsdpStrategy::FullShard,
-            ..ParallelConfig::default()
-        },
+        parallel: ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
         eval_iters: 0,
         trace: Some(path.clone()),
         ..small(3)
@@ -181,11 +177,7 @@ fn modelled_links_pace_collectives_and_change_no_result() {
     let dir = scratch("link");
     let path = dir.join("trace.json");
     let base = PretrainConfig {
-        parallel: ParallelConfig {
-            dp: 2,
-            fsdp: FsdpStrategy::FullShard,
-            ..ParallelConfig::default()
-        },
+        parallel: ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
         eval_iters: 0,
         ..small(2)
     };

@@ -120,18 +120,8 @@ impl NcclCommunicator {
         let comm = self.comm(call.group())?;
         let kind = call.kind();
         let datatype = nccl_dtype(dtype)?;
-        let cuda = |e: cudarc::driver::DriverError| self.library("CUDA context", e);
-        self.ctx.bind_to_thread().map_err(cuda)?;
-        // The input's producers run on the compute stream: let them finish first.
-        cubecl::future::block_on(self.client.sync()).map_err(|e| self.library("CubeCL sync", e))?;
-        let server = |e| self.library("CubeCL get_resource", e);
-        // Kept alive until the call has completed.
-        let send_res = self.client.get_resource(send.clone()).map_err(server)?;
-        let recv_res = self.client.get_resource(recv.clone()).map_err(server)?;
-        let (src, dst) = (
-            send_res.resource().ptr as *const std::ffi::c_void,
-            recv_res.resource().ptr as *mut std::ffi::c_void,
-        );
+        let (buffers, src, dst) = self.bind(send, recv)?;
+        let (src, dst) = (src as *const std::ffi::c_void, dst as *mut std::ffi::c_void);
         let stream = self.stream.cu_stream() as nccl_sys::cudaStream_t;
         // SAFETY: `src`/`dst` are live device allocations of the sizes `count` implies (the
         // callers size them); `comm` is this rank's communicator for `group`, used under the
@@ -159,12 +149,38 @@ impl NcclCommunicator {
             }
         };
         result.map_err(|e| self.library(&kind.to_string(), e.0))?;
+        self.enqueued(buffers)
+    }
+
+    /// The rank's CUDA context bound to this thread, the compute stream's work so far finished
+    /// (the input's producers), and `send`'s and `recv`'s device resources — kept alive until
+    /// the call completes — with their addresses.
+    fn bind(
+        &self,
+        send: &Handle,
+        recv: &Handle,
+    ) -> Result<(Box<dyn std::any::Any + Send>, *const u8, *mut u8), Error> {
+        let cuda = |e: cudarc::driver::DriverError| self.library("CUDA context", e);
+        self.ctx.bind_to_thread().map_err(cuda)?;
+        cubecl::future::block_on(self.client.sync()).map_err(|e| self.library("CubeCL sync", e))?;
+        let server = |e| self.library("CubeCL get_resource", e);
+        let send_res = self.client.get_resource(send.clone()).map_err(server)?;
+        let recv_res = self.client.get_resource(recv.clone()).map_err(server)?;
+        let (src, dst) = (
+            send_res.resource().ptr as *const u8,
+            recv_res.resource().ptr as *mut u8,
+        );
+        Ok((Box::new((send_res, recv_res)), src, dst))
+    }
+
+    /// The call just enqueued on the NCCL stream, with an event after it, holding `buffers`.
+    fn enqueued(&self, buffers: Box<dyn std::any::Any + Send>) -> Result<Enqueued, Error> {
         let event = self
             .stream
             .record_event(None)
             .map_err(|e| self.library("cuEventRecord", e))?;
         Ok(Enqueued {
-            _buffers: Box::new((send_res, recv_res)),
+            _buffers: buffers,
             event,
         })
     }
@@ -185,16 +201,7 @@ impl NcclCommunicator {
         let comm = self.comm(call.group())?;
         let datatype = nccl_dtype(dtype)?;
         let width = row * dtype.size();
-        let cuda = |e: cudarc::driver::DriverError| self.library("CUDA context", e);
-        self.ctx.bind_to_thread().map_err(cuda)?;
-        cubecl::future::block_on(self.client.sync()).map_err(|e| self.library("CubeCL sync", e))?;
-        let server = |e| self.library("CubeCL get_resource", e);
-        let send_res = self.client.get_resource(send.clone()).map_err(server)?;
-        let recv_res = self.client.get_resource(recv.clone()).map_err(server)?;
-        let (src, dst) = (
-            send_res.resource().ptr as *const u8,
-            recv_res.resource().ptr as *mut u8,
-        );
+        let (buffers, src, dst) = self.bind(send, recv)?;
         let stream = self.stream.cu_stream() as nccl_sys::cudaStream_t;
         let failed = |what: &str| {
             let what = what.to_owned();
@@ -223,14 +230,7 @@ impl NcclCommunicator {
             received += into;
         }
         nccl::group_end().map_err(failed("ncclGroupEnd"))?;
-        let event = self
-            .stream
-            .record_event(None)
-            .map_err(|e| self.library("cuEventRecord", e))?;
-        Ok(Enqueued {
-            _buffers: Box::new((send_res, recv_res)),
-            event,
-        })
+        self.enqueued(buffers)
     }
 
     /// An all-to-all's check: the header round, then (with call checks on) every member's
