@@ -55,6 +55,9 @@ pub struct PipelineRecord {
     pub started: std::time::Instant,
 }
 
+/// Per (micro-batch, block): its auxiliary loss and routing.
+type ByMicroBatch<X> = BTreeMap<(usize, usize), Auxiliary<Ad<X>>>;
+
 impl StepRunner {
     /// One pipeline step of `schedule` on `device`'s mesh, whose `pp` axis is the pipeline:
     /// `chunks[c]` is this rank's stage `c·p + r` and `optims[c]` its optimizer;
@@ -135,7 +138,7 @@ impl StepRunner {
         let recomputers: Recomputers<X> = RefCell::default();
         // Each micro-batch's auxiliary losses and routing, by block (a rematerialised stage
         // writes the same again).
-        let auxiliary: RefCell<BTreeMap<(usize, usize), Auxiliary<Ad<X>>>> = RefCell::default();
+        let auxiliary: RefCell<ByMicroBatch<X>> = RefCell::default();
         let run_forward = |chunk: &M, stage: usize, mb: usize, input| {
             // Backward starts from the loss over the micro-batches times the loss scale; the
             // stage's auxiliary losses get the same weight.

@@ -313,10 +313,18 @@ impl<B: FusedOps> MoeMlp<B> {
         let device = flat.device();
         let (s, routing) = self.route(flat.clone());
         let mut out = self.shared_output(flat.clone());
+        // Every expert runs the same ops on every rank, whatever its tokens chose, so that each
+        // rank makes the same calls on every expert's parameters in the same order (FSDP's
+        // gathers, gradient reductions where they are born, DDP's buckets): one with no rows
+        // routed to it runs on row 0 with its gate times 0 (its output adds exactly 0, its
+        // gradients are exactly zeros). (An empty batch is no option: Burn's `reshape` reads a
+        // 0 as "keep this size".)
         for (expert, assigned) in self.experts.iter().zip(&routing.assignments) {
-            if assigned.is_empty() {
-                continue;
-            }
+            let idle = [(0, 0)];
+            let (assigned, used) = match assigned.is_empty() {
+                true => (&idle[..], 0.0),
+                false => (&assigned[..], 1.0),
+            };
             let m = assigned.len();
             let ids = |f: fn(&(usize, usize)) -> usize| {
                 let v: Vec<i64> = assigned.iter().map(|a| f(a) as i64).collect();
@@ -330,7 +338,8 @@ impl<B: FusedOps> MoeMlp<B> {
                 .gates
                 .clone()
                 .select(0, rows.clone())
-                .gather(1, slots.reshape([m, 1]));
+                .gather(1, slots.reshape([m, 1]))
+                .mul_scalar(used);
             let y = y.clone() * gate.cast(y.dtype());
             out = out.select_assign(0, rows, y, IndexingUpdateOp::Add);
         }

@@ -167,6 +167,49 @@ fn moe_llama_pipeline_stages_match_one_rank() {
     }
 }
 
+/// Experts no token of a rank chose still run there (on a zeroed row): every rank makes the
+/// same gathers and reductions in the same order. 16 experts, top-1, where the untrained router
+/// leaves experts idle: DDP (gradient buckets) and FSDP at dp 2 follow one rank accumulating the
+/// same micro-batches within 1e-5.
+#[test]
+fn moe_idle_experts_keep_the_ranks_in_step() {
+    let base = PretrainConfig {
+        model: ModelFlags {
+            moe: MoeFlags {
+                experts: Some(16),
+                top_k: Some(1),
+                ..tiny_moe(3).model.moe
+            },
+            ..tiny_moe(3).model
+        },
+        ..tiny_moe(3)
+    };
+    let reference = run(&PretrainConfig {
+        accum: 2,
+        ..base.clone()
+    })
+    .unwrap();
+    let idle = routed(&reference)
+        .iter()
+        .flat_map(|(blocks, _)| blocks.iter().flatten())
+        .filter(|&&c| c == 0)
+        .count();
+    assert!(idle > 0, "some expert got no token at all");
+    for fsdp in [FsdpStrategy::NoShard, FsdpStrategy::FullShard] {
+        let many = run(&PretrainConfig {
+            parallel: ParallelConfig::layout(2, 1, fsdp, None),
+            ..base.clone()
+        })
+        .unwrap();
+        same_run(
+            &format!("idle experts, dp 2 {fsdp:?}"),
+            &many,
+            &reference,
+            1e-5,
+        );
+    }
+}
+
 /// With a capacity factor, tokens past an expert's capacity are dropped (counted), and tp 2
 /// (whose ranks route the same tokens) still follows one rank. Without the auxiliary losses
 /// (coefficients 0) the run differs: they reach the parameters.
