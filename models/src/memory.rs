@@ -233,7 +233,11 @@ fn activation_bytes(model: &GptConfig, parallel: &ParallelConfig, b: usize, half
 /// whole on every rank where tp replicates them), and the output's heads merged for `o_proj`,
 /// `(2sb(q + kv) + sbq + sba)/t` (the fused attention keeps no `s²` probabilities, so selective
 /// recomputation drops nothing more; the fused rotary embedding keeps only its tables); the fused
-/// SwiGLU gate's two inputs and its product, `3sbf/t`. Full (or every-N) recomputation keeps a recomputed
+/// SwiGLU gate's two inputs and its product, `3sbf/t` — in a mixture-of-experts block, dropless,
+/// the router's logits, scores and gate matrix `3sbE`, each token's `k` gathered inputs and gated
+/// outputs `2ksbh`, and the SwiGLUs of its `k` routed and shared experts of width `F`,
+/// `3(k + shared)·sbF/t` (an estimate: the accounting is not checked against it yet). Full (or
+/// every-N) recomputation keeps a recomputed
 /// block's f32 input, `sbh`, and one block's activations while it runs again. With `half`, all
 /// but the residual stream in 16 bits. Plus the logits and their gradient. With context
 /// parallelism `s` is a rank's `s/cp` positions.
