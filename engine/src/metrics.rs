@@ -132,7 +132,7 @@ pub fn router_over_ranks(
             .expect("f64");
     }
     if v[len - 1] == 0.0 {
-        // No rank recorded its routing (the pipeline's stages do not yet).
+        // No rank recorded any routing (no forward went through a mixture-of-experts block).
         return Ok(None);
     }
     let counts = |x: f64| (x / tp as f64).round() as u64;

@@ -139,10 +139,10 @@ impl StepRunner {
         // Each micro-batch's auxiliary losses and routing, by block (a rematerialised stage
         // writes the same again).
         let auxiliary: RefCell<ByMicroBatch<X>> = RefCell::default();
+        // Backward starts from the loss over the micro-batches times the loss scale; the
+        // stages' auxiliary losses get the same weight.
+        let weight = scale as f64 / schedule.microbatches() as f64;
         let run_forward = |chunk: &M, stage: usize, mb: usize, input| {
-            // Backward starts from the loss over the micro-batches times the loss scale; the
-            // stage's auxiliary losses get the same weight.
-            let weight = scale as f64 / schedule.microbatches() as f64;
             let mut ckpt =
                 Recomputer::<Ad<X>>::new(policy, seeds[mb]).with_objective_weight(weight);
             if let Some(fence) = &fence {

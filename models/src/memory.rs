@@ -237,9 +237,8 @@ fn activation_bytes(model: &GptConfig, parallel: &ParallelConfig, b: usize, half
 /// the router's logits, scores and gate matrix `3sbE`, each token's `k` gathered inputs and gated
 /// outputs `2ksbh`, and the SwiGLUs of its `k` routed and shared experts of width `F`,
 /// `3(k + shared)·sbF/t` (an estimate: the accounting is not checked against it yet). Full (or
-/// every-N) recomputation keeps a recomputed
-/// block's f32 input, `sbh`, and one block's activations while it runs again. With `half`, all
-/// but the residual stream in 16 bits. Plus the logits and their gradient. With context
+/// every-N) recomputation keeps a recomputed block's f32 input, `sbh`, and one block's
+/// activations while it runs again. With `half`, all but the residual stream in 16 bits. Plus the logits and their gradient. With context
 /// parallelism `s` is a rank's `s/cp` positions.
 pub fn llama_activation_bytes(
     model: &LlamaConfig,

@@ -146,7 +146,8 @@ pub struct MoeMlp<B: Backend> {
     pub z_loss_coef: f64,
 }
 
-/// What routing did to one batch: the trainer's hooks' record ([`Routing`](wildfire_kernels::hooks::Routing)).
+/// What routing did to one batch: the trainer's hooks' record
+/// ([`Routing`](wildfire_kernels::hooks::Routing)).
 pub use wildfire_kernels::hooks::Routing as RouterStats;
 
 /// One batch's routing: per expert the rows it processes and which of each row's `k` choices

@@ -105,7 +105,8 @@ impl MoeFlags {
             },
             (None, None) if self.any() => {
                 return Err(Error::Config(
-                    "a mixture-of-experts flag without --experts on a dense preset: add                      --experts E"
+                    "a mixture-of-experts flag without --experts on a dense preset: add \
+                     --experts E"
                         .into(),
                 ));
             }
@@ -256,9 +257,7 @@ impl ModelConfig {
             ModelConfig::Llama(_) => hf::export_llama(checkpoint, out),
         }
     }
-}
 
-impl ModelConfig {
     /// Hugging Face files map dense models only: a mixture of experts (whose names differ per
     /// family: Mixtral's `block_sparse_moe`, OLMoE's and Qwen-MoE's `mlp.experts`) is refused.
     pub fn dense_for_hf(&self) -> Result<(), Error> {

@@ -121,6 +121,7 @@ impl RankRun<'_> {
         let member = ctx.comm().member();
         member.set_tracing(config.trace.is_some());
         let schedule = config.schedule();
+        let (moe_blocks, experts) = self.data.model.moe_blocks();
         for step in self.first_step..config.steps {
             let watch = StepWatch::start(&ctx);
             // Every `n` steps (0: never), and at the last step.
@@ -154,7 +155,6 @@ impl RankRun<'_> {
             let tokens = config.batch_size * self.data.model.block_size();
             let (mut m, elapsed) =
                 watch.finish(&ctx, step, lr, &record, trainee.param_bytes(), tokens);
-            let (moe_blocks, experts) = self.data.model.moe_blocks();
             m.router = router_over_ranks(&ctx, record.router.as_ref(), &moe_blocks, experts)?;
             let (evaluate, save) = (due(config.eval_every), due(config.save_every));
             if evaluate && self.validates() {

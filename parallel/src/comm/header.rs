@@ -192,6 +192,16 @@ pub(crate) fn from_bytes<const N: usize>(bytes: &[u8]) -> [i64; N] {
     words
 }
 
+/// Every whole little-endian word of `bytes` (an all-to-all's splits, [`Splits::words`]).
+///
+/// [`Splits::words`]: super::call::Splits::words
+pub(crate) fn words(bytes: &[u8]) -> Vec<i64> {
+    bytes
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect()
+}
+
 /// The round the members' headers describe (in group order), checked to be the same call with
 /// the same call number on every member: `rank`'s call is `mine`.
 pub(crate) fn round<'m>(

@@ -311,14 +311,6 @@ impl HybridCommunicator {
     }
 }
 
-/// Little-endian words (any number).
-fn from_bytes_vec(bytes: &[u8]) -> Vec<i64> {
-    bytes
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
-        .collect()
-}
-
 /// The buffer `bytes` of a member whose call passed `buffer`.
 fn data_of(buffer: &Operand, bytes: Vec<u8>) -> TensorData {
     TensorData::from_bytes_vec(bytes, buffer.shape().to_vec(), buffer.dtype())
@@ -339,7 +331,7 @@ impl Communicator for HybridCommunicator {
             let n = payloads.len();
             let splits: Vec<Splits> = payloads
                 .iter()
-                .map(|p| Splits::from_words(&from_bytes_vec(&p[..16 * n]), n))
+                .map(|p| Splits::from_words(&header::words(&p[..16 * n]), n))
                 .collect();
             let round = round.with_splits(splits.clone());
             round.check_buffers()?;

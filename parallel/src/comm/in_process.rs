@@ -331,12 +331,8 @@ impl InProcessCommunicator {
 
 /// This member's result of a collective (not a broadcast, not a barrier) from everyone's
 /// buffers, in group order; the round checked them.
-fn combine(
-    call: &Call,
-    index: usize,
-    deposits: &[Contribution],
-    buffers: &[&TensorData],
-) -> Result<TensorData, Error> {
+fn combine(call: &Call, index: usize, deposits: &Deposits) -> Result<TensorData, Error> {
+    let buffers = &deposits.buffers()[..];
     let first = buffers[0];
     Ok(match call.kind() {
         CollectiveKind::AllReduce => {
@@ -346,6 +342,7 @@ fn combine(
         CollectiveKind::AllGather => concat(buffers, call.dim())?,
         CollectiveKind::AllToAll => {
             let pieces: Vec<(usize, usize)> = deposits
+                .all()
                 .iter()
                 .map(|d| d.call.splits().expect("the round checked the splits"))
                 .map(|s| s.rows_to(index))
@@ -421,9 +418,7 @@ impl Communicator for InProcessCommunicator {
                 Some(match deposits {
                     // Unchanged, bit for bit (no widening, no division).
                     Deposits::Alone(mine) => mine.data.expect("this call carries a buffer"),
-                    Deposits::Shared(_) => {
-                        combine(call, who.index, deposits.all(), &deposits.buffers())?
-                    }
+                    Deposits::Shared(_) => combine(call, who.index, &deposits)?,
                 })
             }
         };

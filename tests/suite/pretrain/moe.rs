@@ -41,6 +41,25 @@ fn routed(r: &RunSummary) -> Vec<(Vec<Vec<u64>>, Vec<u64>)> {
         .collect()
 }
 
+/// `got`'s routers did what `reference`'s did: the same counts every step, and every step's
+/// auxiliary loss within 1e-5.
+fn same_routing(what: &str, got: &RunSummary, reference: &RunSummary) {
+    assert_eq!(
+        routed(got),
+        routed(reference),
+        "{what}: the routers' counts"
+    );
+    for (a, b) in got.steps.iter().zip(&reference.steps) {
+        let (x, y) = (a.router.as_ref().unwrap(), b.router.as_ref().unwrap());
+        assert!(
+            (x.aux_loss - y.aux_loss).abs() <= 1e-5 * y.aux_loss,
+            "{what}: aux loss {} vs {}",
+            x.aux_loss,
+            y.aux_loss
+        );
+    }
+}
+
 /// The load-balancing loss (and a capacity) is computed per micro-batch on each rank, as
 /// Switch and Megatron-Core do, so a run at dp N is the one-rank run accumulating N
 /// micro-batches of the same rows, and tp (whose ranks route the same tokens) the one-rank run.
@@ -107,20 +126,7 @@ fn moe_llama_sharded_runs_match_one_rank() {
         })
         .unwrap();
         same_run(what, &many, reference, 1e-5);
-        assert_eq!(
-            routed(&many),
-            routed(reference),
-            "{what}: the routers' counts"
-        );
-        for (a, b) in many.steps.iter().zip(&reference.steps) {
-            let (x, y) = (a.router.as_ref().unwrap(), b.router.as_ref().unwrap());
-            assert!(
-                (x.aux_loss - y.aux_loss).abs() <= 1e-5 * y.aux_loss,
-                "{what}: aux loss {} vs {}",
-                x.aux_loss,
-                y.aux_loss
-            );
-        }
+        same_routing(what, &many, reference);
     }
 }
 
@@ -154,16 +160,7 @@ fn moe_llama_pipeline_stages_match_one_rank() {
         })
         .unwrap();
         same_run(&what, &got, &one, 1e-5);
-        assert_eq!(routed(&got), routed(&one), "{what}: the routers' counts");
-        for (a, b) in got.steps.iter().zip(&one.steps) {
-            let (x, y) = (a.router.as_ref().unwrap(), b.router.as_ref().unwrap());
-            assert!(
-                (x.aux_loss - y.aux_loss).abs() <= 1e-5 * y.aux_loss,
-                "{what}: aux loss {} vs {}",
-                x.aux_loss,
-                y.aux_loss
-            );
-        }
+        same_routing(&what, &got, &one);
     }
 }
 

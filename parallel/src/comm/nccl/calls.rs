@@ -263,11 +263,7 @@ impl NcclCommunicator {
         let exchange = Call::all_gather(call.group(), Operand::new(DType::I64, &[2 * n]), 0);
         self.raw(&exchange, DType::I64, 2 * n, &send, &recv)?;
         let all = self.download_bytes(recv, bytes.len() * n)?;
-        let words: Vec<i64> = all
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
-            .collect();
-        let all_splits = words
+        let all_splits = header::words(&all)
             .chunks_exact(2 * n)
             .map(|w| crate::comm::Splits::from_words(w, n))
             .collect();
