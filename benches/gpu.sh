@@ -12,10 +12,12 @@
 #   (a) correctness: the tensor-core attention (bf16, f16) against the f32 tiles on CUDA, CUDA
 #       against Flex for 30 steps of the tiny preset, and (last: its Burn-op references are
 #       autotuned) every kernel against Burn ops in f32;
-#   (b) speed: attention and GEMMs at GPT-2 124M's shapes beside SDPA and torch.matmul, then
+#   (b) speed: attention and GEMMs (cuBLASLt, and CubeCL's for comparison) at GPT-2 124M's
+#       shapes beside SDPA and torch.matmul, the step on CubeCL's matmuls (WILDFIRE_CUBLAS=0), then
 #       GPT-2 124M bf16 at 8 × 1024 beside PyTorch eager (and torch.compile if time is left), the
 #       same model, batches and optimizer; tokens/s and MFU with one formula for both;
-#   (c) CubeCL's per-kernel time table of one training step (its profiler).
+#   (c) CubeCL's per-kernel time table of one training step (its profiler), and Nsight Compute's
+#       report on the flash-attention kernels where `ncu` is installed.
 # It prints one markdown table and leaves every log in $OUT/gpu-bench.tgz, and CubeCL's tuning
 # cache in $OUT/cubecl-cache.tgz (put it in .gpu/ to skip the tuning next time — `build` packs
 # benches/cubecl-cache-h100.tgz, an H100's, when .gpu/ has none; OUT defaults to a temporary
@@ -77,6 +79,9 @@ run() {
     chmod +x "$T/b/gpt_pretrain" "$T/b/gpu_kernels" "$T/b/kernel_tests"
     cp "$dir"/*.py "$T/b/"
     export NO_COLOR=1 RUST_LOG=${RUST_LOG:-info}
+    # cuBLASLt (the GEMMs) is loaded at run time by name; the CUDA toolkit's folder where the
+    # loader's cache lacks it
+    export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}/usr/local/cuda/lib64"
     export CUBECL_AUTOTUNE_LEVEL=${CUBECL_AUTOTUNE_LEVEL:-minimal}
     # A previous run's tuning results (CubeCL keys them by device): on a fresh machine each GEMM
     # shape costs 20–30 s of tuning even at `minimal`, ≈ 17 shapes for GPT-2 124M's step.
@@ -111,6 +116,10 @@ run() {
     step gpt2_eager 60 python3 "$T/b/gpt_gpu.py" --mode eager --batch 8 --seq 1024 --dtype bf16 --steps 10 --warmup 3
     step kernels_ours 120 "$T/b/gpu_kernels"
     step kernels_torch 60 python3 "$T/b/gpu_kernels.py"
+    # the same step with Burn's CubeCL matmuls instead of cuBLASLt (the GEMMs' share of the step)
+    WILDFIRE_CUBLAS=0 step gpt2_cubecl 120 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_cubecl.jsonl"
+    # the flash kernels with CubeCL's bounds checks on every index (the default launches skip them)
+    WILDFIRE_KERNELS_CHECKED=1 step kernels_ours_checked 60 "$T/b/gpu_kernels" --iters 5
     WILDFIRE_ATTENTION_CMMA=0 step kernels_ours_nocmma 60 "$T/b/gpu_kernels" --iters 5
     printf '[profiling.logger]\nlevel = "basic"\nfile = "%s"\n' "$R/profile.log" > "$T/cubecl.toml"
     step gpt2_profile 90 "$G" --backend cuda "${BIG[@]}" --steps 2 --warmup 1
@@ -123,6 +132,12 @@ run() {
     # every kernel against Burn ops in f32 (each reference matmul shape is tuned once: slow on a
     # fresh machine, last)
     step kernel_tests 150 "$T/b/kernel_tests" cuda_kernels_match_burn_ops --test-threads 1
+    # Nsight Compute on the first flash-attention launches (forward, dQ, dK/dV at GPT-2's shape),
+    # where the toolkit has it: occupancy, throughput, stall reasons — what to fix next
+    local ncu; ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+    [ -n "$ncu" ] && step ncu_attention 150 "$ncu" -k regex:flash -c 3 --section SpeedOfLight \
+        --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis "$T/b/gpu_kernels" --iters 1
     # the tuning results, for the next run on this kind of GPU (`.gpu/cubecl-cache.tgz`)
     tar czf "$O/cubecl-cache.tgz" -C "$HOME/.cache" cubecl 2>/dev/null
     python3 "$T/b/gpu_table.py" "$R" > "$R/table.md" 2>&1

@@ -1,7 +1,9 @@
 //! The GPU's hot kernels at GPT-2 124M's shapes, on CUDA: flash attention forward + backward
-//! (packed q/k/v, as the GPT calls it) and each bf16 GEMM of a training step through Burn's
-//! matmul (autotuned). `benches/gpu.sh` runs it beside `benches/pytorch/gpu_kernels.py` (SDPA
-//! and `torch.matmul` on the same shapes) on the same GPU.
+//! (packed q/k/v, as the GPT calls it) and each bf16 GEMM of a training step, forward and both
+//! backward products, as the decorator runs them (`wildfire_kernels::gemm`: cuBLASLt on CUDA),
+//! the forward ones also through Burn's CubeCL matmul (autotuned; `cubecl_matmul_…`).
+//! `benches/gpu.sh` runs it beside `benches/pytorch/gpu_kernels.py` (SDPA and `torch.matmul` on
+//! the same shapes) on the same GPU.
 //!
 //! ```text
 //! cargo bench --bench gpu_kernels --features cuda [-- --batch 8 --seq 1024]
@@ -12,10 +14,10 @@
 //! calls after two warm-up calls, which compile and autotune).
 
 use burn::backend::Cuda;
-use burn::tensor::ops::FloatTensor;
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{DType, Distribution, Tensor};
 use std::time::Instant;
-use wildfire::kernels::FusedOps;
+use wildfire::kernels::{FusedOps, gemm};
 
 type B = Cuda;
 
@@ -91,7 +93,8 @@ fn main() {
         2.5 * fwd_flops,
     );
 
-    // The GEMMs of one layer and the head, forward shapes (x·Wᵀ as the GPT's linear runs them).
+    // The GEMMs of one layer and the head: forward `x·Wᵀ` (a transposed view, as the tied head
+    // runs it), the input gradient `g·W` and the weight gradient `xᵀ·g` (a transposed view).
     let rows = b * t;
     for (name, k, n) in [
         ("qkv", d, 3 * d),
@@ -100,16 +103,32 @@ fn main() {
         ("mlp_proj", 4 * d, d),
         ("lm_head", d, v),
     ] {
-        let x = random_bf16([rows, k]);
-        let w = random_bf16([n, k]);
-        let mm = || {
-            let _ = x.clone().matmul(w.clone().transpose());
-        };
-        report(
-            &format!("matmul_{name}"),
-            &format!("{rows}x{k}x{n} bf16"),
-            time(iters, &mm),
-            2.0 * (rows * k * n) as f64,
-        );
+        let x = random_bf16([rows, k]).into_primitive().tensor();
+        let w = random_bf16([n, k]).into_primitive().tensor();
+        let g = random_bf16([rows, n]).into_primitive().tensor();
+        let wt = || B::float_swap_dims(w.clone(), 0, 1);
+        let flops = 2.0 * (rows * k * n) as f64;
+        let shape = format!("{rows}x{k}x{n} bf16");
+        let products: [(&str, &dyn Fn()); 4] = [
+            ("", &|| {
+                let _ = gemm::matmul::<B>(x.clone(), wt());
+            }),
+            ("_dx", &|| {
+                let _ = gemm::matmul::<B>(g.clone(), w.clone());
+            }),
+            ("_dw", &|| {
+                let _ = gemm::matmul::<B>(B::float_swap_dims(x.clone(), 0, 1), g.clone());
+            }),
+            ("cubecl", &|| {
+                let _ = B::float_matmul(x.clone(), wt());
+            }),
+        ];
+        for (suffix, f) in products {
+            let kernel = match suffix {
+                "cubecl" => format!("cubecl_matmul_{name}"),
+                s => format!("matmul_{name}{s}"),
+            };
+            report(&kernel, &shape, time(iters, f), flops);
+        }
     }
 }

@@ -66,11 +66,13 @@ for name, k in ours.items():
     print(f"| {name} | {k['shape']} | {k['ms']:.3f} | {t['ms'] if t else '–'} | {ratio} | "
           f"{k['tflops']} ({100 * k['tflops'] * 1e12 / PEAK:.0f}%) |")
 
-plain = {k["kernel"]: k for k in jsonl("kernels_ours_nocmma.log")}
-for name in ("attention_fwd", "attention_bwd"):
-    if name in plain:
-        k = plain[name]
-        print(f"| {name} without tensor cores | {k['shape']} | {k['ms']:.3f} | | | {k['tflops']} |")
+for log, how in (("kernels_ours_checked.log", "with bounds checks"),
+                 ("kernels_ours_nocmma.log", "without tensor cores")):
+    plain = {k["kernel"]: k for k in jsonl(log)}
+    for name in ("attention_fwd", "attention_bwd"):
+        if name in plain:
+            k = plain[name]
+            print(f"| {name} {how} | {k['shape']} | {k['ms']:.3f} | | | {k['tflops']} |")
 
 # (b) whole step
 print("\n### GPT-2 124M, bf16, batch 8 × 1024 (tokens/s after step 0)\n")
@@ -78,10 +80,11 @@ eager = jsonl("gpt2_eager.log")
 compiled = jsonl("gpt2_compile.log")
 fpt = (eager or compiled or [{}])[0].get("flops_per_token")
 rows = []
-ours_steps = jsonl("gpt2_ours.jsonl")[1:]
-if ours_steps:
-    tps = statistics.median(s["tokens_per_s"] for s in ours_steps)
-    rows.append(("Wildfire (CUDA)", tps))
+for label, log in (("Wildfire (CUDA, cuBLASLt GEMMs)", "gpt2_ours.jsonl"),
+                   ("Wildfire (CUDA, CubeCL GEMMs)", "gpt2_cubecl.jsonl")):
+    steps = jsonl(log)[1:]
+    if steps:
+        rows.append((label, statistics.median(s["tokens_per_s"] for s in steps)))
 for label, res in (("PyTorch eager", eager), ("torch.compile", compiled)):
     if res:
         rows.append((label, res[0]["tokens_per_s"]))
@@ -111,7 +114,8 @@ for name, ms in launches:
     per[name][1] += 1
 total = sum(v[0] for v in per.values())
 if total:
-    print(f"Launches of the step: {sum(v[1] for v in per.values())}, {total:.1f} ms of kernel time.\n")
+    print(f"Launches of the step: {sum(v[1] for v in per.values())}, {total:.1f} ms of kernel time "
+          "(CubeCL's launches only: cuBLASLt's GEMMs are not in its profile).\n")
     print("| kernel | ms | launches | share |")
     print("|---|---|---|---|")
     for name, (ms, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:15]:

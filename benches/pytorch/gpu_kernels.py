@@ -68,4 +68,9 @@ for name, k, n in [("qkv", d, 3 * d), ("attn_proj", d, d), ("mlp_fc", d, 4 * d),
                    ("mlp_proj", 4 * d, d), ("lm_head", d, v)]:
     x = torch.randn(rows, k, device=dev, dtype=bf16)
     w = torch.randn(n, k, device=dev, dtype=bf16)
-    report(f"matmul_{name}", f"{rows}x{k}x{n} bf16", timed(lambda: x @ w.t()), 2 * rows * k * n)
+    g = torch.randn(rows, n, device=dev, dtype=bf16)
+    shape, flops = f"{rows}x{k}x{n} bf16", 2 * rows * k * n
+    # forward x·Wᵀ, input gradient g·W, weight gradient xᵀ·g (as benches/gpu_kernels.rs)
+    report(f"matmul_{name}", shape, timed(lambda: x @ w.t()), flops)
+    report(f"matmul_{name}_dx", shape, timed(lambda: g @ w), flops)
+    report(f"matmul_{name}_dw", shape, timed(lambda: x.t() @ g), flops)

@@ -37,6 +37,7 @@ pub mod cube;
 pub mod flex;
 #[cfg(feature = "fusion")]
 pub mod fusion;
+pub mod gemm;
 pub mod hooks;
 pub mod ops;
 pub mod packed;

@@ -147,6 +147,7 @@ mod context_parallel;
 mod data_parallel;
 mod engine;
 mod fsdp;
+mod gemm;
 mod kernels;
 #[cfg(feature = "learner")]
 mod learner;

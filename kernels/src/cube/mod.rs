@@ -15,6 +15,8 @@
 
 mod attention;
 mod attention_backward;
+#[cfg(feature = "cuda")]
+pub mod blas;
 mod cross_entropy;
 mod flash;
 mod gated;

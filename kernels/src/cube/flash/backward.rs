@@ -4,7 +4,7 @@ use super::*;
 
 /// Pass 1 of the backward: dQ, and `delta = rowsum(dO∘O)` (written for pass 2); one cube per
 /// `planes · rows` queries, each plane its rows, over the key blocks up to the diagonal.
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn flash_backward_q_kernel<E: Float>(
     q: &Tensor<E>,
@@ -145,7 +145,7 @@ fn flash_backward_q_kernel<E: Float>(
 /// head), each plane its keys, over the query blocks from the diagonal on; `dkv` holds both
 /// (laid out `dk_l`, `dv_l`). With grouped key/value heads each query head writes its own
 /// partial, summed over the group by the host.
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn flash_backward_kv_kernel<E: Float>(
     q: &Tensor<E>,

@@ -4,7 +4,7 @@ use super::*;
 
 /// Forward: one cube per `planes · rows` queries of one (batch, head); each plane its `rows`
 /// queries, over the key blocks up to the last one its cube's last query sees.
-#[cube(launch)]
+#[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn flash_forward_kernel<E: Float>(
     q: &Tensor<E>,

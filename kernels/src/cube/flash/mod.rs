@@ -538,26 +538,35 @@ fn row_combine(
 /// `$p` and split `$f`; `$q` gives the client and dtype).
 macro_rules! launch_flash {
     ($kernel:ident, $q:ident, $p:ident, $f:ident, $count:ident, $dim:ident, [$($arg:expr),* $(,)?]) => {
-        $kernel::launch::<R>(
-            &$q.client,
-            $count,
-            $dim,
-            $($arg,)*
-            $p.heads as u32,
-            $p.kv_group as u32,
-            $p.seq_q as u32,
-            $p.seq_k as u32,
-            $p.q_offset as i32,
-            $p.scale,
-            $f.planes,
-            $f.rows,
-            $f.block,
-            $p.head_dim,
-            $p.causal,
-            $f.cmma,
-            $q.dtype.into(),
-        )
+        if checked_launches() {
+            $kernel::launch::<R>(
+                &$q.client, $count, $dim, $($arg,)* $p.heads as u32, $p.kv_group as u32,
+                $p.seq_q as u32, $p.seq_k as u32, $p.q_offset as i32, $p.scale, $f.planes,
+                $f.rows, $f.block, $p.head_dim, $p.causal, $f.cmma, $q.dtype.into(),
+            )
+        } else {
+            // SAFETY: every global read and write of the flash kernels is guarded by its row's
+            // bounds (`start + r < end` in the loads, `ii < seq_q` / `jj < seq_k` in the
+            // stores, the statistics likewise), and every shared-memory index stays inside the
+            // comptime sizes `Flash::shared_bytes` mirrors; the lavapipe tests and the GPU
+            // bench's checks (`WILDFIRE_KERNELS_CHECKED=1` for CubeCL's bounds checks) run them.
+            unsafe {
+                $kernel::launch_unchecked::<R>(
+                    &$q.client, $count, $dim, $($arg,)* $p.heads as u32, $p.kv_group as u32,
+                    $p.seq_q as u32, $p.seq_k as u32, $p.q_offset as i32, $p.scale, $f.planes,
+                    $f.rows, $f.block, $p.head_dim, $p.causal, $f.cmma, $q.dtype.into(),
+                )
+            }
+        }
     };
+}
+
+/// Whether the flash kernels launch with CubeCL's bounds checks (`WILDFIRE_KERNELS_CHECKED=1`):
+/// every tensor and shared-memory index then becomes a compare, a clamp and a select, in the
+/// kernels' innermost loops. Off by default: their indices are in bounds by construction.
+fn checked_launches() -> bool {
+    static CHECKED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHECKED.get_or_init(|| std::env::var("WILDFIRE_KERNELS_CHECKED").is_ok_and(|v| v == "1"))
 }
 
 mod backward;

@@ -14,6 +14,7 @@ use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
 use Placement::{Local, Partial, Replicate, Shard};
 use burn_backend::TensorMetadata;
+use wildfire_kernels::gemm;
 
 /// What a matmul's result is under the precision policy's compute dtype.
 #[derive(Clone, Copy)]
@@ -105,7 +106,7 @@ pub(crate) fn float_matmul<B: Backend>(lhs: DTensor<B>, rhs: DTensor<B>) -> DTen
     let rhs = to_layout("float_matmul", rhs, &tr);
     let device = lhs.device.clone();
     let local = in_compute_dtype("float_matmul", [lhs, rhs], Out::Compute, |[l, r]| {
-        B::float_matmul(l, r)
+        gemm::matmul::<B>(l, r)
     });
     wrap(local, out, device)
 }
@@ -228,14 +229,15 @@ fn unrows<B: Backend>(t: FloatTensor<B>, lead: Option<Vec<usize>>) -> FloatTenso
     }
 }
 
-/// `B::linear` over the input's rows.
+/// The linear layer over the input's rows (`gemm::linear`: cuBLASLt on CUDA, `B::linear`
+/// elsewhere).
 fn flat_linear<B: Backend>(
     x: FloatTensor<B>,
     w: FloatTensor<B>,
     b: Option<FloatTensor<B>>,
 ) -> FloatTensor<B> {
     let (x, lead) = rows_of::<B>(x);
-    unrows::<B>(B::linear(x, w, b), lead)
+    unrows::<B>(gemm::linear::<B>(x, w, b), lead)
 }
 
 /// `grad_x = grad_out [.., n] @ w^T`, one mesh axis: (w target, grad target, output).
@@ -346,7 +348,7 @@ pub(crate) fn linear_x_backward<B: Backend>(
     let device = g.device.clone();
     let local = in_compute_dtype(OP, [weight, g], Out::Compute, |[w, g]| {
         let (g, lead) = rows_of::<B>(g);
-        unrows::<B>(B::linear_x_backward(w, g), lead)
+        unrows::<B>(gemm::linear_x_backward::<B>(w, g), lead)
     });
     // A column-parallel layer's input gradient is a partial sum over the model axis: reduce it
     // here, as Megatron's `f` does in backward. Left partial, it would be reduced wherever the
@@ -430,7 +432,7 @@ pub(crate) fn linear_weight_backward<B: Backend>(
         let device = g.device.clone();
         let compute = Box::new(move || {
             in_compute_dtype(OP, [x, g], Out::Master, |[x, g]| {
-                B::linear_weight_backward(rows_of::<B>(x).0, rows_of::<B>(g).0)
+                gemm::linear_weight_backward::<B>(rows_of::<B>(x).0, rows_of::<B>(g).0)
             })
         });
         return super::gradients::deferred_data_parallel(
@@ -444,7 +446,7 @@ pub(crate) fn linear_weight_backward<B: Backend>(
     }
     let device = g.device.clone();
     let grad = in_compute_dtype(OP, [x, g], Out::Master, |[x, g]| {
-        B::linear_weight_backward(rows_of::<B>(x).0, rows_of::<B>(g).0)
+        gemm::linear_weight_backward::<B>(rows_of::<B>(x).0, rows_of::<B>(g).0)
     });
     reduce_data_parallel(grad, out, &summands, device)
 }

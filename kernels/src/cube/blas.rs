@@ -1,0 +1,600 @@
+//! Dense GEMMs on CUDA through cuBLASLt (feature `cuda`), what PyTorch, JAX and Megatron call for
+//! their matrix products: CubeCL's best tuned GEMMs ran at 3× `torch.matmul`'s time on every
+//! GPT-2 shape on an H100 (README, "On a GPU"). The fused kernels stay CubeCL.
+//!
+//! How a product runs: the operands' CubeCL buffers are resolved to device addresses
+//! (`ComputeClient::get_resource`, which also orders this thread's stream after any other
+//! stream that wrote them), and the GEMM is enqueued on the CUDA stream the output's storage
+//! lives on — the stream CubeCL launches this thread's kernels on (exposed by the vendored
+//! `cubecl-cuda`'s `GpuResource::stream`, `vendor/README.md`) — so it is ordered with CubeCL's
+//! kernels before and after it, and nothing is synchronised.
+//!
+//! Layouts: Burn's row-major `C[m, n] = A[m, k] · B[k, n]` is cuBLAS's column-major
+//! `Cᵀ[n, m] = Bᵀ · Aᵀ`; an operand with unit column stride is a column-major transpose (leading
+//! dimension its row stride), one with unit row stride (a transposed view, as the linear
+//! backward's `xᵀ` and `wᵀ`) a column-major matrix taken with `op = T`: no copies for either.
+//! Batches whose dims collapse to one stride (or broadcast, stride 0) are one strided-batched
+//! call. Anything else (mixed broadcast, no unit stride, differing dtypes) is made contiguous or
+//! left to Burn's matmul.
+//!
+//! Precision: f32 operands compute in f32 (`CUBLAS_COMPUTE_32F`, no TF32: CUDA keeps following
+//! Flex), bf16 and f16 on tensor cores with f32 accumulation and an output in the inputs' dtype,
+//! as `torch.matmul` under autocast.
+//!
+//! State per thread (CubeCL gives each thread its own stream): a cuBLASLt handle, a 32 MiB
+//! workspace, and the plans (descriptors and the heuristic's algorithm) per shape, strides,
+//! dtype and pointer alignment. They live as long as the process (a few KB per shape; their
+//! destruction at thread exit would run CUDA calls from TLS destructors, where the driver may be
+//! gone). `WILDFIRE_CUBLAS=0` turns the path off (Burn's CubeCL matmul then runs); a machine
+//! without `libcublasLt` falls back with one warning.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cuda::CudaRuntime;
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+
+type T = CubeTensor<CudaRuntime>;
+
+/// Workspace per thread: cuBLAS's recommendation for Hopper.
+const WORKSPACE: usize = 32 << 20;
+
+/// cuBLASLt calls made so far (process-wide; the tests check the path ran).
+static CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// GEMMs run through cuBLASLt since start-up.
+pub fn calls() -> u64 {
+    CALLS.load(Ordering::Relaxed)
+}
+
+/// Whether the cuBLASLt path is on: not turned off by `WILDFIRE_CUBLAS=0` and the library
+/// loads. Asked once per process.
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        if std::env::var("WILDFIRE_CUBLAS").is_ok_and(|v| v == "0") {
+            return false;
+        }
+        // cudarc panics when no candidate library name loads.
+        match std::panic::catch_unwind(|| unsafe { sys::culib() }) {
+            Ok(_) => true,
+            Err(_) => {
+                tracing::warn!("libcublasLt not found: GEMMs run on CubeCL's matmul");
+                false
+            }
+        }
+    })
+}
+
+/// `lhs @ rhs` (Burn's `float_matmul`: batch dims broadcast) through cuBLASLt, or `None` when
+/// this product is not one it takes (the caller runs Burn's matmul).
+pub fn matmul(lhs: &T, rhs: &T) -> Option<T> {
+    matmul_bias(lhs, rhs, None)
+}
+
+/// `x @ w + bias` for a 2-D `x`, the bias added by the GEMM's epilogue (bias in the output's
+/// dtype, contiguous), or `None`.
+pub fn matmul_bias(lhs: &T, rhs: &T, bias: Option<&T>) -> Option<T> {
+    let product = Product::of(lhs, rhs, bias)?;
+    product.run(lhs, rhs, bias).map_err(|e| warn_once(&e)).ok()
+}
+
+fn warn_once(e: &str) {
+    static SEEN: OnceLock<()> = OnceLock::new();
+    SEEN.get_or_init(|| tracing::warn!("cuBLASLt GEMM failed ({e}); Burn's matmul runs instead"));
+}
+
+/// One operand as cuBLAS sees it: column-major storage `rows × cols` with leading dim `ld`, and
+/// whether the product takes it transposed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Operand {
+    rows: u64,
+    cols: u64,
+    ld: i64,
+    trans: bool,
+    batch_stride: i64,
+}
+
+/// A product cuBLASLt can run: the two operands (cuBLAS's A is Burn's `rhs`, B is `lhs`), the
+/// output `[batch…, m, n]`, batch count, dtype, with a bias or not.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Product {
+    a: Operand,
+    b: Operand,
+    m: u64,
+    n: u64,
+    batch: u64,
+    out: Vec<usize>,
+    dtype: DTypeKey,
+    bias: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum DTypeKey {
+    F32,
+    F16,
+    BF16,
+}
+
+impl DTypeKey {
+    fn of(dtype: DType) -> Option<Self> {
+        match dtype {
+            DType::F32 => Some(Self::F32),
+            DType::F16 => Some(Self::F16),
+            DType::BF16 => Some(Self::BF16),
+            _ => None,
+        }
+    }
+
+    fn cuda(self) -> sys::cudaDataType {
+        match self {
+            Self::F32 => sys::cudaDataType::CUDA_R_32F,
+            Self::F16 => sys::cudaDataType::CUDA_R_16F,
+            Self::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        }
+    }
+}
+
+/// A `rows × cols` matrix with element strides `(sr, sc)` as column-major storage: unit column
+/// stride is the transpose stored with `ld = sr`, unit row stride the matrix itself with
+/// `ld = sc` (taken transposed by the product). `None` when neither stride is 1.
+fn storage(rows: usize, cols: usize, sr: usize, sc: usize) -> Option<(u64, u64, i64, bool)> {
+    let (r, c) = (rows as u64, cols as u64);
+    if cols == 1 || sc == 1 {
+        // Row-major: column-major `cols × rows`, ld the row stride.
+        let ld = if rows == 1 { cols } else { sr };
+        if ld >= cols.max(1) {
+            return Some((c, r, ld as i64, false));
+        }
+    }
+    if rows == 1 || sr == 1 {
+        let ld = if cols == 1 { rows } else { sc };
+        if ld >= rows.max(1) {
+            return Some((r, c, ld as i64, true));
+        }
+    }
+    None
+}
+
+/// The batch stride of an operand's leading dims against the output's: 0 when they all
+/// broadcast, the innermost batch stride when they match the output and collapse to one
+/// stride, `None` otherwise.
+fn batch_stride(dims: &[usize], strides: &[usize], out: &[usize]) -> Option<i64> {
+    let lead = dims.len() - 2;
+    let out_lead = &out[..out.len() - 2];
+    let offset = out_lead.len() - lead;
+    if dims[..lead].iter().all(|&d| d == 1) {
+        return Some(0);
+    }
+    // Missing leading dims broadcast; then every present dim must equal the output's.
+    if offset > 0 && out_lead[..offset].iter().any(|&d| d != 1) {
+        return None;
+    }
+    if dims[..lead] != out_lead[offset..] {
+        return None;
+    }
+    // Collapsible: stride[i] = stride[i+1]·dims[i+1] over the dims of size > 1.
+    let present: Vec<usize> = (0..lead).filter(|&i| dims[i] > 1).collect();
+    let inner = *present.last()?;
+    for w in present.windows(2) {
+        let (i, j) = (w[0], w[1]);
+        let span: usize = dims[i + 1..=j].iter().product();
+        if strides[i] != strides[j] * span {
+            return None;
+        }
+    }
+    Some(strides[inner] as i64)
+}
+
+impl Product {
+    /// The product of `lhs [.., m, k]` and `rhs [.., k, n]` if cuBLASLt takes it as stored.
+    fn of(lhs: &T, rhs: &T, bias: Option<&T>) -> Option<Self> {
+        if !enabled() || lhs.dtype != rhs.dtype || lhs.qparams.is_some() || rhs.qparams.is_some() {
+            return None;
+        }
+        let dtype = DTypeKey::of(lhs.dtype)?;
+        let (ls, rs) = (lhs.shape(), rhs.shape());
+        let (ld, rd) = (ls.as_slice(), rs.as_slice());
+        if ld.len() < 2 || ld.len() != rd.len() {
+            return None;
+        }
+        let d = ld.len();
+        let (m, k, n) = (ld[d - 2], ld[d - 1], rd[d - 1]);
+        if rd[d - 2] != k || m == 0 || n == 0 || k == 0 {
+            return None;
+        }
+        let mut out: Vec<usize> = (0..d - 2).map(|i| ld[i].max(rd[i])).collect();
+        if (0..d - 2).any(|i| (ld[i] != out[i] && ld[i] != 1) || (rd[i] != out[i] && rd[i] != 1)) {
+            return None;
+        }
+        out.extend([m, n]);
+        let batch = out[..d - 2].iter().product::<usize>() as u64;
+        let (lst, rst) = (lhs.meta.strides(), rhs.meta.strides());
+        let (lst, rst) = (&lst[..], &rst[..]);
+        // cuBLAS's A = rhs as `Bᵀ [n, k]`, B = lhs as `Aᵀ [k, m]`.
+        let (ar, ac, a_ld, a_t) = storage(k, n, rst[d - 2], rst[d - 1])?;
+        let (br, bc, b_ld, b_t) = storage(m, k, lst[d - 2], lst[d - 1])?;
+        let a = Operand {
+            rows: ar,
+            cols: ac,
+            ld: a_ld,
+            trans: a_t,
+            batch_stride: batch_stride(rd, rst, &out)?,
+        };
+        let b = Operand {
+            rows: br,
+            cols: bc,
+            ld: b_ld,
+            trans: b_t,
+            batch_stride: batch_stride(ld, lst, &out)?,
+        };
+        if let Some(bias) = bias {
+            let fits = bias.dtype == lhs.dtype
+                && d == 2
+                && bias.shape().as_slice() == [n]
+                && bias.meta.strides()[..] == [1];
+            if !fits {
+                return None;
+            }
+        }
+        Some(Self {
+            a,
+            b,
+            m: m as u64,
+            n: n as u64,
+            batch,
+            out,
+            dtype,
+            bias: bias.is_some(),
+        })
+    }
+
+    /// Enqueue the product on the output's stream.
+    fn run(&self, lhs: &T, rhs: &T, bias: Option<&T>) -> Result<T, String> {
+        let out = super::empty(lhs, Shape::from(self.out.clone()), lhs.dtype);
+        let client = &out.client;
+        let resource = |t: &T| {
+            client
+                .get_resource(t.handle.clone())
+                .map_err(|e| format!("CubeCL get_resource: {e:?}"))
+        };
+        let (a, b, d) = (resource(rhs)?, resource(lhs)?, resource(&out)?);
+        let bias_res = bias.map(resource).transpose()?;
+        let (a_ptr, b_ptr, d_ptr) = (a.resource().ptr, b.resource().ptr, d.resource().ptr);
+        let stream = d.resource().stream;
+        if stream.is_null() {
+            return Err("the output buffer has no stream".into());
+        }
+        let align = |p: u64| (1u64 << p.trailing_zeros().min(8)) as u32;
+        let key = PlanKey {
+            product: self.clone(),
+            align: [align(a_ptr), align(b_ptr), align(d_ptr)],
+        };
+        let device = out.device.index;
+        STATE.with(|state| -> Result<(), String> {
+            let mut state = state.borrow_mut();
+            let thread = state.get_or_init(device)?;
+            let plan = match thread.plans.get(&key) {
+                Some(plan) => *plan,
+                None => {
+                    let plan = Plan::new(
+                        thread.handle,
+                        &key,
+                        bias_res.as_ref().map(|r| r.resource().ptr),
+                    )?;
+                    thread.plans.insert(key.clone(), plan);
+                    plan
+                }
+            };
+            if let Some(bias) = &bias_res {
+                let ptr = bias.resource().ptr as *const c_void;
+                // SAFETY: the descriptor is this thread's and alive (plans are never freed); the
+                // attribute takes the pointer's value.
+                unsafe {
+                    lt::set_matmul_desc_attribute(
+                        plan.desc,
+                        sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                        (&ptr) as *const *const c_void as *const c_void,
+                        std::mem::size_of::<*const c_void>(),
+                    )
+                    .map_err(|e| format!("bias pointer: {e}"))?;
+                }
+            }
+            let (alpha, beta) = (1f32, 0f32);
+            // SAFETY: the descriptors and algorithm were made for these shapes, strides, dtype
+            // and alignments; the buffers hold them (CubeCL sized them from the same metadata)
+            // and are kept alive (`a`, `b`, `d`, `bias_res`) until the call is enqueued — after
+            // it CubeCL orders any reuse of their memory on this same stream; the workspace is
+            // this thread's, used on this thread's stream only.
+            unsafe {
+                lt::matmul(
+                    thread.handle,
+                    plan.desc,
+                    (&alpha) as *const f32 as *const c_void,
+                    (&beta) as *const f32 as *const c_void,
+                    a_ptr as *const c_void,
+                    plan.a,
+                    b_ptr as *const c_void,
+                    plan.b,
+                    d_ptr as *const c_void,
+                    plan.d,
+                    d_ptr as *mut c_void,
+                    plan.d,
+                    &plan.algo,
+                    thread.workspace as *mut c_void,
+                    WORKSPACE,
+                    stream as sys::cudaStream_t,
+                )
+                .map_err(|e| format!("cublasLtMatmul: {e}"))
+            }
+        })?;
+        CALLS.fetch_add(1, Ordering::Relaxed);
+        drop((a, b, d, bias_res));
+        Ok(out)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct PlanKey {
+    product: Product,
+    /// The largest power of two (≤ 256) dividing each address: A, B, D.
+    align: [u32; 3],
+}
+
+/// A product's descriptors and the algorithm cuBLASLt's heuristic chose.
+#[derive(Clone, Copy)]
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+fn failed(what: &'static str) -> impl Fn(lt::CublasError) -> String {
+    move |e| format!("{what}: {e}")
+}
+
+/// Set one attribute from a value (descriptor, layout or preference).
+macro_rules! set {
+    ($f:ident, $obj:expr, $attr:expr, $value:expr, $what:literal) => {{
+        let value = $value;
+        // SAFETY: `$obj` was just created and is alive; the attribute's buffer is `value`.
+        unsafe {
+            lt::$f(
+                $obj,
+                $attr,
+                (&value) as *const _ as *const c_void,
+                std::mem::size_of_val(&value),
+            )
+            .map_err(failed($what))
+        }
+    }};
+}
+
+impl Plan {
+    fn new(
+        handle: sys::cublasLtHandle_t,
+        key: &PlanKey,
+        bias: Option<u64>,
+    ) -> Result<Self, String> {
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        use sys::cublasLtMatrixLayoutAttribute_t as L;
+        let p = &key.product;
+        let dtype = p.dtype.cuda();
+        let desc = lt::create_matmul_desc(
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType::CUDA_R_32F,
+        )
+        .map_err(failed("cublasLtMatmulDescCreate"))?;
+        // `cublasOperation_t` (cuBLAS's header, not cuBLASLt's bindings): N = 0, T = 1, an i32.
+        let op = |t: bool| -> i32 { t as i32 };
+        set!(
+            set_matmul_desc_attribute,
+            desc,
+            D::CUBLASLT_MATMUL_DESC_TRANSA,
+            op(p.a.trans),
+            "TRANSA"
+        )?;
+        set!(
+            set_matmul_desc_attribute,
+            desc,
+            D::CUBLASLT_MATMUL_DESC_TRANSB,
+            op(p.b.trans),
+            "TRANSB"
+        )?;
+        if let Some(ptr) = bias {
+            set!(
+                set_matmul_desc_attribute,
+                desc,
+                D::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS,
+                "EPILOGUE"
+            )?;
+            set!(
+                set_matmul_desc_attribute,
+                desc,
+                D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                dtype,
+                "BIAS_DATA_TYPE"
+            )?;
+            set!(
+                set_matmul_desc_attribute,
+                desc,
+                D::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                ptr as *const c_void,
+                "BIAS_POINTER"
+            )?;
+        }
+        let layout = |rows: u64, cols: u64, ld: i64, stride: i64| -> Result<_, String> {
+            let l = lt::create_matrix_layout(dtype, rows, cols, ld)
+                .map_err(failed("cublasLtMatrixLayoutCreate"))?;
+            if p.batch > 1 {
+                set!(
+                    set_matrix_layout_attribute,
+                    l,
+                    L::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                    p.batch as i32,
+                    "BATCH_COUNT"
+                )?;
+                set!(
+                    set_matrix_layout_attribute,
+                    l,
+                    L::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                    stride,
+                    "STRIDED_BATCH_OFFSET"
+                )?;
+            }
+            Ok(l)
+        };
+        let a = layout(p.a.rows, p.a.cols, p.a.ld, p.a.batch_stride)?;
+        let b = layout(p.b.rows, p.b.cols, p.b.ld, p.b.batch_stride)?;
+        // D: Burn's contiguous `[m, n]` is column-major `n × m`.
+        let d = layout(p.n, p.m, p.n as i64, (p.m * p.n) as i64)?;
+        let pref = lt::create_matmul_pref().map_err(failed("cublasLtMatmulPreferenceCreate"))?;
+        set!(
+            set_matmul_pref_attribute,
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            WORKSPACE as u64,
+            "MAX_WORKSPACE_BYTES"
+        )?;
+        let [aa, ab, ad] = key.align;
+        set!(
+            set_matmul_pref_attribute,
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+            aa,
+            "ALIGN_A"
+        )?;
+        set!(
+            set_matmul_pref_attribute,
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            ab,
+            "ALIGN_B"
+        )?;
+        set!(
+            set_matmul_pref_attribute,
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+            ad,
+            "ALIGN_C"
+        )?;
+        set!(
+            set_matmul_pref_attribute,
+            pref,
+            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            ad,
+            "ALIGN_D"
+        )?;
+        // SAFETY: every descriptor was created above and is alive.
+        let heuristic = unsafe { lt::get_matmul_algo_heuristic(handle, desc, a, b, d, d, pref) }
+            .map_err(failed("cublasLtMatmulAlgoGetHeuristic"))?;
+        // SAFETY: created above, used no more.
+        unsafe { lt::destroy_matmul_pref(pref) }
+            .map_err(failed("cublasLtMatmulPreferenceDestroy"))?;
+        Ok(Self {
+            desc,
+            a,
+            b,
+            d,
+            algo: heuristic.algo,
+        })
+    }
+}
+
+/// This thread's cuBLASLt handle, workspace and plans, for one device.
+struct Thread {
+    device: usize,
+    handle: sys::cublasLtHandle_t,
+    workspace: u64,
+    plans: HashMap<PlanKey, Plan>,
+    _ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+}
+
+#[derive(Default)]
+struct ThreadState(Vec<Thread>);
+
+impl ThreadState {
+    fn get_or_init(&mut self, device: usize) -> Result<&mut Thread, String> {
+        let cuda = |e: cudarc::driver::DriverError| format!("CUDA: {e}");
+        let at = match self.0.iter().position(|t| t.device == device) {
+            Some(at) => at,
+            None => {
+                let ctx = cudarc::driver::CudaContext::new(device).map_err(cuda)?;
+                ctx.bind_to_thread().map_err(cuda)?;
+                let handle = lt::create_handle().map_err(failed("cublasLtCreate"))?;
+                // SAFETY: the device's primary context (CubeCL's) is current on this thread.
+                let workspace =
+                    unsafe { cudarc::driver::result::malloc_sync(WORKSPACE) }.map_err(cuda)?;
+                self.0.push(Thread {
+                    device,
+                    handle,
+                    workspace,
+                    plans: HashMap::new(),
+                    _ctx: ctx,
+                });
+                self.0.len() - 1
+            }
+        };
+        let thread = &mut self.0[at];
+        thread._ctx.bind_to_thread().map_err(cuda)?;
+        Ok(thread)
+    }
+}
+
+thread_local! {
+    static STATE: RefCell<ThreadState> = RefCell::new(ThreadState::default());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn storage_reads_row_and_column_major() {
+        // [4, 3] row-major: column-major 3 × 4, ld 3, not transposed.
+        assert_eq!(storage(4, 3, 3, 1), Some((3, 4, 3, false)));
+        // Its transposed view [3, 4] with strides (1, 3): column-major 3 × 4, ld 3, transposed.
+        assert_eq!(storage(3, 4, 1, 3), Some((3, 4, 3, true)));
+        // A padded row stride.
+        assert_eq!(storage(4, 3, 8, 1), Some((3, 4, 8, false)));
+        // Single rows and columns whatever their unused stride.
+        assert_eq!(storage(1, 5, 0, 1), Some((5, 1, 5, false)));
+        assert_eq!(storage(5, 1, 1, 0), Some((1, 5, 1, false)));
+        // No unit stride.
+        assert_eq!(storage(4, 3, 6, 2), None);
+    }
+
+    #[test]
+    fn batch_strides_collapse_or_broadcast() {
+        // [2, 3, m, k] contiguous (m·k = 12): one stride 12.
+        assert_eq!(
+            batch_stride(&[2, 3, 4, 3], &[36, 12, 3, 1], &[2, 3, 4, 5]),
+            Some(12)
+        );
+        // Broadcast weight [1, 1, k, n].
+        assert_eq!(
+            batch_stride(&[1, 1, 3, 5], &[15, 15, 5, 1], &[2, 3, 4, 5]),
+            Some(0)
+        );
+        // Head-transposed [b, h, t, d] view of [b, t, h, d]: b and h do not collapse.
+        assert_eq!(
+            batch_stride(&[2, 3, 4, 5], &[60, 5, 15, 1], &[2, 3, 4, 4]),
+            None
+        );
+        // Mixed broadcast: [2, 1, ..] against [2, 3, ..].
+        assert_eq!(
+            batch_stride(&[2, 1, 4, 3], &[12, 12, 3, 1], &[2, 3, 4, 5]),
+            None
+        );
+    }
+}
