@@ -4,7 +4,8 @@ and comments aside) that stand again elsewhere in the workspace, in the same or 
 
 A run counts only when most of its lines carry some code (at least 4 of any 6 lines with 12 or
 more characters), so closing braces and short `use` lines do not make duplicates by themselves.
-Generated files (`parallel/src/backend/forward/`) are left out.
+Generated files (`parallel/src/backend/forward/`) and vendored crates (`vendor/`: upstream code,
+patched, not ours to factor) are left out.
 
     python3 tools/duplicates.py              # list the duplicated runs, longest first
     python3 tools/duplicates.py --max N      # also fail (exit 1) when there are more than N
@@ -20,7 +21,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WINDOW = 6
-SKIP = ("parallel/src/backend/forward/",)
+SKIP = ("parallel/src/backend/forward/", "vendor/")
 
 
 def files():
