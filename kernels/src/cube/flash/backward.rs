@@ -6,12 +6,12 @@ use super::*;
 /// `planes · rows` queries, each plane its rows, over the key blocks up to the diagonal.
 #[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn flash_backward_q_kernel<E: Float>(
-    q: &Tensor<E>,
-    k: &Tensor<E>,
-    v: &Tensor<E>,
+fn flash_backward_q_kernel<E: Float, N: Size>(
+    q: &Tensor<Vector<E, N>>,
+    k: &Tensor<Vector<E, N>>,
+    v: &Tensor<Vector<E, N>>,
     out: &Tensor<E>,
-    d_out: &Tensor<E>,
+    d_out: &Tensor<Vector<E, N>>,
     lse: &Tensor<f32>,
     dq: &mut Tensor<E>,
     delta: &mut Tensor<f32>,
@@ -36,6 +36,7 @@ fn flash_backward_q_kernel<E: Float>(
     #[define(E)] _dtype: StorageType,
 ) {
     let own = comptime!(planes * rows);
+    let units = comptime!(planes * LANES);
     let ld = comptime!(d + PAD_E);
     let ldp = comptime!(bk + PAD_E);
     let w = comptime!(bk.max(d) + PAD_F);
@@ -62,8 +63,8 @@ fn flash_backward_q_kernel<E: Float>(
     let mut red = SharedMemory::<f32>::new(planes * LANES);
     let mut plain = SharedMemory::<f32>::new(comptime!(if cmma { 1 } else { own * d }));
 
-    load_pair::<E>(
-        q, &q_l, d_out, &o_l, b, h, q_start, seq_q, &mut qs, &mut dos, own, d, ld,
+    load_pair::<E, N>(
+        q, &q_l, d_out, &o_l, b, h, q_start, seq_q, &mut qs, &mut dos, own, d, ld, units,
     );
     // delta of this unit's row in f32 from the stored dO and O, by one unit per row in column
     // order (for one visible key, dP − delta is then exactly 0 without tensor cores, as the
@@ -71,8 +72,13 @@ fn flash_backward_q_kernel<E: Float>(
     let mut part_delta = 0.0f32;
     if i < seq_q && part == 0 {
         let at = o_base + i * o_token;
-        for c in 0..d {
-            part_delta += f32::cast_from(d_out[at + c]) * f32::cast_from(out[at + c]);
+        let n = d_out.vector_size();
+        for cv in 0..comptime!(d / n) {
+            let g = d_out[at / n + cv];
+            #[unroll]
+            for j in 0..n {
+                part_delta += f32::cast_from(g[j]) * f32::cast_from(out[at + cv * n + j]);
+            }
         }
     }
     let dl = row_combine(&mut red, part_delta, per_row, false, cmma);
@@ -94,8 +100,8 @@ fn flash_backward_q_kernel<E: Float>(
 
     for kb in 0..blocks {
         let k_start = kb * bk;
-        load_pair::<E>(
-            k, &k_l, v, &v_l, b, hk, k_start, seq_k, &mut ks, &mut vs, bk, d, ld,
+        load_pair::<E, N>(
+            k, &k_l, v, &v_l, b, hk, k_start, seq_k, &mut ks, &mut vs, bk, d, ld, units,
         );
         sync_cube();
         // S = Q·Kᵀ and dP = dO·Vᵀ for the plane's rows
@@ -147,11 +153,11 @@ fn flash_backward_q_kernel<E: Float>(
 /// partial, summed over the group by the host.
 #[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn flash_backward_kv_kernel<E: Float>(
-    q: &Tensor<E>,
-    k: &Tensor<E>,
-    v: &Tensor<E>,
-    d_out: &Tensor<E>,
+fn flash_backward_kv_kernel<E: Float, N: Size>(
+    q: &Tensor<Vector<E, N>>,
+    k: &Tensor<Vector<E, N>>,
+    v: &Tensor<Vector<E, N>>,
+    d_out: &Tensor<Vector<E, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
     dkv: &mut Tensor<E>,
@@ -177,6 +183,7 @@ fn flash_backward_kv_kernel<E: Float>(
     #[define(E)] _dtype: StorageType,
 ) {
     let own = comptime!(planes * rows);
+    let units = comptime!(planes * LANES);
     let ld = comptime!(d + PAD_E);
     let ldp = comptime!(bq + PAD_E);
     let w = comptime!(bq.max(d) + PAD_F);
@@ -203,8 +210,8 @@ fn flash_backward_kv_kernel<E: Float>(
     let mut delta_s = SharedMemory::<f32>::new(bq);
     let mut plain = SharedMemory::<f32>::new(comptime!(if cmma { 1 } else { 2 * own * d }));
 
-    load_pair::<E>(
-        k, &k_l, v, &v_l, b, hk, k_start, seq_k, &mut ks, &mut vs, own, d, ld,
+    load_pair::<E, N>(
+        k, &k_l, v, &v_l, b, hk, k_start, seq_k, &mut ks, &mut vs, own, d, ld, units,
     );
     let dk_acc = acc_fragments(d, cmma);
     let dv_acc = acc_fragments(d, cmma);
@@ -225,8 +232,8 @@ fn flash_backward_kv_kernel<E: Float>(
 
     for qb in first..blocks {
         let q_start = qb * bq;
-        load_pair::<E>(
-            q, &q_l, d_out, &o_l, b, h, q_start, seq_q, &mut qs, &mut dos, bq, d, ld,
+        load_pair::<E, N>(
+            q, &q_l, d_out, &o_l, b, h, q_start, seq_q, &mut qs, &mut dos, bq, d, ld, units,
         );
         load_stats(lse, s_base, s_token, q_start, seq_q, 0.0, &mut lse_s, bq);
         load_stats(
@@ -311,6 +318,15 @@ pub(in crate::cube) fn backward<R: CubeRuntime>(
 ) {
     use super::super::arg;
     let q = &ops.q.0;
+    let n = vector_width(
+        &[
+            (q, ops.q.1),
+            (&ops.k.0, ops.k.1),
+            (&ops.v.0, ops.v.1),
+            (d_output, output.1),
+        ],
+        p.head_dim,
+    );
     let f = Flash::choose(q, Pass::BackwardQ, p.head_dim);
     let (count, dim) = f.launch_dims(p.seq_q, p);
     launch_flash!(
@@ -320,6 +336,7 @@ pub(in crate::cube) fn backward<R: CubeRuntime>(
         f,
         count,
         dim,
+        n,
         [
             arg(q),
             arg(&ops.k.0),
@@ -346,6 +363,7 @@ pub(in crate::cube) fn backward<R: CubeRuntime>(
         f,
         count,
         dim,
+        n,
         [
             arg(q),
             arg(&ops.k.0),

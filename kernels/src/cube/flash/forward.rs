@@ -6,10 +6,10 @@ use super::*;
 /// queries, over the key blocks up to the last one its cube's last query sees.
 #[cube(launch, launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn flash_forward_kernel<E: Float>(
-    q: &Tensor<E>,
-    k: &Tensor<E>,
-    v: &Tensor<E>,
+fn flash_forward_kernel<E: Float, N: Size>(
+    q: &Tensor<Vector<E, N>>,
+    k: &Tensor<Vector<E, N>>,
+    v: &Tensor<Vector<E, N>>,
     out: &mut Tensor<E>,
     lse: &mut Tensor<f32>,
     q_l: Sequence<u32>,
@@ -32,6 +32,7 @@ fn flash_forward_kernel<E: Float>(
     #[define(E)] _dtype: StorageType,
 ) {
     let own = comptime!(planes * rows);
+    let units = comptime!(planes * LANES);
     let ld = comptime!(d + PAD_E);
     let ldp = comptime!(bk + PAD_E);
     let w = comptime!(bk.max(d) + PAD_F);
@@ -53,7 +54,7 @@ fn flash_forward_kernel<E: Float>(
     let mut norm = SharedMemory::<f32>::new(own);
     let mut plain = SharedMemory::<f32>::new(comptime!(if cmma { 1 } else { own * d }));
 
-    load_head::<E>(q, &q_l, b, h, q_start, seq_q, &mut qs, own, d, ld);
+    load_head::<E, N>(q, &q_l, b, h, q_start, seq_q, &mut qs, own, d, ld, units);
     let acc = acc_fragments(d, cmma);
     let a_off = plane * rows * ld;
     let p_off = plane * rows * ldp;
@@ -68,8 +69,8 @@ fn flash_forward_kernel<E: Float>(
 
     for kb in 0..blocks {
         let k_start = kb * bk;
-        load_pair::<E>(
-            k, &k_l, v, &v_l, b, hk, k_start, seq_k, &mut ks, &mut vs, bk, d, ld,
+        load_pair::<E, N>(
+            k, &k_l, v, &v_l, b, hk, k_start, seq_k, &mut ks, &mut vs, bk, d, ld, units,
         );
         sync_cube();
         // S = Q·Kᵀ for the plane's rows
@@ -177,6 +178,10 @@ pub(in crate::cube) fn forward<R: CubeRuntime>(
     let q = &ops.q.0;
     let f = Flash::choose(q, Pass::Forward, p.head_dim);
     let (count, dim) = f.launch_dims(p.seq_q, p);
+    let n = vector_width(
+        &[(q, ops.q.1), (&ops.k.0, ops.k.1), (&ops.v.0, ops.v.1)],
+        p.head_dim,
+    );
     launch_flash!(
         flash_forward_kernel,
         q,
@@ -184,6 +189,7 @@ pub(in crate::cube) fn forward<R: CubeRuntime>(
         f,
         count,
         dim,
+        n,
         [
             arg(q),
             arg(&ops.k.0),

@@ -209,15 +209,17 @@ fn sync_tiles(#[comptime] cmma: bool) {
     }
 }
 
-/// Rows `start..start + rows` of operand `src` laid out as `l` ([`Heads::args`]), (batch `b`,
-/// head `h`), into `dst` (`rows` rows of `d` columns, stride `ld`), rows at or past `end` as
-/// zeros; by the whole cube, consecutive units on consecutive columns. (Unrolled with every load
-/// issued before the first store it measured slower on an H100: forward 1.89 ms instead of
-/// 1.24 at GPT-2's shape.)
+/// `rows` rows of one head (`d` elements each, from row `start`; zeros from row `end`) into
+/// `dst` at row pitch `ld`. Each unit reads vectors of `N` elements (4 bytes: `bf16×2`,
+/// `f16×2`, one f32: a warp's read is 128 contiguous bytes per row and its element stores hit 32
+/// distinct banks), all of its reads issued before its first store (the loop is unrolled: one
+/// memory latency per tile instead of one per element, the kernels' main stall before), then
+/// stores them. (Unrolled scalar reads, 32 per unit and tile, measured slower on an H100:
+/// forward 1.89 ms against 1.24, register pressure beside the fragments; vectors halve that.)
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_head<E: Float>(
-    src: &Tensor<E>,
+fn load_head<E: Float, N: Size>(
+    src: &Tensor<Vector<E, N>>,
     l: &Sequence<u32>,
     b: usize,
     h: usize,
@@ -227,29 +229,47 @@ fn load_head<E: Float>(
     #[comptime] rows: usize,
     #[comptime] d: usize,
     #[comptime] ld: usize,
+    #[comptime] units: usize,
 ) {
+    let n = src.vector_size();
+    let per_row = comptime!(d / n);
+    let total = comptime!(rows * d / n);
+    let steps = comptime!(total.div_ceil(units));
     let base = head_base(l, b, h);
     let token = *l.index(3usize) as usize;
-    let mut e = UNIT_POS as usize;
-    while e < rows * d {
-        let r = e / d;
-        let c = e % d;
-        let mut x = E::new(0.0);
-        if start + r < end {
-            x = src[base + (start + r) * token + c];
+    let unit = UNIT_POS as usize;
+    let mut got = Sequence::<Vector<E, N>>::new();
+    #[unroll]
+    for s in 0..steps {
+        let e = unit + s * units;
+        let r = e / per_row;
+        let mut x = Vector::<E, N>::new(E::new(0.0));
+        if e < total && start + r < end {
+            x = src[(base + (start + r) * token) / n + e % per_row];
         }
-        dst[r * ld + c] = x;
-        e += CUBE_DIM as usize;
+        got.push(x);
+    }
+    #[unroll]
+    for s in 0..steps {
+        let e = unit + s * units;
+        if e < total {
+            let at = (e / per_row) * ld + (e % per_row) * n;
+            let x = *got.index(s);
+            #[unroll]
+            for j in 0..n {
+                dst[at + j] = x[j];
+            }
+        }
     }
 }
 
-/// [`load_head`] of two operands of the same head and rows (K and V, or Q and dO).
+/// [`load_head`] of two operands with the same rows (K and V, or Q and dO).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_pair<E: Float>(
-    x: &Tensor<E>,
+fn load_pair<E: Float, N: Size>(
+    x: &Tensor<Vector<E, N>>,
     x_l: &Sequence<u32>,
-    y: &Tensor<E>,
+    y: &Tensor<Vector<E, N>>,
     y_l: &Sequence<u32>,
     b: usize,
     h: usize,
@@ -260,9 +280,10 @@ fn load_pair<E: Float>(
     #[comptime] rows: usize,
     #[comptime] d: usize,
     #[comptime] ld: usize,
+    #[comptime] units: usize,
 ) {
-    load_head::<E>(x, x_l, b, h, start, end, xs, rows, d, ld);
-    load_head::<E>(y, y_l, b, h, start, end, ys, rows, d, ld);
+    load_head::<E, N>(x, x_l, b, h, start, end, xs, rows, d, ld, units);
+    load_head::<E, N>(y, y_l, b, h, start, end, ys, rows, d, ld, units);
 }
 
 /// This unit's plane, lane, row in the plane (`lane / per_row`) and part of the row.
@@ -537,10 +558,10 @@ fn row_combine(
 /// `[$args]` followed by the scalars and comptime split every flash kernel takes (from problem
 /// `$p` and split `$f`; `$q` gives the client and dtype).
 macro_rules! launch_flash {
-    ($kernel:ident, $q:ident, $p:ident, $f:ident, $count:ident, $dim:ident, [$($arg:expr),* $(,)?]) => {
+    ($kernel:ident, $q:ident, $p:ident, $f:ident, $count:ident, $dim:ident, $n:expr, [$($arg:expr),* $(,)?]) => {
         if checked_launches() {
             $kernel::launch::<R>(
-                &$q.client, $count, $dim, $($arg,)* $p.heads as u32, $p.kv_group as u32,
+                &$q.client, $count, $dim, $n, $($arg,)* $p.heads as u32, $p.kv_group as u32,
                 $p.seq_q as u32, $p.seq_k as u32, $p.q_offset as i32, $p.scale, $f.planes,
                 $f.rows, $f.block, $p.head_dim, $p.causal, $f.cmma, $q.dtype.into(),
             )
@@ -552,13 +573,37 @@ macro_rules! launch_flash {
             // bench's checks (`WILDFIRE_KERNELS_CHECKED=1` for CubeCL's bounds checks) run them.
             unsafe {
                 $kernel::launch_unchecked::<R>(
-                    &$q.client, $count, $dim, $($arg,)* $p.heads as u32, $p.kv_group as u32,
+                    &$q.client, $count, $dim, $n, $($arg,)* $p.heads as u32, $p.kv_group as u32,
                     $p.seq_q as u32, $p.seq_k as u32, $p.q_offset as i32, $p.scale, $f.planes,
                     $f.rows, $f.block, $p.head_dim, $p.causal, $f.cmma, $q.dtype.into(),
                 )
             }
         }
     };
+}
+
+/// The vector width of the operands the kernels read whole head rows of (Q, K, V, dO): 4 bytes
+/// per read (2 elements at 16 bits) where every operand's offsets and strides are multiples of
+/// it, its buffer starts aligned to it and the device reads that width; else 1.
+pub(super) fn vector_width<R: CubeRuntime>(
+    operands: &[(&CubeTensor<R>, Heads)],
+    d: usize,
+) -> usize {
+    let (first, _) = operands[0];
+    let es = first.dtype.size();
+    let n = (4 / es).max(1);
+    let fits = |(t, l): &(&CubeTensor<R>, Heads)| {
+        let start = t.handle.offset_start.unwrap_or(0) as usize;
+        [l.offset, l.batch, l.head, l.token]
+            .iter()
+            .all(|x| x.is_multiple_of(n))
+            && start.is_multiple_of(n * es)
+    };
+    let ok = n > 1
+        && d.is_multiple_of(n)
+        && operands.iter().all(fits)
+        && first.client.io_optimized_vector_sizes(es).any(|v| v == n);
+    if ok { n } else { 1 }
 }
 
 /// Whether the flash kernels launch with CubeCL's bounds checks (`WILDFIRE_KERNELS_CHECKED=1`):
