@@ -132,10 +132,11 @@ run() {
     # every kernel against Burn ops in f32 (each reference matmul shape is tuned once: slow on a
     # fresh machine, last)
     step kernel_tests 150 "$T/b/kernel_tests" cuda_kernels_match_burn_ops --test-threads 1
-    # Nsight Compute on the first flash-attention launches (forward, dQ, dK/dV at GPT-2's shape),
+    # Nsight Compute on the first six flash-attention launches (four forward, then dQ and dK/dV:
+    # the bench calls each twice to warm up, then once timed, at GPT-2's shape),
     # where the toolkit has it: occupancy, throughput, stall reasons — what to fix next
     local ncu; ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
-    [ -n "$ncu" ] && step ncu_attention 150 "$ncu" -k regex:flash -c 3 --section SpeedOfLight \
+    [ -n "$ncu" ] && step ncu_attention 150 "$ncu" -k regex:flash -c 6 --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis "$T/b/gpu_kernels" --iters 1
     # the tuning results, for the next run on this kind of GPU (`.gpu/cubecl-cache.tgz`)

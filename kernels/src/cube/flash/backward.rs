@@ -10,7 +10,7 @@ fn flash_backward_q_kernel<E: Float, N: Size>(
     q: &Tensor<Vector<E, N>>,
     k: &Tensor<Vector<E, N>>,
     v: &Tensor<Vector<E, N>>,
-    out: &Tensor<E>,
+    out: &Tensor<Vector<E, N>>,
     d_out: &Tensor<Vector<E, N>>,
     lse: &Tensor<f32>,
     dq: &mut Tensor<E>,
@@ -73,11 +73,15 @@ fn flash_backward_q_kernel<E: Float, N: Size>(
     if i < seq_q && part == 0 {
         let at = o_base + i * o_token;
         let n = d_out.vector_size();
+        // Unrolled: the row's reads are all issued before the sum waits on them (one unit reads
+        // a whole row: rolled, each read waited in turn, the pass's main stall on an H200).
+        #[unroll]
         for cv in 0..comptime!(d / n) {
             let g = d_out[at / n + cv];
+            let o = out[at / n + cv];
             #[unroll]
             for j in 0..n {
-                part_delta += f32::cast_from(g[j]) * f32::cast_from(out[at + cv * n + j]);
+                part_delta += f32::cast_from(g[j]) * f32::cast_from(o[j]);
             }
         }
     }
@@ -324,6 +328,7 @@ pub(in crate::cube) fn backward<R: CubeRuntime>(
             (&ops.k.0, ops.k.1),
             (&ops.v.0, ops.v.1),
             (d_output, output.1),
+            (output.0, output.1),
         ],
         p.head_dim,
     );
