@@ -17,11 +17,20 @@ type Cuda = burn::backend::Cuda;
 pub fn run_cuda(config: &PretrainConfig) -> Result<RunSummary, PretrainError> {
     // cudarc loads libcuda at the device's first use and panics when it is missing.
     wildfire_parallel::check_libcuda()?;
-    tracing::info!(
-        "CUDA: Burn's matmuls are autotuned — each new GEMM shape is timed once on this GPU \
-         (≈ 20–30 s per shape on a fresh machine, GPT-2 124M has ≈ 17; CUBECL_AUTOTUNE_LEVEL=\
-         minimal|balanced|extensive|full sets the effort), cached in ~/.cache/cubecl for later runs"
-    );
+    if wildfire_kernels::gemm::uses_blas::<Cuda>() {
+        tracing::info!(
+            "CUDA: the model's GEMMs run on cuBLASLt (WILDFIRE_CUBLAS=0: Burn's autotuned CubeCL \
+             matmuls instead); Burn's own matmuls elsewhere are autotuned once per shape, cached \
+             in ~/.cache/cubecl"
+        );
+    } else {
+        tracing::info!(
+            "CUDA: Burn's matmuls are autotuned — each new GEMM shape is timed once on this GPU \
+             (≈ 20–30 s per shape on a fresh machine, GPT-2 124M has ≈ 17; \
+             CUBECL_AUTOTUNE_LEVEL=minimal|balanced|extensive|full sets the effort), cached in \
+             ~/.cache/cubecl for later runs"
+        );
+    }
     let device = Default::default();
     #[cfg(not(feature = "fusion"))]
     {
