@@ -61,14 +61,15 @@ pub fn enabled() -> bool {
         if std::env::var("WILDFIRE_CUBLAS").is_ok_and(|v| v == "0") {
             return false;
         }
-        // cudarc panics when no candidate library name loads.
-        match std::panic::catch_unwind(|| unsafe { sys::culib() }) {
-            Ok(_) => true,
-            Err(_) => {
-                tracing::warn!("libcublasLt not found: GEMMs run on CubeCL's matmul");
-                false
-            }
+        // cudarc panics when no candidate name loads: try its candidates first.
+        let found = cudarc::get_lib_name_candidates("cublasLt")
+            .iter()
+            // SAFETY: loading cuBLASLt runs its initialisers, as cudarc's own load would.
+            .any(|name| unsafe { libloading::Library::new(name) }.is_ok());
+        if !found {
+            tracing::warn!("libcublasLt not found: GEMMs run on CubeCL's matmul");
         }
+        found
     })
 }
 
