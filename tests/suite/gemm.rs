@@ -91,6 +91,12 @@ fn check<const D: usize>(
     eprintln!("{what}: {samples} entries, worst rel {worst:.2e}");
 }
 
+/// `lhs @ rhs` through `gemm::matmul`.
+fn matmul<const D: usize>(lhs: &Tensor<C, D>, rhs: &Tensor<C, D>) -> Tensor<C, D> {
+    let out = gemm::matmul::<C>(prim(lhs.clone()), prim(rhs.clone()));
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
 fn random<const D: usize>(shape: [usize; D], dtype: FloatDType) -> Tensor<C, D> {
     Tensor::<C, D>::random(shape, Distribution::Normal(0.0, 1.0), &Default::default()).cast(dtype)
 }
@@ -113,10 +119,7 @@ fn cuda_tensor_core_gemm_matches_host_products() {
         let before = blas::calls();
         // Row-major [m, k] @ [k, n], odd sizes.
         let (x, w) = (random([37, 70], dtype), random([70, 45], dtype));
-        let got = Tensor::from_primitive(TensorPrimitive::Float(gemm::matmul::<C>(
-            prim(x.clone()),
-            prim(w.clone()),
-        )));
+        let got = matmul(&x, &w);
         check(
             &format!("{dtype:?} [37,70]@[70,45]"),
             &x,
@@ -173,23 +176,14 @@ fn cuda_tensor_core_gemm_matches_host_products() {
         // Both operands transposed views.
         let (a, c) = (random([64, 48], dtype), random([80, 64], dtype));
         let (at, ct) = (a.transpose(), c.transpose());
-        let got = Tensor::from_primitive(TensorPrimitive::Float(gemm::matmul::<C>(
-            prim(at.clone()),
-            prim(ct.clone()),
-        )));
+        let got = matmul(&at, &ct);
         check(&format!("{dtype:?} aT @ cT"), &at, &ct, None, got, tol);
         // Strided batch [2, 3, m, k] @ [2, 3, k, n], and a broadcast right side [1, 1, k, n].
         let (p, q) = (random([2, 3, 33, 40], dtype), random([2, 3, 40, 24], dtype));
-        let got = Tensor::from_primitive(TensorPrimitive::Float(gemm::matmul::<C>(
-            prim(p.clone()),
-            prim(q.clone()),
-        )));
+        let got = matmul(&p, &q);
         check(&format!("{dtype:?} batched"), &p, &q, None, got, tol);
         let q1 = random([1, 1, 40, 24], dtype);
-        let got = Tensor::from_primitive(TensorPrimitive::Float(gemm::matmul::<C>(
-            prim(p.clone()),
-            prim(q1.clone()),
-        )));
+        let got = matmul(&p, &q1);
         check(&format!("{dtype:?} broadcast"), &p, &q1, None, got, tol);
         assert_eq!(
             blas::calls() - before,
@@ -204,10 +198,7 @@ fn cuda_tensor_core_gemm_matches_host_products() {
     let before = blas::calls();
     let s = random([2, 16, 3, 32], FloatDType::F32).swap_dims(1, 2);
     let kt = random([2, 3, 32, 16], FloatDType::F32);
-    let got = Tensor::from_primitive(TensorPrimitive::Float(gemm::matmul::<C>(
-        prim(s.clone()),
-        prim(kt.clone()),
-    )));
+    let got = matmul(&s, &kt);
     check("F32 head-transposed (fallback)", &s, &kt, None, got, 2e-3);
     assert_eq!(blas::calls(), before, "the fallback took it");
 }

@@ -102,6 +102,23 @@ struct Operand {
     batch_stride: i64,
 }
 
+impl Operand {
+    /// The matrices `[.., rows, cols]` of `dims` with element `strides`, batched against the
+    /// output's dims `out`; `None` when cuBLASLt cannot read them in place.
+    fn new(dims: &[usize], strides: &[usize], out: &[usize]) -> Option<Self> {
+        let d = dims.len();
+        let (rows, cols, ld, trans) =
+            storage(dims[d - 2], dims[d - 1], strides[d - 2], strides[d - 1])?;
+        Some(Self {
+            rows,
+            cols,
+            ld,
+            trans,
+            batch_stride: batch_stride(dims, strides, out)?,
+        })
+    }
+}
+
 /// A product cuBLASLt can run: the two operands (cuBLAS's A is Burn's `rhs`, B is `lhs`), the
 /// output `[batch…, m, n]`, batch count, dtype, with a bias or not.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -219,22 +236,8 @@ impl Product {
         let (lst, rst) = (lhs.meta.strides(), rhs.meta.strides());
         let (lst, rst) = (&lst[..], &rst[..]);
         // cuBLAS's A = rhs as `Bᵀ [n, k]`, B = lhs as `Aᵀ [k, m]`.
-        let (ar, ac, a_ld, a_t) = storage(k, n, rst[d - 2], rst[d - 1])?;
-        let (br, bc, b_ld, b_t) = storage(m, k, lst[d - 2], lst[d - 1])?;
-        let a = Operand {
-            rows: ar,
-            cols: ac,
-            ld: a_ld,
-            trans: a_t,
-            batch_stride: batch_stride(rd, rst, &out)?,
-        };
-        let b = Operand {
-            rows: br,
-            cols: bc,
-            ld: b_ld,
-            trans: b_t,
-            batch_stride: batch_stride(ld, lst, &out)?,
-        };
+        let a = Operand::new(rd, rst, &out)?;
+        let b = Operand::new(ld, lst, &out)?;
         if let Some(bias) = bias {
             let fits = bias.dtype == lhs.dtype
                 && d == 2
