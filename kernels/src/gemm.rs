@@ -2,7 +2,8 @@
 //! [`cube::blas`](crate::cube::blas)), Burn's own `float_matmul` / `linear` everywhere else and
 //! for what cuBLASLt does not take. The `Distributed` decorator runs its matmuls and linear
 //! layers (forward and both backward products) through these, so `Autodiff<Distributed<Cuda>>`
-//! trains on cuBLASLt with no change to the model.
+//! trains on cuBLASLt with no change to the model. (`Fusion<Cuda>`'s tensors live in Burn's fusion
+//! stream: its GEMMs stay CubeCL's.)
 
 #[cfg(feature = "cuda")]
 use burn::tensor::Shape;
