@@ -109,25 +109,21 @@ fn main() {
         let wt = || B::float_swap_dims(w.clone(), 0, 1);
         let flops = 2.0 * (rows * k * n) as f64;
         let shape = format!("{rows}x{k}x{n} bf16");
-        let products: [(&str, &dyn Fn()); 4] = [
-            ("", &|| {
+        let products: [(String, &dyn Fn()); 4] = [
+            (format!("matmul_{name}"), &|| {
                 let _ = gemm::matmul::<B>(x.clone(), wt());
             }),
-            ("_dx", &|| {
+            (format!("matmul_{name}_dx"), &|| {
                 let _ = gemm::matmul::<B>(g.clone(), w.clone());
             }),
-            ("_dw", &|| {
+            (format!("matmul_{name}_dw"), &|| {
                 let _ = gemm::matmul::<B>(B::float_swap_dims(x.clone(), 0, 1), g.clone());
             }),
-            ("cubecl", &|| {
+            (format!("cubecl_matmul_{name}"), &|| {
                 let _ = B::float_matmul(x.clone(), wt());
             }),
         ];
-        for (suffix, f) in products {
-            let kernel = match suffix {
-                "cubecl" => format!("cubecl_matmul_{name}"),
-                s => format!("matmul_{name}{s}"),
-            };
+        for (kernel, f) in products {
             report(&kernel, &shape, time(iters, f), flops);
         }
     }

@@ -238,8 +238,8 @@ fn activation_bytes(model: &GptConfig, parallel: &ParallelConfig, b: usize, half
 /// outputs `2ksbh`, and the SwiGLUs of its `k` routed and shared experts of width `F`,
 /// `3(k + shared)·sbF/t` (an estimate: the accounting is not checked against it yet). Full (or
 /// every-N) recomputation keeps a recomputed block's f32 input, `sbh`, and one block's
-/// activations while it runs again. With `half`, all but the residual stream in 16 bits. Plus the logits and their gradient. With context
-/// parallelism `s` is a rank's `s/cp` positions.
+/// activations while it runs again. With `half`, all but the residual stream in 16 bits. Plus
+/// the logits and their gradient. With context parallelism `s` is a rank's `s/cp` positions.
 pub fn llama_activation_bytes(
     model: &LlamaConfig,
     parallel: &ParallelConfig,

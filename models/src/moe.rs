@@ -322,9 +322,10 @@ impl<B: FusedOps> MoeMlp<B> {
         // 0 as "keep this size".)
         for (expert, assigned) in self.experts.iter().zip(&routing.assignments) {
             let idle = [(0, 0)];
-            let (assigned, used) = match assigned.is_empty() {
-                true => (&idle[..], 0.0),
-                false => (&assigned[..], 1.0),
+            let (assigned, used) = if assigned.is_empty() {
+                (&idle[..], 0.0)
+            } else {
+                (&assigned[..], 1.0)
             };
             let m = assigned.len();
             let ids = |f: fn(&(usize, usize)) -> usize| {

@@ -45,6 +45,29 @@ type T = CubeTensor<CudaRuntime>;
 /// Workspace per thread: cuBLAS's recommendation for Hopper.
 const WORKSPACE: usize = 32 << 20;
 
+/// A cuBLASLt error as a message naming the call that failed.
+fn failed(what: &'static str) -> impl Fn(lt::CublasError) -> String {
+    move |e| format!("{what}: {e}")
+}
+
+/// Set one attribute from a value (descriptor, layout or preference).
+macro_rules! set {
+    ($f:ident, $obj:expr, $attr:expr, $value:expr, $what:literal) => {{
+        let value = $value;
+        // SAFETY: `$obj` is alive (made by `Plan::new`; plans are never freed); the attribute's
+        // buffer is `value`.
+        unsafe {
+            lt::$f(
+                $obj,
+                $attr,
+                (&value) as *const _ as *const c_void,
+                std::mem::size_of_val(&value),
+            )
+            .map_err(failed($what))
+        }
+    }};
+}
+
 /// cuBLASLt calls made so far (process-wide; the tests check the path ran).
 static CALLS: AtomicU64 = AtomicU64::new(0);
 
@@ -120,14 +143,11 @@ impl Operand {
 }
 
 /// A product cuBLASLt can run: the two operands (cuBLAS's A is Burn's `rhs`, B is `lhs`), the
-/// output `[batch…, m, n]`, batch count, dtype, with a bias or not.
+/// output's dims `[batch…, m, n]`, dtype, with a bias or not.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Product {
     a: Operand,
     b: Operand,
-    m: u64,
-    n: u64,
-    batch: u64,
     out: Vec<usize>,
     dtype: DTypeKey,
     bias: bool,
@@ -180,21 +200,15 @@ fn storage(rows: usize, cols: usize, sr: usize, sc: usize) -> Option<(u64, u64, 
     None
 }
 
-/// The batch stride of an operand's leading dims against the output's: 0 when they all
-/// broadcast, the innermost batch stride when they match the output and collapse to one
-/// stride, `None` otherwise.
+/// The batch stride of an operand's leading dims against the output's (of the same rank): 0
+/// when they all broadcast, the innermost batch stride when they match the output and collapse
+/// to one stride, `None` otherwise.
 fn batch_stride(dims: &[usize], strides: &[usize], out: &[usize]) -> Option<i64> {
     let lead = dims.len() - 2;
-    let out_lead = &out[..out.len() - 2];
-    let offset = out_lead.len() - lead;
     if dims[..lead].iter().all(|&d| d == 1) {
         return Some(0);
     }
-    // Missing leading dims broadcast; then every present dim must equal the output's.
-    if offset > 0 && out_lead[..offset].iter().any(|&d| d != 1) {
-        return None;
-    }
-    if dims[..lead] != out_lead[offset..] {
+    if dims[..lead] != out[..lead] {
         return None;
     }
     // Collapsible: stride[i] = stride[i+1]·dims[i+1] over the dims of size > 1.
@@ -232,7 +246,6 @@ impl Product {
             return None;
         }
         out.extend([m, n]);
-        let batch = out[..d - 2].iter().product::<usize>() as u64;
         let (lst, rst) = (lhs.meta.strides(), rhs.meta.strides());
         let (lst, rst) = (&lst[..], &rst[..]);
         // cuBLAS's A = rhs as `Bᵀ [n, k]`, B = lhs as `Aᵀ [k, m]`.
@@ -250,13 +263,17 @@ impl Product {
         Some(Self {
             a,
             b,
-            m: m as u64,
-            n: n as u64,
-            batch,
             out,
             dtype,
             bias: bias.is_some(),
         })
+    }
+
+    /// The output's `(batch count, m, n)`.
+    fn sizes(&self) -> (u64, u64, u64) {
+        let d = self.out.len();
+        let batch: usize = self.out[..d - 2].iter().product();
+        (batch as u64, self.out[d - 2] as u64, self.out[d - 1] as u64)
     }
 
     /// Enqueue the product on the output's stream.
@@ -296,19 +313,15 @@ impl Product {
                     plan
                 }
             };
+            // The plan's bias epilogue reads this call's bias (a cached plan holds an earlier's).
             if let Some(bias) = &bias_res {
-                let ptr = bias.resource().ptr as *const c_void;
-                // SAFETY: the descriptor is this thread's and alive (plans are never freed); the
-                // attribute takes the pointer's value.
-                unsafe {
-                    lt::set_matmul_desc_attribute(
-                        plan.desc,
-                        sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                        (&ptr) as *const *const c_void as *const c_void,
-                        std::mem::size_of::<*const c_void>(),
-                    )
-                    .map_err(|e| format!("bias pointer: {e}"))?;
-                }
+                set!(
+                    set_matmul_desc_attribute,
+                    plan.desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                    bias.resource().ptr as *const c_void,
+                    "BIAS_POINTER"
+                )?;
             }
             let (alpha, beta) = (1f32, 0f32);
             // SAFETY: the descriptors and algorithm were made for these shapes, strides, dtype
@@ -361,28 +374,9 @@ struct Plan {
     algo: sys::cublasLtMatmulAlgo_t,
 }
 
-fn failed(what: &'static str) -> impl Fn(lt::CublasError) -> String {
-    move |e| format!("{what}: {e}")
-}
-
-/// Set one attribute from a value (descriptor, layout or preference).
-macro_rules! set {
-    ($f:ident, $obj:expr, $attr:expr, $value:expr, $what:literal) => {{
-        let value = $value;
-        // SAFETY: `$obj` was just created and is alive; the attribute's buffer is `value`.
-        unsafe {
-            lt::$f(
-                $obj,
-                $attr,
-                (&value) as *const _ as *const c_void,
-                std::mem::size_of_val(&value),
-            )
-            .map_err(failed($what))
-        }
-    }};
-}
-
 impl Plan {
+    /// The plan of `key`, chosen with the first call's `bias` address set (each later call sets
+    /// its own, `Product::run`).
     fn new(
         handle: sys::cublasLtHandle_t,
         key: &PlanKey,
@@ -437,15 +431,16 @@ impl Plan {
                 "BIAS_POINTER"
             )?;
         }
+        let (batch, m, n) = p.sizes();
         let layout = |rows: u64, cols: u64, ld: i64, stride: i64| -> Result<_, String> {
             let l = lt::create_matrix_layout(dtype, rows, cols, ld)
                 .map_err(failed("cublasLtMatrixLayoutCreate"))?;
-            if p.batch > 1 {
+            if batch > 1 {
                 set!(
                     set_matrix_layout_attribute,
                     l,
                     L::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                    p.batch as i32,
+                    batch as i32,
                     "BATCH_COUNT"
                 )?;
                 set!(
@@ -461,7 +456,7 @@ impl Plan {
         let a = layout(p.a.rows, p.a.cols, p.a.ld, p.a.batch_stride)?;
         let b = layout(p.b.rows, p.b.cols, p.b.ld, p.b.batch_stride)?;
         // D: Burn's contiguous `[m, n]` is column-major `n × m`.
-        let d = layout(p.n, p.m, p.n as i64, (p.m * p.n) as i64)?;
+        let d = layout(n, m, n as i64, (m * n) as i64)?;
         let pref = lt::create_matmul_pref().map_err(failed("cublasLtMatmulPreferenceCreate"))?;
         set!(
             set_matmul_pref_attribute,
@@ -470,35 +465,22 @@ impl Plan {
             WORKSPACE as u64,
             "MAX_WORKSPACE_BYTES"
         )?;
+        // C is D (beta 0, written in place).
         let [aa, ab, ad] = key.align;
-        set!(
-            set_matmul_pref_attribute,
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-            aa,
-            "ALIGN_A"
-        )?;
-        set!(
-            set_matmul_pref_attribute,
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-            ab,
-            "ALIGN_B"
-        )?;
-        set!(
-            set_matmul_pref_attribute,
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-            ad,
-            "ALIGN_C"
-        )?;
-        set!(
-            set_matmul_pref_attribute,
-            pref,
-            P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-            ad,
-            "ALIGN_D"
-        )?;
+        for (attr, align) in [
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, aa),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, ab),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, ad),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, ad),
+        ] {
+            set!(
+                set_matmul_pref_attribute,
+                pref,
+                attr,
+                align,
+                "MIN_ALIGNMENT"
+            )?;
+        }
         // SAFETY: every descriptor was created above and is alive.
         let heuristic = unsafe { lt::get_matmul_algo_heuristic(handle, desc, a, b, d, d, pref) }
             .map_err(failed("cublasLtMatmulAlgoGetHeuristic"))?;

@@ -183,11 +183,16 @@ pub(crate) fn to_bytes(words: &[i64]) -> Vec<u8> {
     words.iter().flat_map(|w| w.to_le_bytes()).collect()
 }
 
+/// One little-endian word.
+fn word(chunk: &[u8]) -> i64 {
+    i64::from_le_bytes(chunk.try_into().expect("8 bytes"))
+}
+
 /// The first `N` words of `bytes` (little-endian).
 pub(crate) fn from_bytes<const N: usize>(bytes: &[u8]) -> [i64; N] {
     let mut words = [0i64; N];
-    for (word, chunk) in words.iter_mut().zip(bytes.chunks_exact(8)) {
-        *word = i64::from_le_bytes(chunk.try_into().expect("8 bytes"));
+    for (w, chunk) in words.iter_mut().zip(bytes.chunks_exact(8)) {
+        *w = word(chunk);
     }
     words
 }
@@ -196,10 +201,7 @@ pub(crate) fn from_bytes<const N: usize>(bytes: &[u8]) -> [i64; N] {
 ///
 /// [`Splits::words`]: super::call::Splits::words
 pub(crate) fn words(bytes: &[u8]) -> Vec<i64> {
-    bytes
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
-        .collect()
+    bytes.chunks_exact(8).map(word).collect()
 }
 
 /// The round the members' headers describe (in group order), checked to be the same call with
