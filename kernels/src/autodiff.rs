@@ -238,6 +238,48 @@ impl<B: FusedOps> Backward<B, 2> for AuxiliaryLossOp {
     }
 }
 
+/// Expert parallelism's dispatch (`combine: false`) or combine: backward is the other
+/// direction's gradient op.
+#[derive(Debug)]
+struct ExpertExchangeOp {
+    route: crate::experts::ExpertRoute,
+    combine: bool,
+}
+
+impl<B: FusedOps> Backward<B, 1> for ExpertExchangeOp {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let dx = if self.combine {
+            B::expert_combine_backward(dy, &self.route)
+        } else {
+            B::expert_dispatch_backward(dy, &self.route)
+        };
+        register!(B, grads, &ops.parents[0], dx);
+    }
+}
+
+fn expert_exchange<B: FusedOps, C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<B, C>>,
+    route: &crate::experts::ExpertRoute,
+    combine: bool,
+) -> FloatTensor<Autodiff<B, C>> {
+    let y = if combine {
+        B::expert_combine(x.primitive, route)
+    } else {
+        B::expert_dispatch(x.primitive, route)
+    };
+    let op = ExpertExchangeOp {
+        route: route.clone(),
+        combine,
+    };
+    match op.prepare::<C>([x.node]).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => prep.finish((), y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    }
+}
+
 /// An untracked autodiff tensor (the per-row statistics handed back to callers).
 fn constant<B: FusedOps, C: CheckpointStrategy>(x: FloatTensor<B>) -> FloatTensor<Autodiff<B, C>> {
     <Autodiff<B, C> as burn::tensor::backend::AutodiffBackend>::from_inner(x)
@@ -261,6 +303,28 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
             OpsKind::Tracked(prep) => prep.finish(state, x.primitive),
             OpsKind::UnTracked(prep) => prep.finish(x.primitive),
         }
+    }
+
+    fn expert_axis(device: &burn::tensor::Device<Self>) -> (usize, usize) {
+        B::expert_axis(device)
+    }
+
+    fn expert_counts(device: &burn::tensor::Device<Self>, counts: &[usize]) -> Vec<usize> {
+        B::expert_counts(device, counts)
+    }
+
+    fn expert_dispatch(
+        x: FloatTensor<Self>,
+        route: &crate::experts::ExpertRoute,
+    ) -> FloatTensor<Self> {
+        expert_exchange::<B, C>(x, route, false)
+    }
+
+    fn expert_combine(
+        y: FloatTensor<Self>,
+        route: &crate::experts::ExpertRoute,
+    ) -> FloatTensor<Self> {
+        expert_exchange::<B, C>(y, route, true)
     }
 
     fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {

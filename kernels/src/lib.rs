@@ -37,6 +37,7 @@ pub mod cube;
 pub mod flex;
 #[cfg(feature = "fusion")]
 pub mod fusion;
+pub mod experts;
 pub mod gemm;
 pub mod hooks;
 pub mod ops;
@@ -236,6 +237,52 @@ pub trait FusedOps: Backend {
     fn carry_loss(x: FloatTensor<Self>, loss: FloatTensor<Self>, w: f64) -> FloatTensor<Self> {
         let _ = (loss, w);
         x
+    }
+
+    /// This rank's index on the expert-parallel axis and the axis's size: `(0, 1)` without
+    /// expert parallelism (a `Distributed` backend whose mesh has an `ep` axis has one).
+    fn expert_axis(device: &burn::tensor::Device<Self>) -> (usize, usize) {
+        let _ = device;
+        (0, 1)
+    }
+
+    /// Every expert-axis member's routing counts (`counts[e]`: the rows it routes to expert
+    /// `e`), member-major: what [`experts::ExpertRoute::new`] takes. Without expert
+    /// parallelism, `counts` itself.
+    fn expert_counts(device: &burn::tensor::Device<Self>, counts: &[usize]) -> Vec<usize> {
+        let _ = device;
+        counts.to_vec()
+    }
+
+    /// Expert parallelism's dispatch: this rank's routed rows `[rows, d]`, sorted by expert,
+    /// go to the members holding their experts, which lay them out as one batch
+    /// `[local experts, capacity, d]` (see [`experts`]). Without expert parallelism, the rows
+    /// padded into that batch.
+    fn expert_dispatch(x: FloatTensor<Self>, route: &experts::ExpertRoute) -> FloatTensor<Self> {
+        experts::pad::<Self>(x, route)
+    }
+
+    /// The gradient of [`FusedOps::expert_dispatch`]'s input from its output's.
+    fn expert_dispatch_backward(
+        grad: FloatTensor<Self>,
+        route: &experts::ExpertRoute,
+    ) -> FloatTensor<Self> {
+        experts::unpad::<Self>(grad, route)
+    }
+
+    /// Expert parallelism's combine, [`FusedOps::expert_dispatch`]'s adjoint: the batch
+    /// `[local experts, capacity, d]` back to the rows `[rows, d]` of the ranks that routed them,
+    /// in their order.
+    fn expert_combine(y: FloatTensor<Self>, route: &experts::ExpertRoute) -> FloatTensor<Self> {
+        experts::unpad::<Self>(y, route)
+    }
+
+    /// The gradient of [`FusedOps::expert_combine`]'s input from its output's.
+    fn expert_combine_backward(
+        grad: FloatTensor<Self>,
+        route: &experts::ExpertRoute,
+    ) -> FloatTensor<Self> {
+        experts::pad::<Self>(grad, route)
     }
 
     /// Softmax over the last dimension.

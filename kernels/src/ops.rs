@@ -119,3 +119,22 @@ pub fn split_qkv<B: burn::tensor::backend::Backend>(qkv: Tensor<B, 4>) -> [Tenso
     let hd = qkv.dims()[3] / 3;
     [0, 1, 2].map(|i| qkv.clone().narrow(3, i * hd, hd).swap_dims(1, 2))
 }
+
+/// Expert parallelism's dispatch ([`FusedOps::expert_dispatch`]): this rank's routed rows
+/// `[rows, d]`, sorted by expert, as the batch `[local experts, capacity, d]` of the experts this
+/// rank holds.
+pub fn expert_dispatch<B: FusedOps>(
+    x: Tensor<B, 2>,
+    route: &crate::experts::ExpertRoute,
+) -> Tensor<B, 3> {
+    tensor(B::expert_dispatch(prim(x), route))
+}
+
+/// Expert parallelism's combine ([`FusedOps::expert_combine`]): the batch
+/// `[local experts, capacity, d]` back to this rank's routed rows `[rows, d]`, in their order.
+pub fn expert_combine<B: FusedOps>(
+    y: Tensor<B, 3>,
+    route: &crate::experts::ExpertRoute,
+) -> Tensor<B, 2> {
+    tensor(B::expert_combine(prim(y), route))
+}

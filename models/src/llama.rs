@@ -237,10 +237,10 @@ impl LlamaConfig {
     }
 
     /// Parameter tensors of block `layer`: two norms, four attention projections, and three
-    /// per MLP (one dense, or the router, routed and shared experts).
+    /// per MLP (one dense, or the router, the stacked routed experts and each shared expert).
     pub fn block_tensors(&self, layer: usize) -> usize {
         6 + match self.moe_at(layer) {
-            Some(m) => 1 + 3 * (m.config.experts + m.config.shared_experts),
+            Some(m) => 1 + 3 * (1 + m.config.shared_experts),
             None => 3,
         }
     }
@@ -441,8 +441,11 @@ impl LlamaConfig {
             stream: self.init_seed ^ (count as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
             std: 0.02,
         };
-        let mut tensor = |path: &str, shape: [usize; 2], count: usize| {
-            place.tensor(&format!("{path}.weight"), shape, normal(count))
+        let place = std::cell::RefCell::new(place);
+        let tensor = |path: &str, shape: [usize; 2], count: usize| {
+            place
+                .borrow_mut()
+                .tensor(&format!("{path}.weight"), shape, normal(count))
         };
         let norm = || RmsNorm {
             gamma: Param::from_tensor(Tensor::ones([d], device)),
@@ -485,20 +488,29 @@ impl LlamaConfig {
                         None,
                     ),
                     Some(m) => {
-                        // The router takes the dense MLP's first stream; each expert
-                        // projection one of its own, past every dense stream.
-                        let mut expert = 0u64;
-                        let moe = MoeMlp::new(&m.config, d, m.expert_hidden, |name, shape| {
-                            let path = format!("layers.{i}.moe.{name}");
-                            let count = if name == "router" {
-                                c + 5
-                            } else {
-                                expert += 1;
-                                let n = (l as u64) << 24 | expert;
-                                (1usize << 40) + n as usize
-                            };
-                            tensor(&path, shape, count)
-                        })
+                        // The router takes the dense MLP's first stream; each stacked expert
+                        // projection and each shared expert's projection one of its own, past
+                        // every dense stream.
+                        let stream = std::cell::Cell::new(0u64);
+                        let next = || {
+                            stream.set(stream.get() + 1);
+                            let n = (l as u64) << 24 | stream.get();
+                            (1usize << 40) + n as usize
+                        };
+                        let moe = MoeMlp::new(
+                            &m.config,
+                            d,
+                            m.expert_hidden,
+                            |name, shape| {
+                                let path = format!("layers.{i}.moe.{name}.weight");
+                                let count = if name == "router" { c + 5 } else { next() };
+                                place.borrow_mut().tensor(&path, shape, normal(count))
+                            },
+                            |name, shape| {
+                                let path = format!("layers.{i}.moe.{name}.weight");
+                                place.borrow_mut().tensor(&path, shape, normal(next()))
+                            },
+                        )
                         .expect("validated");
                         (None, Some(moe))
                     }
@@ -516,10 +528,20 @@ impl LlamaConfig {
         let vocab = self.vocab_size;
         let tied = self.tie_embeddings;
         let embed_tokens = (first || (last && tied)).then(|| {
-            Param::from_tensor(place.tensor("embed_tokens", [vocab, d], normal(tables + 1)))
+            Param::from_tensor(place.borrow_mut().tensor(
+                "embed_tokens",
+                [vocab, d],
+                normal(tables + 1),
+            ))
         });
         let lm_head = (last && !tied)
-            .then(|| Param::from_tensor(place.tensor("lm_head", [vocab, d], normal(tables + 2))));
+            .then(|| {
+            Param::from_tensor(place.borrow_mut().tensor(
+                "lm_head",
+                [vocab, d],
+                normal(tables + 2),
+            ))
+        });
         LlamaStage {
             embed_tokens,
             layers,

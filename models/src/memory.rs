@@ -41,10 +41,42 @@ pub struct MemoryEstimate {
     pub total_bytes: usize,
 }
 
-/// One parameter tensor on a tensor-parallel rank: `[rows, cols]` of its local piece.
+/// One parameter tensor on a tensor-parallel rank: `[rows, cols]` of its local piece (`cols`
+/// the product of the dims past the first). `experts`: a stacked expert weight, its rows the
+/// experts, split over the expert axis before the data-parallel sharding nests inside.
 struct Local {
     rows: usize,
     cols: usize,
+    experts: bool,
+}
+
+impl Local {
+    /// The piece on one rank of the expert axis of `ep` members: an expert weight's share of
+    /// the experts, anything else whole.
+    fn on_expert_rank(&self, ep: usize) -> usize {
+        if self.experts {
+            self.rows / ep * self.cols
+        } else {
+            self.rows * self.cols
+        }
+    }
+
+    /// The piece once the data-parallel sharding splits it (`placement::shard_dim0`): over
+    /// `n` ranks, `⌈rows/n⌉` rows (padded); an expert weight's experts first over the `ep`
+    /// members, then over each further data axis (`axes`, sizes in mesh order) that divides
+    /// what is left.
+    fn sharded(&self, n: usize, ep: usize, axes: &[usize]) -> usize {
+        if !self.experts {
+            return self.rows.div_ceil(n) * self.cols;
+        }
+        let mut parts = ep;
+        for &size in axes {
+            if size > 1 && self.rows.is_multiple_of(parts * size) {
+                parts *= size;
+            }
+        }
+        self.rows / parts * self.cols
+    }
 }
 
 /// Every parameter's local piece on one tensor-parallel rank of `t`. Linear weights are
@@ -76,7 +108,11 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
         model.n_head * model.head_dim(),
         model.n_kv_head * model.head_dim(),
     );
-    let whole = |rows, cols| Local { rows, cols };
+    let whole = |rows, cols| Local {
+        rows,
+        cols,
+        experts: false,
+    };
     let mut pieces = vec![whole(v / t, d)];
     for layer in 0..model.n_layer {
         pieces.extend([
@@ -91,11 +127,20 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
         match model.moe_at(layer) {
             // Gate, up: column-parallel; down: row-parallel.
             None => pieces.extend(swiglu(f)),
-            // The router whole; every expert split as the dense MLP is.
+            // The router whole; the stacked experts `[E, d, f]`, `[E, f, d]` and every shared
+            // expert split as the dense MLP is.
             Some(m) => {
                 pieces.push(whole(d, m.config.experts));
-                for _ in 0..m.config.experts + m.config.shared_experts {
-                    pieces.extend(swiglu(m.expert_hidden));
+                let (e, f) = (m.config.experts, m.expert_hidden);
+                for _ in 0..3 {
+                    pieces.push(Local {
+                        rows: e,
+                        cols: d * f / t,
+                        experts: true,
+                    });
+                }
+                for _ in 0..m.config.shared_experts {
+                    pieces.extend(swiglu(f));
                 }
             }
         }
@@ -110,7 +155,11 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
 /// [`local_pieces`] of a GPT ([`crate::parallelize::gpt_tp_plan`]).
 fn gpt_pieces(model: &GptConfig, t: usize) -> Vec<Local> {
     let (v, s, d) = (model.vocab_size, model.block_size, model.n_embd);
-    let whole = |rows, cols| Local { rows, cols };
+    let whole = |rows, cols| Local {
+        rows,
+        cols,
+        experts: false,
+    };
     let mut pieces = vec![whole(v / t, d), whole(s, d)];
     for _ in 0..model.n_layer {
         pieces.extend([
@@ -145,9 +194,12 @@ pub fn estimate(
     let dims = parallel.dims();
     let t = dims.tp.max(1);
     let n = dims.shard_degree().max(1);
+    let ep = dims.ep.max(1);
+    // The data axes FSDP splits inside an expert-axis member's share, in mesh order.
+    let inner = [dims.dp_shard / ep, dims.cp];
     let pieces = local_pieces(model, t);
-    let local: usize = pieces.iter().map(|p| p.rows * p.cols).sum();
-    let sharded: usize = pieces.iter().map(|p| p.rows.div_ceil(n) * p.cols).sum();
+    let local: usize = pieces.iter().map(|p| p.on_expert_rank(ep)).sum();
+    let sharded: usize = pieces.iter().map(|p| p.sharded(n, ep, &inner)).sum();
     let (p, g, o) = match parallel.fsdp {
         S::NoShard => (4 * local, 4 * local, 8 * local),
         S::ShardOptimizer => (4 * local, 4 * local, 8 * sharded),

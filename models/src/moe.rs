@@ -17,16 +17,23 @@
 //!   coefficient; the block returns them for the model's loss.
 //!
 //! Routing is decided on the host (the assignment counts set the expert batches' shapes, as in
-//! dropless MoE implementations); each expert runs on its tokens gathered (`select`) and its
-//! gated output is added back in place (`select_assign`).
+//! dropless MoE implementations). The experts' weights are stacked (`[E, d, ffn]`, dim 0 the
+//! expert): a rank's kept assignments, sorted by expert, are dispatched as one batch
+//! `[experts, capacity, d]` ([`wildfire_kernels::experts`]: the capacity is the most rows any
+//! expert receives, the rest zero padding), the experts run as three batched matmuls, and the
+//! rows come back ([`ops::expert_combine`]) to be gated and added in place (`select_assign`).
+//! Under expert parallelism (a `Distributed` backend whose mesh has an `ep` axis) the stacked
+//! weights are split over that axis and dispatch and combine are all-to-alls: each member runs
+//! its own experts on every member's rows for them.
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::Linear;
 use burn::prelude::*;
 use burn::tensor::IndexingUpdateOp;
 use burn::tensor::activation;
 use serde::{Deserialize, Serialize};
-use wildfire_kernels::FusedOps;
+use wildfire_kernels::experts::ExpertRoute;
+use wildfire_kernels::{FusedOps, ops};
 
 use crate::Error;
 use crate::swiglu::SwiGlu;
@@ -123,13 +130,60 @@ fn capacity(factor: Option<f64>, n: usize, k: usize, experts: usize) -> usize {
     }
 }
 
+/// One projection of every expert, stacked: `[E, rows, cols]`.
+#[derive(Module, Debug)]
+pub struct ExpertLinear<B: Backend> {
+    /// `[E, rows, cols]`, dim 0 the expert.
+    pub weight: Param<Tensor<B, 3>>,
+}
+
+/// `E` SwiGLU experts (the Llama family's MLP), their weights stacked so that they run as
+/// batched matmuls on a dispatched batch `[E, capacity, d]` (or an expert-axis member's share
+/// of it).
+#[derive(Module, Debug)]
+pub struct Experts<B: Backend> {
+    /// Gate projections `[E, d, ffn]`.
+    pub gate_proj: ExpertLinear<B>,
+    /// Up projections `[E, d, ffn]`.
+    pub up_proj: ExpertLinear<B>,
+    /// Down projections `[E, ffn, d]`.
+    pub down_proj: ExpertLinear<B>,
+}
+
+impl<B: FusedOps> Experts<B> {
+    /// A dispatched batch `[experts, capacity, d]` through its experts, `down(silu(gate(x)) ⊙
+    /// up(x))` per expert.
+    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let gate = x.clone().matmul(self.gate_proj.weight.val());
+        let up = x.matmul(self.up_proj.weight.val());
+        let h = if B::FUSED.swiglu {
+            ops::swiglu(gate, up)
+        } else {
+            activation::silu(gate) * up
+        };
+        h.matmul(self.down_proj.weight.val())
+    }
+
+    /// Expert `e` alone on rows `[n, d]` (the dense reference).
+    fn forward_one(&self, e: usize, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let w = |p: &ExpertLinear<B>| {
+            let [_, r, c] = p.weight.dims();
+            p.weight.val().narrow(0, e, 1).reshape([r, c])
+        };
+        let h = activation::silu(x.clone().matmul(w(&self.gate_proj))) * x.matmul(w(&self.up_proj));
+        h.matmul(w(&self.down_proj))
+    }
+}
+
 /// A mixture-of-experts MLP: `[b, t, d] → [b, t, d]`.
 #[derive(Module, Debug)]
 pub struct MoeMlp<B: Backend> {
     /// The router `[d, E]`, without bias.
     pub router: Linear<B>,
     /// The routed experts.
-    pub experts: Vec<SwiGlu<B>>,
+    pub experts: Experts<B>,
+    /// Routed experts `E`.
+    pub num_experts: usize,
     /// The shared experts (every token).
     pub shared: Vec<SwiGlu<B>>,
     /// Experts per token.
@@ -210,33 +264,46 @@ struct Scores<B: Backend> {
 
 impl<B: Backend> MoeMlp<B> {
     /// A block of `config` over width `d`, experts of hidden width `ffn`, weights drawn from
-    /// `init` (`init(name, [rows, cols])`, the names `router`, `experts.{e}.{gate,up,down}_proj`,
-    /// `shared.{s}.…`).
+    /// `init` (`init(name, [rows, cols])`: the names `router` and `shared.{s}.{gate,up,down}_proj`)
+    /// and the stacked expert weights from `stacked` (`stacked(name, [E, rows, cols])`:
+    /// `experts.{gate,up,down}_proj`).
     pub fn new(
         config: &MoeConfig,
         d: usize,
         ffn: usize,
         mut init: impl FnMut(&str, [usize; 2]) -> Tensor<B, 2>,
+        mut stacked: impl FnMut(&str, [usize; 3]) -> Tensor<B, 3>,
     ) -> Result<Self, Error> {
         config.check()?;
         let linear = |w: Tensor<B, 2>| Linear {
-            weight: burn::module::Param::from_tensor(w),
+            weight: Param::from_tensor(w),
             bias: None,
+        };
+        let router = linear(init("router", [d, config.experts]));
+        let e = config.experts;
+        let mut expert = |name: &str, shape: [usize; 2]| ExpertLinear {
+            weight: Param::from_tensor(stacked(
+                &format!("experts.{name}"),
+                [e, shape[0], shape[1]],
+            )),
+        };
+        let experts = Experts {
+            gate_proj: expert("gate_proj", [d, ffn]),
+            up_proj: expert("up_proj", [d, ffn]),
+            down_proj: expert("down_proj", [ffn, d]),
         };
         let mut mlp = |prefix: String| SwiGlu {
             gate_proj: linear(init(&format!("{prefix}.gate_proj"), [d, ffn])),
             up_proj: linear(init(&format!("{prefix}.up_proj"), [d, ffn])),
             down_proj: linear(init(&format!("{prefix}.down_proj"), [ffn, d])),
         };
-        let experts = (0..config.experts)
-            .map(|e| mlp(format!("experts.{e}")))
-            .collect();
         let shared = (0..config.shared_experts)
             .map(|s| mlp(format!("shared.{s}")))
             .collect();
         Ok(Self {
-            router: linear(init("router", [d, config.experts])),
+            router,
             experts,
+            num_experts: e,
             shared,
             top_k: config.top_k,
             sigmoid: config.score == RouterScore::Sigmoid,
@@ -252,7 +319,7 @@ impl<B: FusedOps> MoeMlp<B> {
     /// The router's scores of `n` flattened tokens `[n, d]` and where they go.
     fn route(&self, flat: Tensor<B, 2>) -> (Scores<B>, Routing) {
         let n = flat.dims()[0];
-        let (k, e) = (self.top_k, self.experts.len());
+        let (k, e) = (self.top_k, self.num_experts);
         let factor = (self.capacity_factor > 0.0).then_some(self.capacity_factor);
         let s = self.scores(flat);
         let routing = Routing::new(&s.chosen, n, k, e, capacity(factor, n, k, e));
@@ -290,7 +357,7 @@ impl<B: FusedOps> MoeMlp<B> {
 
     /// The routing losses of a batch, times their coefficients.
     fn losses(&self, s: &Scores<B>, stats: &RouterStats, n: usize) -> [Tensor<B, 1>; 2] {
-        let e = self.experts.len();
+        let e = self.num_experts;
         let device = s.logits.device();
         let fraction: Vec<f32> = stats
             .routed
@@ -313,38 +380,34 @@ impl<B: FusedOps> MoeMlp<B> {
         let flat = x.reshape([n, d]);
         let device = flat.device();
         let (s, routing) = self.route(flat.clone());
-        let mut out = self.shared_output(flat.clone());
-        // Every expert runs the same ops on every rank, whatever its tokens chose, so that each
-        // rank makes the same calls on every expert's parameters in the same order (FSDP's
-        // gathers, gradient reductions where they are born, DDP's buckets): one with no rows
-        // routed to it runs on row 0 with its gate times 0 (its output adds exactly 0, its
-        // gradients are exactly zeros). (An empty batch is no option: Burn's `reshape` reads a
-        // 0 as "keep this size".)
-        for (expert, assigned) in self.experts.iter().zip(&routing.assignments) {
-            let idle = [(0, 0)];
-            let (assigned, used) = if assigned.is_empty() {
-                (&idle[..], 0.0)
-            } else {
-                (&assigned[..], 1.0)
-            };
-            let m = assigned.len();
-            let ids = |f: fn(&(usize, usize)) -> usize| {
-                let v: Vec<i64> = assigned.iter().map(|a| f(a) as i64).collect();
-                Tensor::<B, 1, Int>::from_data(TensorData::new(v, [m]), &device)
-            };
-            let (rows, slots) = (ids(|a| a.0), ids(|a| a.1));
-            let y = expert
-                .forward(flat.clone().select(0, rows.clone()).reshape([1, m, d]))
-                .reshape([m, d]);
-            let gate = s
-                .gates
-                .clone()
-                .select(0, rows.clone())
-                .gather(1, slots.reshape([m, 1]))
-                .mul_scalar(used);
-            let y = y.clone() * gate.cast(y.dtype());
-            out = out.select_assign(0, rows, y, IndexingUpdateOp::Add);
-        }
+        // The kept assignments sorted by expert (first choices first within an expert); at
+        // least one, as every expert's capacity is.
+        let order: Vec<(usize, usize)> = routing.assignments.iter().flatten().copied().collect();
+        let m = order.len();
+        let ids = |f: fn(&(usize, usize)) -> usize| {
+            let v: Vec<i64> = order.iter().map(|a| f(a) as i64).collect();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [m]), &device)
+        };
+        let (rows, slots) = (ids(|a| a.0), ids(|a| a.1));
+        let counts: Vec<usize> = routing.assignments.iter().map(Vec::len).collect();
+        let (index, members) = B::expert_axis(&device);
+        let route = ExpertRoute::new(
+            members,
+            index,
+            self.num_experts,
+            B::expert_counts(&device, &counts),
+        );
+        let batch = ops::expert_dispatch(flat.clone().select(0, rows.clone()), &route);
+        let y = ops::expert_combine(self.experts.forward(batch), &route);
+        let gate = s
+            .gates
+            .clone()
+            .select(0, rows.clone())
+            .gather(1, slots.reshape([m, 1]));
+        let y = y.clone() * gate.cast(y.dtype());
+        let out = self
+            .shared_output(flat)
+            .select_assign(0, rows, y, IndexingUpdateOp::Add);
         let [aux_loss, z_loss] = self.losses(&s, &routing.stats, n);
         MoeOutput {
             output: out.reshape([b, t, d]),
@@ -370,7 +433,7 @@ impl<B: FusedOps> MoeMlp<B> {
     /// against, gradients included.
     pub fn forward_dense(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let [b, t, d] = x.dims();
-        let (n, k, e) = (b * t, self.top_k, self.experts.len());
+        let (n, k, e) = (b * t, self.top_k, self.num_experts);
         let flat = x.reshape([n, d]);
         let device = flat.device();
         let (s, routing) = self.route(flat.clone());
@@ -390,10 +453,8 @@ impl<B: FusedOps> MoeMlp<B> {
             IndexingUpdateOp::Add,
         );
         let mut out = self.shared_output(flat.clone());
-        for (i, expert) in self.experts.iter().enumerate() {
-            let y = expert
-                .forward(flat.clone().reshape([1, n, d]))
-                .reshape([n, d]);
+        for i in 0..e {
+            let y = self.experts.forward_one(i, flat.clone());
             let g = matrix.clone().narrow(1, i, 1);
             out = out + y.clone() * g.cast(y.dtype());
         }
@@ -425,12 +486,24 @@ mod tests {
 
     fn block(config: &MoeConfig, d: usize, ffn: usize) -> MoeMlp<A> {
         let device = Default::default();
-        let mut seed = 0;
-        MoeMlp::new(config, d, ffn, |_, [r, c]| {
-            seed += 1;
-            let data = TensorData::new(values(seed, r * c, 0.5), [r, c]);
-            Tensor::from_data(data, &device)
-        })
+        let seed = std::cell::Cell::new(0);
+        let next = || {
+            seed.set(seed.get() + 1);
+            seed.get()
+        };
+        MoeMlp::new(
+            config,
+            d,
+            ffn,
+            |_, [r, c]| {
+                let data = TensorData::new(values(next(), r * c, 0.5), [r, c]);
+                Tensor::from_data(data, &device)
+            },
+            |_, [e, r, c]| {
+                let data = TensorData::new(values(next(), e * r * c, 0.5), [e, r, c]);
+                Tensor::from_data(data, &device)
+            },
+        )
         .unwrap()
     }
 
@@ -514,13 +587,25 @@ mod tests {
             let grad = |g: &<A as burn::tensor::backend::AutodiffBackend>::Gradients,
                         p: &Tensor<A, 2>| p.grad(g).unwrap();
             let mut params = vec![("router", m.router.weight.val())];
-            for e in m.experts.iter().chain(&m.shared) {
+            for e in &m.shared {
                 params.push(("gate_proj", e.gate_proj.weight.val()));
                 params.push(("up_proj", e.up_proj.weight.val()));
                 params.push(("down_proj", e.down_proj.weight.val()));
             }
             for (name, p) in params {
                 let diff = max_diff(grad(&g1, &p), grad(&g2, &p));
+                assert!(diff < 1e-5, "{what}: {name} gradients differ by {diff}");
+            }
+            let experts = &m.experts;
+            for (name, p) in [
+                ("experts.gate_proj", &experts.gate_proj),
+                ("experts.up_proj", &experts.up_proj),
+                ("experts.down_proj", &experts.down_proj),
+            ] {
+                let [e, r, c] = p.weight.dims();
+                let w = p.weight.val();
+                let flat = |g| w.grad(g).unwrap().reshape([e * r, c]);
+                let diff = max_diff(flat(&g1), flat(&g2));
                 assert!(diff < 1e-5, "{what}: {name} gradients differ by {diff}");
             }
             let dx = |g| flat(Tensor::from_inner(x.grad(g).unwrap()));

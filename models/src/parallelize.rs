@@ -9,8 +9,9 @@ use std::ops::Range;
 use wildfire_parallel::comm::Links;
 use wildfire_parallel::pipeline::{Schedule, ScheduleKind, StagePlan};
 use wildfire_parallel::{
-    CpLayout, CpRotate, DeviceMesh, DistributedBackend, Group, PIPELINE_AXIS, ParallelDims, TpPlan,
-    TpStyle, context_parallel, fully_shard, planned_layouts, tensor_parallel,
+    CpLayout, CpRotate, DeviceMesh, DistributedBackend, ExpertPlan, Group, PIPELINE_AXIS,
+    ParallelDims, TpPlan, TpStyle, context_parallel, expert_parallel, fully_shard,
+    planned_layouts, tensor_parallel,
 };
 
 /// The data-parallel strategy: `wildfire_parallel::FsdpStrategy`, parsed from the names users
@@ -67,6 +68,13 @@ pub struct ParallelConfig {
     #[serde(default = "one")]
     #[arg(long, default_value_t = 1, help_heading = "Parallelism")]
     pub cp: usize,
+    /// Expert-parallel ranks (the `ep` axis), taken from the data-parallel ranks (`--dp` a
+    /// multiple of it): a mixture of experts' experts split over them, the routed tokens
+    /// exchanged with all-to-alls. The other parameters keep their data-parallel layout (FSDP
+    /// shards them over all `--dp` ranks), the experts' nested inside their member's share.
+    #[serde(default = "one")]
+    #[arg(long, default_value_t = 1, help_heading = "Parallelism")]
+    pub ep: usize,
     /// Which chunks of each sequence a context-parallel rank holds: balanced (chunks `r` and
     /// `2·cp − 1 − r`, equal causal work) or plain (chunk `r`).
     #[serde(default)]
@@ -159,11 +167,11 @@ impl ParallelConfig {
         ParallelDims {
             dp_replicate: self.dp / shard.max(1),
             dp_shard: shard,
+            ep: self.ep.max(1),
             pp: self.pp.max(1),
             cp: self.cp.max(1),
             tp: self.tp,
             sp: self.sp,
-            ..ParallelDims::default()
         }
     }
 
@@ -292,6 +300,7 @@ impl ParallelConfig {
         if self.cp == 0 {
             return Err(Error::Config("--cp must be at least 1".into()));
         }
+        self.check_experts()?;
         if self.cp > 1 && self.pp > 1 {
             // Measured: ranks as threads deadlock. Burn 0.21's autodiff ends every backward
             // pass by locking every thread's graph in turn (`GraphCleaner`); a stage whose
@@ -322,6 +331,75 @@ impl ParallelConfig {
 
     /// Context parallelism ([`context_parallel`]) on the rank of `module`'s parameters, when
     /// `--cp` is above 1.
+    /// Refuse what expert parallelism does not combine with: `--ep` of 0, or not dividing
+    /// `--dp` (the ranks it is taken from); with `--tp` (the experts would be replicated over
+    /// the tensor-parallel ranks, each exchanging the same tokens: not built — use tp for the
+    /// dense layers of a model without `--ep`); with HSDP (`--fsdp hybrid` shards over
+    /// `--dp-shard` alone, which the expert axis would have to split); with `--pp` (ranks as
+    /// threads would risk the deadlock `--cp` meets with `--pp`: each stage's all-to-alls wait
+    /// on their peers inside Burn's backward).
+    fn check_experts(&self) -> Result<(), Error> {
+        let ep = self.ep;
+        let refuse = |why: String| Err(Error::Config(format!("--ep {ep}: {why}")));
+        if ep == 0 {
+            return refuse("the expert-parallel degree is at least 1".into());
+        }
+        if ep == 1 {
+            return Ok(());
+        }
+        if !self.dp.is_multiple_of(ep) {
+            return refuse(format!(
+                "expert parallelism is taken from the data-parallel ranks: choose --dp a \
+                 multiple of it (got --dp {})",
+                self.dp
+            ));
+        }
+        if self.tp > 1 {
+            return refuse(
+                "with --tp the experts would be replicated over the tensor-parallel ranks; \
+                 not built: use --ep or --tp for a mixture of experts"
+                    .into(),
+            );
+        }
+        if self.fsdp == FsdpStrategy::Hybrid {
+            return refuse(
+                "HSDP shards over --dp-shard alone; choose --fsdp full, grad-op, zero1 or none"
+                    .into(),
+            );
+        }
+        if self.pp > 1 {
+            return refuse(
+                "with --pp the stages' all-to-alls would wait on their peers inside Burn's \
+                 backward (the deadlock --cp meets with --pp): not built"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// Refuse `--ep` on a model it cannot split: one without a mixture of experts, or whose
+    /// experts the expert-parallel ranks do not divide.
+    pub fn check_model(&self, model: &crate::ModelConfig) -> Result<(), Error> {
+        if self.ep <= 1 {
+            return Ok(());
+        }
+        let (blocks, experts) = model.moe_blocks();
+        if blocks.is_empty() {
+            return Err(Error::Config(format!(
+                "--ep {}: expert parallelism splits a mixture of experts' experts, and this \
+                 model has none: add --experts E (a Llama)",
+                self.ep
+            )));
+        }
+        if !experts.is_multiple_of(self.ep) {
+            return Err(Error::Config(format!(
+                "--ep {} does not divide the {experts} experts: choose ep a factor of them",
+                self.ep
+            )));
+        }
+        Ok(())
+    }
+
     pub(crate) fn lay_out_context<B: DistributedBackend, M: burn::module::Module<B>>(
         &self,
         module: &M,
@@ -467,7 +545,7 @@ pub fn init_gpt_stage<B: DistributedBackend>(
         true => with_sequence_parallel(plan, parallel, last),
         false => plan,
     });
-    lay_out_stage(stage, device, plan.as_ref(), parallel)
+    lay_out_stage(stage, device, plan.as_ref(), &ExpertPlan::new(), parallel)
 }
 
 /// A pipeline stage built in its layouts, laid out as they say: tensor parallel by `plan`, then
@@ -476,6 +554,7 @@ pub(crate) fn lay_out_stage<B: DistributedBackend, M: burn::module::Module<B>>(
     stage: M,
     device: &B::Device,
     plan: Option<&TpPlan>,
+    experts: &ExpertPlan,
     parallel: &ParallelConfig,
 ) -> Result<M, Error> {
     let mesh = B::dist_device(device).mesh().clone();
@@ -484,6 +563,7 @@ pub(crate) fn lay_out_stage<B: DistributedBackend, M: burn::module::Module<B>>(
         None => stage,
     };
     parallel.lay_out_context(&stage)?;
+    let stage = expert_parallel(stage, &mesh, experts)?;
     Ok(fully_shard(stage, &mesh, parallel.fsdp)?)
 }
 

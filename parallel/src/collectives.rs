@@ -80,6 +80,23 @@ pub(crate) fn all_gather<B: Backend>(
     )
 }
 
+/// Rows (dim 0) `send[j]` to each member `j` of `group`, the rows each member sends back
+/// concatenated in group order (see [`Communicator::all_to_all`]).
+pub(crate) fn all_to_all<B: Backend>(
+    device: &DistDevice<B>,
+    group: Group,
+    tensor: FloatTensor<B>,
+    send: &[usize],
+    recv: &[usize],
+) -> Result<FloatTensor<B>, Error> {
+    dispatch(
+        device,
+        tensor,
+        |dc, t| dc.all_to_all_first(group, t, send, recv),
+        |c, d| c.all_to_all(group, d, send, recv),
+    )
+}
+
 /// A collective issued on the rank's queue ([`crate::comm::CommQueue`]), or already done (on
 /// installed device collectives, which run in order on their own stream).
 pub(crate) enum PendingTensor<B: Backend> {

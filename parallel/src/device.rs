@@ -606,6 +606,30 @@ impl RankContext {
         f(&self.policy.read().unwrap())
     }
 
+    /// `layout` with every data axis `Replicate`, save a stacked expert weight's split over the
+    /// expert axis (a parameter of global `shape` among the policy's
+    /// [`expert_shapes`](crate::RankPolicy::expert_shapes)): where the data-parallel rules start
+    /// from.
+    pub(crate) fn data_unsplit(
+        &self,
+        shape: &[usize],
+        layout: &crate::placement::Layout,
+    ) -> crate::placement::Layout {
+        use crate::placement::Placement;
+        let mesh = self.mesh();
+        let expert = self
+            .with_policy(|p| p.expert_shapes.contains(shape))
+            .then(|| crate::expert_parallel::expert_axis(mesh).map(|(a, _)| a))
+            .flatten();
+        let mut out = layout.clone();
+        for (a, axis) in mesh.axes().iter().enumerate() {
+            if axis.kind == AxisKind::Data && Some(a) != expert {
+                out.set(a, Placement::Replicate);
+            }
+        }
+        out
+    }
+
     /// Where a data-parallel gradient of global shape `shape` (model-axis placements `base`)
     /// goes on each data axis (`Shard(0)` on the sharding policy's gradient shard axes when the
     /// first dimension divides, else `Replicate`); model axes are left `Replicate`.
@@ -623,12 +647,7 @@ impl RankContext {
             (s.grad_shard_axes.clone(), transposed)
         });
         let mesh = self.mesh();
-        let mut start = base.clone();
-        for (a, axis) in mesh.axes().iter().enumerate() {
-            if axis.kind == AxisKind::Data {
-                start.set(a, Placement::Replicate);
-            }
-        }
+        let start = self.data_unsplit(shape, base);
         // The gradient of a parameter used transposed (a tied embedding as the head's weight),
         // with nothing split on model axes: split as the parameter is (its dim 0, here dim 1),
         // so adding it to the parameter's other gradient moves nothing.

@@ -121,17 +121,29 @@ impl ParallelDims {
             .then(|| world / self.model_degree())
     }
 
-    /// The mesh: `dp` (or `dp_replicate × dp_shard` when there are replicas), `ep` split from it
-    /// when above 1, then `pp` and `cp` when above 1, and `tp` always (a size-1 `tp` keeps
-    /// every layout the same shape).
+    /// The mesh: `dp` (or `dp_replicate × dp_shard` when there are replicas) with `ep` split
+    /// from it when above 1 — `ep` the outer of the two, so that an expert-axis member's share
+    /// of the stacked expert weights is one run of experts, FSDP's split over `dp` nested inside
+    /// it — then `pp` and `cp` when above 1, and `tp` always (a size-1 `tp` keeps every layout
+    /// the same shape).
     pub fn mesh(&self) -> Result<DeviceMesh, Error> {
         let shard = self.dp_shard / self.ep.max(1);
-        let mut axes = if self.dp_replicate > 1 {
-            vec![("dp_replicate", self.dp_replicate), ("dp_shard", shard)]
-        } else {
-            vec![("dp", shard)]
-        };
-        for (name, size) in [("ep", self.ep), ("pp", self.pp), ("cp", self.cp)] {
+        let mut axes = Vec::new();
+        if self.dp_replicate > 1 {
+            axes.push(("dp_replicate", self.dp_replicate));
+        }
+        if self.ep > 1 {
+            axes.push(("ep", self.ep));
+        }
+        axes.push((
+            if self.dp_replicate > 1 {
+                "dp_shard"
+            } else {
+                "dp"
+            },
+            shard,
+        ));
+        for (name, size) in [("pp", self.pp), ("cp", self.cp)] {
             if size > 1 {
                 axes.push((name, size));
             }
@@ -306,7 +318,7 @@ mod tests {
                     ep: 2,
                     ..dims(1, 4, 1, 1, 1)
                 },
-                "dp=2 × ep=2 × tp=1",
+                "ep=2 × dp=2 × tp=1",
             ),
         ];
         for (d, want) in cases {

@@ -262,6 +262,18 @@ pub fn planned_layouts(
     plan: Option<&crate::TpPlan>,
     strategy: FsdpStrategy,
 ) -> Result<Vec<Layout>, Error> {
+    planned_layouts_with_experts(params, mesh, plan, &crate::ExpertPlan::new(), strategy)
+}
+
+/// [`planned_layouts`] with the stacked expert weights `experts` names split over the expert
+/// axis ([`crate::expert_parallel`], applied between tensor parallelism and FSDP).
+pub fn planned_layouts_with_experts(
+    params: &[(String, Vec<usize>)],
+    mesh: &DeviceMesh,
+    plan: Option<&crate::TpPlan>,
+    experts: &crate::ExpertPlan,
+    strategy: FsdpStrategy,
+) -> Result<Vec<Layout>, Error> {
     let splits = match plan {
         Some(plan) => {
             let axis = mesh
@@ -281,22 +293,25 @@ pub fn planned_layouts(
     };
     let axes = shard_axes(mesh, strategy)?;
     let rests_sharded = matches!(strategy, FsdpStrategy::FullShard | FsdpStrategy::Hybrid);
-    Ok(params
+    params
         .iter()
         .enumerate()
-        .map(|(i, (_, shape))| {
+        .map(|(i, (path, shape))| {
             let mut layout = Layout::replicated(mesh);
             if let Some((axis, splits)) = &splits
                 && let Some(dim) = splits[i]
             {
                 layout = layout.with(*axis, Placement::Shard(dim));
             }
+            if experts.covers(path) {
+                layout = crate::expert_parallel::split_experts(layout, path, shape, mesh)?;
+            }
             if rests_sharded {
                 layout = crate::placement::shard_dim0(layout, shape, &axes, mesh);
             }
-            layout
+            Ok(layout)
         })
-        .collect())
+        .collect()
 }
 
 /// Where `strategy` puts parameters, gradients and optimizer state, sharding over `axes`.
@@ -332,13 +347,9 @@ pub fn optimizer_state_layout<B: burn::tensor::backend::Backend>(
         .sharding
         .optimizer_shard_axes()
         .to_vec();
-    let mut start = param.layout().clone();
-    for (a, axis) in mesh.axes().iter().enumerate() {
-        if axis.kind == AxisKind::Data {
-            start.set(a, Placement::Replicate);
-        }
-    }
-    crate::placement::shard_dim0(start, &param.global_shape().to_vec(), &axes, mesh)
+    let shape = param.global_shape().to_vec();
+    let start = device.context().data_unsplit(&shape, param.layout());
+    crate::placement::shard_dim0(start, &shape, &axes, mesh)
 }
 
 /// Any Burn optimizer, with its state sharded as the strategy says: for ZeRO-1 the (replicated)
@@ -400,10 +411,13 @@ impl<B: DistributedBackend> ModuleMapper<B> for Regather {
         map_value(param, |tensor| {
             let t = dtensor(tensor);
             let mesh = t.device().mesh().clone();
+            // Stacked expert weights stay split over the expert axis.
+            let shape = t.global_shape().to_vec();
+            let unsplit = t.device().context().data_unsplit(&shape, t.layout());
             let mut target = t.layout().clone();
             for (a, axis) in mesh.axes().iter().enumerate() {
                 if axis.kind == AxisKind::Data && matches!(target.get(a), Placement::Shard(_)) {
-                    target.set(a, Placement::Replicate);
+                    target.set(a, unsplit.get(a));
                 }
             }
             redistribute(tensor.clone(), &target)

@@ -50,6 +50,7 @@ mod data_parallel;
 mod device;
 mod dims;
 mod error;
+mod expert_parallel;
 mod fsdp;
 pub mod launch;
 pub mod mesh;
@@ -84,12 +85,13 @@ pub use device::{
 };
 pub use dims::{CpLayout, CpRotate, ParallelDims};
 pub use error::{CollectiveKind, Error};
+pub use expert_parallel::{ExpertPlan, expert_parallel};
 pub use fsdp::{
     FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, init_sharded, optimizer_state_layout,
-    parameter_bytes, planned_layouts, prefetch_parameters,
+    parameter_bytes, planned_layouts, planned_layouts_with_experts, prefetch_parameters,
 };
 pub use launch::{LaunchEnv, LaunchOptions, Launcher, launch};
-pub use mesh::{AxisKind, CONTEXT_AXIS, DeviceMesh, MeshAxis, PIPELINE_AXIS};
+pub use mesh::{AxisKind, CONTEXT_AXIS, DeviceMesh, EXPERT_AXIS, MeshAxis, PIPELINE_AXIS};
 pub use optim_state::{
     EncodedState, StateCodec, StateShape, StateSpec, adamw_specs, decode_adamw, encode_adamw,
     state_layout,

@@ -34,6 +34,11 @@ pub const PIPELINE_AXIS: &str = "pp";
 /// a part of every sequence), so [`DeviceMesh::data_index`] does not count it.
 pub const CONTEXT_AXIS: &str = "cp";
 
+/// The name of the expert-parallel axis: a data axis taken from the data-sharding ranks, over
+/// which a mixture of experts' experts are split (their stacked weights `Shard(0)`) and its
+/// routed rows exchanged.
+pub const EXPERT_AXIS: &str = "ep";
+
 /// The accepted axis names and their roles, in the order error messages list them (see
 /// [`crate::ParallelDims`] for what each splits). Sequence parallelism is a mode of `tp`, not an
 /// axis; `ep` is a split of the data-sharding ranks.
@@ -41,7 +46,7 @@ const AXIS_NAMES: [(&str, AxisKind); 7] = [
     ("dp", AxisKind::Data),
     ("dp_replicate", AxisKind::Data),
     ("dp_shard", AxisKind::Data),
-    ("ep", AxisKind::Data),
+    (EXPERT_AXIS, AxisKind::Data),
     (CONTEXT_AXIS, AxisKind::Data),
     ("tp", AxisKind::Model),
     (PIPELINE_AXIS, AxisKind::Model),

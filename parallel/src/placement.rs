@@ -241,8 +241,9 @@ impl std::fmt::Display for Layout {
 /// and to reduce gradients (the rank's `ShardingPolicy`), so the two always agree: dim 0 is split
 /// over `axes`. When no model axis splits dim 0, it is split over the axes in order while it has
 /// at least one row per shard, padded where it does not divide (see [`crate::DTensor`]); nested
-/// inside the `Shard(0)`s `layout` already has on model axes (a row-parallel weight), dim 0 is
-/// split over the axes in order while it divides, an axis where it does not being left as it is.
+/// inside the `Shard(0)`s `layout` already has (a row-parallel weight's on a model axis, stacked
+/// expert weights' on the expert axis), dim 0 is split over the axes in order while it divides,
+/// an axis where it does not being left as it is.
 pub(crate) fn shard_dim0(
     mut layout: Layout,
     shape: &[usize],
@@ -252,15 +253,17 @@ pub(crate) fn shard_dim0(
     if shape.is_empty() {
         return layout;
     }
+    // Dim 0 already split: on model axes (a row-parallel weight), and on data axes (stacked
+    // expert weights over the expert axis, or a layout this rule made before).
     let mut parts: usize = (0..layout.len())
-        .filter(|&a| mesh.axis(a).kind == AxisKind::Model && layout.get(a) == Placement::Shard(0))
+        .filter(|&a| layout.get(a) == Placement::Shard(0))
         .map(|a| mesh.axis_size(a))
         .product();
     let pad = parts == 1;
     for &a in axes {
         let size = mesh.axis_size(a);
-        if size == 1 {
-            // Nothing to split over a group of one.
+        if size == 1 || layout.get(a) == Placement::Shard(0) {
+            // Nothing to split over a group of one, or split already.
             continue;
         }
         let fits = if pad {

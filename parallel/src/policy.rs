@@ -72,6 +72,11 @@ pub struct RankPolicy {
     /// layout says, and attention meets the other members' keys and values as the rotation
     /// says. Set by [`context_parallel`](crate::context_parallel).
     pub context: Option<ContextParallel>,
+    /// Expert parallelism: the global shapes of the stacked expert weights, split `Shard(0)`
+    /// over the mesh's expert axis; their gradients and optimizer state keep that split (they
+    /// are the model's only parameters of rank 3). Set by
+    /// [`expert_parallel`](crate::expert_parallel).
+    pub expert_shapes: std::collections::BTreeSet<Vec<usize>>,
 }
 
 /// Context parallelism over one data axis of the mesh (see [`RankPolicy::context`]).

@@ -96,7 +96,7 @@ impl TpPlan {
     }
 }
 
-fn matches(pattern: &str, path: &str) -> bool {
+pub(crate) fn matches(pattern: &str, path: &str) -> bool {
     let (p, q): (Vec<&str>, Vec<&str>) = (pattern.split('.').collect(), path.split('.').collect());
     p.len() == q.len()
         && p.iter()
@@ -172,6 +172,9 @@ pub(crate) fn assign(
             (TpStyle::Colwise, "weight", 2) => Some(1),
             (TpStyle::Colwise, "bias", 1) => Some(0),
             (TpStyle::Rowwise, "weight", 2) => Some(0),
+            // Stacked expert weights `[E, d_in, d_out]`: each expert split as a linear layer.
+            (TpStyle::Colwise, "weight", 3) => Some(2),
+            (TpStyle::Rowwise, "weight", 3) => Some(1),
             (TpStyle::VocabParallel, _, 2) => Some(0),
             _ => None,
         };

@@ -113,6 +113,7 @@ pub fn load_data(config: &PretrainConfig) -> Result<RunData, PretrainError> {
     let (tokenizer, dataset) = config.data.load()?;
     let model = config.model_shape(tokenizer.vocab_size().max(dataset.max_token() as usize + 1))?;
     dataset.check_vocab(model.vocab_size())?;
+    config.parallel.check_model(&model)?;
     tracing::info!(model = ?model, params = model.num_params(), tokens = dataset.len(), data = %config.data.source());
     Ok(RunData {
         tokenizer,

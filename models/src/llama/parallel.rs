@@ -8,7 +8,8 @@ use crate::parallelize::{ParallelConfig, init_stages, lay_out_stage};
 use std::ops::Range;
 use wildfire_parallel::pipeline::Schedule;
 use wildfire_parallel::{
-    DeviceMesh, DistributedBackend, TpPlan, TpStyle, fully_shard, planned_layouts, tensor_parallel,
+    DeviceMesh, DistributedBackend, ExpertPlan, TpPlan, TpStyle, expert_parallel, fully_shard,
+    planned_layouts_with_experts, tensor_parallel,
 };
 
 /// Whether tensor parallelism of degree `tp` replicates the key/value projections: `tp` is a
@@ -57,19 +58,28 @@ pub struct Mlps {
     pub dense: bool,
     /// Some block has a mixture of experts.
     pub moe: bool,
+    /// Some mixture of experts has shared experts.
+    pub shared: bool,
 }
 
 impl Mlps {
     /// The MLPs of `config`'s blocks `blocks`.
     pub fn of(config: &LlamaConfig, blocks: Range<usize>) -> Self {
-        let (mut dense, mut moe) = (false, false);
+        let mut mlps = Self {
+            dense: false,
+            moe: false,
+            shared: false,
+        };
         for l in blocks {
             match config.moe_at(l) {
-                Some(_) => moe = true,
-                None => dense = true,
+                Some(m) => {
+                    mlps.moe = true;
+                    mlps.shared |= m.config.shared_experts > 0;
+                }
+                None => mlps.dense = true,
             }
         }
-        Self { dense, moe }
+        mlps
     }
 
     /// The MLPs of `layers`.
@@ -77,8 +87,17 @@ impl Mlps {
         Self {
             dense: layers.iter().any(|l| l.mlp.is_some()),
             moe: layers.iter().any(|l| l.moe.is_some()),
+            shared: layers
+                .iter()
+                .any(|l| l.moe.as_ref().is_some_and(|m| !m.shared.is_empty())),
         }
     }
+}
+
+/// The stacked expert weights of a Llama's mixtures of experts: split over the expert axis
+/// ([`wildfire_parallel::expert_parallel`]).
+pub fn llama_expert_plan() -> ExpertPlan {
+    ExpertPlan::new().with("layers.*.moe.experts.gate_proj|up_proj|down_proj")
 }
 
 fn with_tables(plan: TpPlan) -> TpPlan {
@@ -116,11 +135,13 @@ fn llama_block_tp_plan(n_head: usize, n_kv_head: usize, tp: usize, mlps: Mlps) -
         // parallelism); the router replicated: every tp rank routes the same tokens the same
         // way.
         plan = plan
-            .with(
-                "layers.*.moe.experts|shared.*.gate_proj|up_proj",
-                TpStyle::Colwise,
-            )
-            .with("layers.*.moe.experts|shared.*.down_proj", TpStyle::Rowwise);
+            .with("layers.*.moe.experts.gate_proj|up_proj", TpStyle::Colwise)
+            .with("layers.*.moe.experts.down_proj", TpStyle::Rowwise);
+    }
+    if mlps.shared {
+        plan = plan
+            .with("layers.*.moe.shared.*.gate_proj|up_proj", TpStyle::Colwise)
+            .with("layers.*.moe.shared.*.down_proj", TpStyle::Rowwise);
     }
     plan.with_heads("layers.*.self_attn", heads)
 }
@@ -154,7 +175,13 @@ pub fn init_llama<B: DistributedBackend>(
     let mlps = Mlps::of(config, 0..config.n_layer);
     let plan = tp_plan(config.n_head, config.n_kv_head, parallel.tp, true, mlps)?;
     config.init_in_layouts(device, |params, mesh| {
-        planned_layouts(params, mesh, plan.as_ref(), parallel.fsdp)
+        planned_layouts_with_experts(
+            params,
+            mesh,
+            plan.as_ref(),
+            &llama_expert_plan(),
+            parallel.fsdp,
+        )
     })
 }
 
@@ -176,6 +203,7 @@ pub fn parallelize_llama<B: DistributedBackend>(
         None => model,
     };
     parallel.lay_out_context(&model)?;
+    let model = expert_parallel(model, mesh, &llama_expert_plan())?;
     Ok(fully_shard(model, mesh, parallel.fsdp)?)
 }
 
@@ -201,10 +229,16 @@ pub fn init_llama_stage<B: DistributedBackend>(
         mlps,
     )?;
     let stage = config.init_stage_in_layouts(device, blocks, first, last, |params, mesh| {
-        planned_layouts(params, mesh, plan.as_ref(), parallel.fsdp)
+        planned_layouts_with_experts(
+            params,
+            mesh,
+            plan.as_ref(),
+            &llama_expert_plan(),
+            parallel.fsdp,
+        )
     })?;
     let plan = plan.map(|plan| with_sp(plan, parallel, last));
-    lay_out_stage(stage, device, plan.as_ref(), parallel)
+    lay_out_stage(stage, device, plan.as_ref(), &llama_expert_plan(), parallel)
 }
 
 /// The stages of `schedule` that the rank of `device` holds, in chunk order, each with its stage

@@ -28,6 +28,7 @@ use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
 use burn_backend::tensor::IntTensor;
 use burn_backend::{FloatDType, TensorMetadata};
+use wildfire_kernels::experts::ExpertRoute;
 use wildfire_kernels::{
     AttentionGrads, AttentionOutput, CrossEntropyOutput, FusedOps, LayerNormGrads, LayerNormOutput,
     RmsNormOutput, packed, reference,
@@ -115,6 +116,30 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             Some(ctx) => ctx.positions(len),
             None => (0..len).collect(),
         }
+    }
+
+    fn expert_axis(device: &crate::DistDevice<B>) -> (usize, usize) {
+        super::experts::position(device)
+    }
+
+    fn expert_counts(device: &crate::DistDevice<B>, counts: &[usize]) -> Vec<usize> {
+        super::experts::gather_counts(device, counts)
+    }
+
+    fn expert_dispatch(x: Dt<B>, route: &ExpertRoute) -> Dt<B> {
+        super::experts::dispatch(x, route, false)
+    }
+
+    fn expert_dispatch_backward(grad: Dt<B>, route: &ExpertRoute) -> Dt<B> {
+        super::experts::combine(grad, route, true)
+    }
+
+    fn expert_combine(y: Dt<B>, route: &ExpertRoute) -> Dt<B> {
+        super::experts::combine(y, route, false)
+    }
+
+    fn expert_combine_backward(grad: Dt<B>, route: &ExpertRoute) -> Dt<B> {
+        super::experts::dispatch(grad, route, true)
     }
 
     fn fused_softmax(x: Dt<B>) -> Dt<B> {

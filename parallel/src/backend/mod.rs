@@ -7,6 +7,7 @@
 //! over, run the op locally).
 
 mod context;
+mod experts;
 pub(crate) use context::Context;
 mod fallback;
 mod forward;
