@@ -154,3 +154,213 @@ fn auxiliary_losses_reach_backward_weighted_as_the_loss() {
         .count();
     assert!(differ > 0, "the auxiliary terms change some gradient");
 }
+
+/// Values in [-scale, scale) from a seed (an LCG: the same every run).
+fn values(seed: u64, len: usize, scale: f32) -> Vec<f32> {
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+/// A mixture-of-experts block whose weights come from fixed seeds, on any backend.
+fn moe_block<B: wildfire::kernels::FusedOps>(
+    config: &MoeConfig,
+    d: usize,
+    ffn: usize,
+    device: &B::Device,
+) -> wildfire::models::moe::MoeMlp<B> {
+    let seed = std::cell::Cell::new(0u64);
+    let next = || {
+        seed.set(seed.get() + 1);
+        seed.get()
+    };
+    wildfire::models::moe::MoeMlp::new(
+        config,
+        d,
+        ffn,
+        |_, [r, c]| Tensor::from_data(TensorData::new(values(next(), r * c, 0.5), [r, c]), device),
+        |_, [e, r, c]| {
+            Tensor::from_data(
+                TensorData::new(values(next(), e * r * c, 0.5), [e, r, c]),
+                device,
+            )
+        },
+    )
+    .unwrap()
+}
+
+/// What one rank's forward and backward of a block gave: its output rows, its input's
+/// gradient, every parameter's gradient (global, in visiting order) and its routed counts.
+struct BlockRun {
+    output: Vec<f32>,
+    input_grad: Vec<f32>,
+    param_grads: Vec<Vec<f32>>,
+    kept: Vec<u64>,
+}
+
+/// The block's loss on rank `rank`'s rows: `Σ output ⊙ w + aux + z`.
+fn block_loss<B: wildfire::kernels::FusedOps>(
+    block: &wildfire::models::moe::MoeMlp<B>,
+    rank: usize,
+    rows: usize,
+    d: usize,
+    device: &B::Device,
+) -> (Tensor<B, 3>, Tensor<B, 1>, Tensor<B, 3>, Vec<u64>) {
+    let x = Tensor::<B, 3>::from_data(
+        TensorData::new(values(100 + rank as u64, rows * d, 1.0), [1, rows, d]),
+        device,
+    )
+    .require_grad();
+    let w = Tensor::<B, 3>::from_data(
+        TensorData::new(values(200 + rank as u64, rows * d, 1.0), [1, rows, d]),
+        device,
+    );
+    let out = block.forward(x.clone());
+    let loss = (out.output.clone() * w).sum() + out.aux_loss + out.z_loss;
+    (x, loss, out.output, out.stats.kept)
+}
+
+/// Under expert parallelism (ep 2 and 4, the 8 experts' stacked weights split over the expert
+/// axis, the rows exchanged by all-to-alls) each rank's block output and input gradient are
+/// those of the same block on one device on that rank's rows, and every parameter's gradient
+/// — the experts' included, born split over the axis — is the mean of the ranks' one-device
+/// gradients (within 1e-5), dropless and with a capacity (tokens dropped), with a shared expert.
+/// The all-to-alls move exactly the routed rows: per rank, two calls forward (dispatch,
+/// combine) and two backward, `2·(sent + received)·d·4` bytes.
+#[test]
+fn expert_parallel_block_matches_one_device_and_moves_the_routed_rows() {
+    use wildfire::parallel::CollectiveKind::AllToAll;
+    use wildfire::parallel::{
+        DeviceMesh, ExpertPlan, Layout, create_replicated, dtensor, expert_parallel,
+        sync_gradients,
+    };
+    type D = wildfire::parallel::Distributed<Flex>;
+    type Dist = Autodiff<D>;
+    let (d, ffn, rows) = (16, 24, 12);
+    for (ep, capacity) in [(2, None), (4, None), (2, Some(1.0))] {
+        let config = MoeConfig {
+            experts: 8,
+            top_k: 2,
+            capacity_factor: capacity,
+            shared_experts: 1,
+            ..MoeConfig::default()
+        };
+        let what = format!("ep {ep}, capacity {capacity:?}");
+        // The reference: each rank's rows through the block on one device.
+        let reference: Vec<BlockRun> = (0..ep)
+            .map(|rank| {
+                let device = Default::default();
+                let block = moe_block::<A>(&config, d, ffn, &device);
+                let (x, loss, output, kept) = block_loss(&block, rank, rows, d, &device);
+                let grads = loss.backward();
+                let mut params = Grads {
+                    grads: &grads,
+                    out: Vec::new(),
+                };
+                block.visit(&mut params);
+                BlockRun {
+                    output: output.into_data().into_vec().unwrap(),
+                    input_grad: x.grad(&grads).unwrap().into_data().into_vec().unwrap(),
+                    param_grads: params.out,
+                    kept: kept.iter().map(|&k| k as u64).collect(),
+                }
+            })
+            .collect();
+        let mesh = DeviceMesh::new([("ep", ep), ("tp", 1)]).unwrap();
+        let plan = ExpertPlan::new().with("experts.gate_proj|up_proj|down_proj");
+        let runs = crate::suite::threads(&mesh, |device| {
+            let block = create_replicated(|| moe_block::<Dist>(&config, d, ffn, &device));
+            let block = expert_parallel(block, device.mesh(), &plan).unwrap();
+            let before = device.context().comm_stats();
+            let (x, loss, output, kept) =
+                block_loss(&block, device.rank(), rows, d, &device);
+            let grads = loss.backward();
+            let input_grad = x.grad(&grads).unwrap().into_data().into_vec().unwrap();
+            let mut grads = burn::optim::GradientsParams::from_grads(grads, &block);
+            sync_gradients(&block, &mut grads).unwrap();
+            // Every gradient gathered whole.
+            struct Gather<'g>(&'g burn::optim::GradientsParams, Vec<Vec<f32>>);
+            impl burn::module::ModuleVisitor<Dist> for Gather<'_> {
+                fn visit_float<const K: usize>(&mut self, param: &Param<Tensor<Dist, K>>) {
+                    let g = self.0.get::<D, K>(param.id).unwrap();
+                    let t = dtensor(&g);
+                    let whole = Layout::replicated(t.device().mesh());
+                    let whole = t.redistribute(&whole).unwrap();
+                    let local = Tensor::<Flex, K>::from_primitive(
+                        burn::tensor::TensorPrimitive::Float(whole.into_local()),
+                    );
+                    self.1.push(local.into_data().into_vec().unwrap());
+                }
+            }
+            let mut gather = Gather(&grads, Vec::new());
+            block.visit(&mut gather);
+            let moved = device.context().comm_stats();
+            let all_to_all = (
+                moved.count(AllToAll) - before.count(AllToAll),
+                moved.bytes(AllToAll) - before.bytes(AllToAll),
+            );
+            (
+                BlockRun {
+                    output: output.into_data().into_vec().unwrap(),
+                    input_grad,
+                    param_grads: gather.1,
+                    kept: kept.iter().map(|&k| k as u64).collect(),
+                },
+                all_to_all,
+            )
+        });
+        if capacity.is_some() {
+            let dropped: u64 = reference
+                .iter()
+                .map(|r| (rows * 2) as u64 - r.kept.iter().sum::<u64>())
+                .sum();
+            assert!(dropped > 0, "{what}: nothing dropped");
+        }
+        let local = 8 / ep;
+        for (rank, ((got, (calls, bytes)), want)) in runs.iter().zip(&reference).enumerate() {
+            let what = format!("{what}, rank {rank}");
+            assert_eq!(got.kept, want.kept, "{what}: routing");
+            crate::suite::close(&format!("{what}: output"), &got.output, &want.output);
+            crate::suite::close(
+                &format!("{what}: input gradient"),
+                &got.input_grad,
+                &want.input_grad,
+            );
+            let sent: u64 = want.kept.iter().sum();
+            let received: u64 = reference
+                .iter()
+                .map(|r| r.kept[rank * local..(rank + 1) * local].iter().sum::<u64>())
+                .sum();
+            assert_eq!(*calls, 4, "{what}: all-to-all calls");
+            assert_eq!(
+                *bytes,
+                2 * (sent + received) * d as u64 * 4,
+                "{what}: all-to-all bytes"
+            );
+            let mean: Vec<Vec<f32>> = (0..want.param_grads.len())
+                .map(|p| {
+                    let n = reference[0].param_grads[p].len();
+                    (0..n)
+                        .map(|i| {
+                            reference.iter().map(|r| r.param_grads[p][i]).sum::<f32>() / ep as f32
+                        })
+                        .collect()
+                })
+                .collect();
+            crate::suite::tensors_close(
+                &format!("{what}: parameter gradients"),
+                &got.param_grads,
+                &mean,
+                1e-5,
+            );
+        }
+    }
+}
