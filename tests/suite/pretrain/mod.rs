@@ -107,10 +107,20 @@ fn estimate_matches_the_accounting_at(
     base: &PretrainConfig,
     layouts: &[(usize, usize, FsdpStrategy)],
 ) {
+    let layouts: Vec<ParallelConfig> = layouts
+        .iter()
+        .map(|&(dp, tp, fsdp)| ParallelConfig::layout(dp, tp, fsdp, None))
+        .collect();
+    estimate_matches_the_accounting_on(base, &layouts);
+}
+
+/// [`estimate_matches_the_accounting`] on the parallel layouts given.
+fn estimate_matches_the_accounting_on(base: &PretrainConfig, layouts: &[ParallelConfig]) {
     use wildfire::pretrain::{estimate, load_data};
-    for &(dp, tp, fsdp) in layouts {
+    for parallel in layouts {
+        let (dp, tp, ep, fsdp) = (parallel.dp, parallel.tp, parallel.ep, parallel.fsdp);
         let config = PretrainConfig {
-            parallel: ParallelConfig::layout(dp, tp, fsdp, None),
+            parallel: parallel.clone(),
             ..base.clone()
         };
         let summary = run(&config).unwrap();
@@ -122,7 +132,7 @@ fn estimate_matches_the_accounting_at(
         assert_eq!(
             [m.param_bytes, m.grad_bytes, m.optim_bytes],
             estimated,
-            "dp {dp} tp {tp} {fsdp:?}"
+            "dp {dp} tp {tp} ep {ep} {fsdp:?}"
         );
     }
 }

@@ -342,3 +342,176 @@ fn moe_refusals_are_typed() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `dp` data-parallel ranks, `ep` of them an expert axis, `fsdp` over them.
+fn with_ep(dp: usize, ep: usize, fsdp: FsdpStrategy) -> ParallelConfig {
+    ParallelConfig {
+        ep,
+        ..ParallelConfig::layout(dp, 1, fsdp, None)
+    }
+}
+
+/// Expert parallelism follows one rank accumulating the same micro-batches (so it is the run at
+/// ep 1 on the same data ranks): ep 2 from dp 2 (DDP), ep 2 × dp 2 FullShard (the experts'
+/// halves FSDP-sharded over the remaining data ranks), ep 4 from dp 4 under ZeRO-2 and under
+/// FullShard with full recomputation, and ep 1 at dp 4 FullShard — dropless, and with a
+/// capacity factor of 1 (assignments dropped, per rank as at ep 1) — losses, validation
+/// losses, gradient norms and every parameter within 1e-5, the routers' counts and auxiliary
+/// losses the reference's.
+#[test]
+fn moe_expert_parallel_runs_match_one_rank() {
+    for capacity in [None, Some(1.0)] {
+        let base = PretrainConfig {
+            gather_parameters: true,
+            batch_size: 8,
+            model: ModelFlags {
+                moe: MoeFlags {
+                    capacity_factor: capacity,
+                    ..tiny_moe(3).model.moe
+                },
+                ..tiny_moe(3).model
+            },
+            ..tiny_moe(3)
+        };
+        let accumulated = |accum: usize| {
+            run(&PretrainConfig {
+                accum,
+                ..base.clone()
+            })
+            .unwrap()
+        };
+        let (two, four) = (accumulated(2), accumulated(4));
+        if capacity.is_some() {
+            let dropped: u64 = routed(&four).iter().flat_map(|(_, d)| d.iter()).sum();
+            assert!(dropped > 0, "a capacity factor of 1 drops some assignments");
+        }
+        use FsdpStrategy::{FullShard, NoShard, ShardGradOp};
+        let layouts = [
+            ("dp 2 = ep 2, DDP", with_ep(2, 2, NoShard), &two),
+            ("dp 4 = ep 2 x dp 2, FullShard", with_ep(4, 2, FullShard), &four),
+            ("dp 4 = ep 4, ZeRO-2", with_ep(4, 4, ShardGradOp), &four),
+            (
+                "dp 4 = ep 4, FullShard, full recompute",
+                ParallelConfig {
+                    recompute: Recompute::Full,
+                    ..with_ep(4, 4, FullShard)
+                },
+                &four,
+            ),
+            ("dp 4, ep 1, FullShard", with_ep(4, 1, FullShard), &four),
+        ];
+        for (what, parallel, reference) in layouts {
+            let what = format!("{what}, capacity {capacity:?}");
+            let got = run(&PretrainConfig {
+                parallel,
+                ..base.clone()
+            })
+            .unwrap();
+            same_run(&what, &got, reference, 1e-5);
+            same_routing(&what, &got, reference);
+        }
+    }
+}
+
+/// The stacked expert weights are checkpointed whole under their global names: a run saved at
+/// step 2 resumes to step 4 at another expert-parallel degree (ep 1 → 2, 2 → 4, 4 → 1, all
+/// over dp 4 FullShard) and follows the uninterrupted run within 1e-5 (losses and every
+/// parameter).
+#[test]
+fn moe_resumes_across_expert_parallel_degrees() {
+    let at = |ep: usize, steps: usize| PretrainConfig {
+        gather_parameters: true,
+        batch_size: 8,
+        parallel: with_ep(4, ep, FsdpStrategy::FullShard),
+        ..tiny_moe(steps)
+    };
+    let straight = run(&at(1, 4)).unwrap();
+    for (from, to) in [(1, 2), (2, 4), (4, 1)] {
+        let what = format!("saved at ep {from}, resumed at ep {to}");
+        let dir = scratch(&format!("moe-ep-{from}-{to}"));
+        run(&PretrainConfig {
+            save: Some(dir.clone()),
+            ..at(from, 2)
+        })
+        .unwrap();
+        let resumed = run(&PretrainConfig {
+            resume: Some(dir.clone()),
+            ..at(to, 4)
+        })
+        .unwrap();
+        let tail = &straight.steps[2..];
+        assert_eq!(resumed.steps.len(), tail.len(), "{what}");
+        losses_close(&what, &resumed.steps, tail, 1e-5);
+        tensors_close(&what, &resumed.parameters, &straight.parameters, 1e-5);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// The memory estimate's parameter, gradient and optimizer bytes are the accounting under
+/// expert parallelism: ep 2 from dp 2 (DDP, ZeRO-1), ep 2 × dp 2 FullShard, ep 4 ZeRO-2.
+#[test]
+fn moe_expert_parallel_memory_estimate_equals_the_accounting() {
+    use FsdpStrategy::{FullShard, NoShard, ShardGradOp, ShardOptimizer};
+    let base = PretrainConfig {
+        batch_size: 8,
+        ..tiny_moe(1)
+    };
+    estimate_matches_the_accounting_on(
+        &base,
+        &[
+            with_ep(2, 2, NoShard),
+            with_ep(2, 2, ShardOptimizer),
+            with_ep(4, 2, FullShard),
+            with_ep(4, 4, ShardGradOp),
+        ],
+    );
+}
+
+/// `--ep` is refused before any work where it cannot split: not dividing `--dp`, on a model
+/// without a mixture of experts, not dividing the experts, and with `--tp`, `--pp` or HSDP.
+#[test]
+fn expert_parallel_refusals_are_typed() {
+    let refused = |config: PretrainConfig| match run(&config) {
+        Err(PretrainError::Config(msg)) => msg,
+        Err(other) => other.to_string(),
+        Ok(_) => panic!("not refused"),
+    };
+    let on = |parallel: ParallelConfig| PretrainConfig {
+        parallel,
+        batch_size: 8,
+        ..tiny_moe(1)
+    };
+    let e = refused(on(with_ep(4, 3, FsdpStrategy::NoShard)));
+    assert!(e.contains("--ep 3") && e.contains("multiple"), "{e}");
+    let e = refused(PretrainConfig {
+        parallel: with_ep(2, 2, FsdpStrategy::NoShard),
+        ..small(1)
+    });
+    assert!(e.contains("--ep 2") && e.contains("has none"), "{e}");
+    let e = refused(PretrainConfig {
+        model: ModelFlags {
+            moe: MoeFlags {
+                experts: Some(6),
+                ..tiny_moe(1).model.moe
+            },
+            ..tiny_moe(1).model
+        },
+        ..on(with_ep(4, 4, FsdpStrategy::NoShard))
+    });
+    assert!(e.contains("does not divide the 6 experts"), "{e}");
+    let e = refused(on(ParallelConfig {
+        tp: 2,
+        ..with_ep(2, 2, FsdpStrategy::NoShard)
+    }));
+    assert!(e.contains("--ep 2") && e.contains("--tp"), "{e}");
+    let e = refused(on(ParallelConfig {
+        pp: 2,
+        ..with_ep(2, 2, FsdpStrategy::NoShard)
+    }));
+    assert!(e.contains("--ep 2") && e.contains("--pp"), "{e}");
+    let e = refused(on(ParallelConfig {
+        dp_shard: Some(2),
+        ..with_ep(4, 2, FsdpStrategy::Hybrid)
+    }));
+    assert!(e.contains("--ep 2") && e.contains("HSDP"), "{e}");
+}
