@@ -46,7 +46,11 @@ impl ExpertRoute {
             members > 0 && experts.is_multiple_of(members) && index < members,
             "{experts} experts over {members} members (index {index})"
         );
-        assert_eq!(counts.len(), members * experts, "one count per member and expert");
+        assert_eq!(
+            counts.len(),
+            members * experts,
+            "one count per member and expert"
+        );
         let capacity = (0..experts)
             .map(|e| (0..members).map(|i| counts[i * experts + e]).sum::<usize>())
             .max()
@@ -140,11 +144,7 @@ pub fn pad<B: Backend>(received: FloatTensor<B>, route: &ExpertRoute) -> FloatTe
     let shape = received.shape();
     let d = shape[1];
     let device = B::float_device(&received);
-    let zero = B::float_zeros(
-        Shape::new([1, d]),
-        &device,
-        received.dtype().into(),
-    );
+    let zero = B::float_zeros(Shape::new([1, d]), &device, received.dtype().into());
     let rows = if shape[0] == 0 {
         // Nothing received: every slot is padding.
         zero

@@ -34,10 +34,10 @@
 pub mod autodiff;
 #[cfg(feature = "cube")]
 pub mod cube;
+pub mod experts;
 pub mod flex;
 #[cfg(feature = "fusion")]
 pub mod fusion;
-pub mod experts;
 pub mod gemm;
 pub mod hooks;
 pub mod ops;

@@ -534,13 +534,12 @@ impl LlamaConfig {
                 normal(tables + 1),
             ))
         });
-        let lm_head = (last && !tied)
-            .then(|| {
-            Param::from_tensor(place.borrow_mut().tensor(
-                "lm_head",
-                [vocab, d],
-                normal(tables + 2),
-            ))
+        let lm_head = (last && !tied).then(|| {
+            Param::from_tensor(
+                place
+                    .borrow_mut()
+                    .tensor("lm_head", [vocab, d], normal(tables + 2)),
+            )
         });
         LlamaStage {
             embed_tokens,

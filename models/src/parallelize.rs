@@ -10,8 +10,8 @@ use wildfire_parallel::comm::Links;
 use wildfire_parallel::pipeline::{Schedule, ScheduleKind, StagePlan};
 use wildfire_parallel::{
     CpLayout, CpRotate, DeviceMesh, DistributedBackend, ExpertPlan, Group, PIPELINE_AXIS,
-    ParallelDims, TpPlan, TpStyle, context_parallel, expert_parallel, fully_shard,
-    planned_layouts, tensor_parallel,
+    ParallelDims, TpPlan, TpStyle, context_parallel, expert_parallel, fully_shard, planned_layouts,
+    tensor_parallel,
 };
 
 /// The data-parallel strategy: `wildfire_parallel::FsdpStrategy`, parsed from the names users

@@ -239,8 +239,7 @@ fn block_loss<B: wildfire::kernels::FusedOps>(
 fn expert_parallel_block_matches_one_device_and_moves_the_routed_rows() {
     use wildfire::parallel::CollectiveKind::AllToAll;
     use wildfire::parallel::{
-        DeviceMesh, ExpertPlan, Layout, create_replicated, dtensor, expert_parallel,
-        sync_gradients,
+        DeviceMesh, ExpertPlan, Layout, create_replicated, dtensor, expert_parallel, sync_gradients,
     };
     type D = wildfire::parallel::Distributed<Flex>;
     type Dist = Autodiff<D>;
@@ -280,8 +279,7 @@ fn expert_parallel_block_matches_one_device_and_moves_the_routed_rows() {
             let block = create_replicated(|| moe_block::<Dist>(&config, d, ffn, &device));
             let block = expert_parallel(block, device.mesh(), &plan).unwrap();
             let before = device.context().comm_stats();
-            let (x, loss, output, kept) =
-                block_loss(&block, device.rank(), rows, d, &device);
+            let (x, loss, output, kept) = block_loss(&block, device.rank(), rows, d, &device);
             let grads = loss.backward();
             let input_grad = x.grad(&grads).unwrap().into_data().into_vec().unwrap();
             let mut grads = burn::optim::GradientsParams::from_grads(grads, &block);

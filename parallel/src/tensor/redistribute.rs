@@ -155,6 +155,37 @@ impl<B: Backend> DTensor<B> {
                 }
             }
         }
+        // Partial values becoming nested shards of one dimension (FSDP's gradients over two
+        // data axes: ep × dp, dp × cp): one reduce-scatter per axis, the outer axis first (each
+        // splits what the one before left), after padding the dimension to a multiple of all
+        // its splits — instead of an all-reduce on every axis but the innermost.
+        for d in 0..self.shape.num_dims() {
+            let axes: Vec<usize> = (0..n)
+                .filter(|&a| target.get(a) == Placement::Shard(d) && mesh.axis_size(a) > 1)
+                .collect();
+            let op = match layout.get(axes.first().copied().unwrap_or(0)) {
+                Placement::Partial(op) if op != ReduceOp::Max => op,
+                _ => continue,
+            };
+            let nested = axes.len() > 1
+                && axes
+                    .iter()
+                    .all(|&a| undo[a] && layout.get(a) == Placement::Partial(op))
+                && (0..n).all(|b| {
+                    layout.get(b) != Placement::Shard(d)
+                        && (target.get(b) != Placement::Shard(d) || axes.contains(&b))
+                });
+            if !nested {
+                continue;
+            }
+            local = pad::<B>(local, d, target.shards_of(d, &mesh), &self.device.inner);
+            for &a in &axes {
+                local =
+                    crate::collectives::reduce_scatter(&self.device, Group::Axis(a), local, d, op)?;
+                layout.set(a, Placement::Shard(d));
+                undo[a] = false;
+            }
+        }
         for a in (0..n).rev() {
             if !undo[a] {
                 continue;
@@ -191,12 +222,21 @@ impl<B: Backend> DTensor<B> {
                 }
                 Placement::Partial(op) => {
                     // Reduce-scatter straight into the shard only if no other axis splits the
-                    // same dimension (nested shards must be split outer axis first).
+                    // same dimension (nested shards must be split outer axis first) — or only
+                    // outer axes do, already as the target has them, and the dimension divides
+                    // evenly (the piece is then an outer chunk, split further: a stacked expert
+                    // weight's gradient, its experts split over the expert axis).
                     let later_shards = |d: usize| {
-                        (0..n).filter(|&b| b != a).any(|b| {
+                        let others = (0..n).filter(|&b| b != a).filter(|&b| {
                             layout.get(b) == Placement::Shard(d)
                                 || target.get(b) == Placement::Shard(d)
-                        })
+                        });
+                        let mut others = others.peekable();
+                        if others.peek().is_none() {
+                            return false;
+                        }
+                        let even = self.shape[d].is_multiple_of(target.shards_of(d, &mesh));
+                        !(even && others.all(|b| b < a && layout.get(b) == target.get(b)))
                     };
                     match to {
                         Placement::Shard(d) if op != ReduceOp::Max && !later_shards(d) => {

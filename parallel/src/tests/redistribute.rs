@@ -155,3 +155,78 @@ fn device_collectives_carry_every_redistribution_bitwise() {
         assert_eq!(count(CollectiveKind::Broadcast), 1);
     }
 }
+
+/// Partial sums becoming nested shards of one dimension (FSDP's gradients over two data axes)
+/// take one reduce-scatter per axis, the outer first, and no all-reduce — padded where the rows
+/// do not divide; so does a partial sum under an outer shard that divides evenly (a stacked
+/// expert weight's gradient, split over the expert axis, reduced over the data axis inside).
+/// The values are the sums either way.
+#[test]
+fn nested_shards_of_partial_sums_reduce_scatter_outer_first() {
+    use crate::CollectiveKind::{AllReduce, ReduceScatter};
+    use Placement::{Partial, Shard};
+    // Two data axes (a data split may pad).
+    let mesh = DeviceMesh::new([("ep", 2), ("dp", 2)]).unwrap();
+    let sum = Partial(ReduceOp::Sum);
+    let cases = [
+        // (rows, from, reduce-scatters)
+        (8, Layout::new([sum, sum]), 2),
+        (6, Layout::new([sum, sum]), 2),
+        (8, Layout::new([Shard(0), sum]), 1),
+    ];
+    for (rows, from, scatters) in cases {
+        let target = Layout::new([Shard(0), Shard(0)]);
+        let results = threads(&mesh, |device| {
+            let rank = device.rank();
+            // Every rank's summand; under an outer shard, its piece of the rank's summand.
+            let whole = values(&[rows, 3], 40 + rank as u64);
+            let t = Tensor::<F, 2>::from_data(whole.clone(), &Default::default());
+            let local = match from.get(0) {
+                Shard(_) => {
+                    let i = mesh.group_index(rank, 0);
+                    t.narrow(0, i * rows / 2, rows / 2)
+                }
+                _ => t,
+            };
+            let dt = DTensor::new_unchecked(
+                local.into_primitive().tensor(),
+                from.clone(),
+                device.clone(),
+            );
+            let before = device.context().comm_stats();
+            let moved = dt.redistribute(&target).unwrap();
+            let after = device.context().comm_stats();
+            let full = Tensor::<F, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(
+                moved.full().unwrap(),
+            ));
+            (
+                full.into_data(),
+                after.count(ReduceScatter) - before.count(ReduceScatter),
+                after.count(AllReduce) - before.count(AllReduce),
+            )
+        });
+        // The expected sum: over every rank's summand (under an outer shard, each piece summed
+        // over the inner axis only, which is what a shard of a sum over the inner axis holds).
+        let summands: Vec<Vec<f32>> = (0..4)
+            .map(|r| values(&[rows, 3], 40 + r).into_vec().unwrap())
+            .collect();
+        let expected: Vec<f32> = (0..rows * 3)
+            .map(|i| match from.get(0) {
+                Shard(_) => {
+                    // Row block i / (rows/2·3) lives on the outer member of that index; its
+                    // inner members are ranks 2·outer and 2·outer + 1.
+                    let outer = i / (rows / 2 * 3);
+                    summands[2 * outer][i] + summands[2 * outer + 1][i]
+                }
+                _ => summands.iter().map(|s| s[i]).sum(),
+            })
+            .collect();
+        for (rank, (full, rs, ar)) in results.into_iter().enumerate() {
+            let what = format!("{rows} rows from {from}, rank {rank}");
+            close(&full, &TensorData::new(expected.clone(), [rows, 3]))
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(rs, scatters, "{what}: reduce-scatters");
+            assert_eq!(ar, 0, "{what}: all-reduces");
+        }
+    }
+}

@@ -388,7 +388,11 @@ fn moe_expert_parallel_runs_match_one_rank() {
         use FsdpStrategy::{FullShard, NoShard, ShardGradOp};
         let layouts = [
             ("dp 2 = ep 2, DDP", with_ep(2, 2, NoShard), &two),
-            ("dp 4 = ep 2 x dp 2, FullShard", with_ep(4, 2, FullShard), &four),
+            (
+                "dp 4 = ep 2 x dp 2, FullShard",
+                with_ep(4, 2, FullShard),
+                &four,
+            ),
             ("dp 4 = ep 4, ZeRO-2", with_ep(4, 4, ShardGradOp), &four),
             (
                 "dp 4 = ep 4, FullShard, full recompute",
