@@ -299,9 +299,13 @@ impl LlamaConfig {
 
     /// The shape a Hugging Face `config.json` of a `LlamaForCausalLM` gives (`transformers`
     /// 4.x's `rope_theta` / `rope_scaling`, or 5.x's `rope_parameters`), with a `block_size`
-    /// context (at most the file's `max_position_embeddings`).
+    /// context (at most the file's `max_position_embeddings`) — or of a `MixtralForCausalLM`:
+    /// every block a mixture of `num_local_experts` SwiGLU experts of `intermediate_size`, top
+    /// `num_experts_per_tok` of a softmax renormalised, `router_aux_loss_coef` its balance
+    /// loss's coefficient (no z-loss), dropless. A sliding window or router jitter (which
+    /// Wildfire's attention and router do not have) is refused.
     pub fn from_hf_config(path: &Path, block_size: usize) -> Result<Self, Error> {
-        let file = crate::hf::HfConfig::read(path, "llama")?;
+        let file = crate::hf::HfConfig::read(path, &["llama", "mixtral"])?;
         let (json, invalid, int) = (&file.json, |r| file.invalid(r), |k| file.int(k));
         for key in ["attention_bias", "mlp_bias"] {
             if json.get(key).and_then(|v| v.as_bool()) == Some(true) {
@@ -372,6 +376,40 @@ impl LlamaConfig {
             Some(v) if !v.is_null() => int("num_key_value_heads")?,
             _ => n_head,
         };
+        let moe = match file.model_type() {
+            "mixtral" => {
+                if json.get("sliding_window").is_some_and(|v| !v.is_null()) {
+                    return Err(invalid(
+                        "sliding_window is set; Wildfire's attention is full causal".into(),
+                    ));
+                }
+                let jitter = json.get("router_jitter_noise").and_then(|v| v.as_f64());
+                if jitter.is_some_and(|j| j != 0.0) {
+                    return Err(invalid(format!(
+                        "router_jitter_noise {}; Wildfire's router has none",
+                        jitter.unwrap_or_default()
+                    )));
+                }
+                Some(LlamaMoe {
+                    config: MoeConfig {
+                        experts: int("num_local_experts")?,
+                        top_k: int("num_experts_per_tok")?,
+                        score: crate::moe::RouterScore::Softmax,
+                        normalize: true,
+                        aux_loss_coef: json
+                            .get("router_aux_loss_coef")
+                            .and_then(|v| v.as_f64())
+                            .unwrap_or(0.001),
+                        z_loss_coef: 0.0,
+                        capacity_factor: None,
+                        shared_experts: 0,
+                    },
+                    every: 1,
+                    expert_hidden: int("intermediate_size")?,
+                })
+            }
+            _ => None,
+        };
         let config = Self {
             vocab_size: int("vocab_size")?,
             vocab_used: None,
@@ -391,7 +429,7 @@ impl LlamaConfig {
                 .and_then(|v| v.as_bool())
                 .unwrap_or(false),
             init_seed: 0,
-            moe: None,
+            moe,
         };
         config.validate().map_err(|e| invalid(e.to_string()))?;
         Ok(config)

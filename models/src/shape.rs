@@ -242,7 +242,13 @@ impl ModelConfig {
     /// Hugging Face weights of this family (a GPT-2 file, or a Llama file or sharded
     /// directory) as a checkpoint under this crate's names, each rank reading its pieces.
     pub fn import_hf(&self, path: &Path) -> Result<Checkpoint, Error> {
-        self.dense_for_hf()?;
+        if let ModelConfig::Llama(c) = self
+            && let Some(m) = &c.moe
+        {
+            mixtral_shaped(m)?;
+        } else {
+            self.dense_for_hf()?;
+        }
         match self {
             ModelConfig::Gpt(c) => hf::import_gpt2(path, c.n_head),
             ModelConfig::Llama(_) => hf::import_llama(path),
@@ -258,18 +264,36 @@ impl ModelConfig {
         }
     }
 
-    /// Hugging Face files map dense models only: a mixture of experts (whose names differ per
-    /// family: Mixtral's `block_sparse_moe`, OLMoE's and Qwen-MoE's `mlp.experts`) is refused.
+    /// Hugging Face export maps dense models only: a mixture of experts is refused (its import
+    /// reads Mixtral's files; OLMoE's and Qwen-MoE's `mlp.experts` are not mapped).
     pub fn dense_for_hf(&self) -> Result<(), Error> {
         match self {
             ModelConfig::Llama(c) if c.moe.is_some() => Err(Error::Config(
-                "Hugging Face weights of a mixture-of-experts Llama: not mapped yet (Wildfire's \
-                 own checkpoints hold it)"
+                "Hugging Face export of a mixture-of-experts Llama: not mapped yet (Wildfire's \
+                 own checkpoints hold it; Mixtral files import)"
                     .into(),
             )),
             _ => Ok(()),
         }
     }
+}
+
+/// A mixture of experts Mixtral's files can fill: every block one, no shared experts, a top-k
+/// softmax renormalised.
+fn mixtral_shaped(m: &crate::llama::LlamaMoe) -> Result<(), Error> {
+    let c = &m.config;
+    if m.every == 1 && c.shared_experts == 0 && c.normalize && c.score == RouterScore::Softmax {
+        return Ok(());
+    }
+    Err(Error::Config(format!(
+        "Hugging Face weights of a mixture of experts are read as Mixtral's (every block a \
+         mixture, no shared experts, a renormalised top-k softmax); this one has every \
+         {}, {} shared experts, {:?} scores{}",
+        m.every,
+        c.shared_experts,
+        c.score,
+        if c.normalize { "" } else { ", not renormalised" }
+    )))
 }
 
 #[cfg(test)]

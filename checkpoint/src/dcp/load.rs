@@ -459,17 +459,24 @@ impl Reader {
 }
 
 /// A piece stored transposed, as stored: the piece with its box's dims reversed, and the box
-/// `size` at `at` reversed likewise; `None` unless it is a matrix.
+/// `size` at `at` reversed likewise; `None` unless it is a matrix — or a matrix with leading
+/// dims of one (one expert's `[1, in, out]` of a stacked `[E, in, out]` weight, stored as a
+/// matrix `[out, in]` of its own), which the stored matrix leaves out.
 fn stored_transposed(
     piece: &PieceMeta,
     at: &[usize],
     size: &[usize],
 ) -> Option<(PieceMeta, Vec<usize>, Vec<usize>)> {
-    let dims_2 = [&piece.start, &piece.end].iter().all(|v| v.len() == 2);
-    if !dims_2 || at.len() != 2 || size.len() != 2 {
+    let n = piece.start.len();
+    let lead = n.checked_sub(2)?;
+    let single = (0..lead).all(|d| piece.end[d] == piece.start[d] + 1 && size[d] == 1);
+    if piece.end.len() != n || at.len() != n || size.len() != n || !single {
         return None;
     }
-    let rev = |v: &[usize]| v.iter().rev().copied().collect::<Vec<_>>();
+    if piece.at.as_ref().is_some_and(|a| a.len() != 2) {
+        return None;
+    }
+    let rev = |v: &[usize]| v[v.len() - 2..].iter().rev().copied().collect::<Vec<_>>();
     let stored = PieceMeta {
         start: rev(&piece.start),
         end: rev(&piece.end),

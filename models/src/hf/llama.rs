@@ -6,12 +6,48 @@
 //! read transposed (`PieceMeta::transposed`), box by box, by the distributed checkpoint's loader:
 //! each rank reads only what overlaps its pieces, in any layout. Export ([`export_llama`])
 //! writes a distributed checkpoint's weights back under Hugging Face's names and orientation.
+//!
+//! A Mixtral (`MixtralForCausalLM`, `model_type` "mixtral") reads the same way: its attention
+//! and norms are the Llama's, and each expert's matrices (`block_sparse_moe.experts.{e}.w1`,
+//! `w3`, `w2`, as the Hub's files and `transformers` save them) are the slices of Wildfire's
+//! stacked expert weights, read transposed box by box, so a rank reads only its experts'.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::Error;
-use wildfire_checkpoint::dcp::{Checkpoint, TensorMeta};
+use wildfire_checkpoint::dcp::{Checkpoint, PieceMeta, TensorMeta};
+
+/// A Mixtral (`MixtralForCausalLM`) mixture-of-experts tensor: the router
+/// (`block_sparse_moe.gate`, `[E, d]`) is Wildfire's `moe.router` (transposed, `[d, E]`), expert
+/// `e`'s `w1`, `w3`, `w2` (`[ffn, d]`, `[ffn, d]`, `[d, ffn]`) are slice `e` of the stacked
+/// `moe.experts.gate_proj`, `up_proj` (`[E, d, ffn]`) and `down_proj` (`[E, ffn, d]`), each
+/// transposed: the Wildfire path, and the expert for a slice.
+fn mixtral_path(layer: &str, tail: &str) -> Option<(String, Option<usize>)> {
+    let moe = tail.strip_prefix("block_sparse_moe.")?;
+    if moe == "gate.weight" {
+        return Some((format!("layers.{layer}.moe.router.weight"), None));
+    }
+    let (e, w) = moe.strip_prefix("experts.")?.split_once('.')?;
+    let e = e.parse::<usize>().ok()?;
+    let proj = match w {
+        "w1.weight" => "gate_proj",
+        "w3.weight" => "up_proj",
+        "w2.weight" => "down_proj",
+        _ => return None,
+    };
+    Some((format!("layers.{layer}.moe.experts.{proj}.weight"), Some(e)))
+}
+
+/// The Wildfire path of a Hugging Face Mixtral mixture-of-experts tensor name (always stored
+/// transposed) and, for one expert's projection, the expert (its slice of the stacked weight);
+/// `None` for any other name.
+pub fn llama_expert_path(name: &str) -> Option<(String, Option<usize>)> {
+    let rest = name.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    layer.parse::<usize>().ok()?;
+    mixtral_path(layer, tail)
+}
 
 /// The Wildfire path of a Hugging Face Llama tensor name and whether it is stored transposed;
 /// `None` for a buffer that is not a parameter (`rotary_emb.inv_freq` in older files).
@@ -142,6 +178,8 @@ pub fn import_llama(path: &Path) -> Result<Checkpoint, Error> {
     let (dir, names) = weight_files(path)?;
     let mut files = BTreeMap::new();
     let mut tensors = BTreeMap::new();
+    // A Mixtral's experts, per stacked weight: (expert, its `[in, out]`, its piece).
+    let mut experts: BTreeMap<String, Vec<(usize, Vec<usize>, PieceMeta)>> = BTreeMap::new();
     for name in names {
         let file = dir.join(&name);
         let invalid = |reason: String| Error::Invalid {
@@ -151,6 +189,38 @@ pub fn import_llama(path: &Path) -> Result<Checkpoint, Error> {
         let (len, header) = super::open_imported(&file)?;
         files.insert(name.clone(), len);
         for (key, entry) in &header {
+            if let Some((path, expert)) = llama_expert_path(key) {
+                super::check_dtype(&file, key, entry)?;
+                if entry.shape.len() != 2 {
+                    return Err(invalid(format!(
+                        "{key} of shape {:?} is not a matrix",
+                        entry.shape
+                    )));
+                }
+                let shape: Vec<usize> = entry.shape.iter().rev().copied().collect();
+                match expert {
+                    None => {
+                        let whole = [vec![0; 2], shape.clone()];
+                        let piece = super::imported_piece(&name, key, whole, None, true);
+                        let meta = TensorMeta {
+                            shape,
+                            dtype: "F32".into(),
+                            pieces: vec![piece],
+                            rows_padded: false,
+                        };
+                        if tensors.insert(format!("model/{path}"), meta).is_some() {
+                            return Err(invalid(format!("{key} is stored twice")));
+                        }
+                    }
+                    Some(e) => {
+                        let start = vec![e, 0, 0];
+                        let end = vec![e + 1, shape[0], shape[1]];
+                        let piece = super::imported_piece(&name, key, [start, end], None, true);
+                        experts.entry(path).or_default().push((e, shape, piece));
+                    }
+                }
+                continue;
+            }
             let Some(mapped) = llama_path(key) else {
                 continue;
             };
@@ -176,6 +246,35 @@ pub fn import_llama(path: &Path) -> Result<Checkpoint, Error> {
                 return Err(invalid(format!("{key} is stored twice")));
             }
         }
+    }
+    // Each stacked expert weight from its experts' matrices: every expert 0..E once, of one
+    // shape.
+    for (stacked, mut slices) in experts {
+        slices.sort_by_key(|(e, _, _)| *e);
+        let n = slices.len();
+        let shape = slices[0].1.clone();
+        let complete = slices
+            .iter()
+            .enumerate()
+            .all(|(i, (e, s, _))| *e == i && *s == shape);
+        if !complete {
+            let found: Vec<usize> = slices.iter().map(|(e, _, _)| *e).collect();
+            return Err(Error::Invalid {
+                path: path.to_path_buf(),
+                reason: format!(
+                    "the experts of {stacked}: found {found:?}, each of shape {shape:?} expected \
+                     (experts 0 to {} once each, of one shape)",
+                    n - 1
+                ),
+            });
+        }
+        let meta = TensorMeta {
+            shape: vec![n, shape[0], shape[1]],
+            dtype: "F32".into(),
+            pieces: slices.into_iter().map(|(_, _, p)| p).collect(),
+            rows_padded: false,
+        };
+        tensors.insert(format!("model/{stacked}"), meta);
     }
     if !tensors.contains_key("model/embed_tokens") {
         return Err(Error::Invalid {

@@ -236,8 +236,8 @@ pub(crate) struct HfConfig {
 }
 
 impl HfConfig {
-    /// The configuration at `path`, which must be of `model_type`.
-    pub(crate) fn read(path: &Path, model_type: &str) -> Result<Self, Error> {
+    /// The configuration at `path`, which must be of one of `model_types`.
+    pub(crate) fn read(path: &Path, model_types: &[&str]) -> Result<Self, Error> {
         let text = std::fs::read_to_string(path).map_err(|source| Error::io(path, source))?;
         let file = Self {
             path: path.to_path_buf(),
@@ -247,12 +247,20 @@ impl HfConfig {
             serde_json::from_str(&text).map_err(|e| file.invalid(format!("not JSON: {e}")))?;
         let file = Self { json, ..file };
         let found = file.json.get("model_type").and_then(|v| v.as_str());
-        if found != Some(model_type) {
+        if !found.is_some_and(|t| model_types.contains(&t)) {
             return Err(file.invalid(format!(
-                "model_type {found:?}; this reads {model_type:?} configurations"
+                "model_type {found:?}; this reads {model_types:?} configurations"
             )));
         }
         Ok(file)
+    }
+
+    /// The file's `model_type` (checked when read).
+    pub(crate) fn model_type(&self) -> &str {
+        self.json
+            .get("model_type")
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
     }
 
     /// An error about the file.
@@ -278,7 +286,7 @@ impl HfConfig {
 /// which it may not exceed). Another model type, activation or a width the heads do not divide
 /// is an error naming it.
 pub fn gpt2_config(path: &Path, block_size: Option<usize>) -> Result<GptConfig, Error> {
-    let file = HfConfig::read(path, "gpt2")?;
+    let file = HfConfig::read(path, &["gpt2"])?;
     let (json, invalid, int) = (&file.json, |r| file.invalid(r), |k| file.int(k));
     let act = json
         .get("activation_function")
