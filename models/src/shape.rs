@@ -242,13 +242,7 @@ impl ModelConfig {
     /// Hugging Face weights of this family (a GPT-2 file, or a Llama file or sharded
     /// directory) as a checkpoint under this crate's names, each rank reading its pieces.
     pub fn import_hf(&self, path: &Path) -> Result<Checkpoint, Error> {
-        if let ModelConfig::Llama(c) = self
-            && let Some(m) = &c.moe
-        {
-            mixtral_shaped(m)?;
-        } else {
-            self.dense_for_hf()?;
-        }
+        self.hf_importable()?;
         match self {
             ModelConfig::Gpt(c) => hf::import_gpt2(path, c.n_head),
             ModelConfig::Llama(_) => hf::import_llama(path),
@@ -261,6 +255,15 @@ impl ModelConfig {
         match self {
             ModelConfig::Gpt(c) => hf::export_gpt2(checkpoint, out, c),
             ModelConfig::Llama(_) => hf::export_llama(checkpoint, out),
+        }
+    }
+
+    /// Whether Hugging Face files can fill this model: a dense one, or a mixture of experts
+    /// shaped as Mixtral's.
+    pub fn hf_importable(&self) -> Result<(), Error> {
+        match self {
+            ModelConfig::Llama(c) => c.moe.as_ref().map_or(Ok(()), mixtral_shaped),
+            ModelConfig::Gpt(_) => Ok(()),
         }
     }
 
@@ -292,7 +295,11 @@ fn mixtral_shaped(m: &crate::llama::LlamaMoe) -> Result<(), Error> {
         m.every,
         c.shared_experts,
         c.score,
-        if c.normalize { "" } else { ", not renormalised" }
+        if c.normalize {
+            ""
+        } else {
+            ", not renormalised"
+        }
     )))
 }
 

@@ -191,7 +191,12 @@ fn a_transformers_mixtral_gives_its_logits_on_any_layout() {
     let fixture = Fixture::load_from("mixtral_tiny");
     let moe = fixture.config.moe.clone().expect("a mixture of experts");
     assert_eq!(
-        (moe.every, moe.expert_hidden, moe.config.experts, moe.config.top_k),
+        (
+            moe.every,
+            moe.expert_hidden,
+            moe.config.experts,
+            moe.config.top_k
+        ),
         (1, 48, 4, 2)
     );
     assert!(moe.config.normalize && moe.config.capacity_factor.is_none());
