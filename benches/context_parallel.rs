@@ -25,7 +25,7 @@ use wildfire::models::parallelize::ParallelConfig;
 use wildfire::models::{ModelFlags, Preset};
 use wildfire::parallel::comm::LinkModel;
 use wildfire::parallel::{CollectiveKind, CpLayout, CpRotate};
-use wildfire::pretrain::{PretrainConfig, RunSummary, run};
+use wildfire::pretrain::{PretrainConfig, run};
 
 mod common;
 
@@ -91,15 +91,10 @@ fn main() {
             ..config.clone()
         })
         .expect("run with the link");
-        let step_ms = |s: &RunSummary| {
-            common::median(
-                s.steps[1..]
-                    .iter()
-                    .map(|m| t as f64 / m.tokens_per_s * 1e3)
-                    .collect(),
-            )
-        };
-        let (t0, t1) = (step_ms(&plain), step_ms(&paced));
+        let (t0, t1) = (
+            common::median_step_ms(&plain, t),
+            common::median_step_ms(&paced, t),
+        );
         let comm = if cp > 1 {
             common::median(
                 common::step_communication(&paced, &link, |kind| match kind {

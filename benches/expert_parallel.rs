@@ -95,15 +95,10 @@ fn main() {
             ..config.clone()
         })
         .expect("run with the link");
-        let step_ms = |s: &RunSummary| {
-            common::median(
-                s.steps[1..]
-                    .iter()
-                    .map(|m| (batch * t) as f64 / m.tokens_per_s * 1e3)
-                    .collect(),
-            )
-        };
-        let (t0, t1) = (step_ms(&plain), step_ms(&paced));
+        let (t0, t1) = (
+            common::median_step_ms(&plain, batch * t),
+            common::median_step_ms(&paced, batch * t),
+        );
         let moved = all_to_all(&plain, &link, ep);
         let bytes = moved.get(1).map_or(0, |m| m.0);
         let on_link = common::median(moved[1..].iter().map(|m| m.1).collect());

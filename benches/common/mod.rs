@@ -60,3 +60,15 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
+
+/// The median step time (ms) of a run's steps after the first (a warm-up), each step of
+/// `tokens` tokens.
+#[allow(dead_code)] // not every bench times steps
+pub fn median_step_ms(summary: &wildfire::pretrain::RunSummary, tokens: usize) -> f64 {
+    median(
+        summary.steps[1..]
+            .iter()
+            .map(|m| tokens as f64 / m.tokens_per_s * 1e3)
+            .collect(),
+    )
+}

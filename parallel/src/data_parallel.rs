@@ -97,6 +97,38 @@ pub fn redistribute<B: DistributedBackend, const D: usize>(
     })
 }
 
+/// Map every float parameter of `module` as a distributed tensor (whatever its rank) with its
+/// path, until `f` fails: then that error. Ids and `require_grad` are kept.
+pub(crate) fn try_map_dtensors<B: DistributedBackend, M: Module<B>>(
+    module: M,
+    f: impl FnMut(&str, DTensor<B::Inner>) -> Result<DTensor<B::Inner>, Error>,
+) -> Result<M, Error> {
+    struct Each<F>(F);
+    impl<B, F> TryParamMapper<B> for Each<F>
+    where
+        B: DistributedBackend,
+        F: FnMut(&str, DTensor<B::Inner>) -> Result<DTensor<B::Inner>, Error>,
+    {
+        type Error = Error;
+
+        fn try_map<const D: usize>(
+            &mut self,
+            at: &ModulePath,
+            param: Param<Tensor<B, D>>,
+        ) -> Mapped<B, D, Error> {
+            map_value(param, |tensor| {
+                let out = from_dtensor::<B, D>((self.0)(&at.name(), dtensor(tensor))?);
+                Ok(if tensor.is_require_grad() {
+                    out.require_grad()
+                } else {
+                    out
+                })
+            })
+        }
+    }
+    try_map_params(module, &mut Each(f))
+}
+
 impl<B: Backend> DTensor<B> {
     /// Turn per-rank `Local` data on `axis` into `Replicate` by adopting group member 0's value
     /// (a broadcast): how a model initialised on every rank becomes one replicated model.

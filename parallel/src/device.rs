@@ -619,7 +619,7 @@ impl RankContext {
         let mesh = self.mesh();
         let expert = self
             .with_policy(|p| p.expert_shapes.contains(shape))
-            .then(|| crate::expert_parallel::expert_axis(mesh).map(|(a, _)| a))
+            .then(|| mesh.expert_axis().map(|(a, _)| a))
             .flatten();
         let mut out = layout.clone();
         for (a, axis) in mesh.axes().iter().enumerate() {

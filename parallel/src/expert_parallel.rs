@@ -16,10 +16,10 @@
 //! ([`crate::RankPolicy::expert_shapes`]): the gradient and optimizer-state layouts keep their
 //! expert split.
 
-use crate::data_parallel::{DistributedBackend, dtensor, from_dtensor};
+use crate::data_parallel::{DistributedBackend, try_map_dtensors};
 use crate::error::Error;
 use crate::mesh::{DeviceMesh, EXPERT_AXIS};
-use crate::params::{Mapped, ModulePath, TryParamMapper, map_value, try_map_params};
+use crate::params::ModulePath;
 use crate::placement::{Layout, Placement};
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
@@ -59,13 +59,6 @@ impl ExpertPlan {
     }
 }
 
-/// The mesh's expert axis and its size, when it has one of more than one member.
-pub(crate) fn expert_axis(mesh: &DeviceMesh) -> Option<(usize, usize)> {
-    let a = mesh.axis_index(EXPERT_AXIS).ok()?;
-    let size = mesh.axis_size(a);
-    (size > 1).then_some((a, size))
-}
-
 /// `layout` with a stacked expert weight of global `shape` split over the expert axis
 /// (`Shard(0)`); the experts must divide over it.
 pub(crate) fn split_experts(
@@ -74,7 +67,7 @@ pub(crate) fn split_experts(
     shape: &[usize],
     mesh: &DeviceMesh,
 ) -> Result<Layout, Error> {
-    let Some((axis, size)) = expert_axis(mesh) else {
+    let Some((axis, size)) = mesh.expert_axis() else {
         return Ok(layout);
     };
     let experts = shape.first().copied().unwrap_or(0);
@@ -90,50 +83,6 @@ pub(crate) fn split_experts(
         });
     }
     Ok(layout.with(axis, Placement::Shard(0)))
-}
-
-struct Apply<'a> {
-    plan: &'a ExpertPlan,
-    mesh: &'a DeviceMesh,
-    shapes: std::collections::BTreeSet<Vec<usize>>,
-    ctx: Option<std::sync::Arc<crate::device::RankContext>>,
-}
-
-impl<B: DistributedBackend> TryParamMapper<B> for Apply<'_> {
-    type Error = Error;
-
-    fn try_map<const D: usize>(
-        &mut self,
-        path: &ModulePath,
-        param: Param<Tensor<B, D>>,
-    ) -> Mapped<B, D, Error> {
-        let path = path.name();
-        let covered = self.plan.covers(&path);
-        map_value(param, |tensor| {
-            let mut t = dtensor(tensor);
-            self.ctx.get_or_insert_with(|| t.device().context().clone());
-            if !covered {
-                return Ok(tensor.clone());
-            }
-            let shape = t.global_shape().to_vec();
-            self.shapes.insert(shape.clone());
-            let target = split_experts(t.layout().clone(), &path, &shape, self.mesh)?;
-            if let Some((axis, _)) = expert_axis(self.mesh) {
-                // Every member starts from member 0's experts (as `replicate` does), then keeps
-                // its own: a local slice.
-                t = t.adopt_from_first(axis)?;
-            }
-            if t.layout() == &target {
-                return Ok(tensor.clone());
-            }
-            let out = from_dtensor::<B, D>(t.redistribute(&target)?);
-            Ok(if tensor.is_require_grad() {
-                out.require_grad()
-            } else {
-                out
-            })
-        })
-    }
 }
 
 /// Split the stacked expert weights `plan` names over the expert axis of `mesh` (`Shard(0)`,
@@ -174,15 +123,24 @@ pub fn expert_parallel<B: DistributedBackend, M: Module<B>>(
     if let Some(e) = check.error {
         return Err(e);
     }
-    let mut apply = Apply {
-        plan,
-        mesh,
-        shapes: Default::default(),
-        ctx: None,
-    };
-    let module = try_map_params(module, &mut apply)?;
-    if let Some(ctx) = apply.ctx {
-        let shapes = apply.shapes;
+    let mut shapes = std::collections::BTreeSet::new();
+    let mut ctx = None;
+    let module = try_map_dtensors(module, |path, mut t| {
+        ctx.get_or_insert_with(|| t.device().context().clone());
+        if !plan.covers(path) {
+            return Ok(t);
+        }
+        let shape = t.global_shape().to_vec();
+        shapes.insert(shape.clone());
+        let target = split_experts(t.layout().clone(), path, &shape, mesh)?;
+        if let Some((axis, _)) = mesh.expert_axis() {
+            // Every member starts from member 0's experts (as `replicate` does), then keeps
+            // its own: a local slice.
+            t = t.adopt_from_first(axis)?;
+        }
+        t.redistribute(&target)
+    })?;
+    if let Some(ctx) = ctx {
         ctx.update_policy(|p| p.expert_shapes = shapes);
     }
     Ok(module)

@@ -312,6 +312,14 @@ impl DeviceMesh {
         (rank / self.stride(axis)) % self.axes[axis].size
     }
 
+    /// The mesh's expert axis ([`EXPERT_AXIS`]) and its size, when it has one of more than one
+    /// member.
+    pub fn expert_axis(&self) -> Option<(usize, usize)> {
+        let a = self.axis_index(EXPERT_AXIS).ok()?;
+        let size = self.axis_size(a);
+        (size > 1).then_some((a, size))
+    }
+
     /// `rank`'s index among the data-parallel ranks, row-major over the data axes but the
     /// context axis, and their number (the product of those axes): the ranks of one
     /// model-parallel group (tensor, pipeline) and of one context-parallel group share an index,

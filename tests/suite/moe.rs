@@ -155,19 +155,10 @@ fn auxiliary_losses_reach_backward_weighted_as_the_loss() {
     assert!(differ > 0, "the auxiliary terms change some gradient");
 }
 
-/// Values in [-scale, scale) from a seed (an LCG: the same every run).
+/// Values in [-scale, scale) from a seed (the same every run).
 fn values(seed: u64, len: usize, scale: f32) -> Vec<f32> {
-    let mut state = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..len)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
+    let mut rng = wildfire::parallel::rng::SplitMix64::new(seed);
+    (0..len).map(|_| rng.next_signed_f32() * scale).collect()
 }
 
 /// A mixture-of-experts block whose weights come from fixed seeds, on any backend.
@@ -269,7 +260,7 @@ fn expert_parallel_block_matches_one_device_and_moves_the_routed_rows() {
                     output: output.into_data().into_vec().unwrap(),
                     input_grad: x.grad(&grads).unwrap().into_data().into_vec().unwrap(),
                     param_grads: params.out,
-                    kept: kept.iter().map(|&k| k as u64).collect(),
+                    kept,
                 }
             })
             .collect();
@@ -310,7 +301,7 @@ fn expert_parallel_block_matches_one_device_and_moves_the_routed_rows() {
                     output: output.into_data().into_vec().unwrap(),
                     input_grad,
                     param_grads: gather.1,
-                    kept: kept.iter().map(|&k| k as u64).collect(),
+                    kept,
                 },
                 all_to_all,
             )

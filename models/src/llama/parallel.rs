@@ -175,14 +175,20 @@ pub fn init_llama<B: DistributedBackend>(
     let mlps = Mlps::of(config, 0..config.n_layer);
     let plan = tp_plan(config.n_head, config.n_kv_head, parallel.tp, true, mlps)?;
     config.init_in_layouts(device, |params, mesh| {
-        planned_layouts_with_experts(
-            params,
-            mesh,
-            plan.as_ref(),
-            &llama_expert_plan(),
-            parallel.fsdp,
-        )
+        llama_layouts(params, mesh, plan.as_ref(), parallel)
     })
+}
+
+/// The layouts [`parallelize_llama`] gives the parameters `params` (paths and shapes) on
+/// `mesh`: tensor parallel as `plan` says, the experts split over the expert axis, then the
+/// data-parallel strategy.
+fn llama_layouts(
+    params: &[(String, Vec<usize>)],
+    mesh: &DeviceMesh,
+    plan: Option<&TpPlan>,
+    parallel: &ParallelConfig,
+) -> Result<Vec<wildfire_parallel::Layout>, wildfire_parallel::Error> {
+    planned_layouts_with_experts(params, mesh, plan, &llama_expert_plan(), parallel.fsdp)
 }
 
 /// Lay `model` out over `mesh`: tensor parallel (with sequence parallelism when asked), then
@@ -229,13 +235,7 @@ pub fn init_llama_stage<B: DistributedBackend>(
         mlps,
     )?;
     let stage = config.init_stage_in_layouts(device, blocks, first, last, |params, mesh| {
-        planned_layouts_with_experts(
-            params,
-            mesh,
-            plan.as_ref(),
-            &llama_expert_plan(),
-            parallel.fsdp,
-        )
+        llama_layouts(params, mesh, plan.as_ref(), parallel)
     })?;
     let plan = plan.map(|plan| with_sp(plan, parallel, last));
     lay_out_stage(stage, device, plan.as_ref(), &llama_expert_plan(), parallel)

@@ -80,6 +80,17 @@ impl Fixture {
     fn logits_off(&self, logits: &[f32]) -> f32 {
         crate::largest_difference(logits, &self.logits)
     }
+
+    /// `(logits, loss)` are `transformers`' within 1e-4 and 1e-5 of the loss (`at` says where).
+    fn check(&self, at: &str, (logits, loss): &(Vec<f32>, f32)) {
+        let worst = self.logits_off(logits);
+        assert!(worst <= 1e-4, "{at}: logits off by {worst}");
+        assert!(
+            (loss - self.loss).abs() <= 1e-5 * self.loss,
+            "{at}: loss {loss} vs {}",
+            self.loss
+        );
+    }
 }
 
 /// The configuration `transformers` wrote reads back as the shape it describes: grouped-query
@@ -155,15 +166,8 @@ fn a_transformers_llama_gives_its_logits_and_exports_bitwise() {
                 save_step_1(device, &model, &save);
                 (logits.convert::<f32>().to_vec::<f32>().unwrap(), loss)
             });
-            for (rank, (logits, loss)) in out.iter().enumerate() {
-                let worst = fixture.logits_off(logits);
-                let at = format!("{name} dp {dp} tp {tp} rank {rank}");
-                assert!(worst <= 1e-4, "{at}: logits off by {worst}");
-                assert!(
-                    (loss - fixture.loss).abs() <= 1e-5 * fixture.loss,
-                    "{at}: loss {loss} vs {}",
-                    fixture.loss
-                );
+            for (rank, out) in out.iter().enumerate() {
+                fixture.check(&format!("{name} dp {dp} tp {tp} rank {rank}"), out);
             }
             let exported = save.join("export.safetensors");
             let checkpoint = Checkpoint::open(save.join("step-00000001")).unwrap();
@@ -221,15 +225,9 @@ fn a_transformers_mixtral_gives_its_logits_on_any_layout() {
             let loss: f32 = model.loss(x, y).into_scalar();
             (logits.convert::<f32>().to_vec::<f32>().unwrap(), loss)
         });
-        for (rank, (logits, loss)) in out.iter().enumerate() {
+        for (rank, out) in out.iter().enumerate() {
             let at = format!("dp {} ep {} rank {rank}", parallel.dp, parallel.ep);
-            let worst = fixture.logits_off(logits);
-            assert!(worst <= 1e-4, "{at}: logits off by {worst}");
-            assert!(
-                (loss - fixture.loss).abs() <= 1e-5 * fixture.loss,
-                "{at}: loss {loss} vs {}",
-                fixture.loss
-            );
+            fixture.check(&at, out);
         }
     }
     let model = crate::ModelConfig::Llama(fixture.config.clone());
