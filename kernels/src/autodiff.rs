@@ -280,6 +280,26 @@ fn expert_exchange<B: FusedOps, C: CheckpointStrategy>(
     }
 }
 
+/// The experts' grouped matmul: backward is `B`'s grouped backward on the saved operands.
+#[derive(Debug)]
+struct GroupedMatmulOp {
+    groups: Vec<usize>,
+}
+
+impl<B: FusedOps> Backward<B, 2> for GroupedMatmulOp {
+    /// x, w.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, w) = ops.state;
+        let (dx, dw) = B::grouped_matmul_backward(x, w, dy, &self.groups);
+        let [px, pw] = &ops.parents;
+        register!(B, grads, px, dx);
+        register!(B, grads, pw, dw);
+    }
+}
+
 /// An untracked autodiff tensor (the per-row statistics handed back to callers).
 fn constant<B: FusedOps, C: CheckpointStrategy>(x: FloatTensor<B>) -> FloatTensor<Autodiff<B, C>> {
     <Autodiff<B, C> as burn::tensor::backend::AutodiffBackend>::from_inner(x)
@@ -325,6 +345,21 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         route: &crate::experts::ExpertRoute,
     ) -> FloatTensor<Self> {
         expert_exchange::<B, C>(y, route, true)
+    }
+
+    fn grouped_matmul(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        groups: &[usize],
+    ) -> FloatTensor<Self> {
+        let y = B::grouped_matmul(x.primitive.clone(), w.primitive.clone(), groups);
+        let op = GroupedMatmulOp {
+            groups: groups.to_vec(),
+        };
+        match op.prepare::<C>([x.node, w.node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((x.primitive, w.primitive), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
     }
 
     fn fused_softmax(x: FloatTensor<Self>) -> FloatTensor<Self> {

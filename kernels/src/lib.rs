@@ -255,11 +255,11 @@ pub trait FusedOps: Backend {
     }
 
     /// Expert parallelism's dispatch: this rank's routed rows `[rows, d]`, sorted by expert,
-    /// go to the members holding their experts, which lay them out as one batch
-    /// `[local experts, capacity, d]` (see [`experts`]). Without expert parallelism, the rows
-    /// padded into that batch.
+    /// go to the members holding their experts, which regroup what they receive expert by
+    /// expert (see [`experts`]): the rows of the rank's experts, `route.groups()` of each.
+    /// Without expert parallelism the rows, as they are.
     fn expert_dispatch(x: FloatTensor<Self>, route: &experts::ExpertRoute) -> FloatTensor<Self> {
-        experts::pad::<Self>(x, route)
+        experts::regroup::<Self>(x, route)
     }
 
     /// The gradient of [`FusedOps::expert_dispatch`]'s input from its output's.
@@ -267,14 +267,13 @@ pub trait FusedOps: Backend {
         grad: FloatTensor<Self>,
         route: &experts::ExpertRoute,
     ) -> FloatTensor<Self> {
-        experts::unpad::<Self>(grad, route)
+        experts::ungroup::<Self>(grad, route)
     }
 
-    /// Expert parallelism's combine, [`FusedOps::expert_dispatch`]'s adjoint: the batch
-    /// `[local experts, capacity, d]` back to the rows `[rows, d]` of the ranks that routed them,
-    /// in their order.
+    /// Expert parallelism's combine, [`FusedOps::expert_dispatch`]'s adjoint: the experts'
+    /// rows back to the ranks that routed them, in their order.
     fn expert_combine(y: FloatTensor<Self>, route: &experts::ExpertRoute) -> FloatTensor<Self> {
-        experts::unpad::<Self>(y, route)
+        experts::ungroup::<Self>(y, route)
     }
 
     /// The gradient of [`FusedOps::expert_combine`]'s input from its output's.
@@ -282,7 +281,28 @@ pub trait FusedOps: Backend {
         grad: FloatTensor<Self>,
         route: &experts::ExpertRoute,
     ) -> FloatTensor<Self> {
-        experts::pad::<Self>(grad, route)
+        experts::regroup::<Self>(grad, route)
+    }
+
+    /// The experts' grouped matmul: rows `x [rows, k]` in runs of `groups[l]` rows, run `l`
+    /// times `w[l]` (`w [groups, k, n]`, stacked expert weights): `[rows, n]`, each expert on
+    /// exactly its rows ([`experts::grouped_matmul`]).
+    fn grouped_matmul(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        groups: &[usize],
+    ) -> FloatTensor<Self> {
+        experts::grouped_matmul::<Self>(x, w, groups)
+    }
+
+    /// The gradients `(dx, dw)` of [`FusedOps::grouped_matmul`] from the output's `dy`.
+    fn grouped_matmul_backward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        dy: FloatTensor<Self>,
+        groups: &[usize],
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        experts::grouped_matmul_backward::<Self>(x, w, dy, groups)
     }
 
     /// Softmax over the last dimension.

@@ -121,20 +121,30 @@ pub fn split_qkv<B: burn::tensor::backend::Backend>(qkv: Tensor<B, 4>) -> [Tenso
 }
 
 /// Expert parallelism's dispatch ([`FusedOps::expert_dispatch`]): this rank's routed rows
-/// `[rows, d]`, sorted by expert, as the batch `[local experts, capacity, d]` of the experts this
-/// rank holds.
+/// `[rows, d]`, sorted by expert, as the rows of the experts this rank holds, grouped by expert
+/// (`route.groups()` of each).
 pub fn expert_dispatch<B: FusedOps>(
     x: Tensor<B, 2>,
     route: &crate::experts::ExpertRoute,
-) -> Tensor<B, 3> {
+) -> Tensor<B, 2> {
     tensor(B::expert_dispatch(prim(x), route))
 }
 
-/// Expert parallelism's combine ([`FusedOps::expert_combine`]): the batch
-/// `[local experts, capacity, d]` back to this rank's routed rows `[rows, d]`, in their order.
+/// Expert parallelism's combine ([`FusedOps::expert_combine`]): the experts' rows back to this
+/// rank's routed rows `[rows, d]`, in their order.
 pub fn expert_combine<B: FusedOps>(
-    y: Tensor<B, 3>,
+    y: Tensor<B, 2>,
     route: &crate::experts::ExpertRoute,
 ) -> Tensor<B, 2> {
     tensor(B::expert_combine(prim(y), route))
+}
+
+/// The experts' grouped matmul ([`FusedOps::grouped_matmul`]): rows `x [rows, k]` in runs of
+/// `groups[l]`, run `l` times `w[l]` (`w [groups, k, n]`).
+pub fn grouped_matmul<B: FusedOps>(
+    x: Tensor<B, 2>,
+    w: Tensor<B, 3>,
+    groups: &[usize],
+) -> Tensor<B, 2> {
+    tensor(B::grouped_matmul(prim(x), prim(w), groups))
 }

@@ -18,10 +18,10 @@
 //!
 //! Routing is decided on the host (the assignment counts set the expert batches' shapes, as in
 //! dropless MoE implementations). The experts' weights are stacked (`[E, d, ffn]`, dim 0 the
-//! expert): a rank's kept assignments, sorted by expert, are dispatched as one batch
-//! `[experts, capacity, d]` ([`wildfire_kernels::experts`]: the capacity is the most rows any
-//! expert receives, the rest zero padding), the experts run as three batched matmuls, and the
-//! rows come back ([`ops::expert_combine`]) to be gated and added in place (`select_assign`).
+//! expert): a rank's kept assignments, sorted by expert, are dispatched
+//! ([`wildfire_kernels::experts`]), the experts run as three grouped matmuls — each expert on
+//! exactly its rows, no padding — and the rows come back ([`ops::expert_combine`]) to be gated
+//! and added in place (`select_assign`).
 //! Under expert parallelism (a `Distributed` backend whose mesh has an `ep` axis) the stacked
 //! weights are split over that axis and dispatch and combine are all-to-alls: each member runs
 //! its own experts on every member's rows for them.
@@ -138,8 +138,8 @@ pub struct ExpertLinear<B: Backend> {
 }
 
 /// `E` SwiGLU experts (the Llama family's MLP), their weights stacked so that they run as
-/// batched matmuls on a dispatched batch `[E, capacity, d]` (or an expert-axis member's share
-/// of it).
+/// grouped matmuls on the dispatched rows, each expert on exactly its rows (under expert
+/// parallelism, a member's experts on the rows every member sent them).
 #[derive(Module, Debug)]
 pub struct Experts<B: Backend> {
     /// Gate projections `[E, d, ffn]`.
@@ -151,17 +151,18 @@ pub struct Experts<B: Backend> {
 }
 
 impl<B: FusedOps> Experts<B> {
-    /// A dispatched batch `[experts, capacity, d]` through its experts, `down(silu(gate(x)) ⊙
-    /// up(x))` per expert.
-    pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let gate = x.clone().matmul(self.gate_proj.weight.val());
-        let up = x.matmul(self.up_proj.weight.val());
+    /// Dispatched rows `[rows, d]` through their experts, `down(silu(gate(x)) ⊙ up(x))`: the
+    /// first `groups[0]` rows through the first expert (of those the rank holds), the next
+    /// `groups[1]` through the second, …
+    pub fn forward(&self, x: Tensor<B, 2>, groups: &[usize]) -> Tensor<B, 2> {
+        let gate = ops::grouped_matmul(x.clone(), self.gate_proj.weight.val(), groups);
+        let up = ops::grouped_matmul(x, self.up_proj.weight.val(), groups);
         let h = if B::FUSED.swiglu {
             ops::swiglu(gate, up)
         } else {
             activation::silu(gate) * up
         };
-        h.matmul(self.down_proj.weight.val())
+        ops::grouped_matmul(h, self.down_proj.weight.val(), groups)
     }
 
     /// Expert `e` alone on rows `[n, d]` (the dense reference).
@@ -397,8 +398,8 @@ impl<B: FusedOps> MoeMlp<B> {
             self.num_experts,
             B::expert_counts(&device, &counts),
         );
-        let batch = ops::expert_dispatch(flat.clone().select(0, rows.clone()), &route);
-        let y = ops::expert_combine(self.experts.forward(batch), &route);
+        let routed = ops::expert_dispatch(flat.clone().select(0, rows.clone()), &route);
+        let y = ops::expert_combine(self.experts.forward(routed, &route.groups()), &route);
         let gate = s
             .gates
             .clone()

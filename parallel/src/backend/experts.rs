@@ -1,27 +1,28 @@
 //! Expert parallelism's dispatch and combine on `Distributed<B>`
 //! ([`FusedOps::expert_dispatch`](wildfire_kernels::FusedOps::expert_dispatch)): the routed rows
-//! travel over the mesh's expert axis ([`EXPERT_AXIS`]) in one all-to-all each way.
+//! travel over the mesh's expert axis ([`EXPERT_AXIS`]) in one all-to-all each way, and the
+//! experts' grouped matmul runs on each member's share of the stacked weights.
 //!
-//! Placements: a rank's routed rows are per-rank data, `Local` on the expert axis; the
-//! dispatched batch `[local experts, capacity, d]` is the expert axis's share of one batch
-//! `[E, capacity, d]`, `Shard(0)` on it, as the stacked expert weights are: the batched matmuls
-//! between them run locally, and the experts' weight gradients come out `Shard(0)` too, never
-//! reduced over the expert axis (each member's own experts saw every member's rows). Other data
-//! axes stay `Local` (their gradients average there, as every data-parallel gradient does).
-//! Model axes are brought whole first (partial sums reduced), so under tensor parallelism every
-//! peer exchanges the same rows.
+//! Placements: routed rows are per-rank data, `Local` on the expert axis before dispatch and
+//! after (a member's rows for its experts: a different count on each); the stacked expert
+//! weights are `Shard(0)` on it, each member its experts. The grouped matmul takes the local
+//! rows and the local experts (other data axes: weights gathered whole, rows `Local`; model
+//! axes as a linear layer's, each expert split like one). Model axes of the rows are brought
+//! whole before an exchange (partial sums reduced), so tensor-parallel peers exchange the same
+//! rows.
 //!
-//! Gradients keep the data-parallel convention: a `Local` tensor's gradient is the rank's own
-//! loss's, a global tensor's that of the mean loss over the ranks. Combine turns the batch into
-//! rows, so its backward (the dispatch of the rows' gradients) divides by the axis's size;
-//! dispatch's backward multiplies by it.
+//! Gradients keep the data-parallel convention (a `Local` tensor's gradient is its rank's own
+//! loss's): the exchanges move gradients unscaled, and an expert's weight gradient — its
+//! member's rows came from every member of the axis, so it sums all their losses' gradients —
+//! is divided by the axis's size and averaged over the other data axes as every weight
+//! gradient is ([`super::rules::matrix::grouped_matmul_backward`]).
 
 use super::rules::{to_layout, wrap};
 use crate::comm::Group;
 use crate::device::DistDevice;
 use crate::error::{Error, raise};
 use crate::mesh::{AxisKind, EXPERT_AXIS};
-use crate::placement::{Layout, Placement};
+use crate::placement::Placement;
 use crate::tensor::DTensor;
 use burn::tensor::TensorData;
 use burn_backend::Backend;
@@ -69,8 +70,9 @@ pub(super) fn gather_counts<B: Backend>(device: &DistDevice<B>, counts: &[usize]
 }
 
 /// `t` whole on the model axes (partial sums reduced, shards gathered), its data axes as they
-/// are save partial sums (reduced), checked to hold `expect` on the expert axis.
-fn settle<B: Backend>(op: &'static str, t: DTensor<B>, expect: Placement) -> DTensor<B> {
+/// are save partial sums (reduced), checked to be per-rank (`Local`) on the expert axis.
+fn settle<B: Backend>(op: &'static str, t: DTensor<B>) -> DTensor<B> {
+    let expect = Placement::Local;
     let t = t.settled().unpadded();
     let mesh = t.device.mesh().clone();
     let mut target = t.layout.clone();
@@ -96,60 +98,34 @@ fn settle<B: Backend>(op: &'static str, t: DTensor<B>, expect: Placement) -> DTe
     to_layout(op, t, &target)
 }
 
-/// Rows `[rows, d]` (`Local` on the expert axis) to the dispatched batch (`Shard(0)`), divided
-/// by the axis's size when `gradient` (combine's backward).
-pub(super) fn dispatch<B: Backend>(
-    x: DTensor<B>,
-    route: &ExpertRoute,
-    gradient: bool,
-) -> DTensor<B> {
-    const OP: &str = "expert_dispatch";
-    let x = settle(OP, x, Placement::Local);
+/// Rows `[rows, d]` sorted by expert to the members holding the experts, regrouped there
+/// expert by expert (both `Local` on the expert axis).
+pub(super) fn dispatch<B: Backend>(x: DTensor<B>, route: &ExpertRoute) -> DTensor<B> {
+    let x = settle("expert_dispatch", x);
     let device = x.device.clone();
-    let mut local = x.local;
-    let mut layout = x.layout;
-    if let Some(a) = axis(&device) {
-        if gradient {
-            local = B::float_mul_scalar(local, (1.0 / route.members as f64).into());
-        }
-        local = crate::collectives::all_to_all(
-            &device,
-            Group::Axis(a),
-            local,
-            &route.send(),
-            &route.recv(),
-        )
-        .unwrap_or_else(|e| raise(e));
-        layout = layout.with(a, Placement::Shard(0));
-    }
-    wrap(experts::pad::<B>(local, route), layout, device)
+    let local = exchange(&device, x.local, &route.send(), &route.recv());
+    wrap(experts::regroup::<B>(local, route), x.layout, device)
 }
 
-/// The dispatched batch (`Shard(0)` on the expert axis) back to the rows of the ranks that
-/// routed them (`Local`), times the axis's size when `gradient` (dispatch's backward).
-pub(super) fn combine<B: Backend>(
-    y: DTensor<B>,
-    route: &ExpertRoute,
-    gradient: bool,
-) -> DTensor<B> {
-    const OP: &str = "expert_combine";
-    let y = settle(OP, y, Placement::Shard(0));
+/// The experts' rows back to the ranks that routed them, in their order (dispatch's adjoint).
+pub(super) fn combine<B: Backend>(y: DTensor<B>, route: &ExpertRoute) -> DTensor<B> {
+    let y = settle("expert_combine", y);
     let device = y.device.clone();
-    let mut local = experts::unpad::<B>(y.local, route);
-    let mut layout: Layout = y.layout;
-    if let Some(a) = axis(&device) {
-        local = crate::collectives::all_to_all(
-            &device,
-            Group::Axis(a),
-            local,
-            &route.recv(),
-            &route.send(),
-        )
-        .unwrap_or_else(|e| raise(e));
-        if gradient {
-            local = B::float_mul_scalar(local, (route.members as f64).into());
-        }
-        layout = layout.with(a, Placement::Local);
+    let local = experts::ungroup::<B>(y.local, route);
+    let local = exchange(&device, local, &route.recv(), &route.send());
+    wrap(local, y.layout, device)
+}
+
+/// The all-to-all of rows over the expert axis; nothing without one.
+fn exchange<B: Backend>(
+    device: &DistDevice<B>,
+    local: B::FloatTensorPrimitive,
+    send: &[usize],
+    recv: &[usize],
+) -> B::FloatTensorPrimitive {
+    match axis(device) {
+        Some(a) => crate::collectives::all_to_all(device, Group::Axis(a), local, send, recv)
+            .unwrap_or_else(|e| raise(e)),
+        None => local,
     }
-    wrap(local, layout, device)
 }

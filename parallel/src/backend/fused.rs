@@ -127,19 +127,29 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
     }
 
     fn expert_dispatch(x: Dt<B>, route: &ExpertRoute) -> Dt<B> {
-        super::experts::dispatch(x, route, false)
+        super::experts::dispatch(x, route)
     }
 
     fn expert_dispatch_backward(grad: Dt<B>, route: &ExpertRoute) -> Dt<B> {
-        super::experts::combine(grad, route, true)
+        super::experts::combine(grad, route)
     }
 
     fn expert_combine(y: Dt<B>, route: &ExpertRoute) -> Dt<B> {
-        super::experts::combine(y, route, false)
+        super::experts::combine(y, route)
     }
 
     fn expert_combine_backward(grad: Dt<B>, route: &ExpertRoute) -> Dt<B> {
-        super::experts::dispatch(grad, route, true)
+        super::experts::dispatch(grad, route)
+    }
+
+    fn grouped_matmul(x: Dt<B>, w: Dt<B>, groups: &[usize]) -> Dt<B> {
+        rules::matrix::grouped_matmul(x, w, |x, w| B::grouped_matmul(x, w, groups))
+    }
+
+    fn grouped_matmul_backward(x: Dt<B>, w: Dt<B>, dy: Dt<B>, groups: &[usize]) -> (Dt<B>, Dt<B>) {
+        rules::matrix::grouped_matmul_backward(x, w, dy, |x, w, dy| {
+            B::grouped_matmul_backward(x, w, dy, groups)
+        })
     }
 
     fn fused_softmax(x: Dt<B>) -> Dt<B> {

@@ -466,3 +466,147 @@ pub(crate) fn linear_bias_backward<B: Backend>(output_grad: DTensor<B>) -> DTens
     let grad = to_master(OP, &g.device, B::linear_bias_backward(g.local));
     reduce_data_parallel(grad, out, &summands, g.device)
 }
+
+/// The experts' grouped matmul `x [rows, k]` by stacked `w [E, k, n]`, one mesh axis: (x
+/// target, w target, output). On the expert axis the rows are per-rank and the weights split by
+/// expert (anything else is an error naming the axis); elsewhere each expert is a linear layer
+/// (`w`'s dims 1 and 2 a linear weight's 0 and 1), its split over the experts on a data axis
+/// (FSDP) gathered.
+fn decide_grouped(
+    expert_axis: bool,
+    px: Placement,
+    pw: Placement,
+) -> Result<(Placement, Placement, Placement), (Placement, Placement)> {
+    if expert_axis {
+        return match (px, pw) {
+            (Local, Shard(0)) => Ok((Local, Shard(0), Local)),
+            other => Err(other),
+        };
+    }
+    let as_linear = match pw {
+        Shard(1) => Shard(0),
+        Shard(2) => Shard(1),
+        Shard(_) => Replicate,
+        p => p,
+    };
+    let (tx, tw, out) = decide_linear(px, as_linear, 2);
+    let tw = match tw {
+        Shard(0) => Shard(1),
+        Shard(1) => Shard(2),
+        p => p,
+    };
+    Ok((tx, tw, out))
+}
+
+/// The targets of [`decide_grouped`] on every axis.
+fn grouped_layouts<B: Backend>(
+    op: &'static str,
+    x: &DTensor<B>,
+    w: &DTensor<B>,
+) -> (Layout, Layout, Layout) {
+    let mesh = x.device.mesh();
+    let expert = mesh.expert_axis().map(|(a, _)| a);
+    let (mut tx, mut tw, mut out) = (x.layout.clone(), w.layout.clone(), x.layout.clone());
+    for a in 0..tx.len() {
+        match decide_grouped(Some(a) == expert, x.layout.get(a), w.layout.get(a)) {
+            Ok((px, pw, o)) => {
+                tx.set(a, px);
+                tw.set(a, pw);
+                out.set(a, o);
+            }
+            Err((px, pw)) => crate::error::raise(crate::Error::InvalidLayout {
+                shape: dims(w),
+                mesh: mesh.to_string(),
+                reason: format!(
+                    "{op}: on the expert axis '{}' the rows are per-rank (Local) and the stacked \
+                     weights split by expert (Shard(0)); got rows {px:?}, weights {pw:?}",
+                    mesh.axis(a).name
+                ),
+            }),
+        }
+    }
+    (tx, tw, out)
+}
+
+/// The experts' grouped matmul ([`wildfire_kernels::experts::grouped_matmul`]) on the local
+/// rows and the local experts, `local` running it.
+pub(crate) fn grouped_matmul<B: Backend>(
+    x: DTensor<B>,
+    w: DTensor<B>,
+    local: impl FnOnce(FloatTensor<B>, FloatTensor<B>) -> FloatTensor<B>,
+) -> DTensor<B> {
+    const OP: &str = "grouped_matmul";
+    check_param(OP, &w);
+    check_synced(OP, &x.device);
+    let (x, w) = (x.settled().unpadded(), w.settled());
+    let (tx, tw, out) = grouped_layouts(OP, &x, &w);
+    let x = to_layout(OP, x, &tx);
+    let w = to_layout(OP, w, &tw);
+    let device = x.device.clone();
+    let y = in_compute_dtype(OP, [x, w], Out::Compute, |[x, w]| local(x, w));
+    wrap(y, out, device)
+}
+
+/// The gradients `(dx, dw)` of [`grouped_matmul`] from the output's `dy`, `local` computing
+/// them on the local pieces. `dx` is laid out as the rows (a column-parallel expert's partial
+/// sum over the model axis reduced); `dw` as the weights: split by expert on the expert axis,
+/// divided by its size (the member's rows came from every member, each row's gradient its own
+/// rank's loss's), and averaged over the other data axes where the rows are per-rank, reduced
+/// where it is born as a linear layer's weight gradient is.
+pub(crate) fn grouped_matmul_backward<B: Backend>(
+    x: DTensor<B>,
+    w: DTensor<B>,
+    dy: DTensor<B>,
+    local: impl FnOnce(
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+    ) -> (FloatTensor<B>, FloatTensor<B>),
+) -> (DTensor<B>, DTensor<B>) {
+    const OP: &str = "grouped_matmul_backward";
+    let (x, w) = (x.settled().unpadded(), w.settled());
+    let (tx, tw, out) = grouped_layouts(OP, &x, &w);
+    let mesh = x.device.mesh().clone();
+    let x = to_layout(OP, x, &tx);
+    let w = to_layout(OP, w, &tw);
+    let dy = to_layout(OP, dy.settled().unpadded(), &out.reduced());
+    let device = x.device.clone();
+    let (dx, dw) = match compute_dtype(&device) {
+        Some(c) => {
+            let (dx, dw) = local(x.local_in(OP, c), w.local_in(OP, c), dy.local_in(OP, c));
+            (dx, cast_local(OP, &device, dw, MASTER_DTYPE))
+        }
+        None => local(x.local, w.local, dy.local),
+    };
+    // dx: like the rows, a column-parallel expert's (w split on its output) partial over that
+    // model axis.
+    let mut dx_layout = tx.clone();
+    let mut dw_layout = tw.clone();
+    let mut summands = Vec::new();
+    let expert = mesh.expert_axis();
+    for a in 0..tx.len() {
+        if is_data(&mesh, a) {
+            if Some(a) != expert.map(|(e, _)| e) && tx.get(a) == Local {
+                dw_layout.set(a, Replicate);
+                if mesh.axis_size(a) > 1 {
+                    summands.push(a);
+                }
+            }
+            continue;
+        }
+        if tw.get(a) == Shard(2) {
+            dx_layout.set(a, Partial(ReduceOp::Sum));
+        }
+    }
+    let dx = to_layout(
+        OP,
+        wrap(dx, dx_layout.clone(), device.clone()),
+        &dx_layout.reduced(),
+    );
+    let dw = match expert {
+        Some((_, size)) => B::float_mul_scalar(dw, (1.0 / size as f64).into()),
+        None => dw,
+    };
+    let dw = reduce_data_parallel(dw, dw_layout, &summands, device);
+    (dx, dw)
+}

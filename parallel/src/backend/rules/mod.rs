@@ -23,7 +23,7 @@ mod creation;
 mod embedding;
 mod gradients;
 mod indexing;
-mod matrix;
+pub(crate) mod matrix;
 mod norms;
 mod pointwise;
 mod reductions;
