@@ -348,10 +348,11 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     }
 
     fn grouped_matmul(
-        x: FloatTensor<Self>,
-        w: FloatTensor<Self>,
+        rows: FloatTensor<Self>,
+        weights: FloatTensor<Self>,
         groups: &[usize],
     ) -> FloatTensor<Self> {
+        let (x, w) = (rows, weights);
         let y = B::grouped_matmul(x.primitive.clone(), w.primitive.clone(), groups);
         let op = GroupedMatmulOp {
             groups: groups.to_vec(),
