@@ -67,9 +67,11 @@ run_args=(--steps 4 --batch-size 4 --n-layer 2 --block-size 32 --tokenizer bytes
 # every collective, the fourth all-reduces DDP's gradients in 1 MiB buckets.
 # Pipelines: activations and gradients over MPI's point-to-point messages (sends started
 # without waiting for their receives), ZB-H1 on pp 2, 1F1B on dp 2 × pp 2 with FSDP in stages.
+# Expert parallelism: the routed rows over MPI_Alltoallv, the experts FSDP-sharded inside ep 2.
 for mesh in "2:--dp 2 --fsdp full" "4:--dp 2 --tp 2 --fsdp full" \
     "2:--dp 2 --fsdp full --prefetch 0 --reduce-in-flight 0" "2:--dp 2 --bucket-mb 1" \
-    "2:--pp 2 --microbatches 2 --pp-schedule zb" "4:--dp 2 --pp 2 --microbatches 2 --fsdp full"; do
+    "2:--pp 2 --microbatches 2 --pp-schedule zb" "4:--dp 2 --pp 2 --microbatches 2 --fsdp full" \
+    "4:--preset llama-moe-tiny --dp 4 --ep 2 --fsdp full"; do
     np=${mesh%%:*}
     read -r -a flags <<<"${mesh#*:}"
     mpi -np "$np" "$pretrain" "${run_args[@]}" "${flags[@]}" --metrics "$tmp/mpi.jsonl" --plot "$tmp/mpi.png" 2>/dev/null
