@@ -249,34 +249,23 @@ impl ModelConfig {
         }
     }
 
-    /// `checkpoint`'s weights as one Hugging Face safetensors file under this family's names.
+    /// `checkpoint`'s weights as one Hugging Face safetensors file under this family's names
+    /// (a mixture of experts: Mixtral's).
     pub fn export_hf(&self, checkpoint: &Checkpoint, out: &Path) -> Result<(), Error> {
-        self.dense_for_hf()?;
+        self.hf_importable()?;
         match self {
             ModelConfig::Gpt(c) => hf::export_gpt2(checkpoint, out, c),
             ModelConfig::Llama(_) => hf::export_llama(checkpoint, out),
         }
     }
 
-    /// Whether Hugging Face files can fill this model: a dense one, or a mixture of experts
-    /// shaped as Mixtral's.
+    /// Whether Hugging Face files map this model (import and export): a dense one, or a
+    /// mixture of experts shaped as Mixtral's (OLMoE's and Qwen-MoE's `mlp.experts`, with
+    /// their query/key norms and shared-expert gates, are not mapped).
     pub fn hf_importable(&self) -> Result<(), Error> {
         match self {
             ModelConfig::Llama(c) => c.moe.as_ref().map_or(Ok(()), mixtral_shaped),
             ModelConfig::Gpt(_) => Ok(()),
-        }
-    }
-
-    /// Hugging Face export maps dense models only: a mixture of experts is refused (its import
-    /// reads Mixtral's files; OLMoE's and Qwen-MoE's `mlp.experts` are not mapped).
-    pub fn dense_for_hf(&self) -> Result<(), Error> {
-        match self {
-            ModelConfig::Llama(c) if c.moe.is_some() => Err(Error::Config(
-                "Hugging Face export of a mixture-of-experts Llama: not mapped yet (Wildfire's \
-                 own checkpoints hold it; Mixtral files import)"
-                    .into(),
-            )),
-            _ => Ok(()),
         }
     }
 }

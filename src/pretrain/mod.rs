@@ -179,12 +179,9 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     let validate = config.eval_iters > 0;
     let (seed, block) = (config.seed, data.model.block_size());
     config.parallel.check_sequence(block)?;
-    // Refused before any work: an export the mapping cannot write (a mixture of experts), an
-    // import it cannot read (a mixture of experts not shaped as Mixtral's).
-    if config.export_hf.is_some() {
-        data.model.dense_for_hf()?;
-    }
-    if config.init_from.is_some() {
+    // Refused before any work: Hugging Face files of a mixture of experts not shaped as
+    // Mixtral's.
+    if config.export_hf.is_some() || config.init_from.is_some() {
         data.model.hf_importable()?;
     }
     let [(train, sampler), (val, val_sampler)] =

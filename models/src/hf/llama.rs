@@ -106,18 +106,64 @@ pub fn hf_llama_name(path: &str) -> (String, bool) {
     }
 }
 
+/// The Hugging Face (Mixtral) names of a mixture of experts' parameter `path`: the router's,
+/// or a stacked expert weight's one per expert (`[E, in, out]` → expert `e`'s `[out, in]`);
+/// `None` for any other path.
+fn mixtral_names(path: &str, experts: usize) -> Option<Vec<String>> {
+    let rest = path.strip_prefix("layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let prefix = format!("model.layers.{layer}.block_sparse_moe");
+    if tail == "moe.router.weight" {
+        return Some(vec![format!("{prefix}.gate.weight")]);
+    }
+    let proj = tail
+        .strip_prefix("moe.experts.")?
+        .strip_suffix("_proj.weight")?;
+    let w = match proj {
+        "gate" => "w1",
+        "up" => "w3",
+        "down" => "w2",
+        _ => return None,
+    };
+    Some(
+        (0..experts)
+            .map(|e| format!("{prefix}.experts.{e}.{w}.weight"))
+            .collect(),
+    )
+}
+
 /// Write the weights of a Llama `checkpoint` as one safetensors file at `out` (atomically) with
 /// Hugging Face's names, each projection transposed back to `[out, in]`, one tensor in memory
-/// at a time.
+/// at a time; a mixture of experts under Mixtral's names (the router `block_sparse_moe.gate`,
+/// each expert's three matrices on their own, as [`import_llama`] reads them).
 pub fn export_llama(checkpoint: &Checkpoint, out: &Path) -> Result<(), Error> {
-    super::export_with(checkpoint, out, |path, shape, values| {
+    super::export_parts(checkpoint, out, |path, shape, values| {
+        let transpose =
+            |values: &[f32], r: usize, c: usize| wildfire_checkpoint::dcp::transpose(values, r, c);
+        if let Some(names) = mixtral_names(path, shape[0]) {
+            let (r, c) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+            let each = r * c;
+            return names
+                .into_iter()
+                .enumerate()
+                .map(|(e, name)| {
+                    let own = values.get(e * each..(e + 1) * each).unwrap_or(&[]);
+                    let own = if own.is_empty() {
+                        Vec::new()
+                    } else {
+                        transpose(own, r, c)
+                    };
+                    (name, vec![c, r], own)
+                })
+                .collect();
+        }
         let (name, transposed) = hf_llama_name(path);
         if !transposed {
-            return (name, shape.to_vec(), values);
+            return vec![(name, shape.to_vec(), values)];
         }
         let (r, c) = (shape[0], shape[1]);
-        let t = wildfire_checkpoint::dcp::transpose(&values, r, c);
-        (name, vec![c, r], t)
+        let t = transpose(&values, r, c);
+        vec![(name, vec![c, r], t)]
     })
 }
 

@@ -363,40 +363,62 @@ pub(crate) fn export_with(
     out: &Path,
     convert: impl Fn(&str, &[usize], Vec<f32>) -> (String, Vec<usize>, Vec<f32>),
 ) -> Result<(), Error> {
+    export_parts(checkpoint, out, |path, shape, values| {
+        vec![convert(path, shape, values)]
+    })
+}
+
+/// [`export_with`] where a tensor may become several (a stacked expert weight: one tensor per
+/// expert); `convert` is called with empty values first, for the names and shapes, and must
+/// give the same list then. One Wildfire tensor in memory at a time.
+pub(crate) fn export_parts(
+    checkpoint: &Checkpoint,
+    out: &Path,
+    convert: impl Fn(&str, &[usize], Vec<f32>) -> Vec<(String, Vec<usize>, Vec<f32>)>,
+) -> Result<(), Error> {
     let weights: Vec<(&String, &TensorMeta)> = checkpoint
         .metadata()
         .tensors
         .iter()
         .filter(|(name, _)| name.starts_with("model/"))
         .collect();
-    // Names and shapes first (the header), from empty values.
-    let names: Vec<(String, Vec<usize>)> = weights
-        .iter()
-        .map(|(name, t)| {
-            let (name, shape, _) = convert(&name["model/".len()..], &t.shape, Vec::new());
-            (name, shape)
-        })
-        .collect();
-    let mut reader = Reader::default();
-    let assemble = |i: usize| -> std::io::Result<Vec<f32>> {
-        let (name, t) = weights[i];
-        let mut full = vec![0f32; t.shape.iter().product()];
-        for piece in &t.pieces {
-            let values = reader
-                .piece(checkpoint.dir(), name, piece)
-                .map_err(std::io::Error::other)?;
-            let size: Vec<usize> = box_dims(&piece.start, &piece.end);
-            copy_box(
-                &values,
-                &size,
-                &vec![0; size.len()],
-                &mut full,
-                &t.shape,
-                &piece.start,
-                &size,
-            );
+    // Names and shapes first (the header), from empty values; each output's source tensor.
+    let (mut names, mut sources) = (Vec::new(), Vec::new());
+    for (t, (name, meta)) in weights.iter().enumerate() {
+        let parts = convert(&name["model/".len()..], &meta.shape, Vec::new());
+        for (p, (name, shape, _)) in parts.into_iter().enumerate() {
+            names.push((name, shape));
+            sources.push((t, p));
         }
-        Ok(convert(&name["model/".len()..], &t.shape, full).2)
+    }
+    let mut reader = Reader::default();
+    // The converted parts of the last tensor read (outputs come in order).
+    let mut last: Option<(usize, Vec<Vec<f32>>)> = None;
+    let assemble = |i: usize| -> std::io::Result<Vec<f32>> {
+        let (t, p) = sources[i];
+        if last.as_ref().is_none_or(|(at, _)| *at != t) {
+            let (name, meta) = weights[t];
+            let mut full = vec![0f32; meta.shape.iter().product()];
+            for piece in &meta.pieces {
+                let values = reader
+                    .piece(checkpoint.dir(), name, piece)
+                    .map_err(std::io::Error::other)?;
+                let size: Vec<usize> = box_dims(&piece.start, &piece.end);
+                copy_box(
+                    &values,
+                    &size,
+                    &vec![0; size.len()],
+                    &mut full,
+                    &meta.shape,
+                    &piece.start,
+                    &size,
+                );
+            }
+            let parts = convert(&name["model/".len()..], &meta.shape, full);
+            last = Some((t, parts.into_iter().map(|(_, _, v)| v).collect()));
+        }
+        let (_, parts) = last.as_mut().expect("read above");
+        Ok(std::mem::take(&mut parts[p]))
     };
     write_streamed(out, &names, assemble, |_, _| {}).map_err(|source| Error::Io {
         path: out.to_path_buf(),

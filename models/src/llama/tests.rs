@@ -189,7 +189,8 @@ fn a_transformers_llama_gives_its_logits_and_exports_bitwise() {
 /// of the stacked weights, read transposed — Wildfire's logits on the reference tokens are
 /// within 1e-4 of `MixtralForCausalLM`'s and the loss within 1e-5: on one device, dp 2
 /// FullShard, and expert-parallel (ep 2 from dp 2 FullShard, each rank reading only its
-/// experts' matrices; ep 2 × dp 2). Exporting it back is refused, typed (not mapped yet).
+/// experts' matrices; ep 2 × dp 2); saved from each layout as a distributed checkpoint and
+/// exported, every tensor is bitwise the file's, under Mixtral's names.
 #[test]
 fn a_transformers_mixtral_gives_its_logits_on_any_layout() {
     let fixture = Fixture::load_from("mixtral_tiny");
@@ -218,23 +219,34 @@ fn a_transformers_mixtral_gives_its_logits_on_any_layout() {
             ..ParallelConfig::layout(4, 1, FsdpStrategy::FullShard, None)
         },
     ];
+    let original =
+        wildfire_checkpoint::safetensors::read(&fixture.dir.join("model.safetensors")).unwrap();
     for parallel in layouts {
+        let at = format!("dp {} ep {}", parallel.dp, parallel.ep);
+        let save = scratch(&format!("mixtral-{}-{}", parallel.dp, parallel.ep));
         let out = on_ranks(&fixture, &parallel, |device, model| {
             let logits = model.forward(fixture.ids(0..t, device)).into_data();
             let (x, y) = (fixture.ids(0..t - 1, device), fixture.ids(1..t, device));
             let loss: f32 = model.loss(x, y).into_scalar();
+            save_step_1(device, &model, &save);
             (logits.convert::<f32>().to_vec::<f32>().unwrap(), loss)
         });
         for (rank, out) in out.iter().enumerate() {
-            let at = format!("dp {} ep {} rank {rank}", parallel.dp, parallel.ep);
-            fixture.check(&at, out);
+            fixture.check(&format!("{at} rank {rank}"), out);
         }
+        // Exported under Mixtral's names from the pieces the layout saved: the file's tensors.
+        let exported = save.join("export.safetensors");
+        let checkpoint = Checkpoint::open(save.join("step-00000001")).unwrap();
+        crate::ModelConfig::Llama(fixture.config.clone())
+            .export_hf(&checkpoint, &exported)
+            .unwrap();
+        let back = wildfire_checkpoint::safetensors::read(&exported).unwrap();
+        assert_eq!(back.len(), original.len(), "{at}");
+        for (key, tensor) in &original {
+            assert_eq!(back.get(key), Some(tensor), "{at}: {key}");
+        }
+        std::fs::remove_dir_all(&save).unwrap();
     }
-    let model = crate::ModelConfig::Llama(fixture.config.clone());
-    let checkpoint = import_llama(&fixture.dir).unwrap();
-    let out = scratch("mixtral-export").join("model.safetensors");
-    let err = model.export_hf(&checkpoint, &out).unwrap_err().to_string();
-    assert!(err.contains("mixture-of-experts"), "{err}");
 }
 
 /// This rank's pieces of `model` saved as the distributed checkpoint of step 1 under `root`.

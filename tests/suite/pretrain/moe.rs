@@ -289,7 +289,8 @@ fn moe_llama_resumes_bitwise() {
 
 /// Refused before any work, each a typed configuration error naming the flag: top-k above the
 /// experts, `--moe-every` past the blocks, a refinement without `--experts` on a dense preset,
-/// `--experts` on a GPT, and a Hugging Face export of a mixture of experts.
+/// `--experts` on a GPT, and a Hugging Face export of a mixture of experts Mixtral's files
+/// cannot hold (shared experts).
 #[test]
 fn moe_refusals_are_typed() {
     let refused = |config: PretrainConfig| match run(&config) {
@@ -330,14 +331,19 @@ fn moe_refusals_are_typed() {
         ..small(1)
     });
     assert!(e.contains("--experts") && e.contains("Llama"), "{e}");
+    // Hugging Face files hold a mixture of experts as Mixtral's: every block one, no shared
+    // experts.
     let dir = scratch("moe-export");
     let e = refused(PretrainConfig {
         export_hf: Some(dir.join("model.safetensors")),
         save: Some(dir.clone()),
-        ..tiny_moe(1)
+        ..with(MoeFlags {
+            shared_experts: Some(1),
+            ..tiny_moe(1).model.moe
+        })
     });
     assert!(
-        e.contains("mixture-of-experts") && e.contains("Hugging Face"),
+        e.contains("read as Mixtral's") && e.contains("1 shared"),
         "{e}"
     );
     let _ = std::fs::remove_dir_all(&dir);
