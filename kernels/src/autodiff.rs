@@ -333,6 +333,10 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         B::expert_counts(device, counts)
     }
 
+    fn data_sum(device: &burn::tensor::Device<Self>, values: &[usize]) -> Vec<usize> {
+        B::data_sum(device, values)
+    }
+
     fn expert_dispatch(
         x: FloatTensor<Self>,
         route: &crate::experts::ExpertRoute,

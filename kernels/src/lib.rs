@@ -254,6 +254,14 @@ pub trait FusedOps: Backend {
         counts.to_vec()
     }
 
+    /// `values` summed over the data-parallel ranks (every data axis of a `Distributed`
+    /// backend's mesh, not the model axes, whose ranks hold the same values): a mixture of
+    /// experts' routing counts over the global batch. Without data parallelism, `values`.
+    fn data_sum(device: &burn::tensor::Device<Self>, values: &[usize]) -> Vec<usize> {
+        let _ = device;
+        values.to_vec()
+    }
+
     /// Expert parallelism's dispatch: this rank's routed rows `[rows, d]`, sorted by expert,
     /// go to the members holding their experts, which regroup what they receive expert by
     /// expert (see [`experts`]): the rows of the rank's experts, `route.groups()` of each.

@@ -403,6 +403,7 @@ impl LlamaConfig {
                         z_loss_coef: 0.0,
                         capacity_factor: None,
                         shared_experts: 0,
+                        balance: crate::moe::BalanceScope::MicroBatch,
                     },
                     every: 1,
                     expert_hidden: int("intermediate_size")?,

@@ -49,6 +49,20 @@ pub enum RouterScore {
     Sigmoid,
 }
 
+/// Over which tokens the load-balancing loss counts each expert's share `fₑ`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum BalanceScope {
+    /// The rank's micro-batch (Switch, GShard, Megatron-Core's `aux_loss`).
+    #[default]
+    MicroBatch,
+    /// The micro-batch of every data-parallel rank together (Megatron-Core's
+    /// `global_aux_loss`): the counts summed over the data ranks before `fₑ` is taken; the mean
+    /// scores `Pₑ` stay the rank's (the gradient flows through them). Looser on a rank, as the
+    /// experts need balance over the global batch only.
+    Global,
+}
+
 /// The shape and rules of a mixture-of-experts MLP.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MoeConfig {
@@ -68,6 +82,9 @@ pub struct MoeConfig {
     pub capacity_factor: Option<f64>,
     /// Shared experts, applied to every token (DeepSeek-MoE); 0 for none.
     pub shared_experts: usize,
+    /// Over which tokens the load-balancing loss counts the experts' shares.
+    #[serde(default)]
+    pub balance: BalanceScope,
 }
 
 impl Default for MoeConfig {
@@ -83,6 +100,7 @@ impl Default for MoeConfig {
             z_loss_coef: 0.001,
             capacity_factor: None,
             shared_experts: 0,
+            balance: BalanceScope::MicroBatch,
         }
     }
 }
@@ -199,6 +217,8 @@ pub struct MoeMlp<B: Backend> {
     pub aux_loss_coef: f64,
     /// Router z-loss coefficient.
     pub z_loss_coef: f64,
+    /// The load-balancing loss's shares over every data-parallel rank's tokens.
+    pub global_balance: bool,
 }
 
 /// What routing did to one batch: the trainer's hooks' record
@@ -312,6 +332,7 @@ impl<B: Backend> MoeMlp<B> {
             capacity_factor: config.capacity_factor.unwrap_or(0.0),
             aux_loss_coef: config.aux_loss_coef,
             z_loss_coef: config.z_loss_coef,
+            global_balance: config.balance == BalanceScope::Global,
         })
     }
 }
@@ -360,11 +381,14 @@ impl<B: FusedOps> MoeMlp<B> {
     fn losses(&self, s: &Scores<B>, stats: &RouterStats, n: usize) -> [Tensor<B, 1>; 2] {
         let e = self.num_experts;
         let device = s.logits.device();
-        let fraction: Vec<f32> = stats
-            .routed
-            .iter()
-            .map(|&c| c as f32 / (n * self.top_k) as f32)
-            .collect();
+        // The assignments per expert and in all: the rank's, or every data rank's.
+        let mut counts: Vec<usize> = stats.routed.iter().map(|&c| c as usize).collect();
+        counts.push(n * self.top_k);
+        if self.global_balance {
+            counts = B::data_sum(&device, &counts);
+        }
+        let total = counts[e] as f32;
+        let fraction: Vec<f32> = counts[..e].iter().map(|&c| c as f32 / total).collect();
         let f = Tensor::<B, 1>::from_data(TensorData::new(fraction, [e]), &device);
         let p = s.scores.clone().mean_dim(0).reshape([e]);
         let aux = (f * p).sum().mul_scalar(e as f64 * self.aux_loss_coef);

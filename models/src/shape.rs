@@ -5,7 +5,7 @@
 
 use crate::gpt::{Gelu, GptConfig};
 use crate::llama::{LlamaConfig, LlamaMoe};
-use crate::moe::{MoeConfig, RouterScore};
+use crate::moe::{BalanceScope, MoeConfig, RouterScore};
 use crate::{Error, ModelConfig, Preset, hf};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -84,6 +84,11 @@ pub struct MoeFlags {
     /// The router z-loss's coefficient (default 0.001).
     #[arg(long, help_heading = "Mixture of experts")]
     pub z_loss_coef: Option<f64>,
+    /// Over which tokens the load-balancing loss counts each expert's share: the rank's
+    /// micro-batch, or every data-parallel rank's together (global).
+    #[serde(default)]
+    #[arg(long, value_enum, help_heading = "Mixture of experts")]
+    pub aux_loss_scope: Option<BalanceScope>,
 }
 
 impl MoeFlags {
@@ -119,6 +124,7 @@ impl MoeFlags {
         c.score = self.router.unwrap_or(c.score);
         c.aux_loss_coef = self.aux_loss_coef.unwrap_or(c.aux_loss_coef);
         c.z_loss_coef = self.z_loss_coef.unwrap_or(c.z_loss_coef);
+        c.balance = self.aux_loss_scope.unwrap_or(c.balance);
         if let Some(f) = self.capacity_factor {
             c.capacity_factor = (f != 0.0).then_some(f);
         }

@@ -353,3 +353,77 @@ fn expert_parallel_block_matches_one_device_and_moves_the_routed_rows() {
         }
     }
 }
+
+/// With `--aux-loss-scope global` each rank's load-balancing loss takes the experts' shares
+/// over every data-parallel rank's tokens (Megatron-Core's global auxiliary loss) and its own
+/// mean router scores: `coef · E · Σₑ (Σᵣ countᵣₑ / Σᵣ nᵣ·k) · Pₑ` on two data ranks, checked
+/// against the formula on the host; the default (micro-batch) scope takes the rank's counts
+/// alone, which differ.
+#[test]
+fn global_balance_counts_every_data_ranks_tokens() {
+    use wildfire::models::moe::BalanceScope;
+    use wildfire::parallel::{DeviceMesh, create_replicated};
+    type Dist = Autodiff<wildfire::parallel::Distributed<Flex>>;
+    let (d, ffn, rows, e, k) = (16, 24, 12, 4, 2);
+    let mesh = DeviceMesh::new([("dp", 2), ("tp", 1)]).unwrap();
+    // Each rank's mean router scores, from the router's values (the block's first draw).
+    let w = values(1, d * e, 0.5);
+    let mean_scores = |rank: u64| {
+        let x = values(100 + rank, rows * d, 1.0);
+        let mut p = vec![0f64; e];
+        for r in 0..rows {
+            let logits: Vec<f64> = (0..e)
+                .map(|j| (0..d).map(|i| (x[r * d + i] * w[i * e + j]) as f64).sum())
+                .collect();
+            let max = logits.iter().cloned().fold(f64::MIN, f64::max);
+            let sum: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+            for j in 0..e {
+                p[j] += (logits[j] - max).exp() / sum / rows as f64;
+            }
+        }
+        p
+    };
+    let mut seen = Vec::new();
+    for scope in [BalanceScope::MicroBatch, BalanceScope::Global] {
+        let config = MoeConfig {
+            experts: e,
+            top_k: k,
+            aux_loss_coef: 1.0,
+            z_loss_coef: 0.0,
+            balance: scope,
+            ..MoeConfig::default()
+        };
+        let out = crate::suite::threads(&mesh, |device| {
+            let block = create_replicated(|| moe_block::<Dist>(&config, d, ffn, &device));
+            let x = Tensor::<Dist, 3>::from_data(
+                TensorData::new(
+                    values(100 + device.rank() as u64, rows * d, 1.0),
+                    [1, rows, d],
+                ),
+                &device,
+            );
+            let out = block.forward(x);
+            (f64::from(out.aux_loss.into_scalar()), out.stats.routed)
+        });
+        for (rank, (aux, routed)) in out.iter().enumerate() {
+            let counts: Vec<f64> = match scope {
+                BalanceScope::MicroBatch => routed.iter().map(|&c| c as f64).collect(),
+                BalanceScope::Global => (0..e)
+                    .map(|j| out.iter().map(|(_, r)| r[j] as f64).sum())
+                    .collect(),
+            };
+            let total: f64 = counts.iter().sum();
+            let p = mean_scores(rank as u64);
+            let want = e as f64 * (0..e).map(|j| counts[j] / total * p[j]).sum::<f64>();
+            assert!(
+                (aux - want).abs() < 1e-5,
+                "{scope:?}, rank {rank}: aux {aux} vs {want}"
+            );
+        }
+        seen.push(out[0].0);
+    }
+    assert!(
+        (seen[0] - seen[1]).abs() > 1e-4,
+        "the global shares differ from the rank's: {seen:?}"
+    );
+}

@@ -147,7 +147,6 @@ fn on_ranks<T: Send>(
 fn a_transformers_llama_gives_its_logits_and_exports_bitwise() {
     for name in ["untied", "tied"] {
         let fixture = Fixture::load(name);
-        let t = fixture.tokens.len() / 2;
         let original =
             wildfire_checkpoint::safetensors::read(&fixture.dir.join("model.safetensors")).unwrap();
         for (dp, tp) in [(1, 1), (2, 1), (2, 2)] {
@@ -157,27 +156,12 @@ fn a_transformers_llama_gives_its_logits_and_exports_bitwise() {
                 FsdpStrategy::NoShard
             };
             let parallel = ParallelConfig::layout(dp, tp, fsdp, None);
-            let save = scratch(&format!("{name}-{dp}-{tp}"));
-            let out = on_ranks(&fixture, &parallel, |device, model| {
-                let logits = model.forward(fixture.ids(0..t, device)).into_data();
-                // transformers' loss: each position predicts the next token.
-                let (x, y) = (fixture.ids(0..t - 1, device), fixture.ids(1..t, device));
-                let loss: f32 = model.loss(x, y).into_scalar();
-                save_step_1(device, &model, &save);
-                (logits.convert::<f32>().to_vec::<f32>().unwrap(), loss)
-            });
-            for (rank, out) in out.iter().enumerate() {
-                fixture.check(&format!("{name} dp {dp} tp {tp} rank {rank}"), out);
-            }
-            let exported = save.join("export.safetensors");
-            let checkpoint = Checkpoint::open(save.join("step-00000001")).unwrap();
-            crate::hf::export_llama(&checkpoint, &exported).unwrap();
-            let back = wildfire_checkpoint::safetensors::read(&exported).unwrap();
-            assert_eq!(back.len(), original.len(), "{name} dp {dp} tp {tp}");
-            for (key, tensor) in &original {
-                assert_eq!(back.get(key), Some(tensor), "{name} dp {dp} tp {tp}: {key}");
-            }
-            std::fs::remove_dir_all(&save).unwrap();
+            round_trip(
+                &fixture,
+                &parallel,
+                &format!("{name} dp {dp} tp {tp}"),
+                &original,
+            );
         }
     }
 }
@@ -206,7 +190,6 @@ fn a_transformers_mixtral_gives_its_logits_on_any_layout() {
     );
     assert!(moe.config.normalize && moe.config.capacity_factor.is_none());
     assert_eq!(fixture.config.rope.theta, 1e6);
-    let t = fixture.tokens.len() / 2;
     let layouts = [
         ParallelConfig::default(),
         ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
@@ -223,30 +206,44 @@ fn a_transformers_mixtral_gives_its_logits_on_any_layout() {
         wildfire_checkpoint::safetensors::read(&fixture.dir.join("model.safetensors")).unwrap();
     for parallel in layouts {
         let at = format!("dp {} ep {}", parallel.dp, parallel.ep);
-        let save = scratch(&format!("mixtral-{}-{}", parallel.dp, parallel.ep));
-        let out = on_ranks(&fixture, &parallel, |device, model| {
-            let logits = model.forward(fixture.ids(0..t, device)).into_data();
-            let (x, y) = (fixture.ids(0..t - 1, device), fixture.ids(1..t, device));
-            let loss: f32 = model.loss(x, y).into_scalar();
-            save_step_1(device, &model, &save);
-            (logits.convert::<f32>().to_vec::<f32>().unwrap(), loss)
-        });
-        for (rank, out) in out.iter().enumerate() {
-            fixture.check(&format!("{at} rank {rank}"), out);
-        }
-        // Exported under Mixtral's names from the pieces the layout saved: the file's tensors.
-        let exported = save.join("export.safetensors");
-        let checkpoint = Checkpoint::open(save.join("step-00000001")).unwrap();
-        crate::ModelConfig::Llama(fixture.config.clone())
-            .export_hf(&checkpoint, &exported)
-            .unwrap();
-        let back = wildfire_checkpoint::safetensors::read(&exported).unwrap();
-        assert_eq!(back.len(), original.len(), "{at}");
-        for (key, tensor) in &original {
-            assert_eq!(back.get(key), Some(tensor), "{at}: {key}");
-        }
-        std::fs::remove_dir_all(&save).unwrap();
+        round_trip(&fixture, &parallel, &at, &original);
     }
+}
+
+/// On `parallel`'s layout, the fixture's model imported from its files gives `transformers`'
+/// logits and loss on every rank ([`Fixture::check`]); saved from that layout as a distributed
+/// checkpoint and exported to Hugging Face's names, every tensor is bitwise the file's
+/// (`original`).
+fn round_trip(
+    fixture: &Fixture,
+    parallel: &ParallelConfig,
+    at: &str,
+    original: &wildfire_checkpoint::safetensors::NamedTensors,
+) {
+    let t = fixture.tokens.len() / 2;
+    let save = scratch(&at.replace(' ', "-"));
+    let out = on_ranks(fixture, parallel, |device, model| {
+        let logits = model.forward(fixture.ids(0..t, device)).into_data();
+        // transformers' loss: each position predicts the next token.
+        let (x, y) = (fixture.ids(0..t - 1, device), fixture.ids(1..t, device));
+        let loss: f32 = model.loss(x, y).into_scalar();
+        save_step_1(device, &model, &save);
+        (logits.convert::<f32>().to_vec::<f32>().unwrap(), loss)
+    });
+    for (rank, out) in out.iter().enumerate() {
+        fixture.check(&format!("{at} rank {rank}"), out);
+    }
+    let exported = save.join("export.safetensors");
+    let checkpoint = Checkpoint::open(save.join("step-00000001")).unwrap();
+    crate::ModelConfig::Llama(fixture.config.clone())
+        .export_hf(&checkpoint, &exported)
+        .unwrap();
+    let back = wildfire_checkpoint::safetensors::read(&exported).unwrap();
+    assert_eq!(back.len(), original.len(), "{at}");
+    for (key, tensor) in original {
+        assert_eq!(back.get(key), Some(tensor), "{at}: {key}");
+    }
+    std::fs::remove_dir_all(&save).unwrap();
 }
 
 /// This rank's pieces of `model` saved as the distributed checkpoint of step 1 under `root`.

@@ -69,6 +69,28 @@ pub(super) fn gather_counts<B: Backend>(device: &DistDevice<B>, counts: &[usize]
         .collect()
 }
 
+/// `values` summed over every data axis of the mesh (one all-reduce per axis above one
+/// member; exact: integers).
+pub(super) fn data_sum<B: Backend>(device: &DistDevice<B>, values: &[usize]) -> Vec<usize> {
+    let mesh = device.mesh();
+    let mut v: Vec<i64> = values.iter().map(|&c| c as i64).collect();
+    for (a, ax) in mesh.axes().iter().enumerate() {
+        if ax.kind != AxisKind::Data || ax.size == 1 {
+            continue;
+        }
+        let data = TensorData::new(v, [values.len()]);
+        v = device
+            .context()
+            .comm()
+            .all_reduce(Group::Axis(a), data, crate::comm::ReduceOp::Sum)
+            .unwrap_or_else(|e| raise(e))
+            .convert::<i64>()
+            .into_vec::<i64>()
+            .expect("i64 sums come back i64");
+    }
+    v.into_iter().map(|c| c as usize).collect()
+}
+
 /// `t` whole on the model axes (partial sums reduced, shards gathered), its data axes as they
 /// are save partial sums (reduced), checked to be per-rank (`Local`) on the expert axis.
 fn settle<B: Backend>(op: &'static str, t: DTensor<B>) -> DTensor<B> {

@@ -126,6 +126,10 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         super::experts::gather_counts(device, counts)
     }
 
+    fn data_sum(device: &crate::DistDevice<B>, values: &[usize]) -> Vec<usize> {
+        super::experts::data_sum(device, values)
+    }
+
     fn expert_dispatch(x: Dt<B>, route: &ExpertRoute) -> Dt<B> {
         super::experts::dispatch(x, route)
     }
