@@ -112,7 +112,7 @@ fn settle<B: Backend>(op: &'static str, t: DTensor<B>) -> DTensor<B> {
             mesh: mesh.to_string(),
             reason: format!(
                 "{op} takes {expect:?} on the expert axis '{EXPERT_AXIS}', got {:?} (routed rows \
-                 are per-rank, the dispatched batch sharded by expert)",
+                 are per-rank data on both sides of an exchange)",
                 t.layout.get(a)
             ),
         });

@@ -164,8 +164,9 @@ fn moe_llama_pipeline_stages_match_one_rank() {
     }
 }
 
-/// Experts no token of a rank chose still run there (on a zeroed row): every rank makes the
-/// same gathers and reductions in the same order. 16 experts, top-1, where the untrained router
+/// Experts no token of a rank chose still take part (an empty group of the grouped matmul,
+/// their gradients zero): every rank makes the same gathers and reductions in the same order.
+/// 16 experts, top-1, where the untrained router
 /// leaves experts idle: DDP (gradient buckets) and FSDP at dp 2 follow one rank accumulating the
 /// same micro-batches within 1e-5.
 #[test]
