@@ -223,7 +223,8 @@ fn block_loss<B: wildfire::kernels::FusedOps>(
 /// axis, the rows exchanged by all-to-alls) each rank's block output and input gradient are
 /// those of the same block on one device on that rank's rows, and every parameter's gradient
 /// — the experts' included, born split over the axis — is the mean of the ranks' one-device
-/// gradients (within 1e-5), dropless and with a capacity (tokens dropped), with a shared expert.
+/// gradients (within 1e-5), dropless and with a capacity (tokens dropped), with a shared
+/// expert, and with one token per rank (a member receiving no row: an empty grouped matmul).
 /// The all-to-alls move exactly the routed rows: per rank, two calls forward (dispatch,
 /// combine) and two backward, `2·(sent + received)·d·4` bytes.
 #[test]
@@ -234,16 +235,24 @@ fn expert_parallel_block_matches_one_device_and_moves_the_routed_rows() {
     };
     type D = wildfire::parallel::Distributed<Flex>;
     type Dist = Autodiff<D>;
-    let (d, ffn, rows) = (16, 24, 12);
-    for (ep, capacity) in [(2, None), (4, None), (2, Some(1.0))] {
+    let (d, ffn) = (16, 24);
+    // (ep, capacity factor, rows per rank, k): the last with one token per rank, top-1, so that
+    // some member receives no row at all (an empty grouped matmul).
+    let cases = [
+        (2, None, 12, 2),
+        (4, None, 12, 2),
+        (2, Some(1.0), 12, 2),
+        (4, None, 1, 1),
+    ];
+    for (ep, capacity, rows, top_k) in cases {
         let config = MoeConfig {
             experts: 8,
-            top_k: 2,
+            top_k,
             capacity_factor: capacity,
             shared_experts: 1,
             ..MoeConfig::default()
         };
-        let what = format!("ep {ep}, capacity {capacity:?}");
+        let what = format!("ep {ep}, capacity {capacity:?}, {rows} rows, top-{top_k}");
         // The reference: each rank's rows through the block on one device.
         let reference: Vec<BlockRun> = (0..ep)
             .map(|rank| {
@@ -309,11 +318,27 @@ fn expert_parallel_block_matches_one_device_and_moves_the_routed_rows() {
         if capacity.is_some() {
             let dropped: u64 = reference
                 .iter()
-                .map(|r| (rows * 2) as u64 - r.kept.iter().sum::<u64>())
+                .map(|r| (rows * top_k) as u64 - r.kept.iter().sum::<u64>())
                 .sum();
             assert!(dropped > 0, "{what}: nothing dropped");
         }
         let local = 8 / ep;
+        let received = |member: usize| -> u64 {
+            reference
+                .iter()
+                .map(|r| {
+                    r.kept[member * local..(member + 1) * local]
+                        .iter()
+                        .sum::<u64>()
+                })
+                .sum()
+        };
+        if rows == 1 {
+            assert!(
+                (0..ep).any(|m| received(m) == 0),
+                "{what}: every member got a row"
+            );
+        }
         for (rank, ((got, (calls, bytes)), want)) in runs.iter().zip(&reference).enumerate() {
             let what = format!("{what}, rank {rank}");
             assert_eq!(got.kept, want.kept, "{what}: routing");
@@ -324,10 +349,7 @@ fn expert_parallel_block_matches_one_device_and_moves_the_routed_rows() {
                 &want.input_grad,
             );
             let sent: u64 = want.kept.iter().sum();
-            let received: u64 = reference
-                .iter()
-                .map(|r| r.kept[rank * local..(rank + 1) * local].iter().sum::<u64>())
-                .sum();
+            let received = received(rank);
             assert_eq!(*calls, 4, "{what}: all-to-all calls");
             assert_eq!(
                 *bytes,
