@@ -424,6 +424,28 @@ fn moe_expert_parallel_runs_match_one_rank() {
     }
 }
 
+/// Expert and context parallelism together: dp 2 = ep 2 × cp 2, FullShard, follows dp 2 × cp 2
+/// without an expert axis (each rank routes the same chunks of the same rows either way, its
+/// balancing loss over them) within 1e-5: losses, every parameter, the routers' counts.
+#[test]
+fn moe_expert_parallel_composes_with_context_parallel() {
+    let base = PretrainConfig {
+        gather_parameters: true,
+        batch_size: 4,
+        ..tiny_moe(3)
+    };
+    let at = |ep: usize| PretrainConfig {
+        parallel: ParallelConfig {
+            cp: 2,
+            ..with_ep(2, ep, FsdpStrategy::FullShard)
+        },
+        ..base.clone()
+    };
+    let (reference, got) = (run(&at(1)).unwrap(), run(&at(2)).unwrap());
+    same_run("dp 2 = ep 2, cp 2", &got, &reference, 1e-5);
+    same_routing("dp 2 = ep 2, cp 2", &got, &reference);
+}
+
 /// The stacked expert weights are checkpointed whole under their global names: a run saved at
 /// step 2 resumes to step 4 at another expert-parallel degree (ep 1 → 2, 2 → 4, 4 → 1, all
 /// over dp 4 FullShard) and follows the uninterrupted run within 1e-5 (losses and every
