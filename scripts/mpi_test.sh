@@ -84,6 +84,25 @@ assert len(a) == 4 and key(a) == key(b), (key(a), key(b))
 print(f"{sys.argv[3]}: {len(a)} steps, losses identical under mpirun and ranks-as-threads: {[r['loss'] for r in a]}")
 PY
 done
+echo "--- context and expert parallelism inside pipeline stages (one process per rank; ranks as threads refuse it)"
+# cp 2 × pp 2 against pp 2 alone, ep 2 × pp 2 (dp 2 FullShard, a mixture of experts) against dp 2 × pp
+# 2: the same losses within 1e-5 (the arithmetic differs: not bitwise).
+stage_args=(--steps 4 --n-layer 2 --block-size 32 --tokenizer bytes --sample-tokens 0 --eval-every 2 --pp 2 --microbatches 2)
+for pair in "4:2:--batch-size 4:--cp 2" "4:4:--batch-size 8 --preset llama-moe-tiny --dp 2 --fsdp full:--ep 2"; do
+    IFS=: read -r np_with np_without common extra <<<"$pair"
+    read -r -a common_flags <<<"$common"
+    read -r -a extra_flags <<<"$extra"
+    mpi -np "$np_with" "$pretrain" "${stage_args[@]}" "${common_flags[@]}" "${extra_flags[@]}" \
+        --metrics "$tmp/with.jsonl" --plot "$tmp/with.png" 2>/dev/null
+    mpi -np "$np_without" "$pretrain" "${stage_args[@]}" "${common_flags[@]}" \
+        --metrics "$tmp/without.jsonl" --plot "$tmp/without.png" 2>/dev/null
+    python3 - "$tmp/with.jsonl" "$tmp/without.jsonl" "$extra" <<'PY'
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:3])
+assert len(a) == 4 and all(abs(x - y) <= 1e-5 * y for x, y in zip(a, b)), (a, b)
+print(f"{sys.argv[3]} inside pp 2 stages under mpirun: losses {a} within 1e-5 of {b}")
+PY
+done
 echo "--- gpt_pretrain under mpirun: save at step 2, resume to 4 == a straight run (FullShard)"
 ck=(--batch-size 4 --n-layer 2 --block-size 32 --tokenizer bytes --sample-tokens 0 --eval-every 100 --fsdp full --dp 2 --decay-steps 4 --plot "$tmp/ck.png")
 mpi -np 2 "$pretrain" "${ck[@]}" --steps 2 --save "$tmp/ck" --save-every 2 2>/dev/null

@@ -85,6 +85,12 @@ pub struct ParallelConfig {
     #[serde(default)]
     #[arg(long, default_value = "ring", help_heading = "Parallelism")]
     pub cp_rotate: CpRotate,
+    /// Each rank is a process of its own (a launcher started one per rank:
+    /// [`Self::fit_world`]), not a thread beside the others: what lets context and expert
+    /// parallelism run inside pipeline stages (see [`Self::check_available`]).
+    #[serde(skip)]
+    #[arg(skip)]
+    pub process_per_rank: bool,
     /// Data-parallel strategy: none (DDP), zero1, grad-op, full (FSDP / ZeRO-3), hybrid (HSDP).
     #[arg(long, default_value = "none", value_parser = parse_fsdp, help_heading = "Parallelism")]
     pub fsdp: FsdpStrategy,
@@ -217,6 +223,7 @@ impl ParallelConfig {
                 self.tp.max(1)
             )));
         }
+        self.process_per_rank = true;
         Ok(())
     }
 
@@ -301,16 +308,17 @@ impl ParallelConfig {
             return Err(Error::Config("--cp must be at least 1".into()));
         }
         self.check_experts()?;
-        if self.cp > 1 && self.pp > 1 {
+        if self.cp > 1 && self.pp > 1 && !self.process_per_rank {
             // Measured: ranks as threads deadlock. Burn 0.21's autodiff ends every backward
             // pass by locking every thread's graph in turn (`GraphCleaner`); a stage whose
             // backward holds its graph while its attention waits on a context peer, that peer
             // waiting for a pipeline message, and the sender blocked in its own context
-            // collective behind the cleaning rank close a cycle.
+            // collective behind the cleaning rank close a cycle. One process per rank (MPI)
+            // shares no graphs: there it runs (scripts/mpi_test.sh).
             return Err(Error::Config(format!(
-                "--cp {} with --pp {}: context parallelism inside pipeline stages is not \
-                 supported yet (ranks as threads deadlock in Burn 0.21's end-of-backward graph \
-                 cleanup); use --cp with --dp and --tp",
+                "--cp {} with --pp {}: context parallelism inside pipeline stages needs one \
+                 process per rank (mpirun); ranks as threads deadlock in Burn 0.21's \
+                 end-of-backward graph cleanup",
                 self.cp, self.pp
             )));
         }
@@ -335,9 +343,9 @@ impl ParallelConfig {
     /// `--dp` (the ranks it is taken from); with `--tp` (the experts would be replicated over
     /// the tensor-parallel ranks, each exchanging the same tokens: not built — use tp for the
     /// dense layers of a model without `--ep`); with HSDP (`--fsdp hybrid` shards over
-    /// `--dp-shard` alone, which the expert axis would have to split); with `--pp` (ranks as
-    /// threads would risk the deadlock `--cp` meets with `--pp`: each stage's all-to-alls wait
-    /// on their peers inside Burn's backward).
+    /// `--dp-shard` alone, which the expert axis would have to split); with `--pp` when the
+    /// ranks are threads of one process (the deadlock `--cp` meets with `--pp`: each stage's
+    /// all-to-alls wait on their peers inside Burn's backward).
     fn check_experts(&self) -> Result<(), Error> {
         let ep = self.ep;
         let refuse = |why: String| Err(Error::Config(format!("--ep {ep}: {why}")));
@@ -367,10 +375,11 @@ impl ParallelConfig {
                     .into(),
             );
         }
-        if self.pp > 1 {
+        if self.pp > 1 && !self.process_per_rank {
             return refuse(
-                "with --pp the stages' all-to-alls would wait on their peers inside Burn's \
-                 backward (the deadlock --cp meets with --pp): not built"
+                "expert parallelism inside pipeline stages needs one process per rank \
+                 (mpirun); ranks as threads deadlock in Burn 0.21's end-of-backward graph \
+                 cleanup, as --cp with --pp does"
                     .into(),
             );
         }
