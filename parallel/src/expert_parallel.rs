@@ -19,10 +19,8 @@
 use crate::data_parallel::{DistributedBackend, try_map_dtensors};
 use crate::error::Error;
 use crate::mesh::{DeviceMesh, EXPERT_AXIS};
-use crate::params::ModulePath;
 use crate::placement::{Layout, Placement};
-use burn::module::{Module, Param};
-use burn::tensor::Tensor;
+use burn::module::Module;
 use serde::{Deserialize, Serialize};
 
 /// Which parameters are stacked expert weights: those of the modules matching a pattern (the
@@ -97,31 +95,13 @@ pub fn expert_parallel<B: DistributedBackend, M: Module<B>>(
     plan: &ExpertPlan,
 ) -> Result<M, Error> {
     // Check every expert weight before anything moves.
-    struct Check<'a> {
-        plan: &'a ExpertPlan,
-        mesh: &'a DeviceMesh,
-        error: Option<Error>,
-    }
-    impl<B: DistributedBackend> crate::params::ParamVisitor<B> for Check<'_> {
-        fn visit<const D: usize>(&mut self, path: &ModulePath, param: &Param<Tensor<B, D>>) {
-            let path = path.name();
-            if self.error.is_none() && self.plan.covers(&path) {
-                let shape = param.val().dims().to_vec();
-                let layout = Layout::replicated(self.mesh);
-                if let Err(e) = split_experts(layout, &path, &shape, self.mesh) {
-                    self.error = Some(e);
-                }
-            }
+    let mut scan = crate::tensor_parallel::Scan { params: Vec::new() };
+    crate::params::visit_params(&module, &mut scan);
+    for (module_path, field, shape) in &scan.params {
+        let path = format!("{module_path}.{field}");
+        if plan.covers(&path) {
+            split_experts(Layout::replicated(mesh), &path, shape, mesh)?;
         }
-    }
-    let mut check = Check {
-        plan,
-        mesh,
-        error: None,
-    };
-    crate::params::visit_params(&module, &mut check);
-    if let Some(e) = check.error {
-        return Err(e);
     }
     let mut shapes = std::collections::BTreeSet::new();
     let mut ctx = None;

@@ -105,8 +105,8 @@ pub(crate) fn matches(pattern: &str, path: &str) -> bool {
 }
 
 /// Parameters of the model by (module path, field name) with shapes.
-struct Scan {
-    params: Vec<(String, String, Vec<usize>)>,
+pub(crate) struct Scan {
+    pub(crate) params: Vec<(String, String, Vec<usize>)>,
 }
 
 impl<B: DistributedBackend> ParamVisitor<B> for Scan {

@@ -18,6 +18,11 @@ use std::path::{Path, PathBuf};
 use crate::Error;
 use wildfire_checkpoint::dcp::{Checkpoint, PieceMeta, TensorMeta};
 
+/// Mixtral's names of each expert's matrices (`block_sparse_moe.experts.{e}.w1`, …) beside the
+/// stacked Wildfire weights they are slices of (`moe.experts.gate_proj`, …).
+const MIXTRAL_EXPERTS: [(&str, &str); 3] =
+    [("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")];
+
 /// A Mixtral (`MixtralForCausalLM`) mixture-of-experts tensor: the router
 /// (`block_sparse_moe.gate`, `[E, d]`) is Wildfire's `moe.router` (transposed, `[d, E]`), expert
 /// `e`'s `w1`, `w3`, `w2` (`[ffn, d]`, `[ffn, d]`, `[d, ffn]`) are slice `e` of the stacked
@@ -30,23 +35,22 @@ fn mixtral_path(layer: &str, tail: &str) -> Option<(String, Option<usize>)> {
     }
     let (e, w) = moe.strip_prefix("experts.")?.split_once('.')?;
     let e = e.parse::<usize>().ok()?;
-    let proj = match w {
-        "w1.weight" => "gate_proj",
-        "w3.weight" => "up_proj",
-        "w2.weight" => "down_proj",
-        _ => return None,
-    };
+    let w = w.strip_suffix(".weight")?;
+    let (proj, _) = MIXTRAL_EXPERTS.iter().find(|(_, hf)| *hf == w)?;
     Some((format!("layers.{layer}.moe.experts.{proj}.weight"), Some(e)))
 }
 
-/// The Wildfire path of a Hugging Face Mixtral mixture-of-experts tensor name (always stored
-/// transposed) and, for one expert's projection, the expert (its slice of the stacked weight);
-/// `None` for any other name.
-pub fn llama_expert_path(name: &str) -> Option<(String, Option<usize>)> {
+/// The Wildfire path of one expert's matrix in a Hugging Face Mixtral (always stored
+/// transposed) and the expert (its slice of the stacked weight); `None` for any other name
+/// (the router is a whole tensor: [`llama_path`] maps it).
+pub fn llama_expert_path(name: &str) -> Option<(String, usize)> {
     let rest = name.strip_prefix("model.layers.")?;
     let (layer, tail) = rest.split_once('.')?;
     layer.parse::<usize>().ok()?;
-    mixtral_path(layer, tail)
+    match mixtral_path(layer, tail)? {
+        (path, Some(e)) => Some((path, e)),
+        (_, None) => None,
+    }
 }
 
 /// The Wildfire path of a Hugging Face Llama tensor name and whether it is stored transposed;
@@ -80,6 +84,12 @@ pub fn llama_path(name: &str) -> Option<Result<(String, bool), String>> {
             .any(|p| tail == format!("{p}.weight"))
     };
     let layer = rest.strip_prefix("layers.").and_then(|r| r.split_once('.'));
+    // A Mixtral's router: a whole matrix, transposed.
+    if let Some((i, tail)) = layer
+        && let Some((path, None)) = mixtral_path(i, tail)
+    {
+        return Some(Ok((path, true)));
+    }
     Some(match layer {
         Some((i, tail)) if i.parse::<usize>().is_ok() && known(tail) => {
             match tail.strip_suffix("layernorm.weight") {
@@ -116,15 +126,8 @@ fn mixtral_names(path: &str, experts: usize) -> Option<Vec<String>> {
     if tail == "moe.router.weight" {
         return Some(vec![format!("{prefix}.gate.weight")]);
     }
-    let proj = tail
-        .strip_prefix("moe.experts.")?
-        .strip_suffix("_proj.weight")?;
-    let w = match proj {
-        "gate" => "w1",
-        "up" => "w3",
-        "down" => "w2",
-        _ => return None,
-    };
+    let proj = tail.strip_prefix("moe.experts.")?.strip_suffix(".weight")?;
+    let (_, w) = MIXTRAL_EXPERTS.iter().find(|(ours, _)| *ours == proj)?;
     Some(
         (0..experts)
             .map(|e| format!("{prefix}.experts.{e}.{w}.weight"))
@@ -235,7 +238,7 @@ pub fn import_llama(path: &Path) -> Result<Checkpoint, Error> {
         let (len, header) = super::open_imported(&file)?;
         files.insert(name.clone(), len);
         for (key, entry) in &header {
-            if let Some((path, expert)) = llama_expert_path(key) {
+            if let Some((path, e)) = llama_expert_path(key) {
                 super::check_dtype(&file, key, entry)?;
                 if entry.shape.len() != 2 {
                     return Err(invalid(format!(
@@ -244,27 +247,9 @@ pub fn import_llama(path: &Path) -> Result<Checkpoint, Error> {
                     )));
                 }
                 let shape: Vec<usize> = entry.shape.iter().rev().copied().collect();
-                match expert {
-                    None => {
-                        let whole = [vec![0; 2], shape.clone()];
-                        let piece = super::imported_piece(&name, key, whole, None, true);
-                        let meta = TensorMeta {
-                            shape,
-                            dtype: "F32".into(),
-                            pieces: vec![piece],
-                            rows_padded: false,
-                        };
-                        if tensors.insert(format!("model/{path}"), meta).is_some() {
-                            return Err(invalid(format!("{key} is stored twice")));
-                        }
-                    }
-                    Some(e) => {
-                        let start = vec![e, 0, 0];
-                        let end = vec![e + 1, shape[0], shape[1]];
-                        let piece = super::imported_piece(&name, key, [start, end], None, true);
-                        experts.entry(path).or_default().push((e, shape, piece));
-                    }
-                }
+                let (start, end) = (vec![e, 0, 0], vec![e + 1, shape[0], shape[1]]);
+                let piece = super::imported_piece(&name, key, [start, end], None, true);
+                experts.entry(path).or_default().push((e, shape, piece));
                 continue;
             }
             let Some(mapped) = llama_path(key) else {

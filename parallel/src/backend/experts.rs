@@ -30,21 +30,31 @@ use wildfire_kernels::experts::{self, ExpertRoute};
 
 /// The mesh's expert axis, when it has one of more than one member.
 fn axis<B: Backend>(device: &DistDevice<B>) -> Option<usize> {
-    let mesh = device.mesh();
-    mesh.axis_index(EXPERT_AXIS)
-        .ok()
-        .filter(|&a| mesh.axis_size(a) > 1)
+    device.mesh().expert_axis().map(|(a, _)| a)
 }
 
 /// This rank's index on the expert axis and its size; `(0, 1)` without one.
 pub(super) fn position<B: Backend>(device: &DistDevice<B>) -> (usize, usize) {
-    match axis(device) {
-        Some(a) => (
-            device.mesh().group_index(device.rank(), a),
-            device.mesh().axis_size(a),
-        ),
+    match device.mesh().expert_axis() {
+        Some((a, size)) => (device.mesh().group_index(device.rank(), a), size),
         None => (0, 1),
     }
+}
+
+/// Counts as a host buffer for a collective.
+fn counts_data(counts: &[usize]) -> TensorData {
+    let v: Vec<i64> = counts.iter().map(|&c| c as i64).collect();
+    TensorData::new(v, [counts.len()])
+}
+
+/// A collective's result of [`counts_data`] buffers, back as counts.
+fn counts_of(data: TensorData) -> Vec<usize> {
+    data.convert::<i64>()
+        .into_vec::<i64>()
+        .expect("i64 counts come back i64")
+        .into_iter()
+        .map(|c| c as usize)
+        .collect()
 }
 
 /// Every expert-axis member's routing counts, member-major (one all-gather over the axis).
@@ -52,43 +62,35 @@ pub(super) fn gather_counts<B: Backend>(device: &DistDevice<B>, counts: &[usize]
     let Some(a) = axis(device) else {
         return counts.to_vec();
     };
-    let data = TensorData::new(
-        counts.iter().map(|&c| c as i64).collect::<Vec<_>>(),
-        [counts.len()],
-    );
     let all = device
         .context()
         .comm()
-        .all_gather(Group::Axis(a), data, 0)
+        .all_gather(Group::Axis(a), counts_data(counts), 0)
         .unwrap_or_else(|e| raise(e));
-    all.convert::<i64>()
-        .into_vec::<i64>()
-        .expect("i64 counts gather as i64")
-        .into_iter()
-        .map(|c| c as usize)
-        .collect()
+    counts_of(all)
 }
 
 /// `values` summed over every data axis of the mesh (one all-reduce per axis above one
 /// member; exact: integers).
 pub(super) fn data_sum<B: Backend>(device: &DistDevice<B>, values: &[usize]) -> Vec<usize> {
     let mesh = device.mesh();
-    let mut v: Vec<i64> = values.iter().map(|&c| c as i64).collect();
+    let mut sums = values.to_vec();
     for (a, ax) in mesh.axes().iter().enumerate() {
         if ax.kind != AxisKind::Data || ax.size == 1 {
             continue;
         }
-        let data = TensorData::new(v, [values.len()]);
-        v = device
+        let reduced = device
             .context()
             .comm()
-            .all_reduce(Group::Axis(a), data, crate::comm::ReduceOp::Sum)
-            .unwrap_or_else(|e| raise(e))
-            .convert::<i64>()
-            .into_vec::<i64>()
-            .expect("i64 sums come back i64");
+            .all_reduce(
+                Group::Axis(a),
+                counts_data(&sums),
+                crate::comm::ReduceOp::Sum,
+            )
+            .unwrap_or_else(|e| raise(e));
+        sums = counts_of(reduced);
     }
-    v.into_iter().map(|c| c as usize).collect()
+    sums
 }
 
 /// `t` whole on the model axes (partial sums reduced, shards gathered), its data axes as they

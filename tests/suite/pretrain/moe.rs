@@ -288,17 +288,22 @@ fn moe_llama_resumes_bitwise() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The error a run of `config` is refused with (a configuration error's message, or any
+/// other error's text); a run that starts is a failure.
+fn refused(config: PretrainConfig) -> String {
+    match run(&config) {
+        Err(PretrainError::Config(msg)) => msg,
+        Err(other) => other.to_string(),
+        Ok(_) => panic!("not refused"),
+    }
+}
+
 /// Refused before any work, each a typed configuration error naming the flag: top-k above the
 /// experts, `--moe-every` past the blocks, a refinement without `--experts` on a dense preset,
 /// `--experts` on a GPT, and a Hugging Face export of a mixture of experts Mixtral's files
 /// cannot hold (shared experts).
 #[test]
 fn moe_refusals_are_typed() {
-    let refused = |config: PretrainConfig| match run(&config) {
-        Err(PretrainError::Config(msg)) => msg,
-        Err(other) => other.to_string(),
-        Ok(_) => panic!("not refused"),
-    };
     let with = |moe: MoeFlags| PretrainConfig {
         model: ModelFlags {
             moe,
@@ -504,11 +509,6 @@ fn moe_expert_parallel_memory_estimate_equals_the_accounting() {
 /// without a mixture of experts, not dividing the experts, and with `--tp`, `--pp` or HSDP.
 #[test]
 fn expert_parallel_refusals_are_typed() {
-    let refused = |config: PretrainConfig| match run(&config) {
-        Err(PretrainError::Config(msg)) => msg,
-        Err(other) => other.to_string(),
-        Ok(_) => panic!("not refused"),
-    };
     let on = |parallel: ParallelConfig| PretrainConfig {
         parallel,
         batch_size: 8,
