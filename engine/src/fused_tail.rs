@@ -11,6 +11,13 @@
 //!
 //! [`FusedAdamW`] keeps Burn's AdamW record ([`AdamWState`]), so checkpoints are interchangeable
 //! with `burn::optim::AdamW`'s.
+//!
+//! Its moments may be kept in bf16 ([`MomentDtype::Bf16`], half the state's bytes: 4 per
+//! parameter instead of 8). Each step widens them to f32, runs the same f32 update, and rounds
+//! the new moments to the nearest bf16 (ties to even) — the arithmetic of PyTorch's AdamW on
+//! bf16 state tensors, without stochastic rounding. The parameters (the f32 master weights) and
+//! the update are f32 either way, and a checkpoint stores the moments in the dtype they have:
+//! a run resumes across moment dtypes (the first step widens whatever it loaded).
 
 use std::sync::{Arc, Mutex};
 
@@ -38,6 +45,9 @@ pub struct FusedAdamWConfig {
     pub epsilon: f64,
     /// Decoupled weight decay.
     pub weight_decay: f64,
+    /// The dtype the two moments are kept in between steps.
+    #[serde(default)]
+    pub moments: MomentDtype,
 }
 
 impl Default for FusedAdamWConfig {
@@ -47,6 +57,38 @@ impl Default for FusedAdamWConfig {
             beta2: 0.999,
             epsilon: 1e-8,
             weight_decay: 1e-4,
+            moments: MomentDtype::F32,
+        }
+    }
+}
+
+/// The dtype AdamW's moments are kept in between steps (the update itself is f32).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum MomentDtype {
+    /// 4 bytes per moment element (8 per parameter).
+    #[default]
+    F32,
+    /// 2 bytes per moment element (4 per parameter), rounded to nearest each step.
+    Bf16,
+}
+
+impl MomentDtype {
+    /// The Burn dtype.
+    pub fn float_dtype(self) -> burn::tensor::FloatDType {
+        match self {
+            MomentDtype::F32 => burn::tensor::FloatDType::F32,
+            MomentDtype::Bf16 => burn::tensor::FloatDType::BF16,
+        }
+    }
+
+    /// Bytes per moment element.
+    pub fn bytes(self) -> usize {
+        match self {
+            MomentDtype::F32 => 4,
+            MomentDtype::Bf16 => 2,
         }
     }
 }
@@ -110,12 +152,13 @@ fn wrap<X: Backend, const D: usize>(t: DTensor<X>) -> Tensor<Distributed<X>, D> 
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
+/// `t`'s piece on `like`'s layout, widened to f32 (the kernel's moments).
 fn piece<X: Backend, const D: usize>(
     t: &Tensor<Distributed<X>, D>,
     like: &DTensor<X>,
 ) -> X::FloatTensorPrimitive {
     let t = dtensor(t);
-    if t.layout() == like.layout() {
+    let local = if t.layout() == like.layout() {
         t.local().clone()
     } else {
         // A moment on another layout than the step's (a resumed state): bring it there.
@@ -123,7 +166,8 @@ fn piece<X: Backend, const D: usize>(
             .redistribute(like.layout())
             .map(DTensor::into_local)
             .unwrap_or_else(|e| wildfire_parallel::internal::raise(e))
-    }
+    };
+    X::float_cast(local, burn::tensor::FloatDType::F32)
 }
 
 impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for FusedAdamW<X> {
@@ -150,7 +194,7 @@ impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for FusedAdamW<X> {
         };
         let device = p.device().inner().clone();
         let local_shape = burn::tensor::TensorMetadata::shape(p.local());
-        let dtype = burn::tensor::TensorMetadata::dtype(p.local()).into();
+        let dtype = burn::tensor::FloatDType::F32;
         let (time, m, v) = match state {
             Some(s) => (
                 s.momentum.time + 1,
@@ -191,11 +235,12 @@ impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for FusedAdamW<X> {
                 step: time as u32,
             },
         );
+        let keep = |t| X::float_cast(t, self.config.moments.float_dtype());
         let state = AdamWState {
             momentum: AdaptiveMomentumState {
                 time,
-                moment_1: wrap(p.with_local(out.m)),
-                moment_2: wrap(p.with_local(out.v)),
+                moment_1: wrap(p.with_local(keep(out.m))),
+                moment_2: wrap(p.with_local(keep(out.v))),
                 max_moment_2: None,
             },
         };

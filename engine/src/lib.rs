@@ -17,7 +17,7 @@ pub mod trace;
 pub use adafactor::{Adafactor, AdafactorConfig, AdafactorState};
 pub use error::Error;
 pub use fused_tail::{
-    FusedAdamW, FusedAdamWConfig, FusedAdamWOptimizer, TailInputs, fused_unscale_check,
+    FusedAdamW, FusedAdamWConfig, FusedAdamWOptimizer, MomentDtype, TailInputs, fused_unscale_check,
 };
 pub use grad_check::{GradCheck, unscale_check_clip};
 pub use pipeline::PipelineRecord;

@@ -19,7 +19,28 @@ use crate::parallelize::{FsdpStrategy, ParallelConfig, Recompute};
 use burn::tensor::FloatDType;
 use serde::Serialize;
 
-/// Per-rank memory in bytes (f32 parameters, gradients and AdamW moments).
+/// The optimizer state a run keeps, as the estimate counts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum OptimizerState {
+    /// AdamW: two moments shaped like each parameter, `moment_bytes` per element (4 for f32,
+    /// 2 for bf16).
+    AdamW {
+        /// Bytes per moment element.
+        moment_bytes: usize,
+    },
+    /// Adafactor: a matrix's row and column statistics (`n + m` f32 values for `n × m`; a
+    /// stacked `[E, n, m]` keeps `E·(n + m)`), a vector's whole second moment. Under data
+    /// sharding the row statistic is split with the rows and the column statistic replicated.
+    Adafactor,
+}
+
+impl Default for OptimizerState {
+    fn default() -> Self {
+        OptimizerState::AdamW { moment_bytes: 4 }
+    }
+}
+
+/// Per-rank memory in bytes (f32 parameters and gradients, the optimizer's state).
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 pub struct MemoryEstimate {
     /// Parameters Ψ of the whole model.
@@ -32,7 +53,7 @@ pub struct MemoryEstimate {
     pub param_bytes: usize,
     /// Gradient bytes.
     pub grad_bytes: usize,
-    /// Optimizer-state bytes (AdamW's two moments).
+    /// Optimizer-state bytes (AdamW's two moments, or Adafactor's statistics).
     pub optim_bytes: usize,
     /// Activations kept for backward (this rank's share of the batch), in the compute dtype
     /// (the residual stream f32).
@@ -42,32 +63,34 @@ pub struct MemoryEstimate {
 }
 
 /// One parameter tensor on a tensor-parallel rank: `[rows, cols]` of its local piece (`cols`
-/// the product of the dims past the first). `experts`: a stacked expert weight, its rows the
-/// experts, split over the expert axis before the data-parallel sharding nests inside.
+/// the product of the dims past the first; `cols == 1` a vector), `last` its last dim.
+/// `experts`: a stacked expert weight `[E, cols / last, last]`, its rows the experts, split over
+/// the expert axis before the data-parallel sharding nests inside.
 struct Local {
     rows: usize,
     cols: usize,
+    last: usize,
     experts: bool,
 }
 
 impl Local {
-    /// The piece on one rank of the expert axis of `ep` members: an expert weight's share of
-    /// the experts, anything else whole.
-    fn on_expert_rank(&self, ep: usize) -> usize {
+    /// The rows of the piece on one rank of the expert axis of `ep` members: an expert
+    /// weight's share of the experts, anything else all.
+    fn rows_on_expert_rank(&self, ep: usize) -> usize {
         if self.experts {
-            self.rows / ep * self.cols
+            self.rows / ep
         } else {
-            self.rows * self.cols
+            self.rows
         }
     }
 
-    /// The piece once the data-parallel sharding splits it (`placement::shard_dim0`): over
-    /// `n` ranks, `⌈rows/n⌉` rows (padded); an expert weight's experts first over the `ep`
-    /// members, then over each further data axis (`axes`, sizes in mesh order) that divides
-    /// what is left.
-    fn sharded(&self, n: usize, ep: usize, axes: &[usize]) -> usize {
+    /// The rows of the piece once the data-parallel sharding splits it
+    /// (`placement::shard_dim0`): over `n` ranks, `⌈rows/n⌉` (padded); an expert weight's
+    /// experts first over the `ep` members, then over each further data axis (`axes`, sizes
+    /// in mesh order) that divides what is left.
+    fn sharded_rows(&self, n: usize, ep: usize, axes: &[usize]) -> usize {
         if !self.experts {
-            return self.rows.div_ceil(n) * self.cols;
+            return self.rows.div_ceil(n);
         }
         let mut parts = ep;
         for &size in axes {
@@ -75,7 +98,22 @@ impl Local {
                 parts *= size;
             }
         }
-        self.rows / parts * self.cols
+        self.rows / parts
+    }
+
+    /// The optimizer-state bytes of this piece where a rank holds `rows` of its rows.
+    fn state_bytes(&self, rows: usize, optimizer: OptimizerState) -> usize {
+        match optimizer {
+            OptimizerState::AdamW { moment_bytes } => 2 * moment_bytes * rows * self.cols,
+            // A vector: its second moment. A stacked matrix: per expert a row statistic of
+            // `cols / last` and a column statistic of `last`. A matrix: its rows' statistic
+            // (split with them) and every column's (replicated over the data axes).
+            OptimizerState::Adafactor if self.cols == 1 && !self.experts => 4 * rows,
+            OptimizerState::Adafactor if self.experts => {
+                4 * rows * (self.cols / self.last + self.last)
+            }
+            OptimizerState::Adafactor => 4 * (rows + self.cols),
+        }
     }
 }
 
@@ -111,6 +149,7 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
     let whole = |rows, cols| Local {
         rows,
         cols,
+        last: cols,
         experts: false,
     };
     let mut pieces = vec![whole(v / t, d)];
@@ -132,10 +171,12 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
             Some(m) => {
                 pieces.push(whole(d, m.config.experts));
                 let (e, f) = (m.config.experts, m.expert_hidden);
-                for _ in 0..3 {
+                // Gate and up `[E, d, f/t]`, down `[E, f/t, d]`.
+                for last in [f / t, f / t, d] {
                     pieces.push(Local {
                         rows: e,
                         cols: d * f / t,
+                        last,
                         experts: true,
                     });
                 }
@@ -158,6 +199,7 @@ fn gpt_pieces(model: &GptConfig, t: usize) -> Vec<Local> {
     let whole = |rows, cols| Local {
         rows,
         cols,
+        last: cols,
         experts: false,
     };
     let mut pieces = vec![whole(v / t, d), whole(s, d)];
@@ -181,14 +223,15 @@ fn gpt_pieces(model: &GptConfig, t: usize) -> Vec<Local> {
     pieces
 }
 
-/// The estimate for training `model` with `parallel` and a global batch of `batch_size`
-/// sequences, on one rank, with activations in `compute` (the precision policy's compute dtype,
-/// `None`: f32).
+/// The estimate for training `model` with `parallel`, `optimizer` and a global batch of
+/// `batch_size` sequences, on one rank, with activations in `compute` (the precision policy's
+/// compute dtype, `None`: f32).
 pub fn estimate(
     model: &ModelConfig,
     parallel: &ParallelConfig,
     batch_size: usize,
     compute: Option<FloatDType>,
+    optimizer: OptimizerState,
 ) -> MemoryEstimate {
     use FsdpStrategy as S;
     let dims = parallel.dims();
@@ -198,13 +241,22 @@ pub fn estimate(
     // The data axes FSDP splits inside an expert-axis member's share, in mesh order.
     let inner = [dims.dp_shard / ep, dims.cp];
     let pieces = local_pieces(model, t);
-    let local: usize = pieces.iter().map(|p| p.on_expert_rank(ep)).sum();
-    let sharded: usize = pieces.iter().map(|p| p.sharded(n, ep, &inner)).sum();
+    let local_rows = |p: &Local| p.rows_on_expert_rank(ep);
+    let sharded_rows = |p: &Local| p.sharded_rows(n, ep, &inner);
+    let elems =
+        |rows: &dyn Fn(&Local) -> usize| -> usize { pieces.iter().map(|p| rows(p) * p.cols).sum() };
+    let state = |rows: &dyn Fn(&Local) -> usize| -> usize {
+        pieces
+            .iter()
+            .map(|p| p.state_bytes(rows(p), optimizer))
+            .sum()
+    };
+    let (local, sharded) = (elems(&local_rows), elems(&sharded_rows));
     let (p, g, o) = match parallel.fsdp {
-        S::NoShard => (4 * local, 4 * local, 8 * local),
-        S::ShardOptimizer => (4 * local, 4 * local, 8 * sharded),
-        S::ShardGradOp => (4 * local, 4 * sharded, 8 * sharded),
-        S::FullShard | S::Hybrid => (4 * sharded, 4 * sharded, 8 * sharded),
+        S::NoShard => (4 * local, 4 * local, state(&local_rows)),
+        S::ShardOptimizer => (4 * local, 4 * local, state(&sharded_rows)),
+        S::ShardGradOp => (4 * local, 4 * sharded, state(&sharded_rows)),
+        S::FullShard | S::Hybrid => (4 * sharded, 4 * sharded, state(&sharded_rows)),
     };
     let rows = batch_size / dims.data_degree().max(1);
     let half = compute.is_some_and(|c| burn::tensor::DType::from(c).size() == 2);
@@ -367,7 +419,13 @@ mod tests {
     #[test]
     fn one_rank_holds_psi() {
         let model = Preset::Tiny.model(256);
-        let e = estimate(&model, &ParallelConfig::default(), 8, None);
+        let e = estimate(
+            &model,
+            &ParallelConfig::default(),
+            8,
+            None,
+            OptimizerState::default(),
+        );
         assert_eq!(e.params_per_tp_rank, model.num_params());
         assert_eq!(e.param_bytes, 4 * model.num_params());
         assert_eq!(e.optim_bytes, 8 * model.num_params());
@@ -384,8 +442,14 @@ mod tests {
         let (s, b, h, a, l, v) = (1024, 8, 768, 12, 12, 50304);
         let at_16 = l * (34 * s * b * h + 5 * a * s * s * b);
         let stream = l * 4 * s * b * h;
-        let bf16 = estimate(&model, &parallel, b, Some(FloatDType::BF16));
-        let f32 = estimate(&model, &parallel, b, None);
+        let bf16 = estimate(
+            &model,
+            &parallel,
+            b,
+            Some(FloatDType::BF16),
+            OptimizerState::default(),
+        );
+        let f32 = estimate(&model, &parallel, b, None, OptimizerState::default());
         assert_eq!(bf16.activation_bytes, at_16 + stream + s * b * v * 4);
         assert_eq!(f32.activation_bytes, 2 * at_16 + s * b * v * 8);
         assert_eq!(bf16.param_bytes, f32.param_bytes);

@@ -46,9 +46,20 @@ pub struct PretrainConfig {
     /// run is stopped early and resumed with more steps.
     #[arg(long, help_heading = "Training")]
     pub decay_steps: Option<usize>,
-    /// AdamW weight decay.
+    /// Decoupled weight decay (AdamW's; Adafactor's too).
     #[arg(long, default_value_t = 0.1, help_heading = "Training")]
     pub weight_decay: f64,
+    /// The optimizer: adamw (β = (0.9, 0.95), ε 1e-5) or adafactor (PyTorch's
+    /// `torch.optim.Adafactor`: a matrix's second moment kept as a row and a column statistic,
+    /// no first moment, the relative step capped by the learning rate).
+    #[serde(default)]
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw, help_heading = "Training")]
+    pub optimizer: OptimizerKind,
+    /// The dtype of AdamW's two moments: f32 (8 bytes of state per parameter) or bf16 (4; the
+    /// update is computed in f32 and the moments rounded to nearest).
+    #[serde(default)]
+    #[arg(long, value_enum, default_value_t = OptimState::F32, help_heading = "Training")]
+    pub optim_state: OptimState,
     /// Clip the global gradient norm to this (0: off).
     #[arg(long, default_value_t = 1.0, help_heading = "Training")]
     pub clip: f64,
@@ -190,6 +201,38 @@ pub struct PretrainConfig {
     pub links: Vec<String>,
 }
 
+/// The optimizer of a run (`--optimizer`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    /// AdamW, fused where the backend has the kernels.
+    #[default]
+    Adamw,
+    /// Adafactor ([`wildfire_engine::Adafactor`]).
+    Adafactor,
+}
+
+/// The dtype AdamW keeps its moments in (`--optim-state`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimState {
+    /// f32 moments.
+    #[default]
+    F32,
+    /// bf16 moments ([`wildfire_engine::MomentDtype::Bf16`]).
+    Bf16,
+}
+
+impl OptimState {
+    /// The engine's moment dtype.
+    pub fn moments(self) -> wildfire_engine::MomentDtype {
+        match self {
+            OptimState::F32 => wildfire_engine::MomentDtype::F32,
+            OptimState::Bf16 => wildfire_engine::MomentDtype::Bf16,
+        }
+    }
+}
+
 fn default_prefetch() -> usize {
     1
 }
@@ -269,6 +312,14 @@ impl PretrainConfig {
         if self.steps == 0 {
             return Err(PretrainError::Config("--steps must be at least 1".into()));
         }
+        if self.optimizer == OptimizerKind::Adafactor && self.optim_state != OptimState::F32 {
+            return Err(PretrainError::Config(
+                "--optim-state bf16 sets the dtype of AdamW's moments; Adafactor keeps f32 row \
+                 and column statistics (already O(rows + cols) per matrix): drop \
+                 --optim-state, or train with --optimizer adamw"
+                    .into(),
+            ));
+        }
         if self.parallel.cp > 1 && self.model.dropout > 0.0 {
             return Err(PretrainError::Config(format!(
                 "--cp {} with --dropout {}: dropout on the attention probabilities takes the \
@@ -280,6 +331,17 @@ impl PretrainConfig {
         self.parallel.check_batch(self.batch_size, self.accum)?;
         self.data.check()?;
         Ok(())
+    }
+
+    /// The optimizer state the run keeps, as the memory estimate counts it.
+    pub fn optimizer_state(&self) -> wildfire_models::memory::OptimizerState {
+        use wildfire_models::memory::OptimizerState as O;
+        match self.optimizer {
+            OptimizerKind::Adamw => O::AdamW {
+                moment_bytes: self.optim_state.moments().bytes(),
+            },
+            OptimizerKind::Adafactor => O::Adafactor,
+        }
     }
 
     /// The learning-rate schedule: linear warmup, then cosine decay to a tenth (nanoGPT).

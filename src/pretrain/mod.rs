@@ -13,7 +13,7 @@ mod cuda;
 mod error;
 
 pub use crate::plot::plot_losses;
-pub use config::{Collectives, Launch, Precision, PretrainConfig};
+pub use config::{Collectives, Launch, OptimState, OptimizerKind, Precision, PretrainConfig};
 #[cfg(feature = "cuda")]
 pub use cuda::run_cuda;
 pub use error::PretrainError;
@@ -129,6 +129,7 @@ pub fn estimate(config: &PretrainConfig, model: &ModelConfig) -> MemoryEstimate 
         &config.parallel,
         config.batch_size,
         config.precision.reduced_dtype(),
+        config.optimizer_state(),
     )
 }
 

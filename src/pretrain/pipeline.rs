@@ -7,26 +7,39 @@
 
 use super::rank::{StepAt, Trainee};
 use super::*;
-use burn::optim::AdamW;
+use burn::optim::SimpleOptimizer;
 use wildfire_engine::StepRecord;
 use wildfire_models::gpt::cross_entropy;
 use wildfire_models::llama::init_llama_stages;
 use wildfire_models::parallelize::init_gpt_stages;
 use wildfire_models::stage::{StageInput, TrainableStage, generate_staged, stage_pass};
+use wildfire_parallel::StateCodec;
 use wildfire_parallel::pipeline::{Schedule, StagePasses, gather_stage_parameters};
 
 type A<B> = Autodiff<Distributed<B>>;
 
-/// A rank's stages, in chunk order, with their stage numbers, optimizers and schedule.
-pub(super) struct Stages<B: FusedOps, S: TrainableStage<B>> {
+/// A rank's stages, in chunk order, with their stage numbers, optimizers (each stage's own
+/// `X`) and schedule.
+pub(super) struct Stages<B: FusedOps, S: TrainableStage<B>, X: StageStep<B>> {
     chunks: Vec<S>,
     /// Chunk `c` is stage `c·p + r`.
     numbers: Vec<usize>,
-    optims: Vec<StageOptimizer<B, S>>,
+    optims: Vec<StageOptimizer<B, S, X>>,
     schedule: Schedule,
 }
 
-type StageOptimizer<B, S> = FsdpOptimizer<burn::optim::adaptor::OptimizerAdaptor<AdamW, S, A<B>>>;
+type StageOptimizer<B, S, X> = FsdpOptimizer<burn::optim::adaptor::OptimizerAdaptor<X, S, A<B>>>;
+
+/// A per-tensor optimizer step a stage can train with and checkpoint.
+pub(super) trait StageStep<B: FusedOps>:
+    SimpleOptimizer<Distributed<B>> + StateCodec<Distributed<B>> + Clone
+{
+}
+
+impl<B: FusedOps, X> StageStep<B> for X where
+    X: SimpleOptimizer<Distributed<B>> + StateCodec<Distributed<B>> + Clone
+{
+}
 
 impl RankRun<'_> {
     /// Train this rank's stages of the model (see the module docs): the plan splits the blocks
@@ -50,21 +63,43 @@ impl RankRun<'_> {
         }
     }
 
-    /// `chunks` (stage number, stage) trained under `schedule` with AdamW (β₂ 0.95, the
-    /// configured weight decay) per stage.
+    /// `chunks` (stage number, stage) trained under `schedule` with the run's optimizer per
+    /// stage: Burn's AdamW (β₂ 0.95, the configured weight decay), the fused AdamW for bf16
+    /// moments (the step's clipping and skip decided by the pipeline runner before it), or
+    /// Adafactor.
     fn train_stages<B: FusedOps, S: TrainableStage<B>>(
         &self,
         device: &DistDevice<B>,
         chunks: Vec<(usize, S)>,
         schedule: Schedule,
     ) -> Result<RunSummary, PretrainError> {
-        let adamw = AdamWConfig::new()
-            .with_beta_2(0.95)
-            .with_weight_decay(self.config.weight_decay as f32);
-        let optims = chunks
-            .iter()
-            .map(|_| FsdpOptimizer::new(adamw.init::<A<B>, S>()))
-            .collect();
+        match (self.config.optimizer, self.config.optim_state) {
+            (OptimizerKind::Adafactor, _) => {
+                let adafactor = self.adafactor();
+                self.train_stages_with(device, chunks, schedule, || adafactor.init())
+            }
+            (OptimizerKind::Adamw, OptimState::F32) => {
+                let adamw = self.adamw();
+                self.train_stages_with(device, chunks, schedule, || adamw.init())
+            }
+            (OptimizerKind::Adamw, OptimState::Bf16) => {
+                let fused = self.fused_adamw();
+                self.train_stages_with(device, chunks, schedule, || {
+                    wildfire_engine::FusedAdamW::<B>::optimizer::<S>(fused).0
+                })
+            }
+        }
+    }
+
+    /// [`RankRun::train_stages`] with an optimizer per stage from `optim`.
+    fn train_stages_with<B: FusedOps, S: TrainableStage<B>, X: StageStep<B>>(
+        &self,
+        device: &DistDevice<B>,
+        chunks: Vec<(usize, S)>,
+        schedule: Schedule,
+        optim: impl Fn() -> burn::optim::adaptor::OptimizerAdaptor<X, S, A<B>>,
+    ) -> Result<RunSummary, PretrainError> {
+        let optims = chunks.iter().map(|_| FsdpOptimizer::new(optim())).collect();
         let (numbers, chunks) = chunks.into_iter().unzip();
         let microbatches = schedule.microbatches();
         let stages = Stages {
@@ -77,7 +112,7 @@ impl RankRun<'_> {
     }
 }
 
-impl<B: FusedOps, S: TrainableStage<B>> Trainee<B> for Stages<B, S> {
+impl<B: FusedOps, S: TrainableStage<B>, X: StageStep<B>> Trainee<B> for Stages<B, S, X> {
     /// This rank's part of the schedule ([`StepRunner::run_pipeline`]); the loss is the mesh's.
     fn step(
         &mut self,
@@ -123,7 +158,7 @@ impl<B: FusedOps, S: TrainableStage<B>> Trainee<B> for Stages<B, S> {
             let name = move |path: &str| wildfire_models::stage::stage_param_name(first, path);
             *chunk = weights.load_model_named(chunk.clone(), &name)?;
             if optimizer {
-                let record = weights.load_optimizer_named::<A<B>, _, AdamW>(chunk, &name)?;
+                let record = weights.load_optimizer_named::<A<B>, _, X>(chunk, &name)?;
                 *optim = optim.clone().load_record(record);
             }
         }
@@ -188,7 +223,7 @@ impl<B: FusedOps, S: TrainableStage<B>> Trainee<B> for Stages<B, S> {
     }
 }
 
-impl<B: FusedOps, S: TrainableStage<B>> Stages<B, S> {
+impl<B: FusedOps, S: TrainableStage<B>, X: StageStep<B>> Stages<B, S, X> {
     /// Forward-only passes through this rank's stages, and the stages without autodiff.
     fn passes<'a>(
         &'a self,

@@ -57,35 +57,61 @@ impl RankRun<'_> {
         }
     }
 
-    /// `model` trained with AdamW (β₂ 0.95, the configured weight decay): on backends with
-    /// kernels the fused optimizer tail (one unscale + Σg² + overflow kernel per gradient, one
-    /// AdamW kernel per parameter), elsewhere Burn's AdamW; both under `FsdpOptimizer`.
+    /// `model` trained with the run's optimizer under `FsdpOptimizer`: AdamW (β₂ 0.95, the
+    /// configured weight decay) — on backends with kernels, or with bf16 moments, the fused
+    /// optimizer tail (one unscale + Σg² + overflow pass per gradient, one AdamW pass per
+    /// parameter; Burn-op defaults where the backend has no kernels), elsewhere Burn's AdamW —
+    /// or Adafactor.
     fn train_model<B: FusedOps, M: DistributedLm<B>>(
         &self,
         device: &DistDevice<B>,
         model: M,
     ) -> Result<RunSummary, PretrainError> {
-        let weight_decay = self.config.weight_decay;
         let accum = self.config.accum;
-        if B::FUSED.optimizer {
-            let (adamw, inputs) = wildfire_engine::FusedAdamW::<B>::optimizer::<M>(
-                wildfire_engine::FusedAdamWConfig {
-                    beta1: 0.9,
-                    beta2: 0.95,
-                    epsilon: 1e-5, // Burn's AdamW default
-                    weight_decay,
-                },
-            );
-            let whole = Whole::new(model, FsdpOptimizer::new(adamw), Some(inputs));
-            self.train_loop(device, whole, accum)
-        } else {
-            let adamw = AdamWConfig::new()
-                .with_beta_2(0.95)
-                .with_weight_decay(weight_decay as f32)
-                .init::<A<B>, M>();
-            let whole = Whole::new(model, FsdpOptimizer::new(adamw), None);
-            self.train_loop(device, whole, accum)
+        match self.config.optimizer {
+            OptimizerKind::Adafactor => {
+                let adafactor = self.adafactor().init::<A<B>, M>();
+                let whole = Whole::new(model, FsdpOptimizer::new(adafactor), None);
+                self.train_loop(device, whole, accum)
+            }
+            OptimizerKind::Adamw
+                if B::FUSED.optimizer || self.config.optim_state != OptimState::F32 =>
+            {
+                let (adamw, inputs) =
+                    wildfire_engine::FusedAdamW::<B>::optimizer::<M>(self.fused_adamw());
+                let whole = Whole::new(model, FsdpOptimizer::new(adamw), Some(inputs));
+                self.train_loop(device, whole, accum)
+            }
+            OptimizerKind::Adamw => {
+                let adamw = self.adamw().init::<A<B>, M>();
+                let whole = Whole::new(model, FsdpOptimizer::new(adamw), None);
+                self.train_loop(device, whole, accum)
+            }
         }
+    }
+
+    /// Burn's AdamW with the run's hyper-parameters (β₂ 0.95, ε 1e-5).
+    pub(super) fn adamw(&self) -> AdamWConfig {
+        AdamWConfig::new()
+            .with_beta_2(0.95)
+            .with_weight_decay(self.config.weight_decay as f32)
+    }
+
+    /// The fused AdamW with the same hyper-parameters as [`RankRun::adamw`], its moments in
+    /// `--optim-state`'s dtype.
+    pub(super) fn fused_adamw(&self) -> wildfire_engine::FusedAdamWConfig {
+        wildfire_engine::FusedAdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            epsilon: 1e-5, // Burn's AdamW default
+            weight_decay: self.config.weight_decay,
+            moments: self.config.optim_state.moments(),
+        }
+    }
+
+    /// Adafactor (PyTorch's defaults) with the run's weight decay.
+    pub(super) fn adafactor(&self) -> wildfire_engine::AdafactorConfig {
+        wildfire_engine::AdafactorConfig::new().with_weight_decay(self.config.weight_decay)
     }
 
     /// The training loop, whatever the rank trains (the whole model, or its pipeline stages):

@@ -338,6 +338,7 @@ fn one_host_read_per_step() {
                 beta2: 0.999,
                 epsilon: 1e-5,
                 weight_decay: 1e-4,
+                ..FusedAdamWConfig::default()
             });
             let mut m = sharded_mlp(&device, &mesh, [4, 8, 3], 1, strategy);
             let mut optim = FsdpOptimizer::new(adamw);
@@ -429,6 +430,7 @@ fn fused_optimizer_tail_follows_burn_adamw() {
                 beta2: 0.999,
                 epsilon: 1e-5,
                 weight_decay: 1e-4,
+                ..FusedAdamWConfig::default()
             });
             let (mut m, mut optim) = (model(), FsdpOptimizer::new(adamw));
             let mut step = StepRunner::new(config, scaler());

@@ -356,3 +356,125 @@ fn adafactor_state_round_trips_the_distributed_checkpoint_across_layouts() {
     }
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+/// One matrix parameter, for stepping an optimizer with gradients the test chooses.
+#[derive(Module, Debug)]
+struct OneMatrix<B: Backend> {
+    w: Param<Tensor<B, 2>>,
+}
+
+/// The gradient of step `s`, element `i`: signs and four decades of magnitude mixed, so the
+/// moments span many bf16 exponents.
+fn chosen_grad(s: usize, i: usize) -> f32 {
+    ((i as f32 * 0.37 + s as f32 * 1.3).sin()) * 10f32.powi((i % 5) as i32 - 3)
+}
+
+/// AdamW with bf16 moments (`MomentDtype::Bf16`) against the update written out on the host in
+/// f32, step by step from the device's previous state: the moments widened,
+/// `m ← β₁m + (1−β₁)g`, `v ← β₂v + (1−β₂)g²`, the bias-corrected step with decoupled weight
+/// decay in f32, then the moments rounded to the nearest bf16. Six steps on a 6 × 700 matrix:
+/// each step's parameter within 1e-6 of its scale, every moment within one bf16 step of the
+/// reference's and nearly all equal (an f32 rounding apart can flip one). The kept moments are
+/// bf16 tensors (their bytes are asserted by the pretraining estimate tests), where the f32
+/// setting keeps f32 moments that are not all bf16 values.
+#[test]
+fn bf16_adamw_moments_follow_the_rounded_formula() {
+    use burn::optim::adaptor::OptimizerAdaptor;
+    use burn::tensor::{DType, bf16};
+    use wildfire::engine::{FusedAdamW, FusedAdamWConfig, MomentDtype};
+    const STEPS: usize = 6;
+    const LR: f64 = 1e-2;
+    let (rows, cols) = (6, 700);
+    let n = rows * cols;
+    let init: Vec<f32> = (0..n)
+        .map(|i| ((i * 7919) % 1000) as f32 / 1000.0 - 0.5)
+        .collect();
+    let config = FusedAdamWConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        epsilon: 1e-5,
+        weight_decay: 0.1,
+        moments: MomentDtype::Bf16,
+    };
+    let mesh = DeviceMesh::new([("dp", 1)]).unwrap();
+    // Per step: the parameter and the two moments, and the moments' dtypes.
+    type Trace = Vec<([Vec<f32>; 3], [DType; 2])>;
+    let out = threads(&mesh, |device| {
+        let run = |moments: MomentDtype| -> Trace {
+            let w =
+                Tensor::<Dist, 2>::from_data(TensorData::new(init.clone(), [rows, cols]), &device);
+            let mut m = OneMatrix {
+                w: Param::from_tensor(w),
+            };
+            let (adamw, _) =
+                FusedAdamW::<burn::backend::Flex>::optimizer::<OneMatrix<Dist>>(FusedAdamWConfig {
+                    moments,
+                    ..config
+                });
+            let mut optim: OptimizerAdaptor<_, _, Dist> = adamw;
+            let f32s = |t: Tensor<_, 2>| t.into_data().convert::<f32>().to_vec::<f32>().unwrap();
+            (0..STEPS)
+                .map(|s| {
+                    let g: Vec<f32> = (0..n).map(|i| chosen_grad(s, i)).collect();
+                    let g = Tensor::<Dist, 2>::from_data(TensorData::new(g, [rows, cols]), &device);
+                    let loss = (m.w.val() * g).sum();
+                    let grads = GradientsParams::from_grads(loss.backward(), &m);
+                    m = optim.step(LR, m.clone(), grads);
+                    let record = optim.to_record().remove(&m.w.id).unwrap();
+                    let state = record.into_state::<2>().momentum;
+                    let (m1, m2) = (state.moment_1, state.moment_2);
+                    let dtypes = [m1.dtype(), m2.dtype()];
+                    ([f32s(m.w.val().inner()), f32s(m1), f32s(m2)], dtypes)
+                })
+                .collect()
+        };
+        (run(MomentDtype::Bf16), run(MomentDtype::F32))
+    });
+    let (trace, trace_f32) = &out[0];
+    let round = |x: f32| bf16::from_f32(x).to_f32();
+    let (b1, b2, eps, wd) = (0.9f64, 0.95f64, 1e-5f64, 0.1f64);
+    let (mut p, mut rm, mut rv) = (init.clone(), vec![0f32; n], vec![0f32; n]);
+    let mut equal = 0;
+    for (s, ([w, m1, m2], dtypes)) in trace.iter().enumerate() {
+        assert_eq!(dtypes, &[DType::BF16, DType::BF16], "step {s}");
+        assert!(m1.iter().chain(m2).all(|&x| round(x) == x), "step {s}");
+        // The host's step from the device's previous state.
+        let t = (s + 1) as i32;
+        let (c1, c2) = ((1.0 - b1.powi(t)) as f32, (1.0 - b2.powi(t)) as f32);
+        let (mut ep, mut em, mut ev) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        // One bf16 step of the sum's terms: where `β·old` and `(1−β)·new` nearly cancel, an
+        // f32 rounding apart is a larger share of the result.
+        let (mut m_terms, mut v_terms) = (vec![0f32; n], vec![0f32; n]);
+        for i in 0..n {
+            let g = chosen_grad(s, i);
+            let (m_old, m_new) = (rm[i] * b1 as f32, g * (1.0 - b1) as f32);
+            let (v_old, v_new) = (rv[i] * b2 as f32, g * g * (1.0 - b2) as f32);
+            let (m, v) = (m_old + m_new, v_old + v_new);
+            m_terms[i] = m_old.abs() + m_new.abs();
+            v_terms[i] = v_old + v_new;
+            let step = (m / c1) / ((v / c2).sqrt() + eps as f32);
+            ep[i] = p[i] * (1.0 - LR * wd) as f32 - step * LR as f32;
+            (em[i], ev[i]) = (round(m), round(v));
+        }
+        close(&format!("step {s}: parameter"), w, &ep);
+        for (what, got, expected, terms) in [("m", m1, &em, &m_terms), ("v", m2, &ev, &v_terms)] {
+            for (i, (a, b)) in got.iter().zip(expected.iter()).enumerate() {
+                assert!(
+                    (a - b).abs() <= terms[i] / 128.0,
+                    "step {s}: {what}[{i}]: {a} vs {b}: more than one bf16 step apart"
+                );
+                equal += usize::from(a == b);
+            }
+        }
+        (p, rm, rv) = (w.clone(), m1.clone(), m2.clone());
+    }
+    let total = 2 * n * STEPS;
+    assert!(
+        equal >= total * 99 / 100,
+        "{equal} of {total} moments equal"
+    );
+    for (s, ([_, m1, _], dtypes)) in trace_f32.iter().enumerate() {
+        assert_eq!(dtypes, &[DType::F32, DType::F32], "step {s}");
+        assert!(m1.iter().any(|&x| round(x) != x), "step {s}");
+    }
+}

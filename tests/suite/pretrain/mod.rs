@@ -8,6 +8,7 @@ mod config;
 mod learning;
 mod llama;
 mod moe;
+mod optimizers;
 mod overlap;
 mod pipeline;
 

@@ -1,0 +1,168 @@
+//! The optimizer flags: `--optimizer adafactor` and `--optim-state bf16` (AdamW's moments in
+//! bf16) train every layout as one rank does, resume bitwise on the saving layout and follow the
+//! straight run on another, keep exactly the state bytes the estimate gives, and a combination
+//! that means nothing is refused before any work.
+
+use super::*;
+use crate::suite::losses_close_f32;
+use wildfire::pretrain::{OptimState, OptimizerKind};
+
+fn with(optimizer: OptimizerKind, optim_state: OptimState, steps: usize) -> PretrainConfig {
+    PretrainConfig {
+        optimizer,
+        optim_state,
+        ..small(steps)
+    }
+}
+
+/// The two settings beyond f32 AdamW.
+const COMPACT: [(OptimizerKind, OptimState); 2] = [
+    (OptimizerKind::Adafactor, OptimState::F32),
+    (OptimizerKind::Adamw, OptimState::Bf16),
+];
+
+/// ZeRO-1, FSDP with full recomputation, tp 2, dp 2 × tp 2 FSDP, pp 2 (1F1B, two
+/// micro-batches) and dp 2 × pp 2 follow one rank step by step (losses, validation losses,
+/// gradient norms, every parameter within 1e-4 of the tensor's scale), for Adafactor and for
+/// AdamW with bf16 moments; and each differs from f32 AdamW (the flag reaches the optimizer).
+#[test]
+fn compact_optimizers_shard_like_one_rank() {
+    let adamw = run(&small(8)).unwrap();
+    for (optimizer, state) in COMPACT {
+        let one = run(&with(optimizer, state, 8)).unwrap();
+        assert_ne!(
+            losses(&one)[7],
+            losses(&adamw)[7],
+            "{optimizer:?} {state:?} trains like f32 AdamW"
+        );
+        let layouts = [
+            ParallelConfig::layout(2, 1, FsdpStrategy::ShardOptimizer, None),
+            ParallelConfig {
+                recompute: Recompute::Full,
+                ..ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None)
+            },
+            ParallelConfig::layout(1, 2, FsdpStrategy::NoShard, None),
+            ParallelConfig::layout(2, 2, FsdpStrategy::FullShard, None),
+            ParallelConfig {
+                pp: 2,
+                microbatches: 2,
+                ..ParallelConfig::default()
+            },
+            ParallelConfig {
+                pp: 2,
+                microbatches: 2,
+                ..ParallelConfig::layout(2, 1, FsdpStrategy::ShardOptimizer, None)
+            },
+        ];
+        for parallel in layouts {
+            let what = format!(
+                "{optimizer:?} {state:?} dp {} tp {} pp {} {:?}",
+                parallel.dp, parallel.tp, parallel.pp, parallel.fsdp
+            );
+            let many = run(&PretrainConfig {
+                parallel,
+                ..with(optimizer, state, 8)
+            })
+            .unwrap();
+            same_run(&what, &many, &one, 1e-4);
+        }
+    }
+}
+
+/// The optimizer-state bytes are the estimate's, from the decorator's accounting: bf16 moments
+/// 4 bytes per parameter on one rank (half of f32's 8), Adafactor a row and a column statistic
+/// per matrix; and under DDP, ZeRO-2, FSDP, tp 2 and dp 2 × tp 2 (Adafactor's column statistics
+/// replicated over the data ranks, its row statistics split with the rows).
+#[test]
+fn compact_optimizer_state_bytes_are_the_estimate() {
+    let adamw = run(&small(1)).unwrap().steps[0].optim_bytes;
+    let bf16 = run(&with(OptimizerKind::Adamw, OptimState::Bf16, 1)).unwrap();
+    assert_eq!(2 * bf16.steps[0].optim_bytes, adamw);
+    let adafactor = run(&with(OptimizerKind::Adafactor, OptimState::F32, 1)).unwrap();
+    assert!(
+        adafactor.steps[0].optim_bytes * 4 < adamw,
+        "Adafactor {} vs AdamW {adamw}",
+        adafactor.steps[0].optim_bytes
+    );
+    for (optimizer, state) in COMPACT {
+        estimate_matches_the_accounting(&with(optimizer, state, 1));
+    }
+}
+
+/// Saved at step 4 and resumed to step 8: bitwise the straight run on the saving layout (dp 2
+/// FullShard), and within 1e-4 of it on dp 1 and on tp 2 (the state resharded; bf16 moments
+/// saved as bf16). A run resumed with another moment dtype goes on (the first step widens what
+/// it loaded).
+#[test]
+fn compact_optimizers_resume() {
+    let saving = ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None);
+    for (optimizer, state) in COMPACT {
+        let config = |parallel: &ParallelConfig, steps| PretrainConfig {
+            parallel: parallel.clone(),
+            ..with(optimizer, state, steps)
+        };
+        let straight = run(&config(&saving, 8)).unwrap();
+        let dir = scratch(&format!("resume-{optimizer:?}-{state:?}"));
+        let first = run(&PretrainConfig {
+            save: Some(dir.clone()),
+            ..config(&saving, 4)
+        })
+        .unwrap();
+        for parallel in [
+            saving.clone(),
+            ParallelConfig::default(),
+            ParallelConfig::layout(1, 2, FsdpStrategy::NoShard, None),
+        ] {
+            let what = format!(
+                "{optimizer:?} {state:?} resumed on dp {} tp {}",
+                parallel.dp, parallel.tp
+            );
+            let resumed = run(&PretrainConfig {
+                resume: Some(dir.clone()),
+                ..config(&parallel, 8)
+            })
+            .unwrap();
+            if parallel == saving {
+                assert_eq!(
+                    bits(&resumed_losses(&first, &resumed)),
+                    bits(&losses(&straight)),
+                    "{what}"
+                );
+                same_bits(&what, &resumed.parameters, &straight.parameters);
+            } else {
+                losses_close_f32(
+                    &what,
+                    &resumed_losses(&first, &resumed),
+                    &losses(&straight),
+                    1e-4,
+                );
+                tensors_close(&what, &resumed.parameters, &straight.parameters, 1e-4);
+            }
+        }
+    }
+    // f32 moments saved, resumed with bf16 moments.
+    let dir = scratch("resume-moment-dtype");
+    run(&PretrainConfig {
+        save: Some(dir.clone()),
+        ..small(4)
+    })
+    .unwrap();
+    let resumed = run(&PretrainConfig {
+        resume: Some(dir),
+        ..with(OptimizerKind::Adamw, OptimState::Bf16, 8)
+    })
+    .unwrap();
+    assert_eq!(resumed.steps.len(), 4);
+    assert!(resumed.steps.iter().all(|s| s.loss.is_finite()));
+}
+
+/// `--optim-state bf16` with Adafactor (whose statistics are f32) is a typed error before any
+/// work.
+#[test]
+fn meaningless_optimizer_combinations_are_refused() {
+    let err = run(&with(OptimizerKind::Adafactor, OptimState::Bf16, 1)).unwrap_err();
+    assert!(
+        matches!(&err, PretrainError::Config(m) if m.contains("--optim-state")),
+        "{err}"
+    );
+}
