@@ -23,12 +23,23 @@ const COMPACT: [(OptimizerKind, OptimState); 2] = [
 
 /// ZeRO-1, FSDP with full recomputation, tp 2, dp 2 × tp 2 FSDP, pp 2 (1F1B, two
 /// micro-batches) and dp 2 × pp 2 follow one rank step by step (losses, validation losses,
-/// gradient norms, every parameter within 1e-4 of the tensor's scale), for Adafactor and for
-/// AdamW with bf16 moments; and each differs from f32 AdamW (the flag reaches the optimizer).
+/// gradient norms, every parameter) for Adafactor and for AdamW with bf16 moments; and each
+/// differs from f32 AdamW (the flag reaches the optimizer).
+///
+/// Adafactor within 1e-4 (as f32 AdamW in `sharded_runs_match_one_rank`: a bias still near
+/// zero after 8 steps, scale 7e-6, differs by 1e-5 of it). bf16 moments within 1e-3 of the tensor's scale: they keep 8
+/// significant bits, so the last-bit differences of f32 gradients reduced in another order
+/// (which f32 AdamW follows within 1e-5) can round a moment to the neighbouring bf16 value, a
+/// 2⁻⁸ change of that element's step. The update itself is checked against its formula, step by
+/// step, in `bf16_adamw_moments_follow_the_rounded_formula`.
 #[test]
 fn compact_optimizers_shard_like_one_rank() {
     let adamw = run(&small(8)).unwrap();
     for (optimizer, state) in COMPACT {
+        let tol = match state {
+            OptimState::Bf16 => 1e-3,
+            OptimState::F32 => 1e-4,
+        };
         let one = run(&with(optimizer, state, 8)).unwrap();
         assert_ne!(
             losses(&one)[7],
@@ -64,7 +75,7 @@ fn compact_optimizers_shard_like_one_rank() {
                 ..with(optimizer, state, 8)
             })
             .unwrap();
-            same_run(&what, &many, &one, 1e-4);
+            same_run(&what, &many, &one, tol);
         }
     }
 }
