@@ -219,27 +219,18 @@ impl<B: Backend> StateCodec<B> for Adafactor {
     fn encode<const D: usize>(state: Self::State<D>) -> Result<EncodedState<B>, String> {
         let mut tensors = vec![float(state.row)];
         tensors.extend(state.col.map(float));
-        Ok(EncodedState {
-            steps: state.time,
-            tensors,
-        })
+        Ok(EncodedState::all(state.time, tensors))
     }
 
     fn decode<const D: usize>(state: EncodedState<B>) -> Result<Self::State<D>, String> {
-        let want = if D >= 2 { 2 } else { 1 };
-        if state.tensors.len() != want {
-            return Err(format!(
-                "Adafactor keeps {want} state tensors for a rank-{D} parameter, the checkpoint \
-                 gave {}",
-                state.tensors.len()
-            ));
-        }
+        let names: &[&str] = if D >= 2 { &["row", "col"] } else { &["second"] };
+        let time = state.steps;
         let mut tensors = state
-            .tensors
+            .require(&format!("Adafactor (a rank-{D} parameter)"), names)?
             .into_iter()
             .map(|t| Tensor::<B, D>::from_primitive(TensorPrimitive::Float(t)));
         Ok(AdafactorState {
-            time: state.steps,
+            time,
             row: tensors.next().expect("counted"),
             col: tensors.next(),
         })

@@ -7,6 +7,7 @@ mod error;
 pub mod fused_tail;
 pub mod grad_check;
 pub mod metrics;
+pub mod muon;
 pub mod pipeline;
 pub mod recompute;
 pub mod report;
@@ -20,6 +21,7 @@ pub use fused_tail::{
     FusedAdamW, FusedAdamWConfig, FusedAdamWOptimizer, MomentDtype, TailInputs, fused_unscale_check,
 };
 pub use grad_check::{GradCheck, unscale_check_clip};
+pub use muon::{Muon, MuonConfig, MuonLr, MuonOptimizer, MuonState};
 pub use pipeline::PipelineRecord;
 pub use recompute::{AttentionSpec, Recompute, Recomputer, attention_reference, dropout_mask};
 pub use scaler::{DynamicLossScaler, LossScalerConfig, StepDecision};

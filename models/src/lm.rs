@@ -107,6 +107,16 @@ impl<B: FusedOps, M> DistributedLm<B> for M where
 
 type Ad<B> = burn::backend::Autodiff<Distributed<B>>;
 
+/// Whether the parameter at `path` (the whole model's, or a pipeline stage's) is a table: the
+/// token or position embedding, or the output head (`wte`, `wpe`, `embed_tokens`, `lm_head` in
+/// both families). Muon leaves them to AdamW.
+pub fn is_table(path: &str) -> bool {
+    matches!(
+        path.split('.').next(),
+        Some("wte" | "wpe" | "embed_tokens" | "lm_head")
+    )
+}
+
 /// Mean cross-entropy of `logits` `[b, t, vocab]` against `targets` `[b, t]`: the fused kernel
 /// where the backend has one (loss and log-sum-exp in one pass over the logits, the backward
 /// writing their gradient in one more, never materialising the probabilities), Burn's otherwise.

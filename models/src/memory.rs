@@ -32,6 +32,9 @@ pub enum OptimizerState {
     /// stacked `[E, n, m]` keeps `E·(n + m)`), a vector's whole second moment. Under data
     /// sharding the row statistic is split with the rows and the column statistic replicated.
     Adafactor,
+    /// Muon: one f32 momentum buffer shaped like each hidden matrix; AdamW's two f32 moments for
+    /// the tables and vectors.
+    Muon,
 }
 
 impl Default for OptimizerState {
@@ -63,7 +66,8 @@ pub struct MemoryEstimate {
 }
 
 /// One parameter tensor on a tensor-parallel rank: `[rows, cols]` of its local piece (`cols`
-/// the product of the dims past the first; `cols == 1` a vector), `last` its last dim.
+/// the product of the dims past the first; `cols == 1` a vector), `last` its last dim; `table`
+/// an embedding or the head.
 /// `experts`: a stacked expert weight `[E, cols / last, last]`, its rows the experts, split over
 /// the expert axis before the data-parallel sharding nests inside.
 struct Local {
@@ -71,6 +75,7 @@ struct Local {
     cols: usize,
     last: usize,
     experts: bool,
+    table: bool,
 }
 
 impl Local {
@@ -113,6 +118,10 @@ impl Local {
                 4 * rows * (self.cols / self.last + self.last)
             }
             OptimizerState::Adafactor => 4 * (rows + self.cols),
+            OptimizerState::Muon if self.table || (self.cols == 1 && !self.experts) => {
+                8 * rows * self.cols
+            }
+            OptimizerState::Muon => 4 * rows * self.cols,
         }
     }
 }
@@ -151,8 +160,13 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
         cols,
         last: cols,
         experts: false,
+        table: false,
     };
-    let mut pieces = vec![whole(v / t, d)];
+    let table = |rows, cols| Local {
+        table: true,
+        ..whole(rows, cols)
+    };
+    let mut pieces = vec![table(v / t, d)];
     for layer in 0..model.n_layer {
         pieces.extend([
             whole(d, 1), // input_layernorm γ
@@ -178,6 +192,7 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
                         cols: d * f / t,
                         last,
                         experts: true,
+                        table: false,
                     });
                 }
                 for _ in 0..m.config.shared_experts {
@@ -188,7 +203,7 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
     }
     pieces.push(whole(d, 1)); // norm γ
     if !model.tie_embeddings {
-        pieces.push(whole(v / t, d));
+        pieces.push(table(v / t, d));
     }
     pieces
 }
@@ -201,8 +216,13 @@ fn gpt_pieces(model: &GptConfig, t: usize) -> Vec<Local> {
         cols,
         last: cols,
         experts: false,
+        table: false,
     };
-    let mut pieces = vec![whole(v / t, d), whole(s, d)];
+    let table = |rows, cols| Local {
+        table: true,
+        ..whole(rows, cols)
+    };
+    let mut pieces = vec![table(v / t, d), table(s, d)];
     for _ in 0..model.n_layer {
         pieces.extend([
             whole(d, 1), // ln_1 γ, β

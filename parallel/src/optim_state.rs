@@ -68,8 +68,42 @@ impl StateSpec {
 pub struct EncodedState<B: Backend> {
     /// The optimizer steps this parameter has taken.
     pub steps: usize,
-    /// The state tensors (each any rank; `Distributed`'s are distributed tensors).
-    pub tensors: Vec<FloatTensor<B>>,
+    /// The state tensors (each any rank; `Distributed`'s are distributed tensors); `None` for a
+    /// spec this parameter does not keep (Muon keeps a momentum for a hidden matrix, AdamW's
+    /// moments for a table: its specs name both, each parameter fills in one kind). A
+    /// checkpoint stores only the present ones, and a loader gives `None` for a spec the
+    /// checkpoint does not hold.
+    pub tensors: Vec<Option<FloatTensor<B>>>,
+}
+
+impl<B: Backend> EncodedState<B> {
+    /// A state that keeps every spec's tensor.
+    pub fn all(steps: usize, tensors: Vec<FloatTensor<B>>) -> Self {
+        Self {
+            steps,
+            tensors: tensors.into_iter().map(Some).collect(),
+        }
+    }
+
+    /// Every spec's tensor (`names`, in spec order), or an error naming the first one missing
+    /// (`what`: the optimizer) — a checkpoint whose state is of another optimizer.
+    pub fn require(self, what: &str, names: &[&str]) -> Result<Vec<FloatTensor<B>>, String> {
+        if self.tensors.len() != names.len() {
+            return Err(format!(
+                "{what} keeps {} state tensors ({}), the checkpoint gave {}",
+                names.len(),
+                names.join(", "),
+                self.tensors.len()
+            ));
+        }
+        self.tensors
+            .into_iter()
+            .zip(names)
+            .map(|(t, name)| {
+                t.ok_or_else(|| format!("{what}'s state tensor {name} is not in the checkpoint"))
+            })
+            .collect()
+    }
 }
 
 /// An optimizer whose per-parameter state is a step count and named tensors.
@@ -124,26 +158,24 @@ pub fn encode_adamw<B: Backend, const D: usize>(
     if m.max_moment_2.is_some() {
         return Err("AMSGrad's maximum second moment is not part of the saved state".into());
     }
-    Ok(EncodedState {
-        steps: m.time,
-        tensors: vec![float(m.moment_1), float(m.moment_2)],
-    })
+    Ok(EncodedState::all(
+        m.time,
+        vec![float(m.moment_1), float(m.moment_2)],
+    ))
 }
 
 /// AdamW's record from its two tensors.
 pub fn decode_adamw<B: Backend, const D: usize>(
     state: EncodedState<B>,
 ) -> Result<AdamWState<B, D>, String> {
-    let [moment_1, moment_2]: [FloatTensor<B>; 2] =
-        state.tensors.try_into().map_err(|t: Vec<_>| {
-            format!(
-                "AdamW keeps 2 state tensors, the checkpoint gave {}",
-                t.len()
-            )
-        })?;
+    let time = state.steps;
+    let [moment_1, moment_2]: [FloatTensor<B>; 2] = state
+        .require("AdamW", &["moment_1", "moment_2"])?
+        .try_into()
+        .map_err(|_| "counted".to_string())?;
     Ok(AdamWState {
         momentum: AdaptiveMomentumState {
-            time: state.steps,
+            time,
             moment_1: tensor(moment_1),
             moment_2: tensor(moment_2),
             max_moment_2: None,

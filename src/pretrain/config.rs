@@ -49,9 +49,12 @@ pub struct PretrainConfig {
     /// Decoupled weight decay (AdamW's; Adafactor's too).
     #[arg(long, default_value_t = 0.1, help_heading = "Training")]
     pub weight_decay: f64,
-    /// The optimizer: adamw (β = (0.9, 0.95), ε 1e-5) or adafactor (PyTorch's
+    /// The optimizer: adamw (β = (0.9, 0.95), ε 1e-5); adafactor (PyTorch's
     /// `torch.optim.Adafactor`: a matrix's second moment kept as a row and a column statistic,
-    /// no first moment, the relative step capped by the learning rate).
+    /// no first moment, the relative step capped by the learning rate); or muon (PyTorch's
+    /// `torch.optim.Muon` on the hidden matrices, momentum 0.95, Nesterov, five Newton–Schulz
+    /// steps on the whole matrix, Moonlight's learning-rate match so `--lr` serves both halves;
+    /// AdamW on the token/position tables, the head, norms and biases).
     #[serde(default)]
     #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw, help_heading = "Training")]
     pub optimizer: OptimizerKind,
@@ -210,6 +213,9 @@ pub enum OptimizerKind {
     Adamw,
     /// Adafactor ([`wildfire_engine::Adafactor`]).
     Adafactor,
+    /// Muon for the hidden matrices, AdamW for the tables and vectors
+    /// ([`wildfire_engine::MuonOptimizer`]).
+    Muon,
 }
 
 /// The dtype AdamW keeps its moments in (`--optim-state`).
@@ -312,13 +318,15 @@ impl PretrainConfig {
         if self.steps == 0 {
             return Err(PretrainError::Config("--steps must be at least 1".into()));
         }
-        if self.optimizer == OptimizerKind::Adafactor && self.optim_state != OptimState::F32 {
-            return Err(PretrainError::Config(
-                "--optim-state bf16 sets the dtype of AdamW's moments; Adafactor keeps f32 row \
-                 and column statistics (already O(rows + cols) per matrix): drop \
-                 --optim-state, or train with --optimizer adamw"
-                    .into(),
-            ));
+        if self.optimizer != OptimizerKind::Adamw && self.optim_state != OptimState::F32 {
+            return Err(PretrainError::Config(format!(
+                "--optim-state bf16 sets the dtype of AdamW's moments; --optimizer {} keeps f32 \
+                 state: drop --optim-state, or train with --optimizer adamw",
+                match self.optimizer {
+                    OptimizerKind::Adafactor => "adafactor",
+                    _ => "muon",
+                }
+            )));
         }
         if self.parallel.cp > 1 && self.model.dropout > 0.0 {
             return Err(PretrainError::Config(format!(
@@ -341,6 +349,7 @@ impl PretrainConfig {
                 moment_bytes: self.optim_state.moments().bytes(),
             },
             OptimizerKind::Adafactor => O::Adafactor,
+            OptimizerKind::Muon => O::Muon,
         }
     }
 

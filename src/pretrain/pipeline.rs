@@ -7,7 +7,7 @@
 
 use super::rank::{StepAt, Trainee};
 use super::*;
-use burn::optim::SimpleOptimizer;
+use burn::optim::record::AdaptorRecord;
 use wildfire_engine::StepRecord;
 use wildfire_models::gpt::cross_entropy;
 use wildfire_models::llama::init_llama_stages;
@@ -19,25 +19,29 @@ use wildfire_parallel::pipeline::{Schedule, StagePasses, gather_stage_parameters
 type A<B> = Autodiff<Distributed<B>>;
 
 /// A rank's stages, in chunk order, with their stage numbers, optimizers (each stage's own
-/// `X`) and schedule.
-pub(super) struct Stages<B: FusedOps, S: TrainableStage<B>, X: StageStep<B>> {
+/// `O`, whose per-tensor state is `X`'s) and schedule.
+pub(super) struct Stages<B: FusedOps, S: TrainableStage<B>, X, O> {
     chunks: Vec<S>,
     /// Chunk `c` is stage `c·p + r`.
     numbers: Vec<usize>,
-    optims: Vec<StageOptimizer<B, S, X>>,
+    optims: Vec<FsdpOptimizer<O>>,
     schedule: Schedule,
+    codec: std::marker::PhantomData<(B, X)>,
 }
 
-type StageOptimizer<B, S, X> = FsdpOptimizer<burn::optim::adaptor::OptimizerAdaptor<X, S, A<B>>>;
-
-/// A per-tensor optimizer step a stage can train with and checkpoint.
-pub(super) trait StageStep<B: FusedOps>:
-    SimpleOptimizer<Distributed<B>> + StateCodec<Distributed<B>> + Clone
+/// An optimizer a stage can train with and checkpoint: its record is Burn's adaptor record of a
+/// per-tensor step `X` whose state the checkpoint can encode.
+pub(super) trait StageOptimizer<B: FusedOps, S: TrainableStage<B>, X: StateCodec<Distributed<B>>>:
+    Optimizer<S, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>> + Clone
 {
 }
 
-impl<B: FusedOps, X> StageStep<B> for X where
-    X: SimpleOptimizer<Distributed<B>> + StateCodec<Distributed<B>> + Clone
+impl<B, S, X, O> StageOptimizer<B, S, X> for O
+where
+    B: FusedOps,
+    S: TrainableStage<B>,
+    X: StateCodec<Distributed<B>>,
+    O: Optimizer<S, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>> + Clone,
 {
 }
 
@@ -76,30 +80,46 @@ impl RankRun<'_> {
         match (self.config.optimizer, self.config.optim_state) {
             (OptimizerKind::Adafactor, _) => {
                 let adafactor = self.adafactor();
-                self.train_stages_with(device, chunks, schedule, || adafactor.init())
+                self.train_stages_with(device, chunks, schedule, |_| Ok(adafactor.init()))
+            }
+            (OptimizerKind::Muon, _) => {
+                let muon = self.muon();
+                self.train_stages_with(device, chunks, schedule, |stage| {
+                    muon.init::<B, S>(stage, wildfire_models::is_table)
+                        .map_err(PretrainError::Config)
+                })
             }
             (OptimizerKind::Adamw, OptimState::F32) => {
                 let adamw = self.adamw();
-                self.train_stages_with(device, chunks, schedule, || adamw.init())
+                self.train_stages_with(device, chunks, schedule, |_| Ok(adamw.init()))
             }
             (OptimizerKind::Adamw, OptimState::Bf16) => {
                 let fused = self.fused_adamw();
-                self.train_stages_with(device, chunks, schedule, || {
-                    wildfire_engine::FusedAdamW::<B>::optimizer::<S>(fused).0
+                self.train_stages_with(device, chunks, schedule, |_| {
+                    Ok(wildfire_engine::FusedAdamW::<B>::optimizer::<S>(fused).0)
                 })
             }
         }
     }
 
     /// [`RankRun::train_stages`] with an optimizer per stage from `optim`.
-    fn train_stages_with<B: FusedOps, S: TrainableStage<B>, X: StageStep<B>>(
+    fn train_stages_with<B, S, X, O>(
         &self,
         device: &DistDevice<B>,
         chunks: Vec<(usize, S)>,
         schedule: Schedule,
-        optim: impl Fn() -> burn::optim::adaptor::OptimizerAdaptor<X, S, A<B>>,
-    ) -> Result<RunSummary, PretrainError> {
-        let optims = chunks.iter().map(|_| FsdpOptimizer::new(optim())).collect();
+        optim: impl Fn(&S) -> Result<O, PretrainError>,
+    ) -> Result<RunSummary, PretrainError>
+    where
+        B: FusedOps,
+        S: TrainableStage<B>,
+        X: StateCodec<Distributed<B>>,
+        O: StageOptimizer<B, S, X>,
+    {
+        let optims = chunks
+            .iter()
+            .map(|(_, stage)| optim(stage).map(FsdpOptimizer::new))
+            .collect::<Result<_, _>>()?;
         let (numbers, chunks) = chunks.into_iter().unzip();
         let microbatches = schedule.microbatches();
         let stages = Stages {
@@ -107,12 +127,19 @@ impl RankRun<'_> {
             numbers,
             optims,
             schedule,
+            codec: std::marker::PhantomData,
         };
         self.train_loop(device, stages, microbatches)
     }
 }
 
-impl<B: FusedOps, S: TrainableStage<B>, X: StageStep<B>> Trainee<B> for Stages<B, S, X> {
+impl<B, S, X, O> Trainee<B> for Stages<B, S, X, O>
+where
+    B: FusedOps,
+    S: TrainableStage<B>,
+    X: StateCodec<Distributed<B>>,
+    O: StageOptimizer<B, S, X>,
+{
     /// This rank's part of the schedule ([`StepRunner::run_pipeline`]); the loss is the mesh's.
     fn step(
         &mut self,
@@ -223,7 +250,7 @@ impl<B: FusedOps, S: TrainableStage<B>, X: StageStep<B>> Trainee<B> for Stages<B
     }
 }
 
-impl<B: FusedOps, S: TrainableStage<B>, X: StageStep<B>> Stages<B, S, X> {
+impl<B: FusedOps, S: TrainableStage<B>, X, O> Stages<B, S, X, O> {
     /// Forward-only passes through this rank's stages, and the stages without autodiff.
     fn passes<'a>(
         &'a self,

@@ -61,7 +61,7 @@ impl RankRun<'_> {
     /// configured weight decay) — on backends with kernels, or with bf16 moments, the fused
     /// optimizer tail (one unscale + Σg² + overflow pass per gradient, one AdamW pass per
     /// parameter; Burn-op defaults where the backend has no kernels), elsewhere Burn's AdamW —
-    /// or Adafactor.
+    /// Adafactor, or Muon with AdamW for the tables and vectors.
     fn train_model<B: FusedOps, M: DistributedLm<B>>(
         &self,
         device: &DistDevice<B>,
@@ -72,6 +72,14 @@ impl RankRun<'_> {
             OptimizerKind::Adafactor => {
                 let adafactor = self.adafactor().init::<A<B>, M>();
                 let whole = Whole::new(model, FsdpOptimizer::new(adafactor), None);
+                self.train_loop(device, whole, accum)
+            }
+            OptimizerKind::Muon => {
+                let muon = self
+                    .muon()
+                    .init::<B, M>(&model, wildfire_models::is_table)
+                    .map_err(PretrainError::Config)?;
+                let whole = Whole::new(model, FsdpOptimizer::new(muon), None);
                 self.train_loop(device, whole, accum)
             }
             OptimizerKind::Adamw
@@ -106,6 +114,19 @@ impl RankRun<'_> {
             epsilon: 1e-5, // Burn's AdamW default
             weight_decay: self.config.weight_decay,
             moments: self.config.optim_state.moments(),
+        }
+    }
+
+    /// Muon (PyTorch's defaults) for the hidden matrices with Moonlight's learning-rate match
+    /// (`MuonLr::MatchRmsAdamw`: `--lr` and `--weight-decay` serve both halves), and the run's
+    /// AdamW (β₂ 0.95, ε 1e-5) for the tables and vectors.
+    pub(super) fn muon(&self) -> wildfire_engine::MuonConfig {
+        wildfire_engine::MuonConfig {
+            weight_decay: self.config.weight_decay,
+            adjust_lr: wildfire_engine::MuonLr::MatchRmsAdamw,
+            adamw_beta2: 0.95,
+            adamw_epsilon: 1e-5,
+            ..wildfire_engine::MuonConfig::default()
         }
     }
 

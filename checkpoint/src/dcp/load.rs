@@ -567,17 +567,25 @@ where
         };
         let t = dtensor(&param.clone().inner());
         let shape = t.global_shape().to_vec();
+        // A spec the checkpoint holds no tensor for is `None`: the codec decides whether the
+        // parameter needs it (Muon's parameters keep one kind of state each).
         let tensors = X::state_specs(&shape)
             .iter()
             .map(|spec| {
+                let key = state_key(&path, &spec.name);
+                if !self.checkpoint.meta.tensors.contains_key(&key) {
+                    return Ok(None);
+                }
                 let local = self.checkpoint.read_local(
                     &mut self.reader,
-                    &state_key(&path, &spec.name),
+                    &key,
                     &spec.shape.of(&shape),
                     t.device(),
                     &state_layout(&t, &spec.shape),
                 )?;
-                Ok(<B::InnerBackend as DistributedBackend>::from_dtensor(local))
+                Ok(Some(<B::InnerBackend as DistributedBackend>::from_dtensor(
+                    local,
+                )))
             })
             .collect::<Result<Vec<_>, Error>>()?;
         let state = X::decode::<D>(EncodedState {

@@ -269,6 +269,8 @@ where
         }
         self.snapshot.times.insert(path.clone(), state.steps);
         for (spec, tensor) in specs.iter().zip(&state.tensors) {
+            // A spec this parameter does not keep is not stored.
+            let Some(tensor) = tensor else { continue };
             let t = <B::InnerBackend as DistributedBackend>::dtensor(tensor);
             let want = spec.shape.of(&shape);
             if t.global_shape().to_vec() != want {

@@ -1,7 +1,7 @@
-//! The optimizer flags: `--optimizer adafactor` and `--optim-state bf16` (AdamW's moments in
-//! bf16) train every layout as one rank does, resume bitwise on the saving layout and follow the
-//! straight run on another, keep exactly the state bytes the estimate gives, and a combination
-//! that means nothing is refused before any work.
+//! The optimizer flags: `--optimizer adafactor`, `--optimizer muon` and `--optim-state bf16`
+//! (AdamW's moments in bf16) train every layout as one rank does, resume bitwise on the saving
+//! layout and follow the straight run on another, keep exactly the state bytes the estimate
+//! gives, and a combination that means nothing is refused before any work.
 
 use super::*;
 use crate::suite::losses_close_f32;
@@ -15,18 +15,20 @@ fn with(optimizer: OptimizerKind, optim_state: OptimState, steps: usize) -> Pret
     }
 }
 
-/// The two settings beyond f32 AdamW.
-const COMPACT: [(OptimizerKind, OptimState); 2] = [
+/// The settings beyond f32 AdamW.
+const COMPACT: [(OptimizerKind, OptimState); 3] = [
     (OptimizerKind::Adafactor, OptimState::F32),
+    (OptimizerKind::Muon, OptimState::F32),
     (OptimizerKind::Adamw, OptimState::Bf16),
 ];
 
 /// ZeRO-1, FSDP with full recomputation, tp 2, dp 2 × tp 2 FSDP, pp 2 (1F1B, two
 /// micro-batches) and dp 2 × pp 2 follow one rank step by step (losses, validation losses,
-/// gradient norms, every parameter) for Adafactor and for AdamW with bf16 moments; and each
-/// differs from f32 AdamW (the flag reaches the optimizer).
+/// gradient norms, every parameter) for Adafactor, for Muon (its Newton–Schulz iteration on the
+/// whole matrix gathered from the shards) and for AdamW with bf16 moments; and each differs
+/// from f32 AdamW (the flag reaches the optimizer).
 ///
-/// Adafactor within 1e-4 (as f32 AdamW in `sharded_runs_match_one_rank`: a bias still near
+/// Adafactor and Muon within 1e-4 (as f32 AdamW in `sharded_runs_match_one_rank`: a bias still near
 /// zero after 8 steps, scale 7e-6, differs by 1e-5 of it). bf16 moments within 1e-3 of the tensor's scale: they keep 8
 /// significant bits, so the last-bit differences of f32 gradients reduced in another order
 /// (which f32 AdamW follows within 1e-5) can round a moment to the neighbouring bf16 value, a
@@ -82,8 +84,9 @@ fn compact_optimizers_shard_like_one_rank() {
 
 /// The optimizer-state bytes are the estimate's, from the decorator's accounting: bf16 moments
 /// 4 bytes per parameter on one rank (half of f32's 8), Adafactor a row and a column statistic
-/// per matrix; and under DDP, ZeRO-2, FSDP, tp 2 and dp 2 × tp 2 (Adafactor's column statistics
-/// replicated over the data ranks, its row statistics split with the rows).
+/// per matrix, Muon one buffer per hidden matrix (AdamW's two for the tables and vectors); and
+/// under DDP, ZeRO-2, FSDP, tp 2 and dp 2 × tp 2 (Adafactor's column statistics replicated over
+/// the data ranks, its row statistics split with the rows).
 #[test]
 fn compact_optimizer_state_bytes_are_the_estimate() {
     let adamw = run(&small(1)).unwrap().steps[0].optim_bytes;
@@ -94,6 +97,12 @@ fn compact_optimizer_state_bytes_are_the_estimate() {
         adafactor.steps[0].optim_bytes * 4 < adamw,
         "Adafactor {} vs AdamW {adamw}",
         adafactor.steps[0].optim_bytes
+    );
+    let muon = run(&with(OptimizerKind::Muon, OptimState::F32, 1)).unwrap();
+    let muon = muon.steps[0].optim_bytes;
+    assert!(
+        muon < adamw && 2 * muon > adamw,
+        "Muon {muon} vs AdamW {adamw}"
     );
     for (optimizer, state) in COMPACT {
         estimate_matches_the_accounting(&with(optimizer, state, 1));
@@ -167,13 +176,32 @@ fn compact_optimizers_resume() {
     assert!(resumed.steps.iter().all(|s| s.loss.is_finite()));
 }
 
-/// `--optim-state bf16` with Adafactor (whose statistics are f32) is a typed error before any
-/// work.
+/// `--optim-state bf16` with Adafactor or Muon (whose state is f32) is a typed error before any
+/// work; so is resuming a checkpoint of one optimizer with another (its state is not there).
 #[test]
 fn meaningless_optimizer_combinations_are_refused() {
-    let err = run(&with(OptimizerKind::Adafactor, OptimState::Bf16, 1)).unwrap_err();
-    assert!(
-        matches!(&err, PretrainError::Config(m) if m.contains("--optim-state")),
-        "{err}"
-    );
+    for optimizer in [OptimizerKind::Adafactor, OptimizerKind::Muon] {
+        let err = run(&with(optimizer, OptimState::Bf16, 1)).unwrap_err();
+        assert!(
+            matches!(&err, PretrainError::Config(m) if m.contains("--optim-state")),
+            "{err}"
+        );
+    }
+    let dir = scratch("resume-other-optimizer");
+    run(&PretrainConfig {
+        save: Some(dir.clone()),
+        ..small(2)
+    })
+    .unwrap();
+    for optimizer in [OptimizerKind::Adafactor, OptimizerKind::Muon] {
+        let err = run(&PretrainConfig {
+            resume: Some(dir.clone()),
+            ..with(optimizer, OptimState::F32, 4)
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&err, PretrainError::Checkpoint { reason, .. } if reason.contains("not in the checkpoint")),
+            "{optimizer:?}: {err}"
+        );
+    }
 }
