@@ -111,6 +111,13 @@ type ScaleAndSkip<X> = (
 pub type FusedAdamWOptimizer<X, M> =
     OptimizerAdaptor<FusedAdamW<X>, M, burn::backend::Autodiff<Distributed<X>>>;
 
+impl<X: Backend> TailInputs<X> {
+    /// The clipping coefficient and the skip flag of the coming step, if the fused tail set them.
+    pub(crate) fn current(&self) -> Option<ScaleAndSkip<X>> {
+        self.inner.lock().unwrap().clone()
+    }
+}
+
 impl<X: Backend> Default for TailInputs<X> {
     fn default() -> Self {
         Self {

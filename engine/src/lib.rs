@@ -8,6 +8,7 @@ pub mod fused_tail;
 pub mod grad_check;
 pub mod metrics;
 pub mod muon;
+pub mod offload;
 pub mod pipeline;
 pub mod recompute;
 pub mod report;
@@ -22,6 +23,7 @@ pub use fused_tail::{
 };
 pub use grad_check::{GradCheck, unscale_check_clip};
 pub use muon::{Muon, MuonConfig, MuonLr, MuonOptimizer, MuonState};
+pub use offload::{OffloadAdamW, OffloadAdamWOptimizer, OffloadState};
 pub use pipeline::PipelineRecord;
 pub use recompute::{AttentionSpec, Recompute, Recomputer, attention_reference, dropout_mask};
 pub use scaler::{DynamicLossScaler, LossScalerConfig, StepDecision};

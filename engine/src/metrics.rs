@@ -28,8 +28,12 @@ pub struct StepMetrics {
     pub param_bytes: u64,
     /// Gradient bytes on this rank.
     pub grad_bytes: u64,
-    /// Optimizer-state bytes on this rank.
+    /// Optimizer-state bytes on this rank's device.
     pub optim_bytes: u64,
+    /// Bytes this rank holds in host memory for its training state (an offloaded optimizer's
+    /// moments).
+    #[serde(default)]
+    pub host_bytes: u64,
     /// Peak bytes of this rank's live distributed tensors during the step (the decorator's
     /// accounting; clones count once, views made by ops again: an upper bound).
     pub peak_bytes: u64,
@@ -215,6 +219,7 @@ impl StepWatch {
             param_bytes,
             grad_bytes: record.grad_bytes,
             optim_bytes: ctx.live_bytes().saturating_sub(param_bytes),
+            host_bytes: ctx.host_bytes(),
             peak_bytes: ctx.peak_bytes(),
             gathered_peak_bytes: ctx.peak_gathered_bytes(),
             process_peak_rss: peak_rss(),

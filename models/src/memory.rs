@@ -56,8 +56,11 @@ pub struct MemoryEstimate {
     pub param_bytes: usize,
     /// Gradient bytes.
     pub grad_bytes: usize,
-    /// Optimizer-state bytes (AdamW's two moments, or Adafactor's statistics).
+    /// Optimizer-state bytes on the device (AdamW's two moments, Adafactor's statistics,
+    /// Muon's buffers; none when offloaded).
     pub optim_bytes: usize,
+    /// Optimizer-state bytes in host memory (the moments of an offloaded optimizer).
+    pub host_bytes: usize,
     /// Activations kept for backward (this rank's share of the batch), in the compute dtype
     /// (the residual stream f32).
     pub activation_bytes: usize,
@@ -252,6 +255,7 @@ pub fn estimate(
     batch_size: usize,
     compute: Option<FloatDType>,
     optimizer: OptimizerState,
+    offload: bool,
 ) -> MemoryEstimate {
     use FsdpStrategy as S;
     let dims = parallel.dims();
@@ -284,15 +288,18 @@ pub fn estimate(
         ModelConfig::Gpt(c) => activation_bytes(c, parallel, rows, half),
         ModelConfig::Llama(c) => llama_activation_bytes(c, parallel, rows, half),
     };
+    // An offloaded optimizer's state is in host memory.
+    let on_device = if offload { 0 } else { o };
     MemoryEstimate {
         params: model.num_params(),
         params_per_tp_rank: local,
         shard_ranks: n,
         param_bytes: p,
         grad_bytes: g,
-        optim_bytes: o,
+        optim_bytes: on_device,
+        host_bytes: o - on_device,
         activation_bytes,
-        total_bytes: p + g + o + activation_bytes,
+        total_bytes: p + g + on_device + activation_bytes,
     }
 }
 
@@ -445,6 +452,7 @@ mod tests {
             8,
             None,
             OptimizerState::default(),
+            false,
         );
         assert_eq!(e.params_per_tp_rank, model.num_params());
         assert_eq!(e.param_bytes, 4 * model.num_params());
@@ -468,8 +476,9 @@ mod tests {
             b,
             Some(FloatDType::BF16),
             OptimizerState::default(),
+            false,
         );
-        let f32 = estimate(&model, &parallel, b, None, OptimizerState::default());
+        let f32 = estimate(&model, &parallel, b, None, OptimizerState::default(), false);
         assert_eq!(bf16.activation_bytes, at_16 + stream + s * b * v * 4);
         assert_eq!(f32.activation_bytes, 2 * at_16 + s * b * v * 8);
         assert_eq!(bf16.param_bytes, f32.param_bytes);

@@ -171,7 +171,45 @@ struct Accounting {
     /// The memory budget was crossed: it is not enforced again while the rank fails (its
     /// tensors are dropped as it unwinds), until the policy is set again.
     budget_crossed: AtomicBool,
+    /// Bytes this rank keeps in host memory for its training state (an offloaded optimizer's
+    /// moments: [`HostBytes`]), outside the device accounting above, and the peak.
+    host_bytes: AtomicI64,
+    peak_host_bytes: AtomicI64,
     counters: Mutex<OpCounters>,
+}
+
+/// Host memory a rank holds for its training state (an offloaded optimizer's moments), counted
+/// in [`RankContext::host_bytes`] while this lives.
+pub struct HostBytes {
+    bytes: i64,
+    ctx: Arc<RankContext>,
+}
+
+impl HostBytes {
+    /// Count `bytes` of host memory on `ctx`'s rank until this is dropped.
+    pub fn new(ctx: &Arc<RankContext>, bytes: usize) -> Self {
+        let bytes = bytes as i64;
+        let memory = &ctx.accounting;
+        let now = memory.host_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        memory.peak_host_bytes.fetch_max(now, Ordering::Relaxed);
+        Self {
+            bytes,
+            ctx: ctx.clone(),
+        }
+    }
+}
+
+impl Drop for HostBytes {
+    fn drop(&mut self) {
+        let memory = &self.ctx.accounting;
+        memory.host_bytes.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+impl std::fmt::Debug for HostBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HostBytes({})", self.bytes)
+    }
 }
 
 /// Where a rank is in the protocol of a training step.
@@ -520,6 +558,20 @@ impl RankContext {
     /// so this is an upper bound where the backend shares buffers between them.
     pub fn live_bytes(&self) -> u64 {
         self.accounting.live_bytes.load(Ordering::Relaxed).max(0) as u64
+    }
+
+    /// Bytes this rank holds in host memory for its training state ([`HostBytes`]: an offloaded
+    /// optimizer's moments), beside the device's [`Self::live_bytes`].
+    pub fn host_bytes(&self) -> u64 {
+        self.accounting.host_bytes.load(Ordering::Relaxed).max(0) as u64
+    }
+
+    /// The highest [`Self::host_bytes`] since the rank started.
+    pub fn peak_host_bytes(&self) -> u64 {
+        self.accounting
+            .peak_host_bytes
+            .load(Ordering::Relaxed)
+            .max(0) as u64
     }
 
     /// The highest [`Self::live_bytes`] since the last [`Self::reset_peak_bytes`].

@@ -81,7 +81,7 @@ pub use data_parallel::{
     sync_gradients,
 };
 pub use device::{
-    DeferredWeights, DistDevice, MemoryReport, OpCounters, PrefetchStats, RankContext,
+    DeferredWeights, DistDevice, HostBytes, MemoryReport, OpCounters, PrefetchStats, RankContext,
 };
 pub use dims::{CpLayout, CpRotate, ParallelDims};
 pub use error::{CollectiveKind, Error};

@@ -63,6 +63,11 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(long, value_enum, default_value_t = OptimState::F32, help_heading = "Training")]
     pub optim_state: OptimState,
+    /// Keep AdamW's moments in host memory and run its step there (optimizer: ZeRO-Offload);
+    /// the device holds the parameters, gradients and activations only.
+    #[serde(default)]
+    #[arg(long, value_enum, default_value_t = Offload::None, help_heading = "Training")]
+    pub offload: Offload,
     /// Clip the global gradient norm to this (0: off).
     #[arg(long, default_value_t = 1.0, help_heading = "Training")]
     pub clip: f64,
@@ -218,6 +223,17 @@ pub enum OptimizerKind {
     Muon,
 }
 
+/// What lives in host memory instead of the device (`--offload`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Offload {
+    /// Everything on the device.
+    #[default]
+    None,
+    /// AdamW's moments, and its step ([`wildfire_engine::OffloadAdamW`]).
+    Optimizer,
+}
+
 /// The dtype AdamW keeps its moments in (`--optim-state`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -317,6 +333,15 @@ impl PretrainConfig {
         }
         if self.steps == 0 {
             return Err(PretrainError::Config("--steps must be at least 1".into()));
+        }
+        if self.offload == Offload::Optimizer
+            && (self.optimizer != OptimizerKind::Adamw || self.optim_state != OptimState::F32)
+        {
+            return Err(PretrainError::Config(
+                "--offload optimizer runs AdamW's step on the host with f32 moments; train with \
+                 --optimizer adamw --optim-state f32, or without --offload"
+                    .into(),
+            ));
         }
         if self.optimizer != OptimizerKind::Adamw && self.optim_state != OptimState::F32 {
             return Err(PretrainError::Config(format!(

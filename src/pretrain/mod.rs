@@ -13,7 +13,9 @@ mod cuda;
 mod error;
 
 pub use crate::plot::plot_losses;
-pub use config::{Collectives, Launch, OptimState, OptimizerKind, Precision, PretrainConfig};
+pub use config::{
+    Collectives, Launch, Offload, OptimState, OptimizerKind, Precision, PretrainConfig,
+};
 #[cfg(feature = "cuda")]
 pub use cuda::run_cuda;
 pub use error::PretrainError;
@@ -130,6 +132,7 @@ pub fn estimate(config: &PretrainConfig, model: &ModelConfig) -> MemoryEstimate 
         config.batch_size,
         config.precision.reduced_dtype(),
         config.optimizer_state(),
+        config.offload == Offload::Optimizer,
     )
 }
 

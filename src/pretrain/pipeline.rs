@@ -89,6 +89,12 @@ impl RankRun<'_> {
                         .map_err(PretrainError::Config)
                 })
             }
+            (OptimizerKind::Adamw, _) if self.config.offload == Offload::Optimizer => {
+                let fused = self.fused_adamw();
+                self.train_stages_with(device, chunks, schedule, |_| {
+                    Ok(wildfire_engine::OffloadAdamW::<B>::optimizer::<S>(fused).0)
+                })
+            }
             (OptimizerKind::Adamw, OptimState::F32) => {
                 let adamw = self.adamw();
                 self.train_stages_with(device, chunks, schedule, |_| Ok(adamw.init()))

@@ -82,6 +82,12 @@ impl RankRun<'_> {
                 let whole = Whole::new(model, FsdpOptimizer::new(muon), None);
                 self.train_loop(device, whole, accum)
             }
+            OptimizerKind::Adamw if self.config.offload == Offload::Optimizer => {
+                let (adamw, inputs) =
+                    wildfire_engine::OffloadAdamW::<B>::optimizer::<M>(self.fused_adamw());
+                let whole = Whole::new(model, FsdpOptimizer::new(adamw), Some(inputs));
+                self.train_loop(device, whole, accum)
+            }
             OptimizerKind::Adamw
                 if B::FUSED.optimizer || self.config.optim_state != OptimState::F32 =>
             {

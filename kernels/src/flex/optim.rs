@@ -80,6 +80,44 @@ dispatch! {
     }
 }
 
+/// One AdamW step on host slices (parameter, gradient, moments; in place), chunks in parallel:
+/// the arithmetic of [`adamw`] (the same function per element), so a step on host buffers gives
+/// the Flex kernel's numbers bit for bit. `grad_scale` multiplies the gradient as it is read.
+pub fn adamw_host(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    grad_scale: f32,
+    s: AdamWStep,
+) {
+    assert!(
+        g.len() == p.len() && m.len() == p.len() && v.len() == p.len(),
+        "AdamW on host slices of different lengths"
+    );
+    let c = coefficients(s, grad_scale);
+    p.par_chunks_mut(CHUNK)
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
+        .zip(g.par_chunks(CHUNK))
+        .for_each(|(((p, m), v), g)| adamw_chunk(p, g, m, v, c));
+}
+
+/// The step's coefficients in f32.
+fn coefficients(s: AdamWStep, grad_scale: f32) -> Coefficients {
+    let t = s.step.max(1) as i32;
+    Coefficients {
+        beta1: s.beta1 as f32,
+        beta2: s.beta2 as f32,
+        decay: (1.0 - s.lr * s.weight_decay) as f32,
+        lr: s.lr as f32,
+        bc1: (1.0 - s.beta1.powi(t)) as f32,
+        bc2: (1.0 - s.beta2.powi(t)) as f32,
+        epsilon: s.epsilon as f32,
+        grad_scale,
+    }
+}
+
 /// The value of a `[1]` tensor.
 fn scalar(t: &FlexTensor) -> Option<f32> {
     contiguous(t)?.f32s().first().copied()
@@ -102,26 +140,16 @@ pub fn adamw(
     if scalar(&skip)? != 0.0 {
         return Some(AdamWState { param, m, v });
     }
-    let t = s.step.max(1) as i32;
-    let c = Coefficients {
-        beta1: s.beta1 as f32,
-        beta2: s.beta2 as f32,
-        decay: (1.0 - s.lr * s.weight_decay) as f32,
-        lr: s.lr as f32,
-        bc1: (1.0 - s.beta1.powi(t)) as f32,
-        bc2: (1.0 - s.beta2.powi(t)) as f32,
-        epsilon: s.epsilon as f32,
-        grad_scale: scalar(&grad_scale)?,
-    };
+    let grad_scale = scalar(&grad_scale)?;
     let grad = contiguous(&grad)?;
     let (mut param, mut m, mut v) = (owned(param)?, owned(m)?, owned(v)?);
-    let g = grad.f32s();
-    param
-        .storage_mut::<f32>()
-        .par_chunks_mut(CHUNK)
-        .zip(m.storage_mut::<f32>().par_chunks_mut(CHUNK))
-        .zip(v.storage_mut::<f32>().par_chunks_mut(CHUNK))
-        .zip(g.par_chunks(CHUNK))
-        .for_each(|(((p, m), v), g)| adamw_chunk(p, g, m, v, c));
+    adamw_host(
+        param.storage_mut::<f32>(),
+        grad.f32s(),
+        m.storage_mut::<f32>(),
+        v.storage_mut::<f32>(),
+        grad_scale,
+        s,
+    );
     Some(AdamWState { param, m, v })
 }

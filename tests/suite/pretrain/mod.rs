@@ -129,9 +129,10 @@ fn estimate_matches_the_accounting_on(base: &PretrainConfig, layouts: &[Parallel
         assert_eq!(summary.model.as_ref(), Some(&model));
         let e = estimate(&config, &model);
         let m = &summary.steps[0];
-        let estimated = [e.param_bytes, e.grad_bytes, e.optim_bytes].map(|b| b as u64);
+        let estimated =
+            [e.param_bytes, e.grad_bytes, e.optim_bytes, e.host_bytes].map(|b| b as u64);
         assert_eq!(
-            [m.param_bytes, m.grad_bytes, m.optim_bytes],
+            [m.param_bytes, m.grad_bytes, m.optim_bytes, m.host_bytes],
             estimated,
             "dp {dp} tp {tp} ep {ep} {fsdp:?}"
         );

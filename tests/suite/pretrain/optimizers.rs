@@ -5,7 +5,7 @@
 
 use super::*;
 use crate::suite::losses_close_f32;
-use wildfire::pretrain::{OptimState, OptimizerKind};
+use wildfire::pretrain::{Offload, OptimState, OptimizerKind};
 
 fn with(optimizer: OptimizerKind, optim_state: OptimState, steps: usize) -> PretrainConfig {
     PretrainConfig {
@@ -176,14 +176,159 @@ fn compact_optimizers_resume() {
     assert!(resumed.steps.iter().all(|s| s.loss.is_finite()));
 }
 
-/// `--optim-state bf16` with Adafactor or Muon (whose state is f32) is a typed error before any
-/// work; so is resuming a checkpoint of one optimizer with another (its state is not there).
+fn offloaded(config: PretrainConfig) -> PretrainConfig {
+    PretrainConfig {
+        offload: Offload::Optimizer,
+        ..config
+    }
+}
+
+/// `--offload optimizer` is the run without it, bit for bit, on one rank, dp 2 FSDP, ZeRO-1 and
+/// ZeRO-2 (the moments kept for the gradient's shard), tp 2 and dp 2 × tp 2: the host step is the
+/// Flex kernel's arithmetic. The device keeps no optimizer state (the accounting's optimizer
+/// bytes are 0) and the host holds exactly what the device held without offload; both are the
+/// estimate's. Pipeline stages (which step with Burn's AdamW without offload) follow within 1e-5.
+#[test]
+fn offloaded_optimizer_is_the_device_run_bitwise() {
+    for parallel in [
+        ParallelConfig::default(),
+        ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
+        ParallelConfig::layout(2, 1, FsdpStrategy::ShardOptimizer, None),
+        ParallelConfig::layout(2, 1, FsdpStrategy::ShardGradOp, None),
+        ParallelConfig::layout(1, 2, FsdpStrategy::NoShard, None),
+        ParallelConfig::layout(2, 2, FsdpStrategy::FullShard, None),
+    ] {
+        let what = format!("dp {} tp {} {:?}", parallel.dp, parallel.tp, parallel.fsdp);
+        let config = PretrainConfig {
+            parallel,
+            ..small(6)
+        };
+        let device = run(&config).unwrap();
+        let host = run(&offloaded(config.clone())).unwrap();
+        assert_eq!(bits(&losses(&host)), bits(&losses(&device)), "{what}");
+        same_bits(&what, &host.parameters, &device.parameters);
+        for (h, d) in pairs(&host.steps, &device.steps) {
+            assert_eq!(h.optim_bytes, 0, "{what}: optimizer bytes on the device");
+            assert_eq!(h.host_bytes, d.optim_bytes, "{what}: host bytes");
+            assert_eq!(d.host_bytes, 0, "{what}");
+        }
+        estimate_matches_the_accounting_on(&offloaded(small(1)), &[config.parallel]);
+    }
+    let pipelined = PretrainConfig {
+        parallel: ParallelConfig {
+            pp: 2,
+            microbatches: 2,
+            ..ParallelConfig::layout(2, 1, FsdpStrategy::ShardOptimizer, None)
+        },
+        ..small(6)
+    };
+    let device = run(&pipelined).unwrap();
+    let host = run(&offloaded(pipelined)).unwrap();
+    same_run("pp 2 offloaded", &host, &device, 1e-5);
+    assert!(host.steps.iter().all(|s| s.host_bytes > 0));
+}
+
+/// A checkpoint saved with the optimizer offloaded resumes without offload, and the other way
+/// round, bitwise the straight run (dp 2 FullShard saves; dp 2 FullShard and ZeRO-1 resume:
+/// the moments move between host and device, and between layouts).
+#[test]
+fn offloaded_optimizer_state_resumes_on_and_off_the_device() {
+    let saving = ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None);
+    let config = |parallel: &ParallelConfig, steps| PretrainConfig {
+        parallel: parallel.clone(),
+        ..small(steps)
+    };
+    let straight = run(&config(&saving, 8)).unwrap();
+    for (save_offloaded, resuming) in [
+        (true, saving.clone()),
+        (false, saving.clone()),
+        (
+            true,
+            ParallelConfig::layout(2, 1, FsdpStrategy::ShardOptimizer, None),
+        ),
+    ] {
+        let what = format!(
+            "saved offloaded {save_offloaded}, resumed {:?}",
+            resuming.fsdp
+        );
+        let dir = scratch(&format!("offload-{save_offloaded}-{:?}", resuming.fsdp));
+        let mut first = PretrainConfig {
+            save: Some(dir.clone()),
+            ..config(&saving, 4)
+        };
+        let mut second = PretrainConfig {
+            resume: Some(dir.clone()),
+            ..config(&resuming, 8)
+        };
+        if save_offloaded {
+            first = offloaded(first);
+        } else {
+            second = offloaded(second);
+        }
+        let first = run(&first).unwrap();
+        let resumed = run(&second).unwrap();
+        if resuming == saving {
+            assert_eq!(
+                bits(&resumed_losses(&first, &resumed)),
+                bits(&losses(&straight)),
+                "{what}"
+            );
+            same_bits(&what, &resumed.parameters, &straight.parameters);
+        } else {
+            losses_close_f32(
+                &what,
+                &resumed_losses(&first, &resumed),
+                &losses(&straight),
+                1e-5,
+            );
+            tensors_close(&what, &resumed.parameters, &straight.parameters, 1e-5);
+        }
+    }
+}
+
+/// On Wgpu (device buffers) the offloaded run follows the run with the optimizer on the
+/// device (the CubeCL AdamW kernel) within 1e-5: two implementations of one formula.
+#[cfg(feature = "wgpu")]
+#[test]
+fn offloaded_optimizer_on_wgpu_follows_the_device_optimizer() {
+    use wildfire::pretrain::run_on;
+    let device = Default::default();
+    for parallel in [
+        ParallelConfig::default(),
+        ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
+    ] {
+        let config = PretrainConfig {
+            parallel,
+            ..small(4)
+        };
+        let on_device = run_on::<burn::backend::Wgpu>(&config, &device).unwrap();
+        let on_host = run_on::<burn::backend::Wgpu>(&offloaded(config), &device).unwrap();
+        same_run("wgpu offloaded", &on_host, &on_device, 1e-5);
+        assert!(
+            on_host
+                .steps
+                .iter()
+                .all(|s| s.optim_bytes == 0 && s.host_bytes > 0)
+        );
+    }
+}
+
+/// `--optim-state bf16` with Adafactor or Muon (whose state is f32), and `--offload optimizer`
+/// with anything but f32 AdamW, are typed errors before any work; so is resuming a checkpoint of one optimizer with another (its state is not there).
 #[test]
 fn meaningless_optimizer_combinations_are_refused() {
     for optimizer in [OptimizerKind::Adafactor, OptimizerKind::Muon] {
         let err = run(&with(optimizer, OptimState::Bf16, 1)).unwrap_err();
         assert!(
             matches!(&err, PretrainError::Config(m) if m.contains("--optim-state")),
+            "{err}"
+        );
+    }
+    // The offloaded step is AdamW's with f32 moments.
+    for (optimizer, state) in COMPACT {
+        let err = run(&offloaded(with(optimizer, state, 1))).unwrap_err();
+        assert!(
+            matches!(&err, PretrainError::Config(m) if m.contains("--offload optimizer")),
             "{err}"
         );
     }

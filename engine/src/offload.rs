@@ -1,0 +1,346 @@
+//! AdamW with its state offloaded to host memory (ZeRO-Offload, Ren et al. 2021; FSDP2's
+//! `CPUOffloadPolicy` for the optimizer): each rank keeps the two moments of its shard of every
+//! parameter in host memory and runs the step there.
+//!
+//! Per parameter and step: the gradient's local piece (and the parameter's, on the gradient's
+//! layout: a shard under ZeRO and FSDP) is read to the host, the host AdamW updates the
+//! parameter and the moments in place
+//! ([`adamw_host`](wildfire_kernels::flex::optim::adamw_host): vectorised, chunks on rayon's
+//! threads, the very function Flex's fused AdamW kernel runs per element — so on Flex a run with
+//! the optimizer offloaded is bitwise the run without), and the new parameter piece is written back
+//! to the device. The device keeps no optimizer state: the decorator's accounting shows the
+//! moments in [`RankContext::host_bytes`](wildfire_parallel::RankContext::host_bytes) instead of
+//! its live bytes.
+//!
+//! The parameters themselves are the f32 masters and stay on the device (Wildfire's precision
+//! policy keeps f32 parameters and casts per op), so "offloading the master weights" is the
+//! parameters' own offload, not done here. The transfers are synchronous: they do not overlap
+//! the step's compute yet, and host buffers are plain (unpinned) memory.
+//!
+//! The clipping coefficient and the skip flag come from the fused tail
+//! ([`crate::fused_unscale_check`], through the shared [`TailInputs`]), read to the host once per
+//! parameter; without them (a pipeline stage, whose runner clips before the step) the step
+//! takes its gradient as given. The state is a [`StateCodec`] with AdamW's tensor names: a
+//! checkpoint saved with the optimizer offloaded resumes without, and the other way round.
+
+use std::sync::{Arc, Mutex};
+
+use burn::module::AutodiffModule;
+use burn::optim::SimpleOptimizer;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::prelude::*;
+use burn::record::{PrecisionSettings, Record};
+use burn::tensor::TensorPrimitive;
+use serde::{Deserialize, Serialize};
+use wildfire_kernels::AdamWStep;
+use wildfire_parallel::{
+    DTensor, DistDevice, Distributed, EncodedState, HostBytes, Layout, StateCodec, StateSpec,
+    dtensor,
+};
+
+use crate::fused_tail::{FusedAdamWConfig, TailInputs};
+
+/// AdamW stepped on the host, its moments in host memory (see the module docs).
+#[derive(Clone, Debug)]
+pub struct OffloadAdamW<X: Backend> {
+    config: FusedAdamWConfig,
+    inputs: TailInputs<X>,
+}
+
+/// [`OffloadAdamW`] as a Burn optimizer over `Autodiff<Distributed<X>>`.
+pub type OffloadAdamWOptimizer<X, M> =
+    OptimizerAdaptor<OffloadAdamW<X>, M, burn::backend::Autodiff<Distributed<X>>>;
+
+impl<X: Backend> OffloadAdamW<X> {
+    /// The Burn optimizer and the handle [`crate::fused_unscale_check`] fills before each step
+    /// (the moments' dtype of `config` must be f32: the host keeps f32 moments).
+    pub fn optimizer<M>(config: FusedAdamWConfig) -> (OffloadAdamWOptimizer<X, M>, TailInputs<X>)
+    where
+        M: AutodiffModule<burn::backend::Autodiff<Distributed<X>>>,
+    {
+        assert_eq!(
+            config.moments,
+            crate::MomentDtype::F32,
+            "the offloaded AdamW keeps f32 moments"
+        );
+        let inputs = TailInputs::default();
+        let optim = Self {
+            config,
+            inputs: inputs.clone(),
+        };
+        (OptimizerAdaptor::from(optim), inputs)
+    }
+}
+
+/// One parameter's moments in host memory: this rank's pieces (the padded local shape of
+/// `layout`), with what rebuilds them as distributed tensors for a checkpoint.
+pub struct HostMoments<X: Backend> {
+    m: Vec<f32>,
+    v: Vec<f32>,
+    local_shape: Vec<usize>,
+    global_shape: Vec<usize>,
+    layout: Layout,
+    device: DistDevice<X>,
+    _held: HostBytes,
+}
+
+impl<X: Backend> HostMoments<X> {
+    fn new(
+        m: Vec<f32>,
+        v: Vec<f32>,
+        local_shape: Vec<usize>,
+        global_shape: Vec<usize>,
+        layout: Layout,
+        device: DistDevice<X>,
+    ) -> Self {
+        let held = HostBytes::new(device.context(), 4 * (m.len() + v.len()));
+        Self {
+            m,
+            v,
+            local_shape,
+            global_shape,
+            layout,
+            device,
+            _held: held,
+        }
+    }
+
+    /// The moment `values` as a distributed tensor on the device (for a checkpoint).
+    fn upload(&self, values: &[f32]) -> DTensor<X> {
+        let local = X::float_from_data(
+            TensorData::new(values.to_vec(), self.local_shape.clone()),
+            self.device.inner(),
+        );
+        DTensor::from_local_padded(local, self.layout.clone(), &self.global_shape, &self.device)
+            .unwrap_or_else(|e| wildfire_parallel::internal::raise(e))
+    }
+}
+
+impl<X: Backend> Clone for HostMoments<X> {
+    fn clone(&self) -> Self {
+        Self::new(
+            self.m.clone(),
+            self.v.clone(),
+            self.local_shape.clone(),
+            self.global_shape.clone(),
+            self.layout.clone(),
+            self.device.clone(),
+        )
+    }
+}
+
+/// One parameter's offloaded AdamW state: its step count and its moments on the host (shared
+/// between a record's clones until one is stepped: copy on write).
+#[derive(Clone)]
+pub struct OffloadState<X: Backend, const D: usize> {
+    /// Steps taken.
+    pub time: usize,
+    moments: Arc<Mutex<HostMoments<X>>>,
+}
+
+/// [`OffloadState`] as plain data (Burn's record serialisation).
+#[derive(Clone, Serialize, Deserialize)]
+pub struct OffloadStateItem {
+    time: usize,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    local_shape: Vec<usize>,
+    global_shape: Vec<usize>,
+    layout: Layout,
+}
+
+impl<X: Backend, const D: usize> Record<Distributed<X>> for OffloadState<X, D> {
+    type Item<S: PrecisionSettings> = OffloadStateItem;
+
+    fn into_item<S: PrecisionSettings>(self) -> Self::Item<S> {
+        let h = self.moments.lock().unwrap();
+        OffloadStateItem {
+            time: self.time,
+            m: h.m.clone(),
+            v: h.v.clone(),
+            local_shape: h.local_shape.clone(),
+            global_shape: h.global_shape.clone(),
+            layout: h.layout.clone(),
+        }
+    }
+
+    fn from_item<S: PrecisionSettings>(item: Self::Item<S>, device: &DistDevice<X>) -> Self {
+        let moments = HostMoments::new(
+            item.m,
+            item.v,
+            item.local_shape,
+            item.global_shape,
+            item.layout,
+            device.clone(),
+        );
+        Self {
+            time: item.time,
+            moments: Arc::new(Mutex::new(moments)),
+        }
+    }
+}
+
+/// This rank's piece of `t` as f32 host values (one read from the device).
+fn to_host<X: Backend>(t: &DTensor<X>) -> Vec<f32> {
+    t.device().context().count_host_read();
+    let local = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(t.local().clone()));
+    local
+        .into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .expect("f32 values")
+}
+
+/// A `[1]` device scalar's value.
+fn scalar<X: Backend>(t: &X::FloatTensorPrimitive) -> f32 {
+    let t = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(t.clone()));
+    t.into_data().convert::<f32>().to_vec::<f32>().expect("f32")[0]
+}
+
+impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
+    type State<const D: usize> = OffloadState<X, D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: f64,
+        tensor: Tensor<Distributed<X>, D>,
+        grad: Tensor<Distributed<X>, D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<Distributed<X>, D>, Option<Self::State<D>>) {
+        // On the gradient's layout, as the fused AdamW: under ZeRO-1/2 a shard of a replicated
+        // parameter (sliced locally); the moments are kept for that piece.
+        let g = dtensor(&grad).clone();
+        let p = dtensor(&tensor).clone();
+        let p = if p.layout() == g.layout() {
+            p
+        } else {
+            p.redistribute(g.layout())
+                .unwrap_or_else(|e| wildfire_parallel::internal::raise(e))
+        };
+        let device = p.device().clone();
+        let local_shape = burn::tensor::TensorMetadata::shape(p.local()).to_vec();
+        let n: usize = local_shape.iter().product();
+        let time = state.as_ref().map_or(0, |s| s.time) + 1;
+        let moments = match state {
+            Some(s) => {
+                let h = s.moments.lock().unwrap();
+                if h.layout == *g.layout() && h.local_shape == local_shape {
+                    drop(h);
+                    s.moments
+                } else {
+                    // Moments loaded for another layout than the step's: bring them here once.
+                    let relaid = |t: DTensor<X>| {
+                        let t = t
+                            .redistribute(g.layout())
+                            .unwrap_or_else(|e| wildfire_parallel::internal::raise(e));
+                        to_host(&t)
+                    };
+                    let (m, v) = (relaid(h.upload(&h.m)), relaid(h.upload(&h.v)));
+                    Arc::new(Mutex::new(HostMoments::new(
+                        m,
+                        v,
+                        local_shape.clone(),
+                        g.global_shape().to_vec(),
+                        g.layout().clone(),
+                        device.clone(),
+                    )))
+                }
+            }
+            None => Arc::new(Mutex::new(HostMoments::new(
+                vec![0.0; n],
+                vec![0.0; n],
+                local_shape.clone(),
+                g.global_shape().to_vec(),
+                g.layout().clone(),
+                device.clone(),
+            ))),
+        };
+        let (scale, skip) = match self.inputs.current() {
+            Some((scale, skip)) => (scalar::<X>(&scale), scalar::<X>(&skip)),
+            None => (1.0, 0.0),
+        };
+        let state = OffloadState { time, moments };
+        if skip != 0.0 {
+            return (wrap(p), Some(state));
+        }
+        // Copy on write: a record's clone (a checkpoint snapshot) keeps the values it saw.
+        let moments = if Arc::strong_count(&state.moments) == 1 {
+            state.moments
+        } else {
+            Arc::new(Mutex::new(state.moments.lock().unwrap().clone()))
+        };
+        let (mut values, grad) = (to_host(&p), to_host(&g));
+        {
+            let mut h = moments.lock().unwrap();
+            let h = &mut *h;
+            wildfire_kernels::flex::optim::adamw_host(
+                &mut values,
+                &grad,
+                &mut h.m,
+                &mut h.v,
+                scale,
+                AdamWStep {
+                    lr,
+                    beta1: self.config.beta1,
+                    beta2: self.config.beta2,
+                    epsilon: self.config.epsilon,
+                    weight_decay: self.config.weight_decay,
+                    step: time as u32,
+                },
+            );
+        }
+        let local = X::float_from_data(TensorData::new(values, local_shape), device.inner());
+        let p = p.with_local(local);
+        (wrap(p), Some(OffloadState { time, moments }))
+    }
+
+    fn to_device<const D: usize>(state: Self::State<D>, _device: &DistDevice<X>) -> Self::State<D> {
+        state
+    }
+}
+
+fn wrap<X: Backend, const D: usize>(t: DTensor<X>) -> Tensor<Distributed<X>, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
+impl<X: Backend> StateCodec<Distributed<X>> for OffloadAdamW<X> {
+    fn state_specs(_shape: &[usize]) -> Vec<StateSpec> {
+        wildfire_parallel::adamw_specs()
+    }
+
+    /// The moments uploaded as distributed tensors on the layout they were kept for.
+    fn encode<const D: usize>(
+        state: Self::State<D>,
+    ) -> Result<EncodedState<Distributed<X>>, String> {
+        let h = state.moments.lock().unwrap();
+        Ok(EncodedState::all(
+            state.time,
+            vec![h.upload(&h.m), h.upload(&h.v)],
+        ))
+    }
+
+    /// The loaded moments read to the host (the checkpoint built them on the optimizer-state
+    /// layout; the first step brings them to its gradient's layout if that differs).
+    fn decode<const D: usize>(
+        state: EncodedState<Distributed<X>>,
+    ) -> Result<Self::State<D>, String> {
+        let time = state.steps;
+        let [m, v]: [DTensor<X>; 2] = state
+            .require("AdamW", &["moment_1", "moment_2"])?
+            .try_into()
+            .map_err(|_| "counted".to_string())?;
+        let local_shape = burn::tensor::TensorMetadata::shape(m.local()).to_vec();
+        let moments = HostMoments::new(
+            to_host(&m),
+            to_host(&v),
+            local_shape,
+            m.global_shape().to_vec(),
+            m.layout().clone(),
+            m.device().clone(),
+        );
+        Ok(OffloadState {
+            time,
+            moments: Arc::new(Mutex::new(moments)),
+        })
+    }
+}
