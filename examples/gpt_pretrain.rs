@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail};
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
 use wildfire::parallel::LaunchEnv;
-use wildfire::pretrain::{PretrainConfig, estimate, load_data, run};
+use wildfire::pretrain::{PlanMode, PretrainConfig, estimate, load_data, plan_on, run};
 
 /// Pretrain a GPT language model with Wildfire.
 #[derive(Parser, Debug)]
@@ -27,7 +27,8 @@ struct Args {
     /// on the command line win.
     #[arg(long, help_heading = "Run")]
     config: Option<std::path::PathBuf>,
-    /// Print the per-rank memory estimate and exit.
+    /// Print the per-rank memory estimate and exit; with `--plan auto`, the planner's candidates
+    /// for `--memory-budget` (each measured, see `--plan`) and its choice.
     #[arg(long, help_heading = "Run")]
     estimate: bool,
     /// Print the pipeline schedule of `--pp`, `--pp-schedule`, `--microbatches` and
@@ -103,6 +104,17 @@ fn main() -> Result<()> {
         return Ok(());
     }
     tracing::info!("config: {}", serde_json::to_string(&config)?);
+    if args.estimate && config.plan == PlanMode::Auto {
+        let plan = match args.backend.as_str() {
+            "flex" => plan_on::<burn::backend::Flex>(&config, &Default::default())?,
+            #[cfg(feature = "wgpu")]
+            "wgpu" => plan_on::<burn::backend::Wgpu>(&config, &Default::default())?,
+            other => bail!("--estimate --plan auto measures on flex or wgpu, not {other}"),
+        };
+        print!("{}", plan.table());
+        println!("chosen: {}", plan.choice().candidate.flags());
+        return Ok(());
+    }
     if args.estimate {
         let model = load_data(&config)?.model;
         println!(

@@ -4,6 +4,7 @@
 //! where a launched process sits ([`PretrainConfig::apply_launcher`]).
 
 use super::PretrainError;
+pub use super::plan::PlanMode;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use wildfire_engine::report::WarmupCosine;
@@ -92,10 +93,16 @@ pub struct PretrainConfig {
     #[arg(long, value_enum, default_value_t = Precision::F32, help_heading = "Parallelism")]
     pub grad_reduce: Precision,
     /// Per-rank budget on the bytes of live tensors (the decorator's accounting); a step that
-    /// needs more fails with a typed error naming the rank.
+    /// needs more fails with a typed error naming the rank. What `--plan auto` plans for.
     #[serde(default)]
     #[arg(long, help_heading = "Parallelism")]
     pub memory_budget: Option<u64>,
+    /// auto: choose the FSDP strategy, recomputation policy, AdamW moment dtype and optimizer
+    /// offload that fit `--memory-budget`, the fastest first (each measured on the model cut to
+    /// one and two blocks, extrapolated to its depth; `super::plan`); off: the flags as given.
+    #[serde(default)]
+    #[arg(long, value_enum, default_value_t = PlanMode::Off, help_heading = "Parallelism")]
+    pub plan: PlanMode,
     /// FSDP prefetch: parameter all-gathers kept in flight ahead of the one in use (issued on
     /// each rank's communication thread in the order the last step gathered them, so they run
     /// while the rank computes; FSDP2's default is one); 0: gather each parameter when it is

@@ -14,12 +14,13 @@ mod error;
 
 pub use crate::plot::plot_losses;
 pub use config::{
-    Collectives, Launch, Offload, OptimState, OptimizerKind, Precision, PretrainConfig,
+    Collectives, Launch, Offload, OptimState, OptimizerKind, PlanMode, Precision, PretrainConfig,
 };
 #[cfg(feature = "cuda")]
 pub use cuda::run_cuda;
 pub use error::PretrainError;
 pub(crate) use error::io_err;
+pub use plan::{Candidate, Plan, Predicted, plan_on};
 pub use wildfire_engine::metrics::{StepMetrics, mfu};
 pub use wildfire_models::memory::MemoryEstimate;
 
@@ -73,6 +74,8 @@ pub struct RunSummary {
     pub trace: Vec<(usize, Vec<wildfire_parallel::comm::TraceEvent>)>,
     /// What FSDP prefetch (`--prefetch`) did on this rank.
     pub prefetch: wildfire_parallel::PrefetchStats,
+    /// With `--plan auto`: the candidates and the one this run trained with.
+    pub plan: Option<Plan>,
 }
 
 impl RunSummary {
@@ -159,6 +162,22 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
 ) -> Result<RunSummary, PretrainError> {
     // 1. Configuration: refuse what cannot run before any work.
     config.check()?;
+    if config.plan == PlanMode::Auto {
+        let plan = plan_on::<B>(config, device)?;
+        let chosen = PretrainConfig {
+            plan: PlanMode::Off,
+            ..plan.choice().candidate.apply(config)
+        };
+        tracing::info!(
+            "--plan auto: {} (predicted peak {} bytes per rank)\n{}",
+            plan.choice().candidate.flags(),
+            plan.choice().peak_bytes,
+            plan.table()
+        );
+        let mut summary = run_on_with::<B, D>(&chosen, device, support)?;
+        summary.plan = Some(plan);
+        return Ok(summary);
+    }
     let job = JobSpec {
         mesh: config.parallel.mesh()?,
         launch: config.launch,
@@ -323,5 +342,6 @@ fn read_state(
 }
 
 mod pipeline;
+mod plan;
 mod rank;
 use rank::RankRun;

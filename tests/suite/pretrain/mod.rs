@@ -11,6 +11,7 @@ mod moe;
 mod optimizers;
 mod overlap;
 mod pipeline;
+mod plan;
 
 use crate::suite::{losses_close, pairs, tensors_close};
 use std::path::PathBuf;

@@ -1,0 +1,147 @@
+//! The optimizers side by side, one rank on this machine's CPU (Flex), in one run:
+//!
+//! 1. GPT-2 350M (24 layers, width 1024, context 1024, the GPT-2 vocabulary), batch 1 × 1024,
+//!    f32: for AdamW, AdamW with bf16 moments, Adafactor, Muon, and AdamW offloaded to the host,
+//!    the decorator's peak of live tensor bytes in a step, the device's and the host's
+//!    optimizer-state bytes after it, and the median step time of the steps after the first.
+//! 2. The `small` preset (4 layers, width 256, context 256; byte vocabulary) trained for a fixed
+//!    number of steps on the embedded corpus at one learning rate (AdamW's default, 1e-3; Muon
+//!    with Moonlight's learning-rate match, so the same rate serves it): the validation loss at
+//!    the end of each.
+//!
+//! Memory is exact (the accounting); step times on a 2-core CPU are a CPU's, not a GPU's.
+//!
+//! ```text
+//! cargo bench --bench optimizers [-- --steps 3 --train-steps 200]
+//! ```
+
+/// mimalloc, keeping freed memory for the next step, or `WILDFIRE_ALLOC=system` (see
+/// `wildfire::alloc`).
+#[global_allocator]
+static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
+
+use wildfire::models::{ModelFlags, Preset};
+use wildfire::pretrain::{Offload, OptimState, OptimizerKind, PretrainConfig, run};
+
+mod common;
+
+/// The settings compared: a name, the optimizer, its state dtype, the offload.
+const SETTINGS: [(&str, OptimizerKind, OptimState, Offload); 5] = [
+    (
+        "AdamW",
+        OptimizerKind::Adamw,
+        OptimState::F32,
+        Offload::None,
+    ),
+    (
+        "AdamW, bf16 moments",
+        OptimizerKind::Adamw,
+        OptimState::Bf16,
+        Offload::None,
+    ),
+    (
+        "Adafactor",
+        OptimizerKind::Adafactor,
+        OptimState::F32,
+        Offload::None,
+    ),
+    ("Muon", OptimizerKind::Muon, OptimState::F32, Offload::None),
+    (
+        "AdamW, offloaded",
+        OptimizerKind::Adamw,
+        OptimState::F32,
+        Offload::Optimizer,
+    ),
+];
+
+fn with(
+    base: &PretrainConfig,
+    setting: &(&str, OptimizerKind, OptimState, Offload),
+) -> PretrainConfig {
+    PretrainConfig {
+        optimizer: setting.1,
+        optim_state: setting.2,
+        offload: setting.3,
+        ..base.clone()
+    }
+}
+
+fn main() {
+    wildfire::alloc::keep_freed_memory();
+    // A smoke run (`cargo test --all-targets`): the tiny preset, two steps.
+    let smoke = common::smoke();
+    let steps: usize = common::arg("--steps").unwrap_or(if smoke { 2 } else { 3 });
+    let train_steps: usize = common::arg("--train-steps").unwrap_or(if smoke { 2 } else { 200 });
+    let (preset, bytes, block) = if smoke {
+        (Preset::Tiny, true, 64)
+    } else {
+        (Preset::Gpt2_350m, false, 1024)
+    };
+    let big = PretrainConfig {
+        data: common::corpus(bytes),
+        model: ModelFlags {
+            preset,
+            block_size: Some(block),
+            ..PretrainConfig::quiet().model
+        },
+        batch_size: 1,
+        steps,
+        gather_parameters: false,
+        ..PretrainConfig::quiet()
+    };
+    println!(
+        "{preset:?}, batch 1 x {block}, f32, one rank (Flex, this CPU); {steps} steps, times the \
+         median after the first\n\n\
+         | optimizer | peak bytes | optimizer bytes, device | optimizer bytes, host | step (s) |\n\
+         |---|---|---|---|---|"
+    );
+    for setting in &SETTINGS {
+        let summary = run(&with(&big, setting)).expect("run");
+        let m = summary.steps.last().expect("a step ran");
+        let step_ms = common::median_step_ms(&summary, block);
+        println!(
+            "| {} | {:.2} GB | {:.2} GB | {:.2} GB | {:.1} |",
+            setting.0,
+            m.peak_bytes as f64 / 1e9,
+            m.optim_bytes as f64 / 1e9,
+            m.host_bytes as f64 / 1e9,
+            step_ms / 1e3,
+        );
+    }
+    let small = PretrainConfig {
+        data: common::corpus(true),
+        model: ModelFlags {
+            preset: if smoke { Preset::Tiny } else { Preset::Small },
+            ..PretrainConfig::quiet().model
+        },
+        steps: train_steps,
+        batch_size: 8,
+        warmup: train_steps / 10,
+        eval_every: train_steps,
+        eval_iters: 8,
+        gather_parameters: false,
+        ..PretrainConfig::quiet()
+    };
+    println!(
+        "\n{:?}, {train_steps} steps of batch 8 x {}, lr 1e-3 (warmup, cosine), weight decay \
+         0.1, embedded corpus (bytes)\n\n\
+         | optimizer | validation loss | train loss, last step |\n|---|---|---|",
+        small.model.preset,
+        small
+            .model
+            .resolve(256, None)
+            .expect("a model")
+            .block_size(),
+    );
+    for setting in &SETTINGS[..4] {
+        let summary = run(&with(&small, setting)).expect("run");
+        let last = summary.steps.last().expect("a step ran");
+        let val = summary
+            .steps
+            .iter()
+            .rev()
+            .find_map(|s| s.val_loss)
+            .expect("an evaluation");
+        println!("| {} | {val:.4} | {:.4} |", setting.0, last.loss);
+    }
+}

@@ -1,0 +1,329 @@
+//! The memory planner (`--plan auto`): which FSDP strategy, recomputation policy, AdamW moment
+//! dtype and optimizer offload fit a run into `--memory-budget` per rank, and the fastest of
+//! those that do.
+//!
+//! **Predicted by measuring, not by formula.** For each FSDP strategy × recomputation policy the
+//! planner runs two steps of the model cut to `p` and `2p` blocks (`p`: the block pattern's
+//! period, 1 for a GPT, `--moe-every` for a Llama with experts every few blocks) at the run's
+//! width, sequence, micro-batch, mesh and precision, on the run's backend, and reads the
+//! decorator's accounting: the peak of live tensor bytes in the second step (the optimizer state
+//! alive throughout) and the step time. Both grow with depth by the same amount per `p` blocks
+//! (each block adds its parameters, gradients, optimizer state and kept activations; the
+//! embeddings, head, logits and loss are there once), so the full depth's are the
+//! extrapolation `m(p) + (L/p − 1)·(m(2p) − m(p))`. The moment dtype and the offload change only
+//! the optimizer state's device bytes, which [`crate::pretrain::estimate`] counts exactly: their
+//! candidates are the measured ones shifted by that difference.
+//!
+//! A candidate **fits** when its predicted peak and a 5% margin ([`MARGIN`], the accuracy the
+//! tests hold the prediction to: measured within 2% for the tiny GPT) are within the budget,
+//! which the run then enforces.
+//!
+//! **Cheapest** is the levers in the order of what they cost: first the strategy and policy with
+//! the shortest predicted step among those that fit (f32 moments on the device); if none fits,
+//! the same with bf16 moments (numerics); then with the optimizer offloaded (host transfers
+//! each step). A budget nothing fits is a typed error naming the smallest predicted peak.
+
+use super::*;
+use serde::Serialize;
+use wildfire_models::parallelize::{FsdpStrategy, Recompute};
+
+/// The margin a fitting candidate keeps under the budget, as a fraction of its predicted peak.
+pub const MARGIN: f64 = 0.05;
+
+/// One configuration the planner considers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Candidate {
+    /// The FSDP strategy.
+    pub fsdp: FsdpStrategy,
+    /// The recomputation policy.
+    pub recompute: Recompute,
+    /// AdamW's moment dtype.
+    pub optim_state: OptimState,
+    /// Where the optimizer runs.
+    pub offload: Offload,
+}
+
+impl Candidate {
+    /// `config` with this candidate's choices.
+    pub fn apply(&self, config: &PretrainConfig) -> PretrainConfig {
+        let mut config = config.clone();
+        config.parallel.fsdp = self.fsdp;
+        config.parallel.recompute = self.recompute;
+        config.optim_state = self.optim_state;
+        config.offload = self.offload;
+        config
+    }
+
+    /// The flags that select it.
+    pub fn flags(&self) -> String {
+        let fsdp = match self.fsdp {
+            FsdpStrategy::NoShard => "none",
+            FsdpStrategy::ShardOptimizer => "zero1",
+            FsdpStrategy::ShardGradOp => "grad-op",
+            FsdpStrategy::FullShard => "full",
+            FsdpStrategy::Hybrid => "hybrid",
+        };
+        let recompute = match self.recompute {
+            Recompute::None => "none".to_string(),
+            Recompute::Selective => "selective".to_string(),
+            Recompute::Full => "full".to_string(),
+            Recompute::EveryNth(n) => format!("every-{n}"),
+        };
+        let state = match self.optim_state {
+            OptimState::F32 => "f32",
+            OptimState::Bf16 => "bf16",
+        };
+        let offload = match self.offload {
+            Offload::None => "none",
+            Offload::Optimizer => "optimizer",
+        };
+        format!("--fsdp {fsdp} --recompute {recompute} --optim-state {state} --offload {offload}")
+    }
+
+    /// The tier of what it gives up: 0 nothing, 1 bf16 moments, 2 the optimizer offloaded.
+    fn tier(&self) -> usize {
+        match (self.optim_state, self.offload) {
+            (OptimState::F32, Offload::None) => 0,
+            (OptimState::Bf16, _) => 1,
+            (_, Offload::Optimizer) => 2,
+        }
+    }
+}
+
+/// A candidate and what the planner predicts for it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Predicted {
+    /// The configuration.
+    pub candidate: Candidate,
+    /// Predicted peak of a rank's live device bytes in a step.
+    pub peak_bytes: u64,
+    /// Predicted host bytes (an offloaded optimizer's moments).
+    pub host_bytes: u64,
+    /// Predicted step time (seconds, on the measuring machine).
+    pub step_s: f64,
+    /// Whether it fits the budget.
+    pub fits: bool,
+}
+
+/// The planner's answer.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Plan {
+    /// The per-rank budget planned for.
+    pub budget: u64,
+    /// Every candidate, as measured and extrapolated.
+    pub candidates: Vec<Predicted>,
+    /// The index of the chosen one.
+    pub chosen: usize,
+}
+
+impl Predicted {
+    /// The smallest budget it fits: its predicted peak and the [`MARGIN`].
+    pub fn needs(&self) -> u64 {
+        (self.peak_bytes as f64 * (1.0 + MARGIN)).ceil() as u64
+    }
+}
+
+impl Plan {
+    /// The cheapest of `candidates` (their fits recomputed for `budget`): within the first tier
+    /// that has a fitting candidate (f32 moments on the device, then bf16 moments, then the
+    /// optimizer offloaded), the shortest predicted step. An error naming the smallest predicted
+    /// peak if none fits.
+    pub fn choose(mut candidates: Vec<Predicted>, budget: u64) -> Result<Plan, PretrainError> {
+        for c in &mut candidates {
+            c.fits = c.needs() <= budget;
+        }
+        let chosen = (0..3).find_map(|tier| {
+            candidates
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.fits && c.candidate.tier() == tier)
+                .min_by(|a, b| a.1.step_s.total_cmp(&b.1.step_s))
+                .map(|(i, _)| i)
+        });
+        let Some(chosen) = chosen else {
+            let smallest = candidates.iter().min_by_key(|c| c.needs()).ok_or_else(|| {
+                PretrainError::Config("--plan auto: no candidate to choose from".into())
+            })?;
+            return Err(PretrainError::Config(format!(
+                "no candidate fits --memory-budget {budget}: the smallest predicted per-rank \
+                 peak is {} bytes ({}), {} with the planner's 5% margin; raise the budget, add \
+                 data-parallel ranks, or shorten the micro-batch",
+                smallest.peak_bytes,
+                smallest.candidate.flags(),
+                smallest.needs()
+            )));
+        };
+        Ok(Plan {
+            budget,
+            candidates,
+            chosen,
+        })
+    }
+
+    /// The chosen candidate.
+    pub fn choice(&self) -> &Predicted {
+        &self.candidates[self.chosen]
+    }
+
+    /// The candidates as a markdown table, the choice marked.
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "budget {:.3} GB per rank\n\n| candidate | predicted peak | host | step (s) | fits |\n\
+             |---|---|---|---|---|\n",
+            self.budget as f64 / 1e9
+        );
+        for (i, p) in self.candidates.iter().enumerate() {
+            out += &format!(
+                "| `{}`{} | {:.3} GB | {:.3} GB | {:.3} | {} |\n",
+                p.candidate.flags(),
+                if i == self.chosen { " (chosen)" } else { "" },
+                p.peak_bytes as f64 / 1e9,
+                p.host_bytes as f64 / 1e9,
+                p.step_s,
+                if p.fits { "yes" } else { "no" }
+            );
+        }
+        out
+    }
+}
+
+/// The block pattern's period: the depth two probes differ by.
+fn period(model: &ModelConfig) -> usize {
+    match model {
+        ModelConfig::Llama(c) => c.moe.as_ref().map_or(1, |m| m.every.max(1)),
+        ModelConfig::Gpt(_) => 1,
+    }
+}
+
+/// `config` cut to `n_layer` blocks, run for three quiet steps, without the budget.
+fn probe_config(config: &PretrainConfig, n_layer: usize) -> PretrainConfig {
+    let mut probe = config.clone();
+    probe.model.n_layer = Some(n_layer);
+    probe.plan = PlanMode::Off;
+    probe.memory_budget = None;
+    probe.steps = 3;
+    probe.warmup = 1;
+    probe.decay_steps = None;
+    probe.eval_every = 0;
+    probe.eval_iters = 0;
+    probe.sample_tokens = 0;
+    probe.save = None;
+    probe.save_every = 0;
+    probe.resume = None;
+    probe.export_hf = None;
+    probe.metrics = None;
+    probe.plot = None;
+    probe.trace = None;
+    probe.progress = false;
+    probe.gather_parameters = false;
+    probe
+}
+
+/// The steady step's peak bytes (the second step: the optimizer state alive throughout) and the
+/// faster of the two steps after the first.
+fn measured(summary: &RunSummary, tokens: usize) -> (f64, f64) {
+    let peak = summary.steps[1].peak_bytes as f64;
+    let time = summary.steps[1..]
+        .iter()
+        .map(|m| tokens as f64 / m.tokens_per_s)
+        .fold(f64::INFINITY, f64::min);
+    (peak, time)
+}
+
+/// Plan `config` (see the module docs) on backend `B`: probe runs on `device`.
+pub fn plan_on<B: FusedOps>(
+    config: &PretrainConfig,
+    device: &B::Device,
+) -> Result<Plan, PretrainError> {
+    let Some(budget) = config.memory_budget else {
+        return Err(PretrainError::Config(
+            "--plan auto plans for a per-rank budget: give --memory-budget BYTES".into(),
+        ));
+    };
+    if config.launch != Launch::Threads {
+        return Err(PretrainError::Config(
+            "--plan auto measures its candidates with ranks as threads; under a launcher \
+             (mpirun, srun, torchrun) choose --fsdp and --recompute by hand (--estimate helps)"
+                .into(),
+        ));
+    }
+    if config.parallel.pp > 1 || config.init_from.is_some() {
+        return Err(PretrainError::Config(
+            "--plan auto does not plan pipeline stages (--pp) or runs from Hugging Face weights \
+             (--init-from) yet: choose --fsdp and --recompute by hand"
+                .into(),
+        ));
+    }
+    let model = load_data(config)?.model;
+    let (depth, p) = (model.n_layer(), period(&model));
+    let tokens = config.batch_size * model.block_size();
+    let strategies: &[FsdpStrategy] = if config.parallel.dims().shard_degree() > 1 {
+        &[
+            FsdpStrategy::NoShard,
+            FsdpStrategy::ShardOptimizer,
+            FsdpStrategy::ShardGradOp,
+            FsdpStrategy::FullShard,
+        ]
+    } else {
+        &[FsdpStrategy::NoShard]
+    };
+    let policies = [Recompute::None, Recompute::Selective, Recompute::Full];
+    // AdamW's moment dtype and offload are candidates; another optimizer keeps its own state.
+    let variants: &[(OptimState, Offload)] = if config.optimizer == OptimizerKind::Adamw {
+        &[
+            (OptimState::F32, Offload::None),
+            (OptimState::Bf16, Offload::None),
+            (OptimState::F32, Offload::Optimizer),
+        ]
+    } else {
+        &[(OptimState::F32, Offload::None)]
+    };
+    let mut candidates = Vec::new();
+    for &fsdp in strategies {
+        for recompute in policies {
+            let base = Candidate {
+                fsdp,
+                recompute,
+                optim_state: OptimState::F32,
+                offload: Offload::None,
+            };
+            let full = base.apply(config);
+            let short = run_on::<B>(&probe_config(&full, p), device)?;
+            let long = run_on::<B>(&probe_config(&full, 2 * p), device)?;
+            let ((peak_1, time_1), (peak_2, time_2)) =
+                (measured(&short, tokens), measured(&long, tokens));
+            let periods = depth as f64 / p as f64;
+            let peak = peak_1 + (periods - 1.0) * (peak_2 - peak_1);
+            let step_s = (time_1 + (periods - 1.0) * (time_2 - time_1)).max(time_1);
+            let base_state = estimate(&full, &model).optim_bytes as f64;
+            for &(optim_state, offload) in variants {
+                let candidate = Candidate {
+                    optim_state,
+                    offload,
+                    ..base
+                };
+                let e = estimate(&candidate.apply(config), &model);
+                let peak_bytes = (peak - base_state + e.optim_bytes as f64).round() as u64;
+                candidates.push(Predicted {
+                    candidate,
+                    peak_bytes,
+                    host_bytes: e.host_bytes as u64,
+                    step_s,
+                    fits: false,
+                });
+            }
+        }
+    }
+    Plan::choose(candidates, budget)
+}
+
+/// What `--plan` does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum PlanMode {
+    /// Run the flags as given.
+    #[default]
+    Off,
+    /// Choose the FSDP strategy, recomputation, moment dtype and offload for `--memory-budget`.
+    Auto,
+}

@@ -1,0 +1,140 @@
+//! The memory planner (`--plan auto`): its predicted per-rank peak is the measured one for every
+//! candidate it considers, it picks the levers in the order of their cost, and a budget nothing
+//! fits is a typed error.
+
+use super::*;
+use wildfire::pretrain::{Offload, OptimState, Plan, PlanMode, plan_on};
+
+/// The tiny GPT at 4 blocks (the planner measures 1 and 2) on 2 data ranks.
+fn four_blocks() -> PretrainConfig {
+    let mut config = PretrainConfig {
+        parallel: ParallelConfig::layout(2, 1, FsdpStrategy::NoShard, None),
+        memory_budget: Some(u64::MAX / 2),
+        plan: PlanMode::Auto,
+        ..small(3)
+    };
+    config.model.n_layer = Some(4);
+    config
+}
+
+/// `base`'s plan, every candidate run at the full depth: the measured peak of the steady step
+/// within 5% of the prediction, the host bytes exactly the estimate's.
+fn predictions_hold(base: &PretrainConfig, candidates: usize) {
+    let plan = plan_on::<burn::backend::Flex>(base, &Default::default()).unwrap();
+    assert_eq!(plan.candidates.len(), candidates);
+    for p in &plan.candidates {
+        let config = PretrainConfig {
+            plan: PlanMode::Off,
+            memory_budget: None,
+            ..p.candidate.apply(base)
+        };
+        let measured = run(&config).unwrap();
+        let (peak, host) = (measured.steps[1].peak_bytes, measured.steps[1].host_bytes);
+        let error = (p.peak_bytes as f64 - peak as f64).abs() / peak as f64;
+        assert!(
+            error <= 0.05,
+            "{}: predicted {} bytes, measured {peak} ({:.1}% off)",
+            p.candidate.flags(),
+            p.peak_bytes,
+            100.0 * error
+        );
+        assert_eq!(host, p.host_bytes, "{}", p.candidate.flags());
+    }
+}
+
+/// Every candidate — 4 FSDP strategies × 3 recomputation policies × (f32 moments, bf16 moments,
+/// the optimizer offloaded) — run at the full depth: the measured peak of the steady step (the
+/// decorator's accounting, rank 0) within 5% of the prediction extrapolated from the 1- and
+/// 2-block probes, and the host bytes exactly the estimate's.
+#[test]
+fn planner_predicts_every_candidates_peak() {
+    predictions_hold(&four_blocks(), 4 * 3 * 3);
+}
+
+/// The same for a Llama whose every other block is a mixture of experts (the probes cut it to 2
+/// and 4 blocks, one and two periods of its pattern), Muon its optimizer (one state variant per
+/// strategy and policy), 8 blocks on 2 data ranks.
+#[test]
+fn planner_predicts_a_mixture_of_experts_peak() {
+    let mut config = PretrainConfig {
+        model: wildfire::models::ModelFlags {
+            preset: wildfire::models::Preset::LlamaMoeTiny,
+            ..PretrainConfig::quiet().model
+        },
+        optimizer: wildfire::pretrain::OptimizerKind::Muon,
+        ..four_blocks()
+    };
+    config.model.n_layer = Some(8);
+    config.model.block_size = Some(64);
+    predictions_hold(&config, 4 * 3);
+}
+
+/// With room for everything the planner keeps f32 moments on the device; a budget just under
+/// what the smallest such candidate needs (its predicted peak and the 5% margin) takes bf16
+/// moments; under those, the optimizer offloaded; under everything, a typed error naming the
+/// smallest predicted peak. A run with `--plan auto` trains with the choice, its budget enforced,
+/// and reports the plan.
+#[test]
+fn planner_picks_the_levers_in_order_of_cost() {
+    let base = four_blocks();
+    let plan = plan_on::<burn::backend::Flex>(&base, &Default::default()).unwrap();
+    let smallest = |state: OptimState, offload: Offload| {
+        plan.candidates
+            .iter()
+            .filter(|c| c.candidate.optim_state == state && c.candidate.offload == offload)
+            .map(|c| c.needs())
+            .min()
+            .unwrap()
+    };
+    let f32_min = smallest(OptimState::F32, Offload::None);
+    let bf16_min = smallest(OptimState::Bf16, Offload::None);
+    let offload_min = smallest(OptimState::F32, Offload::Optimizer);
+    assert!(offload_min < bf16_min && bf16_min < f32_min);
+    let roomy = plan.choice().candidate;
+    assert_eq!(
+        (roomy.optim_state, roomy.offload),
+        (OptimState::F32, Offload::None)
+    );
+    for (budget, state, offload) in [
+        (f32_min, OptimState::F32, Offload::None),
+        (f32_min - 1, OptimState::Bf16, Offload::None),
+        (bf16_min - 1, OptimState::F32, Offload::Optimizer),
+    ] {
+        let chosen = Plan::choose(plan.candidates.clone(), budget).unwrap();
+        let c = chosen.choice();
+        assert!(c.fits && c.needs() <= budget, "{budget}");
+        assert_eq!(
+            (c.candidate.optim_state, c.candidate.offload),
+            (state, offload),
+            "{budget}"
+        );
+    }
+    let err = Plan::choose(plan.candidates.clone(), offload_min - 1).unwrap_err();
+    assert!(
+        matches!(&err, PretrainError::Config(m) if m.contains(&format!("{offload_min} with"))),
+        "{err}"
+    );
+    // A run planned for a budget only bf16 moments or offload meet: it trains within it.
+    let budget = f32_min - 1;
+    let summary = run(&PretrainConfig {
+        memory_budget: Some(budget),
+        ..base.clone()
+    })
+    .unwrap();
+    let chosen = summary.plan.as_ref().unwrap().choice().candidate;
+    assert_ne!(
+        (chosen.optim_state, chosen.offload),
+        (OptimState::F32, Offload::None)
+    );
+    assert!(summary.steps.iter().all(|s| s.peak_bytes <= budget));
+    // --plan auto needs a budget.
+    let err = run(&PretrainConfig {
+        memory_budget: None,
+        ..base
+    })
+    .unwrap_err();
+    assert!(
+        matches!(&err, PretrainError::Config(m) if m.contains("--memory-budget")),
+        "{err}"
+    );
+}
