@@ -100,11 +100,11 @@ fn main() {
         let m = summary.steps.last().expect("a step ran");
         let step_ms = common::median_step_ms(&summary, block);
         println!(
-            "| {} | {:.2} GB | {:.2} GB | {:.2} GB | {:.1} |",
+            "| {} | {:.2} GB | {:.1} MB | {:.1} MB | {:.1} |",
             setting.0,
             m.peak_bytes as f64 / 1e9,
-            m.optim_bytes as f64 / 1e9,
-            m.host_bytes as f64 / 1e9,
+            m.optim_bytes as f64 / 1e6,
+            m.host_bytes as f64 / 1e6,
             step_ms / 1e3,
         );
     }
