@@ -62,6 +62,20 @@ impl Default for FusedAdamWConfig {
     }
 }
 
+impl FusedAdamWConfig {
+    /// The kernel's arguments for step `time` (1-based) at learning rate `lr`.
+    pub fn step(&self, lr: f64, time: usize) -> AdamWStep {
+        AdamWStep {
+            lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            epsilon: self.epsilon,
+            weight_decay: self.weight_decay,
+            step: time as u32,
+        }
+    }
+}
+
 /// The dtype AdamW's moments are kept in between steps (the update itself is f32).
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
@@ -146,12 +160,7 @@ impl<X: FusedOps> FusedAdamW<X> {
     where
         M: AutodiffModule<burn::backend::Autodiff<Distributed<X>>>,
     {
-        let inputs = TailInputs::default();
-        let optim = Self {
-            config,
-            inputs: inputs.clone(),
-        };
-        (OptimizerAdaptor::from(optim), inputs)
+        with_tail_inputs(|inputs| Self { config, inputs })
     }
 }
 
@@ -159,21 +168,56 @@ fn wrap<X: Backend, const D: usize>(t: DTensor<X>) -> Tensor<Distributed<X>, D> 
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
+/// `t` on `layout` (a local slice where `t` is replicated there; nothing where it is already).
+pub(crate) fn on_layout<X: Backend>(
+    t: DTensor<X>,
+    layout: &wildfire_parallel::Layout,
+) -> DTensor<X> {
+    if t.layout() == layout {
+        t
+    } else {
+        t.redistribute(layout)
+            .unwrap_or_else(|e| wildfire_parallel::internal::raise(e))
+    }
+}
+
+/// A step's parameter and gradient pieces, the parameter on the gradient's layout: under
+/// ZeRO-1/2 the gradient is this rank's shard of a replicated parameter, so the parameter is
+/// sliced to it (a local slice, no communication) and the optimizer's state lives — and stays —
+/// sharded; `FsdpOptimizer` gathers the updated shards afterwards, as with Burn's own optimizers.
+pub(crate) fn on_grad_layout<X: Backend, const D: usize>(
+    tensor: &Tensor<Distributed<X>, D>,
+    grad: &Tensor<Distributed<X>, D>,
+) -> (DTensor<X>, DTensor<X>) {
+    let g = dtensor(grad).clone();
+    (on_layout(dtensor(tensor).clone(), g.layout()), g)
+}
+
+/// Burn's adaptor of a per-tensor step over `Autodiff<Distributed<X>>`.
+pub(crate) type TailAdaptor<O, M, X> =
+    OptimizerAdaptor<O, M, burn::backend::Autodiff<Distributed<X>>>;
+
+/// The Burn optimizer of a step `make` builds around fresh tail inputs, and those inputs (the
+/// handle [`fused_unscale_check`] fills before each step).
+pub(crate) fn with_tail_inputs<X, O, M>(
+    make: impl FnOnce(TailInputs<X>) -> O,
+) -> (TailAdaptor<O, M, X>, TailInputs<X>)
+where
+    X: Backend,
+    O: SimpleOptimizer<Distributed<X>>,
+    M: AutodiffModule<burn::backend::Autodiff<Distributed<X>>>,
+{
+    let inputs = TailInputs::default();
+    (OptimizerAdaptor::from(make(inputs.clone())), inputs)
+}
+
 /// `t`'s piece on `like`'s layout, widened to f32 (the kernel's moments).
 fn piece<X: Backend, const D: usize>(
     t: &Tensor<Distributed<X>, D>,
     like: &DTensor<X>,
 ) -> X::FloatTensorPrimitive {
-    let t = dtensor(t);
-    let local = if t.layout() == like.layout() {
-        t.local().clone()
-    } else {
-        // A moment on another layout than the step's (a resumed state): bring it there.
-        t.clone()
-            .redistribute(like.layout())
-            .map(DTensor::into_local)
-            .unwrap_or_else(|e| wildfire_parallel::internal::raise(e))
-    };
+    // A moment on another layout than the step's (a resumed state) is brought there.
+    let local = on_layout(dtensor(t).clone(), like.layout()).into_local();
     X::float_cast(local, burn::tensor::FloatDType::F32)
 }
 
@@ -187,18 +231,7 @@ impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for FusedAdamW<X> {
         grad: Tensor<Distributed<X>, D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<Distributed<X>, D>, Option<Self::State<D>>) {
-        // The step runs on the gradient's layout: under ZeRO-1/2 the gradient is this rank's
-        // shard of a replicated parameter, so the parameter is sliced to it (a local slice, no
-        // communication) and the moments live — and stay — sharded; `FsdpOptimizer` gathers the
-        // updated shards afterwards, as with Burn's own optimizers.
-        let g = dtensor(&grad).clone();
-        let p = dtensor(&tensor).clone();
-        let p = if p.layout() == g.layout() {
-            p
-        } else {
-            p.redistribute(g.layout())
-                .unwrap_or_else(|e| wildfire_parallel::internal::raise(e))
-        };
+        let (p, g) = on_grad_layout(&tensor, &grad);
         let device = p.device().inner().clone();
         let local_shape = burn::tensor::TensorMetadata::shape(p.local());
         let dtype = burn::tensor::FloatDType::F32;
@@ -233,14 +266,7 @@ impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for FusedAdamW<X> {
             v,
             scale,
             skip,
-            AdamWStep {
-                lr,
-                beta1: self.config.beta1,
-                beta2: self.config.beta2,
-                epsilon: self.config.epsilon,
-                weight_decay: self.config.weight_decay,
-                step: time as u32,
-            },
+            self.config.step(lr, time),
         );
         let keep = |t| X::float_cast(t, self.config.moments.float_dtype());
         let state = AdamWState {

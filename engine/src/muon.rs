@@ -41,6 +41,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
+use crate::fused_tail::{on_grad_layout, on_layout};
 use burn::module::{AutodiffModule, ModuleMapper, Param, ParamId};
 use burn::optim::adaptor::GradAdaptor;
 use burn::optim::record::AdaptorRecord;
@@ -157,6 +158,9 @@ impl MuonConfig {
 
 type Ad<X> = burn::backend::Autodiff<Distributed<X>>;
 
+/// A tensor on `Distributed<X>`.
+type Dist<X, const D: usize> = Tensor<Distributed<X>, D>;
+
 /// The tables a model's paths name, and a count of the matrices left for Muon.
 struct Scan<F> {
     is_table: F,
@@ -206,19 +210,6 @@ fn wrap<X: Backend, const D: usize>(t: DTensor<X>) -> Tensor<Distributed<X>, D> 
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
-fn raise<T>(e: wildfire_parallel::Error) -> T {
-    wildfire_parallel::internal::raise(e)
-}
-
-/// `t` on `layout` (a slice where `t` is replicated there, nothing where it is already).
-fn on_layout<X: Backend>(t: DTensor<X>, layout: &Layout) -> DTensor<X> {
-    if t.layout() == layout {
-        t
-    } else {
-        t.redistribute(layout).unwrap_or_else(raise)
-    }
-}
-
 /// The quintic Newton–Schulz iteration on each `[n, m]` matrix of `g` (PyTorch's
 /// `_zeropower_via_newtonschulz`, per matrix of a stack).
 pub fn newton_schulz<B: Backend, const D: usize>(
@@ -261,18 +252,15 @@ impl Muon {
     pub fn muon_step<X: Backend, const D: usize>(
         &self,
         lr: f64,
-        tensor: Tensor<Distributed<X>, D>,
-        grad: Tensor<Distributed<X>, D>,
+        [tensor, grad]: [Dist<X, D>; 2],
         state: Option<MuonState<Distributed<X>, D>>,
-    ) -> (Tensor<Distributed<X>, D>, MuonState<Distributed<X>, D>) {
+    ) -> (Dist<X, D>, MuonState<Distributed<X>, D>) {
         assert!(D >= 2, "Muon steps matrices");
         let c = &self.config;
         let dims = grad.dims();
-        // The step runs on the gradient's layout (under ZeRO-1/2 a shard of a replicated
-        // parameter, sliced locally), and the buffer lives there.
-        let g = dtensor(&grad).clone();
-        let layout = g.layout().clone();
-        let p = wrap::<X, D>(on_layout(dtensor(&tensor).clone(), &layout));
+        // On the gradient's layout (a shard under ZeRO), where the buffer lives.
+        let (p, g) = on_grad_layout(&tensor, &grad);
+        let (layout, p) = (g.layout().clone(), wrap::<X, D>(p));
         let time = state.as_ref().map_or(0, |s| s.time) + 1;
         assert!(
             state.as_ref().is_none_or(|s| s.momentum.is_some()),
@@ -312,14 +300,13 @@ impl Muon {
         (p, state)
     }
 
-    /// AdamW's step of a table or a vector.
+    /// AdamW's step of a table or a vector (`tensor`, `grad`).
     pub fn adamw_step<X: Backend, const D: usize>(
         &self,
         lr: f64,
-        tensor: Tensor<Distributed<X>, D>,
-        grad: Tensor<Distributed<X>, D>,
+        [tensor, grad]: [Dist<X, D>; 2],
         state: Option<MuonState<Distributed<X>, D>>,
-    ) -> (Tensor<Distributed<X>, D>, MuonState<Distributed<X>, D>) {
+    ) -> (Dist<X, D>, MuonState<Distributed<X>, D>) {
         assert!(
             state.as_ref().is_none_or(|s| s.adamw.is_some()),
             "a table's or vector's Muon state holds a momentum buffer"
@@ -342,14 +329,14 @@ impl<X: Backend> SimpleOptimizer<Distributed<X>> for Muon {
     fn step<const D: usize>(
         &self,
         lr: f64,
-        tensor: Tensor<Distributed<X>, D>,
-        grad: Tensor<Distributed<X>, D>,
+        tensor: Dist<X, D>,
+        grad: Dist<X, D>,
         state: Option<Self::State<D>>,
-    ) -> (Tensor<Distributed<X>, D>, Option<Self::State<D>>) {
+    ) -> (Dist<X, D>, Option<Self::State<D>>) {
         let (p, state) = if D >= 2 {
-            self.muon_step(lr, tensor, grad, state)
+            self.muon_step(lr, [tensor, grad], state)
         } else {
-            self.adamw_step(lr, tensor, grad, state)
+            self.adamw_step(lr, [tensor, grad], state)
         };
         (p, Some(state))
     }
@@ -511,10 +498,11 @@ impl<X: Backend, M> ModuleMapper<Ad<X>> for Stepper<'_, X, M> {
                 <Muon as SimpleOptimizer<Distributed<X>>>::to_device(r.into_state(), &device)
             });
         let step = &self.optim.step;
+        let pair = [tensor.inner(), grad];
         let (p, state) = if D < 2 || self.optim.tables.contains(&id) {
-            step.adamw_step(self.lr, tensor.inner(), grad, state)
+            step.adamw_step(self.lr, pair, state)
         } else {
-            step.muon_step(self.lr, tensor.inner(), grad, state)
+            step.muon_step(self.lr, pair, state)
         };
         self.optim
             .records

@@ -32,10 +32,8 @@ use burn::prelude::*;
 use burn::record::{PrecisionSettings, Record};
 use burn::tensor::TensorPrimitive;
 use serde::{Deserialize, Serialize};
-use wildfire_kernels::AdamWStep;
 use wildfire_parallel::{
     DTensor, DistDevice, Distributed, EncodedState, HostBytes, Layout, StateCodec, StateSpec,
-    dtensor,
 };
 
 use crate::fused_tail::{FusedAdamWConfig, TailInputs};
@@ -63,69 +61,63 @@ impl<X: Backend> OffloadAdamW<X> {
             crate::MomentDtype::F32,
             "the offloaded AdamW keeps f32 moments"
         );
-        let inputs = TailInputs::default();
-        let optim = Self {
-            config,
-            inputs: inputs.clone(),
-        };
-        (OptimizerAdaptor::from(optim), inputs)
+        crate::fused_tail::with_tail_inputs(|inputs| Self { config, inputs })
     }
 }
 
-/// One parameter's moments in host memory: this rank's pieces (the padded local shape of
-/// `layout`), with what rebuilds them as distributed tensors for a checkpoint.
-pub struct HostMoments<X: Backend> {
-    m: Vec<f32>,
-    v: Vec<f32>,
+/// Where a host buffer's values belong on the mesh: the padded local shape of `layout`'s piece
+/// of a tensor of `global_shape`, on `device`.
+#[derive(Clone, Debug)]
+struct Site<X: Backend> {
     local_shape: Vec<usize>,
     global_shape: Vec<usize>,
     layout: Layout,
     device: DistDevice<X>,
-    _held: HostBytes,
 }
 
-impl<X: Backend> HostMoments<X> {
-    fn new(
-        m: Vec<f32>,
-        v: Vec<f32>,
-        local_shape: Vec<usize>,
-        global_shape: Vec<usize>,
-        layout: Layout,
-        device: DistDevice<X>,
-    ) -> Self {
-        let held = HostBytes::new(device.context(), 4 * (m.len() + v.len()));
+impl<X: Backend> Site<X> {
+    /// Where `t`'s piece is.
+    fn of(t: &DTensor<X>) -> Self {
         Self {
-            m,
-            v,
-            local_shape,
-            global_shape,
-            layout,
-            device,
-            _held: held,
+            local_shape: burn::tensor::TensorMetadata::shape(t.local()).to_vec(),
+            global_shape: t.global_shape().to_vec(),
+            layout: t.layout().clone(),
+            device: t.device().clone(),
         }
     }
 
-    /// The moment `values` as a distributed tensor on the device (for a checkpoint).
+    /// `values` as a distributed tensor on the device (for a checkpoint).
     fn upload(&self, values: &[f32]) -> DTensor<X> {
-        let local = X::float_from_data(
-            TensorData::new(values.to_vec(), self.local_shape.clone()),
-            self.device.inner(),
-        );
+        let data = TensorData::new(values.to_vec(), self.local_shape.clone());
+        let local = X::float_from_data(data, self.device.inner());
         DTensor::from_local_padded(local, self.layout.clone(), &self.global_shape, &self.device)
             .unwrap_or_else(|e| wildfire_parallel::internal::raise(e))
     }
 }
 
+/// One parameter's moments in host memory: this rank's pieces, and where they belong.
+pub struct HostMoments<X: Backend> {
+    m: Vec<f32>,
+    v: Vec<f32>,
+    site: Site<X>,
+    _held: HostBytes,
+}
+
+impl<X: Backend> HostMoments<X> {
+    fn new(m: Vec<f32>, v: Vec<f32>, site: Site<X>) -> Self {
+        let held = HostBytes::new(site.device.context(), 4 * (m.len() + v.len()));
+        Self {
+            m,
+            v,
+            site,
+            _held: held,
+        }
+    }
+}
+
 impl<X: Backend> Clone for HostMoments<X> {
     fn clone(&self) -> Self {
-        Self::new(
-            self.m.clone(),
-            self.v.clone(),
-            self.local_shape.clone(),
-            self.global_shape.clone(),
-            self.layout.clone(),
-            self.device.clone(),
-        )
+        Self::new(self.m.clone(), self.v.clone(), self.site.clone())
     }
 }
 
@@ -158,21 +150,20 @@ impl<X: Backend, const D: usize> Record<Distributed<X>> for OffloadState<X, D> {
             time: self.time,
             m: h.m.clone(),
             v: h.v.clone(),
-            local_shape: h.local_shape.clone(),
-            global_shape: h.global_shape.clone(),
-            layout: h.layout.clone(),
+            local_shape: h.site.local_shape.clone(),
+            global_shape: h.site.global_shape.clone(),
+            layout: h.site.layout.clone(),
         }
     }
 
     fn from_item<S: PrecisionSettings>(item: Self::Item<S>, device: &DistDevice<X>) -> Self {
-        let moments = HostMoments::new(
-            item.m,
-            item.v,
-            item.local_shape,
-            item.global_shape,
-            item.layout,
-            device.clone(),
-        );
+        let site = Site {
+            local_shape: item.local_shape,
+            global_shape: item.global_shape,
+            layout: item.layout,
+            device: device.clone(),
+        };
+        let moments = HostMoments::new(item.m, item.v, site);
         Self {
             time: item.time,
             moments: Arc::new(Mutex::new(moments)),
@@ -203,56 +194,36 @@ impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
     fn step<const D: usize>(
         &self,
         lr: f64,
-        tensor: Tensor<Distributed<X>, D>,
-        grad: Tensor<Distributed<X>, D>,
+        tensor: DistTensor<X, D>,
+        grad: DistTensor<X, D>,
         state: Option<Self::State<D>>,
-    ) -> (Tensor<Distributed<X>, D>, Option<Self::State<D>>) {
+    ) -> (DistTensor<X, D>, Option<Self::State<D>>) {
         // On the gradient's layout, as the fused AdamW: under ZeRO-1/2 a shard of a replicated
         // parameter (sliced locally); the moments are kept for that piece.
-        let g = dtensor(&grad).clone();
-        let p = dtensor(&tensor).clone();
-        let p = if p.layout() == g.layout() {
-            p
-        } else {
-            p.redistribute(g.layout())
-                .unwrap_or_else(|e| wildfire_parallel::internal::raise(e))
-        };
-        let device = p.device().clone();
-        let local_shape = burn::tensor::TensorMetadata::shape(p.local()).to_vec();
-        let n: usize = local_shape.iter().product();
+        let (p, g) = crate::fused_tail::on_grad_layout(&tensor, &grad);
+        let site = Site::of(&g);
+        let n: usize = site.local_shape.iter().product();
         let time = state.as_ref().map_or(0, |s| s.time) + 1;
         let moments = match state {
             Some(s) => {
                 let h = s.moments.lock().unwrap();
-                if h.layout == *g.layout() && h.local_shape == local_shape {
+                if h.site.layout == site.layout && h.site.local_shape == site.local_shape {
                     drop(h);
                     s.moments
                 } else {
                     // Moments loaded for another layout than the step's: bring them here once.
-                    let relaid = |t: DTensor<X>| {
-                        let t = t
-                            .redistribute(g.layout())
-                            .unwrap_or_else(|e| wildfire_parallel::internal::raise(e));
-                        to_host(&t)
+                    let relaid = |values: &[f32]| {
+                        let t = h.site.upload(values);
+                        to_host(&crate::fused_tail::on_layout(t, &site.layout))
                     };
-                    let (m, v) = (relaid(h.upload(&h.m)), relaid(h.upload(&h.v)));
-                    Arc::new(Mutex::new(HostMoments::new(
-                        m,
-                        v,
-                        local_shape.clone(),
-                        g.global_shape().to_vec(),
-                        g.layout().clone(),
-                        device.clone(),
-                    )))
+                    let (m, v) = (relaid(&h.m), relaid(&h.v));
+                    Arc::new(Mutex::new(HostMoments::new(m, v, site.clone())))
                 }
             }
             None => Arc::new(Mutex::new(HostMoments::new(
                 vec![0.0; n],
                 vec![0.0; n],
-                local_shape.clone(),
-                g.global_shape().to_vec(),
-                g.layout().clone(),
-                device.clone(),
+                site.clone(),
             ))),
         };
         let (scale, skip) = match self.inputs.current() {
@@ -279,17 +250,13 @@ impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
                 &mut h.m,
                 &mut h.v,
                 scale,
-                AdamWStep {
-                    lr,
-                    beta1: self.config.beta1,
-                    beta2: self.config.beta2,
-                    epsilon: self.config.epsilon,
-                    weight_decay: self.config.weight_decay,
-                    step: time as u32,
-                },
+                self.config.step(lr, time),
             );
         }
-        let local = X::float_from_data(TensorData::new(values, local_shape), device.inner());
+        let local = X::float_from_data(
+            TensorData::new(values, site.local_shape),
+            site.device.inner(),
+        );
         let p = p.with_local(local);
         (wrap(p), Some(OffloadState { time, moments }))
     }
@@ -299,7 +266,11 @@ impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
     }
 }
 
-fn wrap<X: Backend, const D: usize>(t: DTensor<X>) -> Tensor<Distributed<X>, D> {
+/// A tensor on `Distributed<X>`, and its encoded optimizer state.
+type DistTensor<X, const D: usize> = Tensor<Distributed<X>, D>;
+type Encoded<X> = EncodedState<Distributed<X>>;
+
+fn wrap<X: Backend, const D: usize>(t: DTensor<X>) -> DistTensor<X, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
@@ -309,35 +280,21 @@ impl<X: Backend> StateCodec<Distributed<X>> for OffloadAdamW<X> {
     }
 
     /// The moments uploaded as distributed tensors on the layout they were kept for.
-    fn encode<const D: usize>(
-        state: Self::State<D>,
-    ) -> Result<EncodedState<Distributed<X>>, String> {
+    fn encode<const D: usize>(state: Self::State<D>) -> Result<Encoded<X>, String> {
         let h = state.moments.lock().unwrap();
-        Ok(EncodedState::all(
-            state.time,
-            vec![h.upload(&h.m), h.upload(&h.v)],
-        ))
+        let tensors = vec![h.site.upload(&h.m), h.site.upload(&h.v)];
+        Ok(EncodedState::all(state.time, tensors))
     }
 
     /// The loaded moments read to the host (the checkpoint built them on the optimizer-state
     /// layout; the first step brings them to its gradient's layout if that differs).
-    fn decode<const D: usize>(
-        state: EncodedState<Distributed<X>>,
-    ) -> Result<Self::State<D>, String> {
+    fn decode<const D: usize>(state: Encoded<X>) -> Result<Self::State<D>, String> {
         let time = state.steps;
         let [m, v]: [DTensor<X>; 2] = state
             .require("AdamW", &["moment_1", "moment_2"])?
             .try_into()
             .map_err(|_| "counted".to_string())?;
-        let local_shape = burn::tensor::TensorMetadata::shape(m.local()).to_vec();
-        let moments = HostMoments::new(
-            to_host(&m),
-            to_host(&v),
-            local_shape,
-            m.global_shape().to_vec(),
-            m.layout().clone(),
-            m.device().clone(),
-        );
+        let moments = HostMoments::new(to_host(&m), to_host(&v), Site::of(&m));
         Ok(OffloadState {
             time,
             moments: Arc::new(Mutex::new(moments)),

@@ -129,6 +129,25 @@ impl Local {
     }
 }
 
+/// A matrix `[rows, cols]` (or a vector, `cols` 1) that is not a table.
+fn whole(rows: usize, cols: usize) -> Local {
+    Local {
+        rows,
+        cols,
+        last: cols,
+        experts: false,
+        table: false,
+    }
+}
+
+/// An embedding table or the output head, `[rows, cols]`.
+fn table(rows: usize, cols: usize) -> Local {
+    Local {
+        table: true,
+        ..whole(rows, cols)
+    }
+}
+
 /// Every parameter's local piece on one tensor-parallel rank of `t`. Linear weights are
 /// `[d_in, d_out]`.
 fn local_pieces(model: &ModelConfig, t: usize) -> Vec<Local> {
@@ -158,17 +177,6 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
         model.n_head * model.head_dim(),
         model.n_kv_head * model.head_dim(),
     );
-    let whole = |rows, cols| Local {
-        rows,
-        cols,
-        last: cols,
-        experts: false,
-        table: false,
-    };
-    let table = |rows, cols| Local {
-        table: true,
-        ..whole(rows, cols)
-    };
     let mut pieces = vec![table(v / t, d)];
     for layer in 0..model.n_layer {
         pieces.extend([
@@ -214,17 +222,6 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
 /// [`local_pieces`] of a GPT ([`crate::parallelize::gpt_tp_plan`]).
 fn gpt_pieces(model: &GptConfig, t: usize) -> Vec<Local> {
     let (v, s, d) = (model.vocab_size, model.block_size, model.n_embd);
-    let whole = |rows, cols| Local {
-        rows,
-        cols,
-        last: cols,
-        experts: false,
-        table: false,
-    };
-    let table = |rows, cols| Local {
-        table: true,
-        ..whole(rows, cols)
-    };
     let mut pieces = vec![table(v / t, d), table(s, d)];
     for _ in 0..model.n_layer {
         pieces.extend([

@@ -19,30 +19,47 @@ use wildfire_parallel::pipeline::{Schedule, StagePasses, gather_stage_parameters
 type A<B> = Autodiff<Distributed<B>>;
 
 /// A rank's stages, in chunk order, with their stage numbers, optimizers (each stage's own
-/// `O`, whose per-tensor state is `X`'s) and schedule.
-pub(super) struct Stages<B: FusedOps, S: TrainableStage<B>, X, O> {
+/// `O`) and schedule.
+pub(super) struct Stages<B: FusedOps, S: TrainableStage<B>, O> {
     chunks: Vec<S>,
     /// Chunk `c` is stage `c·p + r`.
     numbers: Vec<usize>,
     optims: Vec<FsdpOptimizer<O>>,
     schedule: Schedule,
-    codec: std::marker::PhantomData<(B, X)>,
+    backend: std::marker::PhantomData<B>,
 }
 
 /// An optimizer a stage can train with and checkpoint: its record is Burn's adaptor record of a
-/// per-tensor step `X` whose state the checkpoint can encode.
-pub(super) trait StageOptimizer<B: FusedOps, S: TrainableStage<B>, X: StateCodec<Distributed<B>>>:
-    Optimizer<S, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>> + Clone
+/// per-tensor step ([`StageOptimizer::Codec`]) whose state the checkpoint can encode.
+pub(super) trait StageOptimizer<B: FusedOps, S: TrainableStage<B>>:
+    Optimizer<S, A<B>> + Clone
 {
+    /// The per-tensor step.
+    type Codec: StateCodec<Distributed<B>>;
+
+    /// The record as the checkpoint writes it.
+    fn saved(record: Self::Record) -> ParamRecords<AdaptorRecord<Self::Codec, A<B>>>;
+
+    /// The record from what the checkpoint read.
+    fn loaded(record: ParamRecords<AdaptorRecord<Self::Codec, A<B>>>) -> Self::Record;
 }
 
-impl<B, S, X, O> StageOptimizer<B, S, X> for O
+impl<B, S, X, O> StageOptimizer<B, S> for O
 where
     B: FusedOps,
     S: TrainableStage<B>,
     X: StateCodec<Distributed<B>>,
     O: Optimizer<S, A<B>, Record = ParamRecords<AdaptorRecord<X, A<B>>>> + Clone,
 {
+    type Codec = X;
+
+    fn saved(record: Self::Record) -> ParamRecords<AdaptorRecord<X, A<B>>> {
+        record
+    }
+
+    fn loaded(record: ParamRecords<AdaptorRecord<X, A<B>>>) -> Self::Record {
+        record
+    }
 }
 
 impl RankRun<'_> {
@@ -109,19 +126,13 @@ impl RankRun<'_> {
     }
 
     /// [`RankRun::train_stages`] with an optimizer per stage from `optim`.
-    fn train_stages_with<B, S, X, O>(
+    fn train_stages_with<B: FusedOps, S: TrainableStage<B>, O: StageOptimizer<B, S>>(
         &self,
         device: &DistDevice<B>,
         chunks: Vec<(usize, S)>,
         schedule: Schedule,
         optim: impl Fn(&S) -> Result<O, PretrainError>,
-    ) -> Result<RunSummary, PretrainError>
-    where
-        B: FusedOps,
-        S: TrainableStage<B>,
-        X: StateCodec<Distributed<B>>,
-        O: StageOptimizer<B, S, X>,
-    {
+    ) -> Result<RunSummary, PretrainError> {
         let optims = chunks
             .iter()
             .map(|(_, stage)| optim(stage).map(FsdpOptimizer::new))
@@ -133,19 +144,13 @@ impl RankRun<'_> {
             numbers,
             optims,
             schedule,
-            codec: std::marker::PhantomData,
+            backend: std::marker::PhantomData,
         };
         self.train_loop(device, stages, microbatches)
     }
 }
 
-impl<B, S, X, O> Trainee<B> for Stages<B, S, X, O>
-where
-    B: FusedOps,
-    S: TrainableStage<B>,
-    X: StateCodec<Distributed<B>>,
-    O: StageOptimizer<B, S, X>,
-{
+impl<B: FusedOps, S: TrainableStage<B>, O: StageOptimizer<B, S>> Trainee<B> for Stages<B, S, O> {
     /// This rank's part of the schedule ([`StepRunner::run_pipeline`]); the loss is the mesh's.
     fn step(
         &mut self,
@@ -191,8 +196,8 @@ where
             let name = move |path: &str| wildfire_models::stage::stage_param_name(first, path);
             *chunk = weights.load_model_named(chunk.clone(), &name)?;
             if optimizer {
-                let record = weights.load_optimizer_named::<A<B>, _, X>(chunk, &name)?;
-                *optim = optim.clone().load_record(record);
+                let record = weights.load_optimizer_named::<A<B>, _, O::Codec>(chunk, &name)?;
+                *optim = optim.clone().load_record(O::loaded(record));
             }
         }
         Ok(())
@@ -225,9 +230,10 @@ where
     fn snapshot(&self) -> Result<Snapshot, PretrainError> {
         let mut snapshot: Option<Snapshot> = None;
         for (chunk, optim) in self.chunks.iter().zip(&self.optims) {
-            let part = Snapshot::take_named(chunk, Some(optim.to_record()), &|path: &str| {
-                chunk.saved_name(path)
-            })?;
+            let part =
+                Snapshot::take_named(chunk, Some(O::saved(optim.to_record())), &|path: &str| {
+                    chunk.saved_name(path)
+                })?;
             match snapshot.as_mut() {
                 Some(s) => s.merge(part),
                 None => snapshot = Some(part),
@@ -256,7 +262,7 @@ where
     }
 }
 
-impl<B: FusedOps, S: TrainableStage<B>, X, O> Stages<B, S, X, O> {
+impl<B: FusedOps, S: TrainableStage<B>, O> Stages<B, S, O> {
     /// Forward-only passes through this rank's stages, and the stages without autodiff.
     fn passes<'a>(
         &'a self,

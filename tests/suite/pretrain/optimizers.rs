@@ -15,6 +15,28 @@ fn with(optimizer: OptimizerKind, optim_state: OptimState, steps: usize) -> Pret
     }
 }
 
+/// A run saved part-way (`first`) and `resumed` follows the `straight` run: bitwise without a
+/// tolerance, else within `tol` (losses, and every parameter of the tensor's scale).
+fn follows_straight(
+    what: &str,
+    first: &RunSummary,
+    resumed: &RunSummary,
+    straight: &RunSummary,
+    tol: Option<f32>,
+) {
+    let got = resumed_losses(first, resumed);
+    match tol {
+        None => {
+            assert_eq!(bits(&got), bits(&losses(straight)), "{what}");
+            same_bits(what, &resumed.parameters, &straight.parameters);
+        }
+        Some(tol) => {
+            losses_close_f32(what, &got, &losses(straight), tol);
+            tensors_close(what, &resumed.parameters, &straight.parameters, tol);
+        }
+    }
+}
+
 /// The settings beyond f32 AdamW.
 const COMPACT: [(OptimizerKind, OptimState); 3] = [
     (OptimizerKind::Adafactor, OptimState::F32),
@@ -142,22 +164,8 @@ fn compact_optimizers_resume() {
                 ..config(&parallel, 8)
             })
             .unwrap();
-            if parallel == saving {
-                assert_eq!(
-                    bits(&resumed_losses(&first, &resumed)),
-                    bits(&losses(&straight)),
-                    "{what}"
-                );
-                same_bits(&what, &resumed.parameters, &straight.parameters);
-            } else {
-                losses_close_f32(
-                    &what,
-                    &resumed_losses(&first, &resumed),
-                    &losses(&straight),
-                    1e-4,
-                );
-                tensors_close(&what, &resumed.parameters, &straight.parameters, 1e-4);
-            }
+            let tol = (parallel != saving).then_some(1e-4);
+            follows_straight(&what, &first, &resumed, &straight, tol);
         }
     }
     // f32 moments saved, resumed with bf16 moments.
@@ -267,22 +275,8 @@ fn offloaded_optimizer_state_resumes_on_and_off_the_device() {
         }
         let first = run(&first).unwrap();
         let resumed = run(&second).unwrap();
-        if resuming == saving {
-            assert_eq!(
-                bits(&resumed_losses(&first, &resumed)),
-                bits(&losses(&straight)),
-                "{what}"
-            );
-            same_bits(&what, &resumed.parameters, &straight.parameters);
-        } else {
-            losses_close_f32(
-                &what,
-                &resumed_losses(&first, &resumed),
-                &losses(&straight),
-                1e-5,
-            );
-            tensors_close(&what, &resumed.parameters, &straight.parameters, 1e-5);
-        }
+        let tol = (resuming != saving).then_some(1e-5);
+        follows_straight(&what, &first, &resumed, &straight, tol);
     }
 }
 
