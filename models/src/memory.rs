@@ -18,6 +18,7 @@ use crate::llama::LlamaConfig;
 use crate::parallelize::{FsdpStrategy, ParallelConfig, Recompute};
 use burn::tensor::FloatDType;
 use serde::Serialize;
+use wildfire_parallel::pipeline::StagePlan;
 
 /// The optimizer state a run keeps, as the estimate counts it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -48,7 +49,8 @@ impl Default for OptimizerState {
 pub struct MemoryEstimate {
     /// Parameters Ψ of the whole model.
     pub params: usize,
-    /// Parameters a rank holds before data-parallel sharding (its tensor-parallel piece).
+    /// Parameters a rank holds before data-parallel sharding (its tensor-parallel piece of its
+    /// pipeline stages; pipeline rank 0's, which holds the token table).
     pub params_per_tp_rank: usize,
     /// Data-parallel ranks that shard (N of the formulas).
     pub shard_ranks: usize,
@@ -73,6 +75,7 @@ pub struct MemoryEstimate {
 /// an embedding or the head.
 /// `experts`: a stacked expert weight `[E, cols / last, last]`, its rows the experts, split over
 /// the expert axis before the data-parallel sharding nests inside.
+#[derive(Clone)]
 struct Local {
     rows: usize,
     cols: usize,
@@ -148,9 +151,57 @@ fn table(rows: usize, cols: usize) -> Local {
     }
 }
 
+/// A model's parameter pieces on one tensor-parallel rank, grouped by where pipeline stages put
+/// them: the first stage's tables, each block's, the last stage's final norm (and untied head),
+/// and the token table the last stage holds a copy of when the head is tied to it.
+struct ModelPieces {
+    first: Vec<Local>,
+    blocks: Vec<Vec<Local>>,
+    last: Vec<Local>,
+    tied: Option<Local>,
+}
+
+impl ModelPieces {
+    /// The pieces pipeline rank 0 holds (`crate::parallelize::init_gpt_stages`: a balanced split
+    /// of the blocks over the schedule's stages, its stages `0, p, 2p, …`): every piece without
+    /// a pipeline; an unusable schedule counts as none (the run refuses it before any work).
+    fn on_first_rank(self, parallel: &ParallelConfig) -> Vec<Local> {
+        let whole_model = |p: Self| -> Vec<Local> {
+            let mut all = p.first;
+            all.extend(p.blocks.into_iter().flatten());
+            all.extend(p.last);
+            all
+        };
+        if parallel.pp <= 1 {
+            return whole_model(self);
+        }
+        let Ok(schedule) = parallel.schedule() else {
+            return whole_model(self);
+        };
+        let stages = schedule.stages();
+        let Ok(plan) = StagePlan::balanced(self.blocks.len(), stages) else {
+            return whole_model(self);
+        };
+        let mut pieces = Vec::new();
+        for stage in schedule.stages_of(0) {
+            if stage == 0 {
+                pieces.extend(self.first.iter().map(Local::clone));
+            }
+            for block in plan.blocks(stage) {
+                pieces.extend(self.blocks[block].iter().map(Local::clone));
+            }
+            if stage + 1 == stages {
+                pieces.extend(self.last.iter().map(Local::clone));
+                pieces.extend(self.tied.iter().map(Local::clone));
+            }
+        }
+        pieces
+    }
+}
+
 /// Every parameter's local piece on one tensor-parallel rank of `t`. Linear weights are
 /// `[d_in, d_out]`.
-fn local_pieces(model: &ModelConfig, t: usize) -> Vec<Local> {
+fn local_pieces(model: &ModelConfig, t: usize) -> ModelPieces {
     match model {
         ModelConfig::Gpt(c) => gpt_pieces(c, t),
         ModelConfig::Llama(c) => llama_pieces(c, t),
@@ -170,15 +221,16 @@ fn kv_shards(model: &LlamaConfig, t: usize) -> usize {
 /// [`local_pieces`] of a Llama ([`crate::llama::llama_tp_plan`]: q, k, v, gate and up
 /// column-parallel — k and v whole where tp replicates them; o and down row-parallel; the tables
 /// vocabulary-parallel; the norms whole).
-fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
+fn llama_pieces(model: &LlamaConfig, t: usize) -> ModelPieces {
     let (v, d, f) = (model.vocab_size, model.d_model, model.ffn_hidden);
     let kv_t = kv_shards(model, t);
     let (q, kv) = (
         model.n_head * model.head_dim(),
         model.n_kv_head * model.head_dim(),
     );
-    let mut pieces = vec![table(v / t, d)];
+    let mut blocks = Vec::new();
     for layer in 0..model.n_layer {
+        let mut pieces = Vec::new();
         pieces.extend([
             whole(d, 1), // input_layernorm γ
             whole(d, q / t),
@@ -211,20 +263,26 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> Vec<Local> {
                 }
             }
         }
+        blocks.push(pieces);
     }
-    pieces.push(whole(d, 1)); // norm γ
+    let mut last = vec![whole(d, 1)]; // norm γ
     if !model.tie_embeddings {
-        pieces.push(table(v / t, d));
+        last.push(table(v / t, d));
     }
-    pieces
+    ModelPieces {
+        first: vec![table(v / t, d)],
+        blocks,
+        last,
+        tied: model.tie_embeddings.then(|| table(v / t, d)),
+    }
 }
 
 /// [`local_pieces`] of a GPT ([`crate::parallelize::gpt_tp_plan`]).
-fn gpt_pieces(model: &GptConfig, t: usize) -> Vec<Local> {
+fn gpt_pieces(model: &GptConfig, t: usize) -> ModelPieces {
     let (v, s, d) = (model.vocab_size, model.block_size, model.n_embd);
-    let mut pieces = vec![table(v / t, d), table(s, d)];
+    let mut blocks = Vec::new();
     for _ in 0..model.n_layer {
-        pieces.extend([
+        blocks.push(vec![
             whole(d, 1), // ln_1 γ, β
             whole(d, 1),
             whole(d, 3 * d / t), // c_attn: column-parallel
@@ -239,8 +297,12 @@ fn gpt_pieces(model: &GptConfig, t: usize) -> Vec<Local> {
             whole(d, 1),
         ]);
     }
-    pieces.extend([whole(d, 1), whole(d, 1)]); // ln_f
-    pieces
+    ModelPieces {
+        first: vec![table(v / t, d), table(s, d)],
+        blocks,
+        last: vec![whole(d, 1), whole(d, 1)], // ln_f
+        tied: Some(table(v / t, d)),
+    }
 }
 
 /// The estimate for training `model` with `parallel`, `optimizer` and a global batch of
@@ -261,7 +323,8 @@ pub fn estimate(
     let ep = dims.ep.max(1);
     // The data axes FSDP splits inside an expert-axis member's share, in mesh order.
     let inner = [dims.dp_shard / ep, dims.cp];
-    let pieces = local_pieces(model, t);
+    // Pipeline rank 0's pieces (everything without a pipeline).
+    let pieces = local_pieces(model, t).on_first_rank(parallel);
     let local_rows = |p: &Local| p.rows_on_expert_rank(ep);
     let sharded_rows = |p: &Local| p.sharded_rows(n, ep, &inner);
     let elems =

@@ -20,7 +20,7 @@ pub use config::{
 pub use cuda::run_cuda;
 pub use error::PretrainError;
 pub(crate) use error::io_err;
-pub use plan::{Candidate, Plan, Predicted, plan_on};
+pub use plan::{Candidate, MARGIN as PLAN_MARGIN, Plan, Predicted, plan_on};
 pub use wildfire_engine::metrics::{StepMetrics, mfu};
 pub use wildfire_models::memory::MemoryEstimate;
 

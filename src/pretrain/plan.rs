@@ -117,7 +117,8 @@ pub struct Plan {
 }
 
 impl Predicted {
-    /// The smallest budget it fits: its predicted peak and the [`MARGIN`].
+    /// The smallest budget it fits: its predicted peak and the margin
+    /// ([`crate::pretrain::PLAN_MARGIN`]).
     pub fn needs(&self) -> u64 {
         (self.peak_bytes as f64 * (1.0 + MARGIN)).ceil() as u64
     }

@@ -513,3 +513,41 @@ fn four_layers_with_dropout() -> PretrainConfig {
         ..small(6)
     }
 }
+
+/// The memory estimate's parameter, gradient and optimizer bytes are pipeline rank 0's
+/// accounting: its stages' blocks and the token table (not the last stage's final norm, nor its
+/// copy of the tied table), under pp 2, pp 2 × dp 2 ZeRO-1, pp 2 × tp 2, interleaved pp 2 × 2
+/// virtual stages (rank 0 holds stages 0 and 2 of 4), and a Llama in two stages.
+#[test]
+fn pipeline_memory_estimate_is_rank_zeros_accounting() {
+    let pp = |dp: usize, tp: usize, fsdp: FsdpStrategy, virtual_stages: usize| ParallelConfig {
+        pp: 2,
+        microbatches: 2,
+        pp_virtual: virtual_stages,
+        pp_schedule: if virtual_stages > 1 {
+            "interleaved".into()
+        } else {
+            ParallelConfig::default().pp_schedule
+        },
+        ..ParallelConfig::layout(dp, tp, fsdp, None)
+    };
+    let mut four = small(1);
+    four.model.n_layer = Some(4);
+    estimate_matches_the_accounting_on(
+        &four,
+        &[
+            pp(1, 1, FsdpStrategy::NoShard, 1),
+            pp(2, 1, FsdpStrategy::ShardOptimizer, 1),
+            pp(1, 2, FsdpStrategy::NoShard, 1),
+            pp(1, 1, FsdpStrategy::NoShard, 2),
+        ],
+    );
+    let llama = PretrainConfig {
+        model: wildfire::models::ModelFlags {
+            preset: wildfire::models::Preset::LlamaTiny,
+            ..PretrainConfig::quiet().model
+        },
+        ..small(1)
+    };
+    estimate_matches_the_accounting_on(&llama, &[pp(1, 1, FsdpStrategy::NoShard, 1)]);
+}
