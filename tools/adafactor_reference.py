@@ -7,11 +7,9 @@ engine's test applies the same gradients with `wildfire_engine::Adafactor` and c
     python -m venv /tmp/tv && /tmp/tv/bin/pip install torch
     /tmp/tv/bin/python tools/adafactor_reference.py
 """
-import json
-import math
-import pathlib
-
 import torch
+
+from optimizer_reference import record_steps, write_fixture
 
 SHAPES = [[5, 3], [4], [2, 3, 4]]
 STEPS = 5
@@ -21,35 +19,16 @@ CONFIGS = [
 ]
 
 
-def values(n, a, b):
-    # Deterministic, signed, of varied magnitude; exact in f32 after rounding.
-    return [float(torch.tensor(math.sin(a * i + b) * (1 + (i % 3))).float()) for i in range(n)]
-
-
 def main():
-    out = {"shapes": SHAPES, "runs": []}
+    runs = []
     for config in CONFIGS:
-        params = [torch.tensor(values(math.prod(s), 0.37, 0.1 * k), dtype=torch.float32).reshape(s)
-                  .requires_grad_() for k, s in enumerate(SHAPES)]
-        init = [p.detach().flatten().tolist() for p in params]
-        opt = torch.optim.Adafactor(params, foreach=False, **config)
-        grads, after = [], []
-        for step in range(STEPS):
-            g = [torch.tensor(values(math.prod(s), 0.91 + 0.1 * k, 1.7 * step), dtype=torch.float32)
-                 .reshape(s) * (0.5 ** step) for k, s in enumerate(SHAPES)]
-            for p, gi in zip(params, g):
-                p.grad = gi.clone()
-            opt.step()
-            grads.append([gi.flatten().tolist() for gi in g])
-            after.append([p.detach().flatten().tolist() for p in params])
+        run = record_steps(
+            lambda params: torch.optim.Adafactor(params, foreach=False, **config), SHAPES, STEPS)
         cfg = dict(config)
         if "eps" in cfg:
             cfg["eps1"], cfg["eps2"] = cfg.pop("eps")
-        out["runs"].append({"config": cfg, "init": init, "grads": grads, "params": after})
-    out["torch"] = torch.__version__
-    path = pathlib.Path(__file__).resolve().parent.parent / "tests/fixtures/adafactor_torch.json"
-    path.write_text(json.dumps(out) + "\n")
-    print(f"wrote {path} (torch {torch.__version__})")
+        runs.append({"config": cfg, **run})
+    write_fixture("adafactor_torch.json", SHAPES, runs)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,10 @@ shipped. The engine's test applies the same gradients to the transposed ([in, ou
     python -m venv /tmp/tv && /tmp/tv/bin/pip install torch
     /tmp/tv/bin/python tools/muon_reference.py
 """
-import json
-import math
-import pathlib
-
 import torch
 import torch.optim._muon as muon
+
+from optimizer_reference import record_steps, write_fixture
 
 SHAPES = [[6, 10], [12, 5]]
 STEPS = 5
@@ -42,34 +40,14 @@ def f32_newton_schulz(grad, ns_coefficients, ns_steps, eps):
     return ortho_grad
 
 
-def values(n, a, b):
-    # Deterministic, signed, of varied magnitude; exact in f32 after rounding.
-    return [float(torch.tensor(math.sin(a * i + b) * (1 + (i % 3))).float()) for i in range(n)]
-
-
 def main():
     muon._zeropower_via_newtonschulz = f32_newton_schulz
-    out = {"shapes": SHAPES, "runs": []}
+    runs = []
     for config in CONFIGS:
-        params = [torch.tensor(values(math.prod(s), 0.37, 0.1 * k), dtype=torch.float32).reshape(s)
-                  .requires_grad_() for k, s in enumerate(SHAPES)]
-        init = [p.detach().flatten().tolist() for p in params]
-        opt = torch.optim.Muon(params, **config)
-        grads, after = [], []
-        for step in range(STEPS):
-            g = [torch.tensor(values(math.prod(s), 0.91 + 0.1 * k, 1.7 * step), dtype=torch.float32)
-                 .reshape(s) * (0.5 ** step) for k, s in enumerate(SHAPES)]
-            for p, gi in zip(params, g):
-                p.grad = gi.clone()
-            opt.step()
-            grads.append([gi.flatten().tolist() for gi in g])
-            after.append([p.detach().flatten().tolist() for p in params])
+        run = record_steps(lambda params: torch.optim.Muon(params, **config), SHAPES, STEPS)
         cfg = {"momentum": 0.95, "nesterov": True, "adjust_lr_fn": "original", **config}
-        out["runs"].append({"config": cfg, "init": init, "grads": grads, "params": after})
-    out["torch"] = torch.__version__
-    path = pathlib.Path(__file__).resolve().parent.parent / "tests/fixtures/muon_torch.json"
-    path.write_text(json.dumps(out) + "\n")
-    print(f"wrote {path} (torch {torch.__version__})")
+        runs.append({"config": cfg, **run})
+    write_fixture("muon_torch.json", SHAPES, runs)
 
 
 if __name__ == "__main__":
