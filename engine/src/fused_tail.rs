@@ -76,9 +76,19 @@ impl FusedAdamWConfig {
     }
 }
 
-/// The dtype AdamW's moments are kept in between steps (the update itself is f32).
+/// The dtype AdamW's moments are kept in between steps (the update itself is f32); the
+/// driver's `--optim-state`.
 #[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum MomentDtype {

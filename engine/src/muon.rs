@@ -499,7 +499,7 @@ impl<X: Backend, M> ModuleMapper<Ad<X>> for Stepper<'_, X, M> {
             });
         let step = &self.optim.step;
         let pair = [tensor.inner(), grad];
-        let (p, state) = if D < 2 || self.optim.tables.contains(&id) {
+        let (p, state) = if D < 2 || self.optim.is_table(&id) {
             step.adamw_step(self.lr, pair, state)
         } else {
             step.muon_step(self.lr, pair, state)

@@ -112,6 +112,11 @@ impl Local {
         self.rows / parts
     }
 
+    /// A rank-1 parameter (a norm's scale, a bias).
+    fn is_vector(&self) -> bool {
+        self.cols == 1 && !self.experts
+    }
+
     /// The optimizer-state bytes of this piece where a rank holds `rows` of its rows.
     fn state_bytes(&self, rows: usize, optimizer: OptimizerState) -> usize {
         match optimizer {
@@ -119,14 +124,12 @@ impl Local {
             // A vector: its second moment. A stacked matrix: per expert a row statistic of
             // `cols / last` and a column statistic of `last`. A matrix: its rows' statistic
             // (split with them) and every column's (replicated over the data axes).
-            OptimizerState::Adafactor if self.cols == 1 && !self.experts => 4 * rows,
+            OptimizerState::Adafactor if self.is_vector() => 4 * rows,
             OptimizerState::Adafactor if self.experts => {
                 4 * rows * (self.cols / self.last + self.last)
             }
             OptimizerState::Adafactor => 4 * (rows + self.cols),
-            OptimizerState::Muon if self.table || (self.cols == 1 && !self.experts) => {
-                8 * rows * self.cols
-            }
+            OptimizerState::Muon if self.table || self.is_vector() => 8 * rows * self.cols,
             OptimizerState::Muon => 4 * rows * self.cols,
         }
     }
@@ -185,14 +188,14 @@ impl ModelPieces {
         let mut pieces = Vec::new();
         for stage in schedule.stages_of(0) {
             if stage == 0 {
-                pieces.extend(self.first.iter().map(Local::clone));
+                pieces.extend(self.first.iter().cloned());
             }
             for block in plan.blocks(stage) {
-                pieces.extend(self.blocks[block].iter().map(Local::clone));
+                pieces.extend(self.blocks[block].iter().cloned());
             }
             if stage + 1 == stages {
-                pieces.extend(self.last.iter().map(Local::clone));
-                pieces.extend(self.tied.iter().map(Local::clone));
+                pieces.extend(self.last.iter().cloned());
+                pieces.extend(self.tied.iter().cloned());
             }
         }
         pieces

@@ -241,26 +241,8 @@ pub enum Offload {
     Optimizer,
 }
 
-/// The dtype AdamW keeps its moments in (`--optim-state`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum OptimState {
-    /// f32 moments.
-    #[default]
-    F32,
-    /// bf16 moments ([`wildfire_engine::MomentDtype::Bf16`]).
-    Bf16,
-}
-
-impl OptimState {
-    /// The engine's moment dtype.
-    pub fn moments(self) -> wildfire_engine::MomentDtype {
-        match self {
-            OptimState::F32 => wildfire_engine::MomentDtype::F32,
-            OptimState::Bf16 => wildfire_engine::MomentDtype::Bf16,
-        }
-    }
-}
+/// The dtype AdamW keeps its moments in (`--optim-state`): f32 or bf16.
+pub type OptimState = wildfire_engine::MomentDtype;
 
 fn default_prefetch() -> usize {
     1
@@ -378,7 +360,7 @@ impl PretrainConfig {
         use wildfire_models::memory::OptimizerState as O;
         match self.optimizer {
             OptimizerKind::Adamw => O::AdamW {
-                moment_bytes: self.optim_state.moments().bytes(),
+                moment_bytes: self.optim_state.bytes(),
             },
             OptimizerKind::Adafactor => O::Adafactor,
             OptimizerKind::Muon => O::Muon,

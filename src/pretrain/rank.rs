@@ -104,22 +104,25 @@ impl RankRun<'_> {
         }
     }
 
-    /// Burn's AdamW with the run's hyper-parameters (β₂ 0.95, ε 1e-5).
+    /// Burn's AdamW with the hyper-parameters of [`RankRun::fused_adamw`].
     pub(super) fn adamw(&self) -> AdamWConfig {
+        let c = self.fused_adamw();
         AdamWConfig::new()
-            .with_beta_2(0.95)
-            .with_weight_decay(self.config.weight_decay as f32)
+            .with_beta_1(c.beta1 as f32)
+            .with_beta_2(c.beta2 as f32)
+            .with_epsilon(c.epsilon as f32)
+            .with_weight_decay(c.weight_decay as f32)
     }
 
-    /// The fused AdamW with the same hyper-parameters as [`RankRun::adamw`], its moments in
-    /// `--optim-state`'s dtype.
+    /// The run's AdamW: β = (0.9, 0.95), ε 1e-5 (Burn's AdamW default), the configured weight
+    /// decay, its moments in `--optim-state`'s dtype.
     pub(super) fn fused_adamw(&self) -> wildfire_engine::FusedAdamWConfig {
         wildfire_engine::FusedAdamWConfig {
             beta1: 0.9,
             beta2: 0.95,
-            epsilon: 1e-5, // Burn's AdamW default
+            epsilon: 1e-5,
             weight_decay: self.config.weight_decay,
-            moments: self.config.optim_state.moments(),
+            moments: self.config.optim_state,
         }
     }
 
@@ -127,11 +130,13 @@ impl RankRun<'_> {
     /// (`MuonLr::MatchRmsAdamw`: `--lr` and `--weight-decay` serve both halves), and the run's
     /// AdamW (β₂ 0.95, ε 1e-5) for the tables and vectors.
     pub(super) fn muon(&self) -> wildfire_engine::MuonConfig {
+        let adamw = self.fused_adamw();
         wildfire_engine::MuonConfig {
-            weight_decay: self.config.weight_decay,
+            weight_decay: adamw.weight_decay,
             adjust_lr: wildfire_engine::MuonLr::MatchRmsAdamw,
-            adamw_beta2: 0.95,
-            adamw_epsilon: 1e-5,
+            adamw_beta1: adamw.beta1,
+            adamw_beta2: adamw.beta2,
+            adamw_epsilon: adamw.epsilon,
             ..wildfire_engine::MuonConfig::default()
         }
     }
