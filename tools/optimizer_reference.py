@@ -30,12 +30,13 @@ def record_steps(make_optimizer, shapes, steps):
     return {"init": init, "grads": grads, "params": after}
 
 
-def write_fixture(name, shapes, runs):
-    """`tests/fixtures/{name}`: the shapes, the runs and the torch version, as JSON."""
+def write_fixture(name, shapes, runs, extra=None):
+    """`tests/fixtures/{name}`: the shapes, the runs and the torch version (and `extra`'s
+    entries), as JSON."""
     import json
     import pathlib
 
-    out = {"shapes": shapes, "runs": runs, "torch": torch.__version__}
+    out = {"shapes": shapes, "runs": runs, "torch": torch.__version__, **(extra or {})}
     path = pathlib.Path(__file__).resolve().parent.parent / "tests/fixtures" / name
     path.write_text(json.dumps(out) + "\n")
     print(f"wrote {path} (torch {torch.__version__})")

@@ -97,22 +97,26 @@ pub enum MomentDtype {
     F32,
     /// 2 bytes per moment element (4 per parameter), rounded to nearest each step.
     Bf16,
+    /// 8-bit codes per moment element and an f32 scale per block of 2,048 ([`crate::QuantAdamW`]:
+    /// 2 bytes per parameter and the scales), f32 moments for tensors under 4,096 elements.
+    Int8,
 }
 
 impl MomentDtype {
-    /// The Burn dtype.
+    /// The Burn dtype of moments kept as floats (`Int8`: the f32 of the small tensors).
     pub fn float_dtype(self) -> burn::tensor::FloatDType {
         match self {
-            MomentDtype::F32 => burn::tensor::FloatDType::F32,
+            MomentDtype::F32 | MomentDtype::Int8 => burn::tensor::FloatDType::F32,
             MomentDtype::Bf16 => burn::tensor::FloatDType::BF16,
         }
     }
 
-    /// Bytes per moment element.
+    /// Bytes per moment element (`Int8`: of a block-quantised tensor, scales aside).
     pub fn bytes(self) -> usize {
         match self {
             MomentDtype::F32 => 4,
             MomentDtype::Bf16 => 2,
+            MomentDtype::Int8 => 1,
         }
     }
 }
@@ -231,6 +235,67 @@ fn piece<X: Backend, const D: usize>(
     X::float_cast(local, burn::tensor::FloatDType::F32)
 }
 
+impl<X: Backend> TailInputs<X> {
+    /// The clipping coefficient and the skip flag of the coming step on `device`: the fused
+    /// tail's, or 1 and 0 where it set none (a pipeline stage clips before its step).
+    pub(crate) fn scale_and_skip(&self, device: &X::Device) -> ScaleAndSkip<X> {
+        self.current().unwrap_or_else(|| {
+            (
+                X::float_from_data(TensorData::new(vec![1.0f32], [1]), device),
+                X::float_from_data(TensorData::new(vec![0.0f32], [1]), device),
+            )
+        })
+    }
+}
+
+/// One fused AdamW step of `tensor` (see [`FusedAdamW`]): on the gradient's layout, from
+/// `state` (or zero moments), the new moments kept in `config.moments`' float dtype.
+pub(crate) fn adamw_step<X: FusedOps, const D: usize>(
+    config: &FusedAdamWConfig,
+    inputs: &TailInputs<X>,
+    lr: f64,
+    tensor: Tensor<Distributed<X>, D>,
+    grad: Tensor<Distributed<X>, D>,
+    state: Option<AdamWState<Distributed<X>, D>>,
+) -> (Tensor<Distributed<X>, D>, AdamWState<Distributed<X>, D>) {
+    let (p, g) = on_grad_layout(&tensor, &grad);
+    let device = p.device().inner().clone();
+    let local_shape = burn::tensor::TensorMetadata::shape(p.local());
+    let dtype = burn::tensor::FloatDType::F32;
+    let (time, m, v) = match state {
+        Some(s) => (
+            s.momentum.time + 1,
+            piece(&s.momentum.moment_1, &p),
+            piece(&s.momentum.moment_2, &p),
+        ),
+        None => (
+            1,
+            X::float_zeros(local_shape.clone(), &device, dtype),
+            X::float_zeros(local_shape, &device, dtype),
+        ),
+    };
+    let (scale, skip) = inputs.scale_and_skip(&device);
+    let out = X::fused_adamw(
+        p.local().clone(),
+        g.into_local(),
+        m,
+        v,
+        scale,
+        skip,
+        config.step(lr, time),
+    );
+    let keep = |t| X::float_cast(t, config.moments.float_dtype());
+    let state = AdamWState {
+        momentum: AdaptiveMomentumState {
+            time,
+            moment_1: wrap(p.with_local(keep(out.m))),
+            moment_2: wrap(p.with_local(keep(out.v))),
+            max_moment_2: None,
+        },
+    };
+    (wrap(p.with_local(out.param)), state)
+}
+
 impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for FusedAdamW<X> {
     type State<const D: usize> = AdamWState<Distributed<X>, D>;
 
@@ -241,53 +306,8 @@ impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for FusedAdamW<X> {
         grad: Tensor<Distributed<X>, D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<Distributed<X>, D>, Option<Self::State<D>>) {
-        let (p, g) = on_grad_layout(&tensor, &grad);
-        let device = p.device().inner().clone();
-        let local_shape = burn::tensor::TensorMetadata::shape(p.local());
-        let dtype = burn::tensor::FloatDType::F32;
-        let (time, m, v) = match state {
-            Some(s) => (
-                s.momentum.time + 1,
-                piece(&s.momentum.moment_1, &p),
-                piece(&s.momentum.moment_2, &p),
-            ),
-            None => (
-                1,
-                X::float_zeros(local_shape.clone(), &device, dtype),
-                X::float_zeros(local_shape, &device, dtype),
-            ),
-        };
-        let (scale, skip) = self
-            .inputs
-            .inner
-            .lock()
-            .unwrap()
-            .clone()
-            .unwrap_or_else(|| {
-                (
-                    X::float_from_data(TensorData::new(vec![1.0f32], [1]), &device),
-                    X::float_from_data(TensorData::new(vec![0.0f32], [1]), &device),
-                )
-            });
-        let out = X::fused_adamw(
-            p.local().clone(),
-            g.into_local(),
-            m,
-            v,
-            scale,
-            skip,
-            self.config.step(lr, time),
-        );
-        let keep = |t| X::float_cast(t, self.config.moments.float_dtype());
-        let state = AdamWState {
-            momentum: AdaptiveMomentumState {
-                time,
-                moment_1: wrap(p.with_local(keep(out.m))),
-                moment_2: wrap(p.with_local(keep(out.v))),
-                max_moment_2: None,
-            },
-        };
-        (wrap(p.with_local(out.param)), Some(state))
+        let (tensor, state) = adamw_step(&self.config, &self.inputs, lr, tensor, grad, state);
+        (tensor, Some(state))
     }
 
     fn to_device<const D: usize>(

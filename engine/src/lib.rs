@@ -10,6 +10,8 @@ pub mod metrics;
 pub mod muon;
 pub mod offload;
 pub mod pipeline;
+pub mod quant_adamw;
+mod quant_maps;
 pub mod recompute;
 pub mod report;
 pub mod scaler;
@@ -25,6 +27,10 @@ pub use grad_check::{GradCheck, unscale_check_clip};
 pub use muon::{Muon, MuonConfig, MuonLr, MuonOptimizer, MuonState};
 pub use offload::{OffloadAdamW, OffloadAdamWOptimizer, OffloadState};
 pub use pipeline::PipelineRecord;
+pub use quant_adamw::{
+    BLOCK, MIN_8BIT_SIZE, QuantAdamW, QuantAdamWOptimizer, QuantAdamWState, QuantMoments,
+    dynamic_map, quantise_blockwise,
+};
 pub use recompute::{AttentionSpec, Recompute, Recomputer, attention_reference, dropout_mask};
 pub use scaler::{DynamicLossScaler, LossScalerConfig, StepDecision};
 pub use step::{RouterRecord, StepRecord, StepRunner, StepRunnerConfig};

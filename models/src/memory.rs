@@ -36,6 +36,10 @@ pub enum OptimizerState {
     /// Muon: one f32 momentum buffer shaped like each hidden matrix; AdamW's two f32 moments for
     /// the tables and vectors.
     Muon,
+    /// AdamW with 8-bit block-quantised moments (`wildfire_engine::QuantAdamW`): a byte per
+    /// moment element and an f32 scale per block of 2,048 elements of the whole tensor (every
+    /// rank keeps all of a tensor's scales); f32 moments for tensors under 4,096 elements.
+    AdamW8bit,
 }
 
 impl Default for OptimizerState {
@@ -82,6 +86,8 @@ struct Local {
     last: usize,
     experts: bool,
     table: bool,
+    /// The whole tensor's elements (the piece's times the tensor-parallel split).
+    numel: usize,
 }
 
 impl Local {
@@ -112,6 +118,14 @@ impl Local {
         self.rows / parts
     }
 
+    /// The piece of a tensor tensor parallelism splits into `parts`.
+    fn split(self, parts: usize) -> Self {
+        Self {
+            numel: self.numel * parts,
+            ..self
+        }
+    }
+
     /// A rank-1 parameter (a norm's scale, a bias).
     fn is_vector(&self) -> bool {
         self.cols == 1 && !self.experts
@@ -131,6 +145,14 @@ impl Local {
             OptimizerState::Adafactor => 4 * (rows + self.cols),
             OptimizerState::Muon if self.table || self.is_vector() => 8 * rows * self.cols,
             OptimizerState::Muon => 4 * rows * self.cols,
+            // f32 moments under the 8-bit size; else a byte per moment element and each
+            // moment's f32 scale per block of the whole tensor (replicated).
+            OptimizerState::AdamW8bit if self.numel < wildfire_parallel::MIN_QUANT_SIZE => {
+                8 * rows * self.cols
+            }
+            OptimizerState::AdamW8bit => {
+                2 * rows * self.cols + 8 * self.numel.div_ceil(wildfire_parallel::QUANT_BLOCK)
+            }
         }
     }
 }
@@ -143,6 +165,7 @@ fn whole(rows: usize, cols: usize) -> Local {
         last: cols,
         experts: false,
         table: false,
+        numel: rows * cols,
     }
 }
 
@@ -236,13 +259,14 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> ModelPieces {
         let mut pieces = Vec::new();
         pieces.extend([
             whole(d, 1), // input_layernorm γ
-            whole(d, q / t),
-            whole(d, kv / kv_t),
-            whole(d, kv / kv_t),
-            whole(q / t, d), // o_proj: row-parallel
-            whole(d, 1),     // post_attention_layernorm γ
+            whole(d, q / t).split(t),
+            whole(d, kv / kv_t).split(kv_t),
+            whole(d, kv / kv_t).split(kv_t),
+            whole(q / t, d).split(t), // o_proj: row-parallel
+            whole(d, 1),              // post_attention_layernorm γ
         ]);
-        let swiglu = |f: usize| [whole(d, f / t), whole(d, f / t), whole(f / t, d)];
+        let swiglu =
+            |f: usize| [whole(d, f / t), whole(d, f / t), whole(f / t, d)].map(|p| p.split(t));
         match model.moe_at(layer) {
             // Gate, up: column-parallel; down: row-parallel.
             None => pieces.extend(swiglu(f)),
@@ -259,6 +283,7 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> ModelPieces {
                         last,
                         experts: true,
                         table: false,
+                        numel: e * d * f,
                     });
                 }
                 for _ in 0..m.config.shared_experts {
@@ -270,13 +295,13 @@ fn llama_pieces(model: &LlamaConfig, t: usize) -> ModelPieces {
     }
     let mut last = vec![whole(d, 1)]; // norm γ
     if !model.tie_embeddings {
-        last.push(table(v / t, d));
+        last.push(table(v / t, d).split(t));
     }
     ModelPieces {
-        first: vec![table(v / t, d)],
+        first: vec![table(v / t, d).split(t)],
         blocks,
         last,
-        tied: model.tie_embeddings.then(|| table(v / t, d)),
+        tied: model.tie_embeddings.then(|| table(v / t, d).split(t)),
     }
 }
 
@@ -288,23 +313,23 @@ fn gpt_pieces(model: &GptConfig, t: usize) -> ModelPieces {
         blocks.push(vec![
             whole(d, 1), // ln_1 γ, β
             whole(d, 1),
-            whole(d, 3 * d / t), // c_attn: column-parallel
-            whole(3 * d / t, 1),
-            whole(d / t, d), // attn.c_proj: row-parallel, bias whole
+            whole(d, 3 * d / t).split(t), // c_attn: column-parallel
+            whole(3 * d / t, 1).split(t),
+            whole(d / t, d).split(t), // attn.c_proj: row-parallel, bias whole
             whole(d, 1),
             whole(d, 1), // ln_2
             whole(d, 1),
-            whole(d, 4 * d / t), // c_fc: column-parallel
-            whole(4 * d / t, 1),
-            whole(4 * d / t, d), // mlp.c_proj: row-parallel, bias whole
+            whole(d, 4 * d / t).split(t), // c_fc: column-parallel
+            whole(4 * d / t, 1).split(t),
+            whole(4 * d / t, d).split(t), // mlp.c_proj: row-parallel, bias whole
             whole(d, 1),
         ]);
     }
     ModelPieces {
-        first: vec![table(v / t, d), table(s, d)],
+        first: vec![table(v / t, d).split(t), table(s, d)],
         blocks,
         last: vec![whole(d, 1), whole(d, 1)], // ln_f
-        tied: Some(table(v / t, d)),
+        tied: Some(table(v / t, d).split(t)),
     }
 }
 

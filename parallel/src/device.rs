@@ -212,6 +212,38 @@ impl std::fmt::Debug for HostBytes {
     }
 }
 
+/// Device memory a rank holds outside its distributed tensors (an 8-bit optimizer's codes and
+/// block scales, kept as the inner backend's tensors), counted in [`RankContext::live_bytes`]
+/// (and against the memory budget) while this lives, like a distributed tensor's piece.
+pub struct DeviceBytes {
+    bytes: i64,
+    ctx: Arc<RankContext>,
+}
+
+impl DeviceBytes {
+    /// Count `bytes` of device memory on `ctx`'s rank until this is dropped.
+    pub fn new(ctx: &Arc<RankContext>, bytes: usize) -> Self {
+        let bytes = bytes as i64;
+        ctx.add_live_bytes(bytes);
+        Self {
+            bytes,
+            ctx: ctx.clone(),
+        }
+    }
+}
+
+impl Drop for DeviceBytes {
+    fn drop(&mut self) {
+        self.ctx.add_live_bytes(-self.bytes);
+    }
+}
+
+impl std::fmt::Debug for DeviceBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DeviceBytes({})", self.bytes)
+    }
+}
+
 /// Where a rank is in the protocol of a training step.
 #[derive(Default)]
 struct StepProtocol {

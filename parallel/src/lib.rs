@@ -81,7 +81,8 @@ pub use data_parallel::{
     sync_gradients,
 };
 pub use device::{
-    DeferredWeights, DistDevice, HostBytes, MemoryReport, OpCounters, PrefetchStats, RankContext,
+    DeferredWeights, DeviceBytes, DistDevice, HostBytes, MemoryReport, OpCounters, PrefetchStats,
+    RankContext,
 };
 pub use dims::{CpLayout, CpRotate, ParallelDims};
 pub use error::{CollectiveKind, Error};
@@ -93,8 +94,8 @@ pub use fsdp::{
 pub use launch::{LaunchEnv, LaunchOptions, Launcher, launch};
 pub use mesh::{AxisKind, CONTEXT_AXIS, DeviceMesh, EXPERT_AXIS, MeshAxis, PIPELINE_AXIS};
 pub use optim_state::{
-    EncodedState, StateCodec, StateShape, StateSpec, adamw_specs, decode_adamw, encode_adamw,
-    state_layout,
+    EncodedState, MIN_QUANT_SIZE, QUANT_BLOCK, StateCodec, StateShape, StateSpec, adamw_specs,
+    decode_adamw, encode_adamw, state_layout,
 };
 pub use params::{
     Mapped, ModulePath, ParamMapper, ParamVisitor, TryParamMapper, TryParamVisitor, map_params,

@@ -20,6 +20,13 @@ use crate::fsdp::optimizer_state_layout;
 use crate::placement::{Layout, Placement};
 use crate::tensor::DTensor;
 
+/// Elements per block of an 8-bit optimizer state (one f32 scale each; Dettmers et al.'s 2,048).
+pub const QUANT_BLOCK: usize = 2048;
+
+/// Tensors with fewer elements keep an 8-bit optimizer's state in f32 (bitsandbytes'
+/// `min_8bit_size`).
+pub const MIN_QUANT_SIZE: usize = 4096;
+
 /// How a state tensor's shape follows its parameter's.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum StateShape {
@@ -30,6 +37,10 @@ pub enum StateShape {
     /// `n × 1`, its column statistic `1 × m`). A mesh axis that splits a reduced dim leaves the
     /// statistic replicated over that axis.
     Reduced(Vec<usize>),
+    /// One value per block of this many consecutive elements of the parameter's row-major
+    /// flattening (the last block may be short): a 1-D `[⌈numel / size⌉]` tensor, replicated
+    /// (an 8-bit optimizer's block scales).
+    Blocks(usize),
 }
 
 impl StateShape {
@@ -40,6 +51,7 @@ impl StateShape {
             StateShape::Reduced(dims) => (0..param.len())
                 .map(|d| if dims.contains(&d) { 1 } else { param[d] })
                 .collect(),
+            StateShape::Blocks(size) => vec![param.iter().product::<usize>().div_ceil(*size)],
         }
     }
 }
@@ -121,13 +133,18 @@ pub trait StateCodec<B: Backend>: SimpleOptimizer<B> {
 
 /// Where state tensor `shape` of `param` lives on this rank: the parameter's optimizer-state
 /// layout ([`crate::optimizer_state_layout`]: model-axis splits kept, dim 0 split over the
-/// optimizer's shard axes), with its splits of reduced dims replicated.
+/// optimizer's shard axes), with its splits of reduced dims replicated (and a block statistic
+/// replicated whole).
 pub fn state_layout<B: Backend>(param: &DTensor<B>, shape: &StateShape) -> Layout {
     let layout = optimizer_state_layout(param);
     match shape {
         StateShape::Param => layout,
         StateShape::Reduced(dims) => Layout::new(layout.placements().iter().map(|&p| match p {
             Placement::Shard(d) if dims.contains(&d) => Placement::Replicate,
+            p => p,
+        })),
+        StateShape::Blocks(_) => Layout::new(layout.placements().iter().map(|&p| match p {
+            Placement::Shard(_) => Placement::Replicate,
             p => p,
         })),
     }

@@ -59,8 +59,10 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw, help_heading = "Training")]
     pub optimizer: OptimizerKind,
-    /// The dtype of AdamW's two moments: f32 (8 bytes of state per parameter) or bf16 (4; the
-    /// update is computed in f32 and the moments rounded to nearest).
+    /// The dtype of AdamW's two moments: f32 (8 bytes of state per parameter), bf16 (4; the
+    /// update is computed in f32 and the moments rounded to nearest) or int8 (2 and an f32
+    /// scale per 2,048 elements: bitsandbytes' block-wise dynamic quantisation; tensors under
+    /// 4,096 elements keep f32).
     #[serde(default)]
     #[arg(long, value_enum, default_value_t = OptimState::F32, help_heading = "Training")]
     pub optim_state: OptimState,
@@ -334,8 +336,12 @@ impl PretrainConfig {
         }
         if self.optimizer != OptimizerKind::Adamw && self.optim_state != OptimState::F32 {
             return Err(PretrainError::Config(format!(
-                "--optim-state bf16 sets the dtype of AdamW's moments; --optimizer {} keeps f32 \
+                "--optim-state {} sets the dtype of AdamW's moments; --optimizer {} keeps f32 \
                  state: drop --optim-state, or train with --optimizer adamw",
+                match self.optim_state {
+                    OptimState::Bf16 => "bf16",
+                    _ => "int8",
+                },
                 match self.optimizer {
                     OptimizerKind::Adafactor => "adafactor",
                     _ => "muon",
@@ -359,6 +365,7 @@ impl PretrainConfig {
     pub fn optimizer_state(&self) -> wildfire_models::memory::OptimizerState {
         use wildfire_models::memory::OptimizerState as O;
         match self.optimizer {
+            OptimizerKind::Adamw if self.optim_state == OptimState::Int8 => O::AdamW8bit,
             OptimizerKind::Adamw => O::AdamW {
                 moment_bytes: self.optim_state.bytes(),
             },

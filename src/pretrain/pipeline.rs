@@ -116,6 +116,12 @@ impl RankRun<'_> {
                 let adamw = self.adamw();
                 self.train_stages_with(device, chunks, schedule, |_| Ok(adamw.init()))
             }
+            (OptimizerKind::Adamw, OptimState::Int8) => {
+                let fused = self.fused_adamw();
+                self.train_stages_with(device, chunks, schedule, |_| {
+                    Ok(wildfire_engine::QuantAdamW::<B>::optimizer::<S>(fused).0)
+                })
+            }
             (OptimizerKind::Adamw, OptimState::Bf16) => {
                 let fused = self.fused_adamw();
                 self.train_stages_with(device, chunks, schedule, |_| {

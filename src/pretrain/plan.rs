@@ -20,8 +20,8 @@
 //!
 //! **Cheapest** is the levers in the order of what they cost: first the strategy and policy with
 //! the shortest predicted step among those that fit (f32 moments on the device); if none fits,
-//! the same with bf16 moments (numerics); then with the optimizer offloaded (host transfers
-//! each step). A budget nothing fits is a typed error naming the smallest predicted peak.
+//! the same with bf16 moments (numerics); then with 8-bit moments (more numerics, a slower
+//! step); then with the optimizer offloaded (host transfers each step). A budget nothing fits is a typed error naming the smallest predicted peak.
 
 use super::*;
 use serde::Serialize;
@@ -72,6 +72,7 @@ impl Candidate {
         let state = match self.optim_state {
             OptimState::F32 => "f32",
             OptimState::Bf16 => "bf16",
+            OptimState::Int8 => "int8",
         };
         let offload = match self.offload {
             Offload::None => "none",
@@ -80,12 +81,14 @@ impl Candidate {
         format!("--fsdp {fsdp} --recompute {recompute} --optim-state {state} --offload {offload}")
     }
 
-    /// The tier of what it gives up: 0 nothing, 1 bf16 moments, 2 the optimizer offloaded.
+    /// The tier of what it gives up: 0 nothing, 1 bf16 moments, 2 8-bit moments, 3 the
+    /// optimizer offloaded.
     fn tier(&self) -> usize {
         match (self.optim_state, self.offload) {
             (OptimState::F32, Offload::None) => 0,
             (OptimState::Bf16, _) => 1,
-            (_, Offload::Optimizer) => 2,
+            (OptimState::Int8, _) => 2,
+            (_, Offload::Optimizer) => 3,
         }
     }
 }
@@ -126,14 +129,14 @@ impl Predicted {
 
 impl Plan {
     /// The cheapest of `candidates` (their fits recomputed for `budget`): within the first tier
-    /// that has a fitting candidate (f32 moments on the device, then bf16 moments, then the
-    /// optimizer offloaded), the shortest predicted step. An error naming the smallest predicted
+    /// that has a fitting candidate (f32 moments on the device, then bf16 moments, then 8-bit
+    /// moments, then the optimizer offloaded), the shortest predicted step. An error naming the smallest predicted
     /// peak if none fits.
     pub fn choose(mut candidates: Vec<Predicted>, budget: u64) -> Result<Plan, PretrainError> {
         for c in &mut candidates {
             c.fits = c.needs() <= budget;
         }
-        let chosen = (0..3).find_map(|tier| {
+        let chosen = (0..4).find_map(|tier| {
             candidates
                 .iter()
                 .enumerate()
@@ -274,6 +277,7 @@ pub fn plan_on<B: FusedOps>(
         &[
             (OptimState::F32, Offload::None),
             (OptimState::Bf16, Offload::None),
+            (OptimState::Int8, Offload::None),
             (OptimState::F32, Offload::Optimizer),
         ]
     } else {

@@ -60,7 +60,8 @@ impl RankRun<'_> {
     /// `model` trained with the run's optimizer under `FsdpOptimizer`: AdamW (β₂ 0.95, the
     /// configured weight decay) — on backends with kernels, or with bf16 moments, the fused
     /// optimizer tail (one unscale + Σg² + overflow pass per gradient, one AdamW pass per
-    /// parameter; Burn-op defaults where the backend has no kernels), elsewhere Burn's AdamW —
+    /// parameter; Burn-op defaults where the backend has no kernels), with 8-bit moments the
+    /// quantised AdamW on that tail, elsewhere Burn's AdamW —
     /// Adafactor, or Muon with AdamW for the tables and vectors.
     fn train_model<B: FusedOps, M: DistributedLm<B>>(
         &self,
@@ -85,6 +86,12 @@ impl RankRun<'_> {
             OptimizerKind::Adamw if self.config.offload == Offload::Optimizer => {
                 let (adamw, inputs) =
                     wildfire_engine::OffloadAdamW::<B>::optimizer::<M>(self.fused_adamw());
+                let whole = Whole::new(model, FsdpOptimizer::new(adamw), Some(inputs));
+                self.train_loop(device, whole, accum)
+            }
+            OptimizerKind::Adamw if self.config.optim_state == OptimState::Int8 => {
+                let (adamw, inputs) =
+                    wildfire_engine::QuantAdamW::<B>::optimizer::<M>(self.fused_adamw());
                 let whole = Whole::new(model, FsdpOptimizer::new(adamw), Some(inputs));
                 self.train_loop(device, whole, accum)
             }

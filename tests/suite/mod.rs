@@ -143,6 +143,7 @@ pub fn tiny_gpt_flags() -> wildfire::models::ModelFlags {
     }
 }
 
+mod adamw8bit;
 mod context_parallel;
 mod data_parallel;
 mod engine;

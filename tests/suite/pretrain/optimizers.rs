@@ -38,10 +38,11 @@ fn follows_straight(
 }
 
 /// The settings beyond f32 AdamW.
-const COMPACT: [(OptimizerKind, OptimState); 3] = [
+const COMPACT: [(OptimizerKind, OptimState); 4] = [
     (OptimizerKind::Adafactor, OptimState::F32),
     (OptimizerKind::Muon, OptimState::F32),
     (OptimizerKind::Adamw, OptimState::Bf16),
+    (OptimizerKind::Adamw, OptimState::Int8),
 ];
 
 /// ZeRO-1, FSDP with full recomputation, tp 2, dp 2 × tp 2 FSDP, pp 2 (1F1B, two
@@ -61,7 +62,7 @@ fn compact_optimizers_shard_like_one_rank() {
     let adamw = run(&small(8)).unwrap();
     for (optimizer, state) in COMPACT {
         let tol = match state {
-            OptimState::Bf16 => 1e-3,
+            OptimState::Bf16 | OptimState::Int8 => 1e-3,
             OptimState::F32 => 1e-4,
         };
         let one = run(&with(optimizer, state, 8)).unwrap();
