@@ -1,9 +1,11 @@
 //! The optimizers side by side, one rank on this machine's CPU (Flex), in one run:
 //!
 //! 1. GPT-2 350M (24 layers, width 1024, context 1024, the GPT-2 vocabulary), batch 1 × 1024,
-//!    f32: for AdamW, AdamW with bf16 moments, Adafactor, Muon, and AdamW offloaded to the host,
-//!    the decorator's peak of live tensor bytes in a step, the device's and the host's
-//!    optimizer-state bytes after it, and the median step time of the steps after the first.
+//!    f32: for AdamW, AdamW with bf16 and with 8-bit moments, Adafactor, Muon, and AdamW
+//!    offloaded to the host, the decorator's peak of live tensor bytes in a step, the device's
+//!    and the host's optimizer-state bytes after it, and the median step time of the steps after
+//!    the first. Then the planner (`--plan auto`) for two budgets: what it chooses, the peak it
+//!    predicts, and the peak the chosen run measures.
 //! 2. The `small` preset (4 layers, width 256, context 256; byte vocabulary) trained for a fixed
 //!    number of steps on the embedded corpus at one learning rate (AdamW's default, 1e-3; Muon
 //!    with Moonlight's learning-rate match, so the same rate serves it): the validation loss at
@@ -26,7 +28,7 @@ use wildfire::pretrain::{Offload, OptimState, OptimizerKind, PretrainConfig, run
 mod common;
 
 /// The settings compared: a name, the optimizer, its state dtype, the offload.
-const SETTINGS: [(&str, OptimizerKind, OptimState, Offload); 5] = [
+const SETTINGS: [(&str, OptimizerKind, OptimState, Offload); 6] = [
     (
         "AdamW",
         OptimizerKind::Adamw,
@@ -37,6 +39,12 @@ const SETTINGS: [(&str, OptimizerKind, OptimState, Offload); 5] = [
         "AdamW, bf16 moments",
         OptimizerKind::Adamw,
         OptimState::Bf16,
+        Offload::None,
+    ),
+    (
+        "AdamW, 8-bit moments",
+        OptimizerKind::Adamw,
+        OptimState::Int8,
         Offload::None,
     ),
     (
@@ -108,6 +116,7 @@ fn main() {
             step_ms / 1e3,
         );
     }
+    plan_for_two_budgets(&big, smoke);
     let small = PretrainConfig {
         data: common::corpus(true),
         model: ModelFlags {
@@ -133,7 +142,7 @@ fn main() {
             .expect("a model")
             .block_size(),
     );
-    for setting in &SETTINGS[..4] {
+    for setting in &SETTINGS[..5] {
         let summary = run(&with(&small, setting)).expect("run");
         let last = summary.steps.last().expect("a step ran");
         let val = summary
@@ -143,5 +152,50 @@ fn main() {
             .find_map(|s| s.val_loss)
             .expect("an evaluation");
         println!("| {} | {val:.4} | {:.4} |", setting.0, last.loss);
+    }
+}
+
+/// The planner on `big` for two per-rank budgets (one measurement, two choices), each choice
+/// then run: its flags, predicted and measured peaks.
+fn plan_for_two_budgets(big: &PretrainConfig, smoke: bool) {
+    use wildfire::pretrain::{PlanMode, plan_on};
+    let budgets: [u64; 2] = if smoke {
+        [u64::MAX / 4, u64::MAX / 8]
+    } else {
+        [6_000_000_000, 4_500_000_000]
+    };
+    let config = PretrainConfig {
+        plan: PlanMode::Auto,
+        memory_budget: Some(budgets[0]),
+        ..big.clone()
+    };
+    let plan = plan_on::<burn::backend::Flex>(&config, &Default::default()).expect("a plan");
+    println!(
+        "\nthe planner (`--plan auto`), {} candidates measured once\n\n         | budget | chosen | predicted peak | measured peak | step (s) |\n|---|---|---|---|---|",
+        plan.candidates.len()
+    );
+    for budget in budgets {
+        let plan = wildfire::pretrain::Plan::choose(plan.candidates.clone(), budget)
+            .expect("a candidate fits");
+        let chosen = plan.choice();
+        let summary = run(&PretrainConfig {
+            memory_budget: Some(budget),
+            ..chosen.candidate.apply(big)
+        })
+        .expect("run");
+        let peak = summary
+            .steps
+            .iter()
+            .map(|s| s.peak_bytes)
+            .max()
+            .unwrap_or(0);
+        println!(
+            "| {:.2} GB | `{}` | {:.2} GB | {:.2} GB | {:.1} |",
+            budget as f64 / 1e9,
+            chosen.candidate.flags(),
+            chosen.peak_bytes as f64 / 1e9,
+            peak as f64 / 1e9,
+            common::median_step_ms(&summary, big.model.block_size.unwrap_or(1024)) / 1e3,
+        );
     }
 }

@@ -1,5 +1,5 @@
-//! The optimizer flags: `--optimizer adafactor`, `--optimizer muon` and `--optim-state bf16`
-//! (AdamW's moments in bf16) train every layout as one rank does, resume bitwise on the saving
+//! The optimizer flags: `--optimizer adafactor`, `--optimizer muon`, `--optim-state bf16`
+//! (AdamW's moments in bf16) and `--optim-state int8` (8-bit block-quantised) train every layout as one rank does, resume bitwise on the saving
 //! layout and follow the straight run on another, keep exactly the state bytes the estimate
 //! gives, and a combination that means nothing is refused before any work.
 
@@ -127,6 +127,18 @@ fn compact_optimizer_state_bytes_are_the_estimate() {
         muon < adamw && 2 * muon > adamw,
         "Muon {muon} vs AdamW {adamw}"
     );
+    // 8-bit: per tensor of at least 4,096 elements a byte per moment element and an f32 scale
+    // per block of 2,048 for each moment; 8 bytes per element below.
+    let int8 = run(&with(OptimizerKind::Adamw, OptimState::Int8, 1)).unwrap();
+    let formula: usize = int8
+        .parameters
+        .iter()
+        .map(|p| match p.len() {
+            n if n < 4096 => 8 * n,
+            n => 2 * n + 2 * 4 * n.div_ceil(2048),
+        })
+        .sum();
+    assert_eq!(int8.steps[0].optim_bytes, formula as u64);
     for (optimizer, state) in COMPACT {
         estimate_matches_the_accounting(&with(optimizer, state, 1));
     }
@@ -134,8 +146,8 @@ fn compact_optimizer_state_bytes_are_the_estimate() {
 
 /// Saved at step 4 and resumed to step 8: bitwise the straight run on the saving layout (dp 2
 /// FullShard), and within 1e-4 of it on dp 1 and on tp 2 (the state resharded; bf16 moments
-/// saved as bf16). A run resumed with another moment dtype goes on (the first step widens what
-/// it loaded).
+/// saved as bf16, 8-bit ones as their codes and block scales). A run resumed with another moment
+/// dtype goes on (the first step widens what it loaded, or quantises f32 moments to 8 bits).
 #[test]
 fn compact_optimizers_resume() {
     let saving = ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None);
@@ -176,13 +188,15 @@ fn compact_optimizers_resume() {
         ..small(4)
     })
     .unwrap();
-    let resumed = run(&PretrainConfig {
-        resume: Some(dir),
-        ..with(OptimizerKind::Adamw, OptimState::Bf16, 8)
-    })
-    .unwrap();
-    assert_eq!(resumed.steps.len(), 4);
-    assert!(resumed.steps.iter().all(|s| s.loss.is_finite()));
+    for state in [OptimState::Bf16, OptimState::Int8] {
+        let resumed = run(&PretrainConfig {
+            resume: Some(dir.clone()),
+            ..with(OptimizerKind::Adamw, state, 8)
+        })
+        .unwrap();
+        assert_eq!(resumed.steps.len(), 4);
+        assert!(resumed.steps.iter().all(|s| s.loss.is_finite()));
+    }
 }
 
 fn offloaded(config: PretrainConfig) -> PretrainConfig {
@@ -308,16 +322,39 @@ fn offloaded_optimizer_on_wgpu_follows_the_device_optimizer() {
     }
 }
 
-/// `--optim-state bf16` with Adafactor or Muon (whose state is f32), and `--offload optimizer`
-/// with anything but f32 AdamW, are typed errors before any work; so is resuming a checkpoint of one optimizer with another (its state is not there).
+/// 8-bit AdamW on Wgpu (its codes in `i32`: WGSL has no 8-bit integers) follows Flex's (`u8`
+/// codes) within 1e-4: the same maps and blocks, the quantisation in CubeCL's kernels.
+#[cfg(feature = "wgpu")]
+#[test]
+fn int8_adamw_on_wgpu_follows_flex() {
+    use wildfire::pretrain::run_on;
+    for parallel in [
+        ParallelConfig::default(),
+        ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
+    ] {
+        let config = PretrainConfig {
+            parallel,
+            ..with(OptimizerKind::Adamw, OptimState::Int8, 4)
+        };
+        let wgpu = run_on::<burn::backend::Wgpu>(&config, &Default::default()).unwrap();
+        let flex = run(&config).unwrap();
+        same_run("wgpu int8", &wgpu, &flex, 1e-4);
+    }
+}
+
+/// `--optim-state bf16` or `int8` with Adafactor or Muon (whose state is f32), and `--offload
+/// optimizer` with anything but f32 AdamW, are typed errors before any work; so is resuming a
+/// checkpoint of one optimizer with another (its state is not there), 8-bit AdamW's with f32.
 #[test]
 fn meaningless_optimizer_combinations_are_refused() {
     for optimizer in [OptimizerKind::Adafactor, OptimizerKind::Muon] {
-        let err = run(&with(optimizer, OptimState::Bf16, 1)).unwrap_err();
-        assert!(
-            matches!(&err, PretrainError::Config(m) if m.contains("--optim-state")),
-            "{err}"
-        );
+        for state in [OptimState::Bf16, OptimState::Int8] {
+            let err = run(&with(optimizer, state, 1)).unwrap_err();
+            assert!(
+                matches!(&err, PretrainError::Config(m) if m.contains("--optim-state")),
+                "{err}"
+            );
+        }
     }
     // The offloaded step is AdamW's with f32 moments.
     for (optimizer, state) in COMPACT {
@@ -344,4 +381,20 @@ fn meaningless_optimizer_combinations_are_refused() {
             "{optimizer:?}: {err}"
         );
     }
+    // 8-bit moments are not f32 AdamW's: resuming them with f32 moments is refused.
+    let dir = scratch("resume-int8-as-f32");
+    run(&PretrainConfig {
+        save: Some(dir.clone()),
+        ..with(OptimizerKind::Adamw, OptimState::Int8, 2)
+    })
+    .unwrap();
+    let err = run(&PretrainConfig {
+        resume: Some(dir),
+        ..small(4)
+    })
+    .unwrap_err();
+    assert!(
+        matches!(&err, PretrainError::Checkpoint { reason, .. } if reason.contains("moment_1")),
+        "{err}"
+    );
 }

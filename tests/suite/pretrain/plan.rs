@@ -43,12 +43,12 @@ fn predictions_hold(base: &PretrainConfig, candidates: usize) {
 }
 
 /// Every candidate — 4 FSDP strategies × 3 recomputation policies × (f32 moments, bf16 moments,
-/// the optimizer offloaded) — run at the full depth: the measured peak of the steady step (the
+/// 8-bit moments, the optimizer offloaded) — run at the full depth: the measured peak of the steady step (the
 /// decorator's accounting, rank 0) within 5% of the prediction extrapolated from the 1- and
 /// 2-block probes, and the host bytes exactly the estimate's.
 #[test]
 fn planner_predicts_every_candidates_peak() {
-    predictions_hold(&four_blocks(), 4 * 3 * 3);
+    predictions_hold(&four_blocks(), 4 * 3 * 4);
 }
 
 /// The same for a Llama whose every other block is a mixture of experts (the probes cut it to 2
@@ -71,8 +71,8 @@ fn planner_predicts_a_mixture_of_experts_peak() {
 
 /// With room for everything the planner keeps f32 moments on the device; a budget just under
 /// what the smallest such candidate needs (its predicted peak and the 5% margin) takes bf16
-/// moments; under those, the optimizer offloaded; under everything, a typed error naming the
-/// smallest predicted peak. A run with `--plan auto` trains with the choice, its budget enforced,
+/// moments; under those, 8-bit moments; under those, the optimizer offloaded; under everything,
+/// a typed error naming the smallest predicted peak. A run with `--plan auto` trains with the choice, its budget enforced,
 /// and reports the plan.
 #[test]
 fn planner_picks_the_levers_in_order_of_cost() {
@@ -88,8 +88,9 @@ fn planner_picks_the_levers_in_order_of_cost() {
     };
     let f32_min = smallest(OptimState::F32, Offload::None);
     let bf16_min = smallest(OptimState::Bf16, Offload::None);
+    let int8_min = smallest(OptimState::Int8, Offload::None);
     let offload_min = smallest(OptimState::F32, Offload::Optimizer);
-    assert!(offload_min < bf16_min && bf16_min < f32_min);
+    assert!(offload_min < int8_min && int8_min < bf16_min && bf16_min < f32_min);
     let roomy = plan.choice().candidate;
     assert_eq!(
         (roomy.optim_state, roomy.offload),
@@ -98,7 +99,8 @@ fn planner_picks_the_levers_in_order_of_cost() {
     for (budget, state, offload) in [
         (f32_min, OptimState::F32, Offload::None),
         (f32_min - 1, OptimState::Bf16, Offload::None),
-        (bf16_min - 1, OptimState::F32, Offload::Optimizer),
+        (bf16_min - 1, OptimState::Int8, Offload::None),
+        (int8_min - 1, OptimState::F32, Offload::Optimizer),
     ] {
         let chosen = Plan::choose(plan.candidates.clone(), budget).unwrap();
         let c = chosen.choice();
