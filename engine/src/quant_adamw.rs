@@ -32,9 +32,10 @@
 //! layout — continues from the very codes it saved. A checkpoint of f32 AdamW moments loads
 //! too: the first step quantises them.
 //!
-//! What is not here: a fused kernel (the dequantise–update–quantise chain runs as Burn ops: on
-//! the GPU it is about a dozen launches per tensor instead of bitsandbytes' one), and
-//! stochastic rounding.
+//! The block maxima, the quantisation and the dequantisation are [`FusedOps`] methods: host
+//! loops on Flex (one pass each), Burn ops elsewhere. What is not here: a GPU kernel (on CUDA the
+//! Burn-op chain is about a dozen launches per tensor where bitsandbytes has one fused
+//! dequantise–update–quantise kernel), and stochastic rounding.
 
 use std::sync::Arc;
 
@@ -78,19 +79,6 @@ fn midpoints(map: &[f32; 256]) -> Vec<f32> {
     map.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect()
 }
 
-/// The code of each of `scaled`'s values (already in `[-1, 1]`): the number of `mids` below it
-/// — `torch.bucketize(scaled, mids)`, a value on a midpoint taking the lower code. A branchless
-/// binary search over the 255 midpoints, eight gathers.
-fn codes_of<X: Backend>(scaled: Tensor<X, 1>, mids: &Tensor<X, 1>) -> Tensor<X, 1, Int> {
-    let device = scaled.device();
-    let mut at = Tensor::<X, 1, Int>::zeros(scaled.shape(), &device);
-    for step in [128, 64, 32, 16, 8, 4, 2, 1] {
-        let probe = mids.clone().select(0, at.clone().add_scalar(step - 1));
-        at = at + scaled.clone().greater(probe).int().mul_scalar(step);
-    }
-    at
-}
-
 /// Where a contiguous local piece lies in its tensor's row-major flattening.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Span {
@@ -103,21 +91,6 @@ struct Span {
 }
 
 impl Span {
-    /// The first global block the piece overlaps.
-    fn first_block(&self) -> usize {
-        self.start / BLOCK
-    }
-
-    /// The piece's offset in its first block.
-    fn lead(&self) -> usize {
-        self.start % BLOCK
-    }
-
-    /// The blocks the piece overlaps (counting blocks of padding past the tensor's end).
-    fn blocks(&self) -> usize {
-        (self.lead() + self.len).div_ceil(BLOCK)
-    }
-
     /// The tensor's blocks.
     fn total(&self) -> usize {
         self.numel.div_ceil(BLOCK)
@@ -295,32 +268,7 @@ fn shaped<X: Backend>(t: Tensor<X, 1>, shape: &[usize]) -> X::FloatTensorPrimiti
     X::float_reshape(t.into_primitive().tensor(), Shape::from(shape.to_vec()))
 }
 
-/// `n` zeros, or nothing.
-fn zeros<X: Backend>(n: usize, device: &X::Device) -> Option<Tensor<X, 1>> {
-    (n > 0).then(|| Tensor::zeros([n], device))
-}
-
-/// `parts` concatenated (each present one).
-fn cat<X: Backend>(parts: Vec<Option<Tensor<X, 1>>>) -> Tensor<X, 1> {
-    Tensor::cat(parts.into_iter().flatten().collect(), 0)
-}
-
-/// Each of the piece's elements' block value of `per_block` (`[total]` for the whole tensor):
-/// blocks past the tensor's end (padding) read 0.
-fn per_element<X: Backend>(per_block: &Tensor<X, 1>, span: Span) -> Tensor<X, 1> {
-    let device = per_block.device();
-    let (first, blocks, total) = (span.first_block(), span.blocks(), span.total());
-    let own = first.min(total)..(first + blocks).min(total);
-    let beyond = blocks - own.len();
-    let own = (!own.is_empty()).then(|| per_block.clone().slice(own));
-    cat(vec![own, zeros(beyond, &device)])
-        .reshape([blocks, 1])
-        .expand([blocks, BLOCK])
-        .reshape([blocks * BLOCK])
-        .slice(span.lead()..span.lead() + span.len)
-}
-
-impl<X: Backend> Quantised<X> {
+impl<X: FusedOps> Quantised<X> {
     /// The zero moment: every scale 0 (any code reads 0), the codes of 0.
     fn zero(site: &Site<X>, map: &[f32; 256]) -> Self {
         let device = site.device.inner();
@@ -334,40 +282,32 @@ impl<X: Backend> Quantised<X> {
 
     /// `map[code] · absmax[block]`, flat.
     fn dequantised(&self, map: &Tensor<X, 1>, span: Span) -> Tensor<X, 1> {
-        let values = map
-            .clone()
-            .select(0, self.codes.clone().cast(IntDType::I32));
-        values * per_element(&self.absmax, span)
+        float(X::blockwise_dequantise(
+            self.codes.clone().into_primitive(),
+            self.absmax.clone().into_primitive().tensor(),
+            map.clone().into_primitive().tensor(),
+            span.start,
+            BLOCK,
+        ))
     }
 
     /// `x` (this rank's flat piece) quantised against its blocks' absolute maxima over the
     /// whole tensor (an all-reduce where a block straddles ranks).
     fn of(x: Tensor<X, 1>, mids: &Tensor<X, 1>, site: &Site<X>) -> Self {
         let span = site.span();
-        let device = x.device();
-        let (blocks, total, first) = (span.blocks(), span.total(), span.first_block());
-        let tail = blocks * BLOCK - span.lead() - span.len;
-        let local = cat(vec![
-            zeros(span.lead(), &device),
-            Some(x.clone().abs()),
-            zeros(tail, &device),
-        ])
-        .reshape([blocks, BLOCK])
-        .max_dim(1)
-        .reshape([blocks]);
-        // This piece's blocks in the tensor's vector (the padding's blocks past the end dropped).
-        let own = first.min(total)..(first + blocks).min(total);
-        let mine = (!own.is_empty()).then(|| local.slice(0..own.len()));
-        let absmax = cat(vec![
-            zeros(own.start, &device),
-            mine,
-            zeros(total - own.end, &device),
-        ]);
-        let absmax = all_blocks(absmax, site);
-        let recip = per_element(&absmax.clone().clamp_min(1e-38).recip(), span);
-        let scaled = (x * recip).clamp(-1.0, 1.0);
+        let x = x.into_primitive().tensor();
+        let mine = X::blockwise_absmax(x.clone(), span.start, BLOCK, span.total());
+        let absmax = all_blocks(float(mine), site);
+        let codes = X::blockwise_quantise(
+            x,
+            absmax.clone().into_primitive().tensor(),
+            mids.clone().into_primitive().tensor(),
+            span.start,
+            BLOCK,
+            site.code_dtype(),
+        );
         Self {
-            codes: codes_of(scaled, mids).cast(site.code_dtype()),
+            codes: Tensor::from_primitive(codes),
             absmax,
         }
     }
@@ -407,7 +347,7 @@ fn all_blocks<X: Backend>(absmax: Tensor<X, 1>, site: &Site<X>) -> Tensor<X, 1> 
     float(t.into_local())
 }
 
-impl<X: Backend> QuantMoments<X> {
+impl<X: FusedOps> QuantMoments<X> {
     fn new(m: Quantised<X>, v: Quantised<X>, site: Site<X>) -> Self {
         let held = DeviceBytes::new(site.device.context(), m.bytes() + v.bytes());
         Self {
@@ -476,7 +416,7 @@ impl<X: Backend> QuantMoments<X> {
 /// moment's map, else the second's), on the layout the optimizer keeps its state in: the
 /// codes (f32 integers, shaped like `t`) and the `[⌈numel / 2048⌉]` block scales (replicated).
 /// Whatever `t`'s layout, the gathered codes and the scales are the same.
-pub fn quantise_blockwise<X: Backend>(t: &DTensor<X>, signed: bool) -> (DTensor<X>, DTensor<X>) {
+pub fn quantise_blockwise<X: FusedOps>(t: &DTensor<X>, signed: bool) -> (DTensor<X>, DTensor<X>) {
     let flat = flat_layout(t.layout(), &t.global_shape().to_vec());
     let t = on_layout(t.clone(), &flat);
     let site = Site::of(&t);

@@ -42,6 +42,7 @@ pub mod gemm;
 pub mod hooks;
 pub mod ops;
 pub mod packed;
+pub mod quant;
 pub mod reference;
 
 use burn::tensor::backend::Backend;
@@ -539,6 +540,43 @@ pub trait FusedOps: Backend {
         step: AdamWStep,
     ) -> AdamWState<Self> {
         reference::adamw::<Self>(param, grad, m, v, grad_scale, skip, step)
+    }
+
+    /// 8-bit optimizer state ([`quant`](mod@quant)): the largest magnitude of each block of
+    /// `block` elements the flat piece `x` (flat indices `start ..` of its tensor) overlaps, in
+    /// a `[total]` vector with zeros for the other blocks.
+    fn blockwise_absmax(
+        x: FloatTensor<Self>,
+        start: usize,
+        block: usize,
+        total: usize,
+    ) -> FloatTensor<Self> {
+        quant::absmax::<Self>(x, start, block, total)
+    }
+
+    /// The 8-bit codes of the flat piece `x` against the tensor's block scales `absmax`
+    /// (`[total]`) and the 255 midpoints `mids` of a sorted 256-value map, as `dtype`:
+    /// bitsandbytes' `quantize_blockwise` (see [`quant::quantise`]).
+    fn blockwise_quantise(
+        x: FloatTensor<Self>,
+        absmax: FloatTensor<Self>,
+        mids: FloatTensor<Self>,
+        start: usize,
+        block: usize,
+        dtype: burn::tensor::IntDType,
+    ) -> IntTensor<Self> {
+        quant::quantise::<Self>(x, absmax, mids, start, block, dtype)
+    }
+
+    /// The values of a flat piece's codes: `map[code] · absmax[block]`.
+    fn blockwise_dequantise(
+        codes: IntTensor<Self>,
+        absmax: FloatTensor<Self>,
+        map: FloatTensor<Self>,
+        start: usize,
+        block: usize,
+    ) -> FloatTensor<Self> {
+        quant::dequantise::<Self>(codes, absmax, map, start, block)
     }
 }
 

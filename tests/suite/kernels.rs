@@ -883,3 +883,97 @@ mod cuda {
         }
     }
 }
+
+/// The 8-bit block-wise state ops on Flex (host loops, `u8` codes) give the Burn-op forms'
+/// numbers bit for bit: a piece starting mid-block (flat index 3,000 of a 12,000-element
+/// tensor, 2,048 per block), of magnitudes over six decades, with one block all zeros, whose
+/// last block runs past the tensor (padding: scale 0); both maps. And the round trip keeps each
+/// value within a tenth of the piece's largest.
+#[test]
+fn blockwise_quantisation_on_flex_is_the_burn_op_form() {
+    use burn::backend::Flex;
+    use burn::tensor::IntDType;
+    use wildfire_kernels::quant;
+    let device = Default::default();
+    let (start, len, block, total) = (3000usize, 9500usize, 2048usize, 12_000usize.div_ceil(2048));
+    let mut x: Vec<f32> = (0..len)
+        .map(|i| (i as f32 * 0.37).sin() * 10f32.powf(-6.0 + 6.0 * i as f32 / len as f32))
+        .collect();
+    x[4000..6048].iter_mut().for_each(|v| *v = 0.0);
+    x[8950..].iter_mut().for_each(|v| *v = 0.0); // past the tensor's 12,000 elements
+    for signed in [true, false] {
+        // The second moment's map is for values ≥ 0.
+        let x: Vec<f32> = x
+            .iter()
+            .map(|v| if signed { *v } else { v.abs() })
+            .collect();
+        let t = || Tensor::<Flex, 1>::from_data(TensorData::new(x.clone(), [len]), &device);
+        let map = wildfire::engine::dynamic_map(signed);
+        let mids: Vec<f32> = map.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
+        let map = Tensor::<Flex, 1>::from_data(TensorData::new(map.to_vec(), [256]), &device);
+        let mids = Tensor::<Flex, 1>::from_data(TensorData::new(mids, [255]), &device);
+        let prim = |t: Tensor<Flex, 1>| t.into_primitive().tensor();
+        let host = Flex::blockwise_absmax(prim(t()), start, block, total);
+        let ops = quant::absmax::<Flex>(prim(t()), start, block, total);
+        let (host, ops) = (
+            Tensor::<Flex, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(host)),
+            Tensor::<Flex, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(ops)),
+        );
+        assert_eq!(data(host.clone()), data(ops), "block maxima");
+        let absmax = prim(host);
+        let codes_host = Flex::blockwise_quantise(
+            prim(t()),
+            absmax.clone(),
+            prim(mids.clone()),
+            start,
+            block,
+            IntDType::U8,
+        );
+        let codes_ops = quant::quantise::<Flex>(
+            prim(t()),
+            absmax.clone(),
+            prim(mids),
+            start,
+            block,
+            IntDType::U8,
+        );
+        let ints = |c| {
+            Tensor::<Flex, 1, Int>::from_primitive(c)
+                .into_data()
+                .convert::<i64>()
+                .to_vec::<i64>()
+                .unwrap()
+        };
+        let (ch, co) = (ints(codes_host.clone()), ints(codes_ops));
+        assert_eq!(ch, co, "codes");
+        let back_host = Flex::blockwise_dequantise(
+            codes_host.clone(),
+            absmax.clone(),
+            prim(map.clone()),
+            start,
+            block,
+        );
+        let back_ops = quant::dequantise::<Flex>(codes_host, absmax, prim(map), start, block);
+        let f = |t| {
+            data(Tensor::<Flex, 1>::from_primitive(
+                burn::tensor::TensorPrimitive::Float(t),
+            ))
+        };
+        let (bh, bo) = (f(back_host), f(back_ops));
+        assert_eq!(
+            bh.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            bo.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "dequantised"
+        );
+        // The round trip is close: within half a step of the map at each value's scale.
+        let worst = bh
+            .iter()
+            .zip(&x)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst < 0.1 * x.iter().fold(0f32, |m, v| m.max(v.abs())),
+            "{worst}"
+        );
+    }
+}

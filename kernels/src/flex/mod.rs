@@ -13,6 +13,7 @@
 //! | SwiGLU gate and rotary embedding, forward and backward | [`gated`]: one elementwise pass |
 //! | cross-entropy, forward and backward | [`rows`]: log-sum-exp per row; `p − onehot` per row |
 //! | unscale + `Σg²` + non-finite flag, AdamW | [`optim`]: one pass each, AdamW in place |
+//! | 8-bit block-wise state: block maxima, quantise, dequantise | [`quant`]: one pass each, `u8` codes |
 //!
 //! Anything else — other dtypes (f16, bf16), shapes the fast path does not take — goes to the
 //! Burn-op form ([`crate::reference`]), so the ops are total. Results agree with the
@@ -23,6 +24,7 @@ pub mod attention;
 pub mod gated;
 pub(crate) mod math;
 pub mod optim;
+pub mod quant;
 pub mod rows;
 
 pub use attention::causal_softmax;
@@ -256,5 +258,42 @@ impl FusedOps for Flex {
             return reference::adamw::<Self>(param, grad, m, v, grad_scale, skip, step);
         }
         optim::adamw(param, grad, m, v, grad_scale, skip, step).expect("checked f32 tensors")
+    }
+
+    fn blockwise_absmax(
+        x: FloatTensor<Self>,
+        start: usize,
+        block: usize,
+        total: usize,
+    ) -> FloatTensor<Self> {
+        quant::absmax(&x, start, block, total)
+            .unwrap_or_else(|| crate::quant::absmax::<Self>(x, start, block, total))
+    }
+
+    fn blockwise_quantise(
+        x: FloatTensor<Self>,
+        absmax: FloatTensor<Self>,
+        mids: FloatTensor<Self>,
+        start: usize,
+        block: usize,
+        dtype: burn::tensor::IntDType,
+    ) -> IntTensor<Self> {
+        if dtype == burn::tensor::IntDType::U8
+            && let Some(codes) = quant::quantise(&x, &absmax, &mids, start, block)
+        {
+            return codes;
+        }
+        crate::quant::quantise::<Self>(x, absmax, mids, start, block, dtype)
+    }
+
+    fn blockwise_dequantise(
+        codes: IntTensor<Self>,
+        absmax: FloatTensor<Self>,
+        map: FloatTensor<Self>,
+        start: usize,
+        block: usize,
+    ) -> FloatTensor<Self> {
+        quant::dequantise(&codes, &absmax, &map, start, block)
+            .unwrap_or_else(|| crate::quant::dequantise::<Self>(codes, absmax, map, start, block))
     }
 }
