@@ -171,7 +171,9 @@ fn plan_for_two_budgets(big: &PretrainConfig, smoke: bool) {
     };
     let plan = plan_on::<burn::backend::Flex>(&config, &Default::default()).expect("a plan");
     println!(
-        "\nthe planner (`--plan auto`), {} candidates measured once\n\n         | budget | chosen | predicted peak | measured peak | step (s) |\n|---|---|---|---|---|",
+        "\nthe planner (`--plan auto`), {} candidates measured once; the measured peak is the \
+         largest of the chosen run's steps\n\n\
+         | budget | chosen | predicted peak | measured peak | step (s) |\n|---|---|---|---|---|",
         plan.candidates.len()
     );
     for budget in budgets {

@@ -315,11 +315,15 @@ impl<X: FusedOps> Quantised<X> {
     /// `self` where `skip` (a `[1]` flag) is 0, `old` where it is not: a skipped step keeps its
     /// state's very codes.
     fn unless(self, skip: &Tensor<X, 1>, old: &Self) -> Self {
-        let keep = |n: usize| skip.clone().expand([n]).not_equal_elem(0.0);
-        let (n, total) = (self.codes.dims()[0], self.absmax.dims()[0]);
+        let total = self.absmax.dims()[0];
+        let keep = skip.clone().expand([total]).not_equal_elem(0.0);
         Self {
-            codes: self.codes.mask_where(keep(n), old.codes.clone()),
-            absmax: self.absmax.mask_where(keep(total), old.absmax.clone()),
+            codes: Tensor::from_primitive(X::int_unless_skipped(
+                self.codes.into_primitive(),
+                old.codes.clone().into_primitive(),
+                skip.clone().into_primitive().tensor(),
+            )),
+            absmax: self.absmax.mask_where(keep, old.absmax.clone()),
         }
     }
 

@@ -568,6 +568,17 @@ pub trait FusedOps: Backend {
         quant::quantise::<Self>(x, absmax, mids, start, block, dtype)
     }
 
+    /// `kept` where the `[1]` flag `skip` is non-zero, else `new` (an 8-bit state's codes after
+    /// a step the loss scaler skipped keep their old values), without reading the flag on the
+    /// host: the default masks element by element.
+    fn int_unless_skipped(
+        new: IntTensor<Self>,
+        kept: IntTensor<Self>,
+        skip: FloatTensor<Self>,
+    ) -> IntTensor<Self> {
+        quant::unless_skipped::<Self>(new, kept, skip)
+    }
+
     /// The values of a flat piece's codes: `map[code] · absmax[block]`.
     fn blockwise_dequantise(
         codes: IntTensor<Self>,

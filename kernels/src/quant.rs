@@ -147,3 +147,16 @@ pub fn dequantise<B: Backend>(
     let values = float::<B, 1>(map).select(0, codes);
     prim(values * per_element(float(absmax), start, len, block))
 }
+
+/// `kept` where the `[1]` flag `skip` is non-zero, else `new`, element by element.
+pub fn unless_skipped<B: Backend>(
+    new: IntTensor<B>,
+    kept: IntTensor<B>,
+    skip: FloatTensor<B>,
+) -> IntTensor<B> {
+    let new = Tensor::<B, 1, Int>::from_primitive(new);
+    let n = new.dims()[0];
+    let mask = float::<B, 1>(skip).expand([n]).not_equal_elem(0.0);
+    new.mask_where(mask, Tensor::from_primitive(kept))
+        .into_primitive()
+}

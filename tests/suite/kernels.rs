@@ -946,6 +946,33 @@ fn blockwise_quantisation_on_flex_is_the_burn_op_form() {
         };
         let (ch, co) = (ints(codes_host.clone()), ints(codes_ops));
         assert_eq!(ch, co, "codes");
+        // A skipped step keeps the old codes, a taken one the new: the host read of the flag
+        // on Flex and the element-wise mask agree.
+        for flag in [0.0f32, 1.0] {
+            let skip = || {
+                prim(Tensor::<Flex, 1>::from_data(
+                    TensorData::new(vec![flag], [1]),
+                    &device,
+                ))
+            };
+            let old = || {
+                Tensor::<Flex, 1, Int>::zeros([len], &device)
+                    .cast(IntDType::U8)
+                    .into_primitive()
+            };
+            let host = Flex::int_unless_skipped(codes_host.clone(), old(), skip());
+            let ops = quant::unless_skipped::<Flex>(codes_host.clone(), old(), skip());
+            let want = if flag == 0.0 {
+                ch.clone()
+            } else {
+                vec![0; len]
+            };
+            assert_eq!(
+                (ints(host), ints(ops)),
+                (want.clone(), want),
+                "skip flag {flag}"
+            );
+        }
         let back_host = Flex::blockwise_dequantise(
             codes_host.clone(),
             absmax.clone(),

@@ -286,6 +286,19 @@ impl FusedOps for Flex {
         crate::quant::quantise::<Self>(x, absmax, mids, start, block, dtype)
     }
 
+    /// The flag read on the host (free on the CPU): one of the two, no pass over them.
+    fn int_unless_skipped(
+        new: IntTensor<Self>,
+        kept: IntTensor<Self>,
+        skip: FloatTensor<Self>,
+    ) -> IntTensor<Self> {
+        match contiguous(&skip).and_then(|s| s.f32s().first().copied()) {
+            Some(flag) if flag != 0.0 => kept,
+            Some(_) => new,
+            None => crate::quant::unless_skipped::<Self>(new, kept, skip),
+        }
+    }
+
     fn blockwise_dequantise(
         codes: IntTensor<Self>,
         absmax: FloatTensor<Self>,

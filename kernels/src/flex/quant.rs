@@ -13,9 +13,22 @@ use crate::quant::Blocks;
 /// Elements per parallel task (each element finds its block by its index).
 const CHUNK: usize = 1 << 16;
 
-/// The block of the piece's element `i`.
-fn block_of(start: usize, i: usize, block: usize) -> usize {
-    (start + i) / block
+/// `f(block, range)` for each run of the piece's elements `from .. from + len` that lies in
+/// one block (one division per run, not per element).
+fn per_block(
+    start: usize,
+    from: usize,
+    len: usize,
+    block: usize,
+    mut f: impl FnMut(usize, std::ops::Range<usize>),
+) {
+    let mut i = 0;
+    while i < len {
+        let b = (start + from + i) / block;
+        let end = ((b + 1) * block - start - from).min(len);
+        f(b, i..end);
+        i = end;
+    }
 }
 
 /// [`crate::quant::absmax`] on host slices; `None` for a non-f32 input.
@@ -58,19 +71,18 @@ pub fn quantise(
         .zip(x.par_chunks(CHUNK))
         .enumerate()
         .for_each(|(c, (codes, x))| {
-            let base = c * CHUNK;
-            for (i, (code, &v)) in codes.iter_mut().zip(x).enumerate() {
-                let b = block_of(start, base + i, block);
+            per_block(start, c * CHUNK, x.len(), block, |b, run| {
                 let r = recip.get(b).copied().unwrap_or(0.0);
-                let scaled = (v * r).clamp(-1.0, 1.0);
-                let mut at = 0usize;
-                for step in [128, 64, 32, 16, 8, 4, 2, 1] {
-                    if scaled > mids[at + step - 1] {
-                        at += step;
+                for (code, &v) in codes[run.clone()].iter_mut().zip(&x[run]) {
+                    let scaled = (v * r).clamp(-1.0, 1.0);
+                    // Branchless: a branch per level would be mispredicted half the time.
+                    let mut at = 0usize;
+                    for step in [128, 64, 32, 16, 8, 4, 2, 1] {
+                        at += step * usize::from(scaled > mids[at + step - 1]);
                     }
+                    *code = at as u8;
                 }
-                *code = at as u8;
-            }
+            });
         });
     let n = codes.len();
     Some(FlexTensor::from_data(TensorData::new(codes, [n])))
@@ -100,11 +112,12 @@ pub fn dequantise(
         .zip(codes.par_chunks(CHUNK))
         .enumerate()
         .for_each(|(c, (out, codes))| {
-            let base = c * CHUNK;
-            for (i, (o, &code)) in out.iter_mut().zip(codes).enumerate() {
-                let scale = absmax.get(block_of(start, base + i, block)).copied();
-                *o = map[code as usize] * scale.unwrap_or(0.0);
-            }
+            per_block(start, c * CHUNK, codes.len(), block, |b, run| {
+                let scale = absmax.get(b).copied().unwrap_or(0.0);
+                for (o, &code) in out[run.clone()].iter_mut().zip(&codes[run]) {
+                    *o = map[code as usize] * scale;
+                }
+            });
         });
     let n = out.len();
     Some(float(out, Shape::new([n])))
