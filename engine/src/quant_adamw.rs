@@ -62,7 +62,7 @@ pub const MIN_8BIT_SIZE: usize = wildfire_parallel::MIN_QUANT_SIZE;
 /// bitsandbytes' dynamic-tree quantisation map (`create_dynamic_map(signed)`, 8 bits, up to 7
 /// exponent bits): 256 sorted values in `[-1, 1]` (signed) or `[0, 1]`, dense near zero — the
 /// means of `linspace(0.1, 1, k)` scaled by `10^(i-6)`, then 0 and 1. The values are
-/// bitsandbytes' own, bit for bit ([`crate::quant_maps`], written by
+/// bitsandbytes' own, bit for bit (`engine/src/quant_maps.rs`, written by
 /// `tools/adamw8bit_reference.py`): its `torch.linspace` rounds by the CPU's vector width, so
 /// recomputing them here would differ from it in the last bit of some entries.
 pub fn dynamic_map(signed: bool) -> [f32; 256] {
@@ -479,9 +479,9 @@ pub enum QuantAdamWState<X: Backend, const D: usize> {
     },
 }
 
-type DistTensor<X, const D: usize> = Tensor<Distributed<X>, D>;
+type DistParam<X, const D: usize> = Tensor<Distributed<X>, D>;
 
-fn wrap<X: Backend, const D: usize>(t: DTensor<X>) -> DistTensor<X, D> {
+fn wrap<X: Backend, const D: usize>(t: DTensor<X>) -> DistParam<X, D> {
     Tensor::from_primitive(TensorPrimitive::Float(t))
 }
 
@@ -491,10 +491,10 @@ impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for QuantAdamW<X> {
     fn step<const D: usize>(
         &self,
         lr: f64,
-        tensor: DistTensor<X, D>,
-        grad: DistTensor<X, D>,
+        tensor: DistParam<X, D>,
+        grad: DistParam<X, D>,
         state: Option<Self::State<D>>,
-    ) -> (DistTensor<X, D>, Option<Self::State<D>>) {
+    ) -> (DistParam<X, D>, Option<Self::State<D>>) {
         let numel = dtensor(&tensor).global_shape().num_elements();
         if numel < MIN_8BIT_SIZE {
             let prior = state.map(|s| match s {
@@ -519,7 +519,7 @@ impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for QuantAdamW<X> {
             Some(QuantAdamWState::Blocks { time, state }) => (time + 1, state.on(&site)),
             Some(QuantAdamWState::Full(s)) => {
                 // f32 moments from a checkpoint: quantised as they are, then stepped.
-                let moment = |t: DistTensor<X, D>| {
+                let moment = |t: DistParam<X, D>| {
                     let local = on_layout(dtensor(&t).clone(), &flat).into_local();
                     let local = X::float_cast(local, burn::tensor::FloatDType::F32);
                     float::<X, D>(local).reshape([span.len])
@@ -602,10 +602,10 @@ impl<X: FusedOps> StateCodec<Distributed<X>> for QuantAdamW<X> {
     }
 
     fn decode<const D: usize>(
-        state: EncodedState<Distributed<X>>,
+        encoded: EncodedState<Distributed<X>>,
     ) -> Result<Self::State<D>, String> {
-        let steps = state.steps;
-        let mut tensors = state.tensors;
+        let steps = encoded.steps;
+        let mut tensors = encoded.tensors;
         let quantised = tensors.len() == 6 && tensors[2].is_some();
         if !quantised {
             tensors.truncate(2);

@@ -261,52 +261,53 @@ impl FusedOps for Flex {
     }
 
     fn blockwise_absmax(
-        x: FloatTensor<Self>,
+        piece: FloatTensor<Self>,
         start: usize,
         block: usize,
         total: usize,
     ) -> FloatTensor<Self> {
-        quant::absmax(&x, start, block, total)
-            .unwrap_or_else(|| crate::quant::absmax::<Self>(x, start, block, total))
+        quant::absmax(&piece, start, block, total)
+            .unwrap_or_else(|| crate::quant::absmax::<Self>(piece, start, block, total))
     }
 
     fn blockwise_quantise(
-        x: FloatTensor<Self>,
+        piece: FloatTensor<Self>,
         absmax: FloatTensor<Self>,
-        mids: FloatTensor<Self>,
+        midpoints: FloatTensor<Self>,
         start: usize,
         block: usize,
         dtype: burn::tensor::IntDType,
     ) -> IntTensor<Self> {
         if dtype == burn::tensor::IntDType::U8
-            && let Some(codes) = quant::quantise(&x, &absmax, &mids, start, block)
+            && let Some(codes) = quant::quantise(&piece, &absmax, &midpoints, start, block)
         {
             return codes;
         }
-        crate::quant::quantise::<Self>(x, absmax, mids, start, block, dtype)
+        crate::quant::quantise::<Self>(piece, absmax, midpoints, start, block, dtype)
     }
 
     /// The flag read on the host (free on the CPU): one of the two, no pass over them.
     fn int_unless_skipped(
         new: IntTensor<Self>,
-        kept: IntTensor<Self>,
-        skip: FloatTensor<Self>,
+        old: IntTensor<Self>,
+        flag: FloatTensor<Self>,
     ) -> IntTensor<Self> {
-        match contiguous(&skip).and_then(|s| s.f32s().first().copied()) {
-            Some(flag) if flag != 0.0 => kept,
+        match contiguous(&flag).and_then(|s| s.f32s().first().copied()) {
+            Some(skipped) if skipped != 0.0 => old,
             Some(_) => new,
-            None => crate::quant::unless_skipped::<Self>(new, kept, skip),
+            None => crate::quant::unless_skipped::<Self>(new, old, flag),
         }
     }
 
     fn blockwise_dequantise(
-        codes: IntTensor<Self>,
+        piece: IntTensor<Self>,
         absmax: FloatTensor<Self>,
-        map: FloatTensor<Self>,
+        values: FloatTensor<Self>,
         start: usize,
         block: usize,
     ) -> FloatTensor<Self> {
-        quant::dequantise(&codes, &absmax, &map, start, block)
-            .unwrap_or_else(|| crate::quant::dequantise::<Self>(codes, absmax, map, start, block))
+        quant::dequantise(&piece, &absmax, &values, start, block).unwrap_or_else(|| {
+            crate::quant::dequantise::<Self>(piece, absmax, values, start, block)
+        })
     }
 }

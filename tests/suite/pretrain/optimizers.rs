@@ -295,6 +295,15 @@ fn offloaded_optimizer_state_resumes_on_and_off_the_device() {
     }
 }
 
+/// One rank, and FSDP over two: the layouts the Wgpu checks run.
+#[cfg(feature = "wgpu")]
+fn one_rank_and_fsdp_two() -> [ParallelConfig; 2] {
+    [
+        ParallelConfig::default(),
+        ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
+    ]
+}
+
 /// On Wgpu (device buffers) the offloaded run follows the run with the optimizer on the
 /// device (the CubeCL AdamW kernel) within 1e-5: two implementations of one formula.
 #[cfg(feature = "wgpu")]
@@ -302,10 +311,7 @@ fn offloaded_optimizer_state_resumes_on_and_off_the_device() {
 fn offloaded_optimizer_on_wgpu_follows_the_device_optimizer() {
     use wildfire::pretrain::run_on;
     let device = Default::default();
-    for parallel in [
-        ParallelConfig::default(),
-        ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
-    ] {
+    for parallel in one_rank_and_fsdp_two() {
         let config = PretrainConfig {
             parallel,
             ..small(4)
@@ -328,10 +334,7 @@ fn offloaded_optimizer_on_wgpu_follows_the_device_optimizer() {
 #[test]
 fn int8_adamw_on_wgpu_follows_flex() {
     use wildfire::pretrain::run_on;
-    for parallel in [
-        ParallelConfig::default(),
-        ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
-    ] {
+    for parallel in one_rank_and_fsdp_two() {
         let config = PretrainConfig {
             parallel,
             ..with(OptimizerKind::Adamw, OptimState::Int8, 4)
