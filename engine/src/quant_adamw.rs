@@ -370,14 +370,6 @@ impl<X: FusedOps> QuantMoments<X> {
         )
     }
 
-    fn codes_tensor(&self, q: &Quantised<X>) -> DTensor<X> {
-        self.site.codes_tensor(q)
-    }
-
-    fn scale_tensor(&self, q: &Quantised<X>) -> DTensor<X> {
-        self.site.scale_tensor(q)
-    }
-
     /// The state from a checkpoint's codes (f32 integers, any layout) and scales.
     fn from_tensors(codes: [DTensor<X>; 2], absmax: [DTensor<X>; 2]) -> Self {
         let shape = codes[0].global_shape().to_vec();
@@ -409,9 +401,12 @@ impl<X: FusedOps> QuantMoments<X> {
         if self.site.same_place(site) {
             return self;
         }
-        let moved = |q: &Quantised<X>| on_layout(self.codes_tensor(q), &site.layout);
+        let moved = |q: &Quantised<X>| on_layout(self.site.codes_tensor(q), &site.layout);
         let codes = [moved(&self.m), moved(&self.v)];
-        let absmax = [self.scale_tensor(&self.m), self.scale_tensor(&self.v)];
+        let absmax = [
+            self.site.scale_tensor(&self.m),
+            self.site.scale_tensor(&self.v),
+        ];
         Arc::new(Self::from_tensors(codes, absmax))
     }
 }
@@ -591,10 +586,10 @@ impl<X: FusedOps> StateCodec<Distributed<X>> for QuantAdamW<X> {
                     tensors: vec![
                         None,
                         None,
-                        some(b.codes_tensor(&b.m)),
-                        some(b.codes_tensor(&b.v)),
-                        some(b.scale_tensor(&b.m)),
-                        some(b.scale_tensor(&b.v)),
+                        some(b.site.codes_tensor(&b.m)),
+                        some(b.site.codes_tensor(&b.v)),
+                        some(b.site.scale_tensor(&b.m)),
+                        some(b.site.scale_tensor(&b.v)),
                     ],
                 })
             }
@@ -668,11 +663,11 @@ impl<X: FusedOps, const D: usize> Record<Distributed<X>> for QuantAdamWState<X, 
             }
             QuantAdamWState::Blocks { time, state } => {
                 let q = &*state;
-                let scales = [&q.m, &q.v].map(|x| host(&q.scale_tensor(x)));
+                let scales = [&q.m, &q.v].map(|x| host(&q.site.scale_tensor(x)));
                 (
                     time,
                     true,
-                    [q.codes_tensor(&q.m), q.codes_tensor(&q.v)],
+                    [q.site.codes_tensor(&q.m), q.site.codes_tensor(&q.v)],
                     scales,
                 )
             }
