@@ -14,7 +14,7 @@
 //! Memory is exact (the accounting); step times on a 2-core CPU are a CPU's, not a GPU's.
 //!
 //! ```text
-//! cargo bench --bench optimizers [-- --steps 3 --train-steps 200]
+//! cargo bench --bench optimizers [-- --steps 3 --train-steps 200 --only table|planner|losses]
 //! ```
 
 /// mimalloc, keeping freed memory for the next step, or `WILDFIRE_ALLOC=system` (see
@@ -80,6 +80,9 @@ fn main() {
     let smoke = common::smoke();
     let steps: usize = common::arg("--steps").unwrap_or(if smoke { 2 } else { 3 });
     let train_steps: usize = common::arg("--train-steps").unwrap_or(if smoke { 2 } else { 200 });
+    // One part of the three (the optimizers' table, the planner, the validation losses).
+    let only: Option<String> = common::arg("--only");
+    let part = |name: &str| only.as_deref().is_none_or(|o| o == name);
     let (preset, bytes, block) = if smoke {
         (Preset::Tiny, true, 64)
     } else {
@@ -97,14 +100,28 @@ fn main() {
         gather_parameters: false,
         ..PretrainConfig::quiet()
     };
+    if part("table") {
+        optimizers_table(&big, steps, block);
+    }
+    if part("planner") {
+        plan_for_two_budgets(&big, smoke);
+    }
+    if part("losses") {
+        losses(smoke, train_steps);
+    }
+}
+
+/// The optimizers side by side on `big`: peak and state bytes, step time.
+fn optimizers_table(big: &PretrainConfig, steps: usize, block: usize) {
     println!(
-        "{preset:?}, batch 1 x {block}, f32, one rank (Flex, this CPU); {steps} steps, times the \
+        "{:?}, batch 1 x {block}, f32, one rank (Flex, this CPU); {steps} steps, times the \
          median after the first\n\n\
          | optimizer | peak bytes | optimizer bytes, device | optimizer bytes, host | step (s) |\n\
-         |---|---|---|---|---|"
+         |---|---|---|---|---|",
+        big.model.preset
     );
     for setting in &SETTINGS {
-        let summary = run(&with(&big, setting)).expect("run");
+        let summary = run(&with(big, setting)).expect("run");
         let m = summary.steps.last().expect("a step ran");
         let step_ms = common::median_step_ms(&summary, block);
         println!(
@@ -116,7 +133,10 @@ fn main() {
             step_ms / 1e3,
         );
     }
-    plan_for_two_budgets(&big, smoke);
+}
+
+/// The validation loss after a short run of the `small` preset, per optimizer.
+fn losses(smoke: bool, train_steps: usize) {
     let small = PretrainConfig {
         data: common::corpus(true),
         model: ModelFlags {

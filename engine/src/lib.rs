@@ -33,4 +33,4 @@ pub use quant_adamw::{
 };
 pub use recompute::{AttentionSpec, Recompute, Recomputer, attention_reference, dropout_mask};
 pub use scaler::{DynamicLossScaler, LossScalerConfig, StepDecision};
-pub use step::{RouterRecord, StepRecord, StepRunner, StepRunnerConfig};
+pub use step::{PhasePeaks, RouterRecord, StepRecord, StepRunner, StepRunnerConfig};

@@ -40,6 +40,10 @@ pub struct StepMetrics {
     /// Of those, the peak of parameters gathered over data axes for use (FSDP).
     #[serde(default)]
     pub gathered_peak_bytes: u64,
+    /// The peak in each phase of the step (forward, backward, sync, optimizer); the largest is
+    /// `peak_bytes` (which also spans the data loading before the forward).
+    #[serde(default)]
+    pub phases: crate::PhasePeaks,
     /// Peak resident memory of the whole process so far (VmHWM; all thread-ranks share it).
     pub process_peak_rss: u64,
     /// Bytes this rank passed to collectives during the step (point-to-point messages
@@ -222,6 +226,7 @@ impl StepWatch {
             host_bytes: ctx.host_bytes(),
             peak_bytes: ctx.peak_bytes(),
             gathered_peak_bytes: ctx.peak_gathered_bytes(),
+            phases: record.phases,
             process_peak_rss: peak_rss(),
             comm_bytes: stats.total_bytes(),
             p2p_sent_bytes: stats.bytes(wildfire_parallel::CollectiveKind::Send),

@@ -174,6 +174,7 @@ impl StepRunner {
         };
         // The schedule, with every data-parallel reduction deferred to its end.
         ctx.set_no_sync(true);
+        ctx.start_phase();
         let out = run_step_custom(
             schedule,
             ctx.comm(),
@@ -190,6 +191,8 @@ impl StepRunner {
             &Pieces,
         );
         ctx.set_no_sync(false);
+        let schedule_peak = ctx.phase_peak_bytes();
+        ctx.start_phase();
         let out = out?;
         let mut grads = out.grads;
         for (chunk, grads) in chunks.iter().zip(grads.iter_mut()) {
@@ -237,8 +240,16 @@ impl StepRunner {
             Some(ctx.clone()),
         )?;
         let loss = crate::metrics::mean_where_held(&ctx, loss_sum, out.losses.len())?;
+        let sync_peak = ctx.phase_peak_bytes();
         let (chunks, mut step) =
             self.conclude(device, chunks, grads, optims, lr, check, scale, loss)?;
+        step.phases = crate::PhasePeaks {
+            forward: 0,
+            backward: schedule_peak,
+            recomputed: 0,
+            sync: sync_peak,
+            optimizer: step.phases.optimizer,
+        };
         let mut routers = crate::step::Routers::<X>::default();
         let microbatches = schedule.microbatches();
         let auxiliary = auxiliary.into_inner().into_iter();

@@ -274,6 +274,8 @@ pub struct Recomputer<'a, B: Backend> {
     handle: Option<HandleFn<B>>,
     regions: RefCell<Vec<Region<'a, B>>>,
     fence: Option<Fence<'a>>,
+    /// Run once after the loss's own backward pass, before the regions' (the step's phases).
+    after_loss_pass: Option<Box<dyn Fn() + 'a>>,
     /// The factor backward's root carries (loss scale over micro-batches): auxiliary losses
     /// are weighted by it.
     objective_weight: f64,
@@ -308,6 +310,7 @@ impl<'a, B: Backend> Recomputer<'a, B> {
             handle: None,
             regions: RefCell::new(Vec::new()),
             fence: None,
+            after_loss_pass: None,
             objective_weight: 1.0,
             auxiliary: RefCell::default(),
         }
@@ -353,6 +356,14 @@ impl<'a, B: Backend> Recomputer<'a, B> {
         self
     }
 
+    /// Run `f` once after the loss's backward pass, before the recomputed regions' passes
+    /// (also when there are none): where the step's backward phase ends and its recomputed
+    /// phase begins ([`PhasePeaks`](crate::PhasePeaks)).
+    pub fn with_after_loss_pass(mut self, f: impl Fn() + 'a) -> Self {
+        self.after_loss_pass = Some(Box::new(f));
+        self
+    }
+
     /// The seed of the random stream of `(layer, site)` in this step.
     pub fn seed_of(&self, layer: usize, site: u64) -> u64 {
         mix_seed(self.seed, layer as u64, site)
@@ -386,6 +397,9 @@ impl<'a, B: AutodiffBackend> Recomputer<'a, B> {
         let device = loss.device();
         let mut main = loss.backward();
         self.fenced()?;
+        if let Some(f) = &self.after_loss_pass {
+            f();
+        }
         let mut regions = std::mem::take(&mut *self.regions.borrow_mut());
         if regions.is_empty() {
             return Ok(main);

@@ -65,6 +65,42 @@ pub struct StepRecord {
     pub grad_bytes: u64,
     /// What the mixture-of-experts routers did on this rank (`None` for a dense model).
     pub router: Option<RouterRecord>,
+    /// The peak of this rank's live bytes in each phase of the step.
+    pub phases: PhasePeaks,
+}
+
+/// The peak of a rank's live device bytes (the decorator's accounting) in each phase of a step;
+/// the step's peak is the largest. Each grows with the model's depth in its own way (the
+/// backward's holds the kept activations, the optimizer's every gradient), so the memory planner
+/// extrapolates them one by one.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PhasePeaks {
+    /// The forward passes and losses of the micro-batches (0 under a pipeline schedule, whose
+    /// forwards and backwards interleave: see `backward`).
+    pub forward: u64,
+    /// The loss's backward passes: the head, and every part of the model not recomputed (under
+    /// a pipeline schedule, the whole schedule).
+    pub backward: u64,
+    /// The recomputed regions' backward passes (0 without recomputation). Apart from the loss's
+    /// because they peak elsewhere: the loss's pass with the head's widest tensors and no
+    /// block's gradient yet, the regions' with every block's gradient.
+    #[serde(default)]
+    pub recomputed: u64,
+    /// Synchronising the gradients, the overflow check, the norm and the clip.
+    pub sync: u64,
+    /// The optimizer step (0 when the step is skipped).
+    pub optimizer: u64,
+}
+
+impl PhasePeaks {
+    /// The largest: the step's peak.
+    pub fn max(&self) -> u64 {
+        self.forward
+            .max(self.backward)
+            .max(self.recomputed)
+            .max(self.sync)
+            .max(self.optimizer)
+    }
 }
 
 /// What a step's mixture-of-experts routers did on one rank: the auxiliary losses and, per
@@ -155,6 +191,7 @@ impl StepRunner {
         // forward before its backward is queued.
         let mut device_loss: Option<Tensor<Distributed<X>, 1>> = None;
         let mut routers = Routers::<X>::default();
+        let phases = std::cell::Cell::new(PhasePeaks::default());
         for (i, &seed) in seeds.iter().enumerate() {
             // Each micro-batch's graph on leaves of its own: an earlier backward reached the
             // parameters, and the regions a micro-batch records outlive its main backward (see
@@ -168,10 +205,17 @@ impl StepRunner {
                         ctx.comm().barrier(Group::World)?;
                     }
                     Ok(())
+                })
+                .with_after_loss_pass(|| {
+                    let mut p = phases.get();
+                    p.backward = p.backward.max(ctx.phase_peak_bytes());
+                    phases.set(p);
+                    ctx.start_phase();
                 });
             // Scale, backward (with the recomputed regions). Regions go into the rank's trace
             // when it is on (`Member::set_tracing`).
             let started = Instant::now();
+            ctx.start_phase();
             let micro = loss(&leaves, i, &ckpt).div_scalar(accum as f64);
             let value = micro.clone().inner();
             device_loss = Some(match device_loss.take() {
@@ -184,10 +228,20 @@ impl StepRunner {
             } else {
                 micro
             };
+            let mut p = phases.get();
+            p.forward = p.forward.max(ctx.phase_peak_bytes());
+            phases.set(p);
             let started = Instant::now();
+            ctx.start_phase();
+            let recomputes = ckpt.regions() > 0;
             let grads = ckpt.backward(micro, &leaves);
             routers.add(ckpt.auxiliary(), accum);
             drop(ckpt);
+            if recomputes {
+                let mut p = phases.get();
+                p.recomputed = p.recomputed.max(ctx.phase_peak_bytes());
+                phases.set(p);
+            }
             ctx.comm().member().trace_region("backward", started);
             let grads = grads.inspect_err(|_| ctx.set_no_sync(false))?;
             accumulator.accumulate(&model, GradientsParams::from_grads(grads, &leaves));
@@ -195,6 +249,7 @@ impl StepRunner {
         ctx.set_no_sync(false);
         // Synchronise the rest, then unscale + check + norm (one all-reduce) and clip.
         let started = Instant::now();
+        ctx.start_phase();
         let mut grads = accumulator.grads();
         sync_gradients(&model, &mut grads)?;
         let clip = self.config.clip;
@@ -224,6 +279,10 @@ impl StepRunner {
             }
         };
         ctx.comm().member().trace_region("sync and check", started);
+        let phases = PhasePeaks {
+            sync: ctx.phase_peak_bytes(),
+            ..phases.get()
+        };
         let (mut models, mut record) = self.conclude(
             device,
             vec![model],
@@ -235,11 +294,15 @@ impl StepRunner {
             local_loss,
         )?;
         record.router = routers.record()?;
+        record.phases = PhasePeaks {
+            optimizer: record.phases.optimizer,
+            ..phases
+        };
         Ok((models.pop().expect("one model"), record))
     }
 
-    /// The end every step shares, once the gradients are synchronised and checked: the loss
-    /// scaler's decision, the count of steps skipped in a row (after too many, the error naming
+    /// The end every step shares, once the gradients are synchronised and checked (its record's
+    /// phases hold the optimizer's peak only): the loss scaler's decision, the count of steps skipped in a row (after too many, the error naming
     /// the first non-finite parameter), and the optimizer step of every model chunk (`grads[i]`
     /// and `optims[i]` are `chunks[i]`'s), or of none when the step is skipped.
     #[allow(clippy::too_many_arguments)]
@@ -270,6 +333,7 @@ impl StepRunner {
             .sum();
         let step = self.step;
         self.step += 1;
+        let mut optimizer = 0;
         let chunks = if skipped {
             self.skipped_in_a_row += 1;
             tracing::warn!(step, scale, "non-finite loss or gradients: step skipped");
@@ -290,6 +354,7 @@ impl StepRunner {
         } else {
             self.skipped_in_a_row = 0;
             let started = Instant::now();
+            device.context().start_phase();
             let chunks = chunks
                 .into_iter()
                 .zip(grads)
@@ -301,6 +366,7 @@ impl StepRunner {
                 .comm()
                 .member()
                 .trace_region("optimizer", started);
+            optimizer = device.context().phase_peak_bytes();
             chunks
         };
         Ok((
@@ -312,6 +378,10 @@ impl StepRunner {
                 skipped,
                 grad_bytes,
                 router: None,
+                phases: PhasePeaks {
+                    optimizer,
+                    ..PhasePeaks::default()
+                },
             },
         ))
     }

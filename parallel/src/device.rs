@@ -164,6 +164,8 @@ struct Accounting {
     /// Bytes of the local pieces of all live distributed tensors of this rank, and the peak.
     live_bytes: AtomicI64,
     peak_bytes: AtomicI64,
+    /// The peak since the current phase of the step began ([`RankContext::start_phase`]).
+    phase_peak_bytes: AtomicI64,
     /// Of those, the copies of sharded values gathered over data axes (FSDP's gathered
     /// parameters), and their peak.
     gathered_bytes: AtomicI64,
@@ -570,6 +572,7 @@ impl RankContext {
         let memory = &self.accounting;
         let now = memory.live_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
         memory.peak_bytes.fetch_max(now, Ordering::Relaxed);
+        memory.phase_peak_bytes.fetch_max(now, Ordering::Relaxed);
         if bytes <= 0 || memory.budget_crossed.load(Ordering::Relaxed) {
             return;
         }
@@ -620,6 +623,23 @@ impl RankContext {
         memory
             .peak_gathered_bytes
             .store(gathered, Ordering::Relaxed);
+    }
+
+    /// Start a phase of the step (its forward, backward, …): [`Self::phase_peak_bytes`] measures
+    /// from the current live bytes. Independent of [`Self::reset_peak_bytes`], whose step peak
+    /// spans the phases.
+    pub fn start_phase(&self) {
+        let memory = &self.accounting;
+        let live = memory.live_bytes.load(Ordering::Relaxed);
+        memory.phase_peak_bytes.store(live, Ordering::Relaxed);
+    }
+
+    /// The highest [`Self::live_bytes`] since the last [`Self::start_phase`].
+    pub fn phase_peak_bytes(&self) -> u64 {
+        self.accounting
+            .phase_peak_bytes
+            .load(Ordering::Relaxed)
+            .max(0) as u64
     }
 
     pub(crate) fn add_gathered_bytes(&self, bytes: i64) {

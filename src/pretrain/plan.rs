@@ -3,16 +3,31 @@
 //! those that do.
 //!
 //! **Predicted by measuring, not by formula.** For each FSDP strategy × recomputation policy the
-//! planner runs two steps of the model cut to `p` and `2p` blocks (`p`: the block pattern's
-//! period, 1 for a GPT, `--moe-every` for a Llama with experts every few blocks) at the run's
+//! planner runs three steps of the model cut to `a` and `a + p` blocks (`p`: the block pattern's
+//! period, 1 for a GPT, `--moe-every` for a Llama with experts every few blocks; `a` is `p`, or
+//! `2p` under full recomputation, which spares the last block) at the run's
 //! width, sequence, micro-batch, mesh and precision, on the run's backend, and reads the
-//! decorator's accounting: the peak of live tensor bytes in the second step (the optimizer state
-//! alive throughout) and the step time. Both grow with depth by the same amount per `p` blocks
-//! (each block adds its parameters, gradients, optimizer state and kept activations; the
-//! embeddings, head, logits and loss are there once), so the full depth's are the
-//! extrapolation `m(p) + (L/p − 1)·(m(2p) − m(p))`. The moment dtype and the offload change only
-//! the optimizer state's device bytes, which [`crate::pretrain::estimate`] counts exactly: their
-//! candidates are the measured ones shifted by that difference.
+//! decorator's accounting of the second step (the optimizer state alive throughout): the peak
+//! of live tensor bytes **in each phase** of the step — forward, the loss's backward pass, the
+//! recomputed regions' passes, gradient sync, optimizer step ([`wildfire_engine::PhasePeaks`]) —
+//! and the step time. Each phase's peak grows with depth by the same amount per `p` blocks, so
+//! the full depth `L`'s is the extrapolation `m(a) + ((L − a)/p)·(m(a + p) − m(a))`, phase by
+//! phase, and the predicted peak is the largest.
+//! (Extrapolating the step's peak alone is wrong when the phase that peaks changes with depth:
+//! at one or two blocks of GPT-2 350M under recomputation it is the backward through the
+//! 50,257-wide head, at 24 the recomputed blocks' backward with every block's gradient live,
+//! 0.84 GB higher than the one line predicted. Without recomputation the backward is one pass,
+//! which peaks at its start, every activation live, as long as a block's activations outweigh
+//! its gradients — a sequence longer than a third of the width.)
+//!
+//! The moment dtype and the offload change the optimizer state's device bytes, which
+//! [`crate::pretrain::estimate`] counts exactly, and the transients of the sync and the optimizer
+//! step (a tensor's moments widened to f32 on the way), which depend on the strategy but not on
+//! the recomputation. So each of them is probed once per strategy, under full recomputation: its
+//! sync and optimizer phases are its own, its forward and backward the f32 probe's of the same
+//! policy shifted by the state's difference, and its step time the f32 one's plus the difference
+//! its optimizer made under full recomputation. (With the moments widened per tensor, the 8-bit
+//! step's transient is the largest tensor's — the token table — at every depth.)
 //!
 //! A candidate **fits** when its predicted peak and a 5% margin ([`MARGIN`], the accuracy the
 //! tests hold the prediction to: measured within 2% for the tiny GPT) are within the budget,
@@ -21,7 +36,8 @@
 //! **Cheapest** is the levers in the order of what they cost: first the strategy and policy with
 //! the shortest predicted step among those that fit (f32 moments on the device); if none fits,
 //! the same with bf16 moments (numerics); then with 8-bit moments (more numerics, a slower
-//! step); then with the optimizer offloaded (host transfers each step). A budget nothing fits is a typed error naming the smallest predicted peak.
+//! step); then with the optimizer offloaded (host transfers each step). A budget nothing fits is
+//! a typed error naming the smallest predicted peak.
 
 use super::*;
 use serde::Serialize;
@@ -223,15 +239,58 @@ fn probe_config(config: &PretrainConfig, n_layer: usize) -> PretrainConfig {
     probe
 }
 
-/// The steady step's peak bytes (the second step: the optimizer state alive throughout) and the
-/// faster of the two steps after the first.
-fn measured(summary: &RunSummary, tokens: usize) -> (f64, f64) {
-    let peak = summary.steps[1].peak_bytes as f64;
-    let time = summary.steps[1..]
-        .iter()
-        .map(|m| tokens as f64 / m.tokens_per_s)
-        .fold(f64::INFINITY, f64::min);
-    (peak, time)
+/// What a probe measured in its steady step (the second: the optimizer state alive throughout),
+/// or that extrapolated to the full depth: the peak of each phase and the step time.
+#[derive(Clone, Copy, Debug)]
+struct Probe {
+    /// Forward, backward, recomputed, sync, optimizer.
+    phases: [f64; 5],
+    /// The faster of the two steps after the first (seconds).
+    step_s: f64,
+}
+
+impl Probe {
+    fn of(summary: &RunSummary, tokens: usize) -> Self {
+        let p = summary.steps[1].phases;
+        let step_s = summary.steps[1..]
+            .iter()
+            .map(|m| tokens as f64 / m.tokens_per_s)
+            .fold(f64::INFINITY, f64::min);
+        Self {
+            phases: [p.forward, p.backward, p.recomputed, p.sync, p.optimizer].map(|b| b as f64),
+            step_s,
+        }
+    }
+
+    /// `short` (at depth `a`) and `long` (one period `p` deeper) carried to depth `depth`, each
+    /// phase on its own line.
+    fn extrapolate(short: &Self, long: &Self, a: usize, p: usize, depth: usize) -> Self {
+        let periods = (depth as f64 - a as f64) / p as f64;
+        let line = |s: f64, l: f64| s + periods * (l - s);
+        Self {
+            phases: std::array::from_fn(|i| line(short.phases[i], long.phases[i])),
+            step_s: line(short.step_s, long.step_s).max(short.step_s),
+        }
+    }
+}
+
+/// Probe `config` at two depths a period `p` apart and extrapolate to `depth`. The shallower is
+/// one period, or two under full recomputation, which spares the last block (one block would
+/// have no recomputed pass to measure).
+fn probe<B: FusedOps>(
+    config: &PretrainConfig,
+    device: &B::Device,
+    p: usize,
+    depth: usize,
+    tokens: usize,
+) -> Result<Probe, PretrainError> {
+    let a = match config.parallel.recompute {
+        Recompute::Full if depth >= 2 * p => 2 * p,
+        _ => p,
+    };
+    let short = Probe::of(&run_on::<B>(&probe_config(config, a), device)?, tokens);
+    let long = Probe::of(&run_on::<B>(&probe_config(config, a + p), device)?, tokens);
+    Ok(Probe::extrapolate(&short, &long, a, p, depth))
 }
 
 /// Plan `config` (see the module docs) on backend `B`: probe runs on `device`.
@@ -285,35 +344,59 @@ pub fn plan_on<B: FusedOps>(
     };
     let mut candidates = Vec::new();
     for &fsdp in strategies {
-        for recompute in policies {
-            let base = Candidate {
-                fsdp,
-                recompute,
-                optim_state: OptimState::F32,
-                offload: Offload::None,
-            };
-            let full = base.apply(config);
-            let short = run_on::<B>(&probe_config(&full, p), device)?;
-            let long = run_on::<B>(&probe_config(&full, 2 * p), device)?;
-            let ((peak_1, time_1), (peak_2, time_2)) =
-                (measured(&short, tokens), measured(&long, tokens));
-            let periods = depth as f64 / p as f64;
-            let peak = peak_1 + (periods - 1.0) * (peak_2 - peak_1);
-            let step_s = (time_1 + (periods - 1.0) * (time_2 - time_1)).max(time_1);
-            let base_state = estimate(&full, &model).optim_bytes as f64;
-            for &(optim_state, offload) in variants {
-                let candidate = Candidate {
-                    optim_state,
-                    offload,
-                    ..base
+        let at = |recompute, (optim_state, offload)| Candidate {
+            fsdp,
+            recompute,
+            optim_state,
+            offload,
+        };
+        let f32_state = (OptimState::F32, Offload::None);
+        let by_policy = policies
+            .iter()
+            .map(|&r| probe::<B>(&at(r, f32_state).apply(config), device, p, depth, tokens))
+            .collect::<Result<Vec<_>, _>>()?;
+        // Another moment dtype or the offload changes the sync and the optimizer step (its
+        // transients: a tensor's moments widened to f32 on the way) whatever the recomputation:
+        // measured once, under full recomputation.
+        let full = Recompute::Full;
+        let by_variant = variants[1..]
+            .iter()
+            .map(|&v| probe::<B>(&at(full, v).apply(config), device, p, depth, tokens))
+            .collect::<Result<Vec<_>, _>>()?;
+        let state = |c: &Candidate| estimate(&c.apply(config), &model).optim_bytes as f64;
+        for (&recompute, measured) in policies.iter().zip(&by_policy) {
+            for (v, &variant) in variants.iter().enumerate() {
+                let candidate = at(recompute, variant);
+                // The forward and backward as measured with f32 moments, the optimizer state
+                // (alive throughout) swapped for this one's; the sync and the step its own.
+                let shift = state(&candidate) - state(&at(recompute, f32_state));
+                let (tail, step_s) = match v {
+                    0 => (measured, measured.step_s),
+                    _ => {
+                        let own = &by_variant[v - 1];
+                        let base = &by_policy[policies.len() - 1];
+                        (own, measured.step_s + (own.step_s - base.step_s))
+                    }
                 };
+                let phases = [
+                    measured.phases[0] + shift,
+                    measured.phases[1] + shift,
+                    measured.phases[2] + shift,
+                    tail.phases[3],
+                    tail.phases[4],
+                ];
+                let peak = phases.into_iter().fold(0.0, f64::max);
                 let e = estimate(&candidate.apply(config), &model);
-                let peak_bytes = (peak - base_state + e.optim_bytes as f64).round() as u64;
                 candidates.push(Predicted {
                     candidate,
-                    peak_bytes,
+                    peak_bytes: peak.round() as u64,
                     host_bytes: e.host_bytes as u64,
-                    step_s,
+                    // (Timing noise could make the difference more than the whole.)
+                    step_s: if step_s > 0.0 {
+                        step_s
+                    } else {
+                        measured.step_s
+                    },
                     fits: false,
                 });
             }
