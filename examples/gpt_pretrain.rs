@@ -154,5 +154,10 @@ fn main() -> Result<()> {
     if let Some(metrics) = &config.metrics {
         println!("metrics: {}", metrics.display());
     }
+    tracing::debug!(
+        allocator = wildfire::alloc::allocator_name(),
+        large_blocks = ?wildfire::alloc::large_block_stats(),
+        "allocator"
+    );
     Ok(())
 }

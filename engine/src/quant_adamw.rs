@@ -181,10 +181,7 @@ impl<X: Backend> Site<X> {
 
     /// The layout of the block scales: replicated where the tensor is split.
     fn scale_layout(&self) -> Layout {
-        Layout::new(self.layout.placements().iter().map(|&p| match p {
-            Placement::Shard(_) => Placement::Replicate,
-            p => p,
-        }))
+        wildfire_parallel::blocks_layout(&self.layout)
     }
 
     /// `q`'s codes as f32 integers on this layout (a checkpoint's tensor), padded shape.
@@ -256,6 +253,44 @@ impl<X: Backend> Maps<X> {
             signed_mids: upload(midpoints(&s)),
             unsigned_mids: upload(midpoints(&u)),
         }
+    }
+}
+
+/// The maps, uploaded once per device and shared by an optimizer's clones (a rank steps every
+/// tensor on its one device; before, each tensor's step uploaded the four tables again).
+#[derive(Clone)]
+struct MapCache<X: Backend>(Arc<std::sync::Mutex<Vec<DeviceMaps<X>>>>);
+
+/// A device and the maps uploaded to it.
+struct DeviceMaps<X: Backend> {
+    device: X::Device,
+    maps: Arc<Maps<X>>,
+}
+
+impl<X: Backend> Default for MapCache<X> {
+    fn default() -> Self {
+        Self(Arc::default())
+    }
+}
+
+impl<X: Backend> std::fmt::Debug for MapCache<X> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MapCache")
+    }
+}
+
+impl<X: Backend> MapCache<X> {
+    fn on(&self, device: &X::Device) -> Arc<Maps<X>> {
+        let mut cached = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(hit) = cached.iter().find(|c| &c.device == device) {
+            return hit.maps.clone();
+        }
+        let maps = Arc::new(Maps::on(device));
+        cached.push(DeviceMaps {
+            device: device.clone(),
+            maps: maps.clone(),
+        });
+        maps
     }
 }
 
@@ -438,6 +473,7 @@ pub fn quantise_blockwise<X: FusedOps>(t: &DTensor<X>, signed: bool) -> (DTensor
 pub struct QuantAdamW<X: Backend> {
     config: FusedAdamWConfig,
     inputs: TailInputs<X>,
+    maps: MapCache<X>,
 }
 
 /// [`QuantAdamW`] as a Burn optimizer over `Autodiff<Distributed<X>>`.
@@ -455,7 +491,11 @@ impl<X: FusedOps> QuantAdamW<X> {
             moments: crate::MomentDtype::F32,
             ..config
         };
-        crate::fused_tail::with_tail_inputs(|inputs| Self { config, inputs })
+        crate::fused_tail::with_tail_inputs(|inputs| Self {
+            config,
+            inputs,
+            maps: MapCache::default(),
+        })
     }
 }
 
@@ -508,7 +548,7 @@ impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for QuantAdamW<X> {
         let site = Site::of(&p);
         let span = site.span();
         let device = site.device.inner().clone();
-        let maps = Maps::<X>::on(&device);
+        let maps = self.maps.on(&device);
         let (time, old) = match state {
             None => (1, Arc::new(QuantMoments::zero(&site))),
             Some(QuantAdamWState::Blocks { time, state }) => (time + 1, state.on(&site)),

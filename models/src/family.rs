@@ -144,6 +144,16 @@ impl ModelConfig {
         }
     }
 
+    /// The same model with `n_layer` blocks (the block pattern as it was: a Llama's experts
+    /// still every `--moe-every` blocks).
+    pub fn with_n_layer(mut self, n_layer: usize) -> Self {
+        match &mut self {
+            Self::Gpt(c) => c.n_layer = n_layer,
+            Self::Llama(c) => c.n_layer = n_layer,
+        }
+        self
+    }
+
     /// Transformer blocks.
     pub fn n_layer(&self) -> usize {
         match self {

@@ -48,8 +48,9 @@ impl Default for LaunchOptions {
     }
 }
 
-/// Runs `f` once per rank of `mesh`, each on its own thread named `rank-{r}`, with that rank's
-/// in-process communicator, and returns the results in rank order.
+/// Runs `f` once per rank of `mesh`, each on a worker of a rayon pool of its own (threads named
+/// `rank-{r}-worker-{i}`, [`rank_threads`] of them), with that rank's in-process communicator,
+/// and returns the results in rank order.
 ///
 /// A panic on any rank aborts the world ([`InProcessWorld::abort`]), so the other ranks'
 /// pending and later calls fail at once with
@@ -63,6 +64,28 @@ where
     let world = InProcessWorld::new(mesh.clone(), options.timeout);
     world.set_links(options.links.clone());
     launch_with_world(&world, f)
+}
+
+/// The threads of each rank's pool when `ranks` ranks share this process: its cores
+/// (`RAYON_NUM_THREADS` when set, else the available parallelism) divided between them, at
+/// least one each.
+pub fn rank_threads(ranks: usize) -> usize {
+    let cores = std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|n| n.parse::<usize>().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| thread::available_parallelism().map_or(1, |n| n.get()));
+    (cores / ranks.max(1)).max(1)
+}
+
+/// Rank `rank`'s rayon pool, one of `ranks` in this process ([`rank_threads`] workers; `None` if
+/// the pool cannot start, and the rank runs on its own thread with rayon's global pool).
+pub(crate) fn rank_pool(rank: usize, ranks: usize) -> Option<rayon::ThreadPool> {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(rank_threads(ranks))
+        .thread_name(move |i| format!("rank-{rank}-worker-{i}"))
+        .build()
+        .ok()
 }
 
 /// Like [`launch`], on an existing world (for example to inspect or abort it from outside).
@@ -81,27 +104,18 @@ where
             let spawned = thread::Builder::new()
                 .name(format!("rank-{rank}"))
                 .spawn_scoped(scope, move || {
-                    // A lone rank runs on a worker of a rayon pool of its own, which the CPU
-                    // backend's parallel ops then use: on its own thread it would wait beside the
-                    // workers for every parallel op and compete with them for the cores between
-                    // ops (2 cores: 13k context switches a second). The pool is the launch's own
-                    // (not rayon's global one), so a worker waiting inside a parallel op never
-                    // steals a concurrent launch's rank and runs it on this rank's stack. Several
-                    // ranks keep their own threads: a rank blocked in a collective must not hold a
-                    // worker another rank needs.
-                    let run = || {
-                        let pool = (size == 1)
-                            .then(|| {
-                                rayon::ThreadPoolBuilder::new()
-                                    .thread_name(move |i| format!("rank-{rank}-worker-{i}"))
-                                    .build()
-                                    .ok()
-                            })
-                            .flatten();
-                        match pool {
-                            Some(pool) => pool.install(|| f(comm)),
-                            None => f(comm),
-                        }
+                    // Each rank runs on a worker of a rayon pool of its own, which the CPU
+                    // backend's parallel ops then use, with its share of the cores
+                    // ([`rank_threads`]): on its own thread a rank would wait beside the workers
+                    // for every parallel op and compete with them for the cores between ops
+                    // (2 cores: 13k context switches a second), and ranks sharing rayon's global
+                    // pool oversubscribe the cores (every rank's ops ask for all of them). The
+                    // pools are the launch's own, so a worker waiting inside a parallel op never
+                    // steals another rank (or a concurrent launch's) and runs it on this rank's
+                    // stack, and a rank blocked in a collective holds no worker another needs.
+                    let run = || match rank_pool(rank, size) {
+                        Some(pool) => pool.install(|| f(comm)),
+                        None => f(comm),
                     };
                     panic::catch_unwind(AssertUnwindSafe(run)).map_err(|payload| {
                         let message = panic_message(payload.as_ref());
@@ -180,10 +194,28 @@ mod tests {
             (comm.rank(), thread::current().name().map(str::to_owned))
         })
         .unwrap();
-        let expected: Vec<_> = (0..4)
-            .map(|rank| (rank, Some(format!("rank-{rank}"))))
-            .collect();
-        assert_eq!(names, expected);
+        assert_eq!(names.len(), 4);
+        for (i, (rank, name)) in names.into_iter().enumerate() {
+            assert_eq!(rank, i);
+            let name = name.expect("a named thread");
+            assert!(name.starts_with(&format!("rank-{rank}-worker-")), "{name}");
+        }
+    }
+
+    /// Each rank's parallel ops run on its own pool, with its share of the process's cores.
+    #[test]
+    fn each_rank_has_its_share_of_the_cores() {
+        let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+        let threads = launch(&mesh, &LaunchOptions::default(), |_| {
+            rayon::current_num_threads()
+        })
+        .unwrap();
+        assert_eq!(threads, vec![rank_threads(2); 2]);
+        let cores = thread::available_parallelism().map_or(1, |n| n.get());
+        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+            assert_eq!(rank_threads(2), (cores / 2).max(1));
+        }
+        assert_eq!(rank_threads(usize::MAX), 1);
     }
 
     #[test]

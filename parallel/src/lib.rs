@@ -95,7 +95,7 @@ pub use launch::{LaunchEnv, LaunchOptions, Launcher, launch};
 pub use mesh::{AxisKind, CONTEXT_AXIS, DeviceMesh, EXPERT_AXIS, MeshAxis, PIPELINE_AXIS};
 pub use optim_state::{
     EncodedState, MIN_QUANT_SIZE, QUANT_BLOCK, StateCodec, StateShape, StateSpec, adamw_specs,
-    decode_adamw, encode_adamw, state_layout,
+    blocks_layout, decode_adamw, encode_adamw, state_layout,
 };
 pub use params::{
     Mapped, ModulePath, ParamMapper, ParamVisitor, TryParamMapper, TryParamVisitor, map_params,

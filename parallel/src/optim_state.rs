@@ -143,11 +143,17 @@ pub fn state_layout<B: Backend>(param: &DTensor<B>, shape: &StateShape) -> Layou
             Placement::Shard(d) if dims.contains(&d) => Placement::Replicate,
             p => p,
         })),
-        StateShape::Blocks(_) => Layout::new(layout.placements().iter().map(|&p| match p {
-            Placement::Shard(_) => Placement::Replicate,
-            p => p,
-        })),
+        StateShape::Blocks(_) => blocks_layout(&layout),
     }
+}
+
+/// The layout of a statistic per block of a tensor kept on `layout` (8-bit moments' scales):
+/// whole on every rank of the tensor's shard axes, its other placements kept.
+pub fn blocks_layout(layout: &Layout) -> Layout {
+    Layout::new(layout.placements().iter().map(|&p| match p {
+        Placement::Shard(_) => Placement::Replicate,
+        p => p,
+    }))
 }
 
 fn float<B: Backend, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {

@@ -154,6 +154,12 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(long, value_name = "FILE", help_heading = "Evaluation and checkpoints")]
     pub init_from: Option<PathBuf>,
+    /// The model's shape as given instead of resolved from the model flags or `--init-from`'s
+    /// `config.json` (the planner's probes: the run's model cut to fewer blocks). Not a flag,
+    /// not stored.
+    #[serde(skip)]
+    #[arg(skip)]
+    pub shape_override: Option<ModelConfig>,
     /// At the end, write the last checkpoint's weights as one Hugging Face safetensors file
     /// (GPT-2's or Llama's names; needs --save), streamed tensor by tensor.
     #[serde(default)]
@@ -302,8 +308,12 @@ impl PretrainConfig {
     }
 
     /// The model shape for a vocabulary of `vocab` tokens ([`ModelFlags::resolve`]): the
-    /// preset's with the model flags over it, or a Hugging Face directory's `config.json`'s.
+    /// preset's with the model flags over it, or a Hugging Face directory's `config.json`'s (or
+    /// [`Self::shape_override`]).
     pub fn model_shape(&self, vocab: usize) -> Result<ModelConfig, wildfire_models::Error> {
+        if let Some(shape) = &self.shape_override {
+            return Ok(shape.clone());
+        }
         self.model.resolve(vocab, self.init_from.as_deref())
     }
 

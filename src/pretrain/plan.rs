@@ -215,10 +215,12 @@ fn period(model: &ModelConfig) -> usize {
     }
 }
 
-/// `config` cut to `n_layer` blocks, run for three quiet steps, without the budget.
-fn probe_config(config: &PretrainConfig, n_layer: usize) -> PretrainConfig {
+/// `config` with its model (`model`) cut to `n_layer` blocks, run for three quiet steps, without
+/// the budget, from random weights (a run from Hugging Face weights holds the same bytes).
+fn probe_config(config: &PretrainConfig, model: &ModelConfig, n_layer: usize) -> PretrainConfig {
     let mut probe = config.clone();
-    probe.model.n_layer = Some(n_layer);
+    probe.shape_override = Some(model.clone().with_n_layer(n_layer));
+    probe.init_from = None;
     probe.plan = PlanMode::Off;
     probe.memory_budget = None;
     probe.steps = 3;
@@ -274,22 +276,29 @@ impl Probe {
     }
 }
 
-/// Probe `config` at two depths a period `p` apart and extrapolate to `depth`. The shallower is
+/// Probe `config` at two depths a period `p` apart and extrapolate to `model`'s. The shallower is
 /// one period, or two under full recomputation, which spares the last block (one block would
 /// have no recomputed pass to measure).
 fn probe<B: FusedOps>(
     config: &PretrainConfig,
+    model: &ModelConfig,
     device: &B::Device,
     p: usize,
-    depth: usize,
     tokens: usize,
 ) -> Result<Probe, PretrainError> {
+    let depth = model.n_layer();
     let a = match config.parallel.recompute {
         Recompute::Full if depth >= 2 * p => 2 * p,
         _ => p,
     };
-    let short = Probe::of(&run_on::<B>(&probe_config(config, a), device)?, tokens);
-    let long = Probe::of(&run_on::<B>(&probe_config(config, a + p), device)?, tokens);
+    let short = Probe::of(
+        &run_on::<B>(&probe_config(config, model, a), device)?,
+        tokens,
+    );
+    let long = Probe::of(
+        &run_on::<B>(&probe_config(config, model, a + p), device)?,
+        tokens,
+    );
     Ok(Probe::extrapolate(&short, &long, a, p, depth))
 }
 
@@ -310,15 +319,15 @@ pub fn plan_on<B: FusedOps>(
                 .into(),
         ));
     }
-    if config.parallel.pp > 1 || config.init_from.is_some() {
+    if config.parallel.pp > 1 {
         return Err(PretrainError::Config(
-            "--plan auto does not plan pipeline stages (--pp) or runs from Hugging Face weights \
-             (--init-from) yet: choose --fsdp and --recompute by hand"
+            "--plan auto does not plan pipeline stages (--pp) yet: choose --fsdp and \
+             --recompute by hand"
                 .into(),
         ));
     }
     let model = load_data(config)?.model;
-    let (depth, p) = (model.n_layer(), period(&model));
+    let p = period(&model);
     let tokens = config.batch_size * model.block_size();
     let strategies: &[FsdpStrategy] = if config.parallel.dims().shard_degree() > 1 {
         &[
@@ -353,7 +362,7 @@ pub fn plan_on<B: FusedOps>(
         let f32_state = (OptimState::F32, Offload::None);
         let by_policy = policies
             .iter()
-            .map(|&r| probe::<B>(&at(r, f32_state).apply(config), device, p, depth, tokens))
+            .map(|&r| probe::<B>(&at(r, f32_state).apply(config), &model, device, p, tokens))
             .collect::<Result<Vec<_>, _>>()?;
         // Another moment dtype or the offload changes the sync and the optimizer step (its
         // transients: a tensor's moments widened to f32 on the way) whatever the recomputation:
@@ -361,7 +370,7 @@ pub fn plan_on<B: FusedOps>(
         let full = Recompute::Full;
         let by_variant = variants[1..]
             .iter()
-            .map(|&v| probe::<B>(&at(full, v).apply(config), device, p, depth, tokens))
+            .map(|&v| probe::<B>(&at(full, v).apply(config), &model, device, p, tokens))
             .collect::<Result<Vec<_>, _>>()?;
         let state = |c: &Candidate| estimate(&c.apply(config), &model).optim_bytes as f64;
         for (&recompute, measured) in policies.iter().zip(&by_policy) {

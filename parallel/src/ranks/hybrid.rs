@@ -38,26 +38,39 @@ where
                 std::thread::Builder::new()
                     .name(format!("rank-{}", comm.rank()))
                     .spawn_scoped(scope, move || {
-                        let device = DistDevice::<B>::new(inner(t), comm);
-                        let current = set_current_device(&device);
-                        let rank = device.rank();
-                        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(device))) {
-                            Ok(out) => {
-                                // The rank's context goes now, not at the thread's exit.
-                                drop(current);
-                                Ok(out)
+                        // The rank runs on a worker of a pool of its own, its share of the
+                        // process's cores (see `launch`); its thread-local device and raised
+                        // error live on that worker.
+                        let rank = comm.rank();
+                        let pool = crate::launch::rank_pool(rank, threads);
+                        let body = move || {
+                            let device = DistDevice::<B>::new(inner(t), comm);
+                            let current = set_current_device(&device);
+                            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                                f(device)
+                            })) {
+                                Ok(out) => {
+                                    // The rank's context goes now, not at the thread's exit.
+                                    drop(current);
+                                    Ok(out)
+                                }
+                                Err(payload) => {
+                                    let message = match take_raised() {
+                                        Some(e) => e.to_string(),
+                                        None => panic_message(payload.as_ref()),
+                                    };
+                                    // The peers may wait on this rank: stop the job now.
+                                    eprintln!(
+                                        "wildfire: rank {rank} failed: {message}; aborting the \
+                                         MPI job"
+                                    );
+                                    SimpleCommunicator::world().abort(2)
+                                }
                             }
-                            Err(payload) => {
-                                let message = match take_raised() {
-                                    Some(e) => e.to_string(),
-                                    None => panic_message(payload.as_ref()),
-                                };
-                                // The peers may wait on this rank: stop the job now.
-                                eprintln!(
-                                    "wildfire: rank {rank} failed: {message}; aborting the MPI job"
-                                );
-                                SimpleCommunicator::world().abort(2)
-                            }
+                        };
+                        match &pool {
+                            Some(pool) => pool.install(body),
+                            None => body(),
                         }
                     })
                     .expect("start a rank thread")
