@@ -82,17 +82,10 @@ fn llama_pretrains_sharded_and_resumes_bitwise() {
 /// the parameters after a step are the file's exactly (as the library's import reads them).
 #[test]
 fn llama_starts_from_a_transformers_directory() {
-    let dir =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_tiny/untied");
+    let dir = transformers_llama_dir();
     let config = PretrainConfig {
-        model: ModelFlags {
-            preset: Preset::LlamaTiny,
-            block_size: Some(24),
-            ..small(1).model
-        },
-        init_from: Some(dir.clone()),
         lr: 0.0,
-        ..small(1)
+        ..from_transformers_llama(1)
     };
     let summary = run(&config).unwrap();
     let Some(ModelConfig::Llama(shape)) = &summary.model else {
@@ -233,8 +226,7 @@ fn llama_pipeline_stages_match_one_rank() {
         same_run(&format!("llama pp 2 {recompute:?}"), &got, &one, 1e-5);
     }
     // Untied: the transformers directory's shape and weights (2 blocks: a stage each).
-    let dir =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_tiny/untied");
+    let dir = transformers_llama_dir();
     let untied = PretrainConfig {
         model: ModelFlags {
             block_size: Some(24),

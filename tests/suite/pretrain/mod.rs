@@ -35,6 +35,24 @@ fn small(steps: usize) -> PretrainConfig {
     }
 }
 
+/// The tiny Llama directory `transformers` wrote (grouped heads, an untied head).
+fn transformers_llama_dir() -> PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_tiny/untied")
+}
+
+/// [`small`] started from [`transformers_llama_dir`] (its `config.json` the shape), context 24.
+fn from_transformers_llama(steps: usize) -> PretrainConfig {
+    PretrainConfig {
+        model: ModelFlags {
+            preset: Preset::LlamaTiny,
+            block_size: Some(24),
+            ..small(steps).model
+        },
+        init_from: Some(transformers_llama_dir()),
+        ..small(steps)
+    }
+}
+
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("wildfire-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

@@ -197,18 +197,10 @@ fn planner_picks_the_levers_in_order_of_cost() {
 /// and every candidate's run from the file's weights peaks as predicted.
 #[test]
 fn planner_plans_a_run_from_hugging_face_weights() {
-    let dir =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_tiny/untied");
     let config = PretrainConfig {
-        model: ModelFlags {
-            preset: Preset::LlamaTiny,
-            block_size: Some(24),
-            ..small(3).model
-        },
-        init_from: Some(dir),
         memory_budget: Some(u64::MAX / 2),
         plan: PlanMode::Auto,
-        ..small(3)
+        ..from_transformers_llama(3)
     };
     predictions_hold(&config, 3 * 4);
 }
