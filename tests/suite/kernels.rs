@@ -768,6 +768,38 @@ mod wgpu {
         }
     }
 
+    /// The register-fragment attention (FlashAttention-2's data flow on `mma.m16n8k16`
+    /// fragments: the kernels CUDA runs for f16 and bf16) with its `mma` emulated, against Burn
+    /// ops in f16, forward and every input gradient: head dims 32, 64 and 128, causal and not,
+    /// one key block and many (17, 77, 130 and 1,024 tokens), separate and packed q/k/v, grouped
+    /// key/value heads. Tolerance as for the other f16 kernels. (lavapipe takes ≈ 25 s to
+    /// compile each kernel: one configuration per head dim and mask here.)
+    #[test]
+    #[cfg(not(feature = "fusion"))]
+    fn register_attention_emulated_matches_burn_ops_in_f16() {
+        let device = Default::default();
+        INPUT_DTYPE.set(Some(FloatDType::F16));
+        let before = cube::register_attention_launches();
+        let result = std::panic::catch_unwind(|| {
+            cube::with_emulated_mma(|| {
+                check_attention::<W>(&device, [2, 2, 17, 32], false, 3e-2);
+                check_attention_gqa::<W>(&device, [1, 4, 33, 32], 2, 3e-2);
+                check_attention_qkv::<W>(&device, [2, 130, 2, 64], true, 3e-2);
+                check_attention::<W>(&device, [1, 1, 1024, 64], true, 3e-2);
+                check_attention::<W>(&device, [1, 2, 77, 128], true, 3e-2);
+            })
+        });
+        INPUT_DTYPE.set(None);
+        if let Err(panic) = result {
+            std::panic::resume_unwind(panic);
+        }
+        // Five calls, each a forward and two backward passes.
+        assert!(
+            cube::register_attention_launches() >= before + 15,
+            "the register-fragment attention ran every call"
+        );
+    }
+
     /// The GPT trains on `Autodiff<Distributed<Wgpu>>` through the fused kernels (layer norms,
     /// GELU-with-bias, flash attention, cross-entropy) and the decorator's fused placement rules;
     /// its losses track the Flex run (plain Burn ops) step by step, on one rank and sharded.
@@ -846,41 +878,54 @@ mod cuda {
         check_attention_tiles::<C>(&device, &[1, 17, 64, 130], 1e-4);
     }
 
-    /// The tensor-core tiles (bf16 and f16 q, k, v: `cmma` fragments, f32 accumulation) against
-    /// the f32 tiles on the same inputs — the f32 path is the one checked against Burn ops here
-    /// and on lavapipe, and this comparison needs no Burn matmul (no autotuning): forward and
-    /// the gradient of the packed input, through the casts. Tolerances of the output's scale:
-    /// bf16 keeps 8 significant bits (inputs and probabilities rounded once each), f16 11.
+    /// The tensor-core kernels (bf16 and f16 q, k, v; f32 accumulation) against the f32 tiles on
+    /// the same inputs — the f32 path is the one checked against Burn ops here and on lavapipe,
+    /// and this comparison needs no Burn matmul (no autotuning): forward and the gradient of the
+    /// packed input, through the casts; first the `cmma` fragment kernels (the default), then the
+    /// register kernels on `mma.m16n8k16` (`WILDFIRE_ATTENTION_MMA=1`). Tolerances of the
+    /// output's scale: bf16 keeps 8 significant bits (inputs and probabilities rounded once
+    /// each), f16 11.
     #[test]
     fn cuda_tensor_core_attention_matches_f32_tiles() {
         let device = Default::default();
-        for (dtype, tol) in [(FloatDType::BF16, 4e-2), (FloatDType::F16, 8e-3)] {
-            for ([b, t, h, hd], causal) in [
-                ([2, 130, 2, 64], true),
-                ([2, 130, 2, 64], false),
-                ([1, 1024, 2, 64], true),
-                ([2, 77, 2, 128], true),
-                ([1, 17, 3, 32], false),
-                ([1, 1, 2, 64], true),
-            ] {
-                let qkv = normal::<C, 4>([b, t, h, 3 * hd], 1.0, &device);
-                let g = grad_of(&qkv);
-                let scale = 1.0 / (hd as f64).sqrt();
-                let reference = ops::attention_qkv(qkv.clone(), scale, causal);
-                let got = ops::attention_qkv(qkv.clone().cast(dtype), scale, causal)
-                    .cast(FloatDType::F32);
-                compare(
-                    &format!(
-                        "{dtype:?} tensor-core attention {:?} causal {causal}",
-                        [b, t, h, hd]
-                    ),
-                    got,
-                    reference,
-                    &[&g],
-                    tol,
-                );
+        let check = || {
+            for (dtype, tol) in [(FloatDType::BF16, 4e-2), (FloatDType::F16, 8e-3)] {
+                for ([b, t, h, hd], causal) in [
+                    ([2, 130, 2, 64], true),
+                    ([2, 130, 2, 64], false),
+                    ([1, 1024, 2, 64], true),
+                    ([2, 77, 2, 128], true),
+                    ([1, 17, 3, 32], false),
+                    ([1, 1, 2, 64], true),
+                ] {
+                    let qkv = normal::<C, 4>([b, t, h, 3 * hd], 1.0, &device);
+                    let g = grad_of(&qkv);
+                    let scale = 1.0 / (hd as f64).sqrt();
+                    let reference = ops::attention_qkv(qkv.clone(), scale, causal);
+                    let got = ops::attention_qkv(qkv.clone().cast(dtype), scale, causal)
+                        .cast(FloatDType::F32);
+                    compare(
+                        &format!(
+                            "{dtype:?} tensor-core attention {:?} causal {causal}",
+                            [b, t, h, hd]
+                        ),
+                        got,
+                        reference,
+                        &[&g],
+                        tol,
+                    );
+                }
             }
-        }
+        };
+        check();
+        let before = wildfire_kernels::cube::register_attention_launches();
+        wildfire_kernels::cube::with_native_mma(check);
+        // Every call above (head dims multiples of 16) ran the register kernels: sm_80 and later.
+        assert_eq!(
+            wildfire_kernels::cube::register_attention_launches() - before,
+            2 * 6 * 3,
+            "the register-fragment attention ran every call"
+        );
     }
 }
 

@@ -19,6 +19,7 @@ mod attention_backward;
 pub mod blas;
 mod cross_entropy;
 mod flash;
+pub use flash::{with_emulated_mma, with_native_mma};
 mod gated;
 mod gelu;
 mod heads;
@@ -56,6 +57,14 @@ pub fn launches() -> u64 {
 
 fn launched(n: u64) {
     LAUNCHES.fetch_add(n, Ordering::Relaxed);
+}
+
+static REGISTER_ATTENTION: AtomicU64 = AtomicU64::new(0);
+
+/// Flash-attention launches (forward and each backward pass) that ran the register-fragment
+/// kernels so far (process-wide), with the `mma` instruction or emulated.
+pub fn register_attention_launches() -> u64 {
+    REGISTER_ATTENTION.load(Ordering::Relaxed)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -332,6 +332,14 @@ pub(in crate::cube) fn backward<R: CubeRuntime>(
         ],
         p.head_dim,
     );
+    let registers = super::registers::registers_split(q, Pass::BackwardQ, p.head_dim, n).zip(
+        super::registers::registers_split(q, Pass::BackwardKv, p.head_dim, n),
+    );
+    if let Some(splits) = registers {
+        return super::registers::backward_registers(
+            ops, p, output, d_output, lse, delta, dq, dkv, dk_l, dv_l, splits,
+        );
+    }
     let f = Flash::choose(q, Pass::BackwardQ, p.head_dim);
     let (count, dim) = f.launch_dims(p.seq_q, p);
     launch_flash!(

@@ -176,12 +176,15 @@ pub(in crate::cube) fn forward<R: CubeRuntime>(
 ) {
     use super::super::arg;
     let q = &ops.q.0;
-    let f = Flash::choose(q, Pass::Forward, p.head_dim);
-    let (count, dim) = f.launch_dims(p.seq_q, p);
     let n = vector_width(
         &[(q, ops.q.1), (&ops.k.0, ops.k.1), (&ops.v.0, ops.v.1)],
         p.head_dim,
     );
+    if let Some(f) = super::registers::registers_split(q, Pass::Forward, p.head_dim, n) {
+        return super::registers::forward_registers(ops, p, output, lse, f);
+    }
+    let f = Flash::choose(q, Pass::Forward, p.head_dim);
+    let (count, dim) = f.launch_dims(p.seq_q, p);
     launch_flash!(
         flash_forward_kernel,
         q,

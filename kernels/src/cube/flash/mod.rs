@@ -1,4 +1,9 @@
-//! The flash-attention kernels, FlashAttention-2's work split: each plane (32 units, a CUDA
+//! The flash-attention kernels. The register kernels of [`registers`] (FlashAttention-2's data
+//! flow: scores, probabilities and accumulators in registers, `mma.m16n8k16` on CUDA sm_80 and
+//! later) run f16/bf16 when `WILDFIRE_ATTENTION_MMA=1` asks — opt-in until a GPU run has checked
+//! them; they have run emulated on lavapipe only. Everything else runs the kernels below.
+//!
+//! These use FlashAttention-2's work split: each plane (32 units, a CUDA
 //! warp) owns `rows` rows of the cube's block — queries in the forward and the dQ pass, keys in
 //! the dK/dV pass — and keeps their accumulators (O, dQ, dK and dV) in tensor-core fragments
 //! (`cmma`, 16 × 16 × 16, f32) for the whole loop over the other side's blocks; only the operand
@@ -616,6 +621,9 @@ fn checked_launches() -> bool {
 
 mod backward;
 mod forward;
+mod registers;
+
+pub use registers::{with_emulated_mma, with_native_mma};
 
 pub(super) use backward::backward;
 pub(super) use forward::forward;
