@@ -137,6 +137,23 @@ pub(super) fn keys_end(
     end
 }
 
+/// The first query block (of `bq` queries) that sees key `k_start`: 0, or when causal the block of
+/// query `k_start − q_offset`.
+#[cube]
+pub(super) fn first_query_block(
+    k_start: usize,
+    q_offset: i32,
+    #[comptime] bq: usize,
+    #[comptime] causal: bool,
+) -> usize {
+    let mut first = 0usize;
+    if comptime!(causal) {
+        let q_first = i32::cast_from(k_start) - q_offset;
+        first = usize::cast_from(i32::max(q_first, 0)) / bq;
+    }
+    first
+}
+
 /// `Heads` as the kernels' `Sequence<u32>` argument.
 pub(super) fn seq_arg<R: CubeRuntime>(heads: &Heads) -> SequenceArg<R, u32> {
     let mut s = SequenceArg::new();

@@ -25,7 +25,8 @@
 
 use super::NEG_BIG;
 use super::heads::{
-    Heads, Operands, Problem, head_base, keys_end, load_stats, seq_arg, this_head, visible,
+    Heads, Operands, Problem, first_query_block, head_base, keys_end, load_stats, seq_arg,
+    this_head, visible,
 };
 use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
@@ -33,6 +34,14 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::features::MmaConfig;
 use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim};
+
+/// The flash kernels' floating-point modes: `exp` as the hardware's approximation (`__expf` on
+/// CUDA; the scores stay finite: masked ones are `NEG_BIG`, not −∞).
+macro_rules! fast_exp {
+    () => {
+        FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
+    };
+}
 
 /// Units per plane (a tensor-core fragment is spread over 32).
 const LANES: usize = 32;
@@ -51,6 +60,15 @@ pub(super) enum Pass {
     BackwardKv,
 }
 
+/// The older kernels' comptime layout for head dim `d` and blocks of `blk`: an input row's pitch
+/// (padded), a probability row's, an f32 row's, the units per row (`LANES / rows`) and the
+/// columns of a block each of them takes.
+const fn tile_layout(d: usize, blk: usize, rows: usize) -> (usize, usize, usize, usize, usize) {
+    let w = if blk > d { blk } else { d };
+    let per_row = LANES / rows;
+    (d + PAD_E, blk + PAD_E, w + PAD_F, per_row, blk / per_row)
+}
+
 /// The work split of one launch (all comptime in the kernels).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Flash {
@@ -60,8 +78,10 @@ pub(super) struct Flash {
     pub rows: usize,
     /// Rows of the other side per loop step (keys, or queries in the dK/dV pass).
     pub block: usize,
-    /// Tensor-core fragments.
+    /// Tensor-core fragments (with `registers`: the `mma` instruction, else emulated).
     pub cmma: bool,
+    /// The register-fragment kernels ([`registers`]).
+    pub registers: bool,
 }
 
 impl Flash {
@@ -134,6 +154,7 @@ impl Flash {
             rows: if cmma { 16 } else { rows },
             block,
             cmma,
+            registers: false,
         };
         while f.shared_bytes(pass, d, es) > limit {
             if f.block > 16 {
@@ -214,6 +235,42 @@ fn sync_tiles(#[comptime] cmma: bool) {
     }
 }
 
+/// This unit's vectors of `rows` rows of one head (`d` elements each, from row `start`; zeros
+/// from row `end`): vector `e` of the tile is unit `e % units`'s read `e / units`, all issued
+/// before any is used.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn fetch_rows<E: Float, N: Size>(
+    src: &Tensor<Vector<E, N>>,
+    l: &Sequence<u32>,
+    b: usize,
+    h: usize,
+    start: usize,
+    end: usize,
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+    #[comptime] units: usize,
+) -> Sequence<Vector<E, N>> {
+    let n = src.vector_size();
+    let per_row = comptime!(d / n);
+    let total = comptime!(rows * d / n);
+    let base = head_base(l, b, h);
+    let token = *l.index(3usize) as usize;
+    let unit = UNIT_POS as usize;
+    let mut got = Sequence::<Vector<E, N>>::new();
+    #[unroll]
+    for s in 0..comptime!(total.div_ceil(units)) {
+        let e = unit + s * units;
+        let r = e / per_row;
+        let mut x = Vector::<E, N>::new(E::new(0.0));
+        if e < total && start + r < end {
+            x = src[(base + (start + r) * token) / n + e % per_row];
+        }
+        got.push(x);
+    }
+    got
+}
+
 /// `rows` rows of one head (`d` elements each, from row `start`; zeros from row `end`) into
 /// `dst` at row pitch `ld`. Each unit reads vectors of `N` elements (4 bytes: `bf16×2`,
 /// `f16×2`, one f32: a warp's read is 128 contiguous bytes per row and its element stores hit 32
@@ -240,20 +297,8 @@ fn load_head<E: Float, N: Size>(
     let per_row = comptime!(d / n);
     let total = comptime!(rows * d / n);
     let steps = comptime!(total.div_ceil(units));
-    let base = head_base(l, b, h);
-    let token = *l.index(3usize) as usize;
     let unit = UNIT_POS as usize;
-    let mut got = Sequence::<Vector<E, N>>::new();
-    #[unroll]
-    for s in 0..steps {
-        let e = unit + s * units;
-        let r = e / per_row;
-        let mut x = Vector::<E, N>::new(E::new(0.0));
-        if e < total && start + r < end {
-            x = src[(base + (start + r) * token) / n + e % per_row];
-        }
-        got.push(x);
-    }
+    let got = fetch_rows::<E, N>(src, l, b, h, start, end, rows, d, units);
     #[unroll]
     for s in 0..steps {
         let e = unit + s * units;
@@ -568,7 +613,7 @@ macro_rules! launch_flash {
             $kernel::launch::<R>(
                 &$q.client, $count, $dim, $n, $($arg,)* $p.heads as u32, $p.kv_group as u32,
                 $p.seq_q as u32, $p.seq_k as u32, $p.q_offset as i32, $p.scale, $f.planes,
-                $f.rows, $f.block, $p.head_dim, $p.causal, $f.cmma, $q.dtype.into(),
+                $f.rows, $f.block, $p.head_dim, $p.causal, $f.cmma, $f.registers, $q.dtype.into(),
             )
         } else {
             // SAFETY: every global read and write of the flash kernels is guarded by its row's
@@ -580,7 +625,7 @@ macro_rules! launch_flash {
                 $kernel::launch_unchecked::<R>(
                     &$q.client, $count, $dim, $n, $($arg,)* $p.heads as u32, $p.kv_group as u32,
                     $p.seq_q as u32, $p.seq_k as u32, $p.q_offset as i32, $p.scale, $f.planes,
-                    $f.rows, $f.block, $p.head_dim, $p.causal, $f.cmma, $q.dtype.into(),
+                    $f.rows, $f.block, $p.head_dim, $p.causal, $f.cmma, $f.registers, $q.dtype.into(),
                 )
             }
         }

@@ -32,27 +32,29 @@ const ROWS: usize = 16;
 const PLANES: usize = 4;
 /// Keys per loop step.
 const BLOCK: usize = 64;
+
 /// Keys (queries) per product phase with the `mma` instruction.
-const CHUNK: usize = 16;
+pub(super) const CHUNK: usize = 16;
 
 /// This unit's lane in its plane and the lane's group `g` and thread-in-group `t`.
 #[cube]
-fn lane_gt() -> (usize, usize, usize) {
+pub(super) fn lane_gt() -> (usize, usize, usize) {
     let lane = UNIT_POS as usize % LANES;
     (lane, lane / 4, lane % 4)
 }
 
-/// An A operand's registers into the plane's emulation tile `sa` (16 rows, `lda` a row) at
-/// column `16·kk`.
+/// An A operand's registers into the plane's A tile of the emulation memory (after the B tile's
+/// `b_len` elements; 16 rows, `lda` a row) at column `16·kk`.
 #[cube]
-fn put_a<E: Float, N: Size>(
+pub(super) fn put_a<E: Float, N: Size>(
     sa: &mut SharedMemory<E>,
     a: &Array<Vector<E, N>>,
     #[comptime] kk: usize,
     #[comptime] lda: usize,
+    #[comptime] b_len: usize,
 ) {
     let (_, g, t) = lane_gt();
-    let base = (UNIT_POS as usize / LANES) * 16 * lda;
+    let base = b_len + (UNIT_POS as usize / LANES) * 16 * lda;
     #[unroll]
     for r in 0..4usize {
         let x = a[r];
@@ -63,10 +65,10 @@ fn put_a<E: Float, N: Size>(
     }
 }
 
-/// A B operand's registers into the emulation tile `sb` (`ldb` a row), element `(k, n)` at row
-/// `k0 + k`, column `n0 + n`.
+/// A B operand's registers into the B tile at the start of the emulation memory (`ldb` a row),
+/// element `(k, n)` at row `k0 + k`, column `n0 + n`.
 #[cube]
-fn put_b<E: Float, N: Size>(
+pub(super) fn put_b<E: Float, N: Size>(
     sb: &mut SharedMemory<E>,
     b: &Array<Vector<E, N>>,
     k0: usize,
@@ -85,11 +87,10 @@ fn put_b<E: Float, N: Size>(
 }
 
 /// `c += A · B[.., n0..n0 + 8]` for this lane's accumulator elements, from the emulation tiles
-/// (`k` the inner size).
+/// (`k` the inner size; B first, `k · ldb` elements, then the planes' A tiles).
 #[cube]
-fn emulated_product<E: Float, N: Size>(
-    sa: &SharedMemory<E>,
-    sb: &SharedMemory<E>,
+pub(super) fn emulated_product<E: Float, N: Size>(
+    emu: &SharedMemory<E>,
     c: &mut Array<Vector<f32, N>>,
     n0: usize,
     #[comptime] k: usize,
@@ -97,7 +98,7 @@ fn emulated_product<E: Float, N: Size>(
     #[comptime] ldb: usize,
 ) {
     let (_, g, t) = lane_gt();
-    let base = (UNIT_POS as usize / LANES) * 16 * lda;
+    let base = comptime!(k * ldb) + (UNIT_POS as usize / LANES) * 16 * lda;
     #[unroll]
     for v in 0..2usize {
         let mut acc = c[v];
@@ -105,8 +106,8 @@ fn emulated_product<E: Float, N: Size>(
         for e in 0..2usize {
             let mut x = acc[e];
             for kk in 0..k {
-                x += f32::cast_from(sa[base + (g + 8 * v) * lda + kk])
-                    * f32::cast_from(sb[kk * ldb + n0 + 2 * t + e]);
+                x += f32::cast_from(emu[base + (g + 8 * v) * lda + kk])
+                    * f32::cast_from(emu[kk * ldb + n0 + 2 * t + e]);
             }
             acc[e] = x;
         }
@@ -116,7 +117,7 @@ fn emulated_product<E: Float, N: Size>(
 
 /// `c += a · b` on the tensor cores (one `mma.m16n8k16`).
 #[cube]
-fn mma<E: Float, N: Size>(
+pub(super) fn mma<E: Float, N: Size>(
     a: &Array<Vector<E, N>>,
     b: &Array<Vector<E, N>>,
     c: &mut Array<Vector<f32, N>>,
@@ -129,12 +130,11 @@ fn mma<E: Float, N: Size>(
 /// rows `n0..n0 + chunk` of tile `sm` transposed, as `chunk / 8` accumulators (Q·Kᵀ).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn product_t<E: Float, N: Size>(
+pub(super) fn product_t<E: Float, N: Size>(
     a: &Sequence<Array<Vector<E, N>>>,
     sm: &SharedMemory<Vector<E, N>>,
     n0: usize,
-    sa: &mut SharedMemory<E>,
-    sb: &mut SharedMemory<E>,
+    emu: &mut SharedMemory<E>,
     #[comptime] chunk: usize,
     #[comptime] d: usize,
     #[comptime] ldv: usize,
@@ -156,7 +156,7 @@ fn product_t<E: Float, N: Size>(
         let lda = comptime!(d.max(chunk));
         #[unroll]
         for kk in 0..comptime!(d / 16) {
-            put_a::<E, N>(sa, a.index(kk), kk, lda);
+            put_a::<E, N>(emu, a.index(kk), kk, lda, comptime!(d * chunk));
         }
         if UNIT_POS < 32u32 {
             #[unroll]
@@ -164,7 +164,7 @@ fn product_t<E: Float, N: Size>(
                 #[unroll]
                 for kk in 0..comptime!(d / 16) {
                     let bf = b_transposed::<E, N>(sm, n0 + n * 8, kk, ldv);
-                    put_b::<E, N>(sb, &bf, kk * 16, n * 8, chunk);
+                    put_b::<E, N>(emu, &bf, kk * 16, n * 8, chunk);
                 }
             }
         }
@@ -172,7 +172,7 @@ fn product_t<E: Float, N: Size>(
         #[unroll]
         for n in 0..comptime!(chunk / 8) {
             let mut c = acc_zero::<N>();
-            emulated_product::<E, N>(sa, sb, &mut c, n * 8, d, lda, chunk);
+            emulated_product::<E, N>(emu, &mut c, n * 8, d, lda, chunk);
             out.push(c);
         }
         sync_cube();
@@ -184,13 +184,12 @@ fn product_t<E: Float, N: Size>(
 /// `p` the plane's `chunk / 8` f32 accumulators (probabilities) as A operands in `E` (P·V).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn product_acc<E: Float, N: Size>(
+pub(super) fn product_acc<E: Float, N: Size>(
     p: &Sequence<Array<Vector<f32, N>>>,
     sm: &SharedMemory<Vector<E, N>>,
     k0: usize,
     acc: &mut Sequence<Array<Vector<f32, N>>>,
-    sa: &mut SharedMemory<E>,
-    sb: &mut SharedMemory<E>,
+    emu: &mut SharedMemory<E>,
     #[comptime] chunk: usize,
     #[comptime] d: usize,
     #[comptime] ldv: usize,
@@ -211,7 +210,7 @@ fn product_acc<E: Float, N: Size>(
         #[unroll]
         for kk in 0..comptime!(chunk / 16) {
             let a = a_from_acc::<E, N>(p.index(2 * kk), p.index(2 * kk + 1));
-            put_a::<E, N>(sa, &a, kk, lda);
+            put_a::<E, N>(emu, &a, kk, lda, comptime!(d * chunk));
         }
         if UNIT_POS < 32u32 {
             #[unroll]
@@ -219,14 +218,14 @@ fn product_acc<E: Float, N: Size>(
                 #[unroll]
                 for u in 0..comptime!(d / 8) {
                     let bf = b_plain::<E, N>(sm, k0 + kk * 16, u * 8, ldv);
-                    put_b::<E, N>(sb, &bf, kk * 16, u * 8, d);
+                    put_b::<E, N>(emu, &bf, kk * 16, u * 8, d);
                 }
             }
         }
         sync_cube();
         #[unroll]
         for u in 0..comptime!(d / 8) {
-            emulated_product::<E, N>(sa, sb, acc.index_mut(u), u * 8, chunk, lda, d);
+            emulated_product::<E, N>(emu, acc.index_mut(u), u * 8, chunk, lda, d);
         }
         sync_cube();
     }
@@ -236,7 +235,7 @@ fn product_acc<E: Float, N: Size>(
 /// group: two shuffles each (`native`), or through `red` (two slots per unit). Uniform control
 /// flow.
 #[cube]
-fn quad_combine(
+pub(super) fn quad_combine(
     x0: f32,
     x1: f32,
     red: &mut SharedMemory<f32>,
@@ -285,7 +284,7 @@ fn quad_combine(
 /// row: a plane's reads are a row's contiguous bytes, all issued before the first store.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_rows<E: Float, N: Size>(
+pub(super) fn load_rows<E: Float, N: Size>(
     src: &Tensor<Vector<E, N>>,
     l: &Sequence<u32>,
     b: usize,
@@ -298,35 +297,20 @@ fn load_rows<E: Float, N: Size>(
     #[comptime] ldv: usize,
     #[comptime] units: usize,
 ) {
-    let per_row = comptime!(d / 2);
-    let total = comptime!(rows * d / 2);
-    let steps = comptime!(total.div_ceil(units));
-    let base = head_base(l, b, h) / 2;
-    let token = *l.index(3usize) as usize / 2;
-    let unit = UNIT_POS as usize;
-    let mut got = Sequence::<Vector<E, N>>::new();
+    // This unit's pairs are the tile's pairs `unit`, `unit + units`, …: a row has `d / 2`.
+    let got = fetch_rows::<E, N>(src, l, b, h, start, end, rows, d, units);
     #[unroll]
-    for s in 0..steps {
-        let e = unit + s * units;
-        let r = e / per_row;
-        let mut x = Vector::<E, N>::new(E::new(0.0));
-        if e < total && start + r < end {
-            x = src[base + (start + r) * token + e % per_row];
-        }
-        got.push(x);
-    }
-    #[unroll]
-    for s in 0..steps {
-        let e = unit + s * units;
-        if e < total {
-            dst[(e / per_row) * ldv + e % per_row] = *got.index(s);
+    for s in 0..comptime!((rows * d / 2).div_ceil(units)) {
+        let e = UNIT_POS as usize + s * units;
+        if e < comptime!(rows * d / 2) {
+            dst[(e / comptime!(d / 2)) * ldv + e % comptime!(d / 2)] = *got.index(s);
         }
     }
 }
 
 /// A zeroed accumulator (two f32 pairs).
 #[cube]
-fn acc_zero<N: Size>() -> Array<Vector<f32, N>> {
+pub(super) fn acc_zero<N: Size>() -> Array<Vector<f32, N>> {
     let mut c = Array::<Vector<f32, N>>::new(2usize);
     c[0] = Vector::new(0.0f32);
     c[1] = Vector::new(0.0f32);
@@ -336,7 +320,7 @@ fn acc_zero<N: Size>() -> Array<Vector<f32, N>> {
 /// The A operand of rows `row0..row0 + 16`, head columns `16·kk..16·kk + 16` of a pair tile
 /// (`ldv` pairs a row).
 #[cube]
-fn a_rows<E: Float, N: Size>(
+pub(super) fn a_rows<E: Float, N: Size>(
     sm: &SharedMemory<Vector<E, N>>,
     row0: usize,
     #[comptime] kk: usize,
@@ -354,7 +338,7 @@ fn a_rows<E: Float, N: Size>(
 /// The B operand `B(k, n) = tile[n0 + n][16·kk + k]` (a product with the tile's rows
 /// transposed: Q·Kᵀ): each register one pair of a row.
 #[cube]
-fn b_transposed<E: Float, N: Size>(
+pub(super) fn b_transposed<E: Float, N: Size>(
     sm: &SharedMemory<Vector<E, N>>,
     n0: usize,
     #[comptime] kk: usize,
@@ -372,7 +356,7 @@ fn b_transposed<E: Float, N: Size>(
 /// The B operand `B(k, n) = tile[k0 + k][n0 + n]` (P·V): each register two rows' elements of one
 /// column.
 #[cube]
-fn b_plain<E: Float, N: Size>(
+pub(super) fn b_plain<E: Float, N: Size>(
     sm: &SharedMemory<Vector<E, N>>,
     k0: usize,
     n0: usize,
@@ -397,7 +381,7 @@ fn b_plain<E: Float, N: Size>(
 
 /// Accumulators `lo` and `hi` (16 × 8 each, side by side) as one A operand (16 × 16) in `E`.
 #[cube]
-fn a_from_acc<E: Float, N: Size>(
+pub(super) fn a_from_acc<E: Float, N: Size>(
     lo: &Array<Vector<f32, N>>,
     hi: &Array<Vector<f32, N>>,
 ) -> Array<Vector<E, N>> {
@@ -409,572 +393,168 @@ fn a_from_acc<E: Float, N: Size>(
     a
 }
 
-/// Shared memory of the emulation: the planes' A tiles and one B tile (elements of `E`), and the
-/// quad reductions' slots (f32); one element each natively.
+/// This unit's plane and its lane's group `g` and thread-in-group `t`.
 #[cube]
-fn emulation_memory<E: Float>(
+pub(super) fn plane_lanes() -> (usize, usize, usize) {
+    let (_, g, t) = lane_gt();
+    (UNIT_POS as usize / LANES, g, t)
+}
+
+/// Where a key block sits: the cube's batch and key/value head, the block's first key, the
+/// sequence lengths, the cube's first query and the queries' position offset.
+#[derive(CubeType, Clone, Copy)]
+pub(super) struct KeyBlock {
+    pub b: usize,
+    pub hk: usize,
+    pub k_start: usize,
+    pub seq_q: usize,
+    pub seq_k: usize,
+    pub q_start: usize,
+    pub q_offset: i32,
+}
+
+/// K and V rows of block `at` (`bk` of them, zeros from `seq_k`) into `ks` and `vs`, then a cube
+/// barrier; whether the block needs its mask: it crosses the keys' end, or (causal) the diagonal
+/// of the cube's queries.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn kv_block<E: Float, N: Size>(
+    k: &Tensor<Vector<E, N>>,
+    k_l: &Sequence<u32>,
+    v: &Tensor<Vector<E, N>>,
+    v_l: &Sequence<u32>,
+    at: &KeyBlock,
+    ks: &mut SharedMemory<Vector<E, N>>,
+    vs: &mut SharedMemory<Vector<E, N>>,
+    #[comptime] bk: usize,
+    #[comptime] d: usize,
+    #[comptime] units: usize,
+    #[comptime] causal: bool,
+) -> bool {
+    let ldv = comptime!((d + 8) / 2);
+    let (b, hk, k_start, seq_k) = (at.b, at.hk, at.k_start, at.seq_k);
+    load_rows::<E, N>(k, k_l, b, hk, k_start, seq_k, ks, bk, d, ldv, units);
+    load_rows::<E, N>(v, v_l, b, hk, k_start, seq_k, vs, bk, d, ldv, units);
+    sync_cube();
+    let mut masked = k_start + bk > seq_k;
+    if comptime!(causal) {
+        masked =
+            masked || i32::cast_from(k_start + bk - 1) > i32::cast_from(at.q_start) + at.q_offset;
+    }
+    masked
+}
+
+/// Scores `x` (columns `j, j + 1` of row `i` of block `at`) scaled, and masked to `NEG_BIG` where
+/// `i` does not see them when the block needs its mask; `mx` raised to their maximum.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn scale_mask<N: Size>(
+    x: Vector<f32, N>,
+    i: usize,
+    j: usize,
+    at: &KeyBlock,
+    scale: f32,
+    masked: bool,
+    mx: &mut f32,
+    #[comptime] causal: bool,
+) -> Vector<f32, N> {
+    let mut y = x;
+    #[unroll]
+    for e in 0..2usize {
+        let mut s = y[e] * scale;
+        if masked && !visible(i, j + e, at.seq_q, at.seq_k, at.q_offset, causal) {
+            s = f32::new(NEG_BIG);
+        }
+        y[e] = s;
+        *mx = f32::max(*mx, s);
+    }
+    y
+}
+
+/// `exp(x − m)` of a pair of masked scores (0 for a masked one), added to `l`.
+#[cube]
+pub(super) fn exp_pair<N: Size>(
+    x: Vector<f32, N>,
+    m: f32,
+    masked: bool,
+    l: &mut f32,
+) -> Vector<f32, N> {
+    let mut y = x;
+    #[unroll]
+    for e in 0..2usize {
+        let v = y[e];
+        let mut p = f32::exp(v - m);
+        if masked && v == f32::new(NEG_BIG) {
+            p = 0.0;
+        }
+        y[e] = p;
+        *l += p;
+    }
+    y
+}
+
+/// `count` zeroed accumulators.
+#[cube]
+pub(super) fn acc_zeros<N: Size>(#[comptime] count: usize) -> Sequence<Array<Vector<f32, N>>> {
+    let mut accs = Sequence::<Array<Vector<f32, N>>>::new();
+    #[unroll]
+    for _ in 0..count {
+        accs.push(acc_zero::<N>());
+    }
+    accs
+}
+
+/// The plane's A operands of its 16 rows from `row0` of a pair tile: `d / 16` of them.
+#[cube]
+pub(super) fn a_operands<E: Float, N: Size>(
+    sm: &SharedMemory<Vector<E, N>>,
+    row0: usize,
+    #[comptime] d: usize,
+    #[comptime] ldv: usize,
+) -> Sequence<Array<Vector<E, N>>> {
+    let mut a = Sequence::<Array<Vector<E, N>>>::new();
+    #[unroll]
+    for kk in 0..comptime!(d / 16) {
+        a.push(a_rows::<E, N>(sm, row0, kk, ldv));
+    }
+    a
+}
+
+/// Row part `pv` (row `g + 8·pv`) of the plane's `d / 8` accumulators times `factor`, into `dst`
+/// from `at` (the row's first element plus `2t`).
+#[cube]
+pub(super) fn store_pairs<E: Float, N: Size>(
+    dst: &mut Tensor<E>,
+    accs: &Sequence<Array<Vector<f32, N>>>,
+    at: usize,
+    factor: f32,
+    #[comptime] pv: usize,
+    #[comptime] d: usize,
+) {
+    #[unroll]
+    for u in 0..comptime!(d / 8) {
+        let x = accs.index(u)[pv];
+        dst[at + u * 8] = E::cast_from(x[0] * factor);
+        dst[at + u * 8 + 1] = E::cast_from(x[1] * factor);
+    }
+}
+
+/// Shared memory of the emulation: one B tile (`d · chunk` elements of `E`) then the planes' A
+/// tiles, and the quad reductions' slots (f32); one element each natively.
+#[cube]
+pub(super) fn emulation_memory<E: Float>(
     #[comptime] planes: usize,
     #[comptime] chunk: usize,
     #[comptime] d: usize,
     #[comptime] native: bool,
-) -> (SharedMemory<E>, SharedMemory<E>, SharedMemory<f32>) {
-    let sa = SharedMemory::<E>::new(comptime!(if native {
+) -> (SharedMemory<E>, SharedMemory<f32>) {
+    let len = comptime!(if native {
         1
     } else {
-        planes * 16 * d.max(chunk)
-    }));
-    let sb = SharedMemory::<E>::new(comptime!(if native { 1 } else { d * chunk }));
+        d * chunk + planes * 16 * d.max(chunk)
+    });
     let red = SharedMemory::<f32>::new(comptime!(if native { 1 } else { 2 * planes * LANES }));
-    (sa, sb, red)
-}
-
-/// Forward: one cube per `planes · 16` queries of one (batch, head), each plane its 16, over
-/// the key blocks up to the last one its cube's last query sees.
-#[cube(
-    launch,
-    launch_unchecked,
-    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
-)]
-#[allow(clippy::too_many_arguments)]
-fn flash_forward_registers_kernel<E: Float, N: Size>(
-    q: &Tensor<Vector<E, N>>,
-    k: &Tensor<Vector<E, N>>,
-    v: &Tensor<Vector<E, N>>,
-    out: &mut Tensor<E>,
-    lse: &mut Tensor<f32>,
-    q_l: Sequence<u32>,
-    k_l: Sequence<u32>,
-    v_l: Sequence<u32>,
-    o_l: Sequence<u32>,
-    s_l: Sequence<u32>,
-    heads: u32,
-    kv_group: u32,
-    seq_q: u32,
-    seq_k: u32,
-    q_offset: i32,
-    scale: f32,
-    #[comptime] planes: usize,
-    #[comptime] rows: usize,
-    #[comptime] bk: usize,
-    #[comptime] d: usize,
-    #[comptime] causal: bool,
-    #[comptime] native: bool,
-    #[define(E)] _dtype: StorageType,
-) {
-    let own = comptime!(planes * rows);
-    let units = comptime!(planes * LANES);
-    // Rows padded by 8 elements (16 bytes): a fragment's 32-bit reads hit 32 banks.
-    let ldv = comptime!((d + 8) / 2);
-    let seq_q = seq_q as usize;
-    let seq_k = seq_k as usize;
-    let (b, h, hk) = this_head(heads, kv_group);
-    let q_start = CUBE_POS_X as usize * own;
-    let plane = UNIT_POS as usize / LANES;
-    let (_, g, t) = lane_gt();
-    let i0 = q_start + plane * rows + g;
-
-    let mut qs = SharedMemory::<Vector<E, N>>::new(own * ldv);
-    let mut ks = SharedMemory::<Vector<E, N>>::new(bk * ldv);
-    let mut vs = SharedMemory::<Vector<E, N>>::new(bk * ldv);
-    let (mut sa, mut sb, mut red) = emulation_memory::<E>(planes, bk, d, native);
-
-    // The plane's Q operand, in registers for the whole loop.
-    load_rows::<E, N>(q, &q_l, b, h, q_start, seq_q, &mut qs, own, d, ldv, units);
-    sync_cube();
-    let mut qf = Sequence::<Array<Vector<E, N>>>::new();
-    #[unroll]
-    for kk in 0..comptime!(d / 16) {
-        qf.push(a_rows::<E, N>(&qs, plane * rows, kk, ldv));
-    }
-    let mut o = Sequence::<Array<Vector<f32, N>>>::new();
-    #[unroll]
-    for _ in 0..comptime!(d / 8) {
-        o.push(acc_zero::<N>());
-    }
-    // Rows g and g + 8: running maxima (scaled scores) and this lane's partial sums.
-    let mut m0 = f32::new(NEG_BIG);
-    let mut m1 = f32::new(NEG_BIG);
-    let mut l0 = 0.0f32;
-    let mut l1 = 0.0f32;
-    let blocks = keys_end(q_start, seq_k, q_offset, own, causal).div_ceil(bk);
-
-    for kb in 0..blocks {
-        let k_start = kb * bk;
-        load_rows::<E, N>(k, &k_l, b, hk, k_start, seq_k, &mut ks, bk, d, ldv, units);
-        load_rows::<E, N>(v, &v_l, b, hk, k_start, seq_k, &mut vs, bk, d, ldv, units);
-        sync_cube();
-        // S = Q·Kᵀ: bk / 8 accumulators of 16 × 8.
-        let mut s = product_t::<E, N>(&qf, &ks, 0, &mut sa, &mut sb, bk, d, ldv, native);
-        // Scale, mask (only a block that crosses the diagonal or the keys' end), row maxima.
-        let mut masked = k_start + bk > seq_k;
-        if comptime!(causal) {
-            masked =
-                masked || i32::cast_from(k_start + bk - 1) > i32::cast_from(q_start) + q_offset;
-        }
-        let mut mx0 = m0;
-        let mut mx1 = m1;
-        #[unroll]
-        for n in 0..comptime!(bk / 8) {
-            let c = s.index_mut(n);
-            #[unroll]
-            for pv in 0..2usize {
-                let mut x = c[pv];
-                #[unroll]
-                for e in 0..2usize {
-                    let mut y = x[e] * scale;
-                    if masked {
-                        let j = k_start + n * 8 + 2 * t + e;
-                        if !visible(i0 + 8 * pv, j, seq_q, seq_k, q_offset, causal) {
-                            y = f32::new(NEG_BIG);
-                        }
-                    }
-                    x[e] = y;
-                    if comptime!(pv == 0) {
-                        mx0 = f32::max(mx0, y);
-                    } else {
-                        mx1 = f32::max(mx1, y);
-                    }
-                }
-                c[pv] = x;
-            }
-        }
-        let (mx0, mx1) = quad_combine(mx0, mx1, &mut red, true, native);
-        let corr0 = f32::exp(m0 - mx0);
-        let corr1 = f32::exp(m1 - mx1);
-        m0 = mx0;
-        m1 = mx1;
-        l0 *= corr0;
-        l1 *= corr1;
-        #[unroll]
-        for u in 0..comptime!(d / 8) {
-            let c = o.index_mut(u);
-            c[0] = c[0] * Vector::new(corr0);
-            c[1] = c[1] * Vector::new(corr1);
-        }
-        // P = exp(S − m), summed into the lane's partial sums (a masked score gives 0).
-        #[unroll]
-        for n in 0..comptime!(bk / 8) {
-            let c = s.index_mut(n);
-            #[unroll]
-            for pv in 0..2usize {
-                let mut x = c[pv];
-                let mut m = m1;
-                if comptime!(pv == 0) {
-                    m = m0;
-                }
-                #[unroll]
-                for e in 0..2usize {
-                    let y = x[e];
-                    let mut p = f32::exp(y - m);
-                    if masked && y == f32::new(NEG_BIG) {
-                        p = 0.0;
-                    }
-                    x[e] = p;
-                    if comptime!(pv == 0) {
-                        l0 += p;
-                    } else {
-                        l1 += p;
-                    }
-                }
-                c[pv] = x;
-            }
-        }
-        // O += P·V (the accumulator pairs of 16 keys are P's A operand).
-        product_acc::<E, N>(&s, &vs, 0, &mut o, &mut sa, &mut sb, bk, d, ldv, native);
-        sync_cube();
-    }
-
-    let (l0, l1) = quad_combine(l0, l1, &mut red, false, native);
-    let o_base = head_base(&o_l, b, h);
-    let o_token = *o_l.index(3usize) as usize;
-    #[unroll]
-    for pv in 0..2usize {
-        let i = i0 + 8 * pv;
-        let mut l = l1;
-        let mut m = m1;
-        if comptime!(pv == 0) {
-            l = l0;
-            m = m0;
-        }
-        let inv = select(l > 0.0, 1.0 / l, 0.0);
-        if i < seq_q {
-            #[unroll]
-            for u in 0..comptime!(d / 8) {
-                let x = o.index(u)[pv];
-                let at = o_base + i * o_token + u * 8 + 2 * t;
-                out[at] = E::cast_from(x[0] * inv);
-                out[at + 1] = E::cast_from(x[1] * inv);
-            }
-            if t == 0 {
-                let s_base = head_base(&s_l, b, h);
-                lse[s_base + i * *s_l.index(3usize) as usize] = m + f32::ln(l);
-            }
-        }
-    }
-}
-
-/// Backward pass 1 on registers: dQ and `delta = rowsum(dO∘O)` (for pass 2); one cube per
-/// `planes · 16` queries, each plane its 16, over the key blocks up to the diagonal. Per phase
-/// (`chunk` keys) the plane forms S = Q·Kᵀ and dP = dO·Vᵀ, then dS = P∘(dP − delta) with
-/// P = exp(S·scale − lse), the A operand of dQ += dS·K.
-#[cube(
-    launch,
-    launch_unchecked,
-    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
-)]
-#[allow(clippy::too_many_arguments)]
-fn flash_backward_q_registers_kernel<E: Float, N: Size>(
-    q: &Tensor<Vector<E, N>>,
-    k: &Tensor<Vector<E, N>>,
-    v: &Tensor<Vector<E, N>>,
-    out: &Tensor<Vector<E, N>>,
-    d_out: &Tensor<Vector<E, N>>,
-    lse: &Tensor<f32>,
-    dq: &mut Tensor<E>,
-    delta: &mut Tensor<f32>,
-    q_l: Sequence<u32>,
-    k_l: Sequence<u32>,
-    v_l: Sequence<u32>,
-    o_l: Sequence<u32>,
-    s_l: Sequence<u32>,
-    dq_l: Sequence<u32>,
-    heads: u32,
-    kv_group: u32,
-    seq_q: u32,
-    seq_k: u32,
-    q_offset: i32,
-    scale: f32,
-    #[comptime] planes: usize,
-    #[comptime] rows: usize,
-    #[comptime] bk: usize,
-    #[comptime] d: usize,
-    #[comptime] causal: bool,
-    #[comptime] native: bool,
-    #[define(E)] _dtype: StorageType,
-) {
-    let own = comptime!(planes * rows);
-    let units = comptime!(planes * LANES);
-    let ldv = comptime!((d + 8) / 2);
-    let chunk = comptime!(if native { CHUNK } else { bk });
-    let seq_q = seq_q as usize;
-    let seq_k = seq_k as usize;
-    let (b, h, hk) = this_head(heads, kv_group);
-    let q_start = CUBE_POS_X as usize * own;
-    let plane = UNIT_POS as usize / LANES;
-    let (_, g, t) = lane_gt();
-    let i0 = q_start + plane * rows + g;
-    let s_base = head_base(&s_l, b, h);
-    let s_token = *s_l.index(3usize) as usize;
-
-    let mut qs = SharedMemory::<Vector<E, N>>::new(own * ldv);
-    let mut dos = SharedMemory::<Vector<E, N>>::new(own * ldv);
-    let mut ks = SharedMemory::<Vector<E, N>>::new(bk * ldv);
-    let mut vs = SharedMemory::<Vector<E, N>>::new(bk * ldv);
-    let (mut sa, mut sb, mut red) = emulation_memory::<E>(planes, chunk, d, native);
-
-    load_rows::<E, N>(q, &q_l, b, h, q_start, seq_q, &mut qs, own, d, ldv, units);
-    load_rows::<E, N>(
-        d_out, &o_l, b, h, q_start, seq_q, &mut dos, own, d, ldv, units,
-    );
-    // delta and lse of rows g and g + 8: each of a row's four lanes sums every fourth pair.
-    let o_base = head_base(&o_l, b, h) / 2;
-    let o_token = *o_l.index(3usize) as usize / 2;
-    let mut part0 = 0.0f32;
-    let mut part1 = 0.0f32;
-    let mut lse0 = 0.0f32;
-    let mut lse1 = 0.0f32;
-    #[unroll]
-    for pv in 0..2usize {
-        let i = i0 + 8 * pv;
-        let mut acc = 0.0f32;
-        let mut row_lse = 0.0f32;
-        if i < seq_q {
-            let mut got = Sequence::<Vector<E, N>>::new();
-            #[unroll]
-            for c in 0..comptime!(d / 8) {
-                got.push(out[o_base + i * o_token + 4 * c + t]);
-            }
-            #[unroll]
-            for c in 0..comptime!(d / 8) {
-                let gv = d_out[o_base + i * o_token + 4 * c + t];
-                let ov = *got.index(c);
-                acc += f32::cast_from(gv[0]) * f32::cast_from(ov[0])
-                    + f32::cast_from(gv[1]) * f32::cast_from(ov[1]);
-            }
-            row_lse = lse[s_base + i * s_token];
-        }
-        if comptime!(pv == 0) {
-            part0 = acc;
-            lse0 = row_lse;
-        } else {
-            part1 = acc;
-            lse1 = row_lse;
-        }
-    }
-    let (delta0, delta1) = quad_combine(part0, part1, &mut red, false, native);
-    if t == 0 {
-        if i0 < seq_q {
-            delta[s_base + i0 * s_token] = delta0;
-        }
-        if i0 + 8 < seq_q {
-            delta[s_base + (i0 + 8) * s_token] = delta1;
-        }
-    }
-    sync_cube();
-    let mut qf = Sequence::<Array<Vector<E, N>>>::new();
-    let mut dof = Sequence::<Array<Vector<E, N>>>::new();
-    #[unroll]
-    for kk in 0..comptime!(d / 16) {
-        qf.push(a_rows::<E, N>(&qs, plane * rows, kk, ldv));
-        dof.push(a_rows::<E, N>(&dos, plane * rows, kk, ldv));
-    }
-    let mut acc = Sequence::<Array<Vector<f32, N>>>::new();
-    #[unroll]
-    for _ in 0..comptime!(d / 8) {
-        acc.push(acc_zero::<N>());
-    }
-    let blocks = keys_end(q_start, seq_k, q_offset, own, causal).div_ceil(bk);
-
-    for kb in 0..blocks {
-        let k_start = kb * bk;
-        load_rows::<E, N>(k, &k_l, b, hk, k_start, seq_k, &mut ks, bk, d, ldv, units);
-        load_rows::<E, N>(v, &v_l, b, hk, k_start, seq_k, &mut vs, bk, d, ldv, units);
-        sync_cube();
-        let mut masked = k_start + bk > seq_k;
-        if comptime!(causal) {
-            masked =
-                masked || i32::cast_from(k_start + bk - 1) > i32::cast_from(q_start) + q_offset;
-        }
-        #[unroll]
-        for ph in 0..comptime!(bk / chunk) {
-            let n0 = ph * chunk;
-            let mut ds = product_t::<E, N>(&qf, &ks, n0, &mut sa, &mut sb, chunk, d, ldv, native);
-            let dp = product_t::<E, N>(&dof, &vs, n0, &mut sa, &mut sb, chunk, d, ldv, native);
-            #[unroll]
-            for n in 0..comptime!(chunk / 8) {
-                let c = ds.index_mut(n);
-                let y = dp.index(n);
-                #[unroll]
-                for pv in 0..2usize {
-                    let mut x = c[pv];
-                    let z = y[pv];
-                    let mut row_lse = lse1;
-                    let mut dl = delta1;
-                    if comptime!(pv == 0) {
-                        row_lse = lse0;
-                        dl = delta0;
-                    }
-                    #[unroll]
-                    for e in 0..2usize {
-                        let mut p = f32::exp(x[e] * scale - row_lse);
-                        if masked {
-                            let j = k_start + n0 + n * 8 + 2 * t + e;
-                            if !visible(i0 + 8 * pv, j, seq_q, seq_k, q_offset, causal) {
-                                p = 0.0;
-                            }
-                        }
-                        x[e] = p * (z[e] - dl);
-                    }
-                    c[pv] = x;
-                }
-            }
-            // dQ += dS·K
-            product_acc::<E, N>(
-                &ds, &ks, n0, &mut acc, &mut sa, &mut sb, chunk, d, ldv, native,
-            );
-        }
-        sync_cube();
-    }
-
-    let dq_base = head_base(&dq_l, b, h);
-    let dq_token = *dq_l.index(3usize) as usize;
-    #[unroll]
-    for pv in 0..2usize {
-        let i = i0 + 8 * pv;
-        if i < seq_q {
-            #[unroll]
-            for u in 0..comptime!(d / 8) {
-                let x = acc.index(u)[pv];
-                let at = dq_base + i * dq_token + u * 8 + 2 * t;
-                dq[at] = E::cast_from(x[0] * scale);
-                dq[at + 1] = E::cast_from(x[1] * scale);
-            }
-        }
-    }
-}
-
-/// Backward pass 2 on registers: dK and dV, one cube per `planes · 16` keys of one (batch,
-/// query head), each plane its 16, over the query blocks from the diagonal on. Per phase
-/// (`chunk` queries) the plane forms Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, then Pᵀ and
-/// dSᵀ = Pᵀ∘(dPᵀ − delta), the A operands of dV += Pᵀ·dO and dK += dSᵀ·Q. `dkv` holds both
-/// (laid out `dk_l`, `dv_l`; with grouped key/value heads a partial per query head, summed by the
-/// host).
-#[cube(
-    launch,
-    launch_unchecked,
-    fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf
-)]
-#[allow(clippy::too_many_arguments)]
-fn flash_backward_kv_registers_kernel<E: Float, N: Size>(
-    q: &Tensor<Vector<E, N>>,
-    k: &Tensor<Vector<E, N>>,
-    v: &Tensor<Vector<E, N>>,
-    d_out: &Tensor<Vector<E, N>>,
-    lse: &Tensor<f32>,
-    delta: &Tensor<f32>,
-    dkv: &mut Tensor<E>,
-    q_l: Sequence<u32>,
-    k_l: Sequence<u32>,
-    v_l: Sequence<u32>,
-    o_l: Sequence<u32>,
-    s_l: Sequence<u32>,
-    dk_l: Sequence<u32>,
-    dv_l: Sequence<u32>,
-    heads: u32,
-    kv_group: u32,
-    seq_q: u32,
-    seq_k: u32,
-    q_offset: i32,
-    scale: f32,
-    #[comptime] planes: usize,
-    #[comptime] rows: usize,
-    #[comptime] bq: usize,
-    #[comptime] d: usize,
-    #[comptime] causal: bool,
-    #[comptime] native: bool,
-    #[define(E)] _dtype: StorageType,
-) {
-    let own = comptime!(planes * rows);
-    let units = comptime!(planes * LANES);
-    let ldv = comptime!((d + 8) / 2);
-    let chunk = comptime!(if native { CHUNK } else { bq });
-    let seq_q = seq_q as usize;
-    let seq_k = seq_k as usize;
-    let (b, h, hk) = this_head(heads, kv_group);
-    let k_start = CUBE_POS_X as usize * own;
-    let plane = UNIT_POS as usize / LANES;
-    let (_, g, t) = lane_gt();
-    let key0 = k_start + plane * rows + g;
-    let s_base = head_base(&s_l, b, h);
-    let s_token = *s_l.index(3usize) as usize;
-
-    let mut ks = SharedMemory::<Vector<E, N>>::new(own * ldv);
-    let mut vs = SharedMemory::<Vector<E, N>>::new(own * ldv);
-    let mut qs = SharedMemory::<Vector<E, N>>::new(bq * ldv);
-    let mut dos = SharedMemory::<Vector<E, N>>::new(bq * ldv);
-    let mut lse_s = SharedMemory::<f32>::new(bq);
-    let mut delta_s = SharedMemory::<f32>::new(bq);
-    let (mut sa, mut sb, _) = emulation_memory::<E>(planes, chunk, d, native);
-
-    load_rows::<E, N>(k, &k_l, b, hk, k_start, seq_k, &mut ks, own, d, ldv, units);
-    load_rows::<E, N>(v, &v_l, b, hk, k_start, seq_k, &mut vs, own, d, ldv, units);
-    sync_cube();
-    let mut kf = Sequence::<Array<Vector<E, N>>>::new();
-    let mut vf = Sequence::<Array<Vector<E, N>>>::new();
-    #[unroll]
-    for kk in 0..comptime!(d / 16) {
-        kf.push(a_rows::<E, N>(&ks, plane * rows, kk, ldv));
-        vf.push(a_rows::<E, N>(&vs, plane * rows, kk, ldv));
-    }
-    let mut dk = Sequence::<Array<Vector<f32, N>>>::new();
-    let mut dv = Sequence::<Array<Vector<f32, N>>>::new();
-    #[unroll]
-    for _ in 0..comptime!(d / 8) {
-        dk.push(acc_zero::<N>());
-        dv.push(acc_zero::<N>());
-    }
-    // Query blocks from the first query that sees this cube's first key.
-    let mut first = 0usize;
-    if comptime!(causal) {
-        let q_first = i32::cast_from(k_start) - q_offset;
-        first = usize::cast_from(i32::max(q_first, 0)) / bq;
-    }
-    let blocks = seq_q.div_ceil(bq);
-
-    for qb in first..blocks {
-        let q_start = qb * bq;
-        sync_cube();
-        load_rows::<E, N>(q, &q_l, b, h, q_start, seq_q, &mut qs, bq, d, ldv, units);
-        load_rows::<E, N>(
-            d_out, &o_l, b, h, q_start, seq_q, &mut dos, bq, d, ldv, units,
-        );
-        load_stats(lse, s_base, s_token, q_start, seq_q, 0.0, &mut lse_s, bq);
-        load_stats(
-            delta,
-            s_base,
-            s_token,
-            q_start,
-            seq_q,
-            0.0,
-            &mut delta_s,
-            bq,
-        );
-        sync_cube();
-        let mut masked = q_start + bq > seq_q || k_start + own > seq_k;
-        if comptime!(causal) {
-            masked =
-                masked || i32::cast_from(k_start + own - 1) > i32::cast_from(q_start) + q_offset;
-        }
-        #[unroll]
-        for ph in 0..comptime!(bq / chunk) {
-            let n0 = ph * chunk;
-            let mut pt = product_t::<E, N>(&kf, &qs, n0, &mut sa, &mut sb, chunk, d, ldv, native);
-            let mut dst = product_t::<E, N>(&vf, &dos, n0, &mut sa, &mut sb, chunk, d, ldv, native);
-            #[unroll]
-            for n in 0..comptime!(chunk / 8) {
-                let c = pt.index_mut(n);
-                let y = dst.index_mut(n);
-                #[unroll]
-                for pv in 0..2usize {
-                    let mut x = c[pv];
-                    let mut z = y[pv];
-                    #[unroll]
-                    for e in 0..2usize {
-                        let qj = n0 + n * 8 + 2 * t + e;
-                        let mut p = f32::exp(x[e] * scale - lse_s[qj]);
-                        if masked {
-                            let key = key0 + 8 * pv;
-                            if !visible(q_start + qj, key, seq_q, seq_k, q_offset, causal) {
-                                p = 0.0;
-                            }
-                        }
-                        x[e] = p;
-                        z[e] = p * (z[e] - delta_s[qj]);
-                    }
-                    c[pv] = x;
-                    y[pv] = z;
-                }
-            }
-            // dV += Pᵀ·dO, dK += dSᵀ·Q
-            product_acc::<E, N>(
-                &pt, &dos, n0, &mut dv, &mut sa, &mut sb, chunk, d, ldv, native,
-            );
-            product_acc::<E, N>(
-                &dst, &qs, n0, &mut dk, &mut sa, &mut sb, chunk, d, ldv, native,
-            );
-        }
-    }
-
-    let dk_base = head_base(&dk_l, b, h);
-    let dk_token = *dk_l.index(3usize) as usize;
-    let dv_base = head_base(&dv_l, b, h);
-    let dv_token = *dv_l.index(3usize) as usize;
-    #[unroll]
-    for pv in 0..2usize {
-        let j = key0 + 8 * pv;
-        if j < seq_k {
-            #[unroll]
-            for u in 0..comptime!(d / 8) {
-                let c = u * 8 + 2 * t;
-                let x = dk.index(u)[pv];
-                dkv[dk_base + j * dk_token + c] = E::cast_from(x[0] * scale);
-                dkv[dk_base + j * dk_token + c + 1] = E::cast_from(x[1] * scale);
-                let y = dv.index(u)[pv];
-                dkv[dv_base + j * dv_token + c] = E::cast_from(y[0]);
-                dkv[dv_base + j * dv_token + c + 1] = E::cast_from(y[1]);
-            }
-        }
-    }
+    (SharedMemory::<E>::new(len), red)
 }
 
 /// The register kernels' split for `pass` on `q`'s device, where they run: f16/bf16 with head dim
@@ -1021,6 +601,7 @@ pub(super) fn registers_split<R: CubeRuntime>(
         rows: ROWS,
         block: BLOCK,
         cmma: native,
+        registers: true,
     };
     let limit = props.hardware.max_shared_memory_size;
     let es = q.dtype.size();
@@ -1109,114 +690,4 @@ fn with_mode<T>(mode: MmaMode, f: impl FnOnce() -> T) -> T {
     }
     let _restore = Restore(MODE_HERE.replace(Some(mode)));
     f()
-}
-
-/// Launches the register forward (split `f`) into `output` and `lse`.
-pub(super) fn forward_registers<R: CubeRuntime>(
-    ops: &Operands<R>,
-    p: &Problem,
-    output: (&CubeTensor<R>, Heads),
-    lse: (&CubeTensor<R>, Heads),
-    f: Flash,
-) {
-    use super::super::arg;
-    let q = &ops.q.0;
-    let (count, dim) = f.launch_dims(p.seq_q, p);
-    super::super::REGISTER_ATTENTION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    launch_flash!(
-        flash_forward_registers_kernel,
-        q,
-        p,
-        f,
-        count,
-        dim,
-        2,
-        [
-            arg(q),
-            arg(&ops.k.0),
-            arg(&ops.v.0),
-            arg(output.0),
-            arg(lse.0),
-            seq_arg(&ops.q.1),
-            seq_arg(&ops.k.1),
-            seq_arg(&ops.v.1),
-            seq_arg(&output.1),
-            seq_arg(&lse.1),
-        ]
-    );
-}
-
-/// Launches both register backward passes (splits `fq` and `fkv`); arguments as
-/// [`super::backward`]'s.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn backward_registers<R: CubeRuntime>(
-    ops: &Operands<R>,
-    p: &Problem,
-    output: (&CubeTensor<R>, Heads),
-    d_output: &CubeTensor<R>,
-    lse: (&CubeTensor<R>, Heads),
-    delta: &CubeTensor<R>,
-    dq: (&CubeTensor<R>, Heads),
-    dkv: &CubeTensor<R>,
-    dk_l: Heads,
-    dv_l: Heads,
-    (fq, fkv): (Flash, Flash),
-) {
-    use super::super::arg;
-    let q = &ops.q.0;
-    let f = fq;
-    let (count, dim) = f.launch_dims(p.seq_q, p);
-    super::super::REGISTER_ATTENTION.fetch_add(2, std::sync::atomic::Ordering::Relaxed);
-    launch_flash!(
-        flash_backward_q_registers_kernel,
-        q,
-        p,
-        f,
-        count,
-        dim,
-        2,
-        [
-            arg(q),
-            arg(&ops.k.0),
-            arg(&ops.v.0),
-            arg(output.0),
-            arg(d_output),
-            arg(lse.0),
-            arg(dq.0),
-            arg(delta),
-            seq_arg(&ops.q.1),
-            seq_arg(&ops.k.1),
-            seq_arg(&ops.v.1),
-            seq_arg(&output.1),
-            seq_arg(&lse.1),
-            seq_arg(&dq.1),
-        ]
-    );
-    let f = fkv;
-    let (count, dim) = f.launch_dims(p.seq_k, p);
-    launch_flash!(
-        flash_backward_kv_registers_kernel,
-        q,
-        p,
-        f,
-        count,
-        dim,
-        2,
-        [
-            arg(q),
-            arg(&ops.k.0),
-            arg(&ops.v.0),
-            arg(d_output),
-            arg(lse.0),
-            arg(delta),
-            arg(dkv),
-            seq_arg(&ops.q.1),
-            seq_arg(&ops.k.1),
-            seq_arg(&ops.v.1),
-            seq_arg(&output.1),
-            seq_arg(&lse.1),
-            seq_arg(&dk_l),
-            seq_arg(&dv_l),
-        ]
-    );
 }
