@@ -1,5 +1,6 @@
-//! The forward on register fragments, FlashAttention-2 proper: each plane keeps its 16 queries'
-//! Q operand, scores, probabilities and output in registers for the whole loop over key blocks,
+//! The flash kernels' register-fragment variant, FlashAttention-2 proper: in the forward each
+//! plane keeps its 16 queries' Q operand, scores, probabilities and output in registers for the
+//! whole loop over key blocks (the backward passes likewise their dQ, or dK and dV),
 //! multiplied by the PTX `mma.m16n8k16` instruction (CubeCL's manual MMA) with f32
 //! accumulation. The softmax runs on the score registers themselves — a row's four lanes
 //! combine their maxima and sums by two shuffles — and the probabilities become the next
@@ -36,11 +37,11 @@ const BLOCK: usize = 64;
 /// Keys (queries) per product phase with the `mma` instruction.
 pub(super) const CHUNK: usize = 16;
 
-/// This unit's lane in its plane and the lane's group `g` and thread-in-group `t`.
+/// This unit's lane's group `g` and thread-in-group `t` (the fragment layouts' coordinates).
 #[cube]
-pub(super) fn lane_gt() -> (usize, usize, usize) {
+pub(super) fn lane_gt() -> (usize, usize) {
     let lane = UNIT_POS as usize % LANES;
-    (lane, lane / 4, lane % 4)
+    (lane / 4, lane % 4)
 }
 
 /// An A operand's registers into the plane's A tile of the emulation memory (after the B tile's
@@ -53,7 +54,7 @@ pub(super) fn put_a<E: Float, N: Size>(
     #[comptime] lda: usize,
     #[comptime] b_len: usize,
 ) {
-    let (_, g, t) = lane_gt();
+    let (g, t) = lane_gt();
     let base = b_len + (UNIT_POS as usize / LANES) * 16 * lda;
     #[unroll]
     for r in 0..4usize {
@@ -75,7 +76,7 @@ pub(super) fn put_b<E: Float, N: Size>(
     n0: usize,
     #[comptime] ldb: usize,
 ) {
-    let (_, g, t) = lane_gt();
+    let (g, t) = lane_gt();
     #[unroll]
     for r in 0..2usize {
         let x = b[r];
@@ -97,7 +98,7 @@ pub(super) fn emulated_product<E: Float, N: Size>(
     #[comptime] lda: usize,
     #[comptime] ldb: usize,
 ) {
-    let (_, g, t) = lane_gt();
+    let (g, t) = lane_gt();
     let base = comptime!(k * ldb) + (UNIT_POS as usize / LANES) * 16 * lda;
     #[unroll]
     for v in 0..2usize {
@@ -326,7 +327,7 @@ pub(super) fn a_rows<E: Float, N: Size>(
     #[comptime] kk: usize,
     #[comptime] ldv: usize,
 ) -> Array<Vector<E, N>> {
-    let (_, g, t) = lane_gt();
+    let (g, t) = lane_gt();
     let mut a = Array::<Vector<E, N>>::new(4usize);
     #[unroll]
     for r in 0..4usize {
@@ -344,7 +345,7 @@ pub(super) fn b_transposed<E: Float, N: Size>(
     #[comptime] kk: usize,
     #[comptime] ldv: usize,
 ) -> Array<Vector<E, N>> {
-    let (_, g, t) = lane_gt();
+    let (g, t) = lane_gt();
     let mut b = Array::<Vector<E, N>>::new(2usize);
     #[unroll]
     for r in 0..2usize {
@@ -362,7 +363,7 @@ pub(super) fn b_plain<E: Float, N: Size>(
     n0: usize,
     #[comptime] ldv: usize,
 ) -> Array<Vector<E, N>> {
-    let (_, g, t) = lane_gt();
+    let (g, t) = lane_gt();
     let col = n0 + g;
     let odd = col % 2 == 1;
     let mut b = Array::<Vector<E, N>>::new(2usize);
@@ -396,7 +397,7 @@ pub(super) fn a_from_acc<E: Float, N: Size>(
 /// This unit's plane and its lane's group `g` and thread-in-group `t`.
 #[cube]
 pub(super) fn plane_lanes() -> (usize, usize, usize) {
-    let (_, g, t) = lane_gt();
+    let (g, t) = lane_gt();
     (UNIT_POS as usize / LANES, g, t)
 }
 
