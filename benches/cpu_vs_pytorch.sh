@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Wildfire's gpt_pretrain against PyTorch eager (f32, CPU, no torch.compile) on the same GPT, the
-# same data and the same hyper-parameters, run alternately (wildfire, pytorch, wildfire, ...):
+# same data and the same hyper-parameters, run alternately (round 1 wildfire first, round 2
+# pytorch first, ...):
 #
 #   bash benches/cpu_vs_pytorch.sh [--rounds 3] [--quick] [--threads N]
 #
@@ -18,7 +19,11 @@
 # from gpt_pretrain's per-step `tokens_per_s` (--metrics JSON lines: batch*block / that step's
 # seconds), PyTorch's from perf_counter in benches/pytorch/train_gpt.py. Val loss of (a): the
 # last evaluation (after step 2000), mean over 20 validation batches, same batches both sides.
-# Threads: all cores on both sides (RAYON_NUM_THREADS / torch.set_num_threads).
+# Threads: all cores on both sides (RAYON_NUM_THREADS / torch.set_num_threads). PyTorch's AdamW
+# is its fused CPU kernel (fused=True). Also measured: each process's wall clock from launch to
+# exit (what a user waits for: start-up, data, evaluation included), and Wildfire's own split of it
+# (the binary's `wall clock` line). The table's header names the CPU, the torch version and where
+# each side's tokens came from.
 #
 # Env: WILDFIRE_BIN (default ${CARGO_TARGET_DIR:-target}/release/examples/gpt_pretrain, built by
 # `cargo build --release --example gpt_pretrain`), WILDFIRE_CORPUS (default
@@ -58,31 +63,43 @@ B="--n-layer 4 --n-head 4 --n-embd 256 --block-size 256 --batch-size 4 --lr 1e-3
 run_wildfire() { # workload tokenizer tokens_per_step flags round
     local tag="$OUT/$1-wildfire-$5"
     echo "+ $BIN $4 --data $DATA --tokenizer $2 --metrics $tag.jsonl --sample-tokens 0 --plot $tag.png --log-every 100" >"$tag.log"
+    local start end
+    start=$(date +%s.%N)
     # shellcheck disable=SC2086
     RAYON_NUM_THREADS=$THREADS "$BIN" $4 --data "$DATA" --tokenizer "$2" --metrics "$tag.jsonl" \
         --sample-tokens 0 --plot "$tag.png" --log-every 100 >>"$tag.log" 2>&1 \
         || { tail -n 20 "$tag.log" >&2; exit 1; }
-    python3 - "$tag.jsonl" "$tag.log" "$3" <<'EOF'
+    end=$(date +%s.%N)
+    python3 - "$tag.jsonl" "$tag.log" "$3" "$start" "$end" <<'EOF'
 import json, re, sys
 metrics, log, tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+wall = float(sys.argv[5]) - float(sys.argv[4])
+text = open(log).read()
+parts = re.findall(r"^wall clock [0-9.]+ s: (.*)$", text, re.M)  # the binary's own split
+source = re.findall(r"data=(\S+)", text)
 rows = [json.loads(l) for l in open(metrics) if l.strip()]
 timed = rows[1:]  # step 0 is the warm-up
 secs = sum(tokens / r["tokens_per_s"] for r in timed)
 vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
 if not vals:  # the binary's last stdout line: "final: step N loss X val_loss Y|-"
-    m = re.findall(r"^final: step \d+ loss \S+ val_loss ([0-9.]+)", open(log).read(), re.M)
+    m = re.findall(r"^final: step \d+ loss \S+ val_loss ([0-9.]+)", text, re.M)
     vals = [float(v) for v in m]
 print(json.dumps({"framework": "wildfire", "tokens_per_s": tokens * len(timed) / secs if secs else None,
-                  "train_seconds": secs, "steps": len(rows), "val_loss": vals[-1] if vals else None}))
+                  "train_seconds": secs, "wall_seconds": wall, "wall_parts": parts[-1] if parts else None,
+                  "tokens": source[-1] if source else None,
+                  "steps": len(rows), "val_loss": vals[-1] if vals else None}))
 EOF
 }
 
 run_pytorch() { # workload tokenizer tokens_per_step flags round
-    local tag="$OUT/$1-pytorch-$5"
+    local tag="$OUT/$1-pytorch-$5" start end
+    start=$(date +%s.%N)
     # shellcheck disable=SC2086
     "$PY" benches/pytorch/train_gpt.py $4 --data "$DATA" --vocab "$2" --threads "$THREADS" \
         >"$tag.json" 2>"$tag.log" || { tail -n 20 "$tag.log" >&2; exit 1; }
-    tail -n 1 "$tag.json"
+    end=$(date +%s.%N)
+    python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d["wall_seconds"]=float(sys.argv[3])-float(sys.argv[2]); print(json.dumps(d))' \
+        "$(tail -n 1 "$tag.json")" "$start" "$end"
 }
 
 RESULTS="$OUT/results.jsonl"
@@ -90,7 +107,10 @@ RESULTS="$OUT/results.jsonl"
 for r in $(seq 1 "$ROUNDS"); do
     for w in a b; do
         if [[ $w == a ]]; then set -- bytes $((12 * 64)) "$A"; else set -- gpt2 $((4 * 256)) "$B"; fi
-        for fw in wildfire pytorch; do
+        # The side that runs first alternates from round to round (a warm cache or a cooler CPU
+        # favours neither).
+        if (( r % 2 == 1 )); then order="wildfire pytorch"; else order="pytorch wildfire"; fi
+        for fw in $order; do
             echo "round $r/$ROUNDS: workload ($w) $fw" >&2
             line=$("run_$fw" "$w" "$1" "$2" "$3" "$r")
             python3 -c 'import json,sys; d=json.loads(sys.argv[1]); d.update(workload=sys.argv[2], round=int(sys.argv[3])); print(json.dumps(d))' \
@@ -99,26 +119,45 @@ for r in $(seq 1 "$ROUNDS"); do
     done
 done
 
-python3 - "$RESULTS" "$THREADS" <<'EOF' | tee "$OUT/table.md"
+CPU=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
+python3 - "$RESULTS" "$THREADS" "$CPU" <<'EOF' | tee "$OUT/table.md"
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 names = {"a": "(a) shakespeare-char, bytes", "b": "(b) d256 seq256, gpt2 vocab"}
 f = lambda v, fmt: "-" if v is None else format(v, fmt)
-print(f"\nGPT training on CPU, f32, {sys.argv[2]} threads: tokens/s excluding step 0 and evaluation\n")
-print("| workload | round | wildfire tok/s | pytorch tok/s | wildfire/pytorch | wildfire val loss | pytorch val loss |")
-print("|---|---|---|---|---|---|---|")
+torch_row = next(r for r in rows if r["framework"] == "pytorch")
+print(f"\nGPT training on CPU, f32, {sys.argv[2]} threads, {sys.argv[3] or 'CPU model unknown'}; "
+      f"torch {torch_row.get('torch')} (AdamW {torch_row.get('adamw', 'foreach')})")
+for w in "ab":
+    src = {r["framework"]: r.get("tokens") for r in rows if r["workload"] == w}
+    print(f"tokens of {names[w]}: wildfire {src.get('wildfire')}, pytorch {src.get('pytorch')}")
+print("\ntok/s exclude step 0 and evaluation; train s = the timed steps; wall s = the process, launch to exit\n")
+print("| workload | round | first | wildfire tok/s | pytorch tok/s | tok/s ratio | wildfire train s | pytorch train s "
+      "| wildfire wall s | pytorch wall s | wall ratio | wildfire val loss | pytorch val loss |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for w in "ab":
     by = {(r["round"], r["framework"]): r for r in rows if r["workload"] == w}
     rounds = sorted({k[0] for k in by})
-    ratios = []
+    val = lambda r: f(r["val_loss"] if w == "a" else None, ".4f")
     for n in rounds:
         wf, pt = by[(n, "wildfire")], by[(n, "pytorch")]
-        ratios.append(wf["tokens_per_s"] / pt["tokens_per_s"])
-        print(f"| {names[w]} | {n} | {wf['tokens_per_s']:.0f} | {pt['tokens_per_s']:.0f} | {ratios[-1]:.2f} | "
-              f"{f(wf['val_loss'] if w == 'a' else None, '.4f')} | {f(pt['val_loss'] if w == 'a' else None, '.4f')} |")
-    med = lambda fw: statistics.median(by[(n, fw)]["tokens_per_s"] for n in rounds)
-    print(f"| **{names[w]}** | **median** | **{med('wildfire'):.0f}** | **{med('pytorch'):.0f}** | "
-          f"**{statistics.median(ratios):.2f}** | | |")
+        print(f"| {names[w]} | {n} | {'wildfire' if n % 2 else 'pytorch'} | {wf['tokens_per_s']:.0f} | "
+              f"{pt['tokens_per_s']:.0f} | {wf['tokens_per_s'] / pt['tokens_per_s']:.2f} | "
+              f"{wf['train_seconds']:.1f} | {pt['train_seconds']:.1f} | {wf['wall_seconds']:.1f} | "
+              f"{pt['wall_seconds']:.1f} | {wf['wall_seconds'] / pt['wall_seconds']:.2f} | {val(wf)} | {val(pt)} |")
+    med = lambda fw, k: statistics.median(by[(n, fw)][k] for n in rounds)
+    vm = lambda fw: f(med(fw, "val_loss") if w == "a" else None, ".4f")
+    print(f"| **{names[w]}** | **median** | | **{med('wildfire', 'tokens_per_s'):.0f}** | "
+          f"**{med('pytorch', 'tokens_per_s'):.0f}** | "
+          f"**{med('wildfire', 'tokens_per_s') / med('pytorch', 'tokens_per_s'):.2f}** | "
+          f"**{med('wildfire', 'train_seconds'):.1f}** | **{med('pytorch', 'train_seconds'):.1f}** | "
+          f"**{med('wildfire', 'wall_seconds'):.1f}** | **{med('pytorch', 'wall_seconds'):.1f}** | "
+          f"**{med('wildfire', 'wall_seconds') / med('pytorch', 'wall_seconds'):.2f}** | {vm('wildfire')} | {vm('pytorch')} |")
+print("\nWildfire's split of its wall clock (last round):")
+for w in "ab":
+    last = max(r["round"] for r in rows if r["workload"] == w)
+    wf = next(r for r in rows if r["workload"] == w and r["round"] == last and r["framework"] == "wildfire")
+    print(f"- {names[w]}: {wf.get('wall_parts')} (process {wf['wall_seconds']:.2f} s)")
 EOF
 
 # Per-op cost: one elementwise op on a 64-element tensor, ours (benches/overhead.rs: Flex and the

@@ -145,6 +145,7 @@ fn main() -> Result<()> {
             last.val_loss.map_or("-".into(), |v| format!("{v:.4}"))
         );
     }
+    println!("{}", summary.wall);
     if !summary.sample.is_empty() {
         println!("--- sample ---\n{}\n--------------", summary.sample);
     }

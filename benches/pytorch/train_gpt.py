@@ -7,7 +7,8 @@ The model is models/src/gpt.rs as nanoGPT's model.py would write it: GPT-2 block
 exact (erf) GELU, attention through F.scaled_dot_product_attention(is_causal=True) (nanoGPT's
 "flash" path). The training loop mirrors src/pretrain.rs:
   - AdamW betas (0.9, 0.95), eps 1e-5 (Burn's default), decoupled weight decay on EVERY parameter
-    (Burn's AdamW has no parameter groups; nanoGPT would exempt biases, LayerNorms and embeddings);
+    (Burn's AdamW has no parameter groups; nanoGPT would exempt biases, LayerNorms and embeddings),
+    PyTorch's fused CPU kernel (fused=True; foreach where the torch is older than 2.4);
   - lr: linear warmup lr*(step+1)/warmup, then cosine to min-lr at --steps (ours: min = lr/10);
   - global gradient-norm clipping at 1.0; mean cross-entropy over all positions;
   - batches from Wildfire's seeded sampler (same rows as ours: splitmix64 of (seed, step, row)),
@@ -162,8 +163,14 @@ def main():
     train, val = tokens[:n_train], tokens[n_train:]
     model = GPT(n_vocab, args.block_size, args.n_layer, args.n_head, args.n_embd, used=n_used)
     params = sum(q.numel() for q in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-5,
-                            weight_decay=args.weight_decay)
+    # PyTorch's fastest AdamW on the CPU: the fused kernel (torch >= 2.4), else the multi-tensor
+    # (foreach) one.
+    adamw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-5, weight_decay=args.weight_decay)
+    try:
+        opt, adamw_kind = torch.optim.AdamW(model.parameters(), fused=True, **adamw), "fused"
+    except (RuntimeError, TypeError, ValueError) as e:
+        print(f"fused AdamW unavailable ({e}): foreach", file=sys.stderr)
+        opt, adamw_kind = torch.optim.AdamW(model.parameters(), foreach=True, **adamw), "foreach"
 
     def lr_at(step):  # PretrainConfig::lr_at
         if step < args.warmup:
@@ -215,7 +222,7 @@ def main():
         "tokens_per_s": tokens_per_step * timed_steps / timed if timed_steps else None,
         "train_seconds": timed, "timed_steps": timed_steps, "first_step_seconds": first,
         "steps": args.steps, "loss": loss_v, "val_loss": val_loss, "params": params,
-        "vocab": n_vocab, "tokens": source,
+        "vocab": n_vocab, "tokens": source, "adamw": adamw_kind,
     }))
 
 

@@ -76,6 +76,75 @@ pub struct RunSummary {
     pub prefetch: wildfire_parallel::PrefetchStats,
     /// With `--plan auto`: the candidates and the one this run trained with.
     pub plan: Option<Plan>,
+    /// Where the run's wall clock went (rank 0's view).
+    pub wall: WallClock,
+}
+
+/// Where a run's wall clock went, in seconds (rank 0's view; the other ranks run alongside).
+/// What a user waits for is [`WallClock::total`]; the step times in the metrics are
+/// [`WallClock::first_step`] and [`WallClock::steps`] only.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct WallClock {
+    /// `--plan auto`: probing the candidates.
+    pub plan: f64,
+    /// Reading and tokenising the data (or the token cache), the samplers, a checkpoint's
+    /// metadata.
+    pub data: f64,
+    /// Building the model, laying it out over the mesh, loading a checkpoint or Hugging Face
+    /// weights, up to the first step.
+    pub build: f64,
+    /// The first step run (the kernels' and the allocator's warm-up).
+    pub first_step: f64,
+    /// Every later step (micro-batches, step, metrics).
+    pub steps: f64,
+    /// Evaluation.
+    pub eval: f64,
+    /// Checkpoints: taking the pieces on the step's path, and waiting for the writes at the end.
+    pub checkpoint: f64,
+    /// After the loop: gathering the parameters, the sample, the plot, the trace, the export.
+    pub end: f64,
+    /// Everything, from the call to its return.
+    pub total: f64,
+}
+
+impl WallClock {
+    /// What the parts do not cover: the launch, thread start-up, the reports between steps.
+    pub fn other(&self) -> f64 {
+        let parts = self.plan
+            + self.data
+            + self.build
+            + self.first_step
+            + self.steps
+            + self.eval
+            + self.checkpoint
+            + self.end;
+        (self.total - parts).max(0.0)
+    }
+}
+
+impl std::fmt::Display for WallClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "wall clock {:.2} s:", self.total)?;
+        let parts = [
+            ("plan", self.plan),
+            ("data", self.data),
+            ("build", self.build),
+            ("first step", self.first_step),
+            ("steps", self.steps),
+            ("eval", self.eval),
+            ("checkpoints", self.checkpoint),
+            ("end", self.end),
+            ("other", self.other()),
+        ];
+        let mut first = true;
+        for (name, seconds) in parts {
+            if seconds > 0.0 || name == "steps" {
+                write!(f, "{} {name} {seconds:.2} s", if first { "" } else { "," })?;
+                first = false;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl RunSummary {
@@ -160,10 +229,12 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     device: &B::Device,
     support: &D,
 ) -> Result<RunSummary, PretrainError> {
+    let started = Instant::now();
     // 1. Configuration: refuse what cannot run before any work.
     config.check()?;
     if config.plan == PlanMode::Auto {
         let plan = plan_on::<B>(config, device)?;
+        let planned = started.elapsed().as_secs_f64();
         let chosen = PretrainConfig {
             plan: PlanMode::Off,
             ..plan.choice().candidate.apply(config)
@@ -176,6 +247,8 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
         );
         let mut summary = run_on_with::<B, D>(&chosen, device, support)?;
         summary.plan = Some(plan);
+        summary.wall.plan = planned;
+        summary.wall.total = started.elapsed().as_secs_f64();
         return Ok(summary);
     }
     let job = JobSpec {
@@ -215,6 +288,7 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
         .map(|dir| read_state(dir, &data.model))
         .transpose()?;
     let first_step = resume.as_ref().map_or(0, |(state, _)| state.step);
+    let data_seconds = started.elapsed().as_secs_f64();
     tracing::info!("pretraining {} steps from step {first_step}", config.steps);
     // Ranks as threads share one metrics file (rank 0 writes); a launched process's rank 0 opens
     // its own.
@@ -230,6 +304,7 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     };
     // 3. Every rank (its collectives installed by the launch): build, parallelize, train.
     let rank_body = |device: DistDevice<B>| -> Result<RunSummary, PretrainError> {
+        let rank_started = Instant::now();
         let own_metrics = match config.launch {
             Launch::Threads => None,
             _ => open_metrics(device.rank())?,
@@ -250,6 +325,7 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
                 .as_ref()
                 .map(|(state, checkpoint)| (checkpoint, state.scaler.clone())),
             first_step,
+            started: rank_started,
         };
         let result = if config.parallel.pp > 1 {
             run.train_pipelined(&device)
@@ -274,6 +350,7 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
         .collect();
     let first = launched.results.into_iter().next().expect("a rank ran");
     let mut summary = RunSummary { trace, ..first? };
+    let end_started = Instant::now();
     summary.model = Some(data.model.clone());
     summary.rank = rank;
     if rank == 0
@@ -308,6 +385,10 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
         data.model.export_hf(&checkpoint, out)?;
         tracing::info!("exported the weights to {}", out.display());
     }
+    summary.wall.data = data_seconds;
+    summary.wall.end += end_started.elapsed().as_secs_f64();
+    summary.wall.total = started.elapsed().as_secs_f64();
+    tracing::debug!("{}", summary.wall);
     Ok(summary)
 }
 

@@ -35,6 +35,8 @@ pub(super) struct RankRun<'a> {
     /// The checkpoint and loss scaler to resume from.
     pub resume: Option<(&'a Checkpoint, Option<DynamicLossScaler>)>,
     pub first_step: usize,
+    /// When this rank's part of the run started (its share of the wall clock's `build`).
+    pub started: Instant,
 }
 
 impl RankRun<'_> {
@@ -182,6 +184,7 @@ impl RankRun<'_> {
             None => None,
         };
         let mut summary = RunSummary::at_setup();
+        summary.wall.build = self.started.elapsed().as_secs_f64();
         let reporter = (rank == 0).then(|| self.reporter());
         let member = ctx.comm().member();
         member.set_tracing(config.trace.is_some());
@@ -220,10 +223,18 @@ impl RankRun<'_> {
             let tokens = config.batch_size * self.data.model.block_size();
             let (mut m, elapsed) =
                 watch.finish(&ctx, step, lr, &record, trainee.param_bytes(), tokens);
+            // The wall clock's steps are the seconds the metrics report.
+            if step == self.first_step {
+                summary.wall.first_step = elapsed;
+            } else {
+                summary.wall.steps += elapsed;
+            }
             m.router = router_over_ranks(&ctx, record.router.as_ref(), &moe_blocks, experts)?;
             let (evaluate, save) = (due(config.eval_every), due(config.save_every));
             if evaluate && self.validates() {
+                let eval_started = Instant::now();
                 m.val_loss = Some(trainee.evaluate(self, device)?);
+                summary.wall.eval += eval_started.elapsed().as_secs_f64();
             }
             if let Some(reporter) = &reporter {
                 reporter
@@ -244,15 +255,19 @@ impl RankRun<'_> {
                 summary.saves.push((copy, 0.0));
                 let files = self.state_files(rank, step + 1, runner.scaler());
                 writer.save(snapshot, step + 1, files)?;
+                summary.wall.checkpoint += taken.elapsed().as_secs_f64();
             }
         }
         drop(reporter);
         if let Some(writer) = writer.as_mut() {
+            let waited = Instant::now();
             writer.wait()?;
+            summary.wall.checkpoint += waited.elapsed().as_secs_f64();
             for (save, report) in summary.saves.iter_mut().zip(writer.reports()) {
                 save.1 = report.write_time.as_secs_f64();
             }
         }
+        let end_started = Instant::now();
         self.finish(&mut summary, rank, member);
         summary.prefetch = ctx.prefetch_stats();
         // Gathering sharded parameters and sampling take collectives: every rank does them.
@@ -262,6 +277,7 @@ impl RankRun<'_> {
         if config.sample_tokens > 0 {
             summary.sample = self.data.tokenizer.decode(&trainee.sample(self, device)?);
         }
+        summary.wall.end = end_started.elapsed().as_secs_f64();
         Ok(summary)
     }
 

@@ -30,6 +30,7 @@ fn resume_is_bitwise_identical() {
             std::fs::read_to_string(dir.join("latest")).unwrap(),
             "step-00000005"
         );
+        wall_clock_adds_up(&first, &format!("dp={dp}"));
         let resumed = run(&PretrainConfig {
             parallel: parallel.clone(),
             resume: Some(dir.clone()),
@@ -64,6 +65,48 @@ fn resume_is_bitwise_identical() {
             &straight.parameters,
         );
     }
+}
+
+/// The run's wall clock is split into parts that each ran (data, build, the first step, the
+/// later steps, the evaluation at the last step, the checkpoint) and that add up to no more
+/// than the whole.
+fn wall_clock_adds_up(run: &RunSummary, what: &str) {
+    let w = run.wall;
+    let parts = [
+        ("data", w.data),
+        ("build", w.build),
+        ("first step", w.first_step),
+        ("steps", w.steps),
+        ("eval", w.eval),
+        ("checkpoint", w.checkpoint),
+    ];
+    for (name, seconds) in parts {
+        assert!(
+            seconds > 0.0,
+            "{what}: wall clock part {name} is {seconds} s: {w:?}"
+        );
+    }
+    let sum: f64 = parts.iter().map(|p| p.1).sum::<f64>() + w.plan + w.end;
+    assert!(
+        sum <= w.total,
+        "{what}: the parts ({sum} s) exceed the total: {w:?}"
+    );
+    // The step times are those the metrics report (tokens of a global batch of 4 rows).
+    let tokens = 4 * run.model.as_ref().unwrap().block_size();
+    let reported: f64 = run
+        .steps
+        .iter()
+        .map(|m| tokens as f64 / m.tokens_per_s)
+        .sum();
+    assert!(
+        (reported - (w.first_step + w.steps)).abs() <= 1e-6 * reported,
+        "{what}: metrics say {reported} s of steps, the wall clock {w:?}"
+    );
+    let line = w.to_string();
+    assert!(
+        line.starts_with("wall clock ") && line.contains(" steps "),
+        "{line}"
+    );
 }
 
 /// A checkpoint saved on one mesh and strategy resumes on another: saved at step 5 under dp 4
