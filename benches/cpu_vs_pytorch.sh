@@ -161,21 +161,38 @@ for w in "ab":
 EOF
 
 # Per-op cost: one elementwise op on a 64-element tensor, ours (benches/overhead.rs: Flex and the
-# decorator, with and without autodiff) beside PyTorch's (one thread: a 64-element op is serial).
+# decorator, with and without autodiff) beside PyTorch's (one thread: a 64-element op is serial);
+# tracked ops as a step pays them: chains of 32 products summed and taken backward.
 cargo bench -q --bench overhead -- --rounds 3 2>/dev/null | tee -a "$OUT/table.md"
 "$PY" - <<'EOF' | tee -a "$OUT/table.md"
 import time, torch
 torch.set_num_threads(1)
-def per_op(x, n=200_000):
+CHAIN = 32  # benches/overhead.rs's CHAIN
+def median_ns(ops, run):
     runs = []
     for _ in range(5):
         t = time.perf_counter()
+        run()
+        runs.append((time.perf_counter() - t) * 1e9 / ops)
+    return sorted(runs)[2]
+def plain(n=200_000):
+    x = torch.ones(64)
+    def run():
         for _ in range(n):
             x * x
-        runs.append((time.perf_counter() - t) * 1e9 / n)
-    return sorted(runs)[2]
-x = torch.ones(64)
-print(f"PyTorch {torch.__version__:<21}{per_op(x):8.0f} ns/op")
-print(f"PyTorch, requires_grad       {per_op(x.clone().requires_grad_()):8.0f} ns/op (tracked)")
+    return median_ns(n, run)
+def tracked(n=200_000):  # chains of CHAIN products, summed and taken backward, graph freed
+    x = torch.ones(64, requires_grad=True)
+    chains = -(-n // (CHAIN + 1))
+    def run():
+        for _ in range(chains):
+            y = x
+            for _ in range(CHAIN):
+                y = y * x
+            y.sum().backward()
+            x.grad = None
+    return median_ns(chains * (CHAIN + 1), run)
+print(f"PyTorch {torch.__version__:<21}{plain():8.0f} ns/op")
+print(f"PyTorch, requires_grad       {tracked():8.0f} ns/op (forward + backward)")
 EOF
 echo "logs and per-run JSON: $OUT" >&2

@@ -7,7 +7,7 @@
 //! PyTorch's cost of the same op beside it.
 //!
 //! ```text
-//! cargo bench --bench overhead [-- --rounds 15 --steps 5 --ops 200000]
+//! cargo bench --bench overhead [-- --rounds 15 --steps 5 --ops 200000 --only step|ops]
 //! ```
 
 use burn::backend::{Autodiff, Flex};
@@ -65,16 +65,43 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
-/// Nanoseconds per `x * x` on a 64-element tensor, the median of 5 runs of `ops` ops; `track`
-/// makes `x` tracked (autodiff backends record a graph node per op).
-fn per_op<B: Backend>(ops: usize, track: impl Fn(Tensor<B, 1>) -> Tensor<B, 1>) -> f64 {
-    let x = track(Tensor::<B, 1>::ones([64], &Default::default()));
+/// Nanoseconds per `x * x` on a 64-element tensor, the median of 5 runs of `ops` ops.
+fn per_op<B: Backend>(ops: usize) -> f64 {
+    let x = Tensor::<B, 1>::ones([64], &Default::default());
+    median_ns(ops, || {
+        for _ in 0..ops {
+            std::hint::black_box(x.clone() * x.clone());
+        }
+    })
+}
+
+/// Ops per graph of [`per_tracked_op`].
+const CHAIN: usize = 32;
+
+/// Nanoseconds per tracked op as a training step pays it: chains of [`CHAIN`] products
+/// `y = y * x` of a tracked 64-element `x`, each chain summed and taken backward (the graph built,
+/// used and freed), the median of 5 runs of `ops` ops; the sum counts as an op.
+fn per_tracked_op<B: AutodiffBackend>(ops: usize) -> f64 {
+    let x = Tensor::<B, 1>::ones([64], &Default::default()).require_grad();
+    let chains = ops.div_ceil(CHAIN + 1);
+    median_ns(chains * (CHAIN + 1), || {
+        for _ in 0..chains {
+            let mut y = x.clone();
+            for _ in 0..CHAIN {
+                y = y * x.clone();
+            }
+            let grads = y.sum().backward();
+            std::hint::black_box(x.grad(&grads));
+        }
+    })
+}
+
+/// The median over 5 runs of `run`'s nanoseconds per op (`ops` ops a run).
+fn median_ns(ops: usize, mut run: impl FnMut()) -> f64 {
     let mut runs: Vec<f64> = (0..5)
         .map(|_| {
             let start = Instant::now();
-            for _ in 0..ops {
-                std::hint::black_box(x.clone() * x.clone());
-            }
+            run();
             start.elapsed().as_secs_f64() * 1e9 / ops as f64
         })
         .collect();
@@ -95,6 +122,17 @@ fn main() {
     } else {
         common::arg("--steps").unwrap_or(5)
     };
+    let only: Option<String> = common::arg("--only");
+    if only.as_deref() != Some("ops") {
+        training_step(rounds, steps);
+    }
+    if only.as_deref() != Some("step") {
+        one_op(smoke);
+    }
+}
+
+/// The training step on both backends, alternating.
+fn training_step(rounds: usize, steps: usize) {
     let batch = common::arg("--batch").unwrap_or(16);
     let config = EncoderClassifierConfig::new()
         .with_d_input(16)
@@ -140,18 +178,36 @@ fn main() {
         ratios[0],
         ratios[ratios.len() - 1]
     );
+}
+
+/// One elementwise op on a small tensor through each backend stack.
+fn one_op(smoke: bool) {
     let ops = if smoke {
         100
     } else {
         common::arg("--ops").unwrap_or(200_000)
     };
+    // `--stack flex|dist|autodiff|autodiff-dist`: one stack alone (to profile it).
+    let stack: Option<String> = common::arg("--stack");
+    let on = |name: &str| stack.as_deref().is_none_or(|s| s == name);
     println!("one op (x * x, 64 f32 elements), median of 5 × {ops} ops:");
-    let plain = per_op::<Flex>(ops, |x| x);
-    println!("Flex                         {plain:8.0} ns/op");
-    let dist = per_op::<Distributed<Flex>>(ops, |x| x);
-    println!("Distributed<Flex>            {dist:8.0} ns/op");
-    let ad = per_op::<Autodiff<Flex>>(ops, |x| x.require_grad());
-    println!("Autodiff<Flex>               {ad:8.0} ns/op (tracked)");
-    let add = per_op::<Autodiff<Distributed<Flex>>>(ops, |x| x.require_grad());
-    println!("Autodiff<Distributed<Flex>>  {add:8.0} ns/op (tracked)");
+    if on("flex") {
+        println!(
+            "Flex                         {:8.0} ns/op",
+            per_op::<Flex>(ops)
+        );
+    }
+    if on("dist") {
+        let ns = per_op::<Distributed<Flex>>(ops);
+        println!("Distributed<Flex>            {ns:8.0} ns/op");
+    }
+    println!("tracked, chains of {CHAIN} `y = y * x` each summed and taken backward:");
+    if on("autodiff") {
+        let ns = per_tracked_op::<Autodiff<Flex>>(ops);
+        println!("Autodiff<Flex>               {ns:8.0} ns/op (forward + backward)");
+    }
+    if on("autodiff-dist") {
+        let ns = per_tracked_op::<Autodiff<Distributed<Flex>>>(ops);
+        println!("Autodiff<Distributed<Flex>>  {ns:8.0} ns/op (forward + backward)");
+    }
 }

@@ -7,7 +7,7 @@ use burn::tensor::backend::{Backend, DeviceId, DeviceOps};
 use std::any::{Any, TypeId};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock, Weak};
 
 /// Device type id reported to Burn for `Distributed` devices ("WF").
@@ -173,6 +173,9 @@ struct Accounting {
     /// The memory budget was crossed: it is not enforced again while the rank fails (its
     /// tensors are dropped as it unwinds), until the policy is set again.
     budget_crossed: AtomicBool,
+    /// The policy's memory budget (0: none), kept here so that the accounting every new tensor
+    /// does reads an atomic, not the policy's lock.
+    budget: AtomicU64,
     /// Bytes this rank keeps in host memory for its training state (an offloaded optimizer's
     /// moments: [`HostBytes`]), outside the device accounting above, and the peak.
     host_bytes: AtomicI64,
@@ -576,7 +579,7 @@ impl RankContext {
         if bytes <= 0 || memory.budget_crossed.load(Ordering::Relaxed) {
             return;
         }
-        let budget = self.with_policy(|p| p.memory_budget).unwrap_or(0);
+        let budget = memory.budget.load(Ordering::Relaxed);
         if budget > 0 && now as u64 > budget {
             // Stop enforcing while this rank fails (its tensors are dropped as it unwinds).
             memory.budget_crossed.store(true, Ordering::Relaxed);
@@ -698,11 +701,12 @@ impl RankContext {
 
     /// Change fields of the run's policy (what the parallelism transforms do).
     pub fn update_policy(&self, f: impl FnOnce(&mut RankPolicy)) {
-        f(&mut self.policy.write().unwrap());
+        let mut policy = self.policy.write().unwrap();
+        f(&mut policy);
         // A new budget is enforced afresh.
-        self.accounting
-            .budget_crossed
-            .store(false, Ordering::Relaxed);
+        let memory = &self.accounting;
+        (memory.budget).store(policy.memory_budget.unwrap_or(0), Ordering::Relaxed);
+        memory.budget_crossed.store(false, Ordering::Relaxed);
     }
 
     /// Read the policy in place (the backend reads it in every op: no clone).

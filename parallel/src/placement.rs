@@ -32,8 +32,17 @@ impl Placement {
 }
 
 /// One [`Placement`] per mesh axis, in the mesh's axis order.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Layout(SmallVec<[Placement; 4]>);
+
+impl Clone for Layout {
+    /// A copy of the placements (SmallVec's own `clone` pushes them one by one; every op clones
+    /// its operands' layouts).
+    #[inline]
+    fn clone(&self) -> Self {
+        Layout(SmallVec::from_slice(&self.0))
+    }
+}
 
 impl Layout {
     /// A layout from explicit placements (one per mesh axis).
@@ -132,6 +141,11 @@ impl Layout {
     /// Whether any axis holds partial values.
     pub fn has_partial(&self) -> bool {
         self.0.iter().any(|p| matches!(p, Placement::Partial(_)))
+    }
+
+    /// Whether every axis is `Local` or `Replicate`: nothing split, nothing partial.
+    pub fn is_plain(&self) -> bool {
+        (self.0.iter()).all(|p| matches!(p, Placement::Local | Placement::Replicate))
     }
 
     /// The number of chunks tensor dimension `dim` is split into (product over the axes that shard it).

@@ -36,7 +36,7 @@ pub struct DTensor<B: Backend> {
     track: Tracker,
     /// A value still being reduced on the rank's communication queue (an asynchronous gradient
     /// reduction): `local` is a stand-in until [`DTensor::ready`] waits for it.
-    awaited: Option<Arc<Awaited<B>>>,
+    pub(crate) awaited: Option<Arc<Awaited<B>>>,
 }
 
 /// The local piece of a value still being reduced on the rank's communication queue: the first
@@ -481,6 +481,7 @@ impl<B: Backend> DTensor<B> {
 
     /// If this partial value has already been reduced (another use asked for it), that reduced
     /// value: as good as a replicated operand, for free. Otherwise `self`.
+    #[inline]
     pub(crate) fn settled(self) -> Self {
         self.ready().settled_now()
     }
@@ -535,6 +536,7 @@ impl<B: Backend> DTensor<B> {
     /// [`RankPolicy::reduce_in_flight`](crate::RankPolicy)) is waited for. Every op does this
     /// to its inputs; call it before reading [`DTensor::local`] of a gradient that
     /// `sync_gradients` has not seen.
+    #[inline]
     pub fn ready(mut self) -> Self {
         if let Some(awaited) = self.awaited.take() {
             self.local = awaited.local().unwrap_or_else(|e| crate::error::raise(e));
@@ -557,11 +559,15 @@ fn keeps_sequence_gather<B: Backend>(
     shape: &Shape,
     device: &DistDevice<B>,
 ) -> bool {
+    // The policy (behind a lock) is read only for a value that could be one: every new tensor
+    // comes here.
+    if shape.num_dims() != 3 || !layout.placements().contains(&Placement::Shard(1)) {
+        return false;
+    }
     let (keep, axis) = device
         .context()
         .with_policy(|p| (p.keep_sequence_gathers, p.sequence_parallel));
-    keep && shape.num_dims() == 3
-        && axis.is_some_and(|axis| layout.get(axis) == Placement::Shard(1))
+    keep && axis.is_some_and(|axis| layout.get(axis) == Placement::Shard(1))
 }
 
 /// The entries `range` of `local` along `dim`, every other dim whole.

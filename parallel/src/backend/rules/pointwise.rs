@@ -317,6 +317,19 @@ pub(crate) fn binary<B: Backend>(
     kind: BinaryKind,
     f: impl FnOnce(B::FloatTensorPrimitive, B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
 ) -> DTensor<B> {
+    // The common case first, without the alignment's allocations and policy reads: operands in
+    // hand, of one shape and dtype, laid out alike with no axis split or partial — every rule
+    // leaves them as they are and the output has their layout.
+    if plain_pair(&lhs, &rhs) {
+        let DTensor {
+            local: l,
+            layout,
+            shape,
+            device,
+            ..
+        } = lhs;
+        return DTensor::new_shaped(f(l, rhs.local), layout, shape, device);
+    }
     let (lhs, rhs, out) = align2(op, lhs.ready(), rhs.ready(), kind);
     // Broadcasting: the output's shape from the operands' (padded shards cannot tell it).
     let shape: Vec<usize> = dims(&lhs)
@@ -327,6 +340,18 @@ pub(crate) fn binary<B: Backend>(
     let device = lhs.device.clone();
     let (l, r) = promoted(op, lhs, rhs);
     DTensor::new_shaped(f(l, r), out, Shape::from(shape), device)
+}
+
+/// Whether `lhs ∘ rhs` needs no alignment: both in hand (no reduction in flight), the same
+/// global shape (no broadcast), the same dtype (no promotion), the same layout of only `Local`
+/// and `Replicate` placements (nothing to redistribute, nothing partial: no memo to consult).
+fn plain_pair<B: Backend>(lhs: &DTensor<B>, rhs: &DTensor<B>) -> bool {
+    lhs.awaited.is_none()
+        && rhs.awaited.is_none()
+        && lhs.layout == rhs.layout
+        && lhs.layout.is_plain()
+        && lhs.shape == rhs.shape
+        && lhs.local.dtype() == rhs.local.dtype()
 }
 
 /// The operands' local pieces in one dtype: the wider of the two where they differ (type
