@@ -191,6 +191,9 @@ impl RankRun<'_> {
         let schedule = config.schedule();
         let (moe_blocks, experts) = self.data.model.moe_blocks();
         for step in self.first_step..config.steps {
+            // The rank's other pool workers look for work through the step and evaluation
+            // instead of sleeping between ops (each wake-up is a futex call).
+            let _busy = wildfire_parallel::busy_workers();
             let watch = StepWatch::start(&ctx);
             // Every `n` steps (0: never), and at the last step.
             let due =
