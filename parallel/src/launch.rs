@@ -178,6 +178,91 @@ pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
     }
 }
 
+/// How long a busy worker looks for work without finding any before it goes back to rayon's
+/// sleep (the gaps between a step's parallel ops are microseconds; a longer pause is host work,
+/// a collective or I/O, where a spinning core would only burn power).
+const BUSY_IDLE_LIMIT: Duration = Duration::from_millis(20);
+
+/// Workers in [`look_for_work`] now, and ever (for the tests).
+static BUSY: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static BUSY_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Counts a busy worker out, however its loop ends.
+struct Leave;
+
+impl Drop for Leave {
+    fn drop(&mut self) {
+        BUSY.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// While it lives, the other workers of the calling thread's rayon pool look for work instead of
+/// sleeping ([`busy_workers`]).
+#[must_use = "the workers stop looking for work when this is dropped"]
+pub struct BusyWorkers {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for BusyWorkers {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Keep the other workers of the calling thread's rayon pool awake and looking for work, as an
+/// OpenMP runtime's threads spin between parallel regions, until the guard is dropped (or they
+/// find none for 20 ms).
+///
+/// Rayon parks a worker that finds no work within a few dozen yields, and every parallel op
+/// after that pays a futex wake-up to hand it half the work. A small model's step is thousands
+/// of such ops of tens of microseconds each: on nanoGPT's shakespeare-char shape (d 128, t 64)
+/// the wake-ups took a fifth of the time, and two threads were no faster than one. A worker kept
+/// busy here takes the next job by stealing, with no wake-up.
+///
+/// `None` (nothing to do) off a rayon pool's worker, in a pool of one thread, or with
+/// `WILDFIRE_BUSY_WORKERS=0` in the environment. The workers spin, so use it around work that
+/// runs parallel ops back to back (a training step).
+pub fn busy_workers() -> Option<BusyWorkers> {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *OFF.get_or_init(|| std::env::var("WILDFIRE_BUSY_WORKERS").is_ok_and(|v| v == "0")) {
+        return None;
+    }
+    let owner = rayon::current_thread_index()?;
+    let threads = rayon::current_num_threads();
+    if threads < 2 {
+        return None;
+    }
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // One job per worker, delivered to each (a job spawned into the owner's own deque could be
+    // popped back by the owner); the owner's returns at once.
+    let flag = stop.clone();
+    rayon::spawn_broadcast(move |_| look_for_work(owner, &flag));
+    Some(BusyWorkers { stop })
+}
+
+/// A busy worker's loop: run the pool's pending jobs as they come, until `stop` or
+/// [`BUSY_IDLE_LIMIT`] without any. The owner (the thread that asked) never loops here: it may
+/// pop the job itself while it waits in a join, and must go on.
+fn look_for_work(owner: usize, stop: &std::sync::atomic::AtomicBool) {
+    use std::sync::atomic::Ordering::Relaxed;
+    if rayon::current_thread_index() == Some(owner) {
+        return;
+    }
+    BUSY_STARTED.fetch_add(1, Relaxed);
+    BUSY.fetch_add(1, Relaxed);
+    let _done = Leave;
+    let mut idle_since = std::time::Instant::now();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        match rayon::yield_now() {
+            Some(rayon::Yield::Executed) => idle_since = std::time::Instant::now(),
+            Some(rayon::Yield::Idle) if idle_since.elapsed() < BUSY_IDLE_LIMIT => {
+                std::hint::spin_loop()
+            }
+            _ => return,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Instant;
@@ -369,90 +454,5 @@ mod tests {
             result.unwrap_err().to_string(),
             "rank 1 failed: rank 7 failed"
         );
-    }
-}
-
-/// How long a busy worker looks for work without finding any before it goes back to rayon's
-/// sleep (the gaps between a step's parallel ops are microseconds; a longer pause is host work,
-/// a collective or I/O, where a spinning core would only burn power).
-const BUSY_IDLE_LIMIT: Duration = Duration::from_millis(20);
-
-/// Workers in [`look_for_work`] now, and ever (for the tests).
-static BUSY: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-static BUSY_STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// Counts a busy worker out, however its loop ends.
-struct Leave;
-
-impl Drop for Leave {
-    fn drop(&mut self) {
-        BUSY.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-/// While it lives, the other workers of the calling thread's rayon pool look for work instead of
-/// sleeping ([`busy_workers`]).
-#[must_use = "the workers stop looking for work when this is dropped"]
-pub struct BusyWorkers {
-    stop: Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl Drop for BusyWorkers {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
-/// Keep the other workers of the calling thread's rayon pool awake and looking for work, as an
-/// OpenMP runtime's threads spin between parallel regions, until the guard is dropped (or they
-/// find none for [`BUSY_IDLE_LIMIT`]).
-///
-/// Rayon parks a worker that finds no work within a few dozen yields, and every parallel op
-/// after that pays a futex wake-up to hand it half the work. A small model's step is thousands
-/// of such ops of tens of microseconds each: on nanoGPT's shakespeare-char shape (d 128, t 64)
-/// the wake-ups took a fifth of the time, and two threads were no faster than one. A worker kept
-/// busy here takes the next job by stealing, with no wake-up.
-///
-/// `None` (nothing to do) off a rayon pool's worker, in a pool of one thread, or with
-/// `WILDFIRE_BUSY_WORKERS=0` in the environment. The workers spin, so use it around work that
-/// runs parallel ops back to back (a training step).
-pub fn busy_workers() -> Option<BusyWorkers> {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *OFF.get_or_init(|| std::env::var("WILDFIRE_BUSY_WORKERS").is_ok_and(|v| v == "0")) {
-        return None;
-    }
-    let owner = rayon::current_thread_index()?;
-    let threads = rayon::current_num_threads();
-    if threads < 2 {
-        return None;
-    }
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    // One job per worker, delivered to each (a job spawned into the owner's own deque could be
-    // popped back by the owner); the owner's returns at once.
-    let flag = stop.clone();
-    rayon::spawn_broadcast(move |_| look_for_work(owner, &flag));
-    Some(BusyWorkers { stop })
-}
-
-/// A busy worker's loop: run the pool's pending jobs as they come, until `stop` or
-/// [`BUSY_IDLE_LIMIT`] without any. The owner (the thread that asked) never loops here: it may
-/// pop the job itself while it waits in a join, and must go on.
-fn look_for_work(owner: usize, stop: &std::sync::atomic::AtomicBool) {
-    use std::sync::atomic::Ordering::Relaxed;
-    if rayon::current_thread_index() == Some(owner) {
-        return;
-    }
-    BUSY_STARTED.fetch_add(1, Relaxed);
-    BUSY.fetch_add(1, Relaxed);
-    let _done = Leave;
-    let mut idle_since = std::time::Instant::now();
-    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-        match rayon::yield_now() {
-            Some(rayon::Yield::Executed) => idle_since = std::time::Instant::now(),
-            Some(rayon::Yield::Idle) if idle_since.elapsed() < BUSY_IDLE_LIMIT => {
-                std::hint::spin_loop()
-            }
-            _ => return,
-        }
     }
 }
