@@ -108,24 +108,9 @@ pub struct WallClock {
 }
 
 impl WallClock {
-    /// What the parts do not cover: the launch, thread start-up, the reports between steps.
-    pub fn other(&self) -> f64 {
-        let parts = self.plan
-            + self.data
-            + self.build
-            + self.first_step
-            + self.steps
-            + self.eval
-            + self.checkpoint
-            + self.end;
-        (self.total - parts).max(0.0)
-    }
-}
-
-impl std::fmt::Display for WallClock {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "wall clock {:.2} s:", self.total)?;
-        let parts = [
+    /// The measured parts, named as the log line names them (every field but the total).
+    pub fn parts(&self) -> [(&'static str, f64); 8] {
+        [
             ("plan", self.plan),
             ("data", self.data),
             ("build", self.build),
@@ -134,10 +119,21 @@ impl std::fmt::Display for WallClock {
             ("eval", self.eval),
             ("checkpoints", self.checkpoint),
             ("end", self.end),
-            ("other", self.other()),
-        ];
+        ]
+    }
+
+    /// What the parts do not cover: the launch, thread start-up, the reports between steps.
+    pub fn other(&self) -> f64 {
+        let parts: f64 = self.parts().iter().map(|(_, seconds)| seconds).sum();
+        (self.total - parts).max(0.0)
+    }
+}
+
+impl std::fmt::Display for WallClock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "wall clock {:.2} s:", self.total)?;
         let mut first = true;
-        for (name, seconds) in parts {
+        for (name, seconds) in self.parts().into_iter().chain([("other", self.other())]) {
             if seconds > 0.0 || name == "steps" {
                 write!(f, "{} {name} {seconds:.2} s", if first { "" } else { "," })?;
                 first = false;
