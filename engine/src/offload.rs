@@ -12,10 +12,13 @@
 //! moments in [`RankContext::host_bytes`](wildfire_parallel::RankContext::host_bytes) instead of
 //! its live bytes.
 //!
-//! The parameters themselves are the f32 masters and stay on the device (Wildfire's precision
-//! policy keeps f32 parameters and casts per op), so "offloading the master weights" is the
-//! parameters' own offload, not done here. The transfers are synchronous: they do not overlap
-//! the step's compute yet, and host buffers are plain (unpinned) memory.
+//! The parameters themselves are the f32 masters (Wildfire's precision policy keeps f32
+//! parameters and casts per op), so "offloading the master weights" is the parameters' own
+//! offload (`--offload params`, [`wildfire_parallel::offload_parameters`]): a parameter piece
+//! kept in host memory is read from there, and its new value stays there
+//! ([`DTensor::with_host`]) — no device transfer in the step at all. Otherwise the transfers are
+//! synchronous: they do not overlap the step's compute yet, and host buffers are plain
+//! (unpinned) memory.
 //!
 //! The clipping coefficient and the skip flag come from the fused tail
 //! ([`crate::fused_unscale_check`], through the shared [`TailInputs`]), read to the host once per
@@ -173,6 +176,10 @@ impl<X: Backend, const D: usize> Record<Distributed<X>> for OffloadState<X, D> {
 
 /// This rank's piece of `t` as f32 host values (one read from the device).
 fn to_host<X: Backend>(t: &DTensor<X>) -> Vec<f32> {
+    if let Some(data) = t.host_data() {
+        // An offloaded parameter (`--offload params`): already in host memory.
+        return data.convert::<f32>().into_vec::<f32>().expect("f32 values");
+    }
     t.device().context().count_host_read();
     let local = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(t.local().clone()));
     local
@@ -253,11 +260,13 @@ impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
                 self.config.step(lr, time),
             );
         }
-        let local = X::float_from_data(
-            TensorData::new(values, site.local_shape),
-            site.device.inner(),
-        );
-        let p = p.with_local(local);
+        let data = TensorData::new(values, site.local_shape);
+        let p = if p.is_offloaded() {
+            // `--offload params`: the new piece stays in host memory.
+            p.with_host(data)
+        } else {
+            p.with_local(X::float_from_data(data, site.device.inner()))
+        };
         (wrap(p), Some(OffloadState { time, moments }))
     }
 

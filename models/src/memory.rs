@@ -58,20 +58,31 @@ pub struct MemoryEstimate {
     pub params_per_tp_rank: usize,
     /// Data-parallel ranks that shard (N of the formulas).
     pub shard_ranks: usize,
-    /// Parameter bytes.
+    /// Parameter bytes on the device (none between uses when offloaded).
     pub param_bytes: usize,
     /// Gradient bytes.
     pub grad_bytes: usize,
     /// Optimizer-state bytes on the device (AdamW's two moments, Adafactor's statistics,
     /// Muon's buffers; none when offloaded).
     pub optim_bytes: usize,
-    /// Optimizer-state bytes in host memory (the moments of an offloaded optimizer).
+    /// Bytes in host memory (the moments of an offloaded optimizer, offloaded parameters).
     pub host_bytes: usize,
     /// Activations kept for backward (this rank's share of the batch), in the compute dtype
     /// (the residual stream f32).
     pub activation_bytes: usize,
     /// The sum.
     pub total_bytes: usize,
+}
+
+/// What an estimate keeps in host memory instead of the device (`--offload`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Offloaded {
+    /// Nothing.
+    Nothing,
+    /// The optimizer state.
+    Optimizer,
+    /// The optimizer state and the parameters' pieces (between uses).
+    Params,
 }
 
 /// One parameter tensor on a tensor-parallel rank: `[rows, cols]` of its local piece (`cols`
@@ -342,7 +353,7 @@ pub fn estimate(
     batch_size: usize,
     compute: Option<FloatDType>,
     optimizer: OptimizerState,
-    offload: bool,
+    offload: Offloaded,
 ) -> MemoryEstimate {
     use FsdpStrategy as S;
     let dims = parallel.dims();
@@ -376,18 +387,19 @@ pub fn estimate(
         ModelConfig::Gpt(c) => activation_bytes(c, parallel, rows, half),
         ModelConfig::Llama(c) => llama_activation_bytes(c, parallel, rows, half),
     };
-    // An offloaded optimizer's state is in host memory.
-    let on_device = if offload { 0 } else { o };
+    // An offloaded optimizer's state is in host memory, and offloaded parameters' shards too.
+    let on_device = if offload == Offloaded::Nothing { o } else { 0 };
+    let params_on_device = if offload == Offloaded::Params { 0 } else { p };
     MemoryEstimate {
         params: model.num_params(),
         params_per_tp_rank: local,
         shard_ranks: n,
-        param_bytes: p,
+        param_bytes: params_on_device,
         grad_bytes: g,
         optim_bytes: on_device,
-        host_bytes: o - on_device,
+        host_bytes: o - on_device + p - params_on_device,
         activation_bytes,
-        total_bytes: p + g + on_device + activation_bytes,
+        total_bytes: params_on_device + g + on_device + activation_bytes,
     }
 }
 

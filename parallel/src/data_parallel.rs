@@ -97,6 +97,16 @@ pub fn redistribute<B: DistributedBackend, const D: usize>(
     })
 }
 
+/// Every float parameter of `module` with its local piece kept in host memory between uses
+/// (`--offload params`: [`DTensor::offloaded`]); ids and `require_grad` are kept. Parameters
+/// already offloaded stay as they are. Each use uploads the piece anew, so offload the
+/// parameters of a model sharded with FSDP's full strategy, whose every use gathers its weights
+/// anyway: a replicated parameter would be uploaded whole at every use.
+pub fn offload_parameters<B: DistributedBackend, M: Module<B>>(module: M) -> M {
+    try_map_dtensors(module, |_, t| Ok::<_, Error>(t.offloaded()))
+        .unwrap_or_else(|e| crate::error::raise(e))
+}
+
 /// Map every float parameter of `module` as a distributed tensor (whatever its rank) with its
 /// path, until `f` fails: then that error. Ids and `require_grad` are kept.
 pub(crate) fn try_map_dtensors<B: DistributedBackend, M: Module<B>>(

@@ -27,6 +27,8 @@ pub struct OpCounters {
     pub redistributions: BTreeMap<&'static str, u64>,
     /// Float tensors read to the host (`into_data`, `into_scalar`: each waits for the device).
     pub host_reads: u64,
+    /// Offloaded pieces uploaded for a use (`--offload params`: [`crate::DTensor::offloaded`]).
+    pub host_uploads: u64,
     /// Dtype casts run on the inner backend, by the op that asked (`float_cast` for explicit
     /// casts; the precision policy's casts under the rule that needed them — a weight cast to
     /// the compute dtype is counted once per value, its cached copy serves every later use).
@@ -393,6 +395,11 @@ impl RankContext {
     /// engine's gradient checks) calls this, so the count covers every read of a step.
     pub fn count_host_read(&self) {
         self.accounting.counters.lock().unwrap().host_reads += 1;
+    }
+
+    /// Count one upload of an offloaded piece ([`OpCounters::host_uploads`]).
+    pub(crate) fn count_host_upload(&self) {
+        self.accounting.counters.lock().unwrap().host_uploads += 1;
     }
 
     /// Count one cast on the inner backend, asked for by `op` ([`OpCounters::casts`]).

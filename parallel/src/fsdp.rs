@@ -495,13 +495,16 @@ fn first_context<B: DistributedBackend, M: Module<B>>(module: &M) -> Option<Arc<
     f.0
 }
 
-/// Bytes of this rank's local pieces of `module`'s parameters.
+/// Bytes of this rank's local pieces of `module`'s parameters on the device (an offloaded
+/// piece, in host memory between uses, counts none).
 pub fn parameter_bytes<B: DistributedBackend, M: Module<B>>(module: &M) -> u64 {
     struct Sum(u64);
     impl<B: DistributedBackend> ModuleVisitor<B> for Sum {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let t = dtensor(&param.val());
-            self.0 += local_bytes::<B>(&t);
+            if !t.is_offloaded() {
+                self.0 += local_bytes::<B>(&t);
+            }
         }
     }
     let mut s = Sum(0);

@@ -77,8 +77,8 @@ pub use context_parallel::{
     context_columns, context_parallel, context_ranges, without_context_parallel,
 };
 pub use data_parallel::{
-    DistributedBackend, SyncReport, dtensor, fresh_leaves, from_dtensor, redistribute, replicate,
-    sync_gradients,
+    DistributedBackend, SyncReport, dtensor, fresh_leaves, from_dtensor, offload_parameters,
+    redistribute, replicate, sync_gradients,
 };
 pub use device::{
     DeferredWeights, DeviceBytes, DistDevice, HostBytes, MemoryReport, OpCounters, PrefetchStats,

@@ -63,6 +63,18 @@ enum AwaitState<B: Backend> {
     /// A computation deferred to the first use or to [`crate::RankContext::run_deferred`]: a
     /// weight gradient whose matmul a zero-bubble schedule runs in its `W` action.
     Deferred(Box<dyn FnOnce() -> B::FloatTensorPrimitive + Send>),
+    /// A piece kept in host memory between uses (an offloaded parameter, `--offload params`):
+    /// every use uploads it anew, and the state never changes — the device holds the piece only
+    /// while the op (or the gather) that uploaded it holds it, as FSDP holds a gathered weight.
+    Host(HostPiece<B>),
+}
+
+/// An offloaded piece: its values in host memory, the device it is uploaded to, and its bytes
+/// counted in the rank's host bytes.
+pub(crate) struct HostPiece<B: Backend> {
+    data: burn_backend::TensorData,
+    device: B::Device,
+    _held: crate::device::HostBytes,
 }
 
 impl<B: Backend> Awaited<B> {
@@ -96,6 +108,43 @@ impl<B: Backend> Awaited<B> {
         Self::with_state(AwaitState::Deferred(compute))
     }
 
+    /// A piece kept in host memory (see [`AwaitState::Host`]).
+    fn host(
+        data: burn_backend::TensorData,
+        device: B::Device,
+        held: crate::device::HostBytes,
+    ) -> Self {
+        Self::with_state(AwaitState::Host(HostPiece {
+            data,
+            device,
+            _held: held,
+        }))
+    }
+
+    /// The host values, when this piece is kept in host memory.
+    fn host_data(&self) -> Option<burn_backend::TensorData> {
+        match &*self.state.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(AwaitState::Host(h)) => Some(h.data.clone()),
+            _ => None,
+        }
+    }
+
+    fn is_host(&self) -> bool {
+        matches!(
+            &*self.state.lock().unwrap_or_else(|e| e.into_inner()),
+            Some(AwaitState::Host(_))
+        )
+    }
+
+    /// A fresh upload of a host piece (`None` for the other states).
+    fn upload(&self) -> Option<B::FloatTensorPrimitive> {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(AwaitState::Host(h)) = &*state else {
+            return None;
+        };
+        Some(B::float_from_data(h.data.clone(), &h.device))
+    }
+
     /// A piece already in hand, only watched.
     fn done(local: B::FloatTensorPrimitive) -> Self {
         Self::with_state(AwaitState::Done(local))
@@ -111,6 +160,9 @@ impl<B: Backend> Awaited<B> {
     fn local(&self) -> Result<B::FloatTensorPrimitive, Error> {
         if let Some((birth, watch)) = &self.watch {
             watch.saw(*birth);
+        }
+        if let Some(local) = self.upload() {
+            return Ok(local);
         }
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if !matches!(&*state, Some(AwaitState::Done(_) | AwaitState::Failed(_))) {
@@ -174,6 +226,9 @@ pub(crate) struct Tracker {
 
 struct TrackerInner {
     bytes: i64,
+    /// The identity of the offloaded value this piece was uploaded from (0: none): an upload
+    /// is the same parameter to the prefetch ([`DTensor::identity`]).
+    origin: usize,
     /// A parameter gathered over data axes for use (FSDP): also counted as "gathered".
     gathered: bool,
     ctx: Arc<crate::device::RankContext>,
@@ -204,11 +259,23 @@ impl Tracker {
         Self {
             _shared: Arc::new(TrackerInner {
                 bytes,
+                origin: 0,
                 gathered,
                 ctx: ctx.clone(),
                 cast: Mutex::new(None),
             }),
         }
+    }
+}
+
+impl Tracker {
+    /// The tracker of a piece uploaded from the offloaded value of identity `origin`.
+    fn uploaded(bytes: usize, origin: usize, ctx: &Arc<crate::device::RankContext>) -> Self {
+        let mut track = Self::new(bytes, ctx);
+        Arc::get_mut(&mut track._shared)
+            .expect("a new tracker is not shared")
+            .origin = origin;
+        track
     }
 }
 
@@ -480,9 +547,15 @@ impl<B: Backend> DTensor<B> {
     }
 
     /// If this partial value has already been reduced (another use asked for it), that reduced
-    /// value: as good as a replicated operand, for free. Otherwise `self`.
+    /// value: as good as a replicated operand, for free. Otherwise `self`, in hand — except an
+    /// offloaded parameter, left for the redistribution that follows to upload.
     #[inline]
     pub(crate) fn settled(self) -> Self {
+        if self.memo.is_none() && self.is_offloaded() {
+            // An offloaded parameter (never partial) is uploaded by the redistribution every
+            // rule runs next (`to_layout`): by its planned gather, issued ahead, when it has one.
+            return self;
+        }
         self.ready().settled_now()
     }
 
@@ -539,9 +612,71 @@ impl<B: Backend> DTensor<B> {
     #[inline]
     pub fn ready(mut self) -> Self {
         if let Some(awaited) = self.awaited.take() {
+            if let Some(local) = awaited.upload() {
+                // An offloaded piece: this use's upload, counted while it lives.
+                let origin = self.identity();
+                self.device.ctx.count_host_upload();
+                self.track = Tracker::uploaded(local_bytes(&local), origin, self.device.context());
+                self.local = local;
+                return self;
+            }
             self.local = awaited.local().unwrap_or_else(|e| crate::error::raise(e));
         }
         self
+    }
+
+    /// Whether the local piece is kept in host memory between uses (an offloaded parameter):
+    /// each use uploads it ([`DTensor::ready`]); [`DTensor::local`] is a stand-in.
+    pub fn is_offloaded(&self) -> bool {
+        self.awaited.as_ref().is_some_and(|a| a.is_host())
+    }
+
+    /// The local piece's values in host memory, when [offloaded](Self::is_offloaded).
+    pub fn host_data(&self) -> Option<burn_backend::TensorData> {
+        self.awaited.as_ref().and_then(|a| a.host_data())
+    }
+
+    /// This value with its local piece moved to host memory (`--offload params`, FSDP2's
+    /// `CPUOffloadPolicy`, ZeRO-Infinity's parameter offload): one read from the device now;
+    /// then every use uploads the piece anew and lets it go with the op, and the rank's
+    /// accounting counts the piece in [`host_bytes`](crate::RankContext::host_bytes), not in its
+    /// live device bytes. An FSDP gather of an offloaded shard uploads it when issued, so the
+    /// prefetch uploads ahead of use. A value already offloaded is returned as it is.
+    pub fn offloaded(self) -> Self {
+        if self.is_offloaded() {
+            return self;
+        }
+        let this = self.ready();
+        this.device.ctx.count_host_read();
+        let data = burn_backend::read_sync(B::float_into_data(this.local.clone()))
+            .expect("reading a piece to offload failed");
+        this.with_host(data)
+    }
+
+    /// A value with this one's layout, global shape and device whose local piece is `data`,
+    /// kept in host memory (see [`DTensor::offloaded`]): an optimizer stepped on the host
+    /// hands its new parameter piece back this way. `data` must have the local piece's shape.
+    pub fn with_host(&self, data: burn_backend::TensorData) -> Self {
+        let local_shape = self.local.shape().to_vec();
+        assert_eq!(
+            data.shape.to_vec(),
+            local_shape,
+            "a host piece has the local piece's shape"
+        );
+        let held = crate::device::HostBytes::new(self.device.context(), data.bytes.len());
+        let dtype = data.dtype;
+        let awaited = Arc::new(Awaited::host(data, self.device.inner.clone(), held));
+        // Nothing of it is on the device between uses: a zero-byte tracker (its identity is
+        // the parameter's for the prefetch).
+        DTensor::stand_in(
+            awaited,
+            local_shape,
+            dtype,
+            self.layout.clone(),
+            self.shape.clone(),
+            self.device.clone(),
+            Tracker::new(0, self.device.context()),
+        )
     }
 }
 

@@ -247,6 +247,11 @@ pub enum Offload {
     None,
     /// AdamW's moments, and its step ([`wildfire_engine::OffloadAdamW`]).
     Optimizer,
+    /// The optimizer as above, and the parameters' shards between uses
+    /// ([`wildfire_parallel::offload_parameters`]: each FSDP gather uploads its shard, ahead of
+    /// use under the prefetch). Needs `--fsdp full`, as DeepSpeed's parameter offload needs
+    /// ZeRO-3.
+    Params,
 }
 
 /// The dtype AdamW keeps its moments in (`--optim-state`): f32 or bf16.
@@ -335,14 +340,33 @@ impl PretrainConfig {
         if self.steps == 0 {
             return Err(PretrainError::Config("--steps must be at least 1".into()));
         }
-        if self.offload == Offload::Optimizer
+        if self.offload != Offload::None
             && (self.optimizer != OptimizerKind::Adamw || self.optim_state != OptimState::F32)
         {
             return Err(PretrainError::Config(
-                "--offload optimizer runs AdamW's step on the host with f32 moments; train with \
+                "--offload optimizer and --offload params run AdamW's step on the host with f32 \
+                 moments; train with \
                  --optimizer adamw --optim-state f32, or without --offload"
                     .into(),
             ));
+        }
+        if self.offload == Offload::Params {
+            use wildfire_models::parallelize::FsdpStrategy as S;
+            if !matches!(self.parallel.fsdp, S::FullShard | S::Hybrid) {
+                return Err(PretrainError::Config(
+                    "--offload params keeps each rank's parameter shards in host memory and \
+                     uploads them for each gather: it needs --fsdp full or hybrid (a replicated \
+                     parameter would be uploaded whole at every use)"
+                        .into(),
+                ));
+            }
+            if self.parallel.pp > 1 {
+                return Err(PretrainError::Config(
+                    "--offload params is not built for pipeline stages yet: use --offload \
+                     optimizer with --pp, or drop --pp"
+                        .into(),
+                ));
+            }
         }
         if self.optimizer != OptimizerKind::Adamw && self.optim_state != OptimState::F32 {
             return Err(PretrainError::Config(format!(

@@ -38,6 +38,7 @@ use wildfire_kernels::FusedOps;
 use wildfire_models::ModelConfig;
 use wildfire_models::data::{BatchSampler, TokenDataset, TokenSlice, Tokenizer};
 use wildfire_models::gpt::GptConfig;
+use wildfire_models::memory::Offloaded;
 use wildfire_models::parallelize::{init_gpt, parallelize_gpt};
 use wildfire_parallel::{
     DeviceLaunch, DistDevice, Distributed, FsdpOptimizer, HostLaunch, JobSpec, LaunchOptions,
@@ -74,6 +75,8 @@ pub struct RunSummary {
     pub trace: Vec<(usize, Vec<wildfire_parallel::comm::TraceEvent>)>,
     /// What FSDP prefetch (`--prefetch`) did on this rank.
     pub prefetch: wildfire_parallel::PrefetchStats,
+    /// Uploads of offloaded parameter pieces on this rank (`--offload params`: one per use).
+    pub host_uploads: u64,
     /// With `--plan auto`: the candidates and the one this run trained with.
     pub plan: Option<Plan>,
     /// Where the run's wall clock went (rank 0's view).
@@ -200,7 +203,11 @@ pub fn estimate(config: &PretrainConfig, model: &ModelConfig) -> MemoryEstimate 
         config.batch_size,
         config.precision.reduced_dtype(),
         config.optimizer_state(),
-        config.offload == Offload::Optimizer,
+        match config.offload {
+            Offload::None => Offloaded::Nothing,
+            Offload::Optimizer => Offloaded::Optimizer,
+            Offload::Params => Offloaded::Params,
+        },
     )
 }
 

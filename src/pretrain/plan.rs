@@ -93,6 +93,7 @@ impl Candidate {
         let offload = match self.offload {
             Offload::None => "none",
             Offload::Optimizer => "optimizer",
+            Offload::Params => "params",
         };
         format!("--fsdp {fsdp} --recompute {recompute} --optim-state {state} --offload {offload}")
     }
@@ -105,6 +106,7 @@ impl Candidate {
             (OptimState::Bf16, _) => 1,
             (OptimState::Int8, _) => 2,
             (_, Offload::Optimizer) => 3,
+            (_, Offload::Params) => 4,
         }
     }
 }

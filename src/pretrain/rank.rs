@@ -85,10 +85,13 @@ impl RankRun<'_> {
                 let whole = Whole::new(model, FsdpOptimizer::new(muon), None);
                 self.train_loop(device, whole, accum)
             }
-            OptimizerKind::Adamw if self.config.offload == Offload::Optimizer => {
+            OptimizerKind::Adamw if self.config.offload != Offload::None => {
                 let (adamw, inputs) =
                     wildfire_engine::OffloadAdamW::<B>::optimizer::<M>(self.fused_adamw());
-                let whole = Whole::new(model, FsdpOptimizer::new(adamw), Some(inputs));
+                let mut whole = Whole::new(model, FsdpOptimizer::new(adamw), Some(inputs));
+                if self.config.offload == Offload::Params {
+                    whole = whole.offloading_params();
+                }
                 self.train_loop(device, whole, accum)
             }
             OptimizerKind::Adamw if self.config.optim_state == OptimState::Int8 => {
@@ -273,6 +276,7 @@ impl RankRun<'_> {
         let end_started = Instant::now();
         self.finish(&mut summary, rank, member);
         summary.prefetch = ctx.prefetch_stats();
+        summary.host_uploads = ctx.counters().host_uploads;
         // Gathering sharded parameters and sampling take collectives: every rank does them.
         if config.gather_parameters {
             summary.parameters = trainee.parameters(device)?;
@@ -437,6 +441,9 @@ pub(super) struct Whole<B: FusedOps, M, O, X> {
     model: Option<M>,
     optim: O,
     tail: Option<wildfire_engine::TailInputs<B>>,
+    /// `--offload params`: the parameters' pieces live in host memory between uses (loaded
+    /// weights are moved there too).
+    offload_params: bool,
     codec: std::marker::PhantomData<X>,
 }
 
@@ -446,8 +453,19 @@ impl<B: FusedOps, M, O, X> Whole<B, M, O, X> {
             model: Some(model),
             optim,
             tail,
+            offload_params: false,
             codec: std::marker::PhantomData,
         }
+    }
+
+    /// The same trainee with its parameters offloaded to host memory (`--offload params`).
+    fn offloading_params(mut self) -> Self
+    where
+        M: burn::module::Module<A<B>>,
+    {
+        self.offload_params = true;
+        self.model = self.model.take().map(wildfire_parallel::offload_parameters);
+        self
     }
 
     fn model(&self) -> &M {
@@ -488,10 +506,13 @@ where
     }
 
     fn load(&mut self, weights: &Checkpoint, optimizer: bool) -> Result<(), PretrainError> {
-        let model = weights.load_model(self.model.take().expect("a model between steps"))?;
+        let mut model = weights.load_model(self.model.take().expect("a model between steps"))?;
         if optimizer {
             let record = weights.load_optimizer::<A<B>, _, X>(&model)?;
             self.optim = self.optim.clone().load_record(record);
+        }
+        if self.offload_params {
+            model = wildfire_parallel::offload_parameters(model);
         }
         self.model = Some(model);
         Ok(())

@@ -26,6 +26,12 @@ use crate::{CheckpointDir, ParamRecords};
 /// Reads a piece's values (on the writer thread).
 type ReadPiece = Box<dyn FnOnce() -> Vec<f32> + Send>;
 
+/// What a piece's read holds: its device buffer, or an offloaded parameter's host copy.
+enum Held<P> {
+    Device(P),
+    Host(burn::tensor::TensorData),
+}
+
 /// A piece: where it lies, and a hold on the rank's buffer that reads its values out.
 struct HostPiece {
     name: String,
@@ -134,13 +140,18 @@ impl Snapshot {
         }
         let extents: Vec<usize> = local_box.iter().map(|(_, e)| *e).collect();
         let lens: Vec<usize> = local_box.iter().map(|(r, _)| r.len()).collect();
-        let local = t.local().clone();
+        // An offloaded parameter's piece is read from its host copy, not uploaded to be read.
+        let held = match t.host_data() {
+            Some(data) => Held::Host(data),
+            None => Held::Device(t.local().clone()),
+        };
         let read: ReadPiece = Box::new(move || {
-            let values = burn::tensor::read_sync(Inner::float_into_data(local))
-                .expect("reading a held piece")
-                .convert::<f32>()
-                .into_vec::<f32>()
-                .expect("f32 data");
+            let data = match held {
+                Held::Host(data) => data,
+                Held::Device(local) => burn::tensor::read_sync(Inner::float_into_data(local))
+                    .expect("reading a held piece"),
+            };
+            let values = data.convert::<f32>().into_vec::<f32>().expect("f32 data");
             if lens == extents {
                 values
             } else {

@@ -23,7 +23,10 @@ impl<B: Backend> DTensor<B> {
 
     /// A value's identity, shared by its clones (the same local piece).
     pub(crate) fn identity(&self) -> usize {
-        Arc::as_ptr(&self.track._shared) as usize
+        match self.track._shared.origin {
+            0 => Arc::as_ptr(&self.track._shared) as usize,
+            origin => origin,
+        }
     }
 
     /// Whether redistributing to `target` is one all-gather of a sharded parameter (FSDP's
@@ -53,11 +56,14 @@ impl<B: Backend> DTensor<B> {
     pub(crate) fn issue_gather(&self, axis: usize, dim: usize) -> PendingGather<B> {
         let size = self.device.mesh().axis_size(axis);
         let bytes = local_bytes(&self.local) * size;
+        // An offloaded shard is uploaded here, when the gather is issued (ahead of its use
+        // under the prefetch).
+        let local = self.clone().ready().local;
         PendingGather {
             local: crate::collectives::issue_all_gather(
                 &self.device,
                 Group::Axis(axis),
-                self.local.clone(),
+                local,
                 dim,
             ),
             _in_flight: Tracker::with_kind(bytes, true, self.device.context()),
@@ -97,11 +103,20 @@ impl<B: Backend> DTensor<B> {
     /// are applied from the first axis to the last (slice for `Shard`, keep the value on member 0
     /// for `Partial(Sum)`), so nested shards of one dimension keep their order.
     pub fn redistribute(self, target: &Layout) -> Result<Self, Error> {
-        let this = self.ready();
-        this.redistribute_now(target)
+        if self.is_offloaded() && &self.layout != target {
+            // An offloaded parameter's planned gather uploads its shard when issued: ask the
+            // prefetch before uploading here.
+            if let Some(gathered) = prefetch::take(&self, target) {
+                return gathered;
+            }
+            return self.ready().redistribute_now(target, false);
+        }
+        self.ready().redistribute_now(target, true)
     }
 
-    fn redistribute_now(self, target: &Layout) -> Result<Self, Error> {
+    /// `redistribute` of a value in hand; `ask_prefetch`: whether to ask the prefetch (not
+    /// when [`DTensor::redistribute`] has already asked).
+    fn redistribute_now(self, target: &Layout, ask_prefetch: bool) -> Result<Self, Error> {
         if &self.layout == target {
             return Ok(self);
         }
@@ -128,7 +143,7 @@ impl<B: Backend> DTensor<B> {
                 self.device,
             ));
         }
-        if let Some(gathered) = prefetch::take(&self, target) {
+        if ask_prefetch && let Some(gathered) = prefetch::take(&self, target) {
             return gathered;
         }
         let memo = self.memo.clone();

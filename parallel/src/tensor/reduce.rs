@@ -151,6 +151,21 @@ impl<B: Backend> DTensor<B> {
         shape: Shape,
         device: DistDevice<B>,
     ) -> Self {
+        let bytes = local_shape.iter().product::<usize>() * dtype.size();
+        let track = Tracker::new(bytes, device.context());
+        Self::stand_in(awaited, local_shape, dtype, layout, shape, device, track)
+    }
+
+    /// [`Self::awaiting`] with the piece's bytes counted by `track`.
+    pub(crate) fn stand_in(
+        awaited: Arc<Awaited<B>>,
+        local_shape: Vec<usize>,
+        dtype: DType,
+        layout: Layout,
+        shape: Shape,
+        device: DistDevice<B>,
+        track: Tracker,
+    ) -> Self {
         let float = burn_backend::FloatDType::from(dtype);
         let one = B::float_full(
             Shape::from(vec![1; local_shape.len()]),
@@ -158,10 +173,8 @@ impl<B: Backend> DTensor<B> {
             &device.inner,
             float,
         );
-        let bytes = local_shape.iter().product::<usize>() * dtype.size();
         let stand_in = B::float_expand(one, Shape::from(local_shape));
         let memo = memo_for(&layout, &shape, &device);
-        let track = Tracker::new(bytes, device.context());
         Self {
             local: stand_in,
             layout,

@@ -295,6 +295,117 @@ fn offloaded_optimizer_state_resumes_on_and_off_the_device() {
     }
 }
 
+fn params_offloaded(config: PretrainConfig) -> PretrainConfig {
+    PretrainConfig {
+        offload: Offload::Params,
+        ..config
+    }
+}
+
+/// `--offload params` (the optimizer offloaded as well) is the `--offload optimizer` run bit
+/// for bit on dp 2 FSDP, dp 2 × tp 2 FSDP and one rank: every use uploads the very values it
+/// would have read on the device. Between steps the device holds no parameter bytes (the
+/// accounting's parameter and optimizer bytes are 0), the host holds the moments and every
+/// parameter shard, each as the estimate gives; the step's device peak is lower by at least
+/// the parameters' shards; every gather uploaded its shard (more uploads than parameters per
+/// step) and, from the second step, the prefetch issued them ahead of use.
+#[test]
+fn offloaded_parameters_are_the_device_run_bitwise() {
+    for parallel in [
+        ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
+        ParallelConfig::layout(2, 2, FsdpStrategy::FullShard, None),
+        ParallelConfig::layout(1, 1, FsdpStrategy::FullShard, None),
+    ] {
+        let what = format!("dp {} tp {} {:?}", parallel.dp, parallel.tp, parallel.fsdp);
+        let config = PretrainConfig {
+            parallel,
+            gather_parameters: true,
+            ..small(6)
+        };
+        let device = run(&offloaded(config.clone())).unwrap();
+        let host = run(&params_offloaded(config.clone())).unwrap();
+        assert_eq!(bits(&losses(&host)), bits(&losses(&device)), "{what}");
+        same_bits(&what, &host.parameters, &device.parameters);
+        let val = |s: &RunSummary| s.steps.iter().map(|m| m.val_loss).collect::<Vec<_>>();
+        assert_eq!(val(&host), val(&device), "{what}: validation losses");
+        for (h, d) in pairs(&host.steps, &device.steps) {
+            assert_eq!(h.param_bytes, 0, "{what}: parameter bytes on the device");
+            assert_eq!(h.optim_bytes, 0, "{what}: other bytes on the device");
+            assert!(d.param_bytes > 0, "{what}");
+            assert_eq!(
+                h.host_bytes,
+                d.host_bytes + d.param_bytes,
+                "{what}: host bytes (moments and parameter shards)"
+            );
+            assert!(
+                h.peak_bytes + d.param_bytes <= d.peak_bytes,
+                "{what}: device peak {} with the parameters offloaded, {} without ({} of \
+                 parameters)",
+                h.peak_bytes,
+                d.peak_bytes,
+                d.param_bytes
+            );
+        }
+        assert_eq!(device.host_uploads, 0, "{what}");
+        let params = host.parameters.len() as u64;
+        assert!(
+            host.host_uploads > params * 6,
+            "{what}: {} uploads in 6 steps of {params} parameters",
+            host.host_uploads
+        );
+        if config.parallel.dp > 1 {
+            assert!(host.prefetch.used > 0, "{what}: {:?}", host.prefetch);
+            assert_eq!(host.prefetch.used, device.prefetch.used, "{what}");
+        }
+        estimate_matches_the_accounting_on(&params_offloaded(small(1)), &[config.parallel]);
+    }
+}
+
+/// A checkpoint saved with the parameters offloaded (their pieces read from host memory)
+/// resumes with them offloaded, and with only the optimizer offloaded, bitwise the straight
+/// run; and one saved from the device resumes offloaded (the loaded weights move to the host).
+#[test]
+fn offloaded_parameters_save_and_resume_bitwise() {
+    let layout = ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None);
+    let config = |steps| PretrainConfig {
+        parallel: layout.clone(),
+        gather_parameters: true,
+        ..small(steps)
+    };
+    let straight = run(&offloaded(config(8))).unwrap();
+    for (save_params, resume_params) in [(true, true), (true, false), (false, true)] {
+        let what = format!("saved params offloaded {save_params}, resumed {resume_params}");
+        let dir = scratch(&format!("offload-params-{save_params}-{resume_params}"));
+        let pick = |params: bool, c: PretrainConfig| {
+            if params {
+                params_offloaded(c)
+            } else {
+                offloaded(c)
+            }
+        };
+        let first = run(&pick(
+            save_params,
+            PretrainConfig {
+                save: Some(dir.clone()),
+                ..config(4)
+            },
+        ))
+        .unwrap();
+        let resumed = run(&pick(
+            resume_params,
+            PretrainConfig {
+                resume: Some(dir.clone()),
+                ..config(8)
+            },
+        ))
+        .unwrap();
+        follows_straight(&what, &first, &resumed, &straight, None);
+        if resume_params {
+            assert!(resumed.steps.iter().all(|m| m.param_bytes == 0), "{what}");
+        }
+    }
+}
+
 /// One rank, and FSDP over two: the layouts the Wgpu checks run.
 #[cfg(feature = "wgpu")]
 fn one_rank_and_fsdp_two() -> [ParallelConfig; 2] {
@@ -345,6 +456,39 @@ fn int8_adamw_on_wgpu_follows_flex() {
     }
 }
 
+/// On Wgpu (device buffers: each use's upload is a real write to the device) the run with the
+/// parameters offloaded is the run with only the optimizer offloaded, bit for bit, on one rank
+/// and on FSDP over two: the parameter shards live in host memory between uses, and no
+/// parameter bytes stay on the device.
+#[cfg(feature = "wgpu")]
+#[test]
+fn offloaded_parameters_on_wgpu_are_the_device_parameters_bitwise() {
+    use wildfire::pretrain::run_on;
+    let device = Default::default();
+    for parallel in [
+        ParallelConfig::layout(1, 1, FsdpStrategy::FullShard, None),
+        ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
+    ] {
+        let config = PretrainConfig {
+            parallel,
+            ..small(4)
+        };
+        let on_device = run_on::<burn::backend::Wgpu>(&offloaded(config.clone()), &device).unwrap();
+        let on_host = run_on::<burn::backend::Wgpu>(&params_offloaded(config), &device).unwrap();
+        assert_eq!(bits(&losses(&on_host)), bits(&losses(&on_device)), "wgpu");
+        same_bits(
+            "wgpu parameters offloaded",
+            &on_host.parameters,
+            &on_device.parameters,
+        );
+        assert!(on_host.host_uploads > 0);
+        for (h, d) in pairs(&on_host.steps, &on_device.steps) {
+            assert_eq!(h.param_bytes, 0);
+            assert_eq!(h.host_bytes, d.host_bytes + d.param_bytes);
+        }
+    }
+}
+
 /// `--optim-state bf16` or `int8` with Adafactor or Muon (whose state is f32), and `--offload
 /// optimizer` with anything but f32 AdamW, are typed errors before any work; so is resuming a
 /// checkpoint of one optimizer with another (its state is not there), 8-bit AdamW's with f32.
@@ -366,7 +510,46 @@ fn meaningless_optimizer_combinations_are_refused() {
             matches!(&err, PretrainError::Config(m) if m.contains("--offload optimizer")),
             "{err}"
         );
+        let err = run(&params_offloaded(PretrainConfig {
+            parallel: ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
+            ..with(optimizer, state, 1)
+        }))
+        .unwrap_err();
+        assert!(
+            matches!(&err, PretrainError::Config(m) if m.contains("--offload params")),
+            "{err}"
+        );
     }
+    // Offloaded parameters are FSDP shards: a replicated parameter or ZeRO-1/2's would be
+    // uploaded whole at every use; pipeline stages are not built for it.
+    for fsdp in [
+        FsdpStrategy::NoShard,
+        FsdpStrategy::ShardOptimizer,
+        FsdpStrategy::ShardGradOp,
+    ] {
+        let err = run(&params_offloaded(PretrainConfig {
+            parallel: ParallelConfig::layout(2, 1, fsdp, None),
+            ..small(1)
+        }))
+        .unwrap_err();
+        assert!(
+            matches!(&err, PretrainError::Config(m) if m.contains("--fsdp full")),
+            "{fsdp:?}: {err}"
+        );
+    }
+    let err = run(&params_offloaded(PretrainConfig {
+        parallel: ParallelConfig {
+            pp: 2,
+            microbatches: 2,
+            ..ParallelConfig::layout(1, 1, FsdpStrategy::FullShard, None)
+        },
+        ..small(1)
+    }))
+    .unwrap_err();
+    assert!(
+        matches!(&err, PretrainError::Config(m) if m.contains("pipeline")),
+        "{err}"
+    );
     let dir = scratch("resume-other-optimizer");
     run(&PretrainConfig {
         save: Some(dir.clone()),

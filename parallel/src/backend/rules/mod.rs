@@ -117,9 +117,8 @@ pub(crate) fn to_layout<B: Backend>(
     t: DTensor<B>,
     target: &Layout,
 ) -> DTensor<B> {
-    let t = t.ready();
     if &t.layout == target {
-        return t;
+        return t.ready();
     }
     let communicates = t
         .layout

@@ -330,7 +330,7 @@ pub(crate) fn binary<B: Backend>(
         } = lhs;
         return DTensor::new_shaped(f(l, rhs.local), layout, shape, device);
     }
-    let (lhs, rhs, out) = align2(op, lhs.ready(), rhs.ready(), kind);
+    let (lhs, rhs, out) = align2(op, lhs, rhs, kind);
     // Broadcasting: the output's shape from the operands' (padded shards cannot tell it).
     let shape: Vec<usize> = dims(&lhs)
         .iter()
