@@ -27,7 +27,16 @@ FILES = {
     "TransactionOps": "transaction",
 }
 # Rules that take padded shards as they are.
-KEEP_PADDED = """float_to_device float_cast""".split()
+KEEP_PADDED = """float_to_device float_cast float_set_require_grad""".split()
+# Parameter operands whose rule redistributes them before reading their piece: an offloaded
+# parameter (`--offload params`) reaches the rule still in host memory, so its planned gather
+# (issued ahead by the prefetch, which uploads the shard) is the only upload.
+PARAM_OPERANDS = {
+    "linear": {"weight", "bias"},
+    "linear_x_backward": {"weight"},
+    "embedding": {"weights"},
+    "embedding_backward": {"weights"},
+}
 # Default methods left to the trait: their defaults are compositions of ops that have rules.
 KEEP_DEFAULT = """float_transpose""".split()
 
@@ -83,10 +92,11 @@ def emit(name, sig, rules, pointwise):
         def unpad(a, t):
             if n in KEEP_PADDED:
                 return a
+            f = "param_operand" if a in PARAM_OPERANDS.get(n, ()) else "unpadded"
             if t == FLOAT:
-                return f"rules::unpadded::<B>({a})"
+                return f"rules::{f}::<B>({a})"
             if t == f"Option<{FLOAT}>":
-                return f"{a}.map(rules::unpadded::<B>)"
+                return f"{a}.map(rules::{f}::<B>)"
             if t == f"Vec<{FLOAT}>":
                 return f"{a}.into_iter().map(rules::unpadded::<B>).collect()"
             return a

@@ -511,6 +511,16 @@ impl<B: Backend> DTensor<B> {
         this.unpadded_now(padded)
     }
 
+    /// [`Self::unpadded`] of a parameter operand that its rule redistributes before reading
+    /// its piece: an offloaded piece without padding stays in host memory, for the
+    /// redistribution to upload (through its planned gather, issued ahead, when it has one).
+    pub(crate) fn unpadded_param(self) -> Self {
+        if self.is_offloaded() && self.padded_dims().is_empty() {
+            return self;
+        }
+        self.unpadded()
+    }
+
     fn unpadded_now(self, padded: SmallVec<[usize; 4]>) -> Self {
         let mut target = self.layout.clone();
         for d in padded {

@@ -57,7 +57,7 @@ fn like<B: FusedOps>(op: &'static str, t: Dt<B>, layout: &Layout) -> B::FloatTen
 fn param<B: FusedOps>(op: &'static str, p: Dt<B>, dtype: FloatDType) -> B::FloatTensorPrimitive {
     rules::check_param(op, &p);
     let whole = rules::whole_param(&p.layout);
-    to_layout(op, rules::unpadded(p), &whole).local_in(op, dtype)
+    to_layout(op, rules::param_operand(p), &whole).local_in(op, dtype)
 }
 
 /// The dtype of `t`'s local piece.
@@ -637,7 +637,7 @@ fn gelu_operands<B: FusedOps>(
             bias_layout.set(a, Placement::Shard(0));
         }
     }
-    let bias = to_layout(op, rules::unpadded(bias), &bias_layout).local_in(op, dtype_of(&x));
+    let bias = to_layout(op, rules::param_operand(bias), &bias_layout).local_in(op, dtype_of(&x));
     (x, bias)
 }
 

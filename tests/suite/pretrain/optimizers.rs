@@ -307,10 +307,12 @@ fn params_offloaded(config: PretrainConfig) -> PretrainConfig {
 /// would have read on the device. Between steps the device holds no parameter bytes (the
 /// accounting's parameter and optimizer bytes are 0), the host holds the moments and every
 /// parameter shard, each as the estimate gives; the step's device peak is lower by at least
-/// the parameters' shards; every gather uploaded its shard (more uploads than parameters per
-/// step) and, from the second step, the prefetch issued them ahead of use.
+/// the parameters' shards. Each use uploads once, whatever the layout (the same count on all
+/// three: under FSDP the gather's upload is the only one), more than once per parameter and
+/// step; from the second step the prefetch issues the gathers, and so the uploads, ahead of use.
 #[test]
 fn offloaded_parameters_are_the_device_run_bitwise() {
+    let mut uploads = Vec::new();
     for parallel in [
         ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
         ParallelConfig::layout(2, 2, FsdpStrategy::FullShard, None),
@@ -347,6 +349,7 @@ fn offloaded_parameters_are_the_device_run_bitwise() {
             );
         }
         assert_eq!(device.host_uploads, 0, "{what}");
+        uploads.push(host.host_uploads);
         let params = host.parameters.len() as u64;
         assert!(
             host.host_uploads > params * 6,
@@ -358,6 +361,31 @@ fn offloaded_parameters_are_the_device_run_bitwise() {
             assert_eq!(host.prefetch.used, device.prefetch.used, "{what}");
         }
         estimate_matches_the_accounting_on(&params_offloaded(small(1)), &[config.parallel]);
+    }
+    assert!(uploads.windows(2).all(|w| w[0] == w[1]), "{uploads:?}");
+}
+
+/// The Llama (RMSNorm, SwiGLU, rotary embedding, grouped heads, an untied head) started from
+/// the weights `transformers` wrote, FSDP over two, tp 2 as well: with the parameters offloaded
+/// (the loaded weights moved to the host before step 0) bitwise the run with only the
+/// optimizer offloaded, no parameter bytes on the device.
+#[test]
+fn offloaded_llama_parameters_are_the_device_run_bitwise() {
+    for parallel in [
+        ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
+        ParallelConfig::layout(2, 2, FsdpStrategy::FullShard, None),
+    ] {
+        let what = format!("llama dp {} tp {}", parallel.dp, parallel.tp);
+        let config = PretrainConfig {
+            parallel,
+            ..from_transformers_llama(4)
+        };
+        let device = run(&offloaded(config.clone())).unwrap();
+        let host = run(&params_offloaded(config)).unwrap();
+        assert_eq!(bits(&losses(&host)), bits(&losses(&device)), "{what}");
+        same_bits(&what, &host.parameters, &device.parameters);
+        assert!(host.steps.iter().all(|m| m.param_bytes == 0), "{what}");
+        assert!(host.host_uploads > 0 && host.prefetch.used > 0, "{what}");
     }
 }
 

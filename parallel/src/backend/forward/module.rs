@@ -6,7 +6,7 @@ use crate::backend::prelude::*;
 
 impl<B: Backend> ModuleOps<Self> for Distributed<B> {
     fn embedding(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
-        rules::embedding::<B>(rules::unpadded::<B>(weights), indices)
+        rules::embedding::<B>(rules::param_operand::<B>(weights), indices)
     }
 
     fn embedding_backward(
@@ -15,7 +15,7 @@ impl<B: Backend> ModuleOps<Self> for Distributed<B> {
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
         rules::embedding_backward::<B>(
-            rules::unpadded::<B>(weights),
+            rules::param_operand::<B>(weights),
             rules::unpadded::<B>(output_grad),
             indices,
         )
@@ -28,8 +28,8 @@ impl<B: Backend> ModuleOps<Self> for Distributed<B> {
     ) -> FloatTensor<Self> {
         rules::linear::<B>(
             rules::unpadded::<B>(x),
-            rules::unpadded::<B>(weight),
-            bias.map(rules::unpadded::<B>),
+            rules::param_operand::<B>(weight),
+            bias.map(rules::param_operand::<B>),
         )
     }
 
@@ -38,7 +38,7 @@ impl<B: Backend> ModuleOps<Self> for Distributed<B> {
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         rules::linear_x_backward::<B>(
-            rules::unpadded::<B>(weight),
+            rules::param_operand::<B>(weight),
             rules::unpadded::<B>(output_grad),
         )
     }

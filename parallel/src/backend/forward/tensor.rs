@@ -472,12 +472,7 @@ impl<B: Backend> FloatTensorOps<Self> for Distributed<B> {
     }
 
     fn float_set_require_grad(tensor: FloatTensor<Self>, _require_grad: bool) -> FloatTensor<Self> {
-        rules::unary::<B>(
-            "float_set_require_grad",
-            tensor,
-            const { rules::linearity("float_set_require_grad") },
-            |t| B::float_set_require_grad(t, _require_grad),
-        )
+        rules::float_set_require_grad::<B>(tensor, _require_grad)
     }
 
     fn float_is_require_grad(_tensor: &FloatTensor<Self>) -> bool {
@@ -1024,7 +1019,6 @@ const _: () = {
     rules::linearity("float_neg");
     rules::linearity("float_recip");
     rules::linearity("float_detach");
-    rules::linearity("float_set_require_grad");
     rules::along_dim("float_cumsum");
     rules::along_dim("float_cumprod");
     rules::along_dim("float_cummin");

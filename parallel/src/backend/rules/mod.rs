@@ -199,6 +199,12 @@ pub(crate) fn unpadded<B: Backend>(t: DTensor<B>) -> DTensor<B> {
     t.unpadded()
 }
 
+/// A parameter operand that the rule brings to its layout (`to_layout`) before reading its
+/// piece: [`DTensor::unpadded_param`].
+pub(crate) fn param_operand<B: Backend>(t: DTensor<B>) -> DTensor<B> {
+    t.unpadded_param()
+}
+
 /// `layout` with `dim` unsharded and no partials.
 pub(crate) fn whole_dim(layout: &Layout, dim: usize) -> Layout {
     let mut target = without_partials(layout, |_| false);

@@ -56,7 +56,6 @@ pub(crate) const POINTWISE_OPS: &[(&str, Pointwise)] = &[
     ("float_mul_scalar", Unary(Linear)),
     ("float_div_scalar", Unary(Linear)),
     ("float_detach", Unary(Linear)),
-    ("float_set_require_grad", Unary(Linear)),
     // Unary, non-linear: a partial value is reduced first.
     ("float_add_scalar", Unary(NonLinear)),
     ("float_sub_scalar", Unary(NonLinear)),
@@ -185,6 +184,23 @@ pub(crate) fn unary<B: Backend>(
     let t = to_layout(op, t, &target);
     // Elementwise: the shape is the input's (a padded shard's cannot be read off its piece).
     DTensor::new_shaped(f(t.local), t.layout, t.shape, t.device)
+}
+
+/// The inner backend's `require_grad` flag (the identity on a backend without autodiff, as
+/// under `Autodiff<Distributed<B>>`). An offloaded parameter stays in host memory: `valid()`
+/// and the optimizer's adaptor set the flag on every parameter, and an upload for it would put
+/// the piece back on the device for nothing.
+pub(crate) fn float_set_require_grad<B: Backend>(
+    tensor: DTensor<B>,
+    require_grad: bool,
+) -> DTensor<B> {
+    const OP: &str = "float_set_require_grad";
+    if tensor.is_offloaded() {
+        return tensor;
+    }
+    unary(OP, tensor, Linearity::Linear, |t| {
+        B::float_set_require_grad(t, require_grad)
+    })
 }
 
 /// A cast: elementwise and linear (partial sums pass, padded shards stay), counted in
