@@ -1,8 +1,8 @@
 //! The optimizers side by side, one rank on this machine's CPU (Flex), in one run:
 //!
 //! 1. GPT-2 350M (24 layers, width 1024, context 1024, the GPT-2 vocabulary), batch 1 × 1024,
-//!    f32: for AdamW, AdamW with bf16 and with 8-bit moments, Adafactor, Muon, and AdamW
-//!    offloaded to the host, the decorator's peak of live tensor bytes in a step, the device's
+//!    f32: for AdamW, AdamW with bf16 and with 8-bit moments, Adafactor, Muon, AdamW
+//!    offloaded to the host, and AdamW with the parameters offloaded too, the decorator's peak of live tensor bytes in a step, the device's
 //!    and the host's optimizer-state bytes after it, and the median step time of the steps after
 //!    the first. Then the planner (`--plan auto`) for two budgets: what it chooses, the peak it
 //!    predicts, and the peak the chosen run measures.
@@ -14,7 +14,8 @@
 //! Memory is exact (the accounting); step times on a 2-core CPU are a CPU's, not a GPU's.
 //!
 //! ```text
-//! cargo bench --bench optimizers [-- --steps 3 --train-steps 200 --only table|planner|losses]
+//! cargo bench --bench optimizers [-- --steps 3 --train-steps 200 --only table|planner|losses
+//!                                    --setting NAME]
 //! ```
 
 /// mimalloc, keeping freed memory for the next step, or `WILDFIRE_ALLOC=system` (see
@@ -28,7 +29,7 @@ use wildfire::pretrain::{Offload, OptimState, OptimizerKind, PretrainConfig, run
 mod common;
 
 /// The settings compared: a name, the optimizer, its state dtype, the offload.
-const SETTINGS: [(&str, OptimizerKind, OptimState, Offload); 6] = [
+const SETTINGS: [(&str, OptimizerKind, OptimState, Offload); 7] = [
     (
         "AdamW",
         OptimizerKind::Adamw,
@@ -60,18 +61,29 @@ const SETTINGS: [(&str, OptimizerKind, OptimState, Offload); 6] = [
         OptimState::F32,
         Offload::Optimizer,
     ),
+    (
+        "AdamW and parameters offloaded (FSDP full)",
+        OptimizerKind::Adamw,
+        OptimState::F32,
+        Offload::Params,
+    ),
 ];
 
 fn with(
     base: &PretrainConfig,
     setting: &(&str, OptimizerKind, OptimState, Offload),
 ) -> PretrainConfig {
-    PretrainConfig {
+    let mut config = PretrainConfig {
         optimizer: setting.1,
         optim_state: setting.2,
         offload: setting.3,
         ..base.clone()
+    };
+    if setting.3 == Offload::Params {
+        // The parameters' offload is FSDP's (on one rank each use uploads the whole piece).
+        config.parallel.fsdp = wildfire::models::parallelize::FsdpStrategy::FullShard;
     }
+    config
 }
 
 fn main() {
@@ -116,11 +128,16 @@ fn optimizers_table(big: &PretrainConfig, steps: usize, block: usize) {
     println!(
         "{:?}, batch 1 x {block}, f32, one rank (Flex, this CPU); {steps} steps, times the \
          median after the first\n\n\
-         | optimizer | peak bytes | optimizer bytes, device | optimizer bytes, host | step (s) |\n\
+         | optimizer | peak bytes | optimizer bytes, device | host bytes | step (s) |\n\
          |---|---|---|---|---|",
         big.model.preset
     );
-    for setting in &SETTINGS {
+    // `--setting TEXT`: only the settings whose name contains it.
+    let only: Option<String> = common::arg("--setting");
+    for setting in SETTINGS
+        .iter()
+        .filter(|s| only.as_deref().is_none_or(|o| s.0.contains(o)))
+    {
         let summary = run(&with(big, setting)).expect("run");
         let m = summary.steps.last().expect("a step ran");
         let step_ms = common::median_step_ms(&summary, block);

@@ -1,5 +1,5 @@
 //! The memory planner (`--plan auto`): which FSDP strategy, recomputation policy, AdamW moment
-//! dtype and optimizer offload fit a run into `--memory-budget` per rank, and the fastest of
+//! dtype and offload (optimizer, parameters) fit a run into `--memory-budget` per rank, and the fastest of
 //! those that do.
 //!
 //! **Predicted by measuring, not by formula.** For each FSDP strategy × recomputation policy the
@@ -36,8 +36,10 @@
 //! **Cheapest** is the levers in the order of what they cost: first the strategy and policy with
 //! the shortest predicted step among those that fit (f32 moments on the device); if none fits,
 //! the same with bf16 moments (numerics); then with 8-bit moments (more numerics, a slower
-//! step); then with the optimizer offloaded (host transfers each step). A budget nothing fits is
-//! a typed error naming the smallest predicted peak.
+//! step); then with the optimizer offloaded (host transfers each step); then, under FSDP's full
+//! sharding, with the parameters' shards offloaded too (`--offload params`: an upload per use,
+//! probed once like the other variants, its forward and backward shifted by the shards' bytes
+//! as well). A budget nothing fits is a typed error naming the smallest predicted peak.
 
 use super::*;
 use serde::Serialize;
@@ -99,7 +101,7 @@ impl Candidate {
     }
 
     /// The tier of what it gives up: 0 nothing, 1 bf16 moments, 2 8-bit moments, 3 the
-    /// optimizer offloaded.
+    /// optimizer offloaded, 4 the parameters too.
     fn tier(&self) -> usize {
         match (self.optim_state, self.offload) {
             (OptimState::F32, Offload::None) => 0,
@@ -148,13 +150,14 @@ impl Predicted {
 impl Plan {
     /// The cheapest of `candidates` (their fits recomputed for `budget`): within the first tier
     /// that has a fitting candidate (f32 moments on the device, then bf16 moments, then 8-bit
-    /// moments, then the optimizer offloaded), the shortest predicted step. An error naming the smallest predicted
+    /// moments, then the optimizer offloaded, then the parameters too), the shortest predicted
+    /// step. An error naming the smallest predicted
     /// peak if none fits.
     pub fn choose(mut candidates: Vec<Predicted>, budget: u64) -> Result<Plan, PretrainError> {
         for c in &mut candidates {
             c.fits = c.needs() <= budget;
         }
-        let chosen = (0..4).find_map(|tier| {
+        let chosen = (0..5).find_map(|tier| {
             candidates
                 .iter()
                 .enumerate()
@@ -355,6 +358,15 @@ pub fn plan_on<B: FusedOps>(
     };
     let mut candidates = Vec::new();
     for &fsdp in strategies {
+        // The parameters offloaded too, where they are FSDP shards (`--offload params`).
+        let variants: Vec<(OptimState, Offload)> = variants
+            .iter()
+            .copied()
+            .chain(
+                (fsdp == FsdpStrategy::FullShard && config.optimizer == OptimizerKind::Adamw)
+                    .then_some((OptimState::F32, Offload::Params)),
+            )
+            .collect();
         let at = |recompute, (optim_state, offload)| Candidate {
             fsdp,
             recompute,
@@ -374,7 +386,12 @@ pub fn plan_on<B: FusedOps>(
             .iter()
             .map(|&v| probe::<B>(&at(full, v).apply(config), &model, device, p, tokens))
             .collect::<Result<Vec<_>, _>>()?;
-        let state = |c: &Candidate| estimate(&c.apply(config), &model).optim_bytes as f64;
+        // What lives on the device throughout: the optimizer state, and the parameters' pieces
+        // unless offloaded.
+        let state = |c: &Candidate| {
+            let e = estimate(&c.apply(config), &model);
+            (e.optim_bytes + e.param_bytes) as f64
+        };
         for (&recompute, measured) in policies.iter().zip(&by_policy) {
             for (v, &variant) in variants.iter().enumerate() {
                 let candidate = at(recompute, variant);

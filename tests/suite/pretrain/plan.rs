@@ -43,12 +43,13 @@ fn predictions_hold(base: &PretrainConfig, candidates: usize) {
 }
 
 /// Every candidate — 4 FSDP strategies × 3 recomputation policies × (f32 moments, bf16 moments,
-/// 8-bit moments, the optimizer offloaded) — run at the full depth: the measured peak of the steady step (the
+/// 8-bit moments, the optimizer offloaded), and FSDP's full sharding × 3 policies with the
+/// parameters offloaded too — run at the full depth: the measured peak of the steady step (the
 /// decorator's accounting, rank 0) within 5% of the prediction extrapolated from the 1- and
 /// 2-block probes, and the host bytes exactly the estimate's.
 #[test]
 fn planner_predicts_every_candidates_peak() {
-    predictions_hold(&four_blocks(), 4 * 3 * 4);
+    predictions_hold(&four_blocks(), 4 * 3 * 4 + 3);
 }
 
 /// Where the phase that peaks changes with depth, as at GPT-2 350M: under full recomputation
@@ -122,7 +123,8 @@ fn planner_predicts_a_mixture_of_experts_peak() {
 
 /// With room for everything the planner keeps f32 moments on the device; a budget just under
 /// what the smallest such candidate needs (its predicted peak and the 5% margin) takes bf16
-/// moments; under those, 8-bit moments; under those, the optimizer offloaded; under everything,
+/// moments; under those, 8-bit moments; under those, the optimizer offloaded; under those, the
+/// parameters offloaded too; under everything,
 /// a typed error naming the smallest predicted peak. A run with `--plan auto` trains with the choice, its budget enforced,
 /// and reports the plan.
 #[test]
@@ -141,7 +143,13 @@ fn planner_picks_the_levers_in_order_of_cost() {
     let bf16_min = smallest(OptimState::Bf16, Offload::None);
     let int8_min = smallest(OptimState::Int8, Offload::None);
     let offload_min = smallest(OptimState::F32, Offload::Optimizer);
-    assert!(offload_min < int8_min && int8_min < bf16_min && bf16_min < f32_min);
+    let params_min = smallest(OptimState::F32, Offload::Params);
+    assert!(
+        params_min < offload_min
+            && offload_min < int8_min
+            && int8_min < bf16_min
+            && bf16_min < f32_min
+    );
     let roomy = plan.choice().candidate;
     assert_eq!(
         (roomy.optim_state, roomy.offload),
@@ -152,6 +160,7 @@ fn planner_picks_the_levers_in_order_of_cost() {
         (f32_min - 1, OptimState::Bf16, Offload::None),
         (bf16_min - 1, OptimState::Int8, Offload::None),
         (int8_min - 1, OptimState::F32, Offload::Optimizer),
+        (offload_min - 1, OptimState::F32, Offload::Params),
     ] {
         let chosen = Plan::choose(plan.candidates.clone(), budget).unwrap();
         let c = chosen.choice();
@@ -162,9 +171,9 @@ fn planner_picks_the_levers_in_order_of_cost() {
             "{budget}"
         );
     }
-    let err = Plan::choose(plan.candidates.clone(), offload_min - 1).unwrap_err();
+    let err = Plan::choose(plan.candidates.clone(), params_min - 1).unwrap_err();
     assert!(
-        matches!(&err, PretrainError::Config(m) if m.contains(&format!("{offload_min} with"))),
+        matches!(&err, PretrainError::Config(m) if m.contains(&format!("{params_min} with"))),
         "{err}"
     );
     // A run planned for a budget only bf16 moments or offload meet: it trains within it.
