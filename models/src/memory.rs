@@ -552,7 +552,7 @@ mod tests {
             8,
             None,
             OptimizerState::default(),
-            false,
+            Offloaded::Nothing,
         );
         assert_eq!(e.params_per_tp_rank, model.num_params());
         assert_eq!(e.param_bytes, 4 * model.num_params());
@@ -576,9 +576,16 @@ mod tests {
             b,
             Some(FloatDType::BF16),
             OptimizerState::default(),
-            false,
+            Offloaded::Nothing,
         );
-        let f32 = estimate(&model, &parallel, b, None, OptimizerState::default(), false);
+        let f32 = estimate(
+            &model,
+            &parallel,
+            b,
+            None,
+            OptimizerState::default(),
+            Offloaded::Nothing,
+        );
         assert_eq!(bf16.activation_bytes, at_16 + stream + s * b * v * 4);
         assert_eq!(f32.activation_bytes, 2 * at_16 + s * b * v * 8);
         assert_eq!(bf16.param_bytes, f32.param_bytes);

@@ -678,14 +678,14 @@ impl<B: Backend> DTensor<B> {
         let awaited = Arc::new(Awaited::host(data, self.device.inner.clone(), held));
         // Nothing of it is on the device between uses: a zero-byte tracker (its identity is
         // the parameter's for the prefetch).
-        DTensor::stand_in(
+        DTensor::awaiting(
             awaited,
             local_shape,
             dtype,
             self.layout.clone(),
             self.shape.clone(),
             self.device.clone(),
-            Tracker::new(0, self.device.context()),
+            false,
         )
     }
 }

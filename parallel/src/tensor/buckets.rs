@@ -310,6 +310,7 @@ fn fill<B: Backend>(
         layout,
         grad.shape.clone(),
         grad.device.clone(),
+        true,
     )
 }
 

@@ -137,12 +137,14 @@ impl<B: Backend> DTensor<B> {
             layout,
             this.shape,
             this.device,
+            true,
         ))
     }
 
     /// A value of `layout` whose local piece (`local_shape`, `dtype`) `awaited` will give: until
     /// then a stand-in of that shape that holds no memory (one NaN, broadcast: an op that read it
-    /// without waiting would poison the step loudly, never silently), its bytes counted.
+    /// without waiting would poison the step loudly, never silently), its bytes counted when
+    /// `counted` (not for a piece kept in host memory: [`DTensor::with_host`]).
     pub(crate) fn awaiting(
         awaited: Arc<Awaited<B>>,
         local_shape: Vec<usize>,
@@ -150,22 +152,10 @@ impl<B: Backend> DTensor<B> {
         layout: Layout,
         shape: Shape,
         device: DistDevice<B>,
+        counted: bool,
     ) -> Self {
         let bytes = local_shape.iter().product::<usize>() * dtype.size();
-        let track = Tracker::new(bytes, device.context());
-        Self::stand_in(awaited, local_shape, dtype, layout, shape, device, track)
-    }
-
-    /// [`Self::awaiting`] with the piece's bytes counted by `track`.
-    pub(crate) fn stand_in(
-        awaited: Arc<Awaited<B>>,
-        local_shape: Vec<usize>,
-        dtype: DType,
-        layout: Layout,
-        shape: Shape,
-        device: DistDevice<B>,
-        track: Tracker,
-    ) -> Self {
+        let track = Tracker::new(if counted { bytes } else { 0 }, device.context());
         let float = burn_backend::FloatDType::from(dtype);
         let one = B::float_full(
             Shape::from(vec![1; local_shape.len()]),

@@ -80,7 +80,7 @@ pub(super) fn deferred_data_parallel<B: Backend>(
     let global = burn_backend::Shape::from(layout.global_shape(&local_shape, device.mesh()));
     let awaited = std::sync::Arc::new(crate::tensor::Awaited::deferred(compute));
     device.ctx.defer(awaited.clone());
-    DTensor::awaiting(awaited, local_shape, dtype, layout, global, device)
+    DTensor::awaiting(awaited, local_shape, dtype, layout, global, device, true)
 }
 
 /// Split the mesh axes of a weight-gradient op: data axes where an operand is `Local` produce
