@@ -249,8 +249,8 @@ pub enum Offload {
     Optimizer,
     /// The optimizer as above, and the parameters' shards between uses
     /// ([`wildfire_parallel::offload_parameters`]: each FSDP gather uploads its shard, ahead of
-    /// use under the prefetch). Needs `--fsdp full`, as DeepSpeed's parameter offload needs
-    /// ZeRO-3.
+    /// use under the prefetch). Needs `--fsdp full` (or hybrid), as DeepSpeed's parameter
+    /// offload needs ZeRO-3.
     Params,
 }
 
@@ -357,13 +357,6 @@ impl PretrainConfig {
                     "--offload params keeps each rank's parameter shards in host memory and \
                      uploads them for each gather: it needs --fsdp full or hybrid (a replicated \
                      parameter would be uploaded whole at every use)"
-                        .into(),
-                ));
-            }
-            if self.parallel.pp > 1 {
-                return Err(PretrainError::Config(
-                    "--offload params is not built for pipeline stages yet: use --offload \
-                     optimizer with --pp, or drop --pp"
                         .into(),
                 ));
             }

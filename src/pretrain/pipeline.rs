@@ -26,6 +26,9 @@ pub(super) struct Stages<B: FusedOps, S: TrainableStage<B>, O> {
     numbers: Vec<usize>,
     optims: Vec<FsdpOptimizer<O>>,
     schedule: Schedule,
+    /// `--offload params`: the stages' parameter pieces live in host memory between uses
+    /// (loaded weights are moved there too).
+    offload_params: bool,
     backend: std::marker::PhantomData<B>,
 }
 
@@ -106,7 +109,7 @@ impl RankRun<'_> {
                         .map_err(PretrainError::Config)
                 })
             }
-            (OptimizerKind::Adamw, _) if self.config.offload == Offload::Optimizer => {
+            (OptimizerKind::Adamw, _) if self.config.offload != Offload::None => {
                 let fused = self.fused_adamw();
                 self.train_stages_with(device, chunks, schedule, |_| {
                     Ok(wildfire_engine::OffloadAdamW::<B>::optimizer::<S>(fused).0)
@@ -143,13 +146,21 @@ impl RankRun<'_> {
             .iter()
             .map(|(_, stage)| optim(stage).map(FsdpOptimizer::new))
             .collect::<Result<_, _>>()?;
-        let (numbers, chunks) = chunks.into_iter().unzip();
+        let (numbers, mut chunks): (Vec<usize>, Vec<S>) = chunks.into_iter().unzip();
+        let offload_params = self.config.offload == Offload::Params;
+        if offload_params {
+            chunks = chunks
+                .into_iter()
+                .map(wildfire_parallel::offload_parameters)
+                .collect();
+        }
         let microbatches = schedule.microbatches();
         let stages = Stages {
             chunks,
             numbers,
             optims,
             schedule,
+            offload_params,
             backend: std::marker::PhantomData,
         };
         self.train_loop(device, stages, microbatches)
@@ -204,6 +215,9 @@ impl<B: FusedOps, S: TrainableStage<B>, O: StageOptimizer<B, S>> Trainee<B> for 
             if optimizer {
                 let record = weights.load_optimizer_named::<A<B>, _, O::Codec>(chunk, &name)?;
                 *optim = optim.clone().load_record(O::loaded(record));
+            }
+            if self.offload_params {
+                *chunk = wildfire_parallel::offload_parameters(chunk.clone());
             }
         }
         Ok(())
