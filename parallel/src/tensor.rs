@@ -121,28 +121,12 @@ impl<B: Backend> Awaited<B> {
         }))
     }
 
-    /// The host values, when this piece is kept in host memory.
-    fn host_data(&self) -> Option<burn_backend::TensorData> {
+    /// `f` of the host piece, when this piece is kept in host memory.
+    fn on_host<R>(&self, f: impl FnOnce(&HostPiece<B>) -> R) -> Option<R> {
         match &*self.state.lock().unwrap_or_else(|e| e.into_inner()) {
-            Some(AwaitState::Host(h)) => Some(h.data.clone()),
+            Some(AwaitState::Host(h)) => Some(f(h)),
             _ => None,
         }
-    }
-
-    fn is_host(&self) -> bool {
-        matches!(
-            &*self.state.lock().unwrap_or_else(|e| e.into_inner()),
-            Some(AwaitState::Host(_))
-        )
-    }
-
-    /// A fresh upload of a host piece (`None` for the other states).
-    fn upload(&self) -> Option<B::FloatTensorPrimitive> {
-        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(AwaitState::Host(h)) = &*state else {
-            return None;
-        };
-        Some(B::float_from_data(h.data.clone(), &h.device))
     }
 
     /// A piece already in hand, only watched.
@@ -158,13 +142,19 @@ impl<B: Backend> Awaited<B> {
 
     /// The local piece, waited for once (an error is the collective's, every time).
     fn local(&self) -> Result<B::FloatTensorPrimitive, Error> {
+        self.resolved().map(|(local, _)| local)
+    }
+
+    /// The local piece and whether it is a fresh upload of a host piece (every use of one
+    /// uploads it; the other states are waited for once).
+    fn resolved(&self) -> Result<(B::FloatTensorPrimitive, bool), Error> {
         if let Some((birth, watch)) = &self.watch {
             watch.saw(*birth);
         }
-        if let Some(local) = self.upload() {
-            return Ok(local);
-        }
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(AwaitState::Host(h)) = &*state {
+            return Ok((B::float_from_data(h.data.clone(), &h.device), true));
+        }
         if !matches!(&*state, Some(AwaitState::Done(_) | AwaitState::Failed(_))) {
             let result = match state.take() {
                 Some(AwaitState::Pending(pending)) => pending.wait(),
@@ -194,7 +184,7 @@ impl<B: Backend> Awaited<B> {
             });
         }
         match state.as_ref() {
-            Some(AwaitState::Done(local)) => Ok(local.clone()),
+            Some(AwaitState::Done(local)) => Ok((local.clone(), false)),
             Some(AwaitState::Failed(e)) => Err(e.clone()),
             _ => unreachable!("resolved above"),
         }
@@ -266,9 +256,7 @@ impl Tracker {
             }),
         }
     }
-}
 
-impl Tracker {
     /// The tracker of a piece uploaded from the offloaded value of identity `origin`.
     fn uploaded(bytes: usize, origin: usize, ctx: &Arc<crate::device::RankContext>) -> Self {
         let mut track = Self::new(bytes, ctx);
@@ -622,15 +610,16 @@ impl<B: Backend> DTensor<B> {
     #[inline]
     pub fn ready(mut self) -> Self {
         if let Some(awaited) = self.awaited.take() {
-            if let Some(local) = awaited.upload() {
+            let (local, uploaded) = awaited
+                .resolved()
+                .unwrap_or_else(|e| crate::error::raise(e));
+            if uploaded {
                 // An offloaded piece: this use's upload, counted while it lives.
                 let origin = self.identity();
                 self.device.ctx.count_host_upload();
                 self.track = Tracker::uploaded(local_bytes(&local), origin, self.device.context());
-                self.local = local;
-                return self;
             }
-            self.local = awaited.local().unwrap_or_else(|e| crate::error::raise(e));
+            self.local = local;
         }
         self
     }
@@ -638,12 +627,16 @@ impl<B: Backend> DTensor<B> {
     /// Whether the local piece is kept in host memory between uses (an offloaded parameter):
     /// each use uploads it ([`DTensor::ready`]); [`DTensor::local`] is a stand-in.
     pub fn is_offloaded(&self) -> bool {
-        self.awaited.as_ref().is_some_and(|a| a.is_host())
+        self.awaited
+            .as_ref()
+            .is_some_and(|a| a.on_host(|_| ()).is_some())
     }
 
     /// The local piece's values in host memory, when [offloaded](Self::is_offloaded).
     pub fn host_data(&self) -> Option<burn_backend::TensorData> {
-        self.awaited.as_ref().and_then(|a| a.host_data())
+        self.awaited
+            .as_ref()
+            .and_then(|a| a.on_host(|h| h.data.clone()))
     }
 
     /// This value with its local piece moved to host memory (`--offload params`, FSDP2's

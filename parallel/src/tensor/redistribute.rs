@@ -33,6 +33,9 @@ impl<B: Backend> DTensor<B> {
     /// gather): exactly one data axis of size > 1 changes, from `Shard(d)` to `Replicate`, and no
     /// other axis splits `d`. Its axis and `d`.
     pub(crate) fn parameter_gather(&self, target: &Layout) -> Option<(usize, usize)> {
+        if self.memo.is_some() {
+            return None;
+        }
         let mesh = self.device.mesh();
         let changed: Vec<usize> = (0..mesh.axes().len())
             .filter(|&a| self.layout.get(a) != target.get(a))
@@ -46,9 +49,8 @@ impl<B: Backend> DTensor<B> {
         (target.get(a) == Placement::Replicate
             && mesh.axis(a).kind == crate::mesh::AxisKind::Data
             && mesh.axis_size(a) > 1
-            && alone
-            && self.memo.is_none())
-        .then_some((a, d))
+            && alone)
+            .then_some((a, d))
     }
 
     /// Issue the gather [`Self::parameter_gather`] found, on the rank's communication queue;
@@ -103,20 +105,16 @@ impl<B: Backend> DTensor<B> {
     /// are applied from the first axis to the last (slice for `Shard`, keep the value on member 0
     /// for `Partial(Sum)`), so nested shards of one dimension keep their order.
     pub fn redistribute(self, target: &Layout) -> Result<Self, Error> {
-        if self.is_offloaded() && &self.layout != target {
-            // An offloaded parameter's planned gather uploads its shard when issued: ask the
-            // prefetch before uploading here.
-            if let Some(gathered) = prefetch::take(&self, target) {
-                return gathered;
-            }
-            return self.ready().redistribute_now(target, false);
+        // A parameter's planned gather first: it needs only the layout, and it is issued with
+        // the piece in hand (an offloaded shard is uploaded then, ahead of use under the
+        // prefetch, not here).
+        if let Some(gathered) = prefetch::take(&self, target) {
+            return gathered;
         }
-        self.ready().redistribute_now(target, true)
+        self.ready().redistribute_now(target)
     }
 
-    /// `redistribute` of a value in hand; `ask_prefetch`: whether to ask the prefetch (not
-    /// when [`DTensor::redistribute`] has already asked).
-    fn redistribute_now(self, target: &Layout, ask_prefetch: bool) -> Result<Self, Error> {
+    fn redistribute_now(self, target: &Layout) -> Result<Self, Error> {
         if &self.layout == target {
             return Ok(self);
         }
@@ -142,9 +140,6 @@ impl<B: Backend> DTensor<B> {
                 self.shape,
                 self.device,
             ));
-        }
-        if ask_prefetch && let Some(gathered) = prefetch::take(&self, target) {
-            return gathered;
         }
         let memo = self.memo.clone();
         let communicates = self.layout.is_distributed();
