@@ -103,7 +103,8 @@ pub(crate) enum PendingTensor<B: Backend> {
     Done(Result<FloatTensor<B>, Error>),
     /// Issued on the installed device collectives.
     Device(DeviceIssued<B>),
-    Queued(crate::comm::Pending, B::Device),
+    /// Issued on the rank's communication queue; the result uploaded to the device there.
+    Queued(crate::comm::Pending<FloatTensor<B>>),
     /// The result cast to this dtype (a reduction run in a lower precision, cast back).
     Cast(Box<PendingTensor<B>>, burn_backend::FloatDType),
     /// A receive from global rank `from` on the installed device collectives, posted when
@@ -122,7 +123,7 @@ impl<B: Backend> PendingTensor<B> {
         match self {
             Self::Done(result) => result,
             Self::Device(issued) => issued.wait(),
-            Self::Queued(pending, device) => Ok(B::float_from_data(pending.wait_data()?, &device)),
+            Self::Queued(pending) => pending.wait(),
             Self::Cast(pending, dtype) => Ok(B::float_cast(pending.wait()?, dtype)),
             Self::Recv {
                 from,
@@ -234,10 +235,21 @@ pub(crate) fn issue_reduction<B: Backend>(
             }
         })
         .collect();
-    PendingTensor::Queued(
-        ctx.queue().issue_chain(calls, Some(data)),
-        device.inner().clone(),
-    )
+    let upload = upload_on_comm(device);
+    PendingTensor::Queued(ctx.queue().issue_chain_then(calls, Some(data), upload))
+}
+
+/// The finishing step of a call queued on the rank's communication thread: its result uploaded
+/// to the rank's device there, beside the compute (counted in
+/// [`OpCounters::comm_uploads`](crate::OpCounters::comm_uploads)), not when it is waited for.
+fn upload_on_comm<B: Backend>(
+    device: &DistDevice<B>,
+) -> impl FnOnce(TensorData) -> FloatTensor<B> + Send + 'static {
+    let (ctx, device) = (device.context().clone(), device.inner().clone());
+    move |data| {
+        ctx.count_comm_upload();
+        B::float_from_data(data, &device)
+    }
 }
 
 /// [`all_gather`], issued now and waited for later: on the installed device collectives, else
@@ -261,9 +273,34 @@ pub(crate) fn issue_all_gather<B: Backend>(
             dim,
         ));
     }
-    let data = crate::comm::read::<B>(tensor);
+    issue_all_gather_from_host(device, group, crate::comm::read::<B>(tensor), dim)
+        .expect("the host path takes a host buffer")
+}
+
+/// [`issue_all_gather`] of a piece already in host memory (an offloaded parameter shard): on
+/// the host path the buffer goes to the communication queue as it is, and the gathered result
+/// is uploaded on the communication thread, so the compute thread makes no transfer; device
+/// collectives that take host buffers ([`DeviceCollectives::issue_all_gather_from_host`]) do
+/// the same. Otherwise the buffer is handed back (`Err`) for the caller to upload.
+pub(crate) fn issue_all_gather_from_host<B: Backend>(
+    device: &DistDevice<B>,
+    group: Group,
+    data: TensorData,
+    dim: usize,
+) -> Result<PendingTensor<B>, TensorData> {
+    let ctx = device.context();
+    let upload = upload_on_comm(device);
+    if let Some(dc) = ctx.device_collectives::<B>() {
+        return dc
+            .issue_all_gather_from_host(group, data, dim, Box::new(upload))
+            .map(PendingTensor::Device);
+    }
     let call = Call::all_gather(group, Operand::of(&data), dim);
-    PendingTensor::Queued(ctx.queue().issue(call, Some(data)), device.inner().clone())
+    Ok(PendingTensor::Queued(ctx.queue().issue_then(
+        call,
+        Some(data),
+        upload,
+    )))
 }
 
 /// Reduce-scatter along `dim` (see [`Communicator::reduce_scatter`]).
@@ -355,10 +392,8 @@ pub(crate) fn issue_exchange<B: Backend>(
         };
     }
     let data = crate::comm::read::<B>(tensor);
-    PendingTensor::Queued(
-        ctx.queue().issue_exchange(to, data, from),
-        device.inner().clone(),
-    )
+    let upload = upload_on_comm(device);
+    PendingTensor::Queued(ctx.queue().issue_exchange_then(to, data, from, upload))
 }
 
 /// Waits until every tensor this rank sent ([`send`]) on the installed device collectives has

@@ -75,8 +75,15 @@ pub struct RunSummary {
     pub trace: Vec<(usize, Vec<wildfire_parallel::comm::TraceEvent>)>,
     /// What FSDP prefetch (`--prefetch`) did on this rank.
     pub prefetch: wildfire_parallel::PrefetchStats,
-    /// Uploads of offloaded parameter pieces on this rank (`--offload params`: one per use).
+    /// Uploads of offloaded parameter pieces by this rank's own thread (`--offload params`:
+    /// a use that no FSDP gather serves).
     pub host_uploads: u64,
+    /// Offloaded shards gathered from host memory as they are (`--offload params` under FSDP:
+    /// the gathered parameter is uploaded on the communication thread). With
+    /// [`RunSummary::host_uploads`]: one per use.
+    pub host_gathers: u64,
+    /// Results of queued collectives uploaded on this rank's communication thread.
+    pub comm_uploads: u64,
     /// With `--plan auto`: the candidates and the one this run trained with.
     pub plan: Option<Plan>,
     /// Where the run's wall clock went (rank 0's view).

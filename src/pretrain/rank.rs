@@ -276,7 +276,10 @@ impl RankRun<'_> {
         let end_started = Instant::now();
         self.finish(&mut summary, rank, member);
         summary.prefetch = ctx.prefetch_stats();
-        summary.host_uploads = ctx.counters().host_uploads;
+        let counters = ctx.counters();
+        summary.host_uploads = counters.host_uploads;
+        summary.host_gathers = counters.host_gathers;
+        summary.comm_uploads = counters.comm_uploads;
         // Gathering sharded parameters and sampling take collectives: every rank does them.
         if config.gather_parameters {
             summary.parameters = trainee.parameters(device)?;

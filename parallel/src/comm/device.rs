@@ -110,6 +110,22 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// An all-gather along `dim` of a buffer in host memory (an offloaded parameter shard),
+    /// issued now: collectives that can take a host buffer send it as it is and give the
+    /// gathered result through `upload` (which counts the upload; call it where the transfer
+    /// overlaps the caller's compute). Default: the buffer handed back (`Err`), for the caller
+    /// to upload and [`DeviceCollectives::issue`].
+    fn issue_all_gather_from_host(
+        self: Arc<Self>,
+        group: Group,
+        data: TensorData,
+        dim: usize,
+        upload: Upload<B>,
+    ) -> Result<DeviceIssued<B>, TensorData> {
+        let _ = (group, dim, upload);
+        Err(data)
+    }
+
     /// `op` issued now and waited for later ([`DeviceIssued::wait`]): FSDP's prefetched
     /// gathers and the gradient reductions issued where gradients are born. The calls of a
     /// rank run in the order they are issued, blocking ones included. Default: run now (the
@@ -123,6 +139,9 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
         run_now(&*self, group, op, tensor)
     }
 }
+
+/// How a host buffer becomes a device tensor ([`DeviceCollectives::issue_all_gather_from_host`]).
+pub type Upload<B> = Box<dyn FnOnce(TensorData) -> FloatTensor<B> + Send>;
 
 /// `what` is not offered by the device collectives `on`.
 fn unsupported(what: &str, on: String) -> Error {
@@ -384,6 +403,25 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
 
     fn flush(&self) -> Result<(), Error> {
         self.comm.point_to_point()?.flush()
+    }
+
+    /// Queued: the host buffer goes to the communication thread as it is, the result is
+    /// uploaded there. Not queued: the call runs now on the host buffer.
+    fn issue_all_gather_from_host(
+        self: Arc<Self>,
+        group: Group,
+        data: TensorData,
+        dim: usize,
+        upload: Upload<B>,
+    ) -> Result<DeviceIssued<B>, TensorData> {
+        self.count(CollectiveKind::AllGather);
+        let Some(queue) = &self.queue else {
+            let result = self.comm.all_gather(group, data, dim);
+            return Ok(DeviceIssued::done(result.map(upload)));
+        };
+        let call = super::Call::all_gather(group, super::Operand::of(&data), dim);
+        let pending = queue.issue_then(call, Some(data), upload);
+        Ok(DeviceIssued::new(move || pending.wait()))
     }
 
     fn issue(

@@ -58,16 +58,27 @@ impl<B: Backend> DTensor<B> {
     pub(crate) fn issue_gather(&self, axis: usize, dim: usize) -> PendingGather<B> {
         let size = self.device.mesh().axis_size(axis);
         let bytes = local_bytes(&self.local) * size;
-        // An offloaded shard is uploaded here, when the gather is issued (ahead of its use
-        // under the prefetch).
-        let local = self.clone().ready().local;
-        PendingGather {
-            local: crate::collectives::issue_all_gather(
+        // An offloaded shard goes to the gather from host memory as it is, when the
+        // collectives take host buffers; else it is uploaded here, when the gather is issued
+        // (ahead of its use under the prefetch).
+        let group = Group::Axis(axis);
+        let from_host = self.host_data().map(|data| {
+            crate::collectives::issue_all_gather_from_host(&self.device, group, data, dim)
+        });
+        let local = match from_host {
+            Some(Ok(pending)) => {
+                self.device.ctx.count_host_gather();
+                pending
+            }
+            _ => crate::collectives::issue_all_gather(
                 &self.device,
-                Group::Axis(axis),
-                local,
+                group,
+                self.clone().ready().local,
                 dim,
             ),
+        };
+        PendingGather {
+            local,
             _in_flight: Tracker::with_kind(bytes, true, self.device.context()),
             axis,
             dim,
@@ -110,6 +121,14 @@ impl<B: Backend> DTensor<B> {
         // prefetch, not here).
         if let Some(gathered) = prefetch::take(&self, target) {
             return gathered;
+        }
+        // An offloaded shard not prefetched (the first step, a validation pass) goes to its
+        // gather from host memory all the same.
+        if self.is_offloaded()
+            && let Some((axis, dim)) = self.parameter_gather(target)
+        {
+            let pending = self.issue_gather(axis, dim);
+            return self.finish_gather(pending, target);
         }
         self.ready().redistribute_now(target)
     }

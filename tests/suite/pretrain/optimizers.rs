@@ -317,9 +317,11 @@ fn with_and_without_parameters(what: &str, config: &PretrainConfig) -> (RunSumma
 /// would have read on the device. Between steps the device holds no parameter bytes (the
 /// accounting's parameter and optimizer bytes are 0), the host holds the moments and every
 /// parameter shard, each as the estimate gives; the step's device peak is lower by at least
-/// the parameters' shards. Each use uploads once, whatever the layout (the same count on all
-/// three: under FSDP the gather's upload is the only one), more than once per parameter and
-/// step; from the second step the prefetch issues the gathers, and so the uploads, ahead of use.
+/// the parameters' shards. Each use reads the host piece once, whatever the layout (the same
+/// count on all three), more than once per parameter and step: on one rank the compute thread
+/// uploads it; under FSDP the shard goes to its gather from host memory as it is — the compute
+/// thread uploads nothing, the communication thread uploads the gathered parameter — and from
+/// the second step the prefetch issues those gathers ahead of use.
 #[test]
 fn offloaded_parameters_are_the_device_run_bitwise() {
     let mut uploads = Vec::new();
@@ -355,17 +357,67 @@ fn offloaded_parameters_are_the_device_run_bitwise() {
                 d.param_bytes
             );
         }
-        assert_eq!(device.host_uploads, 0, "{what}");
-        uploads.push(host.host_uploads);
+        assert_eq!((device.host_uploads, device.host_gathers), (0, 0), "{what}");
+        let uses = host.host_uploads + host.host_gathers;
+        uploads.push(uses);
         let params = host.parameters.len() as u64;
         assert!(
-            host.host_uploads > params * 6,
-            "{what}: {} uploads in 6 steps of {params} parameters",
-            host.host_uploads
+            uses > params * 6,
+            "{what}: {uses} uses in 6 steps of {params} parameters"
         );
         if config.parallel.dp > 1 {
             assert!(host.prefetch.used > 0, "{what}: {:?}", host.prefetch);
             assert_eq!(host.prefetch.used, device.prefetch.used, "{what}");
+            // Every shard goes to its gather from host memory: the compute thread uploads
+            // nothing, the gathered parameters are uploaded on the communication thread.
+            // Shards go to their gathers from host memory, and the communication thread
+            // uploads the gathered parameters. On dp alone the compute thread uploads only for
+            // the tied head's transposition of the token table (a layout op on the shard,
+            // before the head's gather), once per forward pass: the 6 steps and the
+            // validation. (With tp a redistribution that is not one axis's gather, see
+            // `parameter_gather`, still uploads on the compute thread.)
+            let forwards = host.steps.len() as u64 * 2;
+            let tp = config.parallel.tp;
+            assert!(
+                host.host_gathers > 0
+                    && (tp > 1
+                        || host.host_uploads <= forwards
+                            && host.host_gathers > 20 * host.host_uploads),
+                "{what}: {} uploads on the compute thread, {} shards gathered from the host",
+                host.host_uploads,
+                host.host_gathers
+            );
+            assert!(
+                host.comm_uploads >= host.host_gathers,
+                "{what}: {} uploads on the communication thread for {} host gathers",
+                host.comm_uploads,
+                host.host_gathers
+            );
+        } else {
+            assert_eq!(
+                host.host_gathers, 0,
+                "{what}: nothing to gather on one rank"
+            );
+        }
+        if config.parallel.dp > 1 && config.parallel.tp == 1 {
+            // The device-collectives path (NCCL's) staged through host memory takes the host
+            // shards as they are too, and uploads on the communication thread: the same bits.
+            let staged = run(&params_offloaded(PretrainConfig {
+                collectives: Collectives::Staged,
+                ..config.clone()
+            }))
+            .unwrap();
+            assert_eq!(
+                bits(&losses(&staged)),
+                bits(&losses(&host)),
+                "{what} staged"
+            );
+            same_bits(&what, &staged.parameters, &host.parameters);
+            assert_eq!(
+                (staged.host_uploads, staged.host_gathers),
+                (host.host_uploads, host.host_gathers),
+                "{what} staged"
+            );
         }
         estimate_matches_the_accounting_on(&params_offloaded(small(1)), &[config.parallel]);
     }
@@ -389,7 +441,7 @@ fn offloaded_llama_parameters_are_the_device_run_bitwise() {
         };
         let (_, host) = with_and_without_parameters(&what, &config);
         assert!(host.steps.iter().all(|m| m.param_bytes == 0), "{what}");
-        assert!(host.host_uploads > 0 && host.prefetch.used > 0, "{what}");
+        assert!(host.host_gathers > 0 && host.prefetch.used > 0, "{what}");
     }
 }
 
@@ -412,7 +464,12 @@ fn offloaded_stage_parameters_are_the_device_run_bitwise() {
         let (device, host) = with_and_without_parameters(&what, &config);
         assert!(host.steps.iter().all(|m| m.param_bytes == 0), "{what}");
         assert!(device.steps.iter().all(|m| m.param_bytes > 0), "{what}");
-        assert!(host.host_uploads > 0, "{what}");
+        if dp == 1 {
+            assert!(host.host_uploads > 0 && host.host_gathers == 0, "{what}");
+        } else {
+            // The stages' FSDP gathers take the shards from host memory.
+            assert!(host.host_gathers > host.host_uploads, "{what}");
+        }
         if dp == 2 {
             let dir = scratch("offload-params-pp");
             let first = run(&params_offloaded(PretrainConfig {
