@@ -290,17 +290,16 @@ pub(crate) fn issue_all_gather_from_host<B: Backend>(
 ) -> Result<PendingTensor<B>, TensorData> {
     let ctx = device.context();
     let upload = upload_on_comm(device);
+    let call = Call::all_gather(group, Operand::of(&data), dim);
     if let Some(dc) = ctx.device_collectives::<B>() {
+        let upload = Box::new(upload);
+        let gather = crate::comm::HostGather { call, data, upload };
         return dc
-            .issue_all_gather_from_host(group, data, dim, Box::new(upload))
+            .issue_all_gather_from_host(gather)
             .map(PendingTensor::Device);
     }
-    let call = Call::all_gather(group, Operand::of(&data), dim);
-    Ok(PendingTensor::Queued(ctx.queue().issue_then(
-        call,
-        Some(data),
-        upload,
-    )))
+    let pending = ctx.queue().issue_then(call, Some(data), upload);
+    Ok(PendingTensor::Queued(pending))
 }
 
 /// Reduce-scatter along `dim` (see [`Communicator::reduce_scatter`]).

@@ -110,20 +110,15 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
         Ok(())
     }
 
-    /// An all-gather along `dim` of a buffer in host memory (an offloaded parameter shard),
-    /// issued now: collectives that can take a host buffer send it as it is and give the
-    /// gathered result through `upload` (which counts the upload; call it where the transfer
-    /// overlaps the caller's compute). Default: the buffer handed back (`Err`), for the caller
+    /// An all-gather of a buffer in host memory (an offloaded parameter shard), issued now:
+    /// collectives that can take a host buffer send it as it is and give the gathered result
+    /// through [`HostGather::upload`]. Default: the buffer handed back (`Err`), for the caller
     /// to upload and [`DeviceCollectives::issue`].
     fn issue_all_gather_from_host(
         self: Arc<Self>,
-        group: Group,
-        data: TensorData,
-        dim: usize,
-        upload: Upload<B>,
+        gather: HostGather<B>,
     ) -> Result<DeviceIssued<B>, TensorData> {
-        let _ = (group, dim, upload);
-        Err(data)
+        Err(gather.data)
     }
 
     /// `op` issued now and waited for later ([`DeviceIssued::wait`]): FSDP's prefetched
@@ -140,8 +135,16 @@ pub trait DeviceCollectives<B: Backend>: Send + Sync + fmt::Debug {
     }
 }
 
-/// How a host buffer becomes a device tensor ([`DeviceCollectives::issue_all_gather_from_host`]).
-pub type Upload<B> = Box<dyn FnOnce(TensorData) -> FloatTensor<B> + Send>;
+/// An all-gather of a buffer in host memory ([`DeviceCollectives::issue_all_gather_from_host`]).
+pub struct HostGather<B: Backend> {
+    /// The all-gather: its group, the buffer's description and the dim.
+    pub call: super::Call,
+    /// This member's buffer.
+    pub data: TensorData,
+    /// How the gathered buffer becomes a device tensor (it counts the upload): call it where
+    /// the transfer overlaps the caller's compute.
+    pub upload: Box<dyn FnOnce(TensorData) -> FloatTensor<B> + Send>,
+}
 
 /// `what` is not offered by the device collectives `on`.
 fn unsupported(what: &str, on: String) -> Error {
@@ -409,17 +412,16 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
     /// uploaded there. Not queued: the call runs now on the host buffer.
     fn issue_all_gather_from_host(
         self: Arc<Self>,
-        group: Group,
-        data: TensorData,
-        dim: usize,
-        upload: Upload<B>,
+        gather: HostGather<B>,
     ) -> Result<DeviceIssued<B>, TensorData> {
-        self.count(CollectiveKind::AllGather);
+        let HostGather { call, data, upload } = gather;
+        self.count(call.kind());
         let Some(queue) = &self.queue else {
-            let result = self.comm.all_gather(group, data, dim);
-            return Ok(DeviceIssued::done(result.map(upload)));
+            let result = self.comm.collective(call, Some(data));
+            return Ok(DeviceIssued::done(
+                result.map(|r| upload(super::returned(r))),
+            ));
         };
-        let call = super::Call::all_gather(group, super::Operand::of(&data), dim);
         let pending = queue.issue_then(call, Some(data), upload);
         Ok(DeviceIssued::new(move || pending.wait()))
     }

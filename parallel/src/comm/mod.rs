@@ -48,7 +48,7 @@ pub use bootstrap::{
 };
 pub(crate) use buffer::{check_dim, check_divisible};
 pub use call::{Call, Operand, Splits};
-pub use device::{DeviceCollectives, DeviceIssued, DeviceOp, HostStaged, Upload};
+pub use device::{DeviceCollectives, DeviceIssued, DeviceOp, HostGather, HostStaged};
 pub(crate) use device::{host_recv, host_send, read, stage};
 pub(crate) use header::{dtype_code, dtype_of};
 #[cfg(feature = "mpi")]
