@@ -20,11 +20,24 @@
 //! update itself does not depend on the orientation.
 //!
 //! **Sharded (ZeRO, FSDP, TP):** Newton–Schulz needs the whole matrix. Each rank all-gathers the
-//! momentum-corrected update `U` of every matrix, runs the iteration on the whole matrix, and
-//! keeps its own piece — Moonlight's "Distributed Muon" (Liu et al., 2025, §2.3). Every rank thus
-//! computes every matrix's iteration (no owner rank, no scatter afterwards); the gather is one
-//! parameter-sized all-gather per matrix and step, the state (the buffer `B`) stays sharded like
-//! AdamW's moments. The iteration runs in f32 (PyTorch's runs in bf16).
+//! momentum-corrected update `U` of every matrix — Moonlight's "Distributed Muon" (Liu et al.,
+//! 2025, §2.3) — and the state (the buffer `B`) stays sharded like AdamW's moments. Who then runs
+//! the iteration is [`MuonSplit`]:
+//!
+//! - `Owner` (the default): **per owner rank**, as torchtitan's and Dion's distributed Muon
+//!   assign each matrix to one rank. The hidden matrices, in the module's order, are taken `n` at
+//!   a time for the `n` members of the first data-parallel axis; in each round the `n` gathers
+//!   run back to back and member `j` keeps the whole `U` of the round's `j`-th matrix, the
+//!   members run their iterations side by side, then member `j` broadcasts its result and
+//!   every member keeps its own piece. Each rank runs `1/n` of the iterations and holds at most
+//!   one whole update and one whole result at a time; the cost is one parameter-sized broadcast
+//!   per matrix. (An all-to-all to the owners and back would move half the bytes; the gather
+//!   and broadcast keep every layout's shard pieces as they are.) Tensor-parallel peers of an
+//!   owner still compute the same matrix: the split is along the data axis only.
+//! - `Every`: every rank runs every matrix's iteration and keeps its piece (no broadcast).
+//!
+//! The two give the same numbers bit for bit: each iteration runs on the same whole matrix with
+//! the same ops. The iteration runs in f32 (PyTorch's runs in bf16).
 //!
 //! Differences from `burn::optim::Muon` (Burn 0.21), which is why this is not it: Burn's
 //! momentum is SGD's (`B ← μB + G`, Nesterov `G + μB`), not PyTorch's interpolation; its
@@ -70,6 +83,20 @@ pub enum MuonLr {
     MatchRmsAdamw,
 }
 
+/// Which ranks run a sharded matrix's Newton–Schulz iteration.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum MuonSplit {
+    /// Every rank, on every matrix (Moonlight's distributed Muon): one all-gather per matrix.
+    Every,
+    /// One owner rank per matrix along the first data axis, in turn, `n` matrices at a time
+    /// for `n` ranks: each rank orthogonalises one matrix of the round and broadcasts it (an
+    /// all-gather and a broadcast per matrix, `1/n` of the iterations per rank). The same
+    /// numbers as [`MuonSplit::Every`], bit for bit.
+    #[default]
+    Owner,
+}
+
 /// Muon's hyper-parameters (PyTorch's defaults), and those of the AdamW that steps the tables and
 /// vectors.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -94,6 +121,9 @@ pub struct MuonConfig {
     pub adamw_beta2: f64,
     /// The AdamW half: `ε`.
     pub adamw_epsilon: f64,
+    /// Which ranks orthogonalise a sharded matrix.
+    #[serde(default)]
+    pub split: MuonSplit,
 }
 
 impl Default for MuonConfig {
@@ -109,6 +139,7 @@ impl Default for MuonConfig {
             adamw_beta1: 0.9,
             adamw_beta2: 0.999,
             adamw_epsilon: 1e-8,
+            split: MuonSplit::Owner,
         }
     }
 }
@@ -248,19 +279,33 @@ impl Muon {
         }
     }
 
-    /// Muon's step of a hidden matrix (rank 2, or a stack of matrices).
+    /// Muon's step of a hidden matrix (rank 2, or a stack of matrices): the whole update
+    /// orthogonalised on this rank ([`MuonSplit::Every`]).
     pub fn muon_step<X: Backend, const D: usize>(
         &self,
         lr: f64,
-        [tensor, grad]: [Dist<X, D>; 2],
+        pair: [Dist<X, D>; 2],
         state: Option<MuonState<Distributed<X>, D>>,
     ) -> (Dist<X, D>, MuonState<Distributed<X>, D>) {
+        let (half, state) = self.muon_begin(pair, state);
+        let whole = on_layout(half.update.clone(), &replicated(&half.update));
+        let ortho = on_layout(self.orthogonalise(whole), half.update.layout());
+        (self.muon_finish(lr, half, ortho), state)
+    }
+
+    /// The first half of Muon's step: the new momentum buffer (the state) and the
+    /// momentum-corrected update `U`, on the gradient's layout.
+    fn muon_begin<X: Backend, const D: usize>(
+        &self,
+        [tensor, grad]: [Dist<X, D>; 2],
+        state: Option<MuonState<Distributed<X>, D>>,
+    ) -> (MuonHalf<X>, MuonState<Distributed<X>, D>) {
         assert!(D >= 2, "Muon steps matrices");
         let c = &self.config;
-        let dims = grad.dims();
+        let dims = grad.dims().to_vec();
         // On the gradient's layout (a shard under ZeRO), where the buffer lives.
         let (p, g) = on_grad_layout(&tensor, &grad);
-        let (layout, p) = (g.layout().clone(), wrap::<X, D>(p));
+        let layout = g.layout().clone();
         let time = state.as_ref().map_or(0, |s| s.time) + 1;
         assert!(
             state.as_ref().is_none_or(|s| s.momentum.is_some()),
@@ -279,25 +324,53 @@ impl Muon {
         } else {
             buffer.clone()
         };
-        // The whole matrix on every rank, orthogonalised there, this rank's piece kept.
-        let update = dtensor(&update).clone();
-        let whole = on_layout(update, &Layout::replicated(g.device().mesh()));
-        let local = Tensor::<X, D>::from_primitive(TensorPrimitive::Float(whole.local().clone()));
-        let ortho = newton_schulz(local, c.ns_steps, c.ns_coefficients, c.epsilon);
-        let ortho = whole.with_local(ortho.into_primitive().tensor());
-        let ortho = wrap::<X, D>(on_layout(ortho, &layout));
-        let p = if c.weight_decay > 0.0 {
-            p.mul_scalar(1.0 - lr * c.weight_decay)
-        } else {
-            p
+        let half = MuonHalf {
+            p,
+            update: dtensor(&update).clone(),
+            dims,
         };
-        let p = p - ortho.mul_scalar(self.adjusted_lr(lr, &dims));
         let state = MuonState {
             time,
             momentum: Some(buffer),
             adamw: None,
         };
-        (p, state)
+        (half, state)
+    }
+
+    /// `NS₅` of a whole (replicated) update, on this rank (counted in the rank's
+    /// [`OpCounters::work`](wildfire_parallel::OpCounters) as [`NEWTON_SCHULZ`], per matrix).
+    fn orthogonalise<X: Backend>(&self, whole: DTensor<X>) -> DTensor<X> {
+        let c = &self.config;
+        let dims = whole.global_shape().num_dims();
+        whole
+            .device()
+            .context()
+            .count_work(NEWTON_SCHULZ, stacked(&whole));
+        let local = whole.local().clone();
+        let ortho = match dims {
+            2 => ns_local::<X, 2>(local, c),
+            3 => ns_local::<X, 3>(local, c),
+            4 => ns_local::<X, 4>(local, c),
+            d => panic!("Muon orthogonalises matrices and stacks of them, not rank {d}"),
+        };
+        whole.with_local(ortho)
+    }
+
+    /// The second half: `θ(1 − lr·λ) − lr·s·O`, with `ortho` on the update's layout.
+    fn muon_finish<X: Backend, const D: usize>(
+        &self,
+        lr: f64,
+        half: MuonHalf<X>,
+        ortho: DTensor<X>,
+    ) -> Dist<X, D> {
+        let c = &self.config;
+        let p = wrap::<X, D>(half.p);
+        let p = if c.weight_decay > 0.0 {
+            p.mul_scalar(1.0 - lr * c.weight_decay)
+        } else {
+            p
+        };
+        p - wrap::<X, D>(ortho).mul_scalar(self.adjusted_lr(lr, &half.dims))
     }
 
     /// AdamW's step of a table or a vector (`tensor`, `grad`).
@@ -321,6 +394,30 @@ impl Muon {
         };
         (p, state)
     }
+}
+
+/// A hidden matrix's step between its halves ([`Muon::muon_begin`]): the parameter and the
+/// momentum-corrected update on the gradient's layout, and the matrix's dims.
+struct MuonHalf<X: Backend> {
+    p: DTensor<X>,
+    update: DTensor<X>,
+    dims: Vec<usize>,
+}
+
+/// `t`'s layout replicated over the whole mesh.
+fn replicated<X: Backend>(t: &DTensor<X>) -> Layout {
+    Layout::replicated(t.device().mesh())
+}
+
+/// [`newton_schulz`] on a local piece of rank `D`.
+fn ns_local<X: Backend, const D: usize>(
+    local: X::FloatTensorPrimitive,
+    c: &MuonConfig,
+) -> X::FloatTensorPrimitive {
+    let t = Tensor::<X, D>::from_primitive(TensorPrimitive::Float(local));
+    newton_schulz(t, c.ns_steps, c.ns_coefficients, c.epsilon)
+        .into_primitive()
+        .tensor()
 }
 
 impl<X: Backend> SimpleOptimizer<Distributed<X>> for Muon {
@@ -447,12 +544,93 @@ impl<X: Backend, M> MuonOptimizer<X, M> {
     where
         M: AutodiffModule<Ad<X>>,
     {
-        module.map(&mut Stepper {
+        let mut halves = (self.step.config.split == MuonSplit::Owner).then(Vec::new);
+        let module = module.map(&mut Stepper {
             optim: self,
             grads: &mut grads,
             lr,
+            halves: halves.as_mut(),
+        });
+        let Some(halves) = halves.filter(|h| !h.is_empty()) else {
+            return module;
+        };
+        let mut done = self.orthogonalise_by_owners(halves);
+        module.map(&mut Finisher {
+            step: &self.step,
+            done: &mut done,
+            lr,
         })
     }
+
+    /// Every matrix's update orthogonalised by its owner rank and broadcast back, in rounds of
+    /// one matrix per member of the first data axis's group (every rank, every matrix, without
+    /// one): each member's piece of the result, by parameter.
+    fn orthogonalise_by_owners(
+        &self,
+        halves: Vec<(ParamId, MuonHalf<X>)>,
+    ) -> hashbrown::HashMap<ParamId, (MuonHalf<X>, DTensor<X>)> {
+        let device = halves[0].1.update.device().clone();
+        let mesh = device.mesh();
+        let axis = (0..mesh.axes().len()).find(|&a| {
+            mesh.axis(a).kind == wildfire_parallel::AxisKind::Data && mesh.axis_size(a) > 1
+        });
+        let (size, me) = match axis {
+            Some(a) => (mesh.axis_size(a), mesh.coords(device.rank())[a]),
+            None => (1, 0),
+        };
+        let mut done = hashbrown::HashMap::new();
+        let mut halves = halves.into_iter().peekable();
+        while halves.peek().is_some() {
+            let round: Vec<_> = halves.by_ref().take(size).collect();
+            // The round's gathers, back to back; each member keeps the one it owns.
+            let mut mine = None;
+            for (j, (_, half)) in round.iter().enumerate() {
+                let whole = on_layout(half.update.clone(), &replicated(&half.update));
+                if j == me {
+                    mine = Some(whole);
+                }
+            }
+            // The members' iterations run side by side.
+            let mut mine = mine.map(|whole| self.step.orthogonalise(whole));
+            // Each result broadcast by its owner; every member keeps its piece.
+            for (j, (id, half)) in round.into_iter().enumerate() {
+                let whole = match mine.take_if(|_| j == me) {
+                    Some(ortho) => ortho,
+                    None => receive_buffer(&half.update),
+                };
+                let whole = match axis {
+                    Some(a) => whole
+                        .broadcast_on(a, j)
+                        .unwrap_or_else(|e| wildfire_parallel::internal::raise(e)),
+                    None => whole,
+                };
+                let ortho = on_layout(whole, half.update.layout());
+                done.insert(id, (half, ortho));
+            }
+        }
+        done
+    }
+}
+
+/// The name under which a rank counts its Newton–Schulz iterations, one per matrix
+/// ([`wildfire_parallel::RankContext::count_work`]).
+pub const NEWTON_SCHULZ: &str = "muon newton-schulz";
+
+/// How many matrices `whole` stacks (`[.., n, m]`).
+fn stacked<X: Backend>(whole: &DTensor<X>) -> u64 {
+    let shape = whole.global_shape();
+    let dims = shape.as_slice();
+    dims[..dims.len() - 2].iter().product::<usize>() as u64
+}
+
+/// A replicated value of `update`'s global shape and dtype: the receive buffer of a broadcast.
+fn receive_buffer<X: Backend>(update: &DTensor<X>) -> DTensor<X> {
+    let device = update.device();
+    let shape = update.global_shape();
+    let dtype = burn::tensor::TensorMetadata::dtype(update.local());
+    let zeros = X::float_zeros(shape.clone(), device.inner(), dtype.into());
+    DTensor::from_local(zeros, replicated(update), device)
+        .unwrap_or_else(|e| wildfire_parallel::internal::raise(e))
 }
 
 impl<X: Backend, M: AutodiffModule<Ad<X>>> Optimizer<M, Ad<X>> for MuonOptimizer<X, M> {
@@ -481,6 +659,36 @@ struct Stepper<'a, X: Backend, M> {
     optim: &'a mut MuonOptimizer<X, M>,
     grads: &'a mut GradAdaptor,
     lr: LearningRate,
+    /// Under [`MuonSplit::Owner`]: where a hidden matrix's first half goes (its parameter is
+    /// left as it is until [`Finisher`]).
+    halves: Option<&'a mut Vec<(ParamId, MuonHalf<X>)>>,
+}
+
+/// The second half of each hidden matrix's step ([`MuonSplit::Owner`]).
+struct Finisher<'a, X: Backend> {
+    step: &'a Muon,
+    done: &'a mut hashbrown::HashMap<ParamId, (MuonHalf<X>, DTensor<X>)>,
+    lr: LearningRate,
+}
+
+impl<X: Backend> ModuleMapper<Ad<X>> for Finisher<'_, X> {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: Param<Tensor<Ad<X>, D>>,
+    ) -> Param<Tensor<Ad<X>, D>> {
+        let (id, tensor, mapper) = param.consume();
+        let Some((half, ortho)) = self.done.remove(&id) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let p = self.step.muon_finish::<X, D>(self.lr, half, ortho);
+        Param::from_mapped_value(id, stepped(p, tensor.is_require_grad()), mapper)
+    }
+}
+
+/// A stepped parameter as a leaf of the autodiff graph, tracked when it was.
+fn stepped<X: Backend, const D: usize>(p: Dist<X, D>, require_grad: bool) -> Tensor<Ad<X>, D> {
+    let p = Tensor::from_inner(p);
+    if require_grad { p.require_grad() } else { p }
 }
 
 impl<X: Backend, M> ModuleMapper<Ad<X>> for Stepper<'_, X, M> {
@@ -498,20 +706,23 @@ impl<X: Backend, M> ModuleMapper<Ad<X>> for Stepper<'_, X, M> {
                 <Muon as SimpleOptimizer<Distributed<X>>>::to_device(r.into_state(), &device)
             });
         let step = &self.optim.step;
-        let pair = [tensor.inner(), grad];
+        let pair = [tensor.clone().inner(), grad];
         let (p, state) = if D < 2 || self.optim.is_table(&id) {
             step.adamw_step(self.lr, pair, state)
+        } else if let Some(halves) = self.halves.as_mut() {
+            let (half, state) = step.muon_begin(pair, state);
+            halves.push((id, half));
+            self.optim
+                .records
+                .insert(id, AdaptorRecord::from_state(state));
+            return Param::from_mapped_value(id, tensor, mapper);
         } else {
             step.muon_step(self.lr, pair, state)
         };
         self.optim
             .records
             .insert(id, AdaptorRecord::from_state(state));
-        let mut p = Tensor::from_inner(p);
-        if require_grad {
-            p = p.require_grad();
-        }
-        Param::from_mapped_value(id, p, mapper)
+        Param::from_mapped_value(id, stepped(p, require_grad), mapper)
     }
 }
 

@@ -156,6 +156,34 @@ impl<B: Backend> DTensor<B> {
     }
 }
 
+impl<B: Backend> DTensor<B> {
+    /// Member `root` of this rank's group along mesh axis `axis` sends its value, and every
+    /// member returns it (one broadcast): an owner rank's result handed to its peers (Muon's
+    /// owner-rank orthogonalisation). The value must not be split or partial on `axis`; the
+    /// other members pass a value of the same layout, global shape and dtype, whose piece is
+    /// only the receive buffer.
+    pub fn broadcast_on(self, axis: usize, root: usize) -> Result<Self, Error> {
+        if matches!(
+            self.layout.get(axis),
+            Placement::Shard(_) | Placement::Partial(_)
+        ) {
+            return Err(Error::Unsupported(format!(
+                "a broadcast along axis {axis} of a value laid out {:?}",
+                self.layout
+            )));
+        }
+        let this = self.ready();
+        let local =
+            crate::collectives::broadcast(&this.device, Group::Axis(axis), this.local, root)?;
+        Ok(DTensor::new_shaped(
+            local,
+            this.layout,
+            this.shape,
+            this.device,
+        ))
+    }
+}
+
 struct Replicator<'a> {
     mesh: &'a DeviceMesh,
 }

@@ -33,6 +33,9 @@ pub struct OpCounters {
     /// Offloaded shards handed to an FSDP gather as they are, from host memory: the shard is
     /// never uploaded, the gathered parameter is (on the communication thread).
     pub host_gathers: u64,
+    /// Work the layers above count by name (`muon newton-schulz`: the Newton–Schulz iterations
+    /// this rank ran).
+    pub work: BTreeMap<&'static str, u64>,
     /// Results of calls queued on the communication thread, uploaded to the device there (a
     /// gathered parameter, a reduced gradient bucket, a ring's received block), beside the
     /// compute rather than when waited for.
@@ -408,6 +411,18 @@ impl RankContext {
     /// Count one upload of an offloaded piece ([`OpCounters::host_uploads`]).
     pub(crate) fn count_host_upload(&self) {
         self.accounting.counters.lock().unwrap().host_uploads += 1;
+    }
+
+    /// Count `n` units of the work `name` ([`OpCounters::work`]).
+    pub fn count_work(&self, name: &'static str, n: u64) {
+        *self
+            .accounting
+            .counters
+            .lock()
+            .unwrap()
+            .work
+            .entry(name)
+            .or_default() += n;
     }
 
     /// Count one offloaded shard gathered from host memory ([`OpCounters::host_gathers`]).

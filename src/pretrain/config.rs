@@ -7,6 +7,7 @@ use super::PretrainError;
 pub use super::plan::PlanMode;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
+pub use wildfire_engine::MuonSplit;
 use wildfire_engine::report::WarmupCosine;
 use wildfire_models::data::DataFlags;
 use wildfire_models::parallelize::ParallelConfig;
@@ -71,6 +72,13 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(long, value_enum, default_value_t = Offload::None, help_heading = "Training")]
     pub offload: Offload,
+    /// Which ranks run Muon's Newton–Schulz iteration on a sharded matrix: owner (one rank of
+    /// the data-parallel group per matrix, in turn, its result broadcast: 1/dp of the
+    /// iterations per rank, one more broadcast per matrix) or every (each rank, every matrix).
+    /// The same numbers either way.
+    #[serde(default)]
+    #[arg(long, value_enum, default_value_t = MuonSplit::Owner, help_heading = "Training")]
+    pub muon_split: MuonSplit,
     /// Clip the global gradient norm to this (0: off).
     #[arg(long, default_value_t = 1.0, help_heading = "Training")]
     pub clip: f64,

@@ -14,7 +14,8 @@ mod error;
 
 pub use crate::plot::plot_losses;
 pub use config::{
-    Collectives, Launch, Offload, OptimState, OptimizerKind, PlanMode, Precision, PretrainConfig,
+    Collectives, Launch, MuonSplit, Offload, OptimState, OptimizerKind, PlanMode, Precision,
+    PretrainConfig,
 };
 #[cfg(feature = "cuda")]
 pub use cuda::run_cuda;
@@ -84,6 +85,8 @@ pub struct RunSummary {
     pub host_gathers: u64,
     /// Results of queued collectives uploaded on this rank's communication thread.
     pub comm_uploads: u64,
+    /// Muon's Newton–Schulz iterations this rank ran, one per matrix (`--muon-split`).
+    pub orthogonalised: u64,
     /// With `--plan auto`: the candidates and the one this run trained with.
     pub plan: Option<Plan>,
     /// Where the run's wall clock went (rank 0's view).

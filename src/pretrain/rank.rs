@@ -149,6 +149,7 @@ impl RankRun<'_> {
             adamw_beta1: adamw.beta1,
             adamw_beta2: adamw.beta2,
             adamw_epsilon: adamw.epsilon,
+            split: self.config.muon_split,
             ..wildfire_engine::MuonConfig::default()
         }
     }
@@ -280,6 +281,11 @@ impl RankRun<'_> {
         summary.host_uploads = counters.host_uploads;
         summary.host_gathers = counters.host_gathers;
         summary.comm_uploads = counters.comm_uploads;
+        summary.orthogonalised = counters
+            .work
+            .get(wildfire_engine::NEWTON_SCHULZ)
+            .copied()
+            .unwrap_or(0);
         // Gathering sharded parameters and sampling take collectives: every rank does them.
         if config.gather_parameters {
             summary.parameters = trainee.parameters(device)?;

@@ -5,7 +5,7 @@
 
 use super::*;
 use crate::suite::losses_close_f32;
-use wildfire::pretrain::{Offload, OptimState, OptimizerKind};
+use wildfire::pretrain::{MuonSplit, Offload, OptimState, OptimizerKind};
 
 fn with(optimizer: OptimizerKind, optim_state: OptimState, steps: usize) -> PretrainConfig {
     PretrainConfig {
@@ -101,6 +101,64 @@ fn compact_optimizers_shard_like_one_rank() {
             })
             .unwrap();
             same_run(&what, &many, &one, tol);
+        }
+    }
+}
+
+/// Muon's owner ranks (`--muon-split owner`, the default): each rank of the data-parallel group
+/// orthogonalises one matrix of each round and broadcasts it. The run is the every-rank run
+/// (`--muon-split every`) bit for bit — losses, validation losses, every parameter — on ZeRO-1,
+/// FSDP, dp 2 × tp 2 FSDP and dp 2 × pp 2 (1F1B); rank 0 ran its share of the iterations (the
+/// first of each pair of matrices: half, rounded up), and every step moved more bytes (the
+/// broadcasts). On one data rank there is no one to share with: every rank orthogonalises every
+/// matrix either way.
+#[test]
+fn muon_owner_ranks_are_the_every_rank_run_bitwise() {
+    for parallel in [
+        ParallelConfig::layout(2, 1, FsdpStrategy::ShardOptimizer, None),
+        ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
+        ParallelConfig::layout(2, 2, FsdpStrategy::FullShard, None),
+        ParallelConfig {
+            pp: 2,
+            microbatches: 2,
+            ..ParallelConfig::layout(2, 1, FsdpStrategy::ShardOptimizer, None)
+        },
+        ParallelConfig::layout(1, 2, FsdpStrategy::NoShard, None),
+    ] {
+        let what = format!(
+            "dp {} tp {} pp {} {:?}",
+            parallel.dp, parallel.tp, parallel.pp, parallel.fsdp
+        );
+        let steps = 3;
+        let dp = parallel.dp;
+        let config = |muon_split| PretrainConfig {
+            parallel: parallel.clone(),
+            muon_split,
+            gather_parameters: true,
+            ..with(OptimizerKind::Muon, OptimState::F32, steps)
+        };
+        let every = run(&config(MuonSplit::Every)).unwrap();
+        let owner = run(&config(MuonSplit::Owner)).unwrap();
+        assert_eq!(bits(&losses(&owner)), bits(&losses(&every)), "{what}");
+        let val = |s: &RunSummary| s.steps.iter().map(|m| m.val_loss).collect::<Vec<_>>();
+        assert_eq!(val(&owner), val(&every), "{what}: validation losses");
+        same_bits(&what, &owner.parameters, &every.parameters);
+        let matrices = every.orthogonalised / steps as u64;
+        assert!(matrices > 1, "{what}: {} iterations", every.orthogonalised);
+        assert_eq!(every.orthogonalised, matrices * steps as u64, "{what}");
+        let comm = |s: &RunSummary| s.steps.iter().map(|m| m.comm_bytes).collect::<Vec<_>>();
+        if dp == 1 {
+            assert_eq!(owner.orthogonalised, every.orthogonalised, "{what}");
+            assert_eq!(comm(&owner), comm(&every), "{what}");
+            continue;
+        }
+        assert_eq!(
+            owner.orthogonalised,
+            matrices.div_ceil(2) * steps as u64,
+            "{what}: rank 0's iterations"
+        );
+        for (o, e) in pairs(&comm(&owner), &comm(&every)) {
+            assert!(o > e, "{what}: {o} bytes with owner ranks, {e} without");
         }
     }
 }
