@@ -11,11 +11,16 @@
 //!    with Moonlight's learning-rate match, so the same rate serves it): the validation loss at
 //!    the end of each.
 //!
+//! 3. Muon on GPT-2 124M (batch 1 × 1024 per rank, f32) over dp 2 (ZeRO-1, ranks as threads):
+//!    every rank orthogonalising every matrix (`--muon-split every`) against owner ranks
+//!    (`--muon-split owner`): the Newton–Schulz iterations per rank and step, the bytes a rank
+//!    moved per step, the median step time.
+//!
 //! Memory is exact (the accounting); step times on a 2-core CPU are a CPU's, not a GPU's.
 //!
 //! ```text
-//! cargo bench --bench optimizers [-- --steps 3 --train-steps 200 --only table|planner|losses
-//!                                    --setting NAME]
+//! cargo bench --bench optimizers [-- --steps 3 --train-steps 200
+//!                                    --only table|planner|losses|muon --setting NAME]
 //! ```
 
 /// mimalloc, keeping freed memory for the next step, or `WILDFIRE_ALLOC=system` (see
@@ -120,6 +125,54 @@ fn main() {
     }
     if part("losses") {
         losses(smoke, train_steps);
+    }
+    if part("muon") {
+        muon_split(smoke, steps);
+    }
+}
+
+/// Muon over dp 2, every rank against owner ranks.
+fn muon_split(smoke: bool, steps: usize) {
+    use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
+    use wildfire::pretrain::MuonSplit;
+    let (preset, block) = if smoke {
+        (Preset::Tiny, 64)
+    } else {
+        (Preset::Gpt2_124m, 1024)
+    };
+    let config = PretrainConfig {
+        data: common::corpus(smoke),
+        model: ModelFlags {
+            preset,
+            block_size: Some(block),
+            ..PretrainConfig::quiet().model
+        },
+        optimizer: OptimizerKind::Muon,
+        parallel: ParallelConfig::layout(2, 1, FsdpStrategy::ShardOptimizer, None),
+        batch_size: 2,
+        steps,
+        gather_parameters: false,
+        ..PretrainConfig::quiet()
+    };
+    println!(
+        "\n{preset:?}, Muon, dp 2 (ZeRO-1, ranks as threads), batch 1 x {block} per rank, f32; \
+         {steps} steps, times the median after the first\n\n\
+         | `--muon-split` | Newton-Schulz per rank and step | MB moved per rank and step | step (s) |\n\
+         |---|---|---|---|"
+    );
+    for (name, split) in [("every", MuonSplit::Every), ("owner", MuonSplit::Owner)] {
+        let summary = run(&PretrainConfig {
+            muon_split: split,
+            ..config.clone()
+        })
+        .expect("run");
+        let m = summary.steps.last().expect("a step ran");
+        println!(
+            "| {name} | {} | {:.1} | {:.1} |",
+            summary.orthogonalised / steps as u64,
+            m.comm_bytes as f64 / 1e6,
+            common::median_step_ms(&summary, 2 * block) / 1e3,
+        );
     }
 }
 
