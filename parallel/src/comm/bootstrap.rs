@@ -5,6 +5,19 @@
 //! and, without MPI, a TCP rendezvous at `MASTER_ADDR:MASTER_PORT` as torchrun sets it
 //! ([`TcpRendezvous`]): rank 0 listens, the others connect, and one all-gather of small blobs
 //! hands every rank every id.
+//!
+//! **Who may join.** The rendezvous is authenticated by a per-job secret, `WILDFIRE_RDZV_TOKEN`
+//! (set for every process by the user or the launcher), with an HMAC-SHA-256 challenge in both
+//! directions: rank 0 greets each connection with a fresh 32-byte nonce, the peer answers with its
+//! own nonce, its hello (rank, world, blob) and the MAC of both nonces and the hello under the
+//! token; rank 0 answers the peers it accepted with every blob and the MAC of the peer's nonce and
+//! the answer. The token never crosses the wire, a recorded exchange cannot be replayed (the
+//! nonces are new each time), and a peer cannot be answered by anyone but a holder of the token.
+//! A connection that fails the challenge, speaks something else, sends a length over 1 MiB or
+//! says nothing within [`HANDSHAKE`] is refused and dropped, and rank 0 keeps waiting for the
+//! ranks it lacks; an authenticated peer that disagrees on the world is the job's error. Without
+//! a token the key is empty and only a loopback `MASTER_ADDR` is accepted (with a warning): on a
+//! network the token is required.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -63,15 +76,39 @@ impl<C: Communicator + ?Sized> Bootstrap for C {
 /// (retrying until the timeout while rank 0 starts), and each call of
 /// [`Bootstrap::all_gather_bytes`] is one round. No MPI needed: the `MASTER_ADDR:MASTER_PORT`
 /// launch of torchrun and of most schedulers' examples.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct TcpRendezvous {
     addr: String,
     rank: usize,
     world_size: usize,
     timeout: Duration,
+    /// The per-job secret (`WILDFIRE_RDZV_TOKEN`); `None`: the empty key, loopback only.
+    token: Option<Vec<u8>>,
 }
 
-const MAGIC: &[u8; 8] = b"WFRDZv1\n";
+impl std::fmt::Debug for TcpRendezvous {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpRendezvous")
+            .field("addr", &self.addr)
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("timeout", &self.timeout)
+            .field("token", &self.token.as_ref().map(|_| "<set>"))
+            .finish()
+    }
+}
+
+const MAGIC: &[u8; 8] = b"WFRDZv2\n";
+/// The variable that holds the rendezvous's per-job secret.
+pub const TOKEN_VAR: &str = "WILDFIRE_RDZV_TOKEN";
+/// How long rank 0 gives a connection to complete the challenge (a peer answers at once).
+pub const HANDSHAKE: Duration = Duration::from_secs(5);
+const NONCE: usize = 32;
+const MAC: usize = 32;
+/// A failure frame's tags: rank 0 timed out, gave up, or refused this peer.
+const TIMED_OUT: u64 = 1;
+const GAVE_UP: u64 = 2;
+const REFUSED: u64 = 3;
 /// How long a joining rank waits for rank 0's answer past the common deadline.
 const ANSWER_GRACE: Duration = Duration::from_secs(2);
 
@@ -96,7 +133,53 @@ impl TcpRendezvous {
             rank,
             world_size,
             timeout,
+            token: None,
         })
+    }
+
+    /// This rendezvous authenticated by `token`, the secret every process of the job shares (an
+    /// empty one counts as none).
+    pub fn with_token(mut self, token: Option<impl AsRef<[u8]>>) -> Self {
+        self.token = token.map(|t| t.as_ref().to_vec()).filter(|t| !t.is_empty());
+        self
+    }
+
+    /// Refused without a token unless the address is a loopback one.
+    fn check_token(&self) -> Result<(), Error> {
+        if self.token.is_some() || is_loopback(&self.addr) {
+            return Ok(());
+        }
+        Err(Error::RendezvousEnv {
+            var: TOKEN_VAR,
+            reason: format!(
+                "not set, and the rendezvous address {} is not a loopback one: on a network \
+                 every process of the job needs the same secret (any string) in {TOKEN_VAR}, \
+                 or anyone who reaches the address could join",
+                self.addr
+            ),
+        })
+    }
+
+    /// HMAC-SHA-256 under the token, fed `parts` in order.
+    fn hmac(&self, parts: &[&[u8]]) -> hmac::Hmac<sha2::Sha256> {
+        use hmac::{Mac, digest::KeyInit};
+        let key = self.token.as_deref().unwrap_or_default();
+        let mut mac = <hmac::Hmac<sha2::Sha256> as KeyInit>::new_from_slice(key)
+            .expect("HMAC takes a key of any length");
+        for part in parts {
+            mac.update(part);
+        }
+        mac
+    }
+
+    /// The MAC of `parts`, concatenated.
+    fn mac(&self, parts: &[&[u8]]) -> [u8; MAC] {
+        hmac::Mac::finalize(self.hmac(parts)).into_bytes().into()
+    }
+
+    /// Whether `tag` is the MAC of `parts` (compared in constant time).
+    fn verify(&self, parts: &[&[u8]], tag: &[u8]) -> bool {
+        hmac::Mac::verify_slice(self.hmac(parts), tag).is_ok()
     }
 
     /// The rendezvous torchrun describes: `MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`.
@@ -136,7 +219,17 @@ impl TcpRendezvous {
                 reason: format!("{rank} is not below WORLD_SIZE {world}"),
             });
         }
-        Self::new(format!("{host}:{port}"), rank, world, timeout)
+        let boot =
+            Self::new(format!("{host}:{port}"), rank, world, timeout)?.with_token(var(TOKEN_VAR));
+        boot.check_token()?;
+        if boot.token.is_none() {
+            tracing::warn!(
+                addr = boot.addr,
+                "{TOKEN_VAR} is not set: the rendezvous on loopback accepts any local process \
+                 that speaks its protocol"
+            );
+        }
+        Ok(boot)
     }
 
     /// The address.
@@ -186,31 +279,56 @@ impl TcpRendezvous {
     fn serve(&self, mine: &[u8], start: Instant) -> Result<Vec<Vec<u8>>, Error> {
         let listener = TcpListener::bind(self.resolve()?).map_err(|e| self.io(e))?;
         listener.set_nonblocking(true).map_err(|e| self.io(e))?;
-        let mut peers: Vec<(usize, TcpStream)> = Vec::new();
+        let mut peers: Vec<Peer> = Vec::new();
         let result = self.collect(&listener, mine, start, &mut peers);
         // Tell the peers that came why there is no answer, so they fail with rank 0's reason
         // rather than a closed socket.
         if let Err(e) = &result {
             let (tag, missing) = match e {
-                Error::RendezvousTimeout { missing, .. } => (1u64, missing.clone()),
-                _ => (2u64, Vec::new()),
+                Error::RendezvousTimeout { missing, .. } => (TIMED_OUT, missing.clone()),
+                _ => (GAVE_UP, Vec::new()),
             };
-            let mut frame = Vec::new();
-            frame.extend_from_slice(MAGIC);
-            frame.extend_from_slice(&u64::MAX.to_le_bytes());
-            frame.extend_from_slice(&tag.to_le_bytes());
-            frame.extend_from_slice(&(missing.len() as u64).to_le_bytes());
-            for r in missing {
-                frame.extend_from_slice(&(r as u64).to_le_bytes());
-            }
-            let text = e.to_string();
-            frame.extend_from_slice(&(text.len() as u64).to_le_bytes());
-            frame.extend_from_slice(text.as_bytes());
-            for (_, stream) in &mut peers {
-                let _ = stream.write_all(&frame);
+            let frame = failure_frame(tag, &missing, &e.to_string());
+            for peer in &mut peers {
+                let _ = peer.stream.write_all(&frame);
             }
         }
         result
+    }
+
+    /// Rank 0's side of the challenge on a new connection: the peer's hello, authenticated, or
+    /// why it is refused.
+    fn challenge(&self, stream: &mut TcpStream, start: Instant) -> std::io::Result<Peer> {
+        let left = self.remaining(start).unwrap_or_default().min(HANDSHAKE);
+        let left = left.max(Duration::from_millis(1));
+        stream.set_nonblocking(false)?;
+        stream.set_read_timeout(Some(left))?;
+        stream.set_write_timeout(Some(left))?;
+        let mut nonce = [0u8; NONCE];
+        getrandom::fill(&mut nonce).map_err(std::io::Error::other)?;
+        let mut greeting = MAGIC.to_vec();
+        greeting.extend_from_slice(&nonce);
+        stream.write_all(&greeting)?;
+        expect_magic(stream)?;
+        let peer_nonce: [u8; NONCE] = read_array(stream)?;
+        let header: [u8; 24] = read_array(stream)?;
+        let word = |i: usize| u64::from_le_bytes(header[8 * i..8 * i + 8].try_into().unwrap());
+        let blob = read_exact_vec(stream, word(2) as usize)?;
+        let tag: [u8; MAC] = read_array(stream)?;
+        if !self.verify(&[b"join", &nonce, &peer_nonce, &header, &blob], &tag) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!("its proof does not match this job's token ({TOKEN_VAR})"),
+            ));
+        }
+        stream.set_write_timeout(None)?;
+        Ok(Peer {
+            rank: word(0) as usize,
+            world: word(1) as usize,
+            blob,
+            nonce: peer_nonce,
+            stream: stream.try_clone()?,
+        })
     }
 
     fn collect(
@@ -218,23 +336,30 @@ impl TcpRendezvous {
         listener: &TcpListener,
         mine: &[u8],
         start: Instant,
-        peers: &mut Vec<(usize, TcpStream)>,
+        peers: &mut Vec<Peer>,
     ) -> Result<Vec<Vec<u8>>, Error> {
         let mut blobs: Vec<Option<Vec<u8>>> = vec![None; self.world_size];
         blobs[0] = Some(mine.to_vec());
         while blobs.iter().any(Option::is_none) {
             match listener.accept() {
-                Ok((mut stream, _)) => {
-                    stream.set_nonblocking(false).map_err(|e| self.io(e))?;
-                    let left = self
-                        .remaining(start)
-                        .ok_or_else(|| self.timeout_error(start, missing(&blobs)))?;
-                    stream
-                        .set_read_timeout(Some(left))
-                        .map_err(|e| self.io(e))?;
-                    let (rank, world, blob) = read_hello(&mut stream).map_err(|e| self.io(e))?;
+                Ok((mut stream, from)) => {
+                    if self.remaining(start).is_none() {
+                        return Err(self.timeout_error(start, missing(&blobs)));
+                    }
+                    let peer = match self.challenge(&mut stream, start) {
+                        Ok(peer) => peer,
+                        Err(e) => {
+                            // A stranger, garbage or a wrong token: refused, and the ranks
+                            // still missing are waited for.
+                            tracing::warn!(addr = self.addr, %from, "rendezvous refused a peer: {e}");
+                            let frame = failure_frame(REFUSED, &[], &e.to_string());
+                            let _ = stream.write_all(&frame);
+                            continue;
+                        }
+                    };
+                    let (rank, world) = (peer.rank, peer.world);
                     // Kept before checking, so a refused peer hears why.
-                    peers.push((rank, stream));
+                    peers.push(peer);
                     if world != self.world_size {
                         return Err(self.protocol(format!(
                             "rank {rank} says the world has {world} ranks, rank 0 says {}",
@@ -246,7 +371,7 @@ impl TcpRendezvous {
                             "a peer claims rank {rank}, which is taken or out of range"
                         )));
                     }
-                    blobs[rank] = Some(blob);
+                    blobs[rank] = Some(std::mem::take(&mut peers.last_mut().unwrap().blob));
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if self.remaining(start).is_none() {
@@ -258,15 +383,18 @@ impl TcpRendezvous {
             }
         }
         let blobs: Vec<Vec<u8>> = blobs.into_iter().map(Option::unwrap_or_default).collect();
-        let mut reply = Vec::new();
-        reply.extend_from_slice(MAGIC);
-        reply.extend_from_slice(&(blobs.len() as u64).to_le_bytes());
+        let mut body = Vec::new();
+        body.extend_from_slice(&(blobs.len() as u64).to_le_bytes());
         for blob in &blobs {
-            reply.extend_from_slice(&(blob.len() as u64).to_le_bytes());
-            reply.extend_from_slice(blob);
+            body.extend_from_slice(&(blob.len() as u64).to_le_bytes());
+            body.extend_from_slice(blob);
         }
-        for (_, stream) in peers.iter_mut() {
-            stream.write_all(&reply).map_err(|e| self.io(e))?;
+        for peer in peers.iter_mut() {
+            // Each answer proves rank 0 holds the token: the MAC of the peer's own nonce.
+            let mut reply = MAGIC.to_vec();
+            reply.extend_from_slice(&body);
+            reply.extend_from_slice(&self.mac(&[b"answer", &peer.nonce, &body]));
+            peer.stream.write_all(&reply).map_err(|e| self.io(e))?;
         }
         Ok(blobs)
     }
@@ -283,12 +411,25 @@ impl TcpRendezvous {
                 Err(_) => std::thread::sleep(Duration::from_millis(20)),
             }
         };
-        let mut hello = Vec::new();
-        hello.extend_from_slice(MAGIC);
+        // Rank 0's challenge, then this rank's hello and its proof.
+        let left = self.remaining(start).unwrap_or_default() + ANSWER_GRACE;
+        stream
+            .set_read_timeout(Some(left))
+            .map_err(|e| self.io(e))?;
+        let nonce: [u8; NONCE] = expect_magic(&mut stream)
+            .and_then(|()| read_array(&mut stream))
+            .map_err(|e| self.io(e))?;
+        let mut own = [0u8; NONCE];
+        getrandom::fill(&mut own).map_err(|e| self.io(std::io::Error::other(e)))?;
+        let mut header = Vec::new();
         for word in [self.rank, self.world_size, mine.len()] {
-            hello.extend_from_slice(&(word as u64).to_le_bytes());
+            header.extend_from_slice(&(word as u64).to_le_bytes());
         }
+        let mut hello = MAGIC.to_vec();
+        hello.extend_from_slice(&own);
+        hello.extend_from_slice(&header);
         hello.extend_from_slice(mine);
+        hello.extend_from_slice(&self.mac(&[b"join", &nonce, &own, &header, mine]));
         stream.write_all(&hello).map_err(|e| self.io(e))?;
         // Rank 0 decides: it answers with every blob, or, at its own deadline, with the ranks
         // that never came. Wait a grace period past that deadline so its verdict (which names
@@ -309,19 +450,36 @@ impl TcpRendezvous {
                     .collect::<std::io::Result<Vec<_>>>()?;
                 let len = read_u64(stream)? as usize;
                 let text = String::from_utf8_lossy(&read_exact_vec(stream, len)?).into_owned();
-                return Ok(Err(if tag == 1 {
-                    self.timeout_error(start, missing)
-                } else {
-                    self.protocol(format!("rank 0 gave up: {text}"))
+                return Ok(Err(match tag {
+                    TIMED_OUT => self.timeout_error(start, missing),
+                    REFUSED => self.protocol(format!(
+                        "rank 0 refused this rank: {text} (is {TOKEN_VAR} the same everywhere?)"
+                    )),
+                    _ => self.protocol(format!("rank 0 gave up: {text}")),
                 }));
             }
-            (0..n)
-                .map(|_| {
-                    let len = read_u64(stream)? as usize;
-                    read_exact_vec(stream, len)
-                })
-                .collect::<std::io::Result<Vec<_>>>()
-                .map(Ok)
+            if n != self.world_size as u64 {
+                return Ok(Err(self.protocol(format!(
+                    "rank 0 answered with {n} blobs for a world of {}",
+                    self.world_size
+                ))));
+            }
+            let mut body = n.to_le_bytes().to_vec();
+            let mut blobs = Vec::new();
+            for _ in 0..n {
+                let len = read_u64(stream)?;
+                let blob = read_exact_vec(stream, len as usize)?;
+                body.extend_from_slice(&len.to_le_bytes());
+                body.extend_from_slice(&blob);
+                blobs.push(blob);
+            }
+            let tag: [u8; MAC] = read_array(stream)?;
+            if !self.verify(&[b"answer", &own, &body], &tag) {
+                return Ok(Err(self.protocol(format!(
+                    "the answer does not prove this job's token ({TOKEN_VAR}): not rank 0"
+                ))));
+            }
+            Ok(Ok(blobs))
         };
         match read(&mut stream) {
             Ok(Err(e)) => Err(e),
@@ -362,6 +520,7 @@ impl Bootstrap for TcpRendezvous {
         if self.world_size == 1 {
             return Ok(vec![mine.to_vec()]);
         }
+        self.check_token()?;
         if self.rank == 0 {
             self.serve(mine, start)
         } else {
@@ -404,12 +563,43 @@ fn expect_magic(stream: &mut impl Read) -> std::io::Result<()> {
     Ok(())
 }
 
-fn read_hello(stream: &mut impl Read) -> std::io::Result<(usize, usize, Vec<u8>)> {
-    expect_magic(stream)?;
-    let rank = read_u64(stream)? as usize;
-    let world = read_u64(stream)? as usize;
-    let len = read_u64(stream)? as usize;
-    Ok((rank, world, read_exact_vec(stream, len)?))
+fn read_array<const N: usize>(stream: &mut impl Read) -> std::io::Result<[u8; N]> {
+    let mut bytes = [0u8; N];
+    stream.read_exact(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// A peer that passed rank 0's challenge: its hello, its nonce and its connection.
+struct Peer {
+    rank: usize,
+    world: usize,
+    blob: Vec<u8>,
+    nonce: [u8; NONCE],
+    stream: TcpStream,
+}
+
+/// Rank 0's failure frame: `tag`, the ranks missing, the reason.
+fn failure_frame(tag: u64, missing: &[usize], text: &str) -> Vec<u8> {
+    let mut frame = MAGIC.to_vec();
+    frame.extend_from_slice(&u64::MAX.to_le_bytes());
+    frame.extend_from_slice(&tag.to_le_bytes());
+    frame.extend_from_slice(&(missing.len() as u64).to_le_bytes());
+    for &r in missing {
+        frame.extend_from_slice(&(r as u64).to_le_bytes());
+    }
+    frame.extend_from_slice(&(text.len() as u64).to_le_bytes());
+    frame.extend_from_slice(text.as_bytes());
+    frame
+}
+
+/// Whether `addr` (`host:port`) names a loopback host.
+fn is_loopback(addr: &str) -> bool {
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// The groups a rank belongs to, in a fixed order every rank agrees on: each mesh axis's group,
@@ -802,11 +992,177 @@ mod tests {
             ("MASTER_PORT", "29500"),
             ("RANK", "1"),
             ("WORLD_SIZE", "4"),
+            ("WILDFIRE_RDZV_TOKEN", "s3cret"),
         ];
         let ok = TcpRendezvous::from_vars(vars(good), t).unwrap();
         assert_eq!(
             (ok.addr(), Bootstrap::rank(&ok), ok.world_size),
             ("node0:29500", 1, 4)
+        );
+    }
+
+    /// `rank`'s rendezvous at `addr` in a world of `world`, authenticated by `token`.
+    fn member(addr: &str, rank: usize, world: usize, token: &str) -> TcpRendezvous {
+        TcpRendezvous::new(addr, rank, world, Duration::from_secs(20))
+            .unwrap()
+            .with_token(Some(token))
+    }
+
+    /// A raw connection to rank 0's rendezvous (retried while it starts), its greeting read.
+    fn stranger(addr: &str) -> TcpStream {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut stream = loop {
+            match TcpStream::connect(addr) {
+                Ok(stream) => break stream,
+                Err(e) if Instant::now() > deadline => panic!("rank 0 never listened: {e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let greeting: [u8; 8 + NONCE] = read_array(&mut stream).unwrap();
+        assert_eq!(&greeting[..8], MAGIC);
+        stream
+    }
+
+    /// What rank 0 said to a refused connection: its reason.
+    fn refusal(stream: &mut TcpStream) -> String {
+        expect_magic(stream).unwrap();
+        assert_eq!(read_u64(stream).unwrap(), u64::MAX, "a failure frame");
+        assert_eq!(read_u64(stream).unwrap(), REFUSED);
+        assert_eq!(read_u64(stream).unwrap(), 0, "no missing ranks");
+        let len = read_u64(stream).unwrap() as usize;
+        String::from_utf8(read_exact_vec(stream, len).unwrap()).unwrap()
+    }
+
+    /// A rank with another job's token is refused (and told so), and rank 0 keeps waiting: the
+    /// rank with the right token joins afterwards and both get every blob.
+    #[test]
+    fn a_wrong_token_is_refused_and_the_right_rank_still_joins() {
+        let addr = format!("127.0.0.1:{}", free_port());
+        std::thread::scope(|s| {
+            let root = s.spawn(|| member(&addr, 0, 2, "job-a").all_gather_bytes(b"zero"));
+            let impostor = member(&addr, 1, 2, "job-b").all_gather_bytes(b"evil");
+            let Err(Error::RendezvousProtocol { reason, .. }) = &impostor else {
+                panic!("{impostor:?}");
+            };
+            assert!(
+                reason.contains("refused") && reason.contains(TOKEN_VAR),
+                "{reason}"
+            );
+            let joined = member(&addr, 1, 2, "job-a")
+                .all_gather_bytes(b"one")
+                .unwrap();
+            let expected = vec![b"zero".to_vec(), b"one".to_vec()];
+            assert_eq!(joined, expected);
+            assert_eq!(root.join().unwrap().unwrap(), expected);
+        });
+    }
+
+    /// Connections that are not ranks — garbage after the greeting, a hello claiming a
+    /// 2⁶⁴-byte blob, a hello whose proof is wrong — are each refused without a crash and without
+    /// ending the rendezvous; the real rank joins afterwards.
+    #[test]
+    fn garbage_and_huge_lengths_are_refused_without_stopping_the_rendezvous() {
+        let addr = format!("127.0.0.1:{}", free_port());
+        std::thread::scope(|s| {
+            let root = s.spawn(|| member(&addr, 0, 2, "t").all_gather_bytes(b"zero"));
+            let mut garbage = stranger(&addr);
+            garbage
+                .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
+            assert!(refusal(&mut garbage).contains("not a Wildfire rendezvous peer"));
+            let mut huge = stranger(&addr);
+            let mut hello = MAGIC.to_vec();
+            hello.extend_from_slice(&[7; NONCE]);
+            for word in [1u64, 2, u64::MAX] {
+                hello.extend_from_slice(&word.to_le_bytes());
+            }
+            huge.write_all(&hello).unwrap();
+            assert!(refusal(&mut huge).contains("at most 1 MiB"));
+            let mut forged = stranger(&addr);
+            let mut hello = MAGIC.to_vec();
+            hello.extend_from_slice(&[7; NONCE]);
+            for word in [1u64, 2, 3] {
+                hello.extend_from_slice(&word.to_le_bytes());
+            }
+            hello.extend_from_slice(b"one");
+            hello.extend_from_slice(&[0; MAC]);
+            forged.write_all(&hello).unwrap();
+            assert!(refusal(&mut forged).contains(TOKEN_VAR));
+            let joined = member(&addr, 1, 2, "t").all_gather_bytes(b"one").unwrap();
+            assert_eq!(joined, vec![b"zero".to_vec(), b"one".to_vec()]);
+            assert_eq!(root.join().unwrap().unwrap(), joined);
+        });
+    }
+
+    /// A listener that answers a rank's hello in the protocol's shape but without the token's
+    /// proof is not taken for rank 0.
+    #[test]
+    fn an_answer_without_the_tokens_proof_is_not_rank_zeros() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let (mut stream, _) = listener.accept().unwrap();
+                let mut greeting = MAGIC.to_vec();
+                greeting.extend_from_slice(&[1; NONCE]);
+                stream.write_all(&greeting).unwrap();
+                let _hello: [u8; 8 + NONCE + 24 + 3 + MAC] = read_array(&mut stream).unwrap();
+                let mut answer = MAGIC.to_vec();
+                answer.extend_from_slice(&2u64.to_le_bytes());
+                for blob in [&b"fake"[..], b"one"] {
+                    answer.extend_from_slice(&(blob.len() as u64).to_le_bytes());
+                    answer.extend_from_slice(blob);
+                }
+                answer.extend_from_slice(&[0; MAC]);
+                stream.write_all(&answer).unwrap();
+            });
+            let result = member(&addr, 1, 2, "t").all_gather_bytes(b"one");
+            let Err(Error::RendezvousProtocol { reason, .. }) = &result else {
+                panic!("{result:?}");
+            };
+            assert!(reason.contains("not rank 0"), "{reason}");
+        });
+    }
+
+    /// Without `WILDFIRE_RDZV_TOKEN` only a loopback address is accepted; on any other the
+    /// error names the variable, before any connection.
+    #[test]
+    fn without_a_token_only_loopback_is_accepted() {
+        let t = Duration::from_secs(1);
+        let vars = |host: &'static str, token: Option<&'static str>| {
+            move |name: &str| match name {
+                "MASTER_ADDR" => Some(host.to_string()),
+                "MASTER_PORT" => Some("29500".into()),
+                "RANK" => Some("1".into()),
+                "WORLD_SIZE" => Some("2".into()),
+                TOKEN_VAR => token.map(str::to_string),
+                _ => None,
+            }
+        };
+        for host in ["node0", "10.1.2.3", "[fe80::1]"] {
+            let err = TcpRendezvous::from_vars(vars(host, None), t).unwrap_err();
+            assert!(
+                matches!(err, Error::RendezvousEnv { var: TOKEN_VAR, .. }),
+                "{host}: {err}"
+            );
+            assert!(TcpRendezvous::from_vars(vars(host, Some("x")), t).is_ok());
+            // An empty token is none.
+            assert!(TcpRendezvous::from_vars(vars(host, Some("")), t).is_err());
+        }
+        for host in ["127.0.0.1", "localhost", "[::1]", "127.3.0.9"] {
+            assert!(
+                TcpRendezvous::from_vars(vars(host, None), t).is_ok(),
+                "{host}"
+            );
+        }
+        let off_loopback = TcpRendezvous::new("10.1.2.3:29500", 1, 2, t).unwrap();
+        let err = off_loopback.all_gather_bytes(b"x").unwrap_err();
+        assert!(
+            matches!(err, Error::RendezvousEnv { var: TOKEN_VAR, .. }),
+            "{err}"
         );
     }
 }
