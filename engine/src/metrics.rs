@@ -53,6 +53,11 @@ pub struct StepMetrics {
     /// and gradients, with their headers).
     #[serde(default)]
     pub p2p_sent_bytes: u64,
+    /// Weight gradients the zero-bubble schedule deferred from a backward into a weight pass,
+    /// over every rank of the mesh (`--pp-schedule zb`, where every stage but the first splits
+    /// its backward; 0 otherwise).
+    #[serde(default)]
+    pub deferred_weight_grads: u64,
     /// Validation loss, on evaluation steps.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f32>,
@@ -230,6 +235,7 @@ impl StepWatch {
             process_peak_rss: peak_rss(),
             comm_bytes: stats.total_bytes(),
             p2p_sent_bytes: stats.bytes(wildfire_parallel::CollectiveKind::Send),
+            deferred_weight_grads: record.deferred_weight_grads as u64,
             val_loss: None,
             router: None,
         };
@@ -315,17 +321,38 @@ pub fn mean_where_held(
     sum: f64,
     count: usize,
 ) -> Result<f32, wildfire_parallel::Error> {
+    let out = sum_over_world(ctx, vec![sum, count as f64])?;
+    Ok((out[0] / out[1].max(1.0)) as f32)
+}
+
+/// [`mean_where_held`], and `total` summed over every rank of the mesh in the same call (a
+/// pipeline step's deferred weight gradients, which only some stages defer).
+pub fn mean_where_held_and_total(
+    ctx: &wildfire_parallel::RankContext,
+    sum: f64,
+    count: usize,
+    total: f64,
+) -> Result<(f32, f64), wildfire_parallel::Error> {
+    let out = sum_over_world(ctx, vec![sum, count as f64, total])?;
+    Ok(((out[0] / out[1].max(1.0)) as f32, out[2]))
+}
+
+/// `values` summed element by element over every rank of the mesh (one all-reduce).
+fn sum_over_world(
+    ctx: &wildfire_parallel::RankContext,
+    values: Vec<f64>,
+) -> Result<Vec<f64>, wildfire_parallel::Error> {
     use wildfire_parallel::{Group, ReduceOp};
     if ctx.world_size() == 1 {
-        return Ok((sum / count.max(1) as f64) as f32);
+        return Ok(values);
     }
-    let data = burn::tensor::TensorData::new(vec![sum, count as f64], [2]);
-    let out = ctx
+    let n = values.len();
+    let data = burn::tensor::TensorData::new(values, [n]);
+    Ok(ctx
         .comm()
         .all_reduce(Group::World, data, ReduceOp::Sum)?
         .to_vec::<f64>()
-        .expect("f64");
-    Ok((out[0] / out[1].max(1.0)) as f32)
+        .expect("f64"))
 }
 
 /// The process's peak resident memory in bytes (`VmHWM` of `/proc/self/status`; 0 where there

@@ -239,7 +239,13 @@ impl StepRunner {
             &skip,
             Some(ctx.clone()),
         )?;
-        let loss = crate::metrics::mean_where_held(&ctx, loss_sum, out.losses.len())?;
+        // The loss over the last stages, and the weight gradients deferred over every rank.
+        let (loss, deferred) = crate::metrics::mean_where_held_and_total(
+            &ctx,
+            loss_sum,
+            out.losses.len(),
+            out.deferred as f64,
+        )?;
         let sync_peak = ctx.phase_peak_bytes();
         let (chunks, mut step) =
             self.conclude(device, chunks, grads, optims, lr, check, scale, loss)?;
@@ -258,6 +264,7 @@ impl StepRunner {
             microbatches,
         );
         step.router = routers.record()?;
+        step.deferred_weight_grads = deferred as usize;
         Ok((
             chunks,
             PipelineRecord {

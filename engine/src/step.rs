@@ -67,6 +67,10 @@ pub struct StepRecord {
     pub router: Option<RouterRecord>,
     /// The peak of this rank's live bytes in each phase of the step.
     pub phases: PhasePeaks,
+    /// Weight gradients the zero-bubble schedule deferred from a backward (`I`) to a weight
+    /// pass (`W`) and computed there, over every rank of the mesh (0 under other schedules and
+    /// without a pipeline).
+    pub deferred_weight_grads: usize,
 }
 
 /// The peak of a rank's live device bytes (the decorator's accounting) in each phase of a step;
@@ -382,6 +386,7 @@ impl StepRunner {
                     optimizer,
                     ..PhasePeaks::default()
                 },
+                deferred_weight_grads: 0,
             },
         ))
     }

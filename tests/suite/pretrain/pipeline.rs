@@ -152,7 +152,10 @@ fn pipeline_dropout_matches_one_rank() {
 /// within 1e-5, and every-2 holds fewer activation bytes than keeping everything. On
 /// dp 2 × pp 2 × tp 2 with FullShard (a backward's passes take turns with the other stage
 /// groups) every-2 matches the same layout without the pipeline within 1e-5. A text sampled at
-/// the end through the stages (`--sample-tokens`) is one rank's text.
+/// the end through the stages (`--sample-tokens`) is one rank's text. Under ZB-H1 the step
+/// record counts the weight gradients deferred into the weight passes (the second stage's: the
+/// first runs whole backwards), above zero and the same every step; 1F1B and interleaved defer
+/// none.
 #[test]
 fn pipeline_stages_recompute_as_one_device() {
     let base = four_layers_with_dropout();
@@ -185,6 +188,17 @@ fn pipeline_stages_recompute_as_one_device() {
             let what = format!("{schedule} {recompute:?}");
             same_run(&what, &got, &expected, 1e-5);
             assert_eq!(got.sample, expected.sample, "{what}: sampled text");
+            // The step record counts the weight gradients ZB-H1 deferred from its backward
+            // passes into its weight passes, the same every step; the others defer none.
+            let deferred: Vec<u64> = got.steps.iter().map(|m| m.deferred_weight_grads).collect();
+            if schedule == "zb" {
+                assert!(
+                    deferred[0] > 0 && deferred.iter().all(|&d| d == deferred[0]),
+                    "{what}: {deferred:?}"
+                );
+            } else {
+                assert!(deferred.iter().all(|&d| d == 0), "{what}: {deferred:?}");
+            }
             if recompute == Recompute::EveryNth(2) && schedule == "1f1b" {
                 let peak = |r: &RunSummary| r.steps.iter().map(|m| m.peak_bytes).max().unwrap();
                 assert!(
@@ -225,6 +239,13 @@ fn pipeline_stages_recompute_as_one_device() {
     })
     .unwrap();
     same_run("dp2 pp2 tp2 FullShard every-2", &got, &unpipelined, 1e-5);
+    assert!(got.steps.iter().all(|m| m.deferred_weight_grads > 0));
+    assert!(
+        unpipelined
+            .steps
+            .iter()
+            .all(|m| m.deferred_weight_grads == 0)
+    );
 }
 
 /// Recomputation with gradient accumulation, dropout on: every policy gives bitwise the losses
