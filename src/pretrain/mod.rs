@@ -68,6 +68,10 @@ pub struct RunSummary {
     /// Per checkpoint saved: the seconds on the step's path (taking the pieces) and the
     /// seconds rank 0's background thread took to write and commit.
     pub saves: Vec<(f64, f64)>,
+    /// Per checkpoint saved: the seconds the step's path waited first for the previous save's
+    /// background write (0 when it was done, and for the first); in the wall clock's
+    /// `save_wait`.
+    pub save_waits: Vec<f64>,
     /// The model shape.
     pub model: Option<ModelConfig>,
     /// The rank this summary comes from (0, except on the other processes of an MPI job).
@@ -114,6 +118,9 @@ pub struct WallClock {
     pub eval: f64,
     /// Checkpoints: taking the pieces on the step's path, and waiting for the writes at the end.
     pub checkpoint: f64,
+    /// Checkpoints: a save waiting, on the step's path, for the previous save's background
+    /// write to finish (saves closer together than a write takes).
+    pub save_wait: f64,
     /// After the loop: gathering the parameters, the sample, the plot, the trace, the export.
     pub end: f64,
     /// Everything, from the call to its return.
@@ -122,7 +129,7 @@ pub struct WallClock {
 
 impl WallClock {
     /// The measured parts, named as the log line names them (every field but the total).
-    pub fn parts(&self) -> [(&'static str, f64); 8] {
+    pub fn parts(&self) -> [(&'static str, f64); 9] {
         [
             ("plan", self.plan),
             ("data", self.data),
@@ -131,6 +138,7 @@ impl WallClock {
             ("steps", self.steps),
             ("eval", self.eval),
             ("checkpoints", self.checkpoint),
+            ("save wait", self.save_wait),
             ("end", self.end),
         ]
     }

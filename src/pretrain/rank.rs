@@ -187,6 +187,9 @@ impl RankRun<'_> {
             )?),
             None => None,
         };
+        // The process's peaks once every rank's setup is done (ranks as threads share the
+        // process: rank 0 reading them alone would read them early).
+        ctx.comm().barrier(wildfire_parallel::Group::World)?;
         let mut summary = RunSummary::at_setup();
         summary.wall.build = self.started.elapsed().as_secs_f64();
         let reporter = (rank == 0).then(|| self.reporter());
@@ -255,6 +258,21 @@ impl RankRun<'_> {
                 // This rank's pieces are held (the part on the step's path: no copy), then read
                 // out and written in the background while training goes on; rank 0 adds the run
                 // state and commits. No collective runs.
+                // The previous save's write first: a wait here is on the step's path.
+                let started = Instant::now();
+                let waited = match writer.wait()? {
+                    Some(_) => started.elapsed().as_secs_f64(),
+                    None => 0.0, // no save before this one
+                };
+                if waited > 0.01 {
+                    tracing::info!(
+                        step,
+                        "checkpoint: waited {waited:.2} s for the previous save's write \
+                         (saves closer together than a write takes)"
+                    );
+                }
+                summary.save_waits.push(waited);
+                summary.wall.save_wait += waited;
                 let taken = Instant::now();
                 let snapshot = trainee.snapshot()?;
                 let copy = taken.elapsed().as_secs_f64();
@@ -275,6 +293,8 @@ impl RankRun<'_> {
             }
         }
         let end_started = Instant::now();
+        // Likewise at the end: every rank's last step and checkpoint written.
+        ctx.comm().barrier(wildfire_parallel::Group::World)?;
         self.finish(&mut summary, rank, member);
         summary.prefetch = ctx.prefetch_stats();
         let counters = ctx.counters();

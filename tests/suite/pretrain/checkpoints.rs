@@ -91,6 +91,20 @@ fn wall_clock_adds_up(run: &RunSummary, what: &str) {
         sum <= w.total,
         "{what}: the parts ({sum} s) exceed the total: {w:?}"
     );
+    // Each save's wait for the previous save's write is its own figure, none before the first,
+    // and the wall clock's `save wait` is their sum.
+    assert_eq!(run.save_waits.len(), run.saves.len(), "{what}");
+    assert!(!run.saves.is_empty(), "{what}: no checkpoint saved");
+    assert_eq!(
+        run.save_waits[0], 0.0,
+        "{what}: a wait before the first save"
+    );
+    assert!(run.save_waits.iter().all(|&s| s >= 0.0), "{what}");
+    let waits: f64 = run.save_waits.iter().sum();
+    assert!(
+        (waits - w.save_wait).abs() < 1e-9,
+        "{what}: {waits} s, {w:?}"
+    );
     // The step times are those the metrics report (tokens of a global batch of 4 rows).
     let tokens = 4 * run.model.as_ref().unwrap().block_size();
     let reported: f64 = run
