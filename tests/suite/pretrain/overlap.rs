@@ -452,3 +452,71 @@ fn ddp_buckets_reduce_as_gradients_are_born() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Gradient reductions are issued while backward runs: in the trace of every rank, each step's
+/// backward region holds the issue (the begin event, not the duration, so it holds on any number
+/// of cores) of some of the step's reduce-scatters (FSDP) or bucket all-reduces (DDP with small
+/// buckets, `--reduce-in-flight 2`, from the second step: the first learns the buckets). The
+/// control: DDP without buckets all-reduces after backward, none issued inside it.
+#[test]
+fn gradient_reductions_are_issued_before_backward_ends() {
+    let dir = scratch("issued-in-backward");
+    for (fsdp, kind, bucket_mb) in [
+        (FsdpStrategy::FullShard, "ReduceScatter", 25.0),
+        (FsdpStrategy::NoShard, "AllReduce", 0.01),
+        (FsdpStrategy::NoShard, "AllReduce", 0.0),
+    ] {
+        let what = format!("{fsdp:?} {kind} buckets {bucket_mb} MiB");
+        let path = dir.join(format!("{fsdp:?}-{bucket_mb}.json"));
+        run(&PretrainConfig {
+            parallel: ParallelConfig::layout(2, 1, fsdp, None),
+            reduce_in_flight: 2,
+            bucket_mb,
+            eval_iters: 0,
+            trace: Some(path.clone()),
+            ..small(3)
+        })
+        .unwrap();
+        let trace: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let events = trace["traceEvents"].as_array().unwrap();
+        for rank in 0..2u64 {
+            let mine = |e: &&serde_json::Value| {
+                let tid = e["tid"].as_u64();
+                tid == Some(rank) || tid == Some(1000 + rank)
+            };
+            let backward: Vec<(f64, f64)> = events
+                .iter()
+                .filter(mine)
+                .filter(|e| e["ph"] == "X" && e["name"] == "backward")
+                .map(|e| {
+                    let ts = e["ts"].as_f64().unwrap();
+                    (ts, ts + e["dur"].as_f64().unwrap())
+                })
+                .collect();
+            assert_eq!(backward.len(), 3, "{what}: rank {rank}'s backward regions");
+            let issued: Vec<f64> = events
+                .iter()
+                .filter(mine)
+                .filter(|e| e["cat"] == "collective" && e["ph"] == "B" && e["name"] == kind)
+                .map(|e| e["ts"].as_f64().unwrap())
+                .collect();
+            for (step, &(start, end)) in backward.iter().enumerate() {
+                let inside = issued.iter().filter(|&&t| start <= t && t < end).count();
+                if bucket_mb == 0.0 && fsdp == FsdpStrategy::NoShard {
+                    assert_eq!(inside, 0, "{what}: rank {rank} step {step}");
+                } else if step > 0 || fsdp == FsdpStrategy::FullShard {
+                    // (DDP's first step only watches the gradients' order, as PyTorch DDP
+                    // rebuilds its buckets after the first iteration.)
+                    assert!(
+                        inside > 0,
+                        "{what}: rank {rank} step {step}: none of {} issued in backward \
+                         [{start}, {end}]",
+                        issued.len()
+                    );
+                }
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
