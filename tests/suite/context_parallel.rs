@@ -186,17 +186,13 @@ where
 /// Prints the largest relative loss difference and the largest parameter difference (relative
 /// to its tensor's scale, with the tensor's index).
 fn report(what: &str, l: &[f32], losses: &[f32], p: &[Vec<f32>], params: &[Vec<f32>]) {
-    let loss = l
-        .iter()
-        .zip(losses)
+    let loss = crate::suite::pairs(l, losses)
         .map(|(a, b)| (a - b).abs() / b.abs())
         .fold(0f32, f32::max);
     let (mut worst, mut at) = (0f32, 0);
-    for (i, (x, y)) in p.iter().zip(params).enumerate() {
+    for (i, (x, y)) in crate::suite::pairs(p, params).enumerate() {
         let scale = y.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let d = x
-            .iter()
-            .zip(y)
+        let d = crate::suite::pairs(x, y)
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max)
             / scale;

@@ -118,7 +118,7 @@ fn plain_run(model: Model) -> (TrainLog, Vec<Vec<f32>>) {
 
 fn assert_close(what: &str, got: &[f32], expected: &[f32], rel: f32) {
     assert_eq!(got.len(), expected.len(), "{what}: lengths");
-    for (i, (a, b)) in got.iter().zip(expected).enumerate() {
+    for (i, (a, b)) in crate::suite::pairs(got, expected).enumerate() {
         assert!(
             (a - b).abs() <= rel * b.abs().max(1e-3),
             "{what}[{i}]: {a} vs {b} (relative {})",

@@ -453,7 +453,7 @@ fn fused_optimizer_tail_follows_burn_adamw() {
             (burn, fused)
         });
         for (rank, (burn, fused)) in out.iter().enumerate() {
-            for (s, ((a, pa), (b, pb))) in burn.iter().zip(fused).enumerate() {
+            for (s, ((a, pa), (b, pb))) in crate::suite::pairs(burn, fused).enumerate() {
                 let what = format!("{strategy:?} rank {rank} step {s}");
                 assert_eq!(
                     (a.skipped, a.loss_scale),
@@ -477,7 +477,7 @@ fn fused_optimizer_tail_follows_burn_adamw() {
                     // Clipping is active (the norm is above 0.05).
                     assert!(a.grad_norm > 0.05, "{what}");
                 }
-                for (i, (p, q)) in pb.iter().zip(pa).enumerate() {
+                for (i, (p, q)) in crate::suite::pairs(pb, pa).enumerate() {
                     super::close(&format!("{what} param {i}"), p, q);
                 }
             }

@@ -21,9 +21,7 @@ fn data<B: burn::tensor::backend::Backend, const D: usize>(t: Tensor<B, D>) -> V
 fn close_tol(what: &str, got: &[f32], expected: &[f32], tol: f32) {
     assert_eq!(got.len(), expected.len(), "{what}: lengths");
     let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    let worst = got
-        .iter()
-        .zip(expected)
+    let worst = crate::suite::pairs(got, expected)
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
     // An absolute floor for outputs near 0 computed from O(1) inputs: 4e-6 in f32 (≈ 32 ulps at
@@ -689,7 +687,7 @@ fn swiglu_and_rope_under_distributed_equal_one_device() {
         })
         .unwrap();
         for rank in got {
-            for (i, (got, want)) in rank.iter().zip(&one).enumerate() {
+            for (i, (got, want)) in crate::suite::pairs(&rank, &one).enumerate() {
                 assert_eq!(
                     got, want,
                     "output {i}, splits {gate_split:?} {up_split:?} {x_split:?}"
@@ -1048,9 +1046,7 @@ fn blockwise_quantisation_on_flex_is_the_burn_op_form() {
             "dequantised"
         );
         // The round trip is close: within half a step of the map at each value's scale.
-        let worst = bh
-            .iter()
-            .zip(&x)
+        let worst = crate::suite::pairs(&bh, &x)
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         assert!(

@@ -392,7 +392,7 @@ fn learner_resumes_from_its_distributed_checkpoint() {
         move |r: LearnerRank<Flex>| r.with_checkpoints(&root).resume_from(1)
     };
     let resumed = sharded(2, fsdp, 2, "resumed", &resuming).unwrap();
-    for (rank, (got, all)) in resumed.train.iter().zip(&straight.train).enumerate() {
+    for (rank, (got, all)) in crate::suite::pairs(&resumed.train, &straight.train).enumerate() {
         same_bits(
             &format!("rank {rank}: losses after the resume"),
             got,
@@ -467,11 +467,8 @@ fn learner_clips_by_the_global_norm_over_the_mesh() {
     close("clipped: loss", &fsdp.global_losses(), &one.train[0], 1e-5);
     tensors_close("clipped", &fsdp.parameters, &one.parameters, 1e-5);
     let unclipped = sharded(1, Layout::Ddp, 1, "clip-none", |r| r).unwrap();
-    let moved = one
-        .parameters
-        .iter()
-        .zip(&unclipped.parameters)
-        .flat_map(|(a, b)| a.iter().zip(b))
+    let moved = crate::suite::pairs(&one.parameters, &unclipped.parameters)
+        .flat_map(|(a, b)| crate::suite::pairs(a, b))
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
     assert!(

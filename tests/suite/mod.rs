@@ -6,7 +6,7 @@
 pub(crate) fn close(what: &str, got: &[f32], expected: &[f32]) {
     assert_eq!(got.len(), expected.len(), "{what}");
     let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    for (i, (a, b)) in got.iter().zip(expected).enumerate() {
+    for (i, (a, b)) in pairs(got, expected).enumerate() {
         assert!(
             (a - b).abs() <= 1e-5 * scale,
             "{what}[{i}]: {a} vs {b} (scale {scale})"
@@ -31,7 +31,7 @@ pub(crate) fn tensors_close(what: &str, got: &[Vec<f32>], expected: &[Vec<f32>],
     for (i, (p, q)) in pairs(got, expected).enumerate() {
         assert_eq!(p.len(), q.len(), "{what}: tensor {i}");
         let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
-        for (x, y) in p.iter().zip(q) {
+        for (x, y) in pairs(p, q) {
             assert!(
                 (x - y).abs() <= tol * scale,
                 "{what}: tensor {i}: {x} vs {y} (scale {scale})"

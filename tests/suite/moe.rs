@@ -81,10 +81,10 @@ fn grads_of(
 
 fn close(what: &str, got: &[Vec<f32>], expected: &[Vec<f32>]) {
     assert_eq!(got.len(), expected.len(), "{what}");
-    for (i, (a, b)) in got.iter().zip(expected).enumerate() {
+    for (i, (a, b)) in crate::suite::pairs(got, expected).enumerate() {
         assert_eq!(a.len(), b.len(), "{what}: parameter {i}");
         let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
-        for (x, y) in a.iter().zip(b) {
+        for (x, y) in crate::suite::pairs(a, b) {
             assert!(
                 (x - y).abs() <= 1e-5 * scale,
                 "{what}: parameter {i}: {x} vs {y} (scale {scale})"
@@ -147,10 +147,8 @@ fn auxiliary_losses_reach_backward_weighted_as_the_loss() {
     let loss = model.loss_with(x, y, &hooks);
     let total = hooks.aux.take().into_iter().fold(loss, |l, a| l + a);
     let with_aux = grads_of(&model, &total.backward());
-    let differ = plain
-        .iter()
-        .zip(&with_aux)
-        .filter(|(a, b)| a.iter().zip(b.iter()).any(|(x, y)| (x - y).abs() > 1e-6))
+    let differ = crate::suite::pairs(&plain, &with_aux)
+        .filter(|(a, b)| crate::suite::pairs(a, b).any(|(x, y)| (x - y).abs() > 1e-6))
         .count();
     assert!(differ > 0, "the auxiliary terms change some gradient");
 }
@@ -339,6 +337,7 @@ fn expert_parallel_block_matches_one_device_and_moves_the_routed_rows() {
                 "{what}: every member got a row"
             );
         }
+        assert_eq!(runs.len(), reference.len(), "{what}: ranks");
         for (rank, ((got, (calls, bytes)), want)) in runs.iter().zip(&reference).enumerate() {
             let what = format!("{what}, rank {rank}");
             assert_eq!(got.kept, want.kept, "{what}: routing");

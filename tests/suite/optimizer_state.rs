@@ -458,7 +458,7 @@ fn bf16_adamw_moments_follow_the_rounded_formula() {
         }
         close(&format!("step {s}: parameter"), w, &ep);
         for (what, got, expected, terms) in [("m", m1, &em, &m_terms), ("v", m2, &ev, &v_terms)] {
-            for (i, (a, b)) in got.iter().zip(expected.iter()).enumerate() {
+            for (i, (a, b)) in crate::suite::pairs(got, expected).enumerate() {
                 assert!(
                     (a - b).abs() <= terms[i] / 128.0,
                     "step {s}: {what}[{i}]: {a} vs {b}: more than one bf16 step apart"

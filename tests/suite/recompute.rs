@@ -173,14 +173,20 @@ fn attention_backward_matches_burn_autodiff() {
     let (y, g) = run("op");
     let (y_sel, g_sel) = run("selective");
     close("attention output", &y, &y_ref);
-    for (name, (a, r)) in ["dq", "dk", "dv"].iter().zip(g.iter().zip(&g_ref)) {
+    for (name, (a, r)) in ["dq", "dk", "dv"]
+        .iter()
+        .zip(crate::suite::pairs(&g, &g_ref))
+    {
         close(name, a, r);
     }
     assert_eq!(y, y_sel);
     assert_eq!(g, g_sel);
     let (y_packed, g_packed) = run("packed");
     close("packed attention output, dropout on", &y_packed, &y_ref);
-    for (name, (a, r)) in ["dq", "dk", "dv"].iter().zip(g_packed.iter().zip(&g_ref)) {
+    for (name, (a, r)) in ["dq", "dk", "dv"]
+        .iter()
+        .zip(crate::suite::pairs(&g_packed, &g_ref))
+    {
         close(name, a, r);
     }
 }
@@ -228,6 +234,7 @@ fn policies_are_bitwise_identical_under_full_shard() {
     });
     for per_rank in out {
         let (loss, grads, gathers) = &per_rank[0];
+        assert_eq!(per_rank.len(), POLICIES.len(), "a run per policy");
         for (policy, (l, g, _)) in POLICIES.iter().zip(&per_rank).skip(1) {
             assert_eq!(l, loss, "{policy}: loss");
             assert!(g == grads, "{policy}: gradient shards differ");

@@ -461,6 +461,7 @@ fn sequence_parallel_matches_tensor_parallel_and_shards_activations() {
                 close(&format!("{what} gradient {i}"), a, b);
             }
         };
+    assert_eq!(keep.len(), tp.len(), "a flag per step");
     for ((t, s), k) in crate::suite::pairs(&tp, &sp).zip(&keep) {
         same_values("sp", (s.0, &s.1), (t.0, &t.1));
         assert!(s.2 < t.2, "kept for backward: sp {} vs tp {}", s.2, t.2);

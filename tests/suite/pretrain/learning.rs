@@ -72,7 +72,7 @@ fn data_parallel_matches_one_rank() {
             assert!(s.comm_bytes > 0, "dp={dp}: no gradient traffic recorded");
         }
         for (p, q) in pairs(&many.parameters, &one.parameters) {
-            for (x, y) in p.iter().zip(q) {
+            for (x, y) in pairs(p, q) {
                 assert!(
                     (x - y).abs() <= 1e-4 * y.abs().max(1e-2),
                     "dp={dp} parameter {x} vs {y}"

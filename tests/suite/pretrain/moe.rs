@@ -49,7 +49,7 @@ fn same_routing(what: &str, got: &RunSummary, reference: &RunSummary) {
         routed(reference),
         "{what}: the routers' counts"
     );
-    for (a, b) in got.steps.iter().zip(&reference.steps) {
+    for (a, b) in crate::suite::pairs(&got.steps, &reference.steps) {
         let (x, y) = (a.router.as_ref().unwrap(), b.router.as_ref().unwrap());
         assert!(
             (x.aux_loss - y.aux_loss).abs() <= 1e-5 * y.aux_loss,
@@ -240,11 +240,7 @@ fn moe_capacity_drops_and_the_auxiliary_losses_train() {
     assert_eq!(off.steps[0].router.as_ref().unwrap().aux_loss, 0.0);
     // The first step's loss is the model's alone either way; the updates differ.
     assert_eq!(off.steps[0].loss, one.steps[0].loss);
-    let moved = one
-        .parameters
-        .iter()
-        .zip(&off.parameters)
-        .any(|(a, b)| a != b);
+    let moved = crate::suite::pairs(&one.parameters, &off.parameters).any(|(a, b)| a != b);
     assert!(moved, "the auxiliary losses change the parameters");
 }
 
@@ -280,7 +276,7 @@ fn moe_llama_resumes_bitwise() {
     .unwrap();
     let tail = &straight.steps[2..];
     assert_eq!(resumed.steps.len(), tail.len());
-    for (a, b) in resumed.steps.iter().zip(tail) {
+    for (a, b) in crate::suite::pairs(&resumed.steps, tail) {
         assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "step {}", a.step);
         assert_eq!(a.router, b.router, "step {}", a.step);
     }

@@ -326,7 +326,7 @@ fn fsdp_prefetch_changes_nothing_but_timing() {
         let bytes = |s: &RunSummary| s.steps.iter().map(|m| m.comm_bytes).collect::<Vec<_>>();
         for (other, how) in [(&ahead, "ahead"), (&staged, "staged")] {
             assert_eq!(losses(&plain), losses(other), "{what} {how}: losses");
-            for (a, b) in plain.parameters.iter().zip(&other.parameters) {
+            for (a, b) in pairs(&plain.parameters, &other.parameters) {
                 assert_eq!(bits(a), bits(b), "{what} {how}: parameters");
             }
             assert_eq!(bytes(&plain), bytes(other), "{what} {how}: bytes per step");
@@ -412,7 +412,7 @@ fn ddp_buckets_reduce_as_gradients_are_born() {
         let bytes = |s: &RunSummary| s.steps.iter().map(|m| m.comm_bytes).collect::<Vec<_>>();
         for (bucketed, how) in [(&blocking, "blocking"), (&overlapped, "overlapped")] {
             assert_eq!(losses(bucketed), losses(&plain), "{what} {how}: losses");
-            for (a, b) in bucketed.parameters.iter().zip(&plain.parameters) {
+            for (a, b) in pairs(&bucketed.parameters, &plain.parameters) {
                 assert_eq!(bits(a), bits(b), "{what} {how}: parameters");
             }
             assert_eq!(
