@@ -24,8 +24,8 @@
 //! 2025, §2.3) — and the state (the buffer `B`) stays sharded like AdamW's moments. Who then runs
 //! the iteration is [`MuonSplit`]:
 //!
-//! - `Owner` (the default): **per owner rank**, as torchtitan's and Dion's distributed Muon
-//!   assign each matrix to one rank. The hidden matrices, in the module's order, are taken `n` at
+//! - `Owner` (the default): **per owner rank**, each matrix orthogonalised by one rank, as
+//!   Dion's distributed Muon (microsoft/dion) splits the matrices among ranks. The hidden matrices, in the module's order, are taken `n` at
 //!   a time for the `n` members of the first data-parallel axis; in each round the `n` gathers
 //!   run back to back and member `j` keeps the whole `U` of the round's `j`-th matrix, the
 //!   members run their iterations side by side, then member `j` broadcasts its result and
