@@ -141,8 +141,7 @@ pub struct HostGather<B: Backend> {
     pub call: super::Call,
     /// This member's buffer.
     pub data: TensorData,
-    /// How the gathered buffer becomes a device tensor (it counts the upload): call it where
-    /// the transfer overlaps the caller's compute.
+    /// How the gathered buffer becomes a device tensor (on the thread that waits for it).
     pub upload: Box<dyn FnOnce(TensorData) -> FloatTensor<B> + Send>,
 }
 
@@ -409,7 +408,7 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
     }
 
     /// Queued: the host buffer goes to the communication thread as it is, the result is
-    /// uploaded there. Not queued: the call runs now on the host buffer.
+    /// uploaded when waited for. Not queued: the call runs now on the host buffer.
     fn issue_all_gather_from_host(
         self: Arc<Self>,
         gather: HostGather<B>,
@@ -422,8 +421,8 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
                 result.map(|r| upload(super::returned(r))),
             ));
         };
-        let pending = queue.issue_then(call, Some(data), upload);
-        Ok(DeviceIssued::new(move || pending.wait()))
+        let pending = queue.issue(call, Some(data));
+        Ok(DeviceIssued::new(move || pending.wait_data().map(upload)))
     }
 
     fn issue(

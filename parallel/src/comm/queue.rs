@@ -40,16 +40,12 @@ enum Work {
     Exchange { to: usize, from: usize },
 }
 
-/// Where a job's result goes: run on the communication thread once the calls completed (a
-/// [`CommQueue::issue_then`] job's finishing step first, then the send to the waiter).
-type Done = Box<dyn FnOnce(Result<Option<TensorData>, Error>) + Send>;
-
 /// One issued job and where its result goes.
 struct Job {
     work: Work,
     data: Option<TensorData>,
     issued: Instant,
-    done: Done,
+    done: Sender<Result<Option<TensorData>, Error>>,
 }
 
 /// A rank's communicator with a queue of issued collectives (see the module docs).
@@ -61,25 +57,22 @@ pub struct CommQueue {
     in_flight: Arc<AtomicUsize>,
 }
 
-/// A collective issued on a [`CommQueue`]: [`Pending::wait`] for its result (this member's
-/// buffer, or what [`CommQueue::issue_then`]'s finishing step made of it).
+/// A collective issued on a [`CommQueue`]: [`Pending::wait`] for its result.
 #[must_use = "a pending collective's result is only had by waiting for it"]
-pub struct Pending<T = Option<TensorData>> {
-    result: Receiver<Result<T, Error>>,
+pub struct Pending {
+    result: Receiver<Result<Option<TensorData>, Error>>,
 }
 
-impl<T> Pending<T> {
+impl Pending {
     /// Wait for the call to complete: this member's result (`None` for a barrier).
-    pub fn wait(self) -> Result<T, Error> {
+    pub fn wait(self) -> Result<Option<TensorData>, Error> {
         self.result.recv().unwrap_or_else(|_| {
             Err(Error::Unsupported(
                 "the communication thread stopped before the call completed".into(),
             ))
         })
     }
-}
 
-impl Pending {
     /// Wait for a call that returns a buffer (any but a barrier).
     pub fn wait_data(self) -> Result<TensorData, Error> {
         self.wait().map(super::returned)
@@ -129,58 +122,8 @@ impl CommQueue {
         self.issue_work(Work::Exchange { to, from }, Some(data))
     }
 
-    /// Issue `call` as [`CommQueue::issue`] does, and run `then` on its result (a buffer) on
-    /// the communication thread before the waiter gets it: the upload of a gathered or reduced
-    /// buffer to the device, which then overlaps the caller's compute as the call itself does
-    /// (FSDP2 copies on its all-gather stream likewise).
-    pub fn issue_then<T: Send + 'static>(
-        &self,
-        call: Call,
-        data: Option<TensorData>,
-        then: impl FnOnce(TensorData) -> T + Send + 'static,
-    ) -> Pending<T> {
-        self.issue_chain_then(vec![call], data, then)
-    }
-
-    /// [`CommQueue::issue_chain`] with a finishing step on the communication thread (see
-    /// [`CommQueue::issue_then`]).
-    pub fn issue_chain_then<T: Send + 'static>(
-        &self,
-        calls: Vec<Call>,
-        data: Option<TensorData>,
-        then: impl FnOnce(TensorData) -> T + Send + 'static,
-    ) -> Pending<T> {
-        self.issue_job(Work::Calls(calls), data, finishing(then))
-    }
-
-    /// [`CommQueue::issue_exchange`] with a finishing step on the communication thread (see
-    /// [`CommQueue::issue_then`]): ring attention's received block uploaded while the caller
-    /// computes on the one it holds.
-    pub fn issue_exchange_then<T: Send + 'static>(
-        &self,
-        to: usize,
-        data: TensorData,
-        from: usize,
-        then: impl FnOnce(TensorData) -> T + Send + 'static,
-    ) -> Pending<T> {
-        self.issue_job(Work::Exchange { to, from }, Some(data), finishing(then))
-    }
-
     fn issue_work(&self, work: Work, data: Option<TensorData>) -> Pending {
-        self.issue_job(work, data, |r| r)
-    }
-
-    fn issue_job<T: Send + 'static>(
-        &self,
-        work: Work,
-        data: Option<TensorData>,
-        finish: impl FnOnce(Result<Option<TensorData>, Error>) -> Result<T, Error> + Send + 'static,
-    ) -> Pending<T> {
-        let (sender, result) = mpsc::channel();
-        let done: Done = Box::new(move |r| {
-            // The waiter may have given up on it (a prefetch never used).
-            let _ = sender.send(finish(r));
-        });
+        let (done, result) = mpsc::channel();
         let job = Job {
             work,
             data,
@@ -192,7 +135,7 @@ impl CommQueue {
         let sender = jobs.get_or_insert_with(|| self.start());
         if let Err(mpsc::SendError(job)) = sender.send(job) {
             self.in_flight.fetch_sub(1, Ordering::AcqRel);
-            (job.done)(Err(Error::Unsupported(
+            let _ = job.done.send(Err(Error::Unsupported(
                 "the communication thread has stopped".into(),
             )));
         }
@@ -238,19 +181,13 @@ impl CommQueue {
                         }
                     }
                     in_flight.fetch_sub(1, Ordering::AcqRel);
-                    (job.done)(result);
+                    // The waiter may have given up on it (a prefetch never used).
+                    let _ = job.done.send(result);
                 }
             })
             .expect("spawning a communication thread");
         sender
     }
-}
-
-/// A job's finishing step: `then` on its buffer (a call that returns one).
-fn finishing<T>(
-    then: impl FnOnce(TensorData) -> T + Send + 'static,
-) -> impl FnOnce(Result<Option<TensorData>, Error>) -> Result<T, Error> + Send + 'static {
-    move |r| r.map(super::returned).map(then)
 }
 
 /// `data` sent to `to`, then the next message from `from`.

@@ -762,23 +762,3 @@ fn all_to_all_splits_that_disagree_fail_on_every_member() {
     });
     assert_eq!(alone, vec![(true, true)]);
 }
-
-/// `issue_then`'s finishing step runs on the rank's communication thread once the call
-/// completed, and the waiter gets what it made: each rank's gather, finished there.
-#[test]
-fn issued_calls_finish_on_the_communication_thread() {
-    let results = run(&dp(2), |comm| {
-        let queue = CommQueue::new(comm.clone());
-        let mine = TensorData::new(vec![comm.rank() as f32; 3], [3]);
-        let call = Call::all_gather(Group::World, Operand::of(&mine), 0);
-        let pending = queue.issue_then(call, Some(mine), |gathered| {
-            let thread = std::thread::current().name().map(str::to_owned);
-            (gathered.to_vec::<f32>().unwrap(), thread)
-        });
-        pending.wait().unwrap()
-    });
-    for (rank, (gathered, thread)) in results.into_iter().enumerate() {
-        assert_eq!(gathered, [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
-        assert_eq!(thread.as_deref(), Some(&*format!("wildfire-comm-{rank}")));
-    }
-}
