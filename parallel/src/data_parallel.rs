@@ -154,9 +154,7 @@ impl<B: Backend> DTensor<B> {
             self.device,
         ))
     }
-}
 
-impl<B: Backend> DTensor<B> {
     /// Member `root` of this rank's group along mesh axis `axis` sends its value, and every
     /// member returns it (one broadcast): an owner rank's result handed to its peers (Muon's
     /// owner-rank orthogonalisation). The value must not be split or partial on `axis`; the

@@ -59,23 +59,23 @@ impl<B: Backend> DTensor<B> {
         let size = self.device.mesh().axis_size(axis);
         let bytes = local_bytes(&self.local) * size;
         // An offloaded shard goes to the gather from host memory as it is, when the
-        // collectives take host buffers; else it is uploaded here, when the gather is issued
-        // (ahead of its use under the prefetch).
+        // collectives take host buffers; else the buffer they hand back is uploaded here, when
+        // the gather is issued (ahead of its use under the prefetch).
         let group = Group::Axis(axis);
         let from_host = self.host_data().map(|data| {
             crate::collectives::issue_all_gather_from_host(&self.device, group, data, dim)
         });
+        let issue = |local| crate::collectives::issue_all_gather(&self.device, group, local, dim);
         let local = match from_host {
             Some(Ok(pending)) => {
                 self.device.ctx.count_host_gather();
                 pending
             }
-            _ => crate::collectives::issue_all_gather(
-                &self.device,
-                group,
-                self.clone().ready().local,
-                dim,
-            ),
+            Some(Err(data)) => {
+                self.device.ctx.count_host_upload();
+                issue(B::float_from_data(data, self.device.inner()))
+            }
+            None => issue(self.clone().ready().local),
         };
         PendingGather {
             local,
@@ -116,9 +116,8 @@ impl<B: Backend> DTensor<B> {
     /// are applied from the first axis to the last (slice for `Shard`, keep the value on member 0
     /// for `Partial(Sum)`), so nested shards of one dimension keep their order.
     pub fn redistribute(self, target: &Layout) -> Result<Self, Error> {
-        // A parameter's planned gather first: it needs only the layout, and it is issued with
-        // the piece in hand (an offloaded shard is uploaded then, ahead of use under the
-        // prefetch, not here).
+        // A parameter's planned gather first: it needs only the layout, and it was issued with
+        // the piece in hand (an offloaded shard's from host memory, ahead of use).
         if let Some(gathered) = prefetch::take(&self, target) {
             return gathered;
         }
