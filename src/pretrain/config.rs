@@ -151,7 +151,8 @@ pub struct PretrainConfig {
     /// Checkpoint every this many steps, and at the end (0: only at the end).
     #[arg(long, default_value_t = 0, help_heading = "Evaluation and checkpoints")]
     pub save_every: usize,
-    /// Resume from this checkpoint directory.
+    /// Resume from this checkpoint: the directory given to `--save` (its latest step), or one
+    /// step's directory in it.
     #[arg(long, help_heading = "Evaluation and checkpoints")]
     pub resume: Option<PathBuf>,
     /// Start from Hugging Face weights (F32, BF16 or F16), each rank reading its pieces: a GPT-2
@@ -230,6 +231,30 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(long = "link", value_name = "AXIS=LINK", help_heading = "Run")]
     pub links: Vec<String>,
+    /// How long a rank waits for its peers in a collective before the job fails (seconds): a
+    /// rank that died or hangs is detected after this long at most.
+    #[serde(default = "sixty")]
+    #[arg(long, default_value_t = 60.0, help_heading = "Resilience")]
+    pub timeout: f64,
+    /// Ranks as threads: when a rank is lost (it panicked, or its peers timed out waiting for
+    /// it), restart up to this many times with the data-parallel replicas that remain, from the
+    /// latest checkpoint of `--save`, resharded, the global batch kept (more accumulation per
+    /// rank where the micro-batch would grow). Model axes (tp, pp, cp) cannot shrink. Under MPI
+    /// use `scripts/elastic_mpirun.sh`.
+    #[serde(default)]
+    #[arg(long, default_value_t = 0, help_heading = "Resilience")]
+    pub max_restarts: usize,
+    /// A test hook, off by default: `STEP:RANK` kills rank RANK (a panic) at the start of step
+    /// STEP; `STEP:RANK:hang` makes it stop arriving at collectives instead, as a rank stuck
+    /// inside one, until the others' timeout aborts the job. Only the first attempt of an
+    /// elastic run fails.
+    #[serde(default)]
+    #[arg(long, value_name = "STEP:RANK[:hang]", help_heading = "Resilience")]
+    pub fail_at: Option<super::elastic::FailAt>,
+}
+
+fn sixty() -> f64 {
+    60.0
 }
 
 /// The optimizer of a run (`--optimizer`).
@@ -393,6 +418,7 @@ impl PretrainConfig {
         }
         self.parallel.check_batch(self.batch_size, self.accum)?;
         self.data.check()?;
+        super::elastic::check(self)?;
         Ok(())
     }
 

@@ -10,6 +10,7 @@
 mod config;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod elastic;
 mod error;
 
 pub use crate::plot::plot_losses;
@@ -19,6 +20,7 @@ pub use config::{
 };
 #[cfg(feature = "cuda")]
 pub use cuda::run_cuda;
+pub use elastic::{FailAt, Restart, lost_ranks, shrink};
 pub use error::PretrainError;
 pub(crate) use error::io_err;
 pub use plan::{Candidate, MARGIN as PLAN_MARGIN, Plan, Predicted, plan_on};
@@ -91,6 +93,9 @@ pub struct RunSummary {
     pub orthogonalised: u64,
     /// With `--plan auto`: the candidates and the one this run trained with.
     pub plan: Option<Plan>,
+    /// With `--max-restarts`: each restart after a lost rank, with the time it cost. The
+    /// steps, peaks and parameters above are the last attempt's.
+    pub restarts: Vec<Restart>,
     /// Where the run's wall clock went (rank 0's view).
     pub wall: WallClock,
 }
@@ -121,13 +126,16 @@ pub struct WallClock {
     pub save_wait: f64,
     /// After the loop: gathering the parameters, the sample, the plot, the trace, the export.
     pub end: f64,
+    /// `--max-restarts`: the attempts that failed and the restarts, up to the last attempt's
+    /// start (the other parts are the last attempt's).
+    pub restarts: f64,
     /// Everything, from the call to its return.
     pub total: f64,
 }
 
 impl WallClock {
     /// The measured parts, named as the log line names them (every field but the total).
-    pub fn parts(&self) -> [(&'static str, f64); 9] {
+    pub fn parts(&self) -> [(&'static str, f64); 10] {
         [
             ("plan", self.plan),
             ("data", self.data),
@@ -138,6 +146,7 @@ impl WallClock {
             ("checkpoints", self.checkpoint),
             ("save wait", self.save_wait),
             ("end", self.end),
+            ("restarts", self.restarts),
         ]
     }
 
@@ -242,7 +251,8 @@ pub fn run_on<B: FusedOps>(
 
 /// [`run_on`] with what the backend adds to a launch (`support`: NCCL on CUDA,
 /// `wildfire_parallel::NcclLaunch`). With [`Collectives::Nccl`] rank `r` of a process runs on the
-/// device `r` places after `device` (its local rank: one GPU per rank).
+/// device `r` places after `device` (its local rank: one GPU per rank). With `--max-restarts`, a
+/// lost rank restarts the run on the replicas that remain ([`Restart`]).
 pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     config: &PretrainConfig,
     device: &B::Device,
@@ -264,19 +274,31 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
             plan.choice().peak_bytes,
             plan.table()
         );
-        let mut summary = run_on_with::<B, D>(&chosen, device, support)?;
+        chosen.check()?;
+        let mut summary = elastic::run_elastic::<B, D>(&chosen, device, support)?;
         summary.plan = Some(plan);
         summary.wall.plan = planned;
         summary.wall.total = started.elapsed().as_secs_f64();
         return Ok(summary);
     }
+    elastic::run_elastic::<B, D>(config, device, support)
+}
+
+/// One attempt of a checked, planned run (`progress`: where rank 0 got to, for an elastic run).
+fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
+    config: &PretrainConfig,
+    device: &B::Device,
+    support: &D,
+    progress: Option<&elastic::Progress>,
+) -> Result<RunSummary, PretrainError> {
+    let started = Instant::now();
     let job = JobSpec {
         mesh: config.parallel.mesh()?,
         launch: config.launch,
         collectives: config.collectives,
         options: LaunchOptions {
             links: config.links()?,
-            ..LaunchOptions::default()
+            timeout: std::time::Duration::from_secs_f64(config.timeout),
         },
     };
     check_job(&job, support)?;
@@ -324,6 +346,10 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     // 3. Every rank (its collectives installed by the launch): build, parallelize, train.
     let rank_body = |device: DistDevice<B>| -> Result<RunSummary, PretrainError> {
         let rank_started = Instant::now();
+        let progress = progress.filter(|_| device.rank() == 0);
+        if let Some(progress) = progress {
+            progress.launched();
+        }
         let own_metrics = match config.launch {
             Launch::Threads => None,
             _ => open_metrics(device.rank())?,
@@ -345,6 +371,7 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
                 .map(|(state, checkpoint)| (checkpoint, state.scaler.clone())),
             first_step,
             started: rank_started,
+            progress,
         };
         let result = if config.parallel.pp > 1 {
             run.train_pipelined(&device)
@@ -367,8 +394,10 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
         .flat_map(|r| r.as_ref().ok().map(|s| s.trace.clone()))
         .flatten()
         .collect();
-    let first = launched.results.into_iter().next().expect("a rank ran");
-    let mut summary = RunSummary { trace, ..first? };
+    let mut summary = RunSummary {
+        trace,
+        ..first_or_root_cause(launched.results)?
+    };
     let end_started = Instant::now();
     summary.model = Some(data.model.clone());
     summary.rank = rank;
@@ -411,12 +440,45 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     Ok(summary)
 }
 
+/// The first rank's summary, or when it failed the root cause: the first error that is not a
+/// rank released by another's failure ([`wildfire_parallel::Error::PeerFailed`]) — a peer's
+/// timeout names the ranks it waited for, where rank 0 only learns that the job was aborted.
+fn first_or_root_cause(
+    results: Vec<Result<RunSummary, PretrainError>>,
+) -> Result<RunSummary, PretrainError> {
+    let released = |r: &Result<RunSummary, PretrainError>| {
+        matches!(
+            r,
+            Err(PretrainError::Parallel(
+                wildfire_parallel::Error::PeerFailed { .. }
+            ))
+        )
+    };
+    let mut results = results.into_iter();
+    let first = results.next().expect("a rank ran");
+    if !released(&first) {
+        return first;
+    }
+    results
+        .find(|r| r.is_err() && !released(r))
+        .unwrap_or(first)
+}
+
+/// The checkpoint `--resume` names: `root` itself when it is one step's directory (it holds the
+/// metadata), else the latest step under it.
+fn resume_dir(root: &Path) -> Result<std::path::PathBuf, PretrainError> {
+    if root.join("metadata.json").is_file() {
+        return Ok(root.to_path_buf());
+    }
+    Ok(CheckpointDir::new(root).latest()?)
+}
+
 /// The checkpoint to resume from: its state, checked against this run's model, and directory.
 fn read_state(
     root: &Path,
     model: &ModelConfig,
 ) -> Result<(CheckpointState, Checkpoint), PretrainError> {
-    let dir = CheckpointDir::new(root).latest()?;
+    let dir = resume_dir(root)?;
     // The metadata and every file's size, checked before any rank starts.
     let checkpoint = Checkpoint::open(&dir)?;
     let state: CheckpointState = read_state_file(&dir, "state.json")?;

@@ -243,6 +243,8 @@ fn probe_config(config: &PretrainConfig, model: &ModelConfig, n_layer: usize) ->
     probe.trace = None;
     probe.progress = false;
     probe.gather_parameters = false;
+    probe.max_restarts = 0;
+    probe.fail_at = None;
     probe
 }
 

@@ -37,6 +37,8 @@ pub(super) struct RankRun<'a> {
     pub first_step: usize,
     /// When this rank's part of the run started (its share of the wall clock's `build`).
     pub started: Instant,
+    /// Rank 0 of an elastic run: where the attempt got to.
+    pub progress: Option<&'a super::elastic::Progress>,
 }
 
 impl RankRun<'_> {
@@ -197,7 +199,14 @@ impl RankRun<'_> {
         member.set_tracing(config.trace.is_some());
         let schedule = config.schedule();
         let (moe_blocks, experts) = self.data.model.moe_blocks();
+        if let Some(progress) = self.progress {
+            progress.looping();
+        }
+        let timeout = std::time::Duration::from_secs_f64(config.timeout);
         for step in self.first_step..config.steps {
+            if let Some(fail) = &config.fail_at {
+                fail.strike(step, rank, ctx.comm(), timeout)?;
+            }
             // The rank's other pool workers look for work through the step and evaluation
             // instead of sleeping between ops (each wake-up is a futex call).
             let _busy = wildfire_parallel::busy_workers();
@@ -281,6 +290,9 @@ impl RankRun<'_> {
                 let files = self.state_files(rank, step + 1, runner.scaler());
                 writer.save(snapshot, step + 1, files)?;
                 summary.wall.checkpoint += taken.elapsed().as_secs_f64();
+            }
+            if let Some(progress) = self.progress {
+                progress.stepped(step + 1);
             }
         }
         drop(reporter);

@@ -431,6 +431,20 @@ impl CheckpointWriter {
     }
 }
 
+/// A writer dropped with a save in flight (its rank failed, or stopped early) waits for that
+/// write to end: a rank of this process never leaves a save half-written behind it, so a restart
+/// in the same process (`--max-restarts`) finds the save committed, or its staging directory
+/// whole and removable. A failed write is logged; the previous checkpoint stays the latest.
+impl Drop for CheckpointWriter {
+    fn drop(&mut self) {
+        if self.pending.is_some()
+            && let Err(e) = self.wait()
+        {
+            tracing::warn!("checkpoint write in flight when its writer was dropped: {e}");
+        }
+    }
+}
+
 /// Rank 0: wait for every rank's index, merge them into `metadata.json`, rename the staging
 /// directory into place and move `latest`.
 fn commit(

@@ -374,6 +374,10 @@ impl Communicator for InProcessCommunicator {
         self.world.abort(self.rank(), reason);
     }
 
+    fn aborted(&self) -> Option<(usize, String)> {
+        self.world.abort_reason()
+    }
+
     /// One round of the group's rendezvous: deposits the call and `data`, checks that every
     /// member made the same call with buffers that fit, and computes this member's result from
     /// everyone's deposits.

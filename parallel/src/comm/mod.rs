@@ -309,6 +309,12 @@ pub trait Communicator: Send + Sync + fmt::Debug {
         let _ = reason;
     }
 
+    /// The rank and reason of the world's abort ([`Communicator::fail`], a panic), if it was
+    /// aborted and the communicator can tell (the in-process world can; elsewhere `None`).
+    fn aborted(&self) -> Option<(usize, String)> {
+        None
+    }
+
     /// This communicator's point-to-point messages, where it offers them (the in-process and
     /// MPI communicators do); elsewhere [`Error::Unsupported`].
     fn point_to_point(&self) -> Result<&dyn PointToPoint, Error> {

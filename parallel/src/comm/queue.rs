@@ -238,4 +238,8 @@ impl Communicator for CommQueue {
     fn fail(&self, reason: String) {
         self.inner.fail(reason);
     }
+
+    fn aborted(&self) -> Option<(usize, String)> {
+        self.inner.aborted()
+    }
 }

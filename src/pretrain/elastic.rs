@@ -1,0 +1,432 @@
+//! Keeping a job going when a rank is lost (`--max-restarts`, torchelastic's restarts): the
+//! failed attempt's ranks all return (a dead rank's peers fail at once, a hung rank's after the
+//! collective timeout), the lost ranks are named from the typed errors, the mesh is re-formed
+//! without their data-parallel replicas, and the run resumes from the latest checkpoint of
+//! `--save`, resharded onto the smaller mesh, with the same global batch. The `--fail-at` test
+//! hook makes a rank fail on purpose.
+//!
+//! What a thread cannot do: a rank stuck in its own computation (not in a collective) cannot be
+//! ended from outside its thread; its peers time out and fail, but the launch waits for it. A
+//! rank stuck inside a collective is released by the world's abort, and handled like a dead one.
+
+use super::{CheckpointState, PretrainConfig, PretrainError, RunSummary, run_once};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+use wildfire_checkpoint::CheckpointDir;
+use wildfire_checkpoint::dcp::read_state_file;
+use wildfire_kernels::FusedOps;
+use wildfire_parallel::comm::Communicator;
+use wildfire_parallel::{DeviceLaunch, Launch};
+
+/// `--fail-at STEP:RANK[:hang]`: a test hook that makes rank `rank` fail at the start of step
+/// `step` (0-based, as the metrics count): a panic (a dead rank), or with `hang` a rank that no
+/// longer arrives at collectives until the job is aborted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailAt {
+    /// The step at whose start the rank fails.
+    pub step: usize,
+    /// The global rank that fails.
+    pub rank: usize,
+    /// Hang instead of dying.
+    pub hang: bool,
+}
+
+impl FromStr for FailAt {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let number = |part: &str, what: &str| {
+            part.parse::<usize>()
+                .map_err(|_| format!("--fail-at {s}: {what} `{part}` is not a number"))
+        };
+        let (step, rank, hang) = match s.split(':').collect::<Vec<_>>().as_slice() {
+            [step, rank] => (*step, *rank, false),
+            [step, rank, "hang"] => (*step, *rank, true),
+            _ => {
+                return Err(format!(
+                    "--fail-at {s}: write STEP:RANK (the rank dies) or STEP:RANK:hang"
+                ));
+            }
+        };
+        Ok(FailAt {
+            step: number(step, "the step")?,
+            rank: number(rank, "the rank")?,
+            hang,
+        })
+    }
+}
+
+impl fmt::Display for FailAt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.step, self.rank)?;
+        if self.hang {
+            write!(f, ":hang")?;
+        }
+        Ok(())
+    }
+}
+
+impl FailAt {
+    /// Rank `rank` at the start of step `step`: fail if this is the hook's step and rank. A
+    /// dead rank panics; a hung one polls only for the world's abort (a peer's timeout), then
+    /// fails as a rank released from a collective does. Where the communicator cannot tell of
+    /// an abort (MPI: its watchdog ends the job), it gives up after three timeouts.
+    pub(crate) fn strike(
+        &self,
+        step: usize,
+        rank: usize,
+        comm: &dyn Communicator,
+        timeout: Duration,
+    ) -> Result<(), PretrainError> {
+        if (self.step, self.rank) != (step, rank) {
+            return Ok(());
+        }
+        if !self.hang {
+            panic!(
+                "--fail-at {self}: rank {rank} killed at the start of step {step} (a test hook)"
+            );
+        }
+        tracing::warn!("--fail-at {self}: rank {rank} hangs at the start of step {step}");
+        let started = Instant::now();
+        loop {
+            if let Some((rank, reason)) = comm.aborted() {
+                return Err(wildfire_parallel::Error::PeerFailed { rank, reason }.into());
+            }
+            if started.elapsed() > 3 * timeout {
+                return Err(PretrainError::Config(format!(
+                    "--fail-at {self}: rank {rank} hung for three timeouts and no peer aborted \
+                     the job (a world of one rank, or a communicator that cannot tell)"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+/// One restart of an elastic run: what failed, the mesh before and after, and the time lost.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Restart {
+    /// The failure, as the attempt reported it.
+    pub failure: String,
+    /// The global ranks lost (of the attempt's mesh).
+    pub lost_ranks: Vec<usize>,
+    /// The data-parallel degree before and after.
+    pub dp: [usize; 2],
+    /// Micro-batches per step before and after (`--accum`, or `--microbatches` under `--pp`):
+    /// the global batch is kept.
+    pub micro_batches: [usize; 2],
+    /// Steps the failed attempt completed (its last step reported).
+    pub failed_at: usize,
+    /// The step the restart resumed from: the latest checkpoint's (or the run's start).
+    pub resumed_from: usize,
+    /// Seconds from the end of the last step every rank completed to every rank of the failed
+    /// attempt having returned: the detection (a peer's error, or the collective timeout).
+    pub detect: f64,
+    /// Seconds from then to the new attempt's ranks starting: the mesh re-formed, the data
+    /// and the checkpoint's metadata read.
+    pub reform: f64,
+    /// Seconds from the ranks starting to their first step: the model built and laid out, the
+    /// checkpoint's pieces loaded, resharded.
+    pub reload: f64,
+}
+
+impl Restart {
+    /// The steps trained again: from the checkpoint to the failure.
+    pub fn redone_steps(&self) -> usize {
+        self.failed_at.saturating_sub(self.resumed_from)
+    }
+
+    /// Detection, re-forming and reloading: the seconds the failure cost besides the steps
+    /// trained again.
+    pub fn lost(&self) -> f64 {
+        self.detect + self.reform + self.reload
+    }
+}
+
+/// Where an attempt got to, recorded by its rank 0 (instants since `origin`, in nanoseconds
+/// plus one; 0: not yet).
+#[derive(Debug)]
+pub(crate) struct Progress {
+    origin: Instant,
+    launched: AtomicU64,
+    looping: AtomicU64,
+    stepped: AtomicU64,
+    steps: AtomicUsize,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Self {
+            origin: Instant::now(),
+            launched: AtomicU64::new(0),
+            looping: AtomicU64::new(0),
+            stepped: AtomicU64::new(0),
+            steps: AtomicUsize::new(0),
+        }
+    }
+
+    fn mark(&self, slot: &AtomicU64) {
+        let nanos = self.origin.elapsed().as_nanos() as u64 + 1;
+        slot.store(nanos, Ordering::Relaxed);
+    }
+
+    fn at(&self, slot: &AtomicU64) -> Option<Instant> {
+        match slot.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(self.origin + Duration::from_nanos(n - 1)),
+        }
+    }
+
+    /// The ranks started.
+    pub fn launched(&self) {
+        self.mark(&self.launched);
+    }
+
+    /// The model is built and loaded: the step loop begins.
+    pub fn looping(&self) {
+        self.mark(&self.looping);
+    }
+
+    /// `steps` steps are completed (every rank took part in the last one's collectives).
+    pub fn stepped(&self, steps: usize) {
+        self.steps.store(steps, Ordering::Relaxed);
+        self.mark(&self.stepped);
+    }
+}
+
+/// Refuse what an elastic run or the hook cannot do, before any work.
+pub(crate) fn check(config: &PretrainConfig) -> Result<(), PretrainError> {
+    if !(config.timeout.is_finite() && config.timeout > 0.0) {
+        return Err(PretrainError::Config(format!(
+            "--timeout {}: a number of seconds above 0",
+            config.timeout
+        )));
+    }
+    if config.max_restarts > 0 {
+        if config.save.is_none() {
+            return Err(PretrainError::Config(
+                "--max-restarts resumes from the latest checkpoint of --save DIR: pass --save \
+                 (and --save-every N to have checkpoints before the end)"
+                    .into(),
+            ));
+        }
+        if config.launch != Launch::Threads {
+            return Err(PretrainError::Config(
+                "--max-restarts restarts the rank threads of this process; a launched process \
+                 cannot restart its peers: run the job under scripts/elastic_mpirun.sh, which \
+                 relaunches it"
+                    .into(),
+            ));
+        }
+    }
+    if let Some(fail) = config.fail_at {
+        let world = config.parallel.mesh()?.world_size();
+        if fail.rank >= world || fail.step >= config.steps {
+            return Err(PretrainError::Config(format!(
+                "--fail-at {fail}: the run has ranks 0..{world} and steps 0..{}",
+                config.steps
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The ranks a failed attempt lost, from its root-cause error: a rank that panicked, or the
+/// ranks a collective timed out waiting for. `None`: a failure no restart mends (bad input, a
+/// non-finite loss, a checkpoint that cannot be read, …).
+pub fn lost_ranks(error: &PretrainError) -> Option<Vec<usize>> {
+    fn of(error: &wildfire_parallel::Error) -> Option<Vec<usize>> {
+        use wildfire_parallel::Error as E;
+        match error {
+            E::RankFailed { rank, .. } => Some(vec![*rank]),
+            E::Timeout { missing, .. } if !missing.is_empty() => Some(missing.clone()),
+            E::OnRank { error, .. } => of(error),
+            _ => None,
+        }
+    }
+    match error {
+        PretrainError::Parallel(e) => of(e),
+        _ => None,
+    }
+}
+
+/// The configuration to restart `config` with after losing `lost`: the data-parallel replicas
+/// holding a lost rank removed (the model axes stay whole), the global batch kept with at most
+/// the micro-batch each rank had (more accumulation where it would grow), the hook off.
+pub fn shrink(config: &PretrainConfig, lost: &[usize]) -> Result<PretrainConfig, PretrainError> {
+    let p = &config.parallel;
+    let mesh = p.mesh()?;
+    let replicas: BTreeSet<usize> = lost
+        .iter()
+        .filter(|&&rank| rank < mesh.world_size())
+        .map(|&rank| mesh.data_index(rank).0)
+        .collect();
+    let cannot = |why: String| {
+        PretrainError::Config(format!(
+            "cannot restart after losing rank(s) {lost:?} of mesh {mesh}: {why}"
+        ))
+    };
+    let dp = p.dp - replicas.len().min(p.dp);
+    if dp == 0 {
+        return Err(cannot(format!(
+            "no data-parallel replica is left (--dp {}), and the model axes (--tp {}, --pp {}, \
+             --cp {}) cannot shrink",
+            p.dp, p.tp, p.pp, p.cp
+        )));
+    }
+    if p.ep > 1 && !dp.is_multiple_of(p.ep) {
+        return Err(cannot(format!(
+            "the {dp} data-parallel ranks left are not a multiple of --ep {}: the expert axis \
+             cannot shrink",
+            p.ep
+        )));
+    }
+    if let Some(shard) = p.dp_shard
+        && !dp.is_multiple_of(shard)
+    {
+        return Err(cannot(format!(
+            "the {dp} data-parallel ranks left do not make whole HSDP shard groups of \
+             --dp-shard {shard}"
+        )));
+    }
+    let pipelined = p.pp > 1;
+    let count = if pipelined {
+        p.microbatches
+    } else {
+        config.accum
+    };
+    let batch = config.batch_size;
+    let micro = batch / (p.dp * count);
+    let fits = |n: usize| batch.is_multiple_of(dp * n) && batch / (dp * n) <= micro;
+    let count = (count..=batch).find(|&n| fits(n)).ok_or_else(|| {
+        cannot(format!(
+            "--batch-size {batch} does not split into {dp} ranks × N micro-batches of at most \
+             {micro} rows (the global batch is kept): choose a batch size divisible by every \
+             data-parallel degree the job may shrink to"
+        ))
+    })?;
+    let mut next = config.clone();
+    next.parallel.dp = dp;
+    if pipelined {
+        next.parallel.microbatches = count;
+    } else {
+        next.accum = count;
+    }
+    next.fail_at = None;
+    next.check()?;
+    Ok(next)
+}
+
+/// Run `config`, restarting it up to `--max-restarts` times when a rank is lost.
+pub(crate) fn run_elastic<B: FusedOps, D: DeviceLaunch<B>>(
+    config: &PretrainConfig,
+    device: &B::Device,
+    support: &D,
+) -> Result<RunSummary, PretrainError> {
+    if config.max_restarts == 0 {
+        return run_once::<B, D>(config, device, support, None);
+    }
+    let started = Instant::now();
+    let save = config
+        .save
+        .clone()
+        .expect("checked: --max-restarts needs --save");
+    let mut attempt = config.clone();
+    let mut restarts: Vec<Restart> = Vec::new();
+    // A restart whose re-forming and reloading the next attempt measures, and when it began.
+    let mut measuring: Option<(Restart, Instant)> = None;
+    loop {
+        let attempt_started = Instant::now();
+        let progress = Progress::new();
+        let result = run_once::<B, D>(&attempt, device, support, Some(&progress));
+        let returned = Instant::now();
+        if let Some((mut restart, decided)) = measuring.take() {
+            let launched = progress.at(&progress.launched);
+            let looping = progress.at(&progress.looping);
+            restart.reform = launched.map_or(0.0, |t| (t - decided).as_secs_f64());
+            restart.reload = match (launched, looping) {
+                (Some(a), Some(b)) => (b - a).as_secs_f64(),
+                _ => 0.0,
+            };
+            tracing::warn!(
+                "restart {}: lost {:.2} s (detect {:.2} s, re-form {:.2} s, reload {:.2} s), {} \
+                 steps trained again",
+                restarts.len() + 1,
+                restart.lost(),
+                restart.detect,
+                restart.reform,
+                restart.reload,
+                restart.redone_steps()
+            );
+            restarts.push(restart);
+        }
+        let error = match result {
+            Ok(mut summary) => {
+                summary.wall.restarts = (attempt_started - started).as_secs_f64();
+                summary.wall.total += summary.wall.restarts;
+                summary.restarts = restarts;
+                return Ok(summary);
+            }
+            Err(error) => error,
+        };
+        let Some(lost) = lost_ranks(&error) else {
+            return Err(error);
+        };
+        if restarts.len() >= config.max_restarts {
+            tracing::error!(
+                "rank(s) {lost:?} lost, and the {} restart(s) of --max-restarts are used",
+                config.max_restarts
+            );
+            return Err(error);
+        }
+        let mut next = shrink(&attempt, &lost)?;
+        // The latest committed checkpoint (every rank's writer finished before its rank
+        // returned); none yet: the run's own start (`--resume`, or step 0).
+        if CheckpointDir::new(&save).latest().is_ok() {
+            next.resume = Some(save.clone());
+        }
+        let resumed_from = match &next.resume {
+            Some(root) => {
+                let dir = super::resume_dir(root)?;
+                read_state_file::<CheckpointState>(&dir, "state.json")?.step
+            }
+            None => 0,
+        };
+        let stepped = progress.at(&progress.stepped);
+        let since = stepped
+            .or(progress.at(&progress.looping))
+            .unwrap_or(attempt_started);
+        let restart = Restart {
+            failure: error.to_string(),
+            lost_ranks: lost,
+            dp: [attempt.parallel.dp, next.parallel.dp],
+            micro_batches: if attempt.parallel.pp > 1 {
+                [attempt.parallel.microbatches, next.parallel.microbatches]
+            } else {
+                [attempt.accum, next.accum]
+            },
+            failed_at: progress.steps.load(Ordering::Relaxed),
+            resumed_from,
+            detect: (returned - since).as_secs_f64(),
+            reform: 0.0,
+            reload: 0.0,
+        };
+        tracing::warn!(
+            "rank(s) {:?} lost after step {} ({}): restarting on --dp {} (micro-batches per step \
+             {} → {}) from step {}",
+            restart.lost_ranks,
+            restart.failed_at,
+            restart.failure,
+            next.parallel.dp,
+            restart.micro_batches[0],
+            restart.micro_batches[1],
+            resumed_from
+        );
+        measuring = Some((restart, Instant::now()));
+        attempt = next;
+    }
+}

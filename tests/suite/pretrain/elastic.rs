@@ -1,0 +1,279 @@
+//! Elastic restarts (`--max-restarts`): a rank lost at a step (`--fail-at`, dead or hung) and
+//! the run finishing on the replicas that remain, from the latest checkpoint, resharded, the
+//! global batch kept — its curve after the restart bitwise a `--resume` of that checkpoint on the
+//! smaller mesh.
+
+use super::{bits, same_bits, scratch, small};
+use crate::suite::pairs;
+use wildfire::checkpoint::CheckpointDir;
+use wildfire::engine::metrics::MetricsLog;
+use wildfire::models::parallelize::{FsdpStrategy, ParallelConfig};
+use wildfire::parallel::Error as ParallelError;
+use wildfire::pretrain::{
+    FailAt, PretrainConfig, PretrainError, RunSummary, lost_ranks, run, shrink,
+};
+
+/// Run `config` elastically with `fail` and the same run's reference: the checkpoint the restart
+/// resumed from, resumed by hand with `--dp` and the micro-batches the restart chose. Returns
+/// the elastic run after checking that its last attempt is that reference bit for bit, that the
+/// metrics file holds the first attempt's steps then the restarted ones, and that the steps
+/// before the failure are an uninterrupted run's.
+fn lose_and_compare(name: &str, config: PretrainConfig, fail: FailAt) -> RunSummary {
+    let dir = scratch(&format!("elastic-{name}"));
+    let metrics = dir.join("metrics.jsonl");
+    let elastic = run(&PretrainConfig {
+        save: Some(dir.join("ckpt")),
+        metrics: Some(metrics.clone()),
+        max_restarts: 1,
+        fail_at: Some(fail),
+        ..config.clone()
+    })
+    .unwrap_or_else(|e| panic!("{name}: the elastic run failed: {e}"));
+    assert_eq!(elastic.restarts.len(), 1, "{name}: one restart");
+    let restart = &elastic.restarts[0];
+    assert_eq!(restart.failed_at, fail.step, "{name}: {restart:?}");
+    let every = config.save_every;
+    assert_eq!(restart.resumed_from, fail.step / every * every, "{name}");
+    assert_eq!(restart.dp[0], config.parallel.dp, "{name}");
+    assert!(
+        restart.detect >= 0.0 && restart.reform > 0.0 && restart.reload > 0.0,
+        "{name}: {restart:?}"
+    );
+    let first_step = elastic.steps.first().map(|m| m.step);
+    assert_eq!(
+        first_step,
+        Some(restart.resumed_from),
+        "{name}: the last attempt's steps"
+    );
+    assert_eq!(
+        elastic.steps.len(),
+        config.steps - restart.resumed_from,
+        "{name}"
+    );
+
+    // The reference: that checkpoint resumed by hand on the restart's layout.
+    let smaller = ParallelConfig {
+        dp: restart.dp[1],
+        ..config.parallel.clone()
+    };
+    let checkpoint = CheckpointDir::new(dir.join("ckpt"))
+        .at(restart.resumed_from)
+        .unwrap();
+    let resumed = run(&PretrainConfig {
+        parallel: smaller,
+        accum: restart.micro_batches[1],
+        resume: Some(checkpoint),
+        ..config.clone()
+    })
+    .unwrap();
+    let losses = |r: &RunSummary| r.steps.iter().map(|m| m.loss).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&losses(&elastic)),
+        bits(&losses(&resumed)),
+        "{name}: losses"
+    );
+    for (a, b) in pairs(&elastic.steps, &resumed.steps) {
+        assert_eq!(
+            a.grad_norm.to_bits(),
+            b.grad_norm.to_bits(),
+            "{name} step {}",
+            a.step
+        );
+    }
+    same_bits(
+        &format!("{name}: parameters"),
+        &elastic.parameters,
+        &resumed.parameters,
+    );
+
+    // Before the failure, the uninterrupted run's steps; the metrics file has both attempts.
+    let straight = run(&PretrainConfig {
+        steps: fail.step,
+        ..config.clone()
+    })
+    .unwrap();
+    let logged = MetricsLog::read(&metrics).unwrap();
+    let steps: Vec<usize> = logged.iter().map(|m| m.step).collect();
+    let expected: Vec<usize> = (0..fail.step)
+        .chain(restart.resumed_from..config.steps)
+        .collect();
+    assert_eq!(steps, expected, "{name}: the metrics file's steps");
+    let before: Vec<f32> = logged[..fail.step].iter().map(|m| m.loss).collect();
+    assert_eq!(
+        bits(&before),
+        bits(&losses(&straight)),
+        "{name}: losses before the failure"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    elastic
+}
+
+/// dp 4 FullShard, `--batch-size 12`, rank 2 dies at step 7: the run finishes on 3 ranks from
+/// the checkpoint of step 5, each rank's 3 rows kept as 2 micro-batches of 2 (the global batch
+/// of 12), bitwise a `--resume` of that checkpoint at `--dp 3 --accum 2`.
+#[test]
+fn a_dead_rank_restarts_the_run_on_the_replicas_left() {
+    let config = PretrainConfig {
+        parallel: ParallelConfig::layout(4, 1, FsdpStrategy::FullShard, None),
+        batch_size: 12,
+        save_every: 5,
+        ..small(10)
+    };
+    let fail = FailAt {
+        step: 7,
+        rank: 2,
+        hang: false,
+    };
+    let elastic = lose_and_compare("dp4", config, fail);
+    let restart = &elastic.restarts[0];
+    assert_eq!(restart.lost_ranks, vec![2]);
+    assert_eq!((restart.dp, restart.micro_batches), ([4, 3], [1, 2]));
+    assert!(
+        restart.failure.contains("--fail-at 7:2"),
+        "{}",
+        restart.failure
+    );
+    assert_eq!(restart.redone_steps(), 2);
+    assert!(elastic.wall.restarts > 0.0);
+}
+
+/// dp 2 × tp 2 FullShard, rank 1 (of replica 0) dies at step 3: the other replica (ranks 2, 3)
+/// goes on alone as dp 1 × tp 2, the tensor-parallel axis whole.
+#[test]
+fn a_dead_tensor_parallel_rank_takes_its_replica_with_it() {
+    let config = PretrainConfig {
+        parallel: ParallelConfig::layout(2, 2, FsdpStrategy::FullShard, None),
+        save_every: 2,
+        ..small(6)
+    };
+    let fail = FailAt {
+        step: 3,
+        rank: 1,
+        hang: false,
+    };
+    let elastic = lose_and_compare("dp2tp2", config, fail);
+    let restart = &elastic.restarts[0];
+    assert_eq!((restart.dp, restart.micro_batches), ([2, 1], [1, 2]));
+}
+
+/// A rank that stops arriving at collectives (as one stuck inside a collective) is found by its
+/// peers' timeout, released by their abort, and handled as a dead one: the detection takes the
+/// timeout.
+#[test]
+fn a_hung_rank_is_released_by_the_timeout_and_restarted_without() {
+    let config = PretrainConfig {
+        parallel: ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
+        save_every: 2,
+        timeout: 2.0,
+        ..small(6)
+    };
+    let fail = FailAt {
+        step: 3,
+        rank: 1,
+        hang: true,
+    };
+    let elastic = lose_and_compare("hang", config, fail);
+    let restart = &elastic.restarts[0];
+    assert_eq!(restart.lost_ranks, vec![1]);
+    assert!(restart.failure.contains("timed out"), "{}", restart.failure);
+    assert!(
+        restart.detect >= 2.0,
+        "detected in {} s, the timeout is 2 s",
+        restart.detect
+    );
+}
+
+/// Without restarts the hook's failure is the run's typed error naming the rank; a restart that
+/// cannot keep the model axes or the global batch is a typed error saying which; bad flags are
+/// refused before any work.
+#[test]
+fn elastic_refusals_are_typed() {
+    let dead = |parallel: ParallelConfig, batch_size: usize| PretrainConfig {
+        parallel,
+        batch_size,
+        fail_at: Some(FailAt {
+            step: 1,
+            rank: 1,
+            hang: false,
+        }),
+        ..small(3)
+    };
+    let err = run(&dead(
+        ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
+        4,
+    ))
+    .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            PretrainError::Parallel(ParallelError::RankFailed { rank: 1, .. })
+        ),
+        "{err}"
+    );
+    assert_eq!(lost_ranks(&err), Some(vec![1]));
+
+    // tp 2 alone: no replica is left, and the tensor-parallel axis cannot shrink.
+    let scratch_dir = scratch("elastic-refusals");
+    let err = run(&PretrainConfig {
+        max_restarts: 1,
+        save: Some(scratch_dir.clone()),
+        ..dead(ParallelConfig::layout(1, 2, FsdpStrategy::NoShard, None), 4)
+    })
+    .unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains("no data-parallel replica is left") && message.contains("--tp 2"),
+        "{message}"
+    );
+
+    // The global batch of 4 on 4 ranks does not split over 3.
+    let four = PretrainConfig {
+        parallel: ParallelConfig::layout(4, 1, FsdpStrategy::FullShard, None),
+        batch_size: 4,
+        ..small(3)
+    };
+    let message = shrink(&four, &[3]).unwrap_err().to_string();
+    assert!(message.contains("--batch-size 4"), "{message}");
+    // 8 over 4 → 2: 2 rows each, as 2 micro-batches of the 1 row each had.
+    let eight = PretrainConfig {
+        batch_size: 8,
+        ..four.clone()
+    };
+    let two = shrink(&eight, &[0, 1]).unwrap();
+    assert_eq!((two.parallel.dp, two.accum, two.batch_size), (2, 2, 8));
+
+    for (config, expected) in [
+        (
+            PretrainConfig {
+                max_restarts: 1,
+                ..small(3)
+            },
+            "--save",
+        ),
+        (
+            PretrainConfig {
+                fail_at: Some(FailAt {
+                    step: 0,
+                    rank: 4,
+                    hang: false,
+                }),
+                ..small(3)
+            },
+            "ranks 0..1",
+        ),
+        (
+            PretrainConfig {
+                timeout: 0.0,
+                ..small(3)
+            },
+            "--timeout",
+        ),
+    ] {
+        let message = run(&config).unwrap_err().to_string();
+        assert!(message.contains(expected), "{message}");
+    }
+    assert_eq!("7:2".parse::<FailAt>().unwrap().to_string(), "7:2");
+    assert!("7:2:hang".parse::<FailAt>().unwrap().hang);
+    assert!("7".parse::<FailAt>().is_err() && "7:x".parse::<FailAt>().is_err());
+    let _ = std::fs::remove_dir_all(&scratch_dir);
+}
