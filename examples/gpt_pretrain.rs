@@ -146,6 +146,26 @@ fn main() -> Result<()> {
         );
     }
     println!("{}", summary.wall);
+    for (i, r) in summary.restarts.iter().enumerate() {
+        println!(
+            "restart {}: rank(s) {:?} lost after step {}, --dp {} → {} (micro-batches {} → {}), \
+             resumed from step {}: lost {:.2} s (detect {:.2} s, re-form {:.2} s, reload {:.2} s) \
+             and {} steps trained again",
+            i + 1,
+            r.lost_ranks,
+            r.failed_at,
+            r.dp[0],
+            r.dp[1],
+            r.micro_batches[0],
+            r.micro_batches[1],
+            r.resumed_from,
+            r.lost(),
+            r.detect,
+            r.reform,
+            r.reload,
+            r.redone_steps()
+        );
+    }
     if !summary.sample.is_empty() {
         println!("--- sample ---\n{}\n--------------", summary.sample);
     }

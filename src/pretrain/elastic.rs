@@ -258,6 +258,13 @@ pub fn lost_ranks(error: &PretrainError) -> Option<Vec<usize>> {
 /// holding a lost rank removed (the model axes stay whole), the global batch kept with at most
 /// the micro-batch each rank had (more accumulation where it would grow), the hook off.
 pub fn shrink(config: &PretrainConfig, lost: &[usize]) -> Result<PretrainConfig, PretrainError> {
+    let next = shrunk(config, lost)?;
+    next.check()?;
+    Ok(next)
+}
+
+/// [`shrink`] without checking the rest of the configuration.
+fn shrunk(config: &PretrainConfig, lost: &[usize]) -> Result<PretrainConfig, PretrainError> {
     let p = &config.parallel;
     let mesh = p.mesh()?;
     let replicas: BTreeSet<usize> = lost
@@ -317,7 +324,6 @@ pub fn shrink(config: &PretrainConfig, lost: &[usize]) -> Result<PretrainConfig,
         next.accum = count;
     }
     next.fail_at = None;
-    next.check()?;
     Ok(next)
 }
 
@@ -330,6 +336,12 @@ pub(crate) fn run_elastic<B: FusedOps, D: DeviceLaunch<B>>(
     if config.max_restarts == 0 {
         return run_once::<B, D>(config, device, support, None);
     }
+    // The first restart must be possible: a job that could only fail after losing a rank is
+    // refused now, not after hours of training.
+    let last = config.parallel.mesh()?.world_size() - 1;
+    shrunk(config, &[last]).map_err(|e| {
+        PretrainError::Config(format!("--max-restarts {}: {e}", config.max_restarts))
+    })?;
     let started = Instant::now();
     let save = config
         .save

@@ -222,9 +222,13 @@ fn elastic_refusals_are_typed() {
     .unwrap_err();
     let message = err.to_string();
     assert!(
-        message.contains("no data-parallel replica is left") && message.contains("--tp 2"),
+        message.contains("--max-restarts 1")
+            && message.contains("no data-parallel replica is left")
+            && message.contains("--tp 2"),
         "{message}"
     );
+    // Refused before step 0: nothing was saved.
+    assert!(CheckpointDir::new(&scratch_dir).latest().is_err());
 
     // The global batch of 4 on 4 ranks does not split over 3.
     let four = PretrainConfig {
@@ -234,6 +238,17 @@ fn elastic_refusals_are_typed() {
     };
     let message = shrink(&four, &[3]).unwrap_err().to_string();
     assert!(message.contains("--batch-size 4"), "{message}");
+    let message = run(&PretrainConfig {
+        max_restarts: 1,
+        save: Some(scratch_dir.clone()),
+        ..four.clone()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        message.contains("--max-restarts 1") && message.contains("--batch-size 4"),
+        "{message}"
+    );
     // 8 over 4 → 2: 2 rows each, as 2 micro-batches of the 1 row each had.
     let eight = PretrainConfig {
         batch_size: 8,
