@@ -114,6 +114,36 @@ r, s = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:3])
 assert len(r) == 2 and r == s[-2:], (r, s)
 print(f"resumed losses {r} == straight run's last two, bitwise")
 PY
+echo "--- elastic restart under mpirun (scripts/elastic_mpirun.sh): rank 1 of 2 dies at step 3, the job goes on as 1 process"
+el=(--batch-size 4 --n-layer 2 --block-size 32 --tokenizer bytes --sample-tokens 0 --eval-every 100 --fsdp full --decay-steps 6 --plot "$tmp/el.png" --steps 6)
+out=$(scripts/elastic_mpirun.sh --max-restarts 1 -np 2 --oversubscribe -- "$pretrain" "${el[@]}" --dp 2 \
+    --save "$tmp/el" --save-every 2 --fail-at 3:1 --metrics "$tmp/el.jsonl" 2>&1) || fail "elastic: $out"
+restart=$(grep '^elastic_mpirun.sh: restart 1:' <<<"$out") || fail "elastic: no restart reported: $out"
+echo "$restart"
+from=$(sed -n 's/.*relaunching on 1 from step \([0-9]*\).*/\1/p' <<<"$restart")
+[ -n "$from" ] || fail "elastic: the restart did not shrink to 1 process: $restart"
+# The restarted curve is a --resume of that checkpoint on 1 rank, bit for bit.
+"$pretrain" "${el[@]}" --dp 1 --resume "$tmp/el/$(printf 'step-%08d' "$from")" --metrics "$tmp/el-ref.jsonl" >/dev/null 2>&1
+python3 - "$tmp/el.jsonl" "$tmp/el-ref.jsonl" "$from" <<'PY'
+import json, sys
+got, ref = ([(r["step"], r["loss"]) for r in map(json.loads, open(p))] for p in sys.argv[1:3])
+start = int(sys.argv[3])
+assert [s for s, _ in got] == list(range(3)) + list(range(start, 6)), got
+assert got[-len(ref):] == ref and len(ref) == 6 - start, (got, ref)
+print(f"restarted from step {start} on 1 process: losses {[l for _, l in ref]} == a --resume at --dp 1, bitwise")
+PY
+echo "--- elastic restart with a replacement: the hostfile has both slots again within the grace period"
+echo "localhost slots=2" >"$tmp/hosts"
+out=$(scripts/elastic_mpirun.sh --max-restarts 1 --restart-grace 5 --hostfile "$tmp/hosts" -np 2 --oversubscribe -- \
+    "$pretrain" "${el[@]}" --dp 2 --save "$tmp/el2" --save-every 2 --fail-at 3:1 --metrics "$tmp/el2.jsonl" 2>&1) || fail "replacement: $out"
+grep '^elastic_mpirun.sh: restart 1:.*relaunching on 2 ' <<<"$out" || fail "replacement: not relaunched on 2: $out"
+"$pretrain" "${el[@]}" --dp 2 --metrics "$tmp/el2-straight.jsonl" >/dev/null 2>&1
+python3 - "$tmp/el2.jsonl" "$tmp/el2-straight.jsonl" <<'PY'
+import json, sys
+got, straight = ([(r["step"], r["loss"]) for r in map(json.loads, open(p))] for p in sys.argv[1:3])
+assert got[-4:] == straight[-4:], (got, straight)
+print(f"relaunched on 2 processes: the last steps {got[-4:]} are the uninterrupted run's, bitwise")
+PY
 echo "--- burn-train's Learner under mpirun (FSDP, one process per rank): the curve of ranks-as-threads"
 lf=(--dp 2 --epochs 2 --rows 256)
 mpi_curve=$(mpi -np 2 "$learner" "${lf[@]}" --dir "$tmp/lf-mpi" 2>/dev/null | grep '^curve:')
