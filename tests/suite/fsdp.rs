@@ -402,6 +402,69 @@ fn distributed_checkpoint_reshards_a_stock_model() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// A checkpoint kept in host memory (`CheckpointWriter::with_memory`): each of 2 ranks holds its
+/// files and a copy of its buddy's, so with rank 1 lost and the directory deleted the checkpoint
+/// still loads — onto dp 4, resharded, the saved values exactly — and reads no file. With both
+/// copies of a rank's files gone there is nothing to recover.
+#[test]
+fn a_checkpoint_held_in_memory_survives_a_lost_rank_without_its_files() {
+    use burn::optim::AdamW;
+    use wildfire::checkpoint::dcp::{Checkpoint, CheckpointWriter, MemoryCheckpoints, Snapshot};
+    let root = std::env::temp_dir().join(format!("wildfire-dcp-memory-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+    let store = MemoryCheckpoints::new();
+    let saved = threads(&mesh, |device| {
+        let m = fully_shard(model::<Dist>(&device), &mesh, FsdpStrategy::FullShard).unwrap();
+        let mut writer = CheckpointWriter::new(&root, device.rank(), 2)
+            .unwrap()
+            .with_memory(store.clone());
+        device.context().comm().barrier(Group::World).unwrap();
+        let snapshot = Snapshot::take::<Dist, _, AdamW>(&m, None).unwrap();
+        let state = vec![("state.json".to_string(), b"{}".to_vec())];
+        writer.save(snapshot, 3, state).unwrap();
+        writer.wait().unwrap();
+        parameters(&m)
+    })
+    .remove(0);
+    let on_disk: u64 = std::fs::read_dir(root.join("step-00000003"))
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    assert_eq!(
+        store.bytes(),
+        2 * on_disk,
+        "every file twice: its rank's and its buddy's"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+    store.lose(&[1]);
+    let (step, files) = store.recover().expect("rank 1's files are on rank 0");
+    assert_eq!(step, 3);
+    assert_eq!(&*files["state.json"], b"{}");
+    let checkpoint = Checkpoint::in_memory(root.join("step-00000003"), files).unwrap();
+    assert!(checkpoint.is_in_memory());
+    let four = DeviceMesh::new([("dp", 4)]).unwrap();
+    let loaded = threads(&four, |device| {
+        let fresh = deterministic_init(
+            EncoderClassifierConfig::new()
+                .with_n_layers(1)
+                .init::<Dist>(&device),
+            99,
+        );
+        let fresh = fully_shard(fresh, &four, FsdpStrategy::FullShard).unwrap();
+        parameters(&checkpoint.load_model(fresh).unwrap())
+    });
+    for params in loaded {
+        assert_eq!(params, saved);
+    }
+    assert!(!root.exists(), "nothing was written back");
+    store.lose(&[0]);
+    assert!(
+        store.recover().is_none(),
+        "both copies of every file are gone"
+    );
+}
+
 /// FullShard's peak during a step (the decorator's live-bytes peak on each of 4 ranks, second step
 /// so the optimizer state exists): at most the persistent shards + the activations kept by the
 /// forward + 2 × the largest layer's gathered parameters (one gathered for use, one gradient

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use burn::module::{Module, Param, ParamId};
 use burn::optim::record::AdaptorRecord;
@@ -26,7 +27,13 @@ pub struct Checkpoint {
     pub(crate) meta: Metadata,
     /// Bytes of tensor data read by every load so far (all ranks sharing this value).
     bytes_read: std::sync::atomic::AtomicU64,
+    /// The files held in host memory ([`Checkpoint::in_memory`]): read from here, never from
+    /// `dir`.
+    memory: Option<Arc<MemoryFiles>>,
 }
+
+/// A checkpoint's files held in host memory, by file name ([`super::MemoryCheckpoints`]).
+pub type MemoryFiles = BTreeMap<String, Arc<[u8]>>;
 
 impl Checkpoint {
     /// Open the checkpoint in step directory `dir`: reads `metadata.json` and checks that every
@@ -71,6 +78,52 @@ impl Checkpoint {
             dir,
             meta,
             bytes_read: Default::default(),
+            memory: None,
+        }
+    }
+
+    /// The checkpoint whose files are `files`, held in host memory (`label` names it in
+    /// errors): its metadata read and every data file's size checked as [`Checkpoint::open`]
+    /// checks them on disk; loads read no file.
+    pub fn in_memory(label: PathBuf, files: Arc<MemoryFiles>) -> Result<Self, Error> {
+        let invalid = |name: &str, reason: String| Error::Invalid {
+            path: label.join(name),
+            reason,
+        };
+        let bytes = files
+            .get("metadata.json")
+            .ok_or_else(|| invalid("metadata.json", "not held in memory".into()))?;
+        let meta: Metadata = serde_json::from_slice(bytes).map_err(|e| {
+            invalid(
+                "metadata.json",
+                format!("not a Wildfire distributed checkpoint's metadata ({e})"),
+            )
+        })?;
+        for (file, &size) in &meta.files {
+            let len = files.get(file).map(|b| b.len() as u64);
+            if len != Some(size) {
+                return Err(invalid(
+                    file,
+                    format!("{len:?} bytes held in memory, the checkpoint recorded {size}"),
+                ));
+            }
+        }
+        Ok(Self {
+            memory: Some(files),
+            ..Self::new(label, meta)
+        })
+    }
+
+    /// Whether the files are held in host memory.
+    pub fn is_in_memory(&self) -> bool {
+        self.memory.is_some()
+    }
+
+    /// A reader of this checkpoint's files (from memory when it is held there).
+    fn reader(&self) -> Reader {
+        Reader {
+            memory: self.memory.clone(),
+            ..Reader::default()
         }
     }
 
@@ -122,7 +175,7 @@ impl Checkpoint {
         let mut loader = ModelLoader {
             name,
             checkpoint: self,
-            reader: Reader::default(),
+            reader: self.reader(),
         };
         let model = try_map_params(model, &mut loader);
         self.count(&loader.reader);
@@ -160,7 +213,7 @@ impl Checkpoint {
         let mut loader = OptimizerLoader::<B, X> {
             name,
             checkpoint: self,
-            reader: Reader::default(),
+            reader: self.reader(),
             records: ParamRecords::new(),
         };
         let loaded = try_visit_params(model, &mut loader);
@@ -258,9 +311,74 @@ impl Checkpoint {
 /// positioned reads (no mapping: the file's pages never count in the process's resident set).
 #[derive(Default)]
 pub struct Reader {
-    files: BTreeMap<String, (fs::File, u64, BTreeMap<String, HeaderEntry>)>,
+    files: BTreeMap<String, (Source, u64, BTreeMap<String, HeaderEntry>)>,
     /// Bytes of tensor data read so far.
     pub(crate) bytes_read: u64,
+    /// Files held in memory: read from here instead of the directory.
+    memory: Option<Arc<MemoryFiles>>,
+}
+
+/// Where a data file's bytes are: a file opened for positioned reads, or memory.
+enum Source {
+    File(fs::File),
+    Memory(Arc<[u8]>),
+}
+
+impl Source {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        match self {
+            Source::File(file) => file.read_exact_at(buf, offset),
+            Source::Memory(bytes) => {
+                let at = usize::try_from(offset).ok().filter(|&at| at <= bytes.len());
+                match at.and_then(|at| bytes.get(at..at + buf.len())) {
+                    Some(src) => {
+                        buf.copy_from_slice(src);
+                        Ok(())
+                    }
+                    None => Err(std::io::ErrorKind::UnexpectedEof.into()),
+                }
+            }
+        }
+    }
+}
+
+/// The header of a safetensors file held in memory: where its data starts, and its tensors.
+fn memory_safetensors(
+    path: &Path,
+    bytes: &[u8],
+) -> Result<(u64, BTreeMap<String, HeaderEntry>), Error> {
+    let invalid = |reason: String| Error::Invalid {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let n = bytes
+        .get(..8)
+        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+        .ok_or_else(|| invalid("not a safetensors file (shorter than 8 bytes)".into()))?;
+    let header = usize::try_from(n)
+        .ok()
+        .and_then(|n| bytes.get(8..8 + n))
+        .ok_or_else(|| invalid(format!("not a safetensors file (header of {n} bytes)")))?;
+    Ok((8 + n, parse_header(path, header)?))
+}
+
+/// A safetensors header's tensors (name → entry), its `__metadata__` left out.
+fn parse_header(path: &Path, header: &[u8]) -> Result<BTreeMap<String, HeaderEntry>, Error> {
+    let invalid = |reason: String| Error::Invalid {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut header: BTreeMap<String, serde_json::Value> = serde_json::from_slice(header)
+        .map_err(|e| invalid(format!("not a safetensors file ({e})")))?;
+    header.remove("__metadata__");
+    header
+        .into_iter()
+        .map(|(name, entry)| match serde_json::from_value(entry) {
+            Ok(entry) => Ok((name, entry)),
+            Err(e) => Err(invalid(format!("{name}: bad header entry ({e})"))),
+        })
+        .collect()
 }
 
 /// A safetensors file opened for positioned reads: the file, where its data starts, and its
@@ -286,17 +404,7 @@ pub fn open_safetensors(
     }
     let mut header = vec![0u8; n as usize];
     file.read_exact(&mut header).map_err(io)?;
-    let mut header: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&header)
-        .map_err(|e| invalid(format!("not a safetensors file ({e})")))?;
-    header.remove("__metadata__");
-    let entries = header
-        .into_iter()
-        .map(|(name, entry)| match serde_json::from_value(entry) {
-            Ok(entry) => Ok((name, entry)),
-            Err(e) => Err(invalid(format!("{name}: bad header entry ({e})"))),
-        })
-        .collect::<Result<_, _>>()?;
-    Ok((file, 8 + n, entries))
+    Ok((file, 8 + n, parse_header(path, &header)?))
 }
 
 /// One tensor's entry in a safetensors header.
@@ -327,7 +435,6 @@ impl Reader {
         at: &[usize],
         size: &[usize],
     ) -> Result<Vec<f32>, Error> {
-        use std::os::unix::fs::FileExt;
         if piece.transposed {
             // Read as stored (row runs of the stored rows), then transposed.
             let Some((stored, at, size)) = stored_transposed(piece, at, size) else {
@@ -346,9 +453,21 @@ impl Reader {
         };
         let io = |source| Error::io(&path, source);
         if !self.files.contains_key(&piece.file) {
-            let (file, data_start, header) = open_safetensors(&path)?;
-            self.files
-                .insert(piece.file.clone(), (file, data_start, header));
+            let opened = match self.memory.as_ref() {
+                Some(memory) => {
+                    let bytes = memory.get(&piece.file).ok_or_else(|| Error::Invalid {
+                        path: path.clone(),
+                        reason: "not held in memory".into(),
+                    })?;
+                    let (data_start, header) = memory_safetensors(&path, bytes)?;
+                    (Source::Memory(bytes.clone()), data_start, header)
+                }
+                None => {
+                    let (file, data_start, header) = open_safetensors(&path)?;
+                    (Source::File(file), data_start, header)
+                }
+            };
+            self.files.insert(piece.file.clone(), opened);
         }
         let (file, data_start, header) = &self.files[&piece.file];
         let entry = header

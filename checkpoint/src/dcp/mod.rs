@@ -34,11 +34,13 @@ use serde::{Deserialize, Serialize};
 use wildfire_parallel::{DeviceMesh, for_each_row};
 
 mod load;
+mod memory;
 mod save;
 
 pub use load::{HeaderEntry, Reader, open_safetensors, transpose};
 
-pub use load::Checkpoint;
+pub use load::{Checkpoint, MemoryFiles};
+pub use memory::{MemoryCheckpoints, RankFiles};
 pub use save::{CheckpointWriter, SaveReport, Snapshot};
 
 /// The format tag of `metadata.json` and the rank indexes.

@@ -174,7 +174,13 @@ impl Snapshot {
 
     /// Encode and write this rank's files into `staging`, a checksum per `chunk` bytes of each
     /// piece; returns its index.
-    fn write(self, staging: &Path, step: usize, chunk: usize) -> Result<RankIndex, Error> {
+    fn write(
+        self,
+        staging: &Path,
+        step: usize,
+        chunk: usize,
+        keep: Option<&mut super::RankFiles>,
+    ) -> Result<RankIndex, Error> {
         let file = rank_file(self.rank, "safetensors");
         let path = staging.join(&file);
         let io = |source| Error::Io {
@@ -201,6 +207,11 @@ impl Snapshot {
             |i, bytes| crcs[i] = bytes.chunks(chunk).map(crc32fast::hash).collect(),
         )
         .map_err(io)?;
+        let mut keep = keep;
+        if let Some(keep) = keep.as_mut() {
+            // Read back while the staging directory is there (the page cache's copy).
+            keep.push((file.clone(), fs::read(&path).map_err(io)?.into()));
+        }
         let tensors = pieces
             .into_iter()
             .zip(crcs)
@@ -237,6 +248,9 @@ impl Snapshot {
             path: index_path,
             source,
         })?;
+        if let Some(keep) = keep {
+            keep.push((rank_file(self.rank, "json"), json.into()));
+        }
         Ok(index)
     }
 }
@@ -320,6 +334,8 @@ pub struct CheckpointWriter {
     pending: Option<JoinHandle<Result<SaveReport, Error>>>,
     /// Every save finished so far.
     done: Vec<SaveReport>,
+    /// Where this rank also keeps its files of each checkpoint, and its buddy a copy.
+    memory: Option<std::sync::Arc<super::MemoryCheckpoints>>,
 }
 
 impl CheckpointWriter {
@@ -339,7 +355,15 @@ impl CheckpointWriter {
             chunk_bytes: super::CHUNK_BYTES,
             pending: None,
             done: Vec::new(),
+            memory: None,
         })
+    }
+
+    /// Also keep each save's files in host memory, in `store` (this rank's own, and a copy on
+    /// its buddy: [`super::MemoryCheckpoints`]), for a restart that reads no file.
+    pub fn with_memory(mut self, store: std::sync::Arc<super::MemoryCheckpoints>) -> Self {
+        self.memory = Some(store);
+        self
     }
 
     /// How long rank 0 waits for the other ranks' files before giving the save up (the previous
@@ -375,13 +399,15 @@ impl CheckpointWriter {
             self.chunk_bytes,
         );
         let mesh = snapshot.mesh.clone().unwrap_or_else(DeviceMesh::single);
+        let memory = self.memory.clone();
         self.pending = Some(std::thread::spawn(move || {
             let started = Instant::now();
             fs::create_dir_all(&staging).map_err(|source| Error::Io {
                 path: staging.clone(),
                 source,
             })?;
-            let index = snapshot.write(&staging, step, chunk)?;
+            let mut kept = memory.as_ref().map(|_| super::RankFiles::new());
+            let index = snapshot.write(&staging, step, chunk, kept.as_mut())?;
             let write_time = started.elapsed();
             let committed = if rank == 0 {
                 for (name, bytes) in &files {
@@ -389,10 +415,20 @@ impl CheckpointWriter {
                     crate::io::write_atomic(&path, bytes)
                         .map_err(|source| Error::Io { path, source })?;
                 }
-                Some(commit(&dir, &staging, step, world, mesh, timeout)?)
+                let committed = commit(&dir, &staging, step, world, mesh, timeout)?;
+                if let Some(kept) = kept.as_mut() {
+                    kept.extend(files.into_iter().map(|(name, bytes)| (name, bytes.into())));
+                    let path = committed.join("metadata.json");
+                    let bytes = fs::read(&path).map_err(|source| Error::Io { path, source })?;
+                    kept.push(("metadata.json".into(), bytes.into()));
+                }
+                Some(committed)
             } else {
                 None
             };
+            if let (Some(store), Some(kept)) = (memory, kept) {
+                store.put(step, world, rank, kept);
+            }
             Ok(SaveReport {
                 step,
                 dir: committed,
