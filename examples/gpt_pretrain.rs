@@ -149,7 +149,7 @@ fn main() -> Result<()> {
     for (i, r) in summary.restarts.iter().enumerate() {
         println!(
             "restart {}: rank(s) {:?} lost after step {}, --dp {} → {} (micro-batches {} → {}), \
-             resumed from step {}: lost {:.2} s (detect {:.2} s, re-form {:.2} s, reload {:.2} s) \
+             resumed from step {} ({}): lost {:.2} s (detect {:.2} s, re-form {:.2} s, reload {:.2} s) \
              and {} steps trained again",
             i + 1,
             r.lost_ranks,
@@ -159,6 +159,11 @@ fn main() -> Result<()> {
             r.micro_batches[0],
             r.micro_batches[1],
             r.resumed_from,
+            if r.from_memory {
+                "in memory"
+            } else {
+                "on disk"
+            },
             r.lost(),
             r.detect,
             r.reform,

@@ -251,6 +251,13 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(long, value_name = "STEP:RANK[:hang]", help_heading = "Resilience")]
     pub fail_at: Option<super::elastic::FailAt>,
+    /// With `--max-restarts`: keep each checkpoint in host memory too — every rank its own
+    /// files and a copy of the previous rank's (a ring of buddies) — so a restart after losing
+    /// one rank reads no file (the disk checkpoint when a rank and its buddy are both lost).
+    /// Costs twice the checkpoint's size in host memory.
+    #[serde(default)]
+    #[arg(long, help_heading = "Resilience")]
+    pub memory_checkpoints: bool,
 }
 
 fn sixty() -> f64 {

@@ -13,11 +13,13 @@ use super::{CheckpointState, PretrainConfig, PretrainError, RunSummary, run_once
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::fmt;
+use std::path::PathBuf;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use wildfire_checkpoint::CheckpointDir;
-use wildfire_checkpoint::dcp::read_state_file;
+use wildfire_checkpoint::dcp::{MemoryCheckpoints, MemoryFiles, read_state_file};
 use wildfire_kernels::FusedOps;
 use wildfire_parallel::comm::Communicator;
 use wildfire_parallel::{DeviceLaunch, Launch};
@@ -123,6 +125,9 @@ pub struct Restart {
     pub failed_at: usize,
     /// The step the restart resumed from: the latest checkpoint's (or the run's start).
     pub resumed_from: usize,
+    /// Whether it resumed from the checkpoint held in host memory (`--memory-checkpoints`:
+    /// no file read), not the disk's.
+    pub from_memory: bool,
     /// Seconds from the end of the last step every rank completed to every rank of the failed
     /// attempt having returned: the detection (a peer's error, or the collective timeout).
     pub detect: f64,
@@ -145,6 +150,15 @@ impl Restart {
     pub fn lost(&self) -> f64 {
         self.detect + self.reform + self.reload
     }
+}
+
+/// What an elastic run gives one attempt: where rank 0 records its progress, the store of the
+/// checkpoints held in memory, and the one in memory to resume from.
+pub(crate) struct Attempt {
+    pub progress: Progress,
+    pub memory: Option<Arc<MemoryCheckpoints>>,
+    /// (the checkpoint's name, for errors; its files).
+    pub from_memory: Option<(PathBuf, Arc<MemoryFiles>)>,
 }
 
 /// Where an attempt got to, recorded by its rank 0 (instants since `origin`, in nanoseconds
@@ -205,6 +219,13 @@ pub(crate) fn check(config: &PretrainConfig) -> Result<(), PretrainError> {
             "--timeout {}: a number of seconds above 0",
             config.timeout
         )));
+    }
+    if config.memory_checkpoints && config.max_restarts == 0 {
+        return Err(PretrainError::Config(
+            "--memory-checkpoints keeps checkpoints in host memory for the restarts of \
+             --max-restarts N: pass it too"
+                .into(),
+        ));
     }
     if config.max_restarts > 0 {
         if config.save.is_none() {
@@ -348,14 +369,21 @@ pub(crate) fn run_elastic<B: FusedOps, D: DeviceLaunch<B>>(
         .clone()
         .expect("checked: --max-restarts needs --save");
     let mut attempt = config.clone();
+    let memory = config.memory_checkpoints.then(MemoryCheckpoints::new);
+    let mut from_memory = None;
     let mut restarts: Vec<Restart> = Vec::new();
     // A restart whose re-forming and reloading the next attempt measures, and when it began.
     let mut measuring: Option<(Restart, Instant)> = None;
     loop {
         let attempt_started = Instant::now();
-        let progress = Progress::new();
-        let result = run_once::<B, D>(&attempt, device, support, Some(&progress));
+        let this = Attempt {
+            progress: Progress::new(),
+            memory: memory.clone(),
+            from_memory: from_memory.take(),
+        };
+        let result = run_once::<B, D>(&attempt, device, support, Some(&this));
         let returned = Instant::now();
+        let progress = &this.progress;
         if let Some((mut restart, decided)) = measuring.take() {
             let launched = progress.at(&progress.launched);
             let looping = progress.at(&progress.looping);
@@ -401,13 +429,24 @@ pub(crate) fn run_elastic<B: FusedOps, D: DeviceLaunch<B>>(
         if CheckpointDir::new(&save).latest().is_ok() {
             next.resume = Some(save.clone());
         }
-        let resumed_from = match &next.resume {
+        let mut resumed_from = match &next.resume {
             Some(root) => {
                 let dir = super::resume_dir(root)?;
                 read_state_file::<CheckpointState>(&dir, "state.json")?.step
             }
             None => 0,
         };
+        // The lost ranks' memory is gone; the checkpoint held in memory is used when every
+        // rank's files survive (its own copy or its buddy's) and it is not older than the disk's.
+        if let Some(store) = &memory {
+            store.lose(&lost);
+            if let Some((step, files)) = store.recover().filter(|(step, _)| *step >= resumed_from) {
+                let label = save.join(format!("step-{step:08} (held in memory)"));
+                from_memory = Some((label, files));
+                next.resume = Some(save.clone());
+                resumed_from = step;
+            }
+        }
         let stepped = progress.at(&progress.stepped);
         let since = stepped
             .or(progress.at(&progress.looping))
@@ -423,20 +462,26 @@ pub(crate) fn run_elastic<B: FusedOps, D: DeviceLaunch<B>>(
             },
             failed_at: progress.steps.load(Ordering::Relaxed),
             resumed_from,
+            from_memory: from_memory.is_some(),
             detect: (returned - since).as_secs_f64(),
             reform: 0.0,
             reload: 0.0,
         };
         tracing::warn!(
             "rank(s) {:?} lost after step {} ({}): restarting on --dp {} (micro-batches per step \
-             {} → {}) from step {}",
+             {} → {}) from step {}, the checkpoint {}",
             restart.lost_ranks,
             restart.failed_at,
             restart.failure,
             next.parallel.dp,
             restart.micro_batches[0],
             restart.micro_batches[1],
-            resumed_from
+            resumed_from,
+            if restart.from_memory {
+                "held in memory"
+            } else {
+                "on disk"
+            }
         );
         measuring = Some((restart, Instant::now()));
         attempt = next;

@@ -284,13 +284,15 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     elastic::run_elastic::<B, D>(config, device, support)
 }
 
-/// One attempt of a checked, planned run (`progress`: where rank 0 got to, for an elastic run).
+/// One attempt of a checked, planned run (`attempt`: an elastic run's, where rank 0 records its
+/// progress, with the checkpoints kept in memory).
 fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
     config: &PretrainConfig,
     device: &B::Device,
     support: &D,
-    progress: Option<&elastic::Progress>,
+    attempt: Option<&elastic::Attempt>,
 ) -> Result<RunSummary, PretrainError> {
+    let progress = attempt.map(|a| &a.progress);
     let started = Instant::now();
     let job = JobSpec {
         mesh: config.parallel.mesh()?,
@@ -323,11 +325,15 @@ fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
     }
     let [(train, sampler), (val, val_sampler)] =
         (config.data).samplers(&data.dataset, seed, block, config.batch_size, validate)?;
-    let resume = config
-        .resume
-        .as_deref()
-        .map(|dir| read_state(dir, &data.model))
-        .transpose()?;
+    // An elastic restart may resume from the checkpoint held in memory (reading no file).
+    let resume = match attempt.and_then(|a| a.from_memory.as_ref()) {
+        Some((label, files)) => Some(read_state_in_memory(label, files.clone(), &data.model)?),
+        None => config
+            .resume
+            .as_deref()
+            .map(|dir| read_state(dir, &data.model))
+            .transpose()?,
+    };
     let first_step = resume.as_ref().map_or(0, |(state, _)| state.step);
     let data_seconds = started.elapsed().as_secs_f64();
     tracing::info!("pretraining {} steps from step {first_step}", config.steps);
@@ -372,6 +378,7 @@ fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
             first_step,
             started: rank_started,
             progress,
+            memory: attempt.and_then(|a| a.memory.clone()),
         };
         let result = if config.parallel.pp > 1 {
             run.train_pipelined(&device)
@@ -482,6 +489,35 @@ fn read_state(
     // The metadata and every file's size, checked before any rank starts.
     let checkpoint = Checkpoint::open(&dir)?;
     let state: CheckpointState = read_state_file(&dir, "state.json")?;
+    check_state(checkpoint, state, &dir, model)
+}
+
+/// [`read_state`] of a checkpoint held in memory (`label` names it).
+fn read_state_in_memory(
+    label: &Path,
+    files: std::sync::Arc<wildfire_checkpoint::dcp::MemoryFiles>,
+    model: &ModelConfig,
+) -> Result<(CheckpointState, Checkpoint), PretrainError> {
+    let state = files
+        .get("state.json")
+        .map(|bytes| serde_json::from_slice(bytes));
+    let Some(Ok(state)) = state else {
+        return Err(PretrainError::Checkpoint {
+            path: label.join("state.json"),
+            reason: "the run state held in memory is missing or unreadable".into(),
+        });
+    };
+    let checkpoint = Checkpoint::in_memory(label.to_path_buf(), files)?;
+    check_state(checkpoint, state, label, model)
+}
+
+/// The checkpoint and its run state, when it holds `model`.
+fn check_state(
+    checkpoint: Checkpoint,
+    state: CheckpointState,
+    dir: &Path,
+    model: &ModelConfig,
+) -> Result<(CheckpointState, Checkpoint), PretrainError> {
     // A checkpoint from before the padded vocabulary was masked (`vocab_used`) has the same
     // weights: it resumes, masked from here on.
     let saved = match (&state.model, model) {
@@ -493,7 +529,7 @@ fn read_state(
     };
     if &saved != model {
         return Err(PretrainError::Checkpoint {
-            path: dir,
+            path: dir.to_path_buf(),
             reason: format!(
                 "it holds a model of shape {:?}, this run builds {:?}; resume with the same model flags",
                 state.model, model

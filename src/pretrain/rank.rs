@@ -39,6 +39,9 @@ pub(super) struct RankRun<'a> {
     pub started: Instant,
     /// Rank 0 of an elastic run: where the attempt got to.
     pub progress: Option<&'a super::elastic::Progress>,
+    /// `--memory-checkpoints`: every save also kept in host memory (this rank's files and a
+    /// copy of its buddy's).
+    pub memory: Option<std::sync::Arc<wildfire_checkpoint::dcp::MemoryCheckpoints>>,
 }
 
 impl RankRun<'_> {
@@ -182,11 +185,13 @@ impl RankRun<'_> {
         let (rank, ctx) = (device.rank(), device.context().clone());
         let mut runner = self.step_runner();
         let mut writer = match &config.save {
-            Some(root) => Some(CheckpointWriter::new(
-                root,
-                rank,
-                device.mesh().world_size(),
-            )?),
+            Some(root) => {
+                let writer = CheckpointWriter::new(root, rank, device.mesh().world_size())?;
+                Some(match &self.memory {
+                    Some(store) => writer.with_memory(store.clone()),
+                    None => writer,
+                })
+            }
             None => None,
         };
         // The process's peaks once every rank's setup is done (ranks as threads share the

@@ -35,6 +35,7 @@ fn lose_and_compare(name: &str, config: PretrainConfig, fail: FailAt) -> RunSumm
     let every = config.save_every;
     assert_eq!(restart.resumed_from, fail.step / every * every, "{name}");
     assert_eq!(restart.dp[0], config.parallel.dp, "{name}");
+    assert_eq!(restart.from_memory, config.memory_checkpoints, "{name}");
     assert!(
         restart.detect >= 0.0 && restart.reform > 0.0 && restart.reload > 0.0,
         "{name}: {restart:?}"
@@ -63,6 +64,7 @@ fn lose_and_compare(name: &str, config: PretrainConfig, fail: FailAt) -> RunSumm
         parallel: smaller,
         accum: restart.micro_batches[1],
         resume: Some(checkpoint),
+        memory_checkpoints: false,
         ..config.clone()
     })
     .unwrap();
@@ -89,6 +91,7 @@ fn lose_and_compare(name: &str, config: PretrainConfig, fail: FailAt) -> RunSumm
     // Before the failure, the uninterrupted run's steps; the metrics file has both attempts.
     let straight = run(&PretrainConfig {
         steps: fail.step,
+        memory_checkpoints: false,
         ..config.clone()
     })
     .unwrap();
@@ -135,6 +138,26 @@ fn a_dead_rank_restarts_the_run_on_the_replicas_left() {
     );
     assert_eq!(restart.redone_steps(), 2);
     assert!(elastic.wall.restarts > 0.0);
+}
+
+/// `--memory-checkpoints`: the same restart reads the checkpoint every rank held in memory (rank
+/// 2's files from its buddy, rank 3), no file — bitwise the `--resume` of the disk's copy.
+#[test]
+fn a_restart_reads_the_checkpoint_held_in_memory() {
+    let config = PretrainConfig {
+        parallel: ParallelConfig::layout(4, 1, FsdpStrategy::FullShard, None),
+        batch_size: 12,
+        save_every: 5,
+        memory_checkpoints: true,
+        ..small(10)
+    };
+    let fail = FailAt {
+        step: 7,
+        rank: 2,
+        hang: false,
+    };
+    let elastic = lose_and_compare("memory", config, fail);
+    assert!(elastic.restarts[0].from_memory);
 }
 
 /// dp 2 × tp 2 FullShard, rank 1 (of replica 0) dies at step 3: the other replica (ranks 2, 3)
@@ -282,6 +305,13 @@ fn elastic_refusals_are_typed() {
                 ..small(3)
             },
             "--timeout",
+        ),
+        (
+            PretrainConfig {
+                memory_checkpoints: true,
+                ..small(3)
+            },
+            "--max-restarts",
         ),
     ] {
         let message = run(&config).unwrap_err().to_string();
