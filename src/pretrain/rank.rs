@@ -178,7 +178,22 @@ impl RankRun<'_> {
         // of `--init-from`: each rank reads the pieces that overlap its own, in this run's
         // layout (the saving run's mesh and strategy may differ).
         match (&self.resume, &config.init_from) {
-            (Some((checkpoint, _)), _) => trainee.load(checkpoint, true)?,
+            (Some((checkpoint, _)), _) => {
+                let loading = Instant::now();
+                trainee.load(checkpoint, true)?;
+                if device.rank() == 0 {
+                    tracing::info!(
+                        "loaded the checkpoint {} in {:.2} s{}",
+                        checkpoint.dir().display(),
+                        loading.elapsed().as_secs_f64(),
+                        if checkpoint.is_in_memory() {
+                            " (from memory)"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+            }
             (None, Some(file)) => trainee.load(&self.data.model.import_hf(file)?, false)?,
             (None, None) => {}
         }

@@ -33,7 +33,7 @@ pub struct Checkpoint {
 }
 
 /// A checkpoint's files held in host memory, by file name ([`super::MemoryCheckpoints`]).
-pub type MemoryFiles = BTreeMap<String, Arc<[u8]>>;
+pub type MemoryFiles = BTreeMap<String, Arc<Vec<u8>>>;
 
 impl Checkpoint {
     /// Open the checkpoint in step directory `dir`: reads `metadata.json` and checks that every
@@ -321,24 +321,24 @@ pub struct Reader {
 /// Where a data file's bytes are: a file opened for positioned reads, or memory.
 enum Source {
     File(fs::File),
-    Memory(Arc<[u8]>),
+    Memory(Arc<Vec<u8>>),
 }
 
 impl Source {
-    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    /// `len` bytes at `offset`: read from the file, or borrowed from memory (no copy).
+    fn read_at(&self, offset: u64, len: usize) -> std::io::Result<std::borrow::Cow<'_, [u8]>> {
         use std::os::unix::fs::FileExt;
         match self {
-            Source::File(file) => file.read_exact_at(buf, offset),
-            Source::Memory(bytes) => {
-                let at = usize::try_from(offset).ok().filter(|&at| at <= bytes.len());
-                match at.and_then(|at| bytes.get(at..at + buf.len())) {
-                    Some(src) => {
-                        buf.copy_from_slice(src);
-                        Ok(())
-                    }
-                    None => Err(std::io::ErrorKind::UnexpectedEof.into()),
-                }
+            Source::File(file) => {
+                let mut buf = vec![0u8; len];
+                file.read_exact_at(&mut buf, offset)?;
+                Ok(buf.into())
             }
+            Source::Memory(bytes) => usize::try_from(offset)
+                .ok()
+                .and_then(|at| bytes.get(at..at.checked_add(len)?))
+                .map(Into::into)
+                .ok_or_else(|| std::io::ErrorKind::UnexpectedEof.into()),
         }
     }
 }
@@ -545,8 +545,8 @@ impl Reader {
                 j += 1;
             }
             let (lo, hi) = (first * granule, ((last + 1) * granule).min(piece_bytes));
-            let mut bytes = vec![0u8; hi - lo];
-            file.read_exact_at(&mut bytes, data_start + begin + lo as u64)
+            let bytes = file
+                .read_at(data_start + begin + lo as u64, hi - lo)
                 .map_err(io)?;
             self.bytes_read += (hi - lo) as u64;
             for (k, chunk) in bytes.chunks(granule).enumerate() {

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 /// One rank's files of one checkpoint, by name.
-pub type RankFiles = Vec<(String, Arc<[u8]>)>;
+pub type RankFiles = Vec<(String, Arc<Vec<u8>>)>;
 
 /// The checkpoints the ranks of this process hold in memory (see the module's documentation).
 #[derive(Debug, Default)]
@@ -120,9 +120,9 @@ mod tests {
     use super::*;
 
     fn files(rank: usize) -> RankFiles {
-        let mut files = vec![(format!("rank-{rank}"), Arc::from(vec![rank as u8; 3]))];
+        let mut files = vec![(format!("rank-{rank}"), Arc::new(vec![rank as u8; 3]))];
         if rank == 0 {
-            files.push(("metadata.json".into(), Arc::from(b"{}".to_vec())));
+            files.push(("metadata.json".into(), Arc::new(b"{}".to_vec())));
         }
         files
     }
