@@ -6,7 +6,9 @@
 use super::PretrainError;
 pub use super::plan::PlanMode;
 use serde::{Deserialize, Serialize};
+use std::fmt;
 use std::path::PathBuf;
+use std::str::FromStr;
 pub use wildfire_engine::MuonSplit;
 use wildfire_engine::report::WarmupCosine;
 use wildfire_models::data::DataFlags;
@@ -250,7 +252,7 @@ pub struct PretrainConfig {
     /// elastic run fails.
     #[serde(default)]
     #[arg(long, value_name = "STEP:RANK[:hang]", help_heading = "Resilience")]
-    pub fail_at: Option<super::elastic::FailAt>,
+    pub fail_at: Option<FailAt>,
     /// With `--max-restarts`: keep each checkpoint in host memory too — every rank its own
     /// files and a copy of the previous rank's (a ring of buddies) — so a restart after losing
     /// one rank reads no file (the disk checkpoint when a rank and its buddy are both lost).
@@ -258,6 +260,54 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(long, help_heading = "Resilience")]
     pub memory_checkpoints: bool,
+}
+
+/// `--fail-at STEP:RANK[:hang]`: a test hook that makes rank `rank` fail at the start of step
+/// `step` (0-based, as the metrics count): a panic (a dead rank), or with `hang` a rank that no
+/// longer arrives at collectives until the job is aborted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailAt {
+    /// The step at whose start the rank fails.
+    pub step: usize,
+    /// The global rank that fails.
+    pub rank: usize,
+    /// Hang instead of dying.
+    pub hang: bool,
+}
+
+impl FromStr for FailAt {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let number = |part: &str, what: &str| {
+            part.parse::<usize>()
+                .map_err(|_| format!("--fail-at {s}: {what} `{part}` is not a number"))
+        };
+        let (step, rank, hang) = match s.split(':').collect::<Vec<_>>().as_slice() {
+            [step, rank] => (*step, *rank, false),
+            [step, rank, "hang"] => (*step, *rank, true),
+            _ => {
+                return Err(format!(
+                    "--fail-at {s}: write STEP:RANK (the rank dies) or STEP:RANK:hang"
+                ));
+            }
+        };
+        Ok(FailAt {
+            step: number(step, "the step")?,
+            rank: number(rank, "the rank")?,
+            hang,
+        })
+    }
+}
+
+impl fmt::Display for FailAt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.step, self.rank)?;
+        if self.hang {
+            write!(f, ":hang")?;
+        }
+        Ok(())
+    }
 }
 
 fn sixty() -> f64 {
@@ -425,7 +475,52 @@ impl PretrainConfig {
         }
         self.parallel.check_batch(self.batch_size, self.accum)?;
         self.data.check()?;
-        super::elastic::check(self)?;
+        self.check_resilience()?;
+        Ok(())
+    }
+
+    /// Refuse what an elastic run or the hook cannot do, before any work.
+    fn check_resilience(&self) -> Result<(), PretrainError> {
+        let config = self;
+        if !(config.timeout.is_finite() && config.timeout > 0.0) {
+            return Err(PretrainError::Config(format!(
+                "--timeout {}: a number of seconds above 0",
+                config.timeout
+            )));
+        }
+        if config.memory_checkpoints && config.max_restarts == 0 {
+            return Err(PretrainError::Config(
+                "--memory-checkpoints keeps checkpoints in host memory for the restarts of \
+                 --max-restarts N: pass it too"
+                    .into(),
+            ));
+        }
+        if config.max_restarts > 0 {
+            if config.save.is_none() {
+                return Err(PretrainError::Config(
+                    "--max-restarts resumes from the latest checkpoint of --save DIR: pass --save \
+                     (and --save-every N to have checkpoints before the end)"
+                        .into(),
+                ));
+            }
+            if config.launch != Launch::Threads {
+                return Err(PretrainError::Config(
+                    "--max-restarts restarts the rank threads of this process; a launched process \
+                     cannot restart its peers: run the job under scripts/elastic_mpirun.sh, which \
+                     relaunches it"
+                        .into(),
+                ));
+            }
+        }
+        if let Some(fail) = config.fail_at {
+            let world = config.parallel.mesh()?.world_size();
+            if fail.rank >= world || fail.step >= config.steps {
+                return Err(PretrainError::Config(format!(
+                    "--fail-at {fail}: the run has ranks 0..{world} and steps 0..{}",
+                    config.steps
+                )));
+            }
+        }
         Ok(())
     }
 

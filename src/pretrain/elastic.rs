@@ -9,68 +9,18 @@
 //! ended from outside its thread; its peers time out and fail, but the launch waits for it. A
 //! rank stuck inside a collective is released by the world's abort, and handled like a dead one.
 
-use super::{CheckpointState, PretrainConfig, PretrainError, RunSummary, run_once};
-use serde::{Deserialize, Serialize};
+use super::{CheckpointState, FailAt, PretrainConfig, PretrainError, RunSummary, run_once};
+use serde::Serialize;
 use std::collections::BTreeSet;
-use std::fmt;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use wildfire_checkpoint::CheckpointDir;
 use wildfire_checkpoint::dcp::{MemoryCheckpoints, MemoryFiles, read_state_file};
 use wildfire_kernels::FusedOps;
+use wildfire_parallel::DeviceLaunch;
 use wildfire_parallel::comm::Communicator;
-use wildfire_parallel::{DeviceLaunch, Launch};
-
-/// `--fail-at STEP:RANK[:hang]`: a test hook that makes rank `rank` fail at the start of step
-/// `step` (0-based, as the metrics count): a panic (a dead rank), or with `hang` a rank that no
-/// longer arrives at collectives until the job is aborted.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FailAt {
-    /// The step at whose start the rank fails.
-    pub step: usize,
-    /// The global rank that fails.
-    pub rank: usize,
-    /// Hang instead of dying.
-    pub hang: bool,
-}
-
-impl FromStr for FailAt {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        let number = |part: &str, what: &str| {
-            part.parse::<usize>()
-                .map_err(|_| format!("--fail-at {s}: {what} `{part}` is not a number"))
-        };
-        let (step, rank, hang) = match s.split(':').collect::<Vec<_>>().as_slice() {
-            [step, rank] => (*step, *rank, false),
-            [step, rank, "hang"] => (*step, *rank, true),
-            _ => {
-                return Err(format!(
-                    "--fail-at {s}: write STEP:RANK (the rank dies) or STEP:RANK:hang"
-                ));
-            }
-        };
-        Ok(FailAt {
-            step: number(step, "the step")?,
-            rank: number(rank, "the rank")?,
-            hang,
-        })
-    }
-}
-
-impl fmt::Display for FailAt {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}", self.step, self.rank)?;
-        if self.hang {
-            write!(f, ":hang")?;
-        }
-        Ok(())
-    }
-}
 
 impl FailAt {
     /// Rank `rank` at the start of step `step`: fail if this is the hook's step and rank. A
@@ -210,50 +160,6 @@ impl Progress {
         self.steps.store(steps, Ordering::Relaxed);
         self.mark(&self.stepped);
     }
-}
-
-/// Refuse what an elastic run or the hook cannot do, before any work.
-pub(crate) fn check(config: &PretrainConfig) -> Result<(), PretrainError> {
-    if !(config.timeout.is_finite() && config.timeout > 0.0) {
-        return Err(PretrainError::Config(format!(
-            "--timeout {}: a number of seconds above 0",
-            config.timeout
-        )));
-    }
-    if config.memory_checkpoints && config.max_restarts == 0 {
-        return Err(PretrainError::Config(
-            "--memory-checkpoints keeps checkpoints in host memory for the restarts of \
-             --max-restarts N: pass it too"
-                .into(),
-        ));
-    }
-    if config.max_restarts > 0 {
-        if config.save.is_none() {
-            return Err(PretrainError::Config(
-                "--max-restarts resumes from the latest checkpoint of --save DIR: pass --save \
-                 (and --save-every N to have checkpoints before the end)"
-                    .into(),
-            ));
-        }
-        if config.launch != Launch::Threads {
-            return Err(PretrainError::Config(
-                "--max-restarts restarts the rank threads of this process; a launched process \
-                 cannot restart its peers: run the job under scripts/elastic_mpirun.sh, which \
-                 relaunches it"
-                    .into(),
-            ));
-        }
-    }
-    if let Some(fail) = config.fail_at {
-        let world = config.parallel.mesh()?.world_size();
-        if fail.rank >= world || fail.step >= config.steps {
-            return Err(PretrainError::Config(format!(
-                "--fail-at {fail}: the run has ranks 0..{world} and steps 0..{}",
-                config.steps
-            )));
-        }
-    }
-    Ok(())
 }
 
 /// The ranks a failed attempt lost, from its root-cause error: a rank that panicked, or the

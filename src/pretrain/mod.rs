@@ -15,12 +15,12 @@ mod error;
 
 pub use crate::plot::plot_losses;
 pub use config::{
-    Collectives, Launch, MuonSplit, Offload, OptimState, OptimizerKind, PlanMode, Precision,
-    PretrainConfig,
+    Collectives, FailAt, Launch, MuonSplit, Offload, OptimState, OptimizerKind, PlanMode,
+    Precision, PretrainConfig,
 };
 #[cfg(feature = "cuda")]
 pub use cuda::run_cuda;
-pub use elastic::{FailAt, Restart, lost_ranks, shrink};
+pub use elastic::{Restart, lost_ranks, shrink};
 pub use error::PretrainError;
 pub(crate) use error::io_err;
 pub use plan::{Candidate, MARGIN as PLAN_MARGIN, Plan, Predicted, plan_on};

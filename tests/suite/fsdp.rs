@@ -377,6 +377,20 @@ fn distributed_checkpoint_reshards_a_stock_model() {
         assert_eq!(covered, t.shape.iter().product::<usize>(), "{name}");
     }
     let saved = out[0].3.clone();
+    loads_onto_four_ranks(&checkpoint, &saved);
+    let data: u64 = meta.files.values().sum();
+    let (tensors, pieces) = (meta.tensors.len() as u64, 2 * meta.tensors.len() as u64);
+    let slack = 4 * pieces * 2 * 64;
+    let read = checkpoint.bytes_read();
+    assert!(
+        read <= data + slack && read < data * 3 / 2,
+        "read {read} bytes of {data} ({tensors} tensors)"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// `checkpoint` loaded into a fresh model FullShard on 4 ranks gives `saved` on every rank.
+fn loads_onto_four_ranks(checkpoint: &wildfire::checkpoint::dcp::Checkpoint, saved: &[Vec<f32>]) {
     let four = DeviceMesh::new([("dp", 4)]).unwrap();
     let loaded = threads(&four, |device| {
         let fresh = deterministic_init(
@@ -391,15 +405,6 @@ fn distributed_checkpoint_reshards_a_stock_model() {
     for params in loaded {
         assert_eq!(params, saved);
     }
-    let data: u64 = meta.files.values().sum();
-    let (tensors, pieces) = (meta.tensors.len() as u64, 2 * meta.tensors.len() as u64);
-    let slack = 4 * pieces * 2 * 64;
-    let read = checkpoint.bytes_read();
-    assert!(
-        read <= data + slack && read < data * 3 / 2,
-        "read {read} bytes of {data} ({tensors} tensors)"
-    );
-    std::fs::remove_dir_all(&root).unwrap();
 }
 
 /// A checkpoint kept in host memory (`CheckpointWriter::with_memory`): each of 2 ranks holds its
@@ -443,20 +448,7 @@ fn a_checkpoint_held_in_memory_survives_a_lost_rank_without_its_files() {
     assert_eq!(&*files["state.json"], b"{}");
     let checkpoint = Checkpoint::in_memory(root.join("step-00000003"), files).unwrap();
     assert!(checkpoint.is_in_memory());
-    let four = DeviceMesh::new([("dp", 4)]).unwrap();
-    let loaded = threads(&four, |device| {
-        let fresh = deterministic_init(
-            EncoderClassifierConfig::new()
-                .with_n_layers(1)
-                .init::<Dist>(&device),
-            99,
-        );
-        let fresh = fully_shard(fresh, &four, FsdpStrategy::FullShard).unwrap();
-        parameters(&checkpoint.load_model(fresh).unwrap())
-    });
-    for params in loaded {
-        assert_eq!(params, saved);
-    }
+    loads_onto_four_ranks(&checkpoint, &saved);
     assert!(!root.exists(), "nothing was written back");
     store.lose(&[0]);
     assert!(

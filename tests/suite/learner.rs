@@ -234,32 +234,21 @@ fn sharded(
     dir: &str,
     configure: impl Fn(LearnerRank<Flex>) -> LearnerRank<Flex> + Sync,
 ) -> Result<Run, LearnerError> {
-    sharded_with(dp, layout, epochs, dir, configure, None)
-}
-
-/// [`sharded`], with `stop = Some((rank, after))`: that rank's interrupter is stopped (from the
-/// metrics thread, as a TUI's `q` would) once its metrics have seen `after` steps.
-fn sharded_with(
-    dp: usize,
-    layout: Layout,
-    epochs: usize,
-    dir: &str,
-    configure: impl Fn(LearnerRank<Flex>) -> LearnerRank<Flex> + Sync,
-    stop: Option<(usize, usize)>,
-) -> Result<Run, LearnerError> {
     sharded_setup(
         dp,
         layout,
         epochs,
         dir,
         configure,
-        stop,
+        None,
         Setup::default(),
         LR,
     )
 }
 
-/// [`sharded_with`] with `setup` and the learning-rate scheduler `lr` (each rank its copy).
+/// [`sharded`] with `setup`, the learning-rate scheduler `lr` (each rank its copy) and
+/// `stop = Some((rank, after))`: that rank's interrupter is stopped (from the metrics thread, as
+/// a TUI's `q` would) once its metrics have seen `after` steps.
 #[allow(clippy::too_many_arguments)]
 fn sharded_setup<S: burn::lr_scheduler::LrScheduler + Clone + Sync + 'static>(
     dp: usize,
@@ -527,15 +516,9 @@ fn learner_resumes_from_its_distributed_checkpoint() {
 /// same step: no rank is left waiting in a collective, and the run ends cleanly on all.
 #[test]
 fn a_stop_on_one_rank_stops_every_rank_at_the_same_step() {
-    let run = sharded_with(
-        2,
-        Layout::Fsdp(FsdpStrategy::FullShard),
-        2,
-        "stop",
-        |r| r,
-        Some((1, 3)),
-    )
-    .unwrap();
+    let fsdp = Layout::Fsdp(FsdpStrategy::FullShard);
+    let stop = Some((1, 3));
+    let run = sharded_setup(2, fsdp, 2, "stop", |r| r, stop, Setup::default(), LR).unwrap();
     let steps: Vec<usize> = run.train.iter().map(Vec::len).collect();
     assert_eq!(steps[0], steps[1], "{steps:?}");
     assert!((3..10).contains(&steps[0]), "{steps:?}");
@@ -632,7 +615,7 @@ fn learner_early_stopping_stops_every_rank_at_one_devices_epoch() {
     let reference = one_device_with(4, "early-one", stopping, LR);
     let stopped = reference.train[0].len();
     assert!(
-        stopped < 20 && stopped % 5 == 0,
+        stopped < 20 && stopped.is_multiple_of(5),
         "one device stops early: {stopped} steps"
     );
     let fsdp = Layout::Fsdp(FsdpStrategy::FullShard);
@@ -666,7 +649,7 @@ fn learner_follows_a_changing_learning_rate_as_one_device() {
     let linear = burn::lr_scheduler::linear::LinearLrSchedulerConfig::new(LR, LR / 10.0, 10)
         .init()
         .unwrap();
-    let reference = one_device_with(2, "sched-one", Setup::default(), linear.clone());
+    let reference = one_device_with(2, "sched-one", Setup::default(), linear);
     let fsdp = Layout::Fsdp(FsdpStrategy::FullShard);
     let got = sharded_setup(
         2,

@@ -22,11 +22,13 @@ pub struct MemoryCheckpoints {
     inner: Mutex<Inner>,
 }
 
+/// holder rank → owner rank → that owner's files (the holder's own, and its buddy's copy).
+type Held = BTreeMap<usize, BTreeMap<usize, RankFiles>>;
+
 #[derive(Debug, Default)]
 struct Inner {
-    /// step → (world size, holder rank → owner rank → that owner's files: the holder's own,
-    /// and its buddy's copy).
-    steps: BTreeMap<usize, (usize, BTreeMap<usize, BTreeMap<usize, RankFiles>>)>,
+    /// step → (world size, what each rank holds of it).
+    steps: BTreeMap<usize, (usize, Held)>,
 }
 
 impl Inner {
@@ -63,7 +65,6 @@ impl MemoryCheckpoints {
             .keys()
             .next_back()
             .is_some_and(|&newest| newest > step)
-            && inner.whole(step).is_none()
             && !inner.steps.contains_key(&step)
         {
             return; // an older save finishing after a newer one started

@@ -111,22 +111,29 @@ fn lose_and_compare(name: &str, config: PretrainConfig, fail: FailAt) -> RunSumm
     elastic
 }
 
+/// [`small`] FullShard on dp × tp, a checkpoint every `every` steps.
+fn layout(dp: usize, tp: usize, every: usize, steps: usize) -> PretrainConfig {
+    PretrainConfig {
+        parallel: ParallelConfig::layout(dp, tp, FsdpStrategy::FullShard, None),
+        save_every: every,
+        ..small(steps)
+    }
+}
+
+fn fail_at(hook: &str) -> FailAt {
+    hook.parse().unwrap()
+}
+
 /// dp 4 FullShard, `--batch-size 12`, rank 2 dies at step 7: the run finishes on 3 ranks from
 /// the checkpoint of step 5, each rank's 3 rows kept as 2 micro-batches of 2 (the global batch
 /// of 12), bitwise a `--resume` of that checkpoint at `--dp 3 --accum 2`.
 #[test]
 fn a_dead_rank_restarts_the_run_on_the_replicas_left() {
     let config = PretrainConfig {
-        parallel: ParallelConfig::layout(4, 1, FsdpStrategy::FullShard, None),
         batch_size: 12,
-        save_every: 5,
-        ..small(10)
+        ..layout(4, 1, 5, 10)
     };
-    let fail = FailAt {
-        step: 7,
-        rank: 2,
-        hang: false,
-    };
+    let fail = fail_at("7:2");
     let elastic = lose_and_compare("dp4", config, fail);
     let restart = &elastic.restarts[0];
     assert_eq!(restart.lost_ranks, vec![2]);
@@ -145,17 +152,11 @@ fn a_dead_rank_restarts_the_run_on_the_replicas_left() {
 #[test]
 fn a_restart_reads_the_checkpoint_held_in_memory() {
     let config = PretrainConfig {
-        parallel: ParallelConfig::layout(4, 1, FsdpStrategy::FullShard, None),
         batch_size: 12,
-        save_every: 5,
         memory_checkpoints: true,
-        ..small(10)
+        ..layout(4, 1, 5, 10)
     };
-    let fail = FailAt {
-        step: 7,
-        rank: 2,
-        hang: false,
-    };
+    let fail = fail_at("7:2");
     let elastic = lose_and_compare("memory", config, fail);
     assert!(elastic.restarts[0].from_memory);
 }
@@ -164,16 +165,8 @@ fn a_restart_reads_the_checkpoint_held_in_memory() {
 /// goes on alone as dp 1 × tp 2, the tensor-parallel axis whole.
 #[test]
 fn a_dead_tensor_parallel_rank_takes_its_replica_with_it() {
-    let config = PretrainConfig {
-        parallel: ParallelConfig::layout(2, 2, FsdpStrategy::FullShard, None),
-        save_every: 2,
-        ..small(6)
-    };
-    let fail = FailAt {
-        step: 3,
-        rank: 1,
-        hang: false,
-    };
+    let config = layout(2, 2, 2, 6);
+    let fail = fail_at("3:1");
     let elastic = lose_and_compare("dp2tp2", config, fail);
     let restart = &elastic.restarts[0];
     assert_eq!((restart.dp, restart.micro_batches), ([2, 1], [1, 2]));
@@ -185,16 +178,10 @@ fn a_dead_tensor_parallel_rank_takes_its_replica_with_it() {
 #[test]
 fn a_hung_rank_is_released_by_the_timeout_and_restarted_without() {
     let config = PretrainConfig {
-        parallel: ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
-        save_every: 2,
         timeout: 2.0,
-        ..small(6)
+        ..layout(2, 1, 2, 6)
     };
-    let fail = FailAt {
-        step: 3,
-        rank: 1,
-        hang: true,
-    };
+    let fail = fail_at("3:1:hang");
     let elastic = lose_and_compare("hang", config, fail);
     let restart = &elastic.restarts[0];
     assert_eq!(restart.lost_ranks, vec![1]);
