@@ -64,6 +64,53 @@ pub struct StepMetrics {
     /// What the mixture-of-experts routers did, over every rank (a mixture-of-experts model).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router: Option<RouterMetrics>,
+    /// The first step after an elastic restart: the restart, with the time it cost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart: Option<Restart>,
+}
+
+/// One restart of an elastic run (`--max-restarts`): what failed, the mesh before and after, and
+/// the time lost. In the run's summary, and in the metrics of the first step after the restart.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Restart {
+    /// The failure, as the attempt reported it.
+    pub failure: String,
+    /// The global ranks lost (of the attempt's mesh).
+    pub lost_ranks: Vec<usize>,
+    /// The data-parallel degree before and after.
+    pub dp: [usize; 2],
+    /// Micro-batches per step before and after (`--accum`, or `--microbatches` under `--pp`):
+    /// the global batch is kept.
+    pub micro_batches: [usize; 2],
+    /// Steps the failed attempt completed (its last step reported).
+    pub failed_at: usize,
+    /// The step the restart resumed from: the latest checkpoint's (or the run's start).
+    pub resumed_from: usize,
+    /// Whether it resumed from the checkpoint held in host memory (`--memory-checkpoints`:
+    /// no file read), not the disk's.
+    pub from_memory: bool,
+    /// Seconds from the end of the last step every rank completed to every rank of the failed
+    /// attempt having returned: the detection (a peer's error, or the collective timeout).
+    pub detect: f64,
+    /// Seconds from then to the new attempt's ranks starting: the mesh re-formed, the data
+    /// and the checkpoint's metadata read.
+    pub reform: f64,
+    /// Seconds from the ranks starting to their first step: the model built and laid out, the
+    /// checkpoint's pieces loaded, resharded.
+    pub reload: f64,
+}
+
+impl Restart {
+    /// The steps trained again: from the checkpoint to the failure.
+    pub fn redone_steps(&self) -> usize {
+        self.failed_at.saturating_sub(self.resumed_from)
+    }
+
+    /// Detection, re-forming and reloading: the seconds the failure cost besides the steps
+    /// trained again.
+    pub fn lost(&self) -> f64 {
+        self.detect + self.reform + self.reload
+    }
 }
 
 /// One step's mixture-of-experts routing over the whole mesh ([`router_over_ranks`]).
@@ -238,6 +285,7 @@ impl StepWatch {
             deferred_weight_grads: record.deferred_weight_grads as u64,
             val_loss: None,
             router: None,
+            restart: None,
         };
         (metrics, elapsed)
     }

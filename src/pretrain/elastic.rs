@@ -9,8 +9,9 @@
 //! ended from outside its thread; its peers time out and fail, but the launch waits for it. A
 //! rank stuck inside a collective is released by the world's abort, and handled like a dead one.
 
-use super::{CheckpointState, FailAt, PretrainConfig, PretrainError, RunSummary, run_once};
-use serde::Serialize;
+use super::{
+    CheckpointState, FailAt, PretrainConfig, PretrainError, Restart, RunSummary, run_once,
+};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -59,53 +60,13 @@ impl FailAt {
     }
 }
 
-/// One restart of an elastic run: what failed, the mesh before and after, and the time lost.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Restart {
-    /// The failure, as the attempt reported it.
-    pub failure: String,
-    /// The global ranks lost (of the attempt's mesh).
-    pub lost_ranks: Vec<usize>,
-    /// The data-parallel degree before and after.
-    pub dp: [usize; 2],
-    /// Micro-batches per step before and after (`--accum`, or `--microbatches` under `--pp`):
-    /// the global batch is kept.
-    pub micro_batches: [usize; 2],
-    /// Steps the failed attempt completed (its last step reported).
-    pub failed_at: usize,
-    /// The step the restart resumed from: the latest checkpoint's (or the run's start).
-    pub resumed_from: usize,
-    /// Whether it resumed from the checkpoint held in host memory (`--memory-checkpoints`:
-    /// no file read), not the disk's.
-    pub from_memory: bool,
-    /// Seconds from the end of the last step every rank completed to every rank of the failed
-    /// attempt having returned: the detection (a peer's error, or the collective timeout).
-    pub detect: f64,
-    /// Seconds from then to the new attempt's ranks starting: the mesh re-formed, the data
-    /// and the checkpoint's metadata read.
-    pub reform: f64,
-    /// Seconds from the ranks starting to their first step: the model built and laid out, the
-    /// checkpoint's pieces loaded, resharded.
-    pub reload: f64,
-}
-
-impl Restart {
-    /// The steps trained again: from the checkpoint to the failure.
-    pub fn redone_steps(&self) -> usize {
-        self.failed_at.saturating_sub(self.resumed_from)
-    }
-
-    /// Detection, re-forming and reloading: the seconds the failure cost besides the steps
-    /// trained again.
-    pub fn lost(&self) -> f64 {
-        self.detect + self.reform + self.reload
-    }
-}
-
 /// What an elastic run gives one attempt: where rank 0 records its progress, the store of the
 /// checkpoints held in memory, and the one in memory to resume from.
 pub(crate) struct Attempt {
     pub progress: Progress,
+    /// The restart this attempt is, and when it was decided (its first step's metrics carry it,
+    /// timed).
+    pub restart: Option<(Restart, Instant)>,
     pub memory: Option<Arc<MemoryCheckpoints>>,
     /// (the checkpoint's name, for errors; its files).
     pub from_memory: Option<(PathBuf, Arc<MemoryFiles>)>,
@@ -138,6 +99,21 @@ impl Progress {
         slot.store(nanos, Ordering::Relaxed);
     }
 
+    /// `restart`, decided at `decided`, with its re-forming and reloading timed from this
+    /// attempt's progress.
+    pub fn timed(&self, restart: &Restart, decided: Instant) -> Restart {
+        let launched = self.at(&self.launched);
+        let looping = self.at(&self.looping);
+        Restart {
+            reform: launched.map_or(0.0, |t| (t - decided).as_secs_f64()),
+            reload: match (launched, looping) {
+                (Some(a), Some(b)) => (b - a).as_secs_f64(),
+                _ => 0.0,
+            },
+            ..restart.clone()
+        }
+    }
+
     fn at(&self, slot: &AtomicU64) -> Option<Instant> {
         match slot.load(Ordering::Relaxed) {
             0 => None,
@@ -150,8 +126,9 @@ impl Progress {
         self.mark(&self.launched);
     }
 
-    /// The model is built and loaded: the step loop begins.
-    pub fn looping(&self) {
+    /// The model is built and loaded: the step loop begins at step `first`.
+    pub fn looping(&self, first: usize) {
+        self.steps.store(first, Ordering::Relaxed);
         self.mark(&self.looping);
     }
 
@@ -284,20 +261,15 @@ pub(crate) fn run_elastic<B: FusedOps, D: DeviceLaunch<B>>(
         let attempt_started = Instant::now();
         let this = Attempt {
             progress: Progress::new(),
+            restart: measuring.take(),
             memory: memory.clone(),
             from_memory: from_memory.take(),
         };
         let result = run_once::<B, D>(&attempt, device, support, Some(&this));
         let returned = Instant::now();
         let progress = &this.progress;
-        if let Some((mut restart, decided)) = measuring.take() {
-            let launched = progress.at(&progress.launched);
-            let looping = progress.at(&progress.looping);
-            restart.reform = launched.map_or(0.0, |t| (t - decided).as_secs_f64());
-            restart.reload = match (launched, looping) {
-                (Some(a), Some(b)) => (b - a).as_secs_f64(),
-                _ => 0.0,
-            };
+        if let Some((restart, decided)) = &this.restart {
+            let restart = progress.timed(restart, *decided);
             tracing::warn!(
                 "restart {}: lost {:.2} s (detect {:.2} s, re-form {:.2} s, reload {:.2} s), {} \
                  steps trained again",

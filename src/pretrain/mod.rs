@@ -20,11 +20,11 @@ pub use config::{
 };
 #[cfg(feature = "cuda")]
 pub use cuda::run_cuda;
-pub use elastic::{Restart, lost_ranks, shrink};
+pub use elastic::{lost_ranks, shrink};
 pub use error::PretrainError;
 pub(crate) use error::io_err;
 pub use plan::{Candidate, MARGIN as PLAN_MARGIN, Plan, Predicted, plan_on};
-pub use wildfire_engine::metrics::{StepMetrics, mfu};
+pub use wildfire_engine::metrics::{Restart, StepMetrics, mfu};
 pub use wildfire_models::memory::MemoryEstimate;
 
 use burn::backend::Autodiff;
@@ -378,6 +378,9 @@ fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
             first_step,
             started: rank_started,
             progress,
+            restart: attempt
+                .and_then(|a| a.restart.as_ref())
+                .filter(|_| device.rank() == 0),
             memory: attempt.and_then(|a| a.memory.clone()),
         };
         let result = if config.parallel.pp > 1 {

@@ -39,6 +39,9 @@ pub(super) struct RankRun<'a> {
     pub started: Instant,
     /// Rank 0 of an elastic run: where the attempt got to.
     pub progress: Option<&'a super::elastic::Progress>,
+    /// Rank 0 of an attempt after a restart: the restart and when it was decided (the first
+    /// step's metrics carry it, timed).
+    pub restart: Option<&'a (super::Restart, Instant)>,
     /// `--memory-checkpoints`: every save also kept in host memory (this rank's files and a
     /// copy of its buddy's).
     pub memory: Option<std::sync::Arc<wildfire_checkpoint::dcp::MemoryCheckpoints>>,
@@ -220,7 +223,7 @@ impl RankRun<'_> {
         let schedule = config.schedule();
         let (moe_blocks, experts) = self.data.model.moe_blocks();
         if let Some(progress) = self.progress {
-            progress.looping();
+            progress.looping(self.first_step);
         }
         let timeout = std::time::Duration::from_secs_f64(config.timeout);
         for step in self.first_step..config.steps {
@@ -269,6 +272,11 @@ impl RankRun<'_> {
                 summary.wall.steps += elapsed;
             }
             m.router = router_over_ranks(&ctx, record.router.as_ref(), &moe_blocks, experts)?;
+            if step == self.first_step
+                && let (Some(progress), Some((restart, decided))) = (self.progress, self.restart)
+            {
+                m.restart = Some(progress.timed(restart, *decided));
+            }
             let (evaluate, save) = (due(config.eval_every), due(config.save_every));
             if evaluate && self.validates() {
                 let eval_started = Instant::now();

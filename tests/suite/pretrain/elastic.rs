@@ -101,6 +101,11 @@ fn lose_and_compare(name: &str, config: PretrainConfig, fail: FailAt) -> RunSumm
         .chain(restart.resumed_from..config.steps)
         .collect();
     assert_eq!(steps, expected, "{name}: the metrics file's steps");
+    // The first restarted step's metrics carry the restart, timed as in the summary.
+    for (i, m) in logged.iter().enumerate() {
+        let expected = (i == fail.step).then(|| restart.clone());
+        assert_eq!(m.restart, expected, "{name}: the metrics of line {i}");
+    }
     let before: Vec<f32> = logged[..fail.step].iter().map(|m| m.loss).collect();
     assert_eq!(
         bits(&before),
