@@ -481,29 +481,28 @@ impl PretrainConfig {
 
     /// Refuse what an elastic run or the hook cannot do, before any work.
     fn check_resilience(&self) -> Result<(), PretrainError> {
-        let config = self;
-        if !(config.timeout.is_finite() && config.timeout > 0.0) {
+        if !(self.timeout.is_finite() && self.timeout > 0.0) {
             return Err(PretrainError::Config(format!(
                 "--timeout {}: a number of seconds above 0",
-                config.timeout
+                self.timeout
             )));
         }
-        if config.memory_checkpoints && config.max_restarts == 0 {
+        if self.memory_checkpoints && self.max_restarts == 0 {
             return Err(PretrainError::Config(
                 "--memory-checkpoints keeps checkpoints in host memory for the restarts of \
                  --max-restarts N: pass it too"
                     .into(),
             ));
         }
-        if config.max_restarts > 0 {
-            if config.save.is_none() {
+        if self.max_restarts > 0 {
+            if self.save.is_none() {
                 return Err(PretrainError::Config(
                     "--max-restarts resumes from the latest checkpoint of --save DIR: pass --save \
                      (and --save-every N to have checkpoints before the end)"
                         .into(),
                 ));
             }
-            if config.launch != Launch::Threads {
+            if self.launch != Launch::Threads {
                 return Err(PretrainError::Config(
                     "--max-restarts restarts the rank threads of this process; a launched process \
                      cannot restart its peers: run the job under scripts/elastic_mpirun.sh, which \
@@ -512,12 +511,12 @@ impl PretrainConfig {
                 ));
             }
         }
-        if let Some(fail) = config.fail_at {
-            let world = config.parallel.mesh()?.world_size();
-            if fail.rank >= world || fail.step >= config.steps {
+        if let Some(fail) = self.fail_at {
+            let world = self.parallel.mesh()?.world_size();
+            if fail.rank >= world || fail.step >= self.steps {
                 return Err(PretrainError::Config(format!(
                     "--fail-at {fail}: the run has ranks 0..{world} and steps 0..{}",
-                    config.steps
+                    self.steps
                 )));
             }
         }

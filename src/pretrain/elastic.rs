@@ -205,11 +205,7 @@ fn shrunk(config: &PretrainConfig, lost: &[usize]) -> Result<PretrainConfig, Pre
         )));
     }
     let pipelined = p.pp > 1;
-    let count = if pipelined {
-        p.microbatches
-    } else {
-        config.accum
-    };
+    let count = micro_batches(config);
     let batch = config.batch_size;
     let micro = batch / (p.dp * count);
     let fits = |n: usize| batch.is_multiple_of(dp * n) && batch / (dp * n) <= micro;
@@ -229,6 +225,15 @@ fn shrunk(config: &PretrainConfig, lost: &[usize]) -> Result<PretrainConfig, Pre
     }
     next.fail_at = None;
     Ok(next)
+}
+
+/// Micro-batches per step: `--microbatches` under `--pp`, else `--accum`.
+fn micro_batches(config: &PretrainConfig) -> usize {
+    if config.parallel.pp > 1 {
+        config.parallel.microbatches
+    } else {
+        config.accum
+    }
 }
 
 /// Run `config`, restarting it up to `--max-restarts` times when a rank is lost.
@@ -333,11 +338,7 @@ pub(crate) fn run_elastic<B: FusedOps, D: DeviceLaunch<B>>(
             failure: error.to_string(),
             lost_ranks: lost,
             dp: [attempt.parallel.dp, next.parallel.dp],
-            micro_batches: if attempt.parallel.pp > 1 {
-                [attempt.parallel.microbatches, next.parallel.microbatches]
-            } else {
-                [attempt.accum, next.accum]
-            },
+            micro_batches: [micro_batches(&attempt), micro_batches(&next)],
             failed_at: progress.steps.load(Ordering::Relaxed),
             resumed_from,
             from_memory: from_memory.is_some(),

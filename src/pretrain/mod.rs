@@ -292,7 +292,6 @@ fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
     support: &D,
     attempt: Option<&elastic::Attempt>,
 ) -> Result<RunSummary, PretrainError> {
-    let progress = attempt.map(|a| &a.progress);
     let started = Instant::now();
     let job = JobSpec {
         mesh: config.parallel.mesh()?,
@@ -352,9 +351,8 @@ fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
     // 3. Every rank (its collectives installed by the launch): build, parallelize, train.
     let rank_body = |device: DistDevice<B>| -> Result<RunSummary, PretrainError> {
         let rank_started = Instant::now();
-        let progress = progress.filter(|_| device.rank() == 0);
-        if let Some(progress) = progress {
-            progress.launched();
+        if let Some(attempt) = attempt.filter(|_| device.rank() == 0) {
+            attempt.progress.launched();
         }
         let own_metrics = match config.launch {
             Launch::Threads => None,
@@ -377,11 +375,7 @@ fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
                 .map(|(state, checkpoint)| (checkpoint, state.scaler.clone())),
             first_step,
             started: rank_started,
-            progress,
-            restart: attempt
-                .and_then(|a| a.restart.as_ref())
-                .filter(|_| device.rank() == 0),
-            memory: attempt.and_then(|a| a.memory.clone()),
+            attempt,
         };
         let result = if config.parallel.pp > 1 {
             run.train_pipelined(&device)

@@ -37,14 +37,10 @@ pub(super) struct RankRun<'a> {
     pub first_step: usize,
     /// When this rank's part of the run started (its share of the wall clock's `build`).
     pub started: Instant,
-    /// Rank 0 of an elastic run: where the attempt got to.
-    pub progress: Option<&'a super::elastic::Progress>,
-    /// Rank 0 of an attempt after a restart: the restart and when it was decided (the first
-    /// step's metrics carry it, timed).
-    pub restart: Option<&'a (super::Restart, Instant)>,
-    /// `--memory-checkpoints`: every save also kept in host memory (this rank's files and a
-    /// copy of its buddy's).
-    pub memory: Option<std::sync::Arc<wildfire_checkpoint::dcp::MemoryCheckpoints>>,
+    /// An elastic run's attempt: where rank 0 records its progress, the restart it follows
+    /// (its first step's metrics carry it, timed), and with `--memory-checkpoints` the store
+    /// every save is also kept in.
+    pub attempt: Option<&'a super::elastic::Attempt>,
 }
 
 impl RankRun<'_> {
@@ -205,8 +201,8 @@ impl RankRun<'_> {
         let mut writer = match &config.save {
             Some(root) => {
                 let writer = CheckpointWriter::new(root, rank, device.mesh().world_size())?;
-                Some(match &self.memory {
-                    Some(store) => writer.with_memory(store.clone()),
+                Some(match self.attempt.and_then(|a| a.memory.clone()) {
+                    Some(store) => writer.with_memory(store),
                     None => writer,
                 })
             }
@@ -222,8 +218,10 @@ impl RankRun<'_> {
         member.set_tracing(config.trace.is_some());
         let schedule = config.schedule();
         let (moe_blocks, experts) = self.data.model.moe_blocks();
-        if let Some(progress) = self.progress {
-            progress.looping(self.first_step);
+        // Rank 0 records where an elastic attempt got to.
+        let attempt = self.attempt.filter(|_| rank == 0);
+        if let Some(attempt) = attempt {
+            attempt.progress.looping(self.first_step);
         }
         let timeout = std::time::Duration::from_secs_f64(config.timeout);
         for step in self.first_step..config.steps {
@@ -273,9 +271,10 @@ impl RankRun<'_> {
             }
             m.router = router_over_ranks(&ctx, record.router.as_ref(), &moe_blocks, experts)?;
             if step == self.first_step
-                && let (Some(progress), Some((restart, decided))) = (self.progress, self.restart)
+                && let Some(attempt) = attempt
+                && let Some((restart, decided)) = &attempt.restart
             {
-                m.restart = Some(progress.timed(restart, *decided));
+                m.restart = Some(attempt.progress.timed(restart, *decided));
             }
             let (evaluate, save) = (due(config.eval_every), due(config.save_every));
             if evaluate && self.validates() {
@@ -319,8 +318,8 @@ impl RankRun<'_> {
                 writer.save(snapshot, step + 1, files)?;
                 summary.wall.checkpoint += taken.elapsed().as_secs_f64();
             }
-            if let Some(progress) = self.progress {
-                progress.stepped(step + 1);
+            if let Some(attempt) = attempt {
+                attempt.progress.stepped(step + 1);
             }
         }
         drop(reporter);

@@ -358,7 +358,7 @@ fn memory_safetensors(
         .ok_or_else(|| invalid("not a safetensors file (shorter than 8 bytes)".into()))?;
     let header = usize::try_from(n)
         .ok()
-        .and_then(|n| bytes.get(8..8 + n))
+        .and_then(|n| bytes.get(8..n.checked_add(8)?))
         .ok_or_else(|| invalid(format!("not a safetensors file (header of {n} bytes)")))?;
     Ok((8 + n, parse_header(path, header)?))
 }

@@ -415,12 +415,10 @@ impl CheckpointWriter {
                     crate::io::write_atomic(&path, bytes)
                         .map_err(|source| Error::Io { path, source })?;
                 }
-                let committed = commit(&dir, &staging, step, world, mesh, timeout)?;
+                let (committed, metadata) = commit(&dir, &staging, step, world, mesh, timeout)?;
                 if let Some(kept) = kept.as_mut() {
                     kept.extend(files.into_iter().map(|(name, bytes)| (name, bytes.into())));
-                    let path = committed.join("metadata.json");
-                    let bytes = fs::read(&path).map_err(|source| Error::Io { path, source })?;
-                    kept.push(("metadata.json".into(), bytes.into()));
+                    kept.push(("metadata.json".into(), metadata.into()));
                 }
                 Some(committed)
             } else {
@@ -482,7 +480,8 @@ impl Drop for CheckpointWriter {
 }
 
 /// Rank 0: wait for every rank's index, merge them into `metadata.json`, rename the staging
-/// directory into place and move `latest`.
+/// directory into place and move `latest`. Returns the step's directory and the metadata's
+/// bytes.
 fn commit(
     dir: &CheckpointDir,
     staging: &Path,
@@ -490,7 +489,7 @@ fn commit(
     world: usize,
     mesh: DeviceMesh,
     timeout: Duration,
-) -> Result<PathBuf, Error> {
+) -> Result<(PathBuf, Vec<u8>), Error> {
     let started = Instant::now();
     let mut indexes = Vec::with_capacity(world);
     for rank in 0..world {
@@ -556,5 +555,5 @@ fn commit(
     let path = staging.join("metadata.json");
     let json = serde_json::to_vec_pretty(&meta).expect("the metadata serialises");
     crate::io::write_atomic(&path, &json).map_err(|source| Error::Io { path, source })?;
-    dir.commit(step)
+    Ok((dir.commit(step)?, json))
 }
