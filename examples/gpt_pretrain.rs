@@ -148,12 +148,13 @@ fn main() -> Result<()> {
     println!("{}", summary.wall);
     for (i, r) in summary.restarts.iter().enumerate() {
         println!(
-            "restart {}: rank(s) {:?} lost after step {}, --dp {} → {} (micro-batches {} → {}), \
-             resumed from step {} ({}): lost {:.2} s (detect {:.2} s, re-form {:.2} s, reload {:.2} s) \
-             and {} steps trained again",
+            "restart {}: rank(s) {:?} lost after step {} ({:?} replaced), --dp {} → {} \
+             (micro-batches {} → {}), resumed from step {} ({}): lost {:.2} s (detect {:.2} s, \
+             re-form {:.2} s, reload {:.2} s) and {} steps trained again",
             i + 1,
             r.lost_ranks,
             r.failed_at,
+            r.replaced,
             r.dp[0],
             r.dp[1],
             r.micro_batches[0],

@@ -77,6 +77,10 @@ pub struct Restart {
     pub failure: String,
     /// The global ranks lost (of the attempt's mesh).
     pub lost_ranks: Vec<usize>,
+    /// The lost ranks replaced within `--restart-grace` (their device answered again): the new
+    /// mesh keeps their replicas.
+    #[serde(default)]
+    pub replaced: Vec<usize>,
     /// The data-parallel degree before and after.
     pub dp: [usize; 2],
     /// Micro-batches per step before and after (`--accum`, or `--microbatches` under `--pp`):
@@ -92,8 +96,8 @@ pub struct Restart {
     /// Seconds from the end of the last step every rank completed to every rank of the failed
     /// attempt having returned: the detection (a peer's error, or the collective timeout).
     pub detect: f64,
-    /// Seconds from then to the new attempt's ranks starting: the mesh re-formed, the data
-    /// and the checkpoint's metadata read.
+    /// Seconds from then to the new attempt's ranks starting: the wait for replacements
+    /// (`--restart-grace`), the mesh re-formed, the data and the checkpoint's metadata read.
     pub reform: f64,
     /// Seconds from the ranks starting to their first step: the model built and laid out, the
     /// checkpoint's pieces loaded, resharded.

@@ -152,11 +152,17 @@ impl<B: DistributedBackend> Place<B> for Pieces<B> {
                 Layout::replicated(self.device.mesh())
             }
         };
+        // A model about to be loaded whole keeps its pieces zero: no value is drawn.
+        let draw = !self.device.context().is_building_for_load();
         let (local, extents) = layout.draw_local(
             &shape,
             self.device.mesh(),
             self.device.rank(),
-            |start, run| values.fill(start, run),
+            |start, run| {
+                if draw {
+                    values.fill(start, run)
+                }
+            },
         );
         let piece =
             Tensor::<B::Inner, D>::from_data(TensorData::new(local, extents), self.device.inner());
@@ -269,6 +275,63 @@ mod tests {
                     "{parallel:?} rank {rank}: {before} vs {after}"
                 );
             }
+        }
+    }
+
+    /// A model built for a load (`RankContext::build_for_load`, a resumed checkpoint) has the
+    /// same parameters in the same layouts and shapes, with no value drawn: every piece of the
+    /// drawn parameters is zero (the LayerNorms, constants built by Burn, are as always).
+    #[test]
+    fn a_model_built_for_a_load_draws_nothing_and_keeps_its_layouts() {
+        let config = GptConfig {
+            vocab_size: 50,
+            block_size: 8,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            init_seed: 3,
+            dropout: 0.0,
+            vocab_used: None,
+            gelu: crate::gpt::Gelu::Erf,
+        };
+        let parallel = ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None);
+        let mesh = parallel.mesh().unwrap();
+        let out = launch_ranks::<Flex, _, _>(
+            &mesh,
+            &Default::default(),
+            &LaunchOptions::default(),
+            |device| {
+                let init = || crate::parallelize::init_gpt::<Dist>(&config, &device, &parallel);
+                let drawn = init().unwrap();
+                let ctx = device.context();
+                let shell = ctx.build_for_load(|| {
+                    assert!(ctx.is_building_for_load());
+                    init().unwrap()
+                });
+                assert!(!ctx.is_building_for_load(), "the flag ends with the build");
+                let (mut a, mut b) = (Pieces::default(), Pieces::default());
+                visit_params(&drawn, &mut a);
+                visit_params(&shell, &mut b);
+                (a.0, b.0)
+            },
+        )
+        .unwrap();
+        for (rank, (drawn, shell)) in out.into_iter().enumerate() {
+            assert_eq!(drawn.len(), shell.len());
+            for ((path, layout, values), (p, l, v)) in drawn.iter().zip(&shell) {
+                assert_eq!((path, layout, values.len()), (p, l, v.len()), "rank {rank}");
+                if path.contains("ln_") {
+                    assert_eq!(values, v, "rank {rank} {path}");
+                } else {
+                    assert!(v.iter().all(|x| *x == 0.0), "rank {rank} {path} drawn");
+                }
+            }
+            assert!(
+                drawn
+                    .iter()
+                    .any(|(p, _, v)| !p.contains("ln_") && v.iter().any(|x| *x != 0.0)),
+                "the normal build draws values"
+            );
         }
     }
 

@@ -137,6 +137,9 @@ pub struct RankContext {
     /// creation op makes is this rank's piece of it in this layout, random values drawn from
     /// this stream piece by piece.
     init_scope: Mutex<Option<InitScope>>,
+    /// The parameters built now are about to be overwritten by a load (a resumed checkpoint):
+    /// a model's initialiser draws no values ([`RankContext::build_for_load`]).
+    building_for_load: AtomicBool,
     /// FSDP prefetch: the step's parameters, the recorded gather order and the gathers in
     /// flight (`tensor::prefetch::Prefetch<B>`, the backend type erased), and its counters.
     prefetch: Mutex<Option<Box<dyn Any + Send>>>,
@@ -291,6 +294,7 @@ impl RankContext {
             protocol: StepProtocol::default(),
             rng: Mutex::new(None),
             init_scope: Mutex::new(None),
+            building_for_load: AtomicBool::new(false),
             prefetch: Mutex::new(None),
             prefetch_stats: Mutex::default(),
             buckets: Mutex::new(None),
@@ -462,6 +466,28 @@ impl RankContext {
     pub(crate) fn seed(&self, seed: u64) {
         use rand::SeedableRng;
         *self.rng.lock().unwrap() = Some(rand::rngs::StdRng::seed_from_u64(seed));
+    }
+
+    /// Run `build`, which builds a model whose every parameter is then loaded (a checkpoint
+    /// resumed, each element checked as covered): the models' initialisers in their layouts
+    /// (`wildfire_models`' `init_gpt`, `init_llama` and their stages) leave the pieces zero
+    /// instead of drawing values a load would throw away — at GPT-2 124M, the larger part of a
+    /// restart's reload. Nothing else changes: the same layouts, ids and shapes.
+    pub fn build_for_load<R>(&self, build: impl FnOnce() -> R) -> R {
+        struct Reset<'a>(&'a AtomicBool);
+        impl Drop for Reset<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Relaxed);
+            }
+        }
+        self.building_for_load.store(true, Ordering::Relaxed);
+        let _reset = Reset(&self.building_for_load);
+        build()
+    }
+
+    /// Whether the parameters built now are about to be loaded ([`RankContext::build_for_load`]).
+    pub fn is_building_for_load(&self) -> bool {
+        self.building_for_load.load(Ordering::Relaxed)
     }
 
     /// Make the next creation op of `scope.shape` this rank's piece (`None`: stop).

@@ -105,7 +105,7 @@ pub use placement::{Layout, Placement, create_replicated, for_each_row};
 pub use policy::{ContextParallel, GradientReduction, RankPolicy, ShardingPolicy};
 pub use ranks::{
     Collectives, DeviceLaunch, HostLaunch, JobSpec, Launch, Launched, check_job, launch_job,
-    launch_ranks, launch_ranks_on,
+    launch_ranks, launch_ranks_on, rank_device,
 };
 #[cfg(feature = "cuda")]
 pub use ranks::{NcclLaunch, launch_ranks_rendezvous};

@@ -246,12 +246,31 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(long, default_value_t = 0, help_heading = "Resilience")]
     pub max_restarts: usize,
+    /// With `--max-restarts`: before shrinking, wait up to this many seconds for a replacement
+    /// of each lost rank — its device answering again (a small tensor made and read back on it)
+    /// — and restart with the replaced ranks in the mesh: at full size when every lost rank is
+    /// replaced, the global batch and micro-batches unchanged. 0 (the default): shrink at once.
+    /// A rank that died of a software fault has a healthy device and is replaced at once; a
+    /// device that stays gone (`--fail-at STEP:RANK:gone`) costs the whole grace period.
+    #[serde(default)]
+    #[arg(
+        long,
+        default_value_t = 0.0,
+        value_name = "SECONDS",
+        help_heading = "Resilience"
+    )]
+    pub restart_grace: f64,
     /// A test hook, off by default: `STEP:RANK` kills rank RANK (a panic) at the start of step
     /// STEP; `STEP:RANK:hang` makes it stop arriving at collectives instead, as a rank stuck
-    /// inside one, until the others' timeout aborts the job. Only the first attempt of an
-    /// elastic run fails.
+    /// inside one, until the others' timeout aborts the job; `STEP:RANK:gone` kills it and its
+    /// device stays gone (it never answers `--restart-grace`'s probe). Only the first attempt
+    /// of an elastic run fails.
     #[serde(default)]
-    #[arg(long, value_name = "STEP:RANK[:hang]", help_heading = "Resilience")]
+    #[arg(
+        long,
+        value_name = "STEP:RANK[:hang|:gone]",
+        help_heading = "Resilience"
+    )]
     pub fail_at: Option<FailAt>,
     /// With `--max-restarts`: keep each checkpoint in host memory too — every rank its own
     /// files and a copy of the previous rank's (a ring of buddies) — so a restart after losing
@@ -262,9 +281,10 @@ pub struct PretrainConfig {
     pub memory_checkpoints: bool,
 }
 
-/// `--fail-at STEP:RANK[:hang]`: a test hook that makes rank `rank` fail at the start of step
-/// `step` (0-based, as the metrics count): a panic (a dead rank), or with `hang` a rank that no
-/// longer arrives at collectives until the job is aborted.
+/// `--fail-at STEP:RANK[:hang|:gone]`: a test hook that makes rank `rank` fail at the start of
+/// step `step` (0-based, as the metrics count): a panic (a dead rank), with `hang` a rank that
+/// no longer arrives at collectives until the job is aborted, with `gone` a dead rank whose
+/// device does not come back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FailAt {
     /// The step at whose start the rank fails.
@@ -273,6 +293,9 @@ pub struct FailAt {
     pub rank: usize,
     /// Hang instead of dying.
     pub hang: bool,
+    /// Die, and the rank's device never answers `--restart-grace`'s probe (no replacement).
+    #[serde(default)]
+    pub gone: bool,
 }
 
 impl FromStr for FailAt {
@@ -283,12 +306,14 @@ impl FromStr for FailAt {
             part.parse::<usize>()
                 .map_err(|_| format!("--fail-at {s}: {what} `{part}` is not a number"))
         };
-        let (step, rank, hang) = match s.split(':').collect::<Vec<_>>().as_slice() {
-            [step, rank] => (*step, *rank, false),
-            [step, rank, "hang"] => (*step, *rank, true),
+        let (step, rank, hang, gone) = match s.split(':').collect::<Vec<_>>().as_slice() {
+            [step, rank] => (*step, *rank, false, false),
+            [step, rank, "hang"] => (*step, *rank, true, false),
+            [step, rank, "gone"] => (*step, *rank, false, true),
             _ => {
                 return Err(format!(
-                    "--fail-at {s}: write STEP:RANK (the rank dies) or STEP:RANK:hang"
+                    "--fail-at {s}: write STEP:RANK (the rank dies), STEP:RANK:hang or \
+                     STEP:RANK:gone (it dies and its device does not come back)"
                 ));
             }
         };
@@ -296,6 +321,7 @@ impl FromStr for FailAt {
             step: number(step, "the step")?,
             rank: number(rank, "the rank")?,
             hang,
+            gone,
         })
     }
 }
@@ -305,6 +331,9 @@ impl fmt::Display for FailAt {
         write!(f, "{}:{}", self.step, self.rank)?;
         if self.hang {
             write!(f, ":hang")?;
+        }
+        if self.gone {
+            write!(f, ":gone")?;
         }
         Ok(())
     }
@@ -486,6 +515,19 @@ impl PretrainConfig {
                 "--timeout {}: a number of seconds above 0",
                 self.timeout
             )));
+        }
+        if !(self.restart_grace.is_finite() && self.restart_grace >= 0.0) {
+            return Err(PretrainError::Config(format!(
+                "--restart-grace {}: a number of seconds, 0 or more",
+                self.restart_grace
+            )));
+        }
+        if self.restart_grace > 0.0 && self.max_restarts == 0 {
+            return Err(PretrainError::Config(
+                "--restart-grace waits for replacements at the restarts of --max-restarts N: \
+                 pass it too"
+                    .into(),
+            ));
         }
         if self.memory_checkpoints && self.max_restarts == 0 {
             return Err(PretrainError::Config(

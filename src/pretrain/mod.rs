@@ -284,6 +284,19 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     elastic::run_elastic::<B, D>(config, device, support)
 }
 
+/// How `config`'s ranks start and talk.
+fn job_spec(config: &PretrainConfig) -> Result<JobSpec, PretrainError> {
+    Ok(JobSpec {
+        mesh: config.parallel.mesh()?,
+        launch: config.launch,
+        collectives: config.collectives,
+        options: LaunchOptions {
+            links: config.links()?,
+            timeout: std::time::Duration::from_secs_f64(config.timeout),
+        },
+    })
+}
+
 /// One attempt of a checked, planned run (`attempt`: an elastic run's, where rank 0 records its
 /// progress, with the checkpoints kept in memory).
 fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
@@ -293,15 +306,7 @@ fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
     attempt: Option<&elastic::Attempt>,
 ) -> Result<RunSummary, PretrainError> {
     let started = Instant::now();
-    let job = JobSpec {
-        mesh: config.parallel.mesh()?,
-        launch: config.launch,
-        collectives: config.collectives,
-        options: LaunchOptions {
-            links: config.links()?,
-            timeout: std::time::Duration::from_secs_f64(config.timeout),
-        },
-    };
+    let job = job_spec(config)?;
     check_job(&job, support)?;
     if let Some(dtype) = config.precision.reduced_dtype()
         && !B::supports_dtype(device, dtype.into())

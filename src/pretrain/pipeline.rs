@@ -77,11 +77,13 @@ impl RankRun<'_> {
         let (parallel, schedule) = (&self.config.parallel, self.config.parallel.schedule()?);
         match &self.data.model {
             ModelConfig::Gpt(c) => {
-                let chunks = init_gpt_stages(c, device, parallel, &schedule)?;
+                let chunks =
+                    self.build(device, || init_gpt_stages(c, device, parallel, &schedule))?;
                 self.train_stages(device, chunks, schedule)
             }
             ModelConfig::Llama(c) => {
-                let chunks = init_llama_stages(c, device, parallel, &schedule)?;
+                let chunks =
+                    self.build(device, || init_llama_stages(c, device, parallel, &schedule))?;
                 self.train_stages(device, chunks, schedule)
             }
         }

@@ -53,13 +53,26 @@ impl RankRun<'_> {
         let mesh = device.mesh();
         match &self.data.model {
             ModelConfig::Gpt(c) => {
-                let model = init_gpt::<A<B>>(c, device, parallel)?;
+                let model = self.build(device, || init_gpt::<A<B>>(c, device, parallel))?;
                 self.train_model(device, parallelize_gpt(model, mesh, parallel)?)
             }
             ModelConfig::Llama(c) => {
-                let model = init_llama::<A<B>>(c, device, parallel)?;
+                let model = self.build(device, || init_llama::<A<B>>(c, device, parallel))?;
                 self.train_model(device, parallelize_llama(model, mesh, parallel)?)
             }
+        }
+    }
+
+    /// The model (or this rank's stages) that `build` makes: with no value drawn when a
+    /// checkpoint is resumed — the load overwrites every element, and checks that it does.
+    pub(super) fn build<B: Backend, R>(
+        &self,
+        device: &DistDevice<B>,
+        build: impl FnOnce() -> R,
+    ) -> R {
+        match self.resume {
+            Some(_) => device.context().build_for_load(build),
+            None => build(),
         }
     }
 

@@ -275,16 +275,26 @@ impl Checkpoint {
                 .map(|(o, (b, _))| o.start - b.start)
                 .collect();
             // Only the overlap's bytes (and the rest of their checksum chunks) are read.
-            let data = reader.read_box(&self.dir, name, piece, &src_at, &size)?;
-            copy_box(
-                &data,
-                &size,
-                &vec![0; size.len()],
-                &mut values,
-                &extents,
-                &dst_at,
-                &size,
-            );
+            if piece.transposed {
+                let data = reader.read_box(&self.dir, name, piece, &src_at, &size)?;
+                copy_box(
+                    &data,
+                    &size,
+                    &vec![0; size.len()],
+                    &mut values,
+                    &extents,
+                    &dst_at,
+                    &size,
+                );
+            } else {
+                // Straight into this rank's piece: no buffer of the box, no second copy.
+                let into = Dest {
+                    values: &mut values,
+                    shape: &extents,
+                    at: &dst_at,
+                };
+                reader.read_box_into(&self.dir, name, piece, &src_at, &size, into)?;
+            }
             covered += size.iter().product::<usize>();
         }
         // Rows past the checkpoint's (a padded vocabulary) stay zero.
@@ -446,6 +456,33 @@ impl Reader {
             let values = self.read_box(dir, name, &stored, &at, &size)?;
             return Ok(transpose(&values, size[0], size[1]));
         }
+        let mut out = vec![0f32; size.iter().product()];
+        let into = Dest {
+            values: &mut out,
+            shape: size,
+            at: &vec![0; size.len()],
+        };
+        self.read_box_into(dir, name, piece, at, size, into)?;
+        Ok(out)
+    }
+
+    /// [`Reader::read_box`] written into the box `size` at `into.at` of `into.values` (shape
+    /// `into.shape`, row-major) instead of a buffer of its own. Not for a transposed piece.
+    fn read_box_into(
+        &mut self,
+        dir: &Path,
+        name: &str,
+        piece: &PieceMeta,
+        at: &[usize],
+        size: &[usize],
+        into: Dest<'_>,
+    ) -> Result<(), Error> {
+        if piece.transposed {
+            return Err(Error::Invalid {
+                path: dir.join(&piece.file),
+                reason: format!("{name}: a transposed piece is read by read_box"),
+            });
+        }
         let path = dir.join(&piece.file);
         let invalid = |reason: String| Error::Invalid {
             path: path.clone(),
@@ -520,14 +557,27 @@ impl Reader {
         };
         // The box's runs (one per row along the last dim): where in the piece, where in `out`.
         let run = size.last().copied().unwrap_or(1);
+        let fits_into = into.shape.len() == size.len()
+            && into.at.len() == size.len()
+            && (0..size.len()).all(|d| into.at[d] + size[d] <= into.shape[d])
+            && into.values.len() == into.shape.iter().product::<usize>();
+        if !fits_into {
+            return Err(invalid(format!(
+                "a box {size:?} does not fit at {:?} of {:?}",
+                into.at, into.shape
+            )));
+        }
         let mut runs: Vec<(usize, usize)> = Vec::new();
+        let origin = vec![0; size.len()];
         wildfire_parallel::for_each_row(size, |row| {
-            let from = (0..size.len()).fold(0, |flat, d| {
-                flat * dims[d] + offset[d] + at[d] + row.get(d).copied().unwrap_or(0)
-            });
-            runs.push((from, runs.len() * run));
+            let flat = |shape: &[usize], at: &[usize], base: &[usize]| {
+                (0..size.len()).fold(0, |flat, d| {
+                    flat * shape[d] + base[d] + at[d] + row.get(d).copied().unwrap_or(0)
+                })
+            };
+            runs.push((flat(&dims, at, &offset), flat(into.shape, into.at, &origin)));
         });
-        let mut out = vec![0f32; size.iter().product()];
+        let out = into.values;
         // Spans of whole granules covering consecutive runs, each read at once (at most
         // `SPAN_BYTES` of them, or one run's granules), checked, and copied out of.
         const SPAN_BYTES: usize = 16 << 20;
@@ -573,8 +623,15 @@ impl Reader {
             }
             i = j;
         }
-        Ok(out)
+        Ok(())
     }
+}
+
+/// Where [`Reader::read_box_into`] writes: the box at `at` of `values`, a row-major `shape`.
+struct Dest<'a> {
+    values: &'a mut [f32],
+    shape: &'a [usize],
+    at: &'a [usize],
 }
 
 /// A piece stored transposed, as stored: the piece with its box's dims reversed, and the box

@@ -201,6 +201,18 @@ pub fn check_job<B: Backend, D: DeviceLaunch<B>>(spec: &JobSpec, support: &D) ->
     }
 }
 
+/// The device the process's `local`-th rank of `spec` runs on, `device` being the first: one
+/// device each under NCCL (the next ones of its kind), else the ranks share it.
+pub fn rank_device<B: Backend>(spec: &JobSpec, device: &B::Device, local: usize) -> B::Device {
+    if spec.collectives == Collectives::Nccl {
+        use burn_backend::DeviceId;
+        let id = device.to_id();
+        B::Device::from_id(DeviceId::new(id.type_id, id.index_id + local as u16))
+    } else {
+        device.clone()
+    }
+}
+
 /// Run `body` on this process's ranks of `spec.mesh`, started as `spec.launch` says, with
 /// `spec.collectives` installed on every rank first (NCCL through `support`, staged collectives
 /// on any backend). With NCCL, rank `r` of a process runs on the device `r` places after
@@ -223,16 +235,7 @@ where
     F: Fn(DistDevice<B>) -> T + Sync,
 {
     check_job(spec, support)?;
-    let nccl = spec.collectives == Collectives::Nccl;
-    let per_rank_device = |local: usize| -> B::Device {
-        if nccl {
-            use burn_backend::DeviceId;
-            let id = device.to_id();
-            B::Device::from_id(DeviceId::new(id.type_id, id.index_id + local as u16))
-        } else {
-            device.clone()
-        }
-    };
+    let per_rank_device = |local: usize| rank_device::<B>(spec, device, local);
     // A rank's collectives, installed before its body runs; a failure is the rank's result.
     let install = |d: &DistDevice<B>| -> Result<(), Error> {
         match spec.collectives {

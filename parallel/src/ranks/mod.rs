@@ -14,6 +14,7 @@ pub use hybrid::launch_ranks_hybrid;
 pub use job::NcclLaunch;
 pub use job::{
     Collectives, DeviceLaunch, HostLaunch, JobSpec, Launch, Launched, check_job, launch_job,
+    rank_device,
 };
 #[cfg(feature = "mpi")]
 pub use mpi::launch_ranks_mpi;

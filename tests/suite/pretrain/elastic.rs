@@ -1,5 +1,6 @@
 //! Elastic restarts (`--max-restarts`): a rank lost at a step (`--fail-at`, dead or hung) and
-//! the run finishing on the replicas that remain, from the latest checkpoint, resharded, the
+//! the run finishing on the replicas that remain (or with a replacement within
+//! `--restart-grace`), from the latest checkpoint, resharded, the
 //! global batch kept — its curve after the restart bitwise a `--resume` of that checkpoint on the
 //! smaller mesh.
 
@@ -65,6 +66,7 @@ fn lose_and_compare(name: &str, config: PretrainConfig, fail: FailAt) -> RunSumm
         accum: restart.micro_batches[1],
         resume: Some(checkpoint),
         memory_checkpoints: false,
+        restart_grace: 0.0,
         ..config.clone()
     })
     .unwrap();
@@ -92,6 +94,7 @@ fn lose_and_compare(name: &str, config: PretrainConfig, fail: FailAt) -> RunSumm
     let straight = run(&PretrainConfig {
         steps: fail.step,
         memory_checkpoints: false,
+        restart_grace: 0.0,
         ..config.clone()
     })
     .unwrap();
@@ -166,6 +169,49 @@ fn a_restart_reads_the_checkpoint_held_in_memory() {
     assert!(elastic.restarts[0].from_memory);
 }
 
+/// `--restart-grace`: rank 2 dies of a software fault at step 7 and its device answers the
+/// probe at once, so a replacement joins: the run restarts at dp 4 with its micro-batches
+/// unchanged, and ends bitwise where the uninterrupted run ends.
+#[test]
+fn a_dead_rank_is_replaced_within_the_grace_period() {
+    let config = PretrainConfig {
+        batch_size: 12,
+        restart_grace: 5.0,
+        ..layout(4, 1, 5, 10)
+    };
+    let elastic = lose_and_compare("grace", config.clone(), fail_at("7:2"));
+    let restart = &elastic.restarts[0];
+    assert_eq!(restart.lost_ranks, vec![2]);
+    assert_eq!(restart.replaced, vec![2]);
+    assert_eq!((restart.dp, restart.micro_batches), ([4, 4], [1, 1]));
+    let straight = run(&PretrainConfig {
+        restart_grace: 0.0,
+        ..config
+    })
+    .unwrap();
+    same_bits(
+        "grace: parameters against the uninterrupted run",
+        &elastic.parameters,
+        &straight.parameters,
+    );
+}
+
+/// `--fail-at 7:2:gone`: rank 2's device never answers, so the restart waits out the grace
+/// period (counted in its re-forming), then drops the replica and goes on with 3 ranks.
+#[test]
+fn a_device_that_stays_gone_is_waited_for_then_its_replica_dropped() {
+    let config = PretrainConfig {
+        batch_size: 12,
+        restart_grace: 0.5,
+        ..layout(4, 1, 5, 10)
+    };
+    let elastic = lose_and_compare("gone", config, fail_at("7:2:gone"));
+    let restart = &elastic.restarts[0];
+    assert!(restart.replaced.is_empty(), "{restart:?}");
+    assert_eq!((restart.dp, restart.micro_batches), ([4, 3], [1, 2]));
+    assert!(restart.reform >= 0.5, "re-formed in {} s", restart.reform);
+}
+
 /// dp 2 × tp 2 FullShard, rank 1 (of replica 0) dies at step 3: the other replica (ranks 2, 3)
 /// goes on alone as dp 1 × tp 2, the tensor-parallel axis whole.
 #[test]
@@ -210,6 +256,7 @@ fn elastic_refusals_are_typed() {
             step: 1,
             rank: 1,
             hang: false,
+            gone: false,
         }),
         ..small(3)
     };
@@ -286,6 +333,7 @@ fn elastic_refusals_are_typed() {
                     step: 0,
                     rank: 4,
                     hang: false,
+                    gone: false,
                 }),
                 ..small(3)
             },
@@ -305,12 +353,28 @@ fn elastic_refusals_are_typed() {
             },
             "--max-restarts",
         ),
+        (
+            PretrainConfig {
+                restart_grace: 5.0,
+                ..small(3)
+            },
+            "--max-restarts",
+        ),
+        (
+            PretrainConfig {
+                restart_grace: -1.0,
+                ..small(3)
+            },
+            "--restart-grace",
+        ),
     ] {
         let message = run(&config).unwrap_err().to_string();
         assert!(message.contains(expected), "{message}");
     }
     assert_eq!("7:2".parse::<FailAt>().unwrap().to_string(), "7:2");
     assert!("7:2:hang".parse::<FailAt>().unwrap().hang);
+    let gone = "7:2:gone".parse::<FailAt>().unwrap();
+    assert!(gone.gone && !gone.hang && gone.to_string() == "7:2:gone");
     assert!("7".parse::<FailAt>().is_err() && "7:x".parse::<FailAt>().is_err());
     let _ = std::fs::remove_dir_all(&scratch_dir);
 }
