@@ -2,8 +2,9 @@
 //! failed attempt's ranks all return (a dead rank's peers fail at once, a hung rank's after the
 //! collective timeout), the lost ranks are named from the typed errors, the mesh is re-formed
 //! without their data-parallel replicas, and the run resumes from the latest checkpoint of
-//! `--save`, resharded onto the smaller mesh, with the same global batch. The `--fail-at` test
-//! hook makes a rank fail on purpose.
+//! `--save`, resharded onto the smaller mesh, with the same global batch. With
+//! `--restart-grace`, a lost rank whose device answers a probe within the grace is replaced
+//! instead (its replica stays). The `--fail-at` test hook makes a rank fail on purpose.
 //!
 //! What a thread cannot do: a rank stuck in its own computation (not in a collective) cannot be
 //! ended from outside its thread; its peers time out and fail, but the launch waits for it. A
