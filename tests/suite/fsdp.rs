@@ -441,6 +441,12 @@ fn a_checkpoint_held_in_memory_survives_a_lost_rank_without_its_files() {
         2 * on_disk,
         "every file twice: its rank's and its buddy's"
     );
+    // Each file held is the disk's, byte for byte (the data files copied as they were written).
+    let (_, held) = store.recover().expect("every file is held");
+    for (name, bytes) in held.iter() {
+        let disk = std::fs::read(root.join("step-00000003").join(name)).unwrap();
+        assert!(**bytes == disk, "{name}: held in memory ≠ on disk");
+    }
     std::fs::remove_dir_all(&root).unwrap();
     store.lose(&[1]);
     let (step, files) = store.recover().expect("rank 1's files are on rank 0");

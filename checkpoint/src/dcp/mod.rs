@@ -174,12 +174,15 @@ pub fn read_state_file<T: serde::de::DeserializeOwned>(dir: &Path, name: &str) -
 
 /// Write a safetensors file of F32 tensors at `path` atomically, streaming: the header from the
 /// names and shapes, then each tensor's values as `next(i)` gives them (one tensor in memory at
-/// a time), each also passed to `seen(i, bytes)` (for a checksum). Returns the file's length.
+/// a time), each also passed to `seen(i, bytes)` (for a checksum); with `copy`, the file's bytes
+/// are also left there (a checkpoint kept in memory, without reading the file back). Returns the
+/// file's length.
 pub fn write_streamed(
     path: &std::path::Path,
     tensors: &[(String, Vec<usize>)],
     mut next: impl FnMut(usize) -> std::io::Result<Vec<f32>>,
     mut seen: impl FnMut(usize, &[u8]),
+    mut copy: Option<&mut Vec<u8>>,
 ) -> std::io::Result<u64> {
     use std::io::Write;
     let mut offset = 0;
@@ -199,13 +202,23 @@ pub fn write_streamed(
     let meta = safetensors::tensor::Metadata::new(None, infos).map_err(std::io::Error::other)?;
     let mut header = serde_json::to_vec(&meta).map_err(std::io::Error::other)?;
     header.resize(header.len().next_multiple_of(8), b' ');
+    let word = (header.len() as u64).to_le_bytes();
+    if let Some(copy) = copy.as_deref_mut() {
+        copy.clear();
+        copy.reserve_exact(8 + header.len() + offset);
+        copy.extend_from_slice(&word);
+        copy.extend_from_slice(&header);
+    }
     crate::io::write_atomic_with(path, |file| {
-        file.write_all(&(header.len() as u64).to_le_bytes())?;
+        file.write_all(&word)?;
         file.write_all(&header)?;
         for i in 0..tensors.len() {
             let values = next(i)?;
             let bytes = le_bytes(&values);
             seen(i, &bytes);
+            if let Some(copy) = copy.as_deref_mut() {
+                copy.extend_from_slice(&bytes);
+            }
             file.write_all(&bytes)?;
         }
         Ok(())

@@ -200,17 +200,19 @@ impl Snapshot {
             reads.push(Some(p.read));
             pieces.push((p.name, p.shape, p.start, p.end));
         }
+        // Kept in memory too: the file's bytes copied as they are written (no read-back).
+        let mut copy = keep.is_some().then(Vec::new);
         let bytes = super::write_streamed(
             &path,
             &names,
             |i| Ok(reads[i].take().expect("each piece is read once")()),
             |i, bytes| crcs[i] = bytes.chunks(chunk).map(crc32fast::hash).collect(),
+            copy.as_mut(),
         )
         .map_err(io)?;
         let mut keep = keep;
-        if let Some(keep) = keep.as_mut() {
-            // Read back while the staging directory is there (the page cache's copy).
-            keep.push((file.clone(), fs::read(&path).map_err(io)?.into()));
+        if let (Some(keep), Some(copy)) = (keep.as_mut(), copy) {
+            keep.push((file.clone(), copy.into()));
         }
         let tensors = pieces
             .into_iter()

@@ -420,7 +420,7 @@ pub(crate) fn export_parts(
         let (_, parts) = last.as_mut().expect("read above");
         Ok(std::mem::take(&mut parts[p]))
     };
-    write_streamed(out, &names, assemble, |_, _| {}).map_err(|source| Error::Io {
+    write_streamed(out, &names, assemble, |_, _| {}, None).map_err(|source| Error::Io {
         path: out.to_path_buf(),
         source,
     })?;
