@@ -208,13 +208,17 @@ mod tests {
         }
     }
 
-    /// Sharded initialisation gives every rank exactly the pieces that building the whole model
-    /// and laying it out gives it (bitwise, padding included), for DDP, ZeRO-1, FSDP (with a
-    /// vocabulary of 50 padded over 4 ranks), HSDP, TP and FSDP × TP; the parameters a layout
-    /// splits never exist whole on a rank (its bytes before `parallelize_gpt` are its pieces').
-    #[test]
-    fn sharded_init_draws_the_pieces_of_the_whole_init() {
-        let config = GptConfig {
+    /// `f` on every rank of `mesh` (threads), its results by rank.
+    fn on_ranks<T: Send>(
+        mesh: &wildfire_parallel::DeviceMesh,
+        f: impl Fn(wildfire_parallel::DistDevice<Flex>) -> T + Sync,
+    ) -> Vec<T> {
+        launch_ranks::<Flex, _, _>(mesh, &Default::default(), &LaunchOptions::default(), f).unwrap()
+    }
+
+    /// A GPT of 2 blocks, d 8, a vocabulary of 50 (padded over 4 ranks).
+    fn tiny() -> GptConfig {
+        GptConfig {
             vocab_size: 50,
             block_size: 8,
             n_layer: 2,
@@ -224,7 +228,16 @@ mod tests {
             dropout: 0.0,
             vocab_used: None,
             gelu: crate::gpt::Gelu::Erf,
-        };
+        }
+    }
+
+    /// Sharded initialisation gives every rank exactly the pieces that building the whole model
+    /// and laying it out gives it (bitwise, padding included), for DDP, ZeRO-1, FSDP (with a
+    /// vocabulary of 50 padded over 4 ranks), HSDP, TP and FSDP × TP; the parameters a layout
+    /// splits never exist whole on a rank (its bytes before `parallelize_gpt` are its pieces').
+    #[test]
+    fn sharded_init_draws_the_pieces_of_the_whole_init() {
+        let config = tiny();
         let layout = ParallelConfig::layout;
         for parallel in [
             layout(2, 1, FsdpStrategy::NoShard, None),
@@ -235,29 +248,23 @@ mod tests {
             layout(2, 2, FsdpStrategy::FullShard, None),
         ] {
             let mesh = parallel.mesh().unwrap();
-            let out = launch_ranks::<Flex, _, _>(
-                &mesh,
-                &Default::default(),
-                &LaunchOptions::default(),
-                |device| {
-                    let whole = config.init::<Dist>(&device).unwrap();
-                    let whole = parallelize_gpt(whole, &mesh, &parallel).unwrap();
-                    let sharded =
-                        crate::parallelize::init_gpt::<Dist>(&config, &device, &parallel).unwrap();
-                    let bytes = wildfire_parallel::parameter_bytes(&sharded);
-                    let sharded = parallelize_gpt(sharded, &mesh, &parallel).unwrap();
-                    let (mut a, mut b) = (Pieces::default(), Pieces::default());
-                    visit_params(&whole, &mut a);
-                    visit_params(&sharded, &mut b);
-                    (
-                        a.0,
-                        b.0,
-                        bytes,
-                        wildfire_parallel::parameter_bytes(&sharded),
-                    )
-                },
-            )
-            .unwrap();
+            let out = on_ranks(&mesh, |device| {
+                let whole = config.init::<Dist>(&device).unwrap();
+                let whole = parallelize_gpt(whole, &mesh, &parallel).unwrap();
+                let sharded =
+                    crate::parallelize::init_gpt::<Dist>(&config, &device, &parallel).unwrap();
+                let bytes = wildfire_parallel::parameter_bytes(&sharded);
+                let sharded = parallelize_gpt(sharded, &mesh, &parallel).unwrap();
+                let (mut a, mut b) = (Pieces::default(), Pieces::default());
+                visit_params(&whole, &mut a);
+                visit_params(&sharded, &mut b);
+                (
+                    a.0,
+                    b.0,
+                    bytes,
+                    wildfire_parallel::parameter_bytes(&sharded),
+                )
+            });
             for (rank, (whole, sharded, before, after)) in out.into_iter().enumerate() {
                 assert_eq!(whole.len(), sharded.len());
                 for (w, s) in whole.iter().zip(&sharded) {
@@ -283,39 +290,23 @@ mod tests {
     /// drawn parameters is zero (the LayerNorms, constants built by Burn, are as always).
     #[test]
     fn a_model_built_for_a_load_draws_nothing_and_keeps_its_layouts() {
-        let config = GptConfig {
-            vocab_size: 50,
-            block_size: 8,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 8,
-            init_seed: 3,
-            dropout: 0.0,
-            vocab_used: None,
-            gelu: crate::gpt::Gelu::Erf,
-        };
+        let config = tiny();
         let parallel = ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None);
         let mesh = parallel.mesh().unwrap();
-        let out = launch_ranks::<Flex, _, _>(
-            &mesh,
-            &Default::default(),
-            &LaunchOptions::default(),
-            |device| {
-                let init = || crate::parallelize::init_gpt::<Dist>(&config, &device, &parallel);
-                let drawn = init().unwrap();
-                let ctx = device.context();
-                let shell = ctx.build_for_load(|| {
-                    assert!(ctx.is_building_for_load());
-                    init().unwrap()
-                });
-                assert!(!ctx.is_building_for_load(), "the flag ends with the build");
-                let (mut a, mut b) = (Pieces::default(), Pieces::default());
-                visit_params(&drawn, &mut a);
-                visit_params(&shell, &mut b);
-                (a.0, b.0)
-            },
-        )
-        .unwrap();
+        let out = on_ranks(&mesh, |device| {
+            let init = || crate::parallelize::init_gpt::<Dist>(&config, &device, &parallel);
+            let drawn = init().unwrap();
+            let ctx = device.context();
+            let shell = ctx.build_for_load(|| {
+                assert!(ctx.is_building_for_load());
+                init().unwrap()
+            });
+            assert!(!ctx.is_building_for_load(), "the flag ends with the build");
+            let (mut a, mut b) = (Pieces::default(), Pieces::default());
+            visit_params(&drawn, &mut a);
+            visit_params(&shell, &mut b);
+            (a.0, b.0)
+        });
         for (rank, (drawn, shell)) in out.into_iter().enumerate() {
             assert_eq!(drawn.len(), shell.len());
             for ((path, layout, values), (p, l, v)) in drawn.iter().zip(&shell) {

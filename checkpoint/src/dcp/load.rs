@@ -293,7 +293,7 @@ impl Checkpoint {
                     shape: &extents,
                     at: &dst_at,
                 };
-                reader.read_box_into(&self.dir, name, piece, &src_at, &size, into)?;
+                reader.read_box_into(&self.dir, name, piece, into, &src_at, &size)?;
             }
             covered += size.iter().product::<usize>();
         }
@@ -462,7 +462,7 @@ impl Reader {
             shape: size,
             at: &vec![0; size.len()],
         };
-        self.read_box_into(dir, name, piece, at, size, into)?;
+        self.read_box_into(dir, name, piece, into, at, size)?;
         Ok(out)
     }
 
@@ -473,9 +473,9 @@ impl Reader {
         dir: &Path,
         name: &str,
         piece: &PieceMeta,
+        into: Dest<'_>,
         at: &[usize],
         size: &[usize],
-        into: Dest<'_>,
     ) -> Result<(), Error> {
         if piece.transposed {
             return Err(Error::Invalid {

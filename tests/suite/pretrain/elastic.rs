@@ -128,6 +128,14 @@ fn layout(dp: usize, tp: usize, every: usize, steps: usize) -> PretrainConfig {
     }
 }
 
+/// dp 4 FullShard, `--batch-size 12`, 10 steps, a checkpoint every 5.
+fn dp4_of_12() -> PretrainConfig {
+    PretrainConfig {
+        batch_size: 12,
+        ..layout(4, 1, 5, 10)
+    }
+}
+
 fn fail_at(hook: &str) -> FailAt {
     hook.parse().unwrap()
 }
@@ -137,10 +145,7 @@ fn fail_at(hook: &str) -> FailAt {
 /// of 12), bitwise a `--resume` of that checkpoint at `--dp 3 --accum 2`.
 #[test]
 fn a_dead_rank_restarts_the_run_on_the_replicas_left() {
-    let config = PretrainConfig {
-        batch_size: 12,
-        ..layout(4, 1, 5, 10)
-    };
+    let config = dp4_of_12();
     let fail = fail_at("7:2");
     let elastic = lose_and_compare("dp4", config, fail);
     let restart = &elastic.restarts[0];
@@ -160,9 +165,8 @@ fn a_dead_rank_restarts_the_run_on_the_replicas_left() {
 #[test]
 fn a_restart_reads_the_checkpoint_held_in_memory() {
     let config = PretrainConfig {
-        batch_size: 12,
         memory_checkpoints: true,
-        ..layout(4, 1, 5, 10)
+        ..dp4_of_12()
     };
     let fail = fail_at("7:2");
     let elastic = lose_and_compare("memory", config, fail);
@@ -175,9 +179,8 @@ fn a_restart_reads_the_checkpoint_held_in_memory() {
 #[test]
 fn a_dead_rank_is_replaced_within_the_grace_period() {
     let config = PretrainConfig {
-        batch_size: 12,
         restart_grace: 5.0,
-        ..layout(4, 1, 5, 10)
+        ..dp4_of_12()
     };
     let elastic = lose_and_compare("grace", config.clone(), fail_at("7:2"));
     let restart = &elastic.restarts[0];
@@ -201,9 +204,8 @@ fn a_dead_rank_is_replaced_within_the_grace_period() {
 #[test]
 fn a_device_that_stays_gone_is_waited_for_then_its_replica_dropped() {
     let config = PretrainConfig {
-        batch_size: 12,
         restart_grace: 0.5,
-        ..layout(4, 1, 5, 10)
+        ..dp4_of_12()
     };
     let elastic = lose_and_compare("gone", config, fail_at("7:2:gone"));
     let restart = &elastic.restarts[0];
