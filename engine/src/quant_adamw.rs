@@ -33,9 +33,13 @@
 //! too: the first step quantises them.
 //!
 //! The block maxima, the quantisation and the dequantisation are [`FusedOps`] methods: host
-//! loops on Flex (one pass each), Burn ops elsewhere. What is not here: a GPU kernel (on CUDA the
-//! Burn-op chain is about a dozen launches per tensor where bitsandbytes has one fused
-//! dequantise–update–quantise kernel), and stochastic rounding.
+//! loops on Flex (one pass each), CubeCL kernels on every CubeCL backend (Wgpu, CUDA: one launch
+//! each, the map in shared memory; `wildfire_kernels::cube`), Burn ops elsewhere (a fusion
+//! stream included). A step on CUDA is thus two dequantisations, the fused AdamW, two block-max
+//! passes, the all-reduce where blocks straddle ranks, two quantisations and the skip masks,
+//! where bitsandbytes has one fused dequantise–update–quantise kernel: its blocks never straddle
+//! a device, ours may, so the maxima must be complete before any code is written. Not here:
+//! stochastic rounding.
 
 use std::sync::Arc;
 

@@ -723,6 +723,32 @@ mod wgpu {
         assert!(cube::launches() > before, "the CubeCL kernels ran");
     }
 
+    /// The 8-bit state kernels (`i32` codes: WGSL has no 8-bit integers) give Flex's host
+    /// loops' numbers (`u8` codes) bit for bit on [`BLOCKWISE`], both maps: block maxima (the
+    /// blocks the piece does not touch 0), codes, the skip flag read on the device, the
+    /// dequantised values. (With `fusion` the ops are the Burn-op forms: the same numbers.)
+    #[test]
+    fn blockwise_quantisation_kernels_are_the_host_loops() {
+        use burn::tensor::IntDType;
+        let device = Default::default();
+        for signed in [true, false] {
+            let before = cube::quant_launches();
+            let got = blockwise_on::<Wgpu>(&device, signed, IntDType::I32, true);
+            // absmax, quantise, two unless_skipped, dequantise.
+            assert!(
+                cfg!(feature = "fusion") || cube::quant_launches() >= before + 5,
+                "the 8-bit state kernels ran"
+            );
+            let want = blockwise_on::<burn::backend::Flex>(
+                &Default::default(),
+                signed,
+                IntDType::U8,
+                true,
+            );
+            same_blockwise(&format!("signed {signed}"), &got, &want);
+        }
+    }
+
     #[test]
     fn optimizer_tail_kernels() {
         let before = cube::launches();
@@ -937,116 +963,155 @@ mod cuda {
     }
 }
 
-/// The 8-bit block-wise state ops on Flex (host loops, `u8` codes) give the Burn-op forms'
-/// numbers bit for bit: a piece starting mid-block (flat index 3,000 of a 12,000-element
-/// tensor, 2,048 per block), of magnitudes over six decades, with one block all zeros, whose
-/// last block runs past the tensor (padding: scale 0); both maps. And the round trip keeps each
-/// value within a tenth of the piece's largest.
-#[test]
-fn blockwise_quantisation_on_flex_is_the_burn_op_form() {
-    use burn::backend::Flex;
-    use burn::tensor::IntDType;
-    use wildfire_kernels::quant;
-    let device = Default::default();
-    let (start, len, block, total) = (3000usize, 9500usize, 2048usize, 12_000usize.div_ceil(2048));
+/// The 8-bit block-wise state case: a piece starting mid-block (flat index 3,000 of a
+/// 12,000-element tensor, 2,048 per block, so block 0 is not the piece's), of magnitudes over six
+/// decades, with one block all zeros, whose last block runs past the tensor (padding: scale 0).
+/// The second moment's map is for values ≥ 0, so the unsigned case is the magnitudes.
+const BLOCKWISE: (usize, usize, usize, usize) = (3000, 9500, 2048, 12_000usize.div_ceil(2048));
+
+fn blockwise_piece(signed: bool) -> Vec<f32> {
+    let (_, len, _, _) = BLOCKWISE;
     let mut x: Vec<f32> = (0..len)
         .map(|i| (i as f32 * 0.37).sin() * 10f32.powf(-6.0 + 6.0 * i as f32 / len as f32))
         .collect();
     x[4000..6048].iter_mut().for_each(|v| *v = 0.0);
     x[8950..].iter_mut().for_each(|v| *v = 0.0); // past the tensor's 12,000 elements
-    for signed in [true, false] {
-        // The second moment's map is for values ≥ 0.
-        let x: Vec<f32> = x
-            .iter()
-            .map(|v| if signed { *v } else { v.abs() })
-            .collect();
-        let t = || Tensor::<Flex, 1>::from_data(TensorData::new(x.clone(), [len]), &device);
-        let map = wildfire::engine::dynamic_map(signed);
-        let mids: Vec<f32> = map.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
-        let map = Tensor::<Flex, 1>::from_data(TensorData::new(map.to_vec(), [256]), &device);
-        let mids = Tensor::<Flex, 1>::from_data(TensorData::new(mids, [255]), &device);
-        let prim = |t: Tensor<Flex, 1>| t.into_primitive().tensor();
-        let host = Flex::blockwise_absmax(prim(t()), start, block, total);
-        let ops = quant::absmax::<Flex>(prim(t()), start, block, total);
-        let (host, ops) = (
-            Tensor::<Flex, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(host)),
-            Tensor::<Flex, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(ops)),
-        );
-        assert_eq!(data(host.clone()), data(ops), "block maxima");
-        let absmax = prim(host);
-        let codes_host = Flex::blockwise_quantise(
-            prim(t()),
-            absmax.clone(),
-            prim(mids.clone()),
-            start,
-            block,
-            IntDType::U8,
-        );
-        let codes_ops = quant::quantise::<Flex>(
-            prim(t()),
-            absmax.clone(),
-            prim(mids),
-            start,
-            block,
-            IntDType::U8,
-        );
-        let ints = |c| {
-            Tensor::<Flex, 1, Int>::from_primitive(c)
-                .into_data()
-                .convert::<i64>()
-                .to_vec::<i64>()
-                .unwrap()
-        };
-        let (ch, co) = (ints(codes_host.clone()), ints(codes_ops));
-        assert_eq!(ch, co, "codes");
-        // A skipped step keeps the old codes, a taken one the new: the host read of the flag
-        // on Flex and the element-wise mask agree.
-        for flag in [0.0f32, 1.0] {
-            let skip = || {
-                prim(Tensor::<Flex, 1>::from_data(
-                    TensorData::new(vec![flag], [1]),
-                    &device,
-                ))
-            };
-            let old = || {
-                Tensor::<Flex, 1, Int>::zeros([len], &device)
-                    .cast(IntDType::U8)
-                    .into_primitive()
-            };
-            let host = Flex::int_unless_skipped(codes_host.clone(), old(), skip());
-            let ops = quant::unless_skipped::<Flex>(codes_host.clone(), old(), skip());
-            let want = if flag == 0.0 {
-                ch.clone()
-            } else {
-                vec![0; len]
-            };
-            assert_eq!(
-                (ints(host), ints(ops)),
-                (want.clone(), want),
-                "skip flag {flag}"
+    if !signed {
+        x.iter_mut().for_each(|v| *v = v.abs());
+    }
+    x
+}
+
+/// What the 8-bit state ops give for [`BLOCKWISE`] on one backend: the block maxima, the codes,
+/// the codes after a taken and after a skipped step (old codes all 0), the dequantised values.
+#[derive(Debug, PartialEq)]
+struct Blockwise {
+    absmax: Vec<u32>,
+    codes: Vec<i64>,
+    unless_skipped: [Vec<i64>; 2],
+    back: Vec<u32>,
+}
+
+/// `got` and `want` equal field by field, the first difference named (not the whole vectors).
+fn same_blockwise(what: &str, got: &Blockwise, want: &Blockwise) {
+    fn first<T: PartialEq + std::fmt::Debug>(what: &str, field: &str, a: &[T], b: &[T]) {
+        assert_eq!(a.len(), b.len(), "{what}: {field} lengths");
+        if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
+            let n = (0..a.len()).filter(|&i| a[i] != b[i]).count();
+            panic!(
+                "{what}: {field} differ at {n} places, first [{i}]: {:?} vs {:?}",
+                a[i], b[i]
             );
         }
-        let back_host = Flex::blockwise_dequantise(
-            codes_host.clone(),
-            absmax.clone(),
-            prim(map.clone()),
-            start,
-            block,
-        );
-        let back_ops = quant::dequantise::<Flex>(codes_host, absmax, prim(map), start, block);
-        let f = |t| {
-            data(Tensor::<Flex, 1>::from_primitive(
-                burn::tensor::TensorPrimitive::Float(t),
-            ))
-        };
-        let (bh, bo) = (f(back_host), f(back_ops));
+    }
+    first(what, "block maxima", &got.absmax, &want.absmax);
+    first(what, "codes", &got.codes, &want.codes);
+    first(
+        what,
+        "taken",
+        &got.unless_skipped[0],
+        &want.unless_skipped[0],
+    );
+    first(
+        what,
+        "skipped",
+        &got.unless_skipped[1],
+        &want.unless_skipped[1],
+    );
+    first(what, "dequantised", &got.back, &want.back);
+}
+
+/// [`Blockwise`] through `B`'s [`FusedOps`] (`fused`) or the Burn-op forms
+/// (`wildfire_kernels::quant`), codes in `dtype`.
+fn blockwise_on<B: burn::tensor::backend::Backend + FusedOps>(
+    device: &B::Device,
+    signed: bool,
+    dtype: burn::tensor::IntDType,
+    fused: bool,
+) -> Blockwise {
+    use burn::tensor::TensorPrimitive;
+    use wildfire_kernels::quant;
+    let (start, len, block, total) = BLOCKWISE;
+    let x = blockwise_piece(signed);
+    let floats = |v: Vec<f32>| {
+        let n = v.len();
+        Tensor::<B, 1>::from_data(TensorData::new(v, [n]), device)
+            .into_primitive()
+            .tensor()
+    };
+    let map = wildfire::engine::dynamic_map(signed);
+    let mids: Vec<f32> = map.windows(2).map(|w| (w[0] + w[1]) / 2.0).collect();
+    let bits = |t| {
+        data(Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t)))
+            .iter()
+            .map(|v| v.to_bits())
+            .collect::<Vec<_>>()
+    };
+    let ints = |c| {
+        Tensor::<B, 1, Int>::from_primitive(c)
+            .into_data()
+            .convert::<i64>()
+            .to_vec::<i64>()
+            .unwrap()
+    };
+    let absmax = if fused {
+        B::blockwise_absmax(floats(x.clone()), start, block, total)
+    } else {
+        quant::absmax::<B>(floats(x.clone()), start, block, total)
+    };
+    let (piece, mids) = (floats(x), floats(mids));
+    let codes = if fused {
+        B::blockwise_quantise(piece, absmax.clone(), mids, start, block, dtype)
+    } else {
+        quant::quantise::<B>(piece, absmax.clone(), mids, start, block, dtype)
+    };
+    let unless_skipped = [0.0f32, 1.0].map(|flag| {
+        let old = Tensor::<B, 1, Int>::zeros([len], device)
+            .cast(dtype)
+            .into_primitive();
+        let skip = floats(vec![flag]);
+        ints(if fused {
+            B::int_unless_skipped(codes.clone(), old, skip)
+        } else {
+            quant::unless_skipped::<B>(codes.clone(), old, skip)
+        })
+    });
+    let map = floats(map.to_vec());
+    let back = if fused {
+        B::blockwise_dequantise(codes.clone(), absmax.clone(), map, start, block)
+    } else {
+        quant::dequantise::<B>(codes.clone(), absmax.clone(), map, start, block)
+    };
+    Blockwise {
+        absmax: bits(absmax),
+        codes: ints(codes),
+        unless_skipped,
+        back: bits(back),
+    }
+}
+
+/// The 8-bit block-wise state ops on Flex (host loops, `u8` codes) give the Burn-op forms'
+/// numbers bit for bit on [`BLOCKWISE`], both maps; a skipped step keeps the old codes, a taken
+/// one the new; and the round trip keeps each value within a tenth of the piece's largest.
+#[test]
+fn blockwise_quantisation_on_flex_is_the_burn_op_form() {
+    use burn::backend::Flex;
+    use burn::tensor::IntDType;
+    let device = Default::default();
+    for signed in [true, false] {
+        let host = blockwise_on::<Flex>(&device, signed, IntDType::U8, true);
+        let ops = blockwise_on::<Flex>(&device, signed, IntDType::U8, false);
+        same_blockwise(&format!("signed {signed}"), &host, &ops);
         assert_eq!(
-            bh.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            bo.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-            "dequantised"
+            host.unless_skipped,
+            [host.codes.clone(), vec![0; host.codes.len()]],
+            "a taken step's codes are the new, a skipped step's the old"
         );
-        // The round trip is close: within half a step of the map at each value's scale.
-        let worst = crate::suite::pairs(&bh, &x)
+        assert!(host.codes.iter().any(|&c| c != 0) && host.absmax[0] == 0);
+        // The round trip is close.
+        let x = blockwise_piece(signed);
+        let back: Vec<f32> = host.back.iter().map(|b| f32::from_bits(*b)).collect();
+        let worst = crate::suite::pairs(&back, &x)
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         assert!(

@@ -2,7 +2,7 @@
 //! one file per kernel family: `softmax`, `norm` (LayerNorm and RMSNorm), `cross_entropy`,
 //! `gelu` (GELU with bias), `gated` (the SwiGLU gate and the rotary embedding), `attention` (flash attention's host side, separate or packed q/k/v),
 //! `attention_backward` and `flash` (the flash-attention kernels), `heads` (what they share),
-//! `optim` (the optimizer tail); the cube-wide reductions the row kernels share are in `reduce`,
+//! `optim` (the optimizer tail), `quant` (8-bit optimizer state); the cube-wide reductions the row kernels share are in `reduce`,
 //! the host-side launch helpers here.
 //!
 //! Conventions shared by the kernels:
@@ -25,6 +25,8 @@ mod gelu;
 mod heads;
 mod norm;
 mod optim;
+mod quant;
+pub use quant::quant_launches;
 mod reduce;
 mod softmax;
 
@@ -321,6 +323,44 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         let operands = [param, grad, m, v, grad_scale, skip];
         let [param, m, v] = optim::adamw::<R, F, I, BT>(operands, step);
         AdamWState { param, m, v }
+    }
+
+    fn blockwise_absmax(
+        x: CubeTensor<R>,
+        start: usize,
+        block: usize,
+        total: usize,
+    ) -> CubeTensor<R> {
+        quant::absmax(x, start, block, total)
+    }
+
+    fn blockwise_quantise(
+        x: CubeTensor<R>,
+        absmax: CubeTensor<R>,
+        mids: CubeTensor<R>,
+        start: usize,
+        block: usize,
+        dtype: burn::tensor::IntDType,
+    ) -> CubeTensor<R> {
+        quant::quantise::<R, F, I, BT>(x, absmax, mids, start, block, dtype)
+    }
+
+    fn int_unless_skipped(
+        new: CubeTensor<R>,
+        kept: CubeTensor<R>,
+        skip: CubeTensor<R>,
+    ) -> CubeTensor<R> {
+        quant::unless_skipped(new, kept, skip)
+    }
+
+    fn blockwise_dequantise(
+        codes: CubeTensor<R>,
+        absmax: CubeTensor<R>,
+        map: CubeTensor<R>,
+        start: usize,
+        block: usize,
+    ) -> CubeTensor<R> {
+        quant::dequantise::<R, F, I, BT>(codes, absmax, map, start, block)
     }
 
     fn fused_attention(

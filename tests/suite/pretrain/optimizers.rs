@@ -617,7 +617,8 @@ fn offloaded_optimizer_on_wgpu_follows_the_device_optimizer() {
 }
 
 /// 8-bit AdamW on Wgpu (its codes in `i32`: WGSL has no 8-bit integers) follows Flex's (`u8`
-/// codes) within 1e-4: the same maps and blocks, the quantisation in CubeCL's kernels.
+/// codes) within 1e-4: the same maps and blocks, the quantisation in CubeCL's kernels
+/// (`cube::quant`, which ran).
 #[cfg(feature = "wgpu")]
 #[test]
 fn int8_adamw_on_wgpu_follows_flex() {
@@ -627,7 +628,12 @@ fn int8_adamw_on_wgpu_follows_flex() {
             parallel,
             ..with(OptimizerKind::Adamw, OptimState::Int8, 4)
         };
+        let before = wildfire_kernels::cube::quant_launches();
         let wgpu = run_on::<burn::backend::Wgpu>(&config, &Default::default()).unwrap();
+        assert!(
+            cfg!(feature = "fusion") || wildfire_kernels::cube::quant_launches() > before,
+            "the 8-bit state kernels ran"
+        );
         let flex = run(&config).unwrap();
         same_run("wgpu int8", &wgpu, &flex, 1e-4);
     }
