@@ -314,7 +314,24 @@ pub(crate) fn host_recv<B: Backend>(
 
 /// A local tensor's values on the host.
 pub(crate) fn read<B: Backend>(t: FloatTensor<B>) -> TensorData {
+    if let Some(data) = copied_flex(&t) {
+        return data;
+    }
     burn_backend::read_sync(B::float_into_data(t)).expect("reading a local tensor failed")
+}
+
+/// A Flex f32 tensor's values in one copy, where Flex's `into_data` would make two: a buffer
+/// shared with another tensor (an FSDP shard the parameter holds, staged for its all-gather)
+/// or larger than the view is copied into a `Vec<u8>`, which `Bytes::from_bytes_vec` copies
+/// again to realign (a `Vec<u8>`'s declared alignment is 1). `None` where `into_data` moves the
+/// buffer without a copy (the tensor owns exactly its elements), and for any other tensor.
+fn copied_flex<T: 'static>(t: &T) -> Option<TensorData> {
+    let t = (t as &dyn std::any::Any).downcast_ref::<burn::backend::flex::FlexTensor>()?;
+    let values = t.as_slice::<f32>()?;
+    if t.is_unique() && t.bytes().len() == std::mem::size_of_val(values) {
+        return None;
+    }
+    Some(TensorData::new(values.to_vec(), t.layout().shape().clone()))
 }
 
 /// Read `tensor`, run `call` on the host communicator, upload the result to `device`.
@@ -445,5 +462,44 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         self.count(call.kind());
         let pending = queue.issue(call, Some(data));
         DeviceIssued::new(move || Ok(B::float_from_data(pending.wait_data()?, &device)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::backend::flex::FlexTensor;
+
+    /// A shared or narrowed Flex tensor is read in one copy with its values; one that owns
+    /// exactly its elements is left to `into_data`, which moves its buffer.
+    #[test]
+    fn flex_tensors_are_read_with_at_most_one_copy() {
+        let values: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let data = TensorData::new(values.clone(), [2, 5]);
+        let t = FlexTensor::from_data(data.clone());
+        assert!(
+            copied_flex(&t).is_none(),
+            "an owned tensor moves its buffer"
+        );
+        let shared = t.clone();
+        assert!(
+            copied_flex(&shared).is_some(),
+            "a shared one is copied here"
+        );
+        assert_eq!(read::<Flex>(shared), data);
+        let row = t.narrow(0, 1, 1);
+        assert_eq!(
+            read::<Flex>(row).to_vec::<f32>().unwrap(),
+            values[5..].to_vec()
+        );
+        // A non-contiguous view goes through `into_data`.
+        let column = t.narrow(1, 2, 1);
+        assert!(copied_flex(&column).is_none());
+        assert_eq!(
+            read::<Flex>(column).to_vec::<f32>().unwrap(),
+            vec![2.0, 7.0]
+        );
+        assert_eq!(read::<Flex>(t), data);
     }
 }
