@@ -342,7 +342,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         block: usize,
         dtype: burn::tensor::IntDType,
     ) -> CubeTensor<R> {
-        quant::quantise::<R, F, I, BT>(x, absmax, mids, start, block, dtype)
+        quant::quantise::<R, F, I, BT>([x, absmax, mids], quant::At { start, block }, dtype)
     }
 
     fn int_unless_skipped(
@@ -360,7 +360,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         start: usize,
         block: usize,
     ) -> CubeTensor<R> {
-        quant::dequantise::<R, F, I, BT>(codes, absmax, map, start, block)
+        quant::dequantise::<R, F, I, BT>([codes, absmax, map], quant::At { start, block })
     }
 
     fn fused_attention(

@@ -57,6 +57,36 @@ fn recip(a: f32, floor: f32, big: f32) -> f32 {
     select(a > floor, f32::new(1.0) / a, big)
 }
 
+/// The first `n` entries of a 256-value table (the map, or its 255 midpoints) in `shared`: one
+/// load per unit of the cube, then a barrier.
+#[cube]
+fn load_table<F: Float>(table: &Tensor<F>, shared: &mut SharedMemory<f32>, #[comptime] n: usize) {
+    let tid = UNIT_POS_X as usize;
+    if tid < n {
+        shared[tid] = f32::cast_from(table[tid]);
+    }
+    sync_cube();
+}
+
+/// Whether element `i` of the piece (flat `start + i`) lies in one of the tensor's `total`
+/// blocks, and that block's scale (0 past the tensor: a padded piece's zeros).
+#[cube]
+fn block_scale<F: Float>(
+    absmax: &Tensor<F>,
+    i: usize,
+    start: u32,
+    block: u32,
+    total: u32,
+) -> (bool, f32) {
+    let b = (start as usize + i) / block as usize;
+    let inside = b < total as usize;
+    let mut scale = f32::new(0.0);
+    if inside {
+        scale = f32::cast_from(absmax[b]);
+    }
+    (inside, scale)
+}
+
 #[cube(launch)]
 fn absmax_kernel<F: Float>(
     x: &Tensor<F>,
@@ -125,24 +155,14 @@ fn quantise_kernel<F: Float, I: Int>(
     big: f32,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let tid = UNIT_POS_X as usize;
     let mut shared = SharedMemory::<f32>::new(256usize);
-    if tid < 255 {
-        shared[tid] = f32::cast_from(mids[tid]);
-    }
-    sync_cube();
-    let len = len as usize;
-    let start = start as usize;
-    let block = block as usize;
+    load_table::<F>(mids, &mut shared, 255usize);
     let stride = (CUBE_COUNT_X * CUBE_DIM_X) as usize;
-    let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + tid;
-    while i < len {
-        let b = (start + i) / block;
-        let mut r = f32::new(0.0);
-        if b < total as usize {
-            r = recip(f32::cast_from(absmax[b]), floor, big);
-        }
-        let scaled = f32::min(f32::max(f32::cast_from(x[i]) * r, -1.0), 1.0);
+    let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    while i < len as usize {
+        let (inside, a) = block_scale::<F>(absmax, i, start, block, total);
+        let r = select(inside, recip(a, floor, big), f32::new(0.0));
+        let scaled = clamp(f32::cast_from(x[i]) * r, f32::new(-1.0), f32::new(1.0));
         // Branchless, as the host loop: the count of midpoints below the value.
         let mut at = 0usize;
         #[unroll]
@@ -167,21 +187,12 @@ fn dequantise_kernel<F: Float, I: Int>(
     total: u32,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let tid = UNIT_POS_X as usize;
     let mut shared = SharedMemory::<f32>::new(256usize);
-    shared[tid] = f32::cast_from(map[tid]);
-    sync_cube();
-    let len = len as usize;
-    let start = start as usize;
-    let block = block as usize;
+    load_table::<F>(map, &mut shared, 256usize);
     let stride = (CUBE_COUNT_X * CUBE_DIM_X) as usize;
-    let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + tid;
-    while i < len {
-        let b = (start + i) / block;
-        let mut scale = f32::new(0.0);
-        if b < total as usize {
-            scale = f32::cast_from(absmax[b]);
-        }
+    let mut i = CUBE_POS_X as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+    while i < len as usize {
+        let (_, scale) = block_scale::<F>(absmax, i, start, block, total);
         let code = u32::cast_from(codes[i]) as usize;
         out[i] = F::cast_from(shared[code] * scale);
         i += stride;
@@ -266,13 +277,17 @@ pub(super) fn absmax<R: CubeRuntime>(
     out
 }
 
+/// Where a flat piece lies in its tensor: its first element's flat index, and the block size.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct At {
+    pub start: usize,
+    pub block: usize,
+}
+
 /// [`crate::FusedOps::blockwise_quantise`]: the codes as `dtype`.
 pub(super) fn quantise<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-    x: CubeTensor<R>,
-    absmax: CubeTensor<R>,
-    mids: CubeTensor<R>,
-    start: usize,
-    block: usize,
+    [x, absmax, mids]: [CubeTensor<R>; 3],
+    At { start, block }: At,
     dtype: IntDType,
 ) -> CubeTensor<R> {
     let x = into_contiguous(x);
@@ -307,11 +322,8 @@ pub(super) fn quantise<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
 
 /// [`crate::FusedOps::blockwise_dequantise`]: the values in the scales' dtype.
 pub(super) fn dequantise<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-    codes: CubeTensor<R>,
-    absmax: CubeTensor<R>,
-    map: CubeTensor<R>,
-    start: usize,
-    block: usize,
+    [codes, absmax, map]: [CubeTensor<R>; 3],
+    At { start, block }: At,
 ) -> CubeTensor<R> {
     let [codes, absmax] = [codes, absmax].map(into_contiguous);
     let map = as_dtype::<R, F, I, BT>(map, absmax.dtype);
