@@ -853,6 +853,7 @@ mod wgpu {
             progress: false,
             plot: None,
             metrics: None,
+            timeout: crate::suite::ON_LAVAPIPE_TIMEOUT,
             ..PretrainConfig::default()
         };
         let flex = run(&base).unwrap();

@@ -158,3 +158,10 @@ mod optimizer_state;
 mod pretrain;
 mod recompute;
 mod tensor_parallel;
+
+/// The collective timeout (`--timeout`, seconds) of the runs on Wgpu over lavapipe: its first
+/// compile of each kernel takes tens of seconds, and longer on a 2-core machine running other
+/// tests, so a rank may reach a collective over a minute (the default) after its peers (seen:
+/// the dp 2 × tp 2 GPT run with a cold shader cache).
+#[cfg(feature = "wgpu")]
+pub const ON_LAVAPIPE_TIMEOUT: f64 = 900.0;

@@ -602,6 +602,7 @@ fn offloaded_optimizer_on_wgpu_follows_the_device_optimizer() {
     for parallel in one_rank_and_fsdp_two() {
         let config = PretrainConfig {
             parallel,
+            timeout: crate::suite::ON_LAVAPIPE_TIMEOUT,
             ..small(4)
         };
         let on_device = run_on::<burn::backend::Wgpu>(&config, &device).unwrap();
@@ -626,6 +627,7 @@ fn int8_adamw_on_wgpu_follows_flex() {
     for parallel in one_rank_and_fsdp_two() {
         let config = PretrainConfig {
             parallel,
+            timeout: crate::suite::ON_LAVAPIPE_TIMEOUT,
             ..with(OptimizerKind::Adamw, OptimState::Int8, 4)
         };
         let before = wildfire_kernels::cube::quant_launches();
@@ -654,6 +656,7 @@ fn offloaded_parameters_on_wgpu_are_the_device_parameters_bitwise() {
     ] {
         let config = PretrainConfig {
             parallel,
+            timeout: crate::suite::ON_LAVAPIPE_TIMEOUT,
             ..small(4)
         };
         let on_device = run_on::<burn::backend::Wgpu>(&offloaded(config.clone()), &device).unwrap();
