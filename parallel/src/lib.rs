@@ -118,6 +118,7 @@ pub use tensor_parallel::{TpPlan, TpStyle, tensor_parallel};
 /// recomputation passes); not part of the API.
 #[doc(hidden)]
 pub mod internal {
+    pub use crate::comm::read as read_local;
     pub use crate::device::RecomputeScope;
     pub use crate::error::raise;
 }

@@ -651,8 +651,7 @@ impl<B: Backend> DTensor<B> {
         }
         let this = self.ready();
         this.device.ctx.count_host_read();
-        let data = burn_backend::read_sync(B::float_into_data(this.local.clone()))
-            .expect("reading a piece to offload failed");
+        let data = crate::comm::read::<B>(this.local.clone());
         this.with_host(data)
     }
 

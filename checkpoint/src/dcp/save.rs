@@ -148,8 +148,7 @@ impl Snapshot {
         let read: ReadPiece = Box::new(move || {
             let data = match held {
                 Held::Host(data) => data,
-                Held::Device(local) => burn::tensor::read_sync(Inner::float_into_data(local))
-                    .expect("reading a held piece"),
+                Held::Device(local) => wildfire_parallel::internal::read_local::<Inner>(local),
             };
             let values = data.convert::<f32>().into_vec::<f32>().expect("f32 data");
             if lens == extents {

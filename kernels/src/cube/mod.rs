@@ -112,6 +112,19 @@ fn empty_f32<R: CubeRuntime>(like: &CubeTensor<R>, shape: impl Into<Shape>) -> C
     empty(like, shape.into(), DType::F32)
 }
 
+/// `t` contiguous and in `dtype` (a kernel's operands taken in one dtype).
+fn as_dtype<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    t: CubeTensor<R>,
+    dtype: DType,
+) -> CubeTensor<R> {
+    let t = into_contiguous(t);
+    if t.dtype == dtype {
+        t
+    } else {
+        Cb::<R, F, I, BT>::float_cast(t, dtype.into())
+    }
+}
+
 /// One unit per element of `n`.
 fn elementwise<R: CubeRuntime>(like: &CubeTensor<R>, n: usize) -> (CubeCount, CubeDim) {
     let dim = CubeDim::new(&like.client, n.max(1));

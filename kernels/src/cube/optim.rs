@@ -2,7 +2,7 @@
 //! flag (read on the device).
 
 use super::reduce::cube_sum;
-use super::{Cb, arg, elementwise, empty_f32, empty_like, launched};
+use super::{Cb, arg, as_dtype, elementwise, empty_f32, empty_like, launched};
 use crate::AdamWStep;
 use burn::tensor::TensorMetadata;
 use burn::tensor::ops::FloatTensorOps;
@@ -135,14 +135,7 @@ pub(super) fn adamw<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElem
     step: AdamWStep,
 ) -> [CubeTensor<R>; 3] {
     let dtype = operands[0].dtype;
-    let [param, grad, m, v, grad_scale, skip] = operands.map(|t| {
-        let t = into_contiguous(t);
-        if t.dtype == dtype {
-            t
-        } else {
-            Cb::<R, F, I, BT>::float_cast(t, dtype.into())
-        }
-    });
+    let [param, grad, m, v, grad_scale, skip] = operands.map(|t| as_dtype::<R, F, I, BT>(t, dtype));
     let len = param.shape().num_elements();
     let (count, dim) = elementwise(&param, len);
     let [p_out, m_out, v_out] = [(); 3].map(|_| empty_like(&param));

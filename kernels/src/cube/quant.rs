@@ -19,16 +19,13 @@
 //! Codes are any integer dtype the backend stores: `u8` on CUDA, `i32` on Wgpu (WGSL has no 8-bit
 //! integers).
 
-use super::{arg, empty, launched, row_launch};
-use burn::tensor::ops::FloatTensorOps;
+use super::{arg, as_dtype, empty, launched, row_launch};
 use burn::tensor::{DType, IntDType, Shape, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim};
-
-use super::Cb;
 
 /// Launches of these kernels since start-up (process-wide; the tests check that they ran).
 static LAUNCHES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -216,19 +213,6 @@ fn unless_skipped_kernel<F: Float, I: Int>(
         out[i] = kept[i];
     } else {
         out[i] = new[i];
-    }
-}
-
-/// `t` contiguous and in `dtype` (the scales and maps are taken in the piece's dtype).
-fn as_dtype<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
-    t: CubeTensor<R>,
-    dtype: DType,
-) -> CubeTensor<R> {
-    let t = into_contiguous(t);
-    if t.dtype == dtype {
-        t
-    } else {
-        Cb::<R, F, I, BT>::float_cast(t, dtype.into())
     }
 }
 

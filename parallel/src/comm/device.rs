@@ -312,8 +312,9 @@ pub(crate) fn host_recv<B: Backend>(
     Ok(B::float_from_data(data, device))
 }
 
-/// A local tensor's values on the host.
-pub(crate) fn read<B: Backend>(t: FloatTensor<B>) -> TensorData {
+/// A local tensor's values on the host, in one copy at most on Flex (`copied_flex`): what the
+/// host-staged collectives, an offloaded piece and a checkpoint snapshot read.
+pub fn read<B: Backend>(t: FloatTensor<B>) -> TensorData {
     if let Some(data) = copied_flex(&t) {
         return data;
     }
@@ -321,8 +322,8 @@ pub(crate) fn read<B: Backend>(t: FloatTensor<B>) -> TensorData {
 }
 
 /// A Flex f32 tensor's values in one copy, where Flex's `into_data` would make two: a buffer
-/// shared with another tensor (an FSDP shard the parameter holds, staged for its all-gather)
-/// or larger than the view is copied into a `Vec<u8>`, which `Bytes::from_bytes_vec` copies
+/// shared with another tensor (an FSDP shard the parameter holds, staged for its all-gather; a
+/// piece offloaded or snapshotted while its value lives on) or larger than the view is copied into a `Vec<u8>`, which `Bytes::from_bytes_vec` copies
 /// again to realign (a `Vec<u8>`'s declared alignment is 1). `None` where `into_data` moves the
 /// buffer without a copy (the tensor owns exactly its elements), and for any other tensor.
 fn copied_flex<T: 'static>(t: &T) -> Option<TensorData> {
