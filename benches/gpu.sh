@@ -10,17 +10,19 @@
 # ignores it; ≈ 25 MB). `run` (from the repository root, or any folder holding `.gpu/`) does, in
 # order of priority, each step with its own timeout and the whole under DEADLINE seconds (480):
 #   (a) correctness: the tensor-core attention (bf16, f16; the cmma-fragment kernels, then the
-#       register kernels of WILDFIRE_ATTENTION_MMA=1) against the f32 tiles on CUDA, CUDA
+#       fragment kernels of WILDFIRE_ATTENTION_MMA=0, then the default register kernels) against
+#       the f32 tiles on CUDA, the 8-bit
+#       optimizer state's kernels against Flex's host loops, CUDA
 #       against Flex for 30 steps of the tiny preset, and (last: its Burn-op references are
 #       autotuned) every kernel against Burn ops in f32;
 #   (b) speed: attention and GEMMs (cuBLASLt, and CubeCL's for comparison) at GPT-2 124M's
-#       shapes beside SDPA and torch.matmul (the register attention too), the step with the
-#       register attention and on CubeCL's matmuls (WILDFIRE_CUBLAS=0), then
+#       shapes beside SDPA and torch.matmul (the fragment attention too), the step with the
+#       fragment attention and on CubeCL's matmuls (WILDFIRE_CUBLAS=0), then
 #       GPT-2 124M bf16 at 8 × 1024 beside PyTorch eager (and torch.compile if time is left), the
 #       same model, batches and optimizer; tokens/s and MFU with one formula for both;
 #   (c) CubeCL's per-kernel time table of one training step (its profiler), and Nsight Compute's
-#       report on the flash-attention kernels where `ncu` is installed (both with the register
-#       attention).
+#       report on the flash-attention kernels where `ncu` is installed (both with the default
+#       register attention).
 # It prints one markdown table and leaves every log in $OUT/gpu-bench.tgz, and CubeCL's tuning
 # cache in $OUT/cubecl-cache.tgz (put it in .gpu/ to skip the tuning next time — `build` packs
 # benches/cubecl-cache-h100.tgz, an H100's, when .gpu/ has none; OUT defaults to a temporary
@@ -115,22 +117,23 @@ run() {
     # PyTorch eager, then the kernels beside SDPA and torch.matmul, (c) the profile, then the
     # tiny run against Flex and torch.compile while time is left.
     step attention_tests 120 "$T/b/kernel_tests" cuda_tensor_core --test-threads 1
+    # the 8-bit optimizer state's kernels (`u8` codes) against Flex's host loops, bit for bit
+    step quant_tests 60 "$T/b/kernel_tests" cuda_blockwise --test-threads 1
     step gpt2_ours 200 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_ours.jsonl"
     step gpt2_eager 60 python3 "$T/b/gpt_gpu.py" --mode eager --batch 8 --seq 1024 --dtype bf16 --steps 10 --warmup 3
     step kernels_ours 120 "$T/b/gpu_kernels"
     step kernels_torch 60 python3 "$T/b/gpu_kernels.py"
-    # the register-fragment attention (opt-in until checked here: `attention_tests` compares it
-    # with the f32 tiles), its kernels with and without bounds checks, and the step with it
-    WILDFIRE_ATTENTION_MMA=1 step kernels_ours_registers 60 "$T/b/gpu_kernels" --iters 5
-    WILDFIRE_ATTENTION_MMA=1 WILDFIRE_KERNELS_CHECKED=1 step kernels_registers_checked 60 "$T/b/gpu_kernels" --iters 5
-    WILDFIRE_ATTENTION_MMA=1 step gpt2_registers 120 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_registers.jsonl"
+    # the attention on the `cmma` fragment kernels instead of the default register kernels
+    # (WILDFIRE_ATTENTION_MMA=0): its kernels and the step with it
+    WILDFIRE_ATTENTION_MMA=0 step kernels_ours_fragments 60 "$T/b/gpu_kernels" --iters 5
+    WILDFIRE_ATTENTION_MMA=0 step gpt2_fragments 120 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_fragments.jsonl"
     # the same step with Burn's CubeCL matmuls instead of cuBLASLt (the GEMMs' share of the step)
     WILDFIRE_CUBLAS=0 step gpt2_cubecl 120 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_cubecl.jsonl"
     # the flash kernels with CubeCL's bounds checks on every index (the default launches skip them)
     WILDFIRE_KERNELS_CHECKED=1 step kernels_ours_checked 60 "$T/b/gpu_kernels" --iters 5
-    WILDFIRE_ATTENTION_CMMA=0 step kernels_ours_nocmma 60 "$T/b/gpu_kernels" --iters 5
+    WILDFIRE_ATTENTION_MMA=0 WILDFIRE_ATTENTION_CMMA=0 step kernels_ours_nocmma 60 "$T/b/gpu_kernels" --iters 5
     printf '[profiling.logger]\nlevel = "basic"\nfile = "%s"\n' "$R/profile.log" > "$T/cubecl.toml"
-    WILDFIRE_ATTENTION_MMA=1 step gpt2_profile 90 "$G" --backend cuda "${BIG[@]}" --steps 2 --warmup 1
+    step gpt2_profile 90 "$G" --backend cuda "${BIG[@]}" --steps 2 --warmup 1
     rm -f "$T/cubecl.toml"
     # (f32 GEMMs of the tiny shapes: ≈ 25 s of tuning each on a fresh machine, ≈ 8 shapes)
     step flex_tiny 90 "$G" --backend flex "${SMALL[@]}" --metrics "$R/flex_tiny.jsonl" &
@@ -144,7 +147,7 @@ run() {
     # the bench calls each twice to warm up, then once timed, at GPT-2's shape),
     # where the toolkit has it: occupancy, throughput, stall reasons — what to fix next
     local ncu; ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
-    [ -n "$ncu" ] && WILDFIRE_ATTENTION_MMA=1 step ncu_attention 150 "$ncu" -k regex:flash -c 6 --section SpeedOfLight \
+    [ -n "$ncu" ] && step ncu_attention 150 "$ncu" -k regex:flash -c 6 --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis "$T/b/gpu_kernels" --iters 1
     # the tuning results, for the next run on this kind of GPU (`.gpu/cubecl-cache.tgz`)

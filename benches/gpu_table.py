@@ -68,8 +68,7 @@ for name, k in ours.items():
 
 for log, how in (("kernels_ours_checked.log", "with bounds checks"),
                  ("kernels_ours_nocmma.log", "without tensor cores"),
-                 ("kernels_ours_registers.log", "register kernels (`WILDFIRE_ATTENTION_MMA=1`)"),
-                 ("kernels_registers_checked.log", "register kernels with bounds checks")):
+                 ("kernels_ours_fragments.log", "`cmma` fragment kernels (`WILDFIRE_ATTENTION_MMA=0`)")):
     plain = {k["kernel"]: k for k in jsonl(log)}
     for name in ("attention_fwd", "attention_bwd"):
         if name in plain:
@@ -84,7 +83,7 @@ fpt = (eager or compiled or [{}])[0].get("flops_per_token")
 rows = []
 for label, log in (("Wildfire (CUDA, cuBLASLt GEMMs)", "gpt2_ours.jsonl"),
                    ("Wildfire (CUDA, CubeCL GEMMs)", "gpt2_cubecl.jsonl"),
-                   ("Wildfire (CUDA, cuBLASLt GEMMs, register attention)", "gpt2_registers.jsonl")):
+                   ("Wildfire (CUDA, cuBLASLt GEMMs, fragment attention)", "gpt2_fragments.jsonl")):
     steps = jsonl(log)[1:]
     if steps:
         rows.append((label, statistics.median(s["tokens_per_s"] for s in steps)))

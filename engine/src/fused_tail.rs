@@ -1,6 +1,7 @@
-//! The fused optimizer tail on `Autodiff<Distributed<X>>`: per gradient one
-//! [`FusedOps::fused_unscale`] pass (unscale, `Σg²`, non-finite flag; the per-tensor sums and
-//! flags are combined on the device), then per parameter one [`FusedOps::fused_adamw`] launch
+//! The fused optimizer tail on `Autodiff<Distributed<X>>`: one [`FusedOps::fused_unscale_all`]
+//! over every gradient of the step (unscale, `Σg²`, non-finite flag; on CubeCL backends a pass
+//! per gradient writing partial sums into one buffer, then one fold into `[flag, Σg²]` on the
+//! device), then per parameter one [`FusedOps::fused_adamw`] launch
 //! (moments and parameter in one pass), predicated on a device-resident skip flag and scaled by a
 //! device-resident clipping coefficient.
 //!
@@ -337,11 +338,15 @@ impl<X: FusedOps> StateCodec<Distributed<X>> for FusedAdamW<X> {
     }
 }
 
+/// Registers a gradient's unscaled local piece back under its parameter (its layout kept).
+type Register<X> = Box<dyn FnOnce(&mut GradientsParams, burn::tensor::ops::FloatTensor<X>)>;
+
+/// Collects every gradient's local piece and copy count for one
+/// [`FusedOps::fused_unscale_all`] over the whole step.
 struct Unscale<'a, X: Backend> {
     grads: &'a mut GradientsParams,
-    inv_scale: f64,
-    /// `Σg²` over the local pieces, each divided by its number of copies, and the flag.
-    sum: Option<(Tensor<X, 1>, Tensor<X, 1>)>,
+    /// Each gradient's local piece, its number of copies over the mesh, and its registration.
+    pieces: Vec<(burn::tensor::ops::FloatTensor<X>, usize, Register<X>)>,
     ctx: Option<Arc<wildfire_parallel::RankContext>>,
 }
 
@@ -357,20 +362,12 @@ where
         let t = dtensor(&grad).clone();
         self.ctx.get_or_insert_with(|| t.device().context().clone());
         let copies = crate::grad_check::copies(&t);
-        let out = X::fused_unscale(t.local().clone(), self.inv_scale);
-        let sq = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(out.sum_squares));
-        let sq = if copies > 1 {
-            sq.div_scalar(copies as f64)
-        } else {
-            sq
-        };
-        let flag = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(out.non_finite));
-        self.sum = Some(match self.sum.take() {
-            Some((s, f)) => (s + sq, f.max_pair(flag)),
-            None => (sq, flag),
+        let local = t.local().clone();
+        let id = param.id;
+        let register: Register<X> = Box::new(move |grads: &mut GradientsParams, out| {
+            grads.register::<Distributed<X>, D>(id, wrap::<X, D>(t.with_local(out)));
         });
-        self.grads
-            .register::<Distributed<X>, D>(param.id, wrap::<X, D>(t.with_local(out.grad)));
+        self.pieces.push((local, copies, register));
     }
 }
 
@@ -397,13 +394,15 @@ where
 {
     let mut v = Unscale::<X> {
         grads,
-        inv_scale: f64::from(inv_scale),
-        sum: None,
+        pieces: Vec::new(),
         ctx: None,
     };
     model.visit(&mut v);
+    let Unscale {
+        grads, pieces, ctx, ..
+    } = v;
     let loss = loss.cast(burn::tensor::DType::F32);
-    let (Some((sum, flag)), Some(ctx)) = (v.sum, v.ctx) else {
+    let (false, Some(ctx)) = (pieces.is_empty(), ctx) else {
         let loss: f32 = loss.into_scalar().elem();
         let check = GradCheck {
             norm: 0.0,
@@ -412,11 +411,25 @@ where
         };
         return Ok((check, loss));
     };
-    let device = sum.device();
+    let mut locals = Vec::with_capacity(pieces.len());
+    let mut copies = Vec::with_capacity(pieces.len());
+    let mut registers = Vec::with_capacity(pieces.len());
+    for (local, n, register) in pieces {
+        locals.push(local);
+        copies.push(n);
+        registers.push(register);
+    }
+    let (outputs, stats) = X::fused_unscale_all(locals, &copies, f64::from(inv_scale));
+    for (register, out) in registers.into_iter().zip(outputs) {
+        register(grads, out);
+    }
+    // `[flag, Σg²]`
+    let stats = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(stats));
+    let device = stats.device();
     // The step's one read, 12 bytes: the flag, Σg² and the loss (the agreement over the mesh
     // needs the host communicator).
     ctx.count_host_read();
-    let local: Vec<f32> = Tensor::cat(vec![flag, sum, loss], 0)
+    let local: Vec<f32> = Tensor::cat(vec![stats, loss], 0)
         .into_data()
         .convert::<f32>()
         .to_vec()

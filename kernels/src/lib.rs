@@ -525,6 +525,21 @@ pub trait FusedOps: Backend {
         reference::unscale::<Self>(grad, inv_scale)
     }
 
+    /// The optimizer tail's first pass over every gradient of a step at once (`grads` not
+    /// empty): each unscaled by `inv_scale` as [`FusedOps::fused_unscale`] does, and one `[2]`
+    /// f32 tensor `[non-finite flag (1 or 0), Σᵢ Σ g²ᵢ / copiesᵢ]` (`copies[i]`: how many ranks
+    /// hold gradient `i`'s piece, so the sum over the mesh counts it once). The default runs
+    /// `fused_unscale` per gradient and combines on the device (on a GPU about six launches per
+    /// gradient); CubeCL backends write every gradient's partial sums into one buffer and fold
+    /// it once (a launch per gradient, then one).
+    fn fused_unscale_all(
+        grads: Vec<FloatTensor<Self>>,
+        copies: &[usize],
+        inv_scale: f64,
+    ) -> (Vec<FloatTensor<Self>>, FloatTensor<Self>) {
+        reference::unscale_all::<Self>(grads, copies, inv_scale)
+    }
+
     /// One AdamW step on `param` with moments `m`, `v`, for the gradient `grad · grad_scale`
     /// (`grad_scale` `[1]`: a clipping coefficient kept on the device), predicated on `skip`
     /// (`[1]`; non-zero — an overflowed step — returns the inputs unchanged), so a skipped step

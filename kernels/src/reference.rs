@@ -540,6 +540,39 @@ fn unscale_d<B: Backend, const D: usize>(grad: FloatTensor<B>, inv_scale: f64) -
     }
 }
 
+/// [`FusedOps::fused_unscale_all`](crate::FusedOps::fused_unscale_all) by
+/// [`FusedOps::fused_unscale`](crate::FusedOps::fused_unscale) per gradient: each `Σ g²` divided
+/// by its copies, summed in order, the flags' maximum.
+pub fn unscale_all<B: crate::FusedOps>(
+    grads: Vec<FloatTensor<B>>,
+    copies: &[usize],
+    inv_scale: f64,
+) -> (Vec<FloatTensor<B>>, FloatTensor<B>) {
+    assert_eq!(grads.len(), copies.len(), "a copy count per gradient");
+    let mut sum: Option<(Tensor<B, 1>, Tensor<B, 1>)> = None;
+    let outputs = grads
+        .into_iter()
+        .zip(copies)
+        .map(|(grad, &copies)| {
+            let out = B::fused_unscale(grad, inv_scale);
+            let sq = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(out.sum_squares));
+            let sq = if copies > 1 {
+                sq.div_scalar(copies as f64)
+            } else {
+                sq
+            };
+            let flag = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(out.non_finite));
+            sum = Some(match sum.take() {
+                Some((s, f)) => (s + sq, f.max_pair(flag)),
+                None => (sq, flag),
+            });
+            out.grad
+        })
+        .collect();
+    let (sum, flag) = sum.expect("fused_unscale_all of no gradient");
+    (outputs, prim(Tensor::cat(vec![flag, sum], 0)))
+}
+
 /// AdamW with Burn ops, predicated on `skip`.
 pub fn adamw<B: Backend>(
     param: FloatTensor<B>,

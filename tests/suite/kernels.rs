@@ -551,6 +551,71 @@ fn check_optimizer_tail<B: burn::tensor::backend::Backend + FusedOps>(
     assert_eq!(back(skipped.param), p, "a skipped step changes nothing");
     assert_eq!(back(skipped.m), m);
     assert_eq!(back(skipped.v), v);
+    check_unscale_all::<B>(device, tol);
+}
+
+/// [`FusedOps::fused_unscale_all`] over gradients of several sizes (one of a single element, one
+/// spanning many cubes, one held by two ranks) against the per-gradient pass combined in order
+/// (`reference::unscale_all`): the unscaled gradients bit for bit, `Σ g² / copies` within `tol`
+/// of it and of an f64 host sum, the flag 0; then with an infinity in the middle gradient, the
+/// flag 1.
+fn check_unscale_all<B: burn::tensor::backend::Backend + FusedOps>(device: &B::Device, tol: f32) {
+    use burn::tensor::TensorMetadata;
+    let shapes = [[37usize, 13], [1, 1], [300, 77]];
+    let copies = [1usize, 2, 1];
+    let host = |n: usize, seed: u64| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as u64 * 2654435761 + seed * 97) % 2001) as f32 / 1000.0 - 1.0)
+            .map(|x| x * 512.0)
+            .collect()
+    };
+    let values: Vec<Vec<f32>> = shapes
+        .iter()
+        .enumerate()
+        .map(|(k, [r, c])| host(r * c, k as u64 + 7))
+        .collect();
+    let prims = |values: &[Vec<f32>]| -> Vec<_> {
+        values
+            .iter()
+            .zip(shapes)
+            .map(|(v, s)| {
+                Tensor::<B, 2>::from_data(TensorData::new(v.clone(), s), device)
+                    .into_primitive()
+                    .tensor()
+            })
+            .collect::<Vec<burn::tensor::ops::FloatTensor<B>>>()
+    };
+    let flat = |p: burn::tensor::ops::FloatTensor<B>| {
+        let t = Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(p));
+        data(t.flatten::<1>(0, 1))
+    };
+    let flat_any = |p: burn::tensor::ops::FloatTensor<B>| match p.shape().num_dims() {
+        1 => data(Tensor::<B, 1>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(p),
+        )),
+        _ => flat(p),
+    };
+    let inv = 1.0 / 512.0;
+    let (got, stats) = B::fused_unscale_all(prims(&values), &copies, inv);
+    let (want, want_stats) =
+        wildfire_kernels::reference::unscale_all::<B>(prims(&values), &copies, inv);
+    for (k, (g, w)) in got.into_iter().zip(want).enumerate() {
+        assert_eq!(flat_any(g), flat_any(w), "gradient {k} unscaled alike");
+    }
+    let stats = flat_any(stats);
+    let want_stats = flat_any(want_stats);
+    let host_sum: f64 = values
+        .iter()
+        .zip(copies)
+        .map(|(v, c)| v.iter().map(|x| (*x as f64 * inv).powi(2)).sum::<f64>() / c as f64)
+        .sum();
+    assert_eq!(stats[0], 0.0, "finite gradients flagged");
+    close_tol("Σ g² / copies", &stats[1..], &want_stats[1..], tol);
+    close_tol("Σ g² / copies, f64", &stats[1..], &[host_sum as f32], tol);
+    let mut bad = values.clone();
+    bad[1][0] = f32::INFINITY;
+    let (_, stats) = B::fused_unscale_all(prims(&bad), &copies, inv);
+    assert_eq!(flat_any(stats)[0], 1.0, "an infinite gradient flagged");
 }
 
 #[test]
@@ -730,23 +795,33 @@ mod wgpu {
     #[test]
     fn blockwise_quantisation_kernels_are_the_host_loops() {
         use burn::tensor::IntDType;
+        blockwise_kernels_are_the_host_loops::<Wgpu>(&Default::default(), IntDType::I32, "Wgpu");
+    }
+
+    /// The step's unscale over every gradient: a launch per gradient and one fold, with the
+    /// exact sum of an all-ones case.
+    #[test]
+    fn unscale_all_is_a_launch_per_gradient_and_one() {
         let device = Default::default();
-        for signed in [true, false] {
-            let before = cube::quant_launches();
-            let got = blockwise_on::<Wgpu>(&device, signed, IntDType::I32, true);
-            // absmax, quantise, two unless_skipped, dequantise.
-            assert!(
-                cfg!(feature = "fusion") || cube::quant_launches() >= before + 5,
-                "the 8-bit state kernels ran"
-            );
-            let want = blockwise_on::<burn::backend::Flex>(
-                &Default::default(),
-                signed,
-                IntDType::U8,
-                true,
-            );
-            same_blockwise(&format!("signed {signed}"), &got, &want);
-        }
+        let ones = |n: usize| {
+            Tensor::<Wgpu, 1>::ones([n], &device)
+                .into_primitive()
+                .tensor()
+        };
+        let before = cube::launches();
+        let (_, stats) = <Wgpu as FusedOps>::fused_unscale_all(
+            vec![ones(10), ones(5000), ones(1)],
+            &[1, 1, 2],
+            0.5,
+        );
+        assert!(
+            cfg!(feature = "fusion") || cube::launches() - before == 4,
+            "three unscale launches and one fold"
+        );
+        let stats = data(Tensor::<Wgpu, 1>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(stats),
+        ));
+        assert_eq!(stats, vec![0.0, 0.25 * 5010.0 + 0.25 / 2.0]);
     }
 
     #[test]
@@ -916,8 +991,9 @@ mod cuda {
     /// The tensor-core kernels (bf16 and f16 q, k, v; f32 accumulation) against the f32 tiles on
     /// the same inputs — the f32 path is the one checked against Burn ops here and on lavapipe,
     /// and this comparison needs no Burn matmul (no autotuning): forward and the gradient of the
-    /// packed input, through the casts; first the `cmma` fragment kernels (the default), then the
-    /// register kernels on `mma.m16n8k16` (`WILDFIRE_ATTENTION_MMA=1`). Tolerances of the
+    /// packed input, through the casts; first the `cmma` fragment kernels
+    /// (`WILDFIRE_ATTENTION_MMA=0`), then the register kernels on `mma.m16n8k16` (the default).
+    /// Tolerances of the
     /// output's scale: bf16 keeps 8 significant bits (inputs and probabilities rounded once
     /// each), f16 11.
     #[test]
@@ -952,15 +1028,30 @@ mod cuda {
                 }
             }
         };
-        check();
         let before = wildfire_kernels::cube::register_attention_launches();
-        wildfire_kernels::cube::with_native_mma(check);
+        wildfire_kernels::cube::with_fragment_kernels(check);
+        assert_eq!(
+            wildfire_kernels::cube::register_attention_launches(),
+            before,
+            "the fragment kernels ran"
+        );
+        let before = wildfire_kernels::cube::register_attention_launches();
+        check();
         // Every call above (head dims multiples of 16) ran the register kernels: sm_80 and later.
         assert_eq!(
             wildfire_kernels::cube::register_attention_launches() - before,
             2 * 6 * 3,
             "the register-fragment attention ran every call"
         );
+    }
+
+    /// The 8-bit block-wise state kernels on CUDA (`u8` codes, as the optimizer stores them there)
+    /// give Flex's host loops' numbers bit for bit on [`BLOCKWISE`], both maps: the block maxima,
+    /// the codes, a taken and a skipped step, the dequantised values.
+    #[test]
+    fn cuda_blockwise_quantisation_kernels_are_the_host_loops() {
+        use burn::tensor::IntDType;
+        blockwise_kernels_are_the_host_loops::<Cuda>(&Default::default(), IntDType::U8, "CUDA");
     }
 }
 
@@ -1020,6 +1111,34 @@ fn same_blockwise(what: &str, got: &Blockwise, want: &Blockwise) {
         &want.unless_skipped[1],
     );
     first(what, "dequantised", &got.back, &want.back);
+}
+
+/// The 8-bit state kernels on `B` (codes in `dtype`) give Flex's host loops' numbers (`u8`
+/// codes) bit for bit on [`BLOCKWISE`], both maps, and ran (five launches a case: absmax,
+/// quantise, two unless_skipped, dequantise; not counted under `fusion`, where the Burn-op forms
+/// run).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+fn blockwise_kernels_are_the_host_loops<B: burn::tensor::backend::Backend + FusedOps>(
+    device: &B::Device,
+    dtype: burn::tensor::IntDType,
+    what: &str,
+) {
+    use wildfire_kernels::cube::quant_launches;
+    for signed in [true, false] {
+        let before = quant_launches();
+        let got = blockwise_on::<B>(device, signed, dtype, true);
+        assert!(
+            cfg!(feature = "fusion") || quant_launches() >= before + 5,
+            "{what}: the 8-bit state kernels ran"
+        );
+        let want = blockwise_on::<burn::backend::Flex>(
+            &Default::default(),
+            signed,
+            burn::tensor::IntDType::U8,
+            true,
+        );
+        same_blockwise(&format!("{what}, signed {signed}"), &got, &want);
+    }
 }
 
 /// [`Blockwise`] through `B`'s [`FusedOps`] (`fused`) or the Burn-op forms

@@ -19,7 +19,7 @@ mod attention_backward;
 pub mod blas;
 mod cross_entropy;
 mod flash;
-pub use flash::{with_emulated_mma, with_native_mma};
+pub use flash::{with_emulated_mma, with_fragment_kernels, with_native_mma};
 mod gated;
 mod gelu;
 mod heads;
@@ -322,6 +322,14 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
             sum_squares,
             non_finite,
         }
+    }
+
+    fn fused_unscale_all(
+        grads: Vec<CubeTensor<R>>,
+        copies: &[usize],
+        inv_scale: f64,
+    ) -> (Vec<CubeTensor<R>>, CubeTensor<R>) {
+        optim::unscale_all(grads, copies, inv_scale)
     }
 
     fn fused_adamw(

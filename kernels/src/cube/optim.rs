@@ -12,9 +12,12 @@ use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim};
 
-/// Each unit strides over the gradient, writing the unscaled values; per-cube partial `Σ g²` and
-/// non-finite flags go to `partial_sq[cube]` and `partial_bad[cube]`.
+/// Each unit strides over the gradient, writing the unscaled values; per-cube partial `Σ g²`
+/// (divided by `copies`, the gradient's number of copies over the mesh) and non-finite counts go
+/// to `partial_sq[offset + cube]` and `partial_bad[offset + cube]` (`offset`: where this
+/// gradient's cubes start in buffers shared by every gradient of the step).
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 fn unscale_kernel<F: Float>(
     grad: &Tensor<F>,
     output: &mut Tensor<F>,
@@ -22,6 +25,8 @@ fn unscale_kernel<F: Float>(
     partial_bad: &mut Tensor<f32>,
     len: u32,
     inv_scale: f32,
+    offset: u32,
+    copies: f32,
     #[comptime] block: usize,
     #[define(F)] _dtype: StorageType,
 ) {
@@ -47,8 +52,36 @@ fn unscale_kernel<F: Float>(
     let sq = cube_sum(&mut shared, acc);
     let bad = cube_sum(&mut shared, flag);
     if tid == 0 {
-        partial_sq[cube] = sq;
-        partial_bad[cube] = bad;
+        partial_sq[offset as usize + cube] = sq / copies;
+        partial_bad[offset as usize + cube] = bad;
+    }
+}
+
+/// One cube folds the step's partial buffers: `out = [any non-finite (1 or 0), Σ partial_sq]`,
+/// each unit striding over the partials in a fixed order, then a tree sum (deterministic).
+#[cube(launch)]
+fn unscale_total_kernel(
+    partial_sq: &Tensor<f32>,
+    partial_bad: &Tensor<f32>,
+    out: &mut Tensor<f32>,
+    len: u32,
+    #[comptime] block: usize,
+) {
+    let tid = UNIT_POS_X as usize;
+    let mut shared = SharedMemory::<f32>::new(block);
+    let mut acc = f32::new(0.0);
+    let mut bad = f32::new(0.0);
+    let mut i = tid;
+    while i < len as usize {
+        acc += partial_sq[i];
+        bad += partial_bad[i];
+        i += block;
+    }
+    let sq = cube_sum(&mut shared, acc);
+    let bad = cube_sum(&mut shared, bad);
+    if tid == 0 {
+        out[0] = select(bad > f32::new(0.0), f32::new(1.0), f32::new(0.0));
+        out[1] = sq;
     }
 }
 
@@ -102,30 +135,93 @@ pub(super) fn unscale<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEl
     inv_scale: f64,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let grad = into_contiguous(grad);
-    let len = grad.shape().num_elements();
-    let block = 256usize;
-    // Enough cubes to fill a GPU, each unit covering several elements.
-    let cubes = len.div_ceil(block * 8).clamp(1, 1024);
-    let output = empty_like(&grad);
+    let cubes = unscale_cubes(&grad);
     let partial_sq = empty_f32(&grad, [cubes]);
     let partial_bad = empty_like(&partial_sq);
-    unscale_kernel::launch::<R>(
-        &grad.client,
-        CubeCount::Static(cubes as u32, 1, 1),
-        CubeDim::new_1d(block as u32),
-        arg(&grad),
-        arg(&output),
-        arg(&partial_sq),
-        arg(&partial_bad),
-        len as u32,
-        inv_scale as f32,
-        block,
-        grad.dtype.into(),
-    );
-    launched(1);
+    let output = unscale_into(&grad, inv_scale, (&partial_sq, &partial_bad), 0, 1);
     let sum_squares = Cb::<R, F, I, BT>::float_sum(partial_sq);
     let non_finite = Cb::<R, F, I, BT>::float_max(partial_bad);
     (output, sum_squares, non_finite)
+}
+
+/// Units per cube of the unscale kernels.
+const UNSCALE_BLOCK: usize = 256;
+
+/// The unscale kernel's cubes for `grad`: enough to fill a GPU, each unit covering several
+/// elements.
+fn unscale_cubes<R: CubeRuntime>(grad: &CubeTensor<R>) -> usize {
+    grad.shape()
+        .num_elements()
+        .div_ceil(UNSCALE_BLOCK * 8)
+        .clamp(1, 1024)
+}
+
+/// Launches the unscale kernel on (contiguous) `grad`, its partials at `offset` of `partials`
+/// (`Σ g²` divided by `copies`); returns the unscaled gradient.
+fn unscale_into<R: CubeRuntime>(
+    grad: &CubeTensor<R>,
+    inv_scale: f64,
+    partials: (&CubeTensor<R>, &CubeTensor<R>),
+    offset: usize,
+    copies: usize,
+) -> CubeTensor<R> {
+    let output = empty_like(grad);
+    unscale_kernel::launch::<R>(
+        &grad.client,
+        CubeCount::Static(unscale_cubes(grad) as u32, 1, 1),
+        CubeDim::new_1d(UNSCALE_BLOCK as u32),
+        arg(grad),
+        arg(&output),
+        arg(partials.0),
+        arg(partials.1),
+        grad.shape().num_elements() as u32,
+        inv_scale as f32,
+        offset as u32,
+        copies as f32,
+        UNSCALE_BLOCK,
+        grad.dtype.into(),
+    );
+    launched(1);
+    output
+}
+
+/// [`crate::FusedOps::fused_unscale_all`]: every gradient's cube partials in one pair of
+/// buffers, then one cube folds them — a launch per gradient and one more, where the per-tensor
+/// form adds two reductions and the combination (about six launches per gradient).
+pub(super) fn unscale_all<R: CubeRuntime>(
+    grads: Vec<CubeTensor<R>>,
+    copies: &[usize],
+    inv_scale: f64,
+) -> (Vec<CubeTensor<R>>, CubeTensor<R>) {
+    assert_eq!(grads.len(), copies.len(), "a copy count per gradient");
+    assert!(!grads.is_empty(), "fused_unscale_all of no gradient");
+    let grads: Vec<_> = grads.into_iter().map(into_contiguous).collect();
+    let total: usize = grads.iter().map(unscale_cubes).sum();
+    let partial_sq = empty_f32(&grads[0], [total]);
+    let partial_bad = empty_like(&partial_sq);
+    let mut offset = 0;
+    let outputs = grads
+        .iter()
+        .zip(copies)
+        .map(|(grad, &copies)| {
+            let out = unscale_into(grad, inv_scale, (&partial_sq, &partial_bad), offset, copies);
+            offset += unscale_cubes(grad);
+            out
+        })
+        .collect();
+    let stats = empty_f32(&partial_sq, [2]);
+    unscale_total_kernel::launch::<R>(
+        &partial_sq.client,
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(UNSCALE_BLOCK as u32),
+        arg(&partial_sq),
+        arg(&partial_bad),
+        arg(&stats),
+        total as u32,
+        UNSCALE_BLOCK,
+    );
+    launched(1);
+    (outputs, stats)
 }
 
 /// `(param, m, v)` after one AdamW step (the inputs where `skip` is non-zero); every operand is

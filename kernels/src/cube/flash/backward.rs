@@ -57,9 +57,8 @@ fn flash_backward_q_kernel<E: Float, N: Size>(
         let mut vs = SharedMemory::<Vector<E, N>>::new(bk * ldv);
         let (mut emu, mut red) = emulation_memory::<E>(planes, chunk, d, cmma);
 
-        load_rows::<E, N>(q, &q_l, b, h, q_start, seq_q, &mut qs, own, d, ldv, units);
-        load_rows::<E, N>(
-            d_out, &o_l, b, h, q_start, seq_q, &mut dos, own, d, ldv, units,
+        load_rows_pair::<E, N>(
+            q, &q_l, &mut qs, d_out, &o_l, &mut dos, b, h, q_start, seq_q, own, d, ldv, units,
         );
         // delta and lse of rows g and g + 8: each of a row's four lanes sums every fourth pair.
         let o_base = head_base(&o_l, b, h) / 2;
@@ -339,8 +338,9 @@ fn flash_backward_kv_kernel<E: Float, N: Size>(
         let mut delta_s = SharedMemory::<f32>::new(bq);
         let (mut emu, _) = emulation_memory::<E>(planes, chunk, d, cmma);
 
-        load_rows::<E, N>(k, &k_l, b, hk, k_start, seq_k, &mut ks, own, d, ldv, units);
-        load_rows::<E, N>(v, &v_l, b, hk, k_start, seq_k, &mut vs, own, d, ldv, units);
+        load_rows_pair::<E, N>(
+            k, &k_l, &mut ks, v, &v_l, &mut vs, b, hk, k_start, seq_k, own, d, ldv, units,
+        );
         sync_cube();
         let kf = a_operands::<E, N>(&ks, plane * rows, d, ldv);
         let vf = a_operands::<E, N>(&vs, plane * rows, d, ldv);
@@ -353,9 +353,8 @@ fn flash_backward_kv_kernel<E: Float, N: Size>(
         for qb in first..blocks {
             let q_start = qb * bq;
             sync_cube();
-            load_rows::<E, N>(q, &q_l, b, h, q_start, seq_q, &mut qs, bq, d, ldv, units);
-            load_rows::<E, N>(
-                d_out, &o_l, b, h, q_start, seq_q, &mut dos, bq, d, ldv, units,
+            load_rows_pair::<E, N>(
+                q, &q_l, &mut qs, d_out, &o_l, &mut dos, b, h, q_start, seq_q, bq, d, ldv, units,
             );
             load_stats(lse, s_base, s_token, q_start, seq_q, 0.0, &mut lse_s, bq);
             load_stats(

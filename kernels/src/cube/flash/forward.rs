@@ -50,7 +50,9 @@ fn flash_forward_kernel<E: Float, N: Size>(
         let (mut emu, mut red) = emulation_memory::<E>(planes, bk, d, cmma);
 
         // The plane's Q operand, in registers for the whole loop.
-        load_rows::<E, N>(q, &q_l, b, h, q_start, seq_q, &mut qs, own, d, ldv, units);
+        let got = fetch_rows::<E, N>(q, &q_l, b, h, q_start, seq_q, own, d, units);
+        sync_cube();
+        store_rows::<E, N>(&got, q_start, seq_q, &mut qs, own, d, ldv, units);
         sync_cube();
         let qf = a_operands::<E, N>(&qs, plane * rows, d, ldv);
         let mut o = acc_zeros::<N>(comptime!(d / 8));
@@ -145,7 +147,10 @@ fn flash_forward_kernel<E: Float, N: Size>(
         let mut norm = SharedMemory::<f32>::new(own);
         let mut plain = SharedMemory::<f32>::new(comptime!(if cmma { 1 } else { own * d }));
 
-        load_head::<E, N>(q, &q_l, b, h, q_start, seq_q, &mut qs, own, d, ld, units);
+        let n = q.vector_size();
+        let got = fetch_rows::<E, N>(q, &q_l, b, h, q_start, seq_q, own, d, units);
+        sync_cube();
+        store_head::<E, N>(&got, q_start, seq_q, &mut qs, n, own, d, ld, units);
         let acc = acc_fragments(d, cmma);
         let a_off = plane * rows * ld;
         let p_off = plane * rows * ldp;

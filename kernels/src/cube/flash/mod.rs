@@ -1,7 +1,8 @@
 //! The flash-attention kernels. The register kernels of [`registers`] (FlashAttention-2's data
 //! flow: scores, probabilities and accumulators in registers, `mma.m16n8k16` on CUDA sm_80 and
-//! later) run f16/bf16 when `WILDFIRE_ATTENTION_MMA=1` asks — opt-in until a GPU run has checked
-//! them; they have run emulated on lavapipe only. Everything else runs the kernels below.
+//! later) run f16/bf16 there by default (`WILDFIRE_ATTENTION_MMA=0` opts out; checked on an
+//! H200 against the f32 tiles, and emulated on lavapipe against Burn ops). Everything else runs
+//! the kernels below.
 //!
 //! These use FlashAttention-2's work split: each plane (32 units, a CUDA
 //! warp) owns `rows` rows of the cube's block — queries in the forward and the dQ pass, keys in
@@ -235,9 +236,13 @@ fn sync_tiles(#[comptime] cmma: bool) {
     }
 }
 
-/// This unit's vectors of `rows` rows of one head (`d` elements each, from row `start`; zeros
-/// from row `end`): vector `e` of the tile is unit `e % units`'s read `e / units`, all issued
-/// before any is used.
+/// This unit's vectors of `rows` rows of one head (`d` elements each, from row `start`): vector
+/// `e` of the tile is unit `e % units`'s read `e / units`. Every read is unconditional — a row
+/// from `end` reads row `end − 1` instead (in bounds), which [`kept`] then replaces by zeros —
+/// and the callers put a cube barrier between the reads and their first use: ptxas otherwise
+/// issues each read right before its use, one memory latency per vector (a zero-initialised
+/// value overwritten under a row guard is such a use; Nsight Compute on an H200 put 62% of the
+/// register forward's stalls on them), where this way all of a tile's reads are in flight at once.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn fetch_rows<E: Float, N: Size>(
@@ -256,55 +261,59 @@ pub(super) fn fetch_rows<E: Float, N: Size>(
     let total = comptime!(rows * d / n);
     let base = head_base(l, b, h);
     let token = *l.index(3usize) as usize;
+    let last = usize::max(end, 1) - 1;
     let unit = UNIT_POS as usize;
     let mut got = Sequence::<Vector<E, N>>::new();
     #[unroll]
     for s in 0..comptime!(total.div_ceil(units)) {
         let e = unit + s * units;
-        let r = e / per_row;
-        let mut x = Vector::<E, N>::new(E::new(0.0));
-        if e < total && start + r < end {
-            x = src[(base + (start + r) * token) / n + e % per_row];
-        }
-        got.push(x);
+        let r = usize::min(start + e / per_row, last);
+        got.push(src[(base + r * token) / n + e % per_row]);
     }
     got
 }
 
-/// `rows` rows of one head (`d` elements each, from row `start`; zeros from row `end`) into
-/// `dst` at row pitch `ld`. Each unit reads vectors of `N` elements (4 bytes: `bf16×2`,
-/// `f16×2`, one f32: a warp's read is 128 contiguous bytes per row and its element stores hit 32
-/// distinct banks), all of its reads issued before its first store (the loop is unrolled: one
-/// memory latency per tile instead of one per element, the kernels' main stall before), then
-/// stores them. (Unrolled scalar reads, 32 per unit and tile, measured slower on an H100:
-/// forward 1.89 ms against 1.24, register pressure beside the fragments; vectors halve that.)
+/// Read `s` of [`fetch_rows`] (tile vector `e`), or zeros where its row is past `end`.
+#[cube]
+pub(super) fn kept<E: Float, N: Size>(
+    got: &Sequence<Vector<E, N>>,
+    #[comptime] s: usize,
+    e: usize,
+    start: usize,
+    end: usize,
+    #[comptime] per_row: usize,
+) -> Vector<E, N> {
+    let mut x = *got.index(s);
+    if start + e / per_row >= end {
+        x = Vector::new(E::new(0.0));
+    }
+    x
+}
+
+/// Stores [`fetch_rows`]' reads into `dst` at row pitch `ld` (elements), zeros from row `end`
+/// (after a cube barrier behind the reads: [`fetch_rows`] says why).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_head<E: Float, N: Size>(
-    src: &Tensor<Vector<E, N>>,
-    l: &Sequence<u32>,
-    b: usize,
-    h: usize,
+pub(super) fn store_head<E: Float, N: Size>(
+    got: &Sequence<Vector<E, N>>,
     start: usize,
     end: usize,
     dst: &mut SharedMemory<E>,
+    #[comptime] n: usize,
     #[comptime] rows: usize,
     #[comptime] d: usize,
     #[comptime] ld: usize,
     #[comptime] units: usize,
 ) {
-    let n = src.vector_size();
     let per_row = comptime!(d / n);
     let total = comptime!(rows * d / n);
-    let steps = comptime!(total.div_ceil(units));
     let unit = UNIT_POS as usize;
-    let got = fetch_rows::<E, N>(src, l, b, h, start, end, rows, d, units);
     #[unroll]
-    for s in 0..steps {
+    for s in 0..comptime!(total.div_ceil(units)) {
         let e = unit + s * units;
         if e < total {
             let at = (e / per_row) * ld + (e % per_row) * n;
-            let x = *got.index(s);
+            let x = kept::<E, N>(got, s, e, start, end, per_row);
             #[unroll]
             for j in 0..n {
                 dst[at + j] = x[j];
@@ -313,7 +322,11 @@ fn load_head<E: Float, N: Size>(
     }
 }
 
-/// [`load_head`] of two operands with the same rows (K and V, or Q and dO).
+/// Rows `start..start + rows` of one head of two operands with the same rows (K and V, or Q and
+/// dO; zeros from row `end`) into `xs` and `ys` at row pitch `ld`. Each unit reads vectors of
+/// `N` elements (4 bytes: `bf16×2`, `f16×2`, one f32: a warp's read is 128 contiguous bytes per
+/// row and its element stores hit 32 distinct banks), both tiles' reads in flight together
+/// before one cube barrier and the stores ([`fetch_rows`]). Called in uniform control flow.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_pair<E: Float, N: Size>(
@@ -332,8 +345,12 @@ fn load_pair<E: Float, N: Size>(
     #[comptime] ld: usize,
     #[comptime] units: usize,
 ) {
-    load_head::<E, N>(x, x_l, b, h, start, end, xs, rows, d, ld, units);
-    load_head::<E, N>(y, y_l, b, h, start, end, ys, rows, d, ld, units);
+    let n = x.vector_size();
+    let gx = fetch_rows::<E, N>(x, x_l, b, h, start, end, rows, d, units);
+    let gy = fetch_rows::<E, N>(y, y_l, b, h, start, end, rows, d, units);
+    sync_cube();
+    store_head::<E, N>(&gx, start, end, xs, n, rows, d, ld, units);
+    store_head::<E, N>(&gy, start, end, ys, n, rows, d, ld, units);
 }
 
 /// This unit's plane, lane, row in the plane (`lane / per_row`) and part of the row.
@@ -668,7 +685,7 @@ mod backward;
 mod forward;
 mod registers;
 
-pub use registers::{with_emulated_mma, with_native_mma};
+pub use registers::{with_emulated_mma, with_fragment_kernels, with_native_mma};
 
 pub(super) use backward::backward;
 pub(super) use forward::forward;

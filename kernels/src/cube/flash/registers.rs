@@ -281,15 +281,12 @@ pub(super) fn quad_combine(
     (y0, y1)
 }
 
-/// `rows` head rows from `start` (zeros from `end`) into `dst` as element pairs, `ldv` pairs a
-/// row: a plane's reads are a row's contiguous bytes, all issued before the first store.
+/// Stores [`fetch_rows`]' reads into `dst` as element pairs, `ldv` pairs a row, zeros from row
+/// `end` (after a cube barrier behind the reads: [`fetch_rows`] says why).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn load_rows<E: Float, N: Size>(
-    src: &Tensor<Vector<E, N>>,
-    l: &Sequence<u32>,
-    b: usize,
-    h: usize,
+pub(super) fn store_rows<E: Float, N: Size>(
+    got: &Sequence<Vector<E, N>>,
     start: usize,
     end: usize,
     dst: &mut SharedMemory<Vector<E, N>>,
@@ -299,14 +296,43 @@ pub(super) fn load_rows<E: Float, N: Size>(
     #[comptime] units: usize,
 ) {
     // This unit's pairs are the tile's pairs `unit`, `unit + units`, …: a row has `d / 2`.
-    let got = fetch_rows::<E, N>(src, l, b, h, start, end, rows, d, units);
+    let per_row = comptime!(d / 2);
     #[unroll]
     for s in 0..comptime!((rows * d / 2).div_ceil(units)) {
         let e = UNIT_POS as usize + s * units;
         if e < comptime!(rows * d / 2) {
-            dst[(e / comptime!(d / 2)) * ldv + e % comptime!(d / 2)] = *got.index(s);
+            dst[(e / per_row) * ldv + e % per_row] = kept::<E, N>(got, s, e, start, end, per_row);
         }
     }
+}
+
+/// Rows `start..start + rows` of one head of two operands with the same rows (K and V, or Q and
+/// dO; zeros from row `end`) into `xs` and `ys` as element pairs, `ldv` pairs a row: a plane's
+/// reads are a row's contiguous bytes, both tiles' reads in flight together before one cube
+/// barrier and the stores ([`fetch_rows`]). Called in uniform control flow.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn load_rows_pair<E: Float, N: Size>(
+    x: &Tensor<Vector<E, N>>,
+    x_l: &Sequence<u32>,
+    xs: &mut SharedMemory<Vector<E, N>>,
+    y: &Tensor<Vector<E, N>>,
+    y_l: &Sequence<u32>,
+    ys: &mut SharedMemory<Vector<E, N>>,
+    b: usize,
+    h: usize,
+    start: usize,
+    end: usize,
+    #[comptime] rows: usize,
+    #[comptime] d: usize,
+    #[comptime] ldv: usize,
+    #[comptime] units: usize,
+) {
+    let gx = fetch_rows::<E, N>(x, x_l, b, h, start, end, rows, d, units);
+    let gy = fetch_rows::<E, N>(y, y_l, b, h, start, end, rows, d, units);
+    sync_cube();
+    store_rows::<E, N>(&gx, start, end, xs, rows, d, ldv, units);
+    store_rows::<E, N>(&gy, start, end, ys, rows, d, ldv, units);
 }
 
 /// A zeroed accumulator (two f32 pairs).
@@ -434,8 +460,9 @@ pub(super) fn kv_block<E: Float, N: Size>(
 ) -> bool {
     let ldv = comptime!((d + 8) / 2);
     let (b, hk, k_start, seq_k) = (at.b, at.hk, at.k_start, at.seq_k);
-    load_rows::<E, N>(k, k_l, b, hk, k_start, seq_k, ks, bk, d, ldv, units);
-    load_rows::<E, N>(v, v_l, b, hk, k_start, seq_k, vs, bk, d, ldv, units);
+    load_rows_pair::<E, N>(
+        k, k_l, ks, v, v_l, vs, b, hk, k_start, seq_k, bk, d, ldv, units,
+    );
     sync_cube();
     let mut masked = k_start + bk > seq_k;
     if comptime!(causal) {
@@ -560,13 +587,14 @@ pub(super) fn emulation_memory<E: Float>(
 
 /// The register kernels' split for `pass` on `q`'s device, where they run: f16/bf16 with head dim
 /// a multiple of 16 and Q, K, V (and O, dO) readable in 16-bit pairs (`n == 2`); with the
-/// `mma` instruction (`cmma` set) when `WILDFIRE_ATTENTION_MMA=1` asks and the device has
-/// `mma.m16n8k16` for the dtype with f32 accumulation and planes of 32 (CUDA sm_80 and later),
-/// emulated when `WILDFIRE_ATTENTION_MMA=emulate` or [`with_emulated_mma`] asks. Otherwise the
-/// older kernels run: the register kernels are opt-in until a GPU run has checked them (they
-/// have run emulated on lavapipe only; `benches/gpu.sh` checks and times both). Four planes of 16 rows and blocks of 64;
-/// while the cube's shared memory exceeds the device's the block halves down to 16, then the
-/// planes.
+/// `mma` instruction (`cmma` set) where the device has `mma.m16n8k16` for the dtype with f32
+/// accumulation and planes of 32 (CUDA sm_80 and later) — the default since an H200 ran them
+/// (checked against the f32 tiles; a GPT-2 124M step 11% faster than on the fragment kernels,
+/// the three passes 14 ms of a step against 28) — unless `WILDFIRE_ATTENTION_MMA=0` or
+/// [`with_fragment_kernels`] asks for the `cmma` fragment kernels; emulated when
+/// `WILDFIRE_ATTENTION_MMA=emulate` or [`with_emulated_mma`] asks. Otherwise the fragment (or,
+/// without tensor cores, plain) kernels run. Four planes of 16 rows and blocks of 64; while
+/// the cube's shared memory exceeds the device's the block halves down to 16, then the planes.
 pub(super) fn registers_split<R: CubeRuntime>(
     q: &CubeTensor<R>,
     pass: Pass,
@@ -638,9 +666,9 @@ fn register_bytes(f: &Flash, pass: Pass, d: usize, es: usize) -> usize {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum MmaMode {
-    /// The older kernels (the default until a GPU run has checked the register kernels).
+    /// The fragment kernels (`WILDFIRE_ATTENTION_MMA=0`).
     Off,
-    /// The register kernels on the `mma` instruction where the device has it.
+    /// The register kernels on the `mma` instruction where the device has it (the default).
     Native,
     /// The register kernels with the `mma` emulated, on any device.
     Emulate,
@@ -656,12 +684,12 @@ fn mma_mode() -> MmaMode {
     MODE_HERE.get().unwrap_or_else(|| {
         *MODE.get_or_init(
             || match std::env::var("WILDFIRE_ATTENTION_MMA").as_deref() {
-                Ok("1") => MmaMode::Native,
+                Ok("1") | Err(_) => MmaMode::Native,
                 Ok("emulate") => MmaMode::Emulate,
-                Ok("0") | Err(_) => MmaMode::Off,
+                Ok("0") => MmaMode::Off,
                 Ok(other) => {
                     eprintln!("WILDFIRE_ATTENTION_MMA={other:?} is not 0, 1 or emulate; ignored");
-                    MmaMode::Off
+                    MmaMode::Native
                 }
             },
         )
@@ -674,6 +702,13 @@ fn mma_mode() -> MmaMode {
 /// a multiple of 16 take it.
 pub fn with_emulated_mma<T>(f: impl FnOnce() -> T) -> T {
     with_mode(MmaMode::Emulate, f)
+}
+
+/// Runs `f` with the attention launched from this thread on the `cmma` fragment kernels, not
+/// the register kernels (`WILDFIRE_ATTENTION_MMA=0` for this thread only): how the GPU bench's
+/// correctness half still checks them.
+pub fn with_fragment_kernels<T>(f: impl FnOnce() -> T) -> T {
+    with_mode(MmaMode::Off, f)
 }
 
 /// Runs `f` with the attention launched from this thread on the register kernels with the
