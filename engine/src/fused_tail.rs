@@ -342,11 +342,15 @@ impl<X: FusedOps> StateCodec<Distributed<X>> for FusedAdamW<X> {
 type Register<X> = Box<dyn FnOnce(&mut GradientsParams, burn::tensor::ops::FloatTensor<X>)>;
 
 /// Collects every gradient's local piece and copy count for one
-/// [`FusedOps::fused_unscale_all`] over the whole step.
+/// [`FusedOps::fused_unscale_all`] over the whole step (the three vectors in visiting order).
 struct Unscale<'a, X: Backend> {
     grads: &'a mut GradientsParams,
-    /// Each gradient's local piece, its number of copies over the mesh, and its registration.
-    pieces: Vec<(burn::tensor::ops::FloatTensor<X>, usize, Register<X>)>,
+    /// Each gradient's local piece.
+    locals: Vec<burn::tensor::ops::FloatTensor<X>>,
+    /// Each gradient's number of copies over the mesh.
+    copies: Vec<usize>,
+    /// Each gradient's registration of its unscaled piece.
+    registers: Vec<Register<X>>,
     ctx: Option<Arc<wildfire_parallel::RankContext>>,
 }
 
@@ -361,13 +365,13 @@ where
         };
         let t = dtensor(&grad).clone();
         self.ctx.get_or_insert_with(|| t.device().context().clone());
-        let copies = crate::grad_check::copies(&t);
-        let local = t.local().clone();
+        self.copies.push(crate::grad_check::copies(&t));
+        self.locals.push(t.local().clone());
         let id = param.id;
-        let register: Register<X> = Box::new(move |grads: &mut GradientsParams, out| {
-            grads.register::<Distributed<X>, D>(id, wrap::<X, D>(t.with_local(out)));
-        });
-        self.pieces.push((local, copies, register));
+        self.registers
+            .push(Box::new(move |grads: &mut GradientsParams, out| {
+                grads.register::<Distributed<X>, D>(id, wrap::<X, D>(t.with_local(out)));
+            }));
     }
 }
 
@@ -394,15 +398,21 @@ where
 {
     let mut v = Unscale::<X> {
         grads,
-        pieces: Vec::new(),
+        locals: Vec::new(),
+        copies: Vec::new(),
+        registers: Vec::new(),
         ctx: None,
     };
     model.visit(&mut v);
     let Unscale {
-        grads, pieces, ctx, ..
+        grads,
+        locals,
+        copies,
+        registers,
+        ctx,
     } = v;
     let loss = loss.cast(burn::tensor::DType::F32);
-    let (false, Some(ctx)) = (pieces.is_empty(), ctx) else {
+    let (false, Some(ctx)) = (locals.is_empty(), ctx) else {
         let loss: f32 = loss.into_scalar().elem();
         let check = GradCheck {
             norm: 0.0,
@@ -411,14 +421,6 @@ where
         };
         return Ok((check, loss));
     };
-    let mut locals = Vec::with_capacity(pieces.len());
-    let mut copies = Vec::with_capacity(pieces.len());
-    let mut registers = Vec::with_capacity(pieces.len());
-    for (local, n, register) in pieces {
-        locals.push(local);
-        copies.push(n);
-        registers.push(register);
-    }
     let (outputs, stats) = X::fused_unscale_all(locals, &copies, f64::from(inv_scale));
     for (register, out) in registers.into_iter().zip(outputs) {
         register(grads, out);

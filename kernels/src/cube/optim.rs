@@ -138,7 +138,7 @@ pub(super) fn unscale<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEl
     let cubes = unscale_cubes(&grad);
     let partial_sq = empty_f32(&grad, [cubes]);
     let partial_bad = empty_like(&partial_sq);
-    let output = unscale_into(&grad, inv_scale, (&partial_sq, &partial_bad), 0, 1);
+    let output = unscale_into(&grad, inv_scale, (&partial_sq, &partial_bad), (0, cubes), 1);
     let sum_squares = Cb::<R, F, I, BT>::float_sum(partial_sq);
     let non_finite = Cb::<R, F, I, BT>::float_max(partial_bad);
     (output, sum_squares, non_finite)
@@ -156,19 +156,20 @@ fn unscale_cubes<R: CubeRuntime>(grad: &CubeTensor<R>) -> usize {
         .clamp(1, 1024)
 }
 
-/// Launches the unscale kernel on (contiguous) `grad`, its partials at `offset` of `partials`
-/// (`Σ g²` divided by `copies`); returns the unscaled gradient.
+/// Launches the unscale kernel on (contiguous) `grad` with `cubes` ([`unscale_cubes`]), its
+/// partials at `offset` of `partials` (`Σ g²` divided by `copies`); returns the unscaled
+/// gradient.
 fn unscale_into<R: CubeRuntime>(
     grad: &CubeTensor<R>,
     inv_scale: f64,
     partials: (&CubeTensor<R>, &CubeTensor<R>),
-    offset: usize,
+    (offset, cubes): (usize, usize),
     copies: usize,
 ) -> CubeTensor<R> {
     let output = empty_like(grad);
     unscale_kernel::launch::<R>(
         &grad.client,
-        CubeCount::Static(unscale_cubes(grad) as u32, 1, 1),
+        CubeCount::Static(cubes as u32, 1, 1),
         CubeDim::new_1d(UNSCALE_BLOCK as u32),
         arg(grad),
         arg(&output),
@@ -196,16 +197,19 @@ pub(super) fn unscale_all<R: CubeRuntime>(
     assert_eq!(grads.len(), copies.len(), "a copy count per gradient");
     assert!(!grads.is_empty(), "fused_unscale_all of no gradient");
     let grads: Vec<_> = grads.into_iter().map(into_contiguous).collect();
-    let total: usize = grads.iter().map(unscale_cubes).sum();
+    let cubes: Vec<usize> = grads.iter().map(unscale_cubes).collect();
+    let total: usize = cubes.iter().sum();
     let partial_sq = empty_f32(&grads[0], [total]);
     let partial_bad = empty_like(&partial_sq);
     let mut offset = 0;
     let outputs = grads
         .iter()
+        .zip(cubes)
         .zip(copies)
-        .map(|(grad, &copies)| {
-            let out = unscale_into(grad, inv_scale, (&partial_sq, &partial_bad), offset, copies);
-            offset += unscale_cubes(grad);
+        .map(|((grad, cubes), &copies)| {
+            let partials = (&partial_sq, &partial_bad);
+            let out = unscale_into(grad, inv_scale, partials, (offset, cubes), copies);
+            offset += cubes;
             out
         })
         .collect();

@@ -589,8 +589,9 @@ pub(super) fn emulation_memory<E: Float>(
 /// a multiple of 16 and Q, K, V (and O, dO) readable in 16-bit pairs (`n == 2`); with the
 /// `mma` instruction (`cmma` set) where the device has `mma.m16n8k16` for the dtype with f32
 /// accumulation and planes of 32 (CUDA sm_80 and later) — the default since an H200 ran them
-/// (checked against the f32 tiles; a GPT-2 124M step 11% faster than on the fragment kernels,
-/// the three passes 14 ms of a step against 28) — unless `WILDFIRE_ATTENTION_MMA=0` or
+/// (checked against the f32 tiles; the three passes 14 ms of a GPT-2 124M step in CubeCL's
+/// profiler; end to end level with the fragment kernels within run-to-run noise, README "On a
+/// GPU") — unless `WILDFIRE_ATTENTION_MMA=0` or
 /// [`with_fragment_kernels`] asks for the `cmma` fragment kernels; emulated when
 /// `WILDFIRE_ATTENTION_MMA=emulate` or [`with_emulated_mma`] asks. Otherwise the fragment (or,
 /// without tensor cores, plain) kernels run. Four planes of 16 rows and blocks of 64; while
