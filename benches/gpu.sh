@@ -119,14 +119,14 @@ run() {
     step attention_tests 120 "$T/b/kernel_tests" cuda_tensor_core --test-threads 1
     # the 8-bit optimizer state's kernels (`u8` codes) against Flex's host loops, bit for bit
     step quant_tests 60 "$T/b/kernel_tests" cuda_blockwise --test-threads 1
-    step gpt2_ours 200 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_ours.jsonl"
-    step gpt2_eager 60 python3 "$T/b/gpt_gpu.py" --mode eager --batch 8 --seq 1024 --dtype bf16 --steps 10 --warmup 3
+    step gpt2_ours 200 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 --metrics "$R/gpt2_ours.jsonl"
+    step gpt2_eager 60 python3 "$T/b/gpt_gpu.py" --mode eager --batch 8 --seq 1024 --dtype bf16 --steps 24 --warmup 3
     step kernels_ours 120 "$T/b/gpu_kernels"
     step kernels_torch 60 python3 "$T/b/gpu_kernels.py"
     # the attention on the `cmma` fragment kernels instead of the default register kernels
     # (WILDFIRE_ATTENTION_MMA=0): its kernels and the step with it
     WILDFIRE_ATTENTION_MMA=0 step kernels_ours_fragments 60 "$T/b/gpu_kernels" --iters 5
-    WILDFIRE_ATTENTION_MMA=0 step gpt2_fragments 120 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_fragments.jsonl"
+    WILDFIRE_ATTENTION_MMA=0 step gpt2_fragments 120 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 --metrics "$R/gpt2_fragments.jsonl"
     # the same step with Burn's CubeCL matmuls instead of cuBLASLt (the GEMMs' share of the step)
     WILDFIRE_CUBLAS=0 step gpt2_cubecl 120 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_cubecl.jsonl"
     # the flash kernels with CubeCL's bounds checks on every index (the default launches skip them)

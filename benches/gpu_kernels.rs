@@ -1,7 +1,8 @@
 //! The GPU's hot kernels at GPT-2 124M's shapes, on CUDA: flash attention forward + backward
 //! (packed q/k/v, as the GPT calls it) and each bf16 GEMM of a training step, forward and both
 //! backward products, as the decorator runs them (`wildfire_kernels::gemm`: cuBLASLt on CUDA),
-//! the forward ones also through Burn's CubeCL matmul (autotuned; `cubecl_matmul_…`).
+//! the forward ones also through Burn's CubeCL matmul (autotuned; `cubecl_matmul_…`), and the
+//! memory-bound embedding-table gradient (beside Burn's own) and cross-entropy backward.
 //! `benches/gpu.sh` runs it beside `benches/pytorch/gpu_kernels.py` (SDPA and `torch.matmul` on
 //! the same shapes) on the same GPU.
 //!
@@ -14,8 +15,9 @@
 //! calls after two warm-up calls, which compile and autotune).
 
 use burn::backend::Cuda;
+use burn::tensor::ops::ModuleOps;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use burn::tensor::{DType, Distribution, Tensor};
+use burn::tensor::{DType, Distribution, Int, Tensor, TensorData};
 use std::time::Instant;
 use wildfire::kernels::{FusedOps, gemm};
 
@@ -51,6 +53,15 @@ fn report(kernel: &str, shape: &str, seconds: f64, flops: f64) {
         "{{\"kernel\": \"{kernel}\", \"shape\": \"{shape}\", \"ms\": {:.4}, \"tflops\": {:.1}}}",
         seconds * 1e3,
         flops / seconds / 1e12
+    );
+}
+
+/// A memory-bound kernel: GB/s of the `bytes` it must read and write (no FLOP/s).
+fn report_bytes(kernel: &str, shape: &str, seconds: f64, bytes: f64) {
+    println!(
+        "{{\"kernel\": \"{kernel}\", \"shape\": \"{shape}\", \"ms\": {:.4}, \"tflops\": 0.0, \"gbps\": {:.0}}}",
+        seconds * 1e3,
+        bytes / seconds / 1e9
     );
 }
 
@@ -91,6 +102,61 @@ fn main() {
         &shape,
         time(iters, &backward),
         2.5 * fwd_flops,
+    );
+
+    // The memory-bound ends of the step: the embedding table's gradient (f32, ids skewed like a
+    // text's tokens: log-uniform over the vocabulary, the commonest about 6% of the batch) and
+    // the cross-entropy backward over bf16 logits; GB/s of the bytes each must move.
+    let rows = b * t;
+    let device = Default::default();
+    let vocab = 50_257;
+    let ids: Vec<i64> = (0..rows)
+        .map(|i| {
+            let u = (i as f64 * 0.618_033_988_7).fract();
+            ((u * (vocab as f64).ln()).exp() as i64 - 1).clamp(0, vocab as i64 - 1)
+        })
+        .collect();
+    let flat = Tensor::<B, 1, Int>::from_data(TensorData::new(ids.clone(), [rows]), &device);
+    let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, t]), &device);
+    let (idx, flat) = (idx.into_primitive(), flat.into_primitive());
+    let table: FloatTensor<B> = Tensor::<B, 2>::zeros([v, d], &device)
+        .into_primitive()
+        .tensor();
+    let dy: FloatTensor<B> =
+        Tensor::<B, 3>::random([b, t, d], Distribution::Normal(0.0, 1.0), &device)
+            .into_primitive()
+            .tensor();
+    let shape = format!("{rows} ids, {v}x{d} f32");
+    let bytes = ((v * d + rows * d) * 4) as f64;
+    let ours = || {
+        let _ = B::fused_embedding_backward(table.clone(), dy.clone(), idx.clone());
+    };
+    report_bytes("embedding_bwd", &shape, time(iters, &ours), bytes);
+    let burn_op = || {
+        let _ = B::embedding_backward(table.clone(), dy.clone(), idx.clone());
+    };
+    report_bytes("burn_embedding_bwd", &shape, time(iters, &burn_op), bytes);
+    let logits: FloatTensor<B> = random_bf16([rows, v]).into_primitive().tensor();
+    let ce = B::fused_cross_entropy(logits.clone(), flat.clone());
+    let dloss: FloatTensor<B> = Tensor::<B, 1>::ones([rows], &device)
+        .cast(DType::BF16)
+        .into_primitive()
+        .tensor();
+    let ce_backward = || {
+        let _ = B::fused_cross_entropy_backward(
+            logits.clone(),
+            flat.clone(),
+            ce.lse.clone(),
+            dloss.clone(),
+        );
+    };
+    let bytes = (rows * v * 2 * 2) as f64;
+    let shape = format!("{rows}x{v} bf16");
+    report_bytes(
+        "cross_entropy_bwd",
+        &shape,
+        time(iters, &ce_backward),
+        bytes,
     );
 
     // The GEMMs of one layer and the head: forward `x·Wᵀ` (a transposed view, as the tied head

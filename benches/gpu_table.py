@@ -58,13 +58,14 @@ else:
 print("\n### Kernels at GPT-2 124M's shapes (bf16)\n")
 ours = {k["kernel"]: k for k in jsonl("kernels_ours.log")}
 torch = {k["kernel"]: k for k in jsonl("kernels_torch.log")}
-print("| kernel | shape | Wildfire ms | PyTorch ms | ratio | Wildfire TFLOP/s (% of peak) |")
+print("| kernel | shape | Wildfire ms | PyTorch ms | ratio | Wildfire TFLOP/s (% of peak) or GB/s |")
 print("|---|---|---|---|---|---|")
 for name, k in ours.items():
     t = torch.get(name)
     ratio = f"{k['ms'] / t['ms']:.2f}×" if t and t["ms"] > 0 else "–"
-    print(f"| {name} | {k['shape']} | {k['ms']:.3f} | {t['ms'] if t else '–'} | {ratio} | "
-          f"{k['tflops']} ({100 * k['tflops'] * 1e12 / PEAK:.0f}%) |")
+    rate = (f"{k['gbps']} GB/s" if "gbps" in k
+            else f"{k['tflops']} ({100 * k['tflops'] * 1e12 / PEAK:.0f}%)")
+    print(f"| {name} | {k['shape']} | {k['ms']:.3f} | {t['ms'] if t else '–'} | {ratio} | {rate} |")
 
 for log, how in (("kernels_ours_checked.log", "with bounds checks"),
                  ("kernels_ours_nocmma.log", "without tensor cores"),

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """PyTorch's side of benches/gpu_kernels.rs: SDPA (causal, bf16) forward and forward+backward,
-and torch.matmul on each bf16 GEMM of a GPT-2 124M training step, timed the same way (mean over
+the embedding gradient and the cross-entropy backward, and torch.matmul on each bf16 GEMM of a GPT-2 124M training step, timed the same way (mean over
 the timed calls after two warm-up calls). One JSON line per kernel, the same keys as the Rust
 bench: {"kernel", "shape", "ms", "tflops"}.
 
     python3 benches/pytorch/gpu_kernels.py [--batch 8 --seq 1024]
 """
-import argparse, json, time
+import argparse, json, math, time
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,27 @@ with torch.no_grad():
 report("attention_bwd", shape, s_fb - s_f, 2.5 * fwd_flops)
 
 rows = b * t
+# The memory-bound ends of the step, as benches/gpu_kernels.rs: the embedding table's gradient
+# (f32, the same skewed ids) and the cross-entropy backward over bf16 logits (forward + backward
+# minus the forward), GB/s of the bytes each must move.
+vocab = 50257
+ids = torch.tensor([min(max(int(math.exp(((i * 0.6180339887) % 1.0) * math.log(vocab))) - 1, 0),
+                        vocab - 1) for i in range(rows)], device=dev)
+dy = torch.randn(rows, d, device=dev)
+s_e = timed(lambda: torch.ops.aten.embedding_dense_backward(dy, ids, v, -1, False))
+print(json.dumps({"kernel": "embedding_bwd", "shape": f"{rows} ids, {v}x{d} f32",
+                  "ms": round(s_e * 1e3, 4), "tflops": 0.0,
+                  "gbps": round((v * d + rows * d) * 4 / s_e / 1e9)}))
+logits = torch.randn(rows, v, device=dev, dtype=bf16, requires_grad=True)
+s_fb = timed(lambda: torch.autograd.grad(F.cross_entropy(logits, ids), logits))
+with torch.no_grad():
+    s_f = timed(lambda: F.cross_entropy(logits, ids))
+s_ce = s_fb - s_f
+print(json.dumps({"kernel": "cross_entropy_bwd", "shape": f"{rows}x{v} bf16",
+                  "ms": round(s_ce * 1e3, 4), "tflops": 0.0,
+                  "gbps": round(rows * v * 2 * 2 / s_ce / 1e9)}))
+del logits
+
 for name, k, n in [("qkv", d, 3 * d), ("attn_proj", d, d), ("mlp_fc", d, 4 * d),
                    ("mlp_proj", 4 * d, d), ("lm_head", d, v)]:
     x = torch.randn(rows, k, device=dev, dtype=bf16)

@@ -276,15 +276,20 @@ pub(crate) fn adamw_step<X: FusedOps, const D: usize>(
         ),
     };
     let (scale, skip) = inputs.scale_and_skip(&device);
-    let out = X::fused_adamw(
-        p.local().clone(),
-        g.into_local(),
-        m,
-        v,
-        scale,
-        skip,
-        config.step(lr, time),
-    );
+    // A parameter the forward used in the precision policy's compute dtype (its value keeps the
+    // cast): the kernel writes the new value's copy too, so the next forward casts nothing.
+    let copy = p
+        .cast_copy_dtype()
+        .filter(|&c| c != burn::tensor::TensorMetadata::dtype(p.local()).into());
+    let (param, grad, step) = (p.local().clone(), g.into_local(), config.step(lr, time));
+    let (out, copy) = match copy {
+        Some(dtype) => {
+            let operands = [param, grad, m, v, scale, skip];
+            let (out, copy) = X::fused_adamw_with_copy(operands, step, dtype);
+            (out, Some(copy))
+        }
+        None => (X::fused_adamw(param, grad, m, v, scale, skip, step), None),
+    };
     let keep = |t| X::float_cast(t, config.moments.float_dtype());
     let state = AdamWState {
         momentum: AdaptiveMomentumState {
@@ -294,7 +299,12 @@ pub(crate) fn adamw_step<X: FusedOps, const D: usize>(
             max_moment_2: None,
         },
     };
-    (wrap(p.with_local(out.param)), state)
+    let param = p.with_local(out.param);
+    let param = match copy {
+        Some(copy) => param.with_cast_copy(copy),
+        None => param,
+    };
+    (wrap(param), state)
 }
 
 impl<X: FusedOps> SimpleOptimizer<Distributed<X>> for FusedAdamW<X> {

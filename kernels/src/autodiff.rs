@@ -115,6 +115,21 @@ impl<B: FusedOps> Backward<B, 1> for CrossEntropyOp {
     }
 }
 
+#[derive(Debug)]
+struct EmbeddingOp;
+
+impl<B: FusedOps> Backward<B, 1> for EmbeddingOp {
+    /// table (its shape is what the backward reads), ids.
+    type State = (FloatTensor<B>, IntTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let dy = grads.consume::<B>(&ops.node);
+        let (table, ids) = ops.state;
+        let dtable = B::fused_embedding_backward(table, dy, ids);
+        register!(B, grads, &ops.parents[0], dtable);
+    }
+}
+
 /// With the tanh approximation or not.
 #[derive(Debug)]
 struct GeluBiasOp(bool);
@@ -450,6 +465,18 @@ impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
         CrossEntropyOutput {
             loss,
             lse: constant::<B, C>(out.lse),
+        }
+    }
+
+    fn fused_embedding(table: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
+        let y = B::fused_embedding(table.primitive.clone(), ids.clone());
+        match EmbeddingOp
+            .prepare::<C>([table.node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((table.primitive, ids), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
 

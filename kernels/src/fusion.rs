@@ -26,6 +26,8 @@ enum Call {
     CrossEntropy,
     /// Inputs: logits, lse, dloss, targets (int).
     CrossEntropyBackward,
+    /// Inputs: table (its shape), grad, ids (int).
+    EmbeddingBackward,
     /// With the tanh approximation or not.
     GeluBias(bool),
     GeluBiasBackward(bool),
@@ -114,6 +116,11 @@ impl<B: FusionBackend + FusedOps> Operation<B::FusionRuntime> for FusedCall<B> {
                 let (logits, lse, dloss) = (float(0), float(1), float(2));
                 let targets = handles.get_int_tensor::<B>(&inputs[3]);
                 vec![B::fused_cross_entropy_backward(logits, targets, lse, dloss)]
+            }
+            Call::EmbeddingBackward => {
+                let (table, grad) = (float(0), float(1));
+                let ids = handles.get_int_tensor::<B>(&inputs[2]);
+                vec![B::fused_embedding_backward(table, grad, ids)]
             }
             Call::GeluBias(tanh) => vec![B::fused_gelu_bias(float(0), float(1), tanh)],
             Call::GeluBiasBackward(tanh) => {
@@ -317,6 +324,20 @@ impl<B: FusionBackend + FusedOps> FusedOps for Fusion<B> {
             vec![logits, lse, dloss],
             Some(targets),
         )
+    }
+
+    fn fused_embedding_backward(table: Ft<B>, grad: Ft<B>, ids: Ft<B>) -> Ft<B> {
+        let out = (
+            Shape::new([table.shape[0], grad.shape[grad.shape.num_dims() - 1]]),
+            grad.dtype,
+        );
+        let [dtable] = take(register::<B>(
+            Call::EmbeddingBackward,
+            vec![table, grad],
+            Some(ids),
+            &[out],
+        ));
+        dtable
     }
 
     fn fused_gelu_bias(x: Ft<B>, bias: Ft<B>, tanh: bool) -> Ft<B> {

@@ -407,6 +407,25 @@ pub trait FusedOps: Backend {
         reference::cross_entropy_backward::<Self>(logits, targets, lse, dloss)
     }
 
+    /// The rows of `table` `[rows, d]` at `ids` `[batch, seq]`: `[batch, seq, d]` (Burn's
+    /// `embedding`; every backend looks up with Burn's op, the backward is what differs).
+    fn fused_embedding(table: FloatTensor<Self>, ids: IntTensor<Self>) -> FloatTensor<Self> {
+        <Self as burn::tensor::ops::ModuleOps<Self>>::embedding(table, ids)
+    }
+
+    /// The gradient of [`FusedOps::fused_embedding`] w.r.t. the table (only `table`'s shape is
+    /// read): each row of `grad` `[batch, seq, d]` added into its id's row of a zero table in
+    /// `grad`'s dtype, in position order — the sums of Burn's `embedding_backward`, bitwise in
+    /// f32. CubeCL backends sort the positions by id and sum each id's rows in one cube (see
+    /// `cube/embedding.rs`) instead of Burn's one unit per column over every position.
+    fn fused_embedding_backward(
+        table: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        <Self as burn::tensor::ops::ModuleOps<Self>>::embedding_backward(table, grad, ids)
+    }
+
     /// `gelu(x + bias)` with `bias` broadcast over the last dimension: the exact (erf) form, or
     /// with `tanh` the tanh approximation (GPT-2's `gelu_new`, PyTorch's `approximate="tanh"`).
     fn fused_gelu_bias(
@@ -555,6 +574,25 @@ pub trait FusedOps: Backend {
         step: AdamWStep,
     ) -> AdamWState<Self> {
         reference::adamw::<Self>(param, grad, m, v, grad_scale, skip, step)
+    }
+
+    /// [`FusedOps::fused_adamw`] that also hands back the new parameter in `copy` — the
+    /// precision policy's compute dtype: the copy the next forward's matmuls read, which would
+    /// otherwise be cast from it in a launch of its own per parameter and step (as
+    /// `torch.autocast` re-casts each weight). Backends with kernels write it in the same pass;
+    /// it is the parameter's cast, bit for bit.
+    /// The operands are [`FusedOps::fused_adamw`]'s, in its order: `[param, grad, m, v,
+    /// grad_scale, skip]`.
+    fn fused_adamw_with_copy(
+        operands: [FloatTensor<Self>; 6],
+        step: AdamWStep,
+        copy: burn::tensor::FloatDType,
+    ) -> (AdamWState<Self>, FloatTensor<Self>) {
+        let [param, grad, m, v, grad_scale, skip] = operands;
+        let out = Self::fused_adamw(param, grad, m, v, grad_scale, skip, step);
+        let cast =
+            <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_cast(out.param.clone(), copy);
+        (out, cast)
     }
 
     /// 8-bit optimizer state ([`quant`](mod@quant)): the largest magnitude of each block of

@@ -21,6 +21,12 @@ pub fn carry_loss<B: FusedOps, const D: usize, const E: usize>(
     tensor(B::carry_loss(prim(x), prim(loss), weight))
 }
 
+/// The rows of `table` `[rows, d]` at `ids` `[batch, seq]`: `[batch, seq, d]`, as Burn's
+/// `module::embedding`, with the table's gradient from [`FusedOps::fused_embedding_backward`].
+pub fn embedding<B: FusedOps>(table: Tensor<B, 2>, ids: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    tensor(B::fused_embedding(prim(table), ids.into_primitive()))
+}
+
 /// Softmax over the last dimension.
 pub fn softmax<B: FusedOps, const D: usize>(x: Tensor<B, D>) -> Tensor<B, D> {
     tensor(B::fused_softmax(prim(x)))

@@ -359,8 +359,8 @@ fn embed<'a, B: FusedOps, H: ForwardHooks<'a, B>>(
         .map(|p| p as i64)
         .collect();
     let pos = Tensor::<B, 2, Int>::from_data(TensorData::new(positions, [1, t]), &device);
-    let tok = burn::tensor::module::embedding(wte.val(), idx);
-    let pos = burn::tensor::module::embedding(wpe.val(), pos);
+    let tok = ops::embedding(wte.val(), idx);
+    let pos = ops::embedding(wpe.val(), pos);
     hooks.dropout(n_layer, 0, tok + pos, dropout)
 }
 

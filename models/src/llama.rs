@@ -620,7 +620,7 @@ impl<B: FusedOps> CausalLm<B> for Llama<B> {
         idx: Tensor<B, 2, Int>,
         hooks: &H,
     ) -> Tensor<B, 3> {
-        let x = burn::tensor::module::embedding(self.embed_tokens.val(), idx);
+        let x = wildfire_kernels::ops::embedding(self.embed_tokens.val(), idx);
         let n = self.layers.len();
         let x = stage::run_layers(&self.layers, &self.rope, 0, n, x, hooks);
         let table = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);

@@ -588,6 +588,39 @@ impl<B: Backend> DTensor<B> {
         local
     }
 
+    /// The dtype of the cast copy this value keeps (the precision policy's), once a rule has
+    /// asked for one: what the optimizer's step writes for the value that replaces it
+    /// ([`DTensor::with_cast_copy`]).
+    pub fn cast_copy_dtype(&self) -> Option<FloatDType> {
+        self.track
+            ._shared
+            .cast
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|c| c.dtype)
+    }
+
+    /// This value keeping `copy` — its local piece in another dtype, written elsewhere (by the
+    /// optimizer kernel that wrote the value) — as its cast copy: the next rule asking for that
+    /// dtype takes it instead of casting. Counted in the live bytes like a cast; not in
+    /// [`OpCounters::casts`](crate::OpCounters), since no cast ran.
+    pub fn with_cast_copy(self, copy: B::FloatTensorPrimitive) -> Self {
+        assert_eq!(
+            copy.shape(),
+            self.local.shape(),
+            "a cast copy has its value's shape"
+        );
+        let dtype = FloatDType::from(copy.dtype());
+        let track = Tracker::new(local_bytes(&copy), self.device.context());
+        *self.track._shared.cast.lock().unwrap() = Some(CastCopy {
+            dtype,
+            local: Box::new(copy),
+            _track: track,
+        });
+        self
+    }
+
     fn settled_now(self) -> Self {
         let Some(memo) = &self.memo else { return self };
         let reduced = self.layout.reduced();

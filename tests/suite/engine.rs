@@ -487,6 +487,124 @@ fn fused_optimizer_tail_follows_burn_adamw() {
     }
 }
 
+/// The casts a small GPT of `l` blocks counts in a step of `a` micro-batches under a bf16 compute
+/// dtype (see [`bf16_casts_each_weight_once_per_step`]): each micro-batch's values, and with
+/// `weights` the weights the forward casts (once per step).
+fn gpt_casts(l: u64, a: u64, weights: bool) -> std::collections::BTreeMap<&'static str, u64> {
+    let mut casts: std::collections::BTreeMap<_, _> = [
+        ("linear", a),
+        ("fused_layer_norm", (2 * l + 1) * a),
+        ("float_add", 2 * l * a),
+        ("fused_cross_entropy", a),
+        ("fused_cross_entropy_backward", a),
+        ("linear_weight_backward", (4 * l + 1) * a),
+        ("linear_bias_backward", l * a),
+        ("fused_gelu_bias_backward", l * a),
+        ("linear_x_backward", 2 * l * a),
+        ("fused_layer_norm_backward", (2 * l + 1) * a),
+    ]
+    .into_iter()
+    .collect();
+    if weights {
+        *casts.get_mut("linear").unwrap() += 7 * l;
+        casts.insert("fused_gelu_bias", l);
+    }
+    casts
+}
+
+/// Sets the bf16 compute dtype on `device`'s rank and gives the casts tests' token batches
+/// (`[2, 16]` ids of a 64-token vocabulary, shifted by the micro-batch).
+fn bf16_batches(
+    device: &wildfire::parallel::DistDevice<Flex>,
+) -> impl Fn(usize) -> Tensor<Dist, 2, Int> + '_ {
+    device
+        .context()
+        .update_policy(|p| p.compute_dtype = Some(burn::tensor::FloatDType::BF16));
+    move |shift: usize| {
+        let v: Vec<i64> = (0..2 * 16)
+            .map(|i| ((i * 13 + shift) % 64) as i64)
+            .collect();
+        Tensor::<Dist, 2, Int>::from_data(TensorData::new(v, [2, 16]), device)
+    }
+}
+
+/// The fused AdamW writes each weight's bf16 copy in the pass that updates it
+/// (`FusedOps::fused_adamw_with_copy`), for every parameter the forward used in bf16: after the
+/// first step (whose forward casts them, as in [`bf16_casts_each_weight_once_per_step`]), no
+/// step casts a weight again — only the per-micro-batch values remain (the tied head's fresh
+/// transpose among them). The copies are the casts bit for bit (the kernel test
+/// `check_optimizer_tail`), so the steps' numbers do not change: the losses equal, to the bit,
+/// those of the same run with every parameter rebuilt after each step (no copy kept: each
+/// forward casts its weights again).
+#[test]
+fn fused_adamw_writes_the_bf16_weights_for_the_next_forward() {
+    use burn::module::ModuleMapper;
+    use wildfire::engine::{FusedAdamW, FusedAdamWConfig, StepRunner, StepRunnerConfig};
+    use wildfire::models::gpt::Gpt;
+    use wildfire::parallel::FsdpOptimizer;
+    /// Each parameter as a new value (`· 1`, bit for bit), without the copy its old value kept.
+    struct Fresh;
+    impl ModuleMapper<Dist> for Fresh {
+        fn map_float<const D: usize>(
+            &mut self,
+            param: Param<Tensor<Dist, D>>,
+        ) -> Param<Tensor<Dist, D>> {
+            let (id, t, mapper) = param.consume();
+            Param::from_mapped_value(id, t.mul_scalar(1.0).detach().require_grad(), mapper)
+        }
+    }
+    let l: u64 = 2;
+    let mesh = DeviceMesh::new([("dp", 1)]).unwrap();
+    let runs = threads(&mesh, |device| {
+        let ids = bf16_batches(&device);
+        // `copies`: the fused step hands the copies on (true), or the parameters are rebuilt
+        // without them after each step (each forward casts its weights again).
+        let run = |copies: bool| {
+            let mut model: Gpt<Dist> = super::small_gpt(l as usize, 5).init(&device).unwrap();
+            let (adamw, inputs) =
+                FusedAdamW::<Flex>::optimizer::<Gpt<Dist>>(FusedAdamWConfig::default());
+            let mut optim = FsdpOptimizer::new(adamw);
+            let mut step = StepRunner::new(StepRunnerConfig::default(), None);
+            let (mut counted, mut losses) = (Vec::new(), Vec::new());
+            for seeds in [&[1u64][..], &[1, 2, 3], &[4]] {
+                device.context().reset_counters();
+                let (next, record) = step
+                    .run(
+                        &device,
+                        model,
+                        &mut optim,
+                        Some(&inputs),
+                        1e-3,
+                        seeds,
+                        |m, i, hooks| m.loss_with(ids(i), ids(i + 1), hooks),
+                    )
+                    .unwrap();
+                model = if copies { next } else { next.map(&mut Fresh) };
+                assert!(record.loss.is_finite() && !record.skipped);
+                losses.push(record.loss);
+                counted.push(device.context().counters().casts);
+            }
+            (counted, losses)
+        };
+        (run(true), run(false))
+    });
+    let ((counted, losses), (burn_counted, burn_losses)) = &runs[0];
+    // After a fused step no weight is cast: only the values of each micro-batch (the tied
+    // head's transpose among them); rebuilt parameters keep no copy, every step casts again.
+    let (cast_again, later) = (|a| gpt_casts(l, a, true), |a| gpt_casts(l, a, false));
+    assert_eq!(
+        counted,
+        &vec![cast_again(1), later(3), later(1)],
+        "casts per step (1, 3, 1 micro-batches)"
+    );
+    assert_eq!(
+        burn_counted,
+        &vec![cast_again(1), cast_again(3), cast_again(1)],
+        "casts per step without the copies"
+    );
+    assert_eq!(losses, burn_losses, "the copies are the casts");
+}
+
 /// Mixed precision without per-op casts (what `torch.autocast`'s cast cache does): under a bf16
 /// compute dtype each f32 weight is cast once per step — not once per use, per micro-batch, per
 /// backward pass — and the activations between matmuls stay bf16. The decorator counts every
@@ -511,25 +629,15 @@ fn fused_optimizer_tail_follows_burn_adamw() {
 #[test]
 fn bf16_casts_each_weight_once_per_step() {
     use burn::optim::AdamWConfig;
-    use burn::tensor::FloatDType;
-    use std::collections::BTreeMap;
     use wildfire::engine::{StepRunner, StepRunnerConfig};
     use wildfire::models::gpt::Gpt;
     let l: u64 = 2;
     let mesh = DeviceMesh::new([("dp", 1)]).unwrap();
     let counted = threads(&mesh, |device| {
-        device
-            .context()
-            .update_policy(|p| p.compute_dtype = Some(FloatDType::BF16));
+        let ids = bf16_batches(&device);
         let mut model: Gpt<Dist> = super::small_gpt(l as usize, 5).init(&device).unwrap();
         let mut optim = AdamWConfig::new().init();
         let mut step = StepRunner::new(StepRunnerConfig::default(), None);
-        let ids = |shift: usize| {
-            let v: Vec<i64> = (0..2 * 16)
-                .map(|i| ((i * 13 + shift) % 64) as i64)
-                .collect();
-            Tensor::<Dist, 2, Int>::from_data(TensorData::new(v, [2, 16]), &device)
-        };
         let mut counted = Vec::new();
         for seeds in [&[1u64][..], &[1, 2, 3], &[4]] {
             device.context().reset_counters();
@@ -550,23 +658,7 @@ fn bf16_casts_each_weight_once_per_step() {
         }
         counted
     });
-    let expected = |a: u64| -> BTreeMap<&'static str, u64> {
-        [
-            ("linear", 7 * l + a),
-            ("fused_gelu_bias", l),
-            ("fused_layer_norm", (2 * l + 1) * a),
-            ("float_add", 2 * l * a),
-            ("fused_cross_entropy", a),
-            ("fused_cross_entropy_backward", a),
-            ("linear_weight_backward", (4 * l + 1) * a),
-            ("linear_bias_backward", l * a),
-            ("fused_gelu_bias_backward", l * a),
-            ("linear_x_backward", 2 * l * a),
-            ("fused_layer_norm_backward", (2 * l + 1) * a),
-        ]
-        .into_iter()
-        .collect()
-    };
+    let expected = |a: u64| gpt_casts(l, a, true);
     assert_eq!(
         counted[0],
         vec![expected(1), expected(3), expected(1)],

@@ -297,6 +297,62 @@ fn check_cross_entropy<B: AutodiffBackend + FusedOps>(
     );
 }
 
+/// The ids of [`check_embedding`]'s cases: `(vocab, d, [batch, seq], ids)`.
+fn embedding_cases() -> Vec<(usize, usize, [usize; 2], Vec<i64>)> {
+    let ids = |n: usize, f: &dyn Fn(usize) -> usize| (0..n).map(|i| f(i) as i64).collect();
+    vec![
+        // Repeats in no order.
+        (37, 5, [2, 9], ids(18, &|i| (i * 7 + 3) % 11)),
+        // Rows wider than a cube, positions over three of the sort's 256-id tiles, runs across
+        // tile boundaries, the table's first and last rows.
+        (
+            1000,
+            300,
+            [3, 200],
+            ids(600, &|i| match i % 50 {
+                0 => 0,
+                1 => 999,
+                _ => (i * 7919) % 97,
+            }),
+        ),
+        // One token at every position: a single run as long as the batch.
+        (50, 64, [2, 300], ids(600, &|_| 7)),
+        (3, 1, [1, 1], ids(1, &|_| 2)),
+    ]
+}
+
+/// The embedding lookup ([`ops::embedding`]) and its table gradient against Burn's
+/// `module::embedding` on the same backend. The lookup is the same op; in f32 the gradient is
+/// Burn's bit for bit (each id's rows added in position order from zero, in f32); in f16 the
+/// kernels add in f32 and round once where Burn rounds after every add.
+fn check_embedding<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) {
+    for (vocab, d, [b, t], ids) in embedding_cases() {
+        let what = format!("embedding {vocab}x{d} at {b}x{t}");
+        let table = normal::<B, 2>([vocab, d], 1.0, device);
+        let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, t]), device);
+        let fused = ops::embedding(table.clone(), idx.clone());
+        let reference = burn::tensor::module::embedding(table.clone(), idx);
+        assert_eq!(
+            data(fused.clone()),
+            data(reference.clone()),
+            "{what}: the lookup"
+        );
+        let w = random::<B, 3>([b, t, d], 1.0, device);
+        let gt = grad_of(&table);
+        let [got] = <[_; 1]>::try_from(grads(fused, &w, &[&gt])).unwrap();
+        let [want] = <[_; 1]>::try_from(grads(reference, &w, &[&gt])).unwrap();
+        if INPUT_DTYPE.get().is_none() {
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(
+                bits(&got) == bits(&want),
+                "{what}: the table's gradient, bitwise"
+            );
+        } else {
+            close_tol(&format!("{what}: the table's gradient"), &got, &want, tol);
+        }
+    }
+}
+
 fn check_attention<B: AutodiffBackend + FusedOps>(
     device: &B::Device,
     shape: [usize; 4],
@@ -450,6 +506,7 @@ fn check_all<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) {
     for (rows, vocab) in [(7, 37), (1, 2), (5, 1000)] {
         check_cross_entropy::<B>(device, rows, vocab, tol);
     }
+    check_embedding::<B>(device, tol);
     // Attention on `[batch, heads, seq, head_dim]`, and on the same sizes packed q/k/v laid out
     // `[batch, seq, heads, head_dim]`.
     for ([b, h, s, d], causal) in [
@@ -522,16 +579,18 @@ fn check_optimizer_tail<B: burn::tensor::backend::Backend + FusedOps>(
             .into_primitive()
             .tensor()
     };
+    let operands = |skip: f32| -> [_; 6] {
+        [&p, &gr, &m, &v]
+            .map(|x| prim(tensor(x, [37, 13])))
+            .into_iter()
+            .chain([one(0.5), one(skip)])
+            .collect::<Vec<_>>()
+            .try_into()
+            .unwrap()
+    };
     let run = |skip: f32| {
-        B::fused_adamw(
-            prim(tensor(&p, [37, 13])),
-            prim(tensor(&gr, [37, 13])),
-            prim(tensor(&m, [37, 13])),
-            prim(tensor(&v, [37, 13])),
-            one(0.5),
-            one(skip),
-            step,
-        )
+        let [param, grad, m, v, scale, skip] = operands(skip);
+        B::fused_adamw(param, grad, m, v, scale, skip, step)
     };
     let out = run(0.0);
     let (mut pe, mut me, mut ve) = (vec![], vec![], vec![]);
@@ -551,6 +610,21 @@ fn check_optimizer_tail<B: burn::tensor::backend::Backend + FusedOps>(
     assert_eq!(back(skipped.param), p, "a skipped step changes nothing");
     assert_eq!(back(skipped.m), m);
     assert_eq!(back(skipped.v), v);
+    // With the compute dtype's copy of the new parameter (written by the same kernel on CubeCL
+    // backends): the same step, and the copy is the parameter's cast bit for bit, skipped or not
+    // (f16: WGSL has no bf16).
+    for skip in [0.0, 1.0] {
+        let plain = run(skip);
+        let (with, copy) =
+            B::fused_adamw_with_copy(operands(skip), step, burn::tensor::FloatDType::F16);
+        assert_eq!(
+            burn::tensor::TensorMetadata::dtype(&copy),
+            burn::tensor::DType::F16
+        );
+        let cast = B::float_cast(plain.param.clone(), burn::tensor::FloatDType::F16);
+        assert_eq!(back(with.param), back(plain.param), "skip {skip}: the step");
+        assert_eq!(back(copy), back(cast), "skip {skip}: the copy is the cast");
+    }
     check_unscale_all::<B>(device, tol);
 }
 
@@ -808,20 +882,49 @@ mod wgpu {
                 .into_primitive()
                 .tensor()
         };
-        let before = cube::launches();
+        let before = cube::thread_launches();
         let (_, stats) = <Wgpu as FusedOps>::fused_unscale_all(
             vec![ones(10), ones(5000), ones(1)],
             &[1, 1, 2],
             0.5,
         );
         assert!(
-            cfg!(feature = "fusion") || cube::launches() - before == 4,
+            cfg!(feature = "fusion") || cube::thread_launches() - before == 4,
             "three unscale launches and one fold"
         );
         let stats = data(Tensor::<Wgpu, 1>::from_primitive(
             burn::tensor::TensorPrimitive::Float(stats),
         ));
         assert_eq!(stats, vec![0.0, 0.25 * 5010.0 + 0.25 / 2.0]);
+    }
+
+    /// The table gradient's kernels: the sort of the positions by id and the runs' sums (after
+    /// the table's zeros), two launches whatever the batch.
+    #[test]
+    fn embedding_backward_is_two_launches() {
+        let device = Default::default();
+        let (vocab, d, [b, t], ids) = embedding_cases().swap_remove(1);
+        let grad = Tensor::<Wgpu, 3>::ones([b, t, d], &device);
+        let table = Tensor::<Wgpu, 2>::zeros([vocab, d], &device);
+        let idx = Tensor::<Wgpu, 2, Int>::from_data(TensorData::new(ids.clone(), [b, t]), &device);
+        let before = cube::thread_launches();
+        let dtable = <Wgpu as FusedOps>::fused_embedding_backward(
+            table.into_primitive().tensor(),
+            grad.into_primitive().tensor(),
+            idx.into_primitive(),
+        );
+        let got = data(Tensor::<Wgpu, 2>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(dtable),
+        ));
+        assert!(
+            cfg!(feature = "fusion") || cube::thread_launches() - before == 2,
+            "the sort and the runs"
+        );
+        // All-ones rows: each row of the table counts its id's positions.
+        for (row, chunk) in got.chunks(d).enumerate() {
+            let count = ids.iter().filter(|&&i| i == row as i64).count() as f32;
+            assert!(chunk.iter().all(|&x| x == count), "row {row}");
+        }
     }
 
     #[test]

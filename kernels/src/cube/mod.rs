@@ -2,7 +2,7 @@
 //! one file per kernel family: `softmax`, `norm` (LayerNorm and RMSNorm), `cross_entropy`,
 //! `gelu` (GELU with bias), `gated` (the SwiGLU gate and the rotary embedding), `attention` (flash attention's host side, separate or packed q/k/v),
 //! `attention_backward` and `flash` (the flash-attention kernels), `heads` (what they share),
-//! `optim` (the optimizer tail), `quant` (8-bit optimizer state); the cube-wide reductions the row kernels share are in `reduce`,
+//! `optim` (the optimizer tail), `quant` (8-bit optimizer state), `embedding` (the table's gradient); the cube-wide reductions the row kernels share are in `reduce`,
 //! the host-side launch helpers here.
 //!
 //! Conventions shared by the kernels:
@@ -18,6 +18,7 @@ mod attention_backward;
 #[cfg(feature = "cuda")]
 pub mod blas;
 mod cross_entropy;
+mod embedding;
 mod flash;
 pub use flash::{with_emulated_mma, with_fragment_kernels, with_native_mma};
 mod gated;
@@ -57,8 +58,19 @@ pub fn launches() -> u64 {
     LAUNCHES.load(Ordering::Relaxed)
 }
 
+thread_local! {
+    static THREAD_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Fused-kernel launches so far issued from the calling thread: what a test counts while other
+/// tests launch kernels on their own threads.
+pub fn thread_launches() -> u64 {
+    THREAD_LAUNCHES.get()
+}
+
 fn launched(n: u64) {
     LAUNCHES.fetch_add(n, Ordering::Relaxed);
+    THREAD_LAUNCHES.set(THREAD_LAUNCHES.get() + n);
 }
 
 static REGISTER_ATTENTION: AtomicU64 = AtomicU64::new(0);
@@ -266,6 +278,14 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         cross_entropy::backward(logits, targets, lse, dloss)
     }
 
+    fn fused_embedding_backward(
+        table: CubeTensor<R>,
+        grad: CubeTensor<R>,
+        ids: CubeTensor<R>,
+    ) -> CubeTensor<R> {
+        embedding::backward::<R, F, I, BT>(table.shape()[0], grad, ids)
+    }
+
     fn fused_gelu_bias(x: CubeTensor<R>, bias: CubeTensor<R>, tanh: bool) -> CubeTensor<R> {
         gelu::forward(x, bias, tanh)
     }
@@ -342,8 +362,19 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         step: AdamWStep,
     ) -> AdamWState<Self> {
         let operands = [param, grad, m, v, grad_scale, skip];
-        let [param, m, v] = optim::adamw::<R, F, I, BT>(operands, step);
+        let ([param, m, v], _) = optim::adamw::<R, F, I, BT>(operands, step, None);
         AdamWState { param, m, v }
+    }
+
+    fn fused_adamw_with_copy(
+        operands: [CubeTensor<R>; 6],
+        step: AdamWStep,
+        copy: burn::tensor::FloatDType,
+    ) -> (AdamWState<Self>, CubeTensor<R>) {
+        let ([param, m, v], copy) =
+            optim::adamw::<R, F, I, BT>(operands, step, Some(DType::from(copy)));
+        let copy = copy.expect("the kernel wrote the copy");
+        (AdamWState { param, m, v }, copy)
     }
 
     fn blockwise_absmax(

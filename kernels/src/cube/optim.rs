@@ -2,10 +2,10 @@
 //! flag (read on the device).
 
 use super::reduce::cube_sum;
-use super::{Cb, arg, as_dtype, elementwise, empty_f32, empty_like, launched};
+use super::{Cb, arg, as_dtype, elementwise, empty, empty_f32, empty_like, launched};
 use crate::AdamWStep;
-use burn::tensor::TensorMetadata;
 use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
@@ -85,8 +85,11 @@ fn unscale_total_kernel(
     }
 }
 
+/// AdamW on `len` elements; with `with_copy` the new parameter also goes to `copy` in its dtype
+/// `C` (the compute dtype's copy; without, `copy` is a one-element stand-in never written).
 #[cube(launch)]
-fn adamw_kernel<F: Float>(
+#[allow(clippy::too_many_arguments)]
+fn adamw_kernel<F: Float, C: Float>(
     param: &Tensor<F>,
     grad: &Tensor<F>,
     m: &Tensor<F>,
@@ -96,6 +99,7 @@ fn adamw_kernel<F: Float>(
     param_out: &mut Tensor<F>,
     m_out: &mut Tensor<F>,
     v_out: &mut Tensor<F>,
+    copy: &mut Tensor<C>,
     len: u32,
     lr: f32,
     beta1: f32,
@@ -104,7 +108,8 @@ fn adamw_kernel<F: Float>(
     decay: f32,
     correction1: f32,
     correction2: f32,
-    #[define(F)] _dtype: StorageType,
+    #[comptime] with_copy: bool,
+    #[define(F, C)] _dtypes: [StorageType; 2],
 ) {
     let i = ABSOLUTE_POS;
     if i >= len as usize {
@@ -117,15 +122,22 @@ fn adamw_kernel<F: Float>(
         param_out[i] = param[i];
         m_out[i] = m[i];
         v_out[i] = v[i];
+        if with_copy {
+            copy[i] = C::cast_from(param[i]);
+        }
     } else {
         let g = f32::cast_from(grad[i]) * f32::cast_from(grad_scale[0]);
         let m1 = beta1 * m0 + (f32::new(1.0) - beta1) * g;
         let v1 = beta2 * v0 + (f32::new(1.0) - beta2) * g * g;
         let m_hat = m1 / correction1;
         let v_hat = v1 / correction2;
-        param_out[i] = F::cast_from(p * decay - lr * m_hat / (f32::sqrt(v_hat) + epsilon));
+        let p1 = F::cast_from(p * decay - lr * m_hat / (f32::sqrt(v_hat) + epsilon));
+        param_out[i] = p1;
         m_out[i] = F::cast_from(m1);
         v_out[i] = F::cast_from(v1);
+        if with_copy {
+            copy[i] = C::cast_from(p1);
+        }
     }
 }
 
@@ -228,17 +240,23 @@ pub(super) fn unscale_all<R: CubeRuntime>(
     (outputs, stats)
 }
 
-/// `(param, m, v)` after one AdamW step (the inputs where `skip` is non-zero); every operand is
-/// taken in the parameter's dtype.
+/// `(param, m, v)` after one AdamW step (the inputs where `skip` is non-zero), every operand
+/// taken in the parameter's dtype; with `copy`, also the new parameter in that dtype, written by
+/// the same pass.
 pub(super) fn adamw<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     operands: [CubeTensor<R>; 6],
     step: AdamWStep,
-) -> [CubeTensor<R>; 3] {
+    copy: Option<DType>,
+) -> ([CubeTensor<R>; 3], Option<CubeTensor<R>>) {
     let dtype = operands[0].dtype;
     let [param, grad, m, v, grad_scale, skip] = operands.map(|t| as_dtype::<R, F, I, BT>(t, dtype));
     let len = param.shape().num_elements();
     let (count, dim) = elementwise(&param, len);
     let [p_out, m_out, v_out] = [(); 3].map(|_| empty_like(&param));
+    let copy_out = match copy {
+        Some(c) => empty(&param, param.shape(), c),
+        None => empty(&param, [1].into(), dtype),
+    };
     let t = step.step.max(1) as i32;
     adamw_kernel::launch::<R>(
         &param.client,
@@ -253,6 +271,7 @@ pub(super) fn adamw<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElem
         arg(&p_out),
         arg(&m_out),
         arg(&v_out),
+        arg(&copy_out),
         len as u32,
         step.lr as f32,
         step.beta1 as f32,
@@ -261,8 +280,9 @@ pub(super) fn adamw<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElem
         (1.0 - step.lr * step.weight_decay) as f32,
         (1.0 - step.beta1.powi(t)) as f32,
         (1.0 - step.beta2.powi(t)) as f32,
-        dtype.into(),
+        copy.is_some(),
+        [dtype.into(), copy_out.dtype.into()],
     );
     launched(1);
-    [p_out, m_out, v_out]
+    ([p_out, m_out, v_out], copy.map(|_| copy_out))
 }

@@ -138,7 +138,7 @@ impl<B: FusedOps> PipelineStage<B> for LlamaStage<B> {
     ) -> Tensor<B, 3> {
         let x = match (input, self.first, &self.embed_tokens) {
             (StageInput::Tokens(idx), true, Some(table)) => {
-                burn::tensor::module::embedding(table.val(), idx)
+                wildfire_kernels::ops::embedding(table.val(), idx)
             }
             (StageInput::Hidden(x), false, _) => x,
             (StageInput::Tokens(_), ..) => panic!("token ids go to the first stage"),

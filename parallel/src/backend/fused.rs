@@ -311,6 +311,19 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         wrap(dx, logits.layout, logits.device)
     }
 
+    fn fused_embedding(table: Dt<B>, ids: IntTensor<B>) -> Dt<B> {
+        rules::embedding::<B>(rules::param_operand(table), ids)
+    }
+
+    fn fused_embedding_backward(table: Dt<B>, grad: Dt<B>, ids: IntTensor<B>) -> Dt<B> {
+        rules::embedding_backward_with::<B>(
+            rules::param_operand(table),
+            rules::unpadded(grad),
+            ids,
+            B::fused_embedding_backward,
+        )
+    }
+
     fn fused_gelu_bias(x: Dt<B>, bias: Dt<B>, tanh: bool) -> Dt<B> {
         const OP: &str = "fused_gelu_bias";
         let (x, bias) = gelu_operands(OP, x, bias);

@@ -54,6 +54,21 @@ pub(crate) fn embedding_backward<B: Backend>(
     output_grad: DTensor<B>,
     indices: B::IntTensorPrimitive,
 ) -> DTensor<B> {
+    embedding_backward_with(weights, output_grad, indices, B::embedding_backward)
+}
+
+/// [`embedding_backward`] with `inner` as the local op (`B`'s fused kernel, or Burn's
+/// `embedding_backward`): `inner(table, grad, ids)` reads only the table's shape.
+pub(crate) fn embedding_backward_with<B: Backend>(
+    weights: DTensor<B>,
+    output_grad: DTensor<B>,
+    indices: B::IntTensorPrimitive,
+    inner: impl FnOnce(
+        B::FloatTensorPrimitive,
+        B::FloatTensorPrimitive,
+        B::IntTensorPrimitive,
+    ) -> B::FloatTensorPrimitive,
+) -> DTensor<B> {
     const OP: &str = "embedding_backward";
     check_param(OP, &weights);
     let mesh = weights.device.mesh().clone();
@@ -101,7 +116,7 @@ pub(crate) fn embedding_backward<B: Backend>(
         // op's; a materialised stand-in cost a third table-sized buffer at the step's peak).
         let one = B::float_zeros(Shape::from(vec![1; local.len()]), &g.device.inner, dtype);
         let shape_only = B::float_expand(one, Shape::from(local));
-        B::embedding_backward(shape_only, g_local, indices)
+        inner(shape_only, g_local, indices)
     };
     reduce_data_parallel(grad, out, &summands, g.device)
 }
