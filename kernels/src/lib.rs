@@ -210,6 +210,21 @@ impl Fused {
     }
 }
 
+/// `t`'s float dtype.
+fn dtype_of<B: Backend>(t: &FloatTensor<B>) -> burn::tensor::FloatDType {
+    use burn::tensor::TensorMetadata;
+    t.dtype().into()
+}
+
+/// `t` in `dtype` (itself when it has it).
+fn cast_to<B: Backend>(t: FloatTensor<B>, dtype: burn::tensor::FloatDType) -> FloatTensor<B> {
+    if dtype_of::<B>(&t) == dtype {
+        t
+    } else {
+        B::float_cast(t, dtype)
+    }
+}
+
 /// Fused operations, forward and backward. Every method has a default built from Burn ops (see
 /// [`reference`](mod@reference)), so any backend can implement the trait with an empty `impl`; backends with
 /// kernels override them.
@@ -355,6 +370,22 @@ pub trait FusedOps: Backend {
         reference::layer_norm::<Self>(x, gamma, beta, epsilon)
     }
 
+    /// [`FusedOps::fused_layer_norm`] with the output in `dtype` — the precision policy's
+    /// compute dtype, what the next matmul reads — and the statistics f32 as ever: the cast of
+    /// its output, bit for bit. Kernels write it in `dtype` directly (one pass fewer over the
+    /// activations); the default casts.
+    fn fused_layer_norm_as(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+        dtype: burn::tensor::FloatDType,
+    ) -> LayerNormOutput<Self> {
+        let mut out = Self::fused_layer_norm(x, gamma, beta, epsilon);
+        out.output = cast_to::<Self>(out.output, dtype);
+        out
+    }
+
     /// Gradients of [`FusedOps::fused_layer_norm`] from the kept statistics.
     fn fused_layer_norm_backward(
         x: FloatTensor<Self>,
@@ -375,6 +406,30 @@ pub trait FusedOps: Backend {
         reference::rms_norm::<Self>(x, gamma, epsilon)
     }
 
+    /// [`FusedOps::fused_rms_norm`] with the output in `dtype`, as
+    /// [`FusedOps::fused_layer_norm_as`].
+    fn fused_rms_norm_as(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        epsilon: f64,
+        dtype: burn::tensor::FloatDType,
+    ) -> RmsNormOutput<Self> {
+        let mut out = Self::fused_rms_norm(x, gamma, epsilon);
+        out.output = cast_to::<Self>(out.output, dtype);
+        out
+    }
+
+    /// [`FusedOps::fused_layer_norm_backward`] with `dy` in its own dtype (under the precision
+    /// policy a matmul's input gradient, in the compute dtype, while `x` is f32): kernels read it
+    /// as it is, one pass over the gradient fewer; the default casts it to `x`'s dtype first.
+    /// For an f32 `x` the numbers are the same either way (widening is exact).
+    /// The operands are [`FusedOps::fused_layer_norm_backward`]'s: `[x, gamma, mean, rstd, dy]`.
+    fn fused_layer_norm_backward_any(operands: [FloatTensor<Self>; 5]) -> LayerNormGrads<Self> {
+        let [x, gamma, mean, rstd, dy] = operands;
+        let dy = cast_to::<Self>(dy, dtype_of::<Self>(&x));
+        Self::fused_layer_norm_backward(x, gamma, mean, rstd, dy)
+    }
+
     /// Gradients `(dx, dγ)` of [`FusedOps::fused_rms_norm`].
     fn fused_rms_norm_backward(
         x: FloatTensor<Self>,
@@ -383,6 +438,17 @@ pub trait FusedOps: Backend {
         dy: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         reference::rms_norm_backward::<Self>(x, gamma, rstd, dy)
+    }
+
+    /// [`FusedOps::fused_rms_norm_backward`] with `dy` in its own dtype, as
+    /// [`FusedOps::fused_layer_norm_backward_any`].
+    /// The operands are [`FusedOps::fused_rms_norm_backward`]'s: `[x, gamma, rstd, dy]`.
+    fn fused_rms_norm_backward_any(
+        operands: [FloatTensor<Self>; 4],
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let [x, gamma, rstd, dy] = operands;
+        let dy = cast_to::<Self>(dy, dtype_of::<Self>(&x));
+        Self::fused_rms_norm_backward(x, gamma, rstd, dy)
     }
 
     /// Cross-entropy of `logits` `[rows, vocab]` against integer `targets` `[rows]`, fused with

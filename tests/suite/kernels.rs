@@ -702,6 +702,64 @@ fn fused_ops_on_flex_match_burn_ops_forward_and_backward() {
     // Flex's native loops, the Burn-op defaults and the written-out backward formulas, through
     // the fused autodiff nodes.
     check_all::<Autodiff<burn::backend::Flex>>(&Default::default(), 2e-5);
+    check_norms_as::<burn::backend::Flex>(&Default::default());
+}
+
+/// The norms with their output in another dtype (`fused_layer_norm_as`, `fused_rms_norm_as`:
+/// the precision policy's compute dtype, written by the kernel) give the cast of the plain op's
+/// output bit for bit, and its statistics; their backward reading a narrower gradient as it is
+/// (`_backward_any`) gives the numbers of widening it first (f16: WGSL has no bf16).
+fn check_norms_as<B: burn::tensor::backend::Backend + FusedOps>(device: &B::Device) {
+    use burn::tensor::{DType, FloatDType, TensorMetadata};
+    let back = |t| {
+        let t = Tensor::<B, 3>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
+        data(t)
+    };
+    let back1 = |t| {
+        let t = Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
+        data(t)
+    };
+    let cast = |t| B::float_cast(t, FloatDType::F16);
+    for shape in [[2, 3, 37], [1, 1, 1], [3, 5, 300]] {
+        let input = || random::<B, 3>(shape, 1.0, device).into_primitive().tensor();
+        let param = |std| {
+            random::<B, 1>([shape[2]], std, device)
+                .into_primitive()
+                .tensor()
+        };
+        let (x, gamma, beta) = (input(), param(1.0), param(0.5));
+        let plain = B::fused_layer_norm(x.clone(), gamma.clone(), beta.clone(), 1e-5);
+        let half = B::fused_layer_norm_as(x.clone(), gamma.clone(), beta, 1e-5, FloatDType::F16);
+        assert_eq!(half.output.dtype(), DType::F16, "{shape:?}");
+        assert_eq!(
+            back(half.output),
+            back(cast(plain.output)),
+            "layer norm {shape:?}"
+        );
+        assert_eq!(back(half.mean.clone()), back(plain.mean), "{shape:?}");
+        assert_eq!(back(half.rstd.clone()), back(plain.rstd), "{shape:?}");
+        // The backward reading an f16 gradient as it is (`_any`): the numbers of widening it
+        // first, bit for bit.
+        let dy = cast(input());
+        let wide = || B::float_cast(dy.clone(), FloatDType::F32);
+        let (mean, rstd) = (half.mean, half.rstd);
+        let (xg, gg) = (x.clone(), gamma.clone());
+        let plain = B::fused_layer_norm_backward(xg, gg, mean.clone(), rstd.clone(), wide());
+        let (xg, gg) = (x.clone(), gamma.clone());
+        let any = B::fused_layer_norm_backward_any([xg, gg, mean, rstd, dy.clone()]);
+        assert_eq!(back(any.x), back(plain.x), "layer norm dx {shape:?}");
+        assert_eq!(back1(any.gamma), back1(plain.gamma), "dγ {shape:?}");
+        assert_eq!(back1(any.beta), back1(plain.beta), "dβ {shape:?}");
+        let plain = B::fused_rms_norm(x.clone(), gamma.clone(), 1e-6);
+        let half = B::fused_rms_norm_as(x.clone(), gamma.clone(), 1e-6, FloatDType::F16);
+        assert_eq!(back(half.output), back(cast(plain.output)), "rms {shape:?}");
+        assert_eq!(back(half.rstd), back(plain.rstd.clone()), "rms {shape:?}");
+        let (xg, gg, r) = (x.clone(), gamma.clone(), plain.rstd.clone());
+        let (dx, dg) = B::fused_rms_norm_backward(xg, gg, r, wide());
+        let (ax, ag) = B::fused_rms_norm_backward_any([x, gamma, plain.rstd, dy]);
+        assert_eq!(back(ax), back(dx), "rms dx {shape:?}");
+        assert_eq!(back1(ag), back1(dg), "rms dγ {shape:?}");
+    }
 }
 
 /// The causal softmax of the attention core: Flex's native row loop against the Burn-op form
@@ -925,6 +983,11 @@ mod wgpu {
             let count = ids.iter().filter(|&&i| i == row as i64).count() as f32;
             assert!(chunk.iter().all(|&x| x == count), "row {row}");
         }
+    }
+
+    #[test]
+    fn norms_write_the_compute_dtype() {
+        check_norms_as::<Wgpu>(&Default::default());
     }
 
     #[test]

@@ -227,7 +227,19 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         beta: CubeTensor<R>,
         epsilon: f64,
     ) -> LayerNormOutput<Self> {
-        let (output, mean, rstd) = norm::forward(x, gamma, Some(beta), epsilon);
+        let (output, mean, rstd) = norm::forward(x, gamma, Some(beta), epsilon, None);
+        LayerNormOutput { output, mean, rstd }
+    }
+
+    fn fused_layer_norm_as(
+        x: CubeTensor<R>,
+        gamma: CubeTensor<R>,
+        beta: CubeTensor<R>,
+        epsilon: f64,
+        dtype: burn::tensor::FloatDType,
+    ) -> LayerNormOutput<Self> {
+        let out = Some(DType::from(dtype));
+        let (output, mean, rstd) = norm::forward(x, gamma, Some(beta), epsilon, out);
         LayerNormOutput { output, mean, rstd }
     }
 
@@ -246,8 +258,25 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         }
     }
 
+    fn fused_layer_norm_backward_any(operands: [CubeTensor<R>; 5]) -> LayerNormGrads<Self> {
+        // The kernels read `dy` in its own dtype.
+        let [x, gamma, mean, rstd, dy] = operands;
+        Self::fused_layer_norm_backward(x, gamma, mean, rstd, dy)
+    }
+
     fn fused_rms_norm(x: CubeTensor<R>, gamma: CubeTensor<R>, epsilon: f64) -> RmsNormOutput<Self> {
-        let (output, _, rstd) = norm::forward(x, gamma, None, epsilon);
+        let (output, _, rstd) = norm::forward(x, gamma, None, epsilon, None);
+        RmsNormOutput { output, rstd }
+    }
+
+    fn fused_rms_norm_as(
+        x: CubeTensor<R>,
+        gamma: CubeTensor<R>,
+        epsilon: f64,
+        dtype: burn::tensor::FloatDType,
+    ) -> RmsNormOutput<Self> {
+        let out = Some(DType::from(dtype));
+        let (output, _, rstd) = norm::forward(x, gamma, None, epsilon, out);
         RmsNormOutput { output, rstd }
     }
 
@@ -259,6 +288,11 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
     ) -> (CubeTensor<R>, CubeTensor<R>) {
         let (dx, dgamma, _) = norm::backward::<R, F, I, BT>(x, gamma, None, rstd, dy);
         (dx, dgamma)
+    }
+
+    fn fused_rms_norm_backward_any(operands: [CubeTensor<R>; 4]) -> (CubeTensor<R>, CubeTensor<R>) {
+        let [x, gamma, rstd, dy] = operands;
+        Self::fused_rms_norm_backward(x, gamma, rstd, dy)
     }
 
     fn fused_cross_entropy(

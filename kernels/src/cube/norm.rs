@@ -3,22 +3,23 @@
 
 use super::reduce::{column_chunk, cube_sum, this_row};
 use super::{
-    COLUMN_CHUNK, arg, column_launch, contiguous, empty_f32, empty_like, finish_columns, launched,
-    row_launch, rows_cols,
+    COLUMN_CHUNK, arg, column_launch, contiguous, empty, empty_f32, empty_like, finish_columns,
+    launched, row_launch, rows_cols,
 };
 use crate::stats_shape;
-use burn::tensor::TensorMetadata;
+use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
+/// The output in its own dtype `O` (the precision policy's compute dtype, or the input's).
 #[cube(launch)]
-fn norm_kernel<F: Float>(
+fn norm_kernel<F: Float, O: Float>(
     input: &Tensor<F>,
     gamma: &Tensor<F>,
     beta: &Tensor<F>,
-    output: &mut Tensor<F>,
+    output: &mut Tensor<O>,
     mean_out: &mut Tensor<f32>,
     rstd_out: &mut Tensor<f32>,
     rows: u32,
@@ -26,7 +27,7 @@ fn norm_kernel<F: Float>(
     epsilon: f32,
     #[comptime] block: usize,
     #[comptime] rms: bool,
-    #[define(F)] _dtype: StorageType,
+    #[define(F, O)] _dtypes: [StorageType; 2],
 ) {
     let cols = cols as usize;
     let (row, base) = this_row(rows, cols);
@@ -59,7 +60,7 @@ fn norm_kernel<F: Float>(
         if !rms {
             y += f32::cast_from(beta[c]);
         }
-        output[base + c] = F::cast_from(y);
+        output[base + c] = O::cast_from(y);
         c += step;
     }
     if tid == 0 {
@@ -68,19 +69,20 @@ fn norm_kernel<F: Float>(
     }
 }
 
+/// `dy` in its own dtype `D` (read widened to f32, as every operand).
 #[cube(launch)]
-fn norm_backward_kernel<F: Float>(
+fn norm_backward_kernel<F: Float, D: Float>(
     input: &Tensor<F>,
     gamma: &Tensor<F>,
     mean: &Tensor<f32>,
     rstd: &Tensor<f32>,
-    dy: &Tensor<F>,
+    dy: &Tensor<D>,
     dx: &mut Tensor<F>,
     rows: u32,
     cols: u32,
     #[comptime] block: usize,
     #[comptime] rms: bool,
-    #[define(F)] _dtype: StorageType,
+    #[define(F, D)] _dtypes: [StorageType; 2],
 ) {
     let cols = cols as usize;
     let (row, base) = this_row(rows, cols);
@@ -120,18 +122,18 @@ fn norm_backward_kernel<F: Float>(
 /// Partial sums over a chunk of `chunk` rows, one unit per (chunk, column): `Σ dy·x̂` into
 /// `dgamma[chunk, col]` and `Σ dy` into `dbeta[chunk, col]` (LayerNorm only).
 #[cube(launch)]
-fn norm_param_grads_kernel<F: Float>(
+fn norm_param_grads_kernel<F: Float, D: Float>(
     input: &Tensor<F>,
     mean: &Tensor<f32>,
     rstd: &Tensor<f32>,
-    dy: &Tensor<F>,
+    dy: &Tensor<D>,
     dgamma: &mut Tensor<f32>,
     dbeta: &mut Tensor<f32>,
     rows: u32,
     cols: u32,
     chunk: u32,
     #[comptime] rms: bool,
-    #[define(F)] _dtype: StorageType,
+    #[define(F, D)] _dtypes: [StorageType; 2],
 ) {
     let cols = cols as usize;
     let (col, start, end) = column_chunk(rows, cols, chunk);
@@ -158,6 +160,7 @@ pub(super) fn forward<R: CubeRuntime>(
     gamma: CubeTensor<R>,
     beta: Option<CubeTensor<R>>,
     epsilon: f64,
+    output: Option<DType>,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let [x, gamma] = contiguous([x, gamma]);
     let rms = beta.is_none();
@@ -169,7 +172,7 @@ pub(super) fn forward<R: CubeRuntime>(
         cols,
         "norm: γ must have the last dimension's size"
     );
-    let out = empty_like(&x);
+    let out = empty(&x, shape.clone(), output.unwrap_or(x.dtype));
     let mean = empty_f32(&x, stats_shape(&shape));
     let rstd = empty_like(&mean);
     let (count, dim, block) = row_launch(rows, cols);
@@ -188,7 +191,7 @@ pub(super) fn forward<R: CubeRuntime>(
         epsilon as f32,
         block,
         rms,
-        x.dtype.into(),
+        [x.dtype.into(), out.dtype.into()],
     );
     launched(1);
     (out, mean, rstd)
@@ -222,7 +225,7 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
         cols as u32,
         block,
         rms,
-        x.dtype.into(),
+        [x.dtype.into(), dy.dtype.into()],
     );
     let (dgamma, count, dim) = column_launch(&x, rows, cols);
     let dbeta = if rms {
@@ -244,7 +247,7 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
         cols as u32,
         COLUMN_CHUNK as u32,
         rms,
-        x.dtype.into(),
+        [x.dtype.into(), dy.dtype.into()],
     );
     launched(2);
     let dtype = gamma.dtype;

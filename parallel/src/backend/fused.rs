@@ -52,6 +52,26 @@ fn like<B: FusedOps>(op: &'static str, t: Dt<B>, layout: &Layout) -> B::FloatTen
     to_layout(op, rules::unpadded(t.settled()), layout).local
 }
 
+/// The dtype a norm's output is handed on in when it is not the input's: the precision
+/// policy's compute dtype (the conversion counted under `op`, though the kernel writes it).
+fn output_dtype<B: FusedOps>(op: &'static str, x: &Dt<B>) -> Option<FloatDType> {
+    let d = rules::compute_dtype(&x.device).filter(|&d| d != dtype_of(x))?;
+    x.device.ctx.count_cast(op);
+    Some(d)
+}
+
+/// Whether a norm's backward reads the incoming gradient `dy` as it is, widened inside the kernel
+/// (`fused_*_norm_backward_any`): `dy` narrower than an f32 input (a matmul's gradient under the
+/// precision policy). The widening is exact, so the numbers are those of casting first; it is
+/// counted under `op` as the conversion it is.
+fn widened<B: FusedOps>(op: &'static str, x: &Dt<B>, dy: &B::FloatTensorPrimitive) -> bool {
+    let wide = dtype_of(x) == FloatDType::F32 && FloatDType::from(dy.dtype()) != FloatDType::F32;
+    if wide {
+        x.device.ctx.count_cast(op);
+    }
+    wide
+}
+
 /// A per-channel parameter, whole, in `dtype` (the input's: cast once per value under the
 /// precision policy, see [`DTensor::local_in`]).
 fn param<B: FusedOps>(op: &'static str, p: Dt<B>, dtype: FloatDType) -> B::FloatTensorPrimitive {
@@ -196,13 +216,16 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let x = rows(OP, x);
         let dtype = dtype_of(&x);
         let (gamma, beta) = (param(OP, gamma, dtype), param(OP, beta, dtype));
-        let out = B::fused_layer_norm(x.local, gamma, beta, epsilon);
-        let dev = x.device;
         // Under the precision policy the statistics stay f32 and the output, which feeds
-        // matmuls, is handed on in the compute dtype (what autodiff keeps for their backward).
-        let output = rules::to_compute(OP, &dev, out.output);
+        // matmuls, is handed on in the compute dtype (what autodiff keeps for their backward),
+        // written in it by the kernel (counted as the conversion it is).
+        let out = match output_dtype(OP, &x) {
+            Some(d) => B::fused_layer_norm_as(x.local, gamma, beta, epsilon, d),
+            None => B::fused_layer_norm(x.local, gamma, beta, epsilon),
+        };
+        let dev = x.device;
         LayerNormOutput {
-            output: wrap(output, x.layout.clone(), dev.clone()),
+            output: wrap(out.output, x.layout.clone(), dev.clone()),
             mean: wrap(out.mean, x.layout.clone(), dev.clone()),
             rstd: wrap(out.rstd, x.layout, dev),
         }
@@ -224,9 +247,13 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             like(OP, rstd, &x.layout),
             like(OP, dy, &x.layout),
         );
-        let dy = rules::cast_local(OP, &x.device, dy, dtype);
         let rank = x.shape.num_dims();
-        let g = B::fused_layer_norm_backward(x.local, gamma, mean, rstd, dy);
+        let g = if widened(OP, &x, &dy) {
+            B::fused_layer_norm_backward_any([x.local, gamma, mean, rstd, dy])
+        } else {
+            let dy = rules::cast_local(OP, &x.device, dy, dtype);
+            B::fused_layer_norm_backward(x.local, gamma, mean, rstd, dy)
+        };
         let dev = x.device;
         let (dgamma, dbeta) = (
             rules::to_master(OP, &dev, g.gamma),
@@ -243,10 +270,12 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         const OP: &str = "fused_rms_norm";
         let x = rows(OP, x);
         let gamma = param(OP, gamma, dtype_of(&x));
-        let out = B::fused_rms_norm(x.local, gamma, epsilon);
-        let output = rules::to_compute(OP, &x.device, out.output);
+        let out = match output_dtype(OP, &x) {
+            Some(d) => B::fused_rms_norm_as(x.local, gamma, epsilon, d),
+            None => B::fused_rms_norm(x.local, gamma, epsilon),
+        };
         RmsNormOutput {
-            output: wrap(output, x.layout.clone(), x.device.clone()),
+            output: wrap(out.output, x.layout.clone(), x.device.clone()),
             rstd: wrap(out.rstd, x.layout, x.device),
         }
     }
@@ -257,9 +286,13 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let dtype = dtype_of(&x);
         let gamma = param(OP, gamma, dtype);
         let (rstd, dy) = (like(OP, rstd, &x.layout), like(OP, dy, &x.layout));
-        let dy = rules::cast_local(OP, &x.device, dy, dtype);
         let rank = x.shape.num_dims();
-        let (dx, dgamma) = B::fused_rms_norm_backward(x.local, gamma, rstd, dy);
+        let (dx, dgamma) = if widened(OP, &x, &dy) {
+            B::fused_rms_norm_backward_any([x.local, gamma, rstd, dy])
+        } else {
+            let dy = rules::cast_local(OP, &x.device, dy, dtype);
+            B::fused_rms_norm_backward(x.local, gamma, rstd, dy)
+        };
         let dgamma = rules::to_master(OP, &x.device, dgamma);
         (
             wrap(dx, x.layout.clone(), x.device.clone()),

@@ -89,16 +89,6 @@ pub(crate) fn to_master<B: Backend>(
     )
 }
 
-/// Under a compute dtype, `local` (an activation that feeds matmuls: a norm's output) in it; as
-/// it is otherwise.
-pub(crate) fn to_compute<B: Backend>(
-    op: &'static str,
-    device: &DistDevice<B>,
-    local: B::FloatTensorPrimitive,
-) -> B::FloatTensorPrimitive {
-    cast_to(op, device, local, compute_dtype(device))
-}
-
 fn cast_to<B: Backend>(
     op: &'static str,
     device: &DistDevice<B>,
