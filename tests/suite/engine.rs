@@ -528,6 +528,40 @@ fn bf16_batches(
     }
 }
 
+/// The casts each of three steps counts (1, 3 and 1 micro-batches of [`bf16_batches`]) and their
+/// losses, for a small GPT of `l` blocks under `optim` (with the fused tail's inputs `tail`),
+/// each step's model handed to `next` before the following step.
+fn casts_over_three_steps<O>(
+    device: &wildfire::parallel::DistDevice<Flex>,
+    l: u64,
+    optim: &mut O,
+    tail: Option<&wildfire::engine::TailInputs<Flex>>,
+    next: impl Fn(wildfire::models::gpt::Gpt<Dist>) -> wildfire::models::gpt::Gpt<Dist>,
+) -> (Vec<std::collections::BTreeMap<&'static str, u64>>, Vec<f32>)
+where
+    O: burn::optim::Optimizer<wildfire::models::gpt::Gpt<Dist>, Dist>,
+{
+    use wildfire::engine::{StepRunner, StepRunnerConfig};
+    let ids = bf16_batches(device);
+    let mut model: wildfire::models::gpt::Gpt<Dist> =
+        super::small_gpt(l as usize, 5).init(device).unwrap();
+    let mut step = StepRunner::new(StepRunnerConfig::default(), None);
+    let (mut counted, mut losses) = (Vec::new(), Vec::new());
+    for seeds in [&[1u64][..], &[1, 2, 3], &[4]] {
+        device.context().reset_counters();
+        let (stepped, record) = step
+            .run(device, model, optim, tail, 1e-3, seeds, |m, i, hooks| {
+                m.loss_with(ids(i), ids(i + 1), hooks)
+            })
+            .unwrap();
+        model = next(stepped);
+        assert!(record.loss.is_finite() && !record.skipped);
+        losses.push(record.loss);
+        counted.push(device.context().counters().casts);
+    }
+    (counted, losses)
+}
+
 /// The fused AdamW writes each weight's bf16 copy in the pass that updates it
 /// (`FusedOps::fused_adamw_with_copy`), for every parameter the forward used in bf16: after the
 /// first step (whose forward casts them, as in [`bf16_casts_each_weight_once_per_step`]), no
@@ -539,7 +573,7 @@ fn bf16_batches(
 #[test]
 fn fused_adamw_writes_the_bf16_weights_for_the_next_forward() {
     use burn::module::ModuleMapper;
-    use wildfire::engine::{FusedAdamW, FusedAdamWConfig, StepRunner, StepRunnerConfig};
+    use wildfire::engine::{FusedAdamW, FusedAdamWConfig};
     use wildfire::models::gpt::Gpt;
     use wildfire::parallel::FsdpOptimizer;
     /// Each parameter as a new value (`· 1`, bit for bit), without the copy its old value kept.
@@ -556,35 +590,14 @@ fn fused_adamw_writes_the_bf16_weights_for_the_next_forward() {
     let l: u64 = 2;
     let mesh = DeviceMesh::new([("dp", 1)]).unwrap();
     let runs = threads(&mesh, |device| {
-        let ids = bf16_batches(&device);
-        // `copies`: the fused step hands the copies on (true), or the parameters are rebuilt
-        // without them after each step (each forward casts its weights again).
+        // The fused step hands the copies on, or the parameters are rebuilt without them after
+        // each step (each forward casts its weights again).
         let run = |copies: bool| {
-            let mut model: Gpt<Dist> = super::small_gpt(l as usize, 5).init(&device).unwrap();
             let (adamw, inputs) =
                 FusedAdamW::<Flex>::optimizer::<Gpt<Dist>>(FusedAdamWConfig::default());
             let mut optim = FsdpOptimizer::new(adamw);
-            let mut step = StepRunner::new(StepRunnerConfig::default(), None);
-            let (mut counted, mut losses) = (Vec::new(), Vec::new());
-            for seeds in [&[1u64][..], &[1, 2, 3], &[4]] {
-                device.context().reset_counters();
-                let (next, record) = step
-                    .run(
-                        &device,
-                        model,
-                        &mut optim,
-                        Some(&inputs),
-                        1e-3,
-                        seeds,
-                        |m, i, hooks| m.loss_with(ids(i), ids(i + 1), hooks),
-                    )
-                    .unwrap();
-                model = if copies { next } else { next.map(&mut Fresh) };
-                assert!(record.loss.is_finite() && !record.skipped);
-                losses.push(record.loss);
-                counted.push(device.context().counters().casts);
-            }
-            (counted, losses)
+            let next = |m: Gpt<Dist>| if copies { m } else { m.map(&mut Fresh) };
+            casts_over_three_steps(&device, l, &mut optim, Some(&inputs), next)
         };
         (run(true), run(false))
     });
@@ -629,34 +642,11 @@ fn fused_adamw_writes_the_bf16_weights_for_the_next_forward() {
 #[test]
 fn bf16_casts_each_weight_once_per_step() {
     use burn::optim::AdamWConfig;
-    use wildfire::engine::{StepRunner, StepRunnerConfig};
-    use wildfire::models::gpt::Gpt;
     let l: u64 = 2;
     let mesh = DeviceMesh::new([("dp", 1)]).unwrap();
     let counted = threads(&mesh, |device| {
-        let ids = bf16_batches(&device);
-        let mut model: Gpt<Dist> = super::small_gpt(l as usize, 5).init(&device).unwrap();
         let mut optim = AdamWConfig::new().init();
-        let mut step = StepRunner::new(StepRunnerConfig::default(), None);
-        let mut counted = Vec::new();
-        for seeds in [&[1u64][..], &[1, 2, 3], &[4]] {
-            device.context().reset_counters();
-            let (next, record) = step
-                .run(
-                    &device,
-                    model,
-                    &mut optim,
-                    None,
-                    1e-3,
-                    seeds,
-                    |m, i, hooks| m.loss_with(ids(i), ids(i + 1), hooks),
-                )
-                .unwrap();
-            model = next;
-            assert!(record.loss.is_finite() && !record.skipped);
-            counted.push(device.context().counters().casts);
-        }
-        counted
+        casts_over_three_steps(&device, l, &mut optim, None, |m| m).0
     });
     let expected = |a: u64| gpt_casts(l, a, true);
     assert_eq!(
