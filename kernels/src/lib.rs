@@ -423,6 +423,7 @@ pub trait FusedOps: Backend {
     /// policy a matmul's input gradient, in the compute dtype, while `x` is f32): kernels read it
     /// as it is, one pass over the gradient fewer; the default casts it to `x`'s dtype first.
     /// For an f32 `x` the numbers are the same either way (widening is exact).
+    ///
     /// The operands are [`FusedOps::fused_layer_norm_backward`]'s: `[x, gamma, mean, rstd, dy]`.
     fn fused_layer_norm_backward_any(operands: [FloatTensor<Self>; 5]) -> LayerNormGrads<Self> {
         let [x, gamma, mean, rstd, dy] = operands;
@@ -442,6 +443,7 @@ pub trait FusedOps: Backend {
 
     /// [`FusedOps::fused_rms_norm_backward`] with `dy` in its own dtype, as
     /// [`FusedOps::fused_layer_norm_backward_any`].
+    ///
     /// The operands are [`FusedOps::fused_rms_norm_backward`]'s: `[x, gamma, rstd, dy]`.
     fn fused_rms_norm_backward_any(
         operands: [FloatTensor<Self>; 4],
@@ -647,6 +649,7 @@ pub trait FusedOps: Backend {
     /// otherwise be cast from it in a launch of its own per parameter and step (as
     /// `torch.autocast` re-casts each weight). Backends with kernels write it in the same pass;
     /// it is the parameter's cast, bit for bit.
+    ///
     /// The operands are [`FusedOps::fused_adamw`]'s, in its order: `[param, grad, m, v,
     /// grad_scale, skip]`.
     fn fused_adamw_with_copy(
@@ -656,8 +659,7 @@ pub trait FusedOps: Backend {
     ) -> (AdamWState<Self>, FloatTensor<Self>) {
         let [param, grad, m, v, grad_scale, skip] = operands;
         let out = Self::fused_adamw(param, grad, m, v, grad_scale, skip, step);
-        let cast =
-            <Self as burn::tensor::ops::FloatTensorOps<Self>>::float_cast(out.param.clone(), copy);
+        let cast = cast_to::<Self>(out.param.clone(), copy);
         (out, cast)
     }
 

@@ -227,8 +227,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         beta: CubeTensor<R>,
         epsilon: f64,
     ) -> LayerNormOutput<Self> {
-        let (output, mean, rstd) = norm::forward(x, gamma, Some(beta), epsilon, None);
-        LayerNormOutput { output, mean, rstd }
+        let dtype = x.dtype.into();
+        Self::fused_layer_norm_as(x, gamma, beta, epsilon, dtype)
     }
 
     fn fused_layer_norm_as(
@@ -238,8 +238,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         epsilon: f64,
         dtype: burn::tensor::FloatDType,
     ) -> LayerNormOutput<Self> {
-        let out = Some(DType::from(dtype));
-        let (output, mean, rstd) = norm::forward(x, gamma, Some(beta), epsilon, out);
+        let (output, mean, rstd) = norm::forward(x, gamma, Some(beta), epsilon, dtype.into());
         LayerNormOutput { output, mean, rstd }
     }
 
@@ -265,8 +264,8 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
     }
 
     fn fused_rms_norm(x: CubeTensor<R>, gamma: CubeTensor<R>, epsilon: f64) -> RmsNormOutput<Self> {
-        let (output, _, rstd) = norm::forward(x, gamma, None, epsilon, None);
-        RmsNormOutput { output, rstd }
+        let dtype = x.dtype.into();
+        Self::fused_rms_norm_as(x, gamma, epsilon, dtype)
     }
 
     fn fused_rms_norm_as(
@@ -275,8 +274,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         epsilon: f64,
         dtype: burn::tensor::FloatDType,
     ) -> RmsNormOutput<Self> {
-        let out = Some(DType::from(dtype));
-        let (output, _, rstd) = norm::forward(x, gamma, None, epsilon, out);
+        let (output, _, rstd) = norm::forward(x, gamma, None, epsilon, dtype.into());
         RmsNormOutput { output, rstd }
     }
 

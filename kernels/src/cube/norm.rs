@@ -154,13 +154,14 @@ fn norm_param_grads_kernel<F: Float, D: Float>(
     }
 }
 
-/// `(output, mean, rstd)`; `beta` is `None` for RMSNorm (whose `mean` is then a placeholder).
+/// `(output, mean, rstd)`, the output in `output`'s dtype; `beta` is `None` for RMSNorm (whose
+/// `mean` is then a placeholder).
 pub(super) fn forward<R: CubeRuntime>(
     x: CubeTensor<R>,
     gamma: CubeTensor<R>,
     beta: Option<CubeTensor<R>>,
     epsilon: f64,
-    output: Option<DType>,
+    output: DType,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
     let [x, gamma] = contiguous([x, gamma]);
     let rms = beta.is_none();
@@ -172,7 +173,7 @@ pub(super) fn forward<R: CubeRuntime>(
         cols,
         "norm: γ must have the last dimension's size"
     );
-    let out = empty(&x, shape.clone(), output.unwrap_or(x.dtype));
+    let out = empty(&x, shape.clone(), output);
     let mean = empty_f32(&x, stats_shape(&shape));
     let rstd = empty_like(&mean);
     let (count, dim, block) = row_launch(rows, cols);
