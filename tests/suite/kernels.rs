@@ -669,27 +669,38 @@ fn check_unscale_all<B: burn::tensor::backend::Backend + FusedOps>(device: &B::D
         )),
         _ => flat(p),
     };
-    let inv = 1.0 / 512.0;
-    let (got, stats) = B::fused_unscale_all(prims(&values), &copies, inv);
-    let (want, want_stats) =
-        wildfire_kernels::reference::unscale_all::<B>(prims(&values), &copies, inv);
-    for (k, (g, w)) in got.into_iter().zip(want).enumerate() {
-        assert_eq!(flat_any(g), flat_any(w), "gradient {k} unscaled alike");
+    // A loss scale, and none (an inverse of 1: CubeCL backends only read the gradients, and hand
+    // them back as they are).
+    for inv in [1.0 / 512.0, 1.0] {
+        let (got, stats) = B::fused_unscale_all(prims(&values), &copies, inv);
+        let (want, want_stats) =
+            wildfire_kernels::reference::unscale_all::<B>(prims(&values), &copies, inv);
+        for (k, (g, w)) in got.into_iter().zip(want).enumerate() {
+            assert_eq!(
+                flat_any(g),
+                flat_any(w),
+                "inv {inv}: gradient {k} unscaled alike"
+            );
+        }
+        let stats = flat_any(stats);
+        let want_stats = flat_any(want_stats);
+        let host_sum: f64 = values
+            .iter()
+            .zip(copies)
+            .map(|(v, c)| v.iter().map(|x| (*x as f64 * inv).powi(2)).sum::<f64>() / c as f64)
+            .sum();
+        assert_eq!(stats[0], 0.0, "inv {inv}: finite gradients flagged");
+        close_tol("Σ g² / copies", &stats[1..], &want_stats[1..], tol);
+        close_tol("Σ g² / copies, f64", &stats[1..], &[host_sum as f32], tol);
+        let mut bad = values.clone();
+        bad[1][0] = f32::INFINITY;
+        let (_, stats) = B::fused_unscale_all(prims(&bad), &copies, inv);
+        assert_eq!(
+            flat_any(stats)[0],
+            1.0,
+            "inv {inv}: an infinite gradient flagged"
+        );
     }
-    let stats = flat_any(stats);
-    let want_stats = flat_any(want_stats);
-    let host_sum: f64 = values
-        .iter()
-        .zip(copies)
-        .map(|(v, c)| v.iter().map(|x| (*x as f64 * inv).powi(2)).sum::<f64>() / c as f64)
-        .sum();
-    assert_eq!(stats[0], 0.0, "finite gradients flagged");
-    close_tol("Σ g² / copies", &stats[1..], &want_stats[1..], tol);
-    close_tol("Σ g² / copies, f64", &stats[1..], &[host_sum as f32], tol);
-    let mut bad = values.clone();
-    bad[1][0] = f32::INFINITY;
-    let (_, stats) = B::fused_unscale_all(prims(&bad), &copies, inv);
-    assert_eq!(flat_any(stats)[0], 1.0, "an infinite gradient flagged");
 }
 
 #[test]
@@ -954,6 +965,31 @@ mod wgpu {
             burn::tensor::TensorPrimitive::Float(stats),
         ));
         assert_eq!(stats, vec![0.0, 0.25 * 5010.0 + 0.25 / 2.0]);
+        // Without a loss scale the kernels only read: the same launches, the gradients handed
+        // back are the inputs' buffers, and no gradient-sized buffer is allocated.
+        let grads = vec![ones(10), ones(5000), ones(1)];
+        #[cfg(not(feature = "fusion"))]
+        let kept: Vec<_> = grads.iter().map(|g| g.handle.clone()).collect();
+        let before = cube::thread_launches();
+        let (_out, stats) = <Wgpu as FusedOps>::fused_unscale_all(grads, &[1, 1, 2], 1.0);
+        assert!(
+            cfg!(feature = "fusion") || cube::thread_launches() - before == 4,
+            "three reading launches and one fold"
+        );
+        // Each output shares its buffer with the input's handle kept above (a fresh output
+        // would be its buffer's only holder).
+        #[cfg(not(feature = "fusion"))]
+        for (k, o) in _out.iter().enumerate() {
+            assert!(
+                !o.handle.memory.can_mut(),
+                "gradient {k} is its input's buffer"
+            );
+            assert_eq!(o.handle.size(), kept[k].size(), "gradient {k}");
+        }
+        let stats = data(Tensor::<Wgpu, 1>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(stats),
+        ));
+        assert_eq!(stats, vec![0.0, 5010.0 + 0.5]);
     }
 
     /// The table gradient's kernels: the sort of the positions by id and the runs' sums (after

@@ -12,7 +12,9 @@ use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim};
 
-/// Each unit strides over the gradient, writing the unscaled values; per-cube partial `Σ g²`
+/// Each unit strides over the gradient, writing the unscaled values (with `write`; without — an
+/// `inv_scale` of 1, whose values are the gradient's own — `output` is a stand-in never
+/// written); per-cube partial `Σ g²`
 /// (divided by `copies`, the gradient's number of copies over the mesh) and non-finite counts go
 /// to `partial_sq[offset + cube]` and `partial_bad[offset + cube]` (`offset`: where this
 /// gradient's cubes start in buffers shared by every gradient of the step).
@@ -28,6 +30,7 @@ fn unscale_kernel<F: Float>(
     offset: u32,
     copies: f32,
     #[comptime] block: usize,
+    #[comptime] write: bool,
     #[define(F)] _dtype: StorageType,
 ) {
     let tid = UNIT_POS_X as usize;
@@ -45,7 +48,9 @@ fn unscale_kernel<F: Float>(
         if f32::is_nan(back) || f32::is_inf(back) {
             flag = f32::new(1.0);
         }
-        output[i] = out;
+        if write {
+            output[i] = out;
+        }
         acc += g * g;
         i += stride;
     }
@@ -150,7 +155,8 @@ pub(super) fn unscale<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEl
     let cubes = unscale_cubes(&grad);
     let partial_sq = empty_f32(&grad, [cubes]);
     let partial_bad = empty_like(&partial_sq);
-    let output = unscale_into(&grad, inv_scale, (&partial_sq, &partial_bad), (0, cubes), 1);
+    let partials = (&partial_sq, &partial_bad);
+    let output = unscale_into(grad, inv_scale, partials, (0, cubes), 1, &mut Vec::new());
     let sum_squares = Cb::<R, F, I, BT>::float_sum(partial_sq);
     let non_finite = Cb::<R, F, I, BT>::float_max(partial_bad);
     (output, sum_squares, non_finite)
@@ -168,23 +174,49 @@ fn unscale_cubes<R: CubeRuntime>(grad: &CubeTensor<R>) -> usize {
         .clamp(1, 1024)
 }
 
+/// Where the unscale kernel writes a gradient's unscaled values: a new tensor, or — where
+/// `inv_scale` is 1 — nowhere: the kernel only reads, and the unscaled values are the gradient's
+/// own bit for bit (no gradient-sized write and allocation: every run without a loss scale, f32
+/// and bf16). `stand_in` keeps the one-element tensor the kernel binds then, one per dtype.
+fn unscale_output<R: CubeRuntime>(
+    grad: &CubeTensor<R>,
+    inv_scale: f64,
+    stand_in: &mut Vec<CubeTensor<R>>,
+) -> Option<CubeTensor<R>> {
+    if inv_scale != 1.0 {
+        return Some(empty_like(grad));
+    }
+    if !stand_in.iter().any(|s| s.dtype == grad.dtype) {
+        stand_in.push(empty(grad, [1].into(), grad.dtype));
+    }
+    None
+}
+
 /// Launches the unscale kernel on (contiguous) `grad` with `cubes` ([`unscale_cubes`]), its
 /// partials at `offset` of `partials` (`Σ g²` divided by `copies`); returns the unscaled
-/// gradient.
+/// gradient (`grad` itself where `inv_scale` is 1: [`unscale_output`]).
 fn unscale_into<R: CubeRuntime>(
-    grad: &CubeTensor<R>,
+    grad: CubeTensor<R>,
     inv_scale: f64,
     partials: (&CubeTensor<R>, &CubeTensor<R>),
     (offset, cubes): (usize, usize),
     copies: usize,
+    stand_in: &mut Vec<CubeTensor<R>>,
 ) -> CubeTensor<R> {
-    let output = empty_like(grad);
+    let output = unscale_output(&grad, inv_scale, stand_in);
+    let bound = match &output {
+        Some(out) => out,
+        None => stand_in
+            .iter()
+            .find(|s| s.dtype == grad.dtype)
+            .expect("a stand-in"),
+    };
     unscale_kernel::launch::<R>(
         &grad.client,
         CubeCount::Static(cubes as u32, 1, 1),
         CubeDim::new_1d(UNSCALE_BLOCK as u32),
-        arg(grad),
-        arg(&output),
+        arg(&grad),
+        arg(bound),
         arg(partials.0),
         arg(partials.1),
         grad.shape().num_elements() as u32,
@@ -192,10 +224,11 @@ fn unscale_into<R: CubeRuntime>(
         offset as u32,
         copies as f32,
         UNSCALE_BLOCK,
+        output.is_some(),
         grad.dtype.into(),
     );
     launched(1);
-    output
+    output.unwrap_or(grad)
 }
 
 /// [`crate::FusedOps::fused_unscale_all`]: every gradient's cube partials in one pair of
@@ -214,15 +247,16 @@ pub(super) fn unscale_all<R: CubeRuntime>(
     let partial_sq = empty_f32(&grads[0], [total]);
     let partial_bad = empty_like(&partial_sq);
     let mut offset = 0;
+    let mut stand_in = Vec::new();
     let outputs = grads
-        .iter()
+        .into_iter()
         .zip(cubes)
         .zip(copies)
         .map(|((grad, cubes), &copies)| {
             let partials = (&partial_sq, &partial_bad);
-            let out = unscale_into(grad, inv_scale, partials, (offset, cubes), copies);
+            let at = (offset, cubes);
             offset += cubes;
-            out
+            unscale_into(grad, inv_scale, partials, at, copies, &mut stand_in)
         })
         .collect();
     let stats = empty_f32(&partial_sq, [2]);
