@@ -226,14 +226,20 @@ where
     (OptimizerAdaptor::from(make(inputs.clone())), inputs)
 }
 
-/// `t`'s piece on `like`'s layout, widened to f32 (the kernel's moments).
+/// `t`'s piece on `like`'s layout, widened to f32 (the kernel's moments), `t` consumed (its
+/// piece unshared where it already has the layout and dtype).
 fn piece<X: Backend, const D: usize>(
-    t: &Tensor<Distributed<X>, D>,
+    t: Tensor<Distributed<X>, D>,
     like: &DTensor<X>,
 ) -> X::FloatTensorPrimitive {
     // A moment on another layout than the step's (a resumed state) is brought there.
-    let local = on_layout(dtensor(t).clone(), like.layout()).into_local();
+    let local = on_layout(unwrap(t), like.layout()).into_local();
     X::float_cast(local, burn::tensor::FloatDType::F32)
+}
+
+/// A distributed tensor's value (the inverse of `wrap`).
+fn unwrap<X: Backend, const D: usize>(t: Tensor<Distributed<X>, D>) -> DTensor<X> {
+    t.into_primitive().tensor()
 }
 
 impl<X: Backend> TailInputs<X> {
@@ -250,7 +256,9 @@ impl<X: Backend> TailInputs<X> {
 }
 
 /// One fused AdamW step of `tensor` (see [`FusedAdamW`]): on the gradient's layout, from
-/// `state` (or zero moments), the new moments kept in `config.moments`' float dtype.
+/// `state` (or zero moments), the new moments kept in `config.moments`' float dtype. The
+/// parameter and the moments are taken by value and nothing else holds their pieces while the
+/// kernel runs, so an in-place kernel (Flex's) writes them without copying.
 pub(crate) fn adamw_step<X: FusedOps, const D: usize>(
     config: &FusedAdamWConfig,
     inputs: &TailInputs<X>,
@@ -259,15 +267,16 @@ pub(crate) fn adamw_step<X: FusedOps, const D: usize>(
     grad: Tensor<Distributed<X>, D>,
     state: Option<AdamWState<Distributed<X>, D>>,
 ) -> (Tensor<Distributed<X>, D>, AdamWState<Distributed<X>, D>) {
-    let (p, g) = on_grad_layout(&tensor, &grad);
+    let g = unwrap(grad);
+    let p = on_layout(unwrap(tensor), g.layout());
     let device = p.device().inner().clone();
     let local_shape = burn::tensor::TensorMetadata::shape(p.local());
     let dtype = burn::tensor::FloatDType::F32;
     let (time, m, v) = match state {
         Some(s) => (
             s.momentum.time + 1,
-            piece(&s.momentum.moment_1, &p),
-            piece(&s.momentum.moment_2, &p),
+            piece(s.momentum.moment_1, &p),
+            piece(s.momentum.moment_2, &p),
         ),
         None => (
             1,
@@ -281,26 +290,35 @@ pub(crate) fn adamw_step<X: FusedOps, const D: usize>(
     let copy = p
         .cast_copy_dtype()
         .filter(|&c| c != burn::tensor::TensorMetadata::dtype(p.local()).into());
-    let (param, grad, step) = (p.local().clone(), g.into_local(), config.step(lr, time));
-    let (out, copy) = match copy {
-        Some(dtype) => {
-            let operands = [param, grad, m, v, scale, skip];
-            let (out, copy) = X::fused_adamw_with_copy(operands, step, dtype);
-            (out, Some(copy))
-        }
-        None => (X::fused_adamw(param, grad, m, v, scale, skip, step), None),
-    };
+    let (grad, step) = (g.into_local(), config.step(lr, time));
+    let (mut moments, mut cast) = (None, None);
+    let param = p.map_local(|param| {
+        let operands = [param, grad, m, v, scale, skip];
+        let out = match copy {
+            Some(dtype) => {
+                let (out, copy) = X::fused_adamw_with_copy(operands, step, dtype);
+                cast = Some(copy);
+                out
+            }
+            None => {
+                let [param, grad, m, v, scale, skip] = operands;
+                X::fused_adamw(param, grad, m, v, scale, skip, step)
+            }
+        };
+        moments = Some((out.m, out.v));
+        out.param
+    });
+    let (m, v) = moments.expect("the step ran");
     let keep = |t| X::float_cast(t, config.moments.float_dtype());
     let state = AdamWState {
         momentum: AdaptiveMomentumState {
             time,
-            moment_1: wrap(p.with_local(keep(out.m))),
-            moment_2: wrap(p.with_local(keep(out.v))),
+            moment_1: wrap(param.with_local(keep(m))),
+            moment_2: wrap(param.with_local(keep(v))),
             max_moment_2: None,
         },
     };
-    let param = p.with_local(out.param);
-    let param = match copy {
+    let param = match cast {
         Some(copy) => param.with_cast_copy(copy),
         None => param,
     };

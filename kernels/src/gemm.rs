@@ -4,15 +4,42 @@
 //! layers (forward and both backward products) through these, so `Autodiff<Distributed<Cuda>>`
 //! trains on cuBLASLt with no change to the model. (`Fusion<Cuda>`'s tensors live in Burn's fusion
 //! stream: its GEMMs stay CubeCL's.)
+//!
+//! On Flex, the f32 products of two matrices call the `gemm` crate as Burn's `float_matmul` does
+//! — the same arguments, so the same numbers bit for bit — into an output that is not zeroed
+//! first: Burn's allocates it with `vec![0; n]` and the product then overwrites every element
+//! (the zeroing was 6% of a step of nanoGPT's shakespeare-char model on 2 cores).
 
-#[cfg(feature = "cuda")]
 use burn::tensor::Shape;
 use burn::tensor::TensorMetadata;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
+use std::any::TypeId;
+
+/// Whether `B`'s float tensors are `C`.
+fn tensors_are<B: Backend, C: 'static>() -> bool {
+    TypeId::of::<FloatTensor<B>>() == TypeId::of::<C>()
+}
+
+/// One type's move to the same type under another name (`A` and `C` are one type: checked).
+fn cast<A: 'static, C: 'static>(a: A) -> C {
+    assert!(TypeId::of::<A>() == TypeId::of::<C>(), "one type");
+    let a = std::mem::ManuallyDrop::new(a);
+    // SAFETY: `A` and `C` are the same type (the `TypeId`s are equal), and `a` is not dropped.
+    unsafe { std::mem::transmute_copy::<A, C>(&a) }
+}
+
+/// Whether the products run here, not as Burn's ops: cuBLASLt, or Flex's f32 GEMM.
+fn own_products<B: Backend>() -> bool {
+    uses_blas::<B>() || tensors_are::<B, burn_flex::FlexTensor>()
+}
 
 /// `lhs @ rhs`, as Burn's `float_matmul` (batch dims broadcast).
 pub fn matmul<B: Backend>(lhs: FloatTensor<B>, rhs: FloatTensor<B>) -> FloatTensor<B> {
+    if tensors_are::<B, burn_flex::FlexTensor>() {
+        let (l, r): (burn_flex::FlexTensor, burn_flex::FlexTensor) = (cast(lhs), cast(rhs));
+        return cast(flex::matmul(l, r));
+    }
     #[cfg(feature = "cuda")]
     let (lhs, rhs) = if cuda::is_cuda::<B>() {
         use cuda::{from, to};
@@ -43,33 +70,34 @@ pub fn linear<B: Backend>(
     w: FloatTensor<B>,
     bias: Option<FloatTensor<B>>,
 ) -> FloatTensor<B> {
-    if !uses_blas::<B>() || x.shape().num_dims() != 2 {
+    if !own_products::<B>() || x.shape().num_dims() != 2 {
         return B::linear(x, w, bias);
     }
     #[cfg(feature = "cuda")]
-    {
+    let (x, w, bias) = if uses_blas::<B>() {
         use cuda::{from, to};
         let (x, w, bias) = (to::<B>(x), to::<B>(w), bias.map(to::<B>));
         if let Some(out) = crate::cube::blas::matmul_bias(&x, &w, bias.as_ref()) {
             return from::<B>(out);
         }
-        let (x, w, bias) = (from::<B>(x), from::<B>(w), bias.map(from::<B>));
-        let out = matmul::<B>(x, w);
-        match bias {
-            Some(b) => {
-                let n = b.shape()[0];
-                B::float_add(out, B::float_reshape(b, Shape::new([1, n])))
-            }
-            None => out,
+        (from::<B>(x), from::<B>(w), bias.map(from::<B>))
+    } else {
+        (x, w, bias)
+    };
+    // Burn's `linear` of a matrix: the product, then the bias as a `[1, n]` row.
+    let out = matmul::<B>(x, w);
+    match bias {
+        Some(b) => {
+            let n = b.shape()[0];
+            B::float_add(out, B::float_reshape(b, Shape::new([1, n])))
         }
+        None => out,
     }
-    #[cfg(not(feature = "cuda"))]
-    unreachable!("cuBLASLt is a CUDA build's")
 }
 
 /// `g [rows, n] @ wᵀ`, as Burn's `linear_x_backward` (the transpose a strided view).
 pub fn linear_x_backward<B: Backend>(w: FloatTensor<B>, g: FloatTensor<B>) -> FloatTensor<B> {
-    if !uses_blas::<B>() || g.shape().num_dims() != 2 {
+    if !own_products::<B>() || g.shape().num_dims() != 2 {
         return B::linear_x_backward(w, g);
     }
     matmul::<B>(g, B::float_swap_dims(w, 0, 1))
@@ -77,7 +105,7 @@ pub fn linear_x_backward<B: Backend>(w: FloatTensor<B>, g: FloatTensor<B>) -> Fl
 
 /// `xᵀ @ g` for `x [rows, k]`, `g [rows, n]`, as Burn's `linear_weight_backward`.
 pub fn linear_weight_backward<B: Backend>(x: FloatTensor<B>, g: FloatTensor<B>) -> FloatTensor<B> {
-    if !uses_blas::<B>() || x.shape().num_dims() != 2 {
+    if !own_products::<B>() || x.shape().num_dims() != 2 {
         return B::linear_weight_backward(x, g);
     }
     matmul::<B>(B::float_swap_dims(x, 0, 1), g)
@@ -89,30 +117,85 @@ mod cuda {
     use burn::tensor::ops::FloatTensor;
     use burn_cubecl::tensor::CubeTensor;
     use cubecl::cuda::CudaRuntime;
-    use std::any::{Any, TypeId};
 
     /// Whether `B`'s float tensors are CUDA CubeCL tensors (`CubeBackend<CudaRuntime, …>`).
     pub(super) fn is_cuda<B: Backend>() -> bool {
-        TypeId::of::<FloatTensor<B>>() == TypeId::of::<CubeTensor<CudaRuntime>>()
+        super::tensors_are::<B, T>()
     }
 
     type T = CubeTensor<CudaRuntime>;
 
-    /// One type's move to the same type under another name (checked by `TypeId`).
-    fn cast<A: 'static, C: 'static>(a: A) -> C {
-        let boxed: Box<dyn Any> = Box::new(a);
-        *boxed
-            .downcast::<C>()
-            .unwrap_or_else(|_| unreachable!("the caller checked is_cuda: one type"))
-    }
-
     /// A float tensor of `B` as the CUDA tensor it is (the caller checked [`is_cuda`]).
     pub(super) fn to<B: Backend>(t: FloatTensor<B>) -> T {
-        cast(t)
+        super::cast(t)
     }
 
     /// A CUDA tensor as a float tensor of `B` (the caller checked [`is_cuda`]).
     pub(super) fn from<B: Backend>(t: T) -> FloatTensor<B> {
-        cast(t)
+        super::cast(t)
+    }
+}
+
+mod flex {
+    use burn::tensor::{DType, Shape};
+    use burn_flex::FlexTensor;
+
+    /// Burn Flex's threshold (`m·n·k`) from which a product runs on its rayon pool.
+    const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
+
+    /// `lhs @ rhs`: two f32 matrices by the `gemm` call of Burn Flex's `matmul_2d_strided`
+    /// (strides as they are, its parallelism) into an output written once; anything else by
+    /// Burn's `float_matmul`.
+    pub(super) fn matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
+        let (ls, rs) = (lhs.layout().shape(), rhs.layout().shape());
+        let plain = lhs.dtype() == DType::F32
+            && rhs.dtype() == DType::F32
+            && ls.num_dims() == 2
+            && rs.num_dims() == 2
+            && ls[1] == rs[0];
+        if !plain {
+            use burn::tensor::ops::FloatTensorOps;
+            return burn::backend::Flex::float_matmul(lhs, rhs);
+        }
+        let (m, k, n) = (ls[0], ls[1], rs[1]);
+        let (l, r) = (lhs.layout(), rhs.layout());
+        let lhs_ptr = lhs.storage::<f32>()[l.start_offset()..].as_ptr();
+        let rhs_ptr = rhs.storage::<f32>()[r.start_offset()..].as_ptr();
+        let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_THRESHOLD {
+            gemm::Parallelism::Rayon(0)
+        } else {
+            gemm::Parallelism::None
+        };
+        let mut out = Vec::<f32>::with_capacity(m * n);
+        // SAFETY: the operands' pointers and strides are their layouts' (in bounds of their
+        // buffers, as for Burn's call), `out` has room for the `m × n` row-major product, and
+        // with `read_dst` false (alpha 0) `gemm` writes every element of it without reading
+        // (`gemm_common::gemm`: alpha status 0; `k` 0 writes zeros) — so `set_len` after it
+        // exposes only written values.
+        unsafe {
+            gemm::gemm(
+                m,
+                n,
+                k,
+                out.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                lhs_ptr,
+                l.strides()[1],
+                l.strides()[0],
+                rhs_ptr,
+                r.strides()[1],
+                r.strides()[0],
+                0.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                parallelism,
+            );
+            out.set_len(m * n);
+        }
+        crate::flex::float(out, Shape::new([m, n]))
     }
 }

@@ -463,6 +463,18 @@ impl<B: Backend> DTensor<B> {
         )
     }
 
+    /// This value with its local piece replaced by `f` of it, the layout, global shape and device
+    /// kept ([`DTensor::with_local`] without holding the old piece while `f` runs: an in-place
+    /// kernel, such as Flex's AdamW, finds its buffer unshared and writes it without a copy).
+    pub fn map_local(
+        self,
+        f: impl FnOnce(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+    ) -> Self {
+        let (layout, shape, device) =
+            (self.layout.clone(), self.shape.clone(), self.device.clone());
+        Self::new_shaped(f(self.into_local()), layout, shape, device)
+    }
+
     /// Take the local piece.
     pub fn into_local(self) -> B::FloatTensorPrimitive {
         self.ready().local

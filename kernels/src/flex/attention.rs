@@ -357,22 +357,37 @@ pub fn attention_qkv(
     let qkv = super::contiguous(qkv)?;
     let x = qkv.f32s();
     let rs = (h * 3 * hd) as isize;
-    let mut out = vec![0f32; b * t * h * hd];
-    let mut lse = vec![0f32; b * t * h];
-    let (o_ptr, l_ptr) = (Shared(out.as_mut_ptr()), Shared(lse.as_mut_ptr()));
-    (0..b * h).into_par_iter().for_each(|task| {
+    // One (batch, head) pair's output rows and log-sum-exps, at `out` and `lse`.
+    let head = |task: usize, out: Shared, lse: Shared| {
         let (bi, hi) = (task / h, task % h);
         let base = bi * t * h * 3 * hd + hi * 3 * hd;
         let qkv = [0, hd, 2 * hd].map(|at| (&x[base + at..], rs));
         // SAFETY: the head's rows are `rs` apart inside `x`; its output rows (`h·hd` apart) and
         // log-sum-exps (`h` apart) are this task's alone.
         unsafe {
-            let out = o_ptr.get().add(bi * t * h * hd + hi * hd);
-            let lse = l_ptr.get().add(bi * t * h + hi);
-            let (out, lse) = ((Shared(out), (h * hd) as isize), (Shared(lse), h as isize));
+            let out = (
+                Shared(out.get().add(bi * t * h * hd + hi * hd)),
+                (h * hd) as isize,
+            );
+            let lse = (Shared(lse.get().add(bi * t * h + hi)), h as isize);
             head_forward(qkv, out, lse, [t, hd], scale as f32, causal);
         }
-    });
+    };
+    let mut lse = Vec::new();
+    let fill = |out: &mut [f32]| {
+        let o_ptr = Shared(out.as_mut_ptr());
+        let fill_lse = |lse: &mut [f32]| {
+            let l_ptr = Shared(lse.as_mut_ptr());
+            (0..b * h)
+                .into_par_iter()
+                .for_each(|task| head(task, o_ptr, l_ptr));
+        };
+        // SAFETY: as for `out` below.
+        lse = unsafe { super::written(b * t * h, fill_lse) };
+    };
+    // SAFETY: the (batch, head) tasks cover every output row and log-sum-exp, and
+    // `head_forward` assigns each (its product is written with `add` false) without reading it.
+    let out = unsafe { super::written(b * t * h * hd, fill) };
     Some(crate::AttentionOutput {
         output: super::float(out, Shape::new([b, t, h, hd])),
         lse: super::float(lse, Shape::new([b, t, h])),
@@ -398,22 +413,27 @@ pub fn attention_qkv_backward(
         return None;
     }
     let (rs, ors) = ((h * 3 * hd) as isize, (h * hd) as isize);
-    let mut grad = vec![0f32; x.len()];
-    let g_ptr = Shared(grad.as_mut_ptr());
-    (0..b * h).into_par_iter().for_each(|task| {
-        let (bi, hi) = (task / h, task % h);
-        let base = bi * t * h * 3 * hd + hi * 3 * hd;
-        let obase = bi * t * h * hd + hi * hd;
-        let qkv = [0, hd, 2 * hd].map(|at| (&x[base + at..], rs));
-        let out = [(&o[obase..], ors), (&d_o[obase..], ors)];
-        let lse = (&l[bi * t * h + hi..], h as isize);
-        // SAFETY: the q, k and v column blocks of (bi, hi) in the packed gradient are this
-        // task's alone.
-        unsafe {
-            let grads = [0, hd, 2 * hd].map(|at| (Shared(g_ptr.get().add(base + at)), rs));
-            head_backward(qkv, out, lse, grads, [t, hd], scale as f32, causal, false);
-        }
-    });
+    let fill = |grad: &mut [f32]| {
+        let g_ptr = Shared(grad.as_mut_ptr());
+        (0..b * h).into_par_iter().for_each(|task| {
+            let (bi, hi) = (task / h, task % h);
+            let base = bi * t * h * 3 * hd + hi * 3 * hd;
+            let obase = bi * t * h * hd + hi * hd;
+            let qkv = [0, hd, 2 * hd].map(|at| (&x[base + at..], rs));
+            let out = [(&o[obase..], ors), (&d_o[obase..], ors)];
+            let lse = (&l[bi * t * h + hi..], h as isize);
+            // SAFETY: the q, k and v column blocks of (bi, hi) in the packed gradient are this
+            // task's alone.
+            unsafe {
+                let grads = [0, hd, 2 * hd].map(|at| (Shared(g_ptr.get().add(base + at)), rs));
+                head_backward(qkv, out, lse, grads, [t, hd], scale as f32, causal, false);
+            }
+        })
+    };
+    // SAFETY: the (batch, head) tasks cover the packed gradient's q, k and v blocks of every
+    // row, and `head_backward` with `add` false assigns each (products written, not added)
+    // without reading it.
+    let grad = unsafe { super::written(x.len(), fill) };
     Some(super::float(grad, qkv.0.shape()))
 }
 

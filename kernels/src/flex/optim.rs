@@ -35,14 +35,48 @@ dispatch! {
     }
 }
 
-/// [`FusedOps::fused_unscale`](crate::FusedOps::fused_unscale) on an f32 gradient.
+dispatch! {
+    /// [`unscale_chunk`] by 1: `Σ g²` and whether any value is not finite, the same sums in the
+    /// same order, nothing written.
+    fn squares_chunk(g: &[f32]) -> (f64, bool) {
+        let mut acc = [0f32; LANES];
+        let mut bad = [false; LANES];
+        let mut chunks = g.chunks_exact(LANES);
+        for c in &mut chunks {
+            for l in 0..LANES {
+                let v = c[l];
+                acc[l] += v * v;
+                bad[l] |= !v.is_finite();
+            }
+        }
+        for (l, v) in chunks.remainder().iter().enumerate() {
+            acc[l] += *v * *v;
+            bad[l] |= !v.is_finite();
+        }
+        (acc.iter().map(|&a| a as f64).sum(), bad.iter().any(|&b| b))
+    }
+}
+
+/// [`FusedOps::fused_unscale`](crate::FusedOps::fused_unscale) on an f32 gradient. By an inverse
+/// scale of 1 (no loss scale: f32 and bf16 runs) the gradient is only read and handed back as it
+/// is (no copy of a shared buffer, no write).
 pub fn unscale(grad: FlexTensor, inv_scale: f64) -> Option<UnscaleOutput<burn::backend::Flex>> {
-    let mut grad = owned(grad)?;
-    let g = grad.storage_mut::<f32>();
-    let parts: Vec<(f64, bool)> = g
-        .par_chunks_mut(CHUNK)
-        .map(|c| unscale_chunk(c, inv_scale as f32))
-        .collect();
+    let (grad, parts): (FlexTensor, Vec<(f64, bool)>) = if inv_scale == 1.0 {
+        let parts = contiguous(&grad)?
+            .f32s()
+            .par_chunks(CHUNK)
+            .map(squares_chunk)
+            .collect();
+        (grad, parts)
+    } else {
+        let mut grad = owned(grad)?;
+        let parts = grad
+            .storage_mut::<f32>()
+            .par_chunks_mut(CHUNK)
+            .map(|c| unscale_chunk(c, inv_scale as f32))
+            .collect();
+        (grad, parts)
+    };
     let sum: f64 = parts.iter().map(|p| p.0).sum();
     let bad = parts.iter().any(|p| p.1);
     Some(UnscaleOutput {

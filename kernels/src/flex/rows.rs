@@ -6,7 +6,7 @@
 //! the result does not depend on the number of threads.
 
 use super::math::{self, dispatch, lane_max, lane_sum, lane_sum_map};
-use super::{contiguous, float};
+use super::{contiguous, float, written};
 use crate::stats_shape;
 use crate::{CrossEntropyOutput, LayerNormGrads, LayerNormOutput, RmsNormOutput};
 use burn::backend::flex::FlexTensor;
@@ -37,18 +37,24 @@ fn rows_with_column_sum(
     row: impl Fn(usize, &mut [f32], &mut [f32]) + Sync,
 ) -> (Vec<f32>, Vec<f32>) {
     let per = rows_per_task(d);
-    let mut dx = vec![0f32; n];
-    let partials: Vec<Vec<f32>> = dx
-        .par_chunks_mut(per * d)
-        .enumerate()
-        .map(|(task, dx)| {
-            let mut sum = vec![0f32; d];
-            for (r, dx) in dx.chunks_mut(d).enumerate() {
-                row(task * per + r, dx, &mut sum);
-            }
-            sum
+    let mut partials: Vec<Vec<f32>> = Vec::new();
+    // SAFETY: `row` assigns its row of `dx` whole (its callers' row functions write `*dx = …`
+    // for every element, reading none), and the chunks cover the buffer.
+    let dx = unsafe {
+        written(n, |dx| {
+            partials = dx
+                .par_chunks_mut(per * d)
+                .enumerate()
+                .map(|(task, dx)| {
+                    let mut sum = vec![0f32; d];
+                    for (r, dx) in dx.chunks_mut(d).enumerate() {
+                        row(task * per + r, dx, &mut sum);
+                    }
+                    sum
+                })
+                .collect();
         })
-        .collect();
+    };
     (dx, column_sums(partials, d))
 }
 
@@ -84,28 +90,32 @@ pub fn layer_norm(
         return None;
     }
     let rows = xs.len() / d;
-    let mut y = vec![0f32; xs.len()];
     let mut mean = vec![0f32; rows];
     let mut rstd = vec![0f32; rows];
     let per = rows_per_task(d);
-    y.par_chunks_mut(per * d)
-        .zip(mean.par_chunks_mut(per))
-        .zip(rstd.par_chunks_mut(per))
-        .enumerate()
-        .for_each(|(task, ((y, mean), rstd))| {
-            for r in 0..mean.len() {
-                let row = (task * per + r) * d;
-                let (m, s) = layer_norm_row(
-                    &xs[row..row + d],
-                    g,
-                    b,
-                    &mut y[r * d..(r + 1) * d],
-                    epsilon as f32,
-                );
-                mean[r] = m;
-                rstd[r] = s;
-            }
-        });
+    // SAFETY: `layer_norm_row` assigns each element of its row (`*y = …`), every row once.
+    let y = unsafe {
+        written(xs.len(), |y| {
+            y.par_chunks_mut(per * d)
+                .zip(mean.par_chunks_mut(per))
+                .zip(rstd.par_chunks_mut(per))
+                .enumerate()
+                .for_each(|(task, ((y, mean), rstd))| {
+                    for r in 0..mean.len() {
+                        let row = (task * per + r) * d;
+                        let (m, s) = layer_norm_row(
+                            &xs[row..row + d],
+                            g,
+                            b,
+                            &mut y[r * d..(r + 1) * d],
+                            epsilon as f32,
+                        );
+                        mean[r] = m;
+                        rstd[r] = s;
+                    }
+                })
+        })
+    };
     let stats = stats_shape(&shape);
     Some(LayerNormOutput {
         output: float(y, shape),
@@ -162,27 +172,32 @@ pub fn layer_norm_backward(
         return None;
     }
     let per = rows_per_task(d);
-    let mut dx = vec![0f32; xs.len()];
-    let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
-        .par_chunks_mut(per * d)
-        .enumerate()
-        .map(|(task, dx)| {
-            let (mut dg, mut db) = (vec![0f32; d], vec![0f32; d]);
-            for (r, dx) in dx.chunks_mut(d).enumerate() {
-                let row = task * per + r;
-                let span = row * d..(row + 1) * d;
-                layer_norm_backward_row(
-                    &xs[span.clone()],
-                    g,
-                    &dys[span],
-                    [mu[row], rs[row]],
-                    dx,
-                    (&mut dg, &mut db),
-                );
-            }
-            (dg, db)
+    let mut partials: Vec<(Vec<f32>, Vec<f32>)> = Vec::new();
+    // SAFETY: `layer_norm_backward_row` assigns each element of its row of `dx` (`*dx = …`).
+    let dx = unsafe {
+        written(xs.len(), |dx| {
+            partials = dx
+                .par_chunks_mut(per * d)
+                .enumerate()
+                .map(|(task, dx)| {
+                    let (mut dg, mut db) = (vec![0f32; d], vec![0f32; d]);
+                    for (r, dx) in dx.chunks_mut(d).enumerate() {
+                        let row = task * per + r;
+                        let span = row * d..(row + 1) * d;
+                        layer_norm_backward_row(
+                            &xs[span.clone()],
+                            g,
+                            &dys[span],
+                            [mu[row], rs[row]],
+                            dx,
+                            (&mut dg, &mut db),
+                        );
+                    }
+                    (dg, db)
+                })
+                .collect();
         })
-        .collect();
+    };
     let (dg, db): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
     Some(LayerNormGrads {
         x: float(dx, shape),
@@ -221,19 +236,23 @@ pub fn rms_norm(
         return None;
     }
     let rows = xs.len() / d;
-    let mut y = vec![0f32; xs.len()];
     let mut rstd = vec![0f32; rows];
     let per = rows_per_task(d);
-    y.par_chunks_mut(per * d)
-        .zip(rstd.par_chunks_mut(per))
-        .enumerate()
-        .for_each(|(task, (y, rstd))| {
-            for (r, rstd) in rstd.iter_mut().enumerate() {
-                let row = (task * per + r) * d;
-                let out = &mut y[r * d..(r + 1) * d];
-                *rstd = rms_norm_row(&xs[row..row + d], g, out, epsilon as f32);
-            }
-        });
+    // SAFETY: `rms_norm_row` assigns each element of its row (`*y = …`), every row once.
+    let y = unsafe {
+        written(xs.len(), |y| {
+            y.par_chunks_mut(per * d)
+                .zip(rstd.par_chunks_mut(per))
+                .enumerate()
+                .for_each(|(task, (y, rstd))| {
+                    for (r, rstd) in rstd.iter_mut().enumerate() {
+                        let row = (task * per + r) * d;
+                        let out = &mut y[r * d..(r + 1) * d];
+                        *rstd = rms_norm_row(&xs[row..row + d], g, out, epsilon as f32);
+                    }
+                })
+        })
+    };
     Some(RmsNormOutput {
         output: float(y, shape.clone()),
         rstd: float(rstd, stats_shape(&shape)),
@@ -331,15 +350,19 @@ pub fn gelu_bias(x: &FlexTensor, bias: &FlexTensor, tanh: bool) -> Option<FlexTe
     if d == 0 || *shape.as_slice().last()? != d {
         return None;
     }
-    let mut y = vec![0f32; xs.len()];
     let per = rows_per_task(d);
-    y.par_chunks_mut(per * d)
-        .zip(xs.par_chunks(per * d))
-        .for_each(|(y, x)| {
-            for (y, x) in y.chunks_mut(d).zip(x.chunks(d)) {
-                gelu_bias_row(x, b, y, tanh);
-            }
-        });
+    // SAFETY: `gelu_bias_row` assigns each element of its row (`*y = …`), every row once.
+    let y = unsafe {
+        written(xs.len(), |y| {
+            y.par_chunks_mut(per * d)
+                .zip(xs.par_chunks(per * d))
+                .for_each(|(y, x)| {
+                    for (y, x) in y.chunks_mut(d).zip(x.chunks(d)) {
+                        gelu_bias_row(x, b, y, tanh);
+                    }
+                })
+        })
+    };
     Some(float(y, shape))
 }
 
@@ -469,17 +492,23 @@ pub fn cross_entropy_backward(
     {
         return None;
     }
-    let mut g = vec![0f32; x.len()];
-    g.par_chunks_mut(vocab)
-        .enumerate()
-        .with_min_len(rows_per_task(vocab))
-        .for_each(|(r, g)| {
-            let t = targets[r];
-            if t < 0 {
-                return;
-            }
-            softmax_grad_row(&x[r * vocab..(r + 1) * vocab], lse[r], dloss[r], g);
-            g[t as usize] -= dloss[r];
-        });
+    // SAFETY: every row is assigned whole: zeros for an ignored target, else
+    // `softmax_grad_row`'s `*g = …` for each element before the target's is read.
+    let g = unsafe {
+        written(x.len(), |g| {
+            g.par_chunks_mut(vocab)
+                .enumerate()
+                .with_min_len(rows_per_task(vocab))
+                .for_each(|(r, g)| {
+                    let t = targets[r];
+                    if t < 0 {
+                        g.fill(0.0);
+                        return;
+                    }
+                    softmax_grad_row(&x[r * vocab..(r + 1) * vocab], lse[r], dloss[r], g);
+                    g[t as usize] -= dloss[r];
+                })
+        })
+    };
     Some(float(g, shape))
 }
