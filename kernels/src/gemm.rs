@@ -73,6 +73,10 @@ pub fn linear<B: Backend>(
     if !own_products::<B>() || x.shape().num_dims() != 2 {
         return B::linear(x, w, bias);
     }
+    if tensors_are::<B, burn_flex::FlexTensor>() {
+        let (x, w) = (cast(x), cast(w));
+        return cast(flex::linear(x, w, bias.map(cast)));
+    }
     #[cfg(feature = "cuda")]
     let (x, w, bias) = if uses_blas::<B>() {
         use cuda::{from, to};
@@ -143,22 +147,72 @@ mod flex {
     /// Burn Flex's threshold (`m·n·k`) from which a product runs on its rayon pool.
     const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
 
+    /// Whether `lhs @ rhs` is a product of two f32 matrices.
+    fn plain(lhs: &FlexTensor, rhs: &FlexTensor) -> bool {
+        let (ls, rs) = (lhs.layout().shape(), rhs.layout().shape());
+        lhs.dtype() == DType::F32
+            && rhs.dtype() == DType::F32
+            && ls.num_dims() == 2
+            && rs.num_dims() == 2
+            && ls[1] == rs[0]
+    }
+
     /// `lhs @ rhs`: two f32 matrices by the `gemm` call of Burn Flex's `matmul_2d_strided`
     /// (strides as they are, its parallelism) into an output written once; anything else by
     /// Burn's `float_matmul`.
     pub(super) fn matmul(lhs: FlexTensor, rhs: FlexTensor) -> FlexTensor {
-        let (ls, rs) = (lhs.layout().shape(), rhs.layout().shape());
-        let plain = lhs.dtype() == DType::F32
-            && rhs.dtype() == DType::F32
-            && ls.num_dims() == 2
-            && rs.num_dims() == 2
-            && ls[1] == rs[0];
-        if !plain {
+        if !plain(&lhs, &rhs) {
             use burn::tensor::ops::FloatTensorOps;
             return burn::backend::Flex::float_matmul(lhs, rhs);
         }
-        let (m, k, n) = (ls[0], ls[1], rs[1]);
+        let n = rhs.layout().shape()[1];
+        product(&lhs, &rhs, |m| Vec::with_capacity(m * n), false)
+    }
+
+    /// Burn's `linear` of a matrix — the product, then the bias added to each row — with the
+    /// bias in the product where that gives the same numbers: the output starts as the bias
+    /// rows and `gemm` adds the product to it (`dst = fma(1, Σ, dst)`, one rounding of
+    /// `Σ + bias` as Burn's add of the rounded `Σ`), which holds when the product's depth is one
+    /// block of `gemm` (`k ≤ 512`: `gemm_common::cache::kernel_params` takes at least 512) and
+    /// neither its `k ≤ 2` nor its matrix–vector paths run. That saves the add's pass over the
+    /// output (a strided, broadcasting binary op on Flex).
+    pub(super) fn linear(x: FlexTensor, w: FlexTensor, bias: Option<FlexTensor>) -> FlexTensor {
+        use burn::backend::Flex;
+        use burn::tensor::ops::FloatTensorOps;
+        let Some(b) = bias else {
+            return matmul(x, w);
+        };
+        let n = b.layout().shape().num_elements();
+        let fused = plain(&x, &w) && {
+            let (m, [k, cols]) = (x.layout().shape()[0], w.layout().shape().dims::<2>());
+            (3..=512).contains(&k) && m >= 2 && n >= 2 && cols == n && b.dtype() == DType::F32
+        };
+        if !fused {
+            return Flex::float_add(matmul(x, w), Flex::float_reshape(b, Shape::new([1, n])));
+        }
+        let b = b.to_contiguous();
+        let b = b.as_slice::<f32>().expect("a contiguous f32 bias");
+        let rows = |m: usize| {
+            let mut out = Vec::with_capacity(m * n);
+            for _ in 0..m {
+                out.extend_from_slice(b);
+            }
+            out
+        };
+        product(&x, &w, rows, true)
+    }
+
+    /// The `m × n` product of the f32 matrices `lhs` and `rhs` into the buffer `start(m)` makes:
+    /// with `add`, one holding `m × n` values the product is added to; without, an empty one
+    /// with room for them, which `gemm` writes without reading.
+    fn product(
+        lhs: &FlexTensor,
+        rhs: &FlexTensor,
+        start: impl FnOnce(usize) -> Vec<f32>,
+        add: bool,
+    ) -> FlexTensor {
         let (l, r) = (lhs.layout(), rhs.layout());
+        let (m, k, n) = (l.shape()[0], l.shape()[1], r.shape()[1]);
         let lhs_ptr = lhs.storage::<f32>()[l.start_offset()..].as_ptr();
         let rhs_ptr = rhs.storage::<f32>()[r.start_offset()..].as_ptr();
         let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_THRESHOLD {
@@ -166,12 +220,16 @@ mod flex {
         } else {
             gemm::Parallelism::None
         };
-        let mut out = Vec::<f32>::with_capacity(m * n);
+        let mut out = start(m);
+        assert!(
+            out.capacity() >= m * n && (!add || out.len() == m * n),
+            "an m × n buffer"
+        );
         // SAFETY: the operands' pointers and strides are their layouts' (in bounds of their
-        // buffers, as for Burn's call), `out` has room for the `m × n` row-major product, and
-        // with `read_dst` false (alpha 0) `gemm` writes every element of it without reading
-        // (`gemm_common::gemm`: alpha status 0; `k` 0 writes zeros) — so `set_len` after it
-        // exposes only written values.
+        // buffers, as for Burn's call), and `out` has room for the `m × n` row-major product.
+        // With `add` its values are initialised and read; without (`read_dst` false, alpha 0)
+        // `gemm` writes every element without reading (`gemm_common::gemm`: alpha status 0;
+        // `k` 0 writes zeros) — so `set_len` after it exposes only written values.
         unsafe {
             gemm::gemm(
                 m,
@@ -180,14 +238,14 @@ mod flex {
                 out.as_mut_ptr(),
                 1,
                 n as isize,
-                false,
+                add,
                 lhs_ptr,
                 l.strides()[1],
                 l.strides()[0],
                 rhs_ptr,
                 r.strides()[1],
                 r.strides()[0],
-                0.0f32,
+                if add { 1.0f32 } else { 0.0f32 },
                 1.0f32,
                 false,
                 false,

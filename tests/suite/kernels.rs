@@ -1442,3 +1442,72 @@ fn blockwise_quantisation_on_flex_is_the_burn_op_form() {
         );
     }
 }
+
+/// Flex's own products (`wildfire_kernels::gemm`: the output not zeroed first, the bias in the
+/// product where one `gemm` depth block covers `k`) are Burn's `linear`, `linear_x_backward`,
+/// `linear_weight_backward` and `float_matmul` bit for bit: the GPT's shapes, depths around the
+/// 512 boundary, `gemm`'s own small paths (`k ≤ 2`, one row, one column), strided operands.
+#[test]
+fn flex_products_are_burns_bit_for_bit() {
+    use burn::backend::Flex;
+    use burn::tensor::ops::{FloatTensor, ModuleOps};
+    use wildfire_kernels::gemm;
+    let device = Default::default();
+    let random = |shape: [usize; 2], seed: u64| -> FloatTensor<Flex> {
+        <Flex as burn::tensor::backend::Backend>::seed(&device, seed);
+        Tensor::<Flex, 2>::random(shape, Distribution::Normal(0.0, 1.0), &device)
+            .into_primitive()
+            .tensor()
+    };
+    let bits = |t: FloatTensor<Flex>| -> Vec<u32> {
+        let t = Tensor::<Flex, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(t));
+        data(t).iter().map(|x| x.to_bits()).collect()
+    };
+    let shapes = [
+        (768, 128, 384),
+        (768, 512, 128),
+        (33, 513, 17),
+        (5, 3, 7),
+        (16, 2, 8),
+        (1, 16, 8),
+        (16, 16, 1),
+        (300, 1000, 70),
+    ];
+    for (seed, (m, k, n)) in shapes.into_iter().enumerate() {
+        let seed = 10 * seed as u64;
+        let (x, w, g) = (random([m, k], seed), random([k, n], seed + 1), random([m, n], seed + 2));
+        let bias = Tensor::<Flex, 1>::random([n], Distribution::Normal(0.0, 1.0), &device)
+            .into_primitive()
+            .tensor();
+        let what = format!("{m}×{k}×{n}");
+        for b in [None, Some(bias.clone())] {
+            assert_eq!(
+                bits(gemm::linear::<Flex>(x.clone(), w.clone(), b.clone())),
+                bits(Flex::linear(x.clone(), w.clone(), b.clone())),
+                "linear {what}, bias {}",
+                b.is_some()
+            );
+        }
+        assert_eq!(
+            bits(gemm::linear_x_backward::<Flex>(w.clone(), g.clone())),
+            bits(Flex::linear_x_backward(w.clone(), g.clone())),
+            "linear_x_backward {what}"
+        );
+        assert_eq!(
+            bits(gemm::linear_weight_backward::<Flex>(x.clone(), g.clone())),
+            bits(Flex::linear_weight_backward(x.clone(), g.clone())),
+            "linear_weight_backward {what}"
+        );
+        // A transposed (strided) left operand.
+        let xt = <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_swap_dims(
+            random([k, m], seed + 3),
+            0,
+            1,
+        );
+        assert_eq!(
+            bits(gemm::matmul::<Flex>(xt.clone(), w.clone())),
+            bits(<Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_matmul(xt, w)),
+            "matmul of a transposed operand {what}"
+        );
+    }
+}
