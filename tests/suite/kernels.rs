@@ -1475,7 +1475,11 @@ fn flex_products_are_burns_bit_for_bit() {
     ];
     for (seed, (m, k, n)) in shapes.into_iter().enumerate() {
         let seed = 10 * seed as u64;
-        let (x, w, g) = (random([m, k], seed), random([k, n], seed + 1), random([m, n], seed + 2));
+        let (x, w, g) = (
+            random([m, k], seed),
+            random([k, n], seed + 1),
+            random([m, n], seed + 2),
+        );
         let bias = Tensor::<Flex, 1>::random([n], Distribution::Normal(0.0, 1.0), &device)
             .into_primitive()
             .tensor();
