@@ -157,11 +157,21 @@ super::math::dispatch! {
     fn softmax_row(row: &mut [f32], valid: usize) -> f32 {
         let (seen, masked) = row.split_at_mut(valid);
         let max = super::math::lane_max(seen);
-        let mut sum = 0f32;
-        for p in seen.iter_mut() {
-            *p = super::math::exp(*p - max);
-            sum += *p;
+        // The sum in lanes, so the exponentials vectorise (a single running sum keeps them
+        // scalar: its additions cannot be reordered).
+        let mut acc = [0f32; super::math::LANES];
+        let mut chunks = seen.chunks_exact_mut(super::math::LANES);
+        for c in &mut chunks {
+            for (a, p) in acc.iter_mut().zip(c.iter_mut()) {
+                *p = super::math::exp(*p - max);
+                *a += *p;
+            }
         }
+        for (a, p) in acc.iter_mut().zip(chunks.into_remainder()) {
+            *p = super::math::exp(*p - max);
+            *a += *p;
+        }
+        let sum = super::math::combine(acc);
         let inv = 1.0 / sum;
         for p in seen.iter_mut() {
             *p *= inv;

@@ -117,8 +117,9 @@ pub fn lane_max(x: &[f32]) -> f32 {
     acc.into_iter().fold(f32::NEG_INFINITY, f32::max)
 }
 
+/// The [`LANES`] partial sums combined pairwise (the order every lane sum here uses).
 #[inline(always)]
-fn combine(mut acc: [f32; LANES]) -> f32 {
+pub(crate) fn combine(mut acc: [f32; LANES]) -> f32 {
     let mut width = LANES / 2;
     while width > 0 {
         for l in 0..width {
