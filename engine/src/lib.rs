@@ -24,6 +24,7 @@ pub use fused_tail::{
     FusedAdamW, FusedAdamWConfig, FusedAdamWOptimizer, MomentDtype, TailInputs, fused_unscale_check,
 };
 pub use grad_check::{GradCheck, unscale_check_clip};
+pub use metrics::RankPeaks;
 pub use muon::{Muon, MuonConfig, MuonLr, MuonOptimizer, MuonSplit, MuonState, NEWTON_SCHULZ};
 pub use offload::{OffloadAdamW, OffloadAdamWOptimizer, OffloadState};
 pub use pipeline::PipelineRecord;

@@ -67,6 +67,88 @@ pub struct StepMetrics {
     /// The first step after an elastic restart: the restart, with the time it cost.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restart: Option<Restart>,
+    /// Per pipeline rank (the position on the `pp` axis), the largest of what the mesh's ranks
+    /// at that position held ([`ranks_peaks`]): under pipeline parallelism, where the stages
+    /// differ, and in the memory planner's probes; empty otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stages: Vec<RankPeaks>,
+}
+
+/// What the ranks at one pipeline position held in a step, the largest over them (each field on
+/// its own: the data-parallel ranks of a stage differ only by their shards' rounding).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct RankPeaks {
+    /// [`StepMetrics::peak_bytes`].
+    pub peak_bytes: u64,
+    /// [`StepMetrics::phases`].
+    pub phases: crate::PhasePeaks,
+    /// The bytes alive after the step: the parameters' pieces and the optimizer state.
+    pub resident_bytes: u64,
+    /// [`StepMetrics::host_bytes`].
+    pub host_bytes: u64,
+    /// The step's seconds.
+    pub seconds: f64,
+}
+
+impl RankPeaks {
+    const FIELDS: usize = 9;
+
+    fn encode(&self) -> [f64; Self::FIELDS] {
+        let p = &self.phases;
+        [
+            self.peak_bytes as f64,
+            p.forward as f64,
+            p.backward as f64,
+            p.recomputed as f64,
+            p.sync as f64,
+            p.optimizer as f64,
+            self.resident_bytes as f64,
+            self.host_bytes as f64,
+            self.seconds,
+        ]
+    }
+
+    fn decode(v: &[f64]) -> Self {
+        let b = |i: usize| v[i] as u64;
+        Self {
+            peak_bytes: b(0),
+            phases: crate::PhasePeaks {
+                forward: b(1),
+                backward: b(2),
+                recomputed: b(3),
+                sync: b(4),
+                optimizer: b(5),
+            },
+            resident_bytes: b(6),
+            host_bytes: b(7),
+            seconds: v[8],
+        }
+    }
+}
+
+/// Every pipeline position's [`RankPeaks`], the largest over the ranks there (one all-reduce
+/// of the mesh; `position` is this rank's index on the `pp` axis of `positions`, 0 of 1 without
+/// one): this rank's `mine` at its position, the maximum taken field by field. Byte counts go
+/// through `f64`, exact below 2⁵³.
+pub fn ranks_peaks(
+    ctx: &wildfire_parallel::RankContext,
+    position: usize,
+    positions: usize,
+    mine: RankPeaks,
+) -> Result<Vec<RankPeaks>, wildfire_parallel::Error> {
+    use wildfire_parallel::{Group, ReduceOp};
+    let n = RankPeaks::FIELDS;
+    let mut values = vec![0.0; n * positions];
+    values[position * n..(position + 1) * n].copy_from_slice(&mine.encode());
+    if ctx.world_size() > 1 {
+        let data = burn::tensor::TensorData::new(values, [n * positions]);
+        values = ctx
+            .comm()
+            .all_reduce(Group::World, data, ReduceOp::Max)?
+            .to_vec::<f64>()
+            .expect("f64");
+    }
+    Ok(values.chunks(n).map(RankPeaks::decode).collect())
 }
 
 /// One restart of an elastic run (`--max-restarts`): what failed, the mesh before and after, and
@@ -290,6 +372,7 @@ impl StepWatch {
             val_loss: None,
             router: None,
             restart: None,
+            stages: Vec::new(),
         };
         (metrics, elapsed)
     }

@@ -211,6 +211,13 @@ pub struct PretrainConfig {
     #[serde(default, skip_serializing)]
     #[arg(skip = false)]
     pub gather_parameters: bool,
+    /// Every pipeline position's peaks, the largest over the mesh's ranks there, after each step
+    /// ([`StepMetrics::stages`]; one small all-reduce): always under `--pp`, where the stages
+    /// differ, and in the memory planner's probes, so that every process plans from the same
+    /// numbers.
+    #[serde(default, skip_serializing)]
+    #[arg(skip = false)]
+    pub rank_peaks: bool,
     /// Ranks as threads of this process, or this process as one rank of a launched job (set
     /// from the environment by [`PretrainConfig::apply_launcher`]).
     #[serde(default)]

@@ -20,14 +20,26 @@
 //! which peaks at its start, every activation live, as long as a block's activations outweigh
 //! its gradients — a sequence longer than a third of the width.)
 //!
-//! The moment dtype and the offload change the optimizer state's device bytes, which
-//! [`crate::pretrain::estimate`] counts exactly, and the transients of the sync and the optimizer
-//! step (a tensor's moments widened to f32 on the way), which depend on the strategy but not on
+//! The moment dtype and the offload change the optimizer state's device bytes (the resident
+//! bytes after a step, which the probes read), and the transients of the sync and the optimizer
+//! step (a tensor's moments widened to f32 on the way) and, with the parameters offloaded, of
+//! the passes (a parameter uploaded for its use), which depend on the strategy but not on
 //! the recomputation. So each of them is probed once per strategy, under full recomputation: its
 //! sync and optimizer phases are its own, its forward and backward the f32 probe's of the same
-//! policy shifted by the state's difference, and its step time the f32 one's plus the difference
-//! its optimizer made under full recomputation. (With the moments widened per tensor, the 8-bit
+//! policy shifted by what the variant changed in that phase under full recomputation (the
+//! resident bytes' difference where full recomputation has no such phase), and its step time the
+//! f32 one's plus the difference its optimizer made under full recomputation. (With the moments widened per tensor, the 8-bit
 //! step's transient is the largest tensor's — the token table — at every depth.)
+//!
+//! **Under a pipeline** (`--pp`) the ranks hold different parts of the model — the token table
+//! on the first stage, the head on the last, the most micro-batches in flight on the first —
+//! and the budget binds every rank. The probes gather each pipeline position's phase peaks and
+//! resident bytes, the largest over the data-parallel ranks there
+//! ([`StepMetrics::stages`]), with `pp·a` and `pp·(a + p)` blocks (times the virtual stages):
+//! every stage gains a period. Each rank is extrapolated on its own lines to the blocks it holds
+//! at full depth, the prediction is the largest rank's (see [`probe`] for an interleaved split
+//! the stages do not share evenly), and the variants' shifts are each rank's own measured
+//! differences.
 //!
 //! A candidate **fits** when its predicted peak and a 5% margin ([`MARGIN`], the accuracy the
 //! tests hold the prediction to: measured within 2% for the tiny GPT) are within the budget,
@@ -245,68 +257,162 @@ fn probe_config(config: &PretrainConfig, model: &ModelConfig, n_layer: usize) ->
     probe.gather_parameters = false;
     probe.max_restarts = 0;
     probe.fail_at = None;
+    probe.rank_peaks = true;
     probe
 }
 
 /// What a probe measured in its steady step (the second: the optimizer state alive throughout),
-/// or that extrapolated to the full depth: the peak of each phase and the step time.
-#[derive(Clone, Copy, Debug)]
+/// or that extrapolated to the full depth: per pipeline rank (one without a pipeline), the
+/// largest over the mesh's ranks there, the peak of each phase and the bytes alive between steps
+/// and in host memory; and the step time.
+#[derive(Clone, Debug)]
 struct Probe {
-    /// Forward, backward, recomputed, sync, optimizer.
-    phases: [f64; 5],
-    /// The faster of the two steps after the first (seconds).
+    /// Per pipeline rank: forward, backward, recomputed, sync, optimizer.
+    phases: Vec<[f64; 5]>,
+    /// Per pipeline rank: the bytes alive after the step (parameters' pieces, optimizer state).
+    resident: Vec<f64>,
+    /// Per pipeline rank: the bytes in host memory.
+    host: Vec<f64>,
+    /// The faster of the two steps after the first, each the slowest rank's (seconds).
     step_s: f64,
 }
 
 impl Probe {
-    fn of(summary: &RunSummary, tokens: usize) -> Self {
-        let p = summary.steps[1].phases;
+    /// The probe's steady step, from every rank's peaks ([`StepMetrics::stages`], which the
+    /// probes gather: every process of a job reads the same numbers and plans the same).
+    fn of(summary: &RunSummary) -> Self {
+        let ranks = &summary.steps[1].stages;
         let step_s = summary.steps[1..]
             .iter()
-            .map(|m| tokens as f64 / m.tokens_per_s)
+            .map(|m| m.stages.iter().map(|r| r.seconds).fold(0.0, f64::max))
             .fold(f64::INFINITY, f64::min);
         Self {
-            phases: [p.forward, p.backward, p.recomputed, p.sync, p.optimizer].map(|b| b as f64),
+            phases: ranks
+                .iter()
+                .map(|r| {
+                    let p = r.phases;
+                    [p.forward, p.backward, p.recomputed, p.sync, p.optimizer].map(|b| b as f64)
+                })
+                .collect(),
+            resident: ranks.iter().map(|r| r.resident_bytes as f64).collect(),
+            host: ranks.iter().map(|r| r.host_bytes as f64).collect(),
             step_s,
         }
     }
 
-    /// `short` (at depth `a`) and `long` (one period `p` deeper) carried to depth `depth`, each
-    /// phase on its own line.
-    fn extrapolate(short: &Self, long: &Self, a: usize, p: usize, depth: usize) -> Self {
-        let periods = (depth as f64 - a as f64) / p as f64;
-        let line = |s: f64, l: f64| s + periods * (l - s);
+    /// `short` and `long` (one period deeper on every stage) carried to the full depth: per
+    /// rank, `periods[r]` periods past `short` on the line through both, plus what `uneven` (the
+    /// `short` split with the full one's extra blocks) added to `short`; the step time
+    /// `step_periods` along its line.
+    fn extrapolate(
+        short: &Self,
+        long: &Self,
+        uneven: Option<&Self>,
+        periods: &[f64],
+        step_periods: f64,
+    ) -> Self {
+        let line = |r: usize, s: f64, l: f64, u: Option<f64>| {
+            s + periods[r] * (l - s) + u.map_or(0.0, |u| u - s)
+        };
+        let per_rank = |pick: fn(&Self) -> &Vec<f64>| -> Vec<f64> {
+            (0..periods.len())
+                .map(|r| line(r, pick(short)[r], pick(long)[r], uneven.map(|u| pick(u)[r])))
+                .collect()
+        };
         Self {
-            phases: std::array::from_fn(|i| line(short.phases[i], long.phases[i])),
-            step_s: line(short.step_s, long.step_s).max(short.step_s),
+            phases: (0..periods.len())
+                .map(|r| {
+                    let at = |p: &Self, i: usize| p.phases[r][i];
+                    std::array::from_fn(|i| {
+                        line(r, at(short, i), at(long, i), uneven.map(|u| at(u, i)))
+                    })
+                })
+                .collect(),
+            resident: per_rank(|p| &p.resident),
+            host: per_rank(|p| &p.host),
+            step_s: (short.step_s + step_periods * (long.step_s - short.step_s)).max(short.step_s),
         }
     }
 }
 
-/// Probe `config` at two depths a period `p` apart and extrapolate to `model`'s. The shallower is
-/// one period, or two under full recomputation, which spares the last block (one block would
-/// have no recomputed pass to measure).
+/// The blocks each pipeline rank holds of a model `depth` blocks deep under `config`'s schedule
+/// (the balanced split, the longer runs first, a rank's stages `r`, `r + pp`, …); `[depth]`
+/// without a pipeline.
+fn rank_blocks(config: &PretrainConfig, depth: usize) -> Result<Vec<usize>, PretrainError> {
+    if config.parallel.pp <= 1 {
+        return Ok(vec![depth]);
+    }
+    let schedule = config.parallel.schedule()?;
+    let plan = wildfire_parallel::pipeline::StagePlan::balanced(depth, schedule.stages())?;
+    Ok((0..schedule.ranks())
+        .map(|rank| schedule.stages_of(rank).map(|s| plan.blocks(s).len()).sum())
+        .collect())
+}
+
+/// Probe `config` at two depths a period `p` per stage apart and extrapolate to `model`'s. The
+/// shallower is one period per stage `a`, or two: without a pipeline under full recomputation,
+/// which spares the last block (one block would have no recomputed pass to measure); under a
+/// pipeline where the model has three periods a stage, because a stage of one block peaks at
+/// another moment of its backward than a longer one (measured at pp 2 × dp 2, one sequence a
+/// micro-batch: the first stage's peak grew 279,808 bytes from one block to two, then 293,248
+/// a block).
+///
+/// Each pipeline rank is carried on its own lines. With one stage a rank, through the blocks
+/// it holds. With several (the interleaved schedule) and a split the stages share evenly,
+/// through the blocks of one stage. With several and an uneven split, the rank's stages differ —
+/// its first ones hold a block more — and what it holds is not a function of its total: the
+/// activations of a stage weigh by the micro-batches in flight there, a stage re-materialised
+/// whole weighs by its own length. A third probe then runs the short split with the full one's
+/// extra blocks (`stages·a + depth mod stages` blocks): linear in each stage's blocks, the full
+/// depth is the short probe, whole periods along the line to the long one, and the third's
+/// difference from the short for the extra blocks.
 fn probe<B: FusedOps>(
     config: &PretrainConfig,
     model: &ModelConfig,
     device: &B::Device,
     p: usize,
-    tokens: usize,
 ) -> Result<Probe, PretrainError> {
     let depth = model.n_layer();
+    let (stages, pp) = match config.parallel.pp {
+        0 | 1 => (1, 1),
+        pp => (config.parallel.schedule()?.stages(), pp),
+    };
     let a = match config.parallel.recompute {
-        Recompute::Full if depth >= 2 * p => 2 * p,
+        Recompute::Full if stages == 1 && depth >= 2 * p => 2 * p,
+        _ if stages > 1 && depth >= 3 * p * stages => 2 * p,
         _ => p,
     };
-    let short = Probe::of(
-        &run_on::<B>(&probe_config(config, model, a), device)?,
-        tokens,
-    );
-    let long = Probe::of(
-        &run_on::<B>(&probe_config(config, model, a + p), device)?,
-        tokens,
-    );
-    Ok(Probe::extrapolate(&short, &long, a, p, depth))
+    let measure = |n_layer: usize| -> Result<Probe, PretrainError> {
+        Ok(Probe::of(&run_on::<B>(
+            &probe_config(config, model, n_layer),
+            device,
+        )?))
+    };
+    let (short, long) = (measure(stages * a)?, measure(stages * (a + p))?);
+    let step_periods = (depth as f64 / stages as f64 - a as f64) / p as f64;
+    if stages > pp && !depth.is_multiple_of(stages) {
+        let uneven = measure(stages * a + depth % stages)?;
+        let periods = vec![((depth / stages) as f64 - a as f64) / p as f64; pp];
+        return Ok(Probe::extrapolate(
+            &short,
+            &long,
+            Some(&uneven),
+            &periods,
+            step_periods,
+        ));
+    }
+    let [s, l, f] = [stages * a, stages * (a + p), depth].map(|n| rank_blocks(config, n));
+    let (s, l, f) = (s?, l?, f?);
+    let periods: Vec<f64> = (0..s.len())
+        .map(|r| (f[r] as f64 - s[r] as f64) / (l[r] as f64 - s[r] as f64))
+        .collect();
+    Ok(Probe::extrapolate(
+        &short,
+        &long,
+        None,
+        &periods,
+        step_periods,
+    ))
 }
 
 /// Plan `config` (see the module docs) on backend `B`: probe runs on `device`.
@@ -326,16 +432,8 @@ pub fn plan_on<B: FusedOps>(
                 .into(),
         ));
     }
-    if config.parallel.pp > 1 {
-        return Err(PretrainError::Config(
-            "--plan auto does not plan pipeline stages (--pp) yet: choose --fsdp and \
-             --recompute by hand"
-                .into(),
-        ));
-    }
     let model = load_data(config)?.model;
     let p = period(&model);
-    let tokens = config.batch_size * model.block_size();
     let strategies: &[FsdpStrategy] = if config.parallel.dims().shard_degree() > 1 {
         &[
             FsdpStrategy::NoShard,
@@ -378,7 +476,7 @@ pub fn plan_on<B: FusedOps>(
         let f32_state = (OptimState::F32, Offload::None);
         let by_policy = policies
             .iter()
-            .map(|&r| probe::<B>(&at(r, f32_state).apply(config), &model, device, p, tokens))
+            .map(|&r| probe::<B>(&at(r, f32_state).apply(config), &model, device, p))
             .collect::<Result<Vec<_>, _>>()?;
         // Another moment dtype or the offload changes the sync and the optimizer step (its
         // transients: a tensor's moments widened to f32 on the way) whatever the recomputation:
@@ -386,41 +484,52 @@ pub fn plan_on<B: FusedOps>(
         let full = Recompute::Full;
         let by_variant = variants[1..]
             .iter()
-            .map(|&v| probe::<B>(&at(full, v).apply(config), &model, device, p, tokens))
+            .map(|&v| probe::<B>(&at(full, v).apply(config), &model, device, p))
             .collect::<Result<Vec<_>, _>>()?;
-        // What lives on the device throughout: the optimizer state, and the parameters' pieces
-        // unless offloaded.
-        let state = |c: &Candidate| {
-            let e = estimate(&c.apply(config), &model);
-            (e.optim_bytes + e.param_bytes) as f64
-        };
+        let base = &by_policy[policies.len() - 1];
         for (&recompute, measured) in policies.iter().zip(&by_policy) {
             for (v, &variant) in variants.iter().enumerate() {
                 let candidate = at(recompute, variant);
-                // The forward and backward as measured with f32 moments, the optimizer state
-                // (alive throughout) swapped for this one's; the sync and the step its own.
-                let shift = state(&candidate) - state(&at(recompute, f32_state));
-                let (tail, step_s) = match v {
+                // The forward and backward as measured with f32 moments, what lives on the
+                // device throughout (the optimizer state, the parameters' pieces unless
+                // offloaded) swapped for this one's; the sync and the step its own.
+                let (own, step_s) = match v {
                     0 => (measured, measured.step_s),
                     _ => {
                         let own = &by_variant[v - 1];
-                        let base = &by_policy[policies.len() - 1];
                         (own, measured.step_s + (own.step_s - base.step_s))
                     }
                 };
-                let phases = [
-                    measured.phases[0] + shift,
-                    measured.phases[1] + shift,
-                    measured.phases[2] + shift,
-                    tail.phases[3],
-                    tail.phases[4],
-                ];
-                let peak = phases.into_iter().fold(0.0, f64::max);
-                let e = estimate(&candidate.apply(config), &model);
+                let peak = (0..measured.phases.len())
+                    .map(|r| {
+                        let (m, t, b) = (&measured.phases[r], &own.phases[r], &base.phases[r]);
+                        let shift = |i: usize| match v {
+                            0 => 0.0,
+                            _ if b[i] > 0.0 => t[i] - b[i],
+                            _ => own.resident[r] - base.resident[r],
+                        };
+                        [
+                            m[0] + shift(0),
+                            m[1] + shift(1),
+                            m[2] + shift(2),
+                            t[3],
+                            t[4],
+                        ]
+                        .into_iter()
+                        .fold(0.0, f64::max)
+                    })
+                    .fold(0.0, f64::max);
+                // Host bytes: the estimate's without a pipeline (exact), else the largest
+                // rank's, extrapolated like the peaks.
+                let host_bytes = if config.parallel.pp > 1 {
+                    own.host.iter().copied().fold(0.0, f64::max).round() as u64
+                } else {
+                    estimate(&candidate.apply(config), &model).host_bytes as u64
+                };
                 candidates.push(Predicted {
                     candidate,
                     peak_bytes: peak.round() as u64,
-                    host_bytes: e.host_bytes as u64,
+                    host_bytes,
                     // (Timing noise could make the difference more than the whole.)
                     step_s: if step_s > 0.0 {
                         step_s

@@ -276,6 +276,9 @@ impl RankRun<'_> {
             let tokens = config.batch_size * self.data.model.block_size();
             let (mut m, elapsed) =
                 watch.finish(&ctx, step, lr, &record, trainee.param_bytes(), tokens);
+            if config.rank_peaks || config.parallel.pp > 1 {
+                m.stages = self.ranks_peaks(device, &m, elapsed)?;
+            }
             // The wall clock's steps are the seconds the metrics report.
             if step == self.first_step {
                 summary.wall.first_step = elapsed;
@@ -448,6 +451,31 @@ impl RankRun<'_> {
             member.set_tracing(false);
         }
         summary.final_heap_peak = crate::alloc::heap_peak() as u64;
+    }
+
+    /// Every pipeline position's peaks in the step `m` (`elapsed` seconds), the largest over
+    /// the ranks there ([`wildfire_engine::metrics::ranks_peaks`]).
+    fn ranks_peaks<B: FusedOps>(
+        &self,
+        device: &DistDevice<B>,
+        m: &StepMetrics,
+        elapsed: f64,
+    ) -> Result<Vec<wildfire_engine::RankPeaks>, PretrainError> {
+        let (ctx, mesh) = (device.context(), device.mesh());
+        let (position, positions) = match mesh.axis_index(wildfire_parallel::PIPELINE_AXIS) {
+            Ok(axis) => (mesh.group_index(device.rank(), axis), mesh.axis_size(axis)),
+            Err(_) => (0, 1),
+        };
+        let mine = wildfire_engine::RankPeaks {
+            peak_bytes: m.peak_bytes,
+            phases: m.phases,
+            resident_bytes: ctx.live_bytes(),
+            host_bytes: m.host_bytes,
+            seconds: elapsed,
+        };
+        Ok(wildfire_engine::metrics::ranks_peaks(
+            ctx, position, positions, mine,
+        )?)
     }
 
     /// Rank 0's report: the metrics file, the progress bar, the log line (with MFU given
