@@ -212,7 +212,7 @@ pub struct PretrainConfig {
     #[arg(skip = false)]
     pub gather_parameters: bool,
     /// Every pipeline position's peaks, the largest over the mesh's ranks there, after each step
-    /// ([`StepMetrics::stages`]; one small all-reduce): always under `--pp`, where the stages
+    /// ([`StepMetrics::stages`](crate::pretrain::StepMetrics::stages); one small all-reduce): always under `--pp`, where the stages
     /// differ, and in the memory planner's probes, so that every process plans from the same
     /// numbers.
     #[serde(default, skip_serializing)]

@@ -36,6 +36,22 @@ fn small(steps: usize) -> PretrainConfig {
     }
 }
 
+/// `layout` with two pipeline ranks, two micro-batches a step, and `virtual_stages` stages a
+/// rank (the interleaved schedule when more than one, else the default).
+fn two_stages(layout: ParallelConfig, virtual_stages: usize) -> ParallelConfig {
+    ParallelConfig {
+        pp: 2,
+        microbatches: 2,
+        pp_virtual: virtual_stages,
+        pp_schedule: if virtual_stages > 1 {
+            "interleaved".into()
+        } else {
+            ParallelConfig::default().pp_schedule
+        },
+        ..layout
+    }
+}
+
 /// The tiny Llama directory `transformers` wrote (grouped heads, an untied head).
 fn transformers_llama_dir() -> PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_tiny/untied")

@@ -541,16 +541,8 @@ fn four_layers_with_dropout() -> PretrainConfig {
 /// virtual stages (rank 0 holds stages 0 and 2 of 4), and a Llama in two stages.
 #[test]
 fn pipeline_memory_estimate_is_rank_zeros_accounting() {
-    let pp = |dp: usize, tp: usize, fsdp: FsdpStrategy, virtual_stages: usize| ParallelConfig {
-        pp: 2,
-        microbatches: 2,
-        pp_virtual: virtual_stages,
-        pp_schedule: if virtual_stages > 1 {
-            "interleaved".into()
-        } else {
-            ParallelConfig::default().pp_schedule
-        },
-        ..ParallelConfig::layout(dp, tp, fsdp, None)
+    let pp = |dp, tp, fsdp, virtual_stages| {
+        two_stages(ParallelConfig::layout(dp, tp, fsdp, None), virtual_stages)
     };
     let mut four = small(1);
     four.model.n_layer = Some(4);

@@ -233,17 +233,10 @@ fn planner_plans_a_run_from_hugging_face_weights() {
 fn planner_plans_pipeline_stages() {
     let pipelined = |virtual_stages: usize, layers: usize| {
         let mut config = PretrainConfig {
-            parallel: ParallelConfig {
-                pp: 2,
-                microbatches: 2,
-                pp_virtual: virtual_stages,
-                pp_schedule: if virtual_stages > 1 {
-                    "interleaved".into()
-                } else {
-                    ParallelConfig::default().pp_schedule
-                },
-                ..ParallelConfig::layout(1, 1, FsdpStrategy::NoShard, None)
-            },
+            parallel: two_stages(
+                ParallelConfig::layout(1, 1, FsdpStrategy::NoShard, None),
+                virtual_stages,
+            ),
             memory_budget: Some(u64::MAX / 2),
             plan: PlanMode::Auto,
             ..small(3)
