@@ -111,8 +111,11 @@ fn main() -> Result<()> {
             "wgpu" => plan_on::<burn::backend::Wgpu>(&config, &Default::default())?,
             other => bail!("--estimate --plan auto measures on flex or wgpu, not {other}"),
         };
-        print!("{}", plan.table());
-        println!("chosen: {}", plan.choice().candidate.flags());
+        // Under a launcher every process plans the same; the first reports.
+        if LaunchEnv::detect()?.is_none_or(|env| env.rank == 0) {
+            print!("{}", plan.table());
+            println!("chosen: {}", plan.choice().candidate.flags());
+        }
         return Ok(());
     }
     if args.estimate {

@@ -144,6 +144,24 @@ got, straight = ([(r["step"], r["loss"]) for r in map(json.loads, open(p))] for 
 assert got[-4:] == straight[-4:], (got, straight)
 print(f"relaunched on 2 processes: the last steps {got[-4:]} are the uninterrupted run's, bitwise")
 PY
+echo "--- the memory planner under mpirun: the processes probe together in the run's one launch and plan the same"
+est=(--estimate --plan auto --memory-budget 20000000 --dp 2)
+mpi_plan=$(mpi -np 2 "$pretrain" "${est[@]}" 2>/dev/null) || fail "plan estimate: $mpi_plan"
+[ "$(grep -c '^chosen: --fsdp' <<<"$mpi_plan")" = 1 ] || fail "plan estimate: not one report: $mpi_plan"
+threads_plan=$("$pretrain" "${est[@]}" 2>/dev/null)
+# The predicted peaks and host bytes (not the step times, nor the choice they decide) are the
+# ranks-as-threads plan's.
+peaks() { grep '^| `' | sed 's/ (chosen)//' | awk -F'|' '{print $2, $3, $4, $6}'; }
+[ "$(peaks <<<"$mpi_plan")" = "$(peaks <<<"$threads_plan")" ] || fail "plan: peaks differ: $mpi_plan vs $threads_plan"
+out=$(mpi -np 2 "$pretrain" --plan auto --memory-budget 12000000 --dp 2 --steps 3 --sample-tokens 0 \
+    --eval-every 0 --plot "$tmp/plan.png" --metrics "$tmp/plan.jsonl" 2>&1) || fail "planned run: $out"
+grep -q -- '--plan auto: --fsdp' <<<"$out" || fail "planned run: no plan logged: $out"
+python3 - "$tmp/plan.jsonl" <<'PY'
+import json, sys
+peaks = [r["peak_bytes"] for r in map(json.loads, open(sys.argv[1]))]
+assert len(peaks) == 3 and max(peaks) <= 12000000, peaks
+print(f"planned under mpirun: 3 steps within the 12 MB budget (peaks {peaks})")
+PY
 echo "--- burn-train's Learner under mpirun (FSDP, one process per rank): the curve of ranks-as-threads"
 lf=(--dp 2 --epochs 2 --rows 256)
 mpi_curve=$(mpi -np 2 "$learner" "${lf[@]}" --dir "$tmp/lf-mpi" 2>/dev/null | grep '^curve:')

@@ -196,12 +196,14 @@ struct CheckpointState {
     scaler: Option<DynamicLossScaler>,
 }
 
-/// The data of a run and the model shape it implies (the vocabulary is the data's).
+/// The data of a run and the model shape it implies (the vocabulary is the data's). Cheap to
+/// clone: the tokens are shared.
+#[derive(Clone)]
 pub struct RunData {
     /// The tokenizer.
     pub tokenizer: Tokenizer,
     /// All tokens.
-    pub dataset: TokenDataset,
+    pub dataset: std::sync::Arc<TokenDataset>,
     /// The model shape.
     pub model: ModelConfig,
 }
@@ -215,7 +217,7 @@ pub fn load_data(config: &PretrainConfig) -> Result<RunData, PretrainError> {
     tracing::info!(model = ?model, params = model.num_params(), tokens = dataset.len(), data = %config.data.source());
     Ok(RunData {
         tokenizer,
-        dataset,
+        dataset: std::sync::Arc::new(dataset),
         model,
     })
 }
@@ -261,7 +263,10 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     let started = Instant::now();
     // 1. Configuration: refuse what cannot run before any work.
     config.check()?;
-    if config.plan == PlanMode::Auto {
+    // Ranks as threads plan first, each probe a launch of its own; a launched process can be
+    // launched once (MPI is initialised once), so there every rank plans inside the run's own
+    // launch, before it builds the model (`run_once`).
+    if config.plan == PlanMode::Auto && config.launch == Launch::Threads {
         let plan = plan_on::<B>(config, device)?;
         let planned = started.elapsed().as_secs_f64();
         let chosen = PretrainConfig {
@@ -363,6 +368,29 @@ fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
             Launch::Threads => None,
             _ => open_metrics(device.rank())?,
         };
+        // Under a launcher, the plan (every rank probes together, and chooses the same).
+        let planned = match config.plan {
+            PlanMode::Auto => {
+                let plan_started = Instant::now();
+                let plan = plan::plan_in_job(config, &data, &device)?;
+                let chosen = PretrainConfig {
+                    plan: PlanMode::Off,
+                    ..plan.choice().candidate.apply(config)
+                };
+                chosen.check()?;
+                if device.rank() == 0 {
+                    tracing::info!(
+                        "--plan auto: {} (predicted peak {} bytes per rank)\n{}",
+                        plan.choice().candidate.flags(),
+                        plan.choice().peak_bytes,
+                        plan.table()
+                    );
+                }
+                Some((plan, chosen, plan_started.elapsed().as_secs_f64()))
+            }
+            PlanMode::Off => None,
+        };
+        let config = planned.as_ref().map_or(config, |(_, chosen, _)| chosen);
         let run = RankRun {
             config,
             data: &data,
@@ -382,17 +410,12 @@ fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
             started: rank_started,
             attempt,
         };
-        let result = if config.parallel.pp > 1 {
-            run.train_pipelined(&device)
-        } else {
-            run.train(&device)
-        };
-        // A rank that stops with an error releases the others from waiting for it (ranks as
-        // threads): they fail at once, naming it and its error.
-        if let Err(e) = &result {
-            device.context().comm().fail(e.to_string());
+        let mut summary = train_rank(run, &device)?;
+        if let Some((plan, _, seconds)) = planned {
+            summary.plan = Some(plan);
+            summary.wall.plan = seconds;
         }
-        result
+        Ok(summary)
     };
     let launched = launch_job(&job, device, support, rank_body)?;
     let rank = launched.first_rank;
@@ -449,13 +472,64 @@ fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
     Ok(summary)
 }
 
+/// This rank's part of `run` on `device` (the job launched): the whole model, or its stages
+/// under `--pp`. A rank that stops with an error releases the others from waiting for it (ranks
+/// as threads): they fail at once, naming it and its error.
+fn train_rank<B: FusedOps>(
+    run: RankRun,
+    device: &DistDevice<B>,
+) -> Result<RunSummary, PretrainError> {
+    let result = if run.config.parallel.pp > 1 {
+        run.train_pipelined(device)
+    } else {
+        run.train(device)
+    };
+    if let Err(e) = &result {
+        device.context().comm().fail(e.to_string());
+    }
+    result
+}
+
+/// `config` run on this rank of a launched job (`device`) over `data`: no metrics file, resume
+/// or elastic attempt. The memory planner's probes, which every rank of the job runs together.
+fn run_on_rank<B: FusedOps>(
+    config: &PretrainConfig,
+    data: &RunData,
+    device: &DistDevice<B>,
+) -> Result<RunSummary, PretrainError> {
+    let block = data.model.block_size();
+    config.parallel.check_sequence(block)?;
+    let validate = config.eval_iters > 0;
+    let [(train, sampler), (val, val_sampler)] = (config.data).samplers(
+        &data.dataset,
+        config.seed,
+        block,
+        config.batch_size,
+        validate,
+    )?;
+    let data_rank = device.mesh().data_index(device.rank()).0;
+    let run = RankRun {
+        config,
+        data,
+        sampler: &sampler,
+        val_sampler: &val_sampler,
+        train,
+        val,
+        rows: sampler.rows_for(data_rank, config.parallel.dp)?,
+        metrics: None,
+        resume: None,
+        first_step: 0,
+        started: Instant::now(),
+        attempt: None,
+    };
+    train_rank(run, device)
+}
+
 /// The first rank's summary, or when it failed the root cause: the first error that is not a
 /// rank released by another's failure ([`wildfire_parallel::Error::PeerFailed`]) — a peer's
 /// timeout names the ranks it waited for, where rank 0 only learns that the job was aborted.
-fn first_or_root_cause(
-    results: Vec<Result<RunSummary, PretrainError>>,
-) -> Result<RunSummary, PretrainError> {
-    let released = |r: &Result<RunSummary, PretrainError>| {
+fn first_or_root_cause<T>(results: Vec<Result<T, PretrainError>>) -> Result<T, PretrainError> {
+    let released = |r: &Result<T, PretrainError>| {
         matches!(
             r,
             Err(PretrainError::Parallel(

@@ -41,6 +41,13 @@
 //! the stages do not share evenly), and the variants' shifts are each rank's own measured
 //! differences.
 //!
+//! **One launch.** The probes run inside one job of the run's mesh, every rank running each
+//! probe with the others ([`plan_in_job`]): ranks as threads, or one process each under
+//! `mpirun`/`srun`/`torchrun`, where a process can be launched once (MPI is initialised once)
+//! and the run itself plans inside its launch before it builds the model. Every probe gathers
+//! its peaks and its slowest rank's step time over the mesh, so every rank computes the same
+//! plan from the same numbers, with no message to agree on it.
+//!
 //! A candidate **fits** when its predicted peak and a 5% margin ([`MARGIN`], the accuracy the
 //! tests hold the prediction to: measured within 2% for the tiny GPT) are within the budget,
 //! which the run then enforces.
@@ -368,10 +375,11 @@ fn rank_blocks(config: &PretrainConfig, depth: usize) -> Result<Vec<usize>, Pret
 /// difference from the short for the extra blocks.
 fn probe<B: FusedOps>(
     config: &PretrainConfig,
-    model: &ModelConfig,
-    device: &B::Device,
+    data: &RunData,
+    device: &DistDevice<B>,
     p: usize,
 ) -> Result<Probe, PretrainError> {
+    let model = &data.model;
     let depth = model.n_layer();
     let (stages, pp) = match config.parallel.pp {
         0 | 1 => (1, 1),
@@ -383,10 +391,12 @@ fn probe<B: FusedOps>(
         _ => p,
     };
     let measure = |n_layer: usize| -> Result<Probe, PretrainError> {
-        Ok(Probe::of(&run_on::<B>(
-            &probe_config(config, model, n_layer),
-            device,
-        )?))
+        let cut = RunData {
+            model: model.clone().with_n_layer(n_layer),
+            ..data.clone()
+        };
+        let probe = probe_config(config, model, n_layer);
+        Ok(Probe::of(&super::run_on_rank(&probe, &cut, device)?))
     };
     let (short, long) = (measure(stages * a)?, measure(stages * (a + p))?);
     let step_periods = (depth as f64 / stages as f64 - a as f64) / p as f64;
@@ -415,24 +425,43 @@ fn probe<B: FusedOps>(
     ))
 }
 
-/// Plan `config` (see the module docs) on backend `B`: probe runs on `device`.
+/// Plan `config` (see the module docs) on backend `B`: one job of the run's mesh, launched as
+/// the run would be (ranks as threads sharing `device`, or this process's rank under `mpirun` or
+/// `srun`), whose ranks run every probe together ([`plan_in_job`]). The plan is this process's
+/// first rank's (every rank's is the same).
 pub fn plan_on<B: FusedOps>(
     config: &PretrainConfig,
     device: &B::Device,
 ) -> Result<Plan, PretrainError> {
-    let Some(budget) = config.memory_budget else {
-        return Err(PretrainError::Config(
+    budget_of(config)?;
+    let data = load_data(config)?;
+    let job = job_spec(config)?;
+    let launched = wildfire_parallel::launch_job(&job, device, &HostLaunch, |d: DistDevice<B>| {
+        plan_in_job(config, &data, &d)
+    })?;
+    super::first_or_root_cause(launched.results)
+}
+
+/// `--plan auto`'s budget: `--memory-budget`, which it needs.
+fn budget_of(config: &PretrainConfig) -> Result<u64, PretrainError> {
+    config.memory_budget.ok_or_else(|| {
+        PretrainError::Config(
             "--plan auto plans for a per-rank budget: give --memory-budget BYTES".into(),
-        ));
-    };
-    if config.launch != Launch::Threads {
-        return Err(PretrainError::Config(
-            "--plan auto measures its candidates with ranks as threads; under a launcher \
-             (mpirun, srun, torchrun) choose --fsdp and --recompute by hand (--estimate helps)"
-                .into(),
-        ));
-    }
-    let model = load_data(config)?.model;
+        )
+    })
+}
+
+/// Plan `config` over `data` (see the module docs) on this rank of a launched job (`device`):
+/// every rank of the job calls it, runs each probe with the others, and reaches the same plan —
+/// the probes' peaks and step times are gathered over the mesh ([`StepMetrics::stages`]), so
+/// every process reads the same numbers.
+pub(super) fn plan_in_job<B: FusedOps>(
+    config: &PretrainConfig,
+    data: &RunData,
+    device: &DistDevice<B>,
+) -> Result<Plan, PretrainError> {
+    let budget = budget_of(config)?;
+    let model = data.model.clone();
     let p = period(&model);
     let strategies: &[FsdpStrategy] = if config.parallel.dims().shard_degree() > 1 {
         &[
@@ -476,7 +505,7 @@ pub fn plan_on<B: FusedOps>(
         let f32_state = (OptimState::F32, Offload::None);
         let by_policy = policies
             .iter()
-            .map(|&r| probe::<B>(&at(r, f32_state).apply(config), &model, device, p))
+            .map(|&r| probe(&at(r, f32_state).apply(config), data, device, p))
             .collect::<Result<Vec<_>, _>>()?;
         // Another moment dtype or the offload changes the sync and the optimizer step (its
         // transients: a tensor's moments widened to f32 on the way) whatever the recomputation:
@@ -484,7 +513,7 @@ pub fn plan_on<B: FusedOps>(
         let full = Recompute::Full;
         let by_variant = variants[1..]
             .iter()
-            .map(|&v| probe::<B>(&at(full, v).apply(config), &model, device, p))
+            .map(|&v| probe(&at(full, v).apply(config), data, device, p))
             .collect::<Result<Vec<_>, _>>()?;
         let base = &by_policy[policies.len() - 1];
         for (&recompute, measured) in policies.iter().zip(&by_policy) {
