@@ -269,17 +269,7 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     if config.plan == PlanMode::Auto && config.launch == Launch::Threads {
         let plan = plan_on::<B>(config, device)?;
         let planned = started.elapsed().as_secs_f64();
-        let chosen = PretrainConfig {
-            plan: PlanMode::Off,
-            ..plan.choice().candidate.apply(config)
-        };
-        tracing::info!(
-            "--plan auto: {} (predicted peak {} bytes per rank)\n{}",
-            plan.choice().candidate.flags(),
-            plan.choice().peak_bytes,
-            plan.table()
-        );
-        chosen.check()?;
+        let chosen = plan.chosen_config(config, true)?;
         let mut summary = elastic::run_elastic::<B, D>(&chosen, device, support)?;
         summary.plan = Some(plan);
         summary.wall.plan = planned;
@@ -373,19 +363,7 @@ fn run_once<B: FusedOps, D: DeviceLaunch<B>>(
             PlanMode::Auto => {
                 let plan_started = Instant::now();
                 let plan = plan::plan_in_job(config, &data, &device)?;
-                let chosen = PretrainConfig {
-                    plan: PlanMode::Off,
-                    ..plan.choice().candidate.apply(config)
-                };
-                chosen.check()?;
-                if device.rank() == 0 {
-                    tracing::info!(
-                        "--plan auto: {} (predicted peak {} bytes per rank)\n{}",
-                        plan.choice().candidate.flags(),
-                        plan.choice().peak_bytes,
-                        plan.table()
-                    );
-                }
+                let chosen = plan.chosen_config(config, device.rank() == 0)?;
                 Some((plan, chosen, plan_started.elapsed().as_secs_f64()))
             }
             PlanMode::Off => None,

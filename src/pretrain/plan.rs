@@ -209,6 +209,29 @@ impl Plan {
         &self.candidates[self.chosen]
     }
 
+    /// `config` with the chosen candidate's flags, checked, to train with; with `log`, the
+    /// choice and the table logged.
+    pub(super) fn chosen_config(
+        &self,
+        config: &PretrainConfig,
+        log: bool,
+    ) -> Result<PretrainConfig, PretrainError> {
+        let chosen = PretrainConfig {
+            plan: PlanMode::Off,
+            ..self.choice().candidate.apply(config)
+        };
+        if log {
+            tracing::info!(
+                "--plan auto: {} (predicted peak {} bytes per rank)\n{}",
+                self.choice().candidate.flags(),
+                self.choice().peak_bytes,
+                self.table()
+            );
+        }
+        chosen.check()?;
+        Ok(chosen)
+    }
+
     /// The candidates as a markdown table, the choice marked.
     pub fn table(&self) -> String {
         let mut out = format!(
@@ -427,7 +450,7 @@ fn probe<B: FusedOps>(
 
 /// Plan `config` (see the module docs) on backend `B`: one job of the run's mesh, launched as
 /// the run would be (ranks as threads sharing `device`, or this process's rank under `mpirun` or
-/// `srun`), whose ranks run every probe together ([`plan_in_job`]). The plan is this process's
+/// `srun`), whose ranks run every probe together. The plan is this process's
 /// first rank's (every rank's is the same).
 pub fn plan_on<B: FusedOps>(
     config: &PretrainConfig,
