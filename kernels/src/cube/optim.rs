@@ -174,22 +174,28 @@ fn unscale_cubes<R: CubeRuntime>(grad: &CubeTensor<R>) -> usize {
         .clamp(1, 1024)
 }
 
-/// Where the unscale kernel writes a gradient's unscaled values: a new tensor, or — where
-/// `inv_scale` is 1 — nowhere: the kernel only reads, and the unscaled values are the gradient's
-/// own bit for bit (no gradient-sized write and allocation: every run without a loss scale, f32
-/// and bf16). `stand_in` keeps the one-element tensor the kernel binds then, one per dtype.
+/// Where the unscale kernel writes a gradient's unscaled values, and whether it writes: a new
+/// tensor, or — where `inv_scale` is 1 — nowhere: the kernel only reads, and the unscaled values
+/// are the gradient's own bit for bit (no gradient-sized write and allocation: every run without
+/// a loss scale, f32 and bf16). `stand_in` keeps the one-element tensor the kernel binds then,
+/// one per dtype.
 fn unscale_output<R: CubeRuntime>(
     grad: &CubeTensor<R>,
     inv_scale: f64,
     stand_in: &mut Vec<CubeTensor<R>>,
-) -> Option<CubeTensor<R>> {
+) -> (CubeTensor<R>, bool) {
     if inv_scale != 1.0 {
-        return Some(empty_like(grad));
+        return (empty_like(grad), true);
     }
-    if !stand_in.iter().any(|s| s.dtype == grad.dtype) {
-        stand_in.push(empty(grad, [1].into(), grad.dtype));
-    }
-    None
+    let bound = match stand_in.iter().find(|s| s.dtype == grad.dtype) {
+        Some(s) => s.clone(),
+        None => {
+            let s = empty(grad, [1].into(), grad.dtype);
+            stand_in.push(s.clone());
+            s
+        }
+    };
+    (bound, false)
 }
 
 /// Launches the unscale kernel on (contiguous) `grad` with `cubes` ([`unscale_cubes`]), its
@@ -203,20 +209,13 @@ fn unscale_into<R: CubeRuntime>(
     copies: usize,
     stand_in: &mut Vec<CubeTensor<R>>,
 ) -> CubeTensor<R> {
-    let output = unscale_output(&grad, inv_scale, stand_in);
-    let bound = match &output {
-        Some(out) => out,
-        None => stand_in
-            .iter()
-            .find(|s| s.dtype == grad.dtype)
-            .expect("a stand-in"),
-    };
+    let (bound, write) = unscale_output(&grad, inv_scale, stand_in);
     unscale_kernel::launch::<R>(
         &grad.client,
         CubeCount::Static(cubes as u32, 1, 1),
         CubeDim::new_1d(UNSCALE_BLOCK as u32),
         arg(&grad),
-        arg(bound),
+        arg(&bound),
         arg(partials.0),
         arg(partials.1),
         grad.shape().num_elements() as u32,
@@ -224,11 +223,11 @@ fn unscale_into<R: CubeRuntime>(
         offset as u32,
         copies as f32,
         UNSCALE_BLOCK,
-        output.is_some(),
+        write,
         grad.dtype.into(),
     );
     launched(1);
-    output.unwrap_or(grad)
+    if write { bound } else { grad }
 }
 
 /// [`crate::FusedOps::fused_unscale_all`]: every gradient's cube partials in one pair of
