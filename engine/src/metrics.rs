@@ -533,6 +533,43 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
     }
 
+    /// The metrics file reads back every `f64` bit for bit (serde_json's `float_roundtrip`: its
+    /// default parser can be an ulp off, e.g. a restart's 2.0248772329999998 s read back as
+    /// 2.024877233).
+    #[test]
+    fn the_log_reads_back_every_f64_exactly() {
+        let path = std::env::temp_dir().join(format!("wildfire-f64-{}", std::process::id()));
+        let seconds = [
+            2.0248772329999998,
+            0.1 + 0.2,
+            1e-300,
+            f64::MAX,
+            123.456_789_012_345_67,
+        ];
+        let log = MetricsLog::open(&path, false).unwrap();
+        for (step, &s) in seconds.iter().enumerate() {
+            let restart = Restart {
+                detect: s,
+                ..Default::default()
+            };
+            log.write(&StepMetrics {
+                step,
+                lr: s,
+                tokens_per_s: s,
+                restart: Some(restart),
+                ..Default::default()
+            })
+            .unwrap();
+        }
+        drop(log);
+        for (m, &s) in MetricsLog::read(&path).unwrap().iter().zip(&seconds) {
+            assert_eq!(m.lr.to_bits(), s.to_bits());
+            assert_eq!(m.tokens_per_s.to_bits(), s.to_bits());
+            assert_eq!(m.restart.as_ref().unwrap().detect.to_bits(), s.to_bits());
+        }
+        std::fs::remove_file(&path).unwrap();
+    }
+
     #[test]
     fn the_log_line_has_mfu_only_when_asked() {
         let m = StepMetrics {
