@@ -49,6 +49,7 @@ pub struct StepReporter<'a> {
     steps: usize,
     log_every: usize,
     mfu: Option<MfuSpec>,
+    quiet: bool,
 }
 
 impl<'a> StepReporter<'a> {
@@ -79,7 +80,15 @@ impl<'a> StepReporter<'a> {
             steps,
             log_every: log_every.max(1),
             mfu: None,
+            quiet: false,
         }
+    }
+
+    /// With `quiet`, the log lines at debug level (runs a user did not ask for, such as the
+    /// memory planner's probes).
+    pub fn quiet(mut self, quiet: bool) -> Self {
+        self.quiet = quiet;
+        self
     }
 
     /// The log line with the model FLOPs utilisation.
@@ -109,9 +118,13 @@ impl<'a> StepReporter<'a> {
                 )
             });
             let line = m.log_line(mfu);
+            let emit = || match self.quiet {
+                true => tracing::debug!("{line}"),
+                false => tracing::info!("{line}"),
+            };
             match &self.bar {
-                Some(bar) => bar.suspend(|| tracing::info!("{line}")),
-                None => tracing::info!("{line}"),
+                Some(bar) => bar.suspend(emit),
+                None => emit(),
             }
         }
         Ok(())

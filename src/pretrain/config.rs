@@ -165,12 +165,6 @@ pub struct PretrainConfig {
     #[serde(default)]
     #[arg(long, value_name = "FILE", help_heading = "Evaluation and checkpoints")]
     pub init_from: Option<PathBuf>,
-    /// The model's shape as given instead of resolved from the model flags or `--init-from`'s
-    /// `config.json` (the planner's probes: the run's model cut to fewer blocks). Not a flag,
-    /// not stored.
-    #[serde(skip)]
-    #[arg(skip)]
-    pub shape_override: Option<ModelConfig>,
     /// At the end, write the last checkpoint's weights as one Hugging Face safetensors file
     /// (GPT-2's or Llama's names; needs --save), streamed tensor by tensor.
     #[serde(default)]
@@ -218,6 +212,11 @@ pub struct PretrainConfig {
     #[serde(default, skip_serializing)]
     #[arg(skip = false)]
     pub rank_peaks: bool,
+    /// The step lines at debug level, not info (the memory planner's probes: dozens of short
+    /// runs before the real one).
+    #[serde(default, skip_serializing)]
+    #[arg(skip = false)]
+    pub quiet_steps: bool,
     /// Ranks as threads of this process, or this process as one rank of a launched job (set
     /// from the environment by [`PretrainConfig::apply_launcher`]).
     #[serde(default)]
@@ -439,12 +438,8 @@ impl PretrainConfig {
     }
 
     /// The model shape for a vocabulary of `vocab` tokens ([`ModelFlags::resolve`]): the
-    /// preset's with the model flags over it, or a Hugging Face directory's `config.json`'s (or
-    /// [`Self::shape_override`]).
+    /// preset's with the model flags over it, or a Hugging Face directory's `config.json`'s.
     pub fn model_shape(&self, vocab: usize) -> Result<ModelConfig, wildfire_models::Error> {
-        if let Some(shape) = &self.shape_override {
-            return Ok(shape.clone());
-        }
         self.model.resolve(vocab, self.init_from.as_deref())
     }
 

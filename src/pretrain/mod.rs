@@ -260,22 +260,8 @@ pub fn run_on_with<B: FusedOps, D: DeviceLaunch<B>>(
     device: &B::Device,
     support: &D,
 ) -> Result<RunSummary, PretrainError> {
-    let started = Instant::now();
     // 1. Configuration: refuse what cannot run before any work.
     config.check()?;
-    // Ranks as threads plan first, each probe a launch of its own; a launched process can be
-    // launched once (MPI is initialised once), so there every rank plans inside the run's own
-    // launch, before it builds the model (`run_once`).
-    if config.plan == PlanMode::Auto && config.launch == Launch::Threads {
-        let plan = plan_on::<B>(config, device)?;
-        let planned = started.elapsed().as_secs_f64();
-        let chosen = plan.chosen_config(config, true)?;
-        let mut summary = elastic::run_elastic::<B, D>(&chosen, device, support)?;
-        summary.plan = Some(plan);
-        summary.wall.plan = planned;
-        summary.wall.total = started.elapsed().as_secs_f64();
-        return Ok(summary);
-    }
     elastic::run_elastic::<B, D>(config, device, support)
 }
 

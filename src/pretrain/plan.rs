@@ -262,11 +262,11 @@ fn period(model: &ModelConfig) -> usize {
     }
 }
 
-/// `config` with its model (`model`) cut to `n_layer` blocks, run for three quiet steps, without
-/// the budget, from random weights (a run from Hugging Face weights holds the same bytes).
-fn probe_config(config: &PretrainConfig, model: &ModelConfig, n_layer: usize) -> PretrainConfig {
+/// `config` run for three quiet steps, without the budget, from random weights (a run from
+/// Hugging Face weights holds the same bytes); the probe's model, cut to fewer blocks, is its
+/// [`RunData`]'s.
+fn probe_config(config: &PretrainConfig) -> PretrainConfig {
     let mut probe = config.clone();
-    probe.shape_override = Some(model.clone().with_n_layer(n_layer));
     probe.init_from = None;
     probe.plan = PlanMode::Off;
     probe.memory_budget = None;
@@ -288,6 +288,7 @@ fn probe_config(config: &PretrainConfig, model: &ModelConfig, n_layer: usize) ->
     probe.max_restarts = 0;
     probe.fail_at = None;
     probe.rank_peaks = true;
+    probe.quiet_steps = true;
     probe
 }
 
@@ -418,8 +419,11 @@ fn probe<B: FusedOps>(
             model: model.clone().with_n_layer(n_layer),
             ..data.clone()
         };
-        let probe = probe_config(config, model, n_layer);
-        Ok(Probe::of(&super::run_on_rank(&probe, &cut, device)?))
+        Ok(Probe::of(&super::run_on_rank(
+            &probe_config(config),
+            &cut,
+            device,
+        )?))
     };
     let (short, long) = (measure(stages * a)?, measure(stages * (a + p))?);
     let step_periods = (depth as f64 / stages as f64 - a as f64) / p as f64;

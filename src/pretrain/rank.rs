@@ -497,6 +497,7 @@ impl RankRun<'_> {
             config.progress,
         )
         .with_mfu(mfu)
+        .quiet(config.quiet_steps)
     }
 
     /// `--sample-tokens` generation's prompt (a newline) and sampler (temperature 0.8, top 40).
