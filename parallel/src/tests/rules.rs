@@ -101,6 +101,19 @@ fn binary_rules_match_full_tensors() {
         1,
         op2!(3, 3, |a, b| a + b),
     );
+    // Broadcast over leading dims of size 1 (run as rows of the trailing block), either side.
+    check2(
+        "broadcast_sub_rows",
+        ([1, 4, 8], [4, 4, 8]),
+        5,
+        op2!(3, 3, |a, b| a - b),
+    );
+    check2(
+        "broadcast_div_rows",
+        ([2, 2, 4, 8], [1, 1, 4, 8]),
+        7,
+        op2!(4, 4, |a, b| a / (b.abs() + 1.0)),
+    );
     check2(
         "broadcast_mul",
         ([4, 4, 8], [4, 4, 1]),

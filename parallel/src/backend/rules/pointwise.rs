@@ -355,7 +355,52 @@ pub(crate) fn binary<B: Backend>(
         .collect();
     let device = lhs.device.clone();
     let (l, r) = promoted(op, lhs, rhs);
-    DTensor::new_shaped(f(l, r), out, Shape::from(shape), device)
+    DTensor::new_shaped(as_rows::<B>(l, r, f), out, Shape::from(shape), device)
+}
+
+/// `f` of two local pieces of one rank where one broadcasts over leading dims of size 1 against
+/// the other's trailing block (`[b, t, d] + [1, t, d]`: a GPT's token plus position embeddings):
+/// run on both viewed as rows (`[b, t·d] + [1, t·d]`), one shared row, which Flex's broadcasting
+/// kernel runs as a vector loop where the 3-D broadcast walks its strided iterator element by
+/// element. The same elementwise op on the same pairs: the same numbers. Any other pair of
+/// shapes is `f` as it is.
+fn as_rows<B: Backend>(
+    l: B::FloatTensorPrimitive,
+    r: B::FloatTensorPrimitive,
+    f: impl FnOnce(B::FloatTensorPrimitive, B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
+) -> B::FloatTensorPrimitive {
+    let (ls, rs) = (l.shape(), r.shape());
+    match row_split(&ls, &rs) {
+        Some(k) => {
+            let rows = |s: &Shape| {
+                Shape::from([s[..k].iter().product(), s[k..].iter().product::<usize>()])
+            };
+            let out = if ls[..k].iter().product::<usize>() >= rs[..k].iter().product() {
+                ls.clone()
+            } else {
+                rs.clone()
+            };
+            let (l, r) = (
+                B::float_reshape(l, rows(&ls)),
+                B::float_reshape(r, rows(&rs)),
+            );
+            B::float_reshape(f(l, r), out)
+        }
+        None => f(l, r),
+    }
+}
+
+/// Where two shapes of one rank split into leading dims of which one side's are all 1 and at
+/// least two equal trailing dims (see [`as_rows`]): the first trailing dim, or `None`.
+fn row_split(l: &[usize], r: &[usize]) -> Option<usize> {
+    let n = l.len();
+    if n < 3 || r.len() != n || l == r {
+        return None;
+    }
+    // The equal trailing dims.
+    let k = (0..n).rev().take_while(|&d| l[d] == r[d]).last()?;
+    let ones = |s: &[usize]| s[..k].iter().all(|&x| x == 1);
+    (n - k >= 2 && (ones(l) || ones(r))).then_some(k)
 }
 
 /// Whether `lhs ∘ rhs` needs no alignment: both in hand (no reduction in flight), the same
@@ -456,4 +501,23 @@ pub(crate) fn float_mask_where<B: Backend>(
     let global = out.global_shape(&t.local.shape().to_vec(), t.device.mesh());
     let mask = slice_mask(mask, &out, &global, &t.device);
     wrap(B::float_mask_where(t.local, mask, v.local), out, t.device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::row_split;
+
+    #[test]
+    fn rows_split_where_one_side_broadcasts_a_trailing_block() {
+        assert_eq!(row_split(&[4, 64, 128], &[1, 64, 128]), Some(1));
+        assert_eq!(row_split(&[1, 64, 128], &[4, 64, 128]), Some(1));
+        assert_eq!(row_split(&[2, 3, 64, 128], &[1, 1, 64, 128]), Some(2));
+        // A mixed broadcast, a single trailing dim (Flex's shared-row path already), equal
+        // shapes, ranks below three or unequal: as they are.
+        assert_eq!(row_split(&[2, 1, 64, 128], &[1, 3, 64, 128]), None);
+        assert_eq!(row_split(&[4, 64, 128], &[4, 1, 128]), None);
+        assert_eq!(row_split(&[4, 64, 128], &[4, 64, 128]), None);
+        assert_eq!(row_split(&[4, 128], &[1, 128]), None);
+        assert_eq!(row_split(&[4, 64, 128], &[64, 128]), None);
+    }
 }
