@@ -146,6 +146,8 @@ mod flex {
 
     /// Burn Flex's threshold (`m·n·k`) from which a product runs on its rayon pool.
     const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
+    /// Elements of a bias fill per parallel task (256 KB).
+    const PARALLEL_FILL: usize = 1 << 16;
 
     /// Whether `lhs @ rhs` is a product of two f32 matrices.
     fn plain(lhs: &FlexTensor, rhs: &FlexTensor) -> bool {
@@ -193,10 +195,23 @@ mod flex {
         let b = b.to_contiguous();
         let b = b.as_slice::<f32>().expect("a contiguous f32 bias");
         let rows = |m: usize| {
-            let mut out = Vec::with_capacity(m * n);
-            for _ in 0..m {
-                out.extend_from_slice(b);
-            }
+            use rayon::prelude::*;
+            let mut out = Vec::<f32>::with_capacity(m * n);
+            // Rows in parallel past a quarter of a million bytes: the fill writes the whole
+            // output, fresh memory, serially a few per cent of a small model's step.
+            let rows_per_task = (PARALLEL_FILL / n).max(1);
+            out.spare_capacity_mut()[..m * n]
+                .par_chunks_mut(rows_per_task * n)
+                .with_min_len(1)
+                .for_each(|chunk| {
+                    for row in chunk.chunks_exact_mut(n) {
+                        for (o, &v) in row.iter_mut().zip(b) {
+                            o.write(v);
+                        }
+                    }
+                });
+            // SAFETY: every one of the `m × n` elements was written above.
+            unsafe { out.set_len(m * n) };
             out
         };
         product(&x, &w, rows, true)
