@@ -562,7 +562,9 @@ mod tests {
             .unwrap();
         }
         drop(log);
-        for (m, &s) in MetricsLog::read(&path).unwrap().iter().zip(&seconds) {
+        let read = MetricsLog::read(&path).unwrap();
+        assert_eq!(read.len(), seconds.len());
+        for (m, &s) in read.iter().zip(&seconds) {
             assert_eq!(m.lr.to_bits(), s.to_bits());
             assert_eq!(m.tokens_per_s.to_bits(), s.to_bits());
             assert_eq!(m.restart.as_ref().unwrap().detect.to_bits(), s.to_bits());

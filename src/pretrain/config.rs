@@ -205,18 +205,14 @@ pub struct PretrainConfig {
     #[serde(default, skip_serializing)]
     #[arg(skip = false)]
     pub gather_parameters: bool,
-    /// Every pipeline position's peaks, the largest over the mesh's ranks there, after each step
-    /// ([`StepMetrics::stages`](crate::pretrain::StepMetrics::stages); one small all-reduce): always under `--pp`, where the stages
-    /// differ, and in the memory planner's probes, so that every process plans from the same
-    /// numbers.
+    /// A run of the memory planner's (one of its probes), not a user's: every pipeline
+    /// position's peaks, the largest over the mesh's ranks there, are gathered after each step
+    /// ([`StepMetrics::stages`](crate::pretrain::StepMetrics::stages); one small all-reduce, as
+    /// under `--pp`), so that every process plans from the same numbers, and the step lines log
+    /// at debug level (dozens of short runs come before the real one).
     #[serde(default, skip_serializing)]
     #[arg(skip = false)]
-    pub rank_peaks: bool,
-    /// The step lines at debug level, not info (the memory planner's probes: dozens of short
-    /// runs before the real one).
-    #[serde(default, skip_serializing)]
-    #[arg(skip = false)]
-    pub quiet_steps: bool,
+    pub probe: bool,
     /// Ranks as threads of this process, or this process as one rank of a launched job (set
     /// from the environment by [`PretrainConfig::apply_launcher`]).
     #[serde(default)]

@@ -287,8 +287,7 @@ fn probe_config(config: &PretrainConfig) -> PretrainConfig {
     probe.gather_parameters = false;
     probe.max_restarts = 0;
     probe.fail_at = None;
-    probe.rank_peaks = true;
-    probe.quiet_steps = true;
+    probe.probe = true;
     probe
 }
 

@@ -276,7 +276,7 @@ impl RankRun<'_> {
             let tokens = config.batch_size * self.data.model.block_size();
             let (mut m, elapsed) =
                 watch.finish(&ctx, step, lr, &record, trainee.param_bytes(), tokens);
-            if config.rank_peaks || config.parallel.pp > 1 {
+            if config.probe || config.parallel.pp > 1 {
                 m.stages = self.ranks_peaks(device, &m, elapsed)?;
             }
             // The wall clock's steps are the seconds the metrics report.
@@ -497,7 +497,7 @@ impl RankRun<'_> {
             config.progress,
         )
         .with_mfu(mfu)
-        .quiet(config.quiet_steps)
+        .quiet(config.probe)
     }
 
     /// `--sample-tokens` generation's prompt (a newline) and sampler (temperature 0.8, top 40).
