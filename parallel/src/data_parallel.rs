@@ -146,12 +146,13 @@ impl<B: Backend> DTensor<B> {
         if self.layout.get(axis) != Placement::Local {
             return Ok(self);
         }
-        let local = crate::collectives::broadcast(&self.device, Group::Axis(axis), self.local, 0)?;
+        let local =
+            crate::collectives::broadcast(&self.meta.device, Group::Axis(axis), self.local, 0)?;
         Ok(DTensor::new_shaped(
             local,
-            self.layout.with(axis, Placement::Replicate),
-            self.shape,
-            self.device,
+            self.meta.layout.clone().with(axis, Placement::Replicate),
+            self.meta.shape.clone(),
+            self.meta.device.clone(),
         ))
     }
 
@@ -172,12 +173,12 @@ impl<B: Backend> DTensor<B> {
         }
         let this = self.ready();
         let local =
-            crate::collectives::broadcast(&this.device, Group::Axis(axis), this.local, root)?;
+            crate::collectives::broadcast(&this.meta.device, Group::Axis(axis), this.local, root)?;
         Ok(DTensor::new_shaped(
             local,
-            this.layout,
-            this.shape,
-            this.device,
+            this.meta.layout.clone(),
+            this.meta.shape.clone(),
+            this.meta.device.clone(),
         ))
     }
 }

@@ -632,9 +632,20 @@ impl RankContext {
     pub(crate) fn add_live_bytes(&self, bytes: i64) {
         let memory = &self.accounting;
         let now = memory.live_bytes.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        memory.peak_bytes.fetch_max(now, Ordering::Relaxed);
-        memory.phase_peak_bytes.fetch_max(now, Ordering::Relaxed);
-        if bytes <= 0 || memory.budget_crossed.load(Ordering::Relaxed) {
+        if bytes <= 0 {
+            // A release makes no peak: every count it came down from was a peak candidate
+            // when it was reached, and was offered as one by the thread that added it.
+            return;
+        }
+        // Peaks only rise, so one that is already higher needs no read-modify-write (a
+        // `fetch_max` is a locked compare-and-swap even when it changes nothing).
+        if memory.peak_bytes.load(Ordering::Relaxed) < now {
+            memory.peak_bytes.fetch_max(now, Ordering::Relaxed);
+        }
+        if memory.phase_peak_bytes.load(Ordering::Relaxed) < now {
+            memory.phase_peak_bytes.fetch_max(now, Ordering::Relaxed);
+        }
+        if memory.budget_crossed.load(Ordering::Relaxed) {
             return;
         }
         let budget = memory.budget.load(Ordering::Relaxed);

@@ -26,6 +26,12 @@ mod reduce;
 /// [`Error::Indivisible`] naming the shape and the sizes.
 pub struct DTensor<B: Backend> {
     pub(crate) local: B::FloatTensorPrimitive,
+    pub(crate) meta: Arc<Meta<B>>,
+}
+
+/// A value's metadata, shared by its clones (one allocation per value, its byte count
+/// included).
+pub struct Meta<B: Backend> {
     pub(crate) layout: Layout,
     pub(crate) shape: Shape,
     pub(crate) device: DistDevice<B>,
@@ -33,15 +39,77 @@ pub struct DTensor<B: Backend> {
     /// by two ops is reduced once (every rank runs the same program, so all hit the cache alike).
     memo: Memo<B>,
     /// Counts the local piece in the rank's live-bytes accounting while this value exists.
-    track: Tracker,
+    track: Track<B>,
     /// A value still being reduced on the rank's communication queue (an asynchronous gradient
     /// reduction): `local` is a stand-in until [`DTensor::ready`] waits for it.
     pub(crate) awaited: Option<Arc<Awaited<B>>>,
 }
 
+/// How a value's local piece is counted in the rank's live bytes.
+enum Track<B: Backend> {
+    /// By the value itself: counted when made, uncounted when its metadata (the last clone) is
+    /// dropped. The common case, an op's fresh output: no allocation besides the metadata's.
+    Own(Count),
+    /// By a tracker it shares with other values (a memoised reduction and the values taken from
+    /// the memo; an offloaded parameter's upload).
+    Shared(Tracker),
+    /// By another value's metadata: the same piece, seen through a new value ([`DTensor::ready`]
+    /// of an awaited one).
+    Of(Arc<Meta<B>>),
+}
+
+impl<B: Backend> Meta<B> {
+    /// The count of the local piece, and the value's identity (shared by everything that
+    /// counts the same piece).
+    fn count(&self) -> (&Count, usize) {
+        match &self.track {
+            Track::Own(count) => (count, self as *const Self as usize),
+            Track::Shared(t) => (&t._shared.count, Arc::as_ptr(&t._shared) as usize),
+            Track::Of(meta) => meta.count(),
+        }
+    }
+
+    /// A track of the same count as `meta`'s, for another value of the same piece.
+    fn share(meta: &Arc<Self>) -> Track<B> {
+        match &meta.track {
+            Track::Own(_) => Track::Of(meta.clone()),
+            Track::Shared(t) => Track::Shared(t.clone()),
+            Track::Of(m) => Track::Of(m.clone()),
+        }
+    }
+
+    /// The same metadata with `awaited` in place of this one's, as a new value of the same piece.
+    pub(crate) fn with_awaited(meta: &Arc<Self>, awaited: Option<Arc<Awaited<B>>>) -> Arc<Self> {
+        Arc::new(Self {
+            layout: meta.layout.clone(),
+            shape: meta.shape.clone(),
+            device: meta.device.clone(),
+            memo: meta.memo.clone(),
+            track: Self::share(meta),
+            awaited,
+        })
+    }
+}
+
+impl<B: Backend> Drop for Meta<B> {
+    fn drop(&mut self) {
+        if let Track::Own(count) = &self.track {
+            count.release(self.device.context());
+        }
+    }
+}
+
+impl<B: Backend> std::ops::Deref for DTensor<B> {
+    type Target = Meta<B>;
+    #[inline]
+    fn deref(&self) -> &Meta<B> {
+        &self.meta
+    }
+}
+
 /// The local piece of a value still being reduced on the rank's communication queue: the first
 /// use waits for it ([`DTensor::ready`]); clones share it.
-pub(crate) struct Awaited<B: Backend> {
+pub struct Awaited<B: Backend> {
     state: Mutex<Option<AwaitState<B>>>,
     /// A DDP gradient's place in its step's births, told to the step's watch at each use (see
     /// [`buckets`]).
@@ -208,23 +276,54 @@ pub(crate) struct PendingGather<B: Backend> {
 
 /// Adds a local piece's bytes to its rank's live count on creation, removes them when the last
 /// clone is dropped: clones share the local buffer (Burn's primitives are reference-counted), so
-/// a value saved by several autodiff nodes is counted once.
+/// a value saved by several autodiff nodes is counted once. For bytes counted apart from a value
+/// or shared by several ([`Track::Shared`]); a value counts its own piece in its metadata.
 #[derive(Clone)]
 pub(crate) struct Tracker {
     _shared: Arc<TrackerInner>,
 }
 
 struct TrackerInner {
+    count: Count,
+    ctx: Arc<crate::device::RankContext>,
+}
+
+/// Bytes counted in a rank's live bytes, released by the owner ([`Meta`]'s or
+/// [`TrackerInner`]'s drop).
+struct Count {
     bytes: i64,
     /// The identity of the offloaded value this piece was uploaded from (0: none): an upload
     /// is the same parameter to the prefetch ([`DTensor::identity`]).
     origin: usize,
     /// A parameter gathered over data axes for use (FSDP): also counted as "gathered".
     gathered: bool,
-    ctx: Arc<crate::device::RankContext>,
     /// The piece cast to another dtype by the precision policy ([`DTensor::local_in`]), shared
     /// by the value's clones and dropped with them.
     cast: Mutex<Option<CastCopy>>,
+}
+
+impl Count {
+    /// `bytes` counted on `ctx`'s rank (also as gathered when `gathered`).
+    fn new(bytes: usize, gathered: bool, ctx: &crate::device::RankContext) -> Self {
+        let bytes = bytes as i64;
+        if gathered {
+            ctx.add_gathered_bytes(bytes);
+        }
+        ctx.add_live_bytes(bytes);
+        Self {
+            bytes,
+            origin: 0,
+            gathered,
+            cast: Mutex::new(None),
+        }
+    }
+
+    fn release(&self, ctx: &crate::device::RankContext) {
+        if self.gathered {
+            ctx.add_gathered_bytes(-self.bytes);
+        }
+        ctx.add_live_bytes(-self.bytes);
+    }
 }
 
 /// A piece's copy in another dtype (type-erased: the tracker is not generic over the backend),
@@ -241,18 +340,10 @@ impl Tracker {
     }
 
     fn with_kind(bytes: usize, gathered: bool, ctx: &Arc<crate::device::RankContext>) -> Self {
-        let bytes = bytes as i64;
-        if gathered {
-            ctx.add_gathered_bytes(bytes);
-        }
-        ctx.add_live_bytes(bytes);
         Self {
             _shared: Arc::new(TrackerInner {
-                bytes,
-                origin: 0,
-                gathered,
+                count: Count::new(bytes, gathered, ctx),
                 ctx: ctx.clone(),
-                cast: Mutex::new(None),
             }),
         }
     }
@@ -262,6 +353,7 @@ impl Tracker {
         let mut track = Self::new(bytes, ctx);
         Arc::get_mut(&mut track._shared)
             .expect("a new tracker is not shared")
+            .count
             .origin = origin;
         track
     }
@@ -269,11 +361,15 @@ impl Tracker {
 
 impl Drop for TrackerInner {
     fn drop(&mut self) {
-        if self.gathered {
-            self.ctx.add_gathered_bytes(-self.bytes);
-        }
-        self.ctx.add_live_bytes(-self.bytes);
+        self.count.release(&self.ctx);
     }
+}
+
+/// A copy of `shape` in one `memcpy` (its derived `clone` pushes the dims one by one, and every
+/// op copies a shape or two).
+#[inline]
+pub(crate) fn copy_shape(shape: &Shape) -> Shape {
+    Shape::new_raw(smallvec::SmallVec::from_slice(shape.as_slice()))
 }
 
 fn local_bytes<P: TensorMetadata>(local: &P) -> usize {
@@ -294,15 +390,11 @@ type MemoCell<B> = Arc<
 >;
 
 impl<B: Backend> Clone for DTensor<B> {
+    #[inline]
     fn clone(&self) -> Self {
         Self {
             local: self.local.clone(),
-            layout: self.layout.clone(),
-            shape: self.shape.clone(),
-            device: self.device.clone(),
-            memo: self.memo.clone(),
-            track: self.track.clone(),
-            awaited: self.awaited.clone(),
+            meta: self.meta.clone(),
         }
     }
 }
@@ -324,7 +416,7 @@ impl<B: Backend> TensorMetadata for DTensor<B> {
     }
 
     fn shape(&self) -> Shape {
-        self.shape.clone()
+        copy_shape(&self.shape)
     }
 }
 
@@ -410,15 +502,48 @@ impl<B: Backend> DTensor<B> {
         // (`RankPolicy::keep_sequence_gathers`), a sequence-parallel activation's gather,
         // kept for the backward of the column-parallel layers that use it.
         let memo = memo_for(&layout, &shape, &device);
-        let track = Tracker::new(local_bytes(&local), device.context());
+        let track = Track::Own(Count::new(local_bytes(&local), false, device.context()));
         Self {
             local,
-            layout,
-            shape,
-            device,
-            memo,
-            track,
-            awaited: None,
+            meta: Arc::new(Meta {
+                layout,
+                shape,
+                device,
+                memo,
+                track,
+                awaited: None,
+            }),
+        }
+    }
+
+    /// A fresh value of `like`'s layout, global shape and device: an elementwise op's output.
+    #[inline]
+    pub(crate) fn fresh_like(local: B::FloatTensorPrimitive, like: &Meta<B>) -> Self {
+        if !like.layout.is_plain() {
+            return Self::new_shaped(
+                local,
+                like.layout.clone(),
+                like.shape.clone(),
+                like.device.clone(),
+            );
+        }
+        // Nothing partial or split (no memo; no padding: the piece is the whole shape).
+        debug_assert_eq!(
+            local.shape(),
+            like.shape,
+            "a plain piece is the whole value"
+        );
+        let bytes = like.shape.num_elements() * local.dtype().size();
+        Self {
+            local,
+            meta: Arc::new(Meta {
+                layout: like.layout.clone(),
+                shape: copy_shape(&like.shape),
+                device: like.device.clone(),
+                memo: None,
+                track: Track::Own(Count::new(bytes, false, like.device.context())),
+                awaited: None,
+            }),
         }
     }
 
@@ -433,12 +558,14 @@ impl<B: Backend> DTensor<B> {
         let memo = memo_for(&layout, &shape, &device);
         Self {
             local,
-            layout,
-            shape,
-            device,
-            memo,
-            track,
-            awaited: None,
+            meta: Arc::new(Meta {
+                layout,
+                shape,
+                device,
+                memo,
+                track: Track::Shared(track),
+                awaited: None,
+            }),
         }
     }
 
@@ -536,7 +663,7 @@ impl<B: Backend> DTensor<B> {
 
     /// Whether `other` is a clone of this value (they share the local piece).
     pub(crate) fn same_value(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.track._shared, &other.track._shared)
+        self.count().1 == other.count().1
     }
 
     /// The global shape.
@@ -582,7 +709,7 @@ impl<B: Backend> DTensor<B> {
         if FloatDType::from(self.local.dtype()) == dtype {
             return self.local.clone();
         }
-        let mut slot = self.track._shared.cast.lock().unwrap();
+        let mut slot = self.count().0.cast.lock().unwrap();
         if let Some(copy) = slot.as_ref().filter(|c| c.dtype == dtype) {
             return copy
                 .local
@@ -604,8 +731,8 @@ impl<B: Backend> DTensor<B> {
     /// asked for one: what the optimizer's step writes for the value that replaces it
     /// ([`DTensor::with_cast_copy`]).
     pub fn cast_copy_dtype(&self) -> Option<FloatDType> {
-        self.track
-            ._shared
+        self.count()
+            .0
             .cast
             .lock()
             .unwrap()
@@ -625,7 +752,7 @@ impl<B: Backend> DTensor<B> {
         );
         let dtype = FloatDType::from(copy.dtype());
         let track = Tracker::new(local_bytes(&copy), self.device.context());
-        *self.track._shared.cast.lock().unwrap() = Some(CastCopy {
+        *self.count().0.cast.lock().unwrap() = Some(CastCopy {
             dtype,
             local: Box::new(copy),
             _track: track,
@@ -643,7 +770,13 @@ impl<B: Backend> DTensor<B> {
             .find(|(l, _, _)| l == &reduced)
             .map(|(_, t, track)| (t.clone(), track.clone()));
         match cached {
-            Some((local, track)) => Self::cached(local, track, reduced, self.shape, self.device),
+            Some((local, track)) => Self::cached(
+                local,
+                track,
+                reduced,
+                self.shape.clone(),
+                self.device.clone(),
+            ),
             None => self,
         }
     }
@@ -654,15 +787,29 @@ impl<B: Backend> DTensor<B> {
     /// `sync_gradients` has not seen.
     #[inline]
     pub fn ready(mut self) -> Self {
-        if let Some(awaited) = self.awaited.take() {
+        if let Some(awaited) = self.meta.awaited.clone() {
             let (local, uploaded) = awaited
                 .resolved()
                 .unwrap_or_else(|e| crate::error::raise(e));
             if uploaded {
-                // An offloaded piece: this use's upload, counted while it lives.
+                // An offloaded piece: this use's upload, a value of its own, counted while it
+                // lives.
                 let origin = self.identity();
                 self.device.ctx.count_host_upload();
-                self.track = Tracker::uploaded(local_bytes(&local), origin, self.device.context());
+                let track = Tracker::uploaded(local_bytes(&local), origin, self.device.context());
+                self.meta = Arc::new(Meta {
+                    layout: self.layout.clone(),
+                    shape: self.shape.clone(),
+                    device: self.device.clone(),
+                    memo: self.memo.clone(),
+                    track: Track::Shared(track),
+                    awaited: None,
+                });
+            } else if let Some(meta) = Arc::get_mut(&mut self.meta) {
+                meta.awaited = None;
+            } else {
+                // Clones still waiting share the count.
+                self.meta = Meta::with_awaited(&self.meta, None);
             }
             self.local = local;
         }

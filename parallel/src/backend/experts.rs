@@ -128,7 +128,11 @@ pub(super) fn dispatch<B: Backend>(x: DTensor<B>, route: &ExpertRoute) -> DTenso
     let x = settle("expert_dispatch", x);
     let device = x.device.clone();
     let local = exchange(&device, x.local, &route.send(), &route.recv());
-    wrap(experts::regroup::<B>(local, route), x.layout, device)
+    wrap(
+        experts::regroup::<B>(local, route),
+        x.meta.layout.clone(),
+        device,
+    )
 }
 
 /// The experts' rows back to the ranks that routed them, in their order (dispatch's adjoint).
@@ -137,7 +141,7 @@ pub(super) fn combine<B: Backend>(y: DTensor<B>, route: &ExpertRoute) -> DTensor
     let device = y.device.clone();
     let local = experts::ungroup::<B>(y.local, route);
     let local = exchange(&device, local, &route.recv(), &route.send());
-    wrap(local, y.layout, device)
+    wrap(local, y.meta.layout.clone(), device)
 }
 
 /// The all-to-all of rows over the expert axis; nothing without one.

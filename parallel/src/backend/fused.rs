@@ -92,7 +92,7 @@ fn row_op<B: FusedOps>(
     f: impl FnOnce(B::FloatTensorPrimitive) -> B::FloatTensorPrimitive,
 ) -> Dt<B> {
     let x = rows(op, x);
-    wrap(f(x.local), x.layout, x.device)
+    wrap(f(x.local), x.meta.layout.clone(), x.meta.device.clone())
 }
 
 fn row_backward<B: FusedOps>(
@@ -103,7 +103,7 @@ fn row_backward<B: FusedOps>(
 ) -> Dt<B> {
     let y = rows(op, y);
     let dy = like(op, dy, &y.layout);
-    wrap(f(y.local, dy), y.layout, y.device)
+    wrap(f(y.local, dy), y.meta.layout.clone(), y.meta.device.clone())
 }
 
 /// No tensor-sharded axis (only `Replicate` and per-rank `Local`): the layout under which the
@@ -186,7 +186,11 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let scores = rules::unpadded(scores.settled());
         let layout = attention_layout(&scores.layout);
         let scores = to_layout(OP, scores, &layout);
-        wrap(B::fused_causal_softmax(scores.local), layout, scores.device)
+        wrap(
+            B::fused_causal_softmax(scores.local),
+            layout,
+            scores.meta.device.clone(),
+        )
     }
 
     fn fused_softmax_backward(y: Dt<B>, dy: Dt<B>) -> Dt<B> {
@@ -223,11 +227,11 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             Some(d) => B::fused_layer_norm_as(x.local, gamma, beta, epsilon, d),
             None => B::fused_layer_norm(x.local, gamma, beta, epsilon),
         };
-        let dev = x.device;
+        let dev = x.meta.device.clone();
         LayerNormOutput {
-            output: wrap(out.output, x.layout.clone(), dev.clone()),
-            mean: wrap(out.mean, x.layout.clone(), dev.clone()),
-            rstd: wrap(out.rstd, x.layout, dev),
+            output: wrap(out.output, x.meta.layout.clone(), dev.clone()),
+            mean: wrap(out.mean, x.meta.layout.clone(), dev.clone()),
+            rstd: wrap(out.rstd, x.meta.layout.clone(), dev),
         }
     }
 
@@ -254,15 +258,15 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             let dy = rules::cast_local(OP, &x.device, dy, dtype);
             B::fused_layer_norm_backward(x.local, gamma, mean, rstd, dy)
         };
-        let dev = x.device;
+        let dev = x.meta.device.clone();
         let (dgamma, dbeta) = (
             rules::to_master(OP, &dev, g.gamma),
             rules::to_master(OP, &dev, g.beta),
         );
         LayerNormGrads {
-            x: wrap(g.x, x.layout.clone(), dev.clone()),
-            gamma: column_grad(dgamma, &x.layout, rank, dev.clone()),
-            beta: column_grad(dbeta, &x.layout, rank, dev),
+            x: wrap(g.x, x.meta.layout.clone(), dev.clone()),
+            gamma: column_grad(dgamma, &x.meta.layout, rank, dev.clone()),
+            beta: column_grad(dbeta, &x.meta.layout, rank, dev),
         }
     }
 
@@ -275,8 +279,8 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             None => B::fused_rms_norm(x.local, gamma, epsilon),
         };
         RmsNormOutput {
-            output: wrap(out.output, x.layout.clone(), x.device.clone()),
-            rstd: wrap(out.rstd, x.layout, x.device),
+            output: wrap(out.output, x.meta.layout.clone(), x.meta.device.clone()),
+            rstd: wrap(out.rstd, x.meta.layout.clone(), x.meta.device.clone()),
         }
     }
 
@@ -293,10 +297,10 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             let dy = rules::cast_local(OP, &x.device, dy, dtype);
             B::fused_rms_norm_backward(x.local, gamma, rstd, dy)
         };
-        let dgamma = rules::to_master(OP, &x.device, dgamma);
+        let dgamma = rules::to_master(OP, &x.meta.device, dgamma);
         (
-            wrap(dx, x.layout.clone(), x.device.clone()),
-            column_grad(dgamma, &x.layout, rank, x.device),
+            wrap(dx, x.meta.layout.clone(), x.meta.device.clone()),
+            column_grad(dgamma, &x.meta.layout, rank, x.meta.device.clone()),
         )
     }
 
@@ -315,10 +319,14 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let logits = to_layout(OP, logits, &target);
         let out = B::fused_cross_entropy(logits.local, targets);
         // The kernels compute in f32 whatever the logits' dtype; the loss goes on in f32.
-        let loss = rules::to_master(OP, &logits.device, out.loss);
+        let loss = rules::to_master(OP, &logits.meta.device, out.loss);
         CrossEntropyOutput {
-            loss: wrap(loss, logits.layout.clone(), logits.device.clone()),
-            lse: wrap(out.lse, logits.layout, logits.device),
+            loss: wrap(loss, logits.meta.layout.clone(), logits.meta.device.clone()),
+            lse: wrap(
+                out.lse,
+                logits.meta.layout.clone(),
+                logits.meta.device.clone(),
+            ),
         }
     }
 
@@ -341,7 +349,7 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         );
         let dloss = rules::cast_local(OP, &logits.device, dloss, dtype_of(&logits));
         let dx = B::fused_cross_entropy_backward(logits.local, targets, lse, dloss);
-        wrap(dx, logits.layout, logits.device)
+        wrap(dx, logits.meta.layout.clone(), logits.meta.device.clone())
     }
 
     fn fused_embedding(table: Dt<B>, ids: IntTensor<B>) -> Dt<B> {
@@ -361,7 +369,7 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         const OP: &str = "fused_gelu_bias";
         let (x, bias) = gelu_operands(OP, x, bias);
         let y = B::fused_gelu_bias(x.local, bias, tanh);
-        wrap(y, x.layout, x.device)
+        wrap(y, x.meta.layout.clone(), x.meta.device.clone())
     }
 
     fn fused_gelu_bias_backward(x: Dt<B>, bias: Dt<B>, dy: Dt<B>, tanh: bool) -> (Dt<B>, Dt<B>) {
@@ -371,10 +379,10 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let rank = x.shape.num_dims();
         let dy = rules::cast_local(OP, &x.device, dy, dtype_of(&x));
         let (dx, dbias) = B::fused_gelu_bias_backward(x.local, bias, dy, tanh);
-        let dbias = rules::to_master(OP, &x.device, dbias);
+        let dbias = rules::to_master(OP, &x.meta.device, dbias);
         (
-            wrap(dx, x.layout.clone(), x.device.clone()),
-            column_grad(dbias, &x.layout, rank, x.device),
+            wrap(dx, x.meta.layout.clone(), x.meta.device.clone()),
+            column_grad(dbias, &x.meta.layout, rank, x.meta.device.clone()),
         )
     }
 
@@ -382,7 +390,7 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         const OP: &str = "fused_swiglu";
         let (gate, up) = swiglu_operands(OP, gate, up);
         let y = B::fused_swiglu(gate.local, up);
-        wrap(y, gate.layout, gate.device)
+        wrap(y, gate.meta.layout.clone(), gate.meta.device.clone())
     }
 
     fn fused_swiglu_backward(gate: Dt<B>, up: Dt<B>, dy: Dt<B>) -> (Dt<B>, Dt<B>) {
@@ -392,8 +400,8 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let dy = rules::cast_local(OP, &gate.device, dy, dtype_of(&gate));
         let (dgate, dup) = B::fused_swiglu_backward(gate.local, up, dy);
         (
-            wrap(dgate, gate.layout.clone(), gate.device.clone()),
-            wrap(dup, gate.layout, gate.device),
+            wrap(dgate, gate.meta.layout.clone(), gate.meta.device.clone()),
+            wrap(dup, gate.meta.layout.clone(), gate.meta.device.clone()),
         )
     }
 
@@ -418,12 +426,12 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
         let q = to_layout(OP, q, &layout);
         let (k, v, _) = kv_operands(OP, k, v, &layout);
         let out = match Context::of(&q.device) {
-            Some(ctx) => context::attention(&ctx, &q.device, q.local, k, v, scale, causal),
+            Some(ctx) => context::attention(&ctx, &q.meta.device, q.local, k, v, scale, causal),
             None => B::fused_attention(q.local, k, v, scale, causal),
         };
         AttentionOutput {
-            output: wrap(out.output, layout.clone(), q.device.clone()),
-            lse: wrap(out.lse, layout, q.device),
+            output: wrap(out.output, layout.clone(), q.meta.device.clone()),
+            lse: wrap(out.lse, layout, q.meta.device.clone()),
         }
     }
 
@@ -439,13 +447,13 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             Some(c) => qkv.local_in(OP, c),
             None => qkv.local,
         };
-        let out = match Context::of(&qkv.device) {
-            Some(ctx) => packed_context(&ctx, &qkv.device, qkv_local, scale, causal),
+        let out = match Context::of(&qkv.meta.device) {
+            Some(ctx) => packed_context(&ctx, &qkv.meta.device, qkv_local, scale, causal),
             None => B::fused_attention_qkv(qkv_local, scale, causal),
         };
         AttentionOutput {
-            output: wrap(out.output, layout.clone(), qkv.device.clone()),
-            lse: wrap(out.lse, layout, qkv.device),
+            output: wrap(out.output, layout.clone(), qkv.meta.device.clone()),
+            lse: wrap(out.lse, layout, qkv.meta.device.clone()),
         }
     }
 
@@ -504,7 +512,7 @@ impl<B: FusedOps> FusedOps for Distributed<B> {
             like(OP, lse, &layout),
             like(OP, d_output, &layout),
         );
-        let dev = q.device;
+        let dev = q.device.clone();
         let g = match Context::of(&dev) {
             Some(ctx) => {
                 context::attention_backward(&ctx, &dev, q.local, k, v, o, lse, d_o, scale, causal)
@@ -661,7 +669,7 @@ fn rope_op<B: FusedOps>(
         let t = to_layout(op, t, &whole).local;
         rules::cast_local(op, &x.device, t, dtype)
     });
-    wrap(f(x.local, cos, sin), layout, x.device)
+    wrap(f(x.local, cos, sin), layout, x.meta.device.clone())
 }
 
 /// GELU-with-bias operands: the input without partials, its channels left sharded where they are

@@ -213,7 +213,7 @@ pub(crate) fn add<B: Backend>(grad: DTensor<B>, target: &Layout, limit: usize) -
     });
     if kept_out {
         let watched = Awaited::done(grad.local.clone()).watched(birth, watch);
-        grad.awaited = Some(Arc::new(watched));
+        grad.meta = super::Meta::with_awaited(&grad.meta, Some(Arc::new(watched)));
         return grad;
     }
     fill(grad, target, limit, Some((birth, watch)))

@@ -23,9 +23,9 @@ impl<B: Backend> DTensor<B> {
 
     /// A value's identity, shared by its clones (the same local piece).
     pub(crate) fn identity(&self) -> usize {
-        match self.track._shared.origin {
-            0 => Arc::as_ptr(&self.track._shared) as usize,
-            origin => origin,
+        match self.count() {
+            (count, id) if count.origin == 0 => id,
+            (count, _) => count.origin,
         }
     }
 
@@ -97,15 +97,17 @@ impl<B: Backend> DTensor<B> {
         let mut layout = self.layout.clone();
         layout.set(axis, Placement::Replicate);
         let local = Self::without_padding(local, &self.shape, &layout, dim, self.device.mesh());
-        let track = Tracker::with_kind(local_bytes(&local), true, self.device.context());
+        let track = Track::Own(Count::new(local_bytes(&local), true, self.device.context()));
         Ok(Self {
             local,
-            layout,
-            shape: self.shape.clone(),
-            device: self.device.clone(),
-            memo: None,
-            track,
-            awaited: None,
+            meta: Arc::new(Meta {
+                layout,
+                shape: self.shape.clone(),
+                device: self.device.clone(),
+                memo: None,
+                track,
+                awaited: None,
+            }),
         })
     }
 
@@ -155,8 +157,8 @@ impl<B: Backend> DTensor<B> {
                 local,
                 track,
                 target.clone(),
-                self.shape,
-                self.device,
+                self.shape.clone(),
+                self.device.clone(),
             ));
         }
         let memo = self.memo.clone();
@@ -187,7 +189,7 @@ impl<B: Backend> DTensor<B> {
         // data axes: ep × dp, dp × cp): one reduce-scatter per axis, the outer axis first (each
         // splits what the one before left), after padding the dimension to a multiple of all
         // its splits — instead of an all-reduce on every axis but the innermost.
-        for d in 0..self.shape.num_dims() {
+        for d in 0..self.meta.shape.num_dims() {
             let axes: Vec<usize> = (0..n)
                 .filter(|&a| target.get(a) == Placement::Shard(d) && mesh.axis_size(a) > 1)
                 .collect();
@@ -206,10 +208,20 @@ impl<B: Backend> DTensor<B> {
             if !nested {
                 continue;
             }
-            local = pad::<B>(local, d, target.shards_of(d, &mesh), &self.device.inner);
+            local = pad::<B>(
+                local,
+                d,
+                target.shards_of(d, &mesh),
+                &self.meta.device.inner,
+            );
             for &a in &axes {
-                local =
-                    crate::collectives::reduce_scatter(&self.device, Group::Axis(a), local, d, op)?;
+                local = crate::collectives::reduce_scatter(
+                    &self.meta.device,
+                    Group::Axis(a),
+                    local,
+                    d,
+                    op,
+                )?;
                 layout.set(a, Placement::Shard(d));
                 undo[a] = false;
             }
@@ -244,9 +256,14 @@ impl<B: Backend> DTensor<B> {
                 }
                 Placement::Shard(d) => {
                     gathered_data |= mesh.axis(a).kind == crate::mesh::AxisKind::Data;
-                    local = crate::collectives::all_gather(&self.device, Group::Axis(a), local, d)?;
+                    local = crate::collectives::all_gather(
+                        &self.meta.device,
+                        Group::Axis(a),
+                        local,
+                        d,
+                    )?;
                     layout.set(a, Placement::Replicate);
-                    local = Self::without_padding(local, &self.shape, &layout, d, &mesh);
+                    local = Self::without_padding(local, &self.meta.shape, &layout, d, &mesh);
                 }
                 Placement::Partial(op) => {
                     // Reduce-scatter straight into the shard only if no other axis splits the
@@ -263,15 +280,15 @@ impl<B: Backend> DTensor<B> {
                         if others.peek().is_none() {
                             return false;
                         }
-                        let even = self.shape[d].is_multiple_of(target.shards_of(d, &mesh));
+                        let even = self.meta.shape[d].is_multiple_of(target.shards_of(d, &mesh));
                         !(even && others.all(|b| b < a && layout.get(b) == target.get(b)))
                     };
                     match to {
                         Placement::Shard(d) if op != ReduceOp::Max && !later_shards(d) => {
                             let size = mesh.axis_size(a);
-                            local = pad::<B>(local, d, size, &self.device.inner);
+                            local = pad::<B>(local, d, size, &self.meta.device.inner);
                             local = crate::collectives::reduce_scatter(
-                                &self.device,
+                                &self.meta.device,
                                 Group::Axis(a),
                                 local,
                                 d,
@@ -281,7 +298,7 @@ impl<B: Backend> DTensor<B> {
                         }
                         _ => {
                             local = crate::collectives::all_reduce(
-                                &self.device,
+                                &self.meta.device,
                                 Group::Axis(a),
                                 local,
                                 op,
@@ -302,35 +319,44 @@ impl<B: Backend> DTensor<B> {
             match to {
                 Placement::Shard(d) => {
                     // The first split of a dim: pad it to a multiple of all its splits.
-                    if local.shape()[d] == self.shape[d] {
+                    if local.shape()[d] == self.meta.shape[d] {
                         let parts = target.shards_of(d, &mesh);
-                        local = pad::<B>(local, d, parts, &self.device.inner);
+                        local = pad::<B>(local, d, parts, &self.meta.device.inner);
                     }
                     let len = local.shape()[d] / size;
                     local = slice_dim::<B>(local, d, index * len..(index + 1) * len);
                 }
                 Placement::Partial(ReduceOp::Sum) if index != 0 => {
                     let dtype = local.dtype().into();
-                    local = B::float_zeros(local.shape(), &self.device.inner, dtype);
+                    local = B::float_zeros(local.shape(), &self.meta.device.inner, dtype);
                 }
                 Placement::Partial(_) | Placement::Local | Placement::Replicate => {}
             }
             layout.set(a, to);
         }
-        let track = Tracker::with_kind(local_bytes(&local), gathered_data, self.device.context());
-        if communicates && let Some(memo) = memo {
-            memo.lock()
-                .unwrap()
-                .push((layout.clone(), local.clone(), track.clone()));
-        }
+        let bytes = local_bytes(&local);
+        let ctx = self.meta.device.context();
+        let track = match memo {
+            Some(memo) if communicates => {
+                // Counted once, by the memo's entry and every value taken from it.
+                let track = Tracker::with_kind(bytes, gathered_data, ctx);
+                memo.lock()
+                    .unwrap()
+                    .push((layout.clone(), local.clone(), track.clone()));
+                Track::Shared(track)
+            }
+            _ => Track::Own(Count::new(bytes, gathered_data, ctx)),
+        };
         Ok(Self {
             local,
-            layout,
-            shape: self.shape,
-            device: self.device,
-            memo: None,
-            track,
-            awaited: None,
+            meta: Arc::new(Meta {
+                layout,
+                shape: self.meta.shape.clone(),
+                device: self.meta.device.clone(),
+                memo: None,
+                track,
+                awaited: None,
+            }),
         })
     }
 }

@@ -21,10 +21,20 @@ impl<B: Backend> DTensor<B> {
             return self.redistribute(target);
         }
         let cast = B::float_cast(self.local, dtype);
-        let low = Self::new_shaped(cast, self.layout, self.shape, self.device);
+        let low = Self::new_shaped(
+            cast,
+            self.meta.layout.clone(),
+            self.meta.shape.clone(),
+            self.meta.device.clone(),
+        );
         let out = low.redistribute(target)?;
         let back = B::float_cast(out.local, own.into());
-        Ok(Self::new_shaped(back, out.layout, out.shape, out.device))
+        Ok(Self::new_shaped(
+            back,
+            out.meta.layout.clone(),
+            out.meta.shape.clone(),
+            out.meta.device.clone(),
+        ))
     }
 
     /// The collectives that reduce this value to `target`, in the order
@@ -106,13 +116,13 @@ impl<B: Backend> DTensor<B> {
         let own = this.local.dtype();
         let mut local = this.local;
         if let Some(d) = steps[0].dim {
-            let size = this.device.mesh().axis_size(steps[0].axis);
-            local = pad::<B>(local, d, size, &this.device.inner);
+            let size = this.meta.device.mesh().axis_size(steps[0].axis);
+            local = pad::<B>(local, d, size, &this.meta.device.inner);
         }
         let mut local_shape = local.shape().to_vec();
         for step in &steps {
             if let Some(d) = step.dim {
-                local_shape[d] /= this.device.mesh().axis_size(step.axis);
+                local_shape[d] /= this.meta.device.mesh().axis_size(step.axis);
             }
         }
         let layout = target.clone();
@@ -122,10 +132,10 @@ impl<B: Backend> DTensor<B> {
         let pending = match cast {
             Some(low) => {
                 let low = B::float_cast(local, low);
-                let pending = crate::collectives::issue_reduction(&this.device, low, &steps);
+                let pending = crate::collectives::issue_reduction(&this.meta.device, low, &steps);
                 crate::collectives::PendingTensor::Cast(Box::new(pending), own.into())
             }
-            None => crate::collectives::issue_reduction(&this.device, local, &steps),
+            None => crate::collectives::issue_reduction(&this.meta.device, local, &steps),
         };
         let awaited = Arc::new(Awaited::new(pending));
         ctx.count_prefetch(|c| c.reductions += 1);
@@ -135,8 +145,8 @@ impl<B: Backend> DTensor<B> {
             local_shape,
             own,
             layout,
-            this.shape,
-            this.device,
+            this.meta.shape.clone(),
+            this.meta.device.clone(),
             true,
         ))
     }
@@ -155,7 +165,11 @@ impl<B: Backend> DTensor<B> {
         counted: bool,
     ) -> Self {
         let bytes = local_shape.iter().product::<usize>() * dtype.size();
-        let track = Tracker::new(if counted { bytes } else { 0 }, device.context());
+        let track = Track::Own(Count::new(
+            if counted { bytes } else { 0 },
+            false,
+            device.context(),
+        ));
         let float = burn_backend::FloatDType::from(dtype);
         let one = B::float_full(
             Shape::from(vec![1; local_shape.len()]),
@@ -167,12 +181,14 @@ impl<B: Backend> DTensor<B> {
         let memo = memo_for(&layout, &shape, &device);
         Self {
             local: stand_in,
-            layout,
-            shape,
-            device,
-            memo,
-            track,
-            awaited: Some(awaited),
+            meta: Arc::new(Meta {
+                layout,
+                shape,
+                device,
+                memo,
+                track,
+                awaited: Some(awaited),
+            }),
         }
     }
 }

@@ -112,12 +112,23 @@ trait Op2<const N: usize, const M: usize>: Sync {
     fn apply<B: Backend>(&self, a: Tensor<B, N>, b: Tensor<B, M>) -> TensorData;
 }
 
+/// `y`'s data, its global shape (the metadata a rule wrote) checked against the data's.
+fn checked_data<B: Backend, const N: usize, K>(y: Tensor<B, N, K>) -> TensorData
+where
+    K: burn::tensor::BasicOps<B>,
+{
+    let shape = y.shape().to_vec();
+    let data = y.into_data();
+    assert_eq!(shape, data.shape.to_vec(), "global shape against data");
+    data
+}
+
 macro_rules! op1 {
     ($n:literal, |$x:ident| $body:expr) => {{
         struct O;
         impl Op1<$n> for O {
             fn apply<B: Backend>(&self, $x: Tensor<B, $n>) -> TensorData {
-                ($body).into_data()
+                checked_data($body)
             }
         }
         O
@@ -129,7 +140,7 @@ macro_rules! op2 {
         struct O;
         impl Op2<$n, $m> for O {
             fn apply<B: Backend>(&self, $a: Tensor<B, $n>, $b: Tensor<B, $m>) -> TensorData {
-                ($body).into_data()
+                checked_data($body)
             }
         }
         O

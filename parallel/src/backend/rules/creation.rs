@@ -129,7 +129,12 @@ pub(crate) fn float_to_device<B: Backend>(
 ) -> DTensor<B> {
     if tensor.device.mesh() == device.mesh() && tensor.device.rank() == device.rank() {
         let local = B::float_to_device(tensor.local, &device.inner);
-        return DTensor::new_shaped(local, tensor.layout, tensor.shape, device.clone());
+        return DTensor::new_shaped(
+            local,
+            tensor.meta.layout.clone(),
+            tensor.meta.shape.clone(),
+            device.clone(),
+        );
     }
     let fb = Fallback::<B>::new("float_to_device");
     let local = fb.float(tensor);

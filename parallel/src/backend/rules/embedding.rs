@@ -43,10 +43,10 @@ pub(crate) fn embedding<B: Backend>(
         return wrap(
             B::float_mask_fill(rows, mask, Scalar::from(0.0f64)),
             out,
-            w.device,
+            w.meta.device.clone(),
         );
     }
-    wrap(B::embedding(w.local, indices), out, w.device)
+    wrap(B::embedding(w.local, indices), out, w.meta.device.clone())
 }
 
 pub(crate) fn embedding_backward<B: Backend>(
@@ -110,15 +110,19 @@ pub(crate) fn embedding_backward_with<B: Backend>(
         None => (indices, g.local),
     };
     let grad = if is_flex::<B>() && g_local.dtype() == burn_backend::DType::F32 {
-        rows_added_once::<B>(local[0], local[1], g_local, indices, &g.device.inner)
+        rows_added_once::<B>(local[0], local[1], g_local, indices, &g.meta.device.inner)
     } else {
         // A broadcast view of one zero: no table-sized buffer (the gradient's own is the inner
         // op's; a materialised stand-in cost a third table-sized buffer at the step's peak).
-        let one = B::float_zeros(Shape::from(vec![1; local.len()]), &g.device.inner, dtype);
+        let one = B::float_zeros(
+            Shape::from(vec![1; local.len()]),
+            &g.meta.device.inner,
+            dtype,
+        );
         let shape_only = B::float_expand(one, Shape::from(local));
         inner(shape_only, g_local, indices)
     };
-    reduce_data_parallel(grad, out, &summands, g.device)
+    reduce_data_parallel(grad, out, &summands, g.meta.device.clone())
 }
 
 /// Whether the inner backend is Flex (Burn's CPU backend).

@@ -23,7 +23,11 @@ pub(crate) fn float_select<B: Backend>(
         }
     }
     let t = to_layout("float_select", tensor, &target);
-    wrap(B::float_select(t.local, dim, indices), t.layout, t.device)
+    wrap(
+        B::float_select(t.local, dim, indices),
+        t.meta.layout.clone(),
+        t.meta.device.clone(),
+    )
 }
 
 /// Indices into a dimension split over a model axis: shifted to this rank's range `[lo, lo+len)`,
@@ -104,7 +108,7 @@ pub(crate) fn float_scatter_add<B: Backend>(
     let (local_indices, outside) = localize_indices::<B>(indices, lo, len, &t.device);
     let values = B::float_mask_fill(value.local, outside, Scalar::from(0.0f64));
     let local = B::float_scatter_add(dim, t.local, local_indices, values);
-    wrap(local, t.layout, t.device)
+    wrap(local, t.meta.layout.clone(), t.meta.device.clone())
 }
 
 /// The one model axis that splits `dim` of `layout`, if exactly one does (and no data axis).
@@ -152,8 +156,8 @@ pub(crate) fn float_gather<B: Backend>(
         let (local_indices, outside) = localize_indices::<B>(indices, lo, len, &t.device);
         let picked = B::float_gather(dim, t.local, local_indices);
         let picked = B::float_mask_fill(picked, outside, Scalar::from(0.0f64));
-        let out = t.layout.clone().with(a, Partial(ReduceOp::Sum));
-        return wrap(picked, out, t.device);
+        let out = t.meta.layout.clone().with(a, Partial(ReduceOp::Sum));
+        return wrap(picked, out, t.meta.device.clone());
     }
     let mut slices: Vec<Slice> = index_dims
         .iter()
@@ -171,5 +175,9 @@ pub(crate) fn float_gather<B: Backend>(
     } else {
         indices
     };
-    wrap(B::float_gather(dim, t.local, indices), t.layout, t.device)
+    wrap(
+        B::float_gather(dim, t.local, indices),
+        t.meta.layout.clone(),
+        t.meta.device.clone(),
+    )
 }

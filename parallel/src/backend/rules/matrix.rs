@@ -463,8 +463,8 @@ pub(crate) fn linear_bias_backward<B: Backend>(output_grad: DTensor<B>) -> DTens
         _ => (Replicate, Replicate, Replicate),
     });
     let g = to_layout(OP, output_grad, &tg);
-    let grad = to_master(OP, &g.device, B::linear_bias_backward(g.local));
-    reduce_data_parallel(grad, out, &summands, g.device)
+    let grad = to_master(OP, &g.meta.device, B::linear_bias_backward(g.local));
+    reduce_data_parallel(grad, out, &summands, g.meta.device.clone())
 }
 
 /// The experts' grouped matmul `x [rows, k]` by stacked `w [E, k, n]`, one mesh axis: (x

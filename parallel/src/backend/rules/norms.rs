@@ -30,7 +30,7 @@ pub(crate) fn layer_norm<B: Backend>(
     });
     wrap(
         B::layer_norm(x.local, gamma, beta, epsilon),
-        x.layout,
-        x.device,
+        x.meta.layout.clone(),
+        x.meta.device.clone(),
     )
 }

@@ -183,7 +183,7 @@ pub(crate) fn unary<B: Backend>(
     });
     let t = to_layout(op, t, &target);
     // Elementwise: the shape is the input's (a padded shard's cannot be read off its piece).
-    DTensor::new_shaped(f(t.local), t.layout, t.shape, t.device)
+    DTensor::fresh_like(f(t.local), &t.meta)
 }
 
 /// The inner backend's `require_grad` flag (the identity on a backend without autodiff, as
@@ -337,14 +337,8 @@ pub(crate) fn binary<B: Backend>(
     // hand, of one shape and dtype, laid out alike with no axis split or partial — every rule
     // leaves them as they are and the output has their layout.
     if plain_pair(&lhs, &rhs) {
-        let DTensor {
-            local: l,
-            layout,
-            shape,
-            device,
-            ..
-        } = lhs;
-        return DTensor::new_shaped(f(l, rhs.local), layout, shape, device);
+        let DTensor { local: l, meta } = lhs;
+        return DTensor::fresh_like(f(l, rhs.local), &meta);
     }
     let (lhs, rhs, out) = align2(op, lhs, rhs, kind);
     // Broadcasting: the output's shape from the operands' (padded shards cannot tell it).
@@ -451,7 +445,7 @@ pub(crate) fn dim_local<B: Backend>(
 ) -> DTensor<B> {
     let target = whole_dim(&t.layout, dim);
     let t = to_layout(op, t, &target);
-    DTensor::new_shaped(f(t.local), t.layout, t.shape, t.device)
+    DTensor::fresh_like(f(t.local), &t.meta)
 }
 
 /// Slice a per-rank (full) bool mask to the local piece of a tensor laid out as `layout`.
@@ -489,7 +483,11 @@ pub(crate) fn float_mask_fill<B: Backend>(
     let target = without_partials(&tensor.layout, |_| false);
     let t = to_layout("float_mask_fill", tensor, &target);
     let mask = slice_mask(mask, &t.layout, &t.shape.to_vec(), &t.device);
-    wrap(B::float_mask_fill(t.local, mask, value), t.layout, t.device)
+    wrap(
+        B::float_mask_fill(t.local, mask, value),
+        t.meta.layout.clone(),
+        t.meta.device.clone(),
+    )
 }
 
 pub(crate) fn float_mask_where<B: Backend>(
@@ -500,7 +498,11 @@ pub(crate) fn float_mask_where<B: Backend>(
     let (t, v, out) = align2("float_mask_where", tensor, value, BinaryKind::NonLinear);
     let global = out.global_shape(&t.local.shape().to_vec(), t.device.mesh());
     let mask = slice_mask(mask, &out, &global, &t.device);
-    wrap(B::float_mask_where(t.local, mask, v.local), out, t.device)
+    wrap(
+        B::float_mask_where(t.local, mask, v.local),
+        out,
+        t.meta.device.clone(),
+    )
 }
 
 #[cfg(test)]

@@ -1,7 +1,6 @@
 //! Reductions (PyTorch DTensor's `_math_ops`): a reduced sharded dim becomes a partial value.
 
-use super::pointwise::dim_local;
-use super::{to_layout, without_partials, wrap};
+use super::{to_layout, whole_dim, without_partials, wrap};
 use crate::backend::prelude::*;
 use crate::comm::ReduceOp;
 use crate::placement::Placement;
@@ -39,7 +38,7 @@ fn reduction<B: Backend>(
             }
         }
     }
-    wrap(f(t.local), out, t.device)
+    wrap(f(t.local), out, t.meta.device.clone())
 }
 
 pub(crate) fn float_sum<B: Backend>(tensor: DTensor<B>) -> DTensor<B> {
@@ -75,9 +74,24 @@ pub(crate) fn float_max_dim<B: Backend>(tensor: DTensor<B>, dim: usize) -> DTens
 pub(crate) fn float_min<B: Backend>(tensor: DTensor<B>) -> DTensor<B> {
     let target = tensor.layout.unsharded();
     let t = to_layout("float_min", tensor, &target);
-    wrap(B::float_min(t.local), t.layout, t.device)
+    wrap(
+        B::float_min(t.local),
+        t.meta.layout.clone(),
+        t.meta.device.clone(),
+    )
 }
 
 pub(crate) fn float_min_dim<B: Backend>(tensor: DTensor<B>, dim: usize) -> DTensor<B> {
-    dim_local("float_min_dim", tensor, dim, |t| B::float_min_dim(t, dim))
+    const OP: &str = "float_min_dim";
+    let target = whole_dim(&tensor.layout, dim);
+    let t = to_layout(OP, tensor, &target);
+    // `dim` is whole here and becomes 1; every other dim keeps its global size.
+    let mut shape = t.shape.to_vec();
+    shape[dim] = 1;
+    DTensor::new_shaped(
+        B::float_min_dim(t.local, dim),
+        t.meta.layout.clone(),
+        Shape::from(shape),
+        t.meta.device.clone(),
+    )
 }

@@ -39,7 +39,11 @@ pub(crate) fn float_reshape<B: Backend>(tensor: DTensor<B>, shape: Shape) -> DTe
     for (e, size) in local.iter_mut().enumerate() {
         *size /= out.shards_of(e, &mesh);
     }
-    wrap(B::float_reshape(t.local, Shape::from(local)), out, t.device)
+    wrap(
+        B::float_reshape(t.local, Shape::from(local)),
+        out,
+        t.meta.device.clone(),
+    )
 }
 
 fn map_shards(layout: &Layout, f: impl Fn(usize) -> usize) -> Layout {
@@ -69,7 +73,7 @@ pub(crate) fn float_swap_dims<B: Backend>(
     wrap(
         B::float_swap_dims(tensor.local, dim1, dim2),
         out,
-        tensor.device,
+        tensor.meta.device.clone(),
     )
 }
 
@@ -77,7 +81,11 @@ pub(crate) fn float_permute<B: Backend>(tensor: DTensor<B>, axes: &[usize]) -> D
     let out = map_shards(&tensor.layout, |d| {
         axes.iter().position(|&x| x == d).unwrap()
     });
-    wrap(B::float_permute(tensor.local, axes), out, tensor.device)
+    wrap(
+        B::float_permute(tensor.local, axes),
+        out,
+        tensor.meta.device.clone(),
+    )
 }
 
 fn is_full(slice: &Slice, size: usize) -> bool {
@@ -102,7 +110,11 @@ pub(crate) fn float_slice<B: Backend>(tensor: DTensor<B>, slices: &[Slice]) -> D
             *s = Slice::full();
         }
     }
-    wrap(B::float_slice(t.local, &local), t.layout, t.device)
+    wrap(
+        B::float_slice(t.local, &local),
+        t.meta.layout.clone(),
+        t.meta.device.clone(),
+    )
 }
 
 /// `slice_assign`: the assigned region must be whole on every sharded dim; both operands are
@@ -149,7 +161,7 @@ pub(crate) fn float_slice_assign<B: Backend>(
     wrap(
         B::float_slice_assign(tensor.local, &local, value.local),
         target,
-        tensor.device,
+        tensor.meta.device.clone(),
     )
 }
 
@@ -192,6 +204,6 @@ pub(crate) fn float_expand<B: Backend>(tensor: DTensor<B>, shape: Shape) -> DTen
     wrap(
         B::float_expand(tensor.local, Shape::from(local)),
         out,
-        tensor.device,
+        tensor.meta.device.clone(),
     )
 }
