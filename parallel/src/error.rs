@@ -499,15 +499,58 @@ fn missing_note(missing: &[usize]) -> String {
 
 thread_local! {
     static RAISED: std::cell::RefCell<Option<Error>> = const { std::cell::RefCell::new(None) };
+    /// This thread is unwinding from [`raise`] (read and cleared by the panic hook).
+    static RAISING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Launchers on this thread's stack that catch a raised error and hand it on
+    /// ([`catch_raised`]).
+    static CATCHING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// Raise an [`Error`] from inside a backend op (which cannot return a `Result`): a panic whose
 /// message is the error, with the typed value kept for [`crate::launch_ranks`] to return.
+///
+/// Under a launcher the error is reported once, by whoever receives it, not also by the panic
+/// hook as a thread's panic (with a backtrace under `RUST_BACKTRACE`).
 #[track_caller]
 pub fn raise(error: impl Into<Error>) -> ! {
     let error = error.into();
     RAISED.with(|r| *r.borrow_mut() = Some(error.clone()));
+    if CATCHING.get() > 0 {
+        quiet_raised_panics();
+        RAISING.set(true);
+    }
     panic!("{error}")
+}
+
+/// `f`, its panic caught: a rank's body under a launcher, which returns a raised error typed
+/// ([`Error::OnRank`]) or reports it. While it runs, an error [`raise`]d on this thread is left
+/// out of the panic hook's report (logged at debug level instead); any other panic — a bug,
+/// or a raise outside every launcher — is reported by the hook installed before, as always.
+pub(crate) fn catch_raised<R>(f: impl FnOnce() -> R) -> std::thread::Result<R> {
+    struct Leave;
+    impl Drop for Leave {
+        fn drop(&mut self) {
+            CATCHING.set(CATCHING.get() - 1);
+        }
+    }
+    CATCHING.set(CATCHING.get() + 1);
+    let _leave = Leave;
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+}
+
+/// Install, once per process, the panic hook of [`catch_raised`] in front of the one in place.
+fn quiet_raised_panics() {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if RAISING.replace(false) {
+                tracing::debug!("raised on a rank: {info}");
+            } else {
+                previous(info)
+            }
+        }));
+    });
 }
 
 /// The error this thread raised last, if any.

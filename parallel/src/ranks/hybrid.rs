@@ -46,9 +46,7 @@ where
                         let body = move || {
                             let device = DistDevice::<B>::new(inner(t), comm);
                             let current = set_current_device(&device);
-                            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                                f(device)
-                            })) {
+                            match crate::error::catch_raised(|| f(device)) {
                                 Ok(out) => {
                                     // The rank's context goes now, not at the thread's exit.
                                     drop(current);

@@ -26,7 +26,7 @@ use crate::error::{Error, take_raised};
 use crate::launch::{LaunchOptions, launch};
 use crate::mesh::DeviceMesh;
 use burn_backend::Backend;
-use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
+use std::panic::resume_unwind;
 use std::sync::Mutex;
 
 /// Run `f` on one thread per rank of `mesh`, each with a [`DistDevice`] over `inner` (ranks as
@@ -66,7 +66,7 @@ where
         let rank = comm.rank();
         let device = DistDevice::<B>::new(inner(rank), comm);
         let current = set_current_device(&device);
-        let out = match catch_unwind(AssertUnwindSafe(|| f(device))) {
+        let out = match crate::error::catch_raised(|| f(device)) {
             Ok(out) => out,
             Err(payload) => {
                 raised.lock().unwrap()[rank] = take_raised();

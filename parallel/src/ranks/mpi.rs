@@ -1,7 +1,5 @@
 //! A rank as a process of an MPI job (`mpirun` / `srun`, feature `mpi`).
 
-use std::panic::{AssertUnwindSafe, catch_unwind};
-
 use crate::comm::{Communicator, Error, MpiWorld};
 use crate::device::{DistDevice, set_current_device};
 use crate::error::take_raised;
@@ -30,7 +28,7 @@ where
     let rank = comm.rank();
     let device = DistDevice::<B>::new(inner(LaunchEnv::local_rank_or_zero()), comm);
     let current = set_current_device(&device);
-    match catch_unwind(AssertUnwindSafe(|| f(device))) {
+    match crate::error::catch_raised(|| f(device)) {
         Ok(out) => {
             // The rank's context goes before MPI is finalised, not at the thread's exit.
             drop(current);

@@ -57,7 +57,6 @@ where
     BT: BoolElement,
     Body: FnOnce(DistDevice<CubeBackend<CudaRuntime, F, I, BT>>) -> T,
 {
-    use std::panic::{AssertUnwindSafe, catch_unwind};
     let boot = TcpRendezvous::from_env(options.timeout)?;
     let local = LaunchEnv::detect()?.map_or(0, |env| env.local_rank);
     let rank = Bootstrap::rank(&boot);
@@ -73,7 +72,7 @@ where
     dist.context()
         .set_device_collectives::<CubeBackend<CudaRuntime, F, I, BT>>(nccl.clone());
     let current = set_current_device(&dist);
-    match catch_unwind(AssertUnwindSafe(|| f(dist))) {
+    match crate::error::catch_raised(|| f(dist)) {
         Ok(out) => {
             // NCCL is destroyed here, on this thread, not by a thread-local destructor at exit.
             drop(current);

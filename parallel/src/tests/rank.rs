@@ -222,3 +222,57 @@ fn a_rank_context_is_released_when_the_rank_ends() {
         assert_eq!(dropped, vec![true; dp], "dp {dp}");
     }
 }
+
+/// An error raised on a rank is reported once, by whoever the launcher hands it to, not also by
+/// the panic hook as each rank thread's panic (with a backtrace under `RUST_BACKTRACE`); a raise
+/// outside every launcher, which nothing hands on, is still reported by the hook. Run in a child
+/// process of this test binary, whose stderr is read.
+#[test]
+fn a_raised_error_is_reported_by_its_receiver_not_the_panic_hook() {
+    const NAME: &str = "tests::rank::a_raised_error_is_reported_by_its_receiver_not_the_panic_hook";
+    let budget = |rank| Error::MemoryBudget {
+        rank,
+        bytes: 2,
+        budget: 1,
+    };
+    match std::env::var("WILDFIRE_RAISE_CHILD").as_deref() {
+        Ok("launch") => {
+            let mesh = DeviceMesh::new([("dp", 2)]).unwrap();
+            let result = launch_ranks::<F, _, _>(
+                &mesh,
+                &Default::default(),
+                &Default::default(),
+                |device| -> () { crate::error::raise(budget(device.rank())) },
+            );
+            eprintln!("returned: {}", result.unwrap_err());
+            return;
+        }
+        Ok("bare") => {
+            let caught = std::panic::catch_unwind(|| crate::error::raise(budget(7)));
+            assert!(caught.is_err());
+            return;
+        }
+        _ => {}
+    }
+    let child = |mode: &str| {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+            .env("WILDFIRE_RAISE_CHILD", mode)
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{mode}: {out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let launched = child("launch");
+    assert!(launched.contains("returned: rank "), "{launched}");
+    assert!(
+        launched.contains("over its budget of 1 bytes"),
+        "{launched}"
+    );
+    assert!(!launched.contains("panicked at"), "{launched}");
+    assert!(!launched.contains("stack backtrace"), "{launched}");
+    let bare = child("bare");
+    assert!(bare.contains("panicked at"), "{bare}");
+    assert!(bare.contains("rank 7 needs 2 bytes"), "{bare}");
+}
