@@ -387,7 +387,7 @@ pub enum Error {
     #[error("could not start the rank threads: {0}")]
     Spawn(String),
     /// A rank raised a typed error inside a distributed op (see [`crate::launch_ranks`]).
-    #[error("rank {rank}: {error}")]
+    #[error("{}", on_rank(*rank, error))]
     OnRank {
         /// The failing rank.
         rank: usize,
@@ -487,6 +487,16 @@ pub enum Error {
         /// NCCL's result code.
         reason: String,
     },
+}
+
+/// `rank r: error`, or the error alone where its message begins by naming rank `r`.
+fn on_rank(rank: usize, error: &Error) -> String {
+    let message = error.to_string();
+    if message.starts_with(&format!("rank {rank} ")) {
+        message
+    } else {
+        format!("rank {rank}: {message}")
+    }
 }
 
 fn missing_note(missing: &[usize]) -> String {
