@@ -80,12 +80,17 @@ impl<B: Backend> Meta<B> {
 
     /// The same metadata with `awaited` in place of this one's, as a new value of the same piece.
     pub(crate) fn with_awaited(meta: &Arc<Self>, awaited: Option<Arc<Awaited<B>>>) -> Arc<Self> {
+        Self::successor(meta, Self::share(meta), awaited)
+    }
+
+    /// `meta`'s layout, shape, device and memo for a new value counted by `track`.
+    fn successor(meta: &Arc<Self>, track: Track<B>, awaited: Option<Arc<Awaited<B>>>) -> Arc<Self> {
         Arc::new(Self {
             layout: meta.layout.clone(),
             shape: meta.shape.clone(),
             device: meta.device.clone(),
             memo: meta.memo.clone(),
-            track: Self::share(meta),
+            track,
             awaited,
         })
     }
@@ -497,12 +502,24 @@ impl<B: Backend> DTensor<B> {
         shape: Shape,
         device: DistDevice<B>,
     ) -> Self {
+        let track = Track::Own(Count::new(local_bytes(&local), false, device.context()));
+        Self::with_parts(local, layout, shape, device, track, None)
+    }
+
+    /// A value of `local` counted by `track`, with the memo its layout calls for.
+    fn with_parts(
+        local: B::FloatTensorPrimitive,
+        layout: Layout,
+        shape: Shape,
+        device: DistDevice<B>,
+        track: Track<B>,
+        awaited: Option<Arc<Awaited<B>>>,
+    ) -> Self {
         // Partial values are memoised: reducing them twice would double the traffic. A gathered
         // shard must not outlive its use (FSDP frees it and gathers again) — except, when asked
         // (`RankPolicy::keep_sequence_gathers`), a sequence-parallel activation's gather,
         // kept for the backward of the column-parallel layers that use it.
         let memo = memo_for(&layout, &shape, &device);
-        let track = Track::Own(Count::new(local_bytes(&local), false, device.context()));
         Self {
             local,
             meta: Arc::new(Meta {
@@ -511,7 +528,7 @@ impl<B: Backend> DTensor<B> {
                 device,
                 memo,
                 track,
-                awaited: None,
+                awaited,
             }),
         }
     }
@@ -555,18 +572,7 @@ impl<B: Backend> DTensor<B> {
         shape: Shape,
         device: DistDevice<B>,
     ) -> Self {
-        let memo = memo_for(&layout, &shape, &device);
-        Self {
-            local,
-            meta: Arc::new(Meta {
-                layout,
-                shape,
-                device,
-                memo,
-                track: Track::Shared(track),
-                awaited: None,
-            }),
-        }
+        Self::with_parts(local, layout, shape, device, Track::Shared(track), None)
     }
 
     /// The layout.
@@ -797,14 +803,7 @@ impl<B: Backend> DTensor<B> {
                 let origin = self.identity();
                 self.device.ctx.count_host_upload();
                 let track = Tracker::uploaded(local_bytes(&local), origin, self.device.context());
-                self.meta = Arc::new(Meta {
-                    layout: self.layout.clone(),
-                    shape: self.shape.clone(),
-                    device: self.device.clone(),
-                    memo: self.memo.clone(),
-                    track: Track::Shared(track),
-                    awaited: None,
-                });
+                self.meta = Meta::successor(&self.meta, Track::Shared(track), None);
             } else if let Some(meta) = Arc::get_mut(&mut self.meta) {
                 meta.awaited = None;
             } else {

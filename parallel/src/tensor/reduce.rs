@@ -178,17 +178,6 @@ impl<B: Backend> DTensor<B> {
             float,
         );
         let stand_in = B::float_expand(one, Shape::from(local_shape));
-        let memo = memo_for(&layout, &shape, &device);
-        Self {
-            local: stand_in,
-            meta: Arc::new(Meta {
-                layout,
-                shape,
-                device,
-                memo,
-                track,
-                awaited: Some(awaited),
-            }),
-        }
+        Self::with_parts(stand_in, layout, shape, device, track, Some(awaited))
     }
 }
