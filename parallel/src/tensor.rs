@@ -114,7 +114,7 @@ impl<B: Backend> std::ops::Deref for DTensor<B> {
 
 /// The local piece of a value still being reduced on the rank's communication queue: the first
 /// use waits for it ([`DTensor::ready`]); clones share it.
-pub struct Awaited<B: Backend> {
+pub(crate) struct Awaited<B: Backend> {
     state: Mutex<Option<AwaitState<B>>>,
     /// A DDP gradient's place in its step's births, told to the step's watch at each use (see
     /// [`buckets`]).
