@@ -35,6 +35,7 @@ fn flash_backward_q_kernel<E: Float, N: Size>(
     #[comptime] causal: bool,
     #[comptime] cmma: bool,
     #[comptime] registers: bool,
+    #[comptime] ldsm: bool,
     #[define(E)] _dtype: StorageType,
 ) {
     let own = comptime!(planes * rows);
@@ -45,16 +46,17 @@ fn flash_backward_q_kernel<E: Float, N: Size>(
     if comptime!(registers) {
         let ldv = comptime!((d + 8) / 2);
         let chunk = comptime!(if cmma { CHUNK } else { bk });
+        let shape = comptime!(Phase::new(chunk, d, ldv, cmma, ldsm));
         let q_start = start;
         let (plane, g, t) = plane_lanes();
         let i0 = q_start + plane * rows + g;
         let s_base = head_base(&s_l, b, h);
         let s_token = *s_l.index(3usize) as usize;
 
-        let mut qs = SharedMemory::<Vector<E, N>>::new(own * ldv);
-        let mut dos = SharedMemory::<Vector<E, N>>::new(own * ldv);
-        let mut ks = SharedMemory::<Vector<E, N>>::new(bk * ldv);
-        let mut vs = SharedMemory::<Vector<E, N>>::new(bk * ldv);
+        let mut qs = SharedMemory::<Vector<E, N>>::new_aligned(own * ldv, 16usize);
+        let mut dos = SharedMemory::<Vector<E, N>>::new_aligned(own * ldv, 16usize);
+        let mut ks = SharedMemory::<Vector<E, N>>::new_aligned(bk * ldv, 16usize);
+        let mut vs = SharedMemory::<Vector<E, N>>::new_aligned(bk * ldv, 16usize);
         let (mut emu, mut red) = emulation_memory::<E>(planes, chunk, d, cmma);
 
         load_rows_pair::<E, N>(
@@ -125,8 +127,8 @@ fn flash_backward_q_kernel<E: Float, N: Size>(
             #[unroll]
             for ph in 0..comptime!(bk / chunk) {
                 let n0 = ph * chunk;
-                let mut ds = product_t::<E, N>(&qf, &ks, n0, &mut emu, chunk, d, ldv, cmma);
-                let dp = product_t::<E, N>(&dof, &vs, n0, &mut emu, chunk, d, ldv, cmma);
+                let mut ds = product_t::<E, N>(&qf, &ks, n0, &mut emu, shape);
+                let dp = product_t::<E, N>(&dof, &vs, n0, &mut emu, shape);
                 #[unroll]
                 for n in 0..comptime!(chunk / 8) {
                     let c = ds.index_mut(n);
@@ -156,7 +158,7 @@ fn flash_backward_q_kernel<E: Float, N: Size>(
                     }
                 }
                 // dQ += dS·K
-                product_acc::<E, N>(&ds, &ks, n0, &mut acc, &mut emu, chunk, d, ldv, cmma);
+                product_acc::<E, N>(&ds, &ks, n0, &mut acc, &mut emu, shape);
             }
             sync_cube();
         }
@@ -314,6 +316,7 @@ fn flash_backward_kv_kernel<E: Float, N: Size>(
     #[comptime] causal: bool,
     #[comptime] cmma: bool,
     #[comptime] registers: bool,
+    #[comptime] ldsm: bool,
     #[define(E)] _dtype: StorageType,
 ) {
     let own = comptime!(planes * rows);
@@ -324,16 +327,17 @@ fn flash_backward_kv_kernel<E: Float, N: Size>(
     if comptime!(registers) {
         let ldv = comptime!((d + 8) / 2);
         let chunk = comptime!(if cmma { CHUNK } else { bq });
+        let shape = comptime!(Phase::new(chunk, d, ldv, cmma, ldsm));
         let k_start = start;
         let (plane, g, t) = plane_lanes();
         let key0 = k_start + plane * rows + g;
         let s_base = head_base(&s_l, b, h);
         let s_token = *s_l.index(3usize) as usize;
 
-        let mut ks = SharedMemory::<Vector<E, N>>::new(own * ldv);
-        let mut vs = SharedMemory::<Vector<E, N>>::new(own * ldv);
-        let mut qs = SharedMemory::<Vector<E, N>>::new(bq * ldv);
-        let mut dos = SharedMemory::<Vector<E, N>>::new(bq * ldv);
+        let mut ks = SharedMemory::<Vector<E, N>>::new_aligned(own * ldv, 16usize);
+        let mut vs = SharedMemory::<Vector<E, N>>::new_aligned(own * ldv, 16usize);
+        let mut qs = SharedMemory::<Vector<E, N>>::new_aligned(bq * ldv, 16usize);
+        let mut dos = SharedMemory::<Vector<E, N>>::new_aligned(bq * ldv, 16usize);
         let mut lse_s = SharedMemory::<f32>::new(bq);
         let mut delta_s = SharedMemory::<f32>::new(bq);
         let (mut emu, _) = emulation_memory::<E>(planes, chunk, d, cmma);
@@ -376,8 +380,8 @@ fn flash_backward_kv_kernel<E: Float, N: Size>(
             #[unroll]
             for ph in 0..comptime!(bq / chunk) {
                 let n0 = ph * chunk;
-                let mut pt = product_t::<E, N>(&kf, &qs, n0, &mut emu, chunk, d, ldv, cmma);
-                let mut dst = product_t::<E, N>(&vf, &dos, n0, &mut emu, chunk, d, ldv, cmma);
+                let mut pt = product_t::<E, N>(&kf, &qs, n0, &mut emu, shape);
+                let mut dst = product_t::<E, N>(&vf, &dos, n0, &mut emu, shape);
                 #[unroll]
                 for n in 0..comptime!(chunk / 8) {
                     let c = pt.index_mut(n);
@@ -404,8 +408,8 @@ fn flash_backward_kv_kernel<E: Float, N: Size>(
                     }
                 }
                 // dV += Pᵀ·dO, dK += dSᵀ·Q
-                product_acc::<E, N>(&pt, &dos, n0, &mut dv, &mut emu, chunk, d, ldv, cmma);
-                product_acc::<E, N>(&dst, &qs, n0, &mut dk, &mut emu, chunk, d, ldv, cmma);
+                product_acc::<E, N>(&pt, &dos, n0, &mut dv, &mut emu, shape);
+                product_acc::<E, N>(&dst, &qs, n0, &mut dk, &mut emu, shape);
             }
         }
 

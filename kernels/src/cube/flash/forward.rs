@@ -31,6 +31,7 @@ fn flash_forward_kernel<E: Float, N: Size>(
     #[comptime] causal: bool,
     #[comptime] cmma: bool,
     #[comptime] registers: bool,
+    #[comptime] ldsm: bool,
     #[define(E)] _dtype: StorageType,
 ) {
     let own = comptime!(planes * rows);
@@ -41,12 +42,13 @@ fn flash_forward_kernel<E: Float, N: Size>(
     if comptime!(registers) {
         // Rows padded by 8 elements (16 bytes): a fragment's 32-bit reads hit 32 banks.
         let ldv = comptime!((d + 8) / 2);
+        let shape = comptime!(Phase::new(bk, d, ldv, cmma, ldsm));
         let q_start = start;
         let (plane, g, t) = plane_lanes();
         let i0 = q_start + plane * rows + g;
-        let mut qs = SharedMemory::<Vector<E, N>>::new(own * ldv);
-        let mut ks = SharedMemory::<Vector<E, N>>::new(bk * ldv);
-        let mut vs = SharedMemory::<Vector<E, N>>::new(bk * ldv);
+        let mut qs = SharedMemory::<Vector<E, N>>::new_aligned(own * ldv, 16usize);
+        let mut ks = SharedMemory::<Vector<E, N>>::new_aligned(bk * ldv, 16usize);
+        let mut vs = SharedMemory::<Vector<E, N>>::new_aligned(bk * ldv, 16usize);
         let (mut emu, mut red) = emulation_memory::<E>(planes, bk, d, cmma);
 
         // The plane's Q operand, in registers for the whole loop.
@@ -76,7 +78,7 @@ fn flash_forward_kernel<E: Float, N: Size>(
                 k, &k_l, v, &v_l, &at, &mut ks, &mut vs, bk, d, units, causal,
             );
             // S = Q·Kᵀ (bk / 8 accumulators of 16 × 8), scaled and masked; row maxima.
-            let mut s = product_t::<E, N>(&qf, &ks, 0, &mut emu, bk, d, ldv, cmma);
+            let mut s = product_t::<E, N>(&qf, &ks, 0, &mut emu, shape);
             let mut mx0 = m0;
             let mut mx1 = m1;
             #[unroll]
@@ -107,7 +109,7 @@ fn flash_forward_kernel<E: Float, N: Size>(
                 c[1] = exp_pair::<N>(c[1], m1, masked, &mut l1);
             }
             // O += P·V (the accumulator pairs of 16 keys are P's A operand).
-            product_acc::<E, N>(&s, &vs, 0, &mut o, &mut emu, bk, d, ldv, cmma);
+            product_acc::<E, N>(&s, &vs, 0, &mut o, &mut emu, shape);
             sync_cube();
         }
 

@@ -25,7 +25,7 @@
 //! - C (16 × 8): pair `v` holds row `g + 8·v`, columns `2t + {0, 1}`.
 
 use super::*;
-use cubecl::cmma::MmaDefinition;
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
 
 /// Query rows per plane (one fragment high).
 const ROWS: usize = 16;
@@ -127,22 +127,66 @@ pub(super) fn mma<E: Float, N: Size>(
     def.execute_inplace(a, b, c);
 }
 
+/// A product phase's comptime shape: `chunk` keys (queries) of head dim `d` from pair tiles of
+/// `ldv` pairs a row; on the `mma` instruction (`native`, else emulated), its B operands by
+/// `ldmatrix` (`ldsm`, CUDA).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct Phase {
+    pub chunk: usize,
+    pub d: usize,
+    pub ldv: usize,
+    pub native: bool,
+    pub ldsm: bool,
+}
+
+impl Phase {
+    pub fn new(chunk: usize, d: usize, ldv: usize, native: bool, ldsm: bool) -> Self {
+        Self {
+            chunk,
+            d,
+            ldv,
+            native,
+            ldsm,
+        }
+    }
+}
+
 /// The score-like product of a phase: `a` (the plane's 16 rows, `d / 16` A operands) times the
 /// rows `n0..n0 + chunk` of tile `sm` transposed, as `chunk / 8` accumulators (Q·Kᵀ).
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub(super) fn product_t<E: Float, N: Size>(
     a: &Sequence<Array<Vector<E, N>>>,
     sm: &SharedMemory<Vector<E, N>>,
     n0: usize,
     emu: &mut SharedMemory<E>,
-    #[comptime] chunk: usize,
-    #[comptime] d: usize,
-    #[comptime] ldv: usize,
-    #[comptime] native: bool,
+    #[comptime] ph: Phase,
 ) -> Sequence<Array<Vector<f32, N>>> {
+    let chunk = comptime!(ph.chunk);
+    let d = comptime!(ph.d);
+    let ldv = comptime!(ph.ldv);
+    let native = comptime!(ph.native);
+    let ldsm = comptime!(ph.ldsm);
     let mut out = Sequence::<Array<Vector<f32, N>>>::new();
-    if comptime!(native) {
+    if comptime!(native && ldsm) {
+        // One `ldmatrix.x4` gives the B operands of two consecutive `kk` (32 head columns).
+        #[unroll]
+        for n in 0..comptime!(chunk / 8) {
+            let mut c = acc_zero::<N>();
+            #[unroll]
+            for k2 in 0..comptime!(d / 32) {
+                let regs = ldsm_x4::<E, N>(sm, n0 + n * 8, k2 * 32, ldv, false);
+                let (b0, b1) = split_x4::<E, N>(&regs);
+                mma::<E, N>(a.index(2 * k2), &b0, &mut c);
+                mma::<E, N>(a.index(2 * k2 + 1), &b1, &mut c);
+            }
+            if comptime!(!d.is_multiple_of(32)) {
+                let kk = comptime!(d / 16 - 1);
+                let bf = b_transposed::<E, N>(sm, n0 + n * 8, kk, ldv);
+                mma::<E, N>(a.index(kk), &bf, &mut c);
+            }
+            out.push(c);
+        }
+    } else if comptime!(native) {
         #[unroll]
         for n in 0..comptime!(chunk / 8) {
             let mut c = acc_zero::<N>();
@@ -184,19 +228,34 @@ pub(super) fn product_t<E: Float, N: Size>(
 /// The value-like product of a phase: `acc` (`d / 8` accumulators) `+= p · sm[k0..k0 + chunk]`,
 /// `p` the plane's `chunk / 8` f32 accumulators (probabilities) as A operands in `E` (P·V).
 #[cube]
-#[allow(clippy::too_many_arguments)]
 pub(super) fn product_acc<E: Float, N: Size>(
     p: &Sequence<Array<Vector<f32, N>>>,
     sm: &SharedMemory<Vector<E, N>>,
     k0: usize,
     acc: &mut Sequence<Array<Vector<f32, N>>>,
     emu: &mut SharedMemory<E>,
-    #[comptime] chunk: usize,
-    #[comptime] d: usize,
-    #[comptime] ldv: usize,
-    #[comptime] native: bool,
+    #[comptime] ph: Phase,
 ) {
-    if comptime!(native) {
+    let chunk = comptime!(ph.chunk);
+    let d = comptime!(ph.d);
+    let ldv = comptime!(ph.ldv);
+    let native = comptime!(ph.native);
+    let ldsm = comptime!(ph.ldsm);
+    if comptime!(native && ldsm) {
+        // One `ldmatrix.x4.trans` gives the B operands of two consecutive `u` (16 head columns),
+        // transposed on the way: no 16-bit selects and packs (`b_plain`).
+        #[unroll]
+        for kk in 0..comptime!(chunk / 16) {
+            let a = a_from_acc::<E, N>(p.index(2 * kk), p.index(2 * kk + 1));
+            #[unroll]
+            for u2 in 0..comptime!(d / 16) {
+                let regs = ldsm_x4::<E, N>(sm, k0 + kk * 16, u2 * 16, ldv, true);
+                let (b0, b1) = split_x4::<E, N>(&regs);
+                mma::<E, N>(&a, &b0, acc.index_mut(2 * u2));
+                mma::<E, N>(&a, &b1, acc.index_mut(2 * u2 + 1));
+            }
+        }
+    } else if comptime!(native) {
         #[unroll]
         for kk in 0..comptime!(chunk / 16) {
             let a = a_from_acc::<E, N>(p.index(2 * kk), p.index(2 * kk + 1));
@@ -404,6 +463,50 @@ pub(super) fn b_plain<E: Float, N: Size>(
         b[r] = y;
     }
     b
+}
+
+/// Two B operands by one `ldmatrix.x4` (CUDA only; the pair tile `sm`, `ldv` pairs a row,
+/// 16-byte aligned). Matrix `m` comes from lanes `8m..8m + 8`, a 16-byte row each, and lane
+/// `(g, t)` gets elements `(g, 2t), (g, 2t + 1)` of each matrix, or with `trans` elements
+/// `(2t, g), (2t + 1, g)`:
+/// - without `trans`, rows `row0..row0 + 8` and columns `col0 + 8m..`: the [`b_transposed`]
+///   operands of columns `col0..col0 + 32` (two `kk`) — Q·Kᵀ;
+/// - with `trans`, rows `row0 + 8·(m % 2)..` and columns `col0 + 8·(m / 2)..`: the [`b_plain`]
+///   operands of rows `row0..row0 + 16`, columns `col0..col0 + 16` (two `u`) — P·V.
+#[cube]
+pub(super) fn ldsm_x4<E: Float, N: Size>(
+    sm: &SharedMemory<Vector<E, N>>,
+    row0: usize,
+    col0: usize,
+    #[comptime] ldv: usize,
+    #[comptime] trans: bool,
+) -> Array<Vector<E, N>> {
+    let lane = UNIT_POS as usize % LANES;
+    let m = lane / 8;
+    let mut row = row0 + lane % 8;
+    let mut col = col0 + 8 * m;
+    if comptime!(trans) {
+        row += 8 * (m % 2);
+        col = col0 + 8 * (m / 2);
+    }
+    let start = row * ldv + col / 2;
+    let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
+    def.load_matrix::<Vector<E, N>, N>(&sm.slice(start, start + 4), MatrixIdent::B, 4usize, trans)
+}
+
+/// A fragment's registers.
+type Regs<E, N> = Array<Vector<E, N>>;
+
+/// The two B operands (registers 0, 1 and 2, 3) of an [`ldsm_x4`] load.
+#[cube]
+pub(super) fn split_x4<E: Float, N: Size>(regs: &Regs<E, N>) -> (Regs<E, N>, Regs<E, N>) {
+    let mut b0 = Array::<Vector<E, N>>::new(2usize);
+    let mut b1 = Array::<Vector<E, N>>::new(2usize);
+    b0[0] = regs[0];
+    b0[1] = regs[1];
+    b1[0] = regs[2];
+    b1[1] = regs[3];
+    (b0, b1)
 }
 
 /// Accumulators `lo` and `hi` (16 × 8 each, side by side) as one A operand (16 × 16) in `E`.
@@ -626,12 +729,14 @@ pub(super) fn registers_split<R: CubeRuntime>(
         MmaMode::Native if has_mma => true,
         _ => return None,
     };
+    let ldsm = native && ldmatrix_on() && props.features.matmul.ldmatrix.contains(&q.dtype.into());
     let mut f = Flash {
         planes: PLANES,
         rows: ROWS,
         block: BLOCK,
         cmma: native,
         registers: true,
+        ldsm,
     };
     let limit = props.hardware.max_shared_memory_size;
     let es = q.dtype.size();
@@ -663,6 +768,14 @@ fn register_bytes(f: &Flash, pass: Pass, d: usize, es: usize) -> usize {
             Pass::BackwardQ => 2 * (own + f.block) * row,
             Pass::BackwardKv => 2 * (own + f.block) * row + 8 * f.block,
         }
+}
+
+/// Whether the register kernels may load their B operands by `ldmatrix` where the device has it
+/// (the default; `WILDFIRE_ATTENTION_LDSM=0` keeps the 32-bit shared-memory reads, for a
+/// comparison).
+fn ldmatrix_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("WILDFIRE_ATTENTION_LDSM").map_or(true, |v| v != "0"))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
