@@ -119,14 +119,26 @@ run() {
     step attention_tests 120 "$T/b/kernel_tests" cuda_tensor_core --test-threads 1
     # the 8-bit optimizer state's kernels (`u8` codes) against Flex's host loops, bit for bit
     step quant_tests 60 "$T/b/kernel_tests" cuda_blockwise --test-threads 1
-    step gpt2_ours 200 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 --metrics "$R/gpt2_ours.jsonl"
+    # (--trace: the host's time in each region of a step — forward and backward are only queued
+    # on the device, so where they take as long as the step the host, not the GPU, is the limit)
+    step gpt2_ours 200 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 --metrics "$R/gpt2_ours.jsonl" \
+        --trace "$R/gpt2_trace.json"
     step gpt2_eager 60 python3 "$T/b/gpt_gpu.py" --mode eager --batch 8 --seq 1024 --dtype bf16 --steps 24 --warmup 3
+    # the GEMMs handed to CubeCL's device thread without waiting (WILDFIRE_CUBLAS_ASYNC=1): their
+    # products against host sums, the tiny run against Flex (below), and the step with its trace
+    WILDFIRE_CUBLAS_ASYNC=1 step gemm_async_tests 60 "$T/b/kernel_tests" cuda_tensor_core_gemm --test-threads 1
+    WILDFIRE_CUBLAS_ASYNC=1 step gpt2_async 120 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 \
+        --metrics "$R/gpt2_async.jsonl" --trace "$R/gpt2_async_trace.json"
     step kernels_ours 120 "$T/b/gpu_kernels"
     step kernels_torch 60 python3 "$T/b/gpu_kernels.py"
     # the attention on the `cmma` fragment kernels instead of the default register kernels
     # (WILDFIRE_ATTENTION_MMA=0): its kernels and the step with it
     WILDFIRE_ATTENTION_MMA=0 step kernels_ours_fragments 60 "$T/b/gpu_kernels" --iters 5
     WILDFIRE_ATTENTION_MMA=0 step gpt2_fragments 120 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 --metrics "$R/gpt2_fragments.jsonl"
+    # the register attention without its `ldmatrix` operand loads (WILDFIRE_ATTENTION_LDSM=0):
+    # its kernels and the step with it
+    WILDFIRE_ATTENTION_LDSM=0 step kernels_ours_noldsm 60 "$T/b/gpu_kernels" --iters 5
+    WILDFIRE_ATTENTION_LDSM=0 step gpt2_noldsm 120 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 --metrics "$R/gpt2_noldsm.jsonl"
     # the same step with Burn's CubeCL matmuls instead of cuBLASLt (the GEMMs' share of the step)
     WILDFIRE_CUBLAS=0 step gpt2_cubecl 120 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_cubecl.jsonl"
     # the flash kernels with CubeCL's bounds checks on every index (the default launches skip them)
@@ -135,10 +147,18 @@ run() {
     printf '[profiling.logger]\nlevel = "basic"\nfile = "%s"\n' "$R/profile.log" > "$T/cubecl.toml"
     step gpt2_profile 90 "$G" --backend cuda "${BIG[@]}" --steps 2 --warmup 1
     rm -f "$T/cubecl.toml"
+    # Nsight Systems, where installed: every kernel's device time without the profiler's
+    # synchronisation, and the gaps between kernels (the device waiting for the host)
+    local nsys; nsys=$(command -v nsys || ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys 2>/dev/null | head -1)
+    [ -n "$nsys" ] && step nsys_step 120 bash -c "'$nsys' profile --trace=cuda --sample=none --cpuctxsw=none \
+        --force-overwrite=true -o '$T/nsys' '$G' --backend cuda ${BIG[*]} --steps 6 --warmup 1 &&
+        '$nsys' stats --force-export=true --report cuda_gpu_kern_sum --report cuda_api_sum --report cuda_gpu_trace \
+        --format csv --output '$R/nsys' '$T/nsys.nsys-rep'"
     # (f32 GEMMs of the tiny shapes: ≈ 25 s of tuning each on a fresh machine, ≈ 8 shapes)
     step flex_tiny 90 "$G" --backend flex "${SMALL[@]}" --metrics "$R/flex_tiny.jsonl" &
     step cuda_tiny 240 "$G" --backend cuda "${SMALL[@]}" --metrics "$R/cuda_tiny.jsonl"
     wait
+    WILDFIRE_CUBLAS_ASYNC=1 step cuda_tiny_async 120 "$G" --backend cuda "${SMALL[@]}" --metrics "$R/cuda_tiny_async.jsonl"
     step gpt2_compile 150 python3 "$T/b/gpt_gpu.py" --mode compile --batch 8 --seq 1024 --dtype bf16 --steps 10 --warmup 3
     # every kernel against Burn ops in f32 (each reference matmul shape is tuned once: slow on a
     # fresh machine, last)

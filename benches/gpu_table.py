@@ -40,19 +40,26 @@ print("Steps: " + "; ".join(read("summary.txt").strip().splitlines()) + "\n")
 # (a) correctness
 print("### Correctness\n")
 for log, what in (("attention_tests.log", "tensor-core attention against the f32 tiles"),
+                  ("gemm_async_tests.log", "cuBLASLt GEMMs against host sums, WILDFIRE_CUBLAS_ASYNC=1"),
                   ("kernel_tests.log", "every kernel against Burn ops (f32)")):
+    if not read(log):
+        continue
     tests = re.findall(r"test result: .*", read(log))
     failed = re.findall(r"^test (\S+) \.\.\. FAILED", read(log), re.M)
     print(f"- {what}: {tests[-1] if tests else 'no result'}"
           + (f" (failed: {', '.join(failed)})" if failed else ""))
-flex, cuda = jsonl("flex_tiny.jsonl"), jsonl("cuda_tiny.jsonl")
-if flex and cuda and len(flex) == len(cuda):
-    dl = max(abs(a["loss"] - b["loss"]) for a, b in zip(flex, cuda))
-    dg = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(flex, cuda))
-    print(f"- tiny preset, {len(cuda)} steps f32, CUDA vs Flex: max |Δloss| {dl:.2e}, "
-          f"max |Δgrad_norm| {dg:.2e}")
-else:
-    print(f"- tiny preset CUDA vs Flex: incomplete ({len(flex)} vs {len(cuda)} steps)")
+flex = jsonl("flex_tiny.jsonl")
+for log, how in (("cuda_tiny.jsonl", ""), ("cuda_tiny_async.jsonl", ", WILDFIRE_CUBLAS_ASYNC=1")):
+    cuda = jsonl(log)
+    if not read(log):
+        continue
+    if flex and cuda and len(flex) == len(cuda):
+        dl = max(abs(a["loss"] - b["loss"]) for a, b in zip(flex, cuda))
+        dg = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(flex, cuda))
+        print(f"- tiny preset, {len(cuda)} steps f32, CUDA vs Flex{how}: max |Δloss| {dl:.2e}, "
+              f"max |Δgrad_norm| {dg:.2e}")
+    else:
+        print(f"- tiny preset CUDA vs Flex{how}: incomplete ({len(flex)} vs {len(cuda)} steps)")
 
 # (b) kernels
 print("\n### Kernels at GPT-2 124M's shapes (bf16)\n")
@@ -69,7 +76,8 @@ for name, k in ours.items():
 
 for log, how in (("kernels_ours_checked.log", "with bounds checks"),
                  ("kernels_ours_nocmma.log", "without tensor cores"),
-                 ("kernels_ours_fragments.log", "`cmma` fragment kernels (`WILDFIRE_ATTENTION_MMA=0`)")):
+                 ("kernels_ours_fragments.log", "`cmma` fragment kernels (`WILDFIRE_ATTENTION_MMA=0`)"),
+                 ("kernels_ours_noldsm.log", "without `ldmatrix` (`WILDFIRE_ATTENTION_LDSM=0`)")):
     plain = {k["kernel"]: k for k in jsonl(log)}
     for name in ("attention_fwd", "attention_bwd"):
         if name in plain:
@@ -84,7 +92,9 @@ fpt = (eager or compiled or [{}])[0].get("flops_per_token")
 rows = []
 for label, log in (("Wildfire (CUDA, cuBLASLt GEMMs)", "gpt2_ours.jsonl"),
                    ("Wildfire (CUDA, CubeCL GEMMs)", "gpt2_cubecl.jsonl"),
-                   ("Wildfire (CUDA, cuBLASLt GEMMs, fragment attention)", "gpt2_fragments.jsonl")):
+                   ("Wildfire (CUDA, cuBLASLt GEMMs, fragment attention)", "gpt2_fragments.jsonl"),
+                   ("Wildfire (CUDA, attention without `ldmatrix`)", "gpt2_noldsm.jsonl"),
+                   ("Wildfire (CUDA, GEMMs not waited for: WILDFIRE_CUBLAS_ASYNC=1)", "gpt2_async.jsonl")):
     steps = jsonl(log)[1:]
     if steps:
         rows.append((label, statistics.median(s["tokens_per_s"] for s in steps)))
@@ -96,6 +106,31 @@ print("|---|---|---|")
 for label, tps in rows:
     mfu = f"{100 * tps * fpt / PEAK:.1f}%" if fpt else "–"
     print(f"| {label} | {tps:,.0f} | {mfu} |")
+
+# the host's time in each region of a step (`--trace`): forward and backward only queue work on
+# the device, so where they fill the step the host is the limit, not the GPU
+traces = []
+for label, name in (("default", "gpt2_trace.json"), ("WILDFIRE_CUBLAS_ASYNC=1", "gpt2_async_trace.json")):
+    try:
+        events = json.loads(read(name) or "null")
+    except ValueError:
+        events = None
+    if not events:
+        continue
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    regions = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "compute":
+            regions[e["name"]].append(e["dur"] / 1e3)
+    traces.append((label, {k: statistics.median(v[2:] or v) for k, v in regions.items()}))
+if traces:
+    names = [n for n in ("forward", "backward", "sync and check", "optimizer", "step")
+             if any(n in t for _, t in traces)]
+    print("\n### The host's time per step region (median ms, steps 2 on; `--trace`)\n")
+    print("| run | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for label, t in traces:
+        print(f"| {label} | " + " | ".join(f"{t[n]:.1f}" if n in t else "–" for n in names) + " |")
 
 # (c) profile
 print("\n### CubeCL profile of one training step (the run's last step; top 15 kernels)\n")

@@ -2,12 +2,17 @@
 //! their matrix products: CubeCL's best tuned GEMMs ran at 3× `torch.matmul`'s time on every
 //! GPT-2 shape on an H100 (README, "On a GPU"). The fused kernels stay CubeCL.
 //!
-//! How a product runs: the operands' CubeCL buffers are resolved to device addresses
-//! (`ComputeClient::get_resource`, which also orders this thread's stream after any other
-//! stream that wrote them), and the GEMM is enqueued on the CUDA stream the output's storage
-//! lives on — the stream CubeCL launches this thread's kernels on (exposed by the vendored
-//! `cubecl-cuda`'s `GpuResource::stream`, `vendor/README.md`) — so it is ordered with CubeCL's
-//! kernels before and after it, and nothing is synchronised.
+//! How a product runs: the call is handed to CubeCL's device thread — the thread its client
+//! hands every kernel launch to — as one more task in the same queue, so it runs there after
+//! the launches queued before it and before those queued after it. There the operands' CubeCL
+//! buffers are resolved to device addresses (`ComputeServer::get_resource`, which also orders
+//! the caller's stream after any other stream that wrote them) and the GEMM is enqueued on the
+//! CUDA stream the output's storage lives on — the caller's stream, which CubeCL launches its
+//! kernels on (exposed by the vendored `cubecl-cuda`'s `GpuResource::stream`,
+//! `vendor/README.md`) — so it is ordered with CubeCL's kernels before and after it, and nothing
+//! is synchronised. The calling thread waits for that task once (resolving the buffers from it,
+//! as before, cost a blocking round trip per buffer: three or four per GEMM, each waiting for
+//! every launch queued before it), or with `WILDFIRE_CUBLAS_ASYNC=1` not at all.
 //!
 //! Layouts: Burn's row-major `C[m, n] = A[m, k] · B[k, n]` is cuBLAS's column-major
 //! `Cᵀ[n, m] = Bᵀ · Aᵀ`; an operand with unit column stride is a column-major transpose (leading
@@ -21,12 +26,14 @@
 //! Flex), bf16 and f16 on tensor cores with f32 accumulation and an output in the inputs' dtype,
 //! as `torch.matmul` under autocast.
 //!
-//! State per thread (CubeCL gives each thread its own stream): a cuBLASLt handle, a 32 MiB
-//! workspace, and the plans (descriptors and the heuristic's algorithm) per shape, strides,
-//! dtype and pointer alignment. They live as long as the process (a few KB per shape; their
+//! State per device, on its device thread: a cuBLASLt handle, a 32 MiB workspace per CUDA
+//! stream, and the plans (descriptors and the heuristic's algorithm) per shape, strides, dtype
+//! and pointer alignment. They live as long as the process (a few KB per shape; their
 //! destruction at thread exit would run CUDA calls from TLS destructors, where the driver may be
-//! gone). `WILDFIRE_CUBLAS=0` turns the path off (Burn's CubeCL matmul then runs); a machine
-//! without `libcublasLt` falls back with one warning.
+//! gone). A GEMM that fails on the device thread when nobody waits for it (a CUDA error after its
+//! plan was made) is logged there and makes the next GEMM call panic with it.
+//! `WILDFIRE_CUBLAS=0` turns the path off (Burn's CubeCL matmul then runs); a machine without
+//! `libcublasLt` falls back with one warning.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -42,7 +49,7 @@ use cudarc::cublaslt::sys;
 
 type T = CubeTensor<CudaRuntime>;
 
-/// Workspace per thread: cuBLAS's recommendation for Hopper.
+/// Workspace per stream: cuBLAS's recommendation for Hopper.
 const WORKSPACE: usize = 32 << 20;
 
 /// A cuBLASLt error as a message naming the call that failed.
@@ -276,84 +283,179 @@ impl Product {
         (batch as u64, self.out[d - 2] as u64, self.out[d - 1] as u64)
     }
 
-    /// Enqueue the product on the output's stream.
+    /// Enqueue the product on the output's stream, from CubeCL's device thread (`enqueue`),
+    /// after the launches this thread queued before it and before those it queues after.
+    /// By default this thread waits for the call to be enqueued there (one round trip, which
+    /// also waits for the launches queued before it); with `WILDFIRE_CUBLAS_ASYNC=1` it does not
+    /// wait ([`asynchronous`]): a product's first call (a new shape, strides, dtype or alignment)
+    /// still makes its plan on the device thread and waits for it, so that a product cuBLASLt
+    /// cannot run falls back to Burn's matmul either way.
     fn run(&self, lhs: &T, rhs: &T, bias: Option<&T>) -> Result<T, String> {
+        report_deferred_failure();
         let out = super::empty(lhs, Shape::from(self.out.clone()), lhs.dtype);
-        let client = &out.client;
-        let resource = |t: &T| {
-            client
-                .get_resource(t.handle.clone())
-                .map_err(|e| format!("CubeCL get_resource: {e:?}"))
-        };
-        let (a, b, d) = (resource(rhs)?, resource(lhs)?, resource(&out)?);
-        let bias_res = bias.map(resource).transpose()?;
-        let (a_ptr, b_ptr, d_ptr) = (a.resource().ptr, b.resource().ptr, d.resource().ptr);
-        let stream = d.resource().stream;
-        if stream.is_null() {
-            return Err("the output buffer has no stream".into());
-        }
-        let align = |p: u64| (1u64 << p.trailing_zeros().min(8)) as u32;
-        let key = PlanKey {
-            product: self.clone(),
-            align: [align(a_ptr), align(b_ptr), align(d_ptr)],
-        };
         let device = out.device.index;
-        STATE.with(|state| -> Result<(), String> {
-            let mut state = state.borrow_mut();
-            let thread = state.get_or_init(device)?;
-            let plan = match thread.plans.get(&key) {
-                Some(plan) => *plan,
-                None => {
-                    let plan = Plan::new(
-                        thread.handle,
-                        &key,
-                        bias_res.as_ref().map(|r| r.resource().ptr),
-                    )?;
-                    thread.plans.insert(key.clone(), plan);
-                    plan
-                }
+        let runner = runner(&out.device);
+        let bindings = [rhs, lhs, &out].map(|t| t.handle.clone().binding());
+        let bias = bias.map(|t| t.handle.clone().binding());
+        let thread = |e| format!("CubeCL's device thread: {e:?}");
+        if asynchronous() {
+            let key = PlanKey {
+                product: self.clone(),
+                align: [rhs, lhs, &out].map(|t| align(expected_address(t))),
             };
-            // The plan's bias epilogue reads this call's bias (a cached plan holds an earlier's).
-            if let Some(bias) = &bias_res {
-                set!(
-                    set_matmul_desc_attribute,
-                    plan.desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                    bias.resource().ptr as *const c_void,
-                    "BIAS_POINTER"
-                )?;
+            if !KNOWN.with(|known| known.borrow().contains(&key)) {
+                let first = key.clone();
+                runner
+                    .submit_blocking(move |_| {
+                        with_device_state(device, |state| state.plan(&first).map(|_| ()))
+                    })
+                    .map_err(thread)??;
+                KNOWN.with(|known| known.borrow_mut().insert(key.clone()));
             }
-            let (alpha, beta) = (1f32, 0f32);
-            // SAFETY: the descriptors and algorithm were made for these shapes, strides, dtype
-            // and alignments; the buffers hold them (CubeCL sized them from the same metadata)
-            // and are kept alive (`a`, `b`, `d`, `bias_res`) until the call is enqueued — after
-            // it CubeCL orders any reuse of their memory on this same stream; the workspace is
-            // this thread's, used on this thread's stream only.
-            unsafe {
-                lt::matmul(
-                    thread.handle,
-                    plan.desc,
-                    (&alpha) as *const f32 as *const c_void,
-                    (&beta) as *const f32 as *const c_void,
-                    a_ptr as *const c_void,
-                    plan.a,
-                    b_ptr as *const c_void,
-                    plan.b,
-                    d_ptr as *const c_void,
-                    plan.d,
-                    d_ptr as *mut c_void,
-                    plan.d,
-                    &plan.algo,
-                    thread.workspace as *mut c_void,
-                    WORKSPACE,
-                    stream as sys::cudaStream_t,
-                )
-                .map_err(|e| format!("cublasLtMatmul: {e}"))
-            }
-        })?;
+            runner.submit(move |server| {
+                if let Err(e) = enqueue(server, device, key, bindings, bias) {
+                    tracing::error!("a cuBLASLt GEMM failed on CubeCL's device thread: {e}");
+                    *lock_failure() = Some(e);
+                }
+            });
+        } else {
+            let key = PlanKey {
+                product: self.clone(),
+                align: [0; 3],
+            };
+            runner
+                .submit_blocking(move |server| enqueue(server, device, key, bindings, bias))
+                .map_err(thread)??;
+        }
         CALLS.fetch_add(1, Ordering::Relaxed);
-        drop((a, b, d, bias_res));
         Ok(out)
+    }
+}
+
+/// Whether GEMMs are handed to CubeCL's device thread without waiting
+/// (`WILDFIRE_CUBLAS_ASYNC=1`; asked once per process). Off by default until a GPU run has
+/// checked and timed it (`benches/gpu.sh`'s `gpt2_async` and `gemm_async` steps).
+pub fn asynchronous() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("WILDFIRE_CUBLAS_ASYNC").is_ok_and(|v| v == "1"))
+}
+
+/// CubeCL's CUDA server: its device thread runs the closures handed to [`runner`]'s handle.
+type Server = <CudaRuntime as cubecl::Runtime>::Server;
+
+/// The largest power of two (≤ 256) dividing an address.
+fn align(address: u64) -> u32 {
+    (1u64 << address.trailing_zeros().min(8)) as u32
+}
+
+/// A buffer's device address modulo CubeCL's allocation alignment (512 bytes on CUDA: pages and
+/// the slices in them start at multiples of it), known without asking the device thread: its
+/// offset into its slice.
+fn expected_address(t: &T) -> u64 {
+    t.handle.offset_start.unwrap_or(0)
+}
+
+/// This thread's handle to `device`'s CubeCL device thread (the one its client submits to).
+fn runner(device: &cubecl::cuda::CudaDevice) -> cubecl::device_handle::DeviceHandle<Server> {
+    use cubecl::device::Device;
+    RUNNERS.with(|runners| {
+        let mut runners = runners.borrow_mut();
+        match runners.iter().find(|(index, _)| *index == device.index) {
+            Some((_, runner)) => runner.clone(),
+            None => {
+                let runner = cubecl::device_handle::DeviceHandle::<Server>::new(device.to_id());
+                runners.push((device.index, runner.clone()));
+                runner
+            }
+        }
+    })
+}
+
+/// On the device thread: resolve the buffers on the caller's stream (CubeCL orders that stream
+/// after any other that wrote them) and enqueue the GEMM there.
+fn enqueue(
+    server: &mut Server,
+    device: usize,
+    mut key: PlanKey,
+    bindings: [cubecl::server::Binding; 3],
+    bias: Option<cubecl::server::Binding>,
+) -> Result<(), String> {
+    use cubecl::server::ComputeServer;
+    let stream_id = cubecl::stream_id::StreamId::current();
+    let mut resource = |b| {
+        server
+            .get_resource(b, stream_id)
+            .map_err(|e| format!("CubeCL get_resource: {e:?}"))
+    };
+    let [a, b, d] = bindings;
+    let (a, b, d) = (resource(a)?, resource(b)?, resource(d)?);
+    let bias = bias.map(&mut resource).transpose()?;
+    let (a_ptr, b_ptr, d_ptr) = (a.resource().ptr, b.resource().ptr, d.resource().ptr);
+    let stream = d.resource().stream;
+    if stream.is_null() {
+        return Err("the output buffer has no stream".into());
+    }
+    // The addresses' alignment as they are (an asynchronous call's key was expected from the
+    // offsets, equal unless CubeCL's allocations were aligned otherwise: then the plan for
+    // these is made here).
+    key.align = [align(a_ptr), align(b_ptr), align(d_ptr)];
+    with_device_state(device, |state| {
+        let workspace = state.workspace(stream as usize)?;
+        let handle = state.handle;
+        let plan = state.plan(&key)?;
+        // The plan's bias epilogue reads this call's bias (a cached plan holds an earlier's).
+        if let Some(bias) = &bias {
+            set!(
+                set_matmul_desc_attribute,
+                plan.desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                bias.resource().ptr as *const c_void,
+                "BIAS_POINTER"
+            )?;
+        }
+        let (alpha, beta) = (1f32, 0f32);
+        // SAFETY: the descriptors and algorithm were made for these shapes, strides, dtype
+        // and alignments; the buffers hold them (CubeCL sized them from the same metadata)
+        // and are kept alive (`a`, `b`, `d`, `bias`) until the call is enqueued — after it
+        // CubeCL orders any reuse of their memory on this same stream; the workspace is this
+        // stream's, used on it only.
+        unsafe {
+            lt::matmul(
+                handle,
+                plan.desc,
+                (&alpha) as *const f32 as *const c_void,
+                (&beta) as *const f32 as *const c_void,
+                a_ptr as *const c_void,
+                plan.a,
+                b_ptr as *const c_void,
+                plan.b,
+                d_ptr as *const c_void,
+                plan.d,
+                d_ptr as *mut c_void,
+                plan.d,
+                &plan.algo,
+                workspace as *mut c_void,
+                WORKSPACE,
+                stream as sys::cudaStream_t,
+            )
+            .map_err(|e| format!("cublasLtMatmul: {e}"))
+        }
+    })
+}
+
+/// A failure of a GEMM already handed to the device thread (its output was never written),
+/// reported by the next GEMM call of any thread.
+static FAILURE: std::sync::Mutex<Option<String>> = std::sync::Mutex::new(None);
+
+fn lock_failure() -> std::sync::MutexGuard<'static, Option<String>> {
+    FAILURE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Panics with an earlier enqueued GEMM's failure: the tensor it should have written holds
+/// garbage, and nothing computed from it can be trusted.
+fn report_deferred_failure() {
+    if let Some(e) = lock_failure().take() {
+        panic!("a cuBLASLt GEMM enqueued earlier failed on CubeCL's device thread: {e}");
     }
 }
 
@@ -375,13 +477,8 @@ struct Plan {
 }
 
 impl Plan {
-    /// The plan of `key`, chosen with the first call's `bias` address set (each later call sets
-    /// its own, `Product::run`).
-    fn new(
-        handle: sys::cublasLtHandle_t,
-        key: &PlanKey,
-        bias: Option<u64>,
-    ) -> Result<Self, String> {
+    /// The plan of `key` (with a bias epilogue whose address each call sets, `enqueue`).
+    fn new(handle: sys::cublasLtHandle_t, key: &PlanKey) -> Result<Self, String> {
         use sys::cublasLtMatmulDescAttributes_t as D;
         use sys::cublasLtMatmulPreferenceAttributes_t as P;
         use sys::cublasLtMatrixLayoutAttribute_t as L;
@@ -408,7 +505,7 @@ impl Plan {
             op(p.b.trans),
             "TRANSB"
         )?;
-        if let Some(ptr) = bias {
+        if p.bias {
             set!(
                 set_matmul_desc_attribute,
                 desc,
@@ -422,13 +519,6 @@ impl Plan {
                 D::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                 dtype,
                 "BIAS_DATA_TYPE"
-            )?;
-            set!(
-                set_matmul_desc_attribute,
-                desc,
-                D::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                ptr as *const c_void,
-                "BIAS_POINTER"
             )?;
         }
         let (batch, m, n) = p.sizes();
@@ -497,48 +587,79 @@ impl Plan {
     }
 }
 
-/// This thread's cuBLASLt handle, workspace and plans, for one device.
-struct Thread {
+/// A device's cuBLASLt handle, plans and workspaces (one per CUDA stream: two streams' GEMMs
+/// may run at once), on its CubeCL device thread.
+struct DeviceState {
     device: usize,
     handle: sys::cublasLtHandle_t,
-    workspace: u64,
+    workspaces: HashMap<usize, u64>,
     plans: HashMap<PlanKey, Plan>,
     _ctx: std::sync::Arc<cudarc::driver::CudaContext>,
 }
 
-#[derive(Default)]
-struct ThreadState(Vec<Thread>);
+impl DeviceState {
+    /// `key`'s plan, made on first use.
+    fn plan(&mut self, key: &PlanKey) -> Result<Plan, String> {
+        if let Some(plan) = self.plans.get(key) {
+            return Ok(*plan);
+        }
+        let plan = Plan::new(self.handle, key)?;
+        self.plans.insert(key.clone(), plan);
+        Ok(plan)
+    }
 
-impl ThreadState {
-    fn get_or_init(&mut self, device: usize) -> Result<&mut Thread, String> {
-        let cuda = |e: cudarc::driver::DriverError| format!("CUDA: {e}");
-        let at = match self.0.iter().position(|t| t.device == device) {
+    /// The workspace of `stream`, allocated on first use.
+    fn workspace(&mut self, stream: usize) -> Result<u64, String> {
+        if let Some(w) = self.workspaces.get(&stream) {
+            return Ok(*w);
+        }
+        // SAFETY: the device's primary context (CubeCL's) is current on this thread.
+        let w = unsafe { cudarc::driver::result::malloc_sync(WORKSPACE) }
+            .map_err(|e| format!("CUDA: {e}"))?;
+        self.workspaces.insert(stream, w);
+        Ok(w)
+    }
+}
+
+/// `f` on `device`'s state of this (device) thread, made on first use.
+fn with_device_state<R>(
+    device: usize,
+    f: impl FnOnce(&mut DeviceState) -> Result<R, String>,
+) -> Result<R, String> {
+    let cuda = |e: cudarc::driver::DriverError| format!("CUDA: {e}");
+    STATE.with(|state| {
+        let mut state = state.borrow_mut();
+        let at = match state.iter().position(|t| t.device == device) {
             Some(at) => at,
             None => {
                 let ctx = cudarc::driver::CudaContext::new(device).map_err(cuda)?;
                 ctx.bind_to_thread().map_err(cuda)?;
                 let handle = lt::create_handle().map_err(failed("cublasLtCreate"))?;
-                // SAFETY: the device's primary context (CubeCL's) is current on this thread.
-                let workspace =
-                    unsafe { cudarc::driver::result::malloc_sync(WORKSPACE) }.map_err(cuda)?;
-                self.0.push(Thread {
+                state.push(DeviceState {
                     device,
                     handle,
-                    workspace,
+                    workspaces: HashMap::new(),
                     plans: HashMap::new(),
                     _ctx: ctx,
                 });
-                self.0.len() - 1
+                state.len() - 1
             }
         };
-        let thread = &mut self.0[at];
-        thread._ctx.bind_to_thread().map_err(cuda)?;
-        Ok(thread)
-    }
+        let entry = &mut state[at];
+        entry._ctx.bind_to_thread().map_err(cuda)?;
+        f(entry)
+    })
 }
 
 thread_local! {
-    static STATE: RefCell<ThreadState> = RefCell::new(ThreadState::default());
+    /// On CubeCL's device threads: each device's cuBLASLt state.
+    static STATE: RefCell<Vec<DeviceState>> = const { RefCell::new(Vec::new()) };
+    /// On the calling threads: the handles to the device threads, by device index.
+    static RUNNERS: RefCell<Vec<(usize, cubecl::device_handle::DeviceHandle<Server>)>> =
+        const { RefCell::new(Vec::new()) };
+    /// On the calling threads: the plans known to exist on the device thread.
+    static KNOWN: RefCell<std::collections::HashSet<PlanKey>> =
+        RefCell::new(std::collections::HashSet::new());
 }
 
 #[cfg(test)]
