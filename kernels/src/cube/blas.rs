@@ -334,7 +334,8 @@ impl Product {
 
 /// Whether GEMMs are handed to CubeCL's device thread without waiting
 /// (`WILDFIRE_CUBLAS_ASYNC=1`; asked once per process). Off by default until a GPU run has
-/// checked and timed it (`benches/gpu.sh`'s `gpt2_async` and `gemm_async` steps).
+/// checked and timed it (`benches/gpu.sh`'s `gemm_async_tests`, `gpt2_async` and
+/// `cuda_tiny_async` steps).
 pub fn asynchronous() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("WILDFIRE_CUBLAS_ASYNC").is_ok_and(|v| v == "1"))
