@@ -45,6 +45,11 @@ pub mod packed;
 pub mod quant;
 pub mod reference;
 
+/// Sorted positions one cube of the CubeCL embedding gradient sums in order: a token's run of up
+/// to this many positions is summed exactly as Burn's `select_add` sums it (bit for bit in f32),
+/// a longer one in segments this long, then the segments in order (`cube/embedding.rs`).
+pub const EMBEDDING_SEGMENT: usize = 32;
+
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 

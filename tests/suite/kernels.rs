@@ -323,10 +323,16 @@ fn embedding_cases() -> Vec<(usize, usize, [usize; 2], Vec<i64>)> {
 
 /// The embedding lookup ([`ops::embedding`]) and its table gradient against Burn's
 /// `module::embedding` on the same backend. The lookup is the same op; in f32 the gradient is
-/// Burn's bit for bit (each id's rows added in position order from zero, in f32); in f16 the
-/// kernels add in f32 and round once where Burn rounds after every add.
+/// Burn's bit for bit where no id occurs more than the kernels' segment (each id's rows added in
+/// position order from zero, in f32), and within rounding where one does (the CubeCL kernels
+/// sum a longer run in segments, then the segments); in f16 the kernels add in f32 and round
+/// once where Burn rounds after every add.
 fn check_embedding<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) {
     for (vocab, d, [b, t], ids) in embedding_cases() {
+        let longest = (0..vocab as i64)
+            .map(|v| ids.iter().filter(|&&i| i == v).count())
+            .max()
+            .unwrap_or(0);
         let what = format!("embedding {vocab}x{d} at {b}x{t}");
         let table = normal::<B, 2>([vocab, d], 1.0, device);
         let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, t]), device);
@@ -341,7 +347,7 @@ fn check_embedding<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) 
         let gt = grad_of(&table);
         let [got] = <[_; 1]>::try_from(grads(fused, &w, &[&gt])).unwrap();
         let [want] = <[_; 1]>::try_from(grads(reference, &w, &[&gt])).unwrap();
-        if INPUT_DTYPE.get().is_none() {
+        if INPUT_DTYPE.get().is_none() && longest <= wildfire_kernels::EMBEDDING_SEGMENT {
             // The differing elements (at most eight), so that a failure on a GPU says what went
             // wrong: an addend missing or doubled, or the last bit of a sum.
             let differ: Vec<String> = (0..got.len())
@@ -355,7 +361,12 @@ fn check_embedding<B: AutodiffBackend + FusedOps>(device: &B::Device, tol: f32) 
                 differ.join("; ")
             );
         } else {
-            close_tol(&format!("{what}: the table's gradient"), &got, &want, tol);
+            close_tol(
+                &format!("{what}: the table's gradient"),
+                &got,
+                &want,
+                tol.max(1e-5),
+            );
         }
     }
 }
@@ -1002,29 +1013,33 @@ mod wgpu {
     /// The table gradient's kernels: the sort of the positions by id and the runs' sums (after
     /// the table's zeros), two launches whatever the batch.
     #[test]
-    fn embedding_backward_is_two_launches() {
+    fn embedding_backward_is_three_launches() {
         let device = Default::default();
-        let (vocab, d, [b, t], ids) = embedding_cases().swap_remove(1);
-        let grad = Tensor::<Wgpu, 3>::ones([b, t, d], &device);
-        let table = Tensor::<Wgpu, 2>::zeros([vocab, d], &device);
-        let idx = Tensor::<Wgpu, 2, Int>::from_data(TensorData::new(ids.clone(), [b, t]), &device);
-        let before = cube::thread_launches();
-        let dtable = <Wgpu as FusedOps>::fused_embedding_backward(
-            table.into_primitive().tensor(),
-            grad.into_primitive().tensor(),
-            idx.into_primitive(),
-        );
-        let got = data(Tensor::<Wgpu, 2>::from_primitive(
-            burn::tensor::TensorPrimitive::Float(dtable),
-        ));
-        assert!(
-            cfg!(feature = "fusion") || cube::thread_launches() - before == 2,
-            "the sort and the runs"
-        );
-        // All-ones rows: each row of the table counts its id's positions.
-        for (row, chunk) in got.chunks(d).enumerate() {
-            let count = ids.iter().filter(|&&i| i == row as i64).count() as f32;
-            assert!(chunk.iter().all(|&x| x == count), "row {row}");
+        // Runs of up to 12 positions, and one run of 600 (19 segments, then their sum).
+        for case in [1, 2] {
+            let (vocab, d, [b, t], ids) = embedding_cases().swap_remove(case);
+            let grad = Tensor::<Wgpu, 3>::ones([b, t, d], &device);
+            let table = Tensor::<Wgpu, 2>::zeros([vocab, d], &device);
+            let idx =
+                Tensor::<Wgpu, 2, Int>::from_data(TensorData::new(ids.clone(), [b, t]), &device);
+            let before = cube::thread_launches();
+            let dtable = <Wgpu as FusedOps>::fused_embedding_backward(
+                table.into_primitive().tensor(),
+                grad.into_primitive().tensor(),
+                idx.into_primitive(),
+            );
+            let got = data(Tensor::<Wgpu, 2>::from_primitive(
+                burn::tensor::TensorPrimitive::Float(dtable),
+            ));
+            assert!(
+                cfg!(feature = "fusion") || cube::thread_launches() - before == 3,
+                "the sort, the segments and the long runs"
+            );
+            // All-ones rows: each row of the table counts its id's positions (exact in f32).
+            for (row, chunk) in got.chunks(d).enumerate() {
+                let count = ids.iter().filter(|&&i| i == row as i64).count() as f32;
+                assert!(chunk.iter().all(|&x| x == count), "case {case}, row {row}");
+            }
         }
     }
 
