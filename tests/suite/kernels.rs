@@ -1010,8 +1010,8 @@ mod wgpu {
         assert_eq!(stats, vec![0.0, 5010.0 + 0.5]);
     }
 
-    /// The table gradient's kernels: the sort of the positions by id and the runs' sums (after
-    /// the table's zeros), two launches whatever the batch.
+    /// The table gradient's kernels: the sort of the positions by id, the segments' sums and
+    /// the long runs' sums (after the table's zeros), three launches whatever the batch.
     #[test]
     fn embedding_backward_is_three_launches() {
         let device = Default::default();

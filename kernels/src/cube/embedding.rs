@@ -206,7 +206,8 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
         BLOCK,
         ids.dtype.into(),
     );
-    // Rows of the segments of runs longer than one (written only there; a position's row).
+    // The partial rows of runs longer than one segment (written only for them, at the row of
+    // each segment's first sorted position).
     let partial = empty_f32(&grad, [len, cols]);
     let cubes = CubeCount::Static(len.min(MAX_RUN_CUBES) as u32, 1, 1);
     let dim = CubeDim::new_1d(BLOCK.min(cols.next_power_of_two()).max(32) as u32);
