@@ -333,9 +333,9 @@ impl Product {
 }
 
 /// Whether GEMMs are handed to CubeCL's device thread without waiting
-/// (`WILDFIRE_CUBLAS_ASYNC=1`; asked once per process). Off by default until a GPU run has
-/// checked and timed it (`benches/gpu.sh`'s `gemm_async_tests`, `gpt2_async` and
-/// `cuda_tiny_async` steps).
+/// (`WILDFIRE_CUBLAS_ASYNC=1`; asked once per process). Off by default: on an H200 it passed
+/// the GEMM and parity checks but ran GPT-2 124M slower than one wait per GEMM (162,412 against
+/// 194,887 tokens/s, README "On a GPU"); `benches/gpu.sh`'s `gpt2_async` step times it.
 pub fn asynchronous() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("WILDFIRE_CUBLAS_ASYNC").is_ok_and(|v| v == "1"))
