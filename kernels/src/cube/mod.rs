@@ -81,6 +81,13 @@ pub fn register_attention_launches() -> u64 {
     REGISTER_ATTENTION.load(Ordering::Relaxed)
 }
 
+/// Gradients one launch of the step's unscale takes on `like`'s device (as many as its
+/// bindings hold, at most 32): a step's unscale is `⌈gradients / this⌉` launches (per run of one
+/// dtype) and one fold. `write`: under a loss scale, each gradient's unscaled output is bound too.
+pub fn gradients_per_unscale_launch<R: CubeRuntime>(like: &CubeTensor<R>, write: bool) -> usize {
+    optim::unscale_chunk(like, write)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Launch helpers.
 

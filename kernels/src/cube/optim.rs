@@ -62,6 +62,69 @@ fn unscale_kernel<F: Float>(
     }
 }
 
+/// [`unscale_kernel`] over `count` gradients of one dtype in one launch (the optimizer tail's
+/// multi-tensor form, as PyTorch's `_amp_foreach_non_finite_check_and_unscale_`): gradient `k`
+/// takes cubes `first_cube[k]..first_cube[k + 1]` of the launch and runs exactly as its own
+/// launch would (the same units, strides and tree), so every partial — at `offset + cube` — is
+/// the per-gradient kernel's bit for bit. A cube's gradient is uniform over the cube, so the
+/// branches below are too.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn unscale_many_kernel<F: Float>(
+    grads: &Sequence<Tensor<F>>,
+    outputs: &mut Sequence<Tensor<F>>,
+    partial_sq: &mut Tensor<f32>,
+    partial_bad: &mut Tensor<f32>,
+    first_cube: &Sequence<u32>,
+    lens: &Sequence<u32>,
+    copies: &Sequence<f32>,
+    offset: u32,
+    inv_scale: f32,
+    #[comptime] count: usize,
+    #[comptime] block: usize,
+    #[comptime] write: bool,
+    #[define(F)] _dtype: StorageType,
+) {
+    let tid = UNIT_POS_X as usize;
+    let cube = CUBE_POS_X;
+    let mut shared = SharedMemory::<f32>::new(block);
+    let mut acc = f32::new(0.0);
+    let mut flag = f32::new(0.0);
+    let mut div = f32::new(1.0);
+    #[unroll]
+    for k in 0..count {
+        let start = *first_cube.index(k);
+        let end = *first_cube.index(k + 1);
+        if cube >= start && cube < end {
+            let grad = grads.index(k);
+            let len = *lens.index(k) as usize;
+            let stride = ((end - start) * CUBE_DIM_X) as usize;
+            let mut i = (cube - start) as usize * CUBE_DIM_X as usize + tid;
+            while i < len {
+                let g = f32::cast_from(grad[i]) * inv_scale;
+                let out = F::cast_from(g);
+                let back = f32::cast_from(out);
+                if f32::is_nan(back) || f32::is_inf(back) {
+                    flag = f32::new(1.0);
+                }
+                if write {
+                    let o = outputs.index_mut(k);
+                    o[i] = out;
+                }
+                acc += g * g;
+                i += stride;
+            }
+            div = *copies.index(k);
+        }
+    }
+    let sq = cube_sum(&mut shared, acc);
+    let bad = cube_sum(&mut shared, flag);
+    if tid == 0 {
+        partial_sq[(offset + cube) as usize] = sq / div;
+        partial_bad[(offset + cube) as usize] = bad;
+    }
+}
+
 /// One cube folds the step's partial buffers: `out = [any non-finite (1 or 0), Σ partial_sq]`,
 /// each unit striding over the partials in a fixed order, then a tree sum (deterministic).
 #[cube(launch)]
@@ -231,8 +294,11 @@ fn unscale_into<R: CubeRuntime>(
 }
 
 /// [`crate::FusedOps::fused_unscale_all`]: every gradient's cube partials in one pair of
-/// buffers, then one cube folds them — a launch per gradient and one more, where the per-tensor
-/// form adds two reductions and the combination (about six launches per gradient).
+/// buffers, then one cube folds them. The gradients go [`unscale_chunk`] at a time (runs of one
+/// dtype, in order) through [`unscale_many_kernel`], so a step of 149 gradients is five launches
+/// and the fold on CUDA, where the per-gradient form was a launch each — each launch a host
+/// submission and a kernel boundary on a step that waits on its host. The partials are the
+/// per-gradient kernel's bit for bit, so the sums are unchanged.
 pub(super) fn unscale_all<R: CubeRuntime>(
     grads: Vec<CubeTensor<R>>,
     copies: &[usize],
@@ -245,19 +311,73 @@ pub(super) fn unscale_all<R: CubeRuntime>(
     let total: usize = cubes.iter().sum();
     let partial_sq = empty_f32(&grads[0], [total]);
     let partial_bad = empty_like(&partial_sq);
-    let mut offset = 0;
-    let mut stand_in = Vec::new();
-    let outputs = grads
-        .into_iter()
-        .zip(cubes)
-        .zip(copies)
-        .map(|((grad, cubes), &copies)| {
-            let partials = (&partial_sq, &partial_bad);
-            let at = (offset, cubes);
-            offset += cubes;
-            unscale_into(grad, inv_scale, partials, at, copies, &mut stand_in)
-        })
-        .collect();
+    let write = inv_scale != 1.0;
+    let chunk = unscale_chunk(&grads[0], write);
+    let mut outputs = Vec::with_capacity(grads.len());
+    let (mut first, mut offset) = (0, 0);
+    while first < grads.len() {
+        let dtype = grads[first].dtype;
+        let mut last = first + 1;
+        while last < grads.len() && last - first < chunk && grads[last].dtype == dtype {
+            last += 1;
+        }
+        let run = &grads[first..last];
+        let outs: Vec<_> = if write {
+            run.iter().map(empty_like).collect()
+        } else {
+            Vec::new()
+        };
+        let (mut first_cube, mut lens, mut divs) =
+            (SequenceArg::new(), SequenceArg::new(), SequenceArg::new());
+        let mut at = 0u32;
+        for (k, g) in run.iter().enumerate() {
+            first_cube.push(at);
+            at += cubes[first + k] as u32;
+            lens.push(g.shape().num_elements() as u32);
+            divs.push(copies[first + k] as f32);
+        }
+        first_cube.push(at);
+        let mut grad_args = SequenceArg::new();
+        for g in run {
+            grad_args.push(arg(g));
+        }
+        let mut out_args = SequenceArg::new();
+        for o in &outs {
+            out_args.push(arg(o));
+        }
+        // SAFETY: gradient `k`'s units index `i < lens[k]`, its own length (and its output's,
+        // a tensor of its shape); the partials at `offset + cube` lie inside the `total`
+        // elements, since the launch's cubes are its gradients' `cubes` counted from `offset`.
+        unsafe {
+            unscale_many_kernel::launch_unchecked::<R>(
+                &run[0].client,
+                CubeCount::Static(at, 1, 1),
+                CubeDim::new_1d(UNSCALE_BLOCK as u32),
+                grad_args,
+                out_args,
+                arg(&partial_sq),
+                arg(&partial_bad),
+                first_cube,
+                lens,
+                divs,
+                offset as u32,
+                inv_scale as f32,
+                run.len(),
+                UNSCALE_BLOCK,
+                write,
+                dtype.into(),
+            );
+        }
+        launched(1);
+        offset += at as usize;
+        if write {
+            outputs.extend(outs);
+        } else {
+            outputs.extend(run.iter().cloned());
+        }
+        first = last;
+    }
+    drop(grads);
     let stats = empty_f32(&partial_sq, [2]);
     unscale_total_kernel::launch::<R>(
         &partial_sq.client,
@@ -272,6 +392,19 @@ pub(super) fn unscale_all<R: CubeRuntime>(
     launched(1);
     (outputs, stats)
 }
+
+/// Gradients per [`unscale_many_kernel`] launch on `like`'s device: as many as its bindings
+/// hold (a gradient, and its output where the kernel `write`s, beside the two partial buffers
+/// and the runtime's metadata), at most [`UNSCALE_CHUNK`].
+pub(super) fn unscale_chunk<R: CubeRuntime>(like: &CubeTensor<R>, write: bool) -> usize {
+    let bindings = like.client.properties().hardware.max_bindings as usize;
+    let per = if write { 2 } else { 1 };
+    (bindings.saturating_sub(4) / per).clamp(1, UNSCALE_CHUNK)
+}
+
+/// The most gradients one unscale launch takes (kernel parameters of a few hundred bytes on
+/// CUDA; each count is a kernel of its own, compiled once).
+const UNSCALE_CHUNK: usize = 32;
 
 /// `(param, m, v)` after one AdamW step (the inputs where `skip` is non-zero), every operand
 /// taken in the parameter's dtype; with `copy`, also the new parameter in that dtype, written by
