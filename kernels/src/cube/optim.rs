@@ -12,6 +12,21 @@ use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim};
 
+/// One gradient element times `inv_scale`, in the gradient's dtype; its square (in f32) added to
+/// `acc`, and `flag` set where it is not finite — checked in the gradient's own dtype (an f16
+/// overflow is caught), read back as f32.
+#[cube]
+fn unscale_element<F: Float>(x: F, inv_scale: f32, acc: &mut f32, flag: &mut f32) -> F {
+    let g = f32::cast_from(x) * inv_scale;
+    let out = F::cast_from(g);
+    let back = f32::cast_from(out);
+    if f32::is_nan(back) || f32::is_inf(back) {
+        *flag = f32::new(1.0);
+    }
+    *acc += g * g;
+    out
+}
+
 /// Each unit strides over the gradient, writing the unscaled values (with `write`; without — an
 /// `inv_scale` of 1, whose values are the gradient's own — `output` is a stand-in never
 /// written); per-cube partial `Σ g²`
@@ -41,17 +56,10 @@ fn unscale_kernel<F: Float>(
     let mut flag = f32::new(0.0);
     let mut i = cube * CUBE_DIM_X as usize + tid;
     while i < len as usize {
-        let g = f32::cast_from(grad[i]) * inv_scale;
-        let out = F::cast_from(g);
-        // Checked in the gradient's own dtype (an f16 overflow is caught), read back as f32.
-        let back = f32::cast_from(out);
-        if f32::is_nan(back) || f32::is_inf(back) {
-            flag = f32::new(1.0);
-        }
+        let out = unscale_element::<F>(grad[i], inv_scale, &mut acc, &mut flag);
         if write {
             output[i] = out;
         }
-        acc += g * g;
         i += stride;
     }
     let sq = cube_sum(&mut shared, acc);
@@ -101,17 +109,11 @@ fn unscale_many_kernel<F: Float>(
             let stride = ((end - start) * CUBE_DIM_X) as usize;
             let mut i = (cube - start) as usize * CUBE_DIM_X as usize + tid;
             while i < len {
-                let g = f32::cast_from(grad[i]) * inv_scale;
-                let out = F::cast_from(g);
-                let back = f32::cast_from(out);
-                if f32::is_nan(back) || f32::is_inf(back) {
-                    flag = f32::new(1.0);
-                }
+                let out = unscale_element::<F>(grad[i], inv_scale, &mut acc, &mut flag);
                 if write {
                     let o = outputs.index_mut(k);
                     o[i] = out;
                 }
-                acc += g * g;
                 i += stride;
             }
             div = *copies.index(k);
