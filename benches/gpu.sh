@@ -144,6 +144,13 @@ run() {
     # the flash kernels with CubeCL's bounds checks on every index (the default launches skip them)
     WILDFIRE_KERNELS_CHECKED=1 step kernels_ours_checked 60 "$T/b/gpu_kernels" --iters 5
     WILDFIRE_ATTENTION_MMA=0 WILDFIRE_ATTENTION_CMMA=0 step kernels_ours_nocmma 60 "$T/b/gpu_kernels" --iters 5
+    # CubeCL's generated CUDA of the kernel bench's kernels (attention, norms, optimizer tail…),
+    # gzipped into the results: `tools/cuda_sass.py --split` and its NVRTC/ptxas compile read
+    # registers, spills and SASS from it on a machine without a GPU (docs/architecture.md §15)
+    printf '[compilation.logger]\nlevel = "full"\nfile = "%s"\n' "$R/compilation.log" > "$T/cubecl.toml"
+    step kernel_sources 90 "$T/b/gpu_kernels" --iters 1
+    rm -f "$T/cubecl.toml"
+    [ -f "$R/compilation.log" ] && gzip -f "$R/compilation.log"
     printf '[profiling.logger]\nlevel = "basic"\nfile = "%s"\n' "$R/profile.log" > "$T/cubecl.toml"
     step gpt2_profile 90 "$G" --backend cuda "${BIG[@]}" --steps 2 --warmup 1
     rm -f "$T/cubecl.toml"

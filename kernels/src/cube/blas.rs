@@ -24,7 +24,10 @@
 //!
 //! Precision: f32 operands compute in f32 (`CUBLAS_COMPUTE_32F`, no TF32: CUDA keeps following
 //! Flex), bf16 and f16 on tensor cores with f32 accumulation and an output in the inputs' dtype,
-//! as `torch.matmul` under autocast.
+//! as `torch.matmul` under autocast — except a weight gradient under a 16-bit compute dtype
+//! ([`matmul_as`], from `gemm::linear_weight_backward_into`): its f32 accumulator is written
+//! as f32, the master weights' dtype, with no cast after it (PyTorch rounds it to bf16 and
+//! casts it back in `AccumulateGrad`).
 //!
 //! State per device, on its device thread: a cuBLASLt handle, a 32 MiB workspace per CUDA
 //! stream, and the plans (descriptors and the heuristic's algorithm) per shape, strides, dtype
@@ -112,8 +115,18 @@ pub fn matmul(lhs: &T, rhs: &T) -> Option<T> {
 /// `x @ w + bias` for a 2-D `x`, the bias added by the GEMM's epilogue (bias in the output's
 /// dtype, contiguous), or `None`.
 pub fn matmul_bias(lhs: &T, rhs: &T, bias: Option<&T>) -> Option<T> {
-    let product = Product::of(lhs, rhs, bias)?;
+    let product = Product::of(lhs, rhs, bias, lhs.dtype)?;
     product.run(lhs, rhs, bias).map_err(|e| warn_once(&e)).ok()
+}
+
+/// `lhs @ rhs` written in `out`: the operands' dtype, or f32 from f16/bf16 operands — the
+/// tensor cores' f32 accumulator stored as it is, not rounded to 16 bits and cast back (a
+/// weight gradient under a 16-bit compute dtype, wanted in the master weights' f32: one GEMM
+/// instead of a GEMM and a cast, and no rounding between). `None` when cuBLASLt does not take
+/// the product.
+pub fn matmul_as(lhs: &T, rhs: &T, out: DType) -> Option<T> {
+    let product = Product::of(lhs, rhs, None, out)?;
+    product.run(lhs, rhs, None).map_err(|e| warn_once(&e)).ok()
 }
 
 fn warn_once(e: &str) {
@@ -150,13 +163,14 @@ impl Operand {
 }
 
 /// A product cuBLASLt can run: the two operands (cuBLAS's A is Burn's `rhs`, B is `lhs`), the
-/// output's dims `[batch…, m, n]`, dtype, with a bias or not.
+/// output's dims `[batch…, m, n]`, the operands' dtype and the output's, with a bias or not.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Product {
     a: Operand,
     b: Operand,
     out: Vec<usize>,
     dtype: DTypeKey,
+    out_dtype: DTypeKey,
     bias: bool,
 }
 
@@ -174,6 +188,14 @@ impl DTypeKey {
             DType::F16 => Some(Self::F16),
             DType::BF16 => Some(Self::BF16),
             _ => None,
+        }
+    }
+
+    fn dtype(self) -> DType {
+        match self {
+            Self::F32 => DType::F32,
+            Self::F16 => DType::F16,
+            Self::BF16 => DType::BF16,
         }
     }
 
@@ -232,12 +254,18 @@ fn batch_stride(dims: &[usize], strides: &[usize], out: &[usize]) -> Option<i64>
 }
 
 impl Product {
-    /// The product of `lhs [.., m, k]` and `rhs [.., k, n]` if cuBLASLt takes it as stored.
-    fn of(lhs: &T, rhs: &T, bias: Option<&T>) -> Option<Self> {
+    /// The product of `lhs [.., m, k]` and `rhs [.., k, n]` into an `out` output if cuBLASLt
+    /// takes it as stored: `out` is the operands' dtype, or f32 from 16-bit operands without a
+    /// bias.
+    fn of(lhs: &T, rhs: &T, bias: Option<&T>, out: DType) -> Option<Self> {
         if !enabled() || lhs.dtype != rhs.dtype || lhs.qparams.is_some() || rhs.qparams.is_some() {
             return None;
         }
         let dtype = DTypeKey::of(lhs.dtype)?;
+        let out_dtype = DTypeKey::of(out)?;
+        if out_dtype != dtype && (out_dtype != DTypeKey::F32 || bias.is_some()) {
+            return None;
+        }
         let (ls, rs) = (lhs.shape(), rhs.shape());
         let (ld, rd) = (ls.as_slice(), rs.as_slice());
         if ld.len() < 2 || ld.len() != rd.len() {
@@ -272,6 +300,7 @@ impl Product {
             b,
             out,
             dtype,
+            out_dtype,
             bias: bias.is_some(),
         })
     }
@@ -292,7 +321,7 @@ impl Product {
     /// cannot run falls back to Burn's matmul either way.
     fn run(&self, lhs: &T, rhs: &T, bias: Option<&T>) -> Result<T, String> {
         report_deferred_failure();
-        let out = super::empty(lhs, Shape::from(self.out.clone()), lhs.dtype);
+        let out = super::empty(lhs, Shape::from(self.out.clone()), self.out_dtype.dtype());
         let device = out.device.index;
         let runner = runner(&out.device);
         let bindings = [rhs, lhs, &out].map(|t| t.handle.clone().binding());
@@ -523,7 +552,7 @@ impl Plan {
             )?;
         }
         let (batch, m, n) = p.sizes();
-        let layout = |rows: u64, cols: u64, ld: i64, stride: i64| -> Result<_, String> {
+        let layout = |dtype, rows: u64, cols: u64, ld: i64, stride: i64| -> Result<_, String> {
             let l = lt::create_matrix_layout(dtype, rows, cols, ld)
                 .map_err(failed("cublasLtMatrixLayoutCreate"))?;
             if batch > 1 {
@@ -544,10 +573,12 @@ impl Plan {
             }
             Ok(l)
         };
-        let a = layout(p.a.rows, p.a.cols, p.a.ld, p.a.batch_stride)?;
-        let b = layout(p.b.rows, p.b.cols, p.b.ld, p.b.batch_stride)?;
-        // D: Burn's contiguous `[m, n]` is column-major `n × m`.
-        let d = layout(n, m, n as i64, (m * n) as i64)?;
+        let a = layout(dtype, p.a.rows, p.a.cols, p.a.ld, p.a.batch_stride)?;
+        let b = layout(dtype, p.b.rows, p.b.cols, p.b.ld, p.b.batch_stride)?;
+        // D (and C, the same): Burn's contiguous `[m, n]` is column-major `n × m`, in the
+        // output's dtype (f32 from 16-bit operands: cuBLASLt's `CUBLAS_COMPUTE_32F` with
+        // A/B `CUDA_R_16BF`/`16F` and C/D `CUDA_R_32F`).
+        let d = layout(p.out_dtype.cuda(), n, m, n as i64, (m * n) as i64)?;
         let pref = lt::create_matmul_pref().map_err(failed("cublasLtMatmulPreferenceCreate"))?;
         set!(
             set_matmul_pref_attribute,

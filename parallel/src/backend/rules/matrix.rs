@@ -420,19 +420,22 @@ pub(crate) fn linear_weight_backward<B: Backend>(
         });
     let x = to_layout(OP, x, &tx);
     let g = gradient_to_layout(OP, output_grad, &tg);
+    // Under a compute dtype the gradient goes back to f32: written so by the product where it
+    // can (cuBLASLt), else cast by `in_compute_dtype`.
+    let master = compute_dtype(&g.device).map(|_| MASTER_DTYPE);
     if g.device.ctx.defers_weight_gradients() {
         // A zero-bubble `I`: the gradient's layouts are decided (and any gather done) now, its
         // matmul runs at the `W`.
         let (xs, gs) = (x.local.shape(), g.local.shape());
         let (k, n) = (xs[xs.num_dims() - 1], gs[gs.num_dims() - 1]);
-        let dtype = match compute_dtype(&g.device) {
-            Some(_) => MASTER_DTYPE.into(),
+        let dtype = match master {
+            Some(m) => m.into(),
             None => g.local.dtype(),
         };
         let device = g.device.clone();
         let compute = Box::new(move || {
             in_compute_dtype(OP, [x, g], Out::Master, |[x, g]| {
-                gemm::linear_weight_backward::<B>(rows_of::<B>(x).0, rows_of::<B>(g).0)
+                gemm::linear_weight_backward_into::<B>(rows_of::<B>(x).0, rows_of::<B>(g).0, master)
             })
         });
         return super::gradients::deferred_data_parallel(
@@ -446,7 +449,7 @@ pub(crate) fn linear_weight_backward<B: Backend>(
     }
     let device = g.device.clone();
     let grad = in_compute_dtype(OP, [x, g], Out::Master, |[x, g]| {
-        gemm::linear_weight_backward::<B>(rows_of::<B>(x).0, rows_of::<B>(g).0)
+        gemm::linear_weight_backward_into::<B>(rows_of::<B>(x).0, rows_of::<B>(g).0, master)
     });
     reduce_data_parallel(grad, out, &summands, device)
 }
