@@ -3,7 +3,10 @@
 //! per gradient writing partial sums into one buffer, then one fold into `[flag, Σg²]` on the
 //! device), then per parameter one [`FusedOps::fused_adamw`] launch
 //! (moments and parameter in one pass), predicated on a device-resident skip flag and scaled by a
-//! device-resident clipping coefficient.
+//! device-resident clipping coefficient. On a backend that batches ([`FusedOps::adamw_batch`] >
+//! 1: CubeCL on a GPU) the parameters' steps are queued and run many per launch
+//! ([`FusedOps::fused_adamw_many`], [`FusedAdamWConfig::multi_tensor`]), each step handing back
+//! its parameter, moments and compute-dtype copy as deferred values that the queue's run fills.
 //!
 //! Every kernel runs on the rank's local pieces (a shard under FSDP, a slice under TP), so the
 //! tail works on any layout. The mesh-wide agreement on `[found_inf, Σ‖g‖²]` is one all-reduce
@@ -49,6 +52,15 @@ pub struct FusedAdamWConfig {
     /// The dtype the two moments are kept in between steps.
     #[serde(default)]
     pub moments: MomentDtype,
+    /// Many parameters' steps per launch where the backend batches them
+    /// ([`FusedOps::adamw_batch`] > 1: a GPU), as PyTorch's `foreach`/`fused`; the same numbers
+    /// bit for bit. Off: a launch per parameter.
+    #[serde(default = "multi_tensor_default")]
+    pub multi_tensor: bool,
+}
+
+fn multi_tensor_default() -> bool {
+    true
 }
 
 impl Default for FusedAdamWConfig {
@@ -59,6 +71,7 @@ impl Default for FusedAdamWConfig {
             epsilon: 1e-8,
             weight_decay: 1e-4,
             moments: MomentDtype::F32,
+            multi_tensor: true,
         }
     }
 }
@@ -128,6 +141,73 @@ impl MomentDtype {
 #[derive(Clone)]
 pub struct TailInputs<X: Backend> {
     inner: Arc<Mutex<Option<ScaleAndSkip<X>>>>,
+    /// The parameters' steps queued for one multi-tensor launch ([`AdamWBatch`]).
+    batch: Arc<Mutex<AdamWBatch<X>>>,
+}
+
+/// AdamW steps queued for [`FusedOps::fused_adamw_many`] on a backend that runs many parameters
+/// per launch ([`FusedOps::adamw_batch`] > 1: CubeCL on a GPU, where a launch per parameter was
+/// 149 launches a GPT-2 step, each a host submission and a kernel boundary): each step hands
+/// back values [deferred](DTensor::deferred_like) until the batch runs — when it holds a
+/// launch's worth, at the first use of any of its results, or at the step's end
+/// ([`TailInputs::finish`]).
+struct AdamWBatch<X: Backend> {
+    pending: Vec<(wildfire_kernels::AdamWEntry<X>, Arc<AdamWSlot<X>>)>,
+    /// The step's clipping coefficient and skip flag, shared by the queued steps.
+    inputs: Option<ScaleAndSkip<X>>,
+}
+
+/// One queued step's results, each taken once by the value that resolves it: the parameter,
+/// the two moments, the parameter's copy in the compute dtype.
+type AdamWSlot<X> =
+    Mutex<[Option<<X as burn::tensor::backend::BackendTypes>::FloatTensorPrimitive>; 4]>;
+
+impl<X: Backend> Default for AdamWBatch<X> {
+    fn default() -> Self {
+        Self {
+            pending: Vec::new(),
+            inputs: None,
+        }
+    }
+}
+
+impl<X: FusedOps> TailInputs<X> {
+    /// Runs the queued AdamW steps (none queued: nothing). The engine calls it after the
+    /// optimizer step; any use of a queued step's result does too.
+    pub fn finish(&self) {
+        run_batch(&self.batch);
+    }
+}
+
+/// Runs `batch`'s queued steps in [`FusedOps::fused_adamw_many`] and fills their slots.
+fn run_batch<X: FusedOps>(batch: &Mutex<AdamWBatch<X>>) {
+    let (pending, inputs) = {
+        let mut b = batch.lock().unwrap_or_else(|e| e.into_inner());
+        (std::mem::take(&mut b.pending), b.inputs.take())
+    };
+    if pending.is_empty() {
+        return;
+    }
+    let (scale, skip) = inputs.expect("queued steps have their step's inputs");
+    let (entries, slots): (Vec<_>, Vec<_>) = pending.into_iter().unzip();
+    let results = X::fused_adamw_many(entries, scale, skip);
+    for ((state, copy), slot) in results.into_iter().zip(slots) {
+        *slot.lock().unwrap() = [Some(state.param), Some(state.m), Some(state.v), copy];
+    }
+}
+
+/// Result `k` of a queued step (see [`AdamWSlot`]), running the batch first if it has not run.
+fn take_result<X: FusedOps>(
+    batch: &Mutex<AdamWBatch<X>>,
+    slot: &AdamWSlot<X>,
+    k: usize,
+) -> X::FloatTensorPrimitive {
+    if slot.lock().unwrap()[k].is_none() {
+        run_batch(batch);
+    }
+    slot.lock().unwrap()[k]
+        .take()
+        .expect("a queued AdamW result is taken once, after its batch ran")
 }
 
 /// The clipping coefficient and the skip flag, `[1]` each.
@@ -151,6 +231,7 @@ impl<X: Backend> Default for TailInputs<X> {
     fn default() -> Self {
         Self {
             inner: Arc::new(Mutex::new(None)),
+            batch: Arc::new(Mutex::new(AdamWBatch::default())),
         }
     }
 }
@@ -291,6 +372,18 @@ pub(crate) fn adamw_step<X: FusedOps, const D: usize>(
         .cast_copy_dtype()
         .filter(|&c| c != burn::tensor::TensorMetadata::dtype(p.local()).into());
     let (grad, step) = (g.into_local(), config.step(lr, time));
+    if config.multi_tensor && X::adamw_batch(p.local()) > 1 {
+        return queued_step(
+            config,
+            inputs,
+            p,
+            [grad, m, v],
+            (scale, skip),
+            step,
+            copy,
+            time,
+        );
+    }
     let (mut moments, mut cast) = (None, None);
     let param = p.map_local(|param| {
         let operands = [param, grad, m, v, scale, skip];
@@ -322,6 +415,64 @@ pub(crate) fn adamw_step<X: FusedOps, const D: usize>(
         Some(copy) => param.with_cast_copy(copy),
         None => param,
     };
+    (wrap(param), state)
+}
+
+/// [`adamw_step`] on a backend that batches ([`AdamWBatch`]): the step queued, its parameter,
+/// moments and copy handed back deferred; the batch runs once it holds a launch's worth.
+#[allow(clippy::too_many_arguments)]
+fn queued_step<X: FusedOps, const D: usize>(
+    config: &FusedAdamWConfig,
+    inputs: &TailInputs<X>,
+    p: DTensor<X>,
+    [grad, m, v]: [X::FloatTensorPrimitive; 3],
+    scale_skip: ScaleAndSkip<X>,
+    step: AdamWStep,
+    copy: Option<burn::tensor::FloatDType>,
+    time: usize,
+) -> (Tensor<Distributed<X>, D>, AdamWState<Distributed<X>, D>) {
+    let dtype = burn::tensor::TensorMetadata::dtype(p.local());
+    let param = p.clone().into_local();
+    let batch_size = X::adamw_batch(&param);
+    let slot: Arc<AdamWSlot<X>> = Arc::new(Mutex::new([None, None, None, None]));
+    let full = {
+        let mut b = inputs.batch.lock().unwrap_or_else(|e| e.into_inner());
+        if b.inputs.is_none() {
+            b.inputs = Some(scale_skip);
+        }
+        let entry = wildfire_kernels::AdamWEntry {
+            operands: [param, grad, m, v],
+            step,
+            copy,
+        };
+        b.pending.push((entry, slot.clone()));
+        b.pending.len() >= batch_size
+    };
+    if full {
+        run_batch(&inputs.batch);
+    }
+    let result = |k: usize| {
+        let (batch, slot) = (inputs.batch.clone(), slot.clone());
+        Box::new(move || take_result(&batch, &slot, k)) as wildfire_parallel::DeferredPiece<X>
+    };
+    let moments = config.moments.float_dtype();
+    let moment = |k: usize| {
+        let take = result(k);
+        let keep = Box::new(move || X::float_cast(take(), moments));
+        wrap(p.deferred_like(moments.into(), keep))
+    };
+    let state = AdamWState {
+        momentum: AdaptiveMomentumState {
+            time,
+            moment_1: moment(1),
+            moment_2: moment(2),
+            max_moment_2: None,
+        },
+    };
+    let mut param = p.deferred_like(dtype, result(0));
+    if let Some(c) = copy {
+        param = param.with_deferred_cast_copy(c, result(3));
+    }
     (wrap(param), state)
 }
 

@@ -297,6 +297,10 @@ impl StepRunner {
             scale,
             local_loss,
         )?;
+        // A batching backend's queued AdamW steps run now, not at the next forward's first use.
+        if let Some(inputs) = tail {
+            inputs.finish();
+        }
         record.router = routers.record()?;
         record.phases = PhasePeaks {
             optimizer: record.phases.optimizer,

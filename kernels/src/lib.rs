@@ -155,6 +155,22 @@ pub struct AdamWState<B: Backend> {
     pub v: FloatTensor<B>,
 }
 
+/// One parameter's result of [`FusedOps::fused_adamw_many`]: its new parameter and moments, and
+/// the new parameter's copy where its entry asked for one.
+pub type AdamWResult<B> = (AdamWState<B>, Option<FloatTensor<B>>);
+
+/// One parameter's step in [`FusedOps::fused_adamw_many`].
+#[derive(Debug, Clone)]
+pub struct AdamWEntry<B: Backend> {
+    /// `[param, grad, m, v]`, as [`FusedOps::fused_adamw`] takes them.
+    pub operands: [FloatTensor<B>; 4],
+    /// Its hyper-parameters and step number.
+    pub step: AdamWStep,
+    /// The dtype of the new parameter's copy to write too ([`FusedOps::fused_adamw_with_copy`]),
+    /// if any.
+    pub copy: Option<burn::tensor::FloatDType>,
+}
+
 /// Which families of [`FusedOps`] a backend runs as fused kernels ([`FusedOps::FUSED`]), op by
 /// op: a CPU backend may have a native LayerNorm and cross-entropy but keep Burn's matmuls for
 /// attention.
@@ -666,6 +682,44 @@ pub trait FusedOps: Backend {
         let out = Self::fused_adamw(param, grad, m, v, grad_scale, skip, step);
         let cast = cast_to::<Self>(out.param.clone(), copy);
         (out, cast)
+    }
+
+    /// Several AdamW steps sharing `grad_scale` and `skip` (each entry's
+    /// [`FusedOps::fused_adamw`], or [`FusedOps::fused_adamw_with_copy`] where it asks for a
+    /// copy), in the entries' order: a multi-tensor AdamW, as PyTorch's `fused=True`. Backends
+    /// with kernels run many parameters per launch ([`FusedOps::adamw_batch`]); every result is
+    /// the single step's bit for bit.
+    fn fused_adamw_many(
+        entries: Vec<AdamWEntry<Self>>,
+        grad_scale: FloatTensor<Self>,
+        skip: FloatTensor<Self>,
+    ) -> Vec<AdamWResult<Self>> {
+        entries
+            .into_iter()
+            .map(|e| {
+                let [param, grad, m, v] = e.operands;
+                let (scale, skip) = (grad_scale.clone(), skip.clone());
+                match e.copy {
+                    Some(c) => {
+                        let operands = [param, grad, m, v, scale, skip];
+                        let (out, copy) = Self::fused_adamw_with_copy(operands, e.step, c);
+                        (out, Some(copy))
+                    }
+                    None => (
+                        Self::fused_adamw(param, grad, m, v, scale, skip, e.step),
+                        None,
+                    ),
+                }
+            })
+            .collect()
+    }
+
+    /// How many parameters [`FusedOps::fused_adamw_many`] runs per launch on `like`'s device: 1
+    /// where batching gains nothing (a CPU backend updates each parameter in place as it comes),
+    /// so the optimizer runs each step at once.
+    fn adamw_batch(like: &FloatTensor<Self>) -> usize {
+        let _ = like;
+        1
     }
 
     /// 8-bit optimizer state ([`quant`](mod@quant)): the largest magnitude of each block of

@@ -111,7 +111,7 @@ pub use ranks::{
 pub use ranks::{NcclLaunch, launch_ranks_rendezvous};
 #[cfg(feature = "mpi")]
 pub use ranks::{launch_ranks_hybrid, launch_ranks_mpi};
-pub use tensor::DTensor;
+pub use tensor::{DTensor, DeferredPiece};
 pub use tensor_parallel::{TpPlan, TpStyle, tensor_parallel};
 
 /// For Wildfire's own crates (the engine raises typed errors inside backend ops and marks its

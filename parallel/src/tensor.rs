@@ -335,9 +335,18 @@ impl Count {
 /// counted in the rank's live bytes while it is kept.
 struct CastCopy {
     dtype: burn_backend::FloatDType,
+    /// The copy (`B::FloatTensorPrimitive`), or a [`DeferredCopy`] until first asked for.
     local: Box<dyn std::any::Any + Send + Sync>,
     _track: Tracker,
 }
+
+/// A cast copy that a deferred computation gives at its first use
+/// ([`DTensor::with_deferred_cast_copy`]).
+struct DeferredCopy<B: Backend>(Mutex<Option<DeferredPiece<B>>>);
+
+/// A local piece computed later, once.
+pub type DeferredPiece<B> =
+    Box<dyn FnOnce() -> <B as burn_backend::BackendTypes>::FloatTensorPrimitive + Send>;
 
 impl Tracker {
     fn new(bytes: usize, ctx: &Arc<crate::device::RankContext>) -> Self {
@@ -716,7 +725,12 @@ impl<B: Backend> DTensor<B> {
             return self.local.clone();
         }
         let mut slot = self.count().0.cast.lock().unwrap();
-        if let Some(copy) = slot.as_ref().filter(|c| c.dtype == dtype) {
+        if let Some(copy) = slot.as_mut().filter(|c| c.dtype == dtype) {
+            if let Some(deferred) = copy.local.downcast_ref::<DeferredCopy<B>>() {
+                let compute = deferred.0.lock().unwrap().take();
+                let compute = compute.expect("a deferred cast copy is computed once");
+                copy.local = Box::new(compute());
+            }
             return copy
                 .local
                 .downcast_ref::<B::FloatTensorPrimitive>()
@@ -764,6 +778,38 @@ impl<B: Backend> DTensor<B> {
             _track: track,
         });
         self
+    }
+
+    /// [`DTensor::with_cast_copy`] of a copy in `dtype` that `compute` gives when a rule first
+    /// asks for it (written by the same deferred launch as this value: see
+    /// [`DTensor::deferred_like`]). Its bytes are counted from now.
+    pub fn with_deferred_cast_copy(self, dtype: FloatDType, compute: DeferredPiece<B>) -> Self {
+        let bytes = self.local.shape().num_elements() * DType::from(dtype).size();
+        let track = Tracker::new(bytes, self.device.context());
+        *self.count().0.cast.lock().unwrap() = Some(CastCopy {
+            dtype,
+            local: Box::new(DeferredCopy::<B>(Mutex::new(Some(compute)))),
+            _track: track,
+        });
+        self
+    }
+
+    /// A value with this one's layout, global shape and device whose local piece (this one's
+    /// local shape, in `dtype`) `compute` gives at its first use — as a deferred weight gradient
+    /// is: an optimizer that runs many parameters' updates in one launch (`FusedAdamW` on a
+    /// GPU) hands each result back this way, and the first use of any runs the launch. Counted
+    /// in the live bytes from now; until resolved its [`DTensor::local`] is a stand-in.
+    pub fn deferred_like(&self, dtype: DType, compute: DeferredPiece<B>) -> Self {
+        let awaited = Arc::new(Awaited::deferred(compute));
+        DTensor::awaiting(
+            awaited,
+            self.local.shape().to_vec(),
+            dtype,
+            self.layout.clone(),
+            self.shape.clone(),
+            self.device.clone(),
+            true,
+        )
     }
 
     fn settled_now(self) -> Self {

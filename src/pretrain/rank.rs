@@ -152,6 +152,7 @@ impl RankRun<'_> {
             epsilon: 1e-5,
             weight_decay: self.config.weight_decay,
             moments: self.config.optim_state,
+            multi_tensor: true,
         }
     }
 

@@ -148,6 +148,7 @@ fn adamw8bit_matches_bitsandbytes() {
         epsilon: c["eps"].as_f64().unwrap(),
         weight_decay: c["weight_decay"].as_f64().unwrap(),
         moments: MomentDtype::Int8,
+        multi_tensor: true,
     };
     let lr = c["lr"].as_f64().unwrap();
     let mesh = DeviceMesh::new([("dp", 1)]).unwrap();

@@ -644,6 +644,96 @@ fn check_optimizer_tail<B: burn::tensor::backend::Backend + FusedOps>(
         assert_eq!(back(copy), back(cast), "skip {skip}: the copy is the cast");
     }
     check_unscale_all::<B>(device, tol);
+    check_adamw_many::<B>(device);
+}
+
+/// [`FusedOps::fused_adamw_many`] against each entry's own [`FusedOps::fused_adamw`] (or
+/// `_with_copy`) bit for bit: entries of several sizes (one element; one past 1,024 cubes of
+/// 256, whose units stride), two step numbers, with and without the f16 copy, skipped or not.
+fn check_adamw_many<B: burn::tensor::backend::Backend + FusedOps>(device: &B::Device) {
+    use wildfire_kernels::{AdamWEntry, AdamWStep};
+    let shapes = [[37usize, 13], [1, 1], [600, 500], [5, 7], [64, 3]];
+    let host = |n: usize, seed: u64| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as u64 * 2654435761 + seed * 97) % 2001) as f32 / 1000.0 - 1.0)
+            .collect()
+    };
+    let prim = |v: Vec<f32>, s: [usize; 2]| {
+        Tensor::<B, 2>::from_data(TensorData::new(v, s), device)
+            .into_primitive()
+            .tensor()
+    };
+    let one = |x: f32| {
+        Tensor::<B, 1>::from_data(TensorData::new(vec![x], [1]), device)
+            .into_primitive()
+            .tensor()
+    };
+    let back = |p: burn::tensor::ops::FloatTensor<B>| {
+        Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(p))
+            .cast(burn::tensor::FloatDType::F32)
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let step = |t: u32| AdamWStep {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+        step: t,
+    };
+    let entry = |k: usize| {
+        let s = shapes[k];
+        let n = s[0] * s[1];
+        let seed = 10 * k as u64;
+        let v: Vec<f32> = host(n, seed + 3).iter().map(|x| x.abs()).collect();
+        AdamWEntry::<B> {
+            operands: [
+                prim(host(n, seed), s),
+                prim(host(n, seed + 1), s),
+                prim(host(n, seed + 2), s),
+                prim(v, s),
+            ],
+            step: step(if k.is_multiple_of(2) { 3 } else { 4 }),
+            copy: (k != 1).then_some(burn::tensor::FloatDType::F16),
+        }
+    };
+    for skip in [0.0, 1.0] {
+        let many = B::fused_adamw_many((0..shapes.len()).map(entry).collect(), one(0.5), one(skip));
+        assert_eq!(many.len(), shapes.len());
+        for (k, (got, copy)) in many.into_iter().enumerate() {
+            let e = entry(k);
+            let [param, grad, m, v] = e.operands;
+            let operands = [param, grad, m, v, one(0.5), one(skip)];
+            let (want, want_copy) = match e.copy {
+                Some(c) => {
+                    let (w, copy) = B::fused_adamw_with_copy(operands, e.step, c);
+                    (w, Some(copy))
+                }
+                None => {
+                    let [param, grad, m, v, scale, skip] = operands;
+                    (B::fused_adamw(param, grad, m, v, scale, skip, e.step), None)
+                }
+            };
+            let what = format!("skip {skip}, entry {k}");
+            assert_eq!(back(got.param), back(want.param), "{what}: parameter");
+            assert_eq!(back(got.m), back(want.m), "{what}: m");
+            assert_eq!(back(got.v), back(want.v), "{what}: v");
+            assert_eq!(
+                copy.is_some(),
+                want_copy.is_some(),
+                "{what}: a copy where asked"
+            );
+            if let (Some(c), Some(w)) = (copy, want_copy) {
+                assert_eq!(
+                    burn::tensor::TensorMetadata::dtype(&c),
+                    burn::tensor::DType::F16
+                );
+                assert_eq!(back(c), back(w), "{what}: copy");
+            }
+        }
+    }
 }
 
 /// [`FusedOps::fused_unscale_all`] over gradients of several sizes (one of a single element, one
@@ -959,17 +1049,18 @@ mod wgpu {
         blockwise_kernels_are_the_host_loops::<Wgpu>(&Default::default(), IntDType::I32, "Wgpu");
     }
 
+    /// `[n]` ones on the default device, as a primitive.
+    fn ones(n: usize) -> burn::tensor::ops::FloatTensor<Wgpu> {
+        Tensor::<Wgpu, 1>::ones([n], &Default::default())
+            .into_primitive()
+            .tensor()
+    }
+
     /// The step's unscale over every gradient: the gradients a launch at a time as many as the
     /// device binds (all three here, lavapipe binding dozens of buffers), and one fold, with the
     /// exact sum of an all-ones case.
     #[test]
     fn unscale_all_is_one_launch_per_chunk_of_gradients_and_one() {
-        let device = Default::default();
-        let ones = |n: usize| {
-            Tensor::<Wgpu, 1>::ones([n], &device)
-                .into_primitive()
-                .tensor()
-        };
         // Launches for three gradients: chunks of the device's count, then the fold.
         #[cfg(not(feature = "fusion"))]
         let launches = |write: bool| {
@@ -1059,6 +1150,158 @@ mod wgpu {
     #[test]
     fn norms_write_the_compute_dtype() {
         check_norms_as::<Wgpu>(&Default::default());
+    }
+
+    /// The multi-tensor AdamW: a launch per run of parameters with one step and copy dtype, as
+    /// many per launch as the device binds (lavapipe: at least two).
+    #[test]
+    fn adamw_many_is_a_launch_per_chunk_of_parameters() {
+        use wildfire_kernels::{AdamWEntry, AdamWStep};
+        let step = AdamWStep {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            epsilon: 1e-8,
+            weight_decay: 0.0,
+            step: 1,
+        };
+        let entries = |n: usize| -> Vec<AdamWEntry<Wgpu>> {
+            (0..n)
+                .map(|k| AdamWEntry {
+                    operands: [ones(10 + k), ones(10 + k), ones(10 + k), ones(10 + k)],
+                    step,
+                    copy: None,
+                })
+                .collect()
+        };
+        let per = <Wgpu as FusedOps>::adamw_batch(&ones(1));
+        assert!(
+            cfg!(feature = "fusion") || per >= 2,
+            "lavapipe binds two parameters: {per}"
+        );
+        let n = 2 * per + 1;
+        let before = cube::thread_launches();
+        let zero = Tensor::<Wgpu, 1>::zeros([1], &Default::default())
+            .into_primitive()
+            .tensor();
+        let out = <Wgpu as FusedOps>::fused_adamw_many(entries(n), ones(1), zero);
+        assert_eq!(out.len(), n);
+        assert!(
+            cfg!(feature = "fusion") || cube::thread_launches() - before == 3,
+            "{n} parameters in three launches"
+        );
+        // p − lr·m̂/(√v̂ + ε) with g = m = v = 1 at step 1: m₁ = v₁ = 1, m̂ = 1/0.1, v̂ = 1/0.05.
+        let p = data(Tensor::<Wgpu, 1>::from_primitive(
+            burn::tensor::TensorPrimitive::Float(out[n - 1].0.param.clone()),
+        ));
+        let want = (1.0 - 1e-2 * 10.0 / (20f64.sqrt() + 1e-8)) as f32;
+        assert_eq!(p.len(), 10 + n - 1);
+        assert!(
+            p.iter().all(|&x| (x - want).abs() < 1e-6),
+            "{p:?} against {want}"
+        );
+    }
+
+    /// A small GPT trained on Wgpu through the fused tail with the multi-tensor AdamW (its steps
+    /// queued, the parameters and moments — and under an f16 compute dtype the weights' f16
+    /// copies — handed back deferred, the queue run a launch per chunk) and with a launch per
+    /// parameter: the same losses and parameters bit for bit over three steps (one of three
+    /// micro-batches), in f32 and f16, and the launches fewer by the count the chunks imply.
+    #[test]
+    fn multi_tensor_adamw_trains_as_a_launch_per_parameter() {
+        use burn::module::{Module, ModuleVisitor, Param};
+        use wildfire::engine::{FusedAdamW, FusedAdamWConfig, StepRunner, StepRunnerConfig};
+        use wildfire::models::CausalLm;
+        use wildfire::models::gpt::Gpt;
+        use wildfire::parallel::{DeviceMesh, Distributed, launch_ranks};
+        type D = burn::backend::Autodiff<Distributed<Wgpu>>;
+        struct Values(Vec<Vec<f32>>);
+        impl ModuleVisitor<D> for Values {
+            fn visit_float<const N: usize>(&mut self, param: &Param<Tensor<D, N>>) {
+                let v = param.val().into_data().convert::<f32>().to_vec().unwrap();
+                self.0.push(v);
+            }
+        }
+        let mesh = DeviceMesh::new([("dp", 1)]).unwrap();
+        let run = |multi_tensor: bool, compute: Option<FloatDType>| {
+            launch_ranks::<Wgpu, _, _>(&mesh, &Default::default(), &Default::default(), |device| {
+                device
+                    .context()
+                    .update_policy(|p| p.compute_dtype = compute);
+                let (adamw, inputs) = FusedAdamW::<Wgpu>::optimizer::<Gpt<D>>(FusedAdamWConfig {
+                    multi_tensor,
+                    ..FusedAdamWConfig::default()
+                });
+                let mut optim = adamw;
+                let mut model: Gpt<D> = crate::suite::small_gpt(2, 5).init(&device).unwrap();
+                let ids = |shift: usize| {
+                    let v: Vec<i64> = (0..2 * 16)
+                        .map(|i| ((i * 13 + shift) % 64) as i64)
+                        .collect();
+                    Tensor::<D, 2, Int>::from_data(TensorData::new(v, [2, 16]), &device)
+                };
+                let config = StepRunnerConfig {
+                    clip: Some(0.5),
+                    ..StepRunnerConfig::default()
+                };
+                let mut step = StepRunner::new(config, None);
+                let (mut losses, before) = (Vec::new(), cube::thread_launches());
+                for seeds in [&[1u64][..], &[1, 2, 3], &[4]] {
+                    let (stepped, record) = step
+                        .run(
+                            &device,
+                            model,
+                            &mut optim,
+                            Some(&inputs),
+                            1e-2,
+                            seeds,
+                            |m, i, h| m.loss_with(ids(i), ids(i + 1), h),
+                        )
+                        .unwrap();
+                    model = stepped;
+                    losses.push(record.loss);
+                }
+                let launches = cube::thread_launches() - before;
+                let casts = device.context().counters().cast_total();
+                let mut values = Values(Vec::new());
+                model.visit(&mut values);
+                (losses, values.0, launches, casts)
+            })
+            .unwrap()
+            .pop()
+            .unwrap()
+        };
+        // Under an f16 compute dtype each step also writes the weights' f16 copies (deferred
+        // with them) for the next forward.
+        for compute in [None, Some(FloatDType::F16)] {
+            let (batched, single) = (run(true, compute), run(false, compute));
+            assert_eq!(batched.0, single.0, "{compute:?}: the losses");
+            assert_eq!(batched.1.len(), single.1.len());
+            for (k, (b, s)) in batched.1.iter().zip(&single.1).enumerate() {
+                assert_eq!(b, s, "{compute:?}: parameter {k}");
+            }
+            // The copies the queued steps wrote were taken by the next forwards (a weight cast
+            // again would count).
+            assert_eq!(batched.3, single.3, "{compute:?}: the casts");
+            assert!(compute.is_none() || batched.3 > 0);
+            if compute.is_some() {
+                continue;
+            }
+            // Each step: a launch per parameter, against one per `adamw_batch` of them (the queue
+            // runs each time it holds that many; every other launch of the step is the same).
+            let params = batched.1.len() as u64;
+            let one = Tensor::<Wgpu, 1>::ones([1], &Default::default())
+                .into_primitive()
+                .tensor();
+            let per = <Wgpu as FusedOps>::adamw_batch(&one) as u64;
+            assert!(
+                cfg!(feature = "fusion")
+                    || single.2 - batched.2 == 3 * (params - params.div_ceil(per)),
+                "launches: {} batched against {} a parameter at a time ({params} parameters, {per} a launch)",
+                batched.2,
+                single.2
+            );
+        }
     }
 
     #[test]

@@ -395,6 +395,7 @@ fn bf16_adamw_moments_follow_the_rounded_formula() {
         epsilon: 1e-5,
         weight_decay: 0.1,
         moments: MomentDtype::Bf16,
+        multi_tensor: true,
     };
     let mesh = DeviceMesh::new([("dp", 1)]).unwrap();
     // Per step: the parameter and the two moments, and the moments' dtypes.

@@ -416,6 +416,18 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         (AdamWState { param, m, v }, copy)
     }
 
+    fn fused_adamw_many(
+        entries: Vec<crate::AdamWEntry<Self>>,
+        grad_scale: CubeTensor<R>,
+        skip: CubeTensor<R>,
+    ) -> Vec<crate::AdamWResult<Self>> {
+        optim::adamw_many::<R, F, I, BT>(entries, grad_scale, skip)
+    }
+
+    fn adamw_batch(like: &CubeTensor<R>) -> usize {
+        optim::adamw_chunk(like, true)
+    }
+
     fn blockwise_absmax(
         x: CubeTensor<R>,
         start: usize,

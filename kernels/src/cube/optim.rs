@@ -155,6 +155,42 @@ fn unscale_total_kernel(
     }
 }
 
+/// One element's AdamW step: the new `(param, m, v)` in `F` — the inputs as they are where
+/// `skip` (an overflowed step), else the update in f32 (`grad` times `grad_scale`; `decay` is
+/// `1 − lr·wd`, `correction1/2` the bias corrections).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn adamw_element<F: Float>(
+    param: F,
+    grad: F,
+    m: F,
+    v: F,
+    grad_scale: f32,
+    skip: bool,
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    epsilon: f32,
+    decay: f32,
+    correction1: f32,
+    correction2: f32,
+) -> (F, F, F) {
+    let mut out = (param, m, v);
+    if !skip {
+        let p = f32::cast_from(param);
+        let m0 = f32::cast_from(m);
+        let v0 = f32::cast_from(v);
+        let g = f32::cast_from(grad) * grad_scale;
+        let m1 = beta1 * m0 + (f32::new(1.0) - beta1) * g;
+        let v1 = beta2 * v0 + (f32::new(1.0) - beta2) * g * g;
+        let m_hat = m1 / correction1;
+        let v_hat = v1 / correction2;
+        let p1 = F::cast_from(p * decay - lr * m_hat / (f32::sqrt(v_hat) + epsilon));
+        out = (p1, F::cast_from(m1), F::cast_from(v1));
+    }
+    out
+}
+
 /// AdamW on `len` elements; with `with_copy` the new parameter also goes to `copy` in its dtype
 /// `C` (the compute dtype's copy; without, `copy` is a one-element stand-in never written).
 #[cube(launch)]
@@ -185,28 +221,102 @@ fn adamw_kernel<F: Float, C: Float>(
     if i >= len as usize {
         terminate!();
     }
-    let p = f32::cast_from(param[i]);
-    let m0 = f32::cast_from(m[i]);
-    let v0 = f32::cast_from(v[i]);
-    if f32::cast_from(skip[0]) != f32::new(0.0) {
-        param_out[i] = param[i];
-        m_out[i] = m[i];
-        v_out[i] = v[i];
-        if with_copy {
-            copy[i] = C::cast_from(param[i]);
-        }
-    } else {
-        let g = f32::cast_from(grad[i]) * f32::cast_from(grad_scale[0]);
-        let m1 = beta1 * m0 + (f32::new(1.0) - beta1) * g;
-        let v1 = beta2 * v0 + (f32::new(1.0) - beta2) * g * g;
-        let m_hat = m1 / correction1;
-        let v_hat = v1 / correction2;
-        let p1 = F::cast_from(p * decay - lr * m_hat / (f32::sqrt(v_hat) + epsilon));
-        param_out[i] = p1;
-        m_out[i] = F::cast_from(m1);
-        v_out[i] = F::cast_from(v1);
-        if with_copy {
-            copy[i] = C::cast_from(p1);
+    let skipped = f32::cast_from(skip[0]) != f32::new(0.0);
+    let scale = f32::cast_from(grad_scale[0]);
+    let (p1, m1, v1) = adamw_element::<F>(
+        param[i],
+        grad[i],
+        m[i],
+        v[i],
+        scale,
+        skipped,
+        lr,
+        beta1,
+        beta2,
+        epsilon,
+        decay,
+        correction1,
+        correction2,
+    );
+    param_out[i] = p1;
+    m_out[i] = m1;
+    v_out[i] = v1;
+    if with_copy {
+        copy[i] = C::cast_from(p1);
+    }
+}
+
+/// [`adamw_kernel`] over `count` parameters of one dtype and one step in one launch (a
+/// multi-tensor AdamW, as PyTorch's `fused=True`): parameter `k` takes cubes
+/// `first_cube[k]..first_cube[k + 1]`, its units striding over its `lens[k]` elements; each
+/// element's update is [`adamw_element`], so the results are the per-parameter kernel's bit for
+/// bit. `copies` is bound only `with_copy`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn adamw_many_kernel<F: Float, C: Float>(
+    params: &Sequence<Tensor<F>>,
+    grads: &Sequence<Tensor<F>>,
+    ms: &Sequence<Tensor<F>>,
+    vs: &Sequence<Tensor<F>>,
+    grad_scale: &Tensor<F>,
+    skip: &Tensor<F>,
+    param_outs: &mut Sequence<Tensor<F>>,
+    m_outs: &mut Sequence<Tensor<F>>,
+    v_outs: &mut Sequence<Tensor<F>>,
+    copies: &mut Sequence<Tensor<C>>,
+    first_cube: &Sequence<u32>,
+    lens: &Sequence<u32>,
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    epsilon: f32,
+    decay: f32,
+    correction1: f32,
+    correction2: f32,
+    #[comptime] count: usize,
+    #[comptime] with_copy: bool,
+    #[define(F, C)] _dtypes: [StorageType; 2],
+) {
+    let cube = CUBE_POS_X;
+    let skipped = f32::cast_from(skip[0]) != f32::new(0.0);
+    let scale = f32::cast_from(grad_scale[0]);
+    #[unroll]
+    for k in 0..count {
+        let start = *first_cube.index(k);
+        let end = *first_cube.index(k + 1);
+        if cube >= start && cube < end {
+            let (param, grad, m, v) = (params.index(k), grads.index(k), ms.index(k), vs.index(k));
+            let len = *lens.index(k) as usize;
+            let stride = ((end - start) * CUBE_DIM_X) as usize;
+            let mut i = (cube - start) as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
+            while i < len {
+                let (p1, m1, v1) = adamw_element::<F>(
+                    param[i],
+                    grad[i],
+                    m[i],
+                    v[i],
+                    scale,
+                    skipped,
+                    lr,
+                    beta1,
+                    beta2,
+                    epsilon,
+                    decay,
+                    correction1,
+                    correction2,
+                );
+                let po = param_outs.index_mut(k);
+                po[i] = p1;
+                let mo = m_outs.index_mut(k);
+                mo[i] = m1;
+                let vo = v_outs.index_mut(k);
+                vo[i] = v1;
+                if with_copy {
+                    let c = copies.index_mut(k);
+                    c[i] = C::cast_from(p1);
+                }
+                i += stride;
+            }
         }
     }
 }
@@ -425,7 +535,7 @@ pub(super) fn adamw<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElem
         Some(c) => empty(&param, param.shape(), c),
         None => empty(&param, [1].into(), dtype),
     };
-    let t = step.step.max(1) as i32;
+    let [lr, beta1, beta2, epsilon, decay, correction1, correction2] = step_scalars(&step);
     adamw_kernel::launch::<R>(
         &param.client,
         count,
@@ -441,6 +551,24 @@ pub(super) fn adamw<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElem
         arg(&v_out),
         arg(&copy_out),
         len as u32,
+        lr,
+        beta1,
+        beta2,
+        epsilon,
+        decay,
+        correction1,
+        correction2,
+        copy.is_some(),
+        [dtype.into(), copy_out.dtype.into()],
+    );
+    launched(1);
+    ([p_out, m_out, v_out], copy.map(|_| copy_out))
+}
+
+/// The AdamW kernels' f32 scalars of `step`: `[lr, β₁, β₂, ε, 1 − lr·wd, 1 − β₁ᵗ, 1 − β₂ᵗ]`.
+fn step_scalars(step: &AdamWStep) -> [f32; 7] {
+    let t = step.step.max(1) as i32;
+    [
         step.lr as f32,
         step.beta1 as f32,
         step.beta2 as f32,
@@ -448,9 +576,133 @@ pub(super) fn adamw<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElem
         (1.0 - step.lr * step.weight_decay) as f32,
         (1.0 - step.beta1.powi(t)) as f32,
         (1.0 - step.beta2.powi(t)) as f32,
-        copy.is_some(),
-        [dtype.into(), copy_out.dtype.into()],
-    );
-    launched(1);
-    ([p_out, m_out, v_out], copy.map(|_| copy_out))
+    ]
+}
+
+/// [`crate::FusedOps::fused_adamw_many`]: runs of entries with one parameter dtype, step and copy
+/// dtype, [`adamw_chunk`] at a time, each run one [`adamw_many_kernel`] launch; the results in
+/// the entries' order, each the per-parameter kernel's bit for bit.
+pub(super) fn adamw_many<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+    entries: Vec<crate::AdamWEntry<Cb<R, F, I, BT>>>,
+    grad_scale: CubeTensor<R>,
+    skip: CubeTensor<R>,
+) -> Vec<crate::AdamWResult<Cb<R, F, I, BT>>> {
+    let mut out = Vec::with_capacity(entries.len());
+    let mut entries = entries.into_iter().peekable();
+    while let Some(first) = entries.next() {
+        let dtype = first.operands[0].dtype;
+        let copy = first.copy.map(DType::from);
+        let chunk = adamw_chunk(&first.operands[0], copy.is_some());
+        let step = first.step;
+        let mut run = vec![first];
+        while run.len() < chunk
+            && entries.peek().is_some_and(|e| {
+                e.operands[0].dtype == dtype && e.step == step && e.copy.map(DType::from) == copy
+            })
+        {
+            run.push(entries.next().expect("peeked"));
+        }
+        let [scale, skipped] =
+            [&grad_scale, &skip].map(|t| as_dtype::<R, F, I, BT>(t.clone(), dtype));
+        let operands: Vec<[CubeTensor<R>; 4]> = run
+            .into_iter()
+            .map(|e| e.operands.map(|t| as_dtype::<R, F, I, BT>(t, dtype)))
+            .collect();
+        let outputs: Vec<[CubeTensor<R>; 3]> = operands
+            .iter()
+            .map(|o| [(); 3].map(|_| empty_like(&o[0])))
+            .collect();
+        let copies: Vec<CubeTensor<R>> = match copy {
+            Some(c) => operands
+                .iter()
+                .map(|o| empty(&o[0], o[0].shape(), c))
+                .collect(),
+            None => Vec::new(),
+        };
+        let mut first_cube = SequenceArg::new();
+        let mut lens = SequenceArg::new();
+        let mut at = 0u32;
+        for o in &operands {
+            let len = o[0].shape().num_elements();
+            first_cube.push(at);
+            at += len.div_ceil(ADAMW_BLOCK).clamp(1, ADAMW_CUBES) as u32;
+            lens.push(len as u32);
+        }
+        first_cube.push(at);
+        let seq = |k: usize| {
+            let mut s = SequenceArg::new();
+            for o in &operands {
+                s.push(arg(&o[k]));
+            }
+            s
+        };
+        let out_seq = |k: usize| {
+            let mut s = SequenceArg::new();
+            for o in &outputs {
+                s.push(arg(&o[k]));
+            }
+            s
+        };
+        let mut copy_args = SequenceArg::new();
+        for c in &copies {
+            copy_args.push(arg(c));
+        }
+        let [lr, beta1, beta2, epsilon, decay, correction1, correction2] = step_scalars(&step);
+        let copy_dtype = copy.unwrap_or(dtype);
+        // SAFETY: parameter `k`'s units index `i < lens[k]`, its element count, in each of its
+        // tensors (operands, outputs and copy all of its shape, contiguous); the scale and skip
+        // are read at 0 (`[1]` tensors); `copies` is indexed only `with_copy`, when it holds a
+        // tensor per parameter.
+        unsafe {
+            adamw_many_kernel::launch_unchecked::<R>(
+                &operands[0][0].client,
+                CubeCount::Static(at, 1, 1),
+                CubeDim::new_1d(ADAMW_BLOCK as u32),
+                seq(0),
+                seq(1),
+                seq(2),
+                seq(3),
+                arg(&scale),
+                arg(&skipped),
+                out_seq(0),
+                out_seq(1),
+                out_seq(2),
+                copy_args,
+                first_cube,
+                lens,
+                lr,
+                beta1,
+                beta2,
+                epsilon,
+                decay,
+                correction1,
+                correction2,
+                operands.len(),
+                copy.is_some(),
+                [dtype.into(), copy_dtype.into()],
+            );
+        }
+        launched(1);
+        let mut copies = copies.into_iter();
+        for [param, m, v] in outputs {
+            out.push((crate::AdamWState { param, m, v }, copy.and(copies.next())));
+        }
+    }
+    out
+}
+
+/// Units per cube of the multi-tensor AdamW.
+const ADAMW_BLOCK: usize = 256;
+/// The most cubes one parameter takes in a multi-tensor launch (its units then stride).
+const ADAMW_CUBES: usize = 1024;
+/// The most parameters one multi-tensor AdamW launch takes.
+const ADAMW_CHUNK: usize = 16;
+
+/// Parameters per [`adamw_many_kernel`] launch on `like`'s device: as many as its bindings hold
+/// (seven tensors a parameter, eight with its copy, beside the scale, the skip flag and the
+/// runtime's metadata), at most [`ADAMW_CHUNK`].
+pub(super) fn adamw_chunk<R: CubeRuntime>(like: &CubeTensor<R>, with_copy: bool) -> usize {
+    let bindings = like.client.properties().hardware.max_bindings as usize;
+    let per = if with_copy { 8 } else { 7 };
+    (bindings.saturating_sub(4) / per).clamp(1, ADAMW_CHUNK)
 }

@@ -171,13 +171,48 @@ impl<B: Backend> DTensor<B> {
             device.context(),
         ));
         let float = burn_backend::FloatDType::from(dtype);
-        let one = B::float_full(
+        let one = B::float_reshape(
+            nan_scalar::<B>(&device.inner, float),
             Shape::from(vec![1; local_shape.len()]),
-            burn_backend::Scalar::Float(f64::NAN),
-            &device.inner,
-            float,
         );
         let stand_in = B::float_expand(one, Shape::from(local_shape));
         Self::with_parts(stand_in, layout, shape, device, track, Some(awaited))
     }
+}
+
+/// A one-element NaN of `dtype` on `device`, made once per thread and kept (a fill is a kernel
+/// launch on a GPU backend, and every awaited value's stand-in expands one: a multi-tensor
+/// optimizer step hands back three or four per parameter).
+fn nan_scalar<B: Backend>(
+    device: &B::Device,
+    dtype: burn_backend::FloatDType,
+) -> B::FloatTensorPrimitive {
+    use std::any::{Any, TypeId};
+    type Kept = Vec<(TypeId, burn_backend::FloatDType, Box<dyn Any>)>;
+    std::thread_local! {
+        static KEPT: std::cell::RefCell<Kept> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    KEPT.with(|kept| {
+        let mut kept = kept.borrow_mut();
+        let found = kept
+            .iter()
+            .filter(|(t, d, _)| *t == TypeId::of::<B>() && *d == dtype)
+            .filter_map(|(_, _, x)| x.downcast_ref::<(B::Device, B::FloatTensorPrimitive)>())
+            .find(|(d, _)| d == device)
+            .map(|(_, x)| x.clone());
+        found.unwrap_or_else(|| {
+            let x = B::float_full(
+                Shape::from(vec![1]),
+                burn_backend::Scalar::Float(f64::NAN),
+                device,
+                dtype,
+            );
+            kept.push((
+                TypeId::of::<B>(),
+                dtype,
+                Box::new((device.clone(), x.clone())),
+            ));
+            x
+        })
+    })
 }

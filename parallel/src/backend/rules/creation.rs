@@ -128,6 +128,14 @@ pub(crate) fn float_to_device<B: Backend>(
     device: &DistDevice<B>,
 ) -> DTensor<B> {
     if tensor.device.mesh() == device.mesh() && tensor.device.rank() == device.rank() {
+        // A value still awaited (a deferred optimizer result, an offloaded parameter) stays so
+        // on its own device; moved, it is resolved first — its local piece is a stand-in.
+        if tensor.meta.awaited.is_some() {
+            if tensor.device.inner == device.inner {
+                return tensor;
+            }
+            return float_to_device(tensor.ready(), device);
+        }
         let local = B::float_to_device(tensor.local, &device.inner);
         return DTensor::new_shaped(
             local,
