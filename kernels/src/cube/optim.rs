@@ -2,7 +2,7 @@
 //! flag (read on the device).
 
 use super::reduce::cube_sum;
-use super::{Cb, arg, as_dtype, elementwise, empty, empty_f32, empty_like, launched};
+use super::{Cb, arg, as_dtype, empty, empty_f32, empty_like, launched};
 use crate::AdamWStep;
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::{DType, TensorMetadata};
@@ -155,102 +155,12 @@ fn unscale_total_kernel(
     }
 }
 
-/// One element's AdamW step: the new `(param, m, v)` in `F` — the inputs as they are where
-/// `skip` (an overflowed step), else the update in f32 (`grad` times `grad_scale`; `decay` is
-/// `1 − lr·wd`, `correction1/2` the bias corrections).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn adamw_element<F: Float>(
-    param: F,
-    grad: F,
-    m: F,
-    v: F,
-    grad_scale: f32,
-    skip: bool,
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    epsilon: f32,
-    decay: f32,
-    correction1: f32,
-    correction2: f32,
-) -> (F, F, F) {
-    let mut out = (param, m, v);
-    if !skip {
-        let p = f32::cast_from(param);
-        let m0 = f32::cast_from(m);
-        let v0 = f32::cast_from(v);
-        let g = f32::cast_from(grad) * grad_scale;
-        let m1 = beta1 * m0 + (f32::new(1.0) - beta1) * g;
-        let v1 = beta2 * v0 + (f32::new(1.0) - beta2) * g * g;
-        let m_hat = m1 / correction1;
-        let v_hat = v1 / correction2;
-        let p1 = F::cast_from(p * decay - lr * m_hat / (f32::sqrt(v_hat) + epsilon));
-        out = (p1, F::cast_from(m1), F::cast_from(v1));
-    }
-    out
-}
-
-/// AdamW on `len` elements; with `with_copy` the new parameter also goes to `copy` in its dtype
-/// `C` (the compute dtype's copy; without, `copy` is a one-element stand-in never written).
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-fn adamw_kernel<F: Float, C: Float>(
-    param: &Tensor<F>,
-    grad: &Tensor<F>,
-    m: &Tensor<F>,
-    v: &Tensor<F>,
-    grad_scale: &Tensor<F>,
-    skip: &Tensor<F>,
-    param_out: &mut Tensor<F>,
-    m_out: &mut Tensor<F>,
-    v_out: &mut Tensor<F>,
-    copy: &mut Tensor<C>,
-    len: u32,
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    epsilon: f32,
-    decay: f32,
-    correction1: f32,
-    correction2: f32,
-    #[comptime] with_copy: bool,
-    #[define(F, C)] _dtypes: [StorageType; 2],
-) {
-    let i = ABSOLUTE_POS;
-    if i >= len as usize {
-        terminate!();
-    }
-    let skipped = f32::cast_from(skip[0]) != f32::new(0.0);
-    let scale = f32::cast_from(grad_scale[0]);
-    let (p1, m1, v1) = adamw_element::<F>(
-        param[i],
-        grad[i],
-        m[i],
-        v[i],
-        scale,
-        skipped,
-        lr,
-        beta1,
-        beta2,
-        epsilon,
-        decay,
-        correction1,
-        correction2,
-    );
-    param_out[i] = p1;
-    m_out[i] = m1;
-    v_out[i] = v1;
-    if with_copy {
-        copy[i] = C::cast_from(p1);
-    }
-}
-
-/// [`adamw_kernel`] over `count` parameters of one dtype and one step in one launch (a
-/// multi-tensor AdamW, as PyTorch's `fused=True`): parameter `k` takes cubes
-/// `first_cube[k]..first_cube[k + 1]`, its units striding over its `lens[k]` elements; each
-/// element's update is [`adamw_element`], so the results are the per-parameter kernel's bit for
-/// bit. `copies` is bound only `with_copy`.
+/// AdamW over `count` parameters of one dtype and one step in one launch (a multi-tensor AdamW,
+/// as PyTorch's `fused=True`; a single parameter's step is a launch with `count` 1): parameter
+/// `k` takes cubes `first_cube[k]..first_cube[k + 1]`, its units striding over its `lens[k]`
+/// elements — so a parameter's result does not depend on the others in its launch. With
+/// `with_copy` the new parameter also goes to `copies[k]` in its dtype `C` (the compute dtype's
+/// copy); `copies` is bound only then.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn adamw_many_kernel<F: Float, C: Float>(
@@ -290,21 +200,23 @@ fn adamw_many_kernel<F: Float, C: Float>(
             let stride = ((end - start) * CUBE_DIM_X) as usize;
             let mut i = (cube - start) as usize * CUBE_DIM_X as usize + UNIT_POS_X as usize;
             while i < len {
-                let (p1, m1, v1) = adamw_element::<F>(
-                    param[i],
-                    grad[i],
-                    m[i],
-                    v[i],
-                    scale,
-                    skipped,
-                    lr,
-                    beta1,
-                    beta2,
-                    epsilon,
-                    decay,
-                    correction1,
-                    correction2,
-                );
+                let (p0, m0, v0) = (param[i], m[i], v[i]);
+                // The inputs as they are where the step is skipped (an overflow), else the f32
+                // update (`decay` is `1 − lr·wd`, `correction1/2` the bias corrections).
+                let mut p1 = p0;
+                let mut m1 = m0;
+                let mut v1 = v0;
+                if !skipped {
+                    let g = f32::cast_from(grad[i]) * scale;
+                    let m_new = beta1 * f32::cast_from(m0) + (f32::new(1.0) - beta1) * g;
+                    let v_new = beta2 * f32::cast_from(v0) + (f32::new(1.0) - beta2) * g * g;
+                    let m_hat = m_new / correction1;
+                    let v_hat = v_new / correction2;
+                    let p = f32::cast_from(p0);
+                    p1 = F::cast_from(p * decay - lr * m_hat / (f32::sqrt(v_hat) + epsilon));
+                    m1 = F::cast_from(m_new);
+                    v1 = F::cast_from(v_new);
+                }
                 let po = param_outs.index_mut(k);
                 po[i] = p1;
                 let mo = m_outs.index_mut(k);
@@ -520,49 +432,22 @@ const UNSCALE_CHUNK: usize = 32;
 
 /// `(param, m, v)` after one AdamW step (the inputs where `skip` is non-zero), every operand
 /// taken in the parameter's dtype; with `copy`, also the new parameter in that dtype, written by
-/// the same pass.
+/// the same pass: [`adamw_many`] of one entry.
 pub(super) fn adamw<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     operands: [CubeTensor<R>; 6],
     step: AdamWStep,
     copy: Option<DType>,
 ) -> ([CubeTensor<R>; 3], Option<CubeTensor<R>>) {
-    let dtype = operands[0].dtype;
-    let [param, grad, m, v, grad_scale, skip] = operands.map(|t| as_dtype::<R, F, I, BT>(t, dtype));
-    let len = param.shape().num_elements();
-    let (count, dim) = elementwise(&param, len);
-    let [p_out, m_out, v_out] = [(); 3].map(|_| empty_like(&param));
-    let copy_out = match copy {
-        Some(c) => empty(&param, param.shape(), c),
-        None => empty(&param, [1].into(), dtype),
+    let [param, grad, m, v, grad_scale, skip] = operands;
+    let entry = crate::AdamWEntry {
+        operands: [param, grad, m, v],
+        step,
+        copy: copy.map(burn::tensor::FloatDType::from),
     };
-    let [lr, beta1, beta2, epsilon, decay, correction1, correction2] = step_scalars(&step);
-    adamw_kernel::launch::<R>(
-        &param.client,
-        count,
-        dim,
-        arg(&param),
-        arg(&grad),
-        arg(&m),
-        arg(&v),
-        arg(&grad_scale),
-        arg(&skip),
-        arg(&p_out),
-        arg(&m_out),
-        arg(&v_out),
-        arg(&copy_out),
-        len as u32,
-        lr,
-        beta1,
-        beta2,
-        epsilon,
-        decay,
-        correction1,
-        correction2,
-        copy.is_some(),
-        [dtype.into(), copy_out.dtype.into()],
-    );
-    launched(1);
-    ([p_out, m_out, v_out], copy.map(|_| copy_out))
+    let (out, copy) = adamw_many::<R, F, I, BT>(vec![entry], grad_scale, skip)
+        .pop()
+        .expect("one entry, one result");
+    ([out.param, out.m, out.v], copy)
 }
 
 /// The AdamW kernels' f32 scalars of `step`: `[lr, β₁, β₂, ε, 1 − lr·wd, 1 − β₁ᵗ, 1 − β₂ᵗ]`.
@@ -581,7 +466,7 @@ fn step_scalars(step: &AdamWStep) -> [f32; 7] {
 
 /// [`crate::FusedOps::fused_adamw_many`]: runs of entries with one parameter dtype, step and copy
 /// dtype, [`adamw_chunk`] at a time, each run one [`adamw_many_kernel`] launch; the results in
-/// the entries' order, each the per-parameter kernel's bit for bit.
+/// the entries' order, each what a launch of its own gives, bit for bit.
 pub(super) fn adamw_many<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     entries: Vec<crate::AdamWEntry<Cb<R, F, I, BT>>>,
     grad_scale: CubeTensor<R>,
