@@ -145,12 +145,13 @@ run() {
     WILDFIRE_KERNELS_CHECKED=1 step kernels_ours_checked 60 "$T/b/gpu_kernels" --iters 5
     WILDFIRE_ATTENTION_MMA=0 WILDFIRE_ATTENTION_CMMA=0 step kernels_ours_nocmma 60 "$T/b/gpu_kernels" --iters 5
     # CubeCL's generated CUDA of the kernel bench's kernels (attention, norms, optimizer tail…),
-    # gzipped into the results: `tools/cuda_sass.py --split` and its NVRTC/ptxas compile read
-    # registers, spills and SASS from it on a machine without a GPU (docs/architecture.md §15)
-    printf '[compilation.logger]\nlevel = "full"\nfile = "%s"\n' "$R/compilation.log" > "$T/cubecl.toml"
+    # gzipped beside the results (a file of its own: too large, only it is lost):
+    # `tools/cuda_sass.py --split` and its NVRTC/ptxas compile read registers, spills and SASS
+    # from it on a machine without a GPU (docs/architecture.md §15)
+    printf '[compilation.logger]\nlevel = "full"\nfile = "%s"\n' "$T/compilation.log" > "$T/cubecl.toml"
     step kernel_sources 90 "$T/b/gpu_kernels" --iters 1
     rm -f "$T/cubecl.toml"
-    [ -f "$R/compilation.log" ] && gzip -f "$R/compilation.log"
+    [ -f "$T/compilation.log" ] && gzip -c "$T/compilation.log" > "$O/compilation.log.gz"
     printf '[profiling.logger]\nlevel = "basic"\nfile = "%s"\n' "$R/profile.log" > "$T/cubecl.toml"
     step gpt2_profile 90 "$G" --backend cuda "${BIG[@]}" --steps 2 --warmup 1
     rm -f "$T/cubecl.toml"
