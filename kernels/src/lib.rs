@@ -717,8 +717,7 @@ pub trait FusedOps: Backend {
     /// How many parameters [`FusedOps::fused_adamw_many`] runs per launch on `like`'s device: 1
     /// where batching gains nothing (a CPU backend updates each parameter in place as it comes),
     /// so the optimizer runs each step at once.
-    fn adamw_batch(like: &FloatTensor<Self>) -> usize {
-        let _ = like;
+    fn adamw_batch(_like: &FloatTensor<Self>) -> usize {
         1
     }
 

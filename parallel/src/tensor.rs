@@ -135,7 +135,7 @@ enum AwaitState<B: Backend> {
     Failed(Error),
     /// A computation deferred to the first use or to [`crate::RankContext::run_deferred`]: a
     /// weight gradient whose matmul a zero-bubble schedule runs in its `W` action.
-    Deferred(Box<dyn FnOnce() -> B::FloatTensorPrimitive + Send>),
+    Deferred(DeferredPiece<B>),
     /// A piece kept in host memory between uses (an offloaded parameter, `--offload params`):
     /// every use uploads it anew, and the state never changes — the device holds the piece only
     /// while the op (or the gather) that uploaded it holds it, as FSDP holds a gathered weight.
@@ -177,7 +177,7 @@ impl<B: Backend> Awaited<B> {
     }
 
     /// A piece that `compute` gives, computed at the first use (or when resolved).
-    pub(crate) fn deferred(compute: Box<dyn FnOnce() -> B::FloatTensorPrimitive + Send>) -> Self {
+    pub(crate) fn deferred(compute: DeferredPiece<B>) -> Self {
         Self::with_state(AwaitState::Deferred(compute))
     }
 
@@ -770,11 +770,22 @@ impl<B: Backend> DTensor<B> {
             self.local.shape(),
             "a cast copy has its value's shape"
         );
-        let dtype = FloatDType::from(copy.dtype());
-        let track = Tracker::new(local_bytes(&copy), self.device.context());
+        let (dtype, bytes) = (FloatDType::from(copy.dtype()), local_bytes(&copy));
+        self.keep_cast_copy(dtype, bytes, Box::new(copy))
+    }
+
+    /// This value keeping `local` (a copy, or a [`DeferredCopy`]) as its cast copy in `dtype`,
+    /// its `bytes` counted in the live bytes while kept.
+    fn keep_cast_copy(
+        self,
+        dtype: FloatDType,
+        bytes: usize,
+        local: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Self {
+        let track = Tracker::new(bytes, self.device.context());
         *self.count().0.cast.lock().unwrap() = Some(CastCopy {
             dtype,
-            local: Box::new(copy),
+            local,
             _track: track,
         });
         self
@@ -785,13 +796,8 @@ impl<B: Backend> DTensor<B> {
     /// [`DTensor::deferred_like`]). Its bytes are counted from now.
     pub fn with_deferred_cast_copy(self, dtype: FloatDType, compute: DeferredPiece<B>) -> Self {
         let bytes = self.local.shape().num_elements() * DType::from(dtype).size();
-        let track = Tracker::new(bytes, self.device.context());
-        *self.count().0.cast.lock().unwrap() = Some(CastCopy {
-            dtype,
-            local: Box::new(DeferredCopy::<B>(Mutex::new(Some(compute)))),
-            _track: track,
-        });
-        self
+        let deferred = DeferredCopy::<B>(Mutex::new(Some(compute)));
+        self.keep_cast_copy(dtype, bytes, Box::new(deferred))
     }
 
     /// A value with this one's layout, global shape and device whose local piece (this one's

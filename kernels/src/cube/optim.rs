@@ -12,70 +12,16 @@ use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim};
 
-/// One gradient element times `inv_scale`, in the gradient's dtype; its square (in f32) added to
-/// `acc`, and `flag` set where it is not finite — checked in the gradient's own dtype (an f16
-/// overflow is caught), read back as f32.
-#[cube]
-fn unscale_element<F: Float>(x: F, inv_scale: f32, acc: &mut f32, flag: &mut f32) -> F {
-    let g = f32::cast_from(x) * inv_scale;
-    let out = F::cast_from(g);
-    let back = f32::cast_from(out);
-    if f32::is_nan(back) || f32::is_inf(back) {
-        *flag = f32::new(1.0);
-    }
-    *acc += g * g;
-    out
-}
-
-/// Each unit strides over the gradient, writing the unscaled values (with `write`; without — an
-/// `inv_scale` of 1, whose values are the gradient's own — `output` is a stand-in never
-/// written); per-cube partial `Σ g²`
-/// (divided by `copies`, the gradient's number of copies over the mesh) and non-finite counts go
-/// to `partial_sq[offset + cube]` and `partial_bad[offset + cube]` (`offset`: where this
-/// gradient's cubes start in buffers shared by every gradient of the step).
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-fn unscale_kernel<F: Float>(
-    grad: &Tensor<F>,
-    output: &mut Tensor<F>,
-    partial_sq: &mut Tensor<f32>,
-    partial_bad: &mut Tensor<f32>,
-    len: u32,
-    inv_scale: f32,
-    offset: u32,
-    copies: f32,
-    #[comptime] block: usize,
-    #[comptime] write: bool,
-    #[define(F)] _dtype: StorageType,
-) {
-    let tid = UNIT_POS_X as usize;
-    let cube = CUBE_POS_X as usize;
-    let stride = (CUBE_COUNT_X * CUBE_DIM_X) as usize;
-    let mut shared = SharedMemory::<f32>::new(block);
-    let mut acc = f32::new(0.0);
-    let mut flag = f32::new(0.0);
-    let mut i = cube * CUBE_DIM_X as usize + tid;
-    while i < len as usize {
-        let out = unscale_element::<F>(grad[i], inv_scale, &mut acc, &mut flag);
-        if write {
-            output[i] = out;
-        }
-        i += stride;
-    }
-    let sq = cube_sum(&mut shared, acc);
-    let bad = cube_sum(&mut shared, flag);
-    if tid == 0 {
-        partial_sq[offset as usize + cube] = sq / copies;
-        partial_bad[offset as usize + cube] = bad;
-    }
-}
-
-/// [`unscale_kernel`] over `count` gradients of one dtype in one launch (the optimizer tail's
+/// The unscale over `count` gradients of one dtype in one launch (the optimizer tail's
 /// multi-tensor form, as PyTorch's `_amp_foreach_non_finite_check_and_unscale_`): gradient `k`
-/// takes cubes `first_cube[k]..first_cube[k + 1]` of the launch and runs exactly as its own
-/// launch would (the same units, strides and tree), so every partial — at `offset + cube` — is
-/// the per-gradient kernel's bit for bit. A cube's gradient is uniform over the cube, so the
-/// branches below are too.
+/// takes cubes `first_cube[k]..first_cube[k + 1]`, its units striding over its `lens[k]`
+/// elements, so its partials do not depend on the others in the launch. Each unit writes the
+/// unscaled values (with `write`; without — an `inv_scale` of 1, whose values are the
+/// gradient's own — nothing is bound to `outputs`); each cube's `Σ g²` (divided by `copies[k]`,
+/// the gradient's number of copies over the mesh) and non-finite count go to
+/// `partial_sq[offset + cube]` and `partial_bad[offset + cube]`, a non-finite value checked in
+/// the gradient's own dtype (an f16 overflow is caught). A cube's gradient is uniform over the
+/// cube, so the branches below are too.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn unscale_many_kernel<F: Float>(
@@ -109,11 +55,17 @@ fn unscale_many_kernel<F: Float>(
             let stride = ((end - start) * CUBE_DIM_X) as usize;
             let mut i = (cube - start) as usize * CUBE_DIM_X as usize + tid;
             while i < len {
-                let out = unscale_element::<F>(grad[i], inv_scale, &mut acc, &mut flag);
+                let g = f32::cast_from(grad[i]) * inv_scale;
+                let out = F::cast_from(g);
+                let back = f32::cast_from(out);
+                if f32::is_nan(back) || f32::is_inf(back) {
+                    flag = f32::new(1.0);
+                }
                 if write {
                     let o = outputs.index_mut(k);
                     o[i] = out;
                 }
+                acc += g * g;
                 i += stride;
             }
             div = *copies.index(k);
@@ -238,15 +190,10 @@ pub(super) fn unscale<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolEl
     grad: CubeTensor<R>,
     inv_scale: f64,
 ) -> (CubeTensor<R>, CubeTensor<R>, CubeTensor<R>) {
-    let grad = into_contiguous(grad);
-    let cubes = unscale_cubes(&grad);
-    let partial_sq = empty_f32(&grad, [cubes]);
-    let partial_bad = empty_like(&partial_sq);
-    let partials = (&partial_sq, &partial_bad);
-    let output = unscale_into(grad, inv_scale, partials, (0, cubes), 1, &mut Vec::new());
+    let (mut output, partial_sq, partial_bad) = unscale_partials(vec![grad], &[1], inv_scale);
     let sum_squares = Cb::<R, F, I, BT>::float_sum(partial_sq);
     let non_finite = Cb::<R, F, I, BT>::float_max(partial_bad);
-    (output, sum_squares, non_finite)
+    (output.remove(0), sum_squares, non_finite)
 }
 
 /// Units per cube of the unscale kernels.
@@ -261,68 +208,8 @@ fn unscale_cubes<R: CubeRuntime>(grad: &CubeTensor<R>) -> usize {
         .clamp(1, 1024)
 }
 
-/// Where the unscale kernel writes a gradient's unscaled values, and whether it writes: a new
-/// tensor, or — where `inv_scale` is 1 — nowhere: the kernel only reads, and the unscaled values
-/// are the gradient's own bit for bit (no gradient-sized write and allocation: every run without
-/// a loss scale, f32 and bf16). `stand_in` keeps the one-element tensor the kernel binds then,
-/// one per dtype.
-fn unscale_output<R: CubeRuntime>(
-    grad: &CubeTensor<R>,
-    inv_scale: f64,
-    stand_in: &mut Vec<CubeTensor<R>>,
-) -> (CubeTensor<R>, bool) {
-    if inv_scale != 1.0 {
-        return (empty_like(grad), true);
-    }
-    let bound = match stand_in.iter().find(|s| s.dtype == grad.dtype) {
-        Some(s) => s.clone(),
-        None => {
-            let s = empty(grad, [1].into(), grad.dtype);
-            stand_in.push(s.clone());
-            s
-        }
-    };
-    (bound, false)
-}
-
-/// Launches the unscale kernel on (contiguous) `grad` with `cubes` ([`unscale_cubes`]), its
-/// partials at `offset` of `partials` (`Σ g²` divided by `copies`); returns the unscaled
-/// gradient (`grad` itself where `inv_scale` is 1: [`unscale_output`]).
-fn unscale_into<R: CubeRuntime>(
-    grad: CubeTensor<R>,
-    inv_scale: f64,
-    partials: (&CubeTensor<R>, &CubeTensor<R>),
-    (offset, cubes): (usize, usize),
-    copies: usize,
-    stand_in: &mut Vec<CubeTensor<R>>,
-) -> CubeTensor<R> {
-    let (bound, write) = unscale_output(&grad, inv_scale, stand_in);
-    unscale_kernel::launch::<R>(
-        &grad.client,
-        CubeCount::Static(cubes as u32, 1, 1),
-        CubeDim::new_1d(UNSCALE_BLOCK as u32),
-        arg(&grad),
-        arg(&bound),
-        arg(partials.0),
-        arg(partials.1),
-        grad.shape().num_elements() as u32,
-        inv_scale as f32,
-        offset as u32,
-        copies as f32,
-        UNSCALE_BLOCK,
-        write,
-        grad.dtype.into(),
-    );
-    launched(1);
-    if write { bound } else { grad }
-}
-
 /// [`crate::FusedOps::fused_unscale_all`]: every gradient's cube partials in one pair of
-/// buffers, then one cube folds them. The gradients go [`unscale_chunk`] at a time (runs of one
-/// dtype, in order) through [`unscale_many_kernel`], so a step of 149 gradients is five launches
-/// and the fold on CUDA, where the per-gradient form was a launch each — each launch a host
-/// submission and a kernel boundary on a step that waits on its host. The partials are the
-/// per-gradient kernel's bit for bit, so the sums are unchanged.
+/// buffers ([`unscale_partials`]), then one cube folds them.
 pub(super) fn unscale_all<R: CubeRuntime>(
     grads: Vec<CubeTensor<R>>,
     copies: &[usize],
@@ -330,10 +217,39 @@ pub(super) fn unscale_all<R: CubeRuntime>(
 ) -> (Vec<CubeTensor<R>>, CubeTensor<R>) {
     assert_eq!(grads.len(), copies.len(), "a copy count per gradient");
     assert!(!grads.is_empty(), "fused_unscale_all of no gradient");
+    let (outputs, partial_sq, partial_bad) = unscale_partials(grads, copies, inv_scale);
+    let total = partial_sq.shape().num_elements();
+    let stats = empty_f32(&partial_sq, [2]);
+    unscale_total_kernel::launch::<R>(
+        &partial_sq.client,
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(UNSCALE_BLOCK as u32),
+        arg(&partial_sq),
+        arg(&partial_bad),
+        arg(&stats),
+        total as u32,
+        UNSCALE_BLOCK,
+    );
+    launched(1);
+    (outputs, stats)
+}
+
+/// The unscale of `grads` (each `Σ g²` divided by its `copies`): the unscaled gradients (the
+/// gradients themselves where `inv_scale` is 1: the kernel only reads) and every gradient's
+/// cube partials, in order, in one pair of f32 buffers `(Σ g², non-finite count)`. The
+/// gradients go [`UNSCALE_CHUNK`] at a time at most (runs of one dtype, in order) through
+/// [`unscale_many_kernel`], so a step of 149 gradients is five launches on CUDA, where a launch
+/// per gradient was 149 — each launch a host submission and a kernel boundary on a step that
+/// waits on its host. A gradient's partials are what a launch of its own gives, bit for bit.
+fn unscale_partials<R: CubeRuntime>(
+    grads: Vec<CubeTensor<R>>,
+    copies: &[usize],
+    inv_scale: f64,
+) -> (Vec<CubeTensor<R>>, CubeTensor<R>, CubeTensor<R>) {
     let grads: Vec<_> = grads.into_iter().map(into_contiguous).collect();
-    let cubes: Vec<usize> = grads.iter().map(unscale_cubes).collect();
-    let total: usize = cubes.iter().sum();
-    let partial_sq = empty_f32(&grads[0], [total]);
+    let cubes: Vec<u32> = grads.iter().map(|g| unscale_cubes(g) as u32).collect();
+    let total: u32 = cubes.iter().sum();
+    let partial_sq = empty_f32(&grads[0], [total as usize]);
     let partial_bad = empty_like(&partial_sq);
     let write = inv_scale != 1.0;
     let chunk = unscale_chunk(&grads[0], write);
@@ -351,24 +267,8 @@ pub(super) fn unscale_all<R: CubeRuntime>(
         } else {
             Vec::new()
         };
-        let (mut first_cube, mut lens, mut divs) =
-            (SequenceArg::new(), SequenceArg::new(), SequenceArg::new());
-        let mut at = 0u32;
-        for (k, g) in run.iter().enumerate() {
-            first_cube.push(at);
-            at += cubes[first + k] as u32;
-            lens.push(g.shape().num_elements() as u32);
-            divs.push(copies[first + k] as f32);
-        }
-        first_cube.push(at);
-        let mut grad_args = SequenceArg::new();
-        for g in run {
-            grad_args.push(arg(g));
-        }
-        let mut out_args = SequenceArg::new();
-        for o in &outs {
-            out_args.push(arg(o));
-        }
+        let first_cube = first_cubes(&cubes[first..last]);
+        let at = first_cube[run.len()];
         // SAFETY: gradient `k`'s units index `i < lens[k]`, its own length (and its output's,
         // a tensor of its shape); the partials at `offset + cube` lie inside the `total`
         // elements, since the launch's cubes are its gradients' `cubes` counted from `offset`.
@@ -377,14 +277,16 @@ pub(super) fn unscale_all<R: CubeRuntime>(
                 &run[0].client,
                 CubeCount::Static(at, 1, 1),
                 CubeDim::new_1d(UNSCALE_BLOCK as u32),
-                grad_args,
-                out_args,
+                run.iter().map(arg).collect(),
+                outs.iter().map(arg).collect(),
                 arg(&partial_sq),
                 arg(&partial_bad),
-                first_cube,
-                lens,
-                divs,
-                offset as u32,
+                first_cube.into_iter().collect(),
+                run.iter()
+                    .map(|g| g.shape().num_elements() as u32)
+                    .collect(),
+                copies[first..last].iter().map(|&c| c as f32).collect(),
+                offset,
                 inv_scale as f32,
                 run.len(),
                 UNSCALE_BLOCK,
@@ -393,7 +295,7 @@ pub(super) fn unscale_all<R: CubeRuntime>(
             );
         }
         launched(1);
-        offset += at as usize;
+        offset += at;
         if write {
             outputs.extend(outs);
         } else {
@@ -401,34 +303,39 @@ pub(super) fn unscale_all<R: CubeRuntime>(
         }
         first = last;
     }
-    drop(grads);
-    let stats = empty_f32(&partial_sq, [2]);
-    unscale_total_kernel::launch::<R>(
-        &partial_sq.client,
-        CubeCount::Static(1, 1, 1),
-        CubeDim::new_1d(UNSCALE_BLOCK as u32),
-        arg(&partial_sq),
-        arg(&partial_bad),
-        arg(&stats),
-        total as u32,
-        UNSCALE_BLOCK,
-    );
-    launched(1);
-    (outputs, stats)
+    (outputs, partial_sq, partial_bad)
 }
 
-/// Gradients per [`unscale_many_kernel`] launch on `like`'s device: as many as its bindings
-/// hold (a gradient, and its output where the kernel `write`s, beside the two partial buffers
-/// and the runtime's metadata), at most [`UNSCALE_CHUNK`].
+/// Gradients per [`unscale_many_kernel`] launch on `like`'s device: a gradient's binding, and
+/// its output's where the kernel `write`s ([`per_launch`]), at most [`UNSCALE_CHUNK`].
 pub(super) fn unscale_chunk<R: CubeRuntime>(like: &CubeTensor<R>, write: bool) -> usize {
-    let bindings = like.client.properties().hardware.max_bindings as usize;
-    let per = if write { 2 } else { 1 };
-    (bindings.saturating_sub(4) / per).clamp(1, UNSCALE_CHUNK)
+    per_launch(like, if write { 2 } else { 1 }, UNSCALE_CHUNK)
 }
 
 /// The most gradients one unscale launch takes (kernel parameters of a few hundred bytes on
 /// CUDA; each count is a kernel of its own, compiled once).
 const UNSCALE_CHUNK: usize = 32;
+
+/// Tensors per launch of a multi-tensor kernel on `like`'s device, each taking `bindings`
+/// buffers: as many as the device binds beside a few shared buffers and the runtime's metadata,
+/// from 1 to `most`.
+fn per_launch<R: CubeRuntime>(like: &CubeTensor<R>, bindings: usize, most: usize) -> usize {
+    let max = like.client.properties().hardware.max_bindings as usize;
+    (max.saturating_sub(4) / bindings).clamp(1, most)
+}
+
+/// A multi-tensor launch's cube ranges for tensors of `cubes[k]` cubes: tensor `k`'s first cube
+/// at `k`, the launch's cube count last.
+fn first_cubes(cubes: &[u32]) -> Vec<u32> {
+    let mut first = Vec::with_capacity(cubes.len() + 1);
+    let mut at = 0;
+    for &c in cubes {
+        first.push(at);
+        at += c;
+    }
+    first.push(at);
+    first
+}
 
 /// `(param, m, v)` after one AdamW step (the inputs where `skip` is non-zero), every operand
 /// taken in the parameter's dtype; with `copy`, also the new parameter in that dtype, written by
@@ -504,34 +411,18 @@ pub(super) fn adamw_many<R: CubeRuntime, F: FloatElement, I: IntElement, BT: Boo
                 .collect(),
             None => Vec::new(),
         };
-        let mut first_cube = SequenceArg::new();
-        let mut lens = SequenceArg::new();
-        let mut at = 0u32;
-        for o in &operands {
-            let len = o[0].shape().num_elements();
-            first_cube.push(at);
-            at += len.div_ceil(ADAMW_BLOCK).clamp(1, ADAMW_CUBES) as u32;
-            lens.push(len as u32);
-        }
-        first_cube.push(at);
-        let seq = |k: usize| {
-            let mut s = SequenceArg::new();
-            for o in &operands {
-                s.push(arg(&o[k]));
-            }
-            s
-        };
-        let out_seq = |k: usize| {
-            let mut s = SequenceArg::new();
-            for o in &outputs {
-                s.push(arg(&o[k]));
-            }
-            s
-        };
-        let mut copy_args = SequenceArg::new();
-        for c in &copies {
-            copy_args.push(arg(c));
-        }
+        let lens: Vec<u32> = operands
+            .iter()
+            .map(|o| o[0].shape().num_elements() as u32)
+            .collect();
+        let cubes: Vec<u32> = lens
+            .iter()
+            .map(|&n| (n as usize).div_ceil(ADAMW_BLOCK).clamp(1, ADAMW_CUBES) as u32)
+            .collect();
+        let first_cube = first_cubes(&cubes);
+        let at = first_cube[cubes.len()];
+        let ins = |k: usize| operands.iter().map(|o| arg(&o[k])).collect();
+        let outs = |k: usize| outputs.iter().map(|o| arg(&o[k])).collect();
         let [lr, beta1, beta2, epsilon, decay, correction1, correction2] = step_scalars(&step);
         let copy_dtype = copy.unwrap_or(dtype);
         // SAFETY: parameter `k`'s units index `i < lens[k]`, its element count, in each of its
@@ -543,18 +434,18 @@ pub(super) fn adamw_many<R: CubeRuntime, F: FloatElement, I: IntElement, BT: Boo
                 &operands[0][0].client,
                 CubeCount::Static(at, 1, 1),
                 CubeDim::new_1d(ADAMW_BLOCK as u32),
-                seq(0),
-                seq(1),
-                seq(2),
-                seq(3),
+                ins(0),
+                ins(1),
+                ins(2),
+                ins(3),
                 arg(&scale),
                 arg(&skipped),
-                out_seq(0),
-                out_seq(1),
-                out_seq(2),
-                copy_args,
-                first_cube,
-                lens,
+                outs(0),
+                outs(1),
+                outs(2),
+                copies.iter().map(arg).collect(),
+                first_cube.into_iter().collect(),
+                lens.into_iter().collect(),
                 lr,
                 beta1,
                 beta2,
@@ -583,11 +474,8 @@ const ADAMW_CUBES: usize = 1024;
 /// The most parameters one multi-tensor AdamW launch takes.
 const ADAMW_CHUNK: usize = 16;
 
-/// Parameters per [`adamw_many_kernel`] launch on `like`'s device: as many as its bindings hold
-/// (seven tensors a parameter, eight with its copy, beside the scale, the skip flag and the
-/// runtime's metadata), at most [`ADAMW_CHUNK`].
+/// Parameters per [`adamw_many_kernel`] launch on `like`'s device: seven bindings a parameter,
+/// eight with its copy ([`per_launch`]), at most [`ADAMW_CHUNK`].
 pub(super) fn adamw_chunk<R: CubeRuntime>(like: &CubeTensor<R>, with_copy: bool) -> usize {
-    let bindings = like.client.properties().hardware.max_bindings as usize;
-    let per = if with_copy { 8 } else { 7 };
-    (bindings.saturating_sub(4) / per).clamp(1, ADAMW_CHUNK)
+    per_launch(like, if with_copy { 8 } else { 7 }, ADAMW_CHUNK)
 }

@@ -66,7 +66,7 @@ pub(super) fn reduce_data_parallel<B: Backend>(
 /// shape `local_shape` and `dtype` that `compute` fills at its first use or when the rank runs
 /// its deferred weight gradients.
 pub(super) fn deferred_data_parallel<B: Backend>(
-    compute: Box<dyn FnOnce() -> B::FloatTensorPrimitive + Send>,
+    compute: crate::tensor::DeferredPiece<B>,
     local_shape: Vec<usize>,
     dtype: burn_backend::DType,
     mut layout: Layout,
