@@ -141,6 +141,36 @@ pub fn linear_weight_backward_into<B: Backend>(
     linear_weight_backward::<B>(x, g)
 }
 
+/// Burn's `linear_bias_backward` (`Σ g` over every dimension but the last) written in `out`
+/// (when given) where a kernel can: on CubeCL's Wgpu and CUDA runtimes f32 partial sums over
+/// chunks of rows and one pass adding them (`cube::column_sums`, two launches, deterministic),
+/// where Burn's is a strided reduction per leading dimension, one unit per output element, and a
+/// cast. Elsewhere Burn's, in `g`'s dtype, for the caller to cast.
+pub fn linear_bias_backward_into<B: Backend>(
+    g: FloatTensor<B>,
+    out: Option<burn::tensor::FloatDType>,
+) -> FloatTensor<B> {
+    #[cfg(feature = "cube")]
+    if g.shape().num_elements() > 0 {
+        use crate::cube::column_sums;
+        use burn_cubecl::tensor::CubeTensor;
+        let dtype = out.map_or(g.dtype(), Into::into);
+        #[cfg(feature = "wgpu")]
+        if tensors_are::<B, CubeTensor<burn::backend::wgpu::WgpuRuntime>>() {
+            return cast(column_sums::<burn::backend::wgpu::WgpuRuntime>(
+                cast(g),
+                dtype,
+            ));
+        }
+        #[cfg(feature = "cuda")]
+        if tensors_are::<B, CubeTensor<cubecl::cuda::CudaRuntime>>() {
+            return cast(column_sums::<cubecl::cuda::CudaRuntime>(cast(g), dtype));
+        }
+    }
+    let _ = out;
+    B::linear_bias_backward(g)
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use burn::tensor::backend::Backend;

@@ -1147,6 +1147,68 @@ mod wgpu {
         }
     }
 
+    /// A linear layer's bias gradient (`Σ g` over every dimension but the last) on a CubeCL
+    /// backend: the f32 chunk sums and the pass adding them, two launches, written in the dtype
+    /// asked for (f32 from f16 gradients: the master weights' under a compute dtype), against
+    /// f64 sums on the host of the same values; rows not a multiple of the chunks, more chunks
+    /// than the finishing cube's rows, columns not a multiple of its width or of a vector.
+    #[test]
+    fn bias_gradients_are_two_launches_of_f32_column_sums() {
+        use wildfire_kernels::gemm::linear_bias_backward_into;
+        let device = Default::default();
+        let cases: [(&[usize], DType); 7] = [
+            (&[1, 1], DType::F32),
+            (&[37, 5], DType::F32),
+            (&[3, 70, 96], DType::F32),
+            (&[2, 1030, 24], DType::F32),
+            (&[4096, 40], DType::F32),
+            (&[2, 1030, 24], DType::F16),
+            (&[65, 1000], DType::F16),
+        ];
+        for (shape, dtype) in cases {
+            let n: usize = shape.iter().product();
+            let cols = shape[shape.len() - 1];
+            let host: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 97.0)
+                .map(|x| burn::tensor::f16::from_f32(x).to_f32())
+                .collect();
+            let g = Tensor::<Wgpu, 1>::from_data(TensorData::new(host.clone(), [n]), &device)
+                .cast(FloatDType::from(dtype))
+                .into_primitive()
+                .tensor();
+            let g = <Wgpu as burn::tensor::ops::FloatTensorOps<Wgpu>>::float_reshape(
+                g,
+                burn::tensor::Shape::from(shape.to_vec()),
+            );
+            for out in [Some(FloatDType::F32), None] {
+                let before = cube::thread_launches();
+                let got = linear_bias_backward_into::<Wgpu>(g.clone(), out);
+                let launches = cube::thread_launches() - before;
+                assert!(
+                    cfg!(feature = "fusion") || launches == 2,
+                    "{shape:?} {dtype:?}: {launches} launches"
+                );
+                use burn::tensor::TensorMetadata;
+                let want_dtype = out.map_or(dtype, Into::into);
+                assert_eq!(got.dtype(), want_dtype, "{shape:?} {out:?}");
+                let got = data(Tensor::<Wgpu, 1>::from_primitive(
+                    burn::tensor::TensorPrimitive::Float(got),
+                ));
+                assert_eq!(got.len(), cols, "{shape:?}");
+                // f16 results: one rounding of the f32 sum (2⁻¹¹ relative).
+                let tol = if want_dtype == DType::F16 { 1e-3 } else { 1e-5 };
+                for (c, &g) in got.iter().enumerate() {
+                    let column = host.iter().skip(c).step_by(cols).map(|&x| x as f64);
+                    let (sum, abs) = column.fold((0.0, 0.0), |(s, a), x| (s + x, a + x.abs()));
+                    assert!(
+                        (g as f64 - sum).abs() <= tol * abs.max(1.0),
+                        "{shape:?} {dtype:?} {out:?} column {c}: {g} vs {sum}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn norms_write_the_compute_dtype() {
         check_norms_as::<Wgpu>(&Default::default());

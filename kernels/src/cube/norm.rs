@@ -1,16 +1,16 @@
 //! LayerNorm and RMSNorm over the last dimension (one kernel each way, `rms` at compile time):
 //! one cube per row; the parameter gradients as f32 column sums over chunks of rows.
 
+use super::columns::{column_launch, finish_columns};
 use super::reduce::{column_chunk, cube_sum, this_row};
 use super::{
-    COLUMN_CHUNK, arg, column_launch, contiguous, empty, empty_f32, empty_like, finish_columns,
-    launched, row_launch, rows_cols,
+    COLUMN_CHUNK, arg, contiguous, empty, empty_f32, empty_like, launched, row_launch, rows_cols,
 };
 use crate::stats_shape;
 use burn::tensor::{DType, TensorMetadata};
+use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
 /// The output in its own dtype `O` (the precision policy's compute dtype, or the input's).
@@ -199,7 +199,7 @@ pub(super) fn forward<R: CubeRuntime>(
 }
 
 /// `(dx, dγ, dβ)`; `mean` is `None` for RMSNorm.
-pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+pub(super) fn backward<R: CubeRuntime>(
     x: CubeTensor<R>,
     gamma: CubeTensor<R>,
     mean: Option<CubeTensor<R>>,
@@ -228,7 +228,7 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
         rms,
         [x.dtype.into(), dy.dtype.into()],
     );
-    let (dgamma, count, dim) = column_launch(&x, rows, cols);
+    let (dgamma, count, dim) = column_launch(&x, rows, cols, 1);
     let dbeta = if rms {
         dgamma.clone()
     } else {
@@ -252,7 +252,7 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
     );
     launched(2);
     let dtype = gamma.dtype;
-    let dgamma = finish_columns::<R, F, I, BT>(dgamma, dtype);
-    let dbeta = (!rms).then(|| finish_columns::<R, F, I, BT>(dbeta, dtype));
+    let dgamma = finish_columns(dgamma, dtype);
+    let dbeta = (!rms).then(|| finish_columns(dbeta, dtype));
     (dx, dgamma, dbeta)
 }

@@ -61,15 +61,16 @@ pub(super) fn this_row(rows: u32, cols: usize) -> (usize, usize) {
     (row, row * cols)
 }
 
-/// Log-sum-exp of row `base..base + cols` (an online max and Σexp, combined over the cube),
-/// returned to every unit.
+/// Log-sum-exp of the row of `vectors` vectors from vector `base` (an online max and Σexp per
+/// unit — one rescale per vector — combined over the cube), returned to every unit.
 #[cube]
-pub(super) fn row_logsumexp<F: Float>(
-    input: &Tensor<F>,
+pub(super) fn row_logsumexp<F: Float, N: Size>(
+    input: &Tensor<Vector<F, N>>,
     base: usize,
-    cols: usize,
+    vectors: usize,
     #[comptime] block: usize,
 ) -> f32 {
+    let n = input.vector_size();
     let tid = UNIT_POS_X as usize;
     let step = CUBE_DIM_X as usize;
     let mut maxes = SharedMemory::<f32>::new(block);
@@ -77,10 +78,20 @@ pub(super) fn row_logsumexp<F: Float>(
     let mut m = f32::new(NEG_BIG);
     let mut s = f32::new(0.0);
     let mut c = tid;
-    while c < cols {
-        let v = f32::cast_from(input[base + c]);
-        let nm = f32::max(m, v);
-        s = s * f32::exp(m - nm) + f32::exp(v - nm);
+    while c < vectors {
+        let x = input[base + c];
+        let mut vm = f32::cast_from(x[0]);
+        #[unroll]
+        for j in 1..n {
+            vm = f32::max(vm, f32::cast_from(x[j]));
+        }
+        let nm = f32::max(m, vm);
+        let mut add = f32::new(0.0);
+        #[unroll]
+        for j in 0..n {
+            add += f32::exp(f32::cast_from(x[j]) - nm);
+        }
+        s = s * f32::exp(m - nm) + add;
         m = nm;
         c += step;
     }

@@ -637,7 +637,36 @@ fn int8_adamw_on_wgpu_follows_flex() {
             "the 8-bit state kernels ran"
         );
         let flex = run(&config).unwrap();
-        same_run("wgpu int8", &wgpu, &flex, 1e-4);
+        same_steps("wgpu int8", &wgpu, &flex, 1e-4);
+        close_but_for_flipped_codes("wgpu int8", &wgpu.parameters, &flex.parameters);
+    }
+}
+
+/// Every parameter within 1e-4 of its tensor's scale, except at most one element in 1,000 (and
+/// at least one) per tensor, within 1e-3: where a moment lies on the boundary between two 8-bit
+/// codes, Flex's and Wgpu's f32 sums (in different orders, last-bit apart: with f32 state the
+/// same runs agree within 2e-6 everywhere) may round it to either, and one step of the map moves
+/// the weight by about the learning rate over 127 of its block's update (measured: one element
+/// of the embedding table at 1.4e-4 after four steps).
+#[cfg(feature = "wgpu")]
+fn close_but_for_flipped_codes(what: &str, got: &[Vec<f32>], expected: &[Vec<f32>]) {
+    for (i, (p, q)) in crate::suite::pairs(got, expected).enumerate() {
+        assert_eq!(p.len(), q.len(), "{what}: tensor {i}");
+        let scale = q.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let mut flipped = 0;
+        for (x, y) in crate::suite::pairs(p, q) {
+            let d = (x - y).abs();
+            assert!(
+                d <= 1e-3 * scale,
+                "{what}: tensor {i}: {x} vs {y} (scale {scale})"
+            );
+            flipped += usize::from(d > 1e-4 * scale);
+        }
+        assert!(
+            flipped <= (p.len() / 1000).max(1),
+            "{what}: tensor {i}: {flipped} of {} elements beyond 1e-4",
+            p.len()
+        );
     }
 }
 

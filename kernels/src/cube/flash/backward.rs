@@ -7,7 +7,7 @@ use super::*;
 /// `planes · rows` queries, each plane its rows, over the key blocks up to the diagonal.
 #[cube(launch, launch_unchecked, fast_math = fast_exp!())]
 #[allow(clippy::too_many_arguments)]
-fn flash_backward_q_kernel<E: Float, N: Size>(
+pub(super) fn flash_backward_q_kernel<E: Float, N: Size>(
     q: &Tensor<Vector<E, N>>,
     k: &Tensor<Vector<E, N>>,
     v: &Tensor<Vector<E, N>>,
@@ -288,7 +288,7 @@ fn flash_backward_q_kernel<E: Float, N: Size>(
 /// partial, summed over the group by the host.
 #[cube(launch, launch_unchecked, fast_math = fast_exp!())]
 #[allow(clippy::too_many_arguments)]
-fn flash_backward_kv_kernel<E: Float, N: Size>(
+pub(super) fn flash_backward_kv_kernel<E: Float, N: Size>(
     q: &Tensor<Vector<E, N>>,
     k: &Tensor<Vector<E, N>>,
     v: &Tensor<Vector<E, N>>,

@@ -7,7 +7,7 @@ use super::*;
 /// queries, over the key blocks up to the last one its cube's last query sees.
 #[cube(launch, launch_unchecked, fast_math = fast_exp!())]
 #[allow(clippy::too_many_arguments)]
-fn flash_forward_kernel<E: Float, N: Size>(
+pub(super) fn flash_forward_kernel<E: Float, N: Size>(
     q: &Tensor<Vector<E, N>>,
     k: &Tensor<Vector<E, N>>,
     v: &Tensor<Vector<E, N>>,

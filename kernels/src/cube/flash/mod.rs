@@ -132,16 +132,25 @@ impl Flash {
     /// multiprocessor) the block halves down to 16, then the planes, then (without tensor cores)
     /// the rows down to 2.
     pub fn choose<R: CubeRuntime>(like: &CubeTensor<R>, pass: Pass, d: usize) -> Self {
-        let props = like.client.properties();
-        let es = like.dtype.size();
+        Self::split_on(like.client.properties(), like.dtype, pass, d)
+    }
+
+    /// [`Flash::choose`] for a device with `props` and operands of `dtype`.
+    pub fn split_on(
+        props: &cubecl::ir::DeviceProperties,
+        dtype: DType,
+        pass: Pass,
+        d: usize,
+    ) -> Self {
+        let es = dtype.size();
         let cmma = cmma_wanted()
-            && matches!(like.dtype, DType::F16 | DType::BF16)
+            && matches!(dtype, DType::F16 | DType::BF16)
             && d.is_multiple_of(16)
             && props.hardware.plane_size_min == 32
             && props.hardware.plane_size_max == 32
             && props.features.matmul.cmma.contains(&MmaConfig {
-                a_type: like.dtype.into(),
-                b_type: like.dtype.into(),
+                a_type: dtype.into(),
+                b_type: dtype.into(),
                 cd_type: DType::F32.into(),
                 m: 16,
                 n: 16,
@@ -685,6 +694,8 @@ fn checked_launches() -> bool {
 }
 
 mod backward;
+#[cfg(feature = "cuda")]
+pub mod codegen;
 mod forward;
 mod registers;
 

@@ -705,20 +705,30 @@ pub(super) fn registers_split<R: CubeRuntime>(
     d: usize,
     n: usize,
 ) -> Option<Flash> {
+    split_on(q.client.properties(), q.dtype, pass, d, n)
+}
+
+/// [`registers_split`] for a device with `props` and operands of `dtype`.
+pub(super) fn split_on(
+    props: &cubecl::ir::DeviceProperties,
+    dtype: DType,
+    pass: Pass,
+    d: usize,
+    n: usize,
+) -> Option<Flash> {
     let mode = mma_mode();
     if mode == MmaMode::Off
-        || !matches!(q.dtype, DType::F16 | DType::BF16)
+        || !matches!(dtype, DType::F16 | DType::BF16)
         || n != 2
         || !d.is_multiple_of(16)
     {
         return None;
     }
-    let props = q.client.properties();
     let planes32 = props.hardware.plane_size_min == 32 && props.hardware.plane_size_max == 32;
     let has_mma = planes32
         && props.features.matmul.mma.contains(&MmaConfig {
-            a_type: q.dtype.into(),
-            b_type: q.dtype.into(),
+            a_type: dtype.into(),
+            b_type: dtype.into(),
             cd_type: DType::F32.into(),
             m: 16,
             n: 8,
@@ -729,7 +739,7 @@ pub(super) fn registers_split<R: CubeRuntime>(
         MmaMode::Native if has_mma => true,
         _ => return None,
     };
-    let ldsm = native && ldmatrix_on() && props.features.matmul.ldmatrix.contains(&q.dtype.into());
+    let ldsm = native && ldmatrix_on() && props.features.matmul.ldmatrix.contains(&dtype.into());
     let mut f = Flash {
         planes: PLANES,
         rows: ROWS,
@@ -739,7 +749,7 @@ pub(super) fn registers_split<R: CubeRuntime>(
         ldsm,
     };
     let limit = props.hardware.max_shared_memory_size;
-    let es = q.dtype.size();
+    let es = dtype.size();
     while register_bytes(&f, pass, d, es) > limit {
         if f.block > 16 {
             f.block /= 2;

@@ -466,7 +466,11 @@ pub(crate) fn linear_bias_backward<B: Backend>(output_grad: DTensor<B>) -> DTens
         _ => (Replicate, Replicate, Replicate),
     });
     let g = to_layout(OP, output_grad, &tg);
-    let grad = to_master(OP, &g.meta.device, B::linear_bias_backward(g.local));
+    // Under a compute dtype the gradient is summed into f32 by the kernel where one runs
+    // (CubeCL), else summed in the compute dtype and cast by `to_master`.
+    let master = compute_dtype(&g.meta.device).map(|_| MASTER_DTYPE);
+    let sums = gemm::linear_bias_backward_into::<B>(g.local, master);
+    let grad = to_master(OP, &g.meta.device, sums);
     reduce_data_parallel(grad, out, &summands, g.meta.device.clone())
 }
 
