@@ -79,14 +79,26 @@ pub(super) fn flash_forward_kernel<E: Float, N: Size>(
             );
             // S = Q·Kᵀ (bk / 8 accumulators of 16 × 8), scaled and masked; row maxima.
             let mut s = product_t::<E, N>(&qf, &ks, 0, &mut emu, shape);
+            // A block inside every row's visible range (all but the diagonal's and the
+            // sequence end's) takes a branch without a per-score test (uniform over the cube).
             let mut mx0 = m0;
             let mut mx1 = m1;
-            #[unroll]
-            for n in 0..comptime!(bk / 8) {
-                let c = s.index_mut(n);
-                let j = k_start + n * 8 + 2 * t;
-                c[0] = scale_mask::<N>(c[0], i0, j, &at, scale, masked, &mut mx0, causal);
-                c[1] = scale_mask::<N>(c[1], i0 + 8, j, &at, scale, masked, &mut mx1, causal);
+            if masked {
+                #[unroll]
+                for n in 0..comptime!(bk / 8) {
+                    let c = s.index_mut(n);
+                    let j = k_start + n * 8 + 2 * t;
+                    c[0] = scale_mask::<N>(c[0], i0, j, &at, scale, &mut mx0, true, causal);
+                    c[1] = scale_mask::<N>(c[1], i0 + 8, j, &at, scale, &mut mx1, true, causal);
+                }
+            } else {
+                #[unroll]
+                for n in 0..comptime!(bk / 8) {
+                    let c = s.index_mut(n);
+                    let j = k_start + n * 8 + 2 * t;
+                    c[0] = scale_mask::<N>(c[0], i0, j, &at, scale, &mut mx0, false, causal);
+                    c[1] = scale_mask::<N>(c[1], i0 + 8, j, &at, scale, &mut mx1, false, causal);
+                }
             }
             let (mx0, mx1) = quad_combine(mx0, mx1, &mut red, true, cmma);
             let corr0 = f32::exp(m0 - mx0);
@@ -102,11 +114,20 @@ pub(super) fn flash_forward_kernel<E: Float, N: Size>(
                 c[1] = c[1] * Vector::new(corr1);
             }
             // P = exp(S − m), summed into the lane's partial sums (a masked score gives 0).
-            #[unroll]
-            for n in 0..comptime!(bk / 8) {
-                let c = s.index_mut(n);
-                c[0] = exp_pair::<N>(c[0], m0, masked, &mut l0);
-                c[1] = exp_pair::<N>(c[1], m1, masked, &mut l1);
+            if masked {
+                #[unroll]
+                for n in 0..comptime!(bk / 8) {
+                    let c = s.index_mut(n);
+                    c[0] = exp_pair::<N>(c[0], m0, &mut l0, true);
+                    c[1] = exp_pair::<N>(c[1], m1, &mut l1, true);
+                }
+            } else {
+                #[unroll]
+                for n in 0..comptime!(bk / 8) {
+                    let c = s.index_mut(n);
+                    c[0] = exp_pair::<N>(c[0], m0, &mut l0, false);
+                    c[1] = exp_pair::<N>(c[1], m1, &mut l1, false);
+                }
             }
             // O += P·V (the accumulator pairs of 16 keys are P's A operand).
             product_acc::<E, N>(&s, &vs, 0, &mut o, &mut emu, shape);

@@ -356,11 +356,47 @@ pub(super) fn store_rows<E: Float, N: Size>(
 ) {
     // This unit's pairs are the tile's pairs `unit`, `unit + units`, …: a row has `d / 2`.
     let per_row = comptime!(d / 2);
-    #[unroll]
-    for s in 0..comptime!((rows * d / 2).div_ceil(units)) {
-        let e = UNIT_POS as usize + s * units;
-        if e < comptime!(rows * d / 2) {
-            dst[(e / per_row) * ldv + e % per_row] = kept::<E, N>(got, s, e, start, end, per_row);
+    let total = comptime!(rows * d / 2);
+    let unit = UNIT_POS as usize;
+    if comptime!(units.is_multiple_of(per_row)) {
+        // One column of every `units / per_row`-th row (as `fetch_rows` read them); a tile
+        // inside the sequence (every one but the last) stores without a per-pair row test, and
+        // a whole number of pairs per unit without the tail's guard.
+        let step = comptime!(units / per_row);
+        let (row0, col) = (unit / per_row, unit % per_row);
+        if start + rows <= end {
+            #[unroll]
+            for s in 0..comptime!(total.div_ceil(units)) {
+                let row = row0 + s * step;
+                if comptime!(total.is_multiple_of(units)) {
+                    dst[row * ldv + col] = *got.index(s);
+                } else if row < rows {
+                    dst[row * ldv + col] = *got.index(s);
+                }
+            }
+        } else {
+            #[unroll]
+            for s in 0..comptime!(total.div_ceil(units)) {
+                let row = row0 + s * step;
+                let mut x = *got.index(s);
+                if start + row >= end {
+                    x = Vector::new(E::new(0.0));
+                }
+                if comptime!(total.is_multiple_of(units)) {
+                    dst[row * ldv + col] = x;
+                } else if row < rows {
+                    dst[row * ldv + col] = x;
+                }
+            }
+        }
+    } else {
+        #[unroll]
+        for s in 0..comptime!(total.div_ceil(units)) {
+            let e = unit + s * units;
+            if e < total {
+                dst[(e / per_row) * ldv + e % per_row] =
+                    kept::<E, N>(got, s, e, start, end, per_row);
+            }
         }
     }
 }
@@ -575,8 +611,9 @@ pub(super) fn kv_block<E: Float, N: Size>(
     masked
 }
 
-/// Scores `x` (columns `j, j + 1` of row `i` of block `at`) scaled, and masked to `NEG_BIG` where
-/// `i` does not see them when the block needs its mask; `mx` raised to their maximum.
+/// Scores `x` (columns `j, j + 1` of row `i` of block `at`) scaled, and (with `mask`: a block
+/// crossing the diagonal or the sequence's end) masked to `NEG_BIG` where `i` does not see them;
+/// `mx` raised to their maximum.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn scale_mask<N: Size>(
@@ -585,15 +622,15 @@ pub(super) fn scale_mask<N: Size>(
     j: usize,
     at: &KeyBlock,
     scale: f32,
-    masked: bool,
     mx: &mut f32,
+    #[comptime] mask: bool,
     #[comptime] causal: bool,
 ) -> Vector<f32, N> {
     let mut y = x;
     #[unroll]
     for e in 0..2usize {
         let mut s = y[e] * scale;
-        if masked && !visible(i, j + e, at.seq_q, at.seq_k, at.q_offset, causal) {
+        if comptime!(mask) && !visible(i, j + e, at.seq_q, at.seq_k, at.q_offset, causal) {
             s = f32::new(NEG_BIG);
         }
         y[e] = s;
@@ -602,20 +639,21 @@ pub(super) fn scale_mask<N: Size>(
     y
 }
 
-/// `exp(x − m)` of a pair of masked scores (0 for a masked one), added to `l`.
+/// `exp(x − m)` of a pair of scores, added to `l`; with `mask` (a masked block), 0 for a masked
+/// score (a row that has seen no key yet has `m = NEG_BIG` too).
 #[cube]
 pub(super) fn exp_pair<N: Size>(
     x: Vector<f32, N>,
     m: f32,
-    masked: bool,
     l: &mut f32,
+    #[comptime] mask: bool,
 ) -> Vector<f32, N> {
     let mut y = x;
     #[unroll]
     for e in 0..2usize {
         let v = y[e];
         let mut p = f32::exp(v - m);
-        if masked && v == f32::new(NEG_BIG) {
+        if comptime!(mask) && v == f32::new(NEG_BIG) {
             p = 0.0;
         }
         y[e] = p;
