@@ -344,6 +344,9 @@ pub(super) fn quad_combine(
 /// `end` (after a cube barrier behind the reads: [`fetch_rows`] says why).
 #[cube]
 #[allow(clippy::too_many_arguments)]
+// The identical-looking stores: one under a comptime condition (no runtime test), one under the
+// tail's row guard.
+#[allow(clippy::if_same_then_else)]
 pub(super) fn store_rows<E: Float, N: Size>(
     got: &Sequence<Vector<E, N>>,
     start: usize,
