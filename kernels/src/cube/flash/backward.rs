@@ -129,33 +129,18 @@ pub(super) fn flash_backward_q_kernel<E: Float, N: Size>(
                 let n0 = ph * chunk;
                 let mut ds = product_t::<E, N>(&qf, &ks, n0, &mut emu, shape);
                 let dp = product_t::<E, N>(&dof, &vs, n0, &mut emu, shape);
-                #[unroll]
-                for n in 0..comptime!(chunk / 8) {
-                    let c = ds.index_mut(n);
-                    let y = dp.index(n);
-                    #[unroll]
-                    for pv in 0..2usize {
-                        let mut x = c[pv];
-                        let z = y[pv];
-                        let mut row_lse = lse1;
-                        let mut dl = delta1;
-                        if comptime!(pv == 0) {
-                            row_lse = lse0;
-                            dl = delta0;
-                        }
-                        #[unroll]
-                        for e in 0..2usize {
-                            let mut p = f32::exp(x[e] * scale - row_lse);
-                            if masked {
-                                let j = k_start + n0 + n * 8 + 2 * t + e;
-                                if !visible(i0 + 8 * pv, j, seq_q, seq_k, q_offset, causal) {
-                                    p = 0.0;
-                                }
-                            }
-                            x[e] = p * (z[e] - dl);
-                        }
-                        c[pv] = x;
-                    }
+                let rows_at = QueryRows {
+                    i0,
+                    j0: k_start + n0 + 2 * t,
+                    lse: (lse0, lse1),
+                    delta: (delta0, delta1),
+                };
+                // Blocks inside every row's visible range skip the per-score test (a branch
+                // uniform over the cube).
+                if masked {
+                    ds_scores::<N>(&mut ds, &dp, &rows_at, &at, scale, chunk, true, causal);
+                } else {
+                    ds_scores::<N>(&mut ds, &dp, &rows_at, &at, scale, chunk, false, causal);
                 }
                 // dQ += dS·K
                 product_acc::<E, N>(&ds, &ks, n0, &mut acc, &mut emu, shape);
@@ -382,30 +367,24 @@ pub(super) fn flash_backward_kv_kernel<E: Float, N: Size>(
                 let n0 = ph * chunk;
                 let mut pt = product_t::<E, N>(&kf, &qs, n0, &mut emu, shape);
                 let mut dst = product_t::<E, N>(&vf, &dos, n0, &mut emu, shape);
-                #[unroll]
-                for n in 0..comptime!(chunk / 8) {
-                    let c = pt.index_mut(n);
-                    let y = dst.index_mut(n);
-                    #[unroll]
-                    for pv in 0..2usize {
-                        let mut x = c[pv];
-                        let mut z = y[pv];
-                        #[unroll]
-                        for e in 0..2usize {
-                            let qj = n0 + n * 8 + 2 * t + e;
-                            let mut p = f32::exp(x[e] * scale - lse_s[qj]);
-                            if masked {
-                                let key = key0 + 8 * pv;
-                                if !visible(q_start + qj, key, seq_q, seq_k, q_offset, causal) {
-                                    p = 0.0;
-                                }
-                            }
-                            x[e] = p;
-                            z[e] = p * (z[e] - delta_s[qj]);
-                        }
-                        c[pv] = x;
-                        y[pv] = z;
-                    }
+                let at = KeyRows {
+                    key0,
+                    q_start,
+                    q0: n0 + 2 * t,
+                    seq_q,
+                    seq_k,
+                    q_offset,
+                };
+                // Blocks inside every key's visible range skip the per-score test (a branch
+                // uniform over the cube).
+                if masked {
+                    p_ds_transposed::<N>(
+                        &mut pt, &mut dst, &lse_s, &delta_s, &at, scale, chunk, true, causal,
+                    );
+                } else {
+                    p_ds_transposed::<N>(
+                        &mut pt, &mut dst, &lse_s, &delta_s, &at, scale, chunk, false, causal,
+                    );
                 }
                 // dV += Pᵀ·dO, dK += dSᵀ·Q
                 product_acc::<E, N>(&pt, &dos, n0, &mut dv, &mut emu, shape);
@@ -626,4 +605,121 @@ pub(in crate::cube) fn backward<R: CubeRuntime>(
             seq_arg(&dv_l),
         ]
     );
+}
+
+/// The dQ pass's rows of a lane: rows `i0` and `i0 + 8`, its first column `j0` in the key block,
+/// and the rows' log-sum-exp and `delta`.
+#[derive(CubeType, Clone, Copy)]
+struct QueryRows {
+    i0: usize,
+    j0: usize,
+    lse: (f32, f32),
+    delta: (f32, f32),
+}
+
+/// `dS = P ∘ (dP − delta)` in place of the scores `ds` of one phase (`chunk` keys), `P` from the
+/// rows' log-sum-exp; with `mask` (a block crossing the diagonal or the sequence's end) 0 where
+/// a row does not see the key.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn ds_scores<N: Size>(
+    ds: &mut Sequence<Array<Vector<f32, N>>>,
+    dp: &Sequence<Array<Vector<f32, N>>>,
+    rows: &QueryRows,
+    at: &KeyBlock,
+    scale: f32,
+    #[comptime] chunk: usize,
+    #[comptime] mask: bool,
+    #[comptime] causal: bool,
+) {
+    #[unroll]
+    for n in 0..comptime!(chunk / 8) {
+        let c = ds.index_mut(n);
+        let y = dp.index(n);
+        #[unroll]
+        for pv in 0..2usize {
+            let mut x = c[pv];
+            let z = y[pv];
+            let mut row_lse = rows.lse.1;
+            let mut dl = rows.delta.1;
+            if comptime!(pv == 0) {
+                row_lse = rows.lse.0;
+                dl = rows.delta.0;
+            }
+            #[unroll]
+            for e in 0..2usize {
+                let mut p = f32::exp(x[e] * scale - row_lse);
+                if comptime!(mask) {
+                    let j = rows.j0 + n * 8 + e;
+                    if !visible(rows.i0 + 8 * pv, j, at.seq_q, at.seq_k, at.q_offset, causal) {
+                        p = 0.0;
+                    }
+                }
+                x[e] = p * (z[e] - dl);
+            }
+            c[pv] = x;
+        }
+    }
+}
+
+/// The dK/dV pass's keys of a lane (`key0`, `key0 + 8`) against the query block from `q_start`,
+/// its first query column `q0` in the block.
+#[derive(CubeType, Clone, Copy)]
+struct KeyRows {
+    key0: usize,
+    q_start: usize,
+    q0: usize,
+    seq_q: usize,
+    seq_k: usize,
+    q_offset: i32,
+}
+
+/// `Pᵀ` into `pt` and `dSᵀ = Pᵀ ∘ (dPᵀ − delta)` into `dst` for one phase (`chunk` queries), from
+/// the block's log-sum-exp and `delta` in shared memory; with `mask` 0 where a query does not
+/// see the key.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn p_ds_transposed<N: Size>(
+    pt: &mut Sequence<Array<Vector<f32, N>>>,
+    dst: &mut Sequence<Array<Vector<f32, N>>>,
+    lse_s: &SharedMemory<f32>,
+    delta_s: &SharedMemory<f32>,
+    at: &KeyRows,
+    scale: f32,
+    #[comptime] chunk: usize,
+    #[comptime] mask: bool,
+    #[comptime] causal: bool,
+) {
+    #[unroll]
+    for n in 0..comptime!(chunk / 8) {
+        let c = pt.index_mut(n);
+        let y = dst.index_mut(n);
+        #[unroll]
+        for pv in 0..2usize {
+            let mut x = c[pv];
+            let mut z = y[pv];
+            #[unroll]
+            for e in 0..2usize {
+                let qj = at.q0 + n * 8 + e;
+                let mut p = f32::exp(x[e] * scale - lse_s[qj]);
+                if comptime!(mask) {
+                    let key = at.key0 + 8 * pv;
+                    if !visible(
+                        at.q_start + qj,
+                        key,
+                        at.seq_q,
+                        at.seq_k,
+                        at.q_offset,
+                        causal,
+                    ) {
+                        p = 0.0;
+                    }
+                }
+                x[e] = p;
+                z[e] = p * (z[e] - delta_s[qj]);
+            }
+            c[pv] = x;
+            y[pv] = z;
+        }
+    }
 }
