@@ -3,12 +3,14 @@
 //! `gelu` (GELU with bias), `gated` (the SwiGLU gate and the rotary embedding), `attention` (flash attention's host side, separate or packed q/k/v),
 //! `attention_backward` and `flash` (the flash-attention kernels), `heads` (what they share),
 //! `optim` (the optimizer tail), `quant` (8-bit optimizer state), `embedding` (the table's gradient); the cube-wide reductions the row kernels share are in `reduce`,
-//! the host-side launch helpers here.
+//! the column sums (bias and norm parameter gradients) in `columns`, the flash kernels' CUDA
+//! source without a GPU in `flash::codegen` (feature `cuda`), the host-side launch helpers here.
 //!
 //! Conventions shared by the kernels:
 //! * inputs are made contiguous first; a row is `cols` consecutive elements;
 //! * row kernels run one cube per row with `block` (a power of two, ≤ 256) units striding over
-//!   the row, and reduce through shared memory (a tree, deterministic);
+//!   the row in vectors of up to 16 bytes (`row_vector`), and reduce through shared memory (a
+//!   tree, deterministic);
 //! * arithmetic is in f32 whatever the tensor dtype (f16 and bf16 tensors are read and written in
 //!   their dtype); per-row statistics (mean, 1/σ, log-sum-exp) are f32 tensors;
 //! * "-infinity" is `-3.0e38` (WGSL has no infinity literal), which `exp` flushes to 0.
