@@ -171,6 +171,50 @@ pub fn linear_bias_backward_into<B: Backend>(
     B::linear_bias_backward(g)
 }
 
+/// `lhs + rhs` where one is f32 and the other 16-bit, in f32 (PyTorch's promotion), as one pass
+/// where a kernel can (CubeCL's Wgpu and CUDA runtimes: `cube::add_widened`, bit for bit the
+/// cast and the add it replaces); otherwise the operands back, for the caller's cast and add.
+#[allow(clippy::type_complexity)]
+pub fn add_widened<B: Backend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+) -> Result<FloatTensor<B>, (FloatTensor<B>, FloatTensor<B>)> {
+    use burn::tensor::DType;
+    let narrow = |d: DType| matches!(d, DType::F16 | DType::BF16);
+    let (dl, dr) = (lhs.dtype(), rhs.dtype());
+    let pair = (dl == DType::F32 && narrow(dr)) || (dr == DType::F32 && narrow(dl));
+    if !pair || lhs.shape() != rhs.shape() || lhs.shape().num_elements() == 0 {
+        return Err((lhs, rhs));
+    }
+    let (wide, narrow) = if dl == DType::F32 {
+        (lhs, rhs)
+    } else {
+        (rhs, lhs)
+    };
+    #[cfg(feature = "cube")]
+    {
+        use burn_cubecl::tensor::CubeTensor;
+        #[cfg(feature = "wgpu")]
+        if tensors_are::<B, CubeTensor<burn::backend::wgpu::WgpuRuntime>>() {
+            return Ok(cast(crate::cube::add_widened::<
+                burn::backend::wgpu::WgpuRuntime,
+            >(cast(wide), cast(narrow))));
+        }
+        #[cfg(feature = "cuda")]
+        if tensors_are::<B, CubeTensor<cubecl::cuda::CudaRuntime>>() {
+            return Ok(cast(crate::cube::add_widened::<cubecl::cuda::CudaRuntime>(
+                cast(wide),
+                cast(narrow),
+            )));
+        }
+    }
+    if dl == DType::F32 {
+        Err((wide, narrow))
+    } else {
+        Err((narrow, wide))
+    }
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use burn::tensor::backend::Backend;

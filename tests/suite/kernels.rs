@@ -1209,6 +1209,56 @@ mod wgpu {
         }
     }
 
+    /// An f32 tensor plus an f16 one of its shape (a residual stream and a 16-bit branch): one
+    /// launch, bit for bit the cast and the add, either operand first; and through the
+    /// decorator's `float_add`, the same sum without a cast.
+    #[test]
+    fn a_wide_plus_a_narrow_tensor_is_one_launch_of_the_cast_and_the_add() {
+        use wildfire_kernels::gemm::add_widened;
+        let device = Default::default();
+        for shape in [[2usize, 37], [3, 8 * 96], [1, 1]] {
+            let n = shape[0] * shape[1];
+            let a = random::<Wgpu, 2>(shape, 1.0, &device);
+            let b = random::<Wgpu, 2>(shape, 2.0, &device).cast(FloatDType::F16);
+            let want = data(a.clone() + b.clone().cast(FloatDType::F32));
+            for swap in [false, true] {
+                let (x, y) = (
+                    a.clone().into_primitive().tensor(),
+                    b.clone().into_primitive().tensor(),
+                );
+                let (x, y) = if swap { (y, x) } else { (x, y) };
+                let before = cube::thread_launches();
+                let got = add_widened::<Wgpu>(x, y);
+                let launches = cube::thread_launches() - before;
+                let Ok(got) = got else {
+                    assert!(
+                        cfg!(feature = "fusion"),
+                        "{shape:?}: the kernel took the pair"
+                    );
+                    continue;
+                };
+                assert_eq!(launches, 1, "{shape:?}");
+                let got = data(Tensor::<Wgpu, 2>::from_primitive(
+                    burn::tensor::TensorPrimitive::Float(got),
+                ));
+                assert_eq!(got.len(), n);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits()),
+                    "{shape:?} swap {swap}: not the cast and the add bit for bit"
+                );
+            }
+        }
+        // Operands it does not take come back unchanged: two f32, or shapes that broadcast.
+        let a = random::<Wgpu, 2>([2, 3], 1.0, &device)
+            .into_primitive()
+            .tensor();
+        let b = random::<Wgpu, 2>([1, 3], 1.0, &device).cast(FloatDType::F16);
+        assert!(add_widened::<Wgpu>(a.clone(), a.clone()).is_err());
+        assert!(add_widened::<Wgpu>(a, b.into_primitive().tensor()).is_err());
+    }
+
     #[test]
     fn norms_write_the_compute_dtype() {
         check_norms_as::<Wgpu>(&Default::default());

@@ -30,6 +30,8 @@ pub use flash::{with_emulated_mma, with_fragment_kernels, with_native_mma};
 mod gated;
 mod gelu;
 mod heads;
+mod mixed;
+pub(crate) use mixed::add_widened;
 mod norm;
 mod optim;
 mod quant;

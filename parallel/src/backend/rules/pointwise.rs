@@ -348,6 +348,18 @@ pub(crate) fn binary<B: Backend>(
         .map(|(&l, r)| if l == 1 { r } else { l })
         .collect();
     let device = lhs.device.clone();
+    // An f32 stream plus a 16-bit branch of its shape: one pass where a kernel does it (the
+    // cast and the add it replaces, bit for bit), no cast copy kept.
+    if op == "float_add"
+        && lhs.local.dtype() != rhs.local.dtype()
+        && lhs.awaited.is_none()
+        && rhs.awaited.is_none()
+    {
+        let (l, r) = (lhs.local.clone(), rhs.local.clone());
+        if let Ok(sum) = wildfire_kernels::gemm::add_widened::<B>(l, r) {
+            return DTensor::new_shaped(sum, out, Shape::from(shape), device);
+        }
+    }
     let (l, r) = promoted(op, lhs, rhs);
     DTensor::new_shaped(as_rows::<B>(l, r, f), out, Shape::from(shape), device)
 }
