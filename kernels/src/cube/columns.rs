@@ -5,7 +5,9 @@
 //! weights' gradients under a 16-bit compute dtype).
 
 use super::reduce::column_chunk;
-use super::{COLUMN_CHUNK, arg, contiguous, elementwise, empty, empty_f32, launched, row_vector};
+use super::{
+    COLUMN_CHUNK, arg, contiguous, elementwise, empty, empty_f32, launched, row_vector, rows_cols,
+};
 use burn::tensor::{DType, Shape, TensorMetadata};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
@@ -124,9 +126,7 @@ pub(super) fn finish_columns<R: CubeRuntime>(
 /// element, 8,192 rows each at GPT-2's shapes) and a cast.
 pub(crate) fn column_sums<R: CubeRuntime>(x: CubeTensor<R>, dtype: DType) -> CubeTensor<R> {
     let [x] = contiguous([x]);
-    let shape = x.shape();
-    let cols = shape[shape.num_dims() - 1];
-    let rows = shape.num_elements() / cols.max(1);
+    let (rows, cols) = rows_cols(&x.shape());
     let n = row_vector(&[&x], cols);
     let (partial, count, dim) = column_launch(&x, rows, cols, n);
     column_sum_kernel::launch::<R>(

@@ -84,21 +84,31 @@ pub(super) fn flash_forward_kernel<E: Float, N: Size>(
             let mut mx0 = m0;
             let mut mx1 = m1;
             if masked {
-                #[unroll]
-                for n in 0..comptime!(bk / 8) {
-                    let c = s.index_mut(n);
-                    let j = k_start + n * 8 + 2 * t;
-                    c[0] = scale_mask::<N>(c[0], i0, j, &at, scale, &mut mx0, true, causal);
-                    c[1] = scale_mask::<N>(c[1], i0 + 8, j, &at, scale, &mut mx1, true, causal);
-                }
+                scale_mask_block::<N>(
+                    &mut s,
+                    i0,
+                    k_start + 2 * t,
+                    &at,
+                    scale,
+                    &mut mx0,
+                    &mut mx1,
+                    bk,
+                    true,
+                    causal,
+                );
             } else {
-                #[unroll]
-                for n in 0..comptime!(bk / 8) {
-                    let c = s.index_mut(n);
-                    let j = k_start + n * 8 + 2 * t;
-                    c[0] = scale_mask::<N>(c[0], i0, j, &at, scale, &mut mx0, false, causal);
-                    c[1] = scale_mask::<N>(c[1], i0 + 8, j, &at, scale, &mut mx1, false, causal);
-                }
+                scale_mask_block::<N>(
+                    &mut s,
+                    i0,
+                    k_start + 2 * t,
+                    &at,
+                    scale,
+                    &mut mx0,
+                    &mut mx1,
+                    bk,
+                    false,
+                    causal,
+                );
             }
             let (mx0, mx1) = quad_combine(mx0, mx1, &mut red, true, cmma);
             let corr0 = f32::exp(m0 - mx0);
@@ -115,19 +125,9 @@ pub(super) fn flash_forward_kernel<E: Float, N: Size>(
             }
             // P = exp(S − m), summed into the lane's partial sums (a masked score gives 0).
             if masked {
-                #[unroll]
-                for n in 0..comptime!(bk / 8) {
-                    let c = s.index_mut(n);
-                    c[0] = exp_pair::<N>(c[0], m0, &mut l0, true);
-                    c[1] = exp_pair::<N>(c[1], m1, &mut l1, true);
-                }
+                exp_block::<N>(&mut s, m0, m1, &mut l0, &mut l1, bk, true);
             } else {
-                #[unroll]
-                for n in 0..comptime!(bk / 8) {
-                    let c = s.index_mut(n);
-                    c[0] = exp_pair::<N>(c[0], m0, &mut l0, false);
-                    c[1] = exp_pair::<N>(c[1], m1, &mut l1, false);
-                }
+                exp_block::<N>(&mut s, m0, m1, &mut l0, &mut l1, bk, false);
             }
             // O += P·V (the accumulator pairs of 16 keys are P's A operand).
             product_acc::<E, N>(&s, &vs, 0, &mut o, &mut emu, shape);

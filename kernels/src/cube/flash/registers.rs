@@ -665,6 +665,52 @@ pub(super) fn exp_pair<N: Size>(
     y
 }
 
+/// [`scale_mask`] over a block's score accumulators `s` (`bk / 8` of 16 × 8): rows `i0` and
+/// `i0 + 8`, the lane's first column `j0`; the rows' maxima raised into `mx0` and `mx1`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn scale_mask_block<N: Size>(
+    s: &mut Sequence<Array<Vector<f32, N>>>,
+    i0: usize,
+    j0: usize,
+    at: &KeyBlock,
+    scale: f32,
+    mx0: &mut f32,
+    mx1: &mut f32,
+    #[comptime] bk: usize,
+    #[comptime] mask: bool,
+    #[comptime] causal: bool,
+) {
+    #[unroll]
+    for n in 0..comptime!(bk / 8) {
+        let c = s.index_mut(n);
+        let j = j0 + n * 8;
+        c[0] = scale_mask::<N>(c[0], i0, j, at, scale, mx0, mask, causal);
+        c[1] = scale_mask::<N>(c[1], i0 + 8, j, at, scale, mx1, mask, causal);
+    }
+}
+
+/// [`exp_pair`] over a block's score accumulators `s`, rows against maxima `m0` and `m1`,
+/// summed into `l0` and `l1`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn exp_block<N: Size>(
+    s: &mut Sequence<Array<Vector<f32, N>>>,
+    m0: f32,
+    m1: f32,
+    l0: &mut f32,
+    l1: &mut f32,
+    #[comptime] bk: usize,
+    #[comptime] mask: bool,
+) {
+    #[unroll]
+    for n in 0..comptime!(bk / 8) {
+        let c = s.index_mut(n);
+        c[0] = exp_pair::<N>(c[0], m0, l0, mask);
+        c[1] = exp_pair::<N>(c[1], m1, l1, mask);
+    }
+}
+
 /// `count` zeroed accumulators.
 #[cube]
 pub(super) fn acc_zeros<N: Size>(#[comptime] count: usize) -> Sequence<Array<Vector<f32, N>>> {
