@@ -3,11 +3,12 @@
 //! (the machines are shared and noisy: only the ratio of interleaved runs means anything); then
 //! the cost of one elementwise op on a small tensor (`x * x`, 64 elements) through Flex,
 //! `Distributed<Flex>`, `Autodiff<Flex>` and `Autodiff<Distributed<Flex>>` (the autodiff ones on
-//! a tracked tensor, so the graph bookkeeping is in). `benches/cpu_vs_pytorch.sh` prints
+//! a tracked tensor, so the graph bookkeeping is in; the two measured in alternating pairs, their
+//! difference per pair reported). `benches/cpu_vs_pytorch.sh` prints
 //! PyTorch's cost of the same op beside it.
 //!
 //! ```text
-//! cargo bench --bench overhead [-- --rounds 15 --steps 5 --ops 200000 --only step|ops]
+//! cargo bench --bench overhead [-- --rounds 15 --steps 5 --ops 200000 --pairs 15 --only step|ops]
 //! ```
 
 use burn::backend::{Autodiff, Flex};
@@ -82,18 +83,66 @@ const CHAIN: usize = 32;
 /// `y = y * x` of a tracked 64-element `x`, each chain summed and taken backward (the graph built,
 /// used and freed), the median of 5 runs of `ops` ops; the sum counts as an op.
 fn per_tracked_op<B: AutodiffBackend>(ops: usize) -> f64 {
+    let mut runs: Vec<f64> = (0..5).map(|_| tracked_run::<B>(ops)).collect();
+    runs.sort_by(f64::total_cmp);
+    runs[2]
+}
+
+/// One run of [`per_tracked_op`]: nanoseconds per op over about `ops` ops.
+fn tracked_run<B: AutodiffBackend>(ops: usize) -> f64 {
     let x = Tensor::<B, 1>::ones([64], &Default::default()).require_grad();
     let chains = ops.div_ceil(CHAIN + 1);
-    median_ns(chains * (CHAIN + 1), || {
-        for _ in 0..chains {
-            let mut y = x.clone();
-            for _ in 0..CHAIN {
-                y = y * x.clone();
-            }
-            let grads = y.sum().backward();
-            std::hint::black_box(x.grad(&grads));
+    let start = Instant::now();
+    for _ in 0..chains {
+        let mut y = x.clone();
+        for _ in 0..CHAIN {
+            y = y * x.clone();
         }
-    })
+        let grads = y.sum().backward();
+        std::hint::black_box(x.grad(&grads));
+    }
+    start.elapsed().as_secs_f64() * 1e9 / (chains * (CHAIN + 1)) as f64
+}
+
+/// The decorator's cost per tracked op, `Autodiff<Distributed<Flex>>` minus `Autodiff<Flex>`,
+/// from `rounds` back-to-back pairs of runs (alternating which goes first): on a shared machine
+/// whose speed drifts by tens of percent from one second to the next, only the difference within
+/// a pair is steady. Prints both stacks' medians and the median, min and max of the differences.
+fn tracked_pairs(ops: usize, rounds: usize) {
+    // Warm both (allocator, caches).
+    tracked_run::<Autodiff<Flex>>(ops / 4);
+    tracked_run::<Autodiff<Distributed<Flex>>>(ops / 4);
+    let (mut plain, mut dist, mut diff) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let (p, d) = if round % 2 == 0 {
+            let p = tracked_run::<Autodiff<Flex>>(ops);
+            (p, tracked_run::<Autodiff<Distributed<Flex>>>(ops))
+        } else {
+            let d = tracked_run::<Autodiff<Distributed<Flex>>>(ops);
+            (tracked_run::<Autodiff<Flex>>(ops), d)
+        };
+        plain.push(p);
+        dist.push(d);
+        diff.push(d - p);
+    }
+    let mid = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    println!(
+        "Autodiff<Flex>               {:8.0} ns/op (forward + backward)",
+        mid(&mut plain)
+    );
+    println!(
+        "Autodiff<Distributed<Flex>>  {:8.0} ns/op (forward + backward)",
+        mid(&mut dist)
+    );
+    let m = mid(&mut diff);
+    println!(
+        "the decorator per tracked op: median {m:+.0} ns (min {:+.0}, max {:+.0}) over {rounds} pairs; target <= +300",
+        diff[0],
+        diff[diff.len() - 1]
+    );
 }
 
 /// The median over 5 runs of `run`'s nanoseconds per op (`ops` ops a run).
@@ -202,6 +251,15 @@ fn one_op(smoke: bool) {
         println!("Distributed<Flex>            {ns:8.0} ns/op");
     }
     println!("tracked, chains of {CHAIN} `y = y * x` each summed and taken backward:");
+    if stack.is_none() {
+        let rounds = if smoke {
+            1
+        } else {
+            common::arg("--pairs").unwrap_or(15)
+        };
+        tracked_pairs(ops, rounds);
+        return;
+    }
     if on("autodiff") {
         let ns = per_tracked_op::<Autodiff<Flex>>(ops);
         println!("Autodiff<Flex>               {ns:8.0} ns/op (forward + backward)");

@@ -30,11 +30,10 @@ pub struct DTensor<B: Backend> {
 }
 
 /// A value's metadata, shared by its clones (one allocation per value, its byte count
-/// included).
+/// included). Its [`Form`] (layout, global shape, device) is shared further, with every value an
+/// elementwise op makes from it: an op's output on plain layouts allocates only this.
 pub struct Meta<B: Backend> {
-    pub(crate) layout: Layout,
-    pub(crate) shape: Shape,
-    pub(crate) device: DistDevice<B>,
+    form: Arc<Form<B>>,
     /// Reductions already done for this partial value, shared by its clones: a partial sum used
     /// by two ops is reduced once (every rank runs the same program, so all hit the cache alike).
     memo: Memo<B>,
@@ -58,7 +57,63 @@ enum Track<B: Backend> {
     Of(Arc<Meta<B>>),
 }
 
+/// A value's layout, global shape and device: what an elementwise op's output has in common
+/// with its operand (the same `Arc`), so that the op neither copies the layout and the shape nor
+/// takes another reference to the rank's context, and an op on two values of one form knows it
+/// without comparing them.
+pub struct Form<B: Backend> {
+    pub(crate) layout: Layout,
+    pub(crate) shape: Shape,
+    pub(crate) device: DistDevice<B>,
+    /// `layout.is_plain()`: every axis `Local` or `Replicate`.
+    plain: bool,
+    /// `shape.num_elements()`.
+    elements: usize,
+}
+
+impl<B: Backend> std::ops::Deref for Meta<B> {
+    type Target = Form<B>;
+    #[inline]
+    fn deref(&self) -> &Form<B> {
+        &self.form
+    }
+}
+
 impl<B: Backend> Meta<B> {
+    /// New metadata of its own form.
+    fn new(
+        layout: Layout,
+        shape: Shape,
+        device: DistDevice<B>,
+        memo: Memo<B>,
+        track: Track<B>,
+        awaited: Option<Arc<Awaited<B>>>,
+    ) -> Arc<Self> {
+        let plain = layout.is_plain();
+        let elements = shape.num_elements();
+        Arc::new(Self {
+            form: Arc::new(Form {
+                layout,
+                shape,
+                device,
+                plain,
+                elements,
+            }),
+            memo,
+            track,
+            awaited,
+        })
+    }
+
+    /// Whether `self` and `other` are laid out alike with nothing split or partial, over one
+    /// global shape (one form, or equal ones).
+    #[inline]
+    pub(crate) fn same_plain_form(&self, other: &Self) -> bool {
+        self.form.plain
+            && (Arc::ptr_eq(&self.form, &other.form)
+                || (self.form.layout == other.form.layout && self.form.shape == other.form.shape))
+    }
+
     /// The count of the local piece, and the value's identity (shared by everything that
     /// counts the same piece).
     fn count(&self) -> (&Count, usize) {
@@ -86,9 +141,7 @@ impl<B: Backend> Meta<B> {
     /// `meta`'s layout, shape, device and memo for a new value counted by `track`.
     fn successor(meta: &Arc<Self>, track: Track<B>, awaited: Option<Arc<Awaited<B>>>) -> Arc<Self> {
         Arc::new(Self {
-            layout: meta.layout.clone(),
-            shape: meta.shape.clone(),
-            device: meta.device.clone(),
+            form: meta.form.clone(),
             memo: meta.memo.clone(),
             track,
             awaited,
@@ -309,6 +362,7 @@ struct Count {
 
 impl Count {
     /// `bytes` counted on `ctx`'s rank (also as gathered when `gathered`).
+    #[inline]
     fn new(bytes: usize, gathered: bool, ctx: &crate::device::RankContext) -> Self {
         let bytes = bytes as i64;
         if gathered {
@@ -531,21 +585,14 @@ impl<B: Backend> DTensor<B> {
         let memo = memo_for(&layout, &shape, &device);
         Self {
             local,
-            meta: Arc::new(Meta {
-                layout,
-                shape,
-                device,
-                memo,
-                track,
-                awaited,
-            }),
+            meta: Meta::new(layout, shape, device, memo, track, awaited),
         }
     }
 
     /// A fresh value of `like`'s layout, global shape and device: an elementwise op's output.
     #[inline]
     pub(crate) fn fresh_like(local: B::FloatTensorPrimitive, like: &Meta<B>) -> Self {
-        if !like.layout.is_plain() {
+        if !like.form.plain {
             return Self::new_shaped(
                 local,
                 like.layout.clone(),
@@ -553,19 +600,18 @@ impl<B: Backend> DTensor<B> {
                 like.device.clone(),
             );
         }
-        // Nothing partial or split (no memo; no padding: the piece is the whole shape).
+        // Nothing partial or split (no memo; no padding: the piece is the whole shape): the
+        // same form.
         debug_assert_eq!(
             local.shape(),
             like.shape,
             "a plain piece is the whole value"
         );
-        let bytes = like.shape.num_elements() * local.dtype().size();
+        let bytes = like.form.elements * local.dtype().size();
         Self {
             local,
             meta: Arc::new(Meta {
-                layout: like.layout.clone(),
-                shape: copy_shape(&like.shape),
-                device: like.device.clone(),
+                form: like.form.clone(),
                 memo: None,
                 track: Track::Own(Count::new(bytes, false, like.device.context())),
                 awaited: None,

@@ -100,14 +100,14 @@ impl<B: Backend> DTensor<B> {
         let track = Track::Own(Count::new(local_bytes(&local), true, self.device.context()));
         Ok(Self {
             local,
-            meta: Arc::new(Meta {
+            meta: Meta::new(
                 layout,
-                shape: self.shape.clone(),
-                device: self.device.clone(),
-                memo: None,
+                self.shape.clone(),
+                self.device.clone(),
+                None,
                 track,
-                awaited: None,
-            }),
+                None,
+            ),
         })
     }
 
@@ -349,14 +349,14 @@ impl<B: Backend> DTensor<B> {
         };
         Ok(Self {
             local,
-            meta: Arc::new(Meta {
+            meta: Meta::new(
                 layout,
-                shape: self.meta.shape.clone(),
-                device: self.meta.device.clone(),
-                memo: None,
+                self.meta.shape.clone(),
+                self.meta.device.clone(),
+                None,
                 track,
-                awaited: None,
-            }),
+                None,
+            ),
         })
     }
 }

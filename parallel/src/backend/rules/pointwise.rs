@@ -412,12 +412,11 @@ fn row_split(l: &[usize], r: &[usize]) -> Option<usize> {
 /// Whether `lhs ∘ rhs` needs no alignment: both in hand (no reduction in flight), the same
 /// global shape (no broadcast), the same dtype (no promotion), the same layout of only `Local`
 /// and `Replicate` placements (nothing to redistribute, nothing partial: no memo to consult).
+#[inline]
 fn plain_pair<B: Backend>(lhs: &DTensor<B>, rhs: &DTensor<B>) -> bool {
     lhs.awaited.is_none()
         && rhs.awaited.is_none()
-        && lhs.layout == rhs.layout
-        && lhs.layout.is_plain()
-        && lhs.shape == rhs.shape
+        && lhs.meta.same_plain_form(&rhs.meta)
         && lhs.local.dtype() == rhs.local.dtype()
 }
 
