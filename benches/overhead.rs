@@ -10,6 +10,14 @@
 //! ```text
 //! cargo bench --bench overhead [-- --rounds 15 --steps 5 --ops 200000 --pairs 15 --only step|ops]
 //! ```
+//!
+//! Both stacks allocate through the allocator `gpt_pretrain` and the other benches use
+//! (`wildfire::alloc`: mimalloc for small blocks); `WILDFIRE_ALLOC=system` measures them on
+//! glibc's malloc instead.
+
+/// mimalloc, keeping freed memory, or `WILDFIRE_ALLOC=system` (see `wildfire::alloc`).
+#[global_allocator]
+static GLOBAL: wildfire::alloc::Allocator = wildfire::alloc::Allocator;
 
 use burn::backend::{Autodiff, Flex};
 use burn::optim::SgdConfig;

@@ -637,6 +637,23 @@ impl RankContext {
             // when it was reached, and was offered as one by the thread that added it.
             return;
         }
+        self.offer_peak(now);
+    }
+
+    /// `bytes` more than are live, held for a moment: an op's output made while its operand,
+    /// whose count the output takes over, still exists. A peak candidate, as
+    /// `add_live_bytes(bytes)` then `add_live_bytes(-bytes)` would offer, without changing the
+    /// count.
+    #[inline]
+    pub(crate) fn offer_transient_bytes(&self, bytes: i64) {
+        let now = self.accounting.live_bytes.load(Ordering::Relaxed) + bytes;
+        self.offer_peak(now);
+    }
+
+    /// `now` live bytes as a candidate for the peaks, checked against the budget.
+    #[inline]
+    fn offer_peak(&self, now: i64) {
+        let memory = &self.accounting;
         // Peaks only rise, so one that is already higher needs no read-modify-write (a
         // `fetch_max` is a locked compare-and-swap even when it changes nothing).
         if memory.peak_bytes.load(Ordering::Relaxed) < now {

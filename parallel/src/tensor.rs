@@ -619,6 +619,31 @@ impl<B: Backend> DTensor<B> {
         }
     }
 
+    /// An elementwise op's output `local` made from the value whose metadata is `meta`, which
+    /// the op consumed: [`Self::fresh_like`], except that where that value ends here (no other
+    /// clone), plain, counted by itself alone and of the output's byte count, its metadata —
+    /// form and count — passes to the output as it is: no allocation, no reference count or
+    /// live-byte count moved. The moment both pieces existed is still offered as a peak, as
+    /// counting the output and then releasing the operand would.
+    #[inline]
+    pub(crate) fn fresh_from(local: B::FloatTensorPrimitive, mut meta: Arc<Meta<B>>) -> Self {
+        let bytes = meta.form.elements * local.dtype().size();
+        if let Some(m) = Arc::get_mut(&mut meta)
+            && m.form.plain
+            && m.memo.is_none()
+            && m.awaited.is_none()
+            && let Track::Own(count) = &mut m.track
+            && count.bytes == bytes as i64
+            && !count.gathered
+            && count.origin == 0
+            && count.cast.get_mut().is_ok_and(|c| c.is_none())
+        {
+            m.form.device.context().offer_transient_bytes(bytes as i64);
+            return Self { local, meta };
+        }
+        Self::fresh_like(local, &meta)
+    }
+
     /// A value taken from a memo: shares the cached piece's tracker (counted once).
     fn cached(
         local: B::FloatTensorPrimitive,

@@ -183,7 +183,8 @@ pub(crate) fn unary<B: Backend>(
     });
     let t = to_layout(op, t, &target);
     // Elementwise: the shape is the input's (a padded shard's cannot be read off its piece).
-    DTensor::fresh_like(f(t.local), &t.meta)
+    let DTensor { local, meta } = t;
+    DTensor::fresh_from(f(local), meta)
 }
 
 /// The inner backend's `require_grad` flag (the identity on a backend without autodiff, as
@@ -338,7 +339,7 @@ pub(crate) fn binary<B: Backend>(
     // leaves them as they are and the output has their layout.
     if plain_pair(&lhs, &rhs) {
         let DTensor { local: l, meta } = lhs;
-        return DTensor::fresh_like(f(l, rhs.local), &meta);
+        return DTensor::fresh_from(f(l, rhs.local), meta);
     }
     let (lhs, rhs, out) = align2(op, lhs, rhs, kind);
     // Broadcasting: the output's shape from the operands' (padded shards cannot tell it).
@@ -456,7 +457,8 @@ pub(crate) fn dim_local<B: Backend>(
 ) -> DTensor<B> {
     let target = whole_dim(&t.layout, dim);
     let t = to_layout(op, t, &target);
-    DTensor::fresh_like(f(t.local), &t.meta)
+    let DTensor { local, meta } = t;
+    DTensor::fresh_from(f(local), meta)
 }
 
 /// Slice a per-rank (full) bool mask to the local piece of a tensor laid out as `layout`.
