@@ -15,7 +15,11 @@
 //! 3. one cube per longer run, adding its segments' partial rows in order into the token's row
 //!    (the same kernel's second pass);
 //!
-//! after one pass that zeroes the table. A run of up to [`SEGMENT`] positions is summed exactly as
+//! after one pass that zeroes the table. The table is a contiguous buffer of our own, zeroed by
+//! [`zero_kernel`]: Burn's `float_zeros` allocates with CubeCL's "optimized" layout, which on CUDA
+//! pads each row to an aligned pitch where the row's bytes are not a multiple of it (a 5-wide
+//! f32 table gets row stride 8), and the kernels here write rows at `id · cols` — on that layout,
+//! the wrong elements (the CUDA-only failure of the 37 × 5 case, 2026-11-30). A run of up to [`SEGMENT`] positions is summed exactly as
 //! Burn's `select_add` (and Flex) sum it — `((0 + g₁) + g₂) + …` in position order, in f32 — so
 //! its row is their gradient bit for bit; a longer one (a common token: ≈ 6% of a batch of text,
 //! 490 of GPT-2's 8,192 positions) in segments of [`SEGMENT`], then the segments in order. On the
@@ -23,11 +27,10 @@
 //! the commonest token's run, summed by one cube alone. Ids outside `0..rows` add nothing (no
 //! write outside the table).
 
-use super::{Cb, arg, contiguous, empty, empty_f32, launched};
-use burn::tensor::ops::FloatTensorOps;
+use super::{arg, contiguous, elementwise, empty, empty_f32, launched};
 use burn::tensor::{DType, Shape, TensorMetadata};
+use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{BoolElement, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 use cubecl::{CubeCount, CubeDim};
 
@@ -40,6 +43,15 @@ const MAX_RUN_CUBES: usize = 16_384;
 
 /// Positions a cube sums in order ([`crate::EMBEDDING_SEGMENT`]).
 const SEGMENT: usize = crate::EMBEDDING_SEGMENT;
+
+/// `out[i] = 0` for every `i < n` (one unit per element).
+#[cube(launch)]
+fn zero_kernel<F: Float>(out: &mut Tensor<F>, n: u32, #[define(F)] _dtype: StorageType) {
+    let i = ABSOLUTE_POS;
+    if i < n as usize {
+        out[i] = F::new(0.0);
+    }
+}
 
 /// `order[key(i)] = i` for every position `i < len`, `key(i) = #{j : idⱼ < idᵢ} + #{j < i : idⱼ =
 /// idᵢ}`: the positions sorted by token, stably; `first[key(i)] = #{j : idⱼ < idᵢ}` (where
@@ -172,7 +184,7 @@ fn embedding_rows_kernel<F: Float, I: Int>(
 
 /// The gradient of an embedding lookup of a `[rows, cols]` table: `grad` `[.., cols]` (one row
 /// per id of `ids`, in order) added row by row into a zero table in `grad`'s dtype.
-pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
+pub(super) fn backward<R: CubeRuntime>(
     rows: usize,
     grad: CubeTensor<R>,
     ids: CubeTensor<R>,
@@ -186,9 +198,19 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
         "embedding_backward: one gradient row per id"
     );
     let dtype = grad.dtype;
-    let table =
-        Cb::<R, F, I, BT>::float_zeros(Shape::new([rows, cols]), &grad.device, dtype.into());
+    // Contiguous (see the module docs), zeroed here.
+    let table = empty(&grad, Shape::new([rows, cols]), dtype);
+    let (count, dim) = elementwise(&grad, rows * cols);
+    zero_kernel::launch::<R>(
+        &grad.client,
+        count,
+        dim,
+        arg(&table),
+        (rows * cols) as u32,
+        dtype.into(),
+    );
     if len == 0 {
+        launched(1);
         return table;
     }
     let order = empty(&ids, Shape::new([len]), DType::U32);
@@ -231,6 +253,6 @@ pub(super) fn backward<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolE
             [dtype.into(), ids.dtype.into()],
         );
     }
-    launched(3);
+    launched(4);
     table
 }

@@ -327,7 +327,7 @@ impl<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement> FusedOps
         grad: CubeTensor<R>,
         ids: CubeTensor<R>,
     ) -> CubeTensor<R> {
-        embedding::backward::<R, F, I, BT>(table.shape()[0], grad, ids)
+        embedding::backward::<R>(table.shape()[0], grad, ids)
     }
 
     fn fused_gelu_bias(x: CubeTensor<R>, bias: CubeTensor<R>, tanh: bool) -> CubeTensor<R> {
