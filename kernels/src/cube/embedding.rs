@@ -16,15 +16,17 @@
 //!    (the same kernel's second pass);
 //!
 //! after one pass that zeroes the table. The table is a contiguous buffer of our own, zeroed by
-//! [`zero_kernel`]: Burn's `float_zeros` allocates with CubeCL's "optimized" layout, which on CUDA
-//! pads each row to an aligned pitch where the row's bytes are not a multiple of it (a 5-wide
-//! f32 table gets row stride 8), and the kernels here write rows at `id · cols` — on that layout,
-//! the wrong elements (the CUDA-only failure of the 37 × 5 case, 2026-11-30). A run of up to [`SEGMENT`] positions is summed exactly as
-//! Burn's `select_add` (and Flex) sum it — `((0 + g₁) + g₂) + …` in position order, in f32 — so
-//! its row is their gradient bit for bit; a longer one (a common token: ≈ 6% of a batch of text,
-//! 490 of GPT-2's 8,192 positions) in segments of [`SEGMENT`], then the segments in order. On the
-//! H200 the earlier form, one cube per run, took 0.98 ms at GPT-2's shape against PyTorch's 0.22:
-//! the commonest token's run, summed by one cube alone. Ids outside `0..rows` add nothing (no
+//! [`zero_kernel`]: Burn's `float_zeros` allocates with CubeCL's "optimized" layout, which on
+//! CUDA pads each row to an aligned pitch where the row's bytes are not a multiple of it (a
+//! 5-wide f32 table gets row stride 8), and the kernels here write rows at `id · cols` — on that
+//! layout, the wrong elements (the CUDA-only failure of the 37 × 5 case, 2026-11-30).
+//!
+//! A run of up to [`SEGMENT`] positions is summed exactly as Burn's `select_add` (and Flex) sum
+//! it — `((0 + g₁) + g₂) + …` in position order, in f32 — so its row is their gradient bit for
+//! bit; a longer one (a common token: ≈ 6% of a batch of text, 490 of GPT-2's 8,192 positions)
+//! in segments of [`SEGMENT`], then the segments in order. On the H200 the earlier form, one cube
+//! per run, took 0.98 ms at GPT-2's shape against PyTorch's 0.22: the commonest token's run,
+//! summed by one cube alone. Ids outside `0..rows` add nothing (no
 //! write outside the table).
 
 use super::{arg, contiguous, elementwise, empty, empty_f32, launched};

@@ -163,17 +163,20 @@ fn empty_f32<R: CubeRuntime>(like: &CubeTensor<R>, shape: impl Into<Shape>) -> C
     empty(like, shape.into(), DType::F32)
 }
 
-/// `t` contiguous and in `dtype` (a kernel's operands taken in one dtype).
+/// `t` contiguous and in `dtype` (a kernel's operands taken in one dtype). Contiguous after the
+/// cast: Burn's cast writes a new tensor in CubeCL's "optimized" layout, which on CUDA pads rows
+/// whose bytes are not a multiple of their alignment (see `embedding.rs`), and the kernels read
+/// packed rows.
 fn as_dtype<R: CubeRuntime, F: FloatElement, I: IntElement, BT: BoolElement>(
     t: CubeTensor<R>,
     dtype: DType,
 ) -> CubeTensor<R> {
-    let t = into_contiguous(t);
-    if t.dtype == dtype {
+    let t = if t.dtype == dtype {
         t
     } else {
         Cb::<R, F, I, BT>::float_cast(t, dtype.into())
-    }
+    };
+    into_contiguous(t)
 }
 
 /// One unit per element of `n`.
