@@ -84,7 +84,7 @@ assert len(a) == 4 and key(a) == key(b), (key(a), key(b))
 print(f"{sys.argv[3]}: {len(a)} steps, losses identical under mpirun and ranks-as-threads: {[r['loss'] for r in a]}")
 PY
 done
-echo "--- context and expert parallelism inside pipeline stages (one process per rank; ranks as threads refuse it)"
+echo "--- context and expert parallelism inside pipeline stages (one process per rank; the same as threads in cargo test)"
 # cp 2 × pp 2 against pp 2 alone, ep 2 × pp 2 (dp 2 FullShard, a mixture of experts) against dp 2 × pp
 # 2: the same losses within 1e-5 (the arithmetic differs: not bitwise).
 stage_args=(--steps 4 --n-layer 2 --block-size 32 --tokenizer bytes --sample-tokens 0 --eval-every 2 --pp 2 --microbatches 2)

@@ -85,12 +85,6 @@ pub struct ParallelConfig {
     #[serde(default)]
     #[arg(long, default_value = "ring", help_heading = "Parallelism")]
     pub cp_rotate: CpRotate,
-    /// Each rank is a process of its own (a launcher started one per rank:
-    /// [`Self::fit_world`]), not a thread beside the others: what lets context and expert
-    /// parallelism run inside pipeline stages (see [`Self::check_available`]).
-    #[serde(skip)]
-    #[arg(skip)]
-    pub process_per_rank: bool,
     /// Data-parallel strategy: none (DDP), zero1, grad-op, full (FSDP / ZeRO-3), hybrid (HSDP).
     #[arg(long, default_value = "none", value_parser = parse_fsdp, help_heading = "Parallelism")]
     pub fsdp: FsdpStrategy,
@@ -223,7 +217,6 @@ impl ParallelConfig {
                 self.tp.max(1)
             )));
         }
-        self.process_per_rank = true;
         Ok(())
     }
 
@@ -308,20 +301,6 @@ impl ParallelConfig {
             return Err(Error::Config("--cp must be at least 1".into()));
         }
         self.check_experts()?;
-        if self.cp > 1 && self.pp > 1 && !self.process_per_rank {
-            // Measured: ranks as threads deadlock. Burn 0.21's autodiff ends every backward
-            // pass by locking every thread's graph in turn (`GraphCleaner`); a stage whose
-            // backward holds its graph while its attention waits on a context peer, that peer
-            // waiting for a pipeline message, and the sender blocked in its own context
-            // collective behind the cleaning rank close a cycle. One process per rank (MPI)
-            // shares no graphs: there it runs (scripts/mpi_test.sh).
-            return Err(Error::Config(format!(
-                "--cp {} with --pp {}: context parallelism inside pipeline stages needs one \
-                 process per rank (mpirun); ranks as threads deadlock in Burn 0.21's \
-                 end-of-backward graph cleanup",
-                self.cp, self.pp
-            )));
-        }
         Ok(())
     }
 
@@ -343,9 +322,7 @@ impl ParallelConfig {
     /// `--dp` (the ranks it is taken from); with `--tp` (the experts would be replicated over
     /// the tensor-parallel ranks, each exchanging the same tokens: not built — use tp for the
     /// dense layers of a model without `--ep`); with HSDP (`--fsdp hybrid` shards over
-    /// `--dp-shard` alone, which the expert axis would have to split); with `--pp` when the
-    /// ranks are threads of one process (the deadlock `--cp` meets with `--pp`: each stage's
-    /// all-to-alls wait on their peers inside Burn's backward).
+    /// `--dp-shard` alone, which the expert axis would have to split).
     fn check_experts(&self) -> Result<(), Error> {
         let ep = self.ep;
         let refuse = |why: String| Err(Error::Config(format!("--ep {ep}: {why}")));
@@ -372,14 +349,6 @@ impl ParallelConfig {
         if self.fsdp == FsdpStrategy::Hybrid {
             return refuse(
                 "HSDP shards over --dp-shard alone; choose --fsdp full, grad-op, zero1 or none"
-                    .into(),
-            );
-        }
-        if self.pp > 1 && !self.process_per_rank {
-            return refuse(
-                "expert parallelism inside pipeline stages needs one process per rank \
-                 (mpirun); ranks as threads deadlock in Burn 0.21's end-of-backward graph \
-                 cleanup, as --cp with --pp does"
                     .into(),
             );
         }

@@ -12,7 +12,8 @@
 //! the turn, the members run the backward and its cleanup together, a barrier, the turn freed.
 //! Inside a turn nothing waits on a rank outside it; outside turns no rank holds a graph lock
 //! while it waits. Needed only when backward passes communicate (tensor parallelism inside a
-//! stage, parameters sharded over a data axis); the serialisation costs the stages' backward
+//! stage, parameters sharded over a data axis, ring attention over a context axis, the
+//! experts' all-to-alls over an expert axis); the serialisation costs the stages' backward
 //! overlap within one process, not the results.
 
 use std::sync::{Condvar, Mutex};
@@ -20,7 +21,7 @@ use std::sync::{Condvar, Mutex};
 use crate::comm::{Communicator, Group};
 use crate::device::RankContext;
 use crate::error::Error;
-use crate::mesh::AxisKind;
+use crate::mesh::{AxisKind, CONTEXT_AXIS, EXPERT_AXIS};
 
 static HELD: Mutex<bool> = Mutex::new(false);
 static FREED: Condvar = Condvar::new();
@@ -56,16 +57,23 @@ pub struct StageGroup {
 }
 
 impl StageGroup {
-    /// `None` when the rank's backward passes run no collective: no model axis besides the
-    /// pipeline's has more than one rank, and no parameter rests sharded over a data axis.
+    /// `None` when the rank's backward passes run no collective: no model, context or expert
+    /// axis besides the pipeline's has more than one rank, and no parameter rests sharded over a
+    /// data axis.
     pub fn of(ctx: &RankContext, pipeline_axis: usize) -> Result<Option<Self>, Error> {
         let mesh = ctx.mesh();
         let axes: Vec<usize> = (0..mesh.axes().len())
             .filter(|&a| a != pipeline_axis && mesh.axis_size(a) > 1)
             .collect();
-        let model = axes.iter().any(|&a| mesh.axis(a).kind == AxisKind::Model);
+        // A model axis (tp), the context axis (the ring's key/value blocks and their
+        // gradients travel in the attention's backward) and the expert axis (the dispatch's
+        // and combine's all-to-alls run again, transposed) communicate in every backward.
+        let communicating = axes.iter().any(|&a| {
+            let axis = mesh.axis(a);
+            axis.kind == AxisKind::Model || axis.name == CONTEXT_AXIS || axis.name == EXPERT_AXIS
+        });
         let sharded = ctx.with_policy(|p| !p.sharding.param_shard_axes.is_empty());
-        if !(model || sharded) {
+        if !(communicating || sharded) {
             return Ok(None);
         }
         let mut leader = true;

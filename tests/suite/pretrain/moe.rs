@@ -134,33 +134,48 @@ fn moe_llama_sharded_runs_match_one_rank() {
 /// follow one rank accumulating the same 4 micro-batches: every loss, the validation losses
 /// and every parameter within 1e-5 — each stage's auxiliary losses weighted by the loss scale
 /// over the micro-batches — and the routers' counts and auxiliary loss (each block's on its
-/// stage's ranks) are the reference's.
+/// stage's ranks) are the reference's. Expert parallelism inside the stages, ranks as threads:
+/// dp 2 = ep 2 × pp 2 (DDP, 4 micro-batches) and dp 4 = ep 2 × dp 2 × pp 2 (FullShard, ZB-H1,
+/// 2 micro-batches; 8 ranks) follow one rank accumulating the same 8 micro-batches the same way (the stage group's
+/// backward passes, whose all-to-alls wait on the expert peers, take the process-wide turn of
+/// `pipeline::turns`).
 #[test]
 fn moe_llama_pipeline_stages_match_one_rank() {
     let base = PretrainConfig {
         batch_size: 8,
         ..tiny_moe(4)
     };
-    let one = run(&PretrainConfig {
-        accum: 4,
-        ..base.clone()
-    })
-    .unwrap();
-    for recompute in [Recompute::None, Recompute::Full] {
-        let what = format!("pp 2 {recompute:?}");
+    let mut references = std::collections::HashMap::new();
+    use FsdpStrategy::{FullShard, NoShard};
+    // (schedule, micro-batches, dp, ep, strategy, recompute)
+    let cases = [
+        ("1f1b", 4, 1, 1, NoShard, Recompute::None),
+        ("1f1b", 4, 1, 1, NoShard, Recompute::Full),
+        ("1f1b", 4, 2, 2, NoShard, Recompute::None),
+        ("zb", 2, 4, 2, FullShard, Recompute::None),
+    ];
+    for (schedule, m, dp, ep, fsdp, recompute) in cases {
+        let what = format!("{schedule} pp 2 M {m} dp {dp} ep {ep} {fsdp:?} {recompute:?}");
         let got = run(&PretrainConfig {
             parallel: ParallelConfig {
                 pp: 2,
-                pp_schedule: "1f1b".into(),
-                microbatches: 4,
+                pp_schedule: schedule.into(),
+                microbatches: m,
                 recompute,
-                ..ParallelConfig::default()
+                ..with_ep(dp, ep, fsdp)
             },
             ..base.clone()
         })
         .unwrap();
-        same_run(&what, &got, &one, 1e-5);
-        same_routing(&what, &got, &one);
+        let one = references.entry(dp * m).or_insert_with(|| {
+            run(&PretrainConfig {
+                accum: dp * m,
+                ..base.clone()
+            })
+            .unwrap()
+        });
+        same_run(&what, &got, one, 1e-5);
+        same_routing(&what, &got, one);
     }
 }
 
@@ -502,7 +517,7 @@ fn moe_expert_parallel_memory_estimate_equals_the_accounting() {
 }
 
 /// `--ep` is refused before any work where it cannot split: not dividing `--dp`, on a model
-/// without a mixture of experts, not dividing the experts, and with `--tp`, `--pp` or HSDP.
+/// without a mixture of experts, not dividing the experts, and with `--tp` or HSDP.
 #[test]
 fn expert_parallel_refusals_are_typed() {
     let on = |parallel: ParallelConfig| PretrainConfig {
@@ -533,11 +548,6 @@ fn expert_parallel_refusals_are_typed() {
         ..with_ep(2, 2, FsdpStrategy::NoShard)
     }));
     assert!(e.contains("--ep 2") && e.contains("--tp"), "{e}");
-    let e = refused(on(ParallelConfig {
-        pp: 2,
-        ..with_ep(2, 2, FsdpStrategy::NoShard)
-    }));
-    assert!(e.contains("--ep 2") && e.contains("--pp"), "{e}");
     let e = refused(on(ParallelConfig {
         dp_shard: Some(2),
         ..with_ep(4, 2, FsdpStrategy::Hybrid)

@@ -93,6 +93,92 @@ fn pipeline_parallel_matches_one_rank() {
     }
 }
 
+/// Context parallelism inside pipeline stages, ranks as threads: cp 2 × pp 2 (1F1B, ring,
+/// balanced), cp 2 × pp 2 with re-materialised stages (the all-gather rotation, plain layout)
+/// and dp 2 × cp 2 × pp 2 with FSDP over dp × cp (ZB-H1, 8 ranks) follow the same layout
+/// without stages (the same micro-batches accumulated) within 1e-5 — every loss, validation
+/// loss and parameter — and one rank within 1e-4 (ring attention merges its blocks in another
+/// order, as in `context_parallel_runs_match_one_rank`). The stage group's backward passes take
+/// the process-wide turn (`pipeline::turns`): without it these runs deadlocked in Burn 0.21's
+/// end-of-backward cleanup.
+#[test]
+fn context_parallel_inside_pipeline_stages_matches_one_rank() {
+    use wildfire::parallel::{CpLayout, CpRotate};
+    let base = PretrainConfig {
+        batch_size: 8,
+        eval_every: 2,
+        ..small(4)
+    };
+    use FsdpStrategy::{FullShard, NoShard};
+    // (schedule, dp, strategy, layout, rotation, recompute)
+    let cases = [
+        (
+            "1f1b",
+            1,
+            NoShard,
+            CpLayout::Balanced,
+            CpRotate::Ring,
+            Recompute::None,
+        ),
+        (
+            "1f1b",
+            1,
+            NoShard,
+            CpLayout::Plain,
+            CpRotate::AllGather,
+            Recompute::Full,
+        ),
+        (
+            "zb",
+            2,
+            FullShard,
+            CpLayout::Balanced,
+            CpRotate::Ring,
+            Recompute::None,
+        ),
+    ];
+    let m = 2;
+    let mut references = std::collections::HashMap::new();
+    for (schedule, dp, fsdp, cp_layout, cp_rotate, recompute) in cases {
+        let layout = ParallelConfig {
+            dp,
+            cp: 2,
+            fsdp,
+            cp_layout,
+            cp_rotate,
+            ..ParallelConfig::default()
+        };
+        let got = run(&PretrainConfig {
+            parallel: ParallelConfig {
+                pp: 2,
+                pp_schedule: schedule.into(),
+                microbatches: m,
+                recompute,
+                ..layout.clone()
+            },
+            ..base.clone()
+        })
+        .unwrap();
+        let what =
+            format!("{schedule} dp={dp} cp=2 pp=2 {fsdp:?} {cp_layout} {cp_rotate} {recompute:?}");
+        let unpipelined = run(&PretrainConfig {
+            accum: m,
+            parallel: layout,
+            ..base.clone()
+        })
+        .unwrap();
+        same_run(&what, &got, &unpipelined, 1e-5);
+        let one = references.entry(dp * m).or_insert_with(|| {
+            run(&PretrainConfig {
+                accum: dp * m,
+                ..base.clone()
+            })
+            .unwrap()
+        });
+        same_run(&format!("{what} vs one rank"), &got, one, 1e-4);
+    }
+}
+
 /// Dropout inside pipeline stages draws the masks one device draws (seeded by step, first row
 /// and block index), also when each stage's forward runs again in its backward
 /// (`--recompute full`: re-materialisation): 1F1B and ZB-H1 with dropout 0.1, with and without,
