@@ -12,7 +12,8 @@
 #   (a) correctness: the tensor-core attention (bf16, f16; the cmma-fragment kernels, then the
 #       fragment kernels of WILDFIRE_ATTENTION_MMA=0, then the default register kernels) against
 #       the f32 tiles on CUDA, the 8-bit
-#       optimizer state's kernels against Flex's host loops, CUDA
+#       optimizer state's kernels against Flex's host loops, NCCL's collectives (the experts'
+#       all-to-all included) on a world of one, CUDA
 #       against Flex for 30 steps of the tiny preset, and (last: its Burn-op references are
 #       autotuned) every kernel against Burn ops in f32;
 #   (b) speed: attention and GEMMs (cuBLASLt, and CubeCL's for comparison) at GPT-2 124M's
@@ -50,8 +51,16 @@ for l in sys.stdin:
 for l in sys.stdin:
     m = json.loads(l)
     if m.get("executable") and m["target"]["name"] == "main": print(m["executable"])')
+    # the communicators' unit tests (NCCL's world of one: every collective, the experts'
+    # all-to-all, through NCCL on the one GPU)
+    local comm_tests
+    comm_tests=$(cargo test --release --no-run -p wildfire-parallel --features cuda --lib --message-format json 2>/dev/null |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("executable") and m["target"]["name"] == "wildfire_parallel": print(m["executable"])')
     local target=${CARGO_TARGET_DIR:-target}
-    for pair in "$target/release/examples/gpt_pretrain:gpt_pretrain" "$bench:gpu_kernels" "$tests:kernel_tests"; do
+    for pair in "$target/release/examples/gpt_pretrain:gpt_pretrain" "$bench:gpu_kernels" "$tests:kernel_tests" "$comm_tests:comm_tests"; do
         local src=${pair%%:*} name=${pair##*:}
         rm -f "$dir/$name.gz"
         strip -o "$dir/$name" "$src" && xz -9e -T0 -f "$dir/$name"
@@ -81,7 +90,7 @@ run() {
         xz -dc "$f" > "$T/b/$(basename "$f" .xz)" 2>/dev/null ||
             python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$f" "$T/b/$(basename "$f" .xz)"
     done
-    chmod +x "$T/b/gpt_pretrain" "$T/b/gpu_kernels" "$T/b/kernel_tests"
+    chmod +x "$T/b/gpt_pretrain" "$T/b/gpu_kernels" "$T/b/kernel_tests" "$T/b/comm_tests"
     cp "$dir"/*.py "$T/b/"
     export NO_COLOR=1 RUST_LOG=${RUST_LOG:-info}
     # cuBLASLt (the GEMMs) is loaded at run time by name; the CUDA toolkit's folder where the
@@ -119,6 +128,9 @@ run() {
     step attention_tests 120 "$T/b/kernel_tests" cuda_tensor_core --test-threads 1
     # the 8-bit optimizer state's kernels (`u8` codes) against Flex's host loops, bit for bit
     step quant_tests 60 "$T/b/kernel_tests" cuda_blockwise --test-threads 1
+    # NCCL on a world of one (the machine's one GPU: NCCL refuses two ranks on one device):
+    # every collective and the experts' all-to-all, through the library
+    step nccl_tests 60 "$T/b/comm_tests" nccl --test-threads 1
     # (--trace: the host's time in each region of a step — forward and backward are only queued
     # on the device, so where they take as long as the step the host, not the GPU, is the limit)
     step gpt2_ours 200 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 --metrics "$R/gpt2_ours.jsonl" \

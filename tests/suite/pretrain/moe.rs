@@ -497,7 +497,8 @@ fn moe_resumes_across_expert_parallel_degrees() {
 }
 
 /// The memory estimate's parameter, gradient and optimizer bytes are the accounting under
-/// expert parallelism: ep 2 from dp 2 (DDP, ZeRO-1), ep 2 × dp 2 FullShard, ep 4 ZeRO-2.
+/// expert parallelism: ep 2 from dp 2 (DDP, ZeRO-1), ep 2 × dp 2 FullShard, ep 4 ZeRO-2, and
+/// ep 2 × dp 2 FullShard inside two pipeline stages (pipeline rank 0's share).
 #[test]
 fn moe_expert_parallel_memory_estimate_equals_the_accounting() {
     use FsdpStrategy::{FullShard, NoShard, ShardGradOp, ShardOptimizer};
@@ -512,6 +513,11 @@ fn moe_expert_parallel_memory_estimate_equals_the_accounting() {
             with_ep(2, 2, ShardOptimizer),
             with_ep(4, 2, FullShard),
             with_ep(4, 4, ShardGradOp),
+            ParallelConfig {
+                pp: 2,
+                microbatches: 2,
+                ..with_ep(4, 2, FullShard)
+            },
         ],
     );
 }

@@ -624,7 +624,8 @@ fn four_layers_with_dropout() -> PretrainConfig {
 /// The memory estimate's parameter, gradient and optimizer bytes are pipeline rank 0's
 /// accounting: its stages' blocks and the token table (not the last stage's final norm, nor its
 /// copy of the tied table), under pp 2, pp 2 × dp 2 ZeRO-1, pp 2 × tp 2, interleaved pp 2 × 2
-/// virtual stages (rank 0 holds stages 0 and 2 of 4), and a Llama in two stages.
+/// virtual stages (rank 0 holds stages 0 and 2 of 4), pp 2 × cp 2, pp 2 × dp 2 × cp 2 with FSDP
+/// over dp × cp, and a Llama in two stages.
 #[test]
 fn pipeline_memory_estimate_is_rank_zeros_accounting() {
     let pp = |dp, tp, fsdp, virtual_stages| {
@@ -639,6 +640,14 @@ fn pipeline_memory_estimate_is_rank_zeros_accounting() {
             pp(2, 1, FsdpStrategy::ShardOptimizer, 1),
             pp(1, 2, FsdpStrategy::NoShard, 1),
             pp(1, 1, FsdpStrategy::NoShard, 2),
+            ParallelConfig {
+                cp: 2,
+                ..pp(1, 1, FsdpStrategy::NoShard, 1)
+            },
+            ParallelConfig {
+                cp: 2,
+                ..pp(2, 1, FsdpStrategy::FullShard, 1)
+            },
         ],
     );
     let llama = PretrainConfig {

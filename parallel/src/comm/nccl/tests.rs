@@ -22,9 +22,11 @@ fn host(t: CubeTensor<CudaRuntime>) -> TensorData {
 }
 
 /// On a machine with CUDA and NCCL: a world of one on GPU 0, where every collective still
-/// runs through NCCL — the device path on contiguous and strided tensors and the host API,
-/// each equal to its input (a group of one), counted in the statistics. Without them:
-/// a typed error, not cudarc's panic on a missing library.
+/// runs through NCCL — the device path on contiguous and strided tensors, the experts'
+/// all-to-all (grouped sends and receives, here to itself) and the host API, each equal to its
+/// input (a group of one), counted in the statistics; all-to-all splits that do not fit the
+/// buffer are a typed error. Without them: a typed error, not cudarc's panic on a missing
+/// library.
 #[test]
 fn nccl_world_of_one_or_a_typed_error() {
     let mesh = DeviceMesh::single();
@@ -82,16 +84,39 @@ fn nccl_world_of_one_or_a_typed_error() {
         let out = host(out.unwrap_or_else(|e| panic!("{name}: {e}")));
         assert_eq!(&out, expected, "{name}");
     }
+    // The experts' all-to-all (grouped `ncclSend`/`ncclRecv`, here to itself): the rows come
+    // back as they went.
+    let rows = TensorData::new(data.to_vec::<f32>().unwrap(), [6, 4]);
+    let exchanged = dc
+        .all_to_all_first(
+            Group::World,
+            Cuda::float_from_data(rows.clone(), &device),
+            &[6],
+            &[6],
+        )
+        .unwrap_or_else(|e| panic!("all_to_all: {e}"));
+    assert_eq!(host(exchanged), rows, "all_to_all");
     let stats = DeviceCollectives::<Cuda>::stats(&nccl);
     assert_eq!(stats.count(CollectiveKind::AllReduce), 2);
     assert_eq!(stats.count(CollectiveKind::Broadcast), 1);
+    assert_eq!(stats.count(CollectiveKind::AllToAll), 1);
     // The host API, through NCCL too.
     let gathered = Communicator::all_gather(&nccl, Group::World, data.clone(), 1).unwrap();
     assert_eq!(gathered, data);
     let reduced =
         Communicator::all_reduce(&nccl, Group::World, data.clone(), ReduceOp::Sum).unwrap();
     assert_eq!(reduced, data);
+    let exchanged = Communicator::all_to_all(&nccl, Group::World, rows.clone(), &[6], &[6]);
+    assert_eq!(exchanged.unwrap(), rows, "host all_to_all");
     Communicator::barrier(&nccl, Group::World).unwrap();
     let sent = Communicator::broadcast(&nccl, Group::World, Some(data.clone()), 0).unwrap();
     assert_eq!(sent, data);
+    // Splits that do not add up to the buffer's rows: a typed error, nothing enqueued.
+    let bad = dc.all_to_all_first(
+        Group::World,
+        Cuda::float_from_data(rows.clone(), &device),
+        &[5],
+        &[5],
+    );
+    assert!(matches!(bad, Err(Error::Mismatch { .. })), "{bad:?}");
 }
