@@ -52,6 +52,31 @@ fn two_stages(layout: ParallelConfig, virtual_stages: usize) -> ParallelConfig {
     }
 }
 
+/// `layout` in two pipeline stages on `schedule` with `m` micro-batches a step.
+fn pipelined(layout: ParallelConfig, schedule: &str, m: usize) -> ParallelConfig {
+    ParallelConfig {
+        pp: 2,
+        pp_schedule: schedule.into(),
+        microbatches: m,
+        ..layout
+    }
+}
+
+/// One rank accumulating `n` micro-batches of `base`, run once per `n` and kept in `runs`.
+fn accumulating<'a>(
+    runs: &'a mut std::collections::HashMap<usize, RunSummary>,
+    base: &PretrainConfig,
+    n: usize,
+) -> &'a RunSummary {
+    runs.entry(n).or_insert_with(|| {
+        run(&PretrainConfig {
+            accum: n,
+            ..base.clone()
+        })
+        .unwrap()
+    })
+}
+
 /// The tiny Llama directory `transformers` wrote (grouped heads, an untied head).
 fn transformers_llama_dir() -> PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_tiny/untied")

@@ -156,24 +156,16 @@ fn moe_llama_pipeline_stages_match_one_rank() {
     ];
     for (schedule, m, dp, ep, fsdp, recompute) in cases {
         let what = format!("{schedule} pp 2 M {m} dp {dp} ep {ep} {fsdp:?} {recompute:?}");
+        let layout = ParallelConfig {
+            recompute,
+            ..with_ep(dp, ep, fsdp)
+        };
         let got = run(&PretrainConfig {
-            parallel: ParallelConfig {
-                pp: 2,
-                pp_schedule: schedule.into(),
-                microbatches: m,
-                recompute,
-                ..with_ep(dp, ep, fsdp)
-            },
+            parallel: pipelined(layout, schedule, m),
             ..base.clone()
         })
         .unwrap();
-        let one = references.entry(dp * m).or_insert_with(|| {
-            run(&PretrainConfig {
-                accum: dp * m,
-                ..base.clone()
-            })
-            .unwrap()
-        });
+        let one = accumulating(&mut references, &base, dp * m);
         same_run(&what, &got, one, 1e-5);
         same_routing(&what, &got, one);
     }

@@ -93,6 +93,28 @@ fn pipeline_parallel_matches_one_rank() {
     }
 }
 
+/// `layout` run in two stages (`schedule`, `m` micro-batches a step), and without stages on
+/// the same micro-batches accumulated.
+fn with_and_without_stages(
+    base: &PretrainConfig,
+    layout: ParallelConfig,
+    schedule: &str,
+    m: usize,
+) -> (RunSummary, RunSummary) {
+    let staged = run(&PretrainConfig {
+        parallel: pipelined(layout.clone(), schedule, m),
+        ..base.clone()
+    })
+    .unwrap();
+    let unstaged = run(&PretrainConfig {
+        accum: m,
+        parallel: layout,
+        ..base.clone()
+    })
+    .unwrap();
+    (staged, unstaged)
+}
+
 /// Context parallelism inside pipeline stages, ranks as threads: cp 2 × pp 2 (1F1B, ring,
 /// balanced), cp 2 × pp 2 with re-materialised stages (the all-gather rotation, plain layout)
 /// and dp 2 × cp 2 × pp 2 with FSDP over dp × cp (ZB-H1, 8 ranks) follow the same layout
@@ -146,35 +168,14 @@ fn context_parallel_inside_pipeline_stages_matches_one_rank() {
             fsdp,
             cp_layout,
             cp_rotate,
+            recompute,
             ..ParallelConfig::default()
         };
-        let got = run(&PretrainConfig {
-            parallel: ParallelConfig {
-                pp: 2,
-                pp_schedule: schedule.into(),
-                microbatches: m,
-                recompute,
-                ..layout.clone()
-            },
-            ..base.clone()
-        })
-        .unwrap();
         let what =
             format!("{schedule} dp={dp} cp=2 pp=2 {fsdp:?} {cp_layout} {cp_rotate} {recompute:?}");
-        let unpipelined = run(&PretrainConfig {
-            accum: m,
-            parallel: layout,
-            ..base.clone()
-        })
-        .unwrap();
+        let (got, unpipelined) = with_and_without_stages(&base, layout, schedule, m);
         same_run(&what, &got, &unpipelined, 1e-5);
-        let one = references.entry(dp * m).or_insert_with(|| {
-            run(&PretrainConfig {
-                accum: dp * m,
-                ..base.clone()
-            })
-            .unwrap()
-        });
+        let one = accumulating(&mut references, &base, dp * m);
         same_run(&format!("{what} vs one rank"), &got, one, 1e-4);
     }
 }
@@ -425,12 +426,7 @@ fn pipeline_stages_with_sequence_parallelism() {
                 ..ParallelConfig::default()
             };
             let got = run(&PretrainConfig {
-                parallel: ParallelConfig {
-                    pp: 2,
-                    pp_schedule: schedule.into(),
-                    microbatches: m,
-                    ..layout.clone()
-                },
+                parallel: pipelined(layout.clone(), schedule, m),
                 ..base.clone()
             })
             .unwrap();
