@@ -151,6 +151,10 @@ run() {
     # its kernels and the step with it
     WILDFIRE_ATTENTION_LDSM=0 step kernels_ours_noldsm 60 "$T/b/gpu_kernels" --iters 5
     WILDFIRE_ATTENTION_LDSM=0 step gpt2_noldsm 120 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 --metrics "$R/gpt2_noldsm.jsonl"
+    # the register attention loading each key block at its step, not during the block before
+    # (WILDFIRE_ATTENTION_PREFETCH=0): its kernels and the step with it
+    WILDFIRE_ATTENTION_PREFETCH=0 step kernels_ours_noprefetch 60 "$T/b/gpu_kernels" --iters 5
+    WILDFIRE_ATTENTION_PREFETCH=0 step gpt2_noprefetch 120 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 --metrics "$R/gpt2_noprefetch.jsonl"
     # the same step with Burn's CubeCL matmuls instead of cuBLASLt (the GEMMs' share of the step)
     WILDFIRE_CUBLAS=0 step gpt2_cubecl 120 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_cubecl.jsonl"
     # the flash kernels with CubeCL's bounds checks on every index (the default launches skip them)

@@ -77,7 +77,9 @@ for name, k in ours.items():
 for log, how in (("kernels_ours_checked.log", "with bounds checks"),
                  ("kernels_ours_nocmma.log", "without tensor cores"),
                  ("kernels_ours_fragments.log", "`cmma` fragment kernels (`WILDFIRE_ATTENTION_MMA=0`)"),
-                 ("kernels_ours_noldsm.log", "without `ldmatrix` (`WILDFIRE_ATTENTION_LDSM=0`)")):
+                 ("kernels_ours_noldsm.log", "without `ldmatrix` (`WILDFIRE_ATTENTION_LDSM=0`)"),
+                 ("kernels_ours_noprefetch.log",
+                  "without the next block's reads ahead (`WILDFIRE_ATTENTION_PREFETCH=0`)")):
     plain = {k["kernel"]: k for k in jsonl(log)}
     for name in ("attention_fwd", "attention_bwd"):
         if name in plain:
@@ -94,6 +96,7 @@ for label, log in (("Wildfire (CUDA, cuBLASLt GEMMs)", "gpt2_ours.jsonl"),
                    ("Wildfire (CUDA, CubeCL GEMMs)", "gpt2_cubecl.jsonl"),
                    ("Wildfire (CUDA, cuBLASLt GEMMs, fragment attention)", "gpt2_fragments.jsonl"),
                    ("Wildfire (CUDA, attention without `ldmatrix`)", "gpt2_noldsm.jsonl"),
+                   ("Wildfire (CUDA, attention without reads ahead)", "gpt2_noprefetch.jsonl"),
                    ("Wildfire (CUDA, GEMMs not waited for: WILDFIRE_CUBLAS_ASYNC=1)", "gpt2_async.jsonl")):
     steps = jsonl(log)[1:]
     if steps:

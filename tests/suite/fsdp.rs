@@ -18,6 +18,13 @@ use wildfire::parallel::{
 };
 
 const STEPS: usize = 20;
+/// The strategies over one data axis (HSDP needs two).
+const ONE_AXIS: [FsdpStrategy; 4] = [
+    FsdpStrategy::NoShard,
+    FsdpStrategy::ShardOptimizer,
+    FsdpStrategy::ShardGradOp,
+    FsdpStrategy::FullShard,
+];
 const GLOBAL_BATCH: usize = 8;
 
 fn task() -> SyntheticTask {
@@ -138,12 +145,7 @@ fn check(strategy: FsdpStrategy, mesh: DeviceMesh) {
 
 #[test]
 fn every_strategy_matches_one_device() {
-    for strategy in [
-        FsdpStrategy::NoShard,
-        FsdpStrategy::ShardOptimizer,
-        FsdpStrategy::ShardGradOp,
-        FsdpStrategy::FullShard,
-    ] {
+    for strategy in ONE_AXIS {
         for dp in [2, 4] {
             check(strategy, DeviceMesh::new([("dp", dp)]).unwrap());
         }
@@ -180,12 +182,7 @@ fn memory_matches_the_zero_formulas() {
             }
         })
         .sum();
-    for strategy in [
-        FsdpStrategy::NoShard,
-        FsdpStrategy::ShardOptimizer,
-        FsdpStrategy::ShardGradOp,
-        FsdpStrategy::FullShard,
-    ] {
+    for strategy in ONE_AXIS {
         let results = threads(&mesh, |device| {
             let m = fully_shard(model::<Dist>(&device), &mesh, strategy).unwrap();
             let mut optim = FsdpOptimizer::new(AdamWConfig::new().init());

@@ -35,7 +35,7 @@ pub(super) fn flash_backward_q_kernel<E: Float, N: Size>(
     #[comptime] causal: bool,
     #[comptime] cmma: bool,
     #[comptime] registers: bool,
-    #[comptime] ldsm: bool,
+    #[comptime] loads: Loads,
     #[define(E)] _dtype: StorageType,
 ) {
     let own = comptime!(planes * rows);
@@ -46,7 +46,7 @@ pub(super) fn flash_backward_q_kernel<E: Float, N: Size>(
     if comptime!(registers) {
         let ldv = comptime!((d + 8) / 2);
         let chunk = comptime!(if cmma { CHUNK } else { bk });
-        let shape = comptime!(Phase::new(chunk, d, ldv, cmma, ldsm));
+        let shape = comptime!(Phase::new(chunk, d, ldv, cmma, loads.ldsm));
         let q_start = start;
         let (plane, g, t) = plane_lanes();
         let i0 = q_start + plane * rows + g;
@@ -110,19 +110,42 @@ pub(super) fn flash_backward_q_kernel<E: Float, N: Size>(
         let qf = a_operands::<E, N>(&qs, plane * rows, d, ldv);
         let dof = a_operands::<E, N>(&dos, plane * rows, d, ldv);
         let mut acc = acc_zeros::<N>(comptime!(d / 8));
-        for kb in 0..keys_end(q_start, seq_k, q_offset, own, causal).div_ceil(bk) {
-            let k_start = kb * bk;
-            let at = KeyBlock {
-                b,
-                hk,
-                k_start,
-                seq_q,
-                seq_k,
-                q_start,
-                q_offset,
-            };
+        // The next block's K and V read during each block's products (`kv_first`).
+        let first = first_block(b, hk, seq_q, seq_k, q_start, q_offset);
+        let blocks = kv_first::<E, N>(
+            k,
+            &k_l,
+            v,
+            &v_l,
+            &first,
+            &mut ks,
+            &mut vs,
+            own,
+            bk,
+            d,
+            units,
+            causal,
+            loads.prefetch,
+        );
+        let ahead = comptime!(if loads.prefetch { bk } else { 0 });
+        for kb in 0..blocks {
+            let at = key_block(&first, kb, bk);
+            let k_start = at.k_start;
+            let gk = kv_ahead::<E, N>(k, &k_l, &at, bk, ahead, d, units);
+            let gv = kv_ahead::<E, N>(v, &v_l, &at, bk, ahead, d, units);
             let masked = kv_block::<E, N>(
-                k, &k_l, v, &v_l, &at, &mut ks, &mut vs, bk, d, units, causal,
+                k,
+                &k_l,
+                v,
+                &v_l,
+                &at,
+                &mut ks,
+                &mut vs,
+                bk,
+                d,
+                units,
+                causal,
+                loads.prefetch,
             );
             #[unroll]
             for ph in 0..comptime!(bk / chunk) {
@@ -146,6 +169,19 @@ pub(super) fn flash_backward_q_kernel<E: Float, N: Size>(
                 product_acc::<E, N>(&ds, &ks, n0, &mut acc, &mut emu, shape);
             }
             sync_cube();
+            kv_next::<E, N>(
+                &gk,
+                &gv,
+                &at,
+                kb,
+                blocks,
+                &mut ks,
+                &mut vs,
+                bk,
+                d,
+                units,
+                loads.prefetch,
+            );
         }
 
         let dq_base = head_base(&dq_l, b, h);
@@ -301,7 +337,7 @@ pub(super) fn flash_backward_kv_kernel<E: Float, N: Size>(
     #[comptime] causal: bool,
     #[comptime] cmma: bool,
     #[comptime] registers: bool,
-    #[comptime] ldsm: bool,
+    #[comptime] loads: Loads,
     #[define(E)] _dtype: StorageType,
 ) {
     let own = comptime!(planes * rows);
@@ -312,7 +348,7 @@ pub(super) fn flash_backward_kv_kernel<E: Float, N: Size>(
     if comptime!(registers) {
         let ldv = comptime!((d + 8) / 2);
         let chunk = comptime!(if cmma { CHUNK } else { bq });
-        let shape = comptime!(Phase::new(chunk, d, ldv, cmma, ldsm));
+        let shape = comptime!(Phase::new(chunk, d, ldv, cmma, loads.ldsm));
         let k_start = start;
         let (plane, g, t) = plane_lanes();
         let key0 = k_start + plane * rows + g;

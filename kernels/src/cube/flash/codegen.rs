@@ -350,7 +350,7 @@ pub fn flash_sources(d: usize, causal: bool, dtype: burn::tensor::DType) -> Vec<
         causal,
         f.cmma,
         f.registers,
-        f.ldsm,
+        f.loads,
         storage,
     );
     let fq = split(Pass::BackwardQ);
@@ -385,7 +385,7 @@ pub fn flash_sources(d: usize, causal: bool, dtype: burn::tensor::DType) -> Vec<
         causal,
         fq.cmma,
         fq.registers,
-        fq.ldsm,
+        fq.loads,
         storage,
     );
     let fkv = split(Pass::BackwardKv);
@@ -420,7 +420,7 @@ pub fn flash_sources(d: usize, causal: bool, dtype: burn::tensor::DType) -> Vec<
         causal,
         fkv.cmma,
         fkv.registers,
-        fkv.ldsm,
+        fkv.loads,
         storage,
     );
     vec![

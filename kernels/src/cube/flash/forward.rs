@@ -31,7 +31,7 @@ pub(super) fn flash_forward_kernel<E: Float, N: Size>(
     #[comptime] causal: bool,
     #[comptime] cmma: bool,
     #[comptime] registers: bool,
-    #[comptime] ldsm: bool,
+    #[comptime] loads: Loads,
     #[define(E)] _dtype: StorageType,
 ) {
     let own = comptime!(planes * rows);
@@ -42,7 +42,7 @@ pub(super) fn flash_forward_kernel<E: Float, N: Size>(
     if comptime!(registers) {
         // Rows padded by 8 elements (16 bytes): a fragment's 32-bit reads hit 32 banks.
         let ldv = comptime!((d + 8) / 2);
-        let shape = comptime!(Phase::new(bk, d, ldv, cmma, ldsm));
+        let shape = comptime!(Phase::new(bk, d, ldv, cmma, loads.ldsm));
         let q_start = start;
         let (plane, g, t) = plane_lanes();
         let i0 = q_start + plane * rows + g;
@@ -63,19 +63,42 @@ pub(super) fn flash_forward_kernel<E: Float, N: Size>(
         let mut m1 = f32::new(NEG_BIG);
         let mut l0 = 0.0f32;
         let mut l1 = 0.0f32;
-        for kb in 0..keys_end(q_start, seq_k, q_offset, own, causal).div_ceil(bk) {
-            let k_start = kb * bk;
-            let at = KeyBlock {
-                b,
-                hk,
-                k_start,
-                seq_q,
-                seq_k,
-                q_start,
-                q_offset,
-            };
+        // The next block's K and V read during each block's products (`kv_first`).
+        let first = first_block(b, hk, seq_q, seq_k, q_start, q_offset);
+        let blocks = kv_first::<E, N>(
+            k,
+            &k_l,
+            v,
+            &v_l,
+            &first,
+            &mut ks,
+            &mut vs,
+            own,
+            bk,
+            d,
+            units,
+            causal,
+            loads.prefetch,
+        );
+        let ahead = comptime!(if loads.prefetch { bk } else { 0 });
+        for kb in 0..blocks {
+            let at = key_block(&first, kb, bk);
+            let k_start = at.k_start;
+            let gk = kv_ahead::<E, N>(k, &k_l, &at, bk, ahead, d, units);
+            let gv = kv_ahead::<E, N>(v, &v_l, &at, bk, ahead, d, units);
             let masked = kv_block::<E, N>(
-                k, &k_l, v, &v_l, &at, &mut ks, &mut vs, bk, d, units, causal,
+                k,
+                &k_l,
+                v,
+                &v_l,
+                &at,
+                &mut ks,
+                &mut vs,
+                bk,
+                d,
+                units,
+                causal,
+                loads.prefetch,
             );
             // S = Q·Kᵀ (bk / 8 accumulators of 16 × 8), scaled and masked; row maxima.
             let mut s = product_t::<E, N>(&qf, &ks, 0, &mut emu, shape);
@@ -132,6 +155,19 @@ pub(super) fn flash_forward_kernel<E: Float, N: Size>(
             // O += P·V (the accumulator pairs of 16 keys are P's A operand).
             product_acc::<E, N>(&s, &vs, 0, &mut o, &mut emu, shape);
             sync_cube();
+            kv_next::<E, N>(
+                &gk,
+                &gv,
+                &at,
+                kb,
+                blocks,
+                &mut ks,
+                &mut vs,
+                bk,
+                d,
+                units,
+                loads.prefetch,
+            );
         }
 
         let (l0, l1) = quad_combine(l0, l1, &mut red, false, cmma);

@@ -83,8 +83,10 @@ pub(super) struct Flash {
     pub cmma: bool,
     /// The register-fragment kernels ([`registers`]).
     pub registers: bool,
-    /// With `registers` and the `mma` instruction: the B operands by `ldmatrix` (CUDA).
-    pub ldsm: bool,
+    /// With `registers`: the B operands by `ldmatrix` (with the `mma` instruction, CUDA), and
+    /// the next block's reads issued before the current block's products (software pipelining:
+    /// the forward and the dQ pass).
+    pub loads: registers::Loads,
 }
 
 impl Flash {
@@ -167,7 +169,7 @@ impl Flash {
             block,
             cmma,
             registers: false,
-            ldsm: false,
+            loads: registers::Loads::default(),
         };
         while f.shared_bytes(pass, d, es) > limit {
             if f.block > 16 {
@@ -658,7 +660,7 @@ macro_rules! launch_flash {
             $kernel::launch::<R>(
                 &$q.client, $count, $dim, $n, $($arg,)* $p.heads as u32, $p.kv_group as u32,
                 $p.seq_q as u32, $p.seq_k as u32, $p.q_offset as i32, $p.scale, $f.planes,
-                $f.rows, $f.block, $p.head_dim, $p.causal, $f.cmma, $f.registers, $f.ldsm, $q.dtype.into(),
+                $f.rows, $f.block, $p.head_dim, $p.causal, $f.cmma, $f.registers, $f.loads, $q.dtype.into(),
             )
         } else {
             // SAFETY: every global read and write of the flash kernels is guarded by its row's
@@ -670,7 +672,7 @@ macro_rules! launch_flash {
                 $kernel::launch_unchecked::<R>(
                     &$q.client, $count, $dim, $n, $($arg,)* $p.heads as u32, $p.kv_group as u32,
                     $p.seq_q as u32, $p.seq_k as u32, $p.q_offset as i32, $p.scale, $f.planes,
-                    $f.rows, $f.block, $p.head_dim, $p.causal, $f.cmma, $f.registers, $f.ldsm, $q.dtype.into(),
+                    $f.rows, $f.block, $p.head_dim, $p.causal, $f.cmma, $f.registers, $f.loads, $q.dtype.into(),
                 )
             }
         }

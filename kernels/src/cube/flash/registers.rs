@@ -127,6 +127,15 @@ pub(super) fn mma<E: Float, N: Size>(
     def.execute_inplace(a, b, c);
 }
 
+/// How the register kernels load their operands (comptime): the B operands by `ldmatrix`
+/// (`ldsm`, CUDA) and the next key block's reads issued during the current block's products
+/// (`prefetch`, [`kv_first`]: the forward and the dQ pass).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Loads {
+    pub ldsm: bool,
+    pub prefetch: bool,
+}
+
 /// A product phase's comptime shape: `chunk` keys (queries) of head dim `d` from pair tiles of
 /// `ldv` pairs a row; on the `mma` instruction (`native`, else emulated), its B operands by
 /// `ldmatrix` (`ldsm`, CUDA).
@@ -582,9 +591,10 @@ pub(super) struct KeyBlock {
     pub q_offset: i32,
 }
 
-/// K and V rows of block `at` (`bk` of them, zeros from `seq_k`) into `ks` and `vs`, then a cube
-/// barrier; whether the block needs its mask: it crosses the keys' end, or (causal) the diagonal
-/// of the cube's queries.
+/// The start of a step of a loop over key blocks: without `prefetch` the K and V rows of block
+/// `at` (`bk` of them, zeros from `seq_k`) into `ks` and `vs`, then a cube barrier; with it
+/// ([`kv_first`]) the block is in shared memory already and only the barrier runs, after the
+/// next block's reads (which it keeps in flight). Whether the block needs its mask.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn kv_block<E: Float, N: Size>(
@@ -599,17 +609,170 @@ pub(super) fn kv_block<E: Float, N: Size>(
     #[comptime] d: usize,
     #[comptime] units: usize,
     #[comptime] causal: bool,
+    #[comptime] prefetch: bool,
 ) -> bool {
-    let ldv = comptime!((d + 8) / 2);
-    let (b, hk, k_start, seq_k) = (at.b, at.hk, at.k_start, at.seq_k);
-    load_rows_pair::<E, N>(
-        k, k_l, ks, v, v_l, vs, b, hk, k_start, seq_k, bk, d, ldv, units,
-    );
+    if comptime!(!prefetch) {
+        let ldv = comptime!((d + 8) / 2);
+        load_rows_pair::<E, N>(
+            k, k_l, ks, v, v_l, vs, at.b, at.hk, at.k_start, at.seq_k, bk, d, ldv, units,
+        );
+    }
     sync_cube();
-    let mut masked = k_start + bk > seq_k;
+    block_masked(at, bk, causal)
+}
+
+/// Block 0 of a loop over key blocks: the cube's batch `b` and key/value head `hk`, the
+/// sequence lengths, the cube's first query and the queries' position offset.
+#[cube]
+pub(super) fn first_block(
+    b: usize,
+    hk: usize,
+    seq_q: usize,
+    seq_k: usize,
+    q_start: usize,
+    q_offset: i32,
+) -> KeyBlock {
+    KeyBlock {
+        b,
+        hk,
+        k_start: 0,
+        seq_q,
+        seq_k,
+        q_start,
+        q_offset,
+    }
+}
+
+/// Key block `kb` (of `bk` keys) of the loop `first` starts.
+#[cube]
+pub(super) fn key_block(first: &KeyBlock, kb: usize, #[comptime] bk: usize) -> KeyBlock {
+    KeyBlock {
+        b: first.b,
+        hk: first.hk,
+        k_start: kb * bk,
+        seq_q: first.seq_q,
+        seq_k: first.seq_k,
+        q_start: first.q_start,
+        q_offset: first.q_offset,
+    }
+}
+
+/// The next block's reads of one operand (`ahead` rows after block `at`: `bk` with
+/// `prefetch`, none without; [`kv_first`]).
+#[cube]
+pub(super) fn kv_ahead<E: Float, N: Size>(
+    x: &Tensor<Vector<E, N>>,
+    x_l: &Sequence<u32>,
+    at: &KeyBlock,
+    #[comptime] bk: usize,
+    #[comptime] ahead: usize,
+    #[comptime] d: usize,
+    #[comptime] units: usize,
+) -> Sequence<Vector<E, N>> {
+    fetch_rows::<E, N>(
+        x,
+        x_l,
+        at.b,
+        at.hk,
+        at.k_start + bk,
+        at.seq_k,
+        ahead,
+        d,
+        units,
+    )
+}
+
+/// Software pipelining of a loop over key blocks (`prefetch`): block 0 goes to shared memory
+/// before the loop ([`kv_first`]); each step reads the next block's K and V into registers
+/// ([`fetch_rows`] of `ahead` rows: `bk` with `prefetch`, none without) before its products,
+/// holds them in flight behind a barrier ([`kv_block`]) and stores them after its products
+/// ([`kv_next`]), so the reads' latency hides behind the block's tensor-core work, as
+/// FlashAttention-2 overlaps the next tile's copy with the current one's compute. Without
+/// `prefetch` each step loads its own block first and waits for it. Returns the loop's block
+/// count (the cube's `own` queries' visible keys). Called in uniform control flow.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+// A comptime condition and a runtime one: CubeCL expands the first, so they stay two `if`s.
+#[allow(clippy::collapsible_if)]
+pub(super) fn kv_first<E: Float, N: Size>(
+    k: &Tensor<Vector<E, N>>,
+    k_l: &Sequence<u32>,
+    v: &Tensor<Vector<E, N>>,
+    v_l: &Sequence<u32>,
+    first: &KeyBlock,
+    ks: &mut SharedMemory<Vector<E, N>>,
+    vs: &mut SharedMemory<Vector<E, N>>,
+    #[comptime] own: usize,
+    #[comptime] bk: usize,
+    #[comptime] d: usize,
+    #[comptime] units: usize,
+    #[comptime] causal: bool,
+    #[comptime] prefetch: bool,
+) -> usize {
+    let blocks = keys_end(first.q_start, first.seq_k, first.q_offset, own, causal).div_ceil(bk);
+    if comptime!(prefetch) {
+        if blocks > 0 {
+            let ldv = comptime!((d + 8) / 2);
+            load_rows_pair::<E, N>(
+                k,
+                k_l,
+                ks,
+                v,
+                v_l,
+                vs,
+                first.b,
+                first.hk,
+                0,
+                first.seq_k,
+                bk,
+                d,
+                ldv,
+                units,
+            );
+            sync_cube();
+        }
+    }
+    blocks
+}
+
+/// The end of step `kb` of [`kv_first`]'s loop (after a barrier behind its products): with
+/// `prefetch` the next block's reads `gk`, `gv` stored, unless `kb` was the last of `blocks`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+// A comptime condition and a runtime one: CubeCL expands the first, so they stay two `if`s.
+#[allow(clippy::collapsible_if)]
+pub(super) fn kv_next<E: Float, N: Size>(
+    gk: &Sequence<Vector<E, N>>,
+    gv: &Sequence<Vector<E, N>>,
+    at: &KeyBlock,
+    kb: usize,
+    blocks: usize,
+    ks: &mut SharedMemory<Vector<E, N>>,
+    vs: &mut SharedMemory<Vector<E, N>>,
+    #[comptime] bk: usize,
+    #[comptime] d: usize,
+    #[comptime] units: usize,
+    #[comptime] prefetch: bool,
+) {
+    if comptime!(prefetch) {
+        if kb + 1 < blocks {
+            let ldv = comptime!((d + 8) / 2);
+            let next = at.k_start + bk;
+            store_rows::<E, N>(gk, next, at.seq_k, ks, bk, d, ldv, units);
+            store_rows::<E, N>(gv, next, at.seq_k, vs, bk, d, ldv, units);
+            sync_cube();
+        }
+    }
+}
+
+/// Whether key block `at` needs its mask: it crosses the keys' end, or (causal) the diagonal of
+/// the cube's queries.
+#[cube]
+pub(super) fn block_masked(at: &KeyBlock, #[comptime] bk: usize, #[comptime] causal: bool) -> bool {
+    let mut masked = at.k_start + bk > at.seq_k;
     if comptime!(causal) {
-        masked =
-            masked || i32::cast_from(k_start + bk - 1) > i32::cast_from(at.q_start) + at.q_offset;
+        masked = masked
+            || i32::cast_from(at.k_start + bk - 1) > i32::cast_from(at.q_start) + at.q_offset;
     }
     masked
 }
@@ -833,7 +996,10 @@ pub(super) fn split_on(
         block: BLOCK,
         cmma: native,
         registers: true,
-        ldsm,
+        loads: Loads {
+            ldsm,
+            prefetch: prefetch_on(),
+        },
     };
     let limit = props.hardware.max_shared_memory_size;
     let es = dtype.size();
@@ -873,6 +1039,14 @@ fn register_bytes(f: &Flash, pass: Pass, d: usize, es: usize) -> usize {
 fn ldmatrix_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("WILDFIRE_ATTENTION_LDSM").map_or(true, |v| v != "0"))
+}
+
+/// Whether the register forward and dQ pass read each next key block ahead of the current
+/// block's products (`prefetch`, [`kv_first`]; the default — `WILDFIRE_ATTENTION_PREFETCH=0`
+/// loads each block at its step, for a comparison).
+fn prefetch_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("WILDFIRE_ATTENTION_PREFETCH").map_or(true, |v| v != "0"))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
