@@ -155,6 +155,11 @@ run() {
     # (WILDFIRE_ATTENTION_PREFETCH=0): its kernels and the step with it
     WILDFIRE_ATTENTION_PREFETCH=0 step kernels_ours_noprefetch 60 "$T/b/gpu_kernels" --iters 5
     WILDFIRE_ATTENTION_PREFETCH=0 step gpt2_noprefetch 120 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 --metrics "$R/gpt2_noprefetch.jsonl"
+    # the register attention compiled without asking ptxas for three cubes per multiprocessor
+    # (WILDFIRE_ATTENTION_CUBES_PER_SM=0: two cubes at 172-174 registers, no spill; the default
+    # asks three, 164-168 registers): its kernels and the step with it
+    WILDFIRE_ATTENTION_CUBES_PER_SM=0 step kernels_ours_twocubes 60 "$T/b/gpu_kernels" --iters 5
+    WILDFIRE_ATTENTION_CUBES_PER_SM=0 step gpt2_twocubes 120 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 --metrics "$R/gpt2_twocubes.jsonl"
     # the same step with Burn's CubeCL matmuls instead of cuBLASLt (the GEMMs' share of the step)
     WILDFIRE_CUBLAS=0 step gpt2_cubecl 120 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_cubecl.jsonl"
     # the flash kernels with CubeCL's bounds checks on every index (the default launches skip them)

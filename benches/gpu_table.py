@@ -79,7 +79,9 @@ for log, how in (("kernels_ours_checked.log", "with bounds checks"),
                  ("kernels_ours_fragments.log", "`cmma` fragment kernels (`WILDFIRE_ATTENTION_MMA=0`)"),
                  ("kernels_ours_noldsm.log", "without `ldmatrix` (`WILDFIRE_ATTENTION_LDSM=0`)"),
                  ("kernels_ours_noprefetch.log",
-                  "without the next block's reads ahead (`WILDFIRE_ATTENTION_PREFETCH=0`)")):
+                  "without the next block's reads ahead (`WILDFIRE_ATTENTION_PREFETCH=0`)"),
+                 ("kernels_ours_twocubes.log",
+                  "without the three-cube register ask (`WILDFIRE_ATTENTION_CUBES_PER_SM=0`)")):
     plain = {k["kernel"]: k for k in jsonl(log)}
     for name in ("attention_fwd", "attention_bwd"):
         if name in plain:
@@ -97,6 +99,7 @@ for label, log in (("Wildfire (CUDA, cuBLASLt GEMMs)", "gpt2_ours.jsonl"),
                    ("Wildfire (CUDA, cuBLASLt GEMMs, fragment attention)", "gpt2_fragments.jsonl"),
                    ("Wildfire (CUDA, attention without `ldmatrix`)", "gpt2_noldsm.jsonl"),
                    ("Wildfire (CUDA, attention without reads ahead)", "gpt2_noprefetch.jsonl"),
+                   ("Wildfire (CUDA, attention without the three-cube ask)", "gpt2_twocubes.jsonl"),
                    ("Wildfire (CUDA, GEMMs not waited for: WILDFIRE_CUBLAS_ASYNC=1)", "gpt2_async.jsonl")):
     steps = jsonl(log)[1:]
     if steps:

@@ -44,6 +44,7 @@ pub(super) fn flash_backward_q_kernel<E: Float, N: Size>(
     let (b, h, hk) = this_head(heads, kv_group);
     let start = CUBE_POS_X as usize * own;
     if comptime!(registers) {
+        occupancy_hint(loads.cubes_per_sm);
         let ldv = comptime!((d + 8) / 2);
         let chunk = comptime!(if cmma { CHUNK } else { bk });
         let shape = comptime!(Phase::new(chunk, d, ldv, cmma, loads.ldsm));
@@ -346,6 +347,7 @@ pub(super) fn flash_backward_kv_kernel<E: Float, N: Size>(
     let (b, h, hk) = this_head(heads, kv_group);
     let start = CUBE_POS_X as usize * own;
     if comptime!(registers) {
+        occupancy_hint(loads.cubes_per_sm);
         let ldv = comptime!((d + 8) / 2);
         let chunk = comptime!(if cmma { CHUNK } else { bq });
         let shape = comptime!(Phase::new(chunk, d, ldv, cmma, loads.ldsm));

@@ -285,7 +285,9 @@ fn sm90_options() -> CompilationOptions {
     }
 }
 
-/// One kernel's definition compiled to CUDA as the device would (unchecked launches).
+/// One kernel's definition compiled to CUDA as the device would (unchecked launches), with its
+/// occupancy request written into `__launch_bounds__` as the workspace's `cubecl-cuda` writes it
+/// before NVRTC (`cubecl::cuda::launch_hints`).
 fn cuda_source(kernel: impl CubeKernel) -> String {
     let address = kernel.address_type();
     let source = CudaCompiler::default()
@@ -296,7 +298,9 @@ fn cuda_source(kernel: impl CubeKernel) -> String {
             address,
         )
         .expect("CubeCL's CUDA compiler accepts the flash kernels");
-    cubecl_cpp::formatter::format_cpp(&source.to_string()).unwrap_or_else(|_| source.to_string())
+    let source = source.to_string();
+    let source = cubecl_cpp::formatter::format_cpp(&source).unwrap_or(source);
+    cubecl::cuda::launch_hints::apply(&source).into_owned()
 }
 
 /// The CUDA source of the three flash kernels (forward, dQ, dK/dV) for head dimension `d`,
@@ -448,10 +452,41 @@ mod tests {
                 "{name}"
             );
             assert!(source.contains("ldmatrix.sync.aligned.m8n8.x4"), "{name}");
+            // three cubes per multiprocessor asked of ptxas at head dim 64 (unless overridden)
+            if std::env::var_os("WILDFIRE_ATTENTION_CUBES_PER_SM").is_none() {
+                assert!(source.contains("__launch_bounds__(128, 3)"), "{name}");
+            }
         }
         for (name, source) in flash_sources(32, false, burn::tensor::DType::F32) {
             assert_eq!(source.matches("__global__").count(), 1, "{name}");
             assert!(!source.contains("mma.sync"), "{name}");
+            assert!(
+                !source.contains(super::super::registers::OCCUPANCY_MARKER),
+                "{name}"
+            );
         }
+    }
+
+    /// The vendored `cubecl-cuda`'s rewrite: a request becomes `__launch_bounds__`' second
+    /// argument; no request, a request of 0 or a signature without the bound leave the source
+    /// as it is.
+    #[test]
+    fn an_occupancy_request_becomes_the_second_launch_bound() {
+        use cubecl::cuda::launch_hints::{apply, requested};
+        use std::borrow::Cow;
+        let marker = super::super::registers::OCCUPANCY_MARKER;
+        assert_eq!(marker, cubecl::cuda::launch_hints::MARKER);
+        let src = format!(
+            "extern \"C\" __global__ void __launch_bounds__(128) k(int* a) {{\n// {marker}3\n}}"
+        );
+        assert_eq!(requested(&src), Some(3));
+        assert!(apply(&src).contains("__launch_bounds__(128, 3) k(int* a)"));
+        let plain = "extern \"C\" __global__ void __launch_bounds__(128) k() {}";
+        assert!(matches!(apply(plain), Cow::Borrowed(_)));
+        let zero = format!("__launch_bounds__(64) k() {{// {marker}0\n}}");
+        assert_eq!(requested(&zero), None);
+        assert_eq!(apply(&zero), zero.as_str());
+        let unbounded = format!("__global__ void k() {{// {marker}2\n}}");
+        assert_eq!(apply(&unbounded), unbounded.as_str());
     }
 }

@@ -40,6 +40,7 @@ pub(super) fn flash_forward_kernel<E: Float, N: Size>(
     let (b, h, hk) = this_head(heads, kv_group);
     let start = CUBE_POS_X as usize * own;
     if comptime!(registers) {
+        occupancy_hint(loads.cubes_per_sm);
         // Rows padded by 8 elements (16 bytes): a fragment's 32-bit reads hit 32 banks.
         let ldv = comptime!((d + 8) / 2);
         let shape = comptime!(Phase::new(bk, d, ldv, cmma, loads.ldsm));

@@ -129,12 +129,37 @@ pub(super) fn mma<E: Float, N: Size>(
 
 /// How the register kernels load their operands (comptime): the B operands by `ldmatrix`
 /// (`ldsm`, CUDA) and the next key block's reads issued during the current block's products
-/// (`prefetch`, [`kv_first`]: the forward and the dQ pass).
+/// (`prefetch`, [`kv_first`]: the forward and the dQ pass); and the cubes per multiprocessor
+/// `ptxas` is asked to fit their registers into (`cubes_per_sm`, [`occupancy_hint`]; 0: no ask).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Loads {
     pub ldsm: bool,
     pub prefetch: bool,
+    pub cubes_per_sm: u32,
 }
+
+/// Asks the CUDA compiler to fit `cubes` cubes of this kernel per multiprocessor (none for 0):
+/// a comment that the workspace's `cubecl-cuda` turns into `__launch_bounds__`' second argument
+/// (`cubecl::cuda::launch_hints`, `vendor/README.md`). Other targets ignore the comment. The
+/// prefetch keeps the next block's K/V reads in registers across the products: 174 registers
+/// in the forward where 170 (three cubes of 128 units: 65,536 / 384) is the line between two
+/// cubes and three.
+#[cube]
+#[allow(unused_variables)] // read only by the expansion (`intrinsic!`)
+pub(super) fn occupancy_hint(#[comptime] cubes: u32) {
+    intrinsic!(|scope| {
+        if cubes > 0 {
+            cubecl::frontend::cube_comment::expand(
+                scope,
+                &std::format!("{OCCUPANCY_MARKER}{cubes}"),
+            );
+        }
+    })
+}
+
+/// The comment [`occupancy_hint`] writes (the vendored `cubecl-cuda`'s
+/// `launch_hints::MARKER`, spelled here too because Wgpu builds do not have that crate).
+pub(super) const OCCUPANCY_MARKER: &str = "wildfire:cubes-per-sm=";
 
 /// A product phase's comptime shape: `chunk` keys (queries) of head dim `d` from pair tiles of
 /// `ldv` pairs a row; on the `mma` instruction (`native`, else emulated), its B operands by
@@ -999,6 +1024,7 @@ pub(super) fn split_on(
         loads: Loads {
             ldsm,
             prefetch: prefetch_on(),
+            cubes_per_sm: if native { cubes_wanted(d) } else { 0 },
         },
     };
     let limit = props.hardware.max_shared_memory_size;
@@ -1047,6 +1073,21 @@ fn ldmatrix_on() -> bool {
 fn prefetch_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("WILDFIRE_ATTENTION_PREFETCH").map_or(true, |v| v != "0"))
+}
+
+/// The cubes per multiprocessor the register kernels ask `ptxas` for ([`occupancy_hint`]):
+/// three at head dims up to 64 (GPT-2's: each pass then fits 168 registers — forward 164 and dQ
+/// 167 with the prefetch, dK/dV 168, none spilling, where they took 174/172/172 and two cubes
+/// without the ask; `docs/architecture.md` §26), none above (at 128 every pass needs ~255, two
+/// cubes). `WILDFIRE_ATTENTION_CUBES_PER_SM=N` asks for N instead (0: no ask), for a comparison.
+fn cubes_wanted(d: usize) -> u32 {
+    static ASK: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let ask = *ASK.get_or_init(|| {
+        std::env::var("WILDFIRE_ATTENTION_CUBES_PER_SM")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    });
+    ask.unwrap_or(if d <= 64 { 3 } else { 0 })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -167,7 +167,9 @@ impl CudaContext {
         let ptx = unsafe {
             // I'd like to set the name to the kernel name, but keep getting UTF-8 errors so let's
             // leave it `None` for now
-            let source = CString::from_str(&kernel_compiled.source).unwrap();
+            // Wildfire's patch: a kernel's occupancy request (`crate::launch_hints`).
+            let source =
+                CString::from_str(&crate::launch_hints::apply(&kernel_compiled.source)).unwrap();
             let program =
                 cudarc::nvrtc::result::create_program(source.as_c_str(), None).map_err(|err| {
                     CompilationError::Generic {
