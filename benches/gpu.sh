@@ -160,6 +160,12 @@ run() {
     # asks three, 164-168 registers): its kernels and the step with it
     WILDFIRE_ATTENTION_CUBES_PER_SM=0 step kernels_ours_twocubes 60 "$T/b/gpu_kernels" --iters 5
     WILDFIRE_ATTENTION_CUBES_PER_SM=0 step gpt2_twocubes 120 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 --metrics "$R/gpt2_twocubes.jsonl"
+    # the attention at head dim 128 (the Llama family's; 6 heads of GPT-2's width) beside SDPA,
+    # and its dK/dV pass holding K and V in registers instead of rereading them
+    # (WILDFIRE_ATTENTION_KV_REREAD=0: 658 bytes of spill in ptxas)
+    step kernels_ours_d128 60 "$T/b/gpu_kernels" --iters 5 --head-dim 128 --attention-only
+    step kernels_torch_d128 60 python3 "$T/b/gpu_kernels.py" --iters 5 --head-dim 128 --attention-only
+    WILDFIRE_ATTENTION_KV_REREAD=0 step kernels_ours_d128_held 60 "$T/b/gpu_kernels" --iters 5 --head-dim 128 --attention-only
     # the same step with Burn's CubeCL matmuls instead of cuBLASLt (the GEMMs' share of the step)
     WILDFIRE_CUBLAS=0 step gpt2_cubecl 120 "$G" --backend cuda "${BIG[@]}" --steps 8 --warmup 2 --metrics "$R/gpt2_cubecl.jsonl"
     # the flash kernels with CubeCL's bounds checks on every index (the default launches skip them)

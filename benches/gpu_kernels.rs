@@ -9,6 +9,7 @@
 //! ```text
 //! cargo bench --bench gpu_kernels --features cuda [-- --batch 8 --seq 1024]
 //! WILDFIRE_ATTENTION_CMMA=0 …   # the tiled attention without tensor cores, for comparison
+//! … -- --head-dim 128 --attention-only   # the attention alone at another head dim (768 wide)
 //! ```
 //!
 //! Prints one JSON object per line: `{"kernel", "shape", "ms", "tflops"}` (mean over the timed
@@ -65,6 +66,10 @@ fn report_bytes(kernel: &str, shape: &str, seconds: f64, bytes: f64) {
     );
 }
 
+fn flag(name: &str) -> bool {
+    std::env::args().any(|a| a == name)
+}
+
 fn random_bf16<const D: usize>(shape: [usize; D]) -> Tensor<B, D> {
     Tensor::<B, D>::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
         .cast(DType::BF16)
@@ -72,7 +77,13 @@ fn random_bf16<const D: usize>(shape: [usize; D]) -> Tensor<B, D> {
 
 fn main() {
     let (b, t) = (arg("--batch", 8), arg("--seq", 1024));
-    let (h, hd, d, v) = (12, 64, 768, 50_304);
+    let (d, v) = (768, 50_304);
+    let hd = arg("--head-dim", 64);
+    assert!(
+        hd > 0 && d % hd == 0,
+        "--head-dim must divide the model width {d}"
+    );
+    let h = d / hd;
     let iters = arg("--iters", 20);
 
     // Attention, causal, packed [b, t, h, 3·hd]: forward, then forward + backward. FLOPs as
@@ -103,6 +114,9 @@ fn main() {
         time(iters, &backward),
         2.5 * fwd_flops,
     );
+    if flag("--attention-only") {
+        return;
+    }
 
     // The memory-bound ends of the step: the embedding table's gradient (f32, ids skewed like a
     // text's tokens: log-uniform over the vocabulary, the commonest about 6% of the batch) and

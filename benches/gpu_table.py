@@ -88,6 +88,18 @@ for log, how in (("kernels_ours_checked.log", "with bounds checks"),
             k = plain[name]
             print(f"| {name} {how} | {k['shape']} | {k['ms']:.3f} | | | {k['tflops']} |")
 
+# the attention at head dim 128 beside SDPA, and its dK/dV pass holding K and V in registers
+ours128 = {k["kernel"]: k for k in jsonl("kernels_ours_d128.log")}
+torch128 = {k["kernel"]: k for k in jsonl("kernels_torch_d128.log")}
+held128 = {k["kernel"]: k for k in jsonl("kernels_ours_d128_held.log")}
+for name, k in ours128.items():
+    t = torch128.get(name)
+    ratio = f"{k['ms'] / t['ms']:.2f}×" if t and t["ms"] > 0 else "–"
+    print(f"| {name} | {k['shape']} | {k['ms']:.3f} | {t['ms'] if t else '–'} | {ratio} | {k['tflops']} |")
+    if name in held128:
+        h = held128[name]
+        print(f"| {name}, K/V held (`WILDFIRE_ATTENTION_KV_REREAD=0`) | {h['shape']} | {h['ms']:.3f} | | | {h['tflops']} |")
+
 # (b) whole step
 print("\n### GPT-2 124M, bf16, batch 8 × 1024 (tokens/s after step 0)\n")
 eager = jsonl("gpt2_eager.log")

@@ -4,7 +4,7 @@ the embedding gradient and the cross-entropy backward, and torch.matmul on each 
 the timed calls after two warm-up calls). One JSON line per kernel, the same keys as the Rust
 bench: {"kernel", "shape", "ms", "tflops"}.
 
-    python3 benches/pytorch/gpu_kernels.py [--batch 8 --seq 1024]
+    python3 benches/pytorch/gpu_kernels.py [--batch 8 --seq 1024] [--head-dim 128 --attention-only]
 """
 import argparse, json, math, time
 
@@ -15,8 +15,13 @@ p = argparse.ArgumentParser()
 p.add_argument("--batch", type=int, default=8)
 p.add_argument("--seq", type=int, default=1024)
 p.add_argument("--iters", type=int, default=20)
+p.add_argument("--head-dim", type=int, default=64)
+p.add_argument("--attention-only", action="store_true")
 args = p.parse_args()
-b, t, h, hd, d, v = args.batch, args.seq, 12, 64, 768, 50304
+d, v = 768, 50304
+hd = args.head_dim
+assert d % hd == 0, "--head-dim must divide the model width 768"
+b, t, h = args.batch, args.seq, d // hd
 dev, bf16 = "cuda", torch.bfloat16
 torch.manual_seed(0)
 
@@ -62,6 +67,8 @@ s_fb = timed(fwd_bwd)
 with torch.no_grad():
     s_f = timed(attn)
 report("attention_bwd", shape, s_fb - s_f, 2.5 * fwd_flops)
+if args.attention_only:
+    raise SystemExit(0)
 
 rows = b * t
 # The memory-bound ends of the step, as benches/gpu_kernels.rs: the embedding table's gradient

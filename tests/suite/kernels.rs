@@ -1479,8 +1479,10 @@ mod wgpu {
     /// fragments: the kernels CUDA runs for f16 and bf16) with its `mma` emulated, against Burn
     /// ops in f16, forward and every input gradient: head dims 32, 64 and 128, causal and not,
     /// one key block and many (17, 77, 130 and 1,024 tokens), separate and packed q/k/v, grouped
-    /// key/value heads. Tolerance as for the other f16 kernels. (lavapipe takes ≈ 25 s to
-    /// compile each kernel: one configuration per head dim and mask here.)
+    /// key/value heads; the dK/dV pass with its K and V operands held in registers (the
+    /// default up to head dim 96) and reread from shared memory at each product (above: 128
+    /// here, and 64 under `with_kv_reread`). Tolerance as for the other f16 kernels. (lavapipe
+    /// takes ≈ 25 s to compile each kernel: one configuration per head dim and mask here.)
     #[test]
     #[cfg(not(feature = "fusion"))]
     fn register_attention_emulated_matches_burn_ops_in_f16() {
@@ -1494,15 +1496,19 @@ mod wgpu {
                 check_attention_qkv::<W>(&device, [2, 130, 2, 64], true, 3e-2);
                 check_attention::<W>(&device, [1, 1, 1024, 64], true, 3e-2);
                 check_attention::<W>(&device, [1, 2, 77, 128], true, 3e-2);
+                // the reread dK/dV pass at head dim 64 (the other passes' kernels as above)
+                cube::with_kv_reread(true, || {
+                    check_attention::<W>(&device, [1, 1, 130, 64], true, 3e-2);
+                });
             })
         });
         INPUT_DTYPE.set(None);
         if let Err(panic) = result {
             std::panic::resume_unwind(panic);
         }
-        // Five calls, each a forward and two backward passes.
+        // Six calls, each a forward and two backward passes.
         assert!(
-            cube::register_attention_launches() >= before + 15,
+            cube::register_attention_launches() >= before + 18,
             "the register-fragment attention ran every call"
         );
     }

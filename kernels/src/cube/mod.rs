@@ -26,7 +26,7 @@ mod embedding;
 mod flash;
 #[cfg(feature = "cuda")]
 pub use flash::codegen;
-pub use flash::{with_emulated_mma, with_fragment_kernels, with_native_mma};
+pub use flash::{with_emulated_mma, with_fragment_kernels, with_kv_reread, with_native_mma};
 mod gated;
 mod gelu;
 mod heads;

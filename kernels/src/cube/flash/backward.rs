@@ -369,8 +369,11 @@ pub(super) fn flash_backward_kv_kernel<E: Float, N: Size>(
             k, &k_l, &mut ks, v, &v_l, &mut vs, b, hk, k_start, seq_k, own, d, ldv, units,
         );
         sync_cube();
-        let kf = a_operands::<E, N>(&ks, plane * rows, d, ldv);
-        let vf = a_operands::<E, N>(&vs, plane * rows, d, ldv);
+        // The plane's K and V operands, held in registers for the whole loop unless reread
+        // at each product (`kv_reread`: none held).
+        let held = comptime!(if loads.kv_reread { 0 } else { d });
+        let kf = a_operands::<E, N>(&ks, plane * rows, held, ldv);
+        let vf = a_operands::<E, N>(&vs, plane * rows, held, ldv);
         let mut dk = acc_zeros::<N>(comptime!(d / 8));
         let mut dv = acc_zeros::<N>(comptime!(d / 8));
         // Query blocks from the first query that sees this cube's first key.
@@ -403,8 +406,19 @@ pub(super) fn flash_backward_kv_kernel<E: Float, N: Size>(
             #[unroll]
             for ph in 0..comptime!(bq / chunk) {
                 let n0 = ph * chunk;
-                let mut pt = product_t::<E, N>(&kf, &qs, n0, &mut emu, shape);
-                let mut dst = product_t::<E, N>(&vf, &dos, n0, &mut emu, shape);
+                let (mut pt, mut dst) = kv_products::<E, N>(
+                    &kf,
+                    &vf,
+                    &ks,
+                    &vs,
+                    &qs,
+                    &dos,
+                    plane * rows,
+                    n0,
+                    &mut emu,
+                    shape,
+                    loads.kv_reread,
+                );
                 let at = KeyRows {
                     key0,
                     q_start,

@@ -717,7 +717,7 @@ pub mod codegen;
 mod forward;
 mod registers;
 
-pub use registers::{with_emulated_mma, with_fragment_kernels, with_native_mma};
+pub use registers::{with_emulated_mma, with_fragment_kernels, with_kv_reread, with_native_mma};
 
 pub(super) use backward::backward;
 pub(super) use forward::forward;

@@ -129,13 +129,53 @@ pub(super) fn mma<E: Float, N: Size>(
 
 /// How the register kernels load their operands (comptime): the B operands by `ldmatrix`
 /// (`ldsm`, CUDA) and the next key block's reads issued during the current block's products
-/// (`prefetch`, [`kv_first`]: the forward and the dQ pass); and the cubes per multiprocessor
-/// `ptxas` is asked to fit their registers into (`cubes_per_sm`, [`occupancy_hint`]; 0: no ask).
+/// (`prefetch`, [`kv_first`]: the forward and the dQ pass); whether the dK/dV pass reads its
+/// keys' and values' A operands from shared memory at each product instead of holding them in
+/// registers across the loop (`kv_reread`, [`kv_products`]: FlashAttention-2's way at large
+/// head dims); and the cubes per multiprocessor `ptxas` is asked to fit their registers into
+/// (`cubes_per_sm`, [`occupancy_hint`]; 0: no ask).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Loads {
     pub ldsm: bool,
     pub prefetch: bool,
+    pub kv_reread: bool,
     pub cubes_per_sm: u32,
+}
+
+/// The dK/dV pass's two score-like products for the chunk at `n0`: `Sᵀ = K·Qᵀ` and
+/// `dPᵀ = V·dOᵀ` for the plane's keys (rows `row0..row0 + 16` of `ks` and `vs`). With
+/// `reread` the A operands are read from the tiles here, each product's right before it (32
+/// registers live at a time at head dim 128 instead of 64 for the whole loop); else `kf` and
+/// `vf` are the ones held in registers.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn kv_products<E: Float, N: Size>(
+    kf: &Sequence<Array<Vector<E, N>>>,
+    vf: &Sequence<Array<Vector<E, N>>>,
+    ks: &SharedMemory<Vector<E, N>>,
+    vs: &SharedMemory<Vector<E, N>>,
+    qs: &SharedMemory<Vector<E, N>>,
+    dos: &SharedMemory<Vector<E, N>>,
+    row0: usize,
+    n0: usize,
+    emu: &mut SharedMemory<E>,
+    #[comptime] ph: Phase,
+    #[comptime] reread: bool,
+) -> (
+    Sequence<Array<Vector<f32, N>>>,
+    Sequence<Array<Vector<f32, N>>>,
+) {
+    if comptime!(reread) {
+        let kr = a_operands::<E, N>(ks, row0, ph.d, ph.ldv);
+        let pt = product_t::<E, N>(&kr, qs, n0, emu, ph);
+        let vr = a_operands::<E, N>(vs, row0, ph.d, ph.ldv);
+        let dst = product_t::<E, N>(&vr, dos, n0, emu, ph);
+        (pt, dst)
+    } else {
+        let pt = product_t::<E, N>(kf, qs, n0, emu, ph);
+        let dst = product_t::<E, N>(vf, dos, n0, emu, ph);
+        (pt, dst)
+    }
 }
 
 /// Asks the CUDA compiler to fit `cubes` cubes of this kernel per multiprocessor (none for 0):
@@ -1024,6 +1064,8 @@ pub(super) fn split_on(
         loads: Loads {
             ldsm,
             prefetch: prefetch_on(),
+            // only the dK/dV pass has the choice: the other passes' kernels stay one variant
+            kv_reread: pass == Pass::BackwardKv && kv_reread(d),
             cubes_per_sm: if native { cubes_wanted(d) } else { 0 },
         },
     };
@@ -1088,6 +1130,40 @@ fn cubes_wanted(d: usize) -> u32 {
             .and_then(|v| v.parse().ok())
     });
     ask.unwrap_or(if d <= 64 { 3 } else { 0 })
+}
+
+/// Whether the dK/dV pass rereads its K and V operands from shared memory ([`kv_products`]):
+/// above head dim 96. At 128 its dK and dV accumulators are 128 registers a unit and the held
+/// operands 64 more; ptxas spilled 658 bytes (283 `LDL` and 201 `STL` in each block's loop,
+/// §26). `WILDFIRE_ATTENTION_KV_REREAD=0|1` decides instead, for a comparison
+/// ([`with_kv_reread`] for one thread: the tests).
+fn kv_reread(d: usize) -> bool {
+    static ASK: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let ask = *ASK.get_or_init(|| {
+        std::env::var("WILDFIRE_ATTENTION_KV_REREAD")
+            .ok()
+            .map(|v| v != "0")
+    });
+    REREAD_HERE.get().or(ask).unwrap_or(d > 96)
+}
+
+std::thread_local! {
+    /// This thread's choice of [`kv_reread`] ([`with_kv_reread`]).
+    static REREAD_HERE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with the register dK/dV pass launched from this thread rereading its K and V
+/// operands from shared memory (`on`) or holding them in registers, whatever the head dim
+/// (`WILDFIRE_ATTENTION_KV_REREAD` for this thread only): how the tests cover both ways.
+pub fn with_kv_reread<T>(on: bool, f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            REREAD_HERE.set(self.0);
+        }
+    }
+    let _restore = Restore(REREAD_HERE.replace(Some(on)));
+    f()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
