@@ -161,10 +161,7 @@ pub(super) fn kv_products<E: Float, N: Size>(
     emu: &mut SharedMemory<E>,
     #[comptime] ph: Phase,
     #[comptime] reread: bool,
-) -> (
-    Sequence<Array<Vector<f32, N>>>,
-    Sequence<Array<Vector<f32, N>>>,
-) {
+) -> (Accs<N>, Accs<N>) {
     if comptime!(reread) {
         let kr = a_operands::<E, N>(ks, row0, ph.d, ph.ldv);
         let pt = product_t::<E, N>(&kr, qs, n0, emu, ph);
@@ -609,6 +606,9 @@ pub(super) fn ldsm_x4<E: Float, N: Size>(
 
 /// A fragment's registers.
 type Regs<E, N> = Array<Vector<E, N>>;
+
+/// A product's f32 accumulators (one per 8 columns).
+type Accs<N> = Sequence<Array<Vector<f32, N>>>;
 
 /// The two B operands (registers 0, 1 and 2, 3) of an [`ldsm_x4`] load.
 #[cube]
@@ -1156,13 +1156,26 @@ std::thread_local! {
 /// operands from shared memory (`on`) or holding them in registers, whatever the head dim
 /// (`WILDFIRE_ATTENTION_KV_REREAD` for this thread only): how the tests cover both ways.
 pub fn with_kv_reread<T>(on: bool, f: impl FnOnce() -> T) -> T {
-    struct Restore(Option<bool>);
-    impl Drop for Restore {
+    with_here(&REREAD_HERE, on, f)
+}
+
+/// Runs `f` with this thread's override `cell` set to `value`, restored afterwards (also when
+/// `f` panics).
+fn with_here<V: Copy + 'static, T>(
+    cell: &'static std::thread::LocalKey<std::cell::Cell<Option<V>>>,
+    value: V,
+    f: impl FnOnce() -> T,
+) -> T {
+    struct Restore<V: Copy + 'static>(
+        &'static std::thread::LocalKey<std::cell::Cell<Option<V>>>,
+        Option<V>,
+    );
+    impl<V: Copy + 'static> Drop for Restore<V> {
         fn drop(&mut self) {
-            REREAD_HERE.set(self.0);
+            self.0.set(self.1);
         }
     }
-    let _restore = Restore(REREAD_HERE.replace(Some(on)));
+    let _restore = Restore(cell, cell.replace(Some(value)));
     f()
 }
 
@@ -1220,12 +1233,5 @@ pub fn with_native_mma<T>(f: impl FnOnce() -> T) -> T {
 }
 
 fn with_mode<T>(mode: MmaMode, f: impl FnOnce() -> T) -> T {
-    struct Restore(Option<MmaMode>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            MODE_HERE.set(self.0);
-        }
-    }
-    let _restore = Restore(MODE_HERE.replace(Some(mode)));
-    f()
+    with_here(&MODE_HERE, mode, f)
 }
