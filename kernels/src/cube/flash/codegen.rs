@@ -477,16 +477,16 @@ mod tests {
         let marker = super::super::registers::OCCUPANCY_MARKER;
         assert_eq!(marker, cubecl::cuda::launch_hints::MARKER);
         let src = format!(
-            "extern \"C\" __global__ void __launch_bounds__(128) k(int* a) {{\n// {marker}3\n}}"
+            "extern \"C\" __global__ void __launch_bounds__(128) k(int* a) {{\n/* {marker}3 */\n}}"
         );
         assert_eq!(requested(&src), Some(3));
         assert!(apply(&src).contains("__launch_bounds__(128, 3) k(int* a)"));
         let plain = "extern \"C\" __global__ void __launch_bounds__(128) k() {}";
         assert!(matches!(apply(plain), Cow::Borrowed(_)));
-        let zero = format!("__launch_bounds__(64) k() {{// {marker}0\n}}");
+        let zero = format!("__launch_bounds__(64) k() {{/* {marker}0 */}}");
         assert_eq!(requested(&zero), None);
         assert_eq!(apply(&zero), zero.as_str());
-        let unbounded = format!("__global__ void k() {{// {marker}2\n}}");
+        let unbounded = format!("__global__ void k() {{/* {marker}2 */}}");
         assert_eq!(apply(&unbounded), unbounded.as_str());
     }
 }
