@@ -179,8 +179,8 @@ pub(super) fn kv_products<E: Float, N: Size>(
 /// a comment that the workspace's `cubecl-cuda` turns into `__launch_bounds__`' second argument
 /// (`cubecl::cuda::launch_hints`, `vendor/README.md`). Other targets ignore the comment. The
 /// prefetch keeps the next block's K/V reads in registers across the products: 174 registers
-/// in the forward where 170 (three cubes of 128 units: 65,536 / 384) is the line between two
-/// cubes and three.
+/// in the forward, where three cubes of 128 units need at most 168 (65,536 / 384, in ptxas's
+/// steps of 8).
 #[cube]
 #[allow(unused_variables)] // read only by the expansion (`intrinsic!`)
 pub(super) fn occupancy_hint(#[comptime] cubes: u32) {
@@ -1118,10 +1118,9 @@ fn prefetch_on() -> bool {
 }
 
 /// The cubes per multiprocessor the register kernels ask `ptxas` for ([`occupancy_hint`]):
-/// three at head dims up to 64 (GPT-2's: each pass then fits 168 registers — forward 164 and dQ
-/// 167 with the prefetch, dK/dV 168, none spilling, where they took 174/172/172 and two cubes
-/// without the ask; `docs/architecture.md` §26), none above (at 128 every pass needs ~255, two
-/// cubes). `WILDFIRE_ATTENTION_CUBES_PER_SM=N` asks for N instead (0: no ask), for a comparison.
+/// three at head dims up to 64 (GPT-2's: forward 164, dQ 168 and dK/dV 168 registers in ptxas,
+/// only dK/dV spilling, 8 bytes — where they took 174/172/172 and two cubes without the ask;
+/// `docs/architecture.md` §26), none above (at 128 every pass needs ~255: two cubes). `WILDFIRE_ATTENTION_CUBES_PER_SM=N` asks for N instead (0: no ask), for a comparison.
 fn cubes_wanted(d: usize) -> u32 {
     static ASK: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
     let ask = *ASK.get_or_init(|| {
