@@ -103,9 +103,8 @@ pub(crate) enum PendingTensor<B: Backend> {
     Done(Result<FloatTensor<B>, Error>),
     /// Issued on the installed device collectives.
     Device(DeviceIssued<B>),
-    /// Issued on the rank's communication queue; the result uploaded to the device when waited
-    /// for.
-    Queued(crate::comm::Pending, B::Device),
+    /// Issued on the rank's communication queue; the result uploaded to the device there.
+    Queued(crate::comm::Pending<FloatTensor<B>>),
     /// The result cast to this dtype (a reduction run in a lower precision, cast back).
     Cast(Box<PendingTensor<B>>, burn_backend::FloatDType),
     /// A receive from global rank `from` on the installed device collectives, posted when
@@ -124,7 +123,7 @@ impl<B: Backend> PendingTensor<B> {
         match self {
             Self::Done(result) => result,
             Self::Device(issued) => issued.wait(),
-            Self::Queued(pending, device) => Ok(B::float_from_data(pending.wait_data()?, &device)),
+            Self::Queued(pending) => pending.wait(),
             Self::Cast(pending, dtype) => Ok(B::float_cast(pending.wait()?, dtype)),
             Self::Recv {
                 from,
@@ -236,10 +235,23 @@ pub(crate) fn issue_reduction<B: Backend>(
             }
         })
         .collect();
-    PendingTensor::Queued(
-        ctx.queue().issue_chain(calls, Some(data)),
-        device.inner().clone(),
-    )
+    let upload = upload_on_comm(device);
+    PendingTensor::Queued(ctx.queue().issue_chain_then(calls, Some(data), upload))
+}
+
+/// The finishing step of a call queued on the rank's communication thread: its result uploaded
+/// to the rank's device there, beside the compute (counted in
+/// [`OpCounters::comm_uploads`](crate::OpCounters::comm_uploads)), not when it is waited for.
+/// The upload runs under the stream of the thread that issued the call
+/// ([`crate::comm::on_callers_stream`]), so it is ordered with that thread's kernels.
+fn upload_on_comm<B: Backend>(
+    device: &DistDevice<B>,
+) -> impl FnOnce(TensorData) -> FloatTensor<B> + Send + 'static {
+    let (ctx, device) = (device.context().clone(), device.inner().clone());
+    crate::comm::on_callers_stream(move |data| {
+        ctx.count_comm_upload();
+        B::float_from_data(data, &device)
+    })
 }
 
 /// [`all_gather`], issued now and waited for later: on the installed device collectives, else
@@ -268,8 +280,8 @@ pub(crate) fn issue_all_gather<B: Backend>(
 }
 
 /// [`issue_all_gather`] of a piece already in host memory (an offloaded parameter shard): on
-/// the host path the buffer goes to the communication queue as it is (the shard is never
-/// uploaded, nor read back), and the gathered result is uploaded when waited for; device
+/// the host path the buffer goes to the communication queue as it is, and the gathered result
+/// is uploaded on the communication thread, so the compute thread makes no transfer; device
 /// collectives that take host buffers ([`DeviceCollectives::issue_all_gather_from_host`]) do
 /// the same. Otherwise the buffer is handed back (`Err`) for the caller to upload.
 pub(crate) fn issue_all_gather_from_host<B: Backend>(
@@ -279,17 +291,17 @@ pub(crate) fn issue_all_gather_from_host<B: Backend>(
     dim: usize,
 ) -> Result<PendingTensor<B>, TensorData> {
     let ctx = device.context();
+    let upload = upload_on_comm(device);
     let call = Call::all_gather(group, Operand::of(&data), dim);
     if let Some(dc) = ctx.device_collectives::<B>() {
-        let on = device.inner().clone();
-        let upload = Box::new(move |data| B::float_from_data(data, &on));
+        let upload = Box::new(upload);
         let gather = crate::comm::HostGather { call, data, upload };
         return dc
             .issue_all_gather_from_host(gather)
             .map(PendingTensor::Device);
     }
-    let pending = ctx.queue().issue(call, Some(data));
-    Ok(PendingTensor::Queued(pending, device.inner().clone()))
+    let pending = ctx.queue().issue_then(call, Some(data), upload);
+    Ok(PendingTensor::Queued(pending))
 }
 
 /// Reduce-scatter along `dim` (see [`Communicator::reduce_scatter`]).
@@ -381,10 +393,8 @@ pub(crate) fn issue_exchange<B: Backend>(
         };
     }
     let data = crate::comm::read::<B>(tensor);
-    PendingTensor::Queued(
-        ctx.queue().issue_exchange(to, data, from),
-        device.inner().clone(),
-    )
+    let upload = upload_on_comm(device);
+    PendingTensor::Queued(ctx.queue().issue_exchange_then(to, data, from, upload))
 }
 
 /// Waits until every tensor this rank sent ([`send`]) on the installed device collectives has

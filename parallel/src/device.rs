@@ -31,12 +31,15 @@ pub struct OpCounters {
     /// [`crate::DTensor::offloaded`]).
     pub host_uploads: u64,
     /// Offloaded shards handed to an FSDP gather as they are, from host memory: the shard is
-    /// never uploaded, the gathered parameter is (when waited for).
+    /// never uploaded, the gathered parameter is (on the communication thread).
     pub host_gathers: u64,
     /// Work the layers above count by name (`muon newton-schulz`: the Newton–Schulz iterations
     /// this rank ran).
     pub work: BTreeMap<&'static str, u64>,
-
+    /// Results of calls queued on the communication thread, uploaded to the device there (a
+    /// gathered parameter, a reduced gradient bucket, a ring's received block), beside the
+    /// compute rather than when waited for.
+    pub comm_uploads: u64,
     /// Dtype casts run on the inner backend, by the op that asked (`float_cast` for explicit
     /// casts; the precision policy's casts under the rule that needed them — a weight cast to
     /// the compute dtype is counted once per value, its cached copy serves every later use).
@@ -429,6 +432,11 @@ impl RankContext {
     /// Count one offloaded shard gathered from host memory ([`OpCounters::host_gathers`]).
     pub(crate) fn count_host_gather(&self) {
         self.accounting.counters.lock().unwrap().host_gathers += 1;
+    }
+
+    /// Count one upload on the communication thread ([`OpCounters::comm_uploads`]).
+    pub(crate) fn count_comm_upload(&self) {
+        self.accounting.counters.lock().unwrap().comm_uploads += 1;
     }
 
     /// Count one cast on the inner backend, asked for by `op` ([`OpCounters::casts`]).

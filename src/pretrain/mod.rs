@@ -86,9 +86,11 @@ pub struct RunSummary {
     /// a use that no FSDP gather serves).
     pub host_uploads: u64,
     /// Offloaded shards gathered from host memory as they are (`--offload params` under FSDP:
-    /// the shard is never uploaded, only the gathered parameter). With
+    /// the gathered parameter is uploaded on the communication thread). With
     /// [`RunSummary::host_uploads`]: one per use.
     pub host_gathers: u64,
+    /// Results of queued collectives uploaded on this rank's communication thread.
+    pub comm_uploads: u64,
     /// Muon's Newton–Schulz iterations this rank ran, one per matrix (`--muon-split`).
     pub orthogonalised: u64,
     /// With `--plan auto`: the candidates and the one this run trained with.

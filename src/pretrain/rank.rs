@@ -356,6 +356,7 @@ impl RankRun<'_> {
         let counters = ctx.counters();
         summary.host_uploads = counters.host_uploads;
         summary.host_gathers = counters.host_gathers;
+        summary.comm_uploads = counters.comm_uploads;
         summary.orthogonalised = counters
             .work
             .get(wildfire_engine::NEWTON_SCHULZ)

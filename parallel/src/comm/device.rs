@@ -141,7 +141,9 @@ pub struct HostGather<B: Backend> {
     pub call: super::Call,
     /// This member's buffer.
     pub data: TensorData,
-    /// How the gathered buffer becomes a device tensor (on the thread that waits for it).
+    /// How the gathered buffer becomes a device tensor (it counts the upload): call it where
+    /// the transfer overlaps the caller's compute. It runs on the issuing thread's device
+    /// stream wherever it is called ([`super::on_callers_stream`]).
     pub upload: Box<dyn FnOnce(TensorData) -> FloatTensor<B> + Send>,
 }
 
@@ -426,7 +428,7 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
     }
 
     /// Queued: the host buffer goes to the communication thread as it is, the result is
-    /// uploaded when waited for. Not queued: the call runs now on the host buffer.
+    /// uploaded there. Not queued: the call runs now on the host buffer.
     fn issue_all_gather_from_host(
         self: Arc<Self>,
         gather: HostGather<B>,
@@ -439,8 +441,8 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
                 result.map(|r| upload(super::returned(r))),
             ));
         };
-        let pending = queue.issue(call, Some(data));
-        Ok(DeviceIssued::new(move || pending.wait_data().map(upload)))
+        let pending = queue.issue_then(call, Some(data), upload);
+        Ok(DeviceIssued::new(move || pending.wait()))
     }
 
     fn issue(
@@ -461,8 +463,10 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
             DeviceOp::ReduceScatterFirst(op) => super::Call::reduce_scatter(group, operand, 0, op),
         };
         self.count(call.kind());
-        let pending = queue.issue(call, Some(data));
-        DeviceIssued::new(move || Ok(B::float_from_data(pending.wait_data()?, &device)))
+        // The result uploaded on the communication thread, on this thread's stream.
+        let upload = super::on_callers_stream(move |data| B::float_from_data(data, &device));
+        let pending = queue.issue_then(call, Some(data), upload);
+        DeviceIssued::new(move || pending.wait())
     }
 }
 

@@ -62,7 +62,7 @@ pub use member::{Member, TraceEvent};
 pub use mpi_comm::{MpiCommunicator, MpiWorld};
 #[cfg(feature = "cuda")]
 pub use nccl::{NcclCommunicator, NcclOptions, check_libcuda};
-pub use queue::{CommQueue, Pending};
+pub use queue::{CommQueue, Pending, on_callers_stream};
 pub use stats::{CommCount, CommStats};
 
 /// How the members' buffers are combined.

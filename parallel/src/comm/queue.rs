@@ -40,12 +40,16 @@ enum Work {
     Exchange { to: usize, from: usize },
 }
 
+/// Where a job's result goes: run on the communication thread once the calls completed (a
+/// [`CommQueue::issue_then`] job's finishing step first, then the send to the waiter).
+type Done = Box<dyn FnOnce(Result<Option<TensorData>, Error>) + Send>;
+
 /// One issued job and where its result goes.
 struct Job {
     work: Work,
     data: Option<TensorData>,
     issued: Instant,
-    done: Sender<Result<Option<TensorData>, Error>>,
+    done: Done,
 }
 
 /// A rank's communicator with a queue of issued collectives (see the module docs).
@@ -57,22 +61,25 @@ pub struct CommQueue {
     in_flight: Arc<AtomicUsize>,
 }
 
-/// A collective issued on a [`CommQueue`]: [`Pending::wait`] for its result.
+/// A collective issued on a [`CommQueue`]: [`Pending::wait`] for its result (this member's
+/// buffer, or what [`CommQueue::issue_then`]'s finishing step made of it).
 #[must_use = "a pending collective's result is only had by waiting for it"]
-pub struct Pending {
-    result: Receiver<Result<Option<TensorData>, Error>>,
+pub struct Pending<T = Option<TensorData>> {
+    result: Receiver<Result<T, Error>>,
 }
 
-impl Pending {
+impl<T> Pending<T> {
     /// Wait for the call to complete: this member's result (`None` for a barrier).
-    pub fn wait(self) -> Result<Option<TensorData>, Error> {
+    pub fn wait(self) -> Result<T, Error> {
         self.result.recv().unwrap_or_else(|_| {
             Err(Error::Unsupported(
                 "the communication thread stopped before the call completed".into(),
             ))
         })
     }
+}
 
+impl Pending {
     /// Wait for a call that returns a buffer (any but a barrier).
     pub fn wait_data(self) -> Result<TensorData, Error> {
         self.wait().map(super::returned)
@@ -122,8 +129,59 @@ impl CommQueue {
         self.issue_work(Work::Exchange { to, from }, Some(data))
     }
 
+    /// Issue `call` as [`CommQueue::issue`] does, and run `then` on its result (a buffer) on
+    /// the communication thread before the waiter gets it: the upload of a gathered or reduced
+    /// buffer to the device, which then overlaps the caller's compute as the call itself does.
+    /// A `then` that makes device buffers must run on the caller's stream
+    /// ([`on_callers_stream`]).
+    pub fn issue_then<T: Send + 'static>(
+        &self,
+        call: Call,
+        data: Option<TensorData>,
+        then: impl FnOnce(TensorData) -> T + Send + 'static,
+    ) -> Pending<T> {
+        self.issue_chain_then(vec![call], data, then)
+    }
+
+    /// [`CommQueue::issue_chain`] with a finishing step on the communication thread (see
+    /// [`CommQueue::issue_then`]).
+    pub fn issue_chain_then<T: Send + 'static>(
+        &self,
+        calls: Vec<Call>,
+        data: Option<TensorData>,
+        then: impl FnOnce(TensorData) -> T + Send + 'static,
+    ) -> Pending<T> {
+        self.issue_job(Work::Calls(calls), data, finishing(then))
+    }
+
+    /// [`CommQueue::issue_exchange`] with a finishing step on the communication thread (see
+    /// [`CommQueue::issue_then`]): ring attention's received block uploaded while the caller
+    /// computes on the one it holds.
+    pub fn issue_exchange_then<T: Send + 'static>(
+        &self,
+        to: usize,
+        data: TensorData,
+        from: usize,
+        then: impl FnOnce(TensorData) -> T + Send + 'static,
+    ) -> Pending<T> {
+        self.issue_job(Work::Exchange { to, from }, Some(data), finishing(then))
+    }
+
     fn issue_work(&self, work: Work, data: Option<TensorData>) -> Pending {
-        let (done, result) = mpsc::channel();
+        self.issue_job(work, data, |r| r)
+    }
+
+    fn issue_job<T: Send + 'static>(
+        &self,
+        work: Work,
+        data: Option<TensorData>,
+        finish: impl FnOnce(Result<Option<TensorData>, Error>) -> Result<T, Error> + Send + 'static,
+    ) -> Pending<T> {
+        let (sender, result) = mpsc::channel();
+        let done: Done = Box::new(move |r| {
+            // The waiter may have given up on it (a prefetch never used).
+            let _ = sender.send(finish(r));
+        });
         let job = Job {
             work,
             data,
@@ -135,7 +193,7 @@ impl CommQueue {
         let sender = jobs.get_or_insert_with(|| self.start());
         if let Err(mpsc::SendError(job)) = sender.send(job) {
             self.in_flight.fetch_sub(1, Ordering::AcqRel);
-            let _ = job.done.send(Err(Error::Unsupported(
+            (job.done)(Err(Error::Unsupported(
                 "the communication thread has stopped".into(),
             )));
         }
@@ -181,13 +239,41 @@ impl CommQueue {
                         }
                     }
                     in_flight.fetch_sub(1, Ordering::AcqRel);
-                    // The waiter may have given up on it (a prefetch never used).
-                    let _ = job.done.send(result);
+                    (job.done)(result);
                 }
             })
             .expect("spawning a communication thread");
         sender
     }
+}
+
+/// `f`, to be run on another thread (a [`CommQueue::issue_then`] job's finishing step), run
+/// there under the device stream of the thread that calls this: what it allocates and copies
+/// on a CubeCL device is ordered with that thread's kernels, as if that thread had made it.
+///
+/// CubeCL gives every OS thread a stream of its own (`StreamId::current`), with its own
+/// memory pool. A buffer made on the communication thread's stream is read safely by the
+/// compute stream (CubeCL synchronises a read across streams), but freeing it is not: when the
+/// compute thread drops its last handle, the slice is at once reusable in the *communication*
+/// stream's pool, and the next upload there can overwrite it before the compute stream's
+/// pending kernels have read it (on Wgpu a `write_buffer` runs ahead of recorded, unsubmitted
+/// commands) — results then depend on thread timing (the first overlapped upload, reverted in
+/// `84ad167`, made Wgpu runs nondeterministic so). Under the caller's stream id the buffer
+/// comes from the compute stream's pool and its copy is queued in the compute stream's order:
+/// the host's work (the gather, the staging of the bytes, the allocation) leaves the compute
+/// thread, and every run computes the same bits. The copy itself is not overlapped with the
+/// kernels on the device (that needs a stream of its own and a release ordered after the last
+/// use: `docs/architecture.md` §26). Backends without streams (Flex) ignore the id.
+pub fn on_callers_stream<A, T>(f: impl FnOnce(A) -> T + Send) -> impl FnOnce(A) -> T + Send {
+    let stream = burn_backend::StreamId::current();
+    move |a| stream.executes(|| f(a))
+}
+
+/// A job's finishing step: `then` on its buffer (a call that returns one).
+fn finishing<T>(
+    then: impl FnOnce(TensorData) -> T + Send + 'static,
+) -> impl FnOnce(Result<Option<TensorData>, Error>) -> Result<T, Error> + Send + 'static {
+    move |r| r.map(super::returned).map(then)
 }
 
 /// `data` sent to `to`, then the next message from `from`.

@@ -377,9 +377,9 @@ fn with_and_without_parameters(what: &str, config: &PretrainConfig) -> (RunSumma
 /// parameter shard, each as the estimate gives; the step's device peak is lower by at least
 /// the parameters' shards. Each use reads the host piece once, whatever the layout (the same
 /// count on all three), more than once per parameter and step: on one rank the compute thread
-/// uploads it; under FSDP the shard goes to its gather from host memory as it is — never
-/// uploaded nor read back, only the gathered parameter is — and from the second step the
-/// prefetch issues those gathers ahead of use.
+/// uploads it; under FSDP the shard goes to its gather from host memory as it is — the compute
+/// thread uploads nothing, the communication thread uploads the gathered parameter — and from
+/// the second step the prefetch issues those gathers ahead of use.
 #[test]
 fn offloaded_parameters_are_the_device_run_bitwise() {
     let mut uploads = Vec::new();
@@ -426,12 +426,13 @@ fn offloaded_parameters_are_the_device_run_bitwise() {
         if config.parallel.dp > 1 {
             assert!(host.prefetch.used > 0, "{what}: {:?}", host.prefetch);
             assert_eq!(host.prefetch.used, device.prefetch.used, "{what}");
-            // Shards go to their gathers from host memory (never uploaded; the gathered
-            // parameter is, when waited for). On dp alone a shard is uploaded only for the
-            // tied head's transposition of the token table (a layout op on the shard, before
-            // the head's gather), once per forward pass: the 6 steps and the validation. (With
-            // tp a redistribution that is not one axis's gather, see `parameter_gather`, still
-            // uploads the shard.)
+            // Shards go to their gathers from host memory (never uploaded), and the
+            // communication thread uploads the gathered parameters, on the compute thread's
+            // stream. On dp alone the compute thread uploads a shard only for
+            // the tied head's transposition of the token table (a layout op on the shard,
+            // before the head's gather), once per forward pass: the 6 steps and the
+            // validation. (With tp a redistribution that is not one axis's gather, see
+            // `parameter_gather`, still uploads on the compute thread.)
             let forwards = host.steps.len() as u64 * 2;
             let tp = config.parallel.tp;
             assert!(
@@ -439,8 +440,14 @@ fn offloaded_parameters_are_the_device_run_bitwise() {
                     && (tp > 1
                         || host.host_uploads <= forwards
                             && host.host_gathers > 20 * host.host_uploads),
-                "{what}: {} shard uploads, {} shards gathered from the host",
+                "{what}: {} uploads on the compute thread, {} shards gathered from the host",
                 host.host_uploads,
+                host.host_gathers
+            );
+            assert!(
+                host.comm_uploads >= host.host_gathers,
+                "{what}: {} uploads on the communication thread for {} host gathers",
+                host.comm_uploads,
                 host.host_gathers
             );
         } else {
@@ -451,7 +458,7 @@ fn offloaded_parameters_are_the_device_run_bitwise() {
         }
         if config.parallel.dp > 1 && config.parallel.tp == 1 {
             // The device-collectives path (NCCL's) staged through host memory takes the host
-            // shards as they are too: the same bits.
+            // shards as they are too, and uploads on the communication thread: the same bits.
             let staged = run(&params_offloaded(PretrainConfig {
                 collectives: Collectives::Staged,
                 ..config.clone()
@@ -673,7 +680,10 @@ fn close_but_for_flipped_codes(what: &str, got: &[Vec<f32>], expected: &[Vec<f32
 /// On Wgpu (device buffers: each use's upload is a real write to the device) the run with the
 /// parameters offloaded is the run with only the optimizer offloaded, bit for bit, on one rank
 /// and on FSDP over two: the parameter shards live in host memory between uses, and no
-/// parameter bytes stay on the device.
+/// parameter bytes stay on the device. Under FSDP the gathered parameters and the reduced
+/// gradients are uploaded on the communication thread, on the compute thread's stream
+/// (`wildfire_parallel::comm::on_callers_stream`): on the communication thread's own stream
+/// the runs differ from the second step on, differently each time (20 runs of 20 measured).
 #[cfg(feature = "wgpu")]
 #[test]
 fn offloaded_parameters_on_wgpu_are_the_device_parameters_bitwise() {
@@ -683,6 +693,7 @@ fn offloaded_parameters_on_wgpu_are_the_device_parameters_bitwise() {
         ParallelConfig::layout(1, 1, FsdpStrategy::FullShard, None),
         ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None),
     ] {
+        let dp = parallel.dp;
         let config = PretrainConfig {
             parallel,
             timeout: crate::suite::ON_LAVAPIPE_TIMEOUT,
@@ -697,6 +708,15 @@ fn offloaded_parameters_on_wgpu_are_the_device_parameters_bitwise() {
             &on_device.parameters,
         );
         assert!(on_host.host_uploads > 0);
+        if dp > 1 {
+            assert!(
+                on_host.comm_uploads >= on_host.host_gathers && on_host.host_gathers > 0,
+                "{} uploads on the communication thread, {} host gathers",
+                on_host.comm_uploads,
+                on_host.host_gathers
+            );
+            assert!(on_device.comm_uploads > 0, "the gradients' reductions");
+        }
         for (h, d) in pairs(&on_host.steps, &on_device.steps) {
             assert_eq!(h.param_bytes, 0);
             assert_eq!(h.host_bytes, d.host_bytes + d.param_bytes);
