@@ -243,14 +243,15 @@ pub(crate) fn issue_reduction<B: Backend>(
 /// to the rank's device there, beside the compute (counted in
 /// [`OpCounters::comm_uploads`](crate::OpCounters::comm_uploads)), not when it is waited for.
 /// The upload runs under the stream of the thread that issued the call
-/// ([`crate::comm::on_callers_stream`]), so it is ordered with that thread's kernels.
+/// ([`crate::comm::on_callers_stream`]), so it is ordered with that thread's kernels, and
+/// goes through pinned staging memory where the backend has it ([`crate::comm::upload`]).
 fn upload_on_comm<B: Backend>(
     device: &DistDevice<B>,
 ) -> impl FnOnce(TensorData) -> FloatTensor<B> + Send + 'static {
     let (ctx, device) = (device.context().clone(), device.inner().clone());
     crate::comm::on_callers_stream(move |data| {
         ctx.count_comm_upload();
-        B::float_from_data(data, &device)
+        crate::comm::upload::<B>(data, &device)
     })
 }
 

@@ -311,7 +311,20 @@ pub(crate) fn host_recv<B: Backend>(
             ),
         });
     }
-    Ok(B::float_from_data(data, device))
+    Ok(upload::<B>(data, device))
+}
+
+/// `data` made a tensor on `device`, copied first into the backend's pinned staging memory
+/// where it has one (`Backend::staging`: CubeCL's CUDA runtime; a no-op on Flex and Wgpu). From
+/// pageable memory CUDA's asynchronous copy may wait for the stream to drain before it returns
+/// (the driver stages the bytes itself); from pinned memory it is queued and returns at once. So
+/// the calling thread pays one host copy, the one the driver would have made, instead of a wait
+/// for the device. For buffers made to be uploaded once (a collective's result, a received
+/// message, a shard handed back by a gather); a kept host piece uploaded at each use would pay
+/// two copies (a clone, then the staging).
+pub(crate) fn upload<B: Backend>(mut data: TensorData, device: &B::Device) -> FloatTensor<B> {
+    B::staging(std::iter::once(&mut data), device);
+    B::float_from_data(data, device)
 }
 
 /// A local tensor's values on the host, in one copy at most on Flex (`copied_flex`): what the
@@ -345,7 +358,7 @@ pub(crate) fn stage<B: Backend>(
     call: impl FnOnce(&dyn Communicator, TensorData) -> Result<TensorData, Error>,
 ) -> Result<FloatTensor<B>, Error> {
     let data = call(comm, read::<B>(tensor))?;
-    Ok(B::float_from_data(data, device))
+    Ok(upload::<B>(data, device))
 }
 
 impl<B: Backend> DeviceCollectives<B> for HostStaged {
@@ -464,7 +477,7 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
         };
         self.count(call.kind());
         // The result uploaded on the communication thread, on this thread's stream.
-        let upload = super::on_callers_stream(move |data| B::float_from_data(data, &device));
+        let upload = super::on_callers_stream(move |data| upload::<B>(data, &device));
         let pending = queue.issue_then(call, Some(data), upload);
         DeviceIssued::new(move || pending.wait())
     }

@@ -51,7 +51,7 @@ pub use call::{Call, Operand, Splits};
 #[doc(hidden)]
 pub use device::read;
 pub use device::{DeviceCollectives, DeviceIssued, DeviceOp, HostGather, HostStaged};
-pub(crate) use device::{host_recv, host_send, stage};
+pub(crate) use device::{host_recv, host_send, stage, upload};
 pub(crate) use header::{dtype_code, dtype_of};
 #[cfg(feature = "mpi")]
 pub use hybrid::{HybridCommunicator, HybridWorld};

@@ -73,7 +73,7 @@ impl<B: Backend> DTensor<B> {
             }
             Some(Err(data)) => {
                 self.device.ctx.count_host_upload();
-                issue(B::float_from_data(data, self.device.inner()))
+                issue(crate::comm::upload::<B>(data, self.device.inner()))
             }
             None => issue(self.clone().ready().local),
         };
