@@ -23,7 +23,9 @@
 #       same model, batches and optimizer; tokens/s and MFU with one formula for both;
 #   (c) CubeCL's per-kernel time table of one training step (its profiler), and Nsight Compute's
 #       report on the flash-attention kernels where `ncu` is installed (both with the default
-#       register attention).
+#       register attention);
+#   (d) memory (issue 35): GPT-2 350M on one rank for each optimizer, optimizer state dtype and
+#       offload, and the planner for two budgets: peaks, the process's device memory, step times.
 # It prints one markdown table and leaves every log in $OUT/gpu-bench.tgz, and CubeCL's tuning
 # cache in $OUT/cubecl-cache.tgz (put it in .gpu/ to skip the tuning next time — `build` packs
 # benches/cubecl-cache-h100.tgz, an H100's, when .gpu/ has none; OUT defaults to a temporary
@@ -205,6 +207,30 @@ run() {
     [ -n "$ncu" ] && step ncu_attention 150 "$ncu" -k regex:flash -c 6 --section SpeedOfLight \
         --section Occupancy --section LaunchStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis "$T/b/gpu_kernels" --iters 1
+    # (d) issue 35's memory table: GPT-2 350M, one rank, batch 1 × 1024, f32, 3 steps (the CPU
+    # table's settings, `cargo bench --bench optimizers`), per optimizer and offload, then the
+    # planner for the CPU table's two budgets: the accounting's peak (metrics) beside the
+    # process's device memory (nvidia-smi, sampled every 100 ms: the CUDA context and CubeCL's
+    # pools included) and the step time — what the offloads' transfers cost on a GPU
+    local MEM=(--preset gpt2-350m --tokenizer gpt2 "${corpus[@]}" --batch-size 1 --block-size 1024
+        --steps 3 --warmup 0 --eval-every 0 --eval-iters 0 --sample-tokens 0 --log-every 1 --plot "$T/p.png")
+    memstep() { # name timeout gpt_pretrain-flags...
+        local name=$1 t=$2; shift 2
+        if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+        nvidia-smi --query-compute-apps=used_memory --format=csv,noheader,nounits -lms 100 > "$R/$name.smi" 2>&1 &
+        local smi=$!
+        step "$name" "$t" "$G" --backend cuda "${MEM[@]}" --metrics "$R/$name.jsonl" "$@"
+        kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+    }
+    memstep mem_adamw 90
+    memstep mem_bf16 90 --optim-state bf16
+    memstep mem_int8 90 --optim-state int8
+    memstep mem_adafactor 90 --optimizer adafactor
+    memstep mem_muon 90 --optimizer muon
+    memstep mem_offload_optimizer 90 --offload optimizer
+    memstep mem_offload_params 90 --offload params --fsdp full
+    memstep mem_plan_6g 150 --plan auto --memory-budget 6000000000
+    memstep mem_plan_4g5 150 --plan auto --memory-budget 4500000000
     # the tuning results, for the next run on this kind of GPU (`.gpu/cubecl-cache.tgz`)
     tar czf "$O/cubecl-cache.tgz" -C "$HOME/.cache" cubecl 2>/dev/null
     python3 "$T/b/gpu_table.py" "$R" > "$R/table.md" 2>&1

@@ -178,3 +178,35 @@ if total:
         print(f"| {name} | {ms:.1f} | {n} | {100 * ms / total:.1f}% |")
 else:
     print("(no profile)")
+
+# (d) memory (issue 35)
+MEM = (("mem_adamw", "AdamW"), ("mem_bf16", "AdamW, bf16 moments"),
+       ("mem_int8", "AdamW, 8-bit moments"), ("mem_adafactor", "Adafactor"), ("mem_muon", "Muon"),
+       ("mem_offload_optimizer", "AdamW offloaded (`--offload optimizer`)"),
+       ("mem_offload_params", "AdamW and parameters offloaded (`--offload params --fsdp full`)"),
+       ("mem_plan_6g", "`--plan auto`, budget 6.0 GB"), ("mem_plan_4g5", "`--plan auto`, budget 4.5 GB"))
+rows = []
+for name, label in MEM:
+    steps = [s for s in jsonl(name + ".jsonl") if "peak_bytes" in s]
+    if not steps and not read(name + ".log"):
+        continue
+    smi = [int(x) for x in re.findall(r"^\s*(\d+)\s*$", read(name + ".smi"), re.M)]
+    chosen = re.findall(r"`([^`]*)` \(chosen\)", read(name + ".log"))
+    if not steps:
+        rows.append(f"| {label} | failed or timed out (see {name}.log) | | | | | |")
+        continue
+    gb = lambda b: f"{b / 1e9:.2f} GB"
+    later = steps[1:] or steps
+    step_s = statistics.median(1024 / s["tokens_per_s"] for s in later if s.get("tokens_per_s"))
+    rows.append(f"| {label} | {gb(max(s['peak_bytes'] for s in steps))} | "
+                f"{gb(steps[-1]['optim_bytes'])} | {gb(steps[-1]['host_bytes'])} | "
+                f"{(str(max(smi)) + ' MiB') if smi else '–'} | {step_s:.3f} s | "
+                f"{'`' + chosen[-1] + '`' if chosen else ''} |")
+if rows:
+    print("\n### Memory: GPT-2 350M, one rank, batch 1 × 1024, f32, 3 steps (issue 35)\n")
+    print("Peak: the accounting's largest step peak of live tensor bytes; device memory: the "
+          "process's largest `nvidia-smi` reading (CUDA context and CubeCL's pools included); "
+          "step: the median of the steps after the first.\n")
+    print("| run | peak | optimizer state, device | host | device memory | step | plan |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
