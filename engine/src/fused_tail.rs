@@ -141,6 +141,9 @@ impl MomentDtype {
 #[derive(Clone)]
 pub struct TailInputs<X: Backend> {
     inner: Arc<Mutex<Option<ScaleAndSkip<X>>>>,
+    /// The same two values as the host computed them (the optimizer offloaded to the host
+    /// reads these, not the device's copies: no device read per parameter).
+    on_host: Arc<Mutex<Option<(f32, f32)>>>,
     /// The parameters' steps queued for one multi-tensor launch ([`AdamWBatch`]).
     batch: Arc<Mutex<AdamWBatch<X>>>,
 }
@@ -225,12 +228,19 @@ impl<X: Backend> TailInputs<X> {
     pub(crate) fn current(&self) -> Option<ScaleAndSkip<X>> {
         self.inner.lock().unwrap().clone()
     }
+
+    /// The clipping coefficient and the skip flag (1 or 0) of the coming step, as the host
+    /// computed them, if the fused tail set them.
+    pub(crate) fn current_on_host(&self) -> Option<(f32, f32)> {
+        *self.on_host.lock().unwrap()
+    }
 }
 
 impl<X: Backend> Default for TailInputs<X> {
     fn default() -> Self {
         Self {
             inner: Arc::new(Mutex::new(None)),
+            on_host: Arc::new(Mutex::new(None)),
             batch: Arc::new(Mutex::new(AdamWBatch::default())),
         }
     }
@@ -649,10 +659,9 @@ where
             .into_primitive()
             .tensor()
     };
-    *inputs.inner.lock().unwrap() = Some((
-        scalar(clip_factor),
-        scalar(if found_inf { 1.0 } else { 0.0 }),
-    ));
+    let skip = if found_inf { 1.0 } else { 0.0 };
+    *inputs.inner.lock().unwrap() = Some((scalar(clip_factor), scalar(skip)));
+    *inputs.on_host.lock().unwrap() = Some((clip_factor, skip));
     let check = GradCheck {
         norm,
         found_inf,

@@ -21,8 +21,8 @@
 //! (unpinned) memory.
 //!
 //! The clipping coefficient and the skip flag come from the fused tail
-//! ([`crate::fused_unscale_check`], through the shared [`TailInputs`]), read to the host once per
-//! parameter; without them (a pipeline stage, whose runner clips before the step) the step
+//! ([`crate::fused_unscale_check`], through the shared [`TailInputs`]) as the host computed them
+//! (no device read); without them (a pipeline stage, whose runner clips before the step) the step
 //! takes its gradient as given. The state is a [`StateCodec`] with AdamW's tensor names: a
 //! checkpoint saved with the optimizer offloaded resumes without, and the other way round.
 
@@ -189,12 +189,6 @@ fn to_host<X: Backend>(t: &DTensor<X>) -> Vec<f32> {
         .expect("f32 values")
 }
 
-/// A `[1]` device scalar's value.
-fn scalar<X: Backend>(t: &X::FloatTensorPrimitive) -> f32 {
-    let t = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(t.clone()));
-    t.into_data().convert::<f32>().to_vec::<f32>().expect("f32")[0]
-}
-
 impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
     type State<const D: usize> = OffloadState<X, D>;
 
@@ -233,10 +227,8 @@ impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
                 site.clone(),
             ))),
         };
-        let (scale, skip) = match self.inputs.current() {
-            Some((scale, skip)) => (scalar::<X>(&scale), scalar::<X>(&skip)),
-            None => (1.0, 0.0),
-        };
+        // The host's own values (the tail computed them there): no device read per parameter.
+        let (scale, skip) = self.inputs.current_on_host().unwrap_or((1.0, 0.0));
         let state = OffloadState { time, moments };
         if skip != 0.0 {
             return (wrap(p), Some(state));

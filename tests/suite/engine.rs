@@ -327,48 +327,10 @@ fn step_runner_steps_and_skips_together() {
 /// micro-batch and with four, on one rank and FullShard over two.
 #[test]
 fn one_host_read_per_step() {
-    use wildfire::engine::{FusedAdamW, FusedAdamWConfig, StepRunner, StepRunnerConfig};
-    use wildfire::parallel::FsdpOptimizer;
+    use wildfire::engine::FusedAdamW;
     for (dp, strategy) in [(1, FsdpStrategy::NoShard), (2, FsdpStrategy::FullShard)] {
-        let mesh = DeviceMesh::new([("dp", dp)]).unwrap();
-        let reads = threads(&mesh, |device| {
-            let rank = device.rank();
-            let (adamw, inputs) = FusedAdamW::<Flex>::optimizer::<Mlp<Dist>>(FusedAdamWConfig {
-                beta1: 0.9,
-                beta2: 0.999,
-                epsilon: 1e-5,
-                weight_decay: 1e-4,
-                ..FusedAdamWConfig::default()
-            });
-            let mut m = sharded_mlp(&device, &mesh, [4, 8, 3], 1, strategy);
-            let mut optim = FsdpOptimizer::new(adamw);
-            let config = StepRunnerConfig {
-                clip: Some(0.05),
-                ..StepRunnerConfig::default()
-            };
-            let mut step = StepRunner::new(
-                config,
-                Some(DynamicLossScaler::new(LossScalerConfig::default())),
-            );
-            let mut reads = Vec::new();
-            for seeds in [&[1u64][..], &[1, 2, 3, 4], &[5], &[6, 7, 8, 9]] {
-                device.context().reset_counters();
-                let (next, record) = step
-                    .run(
-                        &device,
-                        m,
-                        &mut optim,
-                        Some(&inputs),
-                        1e-2,
-                        seeds,
-                        |m, i, _| micro_batch_loss(m, rank, i % 2, false, &device),
-                    )
-                    .unwrap();
-                m = next;
-                assert!(record.loss.is_finite() && !record.skipped);
-                reads.push(device.context().counters().host_reads);
-            }
-            reads
+        let reads = host_reads_per_step(dp, strategy, || {
+            FusedAdamW::<Flex>::optimizer::<Mlp<Dist>>(tail_adamw())
         });
         for (rank, reads) in reads.iter().enumerate() {
             assert_eq!(
@@ -378,6 +340,86 @@ fn one_host_read_per_step() {
             );
         }
     }
+}
+
+/// With the optimizer offloaded to the host, a step reads the tail's one buffer and then each
+/// parameter's piece and its gradient's once (2 reads × the MLP's 4 tensors): the clipping
+/// coefficient and the skip flag come as the host computed them, not read back from the device
+/// per parameter.
+#[test]
+fn offloaded_optimizer_reads_each_piece_once_per_step() {
+    use wildfire::engine::OffloadAdamW;
+    for (dp, strategy) in [(1, FsdpStrategy::NoShard), (2, FsdpStrategy::FullShard)] {
+        let reads = host_reads_per_step(dp, strategy, || {
+            OffloadAdamW::<Flex>::optimizer::<Mlp<Dist>>(tail_adamw())
+        });
+        for (rank, reads) in reads.iter().enumerate() {
+            assert_eq!(
+                reads,
+                &[9, 9, 9, 9],
+                "dp {dp} rank {rank}: host reads per step"
+            );
+        }
+    }
+}
+
+fn tail_adamw() -> wildfire::engine::FusedAdamWConfig {
+    wildfire::engine::FusedAdamWConfig {
+        beta1: 0.9,
+        beta2: 0.999,
+        epsilon: 1e-5,
+        weight_decay: 1e-4,
+        ..Default::default()
+    }
+}
+
+/// Each rank's host reads in four steps of an MLP on `dp` ranks (`strategy`), with clipping and
+/// loss scaling, of one micro-batch, four, one and four: the optimizer and its tail inputs from
+/// `optimizer`.
+fn host_reads_per_step<O>(
+    dp: usize,
+    strategy: FsdpStrategy,
+    optimizer: impl Fn() -> (O, wildfire::engine::TailInputs<Flex>) + Sync,
+) -> Vec<Vec<u64>>
+where
+    O: burn::optim::Optimizer<Mlp<Dist>, Dist>,
+{
+    use wildfire::engine::{StepRunner, StepRunnerConfig};
+    use wildfire::parallel::FsdpOptimizer;
+    let mesh = DeviceMesh::new([("dp", dp)]).unwrap();
+    threads(&mesh, |device| {
+        let rank = device.rank();
+        let (adamw, inputs) = optimizer();
+        let mut m = sharded_mlp(&device, &mesh, [4, 8, 3], 1, strategy);
+        let mut optim = FsdpOptimizer::new(adamw);
+        let config = StepRunnerConfig {
+            clip: Some(0.05),
+            ..StepRunnerConfig::default()
+        };
+        let mut step = StepRunner::new(
+            config,
+            Some(DynamicLossScaler::new(LossScalerConfig::default())),
+        );
+        let mut reads = Vec::new();
+        for seeds in [&[1u64][..], &[1, 2, 3, 4], &[5], &[6, 7, 8, 9]] {
+            device.context().reset_counters();
+            let (next, record) = step
+                .run(
+                    &device,
+                    m,
+                    &mut optim,
+                    Some(&inputs),
+                    1e-2,
+                    seeds,
+                    |m, i, _| micro_batch_loss(m, rank, i % 2, false, &device),
+                )
+                .unwrap();
+            m = next;
+            assert!(record.loss.is_finite() && !record.skipped);
+            reads.push(device.context().counters().host_reads);
+        }
+        reads
+    })
 }
 
 /// The fused optimizer tail (`StepRunner::run` with its tail inputs + `FusedAdamW`: one unscale + Σg² + overflow
