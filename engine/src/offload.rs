@@ -16,9 +16,11 @@
 //! parameters and casts per op), so "offloading the master weights" is the parameters' own
 //! offload (`--offload params`, [`wildfire_parallel::offload_parameters`]): a parameter piece
 //! kept in host memory is read from there, and its new value stays there
-//! ([`DTensor::with_host`]) — no device transfer in the step at all. Otherwise the transfers are
-//! synchronous: they do not overlap the step's compute yet, and host buffers are plain
-//! (unpinned) memory.
+//! ([`DTensor::with_host`]) — no device transfer in the step at all. Otherwise each parameter
+//! reads its piece and its gradient's (waiting for them) and writes the new piece back through
+//! the backend's pinned staging memory where it has one ([`wildfire_parallel::comm::upload`]:
+//! queued, not waited for); the reads and the host step of one parameter do not overlap the
+//! next one's yet.
 //!
 //! The clipping coefficient and the skip flag come from the fused tail
 //! ([`crate::fused_unscale_check`], through the shared [`TailInputs`]) as the host computed them
@@ -257,7 +259,9 @@ impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
             // `--offload params`: the new piece stays in host memory.
             p.with_host(data)
         } else {
-            p.with_local(X::float_from_data(data, site.device.inner()))
+            // Through pinned staging memory where the backend has it (CUDA): the copy is
+            // queued, not waited for.
+            p.with_local(wildfire_parallel::comm::upload::<X>(data, site.device.inner()))
         };
         (wrap(p), Some(OffloadState { time, moments }))
     }

@@ -322,7 +322,7 @@ pub(crate) fn host_recv<B: Backend>(
 /// for the device. For buffers made to be uploaded once (a collective's result, a received
 /// message, a shard handed back by a gather); a kept host piece uploaded at each use would pay
 /// two copies (a clone, then the staging).
-pub(crate) fn upload<B: Backend>(mut data: TensorData, device: &B::Device) -> FloatTensor<B> {
+pub fn upload<B: Backend>(mut data: TensorData, device: &B::Device) -> FloatTensor<B> {
     B::staging(std::iter::once(&mut data), device);
     B::float_from_data(data, device)
 }
