@@ -261,7 +261,10 @@ impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
         } else {
             // Through pinned staging memory where the backend has it (CUDA): the copy is
             // queued, not waited for.
-            p.with_local(wildfire_parallel::comm::upload::<X>(data, site.device.inner()))
+            p.with_local(wildfire_parallel::comm::upload::<X>(
+                data,
+                site.device.inner(),
+            ))
         };
         (wrap(p), Some(OffloadState { time, moments }))
     }

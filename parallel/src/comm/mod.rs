@@ -48,10 +48,10 @@ pub use bootstrap::{
 };
 pub(crate) use buffer::{check_dim, check_divisible};
 pub use call::{Call, Operand, Splits};
-#[doc(hidden)]
-pub use device::{read, upload};
 pub use device::{DeviceCollectives, DeviceIssued, DeviceOp, HostGather, HostStaged};
 pub(crate) use device::{host_recv, host_send, stage};
+#[doc(hidden)]
+pub use device::{read, upload};
 pub(crate) use header::{dtype_code, dtype_of};
 #[cfg(feature = "mpi")]
 pub use hybrid::{HybridCommunicator, HybridWorld};
