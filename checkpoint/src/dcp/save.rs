@@ -143,7 +143,8 @@ impl Snapshot {
         // An offloaded parameter's piece is read from its host copy, not uploaded to be read.
         let held = match t.host_data() {
             Some(data) => Held::Host(data),
-            None => Held::Device(t.local().clone()),
+            // `into_local` waits for a value still in flight (an optimizer's deferred result).
+            None => Held::Device(t.clone().into_local()),
         };
         let read: ReadPiece = Box::new(move || {
             let data = match held {

@@ -807,3 +807,42 @@ fn meaningless_optimizer_combinations_are_refused() {
         "{err}"
     );
 }
+
+/// On Wgpu the fused AdamW runs many parameters per launch and hands each new parameter back
+/// deferred until the launch runs (`FusedOps::adamw_batch` > 1), as the offloaded AdamW hands
+/// back each piece its thread is still computing: a checkpoint saved right after such a step
+/// holds the new values (the snapshot waits for them), so a run resumed from it is the straight
+/// run bit for bit, on one rank and on FSDP over two.
+#[cfg(feature = "wgpu")]
+#[test]
+fn deferred_parameters_are_saved_with_their_values_on_wgpu() {
+    use wildfire::pretrain::run_on;
+    let device = Default::default();
+    for parallel in one_rank_and_fsdp_two() {
+        let config = |steps| PretrainConfig {
+            parallel: parallel.clone(),
+            timeout: crate::suite::ON_LAVAPIPE_TIMEOUT,
+            ..small(steps)
+        };
+        let what = format!("wgpu dp {}", parallel.dp);
+        let straight = run_on::<burn::backend::Wgpu>(&config(4), &device).unwrap();
+        let dir = scratch(&format!("deferred-wgpu-{}", parallel.dp));
+        let first = run_on::<burn::backend::Wgpu>(
+            &PretrainConfig {
+                save: Some(dir.clone()),
+                ..config(2)
+            },
+            &device,
+        )
+        .unwrap();
+        let resumed = run_on::<burn::backend::Wgpu>(
+            &PretrainConfig {
+                resume: Some(dir),
+                ..config(4)
+            },
+            &device,
+        )
+        .unwrap();
+        follows_straight(&what, &first, &resumed, &straight, None);
+    }
+}
