@@ -28,7 +28,7 @@
 //! takes its gradient as given. The state is a [`StateCodec`] with AdamW's tensor names: a
 //! checkpoint saved with the optimizer offloaded resumes without, and the other way round.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, mpsc};
 
 use burn::module::AutodiffModule;
 use burn::optim::SimpleOptimizer;
@@ -48,6 +48,44 @@ use crate::fused_tail::{FusedAdamWConfig, TailInputs};
 pub struct OffloadAdamW<X: Backend> {
     config: FusedAdamWConfig,
     inputs: TailInputs<X>,
+    worker: Arc<Worker>,
+}
+
+/// A host step and the upload of its result, run off the rank's thread.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The thread that runs the offloaded steps of parameters whose pieces live on the device: the
+/// rank's thread reads a parameter's piece and gradient and hands the host AdamW and the
+/// upload of the new piece here, then reads the next parameter's while this one computes (the
+/// transfers of one parameter overlap the host step of the one before, ZeRO-Offload's
+/// pipeline). At most one step waits behind the running one (a bounded queue), so at most
+/// three parameters' host buffers are in flight. Started at the first step; it ends with the
+/// optimizer.
+#[derive(Debug, Default)]
+struct Worker {
+    jobs: Mutex<Option<mpsc::SyncSender<Job>>>,
+}
+
+impl Worker {
+    fn run(&self, job: Job) {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        let sender = jobs.get_or_insert_with(|| {
+            let (sender, queue) = mpsc::sync_channel::<Job>(1);
+            std::thread::Builder::new()
+                .name("wildfire-offload-adamw".into())
+                .spawn(move || {
+                    for job in queue {
+                        job();
+                    }
+                })
+                .expect("spawning the offloaded AdamW's thread");
+            sender
+        });
+        if let Err(mpsc::SendError(job)) = sender.send(job) {
+            // The thread is gone (a step panicked there): run it here.
+            job();
+        }
+    }
 }
 
 /// [`OffloadAdamW`] as a Burn optimizer over `Autodiff<Distributed<X>>`.
@@ -66,7 +104,11 @@ impl<X: Backend> OffloadAdamW<X> {
             crate::MomentDtype::F32,
             "the offloaded AdamW keeps f32 moments"
         );
-        crate::fused_tail::with_tail_inputs(|inputs| Self { config, inputs })
+        crate::fused_tail::with_tail_inputs(|inputs| Self {
+            config,
+            inputs,
+            worker: Arc::default(),
+        })
     }
 }
 
@@ -126,13 +168,81 @@ impl<X: Backend> Clone for HostMoments<X> {
     }
 }
 
+/// One parameter's moments, shared by the state's clones and by the step that updates them on
+/// the [`Worker`]: every reader waits for that update first ([`Shared::lock`]). The worker holds
+/// the inner handles only ([`Update`]), so a state's clones alone decide its copy on write.
+struct Shared<X: Backend> {
+    moments: Arc<Mutex<HostMoments<X>>>,
+    gate: Arc<Gate>,
+}
+
+/// Whether a step in flight on the worker will still update the moments, and the readers'
+/// wake-up when it has.
+#[derive(Default)]
+struct Gate {
+    updating: Mutex<bool>,
+    updated: std::sync::Condvar,
+}
+
+/// The worker's handle on one parameter's moments, for one update.
+struct Update<X: Backend> {
+    moments: Arc<Mutex<HostMoments<X>>>,
+    gate: Arc<Gate>,
+}
+
+impl<X: Backend> Shared<X> {
+    fn new(moments: HostMoments<X>) -> Arc<Self> {
+        Arc::new(Self {
+            moments: Arc::new(Mutex::new(moments)),
+            gate: Arc::default(),
+        })
+    }
+
+    /// The moments, once any step in flight has updated them.
+    fn lock(&self) -> MutexGuard<'_, HostMoments<X>> {
+        let mut updating = self.gate.updating.lock().unwrap();
+        while *updating {
+            updating = self.gate.updated.wait(updating).unwrap();
+        }
+        drop(updating);
+        self.moments.lock().unwrap()
+    }
+
+    /// The handle of a step that will update the moments on the worker; readers wait for it.
+    fn begin_update(&self) -> Update<X> {
+        *self.gate.updating.lock().unwrap() = true;
+        Update {
+            moments: self.moments.clone(),
+            gate: self.gate.clone(),
+        }
+    }
+}
+
+impl<X: Backend> Update<X> {
+    /// `f` on the moments, then the readers let in (also when `f` panics).
+    fn run<T>(self, f: impl FnOnce(&mut HostMoments<X>) -> T) -> T {
+        let _open = Open(&self.gate);
+        f(&mut self.moments.lock().unwrap())
+    }
+}
+
+/// Lets the readers of a [`Gate`] in when dropped.
+struct Open<'a>(&'a Gate);
+
+impl Drop for Open<'_> {
+    fn drop(&mut self) {
+        *self.0.updating.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        self.0.updated.notify_all();
+    }
+}
+
 /// One parameter's offloaded AdamW state: its step count and its moments on the host (shared
 /// between a record's clones until one is stepped: copy on write).
 #[derive(Clone)]
 pub struct OffloadState<X: Backend, const D: usize> {
     /// Steps taken.
     pub time: usize,
-    moments: Arc<Mutex<HostMoments<X>>>,
+    moments: Arc<Shared<X>>,
 }
 
 /// [`OffloadState`] as plain data (Burn's record serialisation).
@@ -150,7 +260,7 @@ impl<X: Backend, const D: usize> Record<Distributed<X>> for OffloadState<X, D> {
     type Item<S: PrecisionSettings> = OffloadStateItem;
 
     fn into_item<S: PrecisionSettings>(self) -> Self::Item<S> {
-        let h = self.moments.lock().unwrap();
+        let h = self.moments.lock();
         OffloadStateItem {
             time: self.time,
             m: h.m.clone(),
@@ -171,7 +281,7 @@ impl<X: Backend, const D: usize> Record<Distributed<X>> for OffloadState<X, D> {
         let moments = HostMoments::new(item.m, item.v, site);
         Self {
             time: item.time,
-            moments: Arc::new(Mutex::new(moments)),
+            moments: Shared::new(moments),
         }
     }
 }
@@ -183,7 +293,9 @@ fn to_host<X: Backend>(t: &DTensor<X>) -> Vec<f32> {
         return data.convert::<f32>().into_vec::<f32>().expect("f32 values");
     }
     t.device().context().count_host_read();
-    let local = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(t.local().clone()));
+    // `into_local` waits for a value still in flight (a new piece this optimizer's thread is
+    // still computing, a gradient's reduction).
+    let local = Tensor::<X, 1>::from_primitive(TensorPrimitive::Float(t.clone().into_local()));
     local
         .into_data()
         .convert::<f32>()
@@ -209,7 +321,7 @@ impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
         let time = state.as_ref().map_or(0, |s| s.time) + 1;
         let moments = match state {
             Some(s) => {
-                let h = s.moments.lock().unwrap();
+                let h = s.moments.lock();
                 if h.site.layout == site.layout && h.site.local_shape == site.local_shape {
                     drop(h);
                     s.moments
@@ -220,14 +332,10 @@ impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
                         to_host(&crate::fused_tail::on_layout(t, &site.layout))
                     };
                     let (m, v) = (relaid(&h.m), relaid(&h.v));
-                    Arc::new(Mutex::new(HostMoments::new(m, v, site.clone())))
+                    Shared::new(HostMoments::new(m, v, site.clone()))
                 }
             }
-            None => Arc::new(Mutex::new(HostMoments::new(
-                vec![0.0; n],
-                vec![0.0; n],
-                site.clone(),
-            ))),
+            None => Shared::new(HostMoments::new(vec![0.0; n], vec![0.0; n], site.clone())),
         };
         // The host's own values (the tail computed them there): no device read per parameter.
         let (scale, skip) = self.inputs.current_on_host().unwrap_or((1.0, 0.0));
@@ -239,33 +347,49 @@ impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
         let moments = if Arc::strong_count(&state.moments) == 1 {
             state.moments
         } else {
-            Arc::new(Mutex::new(state.moments.lock().unwrap().clone()))
+            Shared::new(state.moments.lock().clone())
         };
-        let (mut values, grad) = (to_host(&p), to_host(&g));
-        {
-            let mut h = moments.lock().unwrap();
-            let h = &mut *h;
+        let (values, grad) = (to_host(&p), to_host(&g));
+        let step = self.config.step(lr, time);
+        let adamw = move |h: &mut HostMoments<X>, mut values: Vec<f32>| {
             wildfire_kernels::flex::optim::adamw_host(
                 &mut values,
                 &grad,
                 &mut h.m,
                 &mut h.v,
                 scale,
-                self.config.step(lr, time),
+                step,
             );
-        }
-        let data = TensorData::new(values, site.local_shape);
-        let p = if p.is_offloaded() {
-            // `--offload params`: the new piece stays in host memory.
-            p.with_host(data)
-        } else {
-            // Through pinned staging memory where the backend has it (CUDA): the copy is
-            // queued, not waited for.
-            p.with_local(wildfire_parallel::comm::upload::<X>(
-                data,
-                site.device.inner(),
-            ))
+            values
         };
+        if p.is_offloaded() {
+            // `--offload params`: the new piece stays in host memory, made here.
+            let values = adamw(&mut moments.lock(), values);
+            let p = p.with_host(TensorData::new(values, site.local_shape));
+            return (wrap(p), Some(OffloadState { time, moments }));
+        }
+        // On the worker: the host step, then the new piece written back through pinned staging
+        // memory where the backend has it (CUDA: the copy is queued, not waited for), on this
+        // thread's device stream (`on_callers_stream`: ordered with its kernels). The value
+        // handed back waits for it at its first use; the moments' readers wait for it too.
+        let (sender, result) = mpsc::channel();
+        let (device, shape) = (site.device.inner().clone(), site.local_shape);
+        let update = moments.begin_update();
+        let job = wildfire_parallel::comm::on_callers_stream(move |()| {
+            let values = update.run(|h| adamw(h, values));
+            let data = TensorData::new(values, shape);
+            let _ = sender.send(wildfire_parallel::comm::upload::<X>(data, &device));
+        });
+        self.worker.run(Box::new(move || job(())));
+        let dtype = burn::tensor::TensorMetadata::dtype(p.local());
+        let p = p.deferred_like(
+            dtype,
+            Box::new(move || {
+                result
+                    .recv()
+                    .expect("the offloaded AdamW's thread stopped before the step's result")
+            }),
+        );
         (wrap(p), Some(OffloadState { time, moments }))
     }
 
@@ -289,7 +413,7 @@ impl<X: Backend> StateCodec<Distributed<X>> for OffloadAdamW<X> {
 
     /// The moments uploaded as distributed tensors on the layout they were kept for.
     fn encode<const D: usize>(state: Self::State<D>) -> Result<Encoded<X>, String> {
-        let h = state.moments.lock().unwrap();
+        let h = state.moments.lock();
         let tensors = vec![h.site.upload(&h.m), h.site.upload(&h.v)];
         Ok(EncodedState::all(state.time, tensors))
     }
@@ -305,7 +429,7 @@ impl<X: Backend> StateCodec<Distributed<X>> for OffloadAdamW<X> {
         let moments = HostMoments::new(to_host(&m), to_host(&v), Site::of(&m));
         Ok(OffloadState {
             time,
-            moments: Arc::new(Mutex::new(moments)),
+            moments: Shared::new(moments),
         })
     }
 }
