@@ -26,7 +26,7 @@ pub use fused_tail::{
 pub use grad_check::{GradCheck, unscale_check_clip};
 pub use metrics::RankPeaks;
 pub use muon::{Muon, MuonConfig, MuonLr, MuonOptimizer, MuonSplit, MuonState, NEWTON_SCHULZ};
-pub use offload::{OffloadAdamW, OffloadAdamWOptimizer, OffloadState};
+pub use offload::{HANDED_TO_ITS_THREAD, OffloadAdamW, OffloadAdamWOptimizer, OffloadState};
 pub use pipeline::PipelineRecord;
 pub use quant_adamw::{
     BLOCK, MIN_8BIT_SIZE, QuantAdamW, QuantAdamWOptimizer, QuantAdamWState, QuantMoments,

@@ -51,6 +51,11 @@ pub struct OffloadAdamW<X: Backend> {
     worker: Arc<Worker>,
 }
 
+/// The name under which a rank counts ([`OpCounters::work`](wildfire_parallel::OpCounters))
+/// the offloaded steps handed to the optimizer's thread (one per parameter and step whose piece
+/// lives on the device).
+pub const HANDED_TO_ITS_THREAD: &str = "offloaded adamw: steps handed to its thread";
+
 /// A host step and the upload of its result, run off the rank's thread.
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -380,6 +385,7 @@ impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
             let data = TensorData::new(values, shape);
             let _ = sender.send(wildfire_parallel::comm::upload::<X>(data, &device));
         });
+        site.device.context().count_work(HANDED_TO_ITS_THREAD, 1);
         self.worker.run(Box::new(move || job(())));
         let dtype = burn::tensor::TensorMetadata::dtype(p.local());
         let p = p.deferred_like(

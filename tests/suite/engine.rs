@@ -335,7 +335,7 @@ fn one_host_read_per_step() {
         for (rank, reads) in reads.iter().enumerate() {
             assert_eq!(
                 reads,
-                &[1, 1, 1, 1],
+                &[(1, 0); 4],
                 "dp {dp} rank {rank}: host reads per step"
             );
         }
@@ -345,7 +345,7 @@ fn one_host_read_per_step() {
 /// With the optimizer offloaded to the host, a step reads the tail's one buffer and then each
 /// parameter's piece and its gradient's once (2 reads × the MLP's 4 tensors): the clipping
 /// coefficient and the skip flag come as the host computed them, not read back from the device
-/// per parameter.
+/// per parameter. Each of the 4 host steps is handed to the optimizer's thread.
 #[test]
 fn offloaded_optimizer_reads_each_piece_once_per_step() {
     use wildfire::engine::OffloadAdamW;
@@ -356,8 +356,9 @@ fn offloaded_optimizer_reads_each_piece_once_per_step() {
         for (rank, reads) in reads.iter().enumerate() {
             assert_eq!(
                 reads,
-                &[9, 9, 9, 9],
-                "dp {dp} rank {rank}: host reads per step"
+                &[(9, 4); 4],
+                "dp {dp} rank {rank}: host reads and steps handed to the optimizer's thread, \
+                 per step"
             );
         }
     }
@@ -373,14 +374,14 @@ fn tail_adamw() -> wildfire::engine::FusedAdamWConfig {
     }
 }
 
-/// Each rank's host reads in four steps of an MLP on `dp` ranks (`strategy`), with clipping and
+/// Each rank's host reads and offloaded steps handed to the optimizer's thread in four steps of an MLP on `dp` ranks (`strategy`), with clipping and
 /// loss scaling, of one micro-batch, four, one and four: the optimizer and its tail inputs from
 /// `optimizer`.
 fn host_reads_per_step<O>(
     dp: usize,
     strategy: FsdpStrategy,
     optimizer: impl Fn() -> (O, wildfire::engine::TailInputs<Flex>) + Sync,
-) -> Vec<Vec<u64>>
+) -> Vec<Vec<(u64, u64)>>
 where
     O: burn::optim::Optimizer<Mlp<Dist>, Dist>,
 {
@@ -416,7 +417,9 @@ where
                 .unwrap();
             m = next;
             assert!(record.loss.is_finite() && !record.skipped);
-            reads.push(device.context().counters().host_reads);
+            let counters = device.context().counters();
+            let handed = counters.work.get(wildfire::engine::HANDED_TO_ITS_THREAD);
+            reads.push((counters.host_reads, handed.copied().unwrap_or(0)));
         }
         reads
     })
