@@ -16,11 +16,16 @@
 //! parameters and casts per op), so "offloading the master weights" is the parameters' own
 //! offload (`--offload params`, [`wildfire_parallel::offload_parameters`]): a parameter piece
 //! kept in host memory is read from there, and its new value stays there
-//! ([`DTensor::with_host`]) — no device transfer in the step at all. Otherwise each parameter
-//! reads its piece and its gradient's (waiting for them) and writes the new piece back through
-//! the backend's pinned staging memory where it has one ([`wildfire_parallel::comm::upload`]:
-//! queued, not waited for); the reads and the host step of one parameter do not overlap the
-//! next one's yet.
+//! ([`DTensor::with_host`]) — no device transfer in the step at all. Otherwise the rank's
+//! thread reads each parameter's piece and its gradient's (waiting for them) and hands the host
+//! step and the upload of the new piece to the optimizer's own thread (`wildfire-offload-adamw`), through the
+//! backend's pinned staging memory where it has one ([`wildfire_parallel::comm::upload`]: queued,
+//! not waited for) and on the rank's device stream; meanwhile it reads the next parameter's. The
+//! new piece comes back deferred ([`DTensor::deferred_like`]): its first use (the next forward,
+//! a checkpoint, a ZeRO-1/2 gather) waits for it, and the moments' readers wait for their
+//! update. On a GPU one parameter's transfers overlap the host step of the one before
+//! (ZeRO-Offload's pipeline); under ZeRO-1/2 the gather right after each step waits, so there
+//! the steps stay serial. The numbers are those of the serial step, bit for bit.
 //!
 //! The clipping coefficient and the skip flag come from the fused tail
 //! ([`crate::fused_unscale_check`], through the shared [`TailInputs`]) as the host computed them
