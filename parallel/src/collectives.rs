@@ -242,17 +242,17 @@ pub(crate) fn issue_reduction<B: Backend>(
 /// The finishing step of a call queued on the rank's communication thread: its result uploaded
 /// to the rank's device there, beside the compute (counted in
 /// [`OpCounters::comm_uploads`](crate::OpCounters::comm_uploads)), not when it is waited for.
-/// The upload runs under the stream of the thread that issued the call
-/// ([`crate::comm::on_callers_stream`]), so it is ordered with that thread's kernels, and
-/// goes through pinned staging memory where the backend has it ([`crate::comm::upload`]).
+/// The queue runs it under the stream of the thread that issued the call
+/// ([`crate::comm::on_callers_stream`]), so it is ordered with that thread's kernels; it goes
+/// through pinned staging memory where the backend has it ([`crate::comm::upload`]).
 fn upload_on_comm<B: Backend>(
     device: &DistDevice<B>,
 ) -> impl FnOnce(TensorData) -> FloatTensor<B> + Send + 'static {
     let (ctx, device) = (device.context().clone(), device.inner().clone());
-    crate::comm::on_callers_stream(move |data| {
+    move |data| {
         ctx.count_comm_upload();
         crate::comm::upload::<B>(data, &device)
-    })
+    }
 }
 
 /// [`all_gather`], issued now and waited for later: on the installed device collectives, else

@@ -142,8 +142,9 @@ pub struct HostGather<B: Backend> {
     /// This member's buffer.
     pub data: TensorData,
     /// How the gathered buffer becomes a device tensor (it counts the upload): call it where
-    /// the transfer overlaps the caller's compute. It runs on the issuing thread's device
-    /// stream wherever it is called ([`super::on_callers_stream`]).
+    /// the transfer overlaps the caller's compute — on the issuing thread, or as the finishing
+    /// step of a call on its [`super::CommQueue`] (which runs it on the issuing thread's device
+    /// stream); anywhere else, wrap it in [`super::on_callers_stream`] on the issuing thread.
     pub upload: Box<dyn FnOnce(TensorData) -> FloatTensor<B> + Send>,
 }
 
@@ -476,9 +477,8 @@ impl<B: Backend> DeviceCollectives<B> for HostStaged {
             DeviceOp::ReduceScatterFirst(op) => super::Call::reduce_scatter(group, operand, 0, op),
         };
         self.count(call.kind());
-        // The result uploaded on the communication thread, on this thread's stream.
-        let upload = super::on_callers_stream(move |data| upload::<B>(data, &device));
-        let pending = queue.issue_then(call, Some(data), upload);
+        // The result uploaded on the communication thread (on this thread's stream).
+        let pending = queue.issue_then(call, Some(data), move |data| upload::<B>(data, &device));
         DeviceIssued::new(move || pending.wait())
     }
 }

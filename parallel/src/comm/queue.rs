@@ -132,8 +132,8 @@ impl CommQueue {
     /// Issue `call` as [`CommQueue::issue`] does, and run `then` on its result (a buffer) on
     /// the communication thread before the waiter gets it: the upload of a gathered or reduced
     /// buffer to the device, which then overlaps the caller's compute as the call itself does.
-    /// A `then` that makes device buffers must run on the caller's stream
-    /// ([`on_callers_stream`]).
+    /// It runs under the device stream of the thread that issues the call
+    /// ([`on_callers_stream`]), so what it uploads is ordered with that thread's kernels.
     pub fn issue_then<T: Send + 'static>(
         &self,
         call: Call,
@@ -178,6 +178,9 @@ impl CommQueue {
         finish: impl FnOnce(Result<Option<TensorData>, Error>) -> Result<T, Error> + Send + 'static,
     ) -> Pending<T> {
         let (sender, result) = mpsc::channel();
+        // Every finishing step on the issuing thread's stream: an upload on the communication
+        // thread's own would race the compute stream's kernels (see `on_callers_stream`).
+        let finish = on_callers_stream(finish);
         let done: Done = Box::new(move |r| {
             // The waiter may have given up on it (a prefetch never used).
             let _ = sender.send(finish(r));
@@ -247,8 +250,9 @@ impl CommQueue {
     }
 }
 
-/// `f`, to be run on another thread (a [`CommQueue::issue_then`] job's finishing step), run
-/// there under the device stream of the thread that calls this: what it allocates and copies
+/// `f`, to be run on another thread (every [`CommQueue::issue_then`] job's finishing step; the
+/// offloaded AdamW's host step), run there under the device stream of the thread that calls
+/// this: what it allocates and copies
 /// on a CubeCL device is ordered with that thread's kernels, as if that thread had made it.
 ///
 /// CubeCL gives every OS thread a stream of its own (`StreamId::current`), with its own

@@ -764,9 +764,10 @@ fn all_to_all_splits_that_disagree_fail_on_every_member() {
 }
 
 /// `issue_then`'s finishing step runs on the rank's communication thread once the call
-/// completed, and the waiter gets what it made: each rank's gather, finished there. Wrapped in
-/// `on_callers_stream`, it runs under the device stream of the thread that issued it (where
-/// its upload must go), and the communication thread's own stream is back afterwards.
+/// completed, and the waiter gets what it made: each rank's gather, finished there — under the
+/// device stream of the thread that issued it (where its upload must go: the communication
+/// thread's own stream, which it is not, would race the compute stream), and so is a step
+/// wrapped in `on_callers_stream` by hand.
 #[test]
 fn issued_calls_finish_on_the_communication_thread() {
     use burn_backend::StreamId;
@@ -774,7 +775,7 @@ fn issued_calls_finish_on_the_communication_thread() {
         let queue = CommQueue::new(comm.clone());
         let mine = TensorData::new(vec![comm.rank() as f32; 3], [3]);
         let call = Call::all_gather(Group::World, Operand::of(&mine), 0);
-        let finish = on_callers_stream(|gathered: TensorData| {
+        let pending = queue.issue_then(call, Some(mine), |gathered: TensorData| {
             let thread = std::thread::current().name().map(str::to_owned);
             (
                 gathered.to_vec::<f32>().unwrap(),
@@ -782,22 +783,23 @@ fn issued_calls_finish_on_the_communication_thread() {
                 StreamId::current(),
             )
         });
-        let pending = queue.issue_then(call, Some(mine), finish);
         let finished = pending.wait().unwrap();
-        // A plain finishing step, issued next, sees the communication thread's own stream.
         let again = TensorData::new(vec![0.0f32], [1]);
         let call = Call::all_gather(Group::World, Operand::of(&again), 0);
-        let own = queue.issue_then(call, Some(again), |_| StreamId::current());
-        (finished, StreamId::current(), own.wait())
+        let wrapped = on_callers_stream(|_| StreamId::current());
+        let wrapped = queue.issue_then(call, Some(again), wrapped);
+        (finished, StreamId::current(), wrapped.wait().unwrap())
     });
-    for (rank, ((gathered, thread, stream), caller, own)) in results.into_iter().enumerate() {
+    let mut callers = Vec::new();
+    for (rank, ((gathered, thread, stream), caller, wrapped)) in results.into_iter().enumerate() {
         assert_eq!(gathered, [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
         assert_eq!(thread.as_deref(), Some(&*format!("wildfire-comm-{rank}")));
         assert_eq!(stream, caller, "rank {rank}: the finishing step's stream");
-        assert_ne!(
-            own.unwrap(),
-            caller,
-            "rank {rank}: the communication thread's stream"
-        );
+        assert_eq!(wrapped, caller, "rank {rank}: a wrapped step's stream");
+        callers.push(caller);
     }
+    assert_ne!(
+        callers[0], callers[1],
+        "each rank's thread has a stream of its own"
+    );
 }
