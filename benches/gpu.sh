@@ -21,7 +21,9 @@
 #       fragment attention and on CubeCL's matmuls (WILDFIRE_CUBLAS=0), then
 #       GPT-2 124M bf16 at 8 × 1024 beside PyTorch eager (and torch.compile if time is left), the
 #       same model, batches and optimizer; tokens/s and MFU with one formula for both;
-#   (c) CubeCL's per-kernel time table of one training step (its profiler), and Nsight Compute's
+#   (c) where the host's time goes in the step (`--host-profile`: every thread's stacks,
+#       summed per function by tools/host_profile.py), CubeCL's per-kernel time table of one
+#       training step (its profiler), and Nsight Compute's
 #       report on the flash-attention kernels where `ncu` is installed (both with the default
 #       register attention);
 #   (d) memory (issue 35): GPT-2 350M on one rank for each optimizer, optimizer state dtype and
@@ -38,7 +40,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 
 build() {
     cd "$root"
-    local features=${FEATURES:-cuda} dir=.gpu
+    # host-profile: gpt_pretrain's `--host-profile` (pprof; the root crate only)
+    local features=${FEATURES:-cuda},host-profile dir=.gpu
     mkdir -p "$dir"
     cargo build --release --features "$features" --example gpt_pretrain
     cargo bench --no-run --features "$features" --bench gpu_kernels
@@ -65,9 +68,15 @@ for l in sys.stdin:
     for pair in "$target/release/examples/gpt_pretrain:gpt_pretrain" "$bench:gpu_kernels" "$tests:kernel_tests" "$comm_tests:comm_tests"; do
         local src=${pair%%:*} name=${pair##*:}
         rm -f "$dir/$name.gz"
-        strip -o "$dir/$name" "$src" && xz -9e -T0 -f "$dir/$name"
+        # gpt_pretrain keeps its symbol table (not its debug info): `--host-profile` names
+        # functions from it
+        if [ "$name" = gpt_pretrain ]; then
+            objcopy --strip-debug "$src" "$dir/$name"
+        else
+            strip -o "$dir/$name" "$src"
+        fi && xz -9e -T0 -f "$dir/$name"
     done
-    cp benches/pytorch/gpt_gpu.py benches/pytorch/gpu_kernels.py benches/gpu_table.py "$dir/"
+    cp benches/pytorch/gpt_gpu.py benches/pytorch/gpu_kernels.py benches/gpu_table.py tools/host_profile.py "$dir/"
     cp benches/gpu.sh "$dir/gpu.sh"
     # CubeCL's tuning results from the last H100 run (keyed by device index, not model: on another
     # GPU they only pick kernels, never change results); a newer run's cache replaces it.
@@ -138,6 +147,10 @@ run() {
     step gpt2_ours 200 "$G" --backend cuda "${BIG[@]}" --steps 24 --warmup 2 --metrics "$R/gpt2_ours.jsonl" \
         --trace "$R/gpt2_trace.json"
     step gpt2_eager 60 python3 "$T/b/gpt_gpu.py" --mode eager --batch 8 --seq 1024 --dtype bf16 --steps 24 --warmup 3
+    # where the host's time goes: every thread's stacks sampled (pprof, 997 Hz of CPU time) from
+    # step 2 to 12 — the rank's thread preparing launches, CubeCL's device thread taking them
+    step gpt2_hostprof 120 "$G" --backend cuda "${BIG[@]}" --steps 12 --warmup 2 --host-profile "$R/host.folded"
+    [ -f "$R/host.folded" ] && python3 "$T/b/host_profile.py" "$R/host.folded" > "$R/host_profile.md" 2>&1
     # the GEMMs handed to CubeCL's device thread without waiting (WILDFIRE_CUBLAS_ASYNC=1): their
     # products against host sums, the tiny run against Flex (below), and the step with its trace
     WILDFIRE_CUBLAS_ASYNC=1 step gemm_async_tests 60 "$T/b/kernel_tests" cuda_tensor_core_gemm --test-threads 1

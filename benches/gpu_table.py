@@ -150,6 +150,16 @@ if traces:
     for label, t in traces:
         print(f"| {label} | " + " | ".join(f"{t[n]:.1f}" if n in t else "–" for n in names) + " |")
 
+# (c) the host's stacks (`--host-profile`, summed by host_profile.py): the thread table and
+# the two busiest threads' heaviest functions
+host = read("host_profile.md").strip()
+if host:
+    parts = host.split("\n### ")
+    print("\n### Where the host's time goes (`--host-profile`, steps 2–11)\n")
+    print(parts[0])
+    for part in parts[1:3]:
+        print("\n#### " + part)
+
 # (c) profile
 print("\n### CubeCL profile of one training step (the run's last step; top 15 kernels)\n")
 per = defaultdict(lambda: [0.0, 0])

@@ -359,9 +359,10 @@ pub(crate) fn adamw_step<X: FusedOps, const D: usize>(
     state: Option<AdamWState<Distributed<X>, D>>,
 ) -> (Tensor<Distributed<X>, D>, AdamWState<Distributed<X>, D>) {
     let g = unwrap(grad);
-    let p = on_layout(unwrap(tensor), g.layout());
+    // In hand: last step's multi-tensor launch handed the parameter back deferred.
+    let p = on_layout(unwrap(tensor), g.layout()).ready();
     let device = p.device().inner().clone();
-    let local_shape = burn::tensor::TensorMetadata::shape(p.local());
+    let local_shape = p.local_shape();
     let dtype = burn::tensor::FloatDType::F32;
     let (time, m, v) = match state {
         Some(s) => (
@@ -378,9 +379,7 @@ pub(crate) fn adamw_step<X: FusedOps, const D: usize>(
     let (scale, skip) = inputs.scale_and_skip(&device);
     // A parameter the forward used in the precision policy's compute dtype (its value keeps the
     // cast): the kernel writes the new value's copy too, so the next forward casts nothing.
-    let copy = p
-        .cast_copy_dtype()
-        .filter(|&c| c != burn::tensor::TensorMetadata::dtype(p.local()).into());
+    let copy = p.cast_copy_dtype().filter(|&c| c != p.local_dtype().into());
     let (grad, step) = (g.into_local(), config.step(lr, time));
     if config.multi_tensor && X::adamw_batch(p.local()) > 1 {
         return queued_step(
@@ -441,7 +440,7 @@ fn queued_step<X: FusedOps, const D: usize>(
     copy: Option<burn::tensor::FloatDType>,
     time: usize,
 ) -> (Tensor<Distributed<X>, D>, AdamWState<Distributed<X>, D>) {
-    let dtype = burn::tensor::TensorMetadata::dtype(p.local());
+    let dtype = p.local_dtype();
     let param = p.clone().into_local();
     let batch_size = X::adamw_batch(&param);
     let slot: Arc<AdamWSlot<X>> = Arc::new(Mutex::new([None, None, None, None]));

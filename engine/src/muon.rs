@@ -627,7 +627,7 @@ fn stacked<X: Backend>(whole: &DTensor<X>) -> u64 {
 fn receive_buffer<X: Backend>(update: &DTensor<X>) -> DTensor<X> {
     let device = update.device();
     let shape = update.global_shape();
-    let dtype = burn::tensor::TensorMetadata::dtype(update.local());
+    let dtype = update.local_dtype();
     let zeros = X::float_zeros(shape.clone(), device.inner(), dtype.into());
     DTensor::from_local(zeros, replicated(update), device)
         .unwrap_or_else(|e| wildfire_parallel::internal::raise(e))

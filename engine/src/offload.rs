@@ -136,7 +136,7 @@ impl<X: Backend> Site<X> {
     /// Where `t`'s piece is.
     fn of(t: &DTensor<X>) -> Self {
         Self {
-            local_shape: burn::tensor::TensorMetadata::shape(t.local()).to_vec(),
+            local_shape: t.local_shape().to_vec(),
             global_shape: t.global_shape().to_vec(),
             layout: t.layout().clone(),
             device: t.device().clone(),
@@ -392,7 +392,7 @@ impl<X: Backend> SimpleOptimizer<Distributed<X>> for OffloadAdamW<X> {
         });
         site.device.context().count_work(HANDED_TO_ITS_THREAD, 1);
         self.worker.run(Box::new(move || job(())));
-        let dtype = burn::tensor::TensorMetadata::dtype(p.local());
+        let dtype = p.local_dtype();
         let p = p.deferred_like(
             dtype,
             Box::new(move || {

@@ -164,7 +164,7 @@ impl<X: Backend> Site<X> {
         Self {
             layout: t.layout().clone(),
             global_shape: t.global_shape().to_vec(),
-            local_shape: burn::tensor::TensorMetadata::shape(t.local()).to_vec(),
+            local_shape: t.local_shape().to_vec(),
             device: t.device().clone(),
         }
     }
@@ -720,7 +720,7 @@ impl<X: FusedOps, const D: usize> Record<Distributed<X>> for QuantAdamWState<X, 
             time,
             layout: a.layout().clone(),
             global_shape: a.global_shape().to_vec(),
-            local_shape: burn::tensor::TensorMetadata::shape(a.local()).to_vec(),
+            local_shape: a.local_shape().to_vec(),
             quantised,
             first: host(&a),
             second: host(&b),

@@ -537,6 +537,5 @@ where
 }
 
 fn local_bytes<B: DistributedBackend>(t: &crate::tensor::DTensor<B::Inner>) -> u64 {
-    use burn_backend::TensorMetadata;
-    (t.local().shape().num_elements() * t.local().dtype().size()) as u64
+    (t.local_shape().num_elements() * t.local_dtype().size()) as u64
 }

@@ -660,9 +660,34 @@ impl<B: Backend> DTensor<B> {
         &self.layout
     }
 
-    /// The local piece on this rank.
+    /// The local piece on this rank, in hand: a value still awaited — a reduction in flight, a
+    /// deferred optimizer result or weight gradient, an offloaded piece — has only a NaN
+    /// stand-in here, so call [`DTensor::ready`] (or [`DTensor::into_local`]) first. Debug
+    /// builds panic on a stand-in; for its shape or dtype alone use [`DTensor::local_shape`] and
+    /// [`DTensor::local_dtype`], which are right either way.
+    #[track_caller]
     pub fn local(&self) -> &B::FloatTensorPrimitive {
+        debug_assert!(
+            self.meta.awaited.is_none(),
+            "DTensor::local of a value still awaited (a NaN stand-in): call `ready` first"
+        );
         &self.local
+    }
+
+    /// Whether the local piece is in hand ([`DTensor::local`] may be read without
+    /// [`DTensor::ready`]).
+    pub fn is_ready(&self) -> bool {
+        self.meta.awaited.is_none()
+    }
+
+    /// The local piece's shape (a stand-in's is the awaited piece's).
+    pub fn local_shape(&self) -> Shape {
+        self.local.shape()
+    }
+
+    /// The local piece's dtype (a stand-in's is the awaited piece's).
+    pub fn local_dtype(&self) -> DType {
+        self.local.dtype()
     }
 
     /// A value with this one's layout, global shape and device, and `local` as this rank's

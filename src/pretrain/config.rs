@@ -197,6 +197,12 @@ pub struct PretrainConfig {
     /// at the end (under MPI, one file per process: `FILE.rank-N.json`).
     #[arg(long, value_name = "FILE", help_heading = "Output")]
     pub trace: Option<PathBuf>,
+    /// Folded stacks of every thread of the process (where the host's time goes), sampled from
+    /// the third step to the last and written at the end (under MPI, one file per process:
+    /// `FILE.rank-N.folded`); flamegraph tools and `tools/host_profile.py` read it. Needs a
+    /// build with `--features host-profile`.
+    #[arg(long, value_name = "FILE", help_heading = "Output")]
+    pub host_profile: Option<PathBuf>,
     /// Show a progress bar (rank 0, terminals only).
     #[arg(skip = true)]
     pub progress: bool,
@@ -456,6 +462,9 @@ impl PretrainConfig {
         }
         if self.steps == 0 {
             return Err(PretrainError::Config("--steps must be at least 1".into()));
+        }
+        if self.host_profile.is_some() && !cfg!(feature = "host-profile") {
+            return Err(PretrainError::Config(super::host_profile::NOT_BUILT.into()));
         }
         if self.offload != Offload::None
             && (self.optimizer != OptimizerKind::Adamw || self.optim_state != OptimState::F32)

@@ -12,6 +12,7 @@ mod config;
 mod cuda;
 mod elastic;
 mod error;
+pub mod host_profile;
 
 pub use crate::plot::plot_losses;
 pub use config::{

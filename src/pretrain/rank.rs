@@ -238,7 +238,19 @@ impl RankRun<'_> {
             attempt.progress.looping(self.first_step);
         }
         let timeout = std::time::Duration::from_secs_f64(config.timeout);
+        // One profile per process, started by the first of its ranks to get there.
+        let profile_from = super::host_profile::first_profiled(self.first_step, config.steps);
+        let mut profile = None;
         for step in self.first_step..config.steps {
+            if step == profile_from
+                && let Some(path) = &config.host_profile
+            {
+                let path = match config.launch {
+                    Launch::Threads => path.clone(),
+                    _ => path.with_extension(format!("rank-{rank}.folded")),
+                };
+                profile = super::host_profile::HostProfile::start(&path)?;
+            }
             if let Some(fail) = &config.fail_at {
                 fail.strike(step, rank, ctx.comm(), timeout)?;
             }
@@ -340,6 +352,9 @@ impl RankRun<'_> {
             }
         }
         drop(reporter);
+        if let Some(profile) = profile {
+            profile.finish()?;
+        }
         if let Some(writer) = writer.as_mut() {
             let waited = Instant::now();
             writer.wait()?;

@@ -612,8 +612,7 @@ fn param_local_rows(m: &wildfire::demo::Mlp<Dist>) -> Vec<usize> {
     impl burn::module::ModuleVisitor<Dist> for Rows {
         fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<Dist, D>>) {
             let t = wildfire::parallel::dtensor(&param.val());
-            self.0
-                .push(burn::tensor::TensorMetadata::shape(t.local())[0]);
+            self.0.push(t.local_shape()[0]);
         }
     }
     let mut r = Rows(Vec::new());

@@ -364,7 +364,7 @@ fn split_layers_hold_one_tp_th_of_their_bytes() {
     impl ModuleVisitor<Dist> for Bytes {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<Dist, D>>) {
             let t = wildfire::parallel::dtensor(&param.val());
-            let local: usize = burn::tensor::TensorMetadata::shape(t.local()).num_elements();
+            let local: usize = t.local_shape().num_elements();
             self.0.push((local, t.global_shape().num_elements()));
         }
     }

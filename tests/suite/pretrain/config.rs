@@ -148,6 +148,22 @@ fn bad_input_is_refused() {
     };
     let err = run(&dropout).unwrap_err();
     assert!(err.to_string().contains("dropout 1.5"), "{err}");
+    // The host profiler is a build feature (pprof): without it the flag says how to get it,
+    // before anything runs or is written.
+    let profiled = PretrainConfig {
+        host_profile: Some(scratch("refused").join("host.folded")),
+        ..small(2)
+    };
+    let result = run(&profiled);
+    if cfg!(feature = "host-profile") {
+        result.unwrap();
+        let text = std::fs::read_to_string(profiled.host_profile.as_ref().unwrap()).unwrap();
+        assert!(text.lines().any(|l| l.starts_with("rank-0;")), "{text}");
+    } else {
+        let err = result.unwrap_err();
+        assert!(err.to_string().contains("--features host-profile"), "{err}");
+        assert!(!profiled.host_profile.as_ref().unwrap().exists());
+    }
 }
 
 /// `--estimate`'s parameter, gradient and optimizer bytes equal what the decorator measures
