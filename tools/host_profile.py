@@ -3,8 +3,9 @@
 
     python3 tools/host_profile.py FILE [--top 12] [--threads 6]
 
-Prints, as markdown, the samples per thread (threads of one pattern — `rank-N-worker-N` —
-summed), then for the busiest threads the functions with the most samples of their own (the
+Prints, as markdown, the samples per thread (threads of one pattern summed: a rank's body runs
+on `rank-N-worker-N`, its rayon pool; CubeCL's device thread, which takes every launch and
+allocation, is `DSD-N-N`; the communication thread `wildfire-comm-N`), then for the busiest threads the functions with the most samples of their own (the
 innermost frame: where the CPU was) and the most samples under them (anywhere on the stack,
 counted once per sample; frames on every one of the thread's stacks left out). Rust names lose their generic arguments (a trait impl keeps its
 `<Type as Trait>` head) so that one function is one row.
@@ -38,7 +39,7 @@ def short(name: str) -> str:
                         break
                 j += 1
             inner = s[i + 1 : j]
-            if out and (out[-1].isalnum() or out[-1] == "_"):
+            if out and (out[-1].isalnum() or out[-1] in "_}"):
                 pass  # generic arguments: dropped
             else:
                 out.append("<" + strip(inner) + ">")  # a qualified path's head

@@ -130,9 +130,7 @@ impl HostProfile {
 /// stack, counts of equal lines summed (threads are named by name, so two threads of one name
 /// share their lines), sorted; and the total samples. A `;` inside a name (an array type in a
 /// generic's path) becomes `,`, since `;` separates frames.
-pub(crate) fn folded(
-    stacks: impl IntoIterator<Item = (String, Vec<String>, u64)>,
-) -> (String, u64) {
+pub fn folded(stacks: impl IntoIterator<Item = (String, Vec<String>, u64)>) -> (String, u64) {
     let mut lines = std::collections::BTreeMap::<String, u64>::new();
     let mut samples = 0;
     for (thread, frames, count) in stacks {
