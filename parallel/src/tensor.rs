@@ -674,12 +674,6 @@ impl<B: Backend> DTensor<B> {
         &self.local
     }
 
-    /// Whether the local piece is in hand ([`DTensor::local`] may be read without
-    /// [`DTensor::ready`]).
-    pub fn is_ready(&self) -> bool {
-        self.meta.awaited.is_none()
-    }
-
     /// The local piece's shape (a stand-in's is the awaited piece's).
     pub fn local_shape(&self) -> Shape {
         self.local.shape()
