@@ -9,6 +9,14 @@ allocation, is `DSD-N-N`; the communication thread `wildfire-comm-N`), then for 
 innermost frame: where the CPU was) and the most samples under them (anywhere on the stack,
 counted once per sample; frames on every one of the thread's stacks left out). Rust names lose their generic arguments (a trait impl keeps its
 `<Type as Trait>` head) so that one function is one row.
+
+Where `FILE.threads.tsv` is beside it (written with the profile), the thread table also has each
+thread pattern's CPU time over the profile's window, read from the threads' own CPU clocks:
+seconds, per step, how busy it kept one CPU (CPU time over wall time), and how many samples each
+CPU second left. Samples are not time: the kernel sends at most one per tick (≈ 250 a CPU second
+here, whatever the 997 Hz asked), and a thread that blocks SIGPROF is never sampled (its own row:
+Mesa's lavapipe hands its mask to CubeCL's Wgpu device threads). A thread with far fewer samples
+per CPU second than the others is under-represented in the tables.
 """
 import argparse
 import collections
@@ -66,7 +74,35 @@ def read(path):
     return stacks
 
 
-def report(stacks, top=12, threads=6, out=sys.stdout):
+def read_threads(path):
+    """The threads' CPU times written beside a profile: ({key: value}, [(thread, tid, seconds)]),
+    or None where there is no such file."""
+    try:
+        f = open(path)
+    except OSError:
+        return None
+    meta, rows = {}, []
+    with f:
+        for line in f:
+            line = line.rstrip("\n")
+            if line.startswith("#"):
+                parts = line[1:].split()
+                if len(parts) == 2:
+                    try:
+                        meta[parts[0]] = float(parts[1])
+                    except ValueError:
+                        pass
+            elif line and not line.startswith("thread\t"):
+                name, tid, cpu, *rest = line.split("\t")
+                # a thread that blocks SIGPROF is never sampled: its own row, so that its CPU
+                # time is not read as its pattern's samples' time
+                if rest and rest[0] == "blocked":
+                    name += " (blocks SIGPROF: never sampled)"
+                rows.append((name, int(tid), float(cpu)))
+    return meta, rows
+
+
+def report(stacks, top=12, threads=6, out=sys.stdout, clocks=None):
     total = sum(c for _, _, c in stacks)
     if total == 0:
         print("no samples", file=out)
@@ -75,10 +111,39 @@ def report(stacks, top=12, threads=6, out=sys.stdout):
     for t, _, c in stacks:
         per_thread[pattern(t)] += c
     print(f"**{total} samples** (CPU time; sleeping and parked threads are not sampled)\n", file=out)
-    print("| threads | samples | share |", file=out)
-    print("|---|---|---|", file=out)
-    for t, c in per_thread.most_common():
-        print(f"| `{t}` | {c} | {100 * c / total:.1f}% |", file=out)
+    if clocks is None:
+        print("| threads | samples | share |", file=out)
+        print("|---|---|---|", file=out)
+        for t, c in per_thread.most_common():
+            print(f"| `{t}` | {c} | {100 * c / total:.1f}% |", file=out)
+    else:
+        meta, rows = clocks
+        wall, steps = meta.get("wall_seconds", 0.0), int(meta.get("steps", 0))
+        cpu = collections.Counter()
+        for name, _, seconds in rows:
+            cpu[pattern(name)] += seconds
+        print(
+            f"Window: {steps} steps, {wall:.2f} s wall; {sum(cpu.values()):.2f} s of CPU in the "
+            f"process's threads ({total / max(sum(cpu.values()), 1e-9):.0f} samples per CPU second)\n",
+            file=out,
+        )
+        print("| threads | samples | share | CPU s | CPU ms per step | busy (CPU / wall) | samples per CPU s |", file=out)
+        print("|---|---|---|---|---|---|---|", file=out)
+        # both name a thread by its comm (at most 15 bytes), so the patterns match
+        for t, c in per_thread.most_common():
+            s = cpu.get(t)
+            if s is None:
+                cols = "– | – | – | –"
+            else:
+                per_step = f"{1e3 * s / steps:.1f}" if steps else "–"
+                busy = f"{100 * s / wall:.0f}%" if wall else "–"
+                cols = f"{s:.2f} | {per_step} | {busy} | {c / max(s, 1e-9):.0f}"
+            print(f"| `{t}` | {c} | {100 * c / total:.1f}% | {cols} |", file=out)
+        for p, s in cpu.most_common():
+            if p not in per_thread and s >= 0.01:
+                per_step = f"{1e3 * s / steps:.1f}" if steps else "–"
+                busy = f"{100 * s / wall:.0f}%" if wall else "–"
+                print(f"| `{p}` (no samples) | 0 | 0.0% | {s:.2f} | {per_step} | {busy} | 0 |", file=out)
     for t, c in per_thread.most_common(threads):
         own, under = collections.Counter(), collections.Counter()
         for th, frames, n in stacks:
@@ -106,7 +171,7 @@ def main():
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--threads", type=int, default=6)
     a = ap.parse_args()
-    report(read(a.file), a.top, a.threads)
+    report(read(a.file), a.top, a.threads, clocks=read_threads(a.file + ".threads.tsv"))
 
 
 if __name__ == "__main__":

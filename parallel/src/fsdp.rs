@@ -503,7 +503,7 @@ pub fn parameter_bytes<B: DistributedBackend, M: Module<B>>(module: &M) -> u64 {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             let t = dtensor(&param.val());
             if !t.is_offloaded() {
-                self.0 += local_bytes::<B>(&t);
+                self.0 += t.local_bytes() as u64;
             }
         }
     }
@@ -527,15 +527,11 @@ where
     {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
             if let Some(g) = self.0.get::<B::InnerBackend, D>(param.id) {
-                self.1 += local_bytes::<B::InnerBackend>(&dtensor(&g));
+                self.1 += dtensor(&g).local_bytes() as u64;
             }
         }
     }
     let mut s = Sum(grads, 0);
     module.visit(&mut s);
     s.1
-}
-
-fn local_bytes<B: DistributedBackend>(t: &crate::tensor::DTensor<B::Inner>) -> u64 {
-    (t.local_shape().num_elements() * t.local_dtype().size()) as u64
 }

@@ -684,6 +684,11 @@ impl<B: Backend> DTensor<B> {
         self.local.dtype()
     }
 
+    /// The local piece's size in bytes (a stand-in's is the awaited piece's).
+    pub fn local_bytes(&self) -> usize {
+        local_bytes(&self.local)
+    }
+
     /// A value with this one's layout, global shape and device, and `local` as this rank's
     /// piece (the result of a kernel run on the local piece, e.g. an optimizer update).
     pub fn with_local(&self, local: B::FloatTensorPrimitive) -> Self {

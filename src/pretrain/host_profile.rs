@@ -10,7 +10,14 @@
 //! thread asleep or parked in a wait is not sampled; a spinning one is). Symbols come from the
 //! binary's symbol table: keep it (`objcopy --strip-debug`, not `strip`). Samples taken inside
 //! libc, libgcc, libpthread or the vDSO are dropped (pprof's advice: unwinding from there can
-//! deadlock), so time in `memcpy` or a futex call is missing from the totals.
+//! deadlock), so time in `memcpy` or a futex call is missing from the totals; samples inside
+//! CUDA's libraries (`libcuda`, `libcublasLt`, `libcudart`) are kept ([`BLOCKLIST`]).
+//!
+//! Samples are not CPU time: SIGPROF comes at most once per kernel tick, and a sample whose
+//! stack cannot be unwound (code without unwind tables, e.g. lavapipe's compiled shaders) is
+//! lost. So beside the stacks the profile writes each thread's CPU time over the same window,
+//! read from the thread's own CPU clock (`FILE.threads.tsv`, [`ThreadClocks`]): how busy each
+//! thread was, per step, and how many samples each of its CPU seconds left.
 //!
 //! The profile starts at the run's third step (the first ones compile kernels, tune GEMMs and
 //! make the gathers' plans) and ends after the last; only a build with the `host-profile`
@@ -23,8 +30,22 @@ use std::path::{Path, PathBuf};
 /// The steps before the profile starts (kernel compilation, GEMM tuning, first plans).
 pub(crate) const SKIPPED_STEPS: usize = 2;
 
-/// Samples per second of a thread's CPU time (a prime: no beat with periodic work).
+/// Samples per second of a thread's CPU time asked of pprof (a prime: no beat with periodic
+/// work; the kernel delivers at most one per tick).
 pub const FREQUENCY: i32 = 997;
+
+/// The shared objects whose samples are dropped: pprof matches each loaded object's path
+/// *containing* a name, so these are spelled so that only glibc's `libc.so`, `libgcc_s`,
+/// `libpthread` and the vDSO match — a bare `libc` would also drop every sample inside
+/// `libcuda.so`, `libcublasLt.so` and `libcudart.so`, where a GPU step's device thread spends
+/// its time.
+pub const BLOCKLIST: [&str; 4] = ["/libc.so", "/libgcc_s.so", "/libpthread.so", "vdso"];
+
+/// Whether pprof drops the samples of the shared object at `path` under [`BLOCKLIST`] (its
+/// rule: the path contains one of the names).
+pub fn blocked(path: &str) -> bool {
+    BLOCKLIST.iter().any(|name| path.contains(name))
+}
 
 /// The step at which a run of `first_step..steps` starts its profile: after
 /// [`SKIPPED_STEPS`], or at the last step of a shorter run.
@@ -42,6 +63,8 @@ pub(crate) struct HostProfile {
     path: PathBuf,
     #[cfg(feature = "host-profile")]
     guard: Option<pprof::ProfilerGuard<'static>>,
+    #[cfg(feature = "host-profile")]
+    clocks: ThreadClocks,
 }
 
 /// Whether a [`HostProfile`] of this process is running (pprof samples the whole process: one
@@ -68,7 +91,7 @@ impl HostProfile {
             }
             let guard = pprof::ProfilerGuardBuilder::default()
                 .frequency(FREQUENCY)
-                .blocklist(&["libc", "libgcc", "pthread", "vdso"])
+                .blocklist(&BLOCKLIST)
                 .build()
                 .map_err(|e| PretrainError::Config(format!("--host-profile: {e}")))?;
             tracing::info!(
@@ -77,6 +100,7 @@ impl HostProfile {
             Ok(Some(Self {
                 path: path.to_path_buf(),
                 guard: Some(guard),
+                clocks: ThreadClocks::start(),
             }))
         }
         #[cfg(not(feature = "host-profile"))]
@@ -86,11 +110,13 @@ impl HostProfile {
         }
     }
 
-    /// Stop sampling and write the folded stacks (atomically); the number of samples.
+    /// Stop sampling after `steps` profiled steps and write the folded stacks and the threads'
+    /// CPU times ([`threads_path`]; both atomically); the number of samples.
     #[cfg_attr(not(feature = "host-profile"), allow(unused_mut))]
-    pub(crate) fn finish(mut self) -> Result<u64, PretrainError> {
+    pub(crate) fn finish(mut self, steps: usize) -> Result<u64, PretrainError> {
         #[cfg(feature = "host-profile")]
         {
+            let threads = self.clocks.finish();
             let guard = self.guard.take().expect("running until finished");
             let report = guard
                 .report()
@@ -110,20 +136,180 @@ impl HostProfile {
                 )
             });
             let (text, samples) = folded(stacks);
-            wildfire_checkpoint::io::write_atomic(&self.path, text.as_bytes()).map_err(
-                |source| PretrainError::Io {
-                    path: self.path.clone(),
-                    source,
-                },
-            )?;
-            tracing::info!(samples, "host profile: {}", self.path.display());
+            let write = |path: &Path, text: &str| {
+                wildfire_checkpoint::io::write_atomic(path, text.as_bytes()).map_err(|source| {
+                    PretrainError::Io {
+                        path: path.to_path_buf(),
+                        source,
+                    }
+                })
+            };
+            write(&self.path, &text)?;
+            let cpu: f64 = threads.threads.iter().map(|t| t.cpu_seconds).sum();
+            write(&threads_path(&self.path), &threads.tsv(steps, samples))?;
+            tracing::info!(
+                samples,
+                cpu_seconds = format!("{cpu:.2}"),
+                wall_seconds = format!("{:.2}", threads.wall_seconds),
+                "host profile: {} ({:.0} samples per CPU-second)",
+                self.path.display(),
+                samples as f64 / cpu.max(1e-9)
+            );
             Ok(samples)
         }
         #[cfg(not(feature = "host-profile"))]
         {
+            let _ = steps;
             unreachable!("{}: never started", self.path.display())
         }
     }
+}
+
+/// Where a profile at `path` writes its threads' CPU times: `path` with `.threads.tsv` added.
+pub fn threads_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".threads.tsv");
+    PathBuf::from(name)
+}
+
+/// One thread's CPU time over a window.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ThreadCpu {
+    /// The thread's name (`/proc/self/task/TID/comm`: at most 15 bytes).
+    pub name: String,
+    /// Its id.
+    pub tid: u32,
+    /// Seconds on a CPU, user and system.
+    pub cpu_seconds: f64,
+    /// Whether the thread blocks SIGPROF (`SigBlk` of its status): pprof's samples never
+    /// reach it, whatever its CPU time. Threads made by a thread that blocked every signal
+    /// inherit the mask (Mesa's lavapipe does this to CubeCL's Wgpu device threads).
+    pub sigprof_blocked: bool,
+}
+
+/// The CPU time of every thread of the process from [`ThreadClocks::start`] to
+/// [`ThreadClocks::finish`], read from each thread's own CPU clock (exact, unlike samples). A
+/// thread started within the window counts from its start; one that ended within it is missing.
+/// Empty where the system has no per-thread clocks to read (not Linux).
+#[derive(Debug)]
+pub struct ThreadClocks {
+    started: std::time::Instant,
+    at_start: std::collections::HashMap<u32, f64>,
+}
+
+/// What [`ThreadClocks::finish`] measured.
+#[derive(Clone, Debug)]
+pub struct ThreadTimes {
+    /// The window's wall time.
+    pub wall_seconds: f64,
+    /// Each thread alive at the end, busiest first.
+    pub threads: Vec<ThreadCpu>,
+}
+
+impl ThreadClocks {
+    /// Read every thread's clock now.
+    pub fn start() -> Self {
+        Self {
+            started: std::time::Instant::now(),
+            at_start: thread_cpu()
+                .into_iter()
+                .map(|t| (t.tid, t.cpu_seconds))
+                .collect(),
+        }
+    }
+
+    /// Each thread's CPU time since [`ThreadClocks::start`].
+    pub fn finish(&self) -> ThreadTimes {
+        let wall_seconds = self.started.elapsed().as_secs_f64();
+        let mut threads: Vec<ThreadCpu> = thread_cpu()
+            .into_iter()
+            .map(|t| ThreadCpu {
+                cpu_seconds: (t.cpu_seconds - self.at_start.get(&t.tid).copied().unwrap_or(0.0))
+                    .max(0.0),
+                ..t
+            })
+            .collect();
+        threads.sort_by(|a, b| {
+            b.cpu_seconds
+                .total_cmp(&a.cpu_seconds)
+                .then(a.tid.cmp(&b.tid))
+        });
+        ThreadTimes {
+            wall_seconds,
+            threads,
+        }
+    }
+}
+
+impl ThreadTimes {
+    /// The tab-separated table `tools/host_profile.py` reads: `# key value` lines (the window's
+    /// `steps`, `wall_seconds` and the profile's `samples`), a header, a row per thread.
+    pub fn tsv(&self, steps: usize, samples: u64) -> String {
+        let mut text = format!(
+            "# each thread's CPU time over the host profile's window (its CPU clock)\n\
+             # steps {steps}\n# wall_seconds {:.6}\n# samples {samples}\n\
+             thread\ttid\tcpu_seconds\tsigprof\n",
+            self.wall_seconds
+        );
+        for t in &self.threads {
+            text.push_str(&format!(
+                "{}\t{}\t{:.6}\t{}\n",
+                clean(&t.name),
+                t.tid,
+                t.cpu_seconds,
+                if t.sigprof_blocked { "blocked" } else { "open" }
+            ));
+        }
+        text
+    }
+}
+
+/// Every live thread of this process with its CPU time so far.
+#[cfg(target_os = "linux")]
+fn thread_cpu() -> Vec<ThreadCpu> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|task| {
+            let tid: u32 = task.ok()?.file_name().to_str()?.parse().ok()?;
+            let name = std::fs::read_to_string(format!("/proc/self/task/{tid}/comm")).ok()?;
+            // Linux's CPU clock of thread `tid` (`MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)`:
+            // what glibc's `pthread_getcpuclockid` hands out), readable for any thread of
+            // this process; nanoseconds, not the ticks of `/proc/…/stat`.
+            let clock = ((!(tid as libc::clockid_t)) << 3) | 6;
+            let mut now = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            // SAFETY: `now` is a valid timespec to write; a thread that ended meanwhile makes
+            // the call fail (EINVAL), not misbehave.
+            let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status"));
+            let sigprof_blocked = status.ok().is_some_and(|status| blocks_sigprof(&status));
+            (unsafe { libc::clock_gettime(clock, &mut now) } == 0).then(|| ThreadCpu {
+                name: name.trim_end().to_string(),
+                tid,
+                cpu_seconds: now.tv_sec as f64 + now.tv_nsec as f64 * 1e-9,
+                sigprof_blocked,
+            })
+        })
+        .collect()
+}
+
+/// Whether a thread's `/proc/…/status` says it blocks SIGPROF (its `SigBlk` mask, in hex, has
+/// bit `SIGPROF - 1`).
+#[cfg(target_os = "linux")]
+fn blocks_sigprof(status: &str) -> bool {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("SigBlk:"))
+        .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+        .is_some_and(|mask| mask >> (libc::SIGPROF - 1) & 1 == 1)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn thread_cpu() -> Vec<ThreadCpu> {
+    Vec::new()
 }
 
 /// Folded stacks of `(thread, frames from the outermost, samples)`: one line per distinct
@@ -203,5 +389,120 @@ mod tests {
         assert_eq!(first_profiled(0, 2), 1);
         assert_eq!(first_profiled(0, 1), 0);
         assert_eq!(first_profiled(5, 6), 5);
+    }
+
+    #[test]
+    fn the_blocklist_drops_glibc_and_keeps_cuda() {
+        for path in [
+            "/usr/lib/x86_64-linux-gnu/libc.so.6",
+            "/lib64/libgcc_s.so.1",
+            "/usr/lib/x86_64-linux-gnu/libpthread.so.0",
+            "linux-vdso.so.1",
+        ] {
+            assert!(blocked(path), "{path}");
+        }
+        for path in [
+            "/usr/lib/x86_64-linux-gnu/libcuda.so.1",
+            "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04",
+            "/usr/local/cuda/lib64/libcublasLt.so.13",
+            "/usr/local/cuda/lib64/libcublas.so.13",
+            "/usr/local/cuda/lib64/libcudart.so.13",
+            "/usr/lib/x86_64-linux-gnu/libnccl.so.2",
+            "/usr/lib/x86_64-linux-gnu/libvulkan_lvp.so",
+            "/usr/lib/x86_64-linux-gnu/libclang-14.so.1",
+            "",
+        ] {
+            assert!(!blocked(path), "{path}");
+        }
+    }
+
+    /// A spinning thread's CPU time is its clock's, a sleeping one's about none, and the table
+    /// names both.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn thread_clocks_read_each_threads_own_cpu_time() {
+        use std::time::{Duration, Instant};
+        let (ready, go) = std::sync::mpsc::channel();
+        let (done, finished) = std::sync::mpsc::channel::<()>();
+        let spin = std::thread::Builder::new()
+            .name("spinner".into())
+            .spawn({
+                let ready = ready.clone();
+                move || {
+                    ready.send(()).unwrap();
+                    let start = Instant::now();
+                    let mut x = 0u64;
+                    while start.elapsed() < Duration::from_millis(300) {
+                        x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+                    }
+                    x
+                }
+            })
+            .unwrap();
+        let sleep = std::thread::Builder::new()
+            .name("sleeper".into())
+            .spawn(move || {
+                ready.send(()).unwrap();
+                finished.recv().unwrap();
+            })
+            .unwrap();
+        go.recv().unwrap();
+        go.recv().unwrap();
+        let clocks = ThreadClocks::start();
+        spin.join().unwrap();
+        let times = clocks.finish();
+        done.send(()).unwrap();
+        sleep.join().unwrap();
+        let cpu = |name: &str| {
+            times
+                .threads
+                .iter()
+                .find(|t| t.name == name)
+                .map(|t| t.cpu_seconds)
+        };
+        // The spinner ended inside the window: it is missing, as documented; the sleeper
+        // is there with next to no CPU time.
+        assert_eq!(cpu("spinner"), None, "{times:?}");
+        assert!(cpu("sleeper").unwrap() < 0.05, "{times:?}");
+        assert!(times.wall_seconds >= 0.25, "{times:?}");
+        // A thread alive at both ends: this test's own, which spins now.
+        let clocks = ThreadClocks::start();
+        let start = Instant::now();
+        let mut x = 0u64;
+        while start.elapsed() < Duration::from_millis(200) {
+            x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+        }
+        let times = clocks.finish();
+        // SAFETY: gettid has no preconditions.
+        let me = unsafe { libc::gettid() } as u32;
+        let mine = times.threads.iter().find(|t| t.tid == me).unwrap();
+        assert!(
+            mine.cpu_seconds > 0.02 && mine.cpu_seconds <= times.wall_seconds + 0.01,
+            "{times:?}"
+        );
+        assert!(
+            times
+                .threads
+                .windows(2)
+                .all(|w| w[0].cpu_seconds >= w[1].cpu_seconds),
+            "busiest first: {times:?}"
+        );
+        let tsv = times.tsv(7, 123);
+        assert!(
+            tsv.contains("# steps 7\n") && tsv.contains("# samples 123\n"),
+            "{tsv}"
+        );
+        assert!(tsv.contains(&format!("\t{}\t", mine.tid)), "{tsv}");
+        assert_eq!(
+            threads_path(Path::new("/tmp/h.folded")),
+            Path::new("/tmp/h.folded.threads.tsv")
+        );
+        assert!(!mine.sigprof_blocked, "{times:?}");
+        // Mesa's mask (every signal but the fatal ones), and one that leaves SIGPROF open.
+        assert!(blocks_sigprof(
+            "Name:\tDSD-4-0\nSigBlk:\tfffffffe3ffbfaff\n"
+        ));
+        assert!(!blocks_sigprof("SigBlk:\tfffffffe3bfbfaff\nSigIgn:\t0\n"));
+        assert!(!blocks_sigprof("SigBlk:\t0000000000000000\n"));
     }
 }

@@ -353,7 +353,7 @@ impl RankRun<'_> {
         }
         drop(reporter);
         if let Some(profile) = profile {
-            profile.finish()?;
+            profile.finish(config.steps - profile_from)?;
         }
         if let Some(writer) = writer.as_mut() {
             let waited = Instant::now();

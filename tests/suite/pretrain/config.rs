@@ -158,7 +158,17 @@ fn bad_input_is_refused() {
     if cfg!(feature = "host-profile") {
         result.unwrap();
         let text = std::fs::read_to_string(profiled.host_profile.as_ref().unwrap()).unwrap();
-        assert!(text.lines().any(|l| l.starts_with("rank-0;")), "{text}");
+        assert!(
+            text.lines().any(|l| l.starts_with("rank-0-worker-")),
+            "{text}"
+        );
+        let clocks =
+            wildfire::pretrain::host_profile::threads_path(profiled.host_profile.as_ref().unwrap());
+        let clocks = std::fs::read_to_string(clocks).unwrap();
+        assert!(
+            clocks.lines().any(|l| l.starts_with("rank-0-worker-")),
+            "{clocks}"
+        );
     } else {
         let err = result.unwrap_err();
         assert!(err.to_string().contains("--features host-profile"), "{err}");
