@@ -12,8 +12,8 @@ counted once per sample; frames on every one of the thread's stacks left out). R
 
 Where `FILE.threads.tsv` is beside it (written with the profile), the thread table also has each
 thread pattern's CPU time over the profile's window, read from the threads' own CPU clocks:
-seconds, per step, how busy it kept one CPU (CPU time over wall time), and how many samples each
-CPU second left. Samples are not time: the kernel sends at most one per tick (≈ 250 a CPU second
+seconds, per step, how busy it kept the CPUs (CPU time over wall time, summed over the pattern's
+threads: a pool of two busy workers shows 200%), and how many samples each CPU second left. Samples are not time: the kernel sends at most one per tick (≈ 250 a CPU second
 here, whatever the 997 Hz asked), and a thread that blocks SIGPROF is never sampled (its own row:
 Mesa's lavapipe hands its mask to CubeCL's Wgpu device threads). A thread with far fewer samples
 per CPU second than the others is under-represented in the tables.
