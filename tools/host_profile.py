@@ -129,28 +129,26 @@ def report(stacks, top=12, threads=6, out=sys.stdout, clocks=None):
         )
         print("| threads | samples | share | CPU s | CPU ms per step | busy (CPU / wall) | samples per CPU s |", file=out)
         print("|---|---|---|---|---|---|---|", file=out)
+        def clock_cols(s, samples):
+            """CPU s | ms per step | busy | samples per CPU s, for `s` CPU seconds."""
+            per_step = f"{1e3 * s / steps:.1f}" if steps else "–"
+            busy = f"{100 * s / wall:.0f}%" if wall else "–"
+            return f"{s:.2f} | {per_step} | {busy} | {samples / max(s, 1e-9):.0f}"
+
         # both name a thread by its comm (at most 15 bytes), so the patterns match
         for t, c in per_thread.most_common():
-            s = cpu.get(t)
-            if s is None:
-                cols = "– | – | – | –"
-            else:
-                per_step = f"{1e3 * s / steps:.1f}" if steps else "–"
-                busy = f"{100 * s / wall:.0f}%" if wall else "–"
-                cols = f"{s:.2f} | {per_step} | {busy} | {c / max(s, 1e-9):.0f}"
+            cols = clock_cols(cpu[t], c) if t in cpu else "– | – | – | –"
             print(f"| `{t}` | {c} | {100 * c / total:.1f}% | {cols} |", file=out)
         for p, s in cpu.most_common():
             if p not in per_thread and s >= 0.01:
-                per_step = f"{1e3 * s / steps:.1f}" if steps else "–"
-                busy = f"{100 * s / wall:.0f}%" if wall else "–"
-                print(f"| `{p}` (no samples) | 0 | 0.0% | {s:.2f} | {per_step} | {busy} | 0 |", file=out)
+                print(f"| `{p}` (no samples) | 0 | 0.0% | {clock_cols(s, 0)} |", file=out)
     for t, c in per_thread.most_common(threads):
         own, under = collections.Counter(), collections.Counter()
         for th, frames, n in stacks:
             if pattern(th) != t or not frames:
                 continue
             own[frames[-1]] += n
-            for f in set(frames):
+            for f in dict.fromkeys(frames):  # once per sample, in stack order (stable ties)
                 under[f] += n
         print(f"\n### `{t}`: {c} samples\n", file=out)
         print("| own samples | function |", file=out)

@@ -13,9 +13,9 @@
 //! deadlock), so time in `memcpy` or a futex call is missing from the totals; samples inside
 //! CUDA's libraries (`libcuda`, `libcublasLt`, `libcudart`) are kept ([`BLOCKLIST`]).
 //!
-//! Samples are not CPU time: SIGPROF comes at most once per kernel tick, and a sample whose
-//! stack cannot be unwound (code without unwind tables, e.g. lavapipe's compiled shaders) is
-//! lost. So beside the stacks the profile writes each thread's CPU time over the same window,
+//! Samples are not CPU time: SIGPROF comes at most once per kernel tick, and a thread that
+//! blocks SIGPROF is never sampled (lavapipe's Wgpu device threads inherit Mesa's mask that
+//! blocks it). So beside the stacks the profile writes each thread's CPU time over the same window,
 //! read from the thread's own CPU clock (`FILE.threads.tsv`, [`ThreadClocks`]): how busy each
 //! thread was, per step, and how many samples each of its CPU seconds left.
 //!
@@ -278,14 +278,14 @@ fn thread_cpu() -> Vec<ThreadCpu> {
             // what glibc's `pthread_getcpuclockid` hands out), readable for any thread of
             // this process; nanoseconds, not the ticks of `/proc/…/stat`.
             let clock = ((!(tid as libc::clockid_t)) << 3) | 6;
+            let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status"));
+            let sigprof_blocked = status.ok().is_some_and(|status| blocks_sigprof(&status));
             let mut now = libc::timespec {
                 tv_sec: 0,
                 tv_nsec: 0,
             };
             // SAFETY: `now` is a valid timespec to write; a thread that ended meanwhile makes
             // the call fail (EINVAL), not misbehave.
-            let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status"));
-            let sigprof_blocked = status.ok().is_some_and(|status| blocks_sigprof(&status));
             (unsafe { libc::clock_gettime(clock, &mut now) } == 0).then(|| ThreadCpu {
                 name: name.trim_end().to_string(),
                 tid,
@@ -416,8 +416,9 @@ mod tests {
         }
     }
 
-    /// A spinning thread's CPU time is its clock's, a sleeping one's about none, and the table
-    /// names both.
+    /// Each thread's CPU time over the window, from its own clock: a sleeping thread's about
+    /// none, one that ended inside the window missing, a spinning one's more than none and at
+    /// most the wall time; the table names the threads and the SIGPROF mask is read right.
     #[cfg(target_os = "linux")]
     #[test]
     fn thread_clocks_read_each_threads_own_cpu_time() {
