@@ -8,8 +8,14 @@
 //! PyTorch's cost of the same op beside it.
 //!
 //! ```text
-//! cargo bench --bench overhead [-- --rounds 15 --steps 5 --ops 200000 --pairs 15 --only step|ops]
+//! cargo bench --bench overhead [-- --rounds 15 --steps 5 --ops 200000 --pairs 15 --only step|ops|alloc]
 //! ```
+//!
+//! `--only alloc` measures the allocator itself: a small block allocated and freed (64–127
+//! bytes, 16 held at a time, as a step's metadata and closures are) through the global allocator
+//! — mimalloc plus `wildfire::alloc`'s heap counting — against mimalloc called directly, on one
+//! thread and on two at once (a rank and CubeCL's device thread allocate concurrently), in
+//! alternating pairs.
 //!
 //! Both stacks allocate through the allocator `gpt_pretrain` and the other benches use
 //! (`wildfire::alloc`: mimalloc for small blocks); `WILDFIRE_ALLOC=system` measures them on
@@ -180,11 +186,111 @@ fn main() {
         common::arg("--steps").unwrap_or(5)
     };
     let only: Option<String> = common::arg("--only");
-    if only.as_deref() != Some("ops") {
+    let on = |name: &str| only.as_deref().is_none_or(|o| o == name);
+    if on("step") {
         training_step(rounds, steps);
     }
-    if only.as_deref() != Some("step") {
+    if on("ops") {
         one_op(smoke);
+    }
+    if on("alloc") {
+        alloc_cost(smoke);
+    }
+}
+
+/// Blocks each thread holds at once in [`alloc_run`].
+const HELD: usize = 16;
+
+/// Nanoseconds per small block allocated and freed, on each of `threads` threads at once, through
+/// the global allocator (`counted`) or mimalloc directly.
+fn alloc_run(threads: usize, blocks: usize, counted: bool) -> f64 {
+    use std::alloc::{GlobalAlloc, Layout};
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(move || {
+                let mut held = [(std::ptr::null_mut::<u8>(), Layout::new::<u8>()); HELD];
+                for i in 0..blocks + HELD {
+                    let (old, layout) = held[i % HELD];
+                    if !old.is_null() {
+                        // SAFETY: allocated below with this layout by the same allocator.
+                        unsafe {
+                            if counted {
+                                std::alloc::dealloc(old, layout)
+                            } else {
+                                mimalloc::MiMalloc.dealloc(old, layout)
+                            }
+                        }
+                    }
+                    let layout = Layout::from_size_align(64 + (i & 63), 8).unwrap();
+                    // SAFETY: a non-zero size.
+                    let p = unsafe {
+                        if counted {
+                            std::alloc::alloc(layout)
+                        } else {
+                            mimalloc::MiMalloc.alloc(layout)
+                        }
+                    };
+                    assert!(!p.is_null());
+                    // SAFETY: the block has at least one byte.
+                    unsafe { p.write(i as u8) };
+                    held[i % HELD] = (std::hint::black_box(p), layout);
+                }
+                for (p, layout) in held {
+                    // SAFETY: as above.
+                    unsafe {
+                        if counted {
+                            std::alloc::dealloc(p, layout)
+                        } else {
+                            mimalloc::MiMalloc.dealloc(p, layout)
+                        }
+                    }
+                }
+            });
+        }
+    });
+    start.elapsed().as_secs_f64() * 1e9 / (blocks + HELD) as f64
+}
+
+/// The heap counting's cost per small block: the global allocator against mimalloc directly, in
+/// alternating pairs, on one thread and on two.
+fn alloc_cost(smoke: bool) {
+    let blocks = if smoke {
+        1_000
+    } else {
+        common::arg("--blocks").unwrap_or(2_000_000)
+    };
+    let pairs = if smoke {
+        1
+    } else {
+        common::arg("--pairs").unwrap_or(15)
+    };
+    println!(
+        "one small block allocated and freed ({blocks} a thread, {HELD} held), median of {pairs} pairs ({}):",
+        wildfire::alloc::allocator_name()
+    );
+    for threads in [1, 2] {
+        alloc_run(threads, blocks / 4, true);
+        alloc_run(threads, blocks / 4, false);
+        let (mut counted, mut raw, mut diff) = (Vec::new(), Vec::new(), Vec::new());
+        for pair in 0..pairs {
+            let (c, r) = if pair % 2 == 0 {
+                let c = alloc_run(threads, blocks, true);
+                (c, alloc_run(threads, blocks, false))
+            } else {
+                let r = alloc_run(threads, blocks, false);
+                (alloc_run(threads, blocks, true), r)
+            };
+            counted.push(c);
+            raw.push(r);
+            diff.push(c - r);
+        }
+        println!(
+            "{threads} thread(s): global allocator {:6.1} ns, mimalloc directly {:6.1} ns, the counting {:+6.1} ns",
+            common::median(counted),
+            common::median(raw),
+            common::median(diff)
+        );
     }
 }
 
