@@ -14,9 +14,12 @@ Where `FILE.threads.tsv` is beside it (written with the profile), the thread tab
 thread pattern's CPU time over the profile's window, read from the threads' own CPU clocks:
 seconds, per step, how busy it kept the CPUs (CPU time over wall time, summed over the pattern's
 threads: a pool of two busy workers shows 200%), and how many samples each CPU second left. Samples are not time: the kernel sends at most one per tick (≈ 250 a CPU second
-here, whatever the 997 Hz asked), and a thread that blocks SIGPROF is never sampled (its own row:
-Mesa's lavapipe hands its mask to CubeCL's Wgpu device threads). A thread with far fewer samples
-per CPU second than the others is under-represented in the tables.
+here, whatever the 997 Hz asked), and a thread that blocks SIGPROF is never sampled (its own row).
+A thread a library makes takes its maker's name: lavapipe's shader and queue threads, made by
+CubeCL's Wgpu device thread, are named `DSD-N-N` too and block SIGPROF (Mesa's mask), so on
+lavapipe the blocked `DSD-N-N` row is the emulated GPU's work and the open one CubeCL's device
+thread. A thread with far fewer samples per CPU second than the others is under-represented in
+the tables.
 """
 import argparse
 import collections
@@ -97,7 +100,7 @@ def read_threads(path):
                 # a thread that blocks SIGPROF is never sampled: its own row, so that its CPU
                 # time is not read as its pattern's samples' time
                 if rest and rest[0] == "blocked":
-                    name += " (blocks SIGPROF: never sampled)"
+                    name += " (blocks SIGPROF: never sampled; a driver's threads carry their maker's name)"
                 rows.append((name, int(tid), float(cpu)))
     return meta, rows
 
