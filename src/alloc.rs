@@ -670,13 +670,13 @@ mod tests {
                 .wrapping_mul(6364136223846793005)
                 .wrapping_add(1442695040888963407);
             let t = (x >> 33) as usize % threads.len();
-            let free = !held[t].is_empty() && (x >> 40) % 2 == 0;
+            let free = !held[t].is_empty() && (x >> 40).is_multiple_of(2);
             let delta = if free {
                 let i = (x >> 20) as usize % held[t].len();
                 -held[t].swap_remove(i)
             } else {
                 // Mostly small blocks, now and then a large one.
-                let size = if (x >> 50) % 64 == 0 {
+                let size = if (x >> 50).is_multiple_of(64) {
                     LARGE_BLOCK + (x >> 8) as usize % LARGE_BLOCK
                 } else {
                     16 + (x >> 8) as usize % 4096
