@@ -322,6 +322,7 @@ fn constant<B: FusedOps, C: CheckpointStrategy>(x: FloatTensor<B>) -> FloatTenso
 
 impl<B: FusedOps, C: CheckpointStrategy> FusedOps for Autodiff<B, C> {
     const FUSED: crate::Fused = B::FUSED;
+    const COMPUTES_ON_HOST_POOL: bool = B::COMPUTES_ON_HOST_POOL;
 
     fn sequence_positions(device: &burn::tensor::Device<Self>, len: usize) -> Vec<usize> {
         B::sequence_positions(device, len)

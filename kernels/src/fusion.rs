@@ -223,6 +223,7 @@ fn like_first<B: FusionBackend + FusedOps>(
 
 impl<B: FusionBackend + FusedOps> FusedOps for Fusion<B> {
     const FUSED: crate::Fused = B::FUSED;
+    const COMPUTES_ON_HOST_POOL: bool = B::COMPUTES_ON_HOST_POOL;
 
     fn sequence_positions(device: &burn::tensor::Device<Self>, len: usize) -> Vec<usize> {
         B::sequence_positions(device, len)

@@ -255,6 +255,14 @@ pub trait FusedOps: Backend {
     /// their plain Burn ops (and their numerics) elsewhere.
     const FUSED: Fused = Fused::NONE;
 
+    /// Whether this backend computes on the calling thread's rayon pool (a CPU backend: Flex),
+    /// so that keeping the pool's other workers awake between its ops pays
+    /// (`wildfire_parallel::busy_workers`). A device backend's ops run on the device: the rank's
+    /// thread only hands them to CubeCL's device thread, and workers spinning for work that
+    /// never comes would take the cores that thread, the driver's and the communication threads
+    /// need.
+    const COMPUTES_ON_HOST_POOL: bool = false;
+
     /// The global positions of the `len` sequence positions this rank's activations hold on
     /// `device`: `0..len`, except under context parallelism (a `Distributed` backend with a
     /// context axis), where a rank holds chunks of every sequence. Models take their position

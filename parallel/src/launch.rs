@@ -221,7 +221,8 @@ impl Drop for BusyWorkers {
 ///
 /// `None` (nothing to do) off a rayon pool's worker, in a pool of one thread, or with
 /// `WILDFIRE_BUSY_WORKERS=0` in the environment. The workers spin, so use it around work that
-/// runs parallel ops back to back (a training step).
+/// runs parallel ops back to back on the pool (a training step on a CPU backend, where
+/// `FusedOps::COMPUTES_ON_HOST_POOL` holds; not on a GPU, whose step leaves them nothing).
 pub fn busy_workers() -> Option<BusyWorkers> {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     if *OFF.get_or_init(|| std::env::var("WILDFIRE_BUSY_WORKERS").is_ok_and(|v| v == "0")) {

@@ -1022,6 +1022,21 @@ mod wgpu {
 
     type W = Autodiff<Wgpu>;
 
+    /// Which backends compute on the rank's rayon pool (so the pretraining loop keeps its
+    /// workers looking for work): Flex, under every wrapper; not Wgpu (nor, by the same
+    /// implementation, CUDA), with or without fusion.
+    #[test]
+    fn only_the_cpu_backend_computes_on_the_host_pool() {
+        use wildfire_parallel::Distributed;
+        let answers = [
+            <burn::backend::Flex as FusedOps>::COMPUTES_ON_HOST_POOL,
+            <Autodiff<Distributed<burn::backend::Flex>> as FusedOps>::COMPUTES_ON_HOST_POOL,
+            <Wgpu as FusedOps>::COMPUTES_ON_HOST_POOL,
+            <Autodiff<Distributed<Wgpu>> as FusedOps>::COMPUTES_ON_HOST_POOL,
+        ];
+        assert_eq!(answers, [true, true, false, false]);
+    }
+
     #[test]
     fn kernels_match_burn_ops_forward_and_backward() {
         // f32; the kernels accumulate in f32 in another order than Burn's reductions.

@@ -89,6 +89,8 @@ pub(crate) fn float(values: Vec<f32>, shape: Shape) -> FlexTensor {
 impl FusedOps for Flex {
     // Every family, native (softmax alone keeps its Burn-op default).
     const FUSED: crate::Fused = crate::Fused::ALL;
+    // Flex's parallel ops run on the calling thread's rayon pool.
+    const COMPUTES_ON_HOST_POOL: bool = true;
 
     fn fused_causal_softmax(scores: FloatTensor<Self>) -> FloatTensor<Self> {
         causal_softmax(scores)

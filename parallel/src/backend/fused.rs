@@ -130,6 +130,7 @@ fn packed_layout(layout: &Layout) -> Layout {
 
 impl<B: FusedOps> FusedOps for Distributed<B> {
     const FUSED: wildfire_kernels::Fused = B::FUSED;
+    const COMPUTES_ON_HOST_POOL: bool = B::COMPUTES_ON_HOST_POOL;
 
     fn sequence_positions(device: &crate::DistDevice<B>, len: usize) -> Vec<usize> {
         match Context::of(device) {
