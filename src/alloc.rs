@@ -62,7 +62,7 @@
 //! or the unmapping that keeps the resident bytes under their high-water mark) is not profiled
 //! yet. `WILDFIRE_ALLOC=mimalloc` is the choice for speed when memory allows.
 //!
-//! **The counting** is per thread and batched ([`HeapCounts`], 2026-12-03): a block costs a
+//! **The counting** is per thread and batched (`HeapCounts`, 2026-12-03): a block costs a
 //! thread-local add, and the shared counts move once a thread's net change passes
 //! [`COUNT_BATCH`]. Counted straight into shared atomics it cost 16 ns a block on one thread and
 //! 260 ns with two threads allocating at once (one contended cache line); now 6.6 ns either way
@@ -109,7 +109,7 @@ static LARGE: BlockCache = BlockCache::new();
 /// allocator).
 ///
 /// Exact for the calling thread's blocks; each other thread's count may be off by less than
-/// [`COUNT_BATCH`] either way (see [`HeapCounts`]).
+/// [`COUNT_BATCH`] either way (see the private `HeapCounts`).
 pub fn heap_live() -> usize {
     flush_this_thread();
     COUNTS.live()
@@ -198,7 +198,7 @@ fn choose() -> u8 {
 }
 
 /// A thread's allocations and frees reach the shared counts once their net sum passes this many
-/// bytes either way (see [`HeapCounts`]).
+/// bytes either way (see the private `HeapCounts`).
 pub const COUNT_BATCH: usize = 64 << 10;
 
 /// One counter on a cache line of its own (128 bytes: adjacent-line prefetch pairs lines).
