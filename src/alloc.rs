@@ -292,7 +292,8 @@ thread_local! {
 }
 
 /// Count an allocation (`delta` > 0) or a free: into this thread's sum, or straight into the
-/// shared counts where the thread's storage is gone (frees made by other threads' exit hooks).
+/// shared counts where the thread's storage is gone (blocks freed by the thread's exit hooks
+/// that run after [`PENDING`]'s).
 #[inline]
 fn count(delta: isize) {
     if PENDING.try_with(|p| COUNTS.count(&p.0, delta)).is_err() {
@@ -313,6 +314,12 @@ fn grow(bytes: usize) {
 #[inline]
 fn shrink(bytes: usize) {
     count(-(bytes as isize));
+}
+
+/// A block resized from `old` to `new` bytes: one net change.
+#[inline]
+fn resize(old: usize, new: usize) {
+    count(new as isize - old as isize);
 }
 
 /// Whether a block of this layout takes the large path (the same answer at its free).
@@ -566,8 +573,7 @@ unsafe impl GlobalAlloc for Allocator {
         if is_large(layout) || is_large(new_layout) {
             if is_large(layout) && size_class(layout.size()) == size_class(new_size) {
                 // The same mapping holds it.
-                shrink(layout.size());
-                grow(new_size);
+                resize(layout.size(), new_size);
                 return ptr;
             }
             // SAFETY: a new block, the old one's bytes copied in, the old one freed.
@@ -589,8 +595,7 @@ unsafe impl GlobalAlloc for Allocator {
             }
         };
         if !p.is_null() {
-            shrink(layout.size());
-            grow(new_size);
+            resize(layout.size(), new_size);
         }
         p
     }

@@ -15,8 +15,9 @@
 //!
 //! Samples are not CPU time: SIGPROF comes at most once per kernel tick, and a thread that
 //! blocks SIGPROF is never sampled (lavapipe's shader and queue threads block it: Mesa's mask;
-//! made by CubeCL's Wgpu device thread, they carry its name, `DSD-N-N`). So beside the stacks the profile writes each thread's CPU time over the same window,
-//! read from the thread's own CPU clock (`FILE.threads.tsv`, [`ThreadClocks`]): how busy each
+//! made by CubeCL's Wgpu device thread, they carry its name, `DSD-N-N`). So beside the stacks
+//! the profile writes each thread's CPU time over the same window, read from the thread's own
+//! CPU clock (`FILE.threads.tsv`, [`ThreadClocks`]): how busy each
 //! thread was, per step, and how many samples each of its CPU seconds left.
 //!
 //! The profile starts at the run's third step (the first ones compile kernels, tune GEMMs and

@@ -525,8 +525,6 @@ impl RankRun<'_> {
     }
 }
 
-/// What one step is given: the device, the learning rate, the micro-batches' seeds and the
-/// micro-batches themselves (`batch(i)`: tokens and targets).
 /// [`wildfire_parallel::busy_workers`] where the backend computes on the rank's pool
 /// ([`FusedOps::COMPUTES_ON_HOST_POOL`]: Flex); `None` on a device backend. There a step runs no
 /// parallel host op, so the pool's other workers (all the machine's cores but one, with one rank
@@ -542,6 +540,8 @@ pub(crate) fn busy_workers_for<B: FusedOps>() -> Option<wildfire_parallel::BusyW
     }
 }
 
+/// What one step is given: the device, the learning rate, the micro-batches' seeds and the
+/// micro-batches themselves (`batch(i)`: tokens and targets).
 pub(super) struct StepAt<'a, B: FusedOps> {
     pub device: &'a DistDevice<B>,
     pub lr: f64,
