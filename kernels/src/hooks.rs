@@ -37,6 +37,14 @@ pub trait ForwardHooks<'a, B: FusedOps>: Sized {
         f(module, x, self)
     }
 
+    /// The global positions of the `len` sequence positions the forward's activations hold
+    /// (the model's learned or rotary positions are taken there): the backend's
+    /// [`FusedOps::sequence_positions`] (`0..len`, or a context-parallel rank's chunks); a
+    /// generation's key/value cache continues after the positions it holds.
+    fn positions(&self, device: &B::Device, len: usize) -> Vec<usize> {
+        B::sequence_positions(device, len)
+    }
+
     /// Attention of layer `layer` on packed projections `qkv` `[b, t, h, 3·hd]` (per head:
     /// queries, keys, values side by side), giving `[b, t, h, hd]`, with dropout `dropout` on
     /// the probabilities while training.

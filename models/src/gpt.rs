@@ -353,8 +353,10 @@ fn embed<'a, B: FusedOps, H: ForwardHooks<'a, B>>(
 ) -> Tensor<B, 3> {
     let [_, t] = idx.dims();
     let device = idx.device();
-    // The rank's positions: `0..t`, or its chunks of the sequence under context parallelism.
-    let positions: Vec<i64> = B::sequence_positions(&device, t)
+    // The rank's positions: `0..t`, its chunks of the sequence under context parallelism, or
+    // after a generation's cached ones.
+    let positions: Vec<i64> = hooks
+        .positions(&device, t)
         .into_iter()
         .map(|p| p as i64)
         .collect();

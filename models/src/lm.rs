@@ -1,10 +1,12 @@
 //! What a causal language model offers a trainer, whatever its family ([`crate::gpt::Gpt`],
 //! [`crate::llama::Llama`]): logits through the trainer's hooks, the loss, and sampling.
 
+mod cache;
 mod sample;
 
+pub use cache::KvCache;
 pub use sample::TokenSampler;
-pub(crate) use sample::generate_by;
+pub(crate) use sample::{generate_cached, ids};
 
 use burn::module::AutodiffModule;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -45,7 +47,9 @@ pub trait CausalLm<B: FusedOps> {
     }
 
     /// `prompt` (`[0]` when empty) continued by `new_tokens` tokens, each sampled by `sampler`
-    /// (seeded: a sample is reproducible) from the logits of the last `block_size` tokens.
+    /// (seeded: a sample is reproducible) from the logits of the last `block_size` tokens. The
+    /// forward runs through a key/value cache ([`KvCache`]): within the context a token costs
+    /// one position's forward.
     fn sample(
         &self,
         prompt: &[u32],
@@ -54,14 +58,19 @@ pub trait CausalLm<B: FusedOps> {
         mut sampler: TokenSampler,
         device: &B::Device,
     ) -> Vec<u32> {
-        let next = |context: Vec<i64>| {
-            let t = context.len();
-            let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(context, [1, t]), device);
-            let logits = self.forward(idx).narrow(1, t - 1, 1);
+        let cache = KvCache::new();
+        let next = |feed: &[u32], fresh: bool| {
+            if fresh {
+                cache.clear();
+            }
+            let t = feed.len();
+            let logits = self
+                .forward_with(ids(feed, device), &cache)
+                .narrow(1, t - 1, 1);
             let logits: Vec<f32> = logits.into_data().convert::<f32>().to_vec().unwrap();
             Ok::<_, std::convert::Infallible>(sampler.pick(&logits))
         };
-        match generate_by(prompt, new_tokens, block_size, next) {
+        match generate_cached(prompt, new_tokens, block_size, next) {
             Ok(tokens) => tokens,
             Err(never) => match never {},
         }

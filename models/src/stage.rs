@@ -6,7 +6,7 @@
 //! and text generated through them ([`generate_staged`]).
 
 use crate::Error;
-use crate::lm::{TokenSampler, generate_by};
+use crate::lm::{KvCache, TokenSampler, generate_cached, ids};
 use burn::module::{AutodiffModule, Module, ParamId};
 use burn::prelude::*;
 use wildfire_kernels::FusedOps;
@@ -207,18 +207,29 @@ pub fn stage_pass<B: FusedOps, S: PipelineStage<B>>(
     chunks: &[S],
     idx: Tensor<B, 2, Int>,
 ) -> impl FnMut(usize, Option<Tensor<B, 3>>) -> Tensor<B, 3> + '_ {
+    stage_pass_with(chunks, |_| &Inference, idx)
+}
+
+/// [`stage_pass`] with chunk `c`'s forward through `hooks(c)`.
+fn stage_pass_with<'h, B: FusedOps, S: PipelineStage<B>, H: ForwardHooks<'h, B> + 'h>(
+    chunks: &'h [S],
+    hooks: impl Fn(usize) -> &'h H + 'h,
+    idx: Tensor<B, 2, Int>,
+) -> impl FnMut(usize, Option<Tensor<B, 3>>) -> Tensor<B, 3> + 'h {
     let mut idx = Some(idx);
     move |c, hidden| {
         let input = match hidden {
             Some(hidden) => StageInput::Hidden(hidden),
             None => StageInput::Tokens(idx.take().expect("one first stage")),
         };
-        chunks[c].forward_with(input, &Inference)
+        chunks[c].forward_with(input, hooks(c))
     }
 }
 
 /// `prompt` continued by `new_tokens` tokens generated through the stages: per token, a
-/// forward-only pass of the last `block_size` tokens through the stages in order; the rank of the
+/// forward-only pass through the stages in order, each chunk of stages through a key/value cache
+/// of its own layers ([`KvCache`]; the new tokens of the context, or the last `block_size`
+/// tokens past it, as [`CausalLm::sample`](crate::CausalLm::sample) feeds them); the rank of the
 /// last stage picks the next token from the last position's logits with `sampler` (seeded as one
 /// device seeds it, so the text is one device's) and sends it to every other member of its
 /// pipeline group. Every rank of the group takes part; each has the tokens at the end.
@@ -235,10 +246,14 @@ pub fn generate_staged<X: FusedOps, S: PipelineStage<Distributed<X>>>(
     let members = passes.members();
     // The last stage (stage p·V − 1) is on the last pipeline rank.
     let last = *members.last().expect("a pipeline rank");
-    generate_by(prompt, new_tokens, block_size, |context| {
-        let t = context.len();
-        let idx = Tensor::from_data(TensorData::new(context, [1, t]), device);
-        Ok(match passes.forward(stage_pass(chunks, idx))? {
+    let caches: Vec<KvCache<Distributed<X>>> = chunks.iter().map(|_| KvCache::new()).collect();
+    generate_cached(prompt, new_tokens, block_size, |feed, fresh| {
+        if fresh {
+            caches.iter().for_each(KvCache::clear);
+        }
+        let t = feed.len();
+        let pass = stage_pass_with(chunks, |c| &caches[c], ids(feed, device));
+        Ok(match passes.forward(pass)? {
             Some(logits) => {
                 let logits = logits.narrow(1, t - 1, 1).into_data().convert::<f32>();
                 let token = sampler.pick(&logits.to_vec::<f32>().expect("f32 logits"));

@@ -96,15 +96,16 @@ impl Rope {
         if contiguous {
             return self.tables(positions.len(), head_dim, device);
         }
-        let end = positions.iter().max().map_or(0, |&p| p + 1);
-        let host = self.host_tables(end, head_dim);
-        [&host.0, &host.1].map(|v| {
-            let rows: Vec<f32> = positions
-                .iter()
-                .flat_map(|&p| v[p * head_dim..(p + 1) * head_dim].iter().copied())
-                .collect();
-            Tensor::from_data(TensorData::new(rows, [positions.len(), head_dim]), device)
-        })
+        // Each row as the tables compute it (a generation's positions move on by one a token:
+        // caching a table per length would keep one for every token generated).
+        let inv_freq = self.inv_freq(head_dim);
+        let n = positions.len();
+        let (mut cos, mut sin) = (vec![0f32; n * head_dim], vec![0f32; n * head_dim]);
+        for (r, &p) in positions.iter().enumerate() {
+            let rows = r * head_dim..(r + 1) * head_dim;
+            rope_row(&inv_freq, p, &mut cos[rows.clone()], &mut sin[rows]);
+        }
+        [cos, sin].map(|v| Tensor::from_data(TensorData::new(v, [n, head_dim]), device))
     }
 
     /// The host values of [`Rope::tables`], from the process-wide cache.
@@ -124,21 +125,28 @@ impl Rope {
             return found.clone();
         }
         let inv_freq = self.inv_freq(head_dim);
-        let half = head_dim / 2;
         let (mut cos, mut sin) = (vec![0f32; t * head_dim], vec![0f32; t * head_dim]);
         for p in 0..t {
-            for (i, &f) in inv_freq.iter().enumerate() {
-                let (s, c) = (p as f32 * f).sin_cos();
-                for j in [i, i + half] {
-                    cos[p * head_dim + j] = c;
-                    sin[p * head_dim + j] = s;
-                }
-            }
+            let row = p * head_dim..(p + 1) * head_dim;
+            rope_row(&inv_freq, p, &mut cos[row.clone()], &mut sin[row]);
         }
         let tables = Arc::new((cos, sin));
         let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
         cache.insert(key, tables.clone());
         tables
+    }
+}
+
+/// Position `p`'s row of the tables (`cos`, `sin`: a head's width): each frequency's angle in
+/// both halves.
+fn rope_row(inv_freq: &[f32], p: usize, cos: &mut [f32], sin: &mut [f32]) {
+    let half = inv_freq.len();
+    for (i, &f) in inv_freq.iter().enumerate() {
+        let (s, c) = (p as f32 * f).sin_cos();
+        for j in [i, i + half] {
+            cos[j] = c;
+            sin[j] = s;
+        }
     }
 }
 

@@ -105,9 +105,10 @@ pub(super) fn run_layers<'a, B: FusedOps, H: ForwardHooks<'a, B>>(
         return x;
     };
     let [_, t, d] = x.dims();
-    // The rank's positions: `0..t`, or its chunks of the sequence under context parallelism.
+    // The rank's positions: `0..t`, its chunks of the sequence under context parallelism, or
+    // after a generation's cached ones.
     let device = x.device();
-    let positions = B::sequence_positions(&device, t);
+    let positions = hooks.positions(&device, t);
     let tables = rope.tables_at::<B>(&positions, d / block.self_attn.n_head, &device);
     for (i, block) in layers.iter().enumerate() {
         let (layer, tables) = (first + i, tables.clone());

@@ -46,23 +46,90 @@ impl TokenSampler {
     }
 }
 
-/// `prompt` (`[0]` when empty) continued by `new_tokens` tokens, each chosen by `next` from the
-/// last `block_size` tokens (the context, as ids).
-pub(crate) fn generate_by<E>(
+/// `prompt` (`[0]` when empty) continued by `new_tokens` tokens, each chosen by `next(feed,
+/// fresh)` from a forward over the token ids `feed` through a key/value cache
+/// ([`super::KvCache`]), emptied first when `fresh`. Within the context the cache holds every
+/// earlier token, so `feed` is the prompt and then one token a step. Past the context (the last
+/// `block_size` tokens) the window moves by one position a token, and every position's
+/// embedding with it, so each step starts again from the window: the logits a forward over the
+/// window alone gives, as a generation without a cache computes them at every step.
+pub(crate) fn generate_cached<E>(
     prompt: &[u32],
     new_tokens: usize,
     block_size: usize,
-    mut next: impl FnMut(Vec<i64>) -> Result<u32, E>,
+    mut next: impl FnMut(&[u32], bool) -> Result<u32, E>,
 ) -> Result<Vec<u32>, E> {
     let mut tokens: Vec<u32> = if prompt.is_empty() {
         vec![0]
     } else {
         prompt.to_vec()
     };
+    // The tokens the cache holds (a prefix of `tokens`).
+    let mut held = 0;
     for _ in 0..new_tokens {
-        let start = tokens.len().saturating_sub(block_size);
-        let token = next(tokens[start..].iter().map(|&t| i64::from(t)).collect())?;
+        let len = tokens.len();
+        let token = if len <= block_size {
+            let token = next(&tokens[held..], held == 0)?;
+            held = len;
+            token
+        } else {
+            next(&tokens[len - block_size..], true)?
+        };
         tokens.push(token);
     }
     Ok(tokens)
+}
+
+/// Token ids `[1, t]` on `device`.
+pub(crate) fn ids<B: burn::tensor::backend::Backend>(
+    feed: &[u32],
+    device: &B::Device,
+) -> burn::tensor::Tensor<B, 2, burn::tensor::Int> {
+    let ids: Vec<i64> = feed.iter().map(|&t| i64::from(t)).collect();
+    burn::tensor::Tensor::from_data(burn::tensor::TensorData::new(ids, [1, feed.len()]), device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::generate_cached;
+
+    /// The feeds a generation hands its forward: the prompt, then one token a step while the
+    /// context holds them all, then the whole window, fresh, at every step past it.
+    #[test]
+    fn the_cache_is_fed_new_tokens_within_the_context_and_windows_past_it() {
+        let mut feeds = Vec::new();
+        let mut next_id = 10;
+        let tokens = generate_cached(&[1, 2, 3], 5, 5, |feed, fresh| {
+            feeds.push((feed.to_vec(), fresh));
+            next_id += 1;
+            Ok::<_, ()>(next_id)
+        })
+        .unwrap();
+        assert_eq!(tokens, [1, 2, 3, 11, 12, 13, 14, 15]);
+        assert_eq!(
+            feeds,
+            [
+                (vec![1, 2, 3], true),
+                (vec![11], false),
+                (vec![12], false),
+                (vec![2, 3, 11, 12, 13], true),
+                (vec![3, 11, 12, 13, 14], true),
+            ]
+        );
+        // An empty prompt is token 0; a prompt past the context is windowed at once.
+        let mut feeds = Vec::new();
+        generate_cached(&[], 1, 4, |feed, fresh| {
+            feeds.push((feed.to_vec(), fresh));
+            Ok::<_, ()>(7)
+        })
+        .unwrap();
+        assert_eq!(feeds, [(vec![0], true)]);
+        let mut feeds = Vec::new();
+        generate_cached(&[1, 2, 3, 4], 1, 2, |feed, fresh| {
+            feeds.push((feed.to_vec(), fresh));
+            Ok::<_, ()>(7)
+        })
+        .unwrap();
+        assert_eq!(feeds, [(vec![3, 4], true)]);
+    }
 }

@@ -22,22 +22,33 @@ fn tiny_llama(steps: usize) -> PretrainConfig {
 }
 
 /// dp 2 × tp 2 FullShard with sequence parallelism and selective recomputation follows one
-/// rank; saved at step 3 under dp 2 FullShard and resumed to step 6, the run is bitwise the
-/// uninterrupted one; the export holds every tensor under Hugging Face's name and orientation.
+/// rank, and the text it samples at the end through its key/value cache (each rank its heads'
+/// keys and values, past the context of 32 too) is one rank's; saved at step 3 under dp 2
+/// FullShard and resumed to step 6, the run is bitwise the uninterrupted one; the export holds
+/// every tensor under Hugging Face's name and orientation.
 #[test]
 fn llama_pretrains_sharded_and_resumes_bitwise() {
-    let one = run(&tiny_llama(6)).unwrap();
+    let sampled = |config: PretrainConfig| PretrainConfig {
+        sample_tokens: 40,
+        ..config
+    };
+    let one = run(&sampled(tiny_llama(6))).unwrap();
     assert!(matches!(one.model, Some(ModelConfig::Llama(_))));
-    let sharded = run(&PretrainConfig {
+    let sharded = run(&sampled(PretrainConfig {
         parallel: ParallelConfig {
             sp: true,
             recompute: Recompute::Selective,
             ..ParallelConfig::layout(2, 2, FsdpStrategy::FullShard, None)
         },
         ..tiny_llama(6)
-    })
+    }))
     .unwrap();
     same_run("llama dp 2 x tp 2 + SP", &sharded, &one, 1e-5);
+    assert!(one.sample.chars().count() > 32, "{:?}", one.sample);
+    assert_eq!(
+        sharded.sample, one.sample,
+        "llama dp 2 x tp 2 + SP: sampled text"
+    );
     let fsdp = ParallelConfig::layout(2, 1, FsdpStrategy::FullShard, None);
     let straight = run(&PretrainConfig {
         parallel: fsdp.clone(),
