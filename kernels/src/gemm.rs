@@ -330,36 +330,114 @@ mod flex {
         let (m, k, n) = (l.shape()[0], l.shape()[1], r.shape()[1]);
         let lhs_ptr = lhs.storage::<f32>()[l.start_offset()..].as_ptr();
         let rhs_ptr = rhs.storage::<f32>()[r.start_offset()..].as_ptr();
-        let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_THRESHOLD {
-            gemm::Parallelism::Rayon(0)
-        } else {
-            gemm::Parallelism::None
-        };
+        let large = m.saturating_mul(n).saturating_mul(k) >= PARALLEL_THRESHOLD;
         let mut out = start(m);
         assert!(
             out.capacity() >= m * n && (!add || out.len() == m * n),
             "an m × n buffer"
         );
+        let (lhs_op, rhs_op) = (
+            Operand(lhs_ptr, l.strides()[1], l.strides()[0]),
+            Operand(rhs_ptr, r.strides()[1], r.strides()[0]),
+        );
+        let dst = Dst(out.as_mut_ptr());
+        let chunks = column_chunks(m, k, n, rayon::current_num_threads());
         // SAFETY: the operands' pointers and strides are their layouts' (in bounds of their
-        // buffers, as for Burn's call), and `out` has room for the `m × n` row-major product.
-        // With `add` its values are initialised and read; without (`read_dst` false, alpha 0)
-        // `gemm` writes every element without reading (`gemm_common::gemm`: alpha status 0;
-        // `k` 0 writes zeros) — so `set_len` after it exposes only written values.
+        // buffers, as for Burn's call), and `out` has room for the `m × n` row-major product;
+        // each call writes its own columns `cols` of it. With `add` its values are initialised
+        // and read; without (`read_dst` false, alpha 0) `gemm` writes every element without
+        // reading (`gemm_common::gemm`: alpha status 0; `k` 0 writes zeros) — so `set_len`
+        // after it exposes only written values.
+        unsafe {
+            if chunks > 1 {
+                use rayon::prelude::*;
+                let width = n.div_ceil(chunks).next_multiple_of(16);
+                (0..n.div_ceil(width)).into_par_iter().for_each(|c| {
+                    let cols = c * width..((c + 1) * width).min(n);
+                    product_columns(m, k, n, cols, dst, add, lhs_op, rhs_op, false);
+                });
+            } else {
+                product_columns(m, k, n, 0..n, dst, add, lhs_op, rhs_op, large);
+            }
+            out.set_len(m * n);
+        }
+        crate::flex::float(out, Shape::new([m, n]))
+    }
+
+    /// A strided f32 matrix operand: pointer, column stride, row stride.
+    #[derive(Clone, Copy)]
+    struct Operand(*const f32, isize, isize);
+    // SAFETY: read only, while the product's caller holds its tensor.
+    unsafe impl Send for Operand {}
+    unsafe impl Sync for Operand {}
+
+    /// The product's row-major `m × n` output.
+    #[derive(Clone, Copy)]
+    struct Dst(*mut f32);
+    // SAFETY: the tasks of one product write disjoint columns.
+    unsafe impl Send for Dst {}
+    unsafe impl Sync for Dst {}
+
+    /// Into how many column ranges a product of `m` rows is split over `threads` threads:
+    /// `gemm` runs a product of few rows (a generated token's `1 × k` activations times a
+    /// weight) on one thread whatever its parallelism, reading the whole weight there, so up to
+    /// [`FEW_ROWS`] rows a weight of at least [`SPLIT_WEIGHT`] elements is cut into column
+    /// ranges of at least that much, one `gemm` call each on the pool (every output element is
+    /// the same call's sum over `k`, so the numbers are the unsplit product's). 1: no split.
+    pub(super) fn column_chunks(m: usize, k: usize, n: usize, threads: usize) -> usize {
+        if m > FEW_ROWS || threads < 2 || n < 32 {
+            return 1;
+        }
+        (k.saturating_mul(n) / SPLIT_WEIGHT)
+            .min(2 * threads)
+            .min(n / 16)
+            .max(1)
+    }
+
+    /// Rows up to which a product's weight is split over the pool by columns ([`column_chunks`]).
+    const FEW_ROWS: usize = 8;
+    /// The fewest weight elements (256 KB of f32) a column range of a split product reads.
+    const SPLIT_WEIGHT: usize = 1 << 16;
+
+    /// Columns `cols` of the `m × n` product `lhs · rhs` (inner dimension `k`) into `dst`
+    /// (row-major, `n` a row), with `parallel` on `gemm`'s own pool.
+    ///
+    /// # Safety
+    /// The operands hold `m × k` and `k × n` elements at their strides; `dst` has room for
+    /// `m × n` and, with `add`, holds initialised values; no other thread touches columns `cols`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn product_columns(
+        m: usize,
+        k: usize,
+        n: usize,
+        cols: std::ops::Range<usize>,
+        dst: Dst,
+        add: bool,
+        lhs: Operand,
+        rhs: Operand,
+        parallel: bool,
+    ) {
+        let parallelism = if parallel {
+            gemm::Parallelism::Rayon(0)
+        } else {
+            gemm::Parallelism::None
+        };
+        // SAFETY: the caller's; column `j` of `rhs` starts `j` column strides in, of `dst` `j`.
         unsafe {
             gemm::gemm(
                 m,
-                n,
+                cols.len(),
                 k,
-                out.as_mut_ptr(),
+                dst.0.add(cols.start),
                 1,
                 n as isize,
                 add,
-                lhs_ptr,
-                l.strides()[1],
-                l.strides()[0],
-                rhs_ptr,
-                r.strides()[1],
-                r.strides()[0],
+                lhs.0,
+                lhs.1,
+                lhs.2,
+                rhs.0.offset(cols.start as isize * rhs.1),
+                rhs.1,
+                rhs.2,
                 if add { 1.0f32 } else { 0.0f32 },
                 1.0f32,
                 false,
@@ -367,8 +445,86 @@ mod flex {
                 false,
                 parallelism,
             );
-            out.set_len(m * n);
         }
-        crate::flex::float(out, Shape::new([m, n]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::Flex;
+    use burn::prelude::*;
+
+    /// `f` on a rayon pool of `threads` threads.
+    fn on_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(f)
+    }
+
+    fn values(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.0) - 1.0)
+            .collect()
+    }
+
+    /// A product of few rows split over the pool by columns (a generated token's projections,
+    /// the tied head's transposed table, a bias in the product) is bit for bit the product on
+    /// one thread.
+    #[test]
+    fn few_row_products_split_by_columns_are_the_unsplit_product() {
+        let device = Default::default();
+        let matrix = |rows: usize, cols: usize, seed: usize| {
+            Tensor::<Flex, 2>::from_data(
+                TensorData::new(values(rows * cols, seed), [rows, cols]),
+                &device,
+            )
+        };
+        for (m, k, n, transposed, bias) in [
+            (1, 768, 2304, false, false),
+            (1, 768, 5000, true, false),
+            (3, 256, 3000, false, true),
+            (8, 512, 1024, true, true),
+        ] {
+            let x = matrix(m, k, 1);
+            let w = if transposed {
+                matrix(n, k, 2).transpose()
+            } else {
+                matrix(k, n, 2)
+            };
+            let b = bias
+                .then(|| Tensor::<Flex, 1>::from_data(TensorData::new(values(n, 3), [n]), &device));
+            let run = |threads: usize| {
+                let (x, w, b) = (x.clone(), w.clone(), b.clone());
+                on_pool(threads, move || {
+                    let out = super::linear::<Flex>(
+                        x.into_primitive().tensor(),
+                        w.into_primitive().tensor(),
+                        b.map(|b| b.into_primitive().tensor()),
+                    );
+                    Tensor::<Flex, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(out))
+                        .into_data()
+                        .to_vec::<f32>()
+                        .unwrap()
+                })
+            };
+            assert!(
+                super::flex::column_chunks(m, k, n, 4) > 1,
+                "{m}×{k}×{n} is split"
+            );
+            let (one, four) = (run(1), run(4));
+            let same = one
+                .iter()
+                .zip(&four)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{m}×{k}×{n} (transposed {transposed}, bias {bias})");
+        }
+        assert_eq!(super::flex::column_chunks(9, 768, 2304, 4), 1, "many rows");
+        assert_eq!(
+            super::flex::column_chunks(1, 64, 64, 4),
+            1,
+            "a small weight"
+        );
     }
 }
