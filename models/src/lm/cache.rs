@@ -73,20 +73,17 @@ impl<B: Backend> KvCache<B> {
     }
 }
 
+/// A key, value, query or output tensor `[b, heads, t, hd]` (packed: `[b, t, h, 3·hd]`).
+type T4<B> = Tensor<B, 4>;
+
+/// The dropout argument is 0 in generation: nothing is dropped.
 impl<B: FusedOps> ForwardHooks<'_, B> for KvCache<B> {
     fn positions(&self, _device: &B::Device, len: usize) -> Vec<usize> {
         let past = self.len();
         (past..past + len).collect()
     }
 
-    fn attention_qkv(
-        &self,
-        layer: usize,
-        qkv: Tensor<B, 4>,
-        scale: f64,
-        causal: bool,
-        _dropout: f64,
-    ) -> Tensor<B, 4> {
+    fn attention_qkv(&self, layer: usize, qkv: T4<B>, scale: f64, causal: bool, _: f64) -> T4<B> {
         assert!(causal, "a key/value cache serves causal attention only");
         let [q, k, v] = ops::split_qkv(qkv.clone());
         let (past, [k, v]) = self.append(layer, k, v);
@@ -97,15 +94,9 @@ impl<B: FusedOps> ForwardHooks<'_, B> for KvCache<B> {
         attend(q, k, v, past, scale).swap_dims(1, 2)
     }
 
-    fn attention_heads(
-        &self,
-        layer: usize,
-        [q, k, v]: [Tensor<B, 4>; 3],
-        scale: f64,
-        causal: bool,
-        _dropout: f64,
-    ) -> Tensor<B, 4> {
-        assert!(causal, "a key/value cache serves causal attention only");
+    fn attention_heads(&self, layer: usize, qkv: [T4<B>; 3], scale: f64, c: bool, _: f64) -> T4<B> {
+        assert!(c, "a key/value cache serves causal attention only");
+        let [q, k, v] = qkv;
         let (past, [k_all, v_all]) = self.append(layer, k.clone(), v.clone());
         if past == 0 {
             return ops::attention(q, k, v, scale, true);
