@@ -96,10 +96,22 @@ impl Rope {
         if contiguous {
             return self.tables(positions.len(), head_dim, device);
         }
-        // Each row as the tables compute it (a generation's positions move on by one a token:
-        // caching a table per length would keep one for every token generated).
-        let inv_freq = self.inv_freq(head_dim);
         let n = positions.len();
+        if n >= FEW_POSITIONS {
+            // A context-parallel rank's chunks: rows of the cached table up to the last.
+            let end = positions.iter().max().map_or(0, |&p| p + 1);
+            let host = self.host_tables(end, head_dim);
+            return [&host.0, &host.1].map(|v| {
+                let rows: Vec<f32> = positions
+                    .iter()
+                    .flat_map(|&p| v[p * head_dim..(p + 1) * head_dim].iter().copied())
+                    .collect();
+                Tensor::from_data(TensorData::new(rows, [n, head_dim]), device)
+            });
+        }
+        // A generation's new positions (one a token): each row as the tables compute it, the
+        // same values — a table cached per length would keep one for every token generated.
+        let inv_freq = self.inv_freq(head_dim);
         let (mut cos, mut sin) = (vec![0f32; n * head_dim], vec![0f32; n * head_dim]);
         for (r, &p) in positions.iter().enumerate() {
             let rows = r * head_dim..(r + 1) * head_dim;
@@ -136,6 +148,10 @@ impl Rope {
         tables
     }
 }
+
+/// Below this many positions (a generation's new tokens) [`Rope::tables_at`] computes the rows
+/// instead of cutting them from a cached table.
+const FEW_POSITIONS: usize = 64;
 
 /// Position `p`'s row of the tables (`cos`, `sin`: a head's width): each frequency's angle in
 /// both halves.
