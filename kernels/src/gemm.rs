@@ -330,60 +330,88 @@ mod flex {
         let (m, k, n) = (l.shape()[0], l.shape()[1], r.shape()[1]);
         let lhs_ptr = lhs.storage::<f32>()[l.start_offset()..].as_ptr();
         let rhs_ptr = rhs.storage::<f32>()[r.start_offset()..].as_ptr();
-        let large = m.saturating_mul(n).saturating_mul(k) >= PARALLEL_THRESHOLD;
+        let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_THRESHOLD {
+            gemm::Parallelism::Rayon(0)
+        } else {
+            gemm::Parallelism::None
+        };
         let mut out = start(m);
         assert!(
             out.capacity() >= m * n && (!add || out.len() == m * n),
             "an m × n buffer"
         );
-        let (lhs_op, rhs_op) = (
-            Operand(lhs_ptr, l.strides()[1], l.strides()[0]),
-            Operand(rhs_ptr, r.strides()[1], r.strides()[0]),
-        );
-        let dst = Dst(out.as_mut_ptr());
         let chunks = column_chunks(m, k, n, rayon::current_num_threads());
         // SAFETY: the operands' pointers and strides are their layouts' (in bounds of their
         // buffers, as for Burn's call), and `out` has room for the `m × n` row-major product;
-        // each call writes its own columns `cols` of it. With `add` its values are initialised
-        // and read; without (`read_dst` false, alpha 0) `gemm` writes every element without
-        // reading (`gemm_common::gemm`: alpha status 0; `k` 0 writes zeros) — so `set_len`
-        // after it exposes only written values.
+        // a split product's calls each write their own columns of it. With `add` its values are
+        // initialised and read; without (`read_dst` false, alpha 0) `gemm` writes every element
+        // without reading (`gemm_common::gemm`: alpha status 0; `k` 0 writes zeros) — so
+        // `set_len` after it exposes only written values.
         unsafe {
             if chunks > 1 {
+                use crate::flex::attention::{Shared, matmul};
                 use rayon::prelude::*;
+                let (l_cs, l_rs, r_cs, r_rs) = (
+                    l.strides()[1],
+                    l.strides()[0],
+                    r.strides()[1],
+                    r.strides()[0],
+                );
+                let (dst, lhs, rhs) = (
+                    Shared(out.as_mut_ptr()),
+                    Shared(lhs_ptr.cast_mut()),
+                    Shared(rhs_ptr.cast_mut()),
+                );
                 let width = n.div_ceil(chunks).next_multiple_of(16);
                 (0..n.div_ceil(width)).into_par_iter().for_each(|c| {
+                    // Columns `cols` of the product: `cols.start` column strides into `rhs`.
                     let cols = c * width..((c + 1) * width).min(n);
-                    product_columns(m, k, n, cols, dst, add, lhs_op, rhs_op, false);
+                    let rhs = rhs.get().offset(cols.start as isize * r_cs).cast_const();
+                    matmul(
+                        [m, cols.len(), k],
+                        dst.get().add(cols.start),
+                        n as isize,
+                        (lhs.get().cast_const(), l_cs, l_rs),
+                        (rhs, r_cs, r_rs),
+                        1.0,
+                        add,
+                    );
                 });
             } else {
-                product_columns(m, k, n, 0..n, dst, add, lhs_op, rhs_op, large);
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    out.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    add,
+                    lhs_ptr,
+                    l.strides()[1],
+                    l.strides()[0],
+                    rhs_ptr,
+                    r.strides()[1],
+                    r.strides()[0],
+                    if add { 1.0f32 } else { 0.0f32 },
+                    1.0f32,
+                    false,
+                    false,
+                    false,
+                    parallelism,
+                );
             }
             out.set_len(m * n);
         }
         crate::flex::float(out, Shape::new([m, n]))
     }
 
-    /// A strided f32 matrix operand: pointer, column stride, row stride.
-    #[derive(Clone, Copy)]
-    struct Operand(*const f32, isize, isize);
-    // SAFETY: read only, while the product's caller holds its tensor.
-    unsafe impl Send for Operand {}
-    unsafe impl Sync for Operand {}
-
-    /// The product's row-major `m × n` output.
-    #[derive(Clone, Copy)]
-    struct Dst(*mut f32);
-    // SAFETY: the tasks of one product write disjoint columns.
-    unsafe impl Send for Dst {}
-    unsafe impl Sync for Dst {}
-
     /// Into how many column ranges a product of `m` rows is split over `threads` threads:
     /// `gemm` runs a product of few rows (a generated token's `1 × k` activations times a
     /// weight) on one thread whatever its parallelism, reading the whole weight there, so up to
     /// [`FEW_ROWS`] rows a weight of at least [`SPLIT_WEIGHT`] elements is cut into column
-    /// ranges of at least that much, one `gemm` call each on the pool (every output element is
-    /// the same call's sum over `k`, so the numbers are the unsplit product's). 1: no split.
+    /// ranges of at least that much, one single-threaded `gemm` call each on the pool (every
+    /// output element is the same call's sum over `k`, so the numbers are the unsplit
+    /// product's). 1: no split.
     pub(super) fn column_chunks(m: usize, k: usize, n: usize, threads: usize) -> usize {
         if m > FEW_ROWS || threads < 2 || n < 32 {
             return 1;
@@ -398,55 +426,6 @@ mod flex {
     const FEW_ROWS: usize = 8;
     /// The fewest weight elements (256 KB of f32) a column range of a split product reads.
     const SPLIT_WEIGHT: usize = 1 << 16;
-
-    /// Columns `cols` of the `m × n` product `lhs · rhs` (inner dimension `k`) into `dst`
-    /// (row-major, `n` a row), with `parallel` on `gemm`'s own pool.
-    ///
-    /// # Safety
-    /// The operands hold `m × k` and `k × n` elements at their strides; `dst` has room for
-    /// `m × n` and, with `add`, holds initialised values; no other thread touches columns `cols`.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn product_columns(
-        m: usize,
-        k: usize,
-        n: usize,
-        cols: std::ops::Range<usize>,
-        dst: Dst,
-        add: bool,
-        lhs: Operand,
-        rhs: Operand,
-        parallel: bool,
-    ) {
-        let parallelism = if parallel {
-            gemm::Parallelism::Rayon(0)
-        } else {
-            gemm::Parallelism::None
-        };
-        // SAFETY: the caller's; column `j` of `rhs` starts `j` column strides in, of `dst` `j`.
-        unsafe {
-            gemm::gemm(
-                m,
-                cols.len(),
-                k,
-                dst.0.add(cols.start),
-                1,
-                n as isize,
-                add,
-                lhs.0,
-                lhs.1,
-                lhs.2,
-                rhs.0.offset(cols.start as isize * rhs.1),
-                rhs.1,
-                rhs.2,
-                if add { 1.0f32 } else { 0.0f32 },
-                1.0f32,
-                false,
-                false,
-                false,
-                parallelism,
-            );
-        }
-    }
 }
 
 #[cfg(test)]

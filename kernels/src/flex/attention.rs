@@ -64,22 +64,24 @@ fn causal_row(x: &[f32], o: &mut [f32], valid: usize) {
     softmax_row(o, valid);
 }
 
-/// A raw pointer that rayon tasks share to write disjoint parts of one buffer.
+/// A raw pointer that rayon tasks share to write disjoint parts of one buffer (or to read one
+/// that none of them writes).
 #[derive(Clone, Copy)]
-struct Shared(*mut f32);
-// SAFETY: every task writes a region no other task touches (one (batch, head) pair each).
+pub(crate) struct Shared(pub(crate) *mut f32);
+// SAFETY: every task writes a region no other task touches (here one (batch, head) pair each;
+// `gemm::flex`'s split products a range of columns each) or only reads.
 unsafe impl Send for Shared {}
 unsafe impl Sync for Shared {}
 
 impl Shared {
     /// The pointer (a method, so closures capture the `Send` wrapper, not its field).
-    fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
 
 /// A strided matrix operand of [`matmul`]: pointer, column stride, row stride.
-type Operand = (*const f32, isize, isize);
+pub(crate) type Operand = (*const f32, isize, isize);
 
 /// `dst[m×n] (row stride dst_rs) = alpha·lhs·rhs` (or, with `add`, `+=`), single-threaded (the
 /// tasks are the parallelism).
@@ -87,7 +89,7 @@ type Operand = (*const f32, isize, isize);
 /// # Safety
 /// Every operand must be valid for its `m × k`, `k × n` and `m × n` strided extent.
 #[allow(clippy::too_many_arguments)]
-unsafe fn matmul(
+pub(crate) unsafe fn matmul(
     [m, n, k]: [usize; 3],
     dst: *mut f32,
     dst_rs: isize,

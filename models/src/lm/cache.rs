@@ -97,11 +97,12 @@ impl<B: FusedOps> ForwardHooks<'_, B> for KvCache<B> {
     fn attention_heads(&self, layer: usize, qkv: [T4<B>; 3], scale: f64, c: bool, _: f64) -> T4<B> {
         assert!(c, "a key/value cache serves causal attention only");
         let [q, k, v] = qkv;
-        let (past, [k_all, v_all]) = self.append(layer, k.clone(), v.clone());
+        let (past, [k, v]) = self.append(layer, k, v);
         if past == 0 {
+            // The prompt: the keys and values are its own.
             return ops::attention(q, k, v, scale, true);
         }
-        attend(q, k_all, v_all, past, scale)
+        attend(q, k, v, past, scale)
     }
 }
 
