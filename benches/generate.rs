@@ -8,7 +8,7 @@
 //! and without its cache on the same shape.
 //!
 //! ```text
-//! cargo bench --bench generate [-- --prompt 32 --tokens 32] [--no-uncached]
+//! cargo bench --bench generate [-- --prompt 32 --tokens 32] [--no-uncached] [--backend decorator|flex]
 //! ```
 
 /// mimalloc, keeping freed memory (see `wildfire::alloc`).
@@ -31,6 +31,9 @@ fn main() {
     let prompt_len: usize = common::arg("--prompt").unwrap_or(if smoke { 4 } else { 32 });
     let tokens: usize = common::arg("--tokens").unwrap_or(if smoke { 3 } else { 32 });
     let uncached = !std::env::args().any(|a| a == "--no-uncached");
+    // One side only (to profile it): `decorator` or `flex`.
+    let only: Option<String> = common::arg("--backend");
+    let runs = |backend: &str| only.as_deref().is_none_or(|o| o == backend);
     let (n_layer, n_embd) = if smoke { (2, 64) } else { (12, 768) };
     let config = GptConfig {
         vocab_size: 50304,
@@ -52,17 +55,21 @@ fn main() {
     };
     // What `--sample-tokens` runs: the model on one rank of the decorator.
     let mesh = DeviceMesh::new([("dp", 1)]).expect("mesh");
-    launch_ranks::<Flex, _, _>(
-        &mesh,
-        &Default::default(),
-        &LaunchOptions::default(),
-        |device| {
-            bench.run::<Distributed<Flex>>(&device, "decorator");
-        },
-    )
-    .expect("one rank");
+    if runs("decorator") {
+        launch_ranks::<Flex, _, _>(
+            &mesh,
+            &Default::default(),
+            &LaunchOptions::default(),
+            |device| {
+                bench.run::<Distributed<Flex>>(&device, "decorator");
+            },
+        )
+        .expect("one rank");
+    }
     // A Burn user's own `Gpt<Flex>`.
-    bench.run::<Flex>(&Default::default(), "flex");
+    if runs("flex") {
+        bench.run::<Flex>(&Default::default(), "flex");
+    }
 }
 
 struct Bench {

@@ -341,6 +341,21 @@ mod flex {
             "an m × n buffer"
         );
         let chunks = column_chunks(m, k, n, rayon::current_num_threads());
+        if m == 1
+            && n > 0
+            && let Some(weight) = row_weight(r.strides(), rhs_ptr)
+            && crate::flex::gemv::available()
+        {
+            // One row: the matrix–vector kernels, its columns split as `gemm`'s would be.
+            let x: Vec<f32> = (0..k)
+                // SAFETY: `lhs`'s layout: its `k` elements, `l.strides()[1]` apart.
+                .map(|i| unsafe { *lhs_ptr.offset(i as isize * l.strides()[1]) })
+                .collect();
+            return crate::flex::float(
+                row_times(&x, weight, n, chunks, out, add),
+                Shape::new([1, n]),
+            );
+        }
         // SAFETY: the operands' pointers and strides are their layouts' (in bounds of their
         // buffers, as for Burn's call), and `out` has room for the `m × n` row-major product;
         // a split product's calls each write their own columns of it. With `add` its values are
@@ -403,6 +418,44 @@ mod flex {
             out.set_len(m * n);
         }
         crate::flex::float(out, Shape::new([m, n]))
+    }
+
+    /// The weight of a one-row product as the matrix–vector kernels take it: rows or columns
+    /// contiguous (a linear layer's weight, a transposed table); `None` for other strides.
+    fn row_weight(strides: &[isize], ptr: *const f32) -> Option<crate::flex::gemv::Weight> {
+        use crate::flex::gemv::Weight;
+        match *strides {
+            [rs, 1] if rs >= 0 => Some(Weight::Rows(ptr, rs as usize)),
+            [1, cs] if cs >= 0 => Some(Weight::Columns(ptr, cs as usize)),
+            _ => None,
+        }
+    }
+
+    /// The `1 × n` product `x · W` into `out` (with `add`, onto its `n` values), its columns
+    /// in `chunks` ranges on the pool (each output element is computed alone, so any split
+    /// gives the same numbers).
+    fn row_times(
+        x: &[f32],
+        weight: crate::flex::gemv::Weight,
+        n: usize,
+        chunks: usize,
+        mut out: Vec<f32>,
+        add: bool,
+    ) -> Vec<f32> {
+        use crate::flex::attention::Shared;
+        use rayon::prelude::*;
+        let dst = Shared(out.as_mut_ptr());
+        let width = n.div_ceil(chunks).next_multiple_of(16);
+        // SAFETY: the kernels are available (checked by the caller); `weight` covers `k × n`
+        // (its tensor's layout), `out` has room for `n` (initialised with `add`); each range
+        // writes its own columns. Without `add` every element is written, so `set_len` exposes
+        // only written values.
+        (0..n.div_ceil(width)).into_par_iter().for_each(|c| unsafe {
+            let cols = c * width..((c + 1) * width).min(n);
+            crate::flex::gemv::row_times(x, weight, cols, dst.get(), add);
+        });
+        unsafe { out.set_len(n) };
+        out
     }
 
     /// Into how many column ranges a product of `m` rows is split over `threads` threads:

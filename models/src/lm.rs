@@ -59,6 +59,11 @@ pub trait CausalLm<B: FusedOps> {
         device: &B::Device,
     ) -> Vec<u32> {
         let cache = KvCache::new();
+        // A token's forward is a few dozen parallel products of tens to hundreds of
+        // microseconds each on a CPU backend: the pool's other workers look for work between
+        // them instead of being woken for each (a futex wake-up cost a 768 × 768 product of one
+        // row more than the product itself).
+        let _busy = wildfire_parallel::busy_workers_for::<B>();
         let next = |feed: &[u32], fresh: bool| {
             if fresh {
                 cache.clear();

@@ -91,7 +91,9 @@ pub use fsdp::{
     FsdpOptimizer, FsdpStrategy, fully_shard, gradient_bytes, init_sharded, optimizer_state_layout,
     parameter_bytes, planned_layouts, planned_layouts_with_experts, prefetch_parameters,
 };
-pub use launch::{BusyWorkers, LaunchEnv, LaunchOptions, Launcher, busy_workers, launch};
+pub use launch::{
+    BusyWorkers, LaunchEnv, LaunchOptions, Launcher, busy_workers, busy_workers_for, launch,
+};
 pub use mesh::{AxisKind, CONTEXT_AXIS, DeviceMesh, EXPERT_AXIS, MeshAxis, PIPELINE_AXIS};
 pub use optim_state::{
     EncodedState, MIN_QUANT_SIZE, QUANT_BLOCK, StateCodec, StateShape, StateSpec, adamw_specs,

@@ -257,7 +257,7 @@ impl RankRun<'_> {
             // On a CPU backend the rank's other pool workers look for work through the step and
             // evaluation instead of sleeping between ops (each wake-up is a futex call); on a
             // device backend there is none for them (see `busy_workers_for`).
-            let _busy = busy_workers_for::<B>();
+            let _busy = wildfire_parallel::busy_workers_for::<B>();
             let watch = StepWatch::start(&ctx);
             // Every `n` steps (0: never), and at the last step.
             let due =
@@ -525,21 +525,6 @@ impl RankRun<'_> {
     }
 }
 
-/// [`wildfire_parallel::busy_workers`] where the backend computes on the rank's pool
-/// ([`FusedOps::COMPUTES_ON_HOST_POOL`]: Flex); `None` on a device backend. There a step runs no
-/// parallel host op, so the pool's other workers (all the machine's cores but one, with one rank
-/// a process) would spin 20 ms at every step's start, beside the rank's thread and CubeCL's device
-/// thread, for nothing: on lavapipe (2 cores, so one such worker; Wgpu, GPT-2's shape at width
-/// 64, 30 steps) the steps took 11.92 s with it and 11.66 s with `WILDFIRE_BUSY_WORKERS=0`
-/// (medians of 4 alternating runs), and this build 11.55 s against the one before's 11.64.
-pub(crate) fn busy_workers_for<B: FusedOps>() -> Option<wildfire_parallel::BusyWorkers> {
-    if B::COMPUTES_ON_HOST_POOL {
-        wildfire_parallel::busy_workers()
-    } else {
-        None
-    }
-}
-
 /// What one step is given: the device, the learning rate, the micro-batches' seeds and the
 /// micro-batches themselves (`batch(i)`: tokens and targets).
 pub(super) struct StepAt<'a, B: FusedOps> {
@@ -703,7 +688,7 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::busy_workers_for;
+    use wildfire_parallel::busy_workers_for;
     use wildfire_parallel::{DeviceMesh, LaunchOptions, launch};
 
     /// On a rank's pool of two or more workers, the loop keeps the other workers looking for

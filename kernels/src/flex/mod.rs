@@ -22,6 +22,7 @@
 
 pub mod attention;
 pub mod gated;
+pub(crate) mod gemv;
 pub(crate) mod math;
 pub mod optim;
 pub mod quant;
