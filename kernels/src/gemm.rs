@@ -342,11 +342,12 @@ mod flex {
         );
         let chunks = column_chunks(m, k, n, rayon::current_num_threads());
         if m == 1
-            && n > 0
             && let Some(weight) = row_weight(r.strides(), rhs_ptr)
-            && crate::flex::gemv::available()
+            && crate::flex::gemv::gemm_takes(&weight, k, n, l.strides()[1])
         {
-            // One row: the matrix–vector kernels, its columns split as `gemm`'s would be.
+            // One row where `gemm` runs a matrix–vector path: the kernels that follow it, at
+            // the memory's speed and on the pool (`gemm` runs it on one thread), its columns
+            // split as `gemm`'s would be.
             let x: Vec<f32> = (0..k)
                 // SAFETY: `lhs`'s layout: its `k` elements, `l.strides()[1]` apart.
                 .map(|i| unsafe { *lhs_ptr.offset(i as isize * l.strides()[1]) })
@@ -446,7 +447,7 @@ mod flex {
         use rayon::prelude::*;
         let dst = Shared(out.as_mut_ptr());
         let width = n.div_ceil(chunks).next_multiple_of(16);
-        // SAFETY: the kernels are available (checked by the caller); `weight` covers `k × n`
+        // SAFETY: the kernels take the call (checked by the caller); `weight` covers `k × n`
         // (its tensor's layout), `out` has room for `n` (initialised with `add`); each range
         // writes its own columns. Without `add` every element is written, so `set_len` exposes
         // only written values.

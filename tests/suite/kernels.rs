@@ -1866,7 +1866,8 @@ fn blockwise_quantisation_on_flex_is_the_burn_op_form() {
 /// Flex's own products (`wildfire_kernels::gemm`: the output not zeroed first, the bias in the
 /// product where one `gemm` depth block covers `k`) are Burn's `linear`, `linear_x_backward`,
 /// `linear_weight_backward` and `float_matmul` bit for bit: the GPT's shapes, depths around the
-/// 512 boundary, `gemm`'s own small paths (`k ≤ 2`, one row, one column), strided operands.
+/// 512 boundary, `gemm`'s own small paths (`k ≤ 2`, one row, one column), one-row products on
+/// `gemm::flex`'s matrix–vector kernels, strided operands.
 #[test]
 fn flex_products_are_burns_bit_for_bit() {
     use burn::backend::Flex;
@@ -1892,6 +1893,13 @@ fn flex_products_are_burns_bit_for_bit() {
         (1, 16, 8),
         (16, 16, 1),
         (300, 1000, 70),
+        // One row: `gemm`'s matrix–vector paths, which `gemm::flex` runs with its own kernels
+        // (a weight's rows, or a table's columns past 256 of them, as `linear_x_backward` and a
+        // transposed weight give), and those it leaves to `gemm`.
+        (1, 768, 2304),
+        (1, 300, 700),
+        (1, 1000, 3),
+        (1, 129, 50),
     ];
     for (seed, (m, k, n)) in shapes.into_iter().enumerate() {
         let seed = 10 * seed as u64;
@@ -1921,6 +1929,17 @@ fn flex_products_are_burns_bit_for_bit() {
             bits(gemm::linear_weight_backward::<Flex>(x.clone(), g.clone())),
             bits(Flex::linear_weight_backward(x.clone(), g.clone())),
             "linear_weight_backward {what}"
+        );
+        // A transposed weight (a tied table's `x · tableᵀ`).
+        let wt = <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_swap_dims(
+            random([n, k], seed + 4),
+            0,
+            1,
+        );
+        assert_eq!(
+            bits(gemm::linear::<Flex>(x.clone(), wt.clone(), None)),
+            bits(Flex::linear(x.clone(), wt, None)),
+            "linear of a transposed weight {what}"
         );
         // A transposed (strided) left operand.
         let xt = <Flex as burn::tensor::ops::FloatTensorOps<Flex>>::float_swap_dims(
