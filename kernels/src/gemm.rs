@@ -8,7 +8,10 @@
 //! On Flex, the f32 products of two matrices call the `gemm` crate as Burn's `float_matmul` does
 //! — the same arguments, so the same numbers bit for bit — into an output that is not zeroed
 //! first: Burn's allocates it with `vec![0; n]` and the product then overwrites every element
-//! (the zeroing was 6% of a step of nanoGPT's shakespeare-char model on 2 cores).
+//! (the zeroing was 6% of a step of nanoGPT's shakespeare-char model on 2 cores). A product of
+//! one row (a generated token) where `gemm` would run its single-threaded matrix–vector path
+//! runs [`flex::gemv`](crate::flex)'s kernels instead: the same operations in the same order, so
+//! the same bits, its columns split over the rank's pool.
 
 use burn::tensor::Shape;
 use burn::tensor::TensorMetadata;

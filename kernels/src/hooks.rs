@@ -45,6 +45,13 @@ pub trait ForwardHooks<'a, B: FusedOps>: Sized {
         B::sequence_positions(device, len)
     }
 
+    /// The hidden states `[b, t, d]` whose logits the head computes (before its final norm):
+    /// all of them; a generation needs only the last position's (a key/value cache made with
+    /// `last_logits`), which saves the head's product for every other position of a prompt.
+    fn head_input(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        x
+    }
+
     /// Attention of layer `layer` on packed projections `qkv` `[b, t, h, 3·hd]` (per head:
     /// queries, keys, values side by side), giving `[b, t, h, hd]`, with dropout `dropout` on
     /// the probabilities while training.

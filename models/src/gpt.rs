@@ -424,7 +424,7 @@ impl<B: FusedOps> PipelineStage<B> for GptStage<B> {
         };
         let x = run_blocks(&self.blocks, self.first_block, self.n_layer, x, hooks);
         match (&self.ln_f, &self.wte) {
-            (Some(ln_f), Some(wte)) => head(ln_f, wte, x, self.vocab_used),
+            (Some(ln_f), Some(wte)) => head(ln_f, wte, hooks.head_input(x), self.vocab_used),
             _ => x,
         }
     }
@@ -439,7 +439,7 @@ impl<B: FusedOps> CausalLm<B> for Gpt<B> {
         let n = self.blocks.len();
         let x = embed(&self.wte, &self.wpe, idx, n, self.dropout, hooks);
         let x = run_blocks(&self.blocks, 0, n, x, hooks);
-        head(&self.ln_f, &self.wte, x, self.vocab_used)
+        head(&self.ln_f, &self.wte, hooks.head_input(x), self.vocab_used)
     }
 }
 

@@ -624,7 +624,7 @@ impl<B: FusedOps> CausalLm<B> for Llama<B> {
         let n = self.layers.len();
         let x = stage::run_layers(&self.layers, &self.rope, 0, n, x, hooks);
         let table = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        stage::head(&self.norm, table, x, self.vocab_used)
+        stage::head(&self.norm, table, hooks.head_input(x), self.vocab_used)
     }
 }
 

@@ -58,7 +58,7 @@ pub trait CausalLm<B: FusedOps> {
         mut sampler: TokenSampler,
         device: &B::Device,
     ) -> Vec<u32> {
-        let cache = KvCache::new();
+        let cache = KvCache::new().last_logits();
         // A token's forward is a few dozen parallel products of tens to hundreds of
         // microseconds each on a CPU backend: the pool's other workers look for work between
         // them instead of being woken for each (a futex wake-up cost a 768 × 768 product of one
@@ -68,10 +68,7 @@ pub trait CausalLm<B: FusedOps> {
             if fresh {
                 cache.clear();
             }
-            let t = feed.len();
-            let logits = self
-                .forward_with(ids(feed, device), &cache)
-                .narrow(1, t - 1, 1);
+            let logits = self.forward_with(ids(feed, device), &cache);
             let logits: Vec<f32> = logits.into_data().convert::<f32>().to_vec().unwrap();
             Ok::<_, std::convert::Infallible>(sampler.pick(&logits))
         };

@@ -246,16 +246,18 @@ pub fn generate_staged<X: FusedOps, S: PipelineStage<Distributed<X>>>(
     let members = passes.members();
     // The last stage (stage p·V − 1) is on the last pipeline rank.
     let last = *members.last().expect("a pipeline rank");
-    let caches: Vec<KvCache<Distributed<X>>> = chunks.iter().map(|_| KvCache::new()).collect();
+    let caches: Vec<KvCache<Distributed<X>>> = chunks
+        .iter()
+        .map(|_| KvCache::new().last_logits())
+        .collect();
     generate_cached(prompt, new_tokens, block_size, |feed, fresh| {
         if fresh {
             caches.iter().for_each(KvCache::clear);
         }
-        let t = feed.len();
         let pass = stage_pass_with(chunks, |c| &caches[c], ids(feed, device));
         Ok(match passes.forward(pass)? {
             Some(logits) => {
-                let logits = logits.narrow(1, t - 1, 1).into_data().convert::<f32>();
+                let logits = logits.into_data().convert::<f32>();
                 let token = sampler.pick(&logits.to_vec::<f32>().expect("f32 logits"));
                 for &member in members.iter().filter(|&&m| m != device.rank()) {
                     p2p.send(member, TensorData::new(vec![i64::from(token)], [1]))?;

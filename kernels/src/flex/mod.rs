@@ -12,6 +12,7 @@
 //! | GELU-with-bias, forward and backward | [`rows`]: the erf form, a polynomial erf |
 //! | SwiGLU gate and rotary embedding, forward and backward | [`gated`]: one elementwise pass |
 //! | cross-entropy, forward and backward | [`rows`]: log-sum-exp per row; `p − onehot` per row |
+//! | a one-row product (a generated token through a weight or the tied table) | `gemv`: `gemm`'s matrix–vector order bit for bit, at the memory's speed, columns over the pool |
 //! | unscale + `Σg²` + non-finite flag, AdamW | [`optim`]: one pass each, AdamW in place |
 //! | 8-bit block-wise state: block maxima, quantise, dequantise | [`quant`]: one pass each, `u8` codes |
 //!

@@ -157,7 +157,7 @@ impl<B: FusedOps> PipelineStage<B> for LlamaStage<B> {
             &self.norm,
             self.lm_head.as_ref().or(self.embed_tokens.as_ref()),
         ) {
-            (Some(norm), Some(table)) => head(norm, table, x, self.vocab_used),
+            (Some(norm), Some(table)) => head(norm, table, hooks.head_input(x), self.vocab_used),
             _ => x,
         }
     }

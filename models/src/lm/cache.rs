@@ -25,12 +25,15 @@ use wildfire_kernels::ops;
 #[derive(Debug)]
 pub struct KvCache<B: Backend> {
     layers: RefCell<BTreeMap<usize, [Tensor<B, 4>; 2]>>,
+    /// Whether the head computes the last position's logits only ([`KvCache::last_logits`]).
+    last_only: bool,
 }
 
 impl<B: Backend> Default for KvCache<B> {
     fn default() -> Self {
         Self {
             layers: RefCell::new(BTreeMap::new()),
+            last_only: false,
         }
     }
 }
@@ -39,6 +42,15 @@ impl<B: Backend> KvCache<B> {
     /// An empty cache.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// This cache, with the head computing the logits of each call's last position only
+    /// (`[b, 1, vocab]`): what sampling needs; a prompt of `t` tokens then costs one row of
+    /// the head's product instead of `t` (on GPT-2 124M's shape the head is a third of a
+    /// forward's products).
+    pub fn last_logits(mut self) -> Self {
+        self.last_only = true;
+        self
     }
 
     /// The positions the cache holds (every layer holds as many after a complete forward).
@@ -81,6 +93,15 @@ impl<B: FusedOps> ForwardHooks<'_, B> for KvCache<B> {
     fn positions(&self, _device: &B::Device, len: usize) -> Vec<usize> {
         let past = self.len();
         (past..past + len).collect()
+    }
+
+    fn head_input(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let t = x.dims()[1];
+        if self.last_only && t > 1 {
+            x.narrow(1, t - 1, 1)
+        } else {
+            x
+        }
     }
 
     fn attention_qkv(&self, layer: usize, qkv: T4<B>, scale: f64, causal: bool, _: f64) -> T4<B> {
@@ -210,6 +231,19 @@ mod tests {
             .unwrap();
         let off = crate::largest_difference(&got, &whole);
         assert!(off <= 2e-5, "{what}: three tokens at once {off:e} off");
+
+        // A cache for sampling: each call's last position only, the prompt's too.
+        let last = KvCache::new().last_logits();
+        for (feed, upto) in [(&tokens[..4], 4), (&tokens[4..], 7)] {
+            let logits = model.forward_with(ids(feed, &device), &last);
+            assert_eq!(logits.dims()[1], 1, "{what}: the last position only");
+            let got: Vec<f32> = logits.into_data().to_vec().unwrap();
+            let off = crate::largest_difference(&got, &window_logits(model, &tokens[..upto]));
+            assert!(
+                off <= 2e-5,
+                "{what}: last logits after {upto} tokens {off:e} off"
+            );
+        }
 
         // The seeded sample with the cache, against one without.
         let sampled = model.sample(
