@@ -1,6 +1,7 @@
 //! Generation speed on CPU (Flex, f32): a GPT's greedy continuation of a prompt through the
 //! key/value cache (`CausalLm::sample`, what `--sample-tokens` runs) against the same
-//! continuation forwarding the whole window at every token (what sampling did before the cache),
+//! continuation forwarding the whole window at every token (what sampling did before the cache,
+//! and does past the context; the head on the last position only),
 //! one JSON line each; both continuations must be the same tokens. Each on one rank of the
 //! decorator (`Distributed<Flex>`, what `gpt_pretrain --sample-tokens` runs) and on plain Flex. The model is GPT-2 124M's
 //! shape (12 layers, d 768, 12 heads, tanh GELU, vocabulary 50304, context 1024), randomly
@@ -19,8 +20,8 @@ use burn::backend::Flex;
 use burn::prelude::*;
 use std::time::Instant;
 use wildfire::kernels::FusedOps;
-use wildfire::models::CausalLm;
 use wildfire::models::gpt::{Gelu, Gpt, GptConfig, TokenSampler};
+use wildfire::models::{CausalLm, KvCache};
 use wildfire::parallel::{DeviceMesh, Distributed, LaunchOptions, launch_ranks};
 
 mod common;
@@ -111,7 +112,10 @@ impl Bench {
             let ids: Vec<i64> = window.iter().map(|&t| i64::from(t)).collect();
             let t = ids.len();
             let idx = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, t]), device);
-            let logits = model.forward(idx).narrow(1, t - 1, 1);
+            // The window through every layer, the head on its last position: what a
+            // generation past the context runs at every token (and `transformers` without its
+            // cache).
+            let logits = model.forward_with(idx, &KvCache::new().last_logits());
             out.push(sampler.pick(&logits.into_data().to_vec::<f32>().unwrap()));
         }
         line("uncached", start.elapsed().as_secs_f64());
