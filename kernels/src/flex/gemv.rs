@@ -106,74 +106,74 @@ mod x86 {
         unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     }
 
-    struct Avx512;
-    struct Avx2;
+    /// A [`Lanes`] type `$name` of register `$v` (`$n` lanes) over its intrinsics.
+    macro_rules! lanes {
+        ($name:ident, $v:ty, $n:expr, [$zero:ident, $splat:ident, $load:ident, $store:ident, $mul:ident, $add:ident, $fma:ident]) => {
+            struct $name;
 
-    impl Lanes for Avx512 {
-        type V = __m512;
-        const N: usize = 16;
-        #[inline(always)]
-        unsafe fn zero() -> __m512 {
-            unsafe { _mm512_setzero_ps() }
-        }
-        #[inline(always)]
-        unsafe fn splat(a: f32) -> __m512 {
-            unsafe { _mm512_set1_ps(a) }
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> __m512 {
-            unsafe { _mm512_loadu_ps(p) }
-        }
-        #[inline(always)]
-        unsafe fn store(p: *mut f32, v: __m512) {
-            unsafe { _mm512_storeu_ps(p, v) }
-        }
-        #[inline(always)]
-        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
-            unsafe { _mm512_mul_ps(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn add(a: __m512, b: __m512) -> __m512 {
-            unsafe { _mm512_add_ps(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
-            unsafe { _mm512_fmadd_ps(a, b, c) }
-        }
+            impl Lanes for $name {
+                type V = $v;
+                const N: usize = $n;
+                #[inline(always)]
+                unsafe fn zero() -> $v {
+                    unsafe { $zero() }
+                }
+                #[inline(always)]
+                unsafe fn splat(a: f32) -> $v {
+                    unsafe { $splat(a) }
+                }
+                #[inline(always)]
+                unsafe fn load(p: *const f32) -> $v {
+                    unsafe { $load(p) }
+                }
+                #[inline(always)]
+                unsafe fn store(p: *mut f32, v: $v) {
+                    unsafe { $store(p, v) }
+                }
+                #[inline(always)]
+                unsafe fn mul(a: $v, b: $v) -> $v {
+                    unsafe { $mul(a, b) }
+                }
+                #[inline(always)]
+                unsafe fn add(a: $v, b: $v) -> $v {
+                    unsafe { $add(a, b) }
+                }
+                #[inline(always)]
+                unsafe fn fma(a: $v, b: $v, c: $v) -> $v {
+                    unsafe { $fma(a, b, c) }
+                }
+            }
+        };
     }
 
-    impl Lanes for Avx2 {
-        type V = __m256;
-        const N: usize = 8;
-        #[inline(always)]
-        unsafe fn zero() -> __m256 {
-            unsafe { _mm256_setzero_ps() }
-        }
-        #[inline(always)]
-        unsafe fn splat(a: f32) -> __m256 {
-            unsafe { _mm256_set1_ps(a) }
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> __m256 {
-            unsafe { _mm256_loadu_ps(p) }
-        }
-        #[inline(always)]
-        unsafe fn store(p: *mut f32, v: __m256) {
-            unsafe { _mm256_storeu_ps(p, v) }
-        }
-        #[inline(always)]
-        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
-            unsafe { _mm256_mul_ps(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn add(a: __m256, b: __m256) -> __m256 {
-            unsafe { _mm256_add_ps(a, b) }
-        }
-        #[inline(always)]
-        unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
-            unsafe { _mm256_fmadd_ps(a, b, c) }
-        }
-    }
+    lanes!(
+        Avx512,
+        __m512,
+        16,
+        [
+            _mm512_setzero_ps,
+            _mm512_set1_ps,
+            _mm512_loadu_ps,
+            _mm512_storeu_ps,
+            _mm512_mul_ps,
+            _mm512_add_ps,
+            _mm512_fmadd_ps
+        ]
+    );
+    lanes!(
+        Avx2,
+        __m256,
+        8,
+        [
+            _mm256_setzero_ps,
+            _mm256_set1_ps,
+            _mm256_loadu_ps,
+            _mm256_storeu_ps,
+            _mm256_mul_ps,
+            _mm256_add_ps,
+            _mm256_fmadd_ps
+        ]
+    );
 
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub(super) unsafe fn v4(x: &[f32], w: Weight, cols: Range<usize>, out: *mut f32, add: bool) {
@@ -188,21 +188,32 @@ mod x86 {
     /// Rows of `W` a step of the rows kernel reads at once.
     const ROWS: usize = 8;
 
+    /// The `len` outputs a kernel writes from `o` on (with `add`, onto their values).
+    #[derive(Clone, Copy)]
+    struct Out {
+        o: *mut f32,
+        len: usize,
+        add: bool,
+    }
+
     #[inline(always)]
     unsafe fn kernel<S: Lanes>(x: &[f32], w: Weight, cols: Range<usize>, out: *mut f32, add: bool) {
-        let len = cols.len();
         // SAFETY (all below): the caller's extents; every pointer formed stays inside them.
         unsafe {
-            let o = out.add(cols.start);
+            let out = Out {
+                o: out.add(cols.start),
+                len: cols.len(),
+                add,
+            };
             match w {
-                Weight::Rows(ptr, stride) => rows::<S>(x, ptr.add(cols.start), stride, len, o, add),
+                Weight::Rows(ptr, stride) => rows::<S>(x, ptr.add(cols.start), stride, out),
                 Weight::Columns(ptr, stride) => {
                     let w = ptr.add(cols.start * stride);
                     // Two outputs a step where the registers hold both sums' accumulators.
                     if S::N == 16 {
-                        columns::<S, 2>(x, w, stride, len, o, add)
+                        columns::<S, 2>(x, w, stride, out)
                     } else {
-                        columns::<S, 1>(x, w, stride, len, o, add)
+                        columns::<S, 1>(x, w, stride, out)
                     }
                 }
             }
@@ -212,14 +223,8 @@ mod x86 {
     /// `o[j] = fma(w[i·stride + j], x[i], o[j])` for `i` in order, from `o[j] = w[j]·x[0]`
     /// (with `add`, from `o[j]`), for `j < len`: eight rows a step.
     #[inline(always)]
-    unsafe fn rows<S: Lanes>(
-        x: &[f32],
-        w: *const f32,
-        stride: usize,
-        len: usize,
-        o: *mut f32,
-        add: bool,
-    ) {
+    unsafe fn rows<S: Lanes>(x: &[f32], w: *const f32, stride: usize, out: Out) {
+        let Out { o, len, add } = out;
         let vec_end = len / S::N * S::N;
         unsafe {
             let mut i = 0;
@@ -273,14 +278,8 @@ mod x86 {
 
     /// `o[j] = dot(x, w[j·stride..])` (with `add`, `+ o[j]`) for `j < len`, `R` outputs a step.
     #[inline(always)]
-    unsafe fn columns<S: Lanes, const R: usize>(
-        x: &[f32],
-        w: *const f32,
-        stride: usize,
-        len: usize,
-        o: *mut f32,
-        add: bool,
-    ) {
+    unsafe fn columns<S: Lanes, const R: usize>(x: &[f32], w: *const f32, stride: usize, out: Out) {
+        let Out { o, len, add } = out;
         let mut j = 0;
         unsafe {
             let put = |j: usize, s: f32| {
@@ -305,6 +304,7 @@ mod x86 {
     /// The dot products of `x` with the `R` rows at `row`, in `gemm`'s order (the module's
     /// doc).
     #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // accumulators and elements by index, as `gemm`'s
     unsafe fn dots<S: Lanes, const R: usize>(x: &[f32], row: [*const f32; R]) -> [f32; R] {
         let k = x.len();
         let (lane, lane8) = (S::N, 8 * S::N);
@@ -358,6 +358,7 @@ mod tests {
     }
 
     /// `gemm`'s matrix–vector order on the host, for vector width `lane` (the module's doc).
+    #[allow(clippy::needless_range_loop)] // elements by index, as the kernels'
     fn reference(
         x: &[f32],
         w: &[f32],
