@@ -32,8 +32,10 @@ fn cast<A: 'static, C: 'static>(a: A) -> C {
     unsafe { std::mem::transmute_copy::<A, C>(&a) }
 }
 
-/// Whether the products run here, not as Burn's ops: cuBLASLt, or Flex's f32 GEMM.
-fn own_products<B: Backend>() -> bool {
+/// Whether the products run here, not as Burn's ops: cuBLASLt, or Flex's f32 GEMM (`B`'s own
+/// tensors: a model on the plain backend, not under the autodiff or the decorator, whose rules
+/// call these themselves).
+pub fn own_products<B: Backend>() -> bool {
     uses_blas::<B>() || tensors_are::<B, burn_flex::FlexTensor>()
 }
 
@@ -463,12 +465,16 @@ mod flex {
     }
 
     /// Into how many column ranges a product of `m` rows is split over `threads` threads:
-    /// `gemm` runs a product of few rows (a generated token's `1 × k` activations times a
-    /// weight) on one thread whatever its parallelism, reading the whole weight there, so up to
-    /// [`FEW_ROWS`] rows a weight of at least [`SPLIT_WEIGHT`] elements is cut into column
-    /// ranges of at least that much, one single-threaded `gemm` call each on the pool (every
-    /// output element is the same call's sum over `k`, so the numbers are the unsplit
-    /// product's). 1: no split.
+    /// `gemm` runs a product of up to 8 rows (a generated token's `1 × k` activations times a
+    /// weight) on one thread whatever its parallelism, reading the whole weight there, and
+    /// splits one of up to 128 (a prompt, a small batch) poorly — on 2 threads of a Xeon
+    /// (AVX-512), single-threaded calls on column ranges ran `64 × 768 × 3072` at 184 GFLOP/s
+    /// where `gemm`'s own split ran 82, `32 × 3072 × 768` at 161 against 102, and `128 × 3072 ×
+    /// 768` at 218 against 168; from 256 rows they are level. So up to [`FEW_ROWS`] rows a
+    /// weight of at least [`SPLIT_WEIGHT`] elements is cut into column ranges of at least that
+    /// much, one single-threaded `gemm` call each on the pool. `gemm`'s depth blocks depend on
+    /// `k` and the caches only (`gemm_common::cache::kernel_params`), so every output element
+    /// is the same sum as in the unsplit product: the same bits. 1: no split.
     pub(super) fn column_chunks(m: usize, k: usize, n: usize, threads: usize) -> usize {
         if m > FEW_ROWS || threads < 2 || n < 32 {
             return 1;
@@ -480,7 +486,7 @@ mod flex {
     }
 
     /// Rows up to which a product's weight is split over the pool by columns ([`column_chunks`]).
-    const FEW_ROWS: usize = 8;
+    const FEW_ROWS: usize = 128;
     /// The fewest weight elements (256 KB of f32) a column range of a split product reads.
     const SPLIT_WEIGHT: usize = 1 << 16;
 }
@@ -506,8 +512,8 @@ mod tests {
     }
 
     /// A product of few rows split over the pool by columns (a generated token's projections,
-    /// the tied head's transposed table, a bias in the product) is bit for bit the product on
-    /// one thread.
+    /// a prompt's, the tied head's transposed table, a bias in the product) is bit for bit the
+    /// product on one thread.
     #[test]
     fn few_row_products_split_by_columns_are_the_unsplit_product() {
         let device = Default::default();
@@ -522,6 +528,8 @@ mod tests {
             (1, 768, 5000, true, false),
             (3, 256, 3000, false, true),
             (8, 512, 1024, true, true),
+            (64, 768, 2304, false, true),
+            (100, 600, 1000, true, false),
         ] {
             let x = matrix(m, k, 1);
             let w = if transposed {
@@ -556,7 +564,11 @@ mod tests {
                 .all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "{m}×{k}×{n} (transposed {transposed}, bias {bias})");
         }
-        assert_eq!(super::flex::column_chunks(9, 768, 2304, 4), 1, "many rows");
+        assert_eq!(
+            super::flex::column_chunks(129, 768, 2304, 4),
+            1,
+            "many rows"
+        );
         assert_eq!(
             super::flex::column_chunks(1, 64, 64, 4),
             1,

@@ -16,8 +16,8 @@ use wildfire_parallel::DistributedBackend;
 
 mod block;
 
-use crate::lm::table_logits;
 pub use crate::lm::{PADDED_LOGIT, TokenSampler, cross_entropy};
+use crate::lm::{dense, table_logits};
 use crate::stage::PipelineStage;
 
 crate::stage::stage_inits!(GptConfig, GptStage);

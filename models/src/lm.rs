@@ -79,6 +79,15 @@ pub trait CausalLm<B: FusedOps> {
     }
 }
 
+/// A linear layer's `x · W + b` through [`ops::linear`]: on a plain backend whose products this
+/// engine runs (Flex, CUDA) the input's rows as one matrix, Burn's `Linear::forward` elsewhere.
+pub(crate) fn dense<B: Backend, const D: usize>(
+    layer: &burn::nn::Linear<B>,
+    x: Tensor<B, D>,
+) -> Tensor<B, D> {
+    ops::linear(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()))
+}
+
 /// The logit of a padded vocabulary entry: far enough below any real logit that its
 /// probability is exactly 0 in f32, f16 and bf16, and finite in all three.
 pub const PADDED_LOGIT: f32 = -1e4;
@@ -92,7 +101,7 @@ pub(crate) fn table_logits<B: Backend>(
     used: usize,
 ) -> Tensor<B, 3> {
     let vocab = table.dims()[0];
-    let logits = burn::tensor::module::linear(x, table.transpose(), None);
+    let logits = ops::linear(x, table.transpose(), None);
     if used >= vocab {
         return logits;
     }

@@ -36,6 +36,7 @@ use wildfire_kernels::experts::ExpertRoute;
 use wildfire_kernels::{FusedOps, ops};
 
 use crate::Error;
+use crate::lm::dense;
 use crate::swiglu::SwiGlu;
 
 /// How the router turns logits into scores.
@@ -349,7 +350,7 @@ impl<B: FusedOps> MoeMlp<B> {
     }
 
     fn scores(&self, x: Tensor<B, 2>) -> Scores<B> {
-        let logits = self.router.forward(x).cast(burn::tensor::FloatDType::F32);
+        let logits = dense(&self.router, x).cast(burn::tensor::FloatDType::F32);
         let scores = if self.sigmoid {
             activation::sigmoid(logits.clone())
         } else {

@@ -5,6 +5,8 @@ use burn::prelude::*;
 use burn::tensor::activation;
 use wildfire_kernels::{FusedOps, ops};
 
+use crate::lm::dense;
+
 /// The SwiGLU MLP: `down(silu(gate(x)) ⊙ up(x))`.
 #[derive(Module, Debug)]
 pub struct SwiGlu<B: Backend> {
@@ -19,12 +21,12 @@ pub struct SwiGlu<B: Backend> {
 impl<B: FusedOps> SwiGlu<B> {
     /// `[b, t, d] -> [b, t, d]`.
     pub fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let (gate, up) = (self.gate_proj.forward(x.clone()), self.up_proj.forward(x));
+        let (gate, up) = (dense(&self.gate_proj, x.clone()), dense(&self.up_proj, x));
         let h = if B::FUSED.swiglu {
             ops::swiglu(gate, up)
         } else {
             activation::silu(gate) * up
         };
-        self.down_proj.forward(h)
+        dense(&self.down_proj, h)
     }
 }

@@ -452,6 +452,17 @@ mod tests {
         go.recv().unwrap();
         let clocks = ThreadClocks::start();
         spin.join().unwrap();
+        // `join` returns when the thread's id is cleared, early in the kernel's exit path: its
+        // `/proc` task (all signals blocked, glibc's last act) can outlive that for a moment
+        // on a loaded machine (seen in CI). Gone within a second.
+        let gone = Instant::now();
+        while thread_cpu().iter().any(|t| t.name == "spinner") {
+            assert!(
+                gone.elapsed() < Duration::from_secs(1),
+                "the spinner's task stays"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let times = clocks.finish();
         done.send(()).unwrap();
         sleep.join().unwrap();

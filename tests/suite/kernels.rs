@@ -1900,6 +1900,10 @@ fn flex_products_are_burns_bit_for_bit() {
         (1, 300, 700),
         (1, 1000, 3),
         (1, 129, 50),
+        // Up to 128 rows: single-threaded `gemm` calls on column ranges over the pool.
+        (64, 768, 700),
+        (128, 300, 513),
+        (9, 1000, 100),
     ];
     for (seed, (m, k, n)) in shapes.into_iter().enumerate() {
         let seed = 10 * seed as u64;
@@ -1953,4 +1957,69 @@ fn flex_products_are_burns_bit_for_bit() {
             "matmul of a transposed operand {what}"
         );
     }
+}
+
+/// `ops::linear` (the models' linear layers and tied heads) on plain Flex: the input's rows as one
+/// matrix, bit for bit Burn's linear of those rows — also for a transposed weight, which Burn's
+/// rank-3 linear copies whole at every call — and within rounding of Burn's rank-3 linear (one
+/// product per batch entry). Under the autodiff it is Burn's rank-3 linear itself.
+#[test]
+fn model_linears_on_plain_flex_are_burns_linear_of_the_rows() {
+    use burn::backend::Flex;
+    use burn::tensor::module::linear;
+    let device = Default::default();
+    let random = |shape: [usize; 2], seed: u64| {
+        <Flex as burn::tensor::backend::Backend>::seed(&device, seed);
+        Tensor::<Flex, 2>::random(shape, Distribution::Normal(0.0, 1.0), &device)
+    };
+    let bits = |t: Tensor<Flex, 2>| -> Vec<u32> { data(t).iter().map(|x| x.to_bits()).collect() };
+    // (batch, positions, k, n): a generated token, a prompt, odd sizes, GPT-2's head columns.
+    for (seed, (b, t, k, n)) in [
+        (1, 1, 768, 2304),
+        (2, 7, 33, 17),
+        (3, 5, 64, 300),
+        (1, 1, 96, 1000),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let seed = 10 * seed as u64;
+        let x = random([b * t, k], seed).reshape([b, t, k]);
+        let rows = x.clone().reshape([b * t, k]);
+        let bias = random([1, n], seed + 1).reshape([n]);
+        // A layer's weight, and a table's transpose (a strided view).
+        for (w, what) in [
+            (random([k, n], seed + 2), "weight"),
+            (random([n, k], seed + 3).transpose(), "transposed table"),
+        ] {
+            for bias in [None, Some(bias.clone())] {
+                let case = format!("{b}×{t}×{k}×{n}, {what}, bias {}", bias.is_some());
+                let got = ops::linear(x.clone(), w.clone(), bias.clone());
+                assert_eq!(got.dims(), [b, t, n], "{case}");
+                let got = got.reshape([b * t, n]);
+                assert_eq!(
+                    bits(got.clone()),
+                    bits(linear(rows.clone(), w.clone(), bias.clone())),
+                    "{case}: Burn's linear of the rows"
+                );
+                let burn = linear(x.clone(), w.clone(), bias.clone()).reshape([b * t, n]);
+                let (g, r) = (data(got), data(burn));
+                for (i, (g, r)) in g.iter().zip(&r).enumerate() {
+                    assert!(
+                        (g - r).abs() <= 1e-5 * (1.0 + r.abs()) * (k as f32).sqrt(),
+                        "{case}: element {i}: {g} against Burn's rank-3 linear {r}"
+                    );
+                }
+            }
+        }
+    }
+    // Under the autodiff (training without the decorator) the layer is Burn's own.
+    type A = Autodiff<Flex>;
+    let x = Tensor::<A, 3>::random([2, 3, 20], Distribution::Normal(0.0, 1.0), &device);
+    let w = Tensor::<A, 2>::random([20, 9], Distribution::Normal(0.0, 1.0), &device);
+    let same = |t: Tensor<A, 3>| -> Vec<u32> { data(t).iter().map(|x| x.to_bits()).collect() };
+    assert_eq!(
+        same(ops::linear(x.clone(), w.clone(), None)),
+        same(linear(x, w, None))
+    );
 }

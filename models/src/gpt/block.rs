@@ -75,10 +75,10 @@ impl<B: FusedOps> CausalSelfAttention<B> {
         let (h, hd) = (self.n_head, d / self.n_head);
         // `c_attn`'s columns are grouped by head (q, k, v of head 0, then of head 1, …), so a
         // column-parallel split gives each rank whole heads and the split below stays local.
-        let qkv = self.c_attn.forward(x).reshape([b, t, h, 3 * hd]);
+        let qkv = dense(&self.c_attn, x).reshape([b, t, h, 3 * hd]);
         let scale = 1.0 / (hd as f64).sqrt();
         let y = hooks.attention_qkv(layer, qkv, scale, true, p);
-        self.c_proj.forward(y.reshape([b, t, d]))
+        dense(&self.c_proj, y.reshape([b, t, d]))
     }
 }
 
@@ -89,14 +89,14 @@ impl<B: FusedOps> MlpBlock<B> {
         let tanh = self.gelu == Gelu::Tanh;
         let h = match (&self.c_fc.bias, B::FUSED.gelu_bias) {
             (Some(bias), true) => ops::gelu_bias(
-                burn::tensor::module::linear(x, self.c_fc.weight.val(), None),
+                ops::linear(x, self.c_fc.weight.val(), None),
                 bias.val(),
                 tanh,
             ),
-            _ if tanh => activation::gelu_approximate(self.c_fc.forward(x)),
-            _ => activation::gelu(self.c_fc.forward(x)),
+            _ if tanh => activation::gelu_approximate(dense(&self.c_fc, x)),
+            _ => activation::gelu(dense(&self.c_fc, x)),
         };
-        self.c_proj.forward(h)
+        dense(&self.c_proj, h)
     }
 }
 

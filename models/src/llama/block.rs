@@ -2,6 +2,7 @@
 //! residual connections around both, no biases.
 
 use super::rope::apply_rope;
+use crate::lm::dense;
 use crate::moe::MoeMlp;
 pub use crate::swiglu::SwiGlu;
 use burn::module::Param;
@@ -77,7 +78,7 @@ impl<B: FusedOps> LlamaAttention<B> {
         let (h, kv) = (self.n_head, self.n_kv_head);
         let hd = self.q_proj.weight.dims()[1] / h;
         let heads = |proj: &Linear<B>, n: usize| {
-            proj.forward(x.clone())
+            dense(proj, x.clone())
                 .reshape([b, t, n, hd])
                 .swap_dims(1, 2)
         };
@@ -88,8 +89,7 @@ impl<B: FusedOps> LlamaAttention<B> {
         // The key/value heads as they are: the attention reads each for its group of query heads
         // (the flash kernels in place; Burn's ops repeat them).
         let y = hooks.attention_heads(layer, [q, k, v], scale, true, 0.0);
-        self.o_proj
-            .forward(y.swap_dims(1, 2).reshape([b, t, h * hd]))
+        dense(&self.o_proj, y.swap_dims(1, 2).reshape([b, t, h * hd]))
     }
 }
 
