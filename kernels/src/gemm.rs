@@ -13,10 +13,10 @@
 //! runs [`flex::gemv`](crate::flex)'s kernels instead: the same operations in the same order, so
 //! the same bits, its columns split over the rank's pool.
 
-use burn::tensor::Shape;
 use burn::tensor::TensorMetadata;
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, Tensor, TensorPrimitive};
 use std::any::TypeId;
 
 /// Whether `B`'s float tensors are `C`.
@@ -102,6 +102,35 @@ pub fn linear<B: Backend>(
         }
         None => out,
     }
+}
+
+/// `x · weight + bias` over the last dimension, as Burn's
+/// [`module::linear`](burn::tensor::module::linear) (`weight` `[k, n]`, `bias` `[n]`). Where this
+/// crate runs the products on `B`'s own tensors ([`own_products`]:
+/// a model on plain Flex or CUDA, e.g. generating, not training under the autodiff or the
+/// decorator, whose rules do the same), the input's rows are one matrix through
+/// [`linear`]: Burn's default runs a batched product against the
+/// weight broadcast over the leading dimensions, which on Flex copies a transposed weight (a tied
+/// table's `tableᵀ`: 154 MB for GPT-2's, at every call) and leaves a generated token's one-row
+/// product to `gemm`'s single-threaded matrix–vector path.
+pub fn linear_layer<B: Backend, const D: usize>(
+    x: Tensor<B, D>,
+    weight: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, D> {
+    if D < 2 || !own_products::<B>() {
+        return burn::tensor::module::linear(x, weight, bias);
+    }
+    let mut dims = x.dims();
+    let k = dims[D - 1];
+    let rows = x.reshape([dims[..D - 1].iter().product::<usize>(), k]);
+    let out = linear::<B>(
+        rows.into_primitive().tensor(),
+        weight.into_primitive().tensor(),
+        bias.map(|b| b.into_primitive().tensor()),
+    );
+    dims[D - 1] = out.shape()[1];
+    Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(out)).reshape(dims)
 }
 
 /// `g [rows, n] @ wᵀ`, as Burn's `linear_x_backward` (the transpose a strided view).

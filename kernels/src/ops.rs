@@ -1,8 +1,7 @@
 //! The fused operations on Burn tensors, for any backend implementing [`FusedOps`].
 
 use crate::FusedOps;
-use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{Int, Tensor, TensorPrimitive};
 
 fn prim<B: FusedOps, const D: usize>(x: Tensor<B, D>) -> burn::tensor::ops::FloatTensor<B> {
     x.into_primitive().tensor()
@@ -10,35 +9,6 @@ fn prim<B: FusedOps, const D: usize>(x: Tensor<B, D>) -> burn::tensor::ops::Floa
 
 fn tensor<B: FusedOps, const D: usize>(x: burn::tensor::ops::FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(x))
-}
-
-/// `x · weight + bias` over the last dimension, as Burn's
-/// [`module::linear`](burn::tensor::module::linear) (`weight` `[k, n]`, `bias` `[n]`). Where this
-/// crate runs the products on `B`'s own tensors ([`gemm::own_products`](crate::gemm::own_products):
-/// a model on plain Flex or CUDA, e.g. generating, not training under the autodiff or the
-/// decorator, whose rules do the same), the input's rows are one matrix through
-/// [`gemm::linear`](crate::gemm::linear): Burn's default runs a batched product against the
-/// weight broadcast over the leading dimensions, which on Flex copies a transposed weight (a tied
-/// table's `tableᵀ`: 154 MB for GPT-2's, at every call) and leaves a generated token's one-row
-/// product to `gemm`'s single-threaded matrix–vector path.
-pub fn linear<B: Backend, const D: usize>(
-    x: Tensor<B, D>,
-    weight: Tensor<B, 2>,
-    bias: Option<Tensor<B, 1>>,
-) -> Tensor<B, D> {
-    if D < 2 || !crate::gemm::own_products::<B>() {
-        return burn::tensor::module::linear(x, weight, bias);
-    }
-    let mut dims = x.dims();
-    let k = dims[D - 1];
-    let rows = x.reshape([dims[..D - 1].iter().product::<usize>(), k]);
-    let out = crate::gemm::linear::<B>(
-        rows.into_primitive().tensor(),
-        weight.into_primitive().tensor(),
-        bias.map(|b| b.into_primitive().tensor()),
-    );
-    dims[D - 1] = out.shape()[1];
-    Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(out)).reshape(dims)
 }
 
 /// `x`, carrying the auxiliary `loss` into backward with weight `weight` (see

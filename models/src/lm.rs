@@ -79,13 +79,17 @@ pub trait CausalLm<B: FusedOps> {
     }
 }
 
-/// A linear layer's `x · W + b` through [`ops::linear`]: on a plain backend whose products this
+/// A linear layer's `x · W + b` through [`gemm::linear_layer`](wildfire_kernels::gemm::linear_layer): on a plain backend whose products this
 /// engine runs (Flex, CUDA) the input's rows as one matrix, Burn's `Linear::forward` elsewhere.
 pub(crate) fn dense<B: Backend, const D: usize>(
     layer: &burn::nn::Linear<B>,
     x: Tensor<B, D>,
 ) -> Tensor<B, D> {
-    ops::linear(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()))
+    wildfire_kernels::gemm::linear_layer(
+        x,
+        layer.weight.val(),
+        layer.bias.as_ref().map(|b| b.val()),
+    )
 }
 
 /// The logit of a padded vocabulary entry: far enough below any real logit that its
@@ -101,7 +105,7 @@ pub(crate) fn table_logits<B: Backend>(
     used: usize,
 ) -> Tensor<B, 3> {
     let vocab = table.dims()[0];
-    let logits = ops::linear(x, table.transpose(), None);
+    let logits = wildfire_kernels::gemm::linear_layer(x, table.transpose(), None);
     if used >= vocab {
         return logits;
     }

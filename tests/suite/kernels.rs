@@ -1959,7 +1959,7 @@ fn flex_products_are_burns_bit_for_bit() {
     }
 }
 
-/// `ops::linear` (the models' linear layers and tied heads) on plain Flex: the input's rows as one
+/// `gemm::linear_layer` (the models' linear layers and tied heads) on plain Flex: the input's rows as one
 /// matrix, bit for bit Burn's linear of those rows — also for a transposed weight, which Burn's
 /// rank-3 linear copies whole at every call — and within rounding of Burn's rank-3 linear (one
 /// product per batch entry). Under the autodiff it is Burn's rank-3 linear itself.
@@ -1967,6 +1967,7 @@ fn flex_products_are_burns_bit_for_bit() {
 fn model_linears_on_plain_flex_are_burns_linear_of_the_rows() {
     use burn::backend::Flex;
     use burn::tensor::module::linear;
+    use wildfire_kernels::gemm;
     let device = Default::default();
     let random = |shape: [usize; 2], seed: u64| {
         <Flex as burn::tensor::backend::Backend>::seed(&device, seed);
@@ -1994,7 +1995,7 @@ fn model_linears_on_plain_flex_are_burns_linear_of_the_rows() {
         ] {
             for bias in [None, Some(bias.clone())] {
                 let case = format!("{b}×{t}×{k}×{n}, {what}, bias {}", bias.is_some());
-                let got = ops::linear(x.clone(), w.clone(), bias.clone());
+                let got = gemm::linear_layer(x.clone(), w.clone(), bias.clone());
                 assert_eq!(got.dims(), [b, t, n], "{case}");
                 let got = got.reshape([b * t, n]);
                 assert_eq!(
@@ -2019,7 +2020,7 @@ fn model_linears_on_plain_flex_are_burns_linear_of_the_rows() {
     let w = Tensor::<A, 2>::random([20, 9], Distribution::Normal(0.0, 1.0), &device);
     let same = |t: Tensor<A, 3>| -> Vec<u32> { data(t).iter().map(|x| x.to_bits()).collect() };
     assert_eq!(
-        same(ops::linear(x.clone(), w.clone(), None)),
+        same(gemm::linear_layer(x.clone(), w.clone(), None)),
         same(linear(x, w, None))
     );
 }

@@ -89,7 +89,7 @@ impl<B: FusedOps> MlpBlock<B> {
         let tanh = self.gelu == Gelu::Tanh;
         let h = match (&self.c_fc.bias, B::FUSED.gelu_bias) {
             (Some(bias), true) => ops::gelu_bias(
-                ops::linear(x, self.c_fc.weight.val(), None),
+                wildfire_kernels::gemm::linear_layer(x, self.c_fc.weight.val(), None),
                 bias.val(),
                 tanh,
             ),
