@@ -106,13 +106,12 @@ pub fn linear<B: Backend>(
 
 /// `x · weight + bias` over the last dimension, as Burn's
 /// [`module::linear`](burn::tensor::module::linear) (`weight` `[k, n]`, `bias` `[n]`). Where this
-/// crate runs the products on `B`'s own tensors ([`own_products`]:
-/// a model on plain Flex or CUDA, e.g. generating, not training under the autodiff or the
-/// decorator, whose rules do the same), the input's rows are one matrix through
-/// [`linear`]: Burn's default runs a batched product against the
-/// weight broadcast over the leading dimensions, which on Flex copies a transposed weight (a tied
-/// table's `tableᵀ`: 154 MB for GPT-2's, at every call) and leaves a generated token's one-row
-/// product to `gemm`'s single-threaded matrix–vector path.
+/// crate runs the products on `B`'s own tensors ([`own_products`]: a model on plain Flex or CUDA,
+/// e.g. generating; not under the autodiff or the decorator, which keep Burn's `linear` and their
+/// own rules), the input's rows are one matrix through [`linear`]. Burn's default runs a batched
+/// product against the weight broadcast over the leading dimensions, which on Flex copies a
+/// transposed weight (a tied table's `tableᵀ`: 154 MB for GPT-2's) at every call and leaves a
+/// generated token's one-row product to `gemm`'s single-threaded matrix–vector path.
 pub fn linear_layer<B: Backend, const D: usize>(
     x: Tensor<B, D>,
     weight: Tensor<B, 2>,

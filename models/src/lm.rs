@@ -79,8 +79,10 @@ pub trait CausalLm<B: FusedOps> {
     }
 }
 
-/// A linear layer's `x · W + b` through [`gemm::linear_layer`](wildfire_kernels::gemm::linear_layer): on a plain backend whose products this
-/// engine runs (Flex, CUDA) the input's rows as one matrix, Burn's `Linear::forward` elsewhere.
+/// A linear layer's `x · W + b` through
+/// [`gemm::linear_layer`](wildfire_kernels::gemm::linear_layer): on a plain backend whose
+/// products this engine runs (Flex, CUDA) the input's rows as one matrix, Burn's
+/// `Linear::forward` elsewhere.
 pub(crate) fn dense<B: Backend, const D: usize>(
     layer: &burn::nn::Linear<B>,
     x: Tensor<B, D>,
