@@ -242,12 +242,13 @@ pub fn busy_workers() -> Option<BusyWorkers> {
 }
 
 /// [`busy_workers`] where the backend computes on the rank's pool
-/// ([`FusedOps::COMPUTES_ON_HOST_POOL`](wildfire_kernels::FusedOps::COMPUTES_ON_HOST_POOL):
-/// Flex); `None` on a device backend. There a step runs no parallel host op, so the pool's
-/// other workers (all the machine's cores but one, with one rank a process) would spin 20 ms at
-/// every step's start, beside the rank's thread and CubeCL's device thread, for nothing: on lavapipe (2 cores, so one such worker; Wgpu, GPT-2's shape at width
-/// 64, 30 steps) the steps took 11.92 s with it and 11.66 s with `WILDFIRE_BUSY_WORKERS=0`
-/// (medians of 4 alternating runs), and this build 11.55 s against the one before's 11.64.
+/// ([`FusedOps::COMPUTES_ON_HOST_POOL`](wildfire_kernels::FusedOps::COMPUTES_ON_HOST_POOL): Flex);
+/// `None` on a device backend. There a step runs no parallel host op, so the pool's other workers
+/// (all the machine's cores but one, with one rank a process) would spin 20 ms at every step's
+/// start, beside the rank's thread and CubeCL's device thread, for nothing: on lavapipe (2 cores,
+/// so one such worker; Wgpu, GPT-2's shape at width 64, 30 steps) the steps took 11.92 s with it
+/// and 11.66 s with `WILDFIRE_BUSY_WORKERS=0` (medians of 4 alternating runs), and this build
+/// 11.55 s against the one before's 11.64.
 pub fn busy_workers_for<B: wildfire_kernels::FusedOps>() -> Option<BusyWorkers> {
     if B::COMPUTES_ON_HOST_POOL {
         busy_workers()
