@@ -411,10 +411,8 @@ mod flex {
                     Shared(lhs_ptr.cast_mut()),
                     Shared(rhs_ptr.cast_mut()),
                 );
-                let width = n.div_ceil(chunks).next_multiple_of(16);
-                (0..n.div_ceil(width)).into_par_iter().for_each(|c| {
+                column_ranges(n, chunks).for_each(|cols| {
                     // Columns `cols` of the product: `cols.start` column strides into `rhs`.
-                    let cols = c * width..((c + 1) * width).min(n);
                     let rhs = rhs.get().offset(cols.start as isize * r_cs).cast_const();
                     matmul(
                         [m, cols.len(), k],
@@ -479,17 +477,27 @@ mod flex {
         use crate::flex::attention::Shared;
         use rayon::prelude::*;
         let dst = Shared(out.as_mut_ptr());
-        let width = n.div_ceil(chunks).next_multiple_of(16);
         // SAFETY: the kernels take the call (checked by the caller); `weight` covers `k × n`
         // (its tensor's layout), `out` has room for `n` (initialised with `add`); each range
         // writes its own columns. Without `add` every element is written, so `set_len` exposes
         // only written values.
-        (0..n.div_ceil(width)).into_par_iter().for_each(|c| unsafe {
-            let cols = c * width..((c + 1) * width).min(n);
+        column_ranges(n, chunks).for_each(|cols| unsafe {
             crate::flex::gemv::row_times(x, weight, cols, dst.get(), add);
         });
         unsafe { out.set_len(n) };
         out
+    }
+
+    /// `n` columns as `chunks` ranges of whole 16-column groups, on the pool.
+    fn column_ranges(
+        n: usize,
+        chunks: usize,
+    ) -> impl rayon::iter::ParallelIterator<Item = std::ops::Range<usize>> {
+        use rayon::prelude::*;
+        let width = n.div_ceil(chunks).next_multiple_of(16);
+        (0..n.div_ceil(width))
+            .into_par_iter()
+            .map(move |c| c * width..((c + 1) * width).min(n))
     }
 
     /// Into how many column ranges a product of `m` rows is split over `threads` threads:
