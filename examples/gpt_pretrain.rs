@@ -148,6 +148,9 @@ fn main() -> Result<()> {
             last.val_loss.map_or("-".into(), |v| format!("{v:.4}"))
         );
     }
+    if let Some(loss) = summary.val_loss {
+        println!("final: no step trained, val_loss {loss:.4}");
+    }
     println!("{}", summary.wall);
     for (i, r) in summary.restarts.iter().enumerate() {
         println!(
@@ -178,10 +181,15 @@ fn main() -> Result<()> {
     if !summary.sample.is_empty() {
         println!("--- sample ---\n{}\n--------------", summary.sample);
     }
-    if let Some(plot) = &config.plot {
+    // A run that trained no step (`--steps 0`) draws no curve and logs no step.
+    if let Some(plot) = config.plot.as_ref().filter(|_| !summary.steps.is_empty()) {
         println!("loss curve: {}", plot.display());
     }
-    if let Some(metrics) = &config.metrics {
+    if let Some(metrics) = config
+        .metrics
+        .as_ref()
+        .filter(|_| !summary.steps.is_empty())
+    {
         println!("metrics: {}", metrics.display());
     }
     tracing::debug!(

@@ -449,8 +449,9 @@ impl<B: FusedOps> Gpt<B> {
         self.wpe.dims()[0]
     }
 
-    /// Continue `prompt` by `new_tokens` tokens, sampling with `temperature` among the `top_k`
-    /// most likely (seeded, so a sample is reproducible).
+    /// Continue `prompt` by `new_tokens` tokens, sampling with `temperature` (0: greedy) among
+    /// the `top_k` most likely (0: all), seeded, so a sample is reproducible. For a nucleus
+    /// cut, build a [`TokenSampler`] and call [`CausalLm::sample`].
     pub fn generate(
         &self,
         prompt: &[u32],

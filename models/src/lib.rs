@@ -18,7 +18,7 @@ pub mod swiglu;
 pub use error::Error;
 pub use family::{ModelConfig, Preset};
 pub use init::LayoutFn;
-pub use lm::{CausalLm, DistributedLm, KvCache, is_table};
+pub use lm::{CausalLm, DistributedLm, KvCache, TokenSampler, is_table};
 pub use shape::{ModelFlags, MoeFlags, padded_vocab};
 
 /// The largest absolute difference between `got` and `want` (of equal length), for the tests'

@@ -31,7 +31,9 @@ pub struct PretrainConfig {
     #[command(flatten)]
     pub data: DataFlags,
 
-    /// Total optimizer steps (a resumed run continues up to this step).
+    /// Total optimizer steps (a resumed run continues up to this step). 0 trains nothing: the
+    /// weights as loaded (`--init-from`, `--resume`) or initialised are evaluated once, when
+    /// validation is asked for, and sampled (`--sample-tokens`).
     #[arg(long, default_value_t = 300, help_heading = "Training")]
     pub steps: usize,
     /// Global batch: sequences per step over all data-parallel ranks.
@@ -187,9 +189,33 @@ pub struct PretrainConfig {
     /// column of the log line; without it the line has no MFU (a guessed peak would mislead).
     #[arg(long, help_heading = "Output")]
     pub peak_flops: Option<f64>,
-    /// Tokens of text to generate at the end (0: none).
-    #[arg(long, default_value_t = 300, help_heading = "Output")]
+    /// Tokens of text to generate at the end (0: none), continuing `--prompt`.
+    #[arg(long, default_value_t = 300, help_heading = "Generation")]
     pub sample_tokens: usize,
+    /// The text the generated sample continues, encoded by the run's tokenizer (default: a
+    /// newline). The printed sample starts with it.
+    #[serde(default)]
+    #[arg(long, value_name = "TEXT", help_heading = "Generation")]
+    pub prompt: Option<String>,
+    /// The sample's temperature: the logits are divided by it before the softmax; 0 decodes
+    /// greedily (the most likely token at every step, as `transformers`' `do_sample=False`).
+    #[serde(default = "default_temperature")]
+    #[arg(long, default_value_t = 0.8, help_heading = "Generation")]
+    pub temperature: f32,
+    /// Sample among this many most likely tokens (0: the whole vocabulary).
+    #[serde(default = "default_sample_top_k")]
+    #[arg(long, default_value_t = 40, help_heading = "Generation")]
+    pub sample_top_k: usize,
+    /// Nucleus sampling: among those, the most likely tokens whose probabilities first add up
+    /// to this share (1: no cut).
+    #[serde(default = "default_top_p")]
+    #[arg(long, default_value_t = 1.0, help_heading = "Generation")]
+    pub top_p: f64,
+    /// The sample's seed (default: `--seed`); the same weights, prompt and seed give the same
+    /// text on any mesh.
+    #[serde(default)]
+    #[arg(long, help_heading = "Generation")]
+    pub sample_seed: Option<u64>,
     /// Loss-curve PNG written at the end (its folder made if missing).
     #[arg(long, default_value = "runs/latest/loss.png", help_heading = "Output")]
     pub plot: Option<PathBuf>,
@@ -460,9 +486,8 @@ impl PretrainConfig {
                 self.bucket_mb
             )));
         }
-        if self.steps == 0 {
-            return Err(PretrainError::Config("--steps must be at least 1".into()));
-        }
+        wildfire_models::TokenSampler::check(self.temperature, self.top_p)
+            .map_err(|why| PretrainError::Config(format!("--temperature / --top-p: {why}")))?;
         if self.host_profile.is_some() && !cfg!(feature = "host-profile") {
             return Err(PretrainError::Config(super::host_profile::NOT_BUILT.into()));
         }
@@ -619,4 +644,16 @@ impl PretrainConfig {
 /// The default of `max_skipped` in run files and checkpoints that predate it.
 fn twenty() -> usize {
     20
+}
+
+fn default_temperature() -> f32 {
+    0.8
+}
+
+fn default_sample_top_k() -> usize {
+    40
+}
+
+fn default_top_p() -> f64 {
+    1.0
 }

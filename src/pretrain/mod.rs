@@ -56,6 +56,10 @@ pub struct RunSummary {
     pub steps: Vec<StepMetrics>,
     /// Generated text, if asked for.
     pub sample: String,
+    /// The validation loss of the weights as the run started, when it trained no step
+    /// (`--steps 0`, or a resume at its last step) and validation was asked for; a training
+    /// run's evaluations are in its [`RunSummary::steps`].
+    pub val_loss: Option<f32>,
     /// Every parameter at the end, in visiting order (rank 0; with `gather_parameters`).
     pub parameters: Vec<Vec<f32>>,
     /// The process's peak resident set (VmHWM) once the model was built, laid out and loaded,

@@ -352,6 +352,17 @@ impl RankRun<'_> {
                 attempt.progress.stepped(step + 1);
             }
         }
+        // No step trained (`--steps 0`, or a resume at its last step): the weights as loaded are
+        // evaluated once, when validation is asked for.
+        if self.first_step >= config.steps && self.validates() {
+            let eval_started = Instant::now();
+            let loss = trainee.evaluate(self, device)?;
+            summary.wall.eval += eval_started.elapsed().as_secs_f64();
+            if rank == 0 {
+                tracing::info!("no step trained: val_loss {loss:.4}");
+            }
+            summary.val_loss = Some(loss);
+        }
         drop(reporter);
         if let Some(profile) = profile {
             profile.finish(config.steps - profile_from)?;
@@ -518,10 +529,19 @@ impl RankRun<'_> {
         .quiet(config.probe)
     }
 
-    /// `--sample-tokens` generation's prompt (a newline) and sampler (temperature 0.8, top 40).
+    /// `--sample-tokens` generation's prompt (`--prompt`, a newline by default, in the run's
+    /// tokens) and sampler (`--temperature`, `--sample-top-k`, `--top-p`, seeded by
+    /// `--sample-seed` or `--seed`; checked with the configuration).
     pub(super) fn sampling(&self) -> (Vec<u32>, TokenSampler) {
-        let prompt = self.data.tokenizer.encode("\n");
-        (prompt, TokenSampler::new(0.8, 40, self.config.seed))
+        let config = self.config;
+        let prompt = self
+            .data
+            .tokenizer
+            .encode(config.prompt.as_deref().unwrap_or("\n"));
+        let seed = config.sample_seed.unwrap_or(config.seed);
+        let sampler = TokenSampler::new(config.temperature, config.sample_top_k, seed)
+            .with_top_p(config.top_p);
+        (prompt, sampler)
     }
 }
 

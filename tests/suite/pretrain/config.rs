@@ -28,6 +28,19 @@ fn bad_input_is_refused() {
             other => panic!("--val-fraction {val_fraction}: {other:?}"),
         }
     }
+    // A temperature below 0 or not a number, a top-p outside (0, 1]: refused before the data
+    // is read.
+    for (temperature, top_p) in [(-0.5, 1.0), (f32::NAN, 1.0), (0.8, 0.0), (0.8, 1.5)] {
+        let bad = PretrainConfig {
+            temperature,
+            top_p,
+            ..missing.clone()
+        };
+        match run(&bad) {
+            Err(PretrainError::Config(msg)) => assert!(msg.contains("--temperature"), "{msg}"),
+            other => panic!("--temperature {temperature} --top-p {top_p}: {other:?}"),
+        }
+    }
     let err = run(&missing).unwrap_err();
     assert!(
         matches!(
