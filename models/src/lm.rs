@@ -46,7 +46,8 @@ pub trait CausalLm<B: FusedOps> {
         cross_entropy(self.forward_with(inputs, hooks), targets)
     }
 
-    /// `prompt` (`[0]` when empty) continued by `new_tokens` tokens, each sampled by `sampler`
+    /// `prompt` (`[0]` when empty) continued by `new_tokens` tokens (fewer when one of the
+    /// sampler's stop tokens comes, the text's last), each sampled by `sampler`
     /// (seeded: a sample is reproducible) from the logits of the last `block_size` tokens. The
     /// forward runs through a key/value cache ([`KvCache`]): within the context a token costs
     /// one position's forward.
@@ -59,6 +60,7 @@ pub trait CausalLm<B: FusedOps> {
         device: &B::Device,
     ) -> Vec<u32> {
         let cache = KvCache::new().last_logits();
+        let stop = sampler.stop_tokens().to_vec();
         // A token's forward is a few dozen parallel products of tens to hundreds of
         // microseconds each on a CPU backend: the pool's other workers look for work between
         // them instead of being woken for each (a futex wake-up cost a 768 × 768 product of one
@@ -72,7 +74,7 @@ pub trait CausalLm<B: FusedOps> {
             let logits: Vec<f32> = logits.into_data().convert::<f32>().to_vec().unwrap();
             Ok::<_, std::convert::Infallible>(sampler.pick(&logits))
         };
-        match generate_cached(prompt, new_tokens, block_size, next) {
+        match generate_cached(prompt, new_tokens, block_size, &stop, next) {
             Ok(tokens) => tokens,
             Err(never) => match never {},
         }

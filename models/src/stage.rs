@@ -250,7 +250,8 @@ pub fn generate_staged<X: FusedOps, S: PipelineStage<Distributed<X>>>(
         .iter()
         .map(|_| KvCache::new().last_logits())
         .collect();
-    generate_cached(prompt, new_tokens, block_size, |feed, fresh| {
+    let stop = sampler.stop_tokens().to_vec();
+    generate_cached(prompt, new_tokens, block_size, &stop, |feed, fresh| {
         if fresh {
             caches.iter().for_each(KvCache::clear);
         }

@@ -270,11 +270,11 @@ impl<B: FusedOps, S: TrainableStage<B>, O: StageOptimizer<B, S>> Trainee<B> for 
         Ok(gather_stage_parameters(device, &self.chunks, copy)?)
     }
 
-    /// `--sample-tokens` tokens after a newline, generated through the stages
+    /// `--sample-tokens` tokens after the prompt, generated through the stages
     /// ([`generate_staged`]).
     fn sample(&self, run: &RankRun, device: &DistDevice<B>) -> Result<Vec<u32>, PretrainError> {
         let (passes, chunks) = self.passes(device)?;
-        let (prompt, sampler) = run.sampling();
+        let (prompt, sampler) = run.sampling()?;
         let (tokens, block_size) = (run.config.sample_tokens, run.data.model.block_size());
         // Every rank generates the whole sequence: the context split is off meanwhile.
         let generate = wildfire_parallel::without_context_parallel(device, || {

@@ -531,17 +531,23 @@ impl RankRun<'_> {
 
     /// `--sample-tokens` generation's prompt (`--prompt`, a newline by default, in the run's
     /// tokens) and sampler (`--temperature`, `--sample-top-k`, `--top-p`, seeded by
-    /// `--sample-seed` or `--seed`; checked with the configuration).
-    pub(super) fn sampling(&self) -> (Vec<u32>, TokenSampler) {
+    /// `--sample-seed` or `--seed`; checked with the configuration), which stops at the
+    /// end-of-text tokens an `--init-from` directory names (as `transformers` does).
+    pub(super) fn sampling(&self) -> Result<(Vec<u32>, TokenSampler), PretrainError> {
         let config = self.config;
         let prompt = self
             .data
             .tokenizer
             .encode(config.prompt.as_deref().unwrap_or("\n"));
         let seed = config.sample_seed.unwrap_or(config.seed);
+        let stop = match &config.init_from {
+            Some(dir) => wildfire_models::hf::eos_tokens(dir)?,
+            None => Vec::new(),
+        };
         let sampler = TokenSampler::new(config.temperature, config.sample_top_k, seed)
-            .with_top_p(config.top_p);
-        (prompt, sampler)
+            .with_top_p(config.top_p)
+            .with_stop_tokens(stop);
+        Ok((prompt, sampler))
     }
 }
 
@@ -689,7 +695,7 @@ where
     }
 
     fn sample(&self, run: &RankRun, device: &DistDevice<B>) -> Result<Vec<u32>, PretrainError> {
-        let (prompt, sampler) = run.sampling();
+        let (prompt, sampler) = run.sampling()?;
         let block_size = run.data.model.block_size();
         let model = self.model().valid();
         // Every rank generates the whole sequence (prompts of any length): the context split

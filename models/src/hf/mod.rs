@@ -227,6 +227,40 @@ pub fn import_gpt2(file: &Path, n_head: usize) -> Result<Checkpoint, Error> {
     Ok(imported_checkpoint(dir, files, tensors))
 }
 
+/// The end-of-text tokens of the Hugging Face model directory `init_from`, where `transformers`'
+/// `generate` finds them: `generation_config.json`'s `eos_token_id`, else `config.json`'s (one
+/// id, a list of ids, or `null`). A file given instead of a directory, or a directory with
+/// neither file, names none. An unreadable file, or an `eos_token_id` that is not ids, is an
+/// error naming the file.
+pub fn eos_tokens(init_from: &Path) -> Result<Vec<u32>, Error> {
+    if !init_from.is_dir() {
+        return Ok(Vec::new());
+    }
+    for name in ["generation_config.json", "config.json"] {
+        let path = init_from.join(name);
+        if !path.is_file() {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).map_err(|source| Error::io(&path, source))?;
+        let invalid = |reason: String| Error::Invalid {
+            path: path.clone(),
+            reason,
+        };
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| invalid(format!("not JSON: {e}")))?;
+        let id = |v: &serde_json::Value| v.as_u64().and_then(|id| u32::try_from(id).ok());
+        let bad = || invalid("eos_token_id is not a token id or a list of them".into());
+        match json.get("eos_token_id") {
+            None | Some(serde_json::Value::Null) => continue,
+            Some(serde_json::Value::Array(ids)) => {
+                return ids.iter().map(|v| id(v).ok_or_else(bad)).collect();
+            }
+            Some(v) => return Ok(vec![id(v).ok_or_else(bad)?]),
+        }
+    }
+    Ok(Vec::new())
+}
+
 /// A Hugging Face `config.json`, read and checked to be of one `model_type`; errors name the
 /// file.
 pub(crate) struct HfConfig {
@@ -523,6 +557,42 @@ mod tests {
         let path = dir.join("model.safetensors");
         safetensors::serialize_to_file(views, None, &path).unwrap();
         path
+    }
+
+    /// The end-of-text ids come from `generation_config.json` first, else `config.json` (one
+    /// id, a list, or `null`: none); a file, or a directory without them, names none; ids that
+    /// are not ids are an error naming the file.
+    #[test]
+    fn end_of_text_ids_are_read_where_transformers_reads_them() {
+        let dir = scratch("eos");
+        std::fs::create_dir_all(&dir).unwrap();
+        assert_eq!(super::eos_tokens(&dir).unwrap(), Vec::<u32>::new());
+        let write = |name: &str, text: &str| std::fs::write(dir.join(name), text).unwrap();
+        write(
+            "config.json",
+            r#"{"model_type": "llama", "eos_token_id": 7}"#,
+        );
+        assert_eq!(super::eos_tokens(&dir).unwrap(), [7]);
+        assert!(
+            super::eos_tokens(&dir.join("config.json"))
+                .unwrap()
+                .is_empty()
+        );
+        write(
+            "generation_config.json",
+            r#"{"eos_token_id": [128001, 128009]}"#,
+        );
+        assert_eq!(super::eos_tokens(&dir).unwrap(), [128001, 128009]);
+        write("generation_config.json", r#"{"eos_token_id": null}"#);
+        assert_eq!(super::eos_tokens(&dir).unwrap(), [7]);
+        write("config.json", r#"{"model_type": "gpt2"}"#);
+        assert!(super::eos_tokens(&dir).unwrap().is_empty());
+        write("generation_config.json", r#"{"eos_token_id": "</s>"}"#);
+        let err = super::eos_tokens(&dir).unwrap_err().to_string();
+        assert!(err.contains("generation_config.json"), "{err}");
+        write("generation_config.json", r#"{"eos_token_id": [1, -2]}"#);
+        assert!(super::eos_tokens(&dir).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     fn scratch(name: &str) -> PathBuf {

@@ -182,7 +182,7 @@ mod tests {
         let cache = KvCache::new();
         let mut worst = 0f32;
         let mut history = Vec::new();
-        generate_cached(&[5, 9, 2], 2 * block, block, |feed, fresh| {
+        generate_cached(&[5, 9, 2], 2 * block, block, &[], |feed, fresh| {
             if fresh {
                 cache.clear();
             }

@@ -5,12 +5,15 @@
 /// seeded (xorshift): the same logits and seed give the same text, however the logits were
 /// computed (one device, or pipeline stages). The filters apply in `transformers`' order
 /// (temperature, top-k, top-p); a temperature of 0 is greedy decoding (the most likely token,
-/// the lowest id among equal logits, as `argmax` picks it; no random draw).
+/// the lowest id among equal logits, as `argmax` picks it; no random draw). A generation ends
+/// early at one of its stop tokens ([`TokenSampler::with_stop_tokens`]: a model's end-of-text,
+/// which `transformers`' `generate` stops at too), that token the last of the text.
 #[derive(Clone, Debug)]
 pub struct TokenSampler {
     temperature: f32,
     top_k: usize,
     top_p: f64,
+    stop: Vec<u32>,
     rng: wildfire_parallel::rng::XorShift64,
 }
 
@@ -28,6 +31,7 @@ impl TokenSampler {
             temperature,
             top_k,
             top_p: 1.0,
+            stop: Vec::new(),
             rng: wildfire_parallel::rng::XorShift64::new(seed, 1),
         }
     }
@@ -43,6 +47,17 @@ impl TokenSampler {
         }
         self.top_p = top_p;
         self
+    }
+
+    /// This sampler ending a generation at any of `tokens` (kept as its last token).
+    pub fn with_stop_tokens(mut self, tokens: impl IntoIterator<Item = u32>) -> Self {
+        self.stop = tokens.into_iter().collect();
+        self
+    }
+
+    /// The tokens a generation ends at.
+    pub fn stop_tokens(&self) -> &[u32] {
+        &self.stop
     }
 
     /// Why `temperature` and `top_p` cannot sample, if they cannot: a temperature is finite and
@@ -122,9 +137,10 @@ impl TokenSampler {
     }
 }
 
-/// `prompt` (`[0]` when empty) continued by `new_tokens` tokens, each chosen by `next(feed,
-/// fresh)` from a forward over the token ids `feed` through a key/value cache
-/// ([`super::KvCache`]), emptied first when `fresh`. Within the context the cache holds every
+/// `prompt` (`[0]` when empty) continued by up to `new_tokens` tokens — fewer when one of
+/// `stop` comes, which ends the text — each chosen by `next(feed, fresh)` from a forward over
+/// the token ids `feed` through a key/value cache ([`super::KvCache`]), emptied first when
+/// `fresh`. Within the context the cache holds every
 /// earlier token, so `feed` is the prompt and then one token a step. Past the context (the last
 /// `block_size` tokens) the window moves by one position a token, and every position's
 /// embedding with it, so each step starts again from the window: the logits a forward over the
@@ -133,6 +149,7 @@ pub(crate) fn generate_cached<E>(
     prompt: &[u32],
     new_tokens: usize,
     block_size: usize,
+    stop: &[u32],
     mut next: impl FnMut(&[u32], bool) -> Result<u32, E>,
 ) -> Result<Vec<u32>, E> {
     let mut tokens: Vec<u32> = if prompt.is_empty() {
@@ -152,6 +169,9 @@ pub(crate) fn generate_cached<E>(
             next(&tokens[len - block_size..], true)?
         };
         tokens.push(token);
+        if stop.contains(&token) {
+            break;
+        }
     }
     Ok(tokens)
 }
@@ -286,7 +306,7 @@ mod tests {
     fn the_cache_is_fed_new_tokens_within_the_context_and_windows_past_it() {
         let mut feeds = Vec::new();
         let mut next_id = 10;
-        let tokens = generate_cached(&[1, 2, 3], 5, 5, |feed, fresh| {
+        let tokens = generate_cached(&[1, 2, 3], 5, 5, &[], |feed, fresh| {
             feeds.push((feed.to_vec(), fresh));
             next_id += 1;
             Ok::<_, ()>(next_id)
@@ -305,18 +325,26 @@ mod tests {
         );
         // An empty prompt is token 0; a prompt past the context is windowed at once.
         let mut feeds = Vec::new();
-        generate_cached(&[], 1, 4, |feed, fresh| {
+        generate_cached(&[], 1, 4, &[], |feed, fresh| {
             feeds.push((feed.to_vec(), fresh));
             Ok::<_, ()>(7)
         })
         .unwrap();
         assert_eq!(feeds, [(vec![0], true)]);
         let mut feeds = Vec::new();
-        generate_cached(&[1, 2, 3, 4], 1, 2, |feed, fresh| {
+        generate_cached(&[1, 2, 3, 4], 1, 2, &[], |feed, fresh| {
             feeds.push((feed.to_vec(), fresh));
             Ok::<_, ()>(7)
         })
         .unwrap();
         assert_eq!(feeds, [(vec![3, 4], true)]);
+        // A stop token ends the text, kept as its last token; one in the prompt does not.
+        let mut next_id = 10;
+        let tokens = generate_cached(&[12, 2], 5, 8, &[12, 13], |_, _| {
+            next_id += 1;
+            Ok::<_, ()>(next_id)
+        })
+        .unwrap();
+        assert_eq!(tokens, [12, 2, 11, 12]);
     }
 }

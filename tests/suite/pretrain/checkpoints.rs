@@ -351,8 +351,9 @@ fn trained_transformers_models_give_their_validation_loss() {
 
 /// `--init-from DIR --steps 0 --prompt TEXT --temperature 0` on the models `transformers` trained:
 /// the sample is the prompt and the continuation `transformers`' greedy `generate` gives
-/// (`tools/generate_reference.py`: 40 new tokens, within the context), on one device, under
-/// tp 2 and over pp 2 (both families; the Llama's 2 key/value heads split over tp).
+/// (`tools/generate_reference.py`: 40 new tokens, within the context; or fewer, up to an
+/// end-of-text id its `config.json` names), on one device, under tp 2 and over pp 2 (both
+/// families; the Llama's 2 key/value heads split over tp).
 /// The reference's smallest gap between a step's two largest logits is asserted far above f32
 /// rounding, so an exact match is not luck. A sampled run (temperature 1.5, top-k 8, top-p 0.95)
 /// gives the same text on every layout and another with another `--sample-seed`.
@@ -362,7 +363,11 @@ fn trained_transformers_models_continue_a_prompt_as_transformers_generates() {
     let reference: serde_json::Value =
         serde_json::from_slice(&std::fs::read(root.join("generate.json")).unwrap()).unwrap();
     let entries = reference["entries"].as_array().unwrap();
-    assert_eq!(entries.len(), 4, "two prompts for each family");
+    assert_eq!(
+        entries.len(),
+        6,
+        "two prompts for each family, and one stopped each"
+    );
     let layouts = [
         ("one device", ParallelConfig::default()),
         (
@@ -381,30 +386,31 @@ fn trained_transformers_models_continue_a_prompt_as_transformers_generates() {
             },
         ),
     ];
-    let config = |family: &str, prompt: &str, parallel: &ParallelConfig| PretrainConfig {
-        model: ModelFlags {
-            preset: if family == "gpt2" {
-                Preset::Tiny
-            } else {
-                Preset::LlamaTiny
+    let config =
+        |model: &std::path::Path, prompt: &str, parallel: &ParallelConfig| PretrainConfig {
+            model: ModelFlags {
+                preset: if model.ends_with("gpt2") {
+                    Preset::Tiny
+                } else {
+                    Preset::LlamaTiny
+                },
+                block_size: Some(64),
+                ..ModelFlags::default()
             },
-            block_size: Some(64),
-            ..ModelFlags::default()
-        },
-        data: DataFlags {
-            path: Some(root.join("data.txt")),
-            token_cache: Some(scratch(&format!("generate-{family}"))),
-            ..DataFlags::default()
-        },
-        init_from: Some(root.join(family)),
-        steps: 0,
-        batch_size: 4,
-        parallel: parallel.clone(),
-        prompt: Some(prompt.into()),
-        temperature: 0.0,
-        sample_tokens: 40,
-        ..PretrainConfig::quiet()
-    };
+            data: DataFlags {
+                path: Some(root.join("data.txt")),
+                token_cache: Some(scratch("generate-tokens")),
+                ..DataFlags::default()
+            },
+            init_from: Some(model.to_path_buf()),
+            steps: 0,
+            batch_size: 4,
+            parallel: parallel.clone(),
+            prompt: Some(prompt.into()),
+            temperature: 0.0,
+            sample_tokens: 40,
+            ..PretrainConfig::quiet()
+        };
     for entry in entries {
         let (family, prompt) = (
             entry["family"].as_str().unwrap(),
@@ -427,15 +433,37 @@ fn trained_transformers_models_continue_a_prompt_as_transformers_generates() {
         );
         let want =
             String::from_utf8_lossy(&[prompt.as_bytes(), &continuation].concat()).into_owned();
+        // An end-of-text id of the reference's: written into a copy of the model's
+        // `config.json` (its directory's name kept: the family), where `transformers` read it.
+        let model = match entry["eos_token_id"].as_u64() {
+            None => root.join(family),
+            Some(eos) => {
+                let dir = scratch(&format!("generate-eos-{eos}")).join(family);
+                std::fs::create_dir_all(&dir).unwrap();
+                std::fs::copy(
+                    root.join(family).join("model.safetensors"),
+                    dir.join("model.safetensors"),
+                )
+                .unwrap();
+                let mut hf: serde_json::Value = serde_json::from_slice(
+                    &std::fs::read(root.join(family).join("config.json")).unwrap(),
+                )
+                .unwrap();
+                hf["eos_token_id"] = eos.into();
+                std::fs::write(dir.join("config.json"), hf.to_string()).unwrap();
+                assert!(continuation.len() < 40, "{family}: the reference stopped");
+                dir
+            }
+        };
         for (name, parallel) in &layouts {
-            let summary = run(&config(family, prompt, parallel)).unwrap();
+            let summary = run(&config(&model, prompt, parallel)).unwrap();
             assert_eq!(summary.sample, want, "{family} {prompt:?}, {name}");
         }
     }
     // Sampled: the same draw on every layout (the logits agree to rounding; a seed fixes the
     // draws), another seed another text.
     let sampled = |parallel: &ParallelConfig, seed: u64| {
-        let mut config = config("llama", "ROMEO:\n", parallel);
+        let mut config = config(&root.join("llama"), "ROMEO:\n", parallel);
         config.temperature = 1.5;
         config.sample_top_k = 8;
         config.top_p = 0.95;
