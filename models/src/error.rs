@@ -42,6 +42,17 @@ pub enum Error {
         /// The path that was asked for.
         path: PathBuf,
     },
+    /// A data pattern (`--data 'shards/train_*.bin'`) that is not a pattern or names no file.
+    #[error(
+        "data pattern {}: {reason} (a pattern is glob syntax: `*`, `?`, `[…]`; quote it so the shell does not expand it)",
+        pattern.display()
+    )]
+    BadPattern {
+        /// The pattern.
+        pattern: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// The data file has no bytes.
     #[error("data file {} is empty: point at a non-empty text or .bin token file", path.display())]
     EmptyFile {

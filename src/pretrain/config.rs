@@ -10,7 +10,7 @@ use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
 pub use wildfire_engine::MuonSplit;
-use wildfire_engine::report::WarmupCosine;
+use wildfire_engine::report::{LrDecay, LrSchedule};
 use wildfire_models::data::DataFlags;
 use wildfire_models::parallelize::ParallelConfig;
 pub use wildfire_models::parallelize::Precision;
@@ -45,13 +45,29 @@ pub struct PretrainConfig {
     /// Peak learning rate (AdamW, β = (0.9, 0.95)).
     #[arg(long, default_value_t = 1e-3, help_heading = "Training")]
     pub lr: f64,
-    /// Linear warmup steps, then cosine decay to `lr / 10` at step `decay_steps`.
+    /// Linear warmup steps, then the `--lr-decay` to `lr · --min-lr-ratio` at step
+    /// `decay_steps`.
     #[arg(long, default_value_t = 20, help_heading = "Training")]
     pub warmup: usize,
-    /// Where the cosine decay ends (default: `steps`); set it to keep a schedule fixed when a
+    /// Where the decay ends (default: `steps`); set it to keep a schedule fixed when a
     /// run is stopped early and resumed with more steps.
     #[arg(long, help_heading = "Training")]
     pub decay_steps: Option<usize>,
+    /// The learning rate after warmup: cosine (nanoGPT's), linear, wsd (warmup–stable–decay:
+    /// the peak held, then a linear cooldown over the last `--cooldown` share), wsd-sqrt (the
+    /// cooldown `1 − √q`), or constant.
+    #[serde(default)]
+    #[arg(long, value_enum, default_value_t = LrDecay::Cosine, help_heading = "Training")]
+    pub lr_decay: LrDecay,
+    /// The learning rate the decay ends at, as a share of `--lr`.
+    #[serde(default = "default_min_lr_ratio")]
+    #[arg(long, default_value_t = 0.1, help_heading = "Training")]
+    pub min_lr_ratio: f64,
+    /// The wsd decays' cooldown: this share of the steps from the warmup's end to the decay's
+    /// end.
+    #[serde(default = "default_cooldown")]
+    #[arg(long, default_value_t = 0.2, help_heading = "Training")]
+    pub cooldown: f64,
     /// Decoupled weight decay (AdamW's; Adafactor's too).
     #[arg(long, default_value_t = 0.1, help_heading = "Training")]
     pub weight_decay: f64,
@@ -410,6 +426,14 @@ pub enum Offload {
 /// The dtype AdamW keeps its moments in (`--optim-state`): f32 or bf16.
 pub type OptimState = wildfire_engine::MomentDtype;
 
+fn default_min_lr_ratio() -> f64 {
+    0.1
+}
+
+fn default_cooldown() -> f64 {
+    0.2
+}
+
 fn default_prefetch() -> usize {
     1
 }
@@ -535,6 +559,7 @@ impl PretrainConfig {
             )));
         }
         self.parallel.check_batch(self.batch_size, self.accum)?;
+        self.schedule().check().map_err(PretrainError::Config)?;
         self.data.check()?;
         self.check_resilience()?;
         Ok(())
@@ -610,12 +635,16 @@ impl PretrainConfig {
         }
     }
 
-    /// The learning-rate schedule: linear warmup, then cosine decay to a tenth (nanoGPT).
-    pub fn schedule(&self) -> WarmupCosine {
-        WarmupCosine {
+    /// The learning-rate schedule: linear warmup, then `--lr-decay` (by default nanoGPT's
+    /// cosine to a tenth).
+    pub fn schedule(&self) -> LrSchedule {
+        LrSchedule {
             lr: self.lr,
             warmup: self.warmup,
             decay_steps: self.decay_steps.unwrap_or(self.steps),
+            decay: self.lr_decay,
+            min_ratio: self.min_lr_ratio,
+            cooldown: self.cooldown,
         }
     }
 

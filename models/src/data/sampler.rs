@@ -78,10 +78,13 @@ impl BatchSampler {
         let n = rows.len() * self.block_size;
         let mut inputs = Vec::with_capacity(n);
         let mut targets = Vec::with_capacity(n);
+        let mut window = Vec::with_capacity(self.block_size + 1);
         for row in rows {
             let start = self.offset(step, row, data.len());
-            inputs.extend((start..start + self.block_size).map(|i| data.get(i)));
-            targets.extend((start + 1..=start + self.block_size).map(|i| data.get(i)));
+            window.clear();
+            data.extend_range(start..start + self.block_size + 1, &mut window);
+            inputs.extend_from_slice(&window[..self.block_size]);
+            targets.extend_from_slice(&window[1..]);
         }
         Ok((inputs, targets))
     }

@@ -303,7 +303,7 @@ fn trained_transformers_models_give_their_validation_loss() {
             data: DataFlags {
                 path: Some(root.join("data.txt")),
                 token_cache: Some(scratch(&format!("trained-{family}"))),
-                val_fraction: 0.5,
+                val_fraction: Some(0.5),
                 ..DataFlags::default()
             },
             init_from: Some(root.join(family)),

@@ -18,7 +18,7 @@ fn bad_input_is_refused() {
     for val_fraction in [1.0, -0.5] {
         let bad = PretrainConfig {
             data: DataFlags {
-                val_fraction,
+                val_fraction: Some(val_fraction),
                 ..missing.data.clone()
             },
             ..missing.clone()
@@ -317,6 +317,55 @@ fn cuda_without_libcuda_is_a_typed_error() {
             }
             Err(e) => panic!("{collectives:?}: {e}"),
             Ok(_) => panic!("{collectives:?}: ran without libcuda"),
+        }
+    }
+}
+
+/// The learning rate each step trains with (its metrics' `lr`) is `--lr-decay`'s: warmup 2,
+/// then warmup–stable–decay over steps 2..8 with half of them cooldown, to a floor of 0
+/// (written out here, not through the schedule); a floor or cooldown out of range is refused.
+#[test]
+fn steps_train_at_the_decays_learning_rate() {
+    use wildfire::engine::report::LrDecay;
+    let config = PretrainConfig {
+        lr: 1e-3,
+        warmup: 2,
+        lr_decay: LrDecay::Wsd,
+        min_lr_ratio: 0.0,
+        cooldown: 0.5,
+        eval_iters: 0,
+        ..small(8)
+    };
+    let summary = run(&PretrainConfig {
+        decay_steps: None,
+        ..config.clone()
+    })
+    .unwrap();
+    let lrs: Vec<f64> = summary.steps.iter().map(|m| m.lr).collect();
+    let want = [
+        5e-4,
+        1e-3,
+        1e-3,
+        1e-3,
+        1e-3,
+        1e-3,
+        1e-3 * 2.0 / 3.0,
+        1e-3 / 3.0,
+    ];
+    assert_eq!(lrs.len(), want.len());
+    for (step, (got, want)) in lrs.iter().zip(want).enumerate() {
+        assert!((got - want).abs() < 1e-15, "step {step}: {got} vs {want}");
+    }
+    for (min_lr_ratio, cooldown, flag) in [(-0.1, 0.2, "--min-lr-ratio"), (0.1, 1.5, "--cooldown")]
+    {
+        let bad = PretrainConfig {
+            min_lr_ratio,
+            cooldown,
+            ..config.clone()
+        };
+        match run(&bad) {
+            Err(PretrainError::Config(msg)) => assert!(msg.contains(flag), "{msg}"),
+            other => panic!("{flag}: {other:?}"),
         }
     }
 }

@@ -318,7 +318,7 @@ fn llama_trains_on_a_tokenizer_json() {
             path: Some(fixtures.join("trained/data.txt")),
             tokenizer_file: Some(fixtures.join("tokenizer/tokenizer.json")),
             token_cache: Some(cache.clone()),
-            val_fraction: 0.2,
+            val_fraction: Some(0.2),
             ..DataFlags::default()
         },
         sample_tokens: 16,

@@ -5,6 +5,7 @@
 
 mod checkpoints;
 mod config;
+mod data;
 mod elastic;
 mod learning;
 mod llama;

@@ -54,6 +54,13 @@ enum Storage {
     U16 { map: Mmap, start: usize },
     /// Little-endian u32 tokens in a mapped file, from byte `start`.
     U32 { map: Mmap, start: usize },
+    /// Several datasets one after the other (the shards of a token-file pattern, or the training
+    /// tokens then a held-out set): part `k` holds tokens `starts[k]..starts[k + 1]` (the last
+    /// to the end). `starts[0]` is 0 and every part is non-empty.
+    Parts {
+        parts: Vec<TokenDataset>,
+        starts: Vec<usize>,
+    },
 }
 
 /// A sequence of token ids, in memory or memory-mapped (a multi-GB token file is never read into
@@ -64,6 +71,9 @@ pub struct TokenDataset {
     /// Where the tokens came from, for `Debug` and logs.
     origin: String,
     max_token: OnceLock<u32>,
+    /// The first token of a held-out set given apart from the training tokens
+    /// ([`TokenDataset::with_held_out`]).
+    held_out: Option<usize>,
 }
 
 impl fmt::Debug for TokenDataset {
@@ -72,11 +82,14 @@ impl fmt::Debug for TokenDataset {
             Storage::Owned(_) => "memory",
             Storage::U16 { .. } => "mapped u16",
             Storage::U32 { .. } => "mapped u32",
+            Storage::Parts { .. } => "parts",
         };
         f.debug_struct("TokenDataset")
             .field("origin", &self.origin)
             .field("len", &self.len)
             .field("storage", &storage)
+            .field("parts", &self.parts())
+            .field("held_out", &self.held_out)
             .finish()
     }
 }
@@ -154,6 +167,34 @@ fn map(path: &Path) -> Result<Mmap, Error> {
     unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))
 }
 
+/// Whether `path` is a pattern naming several files: a glob metacharacter (`*`, `?`, `[`) in
+/// it and no file of that very name.
+fn is_pattern(path: &Path) -> bool {
+    path.to_str().is_some_and(|s| s.contains(['*', '?', '['])) && !path.exists()
+}
+
+/// The regular files `pattern` matches (`glob`'s syntax: `*`, `?`, `[…]`, `**` for folders at
+/// any depth), sorted by path. None is an error naming the pattern.
+fn pattern_files(pattern: &Path) -> Result<Vec<PathBuf>, Error> {
+    let text = pattern.to_str().expect("a pattern is UTF-8 (is_pattern)");
+    let bad = |reason: String| Error::BadPattern {
+        pattern: pattern.to_owned(),
+        reason,
+    };
+    let mut files = Vec::new();
+    for entry in glob::glob(text).map_err(|e| bad(e.to_string()))? {
+        let path = entry.map_err(|e| Error::io(e.path().to_owned(), e.into()))?;
+        if path.is_file() {
+            files.push(path);
+        }
+    }
+    if files.is_empty() {
+        return Err(bad("no file matches it".into()));
+    }
+    files.sort();
+    Ok(files)
+}
+
 impl TokenDataset {
     /// Loads tokens from `source`, with a progress bar while tokenising (see
     /// [`TokenDataset::load_with_progress`]).
@@ -169,6 +210,10 @@ impl TokenDataset {
     ///   cache in another folder). Later loads map the cache. The cache is written to a temporary file and renamed, so ranks loading the
     ///   same file at once do not see half a cache; if it cannot be written (read-only directory),
     ///   the tokens stay in memory and a warning is logged.
+    /// - A path with `*`, `?` or `[…]` in it (and no file of that name): every regular file the
+    ///   pattern matches (`glob` syntax), in the order of their paths, one after the other — the
+    ///   shards of llm.c's FineWeb (`fineweb_train_*.bin`), each loaded as above. None matching
+    ///   is [`Error::BadPattern`].
     /// - [`DataSource::Embedded`]: the built-in corpus ([`embedded_corpus`]), tokenised in memory.
     pub fn load(source: &DataSource, tokenizer: &Tokenizer) -> Result<Self, Error> {
         Self::load_with_progress(source, tokenizer, true)
@@ -199,21 +244,115 @@ impl TokenDataset {
                 data.origin = format!("embedded corpus ({})", tokenizer.kind());
                 Ok(data)
             }
-            DataSource::File(path) => {
-                let meta = fs::metadata(path).map_err(|e| Error::io(path, e))?;
-                if !meta.is_file() {
-                    let err = io::Error::new(io::ErrorKind::InvalidInput, "not a regular file");
-                    return Err(Error::io(path, err));
-                }
-                if meta.len() == 0 {
-                    return Err(Error::EmptyFile { path: path.clone() });
-                }
-                if path.extension().is_some_and(|e| e == "bin") {
-                    Self::load_bin(path)
-                } else {
-                    Self::load_text(path, tokenizer, progress, cache_dir)
-                }
+            DataSource::File(path) if is_pattern(path) => {
+                Self::load_pattern(path, tokenizer, progress, cache_dir)
             }
+            DataSource::File(path) => Self::load_file(path, tokenizer, progress, cache_dir),
+        }
+    }
+
+    /// Every file a pattern names, in the order of their names, one after the other.
+    fn load_pattern(
+        pattern: &Path,
+        tokenizer: &Tokenizer,
+        progress: bool,
+        cache_dir: Option<&Path>,
+    ) -> Result<Self, Error> {
+        let files = pattern_files(pattern)?;
+        let mut parts = Vec::with_capacity(files.len());
+        for file in &files {
+            parts.push(Self::load_file(file, tokenizer, progress, cache_dir)?);
+        }
+        let mut data = Self::concat(parts);
+        data.origin = format!(
+            "{} ({} files: {} … {})",
+            pattern.display(),
+            files.len(),
+            files[0].display(),
+            files[files.len() - 1].display()
+        );
+        tracing::debug!(pattern = %pattern.display(), files = files.len(), tokens = data.len, "token files of a pattern");
+        Ok(data)
+    }
+
+    /// One file: a token file (`*.bin`) or a text file.
+    fn load_file(
+        path: &Path,
+        tokenizer: &Tokenizer,
+        progress: bool,
+        cache_dir: Option<&Path>,
+    ) -> Result<Self, Error> {
+        let meta = fs::metadata(path).map_err(|e| Error::io(path, e))?;
+        if !meta.is_file() {
+            let err = io::Error::new(io::ErrorKind::InvalidInput, "not a regular file");
+            return Err(Error::io(path, err));
+        }
+        if meta.len() == 0 {
+            return Err(Error::EmptyFile {
+                path: path.to_owned(),
+            });
+        }
+        if path.extension().is_some_and(|e| e == "bin") {
+            Self::load_bin(path)
+        } else {
+            Self::load_text(path, tokenizer, progress, cache_dir)
+        }
+    }
+
+    /// `parts` one after the other, as one dataset (a part of no tokens is left out). The
+    /// parts' own held-out marks are dropped.
+    pub fn concat(parts: Vec<TokenDataset>) -> Self {
+        let mut parts: Vec<TokenDataset> = parts.into_iter().filter(|p| !p.is_empty()).collect();
+        if parts.len() == 1 {
+            let mut only = parts.pop().expect("one part");
+            only.held_out = None;
+            return only;
+        }
+        let mut starts = Vec::with_capacity(parts.len());
+        let mut len = 0;
+        for part in &parts {
+            starts.push(len);
+            len += part.len;
+        }
+        let origin = match parts.as_slice() {
+            [] => "memory".into(),
+            [first, .., last] => {
+                format!("{} parts: {} … {}", parts.len(), first.origin, last.origin)
+            }
+            [_] => unreachable!("one part is returned above"),
+        };
+        Self {
+            storage: Storage::Parts { parts, starts },
+            len,
+            origin,
+            max_token: OnceLock::new(),
+            held_out: None,
+        }
+    }
+
+    /// The training tokens `train` followed by a held-out set `val` given apart (nanoGPT's
+    /// `val.bin`, llm.c's `fineweb_val_*.bin`): [`TokenDataset::held_out`] says where `val`
+    /// starts.
+    pub fn with_held_out(train: TokenDataset, val: TokenDataset) -> Self {
+        let at = train.len;
+        let origin = format!("{}, held out: {}", train.origin, val.origin);
+        let mut data = Self::concat(vec![train, val]);
+        data.origin = origin;
+        data.held_out = Some(at);
+        data
+    }
+
+    /// Where a held-out set given apart starts ([`TokenDataset::with_held_out`]); `None` when
+    /// the held-out tokens are a share of the data ([`TokenDataset::split`]).
+    pub fn held_out(&self) -> Option<usize> {
+        self.held_out
+    }
+
+    /// The datasets this one is made of, one after the other (1 for a single file or memory).
+    pub fn parts(&self) -> usize {
+        match &self.storage {
+            Storage::Parts { parts, .. } => parts.len(),
+            _ => 1,
         }
     }
 
@@ -224,6 +363,7 @@ impl TokenDataset {
             storage: Storage::Owned(tokens),
             origin: "memory".into(),
             max_token: OnceLock::new(),
+            held_out: None,
         }
     }
 
@@ -257,6 +397,46 @@ impl TokenDataset {
                 let at = start + 4 * i;
                 u32::from_le_bytes(map[at..at + 4].try_into().expect("4 bytes"))
             }
+            Storage::Parts { parts, starts } => {
+                let k = starts.partition_point(|&s| s <= i) - 1;
+                parts[k].get(i - starts[k])
+            }
+        }
+    }
+
+    /// Appends tokens `range` to `out` (what [`TokenDataset::get`] gives for each, read in runs).
+    ///
+    /// # Panics
+    /// If `range` reaches past `len()`.
+    pub fn extend_range(&self, range: std::ops::Range<usize>, out: &mut Vec<u32>) {
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "tokens {range:?} out of range for {} tokens",
+            self.len
+        );
+        match &self.storage {
+            Storage::Owned(tokens) => out.extend_from_slice(&tokens[range]),
+            Storage::U16 { map, start } => out.extend(
+                map[start + 2 * range.start..start + 2 * range.end]
+                    .chunks_exact(2)
+                    .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]]))),
+            ),
+            Storage::U32 { map, start } => out.extend(
+                map[start + 4 * range.start..start + 4 * range.end]
+                    .chunks_exact(4)
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            ),
+            Storage::Parts { parts, starts } => {
+                let first = starts.partition_point(|&s| s <= range.start).max(1) - 1;
+                for (part, &from) in parts.iter().zip(starts).skip(first) {
+                    if from >= range.end {
+                        break;
+                    }
+                    let lo = range.start.max(from) - from;
+                    let hi = range.end.min(from + part.len) - from;
+                    part.extend_range(lo..hi, out);
+                }
+            }
         }
     }
 
@@ -274,6 +454,25 @@ impl TokenDataset {
                 .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .max()
                 .unwrap_or(0),
+            // The parts' scans on threads of their own (a pattern of a hundred shards is tens of
+            // GB read once): as many at a time as the machine has cores.
+            Storage::Parts { parts, .. } => {
+                let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let chunk = parts.len().div_ceil(threads).max(1);
+                std::thread::scope(|scope| {
+                    let scans: Vec<_> = parts
+                        .chunks(chunk)
+                        .map(|group| {
+                            scope.spawn(|| group.iter().map(Self::max_token).max().unwrap_or(0))
+                        })
+                        .collect();
+                    scans
+                        .into_iter()
+                        .map(|scan| scan.join().expect("a token scan does not panic"))
+                        .max()
+                        .unwrap_or(0)
+                })
+            }
         })
     }
 
@@ -296,6 +495,28 @@ impl TokenDataset {
         }
     }
 
+    /// The tokens before `at` for training ("train"), the rest for validation ("val").
+    ///
+    /// # Panics
+    /// If `at > len()`.
+    pub fn split_at(&self, at: usize) -> (TokenSlice<'_>, TokenSlice<'_>) {
+        assert!(at <= self.len, "split at {at} of {} tokens", self.len);
+        (
+            TokenSlice {
+                data: self,
+                start: 0,
+                len: at,
+                name: "train",
+            },
+            TokenSlice {
+                data: self,
+                start: at,
+                len: self.len - at,
+                name: "val",
+            },
+        )
+    }
+
     /// Train/validation split as nanoGPT does it: the first `floor(len * (1 - val_fraction))`
     /// tokens for training ("train"), the rest for validation ("val").
     ///
@@ -307,20 +528,7 @@ impl TokenDataset {
             "val_fraction {val_fraction} must be in [0, 1)"
         );
         let train = ((self.len as f64 * (1.0 - val_fraction)) as usize).min(self.len);
-        (
-            TokenSlice {
-                data: self,
-                start: 0,
-                len: train,
-                name: "train",
-            },
-            TokenSlice {
-                data: self,
-                start: train,
-                len: self.len - train,
-                name: "val",
-            },
-        )
+        self.split_at(train)
     }
 
     /// An llm.c or nanoGPT token file (non-empty), memory-mapped.
@@ -385,6 +593,7 @@ impl TokenDataset {
             len,
             origin: format!("{} ({format} u16)", path.display()),
             max_token: OnceLock::new(),
+            held_out: None,
         })
     }
 
@@ -489,6 +698,7 @@ impl TokenDataset {
             len: len as usize,
             origin: format!("{} ({})", cache.display(), tokenizer.kind()),
             max_token: OnceLock::new(),
+            held_out: None,
         })
     }
 }
@@ -608,6 +818,21 @@ impl<'a> TokenSlice<'a> {
         self.data.get(self.start + i)
     }
 
+    /// Appends tokens `range` of the slice to `out`.
+    ///
+    /// # Panics
+    /// If `range` reaches past `len()`.
+    pub fn extend_range(&self, range: std::ops::Range<usize>, out: &mut Vec<u32>) {
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "tokens {range:?} out of range for the {} slice of {}",
+            self.name,
+            self.len
+        );
+        self.data
+            .extend_range(self.start + range.start..self.start + range.end, out);
+    }
+
     /// The slice's name: "whole", "train" or "val".
     pub fn name(&self) -> &'static str {
         self.name
@@ -625,7 +850,9 @@ impl<'a> TokenSlice<'a> {
 
     /// The tokens, copied out.
     pub fn to_vec(&self) -> Vec<u32> {
-        (0..self.len).map(|i| self.get(i)).collect()
+        let mut out = Vec::with_capacity(self.len);
+        self.extend_range(0..self.len, &mut out);
+        out
     }
 }
 

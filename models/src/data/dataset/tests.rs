@@ -108,6 +108,99 @@ fn nanogpt_bin_reads_back_and_odd_length_is_an_error() {
     assert!(matches!(load(&odd), Err(Error::OddLength { len: 7, .. })));
 }
 
+/// The shards of a pattern (llm.c's `fineweb_train_*.bin`) read as the one file they
+/// concatenate, in the order of their names: token by token and in windows across the shards'
+/// ends; formats mixed (llm.c, nanoGPT, a text file through its cache); a held-out set given
+/// apart after them; a pattern naming nothing, or a bad one, a typed error.
+#[test]
+fn the_files_of_a_pattern_read_as_their_concatenation() {
+    let dir = ScratchDir::new("pattern");
+    let tokens: Vec<u16> = (0..3000u32).map(|i| (i * 7919 % 65_000) as u16).collect();
+    let nanogpt = |t: &[u16]| -> Vec<u8> { t.iter().flat_map(|t| t.to_le_bytes()).collect() };
+    // Written out of order; the names sort them. `shard_1` is nanoGPT's raw format.
+    fs::write(
+        dir.path().join("shard_2.bin"),
+        llmc_bin(LLMC_MAGIC, 1, 1000, &tokens[1700..2700]),
+    )
+    .unwrap();
+    fs::write(
+        dir.path().join("shard_0.bin"),
+        llmc_bin(LLMC_MAGIC, 1, 1200, &tokens[..1200]),
+    )
+    .unwrap();
+    fs::write(dir.path().join("shard_1.bin"), nanogpt(&tokens[1200..1700])).unwrap();
+    fs::write(dir.path().join("other.bin"), nanogpt(&tokens[2700..])).unwrap();
+    // A folder the pattern matches is not a file: left out.
+    fs::create_dir(dir.path().join("shard_9.bin")).unwrap();
+    let data = load(&dir.path().join("shard_*.bin")).unwrap();
+    assert_eq!((data.len(), data.parts()), (2700, 3));
+    let want: Vec<u32> = tokens[..2700].iter().map(|&t| u32::from(t)).collect();
+    assert_eq!(data.all().to_vec(), want);
+    for i in [0, 1199, 1200, 1699, 1700, 2699] {
+        assert_eq!(data.get(i), want[i], "token {i}");
+    }
+    // Windows inside one shard, across one end, across two, empty at the ends.
+    for range in [
+        5..40,
+        1190..1210,
+        1100..1800,
+        0..2700,
+        0..0,
+        2700..2700,
+        1200..1200,
+    ] {
+        let mut out = vec![7];
+        data.all().extend_range(range.clone(), &mut out);
+        assert_eq!(out[1..], want[range.clone()], "{range:?}");
+    }
+    assert_eq!(data.max_token(), want.iter().copied().max().unwrap());
+    let (train, val) = data.split(0.5);
+    let mut out = Vec::new();
+    val.extend_range(0..10, &mut out);
+    assert_eq!(out, want[1350..1360]);
+    assert_eq!(train.to_vec(), want[..1350]);
+
+    // A pattern with text files: each tokenised and cached on its own.
+    fs::write(dir.path().join("a.txt"), "hello ").unwrap();
+    fs::write(dir.path().join("b.txt"), "world").unwrap();
+    let text = load(&dir.path().join("?.txt")).unwrap();
+    assert_eq!(text.all().to_vec(), b"hello world".map(u32::from));
+    assert!(dir.path().join("b.txt.bytes.tokens").exists());
+
+    // The training shards, then a held-out file: `held_out` marks where it starts.
+    let held = TokenDataset::with_held_out(data, load(&dir.path().join("other.bin")).unwrap());
+    assert_eq!(
+        (held.len(), held.held_out(), held.parts()),
+        (3000, Some(2700), 2)
+    );
+    let (train, val) = held.split_at(2700);
+    assert_eq!(
+        val.to_vec(),
+        tokens[2700..]
+            .iter()
+            .map(|&t| u32::from(t))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(train.len(), 2700);
+    assert!(format!("{held:?}").contains("held out"), "{held:?}");
+
+    // A file whose name holds a pattern's characters is that file.
+    let literal = dir.path().join("odd[1].bin");
+    fs::write(&literal, nanogpt(&tokens[..4])).unwrap();
+    assert_eq!(load(&literal).unwrap().len(), 4);
+
+    for pattern in ["nothing_*.bin", "shard_[.bin"] {
+        let err = load(&dir.path().join(pattern)).unwrap_err();
+        assert!(matches!(err, Error::BadPattern { .. }), "{pattern}: {err}");
+        assert!(err.to_string().contains(pattern), "{err}");
+    }
+    // A shard that is not a token file is named in the error.
+    fs::write(dir.path().join("shard_3.bin"), [1u8, 2, 3]).unwrap();
+    let err = load(&dir.path().join("shard_*.bin")).unwrap_err();
+    assert!(matches!(err, Error::OddLength { len: 3, .. }), "{err}");
+    assert!(err.to_string().contains("shard_3.bin"), "{err}");
+}
+
 #[test]
 fn text_is_cached_reused_and_retokenised_when_changed() {
     let dir = ScratchDir::new("cache");
@@ -213,6 +306,7 @@ fn u32_cache_round_trips() {
         len: 4,
         origin: "test".into(),
         max_token: OnceLock::new(),
+        held_out: None,
     };
     assert_eq!(data.all().to_vec(), tokens);
     assert_eq!(data.max_token(), u32::MAX);
