@@ -540,9 +540,11 @@ impl RankRun<'_> {
             .tokenizer
             .encode(config.prompt.as_deref().unwrap_or("\n"));
         let seed = config.sample_seed.unwrap_or(config.seed);
+        // A Hugging Face directory says which tokens end a text; otherwise the tokenizer's own
+        // end-of-text (GPT-2's `<|endoftext|>`), if it has one.
         let stop = match &config.init_from {
             Some(dir) => wildfire_models::hf::eos_tokens(dir)?,
-            None => Vec::new(),
+            None => self.data.tokenizer.end_of_text().into_iter().collect(),
         };
         let sampler = TokenSampler::new(config.temperature, config.sample_top_k, seed)
             .with_top_p(config.top_p)

@@ -159,6 +159,14 @@ impl Tokenizer {
         self.kind
     }
 
+    /// The token that ends a document, where the tokenizer has one of its own: GPT-2's
+    /// `<|endoftext|>` (50256, which nanoGPT's and llm.c's data scripts put between documents).
+    /// Bytes have none; a `tokenizer.json` does not say which of its tokens ends a text (a
+    /// model's `generation_config.json` does: [`crate::hf::eos_tokens`]).
+    pub fn end_of_text(&self) -> Option<u32> {
+        (self.kind == TokenizerKind::Gpt2).then_some(GPT2_END_OF_TEXT)
+    }
+
     /// Token ids are `0..vocab_size()`: 256 for bytes, 50257 for GPT-2, a `tokenizer.json`'s
     /// vocabulary with its added tokens.
     pub fn vocab_size(&self) -> usize {
@@ -431,6 +439,9 @@ mod tests {
         // Reference ids from OpenAI's GPT-2 encoder (tiktoken "gpt2" / HF GPT2TokenizerFast).
         assert_eq!(tok.encode("Hello world"), [15496, 995]);
         assert_eq!(tok.encode("<|endoftext|>"), [GPT2_END_OF_TEXT]);
+        assert_eq!(tok.end_of_text(), Some(GPT2_END_OF_TEXT));
+        let bytes = Tokenizer::new(TokenizerKind::Bytes).unwrap();
+        assert_eq!(bytes.end_of_text(), None);
         let text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\n<|endoftext|>Ünïcödé ✓";
         assert_eq!(tok.decode(&tok.encode(text)), text);
         assert_eq!(tok.decode(&[15496, 60000]), "Hello\u{FFFD}");

@@ -92,3 +92,34 @@ fn shards_and_a_held_out_file_train_as_the_file_they_concatenate() {
     assert_ne!(losses(&embedded), losses(&one));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Documents separated by GPT-2's `<|endoftext|>` (as nanoGPT's and llm.c's data scripts write
+/// them): a model that learnt where a document ends stops its generated text there, the
+/// end-of-text kept as its last token, without a Hugging Face directory to name it.
+#[test]
+fn gpt2_text_generation_stops_at_the_end_of_a_document() {
+    let dir = scratch("data-eot");
+    let path = dir.join("docs.txt");
+    std::fs::write(&path, "a<|endoftext|>".repeat(2000)).unwrap();
+    let summary = run(&PretrainConfig {
+        data: DataFlags {
+            path: Some(path),
+            tokenizer: TokenizerKind::Gpt2,
+            ..DataFlags::default()
+        },
+        lr: 1e-2,
+        decay_steps: None,
+        prompt: Some("a".into()),
+        temperature: 0.0,
+        sample_tokens: 16,
+        eval_iters: 0,
+        ..small(30)
+    })
+    .unwrap();
+    let sample = &summary.sample;
+    assert!(
+        sample.ends_with("<|endoftext|>") && sample.matches("<|endoftext|>").count() == 1,
+        "stopped at the first end of text: {sample:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
