@@ -70,7 +70,7 @@ impl TokenSampler {
         }
         if !(top_p > 0.0 && top_p <= 1.0) {
             return Err(format!(
-                "top-p is the share of the probability mass sampled from, above 0 and at most 1;                  got {top_p}"
+                "top-p is the share of the probability mass sampled from, above 0 and at most 1; got {top_p}"
             ));
         }
         Ok(())

@@ -167,6 +167,20 @@ fn map(path: &Path) -> Result<Mmap, Error> {
     unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))
 }
 
+/// The little-endian u16 token ids in `bytes`, widened.
+fn u16_tokens(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    bytes
+        .chunks_exact(2)
+        .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]])))
+}
+
+/// The little-endian u32 token ids in `bytes`.
+fn u32_tokens(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}
+
 /// Whether `path` is a pattern naming several files: a glob metacharacter (`*`, `?`, `[`) in
 /// it and no file of that very name.
 fn is_pattern(path: &Path) -> bool {
@@ -263,14 +277,14 @@ impl TokenDataset {
         for file in &files {
             parts.push(Self::load_file(file, tokenizer, progress, cache_dir)?);
         }
-        let mut data = Self::concat(parts);
-        data.origin = format!(
+        let origin = format!(
             "{} ({} files: {} … {})",
             pattern.display(),
             files.len(),
             files[0].display(),
             files[files.len() - 1].display()
         );
+        let data = Self::concat(parts, origin);
         tracing::debug!(pattern = %pattern.display(), files = files.len(), tokens = data.len, "token files of a pattern");
         Ok(data)
     }
@@ -299,13 +313,14 @@ impl TokenDataset {
         }
     }
 
-    /// `parts` one after the other, as one dataset (a part of no tokens is left out). The
-    /// parts' own held-out marks are dropped.
-    pub fn concat(parts: Vec<TokenDataset>) -> Self {
+    /// `parts` one after the other, as one dataset from `origin` (a part of no tokens is left
+    /// out). The parts' own held-out marks are dropped.
+    fn concat(parts: Vec<TokenDataset>, origin: String) -> Self {
         let mut parts: Vec<TokenDataset> = parts.into_iter().filter(|p| !p.is_empty()).collect();
         if parts.len() == 1 {
             let mut only = parts.pop().expect("one part");
             only.held_out = None;
+            only.origin = origin;
             return only;
         }
         let mut starts = Vec::with_capacity(parts.len());
@@ -314,13 +329,6 @@ impl TokenDataset {
             starts.push(len);
             len += part.len;
         }
-        let origin = match parts.as_slice() {
-            [] => "memory".into(),
-            [first, .., last] => {
-                format!("{} parts: {} … {}", parts.len(), first.origin, last.origin)
-            }
-            [_] => unreachable!("one part is returned above"),
-        };
         Self {
             storage: Storage::Parts { parts, starts },
             len,
@@ -336,8 +344,7 @@ impl TokenDataset {
     pub fn with_held_out(train: TokenDataset, val: TokenDataset) -> Self {
         let at = train.len;
         let origin = format!("{}, held out: {}", train.origin, val.origin);
-        let mut data = Self::concat(vec![train, val]);
-        data.origin = origin;
+        let mut data = Self::concat(vec![train, val], origin);
         data.held_out = Some(at);
         data
     }
@@ -416,16 +423,12 @@ impl TokenDataset {
         );
         match &self.storage {
             Storage::Owned(tokens) => out.extend_from_slice(&tokens[range]),
-            Storage::U16 { map, start } => out.extend(
-                map[start + 2 * range.start..start + 2 * range.end]
-                    .chunks_exact(2)
-                    .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]]))),
-            ),
-            Storage::U32 { map, start } => out.extend(
-                map[start + 4 * range.start..start + 4 * range.end]
-                    .chunks_exact(4)
-                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            ),
+            Storage::U16 { map, start } => out.extend(u16_tokens(
+                &map[start + 2 * range.start..start + 2 * range.end],
+            )),
+            Storage::U32 { map, start } => out.extend(u32_tokens(
+                &map[start + 4 * range.start..start + 4 * range.end],
+            )),
             Storage::Parts { parts, starts } => {
                 let first = starts.partition_point(|&s| s <= range.start).max(1) - 1;
                 for (part, &from) in parts.iter().zip(starts).skip(first) {
@@ -444,14 +447,10 @@ impl TokenDataset {
     pub fn max_token(&self) -> u32 {
         *self.max_token.get_or_init(|| match &self.storage {
             Storage::Owned(tokens) => tokens.iter().copied().max().unwrap_or(0),
-            Storage::U16 { map, start } => map[*start..*start + 2 * self.len]
-                .chunks_exact(2)
-                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+            Storage::U16 { map, start } => u16_tokens(&map[*start..*start + 2 * self.len])
                 .max()
-                .map_or(0, u32::from),
-            Storage::U32 { map, start } => map[*start..*start + 4 * self.len]
-                .chunks_exact(4)
-                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .unwrap_or(0),
+            Storage::U32 { map, start } => u32_tokens(&map[*start..*start + 4 * self.len])
                 .max()
                 .unwrap_or(0),
             // The parts' scans on threads of their own (a pattern of a hundred shards is tens of
